@@ -1,0 +1,1 @@
+//! Placeholder: filled by a later issue. Exports nothing yet.

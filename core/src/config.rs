@@ -1,0 +1,186 @@
+//! Cache configuration: architecture facts (from model metadata) plus runtime policy.
+
+use crate::dtype::KvDtype;
+use crate::error::{CacheError, CacheResult};
+
+/// Default first pool allocation, in cells.
+pub const DEFAULT_MIN_CHUNK: usize = 256;
+
+/// The architecture facts a cache needs, as stored in a model's `kv_cache.*` metadata.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelCacheParams {
+    /// Transformer layers, each with its own K and V pool.
+    pub n_layers: usize,
+    /// KV heads per layer (GQA: query heads are a multiple of this).
+    pub n_kv_heads: usize,
+    /// Values per head row.
+    pub head_dim: usize,
+}
+
+/// Everything needed to build a cache of any kind.
+///
+/// `capacity` is the logical ceiling in cells; pools start at `min_chunk` cells and double on
+/// demand up to it, so a short session never holds `capacity` cells.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CacheConfig {
+    /// Hard ceiling in cells (tokens across all sequences).
+    pub capacity: usize,
+    /// Layers.
+    pub n_layers: usize,
+    /// KV heads per layer.
+    pub n_kv_heads: usize,
+    /// Values per head row.
+    pub head_dim: usize,
+    /// First allocation in cells (clamped to `capacity`).
+    #[serde(default = "default_min_chunk")]
+    pub min_chunk: usize,
+    /// Storage dtype of K and V.
+    #[serde(default = "default_kv_dtype")]
+    pub kv_dtype: KvDtype,
+}
+
+fn default_min_chunk() -> usize {
+    DEFAULT_MIN_CHUNK
+}
+
+fn default_kv_dtype() -> KvDtype {
+    KvDtype::F16
+}
+
+/// Combines a model's architecture facts with runtime policy (capacity, storage dtype).
+/// `min_chunk` takes its default; validate with [`CacheConfig::validate`].
+pub fn make_config(params: &ModelCacheParams, capacity: usize, kv_dtype: KvDtype) -> CacheConfig {
+    CacheConfig {
+        capacity,
+        n_layers: params.n_layers,
+        n_kv_heads: params.n_kv_heads,
+        head_dim: params.head_dim,
+        min_chunk: DEFAULT_MIN_CHUNK,
+        kv_dtype,
+    }
+}
+
+impl CacheConfig {
+    /// Rejects zero sizes and a quantization group that does not divide `head_dim`.
+    pub fn validate(&self) -> CacheResult<()> {
+        for (name, v) in [
+            ("capacity", self.capacity),
+            ("n_layers", self.n_layers),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("min_chunk", self.min_chunk),
+        ] {
+            if v == 0 {
+                return Err(CacheError::bad_config(format!("{name} must be > 0")));
+            }
+        }
+        if self.capacity > i32::MAX as usize {
+            return Err(CacheError::bad_config(format!(
+                "capacity {} exceeds i32::MAX",
+                self.capacity
+            )));
+        }
+        self.kv_dtype.check_head_dim(self.head_dim)
+    }
+
+    /// The first pool size in cells: `min_chunk` clamped to `capacity`.
+    pub fn first_chunk(&self) -> usize {
+        self.min_chunk.min(self.capacity)
+    }
+
+    /// Pool size in cells needed to hold `cells` under lazy doubling from
+    /// [`CacheConfig::first_chunk`], never above `capacity`.
+    pub fn grown_cells(&self, current: usize, needed: usize) -> usize {
+        let mut n = current.max(self.first_chunk());
+        while n < needed {
+            n = n.saturating_mul(2);
+        }
+        n.min(self.capacity)
+    }
+
+    /// The architecture part of this config.
+    pub fn params(&self) -> ModelCacheParams {
+        ModelCacheParams {
+            n_layers: self.n_layers,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Bytes of one layer's K (or V) pool holding `cells` cells.
+    pub fn pool_bytes(&self, cells: usize) -> usize {
+        cells * self.n_kv_heads * self.kv_dtype.row_bytes(self.head_dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> CacheConfig {
+        make_config(
+            &ModelCacheParams {
+                n_layers: 2,
+                n_kv_heads: 2,
+                head_dim: 64,
+            },
+            1000,
+            KvDtype::F16,
+        )
+    }
+
+    #[test]
+    fn growth_doubles_from_min_chunk_and_stops_at_capacity() {
+        let c = cfg();
+        assert_eq!(c.grown_cells(0, 1), 256);
+        assert_eq!(c.grown_cells(256, 256), 256);
+        assert_eq!(c.grown_cells(256, 257), 512);
+        assert_eq!(c.grown_cells(256, 900), 1000);
+        let small = CacheConfig { capacity: 100, ..c };
+        assert_eq!(small.first_chunk(), 100);
+    }
+
+    #[test]
+    fn validate_rejects_bad_configs() {
+        assert!(cfg().validate().is_ok());
+        for bad in [
+            CacheConfig {
+                capacity: 0,
+                ..cfg()
+            },
+            CacheConfig {
+                n_layers: 0,
+                ..cfg()
+            },
+            CacheConfig {
+                head_dim: 0,
+                ..cfg()
+            },
+            CacheConfig {
+                head_dim: 48,
+                kv_dtype: KvDtype::Q8_DEFAULT,
+                ..cfg()
+            },
+        ] {
+            assert_eq!(
+                bad.validate().unwrap_err().kind,
+                crate::ErrorKind::BadConfig
+            );
+        }
+    }
+
+    #[test]
+    fn serde_defaults_and_dtype_strings() {
+        let c: CacheConfig = serde_json::from_str(
+            r#"{"capacity":8,"n_layers":1,"n_kv_heads":1,"head_dim":64,"kv_dtype":"q8"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.min_chunk, DEFAULT_MIN_CHUNK);
+        assert_eq!(c.kv_dtype, KvDtype::Q8_DEFAULT);
+        let err = serde_json::from_str::<CacheConfig>(
+            r#"{"capacity":8,"n_layers":1,"n_kv_heads":1,"head_dim":64,"kv_dtype":"int8"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown KV dtype 'int8'"), "{err}");
+    }
+}

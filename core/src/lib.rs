@@ -1,0 +1,44 @@
+//! # kvplug-core
+//!
+//! The runner-facing face of kvplug and the bookkeeping every backend shares. Tensor-free:
+//! only integers, masks and (in [`oracle`]) f64 reference maths.
+//!
+//! Contracts stated here hold for every backend:
+//!
+//! - **Validate, then mutate.** Every verb returns a typed [`CacheError`] for bad input and
+//!   leaves the cache exactly as it was.
+//! - **Visibility.** Seq cache: query `i` attends cell `j` iff `j` is occupied, shares a
+//!   sequence with `i`, and `pos[j] <= pos[i]`. Tree cache: a frontier node attends the
+//!   committed prefix, its ancestor chain and itself. Contiguous: causal.
+//! - **Windows.** A step reads cells `[0, read_len)` with `read_len` the occupied extent,
+//!   never the capacity.
+//! - **Plans.** [`StepPlan`] is the integer hand-off to the byte layer: a contiguous write run
+//!   or scatter cells, the read window, and a [`MaskKind`]. `SingleContiguous` (maskless) is
+//!   an optimisation; `Explicit` is always correct.
+//! - **Steps.** A step starts at layer 0 ([`Bookkeeping::plan_layer`]); later layers reuse the
+//!   memoized plan. Every verb invalidates it.
+
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod contiguous;
+pub mod dtype;
+pub mod error;
+pub mod kind;
+pub mod metadata;
+pub mod oracle;
+pub mod plan;
+pub mod quant;
+pub mod rounding;
+pub mod seq;
+pub mod tree;
+
+pub use config::{make_config, CacheConfig, ModelCacheParams, DEFAULT_MIN_CHUNK};
+pub use contiguous::ContiguousBookkeeping;
+pub use dtype::KvDtype;
+pub use error::{CacheError, CacheResult, ErrorKind};
+pub use kind::{Bookkeeping, CacheKind, CacheVerbs};
+pub use metadata::{read_cache_params, write_cache_params, MetadataError};
+pub use plan::{MaskKind, PlanKind, StepPlan};
+pub use seq::{PosRange, SeqBookkeeping, MAX_SEQS};
+pub use tree::{CommitPlan, TreeBookkeeping};

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs the system packages kvplug needs, only when some are missing (idempotent).
+#   Vulkan software driver for the wgpu backend in CI: mesa-vulkan-drivers libvulkan1
+#   XNNPACK for the cpu backend (bindgen needs libclang): libxnnpack-dev libpthreadpool-dev libclang-dev
+set -euo pipefail
+
+packages=(mesa-vulkan-drivers libvulkan1 libxnnpack-dev libpthreadpool-dev libclang-dev)
+
+if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
+    echo "install-deps: not a Debian/Ubuntu system; install the equivalents of: ${packages[*]}" >&2
+    echo "install-deps: (a Vulkan driver, XNNPACK + pthreadpool headers and libraries, libclang)" >&2
+    exit 0
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "install-deps: all system packages present"
+    exit 0
+fi
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then
+        sudo="sudo"
+    else
+        echo "install-deps: missing ${missing[*]} and not root (no sudo); install them and re-run" >&2
+        exit 1
+    fi
+fi
+echo "install-deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
