@@ -5,14 +5,26 @@ CARGO ?= cargo
 # Silences Mesa's lavapipe warning when no session runtime dir exists (CI, containers).
 export XDG_RUNTIME_DIR ?= /tmp/kvplug-xdg-runtime
 
-.PHONY: demo test deps fmt-check clippy unit
+# Backends the conformance run must load: a missing one fails the run.
+REQUIRED_BACKENDS ?= cpu
+KVPLUG = ./target/debug/kvplug --plugins target/debug
+
+.PHONY: demo test deps build fmt-check clippy unit conform
 
 ## make demo: runs the main job on the default cpu backend.
-demo: deps
+demo: deps build
 	$(CARGO) run --quiet -p kvplug-core --example trace
+	$(KVPLUG) plugins
+	$(KVPLUG) conform --backend cpu
 
 ## make test: everything CI checks.
-test: deps fmt-check clippy unit
+test: deps fmt-check clippy build unit conform
+
+build:
+	$(CARGO) build --workspace
+
+conform: build
+	KVPLUG_REQUIRE_BACKENDS=$(REQUIRED_BACKENDS) $(KVPLUG) conform
 
 deps:
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)

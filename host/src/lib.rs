@@ -1,1 +1,32 @@
-//! Placeholder: filled by a later issue. Exports nothing yet.
+//! # kvplug-host
+//!
+//! The host side of kvplug: discovers backend plugins, loads them (checking their ABI),
+//! owns the two registries, and hands out cache sessions.
+//!
+//! Contracts:
+//!
+//! - **Loading never aborts the host.** A file that is not a kvplug plugin, whose ABI or
+//!   version does not match, whose `register` fails or panics, or whose `backend_id` is
+//!   already loaded is skipped with a one-line reason ([`Skipped`]).
+//! - **The host owns both registries.** Builders are keyed `backend_id:kind`
+//!   ([`BuilderRegistry`]); live caches are keyed by `cache_key` ([`CacheRegistry`]).
+//! - **Sessions are RAII.** `make_*_session` builds through the builder registry, installs
+//!   the cache under a fresh `cache-N` key and returns the session plus the
+//!   [`BackendOptions`](kvplug_plugin_api::BackendOptions) carrying that key; dropping the
+//!   session erases the key. The face (decode / seq / tree) is fixed by the factory.
+
+pub mod conform;
+pub mod discovery;
+pub mod error;
+pub mod host;
+pub mod loader;
+pub mod registry;
+pub mod services;
+pub mod session;
+
+pub use discovery::{PluginSearch, SearchDir};
+pub use error::HostError;
+pub use host::Host;
+pub use loader::{LoadedPlugin, Skipped};
+pub use registry::{BuilderRegistry, CacheRegistry};
+pub use session::{CacheSession, DecodeSession, SeqSession, TreeSession};

@@ -1,1 +1,18 @@
-//! Placeholder: filled by a later issue. Exports nothing yet.
+//! # kvplug-conformance
+//!
+//! Cross-backend conformance: JSON scenario files ([`scenario`]) replayed against a
+//! backend's caches and against the core f64 oracle, diffing every `update_and_attend`
+//! output (every layer, every step) and the neutral verbs' results ([`runner`]).
+//!
+//! The runner is independent of how caches are made: the caller passes a
+//! [`CacheFactory`](runner::CacheFactory) (the host passes its session factories), so the
+//! same runner serves `kvplug conform`, `make test` and in-process tests.
+
+pub mod report;
+pub mod rng;
+pub mod runner;
+pub mod scenario;
+
+pub use report::{Matrix, Status};
+pub use runner::{run_case, CacheFactory, CaseResult, Tolerance};
+pub use scenario::{builtin_scenarios, load_dir, Scenario, ScenarioError};

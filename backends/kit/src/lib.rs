@@ -1,1 +1,37 @@
-//! Placeholder: filled by a later issue. Exports nothing yet.
+//! # kvplug-backend-kit
+//!
+//! Everything a backend shares, written once over a small device trait, so a backend crate
+//! holds only tensor primitives and kernels:
+//!
+//! - [`Device`]: the primitives (pool allocate/grow, write a run, scatter rows, move rows
+//!   for a tree commit, attend a window with a mask kind, upload/download [`HostTensor`]).
+//! - [`KitCache`]: the Pool policy (lazy doubling from `min_chunk` to `capacity`, dtype from
+//!   `kv_dtype`) and the three cache kinds on top of core's [`Bookkeeping`]; no integer
+//!   logic lives anywhere else.
+//! - [`SharedCache`]: the ABI [`CacheObject`](kvplug_plugin_api::CacheObject) over a
+//!   `KitCache`, panic-guarded and locked.
+//! - [`export_backend!`]: the one line that turns a [`Backend`] into a plugin.
+//!
+//! Contracts a device must meet: pools are SDPA-major `[heads, cells, head_dim]`; a write
+//! touches only the rows it names; attention reads only `[0, read_len)`; quantized pools
+//! follow [`kvplug_core::quant`] and dequantize inside attention.
+//!
+//! [`HostTensor`]: kvplug_plugin_api::HostTensor
+//! [`Bookkeeping`]: kvplug_core::Bookkeeping
+
+pub mod cache;
+pub mod device;
+pub mod glue;
+pub mod object;
+pub mod quant;
+
+pub use cache::{KitCache, KitError};
+pub use device::{AttendMask, Backend, Device};
+pub use object::SharedCache;
+
+#[doc(hidden)]
+pub use inventory;
+#[doc(hidden)]
+pub use kvplug_core;
+#[doc(hidden)]
+pub use kvplug_plugin_api;

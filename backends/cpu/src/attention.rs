@@ -1,0 +1,269 @@
+//! The attention kernel: GQA without repeating KV heads, masks None / Causal / Explicit,
+//! quantized rows dequantized inside the dot products, stable softmax. Work is split over
+//! KV heads on the rayon pool when the window is long.
+
+use half::{bf16, f16};
+use kvplug_backend_kit::AttendMask;
+use rayon::prelude::*;
+
+use crate::pool::{CpuPool, Storage};
+use crate::simd;
+use crate::tensor::CpuTensor;
+
+/// Below this many multiply-adds per call, attention stays on the calling thread.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// Per-KV-head scratch, reused across steps.
+#[derive(Default)]
+pub struct HeadScratch {
+    /// Scores, `[group, L]`.
+    scores: Vec<f32>,
+    /// Per-group sums of the query values (quantized dot products), `[group, groups]`.
+    qsum: Vec<f32>,
+}
+
+/// Scratch of one cache: one [`HeadScratch`] per KV head.
+#[derive(Default)]
+pub struct CpuScratch {
+    heads: Vec<HeadScratch>,
+}
+
+/// Read access to one head's rows of a pool, in its storage dtype.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+    Quant {
+        bits: u32,
+        group: usize,
+        codes: &'a [u8],
+        scales: &'a [u16],
+        los: &'a [u16],
+    },
+}
+
+impl<'a> Rows<'a> {
+    fn of(pool: &'a CpuPool, h: usize) -> Self {
+        let (d, n) = (pool.head_dim, pool.cells);
+        let span = |per_row: usize| h * n * per_row..(h + 1) * n * per_row;
+        match &pool.storage {
+            Storage::F32(v) => Rows::F32(&v[span(d)]),
+            Storage::F16(v) => Rows::F16(&v[span(d)]),
+            Storage::Bf16(v) => Rows::Bf16(&v[span(d)]),
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => Rows::Quant {
+                bits: *bits,
+                group: *group,
+                codes: &codes[span(d * *bits as usize / 8)],
+                scales: &scales[span(d / *group)],
+                los: &los[span(d / *group)],
+            },
+        }
+    }
+
+    /// `q · row(j)`; `qsum[g]` holds the sum of q over group `g` (quantized rows only).
+    #[inline(always)]
+    fn dot(&self, j: usize, q: &[f32], qsum: &[f32]) -> f32 {
+        let d = q.len();
+        match *self {
+            Rows::F32(v) => simd::dot_f32(q, &v[j * d..(j + 1) * d]),
+            Rows::F16(v) => simd::dot_f16(q, &v[j * d..(j + 1) * d]),
+            Rows::Bf16(v) => simd::dot_bf16(q, &v[j * d..(j + 1) * d]),
+            Rows::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                let (ng, gb) = (d / group, group * bits as usize / 8);
+                let row = &codes[j * ng * gb..(j + 1) * ng * gb];
+                let mut s = 0.0;
+                for g in 0..ng {
+                    let qg = &q[g * group..(g + 1) * group];
+                    let cg = &row[g * gb..(g + 1) * gb];
+                    let dc = if bits == 8 {
+                        simd::dot_codes8(qg, cg)
+                    } else {
+                        simd::dot_codes4(qg, cg)
+                    };
+                    let (scale, lo) = (
+                        f16::from_bits(scales[j * ng + g]),
+                        f16::from_bits(los[j * ng + g]),
+                    );
+                    s += lo.to_f32() * qsum[g] + scale.to_f32() * dc;
+                }
+                s
+            }
+        }
+    }
+
+    /// `out += w · row(j)`.
+    #[inline(always)]
+    fn axpy(&self, j: usize, w: f32, out: &mut [f32]) {
+        let d = out.len();
+        match *self {
+            Rows::F32(v) => simd::axpy_f32(w, &v[j * d..(j + 1) * d], out),
+            Rows::F16(v) => simd::axpy_f16(w, &v[j * d..(j + 1) * d], out),
+            Rows::Bf16(v) => simd::axpy_bf16(w, &v[j * d..(j + 1) * d], out),
+            Rows::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                let (ng, gb) = (d / group, group * bits as usize / 8);
+                let row = &codes[j * ng * gb..(j + 1) * ng * gb];
+                for g in 0..ng {
+                    let scale = f16::from_bits(scales[j * ng + g]).to_f32() * w;
+                    let lo = f16::from_bits(los[j * ng + g]).to_f32() * w;
+                    let o = &mut out[g * group..(g + 1) * group];
+                    let cg = &row[g * gb..(g + 1) * gb];
+                    if bits == 8 {
+                        for (x, &c) in o.iter_mut().zip(cg) {
+                            *x += lo + scale * c as f32;
+                        }
+                    } else {
+                        for (pair, &c) in o.chunks_exact_mut(2).zip(cg) {
+                            pair[0] += lo + scale * (c & 0xf) as f32;
+                            pair[1] += lo + scale * (c >> 4) as f32;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn group(&self) -> Option<usize> {
+        match *self {
+            Rows::Quant { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+}
+
+/// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, l)`. q and out are `[Hq, T, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    q: &CpuTensor,
+    k: &CpuPool,
+    v: &CpuPool,
+    l: usize,
+    mask: AttendMask<'_>,
+    scale: f32,
+    out: &mut CpuTensor,
+    scratch: &mut CpuScratch,
+) {
+    let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
+    let hkv = k.heads;
+    let g = hq / hkv;
+    scratch.heads.resize_with(hkv, HeadScratch::default);
+    let per_head = g * t * d;
+    let work = |(kh, (o, s)): (usize, (&mut [f32], &mut HeadScratch))| {
+        let qh = &q.data[kh * per_head..(kh + 1) * per_head];
+        attend_kv_head(
+            qh,
+            Rows::of(k, kh),
+            Rows::of(v, kh),
+            g,
+            t,
+            d,
+            l,
+            mask,
+            scale,
+            o,
+            s,
+        );
+    };
+    if hq * t * l * d >= PARALLEL_MIN_WORK {
+        out.data
+            .par_chunks_mut(per_head)
+            .zip(scratch.heads.par_iter_mut())
+            .enumerate()
+            .for_each(work);
+    } else {
+        out.data
+            .chunks_mut(per_head)
+            .zip(scratch.heads.iter_mut())
+            .enumerate()
+            .for_each(work);
+    }
+}
+
+/// One KV head and its `g` query heads: q and out are `[g, T, D]`.
+#[allow(clippy::too_many_arguments)]
+fn attend_kv_head(
+    q: &[f32],
+    k: Rows<'_>,
+    v: Rows<'_>,
+    g: usize,
+    t: usize,
+    d: usize,
+    l: usize,
+    mask: AttendMask<'_>,
+    scale: f32,
+    out: &mut [f32],
+    s: &mut HeadScratch,
+) {
+    let ng = k.group().map_or(0, |gr| d / gr);
+    s.scores.resize(g * l, 0.0);
+    s.qsum.resize(g * ng, 0.0);
+    let qrow = |gi: usize, i: usize| &q[(gi * t + i) * d..(gi * t + i + 1) * d];
+    for i in 0..t {
+        let (lim, bits) = match mask {
+            AttendMask::None => (l, None),
+            AttendMask::Causal => (l - t + i + 1, None),
+            AttendMask::Explicit(m) => (l, Some(&m[i * l..(i + 1) * l])),
+        };
+        if let Some(gr) = k.group() {
+            for gi in 0..g {
+                for (grp, x) in s.qsum[gi * ng..(gi + 1) * ng].iter_mut().enumerate() {
+                    *x = qrow(gi, i)[grp * gr..(grp + 1) * gr].iter().sum();
+                }
+            }
+        }
+        for j in 0..lim {
+            let visible = bits.is_none_or(|b| b[j]);
+            for gi in 0..g {
+                s.scores[gi * l + j] = if visible {
+                    k.dot(j, qrow(gi, i), &s.qsum[gi * ng..(gi + 1) * ng]) * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+        for gi in 0..g {
+            let sc = &mut s.scores[gi * l..gi * l + lim];
+            let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            out[(gi * t + i) * d..(gi * t + i + 1) * d].fill(0.0);
+            if max == f32::NEG_INFINITY {
+                sc.fill(0.0);
+                continue;
+            }
+            let mut sum = 0.0;
+            for x in sc.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            for x in sc.iter_mut() {
+                *x *= inv;
+            }
+        }
+        for j in 0..lim {
+            for gi in 0..g {
+                let w = s.scores[gi * l + j];
+                if w != 0.0 {
+                    v.axpy(j, w, &mut out[(gi * t + i) * d..(gi * t + i + 1) * d]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! [`CpuPool`]: one layer's K or V rows, SDPA-major `[heads, cells, head_dim]`, in any
+//! [`KvDtype`].
+
+use half::{bf16, f16};
+use kvplug_backend_kit::quant::quantize_row;
+use kvplug_core::KvDtype;
+
+/// Typed row storage.
+#[derive(Clone, Debug)]
+pub enum Storage {
+    /// f32 rows.
+    F32(Vec<f32>),
+    /// f16 rows.
+    F16(Vec<f16>),
+    /// bf16 rows.
+    Bf16(Vec<bf16>),
+    /// Affine-quantized rows: codes (one byte per value for 8 bits, two values per byte for
+    /// 4 bits) plus one f16 scale and offset per group.
+    Quant {
+        /// 8 or 4.
+        bits: u32,
+        /// Values per group.
+        group: usize,
+        /// Codes, `code_bytes` per row.
+        codes: Vec<u8>,
+        /// f16 scale bits, `groups` per row.
+        scales: Vec<u16>,
+        /// f16 offset bits, `groups` per row.
+        los: Vec<u16>,
+    },
+}
+
+/// One layer's K or V pool. Row `h * cells + c` holds head `h` of cell `c`.
+#[derive(Clone, Debug)]
+pub struct CpuPool {
+    /// KV heads.
+    pub heads: usize,
+    /// Values per row.
+    pub head_dim: usize,
+    /// Rows per head.
+    pub cells: usize,
+    /// The rows.
+    pub storage: Storage,
+}
+
+/// Resizes `v` from `old` to `new` rows per head (each row `per_row` elements), keeping
+/// rows `[0, keep)` of every head.
+fn regrow<T: Copy + Default>(
+    v: &mut Vec<T>,
+    heads: usize,
+    old: usize,
+    new: usize,
+    keep: usize,
+    per_row: usize,
+) {
+    let mut grown = vec![T::default(); heads * new * per_row];
+    for h in 0..heads {
+        let src = &v[h * old * per_row..(h * old + keep) * per_row];
+        grown[h * new * per_row..(h * new + keep) * per_row].copy_from_slice(src);
+    }
+    *v = grown;
+}
+
+impl CpuPool {
+    /// A zeroed pool.
+    pub fn new(dtype: KvDtype, heads: usize, head_dim: usize, cells: usize) -> Self {
+        let n = heads * cells * head_dim;
+        let storage = match dtype {
+            KvDtype::F32 => Storage::F32(vec![0.0; n]),
+            KvDtype::F16 => Storage::F16(vec![f16::ZERO; n]),
+            KvDtype::Bf16 => Storage::Bf16(vec![bf16::ZERO; n]),
+            KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
+                let bits = if matches!(dtype, KvDtype::Q8 { .. }) {
+                    8
+                } else {
+                    4
+                };
+                let groups = heads * cells * (head_dim / group);
+                Storage::Quant {
+                    bits,
+                    group,
+                    codes: vec![0; n * bits as usize / 8],
+                    scales: vec![0; groups],
+                    los: vec![0; groups],
+                }
+            }
+        };
+        CpuPool {
+            heads,
+            head_dim,
+            cells,
+            storage,
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match &self.storage {
+            Storage::F32(v) => 4 * v.len(),
+            Storage::F16(v) => 2 * v.len(),
+            Storage::Bf16(v) => 2 * v.len(),
+            Storage::Quant {
+                codes, scales, los, ..
+            } => codes.len() + 2 * (scales.len() + los.len()),
+        }
+    }
+
+    /// Grows to `cells` rows per head keeping rows `[0, keep)`.
+    pub fn grow(&mut self, cells: usize, keep: usize) {
+        let (h, d, old) = (self.heads, self.head_dim, self.cells);
+        match &mut self.storage {
+            Storage::F32(v) => regrow(v, h, old, cells, keep, d),
+            Storage::F16(v) => regrow(v, h, old, cells, keep, d),
+            Storage::Bf16(v) => regrow(v, h, old, cells, keep, d),
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                regrow(codes, h, old, cells, keep, d * *bits as usize / 8);
+                regrow(scales, h, old, cells, keep, d / *group);
+                regrow(los, h, old, cells, keep, d / *group);
+            }
+        }
+        self.cells = cells;
+    }
+
+    /// Stores `src` (`head_dim` values) as head `h` of cell `c`.
+    pub fn write_row(&mut self, h: usize, c: usize, src: &[f32]) {
+        let (d, r) = (self.head_dim, h * self.cells + c);
+        match &mut self.storage {
+            Storage::F32(v) => v[r * d..(r + 1) * d].copy_from_slice(src),
+            Storage::F16(v) => {
+                for (o, &x) in v[r * d..(r + 1) * d].iter_mut().zip(src) {
+                    *o = f16::from_f32(x);
+                }
+            }
+            Storage::Bf16(v) => {
+                for (o, &x) in v[r * d..(r + 1) * d].iter_mut().zip(src) {
+                    *o = bf16::from_f32(x);
+                }
+            }
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                let (cb, g) = (d * *bits as usize / 8, d / *group);
+                quantize_row(
+                    src,
+                    *bits,
+                    *group,
+                    &mut codes[r * cb..(r + 1) * cb],
+                    &mut scales[r * g..(r + 1) * g],
+                    &mut los[r * g..(r + 1) * g],
+                );
+            }
+        }
+    }
+
+    /// Copies head `h`'s row of cell `from` to cell `to`.
+    pub fn copy_row(&mut self, h: usize, from: usize, to: usize) {
+        let d = self.head_dim;
+        let (rf, rt) = (h * self.cells + from, h * self.cells + to);
+        let mv = |len: usize| (rf * len..(rf + 1) * len, rt * len);
+        match &mut self.storage {
+            Storage::F32(v) => {
+                let (s, t) = mv(d);
+                v.copy_within(s, t)
+            }
+            Storage::F16(v) => {
+                let (s, t) = mv(d);
+                v.copy_within(s, t)
+            }
+            Storage::Bf16(v) => {
+                let (s, t) = mv(d);
+                v.copy_within(s, t)
+            }
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                let (s, t) = mv(d * *bits as usize / 8);
+                codes.copy_within(s, t);
+                let (s, t) = mv(d / *group);
+                scales.copy_within(s.clone(), t);
+                los.copy_within(s, t);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvplug_backend_kit::quant::dequantize_row;
+
+    impl CpuPool {
+        fn read_row(&self, h: usize, c: usize) -> Vec<f32> {
+            let (d, r) = (self.head_dim, h * self.cells + c);
+            match &self.storage {
+                Storage::F32(v) => v[r * d..(r + 1) * d].to_vec(),
+                Storage::F16(v) => v[r * d..(r + 1) * d].iter().map(|x| x.to_f32()).collect(),
+                Storage::Bf16(v) => v[r * d..(r + 1) * d].iter().map(|x| x.to_f32()).collect(),
+                Storage::Quant {
+                    bits,
+                    group,
+                    codes,
+                    scales,
+                    los,
+                } => {
+                    let (cb, g) = (d * *bits as usize / 8, d / *group);
+                    let mut out = vec![0.0; d];
+                    dequantize_row(
+                        &codes[r * cb..(r + 1) * cb],
+                        &scales[r * g..(r + 1) * g],
+                        &los[r * g..(r + 1) * g],
+                        *bits,
+                        *group,
+                        &mut out,
+                    );
+                    out
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn growth_keeps_rows_and_footprint_matches_dtype() {
+        for dtype in KvDtype::ALL {
+            let mut p = CpuPool::new(dtype, 2, 64, 4);
+            assert_eq!(p.bytes(), 2 * 4 * dtype.row_bytes(64));
+            let row: Vec<f32> = (0..64).map(|i| (i as f32 / 9.0).sin()).collect();
+            p.write_row(1, 3, &row);
+            let stored = p.read_row(1, 3);
+            let err = stored
+                .iter()
+                .zip(&row)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(err < 0.08, "{dtype}: {err}");
+            p.grow(8, 4);
+            assert_eq!(p.bytes(), 2 * 8 * dtype.row_bytes(64));
+            assert_eq!(p.read_row(1, 3), stored, "{dtype}: row survives growth");
+            p.copy_row(1, 3, 6);
+            assert_eq!(p.read_row(1, 6), stored, "{dtype}: row copied");
+            assert!(p
+                .read_row(0, 6)
+                .iter()
+                .all(|&x| x == 0.0 || dtype.is_quantized()));
+        }
+    }
+}

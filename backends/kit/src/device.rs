@@ -1,0 +1,116 @@
+//! The device trait a backend implements, and the backend descriptor for its plugin.
+
+use kvplug_core::KvDtype;
+use kvplug_plugin_api::{HostTensor, TensorDtype};
+
+use crate::cache::KitError;
+
+/// How attention masks the read window `[0, read_len)`.
+#[derive(Clone, Copy, Debug)]
+pub enum AttendMask<'a> {
+    /// Every query sees the whole window.
+    None,
+    /// Lower-right aligned causal: query `i` of `T` sees `j <= read_len - T + i`.
+    Causal,
+    /// Row-major `[T, read_len]` booleans, `true` = attend.
+    Explicit(&'a [bool]),
+}
+
+/// Tensor primitives and kernels of one backend.
+///
+/// `Tensor` holds activations (`[heads, tokens, head_dim]` for attention operands);
+/// `Pool` holds one layer's K or V rows, SDPA-major `[heads, cells, head_dim]`, in a
+/// [`KvDtype`]. Row indices are cells. Implementations may assume the kit has validated
+/// every shape and index; they report only device failures.
+pub trait Device: Send + Sync + Sized + 'static {
+    /// An activation tensor on the device.
+    type Tensor: Send;
+    /// One layer's K or V storage.
+    type Pool: Send;
+    /// Per-cache scratch reused across steps (attention score buffers and the like).
+    type Scratch: Default + Send;
+
+    /// KV dtypes this device's pools support.
+    fn kv_dtypes(&self) -> &[KvDtype];
+
+    /// Dimensions of a tensor.
+    fn dims<'t>(&self, t: &'t Self::Tensor) -> &'t [usize];
+
+    /// A pool of `cells` rows per head.
+    fn pool_new(
+        &self,
+        dtype: KvDtype,
+        heads: usize,
+        head_dim: usize,
+        cells: usize,
+    ) -> Result<Self::Pool, KitError>;
+
+    /// Grows `pool` to `cells` rows per head, keeping rows `[0, keep)`.
+    fn pool_grow(&self, pool: &mut Self::Pool, cells: usize, keep: usize) -> Result<(), KitError>;
+
+    /// Bytes `pool` holds (codes, scales and offsets included).
+    fn pool_bytes(&self, pool: &Self::Pool) -> usize;
+
+    /// Writes `src` (`[heads, T, head_dim]`) to rows `start..start + T`.
+    fn write_run(
+        &self,
+        pool: &mut Self::Pool,
+        start: usize,
+        src: &Self::Tensor,
+    ) -> Result<(), KitError>;
+
+    /// Writes token `i` of `src` to row `cells[i]`.
+    fn scatter_rows(
+        &self,
+        pool: &mut Self::Pool,
+        cells: &[u32],
+        src: &Self::Tensor,
+    ) -> Result<(), KitError>;
+
+    /// Moves row `rows[i]` to row `base + i` (tree commit). Rows ascend and
+    /// `rows[i] >= base + i`, so a forward copy is safe in place. Infallible once indices
+    /// are validated; a device reports asynchronous failures on its next fallible call.
+    fn move_rows(&self, pool: &mut Self::Pool, base: usize, rows: &[u32]);
+
+    /// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, read_len)` of `k` and `v`.
+    /// q and out are `[Hq, T, head_dim]`; query head `h` reads KV head `h / (Hq / Hkv)`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Pool,
+        v: &Self::Pool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Scratch,
+    ) -> Result<(), KitError>;
+
+    /// A zeroed f32 tensor of `dims`.
+    fn zeros(&self, dims: &[usize]) -> Result<Self::Tensor, KitError>;
+
+    /// Uploads a host tensor (f32/f16/bf16) as an activation tensor.
+    fn upload(&self, t: &HostTensor) -> Result<Self::Tensor, KitError>;
+
+    /// Downloads a tensor, converting to `dtype`.
+    fn download(&self, t: &Self::Tensor, dtype: TensorDtype) -> Result<HostTensor, KitError>;
+}
+
+/// A device that is also a plugin: its id, how to open it, and what `describe` says.
+pub trait Backend: Device {
+    /// The id applications select the backend by.
+    const ID: &'static str;
+    /// Human-readable name.
+    const NAME: &'static str;
+
+    /// Opens the device (once per process). An error keeps the plugin loadable: `describe`
+    /// reports it and building a cache fails with it.
+    fn open() -> Result<Self, String>;
+
+    /// Device description for `kvplug plugins` (adapter, backend, type, ...).
+    fn device_description(&self) -> String;
+
+    /// Feature flags (e.g. `xnnpack`, `avx2`).
+    fn features(&self) -> Vec<String>;
+}

@@ -1,0 +1,129 @@
+//! `kvplug conform`: the conformance matrix over loaded backends, through the host's
+//! session factories.
+
+use std::any::Any;
+
+use kvplug_conformance::{run_case, CacheFactory, Matrix, Scenario};
+use kvplug_core::{CacheConfig, CacheKind, KvDtype};
+use kvplug_plugin_api::{CacheHandle, PluginError};
+
+use crate::host::Host;
+use crate::loader::LoadedPlugin;
+
+/// The environment variable naming backends that must be loaded (comma-separated).
+pub const REQUIRE_BACKENDS_ENV: &str = "KVPLUG_REQUIRE_BACKENDS";
+
+/// Builds caches on one backend through [`Host::make_session`].
+pub struct HostFactory<'a> {
+    host: &'a Host,
+    plugin: &'a LoadedPlugin,
+}
+
+impl<'a> HostFactory<'a> {
+    /// A factory for `plugin`'s backend.
+    pub fn new(host: &'a Host, plugin: &'a LoadedPlugin) -> Self {
+        HostFactory { host, plugin }
+    }
+
+    /// KV dtypes the backend reports.
+    pub fn dtypes(&self) -> Vec<KvDtype> {
+        self.plugin
+            .kv_dtypes
+            .iter()
+            .filter_map(|d| d.parse().ok())
+            .collect()
+    }
+}
+
+impl CacheFactory for HostFactory<'_> {
+    fn backend(&self) -> &str {
+        &self.plugin.backend_id
+    }
+
+    fn applicable(&self, kind: CacheKind, dtype: KvDtype) -> Result<(), String> {
+        if !self.plugin.kinds.iter().any(|k| k == kind.as_str()) {
+            return Err(format!(
+                "backend has no '{kind}' cache (it has: {})",
+                self.plugin.kinds.join(", ")
+            ));
+        }
+        if !self.dtypes().iter().any(|d| d.family() == dtype.family()) {
+            return Err(format!(
+                "backend has no {dtype} pools (it has: {})",
+                self.plugin.kv_dtypes.join(", ")
+            ));
+        }
+        Ok(())
+    }
+
+    fn build(
+        &self,
+        kind: CacheKind,
+        cfg: &CacheConfig,
+    ) -> Result<(CacheHandle, Box<dyn Any>), PluginError> {
+        match self.host.make_session(&self.plugin.backend_id, kind, cfg) {
+            Ok((session, _options)) => Ok((session.cache().clone(), Box::new(session))),
+            Err(crate::HostError::Plugin(e)) => Err(e),
+            Err(e) => Err(PluginError::new(
+                kvplug_plugin_api::AbiErrorKind::NotFound,
+                e.to_string(),
+            )),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug, Default)]
+pub struct ConformOptions {
+    /// Backends (empty = every loaded one).
+    pub backends: Vec<String>,
+    /// Kinds (empty = each scenario's).
+    pub kinds: Vec<CacheKind>,
+    /// KV dtypes (empty = each scenario's, else all the backend supports).
+    pub dtypes: Vec<KvDtype>,
+    /// Backends that must be loaded.
+    pub required: Vec<String>,
+}
+
+/// Runs every scenario × selected backend × kind × dtype.
+pub fn run_matrix(host: &Host, scenarios: &[Scenario], opts: &ConformOptions) -> Matrix {
+    let mut matrix = Matrix::default();
+    let loaded = host.backend_ids();
+    let wanted: Vec<String> = if opts.backends.is_empty() {
+        loaded.clone()
+    } else {
+        opts.backends.clone()
+    };
+    matrix.missing_backends = opts
+        .required
+        .iter()
+        .chain(&opts.backends)
+        .filter(|b| !loaded.contains(b))
+        .cloned()
+        .collect();
+    matrix.missing_backends.dedup();
+    for plugin in host
+        .plugins()
+        .iter()
+        .filter(|p| wanted.contains(&p.backend_id))
+    {
+        let factory = HostFactory::new(host, plugin);
+        for scenario in scenarios {
+            let dtypes = scenario.dtypes.clone().unwrap_or_else(|| factory.dtypes());
+            for &kind in scenario
+                .kinds
+                .iter()
+                .filter(|k| opts.kinds.is_empty() || opts.kinds.contains(k))
+            {
+                for &dtype in dtypes.iter().filter(|d| {
+                    opts.dtypes.is_empty() || opts.dtypes.iter().any(|o| o.family() == d.family())
+                }) {
+                    matrix
+                        .results
+                        .push(run_case(scenario, kind, dtype, &factory));
+                }
+            }
+        }
+    }
+    matrix
+}

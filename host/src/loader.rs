@@ -1,0 +1,212 @@
+//! Loading plugin files: ABI check, identity, registration. Never aborts the host.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
+use kvplug_plugin_api::{BackendModule_Ref, HostServices, Registrar};
+
+use crate::discovery::{is_dylib, world_writable, PluginSearch};
+use crate::registry::BuilderRegistry;
+
+/// A plugin that loaded and registered.
+#[derive(Clone, serde::Serialize)]
+pub struct LoadedPlugin {
+    /// Its backend id.
+    pub backend_id: String,
+    /// The file it came from.
+    pub file: PathBuf,
+    /// Human-readable name.
+    pub name: String,
+    /// Plugin version.
+    pub version: String,
+    /// Device description.
+    pub device: String,
+    /// Kinds it registered.
+    pub kinds: Vec<String>,
+    /// KV dtypes its pools support.
+    pub kv_dtypes: Vec<String>,
+    /// Feature flags.
+    pub features: Vec<String>,
+    #[serde(skip)]
+    pub(crate) module: BackendModule_Ref,
+}
+
+/// A file or directory that was not loaded, and why (one line).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Skipped {
+    /// The file or directory.
+    pub file: PathBuf,
+    /// The reason, one line.
+    pub reason: String,
+}
+
+/// Everything one load pass produced.
+#[derive(Default)]
+pub struct LoadReport {
+    /// Loaded plugins, in load order.
+    pub plugins: Vec<LoadedPlugin>,
+    /// Skipped files.
+    pub skipped: Vec<Skipped>,
+    /// Wall time of the whole pass, in seconds.
+    pub seconds: f64,
+}
+
+/// Loads every plugin `search` finds, registering builders into `builders`.
+pub fn load_all(
+    search: &PluginSearch,
+    services: &HostServices,
+    builders: &mut BuilderRegistry,
+) -> LoadReport {
+    let start = Instant::now();
+    let _span = tracing::info_span!("plugin_load").entered();
+    let mut report = LoadReport::default();
+    let mut seen_files = HashSet::new();
+    for dir in &search.dirs {
+        if !dir.path.is_dir() {
+            if dir.origin != "default" {
+                report.skipped.push(Skipped {
+                    file: dir.path.clone(),
+                    reason: format!("plugin directory (from {}) does not exist", dir.origin),
+                });
+            }
+            continue;
+        }
+        if !search.allow_insecure && world_writable(&dir.path) {
+            report.skipped.push(Skipped {
+                file: dir.path.clone(),
+                reason: "directory is world-writable; refusing to load plugins from it (--allow-insecure-plugins overrides)".into(),
+            });
+            continue;
+        }
+        let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir.path) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file() && is_dylib(p))
+                .collect(),
+            Err(e) => {
+                report.skipped.push(Skipped {
+                    file: dir.path.clone(),
+                    reason: format!("cannot read plugin directory: {e}"),
+                });
+                continue;
+            }
+        };
+        files.sort();
+        for file in files {
+            let canonical = file.canonicalize().unwrap_or_else(|_| file.clone());
+            if !seen_files.insert(canonical) {
+                continue;
+            }
+            match load_one(
+                &file,
+                search.allow_insecure,
+                services,
+                builders,
+                &report.plugins,
+            ) {
+                Ok(p) => {
+                    tracing::info!(backend = %p.backend_id, file = %file.display(), "plugin loaded");
+                    report.plugins.push(p);
+                }
+                Err(reason) => {
+                    tracing::warn!("skipped plugin {}: {reason}", file.display());
+                    report.skipped.push(Skipped { file, reason });
+                }
+            }
+        }
+    }
+    report.seconds = start.elapsed().as_secs_f64();
+    report
+}
+
+/// One line describing a library error; the full layout report goes to debug level.
+fn describe_library_error(e: &LibraryError) -> String {
+    match e {
+        LibraryError::OpenError { err, .. } => {
+            format!("cannot be opened as a shared library: {err}")
+        }
+        LibraryError::GetSymbolError { .. } => {
+            "not a kvplug plugin: it exports no abi_stable root module".to_string()
+        }
+        LibraryError::InvalidAbiHeader(h) => {
+            format!("built with an incompatible abi_stable ABI header ({h:?})")
+        }
+        LibraryError::IncompatibleVersionNumber {
+            expected_version,
+            actual_version,
+            ..
+        } => format!(
+            "plugin API version {actual_version} is incompatible with the host's {expected_version}"
+        ),
+        LibraryError::AbiInstability(report) => {
+            tracing::debug!("full layout report:\n{report}");
+            "ABI/layout mismatch with this host's kvplug-plugin-api (RUST_LOG=debug shows the layout report)".to_string()
+        }
+        LibraryError::RootModule { err, .. } => format!("root module failed to initialise: {err}"),
+        other => format!("{other}")
+            .lines()
+            .next()
+            .unwrap_or("unknown loading error")
+            .to_string(),
+    }
+}
+
+fn load_one(
+    file: &Path,
+    allow_insecure: bool,
+    services: &HostServices,
+    builders: &mut BuilderRegistry,
+    loaded: &[LoadedPlugin],
+) -> Result<LoadedPlugin, String> {
+    if !allow_insecure && world_writable(file) {
+        return Err(
+            "file is world-writable; refusing to load it (--allow-insecure-plugins overrides)"
+                .into(),
+        );
+    }
+    let header = lib_header_from_path(file).map_err(|e| describe_library_error(&e))?;
+    let module = header
+        .init_root_module::<BackendModule_Ref>()
+        .map_err(|e| describe_library_error(&e))?;
+    let id = (module.backend_id())().to_string();
+    if let Some(prev) = loaded.iter().find(|p| p.backend_id == id) {
+        return Err(format!(
+            "backend '{id}' is already loaded from {}",
+            prev.file.display()
+        ));
+    }
+    let info = (module.describe())()
+        .into_result()
+        .map_err(|e| format!("describe failed: {e}"))?;
+    let mut registrar = Registrar::default();
+    (module.register())(services.clone(), &mut registrar)
+        .into_result()
+        .map_err(|e| format!("register failed: {e}"))?;
+    let mut kinds = Vec::new();
+    for b in registrar.builders.iter() {
+        builders.insert(&id, b.kind.as_str(), b.build);
+        kinds.push(b.kind.to_string());
+    }
+    kinds.sort_by_key(|k| k.parse::<kvplug_core::CacheKind>().ok());
+    let strings = |v: &abi_stable::std_types::RVec<abi_stable::std_types::RString>| {
+        v.iter().map(|s| s.to_string()).collect()
+    };
+    Ok(LoadedPlugin {
+        backend_id: id,
+        file: file.to_path_buf(),
+        name: info.name.to_string(),
+        version: info.version.to_string(),
+        device: info.device.to_string(),
+        kinds,
+        kv_dtypes: strings(&info.kv_dtypes),
+        features: strings(&info.features),
+        module,
+    })
+}
+
+/// The plugin API version this host accepts (for messages and docs).
+pub fn host_api_version() -> String {
+    BackendModule_Ref::VERSION_STRINGS.version.to_string()
+}

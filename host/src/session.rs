@@ -1,0 +1,193 @@
+//! RAII cache sessions with typed faces.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use kvplug_core::CacheKind;
+use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
+use kvplug_plugin_api::{CacheHandle, CacheStats, HostTensor, PluginError, TensorDtype};
+
+use crate::registry::CacheRegistry;
+
+/// A cache installed in the registry under [`CacheSession::key`]; dropping the session
+/// erases the key (holders of the cache object keep it alive).
+pub struct CacheSession {
+    key: String,
+    backend: String,
+    kind: CacheKind,
+    cache: CacheHandle,
+    registry: Arc<CacheRegistry>,
+}
+
+impl CacheSession {
+    pub(crate) fn new(
+        key: String,
+        backend: String,
+        kind: CacheKind,
+        cache: CacheHandle,
+        registry: Arc<CacheRegistry>,
+    ) -> Self {
+        CacheSession {
+            key,
+            backend,
+            kind,
+            cache,
+            registry,
+        }
+    }
+
+    /// The registry key (`cache-N`).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The owning backend.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// The cache kind.
+    pub fn kind(&self) -> CacheKind {
+        self.kind
+    }
+
+    /// The shared cache object (every verb; those of other kinds return `not_supported`).
+    pub fn cache(&self) -> &CacheHandle {
+        &self.cache
+    }
+
+    /// Whether `n` more tokens fit.
+    pub fn can_extend(&self, n: usize) -> bool {
+        self.cache.can_extend(n as u64)
+    }
+
+    /// The logical ceiling in cells.
+    pub fn capacity(&self) -> usize {
+        self.cache.capacity() as usize
+    }
+
+    /// Forgets everything.
+    pub fn clear(&self) -> Result<(), PluginError> {
+        self.cache.clear().into_result()
+    }
+
+    /// Memory and last-step statistics.
+    pub fn stats(&self) -> Result<CacheStats, PluginError> {
+        self.cache.stats().into_result()
+    }
+
+    /// The op over host tensors (`[1, H, T, D]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn update_and_attend(
+        &self,
+        layer: usize,
+        q: &HostTensor,
+        k: &HostTensor,
+        v: &HostTensor,
+        positions: &[i32],
+        scale: f32,
+        out_dtype: TensorDtype,
+    ) -> Result<HostTensor, PluginError> {
+        self.cache
+            .update_and_attend(
+                layer as u32,
+                q,
+                k,
+                v,
+                RSlice::from_slice(positions),
+                scale,
+                out_dtype,
+            )
+            .into_result()
+    }
+}
+
+impl Drop for CacheSession {
+    fn drop(&mut self) {
+        self.registry.erase(&self.key);
+        tracing::debug!(key = %self.key, "session ended, key erased");
+    }
+}
+
+/// The plain-decode face (contiguous cache).
+pub struct DecodeSession(pub(crate) CacheSession);
+
+impl DecodeSession {
+    /// Truncate to `len` tokens.
+    pub fn rewind(&self, len: usize) -> Result<(), PluginError> {
+        self.0.cache.rewind(len as u64).into_result()
+    }
+}
+
+/// The multi-sequence face (seq cache).
+pub struct SeqSession(pub(crate) CacheSession);
+
+impl SeqSession {
+    /// Per-token sequence ids of the next step.
+    pub fn begin_step(&self, seq_ids: &[i32]) -> Result<(), PluginError> {
+        self.0
+            .cache
+            .begin_step(RSlice::from_slice(seq_ids))
+            .into_result()
+    }
+    /// Share `src`'s cells with positions in `[p0, p1)` with `dst`.
+    pub fn seq_cp(
+        &self,
+        src: i32,
+        dst: i32,
+        p0: Option<i32>,
+        p1: Option<i32>,
+    ) -> Result<(), PluginError> {
+        self.0
+            .cache
+            .seq_cp(src, dst, ROption::from(p0), ROption::from(p1))
+            .into_result()
+    }
+    /// Drop `seq` from its cells with positions in `[p0, p1)`.
+    pub fn seq_rm(&self, seq: i32, p0: Option<i32>, p1: Option<i32>) -> Result<(), PluginError> {
+        self.0
+            .cache
+            .seq_rm(seq, ROption::from(p0), ROption::from(p1))
+            .into_result()
+    }
+    /// Keep `seq` alone.
+    pub fn seq_keep(&self, seq: i32) -> Result<(), PluginError> {
+        self.0.cache.seq_keep(seq).into_result()
+    }
+    /// Cells held by `seq`.
+    pub fn seq_len(&self, seq: i32) -> Result<usize, PluginError> {
+        self.0.cache.seq_len(seq).into_result().map(|n| n as usize)
+    }
+}
+
+/// The speculative face (tree cache).
+pub struct TreeSession(pub(crate) CacheSession);
+
+impl TreeSession {
+    /// Append a frontier.
+    pub fn propose(&self, parents: &[i32]) -> Result<(), PluginError> {
+        self.0
+            .cache
+            .propose(RSlice::from_slice(parents))
+            .into_result()
+    }
+    /// Accept a root-first chain.
+    pub fn commit(&self, accepted: &[i32]) -> Result<(), PluginError> {
+        self.0
+            .cache
+            .commit(RSlice::from_slice(accepted))
+            .into_result()
+    }
+}
+
+macro_rules! face_deref {
+    ($($face:ty),*) => {$(
+        impl Deref for $face {
+            type Target = CacheSession;
+            fn deref(&self) -> &CacheSession {
+                &self.0
+            }
+        }
+    )*};
+}
+face_deref!(DecodeSession, SeqSession, TreeSession);

@@ -1,0 +1,139 @@
+// The op carries seven arguments by contract; `#[sabi_trait]` generates shims with one more.
+#![allow(clippy::too_many_arguments)]
+
+//! The cache object every backend builds, and its configuration and statistics.
+
+use abi_stable::sabi_trait;
+use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString};
+use abi_stable::StableAbi;
+use kvplug_core::{CacheConfig, CacheError, KvDtype};
+
+use crate::error::PluginError;
+use crate::tensor::{HostTensor, TensorDtype};
+
+/// [`CacheConfig`] across the ABI (the KV dtype travels as its string name).
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
+pub struct AbiCacheConfig {
+    /// Hard ceiling in cells.
+    pub capacity: u64,
+    /// Layers.
+    pub n_layers: u32,
+    /// KV heads per layer.
+    pub n_kv_heads: u32,
+    /// Values per head row.
+    pub head_dim: u32,
+    /// First pool allocation in cells.
+    pub min_chunk: u64,
+    /// `f32`, `f16`, `bf16`, `q8`, `q4` (or `q8g32`-style).
+    pub kv_dtype: RString,
+}
+
+impl From<&CacheConfig> for AbiCacheConfig {
+    fn from(c: &CacheConfig) -> Self {
+        AbiCacheConfig {
+            capacity: c.capacity as u64,
+            n_layers: c.n_layers as u32,
+            n_kv_heads: c.n_kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            min_chunk: c.min_chunk as u64,
+            kv_dtype: c.kv_dtype.to_string().into(),
+        }
+    }
+}
+
+impl TryFrom<&AbiCacheConfig> for CacheConfig {
+    type Error = CacheError;
+    /// Parses the dtype and validates the result.
+    fn try_from(c: &AbiCacheConfig) -> Result<Self, CacheError> {
+        let kv_dtype: KvDtype =
+            c.kv_dtype
+                .parse()
+                .map_err(|e: kvplug_core::dtype::ParseDtypeError| {
+                    CacheError::bad_config(e.to_string())
+                })?;
+        let cfg = CacheConfig {
+            capacity: c.capacity as usize,
+            n_layers: c.n_layers as usize,
+            n_kv_heads: c.n_kv_heads as usize,
+            head_dim: c.head_dim as usize,
+            min_chunk: c.min_chunk as usize,
+            kv_dtype,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// What a cache holds and what its last step did.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Bytes allocated for K and V pools over all layers (scales and offsets included).
+    pub allocated_bytes: u64,
+    /// Cells the pools have room for (lazy growth: never more than needed, doubled).
+    pub pool_cells: u64,
+    /// Cells holding data.
+    pub live_cells: u64,
+    /// One past the highest cell holding data.
+    pub high_water: u64,
+    /// `single_contiguous` or `explicit` for the last planned step; none before the first.
+    pub last_plan: ROption<RString>,
+}
+
+/// A KV cache owned by a plugin. All methods take `&self` (implementations lock
+/// internally) so the host registry, a session and a model method can share it through
+/// `RArc`. Verbs the cache's kind lacks return `not_supported`; every refused call leaves
+/// the cache exactly as it was.
+#[sabi_trait]
+pub trait CacheObject: Clone + Send + Sync {
+    /// `contiguous`, `seq` or `tree`.
+    fn kind(&self) -> RString;
+    /// The logical ceiling in cells.
+    fn capacity(&self) -> u64;
+    /// Whether `n` more tokens fit.
+    fn can_extend(&self, n: u64) -> bool;
+    /// Forgets everything (no byte work).
+    fn clear(&self) -> RResult<(), PluginError>;
+    /// Contiguous: truncate to `len` tokens.
+    fn rewind(&self, len: u64) -> RResult<(), PluginError>;
+    /// Seq: per-token sequence ids of the next step.
+    fn begin_step(&self, seq_ids: RSlice<'_, i32>) -> RResult<(), PluginError>;
+    /// Seq: share `src`'s cells with `p0 <= pos < p1` (none = open) with `dst`.
+    fn seq_cp(
+        &self,
+        src: i32,
+        dst: i32,
+        p0: ROption<i32>,
+        p1: ROption<i32>,
+    ) -> RResult<(), PluginError>;
+    /// Seq: drop `seq` from its cells with `p0 <= pos < p1`.
+    fn seq_rm(&self, seq: i32, p0: ROption<i32>, p1: ROption<i32>) -> RResult<(), PluginError>;
+    /// Seq: keep `seq` alone.
+    fn seq_keep(&self, seq: i32) -> RResult<(), PluginError>;
+    /// Seq: cells held by `seq`.
+    fn seq_len(&self, seq: i32) -> RResult<u64, PluginError>;
+    /// Tree: append a frontier (parents index nodes since the last commit; -1 = prefix).
+    fn propose(&self, parents: RSlice<'_, i32>) -> RResult<(), PluginError>;
+    /// Tree: accept a root-first chain.
+    fn commit(&self, accepted: RSlice<'_, i32>) -> RResult<(), PluginError>;
+    /// Memory and last-step statistics.
+    fn stats(&self) -> RResult<CacheStats, PluginError>;
+    /// The op: writes k/v (`[1, Hkv, T, D]`) for `layer` at `positions` (T values), then
+    /// attends q (`[1, Hq, T, D]`, `Hq` a multiple of `Hkv`) with the cache's mask and
+    /// returns `[1, Hq, T, D]` in `out_dtype`. A step starts at layer 0.
+    #[sabi(last_prefix_field)]
+    fn update_and_attend(
+        &self,
+        layer: u32,
+        q: &HostTensor,
+        k: &HostTensor,
+        v: &HostTensor,
+        positions: RSlice<'_, i32>,
+        scale: f32,
+        out_dtype: TensorDtype,
+    ) -> RResult<HostTensor, PluginError>;
+}
+
+/// A shared cache object.
+pub type CacheHandle = CacheObject_TO<'static, RArc<()>>;

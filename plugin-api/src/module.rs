@@ -1,0 +1,125 @@
+#![allow(non_camel_case_types)] // `BackendModule_Ref` is named by abi_stable's convention.
+
+//! The root module every plugin exports, and what it registers.
+
+use abi_stable::library::RootModule;
+use abi_stable::sabi_types::VersionStrings;
+use abi_stable::std_types::{RResult, RStr, RString, RVec, Tuple2};
+use abi_stable::{declare_root_module_statics, package_version_strings, StableAbi};
+
+use crate::cache::{AbiCacheConfig, CacheHandle};
+use crate::error::PluginError;
+use crate::host::HostServices;
+use crate::method::MethodHandle;
+
+/// The backend option carrying the cache key a model method binds to.
+pub const OPTION_CACHE_KEY: &str = "cache_key";
+
+/// What `kvplug plugins` shows about a backend.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
+pub struct BackendInfo {
+    /// Human-readable name.
+    pub name: RString,
+    /// The plugin crate's version.
+    pub version: RString,
+    /// The device the backend computes on (or why it has none).
+    pub device: RString,
+    /// Cache kinds it registers builders for.
+    pub kinds: RVec<RString>,
+    /// KV storage dtypes its pools support.
+    pub kv_dtypes: RVec<RString>,
+    /// Feature flags (e.g. `xnnpack`, `avx2`).
+    pub features: RVec<RString>,
+}
+
+/// Builds a cache of one kind. Must not panic across the boundary (the kit's glue guards).
+pub type CacheBuilder = extern "C" fn(config: &AbiCacheConfig) -> RResult<CacheHandle, PluginError>;
+
+/// One registered builder.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct KindBuilder {
+    /// Kind tag (`contiguous`, `seq`, `tree`).
+    pub kind: RStr<'static>,
+    /// The builder (a [`CacheBuilder`]).
+    pub build: extern "C" fn(config: &AbiCacheConfig) -> RResult<CacheHandle, PluginError>,
+}
+
+/// Collects the builders a plugin registers; the host keys them `backend_id:kind`.
+#[repr(C)]
+#[derive(StableAbi, Default)]
+pub struct Registrar {
+    /// Registered builders, in registration order.
+    pub builders: RVec<KindBuilder>,
+}
+
+impl Registrar {
+    /// Registers the builder for `kind`.
+    pub fn add(&mut self, kind: &'static str, build: CacheBuilder) {
+        self.builders.push(KindBuilder {
+            kind: RStr::from_str(kind),
+            build,
+        });
+    }
+}
+
+/// Options a model method is loaded with (`cache_key`, model directory, ...).
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, Default, PartialEq, Eq)]
+pub struct BackendOptions {
+    /// Key/value pairs.
+    pub entries: RVec<Tuple2<RString, RString>>,
+}
+
+impl BackendOptions {
+    /// Sets `key` (replacing an earlier value).
+    pub fn set(&mut self, key: &str, value: &str) {
+        self.entries.retain(|e| e.0.as_str() != key);
+        self.entries.push(Tuple2(key.into(), value.into()));
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.entries
+            .iter()
+            .find(|e| e.0.as_str() == key)
+            .map(|e| e.1.as_str())
+    }
+
+    /// The `cache_key` option.
+    pub fn cache_key(&self) -> Option<&str> {
+        self.get(OPTION_CACHE_KEY)
+    }
+}
+
+/// The root module of a backend plugin. A prefix type: fields can be appended in later
+/// versions without breaking plugins built against this one.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = BackendModule_Ref)))]
+#[allow(non_camel_case_types)]
+#[sabi(missing_field(panic))]
+pub struct BackendModule {
+    /// The id applications select the backend by (`cpu`, `wgpu`, ...).
+    pub backend_id: extern "C" fn() -> RString,
+    /// Describes the backend and its device.
+    pub describe: extern "C" fn() -> RResult<BackendInfo, PluginError>,
+    /// Called once after loading: receives the host's services and registers one builder
+    /// per kind.
+    pub register:
+        extern "C" fn(host: HostServices, registrar: &mut Registrar) -> RResult<(), PluginError>,
+    /// Loads a model method (`forward`, ...) bound to the cache named by `options`.
+    #[sabi(last_prefix_field)]
+    pub load_method: extern "C" fn(
+        name: RStr<'_>,
+        options: &BackendOptions,
+    ) -> RResult<MethodHandle, PluginError>,
+}
+
+impl RootModule for BackendModule_Ref {
+    declare_root_module_statics! {BackendModule_Ref}
+    const BASE_NAME: &'static str = "kvplug_backend";
+    const NAME: &'static str = "kvplug_backend";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}

@@ -1,0 +1,186 @@
+//! [`HostTensor`]: a dense tensor in host memory (dtype + shape + little-endian bytes).
+
+use abi_stable::std_types::RVec;
+use abi_stable::StableAbi;
+
+/// Element type of a [`HostTensor`].
+#[repr(u8)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TensorDtype {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 32-bit signed integer (token ids, positions).
+    I32,
+}
+
+impl TensorDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            TensorDtype::F32 | TensorDtype::I32 => 4,
+            TensorDtype::F16 | TensorDtype::Bf16 => 2,
+        }
+    }
+
+    /// `f32`, `f16`, `bf16`, `i32`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TensorDtype::F32 => "f32",
+            TensorDtype::F16 => "f16",
+            TensorDtype::Bf16 => "bf16",
+            TensorDtype::I32 => "i32",
+        }
+    }
+
+    /// Parses [`TensorDtype::as_str`] names.
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            TensorDtype::F32,
+            TensorDtype::F16,
+            TensorDtype::Bf16,
+            TensorDtype::I32,
+        ]
+        .into_iter()
+        .find(|d| d.as_str() == s)
+    }
+}
+
+/// A dense row-major tensor in host memory. `bytes.len()` is the product of `shape` times
+/// the element size; constructors keep that true and [`HostTensor::check`] verifies it for
+/// tensors that crossed the boundary.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Element type.
+    pub dtype: TensorDtype,
+    /// Dimensions, outermost first.
+    pub shape: RVec<u64>,
+    /// Little-endian element bytes.
+    pub bytes: RVec<u8>,
+}
+
+impl HostTensor {
+    /// Number of elements the shape describes.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().map(|&d| d as usize).product()
+    }
+
+    /// Whether the byte length matches shape and dtype.
+    pub fn check(&self) -> Result<(), String> {
+        let want = self.numel() * self.dtype.size();
+        if self.bytes.len() == want {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} tensor of shape {:?} needs {want} bytes, has {}",
+                self.dtype.as_str(),
+                self.shape.as_slice(),
+                self.bytes.len()
+            ))
+        }
+    }
+
+    /// An f32 tensor.
+    pub fn from_f32(shape: &[usize], data: &[f32]) -> Self {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape/data mismatch"
+        );
+        HostTensor {
+            dtype: TensorDtype::F32,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            bytes: data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// An i32 tensor.
+    pub fn from_i32(shape: &[usize], data: &[i32]) -> Self {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape/data mismatch"
+        );
+        HostTensor {
+            dtype: TensorDtype::I32,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            bytes: data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// The shape as `usize`.
+    pub fn dims(&self) -> Vec<usize> {
+        self.shape.iter().map(|&d| d as usize).collect()
+    }
+
+    /// Elements as f32 (converting f16/bf16; `None` for i32).
+    pub fn to_f32(&self) -> Option<Vec<f32>> {
+        let b = self.bytes.as_slice();
+        Some(match self.dtype {
+            TensorDtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            TensorDtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            TensorDtype::Bf16 => b
+                .chunks_exact(2)
+                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .collect(),
+            TensorDtype::I32 => return None,
+        })
+    }
+
+    /// Elements as i32 (`None` unless the dtype is i32).
+    pub fn to_i32(&self) -> Option<Vec<i32>> {
+        (self.dtype == TensorDtype::I32).then(|| {
+            self.bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        })
+    }
+}
+
+/// Exact f16 → f32 (every half is representable).
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = if h & 0x8000 != 0 { -1.0f32 } else { 1.0 };
+    let exp = ((h >> 10) & 0x1f) as i32;
+    let man = (h & 0x3ff) as f32;
+    sign * match exp {
+        0 => man * 2f32.powi(-24),
+        31 if man == 0.0 => f32::INFINITY,
+        31 => f32::NAN,
+        _ => (1.0 + man / 1024.0) * 2f32.powi(exp - 15),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_checks() {
+        let t = HostTensor::from_f32(&[2, 2], &[1.0, -2.5, 0.0, 3.25]);
+        assert_eq!(t.check(), Ok(()));
+        assert_eq!(t.to_f32().unwrap(), vec![1.0, -2.5, 0.0, 3.25]);
+        assert_eq!(t.to_i32(), None);
+        let mut bad = t.clone();
+        bad.shape = RVec::from(vec![3, 2]);
+        assert!(bad.check().unwrap_err().contains("needs 24 bytes, has 16"));
+        let h = HostTensor {
+            dtype: TensorDtype::F16,
+            shape: RVec::from(vec![3]),
+            bytes: RVec::from(vec![0x00, 0x3c, 0x00, 0xc0, 0x01, 0x00]),
+        };
+        assert_eq!(h.to_f32().unwrap(), vec![1.0, -2.0, 2f32.powi(-24)]);
+        let i = HostTensor::from_i32(&[2], &[7, -1]);
+        assert_eq!(i.to_i32().unwrap(), vec![7, -1]);
+    }
+}

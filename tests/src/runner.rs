@@ -1,0 +1,390 @@
+//! Replays a scenario against a backend cache and the f64 oracle, op by op.
+
+use std::any::Any;
+
+use kvplug_core::oracle::RefCache;
+use kvplug_core::{CacheConfig, CacheError, CacheKind, CacheVerbs, ErrorKind, KvDtype, PosRange};
+use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
+use kvplug_plugin_api::{CacheHandle, HostTensor, PluginError, TensorDtype};
+
+use crate::report::Status;
+use crate::rng::{uniform, Stream};
+use crate::scenario::{Op, Scenario, SeqSpec, Tamper};
+
+/// Makes the caches under test (the host passes its session factories).
+pub trait CacheFactory {
+    /// Backend id, for reports.
+    fn backend(&self) -> &str;
+    /// `Err(reason)` when the backend lacks `kind` or `dtype`: the case is not applicable.
+    fn applicable(&self, kind: CacheKind, dtype: KvDtype) -> Result<(), String>;
+    /// Builds a cache; the second value keeps whatever owns it (a session) alive.
+    fn build(
+        &self,
+        kind: CacheKind,
+        cfg: &CacheConfig,
+    ) -> Result<(CacheHandle, Box<dyn Any>), PluginError>;
+}
+
+/// Max abs error allowed vs the oracle for outputs of magnitude ~1.
+#[derive(Clone, Copy, Debug)]
+pub struct Tolerance;
+
+impl Tolerance {
+    /// The tolerance of a KV dtype.
+    pub fn of(dtype: KvDtype) -> f64 {
+        match dtype {
+            KvDtype::F32 => 1e-4,
+            KvDtype::F16 => 5e-3,
+            KvDtype::Bf16 => 3e-2,
+            KvDtype::Q8 { .. } => 1e-2,
+            KvDtype::Q4 { .. } => 5e-2,
+        }
+    }
+}
+
+/// One cell of the matrix.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CaseResult {
+    /// Scenario name.
+    pub scenario: String,
+    /// Backend id.
+    pub backend: String,
+    /// Cache kind.
+    pub kind: String,
+    /// KV dtype.
+    pub dtype: String,
+    /// Outcome.
+    pub status: Status,
+    /// Largest abs error seen vs the oracle.
+    pub max_err: f64,
+    /// `update_and_attend` outputs compared.
+    pub outputs: usize,
+}
+
+struct Case<'a> {
+    scenario: &'a Scenario,
+    cache: CacheHandle,
+    oracle: RefCache,
+    kind: CacheKind,
+    tol: f64,
+    max_err: f64,
+    outputs: usize,
+}
+
+/// Backend and oracle results of one op.
+type Outcome = (Result<(), PluginError>, Result<(), CacheError>);
+
+fn same_error(kind: ErrorKind, (b, o): &Outcome) -> Result<(), String> {
+    match (b, o) {
+        (Err(be), Err(oe)) if be.kind.cache_kind() == Some(kind) && oe.kind == kind => Ok(()),
+        (Err(be), Err(oe)) if oe.kind == kind => {
+            Err(format!("backend failed with '{be}', expected {kind}"))
+        }
+        (Err(_), Err(oe)) => Err(format!(
+            "the oracle failed with '{oe}', not {kind}: the scenario is wrong"
+        )),
+        (Ok(()), _) => Err(format!("backend accepted the op, expected {kind}")),
+        (Err(_), Ok(())) => Err(format!(
+            "the oracle accepted the op, expected {kind}: the scenario is wrong"
+        )),
+    }
+}
+
+fn agree((b, o): Outcome) -> Result<(), String> {
+    match (b, o) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(b), Err(o)) => Err(format!("refused by backend ({b}) and oracle ({o})")),
+        (Err(b), Ok(())) => Err(format!("backend refused ({b}), the oracle accepted")),
+        (Ok(()), Err(o)) => Err(format!("backend accepted, the oracle refused ({o})")),
+    }
+}
+
+fn opt(x: Option<i32>) -> ROption<i32> {
+    x.into()
+}
+
+impl Case<'_> {
+    fn exec(&mut self, idx: usize, op: &Op) -> Result<Outcome, String> {
+        let c = &self.cache;
+        let o = &mut self.oracle;
+        Ok(match op {
+            Op::Step {
+                pos,
+                pos_range,
+                seq,
+                tamper,
+            } => return self.step(idx, pos, pos_range, seq, *tamper),
+            Op::SeqCp { src, dst, p0, p1 } => (
+                c.seq_cp(*src, *dst, opt(*p0), opt(*p1)).into_result(),
+                o.seq_cp(*src, *dst, PosRange::new(*p0, *p1)),
+            ),
+            Op::SeqRm { seq, p0, p1 } => (
+                c.seq_rm(*seq, opt(*p0), opt(*p1)).into_result(),
+                o.seq_rm(*seq, PosRange::new(*p0, *p1)),
+            ),
+            Op::SeqKeep { seq } => (c.seq_keep(*seq).into_result(), o.seq_keep(*seq)),
+            Op::Propose { parents } => (
+                c.propose(RSlice::from_slice(parents)).into_result(),
+                o.propose(parents),
+            ),
+            Op::Commit { accepted } => (
+                c.commit(RSlice::from_slice(accepted)).into_result(),
+                o.commit(accepted),
+            ),
+            Op::Rewind { len } => (c.rewind(*len as u64).into_result(), o.rewind(*len)),
+            Op::Clear => (c.clear().into_result(), {
+                o.clear();
+                Ok(())
+            }),
+            Op::Check { .. } | Op::ExpectError { .. } => unreachable!("handled by run"),
+        })
+    }
+
+    fn step(
+        &mut self,
+        idx: usize,
+        pos: &Option<Vec<i32>>,
+        range: &Option<[i32; 2]>,
+        seq: &Option<SeqSpec>,
+        tamper: Option<Tamper>,
+    ) -> Result<Outcome, String> {
+        let positions: Vec<i32> = match (pos, range) {
+            (Some(p), _) => p.clone(),
+            (None, Some([a, b])) => (*a..*b).collect(),
+            (None, None) => unreachable!("validated at parse"),
+        };
+        let t = positions.len();
+        if self.kind == CacheKind::Seq {
+            let seqs = match seq {
+                None => vec![0; t],
+                Some(SeqSpec::One(s)) => vec![*s; t],
+                Some(SeqSpec::PerToken(v)) => v.clone(),
+            };
+            let outcome = (
+                self.cache
+                    .begin_step(RSlice::from_slice(&seqs))
+                    .into_result(),
+                self.oracle.begin_step(&seqs),
+            );
+            if outcome.0.is_err() || outcome.1.is_err() {
+                return Ok(outcome);
+            }
+        }
+        let cfg = self.scenario.config;
+        let (hq, hkv, d) = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim);
+        let scale = 1.0 / (d as f32).sqrt();
+        let seed = self.scenario.seed;
+        let tk = if tamper == Some(Tamper::KShape) {
+            t + 1
+        } else {
+            t
+        };
+        for layer in 0..cfg.n_layers {
+            let q = uniform(seed, idx, layer, Stream::Q, hq * t * d);
+            let k = uniform(seed, idx, layer, Stream::K, hkv * tk * d);
+            let v = uniform(seed, idx, layer, Stream::V, hkv * t * d);
+            let backend = self
+                .cache
+                .update_and_attend(
+                    layer as u32,
+                    &HostTensor::from_f32(&[1, hq, t, d], &q),
+                    &HostTensor::from_f32(&[1, hkv, tk, d], &k),
+                    &HostTensor::from_f32(&[1, hkv, t, d], &v),
+                    RSlice::from_slice(&positions),
+                    scale,
+                    TensorDtype::F32,
+                )
+                .into_result();
+            let wide = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+            let oracle = self.oracle.update_and_attend(
+                layer,
+                &wide(&q),
+                &wide(&k),
+                &wide(&v),
+                &positions,
+                scale as f64,
+            );
+            match (backend, oracle) {
+                (Ok(out), Ok(want)) => self.compare(idx, layer, &out, &want)?,
+                (b, o) => {
+                    if layer > 0 {
+                        return Err(format!("op {idx}: layer {layer} diverged after layer 0 succeeded: backend {:?}, oracle {:?}", b.err(), o.err()));
+                    }
+                    return Ok((b.map(|_| ()), o.map(|_| ())));
+                }
+            }
+        }
+        Ok((Ok(()), Ok(())))
+    }
+
+    fn compare(
+        &mut self,
+        idx: usize,
+        layer: usize,
+        out: &HostTensor,
+        want: &[f64],
+    ) -> Result<(), String> {
+        let got = out.to_f32().ok_or("backend returned a non-float output")?;
+        if got.len() != want.len() {
+            return Err(format!(
+                "op {idx} layer {layer}: output has {} values, expected {}",
+                got.len(),
+                want.len()
+            ));
+        }
+        let mut worst = (0.0f64, 0usize);
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let e = if g.is_finite() {
+                (g as f64 - w).abs()
+            } else {
+                f64::INFINITY
+            };
+            if e > worst.0 {
+                worst = (e, i);
+            }
+        }
+        self.outputs += 1;
+        self.max_err = self.max_err.max(worst.0);
+        if worst.0 > self.tol {
+            let (e, i) = worst;
+            return Err(format!(
+                "op {idx} layer {layer}: max abs error {e:.3e} > {:.0e} at element {i} (backend {}, oracle {:.6})",
+                self.tol, got[i], want[i]
+            ));
+        }
+        Ok(())
+    }
+
+    fn check(&mut self, idx: usize, op: &Op) -> Result<(), String> {
+        let Op::Check {
+            seq_len,
+            can_extend,
+            plan,
+        } = op
+        else {
+            unreachable!()
+        };
+        if let Some(c) = seq_len {
+            let got = self
+                .cache
+                .seq_len(c.seq)
+                .into_result()
+                .map_err(|e| format!("op {idx}: seq_len({}) failed: {e}", c.seq))?;
+            let oracle = self
+                .oracle
+                .seq_len(c.seq)
+                .map_err(|e| format!("op {idx}: oracle seq_len failed: {e}"))?;
+            if got as usize != c.len || oracle != c.len {
+                return Err(format!(
+                    "op {idx}: seq_len({}) = {got} (oracle {oracle}), expected {}",
+                    c.seq, c.len
+                ));
+            }
+        }
+        if let Some(c) = can_extend {
+            let (got, oracle) = (
+                self.cache.can_extend(c.n as u64),
+                self.oracle.can_extend(c.n),
+            );
+            if got != c.value || oracle != c.value {
+                return Err(format!(
+                    "op {idx}: can_extend({}) = {got} (oracle {oracle}), expected {}",
+                    c.n, c.value
+                ));
+            }
+        }
+        if let Some(p) = plan {
+            let stats = self
+                .cache
+                .stats()
+                .into_result()
+                .map_err(|e| format!("op {idx}: stats failed: {e}"))?;
+            let got = stats.last_plan.into_option().map(|s| s.to_string());
+            if got.as_deref() != Some(p.0.as_str()) {
+                return Err(format!(
+                    "op {idx}: last plan was {got:?}, expected {}",
+                    p.0.as_str()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        for (idx, op) in self.scenario.ops.iter().enumerate() {
+            match op {
+                Op::Check { .. } => self.check(idx, op)?,
+                Op::ExpectError { error, op: inner } => {
+                    let outcome = self.exec(idx, inner)?;
+                    same_error(error.0, &outcome)
+                        .map_err(|m| format!("op {idx} (expect_error): {m}"))?;
+                }
+                _ => agree(self.exec(idx, op)?).map_err(|m| format!("op {idx}: {m}"))?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `scenario` for one kind and dtype on the factory's backend.
+pub fn run_case(
+    scenario: &Scenario,
+    kind: CacheKind,
+    dtype: KvDtype,
+    factory: &dyn CacheFactory,
+) -> CaseResult {
+    let mut result = CaseResult {
+        scenario: scenario.name.clone(),
+        backend: factory.backend().to_string(),
+        kind: kind.as_str().to_string(),
+        dtype: dtype.to_string(),
+        status: Status::Pass,
+        max_err: 0.0,
+        outputs: 0,
+    };
+    if let Err(reason) = factory.applicable(kind, dtype) {
+        result.status = Status::NotApplicable(reason);
+        return result;
+    }
+    let c = scenario.config;
+    let cfg = CacheConfig {
+        capacity: c.capacity,
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        min_chunk: c.min_chunk,
+        kv_dtype: dtype,
+    };
+    let built = factory.build(kind, &cfg);
+    let oracle = RefCache::new(kind, cfg);
+    result.status = match (built, oracle, scenario.expect_build_error) {
+        (Err(b), Err(o), Some(want)) if b.kind.cache_kind() == Some(want.0) && o.kind == want.0 => {
+            Status::Pass
+        }
+        (_, _, Some(want)) => Status::Fail(format!(
+            "building must fail with {} on the backend and the oracle",
+            want.0
+        )),
+        (Err(e), _, None) => Status::Fail(format!("building the cache failed: {e}")),
+        (_, Err(e), None) => Status::Fail(format!("the oracle refused the config: {e}")),
+        (Ok((cache, _session)), Ok(oracle), None) => {
+            let mut case = Case {
+                scenario,
+                cache,
+                oracle,
+                kind,
+                tol: Tolerance::of(dtype),
+                max_err: 0.0,
+                outputs: 0,
+            };
+            let status = match case.run() {
+                Ok(()) => Status::Pass,
+                Err(m) => Status::Fail(m),
+            };
+            result.max_err = case.max_err;
+            result.outputs = case.outputs;
+            status
+        }
+    };
+    result
+}

@@ -1,0 +1,344 @@
+//! The scenario file format (JSON; unknown fields and ops are errors).
+//!
+//! ```text
+//! {"name", "description", "kinds": [..], "dtypes": [..]?, "config": {..}, "seed",
+//!  "expect_build_error": "bad_config"?, "ops": [..]}
+//! ```
+//! Ops: `step` (`pos` or `pos_range`, `seq` one id or one per token, optional `tamper`),
+//! `seq_cp`, `seq_rm`, `seq_keep`, `propose`, `commit`, `rewind`, `clear`, `check`
+//! (`seq_len` / `can_extend` / `plan`), `expect_error` (`error` kind + the op to `do`).
+//! `p0`/`p1` are half-open, `null` = open-ended.
+
+use std::path::{Path, PathBuf};
+
+use kvplug_core::{CacheKind, ErrorKind, KvDtype, PlanKind};
+use serde::Deserialize;
+
+/// Cache shape of a scenario (the KV dtype comes from the matrix).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ScenarioConfig {
+    /// Cells.
+    pub capacity: usize,
+    /// Layers.
+    pub n_layers: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Query heads (a multiple of `n_kv_heads`).
+    pub n_q_heads: usize,
+    /// Values per head row.
+    pub head_dim: usize,
+    /// First pool allocation.
+    #[serde(default = "default_min_chunk")]
+    pub min_chunk: usize,
+}
+
+fn default_min_chunk() -> usize {
+    kvplug_core::DEFAULT_MIN_CHUNK
+}
+
+/// One sequence id for every token, or one per token.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum SeqSpec {
+    /// Every token in this sequence.
+    One(i32),
+    /// One id per token.
+    PerToken(Vec<i32>),
+}
+
+/// A deliberately malformed input for a step.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Tamper {
+    /// k gets one token too many.
+    KShape,
+}
+
+/// What a `check` op checks.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SeqLenCheck {
+    /// Sequence.
+    pub seq: i32,
+    /// Expected cells.
+    pub len: usize,
+}
+
+/// `can_extend(n) == value`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CanExtendCheck {
+    /// Tokens.
+    pub n: usize,
+    /// Expected answer.
+    pub value: bool,
+}
+
+/// One scenario op.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Op {
+    /// One forward over all layers.
+    Step {
+        /// Explicit positions.
+        #[serde(default)]
+        pos: Option<Vec<i32>>,
+        /// `[start, end)` shorthand.
+        #[serde(default)]
+        pos_range: Option<[i32; 2]>,
+        /// Sequence ids (default 0).
+        #[serde(default)]
+        seq: Option<SeqSpec>,
+        /// Malformed input.
+        #[serde(default)]
+        tamper: Option<Tamper>,
+    },
+    /// Share cells.
+    SeqCp {
+        /// Source.
+        src: i32,
+        /// Destination.
+        dst: i32,
+        /// Lower bound.
+        #[serde(default)]
+        p0: Option<i32>,
+        /// Upper bound (exclusive).
+        #[serde(default)]
+        p1: Option<i32>,
+    },
+    /// Drop cells.
+    SeqRm {
+        /// Sequence.
+        seq: i32,
+        /// Lower bound.
+        #[serde(default)]
+        p0: Option<i32>,
+        /// Upper bound (exclusive).
+        #[serde(default)]
+        p1: Option<i32>,
+    },
+    /// Keep one sequence.
+    SeqKeep {
+        /// Sequence.
+        seq: i32,
+    },
+    /// Append a frontier.
+    Propose {
+        /// Parents.
+        parents: Vec<i32>,
+    },
+    /// Accept a chain.
+    Commit {
+        /// Root-first chain.
+        accepted: Vec<i32>,
+    },
+    /// Truncate.
+    Rewind {
+        /// New length.
+        len: usize,
+    },
+    /// Forget everything.
+    Clear,
+    /// Check a verb's answer.
+    Check {
+        /// `seq_len(seq) == len`.
+        #[serde(default)]
+        seq_len: Option<SeqLenCheck>,
+        /// `can_extend(n) == value`.
+        #[serde(default)]
+        can_extend: Option<CanExtendCheck>,
+        /// Read path of the last step.
+        #[serde(default)]
+        plan: Option<PlanKindName>,
+    },
+    /// The inner op must fail with `error` and leave the cache unchanged.
+    ExpectError {
+        /// Expected error kind.
+        error: ErrorName,
+        /// The op.
+        #[serde(rename = "do")]
+        op: Box<Op>,
+    },
+}
+
+/// A plan kind by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanKindName(pub PlanKind);
+
+impl<'de> Deserialize<'de> for PlanKindName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        [PlanKind::SingleContiguous, PlanKind::Explicit]
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .map(PlanKindName)
+            .ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "unknown plan kind '{s}' (expected single_contiguous or explicit)"
+                ))
+            })
+    }
+}
+
+/// An error kind by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ErrorName(pub ErrorKind);
+
+impl<'de> Deserialize<'de> for ErrorName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ErrorKind::parse(&s).map(ErrorName).ok_or_else(|| {
+            let all: Vec<&str> = ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+            serde::de::Error::custom(format!(
+                "unknown error kind '{s}' (expected one of {})",
+                all.join(", ")
+            ))
+        })
+    }
+}
+
+/// A scenario.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Unique name.
+    pub name: String,
+    /// What it exercises.
+    pub description: String,
+    /// Kinds to run it on.
+    pub kinds: Vec<CacheKind>,
+    /// KV dtypes (default: all the backend supports).
+    #[serde(default)]
+    pub dtypes: Option<Vec<KvDtype>>,
+    /// Cache shape.
+    pub config: ScenarioConfig,
+    /// Input seed.
+    pub seed: u64,
+    /// Building the cache must fail with this kind (the ops are then not run).
+    #[serde(default)]
+    pub expect_build_error: Option<ErrorName>,
+    /// The ops.
+    pub ops: Vec<Op>,
+}
+
+/// A scenario file that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// I/O.
+    #[error("{path}: {source}")]
+    Io {
+        /// File or directory.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Malformed JSON or an unknown op/field.
+    #[error("{path}: {message}")]
+    Parse {
+        /// File.
+        path: PathBuf,
+        /// serde's message with line and column.
+        message: String,
+    },
+    /// Valid JSON that breaks a rule of the format.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Parses one scenario; `path` names it in errors.
+pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
+    let s: Scenario = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let invalid = |message: String| ScenarioError::Invalid {
+        path: path.to_path_buf(),
+        message,
+    };
+    if s.kinds.is_empty() {
+        return Err(invalid("'kinds' is empty".into()));
+    }
+    let c = &s.config;
+    if c.n_kv_heads == 0 || c.n_q_heads % c.n_kv_heads != 0 {
+        return Err(invalid(format!(
+            "n_q_heads {} is not a multiple of n_kv_heads {}",
+            c.n_q_heads, c.n_kv_heads
+        )));
+    }
+    for (i, op) in s.ops.iter().enumerate() {
+        check_op(op).map_err(|m| invalid(format!("op {i}: {m}")))?;
+    }
+    Ok(s)
+}
+
+fn check_op(op: &Op) -> Result<(), String> {
+    match op {
+        Op::Step { pos, pos_range, .. } => match (pos, pos_range) {
+            (Some(_), Some(_)) => Err("step has both 'pos' and 'pos_range'".into()),
+            (None, None) => Err("step needs 'pos' or 'pos_range'".into()),
+            _ => Ok(()),
+        },
+        Op::Check {
+            seq_len,
+            can_extend,
+            plan,
+        } => {
+            let n = seq_len.is_some() as u8 + can_extend.is_some() as u8 + plan.is_some() as u8;
+            if n == 1 {
+                Ok(())
+            } else {
+                Err("check needs exactly one of 'seq_len', 'can_extend', 'plan'".into())
+            }
+        }
+        Op::ExpectError { op, .. } => match **op {
+            Op::Check { .. } | Op::ExpectError { .. } => {
+                Err("expect_error cannot wrap check or expect_error".into())
+            }
+            ref inner => check_op(inner),
+        },
+        _ => Ok(()),
+    }
+}
+
+/// Loads every `*.json` in `dir`, sorted by file name.
+pub fn load_dir(dir: &Path) -> Result<Vec<Scenario>, ScenarioError> {
+    let io = |source| ScenarioError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(p).map_err(|source| ScenarioError::Io {
+                path: p.clone(),
+                source,
+            })?;
+            parse(p, &text)
+        })
+        .collect()
+}
+
+/// The built-in scenarios (`tests/scenarios/*.json`, embedded at build time).
+pub fn builtin_scenarios() -> Vec<Scenario> {
+    BUILTIN
+        .iter()
+        .map(|(name, text)| {
+            parse(Path::new(name), text)
+                .unwrap_or_else(|e| panic!("built-in scenario is invalid: {e}"))
+        })
+        .collect()
+}
+
+include!(concat!(env!("OUT_DIR"), "/builtin_scenarios.rs"));
