@@ -18,6 +18,15 @@ pub struct CacheEntry {
     pub cache: CacheHandle,
 }
 
+impl std::fmt::Debug for CacheEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheEntry")
+            .field("backend_id", &self.backend_id)
+            .field("kind", &self.cache.kind())
+            .finish()
+    }
+}
+
 /// Services the host passes to a plugin at registration and when loading methods.
 #[sabi_trait]
 pub trait HostServicesTrait: Clone + Send + Sync {

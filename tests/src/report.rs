@@ -103,7 +103,7 @@ impl Matrix {
         }
         let _ = writeln!(
             s,
-            "conformance: {} passed, {} failed, {} not applicable",
+            "conformance: {} passed, {} failed, {} skipped",
             self.passes(),
             self.failures() + self.missing_backends.len(),
             self.not_applicable()

@@ -388,3 +388,70 @@ pub fn run_case(
     };
     result
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::Matrix;
+    use crate::scenario::builtin_scenarios;
+
+    struct NoTree;
+
+    impl CacheFactory for NoTree {
+        fn backend(&self) -> &str {
+            "stub"
+        }
+        fn applicable(&self, kind: CacheKind, _: KvDtype) -> Result<(), String> {
+            match kind {
+                CacheKind::Tree => Err("backend has no 'tree' cache".into()),
+                _ => Ok(()),
+            }
+        }
+        fn build(
+            &self,
+            _: CacheKind,
+            _: &CacheConfig,
+        ) -> Result<(CacheHandle, Box<dyn Any>), PluginError> {
+            Err(PluginError::new(
+                kvplug_plugin_api::AbiErrorKind::Backend,
+                "stub builds nothing",
+            ))
+        }
+    }
+
+    #[test]
+    fn a_missing_kind_is_not_applicable_and_never_a_pass() {
+        let s = &builtin_scenarios()[0];
+        let na = run_case(s, CacheKind::Tree, KvDtype::F16, &NoTree);
+        assert_eq!(
+            na.status,
+            Status::NotApplicable("backend has no 'tree' cache".into())
+        );
+        let failed = run_case(s, CacheKind::Seq, KvDtype::F16, &NoTree);
+        assert_eq!(
+            failed.status,
+            Status::Fail("building the cache failed: backend: stub builds nothing".into())
+        );
+        let m = Matrix {
+            results: vec![na.clone()],
+            missing_backends: vec![],
+        };
+        assert!(!m.ok(), "a run with nothing passed is not ok");
+        assert!(m
+            .render()
+            .contains("n/a  prefill_decode [stub tree f16]: backend has no 'tree' cache"));
+        let m = Matrix {
+            results: vec![na, failed],
+            missing_backends: vec!["wgpu".into()],
+        };
+        let text = m.render();
+        assert!(
+            text.contains("FAIL required backend 'wgpu' is not loaded"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("conformance: 0 passed, 2 failed, 1 skipped\n"),
+            "{text}"
+        );
+    }
+}

@@ -342,3 +342,59 @@ pub fn builtin_scenarios() -> Vec<Scenario> {
 }
 
 include!(concat!(env!("OUT_DIR"), "/builtin_scenarios.rs"));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        parse(Path::new("x.json"), text).unwrap_err().to_string()
+    }
+
+    const HEAD: &str = r#""name": "n", "description": "d", "kinds": ["seq"], "seed": 1,
+        "config": {"capacity": 8, "n_layers": 1, "n_kv_heads": 1, "n_q_heads": 2, "head_dim": 64}"#;
+
+    #[test]
+    fn builtin_scenarios_parse_and_have_unique_names() {
+        let all = builtin_scenarios();
+        assert!(all.len() >= 16);
+        let mut names: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+    }
+
+    #[test]
+    fn unknown_ops_fields_and_malformed_files_are_clear_errors() {
+        let e = err(&format!(r#"{{{HEAD}, "ops": [{{"op": "fork"}}]}}"#));
+        assert!(e.starts_with("x.json: unknown variant `fork`"), "{e}");
+        let e = err(&format!(
+            r#"{{{HEAD}, "ops": [{{"op": "seq_keep", "seq": 1, "sq": 2}}]}}"#
+        ));
+        assert!(e.contains("unknown field `sq`"), "{e}");
+        let e = err(&format!(r#"{{{HEAD}, "extra": 1, "ops": []}}"#));
+        assert!(e.contains("unknown field `extra`"), "{e}");
+        let e = err(&format!(r#"{{{HEAD}, "ops": [{{"op": "step"}}]}}"#));
+        assert_eq!(e, "x.json: op 0: step needs 'pos' or 'pos_range'");
+        let e = err(&format!(
+            r#"{{{HEAD}, "ops": [{{"op": "expect_error", "error": "oops", "do": {{"op": "clear"}}}}]}}"#
+        ));
+        assert!(e.contains("unknown error kind 'oops'"), "{e}");
+        let e = err(&format!(r#"{{{HEAD}, "ops": [{{"op": "check"}}]}}"#));
+        assert!(e.contains("exactly one of"), "{e}");
+        let e = err(r#"{"name": "n", "ops": [}"#);
+        assert!(e.starts_with("x.json: expected value at line 1"), "{e}");
+        let e = err(&format!(r#"{{{HEAD}, "dtypes": ["int3"], "ops": []}}"#));
+        assert!(e.contains("unknown KV dtype 'int3'"), "{e}");
+    }
+
+    #[test]
+    fn load_dir_names_the_file() {
+        let dir = std::env::temp_dir().join(format!("kvplug-scenarios-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("bad.json"), "{").unwrap();
+        let e = load_dir(&dir).unwrap_err().to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(e.contains("bad.json"), "{e}");
+    }
+}
