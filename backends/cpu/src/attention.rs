@@ -1,14 +1,14 @@
 //! The attention kernel: GQA without repeating KV heads, masks None / Causal / Explicit,
 //! quantized rows dequantized inside the dot products, stable softmax. Work is split over
-//! KV heads on the rayon pool when the window is long.
+//! KV heads on the [`Workers`] pool when the window is long.
 
 use half::{bf16, f16};
 use kvplug_backend_kit::AttendMask;
-use rayon::prelude::*;
 
 use crate::pool::{CpuPool, Storage};
 use crate::simd;
 use crate::tensor::CpuTensor;
+use crate::workers::{DisjointChunks, Workers};
 
 /// Below this many multiply-adds per call, attention stays on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
@@ -166,7 +166,7 @@ pub fn attend(
     let g = hq / hkv;
     scratch.heads.resize_with(hkv, HeadScratch::default);
     let per_head = g * t * d;
-    let work = |(kh, (o, s)): (usize, (&mut [f32], &mut HeadScratch))| {
+    let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
         attend_kv_head(
             qh,
@@ -183,17 +183,21 @@ pub fn attend(
         );
     };
     if hq * t * l * d >= PARALLEL_MIN_WORK {
-        out.data
-            .par_chunks_mut(per_head)
-            .zip(scratch.heads.par_iter_mut())
-            .enumerate()
-            .for_each(work);
+        let outs = DisjointChunks::new(&mut out.data, per_head);
+        let scratch = DisjointChunks::new(&mut scratch.heads, 1);
+        // SAFETY: the pool hands each KV head index to exactly one task.
+        Workers::global().run(hkv, &|kh| unsafe {
+            one(kh, outs.get(kh), &mut scratch.get(kh)[0])
+        });
     } else {
-        out.data
+        for (kh, (o, s)) in out
+            .data
             .chunks_mut(per_head)
             .zip(scratch.heads.iter_mut())
             .enumerate()
-            .for_each(work);
+        {
+            one(kh, o, s);
+        }
     }
 }
 

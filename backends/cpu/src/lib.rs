@@ -9,6 +9,7 @@ pub mod attention;
 pub mod pool;
 pub mod simd;
 pub mod tensor;
+pub mod workers;
 
 use half::{bf16, f16};
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
@@ -23,12 +24,6 @@ use crate::tensor::CpuTensor;
 #[derive(Debug, Default)]
 pub struct CpuDevice {
     features: simd::Features,
-}
-
-impl Default for simd::Features {
-    fn default() -> Self {
-        simd::features()
-    }
 }
 
 impl CpuDevice {
@@ -176,7 +171,7 @@ impl Backend for CpuDevice {
     fn device_description(&self) -> String {
         format!(
             "{} host threads, {}",
-            rayon::current_num_threads(),
+            workers::Workers::global().participants(),
             if self.features.avx2_fma_f16c {
                 "AVX2+FMA+F16C kernels"
             } else {

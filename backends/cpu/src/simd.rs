@@ -12,6 +12,12 @@ pub struct Features {
     pub avx512f: bool,
 }
 
+impl Default for Features {
+    fn default() -> Self {
+        features()
+    }
+}
+
 /// Detects the features.
 pub fn features() -> Features {
     #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,111 @@
+//! The decode hot path: fast-path classification, zero allocations per step once warm, and
+//! lazy pool growth.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use kvplug_core::{CacheKind, CacheVerbs, KvDtype, PlanKind};
+
+/// Counts every allocation in the process.
+struct Counting;
+
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Prefill 300 tokens, decode a few warm-up steps, then count allocations over 40 decode
+/// steps (no pool doubling happens between 305 and 345 cells: the pool holds 512).
+fn allocations_per_decode(kind: CacheKind, dtype: KvDtype) -> usize {
+    let mut c = cache(kind, config(2, 4096, dtype));
+    let mut prefill = Step::new(300);
+    let positions: Vec<i32> = (0..300).collect();
+    prefill.run(&mut c, &positions);
+    let mut step = Step::new(1);
+    let decode =
+        |c: &mut kvplug_backend_kit::KitCache<kvplug_cpu::CpuDevice>, step: &mut Step, p: i32| {
+            if kind == CacheKind::Seq {
+                c.begin_step(&[0]).unwrap();
+            }
+            step.run(c, &[p]);
+        };
+    for p in 300..305 {
+        decode(&mut c, &mut step, p);
+    }
+    let before = ALLOCS.load(Ordering::SeqCst);
+    for p in 305..345 {
+        decode(&mut c, &mut step, p);
+    }
+    let n = ALLOCS.load(Ordering::SeqCst) - before;
+    assert_eq!(c.stats().last_plan, Some(PlanKind::SingleContiguous));
+    n
+}
+
+#[test]
+fn decode_steps_allocate_nothing_once_warm() {
+    // One test owns the counter (tests in one binary run on parallel threads).
+    for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
+        for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
+            assert_eq!(allocations_per_decode(kind, dtype), 0, "{kind} {dtype}");
+        }
+    }
+    single_sequence_always_takes_the_fast_path();
+    short_sessions_stay_small_and_quantized_pools_are_smaller();
+}
+
+fn single_sequence_always_takes_the_fast_path() {
+    for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
+        let mut c = cache(kind, config(1, 1024, KvDtype::F16));
+        let mut pos = 0;
+        for chunk in [7usize, 1, 1, 33, 1, 2, 1] {
+            let positions: Vec<i32> = (pos..pos + chunk as i32).collect();
+            if kind == CacheKind::Seq {
+                c.begin_step(&vec![0; chunk]).unwrap();
+            }
+            Step::new(chunk).run(&mut c, &positions);
+            assert_eq!(
+                c.stats().last_plan,
+                Some(PlanKind::SingleContiguous),
+                "{kind} chunk {chunk}"
+            );
+            pos += chunk as i32;
+        }
+    }
+}
+
+fn short_sessions_stay_small_and_quantized_pools_are_smaller() {
+    let mut bytes = Vec::new();
+    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
+        let mut c = cache(CacheKind::Seq, config(2, 32768, dtype));
+        let positions: Vec<i32> = (0..100).collect();
+        Step::new(100).run(&mut c, &positions);
+        let s = c.stats();
+        assert!(
+            s.pool_cells <= 512,
+            "{dtype}: {} cells for 100 tokens",
+            s.pool_cells
+        );
+        assert_eq!((s.live_cells, s.high_water), (100, 100));
+        bytes.push(s.allocated_bytes as f64);
+    }
+    let (q8, q4) = (bytes[1] / bytes[0], bytes[2] / bytes[0]);
+    assert!(q8 <= 0.54, "q8/f16 = {q8}");
+    assert!(q4 <= 0.32, "q4/f16 = {q4}");
+}
