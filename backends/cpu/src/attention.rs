@@ -13,11 +13,29 @@ use crate::workers::{DisjointChunks, Workers};
 /// Below this many multiply-adds per call, attention stays on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 
+/// Query blocks at least this long use the XNNPACK GEMM path (measured crossover; see
+/// BENCH.md).
+#[cfg(feature = "xnnpack")]
+pub const XNNPACK_MIN_TOKENS: usize = 32;
+
+#[cfg(feature = "xnnpack")]
+static XNNPACK_ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the XNNPACK prefill path on or off (on by default) — for comparisons and for
+/// ruling it out when debugging.
+#[cfg(feature = "xnnpack")]
+pub fn use_xnnpack(enabled: bool) {
+    XNNPACK_ENABLED.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Per-KV-head scratch, reused across steps.
 #[derive(Default)]
 pub struct HeadScratch {
-    /// Scores, `[group, L]`.
+    /// Scores, `[group, L]` (`[group, T, L]` on the GEMM path).
     scores: Vec<f32>,
+    /// f32 copies of the K and V windows for the GEMM path, `[L, D]` each.
+    #[cfg(feature = "xnnpack")]
+    window: (Vec<f32>, Vec<f32>),
     /// Per-group sums of the query values (quantized dot products), `[group, groups]`.
     qsum: Vec<f32>,
 }
@@ -141,6 +159,43 @@ impl<'a> Rows<'a> {
         }
     }
 
+    /// Rows `[0, l)` as f32 into `buf` (`[l, d]`).
+    #[cfg(feature = "xnnpack")]
+    fn window_f32(&self, l: usize, d: usize, buf: &mut Vec<f32>) {
+        buf.clear();
+        buf.resize(l * d, 0.0);
+        for (j, row) in buf.chunks_exact_mut(d).enumerate() {
+            match *self {
+                Rows::F32(v) => row.copy_from_slice(&v[j * d..(j + 1) * d]),
+                Rows::F16(v) => row
+                    .iter_mut()
+                    .zip(&v[j * d..(j + 1) * d])
+                    .for_each(|(o, x)| *o = x.to_f32()),
+                Rows::Bf16(v) => row
+                    .iter_mut()
+                    .zip(&v[j * d..(j + 1) * d])
+                    .for_each(|(o, x)| *o = x.to_f32()),
+                Rows::Quant {
+                    bits,
+                    group,
+                    codes,
+                    scales,
+                    los,
+                } => {
+                    let (ng, cb) = (d / group, d * bits as usize / 8);
+                    kvplug_backend_kit::quant::dequantize_row(
+                        &codes[j * cb..(j + 1) * cb],
+                        &scales[j * ng..(j + 1) * ng],
+                        &los[j * ng..(j + 1) * ng],
+                        bits,
+                        group,
+                        row,
+                    );
+                }
+            }
+        }
+    }
+
     fn group(&self) -> Option<usize> {
         match *self {
             Rows::Quant { group, .. } => Some(group),
@@ -168,19 +223,18 @@ pub fn attend(
     let per_head = g * t * d;
     let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
-        attend_kv_head(
-            qh,
-            Rows::of(k, kh),
-            Rows::of(v, kh),
-            g,
-            t,
-            d,
-            l,
-            mask,
-            scale,
-            o,
-            s,
-        );
+        let (kr, vr) = (Rows::of(k, kh), Rows::of(v, kh));
+        #[cfg(feature = "xnnpack")]
+        if t >= XNNPACK_MIN_TOKENS
+            && XNNPACK_ENABLED.load(std::sync::atomic::Ordering::Relaxed)
+            && crate::xnnpack::available().is_ok()
+        {
+            match attend_kv_head_gemm(qh, kr, vr, g, t, d, l, mask, scale, o, s) {
+                Ok(()) => return,
+                Err(e) => tracing::debug!("xnnpack path failed, using the Rust kernel: {e}"),
+            }
+        }
+        attend_kv_head(qh, kr, vr, g, t, d, l, mask, scale, o, s);
     };
     if hq * t * l * d >= PARALLEL_MIN_WORK {
         let outs = DisjointChunks::new(&mut out.data, per_head);
@@ -199,6 +253,60 @@ pub fn attend(
             one(kh, o, s);
         }
     }
+}
+
+/// [`attend_kv_head`] as two XNNPACK GEMMs: `S = Q·Kᵀ` over all `g·T` query rows, masked
+/// stable softmax in place, `O = P·V`. Same maths, same masks.
+#[cfg(feature = "xnnpack")]
+#[allow(clippy::too_many_arguments)]
+fn attend_kv_head_gemm(
+    q: &[f32],
+    k: Rows<'_>,
+    v: Rows<'_>,
+    g: usize,
+    t: usize,
+    d: usize,
+    l: usize,
+    mask: AttendMask<'_>,
+    scale: f32,
+    out: &mut [f32],
+    s: &mut HeadScratch,
+) -> Result<(), String> {
+    use crate::xnnpack::FullyConnected;
+    let (kw, vw) = &mut s.window;
+    k.window_f32(l, d, kw);
+    v.window_f32(l, d, vw);
+    s.scores.clear();
+    s.scores.resize(g * t * l, 0.0);
+    FullyConnected::new(d, l, kw, false)?.run(g * t, q, &mut s.scores)?;
+    for (r, row) in s.scores.chunks_exact_mut(l).enumerate() {
+        let i = r % t;
+        let visible = |j: usize| match mask {
+            AttendMask::None => true,
+            AttendMask::Causal => j + t <= l + i,
+            AttendMask::Explicit(m) => m[i * l + j],
+        };
+        let mut max = f32::NEG_INFINITY;
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if visible(j) {
+                *x * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            max = max.max(*x);
+        }
+        if max == f32::NEG_INFINITY {
+            row.fill(0.0);
+            continue;
+        }
+        let mut sum = 0.0;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        row.iter_mut().for_each(|x| *x /= sum);
+    }
+    FullyConnected::new(l, d, vw, true)?.run(g * t, &s.scores, out)
 }
 
 /// One KV head and its `g` query heads: q and out are `[g, T, D]`.

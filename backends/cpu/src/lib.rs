@@ -10,6 +10,8 @@ pub mod pool;
 pub mod simd;
 pub mod tensor;
 pub mod workers;
+#[cfg(feature = "xnnpack")]
+pub mod xnnpack;
 
 use half::{bf16, f16};
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
@@ -187,6 +189,10 @@ impl Backend for CpuDevice {
         }
         if self.features.avx512f {
             f.push("avx512f".into());
+        }
+        #[cfg(feature = "xnnpack")]
+        if xnnpack::available().is_ok() {
+            f.push("xnnpack".into());
         }
         f
     }

@@ -1,0 +1,20 @@
+//! Generates bindings to the system `xnnpack.h` and links `-lXNNPACK -lpthreadpool`.
+//! Needs `libxnnpack-dev libpthreadpool-dev libclang-dev` (scripts/install-deps.sh).
+
+fn main() {
+    println!("cargo:rerun-if-changed=wrapper.h");
+    println!("cargo:rustc-link-lib=XNNPACK");
+    println!("cargo:rustc-link-lib=pthreadpool");
+    let bindings = bindgen::Builder::default()
+        .header("wrapper.h")
+        .allowlist_function("xnn_(initialize|deinitialize|create_fully_connected_nc_f32|setup_fully_connected_nc_f32|run_operator|delete_operator)")
+        .allowlist_var("XNN_FLAG_TRANSPOSE_WEIGHTS")
+        .allowlist_type("xnn_status")
+        .rustified_enum("xnn_status")
+        .generate()
+        .unwrap_or_else(|e| {
+            panic!("bindgen over xnnpack.h failed ({e}); install libxnnpack-dev libpthreadpool-dev libclang-dev (scripts/install-deps.sh)")
+        });
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("bindings.rs");
+    bindings.write_to_file(out).expect("writing bindings");
+}

@@ -1,0 +1,1 @@
+#include <xnnpack.h>
