@@ -9,7 +9,7 @@ export XDG_RUNTIME_DIR ?= /tmp/kvplug-xdg-runtime
 REQUIRED_BACKENDS ?= cpu
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps build fmt-check clippy unit conform
+.PHONY: demo test deps build fmt-check clippy unit conform bench
 
 ## make demo: runs the main job on the default cpu backend.
 demo: deps build
@@ -21,7 +21,7 @@ demo: deps build
 test: deps fmt-check clippy build unit conform
 
 build:
-	$(CARGO) build --workspace
+	$(CARGO) build
 
 conform: build
 	KVPLUG_REQUIRE_BACKENDS=$(REQUIRED_BACKENDS) $(KVPLUG) conform
@@ -38,3 +38,8 @@ clippy:
 
 unit:
 	$(CARGO) test --workspace
+
+## make bench: criterion benchmarks of the cpu backend, then BENCH.md regenerated from them.
+bench: deps
+	$(CARGO) bench -p kvplug-cpu --bench attention
+	$(CARGO) run --release -p kvplug-cpu --example bench_report

@@ -36,8 +36,8 @@ pub struct HeadScratch {
     /// f32 copies of the K and V windows for the GEMM path, `[L, D]` each.
     #[cfg(feature = "xnnpack")]
     window: (Vec<f32>, Vec<f32>),
-    /// Per-group sums of the query values (quantized dot products), `[group, groups]`.
-    qsum: Vec<f32>,
+    /// One K or V row converted to f32, `[D]`.
+    row: Vec<f32>,
 }
 
 /// Scratch of one cache: one [`HeadScratch`] per KV head.
@@ -85,51 +85,14 @@ impl<'a> Rows<'a> {
         }
     }
 
-    /// `q · row(j)`; `qsum[g]` holds the sum of q over group `g` (quantized rows only).
+    /// Row `j` as f32 into `out` (`[D]`): one conversion per row, shared by every query.
     #[inline(always)]
-    fn dot(&self, j: usize, q: &[f32], qsum: &[f32]) -> f32 {
-        let d = q.len();
-        match *self {
-            Rows::F32(v) => simd::dot_f32(q, &v[j * d..(j + 1) * d]),
-            Rows::F16(v) => simd::dot_f16(q, &v[j * d..(j + 1) * d]),
-            Rows::Bf16(v) => simd::dot_bf16(q, &v[j * d..(j + 1) * d]),
-            Rows::Quant {
-                bits,
-                group,
-                codes,
-                scales,
-                los,
-            } => {
-                let (ng, gb) = (d / group, group * bits as usize / 8);
-                let row = &codes[j * ng * gb..(j + 1) * ng * gb];
-                let mut s = 0.0;
-                for g in 0..ng {
-                    let qg = &q[g * group..(g + 1) * group];
-                    let cg = &row[g * gb..(g + 1) * gb];
-                    let dc = if bits == 8 {
-                        simd::dot_codes8(qg, cg)
-                    } else {
-                        simd::dot_codes4(qg, cg)
-                    };
-                    let (scale, lo) = (
-                        f16::from_bits(scales[j * ng + g]),
-                        f16::from_bits(los[j * ng + g]),
-                    );
-                    s += lo.to_f32() * qsum[g] + scale.to_f32() * dc;
-                }
-                s
-            }
-        }
-    }
-
-    /// `out += w · row(j)`.
-    #[inline(always)]
-    fn axpy(&self, j: usize, w: f32, out: &mut [f32]) {
+    fn load(&self, j: usize, out: &mut [f32]) {
         let d = out.len();
         match *self {
-            Rows::F32(v) => simd::axpy_f32(w, &v[j * d..(j + 1) * d], out),
-            Rows::F16(v) => simd::axpy_f16(w, &v[j * d..(j + 1) * d], out),
-            Rows::Bf16(v) => simd::axpy_bf16(w, &v[j * d..(j + 1) * d], out),
+            Rows::F32(v) => out.copy_from_slice(&v[j * d..(j + 1) * d]),
+            Rows::F16(v) => simd::f16_to_f32(&v[j * d..(j + 1) * d], out),
+            Rows::Bf16(v) => simd::bf16_to_f32(&v[j * d..(j + 1) * d], out),
             Rows::Quant {
                 bits,
                 group,
@@ -137,24 +100,15 @@ impl<'a> Rows<'a> {
                 scales,
                 los,
             } => {
-                let (ng, gb) = (d / group, group * bits as usize / 8);
-                let row = &codes[j * ng * gb..(j + 1) * ng * gb];
-                for g in 0..ng {
-                    let scale = f16::from_bits(scales[j * ng + g]).to_f32() * w;
-                    let lo = f16::from_bits(los[j * ng + g]).to_f32() * w;
-                    let o = &mut out[g * group..(g + 1) * group];
-                    let cg = &row[g * gb..(g + 1) * gb];
-                    if bits == 8 {
-                        for (x, &c) in o.iter_mut().zip(cg) {
-                            *x += lo + scale * c as f32;
-                        }
-                    } else {
-                        for (pair, &c) in o.chunks_exact_mut(2).zip(cg) {
-                            pair[0] += lo + scale * (c & 0xf) as f32;
-                            pair[1] += lo + scale * (c >> 4) as f32;
-                        }
-                    }
-                }
+                let (ng, cb) = (d / group, d * bits as usize / 8);
+                simd::dequantize_row(
+                    &codes[j * cb..(j + 1) * cb],
+                    &scales[j * ng..(j + 1) * ng],
+                    &los[j * ng..(j + 1) * ng],
+                    bits,
+                    group,
+                    out,
+                );
             }
         }
     }
@@ -165,41 +119,7 @@ impl<'a> Rows<'a> {
         buf.clear();
         buf.resize(l * d, 0.0);
         for (j, row) in buf.chunks_exact_mut(d).enumerate() {
-            match *self {
-                Rows::F32(v) => row.copy_from_slice(&v[j * d..(j + 1) * d]),
-                Rows::F16(v) => row
-                    .iter_mut()
-                    .zip(&v[j * d..(j + 1) * d])
-                    .for_each(|(o, x)| *o = x.to_f32()),
-                Rows::Bf16(v) => row
-                    .iter_mut()
-                    .zip(&v[j * d..(j + 1) * d])
-                    .for_each(|(o, x)| *o = x.to_f32()),
-                Rows::Quant {
-                    bits,
-                    group,
-                    codes,
-                    scales,
-                    los,
-                } => {
-                    let (ng, cb) = (d / group, d * bits as usize / 8);
-                    kvplug_backend_kit::quant::dequantize_row(
-                        &codes[j * cb..(j + 1) * cb],
-                        &scales[j * ng..(j + 1) * ng],
-                        &los[j * ng..(j + 1) * ng],
-                        bits,
-                        group,
-                        row,
-                    );
-                }
-            }
-        }
-    }
-
-    fn group(&self) -> Option<usize> {
-        match *self {
-            Rows::Quant { group, .. } => Some(group),
-            _ => None,
+            self.load(j, row);
         }
     }
 }
@@ -309,7 +229,8 @@ fn attend_kv_head_gemm(
     FullyConnected::new(l, d, vw, true)?.run(g * t, &s.scores, out)
 }
 
-/// One KV head and its `g` query heads: q and out are `[g, T, D]`.
+/// One KV head and its `g` query heads: q and out are `[g, T, D]`. Each K and V row is
+/// read and converted once per call and used by all `g·T` query rows.
 #[allow(clippy::too_many_arguments)]
 fn attend_kv_head(
     q: &[f32],
@@ -324,58 +245,37 @@ fn attend_kv_head(
     out: &mut [f32],
     s: &mut HeadScratch,
 ) {
-    let ng = k.group().map_or(0, |gr| d / gr);
-    s.scores.resize(g * l, 0.0);
-    s.qsum.resize(g * ng, 0.0);
-    let qrow = |gi: usize, i: usize| &q[(gi * t + i) * d..(gi * t + i + 1) * d];
-    for i in 0..t {
-        let (lim, bits) = match mask {
-            AttendMask::None => (l, None),
-            AttendMask::Causal => (l - t + i + 1, None),
-            AttendMask::Explicit(m) => (l, Some(&m[i * l..(i + 1) * l])),
-        };
-        if let Some(gr) = k.group() {
-            for gi in 0..g {
-                for (grp, x) in s.qsum[gi * ng..(gi + 1) * ng].iter_mut().enumerate() {
-                    *x = qrow(gi, i)[grp * gr..(grp + 1) * gr].iter().sum();
-                }
-            }
+    let rows = g * t;
+    s.scores.clear();
+    s.scores.resize(rows * l, f32::NEG_INFINITY);
+    s.row.resize(d, 0.0);
+    // Query i sees keys [0, last(i)); Explicit masks are consulted inside that range.
+    let last = |i: usize| match mask {
+        AttendMask::Causal => l - t + i + 1,
+        AttendMask::None | AttendMask::Explicit(_) => l,
+    };
+    let bits = match mask {
+        AttendMask::Explicit(m) => Some(m),
+        _ => None,
+    };
+    let visible = |i: usize, j: usize| j < last(i) && bits.is_none_or(|m| m[i * l + j]);
+    for j in 0..l {
+        k.load(j, &mut s.row);
+        for i in (0..t).filter(|&i| visible(i, j)) {
+            // Query rows gi·t + i for every gi: stride t rows in q and in the scores.
+            let (qi, si) = (&q[i * d..], &mut s.scores[i * l + j..]);
+            simd::dot_many(qi, t * d, g, &s.row, scale, si, t * l);
         }
-        for j in 0..lim {
-            let visible = bits.is_none_or(|b| b[j]);
-            for gi in 0..g {
-                s.scores[gi * l + j] = if visible {
-                    k.dot(j, qrow(gi, i), &s.qsum[gi * ng..(gi + 1) * ng]) * scale
-                } else {
-                    f32::NEG_INFINITY
-                };
-            }
+    }
+    for sc in s.scores.chunks_exact_mut(l) {
+        simd::softmax_in_place(sc);
+    }
+    out.fill(0.0);
+    for j in 0..l {
+        if (0..t).all(|i| !visible(i, j)) {
+            continue;
         }
-        for gi in 0..g {
-            let sc = &mut s.scores[gi * l..gi * l + lim];
-            let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            out[(gi * t + i) * d..(gi * t + i + 1) * d].fill(0.0);
-            if max == f32::NEG_INFINITY {
-                sc.fill(0.0);
-                continue;
-            }
-            let mut sum = 0.0;
-            for x in sc.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-            let inv = 1.0 / sum;
-            for x in sc.iter_mut() {
-                *x *= inv;
-            }
-        }
-        for j in 0..lim {
-            for gi in 0..g {
-                let w = s.scores[gi * l + j];
-                if w != 0.0 {
-                    v.axpy(j, w, &mut out[(gi * t + i) * d..(gi * t + i + 1) * d]);
-                }
-            }
-        }
+        v.load(j, &mut s.row);
+        simd::axpy_many(&s.scores[j..], l, rows, &s.row, out);
     }
 }

@@ -71,6 +71,20 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ x[i]` with eight independent lanes.
+#[inline(always)]
+fn sum_lanes(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let c = x.chunks_exact(8);
+    let tail: f32 = c.remainder().iter().sum();
+    for v in c {
+        for l in 0..8 {
+            acc[l] += v[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// `Σ a[i]·b[i]`.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -93,81 +107,132 @@ pub fn axpy_f32(w: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `Σ q[i]·k[i]` with `k` in f16.
-pub fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+/// `out[r·out_stride] = scale · (q[r·q_stride ..][..d] · k)` for `r < n` (`d = k.len()`):
+/// one pass over `k` for all `n` query rows.
+pub fn dot_many(
+    q: &[f32],
+    q_stride: usize,
+    n: usize,
+    k: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    out_stride: usize,
+) {
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
-        return unsafe { x86::dot_f16(q, k) };
+        return unsafe { x86::dot_many(q, q_stride, n, k, scale, out, out_stride) };
     }
-    q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum()
+    let d = k.len();
+    for r in 0..n {
+        out[r * out_stride] = dot_lanes(&q[r * q_stride..r * q_stride + d], k) * scale;
+    }
 }
 
-/// `y += w·x` with `x` in f16.
-pub fn axpy_f16(w: f32, x: &[f16], y: &mut [f32]) {
+/// `out[r] += w[r·w_stride] · v` for `r < n`, where `out` holds `n` rows of `v.len()`;
+/// rows with a zero weight are skipped. One pass over `v` for all rows.
+pub fn axpy_many(w: &[f32], w_stride: usize, n: usize, v: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
-        return unsafe { x86::axpy_f16(w, x, y) };
+        return unsafe { x86::axpy_many(w, w_stride, n, v, out) };
     }
-    for (o, v) in y.iter_mut().zip(x) {
-        *o += w * v.to_f32();
-    }
-}
-
-/// `Σ q[i]·k[i]` with `k` in bf16.
-pub fn dot_bf16(q: &[f32], k: &[bf16]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (qc, kc) = (q.chunks_exact(8), k.chunks_exact(8));
-    let tail: f32 = qc
-        .remainder()
-        .iter()
-        .zip(kc.remainder())
-        .map(|(a, b)| a * b.to_f32())
-        .sum();
-    for (a, b) in qc.zip(kc) {
-        for l in 0..8 {
-            acc[l] += a[l] * f32::from_bits((b[l].to_bits() as u32) << 16);
+    let d = v.len();
+    for r in 0..n {
+        let wr = w[r * w_stride];
+        if wr != 0.0 {
+            for (o, x) in out[r * d..(r + 1) * d].iter_mut().zip(v) {
+                *o += wr * x;
+            }
         }
     }
-    acc.iter().sum::<f32>() + tail
 }
 
-/// `y += w·x` with `x` in bf16.
-pub fn axpy_bf16(w: f32, x: &[bf16], y: &mut [f32]) {
-    for (o, v) in y.iter_mut().zip(x) {
-        *o += w * f32::from_bits((v.to_bits() as u32) << 16);
+/// Dequantizes one row (see [`kvplug_backend_kit::quant::dequantize_row`]), vectorized
+/// with AVX2 where available.
+pub fn dequantize_row(
+    codes: &[u8],
+    scales: &[u16],
+    los: &[u16],
+    bits: u32,
+    group: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if vector_path() {
+        // SAFETY: the features were detected above.
+        return unsafe { x86::dequantize_row(codes, scales, los, bits, group, out) };
+    }
+    kvplug_backend_kit::quant::dequantize_row(codes, scales, los, bits, group, out)
+}
+
+/// `out = src` converted from f16.
+pub fn f16_to_f32(src: &[f16], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if vector_path() {
+        // SAFETY: the features were detected above.
+        return unsafe { x86::f16_to_f32(src, out) };
+    }
+    for (o, x) in out.iter_mut().zip(src) {
+        *o = x.to_f32();
     }
 }
 
-/// `Σ q[i]·c[i]` over 8-bit codes.
-pub fn dot_codes8(q: &[f32], c: &[u8]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (qc, cc) = (q.chunks_exact(8), c.chunks_exact(8));
-    let tail: f32 = qc
-        .remainder()
-        .iter()
-        .zip(cc.remainder())
-        .map(|(a, &b)| a * b as f32)
-        .sum();
-    for (a, b) in qc.zip(cc) {
-        for l in 0..8 {
-            acc[l] += a[l] * b[l] as f32;
-        }
+/// `out = src` converted from bf16 (exact: a shift).
+pub fn bf16_to_f32(src: &[bf16], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(src) {
+        *o = f32::from_bits((x.to_bits() as u32) << 16);
     }
-    acc.iter().sum::<f32>() + tail
 }
 
-/// `Σ q[i]·c[i]` over 4-bit codes packed two per byte (low nibble first).
-pub fn dot_codes4(q: &[f32], c: &[u8]) -> f32 {
-    let mut acc = [0f32; 8];
-    for (a, b) in q.chunks_exact(8).zip(c.chunks_exact(4)) {
-        for l in 0..4 {
-            acc[2 * l] += a[2 * l] * (b[l] & 0xf) as f32;
-            acc[2 * l + 1] += a[2 * l + 1] * (b[l] >> 4) as f32;
-        }
+/// `e^x` to about `|x|·1e-7` relative (1e-6 on [-20, 20]), branch-free so loops over it
+/// vectorize; `0` below -87.
+#[inline(always)]
+pub fn fast_exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln(2)^k / k!: 2^f = e^(f ln 2) for f in [-0.5, 0.5].
+    const C: [f32; 6] = [
+        std::f32::consts::LN_2,
+        0.240_226_5,
+        0.055_504_11,
+        0.009_618_129,
+        0.001_333_355_8,
+        0.000_154_035_3,
+    ];
+    let xc = x.clamp(-87.0, 88.0);
+    let t = xc * LOG2E;
+    let n = (t + 12_582_912.0) - 12_582_912.0;
+    let f = t - n;
+    let p = 1.0 + f * (C[0] + f * (C[1] + f * (C[2] + f * (C[3] + f * (C[4] + f * C[5])))));
+    let e = f32::from_bits(((n as i32 + 127) << 23) as u32) * p;
+    if x < -87.0 {
+        0.0
+    } else {
+        e
     }
-    acc.iter().sum()
+}
+
+/// Numerically stable softmax of `x` in place; an all `-inf` row becomes zeros.
+pub fn softmax_in_place(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if vector_path() {
+        // SAFETY: the features were detected above.
+        return unsafe { x86::softmax_in_place(x) };
+    }
+    softmax_body(x)
+}
+
+#[inline(always)]
+fn softmax_body(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        x.fill(0.0);
+        return;
+    }
+    // Separate passes so the exp loop vectorizes (a running float sum would not).
+    x.iter_mut().for_each(|v| *v = fast_exp(*v - max));
+    let inv = 1.0 / sum_lanes(x);
+    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -231,41 +296,117 @@ mod x86 {
         }
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
-        let n = q.len().min(k.len());
-        let kp = k.as_ptr() as *const u16;
-        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut i = 0;
-        while i + 16 <= n {
-            let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(i) as *const __m128i));
-            let k1 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(i + 8) as *const __m128i));
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), k0, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i + 8)), k1, acc1);
-            i += 16;
+    unsafe fn h2f(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// Same maths as the kit's reference: `lo + q·scale` per group, with the f16 scale and
+    /// offset converted by F16C and 8 codes widened per instruction.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequantize_row(
+        codes: &[u8],
+        scales: &[u16],
+        los: &[u16],
+        bits: u32,
+        group: usize,
+        out: &mut [f32],
+    ) {
+        let per_byte = 8 / bits as usize;
+        for (g, o) in out.chunks_exact_mut(group).enumerate() {
+            let scale = h2f(scales[g]);
+            let lo = h2f(los[g]);
+            let (sv, lv) = (_mm256_set1_ps(scale), _mm256_set1_ps(lo));
+            let cg = &codes[g * group / per_byte..(g + 1) * group / per_byte];
+            if bits == 8 && group % 8 == 0 {
+                for (i, chunk) in o.chunks_exact_mut(8).enumerate() {
+                    let c8 = _mm_loadl_epi64(cg.as_ptr().add(i * 8) as *const __m128i);
+                    let f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8));
+                    _mm256_storeu_ps(chunk.as_mut_ptr(), _mm256_fmadd_ps(f, sv, lv));
+                }
+            } else if bits == 8 {
+                for (x, &c) in o.iter_mut().zip(cg) {
+                    *x = lo + c as f32 * scale;
+                }
+            } else {
+                for (pair, &c) in o.chunks_exact_mut(2).zip(cg) {
+                    pair[0] = lo + (c & 0xf) as f32 * scale;
+                    pair[1] = lo + (c >> 4) as f32 * scale;
+                }
+            }
         }
-        let mut s = hsum(_mm256_add_ps(acc0, acc1));
-        while i < n {
-            s += q[i] * k[i].to_f32();
-            i += 1;
-        }
-        s
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_f16(w: f32, x: &[f16], y: &mut [f32]) {
-        let n = x.len().min(y.len());
-        let xp = x.as_ptr() as *const u16;
-        let wv = _mm256_set1_ps(w);
+    pub unsafe fn softmax_in_place(x: &mut [f32]) {
+        super::softmax_body(x)
+    }
+
+    /// Up to four query rows per pass over `k`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_many(
+        q: &[f32],
+        q_stride: usize,
+        n: usize,
+        k: &[f32],
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let d = k.len();
+        debug_assert!(
+            n == 0 || (q.len() >= (n - 1) * q_stride + d && out.len() > (n - 1) * out_stride)
+        );
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let mut r = 0;
+        while r < n {
+            let m = (n - r).min(4);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut c = 0;
+            while c + 8 <= d {
+                let kv = _mm256_loadu_ps(kp.add(c));
+                for (b, a) in acc.iter_mut().enumerate().take(m) {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add((r + b) * q_stride + c)), kv, *a);
+                }
+                c += 8;
+            }
+            for (b, a) in acc.iter().enumerate().take(m) {
+                let mut s = hsum(*a);
+                for i in c..d {
+                    s += q[(r + b) * q_stride + i] * k[i];
+                }
+                out[(r + b) * out_stride] = s * scale;
+            }
+            r += m;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_many(w: &[f32], w_stride: usize, n: usize, v: &[f32], out: &mut [f32]) {
+        let d = v.len();
+        for r in 0..n {
+            let wr = w[r * w_stride];
+            if wr != 0.0 {
+                axpy_f32(wr, v, &mut out[r * d..(r + 1) * d]);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32(src: &[f16], out: &mut [f32]) {
+        let n = src.len().min(out.len());
+        let sp = src.as_ptr() as *const u16;
         let mut i = 0;
         while i + 8 <= n {
-            let xv = _mm256_cvtph_ps(_mm_loadu_si128(xp.add(i) as *const __m128i));
-            let o = _mm256_fmadd_ps(wv, xv, _mm256_loadu_ps(y.as_ptr().add(i)));
-            _mm256_storeu_ps(y.as_mut_ptr().add(i), o);
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(i),
+                _mm256_cvtph_ps(_mm_loadu_si128(sp.add(i) as *const __m128i)),
+            );
             i += 8;
         }
         while i < n {
-            y[i] += w * x[i].to_f32();
+            out[i] = src[i].to_f32();
             i += 1;
         }
     }
@@ -281,29 +422,60 @@ mod tests {
         let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.11).cos()).collect();
         let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((dot_f32(&a, &b) - want).abs() < 1e-4);
-        let bh: Vec<f16> = b.iter().map(|&x| f16::from_f32(x)).collect();
-        let want_h: f32 = a.iter().zip(&bh).map(|(x, y)| x * y.to_f32()).sum();
-        assert!((dot_f16(&a, &bh) - want_h).abs() < 1e-4);
-        let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
-        let want_b: f32 = a.iter().zip(&bb).map(|(x, y)| x * y.to_f32()).sum();
-        assert!((dot_bf16(&a, &bb) - want_b).abs() < 1e-4);
         let mut y = vec![1.0f32; 37];
-        axpy_f16(2.0, &bh, &mut y);
-        for (o, x) in y.iter().zip(&bh) {
-            assert!((o - (1.0 + 2.0 * x.to_f32())).abs() < 1e-6);
+        axpy_f32(2.0, &b, &mut y);
+        for (o, x) in y.iter().zip(&b) {
+            assert!((o - (1.0 + 2.0 * x)).abs() < 1e-6);
         }
-        let codes: Vec<u8> = (0..32).map(|i| (i * 7 % 256) as u8).collect();
-        let want8: f32 = a[..32].iter().zip(&codes).map(|(x, &c)| x * c as f32).sum();
-        assert!((dot_codes8(&a[..32], &codes) - want8).abs() < 1e-3);
-        let packed: Vec<u8> = codes
-            .chunks(2)
-            .map(|p| (p[0] & 0xf) | ((p[1] & 0xf) << 4))
-            .collect();
-        let want4: f32 = a[..32]
-            .iter()
-            .zip(&codes)
-            .map(|(x, &c)| x * (c & 0xf) as f32)
-            .sum();
-        assert!((dot_codes4(&a[..32], &packed) - want4).abs() < 1e-3);
+        let bh: Vec<f16> = b.iter().map(|&x| f16::from_f32(x)).collect();
+        let mut out = vec![0.0; 37];
+        f16_to_f32(&bh, &mut out);
+        assert!(out.iter().zip(&bh).all(|(o, x)| *o == x.to_f32()));
+        let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
+        bf16_to_f32(&bb, &mut out);
+        assert!(out.iter().zip(&bb).all(|(o, x)| *o == x.to_f32()));
+    }
+
+    #[test]
+    fn dequantize_matches_the_kit_reference() {
+        use kvplug_backend_kit::quant::{dequantize_row as reference, quantize_row};
+        let row: Vec<f32> = (0..128).map(|i| (i as f32 * 0.21).sin() * 3.0).collect();
+        for (bits, group) in [(8, 64), (8, 4), (4, 32), (4, 8)] {
+            let ng = 128 / group;
+            let mut codes = vec![0u8; 128 * bits as usize / 8];
+            let (mut sc, mut lo) = (vec![0u16; ng], vec![0u16; ng]);
+            quantize_row(&row, bits, group, &mut codes, &mut sc, &mut lo);
+            let (mut a, mut b) = (vec![0.0; 128], vec![0.0; 128]);
+            dequantize_row(&codes, &sc, &lo, bits, group, &mut a);
+            reference(&codes, &sc, &lo, bits, group, &mut b);
+            for (x, y) in a.iter().zip(&b) {
+                assert!(
+                    (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                    "bits {bits} group {group}: {x} vs {y}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fast_exp_is_accurate_and_softmax_is_stable() {
+        // f32 range reduction limits accuracy to about |x|·1e-7 relative.
+        for i in -800..=880 {
+            let x = i as f32 / 10.0;
+            let (got, want) = (fast_exp(x) as f64, (x as f64).exp());
+            let tol = if x.abs() <= 20.0 { 1e-6 } else { 1e-5 };
+            assert!(
+                ((got - want) / want).abs() < tol,
+                "exp({x}) = {got}, want {want}"
+            );
+        }
+        assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(fast_exp(-100.0), 0.0);
+        let mut x = [1000.0, 1000.0, f32::NEG_INFINITY];
+        softmax_in_place(&mut x);
+        assert_eq!(x, [0.5, 0.5, 0.0]);
+        let mut none = [f32::NEG_INFINITY; 3];
+        softmax_in_place(&mut none);
+        assert_eq!(none, [0.0; 3]);
     }
 }

@@ -44,7 +44,9 @@ pub fn quantize_row(
     }
 }
 
-/// Dequantizes a row written by [`quantize_row`] into `out`.
+/// Dequantizes a row written by [`quantize_row`] into `out`. `#[inline]` so byte layers can
+/// compile it inside their own vector-feature contexts.
+#[inline]
 pub fn dequantize_row(
     codes: &[u8],
     scales: &[u16],

@@ -1,0 +1,233 @@
+//! Criterion benchmarks of the cpu backend's cache + attention (one layer, Hq 32, Hkv 8,
+//! D 128). `examples/bench_report.rs` turns the results into BENCH.md.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvplug_backend_kit::KitCache;
+use kvplug_core::{
+    make_config, CacheConfig, CacheKind, CacheVerbs, KvDtype, ModelCacheParams, PosRange,
+};
+use kvplug_cpu::tensor::CpuTensor;
+use kvplug_cpu::CpuDevice;
+
+const HQ: usize = 32;
+const HKV: usize = 8;
+const D: usize = 128;
+
+fn config(capacity: usize, dtype: KvDtype) -> CacheConfig {
+    make_config(
+        &ModelCacheParams {
+            n_layers: 1,
+            n_kv_heads: HKV,
+            head_dim: D,
+        },
+        capacity,
+        dtype,
+    )
+}
+
+fn tensor(h: usize, t: usize, salt: f32) -> CpuTensor {
+    CpuTensor::new(
+        &[h, t, D],
+        (0..h * t * D)
+            .map(|i| ((i as f32 + salt) * 0.0131).sin())
+            .collect(),
+    )
+}
+
+struct Io {
+    q: CpuTensor,
+    k: CpuTensor,
+    v: CpuTensor,
+    out: CpuTensor,
+}
+
+impl Io {
+    fn new(t: usize) -> Self {
+        Io {
+            q: tensor(HQ, t, 1.0),
+            k: tensor(HKV, t, 2.0),
+            v: tensor(HKV, t, 3.0),
+            out: CpuTensor::zeros(&[HQ, t, D]),
+        }
+    }
+    fn step(&mut self, c: &mut KitCache<CpuDevice>, positions: &[i32]) {
+        c.update_and_attend(
+            0,
+            &self.q,
+            &self.k,
+            &self.v,
+            positions,
+            1.0 / (D as f32).sqrt(),
+            &mut self.out,
+        )
+        .unwrap();
+        black_box(&self.out);
+    }
+}
+
+fn cache(kind: CacheKind, capacity: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
+    KitCache::new(Arc::new(CpuDevice::new()), kind, config(capacity, dtype)).unwrap()
+}
+
+/// A contiguous cache holding `len` tokens.
+fn filled(len: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
+    let mut c = cache(CacheKind::Contiguous, 32768, dtype);
+    let mut chunk = Io::new(512);
+    for start in (0..len).step_by(512) {
+        let n = 512.min(len - start);
+        if n < 512 {
+            chunk = Io::new(n);
+        }
+        let pos: Vec<i32> = (start as i32..(start + n) as i32).collect();
+        chunk.step(&mut c, &pos);
+    }
+    c
+}
+
+/// The machine's read bandwidth: summing a 256 MiB buffer (GB/s = bytes / time).
+fn read_bandwidth(cr: &mut Criterion) {
+    let buf: Vec<f32> = (0..64 << 20).map(|i| i as f32).collect();
+    let mut g = cr.benchmark_group("read_bandwidth");
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    g.bench_function("sum_256MiB", |b| {
+        b.iter(|| {
+            let mut acc = [0f32; 16];
+            for c in buf.chunks_exact(16) {
+                for l in 0..16 {
+                    acc[l] += c[l];
+                }
+            }
+            black_box(acc)
+        })
+    });
+    g.finish();
+}
+
+/// One decode step at window L: rewind to L-1 and decode position L-1.
+fn decode(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("decode");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
+        for l in [512usize, 4096, 16384] {
+            let mut c = filled(l, dtype);
+            let mut io = Io::new(1);
+            let p = [(l - 1) as i32];
+            g.bench_with_input(BenchmarkId::new(dtype.to_string(), l), &l, |b, _| {
+                b.iter(|| {
+                    c.rewind(l - 1).unwrap();
+                    io.step(&mut c, &p);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// Seq cache: `n` branches sharing a 2048-token trunk, one decode step for all of them.
+fn fork(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("fork_step");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    let mut c = cache(CacheKind::Seq, 8192, KvDtype::F16);
+    let mut trunk = Io::new(512);
+    for start in (0..2048).step_by(512) {
+        let pos: Vec<i32> = (start..start + 512).collect();
+        trunk.step(&mut c, &pos);
+    }
+    for b in 1..=4 {
+        c.seq_cp(0, b, PosRange::ALL).unwrap();
+    }
+    for n in [1usize, 4] {
+        let seqs: Vec<i32> = (1..=n as i32).collect();
+        let pos = vec![2048; n];
+        let mut io = Io::new(n);
+        g.bench_with_input(BenchmarkId::new("branches", n), &n, |b, _| {
+            b.iter(|| {
+                c.begin_step(&seqs).unwrap();
+                io.step(&mut c, &pos);
+                for &s in &seqs {
+                    c.seq_rm(s, PosRange::new(Some(2048), None)).unwrap();
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Tree verify of 16 nodes vs a 1-token decode at L = 2048.
+fn tree_verify(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("tree_verify");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    let mut c = cache(CacheKind::Tree, 8192, KvDtype::F16);
+    let mut pre = Io::new(512);
+    for start in (0..2048).step_by(512) {
+        let pos: Vec<i32> = (start..start + 512).collect();
+        pre.step(&mut c, &pos);
+    }
+    let parents = [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7];
+    let depth = |mut n: i32| {
+        let mut d = 0;
+        while parents[n as usize] >= 0 {
+            n = parents[n as usize];
+            d += 1;
+        }
+        d
+    };
+    let pos: Vec<i32> = (0..16).map(|n| 2048 + depth(n)).collect();
+    let mut io = Io::new(16);
+    g.bench_function("nodes_16", |b| {
+        b.iter(|| {
+            c.propose(&parents).unwrap();
+            io.step(&mut c, &pos);
+            c.commit(&[]).unwrap();
+        })
+    });
+    let mut d = filled(2049, KvDtype::F16);
+    let mut one = Io::new(1);
+    g.bench_function("decode_1", |b| {
+        b.iter(|| {
+            d.rewind(2048).unwrap();
+            one.step(&mut d, &[2048]);
+        })
+    });
+    g.finish();
+}
+
+/// Prefill of 512 tokens (one layer), with and without the XNNPACK GEMM path.
+fn prefill(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("prefill_512");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
+    let pos: Vec<i32> = (0..512).collect();
+    for xnn in [true, false] {
+        #[cfg(feature = "xnnpack")]
+        kvplug_cpu::attention::use_xnnpack(xnn);
+        if xnn && !cfg!(feature = "xnnpack") {
+            continue;
+        }
+        let mut c = cache(CacheKind::Contiguous, 4096, KvDtype::F16);
+        let mut io = Io::new(512);
+        g.bench_function(if xnn { "xnnpack" } else { "rust" }, |b| {
+            b.iter(|| {
+                c.clear();
+                io.step(&mut c, &pos);
+            })
+        });
+    }
+    #[cfg(feature = "xnnpack")]
+    kvplug_cpu::attention::use_xnnpack(true);
+    g.finish();
+}
+
+criterion_group!(benches, read_bandwidth, decode, fork, tree_verify, prefill);
+criterion_main!(benches);
