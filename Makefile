@@ -5,8 +5,13 @@ CARGO ?= cargo
 # Silences Mesa's lavapipe warning when no session runtime dir exists (CI, containers).
 export XDG_RUNTIME_DIR ?= /tmp/kvplug-xdg-runtime
 
-# Backends the conformance run must load: a missing one fails the run.
+# Backends the conformance run must load: a missing one fails the run. On Linux the wgpu
+# backend runs on the software Vulkan driver (lavapipe) that install-deps provides.
+ifeq ($(shell uname -s),Linux)
+REQUIRED_BACKENDS ?= cpu,wgpu
+else
 REQUIRED_BACKENDS ?= cpu
+endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
 .PHONY: demo test deps build fmt-check clippy unit conform bench
@@ -36,7 +41,9 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+# The loader tests read the fixture dylibs, which only a workspace build produces.
 unit:
+	$(CARGO) build --workspace
 	$(CARGO) test --workspace
 
 ## make bench: criterion benchmarks of the cpu backend, then BENCH.md regenerated from them.

@@ -1,1 +1,445 @@
-//! Placeholder: filled by a later issue. Exports nothing yet.
+//! # kvplug-wgpu
+//!
+//! The `wgpu` backend: the kit's [`Device`] over wgpu 30 with WGSL compute kernels, for every
+//! desktop GPU API (Vulkan, Metal, DX12) and, in CI, the software Vulkan driver (lavapipe).
+//!
+//! - Pools are storage buffers of u32 words, SDPA-major `[heads, cells, row_words]`: f32
+//!   rows as bits, f16 and bf16 packed two per word (`unpack2x16float` / shifts), q8 and q4
+//!   codes packed four / eight per word followed by one word per group holding the f16
+//!   scale and offset. Rows are encoded by a kernel, so activations never leave the device.
+//! - Attention runs three kernels (scores, masked stable softmax, output) over the window
+//!   `[0, read_len)` with GQA head mapping and None / Causal / Explicit masks; quantized rows
+//!   are decoded inside them. Query heads are processed in chunks so the score buffer fits
+//!   the adapter's storage-binding limit.
+//! - Device selection honours `WGPU_BACKEND` and `WGPU_ADAPTER_NAME`. Without an adapter the
+//!   plugin still loads, `describe` says why, and building a cache fails with that reason.
+
+pub mod context;
+
+use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
+use kvplug_core::{CacheError, KvDtype};
+use kvplug_plugin_api::{HostTensor, TensorDtype};
+use wgpu::BufferUsages;
+
+use crate::context::Context;
+
+/// An f32 activation tensor in a storage buffer.
+pub struct WgpuTensor {
+    buf: wgpu::Buffer,
+    dims: Vec<usize>,
+}
+
+/// One layer's K or V pool.
+pub struct WgpuPool {
+    buf: wgpu::Buffer,
+    heads: usize,
+    head_dim: usize,
+    cells: usize,
+    row_words: usize,
+    dtype: u32,
+    group: u32,
+}
+
+/// Per-cache scratch: the score buffer, grown on demand.
+#[derive(Default)]
+pub struct WgpuScratch {
+    scores: Option<wgpu::Buffer>,
+}
+
+/// The wgpu device and its kernels.
+pub struct WgpuDevice {
+    ctx: Context,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct RowParams {
+    heads: u32,
+    t: u32,
+    d: u32,
+    cells: u32,
+    row_words: u32,
+    dtype: u32,
+    group: u32,
+    base: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct AttnParams {
+    hq: u32,
+    hkv: u32,
+    t: u32,
+    l: u32,
+    d: u32,
+    cells: u32,
+    row_words: u32,
+    dtype: u32,
+    group: u32,
+    mask_kind: u32,
+    head0: u32,
+    nheads: u32,
+    scale: f32,
+    rows_per_y: u32,
+    pad: [u32; 2],
+}
+
+const MAX_DISPATCH: u32 = 65535;
+
+/// `(dtype code, words per row, group)` of a pool, or why this device cannot hold it.
+fn layout(dtype: KvDtype, d: usize) -> Result<(u32, usize, u32), CacheError> {
+    let bad =
+        |why: &str| CacheError::bad_config(format!("wgpu {dtype} pools need {why} (head_dim {d})"));
+    Ok(match dtype {
+        KvDtype::F32 => (0, d, 1),
+        KvDtype::F16 | KvDtype::Bf16 if d % 2 != 0 => return Err(bad("an even head_dim")),
+        KvDtype::F16 => (1, d / 2, 1),
+        KvDtype::Bf16 => (2, d / 2, 1),
+        KvDtype::Q8 { group } if group % 4 != 0 => {
+            return Err(bad("a group that is a multiple of 4"))
+        }
+        KvDtype::Q8 { group } => (3, d / 4 + d / group, group as u32),
+        KvDtype::Q4 { group } if group % 8 != 0 => {
+            return Err(bad("a group that is a multiple of 8"))
+        }
+        KvDtype::Q4 { group } => (4, d / 8 + d / group, group as u32),
+    })
+}
+
+fn device_err(e: String) -> KitError {
+    KitError::Device(e)
+}
+
+impl WgpuDevice {
+    fn u32s(&self, label: &str, v: &[u32]) -> wgpu::Buffer {
+        self.ctx
+            .buffer_with(label, bytemuck::cast_slice(v), BufferUsages::STORAGE)
+    }
+
+    fn uniform<T: bytemuck::Pod>(&self, v: &T) -> wgpu::Buffer {
+        self.ctx
+            .buffer_with("params", bytemuck::bytes_of(v), BufferUsages::UNIFORM)
+    }
+
+    fn row_params(&self, pool: &WgpuPool, t: usize, base: usize) -> RowParams {
+        RowParams {
+            heads: pool.heads as u32,
+            t: t as u32,
+            d: pool.head_dim as u32,
+            cells: pool.cells as u32,
+            row_words: pool.row_words as u32,
+            dtype: pool.dtype,
+            group: pool.group,
+            base: base as u32,
+        }
+    }
+
+    /// A zeroed pool buffer, refused when it exceeds the adapter's storage binding limit.
+    fn pool_buffer(
+        &self,
+        heads: usize,
+        cells: usize,
+        row_words: usize,
+    ) -> Result<wgpu::Buffer, KitError> {
+        let bytes = (heads * cells * row_words * 4) as u64;
+        let limit = self.ctx.limits.max_storage_buffer_binding_size;
+        if bytes > limit {
+            return Err(CacheError::capacity(format!(
+                "a {cells}-cell pool needs {bytes} bytes, over this adapter's storage binding limit of {limit}"
+            ))
+            .into());
+        }
+        Ok(self.ctx.storage("pool", bytes))
+    }
+
+    /// Encodes token `i` of `src` (`[heads, T, D]`) into row `cells[i]`.
+    fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], src: &WgpuTensor) {
+        let params = self.uniform(&self.row_params(pool, cells.len(), 0));
+        let cells = self.u32s("cells", cells);
+        let dummy = self.ctx.storage("unused", 4);
+        let bg = self.ctx.bind(
+            &self.ctx.rows.layout,
+            &[&params, &src.buf, &cells, &pool.buf, &dummy],
+        );
+        let n = (pool.heads * src.dims[1]) as u32;
+        self.ctx.dispatch(
+            &bg,
+            &[(&self.ctx.rows.pipelines[0], [n.div_ceil(64), 1, 1])],
+        );
+    }
+}
+
+impl Device for WgpuDevice {
+    type Tensor = WgpuTensor;
+    type Pool = WgpuPool;
+    type Scratch = WgpuScratch;
+
+    fn kv_dtypes(&self) -> &[KvDtype] {
+        &KvDtype::ALL
+    }
+
+    fn dims<'t>(&self, t: &'t WgpuTensor) -> &'t [usize] {
+        &t.dims
+    }
+
+    fn pool_new(
+        &self,
+        dtype: KvDtype,
+        heads: usize,
+        head_dim: usize,
+        cells: usize,
+    ) -> Result<WgpuPool, KitError> {
+        let (code, row_words, group) = layout(dtype, head_dim)?;
+        Ok(WgpuPool {
+            buf: self.pool_buffer(heads, cells, row_words)?,
+            heads,
+            head_dim,
+            cells,
+            row_words,
+            dtype: code,
+            group,
+        })
+    }
+
+    fn pool_grow(&self, pool: &mut WgpuPool, cells: usize, keep: usize) -> Result<(), KitError> {
+        let grown = self.pool_buffer(pool.heads, cells, pool.row_words)?;
+        let rw = pool.row_words as u64 * 4;
+        let mut enc = self
+            .ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("pool_grow"),
+            });
+        if keep > 0 {
+            for h in 0..pool.heads as u64 {
+                enc.copy_buffer_to_buffer(
+                    &pool.buf,
+                    h * pool.cells as u64 * rw,
+                    &grown,
+                    h * cells as u64 * rw,
+                    keep as u64 * rw,
+                );
+            }
+        }
+        self.ctx.queue.submit([enc.finish()]);
+        pool.buf = grown;
+        pool.cells = cells;
+        Ok(())
+    }
+
+    fn pool_bytes(&self, pool: &WgpuPool) -> usize {
+        pool.heads * pool.cells * pool.row_words * 4
+    }
+
+    fn write_run(
+        &self,
+        pool: &mut WgpuPool,
+        start: usize,
+        src: &WgpuTensor,
+    ) -> Result<(), KitError> {
+        let cells: Vec<u32> = (start..start + src.dims[1]).map(|c| c as u32).collect();
+        self.write_rows(pool, &cells, src);
+        Ok(())
+    }
+
+    fn scatter_rows(
+        &self,
+        pool: &mut WgpuPool,
+        cells: &[u32],
+        src: &WgpuTensor,
+    ) -> Result<(), KitError> {
+        self.write_rows(pool, cells, src);
+        Ok(())
+    }
+
+    fn move_rows(&self, pool: &mut WgpuPool, base: usize, rows: &[u32]) {
+        if rows.is_empty() {
+            return;
+        }
+        let params = self.uniform(&self.row_params(pool, rows.len(), base));
+        let idx = self.u32s("rows", rows);
+        let dummy = self.ctx.storage("unused", 4);
+        let n = (pool.heads * rows.len() * pool.row_words) as u64;
+        let tmp = self.ctx.storage("gather", n * 4);
+        let bg = self.ctx.bind(
+            &self.ctx.rows.layout,
+            &[&params, &dummy, &idx, &pool.buf, &tmp],
+        );
+        let groups = (n as u32).div_ceil(64);
+        self.ctx.dispatch(
+            &bg,
+            &[
+                (&self.ctx.rows.pipelines[1], [groups, 1, 1]),
+                (&self.ctx.rows.pipelines[2], [groups, 1, 1]),
+            ],
+        );
+    }
+
+    fn attend(
+        &self,
+        q: &WgpuTensor,
+        k: &WgpuPool,
+        v: &WgpuPool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        out: &mut WgpuTensor,
+        scratch: &mut WgpuScratch,
+    ) -> Result<(), KitError> {
+        let (hq, t, d, l) = (q.dims[0], q.dims[1], q.dims[2], read_len);
+        if t > MAX_DISPATCH as usize {
+            return Err(device_err(format!(
+                "{t} query tokens exceed one dispatch ({MAX_DISPATCH})"
+            )));
+        }
+        let limit = self
+            .ctx
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.ctx.limits.max_buffer_size);
+        let per_head = (t * l * 4) as u64;
+        if per_head > limit {
+            return Err(device_err(format!(
+                "scores of one head ({t} × {l} floats) exceed the adapter's storage binding limit of {limit} bytes"
+            )));
+        }
+        let chunk = ((limit / per_head) as usize)
+            .clamp(1, hq)
+            .min(MAX_DISPATCH as usize);
+        let need = per_head * chunk as u64;
+        if scratch.scores.as_ref().is_none_or(|b| b.size() < need) {
+            scratch.scores = Some(self.ctx.storage("scores", need));
+        }
+        let scores = scratch.scores.as_ref().expect("allocated above");
+        let (mask_kind, bits) = match mask {
+            AttendMask::None => (0, vec![0u32]),
+            AttendMask::Causal => (1, vec![0u32]),
+            AttendMask::Explicit(m) => {
+                let mut words = vec![0u32; m.len().div_ceil(32).max(1)];
+                for (b, _) in m.iter().enumerate().filter(|(_, &on)| on) {
+                    words[b / 32] |= 1 << (b % 32);
+                }
+                (2, words)
+            }
+        };
+        let mask_buf = self.u32s("mask", &bits);
+        for head0 in (0..hq).step_by(chunk) {
+            let nheads = chunk.min(hq - head0);
+            let rows = (nheads * t) as u32;
+            let (sx, sy) = (rows.min(MAX_DISPATCH), rows.div_ceil(MAX_DISPATCH));
+            let params = self.uniform(&AttnParams {
+                hq: hq as u32,
+                hkv: k.heads as u32,
+                t: t as u32,
+                l: l as u32,
+                d: d as u32,
+                cells: k.cells as u32,
+                row_words: k.row_words as u32,
+                dtype: k.dtype,
+                group: k.group,
+                mask_kind,
+                head0: head0 as u32,
+                nheads: nheads as u32,
+                scale,
+                rows_per_y: sx,
+                pad: [0; 2],
+            });
+            let bg = self.ctx.bind(
+                &self.ctx.attention.layout,
+                &[&params, &q.buf, &k.buf, &v.buf, &mask_buf, scores, &out.buf],
+            );
+            let p = &self.ctx.attention.pipelines;
+            self.ctx.dispatch(
+                &bg,
+                &[
+                    (&p[0], [(l as u32).div_ceil(64), t as u32, nheads as u32]),
+                    (&p[1], [sx, sy, 1]),
+                    (&p[2], [(d as u32).div_ceil(64), t as u32, nheads as u32]),
+                ],
+            );
+        }
+        Ok(())
+    }
+
+    fn zeros(&self, dims: &[usize]) -> Result<WgpuTensor, KitError> {
+        Ok(WgpuTensor {
+            buf: self
+                .ctx
+                .storage("tensor", (dims.iter().product::<usize>() * 4) as u64),
+            dims: dims.to_vec(),
+        })
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<WgpuTensor, KitError> {
+        let data = t.to_f32().ok_or_else(|| {
+            CacheError::bad_shape(format!(
+                "cannot upload a {} tensor as activations",
+                t.dtype.as_str()
+            ))
+        })?;
+        Ok(WgpuTensor {
+            buf: self.ctx.buffer_with(
+                "tensor",
+                bytemuck::cast_slice(&data),
+                BufferUsages::STORAGE | BufferUsages::COPY_SRC,
+            ),
+            dims: t.dims(),
+        })
+    }
+
+    fn download(&self, t: &WgpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
+        let n = t.dims.iter().product::<usize>();
+        let bytes = self.ctx.read(&t.buf, (n * 4) as u64).map_err(device_err)?;
+        let data: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let out: Vec<u8> = match dtype {
+            TensorDtype::F32 => bytes,
+            TensorDtype::F16 => data
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            TensorDtype::Bf16 => data
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            TensorDtype::I32 => {
+                return Err(CacheError::bad_shape("cannot download activations as i32").into())
+            }
+        };
+        Ok(HostTensor {
+            dtype,
+            shape: t.dims.iter().map(|&d| d as u64).collect(),
+            bytes: out.into(),
+        })
+    }
+}
+
+impl Backend for WgpuDevice {
+    const ID: &'static str = "wgpu";
+    const NAME: &'static str = "kvplug wgpu backend";
+
+    fn open() -> Result<Self, String> {
+        Context::open().map(|ctx| WgpuDevice { ctx })
+    }
+
+    fn device_description(&self) -> String {
+        let i = &self.ctx.info;
+        format!("{} ({:?}, {:?})", i.name, i.backend, i.device_type)
+    }
+
+    fn features(&self) -> Vec<String> {
+        let mut f = vec![format!("{:?}", self.ctx.info.backend).to_lowercase()];
+        if self
+            .ctx
+            .adapter_features
+            .contains(wgpu::Features::SHADER_F16)
+        {
+            f.push("shader-f16-available".into());
+        }
+        f
+    }
+}
+
+kvplug_backend_kit::export_backend!(WgpuDevice);

@@ -1,0 +1,152 @@
+// Attention over one layer's K/V pools, in three passes sharing one bind group:
+//   scores_main  : s[hh, i, j] = scale · q[h, i] · K[kh, j]   (masked entries get NEG)
+//   softmax_main : row-wise stable softmax of s in place        (masked entries become 0)
+//   output_main  : out[h, i, dd] = Σ_j s[hh, i, j] · V[kh, j, dd]
+// Pools are u32 words, row-major [heads, cells, row_words]; element decoding in decode().
+
+struct Params {
+    hq: u32, hkv: u32, t: u32, l: u32,
+    d: u32, cells: u32, row_words: u32, dtype: u32,   // dtype: 0 f32, 1 f16, 2 bf16, 3 q8, 4 q4
+    group: u32, mask_kind: u32, head0: u32, nheads: u32, // mask_kind: 0 none, 1 causal, 2 explicit
+    scale: f32, rows_per_y: u32, pad1: u32, pad2: u32,
+}
+
+const NEG: f32 = -3.0e38;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> kp: array<u32>;
+@group(0) @binding(3) var<storage, read> vp: array<u32>;
+@group(0) @binding(4) var<storage, read> maskbits: array<u32>;
+@group(0) @binding(5) var<storage, read_write> scores: array<f32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+
+fn code_word(dd: u32) -> u32 {
+    switch p.dtype {
+        case 0u: { return dd; }
+        case 1u, 2u: { return dd / 2u; }
+        case 3u: { return dd / 4u; }
+        default: { return dd / 8u; }
+    }
+}
+
+fn meta_word(dd: u32) -> u32 {
+    if p.dtype == 3u { return p.d / 4u + dd / p.group; }
+    if p.dtype == 4u { return p.d / 8u + dd / p.group; }
+    return 0u;
+}
+
+fn decode(cw: u32, mw: u32, dd: u32) -> f32 {
+    switch p.dtype {
+        case 0u: { return bitcast<f32>(cw); }
+        case 1u: {
+            let v = unpack2x16float(cw);
+            return select(v.x, v.y, (dd & 1u) == 1u);
+        }
+        case 2u: { return bitcast<f32>(((cw >> (16u * (dd & 1u))) & 0xffffu) << 16u); }
+        case 3u: {
+            let m = unpack2x16float(mw);
+            return m.y + f32((cw >> (8u * (dd & 3u))) & 0xffu) * m.x;
+        }
+        default: {
+            let m = unpack2x16float(mw);
+            return m.y + f32((cw >> (4u * (dd & 7u))) & 0xfu) * m.x;
+        }
+    }
+}
+
+fn row_base(h: u32, c: u32) -> u32 {
+    return (h * p.cells + c) * p.row_words;
+}
+
+fn kelem(h: u32, c: u32, dd: u32) -> f32 {
+    let b = row_base(h, c);
+    return decode(kp[b + code_word(dd)], kp[b + meta_word(dd)], dd);
+}
+
+fn velem(h: u32, c: u32, dd: u32) -> f32 {
+    let b = row_base(h, c);
+    return decode(vp[b + code_word(dd)], vp[b + meta_word(dd)], dd);
+}
+
+fn visible(i: u32, j: u32) -> bool {
+    if p.mask_kind == 0u { return true; }
+    if p.mask_kind == 1u { return j + p.t <= p.l + i; }
+    let bit = i * p.l + j;
+    return ((maskbits[bit / 32u] >> (bit % 32u)) & 1u) == 1u;
+}
+
+@compute @workgroup_size(64)
+fn scores_main(@builtin(global_invocation_id) g: vec3<u32>) {
+    let j = g.x;
+    let i = g.y;
+    let hh = g.z;
+    if j >= p.l || i >= p.t || hh >= p.nheads { return; }
+    let h = p.head0 + hh;
+    let kh = h / (p.hq / p.hkv);
+    let idx = (hh * p.t + i) * p.l + j;
+    if !visible(i, j) {
+        scores[idx] = NEG;
+        return;
+    }
+    let qb = (h * p.t + i) * p.d;
+    var acc = 0.0;
+    for (var dd = 0u; dd < p.d; dd++) {
+        acc += q[qb + dd] * kelem(kh, j, dd);
+    }
+    scores[idx] = acc * p.scale;
+}
+
+var<workgroup> red: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn softmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x + wg.y * p.rows_per_y;
+    if r >= p.nheads * p.t { return; }
+    let base = r * p.l;
+    var m = NEG;
+    for (var j = lid; j < p.l; j += 64u) { m = max(m, scores[base + j]); }
+    red[lid] = m;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if lid < s { red[lid] = max(red[lid], red[lid + s]); }
+        workgroupBarrier();
+    }
+    let mx = red[0];
+    workgroupBarrier();
+    var sum = 0.0;
+    for (var j = lid; j < p.l; j += 64u) {
+        let v = scores[base + j];
+        if v > NEG { sum += exp(v - mx); }
+    }
+    red[lid] = sum;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if lid < s { red[lid] = red[lid] + red[lid + s]; }
+        workgroupBarrier();
+    }
+    let total = red[0];
+    for (var j = lid; j < p.l; j += 64u) {
+        let v = scores[base + j];
+        var pr = 0.0;
+        if v > NEG && total > 0.0 { pr = exp(v - mx) / total; }
+        scores[base + j] = pr;
+    }
+}
+
+@compute @workgroup_size(64)
+fn output_main(@builtin(global_invocation_id) g: vec3<u32>) {
+    let dd = g.x;
+    let i = g.y;
+    let hh = g.z;
+    if dd >= p.d || i >= p.t || hh >= p.nheads { return; }
+    let h = p.head0 + hh;
+    let kh = h / (p.hq / p.hkv);
+    let base = (hh * p.t + i) * p.l;
+    var acc = 0.0;
+    for (var j = 0u; j < p.l; j++) {
+        let w = scores[base + j];
+        if w != 0.0 { acc += w * velem(kh, j, dd); }
+    }
+    out[(h * p.t + i) * p.d + dd] = acc;
+}
