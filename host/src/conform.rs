@@ -108,6 +108,12 @@ pub fn run_matrix(host: &Host, scenarios: &[Scenario], opts: &ConformOptions) ->
         .filter(|p| wanted.contains(&p.backend_id))
     {
         let factory = HostFactory::new(host, plugin);
+        if factory.dtypes().is_empty() {
+            matrix
+                .unusable_backends
+                .push((plugin.backend_id.clone(), plugin.device.clone()));
+            continue;
+        }
         for scenario in scenarios {
             let dtypes = scenario.dtypes.clone().unwrap_or_else(|| factory.dtypes());
             for &kind in scenario

@@ -242,7 +242,38 @@ fn cli_lists_plugins_and_skips_with_exit_status_zero() {
     assert!(!out.status.success(), "no backend loaded must fail");
 }
 
+#[test]
+fn wgpu_without_a_matching_adapter_still_loads_and_says_why() {
+    let dir = plugins_dir(&[(dylib("kvplug_wgpu"), "libkvplug_wgpu.so")]);
+    let out = kvplug_env(
+        dir.path(),
+        &["plugins"],
+        &[("WGPU_ADAPTER_NAME", "no-such-adapter")],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("unavailable: no adapter matches WGPU_ADAPTER_NAME=no-such-adapter"),
+        "{stdout}"
+    );
+    let out = kvplug_env(
+        dir.path(),
+        &["conform", "--kinds", "seq", "--dtypes", "f16"],
+        &[("WGPU_ADAPTER_NAME", "no-such-adapter")],
+    );
+    assert!(!out.status.success());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("FAIL backend 'wgpu' cannot build caches: unavailable: no adapter matches"),
+        "{stdout}"
+    );
+}
+
 fn kvplug(plugins: &Path, args: &[&str]) -> std::process::Output {
+    kvplug_env(plugins, args, &[])
+}
+
+fn kvplug_env(plugins: &Path, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     // An empty exe-relative search is not possible (the binary sits next to the real
     // dylibs), so isolate with a private copy of the binary.
     let bin_dir = tempfile::tempdir().unwrap();
@@ -253,6 +284,7 @@ fn kvplug(plugins: &Path, args: &[&str]) -> std::process::Output {
         .arg(plugins)
         .args(args)
         .env_remove("KVPLUG_PLUGIN_PATH")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     drop(bin_dir);

@@ -23,6 +23,8 @@ pub struct Matrix {
     pub results: Vec<CaseResult>,
     /// Backends that were required but not loaded.
     pub missing_backends: Vec<String>,
+    /// Loaded backends that cannot build caches, with the reason (e.g. no GPU adapter).
+    pub unusable_backends: Vec<(String, String)>,
 }
 
 impl Matrix {
@@ -49,7 +51,10 @@ impl Matrix {
 
     /// True when nothing failed, some case passed and no required backend is missing.
     pub fn ok(&self) -> bool {
-        self.failures() == 0 && self.passes() > 0 && self.missing_backends.is_empty()
+        self.failures() == 0
+            && self.passes() > 0
+            && self.missing_backends.is_empty()
+            && self.unusable_backends.is_empty()
     }
 
     /// A text table, one line per case, then failures in full and a summary line.
@@ -101,11 +106,14 @@ impl Matrix {
         for b in &self.missing_backends {
             let _ = writeln!(s, "FAIL required backend '{b}' is not loaded");
         }
+        for (b, why) in &self.unusable_backends {
+            let _ = writeln!(s, "FAIL backend '{b}' cannot build caches: {why}");
+        }
         let _ = writeln!(
             s,
             "conformance: {} passed, {} failed, {} skipped",
             self.passes(),
-            self.failures() + self.missing_backends.len(),
+            self.failures() + self.missing_backends.len() + self.unusable_backends.len(),
             self.not_applicable()
         );
         s

@@ -434,7 +434,7 @@ mod tests {
         );
         let m = Matrix {
             results: vec![na.clone()],
-            missing_backends: vec![],
+            ..Matrix::default()
         };
         assert!(!m.ok(), "a run with nothing passed is not ok");
         assert!(m
@@ -443,6 +443,7 @@ mod tests {
         let m = Matrix {
             results: vec![na, failed],
             missing_backends: vec!["wgpu".into()],
+            ..Matrix::default()
         };
         let text = m.render();
         assert!(
