@@ -34,7 +34,7 @@ pub enum HostError {
         got: String,
     },
     /// The plugin refused or failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Plugin(#[from] PluginError),
 }
 

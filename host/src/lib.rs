@@ -20,7 +20,9 @@ pub mod discovery;
 pub mod error;
 pub mod host;
 pub mod loader;
+pub mod model;
 pub mod registry;
+pub mod run;
 pub mod services;
 pub mod session;
 

@@ -8,6 +8,10 @@ use clap::{Parser, Subcommand};
 use kvplug_conformance::{builtin_scenarios, load_dir};
 use kvplug_core::{CacheKind, KvDtype};
 use kvplug_host::conform::{run_matrix, ConformOptions, REQUIRE_BACKENDS_ENV};
+use kvplug_host::model::{synth, PRESETS};
+use kvplug_host::run::{
+    run_agents, run_decode, run_speculative, Draft, RunReport, RunSpec, Sampler,
+};
 use kvplug_host::{Host, PluginSearch};
 
 /// kvplug: runtime-swappable KV caches behind pluggable backends.
@@ -32,6 +36,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Model packages.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Generate with a model on a backend: decode, agent fork or speculative decoding.
+    Run(RunArgs),
     /// Run the cross-backend conformance matrix against the f64 oracle.
     Conform {
         /// Backend to test (repeatable; default: every loaded backend).
@@ -50,6 +61,80 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Write a deterministic random-weight Llama model with kv_cache.* metadata.
+    Synth {
+        /// `tiny` (tests) or `small` (SmolLM-135M's shape, benchmarks).
+        #[arg(long)]
+        preset: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Weight seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Weight dtype: f32, f16 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Backend id.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// Model directory (config.json + *.safetensors).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text (needs a tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Vec<i32>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    max_new: usize,
+    /// KV storage dtype.
+    #[arg(long, default_value = "f16")]
+    kv_dtype: String,
+    /// Cache capacity in cells.
+    #[arg(long, default_value_t = 4096)]
+    capacity: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Agent fork: K branches from the prompt, decoded together, best kept.
+    #[arg(long, conflicts_with = "speculative")]
+    agents: Option<usize>,
+    /// Speculative tree decoding (greedy) with a draft model.
+    #[arg(long)]
+    speculative: bool,
+    /// Draft model directory.
+    #[arg(long, conflicts_with = "draft_layers")]
+    draft: Option<PathBuf>,
+    /// Draft = the target's first N layers.
+    #[arg(long)]
+    draft_layers: Option<usize>,
+    /// Draft tree depth.
+    #[arg(long, default_value_t = 4)]
+    depth: usize,
+    /// Draft tree width (children of the root).
+    #[arg(long, default_value_t = 2)]
+    width: usize,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -76,6 +161,24 @@ fn run(cli: Cli) -> Result<ExitCode> {
     ));
     match cli.command {
         Command::Plugins { json } => plugins(&host, json),
+        Command::Model {
+            command:
+                ModelCommand::Synth {
+                    preset,
+                    out,
+                    seed,
+                    dtype,
+                },
+        } => {
+            let p = PRESETS
+                .iter()
+                .find(|p| p.name == preset)
+                .with_context(|| format!("unknown preset '{preset}' (expected tiny or small)"))?;
+            synth(p, &out, seed, &dtype)?;
+            println!("wrote {} model to {}", p.name, out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run(args) => run_model(&host, args),
         Command::Conform {
             backends,
             scenarios,
@@ -126,6 +229,68 @@ fn run(cli: Cli) -> Result<ExitCode> {
             })
         }
     }
+}
+
+fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
+    if a.prompt.is_some() {
+        bail!(
+            "text prompts need a tokenizer, which this build does not include; pass --prompt-ids"
+        );
+    }
+    if a.prompt_ids.is_empty() {
+        bail!("pass --prompt-ids 1,2,3");
+    }
+    let spec = RunSpec {
+        backend: a.backend.clone(),
+        model: a.model.clone(),
+        prompt: a.prompt_ids.clone(),
+        max_new: a.max_new,
+        kv_dtype: a.kv_dtype.parse()?,
+        capacity: a.capacity,
+    };
+    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed);
+    let report: RunReport = if let Some(k) = a.agents {
+        run_agents(host, &spec, k, &sampler)?
+    } else if a.speculative {
+        if a.temperature > 0.0 {
+            bail!("--speculative decodes greedily; drop --temperature");
+        }
+        let draft = match (&a.draft, a.draft_layers) {
+            (Some(d), None) => Draft::Model(d.clone()),
+            (None, Some(n)) => Draft::Layers(n),
+            _ => bail!("--speculative needs --draft DIR or --draft-layers N"),
+        };
+        run_speculative(host, &spec, &draft, a.depth, a.width)?
+    } else {
+        run_decode(host, &spec, &mut sampler)?
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let ids: Vec<String> = report.ids.iter().map(|i| i.to_string()).collect();
+    println!("ids: {}", ids.join(","));
+    if let (Some(branches), Some(w)) = (&report.branches, report.winner) {
+        for (b, ids) in branches.iter().enumerate() {
+            println!("branch {b}{}: {ids:?}", if b == w { " (kept)" } else { "" });
+        }
+    }
+    println!(
+        "prefill {:.1} tok/s, decode {:.1} tok/s; cache {} bytes, {} cells allocated, {} live",
+        report.prefill_tok_s,
+        report.decode_tok_s,
+        report.cache.allocated_bytes,
+        report.cache.pool_cells,
+        report.cache.live_cells
+    );
+    if let (Some(acc), Some(tpf)) = (report.acceptance, report.tokens_per_target_forward) {
+        println!(
+            "acceptance {:.1}%, {:.2} tokens per target forward",
+            acc * 100.0,
+            tpf
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn plugins(host: &Host, json: bool) -> Result<ExitCode> {

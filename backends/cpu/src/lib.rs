@@ -6,6 +6,7 @@
 //! heads on both cores. Exported as a plugin with one line; also usable as an rlib.
 
 pub mod attention;
+pub mod model;
 pub mod pool;
 pub mod simd;
 pub mod tensor;
@@ -198,4 +199,4 @@ impl Backend for CpuDevice {
     }
 }
 
-kvplug_backend_kit::export_backend!(CpuDevice);
+kvplug_backend_kit::export_backend!(CpuDevice, models);

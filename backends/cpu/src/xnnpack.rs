@@ -94,6 +94,10 @@ impl FullyConnected {
     }
 }
 
+// SAFETY: an operator may move between threads; callers serialise runs (the model keeps it
+// behind a mutex), which is what XNNPACK requires of one operator.
+unsafe impl Send for FullyConnected {}
+
 impl Drop for FullyConnected {
     fn drop(&mut self) {
         // SAFETY: created by xnn_create_*, deleted once.

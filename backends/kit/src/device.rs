@@ -24,7 +24,7 @@ pub enum AttendMask<'a> {
 /// every shape and index; they report only device failures.
 pub trait Device: Send + Sync + Sized + 'static {
     /// An activation tensor on the device.
-    type Tensor: Send;
+    type Tensor: Send + Sync;
     /// One layer's K or V storage.
     type Pool: Send;
     /// Per-cache scratch reused across steps (attention score buffers and the like).

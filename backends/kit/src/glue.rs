@@ -113,30 +113,56 @@ pub fn register<B: Backend>(
     })
 }
 
-/// The root module's `load_method`. Model methods arrive with the model issue; until then
-/// every name is reported as not provided.
-pub fn load_method<B: Backend>(
+/// The root module's `load_method` for a backend without model methods.
+pub fn load_no_method<B: Backend>(
     name: RStr<'_>,
     _options: &BackendOptions,
 ) -> RResult<MethodHandle, PluginError> {
     guard(|| -> Result<MethodHandle, PluginError> {
         Err(PluginError::new(
             AbiErrorKind::NotFound,
-            format!("backend '{}' provides no model method '{name}'", B::ID),
+            format!(
+                "backend '{}' provides no model methods (asked for '{name}')",
+                B::ID
+            ),
         ))
+    })
+}
+
+/// The root module's `load_method` for a backend with the kit's model graph: `forward`.
+pub fn load_model_method<B: Backend + crate::model::ModelDevice>(
+    name: RStr<'_>,
+    options: &BackendOptions,
+) -> RResult<MethodHandle, PluginError> {
+    guard(|| match name.as_str() {
+        "forward" => crate::model::method::load_forward::<B>(options),
+        other => Err(PluginError::new(
+            AbiErrorKind::NotFound,
+            format!(
+                "backend '{}' has no model method '{other}' (it has: forward)",
+                B::ID
+            ),
+        )),
     })
 }
 
 /// Exports a [`Backend`] as a kvplug plugin: registers its contiguous, seq and tree
 /// builders and emits the `abi_stable` root module. The crate must be a `cdylib` and depend
-/// on `abi_stable` (the root-module attribute names it).
+/// on `abi_stable` (the root-module attribute names it). With `, models` the backend (a
+/// [`ModelDevice`](crate::model::ModelDevice)) also serves the kit's model methods.
 ///
 /// ```ignore
-/// kvplug_backend_kit::export_backend!(CpuDevice);
+/// kvplug_backend_kit::export_backend!(CpuDevice, models);
 /// ```
 #[macro_export]
 macro_rules! export_backend {
     ($backend:ty) => {
+        $crate::export_backend!(@emit $backend, $crate::glue::load_no_method::<$backend>);
+    };
+    ($backend:ty, models) => {
+        $crate::export_backend!(@emit $backend, $crate::glue::load_model_method::<$backend>);
+    };
+    (@emit $backend:ty, $load:expr) => {
         #[doc(hidden)]
         pub mod __kvplug_plugin {
             use super::*;
@@ -185,7 +211,7 @@ macro_rules! export_backend {
                 $crate::glue::register::<$backend>(host, registrar)
             }
             extern "C" fn load_method(name: RStr<'_>, options: &BackendOptions) -> RResult<MethodHandle, PluginError> {
-                $crate::glue::load_method::<$backend>(name, options)
+                $load(name, options)
             }
 
             /// The plugin's root module.

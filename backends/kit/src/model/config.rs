@@ -1,0 +1,243 @@
+//! `config.json` of a Llama-family model, and the rotary frequencies it implies.
+
+use kvplug_core::{CacheError, ModelCacheParams};
+
+/// Why a model package cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A malformed or inconsistent file.
+    #[error("{0}")]
+    Malformed(String),
+    /// An architecture this kit does not implement.
+    #[error("unsupported architecture '{0}' (supported: llama, mistral, qwen2)")]
+    Unsupported(String),
+}
+
+impl From<ModelError> for CacheError {
+    fn from(e: ModelError) -> Self {
+        CacheError::bad_config(e.to_string())
+    }
+}
+
+/// `rope_scaling` of Llama 3.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct RopeScaling {
+    /// `llama3` (others are rejected).
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    /// Frequency division factor.
+    #[serde(default = "one")]
+    pub factor: f64,
+    /// Low-frequency factor.
+    #[serde(default = "one")]
+    pub low_freq_factor: f64,
+    /// High-frequency factor.
+    #[serde(default = "four")]
+    pub high_freq_factor: f64,
+    /// Context length the frequencies were trained for.
+    #[serde(default = "ctx")]
+    pub original_max_position_embeddings: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn four() -> f64 {
+    4.0
+}
+fn ctx() -> f64 {
+    8192.0
+}
+fn eps() -> f64 {
+    1e-6
+}
+fn theta() -> f64 {
+    10000.0
+}
+
+/// The fields of a Hugging Face `config.json` this kit reads (others are ignored).
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct LlamaConfig {
+    /// `llama`, `mistral` or `qwen2`.
+    #[serde(default)]
+    pub model_type: String,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// KV heads (default: as many as query heads).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Layers.
+    pub num_hidden_layers: usize,
+    /// Vocabulary.
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    #[serde(default = "eps")]
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    #[serde(default = "theta")]
+    pub rope_theta: f64,
+    /// Llama 3 frequency scaling.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Whether `lm_head` reuses the embedding table.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Head width (default hidden / heads).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// Biases on q/k/v (Qwen2 always has them).
+    #[serde(default)]
+    pub attention_bias: bool,
+}
+
+impl LlamaConfig {
+    /// Parses and validates `config.json` text.
+    pub fn parse(text: &str) -> Result<Self, ModelError> {
+        let c: LlamaConfig = serde_json::from_str(text)
+            .map_err(|e| ModelError::Malformed(format!("config.json: {e}")))?;
+        if !matches!(c.model_type.as_str(), "llama" | "mistral" | "qwen2") {
+            return Err(ModelError::Unsupported(c.model_type));
+        }
+        let kv = c.kv_heads();
+        let dims_ok = c.hidden_size > 0
+            && c.num_attention_heads > 0
+            && kv > 0
+            && c.num_attention_heads % kv == 0
+            && c.num_hidden_layers > 0
+            && c.vocab_size > 0
+            && c.head_dim() % 2 == 0
+            && c.head_dim() > 0;
+        if !dims_ok {
+            return Err(ModelError::Malformed(format!(
+                "config.json: inconsistent shape (hidden {}, heads {}, kv heads {kv}, head_dim {}, layers {})",
+                c.hidden_size,
+                c.num_attention_heads,
+                c.head_dim(),
+                c.num_hidden_layers
+            )));
+        }
+        if let Some(s) = &c.rope_scaling {
+            if s.rope_type != "llama3" {
+                return Err(ModelError::Malformed(format!(
+                    "rope_scaling type '{}' is not supported (only llama3)",
+                    s.rope_type
+                )));
+            }
+        }
+        Ok(c)
+    }
+
+    /// KV heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Head width.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Whether q/k/v carry biases.
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_bias || self.model_type == "qwen2"
+    }
+
+    /// The cache shape this model needs.
+    pub fn cache_params(&self) -> ModelCacheParams {
+        ModelCacheParams {
+            n_layers: self.num_hidden_layers,
+            n_kv_heads: self.kv_heads(),
+            head_dim: self.head_dim(),
+        }
+    }
+
+    /// Rotary inverse frequencies (`head_dim / 2` values), Llama 3 scaling applied.
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let hd = self.head_dim();
+        (0..hd / 2)
+            .map(|i| {
+                let f = self.rope_theta.powf(-(2.0 * i as f64) / hd as f64);
+                let Some(s) = &self.rope_scaling else {
+                    return f as f32;
+                };
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                let low = s.original_max_position_embeddings / s.low_freq_factor;
+                let high = s.original_max_position_embeddings / s.high_freq_factor;
+                let scaled = if wavelen < high {
+                    f
+                } else if wavelen > low {
+                    f / s.factor
+                } else {
+                    let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    (1.0 - smooth) * f / s.factor + smooth * f
+                };
+                scaled as f32
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOL: &str = r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+        "vocab_size": 49152, "rope_theta": 10000.0, "tie_word_embeddings": true, "extra": 1}"#;
+
+    #[test]
+    fn parses_hf_configs() {
+        let c = LlamaConfig::parse(SMOL).unwrap();
+        assert_eq!((c.head_dim(), c.kv_heads(), c.qkv_bias()), (64, 3, false));
+        assert_eq!(c.inv_freq().len(), 32);
+        assert_eq!(c.inv_freq()[0], 1.0);
+        let q = LlamaConfig::parse(&SMOL.replace("\"llama\"", "\"qwen2\"")).unwrap();
+        assert!(q.qkv_bias());
+        let e = LlamaConfig::parse(&SMOL.replace("\"llama\"", "\"gpt2\"")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2)"
+        );
+        let e = LlamaConfig::parse(
+            &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("inconsistent shape"), "{e}");
+        assert!(LlamaConfig::parse("{").is_err());
+    }
+
+    #[test]
+    fn llama3_scaling_divides_low_frequencies_only() {
+        let c = LlamaConfig::parse(&SMOL.replace(
+            "\"rope_theta\": 10000.0",
+            r#""rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
+        ))
+        .unwrap();
+        let plain = LlamaConfig {
+            rope_scaling: None,
+            ..c.clone()
+        }
+        .inv_freq();
+        let scaled = c.inv_freq();
+        assert_eq!(scaled[0], plain[0], "high frequencies are kept");
+        let last = plain.len() - 1;
+        assert!(
+            (scaled[last] - plain[last] / 8.0).abs() < 1e-12,
+            "low frequencies are divided by the factor"
+        );
+    }
+}

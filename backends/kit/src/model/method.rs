@@ -1,0 +1,200 @@
+//! [`ForwardMethod`]: the `forward` model method over the ABI, bound to a cache.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvplug_core::{CacheError, CacheVerbs};
+use kvplug_plugin_api::abi_stable::sabi_trait::TD_Opaque;
+use kvplug_plugin_api::abi_stable::std_types::{RArc, RResult, RString, RVec};
+use kvplug_plugin_api::{
+    guard, AbiErrorKind, BackendOptions, HostTensor, MethodHandle, ModelMethod, ModelMethod_TO,
+    PluginError, TensorDtype,
+};
+
+use super::forward::LlamaModel;
+use super::ops::ModelDevice;
+use super::package::ModelPackage;
+use crate::device::Backend;
+use crate::object::SharedCache;
+
+/// The option naming the model directory.
+pub const OPTION_MODEL_DIR: &str = "model_dir";
+/// The option limiting the model to its first N layers (a cheap draft model).
+pub const OPTION_LAYERS: &str = "layers";
+
+/// `forward` bound to one cache.
+pub struct ForwardMethod<D: ModelDevice> {
+    model: Arc<LlamaModel<D>>,
+    cache: SharedCache<D>,
+}
+
+impl<D: ModelDevice> Clone for ForwardMethod<D> {
+    fn clone(&self) -> Self {
+        ForwardMethod {
+            model: self.model.clone(),
+            cache: self.cache.clone(),
+        }
+    }
+}
+
+fn ints(t: &HostTensor, what: &str) -> Result<Vec<i32>, PluginError> {
+    t.check().map_err(CacheError::bad_shape)?;
+    t.to_i32().ok_or_else(|| {
+        CacheError::bad_shape(format!(
+            "{what} must be an i32 tensor, got {}",
+            t.dtype.as_str()
+        ))
+        .into()
+    })
+}
+
+impl<D: ModelDevice> ForwardMethod<D> {
+    fn run(&self, inputs: &[HostTensor]) -> Result<RVec<HostTensor>, PluginError> {
+        if !(2..=4).contains(&inputs.len()) {
+            return Err(CacheError::bad_shape(format!(
+                "forward takes tokens, positions[, logit rows[, want hidden]]; got {} inputs",
+                inputs.len()
+            ))
+            .into());
+        }
+        let tokens = ints(&inputs[0], "tokens")?;
+        let positions = ints(&inputs[1], "positions")?;
+        let rows: Option<Vec<usize>> = match inputs.get(2) {
+            Some(r) => Some(
+                ints(r, "logit rows")?
+                    .into_iter()
+                    .map(|r| r.max(0) as usize)
+                    .collect(),
+            ),
+            None => None,
+        };
+        let want_hidden = match inputs.get(3) {
+            Some(f) => ints(f, "want hidden")?.first().copied().unwrap_or(0) != 0,
+            None => false,
+        };
+        let mut cache = self.cache.lock()?;
+        let out = self.model.forward(
+            &mut cache,
+            &tokens,
+            &positions,
+            rows.as_deref(),
+            want_hidden,
+        )?;
+        let dev = self.model_device();
+        let mut result = RVec::new();
+        result.push(dev.download(&out.logits, TensorDtype::F32)?);
+        if let Some(h) = &out.hidden {
+            result.push(dev.download(h, TensorDtype::F32)?);
+        }
+        Ok(result)
+    }
+
+    fn model_device(&self) -> Arc<D> {
+        self.model.device()
+    }
+}
+
+impl<D: ModelDevice> LlamaModel<D> {
+    /// The device the weights live on.
+    pub fn device(&self) -> Arc<D> {
+        self.device_arc()
+    }
+}
+
+impl<D: ModelDevice> ModelMethod for ForwardMethod<D> {
+    fn name(&self) -> RString {
+        "forward".into()
+    }
+
+    fn execute(&self, inputs: RVec<HostTensor>) -> RResult<RVec<HostTensor>, PluginError> {
+        guard(|| self.run(&inputs))
+    }
+}
+
+/// Loads `forward` for backend `B`: binds the cache named by the `cache_key` option (it must
+/// belong to `B`), opens the package in `model_dir`, checks the cache shape against the
+/// model and loads the weights.
+pub fn load_forward<B: Backend + ModelDevice>(
+    options: &BackendOptions,
+) -> Result<MethodHandle, PluginError> {
+    let need = |k: &str| {
+        options.get(k).ok_or_else(|| {
+            PluginError::new(
+                AbiErrorKind::BadConfig,
+                format!("loading 'forward' needs the '{k}' option"),
+            )
+        })
+    };
+    let key = need(kvplug_plugin_api::OPTION_CACHE_KEY)?;
+    let dir = need(OPTION_MODEL_DIR)?;
+    let host = crate::glue::host().ok_or_else(|| {
+        PluginError::new(
+            AbiErrorKind::Backend,
+            "the host never registered this plugin",
+        )
+    })?;
+    let entry =
+        kvplug_plugin_api::HostServicesTrait::lookup_cache(host, key.into()).into_result()?;
+    if entry.backend_id.as_str() != B::ID {
+        return Err(PluginError::new(
+            AbiErrorKind::BadConfig,
+            format!(
+                "cache '{key}' belongs to backend '{}'; a '{}' model method can only drive its own caches",
+                entry.backend_id,
+                B::ID
+            ),
+        ));
+    }
+    let cache = entry
+        .cache
+        .obj
+        .downcast_as::<SharedCache<B>>()
+        .map_err(|_| {
+            PluginError::new(
+                AbiErrorKind::BadConfig,
+                format!("cache '{key}' is not a {} kit cache", B::ID),
+            )
+        })?
+        .clone();
+    let pkg = ModelPackage::open(Path::new(dir)).map_err(CacheError::from)?;
+    let layers = match options.get(OPTION_LAYERS) {
+        Some(n) => Some(n.parse::<usize>().map_err(|_| {
+            PluginError::new(
+                AbiErrorKind::BadConfig,
+                format!("option 'layers' = '{n}' is not a count"),
+            )
+        })?),
+        None => None,
+    };
+    let (device, cfg) = {
+        let c = cache.lock()?;
+        (c.device().clone(), *c.config())
+    };
+    let want = pkg.cache_params();
+    let want_layers = layers.unwrap_or(want.n_layers);
+    if (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) != (want_layers, want.n_kv_heads, want.head_dim)
+    {
+        return Err(PluginError::new(
+            AbiErrorKind::BadConfig,
+            format!(
+                "cache '{key}' has {} layers × {} KV heads × {} dims; the model needs {want_layers} × {} × {}",
+                cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, want.n_kv_heads, want.head_dim
+            ),
+        ));
+    }
+    let _span =
+        tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
+    let model = LlamaModel::load(device, &pkg, layers).map_err(CacheError::from)?;
+    tracing::info!(
+        layers = model.n_layers(),
+        kind = cache.lock()?.kind().as_str(),
+        "forward bound to {key}"
+    );
+    Ok(ModelMethod_TO::from_ptr(
+        RArc::new(ForwardMethod {
+            model: Arc::new(model),
+            cache,
+        }),
+        TD_Opaque,
+    ))
+}

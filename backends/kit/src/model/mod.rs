@@ -1,0 +1,20 @@
+//! Model methods, written once over [`ModelDevice`]: the Llama family forward pass
+//! (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama shapes) reading Hugging Face–style packages.
+//!
+//! `forward` inputs: token ids (i32 `[T]`), positions (i32 `[T]`), optionally the rows whose
+//! logits to return (i32 `[R]`, default all) and a flag asking for hidden features (i32
+//! `[1]`). Outputs: logits f32 `[R, vocab]`, then, when asked, the final normed hidden
+//! states f32 `[R, hidden]` (features for drafting). Sequence ids travel out of band through
+//! the bound cache's `begin_step`.
+
+pub mod config;
+pub mod forward;
+pub mod method;
+pub mod ops;
+pub mod package;
+
+pub use config::{LlamaConfig, ModelError};
+pub use forward::LlamaModel;
+pub use method::ForwardMethod;
+pub use ops::ModelDevice;
+pub use package::ModelPackage;

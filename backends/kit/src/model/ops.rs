@@ -1,0 +1,74 @@
+//! The device operations the model graph needs, on top of the cache primitives.
+
+use crate::cache::KitError;
+use crate::device::Device;
+
+/// Tensor operations of the Llama forward pass. Activations are f32 `Device::Tensor`s,
+/// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
+/// consistent shapes.
+pub trait ModelDevice: Device {
+    /// A `[rows, cols]` matrix prepared for [`ModelDevice::linear`] (packed once at load).
+    type Weight: Send + Sync;
+
+    /// Prepares `data` (`[rows, cols]`, row-major) as a linear weight (`out = x·Wᵀ`).
+    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Weight, KitError>;
+    /// A tensor holding `data` with `dims`.
+    fn tensor(&self, data: &[f32], dims: &[usize]) -> Result<Self::Tensor, KitError>;
+    /// `out[t] = table[ids[t]]`; `table` is `[vocab, hidden]`, out `[T, hidden]`.
+    fn embed(
+        &self,
+        table: &Self::Tensor,
+        ids: &[i32],
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+    /// `out = x / rms(x) · w` per row (`eps` inside the root).
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+    /// `out = x·Wᵀ (+ bias)`: x `[T, cols]`, out `[T, rows]`.
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Tensor>,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+    /// Rotary embedding in place on `x` `[T, heads·head_dim]` (rotate-half convention):
+    /// token t uses angle `positions[t] · inv_freq[i]` for pair `(i, i + head_dim/2)`.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        heads: usize,
+        positions: &[i32],
+        inv_freq: &[f32],
+    ) -> Result<(), KitError>;
+    /// `[T, H·D]` → `[H, T, D]`.
+    fn split_heads(
+        &self,
+        x: &Self::Tensor,
+        heads: usize,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+    /// `[H, T, D]` → `[T, H·D]`.
+    fn merge_heads(&self, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<(), KitError>;
+    /// `out = silu(gate) · up`.
+    fn silu_mul(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<(), KitError>;
+    /// Rows `rows` of `x` (`[T, n]`) into `out` (`[rows.len(), n]`).
+    fn gather_rows(
+        &self,
+        x: &Self::Tensor,
+        rows: &[usize],
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+}

@@ -1,0 +1,154 @@
+//! A Hugging Face–style model directory: `config.json` plus `model.safetensors` or shards
+//! listed in `model.safetensors.index.json`, memory-mapped.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use kvplug_core::metadata::{has_cache_params, read_cache_params};
+use kvplug_core::ModelCacheParams;
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::{LlamaConfig, ModelError};
+
+/// An opened model package.
+pub struct ModelPackage {
+    /// The parsed configuration.
+    pub config: LlamaConfig,
+    dir: PathBuf,
+    shards: Vec<memmap2::Mmap>,
+    /// Tensor name → shard index.
+    index: HashMap<String, usize>,
+    /// `kv_cache.*` facts from the first shard's header, when present.
+    metadata_params: Option<ModelCacheParams>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+impl ModelPackage {
+    /// Opens `dir`, parsing the config and every shard header.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let cfg_path = dir.join("config.json");
+        let config =
+            LlamaConfig::parse(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)?;
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<String> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Malformed(format!("{}: {e}", index_path.display())))?;
+            let map = v["weight_map"].as_object().ok_or_else(|| {
+                ModelError::Malformed(format!("{}: no weight_map", index_path.display()))
+            })?;
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect();
+            files.sort();
+            files.dedup();
+            files
+        } else {
+            vec!["model.safetensors".to_string()]
+        };
+        let mut pkg = ModelPackage {
+            config,
+            dir: dir.to_path_buf(),
+            shards: Vec::new(),
+            index: HashMap::new(),
+            metadata_params: None,
+        };
+        for (i, f) in files.iter().enumerate() {
+            let path = dir.join(f);
+            let file = std::fs::File::open(&path).map_err(io(&path))?;
+            // SAFETY: the mapping is read-only; a package modified while loaded is a user
+            // error that at worst yields wrong weights, as with any reader.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io(&path))?;
+            let (_, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
+                ModelError::Malformed(format!("{}: not a safetensors file: {e}", path.display()))
+            })?;
+            if i == 0 {
+                if let Some(m) = meta.metadata() {
+                    if has_cache_params(m) {
+                        pkg.metadata_params = Some(read_cache_params(m).map_err(|e| {
+                            ModelError::Malformed(format!("{}: {e}", path.display()))
+                        })?);
+                    }
+                }
+            }
+            for name in SafeTensors::deserialize(&map)
+                .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?
+                .names()
+            {
+                pkg.index.insert(name.to_string(), i);
+            }
+            pkg.shards.push(map);
+        }
+        let derived = pkg.config.cache_params();
+        if let Some(m) = pkg.metadata_params {
+            if m != derived {
+                return Err(ModelError::Malformed(format!(
+                    "kv_cache metadata {m:?} disagrees with config.json {derived:?}"
+                )));
+            }
+        }
+        Ok(pkg)
+    }
+
+    /// The cache shape: from `kv_cache.*` metadata when present, else derived from the
+    /// config (the two are checked to agree at open).
+    pub fn cache_params(&self) -> ModelCacheParams {
+        self.metadata_params
+            .unwrap_or_else(|| self.config.cache_params())
+    }
+
+    /// Whether the package carried `kv_cache.*` metadata.
+    pub fn has_cache_metadata(&self) -> bool {
+        self.metadata_params.is_some()
+    }
+
+    /// Whether a tensor exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Tensor `name` as f32 (f32, f16 and bf16 stored), checked against `shape`.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let shard = *self.index.get(name).ok_or_else(|| {
+            ModelError::Malformed(format!("{}: missing tensor '{name}'", self.dir.display()))
+        })?;
+        let st = SafeTensors::deserialize(&self.shards[shard])
+            .map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| ModelError::Malformed(format!("{name}: {e}")))?;
+        if view.shape() != shape {
+            return Err(ModelError::Malformed(format!(
+                "tensor '{name}' has shape {:?}, expected {shape:?}",
+                view.shape()
+            )));
+        }
+        let b = view.data();
+        Ok(match view.dtype() {
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::Malformed(format!(
+                    "tensor '{name}' is {other:?}; weights must be f32, f16 or bf16"
+                )))
+            }
+        })
+    }
+}

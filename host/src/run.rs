@@ -1,0 +1,505 @@
+//! The runner: prefill + decode, agent fork and speculative tree decoding, driving a
+//! backend's `forward` method bound to host-made sessions through `cache_key`.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use kvplug_core::{make_config, CacheConfig, KvDtype};
+use kvplug_plugin_api::abi_stable::std_types::RVec;
+use kvplug_plugin_api::{BackendOptions, CacheStats, HostTensor, MethodHandle};
+
+use crate::host::Host;
+use crate::model::cache_params;
+
+/// The option naming the model directory (as the kit reads it).
+const OPTION_MODEL_DIR: &str = "model_dir";
+/// The option limiting a model to its first N layers.
+const OPTION_LAYERS: &str = "layers";
+
+/// Greedy (temperature 0) or temperature + top-p sampling with a seed.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    state: u64,
+}
+
+impl Sampler {
+    /// A sampler; greedy when `temperature <= 0`.
+    pub fn new(temperature: f32, top_p: f32, seed: u64) -> Self {
+        Sampler {
+            temperature,
+            top_p,
+            state: seed ^ 0x2545_F491_4F6C_DD1D,
+        }
+    }
+
+    fn uniform(&mut self) -> f32 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Picks a token from `logits`.
+    pub fn sample(&mut self, logits: &[f32]) -> i32 {
+        if self.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        let max = logits[order[0]];
+        let w: Vec<f32> = order
+            .iter()
+            .map(|&i| ((logits[i] - max) / self.temperature).exp())
+            .collect();
+        let total: f32 = w.iter().sum();
+        let (mut mass, mut keep) = (0.0, 0);
+        while keep < w.len() && (keep == 0 || mass < self.top_p * total) {
+            mass += w[keep];
+            keep += 1;
+        }
+        let mut r = self.uniform() * mass;
+        for (k, &wk) in w[..keep].iter().enumerate() {
+            if r < wk {
+                return order[k] as i32;
+            }
+            r -= wk;
+        }
+        order[keep - 1] as i32
+    }
+}
+
+/// Index of the largest logit (the first on ties).
+pub fn argmax(logits: &[f32]) -> i32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as i32
+}
+
+fn log_softmax_at(logits: &[f32], id: i32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+    logits[id as usize] as f64 - max - z.ln()
+}
+
+/// A `forward` method bound to one session.
+pub struct Forward {
+    method: MethodHandle,
+    vocab: usize,
+    /// Forward calls made.
+    pub calls: usize,
+}
+
+impl Forward {
+    /// Loads `forward` of `model` (first `layers` layers if given) on `backend`, bound to the
+    /// cache `options` names.
+    pub fn load(
+        host: &Host,
+        backend: &str,
+        model: &Path,
+        layers: Option<usize>,
+        mut options: BackendOptions,
+    ) -> Result<Self> {
+        options.set(OPTION_MODEL_DIR, &model.display().to_string());
+        if let Some(n) = layers {
+            options.set(OPTION_LAYERS, &n.to_string());
+        }
+        let method = host.load_method(backend, "forward", &options)?;
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
+        let vocab = cfg["vocab_size"]
+            .as_u64()
+            .context("config.json has no vocab_size")? as usize;
+        Ok(Forward {
+            method,
+            vocab,
+            calls: 0,
+        })
+    }
+
+    /// Runs `tokens` at `positions`; returns the logits of `rows` (all when `None`).
+    pub fn call(
+        &mut self,
+        tokens: &[i32],
+        positions: &[i32],
+        rows: Option<&[i32]>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut inputs = RVec::new();
+        inputs.push(HostTensor::from_i32(&[tokens.len()], tokens));
+        inputs.push(HostTensor::from_i32(&[positions.len()], positions));
+        if let Some(r) = rows {
+            inputs.push(HostTensor::from_i32(&[r.len()], r));
+        }
+        let out = self.method.execute(inputs).into_result()?;
+        self.calls += 1;
+        let logits = out
+            .first()
+            .context("forward returned nothing")?
+            .to_f32()
+            .context("logits are not float")?;
+        Ok(logits.chunks(self.vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
+/// Cache statistics for reports.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CacheReport {
+    /// Bytes of K/V pools.
+    pub allocated_bytes: u64,
+    /// Cells the pools have room for.
+    pub pool_cells: u64,
+    /// Cells holding data.
+    pub live_cells: u64,
+}
+
+impl From<CacheStats> for CacheReport {
+    fn from(s: CacheStats) -> Self {
+        CacheReport {
+            allocated_bytes: s.allocated_bytes,
+            pool_cells: s.pool_cells,
+            live_cells: s.live_cells,
+        }
+    }
+}
+
+/// What a run produced.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RunReport {
+    /// `decode`, `agents` or `speculative`.
+    pub mode: String,
+    /// Generated ids (the winner's for agents).
+    pub ids: Vec<i32>,
+    /// Prompt tokens per second of prefill.
+    pub prefill_tok_s: f64,
+    /// Generated tokens per second.
+    pub decode_tok_s: f64,
+    /// Cache statistics at the end (the target's for speculative runs).
+    pub cache: CacheReport,
+    /// Agents: every branch's ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub branches: Option<Vec<Vec<i32>>>,
+    /// Agents: the kept branch (index into `branches`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub winner: Option<usize>,
+    /// Speculative: accepted draft tokens / drafted chain depth.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub acceptance: Option<f64>,
+    /// Speculative: tokens emitted per target forward.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_target_forward: Option<f64>,
+}
+
+/// Where and how to run.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    /// Backend id.
+    pub backend: String,
+    /// Model directory.
+    pub model: PathBuf,
+    /// Prompt ids (at least one).
+    pub prompt: Vec<i32>,
+    /// Tokens to generate.
+    pub max_new: usize,
+    /// KV storage dtype.
+    pub kv_dtype: KvDtype,
+    /// Cache capacity in cells.
+    pub capacity: usize,
+}
+
+/// The draft of a speculative run.
+#[derive(Clone, Debug)]
+pub enum Draft {
+    /// Another model directory.
+    Model(PathBuf),
+    /// The target's first N layers.
+    Layers(usize),
+}
+
+fn config(spec: &RunSpec, layers: Option<usize>, model: &Path) -> Result<CacheConfig> {
+    let mut params = cache_params(model)?;
+    if let Some(n) = layers {
+        params.n_layers = n;
+    }
+    let cfg = make_config(&params, spec.capacity, spec.kv_dtype);
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn check_prompt(spec: &RunSpec) -> Result<()> {
+    if spec.prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    if spec.prompt.len() + spec.max_new > spec.capacity {
+        bail!(
+            "prompt ({}) + max_new ({}) exceed the capacity {}",
+            spec.prompt.len(),
+            spec.max_new,
+            spec.capacity
+        );
+    }
+    Ok(())
+}
+
+struct Progress {
+    on: bool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            on: std::io::stderr().is_terminal(),
+        }
+    }
+    fn tick(&self, done: usize, total: usize) {
+        if self.on && (done % 16 == 0 || done == total) {
+            eprint!("\rgenerated {done}/{total}");
+            let _ = std::io::stderr().flush();
+            if done == total {
+                eprintln!();
+            }
+        }
+    }
+}
+
+fn rate(tokens: usize, since: Instant) -> f64 {
+    tokens as f64 / since.elapsed().as_secs_f64().max(1e-9)
+}
+
+/// Plain prefill + decode on a contiguous cache.
+pub fn run_decode(host: &Host, spec: &RunSpec, sampler: &mut Sampler) -> Result<RunReport> {
+    check_prompt(spec)?;
+    let (session, options) =
+        host.make_decode_session(&spec.backend, &config(spec, None, &spec.model)?)?;
+    let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
+    let p = spec.prompt.len();
+    let positions: Vec<i32> = (0..p as i32).collect();
+    let t0 = Instant::now();
+    let logits = fwd.call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?;
+    let prefill_tok_s = rate(p, t0);
+    let mut ids = vec![sampler.sample(&logits[0])];
+    let progress = Progress::new();
+    let t1 = Instant::now();
+    while ids.len() < spec.max_new {
+        let pos = (p + ids.len() - 1) as i32;
+        let logits = fwd.call(&ids[ids.len() - 1..], &[pos], None)?;
+        ids.push(sampler.sample(&logits[0]));
+        progress.tick(ids.len(), spec.max_new);
+    }
+    Ok(RunReport {
+        mode: "decode".into(),
+        decode_tok_s: rate(ids.len().saturating_sub(1), t1),
+        ids,
+        prefill_tok_s,
+        cache: session.stats()?.into(),
+        branches: None,
+        winner: None,
+        acceptance: None,
+        tokens_per_target_forward: None,
+    })
+}
+
+/// Agent fork on a seq cache: the prompt as a shared trunk (sequence 0), `k` branches forked
+/// with `seq_cp` and decoded together, one forward per step; the branch with the highest
+/// log-probability is kept with `seq_keep`. Branch `b` starts from the trunk's `b`-th most
+/// likely token (greedy) or its own sample.
+pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> Result<RunReport> {
+    check_prompt(spec)?;
+    if !(1..=63).contains(&k) {
+        bail!("--agents takes 1..=63 branches (sequence 0 is the trunk)");
+    }
+    let mut cfg = config(spec, None, &spec.model)?;
+    cfg.capacity = cfg.capacity.max(spec.prompt.len() + k * spec.max_new);
+    let (session, options) = host.make_seq_session(&spec.backend, &cfg)?;
+    let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
+    let p = spec.prompt.len();
+    let t0 = Instant::now();
+    session.begin_step(&vec![0; p])?;
+    let positions: Vec<i32> = (0..p as i32).collect();
+    let trunk = fwd
+        .call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?
+        .remove(0);
+    let prefill_tok_s = rate(p, t0);
+    let mut order: Vec<usize> = (0..trunk.len()).collect();
+    order.sort_by(|&a, &b| trunk[b].total_cmp(&trunk[a]));
+    let mut samplers: Vec<Sampler> = (0..k)
+        .map(|b| Sampler::new(sampler.temperature, sampler.top_p, sampler.state ^ b as u64))
+        .collect();
+    let mut branches: Vec<Vec<i32>> = (0..k)
+        .map(|b| {
+            vec![if sampler.temperature <= 0.0 {
+                order[b] as i32
+            } else {
+                samplers[b].sample(&trunk)
+            }]
+        })
+        .collect();
+    let mut score: Vec<f64> = branches
+        .iter()
+        .map(|br| log_softmax_at(&trunk, br[0]))
+        .collect();
+    for b in 1..=k as i32 {
+        session.seq_cp(0, b, None, None)?;
+    }
+    let seqs: Vec<i32> = (1..=k as i32).collect();
+    let progress = Progress::new();
+    let t1 = Instant::now();
+    while branches[0].len() < spec.max_new {
+        let n = branches[0].len();
+        let tokens: Vec<i32> = branches.iter().map(|br| br[n - 1]).collect();
+        session.begin_step(&seqs)?;
+        let logits = fwd.call(&tokens, &vec![(p + n - 1) as i32; k], None)?;
+        for (b, l) in logits.iter().enumerate() {
+            let next = samplers[b].sample(l);
+            score[b] += log_softmax_at(l, next);
+            branches[b].push(next);
+        }
+        progress.tick(n + 1, spec.max_new);
+    }
+    let winner = (0..k)
+        .max_by(|&a, &b| score[a].total_cmp(&score[b]))
+        .expect("k >= 1");
+    session.seq_keep(winner as i32 + 1)?;
+    Ok(RunReport {
+        mode: "agents".into(),
+        ids: branches[winner].clone(),
+        prefill_tok_s,
+        decode_tok_s: rate(k * (spec.max_new - 1), t1),
+        cache: session.stats()?.into(),
+        branches: Some(branches),
+        winner: Some(winner),
+        acceptance: None,
+        tokens_per_target_forward: None,
+    })
+}
+
+/// Speculative tree decoding (greedy): target and draft each on a tree cache. Per round the
+/// draft expands a tree breadth-first (the root, `width` children, then `depth - 1` more
+/// levels following each child's best continuation), one forward per level; the target
+/// verifies the whole tree in one forward; the longest chain matching the target's argmax
+/// is accepted plus the target's bonus token, and both caches commit that chain. The
+/// output equals plain greedy decoding of the target.
+pub fn run_speculative(
+    host: &Host,
+    spec: &RunSpec,
+    draft: &Draft,
+    depth: usize,
+    width: usize,
+) -> Result<RunReport> {
+    check_prompt(spec)?;
+    if depth == 0 || width == 0 {
+        bail!("--depth and --width must be at least 1");
+    }
+    let nodes = 1 + width * depth;
+    let mut cfg_t = config(spec, None, &spec.model)?;
+    cfg_t.capacity = spec.capacity + nodes;
+    let (draft_dir, draft_layers) = match draft {
+        Draft::Model(d) => (d.clone(), None),
+        Draft::Layers(n) => (spec.model.clone(), Some(*n)),
+    };
+    let mut cfg_d = config(spec, draft_layers, &draft_dir)?;
+    cfg_d.capacity = cfg_t.capacity;
+    let (tgt_s, tgt_o) = host.make_tree_session(&spec.backend, &cfg_t)?;
+    let (drf_s, drf_o) = host.make_tree_session(&spec.backend, &cfg_d)?;
+    let mut tgt = Forward::load(host, &spec.backend, &spec.model, None, tgt_o)?;
+    let mut drf = Forward::load(host, &spec.backend, &draft_dir, draft_layers, drf_o)?;
+    let p = spec.prompt.len();
+    let t0 = Instant::now();
+    if p > 1 {
+        let positions: Vec<i32> = (0..p as i32 - 1).collect();
+        tgt.call(&spec.prompt[..p - 1], &positions, Some(&[p as i32 - 2]))?;
+        drf.call(&spec.prompt[..p - 1], &positions, Some(&[p as i32 - 2]))?;
+    }
+    let prefill_tok_s = rate(p - 1, t0);
+    let (mut root, mut base) = (spec.prompt[p - 1], p - 1);
+    let mut ids: Vec<i32> = Vec::new();
+    let (mut accepted_total, mut drafted_total, mut target_forwards) = (0usize, 0usize, 0usize);
+    let progress = Progress::new();
+    let t1 = Instant::now();
+    while ids.len() < spec.max_new {
+        // Draft: level 0 is the root; level 1 its `width` best children; deeper levels
+        // extend each chain with its best token.
+        let mut tokens = vec![root];
+        let mut parents = vec![-1];
+        let mut depth_of = vec![0usize];
+        drf_s.propose(&[-1])?;
+        let mut level: Vec<usize> = vec![0];
+        let mut logits = drf.call(&[root], &[base as i32], None)?;
+        for d in 1..=depth {
+            let mut next = Vec::new();
+            for (li, &node) in level.iter().enumerate() {
+                let l = &logits[li];
+                let picks: Vec<i32> = if d == 1 {
+                    let mut order: Vec<usize> = (0..l.len()).collect();
+                    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
+                    order[..width.min(l.len())]
+                        .iter()
+                        .map(|&i| i as i32)
+                        .collect()
+                } else {
+                    vec![argmax(l)]
+                };
+                for t in picks {
+                    next.push(tokens.len());
+                    tokens.push(t);
+                    parents.push(node as i32);
+                    depth_of.push(d);
+                }
+            }
+            let lvl_parents: Vec<i32> = next.iter().map(|&n| parents[n]).collect();
+            drf_s.propose(&lvl_parents)?;
+            let lvl_tokens: Vec<i32> = next.iter().map(|&n| tokens[n]).collect();
+            let lvl_pos: Vec<i32> = next.iter().map(|&n| (base + depth_of[n]) as i32).collect();
+            logits = drf.call(&lvl_tokens, &lvl_pos, None)?;
+            level = next;
+        }
+        // Target: the whole tree in one forward.
+        let positions: Vec<i32> = depth_of.iter().map(|&d| (base + d) as i32).collect();
+        tgt_s.propose(&parents)?;
+        let tl = tgt.call(&tokens, &positions, None)?;
+        target_forwards += 1;
+        let mut chain = vec![0i32];
+        let mut cur = 0usize;
+        loop {
+            let want = argmax(&tl[cur]);
+            match (0..tokens.len()).find(|&n| parents[n] == cur as i32 && tokens[n] == want) {
+                Some(child) => {
+                    chain.push(child as i32);
+                    cur = child;
+                }
+                None => break,
+            }
+        }
+        let bonus = argmax(&tl[cur]);
+        tgt_s.commit(&chain)?;
+        drf_s.commit(&chain)?;
+        accepted_total += chain.len() - 1;
+        drafted_total += depth;
+        ids.extend(chain[1..].iter().map(|&n| tokens[n as usize]));
+        ids.push(bonus);
+        base += chain.len();
+        root = bonus;
+        progress.tick(ids.len().min(spec.max_new), spec.max_new);
+    }
+    ids.truncate(spec.max_new);
+    Ok(RunReport {
+        mode: "speculative".into(),
+        decode_tok_s: rate(ids.len(), t1),
+        prefill_tok_s,
+        cache: tgt_s.stats()?.into(),
+        tokens_per_target_forward: Some(ids.len() as f64 / target_forwards.max(1) as f64),
+        ids,
+        branches: None,
+        winner: None,
+        acceptance: Some(accepted_total as f64 / drafted_total.max(1) as f64),
+    })
+}
