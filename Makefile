@@ -16,11 +16,16 @@ KVPLUG = ./target/debug/kvplug --plugins target/debug
 
 .PHONY: demo test deps build fmt-check clippy unit conform bench
 
+# The demo model (SmolLM-135M's shape, random weights), synthesized once.
+DEMO_MODEL = target/models/small
+
 ## make demo: runs the main job on the default cpu backend.
-demo: deps build
-	$(CARGO) run --quiet -p kvplug-core --example trace
-	$(KVPLUG) plugins
-	$(KVPLUG) conform --backend cpu
+demo: deps
+	$(CARGO) build --release
+	@test -f $(DEMO_MODEL)/config.json || ./target/release/kvplug model synth --preset small --dtype f16 --out $(DEMO_MODEL)
+	./target/release/kvplug --plugins target/release plugins
+	./target/release/kvplug --plugins target/release demo --backend cpu --model $(DEMO_MODEL)
+	./target/release/kvplug --plugins target/release conform --backend cpu
 
 ## make test: everything CI checks.
 test: deps fmt-check clippy build unit conform

@@ -171,6 +171,9 @@ impl Host {
         options: &BackendOptions,
     ) -> Result<MethodHandle, HostError> {
         let plugin = self.plugin(backend)?;
-        Ok((plugin.module.load_method())(RStr::from_str(name), options).into_result()?)
+        Ok(
+            (plugin.module.load_method())(RStr::from_str(name), options, self.services.clone())
+                .into_result()?,
+        )
     }
 }

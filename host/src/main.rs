@@ -43,6 +43,19 @@ enum Command {
     },
     /// Generate with a model on a backend: decode, agent fork or speculative decoding.
     Run(RunArgs),
+    /// The main job: decode (f16 and q8 KV), agent fork and speculative decoding of a model
+    /// on one backend, as a table.
+    Demo {
+        /// Model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Backend id.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Tokens to generate per run.
+        #[arg(long, default_value_t = 32)]
+        max_new: usize,
+    },
     /// Run the cross-backend conformance matrix against the f64 oracle.
     Conform {
         /// Backend to test (repeatable; default: every loaded backend).
@@ -179,6 +192,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Run(args) => run_model(&host, args),
+        Command::Demo {
+            model,
+            backend,
+            max_new,
+        } => demo(&host, &model, &backend, max_new),
         Command::Conform {
             backends,
             scenarios,
@@ -291,6 +309,91 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> Result<ExitCode> {
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
+    let vocab = cfg["vocab_size"]
+        .as_i64()
+        .context("config.json has no vocab_size")? as i32;
+    let prompt: Vec<i32> = (0..16).map(|i| (i * 7919 + 13) % vocab).collect();
+    let spec = |kv: KvDtype| RunSpec {
+        backend: backend.to_string(),
+        model: model.to_path_buf(),
+        prompt: prompt.clone(),
+        max_new,
+        kv_dtype: kv,
+        capacity: 1024,
+    };
+    let params = kvplug_host::model::cache_params(model)?;
+    let q8 = KvDtype::Q8 {
+        group: params.head_dim.min(64),
+    };
+    let draft_layers = (params.n_layers / 4).max(1);
+    let greedy = || Sampler::new(0.0, 1.0, 0);
+    let runs: Vec<(String, RunReport)> = vec![
+        (
+            "decode, f16 KV".into(),
+            run_decode(host, &spec(KvDtype::F16), &mut greedy())?,
+        ),
+        (
+            format!("decode, {q8} KV"),
+            run_decode(host, &spec(q8), &mut greedy())?,
+        ),
+        (
+            "agents x4, f16 KV".into(),
+            run_agents(host, &spec(KvDtype::F16), 4, &greedy())?,
+        ),
+        (
+            format!("speculative, {draft_layers}-layer draft"),
+            run_speculative(
+                host,
+                &spec(KvDtype::F16),
+                &Draft::Layers(draft_layers),
+                4,
+                2,
+            )?,
+        ),
+    ];
+    println!(
+        "{max_new} tokens per run from a {}-token prompt on '{backend}' ({})",
+        prompt.len(),
+        model.display()
+    );
+    println!(
+        "{:<32} {:>14} {:>13} {:>11} {:>13} {:>12}",
+        "run", "prefill tok/s", "decode tok/s", "acceptance", "tok/target fw", "cache bytes"
+    );
+    for (name, r) in &runs {
+        let opt = |v: Option<f64>, pct: bool| {
+            v.map_or("-".to_string(), |x| {
+                if pct {
+                    format!("{:.0}%", x * 100.0)
+                } else {
+                    format!("{x:.2}")
+                }
+            })
+        };
+        println!(
+            "{name:<32} {:>14.1} {:>13.1} {:>11} {:>13} {:>12}",
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            opt(r.acceptance, true),
+            opt(r.tokens_per_target_forward, false),
+            r.cache.allocated_bytes
+        );
+    }
+    let same = runs[0].1.ids == runs[3].1.ids;
+    println!(
+        "speculative output {} greedy decoding",
+        if same { "equals" } else { "DIFFERS FROM" }
+    );
+    Ok(if same {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn plugins(host: &Host, json: bool) -> Result<ExitCode> {

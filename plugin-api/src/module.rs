@@ -109,11 +109,14 @@ pub struct BackendModule {
     /// per kind.
     pub register:
         extern "C" fn(host: HostServices, registrar: &mut Registrar) -> RResult<(), PluginError>,
-    /// Loads a model method (`forward`, ...) bound to the cache named by `options`.
+    /// Loads a model method (`forward`, ...) bound to the cache named by `options`, looked
+    /// up through `host`: the services of the host asking, which need not be the first
+    /// host that registered this dylib in the process.
     #[sabi(last_prefix_field)]
     pub load_method: extern "C" fn(
         name: RStr<'_>,
         options: &BackendOptions,
+        host: HostServices,
     ) -> RResult<MethodHandle, PluginError>,
 }
 

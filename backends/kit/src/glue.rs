@@ -1,7 +1,7 @@
 //! The glue that turns a [`Backend`] into a plugin: builders registered through
 //! `inventory`, the root module's functions, and [`export_backend!`](crate::export_backend).
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use kvplug_core::{CacheConfig, CacheKind};
 use kvplug_plugin_api::abi_stable::std_types::{RResult, RStr, RString, RVec};
@@ -30,14 +30,6 @@ pub struct BuilderEntry {
 }
 
 inventory::collect!(BuilderEntry);
-
-/// The host's services, as handed to this dylib's `register`.
-static HOST: OnceLock<HostServices> = OnceLock::new();
-
-/// The host's services, once `register` has run in this dylib.
-pub fn host() -> Option<&'static HostServices> {
-    HOST.get()
-}
 
 fn device_error(id: &str, e: &str) -> PluginError {
     PluginError::new(
@@ -92,8 +84,8 @@ pub fn describe<B: Backend>(
     })
 }
 
-/// The root module's `register`: keeps the host's services, forwards this dylib's tracing
-/// events to the host, and registers this backend's builders.
+/// The root module's `register`: forwards this dylib's tracing events to the host and
+/// registers this backend's builders.
 pub fn register<B: Backend>(
     host: HostServices,
     registrar: &mut Registrar,
@@ -101,7 +93,6 @@ pub fn register<B: Backend>(
     guard(|| -> Result<(), PluginError> {
         // Fails harmlessly when linked in-process as an rlib (the host's subscriber is set).
         let _ = tracing::subscriber::set_global_default(ForwardingSubscriber::new(host.clone()));
-        let _ = HOST.set(host);
         for e in inventory::iter::<BuilderEntry>
             .into_iter()
             .filter(|e| e.backend_id == B::ID)
@@ -117,6 +108,7 @@ pub fn register<B: Backend>(
 pub fn load_no_method<B: Backend>(
     name: RStr<'_>,
     _options: &BackendOptions,
+    _host: HostServices,
 ) -> RResult<MethodHandle, PluginError> {
     guard(|| -> Result<MethodHandle, PluginError> {
         Err(PluginError::new(
@@ -133,9 +125,10 @@ pub fn load_no_method<B: Backend>(
 pub fn load_model_method<B: Backend + crate::model::ModelDevice>(
     name: RStr<'_>,
     options: &BackendOptions,
+    host: HostServices,
 ) -> RResult<MethodHandle, PluginError> {
     guard(|| match name.as_str() {
-        "forward" => crate::model::method::load_forward::<B>(options),
+        "forward" => crate::model::method::load_forward::<B>(options, &host),
         other => Err(PluginError::new(
             AbiErrorKind::NotFound,
             format!(
@@ -210,8 +203,8 @@ macro_rules! export_backend {
             extern "C" fn register(host: HostServices, registrar: &mut Registrar) -> RResult<(), PluginError> {
                 $crate::glue::register::<$backend>(host, registrar)
             }
-            extern "C" fn load_method(name: RStr<'_>, options: &BackendOptions) -> RResult<MethodHandle, PluginError> {
-                $load(name, options)
+            extern "C" fn load_method(name: RStr<'_>, options: &BackendOptions, host: HostServices) -> RResult<MethodHandle, PluginError> {
+                $load(name, options, host)
             }
 
             /// The plugin's root module.

@@ -7,8 +7,8 @@ use kvplug_core::{CacheError, CacheVerbs};
 use kvplug_plugin_api::abi_stable::sabi_trait::TD_Opaque;
 use kvplug_plugin_api::abi_stable::std_types::{RArc, RResult, RString, RVec};
 use kvplug_plugin_api::{
-    guard, AbiErrorKind, BackendOptions, HostTensor, MethodHandle, ModelMethod, ModelMethod_TO,
-    PluginError, TensorDtype,
+    guard, AbiErrorKind, BackendOptions, HostServices, HostTensor, MethodHandle, ModelMethod,
+    ModelMethod_TO, PluginError, TensorDtype,
 };
 
 use super::forward::LlamaModel;
@@ -116,6 +116,7 @@ impl<D: ModelDevice> ModelMethod for ForwardMethod<D> {
 /// model and loads the weights.
 pub fn load_forward<B: Backend + ModelDevice>(
     options: &BackendOptions,
+    host: &HostServices,
 ) -> Result<MethodHandle, PluginError> {
     let need = |k: &str| {
         options.get(k).ok_or_else(|| {
@@ -127,12 +128,6 @@ pub fn load_forward<B: Backend + ModelDevice>(
     };
     let key = need(kvplug_plugin_api::OPTION_CACHE_KEY)?;
     let dir = need(OPTION_MODEL_DIR)?;
-    let host = crate::glue::host().ok_or_else(|| {
-        PluginError::new(
-            AbiErrorKind::Backend,
-            "the host never registered this plugin",
-        )
-    })?;
     let entry =
         kvplug_plugin_api::HostServicesTrait::lookup_cache(host, key.into()).into_result()?;
     if entry.backend_id.as_str() != B::ID {
