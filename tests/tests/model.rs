@@ -1,7 +1,8 @@
-//! Model-level checks on the cpu backend with the synthetic `tiny` model: logits against a
-//! plain f64 reference forward, the three cache kinds agreeing, speculative decoding equal
-//! to greedy decoding, and agent branches equal to running each branch alone.
-//! Needs the plugin dylibs next to this test binary (`cargo build --workspace`).
+//! Model-level checks on every backend that serves models (cpu; wgpu on lavapipe in CI)
+//! with the synthetic `tiny` model: logits against a plain f64 reference forward, the three
+//! cache kinds agreeing, speculative decoding equal to greedy decoding, and agent branches
+//! equal to running each branch alone. Needs the plugin dylibs next to this test binary
+//! (`cargo build --workspace`); both backends must load.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +15,9 @@ use kvplug_host::run::{
 use kvplug_host::{Host, PluginSearch};
 
 const PROMPT: [i32; 7] = [3, 141, 59, 26, 53, 58, 97];
+
+/// Backends under test.
+const BACKENDS: [&str; 2] = ["cpu", "wgpu"];
 
 fn plugin_dir() -> PathBuf {
     let dir = std::env::current_exe()
@@ -32,11 +36,12 @@ fn plugin_dir() -> PathBuf {
 
 fn host() -> Host {
     let host = Host::load(&PluginSearch::only(&[plugin_dir()], false));
-    assert!(
-        host.backend_ids().contains(&"cpu".to_string()),
-        "{:?}",
-        host.skipped()
-    );
+    for b in BACKENDS {
+        let p = host
+            .plugin(b)
+            .unwrap_or_else(|e| panic!("{e}; skipped: {:?}", host.skipped()));
+        assert!(!p.device.starts_with("unavailable"), "{b}: {}", p.device);
+    }
     host
 }
 
@@ -173,9 +178,9 @@ fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
         .collect()
 }
 
-fn spec(model: &Path, max_new: usize, kv_dtype: KvDtype) -> RunSpec {
+fn spec(backend: &str, model: &Path, max_new: usize, kv_dtype: KvDtype) -> RunSpec {
     RunSpec {
-        backend: "cpu".into(),
+        backend: backend.into(),
         model: model.to_path_buf(),
         prompt: PROMPT.to_vec(),
         max_new,
@@ -189,16 +194,20 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
     let model = tiny();
     let host = host();
     // tiny has head_dim 16, so the quantization group is 16.
-    for (dtype, tol) in [
+    let cases = [
         (KvDtype::F32, 1e-3),
         (KvDtype::F16, 2e-2),
         (KvDtype::Q8 { group: 16 }, 5e-2),
-    ] {
+    ];
+    for (backend, (dtype, tol)) in BACKENDS
+        .iter()
+        .flat_map(|b| cases.iter().map(move |c| (*b, *c)))
+    {
         let params = kvplug_host::model::cache_params(model.path()).unwrap();
         let (session, opts) = host
-            .make_decode_session("cpu", &make_config(&params, 64, dtype))
+            .make_decode_session(backend, &make_config(&params, 64, dtype))
             .unwrap();
-        let mut fwd = Forward::load(&host, "cpu", model.path(), None, opts).unwrap();
+        let mut fwd = Forward::load(&host, backend, model.path(), None, opts).unwrap();
         let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
         let mut got = fwd.call(&PROMPT, &positions, None).unwrap();
         let mut tokens = PROMPT.to_vec();
@@ -226,7 +235,10 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
                 worst = worst.max((*a as f64 - b).abs());
             }
         }
-        assert!(worst < tol, "{dtype}: max |logit error| {worst} >= {tol}");
+        assert!(
+            worst < tol,
+            "{backend} {dtype}: max |logit error| {worst} >= {tol}"
+        );
     }
 }
 
@@ -234,36 +246,44 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
 fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
     let model = tiny();
     let host = host();
-    let plain = run_decode(
-        &host,
-        &spec(model.path(), 12, KvDtype::F16),
-        &mut Sampler::new(0.0, 1.0, 0),
-    )
-    .unwrap()
-    .ids;
-    let params = kvplug_host::model::cache_params(model.path()).unwrap();
-    let cfg = make_config(&params, 128, KvDtype::F16);
-    let (seq, seq_opts) = host.make_seq_session("cpu", &cfg).unwrap();
-    let (_tree, tree_opts) = host.make_tree_session("cpu", &cfg).unwrap();
-    for (opts, is_seq) in [(seq_opts, true), (tree_opts, false)] {
-        let mut fwd = Forward::load(&host, "cpu", model.path(), None, opts).unwrap();
-        let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-        if is_seq {
-            seq.begin_step(&[0; 7]).unwrap();
-        }
-        let mut ids = vec![argmax(
-            &fwd.call(&PROMPT, &positions, Some(&[6])).unwrap()[0],
-        )];
-        while ids.len() < 12 {
+    for backend in BACKENDS {
+        let greedy = &mut Sampler::new(0.0, 1.0, 0);
+        let plain = run_decode(
+            &host,
+            &spec(backend, model.path(), 12, KvDtype::F16),
+            greedy,
+        )
+        .unwrap()
+        .ids;
+        let params = kvplug_host::model::cache_params(model.path()).unwrap();
+        let cfg = make_config(&params, 128, KvDtype::F16);
+        let (seq, seq_opts) = host.make_seq_session(backend, &cfg).unwrap();
+        let (_tree, tree_opts) = host.make_tree_session(backend, &cfg).unwrap();
+        for (opts, is_seq) in [(seq_opts, true), (tree_opts, false)] {
+            let mut fwd = Forward::load(&host, backend, model.path(), None, opts).unwrap();
+            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
             if is_seq {
-                seq.begin_step(&[0]).unwrap();
+                seq.begin_step(&[0; 7]).unwrap();
             }
-            let pos = (PROMPT.len() + ids.len() - 1) as i32;
-            ids.push(argmax(
-                &fwd.call(&ids[ids.len() - 1..], &[pos], None).unwrap()[0],
-            ));
+            let mut ids = vec![argmax(
+                &fwd.call(&PROMPT, &positions, Some(&[6])).unwrap()[0],
+            )];
+            while ids.len() < 12 {
+                if is_seq {
+                    seq.begin_step(&[0]).unwrap();
+                }
+                let pos = (PROMPT.len() + ids.len() - 1) as i32;
+                ids.push(argmax(
+                    &fwd.call(&ids[ids.len() - 1..], &[pos], None).unwrap()[0],
+                ));
+            }
+            assert_eq!(
+                ids,
+                plain,
+                "{backend} {} cache",
+                if is_seq { "seq" } else { "tree" }
+            );
         }
-        assert_eq!(ids, plain, "{} cache", if is_seq { "seq" } else { "tree" });
     }
 }
 
@@ -271,38 +291,43 @@ fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
 fn speculative_decoding_equals_greedy_decoding() {
     let model = tiny();
     let host = host();
-    let s = spec(model.path(), 20, KvDtype::F16);
-    let greedy = run_decode(&host, &s, &mut Sampler::new(0.0, 1.0, 0))
-        .unwrap()
-        .ids;
-    let own = run_speculative(&host, &s, &Draft::Model(model.path().to_path_buf()), 3, 2).unwrap();
-    assert_eq!(own.ids, greedy, "target as its own draft");
-    assert_eq!(
-        own.acceptance,
-        Some(1.0),
-        "a model drafting for itself is always accepted"
-    );
-    let shallow = run_speculative(&host, &s, &Draft::Layers(1), 3, 2).unwrap();
-    assert_eq!(shallow.ids, greedy, "one-layer draft");
-    let acc = shallow.acceptance.unwrap();
-    assert!((0.0..=1.0).contains(&acc));
+    for backend in BACKENDS {
+        let s = spec(backend, model.path(), 20, KvDtype::F16);
+        let greedy = run_decode(&host, &s, &mut Sampler::new(0.0, 1.0, 0))
+            .unwrap()
+            .ids;
+        let own =
+            run_speculative(&host, &s, &Draft::Model(model.path().to_path_buf()), 3, 2).unwrap();
+        assert_eq!(own.ids, greedy, "target as its own draft");
+        assert_eq!(
+            own.acceptance,
+            Some(1.0),
+            "a model drafting for itself is always accepted"
+        );
+        let shallow = run_speculative(&host, &s, &Draft::Layers(1), 3, 2).unwrap();
+        assert_eq!(shallow.ids, greedy, "one-layer draft");
+        let acc = shallow.acceptance.unwrap();
+        assert!((0.0..=1.0).contains(&acc));
+    }
 }
 
 #[test]
 fn agent_branches_equal_running_each_branch_alone() {
     let model = tiny();
     let host = host();
-    let s = spec(model.path(), 8, KvDtype::F16);
-    let agents = run_agents(&host, &s, 3, &Sampler::new(0.0, 1.0, 0)).unwrap();
-    let branches = agents.branches.unwrap();
-    assert_eq!(branches.len(), 3);
-    assert_eq!(agents.ids, branches[agents.winner.unwrap()]);
-    for br in &branches {
-        let mut alone = spec(model.path(), 7, KvDtype::F16);
-        alone.prompt.push(br[0]);
-        let ids = run_decode(&host, &alone, &mut Sampler::new(0.0, 1.0, 0))
-            .unwrap()
-            .ids;
-        assert_eq!(ids, br[1..], "branch starting with {}", br[0]);
+    for backend in BACKENDS {
+        let s = spec(backend, model.path(), 8, KvDtype::F16);
+        let agents = run_agents(&host, &s, 3, &Sampler::new(0.0, 1.0, 0)).unwrap();
+        let branches = agents.branches.unwrap();
+        assert_eq!(branches.len(), 3);
+        assert_eq!(agents.ids, branches[agents.winner.unwrap()]);
+        for br in &branches {
+            let mut alone = spec(backend, model.path(), 7, KvDtype::F16);
+            alone.prompt.push(br[0]);
+            let ids = run_decode(&host, &alone, &mut Sampler::new(0.0, 1.0, 0))
+                .unwrap()
+                .ids;
+            assert_eq!(ids, br[1..], "{backend}: branch starting with {}", br[0]);
+        }
     }
 }

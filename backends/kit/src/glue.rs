@@ -144,7 +144,7 @@ pub fn load_model_method<B: Backend + crate::model::ModelDevice>(
 /// on `abi_stable` (the root-module attribute names it). With `, models` the backend (a
 /// [`ModelDevice`](crate::model::ModelDevice)) also serves the kit's model methods.
 ///
-/// ```ignore
+/// ```text
 /// kvplug_backend_kit::export_backend!(CpuDevice, models);
 /// ```
 #[macro_export]

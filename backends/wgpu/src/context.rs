@@ -18,7 +18,21 @@ pub struct Context {
     pub attention: Kernels<3>,
     /// Rows: write, gather, place.
     pub rows: Kernels<3>,
+    /// Model ops, in [`MODEL_ENTRIES`] order.
+    pub model: Kernels<8>,
 }
+
+/// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
+pub const MODEL_ENTRIES: [&str; 8] = [
+    "gather_main",
+    "rmsnorm_main",
+    "linear_main",
+    "bias_main",
+    "rope_main",
+    "heads_main",
+    "silu_main",
+    "add_main",
+];
 
 /// Pipelines of one shader module sharing one bind-group layout.
 pub struct Kernels<const N: usize> {
@@ -144,7 +158,15 @@ impl Context {
             &[Uniform, Read, Read, ReadWrite, ReadWrite],
             ["write_main", "gather_main", "place_main"],
         );
+        let model = kernels(
+            &device,
+            "model",
+            include_str!("shaders/model.wgsl"),
+            &[Uniform, Read, Read, Read, ReadWrite],
+            MODEL_ENTRIES,
+        );
         Ok(Context {
+            model,
             device,
             queue,
             adapter_features: adapter.features(),

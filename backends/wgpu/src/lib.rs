@@ -15,6 +15,7 @@
 //!   plugin still loads, `describe` says why, and building a cache fails with that reason.
 
 pub mod context;
+pub mod model;
 
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
 use kvplug_core::{CacheError, KvDtype};
@@ -25,8 +26,8 @@ use crate::context::Context;
 
 /// An f32 activation tensor in a storage buffer.
 pub struct WgpuTensor {
-    buf: wgpu::Buffer,
-    dims: Vec<usize>,
+    pub(crate) buf: wgpu::Buffer,
+    pub(crate) dims: Vec<usize>,
 }
 
 /// One layer's K or V pool.
@@ -111,6 +112,10 @@ fn device_err(e: String) -> KitError {
 }
 
 impl WgpuDevice {
+    pub(crate) fn context(&self) -> &Context {
+        &self.ctx
+    }
+
     fn u32s(&self, label: &str, v: &[u32]) -> wgpu::Buffer {
         self.ctx
             .buffer_with(label, bytemuck::cast_slice(v), BufferUsages::STORAGE)
@@ -442,4 +447,4 @@ impl Backend for WgpuDevice {
     }
 }
 
-kvplug_backend_kit::export_backend!(WgpuDevice);
+kvplug_backend_kit::export_backend!(WgpuDevice, models);

@@ -1,0 +1,316 @@
+//! The model graph's operations on wgpu: WGSL kernels over f32 storage buffers, so
+//! activations stay on the device between layers (only logits are read back).
+
+use kvplug_backend_kit::model::ModelDevice;
+use kvplug_backend_kit::{Device, KitError};
+use wgpu::BufferUsages;
+
+use crate::{WgpuDevice, WgpuTensor};
+
+/// A `[rows, cols]` f32 weight in a storage buffer.
+pub struct WgpuWeight {
+    buf: wgpu::Buffer,
+    rows: usize,
+    cols: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct OpParams {
+    n: [u32; 4],
+    flag: u32,
+    total: u32,
+    pad: [u32; 2],
+    eps: f32,
+    pad2: [f32; 3],
+}
+
+/// Indices into [`crate::context::MODEL_ENTRIES`].
+#[derive(Clone, Copy)]
+enum Op {
+    Gather = 0,
+    RmsNorm = 1,
+    Linear = 2,
+    Bias = 3,
+    Rope = 4,
+    Heads = 5,
+    Silu = 6,
+    Add = 7,
+}
+
+/// Workgroups for `total` invocations in 64-wide groups, spread over x and y.
+fn flat_groups(total: usize) -> [u32; 3] {
+    let groups = (total as u32).div_ceil(64).max(1);
+    let x = groups.min(65535);
+    [x, groups.div_ceil(x), 1]
+}
+
+impl WgpuDevice {
+    #[allow(clippy::too_many_arguments)]
+    fn op(
+        &self,
+        op: Op,
+        params: OpParams,
+        a: Option<&wgpu::Buffer>,
+        b: Option<&wgpu::Buffer>,
+        idx: Option<&wgpu::Buffer>,
+        out: &wgpu::Buffer,
+        groups: [u32; 3],
+    ) {
+        let ctx = self.context();
+        let dummy = || ctx.storage("unused", 4);
+        let (da, db, di) = (dummy(), dummy(), dummy());
+        let params = ctx.buffer_with("params", bytemuck::bytes_of(&params), BufferUsages::UNIFORM);
+        let bg = ctx.bind(
+            &ctx.model.layout,
+            &[
+                &params,
+                a.unwrap_or(&da),
+                b.unwrap_or(&db),
+                idx.unwrap_or(&di),
+                out,
+            ],
+        );
+        ctx.dispatch(&bg, &[(&ctx.model.pipelines[op as usize], groups)]);
+    }
+
+    fn indices(&self, v: impl Iterator<Item = u32>) -> wgpu::Buffer {
+        let v: Vec<u32> = v.collect();
+        self.context()
+            .buffer_with("indices", bytemuck::cast_slice(&v), BufferUsages::STORAGE)
+    }
+
+    fn flat(
+        &self,
+        op: Op,
+        n: [u32; 4],
+        flag: u32,
+        total: usize,
+        a: Option<&wgpu::Buffer>,
+        b: Option<&wgpu::Buffer>,
+        idx: Option<&wgpu::Buffer>,
+        out: &wgpu::Buffer,
+    ) {
+        let params = OpParams {
+            n,
+            flag,
+            total: total as u32,
+            ..Default::default()
+        };
+        self.op(op, params, a, b, idx, out, flat_groups(total));
+    }
+}
+
+impl ModelDevice for WgpuDevice {
+    type Weight = WgpuWeight;
+
+    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<WgpuWeight, KitError> {
+        Ok(WgpuWeight {
+            buf: self.context().buffer_with(
+                "weight",
+                bytemuck::cast_slice(data),
+                BufferUsages::STORAGE,
+            ),
+            rows,
+            cols,
+        })
+    }
+
+    fn tensor(&self, data: &[f32], dims: &[usize]) -> Result<WgpuTensor, KitError> {
+        Ok(WgpuTensor {
+            buf: self.context().buffer_with(
+                "tensor",
+                bytemuck::cast_slice(data),
+                BufferUsages::STORAGE | BufferUsages::COPY_SRC,
+            ),
+            dims: dims.to_vec(),
+        })
+    }
+
+    fn embed(&self, table: &WgpuTensor, ids: &[i32], out: &mut WgpuTensor) -> Result<(), KitError> {
+        let w = table.dims[1];
+        let idx = self.indices(ids.iter().map(|&i| i as u32));
+        self.flat(
+            Op::Gather,
+            [w as u32, 0, 0, 0],
+            0,
+            ids.len() * w,
+            Some(&table.buf),
+            None,
+            Some(&idx),
+            &out.buf,
+        );
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &WgpuTensor,
+        w: &WgpuTensor,
+        eps: f32,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let (rows, width) = (x.dims[0], x.dims[1]);
+        let params = OpParams {
+            n: [width as u32, 0, 0, 0],
+            eps,
+            ..Default::default()
+        };
+        self.op(
+            Op::RmsNorm,
+            params,
+            Some(&x.buf),
+            Some(&w.buf),
+            None,
+            &out.buf,
+            [rows as u32, 1, 1],
+        );
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: &WgpuTensor,
+        w: &WgpuWeight,
+        bias: Option<&WgpuTensor>,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let t = x.dims[0];
+        let params = OpParams {
+            n: [w.rows as u32, w.cols as u32, 0, 0],
+            ..Default::default()
+        };
+        self.op(
+            Op::Linear,
+            params,
+            Some(&x.buf),
+            Some(&w.buf),
+            None,
+            &out.buf,
+            [(w.rows as u32).div_ceil(64), t as u32, 1],
+        );
+        if let Some(b) = bias {
+            self.flat(
+                Op::Bias,
+                [w.rows as u32, 0, 0, 0],
+                0,
+                t * w.rows,
+                Some(&b.buf),
+                None,
+                None,
+                &out.buf,
+            );
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut WgpuTensor,
+        heads: usize,
+        positions: &[i32],
+        inv_freq: &[f32],
+    ) -> Result<(), KitError> {
+        let hd = 2 * inv_freq.len();
+        let freqs = self.context().buffer_with(
+            "inv_freq",
+            bytemuck::cast_slice(inv_freq),
+            BufferUsages::STORAGE,
+        );
+        let pos = self.indices(positions.iter().map(|&p| p as u32));
+        let total = positions.len() * heads * hd / 2;
+        self.flat(
+            Op::Rope,
+            [heads as u32, hd as u32, 0, 0],
+            0,
+            total,
+            Some(&freqs),
+            None,
+            Some(&pos),
+            &x.buf,
+        );
+        Ok(())
+    }
+
+    fn split_heads(
+        &self,
+        x: &WgpuTensor,
+        heads: usize,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let (t, d) = (x.dims[0], x.dims[1] / heads);
+        self.flat(
+            Op::Heads,
+            [heads as u32, t as u32, d as u32, 0],
+            0,
+            heads * t * d,
+            Some(&x.buf),
+            None,
+            None,
+            &out.buf,
+        );
+        Ok(())
+    }
+
+    fn merge_heads(&self, x: &WgpuTensor, out: &mut WgpuTensor) -> Result<(), KitError> {
+        let (h, t, d) = (x.dims[0], x.dims[1], x.dims[2]);
+        self.flat(
+            Op::Heads,
+            [h as u32, t as u32, d as u32, 0],
+            1,
+            h * t * d,
+            Some(&x.buf),
+            None,
+            None,
+            &out.buf,
+        );
+        Ok(())
+    }
+
+    fn silu_mul(
+        &self,
+        gate: &WgpuTensor,
+        up: &WgpuTensor,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let n = self.dims(gate).iter().product();
+        self.flat(
+            Op::Silu,
+            [0; 4],
+            0,
+            n,
+            Some(&gate.buf),
+            Some(&up.buf),
+            None,
+            &out.buf,
+        );
+        Ok(())
+    }
+
+    fn add_assign(&self, x: &mut WgpuTensor, y: &WgpuTensor) -> Result<(), KitError> {
+        let n = y.dims.iter().product();
+        self.flat(Op::Add, [0; 4], 0, n, Some(&y.buf), None, None, &x.buf);
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        x: &WgpuTensor,
+        rows: &[usize],
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let w = x.dims[1];
+        let idx = self.indices(rows.iter().map(|&r| r as u32));
+        self.flat(
+            Op::Gather,
+            [w as u32, 0, 0, 0],
+            0,
+            rows.len() * w,
+            Some(&x.buf),
+            None,
+            Some(&idx),
+            &out.buf,
+        );
+        Ok(())
+    }
+}
