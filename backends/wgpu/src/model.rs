@@ -38,6 +38,22 @@ enum Op {
     Add = 7,
 }
 
+/// The read-only operands of one op (absent ones are bound to a dummy buffer).
+#[derive(Clone, Copy, Default)]
+struct Inputs<'a> {
+    a: Option<&'a wgpu::Buffer>,
+    b: Option<&'a wgpu::Buffer>,
+    idx: Option<&'a wgpu::Buffer>,
+}
+
+fn inputs<'a>(
+    a: Option<&'a wgpu::Buffer>,
+    b: Option<&'a wgpu::Buffer>,
+    idx: Option<&'a wgpu::Buffer>,
+) -> Inputs<'a> {
+    Inputs { a, b, idx }
+}
+
 /// Workgroups for `total` invocations in 64-wide groups, spread over x and y.
 fn flat_groups(total: usize) -> [u32; 3] {
     let groups = (total as u32).div_ceil(64).max(1);
@@ -46,20 +62,18 @@ fn flat_groups(total: usize) -> [u32; 3] {
 }
 
 impl WgpuDevice {
-    #[allow(clippy::too_many_arguments)]
     fn op(
         &self,
         op: Op,
         params: OpParams,
-        a: Option<&wgpu::Buffer>,
-        b: Option<&wgpu::Buffer>,
-        idx: Option<&wgpu::Buffer>,
+        inputs: Inputs<'_>,
         out: &wgpu::Buffer,
         groups: [u32; 3],
     ) {
         let ctx = self.context();
         let dummy = || ctx.storage("unused", 4);
         let (da, db, di) = (dummy(), dummy(), dummy());
+        let Inputs { a, b, idx } = inputs;
         let params = ctx.buffer_with("params", bytemuck::bytes_of(&params), BufferUsages::UNIFORM);
         let bg = ctx.bind(
             &ctx.model.layout,
@@ -86,9 +100,7 @@ impl WgpuDevice {
         n: [u32; 4],
         flag: u32,
         total: usize,
-        a: Option<&wgpu::Buffer>,
-        b: Option<&wgpu::Buffer>,
-        idx: Option<&wgpu::Buffer>,
+        inputs: Inputs<'_>,
         out: &wgpu::Buffer,
     ) {
         let params = OpParams {
@@ -97,7 +109,7 @@ impl WgpuDevice {
             total: total as u32,
             ..Default::default()
         };
-        self.op(op, params, a, b, idx, out, flat_groups(total));
+        self.op(op, params, inputs, out, flat_groups(total));
     }
 }
 
@@ -135,9 +147,7 @@ impl ModelDevice for WgpuDevice {
             [w as u32, 0, 0, 0],
             0,
             ids.len() * w,
-            Some(&table.buf),
-            None,
-            Some(&idx),
+            inputs(Some(&table.buf), None, Some(&idx)),
             &out.buf,
         );
         Ok(())
@@ -159,9 +169,7 @@ impl ModelDevice for WgpuDevice {
         self.op(
             Op::RmsNorm,
             params,
-            Some(&x.buf),
-            Some(&w.buf),
-            None,
+            inputs(Some(&x.buf), Some(&w.buf), None),
             &out.buf,
             [rows as u32, 1, 1],
         );
@@ -183,9 +191,7 @@ impl ModelDevice for WgpuDevice {
         self.op(
             Op::Linear,
             params,
-            Some(&x.buf),
-            Some(&w.buf),
-            None,
+            inputs(Some(&x.buf), Some(&w.buf), None),
             &out.buf,
             [(w.rows as u32).div_ceil(64), t as u32, 1],
         );
@@ -195,9 +201,7 @@ impl ModelDevice for WgpuDevice {
                 [w.rows as u32, 0, 0, 0],
                 0,
                 t * w.rows,
-                Some(&b.buf),
-                None,
-                None,
+                inputs(Some(&b.buf), None, None),
                 &out.buf,
             );
         }
@@ -224,9 +228,7 @@ impl ModelDevice for WgpuDevice {
             [heads as u32, hd as u32, 0, 0],
             0,
             total,
-            Some(&freqs),
-            None,
-            Some(&pos),
+            inputs(Some(&freqs), None, Some(&pos)),
             &x.buf,
         );
         Ok(())
@@ -244,9 +246,7 @@ impl ModelDevice for WgpuDevice {
             [heads as u32, t as u32, d as u32, 0],
             0,
             heads * t * d,
-            Some(&x.buf),
-            None,
-            None,
+            inputs(Some(&x.buf), None, None),
             &out.buf,
         );
         Ok(())
@@ -259,9 +259,7 @@ impl ModelDevice for WgpuDevice {
             [h as u32, t as u32, d as u32, 0],
             1,
             h * t * d,
-            Some(&x.buf),
-            None,
-            None,
+            inputs(Some(&x.buf), None, None),
             &out.buf,
         );
         Ok(())
@@ -279,9 +277,7 @@ impl ModelDevice for WgpuDevice {
             [0; 4],
             0,
             n,
-            Some(&gate.buf),
-            Some(&up.buf),
-            None,
+            inputs(Some(&gate.buf), Some(&up.buf), None),
             &out.buf,
         );
         Ok(())
@@ -289,7 +285,14 @@ impl ModelDevice for WgpuDevice {
 
     fn add_assign(&self, x: &mut WgpuTensor, y: &WgpuTensor) -> Result<(), KitError> {
         let n = y.dims.iter().product();
-        self.flat(Op::Add, [0; 4], 0, n, Some(&y.buf), None, None, &x.buf);
+        self.flat(
+            Op::Add,
+            [0; 4],
+            0,
+            n,
+            inputs(Some(&y.buf), None, None),
+            &x.buf,
+        );
         Ok(())
     }
 
@@ -306,9 +309,7 @@ impl ModelDevice for WgpuDevice {
             [w as u32, 0, 0, 0],
             0,
             rows.len() * w,
-            Some(&x.buf),
-            None,
-            Some(&idx),
+            inputs(Some(&x.buf), None, Some(&idx)),
             &out.buf,
         );
         Ok(())
