@@ -1,5 +1,7 @@
 //! Opening the adapter and device, and the compute pipelines built once per device.
 
+use std::sync::OnceLock;
+
 use wgpu::util::DeviceExt;
 
 /// Adapter, device, queue and the kernels.
@@ -14,12 +16,9 @@ pub struct Context {
     pub adapter_features: wgpu::Features,
     /// Limits the device was created with (the adapter's).
     pub limits: wgpu::Limits,
-    /// Attention: scores, softmax, output.
-    pub attention: Kernels<3>,
-    /// Rows: write, gather, place.
-    pub rows: Kernels<3>,
-    /// Model ops, in [`MODEL_ENTRIES`] order.
-    pub model: Kernels<8>,
+    attention: OnceLock<Kernels<3>>,
+    rows: OnceLock<Kernels<3>>,
+    model: OnceLock<Kernels<8>>,
 }
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
@@ -143,37 +142,58 @@ impl Context {
             ..Default::default()
         }))
         .map_err(|e| format!("requesting a device from {}: {e}", info.name))?;
-        use Slot::*;
-        let attention = kernels(
-            &device,
-            "attention",
-            include_str!("shaders/attention.wgsl"),
-            &[Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite],
-            ["scores_main", "softmax_main", "output_main"],
-        );
-        let rows = kernels(
-            &device,
-            "rows",
-            include_str!("shaders/rows.wgsl"),
-            &[Uniform, Read, Read, ReadWrite, ReadWrite],
-            ["write_main", "gather_main", "place_main"],
-        );
-        let model = kernels(
-            &device,
-            "model",
-            include_str!("shaders/model.wgsl"),
-            &[Uniform, Read, Read, Read, ReadWrite],
-            MODEL_ENTRIES,
-        );
         Ok(Context {
-            model,
             device,
             queue,
             adapter_features: adapter.features(),
             info,
             limits,
-            attention,
-            rows,
+            attention: OnceLock::new(),
+            rows: OnceLock::new(),
+            model: OnceLock::new(),
+        })
+    }
+
+    /// Attention kernels: scores, softmax, output (compiled on first use, which keeps
+    /// plugin loading fast).
+    pub fn attention(&self) -> &Kernels<3> {
+        self.attention.get_or_init(|| {
+            use Slot::*;
+            kernels(
+                &self.device,
+                "attention",
+                include_str!("shaders/attention.wgsl"),
+                &[Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite],
+                ["scores_main", "softmax_main", "output_main"],
+            )
+        })
+    }
+
+    /// Row kernels: write, gather, place.
+    pub fn rows(&self) -> &Kernels<3> {
+        self.rows.get_or_init(|| {
+            use Slot::*;
+            kernels(
+                &self.device,
+                "rows",
+                include_str!("shaders/rows.wgsl"),
+                &[Uniform, Read, Read, ReadWrite, ReadWrite],
+                ["write_main", "gather_main", "place_main"],
+            )
+        })
+    }
+
+    /// Model kernels, in [`MODEL_ENTRIES`] order.
+    pub fn model(&self) -> &Kernels<8> {
+        self.model.get_or_init(|| {
+            use Slot::*;
+            kernels(
+                &self.device,
+                "model",
+                include_str!("shaders/model.wgsl"),
+                &[Uniform, Read, Read, Read, ReadWrite],
+                MODEL_ENTRIES,
+            )
         })
     }
 

@@ -163,13 +163,13 @@ impl WgpuDevice {
         let cells = self.u32s("cells", cells);
         let dummy = self.ctx.storage("unused", 4);
         let bg = self.ctx.bind(
-            &self.ctx.rows.layout,
+            &self.ctx.rows().layout,
             &[&params, &src.buf, &cells, &pool.buf, &dummy],
         );
         let n = (pool.heads * src.dims[1]) as u32;
         self.ctx.dispatch(
             &bg,
-            &[(&self.ctx.rows.pipelines[0], [n.div_ceil(64), 1, 1])],
+            &[(&self.ctx.rows().pipelines[0], [n.div_ceil(64), 1, 1])],
         );
     }
 }
@@ -267,15 +267,15 @@ impl Device for WgpuDevice {
         let n = (pool.heads * rows.len() * pool.row_words) as u64;
         let tmp = self.ctx.storage("gather", n * 4);
         let bg = self.ctx.bind(
-            &self.ctx.rows.layout,
+            &self.ctx.rows().layout,
             &[&params, &dummy, &idx, &pool.buf, &tmp],
         );
         let groups = (n as u32).div_ceil(64);
         self.ctx.dispatch(
             &bg,
             &[
-                (&self.ctx.rows.pipelines[1], [groups, 1, 1]),
-                (&self.ctx.rows.pipelines[2], [groups, 1, 1]),
+                (&self.ctx.rows().pipelines[1], [groups, 1, 1]),
+                (&self.ctx.rows().pipelines[2], [groups, 1, 1]),
             ],
         );
     }
@@ -350,10 +350,10 @@ impl Device for WgpuDevice {
                 pad: [0; 2],
             });
             let bg = self.ctx.bind(
-                &self.ctx.attention.layout,
+                &self.ctx.attention().layout,
                 &[&params, &q.buf, &k.buf, &v.buf, &mask_buf, scores, &out.buf],
             );
-            let p = &self.ctx.attention.pipelines;
+            let p = &self.ctx.attention().pipelines;
             self.ctx.dispatch(
                 &bg,
                 &[

@@ -76,7 +76,7 @@ impl WgpuDevice {
         let Inputs { a, b, idx } = inputs;
         let params = ctx.buffer_with("params", bytemuck::bytes_of(&params), BufferUsages::UNIFORM);
         let bg = ctx.bind(
-            &ctx.model.layout,
+            &ctx.model().layout,
             &[
                 &params,
                 a.unwrap_or(&da),
@@ -85,7 +85,7 @@ impl WgpuDevice {
                 out,
             ],
         );
-        ctx.dispatch(&bg, &[(&ctx.model.pipelines[op as usize], groups)]);
+        ctx.dispatch(&bg, &[(&ctx.model().pipelines[op as usize], groups)]);
     }
 
     fn indices(&self, v: impl Iterator<Item = u32>) -> wgpu::Buffer {
