@@ -302,8 +302,9 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// Same maths as the kit's reference: `lo + q·scale` per group, with the f16 scale and
-    /// offset converted by F16C and 8 codes widened per instruction.
+    /// Same maths as the kit's reference, which it calls for layouts other than q8 with
+    /// groups of a multiple of 8: there the f16 scale and offset are converted by F16C and
+    /// 8 codes are widened per instruction.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dequantize_row(
         codes: &[u8],
@@ -313,27 +314,15 @@ mod x86 {
         group: usize,
         out: &mut [f32],
     ) {
-        let per_byte = 8 / bits as usize;
+        if bits != 8 || group % 8 != 0 {
+            return kvplug_backend_kit::quant::dequantize_row(codes, scales, los, bits, group, out);
+        }
         for (g, o) in out.chunks_exact_mut(group).enumerate() {
-            let scale = h2f(scales[g]);
-            let lo = h2f(los[g]);
-            let (sv, lv) = (_mm256_set1_ps(scale), _mm256_set1_ps(lo));
-            let cg = &codes[g * group / per_byte..(g + 1) * group / per_byte];
-            if bits == 8 && group % 8 == 0 {
-                for (i, chunk) in o.chunks_exact_mut(8).enumerate() {
-                    let c8 = _mm_loadl_epi64(cg.as_ptr().add(i * 8) as *const __m128i);
-                    let f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8));
-                    _mm256_storeu_ps(chunk.as_mut_ptr(), _mm256_fmadd_ps(f, sv, lv));
-                }
-            } else if bits == 8 {
-                for (x, &c) in o.iter_mut().zip(cg) {
-                    *x = lo + c as f32 * scale;
-                }
-            } else {
-                for (pair, &c) in o.chunks_exact_mut(2).zip(cg) {
-                    pair[0] = lo + (c & 0xf) as f32 * scale;
-                    pair[1] = lo + (c >> 4) as f32 * scale;
-                }
+            let (sv, lv) = (_mm256_set1_ps(h2f(scales[g])), _mm256_set1_ps(h2f(los[g])));
+            for (i, chunk) in o.chunks_exact_mut(8).enumerate() {
+                let c8 = _mm_loadl_epi64(codes.as_ptr().add(g * group + i * 8) as *const __m128i);
+                let f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8));
+                _mm256_storeu_ps(chunk.as_mut_ptr(), _mm256_fmadd_ps(f, sv, lv));
             }
         }
     }
