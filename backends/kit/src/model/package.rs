@@ -152,3 +152,94 @@ impl ModelPackage {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    const CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 4}"#;
+
+    fn write(
+        path: &Path,
+        tensors: &[(&str, Vec<f32>, Vec<usize>)],
+        meta: Option<HashMap<String, String>>,
+    ) {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, d, _)| d.iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        let views: Vec<(&str, TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((n, _, s), b)| (*n, TensorView::new(Dtype::F32, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, meta, path).unwrap();
+    }
+
+    #[test]
+    fn sharded_packages_and_metadata() {
+        let dir = std::env::temp_dir().join(format!("kvplug-pkg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), CONFIG).unwrap();
+        let mut meta = HashMap::new();
+        kvplug_core::metadata::write_cache_params(
+            &ModelCacheParams {
+                n_layers: 1,
+                n_kv_heads: 1,
+                head_dim: 4,
+            },
+            &mut meta,
+        );
+        write(
+            &dir.join("a.safetensors"),
+            &[("x", vec![1.0, 2.0], vec![2])],
+            Some(meta),
+        );
+        write(
+            &dir.join("b.safetensors"),
+            &[("y", vec![3.0; 6], vec![2, 3])],
+            None,
+        );
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}"#,
+        )
+        .unwrap();
+        let pkg = ModelPackage::open(&dir).unwrap();
+        assert!(pkg.has_cache_metadata());
+        assert_eq!(pkg.cache_params().head_dim, 4);
+        assert_eq!(pkg.tensor_f32("x", &[2]).unwrap(), vec![1.0, 2.0]);
+        assert_eq!(pkg.tensor_f32("y", &[2, 3]).unwrap(), vec![3.0; 6]);
+        let e = pkg.tensor_f32("y", &[6]).unwrap_err().to_string();
+        assert!(e.contains("has shape [2, 3], expected [6]"), "{e}");
+        assert!(pkg
+            .tensor_f32("z", &[1])
+            .unwrap_err()
+            .to_string()
+            .contains("missing tensor 'z'"));
+
+        // Metadata that disagrees with config.json, and a file that is not safetensors.
+        let mut bad = HashMap::new();
+        kvplug_core::metadata::write_cache_params(
+            &ModelCacheParams {
+                n_layers: 3,
+                n_kv_heads: 1,
+                head_dim: 4,
+            },
+            &mut bad,
+        );
+        write(
+            &dir.join("a.safetensors"),
+            &[("x", vec![1.0, 2.0], vec![2])],
+            Some(bad),
+        );
+        let e = ModelPackage::open(&dir).err().unwrap().to_string();
+        assert!(e.contains("disagrees with config.json"), "{e}");
+        std::fs::write(dir.join("a.safetensors"), b"not a model").unwrap();
+        let e = ModelPackage::open(&dir).err().unwrap().to_string();
+        assert!(e.contains("not a safetensors file"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
