@@ -98,6 +98,33 @@ impl HostTensor {
         }
     }
 
+    /// `data` encoded as `dtype` (f32, f16 or bf16, round to nearest even); `None` for i32,
+    /// which activations cannot become.
+    pub fn encode_f32(shape: &[usize], data: &[f32], dtype: TensorDtype) -> Option<Self> {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape/data mismatch"
+        );
+        let bytes: RVec<u8> = match dtype {
+            TensorDtype::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorDtype::F16 => data
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            TensorDtype::Bf16 => data
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            TensorDtype::I32 => return None,
+        };
+        Some(HostTensor {
+            dtype,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            bytes,
+        })
+    }
+
     /// An i32 tensor.
     pub fn from_i32(shape: &[usize], data: &[i32]) -> Self {
         assert_eq!(
@@ -127,7 +154,7 @@ impl HostTensor {
                 .collect(),
             TensorDtype::F16 => b
                 .chunks_exact(2)
-                .map(|c| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
             TensorDtype::Bf16 => b
                 .chunks_exact(2)
@@ -145,19 +172,6 @@ impl HostTensor {
                 .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()
         })
-    }
-}
-
-/// Exact f16 → f32 (every half is representable).
-fn f16_bits_to_f32(h: u16) -> f32 {
-    let sign = if h & 0x8000 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((h >> 10) & 0x1f) as i32;
-    let man = (h & 0x3ff) as f32;
-    sign * match exp {
-        0 => man * 2f32.powi(-24),
-        31 if man == 0.0 => f32::INFINITY,
-        31 => f32::NAN,
-        _ => (1.0 + man / 1024.0) * 2f32.powi(exp - 15),
     }
 }
 
@@ -180,6 +194,13 @@ mod tests {
             bytes: RVec::from(vec![0x00, 0x3c, 0x00, 0xc0, 0x01, 0x00]),
         };
         assert_eq!(h.to_f32().unwrap(), vec![1.0, -2.0, 2f32.powi(-24)]);
+        let h =
+            HostTensor::encode_f32(&[3], &[1.0, -2.0, 2f32.powi(-24)], TensorDtype::F16).unwrap();
+        assert_eq!(h.bytes.as_slice(), &[0x00, 0x3c, 0x00, 0xc0, 0x01, 0x00]);
+        let b =
+            HostTensor::encode_f32(&[1], &[1.0 + 3.0 * 2f32.powi(-8)], TensorDtype::Bf16).unwrap();
+        assert_eq!(b.to_f32().unwrap(), vec![1.0 + 2f32.powi(-6)]);
+        assert!(HostTensor::encode_f32(&[1], &[1.0], TensorDtype::I32).is_none());
         let i = HostTensor::from_i32(&[2], &[7, -1]);
         assert_eq!(i.to_i32().unwrap(), vec![7, -1]);
     }

@@ -14,7 +14,6 @@ pub mod workers;
 #[cfg(feature = "xnnpack")]
 pub mod xnnpack;
 
-use half::{bf16, f16};
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
 use kvplug_core::{CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
@@ -139,27 +138,8 @@ impl Device for CpuDevice {
     }
 
     fn download(&self, t: &CpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
-        let bytes: Vec<u8> = match dtype {
-            TensorDtype::F32 => t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            TensorDtype::F16 => t
-                .data
-                .iter()
-                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-                .collect(),
-            TensorDtype::Bf16 => t
-                .data
-                .iter()
-                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-                .collect(),
-            TensorDtype::I32 => {
-                return Err(CacheError::bad_shape("cannot download activations as i32").into())
-            }
-        };
-        Ok(HostTensor {
-            dtype,
-            shape: t.dims.iter().map(|&d| d as u64).collect(),
-            bytes: bytes.into(),
-        })
+        HostTensor::encode_f32(&t.dims, &t.data, dtype)
+            .ok_or_else(|| CacheError::bad_shape("cannot download activations as i32").into())
     }
 }
 

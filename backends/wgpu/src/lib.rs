@@ -395,29 +395,9 @@ impl Device for WgpuDevice {
     fn download(&self, t: &WgpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
         let n = t.dims.iter().product::<usize>();
         let bytes = self.ctx.read(&t.buf, (n * 4) as u64).map_err(device_err)?;
-        let data: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let out: Vec<u8> = match dtype {
-            TensorDtype::F32 => bytes,
-            TensorDtype::F16 => data
-                .iter()
-                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                .collect(),
-            TensorDtype::Bf16 => data
-                .iter()
-                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                .collect(),
-            TensorDtype::I32 => {
-                return Err(CacheError::bad_shape("cannot download activations as i32").into())
-            }
-        };
-        Ok(HostTensor {
-            dtype,
-            shape: t.dims.iter().map(|&d| d as u64).collect(),
-            bytes: out.into(),
-        })
+        let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+        HostTensor::encode_f32(&t.dims, &data, dtype)
+            .ok_or_else(|| CacheError::bad_shape("cannot download activations as i32").into())
     }
 }
 
