@@ -7,12 +7,18 @@ use crate::plan::StepPlan;
 ///
 /// A step writes positions `p, p+1, .., p+T-1` with `p <= len`; writing at `p < len`
 /// replaces the history from `p` on (the cache is truncated to `p + T`).
+///
+/// [`ContiguousBookkeeping::rollback_step`] undoes the step in progress. An appending step
+/// rolls back exactly; a rewriting one (`p < len`) rolls back to `len = p`, because its rows
+/// overwrote `[p, ..)` in place and the old rows are gone.
 #[derive(Clone, Debug)]
 pub struct ContiguousBookkeeping {
     capacity: usize,
     len: usize,
     plan: StepPlan,
     plan_valid: bool,
+    /// `len` after a rollback of the step in progress.
+    undo_len: usize,
 }
 
 impl ContiguousBookkeeping {
@@ -23,12 +29,13 @@ impl ContiguousBookkeeping {
             len: 0,
             plan: StepPlan::default(),
             plan_valid: false,
+            undo_len: 0,
         }
     }
 
     /// Whether `n` more tokens fit.
     pub fn can_extend(&self, n: usize) -> bool {
-        self.len + n <= self.capacity
+        n <= self.capacity - self.len
     }
 
     /// The logical ceiling in cells.
@@ -69,6 +76,7 @@ impl ContiguousBookkeeping {
     /// `len`). Validates before mutating.
     pub fn plan(&mut self, positions: &[i32]) -> CacheResult<&StepPlan> {
         let (start, end) = self.check_run(positions)?;
+        self.undo_len = self.len.min(start);
         self.len = end;
         self.plan.set_run(start, positions, end);
         self.plan_valid = true;
@@ -78,6 +86,14 @@ impl ContiguousBookkeeping {
     /// The plan of the step in progress, until a verb invalidates it.
     pub fn current_plan(&self) -> Option<&StepPlan> {
         self.plan_valid.then_some(&self.plan)
+    }
+
+    /// Undoes the step in progress (see the type docs); a no-op when none is.
+    pub fn rollback_step(&mut self) {
+        if self.plan_valid {
+            self.len = self.undo_len;
+            self.plan_valid = false;
+        }
     }
 
     /// Validates a run of positions; returns `(start, end)`.
@@ -106,7 +122,7 @@ impl ContiguousBookkeeping {
                 self.len
             )));
         }
-        let end = start + positions.len();
+        let end = start.saturating_add(positions.len());
         if end > self.capacity {
             return Err(CacheError::capacity(format!(
                 "positions up to {} exceed capacity {}",

@@ -68,15 +68,25 @@ impl<'de> serde::Deserialize<'de> for CacheKind {
     }
 }
 
-/// The bookkeeping of one cache, whichever kind. Verbs a kind does not have return
+/// The bookkeeping of one cache, whichever kind, with steps as transactions.
+///
+/// A step is opened with [`Bookkeeping::open_step`] (placing its tokens and planning it),
+/// then either committed ([`Bookkeeping::commit_step`]) once every layer has written through
+/// it, or rolled back ([`Bookkeeping::rollback_step`]), which leaves the bookkeeping exactly
+/// as before the step (see [`ContiguousBookkeeping::rollback_step`] for the one exception,
+/// a contiguous step that rewrote history). A step left open is abandoned: opening another
+/// or calling any verb rolls it back first. Verbs a kind does not have return
 /// `not_supported`.
 #[derive(Clone, Debug)]
-pub enum Bookkeeping {
-    /// See [`ContiguousBookkeeping`].
+pub struct Bookkeeping {
+    book: Book,
+    step_open: bool,
+}
+
+#[derive(Clone, Debug)]
+enum Book {
     Contiguous(ContiguousBookkeeping),
-    /// See [`SeqBookkeeping`].
     Seq(SeqBookkeeping),
-    /// See [`TreeBookkeeping`].
     Tree(TreeBookkeeping),
 }
 
@@ -87,178 +97,208 @@ fn unsupported(verb: &str, kind: CacheKind) -> CacheError {
 impl Bookkeeping {
     /// Empty bookkeeping of `kind` with `capacity` cells.
     pub fn new(kind: CacheKind, capacity: usize) -> Self {
-        match kind {
-            CacheKind::Contiguous => Bookkeeping::Contiguous(ContiguousBookkeeping::new(capacity)),
-            CacheKind::Seq => Bookkeeping::Seq(SeqBookkeeping::new(capacity)),
-            CacheKind::Tree => Bookkeeping::Tree(TreeBookkeeping::new(capacity)),
+        let book = match kind {
+            CacheKind::Contiguous => Book::Contiguous(ContiguousBookkeeping::new(capacity)),
+            CacheKind::Seq => Book::Seq(SeqBookkeeping::new(capacity)),
+            CacheKind::Tree => Book::Tree(TreeBookkeeping::new(capacity)),
+        };
+        Bookkeeping {
+            book,
+            step_open: false,
         }
     }
 
     /// The kind.
     pub fn kind(&self) -> CacheKind {
-        match self {
-            Bookkeeping::Contiguous(_) => CacheKind::Contiguous,
-            Bookkeeping::Seq(_) => CacheKind::Seq,
-            Bookkeeping::Tree(_) => CacheKind::Tree,
+        match self.book {
+            Book::Contiguous(_) => CacheKind::Contiguous,
+            Book::Seq(_) => CacheKind::Seq,
+            Book::Tree(_) => CacheKind::Tree,
         }
     }
 
     /// Whether `n` more tokens fit.
     pub fn can_extend(&self, n: usize) -> bool {
-        match self {
-            Bookkeeping::Contiguous(b) => b.can_extend(n),
-            Bookkeeping::Seq(b) => b.can_extend(n),
-            Bookkeeping::Tree(b) => b.can_extend(n),
+        match &self.book {
+            Book::Contiguous(b) => b.can_extend(n),
+            Book::Seq(b) => b.can_extend(n),
+            Book::Tree(b) => b.can_extend(n),
         }
     }
 
     /// The logical ceiling in cells.
     pub fn capacity(&self) -> usize {
-        match self {
-            Bookkeeping::Contiguous(b) => b.capacity(),
-            Bookkeeping::Seq(b) => b.capacity(),
-            Bookkeeping::Tree(b) => b.capacity(),
+        match &self.book {
+            Book::Contiguous(b) => b.capacity(),
+            Book::Seq(b) => b.capacity(),
+            Book::Tree(b) => b.capacity(),
         }
     }
 
     /// One past the highest cell holding data.
     pub fn high_water(&self) -> usize {
-        match self {
-            Bookkeeping::Contiguous(b) => b.len(),
-            Bookkeeping::Seq(b) => b.high_water(),
-            Bookkeeping::Tree(b) => b.high_water(),
+        match &self.book {
+            Book::Contiguous(b) => b.len(),
+            Book::Seq(b) => b.high_water(),
+            Book::Tree(b) => b.high_water(),
         }
     }
 
     /// Cells holding data.
     pub fn live_cells(&self) -> usize {
-        match self {
-            Bookkeeping::Seq(b) => b.live_cells(),
+        match &self.book {
+            Book::Seq(b) => b.live_cells(),
             _ => self.high_water(),
         }
     }
 
     /// Reserves per-cell bookkeeping for `cells` cells (byte layers call this as pools grow).
     pub fn reserve(&mut self, cells: usize) {
-        if let Bookkeeping::Seq(b) = self {
+        if let Book::Seq(b) = &mut self.book {
             b.reserve(cells);
+        }
+    }
+
+    /// Opens a step writing `positions`: places the tokens and plans the read. Validates
+    /// before it mutates; an open step is rolled back first.
+    pub fn open_step(&mut self, positions: &[i32]) -> CacheResult<&StepPlan> {
+        self.abandon_step();
+        let plan = match &mut self.book {
+            Book::Contiguous(b) => b.plan(positions)?,
+            Book::Seq(b) => b.plan(positions)?,
+            Book::Tree(b) => b.plan(positions)?,
+        };
+        self.step_open = true;
+        Ok(plan)
+    }
+
+    /// The plan of the open step, if one is open.
+    pub fn step_plan(&self) -> Option<&StepPlan> {
+        if !self.step_open {
+            return None;
+        }
+        match &self.book {
+            Book::Contiguous(b) => b.current_plan(),
+            Book::Seq(b) => b.current_plan(),
+            Book::Tree(b) => b.current_plan(),
+        }
+    }
+
+    /// Whether a step is open.
+    pub fn step_is_open(&self) -> bool {
+        self.step_open
+    }
+
+    /// Makes the open step permanent (every layer has written its rows).
+    pub fn commit_step(&mut self) {
+        self.step_open = false;
+    }
+
+    /// Undoes the open step; a no-op when none is open.
+    pub fn rollback_step(&mut self) {
+        if !self.step_open {
+            return;
+        }
+        match &mut self.book {
+            Book::Contiguous(b) => b.rollback_step(),
+            Book::Seq(b) => b.rollback_step(),
+            Book::Tree(b) => b.rollback_step(),
+        }
+        self.step_open = false;
+    }
+
+    fn abandon_step(&mut self) {
+        if self.step_open {
+            tracing::debug!("an open step was abandoned: rolled back");
+            self.rollback_step();
         }
     }
 
     /// Forgets everything.
     pub fn clear(&mut self) {
-        match self {
-            Bookkeeping::Contiguous(b) => b.clear(),
-            Bookkeeping::Seq(b) => b.clear(),
-            Bookkeeping::Tree(b) => b.clear(),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Contiguous(b) => b.clear(),
+            Book::Seq(b) => b.clear(),
+            Book::Tree(b) => b.clear(),
         }
     }
 
     /// Contiguous only: truncate to `len` tokens.
     pub fn rewind(&mut self, len: usize) -> CacheResult<()> {
-        match self {
-            Bookkeeping::Contiguous(b) => b.rewind(len),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Contiguous(b) => b.rewind(len),
             _ => Err(unsupported("rewind", self.kind())),
         }
     }
 
     /// Seq only: the next step's per-token sequences.
     pub fn begin_step(&mut self, seq_ids: &[i32]) -> CacheResult<()> {
-        match self {
-            Bookkeeping::Seq(b) => b.begin_step(seq_ids),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.begin_step(seq_ids),
             _ => Err(unsupported("begin_step", self.kind())),
         }
     }
 
     /// Seq only: share `src`'s cells in `range` with `dst`.
     pub fn seq_cp(&mut self, src: i32, dst: i32, range: PosRange) -> CacheResult<()> {
-        match self {
-            Bookkeeping::Seq(b) => b.seq_cp(src, dst, range),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.seq_cp(src, dst, range),
             _ => Err(unsupported("seq_cp", self.kind())),
         }
     }
 
     /// Seq only: drop `seq` from its cells in `range`.
     pub fn seq_rm(&mut self, seq: i32, range: PosRange) -> CacheResult<()> {
-        match self {
-            Bookkeeping::Seq(b) => b.seq_rm(seq, range),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.seq_rm(seq, range),
             _ => Err(unsupported("seq_rm", self.kind())),
         }
     }
 
     /// Seq only: keep `seq` alone.
     pub fn seq_keep(&mut self, seq: i32) -> CacheResult<()> {
-        match self {
-            Bookkeeping::Seq(b) => b.seq_keep(seq),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.seq_keep(seq),
             _ => Err(unsupported("seq_keep", self.kind())),
         }
     }
 
     /// Seq only: cells held by `seq`.
     pub fn seq_len(&self, seq: i32) -> CacheResult<usize> {
-        match self {
-            Bookkeeping::Seq(b) => b.seq_len(seq),
+        match &self.book {
+            Book::Seq(b) => b.seq_len(seq),
             _ => Err(unsupported("seq_len", self.kind())),
         }
     }
 
     /// Tree only: append a frontier.
     pub fn propose(&mut self, parents: &[i32]) -> CacheResult<()> {
-        match self {
-            Bookkeeping::Tree(b) => b.propose(parents),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Tree(b) => b.propose(parents),
             _ => Err(unsupported("propose", self.kind())),
         }
     }
 
     /// Tree only: accept a root-first chain; the caller moves the rows, then recycles.
     pub fn commit(&mut self, accepted: &[i32]) -> CacheResult<CommitPlan> {
-        match self {
-            Bookkeeping::Tree(b) => b.commit(accepted),
+        self.abandon_step();
+        match &mut self.book {
+            Book::Tree(b) => b.commit(accepted),
             _ => Err(unsupported("commit", self.kind())),
         }
     }
 
     /// Returns a commit plan's buffer.
     pub fn recycle(&mut self, plan: CommitPlan) {
-        if let Bookkeeping::Tree(b) = self {
+        if let Book::Tree(b) = &mut self.book {
             b.recycle(plan);
-        }
-    }
-
-    /// Plans the step for `layer`: layer 0 starts a new step; later layers reuse the
-    /// memoized plan and must pass the same positions. Validates before it mutates.
-    pub fn plan_layer(&mut self, layer: usize, positions: &[i32]) -> CacheResult<&StepPlan> {
-        if layer == 0 {
-            return match self {
-                Bookkeeping::Contiguous(b) => b.plan(positions),
-                Bookkeeping::Seq(b) => b.plan(positions),
-                Bookkeeping::Tree(b) => b.plan(positions),
-            };
-        }
-        let plan = match self {
-            Bookkeeping::Contiguous(b) => b.current_plan(),
-            Bookkeeping::Seq(b) => b.current_plan(),
-            Bookkeeping::Tree(b) => b.current_plan(),
-        };
-        let plan = plan.ok_or_else(|| {
-            CacheError::bad_shape(format!(
-                "layer {layer} called with no step in progress: every step starts at layer 0"
-            ))
-        })?;
-        if plan.positions != positions {
-            return Err(CacheError::bad_position(format!(
-                "layer {layer} positions differ from those layer 0 of this step planned"
-            )));
-        }
-        Ok(plan)
-    }
-
-    /// The plan of the step in progress, if any.
-    pub fn current_plan(&self) -> Option<&StepPlan> {
-        match self {
-            Bookkeeping::Contiguous(b) => b.current_plan(),
-            Bookkeeping::Seq(b) => b.current_plan(),
-            Bookkeeping::Tree(b) => b.current_plan(),
         }
     }
 }
@@ -326,5 +366,145 @@ pub trait CacheVerbs {
         self.move_rows(plan.base, &plan.rows);
         self.bookkeeping_mut().recycle(plan);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const CAP: usize = 12;
+
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        /// A step of `n` tokens for `seq` (seq cache: declared with begin_step), continuing
+        /// at `start`; `fail` rolls it back instead of committing it.
+        Step {
+            seq: i32,
+            start: i32,
+            n: usize,
+            fail: bool,
+        },
+        /// Seq: fork `src` into `dst`; tree: propose one node under `src - 1`.
+        Fork { src: i32, dst: i32 },
+        /// Seq: drop `seq` from positions `>= p0`; contiguous: rewind; tree: commit `[0]`.
+        Trim { seq: i32, p0: i32 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            5 => (0..3i32, 0..8i32, 1..4usize, any::<bool>())
+                .prop_map(|(seq, start, n, fail)| Op::Step { seq, start, n, fail }),
+            2 => (0..3i32, 0..3i32).prop_map(|(src, dst)| Op::Fork { src, dst }),
+            2 => (0..3i32, 0..8i32).prop_map(|(seq, p0)| Op::Trim { seq, p0 }),
+        ]
+    }
+
+    /// What a runner can observe: answers to every query, and the plan a probe step gets.
+    fn observe(b: &Bookkeeping, seq: i32, pos: &[i32]) -> impl PartialEq + std::fmt::Debug {
+        let mut probe = b.clone();
+        let plan = match probe.kind() {
+            CacheKind::Seq => probe
+                .begin_step(&vec![seq; pos.len()])
+                .and_then(|()| probe.open_step(pos).cloned()),
+            _ => probe.open_step(pos).cloned(),
+        };
+        (
+            b.high_water(),
+            b.live_cells(),
+            (0..=CAP + 1).map(|n| b.can_extend(n)).collect::<Vec<_>>(),
+            (0..4).map(|s| b.seq_len(s).ok()).collect::<Vec<_>>(),
+            plan.map_err(|e| e.kind),
+        )
+    }
+
+    fn apply(b: &mut Bookkeeping, op: &Op) {
+        match (*op, b.kind()) {
+            (Op::Fork { src, dst }, CacheKind::Seq) => {
+                let _ = b.seq_cp(src, dst, PosRange::ALL);
+            }
+            (Op::Fork { src, .. }, CacheKind::Tree) => {
+                let _ = b.propose(&[src - 1]);
+            }
+            (Op::Trim { seq, p0 }, CacheKind::Seq) => {
+                let _ = b.seq_rm(seq, PosRange::new(Some(p0), None));
+            }
+            (Op::Trim { p0, .. }, CacheKind::Contiguous) => {
+                let _ = b.rewind(p0 as usize);
+            }
+            (Op::Trim { .. }, CacheKind::Tree) => {
+                let _ = b.commit(&[0]);
+            }
+            _ => {}
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 3_000, ..ProptestConfig::default() })]
+
+        /// A rolled-back step leaves every kind observably identical to a copy that never
+        /// saw it; a committed one is exactly what a plain step does.
+        #[test]
+        fn rolled_back_steps_leave_no_trace(
+            kind in prop_oneof![Just(CacheKind::Contiguous), Just(CacheKind::Seq), Just(CacheKind::Tree)],
+            ops in prop::collection::vec(op(), 1..20),
+        ) {
+            let mut b = Bookkeeping::new(kind, CAP);
+            for op in &ops {
+                let Op::Step { seq, start, n, fail } = *op else {
+                    apply(&mut b, op);
+                    continue;
+                };
+                let pos: Vec<i32> = (start..start + n as i32).collect();
+                let before = b.clone();
+                if kind == CacheKind::Seq && b.begin_step(&vec![seq; n]).is_err() {
+                    continue;
+                }
+                let Ok(plan) = b.open_step(&pos) else {
+                    prop_assert!(!b.step_is_open());
+                    continue;
+                };
+                // A contiguous rewrite cannot roll back exactly (tested below).
+                let rewrite = kind != CacheKind::Seq
+                    && plan.write_start.is_some_and(|s| s < before.high_water());
+                prop_assert!(b.step_plan().is_some());
+                if fail && !rewrite {
+                    b.rollback_step();
+                    prop_assert!(b.step_plan().is_none());
+                    for probe in [&pos[..], &[start + 1], &[0, 1]] {
+                        prop_assert_eq!(observe(&b, seq, probe), observe(&before, seq, probe));
+                    }
+                } else {
+                    b.commit_step();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn verbs_and_new_steps_abandon_an_open_step() {
+        let mut b = Bookkeeping::new(CacheKind::Seq, 8);
+        b.open_step(&[0, 1, 2]).unwrap();
+        b.commit_step();
+        b.begin_step(&[1]).unwrap();
+        b.open_step(&[3]).unwrap();
+        // A verb rolls the open step back, then runs.
+        b.seq_cp(0, 2, PosRange::ALL).unwrap();
+        assert_eq!((b.seq_len(1).unwrap(), b.live_cells()), (0, 3));
+        // Opening a step rolls back the one left open, restoring its begin_step
+        // declaration (sequence 1) with it.
+        b.open_step(&[3]).unwrap();
+        let cells = b.step_plan().unwrap().cell_of(0);
+        b.open_step(&[3]).unwrap();
+        assert_eq!(b.step_plan().unwrap().cell_of(0), cells);
+        assert_eq!((b.seq_len(0).unwrap(), b.seq_len(1).unwrap()), (3, 1));
+        let mut c = Bookkeeping::new(CacheKind::Contiguous, 8);
+        c.open_step(&[0, 1, 2, 3]).unwrap();
+        c.commit_step();
+        // A rewrite that rolls back keeps only what its rows did not overwrite.
+        c.open_step(&[2]).unwrap();
+        c.rollback_step();
+        assert_eq!(c.high_water(), 2);
     }
 }

@@ -15,8 +15,10 @@
 //! - **Plans.** [`StepPlan`] is the integer hand-off to the byte layer: a contiguous write run
 //!   or scatter cells, the read window, and a [`MaskKind`]. `SingleContiguous` (maskless) is
 //!   an optimisation; `Explicit` is always correct.
-//! - **Steps.** A step starts at layer 0 ([`Bookkeeping::plan_layer`]); later layers reuse the
-//!   memoized plan. Every verb invalidates it.
+//! - **Steps are transactions.** [`Bookkeeping::open_step`] places a step's tokens and plans
+//!   it; every layer writes through that one plan; `commit_step` makes it permanent and
+//!   `rollback_step` (or abandoning it: any verb, or the next step) leaves the bookkeeping
+//!   exactly as before the step.
 
 #![warn(missing_docs)]
 

@@ -1,9 +1,11 @@
 //! Affine per-group quantization, the reference definition every backend matches.
 //!
 //! For each group of `group` consecutive values along `head_dim`: `lo = min`, `hi = max`,
-//! `scale = (hi - lo) / (2^bits - 1)`; `scale` and `lo` are stored as f16 and the codes are
-//! computed with the stored values: `q = clamp(round((x - lo) / scale), 0, 2^bits - 1)`
-//! (`round` half away from zero; `scale == 0` gives `q = 0`). Dequantized: `lo + q * scale`.
+//! `scale = (hi - lo) / (2^bits - 1)`; `scale` and `lo` are stored as f16 (round to nearest
+//! even) and the codes are computed with the stored values:
+//! `q = clamp(round((x - lo) / scale), 0, 2^bits - 1)` (`round` half away from zero;
+//! `scale == 0` gives `q = 0`). The arithmetic is IEEE f32 (inputs are f32), so every
+//! backend produces the same codes bit for bit. Dequantized: `lo + q * scale`.
 
 use crate::rounding::round_f16;
 
@@ -18,20 +20,22 @@ pub struct QuantGroup {
     pub codes: Vec<u8>,
 }
 
-/// Quantizes one group.
+/// Quantizes one group (values are taken as f32, as a backend receives them).
 pub fn quantize_group(x: &[f64], bits: u32) -> QuantGroup {
-    let levels = ((1u32 << bits) - 1) as f64;
-    let lo = x.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let scale = round_f16((hi - lo) / levels);
-    let lo = round_f16(lo);
+    let levels = ((1u32 << bits) - 1) as f32;
+    let x: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+    let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let scale = round_f16(((hi - lo) / levels) as f64);
+    let lo = round_f16(lo as f64);
+    let (scale32, lo32) = (scale as f32, lo as f32);
     let codes = x
         .iter()
         .map(|&v| {
             if scale == 0.0 {
                 0
             } else {
-                ((v - lo) / scale).round().clamp(0.0, levels) as u8
+                ((v - lo32) / scale32).round().clamp(0.0, levels) as u8
             }
         })
         .collect();

@@ -124,6 +124,19 @@ pub struct SeqBookkeeping {
     pending_set: bool,
     plan: StepPlan,
     plan_valid: bool,
+    undo: SeqUndo,
+}
+
+/// What [`SeqBookkeeping::rollback_step`] restores: the state the step in progress changed,
+/// saved by `plan` (a fixed-size copy, so planning stays allocation-free).
+#[derive(Clone, Debug)]
+struct SeqUndo {
+    /// `pos.len()` before the step: cells at or past it were appended by the step.
+    cells: usize,
+    high_water: usize,
+    live: SeqBits,
+    pending_set: bool,
+    info: Box<[SeqInfo; MAX_SEQS]>,
 }
 
 impl SeqBookkeeping {
@@ -141,6 +154,13 @@ impl SeqBookkeeping {
             pending_set: false,
             plan: StepPlan::default(),
             plan_valid: false,
+            undo: SeqUndo {
+                cells: 0,
+                high_water: 0,
+                live: 0,
+                pending_set: false,
+                info: Box::new([SeqInfo::default(); MAX_SEQS]),
+            },
         }
     }
 
@@ -308,6 +328,11 @@ impl SeqBookkeeping {
                 self.capacity
             )));
         }
+        self.undo.cells = self.pos.len();
+        self.undo.high_water = self.high_water;
+        self.undo.live = self.live;
+        self.undo.pending_set = self.pending_set;
+        *self.undo.info = *self.info;
         if !self.pending_set {
             self.pending.clear();
             self.pending.resize(n, 1);
@@ -341,6 +366,30 @@ impl SeqBookkeeping {
     /// The plan of the step in progress, until a verb invalidates it.
     pub fn current_plan(&self) -> Option<&StepPlan> {
         self.plan_valid.then_some(&self.plan)
+    }
+
+    /// Undoes the step in progress exactly: its cells are free again (in the free list's
+    /// order), the summaries, the high-water mark and a `begin_step` declaration are as
+    /// before it. A no-op when no step is in progress.
+    pub fn rollback_step(&mut self) {
+        if !self.plan_valid {
+            return;
+        }
+        for i in (0..self.plan.n_tok).rev() {
+            let c = self.plan.cell_of(i);
+            self.pos[c] = -1;
+            self.seqs[c] = 0;
+            if c < self.undo.cells {
+                self.free.push(c as u32);
+            }
+        }
+        self.pos.truncate(self.undo.cells);
+        self.seqs.truncate(self.undo.cells);
+        self.high_water = self.undo.high_water;
+        self.live = self.undo.live;
+        self.pending_set = self.undo.pending_set;
+        *self.info = *self.undo.info;
+        self.plan_valid = false;
     }
 
     /// `SingleContiguous` when one sequence owns exactly cells `[0, count)` in position

@@ -36,6 +36,8 @@ pub struct TreeBookkeeping {
     /// The current plan is the prefix's (no tree) rather than `plan`.
     plan_is_prefix: bool,
     plan_valid: bool,
+    /// `written` before the frontier step in progress (rollback).
+    undo_written: usize,
     commit_rows: Vec<u32>,
 }
 
@@ -50,13 +52,14 @@ impl TreeBookkeeping {
             plan: StepPlan::default(),
             plan_is_prefix: false,
             plan_valid: false,
+            undo_written: 0,
             commit_rows: Vec::new(),
         }
     }
 
     /// Whether `n` more cells fit after the prefix and the pending nodes.
     pub fn can_extend(&self, n: usize) -> bool {
-        self.base() + self.spec_count() + n <= self.capacity()
+        n <= self.capacity() - self.base() - self.spec_count()
     }
 
     /// The logical ceiling in cells.
@@ -150,9 +153,10 @@ impl TreeBookkeeping {
                     self.parents.len()
                 )));
             }
+            let plan = self.prefix.plan(positions)?;
             self.plan_is_prefix = true;
             self.plan_valid = true;
-            return self.prefix.plan(positions);
+            return Ok(plan);
         }
         let q = self.frontier_size();
         if positions.len() != q {
@@ -185,6 +189,7 @@ impl TreeBookkeeping {
                 node = self.parents[node as usize];
             }
         }
+        self.undo_written = self.written;
         self.written = self.parents.len();
         self.plan_is_prefix = false;
         self.plan_valid = true;
@@ -200,6 +205,20 @@ impl TreeBookkeeping {
         } else {
             Some(&self.plan)
         }
+    }
+
+    /// Undoes the step in progress: a prefix step as [`ContiguousBookkeeping::rollback_step`]
+    /// does, a frontier step by marking its nodes unstepped again. A no-op when none is.
+    pub fn rollback_step(&mut self) {
+        if !self.plan_valid {
+            return;
+        }
+        if self.plan_is_prefix {
+            self.prefix.rollback_step();
+        } else {
+            self.written = self.undo_written;
+        }
+        self.plan_valid = false;
     }
 
     /// Accepts a root-first chain of stepped nodes (each the parent of the next, the first

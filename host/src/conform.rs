@@ -3,7 +3,7 @@
 
 use std::any::Any;
 
-use kvplug_conformance::{run_case, CacheFactory, Matrix, Scenario};
+use kvplug_conformance::{run_case, CacheFactory, Inputs, Matrix, Scenario};
 use kvplug_core::{CacheConfig, CacheKind, KvDtype};
 use kvplug_plugin_api::{CacheHandle, PluginError};
 
@@ -81,6 +81,8 @@ pub struct ConformOptions {
     pub kinds: Vec<CacheKind>,
     /// KV dtypes (empty = each scenario's, else all the backend supports).
     pub dtypes: Vec<KvDtype>,
+    /// Input distributions (empty = each scenario's, else both).
+    pub inputs: Vec<Inputs>,
     /// Backends that must be loaded.
     pub required: Vec<String>,
 }
@@ -115,18 +117,33 @@ pub fn run_matrix(host: &Host, scenarios: &[Scenario], opts: &ConformOptions) ->
             continue;
         }
         for scenario in scenarios {
-            let dtypes = scenario.dtypes.clone().unwrap_or_else(|| factory.dtypes());
+            let allowed = scenario.dtypes.clone().unwrap_or_else(|| factory.dtypes());
+            // Asked-for dtypes run exactly as given (q8g16 is not q8), where the scenario
+            // allows their family.
+            let dtypes: Vec<KvDtype> = if opts.dtypes.is_empty() {
+                allowed
+            } else {
+                opts.dtypes
+                    .iter()
+                    .copied()
+                    .filter(|d| allowed.iter().any(|a| a.family() == d.family()))
+                    .collect()
+            };
+            let inputs = scenario.inputs.clone().unwrap_or(Inputs::ALL.to_vec());
             for &kind in scenario
                 .kinds
                 .iter()
                 .filter(|k| opts.kinds.is_empty() || opts.kinds.contains(k))
             {
-                for &dtype in dtypes.iter().filter(|d| {
-                    opts.dtypes.is_empty() || opts.dtypes.iter().any(|o| o.family() == d.family())
-                }) {
-                    matrix
-                        .results
-                        .push(run_case(scenario, kind, dtype, &factory));
+                for &dtype in &dtypes {
+                    for &input in inputs
+                        .iter()
+                        .filter(|i| opts.inputs.is_empty() || opts.inputs.contains(i))
+                    {
+                        matrix
+                            .results
+                            .push(run_case(scenario, kind, dtype, input, &factory));
+                    }
                 }
             }
         }

@@ -70,6 +70,9 @@ enum Command {
         /// Only these KV dtypes (comma-separated).
         #[arg(long, value_delimiter = ',')]
         dtypes: Vec<String>,
+        /// Only these input distributions (comma-separated: uniform, outliers).
+        #[arg(long, value_delimiter = ',')]
+        inputs: Vec<String>,
         /// One JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -202,6 +205,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             scenarios,
             kinds,
             dtypes,
+            inputs,
             json,
         } => {
             let scenarios = if scenarios.is_empty() {
@@ -222,6 +226,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 dtypes: dtypes
                     .iter()
                     .map(|d| d.parse::<KvDtype>())
+                    .collect::<Result<_, _>>()?,
+                inputs: inputs
+                    .iter()
+                    .map(|i| {
+                        kvplug_conformance::Inputs::ALL
+                            .into_iter()
+                            .find(|x| x.as_str() == i)
+                            .ok_or_else(|| {
+                                anyhow::anyhow!(
+                                    "unknown inputs '{i}' (expected uniform or outliers)"
+                                )
+                            })
+                    })
                     .collect::<Result<_, _>>()?,
                 required: std::env::var(REQUIRE_BACKENDS_ENV)
                     .unwrap_or_default()

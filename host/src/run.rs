@@ -239,6 +239,9 @@ fn check_prompt(spec: &RunSpec) -> Result<()> {
     if spec.prompt.is_empty() {
         bail!("the prompt is empty");
     }
+    if spec.max_new == 0 {
+        bail!("--max-new 0 would generate nothing: give at least 1");
+    }
     if spec.prompt.len() + spec.max_new > spec.capacity {
         bail!(
             "prompt ({}) + max_new ({}) exceed the capacity {}",
@@ -373,7 +376,7 @@ pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> R
         mode: "agents".into(),
         ids: branches[winner].clone(),
         prefill_tok_s,
-        decode_tok_s: rate(k * (spec.max_new - 1), t1),
+        decode_tok_s: rate(k * spec.max_new.saturating_sub(1), t1),
         cache: session.stats()?.into(),
         branches: Some(branches),
         winner: Some(winner),

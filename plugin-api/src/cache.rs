@@ -79,6 +79,8 @@ pub struct CacheStats {
     pub high_water: u64,
     /// `single_contiguous` or `explicit` for the last planned step; none before the first.
     pub last_plan: ROption<RString>,
+    /// The read window of the last planned step, in cells (0 before the first).
+    pub last_read_len: u64,
 }
 
 /// A KV cache owned by a plugin. All methods take `&self` (implementations lock
@@ -121,7 +123,12 @@ pub trait CacheObject: Clone + Send + Sync {
     fn stats(&self) -> RResult<CacheStats, PluginError>;
     /// The op: writes k/v (`[1, Hkv, T, D]`) for `layer` at `positions` (T values), then
     /// attends q (`[1, Hq, T, D]`, `Hq` a multiple of `Hkv`) with the cache's mask and
-    /// returns `[1, Hq, T, D]` in `out_dtype`. A step starts at layer 0.
+    /// returns `[1, Hq, T, D]` in `out_dtype`.
+    ///
+    /// A step is a transaction: layer 0 opens it, layers `1..n_layers` follow in order with
+    /// the same positions, and it commits when the last layer succeeds. A refused or failed
+    /// layer rolls the whole step back (the cache is exactly as before layer 0), and so does
+    /// a verb or a new layer 0 arriving before the step completes.
     #[sabi(last_prefix_field)]
     fn update_and_attend(
         &self,

@@ -14,5 +14,6 @@ pub mod runner;
 pub mod scenario;
 
 pub use report::{Matrix, Status};
-pub use runner::{run_case, CacheFactory, CaseResult, Tolerance};
+pub use rng::Inputs;
+pub use runner::{run_case, CacheFactory, CaseResult};
 pub use scenario::{builtin_scenarios, load_dir, Scenario, ScenarioError};

@@ -69,8 +69,8 @@ impl Matrix {
             .max(8);
         let _ = writeln!(
             s,
-            "{:w$}  {:<6} {:<10} {:<5} {:<6} {:>9}",
-            "scenario", "backend", "kind", "dtype", "result", "max err"
+            "{:w$}  {:<6} {:<10} {:<5} {:<8} {:<6} {:>9} {:>9}",
+            "scenario", "backend", "kind", "dtype", "inputs", "result", "max err", "err/bound"
         );
         for r in &self.results {
             let status = match r.status {
@@ -80,8 +80,15 @@ impl Matrix {
             };
             let _ = writeln!(
                 s,
-                "{:w$}  {:<6} {:<10} {:<5} {:<6} {:>9.2e}",
-                r.scenario, r.backend, r.kind, r.dtype, status, r.max_err
+                "{:w$}  {:<6} {:<10} {:<5} {:<8} {:<6} {:>9.2e} {:>9.3}",
+                r.scenario,
+                r.backend,
+                r.kind,
+                r.dtype,
+                r.inputs.as_str(),
+                status,
+                r.max_err,
+                r.max_ratio
             );
         }
         for r in &self.results {
@@ -89,15 +96,23 @@ impl Matrix {
                 Status::Fail(m) => {
                     let _ = writeln!(
                         s,
-                        "FAIL {} [{} {} {}]: {m}",
-                        r.scenario, r.backend, r.kind, r.dtype
+                        "FAIL {} [{} {} {} {}]: {m}",
+                        r.scenario,
+                        r.backend,
+                        r.kind,
+                        r.dtype,
+                        r.inputs.as_str()
                     );
                 }
                 Status::NotApplicable(m) => {
                     let _ = writeln!(
                         s,
-                        "n/a  {} [{} {} {}]: {m}",
-                        r.scenario, r.backend, r.kind, r.dtype
+                        "n/a  {} [{} {} {} {}]: {m}",
+                        r.scenario,
+                        r.backend,
+                        r.kind,
+                        r.dtype,
+                        r.inputs.as_str()
                     );
                 }
                 Status::Pass => {}

@@ -4,7 +4,8 @@
 //! {"name", "description", "kinds": [..], "dtypes": [..]?, "config": {..}, "seed",
 //!  "expect_build_error": "bad_config"?, "ops": [..]}
 //! ```
-//! Ops: `step` (`pos` or `pos_range`, `seq` one id or one per token, optional `tamper`),
+//! Ops: `step` (`pos` or `pos_range`, `seq` one id or one per token, optional `tamper` at
+//! `tamper_layer`),
 //! `seq_cp`, `seq_rm`, `seq_keep`, `propose`, `commit`, `rewind`, `clear`, `check`
 //! (`seq_len` / `can_extend` / `plan`), `expect_error` (`error` kind + the op to `do`).
 //! `p0`/`p1` are half-open, `null` = open-ended.
@@ -13,6 +14,8 @@ use std::path::{Path, PathBuf};
 
 use kvplug_core::{CacheKind, ErrorKind, KvDtype, PlanKind};
 use serde::Deserialize;
+
+use crate::rng::Inputs;
 
 /// Cache shape of a scenario (the KV dtype comes from the matrix).
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -93,6 +96,10 @@ pub enum Op {
         /// Malformed input.
         #[serde(default)]
         tamper: Option<Tamper>,
+        /// The layer `tamper` hits (default 0); a later layer fails mid-step, which must
+        /// roll the whole step back.
+        #[serde(default)]
+        tamper_layer: usize,
     },
     /// Share cells.
     SeqCp {
@@ -211,6 +218,9 @@ pub struct Scenario {
     /// KV dtypes (default: all the backend supports).
     #[serde(default)]
     pub dtypes: Option<Vec<KvDtype>>,
+    /// Input distributions (default: all of [`Inputs::ALL`]).
+    #[serde(default)]
+    pub inputs: Option<Vec<Inputs>>,
     /// Cache shape.
     pub config: ScenarioConfig,
     /// Input seed.
@@ -272,16 +282,24 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         )));
     }
     for (i, op) in s.ops.iter().enumerate() {
-        check_op(op).map_err(|m| invalid(format!("op {i}: {m}")))?;
+        check_op(op, c.n_layers).map_err(|m| invalid(format!("op {i}: {m}")))?;
     }
     Ok(s)
 }
 
-fn check_op(op: &Op) -> Result<(), String> {
+fn check_op(op: &Op, n_layers: usize) -> Result<(), String> {
     match op {
-        Op::Step { pos, pos_range, .. } => match (pos, pos_range) {
+        Op::Step {
+            pos,
+            pos_range,
+            tamper_layer,
+            ..
+        } => match (pos, pos_range) {
             (Some(_), Some(_)) => Err("step has both 'pos' and 'pos_range'".into()),
             (None, None) => Err("step needs 'pos' or 'pos_range'".into()),
+            _ if *tamper_layer >= n_layers => Err(format!(
+                "tamper_layer {tamper_layer} is outside the {n_layers} layers"
+            )),
             _ => Ok(()),
         },
         Op::Check {
@@ -300,7 +318,7 @@ fn check_op(op: &Op) -> Result<(), String> {
             Op::Check { .. } | Op::ExpectError { .. } => {
                 Err("expect_error cannot wrap check or expect_error".into())
             }
-            ref inner => check_op(inner),
+            ref inner => check_op(inner, n_layers),
         },
         _ => Ok(()),
     }

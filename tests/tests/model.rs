@@ -331,3 +331,44 @@ fn agent_branches_equal_running_each_branch_alone() {
         }
     }
 }
+
+#[test]
+fn refused_forwards_leave_the_cache_as_it_was() {
+    let model = tiny();
+    let host = host();
+    let params = kvplug_host::model::cache_params(model.path()).unwrap();
+    for backend in BACKENDS {
+        let cfg = make_config(&params, 64, KvDtype::F16);
+        let (session, opts) = host.make_decode_session(backend, &cfg).unwrap();
+        let mut fwd = Forward::load(&host, backend, model.path(), None, opts).unwrap();
+        let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+        let first = fwd.call(&PROMPT, &positions, None).unwrap();
+        let next = argmax(first.last().unwrap());
+        let p = PROMPT.len() as i32;
+        // A negative logit row and a token outside the vocabulary are typed errors ...
+        let e = fwd
+            .call(&[next], &[p], Some(&[-1]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("logit row -1 is negative"), "{backend}: {e}");
+        let e = fwd.call(&[1 << 20], &[p], None).unwrap_err().to_string();
+        assert!(e.contains("outside the vocabulary"), "{backend}: {e}");
+        // ... that change nothing: the next step gives what a fresh cache gives.
+        assert_eq!(session.stats().unwrap().high_water, PROMPT.len() as u64);
+        let got = fwd.call(&[next], &[p], None).unwrap();
+        let (_fresh, opts) = host.make_decode_session(backend, &cfg).unwrap();
+        let mut clean = Forward::load(&host, backend, model.path(), None, opts).unwrap();
+        clean.call(&PROMPT, &positions, None).unwrap();
+        assert_eq!(got, clean.call(&[next], &[p], None).unwrap(), "{backend}");
+        // Nothing to generate is refused up front, for every runner.
+        let none = spec(backend, model.path(), 0, KvDtype::F16);
+        let e = run_agents(&host, &none, 2, &Sampler::new(0.0, 1.0, 0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--max-new 0"), "{e}");
+        let e = run_decode(&host, &none, &mut Sampler::new(0.0, 1.0, 0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--max-new 0"), "{e}");
+    }
+}

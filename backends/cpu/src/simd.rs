@@ -85,8 +85,9 @@ fn sum_lanes(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `Σ a[i]·b[i]`.
+/// `Σ a[i]·b[i]`. Panics unless `a` and `b` have the same length.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32 operands");
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
@@ -95,8 +96,9 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     dot_lanes(a, b)
 }
 
-/// `y += w·x`.
+/// `y += w·x`. Panics unless `x` and `y` have the same length.
 pub fn axpy_f32(w: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy_f32 operands");
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
@@ -108,7 +110,8 @@ pub fn axpy_f32(w: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// `out[r·out_stride] = scale · (q[r·q_stride ..][..d] · k)` for `r < n` (`d = k.len()`):
-/// one pass over `k` for all `n` query rows.
+/// one pass over `k` for all `n` query rows. Panics unless `q` holds `n` rows of `d` at
+/// `q_stride` and `out` `n` values at `out_stride`.
 pub fn dot_many(
     q: &[f32],
     q_stride: usize,
@@ -118,6 +121,16 @@ pub fn dot_many(
     out: &mut [f32],
     out_stride: usize,
 ) {
+    if n == 0 {
+        return;
+    }
+    let (last_q, last_out) = ((n - 1) * q_stride + k.len(), (n - 1) * out_stride);
+    assert!(
+        q.len() >= last_q && out.len() > last_out,
+        "dot_many: {n} rows need q >= {last_q} and out > {last_out} values, got {} and {}",
+        q.len(),
+        out.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
@@ -130,8 +143,19 @@ pub fn dot_many(
 }
 
 /// `out[r] += w[r·w_stride] · v` for `r < n`, where `out` holds `n` rows of `v.len()`;
-/// rows with a zero weight are skipped. One pass over `v` for all rows.
+/// rows with a zero weight are skipped. One pass over `v` for all rows. Panics unless `w`
+/// holds `n` weights at `w_stride` and `out` `n` rows.
 pub fn axpy_many(w: &[f32], w_stride: usize, n: usize, v: &[f32], out: &mut [f32]) {
+    if n == 0 {
+        return;
+    }
+    assert!(
+        w.len() > (n - 1) * w_stride && out.len() >= n * v.len(),
+        "axpy_many: {n} rows of {} do not fit w ({}) and out ({})",
+        v.len(),
+        w.len(),
+        out.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
@@ -149,7 +173,8 @@ pub fn axpy_many(w: &[f32], w_stride: usize, n: usize, v: &[f32], out: &mut [f32
 }
 
 /// Dequantizes one row (see [`kvplug_backend_kit::quant::dequantize_row`]), vectorized
-/// with AVX2 where available.
+/// with AVX2 where available. Panics unless `bits` is 4 or 8, `group` divides `out.len()`
+/// and `codes`, `scales` and `los` hold a whole row of that layout.
 pub fn dequantize_row(
     codes: &[u8],
     scales: &[u16],
@@ -158,6 +183,20 @@ pub fn dequantize_row(
     group: usize,
     out: &mut [f32],
 ) {
+    let d = out.len();
+    assert!(
+        matches!(bits, 4 | 8)
+            && group > 0
+            && group % 2 == 0
+            && d % group == 0
+            && codes.len() >= d * bits as usize / 8
+            && scales.len() >= d / group
+            && los.len() >= d / group,
+        "dequantize_row: a row of {d} values in {bits}-bit groups of {group} needs more than {} codes, {} scales, {} offsets",
+        codes.len(),
+        scales.len(),
+        los.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
@@ -166,8 +205,9 @@ pub fn dequantize_row(
     kvplug_backend_kit::quant::dequantize_row(codes, scales, los, bits, group, out)
 }
 
-/// `out = src` converted from f16.
+/// `out = src` converted from f16. Panics unless both have the same length.
 pub fn f16_to_f32(src: &[f16], out: &mut [f32]) {
+    assert_eq!(src.len(), out.len(), "f16_to_f32 operands");
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
@@ -178,8 +218,9 @@ pub fn f16_to_f32(src: &[f16], out: &mut [f32]) {
     }
 }
 
-/// `out = src` converted from bf16 (exact: a shift).
+/// `out = src` converted from bf16 (exact: a shift). Panics unless both have the same length.
 pub fn bf16_to_f32(src: &[bf16], out: &mut [f32]) {
+    assert_eq!(src.len(), out.len(), "bf16_to_f32 operands");
     for (o, x) in out.iter_mut().zip(src) {
         *o = f32::from_bits((x.to_bits() as u32) << 16);
     }
@@ -344,9 +385,6 @@ mod x86 {
         out_stride: usize,
     ) {
         let d = k.len();
-        debug_assert!(
-            n == 0 || (q.len() >= (n - 1) * q_stride + d && out.len() > (n - 1) * out_stride)
-        );
         let (qp, kp) = (q.as_ptr(), k.as_ptr());
         let mut r = 0;
         while r < n {

@@ -13,7 +13,7 @@ pub fn available() -> Result<(), &'static str> {
         // SAFETY: a null allocator selects XNNPACK's default; initialisation is idempotent.
         match unsafe { sys::xnn_initialize(std::ptr::null()) } {
             sys::xnn_status::xnn_status_success => Ok(()),
-            s => Err(format!("xnn_initialize failed: {s:?}")),
+            s => Err(format!("xnn_initialize failed: status {}", s.0)),
         }
     })
     .as_ref()
@@ -24,7 +24,7 @@ pub fn available() -> Result<(), &'static str> {
 fn check(status: sys::xnn_status, what: &str) -> Result<(), String> {
     match status {
         sys::xnn_status::xnn_status_success => Ok(()),
-        s => Err(format!("{what}: {s:?}")),
+        s => Err(format!("{what}: XNNPACK status {}", s.0)),
     }
 }
 

@@ -7,7 +7,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use kvplug_core::{CacheKind, CacheVerbs, KvDtype, PlanKind};
+use kvplug_core::{make_config, CacheKind, CacheVerbs, KvDtype, PlanKind};
 
 /// Counts every allocation in the process.
 struct Counting;
@@ -66,8 +66,102 @@ fn decode_steps_allocate_nothing_once_warm() {
             assert_eq!(allocations_per_decode(kind, dtype), 0, "{kind} {dtype}");
         }
     }
+    for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
+        assert_eq!(
+            allocations_per_model_decode(kind),
+            0,
+            "model decode on {kind}"
+        );
+    }
     single_sequence_always_takes_the_fast_path();
     short_sessions_stay_small_and_quantized_pools_are_smaller();
+}
+
+/// A tiny Llama package (2 layers, hidden 64, 4 query / 2 KV heads, vocab 40), random f32
+/// weights, written to a fresh directory.
+fn tiny_model() -> std::path::PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let dir = std::env::temp_dir().join(format!("kvplug-decode-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 40}"#,
+    )
+    .unwrap();
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![40, 64]),
+        ("model.norm.weight".into(), vec![64]),
+        ("lm_head.weight".into(), vec![40, 64]),
+    ];
+    for l in 0..2 {
+        for (name, shape) in [
+            ("input_layernorm", vec![64]),
+            ("post_attention_layernorm", vec![64]),
+            ("self_attn.q_proj", vec![64, 64]),
+            ("self_attn.k_proj", vec![32, 64]),
+            ("self_attn.v_proj", vec![32, 64]),
+            ("self_attn.o_proj", vec![64, 64]),
+            ("mlp.gate_proj", vec![128, 64]),
+            ("mlp.up_proj", vec![128, 64]),
+            ("mlp.down_proj", vec![64, 128]),
+        ] {
+            shapes.push((format!("model.layers.{l}.{name}.weight"), shape));
+        }
+    }
+    let bytes: Vec<Vec<u8>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (_, s))| {
+            (0..s.iter().product::<usize>())
+                .flat_map(|j| (((i * 7919 + j) as f32 * 0.37).sin() * 0.2).to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = shapes
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s), b)| {
+            (
+                n.as_str(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// A whole model decode step — every layer, the cache step, the logits — allocates nothing
+/// once warm (activation buffers reused, the step's plan in place).
+fn allocations_per_model_decode(kind: CacheKind) -> usize {
+    use kvplug_backend_kit::model::{LlamaModel, ModelPackage};
+    let dir = tiny_model();
+    let pkg = ModelPackage::open(&dir).unwrap();
+    let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
+    let model = LlamaModel::load(dev.clone(), &pkg, None).unwrap();
+    let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
+    let mut c = kvplug_backend_kit::KitCache::new(dev, kind, cfg).unwrap();
+    let mut acts = None;
+    let prompt: Vec<i32> = (0..40).collect();
+    model
+        .forward(&mut c, &prompt, &prompt, Some(&[39]), false, &mut acts)
+        .unwrap();
+    let mut decode = |p: i32| {
+        let out = model
+            .forward(&mut c, &[p % 40], &[p], None, false, &mut acts)
+            .unwrap();
+        assert!(out.hidden.is_none());
+    };
+    for p in 40..45 {
+        decode(p);
+    }
+    let before = ALLOCS.load(Ordering::SeqCst);
+    for p in 45..85 {
+        decode(p);
+    }
+    ALLOCS.load(Ordering::SeqCst) - before
 }
 
 fn single_sequence_always_takes_the_fast_path() {

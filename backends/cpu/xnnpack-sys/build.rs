@@ -10,7 +10,8 @@ fn main() {
         .allowlist_function("xnn_(initialize|deinitialize|create_fully_connected_nc_f32|setup_fully_connected_nc_f32|run_operator|delete_operator)")
         .allowlist_var("XNN_FLAG_TRANSPOSE_WEIGHTS")
         .allowlist_type("xnn_status")
-        .rustified_enum("xnn_status")
+        // A newtype, not a Rust enum: a status value a later XNNPACK adds must not be UB.
+        .newtype_enum("xnn_status")
         .generate()
         .unwrap_or_else(|e| {
             panic!("bindgen over xnnpack.h failed ({e}); install libxnnpack-dev libpthreadpool-dev libclang-dev (scripts/install-deps.sh)")

@@ -42,6 +42,8 @@ pub struct KitStats {
     pub high_water: usize,
     /// The read path of the last planned step.
     pub last_plan: Option<PlanKind>,
+    /// The read window of the last planned step (`0` before the first).
+    pub last_read_len: usize,
 }
 
 /// A KV cache of any kind on device `D`: core's bookkeeping plus one K and one V pool per
@@ -54,7 +56,10 @@ pub struct KitCache<D: Device> {
     k: Vec<D::Pool>,
     v: Vec<D::Pool>,
     pool_cells: usize,
-    last_plan: Option<PlanKind>,
+    /// Read path and read window of the last planned step.
+    last_plan: Option<(PlanKind, usize)>,
+    /// The layer the open step expects next.
+    next_layer: usize,
     scratch: D::Scratch,
 }
 
@@ -90,6 +95,7 @@ impl<D: Device> KitCache<D> {
             v,
             pool_cells: cells,
             last_plan: None,
+            next_layer: 0,
             scratch: D::Scratch::default(),
         })
     }
@@ -116,13 +122,35 @@ impl<D: Device> KitCache<D> {
             pool_cells: self.pool_cells,
             live_cells: self.book.live_cells(),
             high_water: self.book.high_water(),
-            last_plan: self.last_plan,
+            last_plan: self.last_plan.map(|p| p.0),
+            last_read_len: self.last_plan.map_or(0, |p| p.1),
         }
     }
 
-    /// The op: writes `k`/`v` (`[Hkv, T, D]`) for `layer` at `positions`, then attends `q`
-    /// (`[Hq, T, D]`) into `out` (`[Hq, T, D]`) with the plan's mask. A step starts at
-    /// layer 0. Shapes are checked before the bookkeeping is touched.
+    /// Opens a step: declares its sequences (seq cache; `None` = all in sequence 0, or what
+    /// `begin_step` declared), places its tokens and plans it. Write every layer through
+    /// the returned [`Step`], in order, then [`Step::commit`]; dropping it uncommitted, or
+    /// any failure, leaves the bookkeeping exactly as before (see [`Bookkeeping`]).
+    pub fn step(
+        &mut self,
+        positions: &[i32],
+        seq_ids: Option<&[i32]>,
+    ) -> Result<Step<'_, D>, KitError> {
+        if let Some(seqs) = seq_ids {
+            self.book.begin_step(seqs)?;
+        }
+        self.open(positions)?;
+        Ok(Step {
+            cache: self,
+            next_layer: 0,
+            committed: false,
+        })
+    }
+
+    /// The ABI's per-layer form of a step: layer 0 opens it (rolling back one left open),
+    /// layers `1..n` continue it with the same positions, the last layer commits it. Any
+    /// refusal or device failure inside a step rolls the whole step back. Shapes are checked
+    /// first, so a bad layer 0 leaves the cache as it was.
     #[allow(clippy::too_many_arguments)]
     pub fn update_and_attend(
         &mut self,
@@ -134,28 +162,104 @@ impl<D: Device> KitCache<D> {
         scale: f32,
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
-        self.check_shapes(layer, q, k, v, positions.len(), out)?;
-        let KitCache {
-            device,
-            cfg,
-            book,
-            k: kpools,
-            v: vpools,
-            pool_cells,
-            last_plan,
-            scratch,
-        } = self;
-        let plan = book.plan_layer(layer, positions)?;
-        if plan.read_len > *pool_cells {
-            let cells = cfg.grown_cells(*pool_cells, plan.read_len);
-            let _span = tracing::debug_span!("pool_grow", from = *pool_cells, to = cells).entered();
-            for pool in kpools.iter_mut().chain(vpools.iter_mut()) {
-                device.pool_grow(pool, cells, *pool_cells)?;
-            }
-            tracing::debug!(from = *pool_cells, to = cells, "pools grown");
-            *pool_cells = cells;
+        if layer == 0 {
+            self.book.rollback_step();
         }
-        let (kp, vp) = (&mut kpools[layer], &mut vpools[layer]);
+        let result = self.checked_layer(layer, q, k, v, positions, scale, out);
+        match result {
+            Err(_) => self.rollback(),
+            Ok(()) if layer + 1 == self.cfg.n_layers => self.book.commit_step(),
+            Ok(()) => {}
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn checked_layer(
+        &mut self,
+        layer: usize,
+        q: &D::Tensor,
+        k: &D::Tensor,
+        v: &D::Tensor,
+        positions: &[i32],
+        scale: f32,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        self.check_shapes(layer, q, k, v, positions.len(), out)?;
+        if layer == 0 {
+            self.open(positions)?;
+            self.next_layer = 0;
+        } else {
+            let plan = self.book.step_plan().ok_or_else(|| {
+                CacheError::bad_shape(format!(
+                    "layer {layer} called with no step open: every step starts at layer 0"
+                ))
+            })?;
+            if plan.positions != positions {
+                return Err(CacheError::bad_position(format!(
+                    "layer {layer} positions differ from those layer 0 of this step planned"
+                ))
+                .into());
+            }
+        }
+        if layer != self.next_layer {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} out of order: the step expects layer {}",
+                self.next_layer
+            ))
+            .into());
+        }
+        self.write_and_attend(layer, q, k, v, scale, out)?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Plans a step (validating first) and grows the pools to its read window.
+    fn open(&mut self, positions: &[i32]) -> Result<(), KitError> {
+        let plan = self.book.open_step(positions)?;
+        let (read_len, kind) = (plan.read_len, plan.kind());
+        self.last_plan = Some((kind, read_len));
+        if read_len > self.pool_cells {
+            let cells = self.cfg.grown_cells(self.pool_cells, read_len);
+            let _span =
+                tracing::debug_span!("pool_grow", from = self.pool_cells, to = cells).entered();
+            for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
+                if let Err(e) = self.device.pool_grow(pool, cells, self.pool_cells) {
+                    self.book.rollback_step();
+                    return Err(e);
+                }
+            }
+            tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
+            self.pool_cells = cells;
+            self.book.reserve(cells);
+        }
+        Ok(())
+    }
+
+    fn rollback(&mut self) {
+        if self.book.step_is_open() {
+            tracing::debug!("step rolled back");
+            self.book.rollback_step();
+        }
+    }
+
+    /// Writes `k`/`v` (`[Hkv, T, D]`) for `layer` per the open step's plan, then attends `q`
+    /// (`[Hq, T, D]`) into `out`.
+    fn write_and_attend(
+        &mut self,
+        layer: usize,
+        q: &D::Tensor,
+        k: &D::Tensor,
+        v: &D::Tensor,
+        scale: f32,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        let plan = self
+            .book
+            .step_plan()
+            .expect("write_and_attend runs inside an open step");
+        let (device, scratch) = (&self.device, &mut self.scratch);
+        let (kp, vp) = (&mut self.k[layer], &mut self.v[layer]);
         match plan.write_start {
             Some(start) => {
                 device.write_run(kp, start, k)?;
@@ -171,7 +275,6 @@ impl<D: Device> KitCache<D> {
             MaskKind::Causal => AttendMask::Causal,
             MaskKind::Explicit => AttendMask::Explicit(&plan.mask_bits),
         };
-        *last_plan = Some(plan.kind());
         device.attend(q, kp, vp, plan.read_len, mask, scale, out, scratch)
     }
 
@@ -214,6 +317,73 @@ impl<D: Device> CacheVerbs for KitCache<D> {
     fn move_rows(&mut self, base: usize, rows: &[u32]) {
         for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
             self.device.move_rows(pool, base, rows);
+        }
+    }
+}
+
+/// A step in progress on a [`KitCache`] (see [`KitCache::step`]). Dropped uncommitted, it
+/// rolls back.
+pub struct Step<'c, D: Device> {
+    cache: &'c mut KitCache<D>,
+    next_layer: usize,
+    committed: bool,
+}
+
+impl<D: Device> Step<'_, D> {
+    /// The step's plan.
+    pub fn plan(&self) -> &kvplug_core::StepPlan {
+        self.cache
+            .book
+            .step_plan()
+            .expect("a Step holds an open step")
+    }
+
+    /// Writes `k`/`v` (`[Hkv, T, D]`) of the next layer, `layer`, and attends `q` (`[Hq, T, D]`)
+    /// into `out`. Layers go in order `0..n_layers`, once each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        q: &D::Tensor,
+        k: &D::Tensor,
+        v: &D::Tensor,
+        scale: f32,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        if layer != self.next_layer {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} out of order: the step expects layer {}",
+                self.next_layer
+            ))
+            .into());
+        }
+        let t = self.plan().n_tok;
+        self.cache.check_shapes(layer, q, k, v, t, out)?;
+        self.cache.write_and_attend(layer, q, k, v, scale, out)?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Makes the step permanent; every layer must have been written.
+    pub fn commit(mut self) -> Result<(), KitError> {
+        let n = self.cache.cfg.n_layers;
+        if self.next_layer != n {
+            return Err(CacheError::bad_shape(format!(
+                "commit after {} of {n} layers: every layer must write its rows",
+                self.next_layer
+            ))
+            .into());
+        }
+        self.cache.book.commit_step();
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl<D: Device> Drop for Step<'_, D> {
+    fn drop(&mut self) {
+        if !self.committed {
+            self.cache.rollback();
         }
     }
 }

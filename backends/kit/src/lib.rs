@@ -25,8 +25,10 @@ pub mod glue;
 pub mod model;
 pub mod object;
 pub mod quant;
+#[cfg(feature = "testing")]
+pub mod testing;
 
-pub use cache::{KitCache, KitError};
+pub use cache::{KitCache, KitError, Step};
 pub use device::{AttendMask, Backend, Device};
 pub use object::SharedCache;
 

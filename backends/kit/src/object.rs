@@ -168,6 +168,7 @@ impl<D: Device> CacheObject for SharedCache<D> {
                 live_cells: s.live_cells as u64,
                 high_water: s.high_water as u64,
                 last_plan: s.last_plan.map(|p| RString::from(p.as_str())).into(),
+                last_read_len: s.last_read_len as u64,
             })
         })
     }

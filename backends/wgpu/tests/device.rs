@@ -1,12 +1,14 @@
-//! The wgpu backend on whatever adapter this machine has (lavapipe in CI): it must open, and
-//! behave like the cpu backend on the fast path and in lazy growth. Numerical agreement
-//! with the oracle is the conformance run's job (`kvplug conform --backend wgpu`).
+//! The wgpu backend on whatever adapter this machine has (lavapipe in CI): it must open,
+//! take the fast path and grow lazily like the cpu backend, with outputs inside the
+//! oracle's bound. The full numerical matrix is the conformance run's job
+//! (`kvplug conform --backend wgpu`).
 
 use std::sync::Arc;
 
 use kvplug_backend_kit::{Backend, Device, KitCache};
+use kvplug_core::oracle::RefCache;
 use kvplug_core::{make_config, CacheKind, CacheVerbs, KvDtype, ModelCacheParams, PlanKind};
-use kvplug_plugin_api::HostTensor;
+use kvplug_plugin_api::{HostTensor, TensorDtype};
 use kvplug_wgpu::WgpuDevice;
 
 fn device() -> Arc<WgpuDevice> {
@@ -15,9 +17,14 @@ fn device() -> Arc<WgpuDevice> {
     }))
 }
 
-fn tensor(dev: &WgpuDevice, h: usize, t: usize) -> <WgpuDevice as Device>::Tensor {
-    let data: Vec<f32> = (0..h * t * 64).map(|i| (i as f32 * 0.01).sin()).collect();
-    dev.upload(&HostTensor::from_f32(&[h, t, 64], &data))
+fn values(h: usize, t: usize, salt: f32) -> Vec<f32> {
+    (0..h * t * 64)
+        .map(|i| (i as f32 * 0.01 + salt).sin())
+        .collect()
+}
+
+fn tensor(dev: &WgpuDevice, data: &[f32], h: usize, t: usize) -> <WgpuDevice as Device>::Tensor {
+    dev.upload(&HostTensor::from_f32(&[h, t, 64], data))
         .unwrap()
 }
 
@@ -35,16 +42,24 @@ fn single_sequence_decode_stays_on_the_fast_path_and_pools_grow_lazily() {
             KvDtype::Q8_DEFAULT,
         );
         let mut c = KitCache::new(dev.clone(), kind, cfg).unwrap();
+        let mut oracle = RefCache::new(kind, cfg).unwrap();
         let mut pos = 0;
-        for chunk in [100usize, 1, 1, 3, 1] {
+        for (step, chunk) in [100usize, 1, 1, 3, 1].into_iter().enumerate() {
             let positions: Vec<i32> = (pos..pos + chunk as i32).collect();
             if kind == CacheKind::Seq {
                 c.begin_step(&vec![0; chunk]).unwrap();
+                oracle.begin_step(&vec![0; chunk]).unwrap();
             }
+            let salt = step as f32;
+            let (qd, kd, vd) = (
+                values(4, chunk, salt),
+                values(2, chunk, salt + 0.3),
+                values(2, chunk, salt + 0.7),
+            );
             let (q, k, v) = (
-                tensor(&dev, 4, chunk),
-                tensor(&dev, 2, chunk),
-                tensor(&dev, 2, chunk),
+                tensor(&dev, &qd, 4, chunk),
+                tensor(&dev, &kd, 2, chunk),
+                tensor(&dev, &vd, 2, chunk),
             );
             let mut out = dev.zeros(&[4, chunk, 64]).unwrap();
             c.update_and_attend(0, &q, &k, &v, &positions, 0.125, &mut out)
@@ -54,6 +69,24 @@ fn single_sequence_decode_stays_on_the_fast_path_and_pools_grow_lazily() {
                 Some(PlanKind::SingleContiguous),
                 "{kind} chunk {chunk}"
             );
+            let got = dev
+                .download(&out, TensorDtype::F32)
+                .unwrap()
+                .to_f32()
+                .unwrap();
+            let wide = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+            let want = oracle
+                .update_and_attend(0, &wide(&qd), &wide(&kd), &wide(&vd), &positions, 0.125)
+                .unwrap();
+            for (i, &g) in got.iter().enumerate() {
+                let err = (g as f64 - want.out[i]).abs();
+                assert!(
+                    err <= want.bound[i],
+                    "{kind} chunk {chunk} element {i}: {g} vs oracle {} (bound {:e})",
+                    want.out[i],
+                    want.bound[i]
+                );
+            }
             pos += chunk as i32;
         }
         let s = c.stats();
@@ -70,4 +103,10 @@ fn describes_its_adapter() {
     let d = dev.device_description();
     assert!(d.contains('(') && d.contains(')'), "{d}");
     assert!(!dev.features().is_empty());
+}
+
+#[test]
+fn a_fault_at_any_layer_rolls_the_step_back() {
+    let dev = WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"));
+    kvplug_backend_kit::testing::check_step_rollback(dev);
 }

@@ -38,7 +38,53 @@ impl RefMask<'_> {
     }
 }
 
-/// `softmax(q·kᵀ·scale + mask)·v`, with a query that sees no key giving zeros.
+/// Unit roundoff of f32 (round to nearest).
+pub const F32_UNIT_ROUNDOFF: f64 = 1.0 / 16_777_216.0;
+
+/// Higham's `γ(n) = n·u / (1 − n·u)`: the relative error bound of `n` f32 roundings in a row,
+/// e.g. a dot product or a sum of `n` terms, in any association order.
+pub fn gamma(n: usize) -> f64 {
+    let nu = n as f64 * F32_UNIT_ROUNDOFF;
+    nu / (1.0 - nu)
+}
+
+/// The relative error an f32 `exp(x)` may have, `x <= 0`: WGSL's accuracy contract,
+/// `3 + 2·|x|` ULP (one ULP is at most `2u` relative), the loosest of any backend's
+/// kernels; below `-80` the result may flush to zero (relative error 1, weight < e^-80).
+pub fn exp_rel_error(x: f64) -> f64 {
+    if x < -80.0 {
+        1.0
+    } else {
+        (3.0 + 2.0 * x.abs()) * 2.0 * F32_UNIT_ROUNDOFF
+    }
+}
+
+/// The result of [`attend`]: the f64 output and, per element, how far an f32 backend may
+/// be from it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attention {
+    /// `[n_q_heads, n_tok, head_dim]`.
+    pub out: Vec<f64>,
+    /// Same shape: the error bound of an f32 computation (see [`attend`]).
+    pub bound: Vec<f64>,
+}
+
+/// `softmax(q·kᵀ·scale + mask)·v`, with a query that sees no key giving zeros, and the
+/// error bound of a backend that computes it in f32 from the same stored K/V.
+///
+/// The bound is derived, not tuned. With `u = 2^-24`, for one query row with visible keys
+/// `j` (n of them), exact scores `s_j`, `x_j = s_j − max s`, weights `w_j` and output `o`:
+/// - a score computed in f32 (dot over `D`, times `scale`, K dequantized in f32) is off by
+///   at most `δ_j = γ(D + 2)·scale·Σ_d |q_d·k_jd| + u·|x_j|` (the shift by the max cancels);
+/// - its unnormalized weight `exp(x_j)` by a relative `ρ_j = (1 + ε_j)²·e^{δ_j} − 1`, with
+///   `ε_j` = [`exp_rel_error`] (squared: one more exp for an online-softmax rescale);
+/// - weights off by relative `ρ_j` move the output by at most
+///   `Σ_j w_j·ρ_j·|v_j − o| / (1 − max ρ)`;
+/// - the f32 sums of weights and of weighted values (and V's dequantization) add at most
+///   `γ(n + 4)·(Σ_j w_j·|v_j| + |o|)`.
+///
+/// Storage rounding and quantization are not in the bound: the caller stores K/V exactly
+/// as the backend does, so they are in `k` and `v` already.
 pub fn attend(
     dims: AttnDims,
     q: &[f64],
@@ -46,7 +92,7 @@ pub fn attend(
     v: &[f64],
     scale: f64,
     mask: RefMask,
-) -> Vec<f64> {
+) -> Attention {
     let AttnDims {
         n_q_heads,
         n_kv_heads,
@@ -58,38 +104,60 @@ pub fn attend(
     assert_eq!(k.len(), n_kv_heads * l * d, "k shape");
     assert_eq!(v.len(), n_kv_heads * l * d, "v shape");
     assert_eq!(n_q_heads % n_kv_heads, 0, "GQA group");
+    let u = F32_UNIT_ROUNDOFF;
     let group = n_q_heads / n_kv_heads;
     let mut out = vec![0.0; n_q_heads * t * d];
+    let mut bound = vec![0.0; n_q_heads * t * d];
     for h in 0..n_q_heads {
         let kh = h / group;
         for i in 0..t {
             let qrow = &q[(h * t + i) * d..][..d];
-            let scores: Vec<Option<f64>> = (0..l)
+            // (key, score, Σ|q·k|) of every visible key.
+            let scores: Vec<(usize, f64, f64)> = (0..l)
+                .filter(|&j| mask.visible(i, j, t, l))
                 .map(|j| {
-                    mask.visible(i, j, t, l).then(|| {
-                        let krow = &k[(kh * l + j) * d..][..d];
-                        qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale
-                    })
+                    let krow = &k[(kh * l + j) * d..][..d];
+                    let dot: f64 = qrow.iter().zip(krow).map(|(a, b)| a * b).sum();
+                    let abs: f64 = qrow.iter().zip(krow).map(|(a, b)| (a * b).abs()).sum();
+                    (j, dot * scale, abs * scale.abs())
                 })
                 .collect();
-            let Some(max) = scores.iter().flatten().copied().reduce(f64::max) else {
+            let Some(max) = scores.iter().map(|s| s.1).reduce(f64::max) else {
                 continue;
             };
-            let weights: Vec<f64> = scores
-                .iter()
-                .map(|s| s.map_or(0.0, |s| (s - max).exp()))
-                .collect();
+            let weights: Vec<f64> = scores.iter().map(|s| (s.1 - max).exp()).collect();
             let total: f64 = weights.iter().sum();
-            let orow = &mut out[(h * t + i) * d..][..d];
-            for (j, w) in weights.iter().enumerate() {
-                let vrow = &v[(kh * l + j) * d..][..d];
-                for (o, x) in orow.iter_mut().zip(vrow) {
-                    *o += w / total * x;
+            let rho: Vec<f64> = scores
+                .iter()
+                .map(|&(_, s, abs)| {
+                    let x = s - max;
+                    let delta = gamma(d + 2) * abs + u * x.abs();
+                    (1.0 + exp_rel_error(x)).powi(2) * delta.exp() - 1.0
+                })
+                .collect();
+            let rho_max = rho.iter().copied().fold(0.0, f64::max);
+            let sum_gamma = gamma(scores.len() + 4);
+            let row = (h * t + i) * d;
+            for e in 0..d {
+                let vs = |j: usize| v[(kh * l + j) * d + e];
+                let o: f64 = scores
+                    .iter()
+                    .zip(&weights)
+                    .map(|(s, w)| w / total * vs(s.0))
+                    .sum();
+                let (mut shift, mut mass) = (0.0, 0.0);
+                for ((s, w), r) in scores.iter().zip(&weights).zip(&rho) {
+                    let (wn, x) = (w / total, vs(s.0));
+                    shift += wn * r * (x - o).abs();
+                    mass += wn * x.abs();
                 }
+                out[row + e] = o;
+                bound[row + e] =
+                    (shift + sum_gamma * (mass + o.abs())) / (1.0 - rho_max - sum_gamma);
             }
         }
     }
-    out
+    Attention { out, bound }
 }
 
 #[cfg(test)]
@@ -112,7 +180,8 @@ mod tests {
             &[5.0, -6.0],
             0.7,
             RefMask::None,
-        );
+        )
+        .out;
         assert_eq!(out, vec![5.0, -6.0, 5.0, -6.0]);
     }
 
@@ -134,7 +203,8 @@ mod tests {
             &v,
             1.0,
             RefMask::Causal,
-        );
+        )
+        .out;
         assert_eq!(out, vec![4.5, 6.0]);
         let mask = [true, false, true, false, true, false];
         let out = attend(
@@ -144,7 +214,8 @@ mod tests {
             &v,
             1.0,
             RefMask::Explicit(&mask),
-        );
+        )
+        .out;
         assert_eq!(out, vec![6.0, 6.0]);
         let none = [false; 6];
         let out = attend(
@@ -154,8 +225,90 @@ mod tests {
             &v,
             1.0,
             RefMask::Explicit(&none),
-        );
+        )
+        .out;
         assert_eq!(out, vec![0.0, 0.0]);
+    }
+
+    /// A plain f32 kernel (naive order, `f32::exp`) stays inside the bound on random data
+    /// with outlier channels, and the bound is tight enough to see a one-ULP-of-f16 error.
+    #[test]
+    fn an_f32_kernel_stays_inside_the_bound() {
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f64 / (1u64 << 24) as f64) * 2.0 - 1.0
+        };
+        let mut worst_ratio = 0.0f64;
+        let mut widest = 0.0f64;
+        for case in 0..200 {
+            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % 90, [8, 64, 128][case % 3]);
+            let dims = AttnDims {
+                n_q_heads: 2,
+                n_kv_heads: 1,
+                n_tok: t,
+                read_len: l,
+                head_dim: d,
+            };
+            let outlier = |e: usize| if e % 29 == 3 { 40.0 } else { 1.0 };
+            let f32v = |x: f64| x as f32 as f64;
+            let q: Vec<f64> = (0..2 * t * d).map(|_| f32v(next())).collect();
+            let k: Vec<f64> = (0..l * d).map(|i| f32v(next() * outlier(i % d))).collect();
+            let v: Vec<f64> = (0..l * d).map(|_| f32v(next())).collect();
+            let scale = 1.0 / (d as f64).sqrt();
+            let want = attend(dims, &q, &k, &v, scale, RefMask::Causal);
+            for h in 0..2 {
+                for i in 0..t {
+                    let visible: Vec<usize> = (0..l).filter(|&j| j + t <= l + i).collect();
+                    let qr = &q[(h * t + i) * d..][..d];
+                    let s: Vec<f32> = visible
+                        .iter()
+                        .map(|&j| {
+                            let kr = &k[j * d..][..d];
+                            let dot = qr
+                                .iter()
+                                .zip(kr)
+                                .fold(0f32, |a, (x, y)| a + *x as f32 * *y as f32);
+                            dot * scale as f32
+                        })
+                        .collect();
+                    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                    let z: f32 = e.iter().sum();
+                    for c in 0..d {
+                        let num = visible
+                            .iter()
+                            .zip(&e)
+                            .fold(0f32, |a, (&j, w)| a + w * v[j * d + c] as f32);
+                        let got = if visible.is_empty() {
+                            0.0
+                        } else {
+                            (num / z) as f64
+                        };
+                        let idx = (h * t + i) * d + c;
+                        let err = (got - want.out[idx]).abs();
+                        assert!(
+                            err <= want.bound[idx],
+                            "case {case}: {err:e} > {:e}",
+                            want.bound[idx]
+                        );
+                        worst_ratio = worst_ratio.max(err / want.bound[idx].max(f64::MIN_POSITIVE));
+                        widest = widest.max(want.bound[idx]);
+                    }
+                }
+            }
+        }
+        assert!(
+            worst_ratio > 1e-3,
+            "the bound is never approached: {worst_ratio}"
+        );
+        // Half an f16 ULP at 1 is 2^-12: a bound below it sees any f16 rounding error.
+        assert!(
+            widest < 2f64.powi(-12),
+            "the bound is too loose to see f16 rounding: {widest:e}"
+        );
     }
 
     #[test]
@@ -175,7 +328,8 @@ mod tests {
             &[4.0, 8.0],
             1.0,
             RefMask::None,
-        );
+        )
+        .out;
         assert!((out[0] - 7.0).abs() < 1e-12);
     }
 }

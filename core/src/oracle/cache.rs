@@ -1,14 +1,17 @@
-//! [`RefCache`]: one reference cache for every kind, on top of core's bookkeeping.
+//! [`RefCache`]: the reference cache of every kind — the oracle's own [`CellModel`] for
+//! who sees whom, K/V per cell in f64 stored exactly as the KV dtype rounds or quantizes,
+//! and naive attention with an f32 error bound.
 
 use crate::config::CacheConfig;
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
-use crate::kind::{Bookkeeping, CacheKind, CacheVerbs};
-use crate::plan::MaskKind;
+use crate::kind::CacheKind;
+use crate::plan::PlanKind;
 use crate::quant::quant_round_trip;
 use crate::rounding::{round_bf16, round_f16, round_f32};
 
-use super::attention::{attend, AttnDims, RefMask};
+use super::attention::{attend, Attention, AttnDims, RefMask};
+use super::cells::{CellModel, RefPlan};
 
 /// What a pool of `dtype` returns for `row` after storing it.
 pub fn store_rounded(dtype: KvDtype, row: &[f64]) -> Vec<f64> {
@@ -21,25 +24,43 @@ pub fn store_rounded(dtype: KvDtype, row: &[f64]) -> Vec<f64> {
     }
 }
 
-/// A reference cache: bookkeeping plus per-layer K/V as f64 `[n_kv_heads][capacity][head_dim]`.
+/// The step in progress: the model as it was before it (rollback restores it whole).
+#[derive(Clone, Debug)]
+struct OpenStep {
+    before: CellModel,
+    plan: RefPlan,
+    positions: Vec<i32>,
+    next_layer: usize,
+}
+
+/// A reference cache: a [`CellModel`] plus, per layer and cell, K and V rows
+/// (`[n_kv_heads · head_dim]`, f64, as stored).
+///
+/// Steps follow the contract: [`RefCache::open_step`], one [`RefCache::attend_layer`] per
+/// layer in order, then [`RefCache::commit_step`] or [`RefCache::rollback_step`]; any verb or
+/// a new step rolls back a step left open. [`RefCache::update_and_attend`] is the ABI's
+/// per-layer form of the same.
 #[derive(Clone, Debug)]
 pub struct RefCache {
     cfg: CacheConfig,
-    book: Bookkeeping,
-    k: Vec<Vec<f64>>,
-    v: Vec<Vec<f64>>,
+    model: CellModel,
+    k: Vec<Vec<Vec<f64>>>,
+    v: Vec<Vec<Vec<f64>>>,
+    step: Option<OpenStep>,
+    last_plan: Option<RefPlan>,
 }
 
 impl RefCache {
     /// Builds an empty cache; `bad_config` when `cfg` is invalid.
     pub fn new(kind: CacheKind, cfg: CacheConfig) -> CacheResult<Self> {
         cfg.validate()?;
-        let size = cfg.n_kv_heads * cfg.capacity * cfg.head_dim;
         Ok(RefCache {
             cfg,
-            book: Bookkeeping::new(kind, cfg.capacity),
-            k: vec![vec![0.0; size]; cfg.n_layers],
-            v: vec![vec![0.0; size]; cfg.n_layers],
+            model: CellModel::new(kind, cfg.capacity),
+            k: vec![Vec::new(); cfg.n_layers],
+            v: vec![Vec::new(); cfg.n_layers],
+            step: None,
+            last_plan: None,
         })
     }
 
@@ -48,64 +69,114 @@ impl RefCache {
         &self.cfg
     }
 
-    /// Writes this step's k/v for `layer` and attends. q is `[n_q_heads, T, D]` (the head
-    /// count follows from its length), k and v `[n_kv_heads, T, D]`, all row-major; the
-    /// result is `[n_q_heads, T, D]`.
-    pub fn update_and_attend(
+    /// The kind.
+    pub fn kind(&self) -> CacheKind {
+        self.model.kind()
+    }
+
+    /// The plan of the step in progress.
+    pub fn step_plan(&self) -> Option<&RefPlan> {
+        self.step.as_ref().map(|s| &s.plan)
+    }
+
+    /// The plan of the last step opened (committed, rolled back or still open).
+    pub fn last_plan(&self) -> Option<&RefPlan> {
+        self.last_plan.as_ref()
+    }
+
+    /// One past the highest occupied cell.
+    pub fn high_water(&self) -> usize {
+        self.model.high_water()
+    }
+
+    /// Opens a step at `positions` (a step left open is rolled back first).
+    pub fn open_step(&mut self, positions: &[i32]) -> CacheResult<&RefPlan> {
+        self.rollback_step();
+        let before = self.model.clone();
+        let plan = self.model.step(positions)?;
+        self.last_plan = Some(plan.clone());
+        let step = self.step.insert(OpenStep {
+            before,
+            plan,
+            positions: positions.to_vec(),
+            next_layer: 0,
+        });
+        Ok(&step.plan)
+    }
+
+    /// Makes the open step permanent.
+    pub fn commit_step(&mut self) {
+        self.step = None;
+    }
+
+    /// Undoes the open step: the model is as before it, except that a contiguous step that
+    /// rewrote history keeps only the tokens before its first position (its rows overwrote
+    /// the rest in place).
+    pub fn rollback_step(&mut self) {
+        let Some(step) = self.step.take() else {
+            return;
+        };
+        self.model = step.before;
+        if step.plan.kind == PlanKind::SingleContiguous && self.kind() != CacheKind::Seq {
+            self.model.truncate_prefix(step.positions[0] as usize);
+        }
+    }
+
+    /// Writes this step's k/v for `layer` (the next layer of the open step) and attends. q is
+    /// `[n_q_heads, T, D]` (the head count follows from its length), k and v
+    /// `[n_kv_heads, T, D]`, row-major; the result is `[n_q_heads, T, D]`.
+    pub fn attend_layer(
         &mut self,
         layer: usize,
         q: &[f64],
         k: &[f64],
         v: &[f64],
-        positions: &[i32],
         scale: f64,
-    ) -> CacheResult<Vec<f64>> {
-        let (hkv, d, cap) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.capacity);
-        let t = positions.len();
-        let n_q_heads = if t == 0 { 0 } else { q.len() / (t * d) };
-        if layer >= self.cfg.n_layers {
+    ) -> CacheResult<Attention> {
+        let (hkv, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
+        let Some(step) = &mut self.step else {
             return Err(CacheError::bad_shape(format!(
-                "layer {layer} is outside 0..{}",
-                self.cfg.n_layers
+                "layer {layer}: no step is open"
+            )));
+        };
+        if layer != step.next_layer {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} out of order: the step expects layer {}",
+                step.next_layer
             )));
         }
-        if n_q_heads == 0 || n_q_heads % hkv != 0 {
-            return Err(CacheError::bad_shape(format!(
-                "{n_q_heads} query heads are not a multiple of {hkv} KV heads"
-            )));
-        }
-        if q.len() != n_q_heads * t * d || k.len() != hkv * t * d || v.len() != hkv * t * d {
-            return Err(CacheError::bad_shape(format!(
-                "q/k/v lengths {}/{}/{} do not match {t} tokens",
-                q.len(),
-                k.len(),
-                v.len()
-            )));
-        }
-        let plan = self.book.plan_layer(layer, positions)?.clone();
-        for h in 0..hkv {
-            for i in 0..t {
-                let dst = (h * cap + plan.cell_of(i)) * d;
+        step.next_layer += 1;
+        let (plan, t) = (&step.plan, step.positions.len());
+        let (kl, vl) = (&mut self.k[layer], &mut self.v[layer]);
+        for (i, &c) in plan.cells.iter().enumerate() {
+            if kl.len() <= c {
+                kl.resize(c + 1, Vec::new());
+                vl.resize(c + 1, Vec::new());
+            }
+            let (kr, vr) = (&mut kl[c], &mut vl[c]);
+            kr.clear();
+            vr.clear();
+            for h in 0..hkv {
                 let src = (h * t + i) * d;
-                let krow = store_rounded(self.cfg.kv_dtype, &k[src..src + d]);
-                let vrow = store_rounded(self.cfg.kv_dtype, &v[src..src + d]);
-                self.k[layer][dst..dst + d].copy_from_slice(&krow);
-                self.v[layer][dst..dst + d].copy_from_slice(&vrow);
+                kr.extend(store_rounded(self.cfg.kv_dtype, &k[src..src + d]));
+                vr.extend(store_rounded(self.cfg.kv_dtype, &v[src..src + d]));
             }
         }
         let l = plan.read_len;
-        let window = |pool: &[f64]| -> Vec<f64> {
-            (0..hkv)
-                .flat_map(|h| pool[h * cap * d..(h * cap + l) * d].iter().copied())
-                .collect()
-        };
-        let mask = match plan.mask {
-            MaskKind::None => RefMask::None,
-            MaskKind::Causal => RefMask::Causal,
-            MaskKind::Explicit => RefMask::Explicit(&plan.mask_bits),
+        // [hkv, L, D] windows; cells nobody sees may hold nothing and read as zeros.
+        let window = |rows: &[Vec<f64>]| -> Vec<f64> {
+            let mut w = vec![0.0; hkv * l * d];
+            for (j, row) in rows.iter().enumerate().take(l) {
+                for h in 0..hkv {
+                    if !row.is_empty() {
+                        w[(h * l + j) * d..][..d].copy_from_slice(&row[h * d..][..d]);
+                    }
+                }
+            }
+            w
         };
         let dims = AttnDims {
-            n_q_heads,
+            n_q_heads: q.len() / (t * d),
             n_kv_heads: hkv,
             n_tok: t,
             read_len: l,
@@ -114,31 +185,151 @@ impl RefCache {
         Ok(attend(
             dims,
             q,
-            &window(&self.k[layer]),
-            &window(&self.v[layer]),
+            &window(kl),
+            &window(vl),
             scale,
-            mask,
+            RefMask::Explicit(&plan.mask),
         ))
     }
-}
 
-impl CacheVerbs for RefCache {
-    fn bookkeeping(&self) -> &Bookkeeping {
-        &self.book
+    /// The ABI's per-layer op: layer 0 opens a step (rolling back one left open), each layer
+    /// writes and attends, the last layer commits; any refusal inside a step rolls it back.
+    /// Shapes are checked before the step (so a bad layer 0 changes nothing).
+    pub fn update_and_attend(
+        &mut self,
+        layer: usize,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        positions: &[i32],
+        scale: f64,
+    ) -> CacheResult<Attention> {
+        if layer == 0 {
+            self.rollback_step();
+        }
+        let result = self.checked_layer(layer, q, k, v, positions, scale);
+        match &result {
+            Err(_) => self.rollback_step(),
+            Ok(_) if layer + 1 == self.cfg.n_layers => self.commit_step(),
+            Ok(_) => {}
+        }
+        result
     }
-    fn bookkeeping_mut(&mut self) -> &mut Bookkeeping {
-        &mut self.book
+
+    fn checked_layer(
+        &mut self,
+        layer: usize,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        positions: &[i32],
+        scale: f64,
+    ) -> CacheResult<Attention> {
+        let (hkv, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
+        let t = positions.len();
+        if layer >= self.cfg.n_layers {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is outside 0..{}",
+                self.cfg.n_layers
+            )));
+        }
+        let n_q_heads = if t == 0 { 0 } else { q.len() / (t * d) };
+        if n_q_heads == 0
+            || n_q_heads % hkv != 0
+            || q.len() != n_q_heads * t * d
+            || k.len() != hkv * t * d
+            || v.len() != hkv * t * d
+        {
+            return Err(CacheError::bad_shape(format!(
+                "q/k/v lengths {}/{}/{} do not fit {t} tokens of {hkv} KV heads × {d}",
+                q.len(),
+                k.len(),
+                v.len()
+            )));
+        }
+        if layer == 0 {
+            self.open_step(positions)?;
+        } else if self.step.as_ref().is_some_and(|s| s.positions != positions) {
+            return Err(CacheError::bad_position(format!(
+                "layer {layer} positions differ from those of layer 0"
+            )));
+        }
+        self.attend_layer(layer, q, k, v, scale)
     }
-    fn move_rows(&mut self, base: usize, rows: &[u32]) {
-        let (hkv, d, cap) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.capacity);
-        for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
-            for h in 0..hkv {
-                for (i, &src) in rows.iter().enumerate() {
-                    let (s, t) = ((h * cap + src as usize) * d, (h * cap + base + i) * d);
-                    pool.copy_within(s..s + d, t);
-                }
+
+    /// Whether `n` more tokens fit.
+    pub fn can_extend(&self, n: usize) -> bool {
+        self.model.can_extend(n)
+    }
+
+    /// The logical ceiling in cells.
+    pub fn capacity(&self) -> usize {
+        self.cfg.capacity
+    }
+
+    /// Forgets everything.
+    pub fn clear(&mut self) {
+        self.rollback_step();
+        self.model.clear();
+    }
+
+    /// Contiguous: truncate to `len`.
+    pub fn rewind(&mut self, len: usize) -> CacheResult<()> {
+        self.rollback_step();
+        self.model.rewind(len)
+    }
+
+    /// Seq: the next step's per-token sequences.
+    pub fn begin_step(&mut self, seqs: &[i32]) -> CacheResult<()> {
+        self.rollback_step();
+        self.model.begin_step(seqs)
+    }
+
+    /// Seq: share `src`'s cells with positions in `[p0, p1)` with `dst`.
+    pub fn seq_cp(
+        &mut self,
+        src: i32,
+        dst: i32,
+        p0: Option<i32>,
+        p1: Option<i32>,
+    ) -> CacheResult<()> {
+        self.rollback_step();
+        self.model.seq_cp(src, dst, p0, p1)
+    }
+
+    /// Seq: drop `seq` from its cells with positions in `[p0, p1)`.
+    pub fn seq_rm(&mut self, seq: i32, p0: Option<i32>, p1: Option<i32>) -> CacheResult<()> {
+        self.rollback_step();
+        self.model.seq_rm(seq, p0, p1)
+    }
+
+    /// Seq: keep `seq` alone.
+    pub fn seq_keep(&mut self, seq: i32) -> CacheResult<()> {
+        self.rollback_step();
+        self.model.seq_keep(seq)
+    }
+
+    /// Seq: cells held by `seq`.
+    pub fn seq_len(&self, seq: i32) -> CacheResult<usize> {
+        self.model.seq_len(seq)
+    }
+
+    /// Tree: append a frontier.
+    pub fn propose(&mut self, parents: &[i32]) -> CacheResult<()> {
+        self.rollback_step();
+        self.model.propose(parents)
+    }
+
+    /// Tree: accept a root-first chain; its rows move into the prefix.
+    pub fn commit(&mut self, accepted: &[i32]) -> CacheResult<()> {
+        self.rollback_step();
+        let moves = self.model.commit(accepted)?;
+        for rows in self.k.iter_mut().chain(self.v.iter_mut()) {
+            for &(from, to) in &moves {
+                rows[to] = rows[from].clone();
             }
         }
+        Ok(())
     }
 }
 
@@ -147,7 +338,6 @@ mod tests {
     use super::*;
     use crate::config::CacheConfig;
     use crate::error::ErrorKind;
-    use crate::seq::PosRange;
 
     fn cfg(kv_dtype: KvDtype) -> CacheConfig {
         CacheConfig {
@@ -180,11 +370,14 @@ mod tests {
             0.5,
         )
         .unwrap();
-        fork.seq_cp(0, 1, PosRange::ALL).unwrap();
+        fork.seq_cp(0, 1, None, None).unwrap();
         fork.begin_step(&[0, 1]).unwrap();
         let q = rows(2, 7.0);
         let (k, v) = (rows(2, 8.0), rows(2, 9.0));
-        let both = fork.update_and_attend(0, &q, &k, &v, &[3, 3], 0.5).unwrap();
+        let both = fork
+            .update_and_attend(0, &q, &k, &v, &[3, 3], 0.5)
+            .unwrap()
+            .out;
         for b in 0..2 {
             let mut alone = RefCache::new(CacheKind::Contiguous, cfg(KvDtype::F32)).unwrap();
             alone
@@ -200,7 +393,8 @@ mod tests {
             let r = b * 4..b * 4 + 4;
             let out = alone
                 .update_and_attend(0, &q[r.clone()], &k[r.clone()], &v[r.clone()], &[3], 0.5)
-                .unwrap();
+                .unwrap()
+                .out;
             assert_eq!(out, both[r]);
         }
     }
@@ -219,7 +413,8 @@ mod tests {
         let q = rows(1, 6.0);
         let out = tree
             .update_and_attend(0, &q, &rows(1, 7.0), &rows(1, 8.0), &[4], 1.0)
-            .unwrap();
+            .unwrap()
+            .out;
         let mut seq = RefCache::new(CacheKind::Contiguous, cfg(KvDtype::F32)).unwrap();
         seq.update_and_attend(0, &rows(2, 0.0), &rows(2, 1.0), &rows(2, 2.0), &[0, 1], 1.0)
             .unwrap();
@@ -227,7 +422,8 @@ mod tests {
             .unwrap();
         let expect = seq
             .update_and_attend(0, &q, &rows(1, 7.0), &rows(1, 8.0), &[4], 1.0)
-            .unwrap();
+            .unwrap()
+            .out;
         assert_eq!(out, expect);
     }
 
@@ -237,7 +433,8 @@ mod tests {
         let v = vec![0.1, -0.7, 0.35, 0.9];
         let out = c
             .update_and_attend(0, &[0.0; 4], &[0.2; 4], &v, &[0], 1.0)
-            .unwrap();
+            .unwrap()
+            .out;
         assert_eq!(out, quant_round_trip(&v, 4, 4));
         assert_ne!(out, v);
     }
@@ -251,7 +448,7 @@ mod tests {
         assert_eq!(e.unwrap_err().kind, ErrorKind::BadShape);
         let e = c.update_and_attend(0, &[], &[0.0; 4], &[0.0; 4], &[0], 1.0);
         assert_eq!(e.unwrap_err().kind, ErrorKind::BadShape);
-        assert_eq!(c.bookkeeping().high_water(), 0);
+        assert_eq!(c.high_water(), 0);
         assert_eq!(c.seq_len(0).unwrap_err().kind, ErrorKind::NotSupported);
         assert_eq!(
             RefCache::new(CacheKind::Seq, cfg(KvDtype::Q8_DEFAULT))

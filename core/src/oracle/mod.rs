@@ -1,9 +1,14 @@
-//! The f64 reference oracle every backend is diffed against: naive attention and a
-//! reference cache per kind, storing K/V per cell in f64 exactly as the storage dtype would
-//! round or quantize them. Plain and obviously right rather than fast.
+//! The f64 reference oracle every backend is diffed against: naive attention with a derived
+//! f32 error bound, and a reference cache per kind that decides visibility from its own
+//! naive cell model (never core's bookkeeping) and stores K/V per cell in f64 exactly as the
+//! storage dtype would round or quantize them. Plain and obviously right rather than fast.
 
 mod attention;
 mod cache;
+mod cells;
 
-pub use attention::{attend, AttnDims, RefMask};
+pub use attention::{
+    attend, exp_rel_error, gamma, Attention, AttnDims, RefMask, F32_UNIT_ROUNDOFF,
+};
 pub use cache::{store_rounded, RefCache};
+pub use cells::{CellModel, RefPlan};

@@ -100,6 +100,14 @@ pub struct LlamaConfig {
     /// Biases on q/k/v (Qwen2 always has them).
     #[serde(default)]
     pub attention_bias: bool,
+    /// Sliding-window width (Mistral; Qwen2's takes effect only with
+    /// `use_sliding_window`). Refused until sliding-window attention exists: running it
+    /// with full attention would be silently wrong past the window.
+    #[serde(default)]
+    pub sliding_window: Option<u64>,
+    /// Qwen2: whether `sliding_window` applies.
+    #[serde(default)]
+    pub use_sliding_window: bool,
 }
 
 impl LlamaConfig {
@@ -126,6 +134,14 @@ impl LlamaConfig {
                 c.num_attention_heads,
                 c.head_dim(),
                 c.num_hidden_layers
+            )));
+        }
+        let windowed = c.model_type != "qwen2" || c.use_sliding_window;
+        if let Some(w) = c.sliding_window.filter(|_| windowed) {
+            return Err(ModelError::Malformed(format!(
+                "config.json: sliding-window attention (sliding_window = {w}) is not supported yet; \
+                 running this {} model with full attention would be wrong past {w} tokens",
+                c.model_type
             )));
         }
         if let Some(s) = &c.rope_scaling {
@@ -218,6 +234,24 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("inconsistent shape"), "{e}");
         assert!(LlamaConfig::parse("{").is_err());
+    }
+
+    #[test]
+    fn sliding_window_configs_are_refused_until_supported() {
+        let with = |extra: &str, ty: &str| {
+            LlamaConfig::parse(&SMOL.replace("\"extra\": 1", extra).replace("\"llama\"", ty))
+        };
+        let e = with("\"sliding_window\": 4096", "\"mistral\"").unwrap_err();
+        assert!(e.to_string().contains("sliding_window = 4096"), "{e}");
+        assert!(with("\"sliding_window\": null", "\"mistral\"").is_ok());
+        // Qwen2 ships a window it does not use unless told to.
+        assert!(with("\"sliding_window\": 32768", "\"qwen2\"").is_ok());
+        let e = with(
+            "\"sliding_window\": 32768, \"use_sliding_window\": true",
+            "\"qwen2\"",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("not supported yet"), "{e}");
     }
 
     #[test]

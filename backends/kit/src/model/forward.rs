@@ -139,25 +139,22 @@ impl<D: ModelDevice> LlamaModel<D> {
         self.layers.len()
     }
 
-    /// Runs `tokens` at `positions` through the model, writing K/V into `cache`, and returns
+    /// Runs `tokens` at `positions` through the model as one cache step (committed only
+    /// when every layer and the logits succeeded; any failure rolls it back), and returns
     /// the logits (and optionally the final hidden states) of rows `logit_rows` (all when
-    /// `None`).
-    pub fn forward(
+    /// `None`). The outputs live in `acts`, which is reused while the shape repeats: a
+    /// decode loop allocates nothing once warm.
+    pub fn forward<'a>(
         &self,
         cache: &mut KitCache<D>,
         tokens: &[i32],
         positions: &[i32],
         logit_rows: Option<&[usize]>,
         want_hidden: bool,
-    ) -> Result<ForwardOutput<D::Tensor>, KitError> {
+        acts: &'a mut Option<Activations<D>>,
+    ) -> Result<ForwardOutput<&'a D::Tensor>, KitError> {
         let c = &self.config;
-        let (t, h, hd, hq, hkv) = (
-            tokens.len(),
-            c.hidden_size,
-            c.head_dim(),
-            c.num_attention_heads,
-            c.kv_heads(),
-        );
+        let (t, hq, hkv) = (tokens.len(), c.num_attention_heads, c.kv_heads());
         if t == 0 || positions.len() != t {
             return Err(CacheError::bad_shape(format!(
                 "{t} tokens with {} positions",
@@ -175,67 +172,117 @@ impl<D: ModelDevice> LlamaModel<D> {
             ))
             .into());
         }
-        let all: Vec<usize>;
-        let rows = match logit_rows {
-            Some(r) => r,
-            None => {
-                all = (0..t).collect();
-                &all
-            }
-        };
-        if let Some(&bad) = rows.iter().find(|&&r| r >= t) {
+        if let Some(&bad) = logit_rows.and_then(|r| r.iter().find(|&&r| r >= t)) {
             return Err(CacheError::bad_shape(format!(
                 "logit row {bad} is outside the {t} tokens"
             ))
             .into());
         }
+        let n_rows = logit_rows.map_or(t, <[usize]>::len);
         let d = &*self.device;
-        let z = |dims: &[usize]| d.zeros(dims);
-        let (mut x, mut hn) = (z(&[t, h])?, z(&[t, h])?);
-        let (mut q, mut k, mut v) = (z(&[t, hq * hd])?, z(&[t, hkv * hd])?, z(&[t, hkv * hd])?);
-        let (mut qh, mut kh, mut vh, mut att) = (
-            z(&[hq, t, hd])?,
-            z(&[hkv, t, hd])?,
-            z(&[hkv, t, hd])?,
-            z(&[hq, t, hd])?,
-        );
-        let (mut a, mut o) = (z(&[t, hq * hd])?, z(&[t, h])?);
-        let (mut g, mut u, mut m) = (
-            z(&[t, c.intermediate_size])?,
-            z(&[t, c.intermediate_size])?,
-            z(&[t, c.intermediate_size])?,
-        );
-        let scale = 1.0 / (hd as f32).sqrt();
-        d.embed(&self.embed, tokens, &mut x)?;
-        for (l, w) in self.layers.iter().enumerate() {
-            d.rms_norm(&x, &w.ln1, c.rms_norm_eps as f32, &mut hn)?;
-            d.linear(&hn, &w.q, w.q_bias.as_ref(), &mut q)?;
-            d.linear(&hn, &w.k, w.k_bias.as_ref(), &mut k)?;
-            d.linear(&hn, &w.v, w.v_bias.as_ref(), &mut v)?;
-            d.rope(&mut q, hq, positions, &self.inv_freq)?;
-            d.rope(&mut k, hkv, positions, &self.inv_freq)?;
-            d.split_heads(&q, hq, &mut qh)?;
-            d.split_heads(&k, hkv, &mut kh)?;
-            d.split_heads(&v, hkv, &mut vh)?;
-            cache.update_and_attend(l, &qh, &kh, &vh, positions, scale, &mut att)?;
-            d.merge_heads(&att, &mut a)?;
-            d.linear(&a, &w.o, None, &mut o)?;
-            d.add_assign(&mut x, &o)?;
-            d.rms_norm(&x, &w.ln2, c.rms_norm_eps as f32, &mut hn)?;
-            d.linear(&hn, &w.gate, None, &mut g)?;
-            d.linear(&hn, &w.up, None, &mut u)?;
-            d.silu_mul(&g, &u, &mut m)?;
-            d.linear(&m, &w.down, None, &mut o)?;
-            d.add_assign(&mut x, &o)?;
+        if !acts.as_ref().is_some_and(|a| a.fits(t, n_rows)) {
+            *acts = Some(Activations::new(d, c, t, n_rows)?);
         }
-        d.rms_norm(&x, &self.norm, c.rms_norm_eps as f32, &mut hn)?;
-        let mut picked = z(&[rows.len(), h])?;
-        d.gather_rows(&hn, rows, &mut picked)?;
-        let mut logits = z(&[rows.len(), c.vocab_size])?;
-        d.linear(&picked, &self.lm_head, None, &mut logits)?;
+        let a = acts.as_mut().expect("set above");
+        a.rows.clear();
+        match logit_rows {
+            Some(r) => a.rows.extend_from_slice(r),
+            None => a.rows.extend(0..t),
+        }
+        let scale = 1.0 / (c.head_dim() as f32).sqrt();
+        let eps = c.rms_norm_eps as f32;
+        d.embed(&self.embed, tokens, &mut a.x)?;
+        let mut step = cache.step(positions, None)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            d.rms_norm(&a.x, &w.ln1, eps, &mut a.hn)?;
+            d.linear(&a.hn, &w.q, w.q_bias.as_ref(), &mut a.q)?;
+            d.linear(&a.hn, &w.k, w.k_bias.as_ref(), &mut a.k)?;
+            d.linear(&a.hn, &w.v, w.v_bias.as_ref(), &mut a.v)?;
+            d.rope(&mut a.q, hq, positions, &self.inv_freq)?;
+            d.rope(&mut a.k, hkv, positions, &self.inv_freq)?;
+            d.split_heads(&a.q, hq, &mut a.qh)?;
+            d.split_heads(&a.k, hkv, &mut a.kh)?;
+            d.split_heads(&a.v, hkv, &mut a.vh)?;
+            step.attend(l, &a.qh, &a.kh, &a.vh, scale, &mut a.att)?;
+            d.merge_heads(&a.att, &mut a.merged)?;
+            d.linear(&a.merged, &w.o, None, &mut a.o)?;
+            d.add_assign(&mut a.x, &a.o)?;
+            d.rms_norm(&a.x, &w.ln2, eps, &mut a.hn)?;
+            d.linear(&a.hn, &w.gate, None, &mut a.gate)?;
+            d.linear(&a.hn, &w.up, None, &mut a.up)?;
+            d.silu_mul(&a.gate, &a.up, &mut a.mlp)?;
+            d.linear(&a.mlp, &w.down, None, &mut a.o)?;
+            d.add_assign(&mut a.x, &a.o)?;
+        }
+        d.rms_norm(&a.x, &self.norm, eps, &mut a.hn)?;
+        d.gather_rows(&a.hn, &a.rows, &mut a.picked)?;
+        d.linear(&a.picked, &self.lm_head, None, &mut a.logits)?;
+        step.commit()?;
+        let a = &*a;
         Ok(ForwardOutput {
-            logits,
-            hidden: want_hidden.then_some(picked),
+            logits: &a.logits,
+            hidden: want_hidden.then_some(&a.picked),
         })
+    }
+}
+
+/// The activation buffers of one forward shape (`T` tokens, `R` logit rows), kept between
+/// calls: a decode loop allocates nothing once warm.
+pub struct Activations<D: ModelDevice> {
+    t: usize,
+    n_rows: usize,
+    rows: Vec<usize>,
+    x: D::Tensor,
+    hn: D::Tensor,
+    q: D::Tensor,
+    k: D::Tensor,
+    v: D::Tensor,
+    qh: D::Tensor,
+    kh: D::Tensor,
+    vh: D::Tensor,
+    att: D::Tensor,
+    merged: D::Tensor,
+    o: D::Tensor,
+    gate: D::Tensor,
+    up: D::Tensor,
+    mlp: D::Tensor,
+    picked: D::Tensor,
+    logits: D::Tensor,
+}
+
+impl<D: ModelDevice> Activations<D> {
+    fn new(d: &D, c: &LlamaConfig, t: usize, n_rows: usize) -> Result<Self, KitError> {
+        let (h, hd, hq, hkv, im) = (
+            c.hidden_size,
+            c.head_dim(),
+            c.num_attention_heads,
+            c.kv_heads(),
+            c.intermediate_size,
+        );
+        Ok(Activations {
+            t,
+            n_rows,
+            rows: Vec::with_capacity(n_rows),
+            x: d.zeros(&[t, h])?,
+            hn: d.zeros(&[t, h])?,
+            q: d.zeros(&[t, hq * hd])?,
+            k: d.zeros(&[t, hkv * hd])?,
+            v: d.zeros(&[t, hkv * hd])?,
+            qh: d.zeros(&[hq, t, hd])?,
+            kh: d.zeros(&[hkv, t, hd])?,
+            vh: d.zeros(&[hkv, t, hd])?,
+            att: d.zeros(&[hq, t, hd])?,
+            merged: d.zeros(&[t, hq * hd])?,
+            o: d.zeros(&[t, h])?,
+            gate: d.zeros(&[t, im])?,
+            up: d.zeros(&[t, im])?,
+            mlp: d.zeros(&[t, im])?,
+            picked: d.zeros(&[n_rows, h])?,
+            logits: d.zeros(&[n_rows, c.vocab_size])?,
+        })
+    }
+
+    fn fits(&self, t: usize, n_rows: usize) -> bool {
+        (self.t, self.n_rows) == (t, n_rows)
     }
 }

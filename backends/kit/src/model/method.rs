@@ -1,7 +1,7 @@
 //! [`ForwardMethod`]: the `forward` model method over the ABI, bound to a cache.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvplug_core::{CacheError, CacheVerbs};
 use kvplug_plugin_api::abi_stable::sabi_trait::TD_Opaque;
@@ -11,7 +11,7 @@ use kvplug_plugin_api::{
     ModelMethod_TO, PluginError, TensorDtype,
 };
 
-use super::forward::LlamaModel;
+use super::forward::{Activations, LlamaModel};
 use super::ops::ModelDevice;
 use super::package::ModelPackage;
 use crate::device::Backend;
@@ -22,10 +22,11 @@ pub const OPTION_MODEL_DIR: &str = "model_dir";
 /// The option limiting the model to its first N layers (a cheap draft model).
 pub const OPTION_LAYERS: &str = "layers";
 
-/// `forward` bound to one cache.
+/// `forward` bound to one cache, with its activation buffers.
 pub struct ForwardMethod<D: ModelDevice> {
     model: Arc<LlamaModel<D>>,
     cache: SharedCache<D>,
+    acts: Arc<Mutex<Option<Activations<D>>>>,
 }
 
 impl<D: ModelDevice> Clone for ForwardMethod<D> {
@@ -33,6 +34,7 @@ impl<D: ModelDevice> Clone for ForwardMethod<D> {
         ForwardMethod {
             model: self.model.clone(),
             cache: self.cache.clone(),
+            acts: self.acts.clone(),
         }
     }
 }
@@ -63,8 +65,14 @@ impl<D: ModelDevice> ForwardMethod<D> {
             Some(r) => Some(
                 ints(r, "logit rows")?
                     .into_iter()
-                    .map(|r| r.max(0) as usize)
-                    .collect(),
+                    .map(|r| {
+                        usize::try_from(r).map_err(|_| {
+                            PluginError::from(CacheError::bad_shape(format!(
+                                "logit row {r} is negative"
+                            )))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
             ),
             None => None,
         };
@@ -73,17 +81,24 @@ impl<D: ModelDevice> ForwardMethod<D> {
             None => false,
         };
         let mut cache = self.cache.lock()?;
+        let mut acts = self.acts.lock().map_err(|_| {
+            PluginError::new(
+                AbiErrorKind::Panic,
+                "forward is unusable: an earlier call panicked while holding its buffers",
+            )
+        })?;
         let out = self.model.forward(
             &mut cache,
             &tokens,
             &positions,
             rows.as_deref(),
             want_hidden,
+            &mut acts,
         )?;
         let dev = self.model_device();
         let mut result = RVec::new();
-        result.push(dev.download(&out.logits, TensorDtype::F32)?);
-        if let Some(h) = &out.hidden {
+        result.push(dev.download(out.logits, TensorDtype::F32)?);
+        if let Some(h) = out.hidden {
             result.push(dev.download(h, TensorDtype::F32)?);
         }
         Ok(result)
@@ -189,6 +204,7 @@ pub fn load_forward<B: Backend + ModelDevice>(
         RArc::new(ForwardMethod {
             model: Arc::new(model),
             cache,
+            acts: Arc::new(Mutex::new(None)),
         }),
         TD_Opaque,
     ))

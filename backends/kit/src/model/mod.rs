@@ -14,7 +14,7 @@ pub mod ops;
 pub mod package;
 
 pub use config::{LlamaConfig, ModelError};
-pub use forward::LlamaModel;
+pub use forward::{Activations, ForwardOutput, LlamaModel};
 pub use method::ForwardMethod;
 pub use ops::ModelDevice;
 pub use package::ModelPackage;

@@ -1,0 +1,306 @@
+//! Test support every backend runs on its own device (feature `testing`): a [`Device`] that
+//! fails on demand, and the step-rollback check built on it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kvplug_core::oracle::{Attention, RefCache};
+use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, KvDtype, PosRange};
+use kvplug_plugin_api::{HostTensor, TensorDtype};
+
+use crate::cache::{KitCache, KitError};
+use crate::device::{AttendMask, Device};
+
+/// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend`
+/// call (0-based) fails with a device error; everything else is `D`'s.
+pub struct Faulty<D> {
+    inner: D,
+    /// Attend calls left before the fault, plus one; 0 = no fault armed.
+    countdown: AtomicUsize,
+}
+
+impl<D: Device> Faulty<D> {
+    /// Wraps `inner`, no fault armed.
+    pub fn new(inner: D) -> Self {
+        Faulty {
+            inner,
+            countdown: AtomicUsize::new(0),
+        }
+    }
+
+    /// Arms one fault: `n` more attends succeed, the next fails.
+    pub fn fail_after(&self, n: usize) {
+        self.countdown.store(n + 1, Ordering::SeqCst);
+    }
+}
+
+impl<D: Device> Device for Faulty<D> {
+    type Tensor = D::Tensor;
+    type Pool = D::Pool;
+    type Scratch = D::Scratch;
+
+    fn kv_dtypes(&self) -> &[KvDtype] {
+        self.inner.kv_dtypes()
+    }
+    fn dims<'t>(&self, t: &'t Self::Tensor) -> &'t [usize] {
+        self.inner.dims(t)
+    }
+    fn pool_new(
+        &self,
+        dtype: KvDtype,
+        heads: usize,
+        d: usize,
+        cells: usize,
+    ) -> Result<D::Pool, KitError> {
+        self.inner.pool_new(dtype, heads, d, cells)
+    }
+    fn pool_grow(&self, pool: &mut D::Pool, cells: usize, keep: usize) -> Result<(), KitError> {
+        self.inner.pool_grow(pool, cells, keep)
+    }
+    fn pool_bytes(&self, pool: &D::Pool) -> usize {
+        self.inner.pool_bytes(pool)
+    }
+    fn write_run(&self, pool: &mut D::Pool, start: usize, src: &D::Tensor) -> Result<(), KitError> {
+        self.inner.write_run(pool, start, src)
+    }
+    fn scatter_rows(
+        &self,
+        pool: &mut D::Pool,
+        cells: &[u32],
+        src: &D::Tensor,
+    ) -> Result<(), KitError> {
+        self.inner.scatter_rows(pool, cells, src)
+    }
+    fn move_rows(&self, pool: &mut D::Pool, base: usize, rows: &[u32]) {
+        self.inner.move_rows(pool, base, rows)
+    }
+    fn attend(
+        &self,
+        q: &D::Tensor,
+        k: &D::Pool,
+        v: &D::Pool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        out: &mut D::Tensor,
+        scratch: &mut D::Scratch,
+    ) -> Result<(), KitError> {
+        let armed = self
+            .countdown
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
+            .unwrap_or(0);
+        if armed == 1 {
+            return Err(KitError::Device("injected fault".into()));
+        }
+        self.inner
+            .attend(q, k, v, read_len, mask, scale, out, scratch)
+    }
+    fn zeros(&self, dims: &[usize]) -> Result<D::Tensor, KitError> {
+        self.inner.zeros(dims)
+    }
+    fn upload(&self, t: &HostTensor) -> Result<D::Tensor, KitError> {
+        self.inner.upload(t)
+    }
+    fn download(&self, t: &D::Tensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
+        self.inner.download(t, dtype)
+    }
+}
+
+const HQ: usize = 4;
+const HKV: usize = 2;
+const D: usize = 64;
+const LAYERS: usize = 3;
+
+/// Deterministic `[h, t, D]` activations.
+fn values(h: usize, t: usize, salt: usize) -> Vec<f32> {
+    (0..h * t * D)
+        .map(|i| ((i * 7919 + salt * 104_729) as f32 * 0.001).sin())
+        .collect()
+}
+
+/// Runs one step on `cache` (or fails at the armed layer), returning each layer's output.
+fn step<D2: Device>(
+    cache: &mut KitCache<D2>,
+    positions: &[i32],
+    seqs: Option<&[i32]>,
+    salt: usize,
+) -> Result<Vec<Vec<f32>>, KitError> {
+    let dev = cache.device().clone();
+    let t = positions.len();
+    let up = |h: usize, s: usize| dev.upload(&HostTensor::from_f32(&[h, t, D], &values(h, t, s)));
+    let mut step = cache.step(positions, seqs)?;
+    let mut outs = Vec::new();
+    for layer in 0..LAYERS {
+        let s = salt * 16 + layer * 3;
+        let (q, k, v) = (up(HQ, s)?, up(HKV, s + 1)?, up(HKV, s + 2)?);
+        let mut out = dev.zeros(&[HQ, t, D])?;
+        step.attend(layer, &q, &k, &v, 1.0 / (D as f32).sqrt(), &mut out)?;
+        outs.push(
+            dev.download(&out, TensorDtype::F32)?
+                .to_f32()
+                .expect("f32 output"),
+        );
+    }
+    step.commit()?;
+    Ok(outs)
+}
+
+/// The same step on the oracle.
+fn oracle_step(
+    o: &mut RefCache,
+    positions: &[i32],
+    seqs: Option<&[i32]>,
+    salt: usize,
+) -> Vec<Attention> {
+    if let Some(s) = seqs {
+        o.begin_step(s).unwrap();
+    }
+    let t = positions.len();
+    let wide = |h: usize, s: usize| {
+        values(h, t, s)
+            .iter()
+            .map(|&x| x as f64)
+            .collect::<Vec<_>>()
+    };
+    o.open_step(positions).unwrap();
+    let outs = (0..LAYERS)
+        .map(|layer| {
+            let s = salt * 16 + layer * 3;
+            o.attend_layer(
+                layer,
+                &wide(HQ, s),
+                &wide(HKV, s + 1),
+                &wide(HKV, s + 2),
+                1.0 / (D as f64).sqrt(),
+            )
+            .unwrap()
+        })
+        .collect();
+    o.commit_step();
+    outs
+}
+
+/// What a runner can observe of a cache.
+fn observe<D2: Device>(c: &KitCache<D2>) -> (Vec<bool>, Vec<Option<usize>>, usize, usize) {
+    let s = c.stats();
+    (
+        (0..=c.capacity() + 1).map(|n| c.can_extend(n)).collect(),
+        (0..3).map(|q| c.seq_len(q).ok()).collect(),
+        s.high_water,
+        s.live_cells,
+    )
+}
+
+/// One failing step and what follows it, per kind. `prep` brings a cache (and the oracle)
+/// to the state before the step; `next` is the step that fails at layer `k`, then is
+/// retried; `after` continues decoding.
+type Script = (
+    CacheKind,
+    fn(&mut dyn FnMut(&[i32], Option<&[i32]>, usize)),
+    (&'static [i32], Option<&'static [i32]>),
+    &'static [(&'static [i32], Option<&'static [i32]>)],
+);
+
+/// The rollback check of the architecture's step contract, on `device`: for every kind and
+/// a float and a quantized dtype, a device error at layer `k` of 3 leaves `seq_len`,
+/// `can_extend`, high-water mark, live cells and every later output identical to a cache
+/// that never saw the step; retrying the step then matches the oracle (within its bound) and
+/// the never-failed twin (bit for bit).
+pub fn check_step_rollback<D2: Device>(device: D2) {
+    let dev = Arc::new(Faulty::new(device));
+    let scripts: [Script; 3] = [
+        (
+            CacheKind::Contiguous,
+            |run| run(&[0, 1, 2, 3, 4], None, 1),
+            (&[5, 6, 7], None),
+            &[(&[8], None), (&[9], None)],
+        ),
+        (
+            CacheKind::Seq,
+            |run| run(&[0, 1, 2, 3, 4, 5], Some(&[0; 6][..]), 1),
+            (&[6, 6], Some(&[0, 1])),
+            &[(&[7, 7], Some(&[0, 1])), (&[8], Some(&[1]))],
+        ),
+        (
+            CacheKind::Tree,
+            |run| run(&[0, 1, 2, 3], None, 1),
+            (&[4, 5, 5], None),
+            &[(&[6], None)],
+        ),
+    ];
+    for (kind, prep, (next, next_seqs), after) in scripts {
+        for dtype in [KvDtype::F16, KvDtype::Q4 { group: 32 }] {
+            for k in 0..LAYERS {
+                let cfg = CacheConfig {
+                    capacity: 64,
+                    n_layers: LAYERS,
+                    n_kv_heads: HKV,
+                    head_dim: D,
+                    min_chunk: 4,
+                    kv_dtype: dtype,
+                };
+                let mut failed = KitCache::new(dev.clone(), kind, cfg).unwrap();
+                let mut twin = KitCache::new(dev.clone(), kind, cfg).unwrap();
+                let mut oracle = RefCache::new(kind, cfg).unwrap();
+                let mut run_all = |pos: &[i32], seqs: Option<&[i32]>, salt: usize| {
+                    step(&mut failed, pos, seqs, salt).unwrap();
+                    step(&mut twin, pos, seqs, salt).unwrap();
+                    oracle_step(&mut oracle, pos, seqs, salt);
+                };
+                prep(&mut run_all);
+                if kind == CacheKind::Tree {
+                    for c in [&mut failed, &mut twin] {
+                        c.propose(&[-1, 0, 0]).unwrap();
+                    }
+                    oracle.propose(&[-1, 0, 0]).unwrap();
+                }
+                if kind == CacheKind::Seq {
+                    for c in [&mut failed, &mut twin] {
+                        c.seq_cp(0, 1, PosRange::ALL).unwrap();
+                    }
+                    oracle.seq_cp(0, 1, None, None).unwrap();
+                }
+                let before = observe(&failed);
+                dev.fail_after(k);
+                let err = step(&mut failed, next, next_seqs, 2).unwrap_err();
+                assert!(
+                    matches!(err, KitError::Device(_)),
+                    "{kind} {dtype} layer {k}: {err}"
+                );
+                assert_eq!(
+                    observe(&failed),
+                    before,
+                    "{kind} {dtype}: state after a fault at layer {k}"
+                );
+                assert_eq!(observe(&failed), observe(&twin));
+                // Retry, then go on: identical to the twin, inside the oracle's bound.
+                let retry = (next, next_seqs);
+                for (i, (pos, seqs)) in std::iter::once(&retry).chain(after).enumerate() {
+                    if kind == CacheKind::Tree && i == 1 {
+                        for c in [&mut failed, &mut twin] {
+                            c.commit(&[0, 2]).unwrap();
+                        }
+                        oracle.commit(&[0, 2]).unwrap();
+                    }
+                    let got = step(&mut failed, pos, *seqs, 2 + i).unwrap();
+                    let want = step(&mut twin, pos, *seqs, 2 + i).unwrap();
+                    assert_eq!(
+                        got, want,
+                        "{kind} {dtype} fault at layer {k}: step {i} after"
+                    );
+                    for (g, w) in got.iter().zip(oracle_step(&mut oracle, pos, *seqs, 2 + i)) {
+                        for (e, (&x, (&o, &b))) in
+                            g.iter().zip(w.out.iter().zip(&w.bound)).enumerate()
+                        {
+                            assert!(
+                                (x as f64 - o).abs() <= b,
+                                "{kind} {dtype} fault at layer {k}: step {i} element {e}: {x} vs oracle {o} (bound {b:e})"
+                            );
+                        }
+                    }
+                    assert_eq!(observe(&failed), observe(&twin));
+                }
+            }
+        }
+    }
+}
