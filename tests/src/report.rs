@@ -118,6 +118,12 @@ impl Matrix {
                 Status::Pass => {}
             }
         }
+        if self.results.is_empty() {
+            let _ = writeln!(
+                s,
+                "FAIL no case ran: no scenario applies to the selected backends, kinds, dtypes and inputs"
+            );
+        }
         for b in &self.missing_backends {
             let _ = writeln!(s, "FAIL required backend '{b}' is not loaded");
         }
@@ -128,7 +134,10 @@ impl Matrix {
             s,
             "conformance: {} passed, {} failed, {} skipped",
             self.passes(),
-            self.failures() + self.missing_backends.len() + self.unusable_backends.len(),
+            self.failures()
+                + self.missing_backends.len()
+                + self.unusable_backends.len()
+                + usize::from(self.results.is_empty()),
             self.not_applicable()
         );
         s
