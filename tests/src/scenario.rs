@@ -261,6 +261,16 @@ pub enum ScenarioError {
     },
 }
 
+/// Scenario shapes are bounded so a hostile file cannot make the oracle or a backend
+/// allocate without limit: at most this many cells ...
+pub const MAX_CAPACITY: usize = 1 << 20;
+/// ... layers ...
+pub const MAX_LAYERS: usize = 256;
+/// ... query heads ...
+pub const MAX_HEADS: usize = 256;
+/// ... and values per head row.
+pub const MAX_HEAD_DIM: usize = 1024;
+
 /// Parses one scenario; `path` names it in errors.
 pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
     let s: Scenario = serde_json::from_str(text).map_err(|e| ScenarioError::Parse {
@@ -275,6 +285,18 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         return Err(invalid("'kinds' is empty".into()));
     }
     let c = &s.config;
+    for (name, value, max) in [
+        ("capacity", c.capacity, MAX_CAPACITY),
+        ("n_layers", c.n_layers, MAX_LAYERS),
+        ("n_q_heads", c.n_q_heads, MAX_HEADS),
+        ("head_dim", c.head_dim, MAX_HEAD_DIM),
+    ] {
+        if value > max {
+            return Err(invalid(format!(
+                "config {name} = {value} is above this format's limit of {max}"
+            )));
+        }
+    }
     if c.n_kv_heads == 0 || c.n_q_heads % c.n_kv_heads != 0 {
         return Err(invalid(format!(
             "n_q_heads {} is not a multiple of n_kv_heads {}",
@@ -404,6 +426,13 @@ mod tests {
         assert!(e.starts_with("x.json: expected value at line 1"), "{e}");
         let e = err(&format!(r#"{{{HEAD}, "dtypes": ["int3"], "ops": []}}"#));
         assert!(e.contains("unknown KV dtype 'int3'"), "{e}");
+        let big = HEAD.replace("\"n_layers\": 1", "\"n_layers\": 1000000000");
+        let e = err(&format!(r#"{{{big}, "ops": []}}"#));
+        assert!(e.contains("n_layers = 1000000000 is above"), "{e}");
+        let e = err(&format!(
+            r#"{{{HEAD}, "ops": [{{"op": "step", "pos": [0], "tamper": "k_shape", "tamper_layer": 1}}]}}"#
+        ));
+        assert!(e.contains("tamper_layer 1 is outside the 1 layers"), "{e}");
     }
 
     #[test]
