@@ -18,6 +18,7 @@
 pub mod conform;
 pub mod discovery;
 pub mod error;
+pub mod gguf;
 pub mod host;
 pub mod loader;
 pub mod model;
@@ -25,6 +26,7 @@ pub mod registry;
 pub mod run;
 pub mod services;
 pub mod session;
+pub mod text;
 
 pub use discovery::{PluginSearch, SearchDir};
 pub use error::HostError;

@@ -1,5 +1,6 @@
 //! `kvplug`: the host CLI.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -10,8 +11,10 @@ use kvplug_core::{CacheKind, KvDtype};
 use kvplug_host::conform::{run_matrix, ConformOptions, REQUIRE_BACKENDS_ENV};
 use kvplug_host::model::{synth, PRESETS};
 use kvplug_host::run::{
-    run_agents, run_decode, run_speculative, Draft, RunReport, RunSpec, Sampler,
+    run_agents, run_decode, run_decode_streaming, run_speculative, Draft, RunReport, RunSpec,
+    Sampler,
 };
+use kvplug_host::text::{Message, Streamer, Text};
 use kvplug_host::{Host, PluginSearch};
 
 /// kvplug: runtime-swappable KV caches behind pluggable backends.
@@ -96,6 +99,15 @@ enum ModelCommand {
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
+    /// Import a Llama-architecture GGUF file as a model directory (f16 weights, tokenizer,
+    /// chat template).
+    Import {
+        /// The GGUF file.
+        gguf: PathBuf,
+        /// Output directory (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -103,12 +115,22 @@ struct RunArgs {
     /// Backend id.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Model directory (config.json + *.safetensors).
+    /// Model: a directory (config.json + *.safetensors) or a GGUF file (imported once into
+    /// the cache directory).
     #[arg(long)]
     model: PathBuf,
-    /// Prompt text (needs a tokenizer).
+    /// Prompt text, sent through the model's chat template as a user turn (unless --raw).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
+    /// Send --prompt as is, without the chat template.
+    #[arg(long, requires = "prompt")]
+    raw: bool,
+    /// A system message before the user turn.
+    #[arg(long, requires = "prompt")]
+    system: Option<String>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Vec<i32>,
@@ -153,7 +175,32 @@ struct RunArgs {
     json: bool,
 }
 
+/// Mesa's Vulkan drivers (the wgpu plugin's, when loaded) print an error to stderr when
+/// `XDG_RUNTIME_DIR` is unset; give the process a private one instead of spilling driver
+/// noise on users. Runs first, before any thread exists.
+fn ensure_runtime_dir() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+        return;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        let uid = std::fs::metadata("/proc/self")
+            .map(|m| m.uid())
+            .unwrap_or(0);
+        let dir = std::env::temp_dir().join(format!("kvplug-runtime-{uid}"));
+        let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+        // Use it only if it is ours and private (another user may have made it first).
+        let ok = std::fs::metadata(&dir)
+            .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o077 == 0);
+        if ok {
+            std::env::set_var("XDG_RUNTIME_DIR", &dir);
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    ensure_runtime_dir();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -192,6 +239,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .with_context(|| format!("unknown preset '{preset}' (expected tiny or small)"))?;
             synth(p, &out, seed, &dtype)?;
             println!("wrote {} model to {}", p.name, out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Model {
+            command: ModelCommand::Import { gguf, out },
+        } => {
+            kvplug_host::gguf::import(&gguf, &out)?;
+            println!("imported {} into {}", gguf.display(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Run(args) => run_model(&host, args),
@@ -266,22 +320,53 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
+/// The prompt ids of a run: `--prompt-ids`, or `--prompt` through the model's chat template
+/// (with `--system`) unless `--raw`; the text layer when the model has one.
+fn prompt_of(a: &RunArgs, model: &std::path::Path) -> Result<(Vec<i32>, Option<Text>)> {
+    let text = match Text::load(model) {
+        Ok(t) => Some(t),
+        Err(e) if a.prompt.is_some() => return Err(e),
+        Err(_) => None,
+    };
+    let ids = match (&a.prompt, &text) {
+        (Some(p), Some(t)) => {
+            if a.raw || !t.has_template() {
+                if a.system.is_some() {
+                    bail!("--system needs the model's chat template (drop --raw)");
+                }
+                t.encode(p)?
+            } else {
+                let mut messages = Vec::new();
+                if let Some(sys) = &a.system {
+                    messages.push(Message::new("system", sys));
+                }
+                messages.push(Message::new("user", p));
+                t.encode(&t.render(&messages)?)?
+            }
+        }
+        _ if !a.prompt_ids.is_empty() => a.prompt_ids.clone(),
+        _ => bail!("pass --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    Ok((ids, text))
+}
+
 fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
-    if a.prompt.is_some() {
-        bail!(
-            "text prompts need a tokenizer, which this build does not include; pass --prompt-ids"
-        );
-    }
-    if a.prompt_ids.is_empty() {
-        bail!("pass --prompt-ids 1,2,3");
-    }
+    let model = kvplug_host::gguf::resolve_model(&a.model)?;
+    let (prompt, text) = prompt_of(&a, &model)?;
     let spec = RunSpec {
         backend: a.backend.clone(),
-        model: a.model.clone(),
-        prompt: a.prompt_ids.clone(),
+        model,
+        prompt,
         max_new: a.max_new,
         kv_dtype: a.kv_dtype.parse()?,
         capacity: a.capacity,
+        stop: if a.ignore_eos {
+            Default::default()
+        } else {
+            text.as_ref()
+                .map(|t| t.stop_tokens().clone())
+                .unwrap_or_default()
+        },
     };
     let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed);
     let report: RunReport = if let Some(k) = a.agents {
@@ -297,21 +382,53 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
         };
         run_speculative(host, &spec, &draft, a.depth, a.width)?
     } else {
-        run_decode(host, &spec, &mut sampler)?
+        let mut streamer = Streamer::default();
+        let stream = !a.json;
+        run_decode_streaming(host, &spec, &mut sampler, &mut |id| {
+            if let (true, Some(t)) = (stream, &text) {
+                let piece = streamer.push(t, id)?;
+                print!("{piece}");
+                std::io::stdout().flush()?;
+            }
+            Ok(())
+        })?
+    };
+    let decoded = match &text {
+        Some(t) => Some(t.decode(&report.ids)?),
+        None => None,
     };
     if a.json {
-        println!("{}", serde_json::to_string(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        v["prompt_tokens"] = spec.prompt.len().into();
+        v["generated_tokens"] = report.ids.len().into();
+        v["stopped_at_eos"] = report
+            .ids
+            .last()
+            .is_some_and(|t| spec.stop.contains(t))
+            .into();
+        if let Some(d) = decoded {
+            v["text"] = d.into();
+        }
+        println!("{}", serde_json::to_string(&v)?);
         return Ok(ExitCode::SUCCESS);
     }
-    let ids: Vec<String> = report.ids.iter().map(|i| i.to_string()).collect();
-    println!("ids: {}", ids.join(","));
+    match (&decoded, report.mode.as_str()) {
+        (Some(_), "decode") => println!(),
+        (Some(d), _) => println!("{d}"),
+        (None, _) => {
+            let ids: Vec<String> = report.ids.iter().map(|i| i.to_string()).collect();
+            println!("ids: {}", ids.join(","));
+        }
+    }
     if let (Some(branches), Some(w)) = (&report.branches, report.winner) {
         for (b, ids) in branches.iter().enumerate() {
             println!("branch {b}{}: {ids:?}", if b == w { " (kept)" } else { "" });
         }
     }
-    println!(
-        "prefill {:.1} tok/s, decode {:.1} tok/s; cache {} bytes, {} cells allocated, {} live",
+    eprintln!(
+        "{} prompt + {} generated tokens; prefill {:.1} tok/s, decode {:.1} tok/s; cache {} bytes, {} cells allocated, {} live",
+        spec.prompt.len(),
+        report.ids.len(),
         report.prefill_tok_s,
         report.decode_tok_s,
         report.cache.allocated_bytes,
@@ -319,7 +436,7 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
         report.cache.live_cells
     );
     if let (Some(acc), Some(tpf)) = (report.acceptance, report.tokens_per_target_forward) {
-        println!(
+        eprintln!(
             "acceptance {:.1}%, {:.2} tokens per target forward",
             acc * 100.0,
             tpf
@@ -342,6 +459,7 @@ fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> 
         max_new,
         kv_dtype: kv,
         capacity: 1024,
+        stop: Default::default(),
     };
     let params = kvplug_host::model::cache_params(model)?;
     let q8 = KvDtype::Q8 {

@@ -1,6 +1,7 @@
 //! The runner: prefill + decode, agent fork and speculative tree decoding, driving a
 //! backend's `forward` method bound to host-made sessions through `cache_key`.
 
+use std::collections::BTreeSet;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -214,6 +215,8 @@ pub struct RunSpec {
     pub kv_dtype: KvDtype,
     /// Cache capacity in cells.
     pub capacity: usize,
+    /// Tokens that end generation (kept as the last id; none: run to `max_new`).
+    pub stop: BTreeSet<i32>,
 }
 
 /// The draft of a speculative run.
@@ -280,6 +283,16 @@ fn rate(tokens: usize, since: Instant) -> f64 {
 
 /// Plain prefill + decode on a contiguous cache.
 pub fn run_decode(host: &Host, spec: &RunSpec, sampler: &mut Sampler) -> Result<RunReport> {
+    run_decode_streaming(host, spec, sampler, &mut |_| Ok(()))
+}
+
+/// [`run_decode`], handing each id to `on_token` as soon as it is sampled.
+pub fn run_decode_streaming(
+    host: &Host,
+    spec: &RunSpec,
+    sampler: &mut Sampler,
+    on_token: &mut dyn FnMut(i32) -> Result<()>,
+) -> Result<RunReport> {
     check_prompt(spec)?;
     let (session, options) =
         host.make_decode_session(&spec.backend, &config(spec, None, &spec.model)?)?;
@@ -290,12 +303,14 @@ pub fn run_decode(host: &Host, spec: &RunSpec, sampler: &mut Sampler) -> Result<
     let logits = fwd.call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?;
     let prefill_tok_s = rate(p, t0);
     let mut ids = vec![sampler.sample(&logits[0])];
+    on_token(ids[0])?;
     let progress = Progress::new();
     let t1 = Instant::now();
-    while ids.len() < spec.max_new {
+    while ids.len() < spec.max_new && !spec.stop.contains(&ids[ids.len() - 1]) {
         let pos = (p + ids.len() - 1) as i32;
         let logits = fwd.call(&ids[ids.len() - 1..], &[pos], None)?;
         ids.push(sampler.sample(&logits[0]));
+        on_token(ids[ids.len() - 1])?;
         progress.tick(ids.len(), spec.max_new);
     }
     Ok(RunReport {
@@ -356,7 +371,8 @@ pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> R
     let seqs: Vec<i32> = (1..=k as i32).collect();
     let progress = Progress::new();
     let t1 = Instant::now();
-    while branches[0].len() < spec.max_new {
+    let ended = |br: &Vec<i32>| br.last().is_some_and(|t| spec.stop.contains(t));
+    while branches[0].len() < spec.max_new && !branches.iter().all(ended) {
         let n = branches[0].len();
         let tokens: Vec<i32> = branches.iter().map(|br| br[n - 1]).collect();
         session.begin_step(&seqs)?;
@@ -492,6 +508,10 @@ pub fn run_speculative(
         base += chain.len();
         root = bonus;
         progress.tick(ids.len().min(spec.max_new), spec.max_new);
+        if let Some(end) = ids.iter().position(|t| spec.stop.contains(t)) {
+            ids.truncate(end + 1);
+            break;
+        }
     }
     ids.truncate(spec.max_new);
     Ok(RunReport {

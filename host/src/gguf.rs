@@ -1,0 +1,498 @@
+//! GGUF import: a Llama-architecture GGUF file becomes a Hugging Face–style model directory
+//! (`config.json`, `model.safetensors` in f16 with `kv_cache.*` metadata, `tokenizer.json`,
+//! `tokenizer_config.json` with the chat template, `generation_config.json`).
+//!
+//! The container and the ggml block formats (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/
+//! Q5_K/Q6_K, ...) are read by candle's `gguf_file` and dequantized by its reference code;
+//! this module maps names and metadata, undoes the rotary row permutation llama.cpp's
+//! converter applies to `attn_q`/`attn_k`, and writes the directory atomically.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::Device;
+use half::f16;
+use safetensors::tensor::{Dtype, TensorView};
+use sha2::{Digest, Sha256};
+
+/// Reads a GGUF header and its metadata.
+struct Gguf {
+    path: PathBuf,
+    content: Content,
+}
+
+impl Gguf {
+    fn open(path: &Path) -> Result<Self> {
+        let mut r = BufReader::new(open_regular(path)?);
+        let content = Content::read(&mut r)
+            .map_err(|e| anyhow::anyhow!("{}: not a readable GGUF file: {e}", path.display()))?;
+        Ok(Gguf {
+            path: path.to_path_buf(),
+            content,
+        })
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn string(&self, key: &str) -> Result<&str> {
+        self.get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?
+            .to_string()
+            .map(String::as_str)
+            .map_err(|e| anyhow::anyhow!("{}: metadata '{key}': {e}", self.path.display()))
+    }
+
+    fn uint(&self, key: &str) -> Result<u64> {
+        let v = self
+            .get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?;
+        as_u64(v)
+            .with_context(|| format!("{}: metadata '{key}' is not a count", self.path.display()))
+    }
+
+    fn float(&self, key: &str) -> Option<f64> {
+        match self.get(key)? {
+            // The f32's shortest decimal (1e-5, not 9.99999974e-6).
+            Value::F32(x) => x.to_string().parse().ok(),
+            Value::F64(x) => Some(*x),
+            v => as_u64(v).map(|x| x as f64),
+        }
+    }
+
+    fn strings(&self, key: &str) -> Result<Vec<String>> {
+        let v = self
+            .get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?;
+        v.to_vec()
+            .map_err(|e| anyhow::anyhow!("{key}: {e}"))?
+            .iter()
+            .map(|s| {
+                s.to_string()
+                    .cloned()
+                    .map_err(|e| anyhow::anyhow!("{key}: {e}"))
+            })
+            .collect()
+    }
+
+    /// One tensor as f32, row-major in Hugging Face's `[rows, cols]` order.
+    fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let mut r = BufReader::new(open_regular(&self.path)?);
+        let q = self
+            .content
+            .tensor(&mut r, name, &Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("{}: tensor '{name}': {e}", self.path.display()))?;
+        let dims = q.shape().dims().to_vec();
+        let t = q
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| anyhow::anyhow!("{}: dequantizing '{name}': {e}", self.path.display()))?;
+        Ok((dims, t))
+    }
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::U8(x) => Some(*x as u64),
+        Value::U16(x) => Some(*x as u64),
+        Value::U32(x) => Some(*x as u64),
+        Value::U64(x) => Some(*x),
+        Value::I8(x) => u64::try_from(*x).ok(),
+        Value::I16(x) => u64::try_from(*x).ok(),
+        Value::I32(x) => u64::try_from(*x).ok(),
+        Value::I64(x) => u64::try_from(*x).ok(),
+        _ => None,
+    }
+}
+
+/// Opens `path` for reading if it is a regular file (a FIFO or a device would block or
+/// never end).
+pub fn open_regular(path: &Path) -> Result<File> {
+    let meta = std::fs::metadata(path).with_context(|| format!("{}", path.display()))?;
+    if !meta.is_file() {
+        bail!("{}: not a regular file", path.display());
+    }
+    File::open(path).with_context(|| format!("{}", path.display()))
+}
+
+/// The architecture facts of a Llama-family GGUF, as `config.json` wants them.
+fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
+    let arch = g.string("general.architecture")?;
+    if arch != "llama" {
+        bail!(
+            "{}: architecture '{arch}' cannot be imported yet (supported: llama)",
+            g.path.display()
+        );
+    }
+    if g.content.tensor_infos.contains_key("rope_freqs.weight") {
+        bail!(
+            "{}: llama3-style rope scaling (rope_freqs) is not supported in GGUF import yet",
+            g.path.display()
+        );
+    }
+    let k = |s: &str| format!("{arch}.{s}");
+    let heads = g.uint(&k("attention.head_count"))?;
+    let hidden = g.uint(&k("embedding_length"))?;
+    let vocab = match g.uint(&k("vocab_size")) {
+        Ok(v) => v,
+        Err(_) => g.strings("tokenizer.ggml.tokens")?.len() as u64,
+    };
+    let mut c = serde_json::json!({
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": g.uint(&k("feed_forward_length"))?,
+        "num_attention_heads": heads,
+        "num_key_value_heads": g.uint(&k("attention.head_count_kv")).unwrap_or(heads),
+        "num_hidden_layers": g.uint(&k("block_count"))?,
+        "vocab_size": vocab,
+        "rms_norm_eps": g.float(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+        "rope_theta": g.float(&k("rope.freq_base")).unwrap_or(10000.0),
+        "tie_word_embeddings": tied,
+    });
+    if let Ok(n) = g.uint(&k("context_length")) {
+        c["max_position_embeddings"] = n.into();
+    }
+    if let Ok(d) = g.uint(&k("attention.key_length")) {
+        c["head_dim"] = d.into();
+    }
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ] {
+        if let Ok(id) = g.uint(key) {
+            c[field] = id.into();
+        }
+    }
+    Ok(c)
+}
+
+/// llama.cpp's converter stores q/k rows of each head as (pairs interleaved) for its
+/// rotary kernel; Hugging Face's rotate-half layout takes the first half, then the second.
+/// Undo `reshape(heads, 2, hd/2, cols).swap(1, 2)`.
+fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let rows = w.len() / cols;
+    let hd = rows / heads;
+    let mut out = vec![0.0; w.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                // GGUF row h·hd + 2i + j holds HF row h·hd + j·hd/2 + i.
+                let src = (h * hd + 2 * i + j) * cols;
+                let dst = (h * hd + j * hd / 2 + i) * cols;
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// The GGUF tensor behind each Hugging Face weight name.
+fn tensor_names(layers: usize, tied: bool) -> Vec<(String, String)> {
+    let mut v = vec![
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+        ),
+        ("output_norm.weight".into(), "model.norm.weight".into()),
+    ];
+    if !tied {
+        v.push(("output.weight".into(), "lm_head.weight".into()));
+    }
+    for l in 0..layers {
+        for (g, hf) in [
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q", "self_attn.q_proj"),
+            ("attn_k", "self_attn.k_proj"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ] {
+            v.push((
+                format!("blk.{l}.{g}.weight"),
+                format!("model.layers.{l}.{hf}.weight"),
+            ));
+        }
+    }
+    v
+}
+
+/// Builds `tokenizer.json` from the GGUF vocabulary (byte-level BPE, `tokenizer.ggml.model =
+/// gpt2`), plus the tokenizer config with the chat template and special tokens.
+fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value)> {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+    let model = g.string("tokenizer.ggml.model")?;
+    if model != "gpt2" {
+        bail!(
+            "{}: tokenizer model '{model}' cannot be imported yet (supported: gpt2 byte-level BPE)",
+            g.path.display()
+        );
+    }
+    let tokens = g.strings("tokenizer.ggml.tokens")?;
+    let merges: Vec<(String, String)> = g
+        .strings("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .with_context(|| format!("merge '{m}' is not two tokens"))
+        })
+        .collect::<Result<_>>()?;
+    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .map_err(|e| anyhow::anyhow!("token_type: {e}"))?
+            .iter()
+            .map(|t| as_u64(t).unwrap_or(1))
+            .collect(),
+        None => vec![1; tokens.len()],
+    };
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| anyhow::anyhow!("building the BPE tokenizer: {e}"))?;
+    let mut tk = tokenizers::Tokenizer::new(bpe);
+    let byte_level = ByteLevel::new(false, true, true);
+    let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
+    let pre: PreTokenizerWrapper = match pre {
+        // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
+        "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+        "gpt2" | "default" => byte_level.into(),
+        other => bail!(
+            "{}: pre-tokenizer '{other}' cannot be imported yet (supported: smollm, gpt2)",
+            g.path.display()
+        ),
+    };
+    tk.with_pre_tokenizer(Some(pre));
+    tk.with_decoder(Some(ByteLevelDecoder::default()));
+    // Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
+    let special: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, &t)| t == 3 || t == 4)
+        .map(|(s, &t)| AddedToken::from(s.clone(), t == 3))
+        .collect();
+    tk.add_special_tokens(&special);
+    let name = |key: &str| -> Option<String> {
+        g.uint(key)
+            .ok()
+            .and_then(|i| tokens.get(i as usize))
+            .cloned()
+    };
+    let mut config = serde_json::json!({});
+    if let Ok(t) = g.string("tokenizer.chat_template") {
+        config["chat_template"] = t.into();
+    }
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token"),
+        ("tokenizer.ggml.eos_token_id", "eos_token"),
+        ("tokenizer.ggml.padding_token_id", "pad_token"),
+    ] {
+        if let Some(t) = name(key) {
+            config[field] = t.into();
+        }
+    }
+    if let Some(Value::Bool(b)) = g.get("tokenizer.ggml.add_bos_token") {
+        config["add_bos_token"] = (*b).into();
+    }
+    Ok((tk, config))
+}
+
+/// Imports `gguf` into `out` (which must not exist; written under a temporary name and
+/// renamed into place). Shows a progress bar when stderr is a terminal.
+pub fn import(gguf: &Path, out: &Path) -> Result<()> {
+    if out.exists() {
+        bail!("{}: already exists; choose a new directory", out.display());
+    }
+    let g = Gguf::open(gguf)?;
+    let tied = !g.content.tensor_infos.contains_key("output.weight");
+    let config = config_json(&g, tied)?;
+    let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
+    let n = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
+    let (layers, heads, kv_heads) = (
+        n("num_hidden_layers"),
+        n("num_attention_heads"),
+        n("num_key_value_heads"),
+    );
+    let names = tensor_names(layers, tied);
+    let bar = indicatif::ProgressBar::new(names.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("importing {bar:30} {pos}/{len} tensors {msg}")
+            .expect("a valid template"),
+    );
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
+    for (src, dst) in &names {
+        bar.set_message(dst.clone());
+        let (dims, mut data) = g.tensor(src)?;
+        let cols = *dims.last().unwrap_or(&1);
+        if src.ends_with("attn_q.weight") {
+            data = unpermute_rows(&data, heads, cols);
+        } else if src.ends_with("attn_k.weight") {
+            data = unpermute_rows(&data, kv_heads, cols);
+        }
+        if let Some(bad) = data.iter().find(|x| !x.is_finite()) {
+            bail!("{}: tensor '{src}' holds {bad}", gguf.display());
+        }
+        let bytes = data
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect();
+        tensors.push((dst.clone(), dims, bytes));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("{}", parent.display()))?;
+    let tmp = parent.join(format!(
+        ".{}.import-{}",
+        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("{}", tmp.display()))?;
+    let write = || -> Result<()> {
+        let views: Vec<(&str, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, b)| Ok((n.as_str(), TensorView::new(Dtype::F16, d.clone(), b)?)))
+            .collect::<Result<_>>()?;
+        let mut meta = HashMap::new();
+        kvplug_core::metadata::write_cache_params(
+            &kvplug_core::ModelCacheParams {
+                n_layers: layers,
+                n_kv_heads: kv_heads,
+                head_dim: config["head_dim"]
+                    .as_u64()
+                    .map_or(n("hidden_size") / heads.max(1), |d| d as usize),
+            },
+            &mut meta,
+        );
+        meta.insert(
+            "kvplug.source".into(),
+            gguf.file_name()
+                .and_then(|s| s.to_str())
+                .unwrap_or("")
+                .into(),
+        );
+        safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
+        std::fs::write(
+            tmp.join("config.json"),
+            serde_json::to_string_pretty(&config)?,
+        )?;
+        let mut gen = serde_json::json!({});
+        for k in ["bos_token_id", "eos_token_id"] {
+            if !config[k].is_null() {
+                gen[k] = config[k].clone();
+            }
+        }
+        std::fs::write(
+            tmp.join("generation_config.json"),
+            serde_json::to_string_pretty(&gen)?,
+        )?;
+        std::fs::write(
+            tmp.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tokenizer_config)?,
+        )?;
+        tokenizer
+            .save(tmp.join("tokenizer.json"), false)
+            .map_err(|e| anyhow::anyhow!("writing tokenizer.json: {e}"))?;
+        File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_dir_all(&tmp);
+    })
+}
+
+/// The directory imports are cached in: `$KVPLUG_CACHE_DIR`, else `$XDG_CACHE_HOME/kvplug`,
+/// else `~/.cache/kvplug`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVPLUG_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("kvplug")
+}
+
+/// A model directory for `path`: `path` itself when it is a directory, else the import of
+/// the GGUF file, made once into [`cache_dir`] under the file's SHA-256.
+pub fn resolve_model(path: &Path) -> Result<PathBuf> {
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    let mut f = open_regular(path)?;
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("{}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+    }
+    let digest: String = hash
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let dir = cache_dir().join("gguf").join(digest);
+    if !dir.join("config.json").exists() {
+        eprintln!("importing {} into {}", path.display(), dir.display());
+        import(path, &dir)?;
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_the_converters_permutation() {
+        // The converter: reshape(heads, 2, hd/2, cols).swap(1, 2).
+        let (heads, hd, cols) = (2, 8, 3);
+        let hf: Vec<f32> = (0..heads * hd * cols).map(|i| i as f32).collect();
+        let mut gguf = vec![0.0; hf.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = (h * hd + j * hd / 2 + i) * cols;
+                    let dst = (h * hd + 2 * i + j) * cols;
+                    gguf[dst..dst + cols].copy_from_slice(&hf[src..src + cols]);
+                }
+            }
+        }
+        assert_ne!(gguf, hf);
+        assert_eq!(unpermute_rows(&gguf, heads, cols), hf);
+    }
+}

@@ -1,0 +1,208 @@
+//! Text in and out of a model directory: the `tokenizers` tokenizer (`tokenizer.json`), the
+//! chat template (`tokenizer_config.json`, rendered with minijinja as Hugging Face does) and
+//! the tokens that end generation.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::gguf::open_regular;
+
+/// Largest `tokenizer.json` / config file read (the real ones are a few MB).
+const MAX_TEXT_FILE: u64 = 64 << 20;
+
+fn read_json(path: &Path) -> Result<Option<Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let f = open_regular(path)?;
+    let len = f.metadata()?.len();
+    if len > MAX_TEXT_FILE {
+        bail!(
+            "{}: {len} bytes is larger than {MAX_TEXT_FILE}",
+            path.display()
+        );
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(f, MAX_TEXT_FILE), &mut text)
+        .with_context(|| format!("{}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: invalid JSON", path.display()))
+        .map(Some)
+}
+
+/// A chat message.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message of `role`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// The tokenizer, chat template and stop tokens of one model directory.
+pub struct Text {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos: Option<String>,
+    eos: Option<String>,
+    stop: BTreeSet<i32>,
+}
+
+/// End-of-turn tokens of common chat templates; any the vocabulary has also stop generation.
+const END_OF_TURN: [&str; 5] = [
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|endoftext|>",
+];
+
+fn ids(v: &Value) -> Vec<i32> {
+    match v {
+        Value::Number(n) => n.as_i64().map(|i| i as i32).into_iter().collect(),
+        Value::Array(a) => a.iter().flat_map(ids).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn token_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+        _ => None,
+    }
+}
+
+impl Text {
+    /// Loads `tokenizer.json` (required), `tokenizer_config.json`, `config.json` and
+    /// `generation_config.json` (optional) from `dir`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            bail!(
+                "{}: no tokenizer.json, so text prompts are not possible (use --prompt-ids)",
+                dir.display()
+            );
+        }
+        open_regular(&path)?;
+        let tokenizer = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let mut stop = BTreeSet::new();
+        for f in ["config.json", "generation_config.json"] {
+            if let Some(v) = read_json(&dir.join(f))? {
+                stop.extend(ids(&v["eos_token_id"]));
+            }
+        }
+        let eos = token_text(&tc["eos_token"]);
+        for t in END_OF_TURN.iter().map(|s| s.to_string()).chain(eos.clone()) {
+            if let Some(id) = tokenizer.token_to_id(&t) {
+                stop.insert(id as i32);
+            }
+        }
+        Ok(Text {
+            tokenizer,
+            template: tc["chat_template"].as_str().map(String::from),
+            bos: token_text(&tc["bos_token"]),
+            eos,
+            stop,
+        })
+    }
+
+    /// Whether the model has a chat template.
+    pub fn has_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokens that end generation.
+    pub fn stop_tokens(&self) -> &BTreeSet<i32> {
+        &self.stop
+    }
+
+    /// The chat template applied to `messages`, with the assistant's turn opened.
+    pub fn render(&self, messages: &[Message]) -> Result<String> {
+        let Some(src) = &self.template else {
+            bail!("this model has no chat template: use --raw");
+        };
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", src)
+            .map_err(|e| anyhow::anyhow!("the chat template does not parse: {e}"))?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => true,
+                    bos_token => self.bos.clone().unwrap_or_default(),
+                    eos_token => self.eos.clone().unwrap_or_default(),
+                })
+            })
+            .map_err(|e| anyhow::anyhow!("rendering the chat template: {e}"))
+    }
+
+    /// Token ids of `text`; special tokens written in the text are recognised (a rendered
+    /// template contains them).
+    pub fn encode(&self, text: &str) -> Result<Vec<i32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        Ok(enc.get_ids().iter().map(|&i| i as i32).collect())
+    }
+
+    /// Text of `ids` (special tokens skipped).
+    pub fn decode(&self, ids: &[i32]) -> Result<String> {
+        let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+        self.tokenizer
+            .decode(&ids, true)
+            .map_err(|e| anyhow::anyhow!("detokenizing: {e}"))
+    }
+}
+
+/// Turns a growing list of ids into text pieces as they become printable: a token that ends
+/// inside a multi-byte character is held back until the character is complete.
+#[derive(Default)]
+pub struct Streamer {
+    ids: Vec<i32>,
+    printed: usize,
+}
+
+impl Streamer {
+    /// Adds `id`; returns the new text that can be printed now.
+    pub fn push(&mut self, text: &Text, id: i32) -> Result<String> {
+        self.ids.push(id);
+        let all = text.decode(&self.ids)?;
+        if all.ends_with('\u{FFFD}')
+            || all.len() < self.printed
+            || !all.is_char_boundary(self.printed)
+        {
+            return Ok(String::new());
+        }
+        let piece = all[self.printed..].to_string();
+        self.printed = all.len();
+        Ok(piece)
+    }
+}

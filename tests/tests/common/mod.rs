@@ -1,0 +1,164 @@
+//! Helpers shared by the model-level tests: the host over this build's plugins, and a plain
+//! f64 reference forward.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use kvplug_backend_kit::model::ModelPackage;
+use kvplug_host::{Host, PluginSearch};
+
+/// Backends under test.
+pub const BACKENDS: [&str; 2] = ["cpu", "wgpu"];
+
+pub fn plugin_dir() -> PathBuf {
+    let dir = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    assert!(
+        dir.join("libkvplug_cpu.so").exists(),
+        "build the workspace first (cargo build --workspace)"
+    );
+    dir
+}
+
+pub fn host() -> Host {
+    let host = Host::load(&PluginSearch::only(&[plugin_dir()], false));
+    for b in BACKENDS {
+        let p = host
+            .plugin(b)
+            .unwrap_or_else(|e| panic!("{e}; skipped: {:?}", host.skipped()));
+        assert!(!p.device.starts_with("unavailable"), "{b}: {}", p.device);
+    }
+    host
+}
+
+/// Plain f64 Llama forward over the whole sequence (causal attention, no cache): logits of
+/// every position.
+pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
+    let pkg = ModelPackage::open(model).unwrap();
+    let c = pkg.config.clone();
+    let (h, hd, hq, hkv, im, v) = (
+        c.hidden_size,
+        c.head_dim(),
+        c.num_attention_heads,
+        c.kv_heads(),
+        c.intermediate_size,
+        c.vocab_size,
+    );
+    let w = |name: &str, shape: &[usize]| -> Vec<f64> {
+        pkg.tensor_f32(name, shape)
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    };
+    let eps = c.rms_norm_eps;
+    let norm = |x: &[f64], g: &[f64]| -> Vec<f64> {
+        let rms = (x.iter().map(|a| a * a).sum::<f64>() / x.len() as f64 + eps).sqrt();
+        x.iter().zip(g).map(|(a, b)| a / rms * b).collect()
+    };
+    let matvec = |m: &[f64], rows: usize, x: &[f64]| -> Vec<f64> {
+        (0..rows)
+            .map(|r| {
+                m[r * x.len()..(r + 1) * x.len()]
+                    .iter()
+                    .zip(x)
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect()
+    };
+    let inv_freq: Vec<f64> = (0..hd / 2)
+        .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
+        .collect();
+    let rope = |x: &mut [f64], pos: usize| {
+        for head in x.chunks_mut(hd) {
+            for i in 0..hd / 2 {
+                let (s, co) = (pos as f64 * inv_freq[i]).sin_cos();
+                let (a, b) = (head[i], head[i + hd / 2]);
+                head[i] = a * co - b * s;
+                head[i + hd / 2] = b * co + a * s;
+            }
+        }
+    };
+    let embed = w("model.embed_tokens.weight", &[v, h]);
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&t| embed[t as usize * h..(t as usize + 1) * h].to_vec())
+        .collect();
+    let n = tokens.len();
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}.");
+        let (wq, wk, wv) = (
+            w(&format!("{p}self_attn.q_proj.weight"), &[hq * hd, h]),
+            w(&format!("{p}self_attn.k_proj.weight"), &[hkv * hd, h]),
+            w(&format!("{p}self_attn.v_proj.weight"), &[hkv * hd, h]),
+        );
+        let wo = w(&format!("{p}self_attn.o_proj.weight"), &[h, hq * hd]);
+        let (ln1, ln2) = (
+            w(&format!("{p}input_layernorm.weight"), &[h]),
+            w(&format!("{p}post_attention_layernorm.weight"), &[h]),
+        );
+        let (wg, wu, wd) = (
+            w(&format!("{p}mlp.gate_proj.weight"), &[im, h]),
+            w(&format!("{p}mlp.up_proj.weight"), &[im, h]),
+            w(&format!("{p}mlp.down_proj.weight"), &[h, im]),
+        );
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (t, x) in xs.iter().enumerate() {
+            let hn = norm(x, &ln1);
+            let (mut q, mut k) = (matvec(&wq, hq * hd, &hn), matvec(&wk, hkv * hd, &hn));
+            rope(&mut q, t);
+            rope(&mut k, t);
+            qs.push(q);
+            ks.push(k);
+            vs.push(matvec(&wv, hkv * hd, &hn));
+        }
+        for t in 0..n {
+            let mut att = vec![0.0; hq * hd];
+            for head in 0..hq {
+                let kh = head / (hq / hkv);
+                let q = &qs[t][head * hd..(head + 1) * hd];
+                let scores: Vec<f64> = (0..=t)
+                    .map(|j| {
+                        q.iter()
+                            .zip(&ks[j][kh * hd..(kh + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (j, ej) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        att[head * hd + d] += ej / z * vs[j][kh * hd + d];
+                    }
+                }
+            }
+            let o = matvec(&wo, h, &att);
+            xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let hn = norm(&xs[t], &ln2);
+            let (g, u) = (matvec(&wg, im, &hn), matvec(&wu, im, &hn));
+            let m: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = matvec(&wd, h, &m);
+            xs[t].iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+    }
+    let fnorm = w("model.norm.weight", &[h]);
+    let head = w("lm_head.weight", &[v, h]);
+    xs.iter()
+        .map(|x| matvec(&head, v, &norm(x, &fnorm)))
+        .collect()
+}
