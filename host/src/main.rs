@@ -11,8 +11,7 @@ use kvplug_core::{CacheKind, KvDtype};
 use kvplug_host::conform::{run_matrix, ConformOptions, REQUIRE_BACKENDS_ENV};
 use kvplug_host::model::{synth, PRESETS};
 use kvplug_host::run::{
-    run_agents, run_decode, run_decode_streaming, run_speculative, Draft, RunReport, RunSpec,
-    Sampler,
+    run_agents, run_decode_streaming, run_fork, run_speculative, Draft, RunReport, RunSpec, Sampler,
 };
 use kvplug_host::text::{Message, Streamer, Text};
 use kvplug_host::{Host, PluginSearch};
@@ -49,14 +48,14 @@ enum Command {
     /// The main job: decode (f16 and q8 KV), agent fork and speculative decoding of a model
     /// on one backend, as a table.
     Demo {
-        /// Model directory.
+        /// Model: a directory with a tokenizer, or a GGUF file.
         #[arg(long)]
         model: PathBuf,
         /// Backend id.
         #[arg(long, default_value = "cpu")]
         backend: String,
-        /// Tokens to generate per run.
-        #[arg(long, default_value_t = 32)]
+        /// Most tokens to generate per answer.
+        #[arg(long, default_value_t = 48)]
         max_new: usize,
     },
     /// Run the cross-backend conformance matrix against the f64 oracle.
@@ -445,84 +444,122 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The main job on a real model: a chat answer streamed as text; agents continuing that
+/// conversation with different user turns (shared trunk, one forward per step); speculative
+/// decoding of the same answer, identical to greedy.
 fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> Result<ExitCode> {
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
-    let vocab = cfg["vocab_size"]
-        .as_i64()
-        .context("config.json has no vocab_size")? as i32;
-    let prompt: Vec<i32> = (0..16).map(|i| (i * 7919 + 13) % vocab).collect();
-    let spec = |kv: KvDtype| RunSpec {
+    let model = kvplug_host::gguf::resolve_model(model)?;
+    let text = Text::load(&model)?;
+    let question = Message::new("user", "What is the capital of France?");
+    let spec = |prompt: Vec<i32>| RunSpec {
         backend: backend.to_string(),
-        model: model.to_path_buf(),
-        prompt: prompt.clone(),
+        model: model.clone(),
+        prompt,
         max_new,
-        kv_dtype: kv,
-        capacity: 1024,
-        stop: Default::default(),
+        kv_dtype: KvDtype::F16,
+        capacity: 2048,
+        stop: text.stop_tokens().clone(),
     };
-    let params = kvplug_host::model::cache_params(model)?;
-    let q8 = KvDtype::Q8 {
-        group: params.head_dim.min(64),
-    };
-    let draft_layers = (params.n_layers / 4).max(1);
-    let greedy = || Sampler::new(0.0, 1.0, 0);
-    let runs: Vec<(String, RunReport)> = vec![
-        (
-            "decode, f16 KV".into(),
-            run_decode(host, &spec(KvDtype::F16), &mut greedy())?,
-        ),
-        (
-            format!("decode, {q8} KV"),
-            run_decode(host, &spec(q8), &mut greedy())?,
-        ),
-        (
-            "agents x4, f16 KV".into(),
-            run_agents(host, &spec(KvDtype::F16), 4, &greedy())?,
-        ),
-        (
-            format!("speculative, {draft_layers}-layer draft"),
-            run_speculative(
-                host,
-                &spec(KvDtype::F16),
-                &Draft::Layers(draft_layers),
-                4,
-                2,
-            )?,
-        ),
+    println!("== chat ({backend}, {})", model.display());
+    println!("user: {}", question.content);
+    print!("assistant: ");
+    let chat = spec(text.encode(&text.render(std::slice::from_ref(&question))?)?);
+    let mut streamer = Streamer::default();
+    let answer = run_decode_streaming(host, &chat, &mut Sampler::new(0.0, 1.0, 0), &mut |id| {
+        print!("{}", streamer.push(&text, id)?);
+        std::io::stdout().flush()?;
+        Ok(())
+    })?;
+    println!();
+    let reply = text.decode(&answer.ids)?;
+
+    let turns = [
+        "And of Germany?",
+        "And of Italy?",
+        "Which river flows through it?",
+        "Name one famous landmark there.",
     ];
-    println!(
-        "{max_new} tokens per run from a {}-token prompt on '{backend}' ({})",
-        prompt.len(),
-        model.display()
-    );
-    println!(
-        "{:<32} {:>14} {:>13} {:>11} {:>13} {:>12}",
-        "run", "prefill tok/s", "decode tok/s", "acceptance", "tok/target fw", "cache bytes"
-    );
-    for (name, r) in &runs {
-        let opt = |v: Option<f64>, pct: bool| {
-            v.map_or("-".to_string(), |x| {
-                if pct {
-                    format!("{:.0}%", x * 100.0)
-                } else {
-                    format!("{x:.2}")
-                }
-            })
-        };
-        println!(
-            "{name:<32} {:>14.1} {:>13.1} {:>11} {:>13} {:>12}",
-            r.prefill_tok_s,
-            r.decode_tok_s,
-            opt(r.acceptance, true),
-            opt(r.tokens_per_target_forward, false),
-            r.cache.allocated_bytes
-        );
+    let history = [question.clone(), Message::new("assistant", reply.trim())];
+    let trunk_text = text.render_with(&history, false)?;
+    let mut suffixes = Vec::new();
+    for turn in turns {
+        let mut conv = history.to_vec();
+        conv.push(Message::new("user", turn));
+        let full = text.render(&conv)?;
+        let suffix = full
+            .strip_prefix(&trunk_text)
+            .context("the chat template does not extend a conversation by appending")?;
+        suffixes.push(text.encode(suffix)?);
     }
-    let same = runs[0].1.ids == runs[3].1.ids;
+    let fork = run_fork(host, &spec(text.encode(&trunk_text)?), &suffixes)?;
     println!(
-        "speculative output {} greedy decoding",
+        "\n== agents: {} branches share the {}-token conversation (prefilled once), then decode together",
+        turns.len(),
+        fork.trunk_tokens
+    );
+    for (turn, ids) in turns.iter().zip(&fork.branches) {
+        println!("user: {turn}\nassistant: {}", text.decode(ids)?.trim());
+    }
+
+    let draft_layers = (kvplug_host::model::cache_params(&model)?.n_layers / 4).max(1);
+    let spec_run = run_speculative(host, &chat, &Draft::Layers(draft_layers), 4, 2)?;
+    let same = spec_run.ids == answer.ids;
+    println!(
+        "\n== speculative ({draft_layers}-layer draft of the same weights): output {} greedy decoding",
         if same { "equals" } else { "DIFFERS FROM" }
+    );
+
+    println!(
+        "\n{:<34} {:>8} {:>13} {:>13} {:>11} {:>13} {:>12}",
+        "run",
+        "tokens",
+        "prefill tok/s",
+        "decode tok/s",
+        "acceptance",
+        "tok/target fw",
+        "cache bytes"
+    );
+    let row = |name: &str,
+               n: usize,
+               pre: Option<f64>,
+               dec: f64,
+               acc: Option<f64>,
+               tpf: Option<f64>,
+               bytes: u64| {
+        let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("-".to_string(), f);
+        println!(
+            "{name:<34} {n:>8} {:>13} {dec:>13.1} {:>11} {:>13} {bytes:>12}",
+            opt(pre, &|x| format!("{x:.1}")),
+            opt(acc, &|x| format!("{:.0}%", x * 100.0)),
+            opt(tpf, &|x| format!("{x:.2}")),
+        );
+    };
+    row(
+        "chat (greedy)",
+        answer.ids.len(),
+        Some(answer.prefill_tok_s),
+        answer.decode_tok_s,
+        None,
+        None,
+        answer.cache.allocated_bytes,
+    );
+    row(
+        &format!("agents x{} (one forward per step)", turns.len()),
+        fork.branches.iter().map(Vec::len).sum(),
+        None,
+        fork.decode_tok_s,
+        None,
+        None,
+        fork.cache.allocated_bytes,
+    );
+    row(
+        "speculative (layer-view draft)",
+        spec_run.ids.len(),
+        Some(spec_run.prefill_tok_s),
+        spec_run.decode_tok_s,
+        spec_run.acceptance,
+        spec_run.tokens_per_target_forward,
+        spec_run.cache.allocated_bytes,
     );
     Ok(if same {
         ExitCode::SUCCESS

@@ -326,6 +326,108 @@ pub fn run_decode_streaming(
     })
 }
 
+/// What [`run_fork`] produced.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ForkReport {
+    /// Each branch's generated ids (ending at a stop token or at `max_new`).
+    pub branches: Vec<Vec<i32>>,
+    /// Trunk tokens prefilled once and shared by every branch.
+    pub trunk_tokens: usize,
+    /// Branch suffix tokens, prefilled together in one forward.
+    pub suffix_tokens: usize,
+    /// Forwards of the decode phase (one per step for all live branches).
+    pub decode_forwards: usize,
+    /// Generated tokens per second over all branches.
+    pub decode_tok_s: f64,
+    /// Cache statistics at the end.
+    pub cache: CacheReport,
+}
+
+/// Agents continuing one conversation: `spec.prompt` is the shared trunk (sequence 0,
+/// prefilled once); branch `b` (sequence `b + 1`) shares it zero-copy (`seq_cp`) and adds
+/// its own `suffixes[b]` (e.g. a different user turn). All suffixes are prefilled in one
+/// forward, then every live branch decodes in one forward per step until it reaches a stop
+/// token or `spec.max_new`.
+pub fn run_fork(host: &Host, spec: &RunSpec, suffixes: &[Vec<i32>]) -> Result<ForkReport> {
+    check_prompt(spec)?;
+    let k = suffixes.len();
+    if !(1..=63).contains(&k) || suffixes.iter().any(Vec::is_empty) {
+        bail!("a fork takes 1..=63 non-empty branch suffixes (sequence 0 is the trunk)");
+    }
+    let p = spec.prompt.len();
+    let suffix_tokens: usize = suffixes.iter().map(Vec::len).sum();
+    let longest = suffixes.iter().map(Vec::len).max().unwrap_or(0);
+    let cells = p + suffix_tokens + k * spec.max_new;
+    if cells > spec.capacity || p + longest + spec.max_new > spec.capacity {
+        bail!(
+            "the trunk ({p}), the suffixes ({suffix_tokens}) and {k} × max_new ({}) need {cells} cells; the capacity is {}",
+            spec.max_new,
+            spec.capacity
+        );
+    }
+    let (session, options) =
+        host.make_seq_session(&spec.backend, &config(spec, None, &spec.model)?)?;
+    let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
+    session.begin_step(&vec![0; p])?;
+    let positions: Vec<i32> = (0..p as i32).collect();
+    fwd.call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?;
+    for b in 1..=k as i32 {
+        session.seq_cp(0, b, None, None)?;
+    }
+    // All suffixes in one forward; logits at each branch's last token.
+    let (mut tokens, mut seqs, mut pos, mut rows) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (b, suffix) in suffixes.iter().enumerate() {
+        for (i, &t) in suffix.iter().enumerate() {
+            tokens.push(t);
+            seqs.push(b as i32 + 1);
+            pos.push((p + i) as i32);
+        }
+        rows.push(tokens.len() as i32 - 1);
+    }
+    session.begin_step(&seqs)?;
+    let mut samplers: Vec<Sampler> = Vec::new();
+    let mut branches: Vec<Vec<i32>> = Vec::new();
+    for (b, l) in fwd.call(&tokens, &pos, Some(&rows))?.iter().enumerate() {
+        let mut s = Sampler::new(0.0, 1.0, b as u64);
+        branches.push(vec![s.sample(l)]);
+        samplers.push(s);
+    }
+    let live = |br: &[i32]| br.len() < spec.max_new && !spec.stop.contains(&br[br.len() - 1]);
+    let (t1, mut forwards) = (Instant::now(), 0);
+    loop {
+        let active: Vec<usize> = (0..k).filter(|&b| live(&branches[b])).collect();
+        if active.is_empty() {
+            break;
+        }
+        let tokens: Vec<i32> = active
+            .iter()
+            .map(|&b| *branches[b].last().unwrap())
+            .collect();
+        let pos: Vec<i32> = active
+            .iter()
+            .map(|&b| (p + suffixes[b].len() + branches[b].len() - 1) as i32)
+            .collect();
+        let seqs: Vec<i32> = active.iter().map(|&b| b as i32 + 1).collect();
+        session.begin_step(&seqs)?;
+        let logits = fwd.call(&tokens, &pos, None)?;
+        forwards += 1;
+        for (&b, l) in active.iter().zip(&logits) {
+            let next = samplers[b].sample(l);
+            branches[b].push(next);
+        }
+    }
+    let generated: usize = branches.iter().map(Vec::len).sum();
+    Ok(ForkReport {
+        decode_tok_s: rate(generated.saturating_sub(k), t1),
+        branches,
+        trunk_tokens: p,
+        suffix_tokens,
+        decode_forwards: forwards,
+        cache: session.stats()?.into(),
+    })
+}
+
 /// Agent fork on a seq cache: the prompt as a shared trunk (sequence 0), `k` branches forked
 /// with `seq_cp` and decoded together, one forward per step; the branch with the highest
 /// log-probability is kept with `seq_keep`. Branch `b` starts from the trunk's `b`-th most

@@ -134,6 +134,12 @@ impl Text {
 
     /// The chat template applied to `messages`, with the assistant's turn opened.
     pub fn render(&self, messages: &[Message]) -> Result<String> {
+        self.render_with(messages, true)
+    }
+
+    /// The chat template applied to `messages`; `open_turn` opens the assistant's turn
+    /// (Hugging Face's `add_generation_prompt`).
+    pub fn render_with(&self, messages: &[Message], open_turn: bool) -> Result<String> {
         let Some(src) = &self.template else {
             bail!("this model has no chat template: use --raw");
         };
@@ -155,7 +161,7 @@ impl Text {
             .and_then(|t| {
                 t.render(minijinja::context! {
                     messages => messages,
-                    add_generation_prompt => true,
+                    add_generation_prompt => open_turn,
                     bos_token => self.bos.clone().unwrap_or_default(),
                     eos_token => self.eos.clone().unwrap_or_default(),
                 })

