@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use kvplug_conformance::{builtin_scenarios, load_dir};
 use kvplug_core::{CacheKind, KvDtype};
+use kvplug_host::chat::Chat;
 use kvplug_host::conform::{run_matrix, ConformOptions, REQUIRE_BACKENDS_ENV};
 use kvplug_host::model::{synth, PRESETS};
 use kvplug_host::run::{
@@ -45,6 +46,43 @@ enum Command {
     },
     /// Generate with a model on a backend: decode, agent fork or speculative decoding.
     Run(RunArgs),
+    /// Chat: one user turn per line of stdin (a terminal or a pipe); one cache carries the
+    /// conversation, so each turn prefills only its new tokens.
+    Chat {
+        /// Model: a directory with a tokenizer and chat template, or a GGUF file.
+        #[arg(long)]
+        model: PathBuf,
+        /// Backend id.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// A system message opening the conversation.
+        #[arg(long)]
+        system: Option<String>,
+        /// Most tokens per answer.
+        #[arg(long, default_value_t = 256)]
+        max_new: usize,
+        /// Cache capacity in cells (the whole conversation).
+        #[arg(long, default_value_t = 4096)]
+        capacity: usize,
+        /// KV storage dtype.
+        #[arg(long, default_value = "f16")]
+        kv_dtype: String,
+        /// Sampling temperature (0 = greedy).
+        #[arg(long, alias = "temp", default_value_t = 0.0)]
+        temperature: f32,
+        /// Nucleus mass.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Keep only the K most likely tokens (0 = all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Sampling seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// One JSON object per turn instead of streamed text.
+        #[arg(long)]
+        json: bool,
+    },
     /// The main job: decode (f16 and q8 KV), agent fork and speculative decoding of a model
     /// on one backend, as a table.
     Demo {
@@ -142,12 +180,15 @@ struct RunArgs {
     /// Cache capacity in cells.
     #[arg(long, default_value_t = 4096)]
     capacity: usize,
-    /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature (0 = greedy, the default).
+    #[arg(long, alias = "temp", default_value_t = 0.0)]
     temperature: f32,
     /// Nucleus mass.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Keep only the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -248,6 +289,32 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Run(args) => run_model(&host, args),
+        Command::Chat {
+            model,
+            backend,
+            system,
+            max_new,
+            capacity,
+            kv_dtype,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            json,
+        } => {
+            let model = kvplug_host::gguf::resolve_model(&model)?;
+            let mut chat = Chat::new(
+                &host,
+                &backend,
+                &model,
+                system.as_deref(),
+                capacity,
+                kv_dtype.parse()?,
+                max_new,
+                Sampler::new(temperature, top_p, seed).with_top_k(top_k),
+            )?;
+            chat_loop(&mut chat, json)
+        }
         Command::Demo {
             model,
             backend,
@@ -367,7 +434,7 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
                 .unwrap_or_default()
         },
     };
-    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed);
+    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed).with_top_k(a.top_k);
     let report: RunReport = if let Some(k) = a.agents {
         run_agents(host, &spec, k, &sampler)?
     } else if a.speculative {
@@ -440,6 +507,46 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
             acc * 100.0,
             tpf
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn chat_loop(chat: &mut Chat, json: bool) -> Result<ExitCode> {
+    use std::io::{BufRead, IsTerminal};
+    let tty = std::io::stdin().is_terminal();
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        if tty {
+            eprint!("> ");
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.context("reading stdin")?;
+        let user = line.trim();
+        if user.is_empty() {
+            continue;
+        }
+        if user == "/exit" {
+            break;
+        }
+        let report = chat.turn(user, &mut |piece| {
+            if !json {
+                print!("{piece}");
+                std::io::stdout().flush()?;
+            }
+            Ok(())
+        })?;
+        if json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!();
+            eprintln!(
+                "[prefilled {} tokens, reused {} from the cache; {} generated at {:.1} tok/s]",
+                report.prefilled_tokens,
+                report.reused_tokens,
+                report.ids.len(),
+                report.decode_tok_s
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

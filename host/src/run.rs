@@ -26,6 +26,8 @@ pub struct Sampler {
     pub temperature: f32,
     /// Nucleus mass.
     pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
     state: u64,
 }
 
@@ -35,8 +37,16 @@ impl Sampler {
         Sampler {
             temperature,
             top_p,
+            top_k: 0,
             state: seed ^ 0x2545_F491_4F6C_DD1D,
         }
+    }
+
+    /// The same sampler restricted to the `k` most likely tokens (0 = no limit), applied
+    /// before `top_p` as Hugging Face and llama.cpp do.
+    pub fn with_top_k(mut self, k: usize) -> Self {
+        self.top_k = k;
+        self
     }
 
     fn uniform(&mut self) -> f32 {
@@ -59,9 +69,14 @@ impl Sampler {
             .iter()
             .map(|&i| ((logits[i] - max) / self.temperature).exp())
             .collect();
-        let total: f32 = w.iter().sum();
+        let candidates = if self.top_k == 0 {
+            w.len()
+        } else {
+            self.top_k.min(w.len())
+        };
+        let total: f32 = w[..candidates].iter().sum();
         let (mut mass, mut keep) = (0.0, 0);
-        while keep < w.len() && (keep == 0 || mass < self.top_p * total) {
+        while keep < candidates && (keep == 0 || mass < self.top_p * total) {
             mass += w[keep];
             keep += 1;
         }
@@ -452,7 +467,10 @@ pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> R
     let mut order: Vec<usize> = (0..trunk.len()).collect();
     order.sort_by(|&a, &b| trunk[b].total_cmp(&trunk[a]));
     let mut samplers: Vec<Sampler> = (0..k)
-        .map(|b| Sampler::new(sampler.temperature, sampler.top_p, sampler.state ^ b as u64))
+        .map(|b| {
+            Sampler::new(sampler.temperature, sampler.top_p, sampler.state ^ b as u64)
+                .with_top_k(sampler.top_k)
+        })
         .collect();
     let mut branches: Vec<Vec<i32>> = (0..k)
         .map(|b| {
@@ -627,4 +645,35 @@ pub fn run_speculative(
         winner: None,
         acceptance: Some(accepted_total as f64 / drafted_total.max(1) as f64),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_and_top_p_limit_the_candidates() {
+        let logits = [0.0, 3.0, 2.9, 2.8, -1.0];
+        let mut seen = BTreeSet::new();
+        let mut s = Sampler::new(1.0, 1.0, 1).with_top_k(2);
+        for _ in 0..500 {
+            seen.insert(s.sample(&logits));
+        }
+        assert_eq!(seen, BTreeSet::from([1, 2]), "top-k 2 keeps the two best");
+        let mut s = Sampler::new(1.0, 0.01, 1);
+        assert!(
+            (0..100).all(|_| s.sample(&logits) == 1),
+            "a tiny top-p is greedy"
+        );
+        let mut all = BTreeSet::new();
+        let mut s = Sampler::new(5.0, 1.0, 7);
+        for _ in 0..2000 {
+            all.insert(s.sample(&logits));
+        }
+        assert_eq!(
+            all.len(),
+            logits.len(),
+            "no limit: every token can come out"
+        );
+    }
 }

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use kvplug_core::KvDtype;
+use kvplug_host::chat::Chat;
 use kvplug_host::run::{run_decode, RunSpec, Sampler};
 use kvplug_host::text::{Message, Text};
 
@@ -59,4 +60,34 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
         answers.push(report.ids);
     }
     assert_eq!(answers[0], answers[1], "cpu and wgpu disagree");
+
+    // A chat: the second turn reuses the whole first exchange from the cache and prefills
+    // only its own tokens.
+    let mut chat = Chat::new(
+        &host,
+        "cpu",
+        &model,
+        None,
+        512,
+        KvDtype::F16,
+        32,
+        Sampler::new(0.0, 1.0, 0),
+    )
+    .unwrap();
+    let first = chat
+        .turn("What is the capital of France?", &mut |_| Ok(()))
+        .unwrap();
+    assert!(first.text.contains("Paris"), "{:?}", first.text);
+    assert_eq!(first.reused_tokens, 0);
+    let second = chat.turn("And of Germany?", &mut |_| Ok(())).unwrap();
+    assert!(second.text.contains("Berlin"), "{:?}", second.text);
+    assert_eq!(
+        second.reused_tokens,
+        first.prefilled_tokens + first.ids.len() - 1
+    );
+    assert!(
+        second.prefilled_tokens < 20,
+        "{} prefilled",
+        second.prefilled_tokens
+    );
 }
