@@ -54,7 +54,12 @@ pub const PRESETS: [Preset; 2] = [
 /// The cache shape `dir`'s model needs.
 pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
     let first = first_shard(dir)?;
-    let bytes = std::fs::read(&first).with_context(|| format!("reading {}", first.display()))?;
+    let file = crate::gguf::open_regular(&first)?;
+    // Mapped, not read: parsing the header touches only its pages, not the weights.
+    // SAFETY: read-only, dropped before returning; like the kit's weight maps it assumes
+    // nobody rewrites the model file while kvplug runs.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }
+        .with_context(|| format!("mapping {}", first.display()))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| anyhow::anyhow!("{}: not a safetensors file: {e}", first.display()))?;
     if let Some(m) = meta.metadata() {
