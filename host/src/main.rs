@@ -67,18 +67,8 @@ enum Command {
         /// KV storage dtype.
         #[arg(long, default_value = "f16")]
         kv_dtype: String,
-        /// Sampling temperature (0 = greedy).
-        #[arg(long, alias = "temp", default_value_t = 0.0)]
-        temperature: f32,
-        /// Nucleus mass.
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f32,
-        /// Keep only the K most likely tokens (0 = all).
-        #[arg(long, default_value_t = 0)]
-        top_k: usize,
-        /// Sampling seed.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         /// One JSON object per turn instead of streamed text.
         #[arg(long)]
         json: bool,
@@ -147,6 +137,29 @@ enum ModelCommand {
     },
 }
 
+/// How tokens are picked: greedy unless a temperature is given.
+#[derive(clap::Args)]
+struct SamplingArgs {
+    /// Sampling temperature (0 = greedy, the default).
+    #[arg(long, alias = "temp", default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    fn sampler(&self) -> Sampler {
+        Sampler::new(self.temperature, self.top_p, self.seed).with_top_k(self.top_k)
+    }
+}
+
 #[derive(clap::Args)]
 struct RunArgs {
     /// Backend id.
@@ -180,18 +193,8 @@ struct RunArgs {
     /// Cache capacity in cells.
     #[arg(long, default_value_t = 4096)]
     capacity: usize,
-    /// Sampling temperature (0 = greedy, the default).
-    #[arg(long, alias = "temp", default_value_t = 0.0)]
-    temperature: f32,
-    /// Nucleus mass.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Keep only the K most likely tokens (0 = all).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Sampling seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Agent fork: K branches from the prompt, decoded together, best kept.
     #[arg(long, conflicts_with = "speculative")]
     agents: Option<usize>,
@@ -296,10 +299,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             max_new,
             capacity,
             kv_dtype,
-            temperature,
-            top_p,
-            top_k,
-            seed,
+            sampling,
             json,
         } => {
             let model = kvplug_host::gguf::resolve_model(&model)?;
@@ -311,7 +311,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 capacity,
                 kv_dtype.parse()?,
                 max_new,
-                Sampler::new(temperature, top_p, seed).with_top_k(top_k),
+                sampling.sampler(),
             )?;
             chat_loop(&mut chat, json)
         }
@@ -434,11 +434,11 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
                 .unwrap_or_default()
         },
     };
-    let mut sampler = Sampler::new(a.temperature, a.top_p, a.seed).with_top_k(a.top_k);
+    let mut sampler = a.sampling.sampler();
     let report: RunReport = if let Some(k) = a.agents {
         run_agents(host, &spec, k, &sampler)?
     } else if a.speculative {
-        if a.temperature > 0.0 {
+        if a.sampling.temperature > 0.0 {
             bail!("--speculative decodes greedily; drop --temperature");
         }
         let draft = match (&a.draft, a.draft_layers) {
