@@ -203,9 +203,9 @@ type Script = (
 
 /// The rollback check of the architecture's step contract, on `device`: for every kind and
 /// a float and a quantized dtype, a device error at layer `k` of 3 leaves `seq_len`,
-/// `can_extend`, high-water mark, live cells and every later output identical to a cache
-/// that never saw the step; retrying the step then matches the oracle (within its bound) and
-/// the never-failed twin (bit for bit).
+/// `can_extend`, high-water mark, live cells, later plans (path and read window) and every
+/// later output identical to a cache that never saw the step; retrying the step then matches
+/// the oracle (within its bound) and the never-failed twin (bit for bit).
 pub fn check_step_rollback<D2: Device>(device: D2) {
     let dev = Arc::new(Faulty::new(device));
     let scripts: [Script; 3] = [
@@ -287,6 +287,15 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
                     assert_eq!(
                         got, want,
                         "{kind} {dtype} fault at layer {k}: step {i} after"
+                    );
+                    let plan = |c: &KitCache<Faulty<D2>>| {
+                        let s = c.stats();
+                        (s.last_plan, s.last_read_len)
+                    };
+                    assert_eq!(
+                        plan(&failed),
+                        plan(&twin),
+                        "{kind} {dtype}: plan of step {i}"
                     );
                     for (g, w) in got.iter().zip(oracle_step(&mut oracle, pos, *seqs, 2 + i)) {
                         for (e, (&x, (&o, &b))) in
