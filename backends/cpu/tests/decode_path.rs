@@ -75,6 +75,30 @@ fn decode_steps_allocate_nothing_once_warm() {
     }
     single_sequence_always_takes_the_fast_path();
     short_sessions_stay_small_and_quantized_pools_are_smaller();
+    a_model_is_loaded_once_and_drafts_are_views();
+}
+
+/// Binding the same model again shares its weights, a draft is a view of the first layers,
+/// and the weights go when the last holder does.
+fn a_model_is_loaded_once_and_drafts_are_views() {
+    use kvplug_backend_kit::model::LlamaModel;
+    let dir = tiny_model();
+    let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
+    let a = LlamaModel::load_shared(dev.clone(), &dir).unwrap();
+    let before = ALLOCS.load(Ordering::SeqCst);
+    let b = LlamaModel::load_shared(dev.clone(), &dir).unwrap();
+    let draft = b.view(1).unwrap();
+    assert!(
+        ALLOCS.load(Ordering::SeqCst) - before < 16,
+        "sharing loads nothing"
+    );
+    assert!(a.shares_weights_with(&b) && a.shares_weights_with(&draft));
+    assert_eq!((b.n_layers(), draft.n_layers()), (2, 1));
+    assert!(b.view(3).is_err() && b.view(0).is_err());
+    drop((a, b, draft));
+    let c = LlamaModel::load_shared(dev.clone(), &dir).unwrap();
+    let d = LlamaModel::load_shared(dev, &dir).unwrap();
+    assert!(c.shares_weights_with(&d));
 }
 
 /// A tiny Llama package (2 layers, hidden 64, 4 query / 2 KV heads, vocab 40), random f32
@@ -140,7 +164,7 @@ fn allocations_per_model_decode(kind: CacheKind) -> usize {
     let dir = tiny_model();
     let pkg = ModelPackage::open(&dir).unwrap();
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
-    let model = LlamaModel::load(dev.clone(), &pkg, None).unwrap();
+    let model = LlamaModel::load(dev.clone(), &pkg).unwrap();
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
     let mut c = kvplug_backend_kit::KitCache::new(dev, kind, cfg).unwrap();
     let mut acts = None;

@@ -1,6 +1,8 @@
 //! [`LlamaModel`]: weights on the device and the forward pass, written once.
 
-use std::sync::Arc;
+use std::any::{Any, TypeId};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
 
 use kvplug_core::CacheError;
 
@@ -24,8 +26,8 @@ struct Layer<D: ModelDevice> {
     down: D::Weight,
 }
 
-/// A Llama-family model on device `D`.
-pub struct LlamaModel<D: ModelDevice> {
+/// The weights of a Llama-family model on device `D`, loaded once.
+struct Weights<D: ModelDevice> {
     device: Arc<D>,
     config: LlamaConfig,
     embed: D::Tensor,
@@ -33,6 +35,23 @@ pub struct LlamaModel<D: ModelDevice> {
     norm: D::Tensor,
     lm_head: D::Weight,
     inv_freq: Vec<f32>,
+}
+
+/// A Llama-family model on device `D`: shared weights and how many of its layers run.
+/// Cloning or taking a [`LlamaModel::view`] shares the weights (no copy, no I/O); a view of
+/// the first N layers is a cheap draft model.
+pub struct LlamaModel<D: ModelDevice> {
+    weights: Arc<Weights<D>>,
+    layers: usize,
+}
+
+impl<D: ModelDevice> Clone for LlamaModel<D> {
+    fn clone(&self) -> Self {
+        LlamaModel {
+            weights: self.weights.clone(),
+            layers: self.layers,
+        }
+    }
 }
 
 /// What a forward pass returns.
@@ -48,20 +67,10 @@ fn weights_err(e: KitError) -> ModelError {
 }
 
 impl<D: ModelDevice> LlamaModel<D> {
-    /// Loads the first `layers` layers (all when `None`) of `pkg` onto `device`.
-    pub fn load(
-        device: Arc<D>,
-        pkg: &ModelPackage,
-        layers: Option<usize>,
-    ) -> Result<Self, ModelError> {
+    /// Loads every layer of `pkg` onto `device`.
+    pub fn load(device: Arc<D>, pkg: &ModelPackage) -> Result<Self, ModelError> {
         let c = pkg.config.clone();
-        let n_layers = layers.unwrap_or(c.num_hidden_layers);
-        if n_layers == 0 || n_layers > c.num_hidden_layers {
-            return Err(ModelError::Malformed(format!(
-                "cannot use {n_layers} layers of a {}-layer model",
-                c.num_hidden_layers
-            )));
-        }
+        let n_layers = c.num_hidden_layers;
         let (h, hd, hq, hkv, im) = (
             c.hidden_size,
             c.head_dim(),
@@ -112,7 +121,7 @@ impl<D: ModelDevice> LlamaModel<D> {
                 down: mat(&format!("{p}mlp.down_proj.weight"), h, im)?,
             });
         }
-        Ok(LlamaModel {
+        let weights = Weights {
             embed: device
                 .tensor(&embed_data, &[c.vocab_size, h])
                 .map_err(weights_err)?,
@@ -122,21 +131,70 @@ impl<D: ModelDevice> LlamaModel<D> {
             layers: ls,
             config: c,
             device,
+        };
+        Ok(LlamaModel {
+            weights: Arc::new(weights),
+            layers: n_layers,
         })
     }
 
-    pub(crate) fn device_arc(&self) -> Arc<D> {
-        self.device.clone()
+    /// The model in `dir`, loaded once per process and device type: while any model from
+    /// an earlier call is alive, its weights are shared (no I/O, no copy); the registry holds
+    /// them only weakly, so they go when the last binding does.
+    pub fn load_shared(device: Arc<D>, dir: &Path) -> Result<Self, ModelError> {
+        type Loaded = Vec<(PathBuf, TypeId, Weak<dyn Any + Send + Sync>)>;
+        static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
+        let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        let ty = TypeId::of::<D>();
+        let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        loaded.retain(|(_, _, w)| w.strong_count() > 0);
+        let found = loaded
+            .iter()
+            .filter(|(k, t, _)| *k == key && *t == ty)
+            .find_map(|(_, _, w)| w.upgrade()?.downcast::<Weights<D>>().ok());
+        if let Some(weights) = found {
+            tracing::debug!(dir = %key.display(), "model already loaded: sharing its weights");
+            let layers = weights.layers.len();
+            return Ok(LlamaModel { weights, layers });
+        }
+        let model = LlamaModel::load(device, &ModelPackage::open(dir)?)?;
+        let erased: Arc<dyn Any + Send + Sync> = model.weights.clone();
+        loaded.push((key, ty, Arc::downgrade(&erased)));
+        Ok(model)
+    }
+
+    /// The same weights running only their first `layers` layers (a draft model).
+    pub fn view(&self, layers: usize) -> Result<Self, ModelError> {
+        let total = self.weights.layers.len();
+        if layers == 0 || layers > total {
+            return Err(ModelError::Malformed(format!(
+                "cannot use {layers} layers of a {total}-layer model"
+            )));
+        }
+        Ok(LlamaModel {
+            weights: self.weights.clone(),
+            layers,
+        })
+    }
+
+    /// Whether `self` and `other` share their weights.
+    pub fn shares_weights_with(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.weights, &other.weights)
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Arc<D> {
+        self.weights.device.clone()
     }
 
     /// The configuration.
     pub fn config(&self) -> &LlamaConfig {
-        &self.config
+        &self.weights.config
     }
 
     /// Layers in use.
     pub fn n_layers(&self) -> usize {
-        self.layers.len()
+        self.layers
     }
 
     /// Runs `tokens` at `positions` through the model as one cache step (committed only
@@ -153,7 +211,8 @@ impl<D: ModelDevice> LlamaModel<D> {
         want_hidden: bool,
         acts: &'a mut Option<Activations<D>>,
     ) -> Result<ForwardOutput<&'a D::Tensor>, KitError> {
-        let c = &self.config;
+        let w = &*self.weights;
+        let c = &w.config;
         let (t, hq, hkv) = (tokens.len(), c.num_attention_heads, c.kv_heads());
         if t == 0 || positions.len() != t {
             return Err(CacheError::bad_shape(format!(
@@ -179,7 +238,7 @@ impl<D: ModelDevice> LlamaModel<D> {
             .into());
         }
         let n_rows = logit_rows.map_or(t, <[usize]>::len);
-        let d = &*self.device;
+        let d = &*w.device;
         if !acts.as_ref().is_some_and(|a| a.fits(t, n_rows)) {
             *acts = Some(Activations::new(d, c, t, n_rows)?);
         }
@@ -191,15 +250,15 @@ impl<D: ModelDevice> LlamaModel<D> {
         }
         let scale = 1.0 / (c.head_dim() as f32).sqrt();
         let eps = c.rms_norm_eps as f32;
-        d.embed(&self.embed, tokens, &mut a.x)?;
+        d.embed(&w.embed, tokens, &mut a.x)?;
         let mut step = cache.step(positions, None)?;
-        for (l, w) in self.layers.iter().enumerate() {
+        for (l, w) in w.layers[..self.layers].iter().enumerate() {
             d.rms_norm(&a.x, &w.ln1, eps, &mut a.hn)?;
             d.linear(&a.hn, &w.q, w.q_bias.as_ref(), &mut a.q)?;
             d.linear(&a.hn, &w.k, w.k_bias.as_ref(), &mut a.k)?;
             d.linear(&a.hn, &w.v, w.v_bias.as_ref(), &mut a.v)?;
-            d.rope(&mut a.q, hq, positions, &self.inv_freq)?;
-            d.rope(&mut a.k, hkv, positions, &self.inv_freq)?;
+            d.rope(&mut a.q, hq, positions, &self.weights.inv_freq)?;
+            d.rope(&mut a.k, hkv, positions, &self.weights.inv_freq)?;
             d.split_heads(&a.q, hq, &mut a.qh)?;
             d.split_heads(&a.k, hkv, &mut a.kh)?;
             d.split_heads(&a.v, hkv, &mut a.vh)?;
@@ -214,9 +273,9 @@ impl<D: ModelDevice> LlamaModel<D> {
             d.linear(&a.mlp, &w.down, None, &mut a.o)?;
             d.add_assign(&mut a.x, &a.o)?;
         }
-        d.rms_norm(&a.x, &self.norm, eps, &mut a.hn)?;
+        d.rms_norm(&a.x, &w.norm, eps, &mut a.hn)?;
         d.gather_rows(&a.hn, &a.rows, &mut a.picked)?;
-        d.linear(&a.picked, &self.lm_head, None, &mut a.logits)?;
+        d.linear(&a.picked, &w.lm_head, None, &mut a.logits)?;
         step.commit()?;
         let a = &*a;
         Ok(ForwardOutput {

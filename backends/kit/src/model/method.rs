@@ -13,7 +13,6 @@ use kvplug_plugin_api::{
 
 use super::forward::{Activations, LlamaModel};
 use super::ops::ModelDevice;
-use super::package::ModelPackage;
 use crate::device::Backend;
 use crate::object::SharedCache;
 
@@ -24,7 +23,7 @@ pub const OPTION_LAYERS: &str = "layers";
 
 /// `forward` bound to one cache, with its activation buffers.
 pub struct ForwardMethod<D: ModelDevice> {
-    model: Arc<LlamaModel<D>>,
+    model: LlamaModel<D>,
     cache: SharedCache<D>,
     acts: Arc<Mutex<Option<Activations<D>>>>,
 }
@@ -109,13 +108,6 @@ impl<D: ModelDevice> ForwardMethod<D> {
     }
 }
 
-impl<D: ModelDevice> LlamaModel<D> {
-    /// The device the weights live on.
-    pub fn device(&self) -> Arc<D> {
-        self.device_arc()
-    }
-}
-
 impl<D: ModelDevice> ModelMethod for ForwardMethod<D> {
     fn name(&self) -> RString {
         "forward".into()
@@ -166,7 +158,6 @@ pub fn load_forward<B: Backend + ModelDevice>(
             )
         })?
         .clone();
-    let pkg = ModelPackage::open(Path::new(dir)).map_err(CacheError::from)?;
     let layers = match options.get(OPTION_LAYERS) {
         Some(n) => Some(n.parse::<usize>().map_err(|_| {
             PluginError::new(
@@ -180,7 +171,12 @@ pub fn load_forward<B: Backend + ModelDevice>(
         let c = cache.lock()?;
         (c.device().clone(), *c.config())
     };
-    let want = pkg.cache_params();
+    let model = LlamaModel::load_shared(device, Path::new(dir)).map_err(CacheError::from)?;
+    let model = match layers {
+        Some(n) => model.view(n).map_err(CacheError::from)?,
+        None => model,
+    };
+    let want = model.config().cache_params();
     let want_layers = layers.unwrap_or(want.n_layers);
     if (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) != (want_layers, want.n_kv_heads, want.head_dim)
     {
@@ -194,7 +190,6 @@ pub fn load_forward<B: Backend + ModelDevice>(
     }
     let _span =
         tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
-    let model = LlamaModel::load(device, &pkg, layers).map_err(CacheError::from)?;
     tracing::info!(
         layers = model.n_layers(),
         kind = cache.lock()?.kind().as_str(),
@@ -202,7 +197,7 @@ pub fn load_forward<B: Backend + ModelDevice>(
     );
     Ok(ModelMethod_TO::from_ptr(
         RArc::new(ForwardMethod {
-            model: Arc::new(model),
+            model,
             cache,
             acts: Arc::new(Mutex::new(None)),
         }),
