@@ -18,8 +18,13 @@ use common::{host, reference_logits, BACKENDS};
 const PROMPT: [i32; 7] = [3, 141, 59, 26, 53, 58, 97];
 
 fn tiny() -> tempfile::TempDir {
+    tiny_stored_as("f32")
+}
+
+/// The synthetic `tiny` model with its weights stored as `dtype`.
+fn tiny_stored_as(dtype: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    synth(&PRESETS[0], dir.path(), 7, "f32").unwrap();
+    synth(&PRESETS[0], dir.path(), 7, dtype).unwrap();
     dir
 }
 
@@ -37,18 +42,22 @@ fn spec(backend: &str, model: &Path, max_new: usize, kv_dtype: KvDtype) -> RunSp
 
 #[test]
 fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
-    let model = tiny();
     let host = host();
-    // tiny has head_dim 16, so the quantization group is 16.
+    // Weights stored as f32, f16 and bf16 are read as stored (the reference widens the same
+    // stored values); tiny has head_dim 16, so the quantization group is 16.
+    let models = ["f32", "f16", "bf16"].map(|d| (d, tiny_stored_as(d)));
     let cases = [
-        (KvDtype::F32, 1e-3),
-        (KvDtype::F16, 2e-2),
-        (KvDtype::Q8 { group: 16 }, 5e-2),
+        ("f32", KvDtype::F32, 1e-3),
+        ("f32", KvDtype::F16, 2e-2),
+        ("f32", KvDtype::Q8 { group: 16 }, 5e-2),
+        ("f16", KvDtype::F32, 1e-3),
+        ("bf16", KvDtype::F32, 1e-3),
     ];
-    for (backend, (dtype, tol)) in BACKENDS
+    for (backend, (weights, dtype, tol)) in BACKENDS
         .iter()
         .flat_map(|b| cases.iter().map(move |c| (*b, *c)))
     {
+        let model = &models.iter().find(|(d, _)| *d == weights).unwrap().1;
         let params = kvplug_host::model::cache_params(model.path()).unwrap();
         let (session, opts) = host
             .make_decode_session(backend, &make_config(&params, 64, dtype))
@@ -83,7 +92,7 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
         }
         assert!(
             worst < tol,
-            "{backend} {dtype}: max |logit error| {worst} >= {tol}"
+            "{backend} {weights} weights, {dtype} KV: max |logit error| {worst} >= {tol}"
         );
     }
 }

@@ -1,50 +1,20 @@
-//! The model graph's operations on the cpu: linears through XNNPACK fully-connected
-//! operators with weights packed once at load (Rust kernels split over the worker pool
-//! without the feature), and plain loops for the element-wise ops.
+//! The model graph's operations on the cpu: linears over the weights in their stored dtype,
+//! read in place from the mapped package ([`crate::linear`]), and plain loops for the
+//! element-wise ops.
 
-use kvplug_backend_kit::model::ModelDevice;
+use kvplug_backend_kit::model::{ModelDevice, StoredTensor, StoredValues};
 use kvplug_backend_kit::KitError;
 
+use crate::linear::linear;
 use crate::simd;
 use crate::tensor::CpuTensor;
-use crate::workers::{DisjointChunks, Workers};
 use crate::CpuDevice;
 
-/// A `[rows, cols]` linear weight.
+/// A `[rows, cols]` weight: the stored elements themselves (usually the mapped file).
 pub struct CpuWeight {
     rows: usize,
     cols: usize,
-    /// Row-major values, kept when no packed operator exists.
-    data: Vec<f32>,
-    #[cfg(feature = "xnnpack")]
-    packed: Option<std::sync::Mutex<crate::xnnpack::FullyConnected>>,
-}
-
-/// Output rows per task of the Rust linear.
-const ROWS_PER_TASK: usize = 64;
-
-impl CpuWeight {
-    fn rust_linear(&self, x: &[f32], t: usize, out: &mut [f32]) {
-        // out is [t, rows]; tasks own column blocks of it through a transposed scratch-free
-        // split: each task computes its rows for every token.
-        let (rows, cols) = (self.rows, self.cols);
-        let tasks = rows.div_ceil(ROWS_PER_TASK);
-        let out_ptr = DisjointChunks::new(out, 1);
-        let job = |task: usize| {
-            let r0 = task * ROWS_PER_TASK;
-            for r in r0..(r0 + ROWS_PER_TASK).min(rows) {
-                let w = &self.data[r * cols..(r + 1) * cols];
-                for ti in 0..t {
-                    // SAFETY: element (ti, r) belongs to this task's rows only.
-                    unsafe {
-                        out_ptr.get(ti * rows + r)[0] =
-                            simd::dot_f32(&x[ti * cols..(ti + 1) * cols], w)
-                    };
-                }
-            }
-        };
-        Workers::global().run(tasks, &job);
-    }
+    data: StoredTensor,
 }
 
 fn check(cond: bool, what: &str) -> Result<(), KitError> {
@@ -58,31 +28,9 @@ fn check(cond: bool, what: &str) -> Result<(), KitError> {
 impl ModelDevice for CpuDevice {
     type Weight = CpuWeight;
 
-    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<CpuWeight, KitError> {
+    fn weight(&self, data: StoredTensor, rows: usize, cols: usize) -> Result<CpuWeight, KitError> {
         check(data.len() == rows * cols, "weight")?;
-        #[cfg(feature = "xnnpack")]
-        if crate::xnnpack::available().is_ok() {
-            match crate::xnnpack::FullyConnected::new(cols, rows, data, false) {
-                Ok(fc) => {
-                    return Ok(CpuWeight {
-                        rows,
-                        cols,
-                        data: Vec::new(),
-                        packed: Some(std::sync::Mutex::new(fc)),
-                    })
-                }
-                Err(e) => tracing::debug!(
-                    "xnnpack could not pack a {rows}x{cols} weight ({e}); using the Rust linear"
-                ),
-            }
-        }
-        Ok(CpuWeight {
-            rows,
-            cols,
-            data: data.to_vec(),
-            #[cfg(feature = "xnnpack")]
-            packed: None,
-        })
+        Ok(CpuWeight { rows, cols, data })
     }
 
     fn tensor(&self, data: &[f32], dims: &[usize]) -> Result<CpuTensor, KitError> {
@@ -90,10 +38,15 @@ impl ModelDevice for CpuDevice {
         Ok(CpuTensor::new(dims, data.to_vec()))
     }
 
-    fn embed(&self, table: &CpuTensor, ids: &[i32], out: &mut CpuTensor) -> Result<(), KitError> {
-        let h = table.dims[1];
+    fn embed(&self, table: &CpuWeight, ids: &[i32], out: &mut CpuTensor) -> Result<(), KitError> {
+        let h = table.cols;
         for (row, &id) in out.data.chunks_exact_mut(h).zip(ids) {
-            row.copy_from_slice(&table.data[id as usize * h..(id as usize + 1) * h]);
+            let at = id as usize * h..(id as usize + 1) * h;
+            match table.data.values() {
+                StoredValues::F32(v) => row.copy_from_slice(&v[at]),
+                StoredValues::F16(v) => simd::f16_to_f32(&v[at], row),
+                StoredValues::BF16(v) => simd::bf16_to_f32(&v[at], row),
+            }
         }
         Ok(())
     }
@@ -125,22 +78,11 @@ impl ModelDevice for CpuDevice {
     ) -> Result<(), KitError> {
         let t = x.dims[0];
         check(x.dims[1] == w.cols && out.dims == [t, w.rows], "linear")?;
-        #[cfg(feature = "xnnpack")]
-        let done = match &w.packed {
-            Some(fc) => {
-                let fc = fc.lock().map_err(|_| {
-                    KitError::Device("a linear operator was poisoned by a panic".into())
-                })?;
-                fc.run(t, &x.data, &mut out.data)
-                    .map_err(KitError::Device)?;
-                true
-            }
-            None => false,
-        };
-        #[cfg(not(feature = "xnnpack"))]
-        let done = false;
-        if !done {
-            w.rust_linear(&x.data, t, &mut out.data);
+        let (x, o) = (&x.data[..], &mut out.data[..]);
+        match w.data.values() {
+            StoredValues::F32(v) => linear(x, t, v, w.rows, w.cols, o),
+            StoredValues::F16(v) => linear(x, t, v, w.rows, w.cols, o),
+            StoredValues::BF16(v) => linear(x, t, v, w.rows, w.cols, o),
         }
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(w.rows) {

@@ -18,11 +18,11 @@ pub struct Context {
     pub limits: wgpu::Limits,
     attention: OnceLock<Kernels<3>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<8>>,
+    model: OnceLock<Kernels<9>>,
 }
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 8] = [
+pub const MODEL_ENTRIES: [&str; 9] = [
     "gather_main",
     "rmsnorm_main",
     "linear_main",
@@ -31,6 +31,7 @@ pub const MODEL_ENTRIES: [&str; 8] = [
     "heads_main",
     "silu_main",
     "add_main",
+    "embed_main",
 ];
 
 /// Pipelines of one shader module sharing one bind-group layout.
@@ -184,7 +185,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<8> {
+    pub fn model(&self) -> &Kernels<9> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(

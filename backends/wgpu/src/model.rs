@@ -1,15 +1,18 @@
 //! The model graph's operations on wgpu: WGSL kernels over f32 storage buffers, so
 //! activations stay on the device between layers (only logits are read back).
 
-use kvplug_backend_kit::model::ModelDevice;
+use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::{Device, KitError};
 use wgpu::BufferUsages;
 
 use crate::{WgpuDevice, WgpuTensor};
 
-/// A `[rows, cols]` f32 weight in a storage buffer.
+/// A `[rows, cols]` weight in a storage buffer, in its stored dtype (the shaders widen
+/// each element as they read it).
 pub struct WgpuWeight {
     buf: wgpu::Buffer,
+    /// The shaders' dtype flag: 0 f32, 1 f16, 2 bf16.
+    dtype: u32,
     rows: usize,
     cols: usize,
 }
@@ -36,6 +39,7 @@ enum Op {
     Heads = 5,
     Silu = 6,
     Add = 7,
+    Embed = 8,
 }
 
 /// The read-only operands of one op (absent ones are bound to a dummy buffer).
@@ -116,13 +120,32 @@ impl WgpuDevice {
 impl ModelDevice for WgpuDevice {
     type Weight = WgpuWeight;
 
-    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<WgpuWeight, KitError> {
+    fn weight(&self, data: StoredTensor, rows: usize, cols: usize) -> Result<WgpuWeight, KitError> {
+        if data.len() != rows * cols {
+            return Err(KitError::Device(format!(
+                "a {rows}x{cols} weight given {} elements",
+                data.len()
+            )));
+        }
+        let dtype = match data.dtype() {
+            StoredDtype::F32 => 0,
+            StoredDtype::F16 => 1,
+            StoredDtype::BF16 => 2,
+        };
+        // Storage buffers hold whole 32-bit words: an odd count of halves gets one pad.
+        let bytes = data.bytes();
+        let padded;
+        let bytes = if bytes.len() % 4 == 0 {
+            bytes
+        } else {
+            padded = [bytes, &[0u8; 2]].concat();
+            &padded[..]
+        };
         Ok(WgpuWeight {
-            buf: self.context().buffer_with(
-                "weight",
-                bytemuck::cast_slice(data),
-                BufferUsages::STORAGE,
-            ),
+            buf: self
+                .context()
+                .buffer_with("weight", bytes, BufferUsages::STORAGE),
+            dtype,
             rows,
             cols,
         })
@@ -139,15 +162,15 @@ impl ModelDevice for WgpuDevice {
         })
     }
 
-    fn embed(&self, table: &WgpuTensor, ids: &[i32], out: &mut WgpuTensor) -> Result<(), KitError> {
-        let w = table.dims[1];
+    fn embed(&self, table: &WgpuWeight, ids: &[i32], out: &mut WgpuTensor) -> Result<(), KitError> {
+        let w = table.cols;
         let idx = self.indices(ids.iter().map(|&i| i as u32));
         self.flat(
-            Op::Gather,
+            Op::Embed,
             [w as u32, 0, 0, 0],
-            0,
+            table.dtype,
             ids.len() * w,
-            inputs(Some(&table.buf), None, Some(&idx)),
+            inputs(None, Some(&table.buf), Some(&idx)),
             &out.buf,
         );
         Ok(())
@@ -186,6 +209,7 @@ impl ModelDevice for WgpuDevice {
         let t = x.dims[0];
         let params = OpParams {
             n: [w.rows as u32, w.cols as u32, 0, 0],
+            flag: w.dtype,
             ..Default::default()
         };
         self.op(

@@ -30,10 +30,11 @@ struct Layer<D: ModelDevice> {
 struct Weights<D: ModelDevice> {
     device: Arc<D>,
     config: LlamaConfig,
-    embed: D::Tensor,
+    embed: D::Weight,
     layers: Vec<Layer<D>>,
     norm: D::Tensor,
-    lm_head: D::Weight,
+    /// `None` when tied to `embed`.
+    lm_head: Option<D::Weight>,
     inv_freq: Vec<f32>,
 }
 
@@ -85,16 +86,15 @@ impl<D: ModelDevice> LlamaModel<D> {
         };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<D::Weight, ModelError> {
             device
-                .weight(&pkg.tensor_f32(name, &[rows, cols])?, rows, cols)
+                .weight(pkg.tensor(name, &[rows, cols])?, rows, cols)
                 .map_err(weights_err)
         };
-        let embed_data = pkg.tensor_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
+        // A tied head is the embedding table itself: stored once.
         let lm_head = if c.tie_word_embeddings || !pkg.contains("lm_head.weight") {
-            device
-                .weight(&embed_data, c.vocab_size, h)
-                .map_err(weights_err)?
+            None
         } else {
-            mat("lm_head.weight", c.vocab_size, h)?
+            Some(mat("lm_head.weight", c.vocab_size, h)?)
         };
         let mut ls = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
@@ -122,9 +122,7 @@ impl<D: ModelDevice> LlamaModel<D> {
             });
         }
         let weights = Weights {
-            embed: device
-                .tensor(&embed_data, &[c.vocab_size, h])
-                .map_err(weights_err)?,
+            embed,
             norm: vec("model.norm.weight", h)?,
             inv_freq: c.inv_freq(),
             lm_head,
@@ -275,7 +273,8 @@ impl<D: ModelDevice> LlamaModel<D> {
         }
         d.rms_norm(&a.x, &w.norm, eps, &mut a.hn)?;
         d.gather_rows(&a.hn, &a.rows, &mut a.picked)?;
-        d.linear(&a.picked, &w.lm_head, None, &mut a.logits)?;
+        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+        d.linear(&a.picked, head, None, &mut a.logits)?;
         step.commit()?;
         let a = &*a;
         Ok(ForwardOutput {

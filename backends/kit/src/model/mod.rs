@@ -12,9 +12,11 @@ pub mod forward;
 pub mod method;
 pub mod ops;
 pub mod package;
+pub mod stored;
 
 pub use config::{LlamaConfig, ModelError};
 pub use forward::{Activations, ForwardOutput, LlamaModel};
 pub use method::ForwardMethod;
 pub use ops::ModelDevice;
 pub use package::ModelPackage;
+pub use stored::{StoredDtype, StoredTensor, StoredValues};

@@ -3,21 +3,32 @@
 use crate::cache::KitError;
 use crate::device::Device;
 
+use super::stored::StoredTensor;
+
 /// Tensor operations of the Llama forward pass. Activations are f32 `Device::Tensor`s,
 /// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
 /// consistent shapes.
 pub trait ModelDevice: Device {
-    /// A `[rows, cols]` matrix prepared for [`ModelDevice::linear`] (packed once at load).
+    /// A `[rows, cols]` matrix for [`ModelDevice::linear`] and [`ModelDevice::embed`], held
+    /// in its stored dtype (f32, f16 or bf16), never widened.
     type Weight: Send + Sync;
 
-    /// Prepares `data` (`[rows, cols]`, row-major) as a linear weight (`out = x·Wᵀ`).
-    fn weight(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Weight, KitError>;
+    /// Makes `data` (`[rows, cols]`, row-major, `rows·cols` elements) a weight (`out = x·Wᵀ`).
+    /// A host-memory device may keep `data` itself (the mapped file: no copy); others upload
+    /// its bytes once.
+    fn weight(
+        &self,
+        data: StoredTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Weight, KitError>;
     /// A tensor holding `data` with `dims`.
     fn tensor(&self, data: &[f32], dims: &[usize]) -> Result<Self::Tensor, KitError>;
-    /// `out[t] = table[ids[t]]`; `table` is `[vocab, hidden]`, out `[T, hidden]`.
+    /// `out[t] = table[ids[t]]` widened to f32; `table` is `[vocab, hidden]` (the same weight
+    /// serves a tied LM head), out `[T, hidden]`.
     fn embed(
         &self,
-        table: &Self::Tensor,
+        table: &Self::Weight,
         ids: &[i32],
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;

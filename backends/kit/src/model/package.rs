@@ -3,19 +3,21 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kvplug_core::metadata::{has_cache_params, read_cache_params};
 use kvplug_core::ModelCacheParams;
 use safetensors::{Dtype, SafeTensors};
 
 use super::config::{LlamaConfig, ModelError};
+use super::stored::{StoredDtype, StoredTensor};
 
 /// An opened model package.
 pub struct ModelPackage {
     /// The parsed configuration.
     pub config: LlamaConfig,
     dir: PathBuf,
-    shards: Vec<memmap2::Mmap>,
+    shards: Vec<Arc<memmap2::Mmap>>,
     /// Tensor name → shard index.
     index: HashMap<String, usize>,
     /// `kv_cache.*` facts from the first shard's header, when present.
@@ -84,7 +86,7 @@ impl ModelPackage {
             {
                 pkg.index.insert(name.to_string(), i);
             }
-            pkg.shards.push(map);
+            pkg.shards.push(Arc::new(map));
         }
         let derived = pkg.config.cache_params();
         if let Some(m) = pkg.metadata_params {
@@ -114,13 +116,14 @@ impl ModelPackage {
         self.index.contains_key(name)
     }
 
-    /// Tensor `name` as f32 (f32, f16 and bf16 stored), checked against `shape`.
-    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    /// Tensor `name` in its stored dtype (f32, f16 or bf16), sharing the mapped file (no
+    /// copy), checked against `shape`.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, ModelError> {
         let shard = *self.index.get(name).ok_or_else(|| {
             ModelError::Malformed(format!("{}: missing tensor '{name}'", self.dir.display()))
         })?;
-        let st = SafeTensors::deserialize(&self.shards[shard])
-            .map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let map = &self.shards[shard];
+        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::Malformed(e.to_string()))?;
         let view = st
             .tensor(name)
             .map_err(|e| ModelError::Malformed(format!("{name}: {e}")))?;
@@ -130,26 +133,25 @@ impl ModelPackage {
                 view.shape()
             )));
         }
-        let b = view.data();
-        Ok(match view.dtype() {
-            Dtype::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+        let dtype = match view.dtype() {
+            Dtype::F32 => StoredDtype::F32,
+            Dtype::F16 => StoredDtype::F16,
+            Dtype::BF16 => StoredDtype::BF16,
             other => {
                 return Err(ModelError::Malformed(format!(
                     "tensor '{name}' is {other:?}; weights must be f32, f16 or bf16"
                 )))
             }
-        })
+        };
+        let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = map.clone();
+        StoredTensor::new(dtype, owner, start..start + view.data().len())
+            .ok_or_else(|| ModelError::Malformed(format!("tensor '{name}': partial elements")))
+    }
+
+    /// Tensor `name` widened to f32 (norms, biases, references), checked against `shape`.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        Ok(self.tensor(name, shape)?.to_f32())
     }
 }
 

@@ -1,5 +1,6 @@
 // Model-graph operations on f32 activations (row-major). One bind group layout for all:
-// params, a, b (f32, read), idx (u32, read), out (f32, read_write). Flat invocation index:
+// params, a (f32, read), b (32-bit words, read: f32 values, or a weight in its stored
+// dtype), idx (u32, read), out (f32, read_write). Flat invocation index:
 // gid.x + gid.y · (workgroups.x · 64), so large element counts use a 2-D dispatch.
 
 struct Params {
@@ -10,7 +11,7 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> a: array<f32>;
-@group(0) @binding(2) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read> idx: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
@@ -18,7 +19,33 @@ fn flat(g: vec3<u32>, nw: vec3<u32>) -> u32 {
     return g.x + g.y * nw.x * 64u;
 }
 
-// out[t, :] = a[idx[t], :]; n0 = width. Also gathers rows (same maths).
+// Element e of the weight in `b`, stored as p.flag says: 0 f32, 1 f16, 2 bf16 (two
+// little-endian halves per word, the lower-addressed in the low bits).
+fn weight_at(e: u32) -> f32 {
+    switch p.flag {
+        case 1u: {
+            return unpack2x16float(b[e / 2u])[e % 2u];
+        }
+        case 2u: {
+            let w = b[e / 2u];
+            return bitcast<f32>(select(w << 16u, w & 0xffff0000u, e % 2u == 1u));
+        }
+        default: {
+            return bitcast<f32>(b[e]);
+        }
+    }
+}
+
+// out[t, :] = weight row idx[t] (an embedding lookup); n0 = width.
+@compute @workgroup_size(64)
+fn embed_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(g, nw);
+    if i >= p.total { return; }
+    let w = p.n0;
+    out[i] = weight_at(idx[i / w] * w + i % w);
+}
+
+// out[t, :] = a[idx[t], :]; n0 = width.
 @compute @workgroup_size(64)
 fn gather_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let i = flat(g, nw);
@@ -46,11 +73,12 @@ fn rmsnorm_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     }
     let inv = 1.0 / sqrt(red[0] / f32(w) + p.eps);
     for (var i = lid; i < w; i += 64u) {
-        out[r * w + i] = a[r * w + i] * inv * b[i];
+        out[r * w + i] = a[r * w + i] * inv * bitcast<f32>(b[i]);
     }
 }
 
-// out[t, o] = Σ_i a[t, i] · W[o, i], W in `b`; n0 = rows of W (outputs), n1 = cols.
+// out[t, o] = Σ_i a[t, i] · W[o, i], W in `b` (dtype in flag); n0 = rows of W (outputs),
+// n1 = cols.
 // One invocation per (o, t); biases are added by bias_main.
 @compute @workgroup_size(64)
 fn linear_main(@builtin(global_invocation_id) g: vec3<u32>) {
@@ -60,7 +88,7 @@ fn linear_main(@builtin(global_invocation_id) g: vec3<u32>) {
     let cols = p.n1;
     var acc = 0.0;
     for (var i = 0u; i < cols; i++) {
-        acc += a[t * cols + i] * b[o * cols + i];
+        acc += a[t * cols + i] * weight_at(o * cols + i);
     }
     out[t * p.n0 + o] = acc;
 }
@@ -118,7 +146,7 @@ fn silu_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroup
     let i = flat(g, nw);
     if i >= p.total { return; }
     let x = a[i];
-    out[i] = x / (1.0 + exp(-x)) * b[i];
+    out[i] = x / (1.0 + exp(-x)) * bitcast<f32>(b[i]);
 }
 
 // out += a.

@@ -1,0 +1,189 @@
+//! [`StoredTensor`]: a weight's elements exactly as the package stores them (f32, f16 or
+//! bf16), usually borrowed from the memory-mapped file — no widening, no copy.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
+#[cfg(target_endian = "big")]
+compile_error!("stored tensors are read in place as little-endian values");
+
+/// How a stored tensor's elements are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredDtype {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl StoredDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            StoredDtype::F32 => 4,
+            StoredDtype::F16 | StoredDtype::BF16 => 2,
+        }
+    }
+}
+
+/// The typed elements of a [`StoredTensor`].
+#[derive(Clone, Copy, Debug)]
+pub enum StoredValues<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// f16 elements.
+    F16(&'a [f16]),
+    /// bf16 elements.
+    BF16(&'a [bf16]),
+}
+
+/// A tensor's little-endian elements in their stored dtype. The bytes are shared with their
+/// owner (a memory-mapped shard, or a buffer), so clones and device weights that keep them
+/// cost no copy. Contract: the bytes are aligned for the dtype and hold whole elements
+/// (guaranteed at construction, copying into an aligned buffer only when the file's offset
+/// is misaligned).
+#[derive(Clone)]
+pub struct StoredTensor {
+    dtype: StoredDtype,
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    range: Range<usize>,
+}
+
+impl std::fmt::Debug for StoredTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredTensor")
+            .field("dtype", &self.dtype)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// An aligned owned buffer of `len` bytes (8-byte words underneath).
+struct Aligned {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Aligned {
+    fn as_ref(&self) -> &[u8] {
+        &word_bytes(&self.words)[..self.len]
+    }
+}
+
+fn word_bytes(words: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding and any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 8) }
+}
+
+impl StoredTensor {
+    /// `owner.as_ref()[range]` read as `dtype`. Returns `None` when the range is outside the
+    /// owner or does not hold whole elements.
+    pub fn new(
+        dtype: StoredDtype,
+        owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        range: Range<usize>,
+    ) -> Option<Self> {
+        let bytes = (*owner).as_ref().get(range.clone())?;
+        if bytes.len() % dtype.size() != 0 {
+            return None;
+        }
+        if (bytes.as_ptr() as usize) % dtype.size() == 0 {
+            return Some(StoredTensor {
+                dtype,
+                owner,
+                range,
+            });
+        }
+        tracing::debug!("a {dtype:?} tensor is misaligned in its file: copied");
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: `words` spans at least bytes.len() bytes and does not overlap `bytes`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), words.as_mut_ptr().cast(), bytes.len())
+        };
+        let len = bytes.len();
+        Some(StoredTensor {
+            dtype,
+            owner: Arc::new(Aligned { words, len }),
+            range: 0..len,
+        })
+    }
+
+    /// f32 values in an owned buffer (tests and synthetic models).
+    pub fn from_f32(values: &[f32]) -> Self {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::new(StoredDtype::F32, Arc::new(bytes), 0..values.len() * 4)
+            .expect("whole f32 elements")
+    }
+
+    /// The element encoding.
+    pub fn dtype(&self) -> StoredDtype {
+        self.dtype
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.range.len() / self.dtype.size()
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// The raw little-endian bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.range.clone()]
+    }
+
+    /// The elements, typed, read in place.
+    pub fn values(&self) -> StoredValues<'_> {
+        let b = self.bytes();
+        let n = self.len();
+        let p = b.as_ptr();
+        // SAFETY: construction checked alignment and whole elements; f32/f16/bf16 accept any
+        // bit pattern; the bytes live as long as `self` (the owner is immutable).
+        unsafe {
+            match self.dtype {
+                StoredDtype::F32 => StoredValues::F32(std::slice::from_raw_parts(p.cast(), n)),
+                StoredDtype::F16 => StoredValues::F16(std::slice::from_raw_parts(p.cast(), n)),
+                StoredDtype::BF16 => StoredValues::BF16(std::slice::from_raw_parts(p.cast(), n)),
+            }
+        }
+    }
+
+    /// The elements widened to f32 (small tensors: norms, biases).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.values() {
+            StoredValues::F32(v) => v.to_vec(),
+            StoredValues::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            StoredValues::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn misaligned_ranges_are_copied_and_read_the_same() {
+        let vals = [1.5f32, -2.0, 3.25];
+        let mut bytes = vec![0u8];
+        bytes.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        let t = StoredTensor::new(StoredDtype::F32, Arc::new(bytes), 1..13).unwrap();
+        assert_eq!(t.to_f32(), vals);
+        assert_eq!(t.len(), 3);
+        let halves: Vec<u8> = [1.0f32, 0.5]
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let t = StoredTensor::new(StoredDtype::F16, Arc::new(halves), 0..4).unwrap();
+        assert_eq!(t.to_f32(), [1.0, 0.5]);
+        assert!(StoredTensor::new(StoredDtype::F16, Arc::new(vec![0u8; 3]), 0..3).is_none());
+        assert!(StoredTensor::new(StoredDtype::F32, Arc::new(vec![0u8; 4]), 0..8).is_none());
+    }
+}

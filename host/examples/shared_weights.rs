@@ -1,0 +1,76 @@
+//! Memory of one model bound to several caches: loads the model (a package directory or a
+//! `.gguf`) on a backend, then binds it to 1, 2, … N caches, running a short prompt and a
+//! few decode steps through each, and prints the process RSS and the caches' bytes after
+//! every binding. Weights load once per process and backend, so RSS should grow by about
+//! one cache's bytes per binding, not by the weights.
+//!
+//! `cargo run --release -p kvplug-host --example shared_weights -- MODEL [BACKEND] [N]`
+//! (defaults: cpu, 4), after `cargo build --release --workspace` (plugins next to the
+//! examples directory).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use kvplug_core::{make_config, KvDtype};
+use kvplug_host::gguf::resolve_model;
+use kvplug_host::model::cache_params;
+use kvplug_host::run::{argmax, Forward};
+use kvplug_host::{Host, PluginSearch};
+
+/// Resident set size in MiB, from `/proc/self/status`.
+fn rss_mib() -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .context("no VmRSS in /proc/self/status")?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
+    Ok(kb / 1024.0)
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let model = args
+        .first()
+        .context("usage: shared_weights MODEL [BACKEND] [N]")?;
+    let backend = args.get(1).map_or("cpu", String::as_str);
+    let n: usize = args.get(2).map_or(Ok(4), |s| s.parse())?;
+    let exe = std::env::current_exe()?;
+    let plugins: PathBuf = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .context("examples live in target/<profile>/examples")?
+        .to_path_buf();
+    let host = Host::load(&PluginSearch::only(&[plugins], false));
+    let dir = resolve_model(std::path::Path::new(model))?;
+    let params = cache_params(&dir)?;
+    println!("{backend}: host loaded, RSS {:.0} MiB", rss_mib()?);
+    let prompt: Vec<i32> = (1..=32).collect();
+    let mut bound = Vec::new();
+    for i in 1..=n {
+        let (session, opts) =
+            host.make_decode_session(backend, &make_config(&params, 256, KvDtype::F16))?;
+        let mut fwd = Forward::load(&host, backend, &dir, None, opts)?;
+        let positions: Vec<i32> = (0..prompt.len() as i32).collect();
+        let mut next = argmax(&fwd.call(&prompt, &positions, Some(&[31]))?[0]);
+        for p in prompt.len()..prompt.len() + 8 {
+            next = argmax(&fwd.call(&[next], &[p as i32], None)?[0]);
+        }
+        let cache_bytes: u64 = session.stats()?.allocated_bytes;
+        bound.push((session, fwd));
+        let total: u64 = bound
+            .iter()
+            .map(|(s, _)| s.stats().map_or(0, |st| st.allocated_bytes))
+            .sum();
+        println!(
+            "{i} binding(s): RSS {:.0} MiB (this cache {:.1} MiB, all caches {:.1} MiB)",
+            rss_mib()?,
+            cache_bytes as f64 / (1 << 20) as f64,
+            total as f64 / (1 << 20) as f64
+        );
+    }
+    Ok(())
+}
