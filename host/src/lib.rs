@@ -23,6 +23,7 @@ pub mod gguf;
 pub mod host;
 pub mod loader;
 pub mod model;
+pub mod plugin_file;
 pub mod registry;
 pub mod run;
 pub mod services;

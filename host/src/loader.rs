@@ -8,6 +8,7 @@ use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
 use kvplug_plugin_api::{BackendModule_Ref, HostServices, Registrar};
 
 use crate::discovery::{is_dylib, world_writable, PluginSearch};
+use crate::plugin_file::{check_object, not_a_regular_file, open_now};
 use crate::registry::BuilderRegistry;
 
 /// A plugin that loaded and registered.
@@ -66,9 +67,14 @@ pub fn load_all(
     for dir in &search.dirs {
         if !dir.path.is_dir() {
             if dir.origin != "default" {
+                let what = if dir.path.exists() {
+                    "is not a directory"
+                } else {
+                    "does not exist"
+                };
                 report.skipped.push(Skipped {
                     file: dir.path.clone(),
-                    reason: format!("plugin directory (from {}) does not exist", dir.origin),
+                    reason: format!("plugin directory (from {}) {what}", dir.origin),
                 });
             }
             continue;
@@ -83,7 +89,7 @@ pub fn load_all(
         let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir.path) {
             Ok(rd) => rd
                 .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.is_file() && is_dylib(p))
+                .filter(|p| is_dylib(p))
                 .collect(),
             Err(e) => {
                 report.skipped.push(Skipped {
@@ -97,6 +103,10 @@ pub fn load_all(
         for file in files {
             let canonical = file.canonicalize().unwrap_or_else(|_| file.clone());
             if !seen_files.insert(canonical) {
+                continue;
+            }
+            if let Some(reason) = not_a_regular_file(&file) {
+                report.skipped.push(Skipped { file, reason });
                 continue;
             }
             match load_one(
@@ -166,7 +176,11 @@ fn load_one(
                 .into(),
         );
     }
+    check_object(file)?;
+    let library = open_now(file)?;
     let header = lib_header_from_path(file).map_err(|e| describe_library_error(&e))?;
+    // Plugins are never unloaded (abi_stable keeps its own handle loaded too).
+    std::mem::forget(library);
     let module = header
         .init_root_module::<BackendModule_Ref>()
         .map_err(|e| describe_library_error(&e))?;

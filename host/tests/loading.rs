@@ -105,7 +105,7 @@ fn loads_cpu_and_skips_every_bad_file_with_a_reason() {
         "register failed: panic: plugin panicked: fixture panics in register"
     );
     assert!(reason_for(&host, "libmismatch.so").starts_with("ABI/layout mismatch"));
-    assert!(reason_for(&host, "garbage.so").starts_with("cannot be opened as a shared library"));
+    assert!(reason_for(&host, "garbage.so").starts_with("not a loadable object file"));
     assert!(!host.skipped().iter().any(|s| s.file.ends_with("notes.txt")));
     assert_eq!(host.skipped().len(), 5);
 }
@@ -240,6 +240,115 @@ fn cli_lists_plugins_and_skips_with_exit_status_zero() {
     let empty = tempfile::tempdir().unwrap();
     let out = kvplug(empty.path(), &["plugins"]);
     assert!(!out.status.success(), "no backend loaded must fail");
+
+    // `--plugins` naming a file, not a directory.
+    let out = kvplug(&dylib("kvplug_cpu"), &["plugins"]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("plugin directory (from --plugins) is not a directory"),
+        "{text}"
+    );
+}
+
+/// A shared library that calls a function nothing defines, built with the system C compiler
+/// (the one Rust links with).
+fn library_with_an_unresolved_symbol(dir: &Path) -> PathBuf {
+    let src = dir.join("unresolved.c");
+    std::fs::write(
+        &src,
+        "void kvplug_test_missing_symbol(void);\nvoid call_it(void) { kvplug_test_missing_symbol(); }\n",
+    )
+    .unwrap();
+    let out = dir.join("libunresolved.so");
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .status()
+        .expect("a C compiler (cc) is needed to build the fixture");
+    assert!(status.success());
+    std::fs::remove_file(&src).unwrap();
+    out
+}
+
+#[test]
+fn hostile_plugin_files_are_skipped_with_a_reason_never_a_crash() {
+    let dir = plugins_dir(&[cpu()]);
+    let cpu_bytes = std::fs::read(dylib("kvplug_cpu")).unwrap();
+    let cuts = [1_000, 100_000, 1_000_000];
+    for cut in cuts {
+        std::fs::write(
+            dir.path().join(format!("libcut{cut}.so")),
+            &cpu_bytes[..cut],
+        )
+        .unwrap();
+    }
+    let d = dir.path();
+    std::fs::create_dir(d.join("adir.so")).unwrap();
+    assert!(Command::new("mkfifo")
+        .arg(d.join("fifo.so"))
+        .status()
+        .unwrap()
+        .success());
+    std::os::unix::fs::symlink(d.join("nowhere"), d.join("dangling.so")).unwrap();
+    std::os::unix::fs::symlink(d.join("loop.so"), d.join("loop.so")).unwrap();
+    library_with_an_unresolved_symbol(d);
+
+    // In a child process: a crash there is a failed assertion here, not a dead test runner.
+    let out = kvplug(d, &["plugins", "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["plugins"][0]["backend_id"], "cpu");
+    let reason = |name: &str| -> String {
+        v["skipped"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["file"].as_str().unwrap().ends_with(name))
+            .unwrap_or_else(|| panic!("{name} not reported as skipped: {v}"))["reason"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    for cut in cuts {
+        let r = reason(&format!("libcut{cut}.so"));
+        assert!(r.contains("truncated"), "{cut}: {r}");
+    }
+    assert_eq!(reason("adir.so"), "not a regular file (a directory)");
+    assert_eq!(reason("fifo.so"), "not a regular file (a FIFO)");
+    assert!(reason("dangling.so").starts_with("unusable symlink: "));
+    assert!(reason("loop.so").starts_with("unusable symlink: "));
+    let r = reason("libunresolved.so");
+    assert!(
+        r.contains("undefined symbol: kvplug_test_missing_symbol"),
+        "{r}"
+    );
+    assert_eq!(v["skipped"].as_array().unwrap().len(), 8, "{v}");
+
+    // A command that runs a model on the backend, from the same directory.
+    let model = tempfile::tempdir().unwrap();
+    let m = model.path().to_str().unwrap();
+    assert!(
+        kvplug(d, &["model", "synth", "--preset", "tiny", "--out", m])
+            .status
+            .success()
+    );
+    let out = kvplug(
+        d,
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new",
+            "2",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
 }
 
 #[test]
