@@ -2,6 +2,7 @@
 
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
+use crate::limits::{check_limit, MAX_CAPACITY, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS};
 
 /// Default first pool allocation, in cells.
 pub const DEFAULT_MIN_CHUNK: usize = 256;
@@ -61,7 +62,8 @@ pub fn make_config(params: &ModelCacheParams, capacity: usize, kv_dtype: KvDtype
 }
 
 impl CacheConfig {
-    /// Rejects zero sizes and a quantization group that does not divide `head_dim`.
+    /// Rejects zero sizes, sizes above the [`crate::limits`], and a quantization group that
+    /// does not divide `head_dim`. Allocates nothing.
     pub fn validate(&self) -> CacheResult<()> {
         for (name, v) in [
             ("capacity", self.capacity),
@@ -74,13 +76,19 @@ impl CacheConfig {
                 return Err(CacheError::bad_config(format!("{name} must be > 0")));
             }
         }
-        if self.capacity > i32::MAX as usize {
-            return Err(CacheError::bad_config(format!(
-                "capacity {} exceeds i32::MAX",
-                self.capacity
-            )));
-        }
+        check_limit("capacity", self.capacity, MAX_CAPACITY)?;
+        check_limit("n_layers", self.n_layers, MAX_LAYERS)?;
+        check_limit("n_kv_heads", self.n_kv_heads, MAX_KV_HEADS)?;
+        check_limit("head_dim", self.head_dim, MAX_HEAD_DIM)?;
         self.kv_dtype.check_head_dim(self.head_dim)
+    }
+
+    /// Bytes of every K and V pool of all layers holding `cells` cells; `None` on overflow.
+    pub fn pools_bytes(&self, cells: usize) -> Option<u64> {
+        (2 * self.n_layers as u64)
+            .checked_mul(cells as u64)?
+            .checked_mul(self.n_kv_heads as u64)?
+            .checked_mul(self.kv_dtype.row_bytes(self.head_dim) as u64)
     }
 
     /// The first pool size in cells: `min_chunk` clamped to `capacity`.
@@ -159,6 +167,22 @@ mod tests {
             CacheConfig {
                 head_dim: 48,
                 kv_dtype: KvDtype::Q8_DEFAULT,
+                ..cfg()
+            },
+            CacheConfig {
+                capacity: (1 << 31) - 1,
+                ..cfg()
+            },
+            CacheConfig {
+                n_layers: 1_000_000,
+                ..cfg()
+            },
+            CacheConfig {
+                n_kv_heads: 1_000_000,
+                ..cfg()
+            },
+            CacheConfig {
+                head_dim: 1 << 30,
                 ..cfg()
             },
         ] {

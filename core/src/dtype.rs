@@ -115,13 +115,18 @@ impl fmt::Display for KvDtype {
 
 /// Error for an unrecognised dtype string.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown KV dtype '{0}' (expected f32, f16, bf16, q8, q4, or q8g<N> / q4g<N>)")]
+#[error(
+    "unknown KV dtype '{0}' (expected f32, f16, bf16, q8, q4, or q8g<N> / q4g<N> with N a power \
+     of two from 2 to 1024)"
+)]
 pub struct ParseDtypeError(pub String);
 
 impl FromStr for KvDtype {
     type Err = ParseDtypeError;
 
-    /// Accepts `f32 f16 bf16 q8 q4` and `q8g<N>` / `q4g<N>` for a non-default group.
+    /// Accepts `f32 f16 bf16 q8 q4` and `q8g<N>` / `q4g<N>` for a non-default group, N a
+    /// power of two from 2 to 1024 (it must also divide the cache's head_dim, checked by
+    /// [`KvDtype::check_head_dim`]).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let err = || ParseDtypeError(s.to_string());
         let group = |rest: &str, default: usize| -> Result<usize, ParseDtypeError> {
@@ -130,7 +135,7 @@ impl FromStr for KvDtype {
                 _ => rest
                     .strip_prefix('g')
                     .and_then(|n| n.parse::<usize>().ok())
-                    .filter(|&g| g > 0)
+                    .filter(|&g| g.is_power_of_two() && (2..=1024).contains(&g))
                     .ok_or_else(err),
             }
         };
@@ -176,7 +181,9 @@ mod tests {
             KvDtype::Q8 { group: 32 }
         );
         assert_eq!(KvDtype::Q4 { group: 16 }.to_string(), "q4g16");
-        assert!("q8g0".parse::<KvDtype>().is_err());
+        for bad in ["q8g0", "q8g7", "q4g1", "q8g2048", "q8g", "q8x"] {
+            assert!(bad.parse::<KvDtype>().is_err(), "{bad}");
+        }
         assert!("q8x".parse::<KvDtype>().is_err());
         assert!("int8".parse::<KvDtype>().is_err());
     }

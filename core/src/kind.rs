@@ -402,6 +402,22 @@ mod tests {
     }
 
     /// What a runner can observe: answers to every query, and the plan a probe step gets.
+    #[test]
+    fn can_extend_never_wraps() {
+        for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
+            let mut b = Bookkeeping::new(kind, CAP);
+            if kind == CacheKind::Seq {
+                b.begin_step(&[0, 0, 0]).unwrap();
+            }
+            b.open_step(&[0, 1, 2]).unwrap();
+            b.commit_step();
+            for n in [CAP - 2, usize::MAX - 2, usize::MAX] {
+                assert!(!b.can_extend(n), "{kind:?} {n}");
+            }
+            assert!(b.can_extend(CAP - 3), "{kind:?}");
+        }
+    }
+
     fn observe(b: &Bookkeeping, seq: i32, pos: &[i32]) -> impl PartialEq + std::fmt::Debug {
         let mut probe = b.clone();
         let plan = match probe.kind() {
@@ -413,7 +429,10 @@ mod tests {
         (
             b.high_water(),
             b.live_cells(),
-            (0..=CAP + 1).map(|n| b.can_extend(n)).collect::<Vec<_>>(),
+            (0..=CAP + 1)
+                .chain([usize::MAX - 1, usize::MAX])
+                .map(|n| b.can_extend(n))
+                .collect::<Vec<_>>(),
             (0..4).map(|s| b.seq_len(s).ok()).collect::<Vec<_>>(),
             plan.map_err(|e| e.kind),
         )

@@ -13,6 +13,7 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use kvplug_core::files::open_regular;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 use half::f16;
@@ -27,7 +28,7 @@ struct Gguf {
 
 impl Gguf {
     fn open(path: &Path) -> Result<Self> {
-        let mut r = BufReader::new(open_regular(path)?);
+        let mut r = BufReader::new(open_regular(path)?.0);
         let content = Content::read(&mut r)
             .map_err(|e| anyhow::anyhow!("{}: not a readable GGUF file: {e}", path.display()))?;
         Ok(Gguf {
@@ -82,7 +83,7 @@ impl Gguf {
 
     /// One tensor as f32, row-major in Hugging Face's `[rows, cols]` order.
     fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let mut r = BufReader::new(open_regular(&self.path)?);
+        let mut r = BufReader::new(open_regular(&self.path)?.0);
         let q = self
             .content
             .tensor(&mut r, name, &Device::Cpu)
@@ -109,16 +110,6 @@ fn as_u64(v: &Value) -> Option<u64> {
         Value::I64(x) => u64::try_from(*x).ok(),
         _ => None,
     }
-}
-
-/// Opens `path` for reading if it is a regular file (a FIFO or a device would block or
-/// never end).
-pub fn open_regular(path: &Path) -> Result<File> {
-    let meta = std::fs::metadata(path).with_context(|| format!("{}", path.display()))?;
-    if !meta.is_file() {
-        bail!("{}: not a regular file", path.display());
-    }
-    File::open(path).with_context(|| format!("{}", path.display()))
 }
 
 /// The architecture facts of a Llama-family GGUF, as `config.json` wants them.
@@ -447,7 +438,7 @@ pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     if path.is_dir() {
         return Ok(path.to_path_buf());
     }
-    let mut f = open_regular(path)?;
+    let mut f = open_regular(path)?.0;
     let mut hash = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use kvplug_core::files::{inside, read_text, MAX_TEXT_BYTES};
 use kvplug_core::metadata::{has_cache_params, read_cache_params, write_cache_params};
 use kvplug_core::ModelCacheParams;
 use safetensors::{Dtype, SafeTensors};
@@ -54,7 +55,7 @@ pub const PRESETS: [Preset; 2] = [
 /// The cache shape `dir`'s model needs.
 pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
     let first = first_shard(dir)?;
-    let file = crate::gguf::open_regular(&first)?;
+    let (file, _) = kvplug_core::files::open_regular(&first)?;
     // Mapped, not read: parsing the header touches only its pages, not the weights.
     // SAFETY: read-only, dropped before returning; like the kit's weight maps it assumes
     // nobody rewrites the model file while kvplug runs.
@@ -68,11 +69,8 @@ pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
         }
     }
     let cfg_path = dir.join("config.json");
-    let cfg: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&cfg_path)
-            .with_context(|| format!("reading {}", cfg_path.display()))?,
-    )
-    .with_context(|| format!("parsing {}", cfg_path.display()))?;
+    let cfg: serde_json::Value = serde_json::from_str(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
+        .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
     let get = |k: &str| cfg[k].as_u64().map(|v| v as usize);
     let (layers, heads, hidden) = match (
         get("num_hidden_layers"),
@@ -95,8 +93,8 @@ pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
 fn first_shard(dir: &Path) -> Result<std::path::PathBuf> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)
-            .with_context(|| format!("parsing {}", index.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&read_text(&index, MAX_TEXT_BYTES)?)
+            .with_context(|| format!("{}: invalid JSON", index.display()))?;
         let mut files: Vec<&str> = v["weight_map"]
             .as_object()
             .with_context(|| format!("{}: no weight_map", index.display()))?
@@ -104,11 +102,10 @@ fn first_shard(dir: &Path) -> Result<std::path::PathBuf> {
             .filter_map(|f| f.as_str())
             .collect();
         files.sort();
-        return Ok(dir.join(
-            files
-                .first()
-                .with_context(|| format!("{}: empty weight_map", index.display()))?,
-        ));
+        let first = files
+            .first()
+            .with_context(|| format!("{}: empty weight_map", index.display()))?;
+        return Ok(inside(dir, first)?);
     }
     Ok(dir.join("model.safetensors"))
 }

@@ -132,7 +132,10 @@ impl Forward {
         }
         let method = host.load_method(backend, "forward", &options)?;
         let cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
+            serde_json::from_str(&kvplug_core::files::read_text(
+                &model.join("config.json"),
+                kvplug_core::files::MAX_TEXT_BYTES,
+            )?)?;
         let vocab = cfg["vocab_size"]
             .as_u64()
             .context("config.json has no vocab_size")? as usize;
@@ -246,6 +249,13 @@ pub enum Draft {
 fn config(spec: &RunSpec, layers: Option<usize>, model: &Path) -> Result<CacheConfig> {
     let mut params = cache_params(model)?;
     if let Some(n) = layers {
+        if n == 0 || n > params.n_layers {
+            bail!(
+                "--draft-layers {n}: the model has {} layers (give 1..={})",
+                params.n_layers,
+                params.n_layers
+            );
+        }
         params.n_layers = n;
     }
     let cfg = make_config(&params, spec.capacity, spec.kv_dtype);
@@ -260,7 +270,7 @@ fn check_prompt(spec: &RunSpec) -> Result<()> {
     if spec.max_new == 0 {
         bail!("--max-new 0 would generate nothing: give at least 1");
     }
-    if spec.prompt.len() + spec.max_new > spec.capacity {
+    if spec.prompt.len().saturating_add(spec.max_new) > spec.capacity {
         bail!(
             "prompt ({}) + max_new ({}) exceed the capacity {}",
             spec.prompt.len(),
@@ -452,8 +462,16 @@ pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> R
     if !(1..=63).contains(&k) {
         bail!("--agents takes 1..=63 branches (sequence 0 is the trunk)");
     }
-    let mut cfg = config(spec, None, &spec.model)?;
-    cfg.capacity = cfg.capacity.max(spec.prompt.len() + k * spec.max_new);
+    let need = spec.prompt.len() + k * spec.max_new;
+    if need > spec.capacity {
+        bail!(
+            "the prompt ({}) and {k} branches of max_new ({}) need {need} cells; the capacity is {}",
+            spec.prompt.len(),
+            spec.max_new,
+            spec.capacity
+        );
+    }
+    let cfg = config(spec, None, &spec.model)?;
     let (session, options) = host.make_seq_session(&spec.backend, &cfg)?;
     let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
     let p = spec.prompt.len();
@@ -538,19 +556,40 @@ pub fn run_speculative(
     if depth == 0 || width == 0 {
         bail!("--depth and --width must be at least 1");
     }
-    let nodes = 1 + width * depth;
-    let mut cfg_t = config(spec, None, &spec.model)?;
-    cfg_t.capacity = spec.capacity + nodes;
+    // The committed tokens plus one round's draft tree must fit.
+    width
+        .checked_mul(depth)
+        .and_then(|n| n.checked_add(1))
+        .filter(|&n| spec.prompt.len() + spec.max_new + n <= spec.capacity)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--depth {depth} × --width {width} draft trees do not fit beside the prompt ({}) \
+                 and max_new ({}) in the capacity {}",
+                spec.prompt.len(),
+                spec.max_new,
+                spec.capacity
+            )
+        })?;
+    let cfg_t = config(spec, None, &spec.model)?;
     let (draft_dir, draft_layers) = match draft {
         Draft::Model(d) => (d.clone(), None),
         Draft::Layers(n) => (spec.model.clone(), Some(*n)),
     };
-    let mut cfg_d = config(spec, draft_layers, &draft_dir)?;
-    cfg_d.capacity = cfg_t.capacity;
+    let cfg_d = config(spec, draft_layers, &draft_dir)?;
     let (tgt_s, tgt_o) = host.make_tree_session(&spec.backend, &cfg_t)?;
     let (drf_s, drf_o) = host.make_tree_session(&spec.backend, &cfg_d)?;
     let mut tgt = Forward::load(host, &spec.backend, &spec.model, None, tgt_o)?;
     let mut drf = Forward::load(host, &spec.backend, &draft_dir, draft_layers, drf_o)?;
+    if drf.vocab != tgt.vocab {
+        bail!(
+            "the draft model {} has a vocabulary of {} tokens, the target {} has {}: a draft \
+             must share the target's tokenizer",
+            draft_dir.display(),
+            drf.vocab,
+            spec.model.display(),
+            tgt.vocab
+        );
+    }
     let p = spec.prompt.len();
     let t0 = Instant::now();
     if p > 1 {

@@ -8,26 +8,13 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use crate::gguf::open_regular;
-
-/// Largest `tokenizer.json` / config file read (the real ones are a few MB).
-const MAX_TEXT_FILE: u64 = 64 << 20;
+use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
     if !path.exists() {
         return Ok(None);
     }
-    let f = open_regular(path)?;
-    let len = f.metadata()?.len();
-    if len > MAX_TEXT_FILE {
-        bail!(
-            "{}: {len} bytes is larger than {MAX_TEXT_FILE}",
-            path.display()
-        );
-    }
-    let mut text = String::new();
-    std::io::Read::read_to_string(&mut std::io::Read::take(f, MAX_TEXT_FILE), &mut text)
-        .with_context(|| format!("{}", path.display()))?;
+    let text = read_text(path, MAX_TEXT_BYTES)?;
     serde_json::from_str(&text)
         .with_context(|| format!("{}: invalid JSON", path.display()))
         .map(Some)
@@ -97,8 +84,8 @@ impl Text {
                 dir.display()
             );
         }
-        open_regular(&path)?;
-        let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        let tokenizer = read_text(&path, MAX_TEXT_BYTES)?
+            .parse::<tokenizers::Tokenizer>()
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let mut stop = BTreeSet::new();

@@ -33,9 +33,11 @@ impl From<&CacheConfig> for AbiCacheConfig {
     fn from(c: &CacheConfig) -> Self {
         AbiCacheConfig {
             capacity: c.capacity as u64,
-            n_layers: c.n_layers as u32,
-            n_kv_heads: c.n_kv_heads as u32,
-            head_dim: c.head_dim as u32,
+            // Saturated, never wrapped: an oversized value stays oversized and is refused
+            // by validation on the other side instead of becoming a small valid one.
+            n_layers: u32::try_from(c.n_layers).unwrap_or(u32::MAX),
+            n_kv_heads: u32::try_from(c.n_kv_heads).unwrap_or(u32::MAX),
+            head_dim: u32::try_from(c.head_dim).unwrap_or(u32::MAX),
             min_chunk: c.min_chunk as u64,
             kv_dtype: c.kv_dtype.to_string().into(),
         }

@@ -12,6 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kvplug_core::files::{read_text, FileError, MAX_TEXT_BYTES};
 use kvplug_core::{CacheKind, ErrorKind, KvDtype, PlanKind};
 use serde::Deserialize;
 
@@ -235,14 +236,9 @@ pub struct Scenario {
 /// A scenario file that could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
-    /// I/O.
-    #[error("{path}: {source}")]
-    Io {
-        /// File or directory.
-        path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
-    },
+    /// A directory or file that could not be read (the message names it).
+    #[error(transparent)]
+    File(#[from] FileError),
     /// Malformed JSON or an unknown op/field.
     #[error("{path}: {message}")]
     Parse {
@@ -268,8 +264,12 @@ pub const MAX_CAPACITY: usize = 1 << 20;
 pub const MAX_LAYERS: usize = 256;
 /// ... query heads ...
 pub const MAX_HEADS: usize = 256;
-/// ... and values per head row.
+/// ... values per head row ...
 pub const MAX_HEAD_DIM: usize = 1024;
+/// ... and K (or V) values a full cache holds, `capacity · n_layers · n_kv_heads · head_dim`
+/// (the oracle keeps them as f64: 512 MiB for K and V together at this bound); one step's
+/// query values, `tokens · n_q_heads · head_dim`, have the same bound.
+pub const MAX_KV_VALUES: u64 = 1 << 25;
 
 /// Parses one scenario; `path` names it in errors.
 pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
@@ -297,6 +297,23 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
             )));
         }
     }
+    let product = |v: &[usize]| v.iter().fold(1u64, |a, &v| a.saturating_mul(v as u64));
+    for (what, values) in [
+        (
+            "K values at capacity (capacity · n_layers · n_kv_heads · head_dim)",
+            product(&[c.capacity, c.n_layers, c.n_kv_heads, c.head_dim]),
+        ),
+        (
+            "query values in a full step (capacity · n_q_heads · head_dim)",
+            product(&[c.capacity, c.n_q_heads, c.head_dim]),
+        ),
+    ] {
+        if values > MAX_KV_VALUES {
+            return Err(invalid(format!(
+                "config allows {values} {what}, above this format's limit of {MAX_KV_VALUES}"
+            )));
+        }
+    }
     if c.n_kv_heads == 0 || c.n_q_heads % c.n_kv_heads != 0 {
         return Err(invalid(format!(
             "n_q_heads {} is not a multiple of n_kv_heads {}",
@@ -304,12 +321,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         )));
     }
     for (i, op) in s.ops.iter().enumerate() {
-        check_op(op, c.n_layers).map_err(|m| invalid(format!("op {i}: {m}")))?;
+        check_op(op, c.n_layers, c.capacity).map_err(|m| invalid(format!("op {i}: {m}")))?;
     }
     Ok(s)
 }
 
-fn check_op(op: &Op, n_layers: usize) -> Result<(), String> {
+fn check_op(op: &Op, n_layers: usize, capacity: usize) -> Result<(), String> {
     match op {
         Op::Step {
             pos,
@@ -319,6 +336,13 @@ fn check_op(op: &Op, n_layers: usize) -> Result<(), String> {
         } => match (pos, pos_range) {
             (Some(_), Some(_)) => Err("step has both 'pos' and 'pos_range'".into()),
             (None, None) => Err("step needs 'pos' or 'pos_range'".into()),
+            (Some(p), None) if p.len() > capacity => Err(format!(
+                "step has {} tokens, more than the capacity {capacity}",
+                p.len()
+            )),
+            (None, Some([a, b])) if i64::from(*b) - i64::from(*a) > capacity as i64 => Err(
+                format!("pos_range [{a}, {b}] has more tokens than the capacity {capacity}"),
+            ),
             _ if *tamper_layer >= n_layers => Err(format!(
                 "tamper_layer {tamper_layer} is outside the {n_layers} layers"
             )),
@@ -340,17 +364,18 @@ fn check_op(op: &Op, n_layers: usize) -> Result<(), String> {
             Op::Check { .. } | Op::ExpectError { .. } => {
                 Err("expect_error cannot wrap check or expect_error".into())
             }
-            ref inner => check_op(inner, n_layers),
+            ref inner => check_op(inner, n_layers, capacity),
         },
         _ => Ok(()),
     }
 }
 
-/// Loads every `*.json` in `dir`, sorted by file name.
+/// Loads every `*.json` in `dir`, sorted by file name; a directory without any is an error.
+/// Only regular files of at most [`MAX_TEXT_BYTES`] are read.
 pub fn load_dir(dir: &Path) -> Result<Vec<Scenario>, ScenarioError> {
-    let io = |source| ScenarioError::Io {
+    let io = |e: std::io::Error| FileError {
         path: dir.to_path_buf(),
-        source,
+        reason: e.to_string(),
     };
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(io)?
@@ -358,15 +383,16 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Scenario>, ScenarioError> {
         .filter(|p| p.extension().is_some_and(|e| e == "json"))
         .collect();
     files.sort();
+    if files.is_empty() {
+        return Err(FileError {
+            path: dir.to_path_buf(),
+            reason: "no *.json scenario files here".into(),
+        }
+        .into());
+    }
     files
         .iter()
-        .map(|p| {
-            let text = std::fs::read_to_string(p).map_err(|source| ScenarioError::Io {
-                path: p.clone(),
-                source,
-            })?;
-            parse(p, &text)
-        })
+        .map(|p| parse(p, &read_text(p, MAX_TEXT_BYTES)?))
         .collect()
 }
 

@@ -56,12 +56,11 @@ impl Device for CpuDevice {
         head_dim: usize,
         cells: usize,
     ) -> Result<CpuPool, KitError> {
-        Ok(CpuPool::new(dtype, heads, head_dim, cells))
+        CpuPool::new(dtype, heads, head_dim, cells)
     }
 
     fn pool_grow(&self, pool: &mut CpuPool, cells: usize, keep: usize) -> Result<(), KitError> {
-        pool.grow(cells, keep);
-        Ok(())
+        pool.grow(cells, keep)
     }
 
     fn pool_bytes(&self, pool: &CpuPool) -> usize {

@@ -3,7 +3,8 @@
 
 use half::{bf16, f16};
 use kvplug_backend_kit::quant::quantize_row;
-use kvplug_core::KvDtype;
+use kvplug_backend_kit::KitError;
+use kvplug_core::{CacheError, KvDtype};
 
 /// Typed row storage.
 #[derive(Clone, Debug)]
@@ -43,32 +44,44 @@ pub struct CpuPool {
     pub storage: Storage,
 }
 
-/// Resizes `v` from `old` to `new` rows per head (each row `per_row` elements), keeping
-/// rows `[0, keep)` of every head.
-fn regrow<T: Copy + Default>(
-    v: &mut Vec<T>,
+/// `n` default values, or the allocation failure as an error (never an abort).
+fn zeroed<T: Copy + Default>(n: usize) -> Result<Vec<T>, KitError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        KitError::Cache(CacheError::capacity(format!(
+            "cannot allocate a pool of {n} elements: {e}"
+        )))
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
+/// `v` (`old` rows per head, each `per_row` elements) resized to `new` rows per head,
+/// keeping rows `[0, keep)` of every head.
+fn regrown<T: Copy + Default>(
+    v: &[T],
     heads: usize,
     old: usize,
     new: usize,
     keep: usize,
     per_row: usize,
-) {
-    let mut grown = vec![T::default(); heads * new * per_row];
+) -> Result<Vec<T>, KitError> {
+    let mut grown = zeroed(heads * new * per_row)?;
     for h in 0..heads {
         let src = &v[h * old * per_row..(h * old + keep) * per_row];
         grown[h * new * per_row..(h * new + keep) * per_row].copy_from_slice(src);
     }
-    *v = grown;
+    Ok(grown)
 }
 
 impl CpuPool {
-    /// A zeroed pool.
-    pub fn new(dtype: KvDtype, heads: usize, head_dim: usize, cells: usize) -> Self {
+    /// A zeroed pool; an allocation the system refuses is an error.
+    pub fn new(dtype: KvDtype, heads: usize, head_dim: usize, cells: usize) -> Result<Self, KitError> {
         let n = heads * cells * head_dim;
         let storage = match dtype {
-            KvDtype::F32 => Storage::F32(vec![0.0; n]),
-            KvDtype::F16 => Storage::F16(vec![f16::ZERO; n]),
-            KvDtype::Bf16 => Storage::Bf16(vec![bf16::ZERO; n]),
+            KvDtype::F32 => Storage::F32(zeroed(n)?),
+            KvDtype::F16 => Storage::F16(zeroed(n)?),
+            KvDtype::Bf16 => Storage::Bf16(zeroed(n)?),
             KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
                 let bits = if matches!(dtype, KvDtype::Q8 { .. }) {
                     8
@@ -79,18 +92,18 @@ impl CpuPool {
                 Storage::Quant {
                     bits,
                     group,
-                    codes: vec![0; n * bits as usize / 8],
-                    scales: vec![0; groups],
-                    los: vec![0; groups],
+                    codes: zeroed(n * bits as usize / 8)?,
+                    scales: zeroed(groups)?,
+                    los: zeroed(groups)?,
                 }
             }
         };
-        CpuPool {
+        Ok(CpuPool {
             heads,
             head_dim,
             cells,
             storage,
-        }
+        })
     }
 
     /// Bytes held.
@@ -105,13 +118,14 @@ impl CpuPool {
         }
     }
 
-    /// Grows to `cells` rows per head keeping rows `[0, keep)`.
-    pub fn grow(&mut self, cells: usize, keep: usize) {
+    /// Grows to `cells` rows per head keeping rows `[0, keep)`; unchanged when an
+    /// allocation fails.
+    pub fn grow(&mut self, cells: usize, keep: usize) -> Result<(), KitError> {
         let (h, d, old) = (self.heads, self.head_dim, self.cells);
         match &mut self.storage {
-            Storage::F32(v) => regrow(v, h, old, cells, keep, d),
-            Storage::F16(v) => regrow(v, h, old, cells, keep, d),
-            Storage::Bf16(v) => regrow(v, h, old, cells, keep, d),
+            Storage::F32(v) => *v = regrown(v, h, old, cells, keep, d)?,
+            Storage::F16(v) => *v = regrown(v, h, old, cells, keep, d)?,
+            Storage::Bf16(v) => *v = regrown(v, h, old, cells, keep, d)?,
             Storage::Quant {
                 bits,
                 group,
@@ -119,12 +133,14 @@ impl CpuPool {
                 scales,
                 los,
             } => {
-                regrow(codes, h, old, cells, keep, d * *bits as usize / 8);
-                regrow(scales, h, old, cells, keep, d / *group);
-                regrow(los, h, old, cells, keep, d / *group);
+                let c = regrown(codes, h, old, cells, keep, d * *bits as usize / 8)?;
+                let s = regrown(scales, h, old, cells, keep, d / *group)?;
+                let l = regrown(los, h, old, cells, keep, d / *group)?;
+                (*codes, *scales, *los) = (c, s, l);
             }
         }
         self.cells = cells;
+        Ok(())
     }
 
     /// Stores `src` (`head_dim` values) as head `h` of cell `c`.
@@ -235,7 +251,7 @@ mod tests {
     #[test]
     fn growth_keeps_rows_and_footprint_matches_dtype() {
         for dtype in KvDtype::ALL {
-            let mut p = CpuPool::new(dtype, 2, 64, 4);
+            let mut p = CpuPool::new(dtype, 2, 64, 4).unwrap();
             assert_eq!(p.bytes(), 2 * 4 * dtype.row_bytes(64));
             let row: Vec<f32> = (0..64).map(|i| (i as f32 / 9.0).sin()).collect();
             p.write_row(1, 3, &row);
@@ -246,7 +262,7 @@ mod tests {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0, f32::max);
             assert!(err < 0.08, "{dtype}: {err}");
-            p.grow(8, 4);
+            p.grow(8, 4).unwrap();
             assert_eq!(p.bytes(), 2 * 8 * dtype.row_bytes(64));
             assert_eq!(p.read_row(1, 3), stored, "{dtype}: row survives growth");
             p.copy_row(1, 3, 6);

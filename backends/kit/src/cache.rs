@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use kvplug_core::limits::check_memory;
 use kvplug_core::{
     Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind,
 };
@@ -79,6 +80,10 @@ impl<D: Device> KitCache<D> {
             .into());
         }
         let cells = cfg.first_chunk();
+        check_memory(
+            &format!("the first K/V pools ({cells} cells)"),
+            cfg.pools_bytes(cells),
+        )?;
         let mut pools = Vec::with_capacity(2 * cfg.n_layers);
         for _ in 0..2 * cfg.n_layers {
             pools.push(device.pool_new(cfg.kv_dtype, cfg.n_kv_heads, cfg.head_dim, cells)?);
@@ -221,6 +226,14 @@ impl<D: Device> KitCache<D> {
         self.last_plan = Some((kind, read_len));
         if read_len > self.pool_cells {
             let cells = self.cfg.grown_cells(self.pool_cells, read_len);
+            let more = self
+                .cfg
+                .pools_bytes(cells)
+                .map(|b| b - self.cfg.pools_bytes(self.pool_cells).unwrap_or(0));
+            if let Err(e) = check_memory(&format!("growing the pools to {cells} cells"), more) {
+                self.book.rollback_step();
+                return Err(e.into());
+            }
             let _span =
                 tracing::debug_span!("pool_grow", from = self.pool_cells, to = cells).entered();
             for pool in self.k.iter_mut().chain(self.v.iter_mut()) {

@@ -157,7 +157,11 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
         }
     }
     let fnorm = w("model.norm.weight", &[h]);
-    let head = w("lm_head.weight", &[v, h]);
+    let head = if c.tie_word_embeddings {
+        w("model.embed_tokens.weight", &[v, h])
+    } else {
+        w("lm_head.weight", &[v, h])
+    };
     xs.iter()
         .map(|x| matvec(&head, v, &norm(x, &fnorm)))
         .collect()

@@ -5,14 +5,9 @@ use kvplug_core::{CacheError, ModelCacheParams};
 /// Why a model package cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    /// A file could not be read.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// Cause.
-        source: std::io::Error,
-    },
+    /// A file could not be read (the message names it).
+    #[error(transparent)]
+    File(#[from] kvplug_core::files::FileError),
     /// A malformed or inconsistent file.
     #[error("{0}")]
     Malformed(String),
@@ -108,18 +103,75 @@ pub struct LlamaConfig {
     /// Qwen2: whether `sliding_window` applies.
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// The MLP activation; only `silu` is implemented.
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    /// Biases on the MLP projections (not implemented: refused).
+    #[serde(default)]
+    pub mlp_bias: bool,
 }
+
+/// The largest residual width, MLP width and vocabulary a config may declare (released
+/// models stay well below; the bounds keep every shape product far from overflow).
+pub const MAX_HIDDEN: usize = 1 << 16;
+/// See [`MAX_HIDDEN`].
+pub const MAX_INTERMEDIATE: usize = 1 << 18;
+/// See [`MAX_HIDDEN`].
+pub const MAX_VOCAB: usize = 1 << 22;
 
 impl LlamaConfig {
     /// Parses and validates `config.json` text.
     pub fn parse(text: &str) -> Result<Self, ModelError> {
         let c: LlamaConfig = serde_json::from_str(text)
-            .map_err(|e| ModelError::Malformed(format!("config.json: {e}")))?;
+            .map_err(|e| ModelError::Malformed(e.to_string()))?;
         if !matches!(c.model_type.as_str(), "llama" | "mistral" | "qwen2") {
             return Err(ModelError::Unsupported(c.model_type));
         }
+        use kvplug_core::limits::{MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS};
+        for (name, v, max) in [
+            ("hidden_size", c.hidden_size, MAX_HIDDEN),
+            ("intermediate_size", c.intermediate_size, MAX_INTERMEDIATE),
+            ("vocab_size", c.vocab_size, MAX_VOCAB),
+            ("num_hidden_layers", c.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", c.num_attention_heads, MAX_KV_HEADS),
+            ("head_dim", c.head_dim(), MAX_HEAD_DIM),
+        ] {
+            if v > max {
+                return Err(ModelError::Malformed(format!(
+                    "{name} {v} is above the limit of {max}"
+                )));
+            }
+        }
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(ModelError::Malformed(format!(
+                    "{name} {v} must be a finite number > 0"
+                )))
+            }
+        };
+        positive("rms_norm_eps", c.rms_norm_eps)?;
+        positive("rope_theta", c.rope_theta)?;
+        if let Some(act) = c.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(ModelError::Malformed(format!(
+                "hidden_act '{act}' is not supported (only silu)"
+            )));
+        }
+        if c.mlp_bias {
+            return Err(ModelError::Malformed(
+                "mlp_bias is not supported (MLP projections without biases only)".into(),
+            ));
+        }
+        if c.attention_bias && c.model_type != "qwen2" {
+            return Err(ModelError::Malformed(
+                "attention_bias is not supported for llama/mistral (it adds an o_proj bias)"
+                    .into(),
+            ));
+        }
         let kv = c.kv_heads();
         let dims_ok = c.hidden_size > 0
+            && c.intermediate_size > 0
             && c.num_attention_heads > 0
             && kv > 0
             && c.num_attention_heads % kv == 0
@@ -129,7 +181,7 @@ impl LlamaConfig {
             && c.head_dim() > 0;
         if !dims_ok {
             return Err(ModelError::Malformed(format!(
-                "config.json: inconsistent shape (hidden {}, heads {}, kv heads {kv}, head_dim {}, layers {})",
+                "inconsistent shape (hidden {}, heads {}, kv heads {kv}, head_dim {}, layers {})",
                 c.hidden_size,
                 c.num_attention_heads,
                 c.head_dim(),
@@ -139,7 +191,7 @@ impl LlamaConfig {
         let windowed = c.model_type != "qwen2" || c.use_sliding_window;
         if let Some(w) = c.sliding_window.filter(|_| windowed) {
             return Err(ModelError::Malformed(format!(
-                "config.json: sliding-window attention (sliding_window = {w}) is not supported yet; \
+                "sliding-window attention (sliding_window = {w}) is not supported yet; \
                  running this {} model with full attention would be wrong past {w} tokens",
                 c.model_type
             )));
@@ -149,6 +201,18 @@ impl LlamaConfig {
                 return Err(ModelError::Malformed(format!(
                     "rope_scaling type '{}' is not supported (only llama3)",
                     s.rope_type
+                )));
+            }
+            positive("rope_scaling.factor", s.factor)?;
+            positive("rope_scaling.low_freq_factor", s.low_freq_factor)?;
+            positive(
+                "rope_scaling.original_max_position_embeddings",
+                s.original_max_position_embeddings,
+            )?;
+            if !(s.high_freq_factor > s.low_freq_factor) {
+                return Err(ModelError::Malformed(format!(
+                    "rope_scaling.high_freq_factor {} must exceed low_freq_factor {}",
+                    s.high_freq_factor, s.low_freq_factor
                 )));
             }
         }
@@ -234,6 +298,38 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("inconsistent shape"), "{e}");
         assert!(LlamaConfig::parse("{").is_err());
+    }
+
+    #[test]
+    fn unsupported_or_invalid_values_are_refused_naming_them() {
+        let with = |key: &str, value: serde_json::Value| {
+            let mut v: serde_json::Value = serde_json::from_str(SMOL).unwrap();
+            v[key] = value;
+            LlamaConfig::parse(&v.to_string())
+        };
+        use serde_json::json;
+        for (key, value, says) in [
+            ("hidden_act", json!("gelu"), "hidden_act 'gelu' is not supported"),
+            ("mlp_bias", json!(true), "mlp_bias is not supported"),
+            ("attention_bias", json!(true), "attention_bias is not supported"),
+            ("rms_norm_eps", json!(-1e-5), "rms_norm_eps -0.00001 must be"),
+            ("rope_theta", json!(0.0), "rope_theta 0 must be a finite number > 0"),
+            (
+                "rope_scaling",
+                json!({"rope_type": "llama3", "factor": 0.0}),
+                "rope_scaling.factor 0 must be",
+            ),
+            ("vocab_size", json!(1u64 << 32), "vocab_size 4294967296 is above the limit"),
+            (
+                "num_hidden_layers",
+                json!((1u64 << 32) + 2),
+                "num_hidden_layers 4294967298 is above the limit",
+            ),
+        ] {
+            let e = with(key, value).unwrap_err().to_string();
+            assert!(e.contains(says), "{key}: {e}");
+        }
+        assert!(with("hidden_act", json!("silu")).is_ok());
     }
 
     #[test]

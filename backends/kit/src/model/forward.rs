@@ -91,7 +91,7 @@ impl<D: ModelDevice> LlamaModel<D> {
         };
         let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
         // A tied head is the embedding table itself: stored once.
-        let lm_head = if c.tie_word_embeddings || !pkg.contains("lm_head.weight") {
+        let lm_head = if c.tie_word_embeddings {
             None
         } else {
             Some(mat("lm_head.weight", c.vocab_size, h)?)

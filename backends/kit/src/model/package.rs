@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kvplug_core::files::{inside, open_regular, read_text, FileError, MAX_TEXT_BYTES};
 use kvplug_core::metadata::{has_cache_params, read_cache_params};
 use kvplug_core::ModelCacheParams;
 use safetensors::{Dtype, SafeTensors};
@@ -24,24 +25,20 @@ pub struct ModelPackage {
     metadata_params: Option<ModelCacheParams>,
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
-    move |source| ModelError::Io {
-        path: path.display().to_string(),
-        source,
-    }
+fn json(path: &Path) -> Result<serde_json::Value, ModelError> {
+    serde_json::from_str(&read_text(path, MAX_TEXT_BYTES)?)
+        .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))
 }
 
 impl ModelPackage {
     /// Opens `dir`, parsing the config and every shard header.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let cfg_path = dir.join("config.json");
-        let config =
-            LlamaConfig::parse(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)?;
+        let config = LlamaConfig::parse(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
+            .map_err(|e| ModelError::Malformed(format!("{}: {e}", cfg_path.display())))?;
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Malformed(format!("{}: {e}", index_path.display())))?;
+            let v = json(&index_path)?;
             let map = v["weight_map"].as_object().ok_or_else(|| {
                 ModelError::Malformed(format!("{}: no weight_map", index_path.display()))
             })?;
@@ -63,11 +60,14 @@ impl ModelPackage {
             metadata_params: None,
         };
         for (i, f) in files.iter().enumerate() {
-            let path = dir.join(f);
-            let file = std::fs::File::open(&path).map_err(io(&path))?;
+            let path = inside(dir, f)?;
+            let (file, _) = open_regular(&path)?;
             // SAFETY: the mapping is read-only; a package modified while loaded is a user
             // error that at worst yields wrong weights, as with any reader.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io(&path))?;
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FileError {
+                path: path.clone(),
+                reason: format!("cannot map: {e}"),
+            })?;
             let (_, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
                 ModelError::Malformed(format!("{}: not a safetensors file: {e}", path.display()))
             })?;
@@ -145,8 +145,14 @@ impl ModelPackage {
         };
         let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = map.clone();
-        StoredTensor::new(dtype, owner, start..start + view.data().len())
-            .ok_or_else(|| ModelError::Malformed(format!("tensor '{name}': partial elements")))
+        let t = StoredTensor::new(dtype, owner, start..start + view.data().len())
+            .ok_or_else(|| ModelError::Malformed(format!("tensor '{name}': partial elements")))?;
+        if let Some(i) = t.first_non_finite() {
+            return Err(ModelError::Malformed(format!(
+                "tensor '{name}' has a NaN or infinite value at element {i}"
+            )));
+        }
+        Ok(t)
     }
 
     /// Tensor `name` widened to f32 (norms, biases, references), checked against `shape`.

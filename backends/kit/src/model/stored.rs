@@ -155,6 +155,16 @@ impl StoredTensor {
         }
     }
 
+    /// The index of the first NaN or infinite element, if any.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        // All-ones exponents, tested on the bits (vectorizes; no widening).
+        match self.values() {
+            StoredValues::F32(v) => v.iter().position(|x| !x.is_finite()),
+            StoredValues::F16(v) => v.iter().position(|x| x.to_bits() & 0x7c00 == 0x7c00),
+            StoredValues::BF16(v) => v.iter().position(|x| x.to_bits() & 0x7f80 == 0x7f80),
+        }
+    }
+
     /// The elements widened to f32 (small tensors: norms, biases).
     pub fn to_f32(&self) -> Vec<f32> {
         match self.values() {
@@ -184,6 +194,21 @@ mod tests {
         let t = StoredTensor::new(StoredDtype::F16, Arc::new(halves), 0..4).unwrap();
         assert_eq!(t.to_f32(), [1.0, 0.5]);
         assert!(StoredTensor::new(StoredDtype::F16, Arc::new(vec![0u8; 3]), 0..3).is_none());
+        // A finite prefix (f16::MAX twice; as f32 or bf16 bits that is one finite value and
+        // two finite halves), then one non-finite element.
+        for (dtype, bad, at) in [
+            (StoredDtype::F16, f16::INFINITY.to_le_bytes().to_vec(), 2),
+            (StoredDtype::F16, f16::NAN.to_le_bytes().to_vec(), 2),
+            (StoredDtype::BF16, bf16::NEG_INFINITY.to_le_bytes().to_vec(), 2),
+            (StoredDtype::F32, f32::NAN.to_le_bytes().to_vec(), 1),
+        ] {
+            let mut all = f16::MAX.to_le_bytes().repeat(2);
+            all.extend(bad);
+            let n = all.len();
+            let t = StoredTensor::new(dtype, Arc::new(all), 0..n).unwrap();
+            assert_eq!(t.first_non_finite(), Some(at), "{dtype:?}");
+        }
+        assert_eq!(StoredTensor::from_f32(&[f32::MAX, -0.0]).first_non_finite(), None);
         assert!(StoredTensor::new(StoredDtype::F32, Arc::new(vec![0u8; 4]), 0..8).is_none());
     }
 }
