@@ -44,7 +44,10 @@ pub fn open_regular(path: &Path) -> Result<(File, u64), FileError> {
 pub fn read_text(path: &Path, max: u64) -> Result<String, FileError> {
     let (file, len) = open_regular(path)?;
     if len > max {
-        return Err(err(path, format!("{len} bytes is above the limit of {max}")));
+        return Err(err(
+            path,
+            format!("{len} bytes is above the limit of {max}"),
+        ));
     }
     let mut text = String::new();
     // Bounded again in case the file grows while read.
@@ -89,12 +92,19 @@ mod tests {
         std::fs::write(&f, "{}").unwrap();
         assert_eq!(read_text(&f, 2).unwrap(), "{}");
         let e = read_text(&f, 1).unwrap_err().to_string();
-        assert!(e.ends_with("a.json: 2 bytes is above the limit of 1"), "{e}");
+        assert!(
+            e.ends_with("a.json: 2 bytes is above the limit of 1"),
+            "{e}"
+        );
         let e = read_text(&dir, 10).unwrap_err().to_string();
         assert!(e.contains("a directory; expected a regular file"), "{e}");
-        let e = read_text(Path::new("/dev/zero"), 10).unwrap_err().to_string();
+        let e = read_text(Path::new("/dev/zero"), 10)
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "/dev/zero: not a regular file; expected a regular file");
-        let e = read_text(&dir.join("missing.json"), 10).unwrap_err().to_string();
+        let e = read_text(&dir.join("missing.json"), 10)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("missing.json: No such file"), "{e}");
 
         assert_eq!(inside(&dir, "a.json").unwrap(), dir.join("a.json"));

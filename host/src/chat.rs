@@ -109,14 +109,11 @@ impl Chat {
         self.session.rewind(reused)?;
         self.cached.truncate(reused);
         let fresh = &prompt[reused..];
-        let positions: Vec<i32> = (reused as i32..prompt.len() as i32).collect();
-        let logits = self
-            .fwd
-            .call(fresh, &positions, Some(&[fresh.len() as i32 - 1]))?;
+        let logits = self.fwd.prefill(fresh, reused, &mut |_| Ok(()))?;
         self.cached.extend_from_slice(fresh);
         let stop = self.text.stop_tokens().clone();
         let mut streamer = Streamer::default();
-        let mut ids = vec![self.sampler.sample(&logits[0])];
+        let mut ids = vec![self.sampler.sample(&logits)];
         on_text(&streamer.push(&self.text, ids[0])?)?;
         let t = Instant::now();
         while ids.len() < self.max_new && !stop.contains(&ids[ids.len() - 1]) {

@@ -13,10 +13,10 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use kvplug_core::files::open_regular;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 use half::f16;
+use kvplug_core::files::open_regular;
 use safetensors::tensor::{Dtype, TensorView};
 use sha2::{Digest, Sha256};
 

@@ -254,8 +254,10 @@ pub fn synth(preset: &Preset, out: &Path, seed: u64, dtype: &str) -> Result<()> 
         },
         &mut meta,
     );
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    safetensors::serialize_to_file(views, Some(meta), &out.join("model.safetensors"))?;
+    prepare_out(out)?;
+    let tmp = out.join(".model.safetensors.partial");
+    safetensors::serialize_to_file(views, Some(meta), &tmp)?;
+    std::fs::rename(&tmp, out.join("model.safetensors"))?;
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -272,9 +274,39 @@ pub fn synth(preset: &Preset, out: &Path, seed: u64, dtype: &str) -> Result<()> 
         "torch_dtype": match dtype { "f32" => "float32", "f16" => "float16", _ => "bfloat16" },
         "kvplug_synthetic": {"preset": p.name, "seed": seed},
     });
-    std::fs::write(
-        out.join("config.json"),
-        serde_json::to_string_pretty(&config)?,
-    )?;
+    let tmp = out.join(".config.json.partial");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&config)?)?;
+    std::fs::rename(&tmp, out.join("config.json"))?;
+    Ok(())
+}
+
+/// Makes `out` ready for a synthetic model: created when missing; when it holds files,
+/// only an earlier synthetic model is replaced (its weight files removed first, so no stale
+/// shard index can shadow the new weights); anything else is refused.
+fn prepare_out(out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let entries: Vec<std::path::PathBuf> = std::fs::read_dir(out)
+        .with_context(|| format!("reading {}", out.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let synthetic = read_text(&out.join("config.json"), MAX_TEXT_BYTES)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| v.get("kvplug_synthetic").is_some());
+    if !synthetic {
+        bail!(
+            "{}: not empty and not a synthetic model; give a new or empty directory",
+            out.display()
+        );
+    }
+    for p in entries {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.ends_with(".safetensors") || name == "model.safetensors.index.json" {
+            std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        }
+    }
     Ok(())
 }

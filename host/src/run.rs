@@ -131,11 +131,10 @@ impl Forward {
             options.set(OPTION_LAYERS, &n.to_string());
         }
         let method = host.load_method(backend, "forward", &options)?;
-        let cfg: serde_json::Value =
-            serde_json::from_str(&kvplug_core::files::read_text(
-                &model.join("config.json"),
-                kvplug_core::files::MAX_TEXT_BYTES,
-            )?)?;
+        let cfg: serde_json::Value = serde_json::from_str(&kvplug_core::files::read_text(
+            &model.join("config.json"),
+            kvplug_core::files::MAX_TEXT_BYTES,
+        )?)?;
         let vocab = cfg["vocab_size"]
             .as_u64()
             .context("config.json has no vocab_size")? as usize;
@@ -144,6 +143,29 @@ impl Forward {
             vocab,
             calls: 0,
         })
+    }
+
+    /// Prefills `tokens` at positions `start..` in micro-batches of at most
+    /// [`PREFILL_UBATCH`] tokens (one forward each, so attention scratch grows with
+    /// `ubatch × window`, never with the prompt squared), calling `begin(n)` before each
+    /// batch of `n` tokens (a seq cache names their sequences there). Returns the last
+    /// token's logits.
+    pub fn prefill(
+        &mut self,
+        tokens: &[i32],
+        start: usize,
+        begin: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        let mut last = None;
+        for (i, chunk) in tokens.chunks(PREFILL_UBATCH).enumerate() {
+            let p0 = start + i * PREFILL_UBATCH;
+            let positions: Vec<i32> = (p0 as i32..(p0 + chunk.len()) as i32).collect();
+            begin(chunk.len())?;
+            last = self
+                .call(chunk, &positions, Some(&[chunk.len() as i32 - 1]))?
+                .pop();
+        }
+        last.context("nothing to prefill")
     }
 
     /// Runs `tokens` at `positions`; returns the logits of `rows` (all when `None`).
@@ -169,6 +191,9 @@ impl Forward {
         Ok(logits.chunks(self.vocab).map(<[f32]>::to_vec).collect())
     }
 }
+
+/// Tokens per prefill forward (llama.cpp's default `n_ubatch`).
+pub const PREFILL_UBATCH: usize = 512;
 
 /// Cache statistics for reports.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -323,11 +348,10 @@ pub fn run_decode_streaming(
         host.make_decode_session(&spec.backend, &config(spec, None, &spec.model)?)?;
     let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
     let p = spec.prompt.len();
-    let positions: Vec<i32> = (0..p as i32).collect();
     let t0 = Instant::now();
-    let logits = fwd.call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?;
+    let logits = fwd.prefill(&spec.prompt, 0, &mut |_| Ok(()))?;
     let prefill_tok_s = rate(p, t0);
-    let mut ids = vec![sampler.sample(&logits[0])];
+    let mut ids = vec![sampler.sample(&logits)];
     on_token(ids[0])?;
     let progress = Progress::new();
     let t1 = Instant::now();
@@ -393,9 +417,9 @@ pub fn run_fork(host: &Host, spec: &RunSpec, suffixes: &[Vec<i32>]) -> Result<Fo
     let (session, options) =
         host.make_seq_session(&spec.backend, &config(spec, None, &spec.model)?)?;
     let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
-    session.begin_step(&vec![0; p])?;
-    let positions: Vec<i32> = (0..p as i32).collect();
-    fwd.call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?;
+    fwd.prefill(&spec.prompt, 0, &mut |n| {
+        Ok(session.begin_step(&vec![0; n])?)
+    })?;
     for b in 1..=k as i32 {
         session.seq_cp(0, b, None, None)?;
     }
@@ -476,11 +500,9 @@ pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> R
     let mut fwd = Forward::load(host, &spec.backend, &spec.model, None, options)?;
     let p = spec.prompt.len();
     let t0 = Instant::now();
-    session.begin_step(&vec![0; p])?;
-    let positions: Vec<i32> = (0..p as i32).collect();
-    let trunk = fwd
-        .call(&spec.prompt, &positions, Some(&[p as i32 - 1]))?
-        .remove(0);
+    let trunk = fwd.prefill(&spec.prompt, 0, &mut |n| {
+        Ok(session.begin_step(&vec![0; n])?)
+    })?;
     let prefill_tok_s = rate(p, t0);
     let mut order: Vec<usize> = (0..trunk.len()).collect();
     order.sort_by(|&a, &b| trunk[b].total_cmp(&trunk[a]));

@@ -289,6 +289,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Scenario, ScenarioError> {
         ("capacity", c.capacity, MAX_CAPACITY),
         ("n_layers", c.n_layers, MAX_LAYERS),
         ("n_q_heads", c.n_q_heads, MAX_HEADS),
+        ("n_kv_heads", c.n_kv_heads, MAX_HEADS),
         ("head_dim", c.head_dim, MAX_HEAD_DIM),
     ] {
         if value > max {

@@ -76,7 +76,12 @@ fn regrown<T: Copy + Default>(
 
 impl CpuPool {
     /// A zeroed pool; an allocation the system refuses is an error.
-    pub fn new(dtype: KvDtype, heads: usize, head_dim: usize, cells: usize) -> Result<Self, KitError> {
+    pub fn new(
+        dtype: KvDtype,
+        heads: usize,
+        head_dim: usize,
+        cells: usize,
+    ) -> Result<Self, KitError> {
         let n = heads * cells * head_dim;
         let storage = match dtype {
             KvDtype::F32 => Storage::F32(zeroed(n)?),

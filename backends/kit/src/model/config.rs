@@ -122,8 +122,8 @@ pub const MAX_VOCAB: usize = 1 << 22;
 impl LlamaConfig {
     /// Parses and validates `config.json` text.
     pub fn parse(text: &str) -> Result<Self, ModelError> {
-        let c: LlamaConfig = serde_json::from_str(text)
-            .map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let c: LlamaConfig =
+            serde_json::from_str(text).map_err(|e| ModelError::Malformed(e.to_string()))?;
         if !matches!(c.model_type.as_str(), "llama" | "mistral" | "qwen2") {
             return Err(ModelError::Unsupported(c.model_type));
         }
@@ -165,8 +165,7 @@ impl LlamaConfig {
         }
         if c.attention_bias && c.model_type != "qwen2" {
             return Err(ModelError::Malformed(
-                "attention_bias is not supported for llama/mistral (it adds an o_proj bias)"
-                    .into(),
+                "attention_bias is not supported for llama/mistral (it adds an o_proj bias)".into(),
             ));
         }
         let kv = c.kv_heads();
@@ -209,7 +208,9 @@ impl LlamaConfig {
                 "rope_scaling.original_max_position_embeddings",
                 s.original_max_position_embeddings,
             )?;
-            if !(s.high_freq_factor > s.low_freq_factor) {
+            if s.high_freq_factor.partial_cmp(&s.low_freq_factor)
+                != Some(std::cmp::Ordering::Greater)
+            {
                 return Err(ModelError::Malformed(format!(
                     "rope_scaling.high_freq_factor {} must exceed low_freq_factor {}",
                     s.high_freq_factor, s.low_freq_factor
@@ -309,17 +310,37 @@ mod tests {
         };
         use serde_json::json;
         for (key, value, says) in [
-            ("hidden_act", json!("gelu"), "hidden_act 'gelu' is not supported"),
+            (
+                "hidden_act",
+                json!("gelu"),
+                "hidden_act 'gelu' is not supported",
+            ),
             ("mlp_bias", json!(true), "mlp_bias is not supported"),
-            ("attention_bias", json!(true), "attention_bias is not supported"),
-            ("rms_norm_eps", json!(-1e-5), "rms_norm_eps -0.00001 must be"),
-            ("rope_theta", json!(0.0), "rope_theta 0 must be a finite number > 0"),
+            (
+                "attention_bias",
+                json!(true),
+                "attention_bias is not supported",
+            ),
+            (
+                "rms_norm_eps",
+                json!(-1e-5),
+                "rms_norm_eps -0.00001 must be",
+            ),
+            (
+                "rope_theta",
+                json!(0.0),
+                "rope_theta 0 must be a finite number > 0",
+            ),
             (
                 "rope_scaling",
                 json!({"rope_type": "llama3", "factor": 0.0}),
                 "rope_scaling.factor 0 must be",
             ),
-            ("vocab_size", json!(1u64 << 32), "vocab_size 4294967296 is above the limit"),
+            (
+                "vocab_size",
+                json!(1u64 << 32),
+                "vocab_size 4294967296 is above the limit",
+            ),
             (
                 "num_hidden_layers",
                 json!((1u64 << 32) + 2),

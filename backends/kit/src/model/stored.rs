@@ -199,7 +199,11 @@ mod tests {
         for (dtype, bad, at) in [
             (StoredDtype::F16, f16::INFINITY.to_le_bytes().to_vec(), 2),
             (StoredDtype::F16, f16::NAN.to_le_bytes().to_vec(), 2),
-            (StoredDtype::BF16, bf16::NEG_INFINITY.to_le_bytes().to_vec(), 2),
+            (
+                StoredDtype::BF16,
+                bf16::NEG_INFINITY.to_le_bytes().to_vec(),
+                2,
+            ),
             (StoredDtype::F32, f32::NAN.to_le_bytes().to_vec(), 1),
         ] {
             let mut all = f16::MAX.to_le_bytes().repeat(2);
@@ -208,7 +212,10 @@ mod tests {
             let t = StoredTensor::new(dtype, Arc::new(all), 0..n).unwrap();
             assert_eq!(t.first_non_finite(), Some(at), "{dtype:?}");
         }
-        assert_eq!(StoredTensor::from_f32(&[f32::MAX, -0.0]).first_non_finite(), None);
+        assert_eq!(
+            StoredTensor::from_f32(&[f32::MAX, -0.0]).first_non_finite(),
+            None
+        );
         assert!(StoredTensor::new(StoredDtype::F32, Arc::new(vec![0u8; 4]), 0..8).is_none());
     }
 }
