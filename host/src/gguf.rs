@@ -17,6 +17,8 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::Device;
 use half::f16;
 use kvplug_core::files::open_regular;
+
+use crate::gguf_check::{check_header, check_tensors};
 use safetensors::tensor::{Dtype, TensorView};
 use sha2::{Digest, Sha256};
 
@@ -27,10 +29,13 @@ struct Gguf {
 }
 
 impl Gguf {
+    /// Parses the header (after [`check_header`]) and checks every tensor lies inside.
     fn open(path: &Path) -> Result<Self> {
-        let mut r = BufReader::new(open_regular(path)?.0);
-        let content = Content::read(&mut r)
+        check_header(path)?;
+        let (file, len) = open_regular(path)?;
+        let content = Content::read(&mut BufReader::new(file))
             .map_err(|e| anyhow::anyhow!("{}: not a readable GGUF file: {e}", path.display()))?;
+        check_tensors(&content, len, path)?;
         Ok(Gguf {
             path: path.to_path_buf(),
             content,

@@ -20,6 +20,7 @@ pub mod conform;
 pub mod discovery;
 pub mod error;
 pub mod gguf;
+mod gguf_check;
 pub mod host;
 pub mod loader;
 pub mod model;

@@ -580,6 +580,9 @@ fn chat_loop(chat: &mut Chat, json: bool) -> Result<ExitCode> {
 /// conversation with different user turns (shared trunk, one forward per step); speculative
 /// decoding of the same answer, identical to greedy.
 fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> Result<ExitCode> {
+    if max_new == 0 {
+        bail!("--max-new 0 would generate nothing: give at least 1");
+    }
     let model = kvplug_host::gguf::resolve_model(model)?;
     let text = Text::load(&model)?;
     let question = Message::new("user", "What is the capital of France?");

@@ -101,6 +101,27 @@ fn peak_child_rss_kib() -> i64 {
     unsafe { usage.assume_init() }.ru_maxrss
 }
 
+/// Rewrites `dir/model.safetensors` through `edit` (name, dtype, shape, bytes → keep?).
+fn rewrite_weights(dir: &Path, edit: impl Fn(&str, &mut Vec<u8>) -> bool) {
+    use safetensors::tensor::TensorView;
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let mut data = view.data().to_vec();
+        if edit(&name, &mut data) {
+            kept.push((name, view.dtype(), view.shape().to_vec(), data));
+        }
+    }
+    let views: Vec<(&str, TensorView<'_>)> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    safetensors::serialize_to_file(views, meta.metadata().clone(), &path).unwrap();
+}
+
 fn mkfifo(path: &Path) {
     assert!(Command::new("mkfifo").arg(path).status().unwrap().success());
 }
@@ -226,6 +247,53 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
     // The shard's kv_cache metadata wins for the cache shape; the weights loader reads
     // config.json and must refuse the number.
     refuses(run_bad(&b), "4294967298");
+
+    // Config values and weights kvplug would run wrongly are refused, naming them.
+    let wrong = tmp.path().join("wrong");
+    cli.synth(&wrong);
+    let w = wrong.to_str().unwrap().to_string();
+    rewrite_weights(&wrong, |name, _| name != "lm_head.weight");
+    refuses(run_bad(&w), "missing tensor 'lm_head.weight'");
+    cli.synth(&wrong);
+    rewrite_weights(&wrong, |name, data| {
+        if name == "model.layers.1.mlp.up_proj.weight" {
+            data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+        true
+    });
+    refuses(
+        run_bad(&w),
+        "'model.layers.1.mlp.up_proj.weight' has a NaN or infinite value at element 2",
+    );
+    for (key, value, says) in [
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act 'gelu'"),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias"),
+        ("rms_norm_eps", serde_json::json!(-1.0), "rms_norm_eps -1"),
+        ("rope_theta", serde_json::json!(0), "rope_theta 0"),
+    ] {
+        cli.synth(&wrong);
+        let text = std::fs::read_to_string(wrong.join("config.json")).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v[key] = value;
+        std::fs::write(wrong.join("config.json"), v.to_string()).unwrap();
+        refuses(run_bad(&w), says);
+    }
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(wrong.join("config.json")).unwrap()).unwrap();
+    v["rope_theta"] = serde_json::json!(10000.0);
+    v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 0});
+    std::fs::write(wrong.join("config.json"), v.to_string()).unwrap();
+    refuses(run_bad(&w), "rope_scaling.factor 0");
+    refuses(
+        vec![
+            "demo".into(),
+            "--model".into(),
+            m.into(),
+            "--max-new".into(),
+            "0".into(),
+        ],
+        "--max-new 0",
+    );
 
     // Non-regular files never block or grow memory.
     for (file, kind) in [
