@@ -614,10 +614,10 @@ pub fn run_speculative(
     }
     let p = spec.prompt.len();
     let t0 = Instant::now();
+    // With no tree pending, steps append to the committed prefix.
     if p > 1 {
-        let positions: Vec<i32> = (0..p as i32 - 1).collect();
-        tgt.call(&spec.prompt[..p - 1], &positions, Some(&[p as i32 - 2]))?;
-        drf.call(&spec.prompt[..p - 1], &positions, Some(&[p as i32 - 2]))?;
+        tgt.prefill(&spec.prompt[..p - 1], 0, &mut |_| Ok(()))?;
+        drf.prefill(&spec.prompt[..p - 1], 0, &mut |_| Ok(()))?;
     }
     let prefill_tok_s = rate(p - 1, t0);
     let (mut root, mut base) = (spec.prompt[p - 1], p - 1);

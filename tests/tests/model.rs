@@ -98,6 +98,51 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
 }
 
 #[test]
+fn long_prompts_prefill_in_micro_batches_on_every_cache_kind() {
+    let model = tiny();
+    let host = host();
+    // Three micro-batches (the last partial); f32 KV, so the f32 tolerance of the
+    // reference test applies.
+    let n = 2 * kvplug_host::run::PREFILL_UBATCH + 76;
+    let prompt: Vec<i32> = (0..n).map(|i| (i * 37 % 251) as i32).collect();
+    let want = reference_logits(model.path(), &prompt).pop().unwrap();
+    let params = kvplug_host::model::cache_params(model.path()).unwrap();
+    let cfg = make_config(&params, n + 8, KvDtype::F32);
+    for backend in BACKENDS {
+        let (_c, c_opts) = host.make_decode_session(backend, &cfg).unwrap();
+        let (seq, seq_opts) = host.make_seq_session(backend, &cfg).unwrap();
+        let (_t, tree_opts) = host.make_tree_session(backend, &cfg).unwrap();
+        for (kind, opts) in [
+            ("contiguous", c_opts),
+            ("seq", seq_opts),
+            ("tree", tree_opts),
+        ] {
+            let mut fwd = Forward::load(&host, backend, model.path(), None, opts).unwrap();
+            let calls = fwd.calls;
+            let got = fwd
+                .prefill(&prompt, 0, &mut |k| {
+                    if kind == "seq" {
+                        seq.begin_step(&vec![0; k])?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(
+                fwd.calls - calls,
+                3,
+                "{backend} {kind}: one forward per micro-batch"
+            );
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (f64::from(*a) - b).abs())
+                .fold(0.0, f64::max);
+            assert!(worst < 1e-3, "{backend} {kind}: max |logit error| {worst}");
+        }
+    }
+}
+
+#[test]
 fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
     let model = tiny();
     let host = host();
