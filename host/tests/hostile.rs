@@ -101,17 +101,17 @@ fn peak_child_rss_kib() -> i64 {
     unsafe { usage.assume_init() }.ru_maxrss
 }
 
-/// Rewrites `dir/model.safetensors` through `edit` (name, dtype, shape, bytes → keep?).
-fn rewrite_weights(dir: &Path, edit: impl Fn(&str, &mut Vec<u8>) -> bool) {
+/// Rewrites `dir/model.safetensors` through `edit` (name, shape, bytes → keep?).
+fn rewrite_weights(dir: &Path, edit: impl Fn(&str, &mut Vec<usize>, &mut Vec<u8>) -> bool) {
     use safetensors::tensor::TensorView;
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, view) in st.tensors() {
-        let mut data = view.data().to_vec();
-        if edit(&name, &mut data) {
-            kept.push((name, view.dtype(), view.shape().to_vec(), data));
+        let (mut shape, mut data) = (view.shape().to_vec(), view.data().to_vec());
+        if edit(&name, &mut shape, &mut data) {
+            kept.push((name, view.dtype(), shape, data));
         }
     }
     let views: Vec<(&str, TensorView<'_>)> = kept
@@ -252,10 +252,10 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
     let wrong = tmp.path().join("wrong");
     cli.synth(&wrong);
     let w = wrong.to_str().unwrap().to_string();
-    rewrite_weights(&wrong, |name, _| name != "lm_head.weight");
+    rewrite_weights(&wrong, |name, _, _| name != "lm_head.weight");
     refuses(run_bad(&w), "missing tensor 'lm_head.weight'");
     cli.synth(&wrong);
-    rewrite_weights(&wrong, |name, data| {
+    rewrite_weights(&wrong, |name, _, data| {
         if name == "model.layers.1.mlp.up_proj.weight" {
             data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
         }
@@ -293,6 +293,26 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
             "0".into(),
         ],
         "--max-new 0",
+    );
+
+    // A draft model with another vocabulary is refused before decoding starts.
+    let other = tmp.path().join("other-vocab");
+    cli.synth(&other);
+    rewrite_weights(&other, |name, shape, data| {
+        if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            shape[0] -= 1;
+            data.truncate(shape.iter().product::<usize>() * 4);
+        }
+        true
+    });
+    let cfg_path = other.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    v["vocab_size"] = serde_json::json!(v["vocab_size"].as_u64().unwrap() - 1);
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    refuses(
+        run(&["--speculative", "--draft", other.to_str().unwrap()]),
+        "has a vocabulary of 255 tokens, the target",
     );
 
     // Non-regular files never block or grow memory.
