@@ -7,20 +7,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::target_dir;
+
 /// Wall-clock bound per command.
 const SECONDS: &str = "60";
 /// Peak RSS bound over every child, in KiB.
 const MAX_RSS_KIB: i64 = 1 << 20;
-
-fn target_dir() -> PathBuf {
-    std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 /// A plugins directory holding only the cpu plugin.
 fn cpu_plugins() -> tempfile::TempDir {

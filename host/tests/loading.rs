@@ -10,16 +10,8 @@ use kvplug_host::{Host, HostError, PluginSearch};
 use kvplug_plugin_api::abi_stable::std_types::RStr;
 use kvplug_plugin_api::AbiErrorKind;
 
-fn target_dir() -> PathBuf {
-    // target/<profile>/deps/<test binary>
-    std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+mod common;
+use common::target_dir;
 
 fn dylib(crate_name: &str) -> PathBuf {
     let name = format!(

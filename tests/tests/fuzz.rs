@@ -19,13 +19,16 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file::{self, Value as GValue};
+use candle_core::quantized::gguf_file::Value as GValue;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvplug_backend_kit::model::{LlamaModel, ModelPackage};
 use kvplug_cpu::CpuDevice;
 use kvplug_host::model::{synth, PRESETS};
 use serde_json::{json, Value};
+
+mod common;
+use common::{gguf_name, hf_tensor_shapes, llama_gguf_meta, write_gguf};
 
 /// The largest single allocation any parser may make.
 const MAX_ALLOCATION: usize = 256 << 20;
@@ -346,76 +349,17 @@ fn seed_gguf(path: &Path, tmp: &Path) {
     let p = &PRESETS[0];
     synth(p, &hf, 5, "f32").unwrap();
     let pkg = ModelPackage::open(&hf).unwrap();
-    let hd = p.hidden / p.heads;
-    let mut shapes = vec![
-        (
-            "token_embd.weight",
-            "model.embed_tokens.weight".to_string(),
-            vec![p.vocab, p.hidden],
-        ),
-        (
-            "output_norm.weight",
-            "model.norm.weight".into(),
-            vec![p.hidden],
-        ),
-        (
-            "output.weight",
-            "lm_head.weight".into(),
-            vec![p.vocab, p.hidden],
-        ),
-    ];
-    let mut names = Vec::new();
-    for l in 0..p.layers {
-        for (g, h, shape) in [
-            ("attn_norm", "input_layernorm", vec![p.hidden]),
-            ("ffn_norm", "post_attention_layernorm", vec![p.hidden]),
-            ("attn_q", "self_attn.q_proj", vec![p.heads * hd, p.hidden]),
-            (
-                "attn_k",
-                "self_attn.k_proj",
-                vec![p.kv_heads * hd, p.hidden],
-            ),
-            (
-                "attn_v",
-                "self_attn.v_proj",
-                vec![p.kv_heads * hd, p.hidden],
-            ),
-            (
-                "attn_output",
-                "self_attn.o_proj",
-                vec![p.hidden, p.heads * hd],
-            ),
-            ("ffn_gate", "mlp.gate_proj", vec![p.intermediate, p.hidden]),
-            ("ffn_up", "mlp.up_proj", vec![p.intermediate, p.hidden]),
-            ("ffn_down", "mlp.down_proj", vec![p.hidden, p.intermediate]),
-        ] {
-            names.push((
-                format!("blk.{l}.{g}.weight"),
-                format!("model.layers.{l}.{h}.weight"),
-                shape,
-            ));
-        }
-    }
-    let mut all: Vec<(String, String, Vec<usize>)> = shapes
-        .drain(..)
-        .map(|(g, h, s)| (g.to_string(), h, s))
-        .collect();
-    all.extend(names);
-    let tensors: Vec<(String, QTensor)> = all
+    let tensors: Vec<(String, QTensor)> = hf_tensor_shapes(p)
         .iter()
-        .map(|(g, h, shape)| {
-            let t = Tensor::from_vec(
-                pkg.tensor_f32(h, shape).unwrap(),
-                shape.as_slice(),
-                &Device::Cpu,
-            )
-            .unwrap();
+        .map(|(name, shape)| {
+            let data = pkg.tensor_f32(name, shape).unwrap();
+            let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).unwrap();
             let dtype = if shape.len() == 1 {
                 GgmlDType::F32
             } else {
                 GgmlDType::F16
             };
-            (g.clone(), QTensor::quantize(&t, dtype).unwrap())
+            (gguf_name(name), QTensor::quantize(&t, dtype).unwrap())
         })
         .collect();
     // Tokens: printable single characters, one merge of the first two, then specials.
@@ -425,16 +369,8 @@ fn seed_gguf(path: &Path, tmp: &Path) {
     tokens.extend(["Āā", "<|im_start|>", "<|im_end|>"].map(String::from));
     let s = |x: &str| GValue::String(x.into());
     let u = |x: usize| GValue::U32(x as u32);
-    let meta: Vec<(&str, GValue)> = vec![
-        ("general.architecture", s("llama")),
-        ("llama.block_count", u(p.layers)),
-        ("llama.embedding_length", u(p.hidden)),
-        ("llama.feed_forward_length", u(p.intermediate)),
-        ("llama.attention.head_count", u(p.heads)),
-        ("llama.attention.head_count_kv", u(p.kv_heads)),
-        ("llama.attention.layer_norm_rms_epsilon", GValue::F32(1e-5)),
-        ("llama.rope.freq_base", GValue::F32(10000.0)),
-        ("llama.context_length", u(2048)),
+    let mut meta = llama_gguf_meta(p, 1e-5, 10000.0);
+    meta.extend([
         ("tokenizer.ggml.model", s("gpt2")),
         (
             "tokenizer.ggml.tokens",
@@ -446,17 +382,8 @@ fn seed_gguf(path: &Path, tmp: &Path) {
             "tokenizer.chat_template",
             s("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"),
         ),
-    ];
-    let mut f = std::fs::File::create(path).unwrap();
-    gguf_file::write(
-        &mut f,
-        &meta.iter().map(|(k, v)| (*k, v)).collect::<Vec<_>>(),
-        &tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), t))
-            .collect::<Vec<_>>(),
-    )
-    .unwrap();
+    ]);
+    write_gguf(path, &meta, &tensors);
 }
 
 #[test]

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvplug_backend_kit::model::ModelPackage;
@@ -17,7 +17,7 @@ use kvplug_host::run::Forward;
 use kvplug_host::text::{Message, Text};
 
 mod common;
-use common::{host, reference_logits};
+use common::{gguf_name, hf_tensor_shapes, host, llama_gguf_meta, reference_logits, write_gguf};
 
 /// hidden and intermediate 256: every matrix row is a whole number of K-quant blocks.
 const PRESET: Preset = Preset {
@@ -63,86 +63,13 @@ fn permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-fn gguf_name(hf: &str) -> String {
-    if let Some(rest) = hf.strip_prefix("model.layers.") {
-        let (l, name) = rest.split_once('.').unwrap();
-        let g = match name {
-            "input_layernorm.weight" => "attn_norm",
-            "post_attention_layernorm.weight" => "ffn_norm",
-            "self_attn.q_proj.weight" => "attn_q",
-            "self_attn.k_proj.weight" => "attn_k",
-            "self_attn.v_proj.weight" => "attn_v",
-            "self_attn.o_proj.weight" => "attn_output",
-            "mlp.gate_proj.weight" => "ffn_gate",
-            "mlp.up_proj.weight" => "ffn_up",
-            "mlp.down_proj.weight" => "ffn_down",
-            other => panic!("{other}"),
-        };
-        return format!("blk.{l}.{g}.weight");
-    }
-    match hf {
-        "model.embed_tokens.weight" => "token_embd.weight",
-        "model.norm.weight" => "output_norm.weight",
-        "lm_head.weight" => "output.weight",
-        other => panic!("{other}"),
-    }
-    .into()
-}
-
 #[test]
 fn a_gguf_with_k_quants_imports_exactly_and_runs() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("hf");
     synth(&PRESET, &src, 11, "f32").unwrap();
     let pkg = ModelPackage::open(&src).unwrap();
-    let hd = PRESET.hidden / PRESET.heads;
-    let shapes: Vec<(String, Vec<usize>)> = {
-        let mut v = vec![
-            (
-                "model.embed_tokens.weight".to_string(),
-                vec![PRESET.vocab, PRESET.hidden],
-            ),
-            ("model.norm.weight".into(), vec![PRESET.hidden]),
-            ("lm_head.weight".into(), vec![PRESET.vocab, PRESET.hidden]),
-        ];
-        for l in 0..PRESET.layers {
-            let p = format!("model.layers.{l}.");
-            v.push((format!("{p}input_layernorm.weight"), vec![PRESET.hidden]));
-            v.push((
-                format!("{p}post_attention_layernorm.weight"),
-                vec![PRESET.hidden],
-            ));
-            v.push((
-                format!("{p}self_attn.q_proj.weight"),
-                vec![PRESET.heads * hd, PRESET.hidden],
-            ));
-            v.push((
-                format!("{p}self_attn.k_proj.weight"),
-                vec![PRESET.kv_heads * hd, PRESET.hidden],
-            ));
-            v.push((
-                format!("{p}self_attn.v_proj.weight"),
-                vec![PRESET.kv_heads * hd, PRESET.hidden],
-            ));
-            v.push((
-                format!("{p}self_attn.o_proj.weight"),
-                vec![PRESET.hidden, PRESET.heads * hd],
-            ));
-            v.push((
-                format!("{p}mlp.gate_proj.weight"),
-                vec![PRESET.intermediate, PRESET.hidden],
-            ));
-            v.push((
-                format!("{p}mlp.up_proj.weight"),
-                vec![PRESET.intermediate, PRESET.hidden],
-            ));
-            v.push((
-                format!("{p}mlp.down_proj.weight"),
-                vec![PRESET.hidden, PRESET.intermediate],
-            ));
-        }
-        v
-    };
+    let shapes = hf_tensor_shapes(&PRESET);
     // One ggml type per matrix kind; norms stay f32.
     let types = [
         GgmlDType::Q8_0,
@@ -221,22 +148,12 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
     let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
     let s = |x: &str| Value::String(x.into());
     let u = |x: usize| Value::U32(x as u32);
-    let meta: Vec<(&str, Value)> = vec![
-        ("general.architecture", s("llama")),
-        ("llama.block_count", u(PRESET.layers)),
-        ("llama.embedding_length", u(PRESET.hidden)),
-        ("llama.feed_forward_length", u(PRESET.intermediate)),
-        ("llama.attention.head_count", u(PRESET.heads)),
-        ("llama.attention.head_count_kv", u(PRESET.kv_heads)),
-        (
-            "llama.attention.layer_norm_rms_epsilon",
-            Value::F32(pkg.config.rms_norm_eps as f32),
-        ),
-        (
-            "llama.rope.freq_base",
-            Value::F32(pkg.config.rope_theta as f32),
-        ),
-        ("llama.context_length", u(2048)),
+    let mut meta = llama_gguf_meta(
+        &PRESET,
+        pkg.config.rms_norm_eps as f32,
+        pkg.config.rope_theta as f32,
+    );
+    meta.extend([
         ("tokenizer.ggml.model", s("gpt2")),
         ("tokenizer.ggml.pre", s("smollm")),
         (
@@ -251,19 +168,9 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
         ("tokenizer.ggml.bos_token_id", u(first_special)),
         ("tokenizer.ggml.eos_token_id", u(first_special + 1)),
         ("tokenizer.chat_template", s(template)),
-    ];
+    ]);
     let gguf = dir.path().join("model.gguf");
-    let mut f = std::fs::File::create(&gguf).unwrap();
-    gguf_file::write(
-        &mut f,
-        &meta.iter().map(|(k, v)| (*k, v)).collect::<Vec<_>>(),
-        &tensors
-            .iter()
-            .map(|(n, t)| (n.as_str(), t))
-            .collect::<Vec<_>>(),
-    )
-    .unwrap();
-    drop(f);
+    write_gguf(&gguf, &meta, &tensors);
 
     let out: PathBuf = dir.path().join("imported");
     kvplug_host::gguf::import(&gguf, &out).unwrap();

@@ -5,6 +5,7 @@
 
 use half::{bf16, f16};
 
+use crate::simd::vector_path;
 use crate::workers::{DisjointChunks, Workers};
 
 /// Output rows per task.
@@ -60,19 +61,6 @@ impl Elem for bf16 {
             _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
             16,
         ))
-    }
-}
-
-fn vector_path() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }
 

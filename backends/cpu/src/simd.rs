@@ -38,8 +38,9 @@ pub fn features() -> Features {
     }
 }
 
+/// Whether the AVX2 + FMA + F16C kernels can run here.
 #[inline]
-fn vector_path() -> bool {
+pub(crate) fn vector_path() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx2")

@@ -4,7 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::QTensor;
 use kvplug_backend_kit::model::ModelPackage;
+use kvplug_host::model::Preset;
 use kvplug_host::{Host, PluginSearch};
 
 /// Backends under test.
@@ -165,4 +168,92 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
     xs.iter()
         .map(|x| matvec(&head, v, &norm(x, &fnorm)))
         .collect()
+}
+
+/// The Hugging Face weight names and shapes of a Llama model of shape `p` (untied).
+pub fn hf_tensor_shapes(p: &Preset) -> Vec<(String, Vec<usize>)> {
+    let hd = p.hidden / p.heads;
+    let mut v = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![p.vocab, p.hidden],
+        ),
+        ("model.norm.weight".into(), vec![p.hidden]),
+        ("lm_head.weight".into(), vec![p.vocab, p.hidden]),
+    ];
+    for l in 0..p.layers {
+        let pre = format!("model.layers.{l}.");
+        for (name, shape) in [
+            ("input_layernorm", vec![p.hidden]),
+            ("post_attention_layernorm", vec![p.hidden]),
+            ("self_attn.q_proj", vec![p.heads * hd, p.hidden]),
+            ("self_attn.k_proj", vec![p.kv_heads * hd, p.hidden]),
+            ("self_attn.v_proj", vec![p.kv_heads * hd, p.hidden]),
+            ("self_attn.o_proj", vec![p.hidden, p.heads * hd]),
+            ("mlp.gate_proj", vec![p.intermediate, p.hidden]),
+            ("mlp.up_proj", vec![p.intermediate, p.hidden]),
+            ("mlp.down_proj", vec![p.hidden, p.intermediate]),
+        ] {
+            v.push((format!("{pre}{name}.weight"), shape));
+        }
+    }
+    v
+}
+
+/// The GGUF tensor behind a Hugging Face weight name (llama.cpp's naming).
+pub fn gguf_name(hf: &str) -> String {
+    if let Some(rest) = hf.strip_prefix("model.layers.") {
+        let (l, name) = rest.split_once('.').unwrap();
+        let g = match name {
+            "input_layernorm.weight" => "attn_norm",
+            "post_attention_layernorm.weight" => "ffn_norm",
+            "self_attn.q_proj.weight" => "attn_q",
+            "self_attn.k_proj.weight" => "attn_k",
+            "self_attn.v_proj.weight" => "attn_v",
+            "self_attn.o_proj.weight" => "attn_output",
+            "mlp.gate_proj.weight" => "ffn_gate",
+            "mlp.up_proj.weight" => "ffn_up",
+            "mlp.down_proj.weight" => "ffn_down",
+            other => panic!("{other}"),
+        };
+        return format!("blk.{l}.{g}.weight");
+    }
+    match hf {
+        "model.embed_tokens.weight" => "token_embd.weight",
+        "model.norm.weight" => "output_norm.weight",
+        "lm_head.weight" => "output.weight",
+        other => panic!("{other}"),
+    }
+    .into()
+}
+
+/// The architecture metadata of a Llama GGUF of shape `p` (tokenizer entries are the
+/// caller's).
+pub fn llama_gguf_meta(p: &Preset, eps: f32, theta: f32) -> Vec<(&'static str, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", u(p.layers)),
+        ("llama.embedding_length", u(p.hidden)),
+        ("llama.feed_forward_length", u(p.intermediate)),
+        ("llama.attention.head_count", u(p.heads)),
+        ("llama.attention.head_count_kv", u(p.kv_heads)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(eps)),
+        ("llama.rope.freq_base", Value::F32(theta)),
+        ("llama.context_length", u(2048)),
+    ]
+}
+
+/// Writes a GGUF file of `meta` and `tensors`.
+pub fn write_gguf(path: &Path, meta: &[(&str, Value)], tensors: &[(String, QTensor)]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(
+        &mut f,
+        &meta.iter().map(|(k, v)| (*k, v)).collect::<Vec<_>>(),
+        &tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
 }
