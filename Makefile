@@ -29,8 +29,11 @@ demo: deps models
 ## make test: everything CI checks.
 test: deps models fmt-check clippy build unit conform
 
+# Libraries, binaries and test targets in one build: the test targets' dev-dependencies
+# unify features once, so `cargo test` afterwards compiles nothing again (a plain build
+# followed by `cargo test` rebuilt candle, tokenizers and wgpu with the test features).
 build:
-	$(CARGO) build
+	$(CARGO) build --workspace --lib --bins --tests
 
 conform: build
 	KVPLUG_REQUIRE_BACKENDS=$(REQUIRED_BACKENDS) $(KVPLUG) conform
@@ -49,8 +52,7 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # The loader tests read the fixture dylibs, which only a workspace build produces.
-unit:
-	$(CARGO) build --workspace
+unit: build
 	$(CARGO) test --workspace
 
 ## make bench: criterion benchmarks of the cpu backend, then BENCH.md regenerated from them.

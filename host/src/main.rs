@@ -536,16 +536,38 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The longest chat line read: 1 MiB, far more than any cache holds as tokens.
+const MAX_CHAT_LINE: u64 = 1 << 20;
+
+/// The next line of `input` (without reading more than [`MAX_CHAT_LINE`] bytes of it);
+/// `None` at the end.
+fn read_turn(input: &mut impl std::io::BufRead) -> Result<Option<String>> {
+    use std::io::{BufRead, Read};
+    let mut buf = Vec::new();
+    let n = input
+        .take(MAX_CHAT_LINE + 1)
+        .read_until(b'\n', &mut buf)
+        .context("reading stdin")?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() != Some(&b'\n') && n as u64 > MAX_CHAT_LINE {
+        bail!("a chat line is longer than {MAX_CHAT_LINE} bytes");
+    }
+    Ok(Some(String::from_utf8(buf).context("stdin is not UTF-8")?))
+}
+
 fn chat_loop(chat: &mut Chat, json: bool) -> Result<ExitCode> {
-    use std::io::{BufRead, IsTerminal};
+    use std::io::IsTerminal;
     let tty = std::io::stdin().is_terminal();
-    let mut lines = std::io::stdin().lock().lines();
+    let mut input = std::io::stdin().lock();
     loop {
         if tty {
             eprint!("> ");
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("reading stdin")?;
+        let Some(line) = read_turn(&mut input)? else {
+            break;
+        };
         let user = line.trim();
         if user.is_empty() {
             continue;
@@ -756,4 +778,23 @@ fn plugins(host: &Host, json: bool) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_lines_are_read_one_by_one_and_bounded() {
+        let mut input = std::io::Cursor::new(b"hi\nthere".to_vec());
+        assert_eq!(read_turn(&mut input).unwrap().as_deref(), Some("hi\n"));
+        assert_eq!(read_turn(&mut input).unwrap().as_deref(), Some("there"));
+        assert_eq!(read_turn(&mut input).unwrap(), None);
+        // A line that never ends (as from /dev/zero) stops at the bound.
+        let mut endless = std::io::Cursor::new(vec![b'a'; 2 * MAX_CHAT_LINE as usize]);
+        let e = read_turn(&mut endless).unwrap_err().to_string();
+        assert_eq!(e, "a chat line is longer than 1048576 bytes");
+        let mut exact = std::io::Cursor::new(vec![b'a'; MAX_CHAT_LINE as usize]);
+        assert_eq!(read_turn(&mut exact).unwrap().unwrap().len(), 1 << 20);
+    }
 }
