@@ -207,7 +207,7 @@ struct RunArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Prompt token ids, comma-separated.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     prompt_ids: Vec<i32>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 32)]

@@ -178,6 +178,12 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
     refuses(run(&["--temperature", "-1"]), "-1 is negative");
     refuses(run(&["--top-p", "2"]), "2 is outside (0, 1]");
     refuses(
+        ["run", "--model", m, "--prompt-ids", "1,-5"]
+            .map(String::from)
+            .to_vec(),
+        "token id -5 is outside the vocabulary of 256",
+    );
+    refuses(
         ["run", "--model", m, "--prompt-ids", "1", "--max-new", "0"]
             .map(String::from)
             .to_vec(),
