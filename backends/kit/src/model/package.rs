@@ -111,11 +111,6 @@ impl ModelPackage {
         self.metadata_params.is_some()
     }
 
-    /// Whether a tensor exists.
-    pub fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
-    }
-
     /// Tensor `name` in its stored dtype (f32, f16 or bf16), sharing the mapped file (no
     /// copy), checked against `shape`.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, ModelError> {
