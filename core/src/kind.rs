@@ -7,7 +7,7 @@ use std::str::FromStr;
 use crate::contiguous::ContiguousBookkeeping;
 use crate::error::{CacheError, CacheResult};
 use crate::plan::StepPlan;
-use crate::seq::{PosRange, SeqBookkeeping};
+use crate::seq::{PosRange, PrefixStats, SeqBookkeeping};
 use crate::tree::{CommitPlan, TreeBookkeeping};
 
 /// Which bookkeeping a cache runs; also the builder tag (`backend_id:kind`).
@@ -274,6 +274,58 @@ impl Bookkeeping {
         match &self.book {
             Book::Seq(b) => b.seq_len(seq),
             _ => Err(unsupported("seq_len", self.kind())),
+        }
+    }
+
+    /// Seq only: see [`SeqBookkeeping::prefix_match`].
+    pub fn prefix_match(&self, tokens: &[u32]) -> CacheResult<usize> {
+        match &self.book {
+            Book::Seq(b) => Ok(b.prefix_match(tokens)),
+            _ => Err(unsupported("prefix_match", self.kind())),
+        }
+    }
+
+    /// Seq only: see [`SeqBookkeeping::prefix_attach`].
+    pub fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.prefix_attach(seq, tokens),
+            _ => Err(unsupported("prefix_attach", self.kind())),
+        }
+    }
+
+    /// Seq only: see [`SeqBookkeeping::prefix_publish`].
+    pub fn prefix_publish(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.prefix_publish(seq, tokens),
+            _ => Err(unsupported("prefix_publish", self.kind())),
+        }
+    }
+
+    /// Seq only: see [`SeqBookkeeping::prefix_evict`].
+    pub fn prefix_evict(&mut self, n: usize) -> CacheResult<usize> {
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.prefix_evict(n),
+            _ => Err(unsupported("prefix_evict", self.kind())),
+        }
+    }
+
+    /// Seq only: see [`SeqBookkeeping::prefix_reserve`].
+    pub fn prefix_reserve(&mut self, n: usize) -> CacheResult<usize> {
+        self.abandon_step();
+        match &mut self.book {
+            Book::Seq(b) => b.prefix_reserve(n),
+            _ => Err(unsupported("prefix_reserve", self.kind())),
+        }
+    }
+
+    /// Sizes of the prefix index (zero for kinds without one).
+    pub fn prefix_stats(&self) -> PrefixStats {
+        match &self.book {
+            Book::Seq(b) => b.prefix_stats(),
+            _ => PrefixStats::default(),
         }
     }
 

@@ -46,5 +46,5 @@ pub use kind::{Bookkeeping, CacheKind, CacheVerbs};
 pub use metadata::{read_cache_params, write_cache_params, MetadataError};
 pub use plan::{MaskKind, PlanKind, StepPlan};
 pub use radix::{PrefixHandle, PrefixLock, RadixError, RadixIndex};
-pub use seq::{PosRange, SeqBookkeeping, MAX_SEQS};
+pub use seq::{PosRange, PrefixStats, SeqBookkeeping, MAX_SEQS};
 pub use tree::{CommitPlan, TreeBookkeeping};

@@ -39,6 +39,9 @@ pub enum RadixError {
         /// Cells that could be freed.
         evictable: usize,
     },
+    /// The lock was already released.
+    #[error("the prefix is not locked (released twice?)")]
+    NotLocked,
     /// The handle was made before an eviction or a clear; match again.
     #[error("stale prefix handle: the index was evicted or cleared since the match")]
     StaleHandle,
@@ -65,8 +68,10 @@ impl PrefixHandle {
     }
 }
 
-/// A held lock (see [`RadixIndex::lock`]); give it back with [`RadixIndex::unlock`].
-#[derive(Debug, PartialEq, Eq)]
+/// A held lock (see [`RadixIndex::lock`]); give it back with [`RadixIndex::unlock`]. A clone
+/// is a copy of the record, not a second lock (that is [`RadixIndex::relock`]): unlocking both
+/// is refused with `NotLocked` once the count is spent.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrefixLock {
     node: u32,
     len: usize,
@@ -316,6 +321,9 @@ impl RadixIndex {
             return Err(RadixError::StaleHandle);
         }
         let mut id = self.node_ending_at(lock.node, lock.len);
+        if id != ROOT && self.node(id).refs == 0 {
+            return Err(RadixError::NotLocked);
+        }
         while id != ROOT {
             let n = self.node_mut(id);
             n.refs -= 1;

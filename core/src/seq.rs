@@ -8,6 +8,11 @@
 
 use crate::error::{CacheError, CacheResult};
 use crate::plan::{MaskKind, StepPlan};
+use crate::radix::{PrefixLock, RadixIndex};
+
+mod prefix;
+
+pub use prefix::PrefixStats;
 
 /// Live sequences are ids `0..MAX_SEQS` (one bit each in a `u64`).
 pub const MAX_SEQS: usize = 64;
@@ -113,6 +118,13 @@ pub struct SeqBookkeeping {
     pos: Vec<i32>,
     /// Owning sequences per cell.
     seqs: Vec<SeqBits>,
+    /// Cells the prefix index holds (kept, invisible to every query, while no sequence owns
+    /// them).
+    indexed: Vec<bool>,
+    /// Token prefixes whose K/V some cells hold (see [`SeqBookkeeping::prefix_attach`]).
+    index: RadixIndex,
+    /// Per sequence, the index prefixes it holds cells of (released when it empties).
+    locks: Vec<Vec<PrefixLock>>,
     /// Free cells below `pos.len()`, sorted descending (the lowest pops first).
     free: Vec<u32>,
     high_water: usize,
@@ -146,6 +158,9 @@ impl SeqBookkeeping {
             capacity,
             pos: Vec::new(),
             seqs: Vec::new(),
+            indexed: Vec::new(),
+            index: RadixIndex::new(),
+            locks: vec![Vec::new(); MAX_SEQS],
             free: Vec::new(),
             high_water: 0,
             info: Box::new([SeqInfo::default(); MAX_SEQS]),
@@ -170,6 +185,8 @@ impl SeqBookkeeping {
         let cells = cells.min(self.capacity);
         self.pos.reserve(cells.saturating_sub(self.pos.len()));
         self.seqs.reserve(cells.saturating_sub(self.seqs.len()));
+        self.indexed
+            .reserve(cells.saturating_sub(self.indexed.len()));
     }
 
     /// Whether `n` more cells are free.
@@ -211,10 +228,13 @@ impl SeqBookkeeping {
         Ok(self.info[seq_bit(seq)?.trailing_zeros() as usize].count)
     }
 
-    /// Frees every cell and forgets every sequence; keeps allocations.
+    /// Frees every cell and forgets every sequence and the prefix index; keeps allocations.
     pub fn clear(&mut self) {
         self.pos.clear();
         self.seqs.clear();
+        self.indexed.clear();
+        self.index.clear();
+        self.locks.iter_mut().for_each(Vec::clear);
         self.free.clear();
         self.high_water = 0;
         *self.info = [SeqInfo::default(); MAX_SEQS];
@@ -255,6 +275,7 @@ impl SeqBookkeeping {
             }
         }
         self.reindex(db);
+        self.share_locks(src, dst);
         Ok(())
     }
 
@@ -276,6 +297,7 @@ impl SeqBookkeeping {
             }
         }
         self.reindex(b);
+        self.release_locks(b);
         self.settle_free();
         Ok(())
     }
@@ -298,7 +320,9 @@ impl SeqBookkeeping {
                 self.release(c);
             }
         }
+        let dropped = self.live & !b;
         self.reindex(self.live);
+        self.release_locks(dropped);
         self.settle_free();
         Ok(())
     }
@@ -348,6 +372,7 @@ impl SeqBookkeeping {
                 None => {
                     self.pos.push(-1);
                     self.seqs.push(0);
+                    self.indexed.push(false);
                     self.pos.len() - 1
                 }
             };
@@ -385,6 +410,7 @@ impl SeqBookkeeping {
         }
         self.pos.truncate(self.undo.cells);
         self.seqs.truncate(self.undo.cells);
+        self.indexed.truncate(self.undo.cells);
         self.high_water = self.undo.high_water;
         self.live = self.undo.live;
         self.pending_set = self.undo.pending_set;
@@ -425,8 +451,11 @@ impl SeqBookkeeping {
         }
     }
 
-    /// Marks `cell` free (the caller has cleared its owners).
+    /// Marks `cell` free (the caller has cleared its owners) unless the prefix index holds it.
     fn release(&mut self, cell: usize) {
+        if self.indexed[cell] {
+            return;
+        }
         self.pos[cell] = -1;
         self.free.push(cell as u32);
     }

@@ -28,7 +28,8 @@ fn locks_protect_exactly_the_matched_tokens() {
     assert_eq!((ix.protected_size(), ix.evictable_size()), (2, 2));
     assert_eq!(ix.evict(3), Err(RadixError::NotEvictable { requested: 3, evictable: 2 }));
     assert_eq!(ix.evict(1), Ok(vec![2, 3]));
-    ix.unlock(lock).unwrap();
+    ix.unlock(lock.clone()).unwrap();
+    assert_eq!(ix.unlock(lock), Err(RadixError::NotLocked));
     assert_eq!((ix.protected_size(), ix.evictable_size()), (0, 2));
     assert_eq!(ix.evict(0), Ok(vec![]));
     assert_eq!(ix.evict(2), Ok(vec![0, 1]));

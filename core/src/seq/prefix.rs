@@ -1,0 +1,186 @@
+//! Prefix reuse on the seq cache: the [`RadixIndex`] maps token prefixes to the cells holding
+//! their K/V, so a new sequence starting with cached tokens takes those cells by membership
+//! (no K/V copy) and prefills only the rest.
+//!
+//! Rules:
+//! - Cells enter the index by [`SeqBookkeeping::prefix_publish`] (tokens at positions
+//!   `0..n` of a sequence) and stay after every sequence lets go of them: an indexed cell is
+//!   occupied but visible to no query until a sequence attaches it.
+//! - A sequence holding index cells (attached, published, or copied with `seq_cp`) locks their
+//!   prefix; the locks go when the sequence holds no cells any more. Eviction
+//!   ([`SeqBookkeeping::prefix_evict`], [`SeqBookkeeping::prefix_reserve`]) takes only
+//!   unlocked prefixes, least recently used first, so it never frees a cell a live sequence
+//!   holds.
+//! - Hybrid models (sliding-window layer groups) are not cached here yet: reuse of `m`
+//!   tokens is valid only when every layer group still holds the K/V of positions `0..m`
+//!   that its attention reads, which a full-attention cache always does.
+
+use super::{seq_bit, SeqBits, SeqBookkeeping, MAX_SEQS};
+use crate::error::{CacheError, CacheResult};
+use crate::radix::RadixError;
+
+/// Sizes of the prefix index, in cells.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Cached tokens.
+    pub cached: usize,
+    /// Cached tokens no live sequence holds (reclaimable).
+    pub evictable: usize,
+}
+
+impl From<RadixError> for CacheError {
+    fn from(e: RadixError) -> Self {
+        match e {
+            RadixError::NotEvictable { .. } => CacheError::capacity(e.to_string()),
+            RadixError::LengthMismatch { .. } => CacheError::bad_shape(e.to_string()),
+            RadixError::NotLocked | RadixError::StaleHandle => {
+                unreachable!("the seq cache manages its own locks: {e}")
+            }
+        }
+    }
+}
+
+impl SeqBookkeeping {
+    /// How many leading `tokens` the index holds. Changes nothing.
+    pub fn prefix_match(&self, tokens: &[u32]) -> usize {
+        self.index.match_prefix(tokens).0.len()
+    }
+
+    /// Gives the empty sequence `seq` the cells of the longest cached prefix of `tokens`
+    /// (positions `0..m`) and returns `m`; the caller prefills `tokens[m..]` at positions
+    /// `m..`. To get logits for the last token, attach at most `tokens.len() - 1`.
+    pub fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
+        let b = seq_bit(seq)?;
+        let held = self.seq_len(seq)?;
+        if held > 0 {
+            return Err(CacheError::bad_position(format!(
+                "sequence {seq} already holds {held} cells: a prefix attaches only to an empty sequence"
+            )));
+        }
+        let (handle, cells) = self.index.match_prefix(tokens);
+        if handle.is_empty() {
+            return Ok(0);
+        }
+        self.plan_valid = false;
+        let lock = self.index.lock(&handle)?;
+        self.locks[seq as usize].push(lock);
+        for &c in &cells {
+            self.seqs[c as usize] |= b;
+        }
+        self.reindex(b);
+        Ok(cells.len())
+    }
+
+    /// Caches `seq`'s K/V of `tokens` (token `i` at position `i`; the sequence must hold
+    /// exactly one cell at each position `0..tokens.len()`). Returns how many leading tokens
+    /// were cached already (their cells stay the sequence's own). Every sequence holding
+    /// one of the cells keeps the published prefix locked while it lives.
+    pub fn prefix_publish(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
+        let b = seq_bit(seq)?;
+        let n = tokens.len();
+        let mut cells = vec![u32::MAX; n];
+        for c in 0..self.high_water {
+            if self.seqs[c] & b == 0 {
+                continue;
+            }
+            if let Some(slot) = usize::try_from(self.pos[c]).ok().and_then(|p| cells.get_mut(p)) {
+                if *slot != u32::MAX {
+                    return Err(CacheError::bad_position(format!(
+                        "sequence {seq} holds two cells at position {}: only a single history can be cached",
+                        self.pos[c]
+                    )));
+                }
+                *slot = c as u32;
+            }
+        }
+        if let Some(p) = cells.iter().position(|&c| c == u32::MAX) {
+            return Err(CacheError::bad_position(format!(
+                "sequence {seq} holds no cell at position {p}: publish only tokens whose K/V it holds"
+            )));
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+        self.plan_valid = false;
+        let cached = self.index.insert_prefix(tokens, &cells)?;
+        for &c in &cells[cached..] {
+            self.indexed[c as usize] = true;
+        }
+        // Every sequence holding one of these cells (forks included) locks the prefix.
+        let holders = cells.iter().fold(0, |acc, &c| acc | self.seqs[c as usize]);
+        let (handle, _) = self.index.match_prefix(tokens);
+        for s in 0..MAX_SEQS {
+            if holders & (1u64 << s) != 0 {
+                let lock = self.index.lock(&handle)?;
+                self.locks[s].push(lock);
+            }
+        }
+        Ok(cached)
+    }
+
+    /// Frees at least `n` cells of cached prefixes no live sequence holds, least recently
+    /// used first; returns the cells freed. `capacity` (nothing freed) when `n` exceeds
+    /// what is evictable.
+    pub fn prefix_evict(&mut self, n: usize) -> CacheResult<usize> {
+        let cells = self.index.evict(n)?;
+        self.plan_valid = false;
+        let mut freed = 0;
+        for &c in &cells {
+            let c = c as usize;
+            self.indexed[c] = false;
+            if self.seqs[c] == 0 {
+                self.release(c);
+                freed += 1;
+            }
+        }
+        self.settle_free();
+        Ok(freed)
+    }
+
+    /// Makes `n` cells free for the next step, evicting cached prefixes if the free cells
+    /// fall short; returns the cells evicted. `capacity` (nothing evicted) when even
+    /// evicting every unheld prefix would not free enough.
+    pub fn prefix_reserve(&mut self, n: usize) -> CacheResult<usize> {
+        let short = n.saturating_sub(self.free_cells());
+        if short > self.index.evictable_size() {
+            return Err(CacheError::capacity(format!(
+                "{n} cells needed: {} are free and {} more can be evicted (capacity {})",
+                self.free_cells(),
+                self.index.evictable_size(),
+                self.capacity
+            )));
+        }
+        self.prefix_evict(short)
+    }
+
+    /// Sizes of the prefix index.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        PrefixStats {
+            cached: self.index.total_size(),
+            evictable: self.index.evictable_size(),
+        }
+    }
+
+    /// `dst` now holds cells of `src`'s prefixes too: it takes a lock on each.
+    pub(super) fn share_locks(&mut self, src: i32, dst: i32) {
+        let (src, dst) = (src as usize, dst as usize);
+        for i in 0..self.locks[src].len() {
+            let again = self.index.relock(&self.locks[src][i]).expect("live lock");
+            self.locks[dst].push(again);
+        }
+    }
+
+    /// Releases the locks of the sequences in `which` that hold no cells any more.
+    pub(super) fn release_locks(&mut self, which: SeqBits) {
+        for s in 0..MAX_SEQS {
+            if which & (1u64 << s) != 0 && self.live & (1u64 << s) == 0 {
+                for lock in self.locks[s].drain(..) {
+                    self.index.unlock(lock).expect("live lock");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
