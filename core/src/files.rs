@@ -80,6 +80,35 @@ pub fn inside(dir: &Path, name: &str) -> Result<PathBuf, FileError> {
     Ok(path)
 }
 
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory, written and
+/// fsynced, renamed over `path`, then the directory fsynced. A crash leaves either the old
+/// file or the new one, never a torn one; a failure removes the temporary file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| err(path, "not a file path"))?
+        .to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let written = (|| -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        // The rename is durable once the directory is.
+        File::open(dir)?.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(path, format!("writing: {e}")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +147,26 @@ mod tests {
             let e = inside(&dir, "out.json").unwrap_err().to_string();
             assert!(e.contains("leads outside the model directory"), "{e}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn atomic_writes_replace_whole_files_and_leave_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("kvplug-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("s.safetensors");
+        write_atomic(&f, b"first").unwrap();
+        write_atomic(&f, b"second").unwrap();
+        assert_eq!(std::fs::read(&f).unwrap(), b"second");
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("s.safetensors")]);
+        let e = write_atomic(&dir.join("missing/x"), b"x")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing/x: writing"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

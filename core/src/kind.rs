@@ -277,6 +277,25 @@ impl Bookkeeping {
         }
     }
 
+    /// `(position, cell)` of the history `seq` holds, by position: the seq cache's cells of
+    /// `seq`; for contiguous and tree caches (sequence 0 only) the committed prefix.
+    pub fn history(&self, seq: i32) -> CacheResult<Vec<(i32, u32)>> {
+        let prefix = |len: usize| -> CacheResult<Vec<(i32, u32)>> {
+            if seq != 0 {
+                return Err(CacheError::bad_seq_id(format!(
+                    "the {} cache holds one sequence, 0; got {seq}",
+                    self.kind()
+                )));
+            }
+            Ok((0..len).map(|i| (i as i32, i as u32)).collect())
+        };
+        match &self.book {
+            Book::Contiguous(b) => prefix(b.len()),
+            Book::Tree(b) => prefix(b.base()),
+            Book::Seq(b) => b.seq_history(seq),
+        }
+    }
+
     /// Seq only: see [`SeqBookkeeping::prefix_match`].
     pub fn prefix_match(&self, tokens: &[u32]) -> CacheResult<usize> {
         match &self.book {
@@ -407,6 +426,26 @@ pub trait CacheVerbs {
     /// Seq: cells held by `seq`.
     fn seq_len(&self, seq: i32) -> CacheResult<usize> {
         self.bookkeeping().seq_len(seq)
+    }
+    /// Seq: cached leading tokens.
+    fn prefix_match(&self, tokens: &[u32]) -> CacheResult<usize> {
+        self.bookkeeping().prefix_match(tokens)
+    }
+    /// Seq: attach a cached prefix to an empty sequence.
+    fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
+        self.bookkeeping_mut().prefix_attach(seq, tokens)
+    }
+    /// Seq: cache a sequence's tokens.
+    fn prefix_publish(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
+        self.bookkeeping_mut().prefix_publish(seq, tokens)
+    }
+    /// Seq: free `n` cells, evicting cached prefixes as needed.
+    fn prefix_reserve(&mut self, n: usize) -> CacheResult<usize> {
+        self.bookkeeping_mut().prefix_reserve(n)
+    }
+    /// Seq: evict at least `n` cells of cached prefixes.
+    fn prefix_evict(&mut self, n: usize) -> CacheResult<usize> {
+        self.bookkeeping_mut().prefix_evict(n)
     }
     /// Tree: append a frontier.
     fn propose(&mut self, parents: &[i32]) -> CacheResult<()> {

@@ -228,6 +228,17 @@ impl SeqBookkeeping {
         Ok(self.info[seq_bit(seq)?.trailing_zeros() as usize].count)
     }
 
+    /// `(position, cell)` of every cell `seq` holds, by position (then cell).
+    pub fn seq_history(&self, seq: i32) -> CacheResult<Vec<(i32, u32)>> {
+        let b = seq_bit(seq)?;
+        let mut cells: Vec<(i32, u32)> = (0..self.high_water)
+            .filter(|&c| self.seqs[c] & b != 0)
+            .map(|c| (self.pos[c], c as u32))
+            .collect();
+        cells.sort_unstable();
+        Ok(cells)
+    }
+
     /// Frees every cell and forgets every sequence and the prefix index; keeps allocations.
     pub fn clear(&mut self) {
         self.pos.clear();

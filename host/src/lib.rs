@@ -19,6 +19,7 @@ pub mod chat;
 pub mod conform;
 pub mod discovery;
 pub mod error;
+pub mod fingerprint;
 pub mod gguf;
 mod gguf_check;
 pub mod host;
@@ -29,6 +30,7 @@ pub mod registry;
 pub mod run;
 pub mod services;
 pub mod session;
+pub mod session_file;
 pub mod text;
 
 pub use discovery::{PluginSearch, SearchDir};

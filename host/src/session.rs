@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvplug_core::CacheKind;
 use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
-use kvplug_plugin_api::{CacheHandle, CacheStats, HostTensor, PluginError, TensorDtype};
+use kvplug_plugin_api::{CacheHandle, CacheStats, HostTensor, PluginError, SeqRows, TensorDtype};
 
 use crate::registry::CacheRegistry;
 
@@ -74,6 +74,17 @@ impl CacheSession {
     /// Memory and last-step statistics.
     pub fn stats(&self) -> Result<CacheStats, PluginError> {
         self.cache.stats().into_result()
+    }
+
+    /// The K/V history `seq` holds (contiguous and tree caches: 0, the committed prefix).
+    pub fn export_seq(&self, seq: i32) -> Result<SeqRows, PluginError> {
+        self.cache.export_seq(seq).into_result()
+    }
+
+    /// Writes `rows` as the history of the empty `seq` (contiguous and tree caches: 0, the
+    /// empty cache). All or nothing.
+    pub fn import_seq(&self, seq: i32, rows: &SeqRows) -> Result<(), PluginError> {
+        self.cache.import_seq(seq, rows).into_result()
     }
 
     /// The op over host tensors (`[1, H, T, D]`).
@@ -157,6 +168,29 @@ impl SeqSession {
     /// Cells held by `seq`.
     pub fn seq_len(&self, seq: i32) -> Result<usize, PluginError> {
         self.0.cache.seq_len(seq).into_result().map(|n| n as usize)
+    }
+    /// How many leading `tokens` the prefix index holds.
+    pub fn prefix_match(&self, tokens: &[u32]) -> Result<usize, PluginError> {
+        let n = self.0.cache.prefix_match(RSlice::from_slice(tokens));
+        n.into_result().map(|n| n as usize)
+    }
+    /// Gives the empty `seq` the cells of the longest cached prefix of `tokens`; returns
+    /// its length (the caller prefills the rest).
+    pub fn prefix_attach(&self, seq: i32, tokens: &[u32]) -> Result<usize, PluginError> {
+        let n = self.0.cache.prefix_attach(seq, RSlice::from_slice(tokens));
+        n.into_result().map(|n| n as usize)
+    }
+    /// Caches `seq`'s K/V of `tokens` (token `i` at position `i`); returns how many were
+    /// cached already.
+    pub fn prefix_publish(&self, seq: i32, tokens: &[u32]) -> Result<usize, PluginError> {
+        let n = self.0.cache.prefix_publish(seq, RSlice::from_slice(tokens));
+        n.into_result().map(|n| n as usize)
+    }
+    /// Makes `n` cells free, evicting unheld cached prefixes as needed; returns the cells
+    /// evicted.
+    pub fn prefix_reserve(&self, n: usize) -> Result<usize, PluginError> {
+        let e = self.0.cache.prefix_reserve(n as u64);
+        e.into_result().map(|n| n as usize)
     }
 }
 

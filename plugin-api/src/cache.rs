@@ -4,7 +4,7 @@
 //! The cache object every backend builds, and its configuration and statistics.
 
 use abi_stable::sabi_trait;
-use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString};
+use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString, RVec};
 use abi_stable::StableAbi;
 use kvplug_core::{CacheConfig, CacheError, KvDtype};
 
@@ -83,6 +83,35 @@ pub struct CacheStats {
     pub last_plan: ROption<RString>,
     /// The read window of the last planned step, in cells (0 before the first).
     pub last_read_len: u64,
+    /// Seq: tokens the prefix index holds.
+    pub prefix_cached: u64,
+    /// Seq: of those, tokens no live sequence holds (evictable).
+    pub prefix_evictable: u64,
+}
+
+/// One sequence's K/V history in storage form: what a session file holds, on any backend.
+///
+/// Layer `l`'s K rows are `k[l]`, row-major `[n_kv_heads, positions.len(), row_bytes]` with
+/// `row_bytes = KvDtype::row_bytes(head_dim)`; V likewise. A row is its values little-endian
+/// (f32/f16/bf16), or for q8/q4 its codes (one byte per value; for q4 two per byte, low
+/// nibble first) followed by one little-endian f16 `(scale, lo)` pair per group.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
+pub struct SeqRows {
+    /// Storage dtype name (`f16`, `q4`, `q8g32`, ...).
+    pub kv_dtype: RString,
+    /// Layers.
+    pub n_layers: u32,
+    /// KV heads per layer.
+    pub n_kv_heads: u32,
+    /// Values per head row.
+    pub head_dim: u32,
+    /// Position of each row, ascending.
+    pub positions: RVec<i32>,
+    /// Per layer K rows.
+    pub k: RVec<RVec<u8>>,
+    /// Per layer V rows.
+    pub v: RVec<RVec<u8>>,
 }
 
 /// A KV cache owned by a plugin. All methods take `&self` (implementations lock
@@ -131,7 +160,6 @@ pub trait CacheObject: Clone + Send + Sync {
     /// the same positions, and it commits when the last layer succeeds. A refused or failed
     /// layer rolls the whole step back (the cache is exactly as before layer 0), and so does
     /// a verb or a new layer 0 arriving before the step completes.
-    #[sabi(last_prefix_field)]
     fn update_and_attend(
         &self,
         layer: u32,
@@ -142,6 +170,25 @@ pub trait CacheObject: Clone + Send + Sync {
         scale: f32,
         out_dtype: TensorDtype,
     ) -> RResult<HostTensor, PluginError>;
+    /// Seq: how many leading `tokens` the prefix index holds.
+    fn prefix_match(&self, tokens: RSlice<'_, u32>) -> RResult<u64, PluginError>;
+    /// Seq: gives the empty `seq` the cells of the longest cached prefix of `tokens`
+    /// (positions `0..m`, no K/V copy); returns `m`.
+    fn prefix_attach(&self, seq: i32, tokens: RSlice<'_, u32>) -> RResult<u64, PluginError>;
+    /// Seq: caches `seq`'s K/V of `tokens` (token `i` at position `i`); returns how many
+    /// leading tokens were cached already.
+    fn prefix_publish(&self, seq: i32, tokens: RSlice<'_, u32>) -> RResult<u64, PluginError>;
+    /// Seq: makes `n` cells free, evicting unheld cached prefixes (least recently used first)
+    /// as needed; returns the cells evicted.
+    fn prefix_reserve(&self, n: u64) -> RResult<u64, PluginError>;
+    /// Seq: evicts at least `n` cells of unheld cached prefixes; returns the cells freed.
+    fn prefix_evict(&self, n: u64) -> RResult<u64, PluginError>;
+    /// The K/V history `seq` holds (contiguous and tree: sequence 0, the committed prefix).
+    fn export_seq(&self, seq: i32) -> RResult<SeqRows, PluginError>;
+    /// Writes `rows` as the history of the empty sequence `seq` (contiguous and tree: the
+    /// empty cache). All or nothing.
+    #[sabi(last_prefix_field)]
+    fn import_seq(&self, seq: i32, rows: &SeqRows) -> RResult<(), PluginError>;
 }
 
 /// A shared cache object.

@@ -30,7 +30,7 @@ pub mod method;
 pub mod module;
 pub mod tensor;
 
-pub use cache::{AbiCacheConfig, CacheHandle, CacheObject, CacheObject_TO, CacheStats};
+pub use cache::{AbiCacheConfig, CacheHandle, CacheObject, CacheObject_TO, CacheStats, SeqRows};
 pub use error::{AbiErrorKind, PluginError, PluginResult};
 pub use guard::{guard, guard_or};
 pub use host::{CacheEntry, HostServices, HostServicesTrait, HostServicesTrait_TO};

@@ -100,6 +100,28 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn read_rows(&self, pool: &CpuPool, cells: &[u32]) -> Result<Vec<u8>, KitError> {
+        let row = pool.storage_dtype().row_bytes(pool.head_dim);
+        let mut out = Vec::with_capacity(pool.heads * cells.len() * row);
+        for h in 0..pool.heads {
+            for &c in cells {
+                pool.read_canonical(h, c as usize, &mut out);
+            }
+        }
+        Ok(out)
+    }
+
+    fn write_rows(&self, pool: &mut CpuPool, cells: &[u32], rows: &[u8]) -> Result<(), KitError> {
+        let row = pool.storage_dtype().row_bytes(pool.head_dim);
+        for h in 0..pool.heads {
+            for (i, &c) in cells.iter().enumerate() {
+                let at = (h * cells.len() + i) * row;
+                pool.write_canonical(h, c as usize, &rows[at..at + row]);
+            }
+        }
+        Ok(())
+    }
+
     fn move_rows(&self, pool: &mut CpuPool, base: usize, rows: &[u32]) {
         for h in 0..pool.heads {
             for (i, &r) in rows.iter().enumerate() {

@@ -111,6 +111,17 @@ impl CpuPool {
         })
     }
 
+    /// The storage dtype.
+    pub fn storage_dtype(&self) -> KvDtype {
+        match &self.storage {
+            Storage::F32(_) => KvDtype::F32,
+            Storage::F16(_) => KvDtype::F16,
+            Storage::Bf16(_) => KvDtype::Bf16,
+            Storage::Quant { bits: 8, group, .. } => KvDtype::Q8 { group: *group },
+            Storage::Quant { group, .. } => KvDtype::Q4 { group: *group },
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match &self.storage {
@@ -179,6 +190,83 @@ impl CpuPool {
                     &mut scales[r * g..(r + 1) * g],
                     &mut los[r * g..(r + 1) * g],
                 );
+            }
+        }
+    }
+
+    /// Appends head `h`'s row of cell `c` in the canonical storage form (values
+    /// little-endian; quantized: codes, then an f16 `(scale, lo)` pair per group).
+    pub fn read_canonical(&self, h: usize, c: usize, out: &mut Vec<u8>) {
+        let (d, r) = (self.head_dim, h * self.cells + c);
+        match &self.storage {
+            Storage::F32(v) => {
+                out.extend(v[r * d..(r + 1) * d].iter().flat_map(|x| x.to_le_bytes()))
+            }
+            Storage::F16(v) => {
+                out.extend(v[r * d..(r + 1) * d].iter().flat_map(|x| x.to_le_bytes()))
+            }
+            Storage::Bf16(v) => {
+                out.extend(v[r * d..(r + 1) * d].iter().flat_map(|x| x.to_le_bytes()))
+            }
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                let (cb, g) = (d * *bits as usize / 8, d / *group);
+                out.extend_from_slice(&codes[r * cb..(r + 1) * cb]);
+                for (s, l) in scales[r * g..(r + 1) * g]
+                    .iter()
+                    .zip(&los[r * g..(r + 1) * g])
+                {
+                    out.extend_from_slice(&s.to_le_bytes());
+                    out.extend_from_slice(&l.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Stores a canonical row (as [`CpuPool::read_canonical`] writes it) as head `h` of cell
+    /// `c`, bit for bit. `row` has exactly the dtype's row bytes.
+    pub fn write_canonical(&mut self, h: usize, c: usize, row: &[u8]) {
+        let (d, r) = (self.head_dim, h * self.cells + c);
+        let u16s = |b: &[u8]| -> Vec<u16> {
+            b.chunks_exact(2)
+                .map(|p| u16::from_le_bytes([p[0], p[1]]))
+                .collect()
+        };
+        match &mut self.storage {
+            Storage::F32(v) => {
+                for (o, b) in v[r * d..(r + 1) * d].iter_mut().zip(row.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Storage::F16(v) => {
+                for (o, x) in v[r * d..(r + 1) * d].iter_mut().zip(u16s(row)) {
+                    *o = f16::from_bits(x);
+                }
+            }
+            Storage::Bf16(v) => {
+                for (o, x) in v[r * d..(r + 1) * d].iter_mut().zip(u16s(row)) {
+                    *o = bf16::from_bits(x);
+                }
+            }
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => {
+                let (cb, g) = (d * *bits as usize / 8, d / *group);
+                codes[r * cb..(r + 1) * cb].copy_from_slice(&row[..cb]);
+                let pairs = u16s(&row[cb..]);
+                for (i, pair) in pairs.chunks_exact(2).enumerate().take(g) {
+                    scales[r * g + i] = pair[0];
+                    los[r * g + i] = pair[1];
+                }
             }
         }
     }

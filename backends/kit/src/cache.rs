@@ -4,9 +4,14 @@ use std::sync::Arc;
 
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
-    Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind,
+    Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind, PosRange,
+    PrefixStats,
 };
-use kvplug_plugin_api::{AbiErrorKind, PluginError};
+use kvplug_plugin_api::abi_stable::std_types::RVec;
+use kvplug_plugin_api::{AbiErrorKind, PluginError, SeqRows};
+
+/// Rows [`KitCache::import_seq`] writes per step (bounds the step plan and the staging copy).
+pub const IMPORT_CHUNK: usize = 512;
 
 use crate::device::{AttendMask, Device};
 
@@ -45,6 +50,8 @@ pub struct KitStats {
     pub last_plan: Option<PlanKind>,
     /// The read window of the last planned step (`0` before the first).
     pub last_read_len: usize,
+    /// Sizes of the seq cache's prefix index.
+    pub prefix: PrefixStats,
 }
 
 /// A KV cache of any kind on device `D`: core's bookkeeping plus one K and one V pool per
@@ -129,6 +136,7 @@ impl<D: Device> KitCache<D> {
             high_water: self.book.high_water(),
             last_plan: self.last_plan.map(|p| p.0),
             last_read_len: self.last_plan.map_or(0, |p| p.1),
+            prefix: self.book.prefix_stats(),
         }
     }
 
@@ -245,6 +253,161 @@ impl<D: Device> KitCache<D> {
             tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
             self.pool_cells = cells;
             self.book.reserve(cells);
+        }
+        Ok(())
+    }
+
+    /// The K/V history `seq` holds, in canonical storage form (see [`SeqRows`]).
+    pub fn export_seq(&self, seq: i32) -> Result<SeqRows, KitError> {
+        let history = self.book.history(seq)?;
+        let cells: Vec<u32> = history.iter().map(|h| h.1).collect();
+        let read = |pools: &[D::Pool]| -> Result<RVec<RVec<u8>>, KitError> {
+            pools
+                .iter()
+                .map(|p| self.device.read_rows(p, &cells).map(RVec::from))
+                .collect()
+        };
+        Ok(SeqRows {
+            kv_dtype: self.cfg.kv_dtype.to_string().into(),
+            n_layers: self.cfg.n_layers as u32,
+            n_kv_heads: self.cfg.n_kv_heads as u32,
+            head_dim: self.cfg.head_dim as u32,
+            positions: history.iter().map(|h| h.0).collect(),
+            k: read(&self.k)?,
+            v: read(&self.v)?,
+        })
+    }
+
+    /// Appends `rows` to the history of `seq`, in steps of at most [`IMPORT_CHUNK`] rows:
+    /// every position `seq` holds must be below the first row's (a contiguous cache must
+    /// end right before it; a tree cache must be empty). Validates first; all or nothing.
+    pub fn import_seq(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
+        self.book.rollback_step();
+        self.check_rows(seq, rows)?;
+        let Some(&first) = rows.positions.first() else {
+            return Ok(());
+        };
+        let held_len = self.book.high_water();
+        let n = rows.positions.len();
+        let row = self.cfg.kv_dtype.row_bytes(self.cfg.head_dim);
+        let heads = self.cfg.n_kv_heads;
+        let mut chunk_rows = Vec::new();
+        let mut result = Ok(());
+        for start in (0..n).step_by(IMPORT_CHUNK) {
+            let end = (start + IMPORT_CHUNK).min(n);
+            result = self.import_chunk(seq, rows, start..end, row, heads, &mut chunk_rows);
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_err() {
+            // Undo the chunks already written: everything from the first row on.
+            match self.book.kind() {
+                CacheKind::Seq => self.book.seq_rm(seq, PosRange::new(Some(first), None))?,
+                CacheKind::Contiguous => self.book.rewind(held_len)?,
+                CacheKind::Tree => self.book.clear(),
+            }
+        }
+        result
+    }
+
+    fn import_chunk(
+        &mut self,
+        seq: i32,
+        rows: &SeqRows,
+        range: std::ops::Range<usize>,
+        row: usize,
+        heads: usize,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), KitError> {
+        let (n, t) = (rows.positions.len(), range.len());
+        if self.book.kind() == CacheKind::Seq {
+            self.book.begin_step(&vec![seq; t])?;
+        }
+        self.open(&rows.positions[range.clone()])?;
+        let plan = self.book.step_plan().expect("a step was just opened");
+        let cells: Vec<u32> = match plan.write_start {
+            Some(s) => (s as u32..(s + t) as u32).collect(),
+            None => plan.write_cells.clone(),
+        };
+        let layers = self
+            .k
+            .iter_mut()
+            .zip(&rows.k)
+            .chain(self.v.iter_mut().zip(&rows.v));
+        for (pool, src) in layers {
+            buf.clear();
+            for h in 0..heads {
+                buf.extend_from_slice(&src[(h * n + range.start) * row..(h * n + range.end) * row]);
+            }
+            if let Err(e) = self.device.write_rows(pool, &cells, buf) {
+                self.book.rollback_step();
+                return Err(e);
+            }
+        }
+        self.book.commit_step();
+        Ok(())
+    }
+
+    /// Checks that `rows` fit this cache and the empty target.
+    fn check_rows(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
+        let cfg = &self.cfg;
+        if rows.kv_dtype.as_str() != cfg.kv_dtype.to_string() {
+            return Err(CacheError::bad_config(format!(
+                "the rows are stored as {}, this cache stores {}",
+                rows.kv_dtype, cfg.kv_dtype
+            ))
+            .into());
+        }
+        let dims = (
+            rows.n_layers as usize,
+            rows.n_kv_heads as usize,
+            rows.head_dim as usize,
+        );
+        if dims != (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) {
+            return Err(CacheError::bad_shape(format!(
+                "the rows have {dims:?} (layers, KV heads, head_dim), this cache {:?}",
+                (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+            ))
+            .into());
+        }
+        let n = rows.positions.len();
+        let bytes = cfg.n_kv_heads * n * cfg.kv_dtype.row_bytes(cfg.head_dim);
+        let sized =
+            |v: &RVec<RVec<u8>>| v.len() == cfg.n_layers && v.iter().all(|l| l.len() == bytes);
+        if !sized(&rows.k) || !sized(&rows.v) {
+            return Err(CacheError::bad_shape(format!(
+                "every layer's K and V must hold {bytes} bytes ({n} rows)"
+            ))
+            .into());
+        }
+        if rows.positions.windows(2).any(|w| w[0] > w[1]) {
+            return Err(CacheError::bad_position("row positions must ascend").into());
+        }
+        let held = self.book.history(seq)?;
+        if let (Some(&(last, _)), Some(&first)) = (held.last(), rows.positions.first()) {
+            let appends = match self.book.kind() {
+                CacheKind::Seq => last < first,
+                CacheKind::Contiguous => last + 1 == first,
+                CacheKind::Tree => false,
+            };
+            if !appends {
+                return Err(CacheError::bad_position(format!(
+                    "sequence {seq} already holds a history up to position {last}: rows from position {first} cannot follow it"
+                ))
+                .into());
+            }
+        }
+        if self.book.kind() == CacheKind::Tree && self.book.high_water() > 0 {
+            return Err(CacheError::bad_position("a tree cache imports only when empty").into());
+        }
+        if !self.book.can_extend(n) {
+            return Err(CacheError::capacity(format!(
+                "{n} rows do not fit: the cache has room for {} (capacity {})",
+                self.book.capacity() - self.book.live_cells(),
+                self.book.capacity()
+            ))
+            .into());
         }
         Ok(())
     }

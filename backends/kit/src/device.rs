@@ -67,6 +67,15 @@ pub trait Device: Send + Sync + Sized + 'static {
         src: &Self::Tensor,
     ) -> Result<(), KitError>;
 
+    /// Reads rows `cells` of every head in the canonical storage form (see
+    /// [`SeqRows`](kvplug_plugin_api::SeqRows)): `[heads, cells.len(), row_bytes]`.
+    fn read_rows(&self, pool: &Self::Pool, cells: &[u32]) -> Result<Vec<u8>, KitError>;
+
+    /// Writes canonical rows (`[heads, cells.len(), row_bytes]`, as [`Device::read_rows`]
+    /// returns them) to rows `cells`, bit for bit.
+    fn write_rows(&self, pool: &mut Self::Pool, cells: &[u32], rows: &[u8])
+        -> Result<(), KitError>;
+
     /// Moves row `rows[i]` to row `base + i` (tree commit). Rows ascend and
     /// `rows[i] >= base + i`, so a forward copy is safe in place. Infallible once indices
     /// are validated; a device reports asynchronous failures on its next fallible call.

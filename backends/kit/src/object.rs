@@ -7,7 +7,7 @@ use kvplug_plugin_api::abi_stable::sabi_trait::TD_CanDowncast;
 use kvplug_plugin_api::abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString};
 use kvplug_plugin_api::{
     guard, guard_or, AbiErrorKind, CacheHandle, CacheObject, CacheObject_TO, CacheStats,
-    HostTensor, PluginError, TensorDtype,
+    HostTensor, PluginError, SeqRows, TensorDtype,
 };
 
 use crate::cache::KitCache;
@@ -169,6 +169,8 @@ impl<D: Device> CacheObject for SharedCache<D> {
                 high_water: s.high_water as u64,
                 last_plan: s.last_plan.map(|p| RString::from(p.as_str())).into(),
                 last_read_len: s.last_read_len as u64,
+                prefix_cached: s.prefix.cached as u64,
+                prefix_evictable: s.prefix.evictable as u64,
             })
         })
     }
@@ -183,5 +185,26 @@ impl<D: Device> CacheObject for SharedCache<D> {
         out_dtype: TensorDtype,
     ) -> RResult<HostTensor, PluginError> {
         guard(|| self.host_update_and_attend(layer, q, k, v, &positions, scale, out_dtype))
+    }
+    fn prefix_match(&self, tokens: RSlice<'_, u32>) -> RResult<u64, PluginError> {
+        self.with(|c| c.prefix_match(&tokens).map(|n| n as u64))
+    }
+    fn prefix_attach(&self, seq: i32, tokens: RSlice<'_, u32>) -> RResult<u64, PluginError> {
+        self.with(|c| c.prefix_attach(seq, &tokens).map(|n| n as u64))
+    }
+    fn prefix_publish(&self, seq: i32, tokens: RSlice<'_, u32>) -> RResult<u64, PluginError> {
+        self.with(|c| c.prefix_publish(seq, &tokens).map(|n| n as u64))
+    }
+    fn prefix_reserve(&self, n: u64) -> RResult<u64, PluginError> {
+        self.with(|c| c.prefix_reserve(n as usize).map(|n| n as u64))
+    }
+    fn prefix_evict(&self, n: u64) -> RResult<u64, PluginError> {
+        self.with(|c| c.prefix_evict(n as usize).map(|n| n as u64))
+    }
+    fn export_seq(&self, seq: i32) -> RResult<SeqRows, PluginError> {
+        guard(|| -> Result<_, PluginError> { Ok(self.lock()?.export_seq(seq)?) })
+    }
+    fn import_seq(&self, seq: i32, rows: &SeqRows) -> RResult<(), PluginError> {
+        guard(|| -> Result<_, PluginError> { Ok(self.lock()?.import_seq(seq, rows)?) })
     }
 }

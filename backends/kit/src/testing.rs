@@ -11,8 +11,8 @@ use kvplug_plugin_api::{HostTensor, TensorDtype};
 use crate::cache::{KitCache, KitError};
 use crate::device::{AttendMask, Device};
 
-/// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend`
-/// call (0-based) fails with a device error; everything else is `D`'s.
+/// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend` or
+/// `write_rows` call (0-based) fails with a device error; everything else is `D`'s.
 pub struct Faulty<D> {
     inner: D,
     /// Attend calls left before the fault, plus one; 0 = no fault armed.
@@ -28,9 +28,21 @@ impl<D: Device> Faulty<D> {
         }
     }
 
-    /// Arms one fault: `n` more attends succeed, the next fails.
+    /// Arms one fault: `n` more attends (or row writes) succeed, the next fails.
     pub fn fail_after(&self, n: usize) {
         self.countdown.store(n + 1, Ordering::SeqCst);
+    }
+
+    /// Counts one faultable call; `Err` when it is the armed one.
+    fn tick(&self) -> Result<(), KitError> {
+        let armed = self
+            .countdown
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
+            .unwrap_or(0);
+        if armed == 1 {
+            return Err(KitError::Device("injected fault".into()));
+        }
+        Ok(())
     }
 }
 
@@ -71,6 +83,13 @@ impl<D: Device> Device for Faulty<D> {
     ) -> Result<(), KitError> {
         self.inner.scatter_rows(pool, cells, src)
     }
+    fn read_rows(&self, pool: &D::Pool, cells: &[u32]) -> Result<Vec<u8>, KitError> {
+        self.inner.read_rows(pool, cells)
+    }
+    fn write_rows(&self, pool: &mut D::Pool, cells: &[u32], rows: &[u8]) -> Result<(), KitError> {
+        self.tick()?;
+        self.inner.write_rows(pool, cells, rows)
+    }
     fn move_rows(&self, pool: &mut D::Pool, base: usize, rows: &[u32]) {
         self.inner.move_rows(pool, base, rows)
     }
@@ -85,13 +104,7 @@ impl<D: Device> Device for Faulty<D> {
         out: &mut D::Tensor,
         scratch: &mut D::Scratch,
     ) -> Result<(), KitError> {
-        let armed = self
-            .countdown
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
-            .unwrap_or(0);
-        if armed == 1 {
-            return Err(KitError::Device("injected fault".into()));
-        }
+        self.tick()?;
         self.inner
             .attend(q, k, v, read_len, mask, scale, out, scratch)
     }
@@ -309,6 +322,58 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
                     }
                     assert_eq!(observe(&failed), observe(&twin));
                 }
+            }
+        }
+    }
+}
+
+/// The all-or-nothing check of [`KitCache::import_seq`] on `device`: a device error while
+/// writing the second chunk of a multi-chunk import leaves a seq cache (another sequence
+/// live) and an empty contiguous cache exactly as before; the retried import reads back
+/// bit for bit, and the contiguous one decodes like the sequence it was exported from.
+pub fn check_import_rollback<D2: Device>(device: D2) {
+    let dev = Arc::new(Faulty::new(device));
+    let n = crate::cache::IMPORT_CHUNK + 88;
+    let positions: Vec<i32> = (0..n as i32).collect();
+    for dtype in [KvDtype::F16, KvDtype::Q4 { group: 32 }] {
+        let cfg = CacheConfig {
+            capacity: 2 * n + 8,
+            n_layers: LAYERS,
+            n_kv_heads: HKV,
+            head_dim: D,
+            min_chunk: 4,
+            kv_dtype: dtype,
+        };
+        let mut src = KitCache::new(dev.clone(), CacheKind::Seq, cfg).unwrap();
+        step(&mut src, &positions, Some(&vec![0; n]), 1).unwrap();
+        let rows = src.export_seq(0).unwrap();
+        for kind in [CacheKind::Seq, CacheKind::Contiguous] {
+            let seq = if kind == CacheKind::Seq { 1 } else { 0 };
+            let mut dst = KitCache::new(dev.clone(), kind, cfg).unwrap();
+            if kind == CacheKind::Seq {
+                step(&mut dst, &[0, 1, 2], Some(&[2, 2, 2]), 3).unwrap();
+            }
+            let before = observe(&dst);
+            // The first chunk writes K and V of every layer; fail inside the second.
+            dev.fail_after(2 * LAYERS + 1);
+            let err = dst.import_seq(seq, &rows).unwrap_err();
+            assert!(matches!(err, KitError::Device(_)), "{kind} {dtype}: {err}");
+            assert_eq!(
+                observe(&dst),
+                before,
+                "{kind} {dtype}: state after a failed import"
+            );
+            dst.import_seq(seq, &rows).unwrap();
+            assert_eq!(
+                dst.export_seq(seq).unwrap(),
+                rows,
+                "{kind} {dtype}: rows read back"
+            );
+            if kind == CacheKind::Contiguous {
+                // Same rows, same read path: the same output bit for bit.
+                let resumed = step(&mut dst, &[n as i32], None, 9).unwrap();
+                let original = step(&mut src, &[n as i32], Some(&[0]), 9).unwrap();
+                assert_eq!(resumed, original, "{dtype}: decoding after the import");
             }
         }
     }

@@ -279,6 +279,20 @@ impl Context {
 
     /// Reads a buffer back to the host (blocking).
     pub fn read(&self, buffer: &wgpu::Buffer, size: u64) -> Result<Vec<u8>, String> {
+        self.read_regions(buffer, &[(0, size.max(4))]).map(|mut b| {
+            b.truncate(size as usize);
+            b
+        })
+    }
+
+    /// Reads `(offset, size)` regions of a buffer back to the host, concatenated (blocking).
+    /// Offsets and sizes are multiples of 4.
+    pub fn read_regions(
+        &self,
+        buffer: &wgpu::Buffer,
+        regions: &[(u64, u64)],
+    ) -> Result<Vec<u8>, String> {
+        let size: u64 = regions.iter().map(|r| r.1).sum();
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size: size.max(4),
@@ -288,7 +302,11 @@ impl Context {
         let mut enc = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, size.max(4));
+        let mut at = 0;
+        for &(offset, len) in regions {
+            enc.copy_buffer_to_buffer(buffer, offset, &staging, at, len);
+            at += len;
+        }
         self.queue.submit([enc.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {

@@ -107,6 +107,21 @@ fn layout(dtype: KvDtype, d: usize) -> Result<(u32, usize, u32), CacheError> {
     })
 }
 
+/// Maximal runs of consecutive cells, as `(first cell, length)`, in order.
+fn runs(cells: &[u32]) -> impl Iterator<Item = (u32, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let first = *cells.get(i)?;
+        let len = cells[i..]
+            .iter()
+            .enumerate()
+            .take_while(|&(k, &c)| c as usize == first as usize + k)
+            .count();
+        i += len;
+        Some((first, len))
+    })
+}
+
 fn device_err(e: String) -> KitError {
     KitError::Device(e)
 }
@@ -254,6 +269,39 @@ impl Device for WgpuDevice {
         src: &WgpuTensor,
     ) -> Result<(), KitError> {
         self.write_rows(pool, cells, src);
+        Ok(())
+    }
+
+    fn read_rows(&self, pool: &WgpuPool, cells: &[u32]) -> Result<Vec<u8>, KitError> {
+        // The pool's word layout is the canonical row form; read each run of cells per head.
+        let row = pool.row_words as u64 * 4;
+        let regions: Vec<(u64, u64)> = (0..pool.heads as u64)
+            .flat_map(|h| {
+                runs(cells).map(move |(first, len)| {
+                    (
+                        (h * pool.cells as u64 + first as u64) * row,
+                        len as u64 * row,
+                    )
+                })
+            })
+            .collect();
+        self.ctx
+            .read_regions(&pool.buf, &regions)
+            .map_err(device_err)
+    }
+
+    fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], rows: &[u8]) -> Result<(), KitError> {
+        let row = pool.row_words * 4;
+        for h in 0..pool.heads {
+            let mut i = h * cells.len();
+            for (first, len) in runs(cells) {
+                let offset = ((h * pool.cells + first as usize) * row) as u64;
+                self.ctx
+                    .queue
+                    .write_buffer(&pool.buf, offset, &rows[i * row..(i + len) * row]);
+                i += len;
+            }
+        }
         Ok(())
     }
 

@@ -110,3 +110,9 @@ fn a_fault_at_any_layer_rolls_the_step_back() {
     let dev = WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"));
     kvplug_backend_kit::testing::check_step_rollback(dev);
 }
+
+#[test]
+fn a_fault_during_an_import_changes_nothing() {
+    let dev = WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"));
+    kvplug_backend_kit::testing::check_import_rollback(dev);
+}

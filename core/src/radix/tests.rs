@@ -26,7 +26,13 @@ fn locks_protect_exactly_the_matched_tokens() {
     let (h, _) = ix.match_prefix(&[1, 2, 8]);
     let lock = ix.lock(&h).unwrap();
     assert_eq!((ix.protected_size(), ix.evictable_size()), (2, 2));
-    assert_eq!(ix.evict(3), Err(RadixError::NotEvictable { requested: 3, evictable: 2 }));
+    assert_eq!(
+        ix.evict(3),
+        Err(RadixError::NotEvictable {
+            requested: 3,
+            evictable: 2
+        })
+    );
     assert_eq!(ix.evict(1), Ok(vec![2, 3]));
     ix.unlock(lock.clone()).unwrap();
     assert_eq!(ix.unlock(lock), Err(RadixError::NotLocked));
@@ -67,7 +73,10 @@ fn handles_expire_on_eviction_and_locks_on_clear() {
     assert_eq!((ix.total_size(), ix.protected_size()), (0, 0));
     assert_eq!(
         ix.insert_prefix(&[1], &[]),
-        Err(RadixError::LengthMismatch { tokens: 1, cells: 0 })
+        Err(RadixError::LengthMismatch {
+            tokens: 1,
+            cells: 0
+        })
     );
 }
 
@@ -135,10 +144,17 @@ fn check_evict(ix: &mut RadixIndex, m: &mut Model, locks: &[(PrefixLock, Vec<u32
     let protected = m.protected(locks);
     let evictable = m.keys.len() - protected.len();
     let Ok(freed) = ix.evict(n) else {
-        assert!(n > evictable, "evict({n}) refused with {evictable} evictable");
+        assert!(
+            n > evictable,
+            "evict({n}) refused with {evictable} evictable"
+        );
         return;
     };
-    assert!(n <= evictable && freed.len() >= n, "evict({n}) freed {}", freed.len());
+    assert!(
+        n <= evictable && freed.len() >= n,
+        "evict({n}) freed {}",
+        freed.len()
+    );
     let mut freed_ticks = Vec::new();
     for cell in &freed {
         let key = m
@@ -147,7 +163,10 @@ fn check_evict(ix: &mut RadixIndex, m: &mut Model, locks: &[(PrefixLock, Vec<u32
             .find(|(_, e)| e.0 == *cell)
             .map(|(k, _)| k.clone())
             .expect("freed cells were cached");
-        assert!(!protected.contains(&key), "evicted protected prefix {key:?}");
+        assert!(
+            !protected.contains(&key),
+            "evicted protected prefix {key:?}"
+        );
         freed_ticks.push(m.keys.remove(&key).unwrap().1);
     }
     // Prefix-closed after eviction, and LRU: nothing evicted is newer than an evictable leaf.
@@ -156,9 +175,15 @@ fn check_evict(ix: &mut RadixIndex, m: &mut Model, locks: &[(PrefixLock, Vec<u32
     }
     let newest_freed = freed_ticks.iter().copied().max().unwrap_or(0);
     for (k, e) in &m.keys {
-        let leaf = !m.keys.keys().any(|o| o.len() == k.len() + 1 && o.starts_with(k));
+        let leaf = !m
+            .keys
+            .keys()
+            .any(|o| o.len() == k.len() + 1 && o.starts_with(k));
         if leaf && !protected.contains(k) {
-            assert!(e.1 >= newest_freed, "evicted a newer prefix than leaf {k:?}");
+            assert!(
+                e.1 >= newest_freed,
+                "evicted a newer prefix than leaf {k:?}"
+            );
         }
     }
 }

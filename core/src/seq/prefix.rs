@@ -83,7 +83,10 @@ impl SeqBookkeeping {
             if self.seqs[c] & b == 0 {
                 continue;
             }
-            if let Some(slot) = usize::try_from(self.pos[c]).ok().and_then(|p| cells.get_mut(p)) {
+            if let Some(slot) = usize::try_from(self.pos[c])
+                .ok()
+                .and_then(|p| cells.get_mut(p))
+            {
                 if *slot != u32::MAX {
                     return Err(CacheError::bad_position(format!(
                         "sequence {seq} holds two cells at position {}: only a single history can be cached",

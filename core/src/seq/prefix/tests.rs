@@ -30,12 +30,24 @@ fn a_second_request_reuses_the_published_prefix() {
     b.seq_rm(0, PosRange::ALL).unwrap();
     // The cells stay, owned by no sequence, and invisible.
     assert_eq!((b.live_cells(), b.seq_len(0).unwrap()), (5, 0));
-    assert_eq!(b.prefix_stats(), PrefixStats { cached: 5, evictable: 5 });
+    assert_eq!(
+        b.prefix_stats(),
+        PrefixStats {
+            cached: 5,
+            evictable: 5
+        }
+    );
 
     let request = [7u32, 8, 9, 10, 11, 3, 4];
     assert_eq!(b.prefix_match(&request), 5);
     assert_eq!(b.prefix_attach(1, &request[..6]), Ok(5));
-    assert_eq!(b.prefix_stats(), PrefixStats { cached: 5, evictable: 0 });
+    assert_eq!(
+        b.prefix_stats(),
+        PrefixStats {
+            cached: 5,
+            evictable: 0
+        }
+    );
     let rest = prefill(&mut b, 1, &request, 5);
     assert_eq!(rest.len(), 2);
     // The suffix attends the reused cells: same cells, no copy.
@@ -67,9 +79,18 @@ fn bad_publish_and_attach_change_nothing() {
     let mut b = SeqBookkeeping::new(8);
     prefill(&mut b, 0, &[1, 2, 3], 0);
     let before = format!("{b:?}");
-    assert_eq!(b.prefix_publish(0, &[1, 2, 3, 4]).unwrap_err().kind, ErrorKind::BadPosition);
-    assert_eq!(b.prefix_attach(0, &[1, 2]).unwrap_err().kind, ErrorKind::BadPosition);
-    assert_eq!(b.prefix_attach(64, &[1]).unwrap_err().kind, ErrorKind::BadSeqId);
+    assert_eq!(
+        b.prefix_publish(0, &[1, 2, 3, 4]).unwrap_err().kind,
+        ErrorKind::BadPosition
+    );
+    assert_eq!(
+        b.prefix_attach(0, &[1, 2]).unwrap_err().kind,
+        ErrorKind::BadPosition
+    );
+    assert_eq!(
+        b.prefix_attach(64, &[1]).unwrap_err().kind,
+        ErrorKind::BadSeqId
+    );
     assert_eq!(format!("{b:?}"), before);
 }
 
@@ -101,11 +122,17 @@ fn check(b: &SeqBookkeeping, content: &HashMap<usize, (u32, i32)>, live: &[Optio
     let mut occupied = 0;
     for c in 0..b.pos.len() {
         if b.pos[c] < 0 {
-            assert!(b.seqs[c] == 0 && !b.indexed[c], "free cell {c} is owned or indexed");
+            assert!(
+                b.seqs[c] == 0 && !b.indexed[c],
+                "free cell {c} is owned or indexed"
+            );
             continue;
         }
         occupied += 1;
-        assert!(b.seqs[c] != 0 || b.indexed[c], "cell {c} is occupied by nobody");
+        assert!(
+            b.seqs[c] != 0 || b.indexed[c],
+            "cell {c} is occupied by nobody"
+        );
         for (s, tokens) in live.iter().enumerate() {
             if b.seqs[c] & (1 << s) != 0 {
                 let t = tokens.as_ref().expect("only live sequences own cells");

@@ -1,0 +1,437 @@
+//! Session files: one sequence's K/V history in one safetensors file, loadable into any
+//! backend and any cache kind.
+//!
+//! Layout (schema version 1):
+//!
+//! - `positions` (I32 `[n]`) and `tokens` (I32 `[n]`): the position and token id of each row.
+//! - Per layer group `g` (one group, `g0`, for models whose layers all attend fully): the K
+//!   and V rows of every layer in their storage dtype, `[n_layers, n_kv_heads, n, ...]`.
+//!   f32/f16/bf16 rows are `g0.k` / `g0.v` (`[.., head_dim]` in that dtype); q8/q4 rows are
+//!   `g0.k.codes` (U8 `[.., code_bytes]`: one byte per value, or two 4-bit values per byte,
+//!   low nibble first) with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file
+//!   is about 0.31x an f16 one.
+//! - Metadata under `kv_cache.`: `format` (`kvplug-session`), `schema_version`,
+//!   `model_fingerprint` (see [`crate::fingerprint`]), `kv_dtype`, `n_layers`, `n_kv_heads`,
+//!   `head_dim`, `layer_groups`, `tokens`, `writer`, and `checksum`: the BLAKE3 of the whole
+//!   file with the checksum's own 64 hex digits written as `0`s. Applications add `app.*`
+//!   entries (a chat keeps its messages there).
+//!
+//! Files are written atomically (temporary file, fsync, rename, fsync of the directory).
+//! A reader refuses, with a [`SessionFileError`] and before anything touches a cache: another
+//! format or schema version, any changed byte (checksum), tensors that disagree with the
+//! metadata, another model, more rows than the cache's capacity.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use kvplug_core::files::{open_regular, write_atomic, FileError};
+use kvplug_core::limits::check_memory;
+use kvplug_core::KvDtype;
+use kvplug_plugin_api::abi_stable::std_types::RVec;
+use kvplug_plugin_api::SeqRows;
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+/// The `kv_cache.format` of a session file.
+pub const FORMAT: &str = "kvplug-session";
+/// The schema version this build writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+/// The file extension (`NAME.kvsession.safetensors`).
+pub const EXTENSION: &str = "kvsession.safetensors";
+
+const CHECKSUM_KEY: &str = "kv_cache.checksum";
+const ZERO_SUM: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// One saved sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Session {
+    /// The K/V rows and their positions.
+    pub rows: SeqRows,
+    /// The token id of each row.
+    pub tokens: Vec<i32>,
+    /// The model's fingerprint.
+    pub model: String,
+    /// Application entries (`app.*` keys without the prefix).
+    pub app: BTreeMap<String, String>,
+}
+
+/// Why a session file was refused. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionFileError {
+    /// Not readable or writable.
+    #[error(transparent)]
+    File(#[from] FileError),
+    /// Not a session file this reader understands.
+    #[error("{}: not a valid kvplug session file: {why}", path.display())]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// Written with another schema version.
+    #[error("{}: session schema version {found}; this kvplug reads version {SCHEMA_VERSION}", path.display())]
+    Schema {
+        /// The file.
+        path: PathBuf,
+        /// The file's version.
+        found: String,
+    },
+    /// A byte changed since the file was written.
+    #[error("{}: checksum mismatch: the file was damaged or modified after it was written", path.display())]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+    },
+    /// Saved with another model.
+    #[error("{}: saved with another model (fingerprint {}…, this model {}…)", path.display(), &file[..12.min(file.len())], &model[..12.min(model.len())])]
+    OtherModel {
+        /// The file.
+        path: PathBuf,
+        /// The file's model fingerprint.
+        file: String,
+        /// The loaded model's.
+        model: String,
+    },
+    /// More rows than the cache holds.
+    #[error("{}: {tokens} tokens do not fit a cache of capacity {capacity}", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Rows in the file.
+        tokens: usize,
+        /// The cache's capacity.
+        capacity: usize,
+    },
+}
+
+fn malformed(path: &Path, why: impl Into<String>) -> SessionFileError {
+    SessionFileError::Malformed {
+        path: path.to_path_buf(),
+        why: why.into(),
+    }
+}
+
+/// `(code bytes, groups)` per row of a quantized dtype.
+fn quant_layout(dtype: KvDtype, head_dim: usize) -> Option<(usize, usize)> {
+    dtype
+        .quant()
+        .map(|(bits, group)| (head_dim * bits as usize / 8, head_dim / group))
+}
+
+fn float_dtype(dtype: KvDtype) -> Option<Dtype> {
+    match dtype {
+        KvDtype::F32 => Some(Dtype::F32),
+        KvDtype::F16 => Some(Dtype::F16),
+        KvDtype::Bf16 => Some(Dtype::BF16),
+        _ => None,
+    }
+}
+
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The tensors of one K or V side: `(name suffix, dtype, last dimension, bytes)`.
+fn split_side(
+    layers: &[RVec<u8>],
+    dtype: KvDtype,
+    head_dim: usize,
+) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
+    match (float_dtype(dtype), quant_layout(dtype, head_dim)) {
+        (Some(f), _) => vec![(
+            "",
+            f,
+            head_dim,
+            layers.iter().flat_map(|l| l.iter().copied()).collect(),
+        )],
+        (None, Some((cb, groups))) => {
+            let row = dtype.row_bytes(head_dim);
+            let (mut codes, mut scales, mut los) = (Vec::new(), Vec::new(), Vec::new());
+            for layer in layers {
+                for r in layer.chunks_exact(row) {
+                    codes.extend_from_slice(&r[..cb]);
+                    for pair in r[cb..].chunks_exact(4).take(groups) {
+                        scales.extend_from_slice(&pair[..2]);
+                        los.extend_from_slice(&pair[2..]);
+                    }
+                }
+            }
+            vec![
+                (".codes", Dtype::U8, cb, codes),
+                (".scales", Dtype::F16, groups, scales),
+                (".los", Dtype::F16, groups, los),
+            ]
+        }
+        (None, None) => unreachable!("every KV dtype is float or quantized"),
+    }
+}
+
+/// Serializes `s` (checksum included).
+pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
+    let r = &s.rows;
+    let dtype: KvDtype = r.kv_dtype.parse().map_err(|e| format!("{e}"))?;
+    let (l, h, d, n) = (
+        r.n_layers as usize,
+        r.n_kv_heads as usize,
+        r.head_dim as usize,
+        r.positions.len(),
+    );
+    if s.tokens.len() != n {
+        return Err(format!("{} tokens for {n} rows", s.tokens.len()));
+    }
+    let mut meta: HashMap<String, String> = s
+        .app
+        .iter()
+        .map(|(k, v)| (format!("app.{k}"), v.clone()))
+        .collect();
+    for (k, v) in [
+        ("format", FORMAT.to_string()),
+        ("schema_version", SCHEMA_VERSION.to_string()),
+        ("model_fingerprint", s.model.clone()),
+        ("kv_dtype", dtype.to_string()),
+        ("n_layers", l.to_string()),
+        ("n_kv_heads", h.to_string()),
+        ("head_dim", d.to_string()),
+        ("layer_groups", "full".to_string()),
+        ("tokens", n.to_string()),
+        (
+            "writer",
+            concat!("kvplug ", env!("CARGO_PKG_VERSION")).to_string(),
+        ),
+        ("checksum", ZERO_SUM.to_string()),
+    ] {
+        meta.insert(format!("kv_cache.{k}"), v);
+    }
+    let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = vec![
+        (
+            "positions".into(),
+            Dtype::I32,
+            vec![n],
+            i32_bytes(&r.positions),
+        ),
+        ("tokens".into(), Dtype::I32, vec![n], i32_bytes(&s.tokens)),
+    ];
+    for (side, layers) in [("k", &r.k), ("v", &r.v)] {
+        for (suffix, dt, last, bytes) in split_side(layers, dtype, d) {
+            owned.push((format!("g0.{side}{suffix}"), dt, vec![l, h, n, last], bytes));
+        }
+    }
+    let views = owned
+        .iter()
+        .map(|(name, dt, shape, bytes)| {
+            TensorView::new(*dt, shape.clone(), bytes)
+                .map(|v| (name.as_str(), v))
+                .map_err(|e| format!("{name}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut bytes = safetensors::serialize(views, Some(meta)).map_err(|e| e.to_string())?;
+    let at = checksum_at(&bytes).ok_or("the checksum entry is missing")?;
+    let sum = blake3::hash(&bytes).to_hex();
+    bytes[at..at + 64].copy_from_slice(sum.as_bytes());
+    Ok(bytes)
+}
+
+/// Writes `s` to `path` atomically; returns the bytes written.
+pub fn write(path: &Path, s: &Session) -> Result<u64, SessionFileError> {
+    let bytes = to_bytes(s).map_err(|why| malformed(path, why))?;
+    write_atomic(path, &bytes)?;
+    Ok(bytes.len() as u64)
+}
+
+/// The offset of the checksum's 64 hex digits in the header, if present exactly once.
+fn checksum_at(bytes: &[u8]) -> Option<usize> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let header = bytes.get(8..8usize.checked_add(usize::try_from(len).ok()?)?)?;
+    let key = format!("\"{CHECKSUM_KEY}\":\"");
+    let key = key.as_bytes();
+    let mut hits = header
+        .windows(key.len())
+        .enumerate()
+        .filter(|(_, w)| *w == key);
+    let (first, _) = hits.next()?;
+    if hits.next().is_some() {
+        return None;
+    }
+    let at = 8 + first + key.len();
+    (bytes.get(at..at + 65)?.last() == Some(&b'"')).then_some(at)
+}
+
+/// Reads and checks a session file (format, schema, checksum, tensors against metadata).
+pub fn read(path: &Path) -> Result<Session, SessionFileError> {
+    let (file, len) = open_regular(path)?;
+    check_memory(&format!("reading {}", path.display()), Some(len))
+        .map_err(|e| malformed(path, e.message))?;
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(len as usize)
+        .map_err(|e| malformed(path, e.to_string()))?;
+    use std::io::Read;
+    file.take(len)
+        .read_to_end(&mut bytes)
+        .map_err(|e| FileError {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    from_bytes(path, bytes)
+}
+
+/// Parses and checks session bytes (see [`read`]); `path` names them in errors.
+pub fn from_bytes(path: &Path, mut bytes: Vec<u8>) -> Result<Session, SessionFileError> {
+    let at = checksum_at(&bytes).ok_or_else(|| malformed(path, "no checksum entry"))?;
+    let stored = bytes[at..at + 64].to_vec();
+    bytes[at..at + 64].copy_from_slice(ZERO_SUM.as_bytes());
+    if blake3::hash(&bytes).to_hex().as_bytes() != stored.as_slice() {
+        return Err(SessionFileError::Checksum {
+            path: path.to_path_buf(),
+        });
+    }
+    let (_, header) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| malformed(path, e.to_string()))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    let get = |k: &str| -> Result<&str, SessionFileError> {
+        meta.get(&format!("kv_cache.{k}"))
+            .map(String::as_str)
+            .ok_or_else(|| malformed(path, format!("metadata kv_cache.{k} is missing")))
+    };
+    if get("format")? != FORMAT {
+        return Err(malformed(path, format!("format is '{}'", get("format")?)));
+    }
+    if get("schema_version")? != SCHEMA_VERSION.to_string() {
+        return Err(SessionFileError::Schema {
+            path: path.to_path_buf(),
+            found: get("schema_version")?.to_string(),
+        });
+    }
+    if get("layer_groups")? != "full" {
+        return Err(malformed(
+            path,
+            "layer groups other than 'full' need a newer kvplug",
+        ));
+    }
+    let dtype: KvDtype = get("kv_dtype")?
+        .parse()
+        .map_err(|e| malformed(path, format!("kv_dtype: {e}")))?;
+    let num = |k: &str| -> Result<usize, SessionFileError> {
+        get(k)?
+            .parse::<u32>()
+            .map(|v| v as usize)
+            .map_err(|e| malformed(path, format!("kv_cache.{k}: {e}")))
+    };
+    let (l, h, d, n) = (
+        num("n_layers")?,
+        num("n_kv_heads")?,
+        num("head_dim")?,
+        num("tokens")?,
+    );
+    dtype
+        .check_head_dim(d)
+        .map_err(|e| malformed(path, e.message))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(path, e.to_string()))?;
+    let tensor = |name: &str, dt: Dtype, shape: &[usize]| -> Result<&[u8], SessionFileError> {
+        let t = st
+            .tensor(name)
+            .map_err(|_| malformed(path, format!("tensor {name} is missing")))?;
+        if t.dtype() != dt || t.shape() != shape {
+            return Err(malformed(
+                path,
+                format!(
+                    "tensor {name} is {:?} {:?}, expected {dt:?} {shape:?}",
+                    t.dtype(),
+                    t.shape()
+                ),
+            ));
+        }
+        Ok(t.data())
+    };
+    let i32s = |b: &[u8]| -> Vec<i32> {
+        b.chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let positions = i32s(tensor("positions", Dtype::I32, &[n])?);
+    let tokens = i32s(tensor("tokens", Dtype::I32, &[n])?);
+    if positions.iter().any(|&p| p < 0) || positions.windows(2).any(|w| w[0] > w[1]) {
+        return Err(malformed(
+            path,
+            "positions must be non-negative and ascending",
+        ));
+    }
+    let row = dtype.row_bytes(d);
+    // Sizes are computed only once a tensor of that shape is known to exist in the file.
+    let side = |s: &str| -> Result<RVec<RVec<u8>>, SessionFileError> {
+        match (float_dtype(dtype), quant_layout(dtype, d)) {
+            (Some(f), _) => {
+                let all = tensor(&format!("g0.{s}"), f, &[l, h, n, d])?;
+                let layer_bytes = h * n * row;
+                let mut layers = vec![Vec::new(); l];
+                for (layer, chunk) in layers.iter_mut().zip(all.chunks_exact(layer_bytes.max(1))) {
+                    layer.extend_from_slice(chunk);
+                }
+                Ok(layers.into_iter().map(RVec::from).collect())
+            }
+            (None, Some((cb, groups))) => {
+                let codes = tensor(&format!("g0.{s}.codes"), Dtype::U8, &[l, h, n, cb])?;
+                let scales = tensor(&format!("g0.{s}.scales"), Dtype::F16, &[l, h, n, groups])?;
+                let los = tensor(&format!("g0.{s}.los"), Dtype::F16, &[l, h, n, groups])?;
+                let mut layers: Vec<Vec<u8>> =
+                    (0..l).map(|_| Vec::with_capacity(h * n * row)).collect();
+                for r in 0..l * h * n {
+                    let layer = &mut layers[r / (h * n)];
+                    layer.extend_from_slice(&codes[r * cb..(r + 1) * cb]);
+                    for g in 0..groups {
+                        let at = 2 * (r * groups + g);
+                        layer.extend_from_slice(&scales[at..at + 2]);
+                        layer.extend_from_slice(&los[at..at + 2]);
+                    }
+                }
+                Ok(layers.into_iter().map(RVec::from).collect())
+            }
+            (None, None) => unreachable!("every KV dtype is float or quantized"),
+        }
+    };
+    let rows = SeqRows {
+        kv_dtype: dtype.to_string().into(),
+        n_layers: l as u32,
+        n_kv_heads: h as u32,
+        head_dim: d as u32,
+        positions: positions.into(),
+        k: side("k")?,
+        v: side("v")?,
+    };
+    Ok(Session {
+        rows,
+        tokens,
+        model: get("model_fingerprint")?.to_string(),
+        app: meta
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("app.")?.to_string(), v.clone())))
+            .collect(),
+    })
+}
+
+impl Session {
+    /// Refuses the session for a model with fingerprint `model` and a cache of `capacity`.
+    pub fn check_fits(
+        &self,
+        path: &Path,
+        model: &str,
+        capacity: usize,
+    ) -> Result<(), SessionFileError> {
+        if self.model != model {
+            return Err(SessionFileError::OtherModel {
+                path: path.to_path_buf(),
+                file: self.model.clone(),
+                model: model.to_string(),
+            });
+        }
+        if self.tokens.len() > capacity {
+            return Err(SessionFileError::TooLarge {
+                path: path.to_path_buf(),
+                tokens: self.tokens.len(),
+                capacity,
+            });
+        }
+        Ok(())
+    }
+}
