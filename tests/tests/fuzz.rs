@@ -1,6 +1,7 @@
 //! Mutation fuzzing of the parsers users feed files to: scenario files, model packages
 //! (config.json + safetensors + shard index, through to loading the weights on the cpu
-//! device) and GGUF import. From valid seeds, deterministic byte-level and JSON-aware
+//! device), GGUF import and session files (through to importing the rows into a cpu seq
+//! cache). From valid seeds, deterministic byte-level and JSON-aware
 //! mutations (bit flips, truncations, inserted bytes, extreme integers at random offsets;
 //! numbers replaced by 0, -1, 2^32+2, u64::MAX, 1e308, strings by paths out of the
 //! directory, keys removed). Every input must give a typed error or a valid result: no
@@ -8,9 +9,10 @@
 //! (this binary's allocator refuses it, so an unbounded `Vec::with_capacity` aborts the run
 //! with the input's number while `try_reserve` gets a clean error).
 //!
-//! Inputs are numbered from 0 (scenarios), 100,000 (packages) and 200,000 (GGUF files).
-//! `KVPLUG_FUZZ_INPUTS` scales the run (default 10,200 inputs: 4,000 scenarios, 3,200
-//! packages, 3,000 GGUF files).
+//! Inputs are numbered from 0 (scenarios), 100,000 (packages), 200,000 (GGUF files) and
+//! 300,000 (session files). `KVPLUG_FUZZ_INPUTS` scales the run (default 10,200 inputs:
+//! 4,000 scenarios, 3,200 packages, 3,000 GGUF files; plus 10,000 session files, scaled
+//! alike). `make fuzz-long` runs a hundred times as many.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Write;
@@ -23,8 +25,12 @@ use candle_core::quantized::gguf_file::Value as GValue;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvplug_backend_kit::model::{LlamaModel, ModelPackage};
+use kvplug_backend_kit::KitCache;
+use kvplug_core::{CacheConfig, CacheKind, KvDtype};
 use kvplug_cpu::CpuDevice;
 use kvplug_host::model::{synth, PRESETS};
+use kvplug_host::session_file::{self, Session};
+use kvplug_plugin_api::HostTensor;
 use serde_json::{json, Value};
 
 mod common;
@@ -406,4 +412,147 @@ fn gguf_files() {
     }
     eprintln!("gguf files: {n} inputs, {ok} valid");
     assert!(ok < n, "no mutation was refused: the mutator is broken");
+}
+
+/// A seed session: `n` rows of a 2-layer cpu seq cache in `dtype`.
+fn seed_session(dtype: KvDtype, n: usize) -> Session {
+    let cfg = CacheConfig {
+        capacity: 64,
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 16,
+        min_chunk: 4,
+        kv_dtype: dtype,
+    };
+    let dev = Arc::new(CpuDevice::new());
+    let mut cache = KitCache::new(dev.clone(), CacheKind::Seq, cfg).unwrap();
+    if n > 0 {
+        let positions: Vec<i32> = (0..n as i32).collect();
+        let mut step = cache.step(&positions, Some(&vec![0; n])).unwrap();
+        let values = |h: usize, salt: usize| -> Vec<f32> {
+            (0..h * n * 16)
+                .map(|i| ((i * 31 + salt) as f32 * 0.01).sin())
+                .collect()
+        };
+        for layer in 0..2 {
+            let up = |h: usize, salt: usize| {
+                use kvplug_backend_kit::Device as _;
+                dev.upload(&HostTensor::from_f32(&[h, n, 16], &values(h, salt)))
+                    .unwrap()
+            };
+            let (q, k, v) = (up(4, layer), up(2, layer + 7), up(2, layer + 9));
+            let mut out = {
+                use kvplug_backend_kit::Device as _;
+                dev.zeros(&[4, n, 16]).unwrap()
+            };
+            step.attend(layer, &q, &k, &v, 0.25, &mut out).unwrap();
+        }
+        step.commit().unwrap();
+    }
+    Session {
+        rows: cache.export_seq(0).unwrap(),
+        tokens: (0..n as i32).map(|t| t * 7 + 1).collect(),
+        model: "0".repeat(64),
+        app: [("chat.messages".to_string(), "[]".to_string())].into(),
+    }
+}
+
+/// Re-signs session bytes after an edit (the checksum over the file with its digits zeroed),
+/// so the mutation reaches the parser behind the checksum. No-op without a checksum entry.
+fn resign(bytes: &mut [u8]) {
+    let key = b"\"kv_cache.checksum\":\"";
+    let Some(at) = bytes.windows(key.len()).position(|w| w == key) else {
+        return;
+    };
+    let at = at + key.len();
+    if at + 64 > bytes.len() {
+        return;
+    }
+    bytes[at..at + 64].fill(b'0');
+    let sum = blake3::hash(bytes).to_hex();
+    bytes[at..at + 64].copy_from_slice(sum.as_bytes());
+}
+
+/// Parses `bytes` as a session and imports it into a fresh cpu seq cache whose other
+/// sequence must come through unchanged.
+fn load_session(bytes: Vec<u8>) -> Result<(), String> {
+    let s = session_file::from_bytes(Path::new("fuzz.kvsession.safetensors"), bytes)
+        .map_err(|e| e.to_string())?;
+    let dtype: KvDtype = s.rows.kv_dtype.parse().map_err(|e| format!("{e}"))?;
+    let cfg = CacheConfig {
+        capacity: 64,
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 16,
+        min_chunk: 4,
+        kv_dtype: dtype,
+    };
+    cfg.validate().map_err(|e| e.to_string())?;
+    let mut cache = KitCache::new(Arc::new(CpuDevice::new()), CacheKind::Seq, cfg)
+        .map_err(|e| e.to_string())?;
+    let result = cache.import_seq(1, &s.rows).map_err(|e| e.to_string());
+    if result.is_err() {
+        assert_eq!(
+            cache.stats().live_cells,
+            0,
+            "a refused import left rows behind"
+        );
+    }
+    result
+}
+
+#[test]
+fn session_files() {
+    let seeds: Vec<Vec<u8>> = [
+        (KvDtype::F16, 9),
+        (KvDtype::Q4 { group: 8 }, 5),
+        (KvDtype::F32, 0),
+    ]
+    .into_iter()
+    .map(|(d, n)| session_file::to_bytes(&seed_session(d, n)).unwrap())
+    .collect();
+    for s in &seeds {
+        load_session(s.clone()).unwrap();
+    }
+    let mut rng = Rng(4);
+    let (mut ok, mut refused_raw, n) = (0, 0, inputs(10_000));
+    for i in 0..n {
+        let seed = &seeds[rng.below(seeds.len())];
+        let (bytes, what) = match rng.below(3) {
+            // Raw edits: the checksum must catch every one that changed a byte.
+            0 => {
+                let b = mutate_bytes(&mut rng, seed, seed.len());
+                if b == *seed {
+                    continue;
+                }
+                refused_raw += 1;
+                assert!(
+                    load_session(b.clone()).is_err(),
+                    "input {}: a changed file was accepted",
+                    300_000 + i
+                );
+                continue;
+            }
+            // Header edits (JSON-aware), re-signed.
+            1 => {
+                let (mut h, data) = split_safetensors(seed);
+                mutate_json(&mut rng, &mut h);
+                let h = h.to_string().into_bytes();
+                let mut b = (h.len() as u64).to_le_bytes().to_vec();
+                b.extend_from_slice(&h);
+                b.extend_from_slice(data);
+                resign(&mut b);
+                (b, "session header (json), re-signed")
+            }
+            // Byte edits anywhere, re-signed.
+            _ => {
+                let mut b = mutate_bytes(&mut rng, seed, 2048);
+                resign(&mut b);
+                (b, "session bytes, re-signed")
+            }
+        };
+        ok += check(300_000 + i as u64, what, || load_session(bytes)) as usize;
+    }
+    eprintln!("session files: {n} inputs ({refused_raw} unsigned edits all refused), {ok} re-signed ones valid");
+    assert!(ok < n && refused_raw > 0, "the mutator is broken");
 }
