@@ -36,6 +36,7 @@ pub mod quant;
 pub mod radix;
 pub mod rounding;
 pub mod seq;
+pub mod spec;
 pub mod tree;
 
 pub use config::{make_config, CacheConfig, ModelCacheParams, DEFAULT_MIN_CHUNK};
@@ -47,4 +48,5 @@ pub use metadata::{read_cache_params, write_cache_params, MetadataError};
 pub use plan::{MaskKind, PlanKind, StepPlan};
 pub use radix::{PrefixHandle, PrefixLock, RadixError, RadixIndex};
 pub use seq::{PosRange, PrefixStats, SeqBookkeeping, MAX_SEQS};
+pub use spec::{LayerAttention, LayerGroup, ModelCacheSpec};
 pub use tree::{CommitPlan, TreeBookkeeping};

@@ -1,17 +1,54 @@
 //! A multi-turn conversation on one contiguous cache: the cache carries the conversation, so
-//! each turn prefills only the tokens the cache does not already hold.
+//! each turn prefills only the tokens the cache does not already hold. With a session file
+//! the conversation survives the process: its K/V, tokens and messages are saved after every
+//! turn and restored on start, without re-prefilling.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use kvplug_core::{make_config, KvDtype};
 
+use crate::fingerprint::model_fingerprint;
 use crate::host::Host;
 use crate::model::cache_params;
 use crate::run::{Forward, Sampler};
 use crate::session::DecodeSession;
+use crate::session_file::{self, Session};
 use crate::text::{Message, Streamer, Text};
+
+/// The `app.*` entry of a chat's session file holding its messages (JSON).
+const MESSAGES_KEY: &str = "chat.messages";
+
+/// How a conversation runs.
+pub struct ChatOptions {
+    /// Backend id.
+    pub backend: String,
+    /// A system message opening a new conversation.
+    pub system: Option<String>,
+    /// Cache capacity in cells (the whole conversation).
+    pub capacity: usize,
+    /// KV storage dtype; `None` = the session file's, else f16.
+    pub kv_dtype: Option<KvDtype>,
+    /// Most tokens per answer.
+    pub max_new: usize,
+    /// How tokens are picked.
+    pub sampler: Sampler,
+    /// A session file: resumed when it exists, written after every turn.
+    pub session: Option<PathBuf>,
+}
+
+/// A conversation restored from a session file.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Restored {
+    /// Tokens whose K/V came from the file.
+    pub tokens: usize,
+    /// Messages so far.
+    pub messages: usize,
+    /// Reading, checking and importing the file, in seconds (the model's fingerprint, taken
+    /// before, not included).
+    pub seconds: f64,
+}
 
 /// What one turn did.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -39,22 +76,16 @@ pub struct Chat {
     capacity: usize,
     max_new: usize,
     sampler: Sampler,
+    /// The session file and the model's fingerprint.
+    file: Option<(PathBuf, String)>,
+    restored: Option<Restored>,
 }
 
 impl Chat {
-    /// A conversation with the model in `model` on `backend`, optionally opened by a
-    /// system message.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        host: &Host,
-        backend: &str,
-        model: &Path,
-        system: Option<&str>,
-        capacity: usize,
-        kv_dtype: KvDtype,
-        max_new: usize,
-        sampler: Sampler,
-    ) -> Result<Self> {
+    /// A conversation with the model in `model`: resumed from `opts.session` when that file
+    /// exists (refused if it belongs to another model, does not fit the capacity, or
+    /// conflicts with `opts.kv_dtype` or `opts.system`), else new.
+    pub fn new(host: &Host, model: &Path, opts: ChatOptions) -> Result<Self> {
         let text = Text::load(model)?;
         if !text.has_template() {
             bail!(
@@ -62,23 +93,95 @@ impl Chat {
                 model.display()
             );
         }
-        let cfg = make_config(&cache_params(model)?, capacity, kv_dtype);
+        let file = opts
+            .session
+            .map(|p| Ok::<_, anyhow::Error>((p, model_fingerprint(model)?)))
+            .transpose()?;
+        let t = Instant::now();
+        let saved = match &file {
+            Some((path, fp)) if path.exists() => {
+                let s = session_file::read(path)?;
+                s.check_fits(path, fp, opts.capacity)?;
+                Some(s)
+            }
+            _ => None,
+        };
+        let saved_dtype = saved
+            .as_ref()
+            .map(|s| s.rows.kv_dtype.parse::<KvDtype>())
+            .transpose()?;
+        let kv_dtype = match (opts.kv_dtype, saved_dtype) {
+            (Some(a), Some(b)) if a != b => {
+                bail!("the session stores {b} KV; drop --kv-dtype or pass {b}")
+            }
+            (a, b) => a.or(b).unwrap_or(KvDtype::F16),
+        };
+        let cfg = make_config(&cache_params(model)?, opts.capacity, kv_dtype);
         cfg.validate()?;
-        let (session, options) = host.make_decode_session(backend, &cfg)?;
-        let fwd = Forward::load(host, backend, model, None, options)?;
+        let (session, options) = host.make_decode_session(&opts.backend, &cfg)?;
+        let fwd = Forward::load(host, &opts.backend, model, None, options)?;
+        let mut messages: Vec<Message> = opts
+            .system
+            .as_deref()
+            .map(|s| Message::new("system", s))
+            .into_iter()
+            .collect();
+        let (mut cached, mut restored) = (Vec::new(), None);
+        if let Some(s) = saved {
+            let saved_messages: Vec<Message> =
+                serde_json::from_str(s.app.get(MESSAGES_KEY).map_or("[]", String::as_str))
+                    .context("the session's messages")?;
+            if !messages.is_empty() && saved_messages.first() != messages.first() {
+                bail!("the session has its own system message; drop --system to resume it");
+            }
+            session.import_seq(0, &s.rows)?;
+            restored = Some(Restored {
+                tokens: s.tokens.len(),
+                messages: saved_messages.len(),
+                seconds: t.elapsed().as_secs_f64(),
+            });
+            (messages, cached) = (saved_messages, s.tokens);
+        }
         Ok(Chat {
             text,
             session,
             fwd,
-            messages: system
-                .map(|s| Message::new("system", s))
-                .into_iter()
-                .collect(),
-            cached: Vec::new(),
-            capacity,
-            max_new,
-            sampler,
+            messages,
+            cached,
+            capacity: opts.capacity,
+            max_new: opts.max_new,
+            sampler: opts.sampler,
+            file,
+            restored,
         })
+    }
+
+    /// What was restored from the session file, if anything.
+    pub fn restored(&self) -> Option<&Restored> {
+        self.restored.as_ref()
+    }
+
+    /// The conversation so far.
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// Writes the session file (atomically), if the chat has one; returns its bytes.
+    pub fn save(&self) -> Result<Option<u64>> {
+        let Some((path, fingerprint)) = &self.file else {
+            return Ok(None);
+        };
+        let session = Session {
+            rows: self.session.export_seq(0)?,
+            tokens: self.cached.clone(),
+            model: fingerprint.clone(),
+            app: [(
+                MESSAGES_KEY.to_string(),
+                serde_json::to_string(&self.messages)?,
+            )]
+            .into(),
+        };
+        Ok(Some(session_file::write(path, &session)?))
     }
 
     /// Answers `user`: renders the whole conversation, reuses the cached tokens it starts
@@ -129,6 +232,7 @@ impl Chat {
         let answer = self.text.decode(&ids)?;
         messages.push(Message::new("assistant", answer.trim()));
         self.messages = messages;
+        self.save()?;
         Ok(TurnReport {
             text: answer,
             decode_tok_s: (ids.len().saturating_sub(1)) as f64

@@ -25,11 +25,13 @@ mod gguf_check;
 pub mod host;
 pub mod loader;
 pub mod model;
+pub mod plan;
 pub mod plugin_file;
 pub mod registry;
 pub mod run;
 pub mod services;
 pub mod session;
+pub mod session_dir;
 pub mod session_file;
 pub mod text;
 

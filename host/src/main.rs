@@ -8,12 +8,13 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use kvplug_conformance::{builtin_scenarios, load_dir};
 use kvplug_core::{CacheKind, KvDtype};
-use kvplug_host::chat::Chat;
+use kvplug_host::chat::{Chat, ChatOptions};
 use kvplug_host::conform::{run_matrix, ConformOptions, REQUIRE_BACKENDS_ENV};
 use kvplug_host::model::{synth, PRESETS};
 use kvplug_host::run::{
     run_agents, run_decode_streaming, run_fork, run_speculative, Draft, RunReport, RunSpec, Sampler,
 };
+use kvplug_host::session_dir::SessionDir;
 use kvplug_host::text::{Message, Streamer, Text};
 use kvplug_host::{Host, PluginSearch};
 
@@ -27,6 +28,10 @@ struct Cli {
     /// Load plugins from world-writable directories and files.
     #[arg(long, global = true)]
     allow_insecure_plugins: bool,
+    /// Where named sessions live (default: $KVPLUG_SESSION_DIR, else
+    /// $XDG_DATA_HOME/kvplug/sessions, else ~/.local/share/kvplug/sessions).
+    #[arg(long, global = true, value_name = "DIR")]
+    session_dir: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -64,15 +69,27 @@ enum Command {
         /// Cache capacity in cells (the whole conversation).
         #[arg(long, default_value_t = 4096)]
         capacity: usize,
-        /// KV storage dtype.
-        #[arg(long, default_value = "f16")]
-        kv_dtype: String,
+        /// KV storage dtype (default: the session's, else f16).
+        #[arg(long)]
+        kv_dtype: Option<String>,
+        /// A named session: resumed (K/V, tokens, messages; no re-prefill) when it exists,
+        /// saved after every turn.
+        #[arg(long, value_name = "NAME")]
+        session: Option<String>,
         #[command(flatten)]
         sampling: SamplingArgs,
         /// One JSON object per turn instead of streamed text.
         #[arg(long)]
         json: bool,
     },
+    /// Saved sessions (see chat --session).
+    Session {
+        #[command(subcommand)]
+        command: SessionCommand,
+    },
+    /// Memory plan: weights, KV bytes per token by layer group, and how many tokens and
+    /// agents fit a budget.
+    Plan(kvplug_host::plan::PlanArgs),
     /// The main job: decode (f16 and q8 KV), agent fork and speculative decoding of a model
     /// on one backend, as a table.
     Demo {
@@ -106,6 +123,30 @@ enum Command {
         /// One JSON object instead of the table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum SessionCommand {
+    /// List sessions (from their headers).
+    Ls {
+        /// One JSON array instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check one session in full (checksum, tensors) and describe it.
+    Show {
+        /// Session name.
+        name: String,
+        /// Also check that it fits this model (a directory or GGUF file).
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// Delete sessions.
+    Rm {
+        /// Session names.
+        #[arg(required = true)]
+        names: Vec<String>,
     },
 }
 
@@ -324,21 +365,43 @@ fn run(cli: Cli) -> Result<ExitCode> {
             max_new,
             capacity,
             kv_dtype,
+            session,
             sampling,
             json,
         } => {
             let model = kvplug_host::gguf::resolve_model(&model)?;
-            let mut chat = Chat::new(
-                &host,
-                &backend,
-                &model,
-                system.as_deref(),
+            let session = match &session {
+                Some(name) => {
+                    Some(SessionDir::standard(cli.session_dir.as_deref()).path_for_write(name)?)
+                }
+                None => None,
+            };
+            let opts = ChatOptions {
+                backend,
+                system,
                 capacity,
-                kv_dtype.parse()?,
+                kv_dtype: kv_dtype.as_deref().map(str::parse).transpose()?,
                 max_new,
-                sampling.sampler(),
-            )?;
+                sampler: sampling.sampler(),
+                session,
+            };
+            let mut chat = Chat::new(&host, &model, opts)?;
+            if let Some(r) = chat.restored() {
+                eprintln!(
+                    "[resumed: {} messages, {} tokens of K/V restored in {:.0} ms]",
+                    r.messages,
+                    r.tokens,
+                    r.seconds * 1e3
+                );
+            }
             chat_loop(&mut chat, json)
+        }
+        Command::Session { command } => {
+            sessions(&SessionDir::standard(cli.session_dir.as_deref()), command)
+        }
+        Command::Plan(args) => {
+            print!("{}", kvplug_host::plan::run(&args)?);
+            Ok(ExitCode::SUCCESS)
         }
         Command::Demo {
             model,
@@ -555,6 +618,79 @@ fn read_turn(input: &mut impl std::io::BufRead) -> Result<Option<String>> {
         bail!("a chat line is longer than {MAX_CHAT_LINE} bytes");
     }
     Ok(Some(String::from_utf8(buf).context("stdin is not UTF-8")?))
+}
+
+/// `kvplug session ls|show|rm`.
+fn sessions(dir: &SessionDir, command: SessionCommand) -> Result<ExitCode> {
+    match command {
+        SessionCommand::Ls { json } => {
+            let all = dir.list()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&all)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("sessions in {}", dir.dir().display());
+            println!(
+                "{:<24} {:>8} {:>6} {:>12}  model",
+                "name", "tokens", "kv", "bytes"
+            );
+            for l in all {
+                match l.summary {
+                    Ok(s) => println!(
+                        "{:<24} {:>8} {:>6} {:>12}  {}",
+                        l.name,
+                        s.tokens,
+                        s.kv_dtype,
+                        s.bytes,
+                        &s.model[..12.min(s.model.len())]
+                    ),
+                    Err(e) => println!("{:<24} unreadable: {e}", l.name),
+                }
+            }
+        }
+        SessionCommand::Show { name, model } => {
+            let path = dir.path(&name)?;
+            let t = std::time::Instant::now();
+            let s = kvplug_host::session_file::read(&path)?;
+            let read_ms = t.elapsed().as_secs_f64() * 1e3;
+            let sum = kvplug_host::session_file::summary(&path)?;
+            println!("session {name}: {}", path.display());
+            println!("  tokens       {}", s.tokens.len());
+            println!("  kv dtype     {}", s.rows.kv_dtype);
+            println!(
+                "  shape        {} layers x {} KV heads x head_dim {}",
+                s.rows.n_layers, s.rows.n_kv_heads, s.rows.head_dim
+            );
+            println!(
+                "  bytes        {} ({:.0} per token)",
+                sum.bytes,
+                sum.bytes as f64 / s.tokens.len().max(1) as f64
+            );
+            println!("  model        {}", s.model);
+            println!("  writer       {}", sum.writer);
+            println!("  checksum     ok (read and checked in {read_ms:.1} ms)");
+            for (k, v) in &s.app {
+                let preview: String = v.chars().take(72).collect();
+                println!(
+                    "  app.{k:<8} {preview}{}",
+                    if v.len() > 72 { "…" } else { "" }
+                );
+            }
+            if let Some(m) = model {
+                let m = kvplug_host::gguf::resolve_model(&m)?;
+                let fp = kvplug_host::fingerprint::model_fingerprint(&m)?;
+                s.check_fits(&path, &fp, usize::MAX)?;
+                println!("  fits         {}", m.display());
+            }
+        }
+        SessionCommand::Rm { names } => {
+            for n in names {
+                dir.remove(&n)?;
+                println!("removed {n}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn chat_loop(chat: &mut Chat, json: bool) -> Result<ExitCode> {

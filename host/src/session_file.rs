@@ -410,6 +410,59 @@ pub fn from_bytes(path: &Path, mut bytes: Vec<u8>) -> Result<Session, SessionFil
     })
 }
 
+/// What a session file's header says (not checked against the checksum; [`read`] does that).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Summary {
+    /// Rows (tokens) held.
+    pub tokens: usize,
+    /// Storage dtype.
+    pub kv_dtype: String,
+    /// The model's fingerprint.
+    pub model: String,
+    /// File size.
+    pub bytes: u64,
+    /// The writing kvplug.
+    pub writer: String,
+}
+
+/// Reads only the header of a session file.
+pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
+    use std::io::Read;
+    let (mut file, bytes) = open_regular(path)?;
+    let io = |e: std::io::Error| FileError {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(io)?;
+    let len = u64::from_le_bytes(len);
+    // safetensors' own bound on a header.
+    if len > 100 << 20 || len + 8 > bytes {
+        return Err(malformed(path, format!("a header of {len} bytes")));
+    }
+    let mut header = vec![0; len as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| malformed(path, e.to_string()))?;
+    let meta = &json["__metadata__"];
+    let get = |k: &str| {
+        meta[format!("kv_cache.{k}")]
+            .as_str()
+            .unwrap_or("?")
+            .to_string()
+    };
+    if get("format") != FORMAT {
+        return Err(malformed(path, "no kvplug session metadata"));
+    }
+    Ok(Summary {
+        tokens: get("tokens").parse().unwrap_or(0),
+        kv_dtype: get("kv_dtype"),
+        model: get("model_fingerprint"),
+        bytes,
+        writer: get("writer"),
+    })
+}
+
 impl Session {
     /// Refuses the session for a model with fingerprint `model` and a cache of `capacity`.
     pub fn check_fits(

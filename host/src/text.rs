@@ -21,7 +21,7 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 }
 
 /// A chat message.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// `system`, `user` or `assistant`.
     pub role: String,

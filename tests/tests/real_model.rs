@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use kvplug_core::KvDtype;
-use kvplug_host::chat::Chat;
+use kvplug_host::chat::{Chat, ChatOptions};
 use kvplug_host::run::{run_decode, RunSpec, Sampler};
 use kvplug_host::text::{Message, Text};
 
@@ -63,22 +63,25 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
 
     // A chat: the second turn reuses the whole first exchange from the cache and prefills
     // only its own tokens.
-    let mut chat = Chat::new(
-        &host,
-        "cpu",
-        &model,
-        None,
-        512,
-        KvDtype::F16,
-        32,
-        Sampler::new(0.0, 1.0, 0),
-    )
-    .unwrap();
+    // The first turn is saved to a session file after it ends.
+    let saved = dir.path().join("chat.kvsession.safetensors");
+    let opts = |backend: &str, session: PathBuf| ChatOptions {
+        backend: backend.into(),
+        system: None,
+        capacity: 512,
+        kv_dtype: None,
+        max_new: 32,
+        sampler: Sampler::new(0.0, 1.0, 0),
+        session: Some(session),
+    };
+    let mut chat = Chat::new(&host, &model, opts("cpu", saved.clone())).unwrap();
     let first = chat
         .turn("What is the capital of France?", &mut |_| Ok(()))
         .unwrap();
     assert!(first.text.contains("Paris"), "{:?}", first.text);
     assert_eq!(first.reused_tokens, 0);
+    let after_first = dir.path().join("after-first.kvsession.safetensors");
+    std::fs::copy(&saved, &after_first).unwrap();
     let second = chat.turn("And of Germany?", &mut |_| Ok(())).unwrap();
     assert!(second.text.contains("Berlin"), "{:?}", second.text);
     assert_eq!(
@@ -90,4 +93,30 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
         "{} prefilled",
         second.prefilled_tokens
     );
+
+    // Resumed in a new chat on every backend (as after a restart): the same second answer,
+    // with the first exchange restored from the file instead of prefilled.
+    for backend in BACKENDS {
+        let copy = dir.path().join(format!("{backend}.kvsession.safetensors"));
+        std::fs::copy(&after_first, &copy).unwrap();
+        let mut resumed = Chat::new(&host, &model, opts(backend, copy)).unwrap();
+        assert_eq!(
+            resumed.restored().map(|r| (r.tokens, r.messages)),
+            Some((first.prefilled_tokens + first.ids.len() - 1, 2))
+        );
+        let again = resumed.turn("And of Germany?", &mut |_| Ok(())).unwrap();
+        assert_eq!(
+            (
+                again.ids.as_slice(),
+                again.reused_tokens,
+                again.prefilled_tokens
+            ),
+            (
+                second.ids.as_slice(),
+                second.reused_tokens,
+                second.prefilled_tokens
+            ),
+            "{backend}: resumed second turn"
+        );
+    }
 }

@@ -1,0 +1,221 @@
+//! [`ModelCacheSpec`]: what a model's cache holds per layer, read from `config.json`.
+//!
+//! Each layer attends fully or through a sliding window. Conventions read, in order (those of
+//! Hugging Face `transformers`):
+//!
+//! 1. an explicit `layer_types` list (`full_attention` / `sliding_attention`), window
+//!    `sliding_window`;
+//! 2. Gemma 3's `sliding_window_pattern` `N`: layer `i` is full iff `(i + 1) % N == 0`;
+//! 3. Qwen2's `use_sliding_window` with `max_window_layers` `M`: layers `i >= M` slide;
+//! 4. otherwise a non-null `sliding_window` makes every layer slide (Mistral);
+//! 5. otherwise every layer is full (Llama).
+//!
+//! This build's caches still attend sliding layers over the whole history; the spec is what
+//! memory plans are made from.
+
+use serde_json::Value;
+
+use crate::dtype::KvDtype;
+use crate::error::{CacheError, CacheResult};
+
+/// How one layer attends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerAttention {
+    /// Every earlier position.
+    Full,
+    /// The last `window` positions.
+    Sliding {
+        /// Positions seen, the query's own included.
+        window: usize,
+    },
+}
+
+/// A model's per-layer cache shape.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ModelCacheSpec {
+    /// KV heads per layer.
+    pub n_kv_heads: usize,
+    /// Values per head row.
+    pub head_dim: usize,
+    /// Attention of each layer.
+    pub layers: Vec<LayerAttention>,
+}
+
+/// Layers sharing one attention type.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct LayerGroup {
+    /// The attention type.
+    pub attention: LayerAttention,
+    /// Layer indices.
+    pub layers: Vec<usize>,
+}
+
+impl ModelCacheSpec {
+    /// Reads the spec from a parsed `config.json` (see the module docs), given the cache
+    /// shape its metadata states.
+    pub fn from_config(
+        config: &Value,
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> CacheResult<Self> {
+        let bad = |m: String| CacheError::bad_config(format!("config.json: {m}"));
+        let window = || -> CacheResult<usize> {
+            config["sliding_window"]
+                .as_u64()
+                .filter(|&w| w > 0)
+                .map(|w| w as usize)
+                .ok_or_else(|| bad("sliding layers need a positive integer sliding_window".into()))
+        };
+        let layers = if let Some(types) = config["layer_types"].as_array() {
+            if types.len() != n_layers {
+                return Err(bad(format!(
+                    "{} layer_types for {n_layers} layers",
+                    types.len()
+                )));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(LayerAttention::Full),
+                    Some("sliding_attention") => Ok(LayerAttention::Sliding { window: window()? }),
+                    other => Err(bad(format!("unknown layer type {other:?}"))),
+                })
+                .collect::<CacheResult<_>>()?
+        } else if let Some(n) = config["sliding_window_pattern"].as_u64() {
+            if n == 0 {
+                return Err(bad("sliding_window_pattern is 0".into()));
+            }
+            let w = window()?;
+            (0..n_layers)
+                .map(|i| {
+                    if (i as u64 + 1) % n == 0 {
+                        LayerAttention::Full
+                    } else {
+                        LayerAttention::Sliding { window: w }
+                    }
+                })
+                .collect()
+        } else if let Some(on) = config["use_sliding_window"].as_bool() {
+            let from = config["max_window_layers"].as_u64().unwrap_or(0) as usize;
+            let w = if on { Some(window()?) } else { None };
+            (0..n_layers)
+                .map(|i| match w {
+                    Some(window) if i >= from => LayerAttention::Sliding { window },
+                    _ => LayerAttention::Full,
+                })
+                .collect()
+        } else if !config["sliding_window"].is_null() && config.get("sliding_window").is_some() {
+            vec![LayerAttention::Sliding { window: window()? }; n_layers]
+        } else {
+            vec![LayerAttention::Full; n_layers]
+        };
+        Ok(ModelCacheSpec {
+            n_kv_heads,
+            head_dim,
+            layers,
+        })
+    }
+
+    /// Layers grouped by attention type (full first, then windows ascending).
+    pub fn groups(&self) -> Vec<LayerGroup> {
+        let mut kinds: Vec<LayerAttention> = self.layers.clone();
+        kinds.sort();
+        kinds.dedup();
+        kinds
+            .into_iter()
+            .map(|attention| LayerGroup {
+                attention,
+                layers: (0..self.layers.len())
+                    .filter(|&i| self.layers[i] == attention)
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// K and V bytes one token takes in one layer.
+    pub fn layer_bytes_per_token(&self, dtype: KvDtype) -> usize {
+        2 * self.n_kv_heads * dtype.row_bytes(self.head_dim)
+    }
+
+    /// K/V bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
+    /// `window + ubatch` of them (the window plus one micro-batch in flight).
+    pub fn sequence_bytes(&self, dtype: KvDtype, tokens: usize, ubatch: usize) -> u128 {
+        let per = self.layer_bytes_per_token(dtype) as u128;
+        self.layers
+            .iter()
+            .map(|l| match *l {
+                LayerAttention::Full => tokens as u128 * per,
+                LayerAttention::Sliding { window } => tokens.min(window + ubatch) as u128 * per,
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn kinds(c: Value, n: usize) -> Vec<LayerAttention> {
+        ModelCacheSpec::from_config(&c, n, 1, 64).unwrap().layers
+    }
+
+    #[test]
+    fn reads_each_convention() {
+        use LayerAttention::{Full, Sliding};
+        let s = Sliding { window: 4 };
+        assert_eq!(kinds(json!({"model_type": "llama"}), 2), [Full, Full]);
+        assert_eq!(
+            kinds(json!({"sliding_window": 4, "sliding_window_pattern": 3}), 6),
+            [s, s, Full, s, s, Full]
+        );
+        assert_eq!(
+            kinds(
+                json!({"sliding_window": 4, "use_sliding_window": true, "max_window_layers": 1}),
+                3
+            ),
+            [Full, s, s]
+        );
+        assert_eq!(
+            kinds(json!({"sliding_window": 4, "use_sliding_window": false}), 2),
+            [Full, Full]
+        );
+        assert_eq!(kinds(json!({"sliding_window": 4}), 2), [s, s]);
+        assert_eq!(kinds(json!({"sliding_window": null}), 1), [Full]);
+        assert_eq!(
+            kinds(
+                json!({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}),
+                2
+            ),
+            [s, Full]
+        );
+        let e = ModelCacheSpec::from_config(&json!({"layer_types": ["full_attention"]}), 2, 1, 64);
+        assert!(e
+            .unwrap_err()
+            .message
+            .contains("1 layer_types for 2 layers"));
+        let e = ModelCacheSpec::from_config(&json!({"sliding_window_pattern": 2}), 2, 1, 64);
+        assert!(e
+            .unwrap_err()
+            .message
+            .contains("positive integer sliding_window"));
+    }
+
+    #[test]
+    fn sliding_layers_cap_a_sequence() {
+        // Gemma 3 270M's shape: 18 layers, 1 KV head, head_dim 256, window 512, 5:1.
+        let c = json!({"sliding_window": 512, "sliding_window_pattern": 6});
+        let spec = ModelCacheSpec::from_config(&c, 18, 1, 256).unwrap();
+        let groups = spec.groups();
+        assert_eq!((groups[0].layers.len(), groups[1].layers.len()), (3, 15));
+        let per = spec.layer_bytes_per_token(KvDtype::F16) as u128;
+        assert_eq!(per, 1024);
+        assert_eq!(
+            spec.sequence_bytes(KvDtype::F16, 8192, 0),
+            (3 * 8192 + 15 * 512) * per
+        );
+        assert_eq!(spec.sequence_bytes(KvDtype::F16, 100, 512), 18 * 100 * per);
+    }
+}
