@@ -15,6 +15,7 @@
 //!   [`BackendOptions`](kvplug_plugin_api::BackendOptions) carrying that key; dropping the
 //!   session erases the key. The face (decode / seq / tree) is fixed by the factory.
 
+pub mod agent_store;
 pub mod chat;
 pub mod conform;
 pub mod discovery;

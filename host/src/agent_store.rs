@@ -1,0 +1,392 @@
+//! [`AgentStore`]: agents that call the model again and again over shared context, on one
+//! seq cache, with their K/V kept across calls in two tiers (seed 002's AgentCacheStore).
+//!
+//! - **Reuse.** A request's prompt takes the longest prefix any earlier request left in the
+//!   cache's prefix index (zero-copy: the cells join its sequence) and prefills only the
+//!   rest. Everything a request's sequence ends up holding is published to the index.
+//! - **Hot tier.** A named agent keeps its sequence between calls; its next prompt reuses
+//!   its whole history up to where the prompt departs from it.
+//! - **Warm tier.** When a request needs cells the cache (its capacity is the memory
+//!   budget) cannot free by evicting unheld prefixes, the least recently used idle agent is
+//!   written to its session file and its sequence released; its next request restores it
+//!   from the file (beyond what the prefix index still holds) instead of prefilling.
+//! - **Model-tagged.** Files are named by agent and model fingerprint
+//!   (`AGENT.<first 16 hex>.kvsession.safetensors`), so a store for another model never
+//!   loads them and a store for the same model finds them again after a swap or a restart.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use kvplug_core::{make_config, KvDtype, MAX_SEQS};
+use kvplug_plugin_api::abi_stable::std_types::RVec;
+use kvplug_plugin_api::{AbiErrorKind, SeqRows};
+
+use crate::fingerprint::model_fingerprint;
+use crate::host::Host;
+use crate::model::cache_params;
+use crate::run::{Forward, Sampler};
+use crate::session::SeqSession;
+use crate::session_file::{self, Session, EXTENSION};
+
+/// How a store runs.
+pub struct AgentStoreOptions {
+    /// Backend id.
+    pub backend: String,
+    /// Cache capacity in cells: the memory budget for K/V (see `kvplug plan`).
+    pub capacity: usize,
+    /// KV storage dtype.
+    pub kv_dtype: KvDtype,
+    /// The warm tier's directory (created on first use).
+    pub dir: PathBuf,
+}
+
+/// What one request did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Reply {
+    /// Generated ids (ending at a stop token unless cut at `max_new`).
+    pub ids: Vec<i32>,
+    /// Prompt tokens whose K/V were reused: from the prefix index, the agent's own sequence
+    /// or its session file.
+    pub cached_tokens: usize,
+    /// Of those, tokens restored from the agent's session file.
+    pub restored_tokens: usize,
+    /// Prompt tokens prefilled.
+    pub prefilled_tokens: usize,
+    /// Seconds from the request to its first generated token.
+    pub ttft: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tok_s: f64,
+}
+
+struct Agent {
+    /// Tokens whose K/V its sequence (hot) or file (warm) holds.
+    tokens: Vec<i32>,
+    /// Its sequence while hot.
+    seq: Option<i32>,
+    last_use: u64,
+}
+
+/// The store. One request at a time.
+pub struct AgentStore {
+    cache: SeqSession,
+    fwd: Forward,
+    fingerprint: String,
+    dir: PathBuf,
+    agents: HashMap<String, Agent>,
+    free_seqs: Vec<i32>,
+    clock: u64,
+}
+
+fn tokens_u32(t: &[i32]) -> Vec<u32> {
+    t.iter().map(|&x| x as u32).collect()
+}
+
+fn common_prefix(a: &[i32], b: &[i32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Rows `range` (by index) of `rows`.
+fn slice_rows(rows: &SeqRows, range: std::ops::Range<usize>) -> SeqRows {
+    let n = rows.positions.len();
+    let heads = rows.n_kv_heads as usize;
+    let row = if n == 0 {
+        0
+    } else {
+        rows.k[0].len() / heads / n
+    };
+    let cut = |layers: &RVec<RVec<u8>>| -> RVec<RVec<u8>> {
+        layers
+            .iter()
+            .map(|l| {
+                (0..heads)
+                    .flat_map(|h| {
+                        l[(h * n + range.start) * row..(h * n + range.end) * row].to_vec()
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    SeqRows {
+        positions: rows.positions[range.clone()].to_vec().into(),
+        k: cut(&rows.k),
+        v: cut(&rows.v),
+        ..rows.clone()
+    }
+}
+
+impl AgentStore {
+    /// A store for `model` (a model directory).
+    pub fn new(host: &Host, model: &Path, opts: AgentStoreOptions) -> Result<Self> {
+        let cfg = make_config(&cache_params(model)?, opts.capacity, opts.kv_dtype);
+        cfg.validate()?;
+        let (cache, options) = host.make_seq_session(&opts.backend, &cfg)?;
+        let fwd = Forward::load(host, &opts.backend, model, None, options)?;
+        Ok(AgentStore {
+            cache,
+            fwd,
+            fingerprint: model_fingerprint(model)?,
+            dir: opts.dir,
+            agents: HashMap::new(),
+            free_seqs: (0..MAX_SEQS as i32).rev().collect(),
+            clock: 0,
+        })
+    }
+
+    /// The cache (statistics, prefix sizes).
+    pub fn cache(&self) -> &SeqSession {
+        &self.cache
+    }
+
+    /// Agent `name`'s session file for this model.
+    pub fn file_of(&self, name: &str) -> Result<PathBuf> {
+        let ok = !name.is_empty()
+            && name.len() <= 128
+            && !name.starts_with('.')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !ok {
+            bail!(
+                "'{name}' is not an agent name (1-128 of A-Z a-z 0-9 . _ -, not starting with '.')"
+            );
+        }
+        Ok(self
+            .dir
+            .join(format!("{name}.{}.{EXTENSION}", &self.fingerprint[..16])))
+    }
+
+    /// Whether `name` holds a sequence now.
+    pub fn is_hot(&self, name: &str) -> bool {
+        self.agents.get(name).is_some_and(|a| a.seq.is_some())
+    }
+
+    /// Generates for `prompt` (at least one token) as agent `agent` (or anonymously):
+    /// reuse, prefill, decode to a stop token or `max_new`, publish.
+    pub fn generate(
+        &mut self,
+        agent: Option<&str>,
+        prompt: &[i32],
+        max_new: usize,
+        sampler: &mut Sampler,
+        stop: &HashSet<i32>,
+    ) -> Result<Reply> {
+        if prompt.is_empty() || max_new == 0 {
+            bail!("a request needs a prompt token and max_new >= 1");
+        }
+        let t0 = Instant::now();
+        self.clock += 1;
+        if let Some(name) = agent {
+            self.file_of(name)?;
+        }
+        let (seq, history, restored) = self.place(agent, prompt)?;
+        let result = self.run(agent, seq, prompt, history, max_new, sampler, stop, t0);
+        let reply = match result {
+            Ok(r) => r,
+            Err(e) => {
+                // The sequence's K/V may be partial: forget it (the file, if any, stays).
+                self.cache.seq_rm(seq, None, None)?;
+                self.release(agent, seq);
+                return Err(e);
+            }
+        };
+        let mut held: Vec<i32> = prompt.to_vec();
+        held.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);
+        self.cache.prefix_publish(seq, &tokens_u32(&held))?;
+        match agent {
+            Some(name) => {
+                let clock = self.clock;
+                let a = self.agents.get_mut(name).expect("placed agents are known");
+                (a.tokens, a.seq, a.last_use) = (held, Some(seq), clock);
+            }
+            None => {
+                self.cache.seq_rm(seq, None, None)?;
+                self.free_seqs.push(seq);
+            }
+        }
+        Ok(Reply {
+            cached_tokens: history,
+            restored_tokens: restored,
+            prefilled_tokens: prompt.len() - history,
+            ..reply
+        })
+    }
+
+    fn release(&mut self, agent: Option<&str>, seq: i32) {
+        if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
+            a.seq = None;
+            a.tokens.clear();
+        }
+        self.free_seqs.push(seq);
+    }
+
+    /// Gives the request a sequence holding as much of `prompt[..len - 1]` as the agent's
+    /// sequence, the prefix index or the agent's file has; returns it, the history length
+    /// and the tokens restored from the file.
+    fn place(&mut self, agent: Option<&str>, prompt: &[i32]) -> Result<(i32, usize, usize)> {
+        let limit = prompt.len() - 1;
+        let indexed = self.cache.prefix_match(&tokens_u32(&prompt[..limit]))?;
+        if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
+            if let Some(seq) = a.seq {
+                let keep = common_prefix(&a.tokens, prompt).min(limit);
+                a.tokens.truncate(keep);
+                if keep >= indexed {
+                    self.cache.seq_rm(seq, Some(keep as i32), None)?;
+                    return Ok((seq, keep, 0));
+                }
+                // The index holds more of this prompt than the agent's own history.
+                self.cache.seq_rm(seq, None, None)?;
+                a.tokens.clear();
+                let attached = self
+                    .cache
+                    .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
+                return Ok((seq, attached, 0));
+            }
+        }
+        let seq = match self.free_seqs.pop() {
+            Some(s) => s,
+            None => {
+                self.park_lru(agent)?;
+                self.free_seqs.pop().context("no sequence freed")?
+            }
+        };
+        let attached = self
+            .cache
+            .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
+        let mut history = attached;
+        let mut restored = 0;
+        if let Some(name) = agent {
+            let path = self.file_of(name)?;
+            if path.exists() {
+                let s = session_file::read(&path)?;
+                s.check_fits(&path, &self.fingerprint, self.cache.capacity())?;
+                let have = common_prefix(&s.tokens, prompt).min(limit);
+                if have > attached {
+                    let need = have - attached;
+                    if let Err(e) = self.make_room(need, agent) {
+                        self.cache.seq_rm(seq, None, None)?;
+                        self.free_seqs.push(seq);
+                        return Err(e);
+                    }
+                    self.cache
+                        .import_seq(seq, &slice_rows(&s.rows, attached..have))?;
+                    (history, restored) = (have, need);
+                }
+            }
+            self.agents.entry(name.to_string()).or_insert(Agent {
+                tokens: Vec::new(),
+                seq: None,
+                last_use: 0,
+            });
+        }
+        Ok((seq, history, restored))
+    }
+
+    /// Makes `n` cells free: evicts unheld prefixes, then parks idle agents (least recently
+    /// used first) until enough can be evicted.
+    fn make_room(&mut self, n: usize, current: Option<&str>) -> Result<()> {
+        loop {
+            match self.cache.prefix_reserve(n) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind == AbiErrorKind::Capacity => {
+                    if !self.park_lru(current)? {
+                        bail!("the memory budget cannot hold this request: {e}");
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Parks the least recently used hot agent other than `current`; false when none.
+    fn park_lru(&mut self, current: Option<&str>) -> Result<bool> {
+        let victim = self
+            .agents
+            .iter()
+            .filter(|(n, a)| a.seq.is_some() && Some(n.as_str()) != current)
+            .min_by_key(|(_, a)| a.last_use)
+            .map(|(n, _)| n.clone());
+        match victim {
+            Some(name) => self.park(&name).map(|_| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Moves agent `name` to the warm tier: its history to its session file (atomically),
+    /// its sequence released (cells the prefix index holds stay there, evictable).
+    pub fn park(&mut self, name: &str) -> Result<()> {
+        let path = self.file_of(name)?;
+        let Some(a) = self.agents.get_mut(name) else {
+            bail!("no agent '{name}'");
+        };
+        let Some(seq) = a.seq else {
+            return Ok(());
+        };
+        let session = Session {
+            rows: self.cache.export_seq(seq)?,
+            tokens: a.tokens.clone(),
+            model: self.fingerprint.clone(),
+            app: Default::default(),
+        };
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("creating {}", self.dir.display()))?;
+        session_file::write(&path, &session)?;
+        self.cache.seq_rm(seq, None, None)?;
+        a.seq = None;
+        self.free_seqs.push(seq);
+        tracing::debug!(agent = name, tokens = session.tokens.len(), "agent parked");
+        Ok(())
+    }
+
+    /// Parks every hot agent (before a model swap or shutdown).
+    pub fn park_all(&mut self) -> Result<()> {
+        let hot: Vec<String> = self
+            .agents
+            .iter()
+            .filter(|(_, a)| a.seq.is_some())
+            .map(|(n, _)| n.clone())
+            .collect();
+        hot.iter().try_for_each(|n| self.park(n))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        agent: Option<&str>,
+        seq: i32,
+        prompt: &[i32],
+        history: usize,
+        max_new: usize,
+        sampler: &mut Sampler,
+        stop: &HashSet<i32>,
+        t0: Instant,
+    ) -> Result<Reply> {
+        let fresh = &prompt[history..];
+        self.make_room(fresh.len() + max_new, agent)?;
+        let cache = &self.cache;
+        let logits =
+            self.fwd.prefill(
+                fresh,
+                history,
+                &mut |n| Ok(cache.begin_step(&vec![seq; n])?),
+            )?;
+        let mut ids = vec![sampler.sample(&logits)];
+        let ttft = t0.elapsed().as_secs_f64();
+        let t = Instant::now();
+        while ids.len() < max_new && !stop.contains(&ids[ids.len() - 1]) {
+            let pos = (prompt.len() + ids.len() - 1) as i32;
+            self.cache.begin_step(&[seq])?;
+            let logits = self.fwd.call(&ids[ids.len() - 1..], &[pos], None)?;
+            ids.push(sampler.sample(&logits[0]));
+        }
+        Ok(Reply {
+            decode_tok_s: (ids.len() - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9),
+            ids,
+            cached_tokens: 0,
+            restored_tokens: 0,
+            prefilled_tokens: 0,
+            ttft,
+        })
+    }
+}
