@@ -20,8 +20,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use kvplug_core::{make_config, KvDtype, MAX_SEQS};
-use kvplug_plugin_api::abi_stable::std_types::RVec;
-use kvplug_plugin_api::{AbiErrorKind, SeqRows};
+use kvplug_plugin_api::AbiErrorKind;
 
 use crate::fingerprint::model_fingerprint;
 use crate::host::Host;
@@ -85,35 +84,6 @@ fn tokens_u32(t: &[i32]) -> Vec<u32> {
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-/// Rows `range` (by index) of `rows`.
-fn slice_rows(rows: &SeqRows, range: std::ops::Range<usize>) -> SeqRows {
-    let n = rows.positions.len();
-    let heads = rows.n_kv_heads as usize;
-    let row = if n == 0 {
-        0
-    } else {
-        rows.k[0].len() / heads / n
-    };
-    let cut = |layers: &RVec<RVec<u8>>| -> RVec<RVec<u8>> {
-        layers
-            .iter()
-            .map(|l| {
-                (0..heads)
-                    .flat_map(|h| {
-                        l[(h * n + range.start) * row..(h * n + range.end) * row].to_vec()
-                    })
-                    .collect()
-            })
-            .collect()
-    };
-    SeqRows {
-        positions: rows.positions[range.clone()].to_vec().into(),
-        k: cut(&rows.k),
-        v: cut(&rows.v),
-        ..rows.clone()
-    }
 }
 
 impl AgentStore {
@@ -269,8 +239,7 @@ impl AgentStore {
                         self.free_seqs.push(seq);
                         return Err(e);
                     }
-                    self.cache
-                        .import_seq(seq, &slice_rows(&s.rows, attached..have))?;
+                    self.cache.import_seq(seq, &s.rows.slice(attached..have))?;
                     (history, restored) = (have, need);
                 }
             }

@@ -114,6 +114,45 @@ pub struct SeqRows {
     pub v: RVec<RVec<u8>>,
 }
 
+impl SeqRows {
+    /// Bytes of one head row (0 when there are no rows).
+    pub fn row_bytes(&self) -> usize {
+        let n = self.positions.len() * self.n_kv_heads as usize;
+        self.k
+            .first()
+            .map_or(0, |l| l.len())
+            .checked_div(n)
+            .unwrap_or(0)
+    }
+
+    /// Rows `range` (by index, not position), every layer.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> SeqRows {
+        let (n, heads, row) = (
+            self.positions.len(),
+            self.n_kv_heads as usize,
+            self.row_bytes(),
+        );
+        let cut = |layers: &RVec<RVec<u8>>| -> RVec<RVec<u8>> {
+            layers
+                .iter()
+                .map(|l| {
+                    (0..heads)
+                        .flat_map(|h| {
+                            l[(h * n + range.start) * row..(h * n + range.end) * row].to_vec()
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        SeqRows {
+            positions: self.positions[range.clone()].to_vec().into(),
+            k: cut(&self.k),
+            v: cut(&self.v),
+            ..self.clone()
+        }
+    }
+}
+
 /// A KV cache owned by a plugin. All methods take `&self` (implementations lock
 /// internally) so the host registry, a session and a model method can share it through
 /// `RArc`. Verbs the cache's kind lacks return `not_supported`; every refused call leaves
