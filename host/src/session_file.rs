@@ -258,36 +258,35 @@ fn checksum_at(bytes: &[u8]) -> Option<usize> {
 }
 
 /// Reads and checks a session file (format, schema, checksum, tensors against metadata).
+/// The file is mapped, not copied; the rows are copied out once.
 pub fn read(path: &Path) -> Result<Session, SessionFileError> {
     let (file, len) = open_regular(path)?;
+    // The rows are copied out of the map once.
     check_memory(&format!("reading {}", path.display()), Some(len))
         .map_err(|e| malformed(path, e.message))?;
-    let mut bytes = Vec::new();
-    bytes
-        .try_reserve_exact(len as usize)
-        .map_err(|e| malformed(path, e.to_string()))?;
-    use std::io::Read;
-    file.take(len)
-        .read_to_end(&mut bytes)
-        .map_err(|e| FileError {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-    from_bytes(path, bytes)
+    // SAFETY: a read-only map; a file changed underneath fails the checksum or the parse
+    // (writers replace session files by rename, never in place).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FileError {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    from_bytes(path, &map)
 }
 
 /// Parses and checks session bytes (see [`read`]); `path` names them in errors.
-pub fn from_bytes(path: &Path, mut bytes: Vec<u8>) -> Result<Session, SessionFileError> {
-    let at = checksum_at(&bytes).ok_or_else(|| malformed(path, "no checksum entry"))?;
-    let stored = bytes[at..at + 64].to_vec();
-    bytes[at..at + 64].copy_from_slice(ZERO_SUM.as_bytes());
-    if blake3::hash(&bytes).to_hex().as_bytes() != stored.as_slice() {
+pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
+    let at = checksum_at(bytes).ok_or_else(|| malformed(path, "no checksum entry"))?;
+    let mut h = blake3::Hasher::new();
+    h.update(&bytes[..at]);
+    h.update(ZERO_SUM.as_bytes());
+    h.update(&bytes[at + 64..]);
+    if h.finalize().to_hex().as_bytes() != &bytes[at..at + 64] {
         return Err(SessionFileError::Checksum {
             path: path.to_path_buf(),
         });
     }
     let (_, header) =
-        SafeTensors::read_metadata(&bytes).map_err(|e| malformed(path, e.to_string()))?;
+        SafeTensors::read_metadata(bytes).map_err(|e| malformed(path, e.to_string()))?;
     let meta = header.metadata().clone().unwrap_or_default();
     let get = |k: &str| -> Result<&str, SessionFileError> {
         meta.get(&format!("kv_cache.{k}"))
@@ -327,7 +326,7 @@ pub fn from_bytes(path: &Path, mut bytes: Vec<u8>) -> Result<Session, SessionFil
     dtype
         .check_head_dim(d)
         .map_err(|e| malformed(path, e.message))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| malformed(path, e.to_string()))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| malformed(path, e.to_string()))?;
     let tensor = |name: &str, dt: Dtype, shape: &[usize]| -> Result<&[u8], SessionFileError> {
         let t = st
             .tensor(name)
@@ -363,12 +362,15 @@ pub fn from_bytes(path: &Path, mut bytes: Vec<u8>) -> Result<Session, SessionFil
         match (float_dtype(dtype), quant_layout(dtype, d)) {
             (Some(f), _) => {
                 let all = tensor(&format!("g0.{s}"), f, &[l, h, n, d])?;
-                let layer_bytes = h * n * row;
-                let mut layers = vec![Vec::new(); l];
-                for (layer, chunk) in layers.iter_mut().zip(all.chunks_exact(layer_bytes.max(1))) {
-                    layer.extend_from_slice(chunk);
-                }
-                Ok(layers.into_iter().map(RVec::from).collect())
+                let layer_bytes = (h * n * row).max(1);
+                Ok((0..l)
+                    .map(|i| {
+                        RVec::from_slice(
+                            all.get(i * layer_bytes..(i + 1) * layer_bytes)
+                                .unwrap_or(&[]),
+                        )
+                    })
+                    .collect())
             }
             (None, Some((cb, groups))) => {
                 let codes = tensor(&format!("g0.{s}.codes"), Dtype::U8, &[l, h, n, cb])?;

@@ -476,7 +476,7 @@ fn resign(bytes: &mut [u8]) {
 /// Parses `bytes` as a session and imports it into a fresh cpu seq cache whose other
 /// sequence must come through unchanged.
 fn load_session(bytes: Vec<u8>) -> Result<(), String> {
-    let s = session_file::from_bytes(Path::new("fuzz.kvsession.safetensors"), bytes)
+    let s = session_file::from_bytes(Path::new("fuzz.kvsession.safetensors"), &bytes)
         .map_err(|e| e.to_string())?;
     let dtype: KvDtype = s.rows.kv_dtype.parse().map_err(|e| format!("{e}"))?;
     let cfg = CacheConfig {

@@ -94,7 +94,7 @@ fn a_saved_sequence_resumes_on_every_backend_and_kind() {
         let expected = continue_greedy(&src, &mut fwd, 2, PROMPT.len(), first, 8);
 
         let bytes = session_file::to_bytes(&saved).unwrap();
-        let loaded = session_file::from_bytes(Path::new("mem"), bytes).unwrap();
+        let loaded = session_file::from_bytes(Path::new("mem"), &bytes).unwrap();
         assert_eq!(
             loaded, saved,
             "{dtype}: the file round trip changed the session"
@@ -163,7 +163,7 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
     session_file::write(&file, &session).unwrap();
     assert_eq!(session_file::read(&file).unwrap(), session);
 
-    let err = |b: Vec<u8>| session_file::from_bytes(p, b).unwrap_err();
+    let err = |b: Vec<u8>| session_file::from_bytes(p, &b).unwrap_err();
     for at in [0, 9, 100, bytes.len() / 2, bytes.len() - 1] {
         let mut b = bytes.clone();
         b[at] ^= 0x20;

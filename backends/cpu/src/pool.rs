@@ -232,11 +232,7 @@ impl CpuPool {
     /// `c`, bit for bit. `row` has exactly the dtype's row bytes.
     pub fn write_canonical(&mut self, h: usize, c: usize, row: &[u8]) {
         let (d, r) = (self.head_dim, h * self.cells + c);
-        let u16s = |b: &[u8]| -> Vec<u16> {
-            b.chunks_exact(2)
-                .map(|p| u16::from_le_bytes([p[0], p[1]]))
-                .collect()
-        };
+        let u16_at = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
         match &mut self.storage {
             Storage::F32(v) => {
                 for (o, b) in v[r * d..(r + 1) * d].iter_mut().zip(row.chunks_exact(4)) {
@@ -244,13 +240,13 @@ impl CpuPool {
                 }
             }
             Storage::F16(v) => {
-                for (o, x) in v[r * d..(r + 1) * d].iter_mut().zip(u16s(row)) {
-                    *o = f16::from_bits(x);
+                for (o, b) in v[r * d..(r + 1) * d].iter_mut().zip(row.chunks_exact(2)) {
+                    *o = f16::from_bits(u16_at(b));
                 }
             }
             Storage::Bf16(v) => {
-                for (o, x) in v[r * d..(r + 1) * d].iter_mut().zip(u16s(row)) {
-                    *o = bf16::from_bits(x);
+                for (o, b) in v[r * d..(r + 1) * d].iter_mut().zip(row.chunks_exact(2)) {
+                    *o = bf16::from_bits(u16_at(b));
                 }
             }
             Storage::Quant {
@@ -262,10 +258,9 @@ impl CpuPool {
             } => {
                 let (cb, g) = (d * *bits as usize / 8, d / *group);
                 codes[r * cb..(r + 1) * cb].copy_from_slice(&row[..cb]);
-                let pairs = u16s(&row[cb..]);
-                for (i, pair) in pairs.chunks_exact(2).enumerate().take(g) {
-                    scales[r * g + i] = pair[0];
-                    los[r * g + i] = pair[1];
+                for (i, pair) in row[cb..].chunks_exact(4).enumerate().take(g) {
+                    scales[r * g + i] = u16_at(&pair[..2]);
+                    los[r * g + i] = u16_at(&pair[2..]);
                 }
             }
         }
