@@ -10,7 +10,7 @@
 //! 4. otherwise a non-null `sliding_window` makes every layer slide (Mistral);
 //! 5. otherwise every layer is full (Llama).
 //!
-//! This build's caches still attend sliding layers over the whole history; the spec is what
+//! This build runs no sliding-window model yet (the loader refuses them); the spec is what
 //! memory plans are made from.
 
 use serde_json::Value;

@@ -86,8 +86,8 @@ pub struct Plan {
     pub agent_tokens: usize,
     /// Agents of `agent_tokens` that fit (no shared prefix).
     pub agents: usize,
-    /// The same two figures if every layer kept its whole history (what this build's
-    /// caches do); equal to the above for models without sliding layers.
+    /// The same two figures if every layer kept its whole history; equal to the above for
+    /// models without sliding layers.
     pub tokens_all_full: usize,
     /// See `tokens_all_full`.
     pub agents_all_full: usize,
@@ -221,7 +221,7 @@ pub fn run(args: &PlanArgs) -> Result<String> {
     }
     if p.groups.iter().any(|g| g.attention != LayerAttention::Full) {
         out += &format!(
-            "note: sliding layers are counted at window + {PREFILL_UBATCH} tokens; this build's caches still keep every layer's whole history: {} tokens, {} agents\n",
+            "note: sliding layers are counted at window + {PREFILL_UBATCH} tokens; this build does not run sliding-window models yet, and with every layer kept whole: {} tokens, {} agents\n",
             p.tokens_all_full, p.agents_all_full
         );
     }

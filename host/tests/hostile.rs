@@ -463,3 +463,98 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         "a child peaked at {peak} KiB (bound {MAX_RSS_KIB})"
     );
 }
+
+/// A 3-row f16 session for a 2-layer, 2-head, head_dim-16 cache.
+fn tiny_session() -> kvplug_host::session_file::Session {
+    use kvplug_plugin_api::abi_stable::std_types::RVec;
+    let layer = || RVec::from(vec![0x3c; 2 * 3 * 32]);
+    kvplug_host::session_file::Session {
+        rows: kvplug_plugin_api::SeqRows {
+            kv_dtype: "f16".into(),
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 16,
+            positions: vec![0, 1, 2].into(),
+            k: vec![layer(), layer()].into(),
+            v: vec![layer(), layer()].into(),
+        },
+        tokens: vec![5, 6, 7],
+        model: "0".repeat(64),
+        app: Default::default(),
+    }
+}
+
+#[test]
+fn sessions_and_plans_through_the_cli() {
+    let cli = Cli::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    cli.synth(&model);
+    let m = model.to_str().unwrap();
+    let out = cli.succeeds(&[
+        "plan",
+        "--model",
+        m,
+        "--budget",
+        "1MiB",
+        "--kv-dtype",
+        "q8g16",
+    ]);
+    assert!(
+        out.contains("one sequence") && out.contains("full"),
+        "{out}"
+    );
+    cli.refuses(
+        &["plan", "--model", m, "--budget", "10"],
+        "the weights alone take",
+    );
+    cli.refuses(
+        &["plan", "--model", m, "--budget", "4parsecs"],
+        "unknown unit",
+    );
+    cli.refuses(
+        &["plan", "--model", m, "--budget", "1GiB", "--kv-dtype", "q8"],
+        "group 64 must divide head_dim 16",
+    );
+
+    let dir = tmp.path().join("sessions");
+    let d = dir.to_str().unwrap();
+    let file = dir.join("ada.kvsession.safetensors");
+    std::fs::create_dir(&dir).unwrap();
+    kvplug_host::session_file::write(&file, &tiny_session()).unwrap();
+    let ls = cli.succeeds(&["--session-dir", d, "session", "ls"]);
+    assert!(
+        ls.lines()
+            .any(|l| l.starts_with("ada ") && l.contains(" 3 ") && l.contains("f16")),
+        "{ls}"
+    );
+    let show = cli.succeeds(&["--session-dir", d, "session", "show", "ada"]);
+    assert!(show.contains("checksum     ok"), "{show}");
+    cli.refuses(
+        &["--session-dir", d, "session", "show", "ada", "--model", m],
+        "saved with another model",
+    );
+    cli.refuses(
+        &["--session-dir", d, "session", "show", "../ada"],
+        "is not a session name",
+    );
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    cli.refuses(
+        &["--session-dir", d, "session", "show", "ada"],
+        "checksum mismatch",
+    );
+    cli.succeeds(&["--session-dir", d, "session", "rm", "ada"]);
+    cli.refuses(
+        &["--session-dir", d, "session", "rm", "ada"],
+        "no session 'ada'",
+    );
+    assert!(
+        cli.succeeds(&["--session-dir", d, "session", "ls"])
+            .lines()
+            .count()
+            == 2
+    );
+}
