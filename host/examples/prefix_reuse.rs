@@ -54,13 +54,7 @@ fn main() -> Result<()> {
         .context("usage: prefix_reuse MODEL [BACKEND] [N]")?;
     let backend = args.get(1).map_or("cpu", String::as_str);
     let n: usize = args.get(2).map_or(Ok(2048), |s| s.parse())?;
-    let exe = std::env::current_exe()?;
-    let plugins: PathBuf = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .context("examples live in target/<profile>/examples")?
-        .to_path_buf();
-    let host = Host::load(&PluginSearch::only(&[plugins], false));
+    let host = Host::load(&PluginSearch::of_build());
     let dir = resolve_model(Path::new(model))?;
     let text = Text::load(&dir)?;
     let system = long_prompt(&text, n)?;

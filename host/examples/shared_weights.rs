@@ -8,7 +8,6 @@
 //! (defaults: cpu, 4), after `cargo build --release --workspace` (plugins next to the
 //! examples directory).
 
-use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use kvplug_core::{make_config, KvDtype};
@@ -38,13 +37,7 @@ fn main() -> Result<()> {
         .context("usage: shared_weights MODEL [BACKEND] [N]")?;
     let backend = args.get(1).map_or("cpu", String::as_str);
     let n: usize = args.get(2).map_or(Ok(4), |s| s.parse())?;
-    let exe = std::env::current_exe()?;
-    let plugins: PathBuf = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .context("examples live in target/<profile>/examples")?
-        .to_path_buf();
-    let host = Host::load(&PluginSearch::only(&[plugins], false));
+    let host = Host::load(&PluginSearch::of_build());
     let dir = resolve_model(std::path::Path::new(model))?;
     let params = cache_params(&dir)?;
     println!("{backend}: host loaded, RSS {:.0} MiB", rss_mib()?);

@@ -67,6 +67,16 @@ impl PluginSearch {
         }
     }
 
+    /// This build's plugins, for a cargo example (`target/<profile>/examples/NAME`, plugins
+    /// in `target/<profile>`); nothing from the environment.
+    pub fn of_build() -> Self {
+        let dir = std::env::current_exe()
+            .ok()
+            .and_then(|e| Some(e.parent()?.parent()?.to_path_buf()))
+            .unwrap_or_default();
+        Self::only(&[dir], false)
+    }
+
     /// Only `dirs`, nothing from the environment or the executable's location.
     pub fn only(dirs: &[PathBuf], allow_insecure: bool) -> Self {
         PluginSearch {

@@ -414,16 +414,21 @@ fn gguf_files() {
     assert!(ok < n, "no mutation was refused: the mutator is broken");
 }
 
-/// A seed session: `n` rows of a 2-layer cpu seq cache in `dtype`.
-fn seed_session(dtype: KvDtype, n: usize) -> Session {
-    let cfg = CacheConfig {
+/// The cache the session seeds come from and mutated sessions go to.
+fn session_cache(kv_dtype: KvDtype) -> CacheConfig {
+    CacheConfig {
         capacity: 64,
         n_layers: 2,
         n_kv_heads: 2,
         head_dim: 16,
         min_chunk: 4,
-        kv_dtype: dtype,
-    };
+        kv_dtype,
+    }
+}
+
+/// A seed session: `n` rows of a 2-layer cpu seq cache in `dtype`.
+fn seed_session(dtype: KvDtype, n: usize) -> Session {
+    let cfg = session_cache(dtype);
     let dev = Arc::new(CpuDevice::new());
     let mut cache = KitCache::new(dev.clone(), CacheKind::Seq, cfg).unwrap();
     if n > 0 {
@@ -479,14 +484,7 @@ fn load_session(bytes: Vec<u8>) -> Result<(), String> {
     let s = session_file::from_bytes(Path::new("fuzz.kvsession.safetensors"), &bytes)
         .map_err(|e| e.to_string())?;
     let dtype: KvDtype = s.rows.kv_dtype.parse().map_err(|e| format!("{e}"))?;
-    let cfg = CacheConfig {
-        capacity: 64,
-        n_layers: 2,
-        n_kv_heads: 2,
-        head_dim: 16,
-        min_chunk: 4,
-        kv_dtype: dtype,
-    };
+    let cfg = session_cache(dtype);
     cfg.validate().map_err(|e| e.to_string())?;
     let mut cache = KitCache::new(Arc::new(CpuDevice::new()), CacheKind::Seq, cfg)
         .map_err(|e| e.to_string())?;
