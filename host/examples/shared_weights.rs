@@ -8,7 +8,6 @@
 //! (defaults: cpu, 4), after `cargo build --release --workspace` (plugins next to the
 //! examples directory).
 
-
 use anyhow::{Context, Result};
 use kvplug_core::{make_config, KvDtype};
 use kvplug_host::gguf::resolve_model;

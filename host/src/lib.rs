@@ -34,6 +34,7 @@ pub mod services;
 pub mod session;
 pub mod session_dir;
 pub mod session_file;
+pub mod speculative;
 pub mod text;
 
 pub use discovery::{PluginSearch, SearchDir};

@@ -12,9 +12,10 @@ use kvplug_host::chat::{Chat, ChatOptions};
 use kvplug_host::conform::{run_matrix, ConformOptions, REQUIRE_BACKENDS_ENV};
 use kvplug_host::model::{synth, PRESETS};
 use kvplug_host::run::{
-    run_agents, run_decode_streaming, run_fork, run_speculative, Draft, RunReport, RunSpec, Sampler,
+    run_agents, run_decode, run_decode_streaming, run_fork, RunReport, RunSpec, Sampler,
 };
 use kvplug_host::session_dir::SessionDir;
+use kvplug_host::speculative::{run_speculative, DraftKind, SpecOptions};
 use kvplug_host::text::{Message, Streamer, Text};
 use kvplug_host::{Host, PluginSearch};
 
@@ -264,20 +265,15 @@ struct RunArgs {
     /// Agent fork: K branches from the prompt, decoded together, best kept.
     #[arg(long, conflicts_with = "speculative")]
     agents: Option<usize>,
-    /// Speculative tree decoding (greedy) with a draft model.
-    #[arg(long)]
-    speculative: bool,
-    /// Draft model directory.
-    #[arg(long, conflicts_with = "draft_layers")]
-    draft: Option<PathBuf>,
-    /// Draft = the target's first N layers.
-    #[arg(long)]
-    draft_layers: Option<usize>,
-    /// Draft tree depth.
-    #[arg(long, default_value_t = 4)]
+    /// Speculative tree decoding, drafting with KIND: `ngram` (prompt lookup), `draft:PATH`
+    /// (a model sharing the vocabulary) or `layers:N` (the target's first N layers).
+    #[arg(long, value_name = "KIND")]
+    speculative: Option<DraftKind>,
+    /// Deepest draft chain per round (the depth adapts below it).
+    #[arg(long, default_value_t = 8)]
     depth: usize,
-    /// Draft tree width (children of the root).
-    #[arg(long, default_value_t = 2)]
+    /// Most draft branches from the root (each adds a chain of target nodes to verify).
+    #[arg(long, default_value_t = 1)]
     width: usize,
     /// One JSON object instead of text.
     #[arg(long)]
@@ -525,16 +521,13 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
     let mut sampler = a.sampling.sampler();
     let report: RunReport = if let Some(k) = a.agents {
         run_agents(host, &spec, k, &sampler)?
-    } else if a.speculative {
-        if a.sampling.temperature > 0.0 {
-            bail!("--speculative decodes greedily; drop --temperature");
-        }
-        let draft = match (&a.draft, a.draft_layers) {
-            (Some(d), None) => Draft::Model(d.clone()),
-            (None, Some(n)) => Draft::Layers(n),
-            _ => bail!("--speculative needs --draft DIR or --draft-layers N"),
+    } else if let Some(draft) = &a.speculative {
+        let opts = SpecOptions {
+            draft: draft.clone(),
+            max_depth: a.depth,
+            max_width: a.width,
         };
-        run_speculative(host, &spec, &draft, a.depth, a.width)?
+        run_speculative(host, &spec, &opts, &mut sampler)?
     } else {
         let mut streamer = Streamer::default();
         let stream = !a.json;
@@ -734,9 +727,30 @@ fn chat_loop(chat: &mut Chat, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Code the demo's speculative run rewrites.
+const DEMO_CODE: &str = r#"def summarize(orders):
+    total = 0
+    count = 0
+    for order in orders:
+        if order.status == "cancelled":
+            continue
+        total += order.amount
+        count += 1
+    average = total / count if count else 0
+    return {"total": total, "count": count, "average": average}
+
+
+def apply_discount(orders, rate):
+    total = 0
+    for order in orders:
+        order.amount = order.amount * (1 - rate)
+        total += order.amount
+    return total
+"#;
+
 /// The main job on a real model: a chat answer streamed as text; agents continuing that
 /// conversation with different user turns (shared trunk, one forward per step); speculative
-/// decoding of the same answer, identical to greedy.
+/// decoding (prompt lookup) of a code rewrite, identical to greedy, against plain decoding.
 fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> Result<ExitCode> {
     if max_new == 0 {
         bail!("--max-new 0 would generate nothing: give at least 1");
@@ -794,12 +808,31 @@ fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> 
         println!("user: {turn}\nassistant: {}", text.decode(ids)?.trim());
     }
 
-    let draft_layers = (kvplug_host::model::cache_params(&model)?.n_layers / 4).max(1);
-    let spec_run = run_speculative(host, &chat, &Draft::Layers(draft_layers), 4, 2)?;
-    let same = spec_run.ids == answer.ids;
+    // Speculative decoding where it pays: rewriting code quotes the prompt, so prompt
+    // lookup (ngram) drafts are mostly right.
+    let rewrite = Message::new(
+        "user",
+        &format!("Rewrite this code with the variable `total` renamed to `amount_sum`:\n\n```python\n{DEMO_CODE}```"),
+    );
+    let code = RunSpec {
+        max_new: 200,
+        ..spec(text.encode(&text.render(std::slice::from_ref(&rewrite))?)?)
+    };
+    let plain = run_decode(host, &code, &mut Sampler::new(0.0, 1.0, 0))?;
+    let opts = SpecOptions {
+        draft: DraftKind::Ngram,
+        max_depth: 8,
+        max_width: 1,
+    };
+    let spec_run = run_speculative(host, &code, &opts, &mut Sampler::new(0.0, 1.0, 0))?;
+    let same = spec_run.ids == plain.ids;
     println!(
-        "\n== speculative ({draft_layers}-layer draft of the same weights): output {} greedy decoding",
-        if same { "equals" } else { "DIFFERS FROM" }
+        "\n== speculative (ngram prompt lookup) on a code rewrite ({} prompt tokens): output {} greedy decoding; {:.0}% of drafted tokens accepted, {:.2} tokens per target forward, {:.2}x plain decoding",
+        code.prompt.len(),
+        if same { "equals" } else { "DIFFERS FROM" },
+        spec_run.acceptance.unwrap_or(0.0) * 100.0,
+        spec_run.tokens_per_target_forward.unwrap_or(0.0),
+        spec_run.decode_tok_s / plain.decode_tok_s
     );
 
     println!(
@@ -846,7 +879,16 @@ fn demo(host: &Host, model: &std::path::Path, backend: &str, max_new: usize) -> 
         fork.cache.allocated_bytes,
     );
     row(
-        "speculative (layer-view draft)",
+        "code rewrite (greedy)",
+        plain.ids.len(),
+        Some(plain.prefill_tok_s),
+        plain.decode_tok_s,
+        None,
+        None,
+        plain.cache.allocated_bytes,
+    );
+    row(
+        "code rewrite (speculative, ngram)",
         spec_run.ids.len(),
         Some(spec_run.prefill_tok_s),
         spec_run.decode_tok_s,

@@ -1,4 +1,5 @@
-//! The runner: prefill + decode, agent fork and speculative tree decoding, driving a
+//! The runner: prefill + decode and agent fork (speculative decoding is in
+//! [`crate::speculative`]), driving a
 //! backend's `forward` method bound to host-made sessions through `cache_key`.
 
 use std::collections::BTreeSet;
@@ -57,10 +58,26 @@ impl Sampler {
         ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
     }
 
+    /// Whether this sampler always takes the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
     /// Picks a token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> i32 {
-        if self.temperature <= 0.0 {
+        if self.is_greedy() {
             return argmax(logits);
+        }
+        let dist = self.distribution(logits);
+        self.draw(&dist)
+    }
+
+    /// The distribution [`Sampler::sample`] draws from: `(token, probability)` by descending
+    /// probability after temperature, top-k and top-p (renormalized); the argmax alone when
+    /// greedy.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(i32, f32)> {
+        if self.is_greedy() {
+            return vec![(argmax(logits), 1.0)];
         }
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
@@ -80,14 +97,30 @@ impl Sampler {
             mass += w[keep];
             keep += 1;
         }
-        let mut r = self.uniform() * mass;
-        for (k, &wk) in w[..keep].iter().enumerate() {
-            if r < wk {
-                return order[k] as i32;
+        order[..keep]
+            .iter()
+            .zip(&w)
+            .map(|(&i, &wk)| (i as i32, wk / mass))
+            .collect()
+    }
+
+    /// Draws a token from `dist` (`(token, probability)` pairs; the probabilities need not
+    /// sum to exactly 1).
+    pub fn draw(&mut self, dist: &[(i32, f32)]) -> i32 {
+        let total: f32 = dist.iter().map(|d| d.1).sum();
+        let mut r = self.uniform() * total;
+        for &(t, p) in dist {
+            if r < p {
+                return t;
             }
-            r -= wk;
+            r -= p;
         }
-        order[keep - 1] as i32
+        dist.last().map_or(0, |d| d.0)
+    }
+
+    /// A uniform draw in `[0, 1)` from this sampler's stream.
+    pub fn coin(&mut self) -> f32 {
+        self.uniform()
     }
 }
 
@@ -143,6 +176,11 @@ impl Forward {
             vocab,
             calls: 0,
         })
+    }
+
+    /// The vocabulary size (logits per row).
+    pub fn vocab(&self) -> usize {
+        self.vocab
     }
 
     /// Prefills `tokens` at positions `start..` in micro-batches of at most
@@ -262,21 +300,13 @@ pub struct RunSpec {
     pub stop: BTreeSet<i32>,
 }
 
-/// The draft of a speculative run.
-#[derive(Clone, Debug)]
-pub enum Draft {
-    /// Another model directory.
-    Model(PathBuf),
-    /// The target's first N layers.
-    Layers(usize),
-}
-
-fn config(spec: &RunSpec, layers: Option<usize>, model: &Path) -> Result<CacheConfig> {
+/// The cache config of `model` (its first `layers` layers) for `spec`.
+pub(crate) fn config(spec: &RunSpec, layers: Option<usize>, model: &Path) -> Result<CacheConfig> {
     let mut params = cache_params(model)?;
     if let Some(n) = layers {
         if n == 0 || n > params.n_layers {
             bail!(
-                "--draft-layers {n}: the model has {} layers (give 1..={})",
+                "layers:{n}: the model has {} layers (give 1..={})",
                 params.n_layers,
                 params.n_layers
             );
@@ -288,7 +318,8 @@ fn config(spec: &RunSpec, layers: Option<usize>, model: &Path) -> Result<CacheCo
     Ok(cfg)
 }
 
-fn check_prompt(spec: &RunSpec) -> Result<()> {
+/// Refuses an empty prompt, `max_new` 0 and runs beyond the capacity.
+pub(crate) fn check_prompt(spec: &RunSpec) -> Result<()> {
     if spec.prompt.is_empty() {
         bail!("the prompt is empty");
     }
@@ -306,17 +337,18 @@ fn check_prompt(spec: &RunSpec) -> Result<()> {
     Ok(())
 }
 
-struct Progress {
+/// A progress line on a terminal's stderr.
+pub(crate) struct Progress {
     on: bool,
 }
 
 impl Progress {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Progress {
             on: std::io::stderr().is_terminal(),
         }
     }
-    fn tick(&self, done: usize, total: usize) {
+    pub(crate) fn tick(&self, done: usize, total: usize) {
         if self.on && (done % 16 == 0 || done == total) {
             eprint!("\rgenerated {done}/{total}");
             let _ = std::io::stderr().flush();
@@ -327,7 +359,8 @@ impl Progress {
     }
 }
 
-fn rate(tokens: usize, since: Instant) -> f64 {
+/// Tokens per second since `since`.
+pub(crate) fn rate(tokens: usize, since: Instant) -> f64 {
     tokens as f64 / since.elapsed().as_secs_f64().max(1e-9)
 }
 
@@ -558,153 +591,6 @@ pub fn run_agents(host: &Host, spec: &RunSpec, k: usize, sampler: &Sampler) -> R
         winner: Some(winner),
         acceptance: None,
         tokens_per_target_forward: None,
-    })
-}
-
-/// Speculative tree decoding (greedy): target and draft each on a tree cache. Per round the
-/// draft expands a tree breadth-first (the root, `width` children, then `depth - 1` more
-/// levels following each child's best continuation), one forward per level; the target
-/// verifies the whole tree in one forward; the longest chain matching the target's argmax
-/// is accepted plus the target's bonus token, and both caches commit that chain. The
-/// output equals plain greedy decoding of the target.
-pub fn run_speculative(
-    host: &Host,
-    spec: &RunSpec,
-    draft: &Draft,
-    depth: usize,
-    width: usize,
-) -> Result<RunReport> {
-    check_prompt(spec)?;
-    if depth == 0 || width == 0 {
-        bail!("--depth and --width must be at least 1");
-    }
-    // The committed tokens plus one round's draft tree must fit.
-    width
-        .checked_mul(depth)
-        .and_then(|n| n.checked_add(1))
-        .filter(|&n| spec.prompt.len() + spec.max_new + n <= spec.capacity)
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "--depth {depth} × --width {width} draft trees do not fit beside the prompt ({}) \
-                 and max_new ({}) in the capacity {}",
-                spec.prompt.len(),
-                spec.max_new,
-                spec.capacity
-            )
-        })?;
-    let cfg_t = config(spec, None, &spec.model)?;
-    let (draft_dir, draft_layers) = match draft {
-        Draft::Model(d) => (d.clone(), None),
-        Draft::Layers(n) => (spec.model.clone(), Some(*n)),
-    };
-    let cfg_d = config(spec, draft_layers, &draft_dir)?;
-    let (tgt_s, tgt_o) = host.make_tree_session(&spec.backend, &cfg_t)?;
-    let (drf_s, drf_o) = host.make_tree_session(&spec.backend, &cfg_d)?;
-    let mut tgt = Forward::load(host, &spec.backend, &spec.model, None, tgt_o)?;
-    let mut drf = Forward::load(host, &spec.backend, &draft_dir, draft_layers, drf_o)?;
-    if drf.vocab != tgt.vocab {
-        bail!(
-            "the draft model {} has a vocabulary of {} tokens, the target {} has {}: a draft \
-             must share the target's tokenizer",
-            draft_dir.display(),
-            drf.vocab,
-            spec.model.display(),
-            tgt.vocab
-        );
-    }
-    let p = spec.prompt.len();
-    let t0 = Instant::now();
-    // With no tree pending, steps append to the committed prefix.
-    if p > 1 {
-        tgt.prefill(&spec.prompt[..p - 1], 0, &mut |_| Ok(()))?;
-        drf.prefill(&spec.prompt[..p - 1], 0, &mut |_| Ok(()))?;
-    }
-    let prefill_tok_s = rate(p - 1, t0);
-    let (mut root, mut base) = (spec.prompt[p - 1], p - 1);
-    let mut ids: Vec<i32> = Vec::new();
-    let (mut accepted_total, mut drafted_total, mut target_forwards) = (0usize, 0usize, 0usize);
-    let progress = Progress::new();
-    let t1 = Instant::now();
-    while ids.len() < spec.max_new {
-        // Draft: level 0 is the root; level 1 its `width` best children; deeper levels
-        // extend each chain with its best token.
-        let mut tokens = vec![root];
-        let mut parents = vec![-1];
-        let mut depth_of = vec![0usize];
-        drf_s.propose(&[-1])?;
-        let mut level: Vec<usize> = vec![0];
-        let mut logits = drf.call(&[root], &[base as i32], None)?;
-        for d in 1..=depth {
-            let mut next = Vec::new();
-            for (li, &node) in level.iter().enumerate() {
-                let l = &logits[li];
-                let picks: Vec<i32> = if d == 1 {
-                    let mut order: Vec<usize> = (0..l.len()).collect();
-                    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
-                    order[..width.min(l.len())]
-                        .iter()
-                        .map(|&i| i as i32)
-                        .collect()
-                } else {
-                    vec![argmax(l)]
-                };
-                for t in picks {
-                    next.push(tokens.len());
-                    tokens.push(t);
-                    parents.push(node as i32);
-                    depth_of.push(d);
-                }
-            }
-            let lvl_parents: Vec<i32> = next.iter().map(|&n| parents[n]).collect();
-            drf_s.propose(&lvl_parents)?;
-            let lvl_tokens: Vec<i32> = next.iter().map(|&n| tokens[n]).collect();
-            let lvl_pos: Vec<i32> = next.iter().map(|&n| (base + depth_of[n]) as i32).collect();
-            logits = drf.call(&lvl_tokens, &lvl_pos, None)?;
-            level = next;
-        }
-        // Target: the whole tree in one forward.
-        let positions: Vec<i32> = depth_of.iter().map(|&d| (base + d) as i32).collect();
-        tgt_s.propose(&parents)?;
-        let tl = tgt.call(&tokens, &positions, None)?;
-        target_forwards += 1;
-        let mut chain = vec![0i32];
-        let mut cur = 0usize;
-        loop {
-            let want = argmax(&tl[cur]);
-            match (0..tokens.len()).find(|&n| parents[n] == cur as i32 && tokens[n] == want) {
-                Some(child) => {
-                    chain.push(child as i32);
-                    cur = child;
-                }
-                None => break,
-            }
-        }
-        let bonus = argmax(&tl[cur]);
-        tgt_s.commit(&chain)?;
-        drf_s.commit(&chain)?;
-        accepted_total += chain.len() - 1;
-        drafted_total += depth;
-        ids.extend(chain[1..].iter().map(|&n| tokens[n as usize]));
-        ids.push(bonus);
-        base += chain.len();
-        root = bonus;
-        progress.tick(ids.len().min(spec.max_new), spec.max_new);
-        if let Some(end) = ids.iter().position(|t| spec.stop.contains(t)) {
-            ids.truncate(end + 1);
-            break;
-        }
-    }
-    ids.truncate(spec.max_new);
-    Ok(RunReport {
-        mode: "speculative".into(),
-        decode_tok_s: rate(ids.len(), t1),
-        prefill_tok_s,
-        cache: tgt_s.stats()?.into(),
-        tokens_per_target_forward: Some(ids.len() as f64 / target_forwards.max(1) as f64),
-        ids,
-        branches: None,
-        winner: None,
-        acceptance: Some(accepted_total as f64 / drafted_total.max(1) as f64),
     })
 }
 

@@ -148,18 +148,14 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
 
     // Sizes from the command line, checked before anything is allocated.
     refuses(
-        run(&["--speculative", "--draft-layers", "4294967295"]),
-        "--draft-layers 4294967295",
+        run(&["--speculative", "layers:4294967295"]),
+        "layers:4294967295",
     );
-    refuses(
-        run(&["--speculative", "--draft-layers", "1000000"]),
-        "--draft-layers 1000000",
-    );
+    refuses(run(&["--speculative", "layers:1000000"]), "layers:1000000");
     refuses(
         run(&[
             "--speculative",
-            "--draft-layers",
-            "1",
+            "layers:1",
             "--depth",
             "10000",
             "--capacity",
@@ -310,7 +306,7 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
     v["vocab_size"] = serde_json::json!(v["vocab_size"].as_u64().unwrap() - 1);
     std::fs::write(&cfg_path, v.to_string()).unwrap();
     refuses(
-        run(&["--speculative", "--draft", other.to_str().unwrap()]),
+        run(&["--speculative", &format!("draft:{}", other.display())]),
         "has a vocabulary of 255 tokens, the target",
     );
 

@@ -8,9 +8,8 @@ use std::path::Path;
 
 use kvplug_core::{make_config, KvDtype};
 use kvplug_host::model::{synth, PRESETS};
-use kvplug_host::run::{
-    argmax, run_agents, run_decode, run_speculative, Draft, Forward, RunSpec, Sampler,
-};
+use kvplug_host::run::{argmax, run_agents, run_decode, Forward, RunSpec, Sampler};
+use kvplug_host::speculative::{run_speculative, DraftKind, SpecOptions};
 
 mod common;
 use common::{host, reference_logits, BACKENDS};
@@ -191,23 +190,38 @@ fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
 fn speculative_decoding_equals_greedy_decoding() {
     let model = tiny();
     let host = host();
+    let opts = |draft| SpecOptions {
+        draft,
+        max_depth: 3,
+        max_width: 2,
+    };
+    let greedy = || Sampler::new(0.0, 1.0, 0);
     for backend in BACKENDS {
         let s = spec(backend, model.path(), 20, KvDtype::F16);
-        let greedy = run_decode(&host, &s, &mut Sampler::new(0.0, 1.0, 0))
-            .unwrap()
-            .ids;
-        let own =
-            run_speculative(&host, &s, &Draft::Model(model.path().to_path_buf()), 3, 2).unwrap();
-        assert_eq!(own.ids, greedy, "target as its own draft");
+        let plain = run_decode(&host, &s, &mut greedy()).unwrap().ids;
+        let own_draft = opts(DraftKind::Model(model.path().to_path_buf()));
+        let own = run_speculative(&host, &s, &own_draft, &mut greedy()).unwrap();
+        assert_eq!(own.ids, plain, "target as its own draft");
         assert_eq!(
             own.acceptance,
             Some(1.0),
             "a model drafting for itself is always accepted"
         );
-        let shallow = run_speculative(&host, &s, &Draft::Layers(1), 3, 2).unwrap();
-        assert_eq!(shallow.ids, greedy, "one-layer draft");
+        let shallow =
+            run_speculative(&host, &s, &opts(DraftKind::Layers(1)), &mut greedy()).unwrap();
+        assert_eq!(shallow.ids, plain, "one-layer draft");
         let acc = shallow.acceptance.unwrap();
         assert!((0.0..=1.0).contains(&acc));
+        // Prompt lookup on a prompt that repeats itself.
+        let repeats = RunSpec {
+            prompt: [PROMPT, PROMPT, PROMPT].concat(),
+            max_new: 24,
+            ..s.clone()
+        };
+        let plain = run_decode(&host, &repeats, &mut greedy()).unwrap().ids;
+        let ngram =
+            run_speculative(&host, &repeats, &opts(DraftKind::Ngram), &mut greedy()).unwrap();
+        assert_eq!(ngram.ids, plain, "{backend}: ngram drafts");
     }
 }
 

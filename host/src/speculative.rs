@@ -1,0 +1,583 @@
+//! Speculative tree decoding that pays: a draft proposes a tree of continuations, the target
+//! verifies the whole tree in one forward on its tree cache, and the longest accepted chain
+//! is committed. Output is the target's: identical to plain greedy decoding when greedy,
+//! and distributed as the target's sampler when sampling.
+//!
+//! Draft sources ([`DraftKind`]):
+//! - `ngram` (prompt lookup): the continuations of earlier occurrences of the context's last
+//!   tokens (longest n-gram first, most recent first); no draft model.
+//! - `draft:PATH`: another model sharing the vocabulary, on its own tree cache.
+//! - `layers:N`: the target's first N layers, a view of the loaded weights.
+//!
+//! Verification walks the tree from the root: at each node the target's distribution `p`
+//! is tried against the node's children in turn (each child token `x` is accepted with
+//! probability `p(x)`; when refused, `p` loses `x` and is renormalized), and when no child
+//! is accepted the next token is drawn from what is left of `p`. Drafted tokens are
+//! deterministic proposals, so this is exact; greedily `p` is the argmax alone.
+//!
+//! Adaptive: each round drafts the depth that maximizes expected tokens per second, from the
+//! measured cost of target rounds by tree size and the recent acceptance at each draft
+//! position. When no depth beats a plain step, drafting pauses and then probes again, each
+//! pause twice as long as the last (an accepted draft resets it), so a draft that stops
+//! paying costs a probe every few hundred tokens at most.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+
+use crate::host::Host;
+use crate::run::{check_prompt, config, rate, Forward, Progress, RunReport, RunSpec, Sampler};
+use crate::session::TreeSession;
+
+/// Where draft tokens come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DraftKind {
+    /// Prompt lookup: continuations of earlier occurrences of the last tokens.
+    Ngram,
+    /// Another model directory.
+    Model(PathBuf),
+    /// The target's first N layers.
+    Layers(usize),
+}
+
+impl FromStr for DraftKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "ngram" {
+            return Ok(DraftKind::Ngram);
+        }
+        if let Some(p) = s.strip_prefix("draft:").filter(|p| !p.is_empty()) {
+            return Ok(DraftKind::Model(PathBuf::from(p)));
+        }
+        if let Some(n) = s.strip_prefix("layers:") {
+            return match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(DraftKind::Layers(n)),
+                _ => Err(format!("'{s}': layers:N needs N >= 1")),
+            };
+        }
+        Err(format!(
+            "'{s}' is not a draft source (expected ngram, draft:PATH or layers:N)"
+        ))
+    }
+}
+
+/// Speculative decoding settings: the draft and the largest tree.
+#[derive(Clone, Debug)]
+pub struct SpecOptions {
+    /// The draft source.
+    pub draft: DraftKind,
+    /// Deepest chain per round.
+    pub max_depth: usize,
+    /// Most children of the root.
+    pub max_width: usize,
+}
+
+/// The longest n-gram prompt lookup tries.
+const NGRAM_MAX: usize = 4;
+/// Plain steps a first pause lasts; doubles on each pause that follows, up to `PAUSE_MAX`.
+const PAUSE_MIN: usize = 4;
+const PAUSE_MAX: usize = 256;
+
+/// One round's tree: node 0 is the root (the last committed token, not yet run).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tree {
+    /// Token of each node.
+    pub tokens: Vec<i32>,
+    /// Parent of each node (`-1` for the root).
+    pub parents: Vec<i32>,
+    /// Depth of each node (root 0).
+    pub depth: Vec<usize>,
+}
+
+impl Tree {
+    fn root(token: i32) -> Self {
+        Tree {
+            tokens: vec![token],
+            parents: vec![-1],
+            depth: vec![0],
+        }
+    }
+
+    /// Adds `chain` below the root, sharing nodes with chains already there.
+    fn insert(&mut self, chain: &[i32]) {
+        let mut cur = 0usize;
+        for &t in chain {
+            cur = match (0..self.tokens.len())
+                .find(|&n| self.parents[n] == cur as i32 && self.tokens[n] == t)
+            {
+                Some(n) => n,
+                None => {
+                    self.tokens.push(t);
+                    self.parents.push(cur as i32);
+                    self.depth.push(self.depth[cur] + 1);
+                    self.tokens.len() - 1
+                }
+            };
+        }
+    }
+
+    fn children(&self, node: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.tokens.len()).filter(move |&n| self.parents[n] == node as i32)
+    }
+
+    /// The deepest chain.
+    pub fn max_depth(&self) -> usize {
+        self.depth.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// Prompt lookup: up to `width` continuations (distinct first tokens, at most `depth` tokens
+/// each) of the latest occurrences of the longest suffix of `context` (2..=`NGRAM_MAX`
+/// tokens, then 1) found earlier in it, as a tree under `context`'s last token.
+pub fn ngram_tree(context: &[i32], depth: usize, width: usize) -> Tree {
+    let mut tree = Tree::root(*context.last().expect("a context"));
+    let n = context.len();
+    for k in (1..=NGRAM_MAX.min(n - 1)).rev() {
+        let suffix = &context[n - k..];
+        let mut firsts = Vec::new();
+        // Occurrences ending before the suffix itself, latest first.
+        for end in (k..n).rev() {
+            if &context[end - k..end] != suffix {
+                continue;
+            }
+            let cont = &context[end..(end + depth).min(n)];
+            if cont.is_empty() || firsts.contains(&cont[0]) {
+                continue;
+            }
+            firsts.push(cont[0]);
+            tree.insert(cont);
+            if firsts.len() == width {
+                break;
+            }
+        }
+        if !firsts.is_empty() {
+            break;
+        }
+    }
+    tree
+}
+
+/// The target's verdict at one node: the accepted child, or none and the token drawn from
+/// what is left of the target's distribution.
+fn verify_node(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    tree: &Tree,
+    node: usize,
+) -> (Option<usize>, i32) {
+    let mut dist = sampler.distribution(logits);
+    for child in tree.children(node) {
+        let t = tree.tokens[child];
+        let p = dist.iter().find(|d| d.0 == t).map_or(0.0, |d| d.1);
+        let total: f32 = dist.iter().map(|d| d.1).sum();
+        if sampler.is_greedy() {
+            if p > 0.0 {
+                return (Some(child), t);
+            }
+        } else if sampler.coin() * total < p {
+            return (Some(child), t);
+        }
+        dist.retain(|d| d.0 != t);
+        if dist.is_empty() {
+            // Every token the target allows was drafted and refused: cannot happen with
+            // exact arithmetic; take the child (the target's own top choice) to stay total.
+            return (Some(child), t);
+        }
+    }
+    let t = sampler.draw(&dist);
+    (None, t)
+}
+
+/// When to draft and how deep: the depth that maximizes expected tokens per second, from
+/// the measured cost of target rounds by tree size and the recent acceptance at each draft
+/// position. Depth 0 is a plain step.
+struct Policy {
+    max_depth: usize,
+    /// `accept[i]`: how often draft token `i + 1` was accepted when tokens `1..=i` were
+    /// (exponential average).
+    accept: Vec<f64>,
+    /// Seconds of a target round by node count (`cost[n]`, exponential average).
+    cost: Vec<Option<f64>>,
+    /// Plain steps left before the next probe round.
+    pause_left: usize,
+    next_pause: usize,
+    probe: bool,
+}
+
+impl Policy {
+    fn new(max_depth: usize) -> Self {
+        Policy {
+            max_depth,
+            accept: vec![0.6; max_depth],
+            cost: vec![None; max_depth + 2],
+            pause_left: 0,
+            next_pause: PAUSE_MIN,
+            probe: false,
+        }
+    }
+
+    /// Expected tokens of a round drafting `d` tokens in a chain (the bonus token included).
+    fn expected_tokens(&self, d: usize) -> f64 {
+        let mut reach = 1.0;
+        1.0 + (0..d)
+            .map(|i| {
+                reach *= self.accept[i];
+                reach
+            })
+            .sum::<f64>()
+    }
+
+    /// The measured cost of an `n`-node round, else a guess from the plain step's that is
+    /// optimistic enough to get measured.
+    fn cost_of(&self, n: usize, plain: f64) -> f64 {
+        self.cost
+            .get(n)
+            .copied()
+            .flatten()
+            .unwrap_or(plain * (1.0 + 0.1 * (n - 1) as f64))
+    }
+
+    /// Depth to draft this round (0 = a plain step). A plain step comes first, so there is
+    /// a cost to compare with.
+    fn depth(&mut self) -> usize {
+        let Some(plain) = self.cost[1] else {
+            return 0;
+        };
+        if self.pause_left > 0 {
+            self.pause_left -= 1;
+            self.probe = self.pause_left == 0;
+            return 0;
+        }
+        let rate = |d: usize| self.expected_tokens(d) / self.cost_of(d + 1, plain);
+        let best = (1..=self.max_depth)
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
+            .unwrap_or(0);
+        if rate(best) > rate(0) || std::mem::take(&mut self.probe) {
+            return best;
+        }
+        // Drafting does not pay now: plain steps (this one first), then a probe; each pause
+        // twice as long as the last.
+        self.pause_left = self.next_pause - 1;
+        self.next_pause = (self.next_pause * 2).min(PAUSE_MAX);
+        0
+    }
+
+    /// A round of `nodes` target nodes whose chain drafted `drafted` tokens and accepted
+    /// `accepted` of them took `seconds`.
+    fn observe(&mut self, seconds: f64, nodes: usize, drafted: usize, accepted: usize) {
+        if let Some(c) = self.cost.get_mut(nodes) {
+            *c = Some(ema(*c, seconds));
+        }
+        for i in 0..drafted.min(accepted + 1).min(self.max_depth) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            self.accept[i] = 0.8 * self.accept[i] + 0.2 * hit;
+        }
+        if drafted > 0 && self.expected_tokens(drafted) > 1.0 && accepted > 0 {
+            self.next_pause = PAUSE_MIN;
+        }
+    }
+}
+
+fn ema(prev: Option<f64>, x: f64) -> f64 {
+    prev.map_or(x, |p| 0.7 * p + 0.3 * x)
+}
+
+/// A draft model on its own tree cache, caught up lazily with the committed tokens.
+struct ModelDraft {
+    session: TreeSession,
+    fwd: Forward,
+    /// Committed tokens its cache holds.
+    len: usize,
+}
+
+impl ModelDraft {
+    /// A tree of `width` best children of the root, each extended greedily to `depth`, one
+    /// draft forward per level; `context` ends with the root at position `base`.
+    fn tree(&mut self, context: &[i32], base: usize, depth: usize, width: usize) -> Result<Tree> {
+        if self.len < base {
+            self.fwd
+                .prefill(&context[self.len..base], self.len, &mut |_| Ok(()))?;
+            self.len = base;
+        }
+        let root = context[base];
+        let mut tree = Tree::root(root);
+        self.session.propose(&[-1])?;
+        let mut level = vec![0usize];
+        let mut logits = self.fwd.call(&[root], &[base as i32], None)?;
+        for d in 1..=depth {
+            let mut next = Vec::new();
+            for (li, &node) in level.iter().enumerate() {
+                let l = &logits[li];
+                let picks: Vec<i32> = if d == 1 {
+                    let mut order: Vec<usize> = (0..l.len()).collect();
+                    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
+                    order.iter().take(width).map(|&i| i as i32).collect()
+                } else {
+                    vec![crate::run::argmax(l)]
+                };
+                for t in picks {
+                    next.push(tree.tokens.len());
+                    tree.tokens.push(t);
+                    tree.parents.push(node as i32);
+                    tree.depth.push(d);
+                }
+            }
+            let parents: Vec<i32> = next.iter().map(|&n| tree.parents[n]).collect();
+            self.session.propose(&parents)?;
+            let tokens: Vec<i32> = next.iter().map(|&n| tree.tokens[n]).collect();
+            let pos: Vec<i32> = next
+                .iter()
+                .map(|&n| (base + tree.depth[n]) as i32)
+                .collect();
+            logits = self.fwd.call(&tokens, &pos, None)?;
+            level = next;
+        }
+        Ok(tree)
+    }
+
+    /// Commits the accepted chain of the tree it proposed.
+    fn commit(&mut self, chain: &[i32], base: usize) -> Result<()> {
+        self.session.commit(chain)?;
+        self.len = base + chain.len();
+        Ok(())
+    }
+}
+
+/// Speculative decoding of `spec` with `opts`, drawing with `sampler` (greedy or not).
+pub fn run_speculative(
+    host: &Host,
+    spec: &RunSpec,
+    opts: &SpecOptions,
+    sampler: &mut Sampler,
+) -> Result<RunReport> {
+    check_prompt(spec)?;
+    let (depth_max, width_max) = (opts.max_depth, opts.max_width);
+    if depth_max == 0 || width_max == 0 {
+        bail!("--depth and --width must be at least 1");
+    }
+    width_max
+        .checked_mul(depth_max)
+        .and_then(|n| n.checked_add(1))
+        .filter(|&n| spec.prompt.len() + spec.max_new + n <= spec.capacity)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--depth {depth_max} × --width {width_max} draft trees do not fit beside the prompt ({}) \
+                 and max_new ({}) in the capacity {}",
+                spec.prompt.len(),
+                spec.max_new,
+                spec.capacity
+            )
+        })?;
+    let (tgt_s, tgt_o) =
+        host.make_tree_session(&spec.backend, &config(spec, None, &spec.model)?)?;
+    let mut tgt = Forward::load(host, &spec.backend, &spec.model, None, tgt_o)?;
+    let mut draft = match &opts.draft {
+        DraftKind::Ngram => None,
+        DraftKind::Model(_) | DraftKind::Layers(_) => {
+            let (dir, layers) = match &opts.draft {
+                DraftKind::Model(d) => (crate::gguf::resolve_model(d)?, None),
+                DraftKind::Layers(n) => (spec.model.clone(), Some(*n)),
+                DraftKind::Ngram => unreachable!(),
+            };
+            let (session, o) =
+                host.make_tree_session(&spec.backend, &config(spec, layers, &dir)?)?;
+            let fwd = Forward::load(host, &spec.backend, &dir, layers, o)?;
+            if fwd.vocab() != tgt.vocab() {
+                bail!(
+                    "the draft model {} has a vocabulary of {} tokens, the target {} has {}: a draft \
+                     must share the target's tokenizer",
+                    dir.display(),
+                    fwd.vocab(),
+                    spec.model.display(),
+                    tgt.vocab()
+                );
+            }
+            Some(ModelDraft {
+                session,
+                fwd,
+                len: 0,
+            })
+        }
+    };
+    let p = spec.prompt.len();
+    let t0 = Instant::now();
+    if p > 1 {
+        tgt.prefill(&spec.prompt[..p - 1], 0, &mut |_| Ok(()))?;
+    }
+    let prefill_tok_s = rate(p - 1, t0);
+    // `context` ends with the root: committed tokens plus the one not yet run.
+    let mut context = spec.prompt.clone();
+    let mut base = p - 1;
+    let mut policy = Policy::new(depth_max);
+    let (mut accepted_total, mut drafted_total, mut target_forwards) = (0usize, 0usize, 0usize);
+    let progress = Progress::new();
+    let t1 = Instant::now();
+    let generated = |context: &[i32]| context.len() - p;
+    while generated(&context) < spec.max_new {
+        let round = Instant::now();
+        let depth = policy.depth().min(spec.max_new - generated(&context));
+        let tree = match (depth, draft.as_mut()) {
+            (0, _) => Tree::root(context[base]),
+            (d, None) => ngram_tree(&context, d, width_max),
+            (d, Some(m)) => m.tree(&context, base, d, width_max)?,
+        };
+        let positions: Vec<i32> = tree.depth.iter().map(|&d| (base + d) as i32).collect();
+        let speculative = tree.tokens.len() > 1;
+        if speculative {
+            tgt_s.propose(&tree.parents)?;
+        }
+        let logits = tgt.call(&tree.tokens, &positions, None)?;
+        target_forwards += 1;
+        let (mut chain, mut cur) = (vec![0i32], 0usize);
+        let next = loop {
+            match verify_node(sampler, &logits[cur], &tree, cur) {
+                (Some(child), _) => {
+                    chain.push(child as i32);
+                    cur = child;
+                }
+                (None, t) => break t,
+            }
+        };
+        tracing::debug!(
+            nodes = tree.tokens.len(),
+            depth = tree.max_depth(),
+            accepted = chain.len() - 1,
+            ms = round.elapsed().as_secs_f64() * 1e3,
+            "speculative round"
+        );
+        if speculative {
+            tgt_s.commit(&chain)?;
+            if let Some(m) = draft.as_mut() {
+                m.commit(&chain, base)?;
+            }
+            accepted_total += chain.len() - 1;
+            drafted_total += tree.max_depth();
+        }
+        policy.observe(
+            round.elapsed().as_secs_f64(),
+            tree.tokens.len(),
+            tree.max_depth(),
+            chain.len() - 1,
+        );
+        context.extend(chain[1..].iter().map(|&n| tree.tokens[n as usize]));
+        context.push(next);
+        base += chain.len();
+        progress.tick(generated(&context).min(spec.max_new), spec.max_new);
+        if context[p..].iter().any(|t| spec.stop.contains(t)) {
+            break;
+        }
+    }
+    let mut ids = context[p..].to_vec();
+    if let Some(end) = ids.iter().position(|t| spec.stop.contains(t)) {
+        ids.truncate(end + 1);
+    }
+    ids.truncate(spec.max_new);
+    Ok(RunReport {
+        mode: "speculative".into(),
+        decode_tok_s: rate(ids.len(), t1),
+        prefill_tok_s,
+        cache: tgt_s.stats()?.into(),
+        tokens_per_target_forward: Some(ids.len() as f64 / target_forwards.max(1) as f64),
+        ids,
+        branches: None,
+        winner: None,
+        acceptance: Some(accepted_total as f64 / drafted_total.max(1) as f64),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_kinds_parse() {
+        assert_eq!("ngram".parse(), Ok(DraftKind::Ngram));
+        assert_eq!("layers:3".parse(), Ok(DraftKind::Layers(3)));
+        assert_eq!("draft:/m".parse(), Ok(DraftKind::Model("/m".into())));
+        for bad in ["layers:0", "layers:x", "draft:", "medusa"] {
+            assert!(bad.parse::<DraftKind>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn prompt_lookup_continues_the_latest_occurrences() {
+        // "a b c d ... a b c e ... a b c" → after "a b c": "e" (latest), then "d".
+        let ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 8, 1, 2, 3];
+        let t = ngram_tree(&ctx, 2, 2);
+        assert_eq!(t.tokens, [3, 5, 8, 4, 9]);
+        assert_eq!(t.parents, [-1, 0, 1, 0, 3]);
+        assert_eq!(t.max_depth(), 2);
+        // No earlier occurrence of the last token: the root alone.
+        assert_eq!(ngram_tree(&[1, 2, 3], 4, 2).tokens, [3]);
+        // Continuations stop at the end of the context.
+        let t = ngram_tree(&[7, 8, 7], 5, 1);
+        assert_eq!(t.tokens, [7, 8, 7]);
+    }
+
+    /// Target distribution p over 4 tokens; a tree proposing tokens 2 then 0 at the root.
+    /// The emitted first token must be distributed as p whatever was proposed.
+    #[test]
+    fn acceptance_keeps_the_target_distribution() {
+        let logits = [1.0f32, 0.2, 2.0, -0.5];
+        let mut tree = Tree::root(9);
+        tree.insert(&[2]);
+        tree.insert(&[0]);
+        let mut sampler = Sampler::new(1.0, 1.0, 42);
+        let p = sampler.distribution(&logits);
+        let n = 200_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            let (child, t) = verify_node(&mut sampler, &logits, &tree, 0);
+            if let Some(c) = child {
+                assert_eq!(tree.tokens[c], t);
+            }
+            counts[t as usize] += 1;
+        }
+        for &(t, pt) in &p {
+            let pt = pt as f64;
+            let sigma = (pt * (1.0 - pt) / n as f64).sqrt();
+            let got = counts[t as usize] as f64 / n as f64;
+            // Five standard deviations of a binomial proportion.
+            assert!((got - pt).abs() < 5.0 * sigma, "token {t}: {got} vs {pt}");
+        }
+        // Greedy: the argmax child is accepted, anything else refused.
+        let mut g = Sampler::new(0.0, 1.0, 0);
+        assert_eq!(verify_node(&mut g, &logits, &tree, 0), (Some(1), 2));
+        let mut other = Tree::root(9);
+        other.insert(&[0]);
+        assert_eq!(verify_node(&mut g, &logits, &other, 0), (None, 2));
+    }
+
+    #[test]
+    fn the_policy_drafts_only_when_it_pays() {
+        let mut p = Policy::new(8);
+        assert_eq!(p.depth(), 0, "a plain step is measured first");
+        p.observe(0.010, 1, 0, 0);
+        // Unmeasured rounds look cheap: draft.
+        let d = p.depth();
+        assert!(d > 0);
+        // Rounds of 2+ nodes cost 4x a plain step and nothing is accepted: stop drafting.
+        for n in 2..=9 {
+            p.observe(0.040, n, n - 1, 0);
+        }
+        assert_eq!(p.depth(), 0);
+        assert!((0..PAUSE_MIN - 1).all(|_| p.depth() == 0));
+        assert!(p.depth() > 0, "a probe after the pause");
+        p.observe(0.040, 2, 1, 0);
+        assert!(
+            (0..2 * PAUSE_MIN).all(|_| p.depth() == 0),
+            "the next pause is longer"
+        );
+        // Cheap rounds that are accepted make drafting pay again, deep.
+        let mut q = Policy::new(8);
+        q.observe(0.010, 1, 0, 0);
+        for _ in 0..20 {
+            for n in 2..=9 {
+                q.observe(0.011, n, n - 1, n - 1);
+            }
+        }
+        assert_eq!(q.depth(), 8);
+    }
+}
