@@ -76,6 +76,8 @@ pub struct SpecOptions {
 
 /// The longest n-gram prompt lookup tries.
 const NGRAM_MAX: usize = 4;
+/// The shortest: a single matching token predicts too little.
+const NGRAM_MIN: usize = 2;
 /// Plain steps a first pause lasts; doubles on each pause that follows, up to `PAUSE_MAX`.
 const PAUSE_MIN: usize = 4;
 const PAUSE_MAX: usize = 256;
@@ -129,12 +131,12 @@ impl Tree {
 }
 
 /// Prompt lookup: up to `width` continuations (distinct first tokens, at most `depth` tokens
-/// each) of the latest occurrences of the longest suffix of `context` (2..=`NGRAM_MAX`
-/// tokens, then 1) found earlier in it, as a tree under `context`'s last token.
+/// each) of the latest occurrences of the longest suffix of `context` (`NGRAM_MAX` down to
+/// `NGRAM_MIN` tokens) found earlier in it, as a tree under `context`'s last token.
 pub fn ngram_tree(context: &[i32], depth: usize, width: usize) -> Tree {
     let mut tree = Tree::root(*context.last().expect("a context"));
     let n = context.len();
-    for k in (1..=NGRAM_MAX.min(n - 1)).rev() {
+    for k in (NGRAM_MIN..=NGRAM_MAX.min(n - 1)).rev() {
         let suffix = &context[n - k..];
         let mut firsts = Vec::new();
         // Occurrences ending before the suffix itself, latest first.
@@ -190,14 +192,18 @@ fn verify_node(
     (None, t)
 }
 
-/// When to draft and how deep: the depth that maximizes expected tokens per second, from
-/// the measured cost of target rounds by tree size and the recent acceptance at each draft
-/// position. Depth 0 is a plain step.
+/// When to draft, how deep and how wide: the tree that maximizes expected tokens per second,
+/// from the measured cost of target rounds by tree size and the recent acceptance of each
+/// root branch (by rank) and each deeper draft position. Depth 0 is a plain step.
 struct Policy {
     max_depth: usize,
-    /// `accept[i]`: how often draft token `i + 1` was accepted when tokens `1..=i` were
-    /// (exponential average).
-    accept: Vec<f64>,
+    max_width: usize,
+    /// `first[r]`: how often the root's `r`-th branch was accepted when the branches before
+    /// it were refused (exponential average).
+    first: Vec<f64>,
+    /// `deeper[i]`: how often draft token `i + 2` of a chain was accepted when the tokens
+    /// before it were.
+    deeper: Vec<f64>,
     /// Seconds of a target round by node count (`cost[n]`, exponential average).
     cost: Vec<Option<f64>>,
     /// Plain steps left before the next probe round.
@@ -207,74 +213,116 @@ struct Policy {
 }
 
 impl Policy {
-    fn new(max_depth: usize) -> Self {
+    fn new(max_depth: usize, max_width: usize) -> Self {
         Policy {
             max_depth,
-            accept: vec![0.6; max_depth],
-            cost: vec![None; max_depth + 2],
+            max_width,
+            first: vec![0.6; max_width],
+            deeper: vec![0.6; max_depth],
+            cost: vec![None; max_depth * max_width + 2],
             pause_left: 0,
             next_pause: PAUSE_MIN,
             probe: false,
         }
     }
 
-    /// Expected tokens of a round drafting `d` tokens in a chain (the bonus token included).
-    fn expected_tokens(&self, d: usize) -> f64 {
-        let mut reach = 1.0;
-        1.0 + (0..d)
-            .map(|i| {
-                reach *= self.accept[i];
-                reach
-            })
-            .sum::<f64>()
+    /// Expected tokens of a round drafting `w` chains of `d` tokens (the bonus included).
+    fn expected_tokens(&self, d: usize, w: usize) -> f64 {
+        if d == 0 {
+            return 1.0;
+        }
+        let missed: f64 = self.first[..w].iter().map(|a| 1.0 - a).product();
+        let mut reach = 1.0 - missed;
+        let mut tokens = 1.0 + reach;
+        for a in &self.deeper[..d - 1] {
+            reach *= a;
+            tokens += reach;
+        }
+        tokens
     }
 
-    /// The measured cost of an `n`-node round, else a guess from the plain step's that is
-    /// optimistic enough to get measured.
+    /// The measured cost of an `n`-node round, else a straight line from the plain step
+    /// through the measured size nearest `n` (before any: a slope of a tenth of a plain step
+    /// per node, optimistic enough to get measured).
     fn cost_of(&self, n: usize, plain: f64) -> f64 {
-        self.cost
-            .get(n)
-            .copied()
-            .flatten()
-            .unwrap_or(plain * (1.0 + 0.1 * (n - 1) as f64))
+        if let Some(c) = self.cost.get(n).copied().flatten() {
+            return c;
+        }
+        let nearest = (2..self.cost.len())
+            .filter_map(|m| self.cost[m].map(|c| (m, c)))
+            .min_by_key(|&(m, _)| m.abs_diff(n));
+        let slope = nearest.map_or(0.1 * plain, |(m, c)| {
+            ((c - plain) / (m - 1) as f64).max(0.0)
+        });
+        plain + slope * (n - 1) as f64
     }
 
-    /// Depth to draft this round (0 = a plain step). A plain step comes first, so there is
-    /// a cost to compare with.
-    fn depth(&mut self) -> usize {
+    /// `(depth, width)` to draft this round (depth 0: a plain step). A plain step comes
+    /// first, so there is a cost to compare with.
+    fn shape(&mut self) -> (usize, usize) {
         let Some(plain) = self.cost[1] else {
-            return 0;
+            return (0, 1);
         };
         if self.pause_left > 0 {
             self.pause_left -= 1;
             self.probe = self.pause_left == 0;
-            return 0;
+            return (0, 1);
         }
-        let rate = |d: usize| self.expected_tokens(d) / self.cost_of(d + 1, plain);
+        let rate =
+            |(d, w): (usize, usize)| self.expected_tokens(d, w) / self.cost_of(1 + d * w, plain);
+        // The first best: on a tie, the shallower and narrower tree.
         let best = (1..=self.max_depth)
-            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
-            .unwrap_or(0);
-        if rate(best) > rate(0) || std::mem::take(&mut self.probe) {
+            .flat_map(|d| (1..=self.max_width).map(move |w| (d, w)))
+            .fold(
+                (0, 1),
+                |best, x| if rate(x) > rate(best) { x } else { best },
+            );
+        let deepest_single = (1..=self.max_depth).map(|d| (d, 1)).fold((1, 1), |b, x| {
+            if rate(x) > rate(b) {
+                x
+            } else {
+                b
+            }
+        });
+        let probe = std::mem::take(&mut self.probe);
+        if best.0 > 0 {
             return best;
+        }
+        if probe {
+            return deepest_single;
         }
         // Drafting does not pay now: plain steps (this one first), then a probe; each pause
         // twice as long as the last.
         self.pause_left = self.next_pause - 1;
         self.next_pause = (self.next_pause * 2).min(PAUSE_MAX);
-        0
+        (0, 1)
     }
 
-    /// A round of `nodes` target nodes whose chain drafted `drafted` tokens and accepted
-    /// `accepted` of them took `seconds`.
-    fn observe(&mut self, seconds: f64, nodes: usize, drafted: usize, accepted: usize) {
+    /// A round of `nodes` target nodes took `seconds`; its root had `branches` children, the
+    /// one of rank `rank` was accepted (`None`: none), and `accepted` tokens of a chain of
+    /// `depth` were accepted.
+    fn observe(
+        &mut self,
+        seconds: f64,
+        nodes: usize,
+        branches: usize,
+        rank: Option<usize>,
+        depth: usize,
+        accepted: usize,
+    ) {
         if let Some(c) = self.cost.get_mut(nodes) {
             *c = Some(ema(*c, seconds));
         }
-        for i in 0..drafted.min(accepted + 1).min(self.max_depth) {
-            let hit = if i < accepted { 1.0 } else { 0.0 };
-            self.accept[i] = 0.8 * self.accept[i] + 0.2 * hit;
+        let tried = rank.map_or(branches, |r| r + 1).min(self.max_width);
+        for r in 0..tried {
+            let hit = if Some(r) == rank { 1.0 } else { 0.0 };
+            self.first[r] = 0.8 * self.first[r] + 0.2 * hit;
         }
-        if drafted > 0 && self.expected_tokens(drafted) > 1.0 && accepted > 0 {
+        for i in 1..depth.min(accepted + 1).min(self.max_depth) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            self.deeper[i - 1] = 0.8 * self.deeper[i - 1] + 0.2 * hit;
+        }
+        if accepted > 0 {
             self.next_pause = PAUSE_MIN;
         }
     }
@@ -410,18 +458,19 @@ pub fn run_speculative(
     // `context` ends with the root: committed tokens plus the one not yet run.
     let mut context = spec.prompt.clone();
     let mut base = p - 1;
-    let mut policy = Policy::new(depth_max);
+    let mut policy = Policy::new(depth_max, width_max);
     let (mut accepted_total, mut drafted_total, mut target_forwards) = (0usize, 0usize, 0usize);
     let progress = Progress::new();
     let t1 = Instant::now();
     let generated = |context: &[i32]| context.len() - p;
     while generated(&context) < spec.max_new {
         let round = Instant::now();
-        let depth = policy.depth().min(spec.max_new - generated(&context));
+        let (depth, width) = policy.shape();
+        let depth = depth.min(spec.max_new - generated(&context));
         let tree = match (depth, draft.as_mut()) {
             (0, _) => Tree::root(context[base]),
-            (d, None) => ngram_tree(&context, d, width_max),
-            (d, Some(m)) => m.tree(&context, base, d, width_max)?,
+            (d, None) => ngram_tree(&context, d, width),
+            (d, Some(m)) => m.tree(&context, base, d, width)?,
         };
         let positions: Vec<i32> = tree.depth.iter().map(|&d| (base + d) as i32).collect();
         let speculative = tree.tokens.len() > 1;
@@ -455,9 +504,14 @@ pub fn run_speculative(
             accepted_total += chain.len() - 1;
             drafted_total += tree.max_depth();
         }
+        let roots: Vec<usize> = tree.children(0).collect();
         policy.observe(
             round.elapsed().as_secs_f64(),
             tree.tokens.len(),
+            roots.len(),
+            chain
+                .get(1)
+                .and_then(|&c| roots.iter().position(|&r| r == c as usize)),
             tree.max_depth(),
             chain.len() - 1,
         );
@@ -512,8 +566,10 @@ mod tests {
         // No earlier occurrence of the last token: the root alone.
         assert_eq!(ngram_tree(&[1, 2, 3], 4, 2).tokens, [3]);
         // Continuations stop at the end of the context.
-        let t = ngram_tree(&[7, 8, 7], 5, 1);
-        assert_eq!(t.tokens, [7, 8, 7]);
+        let t = ngram_tree(&[7, 8, 9, 7, 8], 5, 1);
+        assert_eq!(t.tokens, [8, 9, 7, 8]);
+        // A single matching token is not enough.
+        assert_eq!(ngram_tree(&[5, 1, 6, 1], 3, 1).tokens, [1]);
     }
 
     /// Target distribution p over 4 tokens; a tree proposing tokens 2 then 0 at the root.
@@ -552,32 +608,48 @@ mod tests {
 
     #[test]
     fn the_policy_drafts_only_when_it_pays() {
-        let mut p = Policy::new(8);
-        assert_eq!(p.depth(), 0, "a plain step is measured first");
-        p.observe(0.010, 1, 0, 0);
+        let mut p = Policy::new(8, 2);
+        assert_eq!(p.shape(), (0, 1), "a plain step is measured first");
+        p.observe(0.010, 1, 0, None, 0, 0);
         // Unmeasured rounds look cheap: draft.
-        let d = p.depth();
-        assert!(d > 0);
+        assert!(p.shape().0 > 0);
         // Rounds of 2+ nodes cost 4x a plain step and nothing is accepted: stop drafting.
-        for n in 2..=9 {
-            p.observe(0.040, n, n - 1, 0);
+        for n in 2..=17 {
+            p.observe(0.040, n, 1, None, n - 1, 0);
         }
-        assert_eq!(p.depth(), 0);
-        assert!((0..PAUSE_MIN - 1).all(|_| p.depth() == 0));
-        assert!(p.depth() > 0, "a probe after the pause");
-        p.observe(0.040, 2, 1, 0);
+        assert_eq!(p.shape().0, 0);
+        assert!((0..PAUSE_MIN - 1).all(|_| p.shape().0 == 0));
+        assert!(p.shape().0 > 0, "a probe after the pause");
+        p.observe(0.040, 2, 1, None, 1, 0);
         assert!(
-            (0..2 * PAUSE_MIN).all(|_| p.depth() == 0),
+            (0..2 * PAUSE_MIN).all(|_| p.shape().0 == 0),
             "the next pause is longer"
         );
-        // Cheap rounds that are accepted make drafting pay again, deep.
-        let mut q = Policy::new(8);
-        q.observe(0.010, 1, 0, 0);
+        // Cheap rounds that are accepted make drafting pay again, deep and narrow.
+        let mut q = Policy::new(8, 2);
+        q.observe(0.010, 1, 0, None, 0, 0);
         for _ in 0..20 {
-            for n in 2..=9 {
-                q.observe(0.011, n, n - 1, n - 1);
+            for n in 2..=17 {
+                let secs = 0.010 + 0.0002 * n as f64;
+                q.observe(secs, n, 1, Some(0), (n - 1).min(8), (n - 1).min(8));
             }
         }
-        assert_eq!(q.depth(), 8);
+        assert_eq!(q.shape(), (8, 1));
+        // On a device where a 4-node round costs 4 plain steps, one failed round is enough to
+        // stop: deeper trees are priced along that line, not tried one by one.
+        let mut slow = Policy::new(8, 1);
+        slow.observe(0.010, 1, 0, None, 0, 0);
+        assert_eq!(slow.shape(), (3, 1));
+        slow.observe(0.040, 4, 1, None, 3, 0);
+        assert_eq!(slow.shape(), (0, 1));
+        // When the first branch keeps missing and the second hits, two branches pay.
+        let mut r = Policy::new(3, 2);
+        r.observe(0.010, 1, 0, None, 0, 0);
+        for _ in 0..30 {
+            for n in 2..=7 {
+                r.observe(0.010, n, 2, Some(1), 1, 1);
+            }
+        }
+        assert_eq!(r.shape().1, 2);
     }
 }
