@@ -18,8 +18,8 @@
 //! Adaptive: each round drafts the depth that maximizes expected tokens per second, from the
 //! measured cost of target rounds by tree size and the recent acceptance at each draft
 //! position. When no depth beats a plain step, drafting pauses and then probes again, each
-//! pause twice as long as the last (an accepted draft resets it), so a draft that stops
-//! paying costs a probe every few hundred tokens at most.
+//! pause twice as long as the last (a round that beats plain decoding per token resets
+//! it), so a draft that stops paying costs a probe every few hundred tokens at most.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -322,7 +322,9 @@ impl Policy {
             let hit = if i < accepted { 1.0 } else { 0.0 };
             self.deeper[i - 1] = 0.8 * self.deeper[i - 1] + 0.2 * hit;
         }
-        if accepted > 0 {
+        // A round that beat plain decoding per token ends the doubling of pauses.
+        let plain = self.cost[1].unwrap_or(f64::INFINITY);
+        if depth > 0 && seconds / ((accepted + 1) as f64) < plain {
             self.next_pause = PAUSE_MIN;
         }
     }
@@ -642,6 +644,13 @@ mod tests {
         assert_eq!(slow.shape(), (3, 1));
         slow.observe(0.040, 4, 1, None, 3, 0);
         assert_eq!(slow.shape(), (0, 1));
+        // A probe that is accepted but costs more per token than a plain step does not end
+        // the doubling of pauses.
+        assert!((0..PAUSE_MIN - 1).all(|_| slow.shape().0 == 0));
+        let (d, _) = slow.shape();
+        assert!(d > 0, "a probe");
+        slow.observe(0.010 * (d + 1) as f64, d + 1, 1, Some(0), d, 1);
+        assert!((0..2 * PAUSE_MIN).all(|_| slow.shape().0 == 0));
         // When the first branch keeps missing and the second hits, two branches pay.
         let mut r = Policy::new(3, 2);
         r.observe(0.010, 1, 0, None, 0, 0);
