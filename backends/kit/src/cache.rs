@@ -10,10 +10,10 @@ use kvplug_core::{
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, PluginError, SeqRows};
 
+use crate::device::{AttendMask, Device};
+
 /// Rows [`KitCache::import_seq`] writes per step (bounds the step plan and the staging copy).
 pub const IMPORT_CHUNK: usize = 512;
-
-use crate::device::{AttendMask, Device};
 
 /// A refused call (cache error, input unchanged) or a device failure.
 #[derive(Debug, thiserror::Error)]
@@ -349,7 +349,7 @@ impl<D: Device> KitCache<D> {
         Ok(())
     }
 
-    /// Checks that `rows` fit this cache and the empty target.
+    /// Checks that `rows` fit this cache and can follow what `seq` holds.
     fn check_rows(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
         let cfg = &self.cfg;
         if rows.kv_dtype.as_str() != cfg.kv_dtype.to_string() {
