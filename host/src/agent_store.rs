@@ -64,10 +64,26 @@ struct Agent {
     tokens: Vec<i32>,
     /// Its sequence while hot.
     seq: Option<i32>,
+    /// A request of its is in flight (never parked then).
+    busy: bool,
     last_use: u64,
 }
 
-/// The store. One request at a time.
+/// A request admitted onto a sequence (see [`AgentStore::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// The request's sequence: it holds the prompt's first `history` tokens at positions
+    /// `0..history`.
+    pub seq: i32,
+    /// Prompt tokens whose K/V were reused (index, hot sequence or file).
+    pub history: usize,
+    /// Of those, tokens restored from the agent's session file.
+    pub restored: usize,
+}
+
+/// The store. Requests run one at a time through [`AgentStore::generate`], or several at
+/// once in one forward per step through [`admit`](AgentStore::admit),
+/// [`step`](AgentStore::step) and [`finish`](AgentStore::finish) (the server's batcher).
 pub struct AgentStore {
     cache: SeqSession,
     fwd: Forward,
@@ -76,6 +92,21 @@ pub struct AgentStore {
     agents: HashMap<String, Agent>,
     free_seqs: Vec<i32>,
     clock: u64,
+}
+
+/// Refuses a name that cannot be an agent's (a session file name): 1-128 of
+/// `A-Z a-z 0-9 . _ -`, not starting with `.`.
+pub fn check_agent_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if !ok {
+        bail!("'{name}' is not an agent name (1-128 of A-Z a-z 0-9 . _ -, not starting with '.')");
+    }
+    Ok(())
 }
 
 fn tokens_u32(t: &[i32]) -> Vec<u32> {
@@ -111,17 +142,7 @@ impl AgentStore {
 
     /// Agent `name`'s session file for this model.
     pub fn file_of(&self, name: &str) -> Result<PathBuf> {
-        let ok = !name.is_empty()
-            && name.len() <= 128
-            && !name.starts_with('.')
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-        if !ok {
-            bail!(
-                "'{name}' is not an agent name (1-128 of A-Z a-z 0-9 . _ -, not starting with '.')"
-            );
-        }
+        check_agent_name(name)?;
         Ok(self
             .dir
             .join(format!("{name}.{}.{EXTENSION}", &self.fingerprint[..16])))
@@ -142,59 +163,139 @@ impl AgentStore {
         sampler: &mut Sampler,
         stop: &HashSet<i32>,
     ) -> Result<Reply> {
-        if prompt.is_empty() || max_new == 0 {
-            bail!("a request needs a prompt token and max_new >= 1");
+        if max_new == 0 {
+            bail!("a request needs max_new >= 1");
         }
         let t0 = Instant::now();
-        self.clock += 1;
-        if let Some(name) = agent {
-            self.file_of(name)?;
-        }
-        let (seq, history, restored) = self.place(agent, prompt)?;
-        let result = self.run(agent, seq, prompt, history, max_new, sampler, stop, t0);
-        let reply = match result {
+        let Some(placed) = self.admit(agent, prompt, max_new)? else {
+            bail!(
+                "the memory budget ({} cells) cannot hold this request",
+                self.cache.capacity()
+            );
+        };
+        let seq = placed.seq;
+        let reply = match self.run(seq, prompt, placed.history, max_new, sampler, stop, t0) {
             Ok(r) => r,
             Err(e) => {
-                // The sequence's K/V may be partial: forget it (the file, if any, stays).
-                self.cache.seq_rm(seq, None, None)?;
-                self.release(agent, seq);
+                self.abort(agent, seq)?;
                 return Err(e);
             }
         };
         let mut held: Vec<i32> = prompt.to_vec();
         held.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);
-        self.cache.prefix_publish(seq, &tokens_u32(&held))?;
+        self.finish(agent, seq, &held)?;
+        Ok(Reply {
+            cached_tokens: placed.history,
+            restored_tokens: placed.restored,
+            prefilled_tokens: prompt.len() - placed.history,
+            ..reply
+        })
+    }
+
+    /// Admits a request: a sequence holding as much of `prompt[..len - 1]` as the agent's
+    /// sequence, the prefix index or the agent's file has, and room for the rest of the
+    /// prompt plus `extra` more cells (what it will generate, plus whatever other requests
+    /// in flight still have to write). `None` when that room or a sequence cannot be had
+    /// now (requests in flight hold them); the store is then as before, except that an
+    /// agent's hot sequence may have been cut back to what this prompt shares with it.
+    /// The agent is busy until [`finish`](Self::finish) or [`abort`](Self::abort).
+    pub fn admit(
+        &mut self,
+        agent: Option<&str>,
+        prompt: &[i32],
+        extra: usize,
+    ) -> Result<Option<Placed>> {
+        if prompt.is_empty() {
+            bail!("a request needs a prompt token");
+        }
+        if let Some(name) = agent {
+            self.file_of(name)?;
+            if self.agents.get(name).is_some_and(|a| a.busy) {
+                bail!("agent '{name}' has a request in flight");
+            }
+        }
+        self.clock += 1;
+        if !self.is_hot(agent.unwrap_or_default())
+            && self.free_seqs.is_empty()
+            && !self.park_lru(agent)?
+        {
+            return Ok(None);
+        }
+        let Some(placed) = self.place(agent, prompt)? else {
+            return Ok(None);
+        };
+        if !self.make_room(prompt.len() - placed.history + extra, agent)? {
+            self.finish(agent, placed.seq, &prompt[..placed.history])?;
+            return Ok(None);
+        }
+        if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
+            a.busy = true;
+        }
+        Ok(Some(placed))
+    }
+
+    /// Runs one forward over requests in flight: token `i` at `positions[i]` in sequence
+    /// `seqs[i]`; returns the logits of `rows`.
+    pub fn step(
+        &mut self,
+        tokens: &[i32],
+        positions: &[i32],
+        seqs: &[i32],
+        rows: &[i32],
+    ) -> Result<Vec<Vec<f32>>> {
+        self.cache.begin_step(seqs)?;
+        self.fwd.call(tokens, positions, Some(rows))
+    }
+
+    /// Ends a request whose sequence holds `held` (token `i` at position `i`): publishes it
+    /// to the prefix index; a named agent keeps it (hot), an anonymous request's sequence
+    /// is released (what the index holds stays, evictable).
+    pub fn finish(&mut self, agent: Option<&str>, seq: i32, held: &[i32]) -> Result<()> {
+        self.cache.prefix_publish(seq, &tokens_u32(held))?;
         match agent {
             Some(name) => {
                 let clock = self.clock;
-                let a = self.agents.get_mut(name).expect("placed agents are known");
-                (a.tokens, a.seq, a.last_use) = (held, Some(seq), clock);
+                let a = self
+                    .agents
+                    .get_mut(name)
+                    .expect("admitted agents are known");
+                (a.tokens, a.seq, a.last_use, a.busy) = (held.to_vec(), Some(seq), clock, false);
             }
             None => {
                 self.cache.seq_rm(seq, None, None)?;
                 self.free_seqs.push(seq);
             }
         }
-        Ok(Reply {
-            cached_tokens: history,
-            restored_tokens: restored,
-            prefilled_tokens: prompt.len() - history,
-            ..reply
-        })
+        Ok(())
+    }
+
+    /// Drops `seq`'s positions from `len` on (what a request in flight generated before
+    /// its client went away).
+    pub fn truncate(&mut self, seq: i32, len: usize) -> Result<()> {
+        Ok(self.cache.seq_rm(seq, Some(len as i32), None)?)
+    }
+
+    /// Ends a failed request: its K/V may be partial, so its sequence is dropped (an
+    /// agent's session file, if any, stays).
+    pub fn abort(&mut self, agent: Option<&str>, seq: i32) -> Result<()> {
+        self.cache.seq_rm(seq, None, None)?;
+        self.release(agent, seq);
+        Ok(())
     }
 
     fn release(&mut self, agent: Option<&str>, seq: i32) {
         if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
             a.seq = None;
+            a.busy = false;
             a.tokens.clear();
         }
         self.free_seqs.push(seq);
     }
 
     /// Gives the request a sequence holding as much of `prompt[..len - 1]` as the agent's
-    /// sequence, the prefix index or the agent's file has; returns it, the history length
-    /// and the tokens restored from the file.
-    fn place(&mut self, agent: Option<&str>, prompt: &[i32]) -> Result<(i32, usize, usize)> {
+    /// sequence, the prefix index or the agent's file has (a sequence must be free or the
+    /// agent hot). `None` when the cells to restore from the file cannot be freed now.
+    fn place(&mut self, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
         let limit = prompt.len() - 1;
         let indexed = self.cache.prefix_match(&tokens_u32(&prompt[..limit]))?;
         if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
@@ -203,7 +304,11 @@ impl AgentStore {
                 a.tokens.truncate(keep);
                 if keep >= indexed {
                     self.cache.seq_rm(seq, Some(keep as i32), None)?;
-                    return Ok((seq, keep, 0));
+                    return Ok(Some(Placed {
+                        seq,
+                        history: keep,
+                        restored: 0,
+                    }));
                 }
                 // The index holds more of this prompt than the agent's own history.
                 self.cache.seq_rm(seq, None, None)?;
@@ -211,16 +316,15 @@ impl AgentStore {
                 let attached = self
                     .cache
                     .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
-                return Ok((seq, attached, 0));
+                a.tokens = prompt[..attached].to_vec();
+                return Ok(Some(Placed {
+                    seq,
+                    history: attached,
+                    restored: 0,
+                }));
             }
         }
-        let seq = match self.free_seqs.pop() {
-            Some(s) => s,
-            None => {
-                self.park_lru(agent)?;
-                self.free_seqs.pop().context("no sequence freed")?
-            }
-        };
+        let seq = self.free_seqs.pop().context("no free sequence")?;
         let attached = self
             .cache
             .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
@@ -234,33 +338,39 @@ impl AgentStore {
                 let have = common_prefix(&s.tokens, prompt).min(limit);
                 if have > attached {
                     let need = have - attached;
-                    if let Err(e) = self.make_room(need, agent) {
+                    if !self.make_room(need, agent)? {
                         self.cache.seq_rm(seq, None, None)?;
                         self.free_seqs.push(seq);
-                        return Err(e);
+                        return Ok(None);
                     }
                     self.cache.import_seq(seq, &s.rows.slice(attached..have))?;
                     (history, restored) = (have, need);
                 }
             }
-            self.agents.entry(name.to_string()).or_insert(Agent {
+            let a = self.agents.entry(name.to_string()).or_insert(Agent {
                 tokens: Vec::new(),
                 seq: None,
+                busy: false,
                 last_use: 0,
             });
+            (a.tokens, a.seq) = (prompt[..history].to_vec(), Some(seq));
         }
-        Ok((seq, history, restored))
+        Ok(Some(Placed {
+            seq,
+            history,
+            restored,
+        }))
     }
 
     /// Makes `n` cells free: evicts unheld prefixes, then parks idle agents (least recently
-    /// used first) until enough can be evicted.
-    fn make_room(&mut self, n: usize, current: Option<&str>) -> Result<()> {
+    /// used first) until enough can be evicted. False when even that is not enough.
+    fn make_room(&mut self, n: usize, current: Option<&str>) -> Result<bool> {
         loop {
             match self.cache.prefix_reserve(n) {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(true),
                 Err(e) if e.kind == AbiErrorKind::Capacity => {
                     if !self.park_lru(current)? {
-                        bail!("the memory budget cannot hold this request: {e}");
+                        return Ok(false);
                     }
                 }
                 Err(e) => return Err(e.into()),
@@ -268,12 +378,12 @@ impl AgentStore {
         }
     }
 
-    /// Parks the least recently used hot agent other than `current`; false when none.
+    /// Parks the least recently used idle hot agent other than `current`; false when none.
     fn park_lru(&mut self, current: Option<&str>) -> Result<bool> {
         let victim = self
             .agents
             .iter()
-            .filter(|(n, a)| a.seq.is_some() && Some(n.as_str()) != current)
+            .filter(|(n, a)| a.seq.is_some() && !a.busy && Some(n.as_str()) != current)
             .min_by_key(|(_, a)| a.last_use)
             .map(|(n, _)| n.clone());
         match victim {
@@ -292,6 +402,9 @@ impl AgentStore {
         let Some(seq) = a.seq else {
             return Ok(());
         };
+        if a.busy {
+            bail!("agent '{name}' has a request in flight");
+        }
         let session = Session {
             rows: self.cache.export_seq(seq)?,
             tokens: a.tokens.clone(),
@@ -308,12 +421,12 @@ impl AgentStore {
         Ok(())
     }
 
-    /// Parks every hot agent (before a model swap or shutdown).
+    /// Parks every idle hot agent (before a model swap or shutdown).
     pub fn park_all(&mut self) -> Result<()> {
         let hot: Vec<String> = self
             .agents
             .iter()
-            .filter(|(_, a)| a.seq.is_some())
+            .filter(|(_, a)| a.seq.is_some() && !a.busy)
             .map(|(n, _)| n.clone())
             .collect();
         hot.iter().try_for_each(|n| self.park(n))
@@ -322,7 +435,6 @@ impl AgentStore {
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
-        agent: Option<&str>,
         seq: i32,
         prompt: &[i32],
         history: usize,
@@ -332,7 +444,6 @@ impl AgentStore {
         t0: Instant,
     ) -> Result<Reply> {
         let fresh = &prompt[history..];
-        self.make_room(fresh.len() + max_new, agent)?;
         let cache = &self.cache;
         let logits =
             self.fwd.prefill(
