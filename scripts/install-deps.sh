@@ -3,12 +3,17 @@
 #   Vulkan software driver for the wgpu backend in CI: mesa-vulkan-drivers libvulkan1
 #   XNNPACK for the cpu backend (bindgen needs libclang): libxnnpack-dev libpthreadpool-dev libclang-dev
 #   pip, when python3 has none, for scripts/fetch-models.sh: python3 python3-pip
+#   venv, when python3 cannot make one, for scripts/openai-client.sh: python3-venv
 set -euo pipefail
 
 packages=(mesa-vulkan-drivers libvulkan1 libxnnpack-dev libpthreadpool-dev libclang-dev)
 # scripts/fetch-models.sh downloads model wheels with pip.
 if ! python3 -m pip --version >/dev/null 2>&1; then
     packages+=(python3 python3-pip)
+fi
+# scripts/openai-client.sh (the server tests' Python client) makes a venv.
+if ! python3 -c "import ensurepip" >/dev/null 2>&1; then
+    packages+=(python3-venv)
 fi
 
 if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then

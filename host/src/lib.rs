@@ -30,6 +30,7 @@ pub mod plan;
 pub mod plugin_file;
 pub mod registry;
 pub mod run;
+pub mod serve;
 pub mod services;
 pub mod session;
 pub mod session_dir;

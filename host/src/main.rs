@@ -91,6 +91,9 @@ enum Command {
     /// Memory plan: weights, KV bytes per token by layer group, and how many tokens and
     /// agents fit a budget.
     Plan(kvplug_host::plan::PlanArgs),
+    /// An OpenAI-compatible HTTP server (chat and text completions, streaming, continuous
+    /// batching, prefix reuse; agent sessions by the X-Session-Id header).
+    Serve(kvplug_host::serve::ServeArgs),
     /// The main job: decode (f16 and q8 KV), agent fork and speculative decoding of a model
     /// on one backend, as a table.
     Demo {
@@ -394,6 +397,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Session { command } => {
             sessions(&SessionDir::standard(cli.session_dir.as_deref()), command)
+        }
+        Command::Serve(args) => {
+            let dir = SessionDir::standard(cli.session_dir.as_deref());
+            kvplug_host::serve::serve(&host, args.options(dir.dir())?)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Plan(args) => {
             print!("{}", kvplug_host::plan::run(&args)?);

@@ -242,6 +242,10 @@ pub struct CacheReport {
     pub pool_cells: u64,
     /// Cells holding data.
     pub live_cells: u64,
+    /// Tokens the prefix index holds (seq caches).
+    pub prefix_cached: u64,
+    /// Of those, tokens no live sequence holds (evictable).
+    pub prefix_evictable: u64,
 }
 
 impl From<CacheStats> for CacheReport {
@@ -250,6 +254,8 @@ impl From<CacheStats> for CacheReport {
             allocated_bytes: s.allocated_bytes,
             pool_cells: s.pool_cells,
             live_cells: s.live_cells,
+            prefix_cached: s.prefix_cached,
+            prefix_evictable: s.prefix_evictable,
         }
     }
 }
