@@ -108,12 +108,22 @@ impl Server {
     }
 
     /// POSTs raw bytes with `headers`.
-    fn post_raw(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, Value) {
+    fn send(
+        &self,
+        path: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> ureq::http::Response<ureq::Body> {
         let mut req = self.post_request(path);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let mut r = req.send(body).unwrap();
+        req.send(body).unwrap()
+    }
+
+    /// POSTs raw bytes with `headers`; returns the status and the JSON body.
+    fn post_raw(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, Value) {
+        let mut r = self.send(path, body, headers);
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().unwrap();
         let v = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text:?}"));
@@ -311,6 +321,10 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
         "4096",
         "--max-tokens",
         "64",
+        "--parallel",
+        "1",
+        "--max-queue",
+        "1",
     ]);
     let path = "/v1/chat/completions";
     let hi = user("Hi");
@@ -423,6 +437,31 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
     // The full answer was never generated: the same request now runs all 64 tokens.
     let full = s.ok(path, &counting, &[]);
     assert_eq!(full["usage"]["completion_tokens"], 64, "{full}");
+
+    // One request in flight (--parallel 1) and one waiting (--max-queue 1): a third is
+    // turned away with 429 and Retry-After, and the waiting one is served after.
+    let mut lines = s.stream(path, &body);
+    lines.next().unwrap();
+    thread::scope(|scope| {
+        let waiting = scope.spawn(|| s.post(path, &chat(&hi, 4), &[]));
+        let t = Instant::now();
+        while s.engine()["queued"] != 1 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "never queued: {}",
+                s.engine()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let mut r = s.send(path, chat(&hi, 4).to_string().as_bytes(), &[]);
+        assert_eq!(r.status().as_u16(), 429);
+        assert_eq!(r.headers()["retry-after"], "1");
+        let v: Value = r.body_mut().read_json().unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+        drop(lines);
+        let (status, v) = waiting.join().unwrap();
+        assert_eq!(status, 200, "{v}");
+    });
     s.stop();
 }
 
