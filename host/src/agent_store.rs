@@ -325,6 +325,20 @@ impl AgentStore {
             }
         }
         let seq = self.free_seqs.pop().context("no free sequence")?;
+        let placed = self.fill(seq, agent, prompt);
+        if !matches!(placed, Ok(Some(_))) {
+            // No room, or a failed restore: the sequence goes back empty.
+            self.cache.seq_rm(seq, None, None)?;
+            self.free_seqs.push(seq);
+        }
+        placed
+    }
+
+    /// Fills the empty `seq` with what the prefix index and the agent's file hold of
+    /// `prompt[..len - 1]` and gives it to the agent; `None` when the cells to restore
+    /// cannot be freed now.
+    fn fill(&mut self, seq: i32, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
+        let limit = prompt.len() - 1;
         let attached = self
             .cache
             .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
@@ -339,8 +353,6 @@ impl AgentStore {
                 if have > attached {
                     let need = have - attached;
                     if !self.make_room(need, agent)? {
-                        self.cache.seq_rm(seq, None, None)?;
-                        self.free_seqs.push(seq);
                         return Ok(None);
                     }
                     self.cache.import_seq(seq, &s.rows.slice(attached..have))?;

@@ -254,10 +254,11 @@ impl Engine {
                 }
                 Ok(None) => break,
                 Err(e) => {
+                    // An agent's unreadable session file, or the backend failing.
                     let req = self.queue.remove(i).expect("index in range");
                     let _ = req
                         .events
-                        .send(Event::Failed(ApiError::invalid(None, format!("{e:#}"))));
+                        .send(Event::Failed(ApiError::internal(format!("{e:#}"))));
                 }
             }
         }
