@@ -193,6 +193,14 @@ impl Drop for Server {
     }
 }
 
+/// File names in a session directory.
+fn session_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect()
+}
+
 fn user(q: &str) -> Value {
     json!([{"role": "user", "content": q}])
 }
@@ -542,9 +550,8 @@ fn agent_sessions_stay_hot_then_go_to_their_file_and_come_back() {
         "turn 2 reused {cached} of alice's tokens, turn 1's prompt was {p1}"
     );
     let file = |name: &str| {
-        std::fs::read_dir(s.sessions.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
+        session_files(s.sessions.path())
+            .into_iter()
             .find(|f| f.starts_with(&format!("{name}.")))
     };
     assert_eq!(file("alice"), None, "alice is hot, not parked");
@@ -579,9 +586,6 @@ fn agent_sessions_stay_hot_then_go_to_their_file_and_come_back() {
     assert_eq!(content(&a3), content(&anonymous));
     // On SIGTERM every hot agent is parked: bob's file appears.
     let sessions = s.stop();
-    let names: Vec<String> = std::fs::read_dir(sessions.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    let names = session_files(sessions.path());
     assert!(names.iter().any(|n| n.starts_with("bob.")), "{names:?}");
 }
