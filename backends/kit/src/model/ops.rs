@@ -10,7 +10,8 @@ use super::stored::StoredTensor;
 /// consistent shapes.
 pub trait ModelDevice: Device {
     /// A `[rows, cols]` matrix for [`ModelDevice::linear`] and [`ModelDevice::embed`], held
-    /// in its stored dtype (f32, f16 or bf16), never widened.
+    /// in its stored dtype (f32, f16 or bf16). A device without kernels for that dtype may
+    /// widen it once at load, never per call (MLX on the CPU: see `kvplug-mlx`).
     type Weight: Send + Sync;
 
     /// Makes `data` (`[rows, cols]`, row-major, `rows·cols` elements) a weight (`out = x·Wᵀ`).
