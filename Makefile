@@ -1,14 +1,15 @@
 # The two set-up commands. Both install what they need (system packages via
-# scripts/install-deps.sh) and work on a fresh clone.
+# scripts/install-deps.sh, MLX via scripts/install-mlx.sh) and work on a fresh clone.
 
 CARGO ?= cargo
 # Silences Mesa's lavapipe warning when no session runtime dir exists (CI, containers).
 export XDG_RUNTIME_DIR ?= /tmp/kvplug-xdg-runtime
 
 # Backends the conformance run must load: a missing one fails the run. On Linux the wgpu
-# backend runs on the software Vulkan driver (lavapipe) that install-deps provides.
+# backend runs on the software Vulkan driver (lavapipe) that install-deps provides, and the
+# mlx backend on MLX's CPU device from the mlx-cpu wheel that install-mlx provides.
 ifeq ($(shell uname -s),Linux)
-REQUIRED_BACKENDS ?= cpu,wgpu
+REQUIRED_BACKENDS ?= cpu,wgpu,mlx
 else
 REQUIRED_BACKENDS ?= cpu
 endif
@@ -41,6 +42,7 @@ conform: build
 deps:
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
 	@./scripts/install-deps.sh
+	@./scripts/install-mlx.sh
 
 models:
 	@./scripts/fetch-models.sh

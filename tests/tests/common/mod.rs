@@ -11,7 +11,7 @@ use kvplug_host::model::Preset;
 use kvplug_host::{Host, PluginSearch};
 
 /// Backends under test.
-pub const BACKENDS: [&str; 2] = ["cpu", "wgpu"];
+pub const BACKENDS: [&str; 3] = ["cpu", "wgpu", "mlx"];
 
 pub fn plugin_dir() -> PathBuf {
     let dir = std::env::current_exe()
