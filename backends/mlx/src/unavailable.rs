@@ -121,7 +121,7 @@ impl Backend for MlxDevice {
     const NAME: &'static str = "kvplug MLX backend";
 
     fn open() -> Result<Self, String> {
-        Err(format!("unavailable: {}", env!("KVPLUG_MLX_MISSING")))
+        Err(env!("KVPLUG_MLX_MISSING").to_string())
     }
     fn device_description(&self) -> String {
         match *self {}
