@@ -317,7 +317,6 @@ impl Device for MlxDevice {
             }
         }
         .map_err(err)?;
-        out.dims = q.dims.clone();
         Ok(())
     }
 
