@@ -83,6 +83,12 @@ std::unique_ptr<Array> zeros(rust::Slice<const int32_t> shape, uint8_t dtype) {
 
 bool default_device_is_gpu() { return mx::default_device() == mx::Device::gpu; }
 
+size_t active_memory() { return mx::get_active_memory(); }
+
+size_t peak_memory() { return mx::get_peak_memory(); }
+
+void reset_peak_memory() { mx::reset_peak_memory(); }
+
 std::unique_ptr<Array> pool_zeros(rust::Slice<const int32_t> shape, uint8_t dtype) {
   // Materialised now (a plain zeros is a broadcast scalar): pools are written in place.
   auto a = mx::contiguous(mx::zeros(shape_of(shape), dtype_of(dtype)));

@@ -32,6 +32,9 @@ size_t nbytes(const Array& a);
 std::unique_ptr<Array> astype(const Array& a, uint8_t dtype);
 void describe_device(rust::String& out);
 bool default_device_is_gpu();
+size_t active_memory();
+size_t peak_memory();
+void reset_peak_memory();
 
 // Pools: `[heads, cells, row]` arrays.
 void put_rows(Array& dst, rust::Slice<const int32_t> cells, const Array& rows);

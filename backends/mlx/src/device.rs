@@ -81,6 +81,26 @@ impl MlxDevice {
         }
     }
 
+    /// Bytes MLX's live buffers hold now.
+    pub fn active_memory(&self) -> usize {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        ffi::active_memory()
+    }
+
+    /// The most bytes MLX's buffers have held at once since the last
+    /// [`MlxDevice::reset_peak_memory`] (or since start): what a workload really needs,
+    /// transients included.
+    pub fn peak_memory(&self) -> usize {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        ffi::peak_memory()
+    }
+
+    /// Starts a new [`MlxDevice::peak_memory`] window.
+    pub fn reset_peak_memory(&self) {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        ffi::reset_peak_memory()
+    }
+
     /// Row widths of a pool's parts and their element types.
     fn layout(dtype: KvDtype, d: usize) -> Vec<(usize, u8)> {
         match dtype {

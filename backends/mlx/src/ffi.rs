@@ -33,6 +33,9 @@ mod bridge {
         fn astype(a: &Array, dtype: u8) -> Result<UniquePtr<Array>>;
         fn describe_device(out: &mut String) -> Result<()>;
         fn default_device_is_gpu() -> bool;
+        fn active_memory() -> usize;
+        fn peak_memory() -> usize;
+        fn reset_peak_memory();
 
         fn put_rows(dst: Pin<&mut Array>, cells: &[i32], rows: &Array) -> Result<()>;
         fn take_rows(src: &Array, cells: &[i32]) -> Result<UniquePtr<Array>>;

@@ -4,10 +4,11 @@
 #[cfg(mlx)]
 mod with_mlx {
     use kvplug_backend_kit::quant::quantize_row;
-    use kvplug_backend_kit::{Backend, Device};
+    use kvplug_backend_kit::{AttendMask, Backend, Device};
     use kvplug_core::KvDtype;
     use kvplug_mlx::MlxDevice;
     use kvplug_plugin_api::HostTensor;
+    use kvplug_plugin_api::TensorDtype;
 
     const HEADS: usize = 2;
     const D: usize = 64;
@@ -79,6 +80,54 @@ mod with_mlx {
                 "{dtype}"
             );
         }
+    }
+
+    /// A decode step writes its row into the pool in place and reads the window where it
+    /// lies: across steps, MLX never holds a second copy of the pools (their bytes would
+    /// show in the peak).
+    #[test]
+    fn decode_steps_write_in_place_and_copy_no_history() {
+        let dev = MlxDevice::open().unwrap();
+        let (hq, hkv, d, cells, history) = (8, 4, 64, 4096, 3000);
+        let mut k = dev.pool_new(KvDtype::F32, hkv, d, cells).unwrap();
+        let mut v = dev.pool_new(KvDtype::F32, hkv, d, cells).unwrap();
+        let pool_bytes = dev.pool_bytes(&k);
+        let fill: Vec<f32> = (0..hkv * history * d)
+            .map(|i| (i % 97) as f32 * 0.01)
+            .collect();
+        let fill = dev
+            .upload(&HostTensor::from_f32(&[hkv, history, d], &fill))
+            .unwrap();
+        dev.write_run(&mut k, 0, &fill).unwrap();
+        dev.write_run(&mut v, 0, &fill).unwrap();
+        let row = |t: usize| {
+            let x: Vec<f32> = (0..t * d).map(|i| (i % 13) as f32 * 0.1).collect();
+            HostTensor::from_f32(&[t, 1, d], &x)
+        };
+        let (q, kv) = (
+            dev.upload(&row(hq)).unwrap(),
+            dev.upload(&row(hkv)).unwrap(),
+        );
+        let mut out = dev.zeros(&[hq, 1, d]).unwrap();
+        let mut step = |i: usize| {
+            dev.write_run(&mut k, history + i, &kv).unwrap();
+            dev.write_run(&mut v, history + i, &kv).unwrap();
+            let l = history + i + 1;
+            dev.attend(&q, &k, &v, l, AttendMask::Causal, 0.125, &mut out, &mut ())
+                .unwrap();
+            dev.download(&out, TensorDtype::F32).unwrap()
+        };
+        step(0);
+        dev.reset_peak_memory();
+        let before = dev.active_memory();
+        for i in 1..9 {
+            step(i);
+        }
+        let grew = dev.peak_memory().saturating_sub(before);
+        assert!(
+            grew < pool_bytes / 4,
+            "decode steps peaked {grew} bytes above the {before} held; one pool is {pool_bytes}"
+        );
     }
 
     #[test]
