@@ -378,3 +378,75 @@ pub fn check_import_rollback<D2: Device>(device: D2) {
         }
     }
 }
+
+/// One decode step for benchmarks: a one-layer contiguous cache holding `l - 1` tokens of
+/// history, and the q/k/v of token `l - 1`. [`DecodeCase::step`] rewinds, attends and reads
+/// the output back (which waits for an asynchronous device), so every call measures the same
+/// step over a window of `l`.
+pub struct DecodeCase<D: Device> {
+    device: Arc<D>,
+    cache: KitCache<D>,
+    q: D::Tensor,
+    k: D::Tensor,
+    v: D::Tensor,
+    out: D::Tensor,
+    history: usize,
+}
+
+impl<D: Device> DecodeCase<D> {
+    /// `hq` query and `hkv` KV heads of `head_dim`, `dtype` pools, window `l` (capacity 8192).
+    pub fn new(
+        device: Arc<D>,
+        hq: usize,
+        hkv: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+        l: usize,
+    ) -> Self {
+        let params = kvplug_core::ModelCacheParams {
+            n_layers: 1,
+            n_kv_heads: hkv,
+            head_dim,
+        };
+        let cfg = kvplug_core::make_config(&params, 8192, dtype);
+        let mut cache = KitCache::new(device.clone(), CacheKind::Contiguous, cfg).unwrap();
+        let tensor = |h: usize, t: usize| {
+            let data: Vec<f32> = (0..h * t * head_dim)
+                .map(|i| (i as f32 * 0.013).sin())
+                .collect();
+            device
+                .upload(&HostTensor::from_f32(&[h, t, head_dim], &data))
+                .unwrap()
+        };
+        let history = l - 1;
+        let pos: Vec<i32> = (0..history as i32).collect();
+        let mut out = device.zeros(&[hq, history, head_dim]).unwrap();
+        let (q, k, v) = (
+            tensor(hq, history),
+            tensor(hkv, history),
+            tensor(hkv, history),
+        );
+        cache
+            .update_and_attend(0, &q, &k, &v, &pos, 0.125, &mut out)
+            .unwrap();
+        DecodeCase {
+            out: device.zeros(&[hq, 1, head_dim]).unwrap(),
+            q: tensor(hq, 1),
+            k: tensor(hkv, 1),
+            v: tensor(hkv, 1),
+            device,
+            cache,
+            history,
+        }
+    }
+
+    /// The decode step, its output read back.
+    pub fn step(&mut self) -> HostTensor {
+        self.cache.rewind(self.history).unwrap();
+        let pos = [self.history as i32];
+        self.cache
+            .update_and_attend(0, &self.q, &self.k, &self.v, &pos, 0.125, &mut self.out)
+            .unwrap();
+        self.device.download(&self.out, TensorDtype::F32).unwrap()
+    }
+}
