@@ -38,6 +38,72 @@ pub struct CacheConfig {
     /// Storage dtype of K and V.
     #[serde(default = "default_kv_dtype")]
     pub kv_dtype: KvDtype,
+    /// The layers that attend through a sliding window (`None`: every layer attends fully).
+    #[serde(default)]
+    pub sliding: Option<SlidingLayers>,
+}
+
+/// A set of layer indices below [`MAX_LAYERS`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub struct LayerSet([u64; MAX_LAYERS / 64]);
+
+impl LayerSet {
+    /// The set of `layers` (`bad_config` for an index at or above [`MAX_LAYERS`]).
+    pub fn of(layers: impl IntoIterator<Item = usize>) -> CacheResult<Self> {
+        let mut set = LayerSet::default();
+        for l in layers {
+            if l >= MAX_LAYERS {
+                return Err(CacheError::bad_config(format!(
+                    "layer {l} is above the limit of {MAX_LAYERS} layers"
+                )));
+            }
+            set.0[l / 64] |= 1 << (l % 64);
+        }
+        Ok(set)
+    }
+
+    /// Whether `layer` is in the set.
+    pub fn contains(&self, layer: usize) -> bool {
+        layer < MAX_LAYERS && self.0[layer / 64] & (1 << (layer % 64)) != 0
+    }
+
+    /// The members, ascending.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..MAX_LAYERS).filter(|&l| self.contains(l))
+    }
+
+    /// Members.
+    pub fn len(&self) -> usize {
+        self.0.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for LayerSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
+/// The sliding-window layers of a hybrid model: which layers slide, and their window.
+///
+/// Window rule (Hugging Face's `sliding_window` as Gemma 3 and Mistral use it, and
+/// llama.cpp's `LLAMA_SWA_TYPE_STANDARD`): a query at position `p` attends keys at positions
+/// `q` with `p - window < q <= p`: the window counts the query itself.
+///
+/// Such layers form one group with its own pools: after each step it keeps, for each
+/// sequence, only the rows of its last `window` positions, so it holds at most `window` plus
+/// one step's cells per sequence whatever the length of the conversation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct SlidingLayers {
+    /// Positions a query sees, itself included (`>= 1`).
+    pub window: usize,
+    /// The layers that slide (the others attend fully).
+    pub layers: LayerSet,
 }
 
 fn default_min_chunk() -> usize {
@@ -58,6 +124,7 @@ pub fn make_config(params: &ModelCacheParams, capacity: usize, kv_dtype: KvDtype
         head_dim: params.head_dim,
         min_chunk: DEFAULT_MIN_CHUNK,
         kv_dtype,
+        sliding: None,
     }
 }
 
@@ -80,12 +147,39 @@ impl CacheConfig {
         check_limit("n_layers", self.n_layers, MAX_LAYERS)?;
         check_limit("n_kv_heads", self.n_kv_heads, MAX_KV_HEADS)?;
         check_limit("head_dim", self.head_dim, MAX_HEAD_DIM)?;
+        if let Some(s) = &self.sliding {
+            if s.window == 0 {
+                return Err(CacheError::bad_config("a sliding window must be >= 1"));
+            }
+            if let Some(l) = s.layers.iter().find(|&l| l >= self.n_layers) {
+                return Err(CacheError::bad_config(format!(
+                    "sliding layer {l} is outside 0..{}",
+                    self.n_layers
+                )));
+            }
+        }
         self.kv_dtype.check_head_dim(self.head_dim)
     }
 
-    /// Bytes of every K and V pool of all layers holding `cells` cells; `None` on overflow.
+    /// Whether `layer` attends through the sliding window.
+    pub fn slides(&self, layer: usize) -> bool {
+        self.sliding.is_some_and(|s| s.layers.contains(layer))
+    }
+
+    /// Layers that attend fully.
+    pub fn full_layers(&self) -> usize {
+        self.n_layers - self.sliding.map_or(0, |s| s.layers.len())
+    }
+
+    /// Bytes of the K and V pools of the fully attending layers holding `cells` cells each;
+    /// `None` on overflow.
     pub fn pools_bytes(&self, cells: usize) -> Option<u64> {
-        (2 * self.n_layers as u64)
+        self.layer_pools_bytes(self.full_layers(), cells)
+    }
+
+    /// Bytes of the K and V pools of `layers` layers holding `cells` cells each.
+    pub fn layer_pools_bytes(&self, layers: usize, cells: usize) -> Option<u64> {
+        (2 * layers as u64)
             .checked_mul(cells as u64)?
             .checked_mul(self.n_kv_heads as u64)?
             .checked_mul(self.kv_dtype.row_bytes(self.head_dim) as u64)

@@ -19,6 +19,8 @@ pub struct ContiguousBookkeeping {
     plan_valid: bool,
     /// `len` after a rollback of the step in progress.
     undo_len: usize,
+    /// `len` before the step in progress.
+    len_before: usize,
 }
 
 impl ContiguousBookkeeping {
@@ -30,6 +32,7 @@ impl ContiguousBookkeeping {
             plan: StepPlan::default(),
             plan_valid: false,
             undo_len: 0,
+            len_before: 0,
         }
     }
 
@@ -77,6 +80,7 @@ impl ContiguousBookkeeping {
     pub fn plan(&mut self, positions: &[i32]) -> CacheResult<&StepPlan> {
         let (start, end) = self.check_run(positions)?;
         self.undo_len = self.len.min(start);
+        self.len_before = self.len;
         self.len = end;
         self.plan.set_run(start, positions, end);
         self.plan_valid = true;
@@ -92,6 +96,15 @@ impl ContiguousBookkeeping {
     pub fn rollback_step(&mut self) {
         if self.plan_valid {
             self.len = self.undo_len;
+            self.plan_valid = false;
+        }
+    }
+
+    /// Undoes the step in progress before any row was written: exact, a rewriting step
+    /// included. A no-op when none is.
+    pub fn cancel_step(&mut self) {
+        if self.plan_valid {
+            self.len = self.len_before;
             self.plan_valid = false;
         }
     }

@@ -27,11 +27,15 @@ pub enum ErrorKind {
     BadConfig,
     /// The verb does not exist for this cache kind.
     NotSupported,
+    /// A rollback (rewind, `seq_rm`, a rewriting step) or a share (`seq_cp`, a prefix
+    /// attach) would leave a sequence's next query needing rows its sliding-window layers
+    /// have already dropped; the message says the earliest position it can resume at.
+    OutOfWindow,
 }
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [ErrorKind; 8] = [
+    pub const ALL: [ErrorKind; 9] = [
         ErrorKind::Capacity,
         ErrorKind::BadPosition,
         ErrorKind::UnknownSeq,
@@ -40,6 +44,7 @@ impl ErrorKind {
         ErrorKind::BadShape,
         ErrorKind::BadConfig,
         ErrorKind::NotSupported,
+        ErrorKind::OutOfWindow,
     ];
 
     /// The snake_case name used in scenario files and error messages.
@@ -53,6 +58,7 @@ impl ErrorKind {
             ErrorKind::BadShape => "bad_shape",
             ErrorKind::BadConfig => "bad_config",
             ErrorKind::NotSupported => "not_supported",
+            ErrorKind::OutOfWindow => "out_of_window",
         }
     }
 
@@ -115,6 +121,11 @@ impl CacheError {
     pub fn bad_config(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::BadConfig, message)
     }
+    /// Shorthand for [`ErrorKind::OutOfWindow`].
+    pub fn out_of_window(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::OutOfWindow, message)
+    }
+
     /// Shorthand for [`ErrorKind::NotSupported`].
     pub fn not_supported(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::NotSupported, message)

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use crate::contiguous::ContiguousBookkeeping;
 use crate::error::{CacheError, CacheResult};
 use crate::plan::StepPlan;
-use crate::seq::{PosRange, PrefixStats, SeqBookkeeping};
+use crate::seq::{PosRange, PrefixStats, SeqBookkeeping, MAX_SEQS};
 use crate::tree::{CommitPlan, TreeBookkeeping};
 
 /// Which bookkeeping a cache runs; also the builder tag (`backend_id:kind`).
@@ -152,6 +152,72 @@ impl Bookkeeping {
         }
     }
 
+    /// The highest position each holder holds (`-1`: none): per sequence for the seq cache;
+    /// holder 0 (the committed tokens) for the contiguous and tree caches.
+    pub fn last_positions(&self, out: &mut [i32; MAX_SEQS]) {
+        out.fill(-1);
+        match &self.book {
+            Book::Contiguous(b) => out[0] = b.len() as i32 - 1,
+            Book::Tree(b) => out[0] = b.base() as i32 - 1,
+            Book::Seq(b) => {
+                for c in 0..b.high_water() {
+                    let Some(p) = b.cell_pos(c) else { continue };
+                    let mut bits = b.cell_seqs(c);
+                    while bits != 0 {
+                        let s = bits.trailing_zeros() as usize;
+                        out[s] = out[s].max(p);
+                        bits &= bits - 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The position `cell` holds, for cells that hold committed tokens (`None`: a free cell
+    /// or a speculative tree node).
+    pub fn cell_position(&self, cell: usize) -> Option<i32> {
+        match &self.book {
+            Book::Contiguous(b) => (cell < b.len()).then_some(cell as i32),
+            Book::Tree(b) => (cell < b.base()).then_some(cell as i32),
+            Book::Seq(b) => b.cell_pos(cell),
+        }
+    }
+
+    /// Whether `cell` still holds position `pos` and a future query of one of its holders
+    /// may attend it through a window reaching `reach` positions back: `pos > last - reach`
+    /// for some holder whose highest position is `last` (from [`Bookkeeping::last_positions`]).
+    /// Speculative tree nodes always are.
+    pub fn in_reach(&self, cell: usize, pos: i32, reach: usize, last: &[i32; MAX_SEQS]) -> bool {
+        let near = |l: i32| pos as i64 > l as i64 - reach as i64;
+        match &self.book {
+            Book::Tree(b) if cell >= b.base() => cell < b.high_water(),
+            Book::Contiguous(_) | Book::Tree(_) => {
+                self.cell_position(cell) == Some(pos) && near(last[0])
+            }
+            Book::Seq(b) => {
+                if b.cell_pos(cell) != Some(pos) {
+                    return false;
+                }
+                let mut bits = b.cell_seqs(cell);
+                while bits != 0 {
+                    if near(last[bits.trailing_zeros() as usize]) {
+                        return true;
+                    }
+                    bits &= bits - 1;
+                }
+                false
+            }
+        }
+    }
+
+    /// The holders of `cell` (sequence bits; bit 0 for the contiguous and tree caches).
+    pub fn cell_holders(&self, cell: usize) -> u64 {
+        match &self.book {
+            Book::Seq(b) => b.cell_seqs(cell),
+            _ => 1,
+        }
+    }
+
     /// Reserves per-cell bookkeeping for `cells` cells (byte layers call this as pools grow).
     pub fn reserve(&mut self, cells: usize) {
         if let Book::Seq(b) = &mut self.book {
@@ -203,6 +269,20 @@ impl Bookkeeping {
             Book::Contiguous(b) => b.rollback_step(),
             Book::Seq(b) => b.rollback_step(),
             Book::Tree(b) => b.rollback_step(),
+        }
+        self.step_open = false;
+    }
+
+    /// Undoes the open step before any layer wrote a row: exactly, unlike
+    /// [`Bookkeeping::rollback_step`] for a rewriting contiguous step. A no-op when none is.
+    pub fn cancel_step(&mut self) {
+        if !self.step_open {
+            return;
+        }
+        match &mut self.book {
+            Book::Contiguous(b) => b.cancel_step(),
+            Book::Seq(b) => b.rollback_step(),
+            Book::Tree(b) => b.cancel_step(),
         }
         self.step_open = false;
     }
@@ -378,7 +458,9 @@ impl Bookkeeping {
 ///
 /// Implementors provide access to their [`Bookkeeping`] and the one byte operation a verb
 /// needs (moving committed tree rows); every verb validates in the bookkeeping first, so a
-/// refused verb leaves bytes and bookkeeping untouched.
+/// refused verb leaves bytes and bookkeeping untouched. A cache with sliding-window layers
+/// also answers [`CacheVerbs::after_verb`], which may refuse what the bookkeeping allowed
+/// (a rollback deeper than its windows still hold); the verb is then undone.
 pub trait CacheVerbs {
     /// The bookkeeping.
     fn bookkeeping(&self) -> &Bookkeeping;
@@ -386,6 +468,34 @@ pub trait CacheVerbs {
     fn bookkeeping_mut(&mut self) -> &mut Bookkeeping;
     /// Moves row `rows[i]` to `base + i` in every layer's K and V (tree commit).
     fn move_rows(&mut self, base: usize, rows: &[u32]);
+    /// Whether [`CacheVerbs::after_verb`] must see verbs (it costs a copy of the bookkeeping
+    /// per verb).
+    fn checks_verbs(&self) -> bool {
+        false
+    }
+    /// Called after a verb changed the bookkeeping (`before`: a copy from before it, when
+    /// the verb could shorten a sequence); an error undoes the verb.
+    fn after_verb(&mut self, before: Option<&Bookkeeping>) -> CacheResult<()> {
+        let _ = before;
+        Ok(())
+    }
+
+    /// Runs `verb` on the bookkeeping, then [`CacheVerbs::after_verb`]; all or nothing.
+    fn checked<T>(
+        &mut self,
+        verb: impl FnOnce(&mut Bookkeeping) -> CacheResult<T>,
+    ) -> CacheResult<T> {
+        if !self.checks_verbs() {
+            return verb(self.bookkeeping_mut());
+        }
+        let before = self.bookkeeping().clone();
+        let out = verb(self.bookkeeping_mut())?;
+        if let Err(e) = self.after_verb(Some(&before)) {
+            *self.bookkeeping_mut() = before;
+            return Err(e);
+        }
+        Ok(out)
+    }
 
     /// The kind.
     fn kind(&self) -> CacheKind {
@@ -401,11 +511,14 @@ pub trait CacheVerbs {
     }
     /// Forgets everything (no byte work).
     fn clear(&mut self) {
-        self.bookkeeping_mut().clear()
+        let _ = self.checked(|b| {
+            b.clear();
+            Ok(())
+        });
     }
     /// Contiguous: truncate to `len`.
     fn rewind(&mut self, len: usize) -> CacheResult<()> {
-        self.bookkeeping_mut().rewind(len)
+        self.checked(|b| b.rewind(len))
     }
     /// Seq: next step's per-token sequences.
     fn begin_step(&mut self, seq_ids: &[i32]) -> CacheResult<()> {
@@ -413,15 +526,15 @@ pub trait CacheVerbs {
     }
     /// Seq: share cells.
     fn seq_cp(&mut self, src: i32, dst: i32, range: PosRange) -> CacheResult<()> {
-        self.bookkeeping_mut().seq_cp(src, dst, range)
+        self.checked(|b| b.seq_cp(src, dst, range))
     }
     /// Seq: drop cells.
     fn seq_rm(&mut self, seq: i32, range: PosRange) -> CacheResult<()> {
-        self.bookkeeping_mut().seq_rm(seq, range)
+        self.checked(|b| b.seq_rm(seq, range))
     }
     /// Seq: keep one sequence.
     fn seq_keep(&mut self, seq: i32) -> CacheResult<()> {
-        self.bookkeeping_mut().seq_keep(seq)
+        self.checked(|b| b.seq_keep(seq))
     }
     /// Seq: cells held by `seq`.
     fn seq_len(&self, seq: i32) -> CacheResult<usize> {
@@ -433,7 +546,7 @@ pub trait CacheVerbs {
     }
     /// Seq: attach a cached prefix to an empty sequence.
     fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
-        self.bookkeeping_mut().prefix_attach(seq, tokens)
+        self.checked(|b| b.prefix_attach(seq, tokens))
     }
     /// Seq: cache a sequence's tokens.
     fn prefix_publish(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
@@ -441,11 +554,11 @@ pub trait CacheVerbs {
     }
     /// Seq: free `n` cells, evicting cached prefixes as needed.
     fn prefix_reserve(&mut self, n: usize) -> CacheResult<usize> {
-        self.bookkeeping_mut().prefix_reserve(n)
+        self.checked(|b| b.prefix_reserve(n))
     }
     /// Seq: evict at least `n` cells of cached prefixes.
     fn prefix_evict(&mut self, n: usize) -> CacheResult<usize> {
-        self.bookkeeping_mut().prefix_evict(n)
+        self.checked(|b| b.prefix_evict(n))
     }
     /// Tree: append a frontier.
     fn propose(&mut self, parents: &[i32]) -> CacheResult<()> {
@@ -456,7 +569,8 @@ pub trait CacheVerbs {
         let plan = self.bookkeeping_mut().commit(accepted)?;
         self.move_rows(plan.base, &plan.rows);
         self.bookkeeping_mut().recycle(plan);
-        Ok(())
+        // A commit only appends: the check cannot fail, it drops what left the window.
+        self.after_verb(None)
     }
 }
 

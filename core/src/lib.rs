@@ -38,8 +38,11 @@ pub mod rounding;
 pub mod seq;
 pub mod spec;
 pub mod tree;
+pub mod window;
 
-pub use config::{make_config, CacheConfig, ModelCacheParams, DEFAULT_MIN_CHUNK};
+pub use config::{
+    make_config, CacheConfig, LayerSet, ModelCacheParams, SlidingLayers, DEFAULT_MIN_CHUNK,
+};
 pub use contiguous::ContiguousBookkeeping;
 pub use dtype::KvDtype;
 pub use error::{CacheError, CacheResult, ErrorKind};
@@ -50,3 +53,4 @@ pub use radix::{PrefixHandle, PrefixLock, RadixError, RadixIndex};
 pub use seq::{PosRange, PrefixStats, SeqBookkeeping, MAX_SEQS};
 pub use spec::{LayerAttention, LayerGroup, ModelCacheSpec};
 pub use tree::{CommitPlan, TreeBookkeeping};
+pub use window::SlotMap;

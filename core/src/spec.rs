@@ -10,11 +10,13 @@
 //! 4. otherwise a non-null `sliding_window` makes every layer slide (Mistral);
 //! 5. otherwise every layer is full (Llama).
 //!
-//! This build runs no sliding-window model yet (the loader refuses them); the spec is what
-//! memory plans are made from.
+//! [`ModelCacheSpec::sliding`] turns the spec into the [`SlidingLayers`] of a
+//! [`crate::CacheConfig`]: a hybrid cache (see [`crate::window`]). The model loader does not
+//! run sliding-window models yet; caches built from such a config do.
 
 use serde_json::Value;
 
+use crate::config::{LayerSet, SlidingLayers};
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
 
@@ -134,6 +136,29 @@ impl ModelCacheSpec {
             .collect()
     }
 
+    /// The sliding layers of a cache config (`None` when every layer attends fully);
+    /// `bad_config` when sliding layers use more than one window (one sliding group per cache).
+    pub fn sliding(&self) -> CacheResult<Option<SlidingLayers>> {
+        let mut window = None;
+        for l in &self.layers {
+            if let LayerAttention::Sliding { window: w } = *l {
+                if window.is_some_and(|x| x != w) {
+                    return Err(CacheError::bad_config(
+                        "sliding layers with different windows are not supported",
+                    ));
+                }
+                window = Some(w);
+            }
+        }
+        let Some(window) = window else {
+            return Ok(None);
+        };
+        let layers = LayerSet::of(
+            (0..self.layers.len()).filter(|&i| self.layers[i] != LayerAttention::Full),
+        )?;
+        Ok(Some(SlidingLayers { window, layers }))
+    }
+
     /// K and V bytes one token takes in one layer.
     pub fn layer_bytes_per_token(&self, dtype: KvDtype) -> usize {
         2 * self.n_kv_heads * dtype.row_bytes(self.head_dim)
@@ -217,5 +242,11 @@ mod tests {
             (3 * 8192 + 15 * 512) * per
         );
         assert_eq!(spec.sequence_bytes(KvDtype::F16, 100, 512), 18 * 100 * per);
+        let sliding = spec.sliding().unwrap().unwrap();
+        assert_eq!(sliding.window, 512);
+        let full: Vec<usize> = (0..18).filter(|&l| !sliding.layers.contains(l)).collect();
+        assert_eq!(full, [5, 11, 17]);
+        let llama = ModelCacheSpec::from_config(&json!({}), 2, 1, 64).unwrap();
+        assert_eq!(llama.sliding().unwrap(), None);
     }
 }

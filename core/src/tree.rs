@@ -221,6 +221,16 @@ impl TreeBookkeeping {
         self.plan_valid = false;
     }
 
+    /// Undoes the step in progress before any row was written: exact (see
+    /// [`ContiguousBookkeeping::cancel_step`]). A no-op when none is.
+    pub fn cancel_step(&mut self) {
+        if self.plan_valid && self.plan_is_prefix {
+            self.prefix.cancel_step();
+            self.plan_valid = false;
+        }
+        self.rollback_step();
+    }
+
     /// Accepts a root-first chain of stepped nodes (each the parent of the next, the first
     /// attached to the prefix), appends it to the prefix and drops every pending node. An
     /// empty chain just drops them.

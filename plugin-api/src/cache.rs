@@ -6,6 +6,7 @@
 use abi_stable::sabi_trait;
 use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString, RVec};
 use abi_stable::StableAbi;
+use kvplug_core::config::{LayerSet, SlidingLayers};
 use kvplug_core::{CacheConfig, CacheError, KvDtype};
 
 use crate::error::PluginError;
@@ -27,6 +28,10 @@ pub struct AbiCacheConfig {
     pub min_chunk: u64,
     /// `f32`, `f16`, `bf16`, `q8`, `q4` (or `q8g32`-style).
     pub kv_dtype: RString,
+    /// The sliding window of [`AbiCacheConfig::sliding_layers`] (0: no sliding layers).
+    pub sliding_window: u64,
+    /// Layers attending through the sliding window.
+    pub sliding_layers: RVec<u32>,
 }
 
 impl From<&CacheConfig> for AbiCacheConfig {
@@ -40,6 +45,11 @@ impl From<&CacheConfig> for AbiCacheConfig {
             head_dim: u32::try_from(c.head_dim).unwrap_or(u32::MAX),
             min_chunk: c.min_chunk as u64,
             kv_dtype: c.kv_dtype.to_string().into(),
+            sliding_window: c.sliding.map_or(0, |s| s.window as u64),
+            sliding_layers: c
+                .sliding
+                .map(|s| s.layers.iter().map(|l| l as u32).collect())
+                .unwrap_or_default(),
         }
     }
 }
@@ -54,7 +64,20 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
                 .map_err(|e: kvplug_core::dtype::ParseDtypeError| {
                     CacheError::bad_config(e.to_string())
                 })?;
+        let sliding = match (c.sliding_window, c.sliding_layers.is_empty()) {
+            (0, true) => None,
+            (0, false) => {
+                return Err(CacheError::bad_config(
+                    "sliding layers are listed but the sliding window is 0",
+                ))
+            }
+            (w, _) => Some(SlidingLayers {
+                window: usize::try_from(w).unwrap_or(usize::MAX),
+                layers: LayerSet::of(c.sliding_layers.iter().map(|&l| l as usize))?,
+            }),
+        };
         let cfg = CacheConfig {
+            sliding,
             capacity: c.capacity as usize,
             n_layers: c.n_layers as usize,
             n_kv_heads: c.n_kv_heads as usize,

@@ -25,6 +25,8 @@ pub enum AbiErrorKind {
     BadConfig,
     /// See [`ErrorKind::NotSupported`].
     NotSupported,
+    /// See [`ErrorKind::OutOfWindow`].
+    OutOfWindow,
     /// A lookup (cache key, method, backend) found nothing.
     NotFound,
     /// The device or its runtime failed.
@@ -45,6 +47,7 @@ impl AbiErrorKind {
             AbiErrorKind::BadShape => ErrorKind::BadShape,
             AbiErrorKind::BadConfig => ErrorKind::BadConfig,
             AbiErrorKind::NotSupported => ErrorKind::NotSupported,
+            AbiErrorKind::OutOfWindow => ErrorKind::OutOfWindow,
             AbiErrorKind::NotFound | AbiErrorKind::Backend | AbiErrorKind::Panic => return None,
         })
     }
@@ -73,6 +76,7 @@ impl From<ErrorKind> for AbiErrorKind {
             ErrorKind::BadShape => AbiErrorKind::BadShape,
             ErrorKind::BadConfig => AbiErrorKind::BadConfig,
             ErrorKind::NotSupported => AbiErrorKind::NotSupported,
+            ErrorKind::OutOfWindow => AbiErrorKind::OutOfWindow,
         }
     }
 }

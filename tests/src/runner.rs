@@ -19,7 +19,9 @@
 use std::any::Any;
 
 use kvplug_core::oracle::{Attention, RefCache};
-use kvplug_core::{CacheConfig, CacheError, CacheKind, ErrorKind, KvDtype};
+use kvplug_core::{
+    CacheConfig, CacheError, CacheKind, ErrorKind, KvDtype, LayerSet, SlidingLayers,
+};
 use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
 use kvplug_plugin_api::{CacheHandle, HostTensor, PluginError, TensorDtype};
 
@@ -177,7 +179,7 @@ impl Case<'_> {
                 return Ok(outcome);
             }
         }
-        let cfg = self.scenario.config;
+        let cfg = &self.scenario.config;
         let (hq, hkv, d) = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim);
         let scale = 1.0 / (d as f32).sqrt();
         let seed = self.scenario.seed;
@@ -387,8 +389,22 @@ pub fn run_case(
         result.status = Status::NotApplicable(reason);
         return result;
     }
-    let c = scenario.config;
+    let c = &scenario.config;
+    let sliding = match &c.sliding {
+        Some(s) => match LayerSet::of(s.layers.iter().copied()) {
+            Ok(layers) => Some(SlidingLayers {
+                window: s.window,
+                layers,
+            }),
+            Err(e) => {
+                result.status = Status::Fail(format!("config.sliding: {e}"));
+                return result;
+            }
+        },
+        None => None,
+    };
     let cfg = CacheConfig {
+        sliding,
         capacity: c.capacity,
         n_layers: c.n_layers,
         n_kv_heads: c.n_kv_heads,

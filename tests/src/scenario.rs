@@ -8,7 +8,8 @@
 //! `tamper_layer`),
 //! `seq_cp`, `seq_rm`, `seq_keep`, `propose`, `commit`, `rewind`, `clear`, `check`
 //! (`seq_len` / `can_extend` / `plan`), `expect_error` (`error` kind + the op to `do`).
-//! `p0`/`p1` are half-open, `null` = open-ended.
+//! `p0`/`p1` are half-open, `null` = open-ended. `config.sliding` (`window`, `layers`) makes
+//! a hybrid model: those layers attend through the window and drop older rows.
 
 use std::path::{Path, PathBuf};
 
@@ -19,7 +20,7 @@ use serde::Deserialize;
 use crate::rng::Inputs;
 
 /// Cache shape of a scenario (the KV dtype comes from the matrix).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ScenarioConfig {
     /// Cells.
@@ -35,6 +36,19 @@ pub struct ScenarioConfig {
     /// First pool allocation.
     #[serde(default = "default_min_chunk")]
     pub min_chunk: usize,
+    /// Sliding-window layers (a hybrid model); none by default.
+    #[serde(default)]
+    pub sliding: Option<ScenarioSliding>,
+}
+
+/// `{"window": W, "layers": [..]}`: these layers attend through a window of `W` positions.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ScenarioSliding {
+    /// Positions a query sees, itself included.
+    pub window: usize,
+    /// Layer indices.
+    pub layers: Vec<usize>,
 }
 
 fn default_min_chunk() -> usize {

@@ -423,6 +423,7 @@ fn session_cache(kv_dtype: KvDtype) -> CacheConfig {
         head_dim: 16,
         min_chunk: 4,
         kv_dtype,
+        sliding: None,
     }
 }
 

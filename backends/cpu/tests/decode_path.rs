@@ -32,9 +32,15 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 /// Prefill 300 tokens, decode a few warm-up steps, then count allocations over 40 decode
-/// steps (no pool doubling happens between 305 and 345 cells: the pool holds 512).
-fn allocations_per_decode(kind: CacheKind, dtype: KvDtype) -> usize {
-    let mut c = cache(kind, config(2, 4096, dtype));
+/// steps (no pool doubling happens between 305 and 345 cells: the pool holds 512), with
+/// layer 0 sliding through `window` when given.
+fn allocations_per_decode(kind: CacheKind, dtype: KvDtype, window: Option<usize>) -> usize {
+    let mut cfg = config(2, 4096, dtype);
+    cfg.sliding = window.map(|window| kvplug_core::SlidingLayers {
+        window,
+        layers: kvplug_core::LayerSet::of([0]).unwrap(),
+    });
+    let mut c = cache(kind, cfg);
     let mut prefill = Step::new(300);
     let positions: Vec<i32> = (0..300).collect();
     prefill.run(&mut c, &positions);
@@ -63,8 +69,15 @@ fn decode_steps_allocate_nothing_once_warm() {
     // One test owns the counter (tests in one binary run on parallel threads).
     for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
         for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
-            assert_eq!(allocations_per_decode(kind, dtype), 0, "{kind} {dtype}");
+            assert_eq!(
+                allocations_per_decode(kind, dtype, None),
+                0,
+                "{kind} {dtype}"
+            );
         }
+        // A hybrid cache: layer 0 slides with a window of 32, so it drops rows every step.
+        let n = allocations_per_decode(kind, KvDtype::F16, Some(32));
+        assert_eq!(n, 0, "{kind} with a sliding layer");
     }
     for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
         assert_eq!(

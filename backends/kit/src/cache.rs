@@ -5,7 +5,7 @@ use std::sync::Arc;
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
     Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind, PosRange,
-    PrefixStats,
+    PrefixStats, SlotMap,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, PluginError, SeqRows};
@@ -55,20 +55,44 @@ pub struct KitStats {
 }
 
 /// A KV cache of any kind on device `D`: core's bookkeeping plus one K and one V pool per
-/// layer. Pools start at `min_chunk` cells and double on demand up to `capacity`; reads
-/// cover only the occupied window; writes are in place.
+/// fully attending layer. Pools start at `min_chunk` cells and double on demand up to
+/// `capacity`; reads cover only the occupied window; writes are in place.
+///
+/// Sliding-window layers (a hybrid model, see [`kvplug_core::SlidingLayers`]) form one group
+/// with its own pools, indexed by the group's [`SlotMap`]: bounded by the window whatever
+/// the history, read under the window's mask.
 pub struct KitCache<D: Device> {
     device: Arc<D>,
     cfg: CacheConfig,
     book: Bookkeeping,
+    /// Where each layer's rows live: its index in `k`/`v` or in the sliding group's pools.
+    place: Vec<Place>,
     k: Vec<D::Pool>,
     v: Vec<D::Pool>,
     pool_cells: usize,
+    sliding: Option<SlidingGroup<D>>,
     /// Read path and read window of the last planned step.
     last_plan: Option<(PlanKind, usize)>,
     /// The layer the open step expects next.
     next_layer: usize,
     scratch: D::Scratch,
+}
+
+/// K and V pools of a set of layers.
+type KvPools<D> = (Vec<<D as Device>::Pool>, Vec<<D as Device>::Pool>);
+
+#[derive(Clone, Copy, Debug)]
+enum Place {
+    Full(usize),
+    Sliding(usize),
+}
+
+/// The sliding-window layers' pools and slots.
+struct SlidingGroup<D: Device> {
+    map: SlotMap,
+    k: Vec<D::Pool>,
+    v: Vec<D::Pool>,
+    cells: usize,
 }
 
 impl<D: Device> KitCache<D> {
@@ -91,11 +115,40 @@ impl<D: Device> KitCache<D> {
             &format!("the first K/V pools ({cells} cells)"),
             cfg.pools_bytes(cells),
         )?;
-        let mut pools = Vec::with_capacity(2 * cfg.n_layers);
-        for _ in 0..2 * cfg.n_layers {
-            pools.push(device.pool_new(cfg.kv_dtype, cfg.n_kv_heads, cfg.head_dim, cells)?);
-        }
-        let v = pools.split_off(cfg.n_layers);
+        // K then V pools of `n` layers.
+        let new_pools = |n: usize| -> Result<KvPools<D>, KitError> {
+            let mut pools = Vec::with_capacity(2 * n);
+            for _ in 0..2 * n {
+                pools.push(device.pool_new(cfg.kv_dtype, cfg.n_kv_heads, cfg.head_dim, cells)?);
+            }
+            let v = pools.split_off(n);
+            Ok((pools, v))
+        };
+        let (pools, v) = new_pools(cfg.full_layers())?;
+        let sliding = match cfg.sliding {
+            Some(s) => {
+                let (k, v) = new_pools(s.layers.len())?;
+                Some(SlidingGroup {
+                    map: SlotMap::new(s.window),
+                    k,
+                    v,
+                    cells,
+                })
+            }
+            None => None,
+        };
+        let (mut full, mut slide) = (0, 0);
+        let place = (0..cfg.n_layers)
+            .map(|l| {
+                let (n, p): (&mut usize, fn(usize) -> Place) = if cfg.slides(l) {
+                    (&mut slide, Place::Sliding)
+                } else {
+                    (&mut full, Place::Full)
+                };
+                *n += 1;
+                p(*n - 1)
+            })
+            .collect();
         let mut book = Bookkeeping::new(kind, cfg.capacity);
         book.reserve(cells);
         tracing::debug!(kind = kind.as_str(), cells, dtype = %cfg.kv_dtype, "cache created");
@@ -103,9 +156,11 @@ impl<D: Device> KitCache<D> {
             device,
             cfg,
             book,
+            place,
             k: pools,
             v,
             pool_cells: cells,
+            sliding,
             last_plan: None,
             next_layer: 0,
             scratch: D::Scratch::default(),
@@ -129,6 +184,7 @@ impl<D: Device> KitCache<D> {
                 .k
                 .iter()
                 .chain(&self.v)
+                .chain(self.sliding.iter().flat_map(|g| g.k.iter().chain(&g.v)))
                 .map(|p| self.device.pool_bytes(p))
                 .sum(),
             pool_cells: self.pool_cells,
@@ -181,7 +237,7 @@ impl<D: Device> KitCache<D> {
         let result = self.checked_layer(layer, q, k, v, positions, scale, out);
         match result {
             Err(_) => self.rollback(),
-            Ok(()) if layer + 1 == self.cfg.n_layers => self.book.commit_step(),
+            Ok(()) if layer + 1 == self.cfg.n_layers => self.commit_step(),
             Ok(()) => {}
         }
         result
@@ -229,6 +285,9 @@ impl<D: Device> KitCache<D> {
 
     /// Plans a step (validating first) and grows the pools to its read window.
     fn open(&mut self, positions: &[i32]) -> Result<(), KitError> {
+        if let Some(g) = &mut self.sliding {
+            g.map.rollback_step();
+        }
         let plan = self.book.open_step(positions)?;
         let (read_len, kind) = (plan.read_len, plan.kind());
         self.last_plan = Some((kind, read_len));
@@ -239,14 +298,14 @@ impl<D: Device> KitCache<D> {
                 .pools_bytes(cells)
                 .map(|b| b - self.cfg.pools_bytes(self.pool_cells).unwrap_or(0));
             if let Err(e) = check_memory(&format!("growing the pools to {cells} cells"), more) {
-                self.book.rollback_step();
+                self.book.cancel_step();
                 return Err(e.into());
             }
             let _span =
                 tracing::debug_span!("pool_grow", from = self.pool_cells, to = cells).entered();
             for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
                 if let Err(e) = self.device.pool_grow(pool, cells, self.pool_cells) {
-                    self.book.rollback_step();
+                    self.book.cancel_step();
                     return Err(e);
                 }
             }
@@ -254,11 +313,62 @@ impl<D: Device> KitCache<D> {
             self.pool_cells = cells;
             self.book.reserve(cells);
         }
+        if let Err(e) = self.open_sliding() {
+            // Nothing was written: the step is undone exactly.
+            self.book.cancel_step();
+            if let Some(g) = &mut self.sliding {
+                g.map.rollback_step();
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Gives the open step its slots in the sliding group and grows that group's pools.
+    fn open_sliding(&mut self) -> Result<(), KitError> {
+        let Some(g) = &mut self.sliding else {
+            return Ok(());
+        };
+        g.map.plan_step(&self.book)?;
+        let need = g.map.high_water();
+        if need > g.cells {
+            let cells = self.cfg.grown_cells(g.cells, need);
+            check_memory(
+                &format!("growing the sliding-window pools to {cells} cells"),
+                self.cfg.layer_pools_bytes(g.k.len(), cells - g.cells),
+            )?;
+            for pool in g.k.iter_mut().chain(g.v.iter_mut()) {
+                self.device.pool_grow(pool, cells, g.cells)?;
+            }
+            tracing::debug!(from = g.cells, to = cells, "sliding-window pools grown");
+            g.cells = cells;
+        }
+        Ok(())
+    }
+
+    /// Makes the open step permanent; the sliding group drops what left its window.
+    fn commit_step(&mut self) {
+        self.book.commit_step();
+        if let Some(g) = &mut self.sliding {
+            g.map.commit_step(&self.book);
+        }
+    }
+
+    /// Session rows (export and import) hold every position of every layer; a sliding group
+    /// has dropped rows, so hybrid caches have no session rows yet.
+    fn check_rows_exist(&self) -> Result<(), KitError> {
+        if self.sliding.is_some() {
+            return Err(CacheError::not_supported(
+                "session rows of a cache with sliding-window layers (their layers no longer hold the whole history)",
+            )
+            .into());
+        }
         Ok(())
     }
 
     /// The K/V history `seq` holds, in canonical storage form (see [`SeqRows`]).
     pub fn export_seq(&self, seq: i32) -> Result<SeqRows, KitError> {
+        self.check_rows_exist()?;
         let history = self.book.history(seq)?;
         let cells: Vec<u32> = history.iter().map(|h| h.1).collect();
         let read = |pools: &[D::Pool]| -> Result<RVec<RVec<u8>>, KitError> {
@@ -282,7 +392,8 @@ impl<D: Device> KitCache<D> {
     /// every position `seq` holds must be below the first row's (a contiguous cache must
     /// end right before it; a tree cache must be empty). Validates first; all or nothing.
     pub fn import_seq(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
-        self.book.rollback_step();
+        self.rollback();
+        self.check_rows_exist()?;
         self.check_rows(seq, rows)?;
         let Some(&first) = rows.positions.first() else {
             return Ok(());
@@ -345,7 +456,7 @@ impl<D: Device> KitCache<D> {
                 return Err(e);
             }
         }
-        self.book.commit_step();
+        self.commit_step();
         Ok(())
     }
 
@@ -417,6 +528,9 @@ impl<D: Device> KitCache<D> {
             tracing::debug!("step rolled back");
             self.book.rollback_step();
         }
+        if let Some(g) = &mut self.sliding {
+            g.map.rollback_step();
+        }
     }
 
     /// Writes `k`/`v` (`[Hkv, T, D]`) for `layer` per the open step's plan, then attends `q`
@@ -435,7 +549,21 @@ impl<D: Device> KitCache<D> {
             .step_plan()
             .expect("write_and_attend runs inside an open step");
         let (device, scratch) = (&self.device, &mut self.scratch);
-        let (kp, vp) = (&mut self.k[layer], &mut self.v[layer]);
+        let i = match self.place[layer] {
+            Place::Full(i) => i,
+            Place::Sliding(i) => {
+                let g = self
+                    .sliding
+                    .as_mut()
+                    .expect("sliding layers have a sliding group");
+                let (kp, vp) = (&mut g.k[i], &mut g.v[i]);
+                device.scatter_rows(kp, g.map.write_slots(), k)?;
+                device.scatter_rows(vp, g.map.write_slots(), v)?;
+                let mask = AttendMask::Explicit(g.map.mask());
+                return device.attend(q, kp, vp, g.map.read_len(), mask, scale, out, scratch);
+            }
+        };
+        let (kp, vp) = (&mut self.k[i], &mut self.v[i]);
         match plan.write_start {
             Some(start) => {
                 device.write_run(kp, start, k)?;
@@ -494,6 +622,22 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
             self.device.move_rows(pool, base, rows);
         }
+        if let Some(g) = &mut self.sliding {
+            g.map.move_cells(base, rows);
+        }
+    }
+    fn checks_verbs(&self) -> bool {
+        self.sliding.is_some()
+    }
+    fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
+        match &mut self.sliding {
+            Some(g) => {
+                // A verb abandons an open step: so do the slots.
+                g.map.rollback_step();
+                g.map.check_verb(&self.book, before)
+            }
+            None => Ok(()),
+        }
     }
 }
 
@@ -550,7 +694,7 @@ impl<D: Device> Step<'_, D> {
             ))
             .into());
         }
-        self.cache.book.commit_step();
+        self.cache.commit_step();
         self.committed = true;
         Ok(())
     }

@@ -28,6 +28,7 @@ pub fn store_rounded(dtype: KvDtype, row: &[f64]) -> Vec<f64> {
 #[derive(Clone, Debug)]
 struct OpenStep {
     before: CellModel,
+    gone_before: Vec<bool>,
     plan: RefPlan,
     positions: Vec<i32>,
     next_layer: usize,
@@ -48,6 +49,8 @@ pub struct RefCache {
     v: Vec<Vec<Vec<f64>>>,
     step: Option<OpenStep>,
     last_plan: Option<RefPlan>,
+    /// Cells whose rows the sliding-window layers have dropped (or never held).
+    gone: Vec<bool>,
 }
 
 impl RefCache {
@@ -61,6 +64,7 @@ impl RefCache {
             v: vec![Vec::new(); cfg.n_layers],
             step: None,
             last_plan: None,
+            gone: Vec::new(),
         })
     }
 
@@ -95,7 +99,30 @@ impl RefCache {
         let before = self.model.clone();
         let plan = self.model.step(positions)?;
         self.last_plan = Some(plan.clone());
+        if let Some(w) = self.window() {
+            // A query may not see, through the window, a row the sliding layers dropped.
+            let l = plan.read_len;
+            for (i, &p) in positions.iter().enumerate() {
+                for j in (0..l).filter(|j| plan.mask[i * l + j] && !plan.cells.contains(j)) {
+                    let pos = self.model.window_holders(j).map_or(i32::MIN, |h| h.0);
+                    if self.is_gone(j) && pos as i64 > p as i64 - w {
+                        self.model = before;
+                        return Err(CacheError::out_of_window(format!(
+                            "position {p} needs dropped position {pos}"
+                        )));
+                    }
+                }
+            }
+        }
+        let gone_before = self.gone.clone();
+        for &c in &plan.cells {
+            if self.gone.len() <= c {
+                self.gone.resize(c + 1, true);
+            }
+            self.gone[c] = false;
+        }
         let step = self.step.insert(OpenStep {
+            gone_before,
             before,
             plan,
             positions: positions.to_vec(),
@@ -104,9 +131,76 @@ impl RefCache {
         Ok(&step.plan)
     }
 
-    /// Makes the open step permanent.
+    /// Makes the open step permanent; the sliding layers drop what left every window.
     pub fn commit_step(&mut self) {
-        self.step = None;
+        if self.step.take().is_some() {
+            self.drop_out_of_window();
+        }
+    }
+
+    fn window(&self) -> Option<i64> {
+        self.cfg.sliding.map(|s| s.window as i64)
+    }
+
+    fn is_gone(&self, cell: usize) -> bool {
+        self.gone.get(cell).copied().unwrap_or(true)
+    }
+
+    /// The highest position of each holder (see [`CellModel::window_holders`]).
+    fn last_positions(&self) -> std::collections::BTreeMap<i32, i32> {
+        let mut last = std::collections::BTreeMap::new();
+        for j in 0..self.model.high_water() {
+            if let Some((pos, Some(holders))) = self.model.window_holders(j) {
+                for h in holders {
+                    let e = last.entry(h).or_insert(pos);
+                    *e = (*e).max(pos);
+                }
+            }
+        }
+        last
+    }
+
+    /// Sliding layers keep, for each holder whose highest position is `l`, the rows at
+    /// positions `> l - window`; every other row is dropped.
+    fn drop_out_of_window(&mut self) {
+        let Some(w) = self.window() else { return };
+        let last = self.last_positions();
+        let n = self.model.high_water();
+        self.gone.resize(n.max(self.gone.len()), true);
+        for j in 0..self.gone.len() {
+            let keep = match self.model.window_holders(j) {
+                None => false,
+                Some((_, None)) => true,
+                Some((pos, Some(hs))) => hs.iter().any(|h| pos as i64 > last[h] as i64 - w),
+            };
+            if !keep {
+                self.gone[j] = true;
+            }
+        }
+    }
+
+    /// Applies a verb; with sliding layers, refuses it (undone) when a holder's next query,
+    /// at `l + 1`, would need a dropped row: positions `> l + 1 - window`.
+    fn windowed<T>(&mut self, verb: impl FnOnce(&mut Self) -> CacheResult<T>) -> CacheResult<T> {
+        self.rollback_step();
+        let (model, gone) = (self.model.clone(), self.gone.clone());
+        let out = verb(self)?;
+        if let Some(w) = self.window() {
+            let last = self.last_positions();
+            for j in 0..self.model.high_water() {
+                if let Some((pos, Some(hs))) = self.model.window_holders(j) {
+                    let needed = hs.iter().any(|h| pos as i64 > last[h] as i64 + 1 - w);
+                    if needed && self.is_gone(j) {
+                        (self.model, self.gone) = (model, gone);
+                        return Err(CacheError::out_of_window(format!(
+                            "position {pos} was dropped"
+                        )));
+                    }
+                }
+            }
+        }
+        self.drop_out_of_window();
+        Ok(out)
     }
 
     /// Undoes the open step: the model is as before it, except that a contiguous step that
@@ -117,6 +211,7 @@ impl RefCache {
             return;
         };
         self.model = step.before;
+        self.gone = step.gone_before;
         if step.plan.kind == PlanKind::SingleContiguous && self.kind() != CacheKind::Seq {
             self.model.truncate_prefix(step.positions[0] as usize);
         }
@@ -134,6 +229,7 @@ impl RefCache {
         scale: f64,
     ) -> CacheResult<Attention> {
         let (hkv, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
+        let slide = self.window().filter(|_| self.cfg.slides(layer));
         let Some(step) = &mut self.step else {
             return Err(CacheError::bad_shape(format!(
                 "layer {layer}: no step is open"
@@ -182,13 +278,25 @@ impl RefCache {
             read_len: l,
             head_dim: d,
         };
+        let mut mask = plan.mask.clone();
+        if let Some(w) = slide {
+            // The window rule: query `i` at `p` sees cell `j` at `q` only if `p - w < q`.
+            for (i, &p) in step.positions.iter().enumerate() {
+                for j in 0..l {
+                    let q = self.model.window_holders(j).map_or(i32::MIN, |h| h.0);
+                    if q as i64 <= p as i64 - w {
+                        mask[i * l + j] = false;
+                    }
+                }
+            }
+        }
         Ok(attend(
             dims,
             q,
             &window(kl),
             &window(vl),
             scale,
-            RefMask::Explicit(&plan.mask),
+            RefMask::Explicit(&mask),
         ))
     }
 
@@ -269,14 +377,15 @@ impl RefCache {
 
     /// Forgets everything.
     pub fn clear(&mut self) {
-        self.rollback_step();
-        self.model.clear();
+        let _ = self.windowed(|c| {
+            c.model.clear();
+            Ok(())
+        });
     }
 
     /// Contiguous: truncate to `len`.
     pub fn rewind(&mut self, len: usize) -> CacheResult<()> {
-        self.rollback_step();
-        self.model.rewind(len)
+        self.windowed(|c| c.model.rewind(len))
     }
 
     /// Seq: the next step's per-token sequences.
@@ -293,20 +402,17 @@ impl RefCache {
         p0: Option<i32>,
         p1: Option<i32>,
     ) -> CacheResult<()> {
-        self.rollback_step();
-        self.model.seq_cp(src, dst, p0, p1)
+        self.windowed(|c| c.model.seq_cp(src, dst, p0, p1))
     }
 
     /// Seq: drop `seq` from its cells with positions in `[p0, p1)`.
     pub fn seq_rm(&mut self, seq: i32, p0: Option<i32>, p1: Option<i32>) -> CacheResult<()> {
-        self.rollback_step();
-        self.model.seq_rm(seq, p0, p1)
+        self.windowed(|c| c.model.seq_rm(seq, p0, p1))
     }
 
     /// Seq: keep `seq` alone.
     pub fn seq_keep(&mut self, seq: i32) -> CacheResult<()> {
-        self.rollback_step();
-        self.model.seq_keep(seq)
+        self.windowed(|c| c.model.seq_keep(seq))
     }
 
     /// Seq: cells held by `seq`.
@@ -322,14 +428,18 @@ impl RefCache {
 
     /// Tree: accept a root-first chain; its rows move into the prefix.
     pub fn commit(&mut self, accepted: &[i32]) -> CacheResult<()> {
-        self.rollback_step();
-        let moves = self.model.commit(accepted)?;
-        for rows in self.k.iter_mut().chain(self.v.iter_mut()) {
-            for &(from, to) in &moves {
-                rows[to] = rows[from].clone();
+        self.windowed(|c| {
+            let moves = c.model.commit(accepted)?;
+            for rows in c.k.iter_mut().chain(c.v.iter_mut()) {
+                for &(from, to) in &moves {
+                    rows[to] = rows[from].clone();
+                }
             }
-        }
-        Ok(())
+            for &(from, to) in &moves {
+                c.gone[to] = c.gone[from];
+            }
+            Ok(())
+        })
     }
 }
 
@@ -347,6 +457,7 @@ mod tests {
             head_dim: 4,
             min_chunk: 4,
             kv_dtype,
+            sliding: None,
         }
     }
 

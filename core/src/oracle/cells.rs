@@ -108,6 +108,20 @@ impl CellModel {
             .map_or(0, |c| c + 1)
     }
 
+    /// Who may still attend `cell` through a window: `None` for a free cell; else its
+    /// position and its holders — its sequences (seq cache), holder 0 for committed tokens
+    /// (contiguous and tree), and no holder list for a stepped tree node (kept whole until
+    /// the commit).
+    pub fn window_holders(&self, cell: usize) -> Option<(i32, Option<Vec<i32>>)> {
+        let c = self.cells.get(cell)?.as_ref()?;
+        let holders = match self.kind {
+            CacheKind::Seq => Some(c.seqs.iter().copied().collect()),
+            _ if cell < self.prefix() => Some(vec![0]),
+            _ => None,
+        };
+        Some((c.pos, holders))
+    }
+
     /// Whether `n` more tokens fit.
     pub fn can_extend(&self, n: usize) -> bool {
         let used = match self.kind {
