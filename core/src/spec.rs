@@ -6,7 +6,8 @@
 //! 1. an explicit `layer_types` list (`full_attention` / `sliding_attention`), window
 //!    `sliding_window`;
 //! 2. Gemma 3's `sliding_window_pattern` `N`: layer `i` is full iff `(i + 1) % N == 0`;
-//! 3. Qwen2's `use_sliding_window` with `max_window_layers` `M`: layers `i >= M` slide;
+//! 3. Qwen2's `use_sliding_window` with `max_window_layers` `M`: layers `i >= M` slide
+//!    (absent in a `qwen*` config, it is false: Qwen2 ships a window it does not use);
 //! 4. otherwise a non-null `sliding_window` makes every layer slide (Mistral);
 //! 5. otherwise every layer is full (Llama).
 //!
@@ -99,7 +100,12 @@ impl ModelCacheSpec {
                     }
                 })
                 .collect()
-        } else if let Some(on) = config["use_sliding_window"].as_bool() {
+        } else if let Some(on) = config["use_sliding_window"].as_bool().or_else(|| {
+            let qwen = config["model_type"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("qwen"));
+            qwen.then_some(false)
+        }) {
             let from = config["max_window_layers"].as_u64().unwrap_or(0) as usize;
             let w = if on { Some(window()?) } else { None };
             (0..n_layers)

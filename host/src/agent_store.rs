@@ -19,12 +19,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use kvplug_core::{make_config, KvDtype, MAX_SEQS};
+use kvplug_core::{KvDtype, MAX_SEQS};
 use kvplug_plugin_api::AbiErrorKind;
 
 use crate::fingerprint::model_fingerprint;
 use crate::host::Host;
-use crate::model::cache_params;
+use crate::model::cache_config;
 use crate::run::{Forward, Sampler};
 use crate::session::SeqSession;
 use crate::session_file::{self, Session, EXTENSION};
@@ -120,8 +120,7 @@ fn common_prefix(a: &[i32], b: &[i32]) -> usize {
 impl AgentStore {
     /// A store for `model` (a model directory).
     pub fn new(host: &Host, model: &Path, opts: AgentStoreOptions) -> Result<Self> {
-        let cfg = make_config(&cache_params(model)?, opts.capacity, opts.kv_dtype);
-        cfg.validate()?;
+        let cfg = cache_config(model, None, opts.capacity, opts.kv_dtype)?;
         let (cache, options) = host.make_seq_session(&opts.backend, &cfg)?;
         let fwd = Forward::load(host, &opts.backend, model, None, options)?;
         Ok(AgentStore {

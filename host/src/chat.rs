@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use kvplug_core::{make_config, KvDtype};
+use kvplug_core::KvDtype;
+use kvplug_plugin_api::AbiErrorKind;
 
 use crate::fingerprint::model_fingerprint;
 use crate::host::Host;
-use crate::model::cache_params;
+use crate::model::cache_config;
 use crate::run::{Forward, Sampler};
 use crate::session::DecodeSession;
 use crate::session_file::{self, Session};
@@ -116,8 +117,16 @@ impl Chat {
             }
             (a, b) => a.or(b).unwrap_or(KvDtype::F16),
         };
-        let cfg = make_config(&cache_params(model)?, opts.capacity, kv_dtype);
-        cfg.validate()?;
+        let cfg = cache_config(model, None, opts.capacity, kv_dtype)?;
+        if cfg.sliding.is_some() {
+            if let Some((path, _)) = &file {
+                bail!(
+                    "{}: session files of sliding-window models are not supported yet (their \
+                     sliding layers keep only the window); chat without a session file",
+                    path.display()
+                );
+            }
+        }
         let (session, options) = host.make_decode_session(&opts.backend, &cfg)?;
         let fwd = Forward::load(host, &opts.backend, model, None, options)?;
         let mut messages: Vec<Message> = opts
@@ -209,7 +218,16 @@ impl Chat {
                 self.capacity
             );
         }
-        self.session.rewind(reused)?;
+        let reused = match self.session.rewind(reused) {
+            Ok(()) => reused,
+            // The sliding layers of a hybrid cache no longer hold the rows the rewound
+            // history would need: start the conversation's cache over.
+            Err(e) if e.kind == AbiErrorKind::OutOfWindow => {
+                self.session.rewind(0)?;
+                0
+            }
+            Err(e) => return Err(e.into()),
+        };
         self.cached.truncate(reused);
         let fresh = &prompt[reused..];
         let logits = self.fwd.prefill(fresh, reused, &mut |_| Ok(()))?;

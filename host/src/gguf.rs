@@ -1,11 +1,19 @@
-//! GGUF import: a Llama-architecture GGUF file becomes a Hugging Face–style model directory
-//! (`config.json`, `model.safetensors` in f16 with `kv_cache.*` metadata, `tokenizer.json`,
-//! `tokenizer_config.json` with the chat template, `generation_config.json`).
+//! GGUF import: a `llama` or `gemma3` GGUF file becomes a Hugging Face–style model directory
+//! (`config.json`, `model.safetensors` — matrices in f16, vectors in f32 — with
+//! `kv_cache.*` metadata, `tokenizer.json`, `tokenizer_config.json` with the chat template,
+//! `generation_config.json`).
 //!
 //! The container and the ggml block formats (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/
 //! Q5_K/Q6_K, ...) are read by candle's `gguf_file` and dequantized by its reference code;
-//! this module maps names and metadata, undoes the rotary row permutation llama.cpp's
-//! converter applies to `attn_q`/`attn_k`, and writes the directory atomically.
+//! this module maps names and metadata, undoes what llama.cpp's converter changed (the
+//! rotary row permutation of Llama's `attn_q`/`attn_k`; the `+ 1` folded into Gemma's
+//! RMSNorm weights), and writes the directory atomically.
+//!
+//! Tokenizers: byte-level BPE (`tokenizer.ggml.model = gpt2`) from the vocabulary and merges;
+//! SentencePiece BPE (`llama`, as Gemma ships it) from the vocabulary and scores — the merge
+//! of two adjacent pieces ranks by the score of the piece they make, which is how
+//! SentencePiece (and llama.cpp's SPM tokenizer) picks the next merge — with byte fallback
+//! and `▁` for spaces.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -117,41 +125,118 @@ fn as_u64(v: &Value) -> Option<u64> {
     }
 }
 
-/// The architecture facts of a Llama-family GGUF, as `config.json` wants them.
-fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
-    let arch = g.string("general.architecture")?;
-    if arch != "llama" {
-        bail!(
-            "{}: architecture '{arch}' cannot be imported yet (supported: llama)",
-            g.path.display()
-        );
+/// The architectures [`import`] reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Arch {
+    Llama,
+    Gemma3,
+}
+
+/// Gemma's chat template (text turns) for a `gemma3` GGUF that ships none: Google's
+/// template as published with the Gemma 3 instruction-tuned models, images left out.
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
+{%- if messages[0]['role'] == 'system' -%}\
+{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\
+{%- set loop_messages = messages[1:] -%}\
+{%- else -%}\
+{%- set first_user_prefix = '' -%}\
+{%- set loop_messages = messages -%}\
+{%- endif -%}\
+{%- for message in loop_messages -%}\
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}\
+{%- endif -%}\
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}\
+{{- message['content'] | trim }}{{ '<end_of_turn>\n' }}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}";
+
+impl Gguf {
+    fn arch(&self) -> Result<Arch> {
+        match self.string("general.architecture")? {
+            "llama" => Ok(Arch::Llama),
+            "gemma3" => Ok(Arch::Gemma3),
+            other => bail!(
+                "{}: architecture '{other}' cannot be imported yet (supported: llama, gemma3)",
+                self.path.display()
+            ),
+        }
     }
+}
+
+/// The architecture facts of a GGUF, as `config.json` wants them.
+fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
+    let arch = g.arch()?;
+    let name = g.string("general.architecture")?;
     if g.content.tensor_infos.contains_key("rope_freqs.weight") {
         bail!(
             "{}: llama3-style rope scaling (rope_freqs) is not supported in GGUF import yet",
             g.path.display()
         );
     }
-    let k = |s: &str| format!("{arch}.{s}");
+    let k = |s: &str| format!("{name}.{s}");
     let heads = g.uint(&k("attention.head_count"))?;
     let hidden = g.uint(&k("embedding_length"))?;
+    let layers = g.uint(&k("block_count"))?;
     let vocab = match g.uint(&k("vocab_size")) {
         Ok(v) => v,
         Err(_) => g.strings("tokenizer.ggml.tokens")?.len() as u64,
     };
     let mut c = serde_json::json!({
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "intermediate_size": g.uint(&k("feed_forward_length"))?,
         "num_attention_heads": heads,
         "num_key_value_heads": g.uint(&k("attention.head_count_kv")).unwrap_or(heads),
-        "num_hidden_layers": g.uint(&k("block_count"))?,
+        "num_hidden_layers": layers,
         "vocab_size": vocab,
-        "rms_norm_eps": g.float(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
-        "rope_theta": g.float(&k("rope.freq_base")).unwrap_or(10000.0),
         "tie_word_embeddings": tied,
     });
+    match arch {
+        Arch::Llama => {
+            c["model_type"] = "llama".into();
+            c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+            c["rms_norm_eps"] = g
+                .float(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5)
+                .into();
+            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
+        }
+        Arch::Gemma3 => {
+            // llama.cpp's gemma3 graph: local layers use RoPE base 10000 and every sixth
+            // layer is global; attention scale is key_length^-1/2 (query_pre_attn_scalar).
+            let window = g.uint(&k("attention.sliding_window"))?;
+            let head_dim = g.uint(&k("attention.key_length"))?;
+            c["model_type"] = "gemma3_text".into();
+            c["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
+            c["rms_norm_eps"] = g
+                .float(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6)
+                .into();
+            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
+            c["rope_local_base_freq"] = 10000.0.into();
+            c["query_pre_attn_scalar"] = head_dim.into();
+            c["hidden_activation"] = "gelu_pytorch_tanh".into();
+            c["sliding_window"] = window.into();
+            c["layer_types"] = (0..layers)
+                .map(|i| {
+                    if (i + 1) % 6 == 0 {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    }
+                })
+                .collect();
+            if let Ok(t) = g.string(&k("rope.scaling.type")) {
+                if t != "none" {
+                    let factor = g.float(&k("rope.scaling.factor")).with_context(|| {
+                        format!("{}: rope scaling '{t}' without a factor", g.path.display())
+                    })?;
+                    c["rope_scaling"] = serde_json::json!({"rope_type": t, "factor": factor});
+                }
+            }
+        }
+    }
     if let Ok(n) = g.uint(&k("context_length")) {
         c["max_position_embeddings"] = n.into();
     }
@@ -190,7 +275,7 @@ fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 }
 
 /// The GGUF tensor behind each Hugging Face weight name.
-fn tensor_names(layers: usize, tied: bool) -> Vec<(String, String)> {
+fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> {
     let mut v = vec![
         (
             "token_embd.weight".into(),
@@ -201,18 +286,28 @@ fn tensor_names(layers: usize, tied: bool) -> Vec<(String, String)> {
     if !tied {
         v.push(("output.weight".into(), "lm_head.weight".into()));
     }
+    let common = [
+        ("attn_norm", "input_layernorm"),
+        ("attn_q", "self_attn.q_proj"),
+        ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"),
+        ("ffn_gate", "mlp.gate_proj"),
+        ("ffn_up", "mlp.up_proj"),
+        ("ffn_down", "mlp.down_proj"),
+    ];
+    let own: &[(&str, &str)] = match arch {
+        Arch::Llama => &[("ffn_norm", "post_attention_layernorm")],
+        Arch::Gemma3 => &[
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ],
+    };
     for l in 0..layers {
-        for (g, hf) in [
-            ("attn_norm", "input_layernorm"),
-            ("ffn_norm", "post_attention_layernorm"),
-            ("attn_q", "self_attn.q_proj"),
-            ("attn_k", "self_attn.k_proj"),
-            ("attn_v", "self_attn.v_proj"),
-            ("attn_output", "self_attn.o_proj"),
-            ("ffn_gate", "mlp.gate_proj"),
-            ("ffn_up", "mlp.up_proj"),
-            ("ffn_down", "mlp.down_proj"),
-        ] {
+        for (g, hf) in common.iter().chain(own) {
             v.push((
                 format!("blk.{l}.{g}.weight"),
                 format!("model.layers.{l}.{hf}.weight"),
@@ -222,24 +317,90 @@ fn tensor_names(layers: usize, tied: bool) -> Vec<(String, String)> {
     v
 }
 
-/// Builds `tokenizer.json` from the GGUF vocabulary (byte-level BPE, `tokenizer.ggml.model =
-/// gpt2`), plus the tokenizer config with the chat template and special tokens.
+/// Token types of `tokenizer.ggml.token_type` (llama.cpp's `llama_token_type`).
+const NORMAL: u64 = 1;
+const CONTROL: u64 = 3;
+const USER_DEFINED: u64 = 4;
+
+/// Builds `tokenizer.json` from the GGUF vocabulary (see the module docs for the models),
+/// plus the tokenizer config with the chat template and special tokens.
 fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value)> {
+    use tokenizers::AddedToken;
+
+    let tokens = g.strings("tokenizer.ggml.tokens")?;
+    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .map_err(|e| anyhow::anyhow!("token_type: {e}"))?
+            .iter()
+            .map(|t| as_u64(t).unwrap_or(NORMAL))
+            .collect(),
+        None => vec![NORMAL; tokens.len()],
+    };
+    if types.len() != tokens.len() {
+        bail!(
+            "{}: {} token types for {} tokens",
+            g.path.display(),
+            types.len(),
+            tokens.len()
+        );
+    }
+    let mut tk = match g.string("tokenizer.ggml.model")? {
+        "gpt2" => byte_level_bpe(g, &tokens)?,
+        "llama" => sentencepiece_bpe(g, &tokens, &types)?,
+        model => bail!(
+            "{}: tokenizer model '{model}' cannot be imported yet (supported: gpt2 byte-level \
+             BPE, llama SentencePiece BPE)",
+            g.path.display()
+        ),
+    };
+    // Control and user-defined tokens are matched whole in the raw text, never split; only
+    // control tokens are special (skipped when decoding).
+    let special: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
+        .map(|(s, &t)| AddedToken::from(s.clone(), t == CONTROL).normalized(false))
+        .collect();
+    tk.add_special_tokens(&special);
+    let name = |key: &str| -> Option<String> {
+        g.uint(key)
+            .ok()
+            .and_then(|i| tokens.get(i as usize))
+            .cloned()
+    };
+    let mut config = serde_json::json!({});
+    match g.string("tokenizer.chat_template") {
+        Ok(t) => config["chat_template"] = t.into(),
+        Err(_) if g.arch()? == Arch::Gemma3 => config["chat_template"] = GEMMA_TEMPLATE.into(),
+        Err(_) => {}
+    }
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token"),
+        ("tokenizer.ggml.eos_token_id", "eos_token"),
+        ("tokenizer.ggml.padding_token_id", "pad_token"),
+        ("tokenizer.ggml.unknown_token_id", "unk_token"),
+    ] {
+        if let Some(t) = name(key) {
+            config[field] = t.into();
+        }
+    }
+    if let Some(Value::Bool(b)) = g.get("tokenizer.ggml.add_bos_token") {
+        config["add_bos_token"] = (*b).into();
+    }
+    Ok((tk, config))
+}
+
+/// Byte-level BPE from `tokenizer.ggml.merges`, with the pre-tokenizer `tokenizer.ggml.pre`
+/// names.
+fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> {
     use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
     use tokenizers::models::bpe::BPE;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::pre_tokenizers::digits::Digits;
     use tokenizers::pre_tokenizers::sequence::Sequence;
-    use tokenizers::{AddedToken, PreTokenizerWrapper};
+    use tokenizers::PreTokenizerWrapper;
 
-    let model = g.string("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        bail!(
-            "{}: tokenizer model '{model}' cannot be imported yet (supported: gpt2 byte-level BPE)",
-            g.path.display()
-        );
-    }
-    let tokens = g.strings("tokenizer.ggml.tokens")?;
     let merges: Vec<(String, String)> = g
         .strings("tokenizer.ggml.merges")?
         .into_iter()
@@ -249,15 +410,6 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
                 .with_context(|| format!("merge '{m}' is not two tokens"))
         })
         .collect::<Result<_>>()?;
-    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .to_vec()
-            .map_err(|e| anyhow::anyhow!("token_type: {e}"))?
-            .iter()
-            .map(|t| as_u64(t).unwrap_or(1))
-            .collect(),
-        None => vec![1; tokens.len()],
-    };
     let vocab: tokenizers::models::bpe::Vocab = tokens
         .iter()
         .enumerate()
@@ -281,37 +433,111 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
     };
     tk.with_pre_tokenizer(Some(pre));
     tk.with_decoder(Some(ByteLevelDecoder::default()));
-    // Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
-    let special: Vec<AddedToken> = tokens
+    Ok(tk)
+}
+
+/// SentencePiece BPE from `tokenizer.ggml.scores`: the merges are every split of a normal
+/// piece into two pieces of the vocabulary, ranked by the piece's score (highest first;
+/// splits of one piece by their ids), as Hugging Face's `SentencePieceExtractor` derives
+/// them. Spaces become `▁` (no prefix space unless `tokenizer.ggml.add_space_prefix`);
+/// characters outside the vocabulary fall back to `<0xNN>` byte tokens.
+fn sentencepiece_bpe(g: &Gguf, tokens: &[String], types: &[u64]) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::normalizers::{Prepend, Replace};
+    use tokenizers::{DecoderWrapper, NormalizerWrapper};
+
+    let scores: Vec<f64> = g
+        .get("tokenizer.ggml.scores")
+        .with_context(|| format!("{}: no tokenizer.ggml.scores", g.path.display()))?
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("scores: {e}"))?
         .iter()
-        .zip(&types)
-        .filter(|(_, &t)| t == 3 || t == 4)
-        .map(|(s, &t)| AddedToken::from(s.clone(), t == 3))
-        .collect();
-    tk.add_special_tokens(&special);
-    let name = |key: &str| -> Option<String> {
-        g.uint(key)
-            .ok()
-            .and_then(|i| tokens.get(i as usize))
-            .cloned()
-    };
-    let mut config = serde_json::json!({});
-    if let Ok(t) = g.string("tokenizer.chat_template") {
-        config["chat_template"] = t.into();
+        .map(|v| match v {
+            Value::F32(x) => Ok(*x as f64),
+            Value::F64(x) => Ok(*x),
+            other => bail!("a score is not a float: {other:?}"),
+        })
+        .collect::<Result<_>>()?;
+    if scores.len() != tokens.len() {
+        bail!(
+            "{}: {} scores for {} tokens",
+            g.path.display(),
+            scores.len(),
+            tokens.len()
+        );
     }
-    for (key, field) in [
-        ("tokenizer.ggml.bos_token_id", "bos_token"),
-        ("tokenizer.ggml.eos_token_id", "eos_token"),
-        ("tokenizer.ggml.padding_token_id", "pad_token"),
-    ] {
-        if let Some(t) = name(key) {
-            config[field] = t.into();
+    let id: std::collections::HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
+    let mut ranked: Vec<(f64, u32, u32)> = Vec::new();
+    for (piece, (&ty, &score)) in tokens.iter().zip(types.iter().zip(&scores)) {
+        if ty != NORMAL {
+            continue;
+        }
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&l), Some(&r)) = (id.get(l), id.get(r)) {
+                ranked.push((score, l, r));
+            }
         }
     }
-    if let Some(Value::Bool(b)) = g.get("tokenizer.ggml.add_bos_token") {
-        config["add_bos_token"] = (*b).into();
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    let merges: Vec<(String, String)> = ranked
+        .iter()
+        .map(|&(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(unk) = g
+        .uint("tokenizer.ggml.unknown_token_id")
+        .ok()
+        .and_then(|i| tokens.get(i as usize))
+    {
+        bpe = bpe.unk_token(unk.clone());
     }
-    Ok((tk, config))
+    let bpe = bpe
+        .build()
+        .map_err(|e| anyhow::anyhow!("building the SentencePiece BPE tokenizer: {e}"))?;
+    let mut tk = tokenizers::Tokenizer::new(bpe);
+    let replace = || Replace::new(" ", "▁").map_err(|e| anyhow::anyhow!("{e}"));
+    let prefix = matches!(
+        g.get("tokenizer.ggml.add_space_prefix"),
+        Some(Value::Bool(true))
+    );
+    let normalizer: NormalizerWrapper = if prefix {
+        tokenizers::normalizers::Sequence::new(vec![
+            Prepend::new("▁".into()).into(),
+            replace()?.into(),
+        ])
+        .into()
+    } else {
+        replace()?.into()
+    };
+    tk.with_normalizer(Some(normalizer));
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new("▁", " ")
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if prefix {
+        decoders.push(tokenizers::decoders::strip::Strip::new(' ', 1, 0).into());
+    }
+    tk.with_decoder(Some(Sequence::new(decoders)));
+    Ok(tk)
 }
 
 /// Imports `gguf` into `out` (which must not exist; written under a temporary name and
@@ -321,6 +547,7 @@ pub fn import(gguf: &Path, out: &Path) -> Result<()> {
         bail!("{}: already exists; choose a new directory", out.display());
     }
     let g = Gguf::open(gguf)?;
+    let arch = g.arch()?;
     let tied = !g.content.tensor_infos.contains_key("output.weight");
     let config = config_json(&g, tied)?;
     let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
@@ -330,7 +557,7 @@ pub fn import(gguf: &Path, out: &Path) -> Result<()> {
         n("num_attention_heads"),
         n("num_key_value_heads"),
     );
-    let names = tensor_names(layers, tied);
+    let names = tensor_names(arch, layers, tied);
     let bar = indicatif::ProgressBar::new(names.len() as u64).with_style(
         indicatif::ProgressStyle::with_template("importing {bar:30} {pos}/{len} tensors {msg}")
             .expect("a valid template"),
@@ -338,24 +565,41 @@ pub fn import(gguf: &Path, out: &Path) -> Result<()> {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
     for (src, dst) in &names {
         bar.set_message(dst.clone());
         let (dims, mut data) = g.tensor(src)?;
         let cols = *dims.last().unwrap_or(&1);
-        if src.ends_with("attn_q.weight") {
-            data = unpermute_rows(&data, heads, cols);
-        } else if src.ends_with("attn_k.weight") {
-            data = unpermute_rows(&data, kv_heads, cols);
+        match arch {
+            Arch::Llama if src.ends_with("attn_q.weight") => {
+                data = unpermute_rows(&data, heads, cols);
+            }
+            Arch::Llama if src.ends_with("attn_k.weight") => {
+                data = unpermute_rows(&data, kv_heads, cols);
+            }
+            // The converter stores Gemma's RMSNorm weights as 1 + w; Hugging Face stores w.
+            Arch::Gemma3 if src.ends_with("norm.weight") => {
+                data.iter_mut().for_each(|x| *x -= 1.0);
+            }
+            _ => {}
         }
         if let Some(bad) = data.iter().find(|x| !x.is_finite()) {
             bail!("{}: tensor '{src}' holds {bad}", gguf.display());
         }
-        let bytes = data
-            .iter()
-            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-            .collect();
-        tensors.push((dst.clone(), dims, bytes));
+        // Vectors (norm weights) stay f32, as llama.cpp keeps them; matrices become f16.
+        let (dtype, bytes) = if dims.len() == 1 {
+            (
+                Dtype::F32,
+                data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        } else {
+            let b = data
+                .iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                .collect();
+            (Dtype::F16, b)
+        };
+        tensors.push((dst.clone(), dtype, dims, bytes));
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -374,7 +618,7 @@ pub fn import(gguf: &Path, out: &Path) -> Result<()> {
     let write = || -> Result<()> {
         let views: Vec<(&str, TensorView<'_>)> = tensors
             .iter()
-            .map(|(n, d, b)| Ok((n.as_str(), TensorView::new(Dtype::F16, d.clone(), b)?)))
+            .map(|(n, t, d, b)| Ok((n.as_str(), TensorView::new(*t, d.clone(), b)?)))
             .collect::<Result<_>>()?;
         let mut meta = HashMap::new();
         kvplug_core::metadata::write_cache_params(

@@ -492,7 +492,7 @@ fn prompt_of(a: &RunArgs, model: &std::path::Path) -> Result<(Vec<i32>, Option<T
                 if a.system.is_some() {
                     bail!("--system needs the model's chat template (drop --raw)");
                 }
-                t.encode(p)?
+                t.encode_raw(p)?
             } else {
                 let mut messages = Vec::new();
                 if let Some(sys) = &a.system {
@@ -590,6 +590,12 @@ fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {
         report.cache.pool_cells,
         report.cache.live_cells
     );
+    if report.cache.window_cells > 0 {
+        eprintln!(
+            "sliding-window layers: {} cells allocated (window plus one micro-batch)",
+            report.cache.window_cells
+        );
+    }
     if let (Some(acc), Some(tpf)) = (report.acceptance, report.tokens_per_target_forward) {
         eprintln!(
             "acceptance {:.1}%, {:.2} tokens per target forward",

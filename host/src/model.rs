@@ -8,7 +8,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use kvplug_core::files::{inside, read_text, MAX_TEXT_BYTES};
 use kvplug_core::metadata::{has_cache_params, read_cache_params, write_cache_params};
-use kvplug_core::ModelCacheParams;
+use kvplug_core::spec::ModelCacheSpec;
+use kvplug_core::{make_config, CacheConfig, KvDtype, ModelCacheParams};
 use safetensors::{Dtype, SafeTensors};
 
 /// A synthetic model shape.
@@ -88,6 +89,34 @@ pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
         n_kv_heads: get("num_key_value_heads").unwrap_or(heads),
         head_dim: get("head_dim").unwrap_or(hidden / heads),
     })
+}
+
+/// The cache config `dir`'s model needs for its first `layers` layers (all when `None`):
+/// the shape from [`cache_params`], the sliding layers from `config.json`
+/// ([`ModelCacheSpec`]), validated.
+pub fn cache_config(
+    dir: &Path,
+    layers: Option<usize>,
+    capacity: usize,
+    kv_dtype: KvDtype,
+) -> Result<CacheConfig> {
+    let mut params = cache_params(dir)?;
+    let all = params.n_layers;
+    if let Some(n) = layers {
+        if n == 0 || n > all {
+            bail!("layers:{n}: the model has {all} layers (give 1..={all})");
+        }
+        params.n_layers = n;
+    }
+    let cfg_path = dir.join("config.json");
+    let json: serde_json::Value = serde_json::from_str(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
+        .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
+    let mut spec = ModelCacheSpec::from_config(&json, all, params.n_kv_heads, params.head_dim)?;
+    spec.layers.truncate(params.n_layers);
+    let mut cfg = make_config(&params, capacity, kv_dtype);
+    cfg.sliding = spec.sliding()?;
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 fn first_shard(dir: &Path) -> Result<std::path::PathBuf> {

@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use kvplug_core::{make_config, CacheConfig, KvDtype};
+use kvplug_core::{CacheConfig, KvDtype};
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{BackendOptions, CacheStats, HostTensor, MethodHandle};
 
 use crate::host::Host;
-use crate::model::cache_params;
+use crate::model::cache_config;
 
 /// The option naming the model directory (as the kit reads it).
 const OPTION_MODEL_DIR: &str = "model_dir";
@@ -238,8 +238,10 @@ pub const PREFILL_UBATCH: usize = 512;
 pub struct CacheReport {
     /// Bytes of K/V pools.
     pub allocated_bytes: u64,
-    /// Cells the pools have room for.
+    /// Cells the full layers' pools have room for.
     pub pool_cells: u64,
+    /// Cells the sliding layers' pools have room for (0 without sliding layers).
+    pub window_cells: u64,
     /// Cells holding data.
     pub live_cells: u64,
     /// Tokens the prefix index holds (seq caches).
@@ -253,6 +255,7 @@ impl From<CacheStats> for CacheReport {
         CacheReport {
             allocated_bytes: s.allocated_bytes,
             pool_cells: s.pool_cells,
+            window_cells: s.window_cells,
             live_cells: s.live_cells,
             prefix_cached: s.prefix_cached,
             prefix_evictable: s.prefix_evictable,
@@ -308,20 +311,7 @@ pub struct RunSpec {
 
 /// The cache config of `model` (its first `layers` layers) for `spec`.
 pub(crate) fn config(spec: &RunSpec, layers: Option<usize>, model: &Path) -> Result<CacheConfig> {
-    let mut params = cache_params(model)?;
-    if let Some(n) = layers {
-        if n == 0 || n > params.n_layers {
-            bail!(
-                "layers:{n}: the model has {} layers (give 1..={})",
-                params.n_layers,
-                params.n_layers
-            );
-        }
-        params.n_layers = n;
-    }
-    let cfg = make_config(&params, spec.capacity, spec.kv_dtype);
-    cfg.validate()?;
-    Ok(cfg)
+    cache_config(model, layers, spec.capacity, spec.kv_dtype)
 }
 
 /// Refuses an empty prompt, `max_new` 0 and runs beyond the capacity.

@@ -44,6 +44,8 @@ pub struct Text {
     tokenizer: tokenizers::Tokenizer,
     template: Option<String>,
     bos: Option<String>,
+    /// Whether a raw prompt starts with the BOS token (`add_bos_token`).
+    add_bos: bool,
     eos: Option<String>,
     stop: BTreeSet<i32>,
 }
@@ -104,6 +106,7 @@ impl Text {
             tokenizer,
             template: tc["chat_template"].as_str().map(String::from),
             bos: token_text(&tc["bos_token"]),
+            add_bos: tc["add_bos_token"].as_bool().unwrap_or(false),
             eos,
             stop,
         })
@@ -164,6 +167,24 @@ impl Text {
             .encode(text, false)
             .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         Ok(enc.get_ids().iter().map(|&i| i as i32).collect())
+    }
+
+    /// Token ids of a raw prompt (no chat template): [`Text::encode`], after the BOS token
+    /// when the tokenizer config sets `add_bos_token` (as Hugging Face's tokenizer and
+    /// llama.cpp do) and the text does not already start with it.
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<i32>> {
+        let mut ids = self.encode(text)?;
+        let bos = self
+            .bos
+            .as_deref()
+            .filter(|_| self.add_bos)
+            .and_then(|b| self.tokenizer.token_to_id(b));
+        if let Some(bos) = bos.map(|b| b as i32) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
     }
 
     /// Text of `ids` (special tokens skipped).

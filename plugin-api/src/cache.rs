@@ -96,8 +96,11 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
 pub struct CacheStats {
     /// Bytes allocated for K and V pools over all layers (scales and offsets included).
     pub allocated_bytes: u64,
-    /// Cells the pools have room for (lazy growth: never more than needed, doubled).
+    /// Cells the full layers' pools have room for (lazy growth: never more than needed,
+    /// doubled).
     pub pool_cells: u64,
+    /// Cells the sliding layers' pools have room for (0 without sliding layers).
+    pub window_cells: u64,
     /// Cells holding data.
     pub live_cells: u64,
     /// One past the highest cell holding data.

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use candle_core::quantized::gguf_file::Value as GValue;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use kvplug_backend_kit::model::{LlamaModel, ModelPackage};
+use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
 use kvplug_backend_kit::KitCache;
 use kvplug_core::{CacheConfig, CacheKind, KvDtype};
 use kvplug_cpu::CpuDevice;
@@ -276,7 +276,7 @@ fn scenario_files() {
 /// Loads a package the way a backend does: open, then every weight onto the cpu device.
 fn load(dir: &Path) -> Result<(), String> {
     let pkg = ModelPackage::open(dir).map_err(|e| e.to_string())?;
-    LlamaModel::load(Arc::new(CpuDevice::new()), &pkg)
+    DecoderModel::load(Arc::new(CpuDevice::new()), &pkg)
         .map(|_| ())
         .map_err(|e| e.to_string())
 }

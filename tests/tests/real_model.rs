@@ -122,3 +122,164 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
         );
     }
 }
+
+fn gemma3() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (make test does)",
+        path.display()
+    );
+    path
+}
+
+/// llama.cpp's SentencePiece tokenizer, plainly: user-defined pieces matched first (longest),
+/// spaces as `▁`, then repeatedly the adjacent pair whose concatenation is the
+/// highest-scoring normal piece is merged (leftmost on ties); leftovers become byte tokens.
+fn spm_reference(vocab: &[String], scores: &[f32], types: &[i32], text: &str) -> Vec<i32> {
+    let id: std::collections::HashMap<&str, usize> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let user: Vec<usize> = (0..vocab.len()).filter(|&i| types[i] == 4).collect();
+    let mut out = Vec::new();
+    let mut segment = String::new();
+    let flush = |segment: &mut String, out: &mut Vec<i32>| {
+        let mut syms: Vec<String> = segment
+            .replace(' ', "▁")
+            .chars()
+            .map(String::from)
+            .collect();
+        loop {
+            let mut best: Option<(f32, usize)> = None;
+            for i in 0..syms.len().saturating_sub(1) {
+                let m = format!("{}{}", syms[i], syms[i + 1]);
+                if let Some(&j) = id.get(m.as_str()).filter(|&&j| types[j] == 1) {
+                    if best.is_none_or(|(s, _)| scores[j] > s) {
+                        best = Some((scores[j], i));
+                    }
+                }
+            }
+            let Some((_, i)) = best else { break };
+            let right = syms.remove(i + 1);
+            syms[i].push_str(&right);
+        }
+        for s in syms {
+            match id.get(s.as_str()) {
+                Some(&j) => out.push(j as i32),
+                None => out.extend(
+                    s.bytes()
+                        .map(|b| id[format!("<0x{b:02X}>").as_str()] as i32),
+                ),
+            }
+        }
+        segment.clear();
+    };
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        let hit = user
+            .iter()
+            .filter(|&&u| rest.starts_with(vocab[u].as_str()))
+            .max_by_key(|&&u| vocab[u].len());
+        match hit {
+            Some(&u) => {
+                flush(&mut segment, &mut out);
+                out.push(u as i32);
+                rest = &rest[vocab[u].len()..];
+            }
+            None => {
+                segment.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+    }
+    flush(&mut segment, &mut out);
+    out
+}
+
+#[test]
+fn gemma3_recalls_a_word_from_past_the_window_with_bounded_sliding_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("gemma3");
+    kvplug_host::gguf::import(&gemma3(), &model).unwrap();
+    let text = Text::load(&model).unwrap();
+
+    // The imported tokenizer agrees with llama.cpp's algorithm over the GGUF's own
+    // vocabulary and scores.
+    let gguf = {
+        let mut f = std::fs::File::open(gemma3()).unwrap();
+        candle_core::quantized::gguf_file::Content::read(&mut f).unwrap()
+    };
+    let meta = |k: &str| gguf.metadata[k].to_vec().unwrap();
+    let vocab: Vec<String> = meta("tokenizer.ggml.tokens")
+        .iter()
+        .map(|v| v.to_string().unwrap().clone())
+        .collect();
+    let scores: Vec<f32> = meta("tokenizer.ggml.scores")
+        .iter()
+        .map(|v| v.to_f32().unwrap())
+        .collect();
+    let types: Vec<i32> = meta("tokenizer.ggml.token_type")
+        .iter()
+        .map(|v| v.to_i32().unwrap())
+        .collect();
+    for s in [
+        "The secret word is \"pelican\". Remember it.",
+        "Hello world! héllo  two spaces\nnew line\n\n\tindented 12345",
+        "naïve café, 東京タワー, emoji 🦜 and ⅞ of a ℌ",
+    ] {
+        assert_eq!(
+            text.encode(s).unwrap(),
+            spm_reference(&vocab, &scores, &types, s),
+            "{s:?}"
+        );
+    }
+    let chat = text
+        .render(&[
+            Message::new("system", "Be brief."),
+            Message::new("user", "Hi"),
+        ])
+        .unwrap();
+    assert_eq!(
+        chat,
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    );
+
+    // A word said once at the start, asked for ~1,500 tokens later: only the global layers
+    // still see it (the sliding ones hold the last 512 positions).
+    let filler: Vec<String> = (1..=80)
+        .map(|i| {
+            format!(
+                "Line {i}: the weather today is mild and the river flows slowly past the old mill."
+            )
+        })
+        .collect();
+    let prompt = format!(
+        "The secret word is \"pelican\". Remember it.\n{}\nWhat was the secret word? The secret word is \"",
+        filler.join(" ")
+    );
+    let ids = text.encode_raw(&prompt).unwrap();
+    assert_eq!(ids[0], 2, "the raw prompt starts with <bos>");
+    assert!(ids.len() > 1024 + 100, "{} tokens", ids.len());
+    let host = host();
+    let spec = RunSpec {
+        backend: "cpu".into(),
+        model: model.clone(),
+        prompt: ids.clone(),
+        max_new: 4,
+        kv_dtype: KvDtype::F16,
+        capacity: 4096,
+        stop: text.stop_tokens().clone(),
+    };
+    let report = run_decode(&host, &spec, &mut Sampler::new(0.0, 1.0, 0)).unwrap();
+    let answer = text.decode(&report.ids).unwrap();
+    assert!(answer.starts_with("pelican"), "{answer:?}");
+    // The full layers hold every position; the sliding layers at most the window plus
+    // one prefill micro-batch (pools grow by doubling).
+    let c = &report.cache;
+    let bound = (512 + kvplug_host::run::PREFILL_UBATCH).next_power_of_two() as u64;
+    assert!(c.pool_cells >= ids.len() as u64, "{c:?}");
+    assert!(c.window_cells > 0 && c.window_cells <= bound, "{c:?}");
+    assert!(c.window_cells < c.pool_cells, "{c:?}");
+}

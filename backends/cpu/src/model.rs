@@ -154,6 +154,24 @@ impl ModelDevice for CpuDevice {
         Ok(())
     }
 
+    fn gelu_tanh_mul(
+        &self,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+        out: &mut CpuTensor,
+    ) -> Result<(), KitError> {
+        const C: f32 = 0.797_884_6; // √(2/π)
+        for ((o, &g), &u) in out.data.iter_mut().zip(&gate.data).zip(&up.data) {
+            *o = 0.5 * g * (1.0 + (C * (g + 0.044715 * g * g * g)).tanh()) * u;
+        }
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) -> Result<(), KitError> {
+        x.data.iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<(), KitError> {
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
         Ok(())

@@ -94,12 +94,12 @@ fn decode_steps_allocate_nothing_once_warm() {
 /// Binding the same model again shares its weights, a draft is a view of the first layers,
 /// and the weights go when the last holder does.
 fn a_model_is_loaded_once_and_drafts_are_views() {
-    use kvplug_backend_kit::model::LlamaModel;
+    use kvplug_backend_kit::model::DecoderModel;
     let dir = tiny_model();
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
-    let a = LlamaModel::load_shared(dev.clone(), &dir).unwrap();
+    let a = DecoderModel::load_shared(dev.clone(), &dir).unwrap();
     let before = ALLOCS.load(Ordering::SeqCst);
-    let b = LlamaModel::load_shared(dev.clone(), &dir).unwrap();
+    let b = DecoderModel::load_shared(dev.clone(), &dir).unwrap();
     let draft = b.view(1).unwrap();
     assert!(
         ALLOCS.load(Ordering::SeqCst) - before < 16,
@@ -109,8 +109,8 @@ fn a_model_is_loaded_once_and_drafts_are_views() {
     assert_eq!((b.n_layers(), draft.n_layers()), (2, 1));
     assert!(b.view(3).is_err() && b.view(0).is_err());
     drop((a, b, draft));
-    let c = LlamaModel::load_shared(dev.clone(), &dir).unwrap();
-    let d = LlamaModel::load_shared(dev, &dir).unwrap();
+    let c = DecoderModel::load_shared(dev.clone(), &dir).unwrap();
+    let d = DecoderModel::load_shared(dev, &dir).unwrap();
     assert!(c.shares_weights_with(&d));
 }
 
@@ -173,11 +173,11 @@ fn tiny_model() -> std::path::PathBuf {
 /// A whole model decode step — every layer, the cache step, the logits — allocates nothing
 /// once warm (activation buffers reused, the step's plan in place).
 fn allocations_per_model_decode(kind: CacheKind) -> usize {
-    use kvplug_backend_kit::model::{LlamaModel, ModelPackage};
+    use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
     let dir = tiny_model();
     let pkg = ModelPackage::open(&dir).unwrap();
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
-    let model = LlamaModel::load(dev.clone(), &pkg).unwrap();
+    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
     let mut c = kvplug_backend_kit::KitCache::new(dev, kind, cfg).unwrap();
     let mut acts = None;

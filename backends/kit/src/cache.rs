@@ -40,8 +40,11 @@ impl From<KitError> for PluginError {
 pub struct KitStats {
     /// Bytes of every layer's K and V pools.
     pub allocated_bytes: usize,
-    /// Rows per head each pool has room for.
+    /// Rows per head each full layer's pool has room for.
     pub pool_cells: usize,
+    /// Rows per head each sliding layer's pool has room for (0 without sliding layers):
+    /// at most window + one micro-batch per sequence, whatever the history length.
+    pub window_cells: usize,
     /// Cells holding data.
     pub live_cells: usize,
     /// One past the highest cell holding data.
@@ -188,6 +191,7 @@ impl<D: Device> KitCache<D> {
                 .map(|p| self.device.pool_bytes(p))
                 .sum(),
             pool_cells: self.pool_cells,
+            window_cells: self.sliding.as_ref().map_or(0, |g| g.cells),
             live_cells: self.book.live_cells(),
             high_water: self.book.high_water(),
             last_plan: self.last_plan.map(|p| p.0),

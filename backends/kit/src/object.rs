@@ -165,6 +165,7 @@ impl<D: Device> CacheObject for SharedCache<D> {
             Ok(CacheStats {
                 allocated_bytes: s.allocated_bytes as u64,
                 pool_cells: s.pool_cells as u64,
+                window_cells: s.window_cells as u64,
                 live_cells: s.live_cells as u64,
                 high_water: s.high_water as u64,
                 last_plan: s.last_plan.map(|p| RString::from(p.as_str())).into(),

@@ -259,7 +259,9 @@ std::unique_ptr<Array> embed(const Array& table, rust::Slice<const int32_t> ids)
 }
 
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps) {
-  return wrap(mx::fast::rms_norm(x.a, w.a, eps));
+  // Rows of w.size() values: [T, k·n] with w [n] normalises each n-wide piece.
+  auto rows = mx::reshape(x.a, {-1, static_cast<int>(w.a.size())});
+  return wrap(mx::reshape(mx::fast::rms_norm(rows, w.a, eps), x.a.shape()));
 }
 
 std::unique_ptr<Array> linear(const Array& x, const Array& w) {
@@ -299,6 +301,19 @@ std::unique_ptr<Array> merge_heads(const Array& x) {
 
 std::unique_ptr<Array> silu_mul(const Array& gate, const Array& up) {
   return wrap(mx::multiply(mx::multiply(gate.a, mx::sigmoid(gate.a)), up.a));
+}
+
+std::unique_ptr<Array> gelu_tanh_mul(const Array& gate, const Array& up) {
+  const auto& g = gate.a;
+  auto inner = mx::multiply(
+      mx::array(0.7978845608f),
+      mx::add(g, mx::multiply(mx::array(0.044715f), mx::multiply(g, mx::multiply(g, g)))));
+  auto gelu = mx::multiply(mx::multiply(mx::array(0.5f), g), mx::add(mx::array(1.0f), mx::tanh(inner)));
+  return wrap(mx::multiply(gelu, up.a));
+}
+
+std::unique_ptr<Array> scale(const Array& x, float s) {
+  return wrap(mx::multiply(x.a, mx::array(s)));
 }
 
 std::unique_ptr<Array> gather_rows(const Array& x, rust::Slice<const int32_t> rows) {

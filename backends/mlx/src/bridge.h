@@ -63,6 +63,8 @@ std::unique_ptr<Array> rope(const Array& x, int32_t heads,
 std::unique_ptr<Array> split_heads(const Array& x, int32_t heads);
 std::unique_ptr<Array> merge_heads(const Array& x);
 std::unique_ptr<Array> silu_mul(const Array& gate, const Array& up);
+std::unique_ptr<Array> gelu_tanh_mul(const Array& gate, const Array& up);
+std::unique_ptr<Array> scale(const Array& x, float s);
 std::unique_ptr<Array> gather_rows(const Array& x, rust::Slice<const int32_t> rows);
 
 }  // namespace kvplug_mlx

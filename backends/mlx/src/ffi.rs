@@ -81,6 +81,8 @@ mod bridge {
         fn split_heads(x: &Array, heads: i32) -> Result<UniquePtr<Array>>;
         fn merge_heads(x: &Array) -> Result<UniquePtr<Array>>;
         fn silu_mul(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
+        fn gelu_tanh_mul(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
+        fn scale(x: &Array, s: f32) -> Result<UniquePtr<Array>>;
         fn gather_rows(x: &Array, rows: &[i32]) -> Result<UniquePtr<Array>>;
     }
 }

@@ -119,6 +119,23 @@ impl ModelDevice for MlxDevice {
         Ok(())
     }
 
+    fn gelu_tanh_mul(
+        &self,
+        gate: &MlxTensor,
+        up: &MlxTensor,
+        out: &mut MlxTensor,
+    ) -> Result<(), KitError> {
+        let _g = self.enter()?;
+        out.a = ffi::gelu_tanh_mul(&gate.a, &up.a).map_err(err)?;
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut MlxTensor, s: f32) -> Result<(), KitError> {
+        let _g = self.enter()?;
+        x.a = ffi::scale(&x.a, s).map_err(err)?;
+        Ok(())
+    }
+
     fn add_assign(&self, x: &mut MlxTensor, y: &MlxTensor) -> Result<(), KitError> {
         let _g = self.enter()?;
         x.a = ffi::add(&x.a, &y.a).map_err(err)?;

@@ -108,6 +108,12 @@ impl ModelDevice for MlxDevice {
     fn silu_mul(&self, _: &Never, _: &Never, _: &mut Never) -> Result<(), KitError> {
         match *self {}
     }
+    fn gelu_tanh_mul(&self, _: &Never, _: &Never, _: &mut Never) -> Result<(), KitError> {
+        match *self {}
+    }
+    fn scale(&self, _: &mut Never, _: f32) -> Result<(), KitError> {
+        match *self {}
+    }
     fn add_assign(&self, _: &mut Never, _: &Never) -> Result<(), KitError> {
         match *self {}
     }

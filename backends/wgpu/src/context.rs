@@ -18,11 +18,11 @@ pub struct Context {
     pub limits: wgpu::Limits,
     attention: OnceLock<Kernels<3>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<9>>,
+    model: OnceLock<Kernels<11>>,
 }
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 9] = [
+pub const MODEL_ENTRIES: [&str; 11] = [
     "gather_main",
     "rmsnorm_main",
     "linear_main",
@@ -32,6 +32,8 @@ pub const MODEL_ENTRIES: [&str; 9] = [
     "silu_main",
     "add_main",
     "embed_main",
+    "gelu_main",
+    "scale_main",
 ];
 
 /// Pipelines of one shader module sharing one bind-group layout.
@@ -185,7 +187,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<9> {
+    pub fn model(&self) -> &Kernels<11> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(

@@ -40,6 +40,8 @@ enum Op {
     Silu = 6,
     Add = 7,
     Embed = 8,
+    Gelu = 9,
+    Scale = 10,
 }
 
 /// The read-only operands of one op (absent ones are bound to a dummy buffer).
@@ -183,7 +185,8 @@ impl ModelDevice for WgpuDevice {
         eps: f32,
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
-        let (rows, width) = (x.dims[0], x.dims[1]);
+        let width = w.dims[0];
+        let rows = x.dims.iter().product::<usize>() / width;
         let params = OpParams {
             n: [width as u32, 0, 0, 0],
             eps,
@@ -303,6 +306,41 @@ impl ModelDevice for WgpuDevice {
             n,
             inputs(Some(&gate.buf), Some(&up.buf), None),
             &out.buf,
+        );
+        Ok(())
+    }
+
+    fn gelu_tanh_mul(
+        &self,
+        gate: &WgpuTensor,
+        up: &WgpuTensor,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let n = self.dims(gate).iter().product();
+        self.flat(
+            Op::Gelu,
+            [0; 4],
+            0,
+            n,
+            inputs(Some(&gate.buf), Some(&up.buf), None),
+            &out.buf,
+        );
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut WgpuTensor, s: f32) -> Result<(), KitError> {
+        let params = OpParams {
+            total: x.dims.iter().product::<usize>() as u32,
+            eps: s,
+            ..Default::default()
+        };
+        let total = params.total as usize;
+        self.op(
+            Op::Scale,
+            params,
+            Inputs::default(),
+            &x.buf,
+            flat_groups(total),
         );
         Ok(())
     }

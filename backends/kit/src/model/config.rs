@@ -1,6 +1,8 @@
-//! `config.json` of a Llama-family model, and the rotary frequencies it implies.
+//! `config.json` of a decoder the kit runs (the Llama family and Gemma 3), and what it
+//! implies: rotary frequencies per layer type, attention scale, which layers slide.
 
-use kvplug_core::{CacheError, ModelCacheParams};
+use kvplug_core::spec::{LayerAttention, ModelCacheSpec};
+use kvplug_core::{CacheError, ModelCacheParams, SlidingLayers};
 
 /// Why a model package cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -12,7 +14,7 @@ pub enum ModelError {
     #[error("{0}")]
     Malformed(String),
     /// An architecture this kit does not implement.
-    #[error("unsupported architecture '{0}' (supported: llama, mistral, qwen2)")]
+    #[error("unsupported architecture '{0}' (supported: llama, mistral, qwen2, gemma3_text)")]
     Unsupported(String),
 }
 
@@ -22,10 +24,10 @@ impl From<ModelError> for CacheError {
     }
 }
 
-/// `rope_scaling` of Llama 3.
+/// `rope_scaling`: Llama 3's, or linear (position interpolation, Gemma 3's global layers).
 #[derive(Clone, Debug, serde::Deserialize)]
 pub struct RopeScaling {
-    /// `llama3` (others are rejected).
+    /// `llama3` or `linear` (others are rejected).
     #[serde(alias = "type")]
     pub rope_type: String,
     /// Frequency division factor.
@@ -58,10 +60,30 @@ fn theta() -> f64 {
     10000.0
 }
 
-/// The fields of a Hugging Face `config.json` this kit reads (others are ignored).
+/// The graph a config selects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama, Mistral, Qwen2 (and SmolLM, TinyLlama shapes): pre-norm blocks, SiLU MLP.
+    Llama,
+    /// Gemma 3 (text): q/k norms, (1 + w) RMSNorm weights, pre- and post-norms around
+    /// attention and MLP, GELU-tanh MLP, embeddings scaled by √hidden, local/global RoPE.
+    Gemma3,
+}
+
+/// The gate activation of the MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// The fields of a Hugging Face `config.json` this kit reads (others are ignored). Fields a
+/// Gemma 3 config may leave out take `Gemma3TextConfig`'s defaults.
 #[derive(Clone, Debug, serde::Deserialize)]
-pub struct LlamaConfig {
-    /// `llama`, `mistral` or `qwen2`.
+pub struct ModelConfig {
+    /// `llama`, `mistral`, `qwen2` or `gemma3_text`.
     #[serde(default)]
     pub model_type: String,
     /// Residual width.
@@ -95,17 +117,28 @@ pub struct LlamaConfig {
     /// Biases on q/k/v (Qwen2 always has them).
     #[serde(default)]
     pub attention_bias: bool,
-    /// Sliding-window width (Mistral; Qwen2's takes effect only with
-    /// `use_sliding_window`). Refused until sliding-window attention exists: running it
-    /// with full attention would be silently wrong past the window.
-    #[serde(default)]
-    pub sliding_window: Option<u64>,
-    /// Qwen2: whether `sliding_window` applies.
-    #[serde(default)]
-    pub use_sliding_window: bool,
-    /// The MLP activation; only `silu` is implemented.
+    /// The MLP activation (Llama family: `silu`).
     #[serde(default)]
     pub hidden_act: Option<String>,
+    /// Gemma 3's MLP activation (`gelu_pytorch_tanh`).
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    /// Gemma 3: attention scale is `query_pre_attn_scalar^-1/2` (else `head_dim^-1/2`).
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 3: RoPE base of the sliding (local) layers; `rope_theta` is the global one.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    /// Tanh soft-capping of the final logits (Gemma 2; not implemented: refused).
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    /// Tanh soft-capping of attention scores (Gemma 2; not implemented: refused).
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// How each layer attends, from the sliding-window conventions
+    /// ([`ModelCacheSpec::from_config`]); filled by [`ModelConfig::parse`].
+    #[serde(skip)]
+    pub attention: Vec<LayerAttention>,
     /// Biases on the MLP projections (not implemented: refused).
     #[serde(default)]
     pub mlp_bias: bool,
@@ -119,14 +152,48 @@ pub const MAX_INTERMEDIATE: usize = 1 << 18;
 /// See [`MAX_HIDDEN`].
 pub const MAX_VOCAB: usize = 1 << 22;
 
-impl LlamaConfig {
+/// `Gemma3TextConfig`'s defaults for the fields this kit reads.
+fn gemma3_defaults() -> [(&'static str, serde_json::Value); 8] {
+    use serde_json::json;
+    [
+        ("rope_theta", json!(1_000_000.0)),
+        ("rope_local_base_freq", json!(10_000.0)),
+        ("query_pre_attn_scalar", json!(256)),
+        ("head_dim", json!(256)),
+        ("rms_norm_eps", json!(1e-6)),
+        ("sliding_window", json!(4096)),
+        ("tie_word_embeddings", json!(true)),
+        ("hidden_activation", json!("gelu_pytorch_tanh")),
+    ]
+}
+
+impl ModelConfig {
     /// Parses and validates `config.json` text.
     pub fn parse(text: &str) -> Result<Self, ModelError> {
-        let c: LlamaConfig =
+        let mut v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| ModelError::Malformed(e.to_string()))?;
-        if !matches!(c.model_type.as_str(), "llama" | "mistral" | "qwen2") {
-            return Err(ModelError::Unsupported(c.model_type));
+        let model_type = v["model_type"].as_str().unwrap_or_default().to_string();
+        if !matches!(
+            model_type.as_str(),
+            "llama" | "mistral" | "qwen2" | "gemma3_text"
+        ) {
+            return Err(ModelError::Unsupported(model_type));
         }
+        if model_type == "gemma3_text" {
+            let Some(obj) = v.as_object_mut() else {
+                return Err(ModelError::Malformed("config.json is not an object".into()));
+            };
+            for (key, value) in gemma3_defaults() {
+                if obj.get(key).is_none_or(serde_json::Value::is_null) {
+                    obj.insert(key.into(), value);
+                }
+            }
+            if obj.get("layer_types").is_none() {
+                obj.entry("sliding_window_pattern").or_insert(6.into());
+            }
+        }
+        let mut c: ModelConfig =
+            serde_json::from_value(v.clone()).map_err(|e| ModelError::Malformed(e.to_string()))?;
         use kvplug_core::limits::{MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS};
         for (name, v, max) in [
             ("hidden_size", c.hidden_size, MAX_HIDDEN),
@@ -153,10 +220,39 @@ impl LlamaConfig {
         };
         positive("rms_norm_eps", c.rms_norm_eps)?;
         positive("rope_theta", c.rope_theta)?;
-        if let Some(act) = c.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(ModelError::Malformed(format!(
-                "hidden_act '{act}' is not supported (only silu)"
-            )));
+        for (name, v) in [
+            ("rope_local_base_freq", c.rope_local_base_freq),
+            ("query_pre_attn_scalar", c.query_pre_attn_scalar),
+        ] {
+            if let Some(v) = v {
+                positive(name, v)?;
+            }
+        }
+        let act = match c.arch() {
+            Arch::Llama => ("hidden_act", c.hidden_act.as_deref(), "silu"),
+            Arch::Gemma3 => (
+                "hidden_activation",
+                c.hidden_activation.as_deref(),
+                "gelu_pytorch_tanh",
+            ),
+        };
+        if let (name, Some(got), want) = act {
+            if got != want {
+                return Err(ModelError::Malformed(format!(
+                    "{name} '{got}' is not supported (only {want} for {})",
+                    c.model_type
+                )));
+            }
+        }
+        for (name, cap) in [
+            ("final_logit_softcapping", c.final_logit_softcapping),
+            ("attn_logit_softcapping", c.attn_logit_softcapping),
+        ] {
+            if let Some(cap) = cap {
+                return Err(ModelError::Malformed(format!(
+                    "{name} {cap} is not supported (no logit soft-capping)"
+                )));
+            }
         }
         if c.mlp_bias {
             return Err(ModelError::Malformed(
@@ -164,9 +260,10 @@ impl LlamaConfig {
             ));
         }
         if c.attention_bias && c.model_type != "qwen2" {
-            return Err(ModelError::Malformed(
-                "attention_bias is not supported for llama/mistral (it adds an o_proj bias)".into(),
-            ));
+            return Err(ModelError::Malformed(format!(
+                "attention_bias is not supported for {} (it adds an o_proj bias)",
+                c.model_type
+            )));
         }
         let kv = c.kv_heads();
         let dims_ok = c.hidden_size > 0
@@ -187,22 +284,20 @@ impl LlamaConfig {
                 c.num_hidden_layers
             )));
         }
-        let windowed = c.model_type != "qwen2" || c.use_sliding_window;
-        if let Some(w) = c.sliding_window.filter(|_| windowed) {
-            return Err(ModelError::Malformed(format!(
-                "sliding-window attention (sliding_window = {w}) is not supported yet; \
-                 running this {} model with full attention would be wrong past {w} tokens",
-                c.model_type
-            )));
-        }
+        c.attention = ModelCacheSpec::from_config(&v, c.num_hidden_layers, kv, c.head_dim())
+            .map_err(|e| ModelError::Malformed(e.message))?
+            .layers;
         if let Some(s) = &c.rope_scaling {
-            if s.rope_type != "llama3" {
-                return Err(ModelError::Malformed(format!(
-                    "rope_scaling type '{}' is not supported (only llama3)",
-                    s.rope_type
-                )));
-            }
             positive("rope_scaling.factor", s.factor)?;
+            match s.rope_type.as_str() {
+                "linear" => return Ok(c),
+                "llama3" => {}
+                other => {
+                    return Err(ModelError::Malformed(format!(
+                        "rope_scaling type '{other}' is not supported (llama3, linear)"
+                    )))
+                }
+            }
             positive("rope_scaling.low_freq_factor", s.low_freq_factor)?;
             positive(
                 "rope_scaling.original_max_position_embeddings",
@@ -231,9 +326,55 @@ impl LlamaConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The graph this config selects.
+    pub fn arch(&self) -> Arch {
+        if self.model_type == "gemma3_text" {
+            Arch::Gemma3
+        } else {
+            Arch::Llama
+        }
+    }
+
+    /// The MLP's gate activation.
+    pub fn activation(&self) -> Activation {
+        match self.arch() {
+            Arch::Llama => Activation::Silu,
+            Arch::Gemma3 => Activation::GeluTanh,
+        }
+    }
+
     /// Whether q/k/v carry biases.
     pub fn qkv_bias(&self) -> bool {
         self.attention_bias || self.model_type == "qwen2"
+    }
+
+    /// The factor on q·k: `query_pre_attn_scalar^-1/2` where given, else `head_dim^-1/2`.
+    pub fn attn_scale(&self) -> f32 {
+        let s = self.query_pre_attn_scalar.unwrap_or(self.head_dim() as f64);
+        (1.0 / s.sqrt()) as f32
+    }
+
+    /// The factor on embeddings entering the first layer (Gemma: √hidden, in f32 as
+    /// llama.cpp computes it).
+    pub fn embed_scale(&self) -> Option<f32> {
+        (self.arch() == Arch::Gemma3).then(|| (self.hidden_size as f32).sqrt())
+    }
+
+    /// The per-layer cache shape: KV heads, head width and each layer's attention.
+    pub fn cache_spec(&self) -> ModelCacheSpec {
+        ModelCacheSpec {
+            n_kv_heads: self.kv_heads(),
+            head_dim: self.head_dim(),
+            layers: self.attention.clone(),
+        }
+    }
+
+    /// The sliding layers among the first `layers` (a cache for this model must have
+    /// exactly these).
+    pub fn sliding(&self, layers: usize) -> Result<Option<SlidingLayers>, ModelError> {
+        let mut spec = self.cache_spec();
+        spec.layers.truncate(layers);
+        spec.sliding().map_err(|e| ModelError::Malformed(e.message))
     }
 
     /// The cache shape this model needs.
@@ -245,15 +386,32 @@ impl LlamaConfig {
         }
     }
 
-    /// Rotary inverse frequencies (`head_dim / 2` values), Llama 3 scaling applied.
+    /// Rotary inverse frequencies (`head_dim / 2` values) of full-attention layers, with
+    /// `rope_scaling` applied.
     pub fn inv_freq(&self) -> Vec<f32> {
+        self.frequencies(self.rope_theta, self.rope_scaling.as_ref())
+    }
+
+    /// Rotary inverse frequencies of sliding layers: Gemma 3's `rope_local_base_freq`
+    /// without scaling; other models use the same as full layers.
+    pub fn inv_freq_local(&self) -> Vec<f32> {
+        match (self.arch(), self.rope_local_base_freq) {
+            (Arch::Gemma3, Some(base)) => self.frequencies(base, None),
+            _ => self.inv_freq(),
+        }
+    }
+
+    fn frequencies(&self, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
         let hd = self.head_dim();
         (0..hd / 2)
             .map(|i| {
-                let f = self.rope_theta.powf(-(2.0 * i as f64) / hd as f64);
-                let Some(s) = &self.rope_scaling else {
+                let f = theta.powf(-(2.0 * i as f64) / hd as f64);
+                let Some(s) = scaling else {
                     return f as f32;
                 };
+                if s.rope_type == "linear" {
+                    return (f / s.factor) as f32;
+                }
                 let wavelen = 2.0 * std::f64::consts::PI / f;
                 let low = s.original_max_position_embeddings / s.low_freq_factor;
                 let high = s.original_max_position_embeddings / s.high_freq_factor;
@@ -282,23 +440,23 @@ mod tests {
 
     #[test]
     fn parses_hf_configs() {
-        let c = LlamaConfig::parse(SMOL).unwrap();
+        let c = ModelConfig::parse(SMOL).unwrap();
         assert_eq!((c.head_dim(), c.kv_heads(), c.qkv_bias()), (64, 3, false));
         assert_eq!(c.inv_freq().len(), 32);
         assert_eq!(c.inv_freq()[0], 1.0);
-        let q = LlamaConfig::parse(&SMOL.replace("\"llama\"", "\"qwen2\"")).unwrap();
+        let q = ModelConfig::parse(&SMOL.replace("\"llama\"", "\"qwen2\"")).unwrap();
         assert!(q.qkv_bias());
-        let e = LlamaConfig::parse(&SMOL.replace("\"llama\"", "\"gpt2\"")).unwrap_err();
+        let e = ModelConfig::parse(&SMOL.replace("\"llama\"", "\"gpt2\"")).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2)"
+            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, gemma3_text)"
         );
-        let e = LlamaConfig::parse(
+        let e = ModelConfig::parse(
             &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),
         )
         .unwrap_err();
         assert!(e.to_string().contains("inconsistent shape"), "{e}");
-        assert!(LlamaConfig::parse("{").is_err());
+        assert!(ModelConfig::parse("{").is_err());
     }
 
     #[test]
@@ -306,7 +464,7 @@ mod tests {
         let with = |key: &str, value: serde_json::Value| {
             let mut v: serde_json::Value = serde_json::from_str(SMOL).unwrap();
             v[key] = value;
-            LlamaConfig::parse(&v.to_string())
+            ModelConfig::parse(&v.to_string())
         };
         use serde_json::json;
         for (key, value, says) in [
@@ -354,31 +512,125 @@ mod tests {
     }
 
     #[test]
-    fn sliding_window_configs_are_refused_until_supported() {
+    fn sliding_windows_are_read_per_layer() {
+        use LayerAttention::{Full, Sliding};
         let with = |extra: &str, ty: &str| {
-            LlamaConfig::parse(&SMOL.replace("\"extra\": 1", extra).replace("\"llama\"", ty))
+            ModelConfig::parse(&SMOL.replace("\"extra\": 1", extra).replace("\"llama\"", ty))
+                .unwrap()
         };
-        let e = with("\"sliding_window\": 4096", "\"mistral\"").unwrap_err();
-        assert!(e.to_string().contains("sliding_window = 4096"), "{e}");
-        assert!(with("\"sliding_window\": null", "\"mistral\"").is_ok());
+        let w = Sliding { window: 4096 };
+        assert_eq!(
+            with("\"sliding_window\": 4096", "\"mistral\"").attention,
+            [w; 30]
+        );
+        assert_eq!(
+            with("\"sliding_window\": null", "\"mistral\"").attention,
+            [Full; 30]
+        );
         // Qwen2 ships a window it does not use unless told to.
-        assert!(with("\"sliding_window\": 32768", "\"qwen2\"").is_ok());
-        let e = with(
-            "\"sliding_window\": 32768, \"use_sliding_window\": true",
+        let q = with("\"sliding_window\": 4096", "\"qwen2\"");
+        assert_eq!(
+            (&q.attention[..], q.sliding(30).unwrap()),
+            (&[Full; 30][..], None)
+        );
+        let q = with(
+            "\"sliding_window\": 4096, \"use_sliding_window\": true, \"max_window_layers\": 28",
             "\"qwen2\"",
+        );
+        assert_eq!(q.attention[27..], [Full, w, w]);
+        assert_eq!(
+            q.sliding(28).unwrap(),
+            None,
+            "a 28-layer view has no sliding layer"
+        );
+        let s = q.sliding(30).unwrap().unwrap();
+        assert_eq!(
+            (s.window, s.layers.iter().collect::<Vec<_>>()),
+            (4096, vec![28, 29])
+        );
+    }
+
+    /// Gemma 3 270M's config.json as Hugging Face publishes it (fields this kit reads).
+    const GEMMA3: &str = r#"{"model_type": "gemma3_text", "hidden_size": 640,
+        "intermediate_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "num_hidden_layers": 18, "vocab_size": 262144, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "sliding_window": 512, "rms_norm_eps": 1e-06, "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": null, "attn_logit_softcapping": null,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+        "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+        "sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+        "full_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+        "sliding_attention", "sliding_attention", "full_attention"]}"#;
+
+    #[test]
+    fn gemma3_configs_select_the_gemma_graph() {
+        let c = ModelConfig::parse(GEMMA3).unwrap();
+        assert_eq!(
+            (c.arch(), c.activation(), c.tie_word_embeddings),
+            (Arch::Gemma3, Activation::GeluTanh, true)
+        );
+        assert_eq!(c.attn_scale(), 1.0 / 16.0);
+        assert_eq!(c.embed_scale(), Some(640f32.sqrt()));
+        assert_eq!(c.inv_freq()[1], 1e6f64.powf(-2.0 / 256.0) as f32);
+        assert_eq!(c.inv_freq_local()[1], 1e4f64.powf(-2.0 / 256.0) as f32);
+        let s = c.sliding(18).unwrap().unwrap();
+        let full: Vec<usize> = (0..18).filter(|&l| !s.layers.contains(l)).collect();
+        assert_eq!((s.window, full), (512, vec![5, 11, 17]));
+        // Left out, the fields take Gemma3TextConfig's defaults (pattern 6, window 4096).
+        let bare = ModelConfig::parse(
+            r#"{"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 6,
+            "vocab_size": 32}"#,
         )
-        .unwrap_err();
-        assert!(e.to_string().contains("not supported yet"), "{e}");
+        .unwrap();
+        assert_eq!(
+            (bare.head_dim(), bare.rope_theta, bare.rope_local_base_freq),
+            (256, 1e6, Some(1e4))
+        );
+        let s = bare.sliding(6).unwrap().unwrap();
+        assert_eq!((s.window, s.layers.len()), (4096, 5));
+        let linear = ModelConfig::parse(&GEMMA3.replace(
+            "\"rope_theta\"",
+            "\"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 8.0}, \"rope_theta\"",
+        ))
+        .unwrap();
+        assert_eq!(
+            linear.inv_freq()[1],
+            c.inv_freq()[1] / 8.0,
+            "global layers scale"
+        );
+        assert_eq!(
+            linear.inv_freq_local(),
+            c.inv_freq_local(),
+            "local layers do not"
+        );
+        let capped = GEMMA3.replace(
+            "\"final_logit_softcapping\": null",
+            "\"final_logit_softcapping\": 30.0",
+        );
+        let e = ModelConfig::parse(&capped).unwrap_err().to_string();
+        assert!(
+            e.contains("final_logit_softcapping 30 is not supported"),
+            "{e}"
+        );
+        let e = ModelConfig::parse(&GEMMA3.replace("gelu_pytorch_tanh", "silu"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("hidden_activation 'silu' is not supported"),
+            "{e}"
+        );
     }
 
     #[test]
     fn llama3_scaling_divides_low_frequencies_only() {
-        let c = LlamaConfig::parse(&SMOL.replace(
+        let c = ModelConfig::parse(&SMOL.replace(
             "\"rope_theta\": 10000.0",
             r#""rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#,
         ))
         .unwrap();
-        let plain = LlamaConfig {
+        let plain = ModelConfig {
             rope_scaling: None,
             ..c.clone()
         }

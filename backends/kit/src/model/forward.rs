@@ -1,4 +1,5 @@
-//! [`LlamaModel`]: weights on the device and the forward pass, written once.
+//! [`DecoderModel`]: weights on the device and the forward pass, written once for the Llama
+//! family and Gemma 3 (the differences are optional weights and three config facts).
 
 use std::any::{Any, TypeId};
 use std::path::{Path, PathBuf};
@@ -6,12 +7,15 @@ use std::sync::{Arc, Mutex, Weak};
 
 use kvplug_core::CacheError;
 
-use super::config::{LlamaConfig, ModelError};
+use super::config::{Activation, Arch, ModelConfig, ModelError};
 use super::ops::ModelDevice;
 use super::package::ModelPackage;
 use crate::cache::{KitCache, KitError};
 
+/// One block. Gemma 3 adds the per-head q/k norms and the norms after attention and MLP;
+/// its RMSNorm weights are stored as `w` and loaded as `1 + w`.
 struct Layer<D: ModelDevice> {
+    /// Before attention.
     ln1: D::Tensor,
     q: D::Weight,
     k: D::Weight,
@@ -19,36 +23,48 @@ struct Layer<D: ModelDevice> {
     q_bias: Option<D::Tensor>,
     k_bias: Option<D::Tensor>,
     v_bias: Option<D::Tensor>,
+    /// Per head, on q and k before RoPE (`[head_dim]`).
+    q_norm: Option<D::Tensor>,
+    k_norm: Option<D::Tensor>,
     o: D::Weight,
+    /// On the attention output before the residual add.
+    post_attn: Option<D::Tensor>,
+    /// Before the MLP.
     ln2: D::Tensor,
     gate: D::Weight,
     up: D::Weight,
     down: D::Weight,
+    /// On the MLP output before the residual add.
+    post_mlp: Option<D::Tensor>,
+    /// Whether the layer attends through the sliding window (its RoPE base is the local one).
+    sliding: bool,
 }
 
-/// The weights of a Llama-family model on device `D`, loaded once.
+/// The weights of a model on device `D`, loaded once.
 struct Weights<D: ModelDevice> {
     device: Arc<D>,
-    config: LlamaConfig,
+    config: ModelConfig,
     embed: D::Weight,
     layers: Vec<Layer<D>>,
     norm: D::Tensor,
     /// `None` when tied to `embed`.
     lm_head: Option<D::Weight>,
+    /// RoPE frequencies of full layers, then of sliding layers.
     inv_freq: Vec<f32>,
+    inv_freq_local: Vec<f32>,
 }
 
-/// A Llama-family model on device `D`: shared weights and how many of its layers run.
-/// Cloning or taking a [`LlamaModel::view`] shares the weights (no copy, no I/O); a view of
+/// A decoder on device `D`: shared weights and how many of its layers run.
+/// Cloning or taking a [`DecoderModel::view`] shares the weights (no copy, no I/O); a view of
 /// the first N layers is a cheap draft model.
-pub struct LlamaModel<D: ModelDevice> {
+pub struct DecoderModel<D: ModelDevice> {
     weights: Arc<Weights<D>>,
     layers: usize,
 }
 
-impl<D: ModelDevice> Clone for LlamaModel<D> {
+impl<D: ModelDevice> Clone for DecoderModel<D> {
     fn clone(&self) -> Self {
-        LlamaModel {
+        DecoderModel {
             weights: self.weights.clone(),
             layers: self.layers,
         }
@@ -67,7 +83,7 @@ fn weights_err(e: KitError) -> ModelError {
     ModelError::Malformed(format!("loading weights: {e}"))
 }
 
-impl<D: ModelDevice> LlamaModel<D> {
+impl<D: ModelDevice> DecoderModel<D> {
     /// Loads every layer of `pkg` onto `device`.
     pub fn load(device: Arc<D>, pkg: &ModelPackage) -> Result<Self, ModelError> {
         let c = pkg.config.clone();
@@ -79,10 +95,26 @@ impl<D: ModelDevice> LlamaModel<D> {
             c.kv_heads(),
             c.intermediate_size,
         );
+        let gemma = c.arch() == Arch::Gemma3;
         let vec = |name: &str, n: usize| -> Result<D::Tensor, ModelError> {
             device
                 .tensor(&pkg.tensor_f32(name, &[n])?, &[n])
                 .map_err(weights_err)
+        };
+        // Gemma's RMSNorm scales by (1 + w).
+        let norm = |name: &str, n: usize| -> Result<D::Tensor, ModelError> {
+            let mut w = pkg.tensor_f32(name, &[n])?;
+            if gemma {
+                w.iter_mut().for_each(|x| *x += 1.0);
+            }
+            device.tensor(&w, &[n]).map_err(weights_err)
+        };
+        let gemma_norm = |name: String, n: usize| -> Result<Option<D::Tensor>, ModelError> {
+            if gemma {
+                norm(&name, n).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<D::Weight, ModelError> {
             device
@@ -106,31 +138,48 @@ impl<D: ModelDevice> LlamaModel<D> {
                     Ok(None)
                 }
             };
+            let (ln2, post_attn) = if gemma {
+                (
+                    norm(&format!("{p}pre_feedforward_layernorm.weight"), h)?,
+                    gemma_norm(format!("{p}post_attention_layernorm.weight"), h)?,
+                )
+            } else {
+                (
+                    norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+                    None,
+                )
+            };
             ls.push(Layer {
-                ln1: vec(&format!("{p}input_layernorm.weight"), h)?,
+                ln1: norm(&format!("{p}input_layernorm.weight"), h)?,
                 q: mat(&format!("{p}self_attn.q_proj.weight"), hq * hd, h)?,
                 k: mat(&format!("{p}self_attn.k_proj.weight"), hkv * hd, h)?,
                 v: mat(&format!("{p}self_attn.v_proj.weight"), hkv * hd, h)?,
                 q_bias: bias("q", hq * hd)?,
                 k_bias: bias("k", hkv * hd)?,
                 v_bias: bias("v", hkv * hd)?,
+                q_norm: gemma_norm(format!("{p}self_attn.q_norm.weight"), hd)?,
+                k_norm: gemma_norm(format!("{p}self_attn.k_norm.weight"), hd)?,
                 o: mat(&format!("{p}self_attn.o_proj.weight"), h, hq * hd)?,
-                ln2: vec(&format!("{p}post_attention_layernorm.weight"), h)?,
+                post_attn,
+                ln2,
                 gate: mat(&format!("{p}mlp.gate_proj.weight"), im, h)?,
                 up: mat(&format!("{p}mlp.up_proj.weight"), im, h)?,
                 down: mat(&format!("{p}mlp.down_proj.weight"), h, im)?,
+                post_mlp: gemma_norm(format!("{p}post_feedforward_layernorm.weight"), h)?,
+                sliding: c.attention[l] != kvplug_core::LayerAttention::Full,
             });
         }
         let weights = Weights {
             embed,
-            norm: vec("model.norm.weight", h)?,
+            norm: norm("model.norm.weight", h)?,
             inv_freq: c.inv_freq(),
+            inv_freq_local: c.inv_freq_local(),
             lm_head,
             layers: ls,
             config: c,
             device,
         };
-        Ok(LlamaModel {
+        Ok(DecoderModel {
             weights: Arc::new(weights),
             layers: n_layers,
         })
@@ -153,9 +202,9 @@ impl<D: ModelDevice> LlamaModel<D> {
         if let Some(weights) = found {
             tracing::debug!(dir = %key.display(), "model already loaded: sharing its weights");
             let layers = weights.layers.len();
-            return Ok(LlamaModel { weights, layers });
+            return Ok(DecoderModel { weights, layers });
         }
-        let model = LlamaModel::load(device, &ModelPackage::open(dir)?)?;
+        let model = DecoderModel::load(device, &ModelPackage::open(dir)?)?;
         let erased: Arc<dyn Any + Send + Sync> = model.weights.clone();
         loaded.push((key, ty, Arc::downgrade(&erased)));
         Ok(model)
@@ -169,7 +218,7 @@ impl<D: ModelDevice> LlamaModel<D> {
                 "cannot use {layers} layers of a {total}-layer model"
             )));
         }
-        Ok(LlamaModel {
+        Ok(DecoderModel {
             weights: self.weights.clone(),
             layers,
         })
@@ -186,7 +235,7 @@ impl<D: ModelDevice> LlamaModel<D> {
     }
 
     /// The configuration.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.weights.config
     }
 
@@ -246,30 +295,47 @@ impl<D: ModelDevice> LlamaModel<D> {
             Some(r) => a.rows.extend_from_slice(r),
             None => a.rows.extend(0..t),
         }
-        let scale = 1.0 / (c.head_dim() as f32).sqrt();
+        let scale = c.attn_scale();
         let eps = c.rms_norm_eps as f32;
         d.embed(&w.embed, tokens, &mut a.x)?;
+        if let Some(s) = c.embed_scale() {
+            d.scale(&mut a.x, s)?;
+        }
         let mut step = cache.step(positions, None)?;
-        for (l, w) in w.layers[..self.layers].iter().enumerate() {
-            d.rms_norm(&a.x, &w.ln1, eps, &mut a.hn)?;
-            d.linear(&a.hn, &w.q, w.q_bias.as_ref(), &mut a.q)?;
-            d.linear(&a.hn, &w.k, w.k_bias.as_ref(), &mut a.k)?;
-            d.linear(&a.hn, &w.v, w.v_bias.as_ref(), &mut a.v)?;
-            d.rope(&mut a.q, hq, positions, &self.weights.inv_freq)?;
-            d.rope(&mut a.k, hkv, positions, &self.weights.inv_freq)?;
+        for (l, lw) in w.layers[..self.layers].iter().enumerate() {
+            d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
+            d.linear(&a.hn, &lw.q, lw.q_bias.as_ref(), &mut a.q)?;
+            d.linear(&a.hn, &lw.k, lw.k_bias.as_ref(), &mut a.k)?;
+            d.linear(&a.hn, &lw.v, lw.v_bias.as_ref(), &mut a.v)?;
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
+                std::mem::swap(&mut a.q, &mut a.merged);
+                d.rms_norm(&a.k, kn, eps, &mut a.kn)?;
+                std::mem::swap(&mut a.k, &mut a.kn);
+            }
+            let inv_freq = if lw.sliding {
+                &w.inv_freq_local
+            } else {
+                &w.inv_freq
+            };
+            d.rope(&mut a.q, hq, positions, inv_freq)?;
+            d.rope(&mut a.k, hkv, positions, inv_freq)?;
             d.split_heads(&a.q, hq, &mut a.qh)?;
             d.split_heads(&a.k, hkv, &mut a.kh)?;
             d.split_heads(&a.v, hkv, &mut a.vh)?;
             step.attend(l, &a.qh, &a.kh, &a.vh, scale, &mut a.att)?;
             d.merge_heads(&a.att, &mut a.merged)?;
-            d.linear(&a.merged, &w.o, None, &mut a.o)?;
-            d.add_assign(&mut a.x, &a.o)?;
-            d.rms_norm(&a.x, &w.ln2, eps, &mut a.hn)?;
-            d.linear(&a.hn, &w.gate, None, &mut a.gate)?;
-            d.linear(&a.hn, &w.up, None, &mut a.up)?;
-            d.silu_mul(&a.gate, &a.up, &mut a.mlp)?;
-            d.linear(&a.mlp, &w.down, None, &mut a.o)?;
-            d.add_assign(&mut a.x, &a.o)?;
+            d.linear(&a.merged, &lw.o, None, &mut a.o)?;
+            residual_add(d, &mut a.x, &mut a.o, lw.post_attn.as_ref(), eps, &mut a.hn)?;
+            d.rms_norm(&a.x, &lw.ln2, eps, &mut a.hn)?;
+            d.linear(&a.hn, &lw.gate, None, &mut a.gate)?;
+            d.linear(&a.hn, &lw.up, None, &mut a.up)?;
+            match c.activation() {
+                Activation::Silu => d.silu_mul(&a.gate, &a.up, &mut a.mlp)?,
+                Activation::GeluTanh => d.gelu_tanh_mul(&a.gate, &a.up, &mut a.mlp)?,
+            }
+            d.linear(&a.mlp, &lw.down, None, &mut a.o)?;
+            residual_add(d, &mut a.x, &mut a.o, lw.post_mlp.as_ref(), eps, &mut a.hn)?;
         }
         d.rms_norm(&a.x, &w.norm, eps, &mut a.hn)?;
         d.gather_rows(&a.hn, &a.rows, &mut a.picked)?;
@@ -284,6 +350,25 @@ impl<D: ModelDevice> LlamaModel<D> {
     }
 }
 
+/// `x += y`, or `x += rms_norm(y)·post` when the block has a post-norm (`scratch` receives
+/// the normed rows).
+fn residual_add<D: ModelDevice>(
+    d: &D,
+    x: &mut D::Tensor,
+    y: &mut D::Tensor,
+    post: Option<&D::Tensor>,
+    eps: f32,
+    scratch: &mut D::Tensor,
+) -> Result<(), KitError> {
+    match post {
+        Some(w) => {
+            d.rms_norm(y, w, eps, scratch)?;
+            d.add_assign(x, scratch)
+        }
+        None => d.add_assign(x, y),
+    }
+}
+
 /// The activation buffers of one forward shape (`T` tokens, `R` logit rows), kept between
 /// calls: a decode loop allocates nothing once warm.
 pub struct Activations<D: ModelDevice> {
@@ -294,6 +379,8 @@ pub struct Activations<D: ModelDevice> {
     hn: D::Tensor,
     q: D::Tensor,
     k: D::Tensor,
+    /// The normed k (Gemma), swapped with `k`.
+    kn: D::Tensor,
     v: D::Tensor,
     qh: D::Tensor,
     kh: D::Tensor,
@@ -309,7 +396,7 @@ pub struct Activations<D: ModelDevice> {
 }
 
 impl<D: ModelDevice> Activations<D> {
-    fn new(d: &D, c: &LlamaConfig, t: usize, n_rows: usize) -> Result<Self, KitError> {
+    fn new(d: &D, c: &ModelConfig, t: usize, n_rows: usize) -> Result<Self, KitError> {
         let (h, hd, hq, hkv, im) = (
             c.hidden_size,
             c.head_dim(),
@@ -325,6 +412,7 @@ impl<D: ModelDevice> Activations<D> {
             hn: d.zeros(&[t, h])?,
             q: d.zeros(&[t, hq * hd])?,
             k: d.zeros(&[t, hkv * hd])?,
+            kn: d.zeros(&[t, hkv * hd])?,
             v: d.zeros(&[t, hkv * hd])?,
             qh: d.zeros(&[hq, t, hd])?,
             kh: d.zeros(&[hkv, t, hd])?,

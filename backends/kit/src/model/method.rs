@@ -11,7 +11,7 @@ use kvplug_plugin_api::{
     ModelMethod_TO, PluginError, TensorDtype,
 };
 
-use super::forward::{Activations, LlamaModel};
+use super::forward::{Activations, DecoderModel};
 use super::ops::ModelDevice;
 use crate::device::Backend;
 use crate::object::SharedCache;
@@ -23,7 +23,7 @@ pub const OPTION_LAYERS: &str = "layers";
 
 /// `forward` bound to one cache, with its activation buffers.
 pub struct ForwardMethod<D: ModelDevice> {
-    model: LlamaModel<D>,
+    model: DecoderModel<D>,
     cache: SharedCache<D>,
     acts: Arc<Mutex<Option<Activations<D>>>>,
 }
@@ -171,7 +171,7 @@ pub fn load_forward<B: Backend + ModelDevice>(
         let c = cache.lock()?;
         (c.device().clone(), *c.config())
     };
-    let model = LlamaModel::load_shared(device, Path::new(dir)).map_err(CacheError::from)?;
+    let model = DecoderModel::load_shared(device, Path::new(dir)).map_err(CacheError::from)?;
     let model = match layers {
         Some(n) => model.view(n).map_err(CacheError::from)?,
         None => model,
@@ -185,6 +185,29 @@ pub fn load_forward<B: Backend + ModelDevice>(
             format!(
                 "cache '{key}' has {} layers × {} KV heads × {} dims; the model needs {want_layers} × {} × {}",
                 cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, want.n_kv_heads, want.head_dim
+            ),
+        ));
+    }
+    // A sliding layer run with full attention (or the reverse) is wrong past the window.
+    let sliding = model
+        .config()
+        .sliding(want_layers)
+        .map_err(|e| PluginError::new(AbiErrorKind::BadConfig, e.to_string()))?;
+    if cfg.sliding != sliding {
+        let say = |s: Option<kvplug_core::SlidingLayers>| match s {
+            Some(s) => format!(
+                "a {}-token window on layers {:?}",
+                s.window,
+                s.layers.iter().collect::<Vec<_>>()
+            ),
+            None => "no sliding layers".into(),
+        };
+        return Err(PluginError::new(
+            AbiErrorKind::BadConfig,
+            format!(
+                "cache '{key}' has {}; the model needs {}",
+                say(cfg.sliding),
+                say(sliding)
             ),
         ));
     }

@@ -14,8 +14,8 @@ pub mod ops;
 pub mod package;
 pub mod stored;
 
-pub use config::{LlamaConfig, ModelError};
-pub use forward::{Activations, ForwardOutput, LlamaModel};
+pub use config::{ModelConfig, ModelError};
+pub use forward::{Activations, DecoderModel, ForwardOutput};
 pub use method::ForwardMethod;
 pub use ops::ModelDevice;
 pub use package::ModelPackage;

@@ -5,7 +5,7 @@ use crate::device::Device;
 
 use super::stored::StoredTensor;
 
-/// Tensor operations of the Llama forward pass. Activations are f32 `Device::Tensor`s,
+/// Tensor operations of the decoder forward pass (Llama family, Gemma 3). Activations are f32 `Device::Tensor`s,
 /// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
 /// consistent shapes.
 pub trait ModelDevice: Device {
@@ -33,7 +33,8 @@ pub trait ModelDevice: Device {
         ids: &[i32],
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
-    /// `out = x / rms(x) · w` per row (`eps` inside the root).
+    /// `out = x / rms(x) · w` per row of `w.len()` values (`eps` inside the root): x
+    /// `[T, k·n]` with w `[n]` normalises each n-wide piece (per-head q/k norms).
     fn rms_norm(
         &self,
         x: &Self::Tensor,
@@ -74,6 +75,16 @@ pub trait ModelDevice: Device {
         up: &Self::Tensor,
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
+    /// `out = gelu(gate) · up`, GELU's tanh approximation
+    /// `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`.
+    fn gelu_tanh_mul(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>;
+    /// `x *= s`.
+    fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<(), KitError>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<(), KitError>;
     /// Rows `rows` of `x` (`[T, n]`) into `out` (`[rows.len(), n]`).

@@ -10,13 +10,13 @@ use kvplug_core::metadata::{has_cache_params, read_cache_params};
 use kvplug_core::ModelCacheParams;
 use safetensors::{Dtype, SafeTensors};
 
-use super::config::{LlamaConfig, ModelError};
+use super::config::{ModelConfig, ModelError};
 use super::stored::{StoredDtype, StoredTensor};
 
 /// An opened model package.
 pub struct ModelPackage {
     /// The parsed configuration.
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     dir: PathBuf,
     shards: Vec<Arc<memmap2::Mmap>>,
     /// Tensor name → shard index.
@@ -34,7 +34,7 @@ impl ModelPackage {
     /// Opens `dir`, parsing the config and every shard header.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let cfg_path = dir.join("config.json");
-        let config = LlamaConfig::parse(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
+        let config = ModelConfig::parse(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
             .map_err(|e| ModelError::Malformed(format!("{}: {e}", cfg_path.display())))?;
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {

@@ -54,7 +54,7 @@ fn gather_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgro
     out[i] = a[idx[i / w] * w + i % w];
 }
 
-// out[r, :] = a[r, :] / rms(a[r, :]) · b; one workgroup per row, n0 = width.
+// out[r, :] = a[r, :] / rms(a[r, :]) · b; one workgroup per row of n0 = len(b) values.
 var<workgroup> red: array<f32, 64>;
 @compute @workgroup_size(64)
 fn rmsnorm_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -155,4 +155,22 @@ fn add_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups
     let i = flat(g, nw);
     if i >= p.total { return; }
     out[i] = out[i] + a[i];
+}
+
+// out = gelu(a) · b, GELU's tanh approximation.
+@compute @workgroup_size(64)
+fn gelu_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(g, nw);
+    if i >= p.total { return; }
+    let x = a[i];
+    let inner = 0.7978846 * (x + 0.044715 * x * x * x);
+    out[i] = 0.5 * x * (1.0 + tanh(inner)) * bitcast<f32>(b[i]);
+}
+
+// out *= eps (the scale factor).
+@compute @workgroup_size(64)
+fn scale_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(g, nw);
+    if i >= p.total { return; }
+    out[i] = out[i] * p.eps;
 }
