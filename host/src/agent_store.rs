@@ -109,6 +109,17 @@ pub fn check_agent_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// `prefix_attach` of `prompt` to `seq`, or 0 (nothing attached, the state untouched) when
+/// a hybrid cache's sliding layers no longer hold rows the match would need: the prompt is
+/// then prefilled whole.
+fn attach(cache: &SeqSession, seq: i32, prompt: &[i32]) -> Result<usize> {
+    match cache.prefix_attach(seq, &tokens_u32(prompt)) {
+        Ok(n) => Ok(n),
+        Err(e) if e.kind == AbiErrorKind::OutOfWindow => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
 fn tokens_u32(t: &[i32]) -> Vec<u32> {
     t.iter().map(|&x| x as u32).collect()
 }
@@ -300,21 +311,26 @@ impl AgentStore {
         if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
             if let Some(seq) = a.seq {
                 let keep = common_prefix(&a.tokens, prompt).min(limit);
-                a.tokens.truncate(keep);
                 if keep >= indexed {
-                    self.cache.seq_rm(seq, Some(keep as i32), None)?;
-                    return Ok(Some(Placed {
-                        seq,
-                        history: keep,
-                        restored: 0,
-                    }));
+                    match self.cache.seq_rm(seq, Some(keep as i32), None) {
+                        Ok(()) => {
+                            a.tokens.truncate(keep);
+                            return Ok(Some(Placed {
+                                seq,
+                                history: keep,
+                                restored: 0,
+                            }));
+                        }
+                        // A hybrid cache cannot go back that far: start the sequence over.
+                        Err(e) if e.kind == AbiErrorKind::OutOfWindow => {}
+                        Err(e) => return Err(e.into()),
+                    }
                 }
-                // The index holds more of this prompt than the agent's own history.
+                // The index holds more of this prompt than the agent's own history (or the
+                // history cannot be kept).
                 self.cache.seq_rm(seq, None, None)?;
                 a.tokens.clear();
-                let attached = self
-                    .cache
-                    .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
+                let attached = attach(&self.cache, seq, &prompt[..limit])?;
                 a.tokens = prompt[..attached].to_vec();
                 return Ok(Some(Placed {
                     seq,
@@ -338,9 +354,7 @@ impl AgentStore {
     /// cannot be freed now.
     fn fill(&mut self, seq: i32, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
         let limit = prompt.len() - 1;
-        let attached = self
-            .cache
-            .prefix_attach(seq, &tokens_u32(&prompt[..limit]))?;
+        let attached = attach(&self.cache, seq, &prompt[..limit])?;
         let mut history = attached;
         let mut restored = 0;
         if let Some(name) = agent {
