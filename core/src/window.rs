@@ -105,7 +105,8 @@ impl SlotMap {
         &self.mask
     }
 
-    fn slot_of(&self, cell: usize, pos: i32) -> Option<usize> {
+    /// The slot holding logical `cell`'s row at `pos`; none once dropped.
+    pub fn slot_of(&self, cell: usize, pos: i32) -> Option<usize> {
         let s = *self.of_cell.get(cell)?;
         (s != FREE && self.slots[s as usize].pos == pos).then_some(s as usize)
     }
@@ -287,6 +288,15 @@ impl SlotMap {
             "sequence {holder} would need position {pos}, which its sliding-window layers (window {w}) have already dropped: it can resume at position {} at the earliest (keep the positions below it), or be cleared and prefilled again",
             floor + w - 1
         ))
+    }
+
+    /// The index in `positions` (a sequence's history, ascending) of the first row this
+    /// group keeps for a holder whose last position is the last of them.
+    pub fn window_start(&self, positions: &[i32]) -> usize {
+        let Some(&last) = positions.last() else {
+            return 0;
+        };
+        positions.partition_point(|&p| p as i64 <= last as i64 - self.window as i64)
     }
 
     /// Frees every slot (the bookkeeping was cleared).

@@ -368,8 +368,13 @@ impl AgentStore {
                     if !self.make_room(need, agent)? {
                         return Ok(None);
                     }
-                    self.cache.import_seq(seq, &s.rows.slice(attached..have))?;
-                    (history, restored) = (have, need);
+                    // A hybrid model's file keeps its sliding layers' rows only for the
+                    // window at its end: a prompt that diverges before then is prefilled.
+                    match self.cache.import_seq(seq, &s.rows.slice(attached..have)) {
+                        Ok(()) => (history, restored) = (have, need),
+                        Err(e) if e.kind == AbiErrorKind::OutOfWindow => {}
+                        Err(e) => return Err(e.into()),
+                    }
                 }
             }
             let a = self.agents.entry(name.to_string()).or_insert(Agent {

@@ -118,15 +118,6 @@ impl Chat {
             (a, b) => a.or(b).unwrap_or(KvDtype::F16),
         };
         let cfg = cache_config(model, None, opts.capacity, kv_dtype)?;
-        if cfg.sliding.is_some() {
-            if let Some((path, _)) = &file {
-                bail!(
-                    "{}: session files of sliding-window models are not supported yet (their \
-                     sliding layers keep only the window); chat without a session file",
-                    path.display()
-                );
-            }
-        }
         let (session, options) = host.make_decode_session(&opts.backend, &cfg)?;
         let fwd = Forward::load(host, &opts.backend, model, None, options)?;
         let mut messages: Vec<Message> = opts

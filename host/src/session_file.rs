@@ -4,17 +4,20 @@
 //! Layout (schema version 1):
 //!
 //! - `positions` (I32 `[n]`) and `tokens` (I32 `[n]`): the position and token id of each row.
-//! - Per layer group `g` (one group, `g0`, for models whose layers all attend fully): the K
-//!   and V rows of every layer in their storage dtype, `[n_layers, n_kv_heads, n, ...]`.
-//!   f32/f16/bf16 rows are `g0.k` / `g0.v` (`[.., head_dim]` in that dtype); q8/q4 rows are
-//!   `g0.k.codes` (U8 `[.., code_bytes]`: one byte per value, or two 4-bit values per byte,
-//!   low nibble first) with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file
-//!   is about 0.31x an f16 one.
+//! - Per layer group: `g0`, the fully attending layers, with a row per position; `g1`, only
+//!   in files of hybrid models, the sliding-window layers, with the rows of the window they
+//!   keep (the positions from index `window_from` on). A group's K and V rows are in their
+//!   storage dtype, `[layers, n_kv_heads, rows, ...]`, layers ascending. f32/f16/bf16 rows
+//!   are `g0.k` / `g0.v` (`[.., head_dim]` in that dtype); q8/q4 rows are `g0.k.codes` (U8
+//!   `[.., code_bytes]`: one byte per value, or two 4-bit values per byte, low nibble first)
+//!   with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file is about 0.31x an
+//!   f16 one.
 //! - Metadata under `kv_cache.`: `format` (`kvplug-session`), `schema_version`,
 //!   `model_fingerprint` (see [`crate::fingerprint`]), `kv_dtype`, `n_layers`, `n_kv_heads`,
-//!   `head_dim`, `layer_groups`, `tokens`, `writer`, and `checksum`: the BLAKE3 of the whole
-//!   file with the checksum's own 64 hex digits written as `0`s. Applications add `app.*`
-//!   entries (a chat keeps its messages there).
+//!   `head_dim`, `layer_groups` (`full`, or `full,sliding` with `sliding_layers`, the
+//!   comma-separated layer indices of `g1`, and `window_from`), `tokens`, `writer`, and
+//!   `checksum`: the BLAKE3 of the whole file with the checksum's own 64 hex digits written
+//!   as `0`s. Applications add `app.*` entries (a chat keeps its messages there).
 //!
 //! Files are written atomically (temporary file, fsync, rename, fsync of the directory).
 //! A reader refuses, with a [`SessionFileError`] and before anything touches a cache: another
@@ -132,9 +135,10 @@ fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// The tensors of one K or V side: `(name suffix, dtype, last dimension, bytes)`.
-fn split_side(
-    layers: &[RVec<u8>],
+/// The tensors of one K or V side of a layer group: `(name suffix, dtype, last dimension,
+/// bytes)`.
+fn split_side<'a>(
+    layers: impl Iterator<Item = &'a RVec<u8>> + Clone,
     dtype: KvDtype,
     head_dim: usize,
 ) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
@@ -143,7 +147,7 @@ fn split_side(
             "",
             f,
             head_dim,
-            layers.iter().flat_map(|l| l.iter().copied()).collect(),
+            layers.flat_map(|l| l.iter().copied()).collect(),
         )],
         (None, Some((cb, groups))) => {
             let row = dtype.row_bytes(head_dim);
@@ -185,6 +189,12 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
         .iter()
         .map(|(k, v)| (format!("app.{k}"), v.clone()))
         .collect();
+    let sliding = &r.sliding_layers;
+    if !sliding.is_empty() {
+        let list: Vec<String> = sliding.iter().map(u32::to_string).collect();
+        meta.insert("kv_cache.sliding_layers".into(), list.join(","));
+        meta.insert("kv_cache.window_from".into(), r.window_from.to_string());
+    }
     for (k, v) in [
         ("format", FORMAT.to_string()),
         ("schema_version", SCHEMA_VERSION.to_string()),
@@ -193,7 +203,15 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
         ("n_layers", l.to_string()),
         ("n_kv_heads", h.to_string()),
         ("head_dim", d.to_string()),
-        ("layer_groups", "full".to_string()),
+        (
+            "layer_groups",
+            if sliding.is_empty() {
+                "full"
+            } else {
+                "full,sliding"
+            }
+            .to_string(),
+        ),
         ("tokens", n.to_string()),
         (
             "writer",
@@ -212,9 +230,23 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
         ),
         ("tokens".into(), Dtype::I32, vec![n], i32_bytes(&s.tokens)),
     ];
-    for (side, layers) in [("k", &r.k), ("v", &r.v)] {
-        for (suffix, dt, last, bytes) in split_side(layers, dtype, d) {
-            owned.push((format!("g0.{side}{suffix}"), dt, vec![l, h, n, last], bytes));
+    let groups = [(false, n), (true, n.saturating_sub(r.window_from as usize))];
+    for (g, (slides, rows)) in groups.into_iter().enumerate() {
+        let members = (0..l).filter(|&i| sliding.contains(&(i as u32)) == slides);
+        if slides && sliding.is_empty() {
+            continue;
+        }
+        for (side, layers) in [("k", &r.k), ("v", &r.v)] {
+            let of_group = members.clone().filter_map(|i| layers.get(i));
+            let count = of_group.clone().count();
+            for (suffix, dt, last, bytes) in split_side(of_group, dtype, d) {
+                owned.push((
+                    format!("g{g}.{side}{suffix}"),
+                    dt,
+                    vec![count, h, rows, last],
+                    bytes,
+                ));
+            }
         }
     }
     let views = owned
@@ -302,12 +334,16 @@ pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError
             found: get("schema_version")?.to_string(),
         });
     }
-    if get("layer_groups")? != "full" {
-        return Err(malformed(
-            path,
-            "layer groups other than 'full' need a newer kvplug",
-        ));
-    }
+    let hybrid = match get("layer_groups")? {
+        "full" => false,
+        "full,sliding" => true,
+        other => {
+            return Err(malformed(
+                path,
+                format!("layer groups '{other}' need a newer kvplug"),
+            ))
+        }
+    };
     let dtype: KvDtype = get("kv_dtype")?
         .parse()
         .map_err(|e| malformed(path, format!("kv_dtype: {e}")))?;
@@ -356,41 +392,84 @@ pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError
             "positions must be non-negative and ascending",
         ));
     }
-    let row = dtype.row_bytes(d);
-    // Sizes are computed only once a tensor of that shape is known to exist in the file.
-    let side = |s: &str| -> Result<RVec<RVec<u8>>, SessionFileError> {
-        match (float_dtype(dtype), quant_layout(dtype, d)) {
-            (Some(f), _) => {
-                let all = tensor(&format!("g0.{s}"), f, &[l, h, n, d])?;
-                let layer_bytes = (h * n * row).max(1);
-                Ok((0..l)
-                    .map(|i| {
-                        RVec::from_slice(
-                            all.get(i * layer_bytes..(i + 1) * layer_bytes)
-                                .unwrap_or(&[]),
-                        )
-                    })
-                    .collect())
-            }
-            (None, Some((cb, groups))) => {
-                let codes = tensor(&format!("g0.{s}.codes"), Dtype::U8, &[l, h, n, cb])?;
-                let scales = tensor(&format!("g0.{s}.scales"), Dtype::F16, &[l, h, n, groups])?;
-                let los = tensor(&format!("g0.{s}.los"), Dtype::F16, &[l, h, n, groups])?;
-                let mut layers: Vec<Vec<u8>> =
-                    (0..l).map(|_| Vec::with_capacity(h * n * row)).collect();
-                for r in 0..l * h * n {
-                    let layer = &mut layers[r / (h * n)];
-                    layer.extend_from_slice(&codes[r * cb..(r + 1) * cb]);
-                    for g in 0..groups {
-                        let at = 2 * (r * groups + g);
-                        layer.extend_from_slice(&scales[at..at + 2]);
-                        layer.extend_from_slice(&los[at..at + 2]);
-                    }
-                }
-                Ok(layers.into_iter().map(RVec::from).collect())
-            }
-            (None, None) => unreachable!("every KV dtype is float or quantized"),
+    let (sliding_layers, window_from) = if hybrid {
+        let layers = get("sliding_layers")?
+            .split(',')
+            .map(|x| x.parse::<u32>().ok().filter(|&i| (i as usize) < l))
+            .collect::<Option<Vec<u32>>>()
+            .filter(|v| v.windows(2).all(|w| w[0] < w[1]))
+            .ok_or_else(|| {
+                malformed(
+                    path,
+                    format!("sliding_layers: ascending layer indices below {l} expected"),
+                )
+            })?;
+        let from = num("window_from")?;
+        if from > n {
+            return Err(malformed(path, format!("window_from {from} > {n} rows")));
         }
+        (layers, from)
+    } else {
+        (Vec::new(), 0)
+    };
+    let row = dtype.row_bytes(d);
+    // Group `g`'s tensors of side `s` (`l` layers of `n` rows), split per layer.
+    // Sizes are computed only once a tensor of that shape is known to exist in the file.
+    let group =
+        |g: usize, s: &str, l: usize, n: usize| -> Result<Vec<RVec<u8>>, SessionFileError> {
+            match (float_dtype(dtype), quant_layout(dtype, d)) {
+                (Some(f), _) => {
+                    let all = tensor(&format!("g{g}.{s}"), f, &[l, h, n, d])?;
+                    let layer_bytes = (h * n * row).max(1);
+                    Ok((0..l)
+                        .map(|i| {
+                            RVec::from_slice(
+                                all.get(i * layer_bytes..(i + 1) * layer_bytes)
+                                    .unwrap_or(&[]),
+                            )
+                        })
+                        .collect())
+                }
+                (None, Some((cb, groups))) => {
+                    let codes = tensor(&format!("g{g}.{s}.codes"), Dtype::U8, &[l, h, n, cb])?;
+                    let scales =
+                        tensor(&format!("g{g}.{s}.scales"), Dtype::F16, &[l, h, n, groups])?;
+                    let los = tensor(&format!("g{g}.{s}.los"), Dtype::F16, &[l, h, n, groups])?;
+                    let mut layers: Vec<Vec<u8>> =
+                        (0..l).map(|_| Vec::with_capacity(h * n * row)).collect();
+                    for r in 0..l * h * n {
+                        let layer = &mut layers[r / (h * n)];
+                        layer.extend_from_slice(&codes[r * cb..(r + 1) * cb]);
+                        for g in 0..groups {
+                            let at = 2 * (r * groups + g);
+                            layer.extend_from_slice(&scales[at..at + 2]);
+                            layer.extend_from_slice(&los[at..at + 2]);
+                        }
+                    }
+                    Ok(layers.into_iter().map(RVec::from).collect())
+                }
+                (None, None) => unreachable!("every KV dtype is float or quantized"),
+            }
+        };
+    // Every layer's rows, in layer order.
+    let side = |s: &str| -> Result<RVec<RVec<u8>>, SessionFileError> {
+        let slides = |i: usize| sliding_layers.contains(&(i as u32));
+        let mut full = group(0, s, l - sliding_layers.len(), n)?.into_iter();
+        let mut window = match hybrid {
+            true => group(1, s, sliding_layers.len(), n - window_from)?,
+            false => Vec::new(),
+        }
+        .into_iter();
+        Ok((0..l)
+            .map(|i| {
+                if slides(i) {
+                    window.next()
+                } else {
+                    full.next()
+                }
+            })
+            .map(Option::unwrap_or_default)
+            .collect())
     };
     let rows = SeqRows {
         kv_dtype: dtype.to_string().into(),
@@ -400,6 +479,8 @@ pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError
         positions: positions.into(),
         k: side("k")?,
         v: side("v")?,
+        window_from: window_from as u32,
+        sliding_layers: sliding_layers.into(),
     };
     Ok(Session {
         rows,

@@ -473,6 +473,8 @@ fn tiny_session() -> kvplug_host::session_file::Session {
             positions: vec![0, 1, 2].into(),
             k: vec![layer(), layer()].into(),
             v: vec![layer(), layer()].into(),
+            sliding_layers: RVec::new(),
+            window_from: 0,
         },
         tokens: vec![5, 6, 7],
         model: "0".repeat(64),

@@ -117,8 +117,11 @@ pub struct CacheStats {
 
 /// One sequence's K/V history in storage form: what a session file holds, on any backend.
 ///
-/// Layer `l`'s K rows are `k[l]`, row-major `[n_kv_heads, positions.len(), row_bytes]` with
-/// `row_bytes = KvDtype::row_bytes(head_dim)`; V likewise. A row is its values little-endian
+/// Layer `l`'s K rows are `k[l]`, row-major `[n_kv_heads, rows, row_bytes]` with
+/// `row_bytes = KvDtype::row_bytes(head_dim)` and `rows` those of [`SeqRows::layer_rows`]:
+/// every position for a fully attending layer, the positions from index `window_from` on for
+/// a layer in `sliding_layers` (a hybrid model's sliding-window layers keep only the window);
+/// V likewise. A row is its values little-endian
 /// (f32/f16/bf16), or for q8/q4 its codes (one byte per value; for q4 two per byte, low
 /// nibble first) followed by one little-endian f16 `(scale, lo)` pair per group.
 #[repr(C)]
@@ -138,12 +141,27 @@ pub struct SeqRows {
     pub k: RVec<RVec<u8>>,
     /// Per layer V rows.
     pub v: RVec<RVec<u8>>,
+    /// Layers holding only the rows from index `window_from` on, ascending (empty: every
+    /// layer holds every row).
+    pub sliding_layers: RVec<u32>,
+    /// Index in `positions` of the first row the `sliding_layers` hold (0 without them).
+    pub window_from: u32,
 }
 
 impl SeqRows {
+    /// The range of row indices (into `positions`) layer `layer` holds.
+    pub fn layer_rows(&self, layer: usize) -> std::ops::Range<usize> {
+        let n = self.positions.len();
+        if self.sliding_layers.contains(&(layer as u32)) {
+            (self.window_from as usize).min(n)..n
+        } else {
+            0..n
+        }
+    }
+
     /// Bytes of one head row (0 when there are no rows).
     pub fn row_bytes(&self) -> usize {
-        let n = self.positions.len() * self.n_kv_heads as usize;
+        let n = self.layer_rows(0).len() * self.n_kv_heads as usize;
         self.k
             .first()
             .map_or(0, |l| l.len())
@@ -151,21 +169,24 @@ impl SeqRows {
             .unwrap_or(0)
     }
 
-    /// Rows `range` (by index, not position), every layer.
+    /// Rows `range` (by index, not position), every layer; a sliding layer keeps the part of
+    /// `range` it holds.
     pub fn slice(&self, range: std::ops::Range<usize>) -> SeqRows {
-        let (n, heads, row) = (
-            self.positions.len(),
-            self.n_kv_heads as usize,
-            self.row_bytes(),
-        );
+        let (heads, row) = (self.n_kv_heads as usize, self.row_bytes());
+        let from = (self.window_from as usize).clamp(range.start, range.end);
         let cut = |layers: &RVec<RVec<u8>>| -> RVec<RVec<u8>> {
             layers
                 .iter()
-                .map(|l| {
+                .enumerate()
+                .map(|(l, rows)| {
+                    let held = self.layer_rows(l);
+                    let (n, a, b) = (
+                        held.len(),
+                        range.start.max(held.start) - held.start,
+                        range.end.max(held.start) - held.start,
+                    );
                     (0..heads)
-                        .flat_map(|h| {
-                            l[(h * n + range.start) * row..(h * n + range.end) * row].to_vec()
-                        })
+                        .flat_map(|h| rows[(h * n + a) * row..(h * n + b) * row].to_vec())
                         .collect()
                 })
                 .collect()
@@ -174,6 +195,11 @@ impl SeqRows {
             positions: self.positions[range.clone()].to_vec().into(),
             k: cut(&self.k),
             v: cut(&self.v),
+            window_from: if self.sliding_layers.is_empty() {
+                0
+            } else {
+                (from - range.start) as u32
+            },
             ..self.clone()
         }
     }

@@ -330,3 +330,99 @@ fn gemma3_matches_the_f64_reference_past_the_window_on_every_backend() {
         "{e}"
     );
 }
+
+/// A hybrid cache's session rows: every row of the global layer, the window's rows of the
+/// sliding ones. Saved mid-conversation from a cpu seq cache, through a session file, into
+/// every backend and kind, the conversation goes on with the reference's logits (the first
+/// queries after the import read the imported window); an import that does not cover the
+/// window is refused with the cache untouched.
+#[test]
+fn a_hybrid_session_resumes_on_every_backend_and_kind() {
+    use kvplug_core::CacheKind;
+    use kvplug_host::session_file::{self, Session};
+    use kvplug_plugin_api::AbiErrorKind;
+
+    let dir = tempfile::tempdir().unwrap();
+    let c = config();
+    let w = weights(&c);
+    write_package(dir.path(), &c, &w);
+    let tokens: Vec<i32> = (0..4 * WINDOW as i32)
+        .map(|i| (i * 37 + 11) % 300)
+        .collect();
+    let want = reference(&c, &w, &tokens);
+    let saved_len = 3 * WINDOW;
+    let host = host();
+    let cfg = cache_config(dir.path(), None, 64, KvDtype::F32).unwrap();
+    let load = |backend: &str, kind: CacheKind, cfg: &kvplug_core::CacheConfig| {
+        let (s, opts) = host.make_session(backend, kind, cfg).unwrap();
+        let fwd = Forward::load(&host, backend, dir.path(), None, opts).unwrap();
+        (s, fwd)
+    };
+
+    let (src, mut fwd) = load("cpu", CacheKind::Seq, &cfg);
+    let positions: Vec<i32> = (0..saved_len as i32).collect();
+    src.cache()
+        .begin_step(vec![2; saved_len].as_slice().into())
+        .into_result()
+        .unwrap();
+    fwd.call(&tokens[..saved_len], &positions, None).unwrap();
+    let saved = Session {
+        rows: src.export_seq(2).unwrap(),
+        tokens: tokens[..saved_len].to_vec(),
+        model: "0".repeat(64),
+        app: Default::default(),
+    };
+    let rows = &saved.rows;
+    assert_eq!(rows.sliding_layers.as_slice(), [0, 1, 3]);
+    // The last query saw positions 10..=14: the sliding layers kept those 5 rows.
+    assert_eq!(rows.window_from as usize, saved_len - WINDOW);
+    let row = 4 * 32 * 2; // f32, head_dim 32, 2 KV heads
+    assert_eq!(rows.k[2].len(), saved_len * row);
+    assert_eq!(rows.k[0].len(), WINDOW * row);
+    let bytes = session_file::to_bytes(&saved).unwrap();
+    let loaded = session_file::from_bytes(Path::new("mem"), &bytes).unwrap();
+    assert!(loaded == saved, "the file round trip changed the session");
+
+    for backend in BACKENDS {
+        for kind in CacheKind::ALL {
+            let (dst, mut fwd) = load(backend, kind, &cfg);
+            let seq = if kind == CacheKind::Seq { 5 } else { 0 };
+            // Rows cut before their end lack the window the cut needs.
+            let head = loaded.rows.slice(0..saved_len - 3);
+            let e = dst.import_seq(seq, &head).unwrap_err();
+            assert_eq!(e.kind, AbiErrorKind::OutOfWindow, "{backend} {kind}: {e}");
+            assert_eq!(dst.stats().unwrap().live_cells, 0, "{backend} {kind}");
+            dst.import_seq(seq, &loaded.rows).unwrap();
+            assert!(
+                &dst.export_seq(seq).unwrap() == rows,
+                "{backend} {kind}: rows read back differ"
+            );
+            for t in saved_len..tokens.len() {
+                if kind == CacheKind::Seq {
+                    dst.cache()
+                        .begin_step(vec![seq].as_slice().into())
+                        .into_result()
+                        .unwrap();
+                }
+                let got = fwd.call(&tokens[t..=t], &[t as i32], None).unwrap();
+                let e = worst(&got[0], &want[t]);
+                assert!(
+                    e < 1e-3,
+                    "{backend} {kind} after the import, position {t}: max |logit error| {e}"
+                );
+            }
+        }
+    }
+
+    // A cache whose layers all attend fully needs every row of every layer.
+    let full = kvplug_core::CacheConfig {
+        sliding: None,
+        ..cfg
+    };
+    let (dst, _) = host
+        .make_session("cpu", CacheKind::Contiguous, &full)
+        .unwrap();
+    let e = dst.import_seq(0, rows).unwrap_err();
+    assert_eq!(e.kind, AbiErrorKind::OutOfWindow, "{e}");
+    assert!(e.message.contains("attends fully there"), "{e}");
+}

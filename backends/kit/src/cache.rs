@@ -358,27 +358,42 @@ impl<D: Device> KitCache<D> {
         }
     }
 
-    /// Session rows (export and import) hold every position of every layer; a sliding group
-    /// has dropped rows, so hybrid caches have no session rows yet.
-    fn check_rows_exist(&self) -> Result<(), KitError> {
-        if self.sliding.is_some() {
-            return Err(CacheError::not_supported(
-                "session rows of a cache with sliding-window layers (their layers no longer hold the whole history)",
-            )
-            .into());
-        }
-        Ok(())
-    }
-
-    /// The K/V history `seq` holds, in canonical storage form (see [`SeqRows`]).
+    /// The K/V history `seq` holds, in canonical storage form (see [`SeqRows`]): every row
+    /// of the fully attending layers, the window's rows of the sliding ones.
     pub fn export_seq(&self, seq: i32) -> Result<SeqRows, KitError> {
-        self.check_rows_exist()?;
         let history = self.book.history(seq)?;
+        let positions: Vec<i32> = history.iter().map(|h| h.0).collect();
         let cells: Vec<u32> = history.iter().map(|h| h.1).collect();
-        let read = |pools: &[D::Pool]| -> Result<RVec<RVec<u8>>, KitError> {
-            pools
+        let (mut window_from, mut slots, mut sliding_layers) = (0, Vec::new(), Vec::new());
+        if let (Some(g), Some(s)) = (&self.sliding, &self.cfg.sliding) {
+            window_from = g.map.window_start(&positions);
+            slots = history[window_from..]
                 .iter()
-                .map(|p| self.device.read_rows(p, &cells).map(RVec::from))
+                .map(|&(p, c)| {
+                    g.map
+                        .slot_of(c as usize, p)
+                        .map(|s| s as u32)
+                        .ok_or_else(|| {
+                            CacheError::out_of_window(format!(
+                            "sequence {seq}'s sliding-window layers no longer hold position {p}"
+                        ))
+                        })
+                })
+                .collect::<Result<_, _>>()?;
+            sliding_layers = s.layers.iter().map(|l| l as u32).collect();
+        }
+        let read = |side: usize| -> Result<RVec<RVec<u8>>, KitError> {
+            (0..self.cfg.n_layers)
+                .map(|l| {
+                    let (pool, at) = match self.place[l] {
+                        Place::Full(i) => (&[&self.k, &self.v][side][i], &cells),
+                        Place::Sliding(i) => {
+                            let g = self.sliding.as_ref().expect("sliding layers have a group");
+                            (&[&g.k, &g.v][side][i], &slots)
+                        }
+                    };
+                    self.device.read_rows(pool, at).map(RVec::from)
+                })
                 .collect()
         };
         Ok(SeqRows {
@@ -386,31 +401,31 @@ impl<D: Device> KitCache<D> {
             n_layers: self.cfg.n_layers as u32,
             n_kv_heads: self.cfg.n_kv_heads as u32,
             head_dim: self.cfg.head_dim as u32,
-            positions: history.iter().map(|h| h.0).collect(),
-            k: read(&self.k)?,
-            v: read(&self.v)?,
+            positions: positions.into(),
+            k: read(0)?,
+            v: read(1)?,
+            sliding_layers: sliding_layers.into(),
+            window_from: window_from as u32,
         })
     }
 
     /// Appends `rows` to the history of `seq`, in steps of at most [`IMPORT_CHUNK`] rows:
     /// every position `seq` holds must be below the first row's (a contiguous cache must
-    /// end right before it; a tree cache must be empty). Validates first; all or nothing.
+    /// end right before it; a tree cache must be empty), and the rows must cover this cache's
+    /// window after the last of them. Validates first; all or nothing.
     pub fn import_seq(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
         self.rollback();
-        self.check_rows_exist()?;
         self.check_rows(seq, rows)?;
         let Some(&first) = rows.positions.first() else {
             return Ok(());
         };
         let held_len = self.book.high_water();
         let n = rows.positions.len();
-        let row = self.cfg.kv_dtype.row_bytes(self.cfg.head_dim);
-        let heads = self.cfg.n_kv_heads;
         let mut chunk_rows = Vec::new();
         let mut result = Ok(());
         for start in (0..n).step_by(IMPORT_CHUNK) {
             let end = (start + IMPORT_CHUNK).min(n);
-            result = self.import_chunk(seq, rows, start..end, row, heads, &mut chunk_rows);
+            result = self.import_chunk(seq, rows, start..end, &mut chunk_rows);
             if result.is_err() {
                 break;
             }
@@ -422,20 +437,25 @@ impl<D: Device> KitCache<D> {
                 CacheKind::Contiguous => self.book.rewind(held_len)?,
                 CacheKind::Tree => self.book.clear(),
             }
+            if let Some(g) = &mut self.sliding {
+                g.map.check_verb(&self.book, None)?;
+            }
         }
         result
     }
 
+    /// Writes rows `range` of `rows` as one step. A sliding layer's rows from before the
+    /// window it was saved with are not written: the step's commit drops their slots.
     fn import_chunk(
         &mut self,
         seq: i32,
         rows: &SeqRows,
         range: std::ops::Range<usize>,
-        row: usize,
-        heads: usize,
         buf: &mut Vec<u8>,
     ) -> Result<(), KitError> {
-        let (n, t) = (rows.positions.len(), range.len());
+        let t = range.len();
+        let row = self.cfg.kv_dtype.row_bytes(self.cfg.head_dim);
+        let heads = self.cfg.n_kv_heads;
         if self.book.kind() == CacheKind::Seq {
             self.book.begin_step(&vec![seq; t])?;
         }
@@ -445,25 +465,42 @@ impl<D: Device> KitCache<D> {
             Some(s) => (s as u32..(s + t) as u32).collect(),
             None => plan.write_cells.clone(),
         };
-        let layers = self
-            .k
-            .iter_mut()
-            .zip(&rows.k)
-            .chain(self.v.iter_mut().zip(&rows.v));
-        for (pool, src) in layers {
-            buf.clear();
-            for h in 0..heads {
-                buf.extend_from_slice(&src[(h * n + range.start) * row..(h * n + range.end) * row]);
+        let mut failed = None;
+        'layers: for l in 0..self.cfg.n_layers {
+            let held = rows.layer_rows(l);
+            let from = range.start.max(held.start).min(range.end);
+            let (a, b) = (from - held.start, range.end - held.start);
+            let (pools, at) = match self.place[l] {
+                Place::Full(i) => ([&mut self.k[i], &mut self.v[i]], &cells[..]),
+                Place::Sliding(i) => {
+                    let g = self.sliding.as_mut().expect("sliding layers have a group");
+                    let (k, v) = (&mut g.k[i], &mut g.v[i]);
+                    ([k, v], g.map.write_slots())
+                }
+            };
+            for (pool, src) in pools.into_iter().zip([&rows.k[l], &rows.v[l]]) {
+                buf.clear();
+                for h in 0..heads {
+                    buf.extend_from_slice(
+                        &src[(h * held.len() + a) * row..(h * held.len() + b) * row],
+                    );
+                }
+                failed = self
+                    .device
+                    .write_rows(pool, &at[from - range.start..], buf)
+                    .err();
+                if failed.is_some() {
+                    break 'layers;
+                }
             }
-            if let Err(e) = self.device.write_rows(pool, &cells, buf) {
-                self.book.rollback_step();
-                return Err(e);
-            }
+        }
+        if let Some(e) = failed {
+            self.rollback();
+            return Err(e);
         }
         self.commit_step();
         Ok(())
     }
-
     /// Checks that `rows` fit this cache and can follow what `seq` holds.
     fn check_rows(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
         let cfg = &self.cfg;
@@ -487,18 +524,36 @@ impl<D: Device> KitCache<D> {
             .into());
         }
         let n = rows.positions.len();
-        let bytes = cfg.n_kv_heads * n * cfg.kv_dtype.row_bytes(cfg.head_dim);
-        let sized =
-            |v: &RVec<RVec<u8>>| v.len() == cfg.n_layers && v.iter().all(|l| l.len() == bytes);
+        let sliding = &rows.sliding_layers;
+        if rows.window_from as usize > n
+            || sliding.windows(2).any(|w| w[0] >= w[1])
+            || sliding.last().is_some_and(|&l| l as usize >= cfg.n_layers)
+        {
+            return Err(CacheError::bad_shape(format!(
+                "sliding layers {sliding:?} from row {} of {n}: layers must ascend below {} and the row be at most {n}",
+                rows.window_from, cfg.n_layers
+            ))
+            .into());
+        }
+        let row = cfg.kv_dtype.row_bytes(cfg.head_dim);
+        let sized = |v: &RVec<RVec<u8>>| {
+            v.len() == cfg.n_layers
+                && v.iter()
+                    .enumerate()
+                    .all(|(l, b)| b.len() == cfg.n_kv_heads * rows.layer_rows(l).len() * row)
+        };
         if !sized(&rows.k) || !sized(&rows.v) {
             return Err(CacheError::bad_shape(format!(
-                "every layer's K and V must hold {bytes} bytes ({n} rows)"
+                "every layer's K and V must hold {} bytes per row it holds ({n} rows; sliding layers from row {})",
+                cfg.n_kv_heads * row,
+                rows.window_from
             ))
             .into());
         }
         if rows.positions.windows(2).any(|w| w[0] > w[1]) {
             return Err(CacheError::bad_position("row positions must ascend").into());
         }
+        self.check_window(rows)?;
         let held = self.book.history(seq)?;
         if let (Some(&(last, _)), Some(&first)) = (held.last(), rows.positions.first()) {
             let appends = match self.book.kind() {
@@ -523,6 +578,37 @@ impl<D: Device> KitCache<D> {
                 self.book.capacity()
             ))
             .into());
+        }
+        Ok(())
+    }
+
+    /// Every layer must hold the rows this cache keeps after the last of `rows`: all of
+    /// them in a fully attending layer, the window's in a sliding one.
+    fn check_window(&self, rows: &SeqRows) -> Result<(), KitError> {
+        if rows.sliding_layers.is_empty() {
+            return Ok(());
+        }
+        let need = match &self.sliding {
+            Some(g) => g.map.window_start(&rows.positions),
+            None => 0,
+        };
+        let from = rows.window_from as usize;
+        for &l in rows.sliding_layers.iter() {
+            let l = l as usize;
+            let keep = if self.cfg.slides(l) { need } else { 0 };
+            if from > keep {
+                let at = |i: usize| rows.positions.get(i).copied().unwrap_or(0);
+                return Err(CacheError::out_of_window(format!(
+                    "layer {l} of the rows holds positions from {} on; this cache needs them from {} on (it {}): import the sequence's whole saved history",
+                    at(from),
+                    at(keep),
+                    match &self.sliding {
+                        Some(g) if self.cfg.slides(l) => format!("keeps a window of {} there", g.map.window()),
+                        _ => "attends fully there".to_string(),
+                    }
+                ))
+                .into());
+            }
         }
         Ok(())
     }
