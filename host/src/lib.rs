@@ -16,6 +16,7 @@
 //!   session erases the key. The face (decode / seq / tree) is fixed by the factory.
 
 pub mod agent_store;
+pub mod bench;
 pub mod chat;
 pub mod conform;
 pub mod discovery;

@@ -94,6 +94,9 @@ enum Command {
     /// An OpenAI-compatible HTTP server (chat and text completions, streaming, continuous
     /// batching, prefix reuse; agent sessions by the X-Session-Id header).
     Serve(kvplug_host::serve::ServeArgs),
+    /// Throughput like llama.cpp's llama-bench: pp (prefill) and tg (decode) tokens per second
+    /// at context depths, per backend, cache kind and KV dtype.
+    Bench(kvplug_host::bench::BenchArgs),
     /// The main job: decode (f16 and q8 KV), agent fork and speculative decoding of a model
     /// on one backend, as a table.
     Demo {
@@ -398,6 +401,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Session { command } => {
             sessions(&SessionDir::standard(cli.session_dir.as_deref()), command)
         }
+        Command::Bench(args) => bench(&host, args),
         Command::Serve(args) => {
             let dir = SessionDir::standard(cli.session_dir.as_deref());
             kvplug_host::serve::serve(&host, args.options(dir.dir())?)?;
@@ -506,6 +510,28 @@ fn prompt_of(a: &RunArgs, model: &std::path::Path) -> Result<(Vec<i32>, Option<T
         _ => bail!("pass --prompt TEXT or --prompt-ids 1,2,3"),
     };
     Ok((ids, text))
+}
+
+fn bench(host: &Host, a: kvplug_host::bench::BenchArgs) -> Result<ExitCode> {
+    use kvplug_host::bench;
+    if !a.json {
+        println!("{}", bench::TABLE_HEAD);
+    }
+    let results = bench::run(host, &a, &mut |r| {
+        if !a.json {
+            println!("{}", bench::table_row(r));
+        }
+    })?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        let devices: std::collections::BTreeSet<_> =
+            results.iter().map(|r| (&r.backend, &r.device)).collect();
+        for (backend, device) in devices {
+            println!("{backend}: {device}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_model(host: &Host, a: RunArgs) -> Result<ExitCode> {

@@ -286,3 +286,39 @@ fn refused_forwards_leave_the_cache_as_it_was() {
         assert!(e.contains("--max-new 0"), "{e}");
     }
 }
+
+/// `kvplug bench` runs every combination (backend, kind, depth, test) with one sample per
+/// repetition, from each depth's context, and refuses an empty test list.
+#[test]
+fn bench_runs_every_combination() {
+    use kvplug_core::CacheKind;
+    use kvplug_host::bench::{run, BenchArgs};
+
+    let model = tiny();
+    let host = host();
+    let mut args = BenchArgs {
+        model: model.path().to_path_buf(),
+        backend: BACKENDS.iter().map(|b| b.to_string()).collect(),
+        kind: CacheKind::ALL.to_vec(),
+        kv_dtype: vec![KvDtype::F16],
+        n_prompt: vec![9],
+        n_gen: vec![4],
+        n_depth: vec![0, 5],
+        repetitions: 2,
+        json: false,
+    };
+    let mut seen = 0;
+    let results = run(&host, &args, &mut |_| seen += 1).unwrap();
+    assert_eq!(results.len(), BACKENDS.len() * 3 * 2 * 2);
+    assert_eq!(seen, results.len());
+    for r in &results {
+        assert_eq!(r.samples_ts.len(), 2, "{}", r.test());
+        assert!(r.avg_ts.is_finite() && r.avg_ts > 0.0, "{}", r.test());
+        assert!(r.cache_bytes > 0);
+    }
+    let names: Vec<String> = results[..4].iter().map(|r| r.test()).collect();
+    assert_eq!(names, ["pp9", "tg4", "pp9 @ d5", "tg4 @ d5"]);
+    (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
+    let e = run(&host, &args, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("no tests"), "{e}");
+}
