@@ -57,9 +57,11 @@ clippy:
 unit: build
 	$(CARGO) test --workspace
 
-## make bench: criterion benchmarks of the cpu backend, then BENCH.md regenerated from them.
+## make bench: criterion benchmarks of the cpu backend and the KV growth benchmark, then
+## BENCH.md regenerated from them (with make bench-peers' table when it has run).
 bench: deps
 	$(CARGO) bench -p kvplug-cpu --bench attention
+	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)

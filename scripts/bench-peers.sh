@@ -5,7 +5,8 @@
 # (pinned below with its SHA-256), with cmake from Debian, in .peers/ (git-ignored). Both
 # sides read one f16 GGUF: llama.cpp's llama-quantize writes it from MODEL (kvplug keeps
 # imported weights in f16, so both run the same numbers). Then llama-bench and `kvplug bench`
-# run the same tests and a table of their tokens per second and kvplug / llama.cpp follows.
+# run the same tests and a table of their tokens per second and kvplug / llama.cpp follows
+# (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md).
 #
 # Settings (environment): MODEL (a GGUF; default the demo model), THREADS (default: every
 # core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r),
@@ -77,13 +78,13 @@ echo "bench-peers: kvplug (cpu backend, KV $KVPLUG_KV)"
 ./target/release/kvplug --plugins target/release bench --model "$f16" --backend cpu \
     --kv-dtype "$KVPLUG_KV" -p "$PP" -n "$TG" -d "$DEPTHS" -r "$REPS" --json >"$PEERS/kvplug.json"
 
-python3 - "$PEERS/llama.json" "$PEERS/kvplug.json" "$f16" "$THREADS" "$KV" <<'EOF'
+python3 - "$PEERS/llama.json" "$PEERS/kvplug.json" "$MODEL" "$THREADS" "$KV" <<'EOF' | tee "$PEERS/peers.md"
 import json, sys
 llama, kvplug = (json.load(open(p)) for p in sys.argv[1:3])
 model, threads, kv = sys.argv[3:]
 key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"])
 theirs = {key(r): r for r in llama}
-print(f"\n{model}, {threads} threads, KV {kv}\n")
+print(f"{model} as f16 on both sides, {threads} threads, KV {kv}.\n")
 print("| test | llama.cpp t/s | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | ---: | ---: |")
 for r in kvplug:

@@ -139,7 +139,31 @@ fn main() {
         )
         .unwrap();
     }
-    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("BENCH.md");
+    let growth = criterion_dir().join("kv_growth.md");
+    let growth = std::fs::read_to_string(&growth).unwrap_or_else(|_| {
+        panic!(
+            "no {}: run `cargo run --release -p kvplug-cpu --example kv_growth > {0}` first",
+            growth.display()
+        )
+    });
+    writeln!(
+        md,
+        "\n## KV growth, one layer fed token by token (seed 004's caches)\n"
+    )
+    .unwrap();
+    writeln!(md, "Hkv 8, head_dim 128, f16, 4,096 tokens; each cache returns the whole history after every append (`examples/kv_growth.rs` says how each is modelled).\n").unwrap();
+    md.push_str(&growth);
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    writeln!(md, "\n## Against llama.cpp (`make bench-peers`)\n").unwrap();
+    match std::fs::read_to_string(manifest.join("../../.peers/peers.md")) {
+        Ok(peers) => md.push_str(&peers),
+        Err(_) => writeln!(
+            md,
+            "Not measured on this machine yet: run `make bench-peers`, then `make bench`."
+        )
+        .unwrap(),
+    }
+    let out = manifest.join("BENCH.md");
     std::fs::write(&out, &md).unwrap();
     print!("{md}");
     eprintln!("wrote {}", out.display());

@@ -31,6 +31,27 @@ pub enum Storage {
     },
 }
 
+/// One head's rows of a pool in its storage dtype, `head_dim` values per row (see
+/// [`Storage`] for the quantized layout).
+#[derive(Clone, Copy, Debug)]
+pub enum HeadRows<'a> {
+    /// f32 rows.
+    F32(&'a [f32]),
+    /// f16 rows.
+    F16(&'a [f16]),
+    /// bf16 rows.
+    Bf16(&'a [bf16]),
+    /// Quantized rows: codes, f16 scale bits and f16 offset bits.
+    Quant {
+        /// Codes.
+        codes: &'a [u8],
+        /// Scales.
+        scales: &'a [u16],
+        /// Offsets.
+        los: &'a [u16],
+    },
+}
+
 /// One layer's K or V pool. Row `h * cells + c` holds head `h` of cell `c`.
 #[derive(Clone, Debug)]
 pub struct CpuPool {
@@ -119,6 +140,29 @@ impl CpuPool {
             Storage::Bf16(_) => KvDtype::Bf16,
             Storage::Quant { bits: 8, group, .. } => KvDtype::Q8 { group: *group },
             Storage::Quant { group, .. } => KvDtype::Q4 { group: *group },
+        }
+    }
+
+    /// Rows `[0, len)` of head `h`, borrowed (`len` at most `cells`): the history a
+    /// [`PoolView`](kvplug_backend_kit::kv_face::PoolView) of this pool covers.
+    pub fn head_rows(&self, h: usize, len: usize) -> HeadRows<'_> {
+        let (d, r) = (self.head_dim, h * self.cells);
+        let rows = |per_row: usize| r * per_row..(r + len) * per_row;
+        match &self.storage {
+            Storage::F32(v) => HeadRows::F32(&v[rows(d)]),
+            Storage::F16(v) => HeadRows::F16(&v[rows(d)]),
+            Storage::Bf16(v) => HeadRows::Bf16(&v[rows(d)]),
+            Storage::Quant {
+                bits,
+                group,
+                codes,
+                scales,
+                los,
+            } => HeadRows::Quant {
+                codes: &codes[rows(d * *bits as usize / 8)],
+                scales: &scales[rows(d / *group)],
+                los: &los[rows(d / *group)],
+            },
         }
     }
 

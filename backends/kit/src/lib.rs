@@ -22,6 +22,7 @@
 pub mod cache;
 pub mod device;
 pub mod glue;
+pub mod kv_face;
 pub mod model;
 pub mod object;
 pub mod quant;
