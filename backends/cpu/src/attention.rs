@@ -1,6 +1,8 @@
 //! The attention kernel: GQA without repeating KV heads, masks None / Causal / Explicit,
 //! quantized rows dequantized inside the dot products, stable softmax. Work is split over
-//! KV heads on the [`Workers`] pool when the window is long.
+//! KV heads on the [`Workers`] pool when the window is long. A decode step (one query
+//! token) runs on the fused, tiled kernel of [`crate::decode_attention`] where the CPU has
+//! AVX2/FMA/F16C; several query tokens (prefill, fork, tree verify) on the row kernel here.
 
 use half::{bf16, f16};
 use kvplug_backend_kit::AttendMask;
@@ -38,6 +40,9 @@ pub struct HeadScratch {
     window: (Vec<f32>, Vec<f32>),
     /// One K or V row converted to f32, `[D]`.
     row: Vec<f32>,
+    /// The decode kernel's tile scores and softmax state.
+    #[cfg(target_arch = "x86_64")]
+    decode: crate::decode_attention::DecodeScratch,
 }
 
 /// Scratch of one cache: one [`HeadScratch`] per KV head.
@@ -144,6 +149,10 @@ pub fn attend(
     let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
         let (kr, vr) = (Rows::of(k, kh), Rows::of(v, kh));
+        #[cfg(target_arch = "x86_64")]
+        if t == 1 && attend_decode(qh, kr, vr, g, d, l, mask, scale, o, s) {
+            return;
+        }
         #[cfg(feature = "xnnpack")]
         if t >= XNNPACK_MIN_TOKENS
             && XNNPACK_ENABLED.load(std::sync::atomic::Ordering::Relaxed)
@@ -173,6 +182,80 @@ pub fn attend(
             one(kh, o, s);
         }
     }
+}
+
+/// [`attend_kv_head`] for one query token on the fused decode kernel
+/// ([`crate::decode_attention`]); false (nothing done) where it does not apply: no
+/// AVX2/FMA/F16C, `d` not a multiple of 16, quantized groups not a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn attend_decode(
+    q: &[f32],
+    k: Rows<'_>,
+    v: Rows<'_>,
+    g: usize,
+    d: usize,
+    l: usize,
+    mask: AttendMask<'_>,
+    scale: f32,
+    out: &mut [f32],
+    s: &mut HeadScratch,
+) -> bool {
+    use crate::decode_attention::{attend, Bf16Rows, Plain, QuantRows};
+    use half::slice::HalfFloatSliceExt;
+    if !simd::vector_path() || d % 16 != 0 {
+        return false;
+    }
+    // One query at position l - 1: a causal mask hides nothing.
+    let mask = match mask {
+        AttendMask::Explicit(m) => Some(&m[..l]),
+        AttendMask::None | AttendMask::Causal => None,
+    };
+    let s = &mut s.decode;
+    let bits = |r: &[u16]| Plain { p: r.as_ptr(), d };
+    let quant = |r: Rows<'_>| match r {
+        Rows::Quant {
+            bits,
+            group,
+            codes,
+            scales,
+            los,
+        } if group % 8 == 0 => Some(QuantRows {
+            codes: codes.as_ptr(),
+            scales: scales.as_ptr(),
+            los: los.as_ptr(),
+            bits: bits as usize,
+            group,
+            d,
+        }),
+        _ => None,
+    };
+    // SAFETY: the features were checked above, d % 16 == 0, and each pool holds l rows of
+    // d values in the layout its view reads (K and V share the cache's storage dtype).
+    unsafe {
+        match (k, v) {
+            (Rows::F32(a), Rows::F32(b)) => {
+                let (a, b) = (Plain { p: a.as_ptr(), d }, Plain { p: b.as_ptr(), d });
+                attend(q, a, b, g, d, l, mask, scale, out, s)
+            }
+            (Rows::F16(a), Rows::F16(b)) => {
+                let (a, b) = (bits(a.reinterpret_cast()), bits(b.reinterpret_cast()));
+                attend(q, a, b, g, d, l, mask, scale, out, s)
+            }
+            (Rows::Bf16(a), Rows::Bf16(b)) => {
+                let (a, b) = (
+                    Bf16Rows(bits(a.reinterpret_cast())),
+                    Bf16Rows(bits(b.reinterpret_cast())),
+                );
+                attend(q, a, b, g, d, l, mask, scale, out, s)
+            }
+            _ => match (quant(k), quant(v)) {
+                (Some(a), Some(b)) => attend(q, a, b, g, d, l, mask, scale, out, s),
+                _ => return false,
+            },
+        }
+    }
+    true
 }
 
 /// [`attend_kv_head`] as two XNNPACK GEMMs: `S = Q·Kᵀ` over all `g·T` query rows, masked

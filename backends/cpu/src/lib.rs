@@ -6,6 +6,7 @@
 //! heads on both cores. Exported as a plugin with one line; also usable as an rlib.
 
 pub mod attention;
+pub mod decode_attention;
 pub mod linear;
 pub mod model;
 pub mod pool;
