@@ -88,20 +88,27 @@ fn filled(len: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
     c
 }
 
-/// The machine's read bandwidth: summing a 256 MiB buffer (GB/s = bytes / time).
+/// The machine's read bandwidth: summing a 256 MiB buffer on every thread of the worker
+/// pool the kernels run on, one slice each (GB/s = bytes / time).
 fn read_bandwidth(cr: &mut Criterion) {
     let buf: Vec<f32> = (0..64 << 20).map(|i| i as f32).collect();
+    let workers = kvplug_cpu::workers::Workers::global();
+    let slice = buf.len().div_ceil(workers.participants());
     let mut g = cr.benchmark_group("read_bandwidth");
     g.sample_size(10).measurement_time(Duration::from_secs(4));
     g.bench_function("sum_256MiB", |b| {
         b.iter(|| {
-            let mut acc = [0f32; 16];
-            for c in buf.chunks_exact(16) {
-                for l in 0..16 {
-                    acc[l] += c[l];
+            workers.run(workers.participants(), &|p| {
+                let mut acc = [0f32; 16];
+                for c in buf[(p * slice).min(buf.len())..((p + 1) * slice).min(buf.len())]
+                    .chunks_exact(16)
+                {
+                    for l in 0..16 {
+                        acc[l] += c[l];
+                    }
                 }
-            }
-            black_box(acc)
+                black_box(acc);
+            })
         })
     });
     g.finish();

@@ -220,14 +220,7 @@ fn attend_decode(
             codes,
             scales,
             los,
-        } if group % 8 == 0 => Some(QuantRows {
-            codes: codes.as_ptr(),
-            scales: scales.as_ptr(),
-            los: los.as_ptr(),
-            bits: bits as usize,
-            group,
-            d,
-        }),
+        } => QuantRows::new(codes, scales, los, bits, group, d),
         _ => None,
     };
     // SAFETY: the features were checked above, d % 16 == 0, and each pool holds l rows of

@@ -67,18 +67,48 @@ impl Row8 for Bf16Rows {
 /// multiple of 8 values, so one f16 scale and offset cover each 8-value load.
 #[derive(Clone, Copy)]
 pub struct QuantRows {
-    /// Codes.
-    pub codes: *const u8,
-    /// f16 scale bits.
-    pub scales: *const u16,
-    /// f16 offset bits.
-    pub los: *const u16,
-    /// 8 or 4.
-    pub bits: usize,
-    /// Values per group.
-    pub group: usize,
-    /// Values per row.
-    pub d: usize,
+    codes: *const u8,
+    scales: *const u16,
+    los: *const u16,
+    bits: usize,
+    d: usize,
+    /// Groups per row.
+    ng: usize,
+    /// The group of each 8-value chunk of a row (no division on the hot path).
+    chunk_group: [u16; MAX_CHUNKS],
+}
+
+/// Chunks of 8 values per row [`QuantRows`] supports (head_dim up to 512).
+const MAX_CHUNKS: usize = 64;
+
+impl QuantRows {
+    /// A view of quantized rows; `None` when a group is not a multiple of 8 values or `d`
+    /// exceeds 512.
+    pub fn new(
+        codes: &[u8],
+        scales: &[u16],
+        los: &[u16],
+        bits: u32,
+        group: usize,
+        d: usize,
+    ) -> Option<Self> {
+        if group % 8 != 0 || d / 8 > MAX_CHUNKS {
+            return None;
+        }
+        let mut chunk_group = [0u16; MAX_CHUNKS];
+        for (i, g) in chunk_group.iter_mut().enumerate().take(d / 8) {
+            *g = (i * 8 / group) as u16;
+        }
+        Some(QuantRows {
+            codes: codes.as_ptr(),
+            scales: scales.as_ptr(),
+            los: los.as_ptr(),
+            bits: bits as usize,
+            d,
+            ng: d / group,
+            chunk_group,
+        })
+    }
 }
 
 impl Row8 for QuantRows {
@@ -99,14 +129,17 @@ impl Row8 for QuantRows {
             let shifted = _mm256_srlv_epi32(wide, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
             _mm256_and_si256(shifted, _mm256_set1_epi32(0xf))
         };
-        let ng = self.d / self.group;
-        let g = j * ng + c / self.group;
-        let scale = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*self.scales.add(g) as i32)));
-        let lo = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*self.los.add(g) as i32)));
+        let g = j * self.ng + *self.chunk_group.get_unchecked(c / 8) as usize;
+        // Scale and offset as a pair of f16s, widened together.
+        let pair = _mm_insert_epi16::<1>(
+            _mm_cvtsi32_si128(*self.scales.add(g) as i32),
+            *self.los.add(g) as i32,
+        );
+        let sl = _mm_cvtph_ps(pair);
         _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(codes),
-            _mm256_set1_ps(scale),
-            _mm256_set1_ps(lo),
+            _mm256_broadcastss_ps(sl),
+            _mm256_broadcastss_ps(_mm_movehdup_ps(sl)),
         )
     }
 }
