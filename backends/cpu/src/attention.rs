@@ -4,10 +4,9 @@
 //! token) runs on the fused, tiled kernel of [`crate::decode_attention`] where the CPU has
 //! AVX2/FMA/F16C; several query tokens (prefill, fork, tree verify) on the row kernel here.
 
-use half::{bf16, f16};
 use kvplug_backend_kit::AttendMask;
 
-use crate::pool::{CpuPool, Storage};
+use crate::pool::{CpuPool, HeadRows};
 use crate::simd;
 use crate::tensor::CpuTensor;
 use crate::workers::{DisjointChunks, Workers};
@@ -51,54 +50,26 @@ pub struct CpuScratch {
     heads: Vec<HeadScratch>,
 }
 
-/// Read access to one head's rows of a pool, in its storage dtype.
-#[derive(Clone, Copy)]
-enum Rows<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    Bf16(&'a [bf16]),
-    Quant {
-        bits: u32,
-        group: usize,
-        codes: &'a [u8],
-        scales: &'a [u16],
-        los: &'a [u16],
-    },
+/// Row conversions of the row kernel.
+trait LoadRows {
+    /// Row `j` as f32 into `out` (`[D]`).
+    fn load(&self, j: usize, out: &mut [f32]);
+    /// HeadRows `[0, l)` as f32 into `buf` (`[l, d]`).
+    /// Rows `[0, l)` as f32 into `buf` (`[l, d]`).
+    #[cfg(feature = "xnnpack")]
+    fn window_f32(&self, l: usize, d: usize, buf: &mut Vec<f32>);
 }
 
-impl<'a> Rows<'a> {
-    fn of(pool: &'a CpuPool, h: usize) -> Self {
-        let (d, n) = (pool.head_dim, pool.cells);
-        let span = |per_row: usize| h * n * per_row..(h + 1) * n * per_row;
-        match &pool.storage {
-            Storage::F32(v) => Rows::F32(&v[span(d)]),
-            Storage::F16(v) => Rows::F16(&v[span(d)]),
-            Storage::Bf16(v) => Rows::Bf16(&v[span(d)]),
-            Storage::Quant {
-                bits,
-                group,
-                codes,
-                scales,
-                los,
-            } => Rows::Quant {
-                bits: *bits,
-                group: *group,
-                codes: &codes[span(d * *bits as usize / 8)],
-                scales: &scales[span(d / *group)],
-                los: &los[span(d / *group)],
-            },
-        }
-    }
-
-    /// Row `j` as f32 into `out` (`[D]`): one conversion per row, shared by every query.
+impl LoadRows for HeadRows<'_> {
+    /// One conversion per row, shared by every query.
     #[inline(always)]
     fn load(&self, j: usize, out: &mut [f32]) {
         let d = out.len();
         match *self {
-            Rows::F32(v) => out.copy_from_slice(&v[j * d..(j + 1) * d]),
-            Rows::F16(v) => simd::f16_to_f32(&v[j * d..(j + 1) * d], out),
-            Rows::Bf16(v) => simd::bf16_to_f32(&v[j * d..(j + 1) * d], out),
-            Rows::Quant {
+            HeadRows::F32(v) => out.copy_from_slice(&v[j * d..(j + 1) * d]),
+            HeadRows::F16(v) => simd::f16_to_f32(&v[j * d..(j + 1) * d], out),
+            HeadRows::Bf16(v) => simd::bf16_to_f32(&v[j * d..(j + 1) * d], out),
+            HeadRows::Quant {
                 bits,
                 group,
                 codes,
@@ -148,7 +119,7 @@ pub fn attend(
     let per_head = g * t * d;
     let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
-        let (kr, vr) = (Rows::of(k, kh), Rows::of(v, kh));
+        let (kr, vr) = (k.head_rows(kh, k.cells), v.head_rows(kh, v.cells));
         #[cfg(target_arch = "x86_64")]
         if t == 1 && attend_decode(qh, kr, vr, g, d, l, mask, scale, o, s) {
             return;
@@ -191,8 +162,8 @@ pub fn attend(
 #[allow(clippy::too_many_arguments)]
 fn attend_decode(
     q: &[f32],
-    k: Rows<'_>,
-    v: Rows<'_>,
+    k: HeadRows<'_>,
+    v: HeadRows<'_>,
     g: usize,
     d: usize,
     l: usize,
@@ -213,8 +184,8 @@ fn attend_decode(
     };
     let s = &mut s.decode;
     let bits = |r: &[u16]| Plain { p: r.as_ptr(), d };
-    let quant = |r: Rows<'_>| match r {
-        Rows::Quant {
+    let quant = |r: HeadRows<'_>| match r {
+        HeadRows::Quant {
             bits,
             group,
             codes,
@@ -227,15 +198,15 @@ fn attend_decode(
     // d values in the layout its view reads (K and V share the cache's storage dtype).
     unsafe {
         match (k, v) {
-            (Rows::F32(a), Rows::F32(b)) => {
+            (HeadRows::F32(a), HeadRows::F32(b)) => {
                 let (a, b) = (Plain { p: a.as_ptr(), d }, Plain { p: b.as_ptr(), d });
                 attend(q, a, b, g, d, l, mask, scale, out, s)
             }
-            (Rows::F16(a), Rows::F16(b)) => {
+            (HeadRows::F16(a), HeadRows::F16(b)) => {
                 let (a, b) = (bits(a.reinterpret_cast()), bits(b.reinterpret_cast()));
                 attend(q, a, b, g, d, l, mask, scale, out, s)
             }
-            (Rows::Bf16(a), Rows::Bf16(b)) => {
+            (HeadRows::Bf16(a), HeadRows::Bf16(b)) => {
                 let (a, b) = (
                     Bf16Rows(bits(a.reinterpret_cast())),
                     Bf16Rows(bits(b.reinterpret_cast())),
@@ -257,8 +228,8 @@ fn attend_decode(
 #[allow(clippy::too_many_arguments)]
 fn attend_kv_head_gemm(
     q: &[f32],
-    k: Rows<'_>,
-    v: Rows<'_>,
+    k: HeadRows<'_>,
+    v: HeadRows<'_>,
     g: usize,
     t: usize,
     d: usize,
@@ -310,8 +281,8 @@ fn attend_kv_head_gemm(
 #[allow(clippy::too_many_arguments)]
 fn attend_kv_head(
     q: &[f32],
-    k: Rows<'_>,
-    v: Rows<'_>,
+    k: HeadRows<'_>,
+    v: HeadRows<'_>,
     g: usize,
     t: usize,
     d: usize,

@@ -43,6 +43,10 @@ pub enum HeadRows<'a> {
     Bf16(&'a [bf16]),
     /// Quantized rows: codes, f16 scale bits and f16 offset bits.
     Quant {
+        /// 8 or 4.
+        bits: u32,
+        /// Values per group.
+        group: usize,
         /// Codes.
         codes: &'a [u8],
         /// Scales.
@@ -159,6 +163,8 @@ impl CpuPool {
                 scales,
                 los,
             } => HeadRows::Quant {
+                bits: *bits,
+                group: *group,
                 codes: &codes[rows(d * *bits as usize / 8)],
                 scales: &scales[rows(d / *group)],
                 los: &los[rows(d / *group)],
