@@ -67,7 +67,8 @@ fi
 f16="$PEERS/$(basename "${MODEL%.gguf}").f16.gguf"
 if [ ! -f "$f16" ]; then
     echo "bench-peers: writing $f16"
-    "$build/bin/llama-quantize" --allow-requantize "$MODEL" "$f16.tmp" F16 >/dev/null 2>&1
+    "$build/bin/llama-quantize" --allow-requantize "$MODEL" "$f16.tmp" F16 >"$PEERS/quantize.log" 2>&1 ||
+        { cat "$PEERS/quantize.log" >&2; exit 1; }
     mv "$f16.tmp" "$f16"
 fi
 
