@@ -8,7 +8,7 @@ use half::{bf16, f16};
 pub struct Features {
     /// AVX2 + FMA + F16C (the vector path).
     pub avx2_fma_f16c: bool,
-    /// AVX-512F (reported; the AVX2 path is used).
+    /// AVX-512F (the weight kernels' wide path; attention stays on AVX2).
     pub avx512f: bool,
 }
 
@@ -46,6 +46,19 @@ pub(crate) fn vector_path() -> bool {
         is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the AVX-512F weight kernels can run here (the AVX2 set is present too).
+#[inline]
+pub(crate) fn wide_path() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vector_path() && is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -188,8 +201,8 @@ pub fn dequantize_row(
     assert!(
         matches!(bits, 4 | 8)
             && group > 0
-            && group % 2 == 0
-            && d % group == 0
+            && group.is_multiple_of(2)
+            && d.is_multiple_of(group)
             && codes.len() >= d * bits as usize / 8
             && scales.len() >= d / group
             && los.len() >= d / group,
@@ -227,22 +240,24 @@ pub fn bf16_to_f32(src: &[bf16], out: &mut [f32]) {
     }
 }
 
+/// `ln(2)^k / k!` for k = 1..6: `2^f = e^(f ln 2)` for f in [-0.5, 0.5], shared by
+/// [`fast_exp`] and its 8-lane twin `x86::exp8`.
+const EXP2_POLY: [f32; 6] = [
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355_8,
+    0.000_154_035_3,
+];
+
 /// `e^x` to about `|x|·1e-7` relative (1e-6 on [-20, 20]), branch-free so loops over it
 /// vectorize; `0` below -87.
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln(2)^k / k!: 2^f = e^(f ln 2) for f in [-0.5, 0.5].
-    const C: [f32; 6] = [
-        std::f32::consts::LN_2,
-        0.240_226_5,
-        0.055_504_11,
-        0.009_618_129,
-        0.001_333_355_8,
-        0.000_154_035_3,
-    ];
+    const C: [f32; 6] = EXP2_POLY;
     let xc = x.clamp(-87.0, 88.0);
-    let t = xc * LOG2E;
+    let t = xc * std::f32::consts::LOG2_E;
     let n = (t + 12_582_912.0) - 12_582_912.0;
     let f = t - n;
     let p = 1.0 + f * (C[0] + f * (C[1] + f * (C[2] + f * (C[3] + f * (C[4] + f * C[5])))));
@@ -278,12 +293,13 @@ fn softmax_body(x: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use half::f16;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    /// The sum of the 8 lanes.
+    #[inline(always)]
+    pub unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -356,7 +372,7 @@ mod x86 {
         group: usize,
         out: &mut [f32],
     ) {
-        if bits != 8 || group % 8 != 0 {
+        if bits != 8 || !group.is_multiple_of(8) {
             return kvplug_backend_kit::quant::dequantize_row(codes, scales, los, bits, group, out);
         }
         for (g, o) in out.chunks_exact_mut(group).enumerate() {
@@ -367,6 +383,30 @@ mod x86 {
                 _mm256_storeu_ps(chunk.as_mut_ptr(), _mm256_fmadd_ps(f, sv, lv));
             }
         }
+    }
+
+    /// [`super::fast_exp`] on 8 lanes, to the same accuracy (fused multiply-adds).
+    #[inline(always)]
+    pub unsafe fn exp8(x: __m256) -> __m256 {
+        let c = super::EXP2_POLY;
+        let xc = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+            _mm256_set1_ps(88.0),
+        );
+        let t = _mm256_mul_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm256_sub_ps(t, n);
+        let mut p = _mm256_set1_ps(c[5]);
+        for &ck in c[..5].iter().rev() {
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ck));
+        }
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+        let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let e = _mm256_mul_ps(_mm256_castsi256_ps(two_n), p);
+        _mm256_and_ps(e, _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-87.0)))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -505,5 +545,34 @@ mod tests {
         let mut none = [f32::NEG_INFINITY; 3];
         softmax_in_place(&mut none);
         assert_eq!(none, [0.0; 3]);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp8_matches_fast_exp() {
+        use std::arch::x86_64::*;
+        if !vector_path() {
+            return;
+        }
+        // The same polynomial, evaluated with fused multiply-adds: within 2 ulp of the
+        // scalar path, and 0 where it is 0.
+        let xs: Vec<f32> = (-900..=880)
+            .map(|i| i as f32 / 10.0)
+            .chain([f32::NEG_INFINITY, -100.0, 0.0, 1e-3, -1e-3, 88.0, -87.0])
+            .collect();
+        for chunk in xs.chunks(8) {
+            let mut lanes = [0.0f32; 8];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 8];
+            // SAFETY: the features were detected above.
+            unsafe {
+                _mm256_storeu_ps(got.as_mut_ptr(), x86::exp8(_mm256_loadu_ps(lanes.as_ptr())))
+            };
+            for (&x, &g) in lanes.iter().zip(&got) {
+                let want = fast_exp(x);
+                let ulps = (g.to_bits() as i64 - want.to_bits() as i64).abs();
+                assert!(ulps <= 2, "exp8({x}) = {g}, fast_exp = {want}");
+            }
+        }
     }
 }
