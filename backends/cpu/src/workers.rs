@@ -1,10 +1,12 @@
 //! A fixed pool of worker threads that runs one borrowed job at a time, handing out task
-//! indices from a counter. Dispatch allocates nothing (a mutex, two condvars and an atomic),
+//! indices from a counter. Dispatch allocates nothing (a mutex, two condvars and atomics),
 //! which keeps the decode step allocation-free where a general-purpose pool would queue
-//! boxed or block-allocated jobs.
+//! boxed or block-allocated jobs. A decode step dispatches a few hundred short jobs, so
+//! idle workers and the waiting caller spin briefly on an atomic before sleeping on the
+//! condvars: a condvar wake-up costs more than most of those jobs.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 type Job = &'static (dyn Fn(usize) + Sync);
@@ -24,6 +26,26 @@ struct Shared {
     done: Condvar,
     next: AtomicUsize,
     panicked: AtomicBool,
+    /// `State::generation`, readable without the lock (for spinning).
+    published: AtomicU64,
+    /// `State::active`, readable without the lock (for spinning).
+    remaining: AtomicUsize,
+}
+
+/// Polls of a spin before sleeping: tens of microseconds, longer than the gap between the
+/// jobs of one forward, far shorter than a scheduler tick.
+const SPIN_POLLS: usize = 4096;
+
+/// Spins until `ready` or [`SPIN_POLLS`] polls; the caller then takes the lock, which
+/// decides.
+#[inline]
+fn spin_until(ready: impl Fn() -> bool) {
+    for _ in 0..SPIN_POLLS {
+        if ready() {
+            return;
+        }
+        std::hint::spin_loop();
+    }
 }
 
 impl Shared {
@@ -106,9 +128,12 @@ impl Workers {
             st.job = Some(job);
             st.tasks = tasks;
             st.active = self.threads;
+            s.remaining.store(self.threads, Ordering::Release);
+            s.published.store(st.generation, Ordering::Release);
         }
         s.start.notify_all();
         s.drain(job, tasks);
+        spin_until(|| s.remaining.load(Ordering::Acquire) == 0);
         let mut st = s.lock();
         while st.active > 0 {
             st = s.done.wait(st).unwrap_or_else(|p| p.into_inner());
@@ -124,6 +149,7 @@ impl Workers {
 fn worker(s: &Shared) {
     let mut seen = 0;
     loop {
+        spin_until(|| s.published.load(Ordering::Acquire) != seen);
         let (job, tasks) = {
             let mut st = s.lock();
             while st.generation == seen {
@@ -138,6 +164,7 @@ fn worker(s: &Shared) {
         s.drain(job, tasks);
         let mut st = s.lock();
         st.active -= 1;
+        s.remaining.store(st.active, Ordering::Release);
         if st.active == 0 {
             s.done.notify_one();
         }
@@ -158,7 +185,7 @@ unsafe impl<T: Send> Sync for DisjointChunks<T> {}
 impl<T> DisjointChunks<T> {
     /// Splits `slice` into chunks of `chunk` elements (`slice.len()` a multiple of it).
     pub fn new(slice: &mut [T], chunk: usize) -> Self {
-        assert!(chunk > 0 && slice.len() % chunk == 0);
+        assert!(chunk > 0 && slice.len().is_multiple_of(chunk));
         DisjointChunks {
             ptr: slice.as_mut_ptr(),
             chunk,
@@ -174,6 +201,17 @@ impl<T> DisjointChunks<T> {
     pub unsafe fn get(&self, i: usize) -> &mut [T] {
         assert!(i < self.n);
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.chunk), self.chunk) }
+    }
+
+    /// Chunks `[first, first + n)` as one slice.
+    ///
+    /// # Safety
+    /// No two live references may share a chunk: spans handed to concurrent tasks are
+    /// disjoint.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn span(&self, first: usize, n: usize) -> &mut [T] {
+        assert!(first + n <= self.n);
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(first * self.chunk), n * self.chunk) }
     }
 }
 
