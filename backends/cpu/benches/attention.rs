@@ -209,30 +209,30 @@ fn tree_verify(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Prefill of 512 tokens (one layer), with and without the XNNPACK GEMM path.
+/// Prefill of 512 tokens (one layer) on each attention kernel.
 fn prefill(cr: &mut Criterion) {
+    use kvplug_cpu::attention::{use_kernels_from, Kernel};
     let mut g = cr.benchmark_group("prefill_512");
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
     let pos: Vec<i32> = (0..512).collect();
-    for xnn in [true, false] {
-        #[cfg(feature = "xnnpack")]
-        kvplug_cpu::attention::use_xnnpack(xnn);
-        if xnn && !cfg!(feature = "xnnpack") {
+    let kernels = [Kernel::Tiled, Kernel::Xnnpack, Kernel::Rows];
+    for kernel in kernels {
+        if kernel == Kernel::Xnnpack && !cfg!(feature = "xnnpack") {
             continue;
         }
+        use_kernels_from(kernel);
         let mut c = cache(CacheKind::Contiguous, 4096, KvDtype::F16);
         let mut io = Io::new(512);
-        g.bench_function(if xnn { "xnnpack" } else { "rust" }, |b| {
+        g.bench_function(format!("{kernel:?}").to_lowercase(), |b| {
             b.iter(|| {
                 c.clear();
                 io.step(&mut c, &pos);
             })
         });
     }
-    #[cfg(feature = "xnnpack")]
-    kvplug_cpu::attention::use_xnnpack(true);
+    use_kernels_from(Kernel::Tiled);
     g.finish();
 }
 

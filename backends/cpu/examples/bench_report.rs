@@ -94,10 +94,21 @@ fn main() {
     writeln!(md, "| step | time (µs) |\n|---|---|\n| 16-node tree, one step | {:.1} |\n| 1-token decode | {:.1} |\n\ntree / decode: **{:.2}×**.", tree * 1e6, dec * 1e6, tree / dec).unwrap();
 
     writeln!(md, "\n## Prefill, T = 512 (f16, one layer)\n").unwrap();
-    match (mean("prefill_512/xnnpack"), mean("prefill_512/rust")) {
-        (Some(x), Some(r)) => writeln!(md, "| path | time (ms) |\n|---|---|\n| XNNPACK GEMMs | {:.2} |\n| Rust kernel | {:.2} |\n\nXNNPACK speed-up: **{:.2}×**.", x * 1e3, r * 1e3, r / x).unwrap(),
-        (None, Some(r)) => writeln!(md, "Rust kernel: {:.2} ms (built without the `xnnpack` feature).", r * 1e3).unwrap(),
-        _ => panic!("no prefill results"),
+    let tiled = need("prefill_512/tiled");
+    writeln!(
+        md,
+        "| attention kernel | time (ms) | vs tiled |\n|---|---|---|"
+    )
+    .unwrap();
+    for (name, id) in [
+        ("tiled (AVX2/FMA/F16C)", "prefill_512/tiled"),
+        ("XNNPACK GEMMs", "prefill_512/xnnpack"),
+        ("row kernel", "prefill_512/rows"),
+    ] {
+        match mean(id) {
+            Some(t) => writeln!(md, "| {name} | {:.2} | {:.2}× |", t * 1e3, t / tiled).unwrap(),
+            None => writeln!(md, "| {name} | not built in | |").unwrap(),
+        }
     }
 
     writeln!(

@@ -1,8 +1,9 @@
-//! The attention kernel: GQA without repeating KV heads, masks None / Causal / Explicit,
-//! quantized rows dequantized inside the dot products, stable softmax. Work is split over
-//! KV heads on the [`Workers`] pool when the window is long. A decode step (one query
-//! token) runs on the fused, tiled kernel of [`crate::decode_attention`] where the CPU has
-//! AVX2/FMA/F16C; several query tokens (prefill, fork, tree verify) on the row kernel here.
+//! The attention kernels: GQA without repeating KV heads, masks None / Causal / Explicit,
+//! quantized rows dequantized inside the dot products, stable softmax. Where the CPU has
+//! AVX2/FMA/F16C every call runs on the tiled kernel of [`crate::tiled_attention`]
+//! (faster than XNNPACK on a 512-token prefill: 1.4–1.9× in BENCH.md runs). Elsewhere long
+//! query blocks run as XNNPACK GEMMs where it is built in, the rest on the portable row
+//! kernel here, split over KV heads on the [`Workers`] pool when the window is long.
 
 use kvplug_backend_kit::AttendMask;
 
@@ -14,19 +15,33 @@ use crate::workers::{DisjointChunks, Workers};
 /// Below this many multiply-adds per call, attention stays on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 
-/// Query blocks at least this long use the XNNPACK GEMM path (measured crossover; see
-/// BENCH.md).
+/// Query blocks at least this long use the XNNPACK GEMM path where the tiled kernel does
+/// not apply (measured crossover over the row kernel; see BENCH.md).
 #[cfg(feature = "xnnpack")]
 pub const XNNPACK_MIN_TOKENS: usize = 32;
 
-#[cfg(feature = "xnnpack")]
-static XNNPACK_ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// The attention kernels, fastest first; each call runs on the first that applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kernel {
+    /// [`crate::tiled_attention`]: AVX2/FMA/F16C, `D` a multiple of 16.
+    Tiled,
+    /// XNNPACK GEMMs for query blocks of at least [`XNNPACK_MIN_TOKENS`] (when built in).
+    Xnnpack,
+    /// The portable row kernel: every call.
+    Rows,
+}
 
-/// Turns the XNNPACK prefill path on or off (on by default) — for comparisons and for
-/// ruling it out when debugging.
-#[cfg(feature = "xnnpack")]
-pub fn use_xnnpack(enabled: bool) {
-    XNNPACK_ENABLED.store(enabled, std::sync::atomic::Ordering::Relaxed);
+static FIRST_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Skips the kernels faster than `first` (default [`Kernel::Tiled`], i.e. none): for
+/// comparisons and for ruling a kernel out when debugging. Process-wide.
+pub fn use_kernels_from(first: Kernel) {
+    FIRST_KERNEL.store(first as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn allowed(kernel: Kernel) -> bool {
+    kernel as u8 >= FIRST_KERNEL.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Per-KV-head scratch, reused across steps.
@@ -39,22 +54,21 @@ pub struct HeadScratch {
     window: (Vec<f32>, Vec<f32>),
     /// One K or V row converted to f32, `[D]`.
     row: Vec<f32>,
-    /// The decode kernel's tile scores and softmax state.
-    #[cfg(target_arch = "x86_64")]
-    decode: crate::decode_attention::DecodeScratch,
 }
 
 /// Scratch of one cache: one [`HeadScratch`] per KV head.
 #[derive(Default)]
 pub struct CpuScratch {
     heads: Vec<HeadScratch>,
+    /// One per task of the tiled kernel.
+    #[cfg(target_arch = "x86_64")]
+    tiles: Vec<crate::tiled_attention::TileScratch>,
 }
 
 /// Row conversions of the row kernel.
 trait LoadRows {
     /// Row `j` as f32 into `out` (`[D]`).
     fn load(&self, j: usize, out: &mut [f32]);
-    /// HeadRows `[0, l)` as f32 into `buf` (`[l, d]`).
     /// Rows `[0, l)` as f32 into `buf` (`[l, d]`).
     #[cfg(feature = "xnnpack")]
     fn window_f32(&self, l: usize, d: usize, buf: &mut Vec<f32>);
@@ -113,6 +127,25 @@ pub fn attend(
     scratch: &mut CpuScratch,
 ) {
     let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
+    #[cfg(target_arch = "x86_64")]
+    if allowed(Kernel::Tiled)
+        && crate::tiled_attention::attend(
+            q,
+            k,
+            v,
+            l,
+            mask,
+            scale,
+            out,
+            &mut scratch.tiles,
+            PARALLEL_MIN_WORK,
+        )
+    {
+        return;
+    }
+    #[cfg(feature = "xnnpack")]
+    let gemm =
+        t >= XNNPACK_MIN_TOKENS && allowed(Kernel::Xnnpack) && crate::xnnpack::available().is_ok();
     let hkv = k.heads;
     let g = hq / hkv;
     scratch.heads.resize_with(hkv, HeadScratch::default);
@@ -120,15 +153,8 @@ pub fn attend(
     let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
         let (kr, vr) = (k.head_rows(kh, k.cells), v.head_rows(kh, v.cells));
-        #[cfg(target_arch = "x86_64")]
-        if t == 1 && attend_decode(qh, kr, vr, g, d, l, mask, scale, o, s) {
-            return;
-        }
         #[cfg(feature = "xnnpack")]
-        if t >= XNNPACK_MIN_TOKENS
-            && XNNPACK_ENABLED.load(std::sync::atomic::Ordering::Relaxed)
-            && crate::xnnpack::available().is_ok()
-        {
+        if gemm {
             match attend_kv_head_gemm(qh, kr, vr, g, t, d, l, mask, scale, o, s) {
                 Ok(()) => return,
                 Err(e) => tracing::debug!("xnnpack path failed, using the Rust kernel: {e}"),
@@ -153,73 +179,6 @@ pub fn attend(
             one(kh, o, s);
         }
     }
-}
-
-/// [`attend_kv_head`] for one query token on the fused decode kernel
-/// ([`crate::decode_attention`]); false (nothing done) where it does not apply: no
-/// AVX2/FMA/F16C, `d` not a multiple of 16, quantized groups not a multiple of 8.
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-fn attend_decode(
-    q: &[f32],
-    k: HeadRows<'_>,
-    v: HeadRows<'_>,
-    g: usize,
-    d: usize,
-    l: usize,
-    mask: AttendMask<'_>,
-    scale: f32,
-    out: &mut [f32],
-    s: &mut HeadScratch,
-) -> bool {
-    use crate::decode_attention::{attend, Bf16Rows, Plain, QuantRows};
-    use half::slice::HalfFloatSliceExt;
-    if !simd::vector_path() || d % 16 != 0 {
-        return false;
-    }
-    // One query at position l - 1: a causal mask hides nothing.
-    let mask = match mask {
-        AttendMask::Explicit(m) => Some(&m[..l]),
-        AttendMask::None | AttendMask::Causal => None,
-    };
-    let s = &mut s.decode;
-    let bits = |r: &[u16]| Plain { p: r.as_ptr(), d };
-    let quant = |r: HeadRows<'_>| match r {
-        HeadRows::Quant {
-            bits,
-            group,
-            codes,
-            scales,
-            los,
-        } => QuantRows::new(codes, scales, los, bits, group, d),
-        _ => None,
-    };
-    // SAFETY: the features were checked above, d % 16 == 0, and each pool holds l rows of
-    // d values in the layout its view reads (K and V share the cache's storage dtype).
-    unsafe {
-        match (k, v) {
-            (HeadRows::F32(a), HeadRows::F32(b)) => {
-                let (a, b) = (Plain { p: a.as_ptr(), d }, Plain { p: b.as_ptr(), d });
-                attend(q, a, b, g, d, l, mask, scale, out, s)
-            }
-            (HeadRows::F16(a), HeadRows::F16(b)) => {
-                let (a, b) = (bits(a.reinterpret_cast()), bits(b.reinterpret_cast()));
-                attend(q, a, b, g, d, l, mask, scale, out, s)
-            }
-            (HeadRows::Bf16(a), HeadRows::Bf16(b)) => {
-                let (a, b) = (
-                    Bf16Rows(bits(a.reinterpret_cast())),
-                    Bf16Rows(bits(b.reinterpret_cast())),
-                );
-                attend(q, a, b, g, d, l, mask, scale, out, s)
-            }
-            _ => match (quant(k), quant(v)) {
-                (Some(a), Some(b)) => attend(q, a, b, g, d, l, mask, scale, out, s),
-                _ => return false,
-            },
-        }
-    }
-    true
 }
 
 /// [`attend_kv_head`] as two XNNPACK GEMMs: `S = Q·Kᵀ` over all `g·T` query rows, masked

@@ -6,12 +6,12 @@
 //! heads on both cores. Exported as a plugin with one line; also usable as an rlib.
 
 pub mod attention;
-pub mod decode_attention;
 pub mod linear;
 pub mod model;
 pub mod pool;
 pub mod simd;
 pub mod tensor;
+pub mod tiled_attention;
 pub mod workers;
 #[cfg(feature = "xnnpack")]
 pub mod xnnpack;

@@ -1,0 +1,112 @@
+//! The three attention kernels agree. Conformance checks the default one (tiled, on CPUs
+//! with AVX2/FMA/F16C) against the f64 oracle; this runs the same steps on each kernel
+//! (`use_kernels_from`) and compares the others with it, so the XNNPACK path and the row
+//! kernel stay checked on machines where they are not the default. Shapes are chosen to
+//! reach every split: 3 KV heads (the key rows of a decode step split over 2 threads and
+//! merged), query blocks long enough to split over query rows and to take the XNNPACK path,
+//! and explicit masks (two sequences in one step).
+
+use std::sync::Arc;
+
+use kvplug_backend_kit::KitCache;
+use kvplug_core::{make_config, CacheKind, CacheVerbs, KvDtype, ModelCacheParams, PosRange};
+use kvplug_cpu::attention::{use_kernels_from, Kernel};
+use kvplug_cpu::tensor::CpuTensor;
+use kvplug_cpu::CpuDevice;
+
+const HQ: usize = 6;
+const HKV: usize = 3;
+const D: usize = 64;
+/// Long enough that a decode step does the multiply-adds that split it over threads.
+const TRUNK: usize = 700;
+
+/// Queries are scaled by this, so that softmax is sharp.
+const Q_AMPLITUDE: f32 = 3.0;
+
+/// Pseudo-random activations in `[-amplitude, amplitude)` (a multiplicative hash, so rows
+/// do not repeat and the halves of a window have different score maxima).
+fn tensor(h: usize, t: usize, salt: u32, amplitude: f32) -> CpuTensor {
+    let data = (0..h * t * D)
+        .map(|i| {
+            let x = (i as u32 ^ salt.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x85eb_ca6b);
+            amplitude * ((x >> 8) as f32 / (1 << 23) as f32 - 1.0)
+        })
+        .collect();
+    CpuTensor::new(&[h, t, D], data)
+}
+
+/// Attention outputs of: a 700-token prefill (causal), a decode step, then two sequences
+/// forked from the trunk taking 20 tokens each in one step (explicit mask, 40 query tokens)
+/// and one token each (explicit mask, 2 query tokens).
+fn outputs(dtype: KvDtype) -> Vec<Vec<f32>> {
+    let cfg = make_config(
+        &ModelCacheParams {
+            n_layers: 1,
+            n_kv_heads: HKV,
+            head_dim: D,
+        },
+        4096,
+        dtype,
+    );
+    let mut c = KitCache::new(Arc::new(CpuDevice::new()), CacheKind::Seq, cfg).unwrap();
+    let mut outs = Vec::new();
+    let mut step = |c: &mut KitCache<CpuDevice>, seqs: &[i32], pos: &[i32], salt: u32| {
+        let t = pos.len();
+        let mut out = CpuTensor::zeros(&[HQ, t, D]);
+        c.begin_step(seqs).unwrap();
+        c.update_and_attend(
+            0,
+            &tensor(HQ, t, salt, Q_AMPLITUDE),
+            &tensor(HKV, t, salt + 1, 1.0),
+            &tensor(HKV, t, salt + 2, 1.0),
+            pos,
+            1.0 / (D as f32).sqrt(),
+            &mut out,
+        )
+        .unwrap();
+        outs.push(out.data);
+    };
+    let trunk: Vec<i32> = (0..TRUNK as i32).collect();
+    step(&mut c, &vec![0; TRUNK], &trunk, 0);
+    step(&mut c, &[0], &[TRUNK as i32], 5);
+    c.seq_rm(0, PosRange::new(Some(TRUNK as i32), None))
+        .unwrap();
+    for s in 1..=2 {
+        c.seq_cp(0, s, PosRange::ALL).unwrap();
+    }
+    let seqs: Vec<i32> = [1; 20].into_iter().chain([2; 20]).collect();
+    let pos: Vec<i32> = (0..40).map(|i| TRUNK as i32 + i % 20).collect();
+    step(&mut c, &seqs, &pos, 7);
+    step(&mut c, &[1, 2], &[TRUNK as i32 + 20; 2], 9);
+    outs
+}
+
+#[test]
+fn every_kernel_gives_the_same_attention() {
+    // Keys and values are at most 1 in magnitude and queries 3, so a score is at most
+    // 3·D/sqrt(D) = 24 and its f32 rounding error under any summation order at most
+    // D·eps·24 ≈ 9.2e-5; softmax turns score errors δ into relative weight errors ≤ 2δ
+    // (plus 1e-6 from the exp), and an output is a weighted mean of values ≤ 1: kernels
+    // may differ by 2·9.2e-5 + 1e-6.
+    const TOL: f32 = 1.9e-4;
+    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
+        use_kernels_from(Kernel::Tiled);
+        let want = outputs(dtype);
+        for kernel in [Kernel::Xnnpack, Kernel::Rows] {
+            use_kernels_from(kernel);
+            let got = outputs(dtype);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let worst = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    worst <= TOL,
+                    "{dtype} step {i}: {kernel:?} differs from the default kernel by {worst}"
+                );
+            }
+        }
+    }
+    use_kernels_from(Kernel::Tiled);
+}
