@@ -1,11 +1,11 @@
 //! `out = x·Wᵀ` over weights in their stored dtype (f32, f16, bf16), read in place from the
-//! mapped file: register-blocked tiles (4 tokens × 2 rows for prefill, 1 token × 4 rows for
-//! decode) that widen each weight vector as it is loaded, split over the worker pool in
-//! blocks of rows. f32 accumulation in every path.
+//! mapped file: register-blocked tiles (6 tokens × 4 rows on AVX-512, 4 × 2 on AVX2 for
+//! prefill; 1 token × 4 rows for decode) that widen each weight vector as it is loaded,
+//! split over the worker pool in blocks of rows. f32 accumulation in every path.
 
 use half::{bf16, f16};
 
-use crate::simd::vector_path;
+use crate::simd::{vector_path, wide_path};
 use crate::workers::{DisjointChunks, Workers};
 
 /// Output rows per task.
@@ -21,6 +21,32 @@ pub trait Elem: Copy + Send + Sync + 'static {
     /// `p` must be valid for eight reads and AVX2, FMA and F16C available.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen consecutive elements at `p`, widened.
+    ///
+    /// # Safety
+    /// `p` must be valid for sixteen reads and AVX-512F available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+/// The kernels a linear runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Path {
+    fn detect() -> Path {
+        if wide_path() {
+            Path::Avx512
+        } else if vector_path() {
+            Path::Avx2
+        } else {
+            Path::Scalar
+        }
+    }
 }
 
 impl Elem for f32 {
@@ -32,6 +58,12 @@ impl Elem for f32 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
     }
 }
 
@@ -45,6 +77,13 @@ impl Elem for f16 {
     unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
 }
 
@@ -62,6 +101,15 @@ impl Elem for bf16 {
             16,
         ))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p.cast()),
+        )))
+    }
 }
 
 /// `out[ti·rows + r] = Σ_c x[ti·cols + c] · w[r·cols + c]` for `ti < t`, `r < rows`.
@@ -74,7 +122,7 @@ pub fn linear<E: Elem>(x: &[f32], t: usize, w: &[E], rows: usize, cols: usize, o
         w.len(),
         out.len()
     );
-    let vector = vector_path();
+    let path = Path::detect();
     let out = DisjointChunks::new(out, 1);
     let job = |task: usize| {
         let r0 = task * ROWS_PER_TASK;
@@ -84,7 +132,7 @@ pub fn linear<E: Elem>(x: &[f32], t: usize, w: &[E], rows: usize, cols: usize, o
             cols,
             out: &out,
             out_stride: rows,
-            vector,
+            path,
         };
         block.run(t, r0..(r0 + ROWS_PER_TASK).min(rows));
     };
@@ -98,23 +146,33 @@ struct Block<'a, E> {
     cols: usize,
     out: &'a DisjointChunks<f32>,
     out_stride: usize,
-    vector: bool,
+    path: Path,
 }
 
 impl<E: Elem> Block<'_, E> {
     /// Every token for the rows in `rows`.
     fn run(&self, t: usize, rows: std::ops::Range<usize>) {
+        match self.path {
+            // 24 of the 32 registers accumulate; 10 loads per 24 multiply-adds.
+            Path::Avx512 => self.run_tiles::<6, 4>(t, rows),
+            Path::Avx2 | Path::Scalar => self.run_tiles::<4, 2>(t, rows),
+        }
+    }
+
+    /// Every token for the rows in `rows`: tiles of `PT` tokens × `PR` rows, then the
+    /// remaining tokens one at a time × 4 rows.
+    fn run_tiles<const PT: usize, const PR: usize>(&self, t: usize, rows: std::ops::Range<usize>) {
         let mut ti = 0;
-        while ti + 4 <= t {
+        while ti + PT <= t {
             let mut r = rows.start;
-            while r + 2 <= rows.end {
-                self.tile::<4, 2>(ti, r);
-                r += 2;
+            while r + PR <= rows.end {
+                self.tile::<PT, PR>(ti, r);
+                r += PR;
             }
-            if r < rows.end {
-                self.tile::<4, 1>(ti, r);
+            for r in r..rows.end {
+                self.tile::<PT, 1>(ti, r);
             }
-            ti += 4;
+            ti += PT;
         }
         for ti in ti..t {
             let mut r = rows.start;
@@ -134,11 +192,11 @@ impl<E: Elem> Block<'_, E> {
         let x = &self.x[t0 * c..(t0 + NT) * c];
         let w = &self.w[r0 * c..(r0 + NR) * c];
         #[cfg(target_arch = "x86_64")]
-        let acc = if self.vector {
-            // SAFETY: the features were detected; x and w hold NT and NR rows of c.
-            unsafe { x86::tile::<E, NT, NR>(x, w, c) }
-        } else {
-            scalar_tile::<E, NT, NR>(x, w, c)
+        // SAFETY: each path's features were detected; x and w hold NT and NR rows of c.
+        let acc = match self.path {
+            Path::Avx512 => unsafe { x86::tile_512::<E, NT, NR>(x, w, c) },
+            Path::Avx2 => unsafe { x86::tile::<E, NT, NR>(x, w, c) },
+            Path::Scalar => scalar_tile::<E, NT, NR>(x, w, c),
         };
         #[cfg(not(target_arch = "x86_64"))]
         let acc = scalar_tile::<E, NT, NR>(x, w, c);
@@ -174,46 +232,102 @@ fn scalar_tile<E: Elem, const NT: usize, const NR: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::Elem;
+    use crate::simd::x86::hsum;
     use std::arch::x86_64::*;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
+    /// One vector width: the operations a tile needs.
+    trait Lanes {
+        type V: Copy;
+        const N: usize;
+        unsafe fn zero() -> Self::V;
+        unsafe fn load_x(p: *const f32) -> Self::V;
+        unsafe fn load_w<E: Elem>(p: *const E) -> Self::V;
+        unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        unsafe fn sum(v: Self::V) -> f32;
     }
 
-    /// `acc[i][j] = x_i · w_j` for NT rows of `x` and NR rows of `w`, each `c` long.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn tile<E: Elem, const NT: usize, const NR: usize>(
+    struct Avx2;
+    impl Lanes for Avx2 {
+        type V = __m256;
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load_x(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_w<E: Elem>(p: *const E) -> __m256 {
+            E::load8(p)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn sum(v: __m256) -> f32 {
+            hsum(v)
+        }
+    }
+
+    struct Avx512;
+    impl Lanes for Avx512 {
+        type V = __m512;
+        const N: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load_x(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_w<E: Elem>(p: *const E) -> __m512 {
+            E::load16(p)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn sum(v: __m512) -> f32 {
+            _mm512_reduce_add_ps(v)
+        }
+    }
+
+    /// `acc[i][j] = x_i · w_j` for NT rows of `x` and NR rows of `w`, each `c` long, on
+    /// `L::N` lanes; the last `c % L::N` columns scalar.
+    #[inline(always)]
+    unsafe fn tile_on<L: Lanes, E: Elem, const NT: usize, const NR: usize>(
         x: &[f32],
         w: &[E],
         c: usize,
     ) -> [[f32; NR]; NT] {
         debug_assert!(x.len() >= NT * c && w.len() >= NR * c);
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
-        let mut acc = [[_mm256_setzero_ps(); NR]; NT];
-        let full = c / 8 * 8;
+        let mut acc = [[L::zero(); NR]; NT];
+        let full = c / L::N * L::N;
         let mut k = 0;
         while k < full {
-            let mut wv = [_mm256_setzero_ps(); NR];
+            let mut wv = [L::zero(); NR];
             for (j, v) in wv.iter_mut().enumerate() {
-                *v = E::load8(wp.add(j * c + k));
+                *v = L::load_w(wp.add(j * c + k));
             }
             for (i, a) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(xp.add(i * c + k));
+                let xv = L::load_x(xp.add(i * c + k));
                 for (aj, &wj) in a.iter_mut().zip(&wv) {
-                    *aj = _mm256_fmadd_ps(xv, wj, *aj);
+                    *aj = L::fma(xv, wj, *aj);
                 }
             }
-            k += 8;
+            k += L::N;
         }
         let mut out = [[0f32; NR]; NT];
         for i in 0..NT {
             for j in 0..NR {
-                let mut s = hsum(acc[i][j]);
+                let mut s = L::sum(acc[i][j]);
                 for k in full..c {
                     s += x[i * c + k] * w[j * c + k].to_f32();
                 }
@@ -221,6 +335,26 @@ mod x86 {
             }
         }
         out
+    }
+
+    /// [`tile_on`] 8 lanes wide.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile<E: Elem, const NT: usize, const NR: usize>(
+        x: &[f32],
+        w: &[E],
+        c: usize,
+    ) -> [[f32; NR]; NT] {
+        tile_on::<Avx2, E, NT, NR>(x, w, c)
+    }
+
+    /// [`tile_on`] 16 lanes wide.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn tile_512<E: Elem, const NT: usize, const NR: usize>(
+        x: &[f32],
+        w: &[E],
+        c: usize,
+    ) -> [[f32; NR]; NT] {
+        tile_on::<Avx512, E, NT, NR>(x, w, c)
     }
 }
 
@@ -230,12 +364,12 @@ mod tests {
 
     /// f64 reference of `x·Wᵀ` with the f32 error bound `γ(cols)·Σ|x·w|` (γ(n) = n·u/(1-n·u),
     /// u = 2⁻²⁴): any summation order of n f32 products stays within it.
-    fn check<E: Elem>(t: usize, rows: usize, cols: usize, w: &[E], vector: bool) {
+    fn check<E: Elem>(t: usize, rows: usize, cols: usize, w: &[E], path: Path) {
         let x: Vec<f32> = (0..t * cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
             .collect();
         let mut out = vec![f32::NAN; t * rows];
-        if vector {
+        if path == Path::detect() {
             linear(&x, t, w, rows, cols, &mut out);
         } else {
             let d = DisjointChunks::new(&mut out, 1);
@@ -245,7 +379,7 @@ mod tests {
                 cols,
                 out: &d,
                 out_stride: rows,
-                vector: false,
+                path,
             };
             b.run(t, 0..rows);
         }
@@ -277,16 +411,28 @@ mod tests {
 
     #[test]
     fn every_dtype_and_tile_shape_matches_the_reference() {
-        // Token counts hit the 4-token tiles and the decode tiles; rows hit 2-, 1- and
-        // 4-row tiles and a partial task; columns a vector body and a scalar tail.
-        for (t, rows, cols) in [(1, 7, 19), (5, 37, 24), (9, 70, 13), (4, 3, 8)] {
+        // Token counts hit the 6- and 4-token tiles and the decode tiles; rows hit 4-, 2-
+        // and 1-row tiles and a partial task; columns a 16-lane body, an 8-lane body and a
+        // scalar tail.
+        let paths = [
+            (Path::Scalar, true),
+            (Path::Avx2, vector_path()),
+            (Path::Avx512, wide_path()),
+        ];
+        for (t, rows, cols) in [
+            (1, 7, 19),
+            (5, 37, 24),
+            (9, 70, 13),
+            (4, 3, 8),
+            (13, 39, 53),
+        ] {
             let w = weights(rows * cols);
             let h: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
             let b: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-            for vector in [true, false] {
-                check(t, rows, cols, &w, vector);
-                check(t, rows, cols, &h, vector);
-                check(t, rows, cols, &b, vector);
+            for path in paths.iter().filter(|p| p.1).map(|p| p.0) {
+                check(t, rows, cols, &w, path);
+                check(t, rows, cols, &h, path);
+                check(t, rows, cols, &b, path);
             }
         }
     }
