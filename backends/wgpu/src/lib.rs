@@ -41,10 +41,44 @@ pub struct WgpuPool {
     group: u32,
 }
 
-/// Per-cache scratch: the score buffer, grown on demand.
+/// Per-cache scratch: the score buffer, grown on demand, and the step's mask.
 #[derive(Default)]
 pub struct WgpuScratch {
     scores: Option<wgpu::Buffer>,
+    /// The mask bits being packed for this call.
+    packing: Vec<u32>,
+    /// The last mask uploaded, as packed bits and its buffer: every layer of a step attends
+    /// with the same mask, so it is uploaded once per step, not once per layer.
+    mask: Option<(Vec<u32>, wgpu::Buffer)>,
+}
+
+impl WgpuScratch {
+    /// Packs `mask` into bits (`kind` 0 none, 1 causal, 2 explicit) and returns its buffer,
+    /// uploading it only when it differs from the last one (a handle: no copy).
+    fn mask_buffer(&mut self, dev: &WgpuDevice, mask: AttendMask<'_>) -> (u32, wgpu::Buffer) {
+        let words = &mut self.packing;
+        words.clear();
+        let kind = match mask {
+            AttendMask::None => 0,
+            AttendMask::Causal => 1,
+            AttendMask::Explicit(m) => {
+                words.resize(m.len().div_ceil(32), 0);
+                for (b, _) in m.iter().enumerate().filter(|(_, &on)| on) {
+                    words[b / 32] |= 1 << (b % 32);
+                }
+                2
+            }
+        };
+        if words.is_empty() {
+            words.push(0);
+        }
+        if self.mask.as_ref().is_none_or(|(last, _)| last != words) {
+            let buf = dev.u32s("mask", words);
+            let last = self.mask.take().map(|(v, _)| v).unwrap_or_default();
+            self.mask = Some((std::mem::replace(words, last), buf));
+        }
+        (kind, self.mask.as_ref().expect("set above").1.clone())
+    }
 }
 
 /// The wgpu device and its kernels.
@@ -363,19 +397,8 @@ impl Device for WgpuDevice {
         if scratch.scores.as_ref().is_none_or(|b| b.size() < need) {
             scratch.scores = Some(self.ctx.storage("scores", need));
         }
+        let (mask_kind, mask_buf) = scratch.mask_buffer(self, mask);
         let scores = scratch.scores.as_ref().expect("allocated above");
-        let (mask_kind, bits) = match mask {
-            AttendMask::None => (0, vec![0u32]),
-            AttendMask::Causal => (1, vec![0u32]),
-            AttendMask::Explicit(m) => {
-                let mut words = vec![0u32; m.len().div_ceil(32).max(1)];
-                for (b, _) in m.iter().enumerate().filter(|(_, &on)| on) {
-                    words[b / 32] |= 1 << (b % 32);
-                }
-                (2, words)
-            }
-        };
-        let mask_buf = self.u32s("mask", &bits);
         for head0 in (0..hq).step_by(chunk) {
             let nheads = chunk.min(hq - head0);
             let rows = (nheads * t) as u32;
