@@ -7,11 +7,14 @@
 # imported weights in f16, so both run the same numbers). Then llama-bench and `kvplug bench`
 # run the same tests (llama.cpp with flash attention on and off; the faster counts) and a
 # table of their tokens per second and kvplug / llama.cpp follows
-# (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md).
+# (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
+# peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens after RSS_CONTEXT - PP of
+# context, one run; llama.cpp with the flash-attention setting its default picks).
 #
 # Settings (environment): MODEL (a GGUF; default the demo model), THREADS (default: every
 # core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r),
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names).
+# RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +28,7 @@ TG=${TG:-128}
 DEPTHS=${DEPTHS:-0,4096}
 REPS=${REPS:-3}
 KV=${KV:-f16}
+RSS_CONTEXT=${RSS_CONTEXT:-4096}
 
 case "$KV" in
     f16) KVPLUG_KV=f16 ;;
@@ -105,4 +109,26 @@ for r in kvplug:
     fa = "on" if t.get("flash_attn") in (1, True) else "off"
     print(f"| {name} | {t['avg_ts']:.2f} ± {t['stddev_ts']:.2f} | {fa} | "
           f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {ratio:.2f}x |")
+EOF
+
+# Peak resident memory of one child process, in MiB (getrusage in a fresh parent counts this
+# child only).
+peak_rss() {
+    python3 -c 'import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.1f}")' "$@"
+}
+echo "bench-peers: peak RSS holding $RSS_CONTEXT tokens"
+depth=$((RSS_CONTEXT - PP))
+theirs=$(peak_rss "$build/bin/llama-bench" -m "$f16" -t "$THREADS" -p "$PP" -n 0 -d "$depth" \
+    -r 1 -ctk "$KV" -ctv "$KV")
+ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$f16" \
+    --backend cpu --kv-dtype "$KVPLUG_KV" -p "$PP" -n 0 -d "$depth" -r 1)
+python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$PP" <<'EOF' | tee -a "$PEERS/peers.md"
+import sys
+theirs, ours = float(sys.argv[1]), float(sys.argv[2])
+ctx, pp = sys.argv[3:]
+print(f"\nPeak RSS holding {ctx} tokens (pp{pp} after the rest as context, one run): "
+      f"llama.cpp {theirs:.1f} MiB, kvplug {ours:.1f} MiB, kvplug / llama.cpp "
+      f"**{ours / theirs:.2f}x**.")
 EOF
