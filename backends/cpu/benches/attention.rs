@@ -236,5 +236,55 @@ fn prefill(cr: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, read_bandwidth, decode, fork, tree_verify, prefill);
+/// Shapes of the decode weight pass: [`WEIGHT_MATRICES`] matrices of `[1536, 576]` (SmolLM2's
+/// MLP), 265 MB in f16, so every call streams from memory as a model's decode step does.
+const WEIGHT_ROWS: usize = 1536;
+const WEIGHT_COLS: usize = 576;
+/// Matrices in the weight pass.
+const WEIGHT_MATRICES: usize = 150;
+
+/// One token through every matrix of the weight pass (`out = x·Wᵀ`), per stored dtype.
+fn weights(cr: &mut Criterion) {
+    use half::{bf16, f16};
+    let mut g = cr.benchmark_group("weights_decode");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
+    let x: Vec<f32> = (0..WEIGHT_COLS).map(|i| (i % 13) as f32 * 0.1).collect();
+    let mut out = vec![0f32; WEIGHT_ROWS];
+    let values =
+        |m: usize| (0..WEIGHT_ROWS * WEIGHT_COLS).map(move |i| ((i + m) % 97) as f32 * 0.01);
+    let f16s: Vec<Vec<f16>> = (0..WEIGHT_MATRICES)
+        .map(|m| values(m).map(f16::from_f32).collect())
+        .collect();
+    g.bench_function("f16", |b| {
+        b.iter(|| {
+            for w in &f16s {
+                kvplug_cpu::linear::linear(&x, 1, w, WEIGHT_ROWS, WEIGHT_COLS, &mut out);
+            }
+        })
+    });
+    drop(f16s);
+    let bf16s: Vec<Vec<bf16>> = (0..WEIGHT_MATRICES)
+        .map(|m| values(m).map(bf16::from_f32).collect())
+        .collect();
+    g.bench_function("bf16", |b| {
+        b.iter(|| {
+            for w in &bf16s {
+                kvplug_cpu::linear::linear(&x, 1, w, WEIGHT_ROWS, WEIGHT_COLS, &mut out);
+            }
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    read_bandwidth,
+    decode,
+    fork,
+    tree_verify,
+    prefill,
+    weights
+);
 criterion_main!(benches);

@@ -113,6 +113,29 @@ fn main() {
 
     writeln!(
         md,
+        "\n## Weights, one decode token (150 matrices of 1536 × 576, out of cache)\n"
+    )
+    .unwrap();
+    writeln!(
+        md,
+        "| stored dtype | time (ms) | GB/s | vs read bandwidth |\n|---|---|---|---|"
+    )
+    .unwrap();
+    for dtype in ["f16", "bf16"] {
+        let t = need(&format!("weights_decode/{dtype}"));
+        let bytes = (150 * 1536 * 576 * 2) as f64;
+        writeln!(
+            md,
+            "| {dtype} | {:.2} | {:.1} | {:.2}× |",
+            t * 1e3,
+            bytes / t / 1e9,
+            bytes / t / bw
+        )
+        .unwrap();
+    }
+
+    writeln!(
+        md,
         "\n## Memory: 100-token session at capacity 32768 (2 layers)\n"
     )
     .unwrap();
