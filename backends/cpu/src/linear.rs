@@ -10,8 +10,13 @@ use half::{bf16, f16};
 use crate::simd::{vector_path, wide_path};
 use crate::workers::{DisjointChunks, Workers};
 
-/// Output rows per task.
+/// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
+
+/// Tasks per thread where every token streams the rows ([`Path::tile_tokens`] or fewer):
+/// each task reads one long run of rows, which the prefetchers follow at full speed (tasks
+/// of 32 rows of a `[1536, 576]` f16 matrix streamed 23 GB/s, of 256 rows 29 GB/s).
+const STREAM_TASKS_PER_THREAD: usize = 2;
 
 /// A stored weight element.
 pub trait Elem: Copy + Send + Sync + 'static {
@@ -40,6 +45,14 @@ enum Path {
 }
 
 impl Path {
+    /// Tokens per prefill tile; fewer tokens stream each row once per token.
+    fn tile_tokens(self) -> usize {
+        match self {
+            Path::Avx512 => 6,
+            Path::Avx2 | Path::Scalar => 4,
+        }
+    }
+
     fn detect() -> Path {
         if wide_path() {
             Path::Avx512
@@ -125,9 +138,16 @@ pub fn linear<E: Elem>(x: &[f32], t: usize, w: &[E], rows: usize, cols: usize, o
         out.len()
     );
     let path = Path::detect();
+    let workers = Workers::global();
+    let per = if t < path.tile_tokens() {
+        let tasks = STREAM_TASKS_PER_THREAD * workers.participants();
+        rows.div_ceil(tasks).max(ROWS_PER_TASK)
+    } else {
+        ROWS_PER_TASK
+    };
     let out = DisjointChunks::new(out, 1);
     let job = |task: usize| {
-        let r0 = task * ROWS_PER_TASK;
+        let r0 = task * per;
         let block = Block {
             x,
             w,
@@ -136,9 +156,9 @@ pub fn linear<E: Elem>(x: &[f32], t: usize, w: &[E], rows: usize, cols: usize, o
             out_stride: rows,
             path,
         };
-        block.run(t, r0..(r0 + ROWS_PER_TASK).min(rows));
+        block.run(t, r0..(r0 + per).min(rows));
     };
-    Workers::global().run(rows.div_ceil(ROWS_PER_TASK), &job);
+    workers.run(rows.div_ceil(per), &job);
 }
 
 /// One task's view of a linear.
@@ -154,6 +174,7 @@ struct Block<'a, E> {
 impl<E: Elem> Block<'_, E> {
     /// Every token for the rows in `rows`.
     fn run(&self, t: usize, rows: std::ops::Range<usize>) {
+        // Tile tokens as Path::tile_tokens says.
         match self.path {
             // 24 of the 32 registers accumulate; 10 loads per 24 multiply-adds.
             Path::Avx512 => self.run_tiles::<6, 4>(t, rows),
@@ -258,6 +279,7 @@ mod x86 {
         unsafe fn load_w<E: Elem>(p: *const E) -> Self::V;
         unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
         unsafe fn sum(v: Self::V) -> f32;
+        unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     }
 
     struct Avx2;
@@ -284,6 +306,10 @@ mod x86 {
         unsafe fn sum(v: __m256) -> f32 {
             hsum(v)
         }
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            _mm256_add_ps(a, b)
+        }
     }
 
     struct Avx512;
@@ -309,6 +335,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn sum(v: __m512) -> f32 {
             _mm512_reduce_add_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            _mm512_add_ps(a, b)
         }
     }
 
@@ -370,7 +400,8 @@ mod x86 {
             acc[0] = L::fma(L::load_x(xp.add(k)), L::load_w(wp.add(k)), acc[0]);
             k += L::N;
         }
-        let mut s = L::sum(acc[0]) + L::sum(acc[1]) + L::sum(acc[2]) + L::sum(acc[3]);
+        // One horizontal sum per row: reductions cost as much as a short row's multiplies.
+        let mut s = L::sum(L::add(L::add(acc[0], acc[1]), L::add(acc[2], acc[3])));
         for k in k..c {
             s += x[k] * w[k].to_f32();
         }
