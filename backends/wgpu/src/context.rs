@@ -1,6 +1,6 @@
 //! Opening the adapter and device, and the compute pipelines built once per device.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use wgpu::util::DeviceExt;
 
@@ -19,7 +19,15 @@ pub struct Context {
     attention: OnceLock<Kernels<3>>,
     rows: OnceLock<Kernels<3>>,
     model: OnceLock<Kernels<11>>,
+    /// Commands recorded since the last submit, and how many passes they hold.
+    pending: Mutex<Option<(wgpu::CommandEncoder, usize)>>,
+    /// The buffer bound to slots an op does not use.
+    unused: OnceLock<wgpu::Buffer>,
 }
+
+/// Passes recorded before the pending commands are submitted without waiting for a read:
+/// bounds the encoder's memory when nothing is read back for a long time.
+const MAX_PENDING_PASSES: usize = 4096;
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
 pub const MODEL_ENTRIES: [&str; 11] = [
@@ -154,6 +162,8 @@ impl Context {
             attention: OnceLock::new(),
             rows: OnceLock::new(),
             model: OnceLock::new(),
+            pending: Mutex::new(None),
+            unused: OnceLock::new(),
         })
     }
 
@@ -234,28 +244,67 @@ impl Context {
         })
     }
 
-    /// Records one compute pass per `(pipeline, workgroups)` over `bind_group` and submits.
+    /// A 4-byte storage buffer for the read-only slots an op leaves unused (one per device).
+    pub fn unused(&self) -> &wgpu::Buffer {
+        self.unused.get_or_init(|| self.storage("unused", 4))
+    }
+
+    /// Records commands into the pending encoder, after everything recorded before. Commands
+    /// run in recording order; they are submitted by [`Context::flush`] (which every read
+    /// and host write calls first), so a forward's ops go to the GPU in one submission.
+    pub fn record(&self, passes: usize, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let (enc, n) = pending.get_or_insert_with(|| {
+            let enc = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            (enc, 0)
+        });
+        f(enc);
+        *n += passes;
+        if *n >= MAX_PENDING_PASSES {
+            let (enc, _) = pending.take().expect("inserted above");
+            self.queue.submit([enc.finish()]);
+        }
+    }
+
+    /// Submits the pending commands, if any. The lock is held until they are submitted, so
+    /// a flush that finds nothing pending returns only once every command recorded before
+    /// it has reached the queue (a readback on another thread may have taken them).
+    pub fn flush(&self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((enc, _)) = pending.take() {
+            self.queue.submit([enc.finish()]);
+        }
+    }
+
+    /// Writes `bytes` into `buffer` at `offset` after every command recorded so far (a queue
+    /// write alone would land before the commands still pending).
+    pub fn write_buffer(&self, buffer: &wgpu::Buffer, offset: u64, bytes: &[u8]) {
+        self.flush();
+        self.queue.write_buffer(buffer, offset, bytes);
+    }
+
+    /// Records one compute pass per `(pipeline, workgroups)` over `bind_group`.
     pub fn dispatch(
         &self,
         bind_group: &wgpu::BindGroup,
         passes: &[(&wgpu::ComputePipeline, [u32; 3])],
     ) {
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        for (pipeline, [x, y, z]) in passes {
-            if *x == 0 || *y == 0 || *z == 0 {
-                continue;
+        self.record(passes.len(), |enc| {
+            for (pipeline, [x, y, z]) in passes {
+                if *x == 0 || *y == 0 || *z == 0 {
+                    continue;
+                }
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: None,
+                    timestamp_writes: None,
+                });
+                pass.set_pipeline(pipeline);
+                pass.set_bind_group(0, bind_group, &[]);
+                pass.dispatch_workgroups(*x, *y, *z);
             }
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: None,
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(pipeline);
-            pass.set_bind_group(0, bind_group, &[]);
-            pass.dispatch_workgroups(*x, *y, *z);
-        }
-        self.queue.submit([enc.finish()]);
+        });
     }
 
     /// A bind group of `buffers` (whole buffers, in binding order).
@@ -301,15 +350,15 @@ impl Context {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        let mut at = 0;
-        for &(offset, len) in regions {
-            enc.copy_buffer_to_buffer(buffer, offset, &staging, at, len);
-            at += len;
-        }
-        self.queue.submit([enc.finish()]);
+        // After the pending commands, then everything goes to the GPU.
+        self.record(0, |enc| {
+            let mut at = 0;
+            for &(offset, len) in regions {
+                enc.copy_buffer_to_buffer(buffer, offset, &staging, at, len);
+                at += len;
+            }
+        });
+        self.flush();
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);

@@ -210,10 +210,9 @@ impl WgpuDevice {
     fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], src: &WgpuTensor) {
         let params = self.uniform(&self.row_params(pool, cells.len(), 0));
         let cells = self.u32s("cells", cells);
-        let dummy = self.ctx.storage("unused", 4);
         let bg = self.ctx.bind(
             &self.ctx.rows().layout,
-            &[&params, &src.buf, &cells, &pool.buf, &dummy],
+            &[&params, &src.buf, &cells, &pool.buf, self.ctx.unused()],
         );
         let n = (pool.heads * src.dims[1]) as u32;
         self.ctx.dispatch(
@@ -258,24 +257,19 @@ impl Device for WgpuDevice {
     fn pool_grow(&self, pool: &mut WgpuPool, cells: usize, keep: usize) -> Result<(), KitError> {
         let grown = self.pool_buffer(pool.heads, cells, pool.row_words)?;
         let rw = pool.row_words as u64 * 4;
-        let mut enc = self
-            .ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("pool_grow"),
-            });
         if keep > 0 {
-            for h in 0..pool.heads as u64 {
-                enc.copy_buffer_to_buffer(
-                    &pool.buf,
-                    h * pool.cells as u64 * rw,
-                    &grown,
-                    h * cells as u64 * rw,
-                    keep as u64 * rw,
-                );
-            }
+            self.ctx.record(0, |enc| {
+                for h in 0..pool.heads as u64 {
+                    enc.copy_buffer_to_buffer(
+                        &pool.buf,
+                        h * pool.cells as u64 * rw,
+                        &grown,
+                        h * cells as u64 * rw,
+                        keep as u64 * rw,
+                    );
+                }
+            });
         }
-        self.ctx.queue.submit([enc.finish()]);
         pool.buf = grown;
         pool.cells = cells;
         Ok(())
@@ -331,7 +325,6 @@ impl Device for WgpuDevice {
             for (first, len) in runs(cells) {
                 let offset = ((h * pool.cells + first as usize) * row) as u64;
                 self.ctx
-                    .queue
                     .write_buffer(&pool.buf, offset, &rows[i * row..(i + len) * row]);
                 i += len;
             }
@@ -345,12 +338,11 @@ impl Device for WgpuDevice {
         }
         let params = self.uniform(&self.row_params(pool, rows.len(), base));
         let idx = self.u32s("rows", rows);
-        let dummy = self.ctx.storage("unused", 4);
         let n = (pool.heads * rows.len() * pool.row_words) as u64;
         let tmp = self.ctx.storage("gather", n * 4);
         let bg = self.ctx.bind(
             &self.ctx.rows().layout,
-            &[&params, &dummy, &idx, &pool.buf, &tmp],
+            &[&params, self.ctx.unused(), &idx, &pool.buf, &tmp],
         );
         let groups = (n as u32).div_ceil(64);
         self.ctx.dispatch(

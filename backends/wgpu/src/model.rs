@@ -77,17 +77,16 @@ impl WgpuDevice {
         groups: [u32; 3],
     ) {
         let ctx = self.context();
-        let dummy = || ctx.storage("unused", 4);
-        let (da, db, di) = (dummy(), dummy(), dummy());
+        let unused = ctx.unused();
         let Inputs { a, b, idx } = inputs;
         let params = ctx.buffer_with("params", bytemuck::bytes_of(&params), BufferUsages::UNIFORM);
         let bg = ctx.bind(
             &ctx.model().layout,
             &[
                 &params,
-                a.unwrap_or(&da),
-                b.unwrap_or(&db),
-                idx.unwrap_or(&di),
+                a.unwrap_or(unused),
+                b.unwrap_or(unused),
+                idx.unwrap_or(unused),
                 out,
             ],
         );

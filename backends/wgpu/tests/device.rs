@@ -116,3 +116,28 @@ fn a_fault_during_an_import_changes_nothing() {
     let dev = WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"));
     kvplug_backend_kit::testing::check_import_rollback(dev);
 }
+
+/// Kernel writes are recorded and submitted later; a host write of pool rows must still land
+/// after the kernel writes recorded before it, and a readback must see both in order.
+#[test]
+fn host_writes_and_readbacks_keep_the_order_of_recorded_kernels() {
+    let dev = device();
+    let mut pool = dev.pool_new(KvDtype::F32, 2, 64, 8).unwrap();
+    let kernel = tensor(&dev, &values(2, 4, 0.5), 2, 4);
+    // Kernel writes rows 0..4, then the host overwrites rows 1 and 2.
+    dev.write_run(&mut pool, 0, &kernel).unwrap();
+    let host: Vec<u8> = (0..2 * 2 * 64 * 4).map(|i| (i % 251) as u8).collect();
+    dev.write_rows(&mut pool, &[1, 2], &host).unwrap();
+    assert_eq!(
+        dev.read_rows(&pool, &[1, 2]).unwrap(),
+        host,
+        "host rows win"
+    );
+    // Row 0 still holds the kernel's values (head 0, token 0).
+    let row0 = dev.read_rows(&pool, &[0]).unwrap();
+    let want: Vec<u8> = values(2, 4, 0.5)[..64]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    assert_eq!(&row0[..64 * 4], &want[..], "kernel row 0");
+}
