@@ -1,7 +1,7 @@
 //! `out = x·Wᵀ` over weights in their stored dtype (f32, f16, bf16), read in place from the
 //! mapped file: register-blocked tiles for prefill (6 tokens × 4 rows on AVX-512, 4 × 2 on
 //! AVX2) and, for the tokens left over (a decode step's one), one row at a time read front
-//! to back into four accumulators, so each task streams its rows from memory in order. Each
+//! to back, so each task streams its rows from memory in order. Each
 //! weight vector is widened as it is loaded; work is split over the worker pool in blocks
 //! of rows. f32 accumulation in every path.
 
@@ -197,28 +197,14 @@ impl<E: Elem> Block<'_, E> {
             }
             ti += PT;
         }
+        // One row at a time, front to back: the same arithmetic per (token, row) as the
+        // tiles (one accumulator, the same order), so a token's output does not depend on
+        // how many tokens share the call (batched requests match requests served alone).
         for ti in ti..t {
             for r in rows.clone() {
-                self.dot(ti, r);
+                self.tile::<1, 1>(ti, r);
             }
         }
-    }
-
-    /// Token `ti` × row `r`, the row read front to back.
-    fn dot(&self, ti: usize, r: usize) {
-        let c = self.cols;
-        let (x, w) = (&self.x[ti * c..(ti + 1) * c], &self.w[r * c..(r + 1) * c]);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: each path's features were detected; x and w hold c values.
-        let v = match self.path {
-            Path::Avx512 => unsafe { x86::dot_512(x, w, c) },
-            Path::Avx2 => unsafe { x86::dot(x, w, c) },
-            Path::Scalar => scalar_tile::<E, 1, 1>(x, w, c)[0][0],
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let v = scalar_tile::<E, 1, 1>(x, w, c)[0][0];
-        // SAFETY: element (ti, r) lies in this task's rows only.
-        unsafe { self.out.get(ti * self.out_stride + r)[0] = v };
     }
 
     /// Tokens `t0..t0+NT` × rows `r0..r0+NR`.
@@ -279,7 +265,6 @@ mod x86 {
         unsafe fn load_w<E: Elem>(p: *const E) -> Self::V;
         unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
         unsafe fn sum(v: Self::V) -> f32;
-        unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     }
 
     struct Avx2;
@@ -306,10 +291,6 @@ mod x86 {
         unsafe fn sum(v: __m256) -> f32 {
             hsum(v)
         }
-        #[inline(always)]
-        unsafe fn add(a: __m256, b: __m256) -> __m256 {
-            _mm256_add_ps(a, b)
-        }
     }
 
     struct Avx512;
@@ -335,10 +316,6 @@ mod x86 {
         #[inline(always)]
         unsafe fn sum(v: __m512) -> f32 {
             _mm512_reduce_add_ps(v)
-        }
-        #[inline(always)]
-        unsafe fn add(a: __m512, b: __m512) -> __m512 {
-            _mm512_add_ps(a, b)
         }
     }
 
@@ -379,45 +356,6 @@ mod x86 {
             }
         }
         out
-    }
-
-    /// `x · w` for one row `w`, both `c` long: four accumulators over consecutive vectors,
-    /// so the row streams from memory in order; the last `c % L::N` columns scalar.
-    #[inline(always)]
-    unsafe fn dot_on<L: Lanes, E: Elem>(x: &[f32], w: &[E], c: usize) -> f32 {
-        debug_assert!(x.len() >= c && w.len() >= c);
-        let (xp, wp) = (x.as_ptr(), w.as_ptr());
-        let mut acc = [L::zero(); 4];
-        let mut k = 0;
-        while k + 4 * L::N <= c {
-            for (u, a) in acc.iter_mut().enumerate() {
-                let at = k + u * L::N;
-                *a = L::fma(L::load_x(xp.add(at)), L::load_w(wp.add(at)), *a);
-            }
-            k += 4 * L::N;
-        }
-        while k + L::N <= c {
-            acc[0] = L::fma(L::load_x(xp.add(k)), L::load_w(wp.add(k)), acc[0]);
-            k += L::N;
-        }
-        // One horizontal sum per row: reductions cost as much as a short row's multiplies.
-        let mut s = L::sum(L::add(L::add(acc[0], acc[1]), L::add(acc[2], acc[3])));
-        for k in k..c {
-            s += x[k] * w[k].to_f32();
-        }
-        s
-    }
-
-    /// [`dot_on`] 8 lanes wide.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot<E: Elem>(x: &[f32], w: &[E], c: usize) -> f32 {
-        dot_on::<Avx2, E>(x, w, c)
-    }
-
-    /// [`dot_on`] 16 lanes wide.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dot_512<E: Elem>(x: &[f32], w: &[E], c: usize) -> f32 {
-        dot_on::<Avx512, E>(x, w, c)
     }
 
     /// [`tile_on`] 8 lanes wide.
@@ -494,9 +432,9 @@ mod tests {
 
     #[test]
     fn every_dtype_and_tile_shape_matches_the_reference() {
-        // Token counts hit the 6- and 4-token tiles and the one-row dots; rows hit 4-, 2-
+        // Token counts hit the 6- and 4-token tiles and the one-row path; rows hit 4-, 2-
         // and 1-row tiles and a partial task; columns a 16-lane body, an 8-lane body, the
-        // dots' four-vector body (150 columns) and a scalar tail.
+        // 150 columns of a streamed row and a scalar tail.
         let paths = [
             (Path::Scalar, true),
             (Path::Avx2, vector_path()),
