@@ -708,7 +708,13 @@ pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     let dir = cache_dir().join("gguf").join(digest);
     if !dir.join("config.json").exists() {
         eprintln!("importing {} into {}", path.display(), dir.display());
-        import(path, &dir)?;
+        match import(path, &dir) {
+            Ok(()) => {}
+            // Another process imported the same bytes meanwhile and renamed its complete
+            // directory into place first (config.json is written before the rename).
+            Err(_) if dir.join("config.json").exists() => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(dir)
 }
