@@ -1,9 +1,9 @@
 //! `out = x·Wᵀ` over weights in their stored dtype (f32, f16, bf16), read in place from the
 //! mapped file: register-blocked tiles for prefill (6 tokens × 4 rows on AVX-512, 4 × 2 on
 //! AVX2) and, for the tokens left over (a decode step's one), one row at a time read front
-//! to back, so each task streams its rows from memory in order. Each
-//! weight vector is widened as it is loaded; work is split over the worker pool in blocks
-//! of rows. f32 accumulation in every path.
+//! to back, so each task streams its rows from memory in order. Each weight vector is
+//! widened as it is loaded; work is split over the worker pool in blocks of rows. f32
+//! accumulation in every path.
 
 use half::{bf16, f16};
 
@@ -183,7 +183,7 @@ impl<E: Elem> Block<'_, E> {
     }
 
     /// Every token for the rows in `rows`: tiles of `PT` tokens × `PR` rows, then the
-    /// remaining tokens one at a time × 4 rows.
+    /// remaining tokens one at a time, one row at a time.
     fn run_tiles<const PT: usize, const PR: usize>(&self, t: usize, rows: std::ops::Range<usize>) {
         let mut ti = 0;
         while ti + PT <= t {
