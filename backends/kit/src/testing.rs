@@ -452,3 +452,60 @@ impl<D: Device> DecodeCase<D> {
         self.device.download(&self.out, TensorDtype::F32).unwrap()
     }
 }
+
+/// A tiny Llama package (2 layers, hidden 64, 4 query / 2 KV heads, vocab 40) with
+/// deterministic pseudo-random f32 weights, written to a directory of the temp dir named
+/// after `tag` and the process.
+pub fn tiny_llama(tag: &str) -> std::path::PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let dir = std::env::temp_dir().join(format!("kvplug-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 40}"#,
+    )
+    .unwrap();
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![40, 64]),
+        ("model.norm.weight".into(), vec![64]),
+        ("lm_head.weight".into(), vec![40, 64]),
+    ];
+    for l in 0..2 {
+        for (name, shape) in [
+            ("input_layernorm", vec![64]),
+            ("post_attention_layernorm", vec![64]),
+            ("self_attn.q_proj", vec![64, 64]),
+            ("self_attn.k_proj", vec![32, 64]),
+            ("self_attn.v_proj", vec![32, 64]),
+            ("self_attn.o_proj", vec![64, 64]),
+            ("mlp.gate_proj", vec![128, 64]),
+            ("mlp.up_proj", vec![128, 64]),
+            ("mlp.down_proj", vec![64, 128]),
+        ] {
+            shapes.push((format!("model.layers.{l}.{name}.weight"), shape));
+        }
+    }
+    let bytes: Vec<Vec<u8>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (_, s))| {
+            (0..s.iter().product::<usize>())
+                .flat_map(|j| (((i * 7919 + j) as f32 * 0.37).sin() * 0.2).to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = shapes
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s), b)| {
+            (
+                n.as_str(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}

@@ -1,6 +1,10 @@
-//! Opening the adapter and device, and the compute pipelines built once per device.
+//! Opening the adapter and device, the compute pipelines built once per device, and the
+//! recorder that batches ops into one submission without creating anything per op.
 
-use std::sync::{Mutex, OnceLock};
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use wgpu::util::DeviceExt;
 
@@ -19,15 +23,168 @@ pub struct Context {
     attention: OnceLock<Kernels<3>>,
     rows: OnceLock<Kernels<3>>,
     model: OnceLock<Kernels<11>>,
-    /// Commands recorded since the last submit, and how many passes they hold.
-    pending: Mutex<Option<(wgpu::CommandEncoder, usize)>>,
+    /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
+    slot: usize,
+    recorder: Mutex<Recorder>,
     /// The buffer bound to slots an op does not use.
     unused: OnceLock<wgpu::Buffer>,
+    /// The staging buffer of readbacks, grown on demand; its lock serialises readbacks.
+    readback: Mutex<Option<wgpu::Buffer>>,
+    buffers_created: AtomicU64,
+    bind_groups_created: AtomicU64,
 }
 
-/// Passes recorded before the pending commands are submitted without waiting for a read:
-/// bounds the encoder's memory when nothing is read back for a long time.
-const MAX_PENDING_PASSES: usize = 4096;
+/// Ops recorded in one batch before it is submitted without waiting for a read: the uniform
+/// ring holds one slot per op of the batch.
+const RING_SLOTS: usize = 1024;
+
+/// The largest uniform of any module (`AttnParams`, 64 bytes).
+const MAX_PARAMS: usize = 64;
+
+/// Submits a cached bind group may go unused before it is dropped (with the buffers it
+/// holds): long enough for a draft model's steps between two target verifies.
+const KEEP_SUBMITS: u64 = 64;
+
+/// Buffers and bind groups a [`Context`] has created since it opened.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Created {
+    pub buffers: u64,
+    pub bind_groups: u64,
+}
+
+/// What one storage binding of an op holds (see [`Context::dispatch`]).
+#[derive(Clone, Copy)]
+pub enum Bind<'a> {
+    /// A buffer, whole.
+    Buffer(&'a wgpu::Buffer),
+    /// The batch's index-word arena, where the op's words are.
+    Words,
+    /// The context's scratch buffer, at least this many bytes: contents do not outlive the op.
+    Scratch(u64),
+    /// Nothing the op reads (a shared 4-byte buffer).
+    Unused,
+}
+
+/// The most storage bindings of any module (attention's six).
+const MAX_STORAGE_SLOTS: usize = 6;
+
+/// A cached bind group: its layout and the buffers of its storage slots (the uniform slot is
+/// always the ring). Holding the buffers keeps their addresses, the key's identity, unique.
+#[derive(PartialEq, Eq, Hash)]
+struct BindKey {
+    layout: wgpu::BindGroupLayout,
+    ring: wgpu::Buffer,
+    slots: [Option<wgpu::Buffer>; MAX_STORAGE_SLOTS],
+}
+
+/// The batch being recorded and the host data its ops read, uploaded when it is submitted.
+struct Recorder {
+    encoder: Option<wgpu::CommandEncoder>,
+    /// Each op's uniform, one ring slot each.
+    params: Vec<u8>,
+    /// Index words of the batch's ops (cells, positions, token ids, RoPE frequencies).
+    words: Vec<u32>,
+    ring: wgpu::Buffer,
+    arena: wgpu::Buffer,
+    scratch: wgpu::Buffer,
+    /// Bind groups by the buffers they bind, and the submit that last used each.
+    bind_groups: HashMap<BindKey, (wgpu::BindGroup, u64)>,
+    submits: u64,
+}
+
+impl Recorder {
+    fn arena_words(&self) -> usize {
+        (self.arena.size() / 4) as usize
+    }
+
+    fn encoder(&mut self, device: &wgpu::Device) -> &mut wgpu::CommandEncoder {
+        self.encoder.get_or_insert_with(|| {
+            device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+        })
+    }
+
+    /// Uploads the batch's uniforms and words, submits its commands, and drops the bind
+    /// groups unused for [`KEEP_SUBMITS`] submits.
+    fn submit(&mut self, queue: &wgpu::Queue) {
+        let Some(enc) = self.encoder.take() else {
+            return;
+        };
+        if !self.params.is_empty() {
+            queue.write_buffer(&self.ring, 0, &self.params);
+        }
+        if !self.words.is_empty() {
+            queue.write_buffer(&self.arena, 0, bytemuck::cast_slice(&self.words));
+        }
+        queue.submit([enc.finish()]);
+        self.params.clear();
+        self.words.clear();
+        self.submits += 1;
+        let now = self.submits;
+        self.bind_groups
+            .retain(|_, (_, used)| now - *used <= KEEP_SUBMITS);
+    }
+
+    fn forget(&mut self, buffer: &wgpu::Buffer) {
+        self.bind_groups
+            .retain(|k, _| !k.slots.iter().flatten().any(|b| b == buffer));
+    }
+
+    /// The bind group of `slots` for `kernels`, made on first use.
+    fn bind_group<const N: usize>(
+        &mut self,
+        ctx: &Context,
+        kernels: &Kernels<N>,
+        slots: &[Bind<'_>],
+    ) -> wgpu::BindGroup {
+        let buffer = |b: &Bind<'_>| match *b {
+            Bind::Buffer(buf) => buf.clone(),
+            Bind::Words => self.arena.clone(),
+            Bind::Scratch(_) => self.scratch.clone(),
+            Bind::Unused => ctx.unused().clone(),
+        };
+        let mut key = BindKey {
+            layout: kernels.layout.clone(),
+            ring: self.ring.clone(),
+            slots: Default::default(),
+        };
+        for (k, b) in key.slots.iter_mut().zip(slots) {
+            *k = Some(buffer(b));
+        }
+        let now = self.submits;
+        if let Some((bg, used)) = self.bind_groups.get_mut(&key) {
+            *used = now;
+            return bg.clone();
+        }
+        let ring = wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &key.ring,
+                offset: 0,
+                size: Some(kernels.params_size),
+            }),
+        };
+        let entries: Vec<wgpu::BindGroupEntry> = std::iter::once(ring)
+            .chain(
+                key.slots
+                    .iter()
+                    .flatten()
+                    .enumerate()
+                    .map(|(i, b)| wgpu::BindGroupEntry {
+                        binding: i as u32 + 1,
+                        resource: b.as_entire_binding(),
+                    }),
+            )
+            .collect();
+        ctx.bind_groups_created.fetch_add(1, Ordering::Relaxed);
+        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &kernels.layout,
+            entries: &entries,
+        });
+        self.bind_groups.insert(key, (bg.clone(), now));
+        bg
+    }
+}
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
 pub const MODEL_ENTRIES: [&str; 11] = [
@@ -44,12 +201,15 @@ pub const MODEL_ENTRIES: [&str; 11] = [
     "scale_main",
 ];
 
-/// Pipelines of one shader module sharing one bind-group layout.
+/// Pipelines of one shader module sharing one bind-group layout: binding 0 is the uniform
+/// (bound at a dynamic offset), the others storage buffers.
 pub struct Kernels<const N: usize> {
     /// The layout every pipeline of the module uses.
     pub layout: wgpu::BindGroupLayout,
     /// One pipeline per entry point, in the order given.
     pub pipelines: [wgpu::ComputePipeline; N],
+    /// Bytes of the module's uniform.
+    params_size: NonZeroU64,
 }
 
 /// Binding kinds of a module's bind group, in binding order.
@@ -64,9 +224,11 @@ fn kernels<const N: usize>(
     device: &wgpu::Device,
     label: &str,
     source: &str,
-    slots: &[Slot],
+    (params_size, slots): (usize, &[Slot]),
     entries: [&str; N],
 ) -> Kernels<N> {
+    assert!(params_size <= MAX_PARAMS && params_size % 16 == 0);
+    let params_size = NonZeroU64::new(params_size as u64).expect("a uniform has fields");
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some(label),
         source: wgpu::ShaderSource::Wgsl(source.into()),
@@ -83,8 +245,8 @@ fn kernels<const N: usize>(
                     Slot::Read => wgpu::BufferBindingType::Storage { read_only: true },
                     Slot::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
                 },
-                has_dynamic_offset: false,
-                min_binding_size: None,
+                has_dynamic_offset: matches!(s, Slot::Uniform),
+                min_binding_size: matches!(s, Slot::Uniform).then_some(params_size),
             },
             count: None,
         })
@@ -108,7 +270,11 @@ fn kernels<const N: usize>(
             cache: None,
         })
     });
-    Kernels { layout, pipelines }
+    Kernels {
+        layout,
+        pipelines,
+        params_size,
+    }
 }
 
 /// Picks the adapter: `WGPU_ADAPTER_NAME` (substring, case-insensitive) when set, else the
@@ -153,6 +319,30 @@ impl Context {
             ..Default::default()
         }))
         .map_err(|e| format!("requesting a device from {}: {e}", info.name))?;
+        let align = limits.min_uniform_buffer_offset_alignment as usize;
+        let slot = MAX_PARAMS.div_ceil(align) * align;
+        let buffer = |label, size, usage| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size,
+                usage: usage | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let recorder = Recorder {
+            encoder: None,
+            params: Vec::with_capacity(RING_SLOTS * slot),
+            words: Vec::new(),
+            ring: buffer(
+                "uniform ring",
+                (RING_SLOTS * slot) as u64,
+                wgpu::BufferUsages::UNIFORM,
+            ),
+            arena: buffer("index words", 1 << 16, wgpu::BufferUsages::STORAGE),
+            scratch: buffer("scratch", 1 << 16, wgpu::BufferUsages::STORAGE),
+            bind_groups: HashMap::new(),
+            submits: 0,
+        };
         Ok(Context {
             device,
             queue,
@@ -162,8 +352,12 @@ impl Context {
             attention: OnceLock::new(),
             rows: OnceLock::new(),
             model: OnceLock::new(),
-            pending: Mutex::new(None),
+            slot,
+            recorder: Mutex::new(recorder),
             unused: OnceLock::new(),
+            readback: Mutex::new(None),
+            buffers_created: AtomicU64::new(3),
+            bind_groups_created: AtomicU64::new(0),
         })
     }
 
@@ -176,7 +370,10 @@ impl Context {
                 &self.device,
                 "attention",
                 include_str!("shaders/attention.wgsl"),
-                &[Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite],
+                (
+                    size_of::<crate::AttnParams>(),
+                    &[Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite],
+                ),
                 ["scores_main", "softmax_main", "output_main"],
             )
         })
@@ -190,7 +387,10 @@ impl Context {
                 &self.device,
                 "rows",
                 include_str!("shaders/rows.wgsl"),
-                &[Uniform, Read, Read, ReadWrite, ReadWrite],
+                (
+                    size_of::<crate::RowParams>(),
+                    &[Uniform, Read, Read, ReadWrite, ReadWrite],
+                ),
                 ["write_main", "gather_main", "place_main"],
             )
         })
@@ -204,7 +404,10 @@ impl Context {
                 &self.device,
                 "model",
                 include_str!("shaders/model.wgsl"),
-                &[Uniform, Read, Read, Read, ReadWrite],
+                (
+                    size_of::<crate::model::OpParams>(),
+                    &[Uniform, Read, Read, Read, ReadWrite],
+                ),
                 MODEL_ENTRIES,
             )
         })
@@ -224,6 +427,7 @@ impl Context {
         } else {
             bytes
         };
+        self.buffers_created.fetch_add(1, Ordering::Relaxed);
         self.device
             .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(label),
@@ -234,7 +438,7 @@ impl Context {
 
     /// A zeroed storage buffer of `size` bytes (at least 4).
     pub fn storage(&self, label: &str, size: u64) -> wgpu::Buffer {
-        self.device.create_buffer(&wgpu::BufferDescriptor {
+        self.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: size.max(4),
             usage: wgpu::BufferUsages::STORAGE
@@ -249,33 +453,21 @@ impl Context {
         self.unused.get_or_init(|| self.storage("unused", 4))
     }
 
-    /// Records commands into the pending encoder, after everything recorded before. Commands
+    /// Records commands into the pending batch, after everything recorded before. Commands
     /// run in recording order; they are submitted by [`Context::flush`] (which every read
     /// and host write calls first), so a forward's ops go to the GPU in one submission.
-    pub fn record(&self, passes: usize, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let (enc, n) = pending.get_or_insert_with(|| {
-            let enc = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            (enc, 0)
-        });
-        f(enc);
-        *n += passes;
-        if *n >= MAX_PENDING_PASSES {
-            let (enc, _) = pending.take().expect("inserted above");
-            self.queue.submit([enc.finish()]);
-        }
+    pub fn record(&self, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
+        let mut r = self.recorder();
+        f(r.encoder(&self.device));
     }
 
-    /// Submits the pending commands, if any. The lock is held until they are submitted, so
-    /// a flush that finds nothing pending returns only once every command recorded before
-    /// it has reached the queue (a readback on another thread may have taken them).
+    /// Submits the pending batch, if any, its parameters and index words uploaded just
+    /// before it. The lock is held until it is submitted, so a flush that finds nothing
+    /// pending returns only once every command recorded before it has reached the queue (a
+    /// readback on another thread may have taken them).
     pub fn flush(&self) {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((enc, _)) = pending.take() {
-            self.queue.submit([enc.finish()]);
-        }
+        let mut r = self.recorder();
+        r.submit(&self.queue);
     }
 
     /// Writes `bytes` into `buffer` at `offset` after every command recorded so far (a queue
@@ -285,46 +477,97 @@ impl Context {
         self.queue.write_buffer(buffer, offset, bytes);
     }
 
-    /// Records one compute pass per `(pipeline, workgroups)` over `bind_group`.
-    pub fn dispatch(
+    /// Records one compute pass per `(pipeline index, workgroups)` of `kernels` over one
+    /// bind group: `params(w)` is the op's uniform, given that its index `words` (concatenated)
+    /// start at word `w` of the slot bound as [`Bind::Words`]; `slots` fills the storage
+    /// bindings in order. Passes with an empty grid are skipped.
+    ///
+    /// The uniform takes a slot of the batch's ring (a dynamic offset) and the words a run of
+    /// its arena, both uploaded at the submit; the bind group of the same buffers is reused
+    /// across steps. So once warm, an op creates no buffer and no bind group.
+    pub fn dispatch<P: bytemuck::Pod, const N: usize>(
         &self,
-        bind_group: &wgpu::BindGroup,
-        passes: &[(&wgpu::ComputePipeline, [u32; 3])],
+        kernels: &Kernels<N>,
+        params: impl FnOnce(u32) -> P,
+        words: &[&[u32]],
+        slots: &[Bind<'_>],
+        passes: &[(usize, [u32; 3])],
     ) {
-        self.record(passes.len(), |enc| {
-            for (pipeline, [x, y, z]) in passes {
-                if *x == 0 || *y == 0 || *z == 0 {
-                    continue;
+        debug_assert_eq!(std::mem::size_of::<P>() as u64, kernels.params_size.get());
+        let n_words: usize = words.iter().map(|w| w.len()).sum();
+        let mut r = self.recorder();
+        if r.params.len() + self.slot > RING_SLOTS * self.slot
+            || r.words.len() + n_words > r.arena_words()
+        {
+            r.submit(&self.queue);
+        }
+        if n_words > r.arena_words() {
+            let old = std::mem::replace(&mut r.arena, self.arena(n_words));
+            r.forget(&old);
+        }
+        for slot in slots {
+            if let Bind::Scratch(bytes) = *slot {
+                if bytes > r.scratch.size() {
+                    let grown = self.storage("scratch", bytes.next_power_of_two());
+                    let old = std::mem::replace(&mut r.scratch, grown);
+                    r.forget(&old);
                 }
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: None,
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, bind_group, &[]);
-                pass.dispatch_workgroups(*x, *y, *z);
             }
-        });
+        }
+        let first_word = r.words.len() as u32;
+        for w in words {
+            r.words.extend_from_slice(w);
+        }
+        let offset = r.params.len();
+        r.params
+            .extend_from_slice(bytemuck::bytes_of(&params(first_word)));
+        r.params.resize(offset + self.slot, 0);
+        let bind_group = r.bind_group(self, kernels, slots);
+        let enc = r.encoder(&self.device);
+        for &(pipeline, [x, y, z]) in passes {
+            if x == 0 || y == 0 || z == 0 {
+                continue;
+            }
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&kernels.pipelines[pipeline]);
+            pass.set_bind_group(0, &bind_group, &[offset as u32]);
+            pass.dispatch_workgroups(x, y, z);
+        }
     }
 
-    /// A bind group of `buffers` (whole buffers, in binding order).
-    pub fn bind(
-        &self,
-        layout: &wgpu::BindGroupLayout,
-        buffers: &[&wgpu::Buffer],
-    ) -> wgpu::BindGroup {
-        let entries: Vec<wgpu::BindGroupEntry> = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource: b.as_entire_binding(),
-            })
-            .collect();
-        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout,
-            entries: &entries,
+    /// Drops the cached bind groups that hold `buffer`, so a buffer being replaced (a grown
+    /// pool or scratch) is freed as soon as the commands using it have run.
+    pub fn forget(&self, buffer: &wgpu::Buffer) {
+        self.recorder().forget(buffer);
+    }
+
+    /// Buffers and bind groups this context has created so far.
+    pub fn created(&self) -> Created {
+        Created {
+            buffers: self.buffers_created.load(Ordering::Relaxed),
+            bind_groups: self.bind_groups_created.load(Ordering::Relaxed),
+        }
+    }
+
+    fn recorder(&self) -> MutexGuard<'_, Recorder> {
+        self.recorder.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn create_buffer(&self, desc: &wgpu::BufferDescriptor<'_>) -> wgpu::Buffer {
+        self.buffers_created.fetch_add(1, Ordering::Relaxed);
+        self.device.create_buffer(desc)
+    }
+
+    /// An index-word arena of at least `words` words (a power of two, at least 64 KiB).
+    fn arena(&self, words: usize) -> wgpu::Buffer {
+        self.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("index words"),
+            size: (words.next_power_of_two() * 4).max(1 << 16) as u64,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
         })
     }
 
@@ -337,21 +580,25 @@ impl Context {
     }
 
     /// Reads `(offset, size)` regions of a buffer back to the host, concatenated (blocking).
-    /// Offsets and sizes are multiples of 4.
+    /// Offsets and sizes are multiples of 4. The staging buffer is reused across reads.
     pub fn read_regions(
         &self,
         buffer: &wgpu::Buffer,
         regions: &[(u64, u64)],
     ) -> Result<Vec<u8>, String> {
         let size: u64 = regions.iter().map(|r| r.1).sum();
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: size.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let mut cached = self.readback.lock().unwrap_or_else(|p| p.into_inner());
+        let staging = match cached.take() {
+            Some(b) if b.size() >= size => b,
+            _ => self.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size: size.max(4).next_power_of_two(),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+        };
         // After the pending commands, then everything goes to the GPU.
-        self.record(0, |enc| {
+        self.record(|enc| {
             let mut at = 0;
             for &(offset, len) in regions {
                 enc.copy_buffer_to_buffer(buffer, offset, &staging, at, len);
@@ -360,7 +607,7 @@ impl Context {
         });
         self.flush();
         let (tx, rx) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        staging.map_async(wgpu::MapMode::Read, ..size.max(4), move |r| {
             let _ = tx.send(r);
         });
         self.device
@@ -370,10 +617,12 @@ impl Context {
             .map_err(|e| format!("readback callback dropped: {e}"))?
             .map_err(|e| format!("mapping the readback buffer: {e}"))?;
         let bytes = staging
-            .get_mapped_range(..)
+            .get_mapped_range(..size.max(4))
             .map_err(|e| format!("reading the mapped range: {e:?}"))?[..size as usize]
             .to_vec();
         staging.unmap();
+        // Kept only after a clean read: a failed one leaves no mapped buffer behind.
+        *cached = Some(staging);
         Ok(bytes)
     }
 }

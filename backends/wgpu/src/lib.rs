@@ -22,7 +22,7 @@ use kvplug_core::{CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 use wgpu::BufferUsages;
 
-use crate::context::Context;
+use crate::context::{Bind, Context};
 
 /// An f32 activation tensor in a storage buffer.
 pub struct WgpuTensor {
@@ -41,20 +41,21 @@ pub struct WgpuPool {
     group: u32,
 }
 
-/// Per-cache scratch: the score buffer, grown on demand, and the step's mask.
+/// Per-cache scratch: the score buffer and the step's mask, both grown on demand and kept,
+/// so the decode path binds the same buffers every step.
 #[derive(Default)]
 pub struct WgpuScratch {
     scores: Option<wgpu::Buffer>,
     /// The mask bits being packed for this call.
     packing: Vec<u32>,
-    /// The last mask uploaded, as packed bits and its buffer: every layer of a step attends
-    /// with the same mask, so it is uploaded once per step, not once per layer.
+    /// The last mask uploaded, as packed bits, and the buffer holding it: every layer of a
+    /// step attends with the same mask, so it is uploaded once per step, not once per layer.
     mask: Option<(Vec<u32>, wgpu::Buffer)>,
 }
 
 impl WgpuScratch {
     /// Packs `mask` into bits (`kind` 0 none, 1 causal, 2 explicit) and returns its buffer,
-    /// uploading it only when it differs from the last one (a handle: no copy).
+    /// writing the bits into it only when they differ from the last ones.
     fn mask_buffer(&mut self, dev: &WgpuDevice, mask: AttendMask<'_>) -> (u32, wgpu::Buffer) {
         let words = &mut self.packing;
         words.clear();
@@ -72,10 +73,22 @@ impl WgpuScratch {
         if words.is_empty() {
             words.push(0);
         }
-        if self.mask.as_ref().is_none_or(|(last, _)| last != words) {
-            let buf = dev.u32s("mask", words);
-            let last = self.mask.take().map(|(v, _)| v).unwrap_or_default();
-            self.mask = Some((std::mem::replace(words, last), buf));
+        let ctx = &dev.ctx;
+        let bytes = (words.len() * 4) as u64;
+        match &mut self.mask {
+            Some((last, _)) if last == words => {}
+            Some((last, buf)) if buf.size() >= bytes => {
+                ctx.write_buffer(buf, 0, bytemuck::cast_slice(words));
+                std::mem::swap(last, words);
+            }
+            held => {
+                let buf = ctx.storage("mask", bytes.next_power_of_two().max(MIN_MASK_BYTES));
+                ctx.write_buffer(&buf, 0, bytemuck::cast_slice(words));
+                if let Some((_, old)) = held.take() {
+                    ctx.forget(&old);
+                }
+                *held = Some((std::mem::take(words), buf));
+            }
         }
         (kind, self.mask.as_ref().expect("set above").1.clone())
     }
@@ -88,7 +101,7 @@ pub struct WgpuDevice {
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct RowParams {
+pub(crate) struct RowParams {
     heads: u32,
     t: u32,
     d: u32,
@@ -97,11 +110,14 @@ struct RowParams {
     dtype: u32,
     group: u32,
     base: u32,
+    /// Where the op's cells start in the index words.
+    idx0: u32,
+    pad: [u32; 3],
 }
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct AttnParams {
+pub(crate) struct AttnParams {
     hq: u32,
     hkv: u32,
     t: u32,
@@ -120,6 +136,9 @@ struct AttnParams {
 }
 
 const MAX_DISPATCH: u32 = 65535;
+
+/// The smallest mask buffer: a decode step's mask over up to 8192 cells fits.
+const MIN_MASK_BYTES: u64 = 1024;
 
 /// `(dtype code, words per row, group)` of a pool, or why this device cannot hold it.
 fn layout(dtype: KvDtype, d: usize) -> Result<(u32, usize, u32), CacheError> {
@@ -165,17 +184,12 @@ impl WgpuDevice {
         &self.ctx
     }
 
-    fn u32s(&self, label: &str, v: &[u32]) -> wgpu::Buffer {
-        self.ctx
-            .buffer_with(label, bytemuck::cast_slice(v), BufferUsages::STORAGE)
+    /// Buffers and bind groups this device has created since it opened.
+    pub fn created(&self) -> context::Created {
+        self.ctx.created()
     }
 
-    fn uniform<T: bytemuck::Pod>(&self, v: &T) -> wgpu::Buffer {
-        self.ctx
-            .buffer_with("params", bytemuck::bytes_of(v), BufferUsages::UNIFORM)
-    }
-
-    fn row_params(&self, pool: &WgpuPool, t: usize, base: usize) -> RowParams {
+    fn row_params(pool: &WgpuPool, t: usize, base: usize, idx0: u32) -> RowParams {
         RowParams {
             heads: pool.heads as u32,
             t: t as u32,
@@ -185,6 +199,8 @@ impl WgpuDevice {
             dtype: pool.dtype,
             group: pool.group,
             base: base as u32,
+            idx0,
+            pad: [0; 3],
         }
     }
 
@@ -208,16 +224,18 @@ impl WgpuDevice {
 
     /// Encodes token `i` of `src` (`[heads, T, D]`) into row `cells[i]`.
     fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], src: &WgpuTensor) {
-        let params = self.uniform(&self.row_params(pool, cells.len(), 0));
-        let cells = self.u32s("cells", cells);
-        let bg = self.ctx.bind(
-            &self.ctx.rows().layout,
-            &[&params, &src.buf, &cells, &pool.buf, self.ctx.unused()],
-        );
         let n = (pool.heads * src.dims[1]) as u32;
         self.ctx.dispatch(
-            &bg,
-            &[(&self.ctx.rows().pipelines[0], [n.div_ceil(64), 1, 1])],
+            self.ctx.rows(),
+            |idx0| Self::row_params(pool, cells.len(), 0, idx0),
+            &[cells],
+            &[
+                Bind::Buffer(&src.buf),
+                Bind::Words,
+                Bind::Buffer(&pool.buf),
+                Bind::Unused,
+            ],
+            &[(0, [n.div_ceil(64), 1, 1])],
         );
     }
 }
@@ -258,7 +276,7 @@ impl Device for WgpuDevice {
         let grown = self.pool_buffer(pool.heads, cells, pool.row_words)?;
         let rw = pool.row_words as u64 * 4;
         if keep > 0 {
-            self.ctx.record(0, |enc| {
+            self.ctx.record(|enc| {
                 for h in 0..pool.heads as u64 {
                     enc.copy_buffer_to_buffer(
                         &pool.buf,
@@ -270,7 +288,7 @@ impl Device for WgpuDevice {
                 }
             });
         }
-        pool.buf = grown;
+        self.ctx.forget(&std::mem::replace(&mut pool.buf, grown));
         pool.cells = cells;
         Ok(())
     }
@@ -336,21 +354,19 @@ impl Device for WgpuDevice {
         if rows.is_empty() {
             return;
         }
-        let params = self.uniform(&self.row_params(pool, rows.len(), base));
-        let idx = self.u32s("rows", rows);
         let n = (pool.heads * rows.len() * pool.row_words) as u64;
-        let tmp = self.ctx.storage("gather", n * 4);
-        let bg = self.ctx.bind(
-            &self.ctx.rows().layout,
-            &[&params, self.ctx.unused(), &idx, &pool.buf, &tmp],
-        );
         let groups = (n as u32).div_ceil(64);
         self.ctx.dispatch(
-            &bg,
+            self.ctx.rows(),
+            |idx0| Self::row_params(pool, rows.len(), base, idx0),
+            &[rows],
             &[
-                (&self.ctx.rows().pipelines[1], [groups, 1, 1]),
-                (&self.ctx.rows().pipelines[2], [groups, 1, 1]),
+                Bind::Unused,
+                Bind::Words,
+                Bind::Buffer(&pool.buf),
+                Bind::Scratch(n * 4),
             ],
+            &[(1, [groups, 1, 1]), (2, [groups, 1, 1])],
         );
     }
 
@@ -387,7 +403,10 @@ impl Device for WgpuDevice {
             .min(MAX_DISPATCH as usize);
         let need = per_head * chunk as u64;
         if scratch.scores.as_ref().is_none_or(|b| b.size() < need) {
-            scratch.scores = Some(self.ctx.storage("scores", need));
+            let grown = self.ctx.storage("scores", need);
+            if let Some(old) = scratch.scores.replace(grown) {
+                self.ctx.forget(&old);
+            }
         }
         let (mask_kind, mask_buf) = scratch.mask_buffer(self, mask);
         let scores = scratch.scores.as_ref().expect("allocated above");
@@ -395,7 +414,7 @@ impl Device for WgpuDevice {
             let nheads = chunk.min(hq - head0);
             let rows = (nheads * t) as u32;
             let (sx, sy) = (rows.min(MAX_DISPATCH), rows.div_ceil(MAX_DISPATCH));
-            let params = self.uniform(&AttnParams {
+            let params = AttnParams {
                 hq: hq as u32,
                 hkv: k.heads as u32,
                 t: t as u32,
@@ -411,18 +430,16 @@ impl Device for WgpuDevice {
                 scale,
                 rows_per_y: sx,
                 pad: [0; 2],
-            });
-            let bg = self.ctx.bind(
-                &self.ctx.attention().layout,
-                &[&params, &q.buf, &k.buf, &v.buf, &mask_buf, scores, &out.buf],
-            );
-            let p = &self.ctx.attention().pipelines;
+            };
             self.ctx.dispatch(
-                &bg,
+                self.ctx.attention(),
+                |_| params,
+                &[],
+                &[&q.buf, &k.buf, &v.buf, &mask_buf, scores, &out.buf].map(Bind::Buffer),
                 &[
-                    (&p[0], [(l as u32).div_ceil(64), t as u32, nheads as u32]),
-                    (&p[1], [sx, sy, 1]),
-                    (&p[2], [(d as u32).div_ceil(64), t as u32, nheads as u32]),
+                    (0, [(l as u32).div_ceil(64), t as u32, nheads as u32]),
+                    (1, [sx, sy, 1]),
+                    (2, [(d as u32).div_ceil(64), t as u32, nheads as u32]),
                 ],
             );
         }

@@ -5,6 +5,7 @@ use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::{Device, KitError};
 use wgpu::BufferUsages;
 
+use crate::context::Bind;
 use crate::{WgpuDevice, WgpuTensor};
 
 /// A `[rows, cols]` weight in a storage buffer, in its stored dtype (the shaders widen
@@ -19,11 +20,12 @@ pub struct WgpuWeight {
 
 #[repr(C)]
 #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct OpParams {
+pub(crate) struct OpParams {
     n: [u32; 4],
     flag: u32,
     total: u32,
-    pad: [u32; 2],
+    /// Where the op's index words start, and its second array of them (set by [`WgpuDevice::op`]).
+    idx: [u32; 2],
     eps: f32,
     pad2: [f32; 3],
 }
@@ -44,20 +46,21 @@ enum Op {
     Scale = 10,
 }
 
-/// The read-only operands of one op (absent ones are bound to a dummy buffer).
+/// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
+/// and up to two arrays of index words (read at `idx0` and `idx1`).
 #[derive(Clone, Copy, Default)]
 struct Inputs<'a> {
     a: Option<&'a wgpu::Buffer>,
     b: Option<&'a wgpu::Buffer>,
-    idx: Option<&'a wgpu::Buffer>,
+    words: &'a [&'a [u32]],
 }
 
 fn inputs<'a>(
     a: Option<&'a wgpu::Buffer>,
     b: Option<&'a wgpu::Buffer>,
-    idx: Option<&'a wgpu::Buffer>,
+    words: &'a [&'a [u32]],
 ) -> Inputs<'a> {
-    Inputs { a, b, idx }
+    Inputs { a, b, words }
 }
 
 /// Workgroups for `total` invocations in 64-wide groups, spread over x and y.
@@ -77,26 +80,26 @@ impl WgpuDevice {
         groups: [u32; 3],
     ) {
         let ctx = self.context();
-        let unused = ctx.unused();
-        let Inputs { a, b, idx } = inputs;
-        let params = ctx.buffer_with("params", bytemuck::bytes_of(&params), BufferUsages::UNIFORM);
-        let bg = ctx.bind(
-            &ctx.model().layout,
-            &[
-                &params,
-                a.unwrap_or(unused),
-                b.unwrap_or(unused),
-                idx.unwrap_or(unused),
-                out,
-            ],
+        let Inputs { a, b, words } = inputs;
+        fn buffer(x: Option<&wgpu::Buffer>) -> Bind<'_> {
+            x.map_or(Bind::Unused, Bind::Buffer)
+        }
+        let idx = if words.is_empty() {
+            Bind::Unused
+        } else {
+            Bind::Words
+        };
+        let first = words.first().map_or(0, |w| w.len() as u32);
+        ctx.dispatch(
+            ctx.model(),
+            |idx0| OpParams {
+                idx: [idx0, idx0 + first],
+                ..params
+            },
+            words,
+            &[buffer(a), buffer(b), idx, Bind::Buffer(out)],
+            &[(op as usize, groups)],
         );
-        ctx.dispatch(&bg, &[(&ctx.model().pipelines[op as usize], groups)]);
-    }
-
-    fn indices(&self, v: impl Iterator<Item = u32>) -> wgpu::Buffer {
-        let v: Vec<u32> = v.collect();
-        self.context()
-            .buffer_with("indices", bytemuck::cast_slice(&v), BufferUsages::STORAGE)
     }
 
     fn flat(
@@ -165,13 +168,12 @@ impl ModelDevice for WgpuDevice {
 
     fn embed(&self, table: &WgpuWeight, ids: &[i32], out: &mut WgpuTensor) -> Result<(), KitError> {
         let w = table.cols;
-        let idx = self.indices(ids.iter().map(|&i| i as u32));
         self.flat(
             Op::Embed,
             [w as u32, 0, 0, 0],
             table.dtype,
             ids.len() * w,
-            inputs(None, Some(&table.buf), Some(&idx)),
+            inputs(None, Some(&table.buf), &[bytemuck::cast_slice(ids)]),
             &out.buf,
         );
         Ok(())
@@ -194,7 +196,7 @@ impl ModelDevice for WgpuDevice {
         self.op(
             Op::RmsNorm,
             params,
-            inputs(Some(&x.buf), Some(&w.buf), None),
+            inputs(Some(&x.buf), Some(&w.buf), &[]),
             &out.buf,
             [rows as u32, 1, 1],
         );
@@ -217,7 +219,7 @@ impl ModelDevice for WgpuDevice {
         self.op(
             Op::Linear,
             params,
-            inputs(Some(&x.buf), Some(&w.buf), None),
+            inputs(Some(&x.buf), Some(&w.buf), &[]),
             &out.buf,
             [(w.rows as u32).div_ceil(64), t as u32, 1],
         );
@@ -227,7 +229,7 @@ impl ModelDevice for WgpuDevice {
                 [w.rows as u32, 0, 0, 0],
                 0,
                 t * w.rows,
-                inputs(Some(&b.buf), None, None),
+                inputs(Some(&b.buf), None, &[]),
                 &out.buf,
             );
         }
@@ -242,19 +244,20 @@ impl ModelDevice for WgpuDevice {
         inv_freq: &[f32],
     ) -> Result<(), KitError> {
         let hd = 2 * inv_freq.len();
-        let freqs = self.context().buffer_with(
-            "inv_freq",
-            bytemuck::cast_slice(inv_freq),
-            BufferUsages::STORAGE,
-        );
-        let pos = self.indices(positions.iter().map(|&p| p as u32));
         let total = positions.len() * heads * hd / 2;
         self.flat(
             Op::Rope,
             [heads as u32, hd as u32, 0, 0],
             0,
             total,
-            inputs(Some(&freqs), None, Some(&pos)),
+            inputs(
+                None,
+                None,
+                &[
+                    bytemuck::cast_slice(positions),
+                    bytemuck::cast_slice(inv_freq),
+                ],
+            ),
             &x.buf,
         );
         Ok(())
@@ -272,7 +275,7 @@ impl ModelDevice for WgpuDevice {
             [heads as u32, t as u32, d as u32, 0],
             0,
             heads * t * d,
-            inputs(Some(&x.buf), None, None),
+            inputs(Some(&x.buf), None, &[]),
             &out.buf,
         );
         Ok(())
@@ -285,7 +288,7 @@ impl ModelDevice for WgpuDevice {
             [h as u32, t as u32, d as u32, 0],
             1,
             h * t * d,
-            inputs(Some(&x.buf), None, None),
+            inputs(Some(&x.buf), None, &[]),
             &out.buf,
         );
         Ok(())
@@ -303,7 +306,7 @@ impl ModelDevice for WgpuDevice {
             [0; 4],
             0,
             n,
-            inputs(Some(&gate.buf), Some(&up.buf), None),
+            inputs(Some(&gate.buf), Some(&up.buf), &[]),
             &out.buf,
         );
         Ok(())
@@ -321,7 +324,7 @@ impl ModelDevice for WgpuDevice {
             [0; 4],
             0,
             n,
-            inputs(Some(&gate.buf), Some(&up.buf), None),
+            inputs(Some(&gate.buf), Some(&up.buf), &[]),
             &out.buf,
         );
         Ok(())
@@ -351,7 +354,7 @@ impl ModelDevice for WgpuDevice {
             [0; 4],
             0,
             n,
-            inputs(Some(&y.buf), None, None),
+            inputs(Some(&y.buf), None, &[]),
             &x.buf,
         );
         Ok(())
@@ -364,13 +367,13 @@ impl ModelDevice for WgpuDevice {
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
         let w = x.dims[1];
-        let idx = self.indices(rows.iter().map(|&r| r as u32));
+        let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         self.flat(
             Op::Gather,
             [w as u32, 0, 0, 0],
             0,
             rows.len() * w,
-            inputs(Some(&x.buf), None, Some(&idx)),
+            inputs(Some(&x.buf), None, &[&rows]),
             &out.buf,
         );
         Ok(())

@@ -141,3 +141,31 @@ fn host_writes_and_readbacks_keep_the_order_of_recorded_kernels() {
         .collect();
     assert_eq!(&row0[..64 * 4], &want[..], "kernel row 0");
 }
+
+/// Ops recorded past the uniform ring's 1024 slots go to the next batch: every op still
+/// reads its own parameters and index words. 3000 single-row writes, each to its own cell
+/// of a reversed order, then one readback of the whole pool.
+#[test]
+fn ops_beyond_one_batch_keep_their_parameters_and_index_words() {
+    let dev = device();
+    let cells = 3000;
+    let mut pool = dev.pool_new(KvDtype::F32, 1, 64, cells).unwrap();
+    let rows: Vec<Vec<f32>> = (0..cells).map(|i| values(1, 1, i as f32)).collect();
+    let srcs: Vec<_> = rows.iter().map(|r| tensor(&dev, r, 1, 1)).collect();
+    for (i, src) in srcs.iter().enumerate() {
+        let cell = (cells - 1 - i) as u32;
+        dev.scatter_rows(&mut pool, &[cell], src).unwrap();
+    }
+    let all: Vec<u32> = (0..cells as u32).collect();
+    let got: Vec<f32> = bytemuck_f32(&dev.read_rows(&pool, &all).unwrap());
+    for (cell, row) in got.chunks(64).enumerate() {
+        assert_eq!(row, &rows[cells - 1 - cell][..], "cell {cell}");
+    }
+}
+
+fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}

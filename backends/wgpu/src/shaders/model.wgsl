@@ -1,11 +1,12 @@
 // Model-graph operations on f32 activations (row-major). One bind group layout for all:
 // params, a (f32, read), b (32-bit words, read: f32 values, or a weight in its stored
-// dtype), idx (u32, read), out (f32, read_write). Flat invocation index:
+// dtype), idx (u32, read: the batch's index words; an op's start at idx0, a second array at
+// idx1), out (f32, read_write). Flat invocation index:
 // gid.x + gid.y · (workgroups.x · 64), so large element counts use a 2-D dispatch.
 
 struct Params {
     n0: u32, n1: u32, n2: u32, n3: u32,
-    flag: u32, total: u32, pad0: u32, pad1: u32,
+    flag: u32, total: u32, idx0: u32, idx1: u32,
     eps: f32, pad2: f32, pad3: f32, pad4: f32,
 }
 
@@ -36,22 +37,22 @@ fn weight_at(e: u32) -> f32 {
     }
 }
 
-// out[t, :] = weight row idx[t] (an embedding lookup); n0 = width.
+// out[t, :] = weight row idx[idx0 + t] (an embedding lookup); n0 = width.
 @compute @workgroup_size(64)
 fn embed_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let i = flat(g, nw);
     if i >= p.total { return; }
     let w = p.n0;
-    out[i] = weight_at(idx[i / w] * w + i % w);
+    out[i] = weight_at(idx[p.idx0 + i / w] * w + i % w);
 }
 
-// out[t, :] = a[idx[t], :]; n0 = width.
+// out[t, :] = a[idx[idx0 + t], :]; n0 = width.
 @compute @workgroup_size(64)
 fn gather_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let i = flat(g, nw);
     if i >= p.total { return; }
     let w = p.n0;
-    out[i] = a[idx[i / w] * w + i % w];
+    out[i] = a[idx[p.idx0 + i / w] * w + i % w];
 }
 
 // out[r, :] = a[r, :] / rms(a[r, :]) · b; one workgroup per row of n0 = len(b) values.
@@ -102,7 +103,7 @@ fn bias_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroup
 }
 
 // Rotate-half RoPE in place on out [T, heads·hd]: n0 = heads, n1 = hd; positions (i32 bits)
-// in idx, inverse frequencies in a. One invocation per (t, head, i < hd/2).
+// at idx0, inverse frequencies (f32 bits) at idx1. One invocation per (t, head, i < hd/2).
 @compute @workgroup_size(64)
 fn rope_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let n = flat(g, nw);
@@ -112,7 +113,7 @@ fn rope_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroup
     let head = (n / half) % p.n0;
     let t = n / (half * p.n0);
     let base = (t * p.n0 + head) * p.n1;
-    let ang = f32(bitcast<i32>(idx[t])) * a[i];
+    let ang = f32(bitcast<i32>(idx[p.idx0 + t])) * bitcast<f32>(idx[p.idx1 + i]);
     let c = cos(ang);
     let s = sin(ang);
     let x1 = out[base + i];

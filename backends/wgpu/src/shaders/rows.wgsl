@@ -1,9 +1,11 @@
 // Pool row writes (encoding f32 activations into the pool's dtype) and tree-commit row moves.
 // Pools are u32 words, row-major [heads, cells, row_words]; see attention.wgsl for decoding.
 
+// idx0: where this op's cells start in cellidx (the batch's index words).
 struct Params {
     heads: u32, t: u32, d: u32, cells: u32,
     row_words: u32, dtype: u32, group: u32, base: u32,
+    idx0: u32, pad0: u32, pad1: u32, pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -18,7 +20,7 @@ fn bf16(x: f32) -> u32 {
     return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
 }
 
-// Token i of head h (src [heads, t, d]) into row cellidx[i].
+// Token i of head h (src [heads, t, d]) into row cellidx[idx0 + i].
 @compute @workgroup_size(64)
 fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
     let n = g.x;
@@ -26,7 +28,7 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
     let h = n / p.t;
     let i = n % p.t;
     let sb = (h * p.t + i) * p.d;
-    let rb = (h * p.cells + cellidx[i]) * p.row_words;
+    let rb = (h * p.cells + cellidx[p.idx0 + i]) * p.row_words;
     switch p.dtype {
         case 0u: {
             for (var dd = 0u; dd < p.d; dd++) { pool[rb + dd] = bitcast<u32>(src[sb + dd]); }
@@ -75,7 +77,7 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
     }
 }
 
-// Rows cellidx[i] (i < t) of every head into tmp, then tmp into rows base + i: an in-place
+// Rows cellidx[idx0 + i] (i < t) of every head into tmp, then tmp into rows base + i: an in-place
 // gather that is safe whatever the overlap.
 @compute @workgroup_size(64)
 fn gather_main(@builtin(global_invocation_id) g: vec3<u32>) {
@@ -84,7 +86,7 @@ fn gather_main(@builtin(global_invocation_id) g: vec3<u32>) {
     let w = n % p.row_words;
     let i = (n / p.row_words) % p.t;
     let h = n / (p.row_words * p.t);
-    tmp[n] = pool[(h * p.cells + cellidx[i]) * p.row_words + w];
+    tmp[n] = pool[(h * p.cells + cellidx[p.idx0 + i]) * p.row_words + w];
 }
 
 @compute @workgroup_size(64)

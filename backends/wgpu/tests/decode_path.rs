@@ -1,0 +1,56 @@
+//! The decode path records a whole forward without creating anything per op once warm: each
+//! op's uniform takes a slot of the uniform ring, its index words a run of the batch's arena,
+//! bind groups of the same buffers are reused, and the step's mask and the logits' readback
+//! reuse their buffers.
+
+use std::sync::Arc;
+
+use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
+use kvplug_backend_kit::testing::tiny_llama;
+use kvplug_backend_kit::{Backend, Device, KitCache};
+use kvplug_core::{make_config, CacheKind, KvDtype};
+use kvplug_wgpu::WgpuDevice;
+
+/// Prefill 300 tokens, decode 5 warm-up steps, then count what 40 decode steps create (no
+/// pool doubling between 305 and 345 cells: the pool holds 512).
+#[test]
+fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
+    let dev = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
+    let dir = tiny_llama("wgpu-decode");
+    let pkg = ModelPackage::open(&dir).unwrap();
+    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
+    for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
+        let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
+        let mut c = KitCache::new(dev.clone(), kind, cfg).unwrap();
+        let mut acts = None;
+        let prompt: Vec<i32> = (0..300).collect();
+        let ids: Vec<i32> = prompt.iter().map(|p| p % 40).collect();
+        model
+            .forward(&mut c, &ids, &prompt, Some(&[299]), false, &mut acts)
+            .unwrap();
+        let mut decode = |p: i32| {
+            let out = model
+                .forward(&mut c, &[p % 40], &[p], None, false, &mut acts)
+                .unwrap();
+            // The logits come back, as a generation loop reads them every step.
+            dev.download(out.logits, kvplug_plugin_api::TensorDtype::F32)
+                .unwrap();
+        };
+        for p in 300..305 {
+            decode(p);
+        }
+        let before = dev.created();
+        for p in 305..345 {
+            decode(p);
+        }
+        let after = dev.created();
+        assert_eq!(
+            (
+                after.buffers - before.buffers,
+                after.bind_groups - before.bind_groups
+            ),
+            (0, 0),
+            "buffers and bind groups created by 40 decode steps on {kind}"
+        );
+    }
+}
