@@ -48,7 +48,9 @@ const KEEP_SUBMITS: u64 = 64;
 /// Buffers and bind groups a [`Context`] has created since it opened.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Created {
+    /// Buffers of every kind: pools, activations, weights, staging, the recorder's own.
     pub buffers: u64,
+    /// Bind groups (each cached one counts once).
     pub bind_groups: u64,
 }
 
@@ -356,6 +358,7 @@ impl Context {
             recorder: Mutex::new(recorder),
             unused: OnceLock::new(),
             readback: Mutex::new(None),
+            // The recorder's ring, arena and scratch, made above.
             buffers_created: AtomicU64::new(3),
             bind_groups_created: AtomicU64::new(0),
         })
