@@ -3,8 +3,9 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use wgpu::util::DeviceExt;
 
@@ -25,7 +26,7 @@ pub struct Context {
     model: OnceLock<Kernels<11>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
-    recorder: Mutex<Recorder>,
+    recorder: Arc<Mutex<Recorder>>,
     /// The buffer bound to slots an op does not use.
     unused: OnceLock<wgpu::Buffer>,
     /// The staging buffer of readbacks, grown on demand; its lock serialises readbacks.
@@ -77,6 +78,34 @@ struct BindKey {
     layout: wgpu::BindGroupLayout,
     ring: wgpu::Buffer,
     slots: [Option<wgpu::Buffer>; MAX_STORAGE_SLOTS],
+}
+
+/// A buffer that takes the cached bind groups holding it along when it is dropped, so its
+/// memory is freed once the commands using it have run rather than when the cache would
+/// next sweep them (pools, scratch, activations and weights are made as these).
+pub struct OwnedBuffer {
+    buf: wgpu::Buffer,
+    recorder: Weak<Mutex<Recorder>>,
+}
+
+impl Deref for OwnedBuffer {
+    type Target = wgpu::Buffer;
+    fn deref(&self) -> &wgpu::Buffer {
+        &self.buf
+    }
+}
+
+impl Drop for OwnedBuffer {
+    fn drop(&mut self) {
+        if let Some(r) = self.recorder.upgrade() {
+            lock(&r).forget(&self.buf);
+        }
+    }
+}
+
+/// The recorder, taken even where a thread panicked holding it (as every lock here is).
+fn lock(r: &Mutex<Recorder>) -> MutexGuard<'_, Recorder> {
+    r.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The batch being recorded and the host data its ops read, uploaded when it is submitted.
@@ -355,7 +384,7 @@ impl Context {
             rows: OnceLock::new(),
             model: OnceLock::new(),
             slot,
-            recorder: Mutex::new(recorder),
+            recorder: Arc::new(Mutex::new(recorder)),
             unused: OnceLock::new(),
             readback: Mutex::new(None),
             // The recorder's ring, arena and scratch, made above.
@@ -417,12 +446,7 @@ impl Context {
     }
 
     /// A buffer holding `bytes` (at least 4 bytes, as bindings must not be empty).
-    pub fn buffer_with(
-        &self,
-        label: &str,
-        bytes: &[u8],
-        usage: wgpu::BufferUsages,
-    ) -> wgpu::Buffer {
+    pub fn buffer_with(&self, label: &str, bytes: &[u8], usage: wgpu::BufferUsages) -> OwnedBuffer {
         let pad;
         let contents = if bytes.len() < 4 {
             pad = [bytes, &[0u8; 4][bytes.len()..]].concat();
@@ -431,16 +455,31 @@ impl Context {
             bytes
         };
         self.buffers_created.fetch_add(1, Ordering::Relaxed);
-        self.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents,
-                usage,
-            })
+        self.owned(
+            self.device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents,
+                    usage,
+                }),
+        )
     }
 
     /// A zeroed storage buffer of `size` bytes (at least 4).
-    pub fn storage(&self, label: &str, size: u64) -> wgpu::Buffer {
+    pub fn storage(&self, label: &str, size: u64) -> OwnedBuffer {
+        self.owned(self.raw_storage(label, size))
+    }
+
+    fn owned(&self, buf: wgpu::Buffer) -> OwnedBuffer {
+        OwnedBuffer {
+            buf,
+            recorder: Arc::downgrade(&self.recorder),
+        }
+    }
+
+    /// [`Context::storage`] for the buffers the context keeps itself: made and replaced with
+    /// the recorder held, they must not lock it when dropped.
+    fn raw_storage(&self, label: &str, size: u64) -> wgpu::Buffer {
         self.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: size.max(4),
@@ -453,7 +492,7 @@ impl Context {
 
     /// A 4-byte storage buffer for the read-only slots an op leaves unused (one per device).
     pub fn unused(&self) -> &wgpu::Buffer {
-        self.unused.get_or_init(|| self.storage("unused", 4))
+        self.unused.get_or_init(|| self.raw_storage("unused", 4))
     }
 
     /// Records commands into the pending batch, after everything recorded before. Commands
@@ -511,7 +550,7 @@ impl Context {
         for slot in slots {
             if let Bind::Scratch(bytes) = *slot {
                 if bytes > r.scratch.size() {
-                    let grown = self.storage("scratch", bytes.next_power_of_two());
+                    let grown = self.raw_storage("scratch", bytes.next_power_of_two());
                     let old = std::mem::replace(&mut r.scratch, grown);
                     r.forget(&old);
                 }
@@ -541,10 +580,9 @@ impl Context {
         }
     }
 
-    /// Drops the cached bind groups that hold `buffer`, so a buffer being replaced (a grown
-    /// pool or scratch) is freed as soon as the commands using it have run.
-    pub fn forget(&self, buffer: &wgpu::Buffer) {
-        self.recorder().forget(buffer);
+    /// Bind groups held in the cache now.
+    pub fn bind_groups_held(&self) -> usize {
+        self.recorder().bind_groups.len()
     }
 
     /// Buffers and bind groups this context has created so far.
@@ -556,7 +594,7 @@ impl Context {
     }
 
     fn recorder(&self) -> MutexGuard<'_, Recorder> {
-        self.recorder.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.recorder)
     }
 
     fn create_buffer(&self, desc: &wgpu::BufferDescriptor<'_>) -> wgpu::Buffer {

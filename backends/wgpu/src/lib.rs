@@ -22,17 +22,17 @@ use kvplug_core::{CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 use wgpu::BufferUsages;
 
-use crate::context::{Bind, Context};
+use crate::context::{Bind, Context, OwnedBuffer};
 
 /// An f32 activation tensor in a storage buffer.
 pub struct WgpuTensor {
-    pub(crate) buf: wgpu::Buffer,
+    pub(crate) buf: OwnedBuffer,
     pub(crate) dims: Vec<usize>,
 }
 
 /// One layer's K or V pool.
 pub struct WgpuPool {
-    buf: wgpu::Buffer,
+    buf: OwnedBuffer,
     heads: usize,
     head_dim: usize,
     cells: usize,
@@ -45,12 +45,12 @@ pub struct WgpuPool {
 /// so the decode path binds the same buffers every step.
 #[derive(Default)]
 pub struct WgpuScratch {
-    scores: Option<wgpu::Buffer>,
+    scores: Option<OwnedBuffer>,
     /// The mask bits being packed for this call.
     packing: Vec<u32>,
     /// The last mask uploaded, as packed bits, and the buffer holding it: every layer of a
     /// step attends with the same mask, so it is uploaded once per step, not once per layer.
-    mask: Option<(Vec<u32>, wgpu::Buffer)>,
+    mask: Option<(Vec<u32>, OwnedBuffer)>,
 }
 
 impl WgpuScratch {
@@ -84,13 +84,10 @@ impl WgpuScratch {
             held => {
                 let buf = ctx.storage("mask", bytes.next_power_of_two().max(MIN_MASK_BYTES));
                 ctx.write_buffer(&buf, 0, bytemuck::cast_slice(words));
-                if let Some((_, old)) = held.take() {
-                    ctx.forget(&old);
-                }
                 *held = Some((std::mem::take(words), buf));
             }
         }
-        (kind, self.mask.as_ref().expect("set above").1.clone())
+        (kind, (*self.mask.as_ref().expect("set above").1).clone())
     }
 }
 
@@ -189,6 +186,11 @@ impl WgpuDevice {
         self.ctx.created()
     }
 
+    /// Bind groups cached now; those of a dropped pool, tensor or weight go with it.
+    pub fn bind_groups_held(&self) -> usize {
+        self.ctx.bind_groups_held()
+    }
+
     fn row_params(pool: &WgpuPool, t: usize, base: usize, idx0: u32) -> RowParams {
         RowParams {
             heads: pool.heads as u32,
@@ -210,7 +212,7 @@ impl WgpuDevice {
         heads: usize,
         cells: usize,
         row_words: usize,
-    ) -> Result<wgpu::Buffer, KitError> {
+    ) -> Result<OwnedBuffer, KitError> {
         let bytes = (heads * cells * row_words * 4) as u64;
         let limit = self.ctx.limits.max_storage_buffer_binding_size;
         if bytes > limit {
@@ -288,7 +290,7 @@ impl Device for WgpuDevice {
                 }
             });
         }
-        self.ctx.forget(&std::mem::replace(&mut pool.buf, grown));
+        pool.buf = grown;
         pool.cells = cells;
         Ok(())
     }
@@ -403,10 +405,7 @@ impl Device for WgpuDevice {
             .min(MAX_DISPATCH as usize);
         let need = per_head * chunk as u64;
         if scratch.scores.as_ref().is_none_or(|b| b.size() < need) {
-            let grown = self.ctx.storage("scores", need);
-            if let Some(old) = scratch.scores.replace(grown) {
-                self.ctx.forget(&old);
-            }
+            scratch.scores = Some(self.ctx.storage("scores", need));
         }
         let (mask_kind, mask_buf) = scratch.mask_buffer(self, mask);
         let scores = scratch.scores.as_ref().expect("allocated above");

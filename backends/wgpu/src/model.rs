@@ -11,7 +11,7 @@ use crate::{WgpuDevice, WgpuTensor};
 /// A `[rows, cols]` weight in a storage buffer, in its stored dtype (the shaders widen
 /// each element as they read it).
 pub struct WgpuWeight {
-    buf: wgpu::Buffer,
+    buf: crate::context::OwnedBuffer,
     /// The shaders' dtype flag: 0 f32, 1 f16, 2 bf16.
     dtype: u32,
     rows: usize,

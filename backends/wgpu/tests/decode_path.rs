@@ -54,3 +54,36 @@ fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
         );
     }
 }
+
+/// A dropped cache and activation arena take their cached bind groups along (each of those
+/// holds its buffers alive), instead of leaving them to the sweep after 64 idle submits.
+#[test]
+fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
+    let dev = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
+    let dir = tiny_llama("wgpu-drop");
+    let pkg = ModelPackage::open(&dir).unwrap();
+    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
+    let base = dev.bind_groups_held();
+    for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
+        let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::Q8 { group: 8 });
+        let mut c = KitCache::new(dev.clone(), kind, cfg).unwrap();
+        let mut acts = None;
+        let prompt: Vec<i32> = (0..40).collect();
+        model
+            .forward(&mut c, &prompt, &prompt, Some(&[39]), false, &mut acts)
+            .unwrap();
+        model
+            .forward(&mut c, &[7], &[40], None, false, &mut acts)
+            .unwrap();
+        assert!(
+            dev.bind_groups_held() > base,
+            "{kind}: the steps cached nothing"
+        );
+        drop((c, acts));
+        assert_eq!(
+            dev.bind_groups_held(),
+            base,
+            "{kind}: bind groups left after the cache and activations were dropped"
+        );
+    }
+}
