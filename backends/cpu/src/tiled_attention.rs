@@ -52,6 +52,16 @@ pub trait Row8: Copy {
     /// # Safety
     /// As [`Row8::group`].
     unsafe fn prefetch(&self, j: usize);
+    /// A view for reading rows `[j0, j0 + n)` (one tile) whose groups are widened once into
+    /// `staged` rather than at every load; the view reads `staged`, which must outlive its
+    /// use and stay untouched meanwhile. Rows without groups return themselves.
+    ///
+    /// # Safety
+    /// As [`Row8::group`] for every row of the tile.
+    #[inline(always)]
+    unsafe fn for_tile(self, _j0: usize, _n: usize, _staged: &mut Vec<f32>) -> Self {
+        self
+    }
 }
 
 /// Prefetches the cache lines of `bytes` bytes at `p`.
@@ -155,6 +165,10 @@ pub struct QuantRows {
     ng: usize,
     /// The group of each 8-value chunk of a row (no division on the hot path).
     chunk_group: [u16; MAX_CHUNKS],
+    /// Set by [`Row8::for_tile`]: the tile's first row, and its groups' scales and offsets
+    /// widened to f32 pairs, `[row - tile_row][group]`.
+    tile_row: usize,
+    staged: *const f32,
 }
 
 /// Chunks of 8 values per row [`QuantRows`] supports (head_dim up to 512).
@@ -187,6 +201,8 @@ impl QuantRows {
             group,
             ng: d / group,
             chunk_group,
+            tile_row: 0,
+            staged: std::ptr::null(),
         })
     }
 }
@@ -202,7 +218,12 @@ impl Row8 for QuantRows {
 
     #[inline(always)]
     unsafe fn group(&self, j: usize, c: usize) -> Self::Group {
-        let g = j * self.ng + *self.chunk_group.get_unchecked(c / 8) as usize;
+        let g = *self.chunk_group.get_unchecked(c / 8) as usize;
+        if !self.staged.is_null() {
+            let at = self.staged.add(((j - self.tile_row) * self.ng + g) * 2);
+            return (_mm256_broadcast_ss(&*at), _mm256_broadcast_ss(&*at.add(1)));
+        }
+        let g = j * self.ng + g;
         // Scale and offset as a pair of f16s, widened together.
         let pair = _mm_insert_epi16::<1>(
             _mm_cvtsi32_si128(*self.scales.add(g) as i32),
@@ -213,6 +234,37 @@ impl Row8 for QuantRows {
             _mm256_broadcastss_ps(sl),
             _mm256_broadcastss_ps(_mm_movehdup_ps(sl)),
         )
+    }
+
+    #[inline(always)]
+    unsafe fn for_tile(self, j0: usize, n: usize, staged: &mut Vec<f32>) -> Self {
+        let groups = n * self.ng;
+        staged.resize(groups * 2, 0.0);
+        let (sc, lo) = (self.scales.add(j0 * self.ng), self.los.add(j0 * self.ng));
+        let out = staged.as_mut_ptr();
+        let mut i = 0;
+        while i + 8 <= groups {
+            let s = _mm256_cvtph_ps(_mm_loadu_si128(sc.add(i) as *const __m128i));
+            let l = _mm256_cvtph_ps(_mm_loadu_si128(lo.add(i) as *const __m128i));
+            // Interleaved (scale, lo) pairs.
+            let (a, b) = (_mm256_unpacklo_ps(s, l), _mm256_unpackhi_ps(s, l));
+            _mm256_storeu_ps(out.add(2 * i), _mm256_permute2f128_ps::<0x20>(a, b));
+            _mm256_storeu_ps(out.add(2 * i + 8), _mm256_permute2f128_ps::<0x31>(a, b));
+            i += 8;
+        }
+        for i in i..groups {
+            let pair =
+                _mm_insert_epi16::<1>(_mm_cvtsi32_si128(*sc.add(i) as i32), *lo.add(i) as i32);
+            _mm_store_sd(
+                out.add(2 * i) as *mut f64,
+                _mm_castps_pd(_mm_cvtph_ps(pair)),
+            );
+        }
+        QuantRows {
+            tile_row: j0,
+            staged: out,
+            ..self
+        }
     }
 
     #[inline(always)]
@@ -298,6 +350,9 @@ pub struct TileScratch {
     sum: Vec<f32>,
     /// The unnormalized output of a part of a split head, `[rows, D]`.
     pub part: Vec<f32>,
+    /// The tile's K and V groups (see [`Row8::for_tile`]).
+    k_groups: Vec<f32>,
+    v_groups: Vec<f32>,
 }
 
 /// Sums of 8 vectors, in order.
@@ -366,6 +421,10 @@ pub unsafe fn accumulate<K: Row8, V: Row8>(
     out.fill(0.0);
     for j0 in keys.clone().step_by(TILE) {
         let n = TILE.min(keys.end - j0);
+        let (k, v) = (
+            k.for_tile(j0, n, &mut s.k_groups),
+            v.for_tile(j0, n, &mut s.v_groups),
+        );
         for b0 in (0..rows).step_by(4) {
             let m = (rows - b0).min(4);
             let token = |b: usize| (first + b0 + b) % vis.t;
