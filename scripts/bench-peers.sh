@@ -5,14 +5,18 @@
 # (pinned below with its SHA-256), with cmake from Debian, in .peers/ (git-ignored). Both
 # sides read one f16 GGUF: llama.cpp's llama-quantize writes it from MODEL (kvplug keeps
 # imported weights in f16, so both run the same numbers). Then llama-bench and `kvplug bench`
-# run the same tests (llama.cpp with flash attention on and off; the faster counts) and a
-# table of their tokens per second and kvplug / llama.cpp follows
+# run the same tests (llama.cpp with flash attention on and off; the faster counts), one test
+# at a time with the two sides interleaved in ABBA order over ROUNDS rounds (a shared
+# machine's bandwidth drifts over minutes: one side running all its tests first would be
+# measured on a different machine than the other), and a table of their tokens per second
+# (mean ± standard deviation of every sample) and kvplug / llama.cpp follows
 # (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
 # peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens after RSS_CONTEXT - PP of
 # context, one run; llama.cpp with the flash-attention setting its default picks).
 #
 # Settings (environment): MODEL (a GGUF; default the demo model), THREADS (default: every
-# core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r),
+# core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r,
+# REPS per run), ROUNDS (default 2: llama.cpp, kvplug, kvplug, llama.cpp for each test),
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names).
 # RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096).
 set -euo pipefail
@@ -26,7 +30,8 @@ THREADS=${THREADS:-$(nproc)}
 PP=${PP:-512}
 TG=${TG:-128}
 DEPTHS=${DEPTHS:-0,4096}
-REPS=${REPS:-3}
+REPS=${REPS:-2}
+ROUNDS=${ROUNDS:-2}
 KV=${KV:-f16}
 RSS_CONTEXT=${RSS_CONTEXT:-4096}
 
@@ -77,38 +82,64 @@ if [ ! -f "$f16" ]; then
 fi
 
 cargo build --release --quiet
-echo "bench-peers: llama.cpp ($THREADS threads, KV $KV)"
-# Flash attention on and off: each test is compared with llama.cpp's faster setting.
-"$build/bin/llama-bench" -m "$f16" -t "$THREADS" -p "$PP" -n "$TG" -d "$DEPTHS" -r "$REPS" \
-    -ctk "$KV" -ctv "$KV" -fa on,off -o json >"$PEERS/llama.json"
-echo "bench-peers: kvplug (cpu backend, KV $KVPLUG_KV)"
-./target/release/kvplug --plugins target/release bench --model "$f16" --backend cpu \
-    --kv-dtype "$KVPLUG_KV" -p "$PP" -n "$TG" -d "$DEPTHS" -r "$REPS" --json >"$PEERS/kvplug.json"
+llama() {
+    "$build/bin/llama-bench" -m "$f16" -t "$THREADS" -r "$REPS" -ctk "$KV" -ctv "$KV" \
+        -fa on,off -o json "$@"
+}
+kvplug() {
+    ./target/release/kvplug --plugins target/release bench --model "$f16" --backend cpu \
+        --kv-dtype "$KVPLUG_KV" -r "$REPS" --json "$@"
+}
+runs="$PEERS/runs"
+rm -rf "$runs" && mkdir -p "$runs"
+echo "bench-peers: llama.cpp ($THREADS threads, KV $KV, flash attention on and off) and kvplug" \
+    "(cpu backend, KV $KVPLUG_KV): $ROUNDS rounds of $REPS runs, interleaved per test"
+for depth in ${DEPTHS//,/ }; do
+    for test in "-p $PP -n 0" "-p 0 -n $TG"; do
+        for ((round = 0; round < ROUNDS; round++)); do
+            # ABBA: even rounds llama.cpp first, odd rounds kvplug first.
+            order="llama kvplug"
+            [ $((round % 2)) -eq 1 ] && order="kvplug llama"
+            for side in $order; do
+                # shellcheck disable=SC2086
+                $side $test -d "$depth" >"$runs/$side-d$depth${test// /}-$round.json"
+            done
+        done
+    done
+done
 
-python3 - "$PEERS/llama.json" "$PEERS/kvplug.json" "$MODEL" "$THREADS" "$KV" <<'EOF' | tee "$PEERS/peers.md"
-import json, sys
-llama, kvplug = (json.load(open(p)) for p in sys.argv[1:3])
-model, threads, kv = sys.argv[3:]
+python3 - "$runs" "$MODEL" "$THREADS" "$KV" <<'EOF' | tee "$PEERS/peers.md"
+import glob, json, os, statistics, sys
+runs, model, threads, kv = sys.argv[1:]
 key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"])
-theirs = {}
-for r in llama:
-    if key(r) not in theirs or r["avg_ts"] > theirs[key(r)]["avg_ts"]:
-        theirs[key(r)] = r
-print(f"{model} as f16 on both sides, {threads} threads, KV {kv}.\n")
+# Every sample of each side per test; llama.cpp's per flash-attention setting.
+ours, theirs = {}, {}
+for path in sorted(glob.glob(os.path.join(runs, "*.json"))):
+    side = os.path.basename(path).split("-")[0]
+    for r in json.load(open(path)):
+        if side == "kvplug":
+            ours.setdefault(key(r), []).extend(r["samples_ts"])
+        else:
+            fa = "on" if r.get("flash_attn") in (1, True) else "off"
+            theirs.setdefault(key(r), {}).setdefault(fa, []).extend(r["samples_ts"])
+def stats(xs):
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+print(f"{model} as f16 on both sides, {threads} threads, KV {kv}; mean ± standard deviation "
+      "of every sample of each side's runs, interleaved test by test.\n")
 print("| test | llama.cpp t/s | llama.cpp -fa | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | :---: | ---: | ---: |")
-for r in kvplug:
-    name = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-    if r["n_depth"]:
-        name += f" @ d{r['n_depth']}"
-    t = theirs.get(key(r))
-    if t is None:
-        print(f"| {name} | — | — | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | — |")
+for k in sorted(ours, key=lambda k: (k[2], k[1], k[0])):
+    name = f"pp{k[0]}" if k[0] else f"tg{k[1]}"
+    if k[2]:
+        name += f" @ d{k[2]}"
+    m, sd = stats(ours[k])
+    by_fa = theirs.get(k)
+    if not by_fa:
+        print(f"| {name} | — | — | {m:.2f} ± {sd:.2f} | — |")
         continue
-    ratio = r["avg_ts"] / t["avg_ts"]
-    fa = "on" if t.get("flash_attn") in (1, True) else "off"
-    print(f"| {name} | {t['avg_ts']:.2f} ± {t['stddev_ts']:.2f} | {fa} | "
-          f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {ratio:.2f}x |")
+    fa, xs = max(by_fa.items(), key=lambda f: statistics.mean(f[1]))
+    tm, tsd = stats(xs)
+    print(f"| {name} | {tm:.2f} ± {tsd:.2f} | {fa} | {m:.2f} ± {sd:.2f} | {m / tm:.2f}x |")
 EOF
 
 # Peak resident memory of one child process, in MiB (getrusage in a fresh parent counts this
