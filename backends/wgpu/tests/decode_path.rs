@@ -11,14 +11,19 @@ use kvplug_backend_kit::{Backend, Device, KitCache};
 use kvplug_core::{make_config, CacheKind, KvDtype};
 use kvplug_wgpu::WgpuDevice;
 
+/// The tiny test Llama on a fresh wgpu device.
+fn tiny_model(tag: &str) -> (Arc<WgpuDevice>, ModelPackage, DecoderModel<WgpuDevice>) {
+    let dev = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
+    let pkg = ModelPackage::open(&tiny_llama(tag)).unwrap();
+    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
+    (dev, pkg, model)
+}
+
 /// Prefill 300 tokens, decode 5 warm-up steps, then count what 40 decode steps create (no
 /// pool doubling between 305 and 345 cells: the pool holds 512).
 #[test]
 fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
-    let dev = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
-    let dir = tiny_llama("wgpu-decode");
-    let pkg = ModelPackage::open(&dir).unwrap();
-    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
+    let (dev, pkg, model) = tiny_model("wgpu-decode");
     for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
         let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
         let mut c = KitCache::new(dev.clone(), kind, cfg).unwrap();
@@ -59,10 +64,7 @@ fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
 /// holds its buffers alive), instead of leaving them to the sweep after 64 idle submits.
 #[test]
 fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
-    let dev = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
-    let dir = tiny_llama("wgpu-drop");
-    let pkg = ModelPackage::open(&dir).unwrap();
-    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
+    let (dev, pkg, model) = tiny_model("wgpu-drop");
     let base = dev.bind_groups_held();
     for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
         let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::Q8 { group: 8 });
