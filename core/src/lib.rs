@@ -27,6 +27,7 @@ pub mod contiguous;
 pub mod dtype;
 pub mod error;
 pub mod files;
+pub mod gguf_index;
 pub mod kind;
 pub mod limits;
 pub mod metadata;
@@ -46,6 +47,7 @@ pub use config::{
 pub use contiguous::ContiguousBookkeeping;
 pub use dtype::KvDtype;
 pub use error::{CacheError, CacheResult, ErrorKind};
+pub use gguf_index::{GgufIndex, IndexedTensor, RopePairs};
 pub use kind::{Bookkeeping, CacheKind, CacheVerbs};
 pub use metadata::{read_cache_params, write_cache_params, MetadataError};
 pub use plan::{MaskKind, PlanKind, StepPlan};

@@ -14,7 +14,9 @@ pub enum ModelError {
     #[error("{0}")]
     Malformed(String),
     /// An architecture this kit does not implement.
-    #[error("unsupported architecture '{0}' (supported: llama, mistral, qwen2, gemma3_text)")]
+    #[error(
+        "unsupported architecture '{0}' (supported: llama, mistral, qwen2, qwen3, gemma3_text)"
+    )]
     Unsupported(String),
 }
 
@@ -63,7 +65,8 @@ fn theta() -> f64 {
 /// The graph a config selects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
-    /// Llama, Mistral, Qwen2 (and SmolLM, TinyLlama shapes): pre-norm blocks, SiLU MLP.
+    /// Llama, Mistral, Qwen2, Qwen3 (and SmolLM, TinyLlama shapes): pre-norm blocks, SiLU
+    /// MLP; Qwen3 adds per-head q/k RMSNorms.
     Llama,
     /// Gemma 3 (text): q/k norms, (1 + w) RMSNorm weights, pre- and post-norms around
     /// attention and MLP, GELU-tanh MLP, embeddings scaled by √hidden, local/global RoPE.
@@ -83,7 +86,7 @@ pub enum Activation {
 /// Gemma 3 config may leave out take `Gemma3TextConfig`'s defaults.
 #[derive(Clone, Debug, serde::Deserialize)]
 pub struct ModelConfig {
-    /// `llama`, `mistral`, `qwen2` or `gemma3_text`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3` or `gemma3_text`.
     #[serde(default)]
     pub model_type: String,
     /// Residual width.
@@ -142,6 +145,11 @@ pub struct ModelConfig {
     /// Biases on the MLP projections (not implemented: refused).
     #[serde(default)]
     pub mlp_bias: bool,
+    /// Per-pair divisors of the rotary frequencies (`head_dim / 2` values): llama.cpp's
+    /// `rope_freqs` tensor, in which a Llama 3.x GGUF carries its `rope_scaling` (written
+    /// into the derived `config.json` by the host's GGUF index; not a Hugging Face field).
+    #[serde(default)]
+    pub rope_freq_factors: Option<Vec<f64>>,
 }
 
 /// The largest residual width, MLP width and vocabulary a config may declare (released
@@ -175,7 +183,7 @@ impl ModelConfig {
         let model_type = v["model_type"].as_str().unwrap_or_default().to_string();
         if !matches!(
             model_type.as_str(),
-            "llama" | "mistral" | "qwen2" | "gemma3_text"
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text"
         ) {
             return Err(ModelError::Unsupported(model_type));
         }
@@ -287,6 +295,23 @@ impl ModelConfig {
         c.attention = ModelCacheSpec::from_config(&v, c.num_hidden_layers, kv, c.head_dim())
             .map_err(|e| ModelError::Malformed(e.message))?
             .layers;
+        if let Some(f) = &c.rope_freq_factors {
+            if f.len() != c.head_dim() / 2 {
+                return Err(ModelError::Malformed(format!(
+                    "rope_freq_factors has {} values for head_dim {}",
+                    f.len(),
+                    c.head_dim()
+                )));
+            }
+            if c.rope_scaling.is_some() {
+                return Err(ModelError::Malformed(
+                    "rope_freq_factors and rope_scaling both given".into(),
+                ));
+            }
+            for &v in f {
+                positive("a rope_freq_factors value", v)?;
+            }
+        }
         if let Some(s) = &c.rope_scaling {
             positive("rope_scaling.factor", s.factor)?;
             match s.rope_type.as_str() {
@@ -341,6 +366,11 @@ impl ModelConfig {
             Arch::Llama => Activation::Silu,
             Arch::Gemma3 => Activation::GeluTanh,
         }
+    }
+
+    /// Whether q and k pass through per-head RMSNorms before RoPE (Gemma 3, Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        matches!(self.model_type.as_str(), "gemma3_text" | "qwen3")
     }
 
     /// Whether q/k/v carry biases.
@@ -405,7 +435,10 @@ impl ModelConfig {
         let hd = self.head_dim();
         (0..hd / 2)
             .map(|i| {
-                let f = theta.powf(-(2.0 * i as f64) / hd as f64);
+                let mut f = theta.powf(-(2.0 * i as f64) / hd as f64);
+                if let Some(factors) = &self.rope_freq_factors {
+                    f /= factors[i];
+                }
                 let Some(s) = scaling else {
                     return f as f32;
                 };
@@ -449,7 +482,7 @@ mod tests {
         let e = ModelConfig::parse(&SMOL.replace("\"llama\"", "\"gpt2\"")).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, gemma3_text)"
+            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, qwen3, gemma3_text)"
         );
         let e = ModelConfig::parse(
             &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),

@@ -5,15 +5,15 @@ use std::any::{Any, TypeId};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
-use kvplug_core::CacheError;
+use kvplug_core::{CacheError, RopePairs};
 
 use super::config::{Activation, Arch, ModelConfig, ModelError};
 use super::ops::ModelDevice;
 use super::package::ModelPackage;
 use crate::cache::{KitCache, KitError};
 
-/// One block. Gemma 3 adds the per-head q/k norms and the norms after attention and MLP;
-/// its RMSNorm weights are stored as `w` and loaded as `1 + w`.
+/// One block. Gemma 3 adds the per-head q/k norms (Qwen3 has them too) and the norms after
+/// attention and MLP; its RMSNorm weights are stored as `w` and loaded as `1 + w`.
 struct Layer<D: ModelDevice> {
     /// Before attention.
     ln1: D::Tensor,
@@ -52,6 +52,8 @@ struct Weights<D: ModelDevice> {
     /// RoPE frequencies of full layers, then of sliding layers.
     inv_freq: Vec<f32>,
     inv_freq_local: Vec<f32>,
+    /// How q/k rows pair their rotary halves (as the package stores them).
+    rope_pairs: RopePairs,
 }
 
 /// A decoder on device `D`: shared weights and how many of its layers run.
@@ -96,15 +98,16 @@ impl<D: ModelDevice> DecoderModel<D> {
             c.intermediate_size,
         );
         let gemma = c.arch() == Arch::Gemma3;
+        // Gemma's RMSNorm scales by (1 + w); a GGUF stores the sum.
+        let add_one = gemma && !pkg.norms_plus_one();
         let vec = |name: &str, n: usize| -> Result<D::Tensor, ModelError> {
             device
                 .tensor(&pkg.tensor_f32(name, &[n])?, &[n])
                 .map_err(weights_err)
         };
-        // Gemma's RMSNorm scales by (1 + w).
         let norm = |name: &str, n: usize| -> Result<D::Tensor, ModelError> {
             let mut w = pkg.tensor_f32(name, &[n])?;
-            if gemma {
+            if add_one {
                 w.iter_mut().for_each(|x| *x += 1.0);
             }
             device.tensor(&w, &[n]).map_err(weights_err)
@@ -112,6 +115,13 @@ impl<D: ModelDevice> DecoderModel<D> {
         let gemma_norm = |name: String, n: usize| -> Result<Option<D::Tensor>, ModelError> {
             if gemma {
                 norm(&name, n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let qk_norm = |name: String| -> Result<Option<D::Tensor>, ModelError> {
+            if c.qk_norm() {
+                norm(&name, hd).map(Some)
             } else {
                 Ok(None)
             }
@@ -157,8 +167,8 @@ impl<D: ModelDevice> DecoderModel<D> {
                 q_bias: bias("q", hq * hd)?,
                 k_bias: bias("k", hkv * hd)?,
                 v_bias: bias("v", hkv * hd)?,
-                q_norm: gemma_norm(format!("{p}self_attn.q_norm.weight"), hd)?,
-                k_norm: gemma_norm(format!("{p}self_attn.k_norm.weight"), hd)?,
+                q_norm: qk_norm(format!("{p}self_attn.q_norm.weight"))?,
+                k_norm: qk_norm(format!("{p}self_attn.k_norm.weight"))?,
                 o: mat(&format!("{p}self_attn.o_proj.weight"), h, hq * hd)?,
                 post_attn,
                 ln2,
@@ -174,6 +184,7 @@ impl<D: ModelDevice> DecoderModel<D> {
             norm: norm("model.norm.weight", h)?,
             inv_freq: c.inv_freq(),
             inv_freq_local: c.inv_freq_local(),
+            rope_pairs: pkg.rope_pairs(),
             lm_head,
             layers: ls,
             config: c,
@@ -318,8 +329,8 @@ impl<D: ModelDevice> DecoderModel<D> {
             } else {
                 &w.inv_freq
             };
-            d.rope(&mut a.q, hq, positions, inv_freq)?;
-            d.rope(&mut a.k, hkv, positions, inv_freq)?;
+            d.rope(&mut a.q, hq, positions, inv_freq, w.rope_pairs)?;
+            d.rope(&mut a.k, hkv, positions, inv_freq, w.rope_pairs)?;
             d.split_heads(&a.q, hq, &mut a.qh)?;
             d.split_heads(&a.k, hkv, &mut a.kh)?;
             d.split_heads(&a.v, hkv, &mut a.vh)?;

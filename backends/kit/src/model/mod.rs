@@ -7,6 +7,7 @@
 //! states f32 `[R, hidden]` (features for drafting). Sequence ids travel out of band through
 //! the bound cache's `begin_step`.
 
+pub mod blocks;
 pub mod config;
 pub mod forward;
 pub mod method;
@@ -14,6 +15,7 @@ pub mod ops;
 pub mod package;
 pub mod stored;
 
+pub use blocks::BlockFormat;
 pub use config::{ModelConfig, ModelError};
 pub use forward::{Activations, DecoderModel, ForwardOutput};
 pub use method::ForwardMethod;

@@ -1,5 +1,7 @@
 //! The device operations the model graph needs, on top of the cache primitives.
 
+use kvplug_core::RopePairs;
+
 use crate::cache::KitError;
 use crate::device::Device;
 
@@ -10,8 +12,9 @@ use super::stored::StoredTensor;
 /// consistent shapes.
 pub trait ModelDevice: Device {
     /// A `[rows, cols]` matrix for [`ModelDevice::linear`] and [`ModelDevice::embed`], held
-    /// in its stored dtype (f32, f16 or bf16). A device without kernels for that dtype may
-    /// widen it once at load, never per call (MLX on the CPU: see `kvplug-mlx`).
+    /// in its stored dtype (f32, f16, bf16 or a ggml block format). A device without kernels
+    /// for that dtype may widen it once at load, never per call, and says so in its
+    /// [`Backend::features`](crate::Backend::features) (`weights=…`, `weights-widened=…`).
     type Weight: Send + Sync;
 
     /// Makes `data` (`[rows, cols]`, row-major, `rows·cols` elements) a weight (`out = x·Wᵀ`).
@@ -50,14 +53,17 @@ pub trait ModelDevice: Device {
         bias: Option<&Self::Tensor>,
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
-    /// Rotary embedding in place on `x` `[T, heads·head_dim]` (rotate-half convention):
-    /// token t uses angle `positions[t] · inv_freq[i]` for pair `(i, i + head_dim/2)`.
+    /// Rotary embedding in place on `x` `[T, heads·head_dim]`: token t rotates pair `i` of
+    /// each head by angle `positions[t] · inv_freq[i]`, the pair being `(i, i + head_dim/2)`
+    /// for [`RopePairs::Halves`] (rotate-half) and `(2i, 2i + 1)` for
+    /// [`RopePairs::Interleaved`]: `(a, b) → (a·cos − b·sin, b·cos + a·sin)`.
     fn rope(
         &self,
         x: &mut Self::Tensor,
         heads: usize,
         positions: &[i32],
         inv_freq: &[f32],
+        pairs: RopePairs,
     ) -> Result<(), KitError>;
     /// `[T, H·D]` → `[H, T, D]`.
     fn split_heads(

@@ -1,28 +1,67 @@
 //! A Hugging Face–style model directory: `config.json` plus `model.safetensors` or shards
-//! listed in `model.safetensors.index.json`, memory-mapped.
+//! listed in `model.safetensors.index.json`, memory-mapped; or `config.json` plus
+//! [`gguf.json`](kvplug_core::gguf_index), whose tensors lie in a GGUF file mapped once and
+//! used in place, quantized blocks included.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvplug_core::files::{inside, open_regular, read_text, FileError, MAX_TEXT_BYTES};
+use kvplug_core::gguf_index::{GgufIndex, RopePairs, GGUF_INDEX_FILE, GGUF_INDEX_VERSION};
 use kvplug_core::metadata::{has_cache_params, read_cache_params};
 use kvplug_core::ModelCacheParams;
 use safetensors::{Dtype, SafeTensors};
 
+use super::blocks::BlockFormat;
 use super::config::{ModelConfig, ModelError};
 use super::stored::{StoredDtype, StoredTensor};
+
+/// Where the tensors lie.
+enum Source {
+    /// safetensors shards; tensor name → shard index.
+    Safetensors {
+        shards: Vec<Arc<memmap2::Mmap>>,
+        index: HashMap<String, usize>,
+    },
+    /// One GGUF file and its manifest.
+    Gguf {
+        map: Arc<memmap2::Mmap>,
+        index: GgufIndex,
+    },
+}
 
 /// An opened model package.
 pub struct ModelPackage {
     /// The parsed configuration.
     pub config: ModelConfig,
     dir: PathBuf,
-    shards: Vec<Arc<memmap2::Mmap>>,
-    /// Tensor name → shard index.
-    index: HashMap<String, usize>,
+    source: Source,
     /// `kv_cache.*` facts from the first shard's header, when present.
     metadata_params: Option<ModelCacheParams>,
+}
+
+fn map_file(path: &Path) -> Result<memmap2::Mmap, ModelError> {
+    let (file, _) = open_regular(path)?;
+    // SAFETY: the mapping is read-only; a package modified while loaded is a user error that
+    // at worst yields wrong weights, as with any reader.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| {
+        FileError {
+            path: path.to_path_buf(),
+            reason: format!("cannot map: {e}"),
+        }
+        .into()
+    })
+}
+
+/// The stored dtype named `name` in a [`GgufIndex`].
+fn dtype_named(name: &str) -> Option<StoredDtype> {
+    match name {
+        "f32" => Some(StoredDtype::F32),
+        "f16" => Some(StoredDtype::F16),
+        "bf16" => Some(StoredDtype::BF16),
+        other => BlockFormat::from_name(other).map(StoredDtype::Block),
+    }
 }
 
 fn json(path: &Path) -> Result<serde_json::Value, ModelError> {
@@ -31,11 +70,83 @@ fn json(path: &Path) -> Result<serde_json::Value, ModelError> {
 }
 
 impl ModelPackage {
-    /// Opens `dir`, parsing the config and every shard header.
+    /// Opens `dir`, parsing the config and every shard header (or the GGUF manifest).
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let cfg_path = dir.join("config.json");
         let config = ModelConfig::parse(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
             .map_err(|e| ModelError::Malformed(format!("{}: {e}", cfg_path.display())))?;
+        let gguf = dir.join(GGUF_INDEX_FILE);
+        let (source, metadata_params) = if gguf.exists() {
+            (Self::open_gguf(&gguf)?, None)
+        } else {
+            Self::open_safetensors(dir)?
+        };
+        let pkg = ModelPackage {
+            config,
+            dir: dir.to_path_buf(),
+            source,
+            metadata_params,
+        };
+        let derived = pkg.config.cache_params();
+        if let Some(m) = pkg.metadata_params {
+            if m != derived {
+                return Err(ModelError::Malformed(format!(
+                    "kv_cache metadata {m:?} disagrees with config.json {derived:?}"
+                )));
+            }
+        }
+        Ok(pkg)
+    }
+
+    /// Reads the manifest at `path` and maps its GGUF, checking every tensor lies inside.
+    fn open_gguf(path: &Path) -> Result<Source, ModelError> {
+        let index: GgufIndex = serde_json::from_str(&read_text(path, MAX_TEXT_BYTES)?)
+            .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?;
+        if index.version != GGUF_INDEX_VERSION {
+            return Err(ModelError::Malformed(format!(
+                "{}: version {} (this build reads {GGUF_INDEX_VERSION}); delete the directory \
+                 to re-index the GGUF",
+                path.display(),
+                index.version
+            )));
+        }
+        let map = map_file(&index.file)?;
+        if map.len() as u64 != index.file_bytes {
+            return Err(ModelError::Malformed(format!(
+                "{} is {} bytes but was indexed at {}: it changed since; delete {} to re-index",
+                index.file.display(),
+                map.len(),
+                index.file_bytes,
+                path.display()
+            )));
+        }
+        for (name, t) in &index.tensors {
+            let dtype = dtype_named(&t.dtype).ok_or_else(|| {
+                ModelError::Malformed(format!(
+                    "tensor '{name}' has type {}, which kvplug cannot compute (supported: f32, \
+                     f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                    t.dtype
+                ))
+            })?;
+            let elems = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            let want = elems.and_then(|n| {
+                (n % dtype.unit_elems() == 0).then(|| n / dtype.unit_elems() * dtype.unit_bytes())
+            });
+            let end = t.offset.checked_add(t.bytes);
+            if want != Some(t.bytes as usize) || end.is_none_or(|e| e > index.file_bytes) {
+                return Err(ModelError::Malformed(format!(
+                    "tensor '{name}' ({} {:?}, {} bytes at {}) does not fit its type or the file",
+                    t.dtype, t.shape, t.bytes, t.offset
+                )));
+            }
+        }
+        Ok(Source::Gguf {
+            map: Arc::new(map),
+            index,
+        })
+    }
+
+    fn open_safetensors(dir: &Path) -> Result<(Source, Option<ModelCacheParams>), ModelError> {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {
             let v = json(&index_path)?;
@@ -52,29 +163,19 @@ impl ModelPackage {
         } else {
             vec!["model.safetensors".to_string()]
         };
-        let mut pkg = ModelPackage {
-            config,
-            dir: dir.to_path_buf(),
-            shards: Vec::new(),
-            index: HashMap::new(),
-            metadata_params: None,
-        };
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        let mut metadata_params = None;
         for (i, f) in files.iter().enumerate() {
             let path = inside(dir, f)?;
-            let (file, _) = open_regular(&path)?;
-            // SAFETY: the mapping is read-only; a package modified while loaded is a user
-            // error that at worst yields wrong weights, as with any reader.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FileError {
-                path: path.clone(),
-                reason: format!("cannot map: {e}"),
-            })?;
+            let map = map_file(&path)?;
             let (_, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
                 ModelError::Malformed(format!("{}: not a safetensors file: {e}", path.display()))
             })?;
             if i == 0 {
                 if let Some(m) = meta.metadata() {
                     if has_cache_params(m) {
-                        pkg.metadata_params = Some(read_cache_params(m).map_err(|e| {
+                        metadata_params = Some(read_cache_params(m).map_err(|e| {
                             ModelError::Malformed(format!("{}: {e}", path.display()))
                         })?);
                     }
@@ -84,19 +185,24 @@ impl ModelPackage {
                 .map_err(|e| ModelError::Malformed(format!("{}: {e}", path.display())))?
                 .names()
             {
-                pkg.index.insert(name.to_string(), i);
+                index.insert(name.to_string(), i);
             }
-            pkg.shards.push(Arc::new(map));
+            shards.push(Arc::new(map));
         }
-        let derived = pkg.config.cache_params();
-        if let Some(m) = pkg.metadata_params {
-            if m != derived {
-                return Err(ModelError::Malformed(format!(
-                    "kv_cache metadata {m:?} disagrees with config.json {derived:?}"
-                )));
-            }
+        Ok((Source::Safetensors { shards, index }, metadata_params))
+    }
+
+    /// How q/k rows pair their rotary halves (interleaved for Llama GGUFs).
+    pub fn rope_pairs(&self) -> RopePairs {
+        match &self.source {
+            Source::Gguf { index, .. } => index.rope_pairs,
+            Source::Safetensors { .. } => RopePairs::Halves,
         }
-        Ok(pkg)
+    }
+
+    /// Whether stored RMSNorm weights already include Gemma's `+ 1`.
+    pub fn norms_plus_one(&self) -> bool {
+        matches!(&self.source, Source::Gguf { index, .. } if index.norms_plus_one)
     }
 
     /// The cache shape: from `kv_cache.*` metadata when present, else derived from the
@@ -111,36 +217,47 @@ impl ModelPackage {
         self.metadata_params.is_some()
     }
 
-    /// Tensor `name` in its stored dtype (f32, f16 or bf16), sharing the mapped file (no
-    /// copy), checked against `shape`.
+    /// Tensor `name` in its stored dtype (f32, f16, bf16 or a block format), sharing the
+    /// mapped file (no copy), checked against `shape`.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<StoredTensor, ModelError> {
-        let shard = *self.index.get(name).ok_or_else(|| {
-            ModelError::Malformed(format!("{}: missing tensor '{name}'", self.dir.display()))
-        })?;
-        let map = &self.shards[shard];
-        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::Malformed(e.to_string()))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| ModelError::Malformed(format!("{name}: {e}")))?;
-        if view.shape() != shape {
+        let missing =
+            || ModelError::Malformed(format!("{}: missing tensor '{name}'", self.dir.display()));
+        let (dtype, owner, range, got): (_, Arc<dyn AsRef<[u8]> + Send + Sync>, _, Vec<usize>) =
+            match &self.source {
+                Source::Safetensors { shards, index } => {
+                    let map = &shards[*index.get(name).ok_or_else(missing)?];
+                    let st = SafeTensors::deserialize(map)
+                        .map_err(|e| ModelError::Malformed(e.to_string()))?;
+                    let view = st
+                        .tensor(name)
+                        .map_err(|e| ModelError::Malformed(format!("{name}: {e}")))?;
+                    let dtype = match view.dtype() {
+                        Dtype::F32 => StoredDtype::F32,
+                        Dtype::F16 => StoredDtype::F16,
+                        Dtype::BF16 => StoredDtype::BF16,
+                        other => {
+                            return Err(ModelError::Malformed(format!(
+                                "tensor '{name}' is {other:?}; weights must be f32, f16 or bf16"
+                            )))
+                        }
+                    };
+                    let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
+                    let range = start..start + view.data().len();
+                    (dtype, map.clone(), range, view.shape().to_vec())
+                }
+                Source::Gguf { map, index } => {
+                    let t = index.tensors.get(name).ok_or_else(missing)?;
+                    let dtype = dtype_named(&t.dtype).expect("checked at open");
+                    let range = t.offset as usize..(t.offset + t.bytes) as usize;
+                    (dtype, map.clone(), range, t.shape.clone())
+                }
+            };
+        if got != shape {
             return Err(ModelError::Malformed(format!(
-                "tensor '{name}' has shape {:?}, expected {shape:?}",
-                view.shape()
+                "tensor '{name}' has shape {got:?}, expected {shape:?}"
             )));
         }
-        let dtype = match view.dtype() {
-            Dtype::F32 => StoredDtype::F32,
-            Dtype::F16 => StoredDtype::F16,
-            Dtype::BF16 => StoredDtype::BF16,
-            other => {
-                return Err(ModelError::Malformed(format!(
-                    "tensor '{name}' is {other:?}; weights must be f32, f16 or bf16"
-                )))
-            }
-        };
-        let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = map.clone();
-        let t = StoredTensor::new(dtype, owner, start..start + view.data().len())
+        let t = StoredTensor::new(dtype, owner, range)
             .ok_or_else(|| ModelError::Malformed(format!("tensor '{name}': partial elements")))?;
         if let Some(i) = t.first_non_finite() {
             return Err(ModelError::Malformed(format!(
@@ -148,6 +265,14 @@ impl ModelPackage {
             )));
         }
         Ok(t)
+    }
+
+    /// Whether the package holds tensor `name`.
+    pub fn has_tensor(&self, name: &str) -> bool {
+        match &self.source {
+            Source::Safetensors { index, .. } => index.contains_key(name),
+            Source::Gguf { index, .. } => index.tensors.contains_key(name),
+        }
     }
 
     /// Tensor `name` widened to f32 (norms, biases, references), checked against `shape`.

@@ -1,10 +1,13 @@
-//! [`StoredTensor`]: a weight's elements exactly as the package stores them (f32, f16 or
-//! bf16), usually borrowed from the memory-mapped file — no widening, no copy.
+//! [`StoredTensor`]: a weight's elements exactly as the package stores them (f32, f16, bf16
+//! or a ggml block format), usually borrowed from the memory-mapped file — no widening, no
+//! copy.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use half::{bf16, f16};
+
+use super::blocks::{dequantize_row, BlockFormat};
 
 #[cfg(target_endian = "big")]
 compile_error!("stored tensors are read in place as little-endian values");
@@ -18,14 +21,43 @@ pub enum StoredDtype {
     F16,
     /// bfloat16.
     BF16,
+    /// Quantized blocks (a GGUF weight kept in its format).
+    Block(BlockFormat),
 }
 
 impl StoredDtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// Bytes of the smallest whole unit: an element, or a block.
+    pub fn unit_bytes(self) -> usize {
         match self {
             StoredDtype::F32 => 4,
             StoredDtype::F16 | StoredDtype::BF16 => 2,
+            StoredDtype::Block(f) => f.block_bytes(),
+        }
+    }
+
+    /// Elements per unit (1, or a block's values).
+    pub fn unit_elems(self) -> usize {
+        match self {
+            StoredDtype::Block(f) => f.block_elems(),
+            _ => 1,
+        }
+    }
+
+    /// The alignment reads need: the element's, or 2 for blocks (their f16 fields).
+    fn align(self) -> usize {
+        match self {
+            StoredDtype::Block(_) => 2,
+            d => d.unit_bytes(),
+        }
+    }
+
+    /// The name `kvplug plugins` and `plan` print (`f16`, `q4_K`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            StoredDtype::F32 => "f32",
+            StoredDtype::F16 => "f16",
+            StoredDtype::BF16 => "bf16",
+            StoredDtype::Block(f) => f.name(),
         }
     }
 }
@@ -39,13 +71,15 @@ pub enum StoredValues<'a> {
     F16(&'a [f16]),
     /// bf16 elements.
     BF16(&'a [bf16]),
+    /// Whole blocks of a format, as stored.
+    Blocks(BlockFormat, &'a [u8]),
 }
 
 /// A tensor's little-endian elements in their stored dtype. The bytes are shared with their
 /// owner (a memory-mapped shard, or a buffer), so clones and device weights that keep them
-/// cost no copy. Contract: the bytes are aligned for the dtype and hold whole elements
-/// (guaranteed at construction, copying into an aligned buffer only when the file's offset
-/// is misaligned).
+/// cost no copy. Contract: the bytes are aligned for the dtype and hold whole elements (whole
+/// blocks for a block format; guaranteed at construction, copying into an aligned buffer
+/// only when the file's offset is misaligned).
 #[derive(Clone)]
 pub struct StoredTensor {
     dtype: StoredDtype,
@@ -88,10 +122,10 @@ impl StoredTensor {
         range: Range<usize>,
     ) -> Option<Self> {
         let bytes = (*owner).as_ref().get(range.clone())?;
-        if bytes.len() % dtype.size() != 0 {
+        if bytes.len() % dtype.unit_bytes() != 0 {
             return None;
         }
-        if (bytes.as_ptr() as usize) % dtype.size() == 0 {
+        if (bytes.as_ptr() as usize) % dtype.align() == 0 {
             return Some(StoredTensor {
                 dtype,
                 owner,
@@ -126,7 +160,12 @@ impl StoredTensor {
 
     /// The number of elements.
     pub fn len(&self) -> usize {
-        self.range.len() / self.dtype.size()
+        self.range.len() / self.dtype.unit_bytes() * self.dtype.unit_elems()
+    }
+
+    /// Bytes stored.
+    pub fn byte_len(&self) -> usize {
+        self.range.len()
     }
 
     /// Whether there are no elements.
@@ -144,6 +183,9 @@ impl StoredTensor {
         let b = self.bytes();
         let n = self.len();
         let p = b.as_ptr();
+        if let StoredDtype::Block(f) = self.dtype {
+            return StoredValues::Blocks(f, b);
+        }
         // SAFETY: construction checked alignment and whole elements; f32/f16/bf16 accept any
         // bit pattern; the bytes live as long as `self` (the owner is immutable).
         unsafe {
@@ -151,6 +193,7 @@ impl StoredTensor {
                 StoredDtype::F32 => StoredValues::F32(std::slice::from_raw_parts(p.cast(), n)),
                 StoredDtype::F16 => StoredValues::F16(std::slice::from_raw_parts(p.cast(), n)),
                 StoredDtype::BF16 => StoredValues::BF16(std::slice::from_raw_parts(p.cast(), n)),
+                StoredDtype::Block(_) => unreachable!("returned above"),
             }
         }
     }
@@ -162,15 +205,43 @@ impl StoredTensor {
             StoredValues::F32(v) => v.iter().position(|x| !x.is_finite()),
             StoredValues::F16(v) => v.iter().position(|x| x.to_bits() & 0x7c00 == 0x7c00),
             StoredValues::BF16(v) => v.iter().position(|x| x.to_bits() & 0x7f80 == 0x7f80),
+            // A block's values are finite exactly when its f16 scale fields are.
+            StoredValues::Blocks(f, b) => b
+                .chunks_exact(f.block_bytes())
+                .position(|blk| f.half_fields().iter().any(|&at| blk[at + 1] & 0x7c == 0x7c))
+                .map(|i| i * f.block_elems()),
         }
     }
 
-    /// The elements widened to f32 (small tensors: norms, biases).
+    /// The elements widened to f32 (small tensors: norms, biases; references in tests).
     pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.len()];
+        self.rows_f32(0, &mut out);
+        out
+    }
+
+    /// Elements `[start, start + out.len())` widened to f32 (an embedding row). For a block
+    /// format both ends must fall on block boundaries.
+    pub fn rows_f32(&self, start: usize, out: &mut [f32]) {
+        let at = start..start + out.len();
         match self.values() {
-            StoredValues::F32(v) => v.to_vec(),
-            StoredValues::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            StoredValues::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            StoredValues::F32(v) => out.copy_from_slice(&v[at]),
+            StoredValues::F16(v) => out
+                .iter_mut()
+                .zip(&v[at])
+                .for_each(|(o, x)| *o = x.to_f32()),
+            StoredValues::BF16(v) => out
+                .iter_mut()
+                .zip(&v[at])
+                .for_each(|(o, x)| *o = x.to_f32()),
+            StoredValues::Blocks(f, b) => {
+                let (be, bb) = (f.block_elems(), f.block_bytes());
+                assert!(
+                    start % be == 0 && out.len() % be == 0,
+                    "rows_f32: partial blocks"
+                );
+                dequantize_row(f, &b[start / be * bb..(start + out.len()) / be * bb], out);
+            }
         }
     }
 }

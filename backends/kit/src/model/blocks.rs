@@ -1,0 +1,304 @@
+//! ggml's quantized block formats, as GGUF files store weights: the layout of each block and
+//! the reference dequantization (the arithmetic of ggml's `dequantize_row_*`, in f32, in
+//! the same order, so its results match ggml's and the `gguf` Python package's bit for bit).
+//!
+//! A row of a quantized `[rows, cols]` weight is `cols / block_elems` consecutive blocks.
+//! Backends compute on the blocks directly (cpu) or dequantize them as they read them
+//! (wgpu); [`dequantize_row`] is the reference they are checked against.
+
+use half::f16;
+
+/// A ggml block format a weight may be stored in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockFormat {
+    /// 32 values: f16 scale `d`, 4-bit codes; `x = d·(q − 8)`.
+    Q4_0,
+    /// 32 values: f16 scale `d` and minimum `m`, 4-bit codes; `x = d·q + m`.
+    Q4_1,
+    /// 32 values: f16 `d`, a 5th bit per value in `qh`; `x = d·(q − 16)`.
+    Q5_0,
+    /// 32 values: f16 `d` and `m`, 5-bit codes; `x = d·q + m`.
+    Q5_1,
+    /// 32 values: f16 `d`, i8 codes; `x = d·q`.
+    Q8_0,
+    /// 256 values in 8 sub-blocks of 32, each with a 6-bit scale and minimum under f16
+    /// super-block `d` and `dmin`; `x = d·sc·q − dmin·m`, 4-bit codes.
+    Q4K,
+    /// As [`BlockFormat::Q4K`] with 5-bit codes (the 5th bits in `qh`).
+    Q5K,
+    /// 256 values in 16 sub-blocks of 16 with i8 scales under an f16 `d`; 6-bit codes,
+    /// `x = d·sc·(q − 32)`.
+    Q6K,
+}
+
+/// Every block format, in GGML type order.
+pub const BLOCK_FORMATS: [BlockFormat; 8] = [
+    BlockFormat::Q4_0,
+    BlockFormat::Q4_1,
+    BlockFormat::Q5_0,
+    BlockFormat::Q5_1,
+    BlockFormat::Q8_0,
+    BlockFormat::Q4K,
+    BlockFormat::Q5K,
+    BlockFormat::Q6K,
+];
+
+impl BlockFormat {
+    /// Values per block.
+    pub const fn block_elems(self) -> usize {
+        match self {
+            BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => 256,
+            _ => 32,
+        }
+    }
+
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q4_0 => 18,
+            BlockFormat::Q4_1 => 20,
+            BlockFormat::Q5_0 => 22,
+            BlockFormat::Q5_1 => 24,
+            BlockFormat::Q8_0 => 34,
+            BlockFormat::Q4K => 144,
+            BlockFormat::Q5K => 176,
+            BlockFormat::Q6K => 210,
+        }
+    }
+
+    /// ggml's name (`q4_K`, ...), as llama.cpp prints it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BlockFormat::Q4_0 => "q4_0",
+            BlockFormat::Q4_1 => "q4_1",
+            BlockFormat::Q5_0 => "q5_0",
+            BlockFormat::Q5_1 => "q5_1",
+            BlockFormat::Q8_0 => "q8_0",
+            BlockFormat::Q4K => "q4_K",
+            BlockFormat::Q5K => "q5_K",
+            BlockFormat::Q6K => "q6_K",
+        }
+    }
+
+    /// Byte offsets of a block's f16 fields (scales and minimums).
+    pub const fn half_fields(self) -> &'static [usize] {
+        match self {
+            BlockFormat::Q4_0 | BlockFormat::Q5_0 | BlockFormat::Q8_0 => &[0],
+            BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q4K | BlockFormat::Q5K => &[0, 2],
+            BlockFormat::Q6K => &[208],
+        }
+    }
+
+    /// The format of ggml type id `id` (`ggml_type`), if it is one of these.
+    pub const fn from_ggml_type(id: u32) -> Option<Self> {
+        Some(match id {
+            2 => BlockFormat::Q4_0,
+            3 => BlockFormat::Q4_1,
+            6 => BlockFormat::Q5_0,
+            7 => BlockFormat::Q5_1,
+            8 => BlockFormat::Q8_0,
+            12 => BlockFormat::Q4K,
+            13 => BlockFormat::Q5K,
+            14 => BlockFormat::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// The format named `name` (as [`BlockFormat::name`], any case).
+    pub fn from_name(name: &str) -> Option<Self> {
+        BLOCK_FORMATS
+            .into_iter()
+            .find(|f| f.name().eq_ignore_ascii_case(name))
+    }
+
+    /// Bytes of `elems` values (`elems` a multiple of [`BlockFormat::block_elems`]).
+    pub const fn bytes_for(self, elems: usize) -> usize {
+        elems / self.block_elems() * self.block_bytes()
+    }
+}
+
+/// The `features` entries (for `kvplug plugins`) of a backend that computes f32/f16/bf16
+/// weights in place and the block formats either in place (`blocks_native`) or widened once
+/// at load: `weights=f32|f16|bf16|q4_0|…` and, for the latter, `weights-widened=q4_0|…`.
+pub fn weights_features(blocks_native: bool) -> Vec<String> {
+    let blocks: Vec<&str> = BLOCK_FORMATS.iter().map(|f| f.name()).collect();
+    let blocks = blocks.join("|");
+    if blocks_native {
+        vec![format!("weights=f32|f16|bf16|{blocks}")]
+    } else {
+        vec![
+            "weights=f32|f16|bf16".into(),
+            format!("weights-widened={blocks}"),
+        ]
+    }
+}
+
+/// The f16 at `b[at..at + 2]`, widened.
+#[inline]
+pub fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Sub-block `j`'s 6-bit scale and minimum from a Q4_K/Q5_K block's 12 packed bytes
+/// (ggml's `get_scale_min_k4`).
+#[inline]
+pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Dequantizes whole blocks `bytes` into `out` (`out.len()` values: `bytes.len() /
+/// block_bytes · block_elems`). Panics when the lengths disagree.
+pub fn dequantize_row(format: BlockFormat, bytes: &[u8], out: &mut [f32]) {
+    let (be, bb) = (format.block_elems(), format.block_bytes());
+    assert!(
+        bytes.len() % bb == 0 && bytes.len() / bb * be == out.len(),
+        "dequantize_row: {} bytes of {} into {} values",
+        bytes.len(),
+        format.name(),
+        out.len()
+    );
+    for (b, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
+        match format {
+            BlockFormat::Q4_0 => {
+                let d = half_at(b, 0);
+                let qs = &b[2..18];
+                for j in 0..16 {
+                    y[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
+                    y[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+            BlockFormat::Q4_1 => {
+                let (d, m) = (half_at(b, 0), half_at(b, 2));
+                let qs = &b[4..20];
+                for j in 0..16 {
+                    y[j] = (qs[j] & 0x0f) as f32 * d + m;
+                    y[j + 16] = (qs[j] >> 4) as f32 * d + m;
+                }
+            }
+            BlockFormat::Q5_0 => {
+                let d = half_at(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let qs = &b[6..22];
+                for j in 0..16 {
+                    let h0 = ((qh >> j) << 4) & 0x10;
+                    let h1 = (qh >> (j + 12)) & 0x10;
+                    y[j] = (((qs[j] & 0x0f) as u32 | h0) as i32 - 16) as f32 * d;
+                    y[j + 16] = (((qs[j] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+                }
+            }
+            BlockFormat::Q5_1 => {
+                let (d, m) = (half_at(b, 0), half_at(b, 2));
+                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                let qs = &b[8..24];
+                for j in 0..16 {
+                    let h0 = ((qh >> j) << 4) & 0x10;
+                    let h1 = (qh >> (j + 12)) & 0x10;
+                    y[j] = ((qs[j] & 0x0f) as u32 | h0) as f32 * d + m;
+                    y[j + 16] = ((qs[j] >> 4) as u32 | h1) as f32 * d + m;
+                }
+            }
+            BlockFormat::Q8_0 => {
+                let d = half_at(b, 0);
+                for j in 0..32 {
+                    y[j] = b[2 + j] as i8 as f32 * d;
+                }
+            }
+            BlockFormat::Q4K | BlockFormat::Q5K => {
+                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                let scales = &b[4..16];
+                let (qh, qs) = if format == BlockFormat::Q5K {
+                    (Some(&b[16..48]), &b[48..176])
+                } else {
+                    (None, &b[16..144])
+                };
+                for chunk in 0..4 {
+                    let q = &qs[chunk * 32..chunk * 32 + 32];
+                    for half in 0..2 {
+                        let (sc, m) = k4_scale_min(2 * chunk + half, scales);
+                        let (d1, m1) = (d * sc as f32, dmin * m as f32);
+                        let bit = 1u8 << (2 * chunk + half);
+                        for l in 0..32 {
+                            let mut v = (q[l] >> (4 * half)) & 0x0f;
+                            if qh.is_some_and(|h| h[l] & bit != 0) {
+                                v += 16;
+                            }
+                            y[chunk * 64 + half * 32 + l] = d1 * v as f32 - m1;
+                        }
+                    }
+                }
+            }
+            BlockFormat::Q6K => {
+                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+                let d = half_at(b, 208);
+                for n in 0..2 {
+                    let (ql, qh, sc) = (&ql[n * 64..], &qh[n * 32..], &sc[n * 8..]);
+                    let y = &mut y[n * 128..];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        y[l] = d * (sc[is] as i8 as f32) * q1 as f32;
+                        y[l + 32] = d * (sc[is + 2] as i8 as f32) * q2 as f32;
+                        y[l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
+                        y[l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_names_round_trip() {
+        for f in BLOCK_FORMATS {
+            assert_eq!(BlockFormat::from_name(f.name()), Some(f));
+            assert_eq!(f.bytes_for(f.block_elems() * 3), 3 * f.block_bytes());
+        }
+        assert_eq!(BlockFormat::from_ggml_type(12), Some(BlockFormat::Q4K));
+        assert_eq!(BlockFormat::from_ggml_type(1), None);
+    }
+
+    #[test]
+    fn hand_made_blocks_dequantize_as_the_formats_say() {
+        // Q8_0: d = 0.5, codes -3 and 4.
+        let mut b = f16::from_f32(0.5).to_le_bytes().to_vec();
+        b.extend((0..32).map(|j| if j == 0 { (-3i8) as u8 } else { 4 }));
+        let mut y = [0f32; 32];
+        dequantize_row(BlockFormat::Q8_0, &b, &mut y);
+        assert_eq!((y[0], y[31]), (-1.5, 2.0));
+        // Q4_0: low nibble of byte 0 is value 0, high nibble value 16.
+        let mut b = f16::from_f32(2.0).to_le_bytes().to_vec();
+        b.extend([0x9f_u8; 16]);
+        dequantize_row(BlockFormat::Q4_0, &b, &mut y);
+        assert_eq!((y[0], y[16]), (14.0, 2.0));
+        // Q4_K: sub-block 0 scale 3, min 1 (d = 1, dmin = 0.5); sub-block 4 takes its high
+        // scale bits from byte 0.
+        let mut b = vec![0u8; 144];
+        b[0..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b[4] = 3 | (1 << 6);
+        b[8] = 1;
+        b[12] = 0x02;
+        b[16] = 0x05;
+        let mut y = [0f32; 256];
+        dequantize_row(BlockFormat::Q4K, &b, &mut y);
+        assert_eq!(y[0], 3.0 * 5.0 - 0.5);
+        assert_eq!(y[1], -0.5);
+        // Sub-block 4 (values 128..160): scale (2 | 1<<4) = 18, code 0, min 0.
+        assert_eq!(y[128], 0.0);
+        assert_eq!(k4_scale_min(4, &b[4..16]), (18, 0));
+    }
+}

@@ -1,0 +1,57 @@
+//! `gguf.json`: a model directory whose weights stay in a GGUF file and are used where they
+//! lie. The host writes it (with `config.json` and the tokenizer files derived from the
+//! GGUF's metadata); the backend kit reads it, maps the GGUF once and serves each tensor as
+//! a range of that mapping in its stored type (no copy, no dequantized file).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// The manifest's file name inside a model directory.
+pub const GGUF_INDEX_FILE: &str = "gguf.json";
+
+/// The manifest version this build writes and reads.
+pub const GGUF_INDEX_VERSION: u32 = 1;
+
+/// How the two values of each rotary pair sit in a head's q/k rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopePairs {
+    /// Pair `i` is `(i, i + head_dim/2)` (Hugging Face's rotate-half; llama.cpp's NEOX).
+    #[default]
+    Halves,
+    /// Pair `i` is `(2i, 2i + 1)`: llama.cpp's converter permutes Llama's q/k rows this way.
+    /// Rotating those rows pairwise gives q·k exactly as rotate-half does on the original
+    /// rows (the same permutation of both operands leaves their dot product unchanged).
+    Interleaved,
+}
+
+/// One tensor of the GGUF, named as the Hugging Face package would name it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct IndexedTensor {
+    /// Stored type: `f32`, `f16`, `bf16`, or a ggml block format (`q4_K`, `q8_0`, ...).
+    pub dtype: String,
+    /// Row-major shape (`[rows, cols]` for a matrix).
+    pub shape: Vec<usize>,
+    /// Absolute byte offset in the GGUF file.
+    pub offset: u64,
+    /// Byte length.
+    pub bytes: u64,
+}
+
+/// The manifest.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct GgufIndex {
+    /// [`GGUF_INDEX_VERSION`].
+    pub version: u32,
+    /// The GGUF file (absolute).
+    pub file: PathBuf,
+    /// Its length when indexed: a file of another length is refused (re-index it).
+    pub file_bytes: u64,
+    /// How q/k rows pair their rotary halves.
+    pub rope_pairs: RopePairs,
+    /// Whether RMSNorm weights already include Gemma's `+ 1` (llama.cpp's converter folds
+    /// it in).
+    pub norms_plus_one: bool,
+    /// Hugging Face tensor name → where it lies.
+    pub tensors: BTreeMap<String, IndexedTensor>,
+}
