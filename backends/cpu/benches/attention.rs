@@ -278,6 +278,130 @@ fn weights(cr: &mut Criterion) {
     g.finish();
 }
 
+/// Bytes of each block-format weight set: past the last-level cache, so every decode call
+/// streams its weights from memory as a model's decode step does.
+const BLOCK_SET_BYTES: usize = 256 << 20;
+/// Qwen2.5-0.5B's MLP shapes `[rows, cols]`: the down projection (its 4864 columns are
+/// whole 256-value super-blocks) and the gate/up projections (896 columns: 32-value formats
+/// only, as in that model's GGUF files).
+const BLOCK_SHAPES: [(usize, usize); 2] = [(896, 4864), (4864, 896)];
+
+/// `blocks` blocks of `f`: random codes, every f16 scale/minimum 0.01 (finite values).
+fn random_blocks(f: kvplug_backend_kit::model::BlockFormat, blocks: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    let mut b: Vec<u8> = (0..blocks * f.block_bytes())
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect();
+    let h = half::f16::from_f32(0.01).to_le_bytes();
+    for blk in b.chunks_exact_mut(f.block_bytes()) {
+        for &at in f.half_fields() {
+            blk[at..at + 2].copy_from_slice(&h);
+        }
+    }
+    b
+}
+
+/// One token through every matrix of a [`BLOCK_SET_BYTES`] weight set (`out = x·Wᵀ` on the
+/// blocks in place), per block format and shape, with f16 weights of the same shapes for
+/// comparison; throughput is weight bytes streamed (GB/s).
+fn weights_blocks(cr: &mut Criterion) {
+    use criterion::Throughput;
+    use kvplug_backend_kit::model::BlockFormat;
+    let mut g = cr.benchmark_group("weights_decode_blocks");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
+    let formats = [
+        BlockFormat::Q4K,
+        BlockFormat::Q6K,
+        BlockFormat::Q8_0,
+        BlockFormat::Q5_0,
+        BlockFormat::Q4_0,
+        BlockFormat::Q4_1,
+    ];
+    for (rows, cols) in BLOCK_SHAPES {
+        let shape = format!("{rows}x{cols}");
+        let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut out = vec![0f32; rows];
+        for f in formats {
+            if cols % f.block_elems() != 0 {
+                continue;
+            }
+            let bytes = rows * f.bytes_for(cols);
+            let set: Vec<Vec<u8>> = (0..BLOCK_SET_BYTES.div_ceil(bytes))
+                .map(|m| random_blocks(f, bytes / f.block_bytes(), m as u64 + 1))
+                .collect();
+            g.throughput(Throughput::BytesDecimal((set.len() * bytes) as u64));
+            g.bench_with_input(BenchmarkId::new(f.name(), &shape), &shape, |b, _| {
+                b.iter(|| {
+                    for w in &set {
+                        kvplug_cpu::qlinear::linear_blocks(&x, 1, f, w, rows, cols, &mut out);
+                    }
+                })
+            });
+        }
+        let bytes = rows * cols * 2;
+        let set: Vec<Vec<half::f16>> = (0..BLOCK_SET_BYTES.div_ceil(bytes))
+            .map(|m| {
+                (0..rows * cols)
+                    .map(|i| half::f16::from_f32(((i + m) % 97) as f32 * 0.01))
+                    .collect()
+            })
+            .collect();
+        g.throughput(Throughput::BytesDecimal((set.len() * bytes) as u64));
+        g.bench_with_input(BenchmarkId::new("f16", &shape), &shape, |b, _| {
+            b.iter(|| {
+                for w in &set {
+                    kvplug_cpu::linear::linear(&x, 1, w, rows, cols, &mut out);
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Tokens of the block-format prefill benchmark.
+const PREFILL_TOKENS: usize = 512;
+
+/// Prefill through one `[896, 4864]` weight (Qwen2.5-0.5B's down projection) for
+/// [`PREFILL_TOKENS`] tokens, per block format and f16; throughput in multiply-adds × 2
+/// (GFLOP/s).
+fn weights_prefill_blocks(cr: &mut Criterion) {
+    use criterion::Throughput;
+    use kvplug_backend_kit::model::BlockFormat;
+    let (rows, cols, t) = (896, 4864, PREFILL_TOKENS);
+    let mut g = cr.benchmark_group("weights_prefill_blocks");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1))
+        .throughput(Throughput::Elements((2 * rows * cols * t) as u64));
+    let x: Vec<f32> = (0..t * cols).map(|i| ((i as f32) * 0.0131).sin()).collect();
+    let mut out = vec![0f32; t * rows];
+    for f in [
+        BlockFormat::Q4K,
+        BlockFormat::Q6K,
+        BlockFormat::Q8_0,
+        BlockFormat::Q4_0,
+    ] {
+        let w = random_blocks(f, rows * cols / f.block_elems(), 9);
+        g.bench_function(f.name(), |b| {
+            b.iter(|| kvplug_cpu::qlinear::linear_blocks(&x, t, f, &w, rows, cols, &mut out))
+        });
+    }
+    let w: Vec<half::f16> = (0..rows * cols)
+        .map(|i| half::f16::from_f32((i % 97) as f32 * 0.01))
+        .collect();
+    g.bench_function("f16", |b| {
+        b.iter(|| kvplug_cpu::linear::linear(&x, t, &w, rows, cols, &mut out))
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
     read_bandwidth,
@@ -285,6 +409,8 @@ criterion_group!(
     fork,
     tree_verify,
     prefill,
-    weights
+    weights,
+    weights_blocks,
+    weights_prefill_blocks
 );
 criterion_main!(benches);

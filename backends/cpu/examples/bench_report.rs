@@ -28,6 +28,14 @@ fn mean(id: &str) -> Option<f64> {
     Some(v["mean"]["point_estimate"].as_f64()? * 1e-9)
 }
 
+/// The throughput criterion recorded for benchmark `id` (bytes or elements per iteration).
+fn throughput(id: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(criterion_dir().join(id).join("new/benchmark.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let t = v["throughput"].as_object()?;
+    t.values().next()?.as_f64()
+}
+
 /// Time in seconds of the fastest sample of benchmark `id` (each sample is the mean of many
 /// iterations): the figure least disturbed by other tenants of a shared machine.
 fn fastest(id: &str) -> f64 {
@@ -156,6 +164,47 @@ fn main() {
             bytes / t / bw
         )
         .unwrap();
+    }
+
+    writeln!(
+        md,
+        "\n## Block-format weights, one decode token (256 MB weight sets, out of cache)\n"
+    )
+    .unwrap();
+    writeln!(md, "`qlinear::linear_blocks` on the blocks in place (activations quantized to 8 bits per 32 values), against f16 weights of the same shapes; Qwen2.5-0.5B's MLP shapes, `[rows, cols]` (the K formats need 256-value rows: down projection only).\n").unwrap();
+    writeln!(
+        md,
+        "| format | shape | time (ms) | weight GB/s | vs read bandwidth |\n|---|---|---|---|---|"
+    )
+    .unwrap();
+    for shape in ["896x4864", "4864x896"] {
+        for fmt in ["q4_K", "q6_K", "q8_0", "q5_0", "q4_0", "q4_1", "f16"] {
+            let id = format!("weights_decode_blocks/{fmt}/{shape}");
+            let (Some(t), Some(bytes)) = (mean(&id), throughput(&id)) else {
+                continue;
+            };
+            writeln!(
+                md,
+                "| {fmt} | {shape} | {:.2} | {:.1} | {:.2}× |",
+                t * 1e3,
+                bytes / t / 1e9,
+                bytes / t / bw
+            )
+            .unwrap();
+        }
+    }
+    writeln!(
+        md,
+        "\n## Block-format weights, prefill (512 tokens through one 896 × 4864 weight)\n"
+    )
+    .unwrap();
+    writeln!(md, "| format | time (ms) | GFLOP/s |\n|---|---|---|").unwrap();
+    for fmt in ["q4_K", "q6_K", "q8_0", "q4_0", "f16"] {
+        let id = format!("weights_prefill_blocks/{fmt}");
+        let (Some(t), Some(flops)) = (mean(&id), throughput(&id)) else {
+            continue;
+        };
+        writeln!(md, "| {fmt} | {:.2} | {:.1} |", t * 1e3, flops / t / 1e9).unwrap();
     }
 
     writeln!(

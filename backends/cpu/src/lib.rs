@@ -9,6 +9,7 @@ pub mod attention;
 pub mod linear;
 pub mod model;
 pub mod pool;
+pub mod qlinear;
 pub mod simd;
 pub mod tensor;
 pub mod tiled_attention;
@@ -198,6 +199,7 @@ impl Backend for CpuDevice {
         if xnnpack::available().is_ok() {
             f.push("xnnpack".into());
         }
+        f.extend(kvplug_backend_kit::model::blocks::weights_features(true));
         f
     }
 }

@@ -1,16 +1,19 @@
 //! The model graph's operations on the cpu: linears over the weights in their stored dtype,
-//! read in place from the mapped package ([`crate::linear`]), and plain loops for the
-//! element-wise ops.
+//! read in place from the mapped package ([`crate::linear`]; block formats through
+//! [`crate::qlinear`]), and plain loops for the element-wise ops.
 
-use kvplug_backend_kit::model::{ModelDevice, StoredTensor, StoredValues};
+use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor, StoredValues};
 use kvplug_backend_kit::KitError;
+use kvplug_core::RopePairs;
 
 use crate::linear::linear;
+use crate::qlinear::linear_blocks;
 use crate::simd;
 use crate::tensor::CpuTensor;
 use crate::CpuDevice;
 
-/// A `[rows, cols]` weight: the stored elements themselves (usually the mapped file).
+/// A `[rows, cols]` weight: the stored elements themselves (usually the mapped file). A
+/// block-format weight's rows are whole blocks (`cols` a multiple of the block).
 pub struct CpuWeight {
     rows: usize,
     cols: usize,
@@ -30,6 +33,15 @@ impl ModelDevice for CpuDevice {
 
     fn weight(&self, data: StoredTensor, rows: usize, cols: usize) -> Result<CpuWeight, KitError> {
         check(data.len() == rows * cols, "weight")?;
+        if let StoredDtype::Block(f) = data.dtype() {
+            if !cols.is_multiple_of(f.block_elems()) {
+                return Err(KitError::Device(format!(
+                    "a {} weight's rows must be whole {}-value blocks; it has {cols} columns",
+                    f.name(),
+                    f.block_elems()
+                )));
+            }
+        }
         Ok(CpuWeight { rows, cols, data })
     }
 
@@ -46,6 +58,7 @@ impl ModelDevice for CpuDevice {
                 StoredValues::F32(v) => row.copy_from_slice(&v[at]),
                 StoredValues::F16(v) => simd::f16_to_f32(&v[at], row),
                 StoredValues::BF16(v) => simd::bf16_to_f32(&v[at], row),
+                StoredValues::Blocks(..) => table.data.rows_f32(at.start, row),
             }
         }
         Ok(())
@@ -83,6 +96,7 @@ impl ModelDevice for CpuDevice {
             StoredValues::F32(v) => linear(x, t, v, w.rows, w.cols, o),
             StoredValues::F16(v) => linear(x, t, v, w.rows, w.cols, o),
             StoredValues::BF16(v) => linear(x, t, v, w.rows, w.cols, o),
+            StoredValues::Blocks(f, b) => linear_blocks(x, t, f, b, w.rows, w.cols, o),
         }
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(w.rows) {
@@ -98,17 +112,31 @@ impl ModelDevice for CpuDevice {
         heads: usize,
         positions: &[i32],
         inv_freq: &[f32],
+        pairs: RopePairs,
     ) -> Result<(), KitError> {
         let hd = 2 * inv_freq.len();
         let width = heads * hd;
+        let rotate = |x1: &mut f32, x2: &mut f32, angle: f32| {
+            let (sin, cos) = angle.sin_cos();
+            let (u, v) = (*x1, *x2);
+            *x1 = u * cos - v * sin;
+            *x2 = v * cos + u * sin;
+        };
         for (row, &p) in x.data.chunks_exact_mut(width).zip(positions) {
             for head in row.chunks_exact_mut(hd) {
-                let (a, b) = head.split_at_mut(hd / 2);
-                for ((x1, x2), &f) in a.iter_mut().zip(b.iter_mut()).zip(inv_freq) {
-                    let (sin, cos) = (p as f32 * f).sin_cos();
-                    let (u, v) = (*x1, *x2);
-                    *x1 = u * cos - v * sin;
-                    *x2 = v * cos + u * sin;
+                match pairs {
+                    RopePairs::Halves => {
+                        let (a, b) = head.split_at_mut(hd / 2);
+                        for ((x1, x2), &f) in a.iter_mut().zip(b.iter_mut()).zip(inv_freq) {
+                            rotate(x1, x2, p as f32 * f);
+                        }
+                    }
+                    RopePairs::Interleaved => {
+                        for (pair, &f) in head.chunks_exact_mut(2).zip(inv_freq) {
+                            let (x1, x2) = pair.split_at_mut(1);
+                            rotate(&mut x1[0], &mut x2[0], p as f32 * f);
+                        }
+                    }
                 }
             }
         }

@@ -275,18 +275,27 @@ std::unique_ptr<Array> add(const Array& x, const Array& y) {
 
 std::unique_ptr<Array> rope(const Array& x, int32_t heads,
                             rust::Slice<const int32_t> positions,
-                            rust::Slice<const float> inv_freq) {
+                            rust::Slice<const float> inv_freq,
+                            bool interleaved) {
+  // Pair i is (i, i + d/2) (rotate-half) or (2i, 2i + 1) (interleaved): viewed as
+  // [t, heads, 2, half] or [t, heads, half, 2], the pair's two values are slices 0 and 1 of
+  // the pair axis.
   int t = x.a.shape(0), n = x.a.shape(1), d = n / heads, half = d / 2;
   auto pos = mx::astype(mx::reshape(index_array(positions), {t, 1, 1}), mx::float32);
   auto freq = mx::array(inv_freq.begin(), mx::Shape{1, 1, half}, mx::float32);
   auto angle = mx::multiply(pos, freq);
   auto cos = mx::cos(angle), sin = mx::sin(angle);
-  auto xs = mx::reshape(x.a, {t, heads, d});
-  auto x1 = mx::slice(xs, {0, 0, 0}, {t, heads, half});
-  auto x2 = mx::slice(xs, {0, 0, half}, {t, heads, d});
+  int axis = interleaved ? 3 : 2;
+  mx::Shape end = interleaved ? mx::Shape{t, heads, half, 2} : mx::Shape{t, heads, 2, half};
+  auto xs = mx::reshape(x.a, end);
+  mx::Shape first = end, second = {0, 0, 0, 0};
+  first[axis] = 1;
+  second[axis] = 1;
+  auto x1 = mx::reshape(mx::slice(xs, {0, 0, 0, 0}, first), {t, heads, half});
+  auto x2 = mx::reshape(mx::slice(xs, second, end), {t, heads, half});
   auto r1 = mx::subtract(mx::multiply(x1, cos), mx::multiply(x2, sin));
   auto r2 = mx::add(mx::multiply(x2, cos), mx::multiply(x1, sin));
-  return wrap(mx::reshape(mx::concatenate({r1, r2}, 2), {t, n}));
+  return wrap(mx::reshape(mx::stack({r1, r2}, axis), {t, n}));
 }
 
 std::unique_ptr<Array> split_heads(const Array& x, int32_t heads) {

@@ -59,7 +59,8 @@ std::unique_ptr<Array> linear(const Array& x, const Array& w);
 std::unique_ptr<Array> add(const Array& x, const Array& y);
 std::unique_ptr<Array> rope(const Array& x, int32_t heads,
                             rust::Slice<const int32_t> positions,
-                            rust::Slice<const float> inv_freq);
+                            rust::Slice<const float> inv_freq,
+                            bool interleaved);
 std::unique_ptr<Array> split_heads(const Array& x, int32_t heads);
 std::unique_ptr<Array> merge_heads(const Array& x);
 std::unique_ptr<Array> silu_mul(const Array& gate, const Array& up);

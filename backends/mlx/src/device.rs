@@ -394,6 +394,6 @@ impl Backend for MlxDevice {
     }
 
     fn features(&self) -> Vec<String> {
-        Vec::new()
+        kvplug_backend_kit::model::blocks::weights_features(false)
     }
 }

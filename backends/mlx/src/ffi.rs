@@ -77,6 +77,7 @@ mod bridge {
             heads: i32,
             positions: &[i32],
             inv_freq: &[f32],
+            interleaved: bool,
         ) -> Result<UniquePtr<Array>>;
         fn split_heads(x: &Array, heads: i32) -> Result<UniquePtr<Array>>;
         fn merge_heads(x: &Array) -> Result<UniquePtr<Array>>;

@@ -3,10 +3,14 @@
 //! Weights stay in their stored dtype (f32 / f16 / bf16) on a GPU. On the CPU device they are
 //! widened to f32 once at load: MLX's CPU matmul has no f16/bf16 kernel and widens the whole
 //! weight on every call (measured on SmolLM2-135M: 1.7 tok/s decode that way, 5.6 tok/s with
-//! weights widened once), at twice the weight memory.
+//! weights widened once), at twice the weight memory. GGUF block formats (q4_K & co.) are
+//! dequantized to f32 once at load on every device: MLX's affine `quantized_matmul` matches
+//! none of ggml's formats bit for bit without re-quantizing (`kvplug plugins` lists them as
+//! `weights-widened`).
 
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::KitError;
+use kvplug_core::RopePairs;
 
 use crate::device::{err, indices, shape, MlxDevice, MlxTensor};
 use crate::ffi::{self, dtype, Array};
@@ -21,13 +25,19 @@ impl ModelDevice for MlxDevice {
     type Weight = MlxWeight;
 
     fn weight(&self, data: StoredTensor, rows: usize, cols: usize) -> Result<MlxWeight, KitError> {
-        let code = match data.dtype() {
-            StoredDtype::F32 => dtype::F32,
-            StoredDtype::F16 => dtype::F16,
-            StoredDtype::BF16 => dtype::BF16,
+        let widened;
+        let (bytes, code) = match data.dtype() {
+            StoredDtype::F32 => (data.bytes(), dtype::F32),
+            StoredDtype::F16 => (data.bytes(), dtype::F16),
+            StoredDtype::BF16 => (data.bytes(), dtype::BF16),
+            // Dequantized once here (see the module docs).
+            StoredDtype::Block(_) => {
+                widened = data.to_f32();
+                (bytemuck::cast_slice(&widened[..]), dtype::F32)
+            }
         };
         let _g = self.enter()?;
-        let mut a = ffi::from_bytes(data.bytes(), &shape(&[rows, cols]), code).map_err(err)?;
+        let mut a = ffi::from_bytes(bytes, &shape(&[rows, cols]), code).map_err(err)?;
         if !self.gpu && code != dtype::F32 {
             a = ffi::astype(&a, dtype::F32).map_err(err)?;
         }
@@ -85,9 +95,11 @@ impl ModelDevice for MlxDevice {
         heads: usize,
         positions: &[i32],
         inv_freq: &[f32],
+        pairs: RopePairs,
     ) -> Result<(), KitError> {
         let _g = self.enter()?;
-        x.a = ffi::rope(&x.a, heads as i32, positions, inv_freq).map_err(err)?;
+        let interleaved = pairs == RopePairs::Interleaved;
+        x.a = ffi::rope(&x.a, heads as i32, positions, inv_freq, interleaved).map_err(err)?;
         Ok(())
     }
 

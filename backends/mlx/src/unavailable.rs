@@ -96,7 +96,14 @@ impl ModelDevice for MlxDevice {
     ) -> Result<(), KitError> {
         match *self {}
     }
-    fn rope(&self, _: &mut Never, _: usize, _: &[i32], _: &[f32]) -> Result<(), KitError> {
+    fn rope(
+        &self,
+        _: &mut Never,
+        _: usize,
+        _: &[i32],
+        _: &[f32],
+        _: kvplug_core::RopePairs,
+    ) -> Result<(), KitError> {
         match *self {}
     }
     fn split_heads(&self, _: &Never, _: usize, _: &mut Never) -> Result<(), KitError> {

@@ -1,21 +1,47 @@
 //! The model graph's operations on wgpu: WGSL kernels over f32 storage buffers, so
 //! activations stay on the device between layers (only logits are read back).
 
+use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::{Device, KitError};
+use kvplug_core::RopePairs;
 use wgpu::BufferUsages;
 
 use crate::context::Bind;
 use crate::{WgpuDevice, WgpuTensor};
 
-/// A `[rows, cols]` weight in a storage buffer, in its stored dtype (the shaders widen
-/// each element as they read it).
+/// A `[rows, cols]` weight in storage buffers, in its stored dtype (the shaders widen each
+/// element, or dequantize each block, as they read it). A weight larger than one storage
+/// binding may hold (`max_storage_buffer_binding_size`: 128 MiB on lavapipe) is split into
+/// parts of whole rows, each its own buffer.
 pub struct WgpuWeight {
-    buf: crate::context::OwnedBuffer,
-    /// The shaders' dtype flag: 0 f32, 1 f16, 2 bf16.
+    parts: Vec<WeightPart>,
+    /// The shaders' dtype flag (see `weight_at` in model.wgsl).
     dtype: u32,
     rows: usize,
     cols: usize,
+}
+
+/// Rows `[row0, row0 + rows)` of a weight.
+struct WeightPart {
+    buf: crate::context::OwnedBuffer,
+    row0: usize,
+    rows: usize,
+}
+
+/// The shaders' flag for a stored dtype (`weight_at` in model.wgsl).
+fn dtype_flag(d: StoredDtype) -> u32 {
+    match d {
+        StoredDtype::F32 => 0,
+        StoredDtype::F16 => 1,
+        StoredDtype::BF16 => 2,
+        StoredDtype::Block(f) => {
+            3 + BLOCK_FORMATS
+                .iter()
+                .position(|&g| g == f)
+                .expect("every format is listed") as u32
+        }
+    }
 }
 
 #[repr(C)]
@@ -131,25 +157,48 @@ impl ModelDevice for WgpuDevice {
                 data.len()
             )));
         }
-        let dtype = match data.dtype() {
-            StoredDtype::F32 => 0,
-            StoredDtype::F16 => 1,
-            StoredDtype::BF16 => 2,
-        };
-        // Storage buffers hold whole 32-bit words: an odd count of halves gets one pad.
-        let bytes = data.bytes();
-        let padded;
-        let bytes = if bytes.len() % 4 == 0 {
-            bytes
-        } else {
-            padded = [bytes, &[0u8; 2]].concat();
-            &padded[..]
-        };
+        let unit = data.dtype().unit_elems();
+        if cols % unit != 0 {
+            return Err(KitError::Device(format!(
+                "a {rows}x{cols} {} weight: rows must hold whole blocks of {unit}",
+                data.dtype().name()
+            )));
+        }
+        let row_bytes = cols / unit * data.dtype().unit_bytes();
+        let ctx = self.context();
+        let limit = ctx
+            .limits
+            .max_storage_buffer_binding_size
+            .min(ctx.limits.max_buffer_size) as usize;
+        if row_bytes + 4 > limit {
+            return Err(KitError::Device(format!(
+                "one {cols}-wide row of a weight is {row_bytes} bytes, over this adapter's \
+                 storage binding limit of {limit}"
+            )));
+        }
+        // Whole rows per part, their bytes padded to whole 32-bit words.
+        let per = (limit - 4) / row_bytes.max(1);
+        let all = data.bytes();
+        let mut parts = Vec::with_capacity(rows.div_ceil(per));
+        for row0 in (0..rows).step_by(per) {
+            let n = per.min(rows - row0);
+            let bytes = &all[row0 * row_bytes..(row0 + n) * row_bytes];
+            let padded;
+            let bytes = if bytes.len() % 4 == 0 {
+                bytes
+            } else {
+                padded = [bytes, &[0u8; 3][..4 - bytes.len() % 4]].concat();
+                &padded[..]
+            };
+            parts.push(WeightPart {
+                buf: ctx.buffer_with("weight", bytes, BufferUsages::STORAGE),
+                row0,
+                rows: n,
+            });
+        }
         Ok(WgpuWeight {
-            buf: self
-                .context()
-                .buffer_with("weight", bytes, BufferUsages::STORAGE),
-            dtype,
+            parts,
+            dtype: dtype_flag(data.dtype()),
             rows,
             cols,
         })
@@ -168,14 +217,16 @@ impl ModelDevice for WgpuDevice {
 
     fn embed(&self, table: &WgpuWeight, ids: &[i32], out: &mut WgpuTensor) -> Result<(), KitError> {
         let w = table.cols;
-        self.flat(
-            Op::Embed,
-            [w as u32, 0, 0, 0],
-            table.dtype,
-            ids.len() * w,
-            inputs(None, Some(&table.buf), &[bytemuck::cast_slice(ids)]),
-            &out.buf,
-        );
+        for part in &table.parts {
+            self.flat(
+                Op::Embed,
+                [w as u32, part.row0 as u32, part.rows as u32, 0],
+                table.dtype,
+                ids.len() * w,
+                inputs(None, Some(&part.buf), &[bytemuck::cast_slice(ids)]),
+                &out.buf,
+            );
+        }
         Ok(())
     }
 
@@ -211,18 +262,25 @@ impl ModelDevice for WgpuDevice {
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
         let t = x.dims[0];
-        let params = OpParams {
-            n: [w.rows as u32, w.cols as u32, 0, 0],
-            flag: w.dtype,
-            ..Default::default()
-        };
-        self.op(
-            Op::Linear,
-            params,
-            inputs(Some(&x.buf), Some(&w.buf), &[]),
-            &out.buf,
-            [(w.rows as u32).div_ceil(64), t as u32, 1],
-        );
+        for part in &w.parts {
+            let params = OpParams {
+                n: [
+                    part.rows as u32,
+                    w.cols as u32,
+                    part.row0 as u32,
+                    w.rows as u32,
+                ],
+                flag: w.dtype,
+                ..Default::default()
+            };
+            self.op(
+                Op::Linear,
+                params,
+                inputs(Some(&x.buf), Some(&part.buf), &[]),
+                &out.buf,
+                [(part.rows as u32).div_ceil(64), t as u32, 1],
+            );
+        }
         if let Some(b) = bias {
             self.flat(
                 Op::Bias,
@@ -242,13 +300,17 @@ impl ModelDevice for WgpuDevice {
         heads: usize,
         positions: &[i32],
         inv_freq: &[f32],
+        pairs: RopePairs,
     ) -> Result<(), KitError> {
         let hd = 2 * inv_freq.len();
         let total = positions.len() * heads * hd / 2;
         self.flat(
             Op::Rope,
             [heads as u32, hd as u32, 0, 0],
-            0,
+            match pairs {
+                RopePairs::Halves => 0,
+                RopePairs::Interleaved => 1,
+            },
             total,
             inputs(
                 None,

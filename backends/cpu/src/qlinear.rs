@@ -1,0 +1,1297 @@
+//! `out = x·Wᵀ` over weights kept in ggml's block formats ([`BlockFormat`]), computed on the
+//! blocks as stored (read in place from the mapped file), the technique of llama.cpp's CPU
+//! backend: each activation row is quantized once per call to 8-bit codes in blocks of 32
+//! values under an f32 scale, every 32-value sub-block of a weight row meets its activation
+//! block in an exact integer dot product, and those are scaled and summed in f32.
+//!
+//! A weight row is walked in *groups* of 256 values: one K-quant super-block, or eight blocks
+//! of a 32-value format (fewer at the end of a row). A group is unpacked once (codes as
+//! unsigned bytes, per-sub-block f32 factors) and dotted with every token of a tile (4
+//! tokens for prefill), so each weight byte is read once per tile; a lone token (a decode
+//! step) streams its rows front to back. The AVX2 path (`maddubs`: unsigned weight codes ×
+//! signed activation codes, `madd` to i32, f32 FMA) is chosen at run time; the scalar
+//! fallback does the same integer arithmetic, summing the floats in another order. Work is
+//! split over the worker pool in runs of rows.
+//!
+//! Per group and token the arithmetic is, for sub-block `j` (32 values, activation block
+//! scale `d_j`, codes `q`, code sum `s_j = Σq`):
+//!
+//! `acc += f32(I_j)·(scale_j·d_j) + min_j·(f32(s_j)·d_j)`
+//!
+//! where `I_j` is an exact i32: `Σ c·q` over the unsigned weight codes `c`, less the
+//! format's integer offset (`8·s_j` for Q4_0, `16·s_j` for Q5_0; Q6_K: `Σ_h sc_h·(Σ c·q −
+//! 32·Σq)` over its two 16-value halves with their i8 scales; Q8_0's codes are signed).
+//! `scale_j` is the block's `d` (`d·sc_j` for Q4_K/Q5_K), `min_j` the additive part (`m` of
+//! Q4_1/Q5_1, `−dmin·m_j` of Q4_K/Q5_K; zero elsewhere). Every `I_j` and `s_j` converts to
+//! f32 exactly (|I_j| ≤ 32·32·127·128 < 2²⁴ for Q6_K, less elsewhere), and `scale_j`,
+//! `min_j` are exact products of an f16 and a 6-bit integer.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
+
+use crate::simd::vector_path;
+use crate::workers::{DisjointChunks, Workers};
+
+/// Values per activation block, and per weight sub-block (Q6_K's 16-value sub-blocks come
+/// in pairs).
+const QK: usize = 32;
+/// Sub-blocks per group.
+const GROUP: usize = 8;
+/// Tokens per prefill tile: each unpacked group meets this many tokens.
+const TILE: usize = 4;
+/// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
+const ROWS_PER_TASK: usize = 32;
+/// Tasks per thread where every token streams the rows (fewer than [`TILE`] tokens): each
+/// task reads one long run of rows, which the prefetchers follow at full speed.
+const STREAM_TASKS_PER_THREAD: usize = 2;
+/// Values at which the activations are quantized on every thread rather than the caller's.
+const PARALLEL_QUANTIZE: usize = 1 << 16;
+
+/// The kernels a linear runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Scalar,
+    Avx2,
+}
+
+impl Path {
+    fn detect() -> Path {
+        if vector_path() {
+            Path::Avx2
+        } else {
+            Path::Scalar
+        }
+    }
+}
+
+/// `out[ti·rows + r] = Σ_c x[ti·cols + c] · w_r[c]` for `ti < t`, `r < rows`, where `w` is a
+/// `[rows, cols]` weight stored as whole blocks of `format`, row-major (each row
+/// `cols / format.block_elems()` blocks) and `w_r` its row `r` as
+/// [`kvplug_backend_kit::model::blocks::dequantize_row`] reads it.
+///
+/// The activations are quantized to 8 bits per 32-value block (scale `amax/127`), so the
+/// result is within `Σ_b (d_b/2)·Σ_{c∈b}|w_r[c]|` (plus f32 rounding) of the exact value;
+/// the tests state the full bound. Finite `x` assumed. A token's outputs do not depend on
+/// how many tokens share the call. Allocates nothing once its per-thread buffer has grown
+/// to the largest `t·cols` seen.
+///
+/// Panics unless `cols` is a multiple of the format's block (callers refuse such weights)
+/// and `x` holds `t·cols` values, `w` `rows` rows of blocks and `out` `t·rows` values.
+pub fn linear_blocks(
+    x: &[f32],
+    t: usize,
+    format: BlockFormat,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) {
+    run(Path::detect(), x, t, format, w, rows, cols, out);
+}
+
+/// [`linear_blocks`] on `path`.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    path: Path,
+    x: &[f32],
+    t: usize,
+    format: BlockFormat,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        cols.is_multiple_of(format.block_elems()),
+        "linear_blocks: {cols} columns are not whole {} blocks",
+        format.name()
+    );
+    let row_bytes = format.bytes_for(cols);
+    assert!(
+        x.len() == t * cols && w.len() == rows * row_bytes && out.len() == t * rows,
+        "linear_blocks: x {} (want {t}x{cols}), w {} bytes (want {rows} rows of {row_bytes}), \
+         out {} (want {t}x{rows})",
+        x.len(),
+        w.len(),
+        out.len()
+    );
+    if t == 0 || rows == 0 {
+        return;
+    }
+    QUANTIZED.with_borrow_mut(|buf| {
+        let acts = buf.quantize(path, x, t, cols);
+        let workers = Workers::global();
+        let per = if t < TILE {
+            let tasks = STREAM_TASKS_PER_THREAD * workers.participants();
+            rows.div_ceil(tasks).max(ROWS_PER_TASK)
+        } else {
+            ROWS_PER_TASK
+        };
+        let out = DisjointChunks::new(out, 1);
+        let task = Task {
+            path,
+            w,
+            row_bytes,
+            acts,
+            t,
+            out: &out,
+            out_stride: rows,
+        };
+        let job = |i: usize| task.rows(format, i * per..((i + 1) * per).min(rows));
+        workers.run(rows.div_ceil(per), &job);
+    });
+}
+
+thread_local! {
+    /// The calling thread's quantized activations, grown on demand and kept between calls.
+    static QUANTIZED: RefCell<Quantized> = RefCell::default();
+}
+
+/// Activation rows quantized to 8 bits: per token, the row's `cols/32` blocks padded with
+/// zero blocks to whole groups.
+#[derive(Default)]
+struct Quantized {
+    /// Codes, 32 per block.
+    q: Vec<i8>,
+    /// Block scales.
+    d: Vec<f32>,
+    /// Block code sums.
+    sum: Vec<i32>,
+    /// Code sums of each block's two 16-value halves (Q6_K's sub-blocks).
+    half: Vec<i16>,
+}
+
+/// Grows `v` to at least `n` elements (never shrinks, so steady calls allocate nothing) and
+/// returns its first `n`.
+fn at_least<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+    &mut v[..n]
+}
+
+impl Quantized {
+    /// Quantizes the `t` rows of `x` (`cols` each), on every thread when there are many.
+    fn quantize(&mut self, path: Path, x: &[f32], t: usize, cols: usize) -> Acts<'_> {
+        let blocks = (cols / QK).div_ceil(GROUP) * GROUP;
+        let q = at_least(&mut self.q, t * blocks * QK);
+        let d = at_least(&mut self.d, t * blocks);
+        let sum = at_least(&mut self.sum, t * blocks);
+        let half = at_least(&mut self.half, t * blocks * 2);
+        let workers = Workers::global();
+        if t > 1 && t * cols >= PARALLEL_QUANTIZE && workers.participants() > 1 {
+            let (qc, dc) = (
+                DisjointChunks::new(q, blocks * QK),
+                DisjointChunks::new(d, blocks),
+            );
+            let (sc, hc) = (
+                DisjointChunks::new(sum, blocks),
+                DisjointChunks::new(half, blocks * 2),
+            );
+            workers.run(t, &|ti| {
+                // SAFETY: token `ti`'s chunks are handed to this call only.
+                let (q, d, s, h) = unsafe { (qc.get(ti), dc.get(ti), sc.get(ti), hc.get(ti)) };
+                quantize_row_on(path, &x[ti * cols..(ti + 1) * cols], q, d, s, h);
+            });
+        } else {
+            for ti in 0..t {
+                quantize_row_on(
+                    path,
+                    &x[ti * cols..(ti + 1) * cols],
+                    &mut q[ti * blocks * QK..(ti + 1) * blocks * QK],
+                    &mut d[ti * blocks..(ti + 1) * blocks],
+                    &mut sum[ti * blocks..(ti + 1) * blocks],
+                    &mut half[ti * blocks * 2..(ti + 1) * blocks * 2],
+                );
+            }
+        }
+        Acts {
+            q: &self.q[..t * blocks * QK],
+            d: &self.d[..t * blocks],
+            sum: &self.sum[..t * blocks],
+            half: &self.half[..t * blocks * 2],
+            blocks,
+        }
+    }
+}
+
+/// [`quantize_row`], compiled for `path`'s instructions (the same arithmetic either way).
+fn quantize_row_on(
+    path: Path,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [i32],
+    half: &mut [i16],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if path == Path::Avx2 {
+        // SAFETY: the Avx2 path is only chosen where its features were detected.
+        return unsafe { x86::quantize_row(x, q, d, sum, half) };
+    }
+    let _ = path;
+    quantize_row(x, q, d, sum, half);
+}
+
+/// Quantizes `x` (whole 32-value blocks) into the blocks of `q`/`d`/`sum`/`half` (as many
+/// blocks as `d` has; those past `x` are zero): block scale `d = amax/127` in f32, codes
+/// `q = round(x/d)` (half away from zero; all zero when `d` is 0), their sum and the sums
+/// of each block's two 16-value halves.
+#[inline(always)]
+fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], half: &mut [i16]) {
+    for (b, (qb, db)) in q.chunks_exact_mut(QK).zip(d.iter_mut()).enumerate() {
+        let Some(xb) = x.get(b * QK..(b + 1) * QK) else {
+            qb.fill(0);
+            *db = 0.0;
+            sum[b] = 0;
+            half[2 * b..2 * b + 2].fill(0);
+            continue;
+        };
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        if scale == 0.0 {
+            qb.fill(0);
+        } else {
+            // |x/d| ≤ 127/(1 − 2⁻²⁴) < 127.5, so the clamp changes nothing for finite x (and
+            // maps NaN into range); it lets the conversion vectorize.
+            for (o, &v) in qb.iter_mut().zip(xb) {
+                // Not `clamp`: that keeps NaN, which the conversion below must not see.
+                #[allow(clippy::manual_clamp)]
+                let r = (v / scale).round().max(-127.0).min(127.0);
+                // SAFETY: `r` is an integer in [-127, 127] (max/min return the non-NaN operand).
+                *o = unsafe { r.to_int_unchecked::<i32>() } as i8;
+            }
+        }
+        *db = scale;
+        let halves = |r: &[i8]| r.iter().map(|&v| i16::from(v)).sum::<i16>();
+        half[2 * b] = halves(&qb[..QK / 2]);
+        half[2 * b + 1] = halves(&qb[QK / 2..]);
+        sum[b] = i32::from(half[2 * b]) + i32::from(half[2 * b + 1]);
+    }
+}
+
+/// A call's quantized activations (see [`Quantized`]).
+#[derive(Clone, Copy)]
+struct Acts<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    sum: &'a [i32],
+    half: &'a [i16],
+    /// Blocks per token (whole groups).
+    blocks: usize,
+}
+
+/// One token's activations for one group: 256 codes, 8 scales, 8 sums, 16 half sums.
+#[derive(Clone, Copy)]
+struct ActGroup<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    sum: &'a [i32],
+    half: &'a [i16],
+}
+
+impl<'a> Acts<'a> {
+    /// Token `ti`'s activations for group `g`.
+    #[inline(always)]
+    fn group(&self, ti: usize, g: usize) -> ActGroup<'a> {
+        let b = ti * self.blocks + g * GROUP;
+        ActGroup {
+            q: &self.q[b * QK..(b + GROUP) * QK],
+            d: &self.d[b..b + GROUP],
+            sum: &self.sum[b..b + GROUP],
+            half: &self.half[2 * b..2 * (b + GROUP)],
+        }
+    }
+}
+
+/// The index of `f` in [`BLOCK_FORMATS`] (the kernels' const parameter).
+const fn format_index(f: BlockFormat) -> usize {
+    match f {
+        BlockFormat::Q4_0 => 0,
+        BlockFormat::Q4_1 => 1,
+        BlockFormat::Q5_0 => 2,
+        BlockFormat::Q5_1 => 3,
+        BlockFormat::Q8_0 => 4,
+        BlockFormat::Q4K => 5,
+        BlockFormat::Q5K => 6,
+        BlockFormat::Q6K => 7,
+    }
+}
+
+/// Whether a format's values have an additive part (`min_j` in the module docs).
+const fn has_min(f: BlockFormat) -> bool {
+    matches!(
+        f,
+        BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q4K | BlockFormat::Q5K
+    )
+}
+
+/// The offset subtracted from each unsigned code of a 32-value format (`x = d·(c − o)`).
+const fn code_offset(f: BlockFormat) -> i32 {
+    match f {
+        BlockFormat::Q4_0 => 8,
+        BlockFormat::Q5_0 => 16,
+        _ => 0,
+    }
+}
+
+/// Bytes of one group of `f` (eight 32-value blocks, or one super-block).
+const fn group_bytes(f: BlockFormat) -> usize {
+    f.bytes_for(QK * GROUP)
+}
+
+/// One task of a call: a run of rows for every token.
+struct Task<'a> {
+    path: Path,
+    w: &'a [u8],
+    row_bytes: usize,
+    acts: Acts<'a>,
+    t: usize,
+    out: &'a DisjointChunks<f32>,
+    out_stride: usize,
+}
+
+impl Task<'_> {
+    /// Every token for `rows`, on the kernels of `format`.
+    fn rows(&self, format: BlockFormat, rows: Range<usize>) {
+        const F0: usize = format_index(BlockFormat::Q4_0);
+        const F1: usize = format_index(BlockFormat::Q4_1);
+        const F2: usize = format_index(BlockFormat::Q5_0);
+        const F3: usize = format_index(BlockFormat::Q5_1);
+        const F4: usize = format_index(BlockFormat::Q8_0);
+        const F5: usize = format_index(BlockFormat::Q4K);
+        const F6: usize = format_index(BlockFormat::Q5K);
+        const F7: usize = format_index(BlockFormat::Q6K);
+        match format_index(format) {
+            F0 => self.rows_of::<F0>(rows),
+            F1 => self.rows_of::<F1>(rows),
+            F2 => self.rows_of::<F2>(rows),
+            F3 => self.rows_of::<F3>(rows),
+            F4 => self.rows_of::<F4>(rows),
+            F5 => self.rows_of::<F5>(rows),
+            F6 => self.rows_of::<F6>(rows),
+            F7 => self.rows_of::<F7>(rows),
+            _ => unreachable!("format_index covers BLOCK_FORMATS"),
+        }
+    }
+
+    /// Tiles of [`TILE`] tokens over `rows`, then the remaining tokens one at a time (the
+    /// same arithmetic per token and row either way).
+    fn rows_of<const F: usize>(&self, rows: Range<usize>) {
+        let mut t0 = 0;
+        while t0 + TILE <= self.t {
+            for r in rows.clone() {
+                self.write(t0, r, self.tile::<F, TILE>(t0, r));
+            }
+            t0 += TILE;
+        }
+        for ti in t0..self.t {
+            for r in rows.clone() {
+                self.write(ti, r, self.tile::<F, 1>(ti, r));
+            }
+        }
+    }
+
+    /// Tokens `t0..t0+NT` of row `r`.
+    #[inline(always)]
+    fn tile<const F: usize, const NT: usize>(&self, t0: usize, r: usize) -> [f32; NT] {
+        let row = &self.w[r * self.row_bytes..(r + 1) * self.row_bytes];
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the Avx2 path is only chosen where its features were detected.
+            Path::Avx2 => unsafe { x86::tile::<F, NT>(row, &self.acts, t0) },
+            _ => scalar_tile::<F, NT>(row, &self.acts, t0),
+        }
+    }
+
+    fn write<const NT: usize>(&self, t0: usize, r: usize, v: [f32; NT]) {
+        for (i, v) in v.into_iter().enumerate() {
+            // SAFETY: element (t0+i, r) lies in this task's rows only.
+            unsafe { self.out.get((t0 + i) * self.out_stride + r)[0] = v };
+        }
+    }
+}
+
+/// Sub-blocks in the group starting at byte `start` of a row of `row_len` bytes.
+#[inline(always)]
+fn group_len(f: BlockFormat, start: usize, row_len: usize) -> usize {
+    let bytes = (row_len - start).min(group_bytes(f));
+    bytes / f.block_bytes() * (f.block_elems() / QK)
+}
+
+/// A group of a weight row unpacked for the scalar path (see the module docs).
+struct Group {
+    /// Sub-block `j`'s codes: unsigned as stored (Q8_0: the i8 codes' bits); zero past the
+    /// group's sub-blocks.
+    codes: [[u8; QK]; GROUP],
+    /// `scale_j`.
+    scale: [f32; GROUP],
+    /// `min_j`.
+    min: [f32; GROUP],
+    /// Q6_K: the scales of the sixteen 16-value sub-blocks.
+    sc16: [i8; 16],
+}
+
+/// Unpacks the `n` sub-blocks of `f` at `b` (whole blocks: up to eight of a 32-value format,
+/// or one super-block) as the kit's `dequantize_row` reads them.
+fn unpack(f: BlockFormat, b: &[u8], n: usize) -> Group {
+    let mut g = Group {
+        codes: [[0; QK]; GROUP],
+        scale: [0.0; GROUP],
+        min: [0.0; GROUP],
+        sc16: [0; 16],
+    };
+    // Codes of a 32-value block: low nibbles are values 0..16, high nibbles 16..32, and
+    // value v's fifth bit (Q5_*) is bit v of `qh`.
+    let nibbles = |c: &mut [u8; QK], qs: &[u8], qh: Option<u32>| {
+        for l in 0..QK / 2 {
+            c[l] = qs[l] & 0x0f;
+            c[l + 16] = qs[l] >> 4;
+        }
+        if let Some(qh) = qh {
+            for (v, c) in c.iter_mut().enumerate() {
+                *c |= (((qh >> v) & 1) << 4) as u8;
+            }
+        }
+    };
+    let u32_at = |b: &[u8], at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    match f {
+        BlockFormat::Q4_0
+        | BlockFormat::Q4_1
+        | BlockFormat::Q5_0
+        | BlockFormat::Q5_1
+        | BlockFormat::Q8_0 => {
+            for (j, b) in b.chunks_exact(f.block_bytes()).take(n).enumerate() {
+                g.scale[j] = half_at(b, 0);
+                let c = &mut g.codes[j];
+                match f {
+                    BlockFormat::Q4_0 => nibbles(c, &b[2..18], None),
+                    BlockFormat::Q4_1 => nibbles(c, &b[4..20], None),
+                    BlockFormat::Q5_0 => nibbles(c, &b[6..22], Some(u32_at(b, 2))),
+                    BlockFormat::Q5_1 => nibbles(c, &b[8..24], Some(u32_at(b, 4))),
+                    _ => c.copy_from_slice(&b[2..34]),
+                }
+                if has_min(f) {
+                    g.min[j] = half_at(b, 2);
+                }
+            }
+        }
+        BlockFormat::Q4K | BlockFormat::Q5K => {
+            let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+            let (qh, qs) = if f == BlockFormat::Q5K {
+                (Some(&b[16..48]), &b[48..176])
+            } else {
+                (None, &b[16..144])
+            };
+            for j in 0..GROUP {
+                let (sc, m) = k4_scale_min(j, &b[4..16]);
+                g.scale[j] = d * f32::from(sc);
+                g.min[j] = -(dmin * f32::from(m));
+                // Sub-blocks 2i and 2i+1 are the low and high nibbles of bytes 32i..32i+32.
+                let q = &qs[j / 2 * 32..j / 2 * 32 + 32];
+                for (l, c) in g.codes[j].iter_mut().enumerate() {
+                    *c = (q[l] >> (4 * (j % 2))) & 0x0f;
+                    if let Some(qh) = qh {
+                        *c |= ((qh[l] >> j) & 1) << 4;
+                    }
+                }
+            }
+        }
+        BlockFormat::Q6K => {
+            let d = half_at(b, 208);
+            // Half h (128 values) holds sub-blocks 4h..4h+4: low nibbles of ql[0..32] and
+            // ql[32..64], then their high nibbles, each with two bits of qh[0..32].
+            for h in 0..2 {
+                let (ql, qh) = (&b[64 * h..64 * h + 64], &b[128 + 32 * h..160 + 32 * h]);
+                for l in 0..QK {
+                    g.codes[4 * h][l] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+                    g.codes[4 * h + 1][l] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+                    g.codes[4 * h + 2][l] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    g.codes[4 * h + 3][l] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            for (s, &v) in g.sc16.iter_mut().zip(&b[192..208]) {
+                *s = v as i8;
+            }
+            g.scale = [d; GROUP];
+        }
+    }
+    g
+}
+
+/// `acc` plus one token's dot product with group `g` (the module docs' arithmetic).
+fn scalar_dot<const F: usize>(g: &Group, a: ActGroup<'_>, mut acc: f32) -> f32 {
+    let f = const { BLOCK_FORMATS[F] };
+    let dot = |c: &[u8], q: &[i8]| -> i32 {
+        c.iter()
+            .zip(q)
+            .map(|(&c, &q)| {
+                let c = if f == BlockFormat::Q8_0 {
+                    i32::from(c as i8)
+                } else {
+                    i32::from(c)
+                };
+                c * i32::from(q)
+            })
+            .sum()
+    };
+    for j in 0..GROUP {
+        let (c, q) = (&g.codes[j], &a.q[j * QK..(j + 1) * QK]);
+        let isum = if f == BlockFormat::Q6K {
+            (0..2)
+                .map(|h| {
+                    let k = 2 * j + h;
+                    let s = dot(&c[16 * h..16 * h + 16], &q[16 * h..16 * h + 16]);
+                    i32::from(g.sc16[k]) * (s - 32 * i32::from(a.half[k]))
+                })
+                .sum()
+        } else {
+            dot(c, q) - code_offset(f) * a.sum[j]
+        };
+        acc += isum as f32 * (g.scale[j] * a.d[j]);
+        if has_min(f) {
+            acc += g.min[j] * (a.sum[j] as f32 * a.d[j]);
+        }
+    }
+    acc
+}
+
+/// Tokens `t0..t0+NT` against one weight `row`, scalar.
+fn scalar_tile<const F: usize, const NT: usize>(
+    row: &[u8],
+    acts: &Acts<'_>,
+    t0: usize,
+) -> [f32; NT] {
+    let f = const { BLOCK_FORMATS[F] };
+    let mut acc = [0f32; NT];
+    for (gi, start) in (0..row.len()).step_by(group_bytes(f)).enumerate() {
+        let n = group_len(f, start, row.len());
+        let g = unpack(f, &row[start..], n);
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = scalar_dot::<F>(&g, acts.group(t0 + i, gi), *a);
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use kvplug_backend_kit::model::blocks::{BlockFormat, BLOCK_FORMATS};
+
+    use super::{code_offset, group_bytes, group_len, has_min, Acts, GROUP, QK};
+    use crate::simd::x86::hsum;
+
+    /// Sub-block scales and minimums of a Q4_K/Q5_K block's 12 packed bytes, as eight bytes each
+    /// (byte `j` = the kit's `k4_scale_min(j)`), by whole words: with `a`, `b`, `c` the bytes 0..4,
+    /// 4..8, 8..12, sub-blocks 0..4 keep the low 6 bits of `a` (scales) and `b` (minimums);
+    /// sub-blocks 4..8 take 4 bits from `c` (low nibbles scales, high nibbles minimums) under
+    /// the top 2 bits of `a` (scales) and `b` (minimums).
+    pub(super) fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
+        let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
+        let (a, b, c) = (word(0), word(4), word(8));
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const LOW2: u32 = 0x0303_0303;
+        let sc_hi = (c & LOW4) | (((a >> 6) & LOW2) << 4);
+        let m_hi = ((c >> 4) & LOW4) | (((b >> 6) & LOW2) << 4);
+        (
+            u64::from(a & LOW6) | u64::from(sc_hi) << 32,
+            u64::from(b & LOW6) | u64::from(m_hi) << 32,
+        )
+    }
+
+    /// [`super::quantize_row`] compiled for AVX2 (it vectorizes; the arithmetic is IEEE
+    /// division and rounding either way, so the codes are the same).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_row(
+        x: &[f32],
+        q: &mut [i8],
+        d: &mut [f32],
+        sum: &mut [i32],
+        half: &mut [i16],
+    ) {
+        super::quantize_row(x, q, d, sum, half);
+    }
+
+    /// A group unpacked into registers: [`super::Group`] laid out for the vector path.
+    struct VGroup {
+        /// Unsigned codes of each sub-block (Q8_0: their absolute values).
+        codes: [__m256i; GROUP],
+        /// Q8_0: the signed codes, whose signs go onto the activations.
+        signed: [__m256i; GROUP],
+        /// Q6_K: per sub-block, the i16 multipliers of its 16 pair sums (the first eight
+        /// its first half's scale, the rest its second half's).
+        mul: [__m256i; GROUP],
+        /// Q6_K: the sixteen half scales as i16, in order.
+        sc16: __m256i,
+        /// `scale_j` in lane j.
+        scale: __m256,
+        /// `min_j` in lane j.
+        min: __m256,
+    }
+
+    /// The 32 codes of 16 bytes of nibbles: low nibbles first, then high nibbles.
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let v = _mm_loadu_si128(p.cast());
+        _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(v, 4), v),
+            _mm256_set1_epi8(0x0f),
+        )
+    }
+
+    /// Byte v = 0x10 where bit v of `qh` is set, else 0 (the fifth bits of a Q5_0/Q5_1 block).
+    #[inline(always)]
+    unsafe fn fifth_bits(qh: u32) -> __m256i {
+        // Byte v takes byte v/8 of qh (every 128-bit lane holds all four), then tests bit v%8.
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(qh as i32),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+            _mm256_set1_epi8(0x10),
+        )
+    }
+
+    /// The f16 at `p`, widened (F16C; the `half` crate would detect features per call).
+    #[inline(always)]
+    unsafe fn half(p: *const u8) -> f32 {
+        let h = std::ptr::read_unaligned(p.cast::<u16>());
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+    }
+
+    /// The eight bytes of `v` widened to f32 lanes.
+    #[inline(always)]
+    unsafe fn widen8(v: u64) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi64x(0, v as i64)))
+    }
+
+    /// Byte v = 0x10 where byte v of `qh` has `bit` set, else 0 (a Q5_K sub-block's fifth
+    /// bits).
+    #[inline(always)]
+    unsafe fn bit_to_fifth(qh: __m256i, bit: i8) -> __m256i {
+        let bit = _mm256_set1_epi8(bit);
+        _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+            _mm256_set1_epi8(0x10),
+        )
+    }
+
+    /// The f16 at `p + j·stride` in lane j for `j < n`, widened; 0 in the other lanes.
+    #[inline(always)]
+    unsafe fn halves(p: *const u8, stride: usize, n: usize) -> __m256 {
+        let at = |j: usize| std::ptr::read_unaligned(p.add(j * stride).cast::<i16>());
+        let h = if n == GROUP {
+            _mm_set_epi16(at(7), at(6), at(5), at(4), at(3), at(2), at(1), at(0))
+        } else {
+            let mut h = [0i16; GROUP];
+            for (j, h) in h.iter_mut().enumerate().take(n) {
+                *h = at(j);
+            }
+            _mm_loadu_si128(h.as_ptr().cast())
+        };
+        _mm256_cvtph_ps(h)
+    }
+
+    /// Unpacks the `n` sub-blocks of format `F` at `p` (see [`super::unpack`]).
+    ///
+    /// # Safety
+    /// `p` must be valid for the reads of `n` sub-blocks' whole blocks.
+    #[inline(always)]
+    unsafe fn unpack<const F: usize>(p: *const u8, n: usize) -> VGroup {
+        let f = const { BLOCK_FORMATS[F] };
+        let bb = f.block_bytes();
+        let z = _mm256_setzero_si256();
+        let mut g = VGroup {
+            codes: [z; GROUP],
+            signed: [z; GROUP],
+            mul: [z; GROUP],
+            sc16: z,
+            scale: _mm256_setzero_ps(),
+            min: _mm256_setzero_ps(),
+        };
+        let low4 = _mm256_set1_epi8(0x0f);
+        let u32_at = |at: usize| std::ptr::read_unaligned(p.add(at).cast::<u32>());
+        match f {
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1 => {
+                let qs = match f {
+                    BlockFormat::Q4_0 => 2,
+                    BlockFormat::Q4_1 => 4,
+                    BlockFormat::Q5_0 => 6,
+                    _ => 8,
+                };
+                for (j, c) in g.codes.iter_mut().enumerate().take(n) {
+                    *c = nibbles(p.add(j * bb + qs));
+                    if f == BlockFormat::Q5_0 || f == BlockFormat::Q5_1 {
+                        *c = _mm256_or_si256(*c, fifth_bits(u32_at(j * bb + qs - 4)));
+                    }
+                }
+                g.scale = halves(p, bb, n);
+                if has_min(f) {
+                    g.min = halves(p.add(2), bb, n);
+                }
+            }
+            BlockFormat::Q8_0 => {
+                for j in 0..n {
+                    g.signed[j] = _mm256_loadu_si256(p.add(j * bb + 2).cast());
+                    g.codes[j] = _mm256_abs_epi8(g.signed[j]);
+                }
+                g.scale = halves(p, bb, n);
+            }
+            BlockFormat::Q4K | BlockFormat::Q5K => {
+                let (sc, m) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
+                g.scale = _mm256_mul_ps(widen8(sc), _mm256_set1_ps(half(p)));
+                g.min = _mm256_mul_ps(widen8(m), _mm256_set1_ps(-half(p.add(2))));
+                let q5 = f == BlockFormat::Q5K;
+                let qs = p.add(if q5 { 48 } else { 16 });
+                let qh = _mm256_loadu_si256(p.add(16).cast());
+                for i in 0..4 {
+                    let v = _mm256_loadu_si256(qs.add(32 * i).cast());
+                    let lo = _mm256_and_si256(v, low4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    if q5 {
+                        g.codes[2 * i] = _mm256_or_si256(lo, bit_to_fifth(qh, 1 << (2 * i)));
+                        g.codes[2 * i + 1] =
+                            _mm256_or_si256(hi, bit_to_fifth(qh, 1 << (2 * i + 1)));
+                    } else {
+                        g.codes[2 * i] = lo;
+                        g.codes[2 * i + 1] = hi;
+                    }
+                }
+            }
+            BlockFormat::Q6K => {
+                let two = _mm256_set1_epi8(0x30);
+                for h in 0..2 {
+                    let ql0 = _mm256_loadu_si256(p.add(64 * h).cast());
+                    let ql1 = _mm256_loadu_si256(p.add(64 * h + 32).cast());
+                    let qh = _mm256_loadu_si256(p.add(128 + 32 * h).cast());
+                    // Each code's two high bits, moved to bits 4..6 (shifts stay within bytes
+                    // where it matters: the masks keep bits 4 and 5 only).
+                    let hi = [
+                        _mm256_slli_epi16(qh, 4),
+                        _mm256_slli_epi16(qh, 2),
+                        qh,
+                        _mm256_srli_epi16(qh, 2),
+                    ];
+                    let lo = [
+                        ql0,
+                        ql1,
+                        _mm256_srli_epi16(ql0, 4),
+                        _mm256_srli_epi16(ql1, 4),
+                    ];
+                    for k in 0..4 {
+                        g.codes[4 * h + k] = _mm256_or_si256(
+                            _mm256_and_si256(lo[k], low4),
+                            _mm256_and_si256(hi[k], two),
+                        );
+                    }
+                }
+                let sc = _mm_loadu_si128(p.add(192).cast());
+                g.sc16 = _mm256_cvtepi8_epi16(sc);
+                // Even-numbered half scales in the low 128 bits, odd ones in the high: i16
+                // lane j of each is sub-block j's (first half's, second half's) scale.
+                let deinterleave =
+                    _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+                let eo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, deinterleave));
+                for (j, m) in g.mul.iter_mut().enumerate() {
+                    let pick = (((2 * j + 1) << 8) | (2 * j)) as i16;
+                    *m = _mm256_shuffle_epi8(eo, _mm256_set1_epi16(pick));
+                }
+                g.scale = _mm256_set1_ps(half(p.add(208)));
+            }
+        }
+        g
+    }
+
+    /// Lane j = the sum of the eight lanes of `s[j]`.
+    #[inline(always)]
+    unsafe fn reduce8(s: &[__m256i; GROUP]) -> __m256i {
+        // Per 128-bit half: [s0 s1 s2 s3] partial sums, then the halves added.
+        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(a, b, 0x20),
+            _mm256_permute2x128_si256(a, b, 0x31),
+        )
+    }
+
+    /// One token's activations for one group, as [`super::ActGroup`]: 256 codes, 8 scales, 8
+    /// sums, 16 half sums.
+    #[derive(Clone, Copy)]
+    struct ActPtrs {
+        q: *const i8,
+        d: *const f32,
+        sum: *const i32,
+        half: *const i16,
+    }
+
+    /// `acc` plus one token's dot product with `g`, in lanes (the module docs' arithmetic,
+    /// lane j for sub-block j).
+    ///
+    /// # Safety
+    /// `a` must point at a whole group's activations.
+    #[inline(always)]
+    unsafe fn dot<const F: usize>(g: &VGroup, a: ActPtrs, acc: __m256) -> __m256 {
+        let f = const { BLOCK_FORMATS[F] };
+        let ones = _mm256_set1_epi16(1);
+        let mut s = [_mm256_setzero_si256(); GROUP];
+        for (j, s) in s.iter_mut().enumerate() {
+            let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
+            let x = if f == BlockFormat::Q8_0 {
+                _mm256_sign_epi8(x, g.signed[j])
+            } else {
+                x
+            };
+            let p = _mm256_maddubs_epi16(g.codes[j], x);
+            *s = _mm256_madd_epi16(
+                p,
+                if f == BlockFormat::Q6K {
+                    g.mul[j]
+                } else {
+                    ones
+                },
+            );
+        }
+        let mut isum = reduce8(&s);
+        let sum = _mm256_loadu_si256(a.sum.cast());
+        if f == BlockFormat::Q6K {
+            let off = _mm256_madd_epi16(g.sc16, _mm256_loadu_si256(a.half.cast()));
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+        } else if code_offset(f) != 0 {
+            let off = _mm256_mullo_epi32(sum, _mm256_set1_epi32(code_offset(f)));
+            isum = _mm256_sub_epi32(isum, off);
+        }
+        let dx = _mm256_loadu_ps(a.d);
+        let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g.scale, dx), acc);
+        if has_min(f) {
+            let sx = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dx);
+            _mm256_fmadd_ps(g.min, sx, acc)
+        } else {
+            acc
+        }
+    }
+
+    /// Tokens `t0..t0+NT` against one weight `row` (whole blocks of format `F`): each group
+    /// is unpacked once and dotted with every token.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<const F: usize, const NT: usize>(
+        row: &[u8],
+        acts: &Acts<'_>,
+        t0: usize,
+    ) -> [f32; NT] {
+        let f = const { BLOCK_FORMATS[F] };
+        let groups = row.len().div_ceil(group_bytes(f));
+        // Every token's activations span `acts.blocks` ≥ 8·groups blocks.
+        let first = t0 * acts.blocks;
+        assert!(
+            groups * GROUP <= acts.blocks && (t0 + NT) * acts.blocks <= acts.d.len(),
+            "tile: activations for tokens {t0}..{} of {} groups",
+            t0 + NT,
+            groups
+        );
+        let mut acc = [_mm256_setzero_ps(); NT];
+        for (gi, start) in (0..row.len()).step_by(group_bytes(f)).enumerate() {
+            let n = group_len(f, start, row.len());
+            let p = row[start..].as_ptr();
+            // SAFETY: the group's n sub-blocks are whole blocks inside `row`; a full group
+            // is unpacked with its count known, so the per-block tests fold away.
+            let g = if n == GROUP {
+                unpack::<F>(p, GROUP)
+            } else {
+                unpack::<F>(p, n)
+            };
+            let at = |i: usize| {
+                let b = first + i * acts.blocks + gi * GROUP;
+                // SAFETY: block b..b+8 lies within token t0+i's blocks (asserted above).
+                ActPtrs {
+                    q: acts.q.as_ptr().add(b * QK),
+                    d: acts.d.as_ptr().add(b),
+                    sum: acts.sum.as_ptr().add(b),
+                    half: acts.half.as_ptr().add(2 * b),
+                }
+            };
+            // Unrolled by hand so the accumulators stay in registers.
+            let mut i = 0;
+            while i + 2 <= NT {
+                acc[i] = dot::<F>(&g, at(i), acc[i]);
+                acc[i + 1] = dot::<F>(&g, at(i + 1), acc[i + 1]);
+                i += 2;
+            }
+            if i < NT {
+                acc[i] = dot::<F>(&g, at(i), acc[i]);
+            }
+        }
+        let mut out = [0f32; NT];
+        for (o, &a) in out.iter_mut().zip(&acc) {
+            *o = hsum(a);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use half::f16;
+    use kvplug_backend_kit::model::blocks::dequantize_row;
+    use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
+    use kvplug_backend_kit::KitError;
+
+    use super::*;
+    use crate::tensor::CpuTensor;
+    use crate::CpuDevice;
+
+    /// xorshift64*: reproducible test data without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        /// Uniform in [0, 1).
+        fn unit(&mut self) -> f64 {
+            (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        }
+        /// Uniform in [-1, 1).
+        fn signed(&mut self) -> f32 {
+            (2.0 * self.unit() - 1.0) as f32
+        }
+    }
+
+    /// Every path this CPU can run.
+    fn paths() -> Vec<Path> {
+        let mut p = vec![Path::Scalar];
+        if vector_path() {
+            p.push(Path::Avx2);
+        }
+        p
+    }
+
+    /// `blocks` valid random blocks of `f`: random code bytes (so random 6-bit K-quant
+    /// scales and minimums too), every f16 field (d, m, dmin) of random sign and magnitude in
+    /// [1e-3, 1e-1], Q6_K's i8 scales in ±127.
+    fn random_blocks(f: BlockFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+        let bb = f.block_bytes();
+        let mut b: Vec<u8> = (0..blocks * bb).map(|_| rng.next() as u8).collect();
+        for blk in b.chunks_exact_mut(bb) {
+            for &at in f.half_fields() {
+                let mag = 1e-3 + rng.unit() * (1e-1 - 1e-3);
+                let v = if rng.next() & 1 == 0 { mag } else { -mag };
+                blk[at..at + 2].copy_from_slice(&f16::from_f64(v).to_le_bytes());
+            }
+            if f == BlockFormat::Q6K {
+                for s in &mut blk[192..208] {
+                    *s = ((rng.next() % 255) as i64 - 127) as i8 as u8;
+                }
+            }
+        }
+        b
+    }
+
+    /// The bytes of a block holding its codes, for the formats with an additive part (zeroing
+    /// them leaves each value's additive part: `m`, or `−dmin·m_j`).
+    fn code_bytes(f: BlockFormat) -> Option<Range<usize>> {
+        match f {
+            BlockFormat::Q4_1 => Some(4..20),
+            BlockFormat::Q5_1 => Some(4..24),
+            BlockFormat::Q4K => Some(16..144),
+            BlockFormat::Q5K => Some(16..176),
+            _ => None,
+        }
+    }
+
+    /// What token `ti`'s activation row looks like.
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    enum Row {
+        /// Uniform in ±1 (±100 for odd tokens).
+        Plain,
+        /// Uniform in ±1 but one value of 1000 and one of -300.
+        Outlier,
+        /// All zeros.
+        Zero,
+    }
+
+    fn row_kind(ti: usize) -> Row {
+        match ti % 4 {
+            1 => Row::Outlier,
+            2 => Row::Zero,
+            _ => Row::Plain,
+        }
+    }
+
+    fn activations(t: usize, cols: usize, rng: &mut Rng) -> Vec<f32> {
+        let mut x = Vec::with_capacity(t * cols);
+        for ti in 0..t {
+            let scale = if ti % 2 == 1 { 100.0 } else { 1.0 };
+            let start = x.len();
+            x.extend((0..cols).map(|_| match row_kind(ti) {
+                Row::Zero => 0.0,
+                _ => rng.signed() * scale,
+            }));
+            if row_kind(ti) == Row::Outlier {
+                x[start + 5] = 1000.0;
+                x[start + cols - 3] = -300.0;
+            }
+        }
+        x
+    }
+
+    /// Checks `run(path)` for one weight against the f64 reference `Σ_c w[c]·x[c]`, `w` the
+    /// kit's `dequantize_row` widened to f64, within a bound derived from the arithmetic (u =
+    /// 2⁻²⁴, the f32 unit roundoff; γ_k = k·u/(1 − k·u); underflow excluded):
+    ///
+    /// 1. *Activation quantization.* Block b's scale is `d_b = fl(amax_b/127) ≤
+    ///    (amax_b/127)(1+u)` and `≥ (amax_b/127)(1−u)`, so `|x/d_b| ≤ 127/(1−u) < 128`, and the
+    ///    f32 quotient `fl(x/d_b)` is off by at most `128·u` code units. Rounding it moves at
+    ///    most 1/2 more, so `|q − x/d_b| ≤ 1/2 + 128u` and `|x̂ − x| ≤ (d_b/2)(1+δ)` for the
+    ///    quantized value `x̂ = d_b·q`, with `δ = 2·128·u`. The kernel's exact value is `Σ_c
+    ///    w_ex[c]·x̂[c]`, `w_ex` the exact dequantized weight, so this contributes at most `Σ_b
+    ///    (d_b/2)(1+δ)·Σ_{c∈b}|w_ex[c]|`.
+    /// 2. *f32 accumulation.* The integer sums are exact and convert to f32 exactly (module
+    ///    docs), and `scale_j`, `min_j` are exact. Each term `f32(I_j)·scale_j·d_j` or
+    ///    `min_j·f32(s_j)·d_j` takes at most two product roundings (one on the vector path),
+    ///    then at most one addition per term of its accumulator (≤ 2 per 32-value block: 2·nb
+    ///    with nb = cols/32) and 3 more reducing the eight lanes. With k = 2·nb + 4 the error is
+    ///    at most `γ_k·Σ|terms|`, and `Σ|terms| ≤ Σ_c (|w_ex[c]| + 2|m[c]|)·|x̂[c]|`, `m[c]` the
+    ///    value's additive part (the scaled code is `w_ex − m`; formats whose offsets are
+    ///    integer have no such term, m = 0); `|x̂| ≤ |x| + (d_b/2)(1+δ)`.
+    /// 3. *The reference's own rounding.* `dequantize_row` rounds `d·q + m` once in f32 (exact
+    ///    for the formats without `m`), so `|w_ex| ≤ |w|(1+2u)` and `Σ|w_ex − w|·|x| ≤
+    ///    γ_1·Σ|w·x|`; the f64 sum adds at most `γ⁽⁶⁴⁾_cols·Σ|w·x|`.
+    ///
+    /// Also checks the bound means something: on plain rows it is at most 2% of `Σ|w·x|`
+    /// (term 1 dominates: `(d_b/2)/E|x| ≈ (1/254)/(1/2)`, under 1%, for uniform x). And
+    /// where there are more than 3 tokens, token 3 is aimed at weight row 0 so that term 1
+    /// is nearly reached: every block has d = 1 (one value ±127) and values ±(k + 3/4) with
+    /// the signs of row 0's weights, so row 0's rounding errors (1/4 each) all add up, to
+    /// half the bound's 1/2 per value; truncating codes (3/4 each) would exceed it.
+    fn check(path: Path, f: BlockFormat, t: usize, rows: usize, cols: usize, seed: u64) {
+        let mut rng = Rng(seed);
+        let (be, bb) = (f.block_elems(), f.block_bytes());
+        let w = random_blocks(f, rows * cols / be, &mut rng);
+        let mut x = activations(t, cols, &mut rng);
+        if t > 3 {
+            let mut w0 = vec![0f32; cols];
+            dequantize_row(f, &w[..f.bytes_for(cols)], &mut w0);
+            for (c, (x, w)) in x[3 * cols..4 * cols].iter_mut().zip(&w0).enumerate() {
+                let k = if c % QK == 0 {
+                    127.0
+                } else {
+                    (c * 37 % 126) as f32 + 0.75
+                };
+                *x = if *w < 0.0 { -k } else { k };
+            }
+        }
+        let mut out = vec![f32::NAN; t * rows];
+        run(path, &x, t, f, &w, rows, cols, &mut out);
+
+        let u = 2f64.powi(-24);
+        let gamma = |k: f64| k * u / (1.0 - k * u);
+        let gamma64 = cols as f64 * 2f64.powi(-53) / (1.0 - cols as f64 * 2f64.powi(-53));
+        let nb = cols / QK;
+        let k = 2.0 * nb as f64 + 4.0;
+        let delta = 2.0 * 128.0 * u;
+        let rb = f.bytes_for(cols);
+        let (mut wd, mut m) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in 0..rows {
+            let row = &w[r * rb..(r + 1) * rb];
+            dequantize_row(f, row, &mut wd);
+            if let Some(codes) = code_bytes(f) {
+                let mut z = row.to_vec();
+                z.chunks_exact_mut(bb)
+                    .for_each(|b| b[codes.clone()].fill(0));
+                dequantize_row(f, &z, &mut m);
+            }
+            for ti in 0..t {
+                let xr = &x[ti * cols..(ti + 1) * cols];
+                let (mut want, mut mag, mut act, mut terms) = (0f64, 0f64, 0f64, 0f64);
+                for b in 0..nb {
+                    let xb = &xr[b * QK..(b + 1) * QK];
+                    let amax = xb.iter().fold(0f64, |a, &v| a.max(f64::from(v).abs()));
+                    let e = amax / 127.0 * (1.0 + u) / 2.0 * (1.0 + delta);
+                    for c in b * QK..(b + 1) * QK {
+                        let (wv, xv) = (f64::from(wd[c]), f64::from(xr[c]));
+                        let w_ex = wv.abs() * (1.0 + 2.0 * u);
+                        want += wv * xv;
+                        mag += (wv * xv).abs();
+                        act += e * w_ex;
+                        terms += (w_ex + 2.0 * f64::from(m[c]).abs()) * (xv.abs() + e);
+                    }
+                }
+                let bound = act + gamma(k) * terms + (gamma(1.0) + gamma64) * mag;
+                let got = f64::from(out[ti * rows + r]);
+                assert!(
+                    (got - want).abs() <= bound,
+                    "{} {path:?} t {t} rows {rows} cols {cols}: token {ti} ({:?}) row {r}: \
+                     got {got}, want {want}, |diff| {:e} > bound {bound:e}",
+                    f.name(),
+                    row_kind(ti),
+                    (got - want).abs()
+                );
+                if row_kind(ti) == Row::Plain {
+                    assert!(
+                        bound <= 2e-2 * mag,
+                        "{} cols {cols}: bound {bound:e} is vacuous against Σ|w·x| {mag:e}",
+                        f.name()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_format_shape_and_path_is_within_the_derived_bound() {
+        // Tokens: one (decode), fewer than a tile, tiles plus a remainder, whole tiles, and
+        // enough to quantize on every thread. Rows: odd counts, one task or several.
+        // Columns: one and two 32-value blocks, whole groups, a partial last group.
+        let shapes = [(1, 37), (3, 5), (7, 13), (16, 70), (130, 3)];
+        for (fi, f) in BLOCK_FORMATS.into_iter().enumerate() {
+            let cols: &[usize] = if f.block_elems() == QK {
+                &[32, 64, 256, 288, 512]
+            } else {
+                &[256, 512]
+            };
+            for &c in cols {
+                for (si, &(t, rows)) in shapes.iter().enumerate() {
+                    for path in paths() {
+                        check(path, f, t, rows, c, (fi * 1000 + c * 10 + si) as u64 + 1);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_token_gets_the_same_output_alone_or_batched() {
+        let (t, rows, cols) = (7, 9, 512);
+        let mut rng = Rng(7);
+        let x = activations(t, cols, &mut rng);
+        for f in BLOCK_FORMATS {
+            let w = random_blocks(f, rows * cols / f.block_elems(), &mut rng);
+            for path in paths() {
+                let mut all = vec![0f32; t * rows];
+                run(path, &x, t, f, &w, rows, cols, &mut all);
+                for ti in 0..t {
+                    let mut one = vec![0f32; rows];
+                    run(
+                        path,
+                        &x[ti * cols..(ti + 1) * cols],
+                        1,
+                        f,
+                        &w,
+                        rows,
+                        cols,
+                        &mut one,
+                    );
+                    assert_eq!(
+                        one,
+                        all[ti * rows..(ti + 1) * rows],
+                        "{} {path:?} token {ti}",
+                        f.name()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn activations_quantize_to_codes_rounded_half_away_from_zero() {
+        // Block 0 has amax 127, so d = 1 and the codes are x rounded; block 1 is zero; blocks
+        // 3..8 pad the row to a whole group.
+        let mut x = vec![0f32; 96];
+        x[..6].copy_from_slice(&[127.0, 0.5, 1.5, -2.5, -0.499_999_97, 2.499_999_8]);
+        x[64..96]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = i as f32 - 3.0);
+        let mut rng = Rng(3);
+        let noise: Vec<f32> = (0..4 * 512).map(|_| rng.signed() * 7.0).collect();
+        let mut codes = Vec::new();
+        for path in paths() {
+            let mut buf = Quantized::default();
+            let a = buf.quantize(path, &x, 1, 96);
+            assert_eq!(a.blocks, GROUP);
+            assert_eq!(a.q[..6], [127, 1, 2, -3, 0, 2], "{path:?}");
+            assert_eq!((a.d[0], a.d[1]), (1.0, 0.0));
+            assert!(a.q[32..64].iter().all(|&q| q == 0));
+            // Block 2: amax 28, codes round(v·127/28).
+            assert_eq!(a.d[2], 28.0 / 127.0);
+            let want: Vec<i8> = x[64..96]
+                .iter()
+                .map(|&v| (v / (28.0f32 / 127.0)).round() as i8)
+                .collect();
+            assert_eq!(a.q[64..96], want[..]);
+            assert_eq!(a.sum[2], want.iter().map(|&q| i32::from(q)).sum::<i32>());
+            let h0: i16 = want[..16].iter().map(|&q| i16::from(q)).sum();
+            assert_eq!(a.half[4..6], [h0, a.sum[2] as i16 - h0]);
+            assert!(a.q[96..].iter().all(|&q| q == 0) && a.d[3..].iter().all(|&d| d == 0.0));
+            // Random rows, quantized on every thread: the same codes on every path.
+            let a = buf.quantize(path, &noise, 4, 512);
+            codes.push((a.q.to_vec(), a.d.to_vec(), a.sum.to_vec(), a.half.to_vec()));
+        }
+        assert!(codes.windows(2).all(|p| p[0] == p[1]));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn k4_scales_by_words_match_the_kit() {
+        let mut rng = Rng(11);
+        for _ in 0..1000 {
+            let q: Vec<u8> = (0..12).map(|_| rng.next() as u8).collect();
+            let (sc, m) = x86::k4_scales_mins(q[..].try_into().unwrap());
+            for j in 0..8 {
+                let got = ((sc >> (8 * j)) as u8, (m >> (8 * j)) as u8);
+                assert_eq!(got, k4_scale_min(j, &q), "{q:?} sub-block {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_device_takes_block_weights_in_whole_blocks() {
+        let dev = CpuDevice::new();
+        let f = BlockFormat::Q4K;
+        let (rows, cols) = (3, 512);
+        let bytes = random_blocks(f, rows * cols / 256, &mut Rng(5));
+        let n = bytes.len();
+        let stored = StoredTensor::new(StoredDtype::Block(f), Arc::new(bytes.clone()), 0..n)
+            .expect("whole blocks");
+        // 1536 values as 12 rows of 128: rows would split blocks.
+        assert!(matches!(
+            dev.weight(stored.clone(), 12, 128),
+            Err(KitError::Device(_))
+        ));
+        let w = dev
+            .weight(stored, rows, cols)
+            .expect("whole blocks per row");
+        let x: Vec<f32> = (0..2 * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut out = CpuTensor::zeros(&[2, rows]);
+        dev.linear(&CpuTensor::new(&[2, cols], x.clone()), &w, None, &mut out)
+            .unwrap();
+        let mut want = vec![0f32; 2 * rows];
+        linear_blocks(&x, 2, f, &bytes, rows, cols, &mut want);
+        assert_eq!(out.data, want);
+        let mut row = CpuTensor::zeros(&[1, cols]);
+        dev.embed(&w, &[2], &mut row).unwrap();
+        let mut deq = vec![0f32; cols];
+        dequantize_row(f, &bytes[2 * n / rows..], &mut deq);
+        assert_eq!(row.data, deq);
+    }
+}
