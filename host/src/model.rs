@@ -53,8 +53,19 @@ pub const PRESETS: [Preset; 2] = [
     },
 ];
 
-/// The cache shape `dir`'s model needs.
+/// The cache shape `dir`'s model needs: from the first shard's `kv_cache.*` metadata when it
+/// has them, else from `config.json` (always, for weights in a GGUF).
 pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
+    if !dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() {
+        if let Some(p) = shard_cache_params(dir)? {
+            return Ok(p);
+        }
+    }
+    config_cache_params(dir)
+}
+
+/// The `kv_cache.*` facts of `dir`'s first safetensors shard, if it has them.
+fn shard_cache_params(dir: &Path) -> Result<Option<ModelCacheParams>> {
     let first = first_shard(dir)?;
     let (file, _) = kvplug_core::files::open_regular(&first)?;
     // Mapped, not read: parsing the header touches only its pages, not the weights.
@@ -66,9 +77,16 @@ pub fn cache_params(dir: &Path) -> Result<ModelCacheParams> {
         .map_err(|e| anyhow::anyhow!("{}: not a safetensors file: {e}", first.display()))?;
     if let Some(m) = meta.metadata() {
         if has_cache_params(m) {
-            return read_cache_params(m).with_context(|| format!("{}", first.display()));
+            return read_cache_params(m)
+                .map(Some)
+                .with_context(|| format!("{}", first.display()));
         }
     }
+    Ok(None)
+}
+
+/// The cache shape from `dir`'s `config.json`.
+fn config_cache_params(dir: &Path) -> Result<ModelCacheParams> {
     let cfg_path = dir.join("config.json");
     let cfg: serde_json::Value = serde_json::from_str(&read_text(&cfg_path, MAX_TEXT_BYTES)?)
         .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;

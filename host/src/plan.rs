@@ -95,8 +95,18 @@ pub struct Plan {
     pub trained_positions: Option<u64>,
 }
 
-/// Bytes of every tensor in the model's safetensors shards (as stored).
+/// Bytes of every tensor as stored: in the model's safetensors shards, or, for weights used
+/// in place in a GGUF, every indexed tensor (quantized blocks counted as their bytes).
 fn weight_bytes(dir: &Path) -> Result<u64> {
+    let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
+    if index.exists() {
+        let index: kvplug_core::GgufIndex = serde_json::from_str(&kvplug_core::files::read_text(
+            &index,
+            kvplug_core::files::MAX_TEXT_BYTES,
+        )?)
+        .with_context(|| format!("{}", index.display()))?;
+        return Ok(index.tensors.values().map(|t| t.bytes).sum());
+    }
     let mut total = 0u64;
     for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let p = e?.path();
