@@ -322,3 +322,109 @@ fn bench_runs_every_combination() {
     let e = run(&host, &args, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("no tests"), "{e}");
 }
+
+/// `tiny` made a Qwen2 (random q/k/v biases) or a Qwen3 (random per-head q/k RMSNorm
+/// weights): the extra tensors go in a second shard named by an index, config.json names
+/// the architecture.
+fn tiny_as(arch: &str) -> tempfile::TempDir {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let dir = tiny();
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = arch.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (heads, kv_heads) = (n("num_attention_heads"), n("num_key_value_heads"));
+    let hd = n("hidden_size") / heads;
+    let mut extra: Vec<(String, Vec<f32>)> = Vec::new();
+    for l in 0..n("num_hidden_layers") {
+        let p = format!("model.layers.{l}.self_attn.");
+        let values = |seed: usize, len: usize, base: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| base + ((i * 7919 + seed * 104_729) % 1000) as f32 / 2000.0 - 0.25)
+                .collect()
+        };
+        if arch == "qwen2" {
+            extra.push((format!("{p}q_proj.bias"), values(3 * l, heads * hd, 0.0)));
+            extra.push((
+                format!("{p}k_proj.bias"),
+                values(3 * l + 1, kv_heads * hd, 0.0),
+            ));
+            extra.push((
+                format!("{p}v_proj.bias"),
+                values(3 * l + 2, kv_heads * hd, 0.0),
+            ));
+        } else {
+            extra.push((format!("{p}q_norm.weight"), values(2 * l, hd, 1.0)));
+            extra.push((format!("{p}k_norm.weight"), values(2 * l + 1, hd, 1.0)));
+        }
+    }
+    let bytes: Vec<Vec<u8>> = extra
+        .iter()
+        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = extra
+        .iter()
+        .zip(&bytes)
+        .map(|((name, v), b)| {
+            (
+                name.as_str(),
+                TensorView::new(Dtype::F32, vec![v.len()], b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("extra.safetensors")).unwrap();
+    let main = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let mut map = serde_json::Map::new();
+    for name in SafeTensors::deserialize(&main).unwrap().names() {
+        map.insert(name.to_string(), "model.safetensors".into());
+    }
+    for (name, _) in &extra {
+        map.insert(name.clone(), "extra.safetensors".into());
+    }
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        serde_json::json!({ "weight_map": map }).to_string(),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn qwen2_biases_and_qwen3_qk_norms_match_the_f64_reference() {
+    let host = host();
+    for arch in ["qwen2", "qwen3"] {
+        let model = tiny_as(arch);
+        let want = reference_logits(model.path(), &PROMPT);
+        // Without the extra tensors the logits would differ: the check can fail.
+        let plain = reference_logits(tiny().path(), &PROMPT);
+        let moved = plain
+            .iter()
+            .flatten()
+            .zip(want.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(moved > 1e-2, "{arch}: the extra tensors change the logits");
+        let params = kvplug_host::model::cache_params(model.path()).unwrap();
+        for backend in BACKENDS {
+            let (_s, opts) = host
+                .make_decode_session(backend, &make_config(&params, 64, KvDtype::F32))
+                .unwrap();
+            let mut fwd = Forward::load(&host, backend, model.path(), None, opts).unwrap();
+            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+            let got = fwd.call(&PROMPT, &positions, None).unwrap();
+            let worst = got
+                .iter()
+                .flatten()
+                .zip(want.iter().flatten())
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
+            // The f32 tolerance of logits_match_the_f64_reference_for_prompt_and_eight_decode_steps.
+            assert!(
+                worst < 1e-3,
+                "{arch} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
+}

@@ -283,3 +283,60 @@ fn gemma3_recalls_a_word_from_past_the_window_with_bounded_sliding_layers() {
     assert!(c.window_cells > 0 && c.window_cells <= bound, "{c:?}");
     assert!(c.window_cells < c.pool_cells, "{c:?}");
 }
+
+fn qwen_coder() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (make test does)",
+        path.display()
+    );
+    path
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K and f32 tensors), its weights
+/// used in place: the same greedy tokens on every backend (the cpu computes the blocks with
+/// int8 activations, wgpu dequantizes them in its shaders, mlx widens them at load), and the
+/// f64 reference forward over the same dequantized weights picks those tokens too (teacher
+/// forced, position by position). A raw prompt keeps lavapipe's share short.
+#[test]
+fn qwen_q4_k_m_in_place_agrees_across_backends_and_with_the_f64_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("qwen");
+    kvplug_host::gguf::index(&qwen_coder(), &model).unwrap();
+    assert!(
+        !model.join("model.safetensors").exists(),
+        "no weight file is written: the GGUF is used in place"
+    );
+    let text = Text::load(&model).unwrap();
+    let prompt = text.encode("The capital of France is").unwrap();
+    let host = host();
+    let mut answers = Vec::new();
+    for backend in BACKENDS {
+        let spec = RunSpec {
+            backend: backend.into(),
+            model: model.clone(),
+            prompt: prompt.clone(),
+            max_new: 3,
+            kv_dtype: KvDtype::F16,
+            capacity: 64,
+            stop: Default::default(),
+        };
+        let report = run_decode(&host, &spec, &mut Sampler::new(0.0, 1.0, 0)).unwrap();
+        let answer = text.decode(&report.ids).unwrap();
+        assert!(answer.contains("Paris"), "{backend}: {answer:?}");
+        answers.push(report.ids);
+    }
+    for (backend, answer) in BACKENDS.iter().zip(&answers).skip(1) {
+        assert_eq!(&answers[0], answer, "cpu and {backend} disagree");
+    }
+    let mut forced = prompt.clone();
+    forced.extend(&answers[0]);
+    let want = common::reference_logits(&model, &forced[..forced.len() - 1]);
+    let picked: Vec<i32> = want[prompt.len() - 1..]
+        .iter()
+        .map(|l| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as i32)
+        .collect();
+    assert_eq!(picked, answers[0], "the f64 reference's greedy tokens");
+}

@@ -39,9 +39,16 @@ pub fn host() -> Host {
     host
 }
 
-/// Plain f64 Llama forward over the whole sequence (causal attention, no cache): logits of
-/// every position.
+/// Plain f64 Llama-family forward (Llama, Qwen2's biases, Qwen3's q/k norms) over the whole
+/// sequence (causal attention, no cache): logits of every position.
 pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
+    reference_logits_as(model, tokens, false)
+}
+
+/// [`reference_logits`], optionally with the cpu backend's declared arithmetic for weights
+/// in ggml block formats (`int8_block_acts`): each input row of such a linear is quantized in
+/// blocks of 32 to `d·round(x/d)`, `d = max|x|/127`, before the f64 products.
+pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) -> Vec<Vec<f64>> {
     let pkg = ModelPackage::open(model).unwrap();
     let c = pkg.config.clone();
     let (h, hd, hq, hkv, im, v) = (
@@ -64,7 +71,30 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
         let rms = (x.iter().map(|a| a * a).sum::<f64>() / x.len() as f64 + eps).sqrt();
         x.iter().zip(g).map(|(a, b)| a / rms * b).collect()
     };
-    let matvec = |m: &[f64], rows: usize, x: &[f64]| -> Vec<f64> {
+    let blocks = |name: &str, shape: &[usize]| {
+        int8_block_acts
+            && matches!(
+                pkg.tensor(name, shape).unwrap().dtype(),
+                kvplug_backend_kit::model::StoredDtype::Block(_)
+            )
+    };
+    let act_quant = |x: &[f64]| -> Vec<f64> {
+        x.chunks(32)
+            .flat_map(|b| {
+                let d = b.iter().fold(0.0f64, |m, v| m.max(v.abs())) / 127.0;
+                b.iter()
+                    .map(move |v| if d == 0.0 { 0.0 } else { (v / d).round() * d })
+            })
+            .collect()
+    };
+    let matvec_as = |quant: bool, m: &[f64], rows: usize, x: &[f64]| -> Vec<f64> {
+        let xq;
+        let x = if quant {
+            xq = act_quant(x);
+            &xq[..]
+        } else {
+            x
+        };
         (0..rows)
             .map(|r| {
                 m[r * x.len()..(r + 1) * x.len()]
@@ -75,16 +105,27 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
             })
             .collect()
     };
+    let matvec = |m: &(Vec<f64>, bool), rows: usize, x: &[f64]| matvec_as(m.1, &m.0, rows, x);
+    // A matrix and whether its linear quantizes its input.
+    let mat = |name: &str, shape: &[usize]| (w(name, shape), blocks(name, shape));
     let inv_freq: Vec<f64> = (0..hd / 2)
         .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
         .collect();
+    // Pair i of each head: (i, i + hd/2), or (2i, 2i + 1) where the package stores q/k rows
+    // as llama.cpp's converter permutes them.
+    let interleaved = pkg.rope_pairs() == kvplug_core::RopePairs::Interleaved;
     let rope = |x: &mut [f64], pos: usize| {
         for head in x.chunks_mut(hd) {
-            for i in 0..hd / 2 {
-                let (s, co) = (pos as f64 * inv_freq[i]).sin_cos();
-                let (a, b) = (head[i], head[i + hd / 2]);
-                head[i] = a * co - b * s;
-                head[i + hd / 2] = b * co + a * s;
+            for (i, f) in inv_freq.iter().enumerate() {
+                let (s, co) = (pos as f64 * f).sin_cos();
+                let (i1, i2) = if interleaved {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + hd / 2)
+                };
+                let (a, b) = (head[i1], head[i2]);
+                head[i1] = a * co - b * s;
+                head[i2] = b * co + a * s;
             }
         }
     };
@@ -97,19 +138,40 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}.");
         let (wq, wk, wv) = (
-            w(&format!("{p}self_attn.q_proj.weight"), &[hq * hd, h]),
-            w(&format!("{p}self_attn.k_proj.weight"), &[hkv * hd, h]),
-            w(&format!("{p}self_attn.v_proj.weight"), &[hkv * hd, h]),
+            mat(&format!("{p}self_attn.q_proj.weight"), &[hq * hd, h]),
+            mat(&format!("{p}self_attn.k_proj.weight"), &[hkv * hd, h]),
+            mat(&format!("{p}self_attn.v_proj.weight"), &[hkv * hd, h]),
         );
-        let wo = w(&format!("{p}self_attn.o_proj.weight"), &[h, hq * hd]);
+        let wo = mat(&format!("{p}self_attn.o_proj.weight"), &[h, hq * hd]);
         let (ln1, ln2) = (
             w(&format!("{p}input_layernorm.weight"), &[h]),
             w(&format!("{p}post_attention_layernorm.weight"), &[h]),
         );
         let (wg, wu, wd) = (
-            w(&format!("{p}mlp.gate_proj.weight"), &[im, h]),
-            w(&format!("{p}mlp.up_proj.weight"), &[im, h]),
-            w(&format!("{p}mlp.down_proj.weight"), &[h, im]),
+            mat(&format!("{p}mlp.gate_proj.weight"), &[im, h]),
+            mat(&format!("{p}mlp.up_proj.weight"), &[im, h]),
+            mat(&format!("{p}mlp.down_proj.weight"), &[h, im]),
+        );
+        // Qwen2's q/k/v biases and Qwen3's per-head q/k norms, where the package has them.
+        let optional = |name: String, n: usize| pkg.has_tensor(&name).then(|| w(&name, &[n]));
+        let bias = |v: &mut Vec<f64>, b: &Option<Vec<f64>>| {
+            if let Some(b) = b {
+                v.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+            }
+        };
+        let head_norm = |v: &mut Vec<f64>, g: &Option<Vec<f64>>| {
+            if let Some(g) = g {
+                *v = v.chunks(hd).flat_map(|head| norm(head, g)).collect();
+            }
+        };
+        let (bq, bk, bv) = (
+            optional(format!("{p}self_attn.q_proj.bias"), hq * hd),
+            optional(format!("{p}self_attn.k_proj.bias"), hkv * hd),
+            optional(format!("{p}self_attn.v_proj.bias"), hkv * hd),
+        );
+        let (nq, nk) = (
+            optional(format!("{p}self_attn.q_norm.weight"), hd),
+            optional(format!("{p}self_attn.k_norm.weight"), hd),
         );
         let mut qs = Vec::new();
         let mut ks = Vec::new();
@@ -117,11 +179,17 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
         for (t, x) in xs.iter().enumerate() {
             let hn = norm(x, &ln1);
             let (mut q, mut k) = (matvec(&wq, hq * hd, &hn), matvec(&wk, hkv * hd, &hn));
+            let mut v = matvec(&wv, hkv * hd, &hn);
+            bias(&mut q, &bq);
+            bias(&mut k, &bk);
+            bias(&mut v, &bv);
+            head_norm(&mut q, &nq);
+            head_norm(&mut k, &nk);
             rope(&mut q, t);
             rope(&mut k, t);
             qs.push(q);
             ks.push(k);
-            vs.push(matvec(&wv, hkv * hd, &hn));
+            vs.push(v);
         }
         for t in 0..n {
             let mut att = vec![0.0; hq * hd];
@@ -161,9 +229,9 @@ pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
     }
     let fnorm = w("model.norm.weight", &[h]);
     let head = if c.tie_word_embeddings {
-        w("model.embed_tokens.weight", &[v, h])
+        mat("model.embed_tokens.weight", &[v, h])
     } else {
-        w("lm_head.weight", &[v, h])
+        mat("lm_head.weight", &[v, h])
     };
     xs.iter()
         .map(|x| matvec(&head, v, &norm(x, &fnorm)))
