@@ -472,6 +472,23 @@ mod tests {
         "vocab_size": 49152, "rope_theta": 10000.0, "tie_word_embeddings": true, "extra": 1}"#;
 
     #[test]
+    fn rope_freq_factors_divide_the_frequencies_and_qwen3_has_qk_norms() {
+        let mut v: serde_json::Value = serde_json::from_str(SMOL).unwrap();
+        let factors: Vec<f64> = (0..32).map(|i| 1.0 + i as f64 / 8.0).collect();
+        v["rope_freq_factors"] = factors.clone().into();
+        let c = ModelConfig::parse(&v.to_string()).unwrap();
+        for (i, (got, f)) in c.inv_freq().iter().zip(&factors).enumerate() {
+            assert_eq!(*got, (10000f64.powf(-(2.0 * i as f64) / 64.0) / f) as f32);
+        }
+        v["rope_freq_factors"] = vec![1.0; 31].into();
+        let e = ModelConfig::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("31 values for head_dim 64"), "{e}");
+        let q3 = ModelConfig::parse(&SMOL.replace("\"llama\"", "\"qwen3\"")).unwrap();
+        assert!(q3.qk_norm() && !q3.qkv_bias());
+        assert!(!ModelConfig::parse(SMOL).unwrap().qk_norm());
+    }
+
+    #[test]
     fn parses_hf_configs() {
         let c = ModelConfig::parse(SMOL).unwrap();
         assert_eq!((c.head_dim(), c.kv_heads(), c.qkv_bias()), (64, 3, false));
