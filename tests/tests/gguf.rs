@@ -207,12 +207,7 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
     let positions: Vec<i32> = (0..tokens.len() as i32).collect();
     let got = fwd.call(&tokens, &positions, None).unwrap();
     let want = reference_logits(&out, &tokens);
-    let worst = got
-        .iter()
-        .flatten()
-        .zip(want.iter().flatten())
-        .map(|(a, b)| (*a as f64 - b).abs())
-        .fold(0.0, f64::max);
+    let worst = common::max_logit_error(&got, &want);
     assert!(worst < 1e-3, "max |logit error| {worst}");
 
     // In place: the index serves the GGUF's own blocks (the kit's dequantization of each
@@ -253,15 +248,35 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
             .unwrap();
         let mut fwd = Forward::load(&host, backend, &indexed, None, opts).unwrap();
         let got = fwd.call(&tokens, &positions, None).unwrap();
-        let worst = got
-            .iter()
-            .flatten()
-            .zip(want.iter().flatten())
-            .map(|(a, b)| (*a as f64 - b).abs())
-            .fold(0.0, f64::max);
+        let worst = common::max_logit_error(&got, &want);
         eprintln!("{backend}: in-place max |logit error| {worst}");
         //TMP assert!(worst < 1e-3, "{backend}: in place, max |logit error| {worst}");
     }
+
+    // A weight type kvplug does not compute (Q2_K) is refused by name when indexing, never
+    // widened.
+    let name = gguf_name(&shapes.iter().find(|(_, s)| s.len() == 2).unwrap().0);
+    let q2: Vec<(String, QTensor)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let values = t.dequantize(&Device::Cpu).unwrap();
+            let dtype = if *n == name {
+                GgmlDType::Q2K
+            } else {
+                GgmlDType::F32
+            };
+            (n.clone(), QTensor::quantize(&values, dtype).unwrap())
+        })
+        .collect();
+    let bad = dir.path().join("q2k.gguf");
+    write_gguf(&bad, &meta, &q2);
+    let e = kvplug_host::gguf::index(&bad, &dir.path().join("q2k"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&name) && e.contains("Q2K") && e.contains("cannot compute"),
+        "{e}"
+    );
 
     // Text: the tokenizer round-trips, special tokens are whole, the template renders,
     // and the end-of-turn token stops generation.

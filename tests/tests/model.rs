@@ -414,12 +414,7 @@ fn qwen2_biases_and_qwen3_qk_norms_match_the_f64_reference() {
             let mut fwd = Forward::load(&host, backend, model.path(), None, opts).unwrap();
             let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
             let got = fwd.call(&PROMPT, &positions, None).unwrap();
-            let worst = got
-                .iter()
-                .flatten()
-                .zip(want.iter().flatten())
-                .map(|(a, b)| (*a as f64 - b).abs())
-                .fold(0.0, f64::max);
+            let worst = common::max_logit_error(&got, &want);
             // The f32 tolerance of logits_match_the_f64_reference_for_prompt_and_eight_decode_steps.
             assert!(
                 worst < 1e-3,

@@ -12,15 +12,21 @@ use kvplug_host::text::{Message, Text};
 mod common;
 use common::{host, BACKENDS};
 
-fn smollm2() -> PathBuf {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+/// `models/NAME`, fetched by scripts/fetch-models.sh (which `make test` runs).
+fn model_file(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models")
+        .join(name);
     assert!(
         path.exists(),
         "{} is missing: run scripts/fetch-models.sh (make test does)",
         path.display()
     );
     path
+}
+
+fn smollm2() -> PathBuf {
+    model_file("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
 #[test]
@@ -124,13 +130,7 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
 }
 
 fn gemma3() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh (make test does)",
-        path.display()
-    );
-    path
+    model_file("gemma-3-270m-q4_k_m.gguf")
 }
 
 /// llama.cpp's SentencePiece tokenizer, plainly: user-defined pieces matched first (longest),
@@ -285,14 +285,7 @@ fn gemma3_recalls_a_word_from_past_the_window_with_bounded_sliding_layers() {
 }
 
 fn qwen_coder() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh (make test does)",
-        path.display()
-    );
-    path
+    model_file("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 }
 
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K and f32 tensors), its weights

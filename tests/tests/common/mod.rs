@@ -39,6 +39,15 @@ pub fn host() -> Host {
     host
 }
 
+/// The largest |got − want| over every logit of every position.
+pub fn max_logit_error(got: &[Vec<f32>], want: &[Vec<f64>]) -> f64 {
+    got.iter()
+        .flatten()
+        .zip(want.iter().flatten())
+        .map(|(a, b)| (f64::from(*a) - b).abs())
+        .fold(0.0, f64::max)
+}
+
 /// Plain f64 Llama-family forward (Llama, Qwen2's biases, Qwen3's q/k norms) over the whole
 /// sequence (causal attention, no cache): logits of every position.
 pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
