@@ -688,28 +688,35 @@ mod x86 {
         )
     }
 
-    /// The f16 at `p + j·stride` in lane j for `j < n`, widened; 0 in the other lanes.
+    /// The f16 at `p + j·stride` in lane j for `j < N`, widened; 0 in the other lanes.
     #[inline(always)]
-    unsafe fn halves(p: *const u8, stride: usize, n: usize) -> __m256 {
-        let at = |j: usize| std::ptr::read_unaligned(p.add(j * stride).cast::<i16>());
-        let h = if n == GROUP {
-            _mm_set_epi16(at(7), at(6), at(5), at(4), at(3), at(2), at(1), at(0))
-        } else {
-            let mut h = [0i16; GROUP];
-            for (j, h) in h.iter_mut().enumerate().take(n) {
-                *h = at(j);
+    unsafe fn halves<const N: usize>(p: *const u8, stride: usize) -> __m256 {
+        let at = |j: usize| {
+            if j < N {
+                std::ptr::read_unaligned(p.add(j * stride).cast::<i16>())
+            } else {
+                0
             }
-            _mm_loadu_si128(h.as_ptr().cast())
         };
-        _mm256_cvtph_ps(h)
+        _mm256_cvtph_ps(_mm_set_epi16(
+            at(7),
+            at(6),
+            at(5),
+            at(4),
+            at(3),
+            at(2),
+            at(1),
+            at(0),
+        ))
     }
 
-    /// Unpacks the `n` sub-blocks of format `F` at `p` (see [`super::unpack`]).
+    /// Unpacks the `N` sub-blocks of format `F` at `p` (see [`super::unpack`]; a K-quant
+    /// super-block is always eight).
     ///
     /// # Safety
-    /// `p` must be valid for the reads of `n` sub-blocks' whole blocks.
+    /// `p` must be valid for the reads of `N` sub-blocks' whole blocks.
     #[inline(always)]
-    unsafe fn unpack<const F: usize>(p: *const u8, n: usize) -> VGroup {
+    unsafe fn unpack<const F: usize, const N: usize>(p: *const u8) -> VGroup {
         let f = const { BLOCK_FORMATS[F] };
         let bb = f.block_bytes();
         let z = _mm256_setzero_si256();
@@ -731,23 +738,23 @@ mod x86 {
                     BlockFormat::Q5_0 => 6,
                     _ => 8,
                 };
-                for (j, c) in g.codes.iter_mut().enumerate().take(n) {
+                for (j, c) in g.codes.iter_mut().enumerate().take(N) {
                     *c = nibbles(p.add(j * bb + qs));
                     if f == BlockFormat::Q5_0 || f == BlockFormat::Q5_1 {
                         *c = _mm256_or_si256(*c, fifth_bits(u32_at(j * bb + qs - 4)));
                     }
                 }
-                g.scale = halves(p, bb, n);
+                g.scale = halves::<N>(p, bb);
                 if has_min(f) {
-                    g.min = halves(p.add(2), bb, n);
+                    g.min = halves::<N>(p.add(2), bb);
                 }
             }
             BlockFormat::Q8_0 => {
-                for j in 0..n {
+                for j in 0..N {
                     g.signed[j] = _mm256_loadu_si256(p.add(j * bb + 2).cast());
                     g.codes[j] = _mm256_abs_epi8(g.signed[j]);
                 }
-                g.scale = halves(p, bb, n);
+                g.scale = halves::<N>(p, bb);
             }
             BlockFormat::Q4K | BlockFormat::Q5K => {
                 let (sc, m) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
@@ -836,17 +843,29 @@ mod x86 {
         half: *const i16,
     }
 
-    /// `acc` plus one token's dot product with `g`, in lanes (the module docs' arithmetic,
-    /// lane j for sub-block j).
+    /// The `N` i32 at `p` (`N` = 8, 4, 2 or 1) in the low lanes, zeros above; reads nothing
+    /// past them.
+    #[inline(always)]
+    unsafe fn lanes<const N: usize>(p: *const i32) -> __m256i {
+        match N {
+            8 => _mm256_loadu_si256(p.cast()),
+            4 => _mm256_zextsi128_si256(_mm_loadu_si128(p.cast())),
+            2 => _mm256_zextsi128_si256(_mm_loadl_epi64(p.cast())),
+            _ => _mm256_zextsi128_si256(_mm_cvtsi32_si128(p.read_unaligned())),
+        }
+    }
+
+    /// `acc` plus one token's dot product with the `N` sub-blocks of `g`, in lanes (the
+    /// module docs' arithmetic, lane j for sub-block j; lanes from `N` on add zero).
     ///
     /// # Safety
-    /// `a` must point at a whole group's activations.
+    /// `a` must point at `N` blocks' activations (a K-quant's eight: its half sums).
     #[inline(always)]
-    unsafe fn dot<const F: usize>(g: &VGroup, a: ActPtrs, acc: __m256) -> __m256 {
+    unsafe fn dot<const F: usize, const N: usize>(g: &VGroup, a: ActPtrs, acc: __m256) -> __m256 {
         let f = const { BLOCK_FORMATS[F] };
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
-        for (j, s) in s.iter_mut().enumerate() {
+        for (j, s) in s.iter_mut().enumerate().take(N) {
             let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
             let x = if f == BlockFormat::Q8_0 {
                 _mm256_sign_epi8(x, g.signed[j])
@@ -864,7 +883,7 @@ mod x86 {
             );
         }
         let mut isum = reduce8(&s);
-        let sum = _mm256_loadu_si256(a.sum.cast());
+        let sum = lanes::<N>(a.sum);
         if f == BlockFormat::Q6K {
             let off = _mm256_madd_epi16(g.sc16, _mm256_loadu_si256(a.half.cast()));
             isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
@@ -872,13 +891,42 @@ mod x86 {
             let off = _mm256_mullo_epi32(sum, _mm256_set1_epi32(code_offset(f)));
             isum = _mm256_sub_epi32(isum, off);
         }
-        let dx = _mm256_loadu_ps(a.d);
+        let dx = _mm256_castsi256_ps(lanes::<N>(a.d.cast()));
         let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g.scale, dx), acc);
         if has_min(f) {
             let sx = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dx);
             _mm256_fmadd_ps(g.min, sx, acc)
         } else {
             acc
+        }
+    }
+
+    /// Adds to `acc[i]` token `t0+i`'s dot product with the `N` sub-blocks of `row` from
+    /// sub-block `b` on (`N` = 8 for a K-quant super-block), unpacked once; `at(i, b)` points at
+    /// that token's activations for them.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; the sub-blocks lie in `row` and `at` gives valid pointers.
+    #[inline(always)]
+    unsafe fn sub_blocks<const F: usize, const N: usize, const NT: usize>(
+        row: &[u8],
+        b: usize,
+        at: &impl Fn(usize, usize) -> ActPtrs,
+        acc: &mut [__m256; NT],
+    ) {
+        let f = const { BLOCK_FORMATS[F] };
+        let start = b / (f.block_elems() / QK) * f.block_bytes();
+        assert!(start + f.bytes_for(N * QK) <= row.len());
+        let g = unpack::<F, N>(row.as_ptr().add(start));
+        // Unrolled by hand so the accumulators stay in registers.
+        let mut i = 0;
+        while i + 2 <= NT {
+            acc[i] = dot::<F, N>(&g, at(i, b), acc[i]);
+            acc[i + 1] = dot::<F, N>(&g, at(i + 1, b), acc[i + 1]);
+            i += 2;
+        }
+        if i < NT {
+            acc[i] = dot::<F, N>(&g, at(i, b), acc[i]);
         }
     }
 
@@ -904,36 +952,34 @@ mod x86 {
             groups
         );
         let mut acc = [_mm256_setzero_ps(); NT];
-        for (gi, start) in (0..row.len()).step_by(group_bytes(f)).enumerate() {
-            let n = group_len(f, start, row.len());
-            let p = row[start..].as_ptr();
-            // SAFETY: the group's n sub-blocks are whole blocks inside `row`; a full group
-            // is unpacked with its count known, so the per-block tests fold away.
-            let g = if n == GROUP {
-                unpack::<F>(p, GROUP)
-            } else {
-                unpack::<F>(p, n)
-            };
-            let at = |i: usize| {
-                let b = first + i * acts.blocks + gi * GROUP;
-                // SAFETY: block b..b+8 lies within token t0+i's blocks (asserted above).
-                ActPtrs {
-                    q: acts.q.as_ptr().add(b * QK),
-                    d: acts.d.as_ptr().add(b),
-                    sum: acts.sum.as_ptr().add(b),
-                    half: acts.half.as_ptr().add(2 * b),
-                }
-            };
-            // Unrolled by hand so the accumulators stay in registers.
-            let mut i = 0;
-            while i + 2 <= NT {
-                acc[i] = dot::<F>(&g, at(i), acc[i]);
-                acc[i + 1] = dot::<F>(&g, at(i + 1), acc[i + 1]);
-                i += 2;
+        let at = |i: usize, b: usize| {
+            let b = first + i * acts.blocks + b;
+            // SAFETY: the sub-blocks read lie within token t0+i's blocks (asserted above).
+            ActPtrs {
+                q: acts.q.as_ptr().add(b * QK),
+                d: acts.d.as_ptr().add(b),
+                sum: acts.sum.as_ptr().add(b),
+                half: acts.half.as_ptr().add(2 * b),
             }
-            if i < NT {
-                acc[i] = dot::<F>(&g, at(i), acc[i]);
-            }
+        };
+        // Whole groups, then a short row's last sub-blocks in fours, twos and ones (only the
+        // 32-value formats have them), each unpacked once and dotted with every token.
+        let full = row.len() / group_bytes(f);
+        for gi in 0..full {
+            sub_blocks::<F, GROUP, NT>(row, gi * GROUP, &at, &mut acc);
+        }
+        let mut b = full * GROUP;
+        let rest = group_len(f, full * group_bytes(f), row.len());
+        if rest & 4 != 0 {
+            sub_blocks::<F, 4, NT>(row, b, &at, &mut acc);
+            b += 4;
+        }
+        if rest & 2 != 0 {
+            sub_blocks::<F, 2, NT>(row, b, &at, &mut acc);
+            b += 2;
+        }
+        if rest & 1 != 0 {
+            sub_blocks::<F, 1, NT>(row, b, &at, &mut acc);
         }
         let mut out = [0f32; NT];
         for (o, &a) in out.iter_mut().zip(&acc) {
@@ -1161,11 +1207,12 @@ mod tests {
     fn every_format_shape_and_path_is_within_the_derived_bound() {
         // Tokens: one (decode), fewer than a tile, tiles plus a remainder, whole tiles, and
         // enough to quantize on every thread. Rows: odd counts, one task or several.
-        // Columns: one and two 32-value blocks, whole groups, a partial last group.
+        // Columns: whole groups, and every partial last group the vector path splits (1, 2,
+        // 4 and 7 = 4 + 2 + 1 sub-blocks, alone or after whole groups).
         let shapes = [(1, 37), (3, 5), (7, 13), (16, 70), (130, 3)];
         for (fi, f) in BLOCK_FORMATS.into_iter().enumerate() {
             let cols: &[usize] = if f.block_elems() == QK {
-                &[32, 64, 256, 288, 512]
+                &[32, 64, 128, 224, 256, 288, 512, 896]
             } else {
                 &[256, 512]
             };
