@@ -199,7 +199,7 @@ impl Backend for CpuDevice {
         if xnnpack::available().is_ok() {
             f.push("xnnpack".into());
         }
-        f.extend(kvplug_backend_kit::model::blocks::weights_features(true));
+        f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
         f
     }
 }

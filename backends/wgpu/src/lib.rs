@@ -502,7 +502,7 @@ impl Backend for WgpuDevice {
         {
             f.push("shader-f16-available".into());
         }
-        f.extend(kvplug_backend_kit::model::blocks::weights_features(true));
+        f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
         f
     }
 }

@@ -118,19 +118,21 @@ impl BlockFormat {
 }
 
 /// The `features` entries (for `kvplug plugins`) of a backend that computes f32/f16/bf16
-/// weights in place and the block formats either in place (`blocks_native`) or widened once
-/// at load: `weights=f32|f16|bf16|q4_0|…` and, for the latter, `weights-widened=q4_0|…`.
-pub fn weights_features(blocks_native: bool) -> Vec<String> {
-    let blocks: Vec<&str> = BLOCK_FORMATS.iter().map(|f| f.name()).collect();
-    let blocks = blocks.join("|");
-    if blocks_native {
-        vec![format!("weights=f32|f16|bf16|{blocks}")]
-    } else {
-        vec![
-            "weights=f32|f16|bf16".into(),
-            format!("weights-widened={blocks}"),
-        ]
+/// weights in place and every block format in place but those it widens once at load
+/// (`widened`): `weights=f32|f16|bf16|q4_0|…` and, if any, `weights-widened=q6_K|…`.
+pub fn weights_features(widened: &[BlockFormat]) -> Vec<String> {
+    let names = |native: bool| -> Vec<&str> {
+        let formats = BLOCK_FORMATS
+            .iter()
+            .filter(|f| widened.contains(f) != native);
+        formats.map(|f| f.name()).collect()
+    };
+    let native = ["f32", "f16", "bf16"].into_iter().chain(names(true));
+    let mut features = vec![format!("weights={}", native.collect::<Vec<_>>().join("|"))];
+    if !widened.is_empty() {
+        features.push(format!("weights-widened={}", names(false).join("|")));
     }
+    features
 }
 
 /// The f16 at `b[at..at + 2]`, widened.
@@ -153,8 +155,124 @@ pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// Values per group of the affine form ([`affine_row`]).
+pub const AFFINE_GROUP: usize = 32;
+
+impl BlockFormat {
+    /// Bits per code where the format is affine per [`AFFINE_GROUP`] values — `x = scale·c +
+    /// bias` with an unsigned code `c` and an f32 scale and bias per group, MLX's affine
+    /// quantization — and `None` for Q6_K (its scales cover 16 values).
+    pub const fn affine_bits(self) -> Option<u32> {
+        match self {
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q4K => Some(4),
+            BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q5K => Some(5),
+            BlockFormat::Q8_0 => Some(8),
+            BlockFormat::Q6K => None,
+        }
+    }
+}
+
+/// The affine form of whole blocks `bytes` of a format with [`BlockFormat::affine_bits`]:
+/// value `i` is `codes[i] as f32 * scale[g] + bias[g]` for its group `g = i / 32`, the value
+/// [`dequantize_row`] gives (every scale is an f16 times a small integer and every bias a
+/// power-of-two multiple of one, or an f16; the products with codes are exact, so the one
+/// rounding is the final add, where ggml's arithmetic has it too). Equal as numbers, and bit
+/// for bit but for one case: where ggml writes `0·d = −0` (a zero code under a negative
+/// scale in Q4_0/Q5_0/Q8_0), `d·c − d·c` is +0.
+///
+/// Panics when the format is Q6_K or the lengths disagree.
+pub fn affine_row(
+    format: BlockFormat,
+    bytes: &[u8],
+    codes: &mut [u8],
+    scale: &mut [f32],
+    bias: &mut [f32],
+) {
+    let (be, bb) = (format.block_elems(), format.block_bytes());
+    let n = bytes.len() / bb * be;
+    assert!(
+        format.affine_bits().is_some()
+            && bytes.len() % bb == 0
+            && codes.len() == n
+            && scale.len() == n / AFFINE_GROUP
+            && bias.len() == n / AFFINE_GROUP,
+        "affine_row: {} bytes of {} into {} codes, {} scales, {} biases",
+        bytes.len(),
+        format.name(),
+        codes.len(),
+        scale.len(),
+        bias.len()
+    );
+    let per = be / AFFINE_GROUP;
+    let blocks = bytes.chunks_exact(bb).zip(codes.chunks_exact_mut(be));
+    for (i, (b, c)) in blocks.enumerate() {
+        let (scale, bias) = (&mut scale[i * per..], &mut bias[i * per..]);
+        // A 32-value block's codes: low nibbles are values 0..16, high nibbles 16..32; value
+        // v's fifth bit (Q5_*) is bit v of `qh`.
+        let nibbles = |c: &mut [u8], qs: &[u8], qh: u32| {
+            for j in 0..16 {
+                c[j] = (qs[j] & 0x0f) | (((qh >> j) & 1) << 4) as u8;
+                c[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as u8;
+            }
+        };
+        let qh_at = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        match format {
+            BlockFormat::Q4_0 | BlockFormat::Q5_0 => {
+                let d = half_at(b, 0);
+                let (offset, qh, qs) = if format == BlockFormat::Q4_0 {
+                    (8.0, 0, 2)
+                } else {
+                    (16.0, qh_at(2), 6)
+                };
+                nibbles(c, &b[qs..qs + 16], qh);
+                (scale[0], bias[0]) = (d, -offset * d);
+            }
+            BlockFormat::Q4_1 | BlockFormat::Q5_1 => {
+                let (qh, qs) = if format == BlockFormat::Q4_1 {
+                    (0, 4)
+                } else {
+                    (qh_at(4), 8)
+                };
+                nibbles(c, &b[qs..qs + 16], qh);
+                (scale[0], bias[0]) = (half_at(b, 0), half_at(b, 2));
+            }
+            BlockFormat::Q8_0 => {
+                // i8 code q is the unsigned code q + 128 under the bias −128·d.
+                for (c, &q) in c.iter_mut().zip(&b[2..34]) {
+                    *c = q ^ 0x80;
+                }
+                let d = half_at(b, 0);
+                (scale[0], bias[0]) = (d, -128.0 * d);
+            }
+            BlockFormat::Q4K | BlockFormat::Q5K => {
+                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+                let (qh, qs) = if format == BlockFormat::Q5K {
+                    (Some(&b[16..48]), &b[48..176])
+                } else {
+                    (None, &b[16..144])
+                };
+                // Sub-blocks 2k and 2k+1 are the low and high nibbles of bytes 32k..32k+32;
+                // sub-block j's fifth bits are bit j of each `qh` byte.
+                for j in 0..8 {
+                    let (sc, m) = k4_scale_min(j, &b[4..16]);
+                    (scale[j], bias[j]) = (d * f32::from(sc), -(dmin * f32::from(m)));
+                    let q = &qs[j / 2 * 32..j / 2 * 32 + 32];
+                    for (l, c) in c[j * 32..j * 32 + 32].iter_mut().enumerate() {
+                        *c = (q[l] >> (4 * (j % 2))) & 0x0f;
+                        if let Some(qh) = qh {
+                            *c |= ((qh[l] >> j) & 1) << 4;
+                        }
+                    }
+                }
+            }
+            BlockFormat::Q6K => unreachable!("asserted above"),
+        }
+    }
+}
+
 /// Dequantizes whole blocks `bytes` into `out` (`out.len()` values: `bytes.len() /
-/// block_bytes · block_elems`). Panics when the lengths disagree.
+/// block_bytes · block_elems`): the affine formats through [`affine_row`], Q6_K as ggml
+/// writes it. Panics when the lengths disagree.
 pub fn dequantize_row(format: BlockFormat, bytes: &[u8], out: &mut [f32]) {
     let (be, bb) = (format.block_elems(), format.block_bytes());
     assert!(
@@ -165,93 +283,49 @@ pub fn dequantize_row(format: BlockFormat, bytes: &[u8], out: &mut [f32]) {
         out.len()
     );
     for (b, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
-        match format {
-            BlockFormat::Q4_0 => {
-                let d = half_at(b, 0);
-                let qs = &b[2..18];
-                for j in 0..16 {
-                    y[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
-                    y[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
-                }
-            }
-            BlockFormat::Q4_1 => {
-                let (d, m) = (half_at(b, 0), half_at(b, 2));
-                let qs = &b[4..20];
-                for j in 0..16 {
-                    y[j] = (qs[j] & 0x0f) as f32 * d + m;
-                    y[j + 16] = (qs[j] >> 4) as f32 * d + m;
-                }
-            }
-            BlockFormat::Q5_0 => {
-                let d = half_at(b, 0);
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                let qs = &b[6..22];
-                for j in 0..16 {
-                    let h0 = ((qh >> j) << 4) & 0x10;
-                    let h1 = (qh >> (j + 12)) & 0x10;
-                    y[j] = (((qs[j] & 0x0f) as u32 | h0) as i32 - 16) as f32 * d;
-                    y[j + 16] = (((qs[j] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
-                }
-            }
-            BlockFormat::Q5_1 => {
-                let (d, m) = (half_at(b, 0), half_at(b, 2));
-                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-                let qs = &b[8..24];
-                for j in 0..16 {
-                    let h0 = ((qh >> j) << 4) & 0x10;
-                    let h1 = (qh >> (j + 12)) & 0x10;
-                    y[j] = ((qs[j] & 0x0f) as u32 | h0) as f32 * d + m;
-                    y[j + 16] = ((qs[j] >> 4) as u32 | h1) as f32 * d + m;
-                }
-            }
-            BlockFormat::Q8_0 => {
-                let d = half_at(b, 0);
-                for j in 0..32 {
-                    y[j] = b[2 + j] as i8 as f32 * d;
-                }
-            }
-            BlockFormat::Q4K | BlockFormat::Q5K => {
-                let (d, dmin) = (half_at(b, 0), half_at(b, 2));
-                let scales = &b[4..16];
-                let (qh, qs) = if format == BlockFormat::Q5K {
-                    (Some(&b[16..48]), &b[48..176])
+        if format.affine_bits().is_some() {
+            let (mut codes, mut scale, mut bias) = ([0u8; 256], [0f32; 8], [0f32; 8]);
+            let groups = be / AFFINE_GROUP;
+            affine_row(
+                format,
+                b,
+                &mut codes[..be],
+                &mut scale[..groups],
+                &mut bias[..groups],
+            );
+            // ggml's `(q − offset)·d` for the formats with an integer offset (the same value,
+            // with the sign of a zero product), `scale·c + bias` for the rest.
+            let offset = match format {
+                BlockFormat::Q4_0 => 8.0,
+                BlockFormat::Q5_0 => 16.0,
+                BlockFormat::Q8_0 => 128.0,
+                _ => 0.0,
+            };
+            for (i, y) in y.iter_mut().enumerate() {
+                let (c, g) = (f32::from(codes[i]), i / AFFINE_GROUP);
+                *y = if offset == 0.0 {
+                    c * scale[g] + bias[g]
                 } else {
-                    (None, &b[16..144])
+                    (c - offset) * scale[g]
                 };
-                for chunk in 0..4 {
-                    let q = &qs[chunk * 32..chunk * 32 + 32];
-                    for half in 0..2 {
-                        let (sc, m) = k4_scale_min(2 * chunk + half, scales);
-                        let (d1, m1) = (d * sc as f32, dmin * m as f32);
-                        let bit = 1u8 << (2 * chunk + half);
-                        for l in 0..32 {
-                            let mut v = (q[l] >> (4 * half)) & 0x0f;
-                            if qh.is_some_and(|h| h[l] & bit != 0) {
-                                v += 16;
-                            }
-                            y[chunk * 64 + half * 32 + l] = d1 * v as f32 - m1;
-                        }
-                    }
-                }
             }
-            BlockFormat::Q6K => {
-                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-                let d = half_at(b, 208);
-                for n in 0..2 {
-                    let (ql, qh, sc) = (&ql[n * 64..], &qh[n * 32..], &sc[n * 8..]);
-                    let y = &mut y[n * 128..];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
-                        let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                        y[l] = d * (sc[is] as i8 as f32) * q1 as f32;
-                        y[l + 32] = d * (sc[is + 2] as i8 as f32) * q2 as f32;
-                        y[l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
-                        y[l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
-                    }
-                }
+            continue;
+        }
+        let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+        let d = half_at(b, 208);
+        for n in 0..2 {
+            let (ql, qh, sc) = (&ql[n * 64..], &qh[n * 32..], &sc[n * 8..]);
+            let y = &mut y[n * 128..];
+            for l in 0..32 {
+                let is = l / 16;
+                let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+                let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                y[l] = d * (sc[is] as i8 as f32) * q1 as f32;
+                y[l + 32] = d * (sc[is + 2] as i8 as f32) * q2 as f32;
+                y[l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
+                y[l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
             }
         }
     }
