@@ -258,6 +258,14 @@ std::unique_ptr<Array> embed(const Array& table, rust::Slice<const int32_t> ids)
   return wrap(mx::astype(mx::take(table.a, index_array(ids), 0), mx::float32));
 }
 
+std::unique_ptr<Array> embed_affine(const Array& codes, const Array& scales,
+                                    const Array& biases, rust::Slice<const int32_t> ids,
+                                    int32_t bits) {
+  auto rows = index_array(ids);
+  return wrap(mx::dequantize(mx::take(codes.a, rows, 0), mx::take(scales.a, rows, 0),
+                             mx::take(biases.a, rows, 0), 32, bits));
+}
+
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps) {
   // Rows of w.size() values: [T, k·n] with w [n] normalises each n-wide piece.
   auto rows = mx::reshape(x.a, {-1, static_cast<int>(w.a.size())});
@@ -267,6 +275,11 @@ std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps) {
 std::unique_ptr<Array> linear(const Array& x, const Array& w) {
   // f32 products; a weight kept in f16/bf16 (on a GPU) is widened inside the product.
   return wrap(mx::matmul(x.a, mx::transpose(mx::astype(w.a, mx::float32))));
+}
+
+std::unique_ptr<Array> linear_affine(const Array& x, const Array& codes, const Array& scales,
+                                     const Array& biases, int32_t bits) {
+  return wrap(mx::quantized_matmul(x.a, codes.a, scales.a, biases.a, true, 32, bits));
 }
 
 std::unique_ptr<Array> add(const Array& x, const Array& y) {

@@ -54,8 +54,16 @@ std::unique_ptr<Array> attend_quant(const Array& q, const Array& k_codes,
 
 // Model graph operations on f32 activations.
 std::unique_ptr<Array> embed(const Array& table, rust::Slice<const int32_t> ids);
+// Rows `ids` of a table in MLX's affine form (see linear_affine), dequantized to f32.
+std::unique_ptr<Array> embed_affine(const Array& codes, const Array& scales,
+                                    const Array& biases, rust::Slice<const int32_t> ids,
+                                    int32_t bits);
 std::unique_ptr<Array> rms_norm(const Array& x, const Array& w, float eps);
 std::unique_ptr<Array> linear(const Array& x, const Array& w);
+// `x · wᵀ` for a weight in MLX's affine form: `[rows, cols·bits/32]` packed codes, f32
+// scales and biases `[rows, cols/32]` (group 32).
+std::unique_ptr<Array> linear_affine(const Array& x, const Array& codes, const Array& scales,
+                                     const Array& biases, int32_t bits);
 std::unique_ptr<Array> add(const Array& x, const Array& y);
 std::unique_ptr<Array> rope(const Array& x, int32_t heads,
                             rust::Slice<const int32_t> positions,

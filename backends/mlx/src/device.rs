@@ -48,6 +48,18 @@ pub struct MlxDevice {
     description: String,
     /// Whether MLX runs on a GPU (Metal); else on the CPU, where MLX has no f16/bf16 GEMM.
     pub(crate) gpu: bool,
+    /// Whether the affine block formats stay quantized (`quantized_matmul`) rather than being
+    /// widened at load: by default on a GPU only (see [`crate::model`]).
+    pub(crate) quantized_weights: bool,
+}
+
+impl MlxDevice {
+    /// This device with the affine block formats kept quantized (`on`) or widened to f32 at
+    /// load, whatever the device's default (see [`crate::model`]).
+    pub fn with_quantized_weights(mut self, on: bool) -> Self {
+        self.quantized_weights = on;
+        self
+    }
 }
 
 pub(crate) fn err(e: cxx::Exception) -> KitError {
@@ -381,11 +393,13 @@ impl Backend for MlxDevice {
     fn open() -> Result<Self, String> {
         let mut description = String::new();
         ffi::describe_device(&mut description).map_err(|e| e.what().to_string())?;
+        let gpu = ffi::default_device_is_gpu();
         Ok(MlxDevice {
             lock: Mutex::new(()),
             deferred: Mutex::new(None),
             description,
-            gpu: ffi::default_device_is_gpu(),
+            gpu,
+            quantized_weights: gpu,
         })
     }
 
@@ -394,6 +408,8 @@ impl Backend for MlxDevice {
     }
 
     fn features(&self) -> Vec<String> {
-        kvplug_backend_kit::model::blocks::weights_features(false)
+        kvplug_backend_kit::model::blocks::weights_features(crate::model::widened(
+            self.quantized_weights,
+        ))
     }
 }

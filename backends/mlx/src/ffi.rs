@@ -71,6 +71,20 @@ mod bridge {
         fn embed(table: &Array, ids: &[i32]) -> Result<UniquePtr<Array>>;
         fn rms_norm(x: &Array, w: &Array, eps: f32) -> Result<UniquePtr<Array>>;
         fn linear(x: &Array, w: &Array) -> Result<UniquePtr<Array>>;
+        fn linear_affine(
+            x: &Array,
+            codes: &Array,
+            scales: &Array,
+            biases: &Array,
+            bits: i32,
+        ) -> Result<UniquePtr<Array>>;
+        fn embed_affine(
+            codes: &Array,
+            scales: &Array,
+            biases: &Array,
+            ids: &[i32],
+            bits: i32,
+        ) -> Result<UniquePtr<Array>>;
         fn add(x: &Array, y: &Array) -> Result<UniquePtr<Array>>;
         fn rope(
             x: &Array,
