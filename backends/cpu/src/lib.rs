@@ -195,6 +195,9 @@ impl Backend for CpuDevice {
         if self.features.avx512f {
             f.push("avx512f".into());
         }
+        if self.features.avx512vnni {
+            f.push("avx512vnni".into());
+        }
         #[cfg(feature = "xnnpack")]
         if xnnpack::available().is_ok() {
             f.push("xnnpack".into());

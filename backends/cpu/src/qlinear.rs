@@ -8,10 +8,14 @@
 //! of a 32-value format (fewer at the end of a row). A group is unpacked once (codes as
 //! unsigned bytes, per-sub-block f32 factors) and dotted with every token of a tile (4
 //! tokens for prefill), so each weight byte is read once per tile; a lone token (a decode
-//! step) streams its rows front to back. The AVX2 path (`maddubs`: unsigned weight codes ×
-//! signed activation codes, `madd` to i32, f32 FMA) is chosen at run time; the scalar
-//! fallback does the same integer arithmetic, summing the floats in another order. Work is
-//! split over the worker pool in runs of rows.
+//! step) streams its rows front to back. The vector paths are chosen at run time: AVX2
+//! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
+//! f32 FMA) and, where the CPU has AVX-512 VNNI and VL, the same on 256-bit registers with
+//! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
+//! encoding, so 32 vector registers) — exactly the same sums, since no `maddubs` pair sum
+//! can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere, |q| ≤ 127). The
+//! scalar fallback does the same integer arithmetic, summing the floats in another order.
+//! Work is split over the worker pool in runs of rows.
 //!
 //! Per group and token the arithmetic is, for sub-block `j` (32 values, activation block
 //! scale `d_j`, codes `q`, code sum `s_j = Σq`):
@@ -31,7 +35,7 @@ use std::ops::Range;
 
 use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
 
-use crate::simd::vector_path;
+use crate::simd::{vector_path, vnni_path};
 use crate::workers::{DisjointChunks, Workers};
 
 /// Values per activation block, and per weight sub-block (Q6_K's 16-value sub-blocks come
@@ -54,11 +58,15 @@ const PARALLEL_QUANTIZE: usize = 1 << 16;
 enum Path {
     Scalar,
     Avx2,
+    /// AVX2 with AVX-512 VNNI's `dpbusd` on 256-bit registers (AVX-512 VL).
+    Vnni,
 }
 
 impl Path {
     fn detect() -> Path {
-        if vector_path() {
+        if vnni_path() {
+            Path::Vnni
+        } else if vector_path() {
             Path::Avx2
         } else {
             Path::Scalar
@@ -227,7 +235,7 @@ fn quantize_row_on(
     half: &mut [i16],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if path == Path::Avx2 {
+    if path != Path::Scalar {
         // SAFETY: the Avx2 path is only chosen where its features were detected.
         return unsafe { x86::quantize_row(x, q, d, sum, half) };
     }
@@ -402,6 +410,9 @@ impl Task<'_> {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the Avx2 path is only chosen where its features were detected.
             Path::Avx2 => unsafe { x86::tile::<F, NT>(row, &self.acts, t0) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the Vnni path is only chosen where its features were detected.
+            Path::Vnni => unsafe { x86::tile_vnni::<F, NT>(row, &self.acts, t0) },
             _ => scalar_tile::<F, NT>(row, &self.acts, t0),
         }
     }
@@ -856,12 +867,17 @@ mod x86 {
     }
 
     /// `acc` plus one token's dot product with the `N` sub-blocks of `g`, in lanes (the
-    /// module docs' arithmetic, lane j for sub-block j; lanes from `N` on add zero).
+    /// module docs' arithmetic, lane j for sub-block j; lanes from `N` on add zero), with
+    /// `dpbusd` if `VNNI`.
     ///
     /// # Safety
     /// `a` must point at `N` blocks' activations (a K-quant's eight: its half sums).
     #[inline(always)]
-    unsafe fn dot<const F: usize, const N: usize>(g: &VGroup, a: ActPtrs, acc: __m256) -> __m256 {
+    unsafe fn dot<const F: usize, const N: usize, const VNNI: bool>(
+        g: &VGroup,
+        a: ActPtrs,
+        acc: __m256,
+    ) -> __m256 {
         let f = const { BLOCK_FORMATS[F] };
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
@@ -872,15 +888,14 @@ mod x86 {
             } else {
                 x
             };
-            let p = _mm256_maddubs_epi16(g.codes[j], x);
-            *s = _mm256_madd_epi16(
-                p,
-                if f == BlockFormat::Q6K {
-                    g.mul[j]
-                } else {
-                    ones
-                },
-            );
+            *s = if f == BlockFormat::Q6K {
+                // Pair sums meet their half's scale as i16.
+                _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), g.mul[j])
+            } else if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), g.codes[j], x)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), ones)
+            };
         }
         let mut isum = reduce8(&s);
         let sum = lanes::<N>(a.sum);
@@ -908,7 +923,7 @@ mod x86 {
     /// # Safety
     /// AVX2, FMA and F16C; the sub-blocks lie in `row` and `at` gives valid pointers.
     #[inline(always)]
-    unsafe fn sub_blocks<const F: usize, const N: usize, const NT: usize>(
+    unsafe fn sub_blocks<const F: usize, const N: usize, const NT: usize, const VNNI: bool>(
         row: &[u8],
         b: usize,
         at: &impl Fn(usize, usize) -> ActPtrs,
@@ -921,12 +936,12 @@ mod x86 {
         // Unrolled by hand so the accumulators stay in registers.
         let mut i = 0;
         while i + 2 <= NT {
-            acc[i] = dot::<F, N>(&g, at(i, b), acc[i]);
-            acc[i + 1] = dot::<F, N>(&g, at(i + 1, b), acc[i + 1]);
+            acc[i] = dot::<F, N, VNNI>(&g, at(i, b), acc[i]);
+            acc[i + 1] = dot::<F, N, VNNI>(&g, at(i + 1, b), acc[i + 1]);
             i += 2;
         }
         if i < NT {
-            acc[i] = dot::<F, N>(&g, at(i, b), acc[i]);
+            acc[i] = dot::<F, N, VNNI>(&g, at(i, b), acc[i]);
         }
     }
 
@@ -937,6 +952,29 @@ mod x86 {
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile<const F: usize, const NT: usize>(
+        row: &[u8],
+        acts: &Acts<'_>,
+        t0: usize,
+    ) -> [f32; NT] {
+        tile_with::<F, NT, false>(row, acts, t0)
+    }
+
+    /// [`tile`] with `dpbusd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI and AVX-512 VL must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn tile_vnni<const F: usize, const NT: usize>(
+        row: &[u8],
+        acts: &Acts<'_>,
+        t0: usize,
+    ) -> [f32; NT] {
+        tile_with::<F, NT, true>(row, acts, t0)
+    }
+
+    /// [`tile`]'s body, inlined into each entry point's features.
+    #[inline(always)]
+    unsafe fn tile_with<const F: usize, const NT: usize, const VNNI: bool>(
         row: &[u8],
         acts: &Acts<'_>,
         t0: usize,
@@ -966,20 +1004,20 @@ mod x86 {
         // 32-value formats have them), each unpacked once and dotted with every token.
         let full = row.len() / group_bytes(f);
         for gi in 0..full {
-            sub_blocks::<F, GROUP, NT>(row, gi * GROUP, &at, &mut acc);
+            sub_blocks::<F, GROUP, NT, VNNI>(row, gi * GROUP, &at, &mut acc);
         }
         let mut b = full * GROUP;
         let rest = group_len(f, full * group_bytes(f), row.len());
         if rest & 4 != 0 {
-            sub_blocks::<F, 4, NT>(row, b, &at, &mut acc);
+            sub_blocks::<F, 4, NT, VNNI>(row, b, &at, &mut acc);
             b += 4;
         }
         if rest & 2 != 0 {
-            sub_blocks::<F, 2, NT>(row, b, &at, &mut acc);
+            sub_blocks::<F, 2, NT, VNNI>(row, b, &at, &mut acc);
             b += 2;
         }
         if rest & 1 != 0 {
-            sub_blocks::<F, 1, NT>(row, b, &at, &mut acc);
+            sub_blocks::<F, 1, NT, VNNI>(row, b, &at, &mut acc);
         }
         let mut out = [0f32; NT];
         for (o, &a) in out.iter_mut().zip(&acc) {
@@ -1027,6 +1065,9 @@ mod tests {
         let mut p = vec![Path::Scalar];
         if vector_path() {
             p.push(Path::Avx2);
+        }
+        if vnni_path() {
+            p.push(Path::Vnni);
         }
         p
     }
@@ -1256,6 +1297,28 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_vector_paths_agree_bit_for_bit() {
+        // Their integer sums are exact and their float steps the same (module docs); on a CPU
+        // without AVX-512 VNNI there is one vector path and nothing to compare.
+        let vector: Vec<Path> = paths().into_iter().filter(|&p| p != Path::Scalar).collect();
+        let (t, rows, cols) = (5, 11, 768);
+        let mut rng = Rng(11);
+        let x = activations(t, cols, &mut rng);
+        for f in BLOCK_FORMATS {
+            let w = random_blocks(f, rows * cols / f.block_elems(), &mut rng);
+            let outs: Vec<Vec<u32>> = vector
+                .iter()
+                .map(|&path| {
+                    let mut out = vec![0f32; t * rows];
+                    run(path, &x, t, f, &w, rows, cols, &mut out);
+                    out.iter().map(|v| v.to_bits()).collect()
+                })
+                .collect();
+            assert!(outs.windows(2).all(|p| p[0] == p[1]), "{}", f.name());
         }
     }
 

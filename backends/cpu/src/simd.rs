@@ -10,6 +10,8 @@ pub struct Features {
     pub avx2_fma_f16c: bool,
     /// AVX-512F (the weight kernels' wide path; attention stays on AVX2).
     pub avx512f: bool,
+    /// AVX-512 VNNI + VL (the block-format weight kernels' `dpbusd` path).
+    pub avx512vnni: bool,
 }
 
 impl Default for Features {
@@ -27,6 +29,7 @@ pub fn features() -> Features {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c"),
             avx512f: is_x86_feature_detected!("avx512f"),
+            avx512vnni: vnni_path(),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -34,6 +37,7 @@ pub fn features() -> Features {
         Features {
             avx2_fma_f16c: false,
             avx512f: false,
+            avx512vnni: false,
         }
     }
 }
@@ -59,6 +63,21 @@ pub(crate) fn wide_path() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         vector_path() && is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the AVX-512 VNNI kernels can run here (the AVX2 set is present too).
+#[inline]
+pub(crate) fn vnni_path() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vector_path()
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
