@@ -318,9 +318,11 @@ fn weights_blocks(cr: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1));
     let formats = [
         BlockFormat::Q4K,
+        BlockFormat::Q5K,
         BlockFormat::Q6K,
         BlockFormat::Q8_0,
         BlockFormat::Q5_0,
+        BlockFormat::Q5_1,
         BlockFormat::Q4_0,
         BlockFormat::Q4_1,
     ];

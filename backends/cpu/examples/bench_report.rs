@@ -178,7 +178,9 @@ fn main() {
     )
     .unwrap();
     for shape in ["896x4864", "4864x896"] {
-        for fmt in ["q4_K", "q6_K", "q8_0", "q5_0", "q4_0", "q4_1", "f16"] {
+        for fmt in [
+            "q4_K", "q5_K", "q6_K", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "f16",
+        ] {
             let id = format!("weights_decode_blocks/{fmt}/{shape}");
             let (Some(t), Some(bytes)) = (mean(&id), throughput(&id)) else {
                 continue;
