@@ -1393,34 +1393,14 @@ mod x86 {
 mod tests {
     use std::sync::Arc;
 
-    use half::f16;
     use kvplug_backend_kit::model::blocks::dequantize_row;
     use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
+    use kvplug_backend_kit::testing::{additive_parts, random_blocks, Rng};
     use kvplug_backend_kit::KitError;
 
     use super::*;
     use crate::tensor::CpuTensor;
     use crate::CpuDevice;
-
-    /// xorshift64*: reproducible test data without a dependency.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        /// Uniform in [0, 1).
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-        /// Uniform in [-1, 1).
-        fn signed(&mut self) -> f32 {
-            (2.0 * self.unit() - 1.0) as f32
-        }
-    }
 
     /// Every path this CPU can run.
     fn paths() -> Vec<Path> {
@@ -1432,39 +1412,6 @@ mod tests {
             p.push(Path::Vnni);
         }
         p
-    }
-
-    /// `blocks` valid random blocks of `f`: random code bytes (so random 6-bit K-quant
-    /// scales and minimums too), every f16 field (d, m, dmin) of random sign and magnitude in
-    /// [1e-3, 1e-1], Q6_K's i8 scales in ±127.
-    fn random_blocks(f: BlockFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
-        let bb = f.block_bytes();
-        let mut b: Vec<u8> = (0..blocks * bb).map(|_| rng.next() as u8).collect();
-        for blk in b.chunks_exact_mut(bb) {
-            for &at in f.half_fields() {
-                let mag = 1e-3 + rng.unit() * (1e-1 - 1e-3);
-                let v = if rng.next() & 1 == 0 { mag } else { -mag };
-                blk[at..at + 2].copy_from_slice(&f16::from_f64(v).to_le_bytes());
-            }
-            if f == BlockFormat::Q6K {
-                for s in &mut blk[192..208] {
-                    *s = ((rng.next() % 255) as i64 - 127) as i8 as u8;
-                }
-            }
-        }
-        b
-    }
-
-    /// The bytes of a block holding its codes, for the formats with an additive part (zeroing
-    /// them leaves each value's additive part: `m`, or `−dmin·m_j`).
-    fn code_bytes(f: BlockFormat) -> Option<Range<usize>> {
-        match f {
-            BlockFormat::Q4_1 => Some(4..20),
-            BlockFormat::Q5_1 => Some(4..24),
-            BlockFormat::Q4K => Some(16..144),
-            BlockFormat::Q5K => Some(16..176),
-            _ => None,
-        }
     }
 
     /// What token `ti`'s activation row looks like.
@@ -1534,7 +1481,7 @@ mod tests {
     /// half the bound's 1/2 per value; truncating codes (3/4 each) would exceed it.
     fn check(path: Path, f: BlockFormat, t: usize, rows: usize, cols: usize, seed: u64) {
         let mut rng = Rng(seed);
-        let (be, bb) = (f.block_elems(), f.block_bytes());
+        let be = f.block_elems();
         let w = random_blocks(f, rows * cols / be, &mut rng);
         let mut x = activations(t, cols, &mut rng);
         if t > 3 {
@@ -1563,12 +1510,7 @@ mod tests {
         for r in 0..rows {
             let row = &w[r * rb..(r + 1) * rb];
             dequantize_row(f, row, &mut wd);
-            if let Some(codes) = code_bytes(f) {
-                let mut z = row.to_vec();
-                z.chunks_exact_mut(bb)
-                    .for_each(|b| b[codes.clone()].fill(0));
-                dequantize_row(f, &z, &mut m);
-            }
+            additive_parts(f, row, &mut m);
             for ti in 0..t {
                 let xr = &x[ti * cols..(ti + 1) * cols];
                 let (mut want, mut mag, mut act, mut terms) = (0f64, 0f64, 0f64, 0f64);
@@ -1738,7 +1680,7 @@ mod tests {
     fn k4_scales_by_words_match_the_kit() {
         let mut rng = Rng(11);
         for _ in 0..1000 {
-            let q: Vec<u8> = (0..12).map(|_| rng.next() as u8).collect();
+            let q: Vec<u8> = (0..12).map(|_| rng.bits() as u8).collect();
             let (sc, m) = x86::k4_scales_mins(q[..].try_into().unwrap());
             for j in 0..8 {
                 let got = ((sc >> (8 * j)) as u8, (m >> (8 * j)) as u8);

@@ -10,6 +10,7 @@ use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
 use crate::device::{AttendMask, Device};
+use crate::model::blocks::{dequantize_row, BlockFormat};
 
 /// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend` or
 /// `write_rows` call (0-based) fails with a device error; everything else is `D`'s.
@@ -508,4 +509,65 @@ pub fn tiny_llama(tag: &str) -> std::path::PathBuf {
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     dir
+}
+
+/// xorshift64*: reproducible test data without a dependency.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn bits(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.bits() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in [-1, 1).
+    pub fn signed(&mut self) -> f32 {
+        (2.0 * self.unit() - 1.0) as f32
+    }
+}
+
+/// `blocks` valid random blocks of `f`: random code bytes (so random 6-bit K-quant scales
+/// and minimums too), every f16 field (d, m, dmin) of random sign and magnitude in
+/// [1e-3, 1e-1], Q6_K's i8 scales in ±127.
+pub fn random_blocks(f: BlockFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+    let bb = f.block_bytes();
+    let mut b: Vec<u8> = (0..blocks * bb).map(|_| rng.bits() as u8).collect();
+    for blk in b.chunks_exact_mut(bb) {
+        for &at in f.half_fields() {
+            let mag = 1e-3 + rng.unit() * (1e-1 - 1e-3);
+            let v = if rng.bits() & 1 == 0 { mag } else { -mag };
+            blk[at..at + 2].copy_from_slice(&half::f16::from_f64(v).to_le_bytes());
+        }
+        if f == BlockFormat::Q6K {
+            for s in &mut blk[192..208] {
+                *s = ((rng.bits() % 255) as i64 - 127) as i8 as u8;
+            }
+        }
+    }
+    b
+}
+
+/// Each value's additive part in the whole blocks `row` of `f` (`m`, or `−dmin·m_j` for the
+/// K-quants): the value with its code zeroed; 0 for formats without one (their offsets are
+/// integers folded into the code, `d·(q − 8)`). A kernel's rounding error is bounded in terms
+/// of the scaled code and this part separately, since it may sum them apart.
+pub fn additive_parts(f: BlockFormat, row: &[u8], out: &mut [f32]) {
+    let codes = match f {
+        BlockFormat::Q4_1 => 4..20,
+        BlockFormat::Q5_1 => 4..24,
+        BlockFormat::Q4K => 16..144,
+        BlockFormat::Q5K => 16..176,
+        _ => return out.fill(0.0),
+    };
+    let mut zeroed = row.to_vec();
+    zeroed
+        .chunks_exact_mut(f.block_bytes())
+        .for_each(|b| b[codes.clone()].fill(0));
+    dequantize_row(f, &zeroed, out);
 }
