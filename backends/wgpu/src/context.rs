@@ -336,13 +336,18 @@ async fn pick_adapter(instance: &wgpu::Instance) -> Result<wgpu::Adapter, String
 
 impl Context {
     /// Opens the adapter (honouring `WGPU_BACKEND` / `WGPU_ADAPTER_NAME`), the device with
-    /// the adapter's limits, and builds the kernels.
-    pub fn open() -> Result<Self, String> {
+    /// the adapter's limits — storage bindings capped at `max_binding` bytes where given, as
+    /// a smaller adapter's would be — and builds the kernels.
+    pub fn open(max_binding: Option<u64>) -> Result<Self, String> {
         let instance =
             wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
         let adapter = pollster::block_on(pick_adapter(&instance))?;
         let info = adapter.get_info();
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
+        if let Some(cap) = max_binding {
+            let l = &mut limits.max_storage_buffer_binding_size;
+            *l = (*l).min(cap);
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kvplug"),
             required_features: wgpu::Features::empty(),

@@ -181,6 +181,13 @@ impl WgpuDevice {
         &self.ctx
     }
 
+    /// The default adapter, as [`Backend::open`] opens it, but with storage bindings capped
+    /// at `max_binding` bytes: a smaller adapter's limit, so that splitting weights across
+    /// bindings can be exercised on any machine.
+    pub fn open_with_binding_limit(max_binding: u64) -> Result<Self, String> {
+        Context::open(Some(max_binding)).map(|ctx| WgpuDevice { ctx })
+    }
+
     /// Buffers and bind groups this device has created since it opened.
     pub fn created(&self) -> context::Created {
         self.ctx.created()
@@ -485,7 +492,7 @@ impl Backend for WgpuDevice {
     const NAME: &'static str = "kvplug wgpu backend";
 
     fn open() -> Result<Self, String> {
-        Context::open().map(|ctx| WgpuDevice { ctx })
+        Context::open(None).map(|ctx| WgpuDevice { ctx })
     }
 
     fn device_description(&self) -> String {

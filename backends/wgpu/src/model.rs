@@ -22,6 +22,13 @@ pub struct WgpuWeight {
     cols: usize,
 }
 
+impl WgpuWeight {
+    /// How many storage bindings (parts of whole rows) hold it.
+    pub fn bindings(&self) -> usize {
+        self.parts.len()
+    }
+}
+
 /// Rows `[row0, row0 + rows)` of a weight.
 struct WeightPart {
     buf: crate::context::OwnedBuffer,

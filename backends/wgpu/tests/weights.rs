@@ -1,0 +1,169 @@
+//! The wgpu backend's weight kernels — `linear` (the shaders dequantize each block as they
+//! read it) and `embed` — on every stored dtype, against an f64 reference over the kit's
+//! dequantization with a bound derived from the shaders' f32 arithmetic, on a device whose
+//! storage bindings are capped so that every weight is split into several parts of whole
+//! rows (as Qwen's 151,936-row table is on lavapipe's 128 MiB limit).
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use kvplug_backend_kit::model::blocks::{dequantize_row, BLOCK_FORMATS};
+use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
+use kvplug_backend_kit::testing::{additive_parts, random_blocks, Rng};
+use kvplug_backend_kit::Device;
+use kvplug_plugin_api::TensorDtype;
+use kvplug_wgpu::WgpuDevice;
+
+const COLS: usize = 512;
+const TOKENS: usize = 3;
+/// The storage binding cap: the device's own index arena and scratch take 64 KiB bindings.
+const CAP: usize = 1 << 16;
+
+/// Bytes of one `COLS`-wide row of `dtype`.
+fn row_bytes(dtype: StoredDtype) -> usize {
+    COLS / dtype.unit_elems() * dtype.unit_bytes()
+}
+
+/// Rows of a weight of `dtype` spanning two whole binding parts and part of a third.
+fn rows(dtype: StoredDtype) -> usize {
+    let per = (CAP - 4) / row_bytes(dtype);
+    2 * per + per / 2 + 1
+}
+
+/// Every dtype a weight may be stored in, as random valid bytes of `rows(dtype) × COLS`
+/// values.
+fn weights(rng: &mut Rng) -> Vec<(StoredDtype, Vec<u8>)> {
+    let floats = |rng: &mut Rng, dtype| -> Vec<f32> {
+        (0..rows(dtype) * COLS).map(|_| rng.signed()).collect()
+    };
+    let mut out = vec![
+        (
+            StoredDtype::F32,
+            floats(rng, StoredDtype::F32)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+        ),
+        (
+            StoredDtype::F16,
+            floats(rng, StoredDtype::F16)
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+        ),
+        (
+            StoredDtype::BF16,
+            floats(rng, StoredDtype::BF16)
+                .iter()
+                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        ),
+    ];
+    for f in BLOCK_FORMATS {
+        let n = rows(StoredDtype::Block(f)) * COLS / f.block_elems();
+        let blocks = random_blocks(f, n, rng);
+        out.push((StoredDtype::Block(f), blocks));
+    }
+    out
+}
+
+/// Row `r`'s values as the kit dequantizes them, and each value's additive part.
+fn row_values(dtype: StoredDtype, bytes: &[u8], r: usize) -> (Vec<f32>, Vec<f32>) {
+    let rb = row_bytes(dtype);
+    let row = &bytes[r * rb..(r + 1) * rb];
+    let (mut w, mut m) = (vec![0f32; COLS], vec![0f32; COLS]);
+    match dtype {
+        StoredDtype::Block(f) => {
+            dequantize_row(f, row, &mut w);
+            additive_parts(f, row, &mut m);
+        }
+        _ => {
+            let t = StoredTensor::new(dtype, Arc::new(row.to_vec()), 0..rb).unwrap();
+            w = t.to_f32();
+        }
+    }
+    (w, m)
+}
+
+/// Checks `linear` and `embed` for each stored dtype. Bound, with u = 2⁻²⁴ and γ_k =
+/// k·u/(1 − k·u): each output is a sum over `COLS` values of products `w·x`, which a shader
+/// may group (per block: Σ code·x and Σ x, scaled once; per K-quant sub-block likewise) but
+/// in which every term passes through at most one product, `COLS` additions and 3 scalings
+/// or subtractions, so the f32 result is within `γ_(COLS+4) · Σ (|w − m| + |m|)·|x|` of the
+/// exact sum over the exact dequantized values (`m` the additive part, the two summed
+/// apart). The kit's `dequantize_row` rounds `code·d + m` once (`|Δw| ≤ u|w|`) and the f64
+/// reference sum adds `γ⁽⁶⁴⁾_COLS · Σ|w·x|`. An embedded row is one weight value each,
+/// rounded at most twice on either side (`2u·(|w − m| + |m|)` per value).
+#[test]
+fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
+    let mut rng = Rng(17);
+    let x: Vec<f32> = (0..TOKENS * COLS)
+        .map(|i| rng.signed() * if i / COLS == 1 { 100.0 } else { 1.0 })
+        .collect();
+    let u = 2f64.powi(-24);
+    let gamma = |k: f64| k * u / (1.0 - k * u);
+    let gamma64 = COLS as f64 * 2f64.powi(-53);
+    let dev = WgpuDevice::open_with_binding_limit(CAP as u64)
+        .unwrap_or_else(|e| panic!("no wgpu adapter (install mesa-vulkan-drivers): {e}"));
+    for (dtype, bytes) in weights(&mut rng) {
+        let rows = rows(dtype);
+        let n = bytes.len();
+        let stored = StoredTensor::new(dtype, Arc::new(bytes.clone()), 0..n).unwrap();
+        let w = dev.weight(stored, rows, COLS).unwrap();
+        assert_eq!(w.bindings(), 3, "{}", dtype.name());
+        let xt = dev.tensor(&x, &[TOKENS, COLS]).unwrap();
+        let mut out = dev.zeros(&[TOKENS, rows]).unwrap();
+        dev.linear(&xt, &w, None, &mut out).unwrap();
+        let got = dev
+            .download(&out, TensorDtype::F32)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        // The first row of each part and the last row.
+        let ids: Vec<i32> = (0..rows)
+            .step_by((CAP - 4) / row_bytes(dtype))
+            .chain([rows - 1])
+            .map(|r| r as i32)
+            .collect();
+        let mut rows_out = dev.zeros(&[ids.len(), COLS]).unwrap();
+        dev.embed(&w, &ids, &mut rows_out).unwrap();
+        let embedded = dev
+            .download(&rows_out, TensorDtype::F32)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        for r in 0..rows {
+            let (wv, m) = row_values(dtype, &bytes, r);
+            for t in 0..TOKENS {
+                let xr = &x[t * COLS..(t + 1) * COLS];
+                let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
+                for c in 0..COLS {
+                    let (w, m, x) = (f64::from(wv[c]), f64::from(m[c]), f64::from(xr[c]));
+                    want += w * x;
+                    mag += (w * x).abs();
+                    parts += ((w - m).abs() + m.abs()) * x.abs() * (1.0 + u);
+                }
+                let bound = gamma(COLS as f64 + 4.0) * parts + (gamma(1.0) + gamma64) * mag;
+                let g = f64::from(got[t * rows + r]);
+                assert!(
+                    (g - want).abs() <= bound,
+                    "{} linear: token {t} row {r}: got {g}, want {want}, |diff| {:e} > {bound:e}",
+                    dtype.name(),
+                    (g - want).abs()
+                );
+            }
+            if let Some(i) = ids.iter().position(|&id| id as usize == r) {
+                for c in 0..COLS {
+                    let g = embedded[i * COLS + c];
+                    let bound = 2.0 * u * (f64::from(wv[c] - m[c]).abs() + f64::from(m[c]).abs());
+                    assert!(
+                        (f64::from(g) - f64::from(wv[c])).abs() <= bound,
+                        "{} embed: row {r} value {c}: got {g}, want {}",
+                        dtype.name(),
+                        wv[c]
+                    );
+                }
+            }
+        }
+    }
+}
