@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvplug_backend_kit::model::ModelPackage;
@@ -17,7 +16,10 @@ use kvplug_host::run::Forward;
 use kvplug_host::text::{Message, Text};
 
 mod common;
-use common::{gguf_name, hf_tensor_shapes, host, llama_gguf_meta, reference_logits, write_gguf};
+use common::{
+    bpe_tokenizer_meta, gguf_name, gguf_tensors, hf_tensor_shapes, host, llama_gguf_meta,
+    matrix_type, reference_logits, write_gguf, MERGES,
+};
 
 /// hidden and intermediate 256: every matrix row is a whole number of K-quant blocks.
 const PRESET: Preset = Preset {
@@ -29,39 +31,6 @@ const PRESET: Preset = Preset {
     intermediate: 256,
     vocab: 300,
 };
-
-/// GPT-2's byte → printable character map (tokens of a byte-level BPE vocabulary).
-fn byte_chars() -> Vec<char> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut extra = 256;
-    (0..=255u32)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).unwrap()
-            } else {
-                extra += 1;
-                char::from_u32(extra - 1).unwrap()
-            }
-        })
-        .collect()
-}
-
-/// llama.cpp's converter: `reshape(heads, 2, hd/2, cols).swapaxes(1, 2)` of q/k rows.
-fn permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
-    let hd = w.len() / cols / heads;
-    let mut out = vec![0.0; w.len()];
-    for h in 0..heads {
-        for two in 0..2 {
-            for i in 0..hd / 2 {
-                let from = (h * hd + two * hd / 2 + i) * cols;
-                let to = (h * hd + i * 2 + two) * cols;
-                out[to..to + cols].copy_from_slice(&w[from..from + cols]);
-            }
-        }
-    }
-    out
-}
 
 #[test]
 fn a_gguf_with_k_quants_imports_exactly_and_runs() {
@@ -83,29 +52,21 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
         GgmlDType::F16,
         GgmlDType::BF16,
     ];
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let tensors = gguf_tensors(&pkg, &PRESET, &types, false);
     // What the import must produce: each weight quantized and dequantized (a row-wise
     // round trip commutes with the converter's row permutation).
     let mut expect: BTreeMap<String, Vec<f32>> = BTreeMap::new();
     for (i, (name, shape)) in shapes.iter().enumerate() {
-        let data = pkg.tensor_f32(name, shape).unwrap();
-        let dtype = if shape.len() == 1 {
-            GgmlDType::F32
-        } else {
-            types[i % types.len()]
-        };
         let dev = &Device::Cpu;
-        let round_trip = QTensor::quantize(
-            &Tensor::from_vec(data.clone(), shape.as_slice(), dev).unwrap(),
-            dtype,
-        )
-        .unwrap()
-        .dequantize(dev)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+        let data = Tensor::from_vec(pkg.tensor_f32(name, shape).unwrap(), shape.as_slice(), dev);
+        let round_trip = QTensor::quantize(&data.unwrap(), matrix_type(&types, i, shape))
+            .unwrap()
+            .dequantize(dev)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         // Matrices are stored in f16, vectors in f32.
         let stored = if shape.len() == 1 {
             round_trip
@@ -116,62 +77,15 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
                 .collect()
         };
         expect.insert(name.clone(), stored);
-        let stored = if name.ends_with("q_proj.weight") {
-            permute(&data, PRESET.heads, shape[1])
-        } else if name.ends_with("k_proj.weight") {
-            permute(&data, PRESET.kv_heads, shape[1])
-        } else {
-            data
-        };
-        let t = Tensor::from_vec(stored, shape.as_slice(), dev).unwrap();
-        tensors.push((gguf_name(name), QTensor::quantize(&t, dtype).unwrap()));
     }
-    // Vocabulary: the 256 byte tokens, a few merges, then special tokens.
-    let bytes = byte_chars();
-    let mut tokens: Vec<String> = bytes.iter().map(|c| c.to_string()).collect();
-    let merges = ["h e", "l l", "he ll", "o Ġ", "Ġ w"];
-    for m in merges {
-        tokens.push(m.replace(' ', ""));
-    }
-    let specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
-    let first_special = tokens.len();
-    tokens.extend(specials.iter().map(|s| s.to_string()));
-    while tokens.len() < PRESET.vocab {
-        tokens.push(format!("<unused{}>", tokens.len()));
-    }
-    let token_type: Vec<Value> = (0..tokens.len())
-        .map(|i| {
-            Value::I32(if (first_special..first_special + 3).contains(&i) {
-                3
-            } else {
-                1
-            })
-        })
-        .collect();
-    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-    let s = |x: &str| Value::String(x.into());
-    let u = |x: usize| Value::U32(x as u32);
+    let (tokenizer, tokens) = bpe_tokenizer_meta("smollm", &MERGES, PRESET.vocab);
+    let first_special = tokens.iter().position(|t| t == "<|im_start|>").unwrap();
     let mut meta = llama_gguf_meta(
         &PRESET,
         pkg.config.rms_norm_eps as f32,
         pkg.config.rope_theta as f32,
     );
-    meta.extend([
-        ("tokenizer.ggml.model", s("gpt2")),
-        ("tokenizer.ggml.pre", s("smollm")),
-        (
-            "tokenizer.ggml.tokens",
-            Value::Array(tokens.iter().map(|t| s(t)).collect()),
-        ),
-        (
-            "tokenizer.ggml.merges",
-            Value::Array(merges.iter().map(|m| s(m)).collect()),
-        ),
-        ("tokenizer.ggml.token_type", Value::Array(token_type)),
-        ("tokenizer.ggml.bos_token_id", u(first_special)),
-        ("tokenizer.ggml.eos_token_id", u(first_special + 1)),
-        ("tokenizer.chat_template", s(template)),
-    ]);
+    meta.extend(tokenizer);
     let gguf = dir.path().join("model.gguf");
     write_gguf(&gguf, &meta, &tensors);
 
@@ -303,4 +217,73 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
     let ids = text.encode(&prompt).unwrap();
     assert_eq!(ids[0], first_special as i32);
     assert!(text.stop_tokens().contains(&(first_special as i32 + 1)));
+}
+
+/// Every block format's dequantization (the kit's `dequantize_row`, which the backends'
+/// kernels are checked against) equals candle's, bit for bit, on blocks of random bytes:
+/// every code, sub-block scale and 5th/6th-bit pattern, with random finite f16 scales and
+/// minimums of both signs, zero and subnormal ones included.
+#[test]
+fn every_block_format_dequantizes_like_candle_on_random_blocks() {
+    use kvplug_backend_kit::model::blocks::{dequantize_row, BLOCK_FORMATS};
+    use kvplug_backend_kit::model::BlockFormat as F;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for format in BLOCK_FORMATS {
+        let ggml = match format {
+            F::Q4_0 => GgmlDType::Q4_0,
+            F::Q4_1 => GgmlDType::Q4_1,
+            F::Q5_0 => GgmlDType::Q5_0,
+            F::Q5_1 => GgmlDType::Q5_1,
+            F::Q8_0 => GgmlDType::Q8_0,
+            F::Q4K => GgmlDType::Q4K,
+            F::Q5K => GgmlDType::Q5K,
+            F::Q6K => GgmlDType::Q6K,
+        };
+        let blocks = 96;
+        let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())
+            .map(|_| next() as u8)
+            .collect();
+        for (b, block) in bytes.chunks_exact_mut(format.block_bytes()).enumerate() {
+            for &at in format.half_fields() {
+                let h = match b % 8 {
+                    0 => half::f16::ZERO,
+                    1 => half::f16::from_bits(next() as u16 & 0x83ff), // subnormal, either sign
+                    _ => half::f16::from_f32((next() % 20_000) as f32 / 1e4 - 1.0),
+                };
+                block[at..at + 2].copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        let values = blocks * format.block_elems();
+        let want = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            ggml,
+            &bytes,
+            vec![values],
+            &Device::Cpu,
+        )
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        let mut got = vec![0f32; values];
+        dequantize_row(format, &bytes, &mut got);
+        let differ = got
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(
+            differ.is_none(),
+            "{}: value {} is {} where candle gives {}",
+            format.name(),
+            differ.unwrap(),
+            got[differ.unwrap()],
+            want[differ.unwrap()]
+        );
+    }
 }

