@@ -146,22 +146,31 @@ impl HostTensor {
 
     /// Elements as f32 (converting f16/bf16; `None` for i32).
     pub fn to_f32(&self) -> Option<Vec<f32>> {
+        let mut out = Vec::new();
+        self.read_f32_into(&mut out).then_some(out)
+    }
+
+    /// Replaces `out`'s contents with the elements as f32 (converting f16/bf16), reusing its
+    /// buffer; false (and `out` empty) for i32.
+    pub fn read_f32_into(&self, out: &mut Vec<f32>) -> bool {
         let b = self.bytes.as_slice();
-        Some(match self.dtype {
-            TensorDtype::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            TensorDtype::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            TensorDtype::Bf16 => b
-                .chunks_exact(2)
-                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
-                .collect(),
-            TensorDtype::I32 => return None,
-        })
+        out.clear();
+        match self.dtype {
+            TensorDtype::F32 => out.extend(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
+            TensorDtype::F16 => out.extend(
+                b.chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+            ),
+            TensorDtype::Bf16 => out.extend(
+                b.chunks_exact(2)
+                    .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)),
+            ),
+            TensorDtype::I32 => return false,
+        }
+        true
     }
 
     /// Elements as i32 (`None` unless the dtype is i32).

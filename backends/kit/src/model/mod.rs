@@ -8,7 +8,8 @@
 //! the bound cache's `begin_step`.
 
 pub mod blocks;
-pub mod config;
+/// `config.json`'s parser, which lives in core so the runtime reads models with it too.
+pub use kvplug_core::model_config as config;
 pub mod forward;
 pub mod method;
 pub mod ops;
@@ -16,8 +17,8 @@ pub mod package;
 pub mod stored;
 
 pub use blocks::BlockFormat;
-pub use config::{ModelConfig, ModelError};
 pub use forward::{Activations, DecoderModel, ForwardOutput};
+pub use kvplug_core::{ModelConfig, ModelError};
 pub use method::ForwardMethod;
 pub use ops::ModelDevice;
 pub use package::ModelPackage;

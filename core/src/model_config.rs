@@ -1,15 +1,16 @@
-//! `config.json` of a decoder the kit runs (the Llama family and Gemma 3), and what it
-//! implies: rotary frequencies per layer type, attention scale, which layers slide.
+//! `config.json` of a decoder the kit runs (the Llama family and Gemma 3), parsed once for
+//! every side (the runtime sizes caches from it, the kit builds the forward pass from it),
+//! and what it implies: rotary frequencies per layer type, attention scale, which layers slide.
 
-use kvplug_core::spec::{LayerAttention, ModelCacheSpec};
-use kvplug_core::{CacheError, ModelCacheParams, SlidingLayers};
+use crate::spec::{LayerAttention, ModelCacheSpec};
+use crate::{CacheError, ModelCacheParams, SlidingLayers};
 
 /// Why a model package cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// A file could not be read (the message names it).
     #[error(transparent)]
-    File(#[from] kvplug_core::files::FileError),
+    File(#[from] crate::files::FileError),
     /// A malformed or inconsistent file.
     #[error("{0}")]
     Malformed(String),
@@ -202,7 +203,7 @@ impl ModelConfig {
         }
         let mut c: ModelConfig =
             serde_json::from_value(v.clone()).map_err(|e| ModelError::Malformed(e.to_string()))?;
-        use kvplug_core::limits::{MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS};
+        use crate::limits::{MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS};
         for (name, v, max) in [
             ("hidden_size", c.hidden_size, MAX_HIDDEN),
             ("intermediate_size", c.intermediate_size, MAX_INTERMEDIATE),
