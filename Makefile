@@ -71,7 +71,7 @@ bench: deps
 bench-peers: deps models
 	./scripts/bench-peers.sh
 
-## make fuzz-long: the parser fuzz harness (tests/tests/fuzz.rs) at a hundred times the size
+## make fuzz-long: the parser fuzz harness (kvplug/tests/fuzz.rs) at a hundred times the size
 ## make test runs, about two million inputs. Not part of make test.
 fuzz-long: deps
-	KVPLUG_FUZZ_INPUTS=1020000 $(CARGO) test -p kvplug-conformance --test fuzz -- --nocapture
+	KVPLUG_FUZZ_INPUTS=1020000 $(CARGO) test -p kvplug --test fuzz -- --nocapture

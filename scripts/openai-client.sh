@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs host/tests/openai_client.py (the official `openai` Python client) against a running
+# Runs cli/tests/openai_client.py (the official `openai` Python client) against a running
 # `kvplug serve`: openai-client.sh BASE_URL API_KEY. Makes the venv it needs on first use, in
 # the git-ignored .venv/openai, with the pinned client from PyPI.
 set -euo pipefail
@@ -14,4 +14,4 @@ if ! "$venv/bin/python" -c "import openai, sys; sys.exit(openai.__version__ != '
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
 fi
-exec "$venv/bin/python" "$root/host/tests/openai_client.py" "$@"
+exec "$venv/bin/python" "$root/cli/tests/openai_client.py" "$@"

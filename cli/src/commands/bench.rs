@@ -1,0 +1,71 @@
+//! `kvplug bench`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use kvplug::bench::{self, BenchOptions};
+use kvplug::{CacheKind, KvDtype, Runtime};
+
+/// `kvplug bench`'s arguments. Lists are comma-separated; every combination runs.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model: a directory or a GGUF file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Backend ids.
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    backend: Vec<String>,
+    /// Cache kinds.
+    #[arg(long, value_delimiter = ',', default_value = "contiguous")]
+    kind: Vec<CacheKind>,
+    /// KV storage dtypes.
+    #[arg(long, value_delimiter = ',', default_value = "f16")]
+    kv_dtype: Vec<KvDtype>,
+    /// Prompt lengths of the pp tests (0: none).
+    #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
+    n_prompt: Vec<usize>,
+    /// Generated tokens of the tg tests (0: none).
+    #[arg(short = 'n', long, value_delimiter = ',', default_value = "128")]
+    n_gen: Vec<usize>,
+    /// Tokens of context before each test.
+    #[arg(short = 'd', long, value_delimiter = ',', default_value = "0")]
+    n_depth: Vec<usize>,
+    /// Timed runs per test.
+    #[arg(short = 'r', long, default_value_t = 5)]
+    repetitions: usize,
+    /// A JSON array instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
+    let opts = BenchOptions {
+        model: a.model,
+        backend: a.backend,
+        kind: a.kind,
+        kv_dtype: a.kv_dtype,
+        n_prompt: a.n_prompt,
+        n_gen: a.n_gen,
+        n_depth: a.n_depth,
+        repetitions: a.repetitions,
+    };
+    if !a.json {
+        println!("{}", bench::TABLE_HEAD);
+    }
+    let results = bench::run(runtime, &opts, &mut |r| {
+        if !a.json {
+            println!("{}", bench::table_row(r));
+        }
+    })?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        let devices: std::collections::BTreeSet<_> =
+            results.iter().map(|r| (&r.backend, &r.device)).collect();
+        for (backend, device) in devices {
+            println!("{backend}: {device}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

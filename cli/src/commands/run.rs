@@ -1,0 +1,203 @@
+//! `kvplug run`: decode, agents or speculative decoding of one prompt.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use kvplug::run::{run_agents, run_decode, RunReport, RunSpec};
+use kvplug::speculative::{run_speculative, DraftKind, SpecOptions};
+use kvplug::{Message, Model, Runtime, Text};
+
+use crate::sampling::SamplingArgs;
+
+/// Arguments of `kvplug run`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Backend id.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// Model: a directory (config.json + *.safetensors) or a GGUF file (its weights used in
+    /// place).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text, sent through the model's chat template as a user turn (unless --raw).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Send --prompt as is, without the chat template.
+    #[arg(long, requires = "prompt")]
+    raw: bool,
+    /// A system message before the user turn.
+    #[arg(long, requires = "prompt")]
+    system: Option<String>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    prompt_ids: Vec<i32>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    max_new: usize,
+    /// KV storage dtype.
+    #[arg(long, default_value = "f16")]
+    kv_dtype: String,
+    /// Cache capacity in cells.
+    #[arg(long, default_value_t = 4096)]
+    capacity: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Agent fork: K branches from the prompt, decoded together, best kept.
+    #[arg(long, conflicts_with = "speculative")]
+    agents: Option<usize>,
+    /// Speculative tree decoding, drafting with KIND: `ngram` (prompt lookup), `draft:PATH`
+    /// (a model sharing the vocabulary) or `layers:N` (the target's first N layers).
+    #[arg(long, value_name = "KIND")]
+    speculative: Option<DraftKind>,
+    /// Deepest draft chain per round (the depth adapts below it).
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// Most draft branches from the root (each adds a chain of target nodes to verify).
+    #[arg(long, default_value_t = 1)]
+    width: usize,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The prompt ids of a run: `--prompt-ids`, or `--prompt` through the model's chat template
+/// (with `--system`) unless `--raw`; the text layer when the model has one.
+fn prompt_of(a: &Args, model: &Model) -> Result<(Vec<i32>, Option<Arc<Text>>)> {
+    let text = match Text::load(model.dir()) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) if a.prompt.is_some() => return Err(e.into()),
+        Err(_) => None,
+    };
+    let ids = match (&a.prompt, &text) {
+        (Some(p), Some(t)) => {
+            if a.raw || !t.has_template() {
+                if a.system.is_some() {
+                    bail!("--system needs the model's chat template (drop --raw)");
+                }
+                t.encode_raw(p)?
+            } else {
+                let mut messages = Vec::new();
+                if let Some(sys) = &a.system {
+                    messages.push(Message::new("system", sys));
+                }
+                messages.push(Message::new("user", p));
+                t.encode(&t.render(&messages)?)?
+            }
+        }
+        _ if !a.prompt_ids.is_empty() => a.prompt_ids.clone(),
+        _ => bail!("pass --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    Ok((ids, text))
+}
+
+pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
+    if a.max_new == 0 {
+        bail!("--max-new 0 would generate nothing: give at least 1");
+    }
+    let model = kvplug::open_model(runtime, &a.backend, &a.model)?;
+    let (prompt, text) = prompt_of(&a, &model)?;
+    let spec = RunSpec {
+        prompt,
+        max_new: a.max_new,
+        kv_dtype: a.kv_dtype.parse()?,
+        capacity: a.capacity,
+        stop: match (&text, a.ignore_eos) {
+            (Some(t), false) => t.stop_tokens().clone(),
+            _ => Default::default(),
+        },
+    };
+    let mut sampler = a.sampling.sampler();
+    let report: RunReport = if let Some(k) = a.agents {
+        run_agents(&model, &spec, k, &sampler)?
+    } else if let Some(draft) = &a.speculative {
+        let tree = a.depth.saturating_mul(a.width).saturating_add(1);
+        if a.depth > 0 && a.width > 0 && spec.prompt.len() + spec.max_new + tree > spec.capacity {
+            bail!(
+                "--depth {} × --width {} draft trees do not fit beside the prompt ({}) and \
+                 --max-new ({}) in the capacity {}",
+                a.depth,
+                a.width,
+                spec.prompt.len(),
+                spec.max_new,
+                spec.capacity
+            );
+        }
+        let opts = SpecOptions {
+            draft: draft.clone(),
+            max_depth: a.depth,
+            max_width: a.width,
+        };
+        run_speculative(&model, &spec, &opts, &mut sampler)?
+    } else {
+        let stream = !a.json;
+        run_decode(&model, &spec, text.clone(), sampler, &mut |e| {
+            if stream && !e.text.is_empty() {
+                print!("{}", e.text);
+                std::io::stdout().flush()?;
+            }
+            Ok(())
+        })?
+    };
+    let decoded = match &text {
+        Some(t) => Some(t.decode(&report.ids)?),
+        None => None,
+    };
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["prompt_tokens"] = spec.prompt.len().into();
+        v["generated_tokens"] = report.ids.len().into();
+        v["stopped_at_eos"] = report
+            .ids
+            .last()
+            .is_some_and(|t| spec.stop.contains(t))
+            .into();
+        if let Some(d) = decoded {
+            v["text"] = d.into();
+        }
+        println!("{}", serde_json::to_string(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    match (&decoded, report.mode.as_str()) {
+        (Some(_), "decode") => println!(),
+        (Some(d), _) => println!("{d}"),
+        (None, _) => {
+            let ids: Vec<String> = report.ids.iter().map(|i| i.to_string()).collect();
+            println!("ids: {}", ids.join(","));
+        }
+    }
+    if let (Some(branches), Some(w)) = (&report.branches, report.winner) {
+        for (b, ids) in branches.iter().enumerate() {
+            println!("branch {b}{}: {ids:?}", if b == w { " (kept)" } else { "" });
+        }
+    }
+    eprintln!(
+        "{} prompt + {} generated tokens; prefill {:.1} tok/s, decode {:.1} tok/s; cache {} bytes, {} cells allocated, {} live",
+        spec.prompt.len(),
+        report.ids.len(),
+        report.prefill_tok_s,
+        report.decode_tok_s,
+        report.cache.allocated_bytes,
+        report.cache.pool_cells,
+        report.cache.live_cells
+    );
+    if report.cache.window_cells > 0 {
+        eprintln!(
+            "sliding-window layers: {} cells allocated (window plus one micro-batch)",
+            report.cache.window_cells
+        );
+    }
+    if let (Some(acc), Some(tpf)) = (report.acceptance, report.tokens_per_target_forward) {
+        eprintln!(
+            "acceptance {:.1}%, {:.2} tokens per target forward",
+            acc * 100.0,
+            tpf
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

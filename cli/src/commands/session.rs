@@ -1,0 +1,105 @@
+//! `kvplug session ls|show|rm`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use kvplug::session_dir::SessionDir;
+use kvplug::{fingerprint, formats, session_file};
+
+/// Saved sessions (see chat --session).
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// List sessions (from their headers).
+    Ls {
+        /// One JSON array instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check one session in full (checksum, tensors) and describe it.
+    Show {
+        /// Session name.
+        name: String,
+        /// Also check that it fits this model (a directory or GGUF file).
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// Delete sessions.
+    Rm {
+        /// Session names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+}
+
+pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
+    match command {
+        Command::Ls { json } => {
+            let all = dir.list()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&all)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("sessions in {}", dir.dir().display());
+            println!(
+                "{:<24} {:>8} {:>6} {:>12}  model",
+                "name", "tokens", "kv", "bytes"
+            );
+            for l in all {
+                match l.summary {
+                    Ok(s) => println!(
+                        "{:<24} {:>8} {:>6} {:>12}  {}",
+                        l.name,
+                        s.tokens,
+                        s.kv_dtype,
+                        s.bytes,
+                        &s.model[..12.min(s.model.len())]
+                    ),
+                    Err(e) => println!("{:<24} unreadable: {e}", l.name),
+                }
+            }
+        }
+        Command::Show { name, model } => {
+            let path = dir.path(&name)?;
+            let t = std::time::Instant::now();
+            let s = session_file::read(&path)?;
+            let read_ms = t.elapsed().as_secs_f64() * 1e3;
+            let sum = session_file::summary(&path)?;
+            println!("session {name}: {}", path.display());
+            println!("  tokens       {}", s.tokens.len());
+            println!("  kv dtype     {}", s.rows.kv_dtype);
+            println!(
+                "  shape        {} layers x {} KV heads x head_dim {}",
+                s.rows.n_layers, s.rows.n_kv_heads, s.rows.head_dim
+            );
+            println!(
+                "  bytes        {} ({:.0} per token)",
+                sum.bytes,
+                sum.bytes as f64 / s.tokens.len().max(1) as f64
+            );
+            println!("  model        {}", s.model);
+            println!("  writer       {}", sum.writer);
+            println!("  checksum     ok (read and checked in {read_ms:.1} ms)");
+            for (k, v) in &s.app {
+                let preview: String = v.chars().take(72).collect();
+                println!(
+                    "  app.{k:<8} {preview}{}",
+                    if v.len() > 72 { "…" } else { "" }
+                );
+            }
+            if let Some(m) = model {
+                let m = formats::resolve_model(&m)?;
+                let fp = fingerprint::model_fingerprint(&m)?;
+                s.check_fits(&path, &fp, usize::MAX)?;
+                println!("  fits         {}", m.display());
+            }
+        }
+        Command::Rm { names } => {
+            for n in names {
+                dir.remove(&n)?;
+                println!("removed {n}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

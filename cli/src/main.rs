@@ -1,0 +1,128 @@
+//! `kvplug`: the command line. One module per command under [`commands`]; clap and
+//! progress bars live here and nowhere else.
+
+mod commands;
+mod sampling;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kvplug::{PluginSearch, Runtime};
+
+use commands::{bench, chat, conform, demo, model, plan, plugins, run, serve, session};
+
+/// kvplug: runtime-swappable KV caches behind pluggable backends.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Plugin directory (repeatable); searched before KVPLUG_PLUGIN_PATH and the defaults.
+    #[arg(long = "plugins", global = true, value_name = "DIR")]
+    plugins: Vec<PathBuf>,
+    /// Load plugins from world-writable directories and files.
+    #[arg(long, global = true)]
+    allow_insecure_plugins: bool,
+    /// Where named sessions live (default: $KVPLUG_SESSION_DIR, else
+    /// $XDG_DATA_HOME/kvplug/sessions, else ~/.local/share/kvplug/sessions).
+    #[arg(long, global = true, value_name = "DIR")]
+    session_dir: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List loaded backends and skipped files.
+    Plugins(plugins::Args),
+    /// Model packages.
+    Model {
+        #[command(subcommand)]
+        command: model::Command,
+    },
+    /// Generate with a model on a backend: decode, agent fork or speculative decoding.
+    Run(run::Args),
+    /// Chat: one user turn per line of stdin (a terminal or a pipe); one cache carries the
+    /// conversation, so each turn prefills only its new tokens.
+    Chat(chat::Args),
+    /// Saved sessions (see chat --session).
+    Session {
+        #[command(subcommand)]
+        command: session::Command,
+    },
+    /// Memory plan: weights, KV bytes per token by layer group, and how many tokens and
+    /// agents fit a budget.
+    Plan(plan::Args),
+    /// An OpenAI-compatible HTTP server (chat and text completions, streaming, continuous
+    /// batching, prefix reuse; agent sessions by the X-Session-Id header).
+    Serve(serve::Args),
+    /// Throughput like llama.cpp's llama-bench: pp (prefill) and tg (decode) tokens per second
+    /// at context depths, per backend, cache kind and KV dtype.
+    Bench(bench::Args),
+    /// The main job: a chat answer, agents continuing it, and speculative decoding of a code
+    /// rewrite, on one backend, as a table.
+    Demo(demo::Args),
+    /// Run the cross-backend conformance matrix against the f64 oracle.
+    Conform(conform::Args),
+}
+
+/// Mesa's Vulkan drivers (the wgpu plugin's, when loaded) print an error to stderr when
+/// `XDG_RUNTIME_DIR` is unset; give the process a private one instead of spilling driver
+/// noise on users. Runs first, before any thread exists.
+fn ensure_runtime_dir() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+        return;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        let uid = std::fs::metadata("/proc/self")
+            .map(|m| m.uid())
+            .unwrap_or(0);
+        let dir = std::env::temp_dir().join(format!("kvplug-runtime-{uid}"));
+        let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+        // Use it only if it is ours and private (another user may have made it first).
+        let ok = std::fs::metadata(&dir)
+            .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o077 == 0);
+        if ok {
+            std::env::set_var("XDG_RUNTIME_DIR", &dir);
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    ensure_runtime_dir();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match dispatch(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvplug: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    let runtime = Runtime::load(&PluginSearch::standard(
+        &cli.plugins,
+        cli.allow_insecure_plugins,
+    ));
+    let sessions = kvplug::session_dir::SessionDir::standard(cli.session_dir.as_deref());
+    match cli.command {
+        Command::Plugins(a) => plugins::run(&runtime, a),
+        Command::Model { command } => model::run(command),
+        Command::Run(a) => run::run(&runtime, a),
+        Command::Chat(a) => chat::run(&runtime, &sessions, a),
+        Command::Session { command } => session::run(&sessions, command),
+        Command::Plan(a) => plan::run(a),
+        Command::Serve(a) => serve::run(&runtime, &sessions, a),
+        Command::Bench(a) => bench::run(&runtime, a),
+        Command::Demo(a) => demo::run(&runtime, a),
+        Command::Conform(a) => conform::run(&runtime, a),
+    }
+}

@@ -1,0 +1,494 @@
+//! [`AgentStore`]: agents that call the model again and again over shared context, on one
+//! seq cache, with their K/V kept across calls in two tiers (seed 002's AgentCacheStore).
+//!
+//! - **Reuse.** A request's prompt takes the longest prefix any earlier request left in the
+//!   cache's prefix index (zero-copy: the cells join its sequence) and prefills only the
+//!   rest. Everything a request's sequence ends up holding is published to the index.
+//! - **Hot tier.** A named agent keeps its sequence between calls; its next prompt reuses
+//!   its whole history up to where the prompt departs from it.
+//! - **Warm tier.** When a request needs cells the cache (its capacity is the memory
+//!   budget) cannot free by evicting unheld prefixes, the least recently used idle agent is
+//!   written to its session file and its sequence released; its next request restores it
+//!   from the file (beyond what the prefix index still holds) instead of prefilling.
+//! - **Model-tagged.** Files are named by agent and model fingerprint
+//!   (`AGENT.<first 16 hex>.kvsession.safetensors`), so a store for another model never
+//!   loads them and a store for the same model finds them again after a swap or a restart.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kvplug_core::{CacheKind, KvDtype, MAX_SEQS};
+use kvplug_plugin_api::AbiErrorKind;
+use kvplug_runtime::{Context as RtContext, Model};
+
+use crate::error::{fail, Context, Result};
+use crate::fingerprint::model_fingerprint;
+use crate::generator::{generate, GenOptions};
+use crate::sampler::Sampler;
+use crate::session_file::{self, Session, EXTENSION};
+
+/// How a store runs.
+pub struct AgentStoreOptions {
+    /// Cache capacity in cells: the memory budget for K/V (see `kvplug plan`).
+    pub capacity: usize,
+    /// KV storage dtype.
+    pub kv_dtype: KvDtype,
+    /// The warm tier's directory (created on first use).
+    pub dir: PathBuf,
+}
+
+/// What one request did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Reply {
+    /// Generated ids (ending at a stop token unless cut at `max_new`).
+    pub ids: Vec<i32>,
+    /// Prompt tokens whose K/V were reused: from the prefix index, the agent's own sequence
+    /// or its session file.
+    pub cached_tokens: usize,
+    /// Of those, tokens restored from the agent's session file.
+    pub restored_tokens: usize,
+    /// Prompt tokens prefilled.
+    pub prefilled_tokens: usize,
+    /// Seconds from the request to its first generated token.
+    pub ttft: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tok_s: f64,
+}
+
+struct Agent {
+    /// Tokens whose K/V its sequence (hot) or file (warm) holds.
+    tokens: Vec<i32>,
+    /// Its sequence while hot.
+    seq: Option<i32>,
+    /// A request of its is in flight (never parked then).
+    busy: bool,
+    last_use: u64,
+}
+
+/// A request admitted onto a sequence (see [`AgentStore::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// The request's sequence: it holds the prompt's first `history` tokens at positions
+    /// `0..history`.
+    pub seq: i32,
+    /// Prompt tokens whose K/V were reused (index, hot sequence or file).
+    pub history: usize,
+    /// Of those, tokens restored from the agent's session file.
+    pub restored: usize,
+}
+
+/// The store. Requests run one at a time through [`AgentStore::generate`], or several at
+/// once through [`admit`](AgentStore::admit), a [`Generator`](crate::Generator) stepping
+/// the store's [`context`](AgentStore::context), and [`finish`](AgentStore::finish) (the
+/// server's batcher).
+pub struct AgentStore {
+    cache: RtContext,
+    fingerprint: String,
+    dir: PathBuf,
+    agents: HashMap<String, Agent>,
+    free_seqs: Vec<i32>,
+    clock: u64,
+}
+
+/// Refuses a name that cannot be an agent's (a session file name): 1-128 of
+/// `A-Z a-z 0-9 . _ -`, not starting with `.`.
+pub fn check_agent_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if !ok {
+        fail!(
+            Invalid,
+            "'{name}' is not an agent name (1-128 of A-Z a-z 0-9 . _ -, not starting with '.')"
+        );
+    }
+    Ok(())
+}
+
+/// `prefix_attach` of `prompt` to `seq`, or 0 (nothing attached, the state untouched) when
+/// a hybrid cache's sliding layers no longer hold rows the match would need: the prompt is
+/// then prefilled whole.
+fn attach(cache: &RtContext, seq: i32, prompt: &[i32]) -> Result<usize> {
+    match cache.prefix_attach(seq, &tokens_u32(prompt)) {
+        Ok(n) => Ok(n),
+        Err(e) if e.kind == AbiErrorKind::OutOfWindow => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn tokens_u32(t: &[i32]) -> Vec<u32> {
+    t.iter().map(|&x| x as u32).collect()
+}
+
+fn common_prefix(a: &[i32], b: &[i32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl AgentStore {
+    /// A store for `model`, on a seq context of its own.
+    pub fn new(model: &Model, opts: AgentStoreOptions) -> Result<Self> {
+        let cache = model.context(CacheKind::Seq, opts.capacity, opts.kv_dtype)?;
+        Ok(AgentStore {
+            cache,
+            fingerprint: model_fingerprint(model.dir())?,
+            dir: opts.dir,
+            agents: HashMap::new(),
+            free_seqs: (0..MAX_SEQS as i32).rev().collect(),
+            clock: 0,
+        })
+    }
+
+    /// The context (statistics, prefix sizes).
+    pub fn cache(&self) -> &RtContext {
+        &self.cache
+    }
+
+    /// The context, to run admitted requests on.
+    pub fn context(&mut self) -> &mut RtContext {
+        &mut self.cache
+    }
+
+    /// Agent `name`'s session file for this model.
+    pub fn file_of(&self, name: &str) -> Result<PathBuf> {
+        check_agent_name(name)?;
+        Ok(self
+            .dir
+            .join(format!("{name}.{}.{EXTENSION}", &self.fingerprint[..16])))
+    }
+
+    /// Whether `name` holds a sequence now.
+    pub fn is_hot(&self, name: &str) -> bool {
+        self.agents.get(name).is_some_and(|a| a.seq.is_some())
+    }
+
+    /// Generates for `prompt` (at least one token) as agent `agent` (or anonymously):
+    /// reuse, prefill, decode to a stop token or `max_new`, publish.
+    pub fn generate(
+        &mut self,
+        agent: Option<&str>,
+        prompt: &[i32],
+        max_new: usize,
+        sampler: &Sampler,
+        stop: &BTreeSet<i32>,
+    ) -> Result<Reply> {
+        if max_new == 0 {
+            fail!(Invalid, "a request needs max_new >= 1");
+        }
+        let t0 = Instant::now();
+        let Some(placed) = self.admit(agent, prompt, max_new)? else {
+            fail!(
+                Invalid,
+                "the memory budget ({} cells) cannot hold this request",
+                self.cache.capacity()
+            );
+        };
+        let seq = placed.seq;
+        let reply = match self.run(seq, prompt, placed.history, max_new, sampler, stop, t0) {
+            Ok(r) => r,
+            Err(e) => {
+                self.abort(agent, seq)?;
+                return Err(e);
+            }
+        };
+        let mut held: Vec<i32> = prompt.to_vec();
+        held.extend_from_slice(&reply.ids[..reply.ids.len() - 1]);
+        self.finish(agent, seq, &held)?;
+        Ok(Reply {
+            cached_tokens: placed.history,
+            restored_tokens: placed.restored,
+            prefilled_tokens: prompt.len() - placed.history,
+            ..reply
+        })
+    }
+
+    /// Admits a request: a sequence holding as much of `prompt[..len - 1]` as the agent's
+    /// sequence, the prefix index or the agent's file has, and room for the rest of the
+    /// prompt plus `extra` more cells (what it will generate, plus whatever other requests
+    /// in flight still have to write). `None` when that room or a sequence cannot be had
+    /// now (requests in flight hold them); the store is then as before, except that an
+    /// agent's hot sequence may have been cut back to what this prompt shares with it.
+    /// The agent is busy until [`finish`](Self::finish) or [`abort`](Self::abort).
+    pub fn admit(
+        &mut self,
+        agent: Option<&str>,
+        prompt: &[i32],
+        extra: usize,
+    ) -> Result<Option<Placed>> {
+        if prompt.is_empty() {
+            fail!(Invalid, "a request needs a prompt token");
+        }
+        if let Some(name) = agent {
+            self.file_of(name)?;
+            if self.agents.get(name).is_some_and(|a| a.busy) {
+                fail!(Invalid, "agent '{name}' has a request in flight");
+            }
+        }
+        self.clock += 1;
+        if !self.is_hot(agent.unwrap_or_default())
+            && self.free_seqs.is_empty()
+            && !self.park_lru(agent)?
+        {
+            return Ok(None);
+        }
+        let Some(placed) = self.place(agent, prompt)? else {
+            return Ok(None);
+        };
+        if !self.make_room(prompt.len() - placed.history + extra, agent)? {
+            self.finish(agent, placed.seq, &prompt[..placed.history])?;
+            return Ok(None);
+        }
+        if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
+            a.busy = true;
+        }
+        Ok(Some(placed))
+    }
+
+    /// Ends a request whose sequence holds `held` (token `i` at position `i`): publishes it
+    /// to the prefix index; a named agent keeps it (hot), an anonymous request's sequence
+    /// is released (what the index holds stays, evictable).
+    pub fn finish(&mut self, agent: Option<&str>, seq: i32, held: &[i32]) -> Result<()> {
+        self.cache.prefix_publish(seq, &tokens_u32(held))?;
+        match agent {
+            Some(name) => {
+                let clock = self.clock;
+                let a = self
+                    .agents
+                    .get_mut(name)
+                    .expect("admitted agents are known");
+                (a.tokens, a.seq, a.last_use, a.busy) = (held.to_vec(), Some(seq), clock, false);
+            }
+            None => {
+                self.cache.seq_rm(seq, None, None)?;
+                self.free_seqs.push(seq);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops `seq`'s positions from `len` on (what a request in flight generated before
+    /// its client went away).
+    pub fn truncate(&mut self, seq: i32, len: usize) -> Result<()> {
+        Ok(self.cache.seq_rm(seq, Some(len as i32), None)?)
+    }
+
+    /// Ends a failed request: its K/V may be partial, so its sequence is dropped (an
+    /// agent's session file, if any, stays).
+    pub fn abort(&mut self, agent: Option<&str>, seq: i32) -> Result<()> {
+        self.cache.seq_rm(seq, None, None)?;
+        self.release(agent, seq);
+        Ok(())
+    }
+
+    fn release(&mut self, agent: Option<&str>, seq: i32) {
+        if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
+            a.seq = None;
+            a.busy = false;
+            a.tokens.clear();
+        }
+        self.free_seqs.push(seq);
+    }
+
+    /// Gives the request a sequence holding as much of `prompt[..len - 1]` as the agent's
+    /// sequence, the prefix index or the agent's file has (a sequence must be free or the
+    /// agent hot). `None` when the cells to restore from the file cannot be freed now.
+    fn place(&mut self, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
+        let limit = prompt.len() - 1;
+        let indexed = self.cache.prefix_match(&tokens_u32(&prompt[..limit]))?;
+        if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
+            if let Some(seq) = a.seq {
+                let keep = common_prefix(&a.tokens, prompt).min(limit);
+                if keep >= indexed {
+                    match self.cache.seq_rm(seq, Some(keep as i32), None) {
+                        Ok(()) => {
+                            a.tokens.truncate(keep);
+                            return Ok(Some(Placed {
+                                seq,
+                                history: keep,
+                                restored: 0,
+                            }));
+                        }
+                        // A hybrid cache cannot go back that far: start the sequence over.
+                        Err(e) if e.kind == AbiErrorKind::OutOfWindow => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                // The index holds more of this prompt than the agent's own history (or the
+                // history cannot be kept).
+                self.cache.seq_rm(seq, None, None)?;
+                a.tokens.clear();
+                let attached = attach(&self.cache, seq, &prompt[..limit])?;
+                a.tokens = prompt[..attached].to_vec();
+                return Ok(Some(Placed {
+                    seq,
+                    history: attached,
+                    restored: 0,
+                }));
+            }
+        }
+        let seq = self.free_seqs.pop().context("no free sequence")?;
+        let placed = self.fill(seq, agent, prompt);
+        if !matches!(placed, Ok(Some(_))) {
+            // No room, or a failed restore: the sequence goes back empty.
+            self.cache.seq_rm(seq, None, None)?;
+            self.free_seqs.push(seq);
+        }
+        placed
+    }
+
+    /// Fills the empty `seq` with what the prefix index and the agent's file hold of
+    /// `prompt[..len - 1]` and gives it to the agent; `None` when the cells to restore
+    /// cannot be freed now.
+    fn fill(&mut self, seq: i32, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
+        let limit = prompt.len() - 1;
+        let attached = attach(&self.cache, seq, &prompt[..limit])?;
+        let mut history = attached;
+        let mut restored = 0;
+        if let Some(name) = agent {
+            let path = self.file_of(name)?;
+            if path.exists() {
+                let s = session_file::read(&path)?;
+                s.check_fits(&path, &self.fingerprint, self.cache.capacity())?;
+                let have = common_prefix(&s.tokens, prompt).min(limit);
+                if have > attached {
+                    let need = have - attached;
+                    if !self.make_room(need, agent)? {
+                        return Ok(None);
+                    }
+                    // A hybrid model's file keeps its sliding layers' rows only for the
+                    // window at its end: a prompt that diverges before then is prefilled.
+                    match self.cache.import_seq(seq, &s.rows.slice(attached..have)) {
+                        Ok(()) => (history, restored) = (have, need),
+                        Err(e) if e.kind == AbiErrorKind::OutOfWindow => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            let a = self.agents.entry(name.to_string()).or_insert(Agent {
+                tokens: Vec::new(),
+                seq: None,
+                busy: false,
+                last_use: 0,
+            });
+            (a.tokens, a.seq) = (prompt[..history].to_vec(), Some(seq));
+        }
+        Ok(Some(Placed {
+            seq,
+            history,
+            restored,
+        }))
+    }
+
+    /// Makes `n` cells free: evicts unheld prefixes, then parks idle agents (least recently
+    /// used first) until enough can be evicted. False when even that is not enough.
+    fn make_room(&mut self, n: usize, current: Option<&str>) -> Result<bool> {
+        loop {
+            match self.cache.prefix_reserve(n) {
+                Ok(_) => return Ok(true),
+                Err(e) if e.kind == AbiErrorKind::Capacity => {
+                    if !self.park_lru(current)? {
+                        return Ok(false);
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Parks the least recently used idle hot agent other than `current`; false when none.
+    fn park_lru(&mut self, current: Option<&str>) -> Result<bool> {
+        let victim = self
+            .agents
+            .iter()
+            .filter(|(n, a)| a.seq.is_some() && !a.busy && Some(n.as_str()) != current)
+            .min_by_key(|(_, a)| a.last_use)
+            .map(|(n, _)| n.clone());
+        match victim {
+            Some(name) => self.park(&name).map(|_| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Moves agent `name` to the warm tier: its history to its session file (atomically),
+    /// its sequence released (cells the prefix index holds stay there, evictable).
+    pub fn park(&mut self, name: &str) -> Result<()> {
+        let path = self.file_of(name)?;
+        let Some(a) = self.agents.get_mut(name) else {
+            fail!(Invalid, "no agent '{name}'");
+        };
+        let Some(seq) = a.seq else {
+            return Ok(());
+        };
+        if a.busy {
+            fail!(Invalid, "agent '{name}' has a request in flight");
+        }
+        let session = Session {
+            rows: self.cache.export_seq(seq)?,
+            tokens: a.tokens.clone(),
+            model: self.fingerprint.clone(),
+            app: Default::default(),
+        };
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("creating {}", self.dir.display()))?;
+        session_file::write(&path, &session)?;
+        self.cache.seq_rm(seq, None, None)?;
+        a.seq = None;
+        self.free_seqs.push(seq);
+        tracing::debug!(agent = name, tokens = session.tokens.len(), "agent parked");
+        Ok(())
+    }
+
+    /// Parks every idle hot agent (before a model swap or shutdown).
+    pub fn park_all(&mut self) -> Result<()> {
+        let hot: Vec<String> = self
+            .agents
+            .iter()
+            .filter(|(_, a)| a.seq.is_some() && !a.busy)
+            .map(|(n, _)| n.clone())
+            .collect();
+        hot.iter().try_for_each(|n| self.park(n))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        seq: i32,
+        prompt: &[i32],
+        history: usize,
+        max_new: usize,
+        sampler: &Sampler,
+        stop: &BTreeSet<i32>,
+        t0: Instant,
+    ) -> Result<Reply> {
+        let opts = GenOptions {
+            max_tokens: max_new,
+            sampler: sampler.clone(),
+            stop_tokens: stop.clone(),
+            ..GenOptions::default()
+        };
+        let mut ttft = None;
+        let g = generate(
+            &mut self.cache,
+            None,
+            seq,
+            &prompt[history..],
+            history,
+            opts,
+            &mut |_| {
+                ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                Ok(())
+            },
+        )?;
+        Ok(Reply {
+            decode_tok_s: g.decode_tok_s,
+            ids: g.ids,
+            cached_tokens: 0,
+            restored_tokens: 0,
+            prefilled_tokens: 0,
+            ttft: ttft.unwrap_or_default(),
+        })
+    }
+}

@@ -1,0 +1,275 @@
+//! Throughput in the shape of llama.cpp's `llama-bench` (`kvplug bench`), for any model
+//! (GGUF included), per backend, cache kind and KV dtype.
+//!
+//! A test `ppN @ dD` times the prefill of `N` tokens after `D` tokens of context (in
+//! micro-batches of [`PREFILL_UBATCH`](crate::generator::PREFILL_UBATCH), as every prefill
+//! runs); `tgN @ dD` times `N` decode steps after `D` tokens (greedy, no stop token). Prompt
+//! tokens are drawn uniformly from the vocabulary with a fixed seed, as `llama-bench` does.
+//! Each test runs once untimed (warm-up: pools grown, kernels and buffers ready), then
+//! `repetitions` times from the same context: the context is prefilled once per depth and
+//! the cache cut back to it before every run (`rewind` on a contiguous cache, `seq_rm` on a
+//! seq cache; a tree cache, which cannot be cut, is cleared and prefilled again). Both go
+//! through the one [`Generator`](crate::Generator). Results carry `llama-bench`'s JSON field
+//! names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`, `stddev_ts`, `samples_ts`) so the two
+//! compare directly.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use kvplug_core::{CacheKind, KvDtype};
+use kvplug_runtime::{Context, Runtime};
+
+use crate::error::{fail, Result};
+use crate::generator::{generate, GenOptions};
+
+/// What to measure. Every combination of the lists runs.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Model: a directory or a GGUF file.
+    pub model: PathBuf,
+    /// Backend ids.
+    pub backend: Vec<String>,
+    /// Cache kinds.
+    pub kind: Vec<CacheKind>,
+    /// KV storage dtypes.
+    pub kv_dtype: Vec<KvDtype>,
+    /// Prompt lengths of the pp tests (0: none).
+    pub n_prompt: Vec<usize>,
+    /// Generated tokens of the tg tests (0: none).
+    pub n_gen: Vec<usize>,
+    /// Tokens of context before each test.
+    pub n_depth: Vec<usize>,
+    /// Timed runs per test.
+    pub repetitions: usize,
+}
+
+/// One test's figures.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchResult {
+    /// The model's file or directory name.
+    pub model: String,
+    /// Backend id.
+    pub backend: String,
+    /// The backend's device description (threads, kernels).
+    pub device: String,
+    /// Cache kind.
+    pub kind: String,
+    /// KV storage dtype.
+    pub kv_dtype: String,
+    /// Prompt tokens (pp test) or 0.
+    pub n_prompt: usize,
+    /// Generated tokens (tg test) or 0.
+    pub n_gen: usize,
+    /// Context before the test.
+    pub n_depth: usize,
+    /// Tokens per second of each timed run.
+    pub samples_ts: Vec<f64>,
+    /// Their mean.
+    pub avg_ts: f64,
+    /// Their sample standard deviation (0 for one run).
+    pub stddev_ts: f64,
+    /// The cache's K/V pool bytes after the last run.
+    pub cache_bytes: u64,
+}
+
+impl BenchResult {
+    /// `pp512`, `tg128 @ d4096`: `llama-bench`'s test names.
+    pub fn test(&self) -> String {
+        let t = match self.n_prompt {
+            0 => format!("tg{}", self.n_gen),
+            p => format!("pp{p}"),
+        };
+        match self.n_depth {
+            0 => t,
+            d => format!("{t} @ d{d}"),
+        }
+    }
+}
+
+/// Deterministic tokens in `0..vocab` (xorshift; the figures do not depend on the ids).
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<i32> {
+    let mut s = seed.max(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as i32
+        })
+        .collect()
+}
+
+/// Brings `ctx` to exactly `context`: cut back to it when the cache starts with it
+/// (`held` says which context it starts with), else cleared and prefilled.
+fn reset(ctx: &mut Context, context: &[i32], held: &mut Option<usize>) -> Result<()> {
+    let d = context.len();
+    match ctx.kind() {
+        CacheKind::Contiguous if *held == Some(d) => return Ok(ctx.rewind(d)?),
+        CacheKind::Seq if *held == Some(d) => return Ok(ctx.seq_rm(0, Some(d as i32), None)?),
+        _ => {}
+    }
+    ctx.clear()?;
+    if d > 0 {
+        pp(ctx, context, 0)?;
+    }
+    *held = Some(d);
+    Ok(())
+}
+
+/// Seconds to prefill `prompt` at `depth..`.
+fn pp(ctx: &mut Context, prompt: &[i32], depth: usize) -> Result<f64> {
+    let t = Instant::now();
+    let opts = GenOptions::default();
+    generate(ctx, None, 0, prompt, depth, opts, &mut |_| Ok(()))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Seconds to decode `n` tokens after `first` at `depth` (the first token's forward
+/// included, its prompt of one token being the step's input).
+fn tg(ctx: &mut Context, first: i32, n: usize, depth: usize) -> Result<f64> {
+    let t = Instant::now();
+    let opts = GenOptions {
+        max_tokens: n,
+        ..GenOptions::default()
+    };
+    // n forwards: the first token, then n - 1 of the n sampled.
+    generate(ctx, None, 0, &[first], depth, opts, &mut |_| Ok(()))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = match v.len() {
+        0 | 1 => 0.0,
+        _ => v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0),
+    };
+    (mean, var.sqrt())
+}
+
+/// Runs every combination of `a` on `runtime`'s backends; `on_result` sees each test as it
+/// finishes.
+pub fn run(
+    runtime: &Runtime,
+    a: &BenchOptions,
+    on_result: &mut dyn FnMut(&BenchResult),
+) -> Result<Vec<BenchResult>> {
+    if a.repetitions == 0 {
+        fail!(Invalid, "repetitions must be at least 1");
+    }
+    let name = a.model.file_name().map_or_else(
+        || a.model.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    );
+    let tests: Vec<(usize, usize)> = (a.n_prompt.iter().filter(|&&p| p > 0).map(|&p| (p, 0)))
+        .chain(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| (0, n)))
+        .collect();
+    if tests.is_empty() {
+        fail!(
+            Invalid,
+            "no tests: give a positive prompt or generation length"
+        );
+    }
+    let longest = tests.iter().map(|&(p, n)| p.max(n)).max().unwrap_or(0);
+    let capacity = a.n_depth.iter().max().copied().unwrap_or(0) + longest;
+    let mut results = Vec::new();
+    for backend in &a.backend {
+        let device = runtime.plugin(backend)?.device.clone();
+        let model = crate::formats::open_model(runtime, backend, &a.model)?;
+        for &kind in &a.kind {
+            for &dtype in &a.kv_dtype {
+                let mut ctx = model.context(kind, capacity, dtype)?;
+                let vocab = model.vocab();
+                let mut held = None;
+                for &depth in &a.n_depth {
+                    let context = tokens(depth, vocab, 1 + depth as u64);
+                    for &(p, n) in &tests {
+                        let ids = tokens(p.max(1), vocab, 7);
+                        let mut samples = Vec::with_capacity(a.repetitions);
+                        for rep in 0..=a.repetitions {
+                            reset(&mut ctx, &context, &mut held)?;
+                            let secs = match p {
+                                0 => tg(&mut ctx, ids[0], n, depth)?,
+                                _ => pp(&mut ctx, &ids, depth)?,
+                            };
+                            // Run 0 warms up.
+                            if rep > 0 {
+                                samples.push(p.max(n) as f64 / secs.max(1e-9));
+                            }
+                        }
+                        let (avg_ts, stddev_ts) = mean_sd(&samples);
+                        let r = BenchResult {
+                            model: name.clone(),
+                            backend: backend.clone(),
+                            device: device.clone(),
+                            kind: kind.as_str().into(),
+                            kv_dtype: dtype.to_string(),
+                            n_prompt: p,
+                            n_gen: n,
+                            n_depth: depth,
+                            samples_ts: samples,
+                            avg_ts,
+                            stddev_ts,
+                            cache_bytes: ctx.stats()?.allocated_bytes,
+                        };
+                        on_result(&r);
+                        results.push(r);
+                    }
+                }
+            }
+        }
+    }
+    Ok(results)
+}
+
+/// The table's header rows.
+pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache MiB |\n| --- | --- | --- | --- | ---: | ---: | ---: |";
+
+/// One table row.
+pub fn table_row(r: &BenchResult) -> String {
+    format!(
+        "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",
+        r.model,
+        r.backend,
+        r.kind,
+        r.kv_dtype,
+        r.test(),
+        r.avg_ts,
+        r.stddev_ts,
+        r.cache_bytes as f64 / (1 << 20) as f64
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_names_follow_llama_bench() {
+        let mut r = BenchResult {
+            model: "m".into(),
+            backend: "cpu".into(),
+            device: String::new(),
+            kind: "contiguous".into(),
+            kv_dtype: "f16".into(),
+            n_prompt: 512,
+            n_gen: 0,
+            n_depth: 0,
+            samples_ts: vec![],
+            avg_ts: 0.0,
+            stddev_ts: 0.0,
+            cache_bytes: 0,
+        };
+        assert_eq!(r.test(), "pp512");
+        (r.n_prompt, r.n_gen, r.n_depth) = (0, 128, 4096);
+        assert_eq!(r.test(), "tg128 @ d4096");
+    }
+
+    #[test]
+    fn mean_and_sample_deviation() {
+        let (m, s) = mean_sd(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+        assert_eq!(m, 5.0);
+        // Sum of squared deviations 32 over n - 1 = 7.
+        assert!((s - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
+    }
+}

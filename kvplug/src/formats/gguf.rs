@@ -1,0 +1,926 @@
+//! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `gemma3`).
+//!
+//! [`resolve_model`] (what `--model FILE.gguf` does): the weights stay in the GGUF and are
+//! used where they lie, in their stored types (quantized blocks included). It derives a small
+//! directory, cached under [`cache_dir`]: `config.json`, the tokenizer files, and
+//! [`gguf.json`](kvplug_core::gguf_index) — where each Hugging Face–named tensor lies in the
+//! file, and what llama.cpp's converter changed (Llama's q/k rows permuted into interleaved
+//! rotary pairs; Gemma's `+ 1` folded into its RMSNorm weights).
+//!
+//! [`import`] (`kvplug model import`, an explicit conversion): the GGUF becomes a Hugging
+//! Face–style directory (`model.safetensors` — matrices dequantized to f16, vectors in f32 —
+//! with `kv_cache.*` metadata), the converter's changes undone.
+//!
+//! The container and the ggml block formats are read by candle's `gguf_file` (dequantized by
+//! its reference code for `import`); this module maps names and metadata.
+//!
+//! Tokenizers: byte-level BPE (`tokenizer.ggml.model = gpt2`) from the vocabulary and merges;
+//! SentencePiece BPE (`llama`, as Gemma ships it) from the vocabulary and scores — the merge
+//! of two adjacent pieces ranks by the score of the piece they make, which is how
+//! SentencePiece (and llama.cpp's SPM tokenizer) picks the next merge — with byte fallback
+//! and `▁` for spaces.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use crate::error::{fail, Context, Result};
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::Device;
+use half::f16;
+use kvplug_core::files::open_regular;
+
+use super::gguf_check::{check_header, check_tensors};
+use safetensors::tensor::{Dtype, TensorView};
+use sha2::{Digest, Sha256};
+
+/// Reads a GGUF header and its metadata.
+struct Gguf {
+    path: PathBuf,
+    content: Content,
+}
+
+impl Gguf {
+    /// Parses the header (after [`check_header`]) and checks every tensor lies inside.
+    fn open(path: &Path) -> Result<Self> {
+        check_header(path)?;
+        let (file, len) = open_regular(path)?;
+        let content = Content::read(&mut BufReader::new(file)).map_err(|e| {
+            crate::Error::Model(format!("{}: not a readable GGUF file: {e}", path.display()))
+        })?;
+        check_tensors(&content, len, path)?;
+        Ok(Gguf {
+            path: path.to_path_buf(),
+            content,
+        })
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn string(&self, key: &str) -> Result<&str> {
+        self.get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?
+            .to_string()
+            .map(String::as_str)
+            .map_err(|e| {
+                crate::Error::Model(format!("{}: metadata '{key}': {e}", self.path.display()))
+            })
+    }
+
+    fn uint(&self, key: &str) -> Result<u64> {
+        let v = self
+            .get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?;
+        as_u64(v)
+            .with_context(|| format!("{}: metadata '{key}' is not a count", self.path.display()))
+    }
+
+    fn float(&self, key: &str) -> Option<f64> {
+        match self.get(key)? {
+            // The f32's shortest decimal (1e-5, not 9.99999974e-6).
+            Value::F32(x) => x.to_string().parse().ok(),
+            Value::F64(x) => Some(*x),
+            v => as_u64(v).map(|x| x as f64),
+        }
+    }
+
+    fn strings(&self, key: &str) -> Result<Vec<String>> {
+        let v = self
+            .get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?;
+        v.to_vec()
+            .map_err(|e| crate::Error::Model(format!("{key}: {e}")))?
+            .iter()
+            .map(|s| {
+                s.to_string()
+                    .cloned()
+                    .map_err(|e| crate::Error::Model(format!("{key}: {e}")))
+            })
+            .collect()
+    }
+
+    /// One tensor as f32, row-major in Hugging Face's `[rows, cols]` order.
+    fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let mut r = BufReader::new(open_regular(&self.path)?.0);
+        let q = self
+            .content
+            .tensor(&mut r, name, &Device::Cpu)
+            .map_err(|e| {
+                crate::Error::Model(format!("{}: tensor '{name}': {e}", self.path.display()))
+            })?;
+        let dims = q.shape().dims().to_vec();
+        let t = q
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| {
+                crate::Error::Model(format!(
+                    "{}: dequantizing '{name}': {e}",
+                    self.path.display()
+                ))
+            })?;
+        Ok((dims, t))
+    }
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::U8(x) => Some(*x as u64),
+        Value::U16(x) => Some(*x as u64),
+        Value::U32(x) => Some(*x as u64),
+        Value::U64(x) => Some(*x),
+        Value::I8(x) => u64::try_from(*x).ok(),
+        Value::I16(x) => u64::try_from(*x).ok(),
+        Value::I32(x) => u64::try_from(*x).ok(),
+        Value::I64(x) => u64::try_from(*x).ok(),
+        _ => None,
+    }
+}
+
+/// The architectures this module reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+/// Gemma's chat template (text turns) for a `gemma3` GGUF that ships none: Google's
+/// template as published with the Gemma 3 instruction-tuned models, images left out.
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
+{%- if messages[0]['role'] == 'system' -%}\
+{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\
+{%- set loop_messages = messages[1:] -%}\
+{%- else -%}\
+{%- set first_user_prefix = '' -%}\
+{%- set loop_messages = messages -%}\
+{%- endif -%}\
+{%- for message in loop_messages -%}\
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}\
+{%- endif -%}\
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}\
+{{- message['content'] | trim }}{{ '<end_of_turn>\n' }}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}";
+
+impl Gguf {
+    fn arch(&self) -> Result<Arch> {
+        match self.string("general.architecture")? {
+            "llama" => Ok(Arch::Llama),
+            "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
+            "gemma3" => Ok(Arch::Gemma3),
+            other => fail!(
+                Model,
+                "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
+                 gemma3)",
+                self.path.display()
+            ),
+        }
+    }
+}
+
+/// The architecture facts of a GGUF, as `config.json` wants them.
+fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
+    let arch = g.arch()?;
+    let name = g.string("general.architecture")?;
+    let k = |s: &str| format!("{name}.{s}");
+    let heads = g.uint(&k("attention.head_count"))?;
+    let hidden = g.uint(&k("embedding_length"))?;
+    let layers = g.uint(&k("block_count"))?;
+    let vocab = match g.uint(&k("vocab_size")) {
+        Ok(v) => v,
+        Err(_) => g.strings("tokenizer.ggml.tokens")?.len() as u64,
+    };
+    let mut c = serde_json::json!({
+        "hidden_size": hidden,
+        "intermediate_size": g.uint(&k("feed_forward_length"))?,
+        "num_attention_heads": heads,
+        "num_key_value_heads": g.uint(&k("attention.head_count_kv")).unwrap_or(heads),
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+    });
+    match arch {
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+            let (model_type, class) = match arch {
+                Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+                Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+                _ => ("llama", "LlamaForCausalLM"),
+            };
+            c["model_type"] = model_type.into();
+            c["architectures"] = serde_json::json!([class]);
+            c["rms_norm_eps"] = g
+                .float(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5)
+                .into();
+            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
+            // Llama 3.x: the converter turns rope_scaling into per-pair frequency divisors.
+            if g.content.tensor_infos.contains_key("rope_freqs.weight") {
+                let (_, f) = g.tensor("rope_freqs.weight")?;
+                c["rope_freq_factors"] = f.iter().map(|&x| x as f64).collect();
+            }
+        }
+        Arch::Gemma3 => {
+            // llama.cpp's gemma3 graph: local layers use RoPE base 10000 and every sixth
+            // layer is global; attention scale is key_length^-1/2 (query_pre_attn_scalar).
+            let window = g.uint(&k("attention.sliding_window"))?;
+            let head_dim = g.uint(&k("attention.key_length"))?;
+            c["model_type"] = "gemma3_text".into();
+            c["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
+            c["rms_norm_eps"] = g
+                .float(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6)
+                .into();
+            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
+            c["rope_local_base_freq"] = 10000.0.into();
+            c["query_pre_attn_scalar"] = head_dim.into();
+            c["hidden_activation"] = "gelu_pytorch_tanh".into();
+            c["sliding_window"] = window.into();
+            c["layer_types"] = (0..layers)
+                .map(|i| {
+                    if (i + 1) % 6 == 0 {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    }
+                })
+                .collect();
+            if let Ok(t) = g.string(&k("rope.scaling.type")) {
+                if t != "none" {
+                    let factor = g.float(&k("rope.scaling.factor")).with_context(|| {
+                        format!("{}: rope scaling '{t}' without a factor", g.path.display())
+                    })?;
+                    c["rope_scaling"] = serde_json::json!({"rope_type": t, "factor": factor});
+                }
+            }
+        }
+    }
+    if let Ok(n) = g.uint(&k("context_length")) {
+        c["max_position_embeddings"] = n.into();
+    }
+    if let Ok(d) = g.uint(&k("attention.key_length")) {
+        c["head_dim"] = d.into();
+    }
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ] {
+        if let Ok(id) = g.uint(key) {
+            c[field] = id.into();
+        }
+    }
+    Ok(c)
+}
+
+/// llama.cpp's converter stores q/k rows of each head as (pairs interleaved) for its
+/// rotary kernel; Hugging Face's rotate-half layout takes the first half, then the second.
+/// Undo `reshape(heads, 2, hd/2, cols).swap(1, 2)`.
+fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let rows = w.len() / cols;
+    let hd = rows / heads;
+    let mut out = vec![0.0; w.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                // GGUF row h·hd + 2i + j holds HF row h·hd + j·hd/2 + i.
+                let src = (h * hd + 2 * i + j) * cols;
+                let dst = (h * hd + j * hd / 2 + i) * cols;
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// The GGUF tensor behind each Hugging Face weight name.
+fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> {
+    let mut v = vec![
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+        ),
+        ("output_norm.weight".into(), "model.norm.weight".into()),
+    ];
+    if !tied {
+        v.push(("output.weight".into(), "lm_head.weight".into()));
+    }
+    let common = [
+        ("attn_norm", "input_layernorm"),
+        ("attn_q", "self_attn.q_proj"),
+        ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"),
+        ("ffn_gate", "mlp.gate_proj"),
+        ("ffn_up", "mlp.up_proj"),
+        ("ffn_down", "mlp.down_proj"),
+    ];
+    let own: &[(&str, &str)] = match arch {
+        Arch::Llama => &[("ffn_norm", "post_attention_layernorm")],
+        Arch::Qwen2 => &[("ffn_norm", "post_attention_layernorm")],
+        Arch::Qwen3 => &[
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+        ],
+        Arch::Gemma3 => &[
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ],
+    };
+    for l in 0..layers {
+        for (g, hf) in common.iter().chain(own) {
+            v.push((
+                format!("blk.{l}.{g}.weight"),
+                format!("model.layers.{l}.{hf}.weight"),
+            ));
+        }
+        if arch == Arch::Qwen2 {
+            for p in ["q", "k", "v"] {
+                v.push((
+                    format!("blk.{l}.attn_{p}.bias"),
+                    format!("model.layers.{l}.self_attn.{p}_proj.bias"),
+                ));
+            }
+        }
+    }
+    v
+}
+
+/// Token types of `tokenizer.ggml.token_type` (llama.cpp's `llama_token_type`).
+const NORMAL: u64 = 1;
+const CONTROL: u64 = 3;
+const USER_DEFINED: u64 = 4;
+
+/// Builds `tokenizer.json` from the GGUF vocabulary (see the module docs for the models),
+/// plus the tokenizer config with the chat template and special tokens.
+fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value)> {
+    use tokenizers::AddedToken;
+
+    let tokens = g.strings("tokenizer.ggml.tokens")?;
+    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .map_err(|e| crate::Error::Model(format!("token_type: {e}")))?
+            .iter()
+            .map(|t| as_u64(t).unwrap_or(NORMAL))
+            .collect(),
+        None => vec![NORMAL; tokens.len()],
+    };
+    if types.len() != tokens.len() {
+        fail!(
+            Model,
+            "{}: {} token types for {} tokens",
+            g.path.display(),
+            types.len(),
+            tokens.len()
+        );
+    }
+    let mut tk = match g.string("tokenizer.ggml.model")? {
+        "gpt2" => byte_level_bpe(g, &tokens)?,
+        "llama" => sentencepiece_bpe(g, &tokens, &types)?,
+        model => fail!(
+            Model,
+            "{}: tokenizer model '{model}' cannot be imported yet (supported: gpt2 byte-level \
+             BPE, llama SentencePiece BPE)",
+            g.path.display()
+        ),
+    };
+    // Control and user-defined tokens are matched whole in the raw text, never split; only
+    // control tokens are special (skipped when decoding).
+    let special: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
+        .map(|(s, &t)| AddedToken::from(s.clone(), t == CONTROL).normalized(false))
+        .collect();
+    tk.add_special_tokens(&special);
+    let name = |key: &str| -> Option<String> {
+        g.uint(key)
+            .ok()
+            .and_then(|i| tokens.get(i as usize))
+            .cloned()
+    };
+    let mut config = serde_json::json!({});
+    match g.string("tokenizer.chat_template") {
+        Ok(t) => config["chat_template"] = t.into(),
+        Err(_) if g.arch()? == Arch::Gemma3 => config["chat_template"] = GEMMA_TEMPLATE.into(),
+        Err(_) => {}
+    }
+    for (key, field) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token"),
+        ("tokenizer.ggml.eos_token_id", "eos_token"),
+        ("tokenizer.ggml.padding_token_id", "pad_token"),
+        ("tokenizer.ggml.unknown_token_id", "unk_token"),
+    ] {
+        if let Some(t) = name(key) {
+            config[field] = t.into();
+        }
+    }
+    if let Some(Value::Bool(b)) = g.get("tokenizer.ggml.add_bos_token") {
+        config["add_bos_token"] = (*b).into();
+    }
+    Ok((tk, config))
+}
+
+/// Whether the GGUF names pre-tokenizer `name`.
+fn pre_name_is(g: &Gguf, name: &str) -> bool {
+    g.string("tokenizer.ggml.pre").is_ok_and(|p| p == name)
+}
+
+/// Byte-level BPE from `tokenizer.ggml.merges`, with the pre-tokenizer `tokenizer.ggml.pre`
+/// names.
+fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
+
+    let merges: Vec<(String, String)> = g
+        .strings("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .with_context(|| format!("merge '{m}' is not two tokens"))
+        })
+        .collect::<Result<_>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| crate::Error::Model(format!("building the BPE tokenizer: {e}")))?;
+    let mut tk = tokenizers::Tokenizer::new(bpe);
+    let byte_level = ByteLevel::new(false, true, true);
+    let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
+    // Qwen2's and Llama 3's tokenizer.json: their split regex (isolated matches), then
+    // byte-level without its own regex. They differ in digit runs (one vs up to three).
+    let split_then_bytes = |digits: &str| -> Result<PreTokenizerWrapper> {
+        let regex = format!(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{digits}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        );
+        let split = Split::new(
+            SplitPattern::Regex(regex),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| crate::Error::Model(format!("the {pre} split regex: {e}")))?;
+        Ok(Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, false, false).into(),
+        ])
+        .into())
+    };
+    let pre: PreTokenizerWrapper = match pre {
+        // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
+        "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+        "gpt2" | "default" => byte_level.into(),
+        "qwen2" => split_then_bytes("")?,
+        "llama-bpe" | "llama3" => split_then_bytes("{1,3}")?,
+        other => fail!(
+            Model,
+            "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, qwen2, \
+             llama-bpe)",
+            g.path.display()
+        ),
+    };
+    if pre_name_is(g, "qwen2") {
+        tk.with_normalizer(Some(tokenizers::normalizers::unicode::NFC));
+    }
+    tk.with_pre_tokenizer(Some(pre));
+    tk.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(tk)
+}
+
+/// SentencePiece BPE from `tokenizer.ggml.scores`: the merges are every split of a normal
+/// piece into two pieces of the vocabulary, ranked by the piece's score (highest first;
+/// splits of one piece by their ids), as Hugging Face's `SentencePieceExtractor` derives
+/// them. Spaces become `▁` (no prefix space unless `tokenizer.ggml.add_space_prefix`);
+/// characters outside the vocabulary fall back to `<0xNN>` byte tokens.
+fn sentencepiece_bpe(g: &Gguf, tokens: &[String], types: &[u64]) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::normalizers::{Prepend, Replace};
+    use tokenizers::{DecoderWrapper, NormalizerWrapper};
+
+    let scores: Vec<f64> = g
+        .get("tokenizer.ggml.scores")
+        .with_context(|| format!("{}: no tokenizer.ggml.scores", g.path.display()))?
+        .to_vec()
+        .map_err(|e| crate::Error::Model(format!("scores: {e}")))?
+        .iter()
+        .map(|v| match v {
+            Value::F32(x) => Ok(*x as f64),
+            Value::F64(x) => Ok(*x),
+            other => fail!(Model, "a score is not a float: {other:?}"),
+        })
+        .collect::<Result<_>>()?;
+    if scores.len() != tokens.len() {
+        fail!(
+            Model,
+            "{}: {} scores for {} tokens",
+            g.path.display(),
+            scores.len(),
+            tokens.len()
+        );
+    }
+    let id: std::collections::HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
+    let mut ranked: Vec<(f64, u32, u32)> = Vec::new();
+    for (piece, (&ty, &score)) in tokens.iter().zip(types.iter().zip(&scores)) {
+        if ty != NORMAL {
+            continue;
+        }
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&l), Some(&r)) = (id.get(l), id.get(r)) {
+                ranked.push((score, l, r));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    let merges: Vec<(String, String)> = ranked
+        .iter()
+        .map(|&(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(unk) = g
+        .uint("tokenizer.ggml.unknown_token_id")
+        .ok()
+        .and_then(|i| tokens.get(i as usize))
+    {
+        bpe = bpe.unk_token(unk.clone());
+    }
+    let bpe = bpe.build().map_err(|e| {
+        crate::Error::Model(format!("building the SentencePiece BPE tokenizer: {e}"))
+    })?;
+    let mut tk = tokenizers::Tokenizer::new(bpe);
+    let replace = || Replace::new(" ", "▁").map_err(|e| crate::Error::Model(format!("{e}")));
+    let prefix = matches!(
+        g.get("tokenizer.ggml.add_space_prefix"),
+        Some(Value::Bool(true))
+    );
+    let normalizer: NormalizerWrapper = if prefix {
+        tokenizers::normalizers::Sequence::new(vec![
+            Prepend::new("▁".into()).into(),
+            replace()?.into(),
+        ])
+        .into()
+    } else {
+        replace()?.into()
+    };
+    tk.with_normalizer(Some(normalizer));
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new("▁", " ")
+            .map_err(|e| crate::Error::Model(format!("{e}")))?
+            .into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if prefix {
+        decoders.push(tokenizers::decoders::strip::Strip::new(' ', 1, 0).into());
+    }
+    tk.with_decoder(Some(Sequence::new(decoders)));
+    Ok(tk)
+}
+
+/// `config.json`, `generation_config.json`, `tokenizer_config.json` and `tokenizer.json`
+/// into `dir`.
+fn write_text_files(
+    dir: &Path,
+    config: &serde_json::Value,
+    tokenizer: &tokenizers::Tokenizer,
+    tokenizer_config: &serde_json::Value,
+) -> Result<()> {
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(config)?,
+    )?;
+    let mut gen = serde_json::json!({});
+    for k in ["bos_token_id", "eos_token_id"] {
+        if !config[k].is_null() {
+            gen[k] = config[k].clone();
+        }
+    }
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::to_string_pretty(&gen)?,
+    )?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(tokenizer_config)?,
+    )?;
+    tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(|e| crate::Error::Model(format!("writing tokenizer.json: {e}")))
+}
+
+/// A fresh, empty staging directory beside `out` (for a write renamed into place).
+fn staging_dir(out: &Path, what: &str) -> Result<PathBuf> {
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("{}", parent.display()))?;
+    let tmp = parent.join(format!(
+        ".{}.{what}-{}",
+        out.file_name().and_then(|s| s.to_str()).unwrap_or("model"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("{}", tmp.display()))?;
+    Ok(tmp)
+}
+
+/// The stored-type name `gguf.json` uses for a ggml type (the kit's names), or `None` for a
+/// type kvplug does not compute.
+fn stored_type_name(t: candle_core::quantized::GgmlDType) -> Option<&'static str> {
+    use candle_core::quantized::GgmlDType as T;
+    Some(match t {
+        T::F32 => "f32",
+        T::F16 => "f16",
+        T::BF16 => "bf16",
+        T::Q4_0 => "q4_0",
+        T::Q4_1 => "q4_1",
+        T::Q5_0 => "q5_0",
+        T::Q5_1 => "q5_1",
+        T::Q8_0 => "q8_0",
+        T::Q4K => "q4_K",
+        T::Q5K => "q5_K",
+        T::Q6K => "q6_K",
+        _ => return None,
+    })
+}
+
+/// Writes into `out` (which must not exist; staged and renamed into place) the directory
+/// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and
+/// `gguf.json`. A weight of a type kvplug cannot compute is refused here, by name.
+pub fn index(gguf: &Path, out: &Path) -> Result<()> {
+    use kvplug_core::gguf_index::{
+        GgufIndex, IndexedTensor, RopePairs, GGUF_INDEX_FILE, GGUF_INDEX_VERSION,
+    };
+    let g = Gguf::open(gguf)?;
+    let arch = g.arch()?;
+    let tied = !g.content.tensor_infos.contains_key("output.weight");
+    let config = config_json(&g, tied)?;
+    let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
+    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    let file = std::fs::canonicalize(gguf).with_context(|| format!("{}", gguf.display()))?;
+    let mut tensors = std::collections::BTreeMap::new();
+    for (src, dst) in tensor_names(arch, layers, tied) {
+        let info = g
+            .content
+            .tensor_infos
+            .get(&src)
+            .with_context(|| format!("{}: tensor '{src}' is missing", gguf.display()))?;
+        let dtype = stored_type_name(info.ggml_dtype).with_context(|| {
+            format!(
+                "{}: tensor '{src}' is {:?}, a type kvplug cannot compute (supported: f32, \
+                 f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                gguf.display(),
+                info.ggml_dtype
+            )
+        })?;
+        let elems = info.shape.elem_count();
+        // check_tensors (at open) proved whole blocks inside the file.
+        let bytes = elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        tensors.insert(
+            dst,
+            IndexedTensor {
+                dtype: dtype.into(),
+                shape: info.shape.dims().to_vec(),
+                offset: g.content.tensor_data_offset + info.offset,
+                bytes: bytes as u64,
+            },
+        );
+    }
+    let manifest = GgufIndex {
+        version: GGUF_INDEX_VERSION,
+        file_bytes: std::fs::metadata(&file)?.len(),
+        file,
+        rope_pairs: if arch == Arch::Llama {
+            RopePairs::Interleaved
+        } else {
+            RopePairs::Halves
+        },
+        norms_plus_one: arch == Arch::Gemma3,
+        tensors,
+    };
+    let tmp = staging_dir(out, "index")?;
+    let write = || -> Result<()> {
+        write_text_files(&tmp, &config, &tokenizer, &tokenizer_config)?;
+        std::fs::write(
+            tmp.join(GGUF_INDEX_FILE),
+            serde_json::to_string_pretty(&manifest)?,
+        )?;
+        File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_dir_all(&tmp);
+    })
+}
+
+/// Imports `gguf` into `out` (which must not exist; written under a temporary name and
+/// renamed into place). `on_tensor(done, total, name)` follows the conversion.
+pub fn import(
+    gguf: &Path,
+    out: &Path,
+    on_tensor: &mut dyn FnMut(usize, usize, &str),
+) -> Result<()> {
+    if out.exists() {
+        fail!(
+            Model,
+            "{}: already exists; choose a new directory",
+            out.display()
+        );
+    }
+    let g = Gguf::open(gguf)?;
+    let arch = g.arch()?;
+    let tied = !g.content.tensor_infos.contains_key("output.weight");
+    let config = config_json(&g, tied)?;
+    let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
+    let n = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
+    let (layers, heads, kv_heads) = (
+        n("num_hidden_layers"),
+        n("num_attention_heads"),
+        n("num_key_value_heads"),
+    );
+    let names = tensor_names(arch, layers, tied);
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
+    for (i, (src, dst)) in names.iter().enumerate() {
+        on_tensor(i, names.len(), dst);
+        let (dims, mut data) = g.tensor(src)?;
+        let cols = *dims.last().unwrap_or(&1);
+        match arch {
+            Arch::Llama if src.ends_with("attn_q.weight") => {
+                data = unpermute_rows(&data, heads, cols);
+            }
+            Arch::Llama if src.ends_with("attn_k.weight") => {
+                data = unpermute_rows(&data, kv_heads, cols);
+            }
+            // The converter stores Gemma's RMSNorm weights as 1 + w; Hugging Face stores w.
+            Arch::Gemma3 if src.ends_with("norm.weight") => {
+                data.iter_mut().for_each(|x| *x -= 1.0);
+            }
+            _ => {}
+        }
+        if let Some(bad) = data.iter().find(|x| !x.is_finite()) {
+            fail!(Model, "{}: tensor '{src}' holds {bad}", gguf.display());
+        }
+        // Vectors (norm weights) stay f32, as llama.cpp keeps them; matrices become f16.
+        let (dtype, bytes) = if dims.len() == 1 {
+            (
+                Dtype::F32,
+                data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        } else {
+            let b = data
+                .iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                .collect();
+            (Dtype::F16, b)
+        };
+        tensors.push((dst.clone(), dtype, dims, bytes));
+    }
+    on_tensor(names.len(), names.len(), "");
+    let tmp = staging_dir(out, "import")?;
+    let write = || -> Result<()> {
+        let views: Vec<(&str, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, t, d, b)| Ok((n.as_str(), TensorView::new(*t, d.clone(), b)?)))
+            .collect::<Result<_>>()?;
+        let mut meta = HashMap::new();
+        kvplug_core::metadata::write_cache_params(
+            &kvplug_core::ModelCacheParams {
+                n_layers: layers,
+                n_kv_heads: kv_heads,
+                head_dim: config["head_dim"]
+                    .as_u64()
+                    .map_or(n("hidden_size") / heads.max(1), |d| d as usize),
+            },
+            &mut meta,
+        );
+        meta.insert(
+            "kvplug.source".into(),
+            gguf.file_name()
+                .and_then(|s| s.to_str())
+                .unwrap_or("")
+                .into(),
+        );
+        safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
+        write_text_files(&tmp, &config, &tokenizer, &tokenizer_config)?;
+        File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_dir_all(&tmp);
+    })
+}
+
+/// The directory imports are cached in: `$KVPLUG_CACHE_DIR`, else `$XDG_CACHE_HOME/kvplug`,
+/// else `~/.cache/kvplug`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVPLUG_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("kvplug")
+}
+
+/// A model directory for `path`: `path` itself when it is a directory, else the directory
+/// that serves the GGUF file's weights in place ([`index`]), made once into [`cache_dir`]
+/// under a digest of the file's canonical path, length and modification time (a changed
+/// file gets a new index; nothing reads the weights to name it).
+pub fn resolve_model(path: &Path) -> Result<PathBuf> {
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    let (f, len) = open_regular(path)?;
+    let canonical = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
+    let modified = f
+        .metadata()
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let mut hash = Sha256::new();
+    hash.update(canonical.as_os_str().as_encoded_bytes());
+    hash.update(len.to_le_bytes());
+    hash.update(modified.to_le_bytes());
+    hash.update(kvplug_core::gguf_index::GGUF_INDEX_VERSION.to_le_bytes());
+    let digest: String = hash
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let dir = cache_dir().join("gguf-index").join(digest);
+    if !dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() {
+        tracing::info!(gguf = %path.display(), dir = %dir.display(), "indexing a GGUF file");
+        match index(path, &dir) {
+            Ok(()) => {}
+            // Another process indexed the same file meanwhile and renamed its complete
+            // directory into place first.
+            Err(_) if dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_the_converters_permutation() {
+        // The converter: reshape(heads, 2, hd/2, cols).swap(1, 2).
+        let (heads, hd, cols) = (2, 8, 3);
+        let hf: Vec<f32> = (0..heads * hd * cols).map(|i| i as f32).collect();
+        let mut gguf = vec![0.0; hf.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..hd / 2 {
+                    let src = (h * hd + j * hd / 2 + i) * cols;
+                    let dst = (h * hd + 2 * i + j) * cols;
+                    gguf[dst..dst + cols].copy_from_slice(&hf[src..src + cols]);
+                }
+            }
+        }
+        assert_ne!(gguf, hf);
+        assert_eq!(unpermute_rows(&gguf, heads, cols), hf);
+    }
+}

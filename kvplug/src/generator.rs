@@ -1,0 +1,406 @@
+//! [`Generator`]: the one generation loop. Requests are sequences of one context; each
+//! [`step`](Generator::step) runs one forward over all of them — a token for every decoding
+//! request, then prompt chunks in arrival order, [`PREFILL_UBATCH`] tokens in all — and
+//! samples where a request's logits are due, until each ends at a stop token, a stop string
+//! or its token limit. A single request ([`generate`]) is a prompt prefilled in
+//! micro-batches and then decoded token by token; many are continuous batching.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvplug_runtime::{Batch, Context};
+
+use crate::error::{fail, Result};
+use crate::sampler::Sampler;
+use crate::stop::StopMatcher;
+use crate::text::{Streamer, Text};
+
+/// Most tokens one forward runs (llama.cpp's default `n_ubatch`): attention scratch grows
+/// with `ubatch × window`, never with a prompt squared.
+pub const PREFILL_UBATCH: usize = 512;
+
+/// What a request asks for.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    /// Most tokens to generate; 0 prefills the prompt and samples nothing.
+    pub max_tokens: usize,
+    /// How tokens are picked.
+    pub sampler: Sampler,
+    /// Tokens that end generation (kept as the last generated id).
+    pub stop_tokens: BTreeSet<i32>,
+    /// Strings that end generation (the text stops right before the first one). Needs the
+    /// generator's [`Text`].
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for GenOptions {
+    fn default() -> Self {
+        GenOptions {
+            max_tokens: 0,
+            sampler: Sampler::greedy(),
+            stop_tokens: BTreeSet::new(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+/// A request's handle, unique within its generator.
+pub type RequestId = u64;
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` generated.
+    Length,
+    /// A prefill-only request (`max_tokens` 0) wrote its prompt.
+    Prefilled,
+    /// [`Generator::cancel`]ed.
+    Cancelled,
+}
+
+/// A token as it is sampled.
+pub struct TokenEvent<'a> {
+    /// The request.
+    pub request: RequestId,
+    /// Its sequence.
+    pub seq: i32,
+    /// The token.
+    pub id: i32,
+    /// Text released with it (empty while a piece of a character or a possible stop
+    /// string is held back; empty without a [`Text`]).
+    pub text: String,
+    /// The logits it was sampled from.
+    pub logits: &'a [f32],
+}
+
+/// A request that ended.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    /// The request.
+    pub request: RequestId,
+    /// Its sequence.
+    pub seq: i32,
+    /// Why it ended.
+    pub reason: Finish,
+    /// Generated ids (the stop token included).
+    pub generated: Vec<i32>,
+    /// Prompt tokens written to the cache (all of them, unless cancelled mid-prefill).
+    pub prompt_written: usize,
+    /// Text held back at the end that was no stop string (release it after the tokens').
+    pub text_tail: String,
+    /// The request's sampler as it ended (its stream goes on from there).
+    pub sampler: Sampler,
+}
+
+impl Finished {
+    /// Positions written from the request's `start`: the prompt's, then every generated id
+    /// but the last (sampled, not yet run).
+    pub fn written(&self) -> usize {
+        self.prompt_written + self.generated.len().saturating_sub(1)
+    }
+}
+
+struct Active {
+    request: RequestId,
+    seq: i32,
+    prompt: Vec<i32>,
+    /// Position of `prompt[0]`.
+    start: usize,
+    /// Prompt tokens written so far.
+    written: usize,
+    generated: Vec<i32>,
+    opts: GenOptions,
+    streamer: Streamer,
+    stop: StopMatcher,
+    /// Tokens this step feeds.
+    fed: usize,
+}
+
+impl Active {
+    fn prefilling(&self) -> bool {
+        self.written < self.prompt.len()
+    }
+
+    /// Cells it may still write: the prompt's rest and all but the last generated token.
+    fn outstanding(&self) -> usize {
+        let total = self.prompt.len() + self.opts.max_tokens.saturating_sub(1);
+        total.saturating_sub(self.written + self.generated.len().saturating_sub(1))
+    }
+
+    fn finished(self, reason: Finish, text_tail: String) -> Finished {
+        Finished {
+            request: self.request,
+            seq: self.seq,
+            reason,
+            generated: self.generated,
+            prompt_written: self.written,
+            text_tail,
+            sampler: self.opts.sampler,
+        }
+    }
+}
+
+/// The generation loop over one context's sequences (see the module docs).
+#[derive(Default)]
+pub struct Generator {
+    text: Option<Arc<Text>>,
+    active: Vec<Active>,
+    next: RequestId,
+    // The step's batch and which request owns each logits row, reused across steps.
+    batch: Batch,
+    owners: Vec<usize>,
+}
+
+impl Generator {
+    /// A generator handing out token ids only (no text, no stop strings).
+    pub fn new() -> Self {
+        Generator::default()
+    }
+
+    /// A generator that also streams each request's text and honours stop strings.
+    pub fn with_text(text: Arc<Text>) -> Self {
+        Generator {
+            text: Some(text),
+            ..Generator::default()
+        }
+    }
+
+    /// Adds a request on sequence `seq`: `prompt` (at least one token) goes in at positions
+    /// `start..` (the sequence already holds `0..start`), then up to `opts.max_tokens` are
+    /// generated. It runs from the next [`step`](Self::step).
+    pub fn add(
+        &mut self,
+        seq: i32,
+        prompt: &[i32],
+        start: usize,
+        opts: GenOptions,
+    ) -> Result<RequestId> {
+        if prompt.is_empty() {
+            fail!(Invalid, "a request needs at least one prompt token");
+        }
+        if !opts.stop_strings.is_empty() && self.text.is_none() {
+            fail!(Invalid, "stop strings need the model's tokenizer");
+        }
+        if self.active.iter().any(|a| a.seq == seq) {
+            fail!(Invalid, "sequence {seq} already has a request in flight");
+        }
+        let request = self.next;
+        self.next += 1;
+        self.active.push(Active {
+            request,
+            seq,
+            prompt: prompt.to_vec(),
+            start,
+            written: 0,
+            generated: Vec::new(),
+            stop: StopMatcher::new(opts.stop_strings.clone()),
+            opts,
+            streamer: Streamer::default(),
+            fed: 0,
+        });
+        Ok(request)
+    }
+
+    /// Whether no request is in flight.
+    pub fn is_idle(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    /// Requests in flight.
+    pub fn len(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Whether no request is in flight (same as [`is_idle`](Self::is_idle)).
+    pub fn is_empty(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    /// Cells the requests in flight may still write (what a scheduler keeps free for them).
+    pub fn outstanding(&self) -> usize {
+        self.active.iter().map(Active::outstanding).sum()
+    }
+
+    /// Tokens request `request` has generated so far.
+    pub fn generated(&self, request: RequestId) -> Option<&[i32]> {
+        let a = self.active.iter().find(|a| a.request == request)?;
+        Some(&a.generated)
+    }
+
+    /// Ends `request` now (its K/V stays as written: [`Finished::written`] positions).
+    pub fn cancel(&mut self, request: RequestId) -> Option<Finished> {
+        let i = self.active.iter().position(|a| a.request == request)?;
+        Some(
+            self.active
+                .remove(i)
+                .finished(Finish::Cancelled, String::new()),
+        )
+    }
+
+    /// Ends every request in flight (after a failed step: their K/V may be partial).
+    pub fn cancel_all(&mut self) -> Vec<Finished> {
+        let all = std::mem::take(&mut self.active);
+        all.into_iter()
+            .map(|a| a.finished(Finish::Cancelled, String::new()))
+            .collect()
+    }
+
+    /// One forward over the requests in flight; `on_token` sees each sampled token. Returns
+    /// the requests that ended. A failed forward leaves every request in flight (the caller
+    /// decides: retry, or [`cancel_all`](Self::cancel_all)).
+    pub fn step(
+        &mut self,
+        ctx: &mut Context,
+        on_token: &mut dyn FnMut(&TokenEvent<'_>) -> Result<()>,
+    ) -> Result<Vec<Finished>> {
+        if self.active.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.batch.clear();
+        self.owners.clear();
+        let mut budget = PREFILL_UBATCH.saturating_sub(self.active.len());
+        for decode in [true, false] {
+            for (i, a) in self.active.iter_mut().enumerate() {
+                if a.prefilling() == decode {
+                    continue;
+                }
+                let pos = a.start + a.written + a.generated.len().saturating_sub(1);
+                let (input, wants) = if decode {
+                    a.fed = 1;
+                    (&a.generated[a.generated.len() - 1..], true)
+                } else {
+                    a.fed = (a.prompt.len() - a.written).min(budget);
+                    budget -= a.fed;
+                    let end = a.written + a.fed;
+                    let last = end == a.prompt.len() && a.opts.max_tokens > 0;
+                    (&a.prompt[a.written..end], last)
+                };
+                if a.fed == 0 {
+                    continue;
+                }
+                self.batch.push_run(input, pos, a.seq, wants);
+                if wants {
+                    self.owners.push(i);
+                }
+            }
+        }
+        let logits = ctx.decode(&self.batch)?;
+        for a in &mut self.active {
+            let fed = std::mem::take(&mut a.fed);
+            if a.written < a.prompt.len() {
+                a.written += fed;
+            }
+        }
+        let mut ended = Vec::new();
+        for (row, &i) in self.owners.iter().enumerate() {
+            let a = &mut self.active[i];
+            let l = logits.row(row);
+            let id = a.opts.sampler.sample(l);
+            a.generated.push(id);
+            let mut text = String::new();
+            let mut stopped = a.opts.stop_tokens.contains(&id);
+            if let (Some(t), false) = (&self.text, stopped) {
+                let piece = a.streamer.push(t, id)?;
+                let (released, hit) = a.stop.push(&piece);
+                (text, stopped) = (released, hit);
+            }
+            on_token(&TokenEvent {
+                request: a.request,
+                seq: a.seq,
+                id,
+                text,
+                logits: l,
+            })?;
+            if stopped {
+                ended.push((i, Finish::Stop));
+            } else if a.generated.len() >= a.opts.max_tokens {
+                ended.push((i, Finish::Length));
+            }
+        }
+        for (i, a) in self.active.iter().enumerate() {
+            if a.opts.max_tokens == 0 && !a.prefilling() {
+                ended.push((i, Finish::Prefilled));
+            }
+        }
+        ended.sort_unstable_by_key(|&(i, _)| std::cmp::Reverse(i));
+        let mut done = Vec::with_capacity(ended.len());
+        for (i, reason) in ended {
+            let mut a = self.active.remove(i);
+            // After a stop string nothing is held; otherwise the held text was no stop.
+            let tail = a.stop.flush();
+            done.push(a.finished(reason, tail));
+        }
+        done.reverse();
+        Ok(done)
+    }
+
+    /// Steps until every request in flight has ended; returns them in the order they ended.
+    pub fn run(
+        &mut self,
+        ctx: &mut Context,
+        on_token: &mut dyn FnMut(&TokenEvent<'_>) -> Result<()>,
+    ) -> Result<Vec<Finished>> {
+        let mut all = Vec::new();
+        while !self.is_idle() {
+            all.extend(self.step(ctx, on_token)?);
+        }
+        Ok(all)
+    }
+}
+
+/// What [`generate`] produced.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated ids (the stop token included).
+    pub ids: Vec<i32>,
+    /// Why it ended.
+    pub reason: Finish,
+    /// Prompt tokens per second, from the call to the first sampled token.
+    pub prefill_tok_s: f64,
+    /// Tokens per second after the first.
+    pub decode_tok_s: f64,
+    /// The sampler as it ended.
+    pub sampler: Sampler,
+}
+
+/// One request on sequence `seq` of `ctx` (see [`Generator::add`]), run to its end by a
+/// generator with `text` (or ids only); `on_token` sees each token.
+pub fn generate(
+    ctx: &mut Context,
+    text: Option<Arc<Text>>,
+    seq: i32,
+    prompt: &[i32],
+    start: usize,
+    opts: GenOptions,
+    on_token: &mut dyn FnMut(&TokenEvent<'_>) -> Result<()>,
+) -> Result<Generation> {
+    let mut g = match text {
+        Some(t) => Generator::with_text(t),
+        None => Generator::new(),
+    };
+    g.add(seq, prompt, start, opts)?;
+    let t0 = Instant::now();
+    let mut first: Option<Instant> = None;
+    let done = g.run(ctx, &mut |e| {
+        first.get_or_insert_with(Instant::now);
+        on_token(e)
+    })?;
+    let end = Instant::now();
+    let f = done.into_iter().next().expect("the request ends");
+    let prefill_end = first.unwrap_or(end);
+    let rate = |n: usize, secs: f64| n as f64 / secs.max(1e-9);
+    Ok(Generation {
+        prefill_tok_s: rate(prompt.len(), (prefill_end - t0).as_secs_f64()),
+        decode_tok_s: rate(
+            f.generated.len().saturating_sub(1),
+            (end - prefill_end).as_secs_f64(),
+        ),
+        reason: f.reason,
+        ids: f.generated,
+        sampler: f.sampler,
+    })
+}

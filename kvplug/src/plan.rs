@@ -1,0 +1,285 @@
+//! Memory plans (`kvplug plan`): how a memory budget divides between weights and K/V, by
+//! layer group.
+
+use std::path::{Path, PathBuf};
+
+use kvplug_core::files::{open_regular, read_text, MAX_TEXT_BYTES};
+use kvplug_core::{KvDtype, LayerAttention, ModelCacheSpec, ModelConfig, MAX_SEQS};
+use safetensors::SafeTensors;
+
+use crate::error::{fail, Context, Result};
+use crate::generator::PREFILL_UBATCH;
+
+/// What to plan.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// Model: a directory or a GGUF file.
+    pub model: PathBuf,
+    /// Memory for weights and K/V, in bytes.
+    pub budget: u64,
+    /// KV storage dtype.
+    pub kv_dtype: KvDtype,
+    /// Tokens per agent, for the agents line.
+    pub agent_tokens: usize,
+}
+
+/// `4GiB`, `512MB`, `1.5GiB`, `1000` (bytes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|e| format!("'{s}': {e} (expected e.g. 4GiB)"))?;
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        u => return Err(format!("'{s}': unknown unit '{u}'")),
+    };
+    let bytes = v * scale;
+    if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
+        return Err(format!("'{s}' is not a byte count"));
+    }
+    Ok(bytes as u64)
+}
+
+/// One layer group of the plan.
+#[derive(Debug, serde::Serialize)]
+pub struct GroupPlan {
+    /// Full or sliding(window).
+    pub attention: LayerAttention,
+    /// Layers in the group.
+    pub layers: usize,
+    /// K/V bytes one token takes across the group's layers.
+    pub bytes_per_token: usize,
+}
+
+/// The plan.
+#[derive(Debug, serde::Serialize)]
+pub struct Plan {
+    /// Bytes of the weights as stored.
+    pub weight_bytes: u64,
+    /// The budget.
+    pub budget_bytes: u64,
+    /// KV storage dtype.
+    pub kv_dtype: String,
+    /// Layer groups.
+    pub groups: Vec<GroupPlan>,
+    /// Tokens one sequence can hold within the budget.
+    pub tokens: usize,
+    /// Tokens per agent.
+    pub agent_tokens: usize,
+    /// Agents of `agent_tokens` that fit (no shared prefix).
+    pub agents: usize,
+    /// The same two figures if every layer kept its whole history; equal to the above for
+    /// models without sliding layers.
+    pub tokens_all_full: usize,
+    /// See `tokens_all_full`.
+    pub agents_all_full: usize,
+    /// The model's `max_position_embeddings`, if stated.
+    pub trained_positions: Option<u64>,
+}
+
+/// Bytes of every tensor as stored: in the model's safetensors shards, or, for weights used
+/// in place in a GGUF, every indexed tensor (quantized blocks counted as their bytes).
+fn weight_bytes(dir: &Path) -> Result<u64> {
+    let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
+    if index.exists() {
+        let index: kvplug_core::GgufIndex = serde_json::from_str(&kvplug_core::files::read_text(
+            &index,
+            kvplug_core::files::MAX_TEXT_BYTES,
+        )?)
+        .with_context(|| format!("{}", index.display()))?;
+        return Ok(index.tensors.values().map(|t| t.bytes).sum());
+    }
+    let mut total = 0u64;
+    for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let p = e?.path();
+        if p.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let (file, _) = open_regular(&p)?;
+        // SAFETY: read-only map of a model shard; only the header is parsed.
+        let map = unsafe { memmap2::Mmap::map(&file) }?;
+        let st = SafeTensors::deserialize(&map)
+            .with_context(|| format!("{}: not a safetensors file", p.display()))?;
+        total += st
+            .tensors()
+            .iter()
+            .map(|(_, v)| v.data().len() as u64)
+            .sum::<u64>();
+    }
+    Ok(total)
+}
+
+/// The largest `n` with `fits(n)` (monotone), up to `cap`.
+fn largest(cap: usize, fits: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0usize, cap);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// Plans `args.model` under `args.budget`.
+pub fn plan(args: &PlanOptions) -> Result<Plan> {
+    let dir = crate::formats::resolve_model(&args.model)?;
+    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
+    let model = ModelConfig::parse(&text)
+        .with_context(|| format!("{}", dir.join("config.json").display()))?;
+    let spec = model.cache_spec();
+    args.kv_dtype.check_head_dim(spec.head_dim)?;
+    let config: serde_json::Value = serde_json::from_str(&text)?;
+    let weight_bytes = weight_bytes(&dir)?;
+    let Some(kv_budget) = args.budget.checked_sub(weight_bytes) else {
+        fail!(
+            Invalid,
+            "the weights alone take {weight_bytes} bytes, more than the budget of {}",
+            args.budget
+        );
+    };
+    let dtype = args.kv_dtype;
+    let per_layer = spec.layer_bytes_per_token(dtype);
+    let full = ModelCacheSpec {
+        layers: vec![LayerAttention::Full; spec.layers.len()],
+        ..spec.clone()
+    };
+    let cap = kvplug_core::limits::MAX_CAPACITY;
+    let tokens_of = |s: &ModelCacheSpec| {
+        largest(cap, |n| {
+            s.sequence_bytes(dtype, n, PREFILL_UBATCH) <= kv_budget as u128
+        })
+    };
+    let agents_of = |s: &ModelCacheSpec| {
+        let each = s
+            .sequence_bytes(dtype, args.agent_tokens, PREFILL_UBATCH)
+            .max(1);
+        (kv_budget as u128 / each) as usize
+    };
+    Ok(Plan {
+        weight_bytes,
+        budget_bytes: args.budget,
+        kv_dtype: dtype.to_string(),
+        groups: spec
+            .groups()
+            .into_iter()
+            .map(|g| GroupPlan {
+                attention: g.attention,
+                layers: g.layers.len(),
+                bytes_per_token: g.layers.len() * per_layer,
+            })
+            .collect(),
+        tokens: tokens_of(&spec),
+        agent_tokens: args.agent_tokens,
+        agents: agents_of(&spec),
+        tokens_all_full: tokens_of(&full),
+        agents_all_full: agents_of(&full),
+        trained_positions: config["max_position_embeddings"].as_u64(),
+    })
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+impl Plan {
+    /// The plan as text, a table per layer group.
+    pub fn render(&self) -> String {
+        let p = self;
+        let mut out = format!(
+        "budget      {} ({} bytes)\nweights     {} as stored\nK/V         {} left, {} storage\n\nlayer group          layers  K/V bytes per token\n",
+        mib(p.budget_bytes),
+        p.budget_bytes,
+        mib(p.weight_bytes),
+        mib(p.budget_bytes - p.weight_bytes),
+        p.kv_dtype
+    );
+        for g in &p.groups {
+            let name = match g.attention {
+                LayerAttention::Full => "full".to_string(),
+                LayerAttention::Sliding { window } => format!("sliding({window})"),
+            };
+            out += &format!("{name:<20} {:>6}  {:>19}\n", g.layers, g.bytes_per_token);
+        }
+        out += &format!(
+        "\none sequence   {} tokens\nagents         {} of {} tokens each (a seq cache runs at most {MAX_SEQS} at once)\n",
+        p.tokens, p.agents, p.agent_tokens
+    );
+        if let Some(n) = p.trained_positions.filter(|&n| (n as usize) < p.tokens) {
+            out += &format!(
+                "note: the model was trained on {n} positions (max_position_embeddings)\n"
+            );
+        }
+        if p.groups.iter().any(|g| g.attention != LayerAttention::Full) {
+            out += &format!(
+            "note: sliding layers are counted at window + {PREFILL_UBATCH} tokens; with every layer kept whole: {} tokens, {} agents\n",
+            p.tokens_all_full, p.agents_all_full
+        );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_with_units() {
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("1.5 MB"), Ok(1_500_000));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert!(parse_bytes("4 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert!(parse_bytes("-1GB").is_err());
+        assert!(parse_bytes("GB").is_err());
+    }
+
+    #[test]
+    fn plans_the_tiny_model() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::formats::synth::synth(&crate::formats::synth::PRESETS[0], dir.path(), 1, "f16")
+            .unwrap();
+        let args = |budget, kv_dtype| PlanOptions {
+            model: dir.path().to_path_buf(),
+            budget,
+            kv_dtype,
+            agent_tokens: 100,
+        };
+        let weights = weight_bytes(dir.path()).unwrap();
+        // tiny: 2 layers, 2 KV heads, head_dim 16: f16 K+V = 2 * 2 * 32 bytes per layer.
+        let per_token = 2 * 2 * 2 * 32;
+        let p = plan(&args(weights + 1000 * per_token + 5, KvDtype::F16)).unwrap();
+        assert_eq!(
+            (p.weight_bytes, p.groups[0].bytes_per_token),
+            (weights, per_token as usize)
+        );
+        assert_eq!((p.tokens, p.agents), (1000, 10));
+        assert_eq!((p.tokens_all_full, p.agents_all_full), (1000, 10));
+        let e = plan(&args(weights - 1, KvDtype::F16))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the weights alone take"), "{e}");
+    }
+
+    #[test]
+    fn largest_finds_the_boundary() {
+        assert_eq!(largest(100, |n| n * 3 <= 100), 33);
+        assert_eq!(largest(100, |_| true), 100);
+        assert_eq!(largest(100, |n| n == 0), 0);
+    }
+}

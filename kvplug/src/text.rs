@@ -1,0 +1,223 @@
+//! Text in and out of a model directory: the `tokenizers` tokenizer (`tokenizer.json`), the
+//! chat template (`tokenizer_config.json`, rendered with minijinja as Hugging Face does) and
+//! the tokens that end generation.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use crate::error::{fail, Context, Result};
+use serde_json::Value;
+
+use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
+
+fn read_json(path: &Path) -> Result<Option<Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = read_text(path, MAX_TEXT_BYTES)?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: invalid JSON", path.display()))
+        .map(Some)
+}
+
+/// A chat message.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message of `role`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// The tokenizer, chat template and stop tokens of one model directory.
+pub struct Text {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos: Option<String>,
+    /// Whether a raw prompt starts with the BOS token (`add_bos_token`).
+    add_bos: bool,
+    eos: Option<String>,
+    stop: BTreeSet<i32>,
+}
+
+/// End-of-turn tokens of common chat templates; any the vocabulary has also stop generation.
+const END_OF_TURN: [&str; 5] = [
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|endoftext|>",
+];
+
+fn ids(v: &Value) -> Vec<i32> {
+    match v {
+        Value::Number(n) => n.as_i64().map(|i| i as i32).into_iter().collect(),
+        Value::Array(a) => a.iter().flat_map(ids).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn token_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+        _ => None,
+    }
+}
+
+impl Text {
+    /// Loads `tokenizer.json` (required), `tokenizer_config.json`, `config.json` and
+    /// `generation_config.json` (optional) from `dir`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            fail!(
+                Text,
+                "{}: no tokenizer.json, so text prompts are not possible (use --prompt-ids)",
+                dir.display()
+            );
+        }
+        let tokenizer = read_text(&path, MAX_TEXT_BYTES)?
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| crate::Error::Text(format!("{}: {e}", path.display())))?;
+        let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let mut stop = BTreeSet::new();
+        for f in ["config.json", "generation_config.json"] {
+            if let Some(v) = read_json(&dir.join(f))? {
+                stop.extend(ids(&v["eos_token_id"]));
+            }
+        }
+        let eos = token_text(&tc["eos_token"]);
+        for t in END_OF_TURN.iter().map(|s| s.to_string()).chain(eos.clone()) {
+            if let Some(id) = tokenizer.token_to_id(&t) {
+                stop.insert(id as i32);
+            }
+        }
+        Ok(Text {
+            tokenizer,
+            template: tc["chat_template"].as_str().map(String::from),
+            bos: token_text(&tc["bos_token"]),
+            add_bos: tc["add_bos_token"].as_bool().unwrap_or(false),
+            eos,
+            stop,
+        })
+    }
+
+    /// Whether the model has a chat template.
+    pub fn has_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokens that end generation.
+    pub fn stop_tokens(&self) -> &BTreeSet<i32> {
+        &self.stop
+    }
+
+    /// The chat template applied to `messages`, with the assistant's turn opened.
+    pub fn render(&self, messages: &[Message]) -> Result<String> {
+        self.render_with(messages, true)
+    }
+
+    /// The chat template applied to `messages`; `open_turn` opens the assistant's turn
+    /// (Hugging Face's `add_generation_prompt`).
+    pub fn render_with(&self, messages: &[Message], open_turn: bool) -> Result<String> {
+        let Some(src) = &self.template else {
+            fail!(Text, "this model has no chat template: use --raw");
+        };
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", src)
+            .map_err(|e| crate::Error::Text(format!("the chat template does not parse: {e}")))?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => open_turn,
+                    bos_token => self.bos.clone().unwrap_or_default(),
+                    eos_token => self.eos.clone().unwrap_or_default(),
+                })
+            })
+            .map_err(|e| crate::Error::Text(format!("rendering the chat template: {e}")))
+    }
+
+    /// Token ids of `text`; special tokens written in the text are recognised (a rendered
+    /// template contains them).
+    pub fn encode(&self, text: &str) -> Result<Vec<i32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| crate::Error::Text(format!("tokenizing: {e}")))?;
+        Ok(enc.get_ids().iter().map(|&i| i as i32).collect())
+    }
+
+    /// Token ids of a raw prompt (no chat template): [`Text::encode`], after the BOS token
+    /// when the tokenizer config sets `add_bos_token` (as Hugging Face's tokenizer and
+    /// llama.cpp do) and the text does not already start with it.
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<i32>> {
+        let mut ids = self.encode(text)?;
+        let bos = self
+            .bos
+            .as_deref()
+            .filter(|_| self.add_bos)
+            .and_then(|b| self.tokenizer.token_to_id(b));
+        if let Some(bos) = bos.map(|b| b as i32) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids` (special tokens skipped).
+    pub fn decode(&self, ids: &[i32]) -> Result<String> {
+        let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+        self.tokenizer
+            .decode(&ids, true)
+            .map_err(|e| crate::Error::Text(format!("detokenizing: {e}")))
+    }
+}
+
+/// Turns a growing list of ids into text pieces as they become printable: a token that ends
+/// inside a multi-byte character is held back until the character is complete.
+#[derive(Default)]
+pub struct Streamer {
+    ids: Vec<i32>,
+    printed: usize,
+}
+
+impl Streamer {
+    /// Adds `id`; returns the new text that can be printed now.
+    pub fn push(&mut self, text: &Text, id: i32) -> Result<String> {
+        self.ids.push(id);
+        let all = text.decode(&self.ids)?;
+        if all.ends_with('\u{FFFD}')
+            || all.len() < self.printed
+            || !all.is_char_boundary(self.printed)
+        {
+            return Ok(String::new());
+        }
+        let piece = all[self.printed..].to_string();
+        self.printed = all.len();
+        Ok(piece)
+    }
+}

@@ -1,0 +1,156 @@
+//! The agent store with the synthetic `tiny` model: prefix reuse, hot agents, the warm tier
+//! under a memory budget and model tagging, each checked against plain greedy decoding of
+//! the same prompt on a fresh cache.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use kvplug::agent_store::Reply;
+use kvplug::formats::synth::{synth, PRESETS};
+use kvplug::run::{run_decode, RunSpec};
+use kvplug::{AgentStore, AgentStoreOptions, KvDtype, Runtime, Sampler};
+
+mod common;
+use common::{runtime, BACKENDS};
+
+const NEW: usize = 8;
+
+fn tiny(seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    synth(&PRESETS[0], dir.path(), seed, "f32").unwrap();
+    dir
+}
+
+fn store(rt: &Runtime, backend: &str, model: &Path, capacity: usize, dir: &Path) -> AgentStore {
+    let opts = AgentStoreOptions {
+        capacity,
+        kv_dtype: KvDtype::F16,
+        dir: dir.to_path_buf(),
+    };
+    AgentStore::new(&common::model(rt, backend, model), opts).unwrap()
+}
+
+/// Greedy decoding of `prompt` alone on a fresh contiguous cache.
+fn plain(rt: &Runtime, backend: &str, model: &Path, prompt: &[i32]) -> Vec<i32> {
+    let spec = RunSpec {
+        prompt: prompt.to_vec(),
+        max_new: NEW,
+        kv_dtype: KvDtype::F16,
+        capacity: 256,
+        stop: Default::default(),
+    };
+    let m = common::model(rt, backend, model);
+    run_decode(&m, &spec, None, Sampler::greedy(), &mut |_| Ok(()))
+        .unwrap()
+        .ids
+}
+
+fn tokens(seed: i32, n: usize) -> Vec<i32> {
+    (0..n as i32)
+        .map(|i| (i * 37 + seed * 11) % 250 + 3)
+        .collect()
+}
+
+fn ask(s: &mut AgentStore, agent: Option<&str>, prompt: &[i32]) -> Reply {
+    s.generate(agent, prompt, NEW, &Sampler::greedy(), &BTreeSet::new())
+        .unwrap()
+}
+
+#[test]
+fn requests_reuse_shared_prefixes_and_agents_their_history() {
+    let model = tiny(7);
+    let rt = runtime();
+    let files = tempfile::tempdir().unwrap();
+    for backend in BACKENDS {
+        let mut s = store(&rt, backend, model.path(), 256, files.path());
+        let system = tokens(1, 40);
+        let with = |suffix: &[i32]| [system.as_slice(), suffix].concat();
+        let (a, b) = (with(&[5, 6, 7]), with(&[9, 8, 7, 6]));
+        let first = ask(&mut s, None, &a);
+        assert_eq!((first.cached_tokens, first.prefilled_tokens), (0, a.len()));
+        let second = ask(&mut s, None, &b);
+        assert_eq!(
+            second.cached_tokens,
+            system.len(),
+            "{backend}: the shared system prompt"
+        );
+        assert_eq!(
+            second.ids,
+            plain(&rt, backend, model.path(), &b),
+            "{backend}"
+        );
+
+        // A named agent continues its own conversation.
+        let turn1 = ask(&mut s, Some("ada"), &a);
+        let next = [a.as_slice(), &turn1.ids, &[4, 4, 2]].concat();
+        let turn2 = ask(&mut s, Some("ada"), &next);
+        assert_eq!(
+            turn2.cached_tokens,
+            a.len() + turn1.ids.len() - 1,
+            "{backend}"
+        );
+        assert_eq!(
+            turn2.ids,
+            plain(&rt, backend, model.path(), &next),
+            "{backend}"
+        );
+        assert!(s.is_hot("ada"));
+    }
+}
+
+#[test]
+fn a_budget_parks_idle_agents_to_files_and_restores_them() {
+    let (model, other) = (tiny(7), tiny(8));
+    let rt = runtime();
+    let files = tempfile::tempdir().unwrap();
+    for backend in BACKENDS {
+        // Room for two agents' histories (48 cells each), not three.
+        let mut s = store(&rt, backend, model.path(), 110, files.path());
+        let prompts: Vec<Vec<i32>> = (0..3).map(|i| tokens(10 + i, 40)).collect();
+        let names = ["a", "b", "c"];
+        let mut first = Vec::new();
+        for (n, p) in names.iter().zip(&prompts) {
+            first.push(ask(&mut s, Some(n), p));
+        }
+        assert!(
+            !s.is_hot("a") && s.is_hot("b") && s.is_hot("c"),
+            "{backend}: a is the LRU"
+        );
+        let a_file = s.file_of("a").unwrap();
+        assert!(a_file.exists(), "{backend}: a was parked to its file");
+
+        let next = [prompts[0].as_slice(), &first[0].ids, &[7, 7]].concat();
+        let again = ask(&mut s, Some("a"), &next);
+        assert_eq!(
+            again.restored_tokens,
+            prompts[0].len() + NEW - 1,
+            "{backend}"
+        );
+        assert_eq!(again.cached_tokens, again.restored_tokens);
+        assert_eq!(
+            again.ids,
+            plain(&rt, backend, model.path(), &next),
+            "{backend}"
+        );
+        s.park_all().unwrap();
+        drop(s);
+
+        // Another model never loads these files and leaves them in place.
+        let mut o = store(&rt, backend, other.path(), 110, files.path());
+        let cold = ask(&mut o, Some("a"), &next);
+        assert_eq!(
+            cold.cached_tokens, 0,
+            "{backend}: another model's file was used"
+        );
+        assert!(a_file.exists());
+        drop(o);
+        // The first model, after the swap back, finds its agent again.
+        let mut back = store(&rt, backend, model.path(), 110, files.path());
+        let resumed = ask(&mut back, Some("a"), &next);
+        assert_eq!(resumed.restored_tokens, next.len() - 1, "{backend}");
+        assert_eq!(resumed.ids, again.ids, "{backend}");
+        for f in std::fs::read_dir(files.path()).unwrap() {
+            std::fs::remove_file(f.unwrap().path()).unwrap();
+        }
+    }
+}

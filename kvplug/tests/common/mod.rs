@@ -1,0 +1,543 @@
+//! Helpers shared by the model-level tests: the runtime over this build's plugins, and a
+//! plain f64 reference forward.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use kvplug::formats::synth::Preset;
+use kvplug::{Batch, Context, Model, PluginSearch, Runtime};
+use kvplug_backend_kit::model::ModelPackage;
+
+/// Backends under test.
+pub const BACKENDS: [&str; 3] = ["cpu", "wgpu", "mlx"];
+
+pub fn plugin_dir() -> PathBuf {
+    let dir = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    assert!(
+        dir.join("libkvplug_cpu.so").exists(),
+        "build the workspace first (cargo build --workspace)"
+    );
+    dir
+}
+
+/// This build's plugins; every backend under test must load and have a device.
+pub fn runtime() -> Runtime {
+    let rt = Runtime::load(&PluginSearch::only(&[plugin_dir()], false));
+    for b in BACKENDS {
+        let p = rt
+            .plugin(b)
+            .unwrap_or_else(|e| panic!("{e}; skipped: {:?}", rt.skipped()));
+        assert!(!p.device.starts_with("unavailable"), "{b}: {}", p.device);
+    }
+    rt
+}
+
+/// The model in directory `dir` on `backend`.
+pub fn model(rt: &Runtime, backend: &str, dir: &Path) -> Model {
+    rt.model(backend, dir).unwrap()
+}
+
+/// Every row's logits of `tokens` at `positions` on sequence 0 of `ctx`.
+pub fn forward(ctx: &mut Context, tokens: &[i32], positions: &[i32]) -> Vec<Vec<f32>> {
+    forward_seq(ctx, 0, tokens, positions)
+}
+
+/// Every row's logits of `tokens` at `positions` on sequence `seq` of `ctx`.
+pub fn forward_seq(
+    ctx: &mut Context,
+    seq: i32,
+    tokens: &[i32],
+    positions: &[i32],
+) -> Vec<Vec<f32>> {
+    let mut b = Batch::new();
+    for (&t, &p) in tokens.iter().zip(positions) {
+        b.push(t, p, seq, true);
+    }
+    ctx.decode(&b)
+        .unwrap()
+        .rows()
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+/// The largest |got − want| over every logit of every position.
+pub fn max_logit_error(got: &[Vec<f32>], want: &[Vec<f64>]) -> f64 {
+    got.iter()
+        .flatten()
+        .zip(want.iter().flatten())
+        .map(|(a, b)| (f64::from(*a) - b).abs())
+        .fold(0.0, f64::max)
+}
+
+/// Plain f64 Llama-family forward (Llama, Qwen2's biases, Qwen3's q/k norms) over the whole
+/// sequence (causal attention, no cache): logits of every position.
+pub fn reference_logits(model: &Path, tokens: &[i32]) -> Vec<Vec<f64>> {
+    reference_logits_with(model, tokens, &Reference::default())
+}
+
+/// [`reference_logits`] with the cpu backend's declared arithmetic for weights in ggml block
+/// formats when `int8_block_acts` (see [`Reference::int8_block_acts`]).
+pub fn reference_logits_as(model: &Path, tokens: &[i32], int8_block_acts: bool) -> Vec<Vec<f64>> {
+    let r = Reference {
+        int8_block_acts,
+        ..Reference::default()
+    };
+    reference_logits_with(model, tokens, &r)
+}
+
+/// What the reference forward is told rather than reads from the package.
+#[derive(Clone, Debug, Default)]
+pub struct Reference {
+    /// Each input row of a linear over a block-format weight is quantized in blocks of 32 to
+    /// `d·round(x/d)`, `d = max|x|/127`, before the f64 products (the cpu's arithmetic).
+    pub int8_block_acts: bool,
+    /// The rotary inverse frequencies of each head's pairs (default `θ^(−2i/head_dim)` with
+    /// the config's `rope_theta`): a test of scaled RoPE computes them itself.
+    pub inv_freq: Option<Vec<f64>>,
+    /// Every layer attends through a sliding window `W`: a query at `p` sees keys at `q` with
+    /// `p − W < q ≤ p`.
+    pub window: Option<usize>,
+}
+
+/// Llama 3's RoPE scaling of `θ^(−2i/head_dim)` as Hugging Face's
+/// `_compute_llama3_parameters` writes it: wavelengths shorter than
+/// `original / high_freq_factor` keep their frequency, longer than `original /
+/// low_freq_factor` are divided by `factor`, and those between are blended.
+pub fn llama3_inv_freq(
+    theta: f64,
+    head_dim: usize,
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original: f64,
+) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let f = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < original / high_freq_factor {
+                f
+            } else if wavelen > original / low_freq_factor {
+                f / factor
+            } else {
+                let smooth =
+                    (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                (1.0 - smooth) * f / factor + smooth * f
+            }
+        })
+        .collect()
+}
+
+/// The reference forward, as `r` says.
+pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec<Vec<f64>> {
+    let pkg = ModelPackage::open(model).unwrap();
+    let c = pkg.config.clone();
+    let (h, hd, hq, hkv, im, v) = (
+        c.hidden_size,
+        c.head_dim(),
+        c.num_attention_heads,
+        c.kv_heads(),
+        c.intermediate_size,
+        c.vocab_size,
+    );
+    let w = |name: &str, shape: &[usize]| -> Vec<f64> {
+        pkg.tensor_f32(name, shape)
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    };
+    let eps = c.rms_norm_eps;
+    let norm = |x: &[f64], g: &[f64]| -> Vec<f64> {
+        let rms = (x.iter().map(|a| a * a).sum::<f64>() / x.len() as f64 + eps).sqrt();
+        x.iter().zip(g).map(|(a, b)| a / rms * b).collect()
+    };
+    let blocks = |name: &str, shape: &[usize]| {
+        r.int8_block_acts
+            && matches!(
+                pkg.tensor(name, shape).unwrap().dtype(),
+                kvplug_backend_kit::model::StoredDtype::Block(_)
+            )
+    };
+    let act_quant = |x: &[f64]| -> Vec<f64> {
+        x.chunks(32)
+            .flat_map(|b| {
+                let d = b.iter().fold(0.0f64, |m, v| m.max(v.abs())) / 127.0;
+                b.iter()
+                    .map(move |v| if d == 0.0 { 0.0 } else { (v / d).round() * d })
+            })
+            .collect()
+    };
+    let matvec_as = |quant: bool, m: &[f64], rows: usize, x: &[f64]| -> Vec<f64> {
+        let xq;
+        let x = if quant {
+            xq = act_quant(x);
+            &xq[..]
+        } else {
+            x
+        };
+        (0..rows)
+            .map(|r| {
+                m[r * x.len()..(r + 1) * x.len()]
+                    .iter()
+                    .zip(x)
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect()
+    };
+    let matvec = |m: &(Vec<f64>, bool), rows: usize, x: &[f64]| matvec_as(m.1, &m.0, rows, x);
+    // A matrix and whether its linear quantizes its input.
+    let mat = |name: &str, shape: &[usize]| (w(name, shape), blocks(name, shape));
+    let inv_freq: Vec<f64> = r.inv_freq.clone().unwrap_or_else(|| {
+        (0..hd / 2)
+            .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
+            .collect()
+    });
+    assert_eq!(inv_freq.len(), hd / 2, "one frequency per rotary pair");
+    // Pair i of each head: (i, i + hd/2), or (2i, 2i + 1) where the package stores q/k rows
+    // as llama.cpp's converter permutes them.
+    let interleaved = pkg.rope_pairs() == kvplug_core::RopePairs::Interleaved;
+    let rope = |x: &mut [f64], pos: usize| {
+        for head in x.chunks_mut(hd) {
+            for (i, f) in inv_freq.iter().enumerate() {
+                let (s, co) = (pos as f64 * f).sin_cos();
+                let (i1, i2) = if interleaved {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + hd / 2)
+                };
+                let (a, b) = (head[i1], head[i2]);
+                head[i1] = a * co - b * s;
+                head[i2] = b * co + a * s;
+            }
+        }
+    };
+    let embed = w("model.embed_tokens.weight", &[v, h]);
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&t| embed[t as usize * h..(t as usize + 1) * h].to_vec())
+        .collect();
+    let n = tokens.len();
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}.");
+        let (wq, wk, wv) = (
+            mat(&format!("{p}self_attn.q_proj.weight"), &[hq * hd, h]),
+            mat(&format!("{p}self_attn.k_proj.weight"), &[hkv * hd, h]),
+            mat(&format!("{p}self_attn.v_proj.weight"), &[hkv * hd, h]),
+        );
+        let wo = mat(&format!("{p}self_attn.o_proj.weight"), &[h, hq * hd]);
+        let (ln1, ln2) = (
+            w(&format!("{p}input_layernorm.weight"), &[h]),
+            w(&format!("{p}post_attention_layernorm.weight"), &[h]),
+        );
+        let (wg, wu, wd) = (
+            mat(&format!("{p}mlp.gate_proj.weight"), &[im, h]),
+            mat(&format!("{p}mlp.up_proj.weight"), &[im, h]),
+            mat(&format!("{p}mlp.down_proj.weight"), &[h, im]),
+        );
+        // Qwen2's q/k/v biases and Qwen3's per-head q/k norms, where the package has them.
+        let optional = |name: String, n: usize| pkg.has_tensor(&name).then(|| w(&name, &[n]));
+        let bias = |v: &mut Vec<f64>, b: &Option<Vec<f64>>| {
+            if let Some(b) = b {
+                v.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+            }
+        };
+        let head_norm = |v: &mut Vec<f64>, g: &Option<Vec<f64>>| {
+            if let Some(g) = g {
+                *v = v.chunks(hd).flat_map(|head| norm(head, g)).collect();
+            }
+        };
+        let (bq, bk, bv) = (
+            optional(format!("{p}self_attn.q_proj.bias"), hq * hd),
+            optional(format!("{p}self_attn.k_proj.bias"), hkv * hd),
+            optional(format!("{p}self_attn.v_proj.bias"), hkv * hd),
+        );
+        let (nq, nk) = (
+            optional(format!("{p}self_attn.q_norm.weight"), hd),
+            optional(format!("{p}self_attn.k_norm.weight"), hd),
+        );
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (t, x) in xs.iter().enumerate() {
+            let hn = norm(x, &ln1);
+            let (mut q, mut k) = (matvec(&wq, hq * hd, &hn), matvec(&wk, hkv * hd, &hn));
+            let mut v = matvec(&wv, hkv * hd, &hn);
+            bias(&mut q, &bq);
+            bias(&mut k, &bk);
+            bias(&mut v, &bv);
+            head_norm(&mut q, &nq);
+            head_norm(&mut k, &nk);
+            rope(&mut q, t);
+            rope(&mut k, t);
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for t in 0..n {
+            let mut att = vec![0.0; hq * hd];
+            for head in 0..hq {
+                let kh = head / (hq / hkv);
+                let q = &qs[t][head * hd..(head + 1) * hd];
+                let first = r.window.map_or(0, |w| (t + 1).saturating_sub(w));
+                let scores: Vec<f64> = (first..=t)
+                    .map(|j| {
+                        q.iter()
+                            .zip(&ks[j][kh * hd..(kh + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (j, ej) in (first..=t).zip(&e) {
+                    for d in 0..hd {
+                        att[head * hd + d] += ej / z * vs[j][kh * hd + d];
+                    }
+                }
+            }
+            let o = matvec(&wo, h, &att);
+            xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let hn = norm(&xs[t], &ln2);
+            let (g, u) = (matvec(&wg, im, &hn), matvec(&wu, im, &hn));
+            let m: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = matvec(&wd, h, &m);
+            xs[t].iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+    }
+    let fnorm = w("model.norm.weight", &[h]);
+    let head = if c.tie_word_embeddings {
+        mat("model.embed_tokens.weight", &[v, h])
+    } else {
+        mat("lm_head.weight", &[v, h])
+    };
+    xs.iter()
+        .map(|x| matvec(&head, v, &norm(x, &fnorm)))
+        .collect()
+}
+
+/// The Hugging Face weight names and shapes of a Llama model of shape `p` (untied).
+pub fn hf_tensor_shapes(p: &Preset) -> Vec<(String, Vec<usize>)> {
+    let hd = p.hidden / p.heads;
+    let mut v = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![p.vocab, p.hidden],
+        ),
+        ("model.norm.weight".into(), vec![p.hidden]),
+        ("lm_head.weight".into(), vec![p.vocab, p.hidden]),
+    ];
+    for l in 0..p.layers {
+        let pre = format!("model.layers.{l}.");
+        for (name, shape) in [
+            ("input_layernorm", vec![p.hidden]),
+            ("post_attention_layernorm", vec![p.hidden]),
+            ("self_attn.q_proj", vec![p.heads * hd, p.hidden]),
+            ("self_attn.k_proj", vec![p.kv_heads * hd, p.hidden]),
+            ("self_attn.v_proj", vec![p.kv_heads * hd, p.hidden]),
+            ("self_attn.o_proj", vec![p.hidden, p.heads * hd]),
+            ("mlp.gate_proj", vec![p.intermediate, p.hidden]),
+            ("mlp.up_proj", vec![p.intermediate, p.hidden]),
+            ("mlp.down_proj", vec![p.hidden, p.intermediate]),
+        ] {
+            v.push((format!("{pre}{name}.weight"), shape));
+        }
+    }
+    v
+}
+
+/// The GGUF tensor behind a Hugging Face weight name (llama.cpp's naming).
+pub fn gguf_name(hf: &str) -> String {
+    if let Some(rest) = hf.strip_prefix("model.layers.") {
+        let (l, name) = rest.split_once('.').unwrap();
+        let g = match name {
+            "input_layernorm.weight" => "attn_norm",
+            "post_attention_layernorm.weight" => "ffn_norm",
+            "self_attn.q_proj.weight" => "attn_q",
+            "self_attn.k_proj.weight" => "attn_k",
+            "self_attn.v_proj.weight" => "attn_v",
+            "self_attn.o_proj.weight" => "attn_output",
+            "mlp.gate_proj.weight" => "ffn_gate",
+            "mlp.up_proj.weight" => "ffn_up",
+            "mlp.down_proj.weight" => "ffn_down",
+            other => panic!("{other}"),
+        };
+        return format!("blk.{l}.{g}.weight");
+    }
+    match hf {
+        "model.embed_tokens.weight" => "token_embd.weight",
+        "model.norm.weight" => "output_norm.weight",
+        "lm_head.weight" => "output.weight",
+        other => panic!("{other}"),
+    }
+    .into()
+}
+
+/// The architecture metadata of a Llama GGUF of shape `p` (tokenizer entries are the
+/// caller's).
+pub fn llama_gguf_meta(p: &Preset, eps: f32, theta: f32) -> Vec<(&'static str, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", u(p.layers)),
+        ("llama.embedding_length", u(p.hidden)),
+        ("llama.feed_forward_length", u(p.intermediate)),
+        ("llama.attention.head_count", u(p.heads)),
+        ("llama.attention.head_count_kv", u(p.kv_heads)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(eps)),
+        ("llama.rope.freq_base", Value::F32(theta)),
+        ("llama.context_length", u(2048)),
+    ]
+}
+
+/// Writes a GGUF file of `meta` and `tensors`.
+pub fn write_gguf(path: &Path, meta: &[(&str, Value)], tensors: &[(String, QTensor)]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(
+        &mut f,
+        &meta.iter().map(|(k, v)| (*k, v)).collect::<Vec<_>>(),
+        &tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+}
+
+/// GPT-2's byte → printable character map (tokens of a byte-level BPE vocabulary).
+pub fn byte_chars() -> Vec<char> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut extra = 256;
+    (0..=255u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                extra += 1;
+                char::from_u32(extra - 1).unwrap()
+            }
+        })
+        .collect()
+}
+
+/// llama.cpp's converter: `reshape(heads, 2, hd/2, cols).swapaxes(1, 2)` of q/k rows.
+pub fn permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let hd = w.len() / cols / heads;
+    let mut out = vec![0.0; w.len()];
+    for h in 0..heads {
+        for two in 0..2 {
+            for i in 0..hd / 2 {
+                let from = (h * hd + two * hd / 2 + i) * cols;
+                let to = (h * hd + i * 2 + two) * cols;
+                out[to..to + cols].copy_from_slice(&w[from..from + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// The ggml type of weight `i` of [`hf_tensor_shapes`]: vectors f32, matrices cycling
+/// through `types`.
+pub fn matrix_type(types: &[GgmlDType], i: usize, shape: &[usize]) -> GgmlDType {
+    if shape.len() == 1 {
+        GgmlDType::F32
+    } else {
+        types[i % types.len()]
+    }
+}
+
+/// The GGUF tensors of the Llama model `pkg` of shape `p`, as llama.cpp's converter writes
+/// them: llama.cpp's names, q/k rows permuted into rotary pairs, each weight in
+/// [`matrix_type`]; no `output.weight` when `tied` (the head is the embedding table).
+pub fn gguf_tensors(
+    pkg: &ModelPackage,
+    p: &Preset,
+    types: &[GgmlDType],
+    tied: bool,
+) -> Vec<(String, QTensor)> {
+    let mut out = Vec::new();
+    for (i, (name, shape)) in hf_tensor_shapes(p).iter().enumerate() {
+        if tied && name == "lm_head.weight" {
+            continue;
+        }
+        let data = pkg.tensor_f32(name, shape).unwrap();
+        let data = if name.ends_with("q_proj.weight") {
+            permute(&data, p.heads, shape[1])
+        } else if name.ends_with("k_proj.weight") {
+            permute(&data, p.kv_heads, shape[1])
+        } else {
+            data
+        };
+        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, matrix_type(types, i, shape)).unwrap();
+        out.push((gguf_name(name), q));
+    }
+    out
+}
+
+/// The merges of [`bpe_tokenizer_meta`]'s small vocabularies.
+pub const MERGES: [&str; 5] = ["h e", "l l", "he ll", "o Ġ", "Ġ w"];
+
+/// A byte-level BPE tokenizer as GGUF metadata: the 256 byte tokens, one token per merge of
+/// `merges` (pairs of earlier tokens, in rank order), the control tokens `<|im_start|>`
+/// (BOS), `<|im_end|>` (EOS) and `<|endoftext|>`, then `<unusedN>` up to `vocab` tokens;
+/// pre-tokenizer `pre` and a ChatML template. Returns the metadata and the vocabulary.
+pub fn bpe_tokenizer_meta(
+    pre: &str,
+    merges: &[&str],
+    vocab: usize,
+) -> (Vec<(&'static str, Value)>, Vec<String>) {
+    let mut tokens: Vec<String> = byte_chars().iter().map(|c| c.to_string()).collect();
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+    let first_special = tokens.len();
+    tokens.extend(["<|im_start|>", "<|im_end|>", "<|endoftext|>"].map(String::from));
+    while tokens.len() < vocab {
+        tokens.push(format!("<unused{}>", tokens.len()));
+    }
+    let token_type = (0..tokens.len())
+        .map(|i| {
+            Value::I32(if (first_special..first_special + 3).contains(&i) {
+                3
+            } else {
+                1
+            })
+        })
+        .collect();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let s = |x: &str| Value::String(x.into());
+    let u = |x: usize| Value::U32(x as u32);
+    let meta = vec![
+        ("tokenizer.ggml.model", s("gpt2")),
+        ("tokenizer.ggml.pre", s(pre)),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            Value::Array(merges.iter().map(|m| s(m)).collect()),
+        ),
+        ("tokenizer.ggml.token_type", Value::Array(token_type)),
+        ("tokenizer.ggml.bos_token_id", u(first_special)),
+        ("tokenizer.ggml.eos_token_id", u(first_special + 1)),
+        ("tokenizer.chat_template", s(template)),
+    ];
+    (meta, tokens)
+}

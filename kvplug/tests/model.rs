@@ -1,0 +1,390 @@
+//! Model-level checks on every backend that serves models (cpu; wgpu on lavapipe in CI)
+//! with the synthetic `tiny` model: logits against a plain f64 reference forward, the three
+//! cache kinds agreeing, speculative decoding equal to greedy decoding, and agent branches
+//! equal to running each branch alone. Needs the plugin dylibs next to this test binary
+//! (`cargo build --workspace`); both backends must load.
+
+use kvplug::formats::synth::{synth, PRESETS};
+use kvplug::run::{run_agents, run_decode, RunSpec};
+use kvplug::sampler::argmax;
+use kvplug::speculative::{run_speculative, DraftKind, SpecOptions};
+use kvplug::{generate, CacheKind, GenOptions, KvDtype, Model, Sampler};
+
+mod common;
+use common::{forward, reference_logits, runtime, BACKENDS};
+
+const PROMPT: [i32; 7] = [3, 141, 59, 26, 53, 58, 97];
+
+fn tiny() -> tempfile::TempDir {
+    tiny_stored_as("f32")
+}
+
+/// The synthetic `tiny` model with its weights stored as `dtype`.
+fn tiny_stored_as(dtype: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    synth(&PRESETS[0], dir.path(), 7, dtype).unwrap();
+    dir
+}
+
+fn spec(max_new: usize, kv_dtype: KvDtype) -> RunSpec {
+    RunSpec {
+        prompt: PROMPT.to_vec(),
+        max_new,
+        kv_dtype,
+        capacity: 128,
+        stop: Default::default(),
+    }
+}
+
+/// Greedy ids of `spec` on `model`.
+fn greedy_ids(model: &Model, spec: &RunSpec) -> Vec<i32> {
+    run_decode(model, spec, None, Sampler::greedy(), &mut |_| Ok(()))
+        .unwrap()
+        .ids
+}
+
+#[test]
+fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
+    let rt = runtime();
+    // Weights stored as f32, f16 and bf16 are read as stored (the reference widens the same
+    // stored values); tiny has head_dim 16, so the quantization group is 16.
+    let models = ["f32", "f16", "bf16"].map(|d| (d, tiny_stored_as(d)));
+    let cases = [
+        ("f32", KvDtype::F32, 1e-3),
+        ("f32", KvDtype::F16, 2e-2),
+        ("f32", KvDtype::Q8 { group: 16 }, 5e-2),
+        ("f16", KvDtype::F32, 1e-3),
+        ("bf16", KvDtype::F32, 1e-3),
+    ];
+    for (backend, (weights, dtype, tol)) in BACKENDS
+        .iter()
+        .flat_map(|b| cases.iter().map(move |c| (*b, *c)))
+    {
+        let model = &models.iter().find(|(d, _)| *d == weights).unwrap().1;
+        let mut ctx = common::model(&rt, backend, model.path())
+            .context(CacheKind::Contiguous, 64, dtype)
+            .unwrap();
+        let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+        let mut got = forward(&mut ctx, &PROMPT, &positions);
+        let mut tokens = PROMPT.to_vec();
+        for _ in 0..8 {
+            let next = argmax(got.last().unwrap());
+            tokens.push(next);
+            let pos = tokens.len() as i32 - 1;
+            got.extend(forward(&mut ctx, &[next], &[pos]));
+        }
+        assert_eq!(
+            ctx.stats()
+                .unwrap()
+                .last_plan
+                .into_option()
+                .unwrap()
+                .as_str(),
+            "single_contiguous"
+        );
+        let want = reference_logits(model.path(), &tokens);
+        assert_eq!(got.len(), want.len());
+        let mut worst = 0.0f64;
+        for (g, w) in got.iter().zip(&want) {
+            for (a, b) in g.iter().zip(w) {
+                worst = worst.max((*a as f64 - b).abs());
+            }
+        }
+        assert!(
+            worst < tol,
+            "{backend} {weights} weights, {dtype} KV: max |logit error| {worst} >= {tol}"
+        );
+    }
+}
+
+#[test]
+fn long_prompts_prefill_in_micro_batches_on_every_cache_kind() {
+    let model = tiny();
+    let rt = runtime();
+    // Three micro-batches (the last partial); f32 KV, so the f32 tolerance of the
+    // reference test applies.
+    let n = 2 * kvplug::PREFILL_UBATCH + 76;
+    let prompt: Vec<i32> = (0..n).map(|i| (i * 37 % 251) as i32).collect();
+    let want = reference_logits(model.path(), &prompt).pop().unwrap();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        for kind in CacheKind::ALL {
+            let mut ctx = m.context(kind, n + 8, KvDtype::F32).unwrap();
+            let mut got = Vec::new();
+            let one = GenOptions {
+                max_tokens: 1,
+                ..GenOptions::default()
+            };
+            generate(&mut ctx, None, 0, &prompt, 0, one, &mut |e| {
+                got = e.logits.to_vec();
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(
+                ctx.decodes(),
+                3,
+                "{backend} {kind}: one forward per micro-batch"
+            );
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (f64::from(*a) - b).abs())
+                .fold(0.0, f64::max);
+            assert!(worst < 1e-3, "{backend} {kind}: max |logit error| {worst}");
+        }
+    }
+}
+
+#[test]
+fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
+    let model = tiny();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let plain = greedy_ids(&m, &spec(12, KvDtype::F16));
+        for kind in [CacheKind::Seq, CacheKind::Tree] {
+            let mut ctx = m.context(kind, 128, KvDtype::F16).unwrap();
+            let opts = GenOptions {
+                max_tokens: 12,
+                ..GenOptions::default()
+            };
+            let ids = generate(&mut ctx, None, 0, &PROMPT, 0, opts, &mut |_| Ok(()))
+                .unwrap()
+                .ids;
+            assert_eq!(ids, plain, "{backend} {kind} cache");
+        }
+    }
+}
+
+#[test]
+fn speculative_decoding_equals_greedy_decoding() {
+    let model = tiny();
+    let rt = runtime();
+    let opts = |draft| SpecOptions {
+        draft,
+        max_depth: 3,
+        max_width: 2,
+    };
+    let greedy = || Sampler::new(0.0, 1.0, 0);
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let s = spec(20, KvDtype::F16);
+        let plain = greedy_ids(&m, &s);
+        let own_draft = opts(DraftKind::Model(model.path().to_path_buf()));
+        let own = run_speculative(&m, &s, &own_draft, &mut greedy()).unwrap();
+        assert_eq!(own.ids, plain, "target as its own draft");
+        assert_eq!(
+            own.acceptance,
+            Some(1.0),
+            "a model drafting for itself is always accepted"
+        );
+        let shallow = run_speculative(&m, &s, &opts(DraftKind::Layers(1)), &mut greedy()).unwrap();
+        assert_eq!(shallow.ids, plain, "one-layer draft");
+        let acc = shallow.acceptance.unwrap();
+        assert!((0.0..=1.0).contains(&acc));
+        // Prompt lookup on a prompt that repeats itself.
+        let repeats = RunSpec {
+            prompt: [PROMPT, PROMPT, PROMPT].concat(),
+            max_new: 24,
+            ..s.clone()
+        };
+        let plain = greedy_ids(&m, &repeats);
+        let ngram = run_speculative(&m, &repeats, &opts(DraftKind::Ngram), &mut greedy()).unwrap();
+        assert_eq!(ngram.ids, plain, "{backend}: ngram drafts");
+    }
+}
+
+#[test]
+fn agent_branches_equal_running_each_branch_alone() {
+    let model = tiny();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let s = spec(8, KvDtype::F16);
+        let agents = run_agents(&m, &s, 3, &Sampler::greedy()).unwrap();
+        let branches = agents.branches.unwrap();
+        assert_eq!(branches.len(), 3);
+        assert_eq!(agents.ids, branches[agents.winner.unwrap()]);
+        for br in &branches {
+            let mut alone = spec(7, KvDtype::F16);
+            alone.prompt.push(br[0]);
+            let ids = greedy_ids(&m, &alone);
+            assert_eq!(ids, br[1..], "{backend}: branch starting with {}", br[0]);
+        }
+    }
+}
+
+#[test]
+fn refused_forwards_leave_the_cache_as_it_was() {
+    let model = tiny();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F16).unwrap();
+        let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+        let first = forward(&mut ctx, &PROMPT, &positions);
+        let next = argmax(first.last().unwrap());
+        let p = PROMPT.len() as i32;
+        // A second sequence on a contiguous cache and a token outside the vocabulary are
+        // typed errors ...
+        let e = ctx
+            .decode(&kvplug::Batch::sequence(&[next], p as usize, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sequence ids must be 0"), "{backend}: {e}");
+        let e = ctx
+            .decode(&kvplug::Batch::sequence(&[1 << 20], p as usize, 0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("outside the vocabulary"), "{backend}: {e}");
+        // ... that change nothing: the next step gives what a fresh cache gives.
+        assert_eq!(ctx.stats().unwrap().high_water, PROMPT.len() as u64);
+        let got = forward(&mut ctx, &[next], &[p]);
+        let mut clean = m.context(CacheKind::Contiguous, 64, KvDtype::F16).unwrap();
+        forward(&mut clean, &PROMPT, &positions);
+        assert_eq!(got, forward(&mut clean, &[next], &[p]), "{backend}");
+        // Nothing to generate is refused up front, for every runner.
+        let none = spec(0, KvDtype::F16);
+        let e = run_agents(&m, &none, 2, &Sampler::greedy())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_new 0"), "{e}");
+        let e = run_decode(&m, &none, None, Sampler::greedy(), &mut |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_new 0"), "{e}");
+    }
+}
+
+/// `kvplug bench` runs every combination (backend, kind, depth, test) with one sample per
+/// repetition, from each depth's context, and refuses an empty test list.
+#[test]
+fn bench_runs_every_combination() {
+    use kvplug::bench::{run, BenchOptions};
+
+    let model = tiny();
+    let rt = runtime();
+    let mut args = BenchOptions {
+        model: model.path().to_path_buf(),
+        backend: BACKENDS.iter().map(|b| b.to_string()).collect(),
+        kind: CacheKind::ALL.to_vec(),
+        kv_dtype: vec![KvDtype::F16],
+        n_prompt: vec![9],
+        n_gen: vec![4],
+        n_depth: vec![0, 5],
+        repetitions: 2,
+    };
+    let mut seen = 0;
+    let results = run(&rt, &args, &mut |_| seen += 1).unwrap();
+    assert_eq!(results.len(), BACKENDS.len() * 3 * 2 * 2);
+    assert_eq!(seen, results.len());
+    for r in &results {
+        assert_eq!(r.samples_ts.len(), 2, "{}", r.test());
+        assert!(r.avg_ts.is_finite() && r.avg_ts > 0.0, "{}", r.test());
+        assert!(r.cache_bytes > 0);
+    }
+    let names: Vec<String> = results[..4].iter().map(|r| r.test()).collect();
+    assert_eq!(names, ["pp9", "tg4", "pp9 @ d5", "tg4 @ d5"]);
+    (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
+    let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("no tests"), "{e}");
+}
+
+/// `tiny` made a Qwen2 (random q/k/v biases) or a Qwen3 (random per-head q/k RMSNorm
+/// weights): the extra tensors go in a second shard named by an index, config.json names
+/// the architecture.
+fn tiny_as(arch: &str) -> tempfile::TempDir {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let dir = tiny();
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = arch.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (heads, kv_heads) = (n("num_attention_heads"), n("num_key_value_heads"));
+    let hd = n("hidden_size") / heads;
+    let mut extra: Vec<(String, Vec<f32>)> = Vec::new();
+    for l in 0..n("num_hidden_layers") {
+        let p = format!("model.layers.{l}.self_attn.");
+        let values = |seed: usize, len: usize, base: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| base + ((i * 7919 + seed * 104_729) % 1000) as f32 / 2000.0 - 0.25)
+                .collect()
+        };
+        if arch == "qwen2" {
+            extra.push((format!("{p}q_proj.bias"), values(3 * l, heads * hd, 0.0)));
+            extra.push((
+                format!("{p}k_proj.bias"),
+                values(3 * l + 1, kv_heads * hd, 0.0),
+            ));
+            extra.push((
+                format!("{p}v_proj.bias"),
+                values(3 * l + 2, kv_heads * hd, 0.0),
+            ));
+        } else {
+            extra.push((format!("{p}q_norm.weight"), values(2 * l, hd, 1.0)));
+            extra.push((format!("{p}k_norm.weight"), values(2 * l + 1, hd, 1.0)));
+        }
+    }
+    let bytes: Vec<Vec<u8>> = extra
+        .iter()
+        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = extra
+        .iter()
+        .zip(&bytes)
+        .map(|((name, v), b)| {
+            (
+                name.as_str(),
+                TensorView::new(Dtype::F32, vec![v.len()], b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("extra.safetensors")).unwrap();
+    let main = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let mut map = serde_json::Map::new();
+    for name in SafeTensors::deserialize(&main).unwrap().names() {
+        map.insert(name.to_string(), "model.safetensors".into());
+    }
+    for (name, _) in &extra {
+        map.insert(name.clone(), "extra.safetensors".into());
+    }
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        serde_json::json!({ "weight_map": map }).to_string(),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn qwen2_biases_and_qwen3_qk_norms_match_the_f64_reference() {
+    let rt = runtime();
+    for arch in ["qwen2", "qwen3"] {
+        let model = tiny_as(arch);
+        let want = reference_logits(model.path(), &PROMPT);
+        // Without the extra tensors the logits would differ: the check can fail.
+        let plain = reference_logits(tiny().path(), &PROMPT);
+        let moved = plain
+            .iter()
+            .flatten()
+            .zip(want.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(moved > 1e-2, "{arch}: the extra tensors change the logits");
+        for backend in BACKENDS {
+            let mut ctx = common::model(&rt, backend, model.path())
+                .context(CacheKind::Contiguous, 64, KvDtype::F32)
+                .unwrap();
+            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+            let got = forward(&mut ctx, &PROMPT, &positions);
+            let worst = common::max_logit_error(&got, &want);
+            // The f32 tolerance of logits_match_the_f64_reference_for_prompt_and_eight_decode_steps.
+            assert!(
+                worst < 1e-3,
+                "{arch} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
+}

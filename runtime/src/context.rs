@@ -1,0 +1,137 @@
+//! [`Context`]: a cache bound to a model's `forward`, and [`Context::decode`].
+
+use std::ops::Deref;
+
+use kvplug_core::{CacheError, CacheKind};
+use kvplug_plugin_api::abi_stable::std_types::RVec;
+use kvplug_plugin_api::{AbiErrorKind, HostTensor, MethodHandle, PluginError};
+
+use crate::batch::Batch;
+use crate::cache::Cache;
+use crate::error::RuntimeError;
+
+/// One cache of a kind bound to a model's `forward` inside the backend (the `cache_key`
+/// rendezvous happened when it was made). [`Context::decode`] runs a batch; the cache's verbs
+/// (`rewind`, `seq_cp`, `prefix_attach`, `propose`, `export_seq`, ...) are reached through
+/// `Deref` to its [`Cache`]. Dropping the context erases the cache's key; the plugin's
+/// binding releases the cache object with it.
+pub struct Context {
+    cache: Cache,
+    method: MethodHandle,
+    vocab: usize,
+    /// The last decode's logits, `rows × vocab`, reused from step to step.
+    logits: Vec<f32>,
+    rows: usize,
+    decodes: u64,
+}
+
+/// The logits a [`Context::decode`] returned: one row of `vocab` values per token the batch
+/// asked logits for, in batch order.
+#[derive(Clone, Copy, Debug)]
+pub struct Logits<'a> {
+    data: &'a [f32],
+    vocab: usize,
+}
+
+impl<'a> Logits<'a> {
+    /// Rows returned.
+    pub fn len(&self) -> usize {
+        self.data.len() / self.vocab
+    }
+
+    /// Whether no row came back.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Row `i` (the `i`-th token that asked for logits). Panics when out of range.
+    pub fn row(&self, i: usize) -> &'a [f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// Every row, in order.
+    pub fn rows(&self) -> impl Iterator<Item = &'a [f32]> + 'a {
+        self.data.chunks_exact(self.vocab)
+    }
+}
+
+impl Context {
+    pub(crate) fn new(cache: Cache, method: MethodHandle, vocab: usize) -> Self {
+        Context {
+            cache,
+            method,
+            vocab,
+            logits: Vec::new(),
+            rows: 0,
+            decodes: 0,
+        }
+    }
+
+    /// Logits per row.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Forward passes run so far.
+    pub fn decodes(&self) -> u64 {
+        self.decodes
+    }
+
+    /// Runs `batch` through the model, writing its K/V into the cache, and returns the
+    /// logits of the rows it asked for. A seq cache learns each token's sequence first
+    /// (`begin_step`); the other kinds hold one sequence, so their batches use sequence 0.
+    /// A refused batch leaves the cache as it was.
+    pub fn decode(&mut self, batch: &Batch) -> Result<Logits<'_>, RuntimeError> {
+        if batch.is_empty() {
+            return Err(CacheError::bad_shape("an empty batch").into());
+        }
+        if self.cache.kind() == CacheKind::Seq {
+            self.cache.begin_step(batch.seq_ids())?;
+        } else if batch.seq_ids().iter().any(|&s| s != 0) {
+            return Err(CacheError::bad_shape(format!(
+                "a {} cache holds one sequence: a batch's sequence ids must be 0",
+                self.cache.kind().as_str()
+            ))
+            .into());
+        }
+        // A forward returns at least one row: a batch that wants none (a prompt chunk) asks
+        // for its last and drops it.
+        let wanted = batch.logit_rows();
+        let last = [batch.len() as i32 - 1];
+        let rows = if wanted.is_empty() { &last[..] } else { wanted };
+        let mut inputs = RVec::with_capacity(3);
+        inputs.push(HostTensor::from_i32(&[batch.len()], batch.tokens()));
+        inputs.push(HostTensor::from_i32(&[batch.len()], batch.positions()));
+        inputs.push(HostTensor::from_i32(&[rows.len()], rows));
+        let out = self.method.execute(inputs).into_result()?;
+        self.decodes += 1;
+        let first = out
+            .first()
+            .ok_or_else(|| PluginError::new(AbiErrorKind::Backend, "forward returned no logits"))?;
+        if !first.read_f32_into(&mut self.logits) || self.logits.len() != rows.len() * self.vocab {
+            return Err(PluginError::new(
+                AbiErrorKind::Backend,
+                format!(
+                    "forward returned {} logits for {} rows of {}",
+                    self.logits.len(),
+                    rows.len(),
+                    self.vocab
+                ),
+            )
+            .into());
+        }
+        self.rows = if wanted.is_empty() { 0 } else { rows.len() };
+        Ok(Logits {
+            data: &self.logits[..self.rows * self.vocab],
+            vocab: self.vocab,
+        })
+    }
+}
+
+impl Deref for Context {
+    type Target = Cache;
+
+    fn deref(&self) -> &Cache {
+        &self.cache
+    }
+}

@@ -1,0 +1,74 @@
+//! What the runtime's operations fail with.
+
+use kvplug_core::{CacheError, ModelError};
+use kvplug_plugin_api::PluginError;
+
+/// What a runtime operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// No loaded backend has this id.
+    #[error("backend '{wanted}' is not loaded (loaded: {})", list(.loaded))]
+    UnknownBackend {
+        /// The id asked for.
+        wanted: String,
+        /// The ids that are loaded.
+        loaded: Vec<String>,
+    },
+    /// The backend has no builder for this kind.
+    #[error("backend '{backend}' has no '{kind}' cache (it has: {})", list(.kinds))]
+    UnknownKind {
+        /// The backend.
+        backend: String,
+        /// The kind asked for.
+        kind: String,
+        /// The kinds it has.
+        kinds: Vec<String>,
+    },
+    /// The cache the builder returned is not of the kind asked for.
+    #[error("backend '{backend}' built a '{got}' cache when asked for '{wanted}'")]
+    WrongKind {
+        /// The backend.
+        backend: String,
+        /// Kind asked for.
+        wanted: String,
+        /// Kind returned.
+        got: String,
+    },
+    /// The plugin refused or failed (its error kind says why: capacity, bad shape, ...).
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    /// The model directory cannot be used (a missing or malformed `config.json`, bad
+    /// `kv_cache.*` metadata, an unsupported architecture).
+    #[error("{}: {reason}", .path.display())]
+    Model {
+        /// The model directory, or the file in it at fault.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: ModelError,
+    },
+    /// A model file could not be read (the message names it).
+    #[error(transparent)]
+    File(#[from] kvplug_core::files::FileError),
+    /// A cache configuration or batch the runtime refuses before calling the plugin.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
+
+impl RuntimeError {
+    /// The plugin error's kind, when the plugin refused (e.g. `OutOfWindow`, `Capacity`),
+    /// so callers can react to a refusal without parsing messages.
+    pub fn plugin_kind(&self) -> Option<kvplug_plugin_api::AbiErrorKind> {
+        match self {
+            RuntimeError::Plugin(e) => Some(e.kind),
+            _ => None,
+        }
+    }
+}
+
+fn list(v: &[String]) -> String {
+    if v.is_empty() {
+        "none".to_string()
+    } else {
+        v.join(", ")
+    }
+}

@@ -1,0 +1,145 @@
+//! [`Model`]: a model directory read once for one backend.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
+use kvplug_core::{make_config, CacheConfig, CacheKind, KvDtype, ModelConfig, ModelError};
+
+use crate::context::Context;
+use crate::error::RuntimeError;
+use crate::runtime::Runtime;
+
+/// The option naming the model directory (as the kit reads it).
+const OPTION_MODEL_DIR: &str = "model_dir";
+/// The option limiting a model to its first N layers.
+const OPTION_LAYERS: &str = "layers";
+
+/// A model on a backend: its directory (a Hugging Face–style package, or a GGUF's index)
+/// and its `config.json`, parsed once by core's parser, the one the kit builds the forward
+/// pass with. Cheap to clone. The backend maps the weights once, when the first context
+/// binds them, and shares them with every later context and every layer view.
+#[derive(Clone)]
+pub struct Model {
+    runtime: Runtime,
+    backend: String,
+    dir: PathBuf,
+    config: Arc<ModelConfig>,
+    /// Layers this view runs (all, or the first N of a draft view).
+    layers: usize,
+}
+
+impl Model {
+    pub(crate) fn open(runtime: Runtime, backend: &str, dir: &Path) -> Result<Self, RuntimeError> {
+        let path = dir.join("config.json");
+        let bad = |reason: ModelError| RuntimeError::Model {
+            path: path.clone(),
+            reason,
+        };
+        let config = ModelConfig::parse(&read_text(&path, MAX_TEXT_BYTES)?).map_err(bad)?;
+        Ok(Model {
+            runtime,
+            backend: backend.to_string(),
+            dir: dir.to_path_buf(),
+            layers: config.num_hidden_layers,
+            config: Arc::new(config),
+        })
+    }
+
+    /// The runtime it came from (for another model on the same plugins).
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// The backend it runs on.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its parsed `config.json`.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Logits per row.
+    pub fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    /// Layers this view runs.
+    pub fn n_layers(&self) -> usize {
+        self.layers
+    }
+
+    /// The view of its first `n` layers (a draft that shares the weights, no copy).
+    pub fn layers(&self, n: usize) -> Result<Model, RuntimeError> {
+        let all = self.config.num_hidden_layers;
+        if n == 0 || n > all {
+            return Err(RuntimeError::Model {
+                path: self.dir.clone(),
+                reason: ModelError::Malformed(format!(
+                    "a view of {n} layers: the model has {all} (give 1..={all})"
+                )),
+            });
+        }
+        Ok(Model {
+            layers: n,
+            ..self.clone()
+        })
+    }
+
+    /// The cache configuration this view needs at `capacity` cells of `kv_dtype`: its
+    /// layers' shape and sliding layers, validated.
+    pub fn cache_config(
+        &self,
+        capacity: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<CacheConfig, RuntimeError> {
+        let mut params = self.config.cache_params();
+        params.n_layers = self.layers;
+        let mut cfg = make_config(&params, capacity, kv_dtype);
+        cfg.sliding = self
+            .config
+            .sliding(self.layers)
+            .map_err(|reason| RuntimeError::Model {
+                path: self.dir.join("config.json"),
+                reason,
+            })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A context: a new `kind` cache of `capacity` cells in `kv_dtype`, bound to this view's
+    /// `forward` inside the backend.
+    pub fn context(
+        &self,
+        kind: CacheKind,
+        capacity: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<Context, RuntimeError> {
+        self.context_with(kind, &self.cache_config(capacity, kv_dtype)?)
+    }
+
+    /// A context on a cache made from `cfg` as given (the plugin refuses a configuration
+    /// this view cannot use: another shape, other sliding layers).
+    pub fn context_with(
+        &self,
+        kind: CacheKind,
+        cfg: &CacheConfig,
+    ) -> Result<Context, RuntimeError> {
+        let cache = self.runtime.cache(&self.backend, kind, cfg)?;
+        let mut options = vec![(OPTION_MODEL_DIR, self.dir.display().to_string())];
+        if self.layers != self.config.num_hidden_layers {
+            options.push((OPTION_LAYERS, self.layers.to_string()));
+        }
+        let method = self
+            .runtime
+            .load_method(&self.backend, "forward", &cache, &options)?;
+        Ok(Context::new(cache, method, self.vocab()))
+    }
+}

@@ -1,0 +1,209 @@
+//! # kvplug-server
+//!
+//! An OpenAI-compatible HTTP server for agents (axum on tokio), over the SDK.
+//!
+//! - **Routes.** `POST /v1/chat/completions` and `POST /v1/completions` (one JSON answer, or
+//!   server-sent events ending with `data: [DONE]` when `stream` is true), `GET /v1/models`,
+//!   `GET /health` (never behind the key; shows the batcher and cache figures).
+//! - **One model, one seq cache.** Requests are sequences of one cache; the engine thread
+//!   runs one forward per step over all of them ([`engine`]). The cache's capacity is the
+//!   memory budget: requests beyond it wait, a full queue answers 429 with `Retry-After`.
+//! - **Reuse.** Every answered request leaves its K/V in the prefix index, so a later
+//!   request sharing its beginning (a system prompt, an agent's transcript) prefills only the
+//!   rest; `usage.prompt_tokens_details.cached_tokens` says how much was reused. A request
+//!   with an `X-Session-Id` header is an agent: its sequence stays between requests (hot)
+//!   and moves to its session file when the budget needs the room (warm), then comes back
+//!   from there ([`AgentStore`]).
+//!
+//! The HTTP side runs on its own thread; the model stays on the caller's. The library prints
+//! nothing: [`Server::bind`] returns the bound address for the caller to announce, and
+//! [`Server::run`] calls back when a shutdown signal arrives.
+
+mod api;
+mod engine;
+mod error;
+mod routes;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{mpsc, Arc, Mutex};
+
+use kvplug::{AgentStore, AgentStoreOptions, KvDtype, Runtime, Text};
+
+use engine::{Engine, Limits, Status};
+pub use routes::SESSION_HEADER;
+
+/// How the server runs.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The model: a directory, or a GGUF file (indexed once, used in place).
+    pub model: PathBuf,
+    /// The model's id in answers and `/v1/models`.
+    pub model_id: String,
+    /// Backend id.
+    pub backend: String,
+    /// Where to listen (port 0: any free port; [`Server::local_addr`] says which).
+    pub addr: SocketAddr,
+    /// Bearer key required on `/v1/*`.
+    pub api_key: Option<String>,
+    /// Cache capacity in cells: the K/V memory budget, and the longest prompt + answer.
+    pub capacity: usize,
+    /// KV storage dtype.
+    pub kv_dtype: KvDtype,
+    /// Most requests in flight (sequences of the cache, 1..=64).
+    pub parallel: usize,
+    /// Most requests waiting beyond those.
+    pub max_queue: usize,
+    /// The `max_tokens` limit and default.
+    pub max_tokens: usize,
+    /// Largest request body in bytes.
+    pub max_body: usize,
+    /// The agents' session files.
+    pub session_dir: PathBuf,
+}
+
+/// What starting or running the server can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A setting out of range.
+    #[error("{0}")]
+    Config(String),
+    /// The model, its tokenizer or its context could not be made, or the engine failed.
+    #[error(transparent)]
+    Sdk(#[from] kvplug::Error),
+    /// Listening or serving failed.
+    #[error("{what}: {error}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        error: std::io::Error,
+    },
+    /// The HTTP thread panicked.
+    #[error("the HTTP thread panicked")]
+    HttpThread,
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
+    let what = what.into();
+    move |error| ServerError::Io { what, error }
+}
+
+/// A server bound to its address, its model loaded.
+pub struct Server {
+    listener: std::net::TcpListener,
+    addr: SocketAddr,
+    config: ServerConfig,
+    store: AgentStore,
+    text: Arc<Text>,
+}
+
+impl Server {
+    /// Loads the model on `config.backend` and binds `config.addr`.
+    pub fn bind(runtime: &Runtime, config: ServerConfig) -> Result<Server, ServerError> {
+        if !(1..=kvplug_core::MAX_SEQS).contains(&config.parallel) {
+            return Err(ServerError::Config(format!(
+                "parallel takes 1..={} requests",
+                kvplug_core::MAX_SEQS
+            )));
+        }
+        let model = kvplug::open_model(runtime, &config.backend, &config.model)?;
+        let text = Arc::new(Text::load(model.dir())?);
+        let store = AgentStore::new(
+            &model,
+            AgentStoreOptions {
+                capacity: config.capacity,
+                kv_dtype: config.kv_dtype,
+                dir: config.session_dir.clone(),
+            },
+        )?;
+        let listener = std::net::TcpListener::bind(config.addr)
+            .map_err(io(format!("listening on {}", config.addr)))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io("a non-blocking listener"))?;
+        let addr = listener.local_addr().map_err(io("the bound address"))?;
+        Ok(Server {
+            listener,
+            addr,
+            config,
+            store,
+            text,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until SIGINT or SIGTERM; `on_shutdown` runs when the signal arrives, then
+    /// requests in flight are finished and agents parked in their session files.
+    pub fn run(self, on_shutdown: impl FnOnce() + Send + 'static) -> Result<(), ServerError> {
+        let Server {
+            listener,
+            config,
+            store,
+            text,
+            ..
+        } = self;
+        let (tx, rx) = mpsc::channel();
+        let status = Arc::new(Mutex::new(Status::default()));
+        let shared = Arc::new(routes::Shared {
+            text: text.clone(),
+            engine: tx,
+            model_id: config.model_id.clone(),
+            capacity: config.capacity,
+            max_tokens: config.max_tokens,
+            api_key: config.api_key.clone(),
+            status: status.clone(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            counter: AtomicU64::new(0),
+        });
+        let app = routes::router(shared, config.max_body);
+        let http = std::thread::Builder::new()
+            .name("kvplug-http".into())
+            .spawn(move || -> Result<(), ServerError> {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(io("starting the HTTP runtime"))?;
+                rt.block_on(async {
+                    let listener =
+                        tokio::net::TcpListener::from_std(listener).map_err(io("the listener"))?;
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(shutdown_signal(on_shutdown))
+                        .await
+                        .map_err(io("serving"))
+                })
+            })
+            .map_err(io("starting the HTTP thread"))?;
+        let limits = Limits {
+            parallel: config.parallel,
+            max_queue: config.max_queue,
+        };
+        // The engine ends when the HTTP side is gone (every sender dropped).
+        Engine::new(store, text, limits, status).run(rx)?;
+        http.join().map_err(|_| ServerError::HttpThread)?
+    }
+}
+
+async fn shutdown_signal(on_shutdown: impl FnOnce()) {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+    on_shutdown();
+}
