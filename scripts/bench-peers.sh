@@ -71,14 +71,14 @@ EOF
 fi
 
 build="$PEERS/build"
+flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
+    -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)"
+    -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
+    -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)"
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/llama-quantize" ]; then
-    flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
-    has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
-    features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
-        -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)"
-        -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
-        -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)"
-        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
     echo "bench-peers: building llama-bench and llama-quantize (Release, ${features[*]})"
     cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${features[@]}" \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
@@ -125,9 +125,9 @@ for depth in ${DEPTHS//,/ }; do
     done
 done
 
-python3 - "$runs" "$weights" "$THREADS" "$KV" <<'EOF' | tee "$PEERS/peers.md"
+python3 - "$runs" "$weights" "$THREADS" "$KV" "$VERSION" "${features[*]}" <<'EOF' | tee "$PEERS/peers.md"
 import glob, json, os, statistics, sys
-runs, model, threads, kv = sys.argv[1:]
+runs, model, threads, kv, version, features = sys.argv[1:]
 key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"])
 # Every sample of each side per test; llama.cpp's per flash-attention setting.
 ours, theirs = {}, {}
@@ -143,6 +143,10 @@ def stats(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 print(f"{model} on both sides, {threads} threads, KV {kv}; mean ± standard deviation "
       "of every sample of each side's runs, interleaved test by test.\n")
+print(f"llama.cpp: the source llama-cpp-python {version} vendors, built Release with "
+      f"GGML_NATIVE=OFF and this CPU's features named one by one ({features}): AMX is off "
+      "because these sandboxes refuse AMX tile state (a native build dies with SIGILL on "
+      "Q4_K).\n")
 print("| test | llama.cpp t/s | llama.cpp -fa | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | :---: | ---: | ---: |")
 for k in sorted(ours, key=lambda k: (k[2], k[1], k[0])):

@@ -69,7 +69,7 @@ fn main() -> Result<()> {
             dir: files.clone(),
         },
     )?;
-    let greedy = &Sampler::greedy();
+    let greedy = &mut Sampler::greedy();
     let none = BTreeSet::new();
     let cold = store.generate(
         None,

@@ -172,7 +172,7 @@ impl AgentStore {
         agent: Option<&str>,
         prompt: &[i32],
         max_new: usize,
-        sampler: &Sampler,
+        sampler: &mut Sampler,
         stop: &BTreeSet<i32>,
     ) -> Result<Reply> {
         if max_new == 0 {
@@ -459,7 +459,7 @@ impl AgentStore {
         prompt: &[i32],
         history: usize,
         max_new: usize,
-        sampler: &Sampler,
+        sampler: &mut Sampler,
         stop: &BTreeSet<i32>,
         t0: Instant,
     ) -> Result<Reply> {
@@ -482,6 +482,7 @@ impl AgentStore {
                 Ok(())
             },
         )?;
+        *sampler = g.sampler;
         Ok(Reply {
             decode_tok_s: g.decode_tok_s,
             ids: g.ids,

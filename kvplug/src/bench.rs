@@ -2,22 +2,22 @@
 //! (GGUF included), per backend, cache kind and KV dtype.
 //!
 //! A test `ppN @ dD` times the prefill of `N` tokens after `D` tokens of context (in
-//! micro-batches of [`PREFILL_UBATCH`](crate::generator::PREFILL_UBATCH), as every prefill
-//! runs); `tgN @ dD` times `N` decode steps after `D` tokens (greedy, no stop token). Prompt
-//! tokens are drawn uniformly from the vocabulary with a fixed seed, as `llama-bench` does.
+//! micro-batches of [`PREFILL_UBATCH`](crate::generator::PREFILL_UBATCH) through the
+//! [`Generator`](crate::Generator), as every prefill runs); `tgN @ dD` times `N` single-token
+//! decode steps after `D` tokens, feeding drawn tokens rather than sampled ones, as
+//! `llama-bench` does. Tokens are drawn uniformly from the vocabulary with a fixed seed.
 //! Each test runs once untimed (warm-up: pools grown, kernels and buffers ready), then
 //! `repetitions` times from the same context: the context is prefilled once per depth and
 //! the cache cut back to it before every run (`rewind` on a contiguous cache, `seq_rm` on a
-//! seq cache; a tree cache, which cannot be cut, is cleared and prefilled again). Both go
-//! through the one [`Generator`](crate::Generator). Results carry `llama-bench`'s JSON field
-//! names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`, `stddev_ts`, `samples_ts`) so the two
+//! seq cache; a tree cache, which cannot be cut, is cleared and prefilled again). Results
+//! carry `llama-bench`'s JSON field names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`, `stddev_ts`, `samples_ts`) so the two
 //! compare directly.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use kvplug_core::{CacheKind, KvDtype};
-use kvplug_runtime::{Context, Runtime};
+use kvplug_runtime::{Batch, Context, Runtime};
 
 use crate::error::{fail, Result};
 use crate::generator::{generate, GenOptions};
@@ -124,16 +124,13 @@ fn pp(ctx: &mut Context, prompt: &[i32], depth: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Seconds to decode `n` tokens after `first` at `depth` (the first token's forward
-/// included, its prompt of one token being the step's input).
-fn tg(ctx: &mut Context, first: i32, n: usize, depth: usize) -> Result<f64> {
+/// Seconds to decode `ids` one at a time at `depth..` (each step's logits read back and
+/// not sampled, as `llama-bench` measures generation).
+fn tg(ctx: &mut Context, ids: &[i32], depth: usize) -> Result<f64> {
     let t = Instant::now();
-    let opts = GenOptions {
-        max_tokens: n,
-        ..GenOptions::default()
-    };
-    // n forwards: the first token, then n - 1 of the n sampled.
-    generate(ctx, None, 0, &[first], depth, opts, &mut |_| Ok(()))?;
+    for (i, &id) in ids.iter().enumerate() {
+        ctx.decode(&Batch::sequence(&[id], depth + i, 0))?;
+    }
     Ok(t.elapsed().as_secs_f64())
 }
 
@@ -184,17 +181,17 @@ pub fn run(
                 for &depth in &a.n_depth {
                     let context = tokens(depth, vocab, 1 + depth as u64);
                     for &(p, n) in &tests {
-                        let ids = tokens(p.max(1), vocab, 7);
+                        let ids = tokens(p.max(n), vocab, 7);
                         let mut samples = Vec::with_capacity(a.repetitions);
                         for rep in 0..=a.repetitions {
                             reset(&mut ctx, &context, &mut held)?;
                             let secs = match p {
-                                0 => tg(&mut ctx, ids[0], n, depth)?,
+                                0 => tg(&mut ctx, &ids, depth)?,
                                 _ => pp(&mut ctx, &ids, depth)?,
                             };
                             // Run 0 warms up.
                             if rep > 0 {
-                                samples.push(p.max(n) as f64 / secs.max(1e-9));
+                                samples.push(ids.len() as f64 / secs.max(1e-9));
                             }
                         }
                         let (avg_ts, stddev_ts) = mean_sd(&samples);

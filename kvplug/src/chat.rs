@@ -231,6 +231,9 @@ impl Chat {
         let g = generate(&mut self.ctx, text, 0, fresh, reused, opts, &mut |e| {
             on_text(&e.text)
         })?;
+        if !g.text_tail.is_empty() {
+            on_text(&g.text_tail)?;
+        }
         // The sampler's stream goes on from where this turn left it.
         self.sampler = g.sampler.clone();
         // Every generated id but the last was run; the next turn's prompt decides whether

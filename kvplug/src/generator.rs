@@ -210,6 +210,11 @@ impl Generator {
         self.active.is_empty()
     }
 
+    /// Whether some request in flight still has prompt tokens to write.
+    pub fn is_prefilling(&self) -> bool {
+        self.active.iter().any(Active::prefilling)
+    }
+
     /// Requests in flight.
     pub fn len(&self) -> usize {
         self.active.len()
@@ -251,7 +256,8 @@ impl Generator {
 
     /// One forward over the requests in flight; `on_token` sees each sampled token. Returns
     /// the requests that ended. A failed forward leaves every request in flight (the caller
-    /// decides: retry, or [`cancel_all`](Self::cancel_all)).
+    /// decides: retry, or [`cancel_all`](Self::cancel_all)); a failing `on_token` ends them
+    /// all (their tokens of this step were sampled but not all handed out).
     pub fn step(
         &mut self,
         ctx: &mut Context,
@@ -262,7 +268,8 @@ impl Generator {
         }
         self.batch.clear();
         self.owners.clear();
-        let mut budget = PREFILL_UBATCH.saturating_sub(self.active.len());
+        let decoding = self.active.iter().filter(|a| !a.prefilling()).count();
+        let mut budget = PREFILL_UBATCH.saturating_sub(decoding).max(1);
         for decode in [true, false] {
             for (i, a) in self.active.iter_mut().enumerate() {
                 if a.prefilling() == decode {
@@ -308,13 +315,17 @@ impl Generator {
                 let (released, hit) = a.stop.push(&piece);
                 (text, stopped) = (released, hit);
             }
-            on_token(&TokenEvent {
+            let handed = on_token(&TokenEvent {
                 request: a.request,
                 seq: a.seq,
                 id,
                 text,
                 logits: l,
-            })?;
+            });
+            if let Err(e) = handed {
+                self.active.clear();
+                return Err(e);
+            }
             if stopped {
                 ended.push((i, Finish::Stop));
             } else if a.generated.len() >= a.opts.max_tokens {
@@ -365,6 +376,8 @@ pub struct Generation {
     pub decode_tok_s: f64,
     /// The sampler as it ended.
     pub sampler: Sampler,
+    /// Text held back at the end that was no stop string (the tokens' text ends before it).
+    pub text_tail: String,
 }
 
 /// One request on sequence `seq` of `ctx` (see [`Generator::add`]), run to its end by a
@@ -402,5 +415,6 @@ pub fn generate(
         reason: f.reason,
         ids: f.generated,
         sampler: f.sampler,
+        text_tail: f.text_tail,
     })
 }

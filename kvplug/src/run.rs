@@ -164,7 +164,7 @@ pub struct ForkReport {
     pub branches: Vec<Vec<i32>>,
     /// Trunk tokens prefilled once and shared by every branch.
     pub trunk_tokens: usize,
-    /// Branch suffix tokens, prefilled together in one forward.
+    /// Branch suffix tokens, prefilled together (one forward up to a micro-batch).
     pub suffix_tokens: usize,
     /// Forwards of the decode phase (one per step for all live branches).
     pub decode_forwards: usize,
@@ -210,10 +210,12 @@ pub fn run_fork(model: &Model, spec: &RunSpec, suffixes: &[Vec<i32>]) -> Result<
         ctx.seq_cp(0, seq, None, None)?;
         requests.push(g.add(seq, suffix, p, spec.options(Sampler::greedy()))?);
     }
-    // The first step prefills every suffix; the rest decode.
-    let first = g.step(&mut ctx, &mut |_| Ok(()))?;
+    // The suffixes first (one forward, unless they pass a micro-batch); then the decode.
+    let mut done = Vec::new();
+    while g.is_prefilling() {
+        done.extend(g.step(&mut ctx, &mut |_| Ok(()))?);
+    }
     let (t1, forwards0) = (Instant::now(), ctx.decodes());
-    let mut done = first;
     done.extend(g.run(&mut ctx, &mut |_| Ok(()))?);
     let mut branches = vec![Vec::new(); k];
     for f in done {

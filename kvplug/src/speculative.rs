@@ -76,6 +76,20 @@ pub struct SpecOptions {
     pub max_width: usize,
 }
 
+impl SpecOptions {
+    /// Whether the largest draft tree fits beside `spec`'s prompt and answer in its
+    /// capacity (and depth and width are at least 1).
+    pub fn fits(&self, spec: &RunSpec) -> bool {
+        let tree = self
+            .max_width
+            .checked_mul(self.max_depth)
+            .and_then(|n| n.checked_add(1));
+        self.max_depth > 0
+            && self.max_width > 0
+            && tree.is_some_and(|n| spec.prompt.len() + spec.max_new + n <= spec.capacity)
+    }
+}
+
 /// The longest n-gram prompt lookup tries.
 const NGRAM_MAX: usize = 4;
 /// The shortest: a single matching token predicts too little.
@@ -439,18 +453,11 @@ pub fn run_speculative(
 ) -> Result<RunReport> {
     spec.check()?;
     let (depth_max, width_max) = (opts.max_depth, opts.max_width);
-    if depth_max == 0 || width_max == 0 {
-        fail!(Invalid, "the draft depth and width must be at least 1");
-    }
-    let fits = width_max
-        .checked_mul(depth_max)
-        .and_then(|n| n.checked_add(1))
-        .is_some_and(|n| spec.prompt.len() + spec.max_new + n <= spec.capacity);
-    if !fits {
+    if !opts.fits(spec) {
         fail!(
             Invalid,
-            "draft trees of depth {depth_max} × width {width_max} do not fit beside the prompt \
-             ({}) and max_new ({}) in the capacity {}",
+            "draft trees of depth {depth_max} × width {width_max} (both at least 1) do not fit \
+             beside the prompt ({}) and max_new ({}) in the capacity {}",
             spec.prompt.len(),
             spec.max_new,
             spec.capacity

@@ -83,7 +83,7 @@ impl Text {
         if !path.exists() {
             fail!(
                 Text,
-                "{}: no tokenizer.json, so text prompts are not possible (use --prompt-ids)",
+                "{}: no tokenizer.json, so text prompts are not possible (give token ids)",
                 dir.display()
             );
         }
@@ -132,7 +132,7 @@ impl Text {
     /// (Hugging Face's `add_generation_prompt`).
     pub fn render_with(&self, messages: &[Message], open_turn: bool) -> Result<String> {
         let Some(src) = &self.template else {
-            fail!(Text, "this model has no chat template: use --raw");
+            fail!(Text, "this model has no chat template: send the prompt raw");
         };
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);

@@ -52,7 +52,7 @@ fn tokens(seed: i32, n: usize) -> Vec<i32> {
 }
 
 fn ask(s: &mut AgentStore, agent: Option<&str>, prompt: &[i32]) -> Reply {
-    s.generate(agent, prompt, NEW, &Sampler::greedy(), &BTreeSet::new())
+    s.generate(agent, prompt, NEW, &mut Sampler::greedy(), &BTreeSet::new())
         .unwrap()
 }
 

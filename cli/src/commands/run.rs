@@ -1,6 +1,6 @@
 //! `kvplug run`: decode, agents or speculative decoding of one prompt.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -116,11 +116,15 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     let report: RunReport = if let Some(k) = a.agents {
         run_agents(&model, &spec, k, &sampler)?
     } else if let Some(draft) = &a.speculative {
-        let tree = a.depth.saturating_mul(a.width).saturating_add(1);
-        if a.depth > 0 && a.width > 0 && spec.prompt.len() + spec.max_new + tree > spec.capacity {
+        let opts = SpecOptions {
+            draft: draft.clone(),
+            max_depth: a.depth,
+            max_width: a.width,
+        };
+        if !opts.fits(&spec) {
             bail!(
-                "--depth {} × --width {} draft trees do not fit beside the prompt ({}) and \
-                 --max-new ({}) in the capacity {}",
+                "--depth {} × --width {} draft trees (both at least 1) do not fit beside the \
+                 prompt ({}) and --max-new ({}) in the capacity {}",
                 a.depth,
                 a.width,
                 spec.prompt.len(),
@@ -128,18 +132,22 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
                 spec.capacity
             );
         }
-        let opts = SpecOptions {
-            draft: draft.clone(),
-            max_depth: a.depth,
-            max_width: a.width,
-        };
         run_speculative(&model, &spec, &opts, &mut sampler)?
     } else {
         let stream = !a.json;
+        let progress = std::io::stderr().is_terminal();
+        let mut done = 0;
         run_decode(&model, &spec, text.clone(), sampler, &mut |e| {
             if stream && !e.text.is_empty() {
                 print!("{}", e.text);
                 std::io::stdout().flush()?;
+            }
+            done += 1;
+            if progress && (done % 16 == 0 || done == spec.max_new) {
+                eprint!("\rgenerated {done}/{}", spec.max_new);
+                if done == spec.max_new {
+                    eprintln!();
+                }
             }
             Ok(())
         })?

@@ -61,9 +61,6 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
             .map(|s| s.to_string_lossy().into_owned())
             .context("--model has no file name: give --alias")?,
     };
-    if !(1..=kvplug_core::MAX_SEQS).contains(&a.parallel) {
-        anyhow::bail!("--parallel takes 1..={}", kvplug_core::MAX_SEQS);
-    }
     let config = ServerConfig {
         model: a.model,
         model_id: model_id.clone(),
