@@ -7,12 +7,13 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvplug_runtime::{Batch, Context};
 
 use crate::error::{fail, Result};
-use crate::sampler::Sampler;
+use crate::grammar::Constraint;
+use crate::sampler::{Adjustments, Sampler, TokenLogprobs, REPEAT_WINDOW};
 use crate::stop::StopMatcher;
 use crate::text::{Streamer, Text};
 
@@ -32,6 +33,13 @@ pub struct GenOptions {
     /// Strings that end generation (the text stops right before the first one). Needs the
     /// generator's [`Text`].
     pub stop_strings: Vec<String>,
+    /// Logit bias and penalties, applied before sampling.
+    pub adjust: Adjustments,
+    /// A grammar the answer must follow: each step only the tokens it allows can be
+    /// sampled, and the answer ends when it is complete.
+    pub constraint: Option<Constraint>,
+    /// Report each token's log-probability and this many alternatives' (`None`: none).
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenOptions {
@@ -41,6 +49,9 @@ impl Default for GenOptions {
             sampler: Sampler::greedy(),
             stop_tokens: BTreeSet::new(),
             stop_strings: Vec::new(),
+            adjust: Adjustments::default(),
+            constraint: None,
+            logprobs: None,
         }
     }
 }
@@ -73,8 +84,10 @@ pub struct TokenEvent<'a> {
     /// Text released with it (empty while a piece of a character or a possible stop
     /// string is held back; empty without a [`Text`]).
     pub text: String,
-    /// The logits it was sampled from.
+    /// The logits it was sampled from (the model's, before adjustments and masks).
     pub logits: &'a [f32],
+    /// Its log-probability and the best alternatives', when the request asked.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// A request that ended.
@@ -153,6 +166,10 @@ pub struct Generator {
     // The step's batch and which request owns each logits row, reused across steps.
     batch: Batch,
     owners: Vec<usize>,
+    /// A row of logits being adjusted or masked, reused.
+    scratch: Vec<f32>,
+    masks: u64,
+    mask_time: Duration,
 }
 
 impl Generator {
@@ -230,6 +247,11 @@ impl Generator {
         self.active.iter().map(Active::outstanding).sum()
     }
 
+    /// Constraint masks computed so far by every request that ended, and their time.
+    pub fn mask_stats(&self) -> (u64, Duration) {
+        (self.masks, self.mask_time)
+    }
+
     /// Tokens request `request` has generated so far.
     pub fn generated(&self, request: RequestId) -> Option<&[i32]> {
         let a = self.active.iter().find(|a| a.request == request)?;
@@ -295,7 +317,31 @@ impl Generator {
                 }
             }
         }
-        let logits = ctx.decode(&self.batch)?;
+        // The masks of constrained requests sampling this step are computed beside the
+        // forward pass, on a second thread.
+        let owners = &self.owners;
+        let mut constraints: Vec<&mut Constraint> = self
+            .active
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| owners.contains(i))
+            .filter_map(|(_, a)| a.opts.constraint.as_mut())
+            .collect();
+        let (decoded, masked) = std::thread::scope(|s| {
+            let masks = (!constraints.is_empty())
+                .then(|| s.spawn(move || constraints.iter_mut().try_for_each(|c| c.prepare())));
+            let decoded = ctx.decode(&self.batch);
+            let masked = masks.map_or(Ok(()), |h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::Error::Invalid(
+                        "constrained decoding panicked".into(),
+                    ))
+                })
+            });
+            (decoded, masked)
+        });
+        let logits = decoded?;
+        masked?;
         for a in &mut self.active {
             let fed = std::mem::take(&mut a.fed);
             if a.written < a.prompt.len() {
@@ -305,31 +351,19 @@ impl Generator {
         let mut ended = Vec::new();
         for (row, &i) in self.owners.iter().enumerate() {
             let a = &mut self.active[i];
-            let l = logits.row(row);
-            let id = a.opts.sampler.sample(l);
-            a.generated.push(id);
-            let mut text = String::new();
-            let mut stopped = a.opts.stop_tokens.contains(&id);
-            if let (Some(t), false) = (&self.text, stopped) {
-                let piece = a.streamer.push(t, id)?;
-                let (released, hit) = a.stop.push(&piece);
-                (text, stopped) = (released, hit);
-            }
-            let handed = on_token(&TokenEvent {
-                request: a.request,
-                seq: a.seq,
-                id,
-                text,
-                logits: l,
-            });
-            if let Err(e) = handed {
-                self.active.clear();
-                return Err(e);
-            }
-            if stopped {
-                ended.push((i, Finish::Stop));
-            } else if a.generated.len() >= a.opts.max_tokens {
-                ended.push((i, Finish::Length));
+            let sampled = sample_one(a, logits.row(row), &mut self.scratch, &self.text).and_then(
+                |(event, finish)| {
+                    on_token(&event)?;
+                    Ok(finish)
+                },
+            );
+            match sampled {
+                Ok(Some(reason)) => ended.push((i, reason)),
+                Ok(None) => {}
+                Err(e) => {
+                    self.active.clear();
+                    return Err(e);
+                }
             }
         }
         for (i, a) in self.active.iter().enumerate() {
@@ -341,6 +375,11 @@ impl Generator {
         let mut done = Vec::with_capacity(ended.len());
         for (i, reason) in ended {
             let mut a = self.active.remove(i);
+            if let Some(c) = &a.opts.constraint {
+                let (n, t) = c.mask_stats();
+                self.masks += u64::from(n);
+                self.mask_time += t;
+            }
             // After a stop string nothing is held; otherwise the held text was no stop.
             let tail = a.stop.flush();
             done.push(a.finished(reason, tail));
@@ -361,6 +400,55 @@ impl Generator {
         }
         Ok(all)
     }
+}
+
+/// Samples `a`'s next token from its row of logits `l` (adjusted and masked in `scratch`
+/// when the request asks), advances its grammar, text and stop checks; the event to hand out
+/// and whether the request ends.
+fn sample_one<'l>(
+    a: &mut Active,
+    l: &'l [f32],
+    scratch: &mut Vec<f32>,
+    text: &Option<Arc<Text>>,
+) -> Result<(TokenEvent<'l>, Option<Finish>)> {
+    let id = if a.opts.adjust.is_identity() && a.opts.constraint.is_none() {
+        a.opts.sampler.sample(l)
+    } else {
+        scratch.clear();
+        scratch.extend_from_slice(l);
+        let recent = &a.prompt[a.prompt.len().saturating_sub(REPEAT_WINDOW)..];
+        a.opts.adjust.apply(scratch, recent, &a.generated);
+        if let Some(c) = &mut a.opts.constraint {
+            c.apply(scratch)?;
+        }
+        a.opts.sampler.sample(scratch)
+    };
+    a.generated.push(id);
+    let mut complete = false;
+    if let Some(c) = &mut a.opts.constraint {
+        c.commit(id)?;
+        complete = c.is_finished();
+    }
+    let mut released = String::new();
+    let mut stopped = a.opts.stop_tokens.contains(&id);
+    if let (Some(t), false) = (text, stopped) {
+        let piece = a.streamer.push(t, id)?;
+        (released, stopped) = a.stop.push(&piece);
+    }
+    let finish = if stopped || complete {
+        Some(Finish::Stop)
+    } else {
+        (a.generated.len() >= a.opts.max_tokens).then_some(Finish::Length)
+    };
+    let event = TokenEvent {
+        request: a.request,
+        seq: a.seq,
+        id,
+        text: released,
+        logits: l,
+        logprobs: a.opts.logprobs.map(|top| TokenLogprobs::of(l, id, top)),
+    };
+    Ok((event, finish))
 }
 
 /// What [`generate`] produced.

@@ -30,6 +30,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod formats;
 pub mod generator;
+pub mod grammar;
 pub mod plan;
 pub mod run;
 pub mod sampler;
@@ -44,8 +45,9 @@ pub use chat::{Chat, ChatOptions};
 pub use error::{Error, Result};
 pub use formats::open_model;
 pub use generator::{generate, Finish, GenOptions, Generator, TokenEvent, PREFILL_UBATCH};
+pub use grammar::{Constraint, GrammarSpec, Grammars};
 pub use kvplug_runtime::{
     Batch, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime, RuntimeError,
 };
-pub use sampler::Sampler;
+pub use sampler::{Adjustments, Sampler};
 pub use text::{Message, Text};

@@ -225,6 +225,7 @@ impl Engine {
                         sampler: req.sampler.clone(),
                         stop_tokens: self.stop_tokens.clone(),
                         stop_strings: req.stop.clone(),
+                        ..GenOptions::default()
                     };
                     let fresh = &req.prompt[placed.history..];
                     let request = self

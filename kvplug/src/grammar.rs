@@ -1,0 +1,334 @@
+//! Constrained decoding with `llguidance`: JSON schemas, Lark grammars (and llama.cpp's GBNF,
+//! translated) compiled against the model's vocabulary into per-token masks.
+//!
+//! [`Grammars`] is built once per model from its `tokenizer.json` (llguidance's own reader
+//! turns the vocabulary into token bytes; the tokenizer that splits forced text is the
+//! model's). A [`Constraint`] is one request's parser state: [`Constraint::prepare`]
+//! computes the mask of tokens allowed next (the generator runs it beside the forward
+//! pass), [`Constraint::apply`] sets every other logit to −∞, [`Constraint::commit`]
+//! advances past the sampled token.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
+
+use crate::error::{fail, Result};
+
+/// What to constrain an answer to.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GrammarSpec {
+    /// A JSON schema (`{"type": "object"}` for any object).
+    JsonSchema(Value),
+    /// A grammar in llguidance's Lark dialect (`%json {…}` embeds a schema).
+    Lark(String),
+    /// A grammar in llama.cpp's GBNF (`root ::= …`), translated to Lark.
+    Gbnf(String),
+}
+
+/// The model's vocabulary as llguidance sees it, and the parser factory over it.
+#[derive(Clone)]
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+}
+
+/// The tokenizer llguidance uses to split text the grammar forces: the model's own.
+struct ModelTokenizer {
+    trie: TokTrie,
+    tokenizer: tokenizers::Tokenizer,
+}
+
+impl TokenizerEnv for ModelTokenizer {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        // Forced text the tokenizer cannot take (a lone piece of a character) is left to the
+        // grammar's byte-level path.
+        let text = String::from_utf8_lossy(s);
+        self.tokenizer
+            .encode(text.as_ref(), false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default()
+    }
+}
+
+impl Grammars {
+    /// The grammars of the model in `dir` (its `tokenizer.json`), whose logits have `n_vocab`
+    /// entries (at least the tokenizer's vocabulary; padding ids are never allowed), ending
+    /// at `eos`.
+    pub fn new(dir: &Path, n_vocab: usize, eos: &[i32]) -> Result<Grammars> {
+        let path = dir.join("tokenizer.json");
+        let text = read_text(&path, MAX_TEXT_BYTES)?;
+        let json: Value = serde_json::from_str(&text)?;
+        // llguidance's reader asserts on some malformed vocabularies: a refusal, not a crash.
+        let words = std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&json))
+            .map_err(|_| {
+                crate::Error::Model(format!(
+                    "{}: a vocabulary llguidance cannot read",
+                    path.display()
+                ))
+            })?
+            .map_err(|e| crate::Error::Model(format!("{}: {e}", path.display())))?;
+        if words.len() > n_vocab {
+            fail!(
+                Model,
+                "{}: {} tokens but the model has {n_vocab} logits",
+                path.display(),
+                words.len()
+            );
+        }
+        let mut words = words;
+        words.resize(n_vocab, Vec::new());
+        let Some(&first_eos) = eos.first() else {
+            fail!(Model, "the model has no end-of-sequence token");
+        };
+        let info = TokRxInfo::new(n_vocab as u32, first_eos as u32);
+        let mut trie = TokTrie::from(&info, &words);
+        // Every end-of-turn token ends a constrained answer (Qwen's <|im_end|> and
+        // <|endoftext|>).
+        trie = trie.with_eos_tokens(&eos.iter().map(|&t| t as u32).collect::<Vec<_>>());
+        let tokenizer = text
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| crate::Error::Model(format!("{}: {e}", path.display())))?;
+        let env: TokEnv = Arc::new(ModelTokenizer { trie, tokenizer });
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| crate::Error::Model(format!("llguidance: {e}")))?;
+        factory.quiet();
+        Ok(Grammars {
+            factory: Arc::new(factory),
+        })
+    }
+
+    /// A fresh constraint for `spec`; a grammar or schema llguidance cannot compile is
+    /// refused with its reason.
+    pub fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint> {
+        let grammar = match spec {
+            GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
+            GrammarSpec::Gbnf(src) => TopLevelGrammar::from_lark(gbnf_to_lark(src)?),
+        };
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| crate::Error::Invalid(format!("the grammar does not compile: {e}")))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            fail!(Invalid, "the grammar does not compile: {e}");
+        }
+        Ok(Constraint {
+            matcher,
+            mask: None,
+            mask_time: Duration::ZERO,
+            masks: 0,
+        })
+    }
+}
+
+/// One request's grammar state (cheap to clone before it has been stepped).
+#[derive(Clone)]
+pub struct Constraint {
+    matcher: Matcher,
+    /// The tokens allowed next, once [`prepare`](Self::prepare)d.
+    mask: Option<SimpleVob>,
+    mask_time: Duration,
+    masks: u32,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("finished", &self.is_finished())
+            .field("masks", &self.masks)
+            .finish()
+    }
+}
+
+impl Constraint {
+    /// Computes the mask of tokens allowed next (idempotent until the next commit).
+    pub fn prepare(&mut self) -> Result<()> {
+        if self.mask.is_some() {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let mask = self
+            .matcher
+            .compute_mask()
+            .map_err(|e| crate::Error::Invalid(format!("constrained decoding: {e}")))?;
+        self.mask_time += t.elapsed();
+        self.masks += 1;
+        self.mask = Some(mask);
+        Ok(())
+    }
+
+    /// Sets every logit the grammar does not allow next to −∞ (after
+    /// [`prepare`](Self::prepare)).
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
+        self.prepare()?;
+        let mask = self.mask.as_ref().expect("prepared");
+        for (i, l) in logits.iter_mut().enumerate() {
+            if !mask.is_allowed(i as TokenId) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advances past `token` (which the mask allowed).
+    pub fn commit(&mut self, token: i32) -> Result<()> {
+        self.mask = None;
+        self.matcher
+            .consume_token(token as TokenId)
+            .map_err(|e| crate::Error::Invalid(format!("constrained decoding: {e}")))
+    }
+
+    /// Whether the grammar is complete and allows nothing more.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    /// Masks computed so far and the time they took (for the metrics).
+    pub fn mask_stats(&self) -> (u32, Duration) {
+        (self.masks, self.mask_time)
+    }
+}
+
+/// llama.cpp's GBNF (`name ::= alternatives`, `root` the start, `[...]` character classes,
+/// `"..."` literals, `( )`, `* + ?`, `{m,n}`, `#` comments) as llguidance Lark.
+pub fn gbnf_to_lark(src: &str) -> Result<String> {
+    let mut out = String::new();
+    let mut chars = src.chars().peekable();
+    let mut saw_root = false;
+    while let Some(&c) = chars.peek() {
+        match c {
+            '#' => {
+                while chars.next().is_some_and(|c| c != '\n') {}
+                out.push('\n');
+            }
+            '"' => {
+                out.push(chars.next().expect("peeked"));
+                let mut escaped = false;
+                loop {
+                    let Some(c) = chars.next() else {
+                        fail!(Invalid, "grammar: an unterminated string");
+                    };
+                    out.push(c);
+                    if escaped {
+                        escaped = false;
+                    } else if c == '\\' {
+                        escaped = true;
+                    } else if c == '"' {
+                        break;
+                    }
+                }
+            }
+            '[' => {
+                out.push('/');
+                let mut escaped = false;
+                for c in chars.by_ref() {
+                    if c == '/' && !escaped {
+                        out.push('\\');
+                    }
+                    out.push(c);
+                    if escaped {
+                        escaped = false;
+                    } else if c == '\\' {
+                        escaped = true;
+                    } else if c == ']' {
+                        break;
+                    }
+                }
+                if !out.ends_with(']') {
+                    fail!(Invalid, "grammar: an unterminated character class");
+                }
+                out.push('/');
+            }
+            '.' => {
+                chars.next();
+                out.push_str("/(?s:.)/");
+            }
+            ':' => {
+                chars.next();
+                if chars.next_if_eq(&':').is_some() && chars.next_if_eq(&'=').is_some() {
+                    out.push(':');
+                } else {
+                    fail!(Invalid, "grammar: a ':' that is not '::='");
+                }
+            }
+            c if c.is_ascii_alphabetic() || c == '_' => {
+                let mut name = String::new();
+                while let Some(&c) = chars.peek() {
+                    if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                        name.push(c);
+                        chars.next();
+                    } else {
+                        break;
+                    }
+                }
+                // Lark rule names are lower case; GBNF's may not be.
+                let name = name.to_ascii_lowercase().replace('-', "_");
+                if name == "root" {
+                    saw_root = true;
+                    out.push_str("start");
+                } else {
+                    out.push_str("g_");
+                    out.push_str(&name);
+                }
+            }
+            _ => out.push(chars.next().expect("peeked")),
+        }
+    }
+    if !saw_root {
+        fail!(Invalid, "grammar: GBNF needs a 'root' rule");
+    }
+    // A GBNF rule continues on indented lines; Lark's do too, but a newline inside
+    // parentheses is not allowed there: join continuation lines.
+    Ok(join_continuations(&out))
+}
+
+/// Lines that do not start a rule (`name:`) are appended to the rule above.
+fn join_continuations(src: &str) -> String {
+    let mut out = String::new();
+    for line in src.lines() {
+        let t = line.trim();
+        if t.is_empty() {
+            continue;
+        }
+        let starts_rule = t.split_once(':').is_some_and(|(name, _)| {
+            let name = name.trim();
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        });
+        if starts_rule && !out.is_empty() {
+            out.push('\n');
+        } else if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(t);
+    }
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gbnf_translates_to_lark() {
+        let g = "root ::= answer\n# a comment\nanswer ::= \"yes\" | \"no\" | [0-9]+ (\",\"\n   [a-z]{1,3})*\n";
+        let lark = gbnf_to_lark(g).unwrap();
+        assert_eq!(
+            lark,
+            "start : g_answer\ng_answer : \"yes\" | \"no\" | /[0-9]/+ (\",\" /[a-z]/{1,3})*\n"
+        );
+        assert!(gbnf_to_lark("answer ::= \"x\"").is_err(), "no root");
+        assert!(gbnf_to_lark("root ::= \"x").is_err(), "unterminated");
+    }
+}
