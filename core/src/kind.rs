@@ -210,6 +210,14 @@ impl Bookkeeping {
         }
     }
 
+    /// Whether `cell` is in the seq cache's prefix index (never for the other kinds).
+    pub fn is_indexed(&self, cell: usize) -> bool {
+        match &self.book {
+            Book::Seq(b) => b.cell_indexed(cell),
+            _ => false,
+        }
+    }
+
     /// The holders of `cell` (sequence bits; bit 0 for the contiguous and tree caches).
     pub fn cell_holders(&self, cell: usize) -> u64 {
         match &self.book {
@@ -480,6 +488,11 @@ pub trait CacheVerbs {
         Ok(())
     }
 
+    /// Called after `seq`'s positions `0..len` were published to the prefix index.
+    fn after_publish(&mut self, seq: i32, len: usize) {
+        let _ = (seq, len);
+    }
+
     /// Runs `verb` on the bookkeeping, then [`CacheVerbs::after_verb`]; all or nothing.
     fn checked<T>(
         &mut self,
@@ -550,7 +563,9 @@ pub trait CacheVerbs {
     }
     /// Seq: cache a sequence's tokens.
     fn prefix_publish(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
-        self.bookkeeping_mut().prefix_publish(seq, tokens)
+        let cached = self.bookkeeping_mut().prefix_publish(seq, tokens)?;
+        self.after_publish(seq, tokens.len());
+        Ok(cached)
     }
     /// Seq: free `n` cells, evicting cached prefixes as needed.
     fn prefix_reserve(&mut self, n: usize) -> CacheResult<usize> {

@@ -218,6 +218,11 @@ impl SeqBookkeeping {
         self.pos.get(cell).copied().filter(|&p| p >= 0)
     }
 
+    /// Whether the prefix index holds `cell`.
+    pub fn cell_indexed(&self, cell: usize) -> bool {
+        self.indexed.get(cell).copied().unwrap_or(false)
+    }
+
     /// The sequences owning `cell` (empty set for a free cell).
     pub fn cell_seqs(&self, cell: usize) -> SeqBits {
         self.seqs.get(cell).copied().unwrap_or(0)

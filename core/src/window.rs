@@ -11,6 +11,15 @@
 //!
 //! Dropped rows cannot come back: a step or verb that would leave a query needing one is
 //! refused with `out_of_window` before anything changes.
+//!
+//! Prefix reuse: a prefix published to the seq cache's index outlives its sequence, but a
+//! later sequence attaching it can resume only if the window's rows before its end are
+//! still there. So [`SlotMap::pin_end`] keeps the last `window` rows of a published prefix
+//! while the index holds its cells, for a bounded number of ends (the newest), so that the
+//! group holds at most that many windows more than its live sequences need. A prefix is
+//! resumable where pinned rows cover the window before it: at a pinned end.
+
+use std::collections::VecDeque;
 
 use crate::error::{CacheError, CacheResult};
 use crate::kind::Bookkeeping;
@@ -35,6 +44,12 @@ struct Undo {
     cell_was: u32,
 }
 
+/// A published prefix end whose window rows are kept: `(cell, position)` of each.
+#[derive(Clone, Debug)]
+struct Pin {
+    rows: Vec<(u32, i32)>,
+}
+
 /// Slots of one sliding-window group; see the module docs. Buffers are kept across steps,
 /// so a decode step allocates nothing once warm.
 #[derive(Clone, Debug)]
@@ -54,10 +69,15 @@ pub struct SlotMap {
     undo_high: usize,
     undo_used: usize,
     last: [i32; MAX_SEQS],
+    /// Pinned prefix ends, oldest first, and how many may be.
+    pins: VecDeque<Pin>,
+    max_pins: usize,
+    /// Per logical cell: whether a pin keeps its row (rebuilt by each eviction).
+    pinned: Vec<bool>,
 }
 
 impl SlotMap {
-    /// An empty map for a window of `window` positions (`>= 1`).
+    /// An empty map for a window of `window` positions (`>= 1`) that pins no prefix end.
     pub fn new(window: usize) -> Self {
         SlotMap {
             window: window.max(1),
@@ -72,7 +92,53 @@ impl SlotMap {
             undo_high: 0,
             undo_used: 0,
             last: [-1; MAX_SEQS],
+            pins: VecDeque::new(),
+            max_pins: 0,
+            pinned: Vec::new(),
         }
+    }
+
+    /// This map keeping the windows of the `ends` newest published prefix ends (see
+    /// [`SlotMap::pin_end`]).
+    pub fn with_pinned_ends(mut self, ends: usize) -> Self {
+        self.max_pins = ends;
+        self
+    }
+
+    /// Keeps the window's rows before the end of sequence `seq`'s positions `0..len`, which
+    /// `book` has just published to its prefix index, so that a sequence attaching that
+    /// prefix can resume after it. The pin lasts while the index holds those cells and it is
+    /// among the newest ends this map keeps.
+    pub fn pin_end(&mut self, book: &Bookkeeping, seq: i32, len: usize) {
+        let (Ok(bit), Some(last)) = (u32::try_from(seq), len.checked_sub(1)) else {
+            return;
+        };
+        let Some(bit) = 1u64.checked_shl(bit) else {
+            return;
+        };
+        let rows: Vec<(u32, i32)> = (0..book.high_water())
+            .filter(|&c| book.cell_holders(c) & bit != 0)
+            .filter_map(|c| {
+                let p = book.cell_position(c)?;
+                let near = p as usize <= last && p as i64 > last as i64 - self.window as i64;
+                (near && self.slot_of(c, p).is_some()).then_some((c as u32, p))
+            })
+            .collect();
+        if rows.is_empty() || self.max_pins == 0 {
+            return;
+        }
+        let end = |rows: &[(u32, i32)]| rows.iter().max_by_key(|r| r.1).copied();
+        let new_end = end(&rows);
+        self.pins.retain(|p| end(&p.rows) != new_end);
+        if self.pins.len() == self.max_pins {
+            self.pins.pop_front();
+        }
+        self.pins.push_back(Pin { rows });
+    }
+
+    /// Prefix ends pinned now.
+    pub fn pinned_ends(&self) -> usize {
+        self.pins.len()
     }
 
     /// The window.
@@ -299,8 +365,9 @@ impl SlotMap {
         positions.partition_point(|&p| p as i64 <= last as i64 - self.window as i64)
     }
 
-    /// Frees every slot (the bookkeeping was cleared).
+    /// Frees every slot and pin (the bookkeeping was cleared).
     pub fn clear(&mut self) {
+        self.pins.clear();
         self.slots.clear();
         self.of_cell.fill(FREE);
         self.high = 0;
@@ -308,12 +375,31 @@ impl SlotMap {
         self.undo.clear();
     }
 
+    /// Drops the pins whose cells left the index (or hold other positions now) and marks the
+    /// cells the others keep.
+    fn refresh_pins(&mut self, book: &Bookkeeping) {
+        let live = |r: &(u32, i32)| {
+            book.is_indexed(r.0 as usize) && book.cell_position(r.0 as usize) == Some(r.1)
+        };
+        self.pins.retain(|p| p.rows.iter().all(live));
+        self.pinned.clear();
+        self.pinned.resize(book.high_water(), false);
+        for p in &self.pins {
+            for &(c, _) in &p.rows {
+                self.pinned[c as usize] = true;
+            }
+        }
+    }
+
     fn evict(&mut self, book: &Bookkeeping) {
         book.last_positions(&mut self.last);
+        self.refresh_pins(book);
         for s in 0..self.high {
             let slot = self.slots[s];
+            let c = slot.cell as usize;
             if slot.cell != FREE
-                && !book.in_reach(slot.cell as usize, slot.pos, self.window, &self.last)
+                && !book.in_reach(c, slot.pos, self.window, &self.last)
+                && !self.pinned.get(c).copied().unwrap_or(false)
             {
                 if self.of_cell[slot.cell as usize] == s as u32 {
                     self.of_cell[slot.cell as usize] = FREE;

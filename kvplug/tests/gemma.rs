@@ -413,3 +413,78 @@ fn a_hybrid_session_resumes_on_every_backend_and_kind() {
     assert_eq!(e.kind, AbiErrorKind::OutOfWindow, "{e}");
     assert!(e.message.contains("attends fully there"), "{e}");
 }
+
+/// Prefix reuse on a hybrid cache: a published prefix outlives its sequence with the
+/// window's rows before its end kept, so another sequence attaching it decodes on with the
+/// reference's logits; an attach ending elsewhere is refused `out_of_window` with the cache
+/// untouched; and only the newest ends keep their windows (`PINNED_ENDS` of them).
+#[test]
+fn a_published_hybrid_prefix_resumes_in_another_sequence_on_every_backend() {
+    use kvplug_plugin_api::AbiErrorKind;
+
+    let dir = tempfile::tempdir().unwrap();
+    let c = config();
+    let w = weights(&c);
+    write_package(dir.path(), &c, &w);
+    let tokens: Vec<i32> = (0..4 * WINDOW as i32)
+        .map(|i| (i * 37 + 11) % 300)
+        .collect();
+    let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    let want = reference(&c, &w, &tokens);
+    let rt = runtime();
+    const CAPACITY: usize = 64;
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, dir.path());
+        let mut ctx = m.context(CacheKind::Seq, CAPACITY, KvDtype::F32).unwrap();
+        let end = 2 * WINDOW + 2;
+        let positions: Vec<i32> = (0..end as i32).collect();
+        forward_seq(&mut ctx, 1, &tokens[..end], &positions);
+        ctx.prefix_publish(1, &ids[..end]).unwrap();
+        ctx.seq_rm(1, None, None).unwrap();
+        // Another sequence's steps move on: only the pin keeps the ended prefix's window.
+        forward_seq(&mut ctx, 7, &[5, 6, 7], &[0, 1, 2]);
+
+        let before = ctx.stats().unwrap().live_cells;
+        let e = ctx.prefix_attach(2, &ids[..end - 3]).unwrap_err();
+        assert_eq!(e.kind, AbiErrorKind::OutOfWindow, "{backend}: {e}");
+        assert_eq!(ctx.stats().unwrap().live_cells, before, "{backend}");
+        assert_eq!(ctx.prefix_attach(2, &ids[..end]).unwrap(), end, "{backend}");
+        for t in end..tokens.len() {
+            let got = forward_seq(&mut ctx, 2, &tokens[t..=t], &[t as i32]);
+            let e = worst(&got[0], &want[t]);
+            assert!(
+                e < 1e-3,
+                "{backend} after the attach, position {t}: max |logit error| {e}"
+            );
+        }
+
+        // Six ends, published as a sequence reaches them, a window apart: the newest
+        // PINNED_ENDS stay resumable after the sequence ends, the two oldest do not.
+        let mut ctx = m.context(CacheKind::Seq, CAPACITY, KvDtype::F32).unwrap();
+        let long: Vec<i32> = (0..40).map(|i| (i * 53 + 7) % 300).collect();
+        let ids: Vec<u32> = long.iter().map(|&t| t as u32).collect();
+        let ends: Vec<usize> = (0..6).map(|i| WINDOW + 1 + i * WINDOW).collect();
+        let positions: Vec<i32> = (0..ends[0] as i32).collect();
+        forward_seq(&mut ctx, 1, &long[..ends[0]], &positions);
+        for n in ends[0]..=ends[5] {
+            if ends.contains(&n) {
+                ctx.prefix_publish(1, &ids[..n]).unwrap();
+            }
+            forward_seq(&mut ctx, 1, &long[n..=n], &[n as i32]);
+        }
+        ctx.seq_rm(1, None, None).unwrap();
+        for (i, &n) in ends.iter().enumerate() {
+            let got = ctx.prefix_attach(3, &ids[..n]);
+            if i < 2 {
+                assert_eq!(
+                    got.unwrap_err().kind,
+                    AbiErrorKind::OutOfWindow,
+                    "{backend} end {n}"
+                );
+            } else {
+                assert_eq!(got.unwrap(), n, "{backend} end {n}");
+                ctx.seq_rm(3, None, None).unwrap();
+            }
+        }
+    }
+}

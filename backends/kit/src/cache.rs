@@ -90,6 +90,11 @@ enum Place {
     Sliding(usize),
 }
 
+/// Published prefix ends whose window rows a sliding group keeps, so that later sequences
+/// can resume there (the newest ends; each costs at most a window of rows per sliding layer).
+/// Enough for a few agents re-sending their conversations turn after turn.
+pub const PINNED_ENDS: usize = 4;
+
 /// The sliding-window layers' pools and slots.
 struct SlidingGroup<D: Device> {
     map: SlotMap,
@@ -132,7 +137,7 @@ impl<D: Device> KitCache<D> {
             Some(s) => {
                 let (k, v) = new_pools(s.layers.len())?;
                 Some(SlidingGroup {
-                    map: SlotMap::new(s.window),
+                    map: SlotMap::new(s.window).with_pinned_ends(PINNED_ENDS),
                     k,
                     v,
                     cells,
@@ -718,6 +723,11 @@ impl<D: Device> CacheVerbs for KitCache<D> {
     }
     fn checks_verbs(&self) -> bool {
         self.sliding.is_some()
+    }
+    fn after_publish(&mut self, seq: i32, len: usize) {
+        if let Some(g) = &mut self.sliding {
+            g.map.pin_end(&self.book, seq, len);
+        }
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
         match &mut self.sliding {

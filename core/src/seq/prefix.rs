@@ -11,9 +11,11 @@
 //!   ([`SeqBookkeeping::prefix_evict`], [`SeqBookkeeping::prefix_reserve`]) takes only
 //!   unlocked prefixes, least recently used first, so it never frees a cell a live sequence
 //!   holds.
-//! - Hybrid models (sliding-window layer groups) are not cached here yet: reuse of `m`
-//!   tokens is valid only when every layer group still holds the K/V of positions `0..m`
-//!   that its attention reads, which a full-attention cache always does.
+//! - Hybrid models (sliding-window layer groups): reuse of `m` tokens is valid only when
+//!   every layer group still holds the K/V of positions `0..m` that its attention reads. A
+//!   full-attention cache always does; a sliding group keeps the window's rows at the ends
+//!   of published prefixes ([`crate::window::SlotMap::pin_end`]), so there an attach that
+//!   ends elsewhere is refused `out_of_window` (the caller attaches a shorter prefix).
 
 use super::{seq_bit, SeqBits, SeqBookkeeping, MAX_SEQS};
 use crate::error::{CacheError, CacheResult};
