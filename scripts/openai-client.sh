@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# Runs cli/tests/openai_client.py (the official `openai` Python client) against a running
-# `kvplug serve`: openai-client.sh BASE_URL API_KEY. Makes the venv it needs on first use, in
-# the git-ignored .venv/openai, with the pinned client from PyPI.
+# Runs one of the Python test scripts in cli/tests/: openai-client.sh [SCRIPT] ARGS...
+# (SCRIPT defaults to openai_client.py, the `openai` Python client against a running `kvplug
+# serve` at the BASE_URL in ARGS; agents_sdk.py drives the OpenAI Agents SDK; hf_template.py
+# renders chat templates as Hugging Face transformers does, with Jinja2). Makes the venv they
+# need on first use, in the git-ignored .venv/openai, with the pinned packages from PyPI.
 set -euo pipefail
 
 OPENAI_VERSION=3.54.0
+AGENTS_VERSION=0.24.0
+JINJA2_VERSION=3.1.6
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/.venv/openai"
 
-if ! "$venv/bin/python" -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
-    echo "openai-client: making $venv (openai==$OPENAI_VERSION from PyPI)" >&2
+if ! "$venv/bin/python" - "$OPENAI_VERSION" "$AGENTS_VERSION" "$JINJA2_VERSION" 2>/dev/null <<'PY'
+import importlib.metadata as m, sys
+want = {"openai": sys.argv[1], "openai-agents": sys.argv[2], "jinja2": sys.argv[3]}
+sys.exit(any(m.version(p) != v for p, v in want.items()))
+PY
+then
+    echo "openai-client: making $venv (openai==$OPENAI_VERSION, openai-agents==$AGENTS_VERSION," \
+        "jinja2==$JINJA2_VERSION from PyPI)" >&2
     rm -rf "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "openai==$OPENAI_VERSION" "openai-agents==$AGENTS_VERSION" "jinja2==$JINJA2_VERSION"
 fi
-exec "$venv/bin/python" "$root/cli/tests/openai_client.py" "$@"
+script=openai_client.py
+if [[ "${1:-}" == *.py ]]; then
+    script=$1
+    shift
+fi
+exec "$venv/bin/python" "$root/cli/tests/$script" "$@"

@@ -3,16 +3,15 @@
 //! loopback port and talking HTTP to it: with a Rust client (ureq) and with the official
 //! `openai` Python package. Needs `cargo build --workspace` (the cpu plugin).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 mod common;
-use common::target_dir;
+use common::server::Server;
 
 /// SmolLM2's GGUF imported to f16 once per test process: these tests are about the server,
 /// and its Q4_1 weights computed in place (int8 activations on the cpu) leave the first
@@ -35,174 +34,6 @@ fn model() -> PathBuf {
         })
         .1
         .clone()
-}
-
-/// A server process, stopped (SIGTERM) on drop.
-struct Server {
-    child: Child,
-    url: String,
-    http: ureq::Agent,
-    /// The `--api-key` it was started with, sent with every request.
-    key: Option<String>,
-    sessions: tempfile::TempDir,
-    _plugins: tempfile::TempDir,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let plugins = tempfile::tempdir().unwrap();
-        std::fs::copy(
-            target_dir().join("libkvplug_cpu.so"),
-            plugins.path().join("libkvplug_cpu.so"),
-        )
-        .expect("run `cargo build --workspace` first");
-        let sessions = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvplug"))
-            .arg("--plugins")
-            .arg(plugins.path())
-            .arg("--session-dir")
-            .arg(sessions.path())
-            .args(["serve", "--port", "0", "--model"])
-            .arg(model())
-            .args(args)
-            .env_remove("KVPLUG_API_KEY")
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap_or_else(|| panic!("the server did not start: {line:?}"))
-            .to_string();
-        let http: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(600)))
-            .build()
-            .into();
-        let key = args
-            .iter()
-            .position(|&a| a == "--api-key")
-            .map(|i| args[i + 1].to_string());
-        Server {
-            child,
-            url,
-            http,
-            key,
-            sessions,
-            _plugins: plugins,
-        }
-    }
-
-    /// GETs `path` with `key` as the bearer key.
-    fn get_as(&self, path: &str, key: Option<&str>) -> (u16, Value) {
-        let mut req = self.http.get(format!("{}{path}", self.url));
-        if let Some(k) = key {
-            req = req.header("Authorization", format!("Bearer {k}"));
-        }
-        let mut r = req.call().unwrap();
-        (r.status().as_u16(), r.body_mut().read_json().unwrap())
-    }
-
-    fn get(&self, path: &str) -> (u16, Value) {
-        self.get_as(path, self.key.as_deref())
-    }
-
-    fn post_request(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
-        let req = self.http.post(format!("{}{path}", self.url));
-        match &self.key {
-            Some(k) => req.header("Authorization", format!("Bearer {k}")),
-            None => req,
-        }
-    }
-
-    /// POSTs raw bytes with `headers`.
-    fn send(
-        &self,
-        path: &str,
-        body: &[u8],
-        headers: &[(&str, &str)],
-    ) -> ureq::http::Response<ureq::Body> {
-        let mut req = self.post_request(path);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        req.send(body).unwrap()
-    }
-
-    /// POSTs raw bytes with `headers`; returns the status and the JSON body.
-    fn post_raw(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, Value) {
-        let mut r = self.send(path, body, headers);
-        let status = r.status().as_u16();
-        let text = r.body_mut().read_to_string().unwrap();
-        let v = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text:?}"));
-        (status, v)
-    }
-
-    fn post(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
-        self.post_raw(path, body.to_string().as_bytes(), headers)
-    }
-
-    /// A 200 answer to `body`.
-    fn ok(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> Value {
-        let (status, v) = self.post(path, body, headers);
-        assert_eq!(status, 200, "{body}: {v}");
-        v
-    }
-
-    /// Opens a streamed answer; returns its lines as they come.
-    fn stream(&self, path: &str, body: &Value) -> impl Iterator<Item = String> {
-        let r = self
-            .post_request(path)
-            .send(body.to_string().as_bytes())
-            .unwrap();
-        assert_eq!(r.status().as_u16(), 200, "{body}");
-        let ct = r.headers()["content-type"].to_str().unwrap().to_string();
-        assert!(ct.starts_with("text/event-stream"), "{ct}");
-        BufReader::new(r.into_body().into_reader())
-            .lines()
-            .map(Result::unwrap)
-            .filter(|l| !l.is_empty() && !l.starts_with(':'))
-    }
-
-    /// The `data:` payloads of a whole streamed answer, checking it ends with `[DONE]`.
-    fn chunks(&self, path: &str, body: &Value) -> Vec<Value> {
-        let lines: Vec<String> = self.stream(path, body).collect();
-        assert_eq!(
-            lines.last().map(String::as_str),
-            Some("data: [DONE]"),
-            "{lines:?}"
-        );
-        lines[..lines.len() - 1]
-            .iter()
-            .map(|l| serde_json::from_str(l.strip_prefix("data: ").unwrap()).unwrap())
-            .collect()
-    }
-
-    fn engine(&self) -> Value {
-        let (status, v) = self.get_as("/health", None);
-        assert_eq!(status, 200);
-        v["engine"].clone()
-    }
-
-    /// Sends SIGTERM and waits for a clean exit; returns the session directory.
-    fn stop(mut self) -> tempfile::TempDir {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "the server exited with {status}");
-        std::mem::replace(&mut self.sessions, tempfile::tempdir().unwrap())
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// File names in a session directory.
@@ -230,7 +61,7 @@ fn content(v: &Value) -> String {
 
 #[test]
 fn chat_and_completions_speak_openai_streamed_or_not() {
-    let s = Server::start(&["--api-key", "sesame"]);
+    let s = Server::start(&model(), &["--api-key", "sesame"]);
     // The key guards /v1; /health stays open.
     assert_eq!(s.get_as("/health", None).1["status"], "ok");
     let (status, v) = s.get_as("/v1/models", None);
@@ -334,18 +165,21 @@ struct Bad {
 
 #[test]
 fn bad_requests_get_4xx_and_the_server_keeps_serving() {
-    let s = Server::start(&[
-        "--capacity",
-        "256",
-        "--max-body",
-        "4096",
-        "--max-tokens",
-        "64",
-        "--parallel",
-        "1",
-        "--max-queue",
-        "1",
-    ]);
+    let s = Server::start(
+        &model(),
+        &[
+            "--capacity",
+            "256",
+            "--max-body",
+            "4096",
+            "--max-tokens",
+            "64",
+            "--parallel",
+            "1",
+            "--max-queue",
+            "1",
+        ],
+    );
     let path = "/v1/chat/completions";
     let hi = user("Hi");
     let long = "word ".repeat(400);
@@ -489,7 +323,7 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
 fn concurrent_clients_get_what_each_would_get_alone() {
     const CLIENTS: usize = 16;
     const ROUNDS: usize = 8;
-    let s = Server::start(&["--parallel", "16", "--capacity", "4096"]);
+    let s = Server::start(&model(), &["--parallel", "16", "--capacity", "4096"]);
     let path = "/v1/chat/completions";
     let topics = [
         "cats", "rivers", "bread", "stars", "chess", "rain", "bees", "glass", "salt", "wolves",
@@ -541,7 +375,7 @@ fn concurrent_clients_get_what_each_would_get_alone() {
 #[test]
 fn agent_sessions_stay_hot_then_go_to_their_file_and_come_back() {
     // 200 cells hold one agent's conversation but not two.
-    let s = Server::start(&["--capacity", "200", "--max-tokens", "32"]);
+    let s = Server::start(&model(), &["--capacity", "200", "--max-tokens", "32"]);
     let path = "/v1/chat/completions";
     let as_agent = |name: &'static str| [("X-Session-Id", name)];
     let q1 = user("What is the capital of France?");

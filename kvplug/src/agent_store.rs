@@ -14,7 +14,7 @@
 //!   (`AGENT.<first 16 hex>.kvsession.safetensors`), so a store for another model never
 //!   loads them and a store for the same model finds them again after a swap or a restart.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -83,12 +83,33 @@ pub struct Placed {
 /// the store's [`context`](AgentStore::context), and [`finish`](AgentStore::finish) (the
 /// server's batcher).
 pub struct AgentStore {
+    /// Token lists finished requests published, newest last (to explain prefix misses).
+    published: VecDeque<Vec<i32>>,
     cache: RtContext,
     fingerprint: String,
     dir: PathBuf,
     agents: HashMap<String, Agent>,
     free_seqs: Vec<i32>,
     clock: u64,
+}
+
+/// Published token lists kept to explain prefix misses.
+const PUBLISHED_KEPT: usize = 32;
+
+/// Where a prompt parted from what earlier requests left in the cache.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Divergence {
+    /// Prompt tokens reused.
+    pub cached_tokens: usize,
+    /// The longest beginning the prompt shares with a recent request's tokens (or the
+    /// agent's history).
+    pub shared_tokens: usize,
+    /// The recent request's token where the prompt departs from it (`None`: it ended there).
+    pub cached_next: Option<i32>,
+    /// The prompt's token there (`None`: the prompt ended there).
+    pub prompt_next: Option<i32>,
+    /// Why fewer tokens were reused than were shared, if so.
+    pub why: Option<&'static str>,
 }
 
 /// Refuses a name that cannot be an agent's (a session file name): 1-128 of
@@ -109,17 +130,6 @@ pub fn check_agent_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// `prefix_attach` of `prompt` to `seq`, or 0 (nothing attached, the state untouched) when
-/// a hybrid cache's sliding layers no longer hold rows the match would need: the prompt is
-/// then prefilled whole.
-fn attach(cache: &RtContext, seq: i32, prompt: &[i32]) -> Result<usize> {
-    match cache.prefix_attach(seq, &tokens_u32(prompt)) {
-        Ok(n) => Ok(n),
-        Err(e) if e.kind == AbiErrorKind::OutOfWindow => Ok(0),
-        Err(e) => Err(e.into()),
-    }
-}
-
 fn tokens_u32(t: &[i32]) -> Vec<u32> {
     t.iter().map(|&x| x as u32).collect()
 }
@@ -133,6 +143,7 @@ impl AgentStore {
     pub fn new(model: &Model, opts: AgentStoreOptions) -> Result<Self> {
         let cache = model.context(CacheKind::Seq, opts.capacity, opts.kv_dtype)?;
         Ok(AgentStore {
+            published: VecDeque::new(),
             cache,
             fingerprint: model_fingerprint(model.dir())?,
             dir: opts.dir,
@@ -158,6 +169,94 @@ impl AgentStore {
         Ok(self
             .dir
             .join(format!("{name}.{}.{EXTENSION}", &self.fingerprint[..16])))
+    }
+
+    /// Why `prompt` reused only `cached` tokens: the longest beginning it shares with a recent
+    /// request or `agent`'s history, and the tokens on both sides where they part. `None`
+    /// when nothing recent shares a token with it.
+    pub fn explain(
+        &self,
+        agent: Option<&str>,
+        prompt: &[i32],
+        cached: usize,
+    ) -> Option<Divergence> {
+        let own = agent.and_then(|n| self.agents.get(n)).map(|a| &a.tokens);
+        let (shared, other) = self
+            .published
+            .iter()
+            .chain(own)
+            .map(|t| (common_prefix(t, prompt), t))
+            .max_by_key(|(n, _)| *n)?;
+        if shared == 0 && cached == 0 {
+            return None;
+        }
+        let indexed = self
+            .cache
+            .prefix_match(&tokens_u32(&prompt[..shared]))
+            .unwrap_or(0);
+        let why = (shared > cached).then_some(if shared == prompt.len() {
+            "the last prompt token is always recomputed"
+        } else if indexed < shared {
+            "the cells were evicted to make room"
+        } else {
+            "the sliding-window layers keep rows only at the ends of earlier requests, and the \
+             prompt departs between two of them"
+        });
+        Some(Divergence {
+            cached_tokens: cached,
+            shared_tokens: shared,
+            cached_next: other.get(shared).copied(),
+            prompt_next: prompt.get(shared).copied(),
+            why,
+        })
+    }
+
+    /// `prefix_attach` of `prompt` to the empty `seq`: the longest prefix the index holds. On
+    /// a hybrid cache, whose sliding layers keep rows only at the ends of published prefixes,
+    /// a match ending elsewhere is refused `out_of_window`; then the longest recently
+    /// published end the prompt starts with is attached. 0 (nothing attached, the state
+    /// untouched) when none can resume: the prompt is then prefilled whole.
+    fn attach(&self, seq: i32, prompt: &[i32]) -> Result<usize> {
+        let mut ends: Vec<usize> = self
+            .published
+            .iter()
+            .filter(|t| t.len() < prompt.len() && prompt.starts_with(t))
+            .map(Vec::len)
+            .collect();
+        ends.sort_unstable_by(|a, b| b.cmp(a));
+        ends.dedup();
+        for end in std::iter::once(prompt.len()).chain(ends) {
+            match self.cache.prefix_attach(seq, &tokens_u32(&prompt[..end])) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind == AbiErrorKind::OutOfWindow => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(0)
+    }
+
+    /// A free sequence sharing `seq`'s positions `0..len` (zero-copy: the cells gain it);
+    /// `None` when no sequence is free. Release it with [`finish`](Self::finish) (no agent).
+    pub fn fork(&mut self, seq: i32, len: usize) -> Result<Option<i32>> {
+        let Some(other) = self.free_seqs.pop() else {
+            return Ok(None);
+        };
+        if let Err(e) = self.cache.seq_cp(seq, other, None, Some(len as i32)) {
+            self.free_seqs.push(other);
+            return Err(e.into());
+        }
+        Ok(Some(other))
+    }
+
+    /// Agents holding a sequence now, and agents parked in their session files.
+    pub fn agents_hot_and_parked(&self) -> (usize, usize) {
+        let hot = self.agents.values().filter(|a| a.seq.is_some()).count();
+        let parked = self
+            .agents
+            .values()
+            .filter(|a| a.seq.is_none() && !a.tokens.is_empty())
+            .count();
+        (hot, parked)
     }
 
     /// Whether `name` holds a sequence now.
@@ -252,6 +351,10 @@ impl AgentStore {
     /// is released (what the index holds stays, evictable).
     pub fn finish(&mut self, agent: Option<&str>, seq: i32, held: &[i32]) -> Result<()> {
         self.cache.prefix_publish(seq, &tokens_u32(held))?;
+        if self.published.len() == PUBLISHED_KEPT {
+            self.published.pop_front();
+        }
+        self.published.push_back(held.to_vec());
         match agent {
             Some(name) => {
                 let clock = self.clock;
@@ -320,7 +423,11 @@ impl AgentStore {
                 // history cannot be kept).
                 self.cache.seq_rm(seq, None, None)?;
                 a.tokens.clear();
-                let attached = attach(&self.cache, seq, &prompt[..limit])?;
+                let attached = self.attach(seq, &prompt[..limit])?;
+                let a = self
+                    .agents
+                    .get_mut(agent.expect("a hot agent"))
+                    .expect("known");
                 a.tokens = prompt[..attached].to_vec();
                 return Ok(Some(Placed {
                     seq,
@@ -344,7 +451,7 @@ impl AgentStore {
     /// cannot be freed now.
     fn fill(&mut self, seq: i32, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
         let limit = prompt.len() - 1;
-        let attached = attach(&self.cache, seq, &prompt[..limit])?;
+        let attached = self.attach(seq, &prompt[..limit])?;
         let mut history = attached;
         let mut restored = 0;
         if let Some(name) = agent {

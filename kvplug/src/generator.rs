@@ -38,6 +38,11 @@ pub struct GenOptions {
     /// A grammar the answer must follow: each step only the tokens it allows can be
     /// sampled, and the answer ends when it is complete.
     pub constraint: Option<Constraint>,
+    /// Constraints waiting for an opening (a tool call's tag): the first whose opening the
+    /// answer's text reaches becomes the constraint, applied from the token that starts the
+    /// opening; one whose grammar refuses what was generated is dropped and the answer goes
+    /// on. Needs the generator's [`Text`].
+    pub triggered: Vec<Triggered>,
     /// Report each token's log-probability and this many alternatives' (`None`: none).
     pub logprobs: Option<usize>,
 }
@@ -51,9 +56,21 @@ impl Default for GenOptions {
             stop_strings: Vec::new(),
             adjust: Adjustments::default(),
             constraint: None,
+            triggered: Vec::new(),
             logprobs: None,
         }
     }
+}
+
+/// A constraint that applies once the answer reaches `opening`.
+#[derive(Clone, Debug)]
+pub struct Triggered {
+    /// The text that starts it.
+    pub opening: String,
+    /// Only at the very start of the answer (leading whitespace aside).
+    pub at_start: bool,
+    /// The grammar from the opening on (it must accept the opening itself).
+    pub constraint: Constraint,
 }
 
 /// A request's handle, unique within its generator.
@@ -199,8 +216,11 @@ impl Generator {
         if prompt.is_empty() {
             fail!(Invalid, "a request needs at least one prompt token");
         }
-        if !opts.stop_strings.is_empty() && self.text.is_none() {
-            fail!(Invalid, "stop strings need the model's tokenizer");
+        if (!opts.stop_strings.is_empty() || !opts.triggered.is_empty()) && self.text.is_none() {
+            fail!(
+                Invalid,
+                "stop strings and triggers need the model's tokenizer"
+            );
         }
         if self.active.iter().any(|a| a.seq == seq) {
             fail!(Invalid, "sequence {seq} already has a request in flight");
@@ -411,7 +431,8 @@ fn sample_one<'l>(
     scratch: &mut Vec<f32>,
     text: &Option<Arc<Text>>,
 ) -> Result<(TokenEvent<'l>, Option<Finish>)> {
-    let id = if a.opts.adjust.is_identity() && a.opts.constraint.is_none() {
+    let constrained = a.opts.constraint.is_some();
+    let id = if a.opts.adjust.is_identity() && !constrained {
         a.opts.sampler.sample(l)
     } else {
         scratch.clear();
@@ -428,6 +449,8 @@ fn sample_one<'l>(
     if let Some(c) = &mut a.opts.constraint {
         c.commit(id)?;
         complete = c.is_finished();
+    } else if let (false, Some(t)) = (a.opts.triggered.is_empty(), text) {
+        complete = trigger(a, t)?;
     }
     let mut released = String::new();
     let mut stopped = a.opts.stop_tokens.contains(&id);
@@ -449,6 +472,46 @@ fn sample_one<'l>(
         logprobs: a.opts.logprobs.map(|top| TokenLogprobs::of(l, id, top)),
     };
     Ok((event, finish))
+}
+
+/// Installs the first of `a`'s waiting constraints whose opening its answer has reached
+/// (dropping those that can no longer fire); whether the installed grammar is complete.
+fn trigger(a: &mut Active, text: &Text) -> Result<bool> {
+    let answer = text.decode(&a.generated)?;
+    let start = answer.trim_start();
+    // An opening only allowed at the start cannot come once the start departs from it.
+    a.opts
+        .triggered
+        .retain(|w| !w.at_start || w.opening.starts_with(start) || start.starts_with(&w.opening));
+    let Some(k) = a.opts.triggered.iter().position(|w| {
+        if w.at_start {
+            start.starts_with(&w.opening)
+        } else {
+            answer.contains(&w.opening)
+        }
+    }) else {
+        return Ok(false);
+    };
+    let mut w = a.opts.triggered.remove(k);
+    // The token whose text starts the opening.
+    let mut from = 0;
+    for f in (0..a.generated.len()).rev() {
+        if text
+            .decode(&a.generated[f..])?
+            .trim_start()
+            .starts_with(&w.opening)
+        {
+            from = f;
+            break;
+        }
+    }
+    if w.constraint.catch_up(&a.generated[from..]) {
+        let done = w.constraint.is_finished();
+        a.opts.constraint = Some(w.constraint);
+        a.opts.triggered.clear();
+        return Ok(done);
+    }
+    Ok(false)
 }
 
 /// What [`generate`] produced.

@@ -32,6 +32,25 @@ pub enum GrammarSpec {
     Gbnf(String),
 }
 
+/// `schema` laid out as Python's `json.dumps` writes JSON (`", "` and `": "`, no other
+/// whitespace) unless it says otherwise in its own `x-guidance`. llguidance's default lets
+/// whitespace run between any two tokens, and a small model sampled warm can spend its whole
+/// budget on it; the compact layout is also the one models see most in training.
+pub fn compact_json(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(o) = &mut schema {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+        });
+    }
+    schema
+}
+
+/// A Lark rule body matching one JSON value under `schema`, laid out by [`compact_json`].
+pub fn json_rule(schema: &Value) -> String {
+    format!("%json {}", compact_json(schema))
+}
+
 /// The model's vocabulary as llguidance sees it, and the parser factory over it.
 #[derive(Clone)]
 pub struct Grammars {
@@ -111,7 +130,9 @@ impl Grammars {
     /// refused with its reason.
     pub fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint> {
         let grammar = match spec {
-            GrammarSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            GrammarSpec::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(compact_json(schema))
+            }
             GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
             GrammarSpec::Gbnf(src) => TopLevelGrammar::from_lark(gbnf_to_lark(src)?),
         };
@@ -187,6 +208,14 @@ impl Constraint {
         self.matcher
             .consume_token(token as TokenId)
             .map_err(|e| crate::Error::Invalid(format!("constrained decoding: {e}")))
+    }
+
+    /// Advances past `tokens` generated before the constraint applied; false (the state
+    /// then unusable) when the grammar refuses them.
+    pub fn catch_up(&mut self, tokens: &[i32]) -> bool {
+        self.mask = None;
+        let ids: Vec<TokenId> = tokens.iter().map(|&t| t as TokenId).collect();
+        self.matcher.consume_tokens(&ids).is_ok() && !self.matcher.is_error()
     }
 
     /// Whether the grammar is complete and allows nothing more.

@@ -26,6 +26,7 @@
 pub mod agent_store;
 pub mod bench;
 pub mod chat;
+pub mod chat_template;
 pub mod error;
 pub mod fingerprint;
 pub mod formats;
@@ -39,6 +40,7 @@ pub mod session_file;
 pub mod speculative;
 pub mod stop;
 pub mod text;
+pub mod tools;
 
 pub use agent_store::{AgentStore, AgentStoreOptions};
 pub use chat::{Chat, ChatOptions};

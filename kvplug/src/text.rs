@@ -1,5 +1,5 @@
 //! Text in and out of a model directory: the `tokenizers` tokenizer (`tokenizer.json`), the
-//! chat template (`tokenizer_config.json`, rendered with minijinja as Hugging Face does) and
+//! chat template (`tokenizer_config.json`, rendered by [`crate::chat_template`]) and
 //! the tokens that end generation.
 
 use std::collections::BTreeSet;
@@ -20,13 +20,23 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         .map(Some)
 }
 
-/// A chat message.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// A chat message, as chat templates read it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Message {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// The text.
+    /// The text (empty for an assistant turn that only calls tools).
     pub content: String,
+    /// An assistant's calls: `{"id", "type": "function", "function": {"name", "arguments"}}`
+    /// with the arguments as a JSON object (as Hugging Face templates expect them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<Value>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's tool name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -35,6 +45,9 @@ impl Message {
         Message {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -128,36 +141,36 @@ impl Text {
         self.render_with(messages, true)
     }
 
+    /// The chat template's source, if the model has one.
+    pub fn template(&self) -> Option<&str> {
+        self.template.as_deref()
+    }
+
     /// The chat template applied to `messages`; `open_turn` opens the assistant's turn
     /// (Hugging Face's `add_generation_prompt`).
     pub fn render_with(&self, messages: &[Message], open_turn: bool) -> Result<String> {
+        self.render_tools(messages, &[], open_turn)
+    }
+
+    /// [`Text::render_with`] offering `tools` (OpenAI's `{"type": "function", …}` objects)
+    /// the way Hugging Face's `apply_chat_template(tools=…)` passes them (`None` when empty).
+    pub fn render_tools(
+        &self,
+        messages: &[Message],
+        tools: &[Value],
+        open_turn: bool,
+    ) -> Result<String> {
         let Some(src) = &self.template else {
             fail!(Text, "this model has no chat template: send the prompt raw");
         };
-        let mut env = minijinja::Environment::new();
-        minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", src)
-            .map_err(|e| crate::Error::Text(format!("the chat template does not parse: {e}")))?;
-        env.get_template("chat")
-            .and_then(|t| {
-                t.render(minijinja::context! {
-                    messages => messages,
-                    add_generation_prompt => open_turn,
-                    bos_token => self.bos.clone().unwrap_or_default(),
-                    eos_token => self.eos.clone().unwrap_or_default(),
-                })
-            })
-            .map_err(|e| crate::Error::Text(format!("rendering the chat template: {e}")))
+        let ctx = minijinja::context! {
+            messages => messages,
+            tools => (!tools.is_empty()).then_some(tools),
+            add_generation_prompt => open_turn,
+            bos_token => self.bos.clone().unwrap_or_default(),
+            eos_token => self.eos.clone().unwrap_or_default(),
+        };
+        crate::chat_template::render(src, ctx).map_err(crate::Error::Text)
     }
 
     /// Token ids of `text`; special tokens written in the text are recognised (a rendered
@@ -168,6 +181,13 @@ impl Text {
             .encode(text, false)
             .map_err(|e| crate::Error::Text(format!("tokenizing: {e}")))?;
         Ok(enc.get_ids().iter().map(|&i| i as i32).collect())
+    }
+
+    /// One token's text, special tokens written out (as log-probabilities show them).
+    pub fn piece(&self, id: i32) -> Result<String> {
+        self.tokenizer
+            .decode(&[id as u32], false)
+            .map_err(|e| crate::Error::Text(format!("detokenizing: {e}")))
     }
 
     /// Token ids of a raw prompt (no chat template): [`Text::encode`], after the BOS token

@@ -1,11 +1,13 @@
 //! The OpenAI request bodies `kvplug serve` accepts, checked field by field: a wrong type or
-//! value is a 400 that names the field. Fields the server does not implement are refused when
-//! they would change the answer (`n` > 1, `logprobs`, `tools`, `echo`, ...), and ignored when
-//! they would not (`frequency_penalty` 0, `user`, `metadata`, ...).
+//! value is a 400 that names the field. Every field OpenAI's chat and completions APIs define
+//! is either implemented, ignored because it cannot change the answer (`user`, `metadata`,
+//! `store`, ...), or refused because it would change it in a way this server does not
+//! implement (`echo`, `audio`, ...); a field nobody defines is refused too, never ignored.
 
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use kvplug::tools::Tool;
 use kvplug::Message;
 
 /// Which endpoint a body is for.
@@ -26,6 +28,31 @@ pub enum Prompt {
     Text(String),
 }
 
+/// `tool_choice`.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum ToolChoice {
+    /// The model decides (the default with tools).
+    #[default]
+    Auto,
+    /// No call.
+    None,
+    /// At least one call, of any tool.
+    Required,
+    /// A call of this tool.
+    Named(String),
+}
+
+/// What the answer must follow, beside tool calls.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Format {
+    /// Free text.
+    Text,
+    /// A JSON object, of this schema when given.
+    Json(Option<Value>),
+    /// A grammar: Lark, or GBNF when it has `::=`.
+    Grammar(String),
+}
+
 /// A checked request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Params {
@@ -37,10 +64,30 @@ pub struct Params {
     pub temperature: f32,
     /// Nucleus mass (default 1).
     pub top_p: f32,
+    /// Keep the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Keep tokens at least `min_p` times as likely as the best (0 = all).
+    pub min_p: f32,
+    /// Penalties and logit bias.
+    pub adjust: kvplug::Adjustments,
+    /// Keep generating past end-of-turn tokens.
+    pub ignore_eos: bool,
     /// Up to 4 non-empty stop strings.
     pub stop: Vec<String>,
     /// Sampling seed; a fresh one per request when absent.
     pub seed: Option<u64>,
+    /// Completions of the prompt (sharing its K/V).
+    pub n: usize,
+    /// Log-probabilities: `None`, or `Some(k)` with the `k` best alternatives per token.
+    pub logprobs: Option<usize>,
+    /// Functions the model may call.
+    pub tools: Vec<Tool>,
+    /// Whether and which tool to call.
+    pub tool_choice: ToolChoice,
+    /// Several calls in one answer (default true).
+    pub parallel_tool_calls: bool,
+    /// What the answer must follow.
+    pub format: Format,
     /// Server-sent events instead of one JSON answer.
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with `usage`.
@@ -49,6 +96,67 @@ pub struct Params {
 
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
+/// Most completions per request (a seq cache runs at most 64 sequences).
+pub const MAX_N: u64 = 16;
+/// Most alternatives per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// Fields that cannot change the answer.
+const IGNORED: [&str; 10] = [
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "reasoning_effort",
+    "verbosity",
+];
+
+/// Fields that would change the answer in ways this server does not implement.
+const REFUSED: [&str; 9] = [
+    "echo",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "functions",
+    "function_call",
+    "best_of",
+];
+
+/// Fields this server reads.
+const IMPLEMENTED: [&str; 26] = [
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repeat_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "stop",
+    "seed",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "grammar",
+    "stream",
+    "stream_options",
+];
 
 /// Parses and checks a request body.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
@@ -59,7 +167,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     };
     let f = Fields(map);
     f.string("model")?;
-    refuse_unsupported(&f, endpoint)?;
+    refuse_unsupported(&f)?;
     let prompt = match endpoint {
         Endpoint::Chat => Prompt::Chat(messages(&f)?),
         Endpoint::Completion => Prompt::Text(completion_prompt(&f)?),
@@ -95,79 +203,259 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
             ))
         }
     };
+    let n = f.count("n")?.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::invalid(
+            Some("n"),
+            format!("'n' must be between 1 and {MAX_N}"),
+        ));
+    }
+    let repetition = match f.number("repetition_penalty", 0.0, 10.0)? {
+        Some(p) => Some(p),
+        None => f.number("repeat_penalty", 0.0, 10.0)?,
+    };
+    let tools = tools(&f)?;
+    let tool_choice = tool_choice(&f, &tools)?;
     Ok(Params {
         prompt,
         max_tokens: max_tokens.map(|n| n.min(usize::MAX as u64) as usize),
         temperature,
         top_p,
+        top_k: f
+            .count("top_k")?
+            .map_or(0, |k| k.min(u32::MAX as u64) as usize),
+        min_p: f.number("min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        adjust: kvplug::Adjustments {
+            logit_bias: logit_bias(&f)?,
+            repetition_penalty: repetition.unwrap_or(1.0) as f32,
+            frequency_penalty: f.number("frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+            presence_penalty: f.number("presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        },
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         stop: stop(&f)?,
         seed: f.integer("seed")?.map(|s| s as u64),
+        n: n as usize,
+        logprobs: logprobs(&f, endpoint)?,
+        tool_choice,
+        parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
+        tools,
+        format: format(&f, endpoint)?,
         stream,
         include_usage,
     })
 }
 
-/// Refuses fields that would change the answer in a way this server does not implement.
-fn refuse_unsupported(f: &Fields, endpoint: Endpoint) -> Result<(), ApiError> {
-    if let Some(n) = f.count("n")? {
-        if n != 1 {
-            return Err(ApiError::invalid(Some("n"), "only n = 1 is supported"));
+/// Refuses fields that would change the answer in a way this server does not implement,
+/// and fields no OpenAI API defines.
+fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
+    for (k, v) in f.0 {
+        if v.is_null() || IGNORED.contains(&k.as_str()) || IMPLEMENTED.contains(&k.as_str()) {
+            continue;
         }
-    }
-    for p in ["logprobs", "echo"] {
-        if f.bool_or_count(p)? {
-            return Err(ApiError::invalid(
-                Some(p),
-                format!("'{p}' is not supported"),
-            ));
-        }
-    }
-    if let Some(n) = f.count("best_of")? {
-        if n > 1 {
-            return Err(ApiError::invalid(
-                Some("best_of"),
-                "only best_of = 1 is supported",
-            ));
-        }
-    }
-    for p in ["frequency_penalty", "presence_penalty"] {
-        if f.number(p, -2.0, 2.0)?.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::invalid(
-                Some(p),
-                format!("'{p}' is not supported"),
-            ));
-        }
-    }
-    for p in ["tools", "functions", "logit_bias", "suffix"] {
-        let empty = match f.get(p) {
-            None => true,
-            Some(Value::Array(a)) => a.is_empty(),
-            Some(Value::Object(o)) => o.is_empty(),
-            Some(Value::String(s)) => s.is_empty(),
-            Some(_) => false,
+        let unset = match (k.as_str(), v) {
+            ("best_of", v) => v.as_u64() == Some(1),
+            ("echo", Value::Bool(b)) => !b,
+            ("modalities", Value::Array(m)) => m.iter().all(|x| x == "text"),
+            (_, Value::String(s)) => s.is_empty(),
+            (_, Value::Array(a)) => a.is_empty(),
+            (_, Value::Object(o)) => o.is_empty(),
+            _ => false,
         };
-        if !empty {
-            return Err(ApiError::invalid(
-                Some(p),
-                format!("'{p}' is not supported"),
-            ));
+        if unset {
+            continue;
         }
-    }
-    if endpoint == Endpoint::Chat {
-        if let Some(rf) = f.get("response_format") {
-            if rf.get("type").and_then(Value::as_str) != Some("text") {
-                return Err(ApiError::invalid(
-                    Some("response_format"),
-                    "only response_format {\"type\": \"text\"} is supported",
-                ));
-            }
-        }
+        let why = if REFUSED.contains(&k.as_str()) {
+            format!("'{k}' is not supported")
+        } else {
+            format!("unknown field '{k}'")
+        };
+        return Err(ApiError::invalid(Some(k), why));
     }
     Ok(())
 }
 
+/// `logprobs` (chat: a bool with `top_logprobs`; completions: the alternatives' count).
+fn logprobs(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    let top = |k: &str| -> Result<Option<usize>, ApiError> {
+        match f.count(k)? {
+            Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
+                Some(k),
+                format!("'{k}' must be at most {MAX_TOP_LOGPROBS}"),
+            )),
+            n => Ok(n.map(|n| n as usize)),
+        }
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let on = f.bool("logprobs")?.unwrap_or(false);
+            let k = top("top_logprobs")?;
+            if k.is_some_and(|k| k > 0) && !on {
+                return Err(ApiError::invalid(
+                    Some("top_logprobs"),
+                    "'top_logprobs' needs 'logprobs': true",
+                ));
+            }
+            Ok(on.then_some(k.unwrap_or(0)))
+        }
+        Endpoint::Completion => match f.get("logprobs") {
+            Some(Value::Bool(false)) | None => Ok(None),
+            _ => top("logprobs"),
+        },
+    }
+}
+
+/// `tools`: function tools with a name and a JSON-schema object of parameters.
+fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("tools"), m);
+    let Some(list) = f.get("tools") else {
+        return Ok(Vec::new());
+    };
+    let Value::Array(list) = list else {
+        return Err(bad("'tools' must be an array".into()));
+    };
+    let mut out: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(format!("tools[{i}].type must be \"function\"")));
+        }
+        let Some(func) = t.get("function").and_then(Value::as_object) else {
+            return Err(bad(format!("tools[{i}].function must be an object")));
+        };
+        let name = match func.get("name").and_then(Value::as_str) {
+            Some(n)
+                if !n.is_empty()
+                    && n.len() <= 64
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+            {
+                n.to_string()
+            }
+            _ => {
+                return Err(bad(format!(
+                    "tools[{i}].function.name must be 1-64 of a-z A-Z 0-9 _ -"
+                )))
+            }
+        };
+        if out.iter().any(|t| t.name == name) {
+            return Err(bad(format!("tools[{i}]: '{name}' is declared twice")));
+        }
+        let parameters = match func.get("parameters") {
+            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(bad(format!(
+                    "tools[{i}].function.parameters must be a JSON schema object"
+                )))
+            }
+        };
+        out.push(Tool {
+            name,
+            description: func
+                .get("description")
+                .and_then(Value::as_str)
+                .map(String::from),
+            parameters,
+        });
+    }
+    Ok(out)
+}
+
+/// `tool_choice`: `auto`, `none`, `required` or `{"type": "function", "function": {"name"}}`.
+fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let bad = |m: &str| ApiError::invalid(Some("tool_choice"), m);
+    let choice = match f.get("tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            _ => {
+                return Err(bad(
+                    "'tool_choice' must be auto, none, required or a function",
+                ))
+            }
+        },
+        Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(n) => ToolChoice::Named(n.to_string()),
+            None => return Err(bad("'tool_choice' names no function")),
+        },
+    };
+    match &choice {
+        ToolChoice::Required if tools.is_empty() => Err(bad("'required' needs 'tools'")),
+        ToolChoice::Named(n) if !tools.iter().any(|t| &t.name == n) => Err(ApiError::invalid(
+            Some("tool_choice"),
+            format!("'tool_choice' names '{n}', which 'tools' does not declare"),
+        )),
+        _ => Ok(choice),
+    }
+}
+
+/// `response_format` (chat) and `grammar`.
+fn format(f: &Fields, endpoint: Endpoint) -> Result<Format, ApiError> {
+    let grammar = f.string("grammar")?.filter(|g| !g.trim().is_empty());
+    let rf = f.get("response_format");
+    if grammar.is_some()
+        && rf.is_some_and(|r| r.get("type").and_then(Value::as_str) != Some("text"))
+    {
+        return Err(ApiError::invalid(
+            Some("grammar"),
+            "give 'grammar' or a JSON 'response_format', not both",
+        ));
+    }
+    if let Some(g) = grammar {
+        return Ok(Format::Grammar(g.to_string()));
+    }
+    let Some(rf) = rf else {
+        return Ok(Format::Text);
+    };
+    let bad = |m: &str| ApiError::invalid(Some("response_format"), m);
+    if endpoint != Endpoint::Chat {
+        return Err(bad("'response_format' is for /v1/chat/completions"));
+    }
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(Format::Text),
+        Some("json_object") => Ok(Format::Json(None)),
+        Some("json_schema") => match rf.pointer("/json_schema/schema") {
+            Some(s @ Value::Object(_)) => Ok(Format::Json(Some(s.clone()))),
+            Some(Value::Bool(true)) | None => Ok(Format::Json(None)),
+            _ => Err(bad(
+                "'response_format.json_schema.schema' must be an object",
+            )),
+        },
+        _ => Err(bad(
+            "'response_format.type' must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// `logit_bias`: token id (as a string key) → bias in [−100, 100].
+fn logit_bias(f: &Fields) -> Result<Vec<(i32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("logit_bias"), m);
+    match f.get("logit_bias") {
+        None => Ok(Vec::new()),
+        Some(Value::Object(o)) => o
+            .iter()
+            .map(|(k, v)| {
+                let id: i32 = k
+                    .parse()
+                    .ok()
+                    .filter(|&i: &i32| i >= 0)
+                    .ok_or_else(|| bad(format!("'{k}' is not a token id")))?;
+                let b = v
+                    .as_f64()
+                    .filter(|b| (-100.0..=100.0).contains(b))
+                    .ok_or_else(|| bad(format!("the bias of {k} must be in [-100, 100]")))?;
+                Ok((id, b as f32))
+            })
+            .collect(),
+        Some(_) => Err(bad("'logit_bias' must be an object".into())),
+    }
+}
+
 /// `messages`: a non-empty array of `{role, content}`; content is a string or an array of
-/// `{"type": "text", "text": ...}` parts. `developer` is the newer name of `system`.
+/// `{"type": "text", "text": ...}` parts. `developer` is the newer name of `system`. An
+/// assistant message may carry `tool_calls` (its content then may be null); a `tool` message
+/// answers one by `tool_call_id`.
 fn messages(f: &Fields) -> Result<Vec<Message>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages"), m);
     let Some(list) = f.get("messages") else {
@@ -187,9 +475,24 @@ fn messages(f: &Fields) -> Result<Vec<Message>, ApiError> {
             };
             let role = match m.get("role").and_then(Value::as_str) {
                 Some("developer") => "system",
-                Some(r @ ("system" | "user" | "assistant")) => r,
+                Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
                 Some(r) => return Err(bad(format!("messages[{i}].role '{r}' is not supported"))),
                 None => return Err(bad(format!("messages[{i}].role must be a string"))),
+            };
+            let calls = match m.get("tool_calls") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Array(c)) if role == "assistant" => c
+                    .iter()
+                    .enumerate()
+                    .map(|(j, c)| {
+                        tool_call(c).map_err(|e| bad(format!("messages[{i}].tool_calls[{j}]: {e}")))
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(_) => {
+                    return Err(bad(format!(
+                        "messages[{i}].tool_calls must be an array on an assistant message"
+                    )))
+                }
             };
             let content = match m.get("content") {
                 Some(Value::String(s)) => s.clone(),
@@ -203,11 +506,44 @@ fn messages(f: &Fields) -> Result<Vec<Message>, ApiError> {
                         ))),
                     })
                     .collect::<Result<String, _>>()?,
+                None | Some(Value::Null) if !calls.is_empty() => String::new(),
                 _ => return Err(bad(format!("messages[{i}].content must be a string"))),
             };
-            Ok(Message::new(role, &content))
+            let mut msg = Message::new(role, &content);
+            msg.tool_calls = calls;
+            if role == "tool" {
+                match m.get("tool_call_id").and_then(Value::as_str) {
+                    Some(id) => msg.tool_call_id = Some(id.to_string()),
+                    None => {
+                        return Err(bad(format!("messages[{i}].tool_call_id must be a string")))
+                    }
+                }
+                msg.name = m.get("name").and_then(Value::as_str).map(String::from);
+            }
+            Ok(msg)
         })
         .collect()
+}
+
+/// One of an assistant message's `tool_calls`, as chat templates read it: its arguments
+/// (OpenAI sends JSON text) as the JSON value they hold.
+fn tool_call(c: &Value) -> Result<Value, String> {
+    let name = c
+        .pointer("/function/name")
+        .and_then(Value::as_str)
+        .ok_or("function.name must be a string")?;
+    let arguments = match c.pointer("/function/arguments") {
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+            .map_err(|e| format!("function.arguments is not JSON: {e}"))?,
+        Some(v @ Value::Object(_)) => v.clone(),
+        None | Some(Value::Null) => serde_json::json!({}),
+        Some(_) => return Err("function.arguments must be a JSON string".into()),
+    };
+    Ok(serde_json::json!({
+        "id": c.get("id").and_then(Value::as_str).unwrap_or_default(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }))
 }
 
 /// `prompt`: a string, or an array holding one string.
@@ -273,18 +609,6 @@ impl Fields<'_> {
             .transpose()
     }
 
-    /// A flag that OpenAI also takes as a count (`logprobs`): true or above 0.
-    fn bool_or_count(&self, k: &str) -> Result<bool, ApiError> {
-        match self.get(k) {
-            None => Ok(false),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => v
-                .as_u64()
-                .map(|n| n > 0)
-                .ok_or_else(|| Self::wrong(k, "true, false or a count", v)),
-        }
-    }
-
     fn integer(&self, k: &str) -> Result<Option<i64>, ApiError> {
         self.get(k)
             .map(|v| v.as_i64().ok_or_else(|| Self::wrong(k, "an integer", v)))
@@ -342,7 +666,8 @@ mod tests {
         let p = chat(&format!(
             "{{{HI}, \"max_tokens\": 5, \"max_completion_tokens\": 7, \"temperature\": 0, \
              \"stream\": true, \"stream_options\": {{\"include_usage\": true}}, \"seed\": 3, \
-             \"user\": \"u\", \"n\": 1, \"logprobs\": false, \"tools\": []}}"
+             \"user\": \"u\", \"n\": 1, \"logprobs\": false, \"tools\": [], \"store\": false, \
+             \"metadata\": {{\"a\": \"b\"}}, \"echo\": false}}"
         ))
         .unwrap();
         assert_eq!(
@@ -358,6 +683,37 @@ mod tests {
         );
         let c = parse(Endpoint::Completion, br#"{"prompt": ["x"]}"#).unwrap();
         assert_eq!(c.prompt, Prompt::Text("x".into()));
+    }
+
+    #[test]
+    fn tools_tool_messages_and_sampling_fields_parse() {
+        let p = chat(
+            r#"{"messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+              "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": true}},
+              "logprobs": true, "top_logprobs": 2, "n": 3, "top_k": 40, "min_p": 0.05,
+              "frequency_penalty": 0.5, "repetition_penalty": 1.1, "logit_bias": {"7": -100},
+              "ignore_eos": true}"#,
+        )
+        .unwrap();
+        let Prompt::Chat(m) = &p.prompt else { panic!() };
+        assert_eq!(m[1].tool_calls[0]["function"]["arguments"]["city"], "Paris");
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("c1"));
+        assert_eq!(p.tools[0].name, "get_weather");
+        assert_eq!(p.tool_choice, ToolChoice::Named("get_weather".into()));
+        assert_eq!(
+            p.format,
+            Format::Json(Some(serde_json::json!({"type": "object"})))
+        );
+        assert_eq!((p.logprobs, p.n, p.top_k), (Some(2), 3, 40));
+        assert_eq!(p.adjust.logit_bias, vec![(7, -100.0)]);
+        assert!(p.ignore_eos);
     }
 
     #[test]
@@ -398,18 +754,56 @@ mod tests {
         refused(&with(r#""stop": [""]"#), "stop", "empty");
         refused(&with(r#""seed": 1.5"#), "seed", "integer");
         refused(&with(r#""model": 7"#), "model", "a string");
-        refused(&with(r#""n": 2"#), "n", "n = 1");
-        refused(&with(r#""logprobs": true"#), "logprobs", "not supported");
+        refused(&with(r#""n": 0"#), "n", "between 1 and 16");
+        refused(&with(r#""n": 17"#), "n", "between 1 and 16");
+        refused(
+            &with(r#""top_logprobs": 3"#),
+            "top_logprobs",
+            "needs 'logprobs'",
+        );
+        refused(
+            &with(r#""logprobs": true, "top_logprobs": 21"#),
+            "top_logprobs",
+            "at most 20",
+        );
         refused(
             &with(r#""tools": [{"type": "function"}]"#),
             "tools",
-            "not supported",
+            "must be an object",
         );
         refused(
-            &with(r#""presence_penalty": 0.5"#),
-            "presence_penalty",
-            "not supported",
+            &with(r#""tools": [{"type": "function", "function": {"name": "a b"}}]"#),
+            "tools",
+            "1-64",
         );
+        refused(
+            &with(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#),
+            "tool_choice",
+            "does not declare",
+        );
+        refused(
+            &with(r#""tool_choice": "required""#),
+            "tool_choice",
+            "needs 'tools'",
+        );
+        refused(
+            &with(r#""presence_penalty": 3"#),
+            "presence_penalty",
+            "between -2 and 2",
+        );
+        refused(&with(r#""logit_bias": {"x": 1}"#), "logit_bias", "token id");
+        refused(
+            &with(r#""logit_bias": {"5": 101}"#),
+            "logit_bias",
+            "[-100, 100]",
+        );
+        refused(
+            &with(r#""response_format": {"type": "xml"}"#),
+            "response_format",
+            "json_schema",
+        );
+        refused(&with(r#""echo": true"#), "echo", "not supported");
+        refused(&with(r#""frobnicate": 1"#), "frobnicate", "unknown field");
         let e = parse(Endpoint::Completion, br#"{"prompt": [1, 2]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("prompt"));
     }

@@ -8,45 +8,67 @@
 //! prompt never stalls the others for a whole prefill: the SDK's [`Generator`] runs the
 //! steps, this module admits, reports and retires.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use kvplug::agent_store::{AgentStore, Placed};
+use kvplug::agent_store::{AgentStore, Divergence, Placed};
 use kvplug::generator::{Finish, Finished, GenOptions, Generator, RequestId};
 use kvplug::run::CacheReport;
-use kvplug::{Sampler, Text};
+use kvplug::sampler::TokenLogprobs;
+use kvplug::Text;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
+use crate::metrics::Metrics;
 
 /// A request for the batcher.
 pub struct GenRequest {
     /// Prompt token ids (at least one).
     pub prompt: Vec<i32>,
-    /// Most tokens to generate (at least one).
-    pub max_tokens: usize,
-    /// How tokens are picked.
-    pub sampler: Sampler,
-    /// Stop strings.
-    pub stop: Vec<String>,
+    /// How to generate each completion (`max_tokens` at least one).
+    pub opts: GenOptions,
+    /// Completions of the prompt (1..=16; more than one only without an agent): the prompt
+    /// is prefilled once and shared by sequence membership.
+    pub n: usize,
     /// The agent session (`X-Session-Id`), if any.
     pub agent: Option<String>,
     /// Where the answer goes; closed when the client has gone.
     pub events: UnboundedSender<Event>,
+    /// When it arrived (for time to first token).
+    pub arrived: Instant,
 }
 
 /// What a request hears back.
 #[derive(Debug)]
 pub enum Event {
-    /// More of the answer.
-    Text(String),
-    /// The end: why, and the token counts.
+    /// It has sequences and its prompt's reuse is known (always the first event of an
+    /// answered request).
+    Admitted {
+        /// Prompt tokens reused instead of prefilled.
+        cached_tokens: usize,
+        /// Where the prompt parted from what the cache holds, when it shares anything.
+        divergence: Option<Divergence>,
+    },
+    /// A token of completion `choice`: its text (empty while held back) and
+    /// log-probabilities when asked; or text held back at its end (no log-probabilities).
+    Token {
+        /// Which completion.
+        choice: usize,
+        /// Text released.
+        text: String,
+        /// The token's log-probabilities, when the request asked.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// Completion `choice` ended.
     Done {
+        /// Which completion.
+        choice: usize,
         /// `stop` or `length`.
         finish_reason: &'static str,
-        /// Token counts.
-        usage: Usage,
+        /// Its generated tokens (a final end-of-turn token included).
+        completion_tokens: usize,
     },
     /// The request failed; nothing more follows.
     Failed(ApiError),
@@ -96,32 +118,44 @@ pub struct Limits {
     pub max_queue: usize,
 }
 
+/// A generator request of a request in flight: which completion, on which sequence, from
+/// which position.
+#[derive(Clone, Copy, Debug)]
+struct Running {
+    request: RequestId,
+    /// The completion (`None`: the shared prefill before `n` completions fork).
+    choice: Option<usize>,
+    seq: i32,
+    start: usize,
+}
+
 /// A request in flight.
 struct Active {
     req: GenRequest,
     placed: Placed,
-    request: RequestId,
+    running: Vec<Running>,
+    /// Completions ended.
+    done: usize,
+    /// Whether a token has been sampled (time to first token recorded).
+    started: bool,
 }
 
 impl Active {
-    fn usage(&self, generated: usize) -> Usage {
-        let p = self.req.prompt.len();
-        Usage {
-            prompt_tokens: p,
-            completion_tokens: generated,
-            total_tokens: p + generated,
-            prompt_tokens_details: CachedTokens {
-                cached_tokens: self.placed.history,
-            },
+    /// The prompt part request `r` was given.
+    fn prompt_of(&self, r: &Running) -> &[i32] {
+        match r.choice {
+            Some(_) if self.req.n > 1 => &self.req.prompt[self.req.prompt.len() - 1..],
+            None => &self.req.prompt[self.placed.history..self.req.prompt.len() - 1],
+            Some(_) => &self.req.prompt[self.placed.history..],
         }
     }
 
-    /// The tokens its sequence holds once `f` ended: the reused history, the prompt written
-    /// after it, and every generated token that was run.
-    fn held(&self, f: &Finished) -> Vec<i32> {
-        let prompt_end = self.placed.history + f.prompt_written;
+    /// The tokens `r`'s sequence holds once `f` ended: the prompt up to what was written,
+    /// then, `written_only` aside, every generated token that was run.
+    fn held(&self, r: &Running, f: &Finished, written_only: bool) -> Vec<i32> {
+        let prompt_end = r.start + f.prompt_written;
         let mut held = self.req.prompt[..prompt_end].to_vec();
-        if prompt_end == self.req.prompt.len() {
+        if !written_only && f.prompt_written == self.prompt_of(r).len() {
             held.extend_from_slice(&f.generated[..f.generated.len().saturating_sub(1)]);
         }
         held
@@ -132,29 +166,30 @@ impl Active {
 pub struct Engine {
     store: AgentStore,
     generator: Generator,
-    stop_tokens: BTreeSet<i32>,
     limits: Limits,
     queue: VecDeque<GenRequest>,
     active: Vec<Active>,
     status: Arc<Mutex<Status>>,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
-    /// A batcher over `store`, reporting to `status`.
+    /// A batcher over `store`, reporting to `status` and `metrics`.
     pub fn new(
         store: AgentStore,
         text: Arc<Text>,
         limits: Limits,
         status: Arc<Mutex<Status>>,
+        metrics: Arc<Metrics>,
     ) -> Self {
         Engine {
             store,
-            stop_tokens: text.stop_tokens().clone(),
             generator: Generator::with_text(text),
             limits,
             queue: VecDeque::new(),
             active: Vec::new(),
             status,
+            metrics,
         }
     }
 
@@ -216,26 +251,37 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            let extra = r.max_tokens - 1 + self.generator.outstanding();
+            let extra = r.n * r.opts.max_tokens - 1 + self.generator.outstanding();
             match self.store.admit(r.agent.as_deref(), &r.prompt, extra) {
                 Ok(Some(placed)) => {
                     let req = self.queue.remove(i).expect("index in range");
-                    let opts = GenOptions {
-                        max_tokens: req.max_tokens,
-                        sampler: req.sampler.clone(),
-                        stop_tokens: self.stop_tokens.clone(),
-                        stop_strings: req.stop.clone(),
-                        ..GenOptions::default()
-                    };
-                    let fresh = &req.prompt[placed.history..];
-                    let request = self
-                        .generator
-                        .add(placed.seq, fresh, placed.history, opts)?;
-                    self.active.push(Active {
+                    let divergence =
+                        self.store
+                            .explain(req.agent.as_deref(), &req.prompt, placed.history);
+                    if let Some(d) = &divergence {
+                        tracing::debug!(?d, "prefix reuse");
+                    }
+                    self.metrics.admitted(req.prompt.len(), placed.history);
+                    let _ = req.events.send(Event::Admitted {
+                        cached_tokens: placed.history,
+                        divergence,
+                    });
+                    let mut a = Active {
                         req,
                         placed,
-                        request,
-                    });
+                        running: Vec::new(),
+                        done: 0,
+                        started: false,
+                    };
+                    let last = a.req.prompt.len() - 1;
+                    if a.req.n == 1 {
+                        self.start(&mut a, Some(0), placed.seq, placed.history)?;
+                    } else if placed.history < last {
+                        self.start(&mut a, None, placed.seq, placed.history)?;
+                    } else {
+                        self.fork(&mut a)?;
+                    }
+                    self.active.push(a);
                 }
                 Ok(None) if self.active.is_empty() => {
                     let req = self.queue.remove(i).expect("index in range");
@@ -257,24 +303,79 @@ impl Engine {
         Ok(())
     }
 
+    /// Adds `a`'s generator request for completion `choice` (or the shared prefill) on
+    /// `seq` from position `start`.
+    fn start(
+        &mut self,
+        a: &mut Active,
+        choice: Option<usize>,
+        seq: i32,
+        start: usize,
+    ) -> kvplug::Result<()> {
+        let mut opts = match choice {
+            None => GenOptions::default(),
+            Some(c) => GenOptions {
+                sampler: a.req.opts.sampler.fork(c as u64),
+                ..a.req.opts.clone()
+            },
+        };
+        if choice == Some(0) {
+            opts.sampler = a.req.opts.sampler.clone();
+        }
+        let mut r = Running {
+            request: 0,
+            choice,
+            seq,
+            start,
+        };
+        r.request = self.generator.add(seq, a.prompt_of(&r), start, opts)?;
+        a.running.push(r);
+        Ok(())
+    }
+
+    /// The `n` completions of a prefilled prompt: each on a sequence sharing its cells but
+    /// the last token's, which every completion feeds itself.
+    fn fork(&mut self, a: &mut Active) -> kvplug::Result<()> {
+        let (main, last) = (a.placed.seq, a.req.prompt.len() - 1);
+        for choice in 0..a.req.n {
+            let seq = if choice == 0 {
+                main
+            } else {
+                match self.store.fork(main, last)? {
+                    Some(s) => s,
+                    None => {
+                        return Err(kvplug::Error::Invalid(
+                            "no sequence is free for another completion".into(),
+                        ))
+                    }
+                }
+            };
+            self.start(a, Some(choice), seq, last)?;
+        }
+        Ok(())
+    }
+
     /// Releases the sequences of requests whose client has gone: the prompt's K/V stays in
     /// the prefix index (or the agent's sequence), what was generated is dropped.
     fn drop_abandoned(&mut self) -> kvplug::Result<()> {
         let mut i = 0;
         while i < self.active.len() {
-            if self.active[i].req.events.is_closed() {
-                let a = self.active.swap_remove(i);
-                let f = self.generator.cancel(a.request).expect("in flight");
-                let keep = a.placed.history + f.prompt_written;
-                let seq = a.placed.seq;
-                self.store.truncate(seq, keep)?;
-                self.store
-                    .finish(a.req.agent.as_deref(), seq, &a.req.prompt[..keep])?;
-                self.status.lock().expect("status lock").completed += 1;
-                tracing::debug!(seq, "client gone: sequence released");
-            } else {
+            if !self.active[i].req.events.is_closed() {
                 i += 1;
+                continue;
             }
+            let a = self.active.swap_remove(i);
+            for r in &a.running {
+                let f = self.generator.cancel(r.request).expect("in flight");
+                let keep = a.held(r, &f, true);
+                self.store.truncate(r.seq, keep.len())?;
+                let agent = (r.seq == a.placed.seq)
+                    .then_some(a.req.agent.as_deref())
+                    .flatten();
+                self.store.finish(agent, r.seq, &keep)?;
+            }
+            self.status.lock().expect("status lock").completed += 1;
+            tracing::debug!(seq = a.placed.seq, "client gone: sequences released");
         }
         Ok(())
     }
@@ -282,12 +383,34 @@ impl Engine {
     /// One step of the generator over the requests in flight: their text goes out as it is
     /// released, and those that end are answered and retired.
     fn step(&mut self) -> kvplug::Result<()> {
-        let active = &self.active;
+        let t = Instant::now();
+        let active = &mut self.active;
+        let metrics = &self.metrics;
+        let mut tokens = 0usize;
         let sent = self.generator.step(self.store.context(), &mut |e| {
-            if !e.text.is_empty() {
-                if let Some(a) = active.iter().find(|a| a.request == e.request) {
-                    let _ = a.req.events.send(Event::Text(e.text.clone()));
-                }
+            tokens += 1;
+            let Some(a) = active
+                .iter_mut()
+                .find(|a| a.running.iter().any(|r| r.request == e.request))
+            else {
+                return Ok(());
+            };
+            if !a.started {
+                a.started = true;
+                metrics.first_token(a.req.arrived.elapsed());
+            }
+            let choice = a
+                .running
+                .iter()
+                .find(|r| r.request == e.request)
+                .and_then(|r| r.choice)
+                .unwrap_or(0);
+            if !e.text.is_empty() || e.logprobs.is_some() {
+                let _ = a.req.events.send(Event::Token {
+                    choice,
+                    text: e.text.clone(),
+                    logprobs: e.logprobs.clone(),
+                });
             }
             Ok(())
         });
@@ -300,39 +423,98 @@ impl Engine {
                     let _ = a.req.events.send(Event::Failed(ApiError::internal(format!(
                         "forward failed: {e}"
                     ))));
-                    self.store.abort(a.req.agent.as_deref(), a.placed.seq)?;
+                    for r in &a.running {
+                        self.store.abort(
+                            a.req.agent.as_deref().filter(|_| r.seq == a.placed.seq),
+                            r.seq,
+                        )?;
+                    }
                 }
                 return Ok(());
             }
         };
+        self.metrics.step(t.elapsed(), tokens);
         self.status.lock().expect("status lock").steps += 1;
         for f in done {
-            let i = self
-                .active
-                .iter()
-                .position(|a| a.request == f.request)
-                .expect("in flight");
-            let a = self.active.swap_remove(i);
-            if !f.text_tail.is_empty() {
-                let _ = a.req.events.send(Event::Text(f.text_tail.clone()));
+            self.retire(f)?;
+        }
+        Ok(())
+    }
+
+    /// A generator request ended: the shared prefill forks the completions; a completion is
+    /// answered and its sequence published and released (the agent's kept).
+    fn retire(&mut self, f: Finished) -> kvplug::Result<()> {
+        let i = self
+            .active
+            .iter()
+            .position(|a| a.running.iter().any(|r| r.request == f.request))
+            .expect("in flight");
+        let mut a = self.active.swap_remove(i);
+        let at = a
+            .running
+            .iter()
+            .position(|r| r.request == f.request)
+            .expect("its request");
+        let r = a.running.remove(at);
+        let Some(choice) = r.choice else {
+            // The shared prompt is in: the completions fork from it.
+            match self.fork(&mut a) {
+                Ok(()) => self.active.push(a),
+                Err(e) => {
+                    let _ = a
+                        .req
+                        .events
+                        .send(Event::Failed(ApiError::unavailable(e.to_string(), 1)));
+                    for r in a.running.drain(..).collect::<Vec<_>>() {
+                        let f = self.generator.cancel(r.request).expect("in flight");
+                        let keep = a.held(&r, &f, true);
+                        self.store.finish(None, r.seq, &keep)?;
+                    }
+                    let keep = &a.req.prompt[..a.req.prompt.len() - 1];
+                    self.store.finish(None, a.placed.seq, keep)?;
+                }
             }
-            let finish_reason = match f.reason {
-                Finish::Length => "length",
-                _ => "stop",
-            };
-            let _ = a.req.events.send(Event::Done {
-                finish_reason,
-                usage: a.usage(f.generated.len()),
+            return Ok(());
+        };
+        if !f.text_tail.is_empty() {
+            let _ = a.req.events.send(Event::Token {
+                choice,
+                text: f.text_tail.clone(),
+                logprobs: None,
             });
-            self.store
-                .finish(a.req.agent.as_deref(), a.placed.seq, &a.held(&f))?;
+        }
+        let finish_reason = match f.reason {
+            Finish::Length => "length",
+            _ => "stop",
+        };
+        self.metrics.generated(f.generated.len());
+        let _ = a.req.events.send(Event::Done {
+            choice,
+            finish_reason,
+            completion_tokens: f.generated.len(),
+        });
+        let agent = a.req.agent.clone().filter(|_| r.seq == a.placed.seq);
+        self.store
+            .finish(agent.as_deref(), r.seq, &a.held(&r, &f, false))?;
+        a.done += 1;
+        if a.done == a.req.n {
             self.status.lock().expect("status lock").completed += 1;
+        } else {
+            self.active.push(a);
         }
         Ok(())
     }
 
     fn report(&self) {
         let cache = self.store.cache().stats().ok().map(CacheReport::from);
+        let (masks, mask_time) = self.generator.mask_stats();
+        self.metrics.engine(
+            self.queue.len(),
+            self.active.len(),
+            cache.as_ref(),
+            self.store.agents_hot_and_parked(),
+            (masks, mask_time),
+        );
         let mut s = self.status.lock().expect("status lock");
         (s.active, s.queued, s.cache) = (self.active.len(), self.queue.len(), cache);
     }

@@ -63,6 +63,18 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, format!("no route {path}"))
     }
 
+    /// 404: a model this server does not serve.
+    pub fn not_found_model(id: &str) -> Self {
+        ApiError {
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                format!("the model '{id}' does not exist on this server"),
+            )
+        }
+    }
+
     /// 429: the server's queue is full; retry after `seconds`.
     pub fn busy(message: impl Into<String>, seconds: u64) -> Self {
         ApiError {

@@ -3,8 +3,14 @@
 //! An OpenAI-compatible HTTP server for agents (axum on tokio), over the SDK.
 //!
 //! - **Routes.** `POST /v1/chat/completions` and `POST /v1/completions` (one JSON answer, or
-//!   server-sent events ending with `data: [DONE]` when `stream` is true), `GET /v1/models`,
-//!   `GET /health` (never behind the key; shows the batcher and cache figures).
+//!   server-sent events ending with `data: [DONE]` when `stream` is true), `GET /v1/models`
+//!   and `/v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus; both open even with
+//!   a key).
+//! - **Agents' dialect.** Tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool
+//!   messages) rendered by the model's own template and parsed back per template family;
+//!   `response_format` (JSON object or schema) and `grammar` (Lark or GBNF) followed by
+//!   constrained decoding (llguidance); `logprobs`, `n`, penalties, `logit_bias`, `min_p`,
+//!   `top_k`, `ignore_eos`.
 //! - **One model, one seq cache.** Requests are sequences of one cache; the engine thread
 //!   runs one forward per step over all of them ([`engine`]). The cache's capacity is the
 //!   memory budget: requests beyond it wait, a full queue answers 429 with `Retry-After`.
@@ -19,9 +25,12 @@
 //! nothing: [`Server::bind`] returns the bound address for the caller to announce, and
 //! [`Server::run`] calls back when a shutdown signal arrives.
 
+mod answer;
 mod api;
 mod engine;
 mod error;
+mod metrics;
+mod request;
 mod routes;
 
 use std::net::SocketAddr;
@@ -97,6 +106,7 @@ pub struct Server {
     config: ServerConfig,
     store: AgentStore,
     text: Arc<Text>,
+    grammars: Result<kvplug::Grammars, String>,
 }
 
 impl Server {
@@ -110,6 +120,14 @@ impl Server {
         }
         let model = kvplug::open_model(runtime, &config.backend, &config.model)?;
         let text = Arc::new(Text::load(model.dir())?);
+        // Constrained decoding (response_format, tools, grammar) needs the vocabulary as
+        // bytes; a tokenizer llguidance cannot read leaves the server without it.
+        let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
+        let grammars =
+            kvplug::Grammars::new(model.dir(), model.vocab(), &eos).map_err(|e| e.to_string());
+        if let Err(why) = &grammars {
+            tracing::warn!("constrained decoding is not available: {why}");
+        }
         let store = AgentStore::new(
             &model,
             AgentStoreOptions {
@@ -130,6 +148,7 @@ impl Server {
             config,
             store,
             text,
+            grammars,
         })
     }
 
@@ -146,10 +165,12 @@ impl Server {
             config,
             store,
             text,
+            grammars,
             ..
         } = self;
         let (tx, rx) = mpsc::channel();
         let status = Arc::new(Mutex::new(Status::default()));
+        let metrics = Arc::new(metrics::Metrics::default());
         let shared = Arc::new(routes::Shared {
             text: text.clone(),
             engine: tx,
@@ -162,6 +183,8 @@ impl Server {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             counter: AtomicU64::new(0),
+            grammars,
+            metrics: metrics.clone(),
         });
         let app = routes::router(shared, config.max_body);
         let http = std::thread::Builder::new()
@@ -187,7 +210,7 @@ impl Server {
             max_queue: config.max_queue,
         };
         // The engine ends when the HTTP side is gone (every sender dropped).
-        Engine::new(store, text, limits, status).run(rx)?;
+        Engine::new(store, text, limits, status, metrics).run(rx)?;
         http.join().map_err(|_| ServerError::HttpThread)?
     }
 }

@@ -2,31 +2,30 @@
 //! or as server-sent events (`data: {chunk}` … `data: [DONE]`). Generation itself happens
 //! on the engine thread; a handler sends it a [`GenRequest`] and relays its [`Event`]s.
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, HeaderMap, Uri};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Uri};
 use axum::middleware::{self, Next};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::unbounded_channel;
 
-use crate::api::{self, Endpoint, Prompt};
-use crate::engine::{Event, GenRequest, Status, Usage};
+use crate::answer::{collect, stream, Answer};
+use crate::api::{self, Endpoint};
+use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::{prepare, Model};
 use kvplug::agent_store::check_agent_name;
-use kvplug::Sampler;
-use kvplug::Text;
+use kvplug::{Grammars, Text};
 
 /// The header naming an agent session: its K/V stays in the cache between requests, and
 /// in its session file when the memory budget needs the room.
@@ -52,6 +51,10 @@ pub struct Shared {
     pub created: u64,
     /// Answer ids and default seeds.
     pub counter: AtomicU64,
+    /// Constrained decoding over the model's vocabulary, or why it is not available.
+    pub grammars: Result<Grammars, String>,
+    /// What `/metrics` shows.
+    pub metrics: Arc<Metrics>,
 }
 
 type AppState = Arc<Shared>;
@@ -62,11 +65,14 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(v1)
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), count))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -96,6 +102,21 @@ async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
+/// Counts every answer by status for `/metrics`.
+async fn count(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let response = next.run(req).await;
+    s.metrics.response(response.status().as_u16());
+    response
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
 async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
 }
@@ -105,17 +126,26 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
     Json(json!({ "status": "ok", "model": s.model_id, "engine": status }))
 }
 
+fn model_object(s: &Shared) -> Value {
+    json!({
+        "id": s.model_id,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "kvplug",
+        "context_length": s.capacity,
+    })
+}
+
 async fn models(State(s): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.model_id,
-            "object": "model",
-            "created": s.created,
-            "owned_by": "kvplug",
-            "context_length": s.capacity,
-        }],
-    }))
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+async fn model(State(s): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    if id == s.model_id {
+        Ok(Json(model_object(&s)))
+    } else {
+        Err(ApiError::not_found_model(&id))
+    }
 }
 
 async fn chat(
@@ -138,34 +168,6 @@ async fn completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// The `max_tokens` to run: the request's, checked against the server's limit and what the
-/// capacity leaves after the prompt, else the largest the server allows.
-fn max_tokens(s: &Shared, prompt: usize, asked: Option<usize>) -> Result<usize, ApiError> {
-    let cap = s.capacity;
-    if prompt >= cap {
-        return Err(ApiError::too_long(format!(
-            "This model's maximum context length is {cap} tokens. However, your prompt is \
-             {prompt} tokens, which leaves no room to generate."
-        )));
-    }
-    match asked {
-        Some(m) if m > s.max_tokens => Err(ApiError::invalid(
-            Some("max_tokens"),
-            format!(
-                "max_tokens {m} is above this server's limit of {}",
-                s.max_tokens
-            ),
-        )),
-        Some(m) if prompt + m > cap => Err(ApiError::too_long(format!(
-            "This model's maximum context length is {cap} tokens. However, you requested {} \
-             tokens ({prompt} in the prompt, {m} in the completion).",
-            prompt + m
-        ))),
-        Some(m) => Ok(m),
-        None => Ok(s.max_tokens.min(cap - prompt)),
-    }
-}
-
 /// The agent named by the session header, if any.
 fn agent_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(v) = headers.get(SESSION_HEADER) else {
@@ -178,65 +180,63 @@ fn agent_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     Ok(Some(name.to_string()))
 }
 
+/// The header telling where a prompt's reuse ended (JSON, non-ASCII escaped).
+pub const PREFIX_HEADER: &str = "x-kvplug-prefix";
+
 async fn generate(
     s: AppState,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
     let p = api::parse(endpoint, &body)?;
     let agent = agent_of(headers)?;
-    let rendered = match &p.prompt {
-        Prompt::Chat(messages) => {
-            if !s.text.has_template() {
-                return Err(ApiError::invalid(
-                    None,
-                    "this model has no chat template: use /v1/completions",
-                ));
-            }
-            s.text
-                .render(messages)
-                .map_err(|e| ApiError::invalid(Some("messages"), format!("{e:#}")))?
-        }
-        Prompt::Text(t) => t.clone(),
-    };
-    let prompt = s
-        .text
-        .encode(&rendered)
-        .map_err(|e| ApiError::invalid(None, format!("{e:#}")))?;
-    if prompt.is_empty() {
+    if agent.is_some() && p.n > 1 {
         return Err(ApiError::invalid(
-            Some("prompt"),
-            "the prompt has no tokens",
+            Some("n"),
+            "an agent session (X-Session-Id) continues one completion: n must be 1",
         ));
     }
-    let max_tokens = max_tokens(&s, prompt.len(), p.max_tokens)?;
     let n = s.counter.fetch_add(1, Ordering::Relaxed);
-    let seed = p.seed.unwrap_or_else(|| {
+    let seed = {
         let t = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         t ^ n.rotate_left(32)
-    });
+    };
+    let model = Model {
+        text: &s.text,
+        grammars: &s.grammars,
+        capacity: s.capacity,
+        max_tokens: s.max_tokens,
+    };
+    let prepared = prepare(&model, &p, seed)?;
+    let prompt_tokens = prepared.prompt.len();
     let (tx, mut rx) = unbounded_channel();
     s.engine
         .send(GenRequest {
-            prompt,
-            max_tokens,
-            sampler: Sampler::new(p.temperature, p.top_p, seed),
-            stop: p.stop,
+            prompt: prepared.prompt,
+            opts: prepared.opts,
+            n: p.n,
             agent,
             events: tx,
+            arrived,
         })
         .map_err(|_| ApiError::unavailable("the model has stopped", 5))?;
     let first = rx
         .recv()
         .await
         .ok_or_else(|| ApiError::internal("the engine dropped the request"))?;
-    if let Event::Failed(e) = first {
-        return Err(e);
-    }
+    let (cached, divergence) = match first {
+        Event::Admitted {
+            cached_tokens,
+            divergence,
+        } => (cached_tokens, divergence),
+        Event::Failed(e) => return Err(e),
+        _ => return Err(ApiError::internal("the engine answered out of order")),
+    };
     let answer = Answer {
         endpoint,
         id: format!(
@@ -249,177 +249,32 @@ async fn generate(
         created: unix_now(),
         model: s.model_id.clone(),
         include_usage: p.include_usage,
+        prompt_tokens,
+        n: p.n,
+        calls: prepared.calls,
+        text: s.text.clone(),
     };
-    if p.stream {
-        Ok(stream(answer, first, rx).into_response())
+    let mut response = if p.stream {
+        stream(answer, cached, rx).into_response()
     } else {
-        collect(answer, first, rx)
-            .await
-            .map(|v| Json(v).into_response())
-    }
-}
-
-/// The answer's fixed fields.
-struct Answer {
-    endpoint: Endpoint,
-    id: String,
-    created: u64,
-    model: String,
-    include_usage: bool,
-}
-
-impl Answer {
-    fn object(&self, chunk: bool) -> &'static str {
-        match (self.endpoint, chunk) {
-            (Endpoint::Chat, false) => "chat.completion",
-            (Endpoint::Chat, true) => "chat.completion.chunk",
-            (Endpoint::Completion, _) => "text_completion",
-        }
-    }
-
-    fn envelope(&self, chunk: bool, choices: Value) -> Value {
-        json!({
-            "id": self.id,
-            "object": self.object(chunk),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": Value::Null,
-            "choices": choices,
-        })
-    }
-
-    /// A streamed chunk: `delta` for chat (`role` opens the answer), `text` for completions.
-    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => {
-                let mut delta = json!({});
-                if role {
-                    delta["role"] = json!("assistant");
-                }
-                if let Some(t) = text {
-                    delta["content"] = json!(t);
-                }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
-            }
-            Endpoint::Completion => json!({
-                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish
-            }),
-        };
-        self.envelope(true, json!([choice]))
-    }
-
-    /// The whole answer.
-    fn full(&self, text: String, finish: &str, usage: Usage) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish,
-            }),
-            Endpoint::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
-            }
-        };
-        let mut v = self.envelope(false, json!([choice]));
-        v["usage"] = json!(usage);
-        v
-    }
-}
-
-async fn collect(
-    answer: Answer,
-    first: Event,
-    mut rx: UnboundedReceiver<Event>,
-) -> Result<Value, ApiError> {
-    let mut text = String::new();
-    let mut next = Some(first);
-    loop {
-        let event = match next.take() {
-            Some(e) => Some(e),
-            None => rx.recv().await,
-        };
-        match event {
-            Some(Event::Text(t)) => text += &t,
-            Some(Event::Done {
-                finish_reason,
-                usage,
-            }) => return Ok(answer.full(text, finish_reason, usage)),
-            Some(Event::Failed(e)) => return Err(e),
-            None => return Err(ApiError::internal("the engine dropped the request")),
-        }
-    }
-}
-
-/// Server-sent events. Dropping the stream (the client went away) drops `rx`, which tells
-/// the engine to release the request's sequence.
-fn stream(
-    answer: Answer,
-    first: Event,
-    rx: UnboundedReceiver<Event>,
-) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    struct State {
-        answer: Answer,
-        rx: UnboundedReceiver<Event>,
-        first: Option<Event>,
-        out: VecDeque<SseEvent>,
-        ended: bool,
-    }
-    let data = |v: Value| SseEvent::default().data(v.to_string());
-    let mut out = VecDeque::new();
-    if answer.endpoint == Endpoint::Chat {
-        out.push_back(data(answer.chunk(Some(""), true, None)));
-    }
-    let state = State {
-        answer,
-        rx,
-        first: Some(first),
-        out,
-        ended: false,
+        Json(collect(answer, cached, rx).await?).into_response()
     };
-    let events = futures_util::stream::unfold(state, move |mut st| async move {
-        loop {
-            if let Some(e) = st.out.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.ended {
-                return None;
-            }
-            let event = match st.first.take() {
-                Some(e) => Some(e),
-                None => st.rx.recv().await,
-            };
-            let a = &st.answer;
-            match event {
-                Some(Event::Text(t)) => st.out.push_back(data(a.chunk(Some(&t), false, None))),
-                Some(Event::Done {
-                    finish_reason,
-                    usage,
-                }) => {
-                    let text = (a.endpoint == Endpoint::Completion).then_some("");
-                    st.out
-                        .push_back(data(a.chunk(text, false, Some(finish_reason))));
-                    if a.include_usage {
-                        let mut u = a.envelope(true, json!([]));
-                        u["usage"] = json!(usage);
-                        st.out.push_back(data(u));
-                    }
-                    st.ended = true;
-                }
-                Some(Event::Failed(e)) => {
-                    st.out.push_back(data(e.body()));
-                    st.ended = true;
-                }
-                None => {
-                    let e = ApiError::internal("the engine dropped the request");
-                    st.out.push_back(data(e.body()));
-                    st.ended = true;
-                }
-            }
-            if st.ended {
-                st.out.push_back(SseEvent::default().data("[DONE]"));
-            }
+    if let Some(d) = divergence {
+        let mut d = serde_json::to_value(&d).unwrap_or_default();
+        let piece = |v: &Value| v.as_i64().and_then(|t| s.text.piece(t as i32).ok());
+        d["cached_next_text"] = json!(piece(&d["cached_next"]));
+        d["prompt_next_text"] = json!(piece(&d["prompt_next"]));
+        let ascii: String = d
+            .to_string()
+            .chars()
+            .flat_map(|c| match c {
+                ' '..='~' => vec![c],
+                c => format!("\\u{:04x}", c as u32).chars().collect(),
+            })
+            .collect();
+        if let Ok(v) = HeaderValue::from_str(&ascii) {
+            response.headers_mut().insert(PREFIX_HEADER, v);
         }
-    });
-    Sse::new(events).keep_alive(KeepAlive::default())
+    }
+    Ok(response)
 }

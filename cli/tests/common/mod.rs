@@ -4,3 +4,5 @@
 #[path = "../../../runtime/tests/common/mod.rs"]
 mod dylibs;
 pub use dylibs::*;
+
+pub mod server;

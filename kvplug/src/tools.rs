@@ -1,0 +1,327 @@
+//! Tool calls: how a chat template's family writes them ([`ToolFormat`]), parsing an
+//! answer into text and calls ([`parse`]), and the grammar that makes a call's arguments
+//! follow its tool's schema ([`call_grammar`]).
+//!
+//! Families: Hermes `<tool_call>{"name": …, "arguments": …}</tool_call>` (Qwen2.5/Qwen3 and
+//! many others), Llama 3.x JSON (`{"name": …, "parameters": …}`, optionally after
+//! `<|python_tag|>`), Mistral `[TOOL_CALLS][{…}]`. Small models often answer with a bare or
+//! fenced JSON object naming a declared tool instead of their template's tags: that is a
+//! call too. An answer that parses as none of these is text.
+
+use serde_json::{json, Map, Value};
+
+use crate::error::{fail, Result};
+
+/// A function the model may call (OpenAI's `{"type": "function", "function": {…}}`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// What it does.
+    pub description: Option<String>,
+    /// The JSON schema of its arguments.
+    pub parameters: Value,
+}
+
+impl Tool {
+    /// The tool as OpenAI's API and the chat templates write it.
+    pub fn to_value(&self) -> Value {
+        let mut f = json!({"name": self.name, "parameters": self.parameters});
+        if let Some(d) = &self.description {
+            f["description"] = json!(d);
+        }
+        json!({"type": "function", "function": f})
+    }
+}
+
+/// A call in an answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The tool's name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    pub arguments: String,
+}
+
+/// How a template family writes tool calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>`, one block per call.
+    Hermes,
+    /// A JSON object `{"name": …, "parameters": …}` (Llama 3.x), after `<|python_tag|>` or
+    /// alone.
+    Llama3,
+    /// `[TOOL_CALLS]` and a JSON array of `{"name": …, "arguments": …}`.
+    Mistral,
+    /// A bare JSON object `{"name": …, "arguments": …}` (templates without a known form).
+    Json,
+}
+
+impl ToolFormat {
+    /// The family of chat template `src`.
+    pub fn of_template(src: &str) -> ToolFormat {
+        if src.contains("<tool_call>") {
+            ToolFormat::Hermes
+        } else if src.contains("[TOOL_CALLS]") {
+            ToolFormat::Mistral
+        } else if src.contains("<|python_tag|>") || src.contains("ipython") {
+            ToolFormat::Llama3
+        } else {
+            ToolFormat::Json
+        }
+    }
+
+    /// The text that opens a call in this family's answers (`None`: a bare JSON object).
+    pub fn opening(self) -> Option<&'static str> {
+        match self {
+            ToolFormat::Hermes => Some("<tool_call>"),
+            ToolFormat::Mistral => Some("[TOOL_CALLS]"),
+            ToolFormat::Llama3 | ToolFormat::Json => None,
+        }
+    }
+}
+
+/// An answer split into its text and its calls.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Parsed {
+    /// The text outside the calls (trimmed).
+    pub content: String,
+    /// The calls, in order.
+    pub calls: Vec<ToolCall>,
+}
+
+/// The calls in `answer` for `tools` (the template's family first, then a bare or fenced JSON
+/// object naming a declared tool); the whole answer as text when it holds none or any part
+/// of it does not parse.
+pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
+    let text = || Parsed {
+        content: answer.trim().to_string(),
+        calls: Vec::new(),
+    };
+    let named = |calls: Vec<ToolCall>| calls.iter().all(|c| tools.iter().any(|t| t.name == c.name));
+    let found = match format {
+        ToolFormat::Hermes => hermes(answer),
+        ToolFormat::Mistral => answer
+            .split_once("[TOOL_CALLS]")
+            .and_then(|(before, rest)| Some((before.trim().to_string(), calls_of(rest.trim())?))),
+        ToolFormat::Llama3 => {
+            let body = answer.trim();
+            let body = body.strip_prefix("<|python_tag|>").unwrap_or(body);
+            calls_of(body.trim()).map(|c| (String::new(), c))
+        }
+        ToolFormat::Json => None,
+    };
+    match found {
+        Some((content, calls)) if !calls.is_empty() && named(calls.clone()) => {
+            return Parsed { content, calls };
+        }
+        Some(_) => return text(),
+        None => {}
+    }
+    // A bare or fenced JSON object (or array of them) naming declared tools.
+    let body = answer.trim();
+    let body = body
+        .strip_prefix("```json")
+        .or_else(|| body.strip_prefix("```"))
+        .and_then(|b| b.trim_end().strip_suffix("```"))
+        .unwrap_or(body)
+        .trim();
+    match calls_of(body) {
+        Some(calls) if !calls.is_empty() && named(calls.clone()) => Parsed {
+            content: String::new(),
+            calls,
+        },
+        _ => text(),
+    }
+}
+
+/// Hermes blocks: the text outside them and the calls inside; `None` when there is no
+/// block, `Some` with no calls when a block does not parse. A last block the answer ended
+/// inside (no closing tag) counts if its JSON is whole.
+fn hermes(answer: &str) -> Option<(String, Vec<ToolCall>)> {
+    if !answer.contains("<tool_call>") {
+        return None;
+    }
+    let (mut content, mut calls) = (String::new(), Vec::new());
+    let mut rest = answer;
+    while let Some(at) = rest.find("<tool_call>") {
+        content.push_str(&rest[..at]);
+        let after = &rest[at + "<tool_call>".len()..];
+        let (body, next) = match after.find("</tool_call>") {
+            Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
+            None => (after, ""),
+        };
+        match call_of(&serde_json::from_str(body.trim()).ok()?) {
+            Some(c) => calls.push(c),
+            None => return Some((String::new(), Vec::new())),
+        }
+        rest = next;
+    }
+    content.push_str(rest);
+    Some((content.trim().to_string(), calls))
+}
+
+/// `text` as call objects (one, an array, or several one after the other).
+fn calls_of(text: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    for v in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
+        match v.ok()? {
+            Value::Array(items) => {
+                calls.extend(items.iter().map(call_of).collect::<Option<Vec<_>>>()?)
+            }
+            v @ Value::Object(_) => calls.push(call_of(&v)?),
+            _ => return None,
+        }
+    }
+    (!calls.is_empty()).then_some(calls)
+}
+
+/// `{"name": …, "arguments" | "parameters": {…} | "<json>"}`.
+fn call_of(v: &Value) -> Option<ToolCall> {
+    let o = v.as_object()?;
+    let name = o.get("name")?.as_str()?.to_string();
+    let args = o.get("arguments").or_else(|| o.get("parameters"));
+    let arguments = match args {
+        None => "{}".to_string(),
+        Some(Value::String(s)) => {
+            // Arguments sent as JSON text must be JSON.
+            serde_json::from_str::<Value>(s).ok()?;
+            s.clone()
+        }
+        Some(v @ Value::Object(_)) => v.to_string(),
+        Some(_) => return None,
+    };
+    Some(ToolCall { name, arguments })
+}
+
+/// The Lark grammar of an answer that is one call (or, with `parallel`, one or more) of
+/// `tools`, written as `format` writes them, each call's arguments following its tool's
+/// schema.
+pub fn call_grammar(tools: &[Tool], format: ToolFormat, parallel: bool) -> Result<String> {
+    if tools.is_empty() {
+        fail!(Invalid, "no tool to call");
+    }
+    let key = if format == ToolFormat::Llama3 {
+        "parameters"
+    } else {
+        "arguments"
+    };
+    let variants: Vec<Value> = tools
+        .iter()
+        .map(|t| {
+            let mut props = Map::new();
+            props.insert("name".into(), json!({"const": t.name}));
+            props.insert(key.into(), t.parameters.clone());
+            json!({
+                "type": "object",
+                "properties": props,
+                "required": ["name", key],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    let schema = json!({"anyOf": variants});
+    let one = crate::grammar::json_rule(&schema);
+    // Further calls, one per line (or comma-separated in Mistral's array).
+    let (more, more_listed) = if parallel {
+        (format!(" (\"\\n\" {one})*"), format!(" (\", \" {one})*"))
+    } else {
+        (String::new(), String::new())
+    };
+    Ok(match format {
+        ToolFormat::Hermes => format!(
+            "start: call{}\ncall: \"<tool_call>\\n\" {one} \"\\n</tool_call>\"\n",
+            if parallel { " (\"\\n\" call)*" } else { "" }
+        ),
+        ToolFormat::Mistral => format!("start: \"[TOOL_CALLS][\" {one}{more_listed} \"]\"\n"),
+        ToolFormat::Llama3 | ToolFormat::Json => format!("start: {one}{more}\n"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools() -> Vec<Tool> {
+        ["get_weather", "add"]
+            .map(|n| Tool {
+                name: n.into(),
+                description: None,
+                parameters: json!({"type": "object"}),
+            })
+            .to_vec()
+    }
+
+    #[test]
+    fn every_family_parses_and_others_stay_text() {
+        let t = tools();
+        let call = |n: &str, a: &str| ToolCall {
+            name: n.into(),
+            arguments: a.into(),
+        };
+        let p = parse(
+            "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\": \"add\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>",
+            ToolFormat::Hermes,
+            &t,
+        );
+        assert_eq!(p.content, "Let me check.");
+        assert_eq!(
+            p.calls,
+            [
+                call("get_weather", "{\"city\":\"Paris\"}"),
+                call("add", "{\"a\": 1}")
+            ]
+        );
+        let p = parse(
+            "[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {\"a\": 2}}]",
+            ToolFormat::Mistral,
+            &t,
+        );
+        assert_eq!(p.calls, [call("add", "{\"a\":2}")]);
+        let p = parse(
+            "<|python_tag|>{\"name\": \"add\", \"parameters\": {\"a\": 3}}",
+            ToolFormat::Llama3,
+            &t,
+        );
+        assert_eq!(p.calls, [call("add", "{\"a\":3}")]);
+        // A Hermes model answering with a fenced bare object.
+        let p = parse(
+            "```json\n{\"name\": \"get_weather\", \"arguments\": {}}\n```",
+            ToolFormat::Hermes,
+            &t,
+        );
+        assert_eq!(p.calls, [call("get_weather", "{}")]);
+        // Calls one after the other.
+        let p = parse(
+            "{\"name\": \"add\", \"arguments\": {}}\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}",
+            ToolFormat::Hermes,
+            &t,
+        );
+        assert_eq!(p.calls, [call("add", "{}"), call("add", "{\"a\":1}")]);
+        // Undeclared tools, broken JSON and plain JSON answers are text.
+        for s in [
+            "{\"name\": \"rm_rf\", \"arguments\": {}}",
+            "<tool_call>{\"name\": \"add\", \"arguments\": {</tool_call>",
+            "{\"answer\": 42}",
+            "The weather is fine.",
+        ] {
+            let p = parse(s, ToolFormat::Hermes, &t);
+            assert!(p.calls.is_empty(), "{s}");
+            assert_eq!(p.content, s.trim(), "{s}");
+        }
+    }
+
+    #[test]
+    fn families_come_from_templates() {
+        assert_eq!(
+            ToolFormat::of_template("{{ '<tool_call>' }}"),
+            ToolFormat::Hermes
+        );
+        assert_eq!(ToolFormat::of_template("[TOOL_CALLS]"), ToolFormat::Mistral);
+        assert_eq!(
+            ToolFormat::of_template("<|python_tag|>"),
+            ToolFormat::Llama3
+        );
+        assert_eq!(ToolFormat::of_template("{{ messages }}"), ToolFormat::Json);
+    }
+}

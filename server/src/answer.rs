@@ -1,0 +1,408 @@
+//! Answers in OpenAI's shapes, from the engine's [`Event`]s: one JSON object (`collect`) or
+//! server-sent events (`stream`), with `n` choices, log-probabilities, and tool calls parsed
+//! from each completion's text. A streamed completion that may be a tool call is held back
+//! until it is decided, so its chunks assemble (as the `openai` client assembles
+//! `delta.tool_calls`) into exactly the calls the non-streamed answer holds.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use kvplug::sampler::TokenLogprobs;
+use kvplug::tools::{parse, Parsed};
+use kvplug::Text;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::api::Endpoint;
+use crate::engine::{CachedTokens, Event, Usage};
+use crate::error::ApiError;
+use crate::request::Calls;
+
+/// The answer's fixed fields.
+pub struct Answer {
+    /// Which API.
+    pub endpoint: Endpoint,
+    /// `chatcmpl-…` or `cmpl-…`.
+    pub id: String,
+    /// Unix time.
+    pub created: u64,
+    /// The model's id.
+    pub model: String,
+    /// A last chunk with `usage` (streaming).
+    pub include_usage: bool,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Completions.
+    pub n: usize,
+    /// The tools the completions may call.
+    pub calls: Option<Calls>,
+    /// To write tokens as text in log-probabilities.
+    pub text: Arc<Text>,
+}
+
+/// One completion as it comes in.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    logprobs: Vec<TokenLogprobs>,
+    finish: Option<&'static str>,
+    tokens: usize,
+}
+
+impl Answer {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": Value::Null,
+            "choices": choices,
+        })
+    }
+
+    fn usage(&self, cached: usize, completion: usize) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: completion,
+            total_tokens: self.prompt_tokens + completion,
+            prompt_tokens_details: CachedTokens {
+                cached_tokens: cached,
+            },
+        }
+    }
+
+    /// A token as text, special tokens written out (log-probabilities).
+    fn piece(&self, id: i32) -> String {
+        self.text.piece(id).unwrap_or_default()
+    }
+
+    /// Log-probabilities in the endpoint's shape.
+    fn logprobs(&self, lps: &[TokenLogprobs]) -> Value {
+        let entry = |id: i32, lp: f32| {
+            let token = self.piece(id);
+            json!({"token": token, "logprob": lp, "bytes": token.as_bytes()})
+        };
+        match self.endpoint {
+            Endpoint::Chat => json!({"content": lps.iter().map(|l| {
+                let mut e = entry(l.token, l.logprob);
+                e["top_logprobs"] = l.top.iter().map(|&(t, p)| entry(t, p)).collect();
+                e
+            }).collect::<Vec<_>>(), "refusal": null}),
+            Endpoint::Completion => {
+                let mut offset = 0;
+                let mut offsets = Vec::with_capacity(lps.len());
+                let tokens: Vec<String> = lps
+                    .iter()
+                    .map(|l| {
+                        let t = self.piece(l.token);
+                        offsets.push(offset);
+                        offset += t.len();
+                        t
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": lps.iter().map(|l| l.top.iter().map(|&(t, p)| (self.piece(t), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    /// Completion `c`'s text split into content and tool calls (no tools: all content).
+    fn split(&self, c: &Choice) -> Parsed {
+        match &self.calls {
+            Some(calls) => parse(&c.text, calls.format, &calls.tools),
+            None => Parsed {
+                content: c.text.clone(),
+                calls: Vec::new(),
+            },
+        }
+    }
+
+    /// OpenAI's `tool_calls` entries for `parsed`'s calls of choice `i`.
+    fn tool_calls(&self, i: usize, parsed: &Parsed) -> Vec<Value> {
+        parsed
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                json!({
+                    "id": format!("call_{}_{i}_{k}", self.id),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                })
+            })
+            .collect()
+    }
+
+    /// The whole answer.
+    fn full(&self, choices: &[Choice], cached: usize) -> Value {
+        let list: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let logprobs = if c.logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    self.logprobs(&c.logprobs)
+                };
+                match self.endpoint {
+                    Endpoint::Chat => {
+                        let parsed = self.split(c);
+                        let mut message = json!({"role": "assistant", "content": parsed.content});
+                        let mut finish = c.finish.unwrap_or("stop");
+                        if !parsed.calls.is_empty() {
+                            message["tool_calls"] = json!(self.tool_calls(i, &parsed));
+                            if parsed.content.is_empty() {
+                                message["content"] = Value::Null;
+                            }
+                            finish = "tool_calls";
+                        }
+                        json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+                    }
+                    Endpoint::Completion => json!({
+                        "index": i, "text": c.text, "logprobs": logprobs,
+                        "finish_reason": c.finish.unwrap_or("stop"),
+                    }),
+                }
+            })
+            .collect();
+        let mut v = self.envelope(false, json!(list));
+        let completion = choices.iter().map(|c| c.tokens).sum();
+        v["usage"] = json!(self.usage(cached, completion));
+        v
+    }
+
+    /// A streamed chunk of choice `i`: `delta` for chat, `text` for completions.
+    fn chunk(
+        &self,
+        i: usize,
+        delta: Value,
+        logprobs: &[TokenLogprobs],
+        finish: Option<&str>,
+    ) -> Value {
+        let logprobs = if logprobs.is_empty() {
+            Value::Null
+        } else {
+            self.logprobs(logprobs)
+        };
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            }
+            Endpoint::Completion => json!({
+                "index": i, "text": delta["content"].as_str().unwrap_or(""),
+                "logprobs": logprobs, "finish_reason": finish
+            }),
+        };
+        self.envelope(true, json!([choice]))
+    }
+}
+
+/// Reads events to the end of every completion into one JSON answer.
+pub async fn collect(
+    answer: Answer,
+    cached: usize,
+    mut rx: UnboundedReceiver<Event>,
+) -> Result<Value, ApiError> {
+    let mut choices: Vec<Choice> = (0..answer.n).map(|_| Choice::default()).collect();
+    let mut open = answer.n;
+    while open > 0 {
+        match rx.recv().await {
+            Some(Event::Token {
+                choice,
+                text,
+                logprobs,
+            }) => {
+                let c = &mut choices[choice];
+                c.text += &text;
+                c.logprobs.extend(logprobs);
+            }
+            Some(Event::Done {
+                choice,
+                finish_reason,
+                completion_tokens,
+            }) => {
+                choices[choice].finish = Some(finish_reason);
+                choices[choice].tokens = completion_tokens;
+                open -= 1;
+            }
+            Some(Event::Admitted { .. }) => {}
+            Some(Event::Failed(e)) => return Err(e),
+            None => return Err(ApiError::internal("the engine dropped the request")),
+        }
+    }
+    Ok(answer.full(&choices, cached))
+}
+
+/// Whether a completion's text so far may still turn out to be a tool call.
+fn may_be_call(text: &str) -> bool {
+    let t = text.trim_start();
+    ["<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "```"]
+        .iter()
+        .any(|o| t.starts_with(o) || o.starts_with(t))
+}
+
+/// Server-sent events. Dropping the stream (the client went away) drops `rx`, which tells
+/// the engine to release the request's sequences.
+pub fn stream(
+    answer: Answer,
+    cached: usize,
+    rx: UnboundedReceiver<Event>,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    struct State {
+        answer: Answer,
+        cached: usize,
+        rx: UnboundedReceiver<Event>,
+        choices: Vec<Choice>,
+        /// Per choice: text is held back (it may be a tool call).
+        holding: Vec<bool>,
+        open: usize,
+        out: VecDeque<SseEvent>,
+        ended: bool,
+    }
+    let data = |v: Value| SseEvent::default().data(v.to_string());
+    let mut out = VecDeque::new();
+    if answer.endpoint == Endpoint::Chat {
+        for i in 0..answer.n {
+            out.push_back(data(answer.chunk(
+                i,
+                json!({"role": "assistant", "content": ""}),
+                &[],
+                None,
+            )));
+        }
+    }
+    let holding = vec![answer.calls.is_some(); answer.n];
+    let state = State {
+        choices: (0..answer.n).map(|_| Choice::default()).collect(),
+        open: answer.n,
+        answer,
+        cached,
+        rx,
+        holding,
+        out,
+        ended: false,
+    };
+    let events = futures_util::stream::unfold(state, move |mut st| async move {
+        loop {
+            if let Some(e) = st.out.pop_front() {
+                return Some((Ok(e), st));
+            }
+            if st.ended {
+                return None;
+            }
+            let a = &st.answer;
+            match st.rx.recv().await {
+                Some(Event::Token {
+                    choice: i,
+                    text,
+                    logprobs,
+                }) => {
+                    let c = &mut st.choices[i];
+                    c.text += &text;
+                    c.logprobs.extend(logprobs);
+                    if st.holding[i] && !may_be_call(&c.text) {
+                        // Not a call: what was held goes out as content, and the rest as it
+                        // comes.
+                        st.holding[i] = false;
+                        let held = std::mem::take(&mut c.text);
+                        let lps = std::mem::take(&mut c.logprobs);
+                        st.out
+                            .push_back(data(a.chunk(i, json!({"content": held}), &lps, None)));
+                    } else if !st.holding[i] {
+                        let lps = std::mem::take(&mut c.logprobs);
+                        st.out
+                            .push_back(data(a.chunk(i, json!({"content": text}), &lps, None)));
+                        c.text.clear();
+                    }
+                }
+                Some(Event::Done {
+                    choice: i,
+                    finish_reason,
+                    completion_tokens,
+                }) => {
+                    let c = &mut st.choices[i];
+                    c.tokens = completion_tokens;
+                    let mut finish = finish_reason;
+                    if st.holding[i] {
+                        let parsed = a.split(c);
+                        let lps = std::mem::take(&mut c.logprobs);
+                        if !parsed.content.is_empty() || parsed.calls.is_empty() {
+                            st.out.push_back(data(a.chunk(
+                                i,
+                                json!({"content": parsed.content}),
+                                &lps,
+                                None,
+                            )));
+                        }
+                        for (k, call) in a.tool_calls(i, &parsed).into_iter().enumerate() {
+                            // The call's id and name, then its arguments.
+                            let mut head = call.clone();
+                            head["index"] = json!(k);
+                            head["function"]["arguments"] = json!("");
+                            st.out.push_back(data(a.chunk(
+                                i,
+                                json!({"tool_calls": [head]}),
+                                &[],
+                                None,
+                            )));
+                            let args = json!({"index": k, "function": {"arguments": call["function"]["arguments"]}});
+                            st.out.push_back(data(a.chunk(
+                                i,
+                                json!({"tool_calls": [args]}),
+                                &[],
+                                None,
+                            )));
+                        }
+                        if !parsed.calls.is_empty() {
+                            finish = "tool_calls";
+                        }
+                    }
+                    let delta = match a.endpoint {
+                        Endpoint::Chat => json!({}),
+                        Endpoint::Completion => json!({"content": ""}),
+                    };
+                    st.out.push_back(data(a.chunk(i, delta, &[], Some(finish))));
+                    st.open -= 1;
+                    if st.open == 0 {
+                        if a.include_usage {
+                            let mut u = a.envelope(true, json!([]));
+                            let completion = st.choices.iter().map(|c| c.tokens).sum();
+                            u["usage"] = json!(a.usage(st.cached, completion));
+                            st.out.push_back(data(u));
+                        }
+                        st.ended = true;
+                    }
+                }
+                Some(Event::Admitted { .. }) => {}
+                Some(Event::Failed(e)) => {
+                    st.out.push_back(data(e.body()));
+                    st.ended = true;
+                }
+                None => {
+                    let e = ApiError::internal("the engine dropped the request");
+                    st.out.push_back(data(e.body()));
+                    st.ended = true;
+                }
+            }
+            if st.ended {
+                st.out.push_back(SseEvent::default().data("[DONE]"));
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}

@@ -1,0 +1,230 @@
+//! From checked parameters to what the engine runs: the prompt rendered (with the tools
+//! offered the way the chat template expects) and tokenized, the token limit, the sampler,
+//! and the grammar the answer must follow — a JSON schema, a grammar, or the tool-call form
+//! of the model's template family with each call's arguments under its tool's schema.
+
+use kvplug::generator::Triggered;
+use kvplug::grammar::{json_rule, GrammarSpec};
+use kvplug::tools::{call_grammar, Tool, ToolFormat};
+use kvplug::{GenOptions, Grammars, Sampler, Text};
+use serde_json::Value;
+
+use crate::api::{Format, Params, Prompt, ToolChoice};
+use crate::error::ApiError;
+
+/// The tools a request's answer may call, and how its template writes the calls (`None`:
+/// no tool, or `tool_choice` none).
+pub struct Calls {
+    /// The tools offered.
+    pub tools: Vec<Tool>,
+    /// The template family.
+    pub format: ToolFormat,
+}
+
+/// A request ready for the engine.
+pub struct Prepared {
+    /// Prompt token ids.
+    pub prompt: Vec<i32>,
+    /// How each completion is generated.
+    pub opts: GenOptions,
+    /// The tools, when the answer may call them.
+    pub calls: Option<Calls>,
+}
+
+/// What [`prepare`] needs of the server.
+pub struct Model<'a> {
+    /// Tokenizer and template.
+    pub text: &'a Text,
+    /// The model's grammars, or why it has none.
+    pub grammars: &'a Result<Grammars, String>,
+    /// Cache capacity: the longest prompt + completion.
+    pub capacity: usize,
+    /// The server's `max_tokens` limit and default.
+    pub max_tokens: usize,
+}
+
+/// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
+pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
+    let calls = match (&p.tools[..], &p.tool_choice) {
+        ([], _) | (_, ToolChoice::None) => None,
+        (tools, _) => Some(Calls {
+            tools: tools.to_vec(),
+            format: ToolFormat::of_template(m.text.template().unwrap_or_default()),
+        }),
+    };
+    let rendered = match &p.prompt {
+        Prompt::Chat(messages) => {
+            if !m.text.has_template() {
+                return Err(ApiError::invalid(
+                    None,
+                    "this model has no chat template: use /v1/completions",
+                ));
+            }
+            let tools: Vec<Value> = calls
+                .iter()
+                .flat_map(|c| c.tools.iter().map(Tool::to_value))
+                .collect();
+            m.text
+                .render_tools(messages, &tools, true)
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+        }
+        Prompt::Text(t) => t.clone(),
+    };
+    let prompt = m
+        .text
+        .encode(&rendered)
+        .map_err(|e| ApiError::invalid(None, e.to_string()))?;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            Some("prompt"),
+            "the prompt has no tokens",
+        ));
+    }
+    let max_tokens = max_tokens(m, p.max_tokens, p.n, prompt.len())?;
+    let (constraint, triggered) = constraint(m, p, calls.as_ref())?;
+    let sampler = Sampler::new(p.temperature, p.top_p, p.seed.unwrap_or(seed))
+        .with_top_k(p.top_k)
+        .with_min_p(p.min_p);
+    let opts = GenOptions {
+        max_tokens,
+        sampler,
+        stop_tokens: if p.ignore_eos {
+            Default::default()
+        } else {
+            m.text.stop_tokens().clone()
+        },
+        stop_strings: p.stop.clone(),
+        adjust: p.adjust.clone(),
+        constraint,
+        triggered,
+        logprobs: p.logprobs,
+    };
+    Ok(Prepared {
+        prompt,
+        opts,
+        calls,
+    })
+}
+
+/// The `max_tokens` to run: the request's, checked against the server's limit and what the
+/// capacity leaves after the prompt (for each of `n` completions), else the largest the
+/// server allows.
+fn max_tokens(m: &Model, asked: Option<usize>, n: usize, prompt: usize) -> Result<usize, ApiError> {
+    let cap = m.capacity;
+    if prompt >= cap {
+        return Err(ApiError::too_long(format!(
+            "This model's maximum context length is {cap} tokens. However, your prompt is \
+             {prompt} tokens, which leaves no room to generate."
+        )));
+    }
+    // The completions share the prompt's cells; each writes its own.
+    let room = (cap - prompt) / n;
+    match asked {
+        Some(a) if a > m.max_tokens => Err(ApiError::invalid(
+            Some("max_tokens"),
+            format!(
+                "max_tokens {a} is above this server's limit of {}",
+                m.max_tokens
+            ),
+        )),
+        Some(a) if a > room => Err(ApiError::too_long(format!(
+            "This model's maximum context length is {cap} tokens. However, you requested {} \
+             tokens ({prompt} in the prompt, {a} in each of {n} completion(s)).",
+            prompt + a * n
+        ))),
+        Some(a) => Ok(a),
+        None if room == 0 => Err(ApiError::too_long(format!(
+            "This model's maximum context length is {cap} tokens: {n} completions of a \
+             {prompt}-token prompt do not fit."
+        ))),
+        None => Ok(m.max_tokens.min(room)),
+    }
+}
+
+/// The grammar the answer must follow from its start, and those that apply once it opens a
+/// tool call (the model may also answer in text).
+fn constraint(
+    m: &Model,
+    p: &Params,
+    calls: Option<&Calls>,
+) -> Result<(Option<kvplug::Constraint>, Vec<Triggered>), ApiError> {
+    let schema = match &p.format {
+        Format::Json(s) => Some(
+            s.clone()
+                .unwrap_or_else(|| serde_json::json!({"type": "object"})),
+        ),
+        _ => None,
+    };
+    let compile = |spec: GrammarSpec, param: &str| -> Result<kvplug::Constraint, ApiError> {
+        let grammars = m.grammars.as_ref().map_err(|why| {
+            ApiError::invalid(
+                Some(param),
+                format!("this model's tokenizer cannot be used for constrained decoding: {why}"),
+            )
+        })?;
+        grammars
+            .constraint(&spec)
+            .map_err(|e| ApiError::invalid(Some(param), e.to_string()))
+    };
+    let Some(c) = calls else {
+        let spec = match (&p.format, schema) {
+            (_, Some(s)) => (GrammarSpec::JsonSchema(s), "response_format"),
+            (Format::Grammar(g), _) if g.contains("::=") => {
+                (GrammarSpec::Gbnf(g.clone()), "grammar")
+            }
+            (Format::Grammar(g), _) => (GrammarSpec::Lark(g.clone()), "grammar"),
+            _ => return Ok((None, Vec::new())),
+        };
+        return Ok((Some(compile(spec.0, spec.1)?), Vec::new()));
+    };
+    let tools: Vec<Tool> = match &p.tool_choice {
+        ToolChoice::Named(n) => c.tools.iter().filter(|t| &t.name == n).cloned().collect(),
+        _ => c.tools.clone(),
+    };
+    let parallel = p.parallel_tool_calls && !matches!(p.tool_choice, ToolChoice::Named(_));
+    let grammar = |format, parallel| {
+        call_grammar(&tools, format, parallel)
+            .map_err(|e| ApiError::invalid(Some("tools"), e.to_string()))
+    };
+    let calls = grammar(c.format, parallel)?;
+    match (&p.tool_choice, schema) {
+        // The answer is the calls.
+        (ToolChoice::Required | ToolChoice::Named(_), _) => Ok((
+            Some(compile(GrammarSpec::Lark(calls), "tools")?),
+            Vec::new(),
+        )),
+        // Calls, or the structured final answer.
+        (_, Some(s)) => {
+            let calls = calls.replacen("start:", "calls:", 1);
+            let spec = GrammarSpec::Lark(format!("start: calls | {}\n{calls}", json_rule(&s)));
+            Ok((Some(compile(spec, "response_format")?), Vec::new()))
+        }
+        // Free text, or calls once the model opens one: with its template's tag anywhere, or
+        // (small models do) with a bare JSON object at the start of the answer.
+        (_, None) => {
+            let mut waiting = Vec::new();
+            if let Some(opening) = c.format.opening() {
+                waiting.push(Triggered {
+                    opening: opening.to_string(),
+                    at_start: false,
+                    constraint: compile(GrammarSpec::Lark(calls), "tools")?,
+                });
+            }
+            // One bare call: a small model that writes calls this way tends to repeat them.
+            waiting.push(Triggered {
+                opening: "{".into(),
+                at_start: true,
+                constraint: compile(GrammarSpec::Lark(grammar(bare(c.format), false)?), "tools")?,
+            });
+            Ok((None, waiting))
+        }
+    }
+}
+
+/// The bare-object form of a family's calls (Llama 3 names its arguments `parameters`).
+fn bare(format: ToolFormat) -> ToolFormat {
+    match format {
+        ToolFormat::Llama3 => ToolFormat::Llama3,
+        _ => ToolFormat::Json,
+    }
+}
