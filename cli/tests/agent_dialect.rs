@@ -230,6 +230,17 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
         assert!(top.windows(2).all(|w| w[0] >= w[1]) && top[0] <= 0.0, "{t}");
         // Greedy: the chosen token is the most likely one.
         assert_eq!(t["logprob"], t["top_logprobs"][0]["logprob"], "{t}");
+        let bytes: Vec<u8> = t["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            t["token"].as_str().unwrap(),
+            "{t}"
+        );
     }
     let v = s.ok(
         "/v1/completions",
@@ -239,6 +250,40 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 5, "{v}");
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2, "{v}");
+    // The tokens spell the text; each offset counts the characters before it, streamed
+    // or not.
+    let spelled = |lp: &Value| -> (String, Vec<u64>) {
+        let tokens = lp["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap());
+        let mut at = 0;
+        let offsets = tokens
+            .clone()
+            .map(|t| {
+                let o = at;
+                at += t.chars().count() as u64;
+                o
+            })
+            .collect();
+        (tokens.collect(), offsets)
+    };
+    let (text, offsets) = spelled(lp);
+    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap(), "{v}");
+    assert_eq!(json!(offsets), lp["text_offset"], "{v}");
+    let streamed = json!({"prompt": "def add(a, b):", "temperature": 0, "max_tokens": 5, "logprobs": 2, "stream": true});
+    let offsets: Vec<Value> = s
+        .chunks("/v1/completions", &streamed)
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["text_offset"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(json!(offsets), lp["text_offset"], "streamed offsets");
 
     // A GBNF grammar; a banned token never appears; ignore_eos runs to max_tokens.
     let yes_no = json!({"messages": [{"role": "user", "content": "Is Rust a language?"}],
@@ -428,6 +473,22 @@ fn a_ten_turn_conversation_reuses_its_history_on_a_hybrid_model() {
         "{why}"
     );
     assert_eq!(why["prompt_next_text"], "I", "{why}");
+
+    // A client that goes away mid-answer on a fresh prompt longer than the window, past
+    // where the sliding layers could cut back to it: the server keeps what was written and
+    // serves on.
+    let fresh: String = (0..120)
+        .map(|i| format!("Item {i} weighs {} grams. ", 3 * i + 1))
+        .collect();
+    let mut streamed = json!({"prompt": fresh, "max_tokens": 200, "temperature": 0,
+                              "ignore_eos": true, "stream": true});
+    // Twelve chunks read, then the connection is dropped with the iterator.
+    let read = s.stream("/v1/completions", &streamed).take(12).count();
+    assert_eq!(read, 12);
+    streamed["stream"] = json!(false);
+    streamed["max_tokens"] = json!(4);
+    s.ok("/v1/completions", &streamed, &[]);
+    s.stop();
 }
 
 #[test]

@@ -372,6 +372,30 @@ fn concurrent_clients_get_what_each_would_get_alone() {
     s.stop();
 }
 
+/// More completions than the cache has sequences (6 requests × n=16 against 64): the
+/// requests wait for sequences instead of failing or stopping the server, each gets its 16
+/// choices, and the server then serves on.
+#[test]
+fn requests_for_more_completions_than_sequences_wait_their_turn() {
+    let s = Server::start(&model(), &["--capacity", "4096"]);
+    let body = json!({"prompt": "One, two, three,", "n": 16, "max_tokens": 4, "temperature": 0.9});
+    thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| scope.spawn(|| s.ok("/v1/completions", &body, &[])))
+            .collect();
+        for h in handles {
+            let v = h.join().unwrap();
+            assert_eq!(v["choices"].as_array().unwrap().len(), 16, "{v}");
+        }
+    });
+    s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+        &[],
+    );
+    s.stop();
+}
+
 #[test]
 fn agent_sessions_stay_hot_then_go_to_their_file_and_come_back() {
     // 200 cells hold one agent's conversation but not two.

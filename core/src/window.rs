@@ -113,18 +113,22 @@ impl SlotMap {
         let (Ok(bit), Some(last)) = (u32::try_from(seq), len.checked_sub(1)) else {
             return;
         };
+        if self.max_pins == 0 {
+            return;
+        }
         let Some(bit) = 1u64.checked_shl(bit) else {
             return;
         };
         let rows: Vec<(u32, i32)> = (0..book.high_water())
-            .filter(|&c| book.cell_holders(c) & bit != 0)
+            // Cells the index took (a prefix cached twice keeps the first copy's).
+            .filter(|&c| book.cell_holders(c) & bit != 0 && book.is_indexed(c))
             .filter_map(|c| {
                 let p = book.cell_position(c)?;
                 let near = p as usize <= last && p as i64 > last as i64 - self.window as i64;
                 (near && self.slot_of(c, p).is_some()).then_some((c as u32, p))
             })
             .collect();
-        if rows.is_empty() || self.max_pins == 0 {
+        if rows.is_empty() {
             return;
         }
         let end = |rows: &[(u32, i32)]| rows.iter().max_by_key(|r| r.1).copied();

@@ -235,17 +235,29 @@ impl AgentStore {
         Ok(0)
     }
 
-    /// A free sequence sharing `seq`'s positions `0..len` (zero-copy: the cells gain it);
-    /// `None` when no sequence is free. Release it with [`finish`](Self::finish) (no agent).
-    pub fn fork(&mut self, seq: i32, len: usize) -> Result<Option<i32>> {
-        let Some(other) = self.free_seqs.pop() else {
-            return Ok(None);
-        };
-        if let Err(e) = self.cache.seq_cp(seq, other, None, Some(len as i32)) {
-            self.free_seqs.push(other);
-            return Err(e.into());
+    /// Takes `n` free sequences (parking idle agents other than `current`, least recently
+    /// used first, if fewer are free) for [`fork`](Self::fork); `None`, nothing taken, when
+    /// that many cannot be had now. Give back unused ones with [`unreserve`](Self::unreserve),
+    /// used ones with [`finish`](Self::finish) (no agent) or [`abort`](Self::abort).
+    pub fn reserve(&mut self, n: usize, current: Option<&str>) -> Result<Option<Vec<i32>>> {
+        while self.free_seqs.len() < n {
+            if !self.park_lru(current)? {
+                return Ok(None);
+            }
         }
-        Ok(Some(other))
+        let at = self.free_seqs.len() - n;
+        Ok(Some(self.free_seqs.split_off(at)))
+    }
+
+    /// Gives back reserved sequences that hold nothing.
+    pub fn unreserve(&mut self, seqs: impl IntoIterator<Item = i32>) {
+        self.free_seqs.extend(seqs);
+    }
+
+    /// The reserved, empty `dst` shares `src`'s positions `0..len` (zero-copy: the cells
+    /// gain it).
+    pub fn fork(&mut self, src: i32, dst: i32, len: usize) -> Result<()> {
+        Ok(self.cache.seq_cp(src, dst, None, Some(len as i32))?)
     }
 
     /// Agents holding a sequence now, and agents parked in their session files.
@@ -351,6 +363,7 @@ impl AgentStore {
     /// is released (what the index holds stays, evictable).
     pub fn finish(&mut self, agent: Option<&str>, seq: i32, held: &[i32]) -> Result<()> {
         self.cache.prefix_publish(seq, &tokens_u32(held))?;
+        self.published.retain(|t| t != held);
         if self.published.len() == PUBLISHED_KEPT {
             self.published.pop_front();
         }

@@ -82,9 +82,9 @@ fn sort(v: &mut serde_json::Value) {
     }
 }
 
-/// Non-ASCII characters as `\uXXXX` escapes (UTF-16, as Python writes them); they can only
-/// stand inside JSON strings.
-fn ascii_escaped(text: &str) -> String {
+/// JSON text with its non-ASCII characters as `\uXXXX` escapes (UTF-16, as Python writes
+/// them): still the same JSON (they can only stand inside strings), now pure ASCII.
+pub fn ascii_escaped(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if c.is_ascii() {

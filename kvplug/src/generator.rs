@@ -88,6 +88,9 @@ pub enum Finish {
     Prefilled,
     /// [`Generator::cancel`]ed.
     Cancelled,
+    /// Its own sampling failed (its grammar, its text): [`Finished::error`] says why. The
+    /// other requests go on.
+    Failed,
 }
 
 /// A token as it is sampled.
@@ -124,6 +127,8 @@ pub struct Finished {
     pub text_tail: String,
     /// The request's sampler as it ended (its stream goes on from there).
     pub sampler: Sampler,
+    /// Why it failed, when [`Finish::Failed`].
+    pub error: Option<String>,
 }
 
 impl Finished {
@@ -161,7 +166,7 @@ impl Active {
         total.saturating_sub(self.written + self.generated.len().saturating_sub(1))
     }
 
-    fn finished(self, reason: Finish, text_tail: String) -> Finished {
+    fn finished(self, reason: Finish, text_tail: String, error: Option<String>) -> Finished {
         Finished {
             request: self.request,
             seq: self.seq,
@@ -170,6 +175,7 @@ impl Active {
             prompt_written: self.written,
             text_tail,
             sampler: self.opts.sampler,
+            error,
         }
     }
 }
@@ -284,7 +290,7 @@ impl Generator {
         Some(
             self.active
                 .remove(i)
-                .finished(Finish::Cancelled, String::new()),
+                .finished(Finish::Cancelled, String::new(), None),
         )
     }
 
@@ -292,7 +298,7 @@ impl Generator {
     pub fn cancel_all(&mut self) -> Vec<Finished> {
         let all = std::mem::take(&mut self.active);
         all.into_iter()
-            .map(|a| a.finished(Finish::Cancelled, String::new()))
+            .map(|a| a.finished(Finish::Cancelled, String::new(), None))
             .collect()
     }
 
@@ -340,23 +346,26 @@ impl Generator {
         // The masks of constrained requests sampling this step are computed beside the
         // forward pass, on a second thread.
         let owners = &self.owners;
-        let mut constraints: Vec<&mut Constraint> = self
+        let constraints: Vec<&mut Constraint> = self
             .active
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| owners.contains(i))
             .filter_map(|(_, a)| a.opts.constraint.as_mut())
             .collect();
+        // A mask that fails here fails again when its request samples, ending that request.
         let (decoded, masked) = std::thread::scope(|s| {
-            let masks = (!constraints.is_empty())
-                .then(|| s.spawn(move || constraints.iter_mut().try_for_each(|c| c.prepare())));
+            let masks = (!constraints.is_empty()).then(|| {
+                s.spawn(move || {
+                    for c in constraints {
+                        let _ = c.prepare();
+                    }
+                })
+            });
             let decoded = ctx.decode(&self.batch);
             let masked = masks.map_or(Ok(()), |h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(crate::Error::Invalid(
-                        "constrained decoding panicked".into(),
-                    ))
-                })
+                h.join()
+                    .map_err(|_| crate::Error::Invalid("constrained decoding panicked".into()))
             });
             (decoded, masked)
         });
@@ -371,29 +380,25 @@ impl Generator {
         let mut ended = Vec::new();
         for (row, &i) in self.owners.iter().enumerate() {
             let a = &mut self.active[i];
-            let sampled = sample_one(a, logits.row(row), &mut self.scratch, &self.text).and_then(
-                |(event, finish)| {
-                    on_token(&event)?;
-                    Ok(finish)
-                },
-            );
-            match sampled {
-                Ok(Some(reason)) => ended.push((i, reason)),
-                Ok(None) => {}
-                Err(e) => {
-                    self.active.clear();
-                    return Err(e);
+            match sample_one(a, logits.row(row), &mut self.scratch, &self.text) {
+                Ok((event, finish)) => {
+                    if let Err(e) = on_token(&event) {
+                        self.active.clear();
+                        return Err(e);
+                    }
+                    ended.extend(finish.map(|reason| (i, reason, None)));
                 }
+                Err(e) => ended.push((i, Finish::Failed, Some(e.to_string()))),
             }
         }
         for (i, a) in self.active.iter().enumerate() {
             if a.opts.max_tokens == 0 && !a.prefilling() {
-                ended.push((i, Finish::Prefilled));
+                ended.push((i, Finish::Prefilled, None));
             }
         }
-        ended.sort_unstable_by_key(|&(i, _)| std::cmp::Reverse(i));
+        ended.sort_unstable_by_key(|&(i, _, _)| std::cmp::Reverse(i));
         let mut done = Vec::with_capacity(ended.len());
-        for (i, reason) in ended {
+        for (i, reason, error) in ended {
             let mut a = self.active.remove(i);
             if let Some(c) = &a.opts.constraint {
                 let (n, t) = c.mask_stats();
@@ -402,7 +407,7 @@ impl Generator {
             }
             // After a stop string nothing is held; otherwise the held text was no stop.
             let tail = a.stop.flush();
-            done.push(a.finished(reason, tail));
+            done.push(a.finished(reason, tail, error));
         }
         done.reverse();
         Ok(done)

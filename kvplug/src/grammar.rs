@@ -126,6 +126,15 @@ impl Grammars {
         })
     }
 
+    /// Token `id`'s bytes as the vocabulary spells them (byte-level and byte-fallback
+    /// tokens decoded, special tokens written out); empty for an id outside it.
+    pub fn token_bytes(&self, id: i32) -> Vec<u8> {
+        u32::try_from(id).map_or_else(
+            |_| Vec::new(),
+            |id| self.factory.tok_env().tok_trie().decode(&[id]),
+        )
+    }
+
     /// A fresh constraint for `spec`; a grammar or schema llguidance cannot compile is
     /// refused with its reason.
     pub fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint> {

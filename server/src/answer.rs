@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use kvplug::sampler::TokenLogprobs;
 use kvplug::tools::{parse, Parsed};
-use kvplug::Text;
+use kvplug::{Grammars, Text};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -40,12 +40,17 @@ pub struct Answer {
     pub calls: Option<Calls>,
     /// To write tokens as text in log-probabilities.
     pub text: Arc<Text>,
+    /// The vocabulary's token bytes, when the model has grammars (else tokens are decoded
+    /// one by one, which loses partial UTF-8).
+    pub vocab: Option<Grammars>,
 }
 
 /// One completion as it comes in.
 #[derive(Default)]
 struct Choice {
     text: String,
+    /// Characters of its text streamed so far.
+    sent_chars: usize,
     logprobs: Vec<TokenLogprobs>,
     finish: Option<&'static str>,
     tokens: usize,
@@ -82,16 +87,28 @@ impl Answer {
         }
     }
 
-    /// A token as text, special tokens written out (log-probabilities).
-    fn piece(&self, id: i32) -> String {
-        self.text.piece(id).unwrap_or_default()
+    /// A token's bytes and its text (a partial UTF-8 sequence replaced), special tokens
+    /// written out (log-probabilities).
+    fn piece(&self, id: i32) -> (Vec<u8>, String) {
+        match &self.vocab {
+            Some(v) => {
+                let bytes = v.token_bytes(id);
+                let text = String::from_utf8_lossy(&bytes).into_owned();
+                (bytes, text)
+            }
+            None => {
+                let text = self.text.piece(id).unwrap_or_default();
+                (text.as_bytes().to_vec(), text)
+            }
+        }
     }
 
-    /// Log-probabilities in the endpoint's shape.
-    fn logprobs(&self, lps: &[TokenLogprobs]) -> Value {
+    /// Log-probabilities in the endpoint's shape; completions' `text_offset`s count
+    /// characters from `offset` (the answer's text before these tokens) on.
+    fn logprobs(&self, lps: &[TokenLogprobs], offset: usize) -> Value {
         let entry = |id: i32, lp: f32| {
-            let token = self.piece(id);
-            json!({"token": token, "logprob": lp, "bytes": token.as_bytes()})
+            let (bytes, token) = self.piece(id);
+            json!({"token": token, "logprob": lp, "bytes": bytes})
         };
         match self.endpoint {
             Endpoint::Chat => json!({"content": lps.iter().map(|l| {
@@ -100,21 +117,21 @@ impl Answer {
                 e
             }).collect::<Vec<_>>(), "refusal": null}),
             Endpoint::Completion => {
-                let mut offset = 0;
+                let mut offset = offset;
                 let mut offsets = Vec::with_capacity(lps.len());
                 let tokens: Vec<String> = lps
                     .iter()
                     .map(|l| {
-                        let t = self.piece(l.token);
+                        let t = self.piece(l.token).1;
                         offsets.push(offset);
-                        offset += t.len();
+                        offset += t.chars().count();
                         t
                     })
                     .collect();
                 json!({
                     "tokens": tokens,
                     "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": lps.iter().map(|l| l.top.iter().map(|&(t, p)| (self.piece(t), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+                    "top_logprobs": lps.iter().map(|l| l.top.iter().map(|&(t, p)| (self.piece(t).1, json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
                     "text_offset": offsets,
                 })
             }
@@ -157,7 +174,7 @@ impl Answer {
                 let logprobs = if c.logprobs.is_empty() {
                     Value::Null
                 } else {
-                    self.logprobs(&c.logprobs)
+                    self.logprobs(&c.logprobs, 0)
                 };
                 match self.endpoint {
                     Endpoint::Chat => {
@@ -186,18 +203,20 @@ impl Answer {
         v
     }
 
-    /// A streamed chunk of choice `i`: `delta` for chat, `text` for completions.
+    /// A streamed chunk of choice `i`: `delta` for chat, `text` for completions, with the
+    /// log-probabilities of its tokens (`offset`: characters streamed before them).
     fn chunk(
         &self,
         i: usize,
         delta: Value,
         logprobs: &[TokenLogprobs],
+        offset: usize,
         finish: Option<&str>,
     ) -> Value {
         let logprobs = if logprobs.is_empty() {
             Value::Null
         } else {
-            self.logprobs(logprobs)
+            self.logprobs(logprobs, offset)
         };
         let choice = match self.endpoint {
             Endpoint::Chat => {
@@ -248,6 +267,18 @@ pub async fn collect(
     Ok(answer.full(&choices, cached))
 }
 
+/// Where in `text` a call opened by `opening` starts or may start (a prefix of it at the end):
+/// the text before it can be streamed. `text.len()` when nowhere.
+fn call_start(text: &str, opening: &str) -> usize {
+    text.char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| {
+            let rest = &text[i..];
+            rest.starts_with(opening) || opening.starts_with(rest)
+        })
+        .unwrap_or(text.len())
+}
+
 /// Whether a completion's text so far may still turn out to be a tool call.
 fn may_be_call(text: &str) -> bool {
     let t = text.trim_start();
@@ -282,6 +313,7 @@ pub fn stream(
                 i,
                 json!({"role": "assistant", "content": ""}),
                 &[],
+                0,
                 None,
             )));
         }
@@ -316,18 +348,28 @@ pub fn stream(
                     c.text += &text;
                     c.logprobs.extend(logprobs);
                     if st.holding[i] && !may_be_call(&c.text) {
-                        // Not a call: what was held goes out as content, and the rest as it
-                        // comes.
+                        // Not a call at the start: the text goes out as it comes.
                         st.holding[i] = false;
-                        let held = std::mem::take(&mut c.text);
-                        let lps = std::mem::take(&mut c.logprobs);
-                        st.out
-                            .push_back(data(a.chunk(i, json!({"content": held}), &lps, None)));
-                    } else if !st.holding[i] {
-                        let lps = std::mem::take(&mut c.logprobs);
-                        st.out
-                            .push_back(data(a.chunk(i, json!({"content": text}), &lps, None)));
-                        c.text.clear();
+                    }
+                    if !st.holding[i] {
+                        // All of it but what may open a call later in the answer (the
+                        // template's tag), which is held until it can be told apart.
+                        let opening = a.calls.as_ref().and_then(|c| c.format.opening());
+                        let held = opening.map_or(c.text.len(), |o| call_start(&c.text, o));
+                        if held > 0 {
+                            let rest = c.text.split_off(held);
+                            let sent = std::mem::replace(&mut c.text, rest);
+                            let lps = std::mem::take(&mut c.logprobs);
+                            let offset = c.sent_chars;
+                            c.sent_chars += sent.chars().count();
+                            st.out.push_back(data(a.chunk(
+                                i,
+                                json!({"content": sent}),
+                                &lps,
+                                offset,
+                                None,
+                            )));
+                        }
                     }
                 }
                 Some(Event::Done {
@@ -338,14 +380,17 @@ pub fn stream(
                     let c = &mut st.choices[i];
                     c.tokens = completion_tokens;
                     let mut finish = finish_reason;
-                    if st.holding[i] {
+                    if !c.text.is_empty() {
                         let parsed = a.split(c);
-                        let lps = std::mem::take(&mut c.logprobs);
+                        // The held tokens' log-probabilities go with the first chunk.
+                        let mut lps = std::mem::take(&mut c.logprobs);
+                        let offset = c.sent_chars;
                         if !parsed.content.is_empty() || parsed.calls.is_empty() {
                             st.out.push_back(data(a.chunk(
                                 i,
                                 json!({"content": parsed.content}),
-                                &lps,
+                                &std::mem::take(&mut lps),
+                                offset,
                                 None,
                             )));
                         }
@@ -357,7 +402,8 @@ pub fn stream(
                             st.out.push_back(data(a.chunk(
                                 i,
                                 json!({"tool_calls": [head]}),
-                                &[],
+                                &std::mem::take(&mut lps),
+                                offset,
                                 None,
                             )));
                             let args = json!({"index": k, "function": {"arguments": call["function"]["arguments"]}});
@@ -365,6 +411,7 @@ pub fn stream(
                                 i,
                                 json!({"tool_calls": [args]}),
                                 &[],
+                                0,
                                 None,
                             )));
                         }
@@ -376,7 +423,8 @@ pub fn stream(
                         Endpoint::Chat => json!({}),
                         Endpoint::Completion => json!({"content": ""}),
                     };
-                    st.out.push_back(data(a.chunk(i, delta, &[], Some(finish))));
+                    st.out
+                        .push_back(data(a.chunk(i, delta, &[], 0, Some(finish))));
                     st.open -= 1;
                     if st.open == 0 {
                         if a.include_usage {
@@ -405,4 +453,20 @@ pub fn stream(
         }
     });
     Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::call_start;
+
+    #[test]
+    fn text_before_a_possible_call_opening_can_be_streamed() {
+        let o = "<tool_call>";
+        assert_eq!(call_start("Let me check.", o), 13);
+        assert_eq!(call_start("Let me check.\n<tool_call>{", o), 14);
+        assert_eq!(call_start("a <b", o), 4, "'<b' cannot open it");
+        assert_eq!(call_start("Let me <tool", o), 7, "may open it");
+        assert_eq!(call_start("é<", o), 2);
+        assert_eq!(call_start("", o), 0);
+    }
 }

@@ -216,6 +216,22 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     };
     let tools = tools(&f)?;
     let tool_choice = tool_choice(&f, &tools)?;
+    let format = format(&f, endpoint)?;
+    for field in ["tools", "tool_choice", "parallel_tool_calls"] {
+        if endpoint == Endpoint::Completion && f.get(field).is_some() {
+            return Err(ApiError::invalid(
+                Some(field),
+                format!("'{field}' is for /v1/chat/completions"),
+            ));
+        }
+    }
+    if !tools.is_empty() && matches!(format, Format::Grammar(_)) && tool_choice != ToolChoice::None
+    {
+        return Err(ApiError::invalid(
+            Some("grammar"),
+            "give 'grammar' or 'tools', not both (tool calls follow their own grammar)",
+        ));
+    }
     Ok(Params {
         prompt,
         max_tokens: max_tokens.map(|n| n.min(usize::MAX as u64) as usize),
@@ -239,7 +255,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         tool_choice,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
         tools,
-        format: format(&f, endpoint)?,
+        format,
         stream,
         include_usage,
     })
@@ -771,6 +787,18 @@ mod tests {
             "tools",
             "must be an object",
         );
+        let tool = r#""tools": [{"type": "function", "function": {"name": "f"}}]"#;
+        refused(
+            &with(&format!(r#"{tool}, "grammar": "start: \"x\"""#)),
+            "grammar",
+            "not both",
+        );
+        let e = parse(
+            Endpoint::Completion,
+            format!(r#"{{"prompt": "x", {tool}}}"#).as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools"), "{e:?}");
         refused(
             &with(r#""tools": [{"type": "function", "function": {"name": "a b"}}]"#),
             "tools",

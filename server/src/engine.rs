@@ -17,7 +17,7 @@ use kvplug::agent_store::{AgentStore, Divergence, Placed};
 use kvplug::generator::{Finish, Finished, GenOptions, Generator, RequestId};
 use kvplug::run::CacheReport;
 use kvplug::sampler::TokenLogprobs;
-use kvplug::Text;
+use kvplug::{AbiErrorKind, Text};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
@@ -134,6 +134,10 @@ struct Active {
     req: GenRequest,
     placed: Placed,
     running: Vec<Running>,
+    /// Sequences taken for its other completions and not forked yet.
+    reserved: Vec<i32>,
+    /// Whether `placed.seq` is still its own (not yet published and released).
+    main_open: bool,
     /// Completions ended.
     done: usize,
     /// Whether a token has been sampled (time to first token recorded).
@@ -251,9 +255,43 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            let extra = r.n * r.opts.max_tokens - 1 + self.generator.outstanding();
+            // The completions of prompts still prefilling write once they fork.
+            let forks: usize = self
+                .active
+                .iter()
+                .filter(|a| a.running.iter().any(|r| r.choice.is_none()))
+                .map(|a| a.req.n * a.req.opts.max_tokens)
+                .sum();
+            let extra = r.n * r.opts.max_tokens - 1 + self.generator.outstanding() + forks;
             match self.store.admit(r.agent.as_deref(), &r.prompt, extra) {
                 Ok(Some(placed)) => {
+                    // n completions need n - 1 more sequences, taken now.
+                    let reserved = match self.store.reserve(r.n - 1, r.agent.as_deref()) {
+                        Ok(Some(seqs)) => seqs,
+                        refused => {
+                            let (agent, prompt) = (r.agent.clone(), r.prompt.clone());
+                            self.store.finish(
+                                agent.as_deref(),
+                                placed.seq,
+                                &prompt[..placed.history],
+                            )?;
+                            if self.active.is_empty() || refused.is_err() {
+                                let req = self.queue.remove(i).expect("index in range");
+                                let why = match refused {
+                                    Err(e) => e.to_string(),
+                                    Ok(_) => format!(
+                                        "{} completions need more sequences than are free",
+                                        req.n
+                                    ),
+                                };
+                                let _ = req
+                                    .events
+                                    .send(Event::Failed(ApiError::unavailable(why, 1)));
+                                continue;
+                            }
+                            break;
+                        }
+                    };
                     let req = self.queue.remove(i).expect("index in range");
                     let divergence =
                         self.store
@@ -270,18 +308,29 @@ impl Engine {
                         req,
                         placed,
                         running: Vec::new(),
+                        reserved,
+                        main_open: true,
                         done: 0,
                         started: false,
                     };
                     let last = a.req.prompt.len() - 1;
-                    if a.req.n == 1 {
-                        self.start(&mut a, Some(0), placed.seq, placed.history)?;
+                    let started = if a.req.n == 1 {
+                        self.start(&mut a, Some(0), placed.seq, placed.history)
                     } else if placed.history < last {
-                        self.start(&mut a, None, placed.seq, placed.history)?;
+                        self.start(&mut a, None, placed.seq, placed.history)
                     } else {
-                        self.fork(&mut a)?;
+                        self.fork(&mut a)
+                    };
+                    match started {
+                        Ok(()) => self.active.push(a),
+                        Err(e) => {
+                            let _ = a
+                                .req
+                                .events
+                                .send(Event::Failed(ApiError::internal(e.to_string())));
+                            self.release(a)?;
+                        }
                     }
-                    self.active.push(a);
                 }
                 Ok(None) if self.active.is_empty() => {
                     let req = self.queue.remove(i).expect("index in range");
@@ -334,29 +383,32 @@ impl Engine {
     }
 
     /// The `n` completions of a prefilled prompt: each on a sequence sharing its cells but
-    /// the last token's, which every completion feeds itself.
+    /// the last token's, which every completion feeds itself (the others' sequences were
+    /// reserved at admission).
     fn fork(&mut self, a: &mut Active) -> kvplug::Result<()> {
         let (main, last) = (a.placed.seq, a.req.prompt.len() - 1);
         for choice in 0..a.req.n {
             let seq = if choice == 0 {
                 main
             } else {
-                match self.store.fork(main, last)? {
-                    Some(s) => s,
-                    None => {
-                        return Err(kvplug::Error::Invalid(
-                            "no sequence is free for another completion".into(),
-                        ))
-                    }
+                let seq = a.reserved.pop().expect("n - 1 sequences reserved");
+                if let Err(e) = self.store.fork(main, seq, last) {
+                    a.reserved.push(seq);
+                    return Err(e);
                 }
+                seq
             };
-            self.start(a, Some(choice), seq, last)?;
+            if let Err(e) = self.start(a, Some(choice), seq, last) {
+                if seq != main {
+                    self.store.abort(None, seq)?;
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }
 
-    /// Releases the sequences of requests whose client has gone: the prompt's K/V stays in
-    /// the prefix index (or the agent's sequence), what was generated is dropped.
+    /// Releases the sequences of requests whose client has gone.
     fn drop_abandoned(&mut self) -> kvplug::Result<()> {
         let mut i = 0;
         while i < self.active.len() {
@@ -365,19 +417,49 @@ impl Engine {
                 continue;
             }
             let a = self.active.swap_remove(i);
-            for r in &a.running {
-                let f = self.generator.cancel(r.request).expect("in flight");
-                let keep = a.held(r, &f, true);
-                self.store.truncate(r.seq, keep.len())?;
-                let agent = (r.seq == a.placed.seq)
-                    .then_some(a.req.agent.as_deref())
-                    .flatten();
-                self.store.finish(agent, r.seq, &keep)?;
-            }
-            self.status.lock().expect("status lock").completed += 1;
             tracing::debug!(seq = a.placed.seq, "client gone: sequences released");
+            self.release(a)?;
         }
         Ok(())
+    }
+
+    /// Ends `a` early: cancels its generator requests and publishes and releases its
+    /// sequences — the prompt's K/V stays in the prefix index (or the agent's sequence),
+    /// what was generated is dropped where the cache can cut back to the prompt — and gives
+    /// back the sequences it reserved.
+    fn release(&mut self, mut a: Active) -> kvplug::Result<()> {
+        let main = a.placed.seq;
+        for r in std::mem::take(&mut a.running) {
+            let f = self.generator.cancel(r.request).expect("in flight");
+            let agent = a.req.agent.as_deref().filter(|_| r.seq == main);
+            self.close(agent, r.seq, a.held(&r, &f, true), a.held(&r, &f, false))?;
+            a.main_open &= r.seq != main;
+        }
+        if a.main_open {
+            // Its prompt is in and no completion runs on it (n > 1: no agent).
+            let prompt = &a.req.prompt[..a.req.prompt.len() - 1];
+            self.store.finish(None, main, prompt)?;
+        }
+        self.store.unreserve(a.reserved.drain(..));
+        self.status.lock().expect("status lock").completed += 1;
+        Ok(())
+    }
+
+    /// Publishes and releases `seq` cut back to `keep`; a hybrid cache that can no longer
+    /// cut back that far (its sliding layers dropped the rows) keeps `written`, all it holds.
+    fn close(
+        &mut self,
+        agent: Option<&str>,
+        seq: i32,
+        keep: Vec<i32>,
+        written: Vec<i32>,
+    ) -> kvplug::Result<()> {
+        let held = match self.store.truncate(seq, keep.len()) {
+            Ok(()) => keep,
+            Err(e) if e.plugin_kind() == Some(AbiErrorKind::OutOfWindow) => written,
+            Err(e) => return Err(e),
+        };
+        self.store.finish(agent, seq, &held)
     }
 
     /// One step of the generator over the requests in flight: their text goes out as it is
@@ -419,16 +501,21 @@ impl Engine {
             Err(e) => {
                 tracing::error!("forward failed: {e}");
                 self.generator.cancel_all();
+                // The K/V the step was writing may be partial: every sequence is dropped.
                 for a in std::mem::take(&mut self.active) {
                     let _ = a.req.events.send(Event::Failed(ApiError::internal(format!(
                         "forward failed: {e}"
                     ))));
-                    for r in &a.running {
-                        self.store.abort(
-                            a.req.agent.as_deref().filter(|_| r.seq == a.placed.seq),
-                            r.seq,
-                        )?;
+                    let main = a.placed.seq;
+                    let mut seqs: Vec<i32> = a.running.iter().map(|r| r.seq).collect();
+                    if a.main_open && !seqs.contains(&main) {
+                        seqs.push(main);
                     }
+                    for seq in seqs {
+                        self.store
+                            .abort(a.req.agent.as_deref().filter(|_| seq == main), seq)?;
+                    }
+                    self.store.unreserve(a.reserved);
                 }
                 return Ok(());
             }
@@ -464,18 +551,25 @@ impl Engine {
                     let _ = a
                         .req
                         .events
-                        .send(Event::Failed(ApiError::unavailable(e.to_string(), 1)));
-                    for r in a.running.drain(..).collect::<Vec<_>>() {
-                        let f = self.generator.cancel(r.request).expect("in flight");
-                        let keep = a.held(&r, &f, true);
-                        self.store.finish(None, r.seq, &keep)?;
-                    }
-                    let keep = &a.req.prompt[..a.req.prompt.len() - 1];
-                    self.store.finish(None, a.placed.seq, keep)?;
+                        .send(Event::Failed(ApiError::internal(e.to_string())));
+                    self.release(a)?;
                 }
             }
             return Ok(());
         };
+        let agent = a.req.agent.clone().filter(|_| r.seq == a.placed.seq);
+        a.main_open &= r.seq != a.placed.seq;
+        if f.reason == Finish::Failed {
+            // Its grammar failed: the request fails, its other completions end with it.
+            let why = f.error.clone().unwrap_or_default();
+            let _ = a
+                .req
+                .events
+                .send(Event::Failed(ApiError::invalid(None, why)));
+            self.store
+                .finish(agent.as_deref(), r.seq, &a.held(&r, &f, false))?;
+            return self.release(a);
+        }
         if !f.text_tail.is_empty() {
             let _ = a.req.events.send(Event::Token {
                 choice,
@@ -493,7 +587,6 @@ impl Engine {
             finish_reason,
             completion_tokens: f.generated.len(),
         });
-        let agent = a.req.agent.clone().filter(|_| r.seq == a.placed.seq);
         self.store
             .finish(agent.as_deref(), r.seq, &a.held(&r, &f, false))?;
         a.done += 1;

@@ -70,6 +70,11 @@ pub struct ServerConfig {
     pub max_body: usize,
     /// The agents' session files.
     pub session_dir: PathBuf,
+    /// Whether answers say where their prompt's reuse ended (the `x-kvplug-prefix` header:
+    /// it shows the token of a recent request's prompt, possibly another client's, where
+    /// this prompt departs from it; turn off where clients must not learn of each other's
+    /// prompts).
+    pub prefix_header: bool,
 }
 
 /// What starting or running the server can fail with.
@@ -183,6 +188,8 @@ impl Server {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             counter: AtomicU64::new(0),
+            instance: format!("{:08x}", instance_id()),
+            prefix_header: config.prefix_header,
             grammars,
             metrics: metrics.clone(),
         });
@@ -229,4 +236,18 @@ async fn shutdown_signal(on_shutdown: impl FnOnce()) {
         _ = term => {}
     }
     on_shutdown();
+}
+
+/// 32 bits that differ between server processes (answer and tool-call ids must not repeat
+/// across restarts within one conversation).
+fn instance_id() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() as u32
 }

@@ -25,6 +25,7 @@ use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::{prepare, Model};
 use kvplug::agent_store::check_agent_name;
+use kvplug::chat_template::ascii_escaped;
 use kvplug::{Grammars, Text};
 
 /// The header naming an agent session: its K/V stays in the cache between requests, and
@@ -51,6 +52,10 @@ pub struct Shared {
     pub created: u64,
     /// Answer ids and default seeds.
     pub counter: AtomicU64,
+    /// This process's part of answer ids (hex).
+    pub instance: String,
+    /// Whether answers carry the `x-kvplug-prefix` header.
+    pub prefix_header: bool,
     /// Constrained decoding over the model's vocabulary, or why it is not available.
     pub grammars: Result<Grammars, String>,
     /// What `/metrics` shows.
@@ -206,13 +211,20 @@ async fn generate(
             .map_or(0, |d| d.as_nanos() as u64);
         t ^ n.rotate_left(32)
     };
-    let model = Model {
-        text: &s.text,
-        grammars: &s.grammars,
-        capacity: s.capacity,
-        max_tokens: s.max_tokens,
-    };
-    let prepared = prepare(&model, &p, seed)?;
+    // Rendering the template and compiling grammars can take a while: not on the runtime's
+    // few workers.
+    let shared = s.clone();
+    let (prepared, p) = tokio::task::spawn_blocking(move || {
+        let model = Model {
+            text: &shared.text,
+            grammars: &shared.grammars,
+            capacity: shared.capacity,
+            max_tokens: shared.max_tokens,
+        };
+        prepare(&model, &p, seed).map(|prepared| (prepared, p))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("preparing the request: {e}")))??;
     let prompt_tokens = prepared.prompt.len();
     let (tx, mut rx) = unbounded_channel();
     s.engine
@@ -240,11 +252,12 @@ async fn generate(
     let answer = Answer {
         endpoint,
         id: format!(
-            "{}-{n:08x}",
+            "{}-{}{n:08x}",
             match endpoint {
                 Endpoint::Chat => "chatcmpl",
                 Endpoint::Completion => "cmpl",
-            }
+            },
+            s.instance
         ),
         created: unix_now(),
         model: s.model_id.clone(),
@@ -253,26 +266,20 @@ async fn generate(
         n: p.n,
         calls: prepared.calls,
         text: s.text.clone(),
+        vocab: s.grammars.as_ref().ok().cloned(),
     };
     let mut response = if p.stream {
         stream(answer, cached, rx).into_response()
     } else {
         Json(collect(answer, cached, rx).await?).into_response()
     };
-    if let Some(d) = divergence {
+    if let Some(d) = divergence.filter(|_| s.prefix_header) {
         let mut d = serde_json::to_value(&d).unwrap_or_default();
         let piece = |v: &Value| v.as_i64().and_then(|t| s.text.piece(t as i32).ok());
         d["cached_next_text"] = json!(piece(&d["cached_next"]));
         d["prompt_next_text"] = json!(piece(&d["prompt_next"]));
-        let ascii: String = d
-            .to_string()
-            .chars()
-            .flat_map(|c| match c {
-                ' '..='~' => vec![c],
-                c => format!("\\u{:04x}", c as u32).chars().collect(),
-            })
-            .collect();
-        if let Ok(v) = HeaderValue::from_str(&ascii) {
+        // Control characters are escaped by serde_json already.
+        if let Ok(v) = HeaderValue::from_str(&ascii_escaped(&d.to_string())) {
             response.headers_mut().insert(PREFIX_HEADER, v);
         }
     }

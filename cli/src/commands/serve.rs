@@ -50,6 +50,10 @@ pub struct Args {
     /// Largest request body in bytes; larger bodies get 413.
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
+    /// Leave out the x-kvplug-prefix header, which shows the token where a prompt departs
+    /// from a recent request's — possibly another client's — prompt.
+    #[arg(long)]
+    no_prefix_header: bool,
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
@@ -74,6 +78,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_tokens: a.max_tokens,
         max_body: a.max_body,
         session_dir: sessions.dir().to_path_buf(),
+        prefix_header: !a.no_prefix_header,
     };
     let server = Server::bind(runtime, config)?;
     println!(
