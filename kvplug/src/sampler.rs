@@ -14,6 +14,8 @@ pub struct Sampler {
     /// Keep only tokens at least `min_p` times as likely as the most likely one (0 = all).
     pub min_p: f32,
     state: u64,
+    /// Candidates of the last draw (kept: sampling allocates nothing once warm).
+    scratch: Vec<(i32, f32)>,
 }
 
 impl Sampler {
@@ -25,6 +27,7 @@ impl Sampler {
             top_k: 0,
             min_p: 0.0,
             state: seed ^ 0x2545_F491_4F6C_DD1D,
+            scratch: Vec::new(),
         }
     }
 
@@ -60,13 +63,32 @@ impl Sampler {
         self.temperature <= 0.0
     }
 
-    /// Picks a token from `logits`.
+    /// Picks a token from `logits`: a draw from [`Sampler::distribution`] (the same
+    /// token), without sorting more of the vocabulary than the draw reaches.
     pub fn sample(&mut self, logits: &[f32]) -> i32 {
         if self.is_greedy() {
             return argmax(logits);
         }
-        let dist = self.distribution(logits);
-        self.draw(&dist)
+        let mut cand = std::mem::take(&mut self.scratch);
+        let total = self.candidates(logits, &mut cand);
+        let (keep, mass) = self.truncate(&mut cand, total);
+        let mut r = self.uniform() * mass;
+        let (mut at, mut k, mut picked) = (0, FIRST_SORTED, None);
+        while picked.is_none() && at < keep {
+            let end = k.min(keep);
+            sort_prefix(&mut cand[..keep], end);
+            for &(t, w) in &cand[at..end] {
+                if r < w {
+                    picked = Some(t);
+                    break;
+                }
+                r -= w;
+            }
+            (at, k) = (end, k * 4);
+        }
+        let t = picked.unwrap_or_else(|| cand[..keep].last().map_or(argmax(logits), |c| c.0));
+        self.scratch = cand;
+        t
     }
 
     /// The distribution [`Sampler::sample`] draws from: `(token, probability)` by descending
@@ -76,28 +98,58 @@ impl Sampler {
         if self.is_greedy() {
             return vec![(argmax(logits), 1.0)];
         }
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Weights relative to the most likely token's (1), so min-p compares directly.
-        let mut cand: Vec<(i32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as i32, ((l - max) / self.temperature).exp()))
-            .filter(|&(_, w)| w > 0.0 && w >= self.min_p)
-            .collect();
-        // Descending weight, lower ids first on ties.
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1));
-        if self.top_k > 0 {
-            cand.truncate(self.top_k);
-        }
-        let total: f32 = cand.iter().map(|c| c.1).sum();
-        let (mut mass, mut keep) = (0.0, 0);
-        while keep < cand.len() && (keep == 0 || mass < self.top_p * total) {
-            mass += cand[keep].1;
-            keep += 1;
-        }
+        let mut cand = Vec::new();
+        let total = self.candidates(logits, &mut cand);
+        let (keep, mass) = self.truncate(&mut cand, total);
+        sort_prefix(&mut cand, keep);
         cand.truncate(keep);
         cand.iter_mut().for_each(|c| c.1 /= mass);
         cand
+    }
+
+    /// The tokens `logits` allow after temperature and min-p, with their weights relative to
+    /// the most likely token's (1), in id order; returns the weights' sum.
+    fn candidates(&self, logits: &[f32], cand: &mut Vec<(i32, f32)>) -> f32 {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        cand.clear();
+        cand.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as i32, ((l - max) / self.temperature).exp()))
+                .filter(|&(_, w)| w > 0.0 && w >= self.min_p),
+        );
+        cand.iter().map(|c| c.1).sum()
+    }
+
+    /// Applies top-k then top-p to `cand` (weights summing to `total`): afterwards the kept
+    /// tokens are `cand[..keep]`, the first ones by weight (sorted as far as was needed);
+    /// returns `keep` and their weights' sum.
+    fn truncate(&self, cand: &mut [(i32, f32)], total: f32) -> (usize, f32) {
+        let (mut keep, mut total) = (cand.len(), total);
+        if self.top_k > 0 && self.top_k < keep {
+            keep = self.top_k;
+            sort_prefix(cand, keep);
+            total = cand[..keep].iter().map(|c| c.1).sum();
+        }
+        if self.top_p >= 1.0 {
+            return (keep, total);
+        }
+        // The nucleus: the fewest most likely tokens holding `top_p` of the mass (at least
+        // one), found in sorted prefixes growing fourfold.
+        let (mut mass, mut n, mut k) = (0.0, 0, FIRST_SORTED);
+        loop {
+            let end = k.min(keep);
+            sort_prefix(&mut cand[..keep], end);
+            while n < end && (n == 0 || mass < self.top_p * total) {
+                mass += cand[n].1;
+                n += 1;
+            }
+            if n < end || end == keep {
+                return (n, mass);
+            }
+            k *= 4;
+        }
     }
 
     /// Draws a token from `dist` (`(token, probability)` pairs; the probabilities need not
@@ -126,6 +178,20 @@ impl Sampler {
     pub fn coin(&mut self) -> f32 {
         self.uniform()
     }
+}
+
+/// How many candidates a draw sorts first (more, fourfold, only when it reaches past them).
+const FIRST_SORTED: usize = 64;
+
+/// Puts the `k` heaviest candidates first, by descending weight and lower ids first on ties
+/// (a total order: the prefix is the same whatever the slice's order was).
+fn sort_prefix(cand: &mut [(i32, f32)], k: usize) {
+    let order = |a: &(i32, f32), b: &(i32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = k.min(cand.len());
+    if k < cand.len() {
+        cand.select_nth_unstable_by(k, order);
+    }
+    cand[..k].sort_unstable_by(order);
 }
 
 /// Index of the largest logit (the first on ties).
@@ -282,5 +348,76 @@ mod tests {
             logits.len(),
             "no limit: every token can come out"
         );
+    }
+
+    /// `sample` sorts only as much of the vocabulary as its draw reaches; it must pick what a
+    /// draw walking the whole sorted distribution picks, for nuclei inside and far beyond
+    /// the first sorted prefix. The reference sorts everything itself (a stable sort by
+    /// descending weight) and applies top-k, top-p and min-p as Hugging Face defines them.
+    #[test]
+    fn sample_draws_what_the_fully_sorted_distribution_gives() {
+        let mut rng = Sampler::new(1.0, 1.0, 99);
+        let settings = [
+            (1.0, 0, 0.0),
+            (0.9, 0, 0.0),
+            (0.5, 0, 0.0),
+            (0.99, 0, 0.0),
+            (1.0, 5, 0.0),
+            (0.9, 100, 0.0),
+            (1.0, 0, 0.05),
+            (0.95, 40, 0.01),
+        ];
+        for (case, &(top_p, top_k, min_p)) in settings.iter().enumerate() {
+            for spread in [0.1f32, 1.0, 8.0] {
+                // Random logits, many ties (rounded), some banned.
+                let logits: Vec<f32> = (0..3000)
+                    .map(|i| match i % 97 {
+                        0 => f32::NEG_INFINITY,
+                        _ => ((rng.coin() * spread * 10.0).round()) / 10.0,
+                    })
+                    .collect();
+                for seed in 0..40 {
+                    let mut fast = Sampler::new(0.8, top_p, seed)
+                        .with_top_k(top_k)
+                        .with_min_p(min_p);
+                    let mut slow = fast.clone();
+                    let got = fast.sample(&logits);
+                    // The reference.
+                    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut cand: Vec<(i32, f32)> = logits
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &l)| (i as i32, ((l - max) / 0.8).exp()))
+                        .filter(|&(_, w)| w > 0.0 && w >= min_p)
+                        .collect();
+                    // Sums in the order the sampler adds (ids, then the sorted prefix after
+                    // top-k): float addition is not associative.
+                    let mut total: f32 = cand.iter().map(|c| c.1).sum();
+                    cand.sort_by(|a, b| b.1.total_cmp(&a.1));
+                    if top_k > 0 && top_k < cand.len() {
+                        cand.truncate(top_k);
+                        total = cand.iter().map(|c| c.1).sum();
+                    }
+                    let (mut mass, mut keep) = (total, cand.len());
+                    if top_p < 1.0 {
+                        (mass, keep) = (0.0, 0);
+                        while keep < cand.len() && (keep == 0 || mass < top_p * total) {
+                            mass += cand[keep].1;
+                            keep += 1;
+                        }
+                    }
+                    let mut r = slow.coin() * mass;
+                    let want = cand[..keep]
+                        .iter()
+                        .find(|c| {
+                            let hit = r < c.1;
+                            r -= c.1;
+                            hit
+                        })
+                        .map_or(cand[keep - 1].0, |c| c.0);
+                    assert_eq!(got, want, "case {case}, spread {spread}, seed {seed}");
+                }
+            }
+        }
     }
 }
