@@ -89,7 +89,20 @@ fn ensure_runtime_dir() {
     }
 }
 
+/// The hidden argument that starts this binary as its own chat-template sandbox.
+const RENDER_TEMPLATE: &str = "__render-template";
+
 fn main() -> ExitCode {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == RENDER_TEMPLATE)
+    {
+        return kvplug::chat_template::serve_sandboxed();
+    }
+    // Templates come from model files: render them in a child of this binary, bounded.
+    if let Ok(exe) = std::env::current_exe() {
+        let _ = kvplug::chat_template::Sandbox::new(exe, [RENDER_TEMPLATE]).install();
+    }
     ensure_runtime_dir();
     tracing_subscriber::fmt()
         .with_env_filter(

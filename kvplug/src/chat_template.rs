@@ -1,7 +1,20 @@
 //! Chat templates rendered the way Hugging Face's `apply_chat_template` renders them: Jinja
 //! with `trim_blocks` and `lstrip_blocks`, loop controls, `raise_exception`, Python's string methods, and `tojson` as Python's
 //! `json.dumps` writes JSON (the tools block and tool-call arguments a model was trained on).
-//! A template comes from a file, so its rendering is bounded (minijinja's fuel).
+//!
+//! A template comes from a downloaded file, so rendering is bounded: in instructions
+//! (minijinja's fuel) and in output ([`MAX_RENDERED`]) wherever it runs, and — once a
+//! [`Sandbox`] is installed, as the `kvplug` binary does — in memory and time too, by running
+//! in a child process under resource limits. (Within one process nothing can bound the memory
+//! a template's values take: doubling a string 64 times in a loop costs a few instructions,
+//! and a failed allocation aborts the process.)
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
@@ -13,9 +26,22 @@ use serde_json::ser::{Formatter, PrettyFormatter};
 /// template stops within seconds.
 const FUEL: u64 = 50_000_000;
 
-/// Renders template `src` with `ctx`; a template that does not parse, fails or runs out of
-/// fuel is an error, never a hang.
-pub fn render(src: &str, ctx: Value) -> Result<String, String> {
+/// The longest text a rendering may produce: millions of tokens, far past any context window.
+pub const MAX_RENDERED: usize = 16 << 20;
+
+/// Renders template `src` with `ctx` (`messages`, `tools`, `add_generation_prompt`, …): in
+/// the installed [`Sandbox`] if there is one, else in this process ([`render_here`]). A
+/// template that does not parse, fails or passes a limit is an error, never a hang or a crash.
+pub fn render(src: &str, ctx: &serde_json::Value) -> Result<String, String> {
+    match SANDBOX.get() {
+        Some(sandbox) => sandbox.render(src, ctx),
+        None => render_here(src, ctx),
+    }
+}
+
+/// Renders in this process, bounded by fuel and [`MAX_RENDERED`] but not in the memory its
+/// values take: for templates one trusts.
+pub fn render_here(src: &str, ctx: &serde_json::Value) -> Result<String, String> {
     let mut env = Environment::new();
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -28,9 +54,223 @@ pub fn render(src: &str, ctx: Value) -> Result<String, String> {
     env.add_filter("tojson", tojson);
     env.add_template("chat", src)
         .map_err(|e| format!("the chat template does not parse: {e}"))?;
-    env.get_template("chat")
-        .and_then(|t| t.render(ctx))
-        .map_err(|e| format!("rendering the chat template: {e}"))
+    let mut out = Capped(Vec::new());
+    let rendered = env
+        .get_template("chat")
+        .and_then(|t| t.render_captured_to(ctx, &mut out).map(drop));
+    match rendered {
+        Ok(_) => {
+            String::from_utf8(out.0).map_err(|_| "the chat template wrote invalid UTF-8".into())
+        }
+        Err(_) if out.0.len() > MAX_RENDERED => Err(format!(
+            "the chat template's output passed {} MiB",
+            MAX_RENDERED >> 20
+        )),
+        Err(e) => Err(format!("rendering the chat template: {e}")),
+    }
+}
+
+/// Rendered text that refuses to grow past [`MAX_RENDERED`] (its length then says why).
+struct Capped(Vec<u8>);
+
+impl Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED {
+            self.0.resize(MAX_RENDERED + 1, 0);
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+static SANDBOX: OnceLock<Sandbox> = OnceLock::new();
+
+/// Renders each template in a child process — a program that answers through
+/// [`serve_sandboxed`] — under an address-space and a CPU-time limit, and gives up on it
+/// after a wall-clock limit: a template that exhausts either ends in an error naming the
+/// limit, and the caller's process is untouched. One child per rendering (a few
+/// milliseconds; a prompt costs far more).
+#[derive(Clone, Debug)]
+pub struct Sandbox {
+    program: PathBuf,
+    args: Vec<OsString>,
+    /// The child's address space, in bytes.
+    pub memory: u64,
+    /// The child's CPU time; the wall-clock limit is twice this.
+    pub seconds: u64,
+}
+
+impl Sandbox {
+    /// Runs `program args…` per rendering with the default limits (512 MiB, 10 s).
+    pub fn new(
+        program: impl Into<PathBuf>,
+        args: impl IntoIterator<Item = impl Into<OsString>>,
+    ) -> Self {
+        Sandbox {
+            program: program.into(),
+            args: args.into_iter().map(Into::into).collect(),
+            memory: 512 << 20,
+            seconds: 10,
+        }
+    }
+
+    /// Makes this the process's sandbox for [`render`]; fails (returning it) when one is
+    /// installed already.
+    pub fn install(self) -> Result<(), Sandbox> {
+        SANDBOX.set(self)
+    }
+
+    /// Renders `src` with `ctx` in a child process.
+    pub fn render(&self, src: &str, ctx: &serde_json::Value) -> Result<String, String> {
+        let job = serde_json::to_vec(&serde_json::json!({"template": src, "context": ctx}))
+            .map_err(|e| format!("the chat template's context: {e}"))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::CommandExt;
+            let (memory, seconds) = (self.memory, self.seconds);
+            // SAFETY: only setrlimit, which is async-signal-safe, runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    limit(libc::RLIMIT_AS, memory)?;
+                    limit(libc::RLIMIT_CPU, seconds)
+                });
+            }
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            format!(
+                "starting the template sandbox {}: {e}",
+                self.program.display()
+            )
+        })?;
+        let mut stdin = child.stdin.take().expect("piped");
+        let (mut stdout, mut stderr) = (
+            child.stdout.take().expect("piped"),
+            child.stderr.take().expect("piped"),
+        );
+        // The child reads its whole job before writing, and may die early: a failed write
+        // shows in its exit status.
+        std::thread::spawn(move || stdin.write_all(&job));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let read = (&mut stdout)
+                .take(8 * MAX_RENDERED as u64)
+                .read_to_end(&mut out);
+            let _ = (&mut stderr).take(1 << 16).read_to_end(&mut err);
+            let _ = tx.send((read.map(|_| out), err));
+        });
+        let Ok((out, err)) = rx.recv_timeout(Duration::from_secs(2 * self.seconds)) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(self.too_long());
+        };
+        let status = child
+            .wait()
+            .map_err(|e| format!("the template sandbox: {e}"))?;
+        if let Ok(reply) = out
+            .map_err(|_| ())
+            .and_then(|o| serde_json::from_slice::<Reply>(&o).map_err(|_| ()))
+        {
+            return match reply {
+                Reply { text: Some(t), .. } => Ok(t),
+                Reply { error, .. } => Err(error.unwrap_or_default()),
+            };
+        }
+        let err = String::from_utf8_lossy(&err);
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::ExitStatusExt;
+            if status.signal() == Some(libc::SIGXCPU) || status.signal() == Some(libc::SIGKILL) {
+                return Err(self.too_long());
+            }
+        }
+        if err.contains("memory allocation")
+            || err.contains("out of memory")
+            || err.contains("overflow")
+        {
+            return Err(format!(
+                "rendering the chat template needed more than {} MiB: refused",
+                self.memory >> 20
+            ));
+        }
+        Err(format!(
+            "the template sandbox ended without an answer ({status}): {}",
+            err.lines().next().unwrap_or_default()
+        ))
+    }
+
+    fn too_long(&self) -> String {
+        format!(
+            "rendering the chat template ran past its {} s limit: refused",
+            self.seconds
+        )
+    }
+}
+
+#[cfg(unix)]
+fn limit(resource: libc::__rlimit_resource_t, value: u64) -> std::io::Result<()> {
+    let l = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
+    // SAFETY: setrlimit reads the struct it is given.
+    match unsafe { libc::setrlimit(resource, &l) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// A sandboxed rendering's outcome, as the child writes it.
+#[derive(Serialize, serde::Deserialize)]
+struct Reply {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// The child's side of a [`Sandbox`]: reads one job (`{"template", "context"}`) from stdin,
+/// renders it here and writes the outcome to stdout. A program calls it first thing when it
+/// is started as its own sandbox (the `kvplug` binary: `kvplug __render-template`).
+pub fn serve_sandboxed() -> ExitCode {
+    let mut job = Vec::new();
+    if std::io::stdin().read_to_end(&mut job).is_err() {
+        return ExitCode::FAILURE;
+    }
+    let reply = match serde_json::from_slice::<serde_json::Value>(&job) {
+        Ok(job) => match render_here(
+            job["template"].as_str().unwrap_or_default(),
+            &job["context"],
+        ) {
+            Ok(text) => Reply {
+                text: Some(text),
+                error: None,
+            },
+            Err(e) => Reply {
+                text: None,
+                error: Some(e),
+            },
+        },
+        Err(e) => Reply {
+            text: None,
+            error: Some(format!("the template sandbox's job: {e}")),
+        },
+    };
+    let mut out = std::io::stdout().lock();
+    match serde_json::to_writer(&mut out, &reply).map(|()| out.flush()) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        _ => ExitCode::FAILURE,
+    }
 }
 
 /// Hugging Face's `tojson(x, ensure_ascii=False, indent=None, sort_keys=False)`, which is
@@ -133,11 +373,12 @@ impl Formatter for PythonFormatter {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
-    use minijinja::context;
 
     fn r(src: &str, x: serde_json::Value) -> String {
-        render(src, context! { x => x }).unwrap()
+        render_here(src, &json!({ "x": x })).unwrap()
     }
 
     /// Expected strings are what CPython 3.11's `json.dumps` writes for the same calls.
@@ -160,14 +401,14 @@ mod tests {
             r("{{ x | tojson(ensure_ascii=True, sort_keys=True) }}", x),
             r#"{"b": [1, 2.5, null, true], "s": "<a & 'b'> \u00e9 \n \ud83d\ude00", "type": "function"}"#
         );
-        assert!(render("{{ x | tojson(colour=1) }}", context! { x => 1 }).is_err());
+        assert!(render_here("{{ x | tojson(colour=1) }}", &json!({"x": 1})).is_err());
     }
 
     #[test]
     fn a_runaway_template_stops() {
         let src =
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
-        let e = render(src, context! {}).unwrap_err();
+        let e = render_here(src, &json!({})).unwrap_err();
         assert!(e.contains("fuel"), "{e}");
     }
 
@@ -175,8 +416,8 @@ mod tests {
     fn loop_controls_and_raise_exception() {
         let src =
             "{% for i in [1, 2, 3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}";
-        assert_eq!(render(src, context! {}).unwrap(), "1");
-        let e = render("{{ raise_exception('no tools here') }}", context! {}).unwrap_err();
+        assert_eq!(render_here(src, &json!({})).unwrap(), "1");
+        let e = render_here("{{ raise_exception('no tools here') }}", &json!({})).unwrap_err();
         assert!(e.contains("no tools here"), "{e}");
     }
 }

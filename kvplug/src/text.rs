@@ -163,14 +163,14 @@ impl Text {
         let Some(src) = &self.template else {
             fail!(Text, "this model has no chat template: send the prompt raw");
         };
-        let ctx = minijinja::context! {
-            messages => messages,
-            tools => (!tools.is_empty()).then_some(tools),
-            add_generation_prompt => open_turn,
-            bos_token => self.bos.clone().unwrap_or_default(),
-            eos_token => self.eos.clone().unwrap_or_default(),
-        };
-        crate::chat_template::render(src, ctx).map_err(crate::Error::Text)
+        let ctx = serde_json::json!({
+            "messages": messages,
+            "tools": (!tools.is_empty()).then_some(tools),
+            "add_generation_prompt": open_turn,
+            "bos_token": self.bos.clone().unwrap_or_default(),
+            "eos_token": self.eos.clone().unwrap_or_default(),
+        });
+        crate::chat_template::render(src, &ctx).map_err(crate::Error::Text)
     }
 
     /// Token ids of `text`; special tokens written in the text are recognised (a rendered
