@@ -111,7 +111,15 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match dispatch(Cli::parse()) {
+    let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        // Output into a closed pipe (`kvplug session ls | head -1`) ends the process quietly,
+        // as it does for other command-line tools; the server keeps Rust's default (ignored),
+        // where a client going away is an error on its own connection.
+        // SAFETY: setting a signal's disposition to the default before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
+    match dispatch(cli) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("kvplug: {e:#}");

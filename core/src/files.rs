@@ -93,7 +93,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
         .file_name()
         .ok_or_else(|| err(path, "not a file path"))?
         .to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let tmp = dir.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
     let written = (|| -> std::io::Result<()> {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -109,9 +109,71 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
     Ok(())
 }
 
+/// What [`write_atomic`]'s temporary files carry between the file name and the writer's pid.
+const TMP_MARK: &str = ".tmp-";
+
+/// Removes the temporary files [`write_atomic`] left in `dir` when its writer died before the
+/// rename (a crash, `kill -9`): `.NAME.tmp-PID` whose process no longer exists. A live
+/// writer's stay, and so does everything where liveness cannot be told (no `/proc`). Returns
+/// each removed file and its size.
+pub fn remove_stale_temporaries(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let proc = Path::new("/proc");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    if !proc.join("self").exists() {
+        return Vec::new();
+    }
+    let mut removed = Vec::new();
+    for e in entries.filter_map(|e| e.ok()) {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.starts_with('.'))
+            .and_then(|n| n.rsplit_once(TMP_MARK))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = pid == std::process::id() || proc.join(pid.to_string()).exists();
+        let file = e.metadata().ok().filter(|m| m.is_file());
+        if let (false, Some(meta)) = (alive, file) {
+            if std::fs::remove_file(e.path()).is_ok() {
+                removed.push((e.path(), meta.len()));
+            }
+        }
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_dead_writers_temporaries_are_removed() {
+        let dir = std::env::temp_dir().join(format!("kvplug-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let names = [
+            format!(".a.kvsession.safetensors.tmp-{dead}"),
+            format!(".b.kvsession.safetensors.tmp-{}", std::process::id()),
+            ".c.kvsession.safetensors.tmp-1".to_string(), // init: alive
+            format!("d.tmp-{dead}"),                      // not hidden: not ours
+            "e.kvsession.safetensors".to_string(),
+        ];
+        for n in &names {
+            std::fs::write(dir.join(n), b"1234").unwrap();
+        }
+        let removed = remove_stale_temporaries(&dir);
+        assert_eq!(removed, vec![(dir.join(&names[0]), 4)]);
+        for n in &names[1..] {
+            assert!(dir.join(n).exists(), "{n}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn only_bounded_regular_files_are_read() {

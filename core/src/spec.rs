@@ -12,8 +12,7 @@
 //! 5. otherwise every layer is full (Llama).
 //!
 //! [`ModelCacheSpec::sliding`] turns the spec into the [`SlidingLayers`] of a
-//! [`crate::CacheConfig`]: a hybrid cache (see [`crate::window`]). The model loader does not
-//! run sliding-window models yet; caches built from such a config do.
+//! [`crate::CacheConfig`]: a hybrid cache (see [`crate::window`]).
 
 use serde_json::Value;
 

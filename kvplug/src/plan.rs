@@ -23,7 +23,8 @@ pub struct PlanOptions {
     pub agent_tokens: usize,
 }
 
-/// `4GiB`, `512MB`, `1.5GiB`, `1000` (bytes).
+/// `4GiB`, `512MB`, `1.5GiB`, `1000` (bytes); a bare `K`/`M`/`G`/`T` is binary, as `docker
+/// --memory 2g` and `ulimit` read it (`2G` = 2 GiB). Case does not matter.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
@@ -38,10 +39,10 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024f64.powi(2),
-        "gib" => 1024f64.powi(3),
-        "tib" => 1024f64.powi(4),
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
         u => return Err(format!("'{s}': unknown unit '{u}'")),
     };
     let bytes = v * scale;
@@ -242,6 +243,10 @@ mod tests {
         assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
         assert_eq!(parse_bytes("1.5 MB"), Ok(1_500_000));
         assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes("2G"), Ok(2 << 30));
+        assert_eq!(parse_bytes("2g"), parse_bytes("2GiB"));
+        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("512m"), Ok(512 << 20));
         assert!(parse_bytes("4 parsecs")
             .unwrap_err()
             .contains("unknown unit"));

@@ -3,7 +3,9 @@
 //! The directory is `--session-dir`, else `$KVPLUG_SESSION_DIR`, else
 //! `$XDG_DATA_HOME/kvplug/sessions`, else `~/.local/share/kvplug/sessions`. Names are 1 to 128
 //! characters from `A-Z a-z 0-9 . _ -`, not starting with a dot, so a name never leaves the
-//! directory.
+//! directory. Hidden files are the directory's own: `.NAME.lock` (held by the process using
+//! session NAME, see [`SessionDir::lock`]) and the temporaries of atomic writes, which
+//! [`SessionDir::sweep`] removes once their writer is dead.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +16,33 @@ use crate::session_file::{self, Summary, EXTENSION};
 /// The session directory.
 pub struct SessionDir {
     dir: PathBuf,
+}
+
+/// Takes an exclusive advisory lock on `file` without waiting: `Ok(false)` when another open
+/// file holds it. (`File::try_lock` needs Rust 1.89, above this workspace's MSRV.)
+#[cfg(unix)]
+fn try_lock(file: &std::fs::File) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this function borrows.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    match std::io::Error::last_os_error() {
+        e if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+        e => Err(e),
+    }
+}
+
+/// Where advisory locks are not implemented, a session is never reported in use.
+#[cfg(not(unix))]
+fn try_lock(_: &std::fs::File) -> std::io::Result<bool> {
+    Ok(true)
+}
+
+/// A session held by this process ([`SessionDir::lock`]) until dropped.
+#[derive(Debug)]
+pub struct SessionLock {
+    _file: std::fs::File,
 }
 
 /// One listed session.
@@ -68,8 +97,51 @@ impl SessionDir {
         Ok(path)
     }
 
+    /// Removes what writers that died mid-save left (see
+    /// [`kvplug_core::files::remove_stale_temporaries`]), each logged; returns the files and
+    /// their sizes. Listing and removing sessions sweep first.
+    pub fn sweep(&self) -> Vec<(PathBuf, u64)> {
+        let removed = kvplug_core::files::remove_stale_temporaries(&self.dir);
+        for (path, bytes) in &removed {
+            tracing::info!(path = %path.display(), bytes, "removed a crashed writer's temporary file");
+        }
+        removed
+    }
+
+    /// Holds session `name` for this process until the lock is dropped (an advisory lock on
+    /// `.NAME.lock`, released by the kernel if the process dies): two processes using one
+    /// session would each overwrite the other's turns. Another holder is an error naming it.
+    pub fn lock(&self, name: &str) -> Result<SessionLock> {
+        self.path_for_write(name)?;
+        let path = self.dir.join(format!(".{name}.lock"));
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        if !try_lock(&file).with_context(|| format!("locking {}", path.display()))? {
+            let mut holder = String::new();
+            let _ = std::io::Read::read_to_string(&mut file, &mut holder);
+            let holder = holder.trim();
+            let by = if holder.is_empty() {
+                String::new()
+            } else {
+                format!(" (pid {holder})")
+            };
+            fail!(Invalid, "session '{name}' is in use by another process{by}: wait for it to end, or use another name");
+        }
+        use std::io::{Seek, Write};
+        let _ = file.set_len(0);
+        let _ = file.rewind();
+        let _ = write!(file, "{}", std::process::id());
+        Ok(SessionLock { _file: file })
+    }
+
     /// Every session, by name (an empty list when the directory does not exist).
     pub fn list(&self) -> Result<Vec<Listed>> {
+        self.sweep();
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -91,9 +163,12 @@ impl SessionDir {
         Ok(out)
     }
 
-    /// Deletes session `name`; an error when there is none.
+    /// Deletes session `name`; an error when there is none or another process uses it.
     pub fn remove(&self, name: &str) -> Result<()> {
         let path = self.path(name)?;
+        self.sweep();
+        let _held = self.lock(name)?;
+        let _ = std::fs::remove_file(self.dir.join(format!(".{name}.lock")));
         std::fs::remove_file(&path)
             .with_context(|| format!("no session '{name}' in {}", self.dir.display()))
     }

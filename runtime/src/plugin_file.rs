@@ -73,6 +73,15 @@ pub fn check_object(path: &Path) -> Result<(), String> {
             obj.format()
         ));
     }
+    if let Some(host) = host_architecture() {
+        if obj.architecture() != host {
+            return Err(format!(
+                "built for another architecture ({:?}); this host is {}",
+                obj.architecture(),
+                std::env::consts::ARCH
+            ));
+        }
+    }
     for seg in obj.segments() {
         let (offset, size) = seg.file_range();
         if offset.checked_add(size).is_none_or(|end| end > len) {
@@ -83,6 +92,19 @@ pub fn check_object(path: &Path) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// This process's architecture, as object files name it (None where not mapped).
+fn host_architecture() -> Option<object::Architecture> {
+    use object::Architecture as A;
+    match std::env::consts::ARCH {
+        "x86_64" => Some(A::X86_64),
+        "aarch64" => Some(A::Aarch64),
+        "x86" => Some(A::I386),
+        "arm" => Some(A::Arm),
+        "riscv64" => Some(A::Riscv64),
+        _ => None,
+    }
 }
 
 /// Opens `path` binding every symbol now (`RTLD_NOW | RTLD_LOCAL` on Unix), so a missing
@@ -118,6 +140,18 @@ mod tests {
             let e = check_object(&p).unwrap_err();
             assert!(e.contains("truncated"), "{cut}: {e}");
         }
+        // The same file claiming another machine (ELF e_machine, bytes 18..20).
+        let mut other = bytes.clone();
+        let machine = if cfg!(target_arch = "aarch64") {
+            62u16
+        } else {
+            183
+        };
+        other[18..20].copy_from_slice(&machine.to_le_bytes());
+        let p = dir.path().join("other.so");
+        std::fs::write(&p, &other).unwrap();
+        let e = check_object(&p).unwrap_err();
+        assert!(e.contains("built for another architecture"), "{e}");
         let text = dir.path().join("text.so");
         std::fs::write(&text, "not a library").unwrap();
         assert!(check_object(&text)

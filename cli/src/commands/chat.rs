@@ -43,6 +43,9 @@ pub struct Args {
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
+    sessions.sweep();
+    // Held until the chat ends: a second process on the same session is refused.
+    let _lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
     let model = kvplug::open_model(runtime, &a.backend, &a.model)?;
     let session = match &a.session {
         Some(name) => Some(sessions.path_for_write(name)?),

@@ -13,7 +13,8 @@ pub struct Args {
     /// Model: a directory or a GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// Memory for weights and K/V: bytes, or with a unit (KB, MB, GB, KiB, MiB, GiB).
+    /// Memory for weights and K/V: bytes, or with a unit (KB, MB, GB; KiB, MiB, GiB; K, M, G
+    /// are binary: 2G = 2 GiB).
     #[arg(long, value_parser = parse_bytes)]
     budget: u64,
     /// KV storage dtype.

@@ -57,6 +57,7 @@ pub struct Args {
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
+    sessions.sweep();
     let model_id = match &a.alias {
         Some(alias) => alias.clone(),
         None => a

@@ -35,6 +35,15 @@ pub enum Command {
 pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
     match command {
         Command::Ls { json } => {
+            let swept = dir.sweep();
+            if !swept.is_empty() {
+                let bytes: u64 = swept.iter().map(|s| s.1).sum();
+                eprintln!(
+                    "removed {} temporary file(s) of crashed writers ({:.1} MB)",
+                    swept.len(),
+                    bytes as f64 / 1e6
+                );
+            }
             let all = dir.list()?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&all)?);
