@@ -104,15 +104,19 @@ fn main() -> ExitCode {
         let _ = kvplug::chat_template::Sandbox::new(exe, [RENDER_TEMPLATE]).install();
     }
     ensure_runtime_dir();
+    let cli = Cli::parse();
+    let serving = matches!(cli.command, Command::Serve(_));
+    // A server's warnings (parked agents removed, constrained decoding unavailable) are
+    // its log; a command shows errors only.
+    let quiet = if serving { "warn" } else { "error" };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(quiet)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
-    if !matches!(cli.command, Command::Serve(_)) {
+    if !serving {
         // Output into a closed pipe (`kvplug session ls | head -1`) ends the process quietly,
         // as it does for other command-line tools; the server keeps Rust's default (ignored),
         // where a client going away is an error on its own connection.

@@ -459,3 +459,103 @@ fn agent_sessions_stay_hot_then_go_to_their_file_and_come_back() {
     let names = session_files(sessions.path());
     assert!(names.iter().any(|n| n.starts_with("bob.")), "{names:?}");
 }
+
+/// Parked agents' files (`NAME.<16 hex>.kvsession.safetensors`, any model) stay within
+/// `--agent-disk` (least recently written removed first) and `--agent-ttl`, at start, after
+/// each park and while idle; a named chat session is not an agent's and stays.
+#[test]
+fn parked_agents_stay_within_the_disk_budget_and_the_idle_limit() {
+    let sessions = tempfile::tempdir().unwrap();
+    let dir = sessions.path().to_path_buf();
+    let put = |name: &str, bytes: usize, age: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, vec![0u8; bytes]).unwrap();
+        let touched = Command::new("touch")
+            .arg("-d")
+            .arg(age)
+            .arg(&p)
+            .status()
+            .unwrap();
+        assert!(touched.success());
+    };
+    let agent = |name: &str| format!("{name}.0123456789abcdef.kvsession.safetensors");
+    put(&agent("old"), 1000, "2 hours ago");
+    put(&agent("a1"), 1000, "30 minutes ago");
+    put(&agent("a2"), 1000, "20 minutes ago");
+    put(&agent("a3"), 1000, "10 minutes ago");
+    put("mine.kvsession.safetensors", 5000, "3 hours ago");
+    let s = Server::start_in(
+        &model(),
+        &[
+            "--capacity",
+            "200",
+            "--max-tokens",
+            "32",
+            "--agent-disk",
+            "2500",
+            "--agent-ttl",
+            "1h",
+        ],
+        sessions,
+    );
+    // At start: "old" is idle past the hour; then a1, the oldest, until 2000 bytes fit.
+    let parked = s.engine()["parked"].clone();
+    assert_eq!(
+        parked,
+        json!({"files": 2, "bytes": 2000, "removed": 2, "limit_bytes": 2500, "limit_idle_s": 3600})
+    );
+    let mut names = session_files(&dir);
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            agent("a2"),
+            agent("a3"),
+            "mine.kvsession.safetensors".into()
+        ]
+    );
+
+    // A real park: alice's file alone is over the budget, so every agent file goes, oldest
+    // first, and her next turn is prefilled (and still answered).
+    let path = "/v1/chat/completions";
+    let q = user("What is the capital of France?");
+    let a1 = s.ok(path, &chat(&q, 24), &[("X-Session-Id", "alice")]);
+    let mut q2 = q.clone();
+    q2.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": content(&a1)}),
+        json!({"role": "user", "content": "And of Italy?"}),
+    ]);
+    // Two turns: her cells are what bob's request (as in the test above) needs.
+    s.ok(path, &chat(&q2, 24), &[("X-Session-Id", "alice")]);
+    let story = user(&format!(
+        "Summarize: {}",
+        "The quick brown fox jumps. ".repeat(18)
+    ));
+    s.ok(path, &chat(&story, 32), &[("X-Session-Id", "bob")]);
+    let parked = s.engine()["parked"].clone();
+    assert_eq!(
+        (parked["files"].as_u64(), parked["removed"].as_u64()),
+        (Some(0), Some(5)),
+        "{parked}"
+    );
+    let again = s.ok(path, &chat(&q2, 24), &[("X-Session-Id", "alice")]);
+    assert_eq!(content(&again), content(&s.ok(path, &chat(&q2, 24), &[])));
+
+    // While idle: a file past the idle limit goes within the engine's next wake (10 s).
+    let removed = s.engine()["parked"]["removed"].as_u64().unwrap();
+    put(&agent("late"), 10, "2 hours ago");
+    let started = Instant::now();
+    while dir.join(agent("late")).exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "not removed: {}",
+            s.engine()
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.engine()["parked"]["removed"], removed + 1);
+    let metric = format!("kvplug_agents_parked_removed_total {}", removed + 1);
+    assert!(s.text("/metrics").contains(&metric), "{metric}");
+    assert!(dir.join("mine.kvsession.safetensors").exists());
+}

@@ -67,6 +67,7 @@ fn main() -> Result<()> {
             capacity: 2 * n + 512,
             kv_dtype: KvDtype::F16,
             dir: files.clone(),
+            warm: Default::default(),
         },
     )?;
     let greedy = &mut Sampler::greedy();

@@ -13,10 +13,13 @@
 //! - **Model-tagged.** Files are named by agent and model fingerprint
 //!   (`AGENT.<first 16 hex>.kvsession.safetensors`), so a store for another model never
 //!   loads them and a store for the same model finds them again after a swap or a restart.
+//! - **Bounded.** The warm tier's files (every model's, in the directory) stay within
+//!   [`WarmLimits`]: those idle longer than its TTL are removed, then the least recently
+//!   parked until the rest fit its disk budget. A removed agent's next request prefills.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::path::PathBuf;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvplug_core::{CacheKind, KvDtype, MAX_SEQS};
 use kvplug_plugin_api::AbiErrorKind;
@@ -36,6 +39,32 @@ pub struct AgentStoreOptions {
     pub kv_dtype: KvDtype,
     /// The warm tier's directory (created on first use).
     pub dir: PathBuf,
+    /// What the warm tier may keep on disk.
+    pub warm: WarmLimits,
+}
+
+/// Bounds on the warm tier's files (`None`: unbounded).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WarmLimits {
+    /// Bytes all parked agents' files may take.
+    pub bytes: Option<u64>,
+    /// A parked agent's file unused this long is removed.
+    pub idle: Option<Duration>,
+}
+
+/// The warm tier on disk (see [`AgentStore::warm_usage`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WarmUsage {
+    /// Parked agents' files in the directory (any model's).
+    pub files: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Files removed by the limits since the store started.
+    pub removed: u64,
+    /// The byte budget ([`WarmLimits::bytes`]).
+    pub limit_bytes: Option<u64>,
+    /// The idle limit in seconds ([`WarmLimits::idle`]).
+    pub limit_idle_s: Option<u64>,
 }
 
 /// What one request did.
@@ -91,7 +120,14 @@ pub struct AgentStore {
     agents: HashMap<String, Agent>,
     free_seqs: Vec<i32>,
     clock: u64,
+    warm: WarmLimits,
+    usage: WarmUsage,
+    /// When the warm tier's files were last checked against its idle limit.
+    checked: Instant,
 }
+
+/// How often [`AgentStore::check_warm`] looks for files past the idle limit.
+const IDLE_CHECK: Duration = Duration::from_secs(10);
 
 /// Published token lists kept to explain prefix misses.
 const PUBLISHED_KEPT: usize = 32;
@@ -130,6 +166,50 @@ pub fn check_agent_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The parked agents' files in `dir` (any model's): their count and bytes.
+pub fn parked_in(dir: &Path) -> Result<WarmUsage> {
+    let files = warm_files(dir)?;
+    Ok(WarmUsage {
+        files: files.len(),
+        bytes: files.iter().map(|f| f.bytes).sum(),
+        ..WarmUsage::default()
+    })
+}
+
+/// One parked agent's file.
+struct WarmFile {
+    path: PathBuf,
+    agent: String,
+    bytes: u64,
+    modified: SystemTime,
+}
+
+/// The parked agents' files in `dir` (`AGENT.<16 hex>.kvsession.safetensors`, any model);
+/// none when it does not exist.
+fn warm_files(dir: &Path) -> Result<Vec<WarmFile>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("listing {}", dir.display())),
+    };
+    let suffix = format!(".{EXTENSION}");
+    Ok(entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let (agent, model) = name.strip_suffix(&suffix)?.rsplit_once('.')?;
+            let tagged = model.len() == 16 && model.bytes().all(|b| b.is_ascii_hexdigit());
+            let meta = e.metadata().ok().filter(|m| m.is_file())?;
+            (tagged && check_agent_name(agent).is_ok()).then(|| WarmFile {
+                path: e.path(),
+                agent: agent.to_string(),
+                bytes: meta.len(),
+                modified: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+            })
+        })
+        .collect())
+}
+
 fn tokens_u32(t: &[i32]) -> Vec<u32> {
     t.iter().map(|&x| x as u32).collect()
 }
@@ -142,7 +222,7 @@ impl AgentStore {
     /// A store for `model`, on a seq context of its own.
     pub fn new(model: &Model, opts: AgentStoreOptions) -> Result<Self> {
         let cache = model.context(CacheKind::Seq, opts.capacity, opts.kv_dtype)?;
-        Ok(AgentStore {
+        let mut store = AgentStore {
             published: VecDeque::new(),
             cache,
             fingerprint: model_fingerprint(model.dir())?,
@@ -150,7 +230,78 @@ impl AgentStore {
             agents: HashMap::new(),
             free_seqs: (0..MAX_SEQS as i32).rev().collect(),
             clock: 0,
-        })
+            warm: opts.warm,
+            usage: WarmUsage {
+                limit_bytes: opts.warm.bytes,
+                limit_idle_s: opts.warm.idle.map(|d| d.as_secs()),
+                ..WarmUsage::default()
+            },
+            checked: Instant::now(),
+        };
+        store.enforce_warm();
+        Ok(store)
+    }
+
+    /// The warm tier's files as last counted.
+    pub fn warm_usage(&self) -> WarmUsage {
+        self.usage
+    }
+
+    /// Applies [`WarmLimits`] if they were last applied over [`IDLE_CHECK`] ago (a server
+    /// calls this between steps and when idle); parking applies them at once.
+    pub fn check_warm(&mut self) {
+        if self.checked.elapsed() >= IDLE_CHECK {
+            self.enforce_warm();
+        }
+    }
+
+    /// [`AgentStore::remove_past_limits`], its failure logged: the files stay, the requests
+    /// go on.
+    fn enforce_warm(&mut self) {
+        self.checked = Instant::now();
+        if let Err(e) = self.remove_past_limits() {
+            tracing::error!("applying the parked agents' limits: {e}");
+        }
+    }
+
+    /// Removes parked agents' files past the idle limit, then the least recently written
+    /// until the rest fit the byte budget; each removal is logged, and an agent whose file
+    /// goes is forgotten unless it is hot. Recounts [`WarmUsage`].
+    fn remove_past_limits(&mut self) -> Result<()> {
+        let mut files = warm_files(&self.dir)?;
+        files.sort_by_key(|f| f.modified);
+        let now = SystemTime::now();
+        let mut total: u64 = files.iter().map(|f| f.bytes).sum();
+        let mut kept = Vec::with_capacity(files.len());
+        for f in files {
+            let idle = now.duration_since(f.modified).unwrap_or_default();
+            let why = if self.warm.idle.is_some_and(|limit| idle > limit) {
+                Some("idle past the limit")
+            } else if self.warm.bytes.is_some_and(|limit| total > limit) {
+                Some("over the disk budget")
+            } else {
+                None
+            };
+            match why {
+                Some(why) => match std::fs::remove_file(&f.path) {
+                    Ok(()) => {
+                        total -= f.bytes;
+                        self.usage.removed += 1;
+                        tracing::warn!(agent = %f.agent, bytes = f.bytes, idle_s = idle.as_secs(), "parked agent removed: {why}");
+                        if self.agents.get(&f.agent).is_some_and(|a| a.seq.is_none()) {
+                            self.agents.remove(&f.agent);
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => total -= f.bytes,
+                    Err(e) => {
+                        return Err(e).with_context(|| format!("removing {}", f.path.display()))
+                    }
+                },
+                None => kept.push(f),
+            }
+        }
+        (self.usage.files, self.usage.bytes) = (kept.len(), total);
+        Ok(())
     }
 
     /// The context (statistics, prefix sizes).
@@ -558,6 +709,7 @@ impl AgentStore {
         a.seq = None;
         self.free_seqs.push(seq);
         tracing::debug!(agent = name, tokens = session.tokens.len(), "agent parked");
+        self.enforce_warm();
         Ok(())
     }
 

@@ -42,7 +42,7 @@ pub mod stop;
 pub mod text;
 pub mod tools;
 
-pub use agent_store::{AgentStore, AgentStoreOptions};
+pub use agent_store::{AgentStore, AgentStoreOptions, WarmLimits, WarmUsage};
 pub use chat::{Chat, ChatOptions};
 pub use error::{Error, Result};
 pub use formats::open_model;

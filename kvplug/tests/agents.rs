@@ -26,6 +26,7 @@ fn store(rt: &Runtime, backend: &str, model: &Path, capacity: usize, dir: &Path)
         capacity,
         kv_dtype: KvDtype::F16,
         dir: dir.to_path_buf(),
+        warm: Default::default(),
     };
     AgentStore::new(&common::model(rt, backend, model), opts).unwrap()
 }

@@ -9,7 +9,7 @@
 //! steps, this module admits, reports and retires.
 
 use std::collections::VecDeque;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -94,6 +94,9 @@ pub struct CachedTokens {
     pub cached_tokens: usize,
 }
 
+/// How long an idle engine waits for a request before checking its parked agents' limits.
+const IDLE_WAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What `/health` shows.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Status {
@@ -107,6 +110,8 @@ pub struct Status {
     pub completed: u64,
     /// The seq cache (cells, bytes, prefix index).
     pub cache: Option<CacheReport>,
+    /// Parked agents' files: count, bytes, removals, limits.
+    pub parked: kvplug::WarmUsage,
 }
 
 /// Batcher limits.
@@ -203,9 +208,15 @@ impl Engine {
         self.report();
         loop {
             if self.active.is_empty() && self.queue.is_empty() {
-                match rx.recv() {
+                // Idle: wake now and then to expire parked agents.
+                match rx.recv_timeout(IDLE_WAKE) {
                     Ok(r) => self.enqueue(r),
-                    Err(_) => break,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.store.check_warm();
+                        self.report();
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
                 }
             }
             loop {
@@ -225,6 +236,7 @@ impl Engine {
             if !self.active.is_empty() {
                 self.step()?;
             }
+            self.store.check_warm();
             self.report();
         }
         self.store.park_all()
@@ -606,9 +618,11 @@ impl Engine {
             self.active.len(),
             cache.as_ref(),
             self.store.agents_hot_and_parked(),
+            self.store.warm_usage(),
             (masks, mask_time),
         );
         let mut s = self.status.lock().expect("status lock");
         (s.active, s.queued, s.cache) = (self.active.len(), self.queue.len(), cache);
+        s.parked = self.store.warm_usage();
     }
 }

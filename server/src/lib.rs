@@ -70,6 +70,8 @@ pub struct ServerConfig {
     pub max_body: usize,
     /// The agents' session files.
     pub session_dir: PathBuf,
+    /// What parked agents may keep there.
+    pub parked: kvplug::WarmLimits,
     /// Whether answers say where their prompt's reuse ended (the `x-kvplug-prefix` header:
     /// it shows the token of a recent request's prompt, possibly another client's, where
     /// this prompt departs from it; turn off where clients must not learn of each other's
@@ -139,6 +141,7 @@ impl Server {
                 capacity: config.capacity,
                 kv_dtype: config.kv_dtype,
                 dir: config.session_dir.clone(),
+                warm: config.parked,
             },
         )?;
         let listener = std::net::TcpListener::bind(config.addr)

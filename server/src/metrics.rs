@@ -58,6 +58,7 @@ struct Gauges {
     cells_evictable: u64,
     agents_hot: usize,
     agents_parked: usize,
+    parked: kvplug::WarmUsage,
     masks: u64,
     mask_seconds: f64,
 }
@@ -140,6 +141,7 @@ impl Metrics {
         active: usize,
         cache: Option<&CacheReport>,
         (agents_hot, agents_parked): (usize, usize),
+        parked: kvplug::WarmUsage,
         (masks, mask_time): (u64, Duration),
     ) {
         let mut g = self.gauges.lock().expect("metrics lock");
@@ -150,6 +152,7 @@ impl Metrics {
             cells_evictable: cache.map_or(0, |c| c.prefix_evictable),
             agents_hot,
             agents_parked,
+            parked,
             masks,
             mask_seconds: mask_time.as_secs_f64(),
         };
@@ -239,6 +242,18 @@ impl Metrics {
             "kvplug_agents_parked",
             "Agents whose history is in their session file.",
             g.agents_parked as f64,
+        );
+        gauge(
+            &mut out,
+            "kvplug_agents_parked_bytes",
+            "Bytes of parked agents' session files (every model's).",
+            g.parked.bytes as f64,
+        );
+        counter(
+            &mut out,
+            "kvplug_agents_parked_removed_total",
+            "Parked agents' files removed past the disk budget or the idle limit.",
+            g.parked.removed,
         );
         counter(
             &mut out,

@@ -4,10 +4,11 @@ use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kvplug::session_dir::SessionDir;
-use kvplug::{KvDtype, Runtime};
+use kvplug::{KvDtype, Runtime, WarmLimits};
 use kvplug_server::{Server, ServerConfig};
 
 /// `kvplug serve`'s arguments.
@@ -50,6 +51,13 @@ pub struct Args {
     /// Largest request body in bytes; larger bodies get 413.
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
+    /// Disk the parked agents' session files may take, every model's (bytes, or with a unit
+    /// as in `plan --budget`; 0: unbounded); past it the least recently parked are removed.
+    #[arg(long, default_value = "4GiB", value_parser = kvplug::plan::parse_bytes)]
+    agent_disk: u64,
+    /// Parked agents unused this long are removed (e.g. 90s, 30m, 24h, 7d; 0: never).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    agent_ttl: Duration,
     /// Leave out the x-kvplug-prefix header, which shows the token where a prompt departs
     /// from a recent request's — possibly another client's — prompt.
     #[arg(long)]
@@ -80,6 +88,10 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_body: a.max_body,
         session_dir: sessions.dir().to_path_buf(),
         prefix_header: !a.no_prefix_header,
+        parked: WarmLimits {
+            bytes: (a.agent_disk > 0).then_some(a.agent_disk),
+            idle: (!a.agent_ttl.is_zero()).then_some(a.agent_ttl),
+        },
     };
     let server = Server::bind(runtime, config)?;
     println!(
@@ -92,4 +104,24 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     std::io::stdout().flush()?;
     server.run(|| eprintln!("kvplug serve: shutting down (finishing requests in flight)"))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `90s`, `30m`, `24h`, `7d`, or plain seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|e| format!("'{s}': {e} (expected e.g. 24h)"))?;
+    let scale = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        u => return Err(format!("'{s}': unknown unit '{u}' (s, m, h or d)")),
+    };
+    n.checked_mul(scale)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("'{s}' is too long"))
 }

@@ -67,6 +67,15 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                     Err(e) => println!("{:<24} unreadable: {e}", l.name),
                 }
             }
+            let parked = kvplug::agent_store::parked_in(dir.dir())?;
+            if parked.files > 0 {
+                println!(
+                    "parked agents (NAME.<model>): {} files, {:.1} MB; kvplug serve keeps them \
+                     within --agent-disk and --agent-ttl",
+                    parked.files,
+                    parked.bytes as f64 / 1e6
+                );
+            }
         }
         Command::Show { name, model } => {
             let path = dir.path(&name)?;

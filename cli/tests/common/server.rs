@@ -26,13 +26,17 @@ pub struct Server {
 impl Server {
     /// Starts `kvplug serve` on `model` with `args` (any port), the cpu plugin alone.
     pub fn start(model: &Path, args: &[&str]) -> Server {
+        Server::start_in(model, args, tempfile::tempdir().unwrap())
+    }
+
+    /// [`Server::start`] with `sessions` as its session directory.
+    pub fn start_in(model: &Path, args: &[&str], sessions: tempfile::TempDir) -> Server {
         let plugins = tempfile::tempdir().unwrap();
         std::fs::copy(
             target_dir().join("libkvplug_cpu.so"),
             plugins.path().join("libkvplug_cpu.so"),
         )
         .expect("run `cargo build --workspace` first");
-        let sessions = tempfile::tempdir().unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvplug"))
             .arg("--plugins")
             .arg(plugins.path())
