@@ -6,7 +6,7 @@ use kvplug::Sampler;
 #[derive(clap::Args)]
 pub struct SamplingArgs {
     /// Sampling temperature, finite and >= 0 (0 = greedy, the default).
-    #[arg(long, alias = "temp", default_value_t = 0.0, value_parser = temperature, allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "temp", default_value_t = 0.0, value_parser = temperature, allow_negative_numbers = true)]
     temperature: f32,
     /// Nucleus mass, in (0, 1].
     #[arg(long, default_value_t = 1.0, value_parser = top_p)]

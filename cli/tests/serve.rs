@@ -559,3 +559,67 @@ fn parked_agents_stay_within_the_disk_budget_and_the_idle_limit() {
     assert!(s.text("/metrics").contains(&metric), "{metric}");
     assert!(dir.join("mine.kvsession.safetensors").exists());
 }
+
+/// A client that never finishes its headers is disconnected after `--header-timeout`, and
+/// the server answers others meanwhile; of simultaneous requests, exactly `parallel +
+/// max-queue` are taken and the 429s say so.
+#[test]
+fn half_sent_requests_time_out_and_busy_answers_add_up() {
+    use std::io::{Read, Write};
+    let s = Server::start(
+        &model(),
+        &[
+            "--header-timeout",
+            "2s",
+            "--parallel",
+            "4",
+            "--max-queue",
+            "2",
+        ],
+    );
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    slow.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 512];
+    let n = slow.read(&mut buf).unwrap_or(0);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(10),
+        "closed after {waited:?}"
+    );
+    // hyper may answer 408 before closing; either way the connection ends.
+    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "{head}");
+    assert_eq!(slow.read(&mut buf).unwrap_or(0), 0, "still open");
+
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": true,
+                      "temperature": 0});
+    let answers: Vec<(u16, Value)> = thread::scope(|scope| {
+        let all: Vec<_> = (0..10)
+            .map(|_| scope.spawn(|| s.post("/v1/completions", &long, &[])))
+            .collect();
+        all.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let busy: Vec<&Value> = answers
+        .iter()
+        .filter(|a| a.0 == 429)
+        .map(|a| &a.1)
+        .collect();
+    assert_eq!(
+        answers.iter().filter(|a| a.0 == 200).count(),
+        6,
+        "{answers:?}"
+    );
+    assert_eq!(busy.len(), 4, "{answers:?}");
+    for b in busy {
+        let m = b["error"]["message"].as_str().unwrap();
+        assert!(
+            m.contains("holds 6 requests (at most 4 in flight and 2 waiting)"),
+            "{m}"
+        );
+    }
+}

@@ -242,13 +242,17 @@ impl Engine {
         self.store.park_all()
     }
 
+    /// Queues `r`, or answers 429 when the server already holds `parallel + max_queue`
+    /// requests (counting those queued but not yet admitted into free slots: requests that
+    /// arrive together are all queued before any is admitted).
     fn enqueue(&mut self, r: GenRequest) {
-        if self.queue.len() >= self.limits.max_queue {
+        let held = self.active.len() + self.queue.len();
+        if held >= self.limits.parallel + self.limits.max_queue {
             let _ = r.events.send(Event::Failed(ApiError::busy(
                 format!(
-                    "{} requests in flight and {} waiting: retry later",
-                    self.active.len(),
-                    self.queue.len()
+                    "the server holds {held} requests (at most {} in flight and {} waiting): \
+                     retry later",
+                    self.limits.parallel, self.limits.max_queue
                 ),
                 1,
             )));

@@ -72,6 +72,8 @@ pub struct ServerConfig {
     pub session_dir: PathBuf,
     /// What parked agents may keep there.
     pub parked: kvplug::WarmLimits,
+    /// How long a client may take to send a request's headers.
+    pub header_timeout: std::time::Duration,
     /// Whether answers say where their prompt's reuse ended (the `x-kvplug-prefix` header:
     /// it shows the token of a recent request's prompt, possibly another client's, where
     /// this prompt departs from it; turn off where clients must not learn of each other's
@@ -124,6 +126,11 @@ impl Server {
                 "parallel takes 1..={} requests",
                 kvplug_core::MAX_SEQS
             )));
+        }
+        if config.header_timeout.is_zero() {
+            return Err(ServerError::Config(
+                "the header timeout must be above zero".into(),
+            ));
         }
         let model = kvplug::open_model(runtime, &config.backend, &config.model)?;
         let text = Arc::new(Text::load(model.dir())?);
@@ -197,6 +204,7 @@ impl Server {
             metrics: metrics.clone(),
         });
         let app = routes::router(shared, config.max_body);
+        let header_timeout = config.header_timeout;
         let http = std::thread::Builder::new()
             .name("kvplug-http".into())
             .spawn(move || -> Result<(), ServerError> {
@@ -208,10 +216,8 @@ impl Server {
                 rt.block_on(async {
                     let listener =
                         tokio::net::TcpListener::from_std(listener).map_err(io("the listener"))?;
-                    axum::serve(listener, app)
-                        .with_graceful_shutdown(shutdown_signal(on_shutdown))
-                        .await
-                        .map_err(io("serving"))
+                    serve_http(listener, app, header_timeout, shutdown_signal(on_shutdown)).await;
+                    Ok(())
                 })
             })
             .map_err(io("starting the HTTP thread"))?;
@@ -223,6 +229,49 @@ impl Server {
         Engine::new(store, text, limits, status, metrics).run(rx)?;
         http.join().map_err(|_| ServerError::HttpThread)?
     }
+}
+
+/// Serves HTTP/1 connections from `listener` with `app` until `shutdown` completes, then
+/// waits for the connections in flight. A client must send a request's headers within
+/// `header_timeout` of connecting or of its previous request, else its connection is
+/// closed (half-sent requests held connections forever).
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    header_timeout: std::time::Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let service = hyper_util::service::TowerToHyperService::new(app.clone());
+                    let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!("connection ended: {e}");
+                        }
+                    });
+                }
+                // Out of descriptors and the like: the listener stays, later accepts may work.
+                Err(e) => {
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+            },
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    drop(app);
+    graceful.shutdown().await;
 }
 
 async fn shutdown_signal(on_shutdown: impl FnOnce()) {

@@ -58,6 +58,10 @@ pub struct Args {
     /// Parked agents unused this long are removed (e.g. 90s, 30m, 24h, 7d; 0: never).
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     agent_ttl: Duration,
+    /// A client must send a request's headers within this time of connecting (or of its
+    /// previous request on the connection), else it is disconnected.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    header_timeout: Duration,
     /// Leave out the x-kvplug-prefix header, which shows the token where a prompt departs
     /// from a recent request's — possibly another client's — prompt.
     #[arg(long)]
@@ -88,6 +92,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_body: a.max_body,
         session_dir: sessions.dir().to_path_buf(),
         prefix_header: !a.no_prefix_header,
+        header_timeout: a.header_timeout,
         parked: WarmLimits {
             bytes: (a.agent_disk > 0).then_some(a.agent_disk),
             idle: (!a.agent_ttl.is_zero()).then_some(a.agent_ttl),
