@@ -62,6 +62,22 @@ pub struct TurnReport {
     pub prefilled_tokens: usize,
     /// Generated tokens per second.
     pub decode_tok_s: f64,
+    /// The oldest messages (after the system message) left out so the conversation fits the
+    /// capacity; what followed them was prefilled again.
+    pub dropped_messages: usize,
+}
+
+/// Where a conversation stands.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ChatStats {
+    /// Messages, the system message included.
+    pub messages: usize,
+    /// Tokens the cache holds.
+    pub tokens: usize,
+    /// The cache's capacity in tokens.
+    pub capacity: usize,
+    /// The session file, if any.
+    pub session: Option<PathBuf>,
 }
 
 /// One conversation: its messages, and the tokens its cache holds.
@@ -74,8 +90,11 @@ pub struct Chat {
     capacity: usize,
     max_new: usize,
     sampler: Sampler,
-    /// The session file and the model's fingerprint.
-    file: Option<(PathBuf, String)>,
+    /// The session file, if any: written after every turn.
+    file: Option<PathBuf>,
+    /// The model's directory, and its fingerprint once a session needed it.
+    dir: PathBuf,
+    fingerprint: Option<String>,
     restored: Option<Restored>,
 }
 
@@ -93,13 +112,14 @@ impl Chat {
                 dir.display()
             );
         }
-        let file = opts
+        let fingerprint = opts
             .session
-            .map(|p| Ok::<_, crate::Error>((p, model_fingerprint(dir)?)))
+            .as_ref()
+            .map(|_| model_fingerprint(dir))
             .transpose()?;
         let t = Instant::now();
-        let saved = match &file {
-            Some((path, fp)) if path.exists() => {
+        let saved = match (&opts.session, &fingerprint) {
+            (Some(path), Some(fp)) if path.exists() => {
                 let s = session_file::read(path)?;
                 s.check_fits(path, fp, opts.capacity)?;
                 Some(s)
@@ -117,42 +137,112 @@ impl Chat {
             (a, b) => a.or(b).unwrap_or(KvDtype::F16),
         };
         let ctx = model.context(CacheKind::Contiguous, opts.capacity, kv_dtype)?;
-        let mut messages: Vec<Message> = opts
+        let messages: Vec<Message> = opts
             .system
             .as_deref()
             .map(|s| Message::new("system", s))
             .into_iter()
             .collect();
-        let (mut cached, mut restored) = (Vec::new(), None);
+        let mut chat = Chat {
+            text,
+            ctx,
+            messages,
+            cached: Vec::new(),
+            capacity: opts.capacity,
+            max_new: opts.max_new,
+            sampler: opts.sampler,
+            file: opts.session,
+            dir: dir.to_path_buf(),
+            fingerprint,
+            restored: None,
+        };
         if let Some(s) = saved {
-            let saved_messages: Vec<Message> =
-                serde_json::from_str(s.app.get(MESSAGES_KEY).map_or("[]", String::as_str))
-                    .context("the session's messages")?;
-            if !messages.is_empty() && saved_messages.first() != messages.first() {
+            let saved_messages = session_messages(&s)?;
+            if !chat.messages.is_empty() && saved_messages.first() != chat.messages.first() {
                 fail!(
                     Invalid,
                     "the session has its own system message, not the one given"
                 );
             }
-            ctx.import_seq(0, &s.rows)?;
-            restored = Some(Restored {
-                tokens: s.tokens.len(),
-                messages: saved_messages.len(),
-                seconds: t.elapsed().as_secs_f64(),
-            });
-            (messages, cached) = (saved_messages, s.tokens);
+            chat.restored = Some(chat.restore(s, saved_messages, t)?);
         }
-        Ok(Chat {
-            text,
-            ctx,
-            messages,
-            cached,
-            capacity: opts.capacity,
-            max_new: opts.max_new,
-            sampler: opts.sampler,
-            file,
-            restored,
-        })
+        Ok(chat)
+    }
+
+    /// Puts session `s` (checked against this model and capacity) in the cache in place of
+    /// the conversation.
+    fn restore(
+        &mut self,
+        s: Session,
+        messages: Vec<Message>,
+        started: Instant,
+    ) -> Result<Restored> {
+        self.ctx.rewind(0)?;
+        self.cached.clear();
+        self.ctx.import_seq(0, &s.rows)?;
+        let restored = Restored {
+            tokens: s.tokens.len(),
+            messages: messages.len(),
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        (self.messages, self.cached) = (messages, s.tokens);
+        Ok(restored)
+    }
+
+    /// The model's fingerprint (taken once).
+    fn fingerprint(&mut self) -> Result<String> {
+        if self.fingerprint.is_none() {
+            self.fingerprint = Some(model_fingerprint(&self.dir)?);
+        }
+        Ok(self.fingerprint.clone().expect("just set"))
+    }
+
+    /// Replaces the conversation with the one saved in `path` (refused, the conversation
+    /// untouched, if the file cannot be read, belongs to another model, does not fit the
+    /// capacity or stores another KV dtype); later turns save there.
+    pub fn load(&mut self, path: PathBuf) -> Result<Restored> {
+        let t = Instant::now();
+        let fp = self.fingerprint()?;
+        let s = session_file::read(&path)?;
+        s.check_fits(&path, &fp, self.capacity)?;
+        let messages = session_messages(&s)?;
+        let restored = self.restore(s, messages, t)?;
+        self.file = Some(path);
+        Ok(restored)
+    }
+
+    /// Saves the conversation to `path` now, and after every later turn; returns its bytes.
+    pub fn save_as(&mut self, path: PathBuf) -> Result<u64> {
+        self.fingerprint()?;
+        self.file = Some(path);
+        Ok(self.save()?.expect("a session file was just set"))
+    }
+
+    /// Starts a new conversation: no messages but the system message — `system` when given,
+    /// else the current one (an empty `system` removes it). The cache keeps what the new
+    /// conversation's first prompt still shares with it.
+    pub fn clear(&mut self, system: Option<&str>) {
+        let current = self
+            .messages
+            .first()
+            .filter(|m| m.role == "system")
+            .cloned();
+        let system = match system {
+            Some("") => None,
+            Some(s) => Some(Message::new("system", s)),
+            None => current,
+        };
+        self.messages = system.into_iter().collect();
+    }
+
+    /// Where the conversation stands.
+    pub fn stats(&self) -> ChatStats {
+        ChatStats {
+            messages: self.messages.len(),
+            tokens: self.cached.len(),
+            capacity: self.capacity,
+            session: self.file.clone(),
+        }
     }
 
     /// What was restored from the session file, if anything.
@@ -167,7 +257,7 @@ impl Chat {
 
     /// Writes the session file (atomically), if the chat has one; returns its bytes.
     pub fn save(&self) -> Result<Option<u64>> {
-        let Some((path, fingerprint)) = &self.file else {
+        let (Some(path), Some(fingerprint)) = (&self.file, &self.fingerprint) else {
             return Ok(None);
         };
         let session = Session {
@@ -185,7 +275,10 @@ impl Chat {
 
     /// Answers `user`: renders the whole conversation, reuses the cached tokens it starts
     /// with, prefills the rest, and decodes to the end of the turn. `on_text` gets the answer
-    /// as it is produced.
+    /// as it is produced; its error ends the turn, which then leaves the conversation as it
+    /// was (a stopped answer is not kept). When the conversation no longer fits the
+    /// capacity with `max_new` tokens of answer, its oldest messages after the system
+    /// message are left out (the report says how many) and the rest is prefilled again.
     pub fn turn(
         &mut self,
         user: &str,
@@ -193,33 +286,38 @@ impl Chat {
     ) -> Result<TurnReport> {
         let mut messages = self.messages.clone();
         messages.push(Message::new("user", user));
-        let prompt = self.text.encode(&self.text.render(&messages)?)?;
+        let first = usize::from(messages.first().is_some_and(|m| m.role == "system"));
+        let mut dropped = 0;
+        let prompt = loop {
+            let prompt = self.text.encode(&self.text.render(&messages)?)?;
+            if prompt.len() + self.max_new <= self.capacity {
+                break prompt;
+            }
+            if messages.len() - first <= 1 {
+                fail!(
+                    Invalid,
+                    "this message ({} tokens with the system message) + max_new ({}) does not \
+                     fit the capacity {}",
+                    prompt.len(),
+                    self.max_new,
+                    self.capacity
+                );
+            }
+            // The oldest exchange: a user message and what answered it, up to the next user
+            // message.
+            let end = (first + 1..messages.len() - 1)
+                .find(|&i| messages[i].role == "user")
+                .unwrap_or(messages.len() - 1);
+            dropped += end - first;
+            messages.drain(first..end);
+        };
         let reused = prompt
             .iter()
             .zip(&self.cached)
             .take_while(|(a, b)| a == b)
             .count()
             .min(prompt.len() - 1);
-        if prompt.len() + self.max_new > self.capacity {
-            fail!(
-                Invalid,
-                "the conversation ({} tokens) + max_new ({}) no longer fits the capacity {}",
-                prompt.len(),
-                self.max_new,
-                self.capacity
-            );
-        }
-        let reused = match self.ctx.rewind(reused) {
-            Ok(()) => reused,
-            // The sliding layers of a hybrid cache no longer hold the rows the rewound
-            // history would need: start the conversation's cache over.
-            Err(e) if e.kind == AbiErrorKind::OutOfWindow => {
-                self.ctx.rewind(0)?;
-                0
-            }
-            Err(e) => return Err(e.into()),
-        };
-        self.cached.truncate(reused);
+        let reused = self.rewind(reused)?;
         let fresh = &prompt[reused..];
         let opts = GenOptions {
             max_tokens: self.max_new,
@@ -228,12 +326,23 @@ impl Chat {
             ..GenOptions::default()
         };
         let text = Some(self.text.clone());
-        let g = generate(&mut self.ctx, text, 0, fresh, reused, opts, &mut |e| {
+        let generated = generate(&mut self.ctx, text, 0, fresh, reused, opts, &mut |e| {
             on_text(&e.text)
-        })?;
-        if !g.text_tail.is_empty() {
-            on_text(&g.text_tail)?;
-        }
+        })
+        .and_then(|g| {
+            if !g.text_tail.is_empty() {
+                on_text(&g.text_tail)?;
+            }
+            Ok(g)
+        });
+        let g = match generated {
+            Ok(g) => g,
+            Err(e) => {
+                // The cache keeps the history the conversation still has.
+                self.rewind(reused)?;
+                return Err(e);
+            }
+        };
         // The sampler's stream goes on from where this turn left it.
         self.sampler = g.sampler.clone();
         // Every generated id but the last was run; the next turn's prompt decides whether
@@ -251,6 +360,29 @@ impl Chat {
             ids: g.ids,
             reused_tokens: reused,
             prefilled_tokens: fresh.len(),
+            dropped_messages: dropped,
         })
     }
+
+    /// Keeps the cache's first `n` tokens (all of them if it starts over: a hybrid cache's
+    /// sliding layers may no longer hold the rows a shorter history needs); returns how many
+    /// it keeps.
+    fn rewind(&mut self, n: usize) -> Result<usize> {
+        let kept = match self.ctx.rewind(n) {
+            Ok(()) => n,
+            Err(e) if e.kind == AbiErrorKind::OutOfWindow => {
+                self.ctx.rewind(0)?;
+                0
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.cached.truncate(kept);
+        Ok(kept)
+    }
+}
+
+/// The messages a chat's session file holds.
+fn session_messages(s: &Session) -> Result<Vec<Message>> {
+    serde_json::from_str(s.app.get(MESSAGES_KEY).map_or("[]", String::as_str))
+        .context("the session's messages")
 }

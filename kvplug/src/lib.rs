@@ -43,7 +43,7 @@ pub mod text;
 pub mod tools;
 
 pub use agent_store::{AgentStore, AgentStoreOptions, WarmLimits, WarmUsage};
-pub use chat::{Chat, ChatOptions};
+pub use chat::{Chat, ChatOptions, ChatStats};
 pub use error::{Error, Result};
 pub use formats::open_model;
 pub use generator::{generate, Finish, GenOptions, Generator, TokenEvent, PREFILL_UBATCH};

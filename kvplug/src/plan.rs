@@ -192,6 +192,30 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     })
 }
 
+/// The cache capacity a conversation on `model` gets by default: the context it was trained
+/// on (`max_position_embeddings`, else 4096), bounded by the tokens whose K/V (in `kv_dtype`)
+/// fit half the memory the system has available now.
+pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
+    let dir = crate::formats::resolve_model(model)?;
+    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
+    let spec = ModelConfig::parse(&text)
+        .with_context(|| format!("{}", dir.join("config.json").display()))?
+        .cache_spec();
+    let config: serde_json::Value = serde_json::from_str(&text)?;
+    let trained = config["max_position_embeddings"]
+        .as_u64()
+        .map_or(4096, |n| {
+            n.min(kvplug_core::limits::MAX_CAPACITY as u64) as usize
+        });
+    let Some(available) = kvplug_core::limits::available_memory() else {
+        return Ok(trained);
+    };
+    let fits = largest(trained, |n| {
+        spec.sequence_bytes(kv_dtype, n, PREFILL_UBATCH) <= (available / 2) as u128
+    });
+    Ok(fits.max(1))
+}
+
 fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
 }

@@ -132,6 +132,76 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
     }
 }
 
+/// A chat outgrowing its capacity leaves out its oldest exchanges (never the system message)
+/// and goes on; a turn whose callback fails (Ctrl-C in the CLI) leaves the conversation and
+/// the cache as they were; `clear` keeps the system message; `save_as`/`load` round-trip.
+#[test]
+fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
+    let rt = runtime();
+    let model = common::model(&rt, "cpu", &gguf::resolve_model(&smollm2()).unwrap());
+    let text = Text::load(model.dir()).unwrap();
+    let opts = ChatOptions {
+        system: Some("You answer in one short sentence.".into()),
+        capacity: 110,
+        kv_dtype: None,
+        max_new: 24,
+        sampler: Sampler::greedy(),
+        session: None,
+    };
+    let mut chat = Chat::new(&model, opts).unwrap();
+    let questions = [
+        "What is the capital of France?",
+        "What is the capital of Italy?",
+        "What is the capital of Spain?",
+        "What is the capital of Japan?",
+        "What is the capital of Peru?",
+    ];
+    let mut dropped = 0;
+    for q in questions {
+        let before = chat.messages().to_vec();
+        let r = chat.turn(q, &mut |_| Ok(())).unwrap();
+        dropped += r.dropped_messages;
+        // The prompt was the rendering of what the conversation kept.
+        let mut kept = chat.messages().to_vec();
+        kept.pop();
+        assert_eq!(kept[0].role, "system");
+        assert_eq!(kept.last().unwrap().content, q);
+        assert_eq!(&kept[1..kept.len() - 1], &before[1 + r.dropped_messages..]);
+        let prompt = text.encode(&text.render(&kept).unwrap()).unwrap().len();
+        assert_eq!(r.reused_tokens + r.prefilled_tokens, prompt);
+        assert!(prompt + 24 <= 110 && chat.stats().tokens <= 110);
+    }
+    assert!(dropped >= 2 && dropped % 2 == 0, "dropped {dropped}");
+
+    // A failing callback: the turn is dropped; the cache keeps the conversation's history.
+    let (messages, tokens) = (chat.messages().to_vec(), chat.stats().tokens);
+    let stopped = chat.turn("Tell me a long story.", &mut |_| {
+        Err(kvplug::Error::Invalid("stopped".into()))
+    });
+    assert!(stopped.is_err());
+    // (The cache keeps what the stopped turn's prompt shared with it.)
+    assert_eq!(chat.messages(), messages.as_slice());
+    assert!((1..=tokens).contains(&chat.stats().tokens));
+    let r = chat
+        .turn("What is the capital of Chile?", &mut |_| Ok(()))
+        .unwrap();
+    assert!(r.reused_tokens > 0);
+
+    // save_as, then load into a cleared chat: the same conversation and tokens.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("c.kvsession.safetensors");
+    chat.save_as(file.clone()).unwrap();
+    let (messages, tokens) = (chat.messages().to_vec(), chat.stats().tokens);
+    chat.clear(None);
+    assert_eq!(chat.messages(), &messages[..1], "the system message stays");
+    let restored = chat.load(file).unwrap();
+    assert_eq!(
+        (restored.messages, restored.tokens),
+        (messages.len(), tokens)
+    );
+    assert_eq!(chat.messages(), messages.as_slice());
+}
+
 fn gemma3() -> PathBuf {
     model_file("gemma-3-270m-q4_k_m.gguf")
 }

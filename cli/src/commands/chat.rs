@@ -1,12 +1,15 @@
-//! `kvplug chat`: one user turn per line of stdin.
+//! `kvplug chat`: a conversation on a terminal (a line editor with history, multi-line
+//! input, commands, Ctrl-C stopping an answer) or over a pipe (a turn per line).
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use anyhow::{bail, Context, Result};
-use kvplug::session_dir::SessionDir;
-use kvplug::{Chat, ChatOptions, Runtime};
+use kvplug::session_dir::{SessionDir, SessionLock};
+use kvplug::{Chat, ChatOptions, KvDtype, Runtime};
 
 use crate::sampling::SamplingArgs;
 
@@ -25,9 +28,10 @@ pub struct Args {
     /// Most tokens per answer.
     #[arg(long, default_value_t = 256)]
     max_new: usize,
-    /// Cache capacity in cells (the whole conversation).
-    #[arg(long, default_value_t = 4096)]
-    capacity: usize,
+    /// Cache capacity in cells (the whole conversation; older messages are left out beyond
+    /// it). Default: the model's trained context, bounded by half the available memory.
+    #[arg(long)]
+    capacity: Option<usize>,
     /// KV storage dtype (default: the session's, else f16).
     #[arg(long)]
     kv_dtype: Option<String>,
@@ -44,17 +48,23 @@ pub struct Args {
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
     sessions.sweep();
-    // Held until the chat ends: a second process on the same session is refused.
-    let _lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
+    // Held until the chat ends (or moves to another name): a second process on the same
+    // session is refused.
+    let lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
     let model = kvplug::open_model(runtime, &a.backend, &a.model)?;
     let session = match &a.session {
         Some(name) => Some(sessions.path_for_write(name)?),
         None => None,
     };
+    let kv_dtype: Option<KvDtype> = a.kv_dtype.as_deref().map(str::parse).transpose()?;
+    let capacity = match a.capacity {
+        Some(c) => c,
+        None => kvplug::plan::default_capacity(model.dir(), kv_dtype.unwrap_or(KvDtype::F16))?,
+    };
     let opts = ChatOptions {
         system: a.system,
-        capacity: a.capacity,
-        kv_dtype: a.kv_dtype.as_deref().map(str::parse).transpose()?,
+        capacity,
+        kv_dtype,
         max_new: a.max_new,
         sampler: a.sampling.sampler(),
         session,
@@ -68,7 +78,246 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
             r.seconds * 1e3
         );
     }
-    chat_loop(&mut chat, a.json)
+    let mut repl = Repl {
+        chat: &mut chat,
+        sessions,
+        lock,
+        json: a.json,
+        last: None,
+    };
+    repl.run()
+}
+
+/// Set by SIGINT while an answer is produced: the answer stops, the chat goes on.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+const HELP: &str = "\
+/help            this text
+/clear           start a new conversation (the system message stays)
+/system TEXT     start a new conversation with this system message (empty: none)
+/save NAME       save the conversation as session NAME, and after every turn from now on
+/load NAME       continue session NAME instead
+/stats           messages, tokens in the cache, capacity, the last turn's speed
+/exit, /bye      leave (so do Ctrl-D and the end of input)
+\"\"\"            on a line of its own: starts or ends a multi-line message
+//TEXT           sends /TEXT to the model
+Ctrl-C stops an answer (the turn is dropped) or clears the line being typed.";
+
+/// The chat's loop: input, commands, turns.
+struct Repl<'a> {
+    chat: &'a mut Chat,
+    sessions: &'a SessionDir,
+    /// The lock of the session the chat saves to.
+    lock: Option<SessionLock>,
+    json: bool,
+    last: Option<kvplug::chat::TurnReport>,
+}
+
+impl Repl<'_> {
+    fn run(&mut self) -> Result<ExitCode> {
+        use std::io::IsTerminal;
+        let mut input = if std::io::stdin().is_terminal() {
+            let editor = rustyline::DefaultEditor::new().context("the line editor")?;
+            // After the editor, which takes SIGINT for itself when it is made (a key press
+            // cannot raise it while a line is read: the terminal is raw then).
+            // SAFETY: the handler only stores to an atomic.
+            unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
+            eprintln!("[/help lists commands; Ctrl-D leaves]");
+            Input::Editor(Box::new(editor))
+        } else {
+            Input::Lines(std::io::stdin().lock())
+        };
+        while let Some(text) = input.next()? {
+            let text = text.trim();
+            if text.is_empty() {
+                continue;
+            }
+            let message = match text.strip_prefix('/') {
+                Some(rest) if rest.starts_with('/') => rest,
+                Some(command) => match self.command(command) {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(e) => {
+                        eprintln!("kvplug: {e:#}");
+                        continue;
+                    }
+                },
+                None => text,
+            };
+            self.turn(message)?;
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+
+    /// Runs a command (without its `/`); false to leave.
+    fn command(&mut self, line: &str) -> Result<bool> {
+        let (name, arg) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+        let arg = arg.trim();
+        match name {
+            "exit" | "bye" | "quit" => return Ok(false),
+            "help" | "?" => eprintln!("{HELP}"),
+            "clear" => {
+                self.chat.clear(None);
+                eprintln!("[new conversation]");
+            }
+            "system" => {
+                self.chat.clear(Some(arg));
+                eprintln!("[new conversation with this system message]");
+            }
+            "save" | "load" if arg.is_empty() => bail!("/{name} takes a session name"),
+            "save" => {
+                let path = self.sessions.path_for_write(arg)?;
+                let lock = self.lock_for(arg)?;
+                let bytes = self.chat.save_as(path)?;
+                self.lock = lock;
+                eprintln!("[saved as {arg}: {bytes} bytes; later turns are saved there too]");
+            }
+            "load" => {
+                let path = self.sessions.path(arg)?;
+                let lock = self.lock_for(arg)?;
+                let r = self.chat.load(path)?;
+                self.lock = lock;
+                eprintln!(
+                    "[loaded {arg}: {} messages, {} tokens of K/V restored in {:.0} ms]",
+                    r.messages,
+                    r.tokens,
+                    r.seconds * 1e3
+                );
+            }
+            "stats" => {
+                let s = self.chat.stats();
+                eprintln!(
+                    "[{} messages, {} of {} tokens in the cache{}]",
+                    s.messages,
+                    s.tokens,
+                    s.capacity,
+                    s.session
+                        .map_or(String::new(), |p| format!(", saved to {}", p.display()))
+                );
+                if let Some(r) = &self.last {
+                    eprintln!("[last turn: {}]", summary(r));
+                }
+            }
+            _ => bail!("unknown command /{name}: /help lists them (//{name} sends it as text)"),
+        }
+        Ok(true)
+    }
+
+    /// The lock of session `name`, unless the chat holds it already.
+    fn lock_for(&self, name: &str) -> Result<Option<SessionLock>> {
+        let current = self.chat.stats().session;
+        if current.is_some() && current == Some(self.sessions.path(name)?) {
+            return Ok(None);
+        }
+        Ok(Some(self.sessions.lock(name)?))
+    }
+
+    fn turn(&mut self, message: &str) -> Result<()> {
+        let json = self.json;
+        STOP.store(false, Ordering::SeqCst);
+        let done = self.chat.turn(message, &mut |piece| {
+            if STOP.load(Ordering::SeqCst) {
+                return Err(kvplug::Error::Invalid("stopped".into()));
+            }
+            if !json {
+                print!("{piece}");
+                std::io::stdout().flush()?;
+            }
+            Ok(())
+        });
+        let report = match done {
+            Ok(r) => r,
+            Err(_) if STOP.swap(false, Ordering::SeqCst) => {
+                println!();
+                eprintln!("[stopped: this turn is not kept]");
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if report.dropped_messages > 0 {
+            eprintln!(
+                "[the conversation outgrew the capacity ({}): its {} oldest messages were left \
+                 out and the rest prefilled again]",
+                self.chat.stats().capacity,
+                report.dropped_messages
+            );
+        }
+        if json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!();
+            eprintln!("[{}]", summary(&report));
+        }
+        self.last = Some(report);
+        Ok(())
+    }
+}
+
+fn summary(r: &kvplug::chat::TurnReport) -> String {
+    format!(
+        "prefilled {} tokens, reused {} from the cache; {} generated at {:.1} tok/s",
+        r.prefilled_tokens,
+        r.reused_tokens,
+        r.ids.len(),
+        r.decode_tok_s
+    )
+}
+
+/// Where messages come from: a line editor on a terminal, else lines of stdin. Either way
+/// a line holding only `"""` starts a message of several lines, ended by another.
+enum Input {
+    Editor(Box<rustyline::DefaultEditor>),
+    Lines(std::io::StdinLock<'static>),
+}
+
+/// The line that opens and closes a multi-line message.
+const BLOCK: &str = "\"\"\"";
+
+impl Input {
+    /// The next message; `None` at the end of input (Ctrl-D).
+    fn next(&mut self) -> Result<Option<String>> {
+        let Some(first) = self.line("> ")? else {
+            return Ok(None);
+        };
+        if first.trim() != BLOCK {
+            return Ok(Some(first));
+        }
+        let mut lines = Vec::new();
+        loop {
+            match self.line(". ")? {
+                Some(l) if l.trim() == BLOCK => break,
+                Some(l) => lines.push(l),
+                None => break,
+            }
+        }
+        Ok(Some(lines.join("\n")))
+    }
+
+    fn line(&mut self, prompt: &str) -> Result<Option<String>> {
+        use rustyline::error::ReadlineError;
+        match self {
+            Input::Lines(stdin) => {
+                Ok(read_turn(stdin)?.map(|l| l.trim_end_matches(['\n', '\r']).to_string()))
+            }
+            Input::Editor(ed) => loop {
+                match ed.readline(prompt) {
+                    Ok(line) => {
+                        if !line.trim().is_empty() {
+                            let _ = ed.add_history_entry(line.as_str());
+                        }
+                        return Ok(Some(line));
+                    }
+                    Err(ReadlineError::Interrupted) => eprintln!("[Ctrl-D or /exit leaves]"),
+                    Err(ReadlineError::Eof) => return Ok(None),
+                    Err(e) => return Err(e).context("reading the terminal"),
+                }
+            },
+        }
+    }
 }
 
 /// The longest chat line read: 1 MiB, far more than any cache holds as tokens.
@@ -90,47 +339,6 @@ fn read_turn(input: &mut impl std::io::BufRead) -> Result<Option<String>> {
         bail!("a chat line is longer than {MAX_CHAT_LINE} bytes");
     }
     Ok(Some(String::from_utf8(buf).context("stdin is not UTF-8")?))
-}
-
-fn chat_loop(chat: &mut Chat, json: bool) -> Result<ExitCode> {
-    use std::io::IsTerminal;
-    let tty = std::io::stdin().is_terminal();
-    let mut input = std::io::stdin().lock();
-    loop {
-        if tty {
-            eprint!("> ");
-        }
-        let Some(line) = read_turn(&mut input)? else {
-            break;
-        };
-        let user = line.trim();
-        if user.is_empty() {
-            continue;
-        }
-        if user == "/exit" {
-            break;
-        }
-        let report = chat.turn(user, &mut |piece| {
-            if !json {
-                print!("{piece}");
-                std::io::stdout().flush()?;
-            }
-            Ok(())
-        })?;
-        if json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            println!();
-            eprintln!(
-                "[prefilled {} tokens, reused {} from the cache; {} generated at {:.1} tok/s]",
-                report.prefilled_tokens,
-                report.reused_tokens,
-                report.ids.len(),
-                report.decode_tok_s
-            );
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]
