@@ -106,9 +106,13 @@ fn main() -> ExitCode {
     ensure_runtime_dir();
     let cli = Cli::parse();
     let serving = matches!(cli.command, Command::Serve(_));
-    // A server's warnings (parked agents removed, constrained decoding unavailable) are
-    // its log; a command shows errors only.
-    let quiet = if serving { "warn" } else { "error" };
+    // A server's own warnings (parked agents removed, constrained decoding unavailable) are
+    // its log; otherwise errors only (`kvplug plugins` lists skipped plugins).
+    let quiet = if serving {
+        "error,kvplug::agent_store=warn,kvplug_server=warn"
+    } else {
+        "error"
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
