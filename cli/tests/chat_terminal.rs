@@ -10,7 +10,7 @@ use std::process::Command;
 use kvplug::{Message, Text};
 
 mod common;
-use common::target_dir;
+use common::cpu_plugins;
 
 /// Seconds any one expectation may wait (a turn on two cores included).
 const TIMEOUT_MS: u64 = 60_000;
@@ -42,12 +42,7 @@ fn turn_tokens(p: &mut rexpect::session::PtySession) -> usize {
 
 #[test]
 fn a_person_can_chat_on_a_terminal() {
-    let plugins = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        target_dir().join("libkvplug_cpu.so"),
-        plugins.path().join("libkvplug_cpu.so"),
-    )
-    .expect("run `cargo build --workspace` first");
+    let plugins = cpu_plugins();
     let sessions = tempfile::tempdir().unwrap();
     let model = smollm2();
     let text = Text::load(&kvplug::formats::gguf::resolve_model(&model).unwrap()).unwrap();

@@ -8,23 +8,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::target_dir;
+use common::{cpu_plugins, peak_child_rss_kib};
 
 /// Wall-clock bound per command.
 const SECONDS: &str = "60";
 /// Peak RSS bound over every child, in KiB.
 const MAX_RSS_KIB: i64 = 1 << 20;
-
-/// A plugins directory holding only the cpu plugin.
-fn cpu_plugins() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        target_dir().join("libkvplug_cpu.so"),
-        dir.path().join("libkvplug_cpu.so"),
-    )
-    .expect("run `cargo build --workspace` first");
-    dir
-}
 
 struct Cli {
     plugins: tempfile::TempDir,
@@ -83,15 +72,6 @@ impl Cli {
             dir.to_str().unwrap(),
         ]);
     }
-}
-
-fn peak_child_rss_kib() -> i64 {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage fills the struct it is given.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
-    assert_eq!(rc, 0);
-    // SAFETY: initialised by the successful call.
-    unsafe { usage.assume_init() }.ru_maxrss
 }
 
 /// Rewrites `dir/model.safetensors` through `edit` (name, shape, bytes → keep?).

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 mod common;
 use common::server::Server;
-use common::target_dir;
+use common::{cpu_plugins, peak_child_rss_kib};
 
 /// Templates that exhaust memory, time or output, and what the error names.
 const HOSTILE: [(&str, &str); 6] = [
@@ -71,16 +71,6 @@ fn model_with(template: &str, dir: &Path) {
     std::fs::write(path, config.to_string()).unwrap();
 }
 
-fn cpu_plugins() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        target_dir().join("libkvplug_cpu.so"),
-        dir.path().join("libkvplug_cpu.so"),
-    )
-    .expect("run `cargo build --workspace` first");
-    dir
-}
-
 /// Runs `kvplug ARGS` with `stdin`, under `timeout`; asserts a short failure naming `says`.
 fn refused(plugins: &Path, args: &[&str], stdin: &str, says: &str) {
     let started = Instant::now();
@@ -115,15 +105,6 @@ fn refused(plugins: &Path, args: &[&str], stdin: &str, says: &str) {
         started.elapsed().as_secs_f64(),
         err.trim()
     );
-}
-
-fn peak_child_rss_kib() -> i64 {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage fills the struct it is given.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
-    assert_eq!(rc, 0);
-    // SAFETY: initialised by the successful call.
-    unsafe { usage.assume_init() }.ru_maxrss
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 mod common;
-use common::target_dir;
+use common::cpu_plugins;
 
 fn kvplug(sessions: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvplug"));
@@ -68,12 +68,7 @@ fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
 #[test]
 fn a_session_in_use_is_refused_to_a_second_process() {
     let sessions = tempfile::tempdir().unwrap();
-    let plugins = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        target_dir().join("libkvplug_cpu.so"),
-        plugins.path().join("libkvplug_cpu.so"),
-    )
-    .expect("run `cargo build --workspace` first");
+    let plugins = cpu_plugins();
     let chat = |session: &str| {
         let mut c = kvplug(sessions.path());
         c.arg("--plugins").arg(plugins.path()).args([

@@ -6,3 +6,26 @@ mod dylibs;
 pub use dylibs::*;
 
 pub mod server;
+
+/// A plugins directory holding only the cpu plugin (so tests load nothing else).
+#[allow(dead_code)]
+pub fn cpu_plugins() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        target_dir().join("libkvplug_cpu.so"),
+        dir.path().join("libkvplug_cpu.so"),
+    )
+    .expect("run `cargo build --workspace` first");
+    dir
+}
+
+/// The largest peak RSS of this process's waited-for children (and theirs), in KiB.
+#[allow(dead_code)]
+pub fn peak_child_rss_kib() -> i64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    // SAFETY: initialised by the successful call.
+    unsafe { usage.assume_init() }.ru_maxrss
+}

@@ -8,8 +8,6 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::target_dir;
-
 /// A server process, stopped (SIGTERM) on drop.
 pub struct Server {
     child: Child,
@@ -31,12 +29,7 @@ impl Server {
 
     /// [`Server::start`] with `sessions` as its session directory.
     pub fn start_in(model: &Path, args: &[&str], sessions: tempfile::TempDir) -> Server {
-        let plugins = tempfile::tempdir().unwrap();
-        std::fs::copy(
-            target_dir().join("libkvplug_cpu.so"),
-            plugins.path().join("libkvplug_cpu.so"),
-        )
-        .expect("run `cargo build --workspace` first");
+        let plugins = super::cpu_plugins();
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvplug"))
             .arg("--plugins")
             .arg(plugins.path())
