@@ -26,6 +26,14 @@ fn cli_lists_plugins_and_skips_with_exit_status_zero() {
         stdout.contains("libnot_a_plugin.so: not a kvplug plugin"),
         "{stdout}"
     );
+    // Columns line up: each header starts where its value does in the cpu row.
+    let header = stdout.lines().next().unwrap();
+    let row = stdout.lines().find(|l| l.starts_with("cpu ")).unwrap();
+    let row: Vec<char> = row.chars().collect();
+    for name in ["kinds", "device", "kv dtypes", "file", "features"] {
+        let at = header.find(name).unwrap();
+        assert!(row[at - 1] == ' ' && row[at] != ' ', "{name}:\n{stdout}");
+    }
 
     let out = kvplug(dir.path(), &["plugins", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -25,25 +25,42 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             serde_json::to_string_pretty(&v).context("serialising")?
         );
     } else {
-        println!(
-            "{:<6} {:<8} {:<24} {:<40} {:<22} {:<22} features",
-            "id", "version", "kinds", "device", "kv dtypes", "file"
-        );
+        let mut rows = vec![[
+            "id",
+            "version",
+            "kinds",
+            "device",
+            "kv dtypes",
+            "file",
+            "features",
+        ]
+        .map(String::from)];
         for p in runtime.plugins() {
-            println!(
-                "{:<6} {:<8} {:<24} {:<40} {:<22} {:<22} {}",
-                p.backend_id,
-                p.version,
+            let features = match p.features.is_empty() {
+                true => "-".to_string(),
+                false => p.features.join(","),
+            };
+            rows.push([
+                p.backend_id.to_string(),
+                p.version.to_string(),
                 p.kinds.join(","),
-                p.device,
+                p.device.to_string(),
                 p.kv_dtypes.join(","),
-                p.file.display(),
-                if p.features.is_empty() {
-                    "-".to_string()
-                } else {
-                    p.features.join(",")
-                }
-            );
+                p.file.display().to_string(),
+                features,
+            ]);
+        }
+        // Each column as wide as its widest cell (devices and paths vary in length).
+        let widths: Vec<usize> = (0..7)
+            .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+            .collect();
+        for r in &rows {
+            let cells: Vec<String> = r[..6]
+                .iter()
+                .zip(&widths)
+                .map(|(cell, &w)| format!("{cell:<w$}"))
+                .collect();
+            println!("{}  {}", cells.join("  "), r[6]);
         }
         for s in runtime.skipped() {
             println!("skipped {}: {}", s.file.display(), s.reason);
