@@ -362,18 +362,23 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     assert!(masks > 0.0, "{metrics}");
 }
 
-#[test]
-fn a_ten_turn_tool_loop_reuses_its_history() {
-    let s = Server::start(&qwen(), &["--capacity", "8192"]);
-    // An agent's long instructions and a conversation re-sent every turn.
-    let notes: String = (0..60)
+/// Sixty lines of facts: a long system message both ten-turn tests re-send every turn.
+fn city_notes() -> String {
+    (0..60)
         .map(|i| {
             format!(
                 "Note {i}: city {i} has code C{i:03} and opens at {} o'clock.\n",
                 6 + i % 5
             )
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_ten_turn_tool_loop_reuses_its_history() {
+    let s = Server::start(&qwen(), &["--capacity", "8192"]);
+    // An agent's long instructions and a conversation re-sent every turn.
+    let notes = city_notes();
     let mut messages = vec![
         json!({"role": "system", "content": format!("You look up weather with tools.\n{notes}")}),
         json!({"role": "user", "content": "What is the weather in Paris? Use the tool."}),
@@ -410,14 +415,7 @@ fn a_ten_turn_tool_loop_reuses_its_history() {
 fn a_ten_turn_conversation_reuses_its_history_on_a_hybrid_model() {
     let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf");
     let s = Server::start(&gemma, &["--capacity", "8192"]);
-    let notes: String = (0..60)
-        .map(|i| {
-            format!(
-                "Note {i}: city {i} has code C{i:03} and opens at {} o'clock.\n",
-                6 + i % 5
-            )
-        })
-        .collect();
+    let notes = city_notes();
     let mut messages = vec![
         json!({"role": "system", "content": format!("You answer briefly.\n{notes}")}),
         json!({"role": "user", "content": "What is the code of city 3?"}),

@@ -338,6 +338,14 @@ pub fn ascii_escaped(text: &str) -> String {
     out
 }
 
+/// `", "` before every item but the first (of an array or an object).
+fn separator<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
+    match first {
+        true => Ok(()),
+        false => w.write_all(b", "),
+    }
+}
+
 /// `json.dumps`'s default layout: compact (the trait's defaults), with a space after `,` and `:`.
 struct PythonFormatter;
 
@@ -347,11 +355,7 @@ impl Formatter for PythonFormatter {
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        separator(w, first)
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -359,11 +363,7 @@ impl Formatter for PythonFormatter {
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        separator(w, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {

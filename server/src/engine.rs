@@ -337,16 +337,7 @@ impl Engine {
                     } else {
                         self.fork(&mut a)
                     };
-                    match started {
-                        Ok(()) => self.active.push(a),
-                        Err(e) => {
-                            let _ = a
-                                .req
-                                .events
-                                .send(Event::Failed(ApiError::internal(e.to_string())));
-                            self.release(a)?;
-                        }
-                    }
+                    self.keep_if_started(a, started)?;
                 }
                 Ok(None) if self.active.is_empty() => {
                     let req = self.queue.remove(i).expect("index in range");
@@ -435,6 +426,22 @@ impl Engine {
             let a = self.active.swap_remove(i);
             tracing::debug!(seq = a.placed.seq, "client gone: sequences released");
             self.release(a)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps `a` in flight if `started` (its prefill or fork) succeeded; else answers its
+    /// client with the error and releases its sequences.
+    fn keep_if_started(&mut self, a: Active, started: kvplug::Result<()>) -> kvplug::Result<()> {
+        match started {
+            Ok(()) => self.active.push(a),
+            Err(e) => {
+                let _ = a
+                    .req
+                    .events
+                    .send(Event::Failed(ApiError::internal(e.to_string())));
+                self.release(a)?;
+            }
         }
         Ok(())
     }
@@ -561,17 +568,8 @@ impl Engine {
         let r = a.running.remove(at);
         let Some(choice) = r.choice else {
             // The shared prompt is in: the completions fork from it.
-            match self.fork(&mut a) {
-                Ok(()) => self.active.push(a),
-                Err(e) => {
-                    let _ = a
-                        .req
-                        .events
-                        .send(Event::Failed(ApiError::internal(e.to_string())));
-                    self.release(a)?;
-                }
-            }
-            return Ok(());
+            let forked = self.fork(&mut a);
+            return self.keep_if_started(a, forked);
         };
         let agent = a.req.agent.clone().filter(|_| r.seq == a.placed.seq);
         a.main_open &= r.seq != a.placed.seq;
