@@ -14,11 +14,15 @@ use commands::{bench, chat, conform, demo, model, plan, plugins, run, serve, ses
 
 /// kvplug: runtime-swappable KV caches behind pluggable backends.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(name = "kvplug", version = version_line(), about)]
 struct Cli {
     /// Plugin directory (repeatable); searched before KVPLUG_PLUGIN_PATH and the defaults.
     #[arg(long = "plugins", global = true, value_name = "DIR")]
     plugins: Vec<PathBuf>,
+    /// Plugin file to load (repeatable). With it only these files and the --plugins
+    /// directories are loaded: nothing from KVPLUG_PLUGIN_PATH or the default directories.
+    #[arg(long = "plugin", global = true, value_name = "FILE")]
+    plugin_files: Vec<PathBuf>,
     /// Load plugins from world-writable directories and files.
     #[arg(long, global = true)]
     allow_insecure_plugins: bool,
@@ -89,6 +93,18 @@ fn ensure_runtime_dir() {
     }
 }
 
+/// `kvplug --version`: the crate's version and the plugin API this host loads.
+fn version_line() -> &'static str {
+    static LINE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    LINE.get_or_init(|| {
+        format!(
+            "{} ({})",
+            env!("CARGO_PKG_VERSION"),
+            kvplug::loader::api_version_line()
+        )
+    })
+}
+
 /// The hidden argument that starts this binary as its own chat-template sandbox.
 const RENDER_TEMPLATE: &str = "__render-template";
 
@@ -137,13 +153,17 @@ fn main() -> ExitCode {
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
-    let runtime = Runtime::load(&PluginSearch::standard(
-        &cli.plugins,
-        cli.allow_insecure_plugins,
-    ));
+    let search = if cli.plugin_files.is_empty() {
+        PluginSearch::standard(&cli.plugins, cli.allow_insecure_plugins)
+    } else {
+        let mut only = PluginSearch::only(&cli.plugins, cli.allow_insecure_plugins);
+        only.files = cli.plugin_files.clone();
+        only
+    };
+    let runtime = Runtime::load(&search);
     let sessions = kvplug::session_dir::SessionDir::standard(cli.session_dir.as_deref());
     match cli.command {
-        Command::Plugins(a) => plugins::run(&runtime, a),
+        Command::Plugins(a) => plugins::run(&runtime, &search, a),
         Command::Model { command } => model::run(command),
         Command::Run(a) => run::run(&runtime, a),
         Command::Chat(a) => chat::run(&runtime, &sessions, a),

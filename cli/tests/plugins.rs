@@ -30,7 +30,7 @@ fn cli_lists_plugins_and_skips_with_exit_status_zero() {
     let header = stdout.lines().next().unwrap();
     let row = stdout.lines().find(|l| l.starts_with("cpu ")).unwrap();
     let row: Vec<char> = row.chars().collect();
-    for name in ["kinds", "device", "kv dtypes", "file", "features"] {
+    for name in ["api", "kinds", "device", "kv dtypes", "file", "features"] {
         let at = header.find(name).unwrap();
         assert!(row[at - 1] == ' ' && row[at] != ' ', "{name}:\n{stdout}");
     }
@@ -38,6 +38,10 @@ fn cli_lists_plugins_and_skips_with_exit_status_zero() {
     let out = kvplug(dir.path(), &["plugins", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["plugins"][0]["backend_id"], "cpu");
+    assert_eq!(
+        v["plugins"][0]["api_version"],
+        kvplug_plugin_api::API_VERSION
+    );
     assert_eq!(v["skipped"].as_array().unwrap().len(), 1);
 
     let empty = tempfile::tempdir().unwrap();
@@ -103,6 +107,10 @@ fn hostile_plugin_files_are_skipped_with_a_reason_never_a_crash() {
     assert!(out.status.success(), "{out:?}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["plugins"][0]["backend_id"], "cpu");
+    assert_eq!(
+        v["plugins"][0]["api_version"],
+        kvplug_plugin_api::API_VERSION
+    );
     let reason = |name: &str| -> String {
         v["skipped"]
             .as_array()

@@ -49,6 +49,7 @@ pub use formats::open_model;
 pub use generator::{generate, Finish, GenOptions, Generator, TokenEvent, PREFILL_UBATCH};
 pub use grammar::{Constraint, GrammarSpec, Grammars};
 pub use kvplug_plugin_api::AbiErrorKind;
+pub use kvplug_runtime::loader;
 pub use kvplug_runtime::{
     Batch, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime, RuntimeError,
 };

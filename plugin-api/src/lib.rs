@@ -3,7 +3,8 @@
 //! The only types that cross a plugin's dylib boundary. Everything here is
 //! `abi_stable`-checked: the host verifies the layout of [`BackendModule`] (and everything it
 //! reaches) when it loads a plugin, and refuses a plugin built against an incompatible
-//! version of this crate.
+//! version of this crate: this crate has its own version ([`API_VERSION`]), independent of
+//! kvplug's, and [`accepts`] states which plugin versions a host loads.
 //!
 //! Contracts:
 //!
@@ -36,8 +37,8 @@ pub use guard::{guard, guard_or};
 pub use host::{CacheEntry, HostServices, HostServicesTrait, HostServicesTrait_TO};
 pub use method::{MethodHandle, ModelMethod, ModelMethod_TO};
 pub use module::{
-    BackendInfo, BackendModule, BackendModule_Ref, BackendOptions, CacheBuilder, KindBuilder,
-    Registrar, OPTION_CACHE_KEY,
+    accepted_range, accepts, BackendInfo, BackendModule, BackendModule_Ref, BackendOptions,
+    CacheBuilder, KindBuilder, Registrar, API_VERSION, OPTION_CACHE_KEY,
 };
 pub use tensor::{HostTensor, TensorDtype};
 

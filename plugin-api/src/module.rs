@@ -3,7 +3,7 @@
 //! The root module every plugin exports, and what it registers.
 
 use abi_stable::library::RootModule;
-use abi_stable::sabi_types::VersionStrings;
+use abi_stable::sabi_types::{VersionNumber, VersionStrings};
 use abi_stable::std_types::{RResult, RStr, RString, RVec, Tuple2};
 use abi_stable::{declare_root_module_statics, package_version_strings, StableAbi};
 
@@ -120,9 +120,70 @@ pub struct BackendModule {
     ) -> RResult<MethodHandle, PluginError>,
 }
 
+/// The plugin API version this crate defines: what a plugin is built against and what a
+/// host built with it offers (`kvplug --version` prints it).
+pub const API_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The version policy: a host built against plugin API `host` loads a plugin built against
+/// `plugin` when their majors are equal (for a `0.y` API, when `y` is equal too), whichever
+/// minor is newer. A minor release may only append fields to prefix types
+/// ([`BackendModule`], [`CacheObject`](crate::CacheObject)), which abi_stable lets an older
+/// or newer peer read (a field the peer lacks reads as missing); any other change to a type
+/// that crosses the boundary is a new major.
+pub fn accepts(host: VersionNumber, plugin: VersionNumber) -> bool {
+    host.major == plugin.major && (host.major != 0 || host.minor == plugin.minor)
+}
+
+/// The plugin API versions a host built against `host` loads, for messages: `1.x`, `0.3.x`.
+pub fn accepted_range(host: VersionNumber) -> String {
+    if host.major == 0 {
+        format!("0.{}.x", host.minor)
+    } else {
+        format!("{}.x", host.major)
+    }
+}
+
 impl RootModule for BackendModule_Ref {
     declare_root_module_statics! {BackendModule_Ref}
     const BASE_NAME: &'static str = "kvplug_backend";
     const NAME: &'static str = "kvplug_backend";
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(major: u32, minor: u32, patch: u32) -> VersionNumber {
+        VersionNumber {
+            major,
+            minor,
+            patch,
+        }
+    }
+
+    #[test]
+    fn a_host_loads_every_minor_of_its_major_and_nothing_else() {
+        let host = v(1, 2, 0);
+        for plugin in [v(1, 0, 0), v(1, 2, 7), v(1, 9, 0)] {
+            assert!(accepts(host, plugin), "{plugin}");
+        }
+        for plugin in [v(0, 2, 0), v(2, 0, 0), v(2, 2, 0)] {
+            assert!(!accepts(host, plugin), "{plugin}");
+        }
+        assert_eq!(accepted_range(host), "1.x");
+    }
+
+    #[test]
+    fn a_0_y_api_treats_y_as_its_major() {
+        let host = v(0, 3, 1);
+        assert!(accepts(host, v(0, 3, 0)) && accepts(host, v(0, 3, 9)));
+        assert!(!accepts(host, v(0, 2, 0)) && !accepts(host, v(0, 4, 0)));
+        assert_eq!(accepted_range(host), "0.3.x");
+    }
+
+    #[test]
+    fn this_crates_version_is_the_root_modules() {
+        assert_eq!(BackendModule_Ref::VERSION_STRINGS.version, API_VERSION);
+    }
 }

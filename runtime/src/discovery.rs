@@ -22,6 +22,8 @@ pub struct SearchDir {
 /// Where to look and how strictly.
 #[derive(Clone, Debug, Default)]
 pub struct PluginSearch {
+    /// Plugin files loaded first, whatever their extension (`--plugin FILE`).
+    pub files: Vec<PathBuf>,
     /// Directories in search order.
     pub dirs: Vec<SearchDir>,
     /// Load from world-writable directories and files.
@@ -62,6 +64,7 @@ impl PluginSearch {
             });
         }
         PluginSearch {
+            files: Vec::new(),
             dirs,
             allow_insecure,
         }
@@ -80,6 +83,7 @@ impl PluginSearch {
     /// Only `dirs`, nothing from the environment or the executable's location.
     pub fn only(dirs: &[PathBuf], allow_insecure: bool) -> Self {
         PluginSearch {
+            files: Vec::new(),
             dirs: dirs
                 .iter()
                 .map(|p| SearchDir {

@@ -4,8 +4,9 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
-use kvplug_plugin_api::{BackendModule_Ref, HostServices, Registrar};
+use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModule};
+use abi_stable::sabi_types::VersionNumber;
+use kvplug_plugin_api::{accepted_range, accepts, BackendModule_Ref, HostServices, Registrar};
 
 use crate::discovery::{is_dylib, world_writable, PluginSearch};
 use crate::plugin_file::{check_object, not_a_regular_file, open_now};
@@ -22,6 +23,8 @@ pub struct LoadedPlugin {
     pub name: String,
     /// Plugin version.
     pub version: String,
+    /// The plugin API version it was built against.
+    pub api_version: String,
     /// Device description.
     pub device: String,
     /// Kinds it registered.
@@ -64,6 +67,23 @@ pub fn load_all(
     let _span = tracing::info_span!("plugin_load").entered();
     let mut report = LoadReport::default();
     let mut seen_files = HashSet::new();
+    for file in &search.files {
+        if !file.exists() {
+            report.skipped.push(Skipped {
+                file: file.clone(),
+                reason: "plugin file (from --plugin) does not exist".into(),
+            });
+            continue;
+        }
+        load_file(
+            file,
+            search,
+            services,
+            builders,
+            &mut seen_files,
+            &mut report,
+        );
+    }
     for dir in &search.dirs {
         if !dir.path.is_dir() {
             if dir.origin != "default" {
@@ -101,34 +121,54 @@ pub fn load_all(
         };
         files.sort();
         for file in files {
-            let canonical = file.canonicalize().unwrap_or_else(|_| file.clone());
-            if !seen_files.insert(canonical) {
-                continue;
-            }
-            if let Some(reason) = not_a_regular_file(&file) {
-                report.skipped.push(Skipped { file, reason });
-                continue;
-            }
-            match load_one(
+            load_file(
                 &file,
-                search.allow_insecure,
+                search,
                 services,
                 builders,
-                &report.plugins,
-            ) {
-                Ok(p) => {
-                    tracing::info!(backend = %p.backend_id, file = %file.display(), "plugin loaded");
-                    report.plugins.push(p);
-                }
-                Err(reason) => {
-                    tracing::warn!("skipped plugin {}: {reason}", file.display());
-                    report.skipped.push(Skipped { file, reason });
-                }
-            }
+                &mut seen_files,
+                &mut report,
+            );
         }
     }
     report.seconds = start.elapsed().as_secs_f64();
     report
+}
+
+/// Loads `file` (once per canonical path) into `report`.
+fn load_file(
+    file: &Path,
+    search: &PluginSearch,
+    services: &HostServices,
+    builders: &mut BuilderRegistry,
+    seen_files: &mut HashSet<PathBuf>,
+    report: &mut LoadReport,
+) {
+    let canonical = file.canonicalize().unwrap_or_else(|_| file.to_path_buf());
+    if !seen_files.insert(canonical) {
+        return;
+    }
+    let file = file.to_path_buf();
+    if let Some(reason) = not_a_regular_file(&file) {
+        report.skipped.push(Skipped { file, reason });
+        return;
+    }
+    match load_one(
+        &file,
+        search.allow_insecure,
+        services,
+        builders,
+        &report.plugins,
+    ) {
+        Ok(p) => {
+            tracing::info!(backend = %p.backend_id, file = %file.display(), "plugin loaded");
+            report.plugins.push(p);
+        }
+        Err(reason) => {
+            tracing::warn!("skipped plugin {}: {reason}", file.display());
+            report.skipped.push(Skipped { file, reason });
+        }
+    }
 }
 
 /// One line describing a library error; the full layout report goes to debug level.
@@ -179,6 +219,7 @@ fn load_one(
     check_object(file)?;
     let library = open_now(file)?;
     let header = lib_header_from_path(file).map_err(|e| describe_library_error(&e))?;
+    let api_version = check_api_version(header)?;
     // Plugins are never unloaded (abi_stable keeps its own handle loaded too).
     std::mem::forget(library);
     let module = header
@@ -212,6 +253,7 @@ fn load_one(
         file: file.to_path_buf(),
         name: info.name.to_string(),
         version: info.version.to_string(),
+        api_version,
         device: info.device.to_string(),
         kinds,
         kv_dtypes: strings(&info.kv_dtypes),
@@ -220,7 +262,34 @@ fn load_one(
     })
 }
 
-/// The plugin API version this host accepts (for messages and docs).
-pub fn host_api_version() -> String {
-    BackendModule_Ref::VERSION_STRINGS.version.to_string()
+/// The plugin API version a plugin was built against, refused in one line unless this host
+/// accepts it ([`accepts`]). Runs before abi_stable's layout check, whose report of a version
+/// mismatch is thousands of lines.
+fn check_api_version(header: &LibHeader) -> Result<String, String> {
+    let theirs = header.version_strings();
+    let plugin = VersionNumber::new(theirs)
+        .map_err(|e| format!("unreadable plugin API version '{}': {e}", theirs.version))?;
+    let host = host_api_version();
+    if !accepts(host, plugin) {
+        return Err(format!(
+            "plugin API version {plugin} is incompatible with the host's {host} (this host loads plugins built against {})",
+            accepted_range(host)
+        ));
+    }
+    Ok(plugin.to_string())
+}
+
+/// The plugin API version this host was built against.
+pub fn host_api_version() -> VersionNumber {
+    VersionNumber::new(BackendModule_Ref::VERSION_STRINGS)
+        .expect("kvplug-plugin-api's own version parses")
+}
+
+/// One line for `kvplug --version`: the host's plugin API version and what it loads.
+pub fn api_version_line() -> String {
+    let host = host_api_version();
+    format!(
+        "plugin API {host}; loads plugins built against {}",
+        accepted_range(host)
+    )
 }

@@ -164,3 +164,121 @@ fn unknown_backends_and_bad_configs_are_clear_errors() {
     }
     assert!(host.caches().is_empty());
 }
+
+/// The plugin of [`built_against_the_next_api_major`]: a root module with nothing to offer.
+const BUMPED_PLUGIN: &str = r#"
+use abi_stable::prefix_type::PrefixTypeTrait;
+use abi_stable::std_types::{RResult, RStr, RString};
+use kvplug_plugin_api::*;
+
+extern "C" fn backend_id() -> RString {
+    "bumped".into()
+}
+extern "C" fn describe() -> RResult<BackendInfo, PluginError> {
+    RResult::RErr(PluginError::new(AbiErrorKind::Backend, "fixture"))
+}
+extern "C" fn register(_: HostServices, _: &mut Registrar) -> RResult<(), PluginError> {
+    RResult::ROk(())
+}
+extern "C" fn load_method(
+    _: RStr<'_>,
+    _: &BackendOptions,
+    _: HostServices,
+) -> RResult<MethodHandle, PluginError> {
+    RResult::RErr(PluginError::new(AbiErrorKind::NotFound, "fixture"))
+}
+
+#[abi_stable::export_root_module]
+pub fn get_library() -> BackendModule_Ref {
+    BackendModule { backend_id, describe, register, load_method }.leak_into_prefix()
+}
+"#;
+
+/// Builds, out of tree, a plugin against a copy of this checkout's kvplug-plugin-api whose
+/// version is the next major (under `target/out-of-tree`, shared with the backend
+/// template's build), and returns the dylib.
+fn built_against_the_next_api_major() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
+    let bumped = format!(
+        "{}.0.0",
+        kvplug_runtime::loader::host_api_version().major + 1
+    );
+    let work = root.join("target/out-of-tree/api-bump");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(work.join("plugin-api")).unwrap();
+    std::fs::create_dir_all(work.join("plugin/src")).unwrap();
+    let copy = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(root.join("plugin-api/src"))
+        .arg(work.join("plugin-api"))
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    // The copy's manifest, outside the workspace: its own version, inherited fields spelled
+    // out.
+    let manifest = std::fs::read_to_string(root.join("plugin-api/Cargo.toml")).unwrap();
+    let mut out = String::new();
+    for line in manifest.lines() {
+        let line = match line.split_once(".workspace = true") {
+            _ if line.starts_with("version = ") => format!("version = \"{bumped}\""),
+            Some(("edition", _)) => "edition = \"2021\"".into(),
+            Some(("rust-version" | "license", _)) => continue,
+            Some(("kvplug-core", _)) => {
+                format!("kvplug-core = {{ path = {:?} }}", root.join("core"))
+            }
+            Some(("tracing", _)) => "tracing = \"0.1\"".into(),
+            Some((other, _)) => panic!("plugin-api inherits '{other}': teach this test it"),
+            None => line.to_string(),
+        };
+        out.push_str(&line);
+        out.push('\n');
+    }
+    std::fs::write(work.join("plugin-api/Cargo.toml"), out).unwrap();
+    std::fs::write(
+        work.join("plugin/Cargo.toml"),
+        "[package]\nname = \"bumped-plugin\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\
+         [lib]\ncrate-type = [\"cdylib\"]\n[dependencies]\nabi_stable = \"0.11\"\n\
+         kvplug-plugin-api = { path = \"../plugin-api\" }\n",
+    )
+    .unwrap();
+    std::fs::write(work.join("plugin/src/lib.rs"), BUMPED_PLUGIN).unwrap();
+    std::fs::write(
+        work.join("Cargo.toml"),
+        "[workspace]\nresolver = \"2\"\nmembers = [\"plugin\", \"plugin-api\"]\n",
+    )
+    .unwrap();
+    // The workspace's lock pins the same abi_stable; nothing is fetched.
+    std::fs::copy(root.join("Cargo.lock"), work.join("Cargo.lock")).unwrap();
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--offline", "--quiet", "-p", "bumped-plugin"])
+        .current_dir(&work)
+        .env("CARGO_TARGET_DIR", root.join("target/out-of-tree/target"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "building the bumped fixture failed");
+    root.join("target/out-of-tree/target/debug").join(format!(
+        "{}bumped_plugin{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
+}
+
+#[test]
+fn refuses_a_plugin_built_against_another_api_major_in_one_line() {
+    let lib = built_against_the_next_api_major();
+    let dir = plugins_dir(&[cpu(), (lib, "libbumped.so")]);
+    let host = Runtime::load(&PluginSearch::only(&[dir.path().to_path_buf()], false));
+    assert_eq!(host.backend_ids(), vec!["cpu".to_string()]);
+    let api = kvplug_plugin_api::API_VERSION;
+    let major: u32 = api.split('.').next().unwrap().parse().unwrap();
+    assert_eq!(
+        reason_for(&host, "libbumped.so"),
+        format!(
+            "plugin API version {}.0.0 is incompatible with the host's {api} (this host loads plugins built against {major}.x)",
+            major + 1
+        )
+    );
+    assert_eq!(host.plugins()[0].api_version, api);
+}

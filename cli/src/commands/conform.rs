@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use kvplug::{CacheKind, KvDtype, Runtime};
 use kvplug_conformance::{
     builtin_scenarios, load_dir, run_matrix, ConformOptions, Inputs, REQUIRE_BACKENDS_ENV,
@@ -18,6 +18,12 @@ pub struct Args {
     /// Scenario directory (repeatable); replaces the built-in scenarios.
     #[arg(long = "scenarios", value_name = "DIR")]
     scenarios: Vec<PathBuf>,
+    /// Only the scenario of this name (repeatable; `kvplug conform --list` names them).
+    #[arg(long = "scenario", value_name = "NAME")]
+    only: Vec<String>,
+    /// List the scenarios (name and description) instead of running them.
+    #[arg(long)]
+    list: bool,
     /// Only these kinds (comma-separated).
     #[arg(long, value_delimiter = ',')]
     kinds: Vec<CacheKind>,
@@ -49,6 +55,28 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         }
         all
     };
+    if let Some(unknown) = a
+        .only
+        .iter()
+        .find(|n| !scenarios.iter().any(|s| &s.name == *n))
+    {
+        let names: Vec<&str> = scenarios.iter().map(|s| s.name.as_str()).collect();
+        bail!(
+            "no scenario named '{unknown}' (there are: {})",
+            names.join(", ")
+        );
+    }
+    let scenarios: Vec<_> = scenarios
+        .into_iter()
+        .filter(|s| a.only.is_empty() || a.only.contains(&s.name))
+        .collect();
+    if a.list {
+        let w = scenarios.iter().map(|s| s.name.len()).max().unwrap_or(0);
+        for s in &scenarios {
+            println!("{:w$}  {}", s.name, s.description);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let opts = ConformOptions {
         backends: a.backends,
         kinds: a.kinds,

@@ -13,7 +13,7 @@ pub struct Args {
     json: bool,
 }
 
-pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
+pub fn run(runtime: &Runtime, search: &PluginSearch, a: Args) -> Result<ExitCode> {
     if a.json {
         let v = serde_json::json!({
             "plugins": runtime.plugins(),
@@ -28,6 +28,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         let mut rows = vec![[
             "id",
             "version",
+            "api",
             "kinds",
             "device",
             "kv dtypes",
@@ -43,6 +44,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             rows.push([
                 p.backend_id.to_string(),
                 p.version.to_string(),
+                p.api_version.to_string(),
                 p.kinds.join(","),
                 p.device.to_string(),
                 p.kv_dtypes.join(","),
@@ -51,16 +53,16 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             ]);
         }
         // Each column as wide as its widest cell (devices and paths vary in length).
-        let widths: Vec<usize> = (0..7)
+        let widths: Vec<usize> = (0..8)
             .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
             .collect();
         for r in &rows {
-            let cells: Vec<String> = r[..6]
+            let cells: Vec<String> = r[..7]
                 .iter()
                 .zip(&widths)
                 .map(|(cell, &w)| format!("{cell:<w$}"))
                 .collect();
-            println!("{}  {}", cells.join("  "), r[6]);
+            println!("{}  {}", cells.join("  "), r[7]);
         }
         for s in runtime.skipped() {
             println!("skipped {}: {}", s.file.display(), s.reason);
@@ -72,15 +74,13 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         );
     }
     if runtime.plugins().is_empty() {
-        bail!(
-            "no backend loaded (searched: {})",
-            PluginSearch::standard(&[], false)
-                .dirs
-                .iter()
-                .map(|d| d.path.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let searched: Vec<String> = search
+            .files
+            .iter()
+            .chain(search.dirs.iter().map(|d| &d.path))
+            .map(|p| p.display().to_string())
+            .collect();
+        bail!("no backend loaded (searched: {})", searched.join(", "));
     }
     Ok(ExitCode::SUCCESS)
 }
