@@ -189,6 +189,58 @@ fn wgpu_without_a_matching_adapter_still_loads_and_says_why() {
     );
 }
 
+/// `--plugin FILE` loads that file and nothing else (not the binary's own directory, which
+/// holds every backend and the loader fixtures); `--scenario` picks scenarios by name.
+#[test]
+fn a_backend_author_conforms_one_file_on_chosen_scenarios() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvplug"))
+            .arg("--plugin")
+            .arg(dylib("kvplug_cpu"))
+            .args(args)
+            .env_remove("KVPLUG_PLUGIN_PATH")
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "conform",
+        "--scenario",
+        "export_import",
+        "--scenario",
+        "full_pool_growth",
+        "--dtypes",
+        "f16,q4",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        out.stderr.is_empty(),
+        "nothing else loaded or skipped: {out:?}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = v["results"].as_array().unwrap();
+    let mut names: Vec<&str> = results
+        .iter()
+        .map(|r| r["scenario"].as_str().unwrap())
+        .collect();
+    names.dedup();
+    assert_eq!(names, ["export_import", "full_pool_growth"]);
+    assert_eq!(
+        results.len(),
+        2 * 3 * 2 * 2,
+        "scenarios × kinds × dtypes × inputs"
+    );
+    assert!(results.iter().all(|r| r["backend"] == "cpu"));
+
+    let out = run(&["conform", "--scenario", "export_imprt"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no scenario named 'export_imprt' (there are: prefill_decode,"),
+        "{stderr}"
+    );
+}
+
 fn kvplug(plugins: &Path, args: &[&str]) -> std::process::Output {
     kvplug_env(plugins, args, &[])
 }

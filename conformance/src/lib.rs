@@ -11,11 +11,12 @@
 pub mod matrix;
 pub mod report;
 pub mod rng;
+pub mod rows;
 pub mod runner;
 pub mod scenario;
 
 pub use matrix::{run_matrix, ConformOptions, RuntimeFactory, REQUIRE_BACKENDS_ENV};
-pub use report::{Matrix, Status};
+pub use report::{Failure, Matrix, Status};
 pub use rng::Inputs;
 pub use runner::{run_case, CacheFactory, CaseResult};
 pub use scenario::{builtin_scenarios, load_dir, Scenario, ScenarioError};

@@ -16,6 +16,50 @@ pub enum Status {
     NotApplicable(String),
 }
 
+/// Where a failing case first diverged: the op, and of what follows the fields that apply
+/// (`kvplug conform --json` carries them; the failure message names them too).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Failure {
+    /// Index of the op in the scenario.
+    pub op: usize,
+    /// Its name (`step`, `export`, ...).
+    pub op_name: String,
+    /// Layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layer: Option<usize>,
+    /// Query head (attention output).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head: Option<usize>,
+    /// KV head (the head's keys and values, or an exported row's head).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_head: Option<usize>,
+    /// Query token within the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<usize>,
+    /// The query token's (or exported row's) position.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub position: Option<i32>,
+    /// Element within the head row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub element: Option<usize>,
+    /// How the query was masked: `causal` (the maskless path), `explicit`, with
+    /// `+ window W` on a sliding layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask: Option<String>,
+    /// The key cells the query should have seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_cells: Option<Vec<usize>>,
+    /// The oracle's value.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected: Option<f64>,
+    /// The backend's value.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub actual: Option<f64>,
+    /// The error bound the value had to meet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<f64>,
+}
+
 /// All cases of a run.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Matrix {

@@ -18,15 +18,16 @@
 
 use std::any::Any;
 
-use kvplug_core::oracle::{Attention, RefCache};
+use kvplug_core::oracle::{Attention, RefCache, RefRows};
 use kvplug_core::{
     CacheConfig, CacheError, CacheKind, ErrorKind, KvDtype, LayerSet, SlidingLayers,
 };
 use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
-use kvplug_plugin_api::{CacheHandle, HostTensor, PluginError, TensorDtype};
+use kvplug_plugin_api::{CacheHandle, HostTensor, PluginError, SeqRows, TensorDtype};
 
-use crate::report::Status;
+use crate::report::{Failure, Status};
 use crate::rng::{activations, Inputs, Stream};
+use crate::rows;
 use crate::scenario::{Op, Scenario, SeqSpec, Tamper};
 
 /// Makes the caches under test (the host passes its session factories).
@@ -64,6 +65,9 @@ pub struct CaseResult {
     pub max_ratio: f64,
     /// `update_and_attend` outputs compared.
     pub outputs: usize,
+    /// Where a failing case diverged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Failure>,
 }
 
 struct Case<'a> {
@@ -75,6 +79,10 @@ struct Case<'a> {
     max_err: f64,
     max_ratio: f64,
     outputs: usize,
+    /// The located divergence of the op that failed, if it has one.
+    detail: Option<Failure>,
+    /// The last `export`: the backend's rows and the oracle's.
+    exported: Option<(SeqRows, RefRows)>,
 }
 
 /// Backend and oracle results of one op.
@@ -139,6 +147,12 @@ impl Case<'_> {
                 o.commit(accepted),
             ),
             Op::Rewind { len } => (c.rewind(*len as u64).into_result(), o.rewind(*len)),
+            Op::Export { seq } => return self.export(*seq),
+            Op::Import {
+                seq,
+                pos_range,
+                from_export,
+            } => return self.import(idx, *seq, *pos_range, *from_export),
             Op::Clear => (c.clear().into_result(), {
                 o.clear();
                 Ok(())
@@ -222,12 +236,101 @@ impl Case<'_> {
                     if layer == 0 {
                         self.check_plan(idx)?;
                     }
-                    self.compare(idx, layer, &out, &want)?
+                    self.compare(idx, layer, &positions, &out, &want)?
                 }
                 (b, o) => return Ok((b.map(|_| ()), o.map(|_| ()))),
             }
         }
         Ok((Ok(()), Ok(())))
+    }
+
+    /// `export_seq` on both; the backend's rows must decode to the oracle's values.
+    fn export(&mut self, seq: i32) -> Result<Outcome, String> {
+        let (b, o) = (
+            self.cache.export_seq(seq).into_result(),
+            self.oracle.export_seq(seq),
+        );
+        let (rows, want) = match (b, o) {
+            (Ok(rows), Ok(want)) => (rows, want),
+            (b, o) => return Ok((b.map(|_| ()), o.map(|_| ()))),
+        };
+        if let Err(m) = rows::compare(self.oracle.config(), &rows, &want) {
+            self.detail = Some(Failure {
+                layer: m.layer,
+                kv_head: m.kv_head,
+                position: m.position,
+                element: m.element,
+                expected: m.expected,
+                actual: m.actual,
+                ..Failure::default()
+            });
+            return Err(m.message);
+        }
+        self.exported = Some((rows, want));
+        Ok((Ok(()), Ok(())))
+    }
+
+    /// `import_seq` on both: generated rows for `range`, or the last export's.
+    fn import(
+        &mut self,
+        idx: usize,
+        seq: i32,
+        range: Option<[i32; 2]>,
+        from_export: bool,
+    ) -> Result<Outcome, String> {
+        let cfg = *self.oracle.config();
+        let (rows, values) = if from_export {
+            self.exported
+                .clone()
+                .ok_or("import from_export before any export: the scenario is wrong")?
+        } else {
+            let [a, b] = range.expect("validated at parse");
+            let positions: Vec<i32> = (a..b).collect();
+            let window_from = match (cfg.sliding, positions.last()) {
+                (Some(s), Some(&last)) => positions
+                    .iter()
+                    .position(|&p| p as i64 > last as i64 - s.window as i64)
+                    .unwrap_or(positions.len()),
+                _ => 0,
+            };
+            let mut values = RefRows {
+                positions,
+                k: Vec::new(),
+                v: Vec::new(),
+                window_from,
+            };
+            let (hkv, d) = (cfg.n_kv_heads, cfg.head_dim);
+            for layer in 0..cfg.n_layers {
+                let held = values.layer_rows(&cfg, layer);
+                let t = values.positions.len();
+                for (stream, side) in [(Stream::K, 0), (Stream::V, 1)] {
+                    let x = activations(
+                        self.inputs,
+                        self.scenario.seed,
+                        idx,
+                        layer,
+                        stream,
+                        hkv,
+                        t,
+                        d,
+                    );
+                    let mut kept = Vec::with_capacity(hkv * held.len() * d);
+                    for h in 0..hkv {
+                        kept.extend(
+                            x[(h * t + held.start) * d..(h * t + held.end) * d]
+                                .iter()
+                                .map(|&v| v as f64),
+                        );
+                    }
+                    [&mut values.k, &mut values.v][side].push(kept);
+                }
+            }
+            rows::to_seq_rows(&cfg, &values)
+        };
+        Ok((
+            self.cache.import_seq(seq, &rows).into_result(),
+            self.oracle.import_seq(seq, &values),
+        ))
     }
 
     /// The backend's reported plan of the step just opened vs the oracle's.
@@ -256,6 +359,7 @@ impl Case<'_> {
         &mut self,
         idx: usize,
         layer: usize,
+        positions: &[i32],
         out: &HostTensor,
         want: &Attention,
     ) -> Result<(), String> {
@@ -283,16 +387,61 @@ impl Case<'_> {
         self.outputs += 1;
         self.max_ratio = self.max_ratio.max(worst.0);
         if worst.0 > 1.0 {
-            let i = worst.1;
-            return Err(format!(
-                "op {idx} layer {layer}: element {i} is {:.6} but the oracle gives {:.6}: error {:.3e} exceeds its f32 bound {:.3e}",
-                got[i],
-                want.out[i],
-                (got[i] as f64 - want.out[i]).abs(),
-                want.bound[i]
-            ));
+            let at = (layer, positions, worst.1);
+            return Err(self.locate(idx, at, got[worst.1] as f64, want));
         }
         Ok(())
+    }
+
+    /// Names the output element `i` of `layer` that broke its bound: query head and token,
+    /// its position, the keys it should have seen and how it was masked.
+    fn locate(
+        &mut self,
+        idx: usize,
+        (layer, positions, i): (usize, &[i32], usize),
+        got: f64,
+        want: &Attention,
+    ) -> String {
+        let cfg = self.oracle.config();
+        let d = cfg.head_dim;
+        let plan = self.oracle.last_plan().expect("a step is open");
+        let (l, t) = (plan.read_len, plan.cells.len());
+        let (head, token, element) = (i / (t * d), (i / d) % t, i % d);
+        let kv_head = head / (want.out.len() / (t * d) / cfg.n_kv_heads);
+        let keys: Vec<usize> = (0..l)
+            .filter(|&j| self.oracle.last_mask()[token * l + j])
+            .collect();
+        let mut mask = match plan.kind {
+            kvplug_core::PlanKind::SingleContiguous => "causal".to_string(),
+            kvplug_core::PlanKind::Explicit => "explicit".to_string(),
+        };
+        if let Some(s) = cfg.sliding.filter(|_| cfg.slides(layer)) {
+            mask.push_str(&format!(" + window {}", s.window));
+        }
+        let position = positions[token];
+        let message = format!(
+            "op {idx} layer {layer}: query head {head} (KV head {kv_head}), token {token} at position {position}, element {element}: {got:.6} but the oracle gives {:.6}, error {:.3e} above its f32 bound {:.3e}; the query should see key cells {} ({} mask, read window {l})",
+            want.out[i],
+            (got - want.out[i]).abs(),
+            want.bound[i],
+            cell_runs(&keys),
+            mask
+        );
+        self.detail = Some(Failure {
+            layer: Some(layer),
+            head: Some(head),
+            kv_head: Some(kv_head),
+            token: Some(token),
+            position: Some(position),
+            element: Some(element),
+            mask: Some(mask),
+            key_cells: Some(keys),
+            expected: Some(want.out[i]),
+            actual: Some(got),
+            bound: Some(want.bound[i]),
+            ..Failure::default()
+        });
+        message
     }
 
     fn check(&mut self, idx: usize, op: &Op) -> Result<(), String> {
@@ -350,20 +499,51 @@ impl Case<'_> {
         Ok(())
     }
 
-    fn run(&mut self) -> Result<(), String> {
+    fn run(&mut self) -> Result<(), Box<(String, Failure)>> {
         for (idx, op) in self.scenario.ops.iter().enumerate() {
-            match op {
-                Op::Check { .. } => self.check(idx, op)?,
-                Op::ExpectError { error, op: inner } => {
-                    let outcome = self.exec(idx, inner)?;
-                    same_error(error.0, &outcome)
-                        .map_err(|m| format!("op {idx} (expect_error): {m}"))?;
-                }
-                _ => agree(self.exec(idx, op)?).map_err(|m| format!("op {idx}: {m}"))?,
+            let result = match op {
+                Op::Check { .. } => self.check(idx, op),
+                Op::ExpectError { error, op: inner } => self.exec(idx, inner).and_then(|o| {
+                    same_error(error.0, &o).map_err(|m| format!("op {idx} (expect_error): {m}"))
+                }),
+                _ => self
+                    .exec(idx, op)
+                    .and_then(|o| agree(o).map_err(|m| format!("op {idx}: {m}"))),
+            };
+            if let Err(m) = result {
+                let failure = Failure {
+                    op: idx,
+                    op_name: op.name().to_string(),
+                    ..self.detail.take().unwrap_or_default()
+                };
+                return Err(Box::new((m, failure)));
             }
         }
         Ok(())
     }
+}
+
+/// `0-39, 41`: ascending cells as runs.
+fn cell_runs(cells: &[usize]) -> String {
+    if cells.is_empty() {
+        return "none".into();
+    }
+    let mut runs: Vec<String> = Vec::new();
+    let mut start = cells[0];
+    for (i, &c) in cells.iter().enumerate() {
+        let last = i + 1 == cells.len() || cells[i + 1] != c + 1;
+        if last {
+            runs.push(if start == c {
+                c.to_string()
+            } else {
+                format!("{start}-{c}")
+            });
+            if i + 1 < cells.len() {
+                start = cells[i + 1];
+            }
+        }
+    }
+    runs.join(", ")
 }
 
 /// Runs `scenario` for one kind and dtype on the factory's backend.
@@ -384,6 +564,7 @@ pub fn run_case(
         max_err: 0.0,
         max_ratio: 0.0,
         outputs: 0,
+        failure: None,
     };
     if let Err(reason) = factory.applicable(kind, dtype) {
         result.status = Status::NotApplicable(reason);
@@ -434,10 +615,16 @@ pub fn run_case(
                 max_err: 0.0,
                 max_ratio: 0.0,
                 outputs: 0,
+                detail: None,
+                exported: None,
             };
             let status = match case.run() {
                 Ok(()) => Status::Pass,
-                Err(m) => Status::Fail(m),
+                Err(failed) => {
+                    let (m, failure) = *failed;
+                    result.failure = Some(failure);
+                    Status::Fail(m)
+                }
             };
             result.max_err = case.max_err;
             result.max_ratio = case.max_ratio;
@@ -476,6 +663,13 @@ mod tests {
                 "stub builds nothing",
             ))
         }
+    }
+
+    #[test]
+    fn key_cells_print_as_runs() {
+        assert_eq!(cell_runs(&[]), "none");
+        assert_eq!(cell_runs(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
+        assert_eq!(cell_runs(&[4]), "4");
     }
 
     #[test]

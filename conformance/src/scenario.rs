@@ -6,8 +6,9 @@
 //! ```
 //! Ops: `step` (`pos` or `pos_range`, `seq` one id or one per token, optional `tamper` at
 //! `tamper_layer`),
-//! `seq_cp`, `seq_rm`, `seq_keep`, `propose`, `commit`, `rewind`, `clear`, `check`
-//! (`seq_len` / `can_extend` / `plan`), `expect_error` (`error` kind + the op to `do`).
+//! `seq_cp`, `seq_rm`, `seq_keep`, `propose`, `commit`, `rewind`, `clear`, `export` (`seq`),
+//! `import` (`seq` and `pos_range` or `from_export`), `check` (`seq_len` / `can_extend` /
+//! `plan`), `expect_error` (`error` kind + the op to `do`).
 //! `p0`/`p1` are half-open, `null` = open-ended. `config.sliding` (`window`, `layers`) makes
 //! a hybrid model: those layers attend through the window and drop older rows.
 
@@ -162,6 +163,27 @@ pub enum Op {
     },
     /// Forget everything.
     Clear,
+    /// `export_seq(seq)`: the backend's rows must decode, bit for bit, to the values the
+    /// oracle holds for the sequence (positions, layers, heads and the sliding window's rows
+    /// in the canonical `[heads, rows, row]` form). The rows are kept for `import`'s
+    /// `from_export`.
+    Export {
+        /// Sequence (contiguous and tree: 0).
+        seq: i32,
+    },
+    /// `import_seq(seq, rows)`, the oracle importing the same values: rows for positions
+    /// `pos_range`, drawn like a step's K/V and encoded in the canonical form by the runner,
+    /// or with `from_export` the last `export`'s rows (the backend's own bytes).
+    Import {
+        /// Sequence (contiguous and tree: 0).
+        seq: i32,
+        /// `[start, end)` of the generated rows.
+        #[serde(default)]
+        pos_range: Option<[i32; 2]>,
+        /// Import the last export instead.
+        #[serde(default)]
+        from_export: bool,
+    },
     /// Check a verb's answer.
     Check {
         /// `seq_len(seq) == len`.
@@ -182,6 +204,26 @@ pub enum Op {
         #[serde(rename = "do")]
         op: Box<Op>,
     },
+}
+
+impl Op {
+    /// The op's name in scenario files.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Step { .. } => "step",
+            Op::SeqCp { .. } => "seq_cp",
+            Op::SeqRm { .. } => "seq_rm",
+            Op::SeqKeep { .. } => "seq_keep",
+            Op::Propose { .. } => "propose",
+            Op::Commit { .. } => "commit",
+            Op::Rewind { .. } => "rewind",
+            Op::Clear => "clear",
+            Op::Export { .. } => "export",
+            Op::Import { .. } => "import",
+            Op::Check { .. } => "check",
+            Op::ExpectError { .. } => "expect_error",
+        }
+    }
 }
 
 /// A plan kind by name.
@@ -375,6 +417,21 @@ fn check_op(op: &Op, n_layers: usize, capacity: usize) -> Result<(), String> {
                 Err("check needs exactly one of 'seq_len', 'can_extend', 'plan'".into())
             }
         }
+        Op::Import {
+            pos_range,
+            from_export,
+            ..
+        } => match (pos_range, from_export) {
+            (Some(_), true) | (None, false) => {
+                Err("import needs exactly one of 'pos_range' and 'from_export'".into())
+            }
+            (Some([a, b]), _) if i64::from(*b) - i64::from(*a) > capacity as i64 || a > b => {
+                Err(format!(
+                    "import pos_range [{a}, {b}] is reversed or holds more rows than the capacity {capacity}"
+                ))
+            }
+            _ => Ok(()),
+        },
         Op::ExpectError { op, .. } => match **op {
             Op::Check { .. } | Op::ExpectError { .. } => {
                 Err("expect_error cannot wrap check or expect_error".into())

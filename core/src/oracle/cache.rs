@@ -24,6 +24,35 @@ pub fn store_rounded(dtype: KvDtype, row: &[f64]) -> Vec<f64> {
     }
 }
 
+/// One sequence's K/V history as the oracle holds it: what a backend's exported rows must
+/// decode to, and what importing rows makes a cache hold (the canonical row form of
+/// `SeqRows` in the plugin API, decoded to values).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefRows {
+    /// Position of each row, ascending.
+    pub positions: Vec<i32>,
+    /// Per layer, K `[n_kv_heads, rows, head_dim]` over the rows the layer holds: every row,
+    /// or for a sliding-window layer those from [`RefRows::window_from`] on.
+    pub k: Vec<Vec<f64>>,
+    /// Per layer, V likewise.
+    pub v: Vec<Vec<f64>>,
+    /// The first row the sliding-window layers hold: the first position above
+    /// `last - window` (0 without sliding layers).
+    pub window_from: usize,
+}
+
+impl RefRows {
+    /// The row indices `layer` holds under `cfg`.
+    pub fn layer_rows(&self, cfg: &CacheConfig, layer: usize) -> std::ops::Range<usize> {
+        let n = self.positions.len();
+        if cfg.slides(layer) {
+            self.window_from.min(n)..n
+        } else {
+            0..n
+        }
+    }
+}
+
 /// The step in progress: the model as it was before it (rollback restores it whole).
 #[derive(Clone, Debug)]
 struct OpenStep {
@@ -51,6 +80,8 @@ pub struct RefCache {
     last_plan: Option<RefPlan>,
     /// Cells whose rows the sliding-window layers have dropped (or never held).
     gone: Vec<bool>,
+    /// The mask the last attended layer used (window applied).
+    last_mask: Vec<bool>,
 }
 
 impl RefCache {
@@ -65,6 +96,7 @@ impl RefCache {
             step: None,
             last_plan: None,
             gone: Vec::new(),
+            last_mask: Vec::new(),
         })
     }
 
@@ -290,14 +322,22 @@ impl RefCache {
                 }
             }
         }
-        Ok(attend(
+        let out = attend(
             dims,
             q,
             &window(kl),
             &window(vl),
             scale,
             RefMask::Explicit(&mask),
-        ))
+        );
+        self.last_mask = mask;
+        Ok(out)
+    }
+
+    /// The `[T, read_len]` mask (`true` = query `i` sees cell `j`) of the last layer
+    /// attended, sliding window applied: which keys each query should have seen.
+    pub fn last_mask(&self) -> &[bool] {
+        &self.last_mask
     }
 
     /// The ABI's per-layer op: layer 0 opens a step (rolling back one left open), each layer
@@ -418,6 +458,122 @@ impl RefCache {
     /// Seq: cells held by `seq`.
     pub fn seq_len(&self, seq: i32) -> CacheResult<usize> {
         self.model.seq_len(seq)
+    }
+
+    /// The K/V history `seq` holds (contiguous and tree: sequence 0, the committed prefix).
+    pub fn export_seq(&mut self, seq: i32) -> CacheResult<RefRows> {
+        self.rollback_step();
+        let history = self.model.history(seq)?;
+        let positions: Vec<i32> = history.iter().map(|h| h.0).collect();
+        let window_from = match (self.window(), positions.last()) {
+            (Some(w), Some(&last)) => positions
+                .iter()
+                .position(|&p| p as i64 > last as i64 - w)
+                .unwrap_or(positions.len()),
+            _ => 0,
+        };
+        let mut rows = RefRows {
+            positions,
+            k: Vec::new(),
+            v: Vec::new(),
+            window_from,
+        };
+        let (hkv, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
+        for layer in 0..self.cfg.n_layers {
+            let held = &history[rows.layer_rows(&self.cfg, layer)];
+            let gather = |pool: &[Vec<f64>]| -> Vec<f64> {
+                let mut out = Vec::with_capacity(hkv * held.len() * d);
+                for h in 0..hkv {
+                    for &(_, c) in held {
+                        out.extend_from_slice(&pool[c][h * d..][..d]);
+                    }
+                }
+                out
+            };
+            rows.k.push(gather(&self.k[layer]));
+            rows.v.push(gather(&self.v[layer]));
+        }
+        Ok(rows)
+    }
+
+    /// Appends `rows` (values as stored: no rounding) to the history of `seq` as one step:
+    /// every position `seq` holds must be below the first row's (a contiguous cache must end
+    /// right before it, a tree cache must hold no committed token), positions ascending and
+    /// every layer sized for the rows it holds. All or nothing.
+    pub fn import_seq(&mut self, seq: i32, rows: &RefRows) -> CacheResult<()> {
+        self.rollback_step();
+        let (hkv, d, n) = (self.cfg.n_kv_heads, self.cfg.head_dim, rows.positions.len());
+        let sized = |side: &Vec<Vec<f64>>| {
+            side.len() == self.cfg.n_layers
+                && side
+                    .iter()
+                    .enumerate()
+                    .all(|(l, x)| x.len() == hkv * rows.layer_rows(&self.cfg, l).len() * d)
+        };
+        if rows.window_from > n || !sized(&rows.k) || !sized(&rows.v) {
+            return Err(CacheError::bad_shape(format!(
+                "rows of {n} positions do not fit {} layers of {hkv} KV heads × {d}",
+                self.cfg.n_layers
+            )));
+        }
+        if rows.positions.windows(2).any(|w| w[0] > w[1]) {
+            return Err(CacheError::bad_position("row positions must ascend"));
+        }
+        let held = self.model.history(seq)?;
+        let Some(&first) = rows.positions.first() else {
+            return Ok(());
+        };
+        if let Some(&(last, _)) = held.last() {
+            let appends = match self.kind() {
+                CacheKind::Seq => last < first,
+                CacheKind::Contiguous => last + 1 == first,
+                CacheKind::Tree => false,
+            };
+            if !appends {
+                return Err(CacheError::bad_position(format!(
+                    "sequence {seq} holds up to position {last}; the rows start at {first}"
+                )));
+            }
+        }
+        if self.kind() == CacheKind::Seq {
+            self.model.begin_step(&vec![seq; n])?;
+        }
+        self.open_step(&rows.positions)?;
+        let cells = self
+            .step
+            .as_ref()
+            .expect("a step was just opened")
+            .plan
+            .cells
+            .clone();
+        for layer in 0..self.cfg.n_layers {
+            let span = rows.layer_rows(&self.cfg, layer);
+            let (kl, vl) = (&mut self.k[layer], &mut self.v[layer]);
+            for (i, &c) in cells.iter().enumerate() {
+                if kl.len() <= c {
+                    kl.resize(c + 1, Vec::new());
+                    vl.resize(c + 1, Vec::new());
+                }
+                let (kr, vr) = (&mut kl[c], &mut vl[c]);
+                kr.clear();
+                vr.clear();
+                if !span.contains(&i) {
+                    // A sliding layer does not hold rows before the window: they read as zeros
+                    // and the window never shows them.
+                    kr.resize(hkv * d, 0.0);
+                    vr.resize(hkv * d, 0.0);
+                    continue;
+                }
+                let at = i - span.start;
+                for h in 0..hkv {
+                    let src = (h * span.len() + at) * d;
+                    kr.extend_from_slice(&rows.k[layer][src..src + d]);
+                    vr.extend_from_slice(&rows.v[layer][src..src + d]);
+                }
+            }
+        }
+        self.commit_step();
+        Ok(())
     }
 
     /// Tree: append a frontier.

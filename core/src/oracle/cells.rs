@@ -248,6 +248,31 @@ impl CellModel {
         Ok(())
     }
 
+    /// The (position, cell) of every token `seq` holds, positions ascending: a seq cache's
+    /// cells of `seq`; for contiguous and tree caches, sequence 0 only, the committed tokens.
+    pub fn history(&self, seq: i32) -> CacheResult<Vec<(i32, usize)>> {
+        if self.kind != CacheKind::Seq {
+            if seq != 0 {
+                return Err(err(
+                    E::BadSeqId,
+                    format!("a {} cache holds sequence 0 only, not {seq}", self.kind),
+                ));
+            }
+            return Ok((0..self.prefix())
+                .map(|c| (self.cells[c].as_ref().map_or(c as i32, |x| x.pos), c))
+                .collect());
+        }
+        Self::check_seq(seq)?;
+        let mut held: Vec<(i32, usize)> = (0..self.cells.len())
+            .filter_map(|c| {
+                let cell = self.cells[c].as_ref()?;
+                cell.seqs.contains(&seq).then_some((cell.pos, c))
+            })
+            .collect();
+        held.sort_unstable();
+        Ok(held)
+    }
+
     /// Seq: cells that belong to `seq`.
     pub fn seq_len(&self, seq: i32) -> CacheResult<usize> {
         if self.kind != CacheKind::Seq {

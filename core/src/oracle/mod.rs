@@ -10,5 +10,5 @@ mod cells;
 pub use attention::{
     attend, exp_rel_error, gamma, Attention, AttnDims, RefMask, F32_UNIT_ROUNDOFF,
 };
-pub use cache::{store_rounded, RefCache};
+pub use cache::{store_rounded, RefCache, RefRows};
 pub use cells::{CellModel, RefPlan};
