@@ -1,5 +1,6 @@
 //! Test support every backend runs on its own device (feature `testing`): a [`Device`] that
-//! fails on demand, and the step-rollback check built on it.
+//! fails on demand, the checks of the device contract built on it, and
+//! [`backend_tests!`](crate::backend_tests), which runs them all as a backend crate's tests.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -125,6 +126,262 @@ const HKV: usize = 2;
 const D: usize = 64;
 const LAYERS: usize = 3;
 
+/// f16 (else f32) and q4g32 (else q8g32) where the device lists their family.
+fn float_and_quantized<D2: Device>(dev: &D2) -> Vec<KvDtype> {
+    let has = |d: &KvDtype| dev.kv_dtypes().iter().any(|x| x.family() == d.family());
+    let first = |of: &[KvDtype]| of.iter().copied().find(has);
+    let q = |bits4| match bits4 {
+        true => KvDtype::Q4 { group: 32 },
+        false => KvDtype::Q8 { group: 32 },
+    };
+    [
+        first(&[KvDtype::F16, KvDtype::F32]),
+        first(&[q(true), q(false)]),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// Every dtype family the device lists, quantized ones at groups 32 and 16.
+fn every_dtype<D2: Device>(dev: &D2) -> Vec<KvDtype> {
+    dev.kv_dtypes()
+        .iter()
+        .flat_map(|d| match d.quant() {
+            None => vec![*d],
+            Some((8, _)) => vec![KvDtype::Q8 { group: 32 }, KvDtype::Q8 { group: 16 }],
+            Some(_) => vec![KvDtype::Q4 { group: 32 }, KvDtype::Q4 { group: 16 }],
+        })
+        .collect()
+}
+
+/// One row of `dtype` holding `x` in the canonical form (see
+/// [`SeqRows`](kvplug_plugin_api::SeqRows)), from the reference definitions: IEEE rounding,
+/// [`kvplug_core::quant`].
+fn canonical_row(dtype: KvDtype, x: &[f32]) -> Vec<u8> {
+    use half::{bf16, f16};
+    match dtype {
+        KvDtype::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        KvDtype::F16 => x
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        KvDtype::Bf16 => x
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
+            let bits = if dtype.family() == "q8" { 8 } else { 4 };
+            let wide: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            let groups: Vec<_> = wide
+                .chunks(group)
+                .map(|g| kvplug_core::quant::quantize_group(g, bits))
+                .collect();
+            let codes: Vec<u8> = groups.iter().flat_map(|g| g.codes.clone()).collect();
+            let mut row = match bits {
+                8 => codes,
+                _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
+            };
+            for g in &groups {
+                row.extend(f16::from_f64(g.scale).to_le_bytes());
+                row.extend(f16::from_f64(g.lo).to_le_bytes());
+            }
+            row
+        }
+    }
+}
+
+/// `src` (`[heads, t, D]`) as canonical rows `[heads, t, row]`.
+fn canonical_rows(dtype: KvDtype, src: &[f32]) -> Vec<u8> {
+    src.chunks(D)
+        .flat_map(|r| canonical_row(dtype, r))
+        .collect()
+}
+
+/// The saved-row contract on `device`, for every dtype it lists: rows written by
+/// `write_run` and `scatter_rows` read back with `read_rows` in the canonical form
+/// `[heads, cells, row]`, bit for bit as the reference encodes them (the form session files
+/// hold and every backend must read); `write_rows` of canonical rows reads back unchanged,
+/// in the order of the cells asked for, and touches no other row.
+pub fn check_rows_round_trip<D2: Device>(device: D2) {
+    let dev = device;
+    for dtype in every_dtype(&dev) {
+        let t = 6;
+        let src = values(HKV, t, 11);
+        let mut pool = dev.pool_new(dtype, HKV, D, 16).unwrap();
+        dev.write_run(
+            &mut pool,
+            0,
+            &dev.upload(&HostTensor::from_f32(&[HKV, t, D], &src))
+                .unwrap(),
+        )
+        .unwrap();
+        let cells: Vec<u32> = (0..t as u32).collect();
+        let want = canonical_rows(dtype, &src);
+        assert!(
+            dev.read_rows(&pool, &cells).unwrap() == want,
+            "{dtype}: rows written by write_run read back differently from the canonical form [heads, cells, row]"
+        );
+        // Scattered to cells 9, 7, 12: read back in that order.
+        let scattered = [9u32, 7, 12];
+        let part = values(HKV, 3, 12);
+        dev.scatter_rows(
+            &mut pool,
+            &scattered,
+            &dev.upload(&HostTensor::from_f32(&[HKV, 3, D], &part))
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(
+            dev.read_rows(&pool, &scattered).unwrap() == canonical_rows(dtype, &part),
+            "{dtype}: rows written by scatter_rows read back differently"
+        );
+        // Canonical rows written to cells 3, 14 (out of order) read back unchanged; the rows
+        // around them are untouched.
+        let rows = canonical_rows(dtype, &values(HKV, 2, 13));
+        dev.write_rows(&mut pool, &[14, 3], &rows).unwrap();
+        assert!(
+            dev.read_rows(&pool, &[14, 3]).unwrap() == rows,
+            "{dtype}: write_rows then read_rows changed the rows"
+        );
+        let around = [0u32, 1, 2, 4, 5];
+        let mut kept = Vec::new();
+        for h in 0..HKV {
+            for &c in &around {
+                kept.extend_from_slice(&src[(h * t + c as usize) * D..][..D]);
+            }
+        }
+        assert!(
+            dev.read_rows(&pool, &around).unwrap() == canonical_rows(dtype, &kept),
+            "{dtype}: write_rows changed rows it was not given"
+        );
+    }
+}
+
+/// Growth on `device`, for every dtype it lists: a full pool (keep = its size) and a partly
+/// filled one grow keeping rows `[0, keep)` bit for bit, and the new rows can be written.
+pub fn check_pool_growth<D2: Device>(device: D2) {
+    let dev = device;
+    for dtype in every_dtype(&dev) {
+        for (cells, keep) in [(16, 16), (16, 5)] {
+            let src = values(HKV, keep, 21);
+            let mut pool = dev.pool_new(dtype, HKV, D, cells).unwrap();
+            dev.write_run(
+                &mut pool,
+                0,
+                &dev.upload(&HostTensor::from_f32(&[HKV, keep, D], &src))
+                    .unwrap(),
+            )
+            .unwrap();
+            let kept: Vec<u32> = (0..keep as u32).collect();
+            let before = dev.read_rows(&pool, &kept).unwrap();
+            dev.pool_grow(&mut pool, 2 * cells, keep).unwrap();
+            assert!(
+                dev.read_rows(&pool, &kept).unwrap() == before,
+                "{dtype}: growing a pool of {cells} cells keeping {keep} lost kept rows"
+            );
+            let last = values(HKV, 1, 22);
+            dev.write_run(
+                &mut pool,
+                2 * cells - 1,
+                &dev.upload(&HostTensor::from_f32(&[HKV, 1, D], &last))
+                    .unwrap(),
+            )
+            .unwrap();
+            assert!(
+                dev.read_rows(&pool, &[2 * cells as u32 - 1]).unwrap()
+                    == canonical_rows(dtype, &last),
+                "{dtype}: the grown pool's last row"
+            );
+            assert!(
+                dev.pool_bytes(&pool) >= 2 * cells * HKV * dtype.row_bytes(D),
+                "{dtype}: pool_bytes of a grown pool"
+            );
+        }
+    }
+}
+
+/// `attend` on `device`, for every dtype it lists, against the oracle's f64 attention and
+/// its f32 bound: the causal mask, an explicit mask, and a query whose mask row is all
+/// false, which must read exactly zeros (never NaN).
+pub fn check_attend_masks<D2: Device>(device: D2) {
+    use kvplug_core::oracle::{attend, AttnDims, RefMask};
+    let dev = device;
+    let (t, l) = (3, 9);
+    let q = values(HQ, t, 31);
+    let (k, v) = (values(HKV, l, 32), values(HKV, l, 33));
+    // Query 1 sees nothing; queries 0 and 2 see alternate keys.
+    let explicit: Vec<bool> = (0..t * l).map(|i| i / l != 1 && (i % l) % 2 == 0).collect();
+    for dtype in every_dtype(&dev) {
+        let (mut kp, mut vp) = (
+            dev.pool_new(dtype, HKV, D, 16).unwrap(),
+            dev.pool_new(dtype, HKV, D, 16).unwrap(),
+        );
+        let up = |x: &[f32], h, n| dev.upload(&HostTensor::from_f32(&[h, n, D], x)).unwrap();
+        dev.write_run(&mut kp, 0, &up(&k, HKV, l)).unwrap();
+        dev.write_run(&mut vp, 0, &up(&v, HKV, l)).unwrap();
+        // What the pools hold, as the oracle takes it.
+        let stored = |x: &[f32]| -> Vec<f64> {
+            x.chunks(D)
+                .flat_map(|r| {
+                    kvplug_core::oracle::store_rounded(
+                        dtype,
+                        &r.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+                    )
+                })
+                .collect()
+        };
+        let wide: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+        let scale = 1.0 / (D as f32).sqrt();
+        for (name, mask, refmask) in [
+            ("causal", AttendMask::Causal, RefMask::Causal),
+            (
+                "explicit",
+                AttendMask::Explicit(&explicit),
+                RefMask::Explicit(&explicit),
+            ),
+        ] {
+            let mut out = dev.zeros(&[HQ, t, D]).unwrap();
+            let mut scratch = D2::Scratch::default();
+            dev.attend(
+                &up(&q, HQ, t),
+                &kp,
+                &vp,
+                l,
+                mask,
+                scale,
+                &mut out,
+                &mut scratch,
+            )
+            .unwrap();
+            let got = dev
+                .download(&out, TensorDtype::F32)
+                .unwrap()
+                .to_f32()
+                .unwrap();
+            let dims = AttnDims {
+                n_q_heads: HQ,
+                n_kv_heads: HKV,
+                n_tok: t,
+                read_len: l,
+                head_dim: D,
+            };
+            let want = attend(dims, &wide, &stored(&k), &stored(&v), scale as f64, refmask);
+            for (i, g) in got.iter().enumerate() {
+                let (h, tok, e) = (i / (t * D), (i / D) % t, i % D);
+                let err = (*g as f64 - want.out[i]).abs();
+                assert!(
+                    g.is_finite() && err <= want.bound[i],
+                    "{dtype} {name} mask: query head {h} token {tok} element {e} is {g}, the oracle gives {} (bound {:.2e}){}",
+                    want.out[i],
+                    want.bound[i],
+                    if name == "explicit" && tok == 1 { "; this query sees no key and must read zeros" } else { "" }
+                );
+            }
+        }
+    }
+}
+
 /// Deterministic `[h, t, D]` activations.
 fn values(h: usize, t: usize, salt: usize) -> Vec<f32> {
     (0..h * t * D)
@@ -243,7 +500,7 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
         ),
     ];
     for (kind, prep, (next, next_seqs), after) in scripts {
-        for dtype in [KvDtype::F16, KvDtype::Q4 { group: 32 }] {
+        for dtype in float_and_quantized(&*dev) {
             for k in 0..LAYERS {
                 let cfg = CacheConfig {
                     capacity: 64,
@@ -337,7 +594,7 @@ pub fn check_import_rollback<D2: Device>(device: D2) {
     let dev = Arc::new(Faulty::new(device));
     let n = crate::cache::IMPORT_CHUNK + 88;
     let positions: Vec<i32> = (0..n as i32).collect();
-    for dtype in [KvDtype::F16, KvDtype::Q4 { group: 32 }] {
+    for dtype in float_and_quantized(&*dev) {
         let cfg = CacheConfig {
             capacity: 2 * n + 8,
             n_layers: LAYERS,
@@ -570,4 +827,41 @@ pub fn additive_parts(f: BlockFormat, row: &[u8], out: &mut [f32]) {
         .chunks_exact_mut(f.block_bytes())
         .for_each(|b| b[codes.clone()].fill(0));
     dequantize_row(f, &zeroed, out);
+}
+
+/// Every device check of [`testing`](crate::testing) as `#[test]` functions of the calling
+/// crate (as burn's `testgen_all!` does for its backends): step rollback, import rollback,
+/// the canonical rows round trip, pool growth (a full pool included) and attention under
+/// each mask kind (a query that sees no key reads zeros). `$device` is evaluated once per
+/// test. Needs the kit's `testing` feature (a dev-dependency with
+/// `features = ["testing"]`).
+///
+/// ```text
+/// // tests/kit.rs of a backend crate
+/// kvplug_backend_kit::backend_tests!(my_backend::MyDevice::new());
+/// ```
+#[macro_export]
+macro_rules! backend_tests {
+    ($device:expr) => {
+        #[test]
+        fn kit_step_rollback() {
+            $crate::testing::check_step_rollback($device);
+        }
+        #[test]
+        fn kit_import_rollback() {
+            $crate::testing::check_import_rollback($device);
+        }
+        #[test]
+        fn kit_rows_round_trip() {
+            $crate::testing::check_rows_round_trip($device);
+        }
+        #[test]
+        fn kit_pool_growth() {
+            $crate::testing::check_pool_growth($device);
+        }
+        #[test]
+        fn kit_attend_masks() {
+            $crate::testing::check_attend_masks($device);
+        }
+    };
 }

@@ -45,6 +45,16 @@ std::optional<mx::array> mask_array(uint8_t kind, rust::Slice<const uint8_t> mas
   }
 }
 
+// `out` (`[..., t, d]`) with the rows of queries that see no key set to zeros, the
+// contract for such a query (a softmax over no key is NaN, or MLX's SDPA averages them all).
+mx::array zero_unseeing(const mx::array& out, const std::optional<mx::array>& allowed) {
+  if (!allowed) {
+    return out;
+  }
+  auto sees = mx::any(*allowed, -1, true);
+  return mx::where(sees, out, mx::array(0.0f, out.dtype()));
+}
+
 // Rows [0, read_len) of head h of a `[heads, cells, row]` pool, as `[read_len, row]`.
 mx::array head_window(const mx::array& pool, int h, int read_len) {
   int row = pool.shape(2);
@@ -210,7 +220,8 @@ std::unique_ptr<Array> attend(const Array& q, const Array& k, const Array& v,
     m = mask_array(mask_kind, mask, t, read_len);
   }
   auto o = mx::fast::scaled_dot_product_attention(q4, window(k.a), window(v.a), scale, mode, m);
-  return wrap(mx::astype(mx::reshape(o, {hq, t, d}), mx::float32));
+  o = zero_unseeing(mx::reshape(o, {hq, t, d}), m);
+  return wrap(mx::astype(o, mx::float32));
 }
 
 std::unique_ptr<Array> attend_quant(const Array& q, const Array& k_codes,
@@ -249,7 +260,7 @@ std::unique_ptr<Array> attend_quant(const Array& q, const Array& k_codes,
     }
     auto p = mx::reshape(mx::softmax(s, -1, true), {g * t, l});
     auto o = product(p, v_codes, v_scales, v_los, h, false);
-    heads.push_back(mx::reshape(o, {g, t, d}));
+    heads.push_back(zero_unseeing(mx::reshape(o, {g, t, d}), allowed));
   }
   return wrap(mx::astype(mx::concatenate(heads, 0), mx::float32));
 }

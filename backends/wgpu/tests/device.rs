@@ -105,17 +105,11 @@ fn describes_its_adapter() {
     assert!(!dev.features().is_empty());
 }
 
-#[test]
-fn a_fault_at_any_layer_rolls_the_step_back() {
-    let dev = WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"));
-    kvplug_backend_kit::testing::check_step_rollback(dev);
-}
-
-#[test]
-fn a_fault_during_an_import_changes_nothing() {
-    let dev = WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"));
-    kvplug_backend_kit::testing::check_import_rollback(dev);
-}
+// The kit's device contract: step and import rollback, canonical rows, pool growth,
+// attention under each mask kind.
+kvplug_backend_kit::backend_tests!(
+    WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
+);
 
 /// Kernel writes are recorded and submitted later; a host write of pool rows must still land
 /// after the kernel writes recorded before it, and a readback must see both in order.
