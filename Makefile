@@ -49,9 +49,9 @@ DLL = $(if $(filter Darwin,$(shell uname -s)),dylib,so)
 TEMPLATE_CARGO = CARGO_TARGET_DIR=$(OUT_OF_TREE)/target $(CARGO)
 template: build
 	$(CARGO) fmt --manifest-path $(TEMPLATE)/Cargo.toml -- --check
-	$(TEMPLATE_CARGO) clippy --manifest-path $(TEMPLATE)/Cargo.toml --all-targets -- -D warnings
-	$(TEMPLATE_CARGO) test --manifest-path $(TEMPLATE)/Cargo.toml
-	$(TEMPLATE_CARGO) build --manifest-path $(TEMPLATE)/Cargo.toml
+	$(TEMPLATE_CARGO) clippy --locked --manifest-path $(TEMPLATE)/Cargo.toml --all-targets -- -D warnings
+	$(TEMPLATE_CARGO) test --locked --manifest-path $(TEMPLATE)/Cargo.toml
+	$(TEMPLATE_CARGO) build --locked --manifest-path $(TEMPLATE)/Cargo.toml
 	@rm -rf $(OUT_OF_TREE)/plugins && mkdir -p $(OUT_OF_TREE)/plugins
 	cp $(OUT_OF_TREE)/target/debug/libkvplug_backend_template.$(DLL) $(OUT_OF_TREE)/plugins/
 	KVPLUG_REQUIRE_BACKENDS=template ./target/debug/kvplug --plugins $(OUT_OF_TREE)/plugins \

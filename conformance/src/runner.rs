@@ -286,13 +286,9 @@ impl Case<'_> {
         } else {
             let [a, b] = range.expect("validated at parse");
             let positions: Vec<i32> = (a..b).collect();
-            let window_from = match (cfg.sliding, positions.last()) {
-                (Some(s), Some(&last)) => positions
-                    .iter()
-                    .position(|&p| p as i64 > last as i64 - s.window as i64)
-                    .unwrap_or(positions.len()),
-                _ => 0,
-            };
+            let window_from = cfg.sliding.filter(|s| !s.layers.is_empty()).map_or(0, |s| {
+                kvplug_core::oracle::window_start(&positions, s.window)
+            });
             let mut values = RefRows {
                 positions,
                 k: Vec::new(),

@@ -19,8 +19,10 @@ pub enum AttendMask<'a> {
 /// Tensor primitives and kernels of one backend.
 ///
 /// `Tensor` holds activations (`[heads, tokens, head_dim]` for attention operands);
-/// `Pool` holds one layer's K or V rows, SDPA-major `[heads, cells, head_dim]`, in a
-/// [`KvDtype`]. Row indices are cells. Implementations may assume the kit has validated
+/// `Pool` holds one layer's K or V rows, `cells` per head, in a [`KvDtype`], laid out as
+/// the device likes (the in-tree backends: SDPA-major `[heads, cells, head_dim]`); only the
+/// canonical form of [`Device::read_rows`] / [`Device::write_rows`] is fixed. Row indices
+/// are cells. Implementations may assume the kit has validated
 /// every shape and index; they report only device failures.
 pub trait Device: Send + Sync + Sized + 'static {
     /// An activation tensor on the device.

@@ -12,8 +12,9 @@
 //!   `KitCache`, panic-guarded and locked.
 //! - [`export_backend!`]: the one line that turns a [`Backend`] into a plugin.
 //!
-//! Contracts a device must meet: pools are SDPA-major `[heads, cells, head_dim]`; a write
-//! touches only the rows it names; attention reads only `[0, read_len)`; quantized pools
+//! Contracts a device must meet: pools hold rows per head and cell, and read and write them
+//! in the canonical row form of [`SeqRows`](kvplug_plugin_api::SeqRows); a write touches
+//! only the rows it names; attention reads only `[0, read_len)`; quantized pools
 //! follow [`kvplug_core::quant`] and dequantize inside attention.
 //!
 //! [`HostTensor`]: kvplug_plugin_api::HostTensor

@@ -126,7 +126,7 @@ const HKV: usize = 2;
 const D: usize = 64;
 const LAYERS: usize = 3;
 
-/// f16 (else f32) and q4g32 (else q8g32) where the device lists their family.
+/// f16 (else f32, else bf16) and q4g32 (else q8g32) where the device lists their family.
 fn float_and_quantized<D2: Device>(dev: &D2) -> Vec<KvDtype> {
     let has = |d: &KvDtype| dev.kv_dtypes().iter().any(|x| x.family() == d.family());
     let first = |of: &[KvDtype]| of.iter().copied().find(has);
@@ -134,13 +134,15 @@ fn float_and_quantized<D2: Device>(dev: &D2) -> Vec<KvDtype> {
         true => KvDtype::Q4 { group: 32 },
         false => KvDtype::Q8 { group: 32 },
     };
-    [
-        first(&[KvDtype::F16, KvDtype::F32]),
+    let dtypes: Vec<KvDtype> = [
+        first(&[KvDtype::F16, KvDtype::F32, KvDtype::Bf16]),
         first(&[q(true), q(false)]),
     ]
     .into_iter()
     .flatten()
-    .collect()
+    .collect();
+    assert!(!dtypes.is_empty(), "the device lists no KV dtype");
+    dtypes
 }
 
 /// Every dtype family the device lists, quantized ones at groups 32 and 16.
@@ -155,54 +157,33 @@ fn every_dtype<D2: Device>(dev: &D2) -> Vec<KvDtype> {
         .collect()
 }
 
-/// One row of `dtype` holding `x` in the canonical form (see
-/// [`SeqRows`](kvplug_plugin_api::SeqRows)), from the reference definitions: IEEE rounding,
-/// [`kvplug_core::quant`].
-fn canonical_row(dtype: KvDtype, x: &[f32]) -> Vec<u8> {
-    use half::{bf16, f16};
-    match dtype {
-        KvDtype::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        KvDtype::F16 => x
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        KvDtype::Bf16 => x
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
-            let bits = if dtype.family() == "q8" { 8 } else { 4 };
-            let wide: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-            let groups: Vec<_> = wide
-                .chunks(group)
-                .map(|g| kvplug_core::quant::quantize_group(g, bits))
-                .collect();
-            let codes: Vec<u8> = groups.iter().flat_map(|g| g.codes.clone()).collect();
-            let mut row = match bits {
-                8 => codes,
-                _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
-            };
-            for g in &groups {
-                row.extend(f16::from_f64(g.scale).to_le_bytes());
-                row.extend(f16::from_f64(g.lo).to_le_bytes());
-            }
-            row
-        }
-    }
-}
-
-/// `src` (`[heads, t, D]`) as canonical rows `[heads, t, row]`.
+/// `src` (`[heads, t, D]`) as canonical rows `[heads, t, row]`, as the reference encodes
+/// them ([`kvplug_core::oracle::encode_row`]).
 fn canonical_rows(dtype: KvDtype, src: &[f32]) -> Vec<u8> {
     src.chunks(D)
-        .flat_map(|r| canonical_row(dtype, r))
+        .flat_map(|r| {
+            let wide: Vec<f64> = r.iter().map(|&v| v as f64).collect();
+            kvplug_core::oracle::encode_row(dtype, &wide)
+        })
         .collect()
+}
+
+/// Rows `rows` of each head of `x` (`[HKV, n, D]`), as `[HKV, rows.len(), D]`.
+fn pick(x: &[f32], n: usize, rows: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(HKV * rows.len() * D);
+    for h in 0..HKV {
+        for &i in rows {
+            out.extend_from_slice(&x[(h * n + i) * D..][..D]);
+        }
+    }
+    out
 }
 
 /// The saved-row contract on `device`, for every dtype it lists: rows written by
 /// `write_run` and `scatter_rows` read back with `read_rows` in the canonical form
 /// `[heads, cells, row]`, bit for bit as the reference encodes them (the form session files
-/// hold and every backend must read); `write_rows` of canonical rows reads back unchanged,
-/// in the order of the cells asked for, and touches no other row.
+/// hold and every backend must read), in the order of the cells asked for; `write_rows` of
+/// canonical rows reads back unchanged and touches no other row; `move_rows` moves rows.
 pub fn check_rows_round_trip<D2: Device>(device: D2) {
     let dev = device;
     for dtype in every_dtype(&dev) {
@@ -222,7 +203,7 @@ pub fn check_rows_round_trip<D2: Device>(device: D2) {
             dev.read_rows(&pool, &cells).unwrap() == want,
             "{dtype}: rows written by write_run read back differently from the canonical form [heads, cells, row]"
         );
-        // Scattered to cells 9, 7, 12: read back in that order.
+        // Scattered to cells 9, 7, 12: read back in that order, and ascending.
         let scattered = [9u32, 7, 12];
         let part = values(HKV, 3, 12);
         dev.scatter_rows(
@@ -236,24 +217,37 @@ pub fn check_rows_round_trip<D2: Device>(device: D2) {
             dev.read_rows(&pool, &scattered).unwrap() == canonical_rows(dtype, &part),
             "{dtype}: rows written by scatter_rows read back differently"
         );
-        // Canonical rows written to cells 3, 14 (out of order) read back unchanged; the rows
-        // around them are untouched.
-        let rows = canonical_rows(dtype, &values(HKV, 2, 13));
+        let ascending = pick(&part, 3, &[1, 0, 2]);
+        assert!(
+            dev.read_rows(&pool, &[7, 9, 12]).unwrap() == canonical_rows(dtype, &ascending),
+            "{dtype}: scattered rows read in another order"
+        );
+        // Canonical rows written to cells 14, 3 (out of order) read back unchanged, alone
+        // too; the rows around them are untouched.
+        let two = values(HKV, 2, 13);
+        let rows = canonical_rows(dtype, &two);
         dev.write_rows(&mut pool, &[14, 3], &rows).unwrap();
         assert!(
             dev.read_rows(&pool, &[14, 3]).unwrap() == rows,
             "{dtype}: write_rows then read_rows changed the rows"
         );
+        let third = pick(&two, 2, &[1]);
+        assert!(
+            dev.read_rows(&pool, &[3]).unwrap() == canonical_rows(dtype, &third),
+            "{dtype}: a row written by write_rows, read alone"
+        );
         let around = [0u32, 1, 2, 4, 5];
-        let mut kept = Vec::new();
-        for h in 0..HKV {
-            for &c in &around {
-                kept.extend_from_slice(&src[(h * t + c as usize) * D..][..D]);
-            }
-        }
+        let kept = pick(&src, t, &[0, 1, 2, 4, 5]);
         assert!(
             dev.read_rows(&pool, &around).unwrap() == canonical_rows(dtype, &kept),
             "{dtype}: write_rows changed rows it was not given"
+        );
+        // A tree commit: rows 4 and 7 move to 1 and 2.
+        let moved = dev.read_rows(&pool, &[4, 7]).unwrap();
+        dev.move_rows(&mut pool, 1, &[4, 7]);
+        assert!(
+            dev.read_rows(&pool, &[1, 2]).unwrap() == moved,
+            "{dtype}: move_rows(base 1, rows [4, 7])"
         );
     }
 }
@@ -302,8 +296,8 @@ pub fn check_pool_growth<D2: Device>(device: D2) {
 }
 
 /// `attend` on `device`, for every dtype it lists, against the oracle's f64 attention and
-/// its f32 bound: the causal mask, an explicit mask, and a query whose mask row is all
-/// false, which must read exactly zeros (never NaN).
+/// its f32 bound: no mask, the causal mask, an explicit mask, and a query whose mask row is
+/// all false, which must read exactly zeros (never NaN).
 pub fn check_attend_masks<D2: Device>(device: D2) {
     use kvplug_core::oracle::{attend, AttnDims, RefMask};
     let dev = device;
@@ -334,6 +328,7 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
         let wide: Vec<f64> = q.iter().map(|&x| x as f64).collect();
         let scale = 1.0 / (D as f32).sqrt();
         for (name, mask, refmask) in [
+            ("no", AttendMask::None, RefMask::None),
             ("causal", AttendMask::Causal, RefMask::Causal),
             (
                 "explicit",

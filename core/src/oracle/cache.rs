@@ -465,13 +465,11 @@ impl RefCache {
         self.rollback_step();
         let history = self.model.history(seq)?;
         let positions: Vec<i32> = history.iter().map(|h| h.0).collect();
-        let window_from = match (self.window(), positions.last()) {
-            (Some(w), Some(&last)) => positions
-                .iter()
-                .position(|&p| p as i64 > last as i64 - w)
-                .unwrap_or(positions.len()),
-            _ => 0,
-        };
+        let window_from = self
+            .cfg
+            .sliding
+            .filter(|s| !s.layers.is_empty())
+            .map_or(0, |s| super::rows::window_start(&positions, s.window));
         let mut rows = RefRows {
             positions,
             k: Vec::new(),
@@ -497,9 +495,10 @@ impl RefCache {
     }
 
     /// Appends `rows` (values as stored: no rounding) to the history of `seq` as one step:
-    /// every position `seq` holds must be below the first row's (a contiguous cache must end
-    /// right before it, a tree cache must hold no committed token), positions ascending and
-    /// every layer sized for the rows it holds. All or nothing.
+    /// every layer sized for the rows it holds, positions ascending, the sliding layers'
+    /// rows covering the window after the last of them, every position `seq` holds below the
+    /// first row's (a contiguous cache must end right before it, a tree cache must be empty)
+    /// and room for them. All or nothing.
     pub fn import_seq(&mut self, seq: i32, rows: &RefRows) -> CacheResult<()> {
         self.rollback_step();
         let (hkv, d, n) = (self.cfg.n_kv_heads, self.cfg.head_dim, rows.positions.len());
@@ -519,6 +518,14 @@ impl RefCache {
         if rows.positions.windows(2).any(|w| w[0] > w[1]) {
             return Err(CacheError::bad_position("row positions must ascend"));
         }
+        if let Some(s) = self.cfg.sliding.filter(|s| !s.layers.is_empty()) {
+            if rows.window_from > super::rows::window_start(&rows.positions, s.window) {
+                return Err(CacheError::out_of_window(format!(
+                    "the sliding layers' rows start at index {}, after the window's start",
+                    rows.window_from
+                )));
+            }
+        }
         let held = self.model.history(seq)?;
         let Some(&first) = rows.positions.first() else {
             return Ok(());
@@ -534,6 +541,11 @@ impl RefCache {
                     "sequence {seq} holds up to position {last}; the rows start at {first}"
                 )));
             }
+        }
+        if self.kind() == CacheKind::Tree && self.model.high_water() > 0 {
+            return Err(CacheError::bad_position(
+                "a tree cache imports only when empty",
+            ));
         }
         if self.kind() == CacheKind::Seq {
             self.model.begin_step(&vec![seq; n])?;

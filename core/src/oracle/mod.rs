@@ -6,9 +6,11 @@
 mod attention;
 mod cache;
 mod cells;
+mod rows;
 
 pub use attention::{
     attend, exp_rel_error, gamma, Attention, AttnDims, RefMask, F32_UNIT_ROUNDOFF,
 };
 pub use cache::{store_rounded, RefCache, RefRows};
 pub use cells::{CellModel, RefPlan};
+pub use rows::{decode_row, encode_row, window_start};
