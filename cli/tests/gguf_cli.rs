@@ -131,3 +131,39 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
         "mlx on its CPU device widens the block formats and says so: {mlx:?}"
     );
 }
+
+/// `run --agents` shows each branch as text (and `--json` lists them), the kept one being
+/// the run's answer.
+#[test]
+fn agents_show_each_branch_as_text() {
+    let cache = tempfile::tempdir().unwrap();
+    let model = qwen();
+    let args = [
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Name one primary colour.",
+        "--agents",
+        "3",
+        "--max-new",
+        "16",
+    ];
+    let v: serde_json::Value =
+        serde_json::from_str(&kvplug(cache.path(), &[&args[..], &["--json"]].concat())).unwrap();
+    let texts = v["branch_texts"].as_array().expect("branch_texts");
+    assert_eq!(texts.len(), 3, "{v}");
+    assert!(
+        texts
+            .iter()
+            .all(|t| t.as_str().is_some_and(|t| !t.trim().is_empty())),
+        "{v}"
+    );
+    assert!(
+        texts.contains(&v["text"]),
+        "the kept branch is the answer: {v}"
+    );
+    let shown = kvplug(cache.path(), &args);
+    assert_eq!(shown.matches("--- branch ").count(), 3, "{shown}");
+    assert_eq!(shown.matches("(kept)").count(), 1, "{shown}");
+}

@@ -117,9 +117,14 @@ fn a_session_in_use_is_refused_to_a_second_process() {
     let again = output(chat("dup").stdin(Stdio::null()));
     assert!(again.status.success(), "{again:?}");
     let ls = output(kvplug(sessions.path()).args(["session", "ls"]));
-    assert!(String::from_utf8_lossy(&ls.stdout)
-        .lines()
-        .any(|l| l.starts_with("dup ")));
+    // Listed with the model's name (its GGUF file's), not only a fingerprint.
+    let listed = String::from_utf8_lossy(&ls.stdout).to_string();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("dup ") && l.contains("  SmolLM2-135M-Instruct.Q4_1 (")),
+        "{listed}"
+    );
 }
 
 #[test]

@@ -124,6 +124,7 @@ fn main() -> Result<()> {
                 rows: s.export_seq(0)?,
                 tokens: system.clone(),
                 model: fingerprint.clone(),
+                model_name: String::new(),
                 app: Default::default(),
             },
         )?;

@@ -116,6 +116,8 @@ pub struct AgentStore {
     published: VecDeque<Vec<i32>>,
     cache: RtContext,
     fingerprint: String,
+    /// The model's readable name, written into each parked agent's file.
+    model_name: String,
     dir: PathBuf,
     agents: HashMap<String, Agent>,
     free_seqs: Vec<i32>,
@@ -226,6 +228,7 @@ impl AgentStore {
             published: VecDeque::new(),
             cache,
             fingerprint: model_fingerprint(model.dir())?,
+            model_name: crate::fingerprint::model_name(model.dir()),
             dir: opts.dir,
             agents: HashMap::new(),
             free_seqs: (0..MAX_SEQS as i32).rev().collect(),
@@ -700,6 +703,7 @@ impl AgentStore {
             rows: self.cache.export_seq(seq)?,
             tokens: a.tokens.clone(),
             model: self.fingerprint.clone(),
+            model_name: self.model_name.clone(),
             app: Default::default(),
         };
         std::fs::create_dir_all(&self.dir)

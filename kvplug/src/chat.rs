@@ -264,6 +264,7 @@ impl Chat {
             rows: self.ctx.export_seq(0)?,
             tokens: self.cached.clone(),
             model: fingerprint.clone(),
+            model_name: crate::fingerprint::model_name(&self.dir),
             app: [(
                 MESSAGES_KEY.to_string(),
                 serde_json::to_string(&self.messages)?,

@@ -7,6 +7,27 @@ use crate::error::{Context, Result};
 use kvplug_core::files::{open_regular, read_text, MAX_TEXT_BYTES};
 use safetensors::SafeTensors;
 
+/// A readable name for the model package in `dir`, for listings: the GGUF file's name
+/// without its extension for weights read in place from one, else the directory's name.
+/// Not an identity ([`model_fingerprint`] is).
+pub fn model_name(dir: &Path) -> String {
+    let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
+    let gguf = read_text(&index, MAX_TEXT_BYTES)
+        .ok()
+        .and_then(|t| serde_json::from_str::<kvplug_core::GgufIndex>(&t).ok())
+        .map(|i| i.file);
+    let named = gguf.as_deref().unwrap_or(dir);
+    let stem = if gguf.is_some() {
+        named.file_stem()
+    } else {
+        named.file_name()
+    };
+    stem.map_or_else(
+        || dir.display().to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    )
+}
+
 /// The BLAKE3 (hex) of the model package in `dir`: its `config.json` (parsed, so formatting
 /// does not count) and, shard by shard in name order (or, for weights in a GGUF, tensor by
 /// tensor in name order), every tensor's name, dtype, shape and content hash. Reads every weight once (about 0.1 s per 250 MB here).

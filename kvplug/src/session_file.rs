@@ -13,7 +13,8 @@
 //!   with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file is about 0.31x an
 //!   f16 one.
 //! - Metadata under `kv_cache.`: `format` (`kvplug-session`), `schema_version`,
-//!   `model_fingerprint` (see [`crate::fingerprint`]), `kv_dtype`, `n_layers`, `n_kv_heads`,
+//!   `model_fingerprint` (see [`crate::fingerprint`]), `model_name` (for listings only),
+//!   `kv_dtype`, `n_layers`, `n_kv_heads`,
 //!   `head_dim`, `layer_groups` (`full`, or `full,sliding` with `sliding_layers`, the
 //!   comma-separated layer indices of `g1`, and `window_from`), `tokens`, `writer`, and
 //!   `checksum`: the BLAKE3 of the whole file with the checksum's own 64 hex digits written
@@ -54,6 +55,9 @@ pub struct Session {
     pub tokens: Vec<i32>,
     /// The model's fingerprint.
     pub model: String,
+    /// A readable name of the model ([`crate::fingerprint::model_name`]), for listings;
+    /// empty when unknown (files of earlier writers). Never checked.
+    pub model_name: String,
     /// Application entries (`app.*` keys without the prefix).
     pub app: BTreeMap<String, String>,
 }
@@ -199,6 +203,7 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
         ("format", FORMAT.to_string()),
         ("schema_version", SCHEMA_VERSION.to_string()),
         ("model_fingerprint", s.model.clone()),
+        ("model_name", s.model_name.clone()),
         ("kv_dtype", dtype.to_string()),
         ("n_layers", l.to_string()),
         ("n_kv_heads", h.to_string()),
@@ -486,6 +491,7 @@ pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError
         rows,
         tokens,
         model: get("model_fingerprint")?.to_string(),
+        model_name: meta.get("kv_cache.model_name").cloned().unwrap_or_default(),
         app: meta
             .iter()
             .filter_map(|(k, v)| Some((k.strip_prefix("app.")?.to_string(), v.clone())))
@@ -502,6 +508,8 @@ pub struct Summary {
     pub kv_dtype: String,
     /// The model's fingerprint.
     pub model: String,
+    /// The model's readable name (empty when the writer did not record one).
+    pub model_name: String,
     /// File size.
     pub bytes: u64,
     /// The writing kvplug.
@@ -541,6 +549,10 @@ pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
         tokens: get("tokens").parse().unwrap_or(0),
         kv_dtype: get("kv_dtype"),
         model: get("model_fingerprint"),
+        model_name: meta["kv_cache.model_name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
         bytes,
         writer: get("writer"),
     })

@@ -459,6 +459,7 @@ fn seed_session(dtype: KvDtype, n: usize) -> Session {
         rows: cache.export_seq(0).unwrap(),
         tokens: (0..n as i32).map(|t| t * 7 + 1).collect(),
         model: "0".repeat(64),
+        model_name: String::new(),
         app: [("chat.messages".to_string(), "[]".to_string())].into(),
     }
 }

@@ -61,6 +61,7 @@ fn a_saved_sequence_resumes_on_every_backend_and_kind() {
             rows: src.export_seq(2).unwrap(),
             tokens: PROMPT.to_vec(),
             model: fingerprint.clone(),
+            model_name: String::new(),
             app: [("note".to_string(), "test".to_string())].into(),
         };
         assert_eq!(saved.rows.positions.len(), PROMPT.len());
@@ -125,6 +126,7 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
         rows: s.export_seq(0).unwrap(),
         tokens: PROMPT.to_vec(),
         model: fingerprint.clone(),
+        model_name: String::new(),
         app: Default::default(),
     };
     let bytes = session_file::to_bytes(&session).unwrap();

@@ -168,6 +168,13 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         if let Some(d) = decoded {
             v["text"] = d.into();
         }
+        if let (Some(t), Some(branches)) = (&text, &report.branches) {
+            let texts: Vec<String> = branches
+                .iter()
+                .map(|ids| t.decode(ids))
+                .collect::<Result<_, _>>()?;
+            v["branch_texts"] = texts.into();
+        }
         println!("{}", serde_json::to_string(&v)?);
         return Ok(ExitCode::SUCCESS);
     }
@@ -181,7 +188,15 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     }
     if let (Some(branches), Some(w)) = (&report.branches, report.winner) {
         for (b, ids) in branches.iter().enumerate() {
-            println!("branch {b}{}: {ids:?}", if b == w { " (kept)" } else { "" });
+            let kept = if b == w { " (kept)" } else { "" };
+            match &text {
+                Some(t) => println!(
+                    "--- branch {b}{kept}, {} tokens ---\n{}",
+                    ids.len(),
+                    t.decode(ids)?.trim_end()
+                ),
+                None => println!("branch {b}{kept}: {ids:?}"),
+            }
         }
     }
     eprintln!(

@@ -32,6 +32,17 @@ pub enum Command {
     },
 }
 
+/// The model a session belongs to: its name and the start of its fingerprint (the
+/// fingerprint alone for files that recorded no name).
+fn model_label(s: &session_file::Summary) -> String {
+    let short = &s.model[..12.min(s.model.len())];
+    if s.model_name.is_empty() {
+        short.to_string()
+    } else {
+        format!("{} ({short})", s.model_name)
+    }
+}
+
 pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
     match command {
         Command::Ls { json } => {
@@ -62,7 +73,7 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                         s.tokens,
                         s.kv_dtype,
                         s.bytes,
-                        &s.model[..12.min(s.model.len())]
+                        model_label(&s)
                     ),
                     Err(e) => println!("{:<24} unreadable: {e}", l.name),
                 }
@@ -95,7 +106,8 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                 sum.bytes,
                 sum.bytes as f64 / s.tokens.len().max(1) as f64
             );
-            println!("  model        {}", s.model);
+            println!("  model        {}", model_label(&sum));
+            println!("  fingerprint  {}", s.model);
             println!("  writer       {}", sum.writer);
             println!("  checksum     ok (read and checked in {read_ms:.1} ms)");
             for (k, v) in &s.app {
