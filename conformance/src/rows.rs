@@ -116,9 +116,16 @@ pub fn compare(cfg: &CacheConfig, rows: &SeqRows, want: &RefRows) -> Result<(), 
                     if let Some(e) = (0..d).find(|&e| decoded[e].to_bits() != expected[e].to_bits())
                     {
                         let position = want.positions[i];
+                        let n = held.len();
+                        let block = &values[layer];
+                        let hint = if hkv > 1 && transposed(cfg, bytes, block, n) {
+                            "; the rows are in [rows, heads] order, the canonical form is [heads, rows, row]"
+                        } else {
+                            ""
+                        };
                         return Err(RowMismatch {
                             message: format!(
-                                "layer {layer} {side} KV head {h} row {r} (position {position}) element {e}: exported {} but the oracle holds {} (rows are [heads, cells, row] in the canonical form)",
+                                "layer {layer} {side} KV head {h} row {r} (position {position}) element {e}: exported {} but the oracle holds {}{hint}",
                                 decoded[e], expected[e]
                             ),
                             layer: Some(layer),
@@ -134,6 +141,21 @@ pub fn compare(cfg: &CacheConfig, rows: &SeqRows, want: &RefRows) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// Whether `bytes` hold the oracle's `values` (`[heads, n, D]`) with rows and heads swapped.
+fn transposed(cfg: &CacheConfig, bytes: &[u8], values: &[f64], n: usize) -> bool {
+    let (hkv, d, row) = (
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.kv_dtype.row_bytes(cfg.head_dim),
+    );
+    (0..hkv).all(|h| {
+        (0..n).all(|r| {
+            let at = (r * hkv + h) * row;
+            decode_row(cfg.kv_dtype, &bytes[at..at + row]) == values[(h * n + r) * d..][..d]
+        })
+    })
 }
 
 /// `want` in canonical form for a cache of `cfg` (encoded, then decoded back so the values

@@ -147,7 +147,7 @@ impl Case<'_> {
                 o.commit(accepted),
             ),
             Op::Rewind { len } => (c.rewind(*len as u64).into_result(), o.rewind(*len)),
-            Op::Export { seq } => return self.export(*seq),
+            Op::Export { seq } => return self.export(idx, *seq),
             Op::Import {
                 seq,
                 pos_range,
@@ -245,7 +245,7 @@ impl Case<'_> {
     }
 
     /// `export_seq` on both; the backend's rows must decode to the oracle's values.
-    fn export(&mut self, seq: i32) -> Result<Outcome, String> {
+    fn export(&mut self, idx: usize, seq: i32) -> Result<Outcome, String> {
         let (b, o) = (
             self.cache.export_seq(seq).into_result(),
             self.oracle.export_seq(seq),
@@ -264,7 +264,10 @@ impl Case<'_> {
                 actual: m.actual,
                 ..Failure::default()
             });
-            return Err(m.message);
+            return Err(format!(
+                "op {idx} (export of sequence {seq}): {}",
+                m.message
+            ));
         }
         self.exported = Some((rows, want));
         Ok((Ok(()), Ok(())))

@@ -179,6 +179,32 @@ fn pick(x: &[f32], n: usize, rows: &[usize]) -> Vec<f32> {
     out
 }
 
+/// Panics unless `got` equals `want`, canonical rows `[HKV, cells.len(), row]` of `dtype`,
+/// naming the first differing head, cell, element and values.
+fn assert_rows(dtype: KvDtype, cells: &[u32], got: &[u8], want: &[u8], what: &str) {
+    if got == want {
+        return;
+    }
+    let row = dtype.row_bytes(D);
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{dtype}: {what}: byte count of {} canonical rows [heads, cells, row]",
+        cells.len()
+    );
+    let at = (0..got.len()).find(|&i| got[i] != want[i]).unwrap_or(0) / row;
+    let (h, c) = (at / cells.len(), at % cells.len());
+    let decode = |b: &[u8]| kvplug_core::oracle::decode_row(dtype, &b[at * row..][..row]);
+    let (g, w) = (decode(got), decode(want));
+    let e = (0..D)
+        .find(|&e| g[e].to_bits() != w[e].to_bits())
+        .unwrap_or(0);
+    panic!(
+        "{dtype}: {what}: head {h} cell {} element {e} reads {} where the reference holds {} (canonical rows are [heads, cells, row]; f16/bf16 round to nearest even, q8/q4 follow kvplug_core::quant)",
+        cells[c], g[e], w[e]
+    );
+}
+
 /// The saved-row contract on `device`, for every dtype it lists: rows written by
 /// `write_run` and `scatter_rows` read back with `read_rows` in the canonical form
 /// `[heads, cells, row]`, bit for bit as the reference encodes them (the form session files
@@ -199,10 +225,8 @@ pub fn check_rows_round_trip<D2: Device>(device: D2) {
         .unwrap();
         let cells: Vec<u32> = (0..t as u32).collect();
         let want = canonical_rows(dtype, &src);
-        assert!(
-            dev.read_rows(&pool, &cells).unwrap() == want,
-            "{dtype}: rows written by write_run read back differently from the canonical form [heads, cells, row]"
-        );
+        let got = dev.read_rows(&pool, &cells).unwrap();
+        assert_rows(dtype, &cells, &got, &want, "rows written by write_run");
         // Scattered to cells 9, 7, 12: read back in that order, and ascending.
         let scattered = [9u32, 7, 12];
         let part = values(HKV, 3, 12);
@@ -213,41 +237,57 @@ pub fn check_rows_round_trip<D2: Device>(device: D2) {
                 .unwrap(),
         )
         .unwrap();
-        assert!(
-            dev.read_rows(&pool, &scattered).unwrap() == canonical_rows(dtype, &part),
-            "{dtype}: rows written by scatter_rows read back differently"
+        let got = dev.read_rows(&pool, &scattered).unwrap();
+        let want = canonical_rows(dtype, &part);
+        assert_rows(
+            dtype,
+            &scattered,
+            &got,
+            &want,
+            "rows written by scatter_rows",
         );
         let ascending = pick(&part, 3, &[1, 0, 2]);
-        assert!(
-            dev.read_rows(&pool, &[7, 9, 12]).unwrap() == canonical_rows(dtype, &ascending),
-            "{dtype}: scattered rows read in another order"
+        let got = dev.read_rows(&pool, &[7, 9, 12]).unwrap();
+        let want = canonical_rows(dtype, &ascending);
+        assert_rows(
+            dtype,
+            &[7, 9, 12],
+            &got,
+            &want,
+            "scattered rows read ascending",
         );
         // Canonical rows written to cells 14, 3 (out of order) read back unchanged, alone
         // too; the rows around them are untouched.
         let two = values(HKV, 2, 13);
         let rows = canonical_rows(dtype, &two);
         dev.write_rows(&mut pool, &[14, 3], &rows).unwrap();
-        assert!(
-            dev.read_rows(&pool, &[14, 3]).unwrap() == rows,
-            "{dtype}: write_rows then read_rows changed the rows"
-        );
+        let got = dev.read_rows(&pool, &[14, 3]).unwrap();
+        assert_rows(dtype, &[14, 3], &got, &rows, "rows written by write_rows");
         let third = pick(&two, 2, &[1]);
-        assert!(
-            dev.read_rows(&pool, &[3]).unwrap() == canonical_rows(dtype, &third),
-            "{dtype}: a row written by write_rows, read alone"
+        let got = dev.read_rows(&pool, &[3]).unwrap();
+        let want = canonical_rows(dtype, &third);
+        assert_rows(
+            dtype,
+            &[3],
+            &got,
+            &want,
+            "a row written by write_rows, read alone",
         );
         let around = [0u32, 1, 2, 4, 5];
         let kept = pick(&src, t, &[0, 1, 2, 4, 5]);
-        assert!(
-            dev.read_rows(&pool, &around).unwrap() == canonical_rows(dtype, &kept),
-            "{dtype}: write_rows changed rows it was not given"
-        );
+        let got = dev.read_rows(&pool, &around).unwrap();
+        let want = canonical_rows(dtype, &kept);
+        assert_rows(dtype, &around, &got, &want, "rows write_rows was not given");
         // A tree commit: rows 4 and 7 move to 1 and 2.
         let moved = dev.read_rows(&pool, &[4, 7]).unwrap();
         dev.move_rows(&mut pool, 1, &[4, 7]);
-        assert!(
-            dev.read_rows(&pool, &[1, 2]).unwrap() == moved,
-            "{dtype}: move_rows(base 1, rows [4, 7])"
+        let got = dev.read_rows(&pool, &[1, 2]).unwrap();
+        assert_rows(
+            dtype,
+            &[1, 2],
+            &got,
+            &moved,
+            "rows 4 and 7 after move_rows(base 1)",
         );
     }
 }
@@ -270,10 +310,9 @@ pub fn check_pool_growth<D2: Device>(device: D2) {
             let kept: Vec<u32> = (0..keep as u32).collect();
             let before = dev.read_rows(&pool, &kept).unwrap();
             dev.pool_grow(&mut pool, 2 * cells, keep).unwrap();
-            assert!(
-                dev.read_rows(&pool, &kept).unwrap() == before,
-                "{dtype}: growing a pool of {cells} cells keeping {keep} lost kept rows"
-            );
+            let got = dev.read_rows(&pool, &kept).unwrap();
+            let what = format!("rows kept by growing a pool of {cells} cells (keep {keep})");
+            assert_rows(dtype, &kept, &got, &before, &what);
             let last = values(HKV, 1, 22);
             dev.write_run(
                 &mut pool,
@@ -282,11 +321,10 @@ pub fn check_pool_growth<D2: Device>(device: D2) {
                     .unwrap(),
             )
             .unwrap();
-            assert!(
-                dev.read_rows(&pool, &[2 * cells as u32 - 1]).unwrap()
-                    == canonical_rows(dtype, &last),
-                "{dtype}: the grown pool's last row"
-            );
+            let end = [2 * cells as u32 - 1];
+            let got = dev.read_rows(&pool, &end).unwrap();
+            let want = canonical_rows(dtype, &last);
+            assert_rows(dtype, &end, &got, &want, "the grown pool's last row");
             assert!(
                 dev.pool_bytes(&pool) >= 2 * cells * HKV * dtype.row_bytes(D),
                 "{dtype}: pool_bytes of a grown pool"
@@ -619,10 +657,12 @@ pub fn check_import_rollback<D2: Device>(device: D2) {
                 "{kind} {dtype}: state after a failed import"
             );
             dst.import_seq(seq, &rows).unwrap();
-            assert_eq!(
-                dst.export_seq(seq).unwrap(),
-                rows,
-                "{kind} {dtype}: rows read back"
+            let back = dst.export_seq(seq).unwrap();
+            let differs = (0..LAYERS).find(|&l| back.k[l] != rows.k[l] || back.v[l] != rows.v[l]);
+            assert!(
+                back.positions == rows.positions && differs.is_none(),
+                "{kind} {dtype}: the rows read back after the import differ from those imported (positions equal: {}, first differing layer: {differs:?})",
+                back.positions == rows.positions
             );
             if kind == CacheKind::Contiguous {
                 // Same rows, same read path: the same output bit for bit.
