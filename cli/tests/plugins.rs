@@ -5,13 +5,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod common;
-use common::{cpu, dylib, plugins_dir};
+use common::{cpu, dylib, fixture, plugins_dir};
 
 #[test]
 fn cli_lists_plugins_and_skips_with_exit_status_zero() {
     let dir = plugins_dir(&[
         cpu(),
-        (dylib("kvplug_fixture_not_a_plugin"), "libnot_a_plugin.so"),
+        (fixture("kvplug_fixture_not_a_plugin"), "libnot_a_plugin.so"),
     ]);
     let out = kvplug(dir.path(), &["plugins"]);
     assert!(out.status.success(), "{out:?}");

@@ -1,6 +1,7 @@
 //! Loading real plugin dylibs: the cpu backend and the fixtures in `tests/fixtures`, and the
-//! caches a runtime installs. Run `cargo build --workspace` first (`make test` does): the
-//! dylibs are read from the target directory this test binary lives in.
+//! caches a runtime installs. Run `cargo build --workspace` first (`make test` does): the cpu
+//! dylib is read from the target directory this test binary lives in; the fixtures (a
+//! workspace of their own) are built into `target/out-of-tree` on first use.
 
 use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheParams};
 use kvplug_plugin_api::abi_stable::std_types::RStr;
@@ -8,7 +9,9 @@ use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{PluginSearch, Runtime, RuntimeError};
 
 mod common;
-use common::{cpu, dylib, plugins_dir};
+use common::{
+    build_out_of_tree, checkout, cpu, dylib, dylib_name, fixture, out_of_tree_target, plugins_dir,
+};
 
 fn reason_for<'a>(host: &'a Runtime, file: &str) -> &'a str {
     host.skipped()
@@ -35,10 +38,10 @@ fn loads_cpu_and_skips_every_bad_file_with_a_reason() {
     let dir = plugins_dir(&[
         cpu(),
         (dylib("kvplug_cpu"), "libkvplug_cpu_copy.so"),
-        (dylib("kvplug_fixture_not_a_plugin"), "libnot_a_plugin.so"),
-        (dylib("kvplug_fixture_panicking_plugin"), "libpanicky.so"),
+        (fixture("kvplug_fixture_not_a_plugin"), "libnot_a_plugin.so"),
+        (fixture("kvplug_fixture_panicking_plugin"), "libpanicky.so"),
         (
-            dylib("kvplug_fixture_abi_mismatch_plugin"),
+            fixture("kvplug_fixture_abi_mismatch_plugin"),
             "libmismatch.so",
         ),
     ]);
@@ -195,12 +198,9 @@ pub fn get_library() -> BackendModule_Ref {
 "#;
 
 /// Builds, out of tree, a plugin against a copy of this checkout's kvplug-plugin-api whose
-/// version is the next major (under `target/out-of-tree`, shared with the backend
-/// template's build), and returns the dylib.
+/// version is the next major, and returns the dylib.
 fn built_against_the_next_api_major() -> std::path::PathBuf {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap();
+    let root = &checkout();
     let bumped = format!(
         "{}.0.0",
         kvplug_runtime::loader::host_api_version().major + 1
@@ -251,18 +251,13 @@ fn built_against_the_next_api_major() -> std::path::PathBuf {
     .unwrap();
     // The workspace's lock pins the same abi_stable; nothing is fetched.
     std::fs::copy(root.join("Cargo.lock"), work.join("Cargo.lock")).unwrap();
-    let status = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--offline", "--quiet", "-p", "bumped-plugin"])
-        .current_dir(&work)
-        .env("CARGO_TARGET_DIR", root.join("target/out-of-tree/target"))
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the bumped fixture failed");
-    root.join("target/out-of-tree/target/debug").join(format!(
-        "{}bumped_plugin{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    ))
+    build_out_of_tree(
+        &work.join("Cargo.toml"),
+        &["--quiet", "-p", "bumped-plugin"],
+    );
+    out_of_tree_target()
+        .join("debug")
+        .join(dylib_name("bumped_plugin"))
 }
 
 #[test]
