@@ -75,11 +75,14 @@ clippy:
 unit: build
 	$(CARGO) test --workspace
 
-## make bench: criterion benchmarks of the cpu backend and the KV growth benchmark, then
-## BENCH.md regenerated from them (with make bench-peers' table when it has run).
-bench: deps
+## make bench: criterion benchmarks of the cpu backend, the KV growth benchmark and session
+## save/restore on SmolLM2, then BENCH.md regenerated from them (with make bench-peers' table when it has run).
+bench: deps models
 	$(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
+	$(CARGO) build --release -p kvplug-cpu
+	$(CARGO) run --release -p kvplug --example prefix_reuse -- \
+		models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048 > target/criterion/sessions.txt
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)

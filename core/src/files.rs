@@ -85,6 +85,15 @@ pub fn inside(dir: &Path, name: &str) -> Result<PathBuf, FileError> {
 /// file or the new one, never a torn one; a failure removes the temporary file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
     use std::io::Write;
+    write_atomic_with(path, |f| f.write_all(bytes))
+}
+
+/// [`write_atomic`] for content written in pieces: `write` fills the temporary file (it may
+/// seek back and patch what it wrote), which is then synced and renamed over `path`.
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut File) -> std::io::Result<()>,
+) -> Result<(), FileError> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -96,7 +105,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
     let tmp = dir.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
     let written = (|| -> std::io::Result<()> {
         let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
+        write(&mut f)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
         // The rename is durable once the directory is.

@@ -25,15 +25,16 @@
 //! format or schema version, any changed byte (checksum), tensors that disagree with the
 //! metadata, another model, more rows than the cache's capacity.
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kvplug_core::files::{open_regular, write_atomic, FileError};
+use kvplug_core::files::{open_regular, write_atomic_with, FileError};
 use kvplug_core::limits::check_memory;
 use kvplug_core::KvDtype;
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::SeqRows;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 
 /// The `kv_cache.format` of a session file.
@@ -139,19 +140,22 @@ fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// A tensor's bytes, in pieces borrowed where they can be.
+type Pieces<'a> = Vec<Cow<'a, [u8]>>;
+
 /// The tensors of one K or V side of a layer group: `(name suffix, dtype, last dimension,
-/// bytes)`.
+/// bytes in pieces)`; float rows are the layers' own bytes, borrowed.
 fn split_side<'a>(
     layers: impl Iterator<Item = &'a RVec<u8>> + Clone,
     dtype: KvDtype,
     head_dim: usize,
-) -> Vec<(&'static str, Dtype, usize, Vec<u8>)> {
+) -> Vec<(&'static str, Dtype, usize, Pieces<'a>)> {
     match (float_dtype(dtype), quant_layout(dtype, head_dim)) {
         (Some(f), _) => vec![(
             "",
             f,
             head_dim,
-            layers.flat_map(|l| l.iter().copied()).collect(),
+            layers.map(|l| Cow::Borrowed(l.as_slice())).collect(),
         )],
         (None, Some((cb, groups))) => {
             let row = dtype.row_bytes(head_dim);
@@ -165,18 +169,40 @@ fn split_side<'a>(
                     }
                 }
             }
+            let one = |v: Vec<u8>| vec![Cow::Owned(v)];
             vec![
-                (".codes", Dtype::U8, cb, codes),
-                (".scales", Dtype::F16, groups, scales),
-                (".los", Dtype::F16, groups, los),
+                (".codes", Dtype::U8, cb, one(codes)),
+                (".scales", Dtype::F16, groups, one(scales)),
+                (".los", Dtype::F16, groups, one(los)),
             ]
         }
         (None, None) => unreachable!("every KV dtype is float or quantized"),
     }
 }
 
-/// Serializes `s` (checksum included).
-pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
+/// A session file ready to write: the 8-byte length and the safetensors header (with the
+/// checksum's digits zeroed at `checksum_at`), then the tensor data in pieces, most of them
+/// borrowed from the session's rows.
+struct Encoded<'a> {
+    head: Vec<u8>,
+    data: Pieces<'a>,
+    checksum_at: usize,
+}
+
+impl Encoded<'_> {
+    /// The file's checksum: the BLAKE3 of every byte with the checksum's digits zeroed.
+    fn checksum(&self) -> blake3::Hash {
+        let mut h = blake3::Hasher::new();
+        h.update(&self.head);
+        for piece in &self.data {
+            h.update(piece);
+        }
+        h.finalize()
+    }
+}
+
+/// Lays `s` out as a session file (safetensors: tensors in this order, data contiguous).
+fn encode(s: &Session) -> Result<Encoded<'_>, String> {
     let r = &s.rows;
     let dtype: KvDtype = r.kv_dtype.parse().map_err(|e| format!("{e}"))?;
     let (l, h, d, n) = (
@@ -188,7 +214,7 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
     if s.tokens.len() != n {
         return Err(format!("{} tokens for {n} rows", s.tokens.len()));
     }
-    let mut meta: HashMap<String, String> = s
+    let mut meta: BTreeMap<String, String> = s
         .app
         .iter()
         .map(|(k, v)| (format!("app.{k}"), v.clone()))
@@ -226,14 +252,19 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
     ] {
         meta.insert(format!("kv_cache.{k}"), v);
     }
-    let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = vec![
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Pieces<'_>)> = vec![
         (
             "positions".into(),
             Dtype::I32,
             vec![n],
-            i32_bytes(&r.positions),
+            vec![Cow::Owned(i32_bytes(&r.positions))],
         ),
-        ("tokens".into(), Dtype::I32, vec![n], i32_bytes(&s.tokens)),
+        (
+            "tokens".into(),
+            Dtype::I32,
+            vec![n],
+            vec![Cow::Owned(i32_bytes(&s.tokens))],
+        ),
     ];
     let groups = [(false, n), (true, n.saturating_sub(r.window_from as usize))];
     for (g, (slides, rows)) in groups.into_iter().enumerate() {
@@ -244,36 +275,79 @@ pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
         for (side, layers) in [("k", &r.k), ("v", &r.v)] {
             let of_group = members.clone().filter_map(|i| layers.get(i));
             let count = of_group.clone().count();
-            for (suffix, dt, last, bytes) in split_side(of_group, dtype, d) {
-                owned.push((
+            for (suffix, dt, last, parts) in split_side(of_group, dtype, d) {
+                tensors.push((
                     format!("g{g}.{side}{suffix}"),
                     dt,
                     vec![count, h, rows, last],
-                    bytes,
+                    parts,
                 ));
             }
         }
     }
-    let views = owned
-        .iter()
-        .map(|(name, dt, shape, bytes)| {
-            TensorView::new(*dt, shape.clone(), bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|e| format!("{name}: {e}"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut bytes = safetensors::serialize(views, Some(meta)).map_err(|e| e.to_string())?;
-    let at = checksum_at(&bytes).ok_or("the checksum entry is missing")?;
-    let sum = blake3::hash(&bytes).to_hex();
-    bytes[at..at + 64].copy_from_slice(sum.as_bytes());
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::to_value(&meta).map_err(|e| e.to_string())?,
+    );
+    let mut offset = 0usize;
+    let mut data = Vec::new();
+    for (name, dt, shape, parts) in tensors {
+        let bytes: usize = parts.iter().map(|p| p.len()).sum();
+        let want = shape.iter().product::<usize>() * dt.bitsize() / 8;
+        if bytes != want {
+            return Err(format!(
+                "{name}: {bytes} bytes for shape {shape:?} of {dt:?}"
+            ));
+        }
+        header.insert(
+            name,
+            serde_json::json!({"dtype": dt, "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+        data.extend(parts);
+    }
+    let mut json = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
+    // Padded with spaces to a multiple of 8, as safetensors aligns its data.
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut head = (json.len() as u64).to_le_bytes().to_vec();
+    head.extend(json);
+    let checksum_at = checksum_at(&head).ok_or("the checksum entry is missing")?;
+    Ok(Encoded {
+        head,
+        data,
+        checksum_at,
+    })
+}
+
+/// Serializes `s` (checksum included).
+pub fn to_bytes(s: &Session) -> Result<Vec<u8>, String> {
+    let e = encode(s)?;
+    let sum = e.checksum().to_hex();
+    let mut bytes = e.head.clone();
+    for piece in &e.data {
+        bytes.extend_from_slice(piece);
+    }
+    bytes[e.checksum_at..e.checksum_at + 64].copy_from_slice(sum.as_bytes());
     Ok(bytes)
 }
 
-/// Writes `s` to `path` atomically; returns the bytes written.
+/// Writes `s` to `path` atomically, streamed from the session's rows (no copy of the file
+/// in memory); returns the bytes written.
 pub fn write(path: &Path, s: &Session) -> Result<u64, SessionFileError> {
-    let bytes = to_bytes(s).map_err(|why| malformed(path, why))?;
-    write_atomic(path, &bytes)?;
-    Ok(bytes.len() as u64)
+    use std::io::{Seek, SeekFrom, Write};
+    let e = encode(s).map_err(|why| malformed(path, why))?;
+    let sum = e.checksum().to_hex();
+    let len = e.head.len() + e.data.iter().map(|p| p.len()).sum::<usize>();
+    write_atomic_with(path, |f| {
+        f.write_all(&e.head)?;
+        for piece in &e.data {
+            f.write_all(piece)?;
+        }
+        f.seek(SeekFrom::Start(e.checksum_at as u64))?;
+        f.write_all(sum.as_bytes())
+    })?;
+    Ok(len as u64)
 }
 
 /// The offset of the checksum's 64 hex digits in the header, if present exactly once.
@@ -303,25 +377,41 @@ pub fn read(path: &Path) -> Result<Session, SessionFileError> {
         .map_err(|e| malformed(path, e.message))?;
     // SAFETY: a read-only map; a file changed underneath fails the checksum or the parse
     // (writers replace session files by rename, never in place).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FileError {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
+    // Populated up front: one pass of the kernel instead of a page fault per 4 KiB.
+    let map =
+        unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(|e| FileError {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     from_bytes(path, &map)
 }
 
-/// Parses and checks session bytes (see [`read`]); `path` names them in errors.
+/// Parses and checks session bytes (see [`read`]); `path` names them in errors. The checksum
+/// is verified on a second thread while the rows are copied out (a file that fails it is
+/// refused as such, whatever the parse found).
 pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
     let at = checksum_at(bytes).ok_or_else(|| malformed(path, "no checksum entry"))?;
-    let mut h = blake3::Hasher::new();
-    h.update(&bytes[..at]);
-    h.update(ZERO_SUM.as_bytes());
-    h.update(&bytes[at + 64..]);
-    if h.finalize().to_hex().as_bytes() != &bytes[at..at + 64] {
+    let (sum_ok, parsed) = std::thread::scope(|scope| {
+        let hashing = scope.spawn(|| {
+            let mut h = blake3::Hasher::new();
+            h.update(&bytes[..at]);
+            h.update(ZERO_SUM.as_bytes());
+            h.update(&bytes[at + 64..]);
+            h.finalize().to_hex().as_bytes() == &bytes[at..at + 64]
+        });
+        let parsed = parse(path, bytes);
+        (hashing.join().unwrap_or(false), parsed)
+    });
+    if !sum_ok {
         return Err(SessionFileError::Checksum {
             path: path.to_path_buf(),
         });
     }
+    parsed
+}
+
+/// The session in checksummed `bytes` (see [`from_bytes`]).
+fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
     let (_, header) =
         SafeTensors::read_metadata(bytes).map_err(|e| malformed(path, e.to_string()))?;
     let meta = header.metadata().clone().unwrap_or_default();
@@ -476,14 +566,21 @@ pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError
             .map(Option::unwrap_or_default)
             .collect())
     };
+    // K and V copied out at once (the copies are page faults more than bytes).
+    let (k, v) = std::thread::scope(|scope| {
+        let v = scope.spawn(|| side("v"));
+        let k = side("k");
+        (k, v.join())
+    });
+    let v = v.map_err(|_| malformed(path, "copying the V rows failed"))?;
     let rows = SeqRows {
         kv_dtype: dtype.to_string().into(),
         n_layers: l as u32,
         n_kv_heads: h as u32,
         head_dim: d as u32,
         positions: positions.into(),
-        k: side("k")?,
-        v: side("v")?,
+        k: k?,
+        v: v?,
         window_from: window_from as u32,
         sliding_layers: sliding_layers.into(),
     };

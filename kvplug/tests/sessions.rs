@@ -137,6 +137,10 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
     let file = dir.path().join("a.kvsession.safetensors");
     session_file::write(&file, &session).unwrap();
     assert_eq!(session_file::read(&file).unwrap(), session);
+    assert!(
+        std::fs::read(&file).unwrap() == bytes,
+        "the streamed file is to_bytes' bytes"
+    );
 
     let err = |b: Vec<u8>| session_file::from_bytes(p, &b).unwrap_err();
     for at in [0, 9, 100, bytes.len() / 2, bytes.len() - 1] {

@@ -262,6 +262,25 @@ fn main() {
     .unwrap();
     writeln!(md, "Hkv 8, head_dim 128, f16, 4,096 tokens; each cache returns the whole history after every append (`examples/kv_growth.rs` says how each is modelled).\n").unwrap();
     md.push_str(&growth);
+    writeln!(
+        md,
+        "\n## Sessions: save and restore, SmolLM2-135M, 2,048 tokens\n"
+    )
+    .unwrap();
+    let sessions = criterion_dir().join("sessions.txt");
+    match std::fs::read_to_string(&sessions) {
+        Ok(text) => {
+            writeln!(md, "`cargo run --release -p kvplug --example prefix_reuse -- models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048` (save: export, file written and fsynced; restore: file read and checked, rows imported):\n\n```text").unwrap();
+            md.push_str(&text);
+            writeln!(md, "```").unwrap();
+        }
+        Err(_) => writeln!(
+            md,
+            "Not measured: `make bench` writes {}.",
+            sessions.display()
+        )
+        .unwrap(),
+    }
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     writeln!(md, "\n## Against llama.cpp (`make bench-peers`)\n").unwrap();
     match std::fs::read_to_string(manifest.join("../../.peers/peers.md")) {

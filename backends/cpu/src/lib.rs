@@ -106,8 +106,8 @@ impl Device for CpuDevice {
         let row = pool.storage_dtype().row_bytes(pool.head_dim);
         let mut out = Vec::with_capacity(pool.heads * cells.len() * row);
         for h in 0..pool.heads {
-            for &c in cells {
-                pool.read_canonical(h, c as usize, &mut out);
+            for (c, n) in runs(cells) {
+                pool.read_canonical(h, c, n, &mut out);
             }
         }
         Ok(out)
@@ -115,10 +115,11 @@ impl Device for CpuDevice {
 
     fn write_rows(&self, pool: &mut CpuPool, cells: &[u32], rows: &[u8]) -> Result<(), KitError> {
         let row = pool.storage_dtype().row_bytes(pool.head_dim);
+        let mut at = 0;
         for h in 0..pool.heads {
-            for (i, &c) in cells.iter().enumerate() {
-                let at = (h * cells.len() + i) * row;
-                pool.write_canonical(h, c as usize, &rows[at..at + row]);
+            for (c, n) in runs(cells) {
+                pool.write_canonical(h, c, n, &rows[at..at + n * row]);
+                at += n * row;
             }
         }
         Ok(())
@@ -205,6 +206,13 @@ impl Backend for CpuDevice {
         f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
         f
     }
+}
+
+/// `cells` as runs of consecutive cells: (first cell, length), in order.
+fn runs(cells: &[u32]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    cells
+        .chunk_by(|a, b| b.checked_sub(*a) == Some(1))
+        .map(|run| (run[0] as usize, run.len()))
 }
 
 kvplug_backend_kit::export_backend!(CpuDevice, models);

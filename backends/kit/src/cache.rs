@@ -300,27 +300,9 @@ impl<D: Device> KitCache<D> {
         let plan = self.book.open_step(positions)?;
         let (read_len, kind) = (plan.read_len, plan.kind());
         self.last_plan = Some((kind, read_len));
-        if read_len > self.pool_cells {
-            let cells = self.cfg.grown_cells(self.pool_cells, read_len);
-            let more = self
-                .cfg
-                .pools_bytes(cells)
-                .map(|b| b - self.cfg.pools_bytes(self.pool_cells).unwrap_or(0));
-            if let Err(e) = check_memory(&format!("growing the pools to {cells} cells"), more) {
-                self.book.cancel_step();
-                return Err(e.into());
-            }
-            let _span =
-                tracing::debug_span!("pool_grow", from = self.pool_cells, to = cells).entered();
-            for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
-                if let Err(e) = self.device.pool_grow(pool, cells, self.pool_cells) {
-                    self.book.cancel_step();
-                    return Err(e);
-                }
-            }
-            tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
-            self.pool_cells = cells;
-            self.book.reserve(cells);
+        if let Err(e) = self.grow_pools(read_len) {
+            self.book.cancel_step();
+            return Err(e);
         }
         if let Err(e) = self.open_sliding() {
             // Nothing was written: the step is undone exactly.
@@ -330,6 +312,28 @@ impl<D: Device> KitCache<D> {
             }
             return Err(e);
         }
+        Ok(())
+    }
+
+    /// Grows the full layers' pools (by the doubling policy, memory checked first) so they
+    /// hold at least `read_len` cells, keeping every row.
+    fn grow_pools(&mut self, read_len: usize) -> Result<(), KitError> {
+        if read_len <= self.pool_cells {
+            return Ok(());
+        }
+        let cells = self.cfg.grown_cells(self.pool_cells, read_len);
+        let more = self
+            .cfg
+            .pools_bytes(cells)
+            .map(|b| b - self.cfg.pools_bytes(self.pool_cells).unwrap_or(0));
+        check_memory(&format!("growing the pools to {cells} cells"), more)?;
+        let _span = tracing::debug_span!("pool_grow", from = self.pool_cells, to = cells).entered();
+        for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
+            self.device.pool_grow(pool, cells, self.pool_cells)?;
+        }
+        tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
+        self.pool_cells = cells;
+        self.book.reserve(cells);
         Ok(())
     }
 
@@ -426,6 +430,9 @@ impl<D: Device> KitCache<D> {
         };
         let held_len = self.book.high_water();
         let n = rows.positions.len();
+        // Room for every row at once (at most the high-water mark plus the rows), instead of
+        // a doubling, and a copy of what the pools hold, per chunk.
+        self.grow_pools((held_len + n).min(self.cfg.capacity))?;
         let mut chunk_rows = Vec::new();
         let mut result = Ok(());
         for start in (0..n).step_by(IMPORT_CHUNK) {
