@@ -4,6 +4,7 @@
 //! turn and restored on start, without re-prefilling.
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,7 +14,7 @@ use kvplug_runtime::{Context as RtContext, Model};
 
 use crate::error::{fail, Context, Result};
 use crate::fingerprint::model_fingerprint;
-use crate::generator::{generate, GenOptions};
+use crate::generator::{generate, Finish, GenOptions};
 use crate::sampler::Sampler;
 use crate::session_file::{self, Session};
 use crate::text::{Message, Text};
@@ -35,6 +36,9 @@ pub struct ChatOptions {
     pub sampler: Sampler,
     /// A session file: resumed when it exists, written after every turn.
     pub session: Option<PathBuf>,
+    /// Set (from any thread, or a signal handler) to stop the turn in progress, its
+    /// prompt's prefill included: the turn fails and the conversation stays as it was.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 /// A conversation restored from a session file.
@@ -90,6 +94,7 @@ pub struct Chat {
     capacity: usize,
     max_new: usize,
     sampler: Sampler,
+    cancel: Option<Arc<AtomicBool>>,
     /// The session file, if any: written after every turn.
     file: Option<PathBuf>,
     /// The model's directory, and its fingerprint once a session needed it.
@@ -151,6 +156,7 @@ impl Chat {
             capacity: opts.capacity,
             max_new: opts.max_new,
             sampler: opts.sampler,
+            cancel: opts.cancel,
             file: opts.session,
             dir: dir.to_path_buf(),
             fingerprint,
@@ -324,6 +330,7 @@ impl Chat {
             max_tokens: self.max_new,
             sampler: self.sampler.clone(),
             stop_tokens: self.text.stop_tokens().clone(),
+            cancel: self.cancel.clone(),
             ..GenOptions::default()
         };
         let text = Some(self.text.clone());
@@ -331,6 +338,9 @@ impl Chat {
             on_text(&e.text)
         })
         .and_then(|g| {
+            if g.reason == Finish::Cancelled {
+                fail!(Invalid, "the turn was stopped");
+            }
             if !g.text_tail.is_empty() {
                 on_text(&g.text_tail)?;
             }

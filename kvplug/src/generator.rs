@@ -6,6 +6,7 @@
 //! micro-batches and then decoded token by token; many are continuous batching.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,6 +46,10 @@ pub struct GenOptions {
     pub triggered: Vec<Triggered>,
     /// Report each token's log-probability and this many alternatives' (`None`: none).
     pub logprobs: Option<usize>,
+    /// Set (from any thread, or a signal handler) to end the request before its next step:
+    /// a long prompt stops being prefilled within one micro-batch, and the request finishes
+    /// [`Finish::Cancelled`].
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for GenOptions {
@@ -58,6 +63,7 @@ impl Default for GenOptions {
             constraint: None,
             triggered: Vec::new(),
             logprobs: None,
+            cancel: None,
         }
     }
 }
@@ -86,7 +92,7 @@ pub enum Finish {
     Length,
     /// A prefill-only request (`max_tokens` 0) wrote its prompt.
     Prefilled,
-    /// [`Generator::cancel`]ed.
+    /// [`Generator::cancel`]ed, or its [`GenOptions::cancel`] flag was set.
     Cancelled,
     /// Its own sampling failed (its grammar, its text): [`Finished::error`] says why. The
     /// other requests go on.
@@ -311,8 +317,18 @@ impl Generator {
         ctx: &mut Context,
         on_token: &mut dyn FnMut(&TokenEvent<'_>) -> Result<()>,
     ) -> Result<Vec<Finished>> {
+        let mut cancelled = Vec::new();
+        while let Some(i) = self.active.iter().position(|a| {
+            a.opts
+                .cancel
+                .as_ref()
+                .is_some_and(|c| c.load(Ordering::Relaxed))
+        }) {
+            let a = self.active.remove(i);
+            cancelled.push(a.finished(Finish::Cancelled, String::new(), None));
+        }
         if self.active.is_empty() {
-            return Ok(Vec::new());
+            return Ok(cancelled);
         }
         self.batch.clear();
         self.owners.clear();
@@ -410,7 +426,8 @@ impl Generator {
             done.push(a.finished(reason, tail, error));
         }
         done.reverse();
-        Ok(done)
+        cancelled.extend(done);
+        Ok(cancelled)
     }
 
     /// Steps until every request in flight has ended; returns them in the order they ended.

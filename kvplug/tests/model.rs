@@ -135,6 +135,47 @@ fn long_prompts_prefill_in_micro_batches_on_every_cache_kind() {
     }
 }
 
+/// A request's cancel flag, set while its long prompt is being prefilled, ends it at the next
+/// step: no further micro-batch runs and nothing is sampled.
+#[test]
+fn a_cancel_flag_stops_a_long_prefill_within_one_micro_batch() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let model = tiny();
+    let rt = runtime();
+    let m = common::model(&rt, "cpu", model.path());
+    let n = 3 * kvplug::PREFILL_UBATCH;
+    let prompt: Vec<i32> = (0..n).map(|i| (i * 37 % 251) as i32).collect();
+    let mut ctx = m
+        .context(CacheKind::Contiguous, n + 8, KvDtype::F16)
+        .unwrap();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = GenOptions {
+        max_tokens: 4,
+        cancel: Some(cancel.clone()),
+        ..GenOptions::default()
+    };
+    let mut g = kvplug::Generator::new();
+    g.add(0, &prompt, 0, opts).unwrap();
+    let mut sampled = 0;
+    let mut count = |_: &kvplug::TokenEvent<'_>| {
+        sampled += 1;
+        Ok(())
+    };
+    assert!(g.step(&mut ctx, &mut count).unwrap().is_empty());
+    cancel.store(true, Ordering::SeqCst);
+    let done = g.step(&mut ctx, &mut count).unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].reason, kvplug::Finish::Cancelled);
+    assert_eq!(done[0].prompt_written, kvplug::PREFILL_UBATCH);
+    assert_eq!(
+        (ctx.decodes(), sampled),
+        (1, 0),
+        "one micro-batch ran, nothing sampled"
+    );
+    assert!(g.is_idle());
+}
+
 #[test]
 fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
     let model = tiny();

@@ -84,6 +84,7 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
         max_new: 32,
         sampler: Sampler::new(0.0, 1.0, 0),
         session: Some(session),
+        cancel: None,
     };
     let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts(saved.clone())).unwrap();
     let first = chat
@@ -133,13 +134,14 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
 }
 
 /// A chat outgrowing its capacity leaves out its oldest exchanges (never the system message)
-/// and goes on; a turn whose callback fails (Ctrl-C in the CLI) leaves the conversation and
-/// the cache as they were; `clear` keeps the system message; `save_as`/`load` round-trip.
+/// and goes on; a turn whose callback fails or whose cancel flag is set (Ctrl-C in the CLI)
+/// leaves the conversation and the cache as they were; `clear` keeps the system message; `save_as`/`load` round-trip.
 #[test]
 fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
     let rt = runtime();
     let model = common::model(&rt, "cpu", &gguf::resolve_model(&smollm2()).unwrap());
     let text = Text::load(model.dir()).unwrap();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let opts = ChatOptions {
         system: Some("You answer in one short sentence.".into()),
         capacity: 110,
@@ -147,6 +149,7 @@ fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
         max_new: 24,
         sampler: Sampler::greedy(),
         session: None,
+        cancel: Some(cancel.clone()),
     };
     let mut chat = Chat::new(&model, opts).unwrap();
     let questions = [
@@ -182,6 +185,18 @@ fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
     // (The cache keeps what the stopped turn's prompt shared with it.)
     assert_eq!(chat.messages(), messages.as_slice());
     assert!((1..=tokens).contains(&chat.stats().tokens));
+    // The cancel flag set (Ctrl-C during a long prompt's prefill): the turn stops before any
+    // text and is dropped the same way.
+    cancel.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut pieces = 0;
+    let stopped = chat.turn("Tell me a long story.", &mut |_| {
+        pieces += 1;
+        Ok(())
+    });
+    assert!(stopped.unwrap_err().to_string().contains("stopped"));
+    assert_eq!(pieces, 0);
+    assert_eq!(chat.messages(), messages.as_slice());
+    cancel.store(false, std::sync::atomic::Ordering::SeqCst);
     let r = chat
         .turn("What is the capital of Chile?", &mut |_| Ok(()))
         .unwrap();

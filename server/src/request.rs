@@ -98,6 +98,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         constraint,
         triggered,
         logprobs: p.logprobs,
+        // The engine ends requests itself (a client gone, a deadline).
+        cancel: None,
     };
     Ok(Prepared {
         prompt,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 
 use anyhow::{bail, Context, Result};
 use kvplug::session_dir::{SessionDir, SessionLock};
@@ -68,6 +69,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_new: a.max_new,
         sampler: a.sampling.sampler(),
         session,
+        cancel: Some(STOP.clone()),
     };
     let mut chat = Chat::new(&model, opts)?;
     if let Some(r) = chat.restored() {
@@ -88,8 +90,9 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     repl.run()
 }
 
-/// Set by SIGINT while an answer is produced: the answer stops, the chat goes on.
-static STOP: AtomicBool = AtomicBool::new(false);
+/// Set by SIGINT while an answer is produced (its prompt's prefill included): the answer
+/// stops, the chat goes on. Made before the handler is installed (the chat's options hold it).
+static STOP: LazyLock<Arc<AtomicBool>> = LazyLock::new(|| Arc::new(AtomicBool::new(false)));
 
 extern "C" fn on_sigint(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
