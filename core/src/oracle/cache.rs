@@ -53,6 +53,23 @@ impl RefRows {
     }
 }
 
+/// Cell `c`'s K and V rows of one layer, emptied for writing (the layer's cells grown to
+/// hold it).
+fn emptied<'a>(
+    k: &'a mut Vec<Vec<f64>>,
+    v: &'a mut Vec<Vec<f64>>,
+    c: usize,
+) -> (&'a mut Vec<f64>, &'a mut Vec<f64>) {
+    if k.len() <= c {
+        k.resize(c + 1, Vec::new());
+        v.resize(c + 1, Vec::new());
+    }
+    let (kr, vr) = (&mut k[c], &mut v[c]);
+    kr.clear();
+    vr.clear();
+    (kr, vr)
+}
+
 /// The step in progress: the model as it was before it (rollback restores it whole).
 #[derive(Clone, Debug)]
 struct OpenStep {
@@ -277,13 +294,7 @@ impl RefCache {
         let (plan, t) = (&step.plan, step.positions.len());
         let (kl, vl) = (&mut self.k[layer], &mut self.v[layer]);
         for (i, &c) in plan.cells.iter().enumerate() {
-            if kl.len() <= c {
-                kl.resize(c + 1, Vec::new());
-                vl.resize(c + 1, Vec::new());
-            }
-            let (kr, vr) = (&mut kl[c], &mut vl[c]);
-            kr.clear();
-            vr.clear();
+            let (kr, vr) = emptied(kl, vl, c);
             for h in 0..hkv {
                 let src = (h * t + i) * d;
                 kr.extend(store_rounded(self.cfg.kv_dtype, &k[src..src + d]));
@@ -562,13 +573,7 @@ impl RefCache {
             let span = rows.layer_rows(&self.cfg, layer);
             let (kl, vl) = (&mut self.k[layer], &mut self.v[layer]);
             for (i, &c) in cells.iter().enumerate() {
-                if kl.len() <= c {
-                    kl.resize(c + 1, Vec::new());
-                    vl.resize(c + 1, Vec::new());
-                }
-                let (kr, vr) = (&mut kl[c], &mut vl[c]);
-                kr.clear();
-                vr.clear();
+                let (kr, vr) = emptied(kl, vl, c);
                 if !span.contains(&i) {
                     // A sliding layer does not hold rows before the window: they read as zeros
                     // and the window never shows them.
