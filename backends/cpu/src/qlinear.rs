@@ -16,10 +16,12 @@
 //! tile's, lane for lane, so a token's outputs are the same bit for bit whether it comes in a
 //! panel, a tile or alone. The vector paths are chosen at run time: AVX2
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
-//! f32 FMA) and, where the CPU has AVX-512 VNNI and VL, the same on 256-bit registers with
+//! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same on 256-bit registers with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
-//! encoding, so 32 vector registers) — exactly the same sums, since no `maddubs` pair sum
-//! can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere, |q| ≤ 127). The
+//! encoding, so 32 vector registers; fifth bits set under byte masks; Q6_K's half scales
+//! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
+//! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
+//! |q| ≤ 127). The
 //! scalar fallback does the same integer arithmetic, summing the floats in another order.
 //! Work is split over the worker pool in runs of rows.
 //!
@@ -766,6 +768,10 @@ mod x86 {
         mul: [__m256i; GROUP],
         /// Q6_K: the sixteen half scales as i16, in order.
         sc16: __m256i,
+        /// Q6_K on the `BW` path: lane j = sub-block j's first half's scale, as i32.
+        sc_even: __m256i,
+        /// Q6_K on the `BW` path: lane j = sub-block j's second half's scale, as i32.
+        sc_odd: __m256i,
         /// `scale_j` in lane j.
         scale: __m256,
         /// `min_j` in lane j.
@@ -849,12 +855,15 @@ mod x86 {
     }
 
     /// Unpacks the `N` sub-blocks of format `F` at `p` (see [`super::unpack`]; a K-quant
-    /// super-block is always eight).
+    /// super-block is always eight). With `BW` (the VNNI path, which has AVX-512 BW) the
+    /// fifth bits are set under byte masks, and Q6_K's half scales come as i32 lanes
+    /// (`sc_even`, `sc_odd`) instead of `mul`.
     ///
     /// # Safety
-    /// `p` must be valid for the reads of `N` sub-blocks' whole blocks.
+    /// `p` must be valid for the reads of `N` sub-blocks' whole blocks; AVX-512 BW and VL
+    /// where `BW`.
     #[inline(always)]
-    unsafe fn unpack<const F: usize, const N: usize>(p: *const u8) -> VGroup {
+    unsafe fn unpack<const F: usize, const N: usize, const BW: bool>(p: *const u8) -> VGroup {
         let f = const { BLOCK_FORMATS[F] };
         let bb = f.block_bytes();
         let z = _mm256_setzero_si256();
@@ -863,6 +872,8 @@ mod x86 {
             signed: [z; GROUP],
             mul: [z; GROUP],
             sc16: z,
+            sc_even: z,
+            sc_odd: z,
             scale: _mm256_setzero_ps(),
             min: _mm256_setzero_ps(),
         };
@@ -879,7 +890,14 @@ mod x86 {
                 for (j, c) in g.codes.iter_mut().enumerate().take(N) {
                     *c = nibbles(p.add(j * bb + qs));
                     if f == BlockFormat::Q5_0 || f == BlockFormat::Q5_1 {
-                        *c = _mm256_or_si256(*c, fifth_bits(u32_at(j * bb + qs - 4)));
+                        let qh = u32_at(j * bb + qs - 4);
+                        *c = if BW {
+                            // Byte v of the codes is value v: bit v of qh, as a byte mask
+                            // (the codes are below 16, so adding 16 sets the fifth bit).
+                            _mm256_mask_add_epi8(*c, qh, *c, _mm256_set1_epi8(0x10))
+                        } else {
+                            _mm256_or_si256(*c, fifth_bits(qh))
+                        };
                     }
                 }
                 g.scale = halves::<N>(p, bb);
@@ -905,7 +923,14 @@ mod x86 {
                     let v = _mm256_loadu_si256(qs.add(32 * i).cast());
                     let lo = _mm256_and_si256(v, low4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    if q5 {
+                    if q5 && BW {
+                        // Codes below 16: adding 16 under the bit's byte mask sets the fifth bit.
+                        let fifth = _mm256_set1_epi8(0x10);
+                        let k0 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(1 << (2 * i)));
+                        let k1 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(1 << (2 * i + 1)));
+                        g.codes[2 * i] = _mm256_mask_add_epi8(lo, k0, lo, fifth);
+                        g.codes[2 * i + 1] = _mm256_mask_add_epi8(hi, k1, hi, fifth);
+                    } else if q5 {
                         g.codes[2 * i] = _mm256_or_si256(lo, bit_to_fifth(qh, 1 << (2 * i)));
                         g.codes[2 * i + 1] =
                             _mm256_or_si256(hi, bit_to_fifth(qh, 1 << (2 * i + 1)));
@@ -948,10 +973,16 @@ mod x86 {
                 // lane j of each is sub-block j's (first half's, second half's) scale.
                 let deinterleave =
                     _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-                let eo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, deinterleave));
-                for (j, m) in g.mul.iter_mut().enumerate() {
-                    let pick = (((2 * j + 1) << 8) | (2 * j)) as i16;
-                    *m = _mm256_shuffle_epi8(eo, _mm256_set1_epi16(pick));
+                let eo = _mm_shuffle_epi8(sc, deinterleave);
+                if BW {
+                    g.sc_even = _mm256_cvtepi8_epi32(eo);
+                    g.sc_odd = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(eo, eo));
+                } else {
+                    let eo = _mm256_cvtepi8_epi16(eo);
+                    for (j, m) in g.mul.iter_mut().enumerate() {
+                        let pick = (((2 * j + 1) << 8) | (2 * j)) as i16;
+                        *m = _mm256_shuffle_epi8(eo, _mm256_set1_epi16(pick));
+                    }
                 }
                 g.scale = _mm256_set1_ps(half(p.add(208)));
             }
@@ -959,16 +990,31 @@ mod x86 {
         g
     }
 
-    /// Lane j = the sum of the eight lanes of `s[j]`.
+    /// Lane j = the sum of the four low lanes of `s[j]` (the first 128 bits), and the same of
+    /// the four high lanes.
     #[inline(always)]
-    unsafe fn reduce8(s: &[__m256i; GROUP]) -> __m256i {
-        // Per 128-bit half: [s0 s1 s2 s3] partial sums, then the halves added.
+    unsafe fn reduce8_halves(s: &[__m256i; GROUP]) -> (__m256i, __m256i) {
+        // Per 128-bit half: [s0 s1 s2 s3] partial sums, then the halves regrouped.
         let a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
         let b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        _mm256_add_epi32(
+        (
             _mm256_permute2x128_si256(a, b, 0x20),
             _mm256_permute2x128_si256(a, b, 0x31),
         )
+    }
+
+    /// Lane j = the sum of the eight lanes of `s[j]` for `j < N`, zero above (`s[N..]` must be
+    /// zero).
+    #[inline(always)]
+    unsafe fn reduce8<const N: usize>(s: &[__m256i; GROUP]) -> __m256i {
+        if N <= 4 {
+            // One 128-bit regrouping is enough for four sub-blocks.
+            let a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+            let sum = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+            return _mm256_zextsi128_si256(sum);
+        }
+        let (lo, hi) = reduce8_halves(s);
+        _mm256_add_epi32(lo, hi)
     }
 
     /// One token's activations for one group, as [`super::ActGroup`]: 256 codes, 8 scales, 8
@@ -1015,7 +1061,7 @@ mod x86 {
             } else {
                 x
             };
-            *s = if f == BlockFormat::Q6K {
+            *s = if f == BlockFormat::Q6K && !VNNI {
                 // Pair sums meet their half's scale as i16.
                 _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), g.mul[j])
             } else if VNNI {
@@ -1024,7 +1070,16 @@ mod x86 {
                 _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), ones)
             };
         }
-        let mut isum = reduce8(&s);
+        let mut isum = if f == BlockFormat::Q6K && VNNI {
+            // The halves' sums (|Σ c·q| ≤ 16·63·127) meet their i8 scales as i32.
+            let (first, second) = reduce8_halves(&s);
+            _mm256_add_epi32(
+                _mm256_mullo_epi32(first, g.sc_even),
+                _mm256_mullo_epi32(second, g.sc_odd),
+            )
+        } else {
+            reduce8::<N>(&s)
+        };
         let sum = lanes::<N>(a.sum);
         if f == BlockFormat::Q6K {
             let off = _mm256_madd_epi16(g.sc16, _mm256_loadu_si256(a.half.cast()));
@@ -1059,7 +1114,7 @@ mod x86 {
         let f = const { BLOCK_FORMATS[F] };
         let start = b / (f.block_elems() / QK) * f.block_bytes();
         assert!(start + f.bytes_for(N * QK) <= row.len());
-        let g = unpack::<F, N>(row.as_ptr().add(start));
+        let g = unpack::<F, N, VNNI>(row.as_ptr().add(start));
         // Unrolled by hand so the accumulators stay in registers.
         let mut i = 0;
         while i + 2 <= NT {
@@ -1089,8 +1144,8 @@ mod x86 {
     /// [`tile`] with `dpbusd`.
     ///
     /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI and AVX-512 VL must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
     pub(super) unsafe fn tile_vnni<const F: usize, const NT: usize>(
         row: &[u8],
         acts: &Acts<'_>,
@@ -1182,8 +1237,8 @@ mod x86 {
     /// [`panel`] with `dpbusd`.
     ///
     /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI and AVX-512 VL must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
     pub(super) unsafe fn panel_vnni<const F: usize, const R: usize, const P: usize>(
         rows: [&[u8]; R],
         p: &Panels<'_>,
@@ -1312,9 +1367,9 @@ mod x86 {
             rows[r].as_ptr().add(start)
         });
         // Loops, not `array::from_fn`: its closure would not inherit the target features.
-        let mut g = [unpack::<F, N>(at[0]); R];
+        let mut g = [unpack::<F, N, VNNI>(at[0]); R];
         for r in 1..R {
-            g[r] = unpack::<F, N>(at[r]);
+            g[r] = unpack::<F, N, VNNI>(at[r]);
         }
         let mut scale = [[0f32; GROUP]; R];
         let mut min = [[0f32; GROUP]; R];

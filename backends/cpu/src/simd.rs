@@ -10,7 +10,7 @@ pub struct Features {
     pub avx2_fma_f16c: bool,
     /// AVX-512F (the weight kernels' wide path; attention stays on AVX2).
     pub avx512f: bool,
-    /// AVX-512 VNNI + VL (the block-format weight kernels' `dpbusd` path).
+    /// AVX-512 VNNI + VL + BW (the block-format weight kernels' `dpbusd` path).
     pub avx512vnni: bool,
 }
 
@@ -70,7 +70,8 @@ pub(crate) fn wide_path() -> bool {
     }
 }
 
-/// Whether the AVX-512 VNNI kernels can run here (the AVX2 set is present too).
+/// Whether the AVX-512 VNNI kernels can run here (the AVX2 set, AVX-512 VL and BW are present
+/// too).
 #[inline]
 pub(crate) fn vnni_path() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -78,6 +79,7 @@ pub(crate) fn vnni_path() -> bool {
         vector_path()
             && is_x86_feature_detected!("avx512vnni")
             && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
