@@ -21,8 +21,8 @@
 //! encoding, so 32 vector registers; fifth bits set under byte masks; Q6_K's half scales
 //! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
 //! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
-//! |q| ≤ 127). The
-//! scalar fallback does the same integer arithmetic, summing the floats in another order.
+//! |q| ≤ 127). The scalar fallback does the same integer arithmetic, summing the floats in
+//! another order.
 //! Work is split over the worker pool in runs of rows.
 //!
 //! Per group and token the arithmetic is, for sub-block `j` (32 values, activation block
