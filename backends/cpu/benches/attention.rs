@@ -217,9 +217,18 @@ fn prefill(cr: &mut Criterion) {
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
     let pos: Vec<i32> = (0..512).collect();
-    let kernels = [Kernel::Tiled, Kernel::Xnnpack, Kernel::Rows];
+    let kernels = [
+        Kernel::TiledAvx512,
+        Kernel::Tiled,
+        Kernel::Xnnpack,
+        Kernel::Rows,
+    ];
     for kernel in kernels {
         if kernel == Kernel::Xnnpack && !cfg!(feature = "xnnpack") {
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Kernel::TiledAvx512 && !std::arch::is_x86_feature_detected!("avx512f") {
             continue;
         }
         use_kernels_from(kernel);
@@ -232,7 +241,7 @@ fn prefill(cr: &mut Criterion) {
             })
         });
     }
-    use_kernels_from(Kernel::Tiled);
+    use_kernels_from(Kernel::TiledAvx512);
     g.finish();
 }
 

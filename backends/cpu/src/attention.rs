@@ -1,7 +1,8 @@
 //! The attention kernels: GQA without repeating KV heads, masks None / Causal / Explicit,
 //! quantized rows dequantized inside the dot products, stable softmax. Where the CPU has
-//! AVX2/FMA/F16C every call runs on the tiled kernel of [`crate::tiled_attention`]
-//! (faster than XNNPACK on a 512-token prefill: 1.4–1.9× in BENCH.md runs). Elsewhere long
+//! AVX2/FMA/F16C every call runs on the tiled kernel of [`crate::tiled_attention`], on
+//! 512-bit registers where it also has AVX-512F and the shapes allow (faster than XNNPACK
+//! on a 512-token prefill: 1.4–1.9× in BENCH.md runs on AVX2 alone). Elsewhere long
 //! query blocks run as XNNPACK GEMMs where it is built in, the rest on the portable row
 //! kernel here, split over KV heads on the [`Workers`] pool when the window is long.
 
@@ -24,7 +25,10 @@ pub const XNNPACK_MIN_TOKENS: usize = 32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kernel {
-    /// [`crate::tiled_attention`]: AVX2/FMA/F16C, `D` a multiple of 16.
+    /// [`crate::tiled_attention`] on 512-bit registers: AVX-512F, `D` a multiple of 32,
+    /// quantized groups a multiple of 16 values.
+    TiledAvx512,
+    /// [`crate::tiled_attention`] on 256-bit registers: AVX2/FMA/F16C, `D` a multiple of 16.
     Tiled,
     /// XNNPACK GEMMs for query blocks of at least [`XNNPACK_MIN_TOKENS`] (when built in).
     Xnnpack,
@@ -34,7 +38,7 @@ pub enum Kernel {
 
 static FIRST_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Skips the kernels faster than `first` (default [`Kernel::Tiled`], i.e. none): for
+/// Skips the kernels faster than `first` (default [`Kernel::TiledAvx512`], i.e. none): for
 /// comparisons and for ruling a kernel out when debugging. Process-wide.
 pub fn use_kernels_from(first: Kernel) {
     FIRST_KERNEL.store(first as u8, std::sync::atomic::Ordering::Relaxed);
@@ -128,20 +132,19 @@ pub fn attend(
 ) {
     let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
     #[cfg(target_arch = "x86_64")]
-    if allowed(Kernel::Tiled)
-        && crate::tiled_attention::attend(
-            q,
-            k,
-            v,
-            l,
-            mask,
-            scale,
-            out,
-            &mut scratch.tiles,
-            PARALLEL_MIN_WORK,
-        )
     {
-        return;
+        use crate::tiled_attention::{self as tiled, Width};
+        let widths: &[Width] = if allowed(Kernel::TiledAvx512) {
+            &[Width::Avx512, Width::Avx2]
+        } else if allowed(Kernel::Tiled) {
+            &[Width::Avx2]
+        } else {
+            &[]
+        };
+        let (tiles, min) = (&mut scratch.tiles, PARALLEL_MIN_WORK);
+        if tiled::attend(q, k, v, l, mask, scale, out, tiles, min, widths) {
+            return;
+        }
     }
     #[cfg(feature = "xnnpack")]
     let gemm =

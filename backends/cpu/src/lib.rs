@@ -1,9 +1,9 @@
 //! # kvplug-cpu
 //!
 //! The `cpu` backend: the kit's [`Device`] over host memory. Pools are SDPA-major
-//! `[heads, cells, head_dim]` in f32 / f16 / bf16 / q8 / q4; attention runs explicit
-//! AVX2/FMA/F16C row kernels (scalar fallback elsewhere) and splits long windows over KV
-//! heads on both cores. Exported as a plugin with one line; also usable as an rlib.
+//! `[heads, cells, head_dim]` in f32 / f16 / bf16 / q8 / q4; attention runs a tiled
+//! AVX-512 or AVX2/FMA/F16C kernel (XNNPACK and a scalar row kernel elsewhere) and splits
+//! long windows over KV heads on both cores. Exported as a plugin with one line; also usable as an rlib.
 
 pub mod attention;
 pub mod linear;
@@ -180,7 +180,9 @@ impl Backend for CpuDevice {
         format!(
             "{} host threads, {}",
             workers::Workers::global().participants(),
-            if self.features.avx2_fma_f16c {
+            if self.features.avx512f && self.features.avx2_fma_f16c {
+                "AVX-512F+AVX2+FMA+F16C kernels"
+            } else if self.features.avx2_fma_f16c {
                 "AVX2+FMA+F16C kernels"
             } else {
                 "scalar kernels"

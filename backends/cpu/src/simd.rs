@@ -8,7 +8,7 @@ use half::{bf16, f16};
 pub struct Features {
     /// AVX2 + FMA + F16C (the vector path).
     pub avx2_fma_f16c: bool,
-    /// AVX-512F (the weight kernels' wide path; attention stays on AVX2).
+    /// AVX-512F (the weight kernels' and the tiled attention kernel's 512-bit path).
     pub avx512f: bool,
     /// AVX-512 VNNI + VL + BW (the block-format weight kernels' `dpbusd` path).
     pub avx512vnni: bool,
@@ -57,7 +57,8 @@ pub(crate) fn vector_path() -> bool {
     }
 }
 
-/// Whether the AVX-512F weight kernels can run here (the AVX2 set is present too).
+/// Whether the AVX-512F kernels (weights, tiled attention) can run here (the AVX2 set is
+/// present too).
 #[inline]
 pub(crate) fn wide_path() -> bool {
     #[cfg(target_arch = "x86_64")]

@@ -1,17 +1,19 @@
-//! The tiled attention kernel (AVX2 + FMA + F16C). One call takes one KV head, a run of
-//! its query rows (`g` heads × `T` tokens, row `r` being token `r % T`) and a range of key
-//! rows, in tiles of [`TILE`] rows with an online softmax (flash-attention style): the
-//! scratch is `rows × TILE` scores whatever the window, and each K and V row is read from
-//! memory once per call for all the query rows that see it.
+//! The tiled attention kernel (AVX2 + FMA + F16C, or AVX-512F registers where the CPU has
+//! them). One call takes one KV head, a run of its query rows (`g` heads × `T` tokens, row
+//! `r` being token `r % T`) and a range of key rows, in tiles of [`TILE`] rows with an
+//! online softmax (flash-attention style): the scratch is `rows × TILE` scores whatever the
+//! window, and each K and V row is read from memory once per call for all the query rows
+//! that see it.
 //!
-//! Rows are read in their storage dtype and widened in registers, 8 values at a time
-//! ([`Row8`]: f32, f16, bf16, and q8/q4 with the affine dequantization fused in), never
-//! staged as f32 rows. Per block of up to 4 query rows and per tile: scores of 2 rows × the
-//! block per pass over `D`, then `out += p · V` with the tile's rows swept once per 16-wide
-//! slice of `D` into register accumulators. Key rows a whole block cannot see (past the
-//! causal limit) are skipped.
+//! Rows are read in their storage dtype and widened in registers, a register at a time
+//! ([`RowView`]: f32, f16, bf16, and q8/q4 with the affine dequantization fused in), never
+//! staged as f32 rows. Per block of query rows (`Lanes::BLOCK`: 4 on AVX2, 8 on AVX-512)
+//! and per tile: scores of 2 rows × the block per pass over `D`, then `out += p · V` with
+//! the tile's rows swept once per two-register slice of `D` into register accumulators. Key
+//! rows a whole block cannot see (past the causal limit) are skipped. Both widths do the same
+//! f32 multiply-adds; only their order of summation differs.
 //!
-//! [`accumulate`] leaves `out` unnormalized with each row's running max and sum, so a
+//! `accumulate` leaves `out` unnormalized with each row's running max and sum, so a
 //! caller may split the key rows of one head over threads and [`merge`] the parts
 //! (flash-decoding), or [`finish`] a single part.
 
@@ -30,9 +32,10 @@ use crate::workers::{DisjointChunks, Workers};
 /// Rows per tile: 64 f16 rows of 128 values (16 KiB) stay in L1 while the tile is swept.
 pub const TILE: usize = 64;
 
-/// 8 consecutive values of a row, widened to f32. Rows are read group by group: what the
-/// loads of one group share (a quantized row's scale and offset) is fetched once.
-pub trait Row8: Copy {
+/// A view of one head's rows, read a register of values at a time and widened to f32. Rows
+/// are read group by group: what the loads of one group share (a quantized row's scale and
+/// offset) is fetched once.
+pub trait RowView: Copy {
     /// What the loads of one group of a row share.
     type Group: Copy;
     /// Values per group: a multiple of 8 that divides `D` (`D` where rows have no groups).
@@ -40,24 +43,31 @@ pub trait Row8: Copy {
     /// The group holding value `c` of row `j`.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C are present, `c < D` and `j` is a row of the pool.
+    /// AVX2, FMA and F16C are present, `c < D`, `j` is a row of the pool and, for grouped
+    /// rows, of the tile this view was made for by [`RowView::for_tile`].
     unsafe fn group(&self, j: usize, c: usize) -> Self::Group;
     /// Values `[c, c + 8)` of row `j`, whose group is `gr`.
     ///
     /// # Safety
-    /// As [`Row8::group`], and `c + 8 <= D`.
+    /// As [`RowView::group`], and `c + 8 <= D`.
     unsafe fn load8(&self, gr: Self::Group, j: usize, c: usize) -> __m256;
+    /// Values `[c, c + 16)` of row `j`, whose group (at least 16 values long) is `gr`.
+    ///
+    /// # Safety
+    /// As [`RowView::group`], AVX-512F is present and `c + 16 <= D`.
+    unsafe fn load16(&self, gr: Self::Group, j: usize, c: usize) -> __m512;
     /// Hints that row `j` is read soon (no effect on results).
     ///
     /// # Safety
-    /// As [`Row8::group`].
+    /// As [`RowView::group`].
     unsafe fn prefetch(&self, j: usize);
-    /// A view for reading rows `[j0, j0 + n)` (one tile) whose groups are widened once into
+    /// The view that reads rows `[j0, j0 + n)` (one tile), their groups widened once into
     /// `staged` rather than at every load; the view reads `staged`, which must outlive its
-    /// use and stay untouched meanwhile. Rows without groups return themselves.
+    /// use and stay untouched meanwhile. Grouped rows are read only through such a view;
+    /// rows without groups return themselves.
     ///
     /// # Safety
-    /// As [`Row8::group`] for every row of the tile.
+    /// As [`RowView::group`] for every row of the tile.
     #[inline(always)]
     unsafe fn for_tile(self, _j0: usize, _n: usize, _staged: &mut Vec<f32>) -> Self {
         self
@@ -73,7 +83,7 @@ unsafe fn prefetch_bytes<T>(p: *const T, bytes: usize) {
     }
 }
 
-/// The [`Row8`] group items of rows without groups.
+/// The [`RowView`] group items of rows without groups.
 macro_rules! ungrouped {
     () => {
         type Group = ();
@@ -99,30 +109,44 @@ impl<T> Plain<T> {
     fn d(&self) -> usize {
         self.d
     }
+
+    /// Value `c` of row `j`.
+    #[inline(always)]
+    unsafe fn at(&self, j: usize, c: usize) -> *const T {
+        self.p.add(j * self.d + c)
+    }
 }
 
-impl Row8 for Plain<f32> {
+impl RowView for Plain<f32> {
     ungrouped!();
     #[inline(always)]
     unsafe fn prefetch(&self, j: usize) {
-        prefetch_bytes(self.p.add(j * self.d), self.d * 4);
+        prefetch_bytes(self.at(j, 0), self.d * 4);
     }
     #[inline(always)]
     unsafe fn load8(&self, _: (), j: usize, c: usize) -> __m256 {
-        _mm256_loadu_ps(self.p.add(j * self.d + c))
+        _mm256_loadu_ps(self.at(j, c))
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, _: (), j: usize, c: usize) -> __m512 {
+        _mm512_loadu_ps(self.at(j, c))
     }
 }
 
-impl Row8 for Plain<u16> {
+impl RowView for Plain<u16> {
     ungrouped!();
     #[inline(always)]
     unsafe fn prefetch(&self, j: usize) {
-        prefetch_bytes(self.p.add(j * self.d), self.d * 2);
+        prefetch_bytes(self.at(j, 0), self.d * 2);
     }
     /// f16 bits.
     #[inline(always)]
     unsafe fn load8(&self, _: (), j: usize, c: usize) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(self.p.add(j * self.d + c) as *const __m128i))
+        _mm256_cvtph_ps(_mm_loadu_si128(self.at(j, c) as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, _: (), j: usize, c: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(self.at(j, c) as *const __m256i))
     }
 }
 
@@ -136,7 +160,7 @@ impl Bf16Rows {
     }
 }
 
-impl Row8 for Bf16Rows {
+impl RowView for Bf16Rows {
     ungrouped!();
     #[inline(always)]
     unsafe fn prefetch(&self, j: usize) {
@@ -144,14 +168,19 @@ impl Row8 for Bf16Rows {
     }
     #[inline(always)]
     unsafe fn load8(&self, _: (), j: usize, c: usize) -> __m256 {
-        let h = _mm_loadu_si128(self.0.p.add(j * self.0.d + c) as *const __m128i);
+        let h = _mm_loadu_si128(self.0.at(j, c) as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, _: (), j: usize, c: usize) -> __m512 {
+        let h = _mm256_loadu_si256(self.0.at(j, c) as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
     }
 }
 
 /// Affine-quantized rows (see `crate::pool::Storage::Quant`): `bits` 8 or 4, groups a
-/// multiple of 8 values, so one f16 scale and offset (widened once per group and row) cover
-/// each 8-value load.
+/// multiple of 8 values, so one f16 scale and offset (widened once per group and tile row
+/// by [`RowView::for_tile`]) cover each load.
 #[derive(Clone, Copy)]
 pub struct QuantRows {
     codes: *const u8,
@@ -165,8 +194,8 @@ pub struct QuantRows {
     ng: usize,
     /// The group of each 8-value chunk of a row (no division on the hot path).
     chunk_group: [u16; MAX_CHUNKS],
-    /// Set by [`Row8::for_tile`]: the tile's first row, and its groups' scales and offsets
-    /// widened to f32 pairs, `[row - tile_row][group]`.
+    /// Set by [`RowView::for_tile`]: the tile's first row, and its groups' scales and
+    /// offsets widened to f32 pairs, `[row - tile_row][group]`.
     tile_row: usize,
     staged: *const f32,
 }
@@ -205,11 +234,35 @@ impl QuantRows {
             staged: std::ptr::null(),
         })
     }
+
+    /// The codes of values `[c, c + n)` of row `j` (`n` 8 or 16), one byte each.
+    #[inline(always)]
+    unsafe fn codes(&self, j: usize, c: usize, n: usize) -> __m128i {
+        let at = j * self.d + c;
+        if self.bits == 8 {
+            let at = self.codes.add(at) as *const __m128i;
+            return if n == 8 {
+                _mm_loadl_epi64(at)
+            } else {
+                _mm_loadu_si128(at)
+            };
+        }
+        // n / 2 bytes, two values each, low nibble first.
+        let at = self.codes.add(at / 2);
+        let packed = if n == 8 {
+            _mm_cvtsi32_si128((at as *const i32).read_unaligned())
+        } else {
+            _mm_loadl_epi64(at as *const __m128i)
+        };
+        let lo = _mm_and_si128(packed, _mm_set1_epi8(0xf));
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(packed), _mm_set1_epi8(0xf));
+        _mm_unpacklo_epi8(lo, hi)
+    }
 }
 
-impl Row8 for QuantRows {
-    /// Scale and offset, broadcast.
-    type Group = (__m256, __m256);
+impl RowView for QuantRows {
+    /// The group's widened (scale, offset) pair in the tile's staging.
+    type Group = *const f32;
 
     #[inline(always)]
     fn group_len(&self) -> usize {
@@ -219,21 +272,7 @@ impl Row8 for QuantRows {
     #[inline(always)]
     unsafe fn group(&self, j: usize, c: usize) -> Self::Group {
         let g = *self.chunk_group.get_unchecked(c / 8) as usize;
-        if !self.staged.is_null() {
-            let at = self.staged.add(((j - self.tile_row) * self.ng + g) * 2);
-            return (_mm256_broadcast_ss(&*at), _mm256_broadcast_ss(&*at.add(1)));
-        }
-        let g = j * self.ng + g;
-        // Scale and offset as a pair of f16s, widened together.
-        let pair = _mm_insert_epi16::<1>(
-            _mm_cvtsi32_si128(*self.scales.add(g) as i32),
-            *self.los.add(g) as i32,
-        );
-        let sl = _mm_cvtph_ps(pair);
-        (
-            _mm256_broadcastss_ps(sl),
-            _mm256_broadcastss_ps(_mm_movehdup_ps(sl)),
-        )
+        self.staged.add(((j - self.tile_row) * self.ng + g) * 2)
     }
 
     #[inline(always)]
@@ -278,23 +317,19 @@ impl Row8 for QuantRows {
     }
 
     #[inline(always)]
-    unsafe fn load8(&self, (scale, lo): Self::Group, j: usize, c: usize) -> __m256 {
-        let codes = if self.bits == 8 {
-            let at = self.codes.add(j * self.d + c);
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const __m128i))
-        } else {
-            // 4 bytes, two values each, low nibble first.
-            let at = self.codes.add((j * self.d + c) / 2);
-            let four = _mm_cvtsi32_si128((at as *const i32).read_unaligned());
-            let pairs = _mm_shuffle_epi8(
-                four,
-                _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1),
-            );
-            let wide = _mm256_cvtepu8_epi32(pairs);
-            let shifted = _mm256_srlv_epi32(wide, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-            _mm256_and_si256(shifted, _mm256_set1_epi32(0xf))
-        };
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), scale, lo)
+    unsafe fn load8(&self, gr: Self::Group, j: usize, c: usize) -> __m256 {
+        let x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(self.codes(j, c, 8)));
+        _mm256_fmadd_ps(
+            x,
+            _mm256_broadcast_ss(&*gr),
+            _mm256_broadcast_ss(&*gr.add(1)),
+        )
+    }
+
+    #[inline(always)]
+    unsafe fn load16(&self, gr: Self::Group, j: usize, c: usize) -> __m512 {
+        let x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(self.codes(j, c, 16)));
+        _mm512_fmadd_ps(x, _mm512_set1_ps(*gr), _mm512_set1_ps(*gr.add(1)))
     }
 }
 
@@ -390,28 +425,268 @@ unsafe fn exp8_sum(p: &mut [f32], max: f32) -> f32 {
     hsum(sum)
 }
 
-/// Accumulates `softmax(q·Kᵀ·scale)·V` over key rows `keys` into `out` for the query rows
-/// `q` (`[rows, d]`, the first being row `first` of the head's `g·T`), leaving `out`
-/// unnormalized and each row's running max and sum in `s` (see [`finish`], [`merge`]).
+/// A register width the kernel runs at: [`Avx2`] (8 f32 lanes) or [`Avx512`] (16).
 ///
 /// # Safety
-/// AVX2, FMA and F16C are present, `d % 16 == 0`, `k` and `v` hold `keys.end` rows of `d`,
-/// `out` holds as many values as `q`, and an explicit mask covers `t × l`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn accumulate<K: Row8, V: Row8>(
-    q: &[f32],
+/// Every item is called only where the width's features are present, with pointers that
+/// hold `N` values (and, for [`Lanes::block`], the contract of [`accumulate`]).
+trait Lanes {
+    /// A register of `N` f32 values.
+    type V: Copy;
+    /// f32 values per register.
+    const N: usize;
+    /// Query rows per block: what the scores' and values' accumulators leave of the
+    /// register file (16 ymm; 32 zmm).
+    const BLOCK: usize;
+    unsafe fn zero() -> Self::V;
+    unsafe fn set1(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// `*p += v`.
+    unsafe fn add_to(p: *mut f32, v: Self::V);
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// Values `[c, c + N)` of row `j` of `rows`.
+    unsafe fn row<R: RowView>(rows: &R, gr: R::Group, j: usize, c: usize) -> Self::V;
+    /// `out[i] = scale · Σ lanes of slot i` for the slots `i < n` (`n` a constant of the
+    /// caller, at most 16), slot `i` being `acc[i / 8][i % 8]`.
+    unsafe fn sums(acc: [[Self::V; 8]; 2], n: usize, scale: f32, out: &mut [f32; 16]);
+    /// [`Block::run`] at this width, compiled on its own (its registers allocated apart
+    /// from the other block sizes').
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block<const M: usize, K: RowView, V: RowView>(
+        blk: Block<'_>,
+        q: &[f32],
+        k: K,
+        v: V,
+        ahead: Option<V>,
+        out: &mut [f32],
+        s: &mut TileScratch,
+    );
+    /// [`accumulate`] at this width.
+    unsafe fn accumulate<K: RowView, V: RowView>(
+        part: Part<'_>,
+        k: K,
+        v: V,
+        out: &mut [f32],
+        s: &mut TileScratch,
+    );
+}
+
+/// Implements [`Lanes`] for `$width` from its intrinsics; `$sums` is its `sums`.
+macro_rules! lanes {
+    ($width:ident, $v:ty, $n:literal, $block:literal, $features:literal, $row:ident,
+     $zero:ident, $set1:ident, $load:ident, $store:ident, $add:ident, $fmadd:ident,
+     $($sums:item)*) => {
+        impl Lanes for $width {
+            type V = $v;
+            const N: usize = $n;
+            const BLOCK: usize = $block;
+            #[inline(always)]
+            unsafe fn zero() -> $v {
+                $zero()
+            }
+            #[inline(always)]
+            unsafe fn set1(x: f32) -> $v {
+                $set1(x)
+            }
+            #[inline(always)]
+            unsafe fn load(p: *const f32) -> $v {
+                $load(p)
+            }
+            #[inline(always)]
+            unsafe fn add_to(p: *mut f32, v: $v) {
+                $store(p, $add($load(p), v));
+            }
+            #[inline(always)]
+            unsafe fn fmadd(a: $v, b: $v, c: $v) -> $v {
+                $fmadd(a, b, c)
+            }
+            #[inline(always)]
+            unsafe fn row<R: RowView>(rows: &R, gr: R::Group, j: usize, c: usize) -> $v {
+                rows.$row(gr, j, c)
+            }
+            $($sums)*
+            #[inline(never)]
+            #[target_feature(enable = $features)]
+            unsafe fn block<const M: usize, K: RowView, V: RowView>(
+                blk: Block<'_>,
+                q: &[f32],
+                k: K,
+                v: V,
+                ahead: Option<V>,
+                out: &mut [f32],
+                s: &mut TileScratch,
+            ) {
+                blk.run::<Self, M, K, V>(q, k, v, ahead, out, s)
+            }
+            #[target_feature(enable = $features)]
+            unsafe fn accumulate<K: RowView, V: RowView>(
+                part: Part<'_>,
+                k: K,
+                v: V,
+                out: &mut [f32],
+                s: &mut TileScratch,
+            ) {
+                accumulate::<Self, K, V>(part, k, v, out, s)
+            }
+        }
+    };
+}
+
+/// 256-bit registers (AVX2 + FMA + F16C).
+struct Avx2;
+
+lanes!(
+    Avx2,
+    __m256,
+    8,
+    4,
+    "avx2,fma,f16c",
+    load8,
+    _mm256_setzero_ps,
+    _mm256_set1_ps,
+    _mm256_loadu_ps,
+    _mm256_storeu_ps,
+    _mm256_add_ps,
+    _mm256_fmadd_ps,
+    #[inline(always)]
+    unsafe fn sums(acc: [[__m256; 8]; 2], n: usize, scale: f32, out: &mut [f32; 16]) {
+        for (i, a) in acc.into_iter().enumerate() {
+            if 8 * i < n {
+                let sums = _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), sums);
+            }
+        }
+    }
+);
+
+/// 512-bit registers (AVX-512F, with the AVX2 set).
+struct Avx512;
+
+lanes!(
+    Avx512,
+    __m512,
+    16,
+    8,
+    "avx512f,avx2,fma,f16c",
+    load16,
+    _mm512_setzero_ps,
+    _mm512_set1_ps,
+    _mm512_loadu_ps,
+    _mm512_storeu_ps,
+    _mm512_add_ps,
+    _mm512_fmadd_ps,
+    /// A tree of 512-bit shuffles and adds (15 merges of two registers for 16 slots, 7
+    /// for 8), all EVEX-encoded: the accumulators may live in any of the 32 registers.
+    #[inline(always)]
+    unsafe fn sums(acc: [[__m512; 8]; 2], n: usize, scale: f32, out: &mut [f32; 16]) {
+        use merge512::*;
+        let [a, b] = acc;
+        // Chunk c of q(m) sums slot 4m + c; after `pairs` and `quads`, lane 4c + r of the
+        // result holds slot 4r + c.
+        let q0 = chunks(halves(a[0], a[1]), halves(a[2], a[3]));
+        let q1 = chunks(halves(a[4], a[5]), halves(a[6], a[7]));
+        let total = if n > 8 {
+            let q2 = chunks(halves(b[0], b[1]), halves(b[2], b[3]));
+            let q3 = chunks(halves(b[4], b[5]), halves(b[6], b[7]));
+            quads(pairs(q0, q1), pairs(q2, q3))
+        } else {
+            let e = pairs(q0, q1);
+            quads(e, e)
+        };
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+
+        let total = _mm512_mul_ps(_mm512_permutexvar_ps(order, total), _mm512_set1_ps(scale));
+        _mm512_storeu_ps(out.as_mut_ptr(), total);
+    }
+);
+
+/// The merges of [`Avx512::sums`]: each adds two shuffles of `a` and `b`, leaving one
+/// register that holds the partial sums of both.
+mod merge512 {
+    use std::arch::x86_64::*;
+
+    /// 128-bit chunks `[a0+a2, a1+a3, b0+b2, b1+b3]`.
+    #[inline(always)]
+    pub unsafe fn halves(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    }
+
+    /// Of two [`halves`] results: chunks `[Σa, Σb, Σc, Σd]` (each still 4 lanes wide).
+    #[inline(always)]
+    pub unsafe fn chunks(x: __m512, y: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    }
+
+    /// Per chunk, `[a0+a2, b0+b2, a1+a3, b1+b3]`.
+    #[inline(always)]
+    pub unsafe fn pairs(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+    }
+
+    /// Of two [`pairs`] results, per chunk: `[a0+a2, a1+a3, b0+b2, b1+b3]`.
+    #[inline(always)]
+    pub unsafe fn quads(a: __m512, b: __m512) -> __m512 {
+        let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        )
+    }
+}
+
+/// Which register width a call runs at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Width {
+    /// 256-bit registers (AVX2 + FMA + F16C).
+    Avx2,
+    /// 512-bit registers (AVX-512F): `D` a multiple of 32 and quantized groups a multiple
+    /// of 16 values.
+    Avx512,
+}
+
+/// What one [`accumulate`] call computes: query rows `q` (`[rows, d]`, the first being row
+/// `first` of the head's `g·T`) over key rows `keys`.
+#[derive(Clone)]
+struct Part<'a> {
+    q: &'a [f32],
     first: usize,
-    k: K,
-    v: V,
     d: usize,
     keys: std::ops::Range<usize>,
-    vis: Visibility<'_>,
+    vis: Visibility<'a>,
     scale: f32,
+}
+
+/// Accumulates `softmax(q·Kᵀ·scale)·V` for `part` into `out`, leaving `out` unnormalized and
+/// each row's running max and sum in `s` (see [`finish`], [`merge`]).
+///
+/// # Safety
+/// `L`'s features are present, `d` is a multiple of `2·L::N` (and grouped rows' groups of
+/// `L::N` values), `k` and `v` hold `keys.end` rows of `d`, `out` holds as many values as
+/// `q`, and an explicit mask covers `t × l`.
+#[inline(always)]
+unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
+    part: Part<'_>,
+    k: K,
+    v: V,
     out: &mut [f32],
     s: &mut TileScratch,
 ) {
-    debug_assert!(d.is_multiple_of(16) && q.len().is_multiple_of(d) && out.len() == q.len());
+    let Part {
+        q,
+        first,
+        d,
+        keys,
+        vis,
+        scale,
+    } = part;
+    debug_assert!(d.is_multiple_of(2 * L::N) && q.len().is_multiple_of(d));
+    debug_assert!(out.len() == q.len());
     let rows = q.len() / d;
     s.p.resize(rows * TILE, 0.0);
     s.max.clear();
@@ -425,8 +700,8 @@ pub unsafe fn accumulate<K: Row8, V: Row8>(
             k.for_tile(j0, n, &mut s.k_groups),
             v.for_tile(j0, n, &mut s.v_groups),
         );
-        for b0 in (0..rows).step_by(4) {
-            let m = (rows - b0).min(4);
+        for b0 in (0..rows).step_by(L::BLOCK) {
+            let m = (rows - b0).min(L::BLOCK);
             let token = |b: usize| (first + b0 + b) % vis.t;
             // Rows of the tile some query of the block may see.
             let nb = (0..m)
@@ -442,49 +717,22 @@ pub unsafe fn accumulate<K: Row8, V: Row8>(
                 nb,
                 d,
                 scale,
+                first,
+                vis,
             };
             // The first block of a tile asks for the V rows as it reads their K rows: the
             // values pass sweeps the V tile column-slice by column-slice, which the hardware
             // prefetcher follows poorly from memory (f16 decode at L = 4096: 15–20% faster).
             let ahead = (b0 == 0).then_some(v);
             match m {
-                4 => blk.scores::<4, K, V>(q, k, ahead, &mut s.p),
-                3 => blk.scores::<3, K, V>(q, k, ahead, &mut s.p),
-                2 => blk.scores::<2, K, V>(q, k, ahead, &mut s.p),
-                _ => blk.scores::<1, K, V>(q, k, ahead, &mut s.p),
-            }
-            let mut any = false;
-            // Rows past nb are padded with -inf up to a whole vector (0 after exp).
-            let w = nb.next_multiple_of(8);
-            for b in 0..m {
-                let r = b0 + b;
-                let p = &mut s.p[r * TILE..r * TILE + w];
-                p[nb..].fill(f32::NEG_INFINITY);
-                vis.apply(token(b), j0, &mut p[..nb]);
-                let new_max = s.max[r].max(max8(p));
-                if new_max == f32::NEG_INFINITY {
-                    p.fill(0.0);
-                    continue;
-                }
-                any = true;
-                let alpha = fast_exp(s.max[r] - new_max);
-                s.sum[r] = s.sum[r] * alpha + exp8_sum(p, new_max);
-                s.max[r] = new_max;
-                if alpha != 1.0 {
-                    let o = _mm256_set1_ps(alpha);
-                    for c in (0..d).step_by(8) {
-                        let at = out.as_mut_ptr().add(r * d + c);
-                        _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(at), o));
-                    }
-                }
-            }
-            if any {
-                match m {
-                    4 => blk.values::<4, V>(v, &s.p, out),
-                    3 => blk.values::<3, V>(v, &s.p, out),
-                    2 => blk.values::<2, V>(v, &s.p, out),
-                    _ => blk.values::<1, V>(v, &s.p, out),
-                }
+                8 => L::block::<8, K, V>(blk, q, k, v, ahead, out, s),
+                7 => L::block::<7, K, V>(blk, q, k, v, ahead, out, s),
+                6 => L::block::<6, K, V>(blk, q, k, v, ahead, out, s),
+                5 => L::block::<5, K, V>(blk, q, k, v, ahead, out, s),
+                4 => L::block::<4, K, V>(blk, q, k, v, ahead, out, s),
+                3 => L::block::<3, K, V>(blk, q, k, v, ahead, out, s),
+                2 => L::block::<2, K, V>(blk, q, k, v, ahead, out, s),
+                _ => L::block::<1, K, V>(blk, q, k, v, ahead, out, s),
             }
         }
     }
@@ -500,7 +748,7 @@ pub fn finish(out: &mut [f32], d: usize, s: &TileScratch) {
     }
 }
 
-/// Combines the parts of one head split over key rows (each [`accumulate`]d into its
+/// Combines the parts of one head split over key rows (each `accumulate`d into its
 /// scratch's `part`) into the normalized `out` (`[rows, d]`).
 pub fn merge(parts: &[TileScratch], d: usize, out: &mut [f32]) {
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
@@ -524,22 +772,70 @@ pub fn merge(parts: &[TileScratch], d: usize, out: &mut [f32]) {
     }
 }
 
-/// One block of up to 4 query rows over rows `[j0, j0 + nb)` of a tile.
+/// One block of query rows (rows `first + b0 ..` of the head) over rows `[j0, j0 + nb)` of
+/// a tile.
 #[derive(Clone, Copy)]
-struct Block {
+struct Block<'a> {
     b0: usize,
     j0: usize,
     nb: usize,
     d: usize,
     scale: f32,
+    first: usize,
+    vis: Visibility<'a>,
 }
 
-impl Block {
-    /// Scores of the block's `M` query rows into `p` (`[rows, TILE]`), 2 key rows per pass
-    /// over `D` and one horizontal reduction for the 8 dot products; prefetches the same
-    /// rows of `ahead` when given.
+impl Block<'_> {
+    /// The block's `M` query rows through one tile: scores, the online softmax's update of
+    /// each row's max, sum and output, then `out += p · V`.
     #[inline(always)]
-    unsafe fn scores<const M: usize, K: Row8, V: Row8>(
+    unsafe fn run<L: Lanes, const M: usize, K: RowView, V: RowView>(
+        self,
+        q: &[f32],
+        k: K,
+        v: V,
+        ahead: Option<V>,
+        out: &mut [f32],
+        s: &mut TileScratch,
+    ) {
+        let Block { b0, nb, d, .. } = self;
+        self.scores::<L, M, K, V>(q, k, ahead, &mut s.p);
+        let mut any = false;
+        // Rows past nb are padded with -inf up to a whole vector (0 after exp).
+        let w = nb.next_multiple_of(8);
+        for b in 0..M {
+            let r = b0 + b;
+            let p = &mut s.p[r * TILE..r * TILE + w];
+            p[nb..].fill(f32::NEG_INFINITY);
+            self.vis
+                .apply((self.first + r) % self.vis.t, self.j0, &mut p[..nb]);
+            let new_max = s.max[r].max(max8(p));
+            if new_max == f32::NEG_INFINITY {
+                p.fill(0.0);
+                continue;
+            }
+            any = true;
+            let alpha = fast_exp(s.max[r] - new_max);
+            s.sum[r] = s.sum[r] * alpha + exp8_sum(p, new_max);
+            s.max[r] = new_max;
+            if alpha != 1.0 {
+                let o = _mm256_set1_ps(alpha);
+                for c in (0..d).step_by(8) {
+                    let at = out.as_mut_ptr().add(r * d + c);
+                    _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(at), o));
+                }
+            }
+        }
+        if any {
+            self.values::<L, M, V>(v, &s.p, out);
+        }
+    }
+
+    /// Scores of the block's `M` query rows into `p` (`[rows, TILE]`), 2 key rows per pass
+    /// over `D` and one horizontal reduction per 8 dot products; prefetches the same rows
+    /// of `ahead` when given.
+    #[inline(always)]
+    unsafe fn scores<L: Lanes, const M: usize, K: RowView, V: RowView>(
         self,
         q: &[f32],
         k: K,
@@ -552,6 +848,7 @@ impl Block {
             nb,
             d,
             scale,
+            ..
         } = self;
         let qp = q.as_ptr().add(b0 * d);
         let mut j = 0;
@@ -562,58 +859,58 @@ impl Block {
                 v.prefetch(r0);
                 v.prefetch(r1);
             }
-            let mut acc = [_mm256_setzero_ps(); 8];
+            // Query b's dot with row r0 at slot b, with row r1 at slot M + b; slot i is
+            // acc[i / 8][i % 8] (whole arrays of 8 reduce at once).
+            let mut acc = [[L::zero(); 8]; 2];
             let gl = k.group_len();
             for g0 in (0..d).step_by(gl) {
                 let (gr0, gr1) = (k.group(r0, g0), k.group(r1, g0));
-                for c in (g0..g0 + gl).step_by(8) {
-                    let (k0, k1) = (k.load8(gr0, r0, c), k.load8(gr1, r1, c));
+                for c in (g0..g0 + gl).step_by(L::N) {
+                    let (k0, k1) = (L::row(&k, gr0, r0, c), L::row(&k, gr1, r1, c));
                     for b in 0..M {
-                        let qv = _mm256_loadu_ps(qp.add(b * d + c));
-                        acc[b] = _mm256_fmadd_ps(qv, k0, acc[b]);
-                        acc[4 + b] = _mm256_fmadd_ps(qv, k1, acc[4 + b]);
+                        let qv = L::load(qp.add(b * d + c));
+                        let (x, y) = (b, M + b);
+                        acc[x / 8][x % 8] = L::fmadd(qv, k0, acc[x / 8][x % 8]);
+                        acc[y / 8][y % 8] = L::fmadd(qv, k1, acc[y / 8][y % 8]);
                     }
                 }
             }
-            let mut sums = [0f32; 8];
-            _mm256_storeu_ps(
-                sums.as_mut_ptr(),
-                _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)),
-            );
+            let mut sums = [0f32; 16];
+            L::sums(acc, 2 * M, scale, &mut sums);
             for b in 0..M {
                 p[(b0 + b) * TILE + j] = sums[b];
                 if two {
-                    p[(b0 + b) * TILE + j + 1] = sums[4 + b];
+                    p[(b0 + b) * TILE + j + 1] = sums[M + b];
                 }
             }
             j += 2;
         }
     }
 
-    /// `out += p · V` for the block's `M` query rows: 16 values of `D` at a time, every row.
+    /// `out += p · V` for the block's `M` query rows: two registers of `D` at a time, every
+    /// row.
     #[inline(always)]
-    unsafe fn values<const M: usize, V: Row8>(self, v: V, p: &[f32], out: &mut [f32]) {
+    unsafe fn values<L: Lanes, const M: usize, V: RowView>(self, v: V, p: &[f32], out: &mut [f32]) {
         let Block { b0, j0, nb, d, .. } = self;
-        // Both halves of a 16-wide slice in one group, or each in its own.
-        let paired = v.group_len().is_multiple_of(16);
-        for c in (0..d).step_by(16) {
-            let mut acc = [[_mm256_setzero_ps(); 2]; M];
+        // Both registers of a slice in one group, or each in its own.
+        let paired = v.group_len().is_multiple_of(2 * L::N);
+        for c in (0..d).step_by(2 * L::N) {
+            let mut acc = [[L::zero(); 2]; M];
             for jj in 0..nb {
                 let r = j0 + jj;
                 let gr0 = v.group(r, c);
-                let gr1 = if paired { gr0 } else { v.group(r, c + 8) };
-                let (v0, v1) = (v.load8(gr0, r, c), v.load8(gr1, r, c + 8));
+                let gr1 = if paired { gr0 } else { v.group(r, c + L::N) };
+                let (v0, v1) = (L::row(&v, gr0, r, c), L::row(&v, gr1, r, c + L::N));
                 for (b, a) in acc.iter_mut().enumerate() {
-                    let w = _mm256_set1_ps(*p.get_unchecked((b0 + b) * TILE + jj));
-                    a[0] = _mm256_fmadd_ps(w, v0, a[0]);
-                    a[1] = _mm256_fmadd_ps(w, v1, a[1]);
+                    let w = L::set1(*p.get_unchecked((b0 + b) * TILE + jj));
+                    a[0] = L::fmadd(w, v0, a[0]);
+                    a[1] = L::fmadd(w, v1, a[1]);
                 }
             }
             for (b, a) in acc.iter().enumerate() {
                 let at = out.as_mut_ptr().add((b0 + b) * d + c);
-                _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), a[0]));
-                let at = at.add(8);
-                _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), a[1]));
+                L::add_to(at, a[0]);
+                L::add_to(at.add(L::N), a[1]);
             }
         }
     }
@@ -631,11 +928,16 @@ enum HeadViews {
 }
 
 impl HeadViews {
-    /// Views of `k` and `v`; `None` where the kernel does not apply: no AVX2/FMA/F16C, `d`
-    /// not a multiple of 16, quantized groups not a multiple of 8.
-    fn new(k: HeadRows<'_>, v: HeadRows<'_>, d: usize) -> Option<Self> {
+    /// Views of `k` and `v` for a kernel at `width`; `None` where it does not apply: the CPU
+    /// lacks its features, `d` is not a multiple of two registers, quantized groups not a
+    /// multiple of one.
+    fn new(k: HeadRows<'_>, v: HeadRows<'_>, d: usize, width: Width) -> Option<Self> {
         use half::slice::HalfFloatSliceExt;
-        if !crate::simd::vector_path() || !d.is_multiple_of(16) {
+        let (present, lanes) = match width {
+            Width::Avx2 => (crate::simd::vector_path(), Avx2::N),
+            Width::Avx512 => (crate::simd::wide_path(), Avx512::N),
+        };
+        if !present || !d.is_multiple_of(2 * lanes) {
             return None;
         }
         let bits = |r: &[u16]| Plain { p: r.as_ptr(), d };
@@ -646,7 +948,7 @@ impl HeadViews {
                 codes,
                 scales,
                 los,
-            } => QuantRows::new(codes, scales, los, bits, group, d),
+            } if group.is_multiple_of(lanes) => QuantRows::new(codes, scales, los, bits, group, d),
             _ => None,
         };
         Some(match (k, v) {
@@ -664,27 +966,30 @@ impl HeadViews {
         })
     }
 
-    /// [`accumulate`] on these views.
+    /// [`accumulate`] on these views at `width` (the width they were made for).
     ///
     /// # Safety
-    /// The views hold `keys.end` rows; the rest as [`accumulate`].
-    #[allow(clippy::too_many_arguments)]
+    /// The views hold `part.keys.end` rows; the rest as [`accumulate`].
     unsafe fn accumulate(
         &self,
-        q: &[f32],
-        first: usize,
-        d: usize,
-        keys: std::ops::Range<usize>,
-        vis: Visibility<'_>,
-        scale: f32,
+        width: Width,
+        part: Part<'_>,
         out: &mut [f32],
         s: &mut TileScratch,
     ) {
+        macro_rules! at_width {
+            ($k:expr, $v:expr) => {
+                match width {
+                    Width::Avx2 => Avx2::accumulate(part, $k, $v, out, s),
+                    Width::Avx512 => Avx512::accumulate(part, $k, $v, out, s),
+                }
+            };
+        }
         match *self {
-            HeadViews::F32(k, v) => accumulate(q, first, k, v, d, keys, vis, scale, out, s),
-            HeadViews::F16(k, v) => accumulate(q, first, k, v, d, keys, vis, scale, out, s),
-            HeadViews::Bf16(k, v) => accumulate(q, first, k, v, d, keys, vis, scale, out, s),
-            HeadViews::Quant(k, v) => accumulate(q, first, k, v, d, keys, vis, scale, out, s),
+            HeadViews::F32(k, v) => at_width!(k, v),
+            HeadViews::F16(k, v) => at_width!(k, v),
+            HeadViews::Bf16(k, v) => at_width!(k, v),
+            HeadViews::Quant(k, v) => at_width!(k, v),
         }
     }
 }
@@ -730,9 +1035,10 @@ impl Split {
     }
 }
 
-/// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, l)` on the tiled kernel, split over
-/// the [`Workers`] pool when the call does at least `parallel_min` multiply-adds; q and out
-/// are `[Hq, T, D]`. False (nothing done) where the kernel does not apply.
+/// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, l)` on the tiled kernel at the first
+/// of `widths` that applies, split over the [`Workers`] pool when the call does at least
+/// `parallel_min` multiply-adds; q and out are `[Hq, T, D]`. False (nothing done) where no
+/// width applies.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &CpuTensor,
@@ -744,14 +1050,17 @@ pub fn attend(
     out: &mut CpuTensor,
     tiles: &mut Vec<TileScratch>,
     parallel_min: usize,
+    widths: &[Width],
 ) -> bool {
     let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
     let hkv = k.heads;
     let rows = hq / hkv * t;
-    let views = |kh: usize| HeadViews::new(k.head_rows(kh, k.cells), v.head_rows(kh, v.cells), d);
-    if views(0).is_none() {
+    let views = |kh: usize, w: Width| {
+        HeadViews::new(k.head_rows(kh, k.cells), v.head_rows(kh, v.cells), d, w)
+    };
+    let Some(width) = widths.iter().copied().find(|&w| views(0, w).is_some()) else {
         return false;
-    }
+    };
     let split = Split::plan(hkv, rows, l, hq * t * l * d, parallel_min);
     let parts = split.parts(rows, l);
     tiles.resize_with(hkv * parts, TileScratch::default);
@@ -760,7 +1069,7 @@ pub fn attend(
     let scratch = DisjointChunks::new(tiles, 1);
     let task = |i: usize| {
         let (kh, part) = (i / parts, i % parts);
-        let views = views(kh).expect("every head has the dtype of head 0");
+        let views = views(kh, width).expect("every head has the dtype of head 0");
         // SAFETY: task i alone holds scratch i and the output rows of its query range.
         let s = unsafe { &mut scratch.get(i)[0] };
         let (first, n, keys) = match split {
@@ -768,17 +1077,24 @@ pub fn attend(
             Split::Keys(n) => (0, rows, (part * n).min(l)..((part + 1) * n).min(l)),
         };
         let at = kh * rows + first;
-        let qh = &q.data[at * d..(at + n) * d];
-        // SAFETY: the views were built for this CPU and hold l rows of d (d % 16 == 0).
+        let p = Part {
+            q: &q.data[at * d..(at + n) * d],
+            first,
+            d,
+            keys,
+            vis,
+            scale,
+        };
+        // SAFETY: the views were built for this CPU and width and hold l rows of d.
         unsafe {
             if parts > 1 && matches!(split, Split::Keys(_)) {
                 let mut part = std::mem::take(&mut s.part);
                 part.resize(n * d, 0.0);
-                views.accumulate(qh, first, d, keys, vis, scale, &mut part, s);
+                views.accumulate(width, p, &mut part, s);
                 s.part = part;
             } else {
                 let o = outs.span(at, n);
-                views.accumulate(qh, first, d, keys, vis, scale, o, s);
+                views.accumulate(width, p, o, s);
                 finish(o, d, s);
             }
         }
@@ -794,4 +1110,53 @@ pub fn attend(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Slot `i` of `n` holds lanes `100·i + lane` (exact in f32): each of its sums is
+    /// known.
+    #[inline(always)]
+    unsafe fn check<L: Lanes>(n: usize) {
+        let lanes: Vec<f32> = (0..16 * L::N)
+            .map(|x| ((x / L::N) * 100 + x % L::N) as f32)
+            .collect();
+        let mut acc = [[L::zero(); 8]; 2];
+        for (i, a) in acc.iter_mut().flatten().enumerate().take(n) {
+            *a = L::load(lanes[i * L::N..].as_ptr());
+        }
+        let mut out = [0f32; 16];
+        L::sums(acc, n, 0.5, &mut out);
+        for (i, &got) in out.iter().enumerate().take(n) {
+            let want: f32 = lanes[i * L::N..(i + 1) * L::N].iter().sum::<f32>() * 0.5;
+            assert_eq!(got, want, "{} lanes: slot {i} of {n}", L::N);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn check_avx2(n: usize) {
+        check::<Avx2>(n)
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn check_avx512(n: usize) {
+        check::<Avx512>(n)
+    }
+
+    #[test]
+    fn the_reductions_give_each_slot_its_lane_total_in_order() {
+        for n in (2..=16).step_by(2) {
+            // SAFETY: each width runs only where the CPU has its features.
+            unsafe {
+                if n <= 2 * Avx2::BLOCK && crate::simd::vector_path() {
+                    check_avx2(n);
+                }
+                if crate::simd::wide_path() {
+                    check_avx512(n);
+                }
+            }
+        }
+    }
 }
