@@ -9,7 +9,8 @@
 //! Each test runs once untimed (warm-up: pools grown, kernels and buffers ready), then
 //! `repetitions` times from the same context: the context is prefilled once per depth and
 //! the cache cut back to it before every run (`rewind` on a contiguous cache, `seq_rm` on a
-//! seq cache; a tree cache, which cannot be cut, is cleared and prefilled again). Results
+//! seq cache; a tree cache, which cannot be cut, is cleared and prefilled again, as is a
+//! cache whose sliding-window layers no longer hold the rows the cut needs). Results
 //! carry `llama-bench`'s JSON field names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`, `stddev_ts`, `samples_ts`) so the two
 //! compare directly.
 
@@ -17,6 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvplug_core::{CacheKind, KvDtype};
+use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{Batch, Context, Runtime};
 
 use crate::error::{fail, Result};
@@ -100,12 +102,18 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<i32> {
 }
 
 /// Brings `ctx` to exactly `context`: cut back to it when the cache starts with it
-/// (`held` says which context it starts with), else cleared and prefilled.
+/// (`held` says which context it starts with), else cleared and prefilled. A cut that
+/// sliding-window layers refuse (the rows a shorter history needs are gone) prefills again.
 fn reset(ctx: &mut Context, context: &[i32], held: &mut Option<usize>) -> Result<()> {
     let d = context.len();
-    match ctx.kind() {
-        CacheKind::Contiguous if *held == Some(d) => return Ok(ctx.rewind(d)?),
-        CacheKind::Seq if *held == Some(d) => return Ok(ctx.seq_rm(0, Some(d as i32), None)?),
+    let cut = match ctx.kind() {
+        CacheKind::Contiguous if *held == Some(d) => Some(ctx.rewind(d)),
+        CacheKind::Seq if *held == Some(d) => Some(ctx.seq_rm(0, Some(d as i32), None)),
+        _ => None,
+    };
+    match cut {
+        Some(Ok(())) => return Ok(()),
+        Some(Err(e)) if e.kind != AbiErrorKind::OutOfWindow => return Err(e.into()),
         _ => {}
     }
     ctx.clear()?;

@@ -489,3 +489,29 @@ fn a_published_hybrid_prefix_resumes_in_another_sequence_on_every_backend() {
         }
     }
 }
+
+/// `kvplug bench` at a depth past the window: the sliding layers have dropped rows the cut
+/// back to the depth needs, so each run prefills the depth again instead of failing.
+#[test]
+fn bench_at_a_depth_past_the_window_runs_on_a_hybrid_model() {
+    use kvplug::bench::{run, BenchOptions};
+
+    let dir = tempfile::tempdir().unwrap();
+    let c = config();
+    write_package(dir.path(), &c, &weights(&c));
+    let args = BenchOptions {
+        model: dir.path().to_path_buf(),
+        backend: vec!["cpu".into()],
+        kind: vec![CacheKind::Contiguous, CacheKind::Seq],
+        kv_dtype: vec![KvDtype::F16],
+        n_prompt: vec![2 * WINDOW],
+        n_gen: vec![WINDOW + 1],
+        n_depth: vec![3 * WINDOW],
+        repetitions: 2,
+    };
+    let results = run(&runtime(), &args, &mut |_| {}).unwrap();
+    assert_eq!(results.len(), 4);
+    for r in &results {
+        assert_eq!(r.samples_ts.len(), 2, "{}", r.test());
+    }
+}
