@@ -141,7 +141,7 @@ pub fn run_matrix(runtime: &Runtime, scenarios: &[Scenario], opts: &ConformOptio
                     {
                         matrix
                             .results
-                            .push(run_case(scenario, kind, dtype, input, &factory));
+                            .extend(run_case(scenario, kind, dtype, input, &factory));
                     }
                 }
             }

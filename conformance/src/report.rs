@@ -113,8 +113,16 @@ impl Matrix {
             .max(8);
         let _ = writeln!(
             s,
-            "{:w$}  {:<6} {:<10} {:<5} {:<8} {:<6} {:>9} {:>9}",
-            "scenario", "backend", "kind", "dtype", "inputs", "result", "max err", "err/bound"
+            "{:w$}  {:<6} {:<10} {:<5} {:<10} {:<8} {:<6} {:>9} {:>9}",
+            "scenario",
+            "backend",
+            "kind",
+            "dtype",
+            "arithmetic",
+            "inputs",
+            "result",
+            "max err",
+            "err/bound"
         );
         for r in &self.results {
             let status = match r.status {
@@ -124,11 +132,12 @@ impl Matrix {
             };
             let _ = writeln!(
                 s,
-                "{:w$}  {:<6} {:<10} {:<5} {:<8} {:<6} {:>9.2e} {:>9.3}",
+                "{:w$}  {:<6} {:<10} {:<5} {:<10} {:<8} {:<6} {:>9.2e} {:>9.3}",
                 r.scenario,
                 r.backend,
                 r.kind,
                 r.dtype,
+                r.arithmetic,
                 r.inputs.as_str(),
                 status,
                 r.max_err,
@@ -140,22 +149,24 @@ impl Matrix {
                 Status::Fail(m) => {
                     let _ = writeln!(
                         s,
-                        "FAIL {} [{} {} {} {}]: {m}",
+                        "FAIL {} [{} {} {}{} {}]: {m}",
                         r.scenario,
                         r.backend,
                         r.kind,
                         r.dtype,
+                        r.arithmetic_label(),
                         r.inputs.as_str()
                     );
                 }
                 Status::NotApplicable(m) => {
                     let _ = writeln!(
                         s,
-                        "n/a  {} [{} {} {} {}]: {m}",
+                        "n/a  {} [{} {} {}{} {}]: {m}",
                         r.scenario,
                         r.backend,
                         r.kind,
                         r.dtype,
+                        r.arithmetic_label(),
                         r.inputs.as_str()
                     );
                 }

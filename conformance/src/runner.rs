@@ -13,6 +13,10 @@
 //! keeps more or less precision than its dtype, a different quantizer, a wrong mask — moves
 //! outputs by far more (half an f16 ULP is 2.4e-4) and fails.
 //!
+//! A cache that declares reduced-precision arithmetics ([`kvplug_core::Arithmetic`]) runs
+//! each case once per arithmetic, on a new cache set to it, against that arithmetic's bound
+//! (the f32 one plus its derived term); a new cache must use the first it declares.
+//!
 //! After every step the backend's reported plan (read path and read window) must also
 //! match the oracle's own naive cell model.
 
@@ -20,7 +24,7 @@ use std::any::Any;
 
 use kvplug_core::oracle::{Attention, RefCache, RefRows};
 use kvplug_core::{
-    CacheConfig, CacheError, CacheKind, ErrorKind, KvDtype, LayerSet, SlidingLayers,
+    Arithmetic, CacheConfig, CacheError, CacheKind, ErrorKind, KvDtype, LayerSet, SlidingLayers,
 };
 use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
 use kvplug_plugin_api::{CacheHandle, HostTensor, PluginError, SeqRows, TensorDtype};
@@ -55,6 +59,8 @@ pub struct CaseResult {
     pub kind: String,
     /// KV dtype.
     pub dtype: String,
+    /// The attention arithmetic the cache was set to (its bound is the one checked).
+    pub arithmetic: String,
     /// Input distribution.
     pub inputs: Inputs,
     /// Outcome.
@@ -68,6 +74,17 @@ pub struct CaseResult {
     /// Where a failing case diverged.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
+}
+
+impl CaseResult {
+    /// ` <arithmetic>` where it is not the f32 reference (for one-line case labels).
+    pub fn arithmetic_label(&self) -> String {
+        if self.arithmetic == Arithmetic::F32.as_str() {
+            String::new()
+        } else {
+            format!(" {}", self.arithmetic)
+        }
+    }
 }
 
 struct Case<'a> {
@@ -419,9 +436,10 @@ impl Case<'_> {
         }
         let position = positions[token];
         let message = format!(
-            "op {idx} layer {layer}: query head {head} (KV head {kv_head}), token {token} at position {position}, element {element}: {got:.6} but the oracle gives {:.6}, error {:.3e} above its f32 bound {:.3e}; the query should see key cells {} ({} mask, read window {l})",
+            "op {idx} layer {layer}: query head {head} (KV head {kv_head}), token {token} at position {position}, element {element}: {got:.6} but the oracle gives {:.6}, error {:.3e} above its {} bound {:.3e}; the query should see key cells {} ({} mask, read window {l})",
             want.out[i],
             (got - want.out[i]).abs(),
+            self.oracle.arithmetic(),
             want.bound[i],
             cell_runs(&keys),
             mask
@@ -545,19 +563,43 @@ fn cell_runs(cells: &[usize]) -> String {
     runs.join(", ")
 }
 
-/// Runs `scenario` for one kind and dtype on the factory's backend.
+/// Runs `scenario` for one kind and dtype on the factory's backend, once per attention
+/// arithmetic the built cache declares (each on a new cache set to it, held to its bound).
 pub fn run_case(
     scenario: &Scenario,
     kind: CacheKind,
     dtype: KvDtype,
     inputs: Inputs,
     factory: &dyn CacheFactory,
-) -> CaseResult {
+) -> Vec<CaseResult> {
+    let first = run_arithmetic(scenario, kind, dtype, inputs, factory, None);
+    let Some(declared) = first.1 else {
+        return vec![first.0];
+    };
+    let mut results = vec![first.0];
+    for a in declared.into_iter().skip(1) {
+        results.push(run_arithmetic(scenario, kind, dtype, inputs, factory, Some(a)).0);
+    }
+    results
+}
+
+/// One arithmetic of [`run_case`]: `None` runs the first one the cache declares (checking
+/// that a new cache uses it) and returns every declared one, in order.
+fn run_arithmetic(
+    scenario: &Scenario,
+    kind: CacheKind,
+    dtype: KvDtype,
+    inputs: Inputs,
+    factory: &dyn CacheFactory,
+    arithmetic: Option<Arithmetic>,
+) -> (CaseResult, Option<Vec<Arithmetic>>) {
+    let mut declared = None;
     let mut result = CaseResult {
         scenario: scenario.name.clone(),
         backend: factory.backend().to_string(),
         kind: kind.as_str().to_string(),
         dtype: dtype.to_string(),
+        arithmetic: arithmetic.unwrap_or_default().to_string(),
         inputs,
         status: Status::Pass,
         max_err: 0.0,
@@ -567,7 +609,7 @@ pub fn run_case(
     };
     if let Err(reason) = factory.applicable(kind, dtype) {
         result.status = Status::NotApplicable(reason);
-        return result;
+        return (result, declared);
     }
     let c = &scenario.config;
     let sliding = match &c.sliding {
@@ -578,7 +620,7 @@ pub fn run_case(
             }),
             Err(e) => {
                 result.status = Status::Fail(format!("config.sliding: {e}"));
-                return result;
+                return (result, declared);
             }
         },
         None => None,
@@ -604,7 +646,19 @@ pub fn run_case(
         )),
         (Err(e), _, None) => Status::Fail(format!("building the cache failed: {e}")),
         (_, Err(e), None) => Status::Fail(format!("the oracle refused the config: {e}")),
-        (Ok((cache, _session)), Ok(oracle), None) => {
+        (Ok((cache, _session)), Ok(mut oracle), None) => {
+            let chosen = match choose_arithmetic(&cache, arithmetic) {
+                Ok((chosen, all)) => {
+                    declared = Some(all);
+                    chosen
+                }
+                Err(m) => {
+                    result.status = Status::Fail(m);
+                    return (result, None);
+                }
+            };
+            result.arithmetic = chosen.to_string();
+            oracle.set_arithmetic(chosen);
             let mut case = Case {
                 scenario,
                 cache,
@@ -631,7 +685,44 @@ pub fn run_case(
             status
         }
     };
-    result
+    (result, declared)
+}
+
+/// The arithmetics `cache` declares, and the one the case runs: `wanted`, set on the cache,
+/// or (`None`) the first declared, which a new cache must already use. Fails on an
+/// undeclared f32, a name the oracle does not know, or a cache not doing as told.
+fn choose_arithmetic(
+    cache: &CacheHandle,
+    wanted: Option<Arithmetic>,
+) -> Result<(Arithmetic, Vec<Arithmetic>), String> {
+    let names = cache.attention_arithmetics();
+    let all = names
+        .iter()
+        .map(|n| {
+            n.parse::<Arithmetic>()
+                .map_err(|e| format!("the cache declares {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if !all.contains(&Arithmetic::F32) {
+        return Err("the cache does not declare f32 attention, which every cache computes".into());
+    }
+    let chosen = match wanted {
+        Some(a) => {
+            cache
+                .set_attention_arithmetic(a.as_str().into())
+                .into_result()
+                .map_err(|e| format!("setting the declared arithmetic {a} failed: {e}"))?;
+            a
+        }
+        None => all[0],
+    };
+    let current = cache.attention_arithmetic();
+    if current.as_str() != chosen.as_str() {
+        return Err(format!(
+            "the cache reports attention arithmetic '{current}' where it should compute with {chosen}"
+        ));
+    }
+    Ok((chosen, all))
 }
 
 #[cfg(test)]
@@ -674,12 +765,15 @@ mod tests {
     #[test]
     fn a_missing_kind_is_not_applicable_and_never_a_pass() {
         let s = &builtin_scenarios()[0];
-        let na = run_case(s, CacheKind::Tree, KvDtype::F16, Inputs::Uniform, &NoTree);
+        let [na] = &run_case(s, CacheKind::Tree, KvDtype::F16, Inputs::Uniform, &NoTree)[..] else {
+            panic!("one result per case that does not build")
+        };
+        let na = na.clone();
         assert_eq!(
             na.status,
             Status::NotApplicable("backend has no 'tree' cache".into())
         );
-        let failed = run_case(s, CacheKind::Seq, KvDtype::F16, Inputs::Uniform, &NoTree);
+        let failed = run_case(s, CacheKind::Seq, KvDtype::F16, Inputs::Uniform, &NoTree).remove(0);
         assert_eq!(
             failed.status,
             Status::Fail("building the cache failed: backend: stub builds nothing".into())

@@ -22,6 +22,7 @@
 
 #![warn(missing_docs)]
 
+pub mod arithmetic;
 pub mod config;
 pub mod contiguous;
 pub mod dtype;
@@ -42,6 +43,7 @@ pub mod spec;
 pub mod tree;
 pub mod window;
 
+pub use arithmetic::Arithmetic;
 pub use config::{
     make_config, CacheConfig, LayerSet, ModelCacheParams, SlidingLayers, DEFAULT_MIN_CHUNK,
 };

@@ -4,7 +4,7 @@
 //! The cache object every backend builds, and its configuration and statistics.
 
 use abi_stable::sabi_trait;
-use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString, RVec};
+use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::StableAbi;
 use kvplug_core::config::{LayerSet, SlidingLayers};
 use kvplug_core::{CacheConfig, CacheError, KvDtype};
@@ -280,6 +280,29 @@ pub trait CacheObject: Clone + Send + Sync {
     /// empty cache). All or nothing.
     #[sabi(last_prefix_field)]
     fn import_seq(&self, seq: i32, rows: &SeqRows) -> RResult<(), PluginError>;
+    /// The attention arithmetics this cache computes with, by
+    /// [`Arithmetic`](kvplug_core::Arithmetic) name, the one a new cache uses first; `f32`
+    /// is always one of them. Conformance checks each against its declared bound. (Plugin
+    /// API 1.1: a plugin built against 1.0 computes in f32 and reports it alone.)
+    fn attention_arithmetics(&self) -> RVec<RString> {
+        RVec::from(vec![RString::from(kvplug_core::Arithmetic::F32.as_str())])
+    }
+    /// The arithmetic later `update_and_attend` calls use.
+    fn attention_arithmetic(&self) -> RString {
+        kvplug_core::Arithmetic::F32.as_str().into()
+    }
+    /// Selects one of [`CacheObject::attention_arithmetics`] for later calls; any other name
+    /// is refused with `not_supported` and changes nothing.
+    fn set_attention_arithmetic(&self, name: RStr<'_>) -> RResult<(), PluginError> {
+        if name.as_str() == kvplug_core::Arithmetic::F32.as_str() {
+            RResult::ROk(())
+        } else {
+            RResult::RErr(PluginError::new(
+                crate::error::AbiErrorKind::NotSupported,
+                format!("this cache computes attention in f32 only, not '{name}'"),
+            ))
+        }
+    }
 }
 
 /// A shared cache object.

@@ -125,22 +125,29 @@ pub struct BackendModule {
 pub const API_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The version policy: a host built against plugin API `host` loads a plugin built against
-/// `plugin` when their majors are equal (for a `0.y` API, when `y` is equal too), whichever
-/// minor is newer. A minor release may only append fields to prefix types
-/// ([`BackendModule`], [`CacheObject`](crate::CacheObject)), each declared
-/// `#[sabi(missing_field(option))]` (or with a default) so that a newer host reads it as
-/// absent from an older plugin, and an older host never sees it; the fields of 1.0 are
-/// required. Any other change to a type that crosses the boundary is a new major.
+/// `plugin` when their majors are equal and the plugin's minor is the host's or newer (for a
+/// `0.y` API, when `y` is equal). A minor release only appends fields to prefix types
+/// ([`BackendModule`], [`CacheObject`](crate::CacheObject)) — with a default or
+/// `#[sabi(missing_field(option))]` — which an older host never reads. An older plugin lacks
+/// them, and abi_stable's layout check refuses a plugin whose prefix types have fewer fields
+/// than the host's, so it is refused here in one line first. Any other change to a type
+/// that crosses the boundary is a new major.
 pub fn accepts(host: VersionNumber, plugin: VersionNumber) -> bool {
-    host.major == plugin.major && (host.major != 0 || host.minor == plugin.minor)
+    host.major == plugin.major
+        && if host.major == 0 {
+            host.minor == plugin.minor
+        } else {
+            plugin.minor >= host.minor
+        }
 }
 
-/// The plugin API versions a host built against `host` loads, for messages: `1.x`, `0.3.x`.
+/// The plugin API versions a host built against `host` loads, for messages: `1.1 or a later
+/// 1.x`, `0.3.x`.
 pub fn accepted_range(host: VersionNumber) -> String {
     if host.major == 0 {
         format!("0.{}.x", host.minor)
     } else {
-        format!("{}.x", host.major)
+        format!("{}.{} or a later {}.x", host.major, host.minor, host.major)
     }
 }
 
@@ -164,15 +171,15 @@ mod tests {
     }
 
     #[test]
-    fn a_host_loads_every_minor_of_its_major_and_nothing_else() {
+    fn a_host_loads_its_minor_and_newer_ones_of_its_major_and_nothing_else() {
         let host = v(1, 2, 0);
-        for plugin in [v(1, 0, 0), v(1, 2, 7), v(1, 9, 0)] {
+        for plugin in [v(1, 2, 0), v(1, 2, 7), v(1, 9, 0)] {
             assert!(accepts(host, plugin), "{plugin}");
         }
-        for plugin in [v(0, 2, 0), v(2, 0, 0), v(2, 2, 0)] {
+        for plugin in [v(1, 1, 9), v(1, 0, 0), v(0, 2, 0), v(2, 0, 0), v(2, 2, 0)] {
             assert!(!accepts(host, plugin), "{plugin}");
         }
-        assert_eq!(accepted_range(host), "1.x");
+        assert_eq!(accepted_range(host), "1.2 or a later 1.x");
     }
 
     #[test]

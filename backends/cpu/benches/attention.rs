@@ -114,7 +114,8 @@ fn read_bandwidth(cr: &mut Criterion) {
     g.finish();
 }
 
-/// One decode step at window L: rewind to L-1 and decode position L-1.
+/// One decode step at window L: rewind to L-1 and decode position L-1, in the cache's
+/// default arithmetic (named by the dtype) and in each other it has (`q8+f32`).
 fn decode(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("decode");
     g.sample_size(20)
@@ -125,12 +126,19 @@ fn decode(cr: &mut Criterion) {
             let mut c = filled(l, dtype);
             let mut io = Io::new(1);
             let p = [(l - 1) as i32];
-            g.bench_with_input(BenchmarkId::new(dtype.to_string(), l), &l, |b, _| {
-                b.iter(|| {
-                    c.rewind(l - 1).unwrap();
-                    io.step(&mut c, &p);
-                })
-            });
+            for (i, arithmetic) in c.arithmetics().into_iter().enumerate() {
+                c.set_arithmetic(arithmetic).unwrap();
+                let name = match i {
+                    0 => dtype.to_string(),
+                    _ => format!("{dtype}+{arithmetic}"),
+                };
+                g.bench_with_input(BenchmarkId::new(name, l), &l, |b, _| {
+                    b.iter(|| {
+                        c.rewind(l - 1).unwrap();
+                        io.step(&mut c, &p);
+                    })
+                });
+            }
         }
     }
     g.finish();

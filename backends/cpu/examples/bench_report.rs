@@ -89,28 +89,36 @@ fn main() {
     .unwrap();
 
     writeln!(md, "## Decode step (T = 1)\n").unwrap();
+    writeln!(md, "Scores in f32; `int8-query` rows (where the CPU has AVX-512 VNNI) compute them from the query quantized to int8 (README, declared arithmetics).\n").unwrap();
     writeln!(md, "| KV dtype | L | time (µs) | K+V bytes read | effective GB/s | bandwidth bound (µs) | time / bound | time vs f16 | fastest sample / its bound |").unwrap();
     writeln!(md, "|---|---|---|---|---|---|---|---|---|").unwrap();
-    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
-        for l in [512usize, 4096, 16384] {
-            let id = format!("decode/{dtype}/{l}");
-            let t = need(&id);
-            let f16 = need(&format!("decode/f16/{l}"));
-            let bytes = 2 * HKV * l * dtype.row_bytes(D);
-            let bound = bytes as f64 / bw;
-            let best = fastest(&id) / (bytes as f64 / bw_best);
-            writeln!(
-                md,
-                "| {dtype} | {l} | {:.1} | {:.2} MB | {:.1} | {:.1} | {:.2}× | {:.2}× | {best:.2}× |",
-                t * 1e6,
-                bytes as f64 / 1e6,
-                bytes as f64 / t / 1e9,
-                bound * 1e6,
-                t / bound,
-                t / f16
-            )
-            .unwrap();
-        }
+    let int8 = |dtype: KvDtype, l: usize| format!("decode/{dtype}+int8-query/{l}");
+    let rows = [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT]
+        .into_iter()
+        .flat_map(|dtype| {
+            [512usize, 4096, 16384].into_iter().flat_map(move |l| {
+                let plain = (dtype.to_string(), format!("decode/{dtype}/{l}"), dtype, l);
+                let reduced = (format!("{dtype} int8-query"), int8(dtype, l), dtype, l);
+                std::iter::once(plain).chain(mean(&reduced.1).map(|_| reduced))
+            })
+        });
+    for (label, id, dtype, l) in rows {
+        let t = need(&id);
+        let f16 = need(&format!("decode/f16/{l}"));
+        let bytes = 2 * HKV * l * dtype.row_bytes(D);
+        let bound = bytes as f64 / bw;
+        let best = fastest(&id) / (bytes as f64 / bw_best);
+        writeln!(
+            md,
+            "| {label} | {l} | {:.1} | {:.2} MB | {:.1} | {:.1} | {:.2}× | {:.2}× | {best:.2}× |",
+            t * 1e6,
+            bytes as f64 / 1e6,
+            bytes as f64 / t / 1e9,
+            bound * 1e6,
+            t / bound,
+            t / f16
+        )
+        .unwrap();
     }
 
     let (one, four) = (need("fork_step/branches/1"), need("fork_step/branches/4"));

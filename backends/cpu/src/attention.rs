@@ -7,6 +7,7 @@
 //! kernel here, split over KV heads on the [`Workers`] pool when the window is long.
 
 use kvplug_backend_kit::AttendMask;
+use kvplug_core::Arithmetic;
 
 use crate::pool::{CpuPool, HeadRows};
 use crate::simd;
@@ -119,8 +120,11 @@ impl LoadRows for HeadRows<'_> {
 }
 
 /// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, l)`. q and out are `[Hq, T, D]`.
+/// `arithmetic` is the largest error allowed: the tiled kernel takes int8-query scores
+/// where it has them; every other path computes in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
+    arithmetic: Arithmetic,
     q: &CpuTensor,
     k: &CpuPool,
     v: &CpuPool,
@@ -142,7 +146,7 @@ pub fn attend(
             &[]
         };
         let (tiles, min) = (&mut scratch.tiles, PARALLEL_MIN_WORK);
-        if tiled::attend(q, k, v, l, mask, scale, out, tiles, min, widths) {
+        if tiled::attend(q, k, v, l, mask, scale, out, tiles, min, widths, arithmetic) {
             return;
         }
     }

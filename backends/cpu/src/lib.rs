@@ -18,7 +18,7 @@ pub mod workers;
 pub mod xnnpack;
 
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
-use kvplug_core::{CacheError, KvDtype};
+use kvplug_core::{Arithmetic, CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::attention::CpuScratch;
@@ -45,6 +45,22 @@ impl Device for CpuDevice {
 
     fn kv_dtypes(&self) -> &[KvDtype] {
         &KvDtype::ALL
+    }
+
+    /// f32 first (the default), then int8-query scores for q8/q4 pools in groups of a
+    /// multiple of 32 where the tiled kernel has AVX-512 VNNI (used for `head_dim` a
+    /// multiple of 64). Not the default: the keys' side alone measured no faster
+    /// (BENCH.md, decode `q8+int8-query`).
+    fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
+        let grouped = match dtype {
+            KvDtype::Q8 { group } | KvDtype::Q4 { group } => group.is_multiple_of(32),
+            _ => false,
+        };
+        if grouped && simd::wide_path() && simd::vnni_path() {
+            vec![Arithmetic::F32, Arithmetic::Int8Query]
+        } else {
+            Vec::new()
+        }
     }
 
     fn dims<'t>(&self, t: &'t CpuTensor) -> &'t [usize] {
@@ -135,6 +151,7 @@ impl Device for CpuDevice {
 
     fn attend(
         &self,
+        arithmetic: Arithmetic,
         q: &CpuTensor,
         k: &CpuPool,
         v: &CpuPool,
@@ -144,7 +161,7 @@ impl Device for CpuDevice {
         out: &mut CpuTensor,
         scratch: &mut CpuScratch,
     ) -> Result<(), KitError> {
-        attention::attend(q, k, v, read_len, mask, scale, out, scratch);
+        attention::attend(arithmetic, q, k, v, read_len, mask, scale, out, scratch);
         Ok(())
     }
 

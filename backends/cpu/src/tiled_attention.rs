@@ -22,12 +22,18 @@
 use std::arch::x86_64::*;
 
 use kvplug_backend_kit::AttendMask;
+use kvplug_core::arithmetic::QUERY_BLOCK;
+use kvplug_core::Arithmetic;
 
 use crate::pool::{CpuPool, HeadRows};
 use crate::simd::fast_exp;
 use crate::simd::x86::{exp8, hsum};
 use crate::tensor::CpuTensor;
 use crate::workers::{DisjointChunks, Workers};
+
+mod int8_query;
+
+use int8_query::QueryCodes;
 
 /// Rows per tile: 64 f16 rows of 128 values (16 KiB) stay in L1 while the tile is swept.
 pub const TILE: usize = 64;
@@ -71,6 +77,11 @@ pub trait RowView: Copy {
     #[inline(always)]
     unsafe fn for_tile(self, _j0: usize, _n: usize, _staged: &mut Vec<f32>) -> Self {
         self
+    }
+    /// These rows as affine-quantized ones, when they are.
+    #[inline(always)]
+    fn as_quant(&self) -> Option<&QuantRows> {
+        None
     }
 }
 
@@ -265,6 +276,11 @@ impl RowView for QuantRows {
     type Group = *const f32;
 
     #[inline(always)]
+    fn as_quant(&self) -> Option<&QuantRows> {
+        Some(self)
+    }
+
+    #[inline(always)]
     fn group_len(&self) -> usize {
         self.group
     }
@@ -388,6 +404,8 @@ pub struct TileScratch {
     /// The tile's K and V groups (see [`Row8::for_tile`]).
     k_groups: Vec<f32>,
     v_groups: Vec<f32>,
+    /// The part's query rows in int8 (int8-query calls only).
+    query: QueryCodes,
 }
 
 /// Sums of 8 vectors, in order.
@@ -660,6 +678,10 @@ struct Part<'a> {
     keys: std::ops::Range<usize>,
     vis: Visibility<'a>,
     scale: f32,
+    /// Scores in the int8-query arithmetic ([`int8_query`]): set only at 512-bit width on
+    /// a CPU with VNNI, for quantized keys in groups of a multiple of 32 and `d` a multiple
+    /// of 64.
+    int8: bool,
 }
 
 /// Accumulates `softmax(q·Kᵀ·scale)·V` for `part` into `out`, leaving `out` unnormalized and
@@ -684,6 +706,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
         keys,
         vis,
         scale,
+        int8,
     } = part;
     debug_assert!(d.is_multiple_of(2 * L::N) && q.len().is_multiple_of(d));
     debug_assert!(out.len() == q.len());
@@ -694,6 +717,10 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     s.sum.clear();
     s.sum.resize(rows, 0.0);
     out.fill(0.0);
+    let mut query = std::mem::take(&mut s.query);
+    if let Some(kq) = k.as_quant().filter(|_| int8) {
+        query.quantize(q, d, kq.bits == 4);
+    }
     for j0 in keys.clone().step_by(TILE) {
         let n = TILE.min(keys.end - j0);
         let (k, v) = (
@@ -719,6 +746,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 scale,
                 first,
                 vis,
+                query: int8.then_some(&query),
             };
             // The first block of a tile asks for the V rows as it reads their K rows: the
             // values pass sweeps the V tile column-slice by column-slice, which the hardware
@@ -736,6 +764,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             }
         }
     }
+    s.query = query;
 }
 
 /// Divides each row of `out` (`[rows, d]`) by its softmax sum; a row that saw nothing is 0.
@@ -783,6 +812,8 @@ struct Block<'a> {
     scale: f32,
     first: usize,
     vis: Visibility<'a>,
+    /// The part's query rows in int8 where the scores use them.
+    query: Option<&'a QueryCodes>,
 }
 
 impl Block<'_> {
@@ -799,7 +830,11 @@ impl Block<'_> {
         s: &mut TileScratch,
     ) {
         let Block { b0, nb, d, .. } = self;
-        self.scores::<L, M, K, V>(q, k, ahead, &mut s.p);
+        match (self.query, k.as_quant()) {
+            // SAFETY: `query` is set only where the int8 kernel's contract holds.
+            (Some(qc), Some(kq)) => int8_query::scores::<M, V>(&self, qc, kq, ahead, &mut s.p),
+            _ => self.scores::<L, M, K, V>(q, k, ahead, &mut s.p),
+        }
         let mut any = false;
         // Rows past nb are padded with -inf up to a whole vector (0 after exp).
         let w = nb.next_multiple_of(8);
@@ -842,15 +877,38 @@ impl Block<'_> {
         ahead: Option<V>,
         p: &mut [f32],
     ) {
+        let qp = q.as_ptr().add(self.b0 * self.d);
+        self.score_pairs::<L, M, V>(ahead, p, |r0, r1, acc| {
+            let gl = k.group_len();
+            for g0 in (0..self.d).step_by(gl) {
+                let (gr0, gr1) = (k.group(r0, g0), k.group(r1, g0));
+                for c in (g0..g0 + gl).step_by(L::N) {
+                    let (k0, k1) = (L::row(&k, gr0, r0, c), L::row(&k, gr1, r1, c));
+                    for b in 0..M {
+                        let qv = L::load(qp.add(b * self.d + c));
+                        let (x, y) = (b, M + b);
+                        acc[x / 8][x % 8] = L::fmadd(qv, k0, acc[x / 8][x % 8]);
+                        acc[y / 8][y % 8] = L::fmadd(qv, k1, acc[y / 8][y % 8]);
+                    }
+                }
+            }
+        });
+    }
+
+    /// The pass structure of the scores: for key rows `r0, r1` of the tile (`r1 = r0` for
+    /// an odd last row), `dots` accumulates query `b`'s dot with row `r0` into slot `b` and
+    /// with row `r1` into slot `M + b` (slot `i` is `acc[i / 8][i % 8]`, zeroed); the slots
+    /// reduce at once, times the scale, into `p`. Prefetches the rows of `ahead`.
+    #[inline(always)]
+    unsafe fn score_pairs<L: Lanes, const M: usize, V: RowView>(
+        self,
+        ahead: Option<V>,
+        p: &mut [f32],
+        mut dots: impl FnMut(usize, usize, &mut [[L::V; 8]; 2]),
+    ) {
         let Block {
-            b0,
-            j0,
-            nb,
-            d,
-            scale,
-            ..
+            b0, j0, nb, scale, ..
         } = self;
-        let qp = q.as_ptr().add(b0 * d);
         let mut j = 0;
         while j < nb {
             let two = j + 1 < nb;
@@ -859,22 +917,8 @@ impl Block<'_> {
                 v.prefetch(r0);
                 v.prefetch(r1);
             }
-            // Query b's dot with row r0 at slot b, with row r1 at slot M + b; slot i is
-            // acc[i / 8][i % 8] (whole arrays of 8 reduce at once).
             let mut acc = [[L::zero(); 8]; 2];
-            let gl = k.group_len();
-            for g0 in (0..d).step_by(gl) {
-                let (gr0, gr1) = (k.group(r0, g0), k.group(r1, g0));
-                for c in (g0..g0 + gl).step_by(L::N) {
-                    let (k0, k1) = (L::row(&k, gr0, r0, c), L::row(&k, gr1, r1, c));
-                    for b in 0..M {
-                        let qv = L::load(qp.add(b * d + c));
-                        let (x, y) = (b, M + b);
-                        acc[x / 8][x % 8] = L::fmadd(qv, k0, acc[x / 8][x % 8]);
-                        acc[y / 8][y % 8] = L::fmadd(qv, k1, acc[y / 8][y % 8]);
-                    }
-                }
-            }
+            dots(r0, r1, &mut acc);
             let mut sums = [0f32; 16];
             L::sums(acc, 2 * M, scale, &mut sums);
             for b in 0..M {
@@ -1051,6 +1095,7 @@ pub fn attend(
     tiles: &mut Vec<TileScratch>,
     parallel_min: usize,
     widths: &[Width],
+    arithmetic: Arithmetic,
 ) -> bool {
     let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
     let hkv = k.heads;
@@ -1061,6 +1106,11 @@ pub fn attend(
     let Some(width) = widths.iter().copied().find(|&w| views(0, w).is_some()) else {
         return false;
     };
+    let int8 = arithmetic == Arithmetic::Int8Query
+        && width == Width::Avx512
+        && crate::simd::vnni_path()
+        && d.is_multiple_of(2 * QUERY_BLOCK)
+        && matches!(views(0, width), Some(HeadViews::Quant(k, _)) if k.group.is_multiple_of(QUERY_BLOCK));
     let split = Split::plan(hkv, rows, l, hq * t * l * d, parallel_min);
     let parts = split.parts(rows, l);
     tiles.resize_with(hkv * parts, TileScratch::default);
@@ -1084,6 +1134,7 @@ pub fn attend(
             keys,
             vis,
             scale,
+            int8,
         };
         // SAFETY: the views were built for this CPU and width and hold l rows of d.
         unsafe {

@@ -5,12 +5,15 @@
 //! checked on machines where they are not the default. Shapes are chosen to
 //! reach every split: 3 KV heads (the key rows of a decode step split over 2 threads and
 //! merged), query blocks long enough to split over query rows and to take the XNNPACK path,
-//! and explicit masks (two sequences in one step).
+//! and explicit masks (two sequences in one step). Every kernel computes in f32 here (the
+//! int8-query scores of quantized caches are checked against the oracle by conformance).
 
 use std::sync::Arc;
 
 use kvplug_backend_kit::KitCache;
-use kvplug_core::{make_config, CacheKind, CacheVerbs, KvDtype, ModelCacheParams, PosRange};
+use kvplug_core::{
+    make_config, Arithmetic, CacheKind, CacheVerbs, KvDtype, ModelCacheParams, PosRange,
+};
 use kvplug_cpu::attention::{use_kernels_from, Kernel};
 use kvplug_cpu::tensor::CpuTensor;
 use kvplug_cpu::CpuDevice;
@@ -50,6 +53,7 @@ fn outputs(dtype: KvDtype) -> Vec<Vec<f32>> {
         dtype,
     );
     let mut c = KitCache::new(Arc::new(CpuDevice::new()), CacheKind::Seq, cfg).unwrap();
+    c.set_arithmetic(Arithmetic::F32).unwrap();
     let mut outs = Vec::new();
     let mut step = |c: &mut KitCache<CpuDevice>, seqs: &[i32], pos: &[i32], salt: u32| {
         let t = pos.len();

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
-    Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind, PosRange,
-    PrefixStats, SlotMap,
+    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind,
+    PosRange, PrefixStats, SlotMap,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, PluginError, SeqRows};
@@ -79,6 +79,8 @@ pub struct KitCache<D: Device> {
     /// The layer the open step expects next.
     next_layer: usize,
     scratch: D::Scratch,
+    /// The arithmetic attention computes with (one of [`KitCache::arithmetics`]).
+    arithmetic: Arithmetic,
 }
 
 /// K and V pools of a set of layers.
@@ -160,6 +162,11 @@ impl<D: Device> KitCache<D> {
         let mut book = Bookkeeping::new(kind, cfg.capacity);
         book.reserve(cells);
         tracing::debug!(kind = kind.as_str(), cells, dtype = %cfg.kv_dtype, "cache created");
+        let arithmetic = device
+            .arithmetics(cfg.kv_dtype)
+            .first()
+            .copied()
+            .unwrap_or_default();
         Ok(KitCache {
             device,
             cfg,
@@ -172,7 +179,39 @@ impl<D: Device> KitCache<D> {
             last_plan: None,
             next_layer: 0,
             scratch: D::Scratch::default(),
+            arithmetic,
         })
+    }
+
+    /// The attention arithmetics this cache can compute with, the current default first
+    /// and f32 always among them.
+    pub fn arithmetics(&self) -> Vec<Arithmetic> {
+        let mut all = self.device.arithmetics(self.cfg.kv_dtype);
+        if !all.contains(&Arithmetic::F32) {
+            all.push(Arithmetic::F32);
+        }
+        all
+    }
+
+    /// The arithmetic attention computes with.
+    pub fn arithmetic(&self) -> Arithmetic {
+        self.arithmetic
+    }
+
+    /// Computes later attention with `arithmetic`; `not_supported` (and no change) unless
+    /// it is one of [`KitCache::arithmetics`].
+    pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) -> Result<(), CacheError> {
+        let all = self.arithmetics();
+        if !all.contains(&arithmetic) {
+            let names: Vec<&str> = all.iter().map(|a| a.as_str()).collect();
+            return Err(CacheError::not_supported(format!(
+                "attention arithmetic '{arithmetic}' is not computed for {} pools here (it computes: {})",
+                self.cfg.kv_dtype,
+                names.join(", ")
+            )));
+        }
+        self.arithmetic = arithmetic;
+        Ok(())
     }
 
     /// The configuration.
@@ -650,7 +689,7 @@ impl<D: Device> KitCache<D> {
             .book
             .step_plan()
             .expect("write_and_attend runs inside an open step");
-        let (device, scratch) = (&self.device, &mut self.scratch);
+        let (device, scratch, arithmetic) = (&self.device, &mut self.scratch, self.arithmetic);
         let i = match self.place[layer] {
             Place::Full(i) => i,
             Place::Sliding(i) => {
@@ -662,7 +701,8 @@ impl<D: Device> KitCache<D> {
                 device.scatter_rows(kp, g.map.write_slots(), k)?;
                 device.scatter_rows(vp, g.map.write_slots(), v)?;
                 let mask = AttendMask::Explicit(g.map.mask());
-                return device.attend(q, kp, vp, g.map.read_len(), mask, scale, out, scratch);
+                let l = g.map.read_len();
+                return device.attend(arithmetic, q, kp, vp, l, mask, scale, out, scratch);
             }
         };
         let (kp, vp) = (&mut self.k[i], &mut self.v[i]);
@@ -681,7 +721,8 @@ impl<D: Device> KitCache<D> {
             MaskKind::Causal => AttendMask::Causal,
             MaskKind::Explicit => AttendMask::Explicit(&plan.mask_bits),
         };
-        device.attend(q, kp, vp, plan.read_len, mask, scale, out, scratch)
+        let l = plan.read_len;
+        device.attend(arithmetic, q, kp, vp, l, mask, scale, out, scratch)
     }
 
     fn check_shapes(

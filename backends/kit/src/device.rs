@@ -1,6 +1,6 @@
 //! The device trait a backend implements, and the backend descriptor for its plugin.
 
-use kvplug_core::KvDtype;
+use kvplug_core::{Arithmetic, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::KitError;
@@ -83,11 +83,21 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// are validated; a device reports asynchronous failures on its next fallible call.
     fn move_rows(&self, pool: &mut Self::Pool, base: usize, rows: &[u32]);
 
+    /// The arithmetics besides f32 [`Device::attend`] computes with on pools of `dtype`, the
+    /// one new caches use first (none: f32 only). A declared arithmetic is held to its own
+    /// bound (`kvplug_core::oracle::attend`); using an undeclared one fails conformance.
+    fn arithmetics(&self, _dtype: KvDtype) -> Vec<Arithmetic> {
+        Vec::new()
+    }
+
     /// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, read_len)` of `k` and `v`.
     /// q and out are `[Hq, T, head_dim]`; query head `h` reads KV head `h / (Hq / Hkv)`.
+    /// `arithmetic` is f32 or one of [`Device::arithmetics`] for the pools' dtype: the
+    /// largest error the call may add (computing more exactly is always allowed).
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
+        arithmetic: Arithmetic,
         q: &Self::Tensor,
         k: &Self::Pool,
         v: &Self::Pool,

@@ -2,9 +2,11 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvplug_core::{CacheError, CacheVerbs, PosRange};
+use kvplug_core::{Arithmetic, CacheError, CacheVerbs, PosRange};
 use kvplug_plugin_api::abi_stable::sabi_trait::TD_CanDowncast;
-use kvplug_plugin_api::abi_stable::std_types::{RArc, ROption, RResult, RSlice, RString};
+use kvplug_plugin_api::abi_stable::std_types::{
+    RArc, ROption, RResult, RSlice, RStr, RString, RVec,
+};
 use kvplug_plugin_api::{
     guard, guard_or, AbiErrorKind, CacheHandle, CacheObject, CacheObject_TO, CacheStats,
     HostTensor, PluginError, SeqRows, TensorDtype,
@@ -207,5 +209,29 @@ impl<D: Device> CacheObject for SharedCache<D> {
     }
     fn import_seq(&self, seq: i32, rows: &SeqRows) -> RResult<(), PluginError> {
         guard(|| -> Result<_, PluginError> { Ok(self.lock()?.import_seq(seq, rows)?) })
+    }
+    fn attention_arithmetics(&self) -> RVec<RString> {
+        guard_or(RVec::new(), || {
+            self.lock()
+                .map(|c| c.arithmetics().iter().map(|a| a.as_str().into()).collect())
+                .unwrap_or_default()
+        })
+    }
+    fn attention_arithmetic(&self) -> RString {
+        guard_or(RString::new(), || {
+            self.lock()
+                .map(|c| c.arithmetic().as_str().into())
+                .unwrap_or_default()
+        })
+    }
+    fn set_attention_arithmetic(&self, name: RStr<'_>) -> RResult<(), PluginError> {
+        self.with(|c| {
+            let a: Arithmetic =
+                name.parse()
+                    .map_err(|e: kvplug_core::arithmetic::ParseArithmeticError| {
+                        CacheError::not_supported(e.to_string())
+                    })?;
+            c.set_arithmetic(a)
+        })
     }
 }

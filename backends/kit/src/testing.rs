@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvplug_core::oracle::{Attention, RefCache};
-use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, KvDtype, PosRange};
+use kvplug_core::{Arithmetic, CacheConfig, CacheKind, CacheVerbs, KvDtype, PosRange};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
@@ -95,8 +95,12 @@ impl<D: Device> Device for Faulty<D> {
     fn move_rows(&self, pool: &mut D::Pool, base: usize, rows: &[u32]) {
         self.inner.move_rows(pool, base, rows)
     }
+    fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
+        self.inner.arithmetics(dtype)
+    }
     fn attend(
         &self,
+        arithmetic: Arithmetic,
         q: &D::Tensor,
         k: &D::Pool,
         v: &D::Pool,
@@ -108,7 +112,7 @@ impl<D: Device> Device for Faulty<D> {
     ) -> Result<(), KitError> {
         self.tick()?;
         self.inner
-            .attend(q, k, v, read_len, mask, scale, out, scratch)
+            .attend(arithmetic, q, k, v, read_len, mask, scale, out, scratch)
     }
     fn zeros(&self, dims: &[usize]) -> Result<D::Tensor, KitError> {
         self.inner.zeros(dims)
@@ -333,9 +337,10 @@ pub fn check_pool_growth<D2: Device>(device: D2) {
     }
 }
 
-/// `attend` on `device`, for every dtype it lists, against the oracle's f64 attention and
-/// its f32 bound: no mask, the causal mask, an explicit mask, and a query whose mask row is
-/// all false, which must read exactly zeros (never NaN).
+/// `attend` on `device`, for every dtype it lists and every arithmetic it declares for it,
+/// against the oracle's f64 attention and that arithmetic's bound: no mask, the causal mask,
+/// an explicit mask, and a query whose mask row is all false, which must read exactly zeros
+/// (never NaN).
 pub fn check_attend_masks<D2: Device>(device: D2) {
     use kvplug_core::oracle::{attend, AttnDims, RefMask};
     let dev = device;
@@ -365,7 +370,8 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
         };
         let wide: Vec<f64> = q.iter().map(|&x| x as f64).collect();
         let scale = 1.0 / (D as f32).sqrt();
-        for (name, mask, refmask) in [
+        let arithmetics = std::iter::once(Arithmetic::F32).chain(dev.arithmetics(dtype));
+        for ((name, mask, refmask), arithmetic) in [
             ("no", AttendMask::None, RefMask::None),
             ("causal", AttendMask::Causal, RefMask::Causal),
             (
@@ -373,10 +379,14 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
                 AttendMask::Explicit(&explicit),
                 RefMask::Explicit(&explicit),
             ),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|m| arithmetics.clone().map(move |a| (m, a)))
+        {
             let mut out = dev.zeros(&[HQ, t, D]).unwrap();
             let mut scratch = D2::Scratch::default();
             dev.attend(
+                arithmetic,
                 &up(&q, HQ, t),
                 &kp,
                 &vp,
@@ -399,13 +409,14 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
                 read_len: l,
                 head_dim: D,
             };
-            let want = attend(dims, &wide, &stored(&k), &stored(&v), scale as f64, refmask);
+            let (ks, vs) = (stored(&k), stored(&v));
+            let want = attend(dims, &wide, &ks, &vs, scale as f64, refmask, arithmetic);
             for (i, g) in got.iter().enumerate() {
                 let (h, tok, e) = (i / (t * D), (i / D) % t, i % D);
                 let err = (*g as f64 - want.out[i]).abs();
                 assert!(
                     g.is_finite() && err <= want.bound[i],
-                    "{dtype} {name} mask: query head {h} token {tok} element {e} is {g}, the oracle gives {} (bound {:.2e}){}",
+                    "{dtype} {arithmetic} {name} mask: query head {h} token {tok} element {e} is {g}, the oracle gives {} (bound {:.2e}){}",
                     want.out[i],
                     want.bound[i],
                     if name == "explicit" && tok == 1 { "; this query sees no key and must read zeros" } else { "" }
@@ -547,6 +558,7 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
                 let mut failed = KitCache::new(dev.clone(), kind, cfg).unwrap();
                 let mut twin = KitCache::new(dev.clone(), kind, cfg).unwrap();
                 let mut oracle = RefCache::new(kind, cfg).unwrap();
+                oracle.set_arithmetic(failed.arithmetic());
                 let mut run_all = |pos: &[i32], seqs: Option<&[i32]>, salt: usize| {
                     step(&mut failed, pos, seqs, salt).unwrap();
                     step(&mut twin, pos, seqs, salt).unwrap();

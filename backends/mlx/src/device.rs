@@ -18,7 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use cxx::UniquePtr;
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
-use kvplug_core::{CacheError, KvDtype};
+use kvplug_core::{Arithmetic, CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::ffi::{self, dtype, Array};
@@ -308,6 +308,7 @@ impl Device for MlxDevice {
 
     fn attend(
         &self,
+        _arithmetic: Arithmetic,
         q: &MlxTensor,
         k: &MlxPool,
         v: &MlxPool,

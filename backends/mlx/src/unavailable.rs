@@ -4,7 +4,7 @@
 
 use kvplug_backend_kit::model::{ModelDevice, StoredTensor};
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
-use kvplug_core::KvDtype;
+use kvplug_core::{Arithmetic, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 /// No device: [`Backend::open`] always fails.
@@ -50,6 +50,7 @@ impl Device for MlxDevice {
     }
     fn attend(
         &self,
+        _: Arithmetic,
         _: &Never,
         _: &Never,
         _: &Never,

@@ -5,7 +5,7 @@
 mod with_mlx {
     use kvplug_backend_kit::quant::quantize_row;
     use kvplug_backend_kit::{AttendMask, Backend, Device};
-    use kvplug_core::KvDtype;
+    use kvplug_core::{Arithmetic, KvDtype};
     use kvplug_mlx::MlxDevice;
     use kvplug_plugin_api::HostTensor;
     use kvplug_plugin_api::TensorDtype;
@@ -113,8 +113,18 @@ mod with_mlx {
             dev.write_run(&mut k, history + i, &kv).unwrap();
             dev.write_run(&mut v, history + i, &kv).unwrap();
             let l = history + i + 1;
-            dev.attend(&q, &k, &v, l, AttendMask::Causal, 0.125, &mut out, &mut ())
-                .unwrap();
+            dev.attend(
+                Arithmetic::F32,
+                &q,
+                &k,
+                &v,
+                l,
+                AttendMask::Causal,
+                0.125,
+                &mut out,
+                &mut (),
+            )
+            .unwrap();
             dev.download(&out, TensorDtype::F32).unwrap()
         };
         step(0);

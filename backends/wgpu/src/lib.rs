@@ -18,7 +18,7 @@ pub mod context;
 pub mod model;
 
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
-use kvplug_core::{CacheError, KvDtype};
+use kvplug_core::{Arithmetic, CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 use wgpu::BufferUsages;
 
@@ -381,6 +381,7 @@ impl Device for WgpuDevice {
 
     fn attend(
         &self,
+        _arithmetic: Arithmetic,
         q: &WgpuTensor,
         k: &WgpuPool,
         v: &WgpuPool,

@@ -1,5 +1,7 @@
 //! Naive scaled-dot-product attention in f64.
 
+use crate::arithmetic::{Arithmetic, QUERY_BLOCK};
+
 /// Shapes of one attention call. q and the output are `[n_q_heads, n_tok, head_dim]`;
 /// k and v are `[n_kv_heads, read_len, head_dim]`. Query head `h` reads KV head
 /// `h / (n_q_heads / n_kv_heads)` (GQA).
@@ -85,6 +87,10 @@ pub struct Attention {
 ///
 /// Storage rounding and quantization are not in the bound: the caller stores K/V exactly
 /// as the backend does, so they are in `k` and `v` already.
+///
+/// [`Arithmetic::Int8Query`] replaces `δ_j` by [`int8_query_score_error`]'s term: the
+/// query's quantization error and the f32 roundings of the block arithmetic. Every bound is
+/// at least the f32 one, so a kernel may always compute more exactly than it declares.
 pub fn attend(
     dims: AttnDims,
     q: &[f64],
@@ -92,6 +98,7 @@ pub fn attend(
     v: &[f64],
     scale: f64,
     mask: RefMask,
+    arithmetic: Arithmetic,
 ) -> Attention {
     let AttnDims {
         n_q_heads,
@@ -112,14 +119,24 @@ pub fn attend(
         let kh = h / group;
         for i in 0..t {
             let qrow = &q[(h * t + i) * d..][..d];
+            let half_steps = match arithmetic {
+                Arithmetic::F32 => None,
+                Arithmetic::Int8Query => Some(int8_half_steps(qrow)),
+            };
             // (key, score, Σ|q·k|) of every visible key.
             let scores: Vec<(usize, f64, f64)> = (0..l)
                 .filter(|&j| mask.visible(i, j, t, l))
                 .map(|j| {
                     let krow = &k[(kh * l + j) * d..][..d];
                     let dot: f64 = qrow.iter().zip(krow).map(|(a, b)| a * b).sum();
-                    let abs: f64 = qrow.iter().zip(krow).map(|(a, b)| (a * b).abs()).sum();
-                    (j, dot * scale, abs * scale.abs())
+                    let err = match &half_steps {
+                        None => {
+                            let abs: f64 = qrow.iter().zip(krow).map(|(a, b)| (a * b).abs()).sum();
+                            gamma(d + 2) * abs * scale.abs()
+                        }
+                        Some(h) => int8_query_score_error(qrow, h, krow) * scale.abs(),
+                    };
+                    (j, dot * scale, err)
                 })
                 .collect();
             let Some(max) = scores.iter().map(|s| s.1).reduce(f64::max) else {
@@ -129,9 +146,9 @@ pub fn attend(
             let total: f64 = weights.iter().sum();
             let rho: Vec<f64> = scores
                 .iter()
-                .map(|&(_, s, abs)| {
+                .map(|&(_, s, err)| {
                     let x = s - max;
-                    let delta = gamma(d + 2) * abs + u * x.abs();
+                    let delta = err + u * x.abs();
                     (1.0 + exp_rel_error(x)).powi(2) * delta.exp() - 1.0
                 })
                 .collect();
@@ -160,9 +177,49 @@ pub fn attend(
     Attention { out, bound }
 }
 
+/// Per value of a query row, half the f32 step of its [`Arithmetic::Int8Query`] block:
+/// `(1 + u)·max|q| / 254`, the block's scale `max|q| / 127` rounded up to cover its f32
+/// rounding, halved. Rounding to the nearest code (and the clamp to ±127, which only
+/// removes an f32 rounding's excess) moves a value by at most this much.
+pub fn int8_half_steps(qrow: &[f64]) -> Vec<f64> {
+    qrow.chunks(QUERY_BLOCK)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            std::iter::repeat_n((1.0 + F32_UNIT_ROUNDOFF) * amax / 254.0, b.len())
+        })
+        .collect()
+}
+
+/// How far an [`Arithmetic::Int8Query`] kernel's `q·k` may be from the exact one (before
+/// the `scale`), for the query row `q` with [`int8_half_steps`] `h` and a stored key row `k`:
+///
+/// `Σ_d h_d·|k_d|  +  γ(D + 2)·Σ_d (|q_d| + h_d)·(|k_d| + 2·K)`,  `K = (1 + 2⁻⁹)·max|k| + 2⁻²³`.
+///
+/// - The first term is the query's quantization: each quantized value `q̂_d` is within
+///   `h_d` of `q_d`.
+/// - The second is the f32 arithmetic on `q̂`: a kernel may split an affine key
+///   `k_d = lo + scale·c_d` (see [`crate::quant`]) into `scale·Σ q̂·c` and `lo·Σ q̂` with
+///   each product term through at most `D + 2` f32 roundings, so the rounded quantities are
+///   bounded by `|q̂_d|·(scale·c_d + |lo|) <= |q̂_d|·(|k_d| + 2·|lo|)`. A group's `lo` is its
+///   minimum rounded to f16, and when that rounding exceeds half a step the minimum's code
+///   is not 0: then `|x_min − lo|` is at most half an f16 ULP (`2⁻¹¹·|x_min|`, or `2⁻²⁵`
+///   below f16's normal range), the dequantized minimum is within half a step (so again
+///   within that) of `x_min`, and `|lo| <= (1 + 2⁻⁹)·|k_min| + 2⁻²³ <= K`. Unquantized keys
+///   have no `lo` and the bound holds as well.
+pub fn int8_query_score_error(q: &[f64], h: &[f64], k: &[f64]) -> f64 {
+    let big = (1.0 + 2f64.powi(-9)) * k.iter().fold(0.0f64, |m, x| m.max(x.abs())) + 2f64.powi(-23);
+    let (mut quant, mut arith) = (0.0, 0.0);
+    for ((&q, &h), &k) in q.iter().zip(h).zip(k) {
+        quant += h * k.abs();
+        arith += (q.abs() + h) * (k.abs() + 2.0 * big);
+    }
+    quant + gamma(q.len() + 2) * arith
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::{dequantize_group, quantize_group, QuantGroup};
 
     #[test]
     fn single_key_returns_its_value() {
@@ -180,6 +237,7 @@ mod tests {
             &[5.0, -6.0],
             0.7,
             RefMask::None,
+            Arithmetic::F32,
         )
         .out;
         assert_eq!(out, vec![5.0, -6.0, 5.0, -6.0]);
@@ -203,6 +261,7 @@ mod tests {
             &v,
             1.0,
             RefMask::Causal,
+            Arithmetic::F32,
         )
         .out;
         assert_eq!(out, vec![4.5, 6.0]);
@@ -214,6 +273,7 @@ mod tests {
             &v,
             1.0,
             RefMask::Explicit(&mask),
+            Arithmetic::F32,
         )
         .out;
         assert_eq!(out, vec![6.0, 6.0]);
@@ -225,15 +285,26 @@ mod tests {
             &v,
             1.0,
             RefMask::Explicit(&none),
+            Arithmetic::F32,
         )
         .out;
         assert_eq!(out, vec![0.0, 0.0]);
     }
 
-    /// A plain f32 kernel (naive order, `f32::exp`) stays inside the bound on random data
-    /// with outlier channels, and the bound is tight enough to see a one-ULP-of-f16 error.
-    #[test]
-    fn an_f32_kernel_stays_inside_the_bound() {
+    /// A stored key row: its values and, when quantized, its groups.
+    struct Key {
+        values: Vec<f64>,
+        groups: Vec<QuantGroup>,
+    }
+
+    /// A kernel's `q·k` for one query row and key row, in f32.
+    type Dot<'a> = &'a dyn Fn(&[f64], &Key) -> f32;
+
+    /// Runs a naive f32 kernel (scores by `dot`, `f32::exp`, naive sums) over 200 random
+    /// causal cases with outlier key channels, keys quantized to q4 in groups of 32 when
+    /// `quantized`; returns the largest ratio of an error to `arithmetic`'s bound and the
+    /// widest bound.
+    fn largest_ratio(arithmetic: Arithmetic, quantized: bool, dot: Dot<'_>) -> (f64, f64) {
         let mut state = 7u64;
         let mut next = move || {
             state = state
@@ -244,7 +315,7 @@ mod tests {
         let mut worst_ratio = 0.0f64;
         let mut widest = 0.0f64;
         for case in 0..200 {
-            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % 90, [8, 64, 128][case % 3]);
+            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % 90, [32, 64, 128][case % 3]);
             let dims = AttnDims {
                 n_q_heads: 2,
                 n_kv_heads: 1,
@@ -255,24 +326,34 @@ mod tests {
             let outlier = |e: usize| if e % 29 == 3 { 40.0 } else { 1.0 };
             let f32v = |x: f64| x as f32 as f64;
             let q: Vec<f64> = (0..2 * t * d).map(|_| f32v(next())).collect();
-            let k: Vec<f64> = (0..l * d).map(|i| f32v(next() * outlier(i % d))).collect();
+            let keys: Vec<Key> = (0..l)
+                .map(|_| {
+                    let raw: Vec<f64> = (0..d).map(|e| f32v(next() * outlier(e))).collect();
+                    if !quantized {
+                        return Key {
+                            values: raw,
+                            groups: Vec::new(),
+                        };
+                    }
+                    let groups: Vec<QuantGroup> =
+                        raw.chunks(32).map(|g| quantize_group(g, 4)).collect();
+                    Key {
+                        values: groups.iter().flat_map(dequantize_group).collect(),
+                        groups,
+                    }
+                })
+                .collect();
+            let k: Vec<f64> = keys.iter().flat_map(|r| r.values.clone()).collect();
             let v: Vec<f64> = (0..l * d).map(|_| f32v(next())).collect();
             let scale = 1.0 / (d as f64).sqrt();
-            let want = attend(dims, &q, &k, &v, scale, RefMask::Causal);
+            let want = attend(dims, &q, &k, &v, scale, RefMask::Causal, arithmetic);
             for h in 0..2 {
                 for i in 0..t {
                     let visible: Vec<usize> = (0..l).filter(|&j| j + t <= l + i).collect();
                     let qr = &q[(h * t + i) * d..][..d];
                     let s: Vec<f32> = visible
                         .iter()
-                        .map(|&j| {
-                            let kr = &k[j * d..][..d];
-                            let dot = qr
-                                .iter()
-                                .zip(kr)
-                                .fold(0f32, |a, (x, y)| a + *x as f32 * *y as f32);
-                            dot * scale as f32
-                        })
+                        .map(|&j| dot(qr, &keys[j]) * scale as f32)
                         .collect();
                     let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
@@ -289,26 +370,74 @@ mod tests {
                         };
                         let idx = (h * t + i) * d + c;
                         let err = (got - want.out[idx]).abs();
-                        assert!(
-                            err <= want.bound[idx],
-                            "case {case}: {err:e} > {:e}",
-                            want.bound[idx]
-                        );
                         worst_ratio = worst_ratio.max(err / want.bound[idx].max(f64::MIN_POSITIVE));
                         widest = widest.max(want.bound[idx]);
                     }
                 }
             }
         }
-        assert!(
-            worst_ratio > 1e-3,
-            "the bound is never approached: {worst_ratio}"
-        );
+        (worst_ratio, widest)
+    }
+
+    /// The f32 reference kernel's dot: K widened to f32, naive order.
+    fn f32_dot(q: &[f64], k: &Key) -> f32 {
+        q.iter()
+            .zip(&k.values)
+            .fold(0f32, |a, (x, y)| a + *x as f32 * *y as f32)
+    }
+
+    /// An int8-query kernel's dot on q4 keys in groups of 32, the query's block scales
+    /// multiplied by `scale_error` (1 when right): codes per 32-block, `Σ s·(scale·Σ qc·c +
+    /// lo·Σ qc)` in f32.
+    fn int8_dot(q: &[f64], k: &Key, scale_error: f32) -> f32 {
+        q.chunks(32).zip(&k.groups).fold(0f32, |acc, (qb, g)| {
+            let amax = qb.iter().fold(0f32, |m, x| m.max(x.abs() as f32));
+            let s = amax / 127.0;
+            let codes: Vec<i32> = qb
+                .iter()
+                .map(|&x| match s {
+                    0.0 => 0,
+                    s => (x as f32 / s).round().clamp(-127.0, 127.0) as i32,
+                })
+                .collect();
+            let dot: i32 = codes.iter().zip(&g.codes).map(|(a, &c)| a * c as i32).sum();
+            let sum: i32 = codes.iter().sum();
+            let block = g.scale as f32 * dot as f32 + g.lo as f32 * sum as f32;
+            acc + s * scale_error * block
+        })
+    }
+
+    /// A plain f32 kernel stays inside the bound, and the bound is tight enough to see a
+    /// one-ULP-of-f16 error.
+    #[test]
+    fn an_f32_kernel_stays_inside_the_bound() {
+        let (worst, widest) = largest_ratio(Arithmetic::F32, false, &f32_dot);
+        assert!(worst <= 1.0, "an error exceeds its bound: {worst}");
+        assert!(worst > 1e-3, "the bound is never approached: {worst}");
         // Half an f16 ULP at 1 is 2^-12: a bound below it sees any f16 rounding error.
         assert!(
             widest < 2f64.powi(-12),
             "the bound is too loose to see f16 rounding: {widest:e}"
         );
+    }
+
+    /// An int8-query kernel on q4 keys stays inside its declared bound, and outside the f32
+    /// one (an undeclared int8 query fails); with a block scale off by 2 it fails its own.
+    #[test]
+    fn an_int8_query_kernel_stays_inside_its_bound_and_only_its_own() {
+        let (worst, _) = largest_ratio(Arithmetic::Int8Query, true, &|q, k| int8_dot(q, k, 1.0));
+        assert!(worst <= 1.0, "an error exceeds its bound: {worst}");
+        assert!(worst > 1e-2, "the bound is never approached: {worst}");
+        let (undeclared, _) = largest_ratio(Arithmetic::F32, true, &|q, k| int8_dot(q, k, 1.0));
+        assert!(
+            undeclared > 1.0,
+            "the f32 bound admits an int8 query: {undeclared}"
+        );
+        let (doubled, _) = largest_ratio(Arithmetic::Int8Query, true, &|q, k| int8_dot(q, k, 2.0));
+        assert!(doubled > 1.0, "a doubled query scale passes: {doubled}");
+        // The f32 kernel on the same quantized keys is inside the int8 bound too.
+        let (exact, _) = largest_ratio(Arithmetic::Int8Query, true, &f32_dot);
+        assert!(exact <= 1.0);
     }
 
     #[test]
@@ -328,6 +457,7 @@ mod tests {
             &[4.0, 8.0],
             1.0,
             RefMask::None,
+            Arithmetic::F32,
         )
         .out;
         assert!((out[0] - 7.0).abs() < 1e-12);

@@ -2,6 +2,7 @@
 //! who sees whom, K/V per cell in f64 stored exactly as the KV dtype rounds or quantizes,
 //! and naive attention with an f32 error bound.
 
+use crate::arithmetic::Arithmetic;
 use crate::config::CacheConfig;
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
@@ -99,6 +100,8 @@ pub struct RefCache {
     gone: Vec<bool>,
     /// The mask the last attended layer used (window applied).
     last_mask: Vec<bool>,
+    /// The arithmetic whose bound attention reports.
+    arithmetic: Arithmetic,
 }
 
 impl RefCache {
@@ -114,7 +117,18 @@ impl RefCache {
             last_plan: None,
             gone: Vec::new(),
             last_mask: Vec::new(),
+            arithmetic: Arithmetic::F32,
         })
+    }
+
+    /// Bounds later attention for a backend computing with `arithmetic` (f32 at first).
+    pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) {
+        self.arithmetic = arithmetic;
+    }
+
+    /// The arithmetic whose bound attention reports.
+    pub fn arithmetic(&self) -> Arithmetic {
+        self.arithmetic
     }
 
     /// The configuration.
@@ -340,6 +354,7 @@ impl RefCache {
             &window(vl),
             scale,
             RefMask::Explicit(&mask),
+            self.arithmetic,
         );
         self.last_mask = mask;
         Ok(out)

@@ -9,7 +9,8 @@ mod cells;
 mod rows;
 
 pub use attention::{
-    attend, exp_rel_error, gamma, Attention, AttnDims, RefMask, F32_UNIT_ROUNDOFF,
+    attend, exp_rel_error, gamma, int8_half_steps, int8_query_score_error, Attention, AttnDims,
+    RefMask, F32_UNIT_ROUNDOFF,
 };
 pub use cache::{store_rounded, RefCache, RefRows};
 pub use cells::{CellModel, RefPlan};

@@ -11,7 +11,7 @@
 
 use half::{bf16, f16};
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
-use kvplug_core::KvDtype;
+use kvplug_core::{Arithmetic, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 /// The device: nothing to hold, everything is computed on the calling thread.
@@ -209,6 +209,7 @@ impl Device for TemplateDevice {
 
     fn attend(
         &self,
+        _arithmetic: Arithmetic,
         q: &Tensor,
         k: &Pool,
         v: &Pool,
