@@ -17,7 +17,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kvplug_core::{CacheKind, KvDtype};
+use kvplug_core::{Arithmetic, CacheKind, KvDtype};
 use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{Batch, Context, Runtime};
 
@@ -35,6 +35,9 @@ pub struct BenchOptions {
     pub kind: Vec<CacheKind>,
     /// KV storage dtypes.
     pub kv_dtype: Vec<KvDtype>,
+    /// Attention arithmetics (empty: the cache's default); each must be one the cache
+    /// declares.
+    pub attention: Vec<Arithmetic>,
     /// Prompt lengths of the pp tests (0: none).
     pub n_prompt: Vec<usize>,
     /// Generated tokens of the tg tests (0: none).
@@ -58,6 +61,8 @@ pub struct BenchResult {
     pub kind: String,
     /// KV storage dtype.
     pub kv_dtype: String,
+    /// The attention arithmetic the cache computed with.
+    pub attention: String,
     /// Prompt tokens (pp test) or 0.
     pub n_prompt: usize,
     /// Generated tokens (tg test) or 0.
@@ -182,8 +187,19 @@ pub fn run(
         let device = runtime.plugin(backend)?.device.clone();
         let model = crate::formats::open_model(runtime, backend, &a.model)?;
         for &kind in &a.kind {
-            for &dtype in &a.kv_dtype {
+            let arithmetics: Vec<Option<Arithmetic>> = match a.attention.len() {
+                0 => vec![None],
+                _ => a.attention.iter().copied().map(Some).collect(),
+            };
+            for (&dtype, arithmetic) in a
+                .kv_dtype
+                .iter()
+                .flat_map(|d| arithmetics.iter().map(move |&x| (d, x)))
+            {
                 let mut ctx = model.context(kind, capacity, dtype)?;
+                if let Some(x) = arithmetic {
+                    ctx.set_arithmetic(x)?;
+                }
                 let vocab = model.vocab();
                 let mut held = None;
                 for &depth in &a.n_depth {
@@ -209,6 +225,7 @@ pub fn run(
                             device: device.clone(),
                             kind: kind.as_str().into(),
                             kv_dtype: dtype.to_string(),
+                            attention: ctx.arithmetic(),
                             n_prompt: p,
                             n_gen: n,
                             n_depth: depth,
@@ -230,14 +247,18 @@ pub fn run(
 /// The table's header rows.
 pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache MiB |\n| --- | --- | --- | --- | ---: | ---: | ---: |";
 
-/// One table row.
+/// One table row; `kv` names an attention arithmetic other than f32 after the dtype.
 pub fn table_row(r: &BenchResult) -> String {
+    let kv = match r.attention.as_str() {
+        "f32" => r.kv_dtype.clone(),
+        other => format!("{} ({other})", r.kv_dtype),
+    };
     format!(
         "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",
         r.model,
         r.backend,
         r.kind,
-        r.kv_dtype,
+        kv,
         r.test(),
         r.avg_ts,
         r.stddev_ts,
@@ -257,6 +278,7 @@ mod tests {
             device: String::new(),
             kind: "contiguous".into(),
             kv_dtype: "f16".into(),
+            attention: "f32".into(),
             n_prompt: 512,
             n_gen: 0,
             n_depth: 0,

@@ -51,7 +51,7 @@ pub use grammar::{Constraint, GrammarSpec, Grammars};
 pub use kvplug_plugin_api::AbiErrorKind;
 pub use kvplug_runtime::loader;
 pub use kvplug_runtime::{
-    Batch, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime, RuntimeError,
+    Arithmetic, Batch, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime, RuntimeError,
 };
 pub use sampler::{Adjustments, Sampler};
 pub use text::{Message, Text};

@@ -504,6 +504,7 @@ fn bench_at_a_depth_past_the_window_runs_on_a_hybrid_model() {
         backend: vec!["cpu".into()],
         kind: vec![CacheKind::Contiguous, CacheKind::Seq],
         kv_dtype: vec![KvDtype::F16],
+        attention: vec![],
         n_prompt: vec![2 * WINDOW],
         n_gen: vec![WINDOW + 1],
         n_depth: vec![3 * WINDOW],

@@ -310,6 +310,7 @@ fn bench_runs_every_combination() {
         backend: BACKENDS.iter().map(|b| b.to_string()).collect(),
         kind: CacheKind::ALL.to_vec(),
         kv_dtype: vec![KvDtype::F16],
+        attention: vec![],
         n_prompt: vec![9],
         n_gen: vec![4],
         n_depth: vec![0, 5],
@@ -326,6 +327,15 @@ fn bench_runs_every_combination() {
     }
     let names: Vec<String> = results[..4].iter().map(|r| r.test()).collect();
     assert_eq!(names, ["pp9", "tg4", "pp9 @ d5", "tg4 @ d5"]);
+    assert!(results.iter().all(|r| r.attention == "f32"));
+    // An arithmetic the cache does not declare (int8-query has no f16 kernel) is refused.
+    args.attention = vec![kvplug::Arithmetic::Int8Query];
+    let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();
+    assert!(
+        e.contains("int8-query") && e.contains("not computed"),
+        "{e}"
+    );
+    args.attention = vec![];
     (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
     let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("no tests"), "{e}");

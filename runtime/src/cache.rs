@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use kvplug_core::CacheKind;
-use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice};
+use kvplug_core::{Arithmetic, CacheKind};
+use kvplug_plugin_api::abi_stable::std_types::{ROption, RSlice, RStr};
 use kvplug_plugin_api::{CacheHandle, CacheStats, HostTensor, PluginError, SeqRows, TensorDtype};
 
 use crate::registry::CacheRegistry;
@@ -55,6 +55,20 @@ impl Cache {
     /// return `not_supported`).
     pub fn handle(&self) -> &CacheHandle {
         &self.cache
+    }
+
+    /// The attention arithmetic the cache computes with (see [`Arithmetic`]; `f32` unless
+    /// set, or unless its backend prefers another).
+    pub fn arithmetic(&self) -> String {
+        self.cache.attention_arithmetic().into()
+    }
+
+    /// Computes later attention with `arithmetic`: `not_supported` (and no change) unless the
+    /// cache declares it.
+    pub fn set_arithmetic(&self, arithmetic: Arithmetic) -> Result<(), PluginError> {
+        self.cache
+            .set_attention_arithmetic(RStr::from_str(arithmetic.as_str()))
+            .into_result()
     }
 
     /// Whether `n` more tokens fit.

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use kvplug::bench::{self, BenchOptions};
-use kvplug::{CacheKind, KvDtype, Runtime};
+use kvplug::{Arithmetic, CacheKind, KvDtype, Runtime};
 
 /// `kvplug bench`'s arguments. Lists are comma-separated; every combination runs.
 #[derive(clap::Args)]
@@ -22,6 +22,10 @@ pub struct Args {
     /// KV storage dtypes.
     #[arg(long, value_delimiter = ',', default_value = "f16")]
     kv_dtype: Vec<KvDtype>,
+    /// Attention arithmetics (`f32`, `int8-query`; default: the cache's own), each one the
+    /// cache declares for the dtype.
+    #[arg(long, value_delimiter = ',')]
+    attention: Vec<Arithmetic>,
     /// Prompt lengths of the pp tests (0: none).
     #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
     n_prompt: Vec<usize>,
@@ -45,6 +49,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         backend: a.backend,
         kind: a.kind,
         kv_dtype: a.kv_dtype,
+        attention: a.attention,
         n_prompt: a.n_prompt,
         n_gen: a.n_gen,
         n_depth: a.n_depth,
