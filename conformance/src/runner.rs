@@ -706,6 +706,9 @@ fn choose_arithmetic(
     if !all.contains(&Arithmetic::F32) {
         return Err("the cache does not declare f32 attention, which every cache computes".into());
     }
+    if let Some(twice) = (1..all.len()).find(|&i| all[..i].contains(&all[i])) {
+        return Err(format!("the cache declares {} twice", all[twice]));
+    }
     let chosen = match wanted {
         Some(a) => {
             cache

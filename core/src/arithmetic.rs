@@ -41,7 +41,7 @@ impl fmt::Display for Arithmetic {
 
 /// An arithmetic name nobody defines.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown attention arithmetic '{0}' (known: f32, int8-query)")]
+#[error("unknown attention arithmetic '{0}' (known: {known})", known = Arithmetic::ALL.map(Arithmetic::as_str).join(", "))]
 pub struct ParseArithmeticError(pub String);
 
 impl FromStr for Arithmetic {

@@ -249,9 +249,10 @@ pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache
 
 /// One table row; `kv` names an attention arithmetic other than f32 after the dtype.
 pub fn table_row(r: &BenchResult) -> String {
-    let kv = match r.attention.as_str() {
-        "f32" => r.kv_dtype.clone(),
-        other => format!("{} ({other})", r.kv_dtype),
+    let kv = if r.attention == Arithmetic::F32.as_str() {
+        r.kv_dtype.clone()
+    } else {
+        format!("{} ({})", r.kv_dtype, r.attention)
     };
     format!(
         "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",

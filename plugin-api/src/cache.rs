@@ -282,8 +282,8 @@ pub trait CacheObject: Clone + Send + Sync {
     fn import_seq(&self, seq: i32, rows: &SeqRows) -> RResult<(), PluginError>;
     /// The attention arithmetics this cache computes with, by
     /// [`Arithmetic`](kvplug_core::Arithmetic) name, the one a new cache uses first; `f32`
-    /// is always one of them. Conformance checks each against its declared bound. (Plugin
-    /// API 1.1: a plugin built against 1.0 computes in f32 and reports it alone.)
+    /// is always one of them. Conformance checks each against its declared bound. The
+    /// defaults (plugin API 1.1) serve a cache that computes in f32 only.
     fn attention_arithmetics(&self) -> RVec<RString> {
         RVec::from(vec![RString::from(kvplug_core::Arithmetic::F32.as_str())])
     }

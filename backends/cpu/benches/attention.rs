@@ -115,7 +115,7 @@ fn read_bandwidth(cr: &mut Criterion) {
 }
 
 /// One decode step at window L: rewind to L-1 and decode position L-1, in the cache's
-/// default arithmetic (named by the dtype) and in each other it has (`q8+f32`).
+/// default arithmetic (named by the dtype) and in each other it has (`q8+int8-query`).
 fn decode(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("decode");
     g.sample_size(20)

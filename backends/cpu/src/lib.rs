@@ -49,11 +49,13 @@ impl Device for CpuDevice {
 
     /// f32 first (the default), then int8-query scores for q8/q4 pools in groups of a
     /// multiple of 32 where the tiled kernel has AVX-512 VNNI (used for `head_dim` a
-    /// multiple of 64). Not the default: the keys' side alone measured no faster
-    /// (BENCH.md, decode `q8+int8-query`).
+    /// multiple of 64). Not the default: end to end it measured within noise of f32, and
+    /// Qwen2.5's greedy text left f16 KV's sooner with it (README, declared arithmetics).
     fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
         let grouped = match dtype {
-            KvDtype::Q8 { group } | KvDtype::Q4 { group } => group.is_multiple_of(32),
+            KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
+                group.is_multiple_of(kvplug_core::arithmetic::QUERY_BLOCK)
+            }
             _ => false,
         };
         if grouped && simd::wide_path() && simd::vnni_path() {

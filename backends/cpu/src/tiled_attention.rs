@@ -11,7 +11,8 @@
 //! and per tile: scores of 2 rows × the block per pass over `D`, then `out += p · V` with
 //! the tile's rows swept once per two-register slice of `D` into register accumulators. Key
 //! rows a whole block cannot see (past the causal limit) are skipped. Both widths do the same
-//! f32 multiply-adds; only their order of summation differs.
+//! f32 multiply-adds; only their order of summation differs. In the int8-query arithmetic
+//! the scores come from [`int8_query`] instead (512-bit width with VNNI).
 //!
 //! `accumulate` leaves `out` unnormalized with each row's running max and sum, so a
 //! caller may split the key rows of one head over threads and [`merge`] the parts

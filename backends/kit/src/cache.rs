@@ -198,8 +198,9 @@ impl<D: Device> KitCache<D> {
         self.arithmetic
     }
 
-    /// Computes later attention with `arithmetic`; `not_supported` (and no change) unless
-    /// it is one of [`KitCache::arithmetics`].
+    /// Computes later attention with `arithmetic`, from the next layer attended on (a step
+    /// may mix declared arithmetics; each output is within the bound of its own);
+    /// `not_supported` (and no change) unless it is one of [`KitCache::arithmetics`].
     pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) -> Result<(), CacheError> {
         let all = self.arithmetics();
         if !all.contains(&arithmetic) {

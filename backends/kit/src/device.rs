@@ -83,9 +83,10 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// are validated; a device reports asynchronous failures on its next fallible call.
     fn move_rows(&self, pool: &mut Self::Pool, base: usize, rows: &[u32]);
 
-    /// The arithmetics besides f32 [`Device::attend`] computes with on pools of `dtype`, the
-    /// one new caches use first (none: f32 only). A declared arithmetic is held to its own
-    /// bound (`kvplug_core::oracle::attend`); using an undeclared one fails conformance.
+    /// The arithmetics [`Device::attend`] computes with on pools of `dtype`, the one new
+    /// caches use first (none: f32 only; f32 is always available, listed or not). A declared
+    /// arithmetic is held to its own bound (`kvplug_core::oracle::attend`); using an
+    /// undeclared one fails conformance.
     fn arithmetics(&self, _dtype: KvDtype) -> Vec<Arithmetic> {
         Vec::new()
     }

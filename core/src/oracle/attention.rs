@@ -67,12 +67,13 @@ pub fn exp_rel_error(x: f64) -> f64 {
 pub struct Attention {
     /// `[n_q_heads, n_tok, head_dim]`.
     pub out: Vec<f64>,
-    /// Same shape: the error bound of an f32 computation (see [`attend`]).
+    /// Same shape: how far a backend computing in the declared arithmetic may be (see
+    /// [`attend`]).
     pub bound: Vec<f64>,
 }
 
 /// `softmax(q·kᵀ·scale + mask)·v`, with a query that sees no key giving zeros, and the
-/// error bound of a backend that computes it in f32 from the same stored K/V.
+/// error bound of a backend that computes it in `arithmetic` from the same stored K/V.
 ///
 /// The bound is derived, not tuned. With `u = 2^-24`, for one query row with visible keys
 /// `j` (n of them), exact scores `s_j`, `x_j = s_j − max s`, weights `w_j` and output `o`:
@@ -88,9 +89,10 @@ pub struct Attention {
 /// Storage rounding and quantization are not in the bound: the caller stores K/V exactly
 /// as the backend does, so they are in `k` and `v` already.
 ///
-/// [`Arithmetic::Int8Query`] replaces `δ_j` by [`int8_query_score_error`]'s term: the
-/// query's quantization error and the f32 roundings of the block arithmetic. Every bound is
-/// at least the f32 one, so a kernel may always compute more exactly than it declares.
+/// [`Arithmetic::Int8Query`] replaces the `γ(D + 2)` term of `δ_j` by
+/// [`int8_query_score_error`] (times `scale`): the query's quantization error and the f32
+/// roundings of the block arithmetic; the rest is unchanged. Every bound is at least the
+/// f32 one, so a kernel may always compute more exactly than it declares.
 pub fn attend(
     dims: AttnDims,
     q: &[f64],
@@ -177,15 +179,20 @@ pub fn attend(
     Attention { out, bound }
 }
 
-/// Per value of a query row, half the f32 step of its [`Arithmetic::Int8Query`] block:
-/// `(1 + u)·max|q| / 254`, the block's scale `max|q| / 127` rounded up to cover its f32
-/// rounding, halved. Rounding to the nearest code (and the clamp to ±127, which only
-/// removes an f32 rounding's excess) moves a value by at most this much.
+/// Per value of a query row, how far [`Arithmetic::Int8Query`] may move it: `h =
+/// max|q|·((1 + u)/254 + 2u) + 2⁻¹⁴⁰` for its block. The block's f32 scale `s` is at most
+/// `(1 + u)·max|q|/127`; the code is `q/s` rounded in f32 (relative error `u`, so at most
+/// `127u` away from the exact quotient) then to the nearest integer (half a step), so
+/// `|code·s − q| <= s/2 + 127u·s`; the clamp to ±127 only removes an f32 rounding's excess.
+/// The last term covers a scale in f32's subnormal range (absolute error `2⁻¹⁵⁰`, times a
+/// code of at most 127).
 pub fn int8_half_steps(qrow: &[f64]) -> Vec<f64> {
+    let u = F32_UNIT_ROUNDOFF;
     qrow.chunks(QUERY_BLOCK)
         .flat_map(|b| {
             let amax = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            std::iter::repeat_n((1.0 + F32_UNIT_ROUNDOFF) * amax / 254.0, b.len())
+            let h = amax * ((1.0 + u) / 254.0 + 2.0 * u) + 2f64.powi(-140);
+            std::iter::repeat_n(h, b.len())
         })
         .collect()
 }
@@ -315,7 +322,7 @@ mod tests {
         let mut worst_ratio = 0.0f64;
         let mut widest = 0.0f64;
         for case in 0..200 {
-            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % 90, [32, 64, 128][case % 3]);
+            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % 90, [8, 64, 128][case % 3]);
             let dims = AttnDims {
                 n_q_heads: 2,
                 n_kv_heads: 1,

@@ -1,6 +1,6 @@
 //! [`RefCache`]: the reference cache of every kind — the oracle's own [`CellModel`] for
 //! who sees whom, K/V per cell in f64 stored exactly as the KV dtype rounds or quantizes,
-//! and naive attention with an f32 error bound.
+//! and naive attention with the error bound of the arithmetic set (f32 unless told).
 
 use crate::arithmetic::Arithmetic;
 use crate::config::CacheConfig;

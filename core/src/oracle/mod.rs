@@ -1,5 +1,5 @@
 //! The f64 reference oracle every backend is diffed against: naive attention with a derived
-//! f32 error bound, and a reference cache per kind that decides visibility from its own
+//! error bound per declared arithmetic (f32 the reference), and a reference cache per kind that decides visibility from its own
 //! naive cell model (never core's bookkeeping) and stores K/V per cell in f64 exactly as the
 //! storage dtype would round or quantize them. Plain and obviously right rather than fast.
 

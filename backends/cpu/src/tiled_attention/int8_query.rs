@@ -140,6 +140,120 @@ pub unsafe fn scores<const M: usize, V: RowView>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tiled_attention::{Visibility, TILE};
+    use kvplug_backend_kit::AttendMask;
+    use kvplug_core::oracle::gamma;
+
+    /// A deterministic generator of values in `[0, 1)`.
+    fn stream(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
+
+    /// [`scores`] against the same arithmetic in f64, from the definition (query codes
+    /// recomputed here, key codes unpacked by hand): within the f32 rounding of the block
+    /// arithmetic, `γ(D + 2)·scale·Σ |code|·s·(scale_k·c + |lo|)`, per score. Query blocks
+    /// of very different magnitudes and key groups of different scales and offsets, so a
+    /// lane given the wrong block's or group's factor is far outside it.
+    fn check<const M: usize>(bits: u32, group: usize, d: usize, nb: usize, seed: u64) {
+        let mut next = stream(seed);
+        let levels = (1u32 << bits) - 1;
+        let codes: Vec<u8> = (0..nb * d)
+            .map(|_| (next() * (levels + 1) as f32) as u8)
+            .collect();
+        let packed: Vec<u8> = match bits {
+            8 => codes.clone(),
+            _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
+        };
+        let ng = d / group;
+        let f16 = |x: f32| half::f16::from_f32(x);
+        let (sk, lo): (Vec<half::f16>, Vec<half::f16>) = (0..nb * ng)
+            .map(|i| {
+                (
+                    f16(0.001 + next() * 0.1 * (1 + i % 3) as f32),
+                    f16(next() * 4.0 - 3.0),
+                )
+            })
+            .unzip();
+        let bits16 = |v: &[half::f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        let (sk16, lo16) = (bits16(&sk), bits16(&lo));
+        let q: Vec<f32> = (0..M * d)
+            .map(|i| (next() * 2.0 - 1.0) * [1.0, 30.0, 0.01, 3.0][(i / QUERY_BLOCK) % 4])
+            .collect();
+        let mut qc = QueryCodes::default();
+        qc.quantize(&q, d, bits == 4);
+        let k = QuantRows::new(&packed, &sk16, &lo16, bits, group, d).unwrap();
+        let mut staged = Vec::new();
+        let scale = 0.125;
+        let mut p = vec![f32::NAN; M * TILE];
+        // SAFETY: the features are checked by the caller; k holds nb rows staged for them.
+        unsafe {
+            let k = k.for_tile(0, nb, &mut staged);
+            let blk = Block {
+                b0: 0,
+                j0: 0,
+                nb,
+                d,
+                scale,
+                first: 0,
+                vis: Visibility {
+                    mask: AttendMask::None,
+                    t: 1,
+                    l: nb,
+                },
+                query: Some(&qc),
+            };
+            scores::<M, QuantRows>(&blk, &qc, &k, None, &mut p);
+        }
+        for r in 0..M {
+            for j in 0..nb {
+                let (mut exact, mut abs) = (0f64, 0f64);
+                for (b, x) in q[r * d..(r + 1) * d].chunks(QUERY_BLOCK).enumerate() {
+                    let s = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                    for (i, &v) in x.iter().enumerate() {
+                        let code = match s {
+                            0.0 => 0.0,
+                            s => (v / s).round().clamp(-127.0, 127.0) as f64,
+                        };
+                        let e = b * QUERY_BLOCK + i;
+                        let g = j * ng + e / group;
+                        let (kc, ks, kl) =
+                            (codes[j * d + e] as f64, sk[g].to_f64(), lo[g].to_f64());
+                        exact += code * s as f64 * (ks * kc + kl);
+                        abs += (code * s as f64).abs() * (ks * kc + kl.abs());
+                    }
+                }
+                let (got, want) = (p[r * TILE + j] as f64, exact * scale as f64);
+                let bound = gamma(d + 2) * scale as f64 * abs;
+                assert!(
+                    (got - want).abs() <= bound,
+                    "q{bits} g{group} d{d} M{M}: row {r} key {j}: {got} vs {want} (bound {bound:e})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scores_are_the_declared_arithmetic_lane_for_lane() {
+        if !(crate::simd::wide_path() && crate::simd::vnni_path()) {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI, the kernel's only target");
+            return;
+        }
+        for (bits, group) in [(8, 64), (8, 32), (4, 32), (4, 64)] {
+            for (d, nb) in [(64, 37), (128, 64), (256, 5)] {
+                let seed = (bits * 1000 + group as u32 + d as u32) as u64;
+                check::<1>(bits, group, d, nb, seed);
+                check::<4>(bits, group, d, nb, seed + 1);
+                check::<7>(bits, group, d, nb, seed + 2);
+                check::<8>(bits, group, d, nb, seed + 3);
+            }
+        }
+    }
 
     /// Codes by the definition, in f64: ties away from zero, the clamp, a zero block.
     #[test]
