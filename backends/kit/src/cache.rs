@@ -183,8 +183,8 @@ impl<D: Device> KitCache<D> {
         })
     }
 
-    /// The attention arithmetics this cache can compute with, the current default first
-    /// and f32 always among them.
+    /// The attention arithmetics this cache can compute with, the one a new cache uses
+    /// first and f32 always among them.
     pub fn arithmetics(&self) -> Vec<Arithmetic> {
         let mut all = self.device.arithmetics(self.cfg.kv_dtype);
         if !all.contains(&Arithmetic::F32) {
