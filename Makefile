@@ -75,14 +75,17 @@ clippy:
 unit: build
 	$(CARGO) test --workspace
 
-## make bench: criterion benchmarks of the cpu backend, the KV growth benchmark and session
-## save/restore on SmolLM2, then BENCH.md regenerated from them (with make bench-peers' table when it has run).
+## make bench: criterion benchmarks of the cpu backend, the KV growth benchmark, session
+## save/restore on SmolLM2 and KV dtype quality on the demo model, then BENCH.md
+## regenerated from them (with make bench-peers' table when it has run).
 bench: deps models
 	$(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
 	$(CARGO) build --release -p kvplug-cpu
 	$(CARGO) run --release -p kvplug --example prefix_reuse -- \
 		models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048 > target/criterion/sessions.txt
+	$(CARGO) run --release -p kvplug --example kv_quality -- $(DEMO_MODEL) cpu 64 \
+		> target/criterion/kv_quality.md
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)

@@ -290,6 +290,24 @@ fn main() {
         )
         .unwrap(),
     }
+    writeln!(
+        md,
+        "\n## KV dtype quality: next-token choices against f16 K/V, Qwen2.5-Coder-0.5B\n"
+    )
+    .unwrap();
+    let quality = criterion_dir().join("kv_quality.md");
+    match std::fs::read_to_string(&quality) {
+        Ok(text) => {
+            writeln!(md, "`cargo run --release -p kvplug --example kv_quality -- models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cpu 64` (its doc comment defines the three measures).\n").unwrap();
+            md.push_str(&text);
+        }
+        Err(_) => writeln!(
+            md,
+            "Not measured: `make bench` writes {}.",
+            quality.display()
+        )
+        .unwrap(),
+    }
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     writeln!(md, "\n## Against llama.cpp (`make bench-peers`)\n").unwrap();
     match std::fs::read_to_string(manifest.join("../../.peers/peers.md")) {
