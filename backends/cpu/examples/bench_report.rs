@@ -276,38 +276,23 @@ fn main() {
         "\n## Sessions: save and restore, SmolLM2-135M, 2,048 tokens\n"
     )
     .unwrap();
-    let sessions = criterion_dir().join("sessions.txt");
-    match std::fs::read_to_string(&sessions) {
-        Ok(text) => {
-            writeln!(md, "`cargo run --release -p kvplug --example prefix_reuse -- models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048` (save: export, file written and fsynced; restore: file read and checked, rows imported):\n\n```text").unwrap();
-            md.push_str(&text);
-            writeln!(md, "```").unwrap();
-        }
-        Err(_) => writeln!(
-            md,
-            "Not measured: `make bench` writes {}.",
-            sessions.display()
-        )
-        .unwrap(),
-    }
+    measured_section(
+        &mut md,
+        "sessions.txt",
+        "`cargo run --release -p kvplug --example prefix_reuse -- models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048` (save: export, file written and fsynced; restore: file read and checked, rows imported):\n\n```text\n",
+        "```\n",
+    );
     writeln!(
         md,
         "\n## KV dtype quality: next-token choices against f16 K/V, Qwen2.5-Coder-0.5B\n"
     )
     .unwrap();
-    let quality = criterion_dir().join("kv_quality.md");
-    match std::fs::read_to_string(&quality) {
-        Ok(text) => {
-            writeln!(md, "`cargo run --release -p kvplug --example kv_quality -- models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cpu 64` (its doc comment defines the three measures).\n").unwrap();
-            md.push_str(&text);
-        }
-        Err(_) => writeln!(
-            md,
-            "Not measured: `make bench` writes {}.",
-            quality.display()
-        )
-        .unwrap(),
-    }
+    measured_section(
+        &mut md,
+        "kv_quality.md",
+        "`cargo run --release -p kvplug --example kv_quality -- models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cpu 64` (its doc comment defines the three measures).\n\n",
+        "",
+    );
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     writeln!(md, "\n## Against llama.cpp (`make bench-peers`)\n").unwrap();
     match std::fs::read_to_string(manifest.join("../../.peers/peers.md")) {
@@ -322,4 +307,18 @@ fn main() {
     std::fs::write(&out, &md).unwrap();
     print!("{md}");
     eprintln!("wrote {}", out.display());
+}
+
+/// Appends the output `make bench` wrote to `file` in the criterion directory between
+/// `before` and `after`, or says it was not measured.
+fn measured_section(md: &mut String, file: &str, before: &str, after: &str) {
+    let path = criterion_dir().join(file);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            md.push_str(before);
+            md.push_str(&text);
+            md.push_str(after);
+        }
+        Err(_) => writeln!(md, "Not measured: `make bench` writes {}.", path.display()).unwrap(),
+    }
 }
