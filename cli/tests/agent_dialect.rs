@@ -272,18 +272,36 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     let (text, offsets) = spelled(lp);
     assert_eq!(text, v["choices"][0]["text"].as_str().unwrap(), "{v}");
     assert_eq!(json!(offsets), lp["text_offset"], "{v}");
+    // Streamed, the chunks' logprobs put together obey the same rule. (Not compared with the
+    // answer above token for token: this request may reuse that one's cached prompt, whose
+    // last token then goes through attention as a decode step rather than inside a prefill,
+    // summing in another order, and at a near-tie greedy decoding may then pick another
+    // token.)
     let streamed = json!({"prompt": "def add(a, b):", "temperature": 0, "max_tokens": 5, "logprobs": 2, "stream": true});
-    let offsets: Vec<Value> = s
-        .chunks("/v1/completions", &streamed)
+    let chunks = s.chunks("/v1/completions", &streamed);
+    let field = |name: &str| -> Vec<Value> {
+        chunks
+            .iter()
+            .flat_map(|c| {
+                c["choices"][0]["logprobs"][name]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .collect()
+    };
+    let joined = json!({"tokens": field("tokens"), "text_offset": field("text_offset")});
+    let (text, offsets) = spelled(&joined);
+    assert_eq!(joined["tokens"].as_array().unwrap().len(), 5, "{joined}");
+    assert_eq!(json!(offsets), joined["text_offset"], "streamed offsets");
+    let streamed_text: String = chunks
         .iter()
-        .flat_map(|c| {
-            c["choices"][0]["logprobs"]["text_offset"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
+        .filter_map(|c| c["choices"][0]["text"].as_str())
         .collect();
-    assert_eq!(json!(offsets), lp["text_offset"], "streamed offsets");
+    assert_eq!(
+        text, streamed_text,
+        "streamed tokens spell the streamed text"
+    );
 
     // A GBNF grammar; a banned token never appears; ignore_eos runs to max_tokens.
     let yes_no = json!({"messages": [{"role": "user", "content": "Is Rust a language?"}],
