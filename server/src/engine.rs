@@ -596,17 +596,24 @@ impl Engine {
             _ => "stop",
         };
         self.metrics.generated(f.generated.len());
+        // The bookkeeping comes before `Done`: a client that has its answer finds the
+        // request counted (and its K/V published) when it asks next.
+        let finished = self
+            .store
+            .finish(agent.as_deref(), r.seq, &a.held(&r, &f, false));
+        if finished.is_ok() {
+            a.done += 1;
+            if a.done == a.req.n {
+                self.status.lock().expect("status lock").completed += 1;
+            }
+        }
         let _ = a.req.events.send(Event::Done {
             choice,
             finish_reason,
             completion_tokens: f.generated.len(),
         });
-        self.store
-            .finish(agent.as_deref(), r.seq, &a.held(&r, &f, false))?;
-        a.done += 1;
-        if a.done == a.req.n {
-            self.status.lock().expect("status lock").completed += 1;
-        } else {
+        finished?;
+        if a.done < a.req.n {
             self.active.push(a);
         }
         Ok(())
