@@ -458,6 +458,7 @@ fn tiny_session() -> kvplug::session_file::Session {
         },
         tokens: vec![5, 6, 7],
         model: "0".repeat(64),
+        key_basis: kvplug::KeyBasis::Identity,
         model_name: String::new(),
         app: Default::default(),
     }

@@ -12,7 +12,8 @@
 //! `cargo run --release -p kvplug --example kv_quality -- MODEL [BACKEND] [N] [DTYPES]`
 //! (defaults: cpu, 64 tokens, `bf16,q8,q4`), after `cargo build --release --workspace`.
 //! Each dtype runs in every attention arithmetic the backend declares for it. End-of-sequence
-//! tokens do not stop the continuations (every prompt yields N positions).
+//! tokens do not stop the continuations (every prompt yields N positions). Quantized dtypes
+//! run with their keys Hadamard-rotated (the default) and unrotated.
 
 use std::path::Path;
 
@@ -152,9 +153,17 @@ fn main() -> Result<()> {
          matches its own step-by-step greedy tokens at {self_agree} of {total} positions):\n",
         PROMPTS.len()
     );
-    println!("| KV dtype | arithmetic | top-1 agreement | mean KL (nats) | first divergence per prompt |");
-    println!("| --- | --- | ---: | ---: | --- |");
+    println!("| KV dtype | keys | arithmetic | top-1 agreement | mean KL (nats) | first divergence per prompt |");
+    println!("| --- | --- | --- | ---: | ---: | --- |");
+    let mut runs = Vec::new();
     for &dtype in &dtypes {
+        runs.push((dtype, model.clone()));
+        if dtype.is_quantized() {
+            runs.push((dtype, model.with_key_rotation(false)));
+        }
+    }
+    for (dtype, model) in &runs {
+        let (dtype, model) = (*dtype, model);
         for arithmetic in Arithmetic::ALL {
             // f32 is always computed; another arithmetic only where the backend declares it
             // for this dtype (setting an undeclared one is refused, and there is nothing to
@@ -166,13 +175,13 @@ fn main() -> Result<()> {
             let (mut agree, mut kl_sum) = (0, 0.0);
             let mut firsts = Vec::new();
             for r in &refs {
-                let mut ctx = context(&model, dtype, arithmetic)?;
+                let mut ctx = context(model, dtype, arithmetic)?;
                 let logits = forced_logits(&mut ctx, &r.prompt, &r.greedy)?;
                 for (a, b) in logits.chunks_exact(vocab).zip(r.logits.chunks_exact(vocab)) {
                     agree += usize::from(argmax(a) == argmax(b));
                     kl_sum += kl(b, a);
                 }
-                let mut ctx = context(&model, dtype, arithmetic)?;
+                let mut ctx = context(model, dtype, arithmetic)?;
                 let own = greedy(&mut ctx, &r.prompt, n)?;
                 firsts.push(
                     own.iter()
@@ -183,7 +192,8 @@ fn main() -> Result<()> {
                 );
             }
             println!(
-                "| {dtype} | {arithmetic} | {agree}/{total} ({:.1}%) | {:.5} | {} |",
+                "| {dtype} | {} | {arithmetic} | {agree}/{total} ({:.1}%) | {:.5} | {} |",
+                model.key_basis(dtype),
                 100.0 * agree as f64 / total as f64,
                 kl_sum / total as f64,
                 firsts.join(" / ")

@@ -625,7 +625,12 @@ impl AgentStore {
             let path = self.file_of(name)?;
             if path.exists() {
                 let s = session_file::read(&path)?;
-                s.check_fits(&path, &self.fingerprint, self.cache.capacity())?;
+                s.check_fits(
+                    &path,
+                    &self.fingerprint,
+                    self.cache.key_basis(),
+                    self.cache.capacity(),
+                )?;
                 let have = common_prefix(&s.tokens, prompt).min(limit);
                 if have > attached {
                     let need = have - attached;
@@ -703,6 +708,7 @@ impl AgentStore {
             rows: self.cache.export_seq(seq)?,
             tokens: a.tokens.clone(),
             model: self.fingerprint.clone(),
+            key_basis: self.cache.key_basis(),
             model_name: self.model_name.clone(),
             app: Default::default(),
         };

@@ -126,15 +126,13 @@ impl Chat {
         let saved = match (&opts.session, &fingerprint) {
             (Some(path), Some(fp)) if path.exists() => {
                 let s = session_file::read(path)?;
-                s.check_fits(path, fp, opts.capacity)?;
-                Some(s)
+                let dtype = s.rows.kv_dtype.parse::<KvDtype>()?;
+                s.check_fits(path, fp, model.key_basis(dtype), opts.capacity)?;
+                Some((s, dtype))
             }
             _ => None,
         };
-        let saved_dtype = saved
-            .as_ref()
-            .map(|s| s.rows.kv_dtype.parse::<KvDtype>())
-            .transpose()?;
+        let saved_dtype = saved.as_ref().map(|(_, dtype)| *dtype);
         let kv_dtype = match (opts.kv_dtype, saved_dtype) {
             (Some(a), Some(b)) if a != b => {
                 fail!(Invalid, "the session stores {b} KV, not {a}")
@@ -162,7 +160,7 @@ impl Chat {
             fingerprint,
             restored: None,
         };
-        if let Some(s) = saved {
+        if let Some((s, _)) = saved {
             let saved_messages = session_messages(&s)?;
             if !chat.messages.is_empty() && saved_messages.first() != chat.messages.first() {
                 fail!(
@@ -210,7 +208,7 @@ impl Chat {
         let t = Instant::now();
         let fp = self.fingerprint()?;
         let s = session_file::read(&path)?;
-        s.check_fits(&path, &fp, self.capacity)?;
+        s.check_fits(&path, &fp, self.ctx.key_basis(), self.capacity)?;
         let messages = session_messages(&s)?;
         let restored = self.restore(s, messages, t)?;
         self.file = Some(path);
@@ -270,6 +268,7 @@ impl Chat {
             rows: self.ctx.export_seq(0)?,
             tokens: self.cached.clone(),
             model: fingerprint.clone(),
+            key_basis: self.ctx.key_basis(),
             model_name: crate::fingerprint::model_name(&self.dir),
             app: [(
                 MESSAGES_KEY.to_string(),

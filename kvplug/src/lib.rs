@@ -51,7 +51,8 @@ pub use grammar::{Constraint, GrammarSpec, Grammars};
 pub use kvplug_plugin_api::AbiErrorKind;
 pub use kvplug_runtime::loader;
 pub use kvplug_runtime::{
-    Arithmetic, Batch, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime, RuntimeError,
+    Arithmetic, Batch, CacheKind, Context, KeyBasis, KvDtype, Model, PluginSearch, Runtime,
+    RuntimeError,
 };
 pub use sampler::{Adjustments, Sampler};
 pub use text::{Message, Text};

@@ -14,7 +14,8 @@
 //!   f16 one.
 //! - Metadata under `kv_cache.`: `format` (`kvplug-session`), `schema_version`,
 //!   `model_fingerprint` (see [`crate::fingerprint`]), `model_name` (for listings only),
-//!   `kv_dtype`, `n_layers`, `n_kv_heads`,
+//!   `kv_dtype`, `key_basis` (`identity` or `hadamard`, see [`KeyBasis`]; a file without
+//!   it is `identity`, as every earlier writer's was), `n_layers`, `n_kv_heads`,
 //!   `head_dim`, `layer_groups` (`full`, or `full,sliding` with `sliding_layers`, the
 //!   comma-separated layer indices of `g1`, and `window_from`), `tokens`, `writer`, and
 //!   `checksum`: the BLAKE3 of the whole file with the checksum's own 64 hex digits written
@@ -23,7 +24,7 @@
 //! Files are written atomically (temporary file, fsync, rename, fsync of the directory).
 //! A reader refuses, with a [`SessionFileError`] and before anything touches a cache: another
 //! format or schema version, any changed byte (checksum), tensors that disagree with the
-//! metadata, another model, more rows than the cache's capacity.
+//! metadata, another model, keys in another basis, more rows than the cache's capacity.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -31,7 +32,7 @@ use std::path::{Path, PathBuf};
 
 use kvplug_core::files::{open_regular, write_atomic_with, FileError};
 use kvplug_core::limits::check_memory;
-use kvplug_core::KvDtype;
+use kvplug_core::{KeyBasis, KvDtype};
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::SeqRows;
 use safetensors::tensor::Dtype;
@@ -56,6 +57,9 @@ pub struct Session {
     pub tokens: Vec<i32>,
     /// The model's fingerprint.
     pub model: String,
+    /// The basis of the key rows ([`Context::key_basis`](kvplug_runtime::Context::key_basis)
+    /// of the context they came from).
+    pub key_basis: KeyBasis,
     /// A readable name of the model ([`crate::fingerprint::model_name`]), for listings;
     /// empty when unknown (files of earlier writers). Never checked.
     pub model_name: String,
@@ -100,6 +104,17 @@ pub enum SessionFileError {
         file: String,
         /// The loaded model's.
         model: String,
+    },
+    /// Keys saved in another basis than the context keeps (say, unrotated q4 keys for a
+    /// context that rotates them).
+    #[error("{}: keys saved in the {file} basis; this context keeps its keys in the {context} basis (load it into a context of the same KV dtype and key rotation, or re-create it)", path.display())]
+    OtherKeyBasis {
+        /// The file.
+        path: PathBuf,
+        /// The file's basis.
+        file: KeyBasis,
+        /// The context's.
+        context: KeyBasis,
     },
     /// More rows than the cache holds.
     #[error("{}: {tokens} tokens do not fit a cache of capacity {capacity}", path.display())]
@@ -231,6 +246,7 @@ fn encode(s: &Session) -> Result<Encoded<'_>, String> {
         ("model_fingerprint", s.model.clone()),
         ("model_name", s.model_name.clone()),
         ("kv_dtype", dtype.to_string()),
+        ("key_basis", s.key_basis.to_string()),
         ("n_layers", l.to_string()),
         ("n_kv_heads", h.to_string()),
         ("head_dim", d.to_string()),
@@ -442,6 +458,12 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
     let dtype: KvDtype = get("kv_dtype")?
         .parse()
         .map_err(|e| malformed(path, format!("kv_dtype: {e}")))?;
+    let key_basis: KeyBasis = match meta.get("kv_cache.key_basis") {
+        Some(b) => b
+            .parse()
+            .map_err(|e| malformed(path, format!("key_basis: {e}")))?,
+        None => KeyBasis::Identity,
+    };
     let num = |k: &str| -> Result<usize, SessionFileError> {
         get(k)?
             .parse::<u32>()
@@ -588,6 +610,7 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
         rows,
         tokens,
         model: get("model_fingerprint")?.to_string(),
+        key_basis,
         model_name: meta.get("kv_cache.model_name").cloned().unwrap_or_default(),
         app: meta
             .iter()
@@ -656,11 +679,13 @@ pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
 }
 
 impl Session {
-    /// Refuses the session for a model with fingerprint `model` and a cache of `capacity`.
+    /// Refuses the session for a model with fingerprint `model` and a context keeping keys
+    /// in `key_basis` with `capacity` cells.
     pub fn check_fits(
         &self,
         path: &Path,
         model: &str,
+        key_basis: KeyBasis,
         capacity: usize,
     ) -> Result<(), SessionFileError> {
         if self.model != model {
@@ -668,6 +693,13 @@ impl Session {
                 path: path.to_path_buf(),
                 file: self.model.clone(),
                 model: model.to_string(),
+            });
+        }
+        if self.key_basis != key_basis {
+            return Err(SessionFileError::OtherKeyBasis {
+                path: path.to_path_buf(),
+                file: self.key_basis,
+                context: key_basis,
             });
         }
         if self.tokens.len() > capacity {

@@ -150,7 +150,7 @@ fn llama3_rope_freqs_gguf_with_tied_embeddings_matches_the_f64_reference() {
     let variant = Reference {
         int8_block_acts: true,
         inv_freq: Some(llama3()),
-        window: None,
+        ..Reference::default()
     };
     check(&model, "Llama 3 GGUF", &variant, 4);
 }

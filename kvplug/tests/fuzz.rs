@@ -28,7 +28,7 @@ use kvplug::formats::synth::{synth, PRESETS};
 use kvplug::session_file::{self, Session};
 use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
 use kvplug_backend_kit::KitCache;
-use kvplug_core::{CacheConfig, CacheKind, KvDtype};
+use kvplug_core::{CacheConfig, CacheKind, KeyBasis, KvDtype};
 use kvplug_cpu::CpuDevice;
 use kvplug_plugin_api::HostTensor;
 use serde_json::{json, Value};
@@ -459,6 +459,7 @@ fn seed_session(dtype: KvDtype, n: usize) -> Session {
         rows: cache.export_seq(0).unwrap(),
         tokens: (0..n as i32).map(|t| t * 7 + 1).collect(),
         model: "0".repeat(64),
+        key_basis: KeyBasis::Identity,
         model_name: String::new(),
         app: [("chat.messages".to_string(), "[]".to_string())].into(),
     }

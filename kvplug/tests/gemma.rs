@@ -363,6 +363,7 @@ fn a_hybrid_session_resumes_on_every_backend_and_kind() {
         rows: src.export_seq(2).unwrap(),
         tokens: tokens[..saved_len].to_vec(),
         model: "0".repeat(64),
+        key_basis: src.key_basis(),
         model_name: String::new(),
         app: Default::default(),
     };

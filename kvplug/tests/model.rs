@@ -97,6 +97,64 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
     }
 }
 
+/// Logits of `tokens` on a contiguous `dtype` context of `model`: the first `prompt` tokens
+/// as one batch, then one decode step per token.
+fn stepped_logits(model: &Model, dtype: KvDtype, tokens: &[i32], prompt: usize) -> Vec<Vec<f32>> {
+    let mut ctx = model.context(CacheKind::Contiguous, 64, dtype).unwrap();
+    let positions: Vec<i32> = (0..tokens.len() as i32).collect();
+    let mut got = forward(&mut ctx, &tokens[..prompt], &positions[..prompt]);
+    for t in prompt..tokens.len() {
+        got.extend(forward(&mut ctx, &tokens[t..=t], &positions[t..=t]));
+    }
+    got
+}
+
+#[test]
+fn quantized_keys_are_rotated_as_the_f64_reference_rotates_them() {
+    let rt = runtime();
+    let model = tiny();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        for dtype in [KvDtype::Q8 { group: 16 }, KvDtype::Q4 { group: 16 }] {
+            // Greedy tokens of the rotating context, then the same tokens on both.
+            let mut tokens = PROMPT.to_vec();
+            for _ in 0..8 {
+                let got = stepped_logits(&m, dtype, &tokens, PROMPT.len());
+                tokens.push(argmax(got.last().unwrap()));
+            }
+            let rotated = stepped_logits(&m, dtype, &tokens, PROMPT.len());
+            let plain = stepped_logits(&m.with_key_rotation(false), dtype, &tokens, PROMPT.len());
+            let reference = |rotate_keys: bool| {
+                let r = common::Reference {
+                    rotate_keys,
+                    kv_quant: Some(dtype),
+                    ..Default::default()
+                };
+                common::reference_logits_with(model.path(), &tokens, &r)
+            };
+            let (want_rotated, want_plain) = (reference(true), reference(false));
+            let err = common::max_logit_error;
+            let (hit, miss) = (err(&rotated, &want_rotated), err(&rotated, &want_plain));
+            let (plain_hit, plain_miss) = (err(&plain, &want_plain), err(&plain, &want_rotated));
+            eprintln!(
+                "{backend} {dtype}: rotating context {hit:.1e} from the rotating reference, \
+                 {miss:.1e} from the plain one; plain context {plain_hit:.1e} / {plain_miss:.1e}"
+            );
+            // The f32 forward is ~1e-6 from the f64 one on this model (the f32-KV case above);
+            // one quantization code stored differently moves a logit by ~1e-3 (q8) or more.
+            // So below 1e-4 means the same codes as the reference, in the same basis.
+            assert!(
+                hit < 1e-4 && plain_hit < 1e-4,
+                "{backend} {dtype}: {hit:e} / {plain_hit:e} from the reference in the context's own basis"
+            );
+            assert!(
+                miss > 10.0 * hit && plain_miss > 10.0 * plain_hit,
+                "{backend} {dtype}: the basis does not show in the logits ({miss:e}, {plain_miss:e})"
+            );
+        }
+    }
+}
+
 #[test]
 fn long_prompts_prefill_in_micro_batches_on_every_cache_kind() {
     let model = tiny();

@@ -7,7 +7,7 @@ use std::path::Path;
 use kvplug::fingerprint::model_fingerprint;
 use kvplug::formats::synth::{synth, PRESETS};
 use kvplug::session_file::{self, Session, SessionFileError};
-use kvplug::{generate, CacheKind, Context, GenOptions, KvDtype, Runtime};
+use kvplug::{generate, CacheKind, Context, GenOptions, KeyBasis, KvDtype, Runtime};
 use kvplug_plugin_api::AbiErrorKind;
 
 mod common;
@@ -61,6 +61,7 @@ fn a_saved_sequence_resumes_on_every_backend_and_kind() {
             rows: src.export_seq(2).unwrap(),
             tokens: PROMPT.to_vec(),
             model: fingerprint.clone(),
+            key_basis: src.key_basis(),
             model_name: String::new(),
             app: [("note".to_string(), "test".to_string())].into(),
         };
@@ -126,6 +127,7 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
         rows: s.export_seq(0).unwrap(),
         tokens: PROMPT.to_vec(),
         model: fingerprint.clone(),
+        key_basis: s.key_basis(),
         model_name: String::new(),
         app: Default::default(),
     };
@@ -172,9 +174,13 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
     );
 
     let other = "f".repeat(64);
-    let e = session.check_fits(p, &other, CAPACITY).unwrap_err();
+    let e = session
+        .check_fits(p, &other, session.key_basis, CAPACITY)
+        .unwrap_err();
     assert!(e.to_string().contains("saved with another model"), "{e}");
-    let e = session.check_fits(p, &fingerprint, 4).unwrap_err();
+    let e = session
+        .check_fits(p, &fingerprint, session.key_basis, 4)
+        .unwrap_err();
     assert_eq!(
         e.to_string(),
         "s: 9 tokens do not fit a cache of capacity 4"
@@ -208,4 +214,65 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
         assert_eq!(busy.export_seq(1).unwrap(), before);
         assert_eq!(busy.stats().unwrap().live_cells, PROMPT.len() as u64);
     }
+}
+
+#[test]
+fn quantized_keys_are_saved_rotated_and_load_only_where_keys_are_rotated() {
+    let model = tiny();
+    let rt = runtime();
+    let fingerprint = model_fingerprint(model.path()).unwrap();
+    let dtype = KvDtype::Q4 { group: 16 };
+    let plain_model = common::model(&rt, "cpu", model.path()).with_key_rotation(false);
+    let mut src = open(&rt, "cpu", CacheKind::Contiguous, model.path(), dtype);
+    let mut plain = plain_model
+        .context(CacheKind::Contiguous, CAPACITY, dtype)
+        .unwrap();
+    assert_eq!(src.key_basis(), KeyBasis::Hadamard);
+    assert_eq!(plain.key_basis(), KeyBasis::Identity);
+    greedy(&mut src, 0, &PROMPT, 0, 0);
+    greedy(&mut plain, 0, &PROMPT, 0, 0);
+    let (rotated, unrotated) = (src.export_seq(0).unwrap(), plain.export_seq(0).unwrap());
+    // Layer 0 sees the same inputs in both: the same V rows, K rows in another basis.
+    assert!(rotated.v[0] == unrotated.v[0]);
+    assert!(rotated.k[0] != unrotated.k[0]);
+    let session = Session {
+        rows: rotated,
+        tokens: PROMPT.to_vec(),
+        model: fingerprint.clone(),
+        key_basis: src.key_basis(),
+        model_name: String::new(),
+        app: Default::default(),
+    };
+    let p = Path::new("s");
+    let bytes = session_file::to_bytes(&session).unwrap();
+    let loaded = session_file::from_bytes(p, &bytes).unwrap();
+    assert_eq!(loaded.key_basis, KeyBasis::Hadamard);
+    loaded
+        .check_fits(p, &fingerprint, src.key_basis(), CAPACITY)
+        .unwrap();
+    let e = loaded
+        .check_fits(p, &fingerprint, plain.key_basis(), CAPACITY)
+        .unwrap_err();
+    assert!(matches!(e, SessionFileError::OtherKeyBasis { .. }), "{e}");
+    assert!(
+        e.to_string().contains(
+            "keys saved in the hadamard basis; this context keeps its keys in the identity basis"
+        ),
+        "{e}"
+    );
+
+    // A file without the entry (every earlier writer's) holds unrotated keys.
+    let mut older = bytes.clone();
+    let key = b"\"kv_cache.key_basis\"";
+    let at = older.windows(key.len()).position(|w| w == key).unwrap();
+    older[at + 10..at + 13].copy_from_slice(b"xxx");
+    patch_checksum(&mut older);
+    let e = session_file::from_bytes(p, &older)
+        .unwrap()
+        .check_fits(p, &fingerprint, src.key_basis(), CAPACITY)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("keys saved in the identity basis"),
+        "{e}"
+    );
 }

@@ -2,7 +2,7 @@
 
 use std::ops::Deref;
 
-use kvplug_core::{CacheError, CacheKind};
+use kvplug_core::{CacheError, CacheKind, KeyBasis};
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, HostTensor, MethodHandle, PluginError};
 
@@ -19,6 +19,8 @@ pub struct Context {
     cache: Cache,
     method: MethodHandle,
     vocab: usize,
+    /// The basis its forward writes keys in (what its rows mean in a session file).
+    keys: KeyBasis,
     /// The last decode's logits, `rows × vocab`, reused from step to step.
     logits: Vec<f32>,
     rows: usize,
@@ -56,11 +58,12 @@ impl<'a> Logits<'a> {
 }
 
 impl Context {
-    pub(crate) fn new(cache: Cache, method: MethodHandle, vocab: usize) -> Self {
+    pub(crate) fn new(cache: Cache, method: MethodHandle, vocab: usize, keys: KeyBasis) -> Self {
         Context {
             cache,
             method,
             vocab,
+            keys,
             logits: Vec::new(),
             rows: 0,
             decodes: 0,
@@ -70,6 +73,12 @@ impl Context {
     /// Logits per row.
     pub fn vocab(&self) -> usize {
         self.vocab
+    }
+
+    /// The basis its forward writes keys in: rows exported from it mean keys in this basis,
+    /// and rows imported into it must be too.
+    pub fn key_basis(&self) -> KeyBasis {
+        self.keys
     }
 
     /// Forward passes run so far.

@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
-use kvplug_core::{make_config, CacheConfig, CacheKind, KvDtype, ModelConfig, ModelError};
+use kvplug_core::{
+    make_config, CacheConfig, CacheKind, KeyBasis, KvDtype, ModelConfig, ModelError,
+};
 
 use crate::context::Context;
 use crate::error::RuntimeError;
@@ -14,6 +16,8 @@ use crate::runtime::Runtime;
 const OPTION_MODEL_DIR: &str = "model_dir";
 /// The option limiting a model to its first N layers.
 const OPTION_LAYERS: &str = "layers";
+/// The option naming the basis the forward pass writes keys in.
+const OPTION_KEY_BASIS: &str = "key_basis";
 
 /// A model on a backend: its directory (a Hugging Face–style package, or a GGUF's index)
 /// and its `config.json`, parsed once by core's parser, the one the kit builds the forward
@@ -27,6 +31,8 @@ pub struct Model {
     config: Arc<ModelConfig>,
     /// Layers this view runs (all, or the first N of a draft view).
     layers: usize,
+    /// Whether contexts with quantized keys rotate them ([`KeyBasis::default_for`]).
+    rotate_quantized_keys: bool,
 }
 
 impl Model {
@@ -43,6 +49,7 @@ impl Model {
             dir: dir.to_path_buf(),
             layers: config.num_hidden_layers,
             config: Arc::new(config),
+            rotate_quantized_keys: true,
         })
     }
 
@@ -93,6 +100,24 @@ impl Model {
         })
     }
 
+    /// The same model whose contexts keep quantized keys unrotated when `on` is false (the
+    /// default rotates them: see [`KeyBasis`]). For measuring what the rotation buys.
+    pub fn with_key_rotation(&self, on: bool) -> Model {
+        Model {
+            rotate_quantized_keys: on,
+            ..self.clone()
+        }
+    }
+
+    /// The basis this view's contexts write keys of `kv_dtype` in.
+    pub fn key_basis(&self, kv_dtype: KvDtype) -> KeyBasis {
+        if self.rotate_quantized_keys {
+            KeyBasis::default_for(kv_dtype)
+        } else {
+            KeyBasis::Identity
+        }
+    }
+
     /// The cache configuration this view needs at `capacity` cells of `kv_dtype`: its
     /// layers' shape and sliding layers, validated.
     pub fn cache_config(
@@ -115,7 +140,7 @@ impl Model {
     }
 
     /// A context: a new `kind` cache of `capacity` cells in `kv_dtype`, bound to this view's
-    /// `forward` inside the backend.
+    /// `forward` inside the backend, writing keys in [`Model::key_basis`].
     pub fn context(
         &self,
         kind: CacheKind,
@@ -133,13 +158,17 @@ impl Model {
         cfg: &CacheConfig,
     ) -> Result<Context, RuntimeError> {
         let cache = self.runtime.cache(&self.backend, kind, cfg)?;
+        let keys = self.key_basis(cfg.kv_dtype);
         let mut options = vec![(OPTION_MODEL_DIR, self.dir.display().to_string())];
         if self.layers != self.config.num_hidden_layers {
             options.push((OPTION_LAYERS, self.layers.to_string()));
         }
+        if keys != KeyBasis::Identity {
+            options.push((OPTION_KEY_BASIS, keys.to_string()));
+        }
         let method = self
             .runtime
             .load_method(&self.backend, "forward", &cache, &options)?;
-        Ok(Context::new(cache, method, self.vocab()))
+        Ok(Context::new(cache, method, self.vocab(), keys))
     }
 }

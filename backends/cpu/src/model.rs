@@ -143,6 +143,30 @@ impl ModelDevice for CpuDevice {
         Ok(())
     }
 
+    fn hadamard(&self, x: &CpuTensor, n: usize, out: &mut CpuTensor) -> Result<(), KitError> {
+        check(
+            n.is_power_of_two() && x.data.len().is_multiple_of(n) && out.dims == x.dims,
+            "hadamard",
+        )?;
+        out.data.copy_from_slice(&x.data);
+        let norm = 1.0 / (n as f32).sqrt();
+        for piece in out.data.chunks_exact_mut(n) {
+            // In-place butterflies, stride h = 1, 2, 4, …: (a, b) → (a + b, a − b).
+            let mut h = 1;
+            while h < n {
+                for pair in piece.chunks_exact_mut(2 * h) {
+                    let (lo, hi) = pair.split_at_mut(h);
+                    for (a, b) in lo.iter_mut().zip(hi) {
+                        (*a, *b) = (*a + *b, *a - *b);
+                    }
+                }
+                h *= 2;
+            }
+            piece.iter_mut().for_each(|v| *v *= norm);
+        }
+        Ok(())
+    }
+
     fn split_heads(
         &self,
         x: &CpuTensor,

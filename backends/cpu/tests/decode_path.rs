@@ -7,7 +7,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use kvplug_core::{make_config, CacheKind, CacheVerbs, KvDtype, PlanKind};
+use kvplug_core::{make_config, CacheKind, CacheVerbs, KeyBasis, KvDtype, PlanKind};
 
 /// Counts every allocation in the process.
 struct Counting;
@@ -80,11 +80,13 @@ fn decode_steps_allocate_nothing_once_warm() {
         assert_eq!(n, 0, "{kind} with a sliding layer");
     }
     for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
-        assert_eq!(
-            allocations_per_model_decode(kind),
-            0,
-            "model decode on {kind}"
-        );
+        for dtype in [KvDtype::F16, KvDtype::Q4 { group: 16 }] {
+            assert_eq!(
+                allocations_per_model_decode(kind, dtype),
+                0,
+                "model decode on {kind} {dtype}"
+            );
+        }
     }
     single_sequence_always_takes_the_fast_path();
     short_sessions_stay_small_and_quantized_pools_are_smaller();
@@ -115,14 +117,16 @@ fn a_model_is_loaded_once_and_drafts_are_views() {
 }
 
 /// A whole model decode step — every layer, the cache step, the logits — allocates nothing
-/// once warm (activation buffers reused, the step's plan in place).
-fn allocations_per_model_decode(kind: CacheKind) -> usize {
+/// once warm (activation buffers reused, the step's plan in place), keys rotated or not.
+fn allocations_per_model_decode(kind: CacheKind, dtype: KvDtype) -> usize {
     use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
     let dir = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
     let pkg = ModelPackage::open(&dir).unwrap();
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
-    let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
-    let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
+    let model = DecoderModel::load(dev.clone(), &pkg)
+        .unwrap()
+        .with_key_basis(KeyBasis::default_for(dtype));
+    let cfg = make_config(&pkg.cache_params(), 4096, dtype);
     let mut c = kvplug_backend_kit::KitCache::new(dev, kind, cfg).unwrap();
     let mut acts = None;
     let prompt: Vec<i32> = (0..40).collect();

@@ -1,6 +1,7 @@
 // See bridge.h. Shapes are validated by the kit before they get here.
 #include "kvplug-mlx/src/bridge.h"
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -347,6 +348,12 @@ std::unique_ptr<Array> gelu_tanh_mul(const Array& gate, const Array& up) {
 
 std::unique_ptr<Array> scale(const Array& x, float s) {
   return wrap(mx::multiply(x.a, mx::array(s)));
+}
+
+std::unique_ptr<Array> hadamard(const Array& x, int32_t n) {
+  auto pieces = mx::reshape(x.a, {-1, n});
+  auto h = mx::hadamard_transform(pieces, 1.0f / std::sqrt(static_cast<float>(n)));
+  return wrap(mx::reshape(h, x.a.shape()));
 }
 
 std::unique_ptr<Array> gather_rows(const Array& x, rust::Slice<const int32_t> rows) {

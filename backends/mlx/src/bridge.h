@@ -74,6 +74,7 @@ std::unique_ptr<Array> merge_heads(const Array& x);
 std::unique_ptr<Array> silu_mul(const Array& gate, const Array& up);
 std::unique_ptr<Array> gelu_tanh_mul(const Array& gate, const Array& up);
 std::unique_ptr<Array> scale(const Array& x, float s);
+std::unique_ptr<Array> hadamard(const Array& x, int32_t n);
 std::unique_ptr<Array> gather_rows(const Array& x, rust::Slice<const int32_t> rows);
 
 }  // namespace kvplug_mlx

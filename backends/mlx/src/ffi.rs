@@ -98,6 +98,7 @@ mod bridge {
         fn silu_mul(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
         fn gelu_tanh_mul(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
         fn scale(x: &Array, s: f32) -> Result<UniquePtr<Array>>;
+        fn hadamard(x: &Array, n: i32) -> Result<UniquePtr<Array>>;
         fn gather_rows(x: &Array, rows: &[i32]) -> Result<UniquePtr<Array>>;
     }
 }

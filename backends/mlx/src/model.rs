@@ -252,6 +252,19 @@ impl ModelDevice for MlxDevice {
         Ok(())
     }
 
+    fn hadamard(&self, x: &MlxTensor, n: usize, out: &mut MlxTensor) -> Result<(), KitError> {
+        let total: usize = x.dims.iter().product();
+        if !n.is_power_of_two() || total % n != 0 || out.dims != x.dims {
+            return Err(KitError::Device(format!(
+                "hadamard of {n}-wide pieces on {:?} into {:?}",
+                x.dims, out.dims
+            )));
+        }
+        let _g = self.enter()?;
+        out.a = ffi::hadamard(&x.a, n as i32).map_err(err)?;
+        Ok(())
+    }
+
     fn scale(&self, x: &mut MlxTensor, s: f32) -> Result<(), KitError> {
         let _g = self.enter()?;
         x.a = ffi::scale(&x.a, s).map_err(err)?;

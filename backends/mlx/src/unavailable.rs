@@ -107,6 +107,9 @@ impl ModelDevice for MlxDevice {
     ) -> Result<(), KitError> {
         match *self {}
     }
+    fn hadamard(&self, _: &Never, _: usize, _: &mut Never) -> Result<(), KitError> {
+        match *self {}
+    }
     fn split_heads(&self, _: &Never, _: usize, _: &mut Never) -> Result<(), KitError> {
         match *self {}
     }

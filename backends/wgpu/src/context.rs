@@ -23,7 +23,7 @@ pub struct Context {
     pub limits: wgpu::Limits,
     attention: OnceLock<Kernels<3>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<11>>,
+    model: OnceLock<Kernels<12>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
     recorder: Arc<Mutex<Recorder>>,
@@ -218,7 +218,7 @@ impl Recorder {
 }
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 11] = [
+pub const MODEL_ENTRIES: [&str; 12] = [
     "gather_main",
     "rmsnorm_main",
     "linear_main",
@@ -230,6 +230,7 @@ pub const MODEL_ENTRIES: [&str; 11] = [
     "embed_main",
     "gelu_main",
     "scale_main",
+    "hadamard_main",
 ];
 
 /// Pipelines of one shader module sharing one bind-group layout: binding 0 is the uniform
@@ -434,7 +435,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<11> {
+    pub fn model(&self) -> &Kernels<12> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(

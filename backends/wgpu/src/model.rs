@@ -77,6 +77,7 @@ enum Op {
     Embed = 8,
     Gelu = 9,
     Scale = 10,
+    Hadamard = 11,
 }
 
 /// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
@@ -328,6 +329,30 @@ impl ModelDevice for WgpuDevice {
                 ],
             ),
             &x.buf,
+        );
+        Ok(())
+    }
+
+    fn hadamard(&self, x: &WgpuTensor, n: usize, out: &mut WgpuTensor) -> Result<(), KitError> {
+        let total: usize = x.dims.iter().product();
+        if !n.is_power_of_two() || total % n != 0 || out.dims != x.dims {
+            return Err(KitError::Device(format!(
+                "hadamard of {n}-wide pieces on {:?} into {:?}",
+                x.dims, out.dims
+            )));
+        }
+        let params = OpParams {
+            n: [n as u32, 0, 0, 0],
+            total: total as u32,
+            eps: 1.0 / (n as f32).sqrt(),
+            ..Default::default()
+        };
+        self.op(
+            Op::Hadamard,
+            params,
+            inputs(Some(&x.buf), None, &[]),
+            &out.buf,
+            flat_groups(total),
         );
         Ok(())
     }

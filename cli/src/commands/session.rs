@@ -97,6 +97,7 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
             println!("session {name}: {}", path.display());
             println!("  tokens       {}", s.tokens.len());
             println!("  kv dtype     {}", s.rows.kv_dtype);
+            println!("  key basis    {}", s.key_basis);
             println!(
                 "  shape        {} layers x {} KV heads x head_dim {}",
                 s.rows.n_layers, s.rows.n_kv_heads, s.rows.head_dim
@@ -120,7 +121,9 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
             if let Some(m) = model {
                 let m = formats::resolve_model(&m)?;
                 let fp = fingerprint::model_fingerprint(&m)?;
-                s.check_fits(&path, &fp, usize::MAX)?;
+                // As a context of its dtype keeps keys by default.
+                let dtype: kvplug::KvDtype = s.rows.kv_dtype.parse()?;
+                s.check_fits(&path, &fp, kvplug::KeyBasis::default_for(dtype), usize::MAX)?;
                 println!("  fits         {}", m.display());
             }
         }

@@ -106,6 +106,35 @@ pub struct Reference {
     /// Every layer attends through a sliding window `W`: a query at `p` sees keys at `q` with
     /// `p − W < q ≤ p`.
     pub window: Option<usize>,
+    /// Each head's q and k, after RoPE, multiplied by `H_n/√n` per `n`-wide piece (`n` the
+    /// largest power of two dividing head_dim, `H` Sylvester's: entry `(i, j)` is
+    /// `(−1)^popcount(i & j)`), as a context with [`kvplug::KeyBasis::Hadamard`] keys does.
+    pub rotate_keys: bool,
+    /// K and V rows stored in this quantized dtype (rounded through core's affine
+    /// quantization) before attention reads them.
+    pub kv_quant: Option<kvplug::KvDtype>,
+}
+
+/// `x` with each `n`-wide piece multiplied by `H_n/√n`, from the matrix's definition.
+fn hadamard_f64(x: &[f64], n: usize) -> Vec<f64> {
+    x.chunks(n)
+        .flat_map(|piece| {
+            (0..n).map(move |i| {
+                piece
+                    .iter()
+                    .enumerate()
+                    .map(|(j, v)| {
+                        if (i & j).count_ones() % 2 == 0 {
+                            *v
+                        } else {
+                            -v
+                        }
+                    })
+                    .sum::<f64>()
+                    / (n as f64).sqrt()
+            })
+        })
+        .collect()
 }
 
 /// Llama 3's RoPE scaling of `θ^(−2i/head_dim)` as Hugging Face's
@@ -280,6 +309,18 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             head_norm(&mut k, &nk);
             rope(&mut q, t);
             rope(&mut k, t);
+            if r.rotate_keys {
+                let n = 1 << hd.trailing_zeros();
+                (q, k) = (hadamard_f64(&q, n), hadamard_f64(&k, n));
+            }
+            if let Some((bits, group)) = r.kv_quant.and_then(kvplug::KvDtype::quant) {
+                let store = |x: &[f64]| -> Vec<f64> {
+                    x.chunks(hd)
+                        .flat_map(|row| kvplug_core::quant::quant_round_trip(row, bits, group))
+                        .collect()
+                };
+                (k, v) = (store(&k), store(&v));
+            }
             qs.push(q);
             ks.push(k);
             vs.push(v);

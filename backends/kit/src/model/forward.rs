@@ -5,7 +5,8 @@ use std::any::{Any, TypeId};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
-use kvplug_core::{CacheError, RopePairs};
+use kvplug_core::key_basis::rotation_width;
+use kvplug_core::{CacheError, KeyBasis, RopePairs};
 
 use super::config::{Activation, Arch, ModelConfig, ModelError};
 use super::ops::ModelDevice;
@@ -56,12 +57,13 @@ struct Weights<D: ModelDevice> {
     rope_pairs: RopePairs,
 }
 
-/// A decoder on device `D`: shared weights and how many of its layers run.
-/// Cloning or taking a [`DecoderModel::view`] shares the weights (no copy, no I/O); a view of
-/// the first N layers is a cheap draft model.
+/// A decoder on device `D`: shared weights, how many of its layers run and the basis it
+/// writes keys in. Cloning or taking a [`DecoderModel::view`] shares the weights (no copy,
+/// no I/O); a view of the first N layers is a cheap draft model.
 pub struct DecoderModel<D: ModelDevice> {
     weights: Arc<Weights<D>>,
     layers: usize,
+    keys: KeyBasis,
 }
 
 impl<D: ModelDevice> Clone for DecoderModel<D> {
@@ -69,6 +71,7 @@ impl<D: ModelDevice> Clone for DecoderModel<D> {
         DecoderModel {
             weights: self.weights.clone(),
             layers: self.layers,
+            keys: self.keys,
         }
     }
 }
@@ -193,6 +196,7 @@ impl<D: ModelDevice> DecoderModel<D> {
         Ok(DecoderModel {
             weights: Arc::new(weights),
             layers: n_layers,
+            keys: KeyBasis::Identity,
         })
     }
 
@@ -213,7 +217,11 @@ impl<D: ModelDevice> DecoderModel<D> {
         if let Some(weights) = found {
             tracing::debug!(dir = %key.display(), "model already loaded: sharing its weights");
             let layers = weights.layers.len();
-            return Ok(DecoderModel { weights, layers });
+            return Ok(DecoderModel {
+                weights,
+                layers,
+                keys: KeyBasis::Identity,
+            });
         }
         let model = DecoderModel::load(device, &ModelPackage::open(dir)?)?;
         let erased: Arc<dyn Any + Send + Sync> = model.weights.clone();
@@ -232,7 +240,21 @@ impl<D: ModelDevice> DecoderModel<D> {
         Ok(DecoderModel {
             weights: self.weights.clone(),
             layers,
+            keys: self.keys,
         })
+    }
+
+    /// The same model writing keys (and reading queries) in `keys`' basis.
+    pub fn with_key_basis(&self, keys: KeyBasis) -> Self {
+        DecoderModel {
+            keys,
+            ..self.clone()
+        }
+    }
+
+    /// The basis its keys are written in.
+    pub fn key_basis(&self) -> KeyBasis {
+        self.keys
     }
 
     /// Whether `self` and `other` share their weights.
@@ -312,6 +334,11 @@ impl<D: ModelDevice> DecoderModel<D> {
         if let Some(s) = c.embed_scale() {
             d.scale(&mut a.x, s)?;
         }
+        // The piece width of the key rotation, when there is one.
+        let rotate = match self.keys {
+            KeyBasis::Hadamard => Some(rotation_width(c.head_dim())).filter(|&n| n > 1),
+            KeyBasis::Identity => None,
+        };
         let mut step = cache.step(positions, None)?;
         for (l, lw) in w.layers[..self.layers].iter().enumerate() {
             d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
@@ -331,6 +358,12 @@ impl<D: ModelDevice> DecoderModel<D> {
             };
             d.rope(&mut a.q, hq, positions, inv_freq, w.rope_pairs)?;
             d.rope(&mut a.k, hkv, positions, inv_freq, w.rope_pairs)?;
+            if let Some(n) = rotate {
+                d.hadamard(&a.q, n, &mut a.merged)?;
+                std::mem::swap(&mut a.q, &mut a.merged);
+                d.hadamard(&a.k, n, &mut a.kn)?;
+                std::mem::swap(&mut a.k, &mut a.kn);
+            }
             d.split_heads(&a.q, hq, &mut a.qh)?;
             d.split_heads(&a.k, hkv, &mut a.kh)?;
             d.split_heads(&a.v, hkv, &mut a.vh)?;
@@ -390,7 +423,7 @@ pub struct Activations<D: ModelDevice> {
     hn: D::Tensor,
     q: D::Tensor,
     k: D::Tensor,
-    /// The normed k (Gemma), swapped with `k`.
+    /// The normed (Gemma) or rotated k, swapped with `k`.
     kn: D::Tensor,
     v: D::Tensor,
     qh: D::Tensor,

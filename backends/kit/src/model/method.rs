@@ -20,6 +20,9 @@ use crate::object::SharedCache;
 pub const OPTION_MODEL_DIR: &str = "model_dir";
 /// The option limiting the model to its first N layers (a cheap draft model).
 pub const OPTION_LAYERS: &str = "layers";
+/// The option naming the basis keys are written in (`identity` when absent; see
+/// [`kvplug_core::KeyBasis`]).
+pub const OPTION_KEY_BASIS: &str = "key_basis";
 
 /// `forward` bound to one cache, with its activation buffers.
 pub struct ForwardMethod<D: ModelDevice> {
@@ -120,7 +123,8 @@ impl<D: ModelDevice> ModelMethod for ForwardMethod<D> {
 
 /// Loads `forward` for backend `B`: binds the cache named by the `cache_key` option (it must
 /// belong to `B`), opens the package in `model_dir`, checks the cache shape against the
-/// model and loads the weights.
+/// model and loads the weights; `layers` limits it to a draft view and `key_basis` sets the
+/// basis its keys are written in.
 pub fn load_forward<B: Backend + ModelDevice>(
     options: &BackendOptions,
     host: &HostServices,
@@ -167,6 +171,12 @@ pub fn load_forward<B: Backend + ModelDevice>(
         })?),
         None => None,
     };
+    let keys = match options.get(OPTION_KEY_BASIS) {
+        Some(b) => b.parse::<kvplug_core::KeyBasis>().map_err(|e| {
+            PluginError::new(AbiErrorKind::BadConfig, format!("option 'key_basis': {e}"))
+        })?,
+        None => kvplug_core::KeyBasis::Identity,
+    };
     let (device, cfg) = {
         let c = cache.lock()?;
         (c.device().clone(), *c.config())
@@ -175,7 +185,8 @@ pub fn load_forward<B: Backend + ModelDevice>(
     let model = match layers {
         Some(n) => model.view(n).map_err(CacheError::from)?,
         None => model,
-    };
+    }
+    .with_key_basis(keys);
     let want = model.config().cache_params();
     let want_layers = layers.unwrap_or(want.n_layers);
     if (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim) != (want_layers, want.n_kv_heads, want.head_dim)
@@ -215,6 +226,7 @@ pub fn load_forward<B: Backend + ModelDevice>(
         tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
     tracing::info!(
         layers = model.n_layers(),
+        keys = keys.as_str(),
         kind = cache.lock()?.kind().as_str(),
         "forward bound to {key}"
     );

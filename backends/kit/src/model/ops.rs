@@ -65,6 +65,11 @@ pub trait ModelDevice: Device {
         inv_freq: &[f32],
         pairs: RopePairs,
     ) -> Result<(), KitError>;
+    /// `out = x` with each `n`-wide piece of every row multiplied by `H_n / √n`, `H_n`
+    /// Sylvester's Hadamard matrix (`H_1 = [1]`, `H_2m = [[H_m, H_m], [H_m, −H_m]]`): x and
+    /// out `[T, k·n]`, `n` a power of two (the rotation of
+    /// [`KeyBasis::Hadamard`](kvplug_core::KeyBasis::Hadamard)). Any summation order.
+    fn hadamard(&self, x: &Self::Tensor, n: usize, out: &mut Self::Tensor) -> Result<(), KitError>;
     /// `[T, H·D]` → `[H, T, D]`.
     fn split_heads(
         &self,

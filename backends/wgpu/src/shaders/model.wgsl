@@ -368,3 +368,24 @@ fn scale_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgrou
     if i >= p.total { return; }
     out[i] = out[i] * p.eps;
 }
+
+// out = a with each n0-wide piece multiplied by H_n0 · eps (eps = 1/√n0), H Sylvester's
+// Hadamard matrix: entry (i, j) is −1 where i & j has an odd number of bits. One invocation
+// per output value, summing its piece (n0 is a head's width: at most a few hundred).
+@compute @workgroup_size(64)
+fn hadamard_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(g, nw);
+    if i >= p.total { return; }
+    let row = i % p.n0;
+    let base = i - row;
+    var acc = 0.0;
+    for (var j = 0u; j < p.n0; j++) {
+        let v = a[base + j];
+        if (countOneBits(row & j) & 1u) == 0u {
+            acc += v;
+        } else {
+            acc -= v;
+        }
+    }
+    out[i] = acc * p.eps;
+}
