@@ -411,6 +411,16 @@ const fn code_offset(f: BlockFormat) -> i32 {
     }
 }
 
+/// The offset the integer dots subtract per code: [`code_offset`], or 128 for Q8_0 on the
+/// `dpbusd` path, which takes its codes as unsigned `q + 128` (`maddubs`, whose pair sums
+/// 2·255·127 would saturate, takes |q| against sign(x, q) instead).
+const fn dot_offset(f: BlockFormat, vnni: bool) -> i32 {
+    match f {
+        BlockFormat::Q8_0 if vnni => 128,
+        _ => code_offset(f),
+    }
+}
+
 /// Bytes of one group of `f` (eight 32-value blocks, or one super-block).
 const fn group_bytes(f: BlockFormat) -> usize {
     f.bytes_for(QK * GROUP)
@@ -719,8 +729,7 @@ mod x86 {
     use std::ops::Range;
 
     use super::{
-        code_offset, group_bytes, group_len, has_min, Acts, Panels, GROUP, PANEL, PREFETCH_AHEAD,
-        QK,
+        dot_offset, group_bytes, group_len, has_min, Acts, Panels, GROUP, PANEL, PREFETCH_AHEAD, QK,
     };
     use crate::simd::x86::hsum;
 
@@ -849,13 +858,16 @@ mod x86 {
     /// The 32 codes of 16 bytes of nibbles: low nibbles first, then high nibbles.
     #[inline(always)]
     unsafe fn nibbles(p: *const u8) -> __m256i {
+        _mm256_and_si256(unmasked_nibbles(p), _mm256_set1_epi8(0x0f))
+    }
+
+    /// [`nibbles`] before the mask: each byte's low nibble is the code, its high one noise.
+    #[inline(always)]
+    unsafe fn unmasked_nibbles(p: *const u8) -> __m256i {
         // The 16 bytes in both halves (a broadcast load: no shuffle), the high half's shifted
-        // by a nibble (bits that cross into the byte below are masked off).
+        // by a nibble.
         let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
-        _mm256_and_si256(
-            _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-            _mm256_set1_epi8(0x0f),
-        )
+        _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4))
     }
 
     /// Byte v = 0x10 where bit v of `qh` is set, else 0 (the fifth bits of a Q5_0/Q5_1 block).
@@ -957,18 +969,25 @@ mod x86 {
                     BlockFormat::Q5_0 => 6,
                     _ => 8,
                 };
+                let q5 = f == BlockFormat::Q5_0 || f == BlockFormat::Q5_1;
                 for (j, c) in g.codes.iter_mut().enumerate().take(N) {
-                    *c = nibbles(p.add(j * bb + qs));
-                    if f == BlockFormat::Q5_0 || f == BlockFormat::Q5_1 {
+                    let codes = p.add(j * bb + qs);
+                    *c = if q5 && BW {
+                        // Byte v of the codes is value v: bit v of qh, as a byte mask, selects
+                        // 0x10; one ternary op masks the nibbles and ors it in.
                         let qh = u32_at(j * bb + qs - 4);
-                        *c = if BW {
-                            // Byte v of the codes is value v: bit v of qh, as a byte mask
-                            // (the codes are below 16, so adding 16 sets the fifth bit).
-                            _mm256_mask_add_epi8(*c, qh, *c, _mm256_set1_epi8(0x10))
-                        } else {
-                            _mm256_or_si256(*c, fifth_bits(qh))
-                        };
-                    }
+                        let fifth = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
+                        // (a & b) | c
+                        _mm256_ternarylogic_epi32::<0xEA>(
+                            unmasked_nibbles(codes),
+                            _mm256_set1_epi8(0x0f),
+                            fifth,
+                        )
+                    } else if q5 {
+                        _mm256_or_si256(nibbles(codes), fifth_bits(u32_at(j * bb + qs - 4)))
+                    } else {
+                        nibbles(codes)
+                    };
                 }
                 g.scale = halves::<N>(p, bb);
                 if has_min(f) {
@@ -978,7 +997,12 @@ mod x86 {
             BlockFormat::Q8_0 => {
                 for j in 0..N {
                     g.signed[j] = _mm256_loadu_si256(p.add(j * bb + 2).cast());
-                    g.codes[j] = _mm256_abs_epi8(g.signed[j]);
+                    // See `dot_offset`.
+                    g.codes[j] = if BW {
+                        _mm256_xor_si256(g.signed[j], _mm256_set1_epi8(i8::MIN))
+                    } else {
+                        _mm256_abs_epi8(g.signed[j])
+                    };
                 }
                 g.scale = halves::<N>(p, bb);
             }
@@ -1122,11 +1146,12 @@ mod x86 {
         acc: __m256,
     ) -> __m256 {
         let f = const { BLOCK_FORMATS[F] };
+        let offset = dot_offset(f, VNNI);
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
         for (j, s) in s.iter_mut().enumerate().take(N) {
             let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
-            let x = if f == BlockFormat::Q8_0 {
+            let x = if f == BlockFormat::Q8_0 && !VNNI {
                 _mm256_sign_epi8(x, g.signed[j])
             } else {
                 x
@@ -1154,8 +1179,9 @@ mod x86 {
         if f == BlockFormat::Q6K {
             let off = _mm256_madd_epi16(g.sc16, _mm256_loadu_si256(a.half.cast()));
             isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
-        } else if code_offset(f) != 0 {
-            let off = _mm256_mullo_epi32(sum, _mm256_set1_epi32(code_offset(f)));
+        } else if offset != 0 {
+            // Offsets are powers of two.
+            let off = _mm256_sllv_epi32(sum, _mm256_set1_epi32(offset.trailing_zeros() as i32));
             isum = _mm256_sub_epi32(isum, off);
         }
         let dx = _mm256_castsi256_ps(lanes::<N>(a.d.cast()));
@@ -1428,10 +1454,8 @@ mod x86 {
     ) {
         let f = const { BLOCK_FORMATS[F] };
         let start = b / (f.block_elems() / QK) * f.block_bytes();
-        // Q8_0 with `dpbusd`: unsigned codes c = q + 128 and an offset of 128. With `maddubs`,
-        // whose pair sums 2·255·127 would saturate, [`dot`]'s way: |q| against sign(x, q).
         let q8 = f == BlockFormat::Q8_0;
-        let offset = if q8 && VNNI { 128 } else { code_offset(f) };
+        let offset = dot_offset(f, VNNI);
         let at: [*const u8; R] = std::array::from_fn(|r| {
             assert!(start + f.bytes_for(N * QK) <= rows[r].len());
             rows[r].as_ptr().add(start)
@@ -1452,12 +1476,7 @@ mod x86 {
             // the signed codes' dwords whose signs go onto the activations).
             let (mut w, mut signs) = ([[0i32; QK / 4]; R], [[0i32; QK / 4]; R]);
             for r in 0..R {
-                let codes = if q8 && VNNI {
-                    _mm256_xor_si256(g[r].signed[j], _mm256_set1_epi8(i8::MIN))
-                } else {
-                    g[r].codes[j]
-                };
-                _mm256_storeu_si256(w[r].as_mut_ptr().cast(), codes);
+                _mm256_storeu_si256(w[r].as_mut_ptr().cast(), g[r].codes[j]);
                 if q8 && !VNNI {
                     _mm256_storeu_si256(signs[r].as_mut_ptr().cast(), g[r].signed[j]);
                 }
