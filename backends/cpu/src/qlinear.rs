@@ -18,7 +18,8 @@
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
 //! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same on 256-bit registers with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
-//! encoding, so 32 vector registers; fifth bits set under byte masks; Q6_K's half scales
+//! encoding, so 32 vector registers; fifth bits set under byte masks; Q8_0's codes taken as
+//! unsigned `q + 128` with an offset of `128·s_j` (no sign transfer); Q6_K's half scales
 //! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
 //! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
 //! |q| ≤ 127). The scalar fallback does the same integer arithmetic, summing the floats in
@@ -32,7 +33,8 @@
 //!
 //! where `I_j` is an exact i32: `Σ c·q` over the unsigned weight codes `c`, less the
 //! format's integer offset (`8·s_j` for Q4_0, `16·s_j` for Q5_0; Q6_K: `Σ_h sc_h·(Σ c·q −
-//! 32·Σq)` over its two 16-value halves with their i8 scales; Q8_0's codes are signed).
+//! 32·Σq)` over its two 16-value halves with their i8 scales; Q8_0's codes are signed, or
+//! `q + 128` with `128·s_j` on the `dpbusd` path).
 //! `scale_j` is the block's `d` (`d·sc_j` for Q4_K/Q5_K), `min_j` the additive part (`m` of
 //! Q4_1/Q5_1, `−dmin·m_j` of Q4_K/Q5_K; zero elsewhere). Every `I_j` and `s_j` converts to
 //! f32 exactly (|I_j| ≤ 32·32·127·128 < 2²⁴ for Q6_K, less elsewhere), and `scale_j`,
