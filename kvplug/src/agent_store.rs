@@ -115,6 +115,7 @@ pub struct AgentStore {
     /// Token lists finished requests published, newest last (to explain prefix misses).
     published: VecDeque<Vec<i32>>,
     cache: RtContext,
+    kv_dtype: KvDtype,
     fingerprint: String,
     /// The model's readable name, written into each parked agent's file.
     model_name: String,
@@ -227,6 +228,7 @@ impl AgentStore {
         let mut store = AgentStore {
             published: VecDeque::new(),
             cache,
+            kv_dtype: opts.kv_dtype,
             fingerprint: model_fingerprint(model.dir())?,
             model_name: crate::fingerprint::model_name(model.dir()),
             dir: opts.dir,
@@ -623,14 +625,30 @@ impl AgentStore {
         let mut restored = 0;
         if let Some(name) = agent {
             let path = self.file_of(name)?;
-            if path.exists() {
-                let s = session_file::read(&path)?;
-                s.check_fits(
-                    &path,
-                    &self.fingerprint,
-                    self.cache.key_basis(),
-                    self.cache.capacity(),
-                )?;
+            let saved = if path.exists() {
+                Some(session_file::read(&path)?)
+            } else {
+                None
+            };
+            let keys = self.cache.key_basis();
+            // The warm tier is a cache: a file of another KV dtype or key basis (a server
+            // restarted with another `--kv-dtype`, or files from before keys were rotated)
+            // is a miss, prefilled, and replaced when the agent parks again.
+            let stale = saved.as_ref().is_some_and(|s| {
+                s.rows.kv_dtype.as_str() != self.kv_dtype.to_string() || s.key_basis != keys
+            });
+            if let Some(s) = saved.as_ref().filter(|_| stale) {
+                tracing::warn!(
+                    agent = name,
+                    file = %path.display(),
+                    "its K/V are {} with {} keys; this store keeps {} with {keys} keys: prefilling instead",
+                    s.rows.kv_dtype,
+                    s.key_basis,
+                    self.kv_dtype,
+                );
+            }
+            if let Some(s) = saved.filter(|_| !stale) {
+                s.check_fits(&path, &self.fingerprint, keys, self.cache.capacity())?;
                 let have = common_prefix(&s.tokens, prompt).min(limit);
                 if have > attached {
                     let need = have - attached;

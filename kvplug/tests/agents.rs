@@ -8,7 +8,7 @@ use std::path::Path;
 use kvplug::agent_store::Reply;
 use kvplug::formats::synth::{synth, PRESETS};
 use kvplug::run::{run_decode, RunSpec};
-use kvplug::{AgentStore, AgentStoreOptions, KvDtype, Runtime, Sampler};
+use kvplug::{AgentStore, AgentStoreOptions, KvDtype, Model, Runtime, Sampler};
 
 mod common;
 use common::{runtime, BACKENDS};
@@ -22,13 +22,22 @@ fn tiny(seed: u64) -> tempfile::TempDir {
 }
 
 fn store(rt: &Runtime, backend: &str, model: &Path, capacity: usize, dir: &Path) -> AgentStore {
+    store_of(
+        &common::model(rt, backend, model),
+        KvDtype::F16,
+        capacity,
+        dir,
+    )
+}
+
+fn store_of(model: &Model, kv_dtype: KvDtype, capacity: usize, dir: &Path) -> AgentStore {
     let opts = AgentStoreOptions {
         capacity,
-        kv_dtype: KvDtype::F16,
+        kv_dtype,
         dir: dir.to_path_buf(),
         warm: Default::default(),
     };
-    AgentStore::new(&common::model(rt, backend, model), opts).unwrap()
+    AgentStore::new(model, opts).unwrap()
 }
 
 /// Greedy decoding of `prompt` alone on a fresh contiguous cache.
@@ -153,5 +162,39 @@ fn a_budget_parks_idle_agents_to_files_and_restores_them() {
         for f in std::fs::read_dir(files.path()).unwrap() {
             std::fs::remove_file(f.unwrap().path()).unwrap();
         }
+    }
+}
+
+#[test]
+fn a_parked_file_of_another_kv_dtype_or_key_basis_is_a_miss_not_an_error() {
+    let model = tiny(7);
+    let rt = runtime();
+    let files = tempfile::tempdir().unwrap();
+    let m = common::model(&rt, "cpu", model.path());
+    let q8 = KvDtype::Q8 { group: 16 };
+    let prompt = tokens(3, 40);
+    let mut s = store_of(&m, KvDtype::F16, 128, files.path());
+    let first = ask(&mut s, Some("a"), &prompt);
+    s.park_all().unwrap();
+    drop(s);
+    let next = [prompt.as_slice(), &first.ids, &[7, 7]].concat();
+    // Each store after the first finds the last one's file: of another dtype or key basis
+    // it is prefilled (and replaced on parking); of its own it is restored.
+    for (model, dtype, restores) in [
+        (m.clone(), q8, false),
+        (m.clone(), q8, true),
+        (m.with_key_rotation(false), q8, false),
+        (m.clone(), KvDtype::F16, false),
+    ] {
+        let mut s = store_of(&model, dtype, 128, files.path());
+        let got = ask(&mut s, Some("a"), &next);
+        let want = if restores { next.len() - 1 } else { 0 };
+        assert_eq!(
+            got.restored_tokens,
+            want,
+            "{dtype}, {} keys",
+            model.key_basis(dtype)
+        );
+        s.park_all().unwrap();
     }
 }
