@@ -4,8 +4,9 @@
 //! outliers: one group's scale then spans them and rounds the rest coarsely. An orthonormal
 //! Walsh–Hadamard rotation of q and k per head, after RoPE, spreads every outlier over the
 //! whole piece and leaves each score `q·k = (Hq)·(Hk)` unchanged in exact arithmetic, so
-//! only the quantization error moves (llama.cpp rotates quantized K/V the same way). The
-//! values stay as they are: the attention output needs no inverse.
+//! only the quantization error moves. The values stay as they are, so the attention output
+//! needs no inverse (llama.cpp also rotates quantized V, and the output back; measured on
+//! three models, rotating V as well changed nothing: README "Key rotation").
 //!
 //! The basis is part of what a cache's key rows mean: session files record it, and rows
 //! saved in one basis are refused by a context that keeps the other.

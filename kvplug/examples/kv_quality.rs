@@ -162,8 +162,7 @@ fn main() -> Result<()> {
             runs.push((dtype, model.with_key_rotation(false)));
         }
     }
-    for (dtype, model) in &runs {
-        let (dtype, model) = (*dtype, model);
+    for &(dtype, ref model) in &runs {
         for arithmetic in Arithmetic::ALL {
             // f32 is always computed; another arithmetic only where the backend declares it
             // for this dtype (setting an undeclared one is refused, and there is nothing to

@@ -135,7 +135,7 @@ fn main() -> Result<()> {
         let r = m.context(CacheKind::Contiguous, capacity, dtype)?;
         let t = Instant::now();
         let loaded = session_file::read(&path)?;
-        loaded.check_fits(&path, &fingerprint, r.key_basis(), capacity)?;
+        loaded.check_fits(&path, &fingerprint, dtype, r.key_basis(), capacity)?;
         let read_s = t.elapsed().as_secs_f64();
         r.import_seq(0, &loaded.rows)?;
         let restore_s = t.elapsed().as_secs_f64();

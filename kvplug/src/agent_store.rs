@@ -29,7 +29,7 @@ use crate::error::{fail, Context, Result};
 use crate::fingerprint::model_fingerprint;
 use crate::generator::{generate, GenOptions};
 use crate::sampler::Sampler;
-use crate::session_file::{self, Session, EXTENSION};
+use crate::session_file::{self, Session, SessionFileError, EXTENSION};
 
 /// How a store runs.
 pub struct AgentStoreOptions {
@@ -115,7 +115,6 @@ pub struct AgentStore {
     /// Token lists finished requests published, newest last (to explain prefix misses).
     published: VecDeque<Vec<i32>>,
     cache: RtContext,
-    kv_dtype: KvDtype,
     fingerprint: String,
     /// The model's readable name, written into each parked agent's file.
     model_name: String,
@@ -228,7 +227,6 @@ impl AgentStore {
         let mut store = AgentStore {
             published: VecDeque::new(),
             cache,
-            kv_dtype: opts.kv_dtype,
             fingerprint: model_fingerprint(model.dir())?,
             model_name: crate::fingerprint::model_name(model.dir()),
             dir: opts.dir,
@@ -630,25 +628,32 @@ impl AgentStore {
             } else {
                 None
             };
-            let keys = self.cache.key_basis();
+            let fits = saved.as_ref().map(|s| {
+                let c = &self.cache;
+                s.check_fits(
+                    &path,
+                    &self.fingerprint,
+                    c.kv_dtype(),
+                    c.key_basis(),
+                    c.capacity(),
+                )
+            });
             // The warm tier is a cache: a file of another KV dtype or key basis (a server
             // restarted with another `--kv-dtype`, or files from before keys were rotated)
             // is a miss, prefilled, and replaced when the agent parks again.
-            let stale = saved.as_ref().is_some_and(|s| {
-                s.rows.kv_dtype.as_str() != self.kv_dtype.to_string() || s.key_basis != keys
-            });
-            if let Some(s) = saved.as_ref().filter(|_| stale) {
-                tracing::warn!(
-                    agent = name,
-                    file = %path.display(),
-                    "its K/V are {} with {} keys; this store keeps {} with {keys} keys: prefilling instead",
-                    s.rows.kv_dtype,
-                    s.key_basis,
-                    self.kv_dtype,
-                );
-            }
-            if let Some(s) = saved.filter(|_| !stale) {
-                s.check_fits(&path, &self.fingerprint, keys, self.cache.capacity())?;
+            let usable = match fits {
+                Some(Err(
+                    e @ (SessionFileError::OtherDtype { .. }
+                    | SessionFileError::OtherKeyBasis { .. }),
+                )) => {
+                    tracing::warn!(agent = name, "{e}: prefilling instead");
+                    None
+                }
+                Some(Err(e)) => return Err(e.into()),
+                Some(Ok(())) => saved,
+                None => None,
+            };
+            if let Some(s) = usable {
                 let have = common_prefix(&s.tokens, prompt).min(limit);
                 if have > attached {
                     let need = have - attached;

@@ -127,7 +127,7 @@ impl Chat {
             (Some(path), Some(fp)) if path.exists() => {
                 let s = session_file::read(path)?;
                 let dtype = s.rows.kv_dtype.parse::<KvDtype>()?;
-                s.check_fits(path, fp, model.key_basis(dtype), opts.capacity)?;
+                s.check_fits(path, fp, dtype, model.key_basis(dtype), opts.capacity)?;
                 Some((s, dtype))
             }
             _ => None,
@@ -208,7 +208,8 @@ impl Chat {
         let t = Instant::now();
         let fp = self.fingerprint()?;
         let s = session_file::read(&path)?;
-        s.check_fits(&path, &fp, self.ctx.key_basis(), self.capacity)?;
+        let c = &self.ctx;
+        s.check_fits(&path, &fp, c.kv_dtype(), c.key_basis(), self.capacity)?;
         let messages = session_messages(&s)?;
         let restored = self.restore(s, messages, t)?;
         self.file = Some(path);

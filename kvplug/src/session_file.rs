@@ -1,7 +1,8 @@
 //! Session files: one sequence's K/V history in one safetensors file, loadable into any
 //! backend and any cache kind.
 //!
-//! Layout (schema version 1):
+//! Layout (schema version 1, or 2 for keys in a basis other than identity: a kvplug that
+//! knows no key bases refuses those files by version instead of misreading their keys):
 //!
 //! - `positions` (I32 `[n]`) and `tokens` (I32 `[n]`): the position and token id of each row.
 //! - Per layer group: `g0`, the fully attending layers, with a row per position; `g1`, only
@@ -40,8 +41,9 @@ use safetensors::SafeTensors;
 
 /// The `kv_cache.format` of a session file.
 pub const FORMAT: &str = "kvplug-session";
-/// The schema version this build writes and reads.
-pub const SCHEMA_VERSION: u32 = 1;
+/// The newest schema version: this build reads 1 and 2, and writes 2 only for rotated
+/// keys (identity files stay version 1, readable by earlier builds).
+pub const SCHEMA_VERSION: u32 = 2;
 /// The file extension (`NAME.kvsession.safetensors`).
 pub const EXTENSION: &str = "kvsession.safetensors";
 
@@ -82,7 +84,7 @@ pub enum SessionFileError {
         why: String,
     },
     /// Written with another schema version.
-    #[error("{}: session schema version {found}; this kvplug reads version {SCHEMA_VERSION}", path.display())]
+    #[error("{}: session schema version {found}; this kvplug reads versions 1 to {SCHEMA_VERSION}", path.display())]
     Schema {
         /// The file.
         path: PathBuf,
@@ -105,9 +107,19 @@ pub enum SessionFileError {
         /// The loaded model's.
         model: String,
     },
+    /// K/V stored in another dtype than the context's.
+    #[error("{}: K/V saved as {file}; this context stores {context}", path.display())]
+    OtherDtype {
+        /// The file.
+        path: PathBuf,
+        /// The file's dtype.
+        file: String,
+        /// The context's.
+        context: KvDtype,
+    },
     /// Keys saved in another basis than the context keeps (say, unrotated q4 keys for a
     /// context that rotates them).
-    #[error("{}: keys saved in the {file} basis; this context keeps its keys in the {context} basis (load it into a context of the same KV dtype and key rotation, or re-create it)", path.display())]
+    #[error("{}: keys saved in the {file} basis; this context keeps its keys in the {context} basis (a q8/q4 file from before kvplug rotated quantized keys: re-create it)", path.display())]
     OtherKeyBasis {
         /// The file.
         path: PathBuf,
@@ -216,6 +228,14 @@ impl Encoded<'_> {
     }
 }
 
+/// The schema version of a file holding keys in `keys`' basis.
+fn schema_for(keys: KeyBasis) -> u32 {
+    match keys {
+        KeyBasis::Identity => 1,
+        KeyBasis::Hadamard => 2,
+    }
+}
+
 /// Lays `s` out as a session file (safetensors: tensors in this order, data contiguous).
 fn encode(s: &Session) -> Result<Encoded<'_>, String> {
     let r = &s.rows;
@@ -242,7 +262,7 @@ fn encode(s: &Session) -> Result<Encoded<'_>, String> {
     }
     for (k, v) in [
         ("format", FORMAT.to_string()),
-        ("schema_version", SCHEMA_VERSION.to_string()),
+        ("schema_version", schema_for(s.key_basis).to_string()),
         ("model_fingerprint", s.model.clone()),
         ("model_name", s.model_name.clone()),
         ("kv_dtype", dtype.to_string()),
@@ -439,10 +459,11 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
     if get("format")? != FORMAT {
         return Err(malformed(path, format!("format is '{}'", get("format")?)));
     }
-    if get("schema_version")? != SCHEMA_VERSION.to_string() {
+    let schema = get("schema_version")?;
+    if !matches!(schema, "1" | "2") {
         return Err(SessionFileError::Schema {
             path: path.to_path_buf(),
-            found: get("schema_version")?.to_string(),
+            found: schema.to_string(),
         });
     }
     let hybrid = match get("layer_groups")? {
@@ -464,6 +485,12 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
             .map_err(|e| malformed(path, format!("key_basis: {e}")))?,
         None => KeyBasis::Identity,
     };
+    if schema != schema_for(key_basis).to_string() {
+        return Err(malformed(
+            path,
+            format!("schema version {schema} with {key_basis} keys"),
+        ));
+    }
     let num = |k: &str| -> Result<usize, SessionFileError> {
         get(k)?
             .parse::<u32>()
@@ -626,6 +653,8 @@ pub struct Summary {
     pub tokens: usize,
     /// Storage dtype.
     pub kv_dtype: String,
+    /// The basis of the key rows (`identity` when the writer did not record one).
+    pub key_basis: String,
     /// The model's fingerprint.
     pub model: String,
     /// The model's readable name (empty when the writer did not record one).
@@ -668,6 +697,10 @@ pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
     Ok(Summary {
         tokens: get("tokens").parse().unwrap_or(0),
         kv_dtype: get("kv_dtype"),
+        key_basis: meta["kv_cache.key_basis"]
+            .as_str()
+            .unwrap_or(KeyBasis::Identity.as_str())
+            .to_string(),
         model: get("model_fingerprint"),
         model_name: meta["kv_cache.model_name"]
             .as_str()
@@ -679,12 +712,14 @@ pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
 }
 
 impl Session {
-    /// Refuses the session for a model with fingerprint `model` and a context keeping keys
-    /// in `key_basis` with `capacity` cells.
+    /// Refuses the session for a model with fingerprint `model` and a context of `kv_dtype`
+    /// keeping keys in `key_basis` with `capacity` cells. (A cache's own import checks the
+    /// dtype too, but not the basis: its rows do not say it. Check here first.)
     pub fn check_fits(
         &self,
         path: &Path,
         model: &str,
+        kv_dtype: KvDtype,
         key_basis: KeyBasis,
         capacity: usize,
     ) -> Result<(), SessionFileError> {
@@ -693,6 +728,13 @@ impl Session {
                 path: path.to_path_buf(),
                 file: self.model.clone(),
                 model: model.to_string(),
+            });
+        }
+        if self.rows.kv_dtype.as_str() != kv_dtype.to_string() {
+            return Err(SessionFileError::OtherDtype {
+                path: path.to_path_buf(),
+                file: self.rows.kv_dtype.to_string(),
+                context: kv_dtype,
             });
         }
         if self.key_basis != key_basis {

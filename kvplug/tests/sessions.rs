@@ -163,23 +163,23 @@ fn bad_files_and_bad_imports_are_refused_and_change_nothing() {
     let mut newer = bytes.clone();
     let key = b"\"kv_cache.schema_version\":\"1\"";
     let at = newer.windows(key.len()).position(|w| w == key).unwrap();
-    newer[at + key.len() - 2] = b'2';
+    newer[at + key.len() - 2] = b'3';
     patch_checksum(&mut newer);
     let e = err(newer);
     assert!(matches!(e, SessionFileError::Schema { .. }), "{e}");
     assert!(
         e.to_string()
-            .contains("schema version 2; this kvplug reads version 1"),
+            .contains("schema version 3; this kvplug reads versions 1 to 2"),
         "{e}"
     );
 
     let other = "f".repeat(64);
     let e = session
-        .check_fits(p, &other, session.key_basis, CAPACITY)
+        .check_fits(p, &other, KvDtype::F16, session.key_basis, CAPACITY)
         .unwrap_err();
     assert!(e.to_string().contains("saved with another model"), "{e}");
     let e = session
-        .check_fits(p, &fingerprint, session.key_basis, 4)
+        .check_fits(p, &fingerprint, KvDtype::F16, session.key_basis, 4)
         .unwrap_err();
     assert_eq!(
         e.to_string(),
@@ -248,10 +248,10 @@ fn quantized_keys_are_saved_rotated_and_load_only_where_keys_are_rotated() {
     let loaded = session_file::from_bytes(p, &bytes).unwrap();
     assert_eq!(loaded.key_basis, KeyBasis::Hadamard);
     loaded
-        .check_fits(p, &fingerprint, src.key_basis(), CAPACITY)
+        .check_fits(p, &fingerprint, dtype, src.key_basis(), CAPACITY)
         .unwrap();
     let e = loaded
-        .check_fits(p, &fingerprint, plain.key_basis(), CAPACITY)
+        .check_fits(p, &fingerprint, dtype, plain.key_basis(), CAPACITY)
         .unwrap_err();
     assert!(matches!(e, SessionFileError::OtherKeyBasis { .. }), "{e}");
     assert!(
@@ -261,15 +261,35 @@ fn quantized_keys_are_saved_rotated_and_load_only_where_keys_are_rotated() {
         "{e}"
     );
 
-    // A file without the entry (every earlier writer's) holds unrotated keys.
+    // Rotated keys make a version 2 file (earlier readers refuse it by version); its dtype
+    // is checked first.
+    let version = |b: &[u8]| {
+        let key = b"\"kv_cache.schema_version\":\"";
+        let at = b.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+        at
+    };
+    assert_eq!(bytes[version(&bytes)], b'2');
+    let e = loaded
+        .check_fits(p, &fingerprint, KvDtype::F16, KeyBasis::Identity, CAPACITY)
+        .unwrap_err();
+    assert!(matches!(e, SessionFileError::OtherDtype { .. }), "{e}");
+
+    // A version 1 file without the entry (every earlier writer's) holds unrotated keys; a
+    // version 2 file must name its basis.
     let mut older = bytes.clone();
     let key = b"\"kv_cache.key_basis\"";
     let at = older.windows(key.len()).position(|w| w == key).unwrap();
     older[at + 10..at + 13].copy_from_slice(b"xxx");
+    let mut unnamed = older.clone();
+    patch_checksum(&mut unnamed);
+    let e = session_file::from_bytes(p, &unnamed).unwrap_err();
+    assert!(matches!(e, SessionFileError::Malformed { .. }), "{e}");
+    let v = version(&older);
+    older[v] = b'1';
     patch_checksum(&mut older);
     let e = session_file::from_bytes(p, &older)
         .unwrap()
-        .check_fits(p, &fingerprint, src.key_basis(), CAPACITY)
+        .check_fits(p, &fingerprint, dtype, src.key_basis(), CAPACITY)
         .unwrap_err();
     assert!(
         e.to_string().contains("keys saved in the identity basis"),

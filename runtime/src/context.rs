@@ -2,7 +2,7 @@
 
 use std::ops::Deref;
 
-use kvplug_core::{CacheError, CacheKind, KeyBasis};
+use kvplug_core::{CacheError, CacheKind, KeyBasis, KvDtype};
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, HostTensor, MethodHandle, PluginError};
 
@@ -19,6 +19,8 @@ pub struct Context {
     cache: Cache,
     method: MethodHandle,
     vocab: usize,
+    /// Its cache's storage dtype.
+    kv_dtype: KvDtype,
     /// The basis its forward writes keys in (what its rows mean in a session file).
     keys: KeyBasis,
     /// The last decode's logits, `rows × vocab`, reused from step to step.
@@ -58,11 +60,18 @@ impl<'a> Logits<'a> {
 }
 
 impl Context {
-    pub(crate) fn new(cache: Cache, method: MethodHandle, vocab: usize, keys: KeyBasis) -> Self {
+    pub(crate) fn new(
+        cache: Cache,
+        method: MethodHandle,
+        vocab: usize,
+        kv_dtype: KvDtype,
+        keys: KeyBasis,
+    ) -> Self {
         Context {
             cache,
             method,
             vocab,
+            kv_dtype,
             keys,
             logits: Vec::new(),
             rows: 0,
@@ -75,8 +84,14 @@ impl Context {
         self.vocab
     }
 
-    /// The basis its forward writes keys in: rows exported from it mean keys in this basis,
-    /// and rows imported into it must be too.
+    /// Its cache's storage dtype.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
+    /// The basis its forward writes keys in: rows exported from it hold keys in this basis,
+    /// and rows imported into it must too (rows do not say their basis: a session file
+    /// does, and `Session::check_fits` compares it).
     pub fn key_basis(&self) -> KeyBasis {
         self.keys
     }

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
+use kvplug_core::key_basis::rotation_width;
 use kvplug_core::{
     make_config, CacheConfig, CacheKind, KeyBasis, KvDtype, ModelConfig, ModelError,
 };
@@ -109,9 +110,11 @@ impl Model {
         }
     }
 
-    /// The basis this view's contexts write keys of `kv_dtype` in.
+    /// The basis this view's contexts write keys of `kv_dtype` in (identity where a head's
+    /// width has no power-of-two factor to rotate).
     pub fn key_basis(&self, kv_dtype: KvDtype) -> KeyBasis {
-        if self.rotate_quantized_keys {
+        let rotatable = rotation_width(self.config.head_dim()) > 1;
+        if self.rotate_quantized_keys && rotatable {
             KeyBasis::default_for(kv_dtype)
         } else {
             KeyBasis::Identity
@@ -169,6 +172,12 @@ impl Model {
         let method = self
             .runtime
             .load_method(&self.backend, "forward", &cache, &options)?;
-        Ok(Context::new(cache, method, self.vocab(), keys))
+        Ok(Context::new(
+            cache,
+            method,
+            self.vocab(),
+            cfg.kv_dtype,
+            keys,
+        ))
     }
 }

@@ -62,16 +62,17 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
             }
             println!("sessions in {}", dir.dir().display());
             println!(
-                "{:<24} {:>8} {:>6} {:>12}  model",
-                "name", "tokens", "kv", "bytes"
+                "{:<24} {:>8} {:>6} {:>9} {:>12}  model",
+                "name", "tokens", "kv", "keys", "bytes"
             );
             for l in all {
                 match l.summary {
                     Ok(s) => println!(
-                        "{:<24} {:>8} {:>6} {:>12}  {}",
+                        "{:<24} {:>8} {:>6} {:>9} {:>12}  {}",
                         l.name,
                         s.tokens,
                         s.kv_dtype,
+                        s.key_basis,
                         s.bytes,
                         model_label(&s)
                     ),
@@ -123,7 +124,8 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                 let fp = fingerprint::model_fingerprint(&m)?;
                 // As a context of its dtype keeps keys by default.
                 let dtype: kvplug::KvDtype = s.rows.kv_dtype.parse()?;
-                s.check_fits(&path, &fp, kvplug::KeyBasis::default_for(dtype), usize::MAX)?;
+                let keys = kvplug::KeyBasis::default_for(dtype);
+                s.check_fits(&path, &fp, dtype, keys, usize::MAX)?;
                 println!("  fits         {}", m.display());
             }
         }
