@@ -2,6 +2,7 @@
 //! progress bars live here and nowhere else.
 
 mod commands;
+mod key_rotation;
 mod sampling;
 
 use std::path::PathBuf;

@@ -161,3 +161,49 @@ fn output_into_a_closed_pipe_ends_quietly() {
         );
     }
 }
+
+#[test]
+fn a_session_with_rotated_keys_resumes_only_where_keys_are_rotated() {
+    let sessions = tempfile::tempdir().unwrap();
+    let plugins = cpu_plugins();
+    let chat = |extra: &[&str]| {
+        let mut c = kvplug(sessions.path());
+        c.arg("--plugins").arg(plugins.path()).args([
+            "chat",
+            "--model",
+            &smollm2(),
+            "--max-new",
+            "4",
+            "--session",
+            "rot",
+        ]);
+        c.args(extra);
+        c
+    };
+    let mut first = chat(&["--kv-dtype", "q4"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    writeln!(first.stdin.take().unwrap(), "Hi").unwrap();
+    assert!(first.wait().unwrap().success());
+    let ls = output(kvplug(sessions.path()).args(["session", "ls"]));
+    let listed = String::from_utf8_lossy(&ls.stdout).to_string();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("rot ") && l.contains(" q4  hadamard ")),
+        "{listed}"
+    );
+    let plain = output(chat(&["--no-key-rotation"]).stdin(Stdio::null()));
+    let err = String::from_utf8_lossy(&plain.stderr);
+    assert_eq!(plain.status.code(), Some(1), "{plain:?}");
+    assert!(
+        err.contains(
+            "keys saved in the hadamard basis; this context keeps its keys in the identity basis"
+        ),
+        "{err}"
+    );
+    assert!(output(chat(&[]).stdin(Stdio::null())).status.success());
+}

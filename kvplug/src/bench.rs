@@ -17,7 +17,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kvplug_core::{Arithmetic, CacheKind, KvDtype};
+use kvplug_core::{Arithmetic, CacheKind, KeyBasis, KvDtype};
 use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{Batch, Context, Runtime};
 
@@ -46,6 +46,8 @@ pub struct BenchOptions {
     pub n_depth: Vec<usize>,
     /// Timed runs per test.
     pub repetitions: usize,
+    /// Whether q8/q4 keys are Hadamard-rotated (the default; see [`kvplug_core::KeyBasis`]).
+    pub key_rotation: bool,
 }
 
 /// One test's figures.
@@ -63,6 +65,8 @@ pub struct BenchResult {
     pub kv_dtype: String,
     /// The attention arithmetic the cache computed with.
     pub attention: String,
+    /// The basis keys were stored in (`identity` or `hadamard`).
+    pub key_basis: String,
     /// Prompt tokens (pp test) or 0.
     pub n_prompt: usize,
     /// Generated tokens (tg test) or 0.
@@ -185,7 +189,8 @@ pub fn run(
     let mut results = Vec::new();
     for backend in &a.backend {
         let device = runtime.plugin(backend)?.device.clone();
-        let model = crate::formats::open_model(runtime, backend, &a.model)?;
+        let model = crate::formats::open_model(runtime, backend, &a.model)?
+            .with_key_rotation(a.key_rotation);
         for &kind in &a.kind {
             let arithmetics: Vec<Option<Arithmetic>> = match a.attention.len() {
                 0 => vec![None],
@@ -226,6 +231,7 @@ pub fn run(
                             kind: kind.as_str().into(),
                             kv_dtype: dtype.to_string(),
                             attention: ctx.arithmetic(),
+                            key_basis: ctx.key_basis().to_string(),
                             n_prompt: p,
                             n_gen: n,
                             n_depth: depth,
@@ -247,12 +253,23 @@ pub fn run(
 /// The table's header rows.
 pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache MiB |\n| --- | --- | --- | --- | ---: | ---: | ---: |";
 
-/// One table row; `kv` names an attention arithmetic other than f32 after the dtype.
+/// One table row; `kv` names an attention arithmetic other than f32, and quantized keys
+/// left unrotated, after the dtype.
 pub fn table_row(r: &BenchResult) -> String {
-    let kv = if r.attention == Arithmetic::F32.as_str() {
-        r.kv_dtype.clone()
-    } else {
-        format!("{} ({})", r.kv_dtype, r.attention)
+    let quantized = r
+        .kv_dtype
+        .parse::<KvDtype>()
+        .is_ok_and(KvDtype::is_quantized);
+    let notes: Vec<&str> = [
+        (r.attention != Arithmetic::F32.as_str()).then_some(r.attention.as_str()),
+        (quantized && r.key_basis == KeyBasis::Identity.as_str()).then_some("unrotated"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let kv = match notes.is_empty() {
+        true => r.kv_dtype.clone(),
+        false => format!("{} ({})", r.kv_dtype, notes.join(", ")),
     };
     format!(
         "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",
@@ -280,6 +297,7 @@ mod tests {
             kind: "contiguous".into(),
             kv_dtype: "f16".into(),
             attention: "f32".into(),
+            key_basis: "identity".into(),
             n_prompt: 512,
             n_gen: 0,
             n_depth: 0,

@@ -119,7 +119,7 @@ pub enum SessionFileError {
     },
     /// Keys saved in another basis than the context keeps (say, unrotated q4 keys for a
     /// context that rotates them).
-    #[error("{}: keys saved in the {file} basis; this context keeps its keys in the {context} basis (a q8/q4 file from before kvplug rotated quantized keys: re-create it)", path.display())]
+    #[error("{}: keys saved in the {file} basis; this context keeps its keys in the {context} basis (q8/q4 keys are rotated unless --no-key-rotation; files written before kvplug rotated them hold identity keys)", path.display())]
     OtherKeyBasis {
         /// The file.
         path: PathBuf,

@@ -373,6 +373,7 @@ fn bench_runs_every_combination() {
         n_gen: vec![4],
         n_depth: vec![0, 5],
         repetitions: 2,
+        key_rotation: true,
     };
     let mut seen = 0;
     let results = run(&rt, &args, &mut |_| seen += 1).unwrap();
@@ -394,6 +395,30 @@ fn bench_runs_every_combination() {
         "{e}"
     );
     args.attention = vec![];
+    // Quantized keys are rotated unless told not to, and the table says when they are not.
+    let quick = BenchOptions {
+        backend: vec!["cpu".into()],
+        kind: vec![CacheKind::Contiguous],
+        kv_dtype: vec![KvDtype::Q8 { group: 16 }],
+        n_gen: vec![0],
+        n_depth: vec![0],
+        repetitions: 1,
+        ..args.clone()
+    };
+    for on in [true, false] {
+        let opts = BenchOptions {
+            key_rotation: on,
+            ..quick.clone()
+        };
+        let r = &run(&rt, &opts, &mut |_| {}).unwrap()[0];
+        assert_eq!(r.key_basis, if on { "hadamard" } else { "identity" });
+        assert_eq!(
+            kvplug::bench::table_row(r).contains("| q8g16 (unrotated) |"),
+            !on,
+            "{}",
+            kvplug::bench::table_row(r)
+        );
+    }
     (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
     let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("no tests"), "{e}");

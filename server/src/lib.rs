@@ -60,6 +60,8 @@ pub struct ServerConfig {
     pub capacity: usize,
     /// KV storage dtype.
     pub kv_dtype: KvDtype,
+    /// Whether q8/q4 keys are Hadamard-rotated (the default; see [`kvplug::KeyBasis`]).
+    pub key_rotation: bool,
     /// Most requests in flight (sequences of the cache, 1..=64).
     pub parallel: usize,
     /// Most requests waiting beyond those.
@@ -132,7 +134,8 @@ impl Server {
                 "the header timeout must be above zero".into(),
             ));
         }
-        let model = kvplug::open_model(runtime, &config.backend, &config.model)?;
+        let model = kvplug::open_model(runtime, &config.backend, &config.model)?
+            .with_key_rotation(config.key_rotation);
         let text = Arc::new(Text::load(model.dir())?);
         // Constrained decoding (response_format, tools, grammar) needs the vocabulary as
         // bytes; a tokenizer llguidance cannot read leaves the server without it.

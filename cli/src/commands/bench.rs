@@ -41,6 +41,8 @@ pub struct Args {
     /// A JSON array instead of the table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    key_rotation: crate::key_rotation::KeyRotationArgs,
 }
 
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
@@ -54,6 +56,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         n_gen: a.n_gen,
         n_depth: a.n_depth,
         repetitions: a.repetitions,
+        key_rotation: a.key_rotation.on(),
     };
     if !a.json {
         println!("{}", bench::TABLE_HEAD);

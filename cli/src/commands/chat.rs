@@ -42,6 +42,8 @@ pub struct Args {
     session: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    key_rotation: crate::key_rotation::KeyRotationArgs,
     /// One JSON object per turn instead of streamed text.
     #[arg(long)]
     json: bool,
@@ -52,7 +54,8 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     // Held until the chat ends (or moves to another name): a second process on the same
     // session is refused.
     let lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
-    let model = kvplug::open_model(runtime, &a.backend, &a.model)?;
+    let model =
+        kvplug::open_model(runtime, &a.backend, &a.model)?.with_key_rotation(a.key_rotation.on());
     let session = match &a.session {
         Some(name) => Some(sessions.path_for_write(name)?),
         None => None,

@@ -48,6 +48,8 @@ pub struct Args {
     capacity: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    key_rotation: crate::key_rotation::KeyRotationArgs,
     /// Agent fork: K branches from the prompt, decoded together, best kept.
     #[arg(long, conflicts_with = "speculative")]
     agents: Option<usize>,
@@ -100,7 +102,8 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if a.max_new == 0 {
         bail!("--max-new 0 would generate nothing: give at least 1");
     }
-    let model = kvplug::open_model(runtime, &a.backend, &a.model)?;
+    let model =
+        kvplug::open_model(runtime, &a.backend, &a.model)?.with_key_rotation(a.key_rotation.on());
     let (prompt, text) = prompt_of(&a, &model)?;
     let spec = RunSpec {
         prompt,

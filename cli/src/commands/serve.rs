@@ -39,6 +39,8 @@ pub struct Args {
     /// KV storage dtype.
     #[arg(long, default_value = "f16")]
     kv_dtype: KvDtype,
+    #[command(flatten)]
+    key_rotation: crate::key_rotation::KeyRotationArgs,
     /// Most requests decoded together (sequences of the cache, 1..=64).
     #[arg(long, default_value_t = 16)]
     parallel: usize,
@@ -86,6 +88,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         api_key: a.api_key.filter(|k| !k.is_empty()),
         capacity: a.capacity,
         kv_dtype: a.kv_dtype,
+        key_rotation: a.key_rotation.on(),
         parallel: a.parallel,
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,
