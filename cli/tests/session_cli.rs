@@ -28,6 +28,22 @@ fn smollm2() -> String {
     m.to_str().unwrap().to_string()
 }
 
+/// `chat` on SmolLM2 with the cpu plugins in `plugins`, 4 tokens per answer, on `session`.
+fn chat_on(sessions: &Path, plugins: &Path, session: &str, extra: &[&str]) -> Command {
+    let mut c = kvplug(sessions);
+    c.arg("--plugins").arg(plugins).args([
+        "chat",
+        "--model",
+        &smollm2(),
+        "--max-new",
+        "4",
+        "--session",
+        session,
+    ]);
+    c.args(extra);
+    c
+}
+
 /// The pid of a process that has ended.
 fn dead_pid() -> u32 {
     let mut c = Command::new("true").spawn().unwrap();
@@ -69,19 +85,7 @@ fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
 fn a_session_in_use_is_refused_to_a_second_process() {
     let sessions = tempfile::tempdir().unwrap();
     let plugins = cpu_plugins();
-    let chat = |session: &str| {
-        let mut c = kvplug(sessions.path());
-        c.arg("--plugins").arg(plugins.path()).args([
-            "chat",
-            "--model",
-            &smollm2(),
-            "--max-new",
-            "4",
-            "--session",
-            session,
-        ]);
-        c
-    };
+    let chat = |session: &str| chat_on(sessions.path(), plugins.path(), session, &[]);
     let mut first = chat("dup")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -166,20 +170,7 @@ fn output_into_a_closed_pipe_ends_quietly() {
 fn a_session_with_rotated_keys_resumes_only_where_keys_are_rotated() {
     let sessions = tempfile::tempdir().unwrap();
     let plugins = cpu_plugins();
-    let chat = |extra: &[&str]| {
-        let mut c = kvplug(sessions.path());
-        c.arg("--plugins").arg(plugins.path()).args([
-            "chat",
-            "--model",
-            &smollm2(),
-            "--max-new",
-            "4",
-            "--session",
-            "rot",
-        ]);
-        c.args(extra);
-        c
-    };
+    let chat = |extra: &[&str]| chat_on(sessions.path(), plugins.path(), "rot", extra);
     let mut first = chat(&["--kv-dtype", "q4"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())

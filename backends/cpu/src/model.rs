@@ -2,6 +2,7 @@
 //! read in place from the mapped package ([`crate::linear`]; block formats through
 //! [`crate::qlinear`]), and plain loops for the element-wise ops.
 
+use kvplug_backend_kit::model::ops::check_hadamard;
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor, StoredValues};
 use kvplug_backend_kit::KitError;
 use kvplug_core::RopePairs;
@@ -144,10 +145,7 @@ impl ModelDevice for CpuDevice {
     }
 
     fn hadamard(&self, x: &CpuTensor, n: usize, out: &mut CpuTensor) -> Result<(), KitError> {
-        check(
-            n.is_power_of_two() && x.data.len().is_multiple_of(n) && out.dims == x.dims,
-            "hadamard",
-        )?;
+        check_hadamard(&x.dims, n, &out.dims)?;
         out.data.copy_from_slice(&x.data);
         let norm = 1.0 / (n as f32).sqrt();
         for piece in out.data.chunks_exact_mut(n) {

@@ -18,6 +18,7 @@
 //! `kvplug plugins` lists the widened formats as `weights-widened`.
 
 use kvplug_backend_kit::model::blocks::{affine_row, BlockFormat, AFFINE_GROUP, BLOCK_FORMATS};
+use kvplug_backend_kit::model::ops::check_hadamard;
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::KitError;
 use kvplug_core::RopePairs;
@@ -253,13 +254,7 @@ impl ModelDevice for MlxDevice {
     }
 
     fn hadamard(&self, x: &MlxTensor, n: usize, out: &mut MlxTensor) -> Result<(), KitError> {
-        let total: usize = x.dims.iter().product();
-        if !n.is_power_of_two() || total % n != 0 || out.dims != x.dims {
-            return Err(KitError::Device(format!(
-                "hadamard of {n}-wide pieces on {:?} into {:?}",
-                x.dims, out.dims
-            )));
-        }
+        check_hadamard(&x.dims, n, &out.dims)?;
         let _g = self.enter()?;
         out.a = ffi::hadamard(&x.a, n as i32).map_err(err)?;
         Ok(())

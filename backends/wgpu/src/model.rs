@@ -2,6 +2,7 @@
 //! activations stay on the device between layers (only logits are read back).
 
 use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
+use kvplug_backend_kit::model::ops::check_hadamard;
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::{Device, KitError};
 use kvplug_core::RopePairs;
@@ -334,13 +335,8 @@ impl ModelDevice for WgpuDevice {
     }
 
     fn hadamard(&self, x: &WgpuTensor, n: usize, out: &mut WgpuTensor) -> Result<(), KitError> {
+        check_hadamard(&x.dims, n, &out.dims)?;
         let total: usize = x.dims.iter().product();
-        if !n.is_power_of_two() || total % n != 0 || out.dims != x.dims {
-            return Err(KitError::Device(format!(
-                "hadamard of {n}-wide pieces on {:?} into {:?}",
-                x.dims, out.dims
-            )));
-        }
         let params = OpParams {
             n: [n as u32, 0, 0, 0],
             total: total as u32,

@@ -7,6 +7,18 @@ use crate::device::Device;
 
 use super::stored::StoredTensor;
 
+/// Refuses a [`ModelDevice::hadamard`] call whose shapes break its contract: `n` not a power
+/// of two or not dividing the rows, or `out` of other dims than `x`.
+pub fn check_hadamard(x: &[usize], n: usize, out: &[usize]) -> Result<(), KitError> {
+    let total: usize = x.iter().product();
+    if !n.is_power_of_two() || total % n != 0 || out != x {
+        return Err(KitError::Device(format!(
+            "hadamard of {n}-wide pieces on {x:?} into {out:?}"
+        )));
+    }
+    Ok(())
+}
+
 /// Tensor operations of the decoder forward pass (Llama family, Gemma 3). Activations are f32 `Device::Tensor`s,
 /// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
 /// consistent shapes.
