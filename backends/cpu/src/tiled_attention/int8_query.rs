@@ -95,7 +95,7 @@ unsafe fn key_groups(k: &QuantRows, j: usize, c: usize) -> (__m512, __m512) {
 
 /// [`Block::scores`] for quantized keys in [`Arithmetic::Int8Query`](kvplug_core::Arithmetic):
 /// the scores of the block's `M` query rows (rows `b0..` of `qc`) against rows
-/// `[j0, j0 + nb)` into `p`, 2 key rows per pass; prefetches the same rows of `ahead`.
+/// `[j0, j0 + nb)` into `p`, 2 key rows per pass; prefetches as [`Block::score_pairs`] does.
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI and the AVX2 set are present; `k` holds the rows, its groups a multiple
@@ -105,13 +105,13 @@ pub unsafe fn scores<const M: usize, V: RowView>(
     blk: &Block<'_>,
     qc: &QueryCodes,
     k: &QuantRows,
-    ahead: Option<V>,
+    ahead: Option<(QuantRows, V)>,
     p: &mut [f32],
 ) {
     let Block { b0, d, .. } = *blk;
     debug_assert_eq!(qc.d, d);
     let nc = d / CHUNK;
-    blk.score_pairs::<Avx512, M, V>(ahead, p, |r0, r1, acc| {
+    blk.score_pairs::<Avx512, M, QuantRows, V>(ahead, p, |r0, r1, acc| {
         for c in 0..nc {
             let (k0, k1) = (key_codes(k, r0, c), key_codes(k, r1, c));
             let ((s0, lo0), (s1, lo1)) = (key_groups(k, r0, c), key_groups(k, r1, c));
@@ -207,6 +207,7 @@ mod tests {
                     l: nb,
                 },
                 query: Some(&qc),
+                kend: nb,
             };
             scores::<M, QuantRows>(&blk, &qc, &k, None, &mut p);
         }
