@@ -15,13 +15,16 @@
 # (mean ± standard deviation of every sample) and kvplug / llama.cpp follows
 # (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
 # peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens after RSS_CONTEXT - PP of
-# context, one run; llama.cpp with the flash-attention setting its default picks).
+# context, one run; llama.cpp with the flash-attention setting its default picks; both at the
+# first MMAP setting).
 #
 # Settings (environment): MODEL (a GGUF; default the demo model), F16 (1: both sides read an
 # f16 copy of MODEL), THREADS (default: every
 # core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r,
 # REPS per run), ROUNDS (default 2: llama.cpp, kvplug, kvplug, llama.cpp for each test),
-# KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names).
+# KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names), MMAP (comma list: 1
+# maps the weights on both sides, the default of both; 0 reads them into memory, llama-bench
+# -mmp 0 and kvplug --no-mmap; each test runs at each setting in turn, rows marked no-mmap).
 # RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +41,7 @@ DEPTHS=${DEPTHS:-0,4096}
 REPS=${REPS:-2}
 ROUNDS=${ROUNDS:-2}
 KV=${KV:-f16}
+MMAP=${MMAP:-1}
 RSS_CONTEXT=${RSS_CONTEXT:-4096}
 
 case "$KV" in
@@ -46,6 +50,7 @@ case "$KV" in
     q4_0) KVPLUG_KV=q4 ;;
     *) echo "bench-peers: KV must be f16, q8_0 or q4_0 (got $KV)" >&2; exit 2 ;;
 esac
+[[ "$MMAP" =~ ^[01](,[01])*$ ]] || { echo "bench-peers: MMAP must list 1 and/or 0 (got $MMAP)" >&2; exit 2; }
 [ -f "$MODEL" ] || { echo "bench-peers: no model at $MODEL (make models fetches the demo model)" >&2; exit 2; }
 
 if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
@@ -99,27 +104,36 @@ if [ "$F16" = 1 ]; then
 fi
 
 cargo build --release --quiet
+# Each side at mmap setting $1 (1 mapped, 0 read into memory), then llama-bench's test flags.
 llama() {
+    local mmap=$1
+    shift
     "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -r "$REPS" -ctk "$KV" -ctv "$KV" \
-        -fa on,off -o json "$@"
+        -fa on,off -mmp "$mmap" -o json "$@"
 }
 kvplug() {
+    local mmap=$1
+    shift
+    [ "$mmap" = 0 ] && set -- --no-mmap "$@"
     ./target/release/kvplug --plugins target/release bench --model "$weights" --backend cpu \
         --kv-dtype "$KVPLUG_KV" -r "$REPS" --json "$@"
 }
 runs="$PEERS/runs"
 rm -rf "$runs" && mkdir -p "$runs"
 echo "bench-peers: llama.cpp ($THREADS threads, KV $KV, flash attention on and off) and kvplug" \
-    "(cpu backend, KV $KVPLUG_KV): $ROUNDS rounds of $REPS runs, interleaved per test"
+    "(cpu backend, KV $KVPLUG_KV), mmap $MMAP: $ROUNDS rounds of $REPS runs, interleaved per test"
 for depth in ${DEPTHS//,/ }; do
     for test in "-p $PP -n 0" "-p 0 -n $TG"; do
         for ((round = 0; round < ROUNDS; round++)); do
-            # ABBA: even rounds llama.cpp first, odd rounds kvplug first.
-            order="llama kvplug"
-            [ $((round % 2)) -eq 1 ] && order="kvplug llama"
-            for side in $order; do
-                # shellcheck disable=SC2086
-                $side $test -d "$depth" >"$runs/$side-d$depth${test// /}-$round.json"
+            for mmap in ${MMAP//,/ }; do
+                # ABBA: even rounds llama.cpp first, odd rounds kvplug first.
+                order="llama kvplug"
+                [ $((round % 2)) -eq 1 ] && order="kvplug llama"
+                for side in $order; do
+                    # shellcheck disable=SC2086
+                    $side "$mmap" $test -d "$depth" \
+                        >"$runs/$side-d$depth${test// /}-mmap$mmap-$round.json"
+                done
             done
         done
     done
@@ -128,7 +142,7 @@ done
 python3 - "$runs" "$weights" "$THREADS" "$KV" "$VERSION" "${features[*]}" <<'EOF' | tee "$PEERS/peers.md"
 import glob, json, os, statistics, sys
 runs, model, threads, kv, version, features = sys.argv[1:]
-key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"])
+key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"], bool(r.get("use_mmap", True)))
 # Every sample of each side per test; llama.cpp's per flash-attention setting.
 ours, theirs = {}, {}
 for path in sorted(glob.glob(os.path.join(runs, "*.json"))):
@@ -149,10 +163,12 @@ print(f"llama.cpp: the source llama-cpp-python {version} vendors, built Release 
       "Q4_K).\n")
 print("| test | llama.cpp t/s | llama.cpp -fa | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | :---: | ---: | ---: |")
-for k in sorted(ours, key=lambda k: (k[2], k[1], k[0])):
+for k in sorted(ours, key=lambda k: (k[2], k[1], k[0], not k[3])):
     name = f"pp{k[0]}" if k[0] else f"tg{k[1]}"
     if k[2]:
         name += f" @ d{k[2]}"
+    if not k[3]:
+        name += " (no-mmap)"
     m, sd = stats(ours[k])
     by_fa = theirs.get(k)
     if not by_fa:
@@ -172,15 +188,19 @@ print(f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.1f}")' "
 }
 echo "bench-peers: peak RSS holding $RSS_CONTEXT tokens"
 depth=$((RSS_CONTEXT - PP))
+mmap=${MMAP%%,*}
+no_mmap=()
+[ "$mmap" = 0 ] && no_mmap=(--no-mmap)
 theirs=$(peak_rss "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -p "$PP" -n 0 -d "$depth" \
-    -r 1 -ctk "$KV" -ctv "$KV")
+    -r 1 -ctk "$KV" -ctv "$KV" -mmp "$mmap")
 ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$weights" \
-    --backend cpu --kv-dtype "$KVPLUG_KV" -p "$PP" -n 0 -d "$depth" -r 1)
-python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$PP" <<'EOF' | tee -a "$PEERS/peers.md"
+    --backend cpu --kv-dtype "$KVPLUG_KV" -p "$PP" -n 0 -d "$depth" -r 1 "${no_mmap[@]}")
+python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$PP" "$mmap" <<'EOF' | tee -a "$PEERS/peers.md"
 import sys
 theirs, ours = float(sys.argv[1]), float(sys.argv[2])
-ctx, pp = sys.argv[3:]
-print(f"\nPeak RSS holding {ctx} tokens (pp{pp} after the rest as context, one run): "
+ctx, pp, mmap = sys.argv[3:]
+held = "mapped" if mmap == "1" else "read into memory"
+print(f"\nPeak RSS holding {ctx} tokens (pp{pp} after the rest as context, one run, weights {held}): "
       f"llama.cpp {theirs:.1f} MiB, kvplug {ours:.1f} MiB, kvplug / llama.cpp "
       f"**{ours / theirs:.2f}x**.")
 EOF

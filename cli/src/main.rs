@@ -2,7 +2,7 @@
 //! progress bars live here and nowhere else.
 
 mod commands;
-mod key_rotation;
+mod model_flags;
 mod sampling;
 
 use std::path::PathBuf;

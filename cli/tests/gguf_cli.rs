@@ -1,6 +1,6 @@
 //! The quantized real model through the CLI, as a user runs it: `run --model FILE.gguf`
 //! serves the file's weights in place (what the cache directory gains is a few MB of derived
-//! metadata, never a weight copy), `plan` counts the weights as stored (quantized blocks as
+//! metadata, never a weight copy), mapped or read into memory alike, `plan` counts the weights as stored (quantized blocks as
 //! their bytes, summed here from the file's own tensor table), and `plugins` lists the
 //! weight formats each backend computes.
 
@@ -74,6 +74,23 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
         run["text"].as_str().is_some_and(|t| t.contains('4')),
         "{run}"
     );
+    // The file read into memory instead of mapped (--no-mmap) gives the same answer.
+    let loaded: serde_json::Value = serde_json::from_str(&kvplug(
+        cache.path(),
+        &[
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "What is 2 + 2?",
+            "--max-new",
+            "8",
+            "--json",
+            "--no-mmap",
+        ],
+    ))
+    .unwrap();
+    assert_eq!(loaded["text"], run["text"], "{loaded}");
     let derived = bytes_under(cache.path());
     assert!(
         derived < 32 << 20,

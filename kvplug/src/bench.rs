@@ -48,6 +48,9 @@ pub struct BenchOptions {
     pub repetitions: usize,
     /// Whether q8/q4 keys are Hadamard-rotated (the default; see [`kvplug_core::KeyBasis`]).
     pub key_rotation: bool,
+    /// Whether the weight files are mapped (the default) or read into memory (see
+    /// [`kvplug_runtime::Model::with_mmap`]).
+    pub mmap: bool,
 }
 
 /// One test's figures.
@@ -67,6 +70,8 @@ pub struct BenchResult {
     pub attention: String,
     /// The basis keys were stored in (`identity` or `hadamard`).
     pub key_basis: String,
+    /// Whether the weight files were mapped (llama-bench's field of the same name).
+    pub use_mmap: bool,
     /// Prompt tokens (pp test) or 0.
     pub n_prompt: usize,
     /// Generated tokens (tg test) or 0.
@@ -190,7 +195,8 @@ pub fn run(
     for backend in &a.backend {
         let device = runtime.plugin(backend)?.device.clone();
         let model = crate::formats::open_model(runtime, backend, &a.model)?
-            .with_key_rotation(a.key_rotation);
+            .with_key_rotation(a.key_rotation)
+            .with_mmap(a.mmap);
         for &kind in &a.kind {
             let arithmetics: Vec<Option<Arithmetic>> = match a.attention.len() {
                 0 => vec![None],
@@ -232,6 +238,7 @@ pub fn run(
                             kv_dtype: dtype.to_string(),
                             attention: ctx.arithmetic(),
                             key_basis: ctx.key_basis().to_string(),
+                            use_mmap: a.mmap,
                             n_prompt: p,
                             n_gen: n,
                             n_depth: depth,
@@ -254,7 +261,8 @@ pub fn run(
 pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache MiB |\n| --- | --- | --- | --- | ---: | ---: | ---: |";
 
 /// One table row; `kv` names an attention arithmetic other than f32, and quantized keys
-/// left unrotated, after the dtype.
+/// left unrotated, after the dtype; `model` says `no-mmap` after the name where the weights
+/// were read into memory.
 pub fn table_row(r: &BenchResult) -> String {
     let quantized = r
         .kv_dtype
@@ -271,9 +279,13 @@ pub fn table_row(r: &BenchResult) -> String {
         true => r.kv_dtype.clone(),
         false => format!("{} ({})", r.kv_dtype, notes.join(", ")),
     };
+    let model = match r.use_mmap {
+        true => r.model.clone(),
+        false => format!("{} (no-mmap)", r.model),
+    };
     format!(
         "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",
-        r.model,
+        model,
         r.backend,
         r.kind,
         kv,
@@ -298,6 +310,7 @@ mod tests {
             kv_dtype: "f16".into(),
             attention: "f32".into(),
             key_basis: "identity".into(),
+            use_mmap: true,
             n_prompt: 512,
             n_gen: 0,
             n_depth: 0,

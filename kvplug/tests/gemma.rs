@@ -511,6 +511,7 @@ fn bench_at_a_depth_past_the_window_runs_on_a_hybrid_model() {
         n_depth: vec![3 * WINDOW],
         repetitions: 2,
         key_rotation: true,
+        mmap: true,
     };
     let results = run(&runtime(), &args, &mut |_| {}).unwrap();
     assert_eq!(results.len(), 4);

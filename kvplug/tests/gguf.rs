@@ -157,6 +157,20 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
             worst < 1e-3,
             "{backend}: in place, max |logit error| {worst}"
         );
+        // The same file read into memory (--no-mmap) computes the same logits, bit for bit.
+        let mut loaded = common::model(&rt, backend, &indexed)
+            .with_mmap(false)
+            .context(CacheKind::Contiguous, 64, KvDtype::F32)
+            .unwrap();
+        let bits = |l: &[Vec<f32>]| -> Vec<Vec<u32>> {
+            l.iter()
+                .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                .collect()
+        };
+        assert!(
+            bits(&forward(&mut loaded, &tokens, &positions)) == bits(&got),
+            "{backend}: the GGUF read into memory gives other logits than mapped"
+        );
     }
 
     // A weight type kvplug does not compute (Q2_K) is refused by name when indexing, never

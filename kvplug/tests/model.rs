@@ -374,6 +374,7 @@ fn bench_runs_every_combination() {
         n_depth: vec![0, 5],
         repetitions: 2,
         key_rotation: true,
+        mmap: true,
     };
     let mut seen = 0;
     let results = run(&rt, &args, &mut |_| seen += 1).unwrap();
@@ -419,6 +420,14 @@ fn bench_runs_every_combination() {
             kvplug::bench::table_row(r)
         );
     }
+    // Weights read into memory are recorded and marked as such.
+    let opts = BenchOptions {
+        mmap: false,
+        ..quick.clone()
+    };
+    let r = &run(&rt, &opts, &mut |_| {}).unwrap()[0];
+    let row = kvplug::bench::table_row(r);
+    assert!(!r.use_mmap && row.contains(" (no-mmap) |"), "{row}");
     (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
     let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("no tests"), "{e}");

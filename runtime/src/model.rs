@@ -19,10 +19,12 @@ const OPTION_MODEL_DIR: &str = "model_dir";
 const OPTION_LAYERS: &str = "layers";
 /// The option naming the basis the forward pass writes keys in.
 const OPTION_KEY_BASIS: &str = "key_basis";
+/// The option saying whether the backend maps the weight files (`true` when absent).
+const OPTION_MMAP: &str = "mmap";
 
 /// A model on a backend: its directory (a Hugging Face–style package, or a GGUF's index)
 /// and its `config.json`, parsed once by core's parser, the one the kit builds the forward
-/// pass with. Cheap to clone. The backend maps the weights once, when the first context
+/// pass with. Cheap to clone. The backend maps the weights (or reads them: [`Model::with_mmap`]) once, when the first context
 /// binds them, and shares them with every later context and every layer view.
 #[derive(Clone)]
 pub struct Model {
@@ -34,6 +36,8 @@ pub struct Model {
     layers: usize,
     /// Whether contexts with quantized keys rotate them ([`KeyBasis::default_for`]).
     rotate_quantized_keys: bool,
+    /// Whether the backend maps the weight files (else it reads them into memory).
+    mmap: bool,
 }
 
 impl Model {
@@ -51,6 +55,7 @@ impl Model {
             layers: config.num_hidden_layers,
             config: Arc::new(config),
             rotate_quantized_keys: true,
+            mmap: true,
         })
     }
 
@@ -106,6 +111,18 @@ impl Model {
     pub fn with_key_rotation(&self, on: bool) -> Model {
         Model {
             rotate_quantized_keys: on,
+            ..self.clone()
+        }
+    }
+
+    /// The same model whose weight files the backend reads into memory when `mmap` is false
+    /// (llama.cpp's `--no-mmap`): on Linux into anonymous memory on transparent huge pages,
+    /// which a cpu decode step streams with fewer TLB misses; the whole file is read when the
+    /// first context binds it and the pages are not shared with other processes. The default
+    /// maps the files. Contexts of either kind share one copy per kind.
+    pub fn with_mmap(&self, mmap: bool) -> Model {
+        Model {
+            mmap,
             ..self.clone()
         }
     }
@@ -168,6 +185,9 @@ impl Model {
         }
         if keys != KeyBasis::Identity {
             options.push((OPTION_KEY_BASIS, keys.to_string()));
+        }
+        if !self.mmap {
+            options.push((OPTION_MMAP, false.to_string()));
         }
         let method = self
             .runtime

@@ -62,6 +62,9 @@ pub struct ServerConfig {
     pub kv_dtype: KvDtype,
     /// Whether q8/q4 keys are Hadamard-rotated (the default; see [`kvplug::KeyBasis`]).
     pub key_rotation: bool,
+    /// Whether the weight files are mapped (the default) or read into memory (see
+    /// [`kvplug::Model::with_mmap`]).
+    pub mmap: bool,
     /// Most requests in flight (sequences of the cache, 1..=64).
     pub parallel: usize,
     /// Most requests waiting beyond those.
@@ -135,7 +138,8 @@ impl Server {
             ));
         }
         let model = kvplug::open_model(runtime, &config.backend, &config.model)?
-            .with_key_rotation(config.key_rotation);
+            .with_key_rotation(config.key_rotation)
+            .with_mmap(config.mmap);
         let text = Arc::new(Text::load(model.dir())?);
         // Constrained decoding (response_format, tools, grammar) needs the vocabulary as
         // bytes; a tokenizer llguidance cannot read leaves the server without it.

@@ -94,14 +94,15 @@ fn decode_steps_allocate_nothing_once_warm() {
 }
 
 /// Binding the same model again shares its weights, a draft is a view of the first layers,
-/// and the weights go when the last holder does.
+/// and the weights go when the last holder does; a model read into memory is shared among
+/// those asking for it so, not with a mapped one.
 fn a_model_is_loaded_once_and_drafts_are_views() {
-    use kvplug_backend_kit::model::DecoderModel;
+    use kvplug_backend_kit::model::{DecoderModel, Residency};
     let dir = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
-    let a = DecoderModel::load_shared(dev.clone(), &dir).unwrap();
+    let a = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
     let before = ALLOCS.load(Ordering::SeqCst);
-    let b = DecoderModel::load_shared(dev.clone(), &dir).unwrap();
+    let b = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
     let draft = b.view(1).unwrap();
     assert!(
         ALLOCS.load(Ordering::SeqCst) - before < 16,
@@ -111,9 +112,12 @@ fn a_model_is_loaded_once_and_drafts_are_views() {
     assert_eq!((b.n_layers(), draft.n_layers()), (2, 1));
     assert!(b.view(3).is_err() && b.view(0).is_err());
     drop((a, b, draft));
-    let c = DecoderModel::load_shared(dev.clone(), &dir).unwrap();
-    let d = DecoderModel::load_shared(dev, &dir).unwrap();
+    let c = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
+    let d = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
     assert!(c.shares_weights_with(&d));
+    let e = DecoderModel::load_shared(dev.clone(), &dir, Residency::Loaded).unwrap();
+    let f = DecoderModel::load_shared(dev, &dir, Residency::Loaded).unwrap();
+    assert!(e.shares_weights_with(&f) && !e.shares_weights_with(&c));
 }
 
 /// A whole model decode step — every layer, the cache step, the logits — allocates nothing

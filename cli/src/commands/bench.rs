@@ -42,7 +42,7 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     #[command(flatten)]
-    key_rotation: crate::key_rotation::KeyRotationArgs,
+    model_flags: crate::model_flags::ModelFlags,
 }
 
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
@@ -56,7 +56,8 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         n_gen: a.n_gen,
         n_depth: a.n_depth,
         repetitions: a.repetitions,
-        key_rotation: a.key_rotation.on(),
+        key_rotation: a.model_flags.key_rotation(),
+        mmap: a.model_flags.mmap(),
     };
     if !a.json {
         println!("{}", bench::TABLE_HEAD);

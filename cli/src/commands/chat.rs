@@ -43,7 +43,7 @@ pub struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
-    key_rotation: crate::key_rotation::KeyRotationArgs,
+    model_flags: crate::model_flags::ModelFlags,
     /// One JSON object per turn instead of streamed text.
     #[arg(long)]
     json: bool,
@@ -54,8 +54,9 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     // Held until the chat ends (or moves to another name): a second process on the same
     // session is refused.
     let lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
-    let model =
-        kvplug::open_model(runtime, &a.backend, &a.model)?.with_key_rotation(a.key_rotation.on());
+    let model = a
+        .model_flags
+        .apply(kvplug::open_model(runtime, &a.backend, &a.model)?);
     let session = match &a.session {
         Some(name) => Some(sessions.path_for_write(name)?),
         None => None,

@@ -49,7 +49,7 @@ pub struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
-    key_rotation: crate::key_rotation::KeyRotationArgs,
+    model_flags: crate::model_flags::ModelFlags,
     /// Agent fork: K branches from the prompt, decoded together, best kept.
     #[arg(long, conflicts_with = "speculative")]
     agents: Option<usize>,
@@ -102,8 +102,9 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if a.max_new == 0 {
         bail!("--max-new 0 would generate nothing: give at least 1");
     }
-    let model =
-        kvplug::open_model(runtime, &a.backend, &a.model)?.with_key_rotation(a.key_rotation.on());
+    let model = a
+        .model_flags
+        .apply(kvplug::open_model(runtime, &a.backend, &a.model)?);
     let (prompt, text) = prompt_of(&a, &model)?;
     let spec = RunSpec {
         prompt,

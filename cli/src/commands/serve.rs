@@ -40,7 +40,7 @@ pub struct Args {
     #[arg(long, default_value = "f16")]
     kv_dtype: KvDtype,
     #[command(flatten)]
-    key_rotation: crate::key_rotation::KeyRotationArgs,
+    model_flags: crate::model_flags::ModelFlags,
     /// Most requests decoded together (sequences of the cache, 1..=64).
     #[arg(long, default_value_t = 16)]
     parallel: usize,
@@ -88,7 +88,8 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         api_key: a.api_key.filter(|k| !k.is_empty()),
         capacity: a.capacity,
         kv_dtype: a.kv_dtype,
-        key_rotation: a.key_rotation.on(),
+        key_rotation: a.model_flags.key_rotation(),
+        mmap: a.model_flags.mmap(),
         parallel: a.parallel,
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,

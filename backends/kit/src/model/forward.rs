@@ -10,7 +10,7 @@ use kvplug_core::{CacheError, KeyBasis, RopePairs};
 
 use super::config::{Activation, Arch, ModelConfig, ModelError};
 use super::ops::ModelDevice;
-use super::package::ModelPackage;
+use super::package::{ModelPackage, Residency};
 use crate::cache::{KitCache, KitError};
 
 /// One block. Gemma 3 adds the per-head q/k norms (Qwen3 has them too) and the norms after
@@ -200,20 +200,25 @@ impl<D: ModelDevice> DecoderModel<D> {
         })
     }
 
-    /// The model in `dir`, loaded once per process and device type: while any model from
-    /// an earlier call is alive, its weights are shared (no I/O, no copy); the registry holds
-    /// them only weakly, so they go when the last binding does.
-    pub fn load_shared(device: Arc<D>, dir: &Path) -> Result<Self, ModelError> {
-        type Loaded = Vec<(PathBuf, TypeId, Weak<dyn Any + Send + Sync>)>;
+    /// The model in `dir`, its files held as `residency` says, loaded once per process,
+    /// device type and residency: while any model from an earlier call is alive, its weights
+    /// are shared (no I/O, no copy); the registry holds them only weakly, so they go when the
+    /// last binding does.
+    pub fn load_shared(
+        device: Arc<D>,
+        dir: &Path,
+        residency: Residency,
+    ) -> Result<Self, ModelError> {
+        type Loaded = Vec<(PathBuf, TypeId, Residency, Weak<dyn Any + Send + Sync>)>;
         static LOADED: Mutex<Loaded> = Mutex::new(Vec::new());
         let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         let ty = TypeId::of::<D>();
         let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
-        loaded.retain(|(_, _, w)| w.strong_count() > 0);
+        loaded.retain(|(.., w)| w.strong_count() > 0);
         let found = loaded
             .iter()
-            .filter(|(k, t, _)| *k == key && *t == ty)
-            .find_map(|(_, _, w)| w.upgrade()?.downcast::<Weights<D>>().ok());
+            .filter(|(k, t, r, _)| *k == key && *t == ty && *r == residency)
+            .find_map(|(.., w)| w.upgrade()?.downcast::<Weights<D>>().ok());
         if let Some(weights) = found {
             tracing::debug!(dir = %key.display(), "model already loaded: sharing its weights");
             let layers = weights.layers.len();
@@ -223,9 +228,9 @@ impl<D: ModelDevice> DecoderModel<D> {
                 keys: KeyBasis::Identity,
             });
         }
-        let model = DecoderModel::load(device, &ModelPackage::open(dir)?)?;
+        let model = DecoderModel::load(device, &ModelPackage::open_with(dir, residency)?)?;
         let erased: Arc<dyn Any + Send + Sync> = model.weights.clone();
-        loaded.push((key, ty, Arc::downgrade(&erased)));
+        loaded.push((key, ty, residency, Arc::downgrade(&erased)));
         Ok(model)
     }
 

@@ -13,6 +13,7 @@ use kvplug_plugin_api::{
 
 use super::forward::{Activations, DecoderModel};
 use super::ops::ModelDevice;
+use super::package::Residency;
 use crate::device::Backend;
 use crate::object::SharedCache;
 
@@ -23,6 +24,9 @@ pub const OPTION_LAYERS: &str = "layers";
 /// The option naming the basis keys are written in (`identity` when absent; see
 /// [`kvplug_core::KeyBasis`]).
 pub const OPTION_KEY_BASIS: &str = "key_basis";
+/// The option saying whether the weight files are mapped (`true`, the default) or read
+/// into memory (`false`; see [`Residency`]).
+pub const OPTION_MMAP: &str = "mmap";
 
 /// `forward` bound to one cache, with its activation buffers.
 pub struct ForwardMethod<D: ModelDevice> {
@@ -177,11 +181,21 @@ pub fn load_forward<B: Backend + ModelDevice>(
         })?,
         None => kvplug_core::KeyBasis::Identity,
     };
+    let residency = match options.get(OPTION_MMAP) {
+        Some(m) => Residency::from_mmap(m.parse::<bool>().map_err(|_| {
+            PluginError::new(
+                AbiErrorKind::BadConfig,
+                format!("option 'mmap' = '{m}' is not true or false"),
+            )
+        })?),
+        None => Residency::Mapped,
+    };
     let (device, cfg) = {
         let c = cache.lock()?;
         (c.device().clone(), *c.config())
     };
-    let model = DecoderModel::load_shared(device, Path::new(dir)).map_err(CacheError::from)?;
+    let model =
+        DecoderModel::load_shared(device, Path::new(dir), residency).map_err(CacheError::from)?;
     let model = match layers {
         Some(n) => model.view(n).map_err(CacheError::from)?,
         None => model,

@@ -21,5 +21,5 @@ pub use forward::{Activations, DecoderModel, ForwardOutput};
 pub use kvplug_core::{ModelConfig, ModelError};
 pub use method::ForwardMethod;
 pub use ops::ModelDevice;
-pub use package::ModelPackage;
+pub use package::{ModelPackage, Residency};
 pub use stored::{StoredDtype, StoredTensor, StoredValues};

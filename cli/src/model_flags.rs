@@ -1,0 +1,39 @@
+//! The flags of the commands that run a model which say how its weights are held and its
+//! keys stored: `--no-mmap`, `--no-key-rotation`.
+
+use kvplug::Model;
+
+/// How the model is loaded and its quantized keys stored.
+#[derive(clap::Args)]
+pub struct ModelFlags {
+    /// Keep q8/q4 keys unrotated. By default a quantized KV cache stores each head's keys
+    /// (and reads its queries) Hadamard-rotated, which lowers their quantization error (README
+    /// "Key rotation"; llama.cpp's counterpart is LLAMA_ATTN_ROT_DISABLE=1).
+    #[arg(long)]
+    no_key_rotation: bool,
+    /// Read the weight files into memory instead of mapping them, as llama.cpp's --no-mmap
+    /// does: on Linux onto transparent huge pages, which the cpu backend's decode streams
+    /// faster (README "Weights in memory"); the whole file is read at load and its pages are
+    /// not shared with other processes.
+    #[arg(long)]
+    no_mmap: bool,
+}
+
+impl ModelFlags {
+    /// Whether keys are rotated.
+    pub fn key_rotation(&self) -> bool {
+        !self.no_key_rotation
+    }
+
+    /// Whether the weight files are mapped.
+    pub fn mmap(&self) -> bool {
+        !self.no_mmap
+    }
+
+    /// `model` as these flags say.
+    pub fn apply(&self, model: Model) -> Model {
+        model
+            .with_key_rotation(self.key_rotation())
+            .with_mmap(self.mmap())
+    }
+}
