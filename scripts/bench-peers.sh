@@ -24,7 +24,7 @@
 # REPS per run), ROUNDS (default 2: llama.cpp, kvplug, kvplug, llama.cpp for each test),
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names), MMAP (comma list: 1
 # maps the weights on both sides, the default of both; 0 reads them into memory, llama-bench
-# -mmp 0 and kvplug --no-mmap; each test runs at each setting in turn, rows marked no-mmap).
+# -lm none and kvplug --no-mmap; each test runs at each setting in turn, rows marked no-mmap).
 # RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -108,8 +108,9 @@ cargo build --release --quiet
 llama() {
     local mmap=$1
     shift
+    [ "$mmap" = 0 ] && set -- -lm none "$@"
     "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -r "$REPS" -ctk "$KV" -ctv "$KV" \
-        -fa on,off -mmp "$mmap" -o json "$@"
+        -fa on,off -o json "$@"
 }
 kvplug() {
     local mmap=$1
@@ -142,7 +143,9 @@ done
 python3 - "$runs" "$weights" "$THREADS" "$KV" "$VERSION" "${features[*]}" <<'EOF' | tee "$PEERS/peers.md"
 import glob, json, os, statistics, sys
 runs, model, threads, kv, version, features = sys.argv[1:]
-key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"], bool(r.get("use_mmap", True)))
+# Weights mapped: kvplug's use_mmap, llama-bench's load_mode other than none.
+key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"],
+                 r.get("use_mmap", True) and r.get("load_mode") != "none")
 # Every sample of each side per test; llama.cpp's per flash-attention setting.
 ours, theirs = {}, {}
 for path in sorted(glob.glob(os.path.join(runs, "*.json"))):
@@ -191,8 +194,10 @@ depth=$((RSS_CONTEXT - PP))
 mmap=${MMAP%%,*}
 no_mmap=()
 [ "$mmap" = 0 ] && no_mmap=(--no-mmap)
+no_mmap_llama=()
+[ "$mmap" = 0 ] && no_mmap_llama=(-lm none)
 theirs=$(peak_rss "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -p "$PP" -n 0 -d "$depth" \
-    -r 1 -ctk "$KV" -ctv "$KV" -mmp "$mmap")
+    -r 1 -ctk "$KV" -ctv "$KV" "${no_mmap_llama[@]}")
 ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$weights" \
     --backend cpu --kv-dtype "$KVPLUG_KV" -p "$PP" -n 0 -d "$depth" -r 1 "${no_mmap[@]}")
 python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$PP" "$mmap" <<'EOF' | tee -a "$PEERS/peers.md"
