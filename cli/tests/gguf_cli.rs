@@ -1,8 +1,8 @@
 //! The quantized real model through the CLI, as a user runs it: `run --model FILE.gguf`
 //! serves the file's weights in place (what the cache directory gains is a few MB of derived
-//! metadata, never a weight copy), mapped or read into memory alike, `plan` counts the weights as stored (quantized blocks as
-//! their bytes, summed here from the file's own tensor table), and `plugins` lists the
-//! weight formats each backend computes.
+//! metadata, never a weight copy), mapped or read into memory alike, `plan` counts the
+//! weights as stored (quantized blocks as their bytes, summed here from the file's own tensor
+//! table), and `plugins` lists the weight formats each backend computes.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

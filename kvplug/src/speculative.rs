@@ -468,8 +468,11 @@ pub fn run_speculative(
         DraftKind::Ngram => None,
         DraftKind::Model(_) | DraftKind::Layers(_) => {
             let m = match &opts.draft {
+                // Loaded and keyed as the target is.
                 DraftKind::Model(path) => {
                     crate::formats::open_model(model.runtime(), model.backend(), path)?
+                        .with_key_rotation(model.key_rotation())
+                        .with_mmap(model.mmap())
                 }
                 DraftKind::Layers(n) => model
                     .layers(*n)

@@ -24,8 +24,9 @@ const OPTION_MMAP: &str = "mmap";
 
 /// A model on a backend: its directory (a Hugging Face–style package, or a GGUF's index)
 /// and its `config.json`, parsed once by core's parser, the one the kit builds the forward
-/// pass with. Cheap to clone. The backend maps the weights (or reads them: [`Model::with_mmap`]) once, when the first context
-/// binds them, and shares them with every later context and every layer view.
+/// pass with. Cheap to clone. The backend maps the weights (or reads them:
+/// [`Model::with_mmap`]) once, when the first context binds them, and shares them with every
+/// later context and every layer view.
 #[derive(Clone)]
 pub struct Model {
     runtime: Runtime,
@@ -125,6 +126,16 @@ impl Model {
             mmap,
             ..self.clone()
         }
+    }
+
+    /// Whether contexts with quantized keys rotate them (see [`Model::with_key_rotation`]).
+    pub fn key_rotation(&self) -> bool {
+        self.rotate_quantized_keys
+    }
+
+    /// Whether the backend maps the weight files (see [`Model::with_mmap`]).
+    pub fn mmap(&self) -> bool {
+        self.mmap
     }
 
     /// The basis this view's contexts write keys of `kv_dtype` in (identity where a head's

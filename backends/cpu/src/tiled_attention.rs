@@ -63,10 +63,11 @@ pub trait RowView: Copy {
     /// # Safety
     /// As [`RowView::group`], AVX-512F is present and `c + 16 <= D`.
     unsafe fn load16(&self, gr: Self::Group, j: usize, c: usize) -> __m512;
-    /// Hints that row `j` is read soon (no effect on results).
+    /// Hints that row `j` is read soon (no effect on results). Reads nothing staged, so a
+    /// tile's view may prefetch rows of other tiles.
     ///
     /// # Safety
-    /// As [`RowView::group`].
+    /// AVX2, FMA and F16C are present and `j` is a row of the pool.
     unsafe fn prefetch(&self, j: usize);
     /// The view that reads rows `[j0, j0 + n)` (one tile), their groups widened once into
     /// `staged` rather than at every load; the view reads `staged`, which must outlive its
@@ -957,9 +958,11 @@ impl Block<'_> {
             if let Some((k, v)) = ahead {
                 v.prefetch(r0);
                 v.prefetch(r1);
-                if r1 + TILE < self.kend {
-                    k.prefetch(r0 + TILE);
-                    k.prefetch(r1 + TILE);
+                for r in [r0 + TILE, r1 + TILE]
+                    .into_iter()
+                    .filter(|&r| r < self.kend)
+                {
+                    k.prefetch(r);
                 }
             }
             let mut acc = [[L::zero(); 8]; 2];

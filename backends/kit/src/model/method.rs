@@ -127,8 +127,9 @@ impl<D: ModelDevice> ModelMethod for ForwardMethod<D> {
 
 /// Loads `forward` for backend `B`: binds the cache named by the `cache_key` option (it must
 /// belong to `B`), opens the package in `model_dir`, checks the cache shape against the
-/// model and loads the weights; `layers` limits it to a draft view and `key_basis` sets the
-/// basis its keys are written in.
+/// model and loads the weights; `layers` limits it to a draft view, `key_basis` sets the
+/// basis its keys are written in and `mmap` = `false` reads the weight files into memory
+/// instead of mapping them.
 pub fn load_forward<B: Backend + ModelDevice>(
     options: &BackendOptions,
     host: &HostServices,
