@@ -69,6 +69,15 @@ impl Residency {
 }
 
 fn map_file(path: &Path, residency: Residency) -> Result<memmap2::Mmap, ModelError> {
+    hold_file(path, residency, available_memory())
+}
+
+/// [`map_file`] where `available` bytes of memory are free (`None`: unknown).
+fn hold_file(
+    path: &Path,
+    residency: Residency,
+    available: Option<u64>,
+) -> Result<memmap2::Mmap, ModelError> {
     let (mut file, len) = open_regular(path)?;
     let fail = |what: &str, e: std::io::Error| -> ModelError {
         FileError {
@@ -92,7 +101,7 @@ fn map_file(path: &Path, residency: Residency) -> Result<memmap2::Mmap, ModelErr
                 }
                 .into()
             };
-            if let Some(avail) = available_memory().filter(|&a| len > a) {
+            if let Some(avail) = available.filter(|&a| len > a) {
                 return Err(refuse(format!("{avail} are available")));
             }
             let len = usize::try_from(len)
@@ -358,6 +367,30 @@ impl ModelPackage {
 mod tests {
     use super::*;
     use safetensors::tensor::TensorView;
+
+    #[test]
+    fn a_file_is_loaded_byte_for_byte_or_refused_when_memory_is_short() {
+        let dir = std::env::temp_dir().join(format!("kvplug-hold-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.bin");
+        let bytes: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        for residency in [Residency::Mapped, Residency::Loaded] {
+            let held = hold_file(&path, residency, Some(1 << 20)).unwrap();
+            assert_eq!(&held[..], &bytes[..], "{residency:?}");
+        }
+        let e = hold_file(&path, Residency::Loaded, Some(4999))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot load 5000 bytes into memory: 4999 are available")
+                && e.contains("drop --no-mmap"),
+            "{e}"
+        );
+        // Mapping reads nothing up front, so it is not refused.
+        assert!(hold_file(&path, Residency::Mapped, Some(4999)).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     const CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
         "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 4}"#;
