@@ -56,40 +56,20 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
     let model = qwen();
     let m = model.to_str().unwrap();
 
-    let run: serde_json::Value = serde_json::from_str(&kvplug(
-        cache.path(),
-        &[
-            "run",
-            "--model",
-            m,
-            "--prompt",
-            "What is 2 + 2?",
-            "--max-new",
-            "8",
-            "--json",
-        ],
-    ))
-    .unwrap();
+    // `run --json` on the question, with `extra` flags.
+    let ask = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["run", "--model", m, "--prompt", "What is 2 + 2?"];
+        args.extend(["--max-new", "8", "--json"]);
+        args.extend(extra);
+        serde_json::from_str(&kvplug(cache.path(), &args)).unwrap()
+    };
+    let run = ask(&[]);
     assert!(
         run["text"].as_str().is_some_and(|t| t.contains('4')),
         "{run}"
     );
     // The file read into memory instead of mapped (--no-mmap) gives the same answer.
-    let loaded: serde_json::Value = serde_json::from_str(&kvplug(
-        cache.path(),
-        &[
-            "run",
-            "--model",
-            m,
-            "--prompt",
-            "What is 2 + 2?",
-            "--max-new",
-            "8",
-            "--json",
-            "--no-mmap",
-        ],
-    ))
-    .unwrap();
+    let loaded = ask(&["--no-mmap"]);
     assert_eq!(loaded["text"], run["text"], "{loaded}");
     let derived = bytes_under(cache.path());
     assert!(
