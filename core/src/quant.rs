@@ -1,13 +1,24 @@
 //! Affine per-group quantization, the reference definition every backend matches.
 //!
-//! For each group of `group` consecutive values along `head_dim`: `lo = min`, `hi = max`,
-//! `scale = (hi - lo) / (2^bits - 1)`; `scale` and `lo` are stored as f16 (round to nearest
-//! even) and the codes are computed with the stored values:
-//! `q = clamp(round((x - lo) / scale), 0, 2^bits - 1)` (`round` half away from zero;
-//! `scale == 0` gives `q = 0`). The arithmetic is IEEE f32 (inputs are f32), so every
-//! backend produces the same codes bit for bit. Dequantized: `lo + q * scale`.
+//! For each group of `group` consecutive values along `head_dim` (taken as f32): `lo = min`,
+//! `hi = max`, `scale = f16(f32(hi − lo) · r)` with `r = f32(1 / (2^bits − 1))`, `lo`
+//! stored as f16 (round to nearest even). The codes come from the stored values:
+//! `q = clamp(⌊(x ⊖ lo) / scale + ½⌋, 0, 2^bits − 1)`, where `x ⊖ lo` is the f32 difference
+//! and the quotient is the exact real one (so ties round up); `scale == 0` gives `q = 0`.
+//! Dequantized: `lo + q · scale`.
+//!
+//! Every step is exactly reproducible with correctly rounded f32 operations — a subtraction,
+//! a multiplication, comparisons against `(c ± ½) · scale` (exact in f32: a 9-bit by 11-bit
+//! product) — so a GPU whose division is approximate (WGSL and Metal allow 2.5 ulp) can
+//! still produce the same codes bit for bit: it may estimate `q` by dividing and then
+//! correct it against those thresholds, as `kvplug_backend_kit::quant` does.
 
 use crate::rounding::round_f16;
+
+/// `f32(1 / (2^bits − 1))`, the factor that gives a group's scale.
+pub fn inverse_levels(bits: u32) -> f32 {
+    1.0 / ((1u32 << bits) - 1) as f32
+}
 
 /// One quantized group.
 #[derive(Clone, Debug, PartialEq)]
@@ -22,20 +33,24 @@ pub struct QuantGroup {
 
 /// Quantizes one group (values are taken as f32, as a backend receives them).
 pub fn quantize_group(x: &[f64], bits: u32) -> QuantGroup {
-    let levels = ((1u32 << bits) - 1) as f32;
+    let levels = ((1u32 << bits) - 1) as f64;
     let x: Vec<f32> = x.iter().map(|&v| v as f32).collect();
     let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
     let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let scale = round_f16(((hi - lo) / levels) as f64);
+    let scale = round_f16(((hi - lo) * inverse_levels(bits)) as f64);
     let lo = round_f16(lo as f64);
-    let (scale32, lo32) = (scale as f32, lo as f32);
     let codes = x
         .iter()
         .map(|&v| {
             if scale == 0.0 {
                 0
             } else {
-                ((v - lo32) / scale32).round().clamp(0.0, levels) as u8
+                // The f64 quotient of an f32 by an f16 value is never rounded across a
+                // half-integer: where it is near one, their distance is at least 2^-36 (the
+                // difference of two such products is a nonzero multiple of a power of two),
+                // far above the quotient's f64 rounding (≤ 256 · 2^-53).
+                let d = (v - lo as f32) as f64;
+                (d / scale + 0.5).floor().clamp(0.0, levels) as u8
             }
         })
         .collect();

@@ -173,23 +173,33 @@ std::unique_ptr<Array> regrown(const Array& src, int32_t cells, int32_t keep) {
 }
 
 QuantRows quantize(const Array& x, int32_t bits, int32_t group) {
-  // Core's affine format (kvplug_core::quant), in f32: lo = min, scale = (max - lo) / levels,
-  // both rounded to f16; codes from the rounded values, round half away from zero, clamped;
-  // scale 0 gives code 0. Codes are packed little-endian into u32 words, 32 / bits per word.
+  // Core's affine format (kvplug_core::quant), in f32: lo = min, scale = (max - lo) *
+  // f32(1 / levels), both rounded to f16; the code of d = x - lo16 is floor(d / scale + 1/2)
+  // of the exact quotient, clamped (scale 0 gives code 0): the division estimates it (a GPU's
+  // may be approximate) and comparisons against (c -+ 1/2) * scale, exact in f32, decide, as
+  // kvplug_backend_kit::quant::code does. Codes are packed little-endian into u32 words,
+  // 32 / bits per word.
   auto shape = x.a.shape();  // [heads, t, d]
   int h = shape[0], t = shape[1], d = shape[2];
   float levels = static_cast<float>((1 << bits) - 1);
   auto g = mx::reshape(mx::astype(x.a, mx::float32), {h, t, d / group, group});
   auto lo = mx::min(g, -1, true);
   auto hi = mx::max(g, -1, true);
-  auto scale16 = mx::astype(mx::divide(mx::subtract(hi, lo), mx::array(levels)), mx::float16);
+  auto scale16 =
+      mx::astype(mx::multiply(mx::subtract(hi, lo), mx::array(1.0f / levels)), mx::float16);
   auto lo16 = mx::astype(lo, mx::float16);
   auto scale = mx::astype(scale16, mx::float32);
-  auto v = mx::divide(mx::subtract(g, mx::astype(lo16, mx::float32)), scale);
-  auto fl = mx::floor(v);
-  auto rounded = mx::add(fl, mx::astype(mx::greater_equal(mx::subtract(v, fl), mx::array(0.5f)),
-                                        mx::float32));
-  auto q = mx::clip(rounded, mx::array(0.0f), mx::array(levels));
+  auto diff = mx::subtract(g, mx::astype(lo16, mx::float32));
+  auto half = mx::array(0.5f);
+  auto estimate = mx::clip(mx::floor(mx::add(mx::divide(diff, scale), half)), mx::array(0.0f),
+                           mx::array(levels));
+  auto below = mx::logical_and(mx::greater(estimate, mx::array(0.0f)),
+                               mx::less(diff, mx::multiply(mx::subtract(estimate, half), scale)));
+  auto above =
+      mx::logical_and(mx::less(estimate, mx::array(levels)),
+                      mx::greater_equal(diff, mx::multiply(mx::add(estimate, half), scale)));
+  auto q = mx::subtract(mx::add(estimate, mx::astype(above, mx::float32)),
+                        mx::astype(below, mx::float32));
   q = mx::where(mx::equal(scale, mx::array(0.0f)), mx::array(0.0f), q);
   int per_word = 32 / bits;
   auto codes = mx::reshape(mx::astype(q, mx::uint32), {h, t, d / per_word, per_word});

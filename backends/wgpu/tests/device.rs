@@ -157,6 +157,69 @@ fn ops_beyond_one_batch_keep_their_parameters_and_index_words() {
     }
 }
 
+/// The write kernel quantizes rows to the kit's bytes bit for bit (codes, then each group's
+/// f16 scale and lo), whatever the adapter's division accuracy: q8 and q4 at two group
+/// sizes, over rows with wide, narrow and constant groups, f16 ties and subnormal scales.
+#[test]
+fn quantized_rows_written_by_the_kernel_are_the_kits_bytes() {
+    use kvplug_backend_kit::quant::quantize_row;
+    let dev = device();
+    let (heads, t, d) = (2, 48, 64);
+    let data: Vec<f32> = (0..heads * t * d)
+        .map(|i| match (i / d) % 6 {
+            0 => (i as f32 * 0.37).sin() * 3.0,
+            1 => (i as f32 * 0.011).cos() * 1e-3 + 0.5,
+            2 => 0.25,
+            // lo an f16 tie (1 + 2^-11: even is down) and a range that makes the scale an f16 subnormal.
+            3 => 1.0 + 1.0 / 2048.0 + (i % 7) as f32 * 1.5e-6,
+            4 => -1000.0 + (i % 13) as f32 * 7.3,
+            _ => ((i * 7919 % 1000) as f32 - 500.0) * 0.0173,
+        })
+        .collect();
+    for dtype in [
+        KvDtype::Q8 { group: 32 },
+        KvDtype::Q8 { group: 64 },
+        KvDtype::Q4 { group: 16 },
+        KvDtype::Q4 { group: 32 },
+    ] {
+        let (bits, group) = dtype.quant().unwrap();
+        let mut pool = dev.pool_new(dtype, heads, d, t).unwrap();
+        dev.write_run(&mut pool, 0, &tensor(&dev, &data, heads, t))
+            .unwrap();
+        let cells: Vec<u32> = (0..t as u32).collect();
+        let got = dev.read_rows(&pool, &cells).unwrap();
+        let row_bytes = dtype.row_bytes(d);
+        let code_bytes = d * bits as usize / 8;
+        for (r, row) in data.chunks(d).enumerate() {
+            let mut codes = vec![0u8; code_bytes];
+            let (mut scales, mut los) = (vec![0u16; d / group], vec![0u16; d / group]);
+            quantize_row(row, bits, group, &mut codes, &mut scales, &mut los);
+            let mut want = codes;
+            for (s, l) in scales.iter().zip(&los) {
+                want.extend(s.to_le_bytes());
+                want.extend(l.to_le_bytes());
+            }
+            let got = &got[r * row_bytes..(r + 1) * row_bytes];
+            if let Some(b) = (0..row_bytes).find(|&b| got[b] != want[b]) {
+                let g = if b < code_bytes {
+                    b * 8 / bits as usize / group
+                } else {
+                    (b - code_bytes) / 4
+                };
+                panic!(
+                    "{dtype:?} row {r} byte {b} (group {g}): got {:#04x}, want {:#04x}; \
+                     scale {} lo {}; group values {:?}",
+                    got[b],
+                    want[b],
+                    half::f16::from_bits(scales[g]),
+                    half::f16::from_bits(los[g]),
+                    &row[g * group..(g + 1) * group]
+                );
+            }
+        }
+    }
+}
+
 fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks(4)

@@ -44,11 +44,14 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
             }
         }
         default: {
-            // Affine per group: lo = min, scale = (max - min) / levels, both stored as f16
-            // (scale low half, lo high half) and the codes computed with the stored values.
+            // Affine per group (kvplug_core::quant): lo = min, scale = (max - min) · f32(1 /
+            // levels), both stored as f16 (scale low half, lo high half), and the codes
+            // computed with the stored values by code(). No division decides a stored bit:
+            // WGSL's is approximate.
             let bits = select(4u, 8u, p.dtype == 3u);
             let per_word = 32u / bits;
-            let levels = f32((1u << bits) - 1u);
+            let levels = (1u << bits) - 1u;
+            let inv_levels = select(bitcast<f32>(0x3d888889u), bitcast<f32>(0x3b808081u), bits == 8u);
             let code_words = p.d / per_word;
             for (var gi = 0u; gi < p.d / p.group; gi++) {
                 let g0 = sb + gi * p.group;
@@ -58,23 +61,52 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
                     lo = min(lo, src[g0 + k]);
                     hi = max(hi, src[g0 + k]);
                 }
-                let packed = pack2x16float(vec2<f32>((hi - lo) / levels, lo));
-                pool[rb + code_words + gi] = packed;
-                let sl = unpack2x16float(packed);
+                // The stored f16 values, rounded here rather than read back through
+                // unpack2x16float(pack2x16float(..)): a driver may fold that pair into the
+                // unrounded values (NVIDIA's does), which would give codes for another scale.
+                let sl = vec2<f32>(f16_round((hi - lo) * inv_levels), f16_round(lo));
+                pool[rb + code_words + gi] = pack2x16float(sl);
                 for (var w = 0u; w < p.group / per_word; w++) {
                     var word = 0u;
                     for (var k = 0u; k < per_word; k++) {
-                        var code = 0u;
-                        if sl.x != 0.0 {
-                            code = u32(clamp(floor((src[g0 + w * per_word + k] - sl.y) / sl.x + 0.5), 0.0, levels));
-                        }
-                        word = word | (code << (k * bits));
+                        let c = code(src[g0 + w * per_word + k] - sl.y, sl.x, levels);
+                        word = word | (c << (k * bits));
                     }
                     pool[rb + (gi * p.group) / per_word + w] = word;
                 }
             }
         }
     }
+}
+
+// x rounded to the nearest f16 value (ties to even), as an f32; ±inf beyond f16's range,
+// inf and NaN unchanged. Exact: powers of two scale the f16 quantum at x's exponent to 1 and
+// back, and round() takes ties to even.
+fn f16_round(x: f32) -> f32 {
+    let e = i32((bitcast<u32>(x) >> 23u) & 0xffu) - 127;
+    if e == 128 { return x; }
+    let inf = bitcast<f32>(0x7f800000u);
+    if e > 15 { return sign(x) * inf; }
+    let q = max(e, -14) - 10;
+    let down = bitcast<f32>(u32(127 - q) << 23u);
+    let up = bitcast<f32>(u32(127 + q) << 23u);
+    let r = round(x * down) * up;
+    return select(r, sign(x) * inf, abs(r) >= 65536.0);
+}
+
+// ⌊d / scale + ½⌋ of the exact quotient, clamped to 0..=levels (0 when scale is 0), as
+// kvplug_backend_kit::quant::code: the division estimates it, the comparisons against
+// (c ± ½) · scale (exact in f32) decide.
+fn code(d: f32, scale: f32, levels: u32) -> u32 {
+    if scale == 0.0 { return 0u; }
+    let top = f32(levels);
+    var c = clamp(floor(d / scale + 0.5), 0.0, top);
+    if c > 0.0 && d < (c - 0.5) * scale {
+        c -= 1.0;
+    } else if c < top && d >= (c + 0.5) * scale {
+        c += 1.0;
+    }
+    return u32(c);
 }
 
 // Rows cellidx[idx0 + i] (i < t) of every head into tmp, then tmp into rows base + i: an in-place
