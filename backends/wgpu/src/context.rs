@@ -23,7 +23,7 @@ pub struct Context {
     pub limits: wgpu::Limits,
     attention: OnceLock<Kernels<3>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<12>>,
+    model: OnceLock<Kernels<13>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
     recorder: Arc<Mutex<Recorder>>,
@@ -218,7 +218,7 @@ impl Recorder {
 }
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 12] = [
+pub const MODEL_ENTRIES: [&str; 13] = [
     "gather_main",
     "rmsnorm_main",
     "linear_main",
@@ -231,6 +231,7 @@ pub const MODEL_ENTRIES: [&str; 12] = [
     "gelu_main",
     "scale_main",
     "hadamard_main",
+    "linear_rows_main",
 ];
 
 /// Pipelines of one shader module sharing one bind-group layout: binding 0 is the uniform
@@ -435,7 +436,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<12> {
+    pub fn model(&self) -> &Kernels<13> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(

@@ -134,6 +134,9 @@ pub(crate) struct AttnParams {
 
 const MAX_DISPATCH: u32 = 65535;
 
+/// Values of one query row per workgroup of `output_main` (its `VALUES_PER_GROUP`).
+const VALUES_PER_GROUP: u32 = 8;
+
 /// The smallest mask buffer: a decode step's mask over up to 8192 cells fits.
 const MIN_MASK_BYTES: u64 = 1024;
 
@@ -446,7 +449,7 @@ impl Device for WgpuDevice {
                 &[
                     (0, [(l as u32).div_ceil(64), t as u32, nheads as u32]),
                     (1, [sx, sy, 1]),
-                    (2, [(d as u32).div_ceil(64), t as u32, nheads as u32]),
+                    (2, [(d as u32).div_ceil(VALUES_PER_GROUP), t as u32, nheads as u32]),
                 ],
             );
         }

@@ -64,6 +64,15 @@ pub(crate) struct OpParams {
     pad2: [f32; 3],
 }
 
+/// The most tokens a linear computes with a workgroup per output row (`linear_rows_main`).
+const ROWS_TOGETHER_MAX_T: usize = 16;
+
+/// Output rows per workgroup of `linear_rows_main` (its `ROWS_PER_GROUP`).
+const ROWS_PER_GROUP: u32 = 8;
+
+/// The most workgroups in one dimension of a dispatch (WebGPU's default limit).
+const MAX_GROUPS: u32 = 65535;
+
 /// Indices into [`crate::context::MODEL_ENTRIES`].
 #[derive(Clone, Copy)]
 enum Op {
@@ -79,6 +88,7 @@ enum Op {
     Gelu = 9,
     Scale = 10,
     Hadamard = 11,
+    LinearRows = 12,
 }
 
 /// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
@@ -271,6 +281,9 @@ impl ModelDevice for WgpuDevice {
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
         let t = x.dims[0];
+        // Few tokens (decode, a small verify batch): a workgroup per output row and token,
+        // reading the row together (see linear_rows_main); else an invocation each.
+        let rows_together = t <= ROWS_TOGETHER_MAX_T;
         for part in &w.parts {
             let params = OpParams {
                 n: [
@@ -282,12 +295,20 @@ impl ModelDevice for WgpuDevice {
                 flag: w.dtype,
                 ..Default::default()
             };
+            let rows = part.rows as u32;
+            let (op, groups) = if rows_together {
+                let row_groups = rows.div_ceil(ROWS_PER_GROUP);
+                let x = row_groups.min(MAX_GROUPS);
+                (Op::LinearRows, [x, row_groups.div_ceil(x), t as u32])
+            } else {
+                (Op::Linear, [rows.div_ceil(64), t as u32, 1])
+            };
             self.op(
-                Op::Linear,
+                op,
                 params,
                 inputs(Some(&x.buf), Some(&part.buf), &[]),
                 &out.buf,
-                [(part.rows as u32).div_ceil(64), t as u32, 1],
+                groups,
             );
         }
         if let Some(b) = bias {

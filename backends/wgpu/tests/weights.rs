@@ -15,7 +15,6 @@ use kvplug_plugin_api::TensorDtype;
 use kvplug_wgpu::WgpuDevice;
 
 const COLS: usize = 512;
-const TOKENS: usize = 3;
 /// The storage binding cap: the device's own index arena and scratch take 64 KiB bindings.
 const CAP: usize = 1 << 16;
 
@@ -97,7 +96,8 @@ fn row_values(dtype: StoredDtype, bytes: &[u8], r: usize) -> (Vec<f32>, Vec<f32>
 #[test]
 fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
     let mut rng = Rng(17);
-    let x: Vec<f32> = (0..TOKENS * COLS)
+    // 3 tokens take the workgroup-per-row kernel (up to 16), 20 the invocation-per-row one.
+    let x: Vec<f32> = (0..20 * COLS)
         .map(|i| rng.signed() * if i / COLS == 1 { 100.0 } else { 1.0 })
         .collect();
     let u = 2f64.powi(-24);
@@ -111,14 +111,18 @@ fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
         let stored = StoredTensor::new(dtype, Arc::new(bytes.clone()), 0..n).unwrap();
         let w = dev.weight(stored, rows, COLS).unwrap();
         assert_eq!(w.bindings(), 3, "{}", dtype.name());
-        let xt = dev.tensor(&x, &[TOKENS, COLS]).unwrap();
-        let mut out = dev.zeros(&[TOKENS, rows]).unwrap();
-        dev.linear(&xt, &w, None, &mut out).unwrap();
-        let got = dev
-            .download(&out, TensorDtype::F32)
-            .unwrap()
-            .to_f32()
-            .unwrap();
+        let got: Vec<Vec<f32>> = [3, 20]
+            .iter()
+            .map(|&tokens| {
+                let xt = dev.tensor(&x[..tokens * COLS], &[tokens, COLS]).unwrap();
+                let mut out = dev.zeros(&[tokens, rows]).unwrap();
+                dev.linear(&xt, &w, None, &mut out).unwrap();
+                dev.download(&out, TensorDtype::F32)
+                    .unwrap()
+                    .to_f32()
+                    .unwrap()
+            })
+            .collect();
         // The first row of each part and the last row.
         let ids: Vec<i32> = (0..rows)
             .step_by((CAP - 4) / row_bytes(dtype))
@@ -134,7 +138,10 @@ fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
             .unwrap();
         for r in 0..rows {
             let (wv, m) = row_values(dtype, &bytes, r);
-            for t in 0..TOKENS {
+            for (t, got) in (0..3)
+                .map(|t| (t, &got[0]))
+                .chain((0..20).map(|t| (t, &got[1])))
+            {
                 let xr = &x[t * COLS..(t + 1) * COLS];
                 let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
                 for c in 0..COLS {

@@ -134,19 +134,32 @@ fn softmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     }
 }
 
+// out[h, i, dd] for VALUES_PER_GROUP values dd of one query row (dd block x, query y, head z):
+// KEY_LANES invocations per value split the keys between them, their sums added by a tree in
+// workgroup memory, so a decode step's long key loop runs on many workgroups at once.
+const KEY_LANES: u32 = 8u;
+const VALUES_PER_GROUP: u32 = 64u / KEY_LANES;
 @compute @workgroup_size(64)
-fn output_main(@builtin(global_invocation_id) g: vec3<u32>) {
-    let dd = g.x;
-    let i = g.y;
-    let hh = g.z;
-    if dd >= p.d || i >= p.t || hh >= p.nheads { return; }
+fn output_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let dd = wg.x * VALUES_PER_GROUP + lid / KEY_LANES;
+    let lane = lid % KEY_LANES;
+    let i = wg.y;
+    let hh = wg.z;
     let h = p.head0 + hh;
     let kh = h / (p.hq / p.hkv);
     let base = (hh * p.t + i) * p.l;
     var acc = 0.0;
-    for (var j = 0u; j < p.l; j++) {
-        let w = scores[base + j];
-        if w != 0.0 { acc += w * velem(kh, j, dd); }
+    if dd < p.d {
+        for (var j = lane; j < p.l; j += KEY_LANES) {
+            let w = scores[base + j];
+            if w != 0.0 { acc += w * velem(kh, j, dd); }
+        }
     }
-    out[(h * p.t + i) * p.d + dd] = acc;
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var s = KEY_LANES / 2u; s > 0u; s >>= 1u) {
+        if lane < s { red[lid] = red[lid] + red[lid + s]; }
+        workgroupBarrier();
+    }
+    if lane == 0u && dd < p.d { out[(h * p.t + i) * p.d + dd] = red[lid]; }
 }

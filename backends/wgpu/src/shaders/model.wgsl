@@ -190,6 +190,42 @@ fn linear_main(@builtin(global_invocation_id) g: vec3<u32>) {
     out[t * p.n3 + p.n2 + o] = acc;
 }
 
+// linear_main for few tokens: each workgroup computes ROWS_PER_GROUP output rows of one token
+// (row group o = x + y · workgroups.x, token t = z), LANES invocations per row striding over
+// its blocks (or values) so neighbours read neighbouring bytes, their sums added by a tree
+// in workgroup memory.
+const LANES: u32 = 8u;
+const ROWS_PER_GROUP: u32 = 64u / LANES;
+@compute @workgroup_size(64)
+fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let o = (wg.x + wg.y * nw.x) * ROWS_PER_GROUP + lid / LANES;
+    let lane = lid % LANES;
+    let t = wg.z;
+    let cols = p.n1;
+    var acc = 0.0;
+    if o < p.n0 {
+        if p.flag < 3u {
+            for (var i = lane; i < cols; i += LANES) {
+                acc += a[t * cols + i] * weight_at(o * cols + i);
+            }
+        } else {
+            let be = select(32u, 256u, p.flag >= 8u);
+            let first = o * cols / be;
+            for (var k = lane; k < cols / be; k += LANES) {
+                acc += block_dot(first + k, t * cols + k * be);
+            }
+        }
+    }
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if lane < s { red[lid] = red[lid] + red[lid + s]; }
+        workgroupBarrier();
+    }
+    if lane == 0u && o < p.n0 { out[t * p.n3 + p.n2 + o] = red[lid]; }
+}
+
 // Σ_j a[ab + j] · (value j of quantized block `blk` of `b`), the format in p.flag (as for
 // weight_at; 3..=10).
 fn block_dot(blk: u32, ab: u32) -> f32 {
