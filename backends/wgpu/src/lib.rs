@@ -420,6 +420,7 @@ impl Device for WgpuDevice {
         }
         let (mask_kind, mask_buf) = scratch.mask_buffer(self, mask);
         let scores = scratch.scores.as_ref().expect("allocated above");
+        let value_groups = (d as u32).div_ceil(VALUES_PER_GROUP);
         for head0 in (0..hq).step_by(chunk) {
             let nheads = chunk.min(hq - head0);
             let rows = (nheads * t) as u32;
@@ -449,7 +450,7 @@ impl Device for WgpuDevice {
                 &[
                     (0, [(l as u32).div_ceil(64), t as u32, nheads as u32]),
                     (1, [sx, sy, 1]),
-                    (2, [(d as u32).div_ceil(VALUES_PER_GROUP), t as u32, nheads as u32]),
+                    (2, [value_groups, t as u32, nheads as u32]),
                 ],
             );
         }
