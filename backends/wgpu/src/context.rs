@@ -110,6 +110,10 @@ fn lock(r: &Mutex<Recorder>) -> MutexGuard<'_, Recorder> {
 
 /// The batch being recorded and the host data its ops read, uploaded when it is submitted.
 struct Recorder {
+    /// The compute pass the batch's dispatches go to, open until a copy or the submit
+    /// (wgpu orders the dispatches of one pass as it orders passes). Declared before the
+    /// encoder so that it ends first when the recorder drops.
+    pass: Option<wgpu::ComputePass<'static>>,
     encoder: Option<wgpu::CommandEncoder>,
     /// Each op's uniform, one ring slot each.
     params: Vec<u8>,
@@ -128,15 +132,33 @@ impl Recorder {
         (self.arena.size() / 4) as usize
     }
 
+    /// The batch's encoder, its open compute pass ended first.
     fn encoder(&mut self, device: &wgpu::Device) -> &mut wgpu::CommandEncoder {
+        self.pass = None;
         self.encoder.get_or_insert_with(|| {
             device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
         })
     }
 
+    /// The batch's compute pass, begun if none is open.
+    fn pass(&mut self, device: &wgpu::Device) -> &mut wgpu::ComputePass<'static> {
+        if self.pass.is_none() {
+            let pass = self
+                .encoder(device)
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: None,
+                    timestamp_writes: None,
+                })
+                .forget_lifetime();
+            self.pass = Some(pass);
+        }
+        self.pass.as_mut().expect("begun above")
+    }
+
     /// Uploads the batch's uniforms and words, submits its commands, and drops the bind
     /// groups unused for [`KEEP_SUBMITS`] submits.
     fn submit(&mut self, queue: &wgpu::Queue) {
+        self.pass = None;
         let Some(enc) = self.encoder.take() else {
             return;
         };
@@ -369,6 +391,7 @@ impl Context {
         };
         let recorder = Recorder {
             encoder: None,
+            pass: None,
             params: Vec::with_capacity(RING_SLOTS * slot),
             words: Vec::new(),
             ring: buffer(
@@ -526,10 +549,11 @@ impl Context {
         self.queue.write_buffer(buffer, offset, bytes);
     }
 
-    /// Records one compute pass per `(pipeline index, workgroups)` of `kernels` over one
-    /// bind group: `params(w)` is the op's uniform, given that its index `words` (concatenated)
-    /// start at word `w` of the slot bound as [`Bind::Words`]; `slots` fills the storage
-    /// bindings in order. Passes with an empty grid are skipped.
+    /// Records one dispatch per `(pipeline index, workgroups)` of `kernels` over one bind
+    /// group, into the batch's open compute pass: `params(w)` is the op's uniform, given that
+    /// its index `words` (concatenated) start at word `w` of the slot bound as
+    /// [`Bind::Words`]; `slots` fills the storage bindings in order. Dispatches with an empty
+    /// grid are skipped.
     ///
     /// The uniform takes a slot of the batch's ring (a dynamic offset) and the words a run of
     /// its arena, both uploaded at the submit; the bind group of the same buffers is reused
@@ -572,15 +596,11 @@ impl Context {
             .extend_from_slice(bytemuck::bytes_of(&params(first_word)));
         r.params.resize(offset + self.slot, 0);
         let bind_group = r.bind_group(self, kernels, slots);
-        let enc = r.encoder(&self.device);
+        let pass = r.pass(&self.device);
         for &(pipeline, [x, y, z]) in passes {
             if x == 0 || y == 0 || z == 0 {
                 continue;
             }
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: None,
-                timestamp_writes: None,
-            });
             pass.set_pipeline(&kernels.pipelines[pipeline]);
             pass.set_bind_group(0, &bind_group, &[offset as u32]);
             pass.dispatch_workgroups(x, y, z);
