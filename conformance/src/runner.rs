@@ -5,7 +5,7 @@
 //! Every `update_and_attend` output element must lie within the oracle's error bound for
 //! it ([`kvplug_core::oracle::attend`] documents the derivation). The oracle stores K/V
 //! exactly as the KV dtype does — f32, f16 and bf16 rounded to nearest even, q8/q4 with the
-//! reference affine quantizer in f32 arithmetic — so the only freedom a backend has is the
+//! reference affine quantizer (`kvplug_core::quant`) — so the only freedom a backend has is the
 //! order and rounding of its f32 arithmetic: dot products over `head_dim`, the exps, and
 //! the weighted sums over the visible keys. The bound is `γ(n)`-style worst-case analysis
 //! of exactly those (about 1e-5 for outputs of magnitude ~1 with `head_dim` 64), computed

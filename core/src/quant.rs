@@ -5,7 +5,9 @@
 //! stored as f16 (round to nearest even). The codes come from the stored values:
 //! `q = clamp(⌊(x ⊖ lo) / scale + ½⌋, 0, 2^bits − 1)`, where `x ⊖ lo` is the f32 difference
 //! and the quotient is the exact real one (so ties round up); `scale == 0` gives `q = 0`.
-//! Dequantized: `lo + q · scale`.
+//! Dequantized: `lo + q · scale`. A zero `lo` is stored as +0 (`min` may pick either zero).
+//! The definition covers finite inputs within f16's range (|x| ≤ 65504); backends need
+//! not agree on the bytes of a group holding anything else.
 //!
 //! Every step is exactly reproducible with correctly rounded f32 operations — a subtraction,
 //! a multiplication, comparisons against `(c ± ½) · scale` (exact in f32: a 9-bit by 11-bit
@@ -38,17 +40,18 @@ pub fn quantize_group(x: &[f64], bits: u32) -> QuantGroup {
     let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
     let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let scale = round_f16(((hi - lo) * inverse_levels(bits)) as f64);
-    let lo = round_f16(lo as f64);
+    let lo = round_f16(lo as f64) + 0.0; // a zero lo is +0
     let codes = x
         .iter()
         .map(|&v| {
             if scale == 0.0 {
                 0
             } else {
-                // The f64 quotient of an f32 by an f16 value is never rounded across a
-                // half-integer: where it is near one, their distance is at least 2^-36 (the
-                // difference of two such products is a nonzero multiple of a power of two),
-                // far above the quotient's f64 rounding (≤ 256 · 2^-53).
+                // The f64 quotient of an f32 by an f16 value is never rounded onto a
+                // half-integer h it is not equal to: d and h·scale are multiples of
+                // 2^(e_d − 23) and of 2^(e_scale − 11), so where d/scale ≈ h ≥ ½ they differ
+                // by at least one of those, which puts d/scale at least ~2^-25 from h, while
+                // the f64 rounding of a quotient below 256 is at most 2^-45.
                 let d = (v - lo as f32) as f64;
                 (d / scale + 0.5).floor().clamp(0.0, levels) as u8
             }

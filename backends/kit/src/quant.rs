@@ -21,7 +21,10 @@ pub fn quantize_row(
         let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
         let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let scale_h = f16::from_f32((hi - lo) * inverse_levels(bits));
-        let lo_h = f16::from_f32(lo);
+        let mut lo_h = f16::from_f32(lo);
+        if lo_h == f16::ZERO {
+            lo_h = f16::ZERO; // -0 too: a zero lo is stored as +0
+        }
         scales[g] = scale_h.to_bits();
         los[g] = lo_h.to_bits();
         let (scale, lo) = (scale_h.to_f32(), lo_h.to_f32());
@@ -188,6 +191,19 @@ mod tests {
                 assert_eq!(ours, reference.codes, "bits {bits} seed {seed}");
                 assert_eq!(f16::from_bits(s[0]).to_f64(), reference.scale);
                 assert_eq!(f16::from_bits(l[0]).to_f64(), reference.lo);
+            }
+        }
+    }
+
+    /// A group whose minimum is zero (either sign, mixed) stores lo as +0.
+    #[test]
+    fn a_zero_lo_is_stored_as_plus_zero() {
+        for row in [[-0.0f32, 0.0, 0.5, 1.0], [0.0, -0.0, 0.5, 1.0], [-0.0; 4]] {
+            for bits in [8, 4] {
+                let mut codes = [0u8; 4];
+                let (mut s, mut l) = ([0u16], [0u16]);
+                quantize_row(&row, bits, 4, &mut codes, &mut s, &mut l);
+                assert_eq!(l[0], 0, "{row:?} bits {bits}");
             }
         }
     }

@@ -174,11 +174,11 @@ std::unique_ptr<Array> regrown(const Array& src, int32_t cells, int32_t keep) {
 
 QuantRows quantize(const Array& x, int32_t bits, int32_t group) {
   // Core's affine format (kvplug_core::quant), in f32: lo = min, scale = (max - lo) *
-  // f32(1 / levels), both rounded to f16; the code of d = x - lo16 is floor(d / scale + 1/2)
-  // of the exact quotient, clamped (scale 0 gives code 0): the division estimates it (a GPU's
-  // may be approximate) and comparisons against (c -+ 1/2) * scale, exact in f32, decide, as
-  // kvplug_backend_kit::quant::code does. Codes are packed little-endian into u32 words,
-  // 32 / bits per word.
+  // f32(1 / levels), both rounded to f16 (a zero lo as +0); the code of d = x - lo16 is
+  // floor(d / scale + 1/2) of the exact quotient, clamped (scale 0 gives code 0): the division
+  // estimates it (a GPU's may be approximate) and comparisons against (c -+ 1/2) * scale,
+  // exact in f32, decide, as kvplug_backend_kit::quant::code does. Codes are packed
+  // little-endian into u32 words, 32 / bits per word.
   auto shape = x.a.shape();  // [heads, t, d]
   int h = shape[0], t = shape[1], d = shape[2];
   float levels = static_cast<float>((1 << bits) - 1);
@@ -188,6 +188,7 @@ QuantRows quantize(const Array& x, int32_t bits, int32_t group) {
   auto scale16 =
       mx::astype(mx::multiply(mx::subtract(hi, lo), mx::array(1.0f / levels)), mx::float16);
   auto lo16 = mx::astype(lo, mx::float16);
+  lo16 = mx::where(mx::equal(lo16, mx::zeros_like(lo16)), mx::zeros_like(lo16), lo16);  // +0
   auto scale = mx::astype(scale16, mx::float32);
   auto diff = mx::subtract(g, mx::astype(lo16, mx::float32));
   auto half = mx::array(0.5f);

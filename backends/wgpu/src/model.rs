@@ -64,7 +64,8 @@ pub(crate) struct OpParams {
     pad2: [f32; 3],
 }
 
-/// The most tokens a linear computes with a workgroup per output row (`linear_rows_main`).
+/// The most tokens a linear computes with several invocations per output row
+/// (`linear_rows_main`).
 const ROWS_TOGETHER_MAX_T: usize = 16;
 
 /// Output rows per workgroup of `linear_rows_main` (its `ROWS_PER_GROUP`).
@@ -281,7 +282,7 @@ impl ModelDevice for WgpuDevice {
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
         let t = x.dims[0];
-        // Few tokens (decode, a small verify batch): a workgroup per output row and token,
+        // Few tokens (decode, a small verify batch): 8 invocations per output row and token,
         // reading the row together (see linear_rows_main); else an invocation each.
         let rows_together = t <= ROWS_TOGETHER_MAX_T;
         for part in &w.parts {
@@ -296,6 +297,9 @@ impl ModelDevice for WgpuDevice {
                 ..Default::default()
             };
             let rows = part.rows as u32;
+            if rows == 0 {
+                continue;
+            }
             let (op, groups) = if rows_together {
                 let row_groups = rows.div_ceil(ROWS_PER_GROUP);
                 let x = row_groups.min(MAX_GROUPS);

@@ -159,20 +159,33 @@ fn ops_beyond_one_batch_keep_their_parameters_and_index_words() {
 
 /// The write kernel quantizes rows to the kit's bytes bit for bit (codes, then each group's
 /// f16 scale and lo), whatever the adapter's division accuracy: q8 and q4 at two group
-/// sizes, over rows with wide, narrow and constant groups, f16 ties and subnormal scales.
+/// sizes, over rows with wide, narrow and constant groups, f16 ties, subnormal scales, a lo
+/// rounded above the minimum and a minimum of both zeros.
 #[test]
 fn quantized_rows_written_by_the_kernel_are_the_kits_bytes() {
     use kvplug_backend_kit::quant::quantize_row;
     let dev = device();
     let (heads, t, d) = (2, 48, 64);
     let data: Vec<f32> = (0..heads * t * d)
-        .map(|i| match (i / d) % 6 {
+        .map(|i| match (i / d) % 9 {
             0 => (i as f32 * 0.37).sin() * 3.0,
             1 => (i as f32 * 0.011).cos() * 1e-3 + 0.5,
             2 => 0.25,
             // lo an f16 tie (1 + 2^-11: even is down) and a range that makes the scale an f16 subnormal.
             3 => 1.0 + 1.0 / 2048.0 + (i % 7) as f32 * 1.5e-6,
             4 => -1000.0 + (i % 13) as f32 * 7.3,
+            // lo exactly 0 and a subnormal scale with codes across the range.
+            5 => (i % 11) as f32 * 1e-6,
+            // The minimum just below an f16 value, so lo rounds above it (negative d).
+            6 => {
+                if i % 5 == 0 {
+                    0.5 - 1e-5
+                } else {
+                    0.5 + (i % 7) as f32 * 0.01
+                }
+            }
+            // Both zeros as the minimum: lo is stored as +0.
+            7 => [0.0, -0.0, 0.3, 0.7][i % 4],
             _ => ((i * 7919 % 1000) as f32 - 500.0) * 0.0173,
         })
         .collect();

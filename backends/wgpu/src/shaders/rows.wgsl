@@ -65,7 +65,9 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
                 // unpack2x16float(pack2x16float(..)): a driver may fold that pair into the
                 // unrounded values (NVIDIA's does), which would give codes for another scale.
                 let sl = vec2<f32>(f16_round((hi - lo) * inv_levels), f16_round(lo));
-                pool[rb + code_words + gi] = pack2x16float(sl);
+                // A zero lo is stored as +0 (min may have picked -0).
+                let packed = pack2x16float(sl);
+                pool[rb + code_words + gi] = select(packed, packed & 0xffffu, (packed >> 16u) == 0x8000u);
                 for (var w = 0u; w < p.group / per_word; w++) {
                     var word = 0u;
                     for (var k = 0u; k < per_word; k++) {
