@@ -141,8 +141,9 @@ const KEY_LANES: u32 = 8u;
 const VALUES_PER_GROUP: u32 = 64u / KEY_LANES;
 @compute @workgroup_size(64)
 fn output_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let dd = wg.x * VALUES_PER_GROUP + lid / KEY_LANES;
-    let lane = lid % KEY_LANES;
+    // Neighbouring invocations take neighbouring values of one V row.
+    let dd = wg.x * VALUES_PER_GROUP + lid % VALUES_PER_GROUP;
+    let lane = lid / VALUES_PER_GROUP;
     let i = wg.y;
     let hh = wg.z;
     let h = p.head0 + hh;
@@ -158,7 +159,7 @@ fn output_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     red[lid] = acc;
     workgroupBarrier();
     for (var s = KEY_LANES / 2u; s > 0u; s >>= 1u) {
-        if lane < s { red[lid] = red[lid] + red[lid + s]; }
+        if lane < s { red[lid] = red[lid] + red[lid + s * VALUES_PER_GROUP]; }
         workgroupBarrier();
     }
     if lane == 0u && dd < p.d { out[(h * p.t + i) * p.d + dd] = red[lid]; }
