@@ -2,7 +2,9 @@
 //! `llama-bpe` pre-tokenizers, against a plain reference written from llama.cpp's
 //! algorithm: control tokens split out first, NFC (Qwen2's normalizer), the pre-tokenizer's
 //! split regex as llama.cpp's `llama-vocab.cpp` spells it (without inline flags), GPT-2's
-//! byte map, then repeatedly the adjacent pair of lowest merge rank (leftmost on ties).
+//! byte map, then, for `llama-bpe`, a pre-token found whole in the vocabulary taken as one
+//! token (llama.cpp's `ignore_merges`), else repeatedly the adjacent pair of lowest merge
+//! rank (leftmost on ties). Raw prompts start with BOS where llama.cpp's default says so.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -21,7 +23,7 @@ const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
 
 /// Strings that tell pre-tokenizers apart: contractions in both cases, digit runs, letters
 /// of many scripts, decomposed accents, code, runs of spaces, tabs and newlines.
-const SAMPLES: [&str; 8] = [
+const SAMPLES: [&str; 9] = [
     "Hello world! I'm sure you'LL see it's 12345 or 3.14159, not 1000000. IT'Sx WE'REN'T",
     "def reverse(s: str) -> str:\n    return s[::-1]\n\n\nprint(reverse(\"abc\"))  # cba\n",
     "naïve café, 東京タワー, emoji 🦜 and ⅞ of a ℌ; Ελληνικά и русский",
@@ -29,6 +31,7 @@ const SAMPLES: [&str; 8] = [
     "  two  spaces\t\ttabs \n\n trailing   ",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
     "x=1;y=22;z=333;w=4444 // hello hello hello",
+    "hello\nhello,hello",
     "",
 ];
 
@@ -40,10 +43,13 @@ struct Reference {
     control: Vec<String>,
     split: fancy_regex::Regex,
     nfc: bool,
+    /// A pre-token found whole in the vocabulary is one token (llama.cpp's Llama 3 rule).
+    ignore_merges: bool,
 }
 
 impl Reference {
     fn new(tokens: &[String], merges: &[String], types: &[i32], split: &str, nfc: bool) -> Self {
+        let ignore_merges = split == LLAMA3;
         Reference {
             id: tokens
                 .iter()
@@ -64,6 +70,7 @@ impl Reference {
                 .collect(),
             split: fancy_regex::Regex::new(split).unwrap(),
             nfc,
+            ignore_merges,
         }
     }
 
@@ -106,6 +113,10 @@ impl Reference {
                 .bytes()
                 .map(|b| bytes[b as usize].to_string())
                 .collect();
+            if let Some(&id) = self.id.get(&syms.concat()).filter(|_| self.ignore_merges) {
+                out.push(id);
+                continue;
+            }
             loop {
                 let best = (0..syms.len().saturating_sub(1))
                     .filter_map(|i| {
@@ -171,10 +182,12 @@ fn qwen2_pre_tokenizer_on_the_real_vocabulary_matches_the_reference() {
 #[test]
 fn llama_bpe_pre_tokenizer_matches_the_reference() {
     // Merges across the places where splits differ: "123" is one token only where digits go
-    // in runs of up to 3, "'Sx" only where contractions are matched case-sensitively.
+    // in runs of up to 3, "'Sx" only where contractions are matched case-sensitively;
+    // "hello" is in the vocabulary but the merges stop at "hell" "o", so it is one token only
+    // where a whole pre-token found in the vocabulary is taken as is (llama-bpe).
     let merges = [
         "1 2", "12 3", "4 4", "44 4", "h e", "l l", "he ll", "Ġ he", "' L", "'L L", "o Ġ", "' S",
-        "'S x",
+        "'S x", "l o", "l lo", "he llo",
     ];
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("hf");
@@ -201,9 +214,22 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     }
     // The two splits differ on these merges, so each check above can fail.
     let (tokens, merges, types) = vocabulary(&dir.path().join("llama-bpe.gguf"));
-    let sample = SAMPLES[0];
-    assert_ne!(
-        Reference::new(&tokens, &merges, &types, LLAMA3, false).encode(sample),
-        Reference::new(&tokens, &merges, &types, QWEN2, false).encode(sample)
-    );
+    for sample in [SAMPLES[0], "hello"] {
+        assert_ne!(
+            Reference::new(&tokens, &merges, &types, LLAMA3, false).encode(sample),
+            Reference::new(&tokens, &merges, &types, QWEN2, false).encode(sample),
+            "{sample:?}"
+        );
+    }
+    // Neither GGUF says `add_bos_token`: llama.cpp's default starts a Llama 3 raw prompt with
+    // BOS and a Qwen2 one without.
+    let hello = tokens.iter().position(|t| t == "hello").unwrap() as i32;
+    let bos = tokens.iter().position(|t| t == "<|im_start|>").unwrap() as i32;
+    let raw = |pre: &str| {
+        Text::load(&dir.path().join(pre))
+            .unwrap()
+            .encode_raw("hello")
+    };
+    assert_eq!(raw("llama-bpe").unwrap(), [bos, hello]);
+    assert_ne!(raw("qwen2").unwrap()[0], bos);
 }

@@ -426,9 +426,17 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
             config[field] = t.into();
         }
     }
-    if let Some(Value::Bool(b)) = g.get("tokenizer.ggml.add_bos_token") {
-        config["add_bos_token"] = (*b).into();
-    }
+    // Unstated, llama.cpp's default: SentencePiece vocabularies and the Llama 3
+    // pre-tokenizer start a raw prompt with BOS, other byte-level BPEs do not.
+    let add_bos = match g.get("tokenizer.ggml.add_bos_token") {
+        Some(Value::Bool(b)) => *b,
+        _ => {
+            g.string("tokenizer.ggml.model")? == "llama"
+                || pre_name_is(g, "llama-bpe")
+                || pre_name_is(g, "llama3")
+        }
+    };
+    config["add_bos_token"] = add_bos.into();
     Ok((tk, config))
 }
 
@@ -462,13 +470,17 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         .enumerate()
         .map(|(i, t)| (t.clone(), i as u32))
         .collect();
+    let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
+    // Llama 3's tokenizer.json (and llama.cpp for its pre-tokenizer) takes a pre-token found
+    // whole in the vocabulary as one token, whatever the merges would make of it.
+    let llama3 = matches!(pre, "llama-bpe" | "llama3");
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
+        .ignore_merges(llama3)
         .build()
         .map_err(|e| crate::Error::Model(format!("building the BPE tokenizer: {e}")))?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
-    let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
     // Qwen2's and Llama 3's tokenizer.json: their split regex (isolated matches), then
     // byte-level without its own regex. They differ in digit runs (one vs up to three).
     let split_then_bytes = |digits: &str| -> Result<PreTokenizerWrapper> {
@@ -681,6 +693,12 @@ fn stored_type_name(t: candle_core::quantized::GgmlDType) -> Option<&'static str
     })
 }
 
+/// Revision of what [`index`] derives from a file (config, tokenizer): bumped when that
+/// changes, so that indexes an older build cached are made again rather than reused.
+/// 2: Llama 3 tokenizers take whole-vocabulary pre-tokens as is; unstated `add_bos_token`
+/// follows llama.cpp's default.
+const INDEXER_REVISION: u32 = 2;
+
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
 /// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and
 /// `gguf.json`. A weight of a type kvplug cannot compute is refused here, by name.
@@ -863,7 +881,7 @@ pub fn cache_dir() -> PathBuf {
 /// A model directory for `path`: `path` itself when it is a directory, else the directory
 /// that serves the GGUF file's weights in place ([`index`]), made once into [`cache_dir`]
 /// under a digest of the file's canonical path, length and modification time (a changed
-/// file gets a new index; nothing reads the weights to name it).
+/// file gets a new index; nothing reads the weights to name it) and [`INDEXER_REVISION`].
 pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     if path.is_dir() {
         return Ok(path.to_path_buf());
@@ -881,6 +899,7 @@ pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     hash.update(len.to_le_bytes());
     hash.update(modified.to_le_bytes());
     hash.update(kvplug_core::gguf_index::GGUF_INDEX_VERSION.to_le_bytes());
+    hash.update(INDEXER_REVISION.to_le_bytes());
     let digest: String = hash
         .finalize()
         .iter()
