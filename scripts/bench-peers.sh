@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # make bench-peers: kvplug against llama.cpp on the same GGUF weights and threads, as ratios.
 #
-# llama.cpp is built from the source that the PyPI sdist of llama-cpp-python vendors
-# (pinned below with its SHA-256), with cmake from Debian, in .peers/ (git-ignored), with
-# GGML_NATIVE off and the x86 features /proc/cpuinfo lists turned on one by one, AMX off:
-# Sapphire Rapids sandboxes refuse AMX tile state, and a native build dies with SIGILL on
-# Q4_K there. Both sides read MODEL itself, weights in their stored (quantized) types; with
+# llama.cpp is built from the source that the PyPI sdist of llama-cpp-python vendors, in
+# .peers/ (git-ignored), as scripts/peers-llama-cpp.sh says (GGML_NATIVE off, the CPU's x86
+# features named one by one, AMX off). Both sides read MODEL itself, weights in their stored (quantized) types; with
 # F16=1 both read an f16 copy that llama-quantize writes instead. Then llama-bench and
 # `kvplug bench`
 # run the same tests (llama.cpp with flash attention on and off; the faster counts), one test
@@ -27,11 +25,9 @@
 # -lm none and kvplug --no-mmap; each test runs at each setting in turn, rows marked no-mmap).
 # RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096).
 set -euo pipefail
+PEERS_WHO=bench-peers
 cd "$(dirname "$0")/.."
 
-VERSION=0.3.36
-SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-PEERS=.peers
 MODEL=${MODEL:-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
 F16=${F16:-0}
 THREADS=${THREADS:-$(nproc)}
@@ -53,43 +49,8 @@ esac
 [[ "$MMAP" =~ ^[01](,[01])*$ ]] || { echo "bench-peers: MMAP must list 1 and/or 0 (got $MMAP)" >&2; exit 2; }
 [ -f "$MODEL" ] || { echo "bench-peers: no model at $MODEL (make models fetches the demo model)" >&2; exit 2; }
 
-if ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
-    echo "bench-peers: installing cmake and a C++ compiler (apt)"
-    apt-get update -qq && apt-get install -y -qq cmake build-essential >/dev/null
-fi
-
-src="$PEERS/llama_cpp_python-$VERSION/vendor/llama.cpp"
-if [ ! -f "$src/CMakeLists.txt" ]; then
-    mkdir -p "$PEERS"
-    tarball="$PEERS/llama_cpp_python-$VERSION.tar.gz"
-    echo "bench-peers: downloading the llama-cpp-python $VERSION sdist from PyPI"
-    python3 - "$VERSION" "$tarball" <<'EOF'
-import json, sys, urllib.parse, urllib.request
-version, out = sys.argv[1:]
-index = "https://pypi.org/pypi/llama-cpp-python/json"
-files = json.load(urllib.request.urlopen(index, timeout=120))["releases"][version]
-sdist = next(f for f in files if f["packagetype"] == "sdist")
-urllib.request.urlretrieve(urllib.parse.urljoin(index, sdist["url"]), out)
-EOF
-    echo "$SHA256  $tarball" | sha256sum -c --quiet
-    tar -xzf "$tarball" -C "$PEERS"
-fi
-
-build="$PEERS/build"
-flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
-has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
-features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
-    -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)"
-    -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
-    -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)"
-    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/llama-quantize" ]; then
-    echo "bench-peers: building llama-bench and llama-quantize (Release, ${features[*]})"
-    cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${features[@]}" \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_SERVER=OFF >/dev/null
-    cmake --build "$build" -j "$(nproc)" --target llama-bench llama-quantize >/dev/null
-fi
+# llama.cpp from the pinned sdist, built in $PEERS/build ($build).
+source scripts/peers-llama-cpp.sh
 
 # The file both sides read.
 weights="$MODEL"

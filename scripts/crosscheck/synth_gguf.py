@@ -1,0 +1,129 @@
+"""Random-weight f32 GGUFs of the architectures kvplug reads, written with the `gguf` package
+(llama.cpp's gguf-py), each with a real vocabulary copied from another GGUF: the things a
+real file of that family has and the demo model lacks. llama-quantize then makes quantized
+copies of them.
+
+- qwen3: per-head q/k RMSNorm, head_dim 128 with 8 heads on a 512-wide model (q is wider
+  than the residual), tied embeddings.
+- qwen2, tied: q/k/v biases, the output reading the embedding table.
+- llama3: `rope_freqs` (Llama 3.1 rope scaling factors), tied embeddings, the `llama-bpe`
+  pre-tokenizer, rope base 500000.
+- llama, untied: a separate output matrix, 4 KV heads, rope base 10000.
+
+Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
+next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR"""
+import os
+import sys
+
+import gguf
+import numpy as np
+
+src, out = sys.argv[1], sys.argv[2]
+os.makedirs(out, exist_ok=True)
+vocab_file = gguf.GGUFReader(src)
+VOCAB = len(vocab_file.fields["tokenizer.ggml.tokens"].data)
+
+
+def copy_tokenizer(w, pre):
+    """The source's tokenizer.* fields, with pre-tokenizer `pre`."""
+    for key, field in vocab_file.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        if key == "tokenizer.ggml.pre":
+            w.add_string(key, pre)
+        elif kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_string(key, value)
+        elif kind == gguf.GGUFValueType.UINT32:
+            w.add_uint32(key, int(value))
+        elif kind == gguf.GGUFValueType.BOOL:
+            w.add_bool(key, bool(value))
+        else:
+            sys.exit(f"{key}: value type {kind} not copied")
+
+
+def llama3_rope_factors(base, head_dim, factor=8.0, low=1.0, high=4.0, original=8192):
+    """Llama 3.1's per-frequency divisors: 1 for short wavelengths, `factor` for long ones,
+    interpolated between."""
+    out = []
+    for f in base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelength = 2 * np.pi / f
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            s = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, dtype=np.float32)
+
+
+def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm=False,
+          biases=False, tied=True, rope_base=1e6, llama3_rope=False, pre="qwen2", seed=0):
+    rng = np.random.default_rng(seed)
+    path = os.path.join(out, f"{name}.f32.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(name)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(1e-6)
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+        w.add_vocab_size(VOCAB)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, pre)
+
+    def weight(n, rows, cols, gain=1.0):
+        w.add_tensor(n, (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
+                     .astype(np.float32))
+
+    def norm(n, size):
+        w.add_tensor(n, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", hidden)
+        weight(b + "attn_q.weight", heads * head_dim, hidden)
+        weight(b + "attn_k.weight", kv_heads * head_dim, hidden)
+        weight(b + "attn_v.weight", kv_heads * head_dim, hidden)
+        weight(b + "attn_output.weight", hidden, heads * head_dim, gain=8.0)
+        if biases:
+            for proj, rows in [("q", heads), ("k", kv_heads), ("v", kv_heads)]:
+                w.add_tensor(f"{b}attn_{proj}.bias",
+                             (0.5 * rng.standard_normal(rows * head_dim)).astype(np.float32))
+        if qk_norm:
+            norm(b + "attn_q_norm.weight", head_dim)
+            norm(b + "attn_k_norm.weight", head_dim)
+        norm(b + "ffn_norm.weight", hidden)
+        weight(b + "ffn_gate.weight", ffn, hidden)
+        weight(b + "ffn_up.weight", ffn, hidden)
+        weight(b + "ffn_down.weight", hidden, ffn, gain=8.0)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        weight("output.weight", VOCAB, hidden, gain=20.0)
+    if llama3_rope:
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(path)
+
+
+model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)
+model("qwen2", "qwen2-synthetic-tied", 512, 4, 8, 2, 64, 1536, biases=True)
+model("llama", "llama3-synthetic", 512, 4, 8, 2, 64, 1536, rope_base=5e5, llama3_rope=True,
+      pre="llama-bpe")
+model("llama", "llama-synthetic-untied", 512, 4, 8, 4, 64, 1536, rope_base=1e4, tied=False,
+      pre="llama-bpe")
