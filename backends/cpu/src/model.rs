@@ -1,6 +1,7 @@
 //! The model graph's operations on the cpu: linears over the weights in their stored dtype,
 //! read in place from the mapped package ([`crate::linear`]; block formats through
-//! [`crate::qlinear`]), and plain loops for the element-wise ops.
+//! [`crate::qlinear`]), and plain loops for the element-wise ops (the activations' `e^x`
+//! through [`simd::fast_exp`], so that they vectorize).
 
 use kvplug_backend_kit::model::ops::check_hadamard;
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor, StoredValues};
@@ -198,9 +199,7 @@ impl ModelDevice for CpuDevice {
         up: &CpuTensor,
         out: &mut CpuTensor,
     ) -> Result<(), KitError> {
-        for ((o, &g), &u) in out.data.iter_mut().zip(&gate.data).zip(&up.data) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
+        simd::silu_mul(&gate.data, &up.data, &mut out.data);
         Ok(())
     }
 
@@ -210,10 +209,7 @@ impl ModelDevice for CpuDevice {
         up: &CpuTensor,
         out: &mut CpuTensor,
     ) -> Result<(), KitError> {
-        const C: f32 = 0.797_884_6; // √(2/π)
-        for ((o, &g), &u) in out.data.iter_mut().zip(&gate.data).zip(&up.data) {
-            *o = 0.5 * g * (1.0 + (C * (g + 0.044715 * g * g * g)).tanh()) * u;
-        }
+        simd::gelu_tanh_mul(&gate.data, &up.data, &mut out.data);
         Ok(())
     }
 
