@@ -3,8 +3,9 @@
 # its SHA-256), unpacked and built Release in $PEERS (git-ignored) with cmake from Debian,
 # GGML_NATIVE off and the x86 features /proc/cpuinfo lists turned on one by one, AMX off:
 # Sapphire Rapids sandboxes refuse AMX tile state, and a native build dies with SIGILL on
-# Q4_K there. Sets PEERS, VERSION, src (the llama.cpp source) and build (its build directory:
-# bin/llama-bench, bin/llama-quantize, bin/libllama.so).
+# Q4_K there. Sets PEERS, VERSION, src (the llama.cpp source), features (the cmake feature
+# options) and build (its build directory: bin/llama-bench, bin/llama-quantize,
+# bin/libllama.so).
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e

@@ -7,8 +7,10 @@ copies of them.
   than the residual), tied embeddings.
 - qwen2, tied: q/k/v biases, the output reading the embedding table.
 - llama3: `rope_freqs` (Llama 3.1 rope scaling factors), tied embeddings, the `llama-bpe`
-  pre-tokenizer, rope base 500000.
-- llama, untied: a separate output matrix, 4 KV heads, rope base 10000.
+  pre-tokenizer without `add_bos_token` (both sides' default then starts a raw prompt with
+  BOS), rope base 500000.
+- llama, untied: a separate output matrix, 4 KV heads, rope base 10000, the `llama3`
+  pre-tokenizer name.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR"""
@@ -24,10 +26,13 @@ vocab_file = gguf.GGUFReader(src)
 VOCAB = len(vocab_file.fields["tokenizer.ggml.tokens"].data)
 
 
-def copy_tokenizer(w, pre):
-    """The source's tokenizer.* fields, with pre-tokenizer `pre`."""
+def copy_tokenizer(w, pre, state_bos):
+    """The source's tokenizer.* fields, with pre-tokenizer `pre`; `add_bos_token` only where
+    `state_bos`."""
     for key, field in vocab_file.fields.items():
         if not key.startswith("tokenizer."):
+            continue
+        if key == "tokenizer.ggml.add_bos_token" and not state_bos:
             continue
         kind = field.types[0]
         value = field.contents()
@@ -62,7 +67,8 @@ def llama3_rope_factors(base, head_dim, factor=8.0, low=1.0, high=4.0, original=
 
 
 def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm=False,
-          biases=False, tied=True, rope_base=1e6, llama3_rope=False, pre="qwen2", seed=0):
+          biases=False, tied=True, rope_base=1e6, llama3_rope=False, pre="qwen2", state_bos=True,
+          seed=0):
     rng = np.random.default_rng(seed)
     path = os.path.join(out, f"{name}.f32.gguf")
     w = gguf.GGUFWriter(path, arch)
@@ -81,7 +87,7 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
         w.add_rope_dimension_count(head_dim)
         w.add_vocab_size(VOCAB)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    copy_tokenizer(w, pre)
+    copy_tokenizer(w, pre, state_bos)
 
     def weight(n, rows, cols, gain=1.0):
         w.add_tensor(n, (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
@@ -124,6 +130,6 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
 model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)
 model("qwen2", "qwen2-synthetic-tied", 512, 4, 8, 2, 64, 1536, biases=True)
 model("llama", "llama3-synthetic", 512, 4, 8, 2, 64, 1536, rope_base=5e5, llama3_rope=True,
-      pre="llama-bpe")
+      pre="llama-bpe", state_bos=False)
 model("llama", "llama-synthetic-untied", 512, 4, 8, 4, 64, 1536, rope_base=1e4, tied=False,
-      pre="llama-bpe")
+      pre="llama3")

@@ -912,8 +912,9 @@ impl Block<'_> {
     /// [`Block::score_pairs`] does when `ahead` is given. The common head sizes are
     /// constants here, so that the pass over `D` unrolls (examples/decode_attention,
     /// Qwen2.5's D = 64 at L = 4096, fastest of 4 interleaved runs: f16 7%, q8 3%, q4 16%
-    /// faster; D = 128, memory-bound there: 2–3%). The values' pass stays a loop: unrolled
-    /// it holds more accumulators than there are registers (5% slower at D = 64).
+    /// faster; edited to Hq 32 / Hkv 8 / D = 128 at L = 2048, memory-bound: 2–3%). The
+    /// values' pass stays a loop: unrolled it holds more accumulators than there are
+    /// registers (5% slower at D = 64).
     #[inline(always)]
     unsafe fn scores<L: Lanes, const M: usize, K: RowView, V: RowView>(
         self,

@@ -163,6 +163,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         v["prompt_tokens"] = spec.prompt.len().into();
+        v["prompt_ids"] = spec.prompt.clone().into();
         v["generated_tokens"] = report.ids.len().into();
         v["stopped_at_eos"] = report
             .ids

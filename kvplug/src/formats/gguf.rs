@@ -432,12 +432,17 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
         Some(Value::Bool(b)) => *b,
         _ => {
             g.string("tokenizer.ggml.model")? == "llama"
-                || pre_name_is(g, "llama-bpe")
-                || pre_name_is(g, "llama3")
+                || g.string("tokenizer.ggml.pre").is_ok_and(is_llama3_pre)
         }
     };
     config["add_bos_token"] = add_bos.into();
     Ok((tk, config))
+}
+
+/// Whether `pre` names Llama 3's pre-tokenizer (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3`
+/// names that are Llama 3's own).
+fn is_llama3_pre(pre: &str) -> bool {
+    matches!(pre, "llama-bpe" | "llama3" | "llama-v3")
 }
 
 /// Whether the GGUF names pre-tokenizer `name`.
@@ -473,7 +478,7 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
     let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
     // Llama 3's tokenizer.json (and llama.cpp for its pre-tokenizer) takes a pre-token found
     // whole in the vocabulary as one token, whatever the merges would make of it.
-    let llama3 = matches!(pre, "llama-bpe" | "llama3");
+    let llama3 = is_llama3_pre(pre);
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .ignore_merges(llama3)
@@ -504,11 +509,11 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         "gpt2" | "default" => byte_level.into(),
         "qwen2" => split_then_bytes("")?,
-        "llama-bpe" | "llama3" => split_then_bytes("{1,3}")?,
+        pre if is_llama3_pre(pre) => split_then_bytes("{1,3}")?,
         other => fail!(
             Model,
-            "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, qwen2, \
-             llama-bpe)",
+            "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, default, \
+             qwen2, llama-bpe, llama3, llama-v3)",
             g.path.display()
         ),
     };
