@@ -316,39 +316,35 @@ fn softmax_body(x: &mut [f32]) {
 
 /// `out = silu(gate) · up` element-wise, `silu(g) = g / (1 + e^-g)` with [`fast_exp`].
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if vector_path() {
-        // SAFETY: the features were detected above.
-        return unsafe { x86::silu_mul(gate, up, out) };
-    }
-    silu_mul_body(gate, up, out)
-}
-
-#[inline(always)]
-fn silu_mul_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + fast_exp(-g)) * u;
-    }
+    gated(gate, up, out, |g| g / (1.0 + fast_exp(-g)))
 }
 
 /// `out = gelu_tanh(gate) · up` element-wise (Gemma's GELU, tanh approximation), as
 /// `g / (1 + e^(−2y))`, which equals `g · (1 + tanh y) / 2` without its cancellation,
 /// through [`fast_exp`].
 pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // √(2/π)
+    gated(gate, up, out, |g| {
+        g / (1.0 + fast_exp(-2.0 * (C * (g + 0.044715 * g * g * g))))
+    })
+}
+
+/// `out = act(gate) · up` element-wise, compiled for AVX2/FMA where the CPU has them so that
+/// the loop vectorizes (`act` is branch-free).
+#[inline(always)]
+fn gated(gate: &[f32], up: &[f32], out: &mut [f32], act: impl Fn(f32) -> f32) {
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
-        return unsafe { x86::gelu_tanh_mul(gate, up, out) };
+        return unsafe { x86::gated(gate, up, out, act) };
     }
-    gelu_tanh_mul_body(gate, up, out)
+    gated_body(gate, up, out, act)
 }
 
 #[inline(always)]
-fn gelu_tanh_mul_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    const C: f32 = 0.797_884_6; // √(2/π)
+fn gated_body(gate: &[f32], up: &[f32], out: &mut [f32], act: impl Fn(f32) -> f32) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        let y = C * (g + 0.044715 * g * g * g);
-        *o = g / (1.0 + fast_exp(-2.0 * y)) * u;
+        *o = act(g) * u;
     }
 }
 
@@ -499,16 +495,10 @@ pub(crate) mod x86 {
         super::softmax_body(x)
     }
 
-    /// [`super::silu_mul`], vectorized by the compiler for AVX2/FMA.
+    /// [`super::gated`]'s loop, vectorized by the compiler for AVX2/FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        super::silu_mul_body(gate, up, out)
-    }
-
-    /// [`super::gelu_tanh_mul`], vectorized by the compiler for AVX2/FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        super::gelu_tanh_mul_body(gate, up, out)
+    pub unsafe fn gated(gate: &[f32], up: &[f32], out: &mut [f32], act: impl Fn(f32) -> f32) {
+        super::gated_body(gate, up, out, act)
     }
 
     /// Up to four query rows per pass over `k`.
