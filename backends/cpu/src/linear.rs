@@ -8,15 +8,10 @@
 use half::{bf16, f16};
 
 use crate::simd::{vector_path, wide_path};
-use crate::workers::{DisjointChunks, Workers};
+use crate::workers::{DisjointChunks, Workers, STREAM_CHUNK_BYTES};
 
 /// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
-
-/// Tasks per thread where every token streams the rows ([`Path::tile_tokens`] or fewer):
-/// each task reads one long run of rows, which the prefetchers follow at full speed (tasks
-/// of 32 rows of a `[1536, 576]` f16 matrix streamed 23 GB/s, of 256 rows 29 GB/s).
-const STREAM_TASKS_PER_THREAD: usize = 2;
 
 /// A stored weight element.
 pub trait Elem: Copy + Send + Sync + 'static {
@@ -139,26 +134,26 @@ pub fn linear<E: Elem>(x: &[f32], t: usize, w: &[E], rows: usize, cols: usize, o
     );
     let path = Path::detect();
     let workers = Workers::global();
-    let per = if t < path.tile_tokens() {
-        let tasks = STREAM_TASKS_PER_THREAD * workers.participants();
-        rows.div_ceil(tasks).max(ROWS_PER_TASK)
-    } else {
-        ROWS_PER_TASK
-    };
     let out = DisjointChunks::new(out, 1);
-    let job = |task: usize| {
-        let r0 = task * per;
-        let block = Block {
-            x,
-            w,
-            cols,
-            out: &out,
-            out_stride: rows,
-            path,
-        };
-        block.run(t, r0..(r0 + per).min(rows));
+    let block = Block {
+        x,
+        w,
+        cols,
+        out: &out,
+        out_stride: rows,
+        path,
     };
-    workers.run(rows.div_ceil(per), &job);
+    if t < path.tile_tokens() {
+        // Where every token streams the rows: one long run per thread (tasks of 32 rows of
+        // a `[1536, 576]` f16 matrix streamed 23 GB/s, of 256 rows 29 GB/s).
+        let chunk = STREAM_CHUNK_BYTES.div_ceil(cols * std::mem::size_of::<E>());
+        workers.run_split(rows, chunk, &|r| block.run(t, r));
+    } else {
+        let per = ROWS_PER_TASK;
+        workers.run(rows.div_ceil(per), &|task| {
+            block.run(t, task * per..((task + 1) * per).min(rows))
+        });
+    }
 }
 
 /// One task's view of a linear.

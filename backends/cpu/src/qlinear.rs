@@ -46,7 +46,7 @@ use std::ops::Range;
 use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
 
 use crate::simd::{vector_path, vnni_path};
-use crate::workers::{DisjointChunks, Workers};
+use crate::workers::{DisjointChunks, Workers, STREAM_CHUNK_BYTES};
 
 /// Values per activation block, and per weight sub-block (Q6_K's 16-value sub-blocks come
 /// in pairs).
@@ -63,9 +63,6 @@ const PANEL_ROWS: usize = 2;
 const PANELS_PER_PASS: usize = 4;
 /// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
-/// Tasks per thread where every token streams the rows (fewer than [`TILE`] tokens): each
-/// task reads one long run of rows, which the prefetchers follow at full speed.
-const STREAM_TASKS_PER_THREAD: usize = 2;
 /// Bytes ahead of a streamed weight row's group that a decode step prefetches: one 4 KiB
 /// page, measured best of 256 B … 32 KiB (Qwen2.5-0.5B Q4_K_M tg128, 2 threads: 36.0 →
 /// 41.0 tok/s; 512 B gave 37.5, 8 KiB 38.7).
@@ -151,12 +148,6 @@ fn run(
     QUANTIZED.with_borrow_mut(|buf| {
         let acts = buf.quantize(path, x, t, cols);
         let workers = Workers::global();
-        let per = if t < TILE {
-            let tasks = STREAM_TASKS_PER_THREAD * workers.participants();
-            rows.div_ceil(tasks).max(ROWS_PER_TASK)
-        } else {
-            ROWS_PER_TASK
-        };
         let out = DisjointChunks::new(out, 1);
         let task = Task {
             path,
@@ -167,8 +158,15 @@ fn run(
             out: &out,
             out_stride: rows,
         };
-        let job = |i: usize| task.rows(format, i * per..((i + 1) * per).min(rows));
-        workers.run(rows.div_ceil(per), &job);
+        if t < TILE {
+            // Where every token streams the rows: one long run per thread.
+            let chunk = STREAM_CHUNK_BYTES.div_ceil(row_bytes);
+            workers.run_split(rows, chunk, &|r| task.rows(format, r));
+        } else {
+            let per = ROWS_PER_TASK;
+            let job = |i: usize| task.rows(format, i * per..((i + 1) * per).min(rows));
+            workers.run(rows.div_ceil(per), &job);
+        }
     });
 }
 

@@ -4,7 +4,13 @@
 //! boxed or block-allocated jobs. A decode step dispatches a few hundred short jobs, so
 //! idle workers and the waiting caller spin briefly on an atomic before sleeping on the
 //! condvars: a condvar wake-up costs more than most of those jobs.
+//!
+//! [`Workers::run_split`] hands each participant one contiguous share of a range and lets
+//! whoever finishes first take chunks from the back of the others' shares: a decode step's
+//! weight streams stay one run per thread (which the prefetchers follow) while neither
+//! thread waits out the other's slower share.
 
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -68,12 +74,57 @@ impl Shared {
     }
 }
 
+/// One participant's share of a [`Workers::run_split`] range, in chunks: the next chunk
+/// from the front (high 32 bits) and the end of the unclaimed chunks (low 32 bits). The
+/// owner claims from the front, the others from the back, each time half of what is left
+/// (at least one chunk): a claim is a locked compare-and-swap, which waits for the thread's
+/// outstanding loads, so a share costs a handful of them rather than one per chunk.
+#[repr(align(64))]
+#[derive(Default)]
+struct Share(AtomicU64);
+
+impl Share {
+    fn set(&self, chunks: Range<usize>) {
+        let (a, b) = (chunks.start as u64, chunks.end as u64);
+        self.0.store(a << 32 | b, Ordering::Relaxed);
+    }
+
+    /// Claims half the unclaimed chunks (at least one) from the front or the back.
+    fn claim(&self, front: bool) -> Option<Range<usize>> {
+        let mut cur = self.0.load(Ordering::Relaxed);
+        loop {
+            let (a, b) = (cur >> 32, cur & 0xffff_ffff);
+            if a >= b {
+                return None;
+            }
+            let k = ((b - a) / 2).max(1);
+            let (next, taken) = if front {
+                ((a + k) << 32 | b, a..a + k)
+            } else {
+                (a << 32 | (b - k), b - k..b)
+            };
+            match self
+                .0
+                .compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Some(taken.start as usize..taken.end as usize),
+                Err(now) => cur = now,
+            }
+        }
+    }
+}
+
+/// The granularity, in weight bytes, at which [`Workers::run_split`] splits a decode
+/// step's weight rows (each thread still streams one long run; this bounds how much of
+/// one share another thread can take over at the end).
+pub const STREAM_CHUNK_BYTES: usize = 16 << 10;
+
 /// Worker threads plus the calling thread.
 pub struct Workers {
     shared: Arc<Shared>,
     threads: usize,
-    /// One job at a time.
-    run_lock: Mutex<()>,
+    /// One job at a time; holds the shares of [`Workers::run_split`], one per participant.
+    run_lock: Mutex<Box<[Share]>>,
 }
 
 impl Workers {
@@ -90,7 +141,7 @@ impl Workers {
         Workers {
             shared,
             threads,
-            run_lock: Mutex::new(()),
+            run_lock: Mutex::new((0..=threads).map(|_| Share::default()).collect()),
         }
     }
 
@@ -116,6 +167,42 @@ impl Workers {
             return;
         }
         let _one_at_a_time = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.dispatch(tasks, f);
+    }
+
+    /// Calls `f` on disjoint ranges that cover `0..n` exactly, each starting and ending on
+    /// a multiple of `chunk` (or at `n`): one contiguous share per participant, claimed in
+    /// ascending runs; a participant done with its share takes runs from the back of the
+    /// others'. Returns when all calls have returned; a panic is re-raised here.
+    pub fn run_split(&self, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        assert!(chunk > 0, "run_split: empty chunks");
+        let chunks = n.div_ceil(chunk);
+        let range = |c: Range<usize>| c.start * chunk..(c.end * chunk).min(n);
+        if self.threads == 0 || chunks <= 1 {
+            f(0..n);
+            return;
+        }
+        assert!(chunks < 1 << 32, "run_split: {chunks} chunks");
+        let shares = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let p = shares.len();
+        for (i, s) in shares.iter().enumerate() {
+            s.set(i * chunks / p..(i + 1) * chunks / p);
+        }
+        let shares = &shares[..];
+        self.dispatch(p, &|i| {
+            while let Some(c) = shares[i].claim(true) {
+                f(range(c));
+            }
+            for other in (1..p).map(|k| &shares[(i + k) % p]) {
+                while let Some(c) = other.claim(false) {
+                    f(range(c));
+                }
+            }
+        });
+    }
+
+    /// [`Workers::run`]'s dispatch, under its lock.
+    fn dispatch(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         // SAFETY: the reference is only used by workers until `active` drops to zero,
         // which this function waits for before returning.
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
@@ -242,5 +329,54 @@ mod tests {
             8,
             "the pool survives a panicking job"
         );
+    }
+
+    #[test]
+    fn run_split_covers_each_index_once_on_chunk_bounds() {
+        let pool = Workers::new(3);
+        for (n, chunk) in [
+            (0, 4),
+            (1, 4),
+            (7, 8),
+            (100, 1),
+            (1000, 16),
+            (1001, 16),
+            (5, 2),
+        ] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run_split(n, chunk, &|r| {
+                assert!(
+                    r.start % chunk == 0 && (r.end % chunk == 0 || r.end == n),
+                    "{r:?}"
+                );
+                // A slow first share, so that the others take chunks from its back.
+                if r.start == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                r.for_each(|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "n {n}, chunk {chunk}"
+            );
+        }
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run_split(64, 4, &|r| assert!(!r.contains(&37), "index 37"))
+        }));
+        assert!(r.is_err());
+    }
+
+    #[test]
+    fn shares_are_claimed_from_both_ends_until_empty() {
+        let s = Share::default();
+        s.set(3..11);
+        assert_eq!(s.claim(true), Some(3..7));
+        assert_eq!(s.claim(false), Some(9..11));
+        assert_eq!(s.claim(true), Some(7..8));
+        assert_eq!(s.claim(false), Some(8..9));
+        assert_eq!(s.claim(true), None);
+        assert_eq!(s.claim(false), None);
     }
 }
