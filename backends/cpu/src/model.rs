@@ -4,12 +4,14 @@
 //! through [`simd::fast_exp`], so that they vectorize).
 
 use kvplug_backend_kit::model::ops::check_hadamard;
-use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor, StoredValues};
+use kvplug_backend_kit::model::{
+    BlockFormat, ModelDevice, Projection, StoredDtype, StoredTensor, StoredValues,
+};
 use kvplug_backend_kit::KitError;
 use kvplug_core::RopePairs;
 
 use crate::linear::linear;
-use crate::qlinear::linear_blocks;
+use crate::qlinear::{linear_blocks, linear_blocks_many, BlockMatrix};
 use crate::simd;
 use crate::tensor::CpuTensor;
 use crate::CpuDevice;
@@ -20,6 +22,38 @@ pub struct CpuWeight {
     rows: usize,
     cols: usize,
     data: StoredTensor,
+}
+
+/// `out += bias` on each row.
+fn add_bias(out: &mut CpuTensor, bias: &CpuTensor) {
+    for row in out.data.chunks_exact_mut(bias.data.len()) {
+        row.iter_mut().zip(&bias.data).for_each(|(o, b)| *o += b);
+    }
+}
+
+/// The projections (checked) as one [`linear_blocks_many`] job, biases left out, when every
+/// weight is in a block format; otherwise `false` and nothing done.
+fn fused_blocks<const N: usize>(x: &CpuTensor, ps: [&mut Projection<'_, CpuDevice>; N]) -> bool {
+    fn blocks(w: &CpuWeight) -> Option<(BlockFormat, &[u8])> {
+        match w.data.values() {
+            StoredValues::Blocks(f, b) => Some((f, b)),
+            _ => None,
+        }
+    }
+    if !ps.iter().all(|p| blocks(p.w).is_some()) {
+        return false;
+    }
+    let matrices = ps.map(|p| {
+        let (format, w) = blocks(p.w).expect("checked above");
+        BlockMatrix {
+            format,
+            w,
+            rows: p.w.rows,
+            out: &mut p.out.data,
+        }
+    });
+    linear_blocks_many(&x.data, x.dims[0], x.dims[1], matrices);
+    true
 }
 
 fn check(cond: bool, what: &str) -> Result<(), KitError> {
@@ -101,8 +135,32 @@ impl ModelDevice for CpuDevice {
             StoredValues::Blocks(f, b) => linear_blocks(x, t, f, b, w.rows, w.cols, o),
         }
         if let Some(b) = bias {
-            for row in out.data.chunks_exact_mut(w.rows) {
-                row.iter_mut().zip(&b.data).for_each(|(o, b)| *o += b);
+            add_bias(out, b);
+        }
+        Ok(())
+    }
+
+    fn linears(&self, x: &CpuTensor, ps: &mut [Projection<'_, Self>]) -> Result<(), KitError> {
+        let t = x.dims[0];
+        for p in ps.iter() {
+            check(
+                x.dims[1] == p.w.cols && p.out.dims == [t, p.w.rows],
+                "linear",
+            )?;
+        }
+        let fused = match ps {
+            [a, b] => fused_blocks(x, [a, b]),
+            [a, b, c] => fused_blocks(x, [a, b, c]),
+            _ => false,
+        };
+        if !fused {
+            return ps
+                .iter_mut()
+                .try_for_each(|p| self.linear(x, p.w, p.bias, p.out));
+        }
+        for p in ps.iter_mut() {
+            if let Some(b) = p.bias {
+                add_bias(p.out, b);
             }
         }
         Ok(())

@@ -116,6 +116,28 @@ pub fn linear_blocks(
     run(Path::detect(), x, t, format, w, rows, cols, out);
 }
 
+/// One matrix of a [`linear_blocks_many`] call: `rows` rows of `format` blocks and the
+/// `[t, rows]` output.
+pub struct BlockMatrix<'a> {
+    pub format: BlockFormat,
+    pub w: &'a [u8],
+    pub rows: usize,
+    pub out: &'a mut [f32],
+}
+
+/// [`linear_blocks`] for several matrices of the same input (a layer's q/k/v, its gate/up),
+/// with the same results bit for bit: the activations are quantized once and the matrices'
+/// rows run as one job (one dispatch, each thread's stream running on from one matrix into
+/// the next). Panics as [`linear_blocks`] does for any of them.
+pub fn linear_blocks_many<const N: usize>(
+    x: &[f32],
+    t: usize,
+    cols: usize,
+    matrices: [BlockMatrix<'_>; N],
+) {
+    run_many(Path::detect(), x, t, cols, matrices);
+}
+
 /// [`linear_blocks`] on `path`.
 #[allow(clippy::too_many_arguments)]
 fn run(
@@ -128,44 +150,88 @@ fn run(
     cols: usize,
     out: &mut [f32],
 ) {
-    assert!(
-        cols.is_multiple_of(format.block_elems()),
-        "linear_blocks: {cols} columns are not whole {} blocks",
-        format.name()
-    );
-    let row_bytes = format.bytes_for(cols);
-    assert!(
-        x.len() == t * cols && w.len() == rows * row_bytes && out.len() == t * rows,
-        "linear_blocks: x {} (want {t}x{cols}), w {} bytes (want {rows} rows of {row_bytes}), \
-         out {} (want {t}x{rows})",
-        x.len(),
-        w.len(),
-        out.len()
-    );
-    if t == 0 || rows == 0 {
+    let m = BlockMatrix {
+        format,
+        w,
+        rows,
+        out,
+    };
+    run_many(path, x, t, cols, [m]);
+}
+
+/// [`linear_blocks_many`] on `path`.
+fn run_many<const N: usize>(
+    path: Path,
+    x: &[f32],
+    t: usize,
+    cols: usize,
+    matrices: [BlockMatrix<'_>; N],
+) {
+    for m in &matrices {
+        let format = m.format;
+        assert!(
+            cols.is_multiple_of(format.block_elems()),
+            "linear_blocks: {cols} columns are not whole {} blocks",
+            format.name()
+        );
+        let (rows, row_bytes) = (m.rows, format.bytes_for(cols));
+        assert!(
+            x.len() == t * cols && m.w.len() == rows * row_bytes && m.out.len() == t * rows,
+            "linear_blocks: x {} (want {t}x{cols}), w {} bytes (want {rows} rows of \
+             {row_bytes}), out {} (want {t}x{rows})",
+            x.len(),
+            m.w.len(),
+            m.out.len()
+        );
+    }
+    if t == 0 || matrices.iter().all(|m| m.rows == 0) {
         return;
     }
+    let outs = matrices.map(|m| (m.format, m.w, m.rows, DisjointChunks::new(m.out, 1)));
     QUANTIZED.with_borrow_mut(|buf| {
         let acts = buf.quantize(path, x, t, cols);
+        let tasks = outs.each_ref().map(|(format, w, rows, out)| {
+            let task = Task {
+                path,
+                w,
+                row_bytes: format.bytes_for(cols),
+                acts,
+                t,
+                out,
+                out_stride: *rows,
+            };
+            (*format, task)
+        });
         let workers = Workers::global();
-        let out = DisjointChunks::new(out, 1);
-        let task = Task {
-            path,
-            w,
-            row_bytes,
-            acts,
-            t,
-            out: &out,
-            out_stride: rows,
-        };
         if t < TILE {
             // Where every token streams the rows: one long run per thread.
-            let chunk = STREAM_CHUNK_BYTES.div_ceil(row_bytes);
-            workers.run_split(rows, chunk, &|r| task.rows(format, r));
+            let total = tasks.iter().map(|(_, k)| k.out_stride).sum();
+            let thinnest = tasks.iter().map(|(_, k)| k.row_bytes).min();
+            let chunk = STREAM_CHUNK_BYTES.div_ceil(thinnest.unwrap_or(1));
+            workers.run_split(total, chunk, &|r| {
+                let mut first = 0;
+                for (format, task) in &tasks {
+                    let end = first + task.out_stride;
+                    let (a, b) = (r.start.max(first), r.end.min(end));
+                    if a < b {
+                        task.rows(*format, a - first..b - first);
+                    }
+                    first = end;
+                }
+            });
         } else {
             let per = ROWS_PER_TASK;
-            let job = |i: usize| task.rows(format, i * per..((i + 1) * per).min(rows));
-            workers.run(rows.div_ceil(per), &job);
+            let total = tasks.iter().map(|(_, k)| k.out_stride.div_ceil(per)).sum();
+            workers.run(total, &|mut i| {
+                for (format, task) in &tasks {
+                    let n = task.out_stride.div_ceil(per);
+                    if i < n {
+                        let rows = i * per..((i + 1) * per).min(task.out_stride);
+                        return task.rows(*format, rows);
+                    }
+                    i -= n;
+                }
+            });
         }
     });
 }
@@ -1754,6 +1820,39 @@ mod tests {
                         "{} {path:?} cols {cols} token {ti}",
                         f.name()
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matrices_of_one_input_give_each_ones_own_outputs() {
+        // A decode step (the split stream, whose shares cross from one matrix into the
+        // next), a short prefill and a panel-sized one, on mixed formats and row counts.
+        let (cols, mut rng) = (512, Rng(11));
+        let shapes = [
+            (BlockFormat::Q5_0, 70),
+            (BlockFormat::Q8_0, 3),
+            (BlockFormat::Q6K, 41),
+        ];
+        let ws = shapes.map(|(f, rows)| random_blocks(f, rows * cols / f.block_elems(), &mut rng));
+        for t in [1, 5, 17] {
+            let x = activations(t, cols, &mut rng);
+            for path in paths() {
+                let mut fused = shapes.map(|(_, rows)| vec![0f32; t * rows]);
+                let mut outs = fused.iter_mut();
+                let matrices: [_; 3] = std::array::from_fn(|i| BlockMatrix {
+                    format: shapes[i].0,
+                    w: &ws[i],
+                    rows: shapes[i].1,
+                    out: outs.next().expect("one output per matrix"),
+                });
+                run_many(path, &x, t, cols, matrices);
+                for (i, &(f, rows)) in shapes.iter().enumerate() {
+                    let mut alone = vec![0f32; t * rows];
+                    run(path, &x, t, f, &ws[i], rows, cols, &mut alone);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&fused[i]), bits(&alone), "{path:?} t {t} matrix {i}");
                 }
             }
         }

@@ -9,7 +9,7 @@ use kvplug_core::key_basis::rotation_width;
 use kvplug_core::{CacheError, KeyBasis, RopePairs};
 
 use super::config::{Activation, Arch, ModelConfig, ModelError};
-use super::ops::ModelDevice;
+use super::ops::{ModelDevice, Projection};
 use super::package::{ModelPackage, Residency};
 use crate::cache::{KitCache, KitError};
 
@@ -347,9 +347,26 @@ impl<D: ModelDevice> DecoderModel<D> {
         let mut step = cache.step(positions, None)?;
         for (l, lw) in w.layers[..self.layers].iter().enumerate() {
             d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
-            d.linear(&a.hn, &lw.q, lw.q_bias.as_ref(), &mut a.q)?;
-            d.linear(&a.hn, &lw.k, lw.k_bias.as_ref(), &mut a.k)?;
-            d.linear(&a.hn, &lw.v, lw.v_bias.as_ref(), &mut a.v)?;
+            d.linears(
+                &a.hn,
+                &mut [
+                    Projection {
+                        w: &lw.q,
+                        bias: lw.q_bias.as_ref(),
+                        out: &mut a.q,
+                    },
+                    Projection {
+                        w: &lw.k,
+                        bias: lw.k_bias.as_ref(),
+                        out: &mut a.k,
+                    },
+                    Projection {
+                        w: &lw.v,
+                        bias: lw.v_bias.as_ref(),
+                        out: &mut a.v,
+                    },
+                ],
+            )?;
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
                 std::mem::swap(&mut a.q, &mut a.merged);
@@ -377,8 +394,21 @@ impl<D: ModelDevice> DecoderModel<D> {
             d.linear(&a.merged, &lw.o, None, &mut a.o)?;
             residual_add(d, &mut a.x, &mut a.o, lw.post_attn.as_ref(), eps, &mut a.hn)?;
             d.rms_norm(&a.x, &lw.ln2, eps, &mut a.hn)?;
-            d.linear(&a.hn, &lw.gate, None, &mut a.gate)?;
-            d.linear(&a.hn, &lw.up, None, &mut a.up)?;
+            d.linears(
+                &a.hn,
+                &mut [
+                    Projection {
+                        w: &lw.gate,
+                        bias: None,
+                        out: &mut a.gate,
+                    },
+                    Projection {
+                        w: &lw.up,
+                        bias: None,
+                        out: &mut a.up,
+                    },
+                ],
+            )?;
             match c.activation() {
                 Activation::Silu => d.silu_mul(&a.gate, &a.up, &mut a.mlp)?,
                 Activation::GeluTanh => d.gelu_tanh_mul(&a.gate, &a.up, &mut a.mlp)?,

@@ -20,6 +20,6 @@ pub use blocks::BlockFormat;
 pub use forward::{Activations, DecoderModel, ForwardOutput};
 pub use kvplug_core::{ModelConfig, ModelError};
 pub use method::ForwardMethod;
-pub use ops::ModelDevice;
+pub use ops::{ModelDevice, Projection};
 pub use package::{ModelPackage, Residency};
 pub use stored::{StoredDtype, StoredTensor, StoredValues};

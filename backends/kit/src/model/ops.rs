@@ -19,6 +19,13 @@ pub fn check_hadamard(x: &[usize], n: usize, out: &[usize]) -> Result<(), KitErr
     Ok(())
 }
 
+/// One projection of a [`ModelDevice::linears`] call: `out = x·Wᵀ (+ bias)`.
+pub struct Projection<'a, D: ModelDevice> {
+    pub w: &'a D::Weight,
+    pub bias: Option<&'a D::Tensor>,
+    pub out: &'a mut D::Tensor,
+}
+
 /// Tensor operations of the decoder forward pass (Llama family, Gemma 3). Activations are f32 `Device::Tensor`s,
 /// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
 /// consistent shapes.
@@ -65,6 +72,18 @@ pub trait ModelDevice: Device {
         bias: Option<&Self::Tensor>,
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
+    /// [`ModelDevice::linear`] for each projection of one input (a layer's q/k/v, its
+    /// gate/up), with the same results; a device may run them as one job (the cpu: one
+    /// quantization of `x`, one dispatch). The default calls `linear` for each in turn.
+    fn linears(
+        &self,
+        x: &Self::Tensor,
+        projections: &mut [Projection<'_, Self>],
+    ) -> Result<(), KitError> {
+        projections
+            .iter_mut()
+            .try_for_each(|p| self.linear(x, p.w, p.bias, p.out))
+    }
     /// Rotary embedding in place on `x` `[T, heads·head_dim]`: token t rotates pair `i` of
     /// each head by angle `positions[t] · inv_freq[i]`, the pair being `(i, i + head_dim/2)`
     /// for [`RopePairs::Halves`] (rotate-half) and `(2i, 2i + 1)` for
