@@ -12,8 +12,8 @@
 # measured on a different machine than the other), and a table of their tokens per second
 # (mean ± standard deviation of every sample) and kvplug / llama.cpp follows
 # (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
-# peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens after RSS_CONTEXT - PP of
-# context, one run; llama.cpp with the flash-attention setting its default picks; both at the
+# peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens, 512 where PP=0, after the rest
+# as context, one run; llama.cpp with the flash-attention setting its default picks; both at the
 # first MMAP setting).
 #
 # Settings (environment): MODEL (a GGUF; default the demo model), F16 (1: both sides read an
@@ -84,8 +84,12 @@ runs="$PEERS/runs"
 rm -rf "$runs" && mkdir -p "$runs"
 echo "bench-peers: llama.cpp ($THREADS threads, KV $KV, flash attention on and off) and kvplug" \
     "(cpu backend, KV $KVPLUG_KV), mmap $MMAP: $ROUNDS rounds of $REPS runs, interleaved per test"
+# A test of no tokens (PP=0 or TG=0) is left out.
+tests=()
+[ "$PP" -gt 0 ] && tests+=("-p $PP -n 0")
+[ "$TG" -gt 0 ] && tests+=("-p 0 -n $TG")
 for depth in ${DEPTHS//,/ }; do
-    for test in "-p $PP -n 0" "-p 0 -n $TG"; do
+    for test in "${tests[@]}"; do
         for ((round = 0; round < ROUNDS; round++)); do
             for mmap in ${MMAP//,/ }; do
                 # ABBA: even rounds llama.cpp first, odd rounds kvplug first.
@@ -151,17 +155,19 @@ subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subpr
 print(f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.1f}")' "$@"
 }
 echo "bench-peers: peak RSS holding $RSS_CONTEXT tokens"
-depth=$((RSS_CONTEXT - PP))
+# Measured on a prefill: PP tokens, or 512 where PP=0.
+rss_pp=$((PP > 0 ? PP : 512))
+depth=$((RSS_CONTEXT - rss_pp))
 mmap=${MMAP%%,*}
 no_mmap=()
 [ "$mmap" = 0 ] && no_mmap=(--no-mmap)
 no_mmap_llama=()
 [ "$mmap" = 0 ] && no_mmap_llama=(-lm none)
-theirs=$(peak_rss "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -p "$PP" -n 0 -d "$depth" \
+theirs=$(peak_rss "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -p "$rss_pp" -n 0 -d "$depth" \
     -r 1 -ctk "$KV" -ctv "$KV" "${no_mmap_llama[@]}")
 ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$weights" \
-    --backend cpu --kv-dtype "$KVPLUG_KV" -p "$PP" -n 0 -d "$depth" -r 1 "${no_mmap[@]}")
-python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$PP" "$mmap" <<'EOF' | tee -a "$PEERS/peers.md"
+    --backend cpu --kv-dtype "$KVPLUG_KV" -p "$rss_pp" -n 0 -d "$depth" -r 1 "${no_mmap[@]}")
+python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$rss_pp" "$mmap" <<'EOF' | tee -a "$PEERS/peers.md"
 import sys
 theirs, ours = float(sys.argv[1]), float(sys.argv[2])
 ctx, pp, mmap = sys.argv[3:]
