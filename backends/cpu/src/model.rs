@@ -24,7 +24,22 @@ pub struct CpuWeight {
     data: StoredTensor,
 }
 
-/// `out += bias` on each row.
+/// Refuses a linear whose shapes break [`ModelDevice::linear`]'s contract (a bias, where
+/// given, holds one value per output column).
+fn check_linear(
+    x: &CpuTensor,
+    w: &CpuWeight,
+    bias: Option<&CpuTensor>,
+    out: &CpuTensor,
+) -> Result<(), KitError> {
+    let bias_fits = bias.is_none_or(|b| b.data.len() == w.rows);
+    check(
+        x.dims.len() == 2 && x.dims[1] == w.cols && out.dims == [x.dims[0], w.rows] && bias_fits,
+        "linear",
+    )
+}
+
+/// `out += bias` on each row (`[T, rows]`, `rows` values of bias).
 fn add_bias(out: &mut CpuTensor, bias: &CpuTensor) {
     for row in out.data.chunks_exact_mut(bias.data.len()) {
         row.iter_mut().zip(&bias.data).for_each(|(o, b)| *o += b);
@@ -125,8 +140,8 @@ impl ModelDevice for CpuDevice {
         bias: Option<&CpuTensor>,
         out: &mut CpuTensor,
     ) -> Result<(), KitError> {
+        check_linear(x, w, bias, out)?;
         let t = x.dims[0];
-        check(x.dims[1] == w.cols && out.dims == [t, w.rows], "linear")?;
         let (x, o) = (&x.data[..], &mut out.data[..]);
         match w.data.values() {
             StoredValues::F32(v) => linear(x, t, v, w.rows, w.cols, o),
@@ -141,12 +156,8 @@ impl ModelDevice for CpuDevice {
     }
 
     fn linears(&self, x: &CpuTensor, ps: &mut [Projection<'_, Self>]) -> Result<(), KitError> {
-        let t = x.dims[0];
         for p in ps.iter() {
-            check(
-                x.dims[1] == p.w.cols && p.out.dims == [t, p.w.rows],
-                "linear",
-            )?;
+            check_linear(x, p.w, p.bias, p.out)?;
         }
         let fused = match ps {
             [a, b] => fused_blocks(x, [a, b]),

@@ -45,8 +45,9 @@ use std::ops::Range;
 
 use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
 
+use crate::linear::STREAM_CHUNK_BYTES;
 use crate::simd::{vector_path, vnni_path};
-use crate::workers::{DisjointChunks, Workers, STREAM_CHUNK_BYTES};
+use crate::workers::{DisjointChunks, Workers};
 
 /// Values per activation block, and per weight sub-block (Q6_K's 16-value sub-blocks come
 /// in pairs).
@@ -167,6 +168,11 @@ fn run_many<const N: usize>(
     cols: usize,
     matrices: [BlockMatrix<'_>; N],
 ) {
+    assert!(
+        x.len() == t * cols,
+        "linear_blocks: x {} (want {t}x{cols})",
+        x.len()
+    );
     for m in &matrices {
         let format = m.format;
         assert!(
@@ -176,10 +182,9 @@ fn run_many<const N: usize>(
         );
         let (rows, row_bytes) = (m.rows, format.bytes_for(cols));
         assert!(
-            x.len() == t * cols && m.w.len() == rows * row_bytes && m.out.len() == t * rows,
-            "linear_blocks: x {} (want {t}x{cols}), w {} bytes (want {rows} rows of \
-             {row_bytes}), out {} (want {t}x{rows})",
-            x.len(),
+            m.w.len() == rows * row_bytes && m.out.len() == t * rows,
+            "linear_blocks: w {} bytes (want {rows} rows of {row_bytes}), out {} (want \
+             {t}x{rows})",
             m.w.len(),
             m.out.len()
         );
@@ -190,6 +195,7 @@ fn run_many<const N: usize>(
     let outs = matrices.map(|m| (m.format, m.w, m.rows, DisjointChunks::new(m.out, 1)));
     QUANTIZED.with_borrow_mut(|buf| {
         let acts = buf.quantize(path, x, t, cols);
+        // Each matrix's format, rows and task.
         let tasks = outs.each_ref().map(|(format, w, rows, out)| {
             let task = Task {
                 path,
@@ -200,18 +206,19 @@ fn run_many<const N: usize>(
                 out,
                 out_stride: *rows,
             };
-            (*format, task)
+            (*format, *rows, task)
         });
         let workers = Workers::global();
         if t < TILE {
-            // Where every token streams the rows: one long run per thread.
-            let total = tasks.iter().map(|(_, k)| k.out_stride).sum();
-            let thinnest = tasks.iter().map(|(_, k)| k.row_bytes).min();
-            let chunk = STREAM_CHUNK_BYTES.div_ceil(thinnest.unwrap_or(1));
+            // Where every token streams the rows: one long run per thread, through the
+            // matrices in turn (their rows numbered on from one to the next).
+            let total = tasks.iter().map(|(_, rows, _)| rows).sum();
+            let thinnest = tasks.iter().map(|(_, _, k)| k.row_bytes).min();
+            let chunk = STREAM_CHUNK_BYTES.div_ceil(thinnest.unwrap_or(1).max(1));
             workers.run_split(total, chunk, &|r| {
                 let mut first = 0;
-                for (format, task) in &tasks {
-                    let end = first + task.out_stride;
+                for (format, rows, task) in &tasks {
+                    let end = first + rows;
                     let (a, b) = (r.start.max(first), r.end.min(end));
                     if a < b {
                         task.rows(*format, a - first..b - first);
@@ -221,13 +228,12 @@ fn run_many<const N: usize>(
             });
         } else {
             let per = ROWS_PER_TASK;
-            let total = tasks.iter().map(|(_, k)| k.out_stride.div_ceil(per)).sum();
+            let total = tasks.iter().map(|(_, rows, _)| rows.div_ceil(per)).sum();
             workers.run(total, &|mut i| {
-                for (format, task) in &tasks {
-                    let n = task.out_stride.div_ceil(per);
+                for (format, rows, task) in &tasks {
+                    let n = rows.div_ceil(per);
                     if i < n {
-                        let rows = i * per..((i + 1) * per).min(task.out_stride);
-                        return task.rows(*format, rows);
+                        return task.rows(*format, i * per..((i + 1) * per).min(*rows));
                     }
                     i -= n;
                 }
@@ -1930,6 +1936,77 @@ mod tests {
                 assert_eq!(got, k4_scale_min(j, &q), "{q:?} sub-block {j}");
             }
         }
+    }
+
+    #[test]
+    fn the_device_runs_projections_of_one_input_as_each_alone() {
+        use kvplug_backend_kit::model::Projection;
+        let (dev, cols, t) = (CpuDevice::new(), 512, 2);
+        let mut rng = Rng(9);
+        let stored = |dtype, bytes: Vec<u8>| {
+            let n = bytes.len();
+            StoredTensor::new(dtype, Arc::new(bytes), 0..n).expect("whole elements")
+        };
+        let block = |f: BlockFormat, rows: usize, rng: &mut Rng| {
+            let bytes = random_blocks(f, rows * cols / f.block_elems(), rng);
+            let w = dev.weight(stored(StoredDtype::Block(f), bytes), rows, cols);
+            (w.expect("whole blocks"), rows)
+        };
+        let (q, k, v) = (
+            block(BlockFormat::Q4K, 6, &mut rng),
+            block(BlockFormat::Q8_0, 2, &mut rng),
+            block(BlockFormat::Q5_0, 3, &mut rng),
+        );
+        let f32s: Vec<u8> = (0..3 * cols)
+            .flat_map(|i| ((i as f32 * 0.11).cos()).to_le_bytes())
+            .collect();
+        let plain = (
+            dev.weight(stored(StoredDtype::F32, f32s), 3, cols).unwrap(),
+            3,
+        );
+        let x = CpuTensor::new(&[t, cols], activations(t, cols, &mut rng));
+        let bias = |n: usize| CpuTensor::new(&[n], (0..n).map(|i| i as f32 - 1.5).collect());
+        let (bq, bk) = (bias(6), bias(2));
+        // All block weights (one fused job, biases after), and a set with an f32 weight (one
+        // linear each): either way each output as `linear` alone gives it.
+        for third in [&v, &plain] {
+            let ws = [(&q, Some(&bq)), (&k, Some(&bk)), (third, None)];
+            let mut outs = ws.map(|((_, rows), _)| CpuTensor::zeros(&[t, *rows]));
+            let mut it = outs.iter_mut();
+            let mut ps = ws.map(|((w, _), b)| Projection {
+                w,
+                bias: b,
+                out: it.next().unwrap(),
+            });
+            dev.linears(&x, &mut ps).unwrap();
+            for (((w, rows), b), got) in ws.iter().zip(&outs) {
+                let mut want = CpuTensor::zeros(&[t, *rows]);
+                dev.linear(&x, w, *b, &mut want).unwrap();
+                assert_eq!(got.data, want.data);
+            }
+        }
+        // A bias of the wrong length on the second: refused before anything is written.
+        let mut outs = [6, 2, 3].map(|rows| CpuTensor::new(&[t, rows], vec![7.0; t * rows]));
+        let [o0, o1, o2] = &mut outs;
+        let mut ps = [
+            Projection {
+                w: &q.0,
+                bias: None,
+                out: o0,
+            },
+            Projection {
+                w: &k.0,
+                bias: Some(&bq),
+                out: o1,
+            },
+            Projection {
+                w: &v.0,
+                bias: None,
+                out: o2,
+            },
+        ];
+        assert!(matches!(dev.linears(&x, &mut ps), Err(KitError::Device(_))));
+        assert!(outs.iter().all(|o| o.data.iter().all(|&v| v == 7.0)));
     }
 
     #[test]

@@ -6,9 +6,9 @@
 //! condvars: a condvar wake-up costs more than most of those jobs.
 //!
 //! [`Workers::run_split`] hands each participant one contiguous share of a range and lets
-//! whoever finishes first take chunks from the back of the others' shares: a decode step's
-//! weight streams stay one run per thread (which the prefetchers follow) while neither
-//! thread waits out the other's slower share.
+//! whoever finishes first take runs from the back of the others' shares: a decode step's
+//! weight streams stay one run per thread (which the prefetchers follow), and at the end a
+//! participant waits at most for the run another one last claimed.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -114,11 +114,6 @@ impl Share {
     }
 }
 
-/// The granularity, in weight bytes, at which [`Workers::run_split`] splits a decode
-/// step's weight rows (each thread still streams one long run; this bounds how much of
-/// one share another thread can take over at the end).
-pub const STREAM_CHUNK_BYTES: usize = 16 << 10;
-
 /// Worker threads plus the calling thread.
 pub struct Workers {
     shared: Arc<Shared>,
@@ -170,19 +165,23 @@ impl Workers {
         self.dispatch(tasks, f);
     }
 
-    /// Calls `f` on disjoint ranges that cover `0..n` exactly, each starting and ending on
-    /// a multiple of `chunk` (or at `n`): one contiguous share per participant, claimed in
-    /// ascending runs; a participant done with its share takes runs from the back of the
-    /// others'. Returns when all calls have returned; a panic is re-raised here.
+    /// Calls `f` on disjoint non-empty ranges that cover `0..n` exactly (none when `n` is
+    /// 0), each starting and ending on a multiple of `chunk` (or at `n`): one contiguous
+    /// share per participant, claimed in ascending runs of half its unclaimed chunks (so
+    /// `chunk` is the smallest claim); a participant done with its share takes runs from the
+    /// back of the others'. Returns when all calls have returned; a panic is re-raised here.
     pub fn run_split(&self, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
         assert!(chunk > 0, "run_split: empty chunks");
         let chunks = n.div_ceil(chunk);
         let range = |c: Range<usize>| c.start * chunk..(c.end * chunk).min(n);
-        if self.threads == 0 || chunks <= 1 {
+        if n == 0 {
+            return;
+        }
+        if self.threads == 0 || chunks == 1 {
             f(0..n);
             return;
         }
-        assert!(chunks < 1 << 32, "run_split: {chunks} chunks");
+        assert!(u32::try_from(chunks).is_ok(), "run_split: {chunks} chunks");
         let shares = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         let p = shares.len();
         for (i, s) in shares.iter().enumerate() {

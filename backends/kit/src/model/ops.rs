@@ -74,7 +74,9 @@ pub trait ModelDevice: Device {
     ) -> Result<(), KitError>;
     /// [`ModelDevice::linear`] for each projection of one input (a layer's q/k/v, its
     /// gate/up), with the same results; a device may run them as one job (the cpu: one
-    /// quantization of `x`, one dispatch). The default calls `linear` for each in turn.
+    /// quantization of `x`, one dispatch). The default calls `linear` for each in turn, so
+    /// on an error the outputs before the failing one are already written (they are the
+    /// scratch of a forward, which then fails as a whole).
     fn linears(
         &self,
         x: &Self::Tensor,
