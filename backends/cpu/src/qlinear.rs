@@ -18,7 +18,8 @@
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
 //! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same on 256-bit registers with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
-//! encoding, so 32 vector registers; fifth bits set under byte masks; Q8_0's codes taken as
+//! encoding, so 32 vector registers; a whole group two sub-blocks per 512-bit product, the
+//! products' lanes summed by permutes, not `vphaddd`; fifth bits set under byte masks; Q8_0's codes taken as
 //! unsigned `q + 128` with an offset of `128·s_j` (no sign transfer); Q6_K's half scales
 //! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
 //! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
@@ -64,10 +65,13 @@ const PANEL_ROWS: usize = 2;
 const PANELS_PER_PASS: usize = 4;
 /// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
-/// Bytes ahead of a streamed weight row's group that a decode step prefetches: one 4 KiB
-/// page, measured best of 256 B … 32 KiB (Qwen2.5-0.5B Q4_K_M tg128, 2 threads: 36.0 →
-/// 41.0 tok/s; 512 B gave 37.5, 8 KiB 38.7).
-const PREFETCH_AHEAD: usize = 4096;
+/// Bytes ahead of a streamed weight row's group that a decode step prefetches, every cache
+/// line of the group: two 4 KiB pages (the hardware prefetchers stop at page boundaries).
+/// Measured on `weights_decode_blocks` (896 × 4864, 2 threads, best of 4 interleaved runs):
+/// prefetching one line per group 4 KiB ahead, q4_K 6.8 ms; every line 2 KiB ahead 5.4,
+/// 4 KiB 5.1, 8 KiB 4.9 (q8_0 4.1 / 3.9 / 3.4). One line per group 4 KiB ahead had been
+/// the best of 256 B … 32 KiB before.
+const PREFETCH_AHEAD: usize = 8192;
 /// Values at which the activations are quantized on every thread rather than the caller's.
 const PARALLEL_QUANTIZE: usize = 1 << 16;
 
@@ -805,22 +809,44 @@ mod x86 {
     };
     use crate::simd::x86::hsum;
 
-    /// Sub-block scales and minimums of a Q4_K/Q5_K block's 12 packed bytes, as eight bytes each
-    /// (byte `j` = the kit's `k4_scale_min(j)`), by whole words: with `a`, `b`, `c` the bytes 0..4,
-    /// 4..8, 8..12, sub-blocks 0..4 keep the low 6 bits of `a` (scales) and `b` (minimums);
-    /// sub-blocks 4..8 take 4 bits from `c` (low nibbles scales, high nibbles minimums) under
-    /// the top 2 bits of `a` (scales) and `b` (minimums).
-    pub(super) fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
-        let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
-        let (a, b, c) = (word(0), word(4), word(8));
-        const LOW6: u32 = 0x3f3f_3f3f;
-        const LOW4: u32 = 0x0f0f_0f0f;
-        const LOW2: u32 = 0x0303_0303;
-        let sc_hi = (c & LOW4) | (((a >> 6) & LOW2) << 4);
-        let m_hi = ((c >> 4) & LOW4) | (((b >> 6) & LOW2) << 4);
-        (
-            u64::from(a & LOW6) | u64::from(sc_hi) << 32,
-            u64::from(b & LOW6) | u64::from(m_hi) << 32,
+    /// Sub-block scales and minimums of the Q4_K/Q5_K block at `p`, from its 12 packed bytes
+    /// (`p + 4..p + 16`), in the bytes of one vector: byte `j` = the kit's
+    /// `k4_scale_min(j)`'s scale, byte `8 + j` its minimum. With `a`, `b`, `c` the packed
+    /// bytes 0..4, 4..8, 8..12, sub-blocks 0..4 keep the low 6 bits of `a` (scales) and `b`
+    /// (minimums); sub-blocks 4..8 take 4 bits from `c` (low nibbles scales, high nibbles
+    /// minimums) under the top 2 bits of `a` (scales) and `b` (minimums). Byte shuffles, not
+    /// scalar words: the scalar unpack and its moves into vectors took ~40% of a Q4_K
+    /// super-block's time.
+    ///
+    /// # Safety
+    /// `p` must be valid for 16 bytes' reads; SSSE3.
+    #[inline(always)]
+    pub(super) unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
+        const Z: i8 = -128; // a shuffle index that gives 0
+        let v = _mm_loadu_si128(p.cast());
+        // a0..a3 c0..c3 b0..b3, under the masks 0x3f, 0x0f, 0x3f.
+        let low = _mm_shuffle_epi8(
+            v,
+            _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, Z, Z, Z, Z),
+        );
+        let low = _mm_and_si128(
+            low,
+            _mm_setr_epi32(0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f, 0),
+        );
+        // c's high nibbles for the minimums 4..8 (a 16-bit shift keeps them in their byte).
+        let c_hi = _mm_shuffle_epi8(
+            _mm_srli_epi16(v, 4),
+            _mm_setr_epi8(Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, 12, 13, 14, 15),
+        );
+        // a's and b's top 2 bits, moved to bits 4 and 5 of the bytes of sub-blocks 4..8.
+        let top = _mm_shuffle_epi8(
+            v,
+            _mm_setr_epi8(Z, Z, Z, Z, 4, 5, 6, 7, Z, Z, Z, Z, 8, 9, 10, 11),
+        );
+        let top = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+        _mm_or_si128(
+            _mm_or_si128(low, _mm_and_si128(c_hi, _mm_set1_epi8(0x0f))),
+            top,
         )
     }
 
@@ -917,10 +943,10 @@ mod x86 {
         mul: [__m256i; GROUP],
         /// Q6_K: the sixteen half scales as i16, in order.
         sc16: __m256i,
-        /// Q6_K on the `BW` path: lane j = sub-block j's first half's scale, as i32.
-        sc_even: __m256i,
-        /// Q6_K on the `BW` path: lane j = sub-block j's second half's scale, as i32.
-        sc_odd: __m256i,
+        /// Q6_K on the `BW` path: half scales 0..8 as i32 lanes.
+        sc_lo: __m256i,
+        /// Q6_K on the `BW` path: half scales 8..16 as i32 lanes.
+        sc_hi: __m256i,
         /// `scale_j` in lane j.
         scale: __m256,
         /// `min_j` in lane j.
@@ -969,10 +995,10 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
     }
 
-    /// The eight bytes of `v` widened to f32 lanes.
+    /// The low eight bytes of `v` widened to f32 lanes.
     #[inline(always)]
-    unsafe fn widen8(v: u64) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi64x(0, v as i64)))
+    unsafe fn widen8(v: __m128i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
     }
 
     /// Byte v = 0x10 where byte v of `qh` has `bit` set, else 0 (a Q5_K sub-block's fifth
@@ -1011,7 +1037,7 @@ mod x86 {
     /// Unpacks the `N` sub-blocks of format `F` at `p` (see [`super::unpack`]; a K-quant
     /// super-block is always eight). With `BW` (the VNNI path, which has AVX-512 BW) the
     /// fifth bits are set under byte masks, and Q6_K's half scales come as i32 lanes
-    /// (`sc_even`, `sc_odd`) instead of `mul`.
+    /// (`sc_lo`, `sc_hi`) instead of `mul`.
     ///
     /// # Safety
     /// `p` must be valid for the reads of `N` sub-blocks' whole blocks; AVX-512 BW and VL
@@ -1026,8 +1052,8 @@ mod x86 {
             signed: [z; GROUP],
             mul: [z; GROUP],
             sc16: z,
-            sc_even: z,
-            sc_odd: z,
+            sc_lo: z,
+            sc_hi: z,
             scale: _mm256_setzero_ps(),
             min: _mm256_setzero_ps(),
         };
@@ -1079,9 +1105,16 @@ mod x86 {
                 g.scale = halves::<N>(p, bb);
             }
             BlockFormat::Q4K | BlockFormat::Q5K => {
-                let (sc, m) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
-                g.scale = _mm256_mul_ps(widen8(sc), _mm256_set1_ps(half(p)));
-                g.min = _mm256_mul_ps(widen8(m), _mm256_set1_ps(-half(p.add(2))));
+                let sm = k4_scales_mins(p);
+                // d and dmin widened, each then in every lane.
+                let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+                let d = _mm256_broadcastss_ps(dd);
+                let neg_dmin = _mm256_xor_ps(
+                    _mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+                    _mm256_set1_ps(-0.0),
+                );
+                g.scale = _mm256_mul_ps(widen8(sm), d);
+                g.min = _mm256_mul_ps(widen8(_mm_unpackhi_epi64(sm, sm)), neg_dmin);
                 let q5 = f == BlockFormat::Q5K;
                 let qs = p.add(if q5 { 48 } else { 16 });
                 let qh = _mm256_loadu_si256(p.add(16).cast());
@@ -1135,16 +1168,15 @@ mod x86 {
                 }
                 let sc = _mm_loadu_si128(p.add(192).cast());
                 g.sc16 = _mm256_cvtepi8_epi16(sc);
-                // Even-numbered half scales in the low 128 bits, odd ones in the high: i16
-                // lane j of each is sub-block j's (first half's, second half's) scale.
-                let deinterleave =
-                    _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-                let eo = _mm_shuffle_epi8(sc, deinterleave);
                 if BW {
-                    g.sc_even = _mm256_cvtepi8_epi32(eo);
-                    g.sc_odd = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(eo, eo));
+                    g.sc_lo = _mm256_cvtepi8_epi32(sc);
+                    g.sc_hi = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc));
                 } else {
-                    let eo = _mm256_cvtepi8_epi16(eo);
+                    // Even-numbered half scales in the low 128 bits, odd ones in the high:
+                    // i16 lane j of each is sub-block j's (first half's, second half's) scale.
+                    let deinterleave =
+                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+                    let eo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, deinterleave));
                     for (j, m) in g.mul.iter_mut().enumerate() {
                         let pick = (((2 * j + 1) << 8) | (2 * j)) as i16;
                         *m = _mm256_shuffle_epi8(eo, _mm256_set1_epi16(pick));
@@ -1154,6 +1186,70 @@ mod x86 {
             }
         }
         g
+    }
+
+    /// The `dpbusd` products of a whole group `g` with one token's codes at `q`: `z[k]` holds
+    /// sub-blocks 2k (low 256 bits) and 2k + 1 (high) as eight i32 lanes each.
+    ///
+    /// # Safety
+    /// `q` must point at 256 codes; AVX-512 VNNI and BW (`g` unpacked for that path).
+    #[inline(always)]
+    unsafe fn products(g: &VGroup, q: *const i8) -> [__m512i; GROUP / 2] {
+        let mut z = [_mm512_setzero_si512(); GROUP / 2];
+        for (k, z) in z.iter_mut().enumerate() {
+            let codes = join(g.codes[2 * k], g.codes[2 * k + 1]);
+            let x = _mm512_loadu_si512(q.add(2 * QK * k).cast());
+            *z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x);
+        }
+        z
+    }
+
+    /// Lane 2j (2j + 1) = sub-block j's first (second) 16-value half's integer sum `Σ c·q`
+    /// for a whole group `g` against the codes at `q`, Q6_K's times that half's i8 scale
+    /// (|Σ c·q| ≤ 16·63·127, so the product fits).
+    ///
+    /// # Safety
+    /// As [`products`].
+    #[inline(always)]
+    unsafe fn scaled_half_sums<const F: usize>(g: &VGroup, q: *const i8) -> __m512i {
+        let h = half_sums(&products(g, q));
+        if const { matches!(BLOCK_FORMATS[F], BlockFormat::Q6K) } {
+            _mm512_mullo_epi32(h, join(g.sc_lo, g.sc_hi))
+        } else {
+            h
+        }
+    }
+
+    /// `lo` in the low 256 bits, `hi` in the high.
+    #[inline(always)]
+    unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+
+    /// Lane i = the sum of the i-th four-lane run of `z` taken in order (`z[k]` holds
+    /// sub-blocks 2k and 2k + 1 as `dpbusd` leaves them, so lanes 2j and 2j + 1 are sub-block
+    /// j's two 16-value halves), by two rounds of even/odd permutes: 6 permutes and 3
+    /// additions, each one micro-op that issues more than once per cycle, where `vphaddd`
+    /// issues once per 2 cycles on Zen 4/5 (measured here: 0.5 per cycle against 1.6 for
+    /// `vpermt2d`), which made the reduction a third of a Q4_K super-block's time.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline(always)]
+    unsafe fn half_sums(z: &[__m512i; GROUP / 2]) -> __m512i {
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let first = pair_sums(z[0], z[1], even, odd);
+        pair_sums(first, pair_sums(z[2], z[3], even, odd), even, odd)
+    }
+
+    /// Lanes 0..8 = the sums of `a`'s lane pairs, lanes 8..16 those of `b`'s.
+    #[inline(always)]
+    unsafe fn pair_sums(a: __m512i, b: __m512i, even: __m512i, odd: __m512i) -> __m512i {
+        _mm512_add_epi32(
+            _mm512_permutex2var_epi32(a, even, b),
+            _mm512_permutex2var_epi32(a, odd, b),
+        )
     }
 
     /// Lane j = the sum of the four low lanes of `s[j]` (the first 128 bits), and the same of
@@ -1221,30 +1317,28 @@ mod x86 {
         let offset = dot_offset(f, VNNI);
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
-        for (j, s) in s.iter_mut().enumerate().take(N) {
-            let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
-            let x = if f == BlockFormat::Q8_0 && !VNNI {
-                _mm256_sign_epi8(x, g.signed[j])
-            } else {
-                x
-            };
-            *s = if f == BlockFormat::Q6K && !VNNI {
-                // Pair sums meet their half's scale as i16.
-                _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), g.mul[j])
-            } else if VNNI {
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), g.codes[j], x)
-            } else {
-                _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), ones)
-            };
-        }
-        let mut isum = if f == BlockFormat::Q6K && VNNI {
-            // The halves' sums (|Σ c·q| ≤ 16·63·127) meet their i8 scales as i32.
-            let (first, second) = reduce8_halves(&s);
-            _mm256_add_epi32(
-                _mm256_mullo_epi32(first, g.sc_even),
-                _mm256_mullo_epi32(second, g.sc_odd),
-            )
+        let mut isum = if VNNI && N == GROUP {
+            let h = scaled_half_sums::<F>(g, a.q);
+            // Lane pairs (2j, 2j + 1) added in their 64-bit lane's low half, then narrowed.
+            _mm512_cvtepi64_epi32(_mm512_add_epi32(h, _mm512_srli_epi64::<32>(h)))
         } else {
+            debug_assert!(!VNNI || f.block_elems() == QK, "K-quant groups are whole");
+            for (j, s) in s.iter_mut().enumerate().take(N) {
+                let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
+                let x = if f == BlockFormat::Q8_0 && !VNNI {
+                    _mm256_sign_epi8(x, g.signed[j])
+                } else {
+                    x
+                };
+                *s = if f == BlockFormat::Q6K && !VNNI {
+                    // Pair sums meet their half's scale as i16.
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), g.mul[j])
+                } else if VNNI {
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), g.codes[j], x)
+                } else {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), ones)
+                };
+            }
             reduce8::<N>(&s)
         };
         let sum = lanes::<N>(a.sum);
@@ -1355,12 +1449,14 @@ mod x86 {
         let full = row.len() / group_bytes(f);
         for gi in 0..full {
             if NT == 1 {
-                // A lone token streams the rows: warm the page ahead (the hardware prefetchers
-                // stop at page boundaries). A prefetch never faults, past the weight included.
-                let ahead = row
-                    .as_ptr()
-                    .wrapping_add(gi * group_bytes(f) + PREFETCH_AHEAD);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                // A lone token streams the rows: warm the group's lines ahead. A prefetch never
+                // faults, past the weight included.
+                for l in 0..group_bytes(f).div_ceil(64) {
+                    let ahead = row
+                        .as_ptr()
+                        .wrapping_add(gi * group_bytes(f) + 64 * l + PREFETCH_AHEAD);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                }
             }
             sub_blocks::<F, GROUP, NT, VNNI>(row, gi * GROUP, &at, &mut acc);
         }
@@ -1926,14 +2022,27 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn k4_scales_by_words_match_the_kit() {
+    fn k4_scales_by_shuffles_match_the_kit() {
+        if !is_x86_feature_detected!("ssse3") {
+            return;
+        }
+        #[target_feature(enable = "ssse3")]
+        unsafe fn unpacked(block: &[u8; 16]) -> [u8; 16] {
+            // SAFETY: 16 bytes read, SSSE3 detected by the caller.
+            unsafe { std::mem::transmute(x86::k4_scales_mins(block.as_ptr())) }
+        }
         let mut rng = Rng(11);
         for _ in 0..1000 {
-            let q: Vec<u8> = (0..12).map(|_| rng.bits() as u8).collect();
-            let (sc, m) = x86::k4_scales_mins(q[..].try_into().unwrap());
+            let block: [u8; 16] = std::array::from_fn(|_| rng.bits() as u8);
+            // SAFETY: SSSE3 was detected above.
+            let sm = unsafe { unpacked(&block) };
+            let q = &block[4..];
             for j in 0..8 {
-                let got = ((sc >> (8 * j)) as u8, (m >> (8 * j)) as u8);
-                assert_eq!(got, k4_scale_min(j, &q), "{q:?} sub-block {j}");
+                assert_eq!(
+                    (sm[j], sm[8 + j]),
+                    k4_scale_min(j, q),
+                    "{q:?} sub-block {j}"
+                );
             }
         }
     }
