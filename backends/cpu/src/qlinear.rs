@@ -46,7 +46,7 @@ use std::ops::Range;
 
 use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
 
-use crate::linear::STREAM_CHUNK_BYTES;
+use crate::linear::{PREFETCH_AHEAD, STREAM_CHUNK_BYTES};
 use crate::simd::{vector_path, vnni_path};
 use crate::workers::{DisjointChunks, Workers};
 
@@ -65,13 +65,6 @@ const PANEL_ROWS: usize = 2;
 const PANELS_PER_PASS: usize = 4;
 /// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
-/// Bytes ahead of a streamed weight row's group that a decode step prefetches, every cache
-/// line of the group: two 4 KiB pages (the hardware prefetchers stop at page boundaries).
-/// Measured on `weights_decode_blocks` (896 × 4864, 2 threads, best of 4 interleaved runs):
-/// prefetching one line per group 4 KiB ahead, q4_K 6.8 ms; every line 2 KiB ahead 5.4,
-/// 4 KiB 5.1, 8 KiB 4.9 (q8_0 4.1 / 3.9 / 3.4). One line per group 4 KiB ahead had been
-/// the best of 256 B … 32 KiB before.
-const PREFETCH_AHEAD: usize = 8192;
 /// Values at which the activations are quantized on every thread rather than the caller's.
 const PARALLEL_QUANTIZE: usize = 1 << 16;
 
