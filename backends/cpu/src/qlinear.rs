@@ -16,7 +16,7 @@
 //! tile's, lane for lane, so a token's outputs are the same bit for bit whether it comes in a
 //! panel, a tile or alone. The vector paths are chosen at run time: AVX2
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
-//! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same on 256-bit registers with
+//! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
 //! encoding, so 32 vector registers; a whole group two sub-blocks per 512-bit product, the
 //! products' lanes summed by permutes, not `vphaddd`; fifth bits set under byte masks; Q8_0's codes taken as
@@ -73,7 +73,7 @@ const PARALLEL_QUANTIZE: usize = 1 << 16;
 enum Path {
     Scalar,
     Avx2,
-    /// AVX2 with AVX-512 VNNI's `dpbusd` on 256-bit registers (AVX-512 VL).
+    /// AVX2 with AVX-512 VNNI's `dpbusd`: 256-bit registers, whole groups on 512-bit ones.
     Vnni,
 }
 
