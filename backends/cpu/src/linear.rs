@@ -21,7 +21,8 @@ const ROWS_PER_TASK: usize = 32;
 pub(crate) const STREAM_CHUNK_BYTES: usize = 16 << 10;
 
 /// Bytes ahead of a streamed weight row that a decode step prefetches, every cache line
-/// (here and in [`crate::qlinear`], where a row is read by groups): two 4 KiB pages (the hardware prefetchers stop at page boundaries).
+/// (here and in [`crate::qlinear`], where a row is read by groups): two 4 KiB pages (the
+/// hardware prefetchers stop at page boundaries).
 /// Measured on `weights_decode_blocks` (896 × 4864, 2 threads, best of 4 interleaved runs):
 /// prefetching one line per group 4 KiB ahead, q4_K 6.8 ms; every line 2 KiB ahead 5.4,
 /// 4 KiB 5.1, 8 KiB 4.9 (q8_0 4.1 / 3.9 / 3.4). One line per group 4 KiB ahead had been
@@ -344,7 +345,8 @@ mod x86 {
         while k < full {
             if NT == 1 && NR == 1 {
                 // A lone token streams its row: warm the line two pages ahead (a prefetch
-                // never faults, past the weight included).
+                // never faults, past the weight included). Repeated for each vector of a line:
+                // issuing it once per line behind a test measured no faster.
                 let ahead = wp.add(k).cast::<u8>().wrapping_add(PREFETCH_AHEAD);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
             }
