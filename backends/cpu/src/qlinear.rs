@@ -19,7 +19,9 @@
 //! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
 //! encoding, so 32 vector registers; a whole group two sub-blocks per 512-bit product, the
-//! products' lanes summed by permutes, not `vphaddd`; fifth bits set under byte masks; Q8_0's codes taken as
+//! products' lanes summed by permutes, not `vphaddd`; the 4- and 5-bit 32-value formats'
+//! groups gathered by word permutes and met by activations whose blocks' 16-value halves are
+//! regrouped once per call to match their nibbles; fifth bits set under byte masks; Q8_0's codes taken as
 //! unsigned `q + 128` with an offset of `128·s_j` (no sign transfer); Q6_K's half scales
 //! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
 //! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
@@ -256,6 +258,10 @@ struct Quantized {
     sum: Vec<i32>,
     /// Code sums of each block's two 16-value halves (Q6_K's sub-blocks).
     half: Vec<i16>,
+    /// The `dpbusd` path's codes for the tokens past the panels, each four blocks' halves
+    /// regrouped: per 128 bytes, the first 16 codes of blocks 0..4, then their last 16 (as
+    /// that path's 4- and 5-bit 32-value formats unpack a block's nibbles).
+    q_halves: Vec<i8>,
     /// The same for whole panels of [`PANEL`] tokens, interleaved (see [`Panels`]).
     panel_q: Vec<i8>,
     panel_d: Vec<f32>,
@@ -328,8 +334,22 @@ impl Quantized {
                 ph[pb * 2 * PANEL + PANEL + i] = i32::from(self.half[2 * src + 1]);
             }
         }
+        let q_halves = at_least(&mut self.q_halves, t * blocks * QK);
+        if path == Path::Vnni {
+            let from = panels * PANEL * blocks * QK;
+            for (to, q) in q_halves[from..]
+                .chunks_exact_mut(4 * QK)
+                .zip(self.q[from..t * blocks * QK].chunks_exact(4 * QK))
+            {
+                for (k, chunk) in to.chunks_exact_mut(QK / 2).enumerate() {
+                    let (half, block) = (k / 4, k % 4);
+                    chunk.copy_from_slice(&q[block * QK + half * QK / 2..][..QK / 2]);
+                }
+            }
+        }
         Acts {
             q: &self.q[..t * blocks * QK],
+            q_halves: &self.q_halves[..t * blocks * QK],
             d: &self.d[..t * blocks],
             sum: &self.sum[..t * blocks],
             half: &self.half[..t * blocks * 2],
@@ -404,6 +424,8 @@ fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], half: &
 #[derive(Clone, Copy)]
 struct Acts<'a> {
     q: &'a [i8],
+    /// See [`Quantized::q_halves`].
+    q_halves: &'a [i8],
     d: &'a [f32],
     sum: &'a [i32],
     half: &'a [i16],
@@ -944,6 +966,20 @@ mod x86 {
         scale: __m256,
         /// `min_j` in lane j.
         min: __m256,
+        /// The `BW` path's whole groups, 64 codes a vector in the order of the activations
+        /// they meet: sub-blocks 2k and 2k + 1 of `codes` in `wide[k]` (K-quants, Q8_0), or
+        /// (the [`fours`]) blocks 4h..4h + 4's first 16 codes each in `wide[2h]`, their last
+        /// 16 in `wide[2h + 1]` ([`super::Quantized::q_halves`]).
+        wide: [__m512i; GROUP / 2],
+    }
+
+    impl VGroup {
+        /// Every field zero (no instruction: the AVX2 path has no 512-bit ones).
+        #[inline(always)]
+        fn zeroed() -> VGroup {
+            // SAFETY: every field is a SIMD vector, for which all-zero bits are valid.
+            unsafe { std::mem::zeroed() }
+        }
     }
 
     /// The 32 codes of 16 bytes of nibbles: low nibbles first, then high nibbles.
@@ -1039,17 +1075,7 @@ mod x86 {
     unsafe fn unpack<const F: usize, const N: usize, const BW: bool>(p: *const u8) -> VGroup {
         let f = const { BLOCK_FORMATS[F] };
         let bb = f.block_bytes();
-        let z = _mm256_setzero_si256();
-        let mut g = VGroup {
-            codes: [z; GROUP],
-            signed: [z; GROUP],
-            mul: [z; GROUP],
-            sc16: z,
-            sc_lo: z,
-            sc_hi: z,
-            scale: _mm256_setzero_ps(),
-            min: _mm256_setzero_ps(),
-        };
+        let mut g = VGroup::zeroed();
         let low4 = _mm256_set1_epi8(0x0f);
         let u32_at = |at: usize| std::ptr::read_unaligned(p.add(at).cast::<u32>());
         match f {
@@ -1181,6 +1207,167 @@ mod x86 {
         g
     }
 
+    /// A whole group of format `F` at `p` unpacked for the `BW` path: `wide` (not `codes`)
+    /// set.
+    ///
+    /// # Safety
+    /// As [`unpack`] with `BW`.
+    #[inline(always)]
+    unsafe fn unpack_pairs<const F: usize>(p: *const u8) -> VGroup {
+        if const { fours(BLOCK_FORMATS[F]) } {
+            return wide_fours::<F>(p);
+        }
+        let mut g = unpack::<F, GROUP, true>(p);
+        for (k, wide) in g.wide.iter_mut().enumerate() {
+            *wide = join(g.codes[2 * k], g.codes[2 * k + 1]);
+        }
+        g
+    }
+
+    /// The 4- and 5-bit formats of 32-value blocks (each block's fields start at even
+    /// offsets: whole words).
+    const fn fours(f: BlockFormat) -> bool {
+        matches!(
+            f,
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1
+        )
+    }
+
+    /// Word permutes of a [`fours`] group's bytes from `A` = bytes 0..64 and `B` = 64..128
+    /// (index bit 5 picks `B`), or from `B` and `C` = 128..192.
+    struct WordPicks {
+        /// For blocks 4h..4h + 4: the 32 words of their codes (16 bytes each) from `A`, `B`
+        /// (h = 0) or `B`, `C` (h = 1).
+        codes: [[u16; 32]; 2],
+        /// Lane j < 8: block j's scale; 8 + j its min; 16 + j the low word of its fifth
+        /// bits, 24 + j the high word: from `A`, `B` …
+        fields_ab: [u16; 32],
+        /// … or, where the mask has the lane's bit, from `B`, `C`.
+        fields_bc: ([u16; 32], u32),
+    }
+
+    /// [`WordPicks`] of format `f`'s group (none where not [`fours`]).
+    const fn word_picks(f: BlockFormat) -> WordPicks {
+        let mut p = WordPicks {
+            codes: [[0; 32]; 2],
+            fields_ab: [0; 32],
+            fields_bc: ([0; 32], 0),
+        };
+        if !fours(f) {
+            return p;
+        }
+        // Words: a block's, its codes', its fifth bits'.
+        let (bw, qs) = (f.block_bytes() / 2, (f.block_bytes() - QK / 2) / 2);
+        let mut l = 0;
+        while l < 64 {
+            let (h, block, word) = (l / 32, l / 8 % 4, l % 8);
+            let at = (4 * h + block) * bw + qs + word;
+            assert!(
+                at >= 32 * h && at < 32 * h + 64,
+                "codes lie in A, B or in B, C"
+            );
+            p.codes[h][l % 32] = (at - 32 * h) as u16;
+            l += 1;
+        }
+        let q5 = matches!(f, BlockFormat::Q5_0 | BlockFormat::Q5_1);
+        let mut j = 0;
+        while j < 32 {
+            let block = j % GROUP;
+            let at = match j / GROUP {
+                0 => Some(block * bw),
+                1 if has_min(f) => Some(block * bw + 1),
+                k if k >= 2 && q5 => Some(block * bw + qs - 2 + (k - 2)),
+                _ => None,
+            };
+            if let Some(at) = at {
+                assert!(at < 96, "a group's fields lie in A, B, C");
+                if at < 64 {
+                    p.fields_ab[j] = at as u16;
+                } else {
+                    p.fields_bc.0[j] = (at - 32) as u16;
+                    p.fields_bc.1 |= 1 << j;
+                }
+            }
+            j += 1;
+        }
+        p
+    }
+
+    /// The `i16` lanes of `w` (the first 32 a vector holds).
+    #[inline(always)]
+    unsafe fn words(w: &[u16; 32]) -> __m512i {
+        _mm512_loadu_si512(w.as_ptr().cast())
+    }
+
+    /// A whole group of a [`fours`] format `F` at `p` into `g.wide`, `g.scale` and `g.min`,
+    /// from three vector loads: four blocks' code bytes by one word permute, then their low
+    /// and high nibbles (the first and last 16 codes of each) apart; the scales, mins and
+    /// fifth bits by one or two more.
+    ///
+    /// # Safety
+    /// `p` must be valid for the reads of a group; AVX-512 BW.
+    #[inline(always)]
+    unsafe fn wide_fours<const F: usize>(p: *const u8) -> VGroup {
+        let f = const { BLOCK_FORMATS[F] };
+        let picks = const { &word_picks(BLOCK_FORMATS[F]) };
+        let mut g = VGroup::zeroed();
+        let span = GROUP * f.block_bytes();
+        let a = _mm512_loadu_si512(p.cast());
+        let b = _mm512_loadu_si512(p.add(64).cast());
+        // Only the group's own bytes past 128 (none past the row).
+        let c = _mm512_maskz_loadu_epi8(u64::MAX >> (192 - span), p.add(128).cast());
+        let mut fields = _mm512_permutex2var_epi16(a, words(&picks.fields_ab), b);
+        if picks.fields_bc.1 != 0 {
+            let bc = _mm512_permutex2var_epi16(b, words(&picks.fields_bc.0), c);
+            fields = _mm512_mask_mov_epi16(fields, picks.fields_bc.1, bc);
+        }
+        // Bit 16i + v of `fifth[2h]` (`fifth[2h + 1]`): bit v (16 + v) of block 4h + i's.
+        let mut fifth = [0u64; 4];
+        if matches!(f, BlockFormat::Q5_0 | BlockFormat::Q5_1) {
+            let mut hi = [0u64; 4];
+            _mm256_storeu_si256(
+                hi.as_mut_ptr().cast(),
+                _mm512_extracti64x4_epi64::<1>(fields),
+            );
+            fifth = [hi[0], hi[2], hi[1], hi[3]];
+        }
+        let low4 = _mm512_set1_epi8(0x0f);
+        for h in 0..2 {
+            let (x, y) = if h == 0 { (a, b) } else { (b, c) };
+            let bytes = _mm512_permutex2var_epi16(x, words(&picks.codes[h]), y);
+            let halves = [
+                _mm512_and_si512(bytes, low4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low4),
+            ];
+            for (k, v) in halves.into_iter().enumerate() {
+                g.wide[2 * h + k] =
+                    _mm512_mask_add_epi8(v, fifth[2 * h + k], v, _mm512_set1_epi8(0x10));
+            }
+        }
+        let sm = _mm512_cvtph_ps(_mm512_castsi512_si256(fields));
+        g.scale = _mm512_castps512_ps256(sm);
+        if has_min(f) {
+            g.min = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sm)));
+        }
+        g
+    }
+
+    /// Lane j = block j's integer sum `Σ c·q` for a whole [`fours`] group `g` (from
+    /// [`wide_fours`]) against the codes at `q` in [`super::Quantized::q_halves`]' order.
+    ///
+    /// # Safety
+    /// `q` must point at 256 codes; AVX-512 VNNI and BW.
+    #[inline(always)]
+    unsafe fn block_sums_of_fours(g: &VGroup, q: *const i8) -> __m256i {
+        // Lanes 4i..4i + 4 of z[h]: block 4h + i's partial sums.
+        let z: [__m512i; 2] = std::array::from_fn(|h| {
+            let x = |k: usize| _mm512_loadu_si512(q.add(64 * (2 * h + k)).cast());
+            let first = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.wide[2 * h], x(0));
+            _mm512_dpbusd_epi32(first, g.wide[2 * h + 1], x(1))
+        });
+        narrowed_pair_sums(pair_sums(z[0], z[1]))
+    }
+
     /// The `dpbusd` products of a whole group `g` with one token's codes at `q`: `z[k]` holds
     /// sub-blocks 2k (low 256 bits) and 2k + 1 (high) as eight i32 lanes each.
     ///
@@ -1190,9 +1377,8 @@ mod x86 {
     unsafe fn products(g: &VGroup, q: *const i8) -> [__m512i; GROUP / 2] {
         let mut z = [_mm512_setzero_si512(); GROUP / 2];
         for (k, z) in z.iter_mut().enumerate() {
-            let codes = join(g.codes[2 * k], g.codes[2 * k + 1]);
             let x = _mm512_loadu_si512(q.add(2 * QK * k).cast());
-            *z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x);
+            *z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.wide[k], x);
         }
         z
     }
@@ -1230,19 +1416,25 @@ mod x86 {
     /// AVX-512 F.
     #[inline(always)]
     unsafe fn half_sums(z: &[__m512i; GROUP / 2]) -> __m512i {
-        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let first = pair_sums(z[0], z[1], even, odd);
-        pair_sums(first, pair_sums(z[2], z[3], even, odd), even, odd)
+        pair_sums(pair_sums(z[0], z[1]), pair_sums(z[2], z[3]))
     }
 
     /// Lanes 0..8 = the sums of `a`'s lane pairs, lanes 8..16 those of `b`'s.
     #[inline(always)]
-    unsafe fn pair_sums(a: __m512i, b: __m512i, even: __m512i, odd: __m512i) -> __m512i {
+    unsafe fn pair_sums(a: __m512i, b: __m512i) -> __m512i {
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         _mm512_add_epi32(
             _mm512_permutex2var_epi32(a, even, b),
             _mm512_permutex2var_epi32(a, odd, b),
         )
+    }
+
+    /// Lane j = the sum of `h`'s lanes 2j and 2j + 1 (added in their 64-bit lane's low half,
+    /// then narrowed: no `vphaddd`).
+    #[inline(always)]
+    unsafe fn narrowed_pair_sums(h: __m512i) -> __m256i {
+        _mm512_cvtepi64_epi32(_mm512_add_epi32(h, _mm512_srli_epi64::<32>(h)))
     }
 
     /// Lane j = the sum of the four low lanes of `s[j]` (the first 128 bits), and the same of
@@ -1277,6 +1469,8 @@ mod x86 {
     #[derive(Clone, Copy)]
     struct ActPtrs {
         q: *const i8,
+        /// The group's codes in [`super::Quantized::q_halves`]' order.
+        q_halves: *const i8,
         d: *const f32,
         sum: *const i32,
         half: *const i16,
@@ -1310,10 +1504,10 @@ mod x86 {
         let offset = dot_offset(f, VNNI);
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
-        let mut isum = if VNNI && N == GROUP {
-            let h = scaled_half_sums::<F>(g, a.q);
-            // Lane pairs (2j, 2j + 1) added in their 64-bit lane's low half, then narrowed.
-            _mm512_cvtepi64_epi32(_mm512_add_epi32(h, _mm512_srli_epi64::<32>(h)))
+        let mut isum = if VNNI && N == GROUP && const { fours(BLOCK_FORMATS[F]) } {
+            block_sums_of_fours(g, a.q_halves)
+        } else if VNNI && N == GROUP {
+            narrowed_pair_sums(scaled_half_sums::<F>(g, a.q))
         } else {
             debug_assert!(!VNNI || f.block_elems() == QK, "K-quant groups are whole");
             for (j, s) in s.iter_mut().enumerate().take(N) {
@@ -1369,7 +1563,11 @@ mod x86 {
         let f = const { BLOCK_FORMATS[F] };
         let start = b / (f.block_elems() / QK) * f.block_bytes();
         assert!(start + f.bytes_for(N * QK) <= row.len());
-        let g = unpack::<F, N, VNNI>(row.as_ptr().add(start));
+        let g = if VNNI && N == GROUP {
+            unpack_pairs::<F>(row.as_ptr().add(start))
+        } else {
+            unpack::<F, N, VNNI>(row.as_ptr().add(start))
+        };
         // Unrolled by hand so the accumulators stay in registers.
         let mut i = 0;
         while i + 2 <= NT {
@@ -1432,6 +1630,7 @@ mod x86 {
             // SAFETY: the sub-blocks read lie within token t0+i's blocks (asserted above).
             ActPtrs {
                 q: acts.q.as_ptr().add(b * QK),
+                q_halves: acts.q_halves.as_ptr().add(b * QK),
                 d: acts.d.as_ptr().add(b),
                 sum: acts.sum.as_ptr().add(b),
                 half: acts.half.as_ptr().add(2 * b),
