@@ -441,6 +441,41 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_token_gets_the_same_output_alone_or_batched() {
+        // 13 tokens: 6- and 4-token tiles and single rows; 70 rows: 4-, 2- and 1-row tiles;
+        // columns: a long row, a scalar tail, less than one vector.
+        for cols in [4864, 150, 37, 13] {
+            let (t, rows) = (13, 70);
+            let w: Vec<f16> = weights(rows * cols)
+                .iter()
+                .map(|&v| f16::from_f32(v))
+                .collect();
+            let x: Vec<f32> = (0..t * cols)
+                .map(|i| ((i * 29 % 89) as f32 - 44.0) / 13.0)
+                .collect();
+            let mut batched = vec![0f32; t * rows];
+            linear(&x, t, &w, rows, cols, &mut batched);
+            for ti in 0..t {
+                let mut alone = vec![0f32; rows];
+                linear(
+                    &x[ti * cols..(ti + 1) * cols],
+                    1,
+                    &w,
+                    rows,
+                    cols,
+                    &mut alone,
+                );
+                let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&alone),
+                    bits(&batched[ti * rows..(ti + 1) * rows]),
+                    "cols {cols} token {ti}"
+                );
+            }
+        }
+    }
+
     fn weights(n: usize) -> Vec<f32> {
         (0..n)
             .map(|i| ((i * 53 % 97) as f32 - 48.0) / 31.0)
