@@ -3,7 +3,8 @@
 //! million weights, the fastest of 30 rounds of 100 calls. Criterion's `weights_decode_blocks`
 //! streams weights from memory as a model does, so its figures swing with this VM's bandwidth
 //! (±10% between runs of one binary); this one moves about ±2%, enough to compare kernel
-//! changes. `cargo run --release -p kvplug-cpu --example gemv_cached`.
+//! changes. `cargo run --release -p kvplug-cpu --example gemv_cached [FORMAT|COLUMNS...]` (every format
+//! and shape without names; e.g. `q4_K q5_0 896`).
 
 use std::time::Instant;
 
@@ -14,14 +15,24 @@ fn main() {
     let formats = [
         BlockFormat::Q8_0,
         BlockFormat::Q5_0,
+        BlockFormat::Q5_1,
         BlockFormat::Q4_0,
+        BlockFormat::Q4_1,
         BlockFormat::Q4K,
+        BlockFormat::Q5K,
         BlockFormat::Q6K,
     ];
+    let only: Vec<String> = std::env::args().skip(1).collect();
     // A quarter of the down projection's rows (4864 columns) and of the gate/up ones' (896).
     for f in formats {
+        let formats_named = only.iter().any(|n| n.parse::<usize>().is_err());
+        if formats_named && !only.iter().any(|n| n == f.name()) {
+            continue;
+        }
         for (rows, cols) in [(224usize, 4864usize), (1216, 896)] {
-            if cols % f.block_elems() != 0 {
+            let shape_named = only.iter().any(|n| n.parse() == Ok(cols));
+            let shapes_named = only.iter().any(|n| n.parse::<usize>().is_ok());
+            if cols % f.block_elems() != 0 || (shapes_named && !shape_named) {
                 continue;
             }
             let mut rng = Rng(0x9e37_79b9_7f4a_7c15);

@@ -191,9 +191,10 @@ fn run_many<const N: usize>(
     if t == 0 || matrices.iter().all(|m| m.rows == 0) {
         return;
     }
+    let matrices_formats = matrices.each_ref().map(|m| m.format);
     let outs = matrices.map(|m| (m.format, m.w, m.rows, DisjointChunks::new(m.out, 1)));
     QUANTIZED.with_borrow_mut(|buf| {
-        let acts = buf.quantize(path, x, t, cols);
+        let acts = buf.quantize(path, x, t, cols, &matrices_formats);
         // Each matrix's format, rows and task.
         let tasks = outs.each_ref().map(|(format, w, rows, out)| {
             let task = Task {
@@ -256,12 +257,15 @@ struct Quantized {
     d: Vec<f32>,
     /// Block code sums.
     sum: Vec<i32>,
+    /// Block code sums times scales, `f32(sum)·d` (the minimums' factor).
+    sum_d: Vec<f32>,
     /// Code sums of each block's two 16-value halves (Q6_K's sub-blocks).
     half: Vec<i16>,
-    /// The `dpbusd` path's codes for the tokens past the panels, each four blocks' halves
-    /// regrouped: per 128 bytes, the first 16 codes of blocks 0..4, then their last 16 (as
-    /// that path's 4- and 5-bit 32-value formats unpack a block's nibbles).
+    /// The `dpbusd` path's codes for the tokens past the panels in [`WideOrder::Halves`]'
+    /// order (filled only for calls with such a format).
     q_halves: Vec<i8>,
+    /// The same in [`WideOrder::Pairs`]' order.
+    q_pairs: Vec<i8>,
     /// The same for whole panels of [`PANEL`] tokens, interleaved (see [`Panels`]).
     panel_q: Vec<i8>,
     panel_d: Vec<f32>,
@@ -279,8 +283,16 @@ fn at_least<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 }
 
 impl Quantized {
-    /// Quantizes the `t` rows of `x` (`cols` each), on every thread when there are many.
-    fn quantize(&mut self, path: Path, x: &[f32], t: usize, cols: usize) -> Acts<'_> {
+    /// Quantizes the `t` rows of `x` (`cols` each), on every thread when there are many,
+    /// with the layouts that `formats` take on `path`.
+    fn quantize(
+        &mut self,
+        path: Path,
+        x: &[f32],
+        t: usize,
+        cols: usize,
+        formats: &[BlockFormat],
+    ) -> Acts<'_> {
         let blocks = (cols / QK).div_ceil(GROUP) * GROUP;
         let q = at_least(&mut self.q, t * blocks * QK);
         let d = at_least(&mut self.d, t * blocks);
@@ -313,6 +325,10 @@ impl Quantized {
                 );
             }
         }
+        let sum_d = at_least(&mut self.sum_d, t * blocks);
+        for ((sd, &s), &d) in sum_d.iter_mut().zip(&self.sum[..t * blocks]).zip(&*d) {
+            *sd = s as f32 * d;
+        }
         // The vector paths' panels (the scalar path has none).
         let panels = if path == Path::Scalar { 0 } else { t / PANEL };
         let n = panels * blocks;
@@ -334,24 +350,34 @@ impl Quantized {
                 ph[pb * 2 * PANEL + PANEL + i] = i32::from(self.half[2 * src + 1]);
             }
         }
-        let q_halves = at_least(&mut self.q_halves, t * blocks * QK);
-        if path == Path::Vnni {
-            let from = panels * PANEL * blocks * QK;
-            for (to, q) in q_halves[from..]
+        // The regrouped codes the call's formats take on the `dpbusd` path, for the tokens
+        // past the panels (others empty).
+        let (from, to) = (panels * PANEL * blocks * QK, t * blocks * QK);
+        let regrouped = |order: WideOrder, v: &mut Vec<i8>| {
+            if path != Path::Vnni || !formats.iter().any(|&f| wide_order(f) == order) {
+                return 0;
+            }
+            let chunks = if order == WideOrder::Halves { 8 } else { 4 };
+            for (w, q) in at_least(v, to)[from..]
                 .chunks_exact_mut(4 * QK)
-                .zip(self.q[from..t * blocks * QK].chunks_exact(4 * QK))
+                .zip(self.q[from..to].chunks_exact(4 * QK))
             {
-                for (k, chunk) in to.chunks_exact_mut(QK / 2).enumerate() {
-                    let (half, block) = (k / 4, k % 4);
-                    chunk.copy_from_slice(&q[block * QK + half * QK / 2..][..QK / 2]);
+                for (k, w) in w.chunks_exact_mut(4 * QK / chunks).enumerate() {
+                    let c = k % (chunks / 2) * 2 + k / (chunks / 2);
+                    w.copy_from_slice(&q[c * w.len()..][..w.len()]);
                 }
             }
-        }
+            to
+        };
+        let halves = regrouped(WideOrder::Halves, &mut self.q_halves);
+        let pairs = regrouped(WideOrder::Pairs, &mut self.q_pairs);
         Acts {
             q: &self.q[..t * blocks * QK],
-            q_halves: &self.q_halves[..t * blocks * QK],
+            q_halves: &self.q_halves[..halves],
+            q_pairs: &self.q_pairs[..pairs],
             d: &self.d[..t * blocks],
             sum: &self.sum[..t * blocks],
+            sum_d: &self.sum_d[..t * blocks],
             half: &self.half[..t * blocks * 2],
             blocks,
             panels: Panels {
@@ -424,10 +450,13 @@ fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], half: &
 #[derive(Clone, Copy)]
 struct Acts<'a> {
     q: &'a [i8],
-    /// See [`Quantized::q_halves`].
+    /// See [`Quantized::q_halves`] (empty unless the call has such a format).
     q_halves: &'a [i8],
+    /// See [`Quantized::q_pairs`] (likewise).
+    q_pairs: &'a [i8],
     d: &'a [f32],
     sum: &'a [i32],
+    sum_d: &'a [f32],
     half: &'a [i16],
     /// Blocks per token (whole groups).
     blocks: usize,
@@ -454,10 +483,20 @@ struct ActGroup<'a> {
     q: &'a [i8],
     d: &'a [f32],
     sum: &'a [i32],
+    sum_d: &'a [f32],
     half: &'a [i16],
 }
 
 impl<'a> Acts<'a> {
+    /// The codes in `order` (the `dpbusd` path's; empty where the call has no such format).
+    fn wide(&self, order: WideOrder) -> &'a [i8] {
+        match order {
+            WideOrder::Natural => self.q,
+            WideOrder::Halves => self.q_halves,
+            WideOrder::Pairs => self.q_pairs,
+        }
+    }
+
     /// Token `ti`'s activations for group `g`.
     #[inline(always)]
     fn group(&self, ti: usize, g: usize) -> ActGroup<'a> {
@@ -466,8 +505,34 @@ impl<'a> Acts<'a> {
             q: &self.q[b * QK..(b + GROUP) * QK],
             d: &self.d[b..b + GROUP],
             sum: &self.sum[b..b + GROUP],
+            sum_d: &self.sum_d[b..b + GROUP],
             half: &self.half[2 * b..2 * (b + GROUP)],
         }
+    }
+}
+
+/// The order in which the `dpbusd` path's whole groups of a format take their activation
+/// codes: that of the format's 512-bit unpack, per four 32-value blocks (128 codes).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WideOrder {
+    /// As quantized (Q8_0, Q6_K).
+    Natural,
+    /// The first 16 codes of the four blocks, then their last 16: a block's low and high
+    /// nibbles (Q4_0, Q4_1, Q5_0, Q5_1).
+    Halves,
+    /// Blocks 0, 2, 1, 3: the low nibbles of 64 code bytes, then their high ones (Q4_K,
+    /// Q5_K, whose 32 bytes hold a sub-block in low nibbles and the next in high ones).
+    Pairs,
+}
+
+/// [`WideOrder`] of `f`.
+const fn wide_order(f: BlockFormat) -> WideOrder {
+    match f {
+        BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1 => {
+            WideOrder::Halves
+        }
+        BlockFormat::Q4K | BlockFormat::Q5K => WideOrder::Pairs,
+        _ => WideOrder::Natural,
     }
 }
 
@@ -567,30 +632,34 @@ impl Task<'_> {
         }
         let mut t0 = self.acts.panels.count * PANEL;
         while t0 + TILE <= self.t {
-            for r in rows.clone() {
-                self.write(t0, r, self.tile::<F, TILE>(t0, r));
-            }
+            self.tiles::<F, TILE>(t0, rows.clone());
             t0 += TILE;
         }
         for ti in t0..self.t {
-            for r in rows.clone() {
-                self.write(ti, r, self.tile::<F, 1>(ti, r));
-            }
+            self.tiles::<F, 1>(ti, rows.clone());
         }
     }
 
-    /// Tokens `t0..t0+NT` of row `r`.
+    /// Tokens `t0..t0+NT` of each of `rows`, the rows looped over within one call (a row of a
+    /// few hundred values takes about as long as a call's entry and exit).
     #[inline(always)]
-    fn tile<const F: usize, const NT: usize>(&self, t0: usize, r: usize) -> [f32; NT] {
-        let row = &self.w[r * self.row_bytes..(r + 1) * self.row_bytes];
+    fn tiles<const F: usize, const NT: usize>(&self, t0: usize, rows: Range<usize>) {
+        let w = &self.w[rows.start * self.row_bytes..rows.end * self.row_bytes];
+        let put = |i: usize, v: [f32; NT]| self.write(t0, rows.start + i, v);
         match self.path {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the Avx2 path is only chosen where its features were detected.
-            Path::Avx2 => unsafe { x86::tile::<F, NT>(row, &self.acts, t0) },
+            Path::Avx2 => unsafe { x86::tiles::<F, NT>(w, self.row_bytes, &self.acts, t0, put) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the Vnni path is only chosen where its features were detected.
-            Path::Vnni => unsafe { x86::tile_vnni::<F, NT>(row, &self.acts, t0) },
-            _ => scalar_tile::<F, NT>(row, &self.acts, t0),
+            Path::Vnni => unsafe {
+                x86::tiles_vnni::<F, NT>(w, self.row_bytes, &self.acts, t0, put)
+            },
+            _ => {
+                for (i, row) in w.chunks_exact(self.row_bytes).enumerate() {
+                    put(i, scalar_tile::<F, NT>(row, &self.acts, t0));
+                }
+            }
         }
     }
 
@@ -787,7 +856,7 @@ fn scalar_dot<const F: usize>(g: &Group, a: ActGroup<'_>, mut acc: f32) -> f32 {
         };
         acc += isum as f32 * (g.scale[j] * a.d[j]);
         if has_min(f) {
-            acc += g.min[j] * (a.sum[j] as f32 * a.d[j]);
+            acc += g.min[j] * a.sum_d[j];
         }
     }
     acc
@@ -820,7 +889,8 @@ mod x86 {
     use std::ops::Range;
 
     use super::{
-        dot_offset, group_bytes, group_len, has_min, Acts, Panels, GROUP, PANEL, PREFETCH_AHEAD, QK,
+        dot_offset, group_bytes, group_len, has_min, wide_order, Acts, Panels, WideOrder, GROUP,
+        PANEL, PREFETCH_AHEAD, QK,
     };
     use crate::simd::x86::hsum;
 
@@ -966,10 +1036,11 @@ mod x86 {
         scale: __m256,
         /// `min_j` in lane j.
         min: __m256,
-        /// The `BW` path's whole groups, 64 codes a vector in the order of the activations
-        /// they meet: sub-blocks 2k and 2k + 1 of `codes` in `wide[k]` (K-quants, Q8_0), or
-        /// (the [`fours`]) blocks 4h..4h + 4's first 16 codes each in `wide[2h]`, their last
-        /// 16 in `wide[2h + 1]` ([`super::Quantized::q_halves`]).
+        /// The `BW` path's whole groups, 64 codes a vector in the format's [`WideOrder`]:
+        /// sub-blocks 2k and 2k + 1 of `codes` in `wide[k]` (Q6_K, Q8_0); sub-blocks 4h,
+        /// 4h + 2 in `wide[2h]` and 4h + 1, 4h + 3 in `wide[2h + 1]` (Q4_K, Q5_K); blocks
+        /// 4h..4h + 4's first 16 codes each in `wide[2h]`, their last 16 in `wide[2h + 1]`
+        /// (the [`fours`]).
         wide: [__m512i; GROUP / 2],
     }
 
@@ -1214,8 +1285,10 @@ mod x86 {
     /// As [`unpack`] with `BW`.
     #[inline(always)]
     unsafe fn unpack_pairs<const F: usize>(p: *const u8) -> VGroup {
-        if const { fours(BLOCK_FORMATS[F]) } {
-            return wide_fours::<F>(p);
+        match const { wide_order(BLOCK_FORMATS[F]) } {
+            WideOrder::Halves => return wide_fours::<F>(p),
+            WideOrder::Pairs => return wide_k_quant::<F>(p),
+            WideOrder::Natural => {}
         }
         let mut g = unpack::<F, GROUP, true>(p);
         for (k, wide) in g.wide.iter_mut().enumerate() {
@@ -1227,10 +1300,7 @@ mod x86 {
     /// The 4- and 5-bit formats of 32-value blocks (each block's fields start at even
     /// offsets: whole words).
     const fn fours(f: BlockFormat) -> bool {
-        matches!(
-            f,
-            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1
-        )
+        matches!(wide_order(f), WideOrder::Halves)
     }
 
     /// Word permutes of a [`fours`] group's bytes from `A` = bytes 0..64 and `B` = 64..128
@@ -1352,6 +1422,63 @@ mod x86 {
         g
     }
 
+    /// A whole Q4_K/Q5_K super-block at `p` into `g.wide` ([`WideOrder::Pairs`]), `g.scale`
+    /// and `g.min`: two 512-bit loads of codes, each split into low and high nibbles (the
+    /// fifth bits added under byte masks of a broadcast of the 32 bytes that hold them), and
+    /// the 16 scales and minimums widened and multiplied by `d` and `−dmin` as one vector.
+    ///
+    /// # Safety
+    /// `p` must be valid for the reads of a super-block; AVX-512 BW.
+    #[inline(always)]
+    unsafe fn wide_k_quant<const F: usize>(p: *const u8) -> VGroup {
+        let q5 = const { matches!(BLOCK_FORMATS[F], BlockFormat::Q5K) };
+        let mut g = VGroup::zeroed();
+        let sm = k4_scales_mins(p);
+        // d in lanes 0..8, dmin in 8..16 (the other six words widened too, and unused).
+        let dd = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+            _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(p.cast()))),
+        );
+        // The sign bit flipped in lanes 8..16 (an integer xor: AVX-512 F, not DQ).
+        let neg_high = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi32(i32::MIN));
+        let dd = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dd), neg_high));
+        let sm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)), dd);
+        g.scale = _mm512_castps512_ps256(sm);
+        g.min = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sm)));
+        let qs = p.add(if q5 { 48 } else { 16 });
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()));
+        let low4 = _mm512_set1_epi8(0x0f);
+        for h in 0..2 {
+            let v = _mm512_loadu_si512(qs.add(64 * h).cast());
+            let halves = [
+                _mm512_and_si512(v, low4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
+            ];
+            for (k, v) in halves.into_iter().enumerate() {
+                // Sub-blocks 4h + k (low 256 bits) and 4h + k + 2 (high), whose fifth bits
+                // are those bits of each byte of qh.
+                g.wide[2 * h + k] = if q5 {
+                    // Bit s of each byte moved to bit 4 (word shifts: bits moved across a
+                    // byte boundary are masked off), s = 4h + k, + 2 in the high half.
+                    let (s0, s1) = ((4 * h + k) as i16, (4 * h + k + 2) as i16);
+                    let counts = |s: i16| _mm256_set1_epi16((s - 4).abs());
+                    let counts =
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(counts(s0)), counts(s1));
+                    let moved = if s1 <= 4 {
+                        _mm512_sllv_epi16(qh, counts)
+                    } else {
+                        _mm512_srlv_epi16(qh, counts)
+                    };
+                    // (a & b) | c
+                    _mm512_ternarylogic_epi32::<0xEA>(moved, _mm512_set1_epi8(0x10), v)
+                } else {
+                    v
+                };
+            }
+        }
+        g
+    }
+
     /// Lane j = block j's integer sum `Σ c·q` for a whole [`fours`] group `g` (from
     /// [`wide_fours`]) against the codes at `q` in [`super::Quantized::q_halves`]' order.
     ///
@@ -1430,6 +1557,35 @@ mod x86 {
         )
     }
 
+    /// Lane j = sub-block j's integer sum `Σ c·q` for a whole Q4_K/Q5_K super-block `g`
+    /// (from [`wide_k_quant`]) against the codes at `q` in [`WideOrder::Pairs`]' order. The
+    /// products' lanes are summed by packing to i16 and pair sums (`packs`, `madd` with
+    /// ones: two operations halve two vectors, where permutes take three): a product lane
+    /// holds four code products, |c·q| ≤ 31·127, so it and the sum of two fit in an i16.
+    ///
+    /// # Safety
+    /// As [`products`].
+    #[inline(always)]
+    unsafe fn sub_block_sums_of_pairs(g: &VGroup, q: *const i8) -> __m256i {
+        // z[2h] holds sub-blocks 4h, 4h + 2; z[2h + 1] 4h + 1, 4h + 3; each sub-block in two
+        // 128-bit lanes.
+        let z = products(g, q);
+        let ones = _mm512_set1_epi16(1);
+        let halved = |a: __m512i, b: __m512i| _mm512_madd_epi16(_mm512_packs_epi32(a, b), ones);
+        // 128-bit lane l: the sums of lane l of z[0], z[1], z[2], z[3] (sub-blocks 0, 1, 4, 5
+        // in lanes 0 and 1, 2, 3, 6, 7 in lanes 2 and 3).
+        let r = halved(halved(z[0], z[1]), halved(z[2], z[3]));
+        let pick = |idx: __m512i| _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, r));
+        _mm256_add_epi32(
+            pick(_mm512_setr_epi32(
+                0, 1, 8, 9, 2, 3, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0,
+            )),
+            pick(_mm512_setr_epi32(
+                4, 5, 12, 13, 6, 7, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0,
+            )),
+        )
+    }
+
     /// Lane j = the sum of `h`'s lanes 2j and 2j + 1 (added in their 64-bit lane's low half,
     /// then narrowed: no `vphaddd`).
     #[inline(always)]
@@ -1469,10 +1625,11 @@ mod x86 {
     #[derive(Clone, Copy)]
     struct ActPtrs {
         q: *const i8,
-        /// The group's codes in [`super::Quantized::q_halves`]' order.
-        q_halves: *const i8,
+        /// The group's codes in its format's [`WideOrder`] (the `dpbusd` path's whole groups).
+        q_wide: *const i8,
         d: *const f32,
         sum: *const i32,
+        sum_d: *const f32,
         half: *const i16,
     }
 
@@ -1504,8 +1661,11 @@ mod x86 {
         let offset = dot_offset(f, VNNI);
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
-        let mut isum = if VNNI && N == GROUP && const { fours(BLOCK_FORMATS[F]) } {
-            block_sums_of_fours(g, a.q_halves)
+        let order = const { wide_order(BLOCK_FORMATS[F]) };
+        let mut isum = if VNNI && N == GROUP && order == WideOrder::Halves {
+            block_sums_of_fours(g, a.q_wide)
+        } else if VNNI && N == GROUP && order == WideOrder::Pairs {
+            sub_block_sums_of_pairs(g, a.q_wide)
         } else if VNNI && N == GROUP {
             narrowed_pair_sums(scaled_half_sums::<F>(g, a.q))
         } else {
@@ -1528,19 +1688,19 @@ mod x86 {
             }
             reduce8::<N>(&s)
         };
-        let sum = lanes::<N>(a.sum);
         if f == BlockFormat::Q6K {
             let off = _mm256_madd_epi16(g.sc16, _mm256_loadu_si256(a.half.cast()));
             isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
         } else if offset != 0 {
             // Offsets are powers of two.
+            let sum = lanes::<N>(a.sum);
             let off = _mm256_sllv_epi32(sum, _mm256_set1_epi32(offset.trailing_zeros() as i32));
             isum = _mm256_sub_epi32(isum, off);
         }
         let dx = _mm256_castsi256_ps(lanes::<N>(a.d.cast()));
         let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g.scale, dx), acc);
         if has_min(f) {
-            let sx = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dx);
+            let sx = _mm256_castsi256_ps(lanes::<N>(a.sum_d.cast()));
             _mm256_fmadd_ps(g.min, sx, acc)
         } else {
             acc
@@ -1580,31 +1740,40 @@ mod x86 {
         }
     }
 
-    /// Tokens `t0..t0+NT` against one weight `row` (whole blocks of format `F`): each group
-    /// is unpacked once and dotted with every token.
+    /// Tokens `t0..t0+NT` against each row of `w` (whole rows of `row_bytes` bytes of format
+    /// `F`), `put(i, outputs)` for row i: each group is unpacked once and dotted with every
+    /// token.
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<const F: usize, const NT: usize>(
-        row: &[u8],
+    pub(super) unsafe fn tiles<const F: usize, const NT: usize>(
+        w: &[u8],
+        row_bytes: usize,
         acts: &Acts<'_>,
         t0: usize,
-    ) -> [f32; NT] {
-        tile_with::<F, NT, false>(row, acts, t0)
+        mut put: impl FnMut(usize, [f32; NT]),
+    ) {
+        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
+            put(i, tile_with::<F, NT, false>(row, acts, t0));
+        }
     }
 
-    /// [`tile`] with `dpbusd`.
+    /// [`tiles`] with `dpbusd`.
     ///
     /// # Safety
     /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
-    pub(super) unsafe fn tile_vnni<const F: usize, const NT: usize>(
-        row: &[u8],
+    pub(super) unsafe fn tiles_vnni<const F: usize, const NT: usize>(
+        w: &[u8],
+        row_bytes: usize,
         acts: &Acts<'_>,
         t0: usize,
-    ) -> [f32; NT] {
-        tile_with::<F, NT, true>(row, acts, t0)
+        mut put: impl FnMut(usize, [f32; NT]),
+    ) {
+        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
+            put(i, tile_with::<F, NT, true>(row, acts, t0));
+        }
     }
 
     /// [`tile`]'s body, inlined into each entry point's features.
@@ -1624,15 +1793,22 @@ mod x86 {
             t0 + NT,
             groups
         );
+        let wide = if VNNI {
+            acts.wide(const { wide_order(BLOCK_FORMATS[F]) })
+        } else {
+            acts.q
+        };
+        assert!(wide.len() >= (t0 + NT) * acts.blocks * QK);
         let mut acc = [_mm256_setzero_ps(); NT];
         let at = |i: usize, b: usize| {
             let b = first + i * acts.blocks + b;
             // SAFETY: the sub-blocks read lie within token t0+i's blocks (asserted above).
             ActPtrs {
                 q: acts.q.as_ptr().add(b * QK),
-                q_halves: acts.q_halves.as_ptr().add(b * QK),
+                q_wide: wide.as_ptr().add(b * QK),
                 d: acts.d.as_ptr().add(b),
                 sum: acts.sum.as_ptr().add(b),
+                sum_d: acts.sum_d.as_ptr().add(b),
                 half: acts.half.as_ptr().add(2 * b),
             }
         };
@@ -2000,8 +2176,22 @@ mod tests {
                 *x = if *w < 0.0 { -k } else { k };
             }
         }
+        check_weights(path, f, &w, &x, t, rows, cols);
+    }
+
+    /// [`check`]'s comparison for given weights `w` (`rows` rows) and activations `x` (`t`
+    /// tokens).
+    fn check_weights(
+        path: Path,
+        f: BlockFormat,
+        w: &[u8],
+        x: &[f32],
+        t: usize,
+        rows: usize,
+        cols: usize,
+    ) {
         let mut out = vec![f32::NAN; t * rows];
-        run(path, &x, t, f, &w, rows, cols, &mut out);
+        run(path, x, t, f, w, rows, cols, &mut out);
 
         let u = 2f64.powi(-24);
         let gamma = |k: f64| k * u / (1.0 - k * u);
@@ -2076,6 +2266,37 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_codes_against_the_largest_activations_are_within_the_bound() {
+        // Every weight code at its largest (Q8_0: 127) against activation codes of 127 and
+        // of −127: the integer sums at their extremes, where a kernel's narrowed lane sums
+        // (i16 on some paths) would saturate.
+        let (rows, cols) = (3, 512);
+        let x: Vec<f32> = [1f32, -1.0]
+            .into_iter()
+            .flat_map(|v| std::iter::repeat_n(v, cols))
+            .collect();
+        for f in BLOCK_FORMATS {
+            let (codes, top) = match f {
+                BlockFormat::Q4_0 => (2..18, 0xff),
+                BlockFormat::Q4_1 => (4..20, 0xff),
+                BlockFormat::Q5_0 => (2..22, 0xff),
+                BlockFormat::Q5_1 => (4..24, 0xff),
+                BlockFormat::Q8_0 => (2..34, 0x7f),
+                BlockFormat::Q4K => (16..144, 0xff),
+                BlockFormat::Q5K => (16..176, 0xff),
+                BlockFormat::Q6K => (0..192, 0xff),
+            };
+            let mut w = random_blocks(f, rows * cols / f.block_elems(), &mut Rng(5));
+            for b in w.chunks_exact_mut(f.block_bytes()) {
+                b[codes.clone()].fill(top);
+            }
+            for path in paths() {
+                check_weights(path, f, &w, &x, 2, rows, cols);
+            }
+        }
+    }
+
+    #[test]
     fn a_token_gets_the_same_output_alone_or_batched() {
         // Five panels (a pass of four, then one), a tile and a token alone, over rows in pairs
         // and one alone; 896 columns end in 4 + 2 + 1 sub-blocks.
@@ -2122,12 +2343,14 @@ mod tests {
     #[test]
     fn matrices_of_one_input_give_each_ones_own_outputs() {
         // A decode step (the split stream, whose shares cross from one matrix into the
-        // next), a short prefill and a panel-sized one, on mixed formats and row counts.
+        // next), a short prefill and a panel-sized one, on mixed formats (each activation
+        // order of the `dpbusd` path) and row counts.
         let (cols, mut rng) = (512, Rng(11));
         let shapes = [
             (BlockFormat::Q5_0, 70),
             (BlockFormat::Q8_0, 3),
             (BlockFormat::Q6K, 41),
+            (BlockFormat::Q4K, 9),
         ];
         let ws = shapes.map(|(f, rows)| random_blocks(f, rows * cols / f.block_elems(), &mut rng));
         for t in [1, 5, 17] {
@@ -2135,7 +2358,7 @@ mod tests {
             for path in paths() {
                 let mut fused = shapes.map(|(_, rows)| vec![0f32; t * rows]);
                 let mut outs = fused.iter_mut();
-                let matrices: [_; 3] = std::array::from_fn(|i| BlockMatrix {
+                let matrices: [_; 4] = std::array::from_fn(|i| BlockMatrix {
                     format: shapes[i].0,
                     w: &ws[i],
                     rows: shapes[i].1,
@@ -2189,7 +2412,7 @@ mod tests {
         let mut codes = Vec::new();
         for path in paths() {
             let mut buf = Quantized::default();
-            let a = buf.quantize(path, &x, 1, 96);
+            let a = buf.quantize(path, &x, 1, 96, &[]);
             assert_eq!(a.blocks, GROUP);
             assert_eq!(a.q[..6], [127, 1, 2, -3, 0, 2], "{path:?}");
             assert_eq!((a.d[0], a.d[1]), (1.0, 0.0));
@@ -2206,7 +2429,7 @@ mod tests {
             assert_eq!(a.half[4..6], [h0, a.sum[2] as i16 - h0]);
             assert!(a.q[96..].iter().all(|&q| q == 0) && a.d[3..].iter().all(|&d| d == 0.0));
             // Random rows, quantized on every thread: the same codes on every path.
-            let a = buf.quantize(path, &noise, 4, 512);
+            let a = buf.quantize(path, &noise, 4, 512, &[]);
             codes.push((a.q.to_vec(), a.d.to_vec(), a.sum.to_vec(), a.half.to_vec()));
         }
         assert!(codes.windows(2).all(|p| p[0] == p[1]));
