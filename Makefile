@@ -81,6 +81,8 @@ unit: build
 bench: deps models
 	$(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
+	$(CARGO) run --release -p kvplug-cpu --example weights_bandwidth \
+		> target/criterion/weights_bandwidth.md
 	$(CARGO) build --release -p kvplug-cpu
 	$(CARGO) run --release -p kvplug --example prefix_reuse -- \
 		models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048 > target/criterion/sessions.txt

@@ -5,6 +5,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod shared;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvplug_backend_kit::KitCache;
 use kvplug_core::{
@@ -88,29 +90,12 @@ fn filled(len: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
     c
 }
 
-/// The machine's read bandwidth: summing a 256 MiB buffer on every thread of the worker
-/// pool the kernels run on, one slice each (GB/s = bytes / time).
+/// The machine's read bandwidth: [`shared::read_pass`] over 256 MiB (GB/s = bytes / time).
 fn read_bandwidth(cr: &mut Criterion) {
-    let buf: Vec<f32> = (0..64 << 20).map(|i| i as f32).collect();
-    let workers = kvplug_cpu::workers::Workers::global();
-    let slice = buf.len().div_ceil(workers.participants());
+    let buf = shared::bandwidth_buffer();
     let mut g = cr.benchmark_group("read_bandwidth");
     g.sample_size(10).measurement_time(Duration::from_secs(4));
-    g.bench_function("sum_256MiB", |b| {
-        b.iter(|| {
-            workers.run(workers.participants(), &|p| {
-                let mut acc = [0f32; 16];
-                for c in buf[(p * slice).min(buf.len())..((p + 1) * slice).min(buf.len())]
-                    .chunks_exact(16)
-                {
-                    for l in 0..16 {
-                        acc[l] += c[l];
-                    }
-                }
-                black_box(acc);
-            })
-        })
-    });
+    g.bench_function("sum_256MiB", |b| b.iter(|| shared::read_pass(&buf)));
     g.finish();
 }
 
@@ -295,91 +280,32 @@ fn weights(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Bytes of each block-format weight set: past the last-level cache, so every decode call
-/// streams its weights from memory as a model's decode step does.
-const BLOCK_SET_BYTES: usize = 256 << 20;
-/// Qwen2.5-0.5B's MLP shapes `[rows, cols]`: the down projection (its 4864 columns are
-/// whole 256-value super-blocks) and the gate/up projections (896 columns: 32-value formats
-/// only, as in that model's GGUF files).
-const BLOCK_SHAPES: [(usize, usize); 2] = [(896, 4864), (4864, 896)];
-
-/// `blocks` blocks of `f`: random codes, every f16 scale/minimum 0.01 (finite values).
-fn random_blocks(f: kvplug_backend_kit::model::BlockFormat, blocks: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    let mut b: Vec<u8> = (0..blocks * f.block_bytes())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
-    let h = half::f16::from_f32(0.01).to_le_bytes();
-    for blk in b.chunks_exact_mut(f.block_bytes()) {
-        for &at in f.half_fields() {
-            blk[at..at + 2].copy_from_slice(&h);
-        }
-    }
-    b
-}
-
-/// One token through every matrix of a [`BLOCK_SET_BYTES`] weight set (`out = x·Wᵀ` on the
-/// blocks in place), per block format and shape, with f16 weights of the same shapes for
-/// comparison; throughput is weight bytes streamed (GB/s).
+/// One token through every matrix of a [`shared::WeightSet`] (256 MB, out of cache), per
+/// block format and shape, with f16 weights of the same shapes for comparison; throughput
+/// is weight bytes streamed (GB/s). `examples/weights_bandwidth.rs` puts the same passes
+/// against read-bandwidth passes, interleaved.
 fn weights_blocks(cr: &mut Criterion) {
     use criterion::Throughput;
-    use kvplug_backend_kit::model::BlockFormat;
     let mut g = cr.benchmark_group("weights_decode_blocks");
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
-    let formats = [
-        BlockFormat::Q4K,
-        BlockFormat::Q5K,
-        BlockFormat::Q6K,
-        BlockFormat::Q8_0,
-        BlockFormat::Q5_0,
-        BlockFormat::Q5_1,
-        BlockFormat::Q4_0,
-        BlockFormat::Q4_1,
-    ];
-    for (rows, cols) in BLOCK_SHAPES {
+    for (rows, cols) in shared::BLOCK_SHAPES {
         let shape = format!("{rows}x{cols}");
-        let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let x = shared::decode_token(cols);
         let mut out = vec![0f32; rows];
-        for f in formats {
-            if cols % f.block_elems() != 0 {
+        let formats = shared::BLOCK_FORMATS.map(Some);
+        for f in formats.into_iter().chain([None]) {
+            if f.is_some_and(|f| cols % f.block_elems() != 0) {
                 continue;
             }
-            let bytes = rows * f.bytes_for(cols);
-            let set: Vec<Vec<u8>> = (0..BLOCK_SET_BYTES.div_ceil(bytes))
-                .map(|m| random_blocks(f, bytes / f.block_bytes(), m as u64 + 1))
-                .collect();
-            g.throughput(Throughput::BytesDecimal((set.len() * bytes) as u64));
-            g.bench_with_input(BenchmarkId::new(f.name(), &shape), &shape, |b, _| {
-                b.iter(|| {
-                    for w in &set {
-                        kvplug_cpu::qlinear::linear_blocks(&x, 1, f, w, rows, cols, &mut out);
-                    }
-                })
+            let set = shared::WeightSet::new(f, rows, cols);
+            let name = f.map_or("f16", |f| f.name());
+            g.throughput(Throughput::BytesDecimal(set.bytes() as u64));
+            g.bench_with_input(BenchmarkId::new(name, &shape), &shape, |b, _| {
+                b.iter(|| set.pass(&x, rows, &mut out))
             });
         }
-        let bytes = rows * cols * 2;
-        let set: Vec<Vec<half::f16>> = (0..BLOCK_SET_BYTES.div_ceil(bytes))
-            .map(|m| {
-                (0..rows * cols)
-                    .map(|i| half::f16::from_f32(((i + m) % 97) as f32 * 0.01))
-                    .collect()
-            })
-            .collect();
-        g.throughput(Throughput::BytesDecimal((set.len() * bytes) as u64));
-        g.bench_with_input(BenchmarkId::new("f16", &shape), &shape, |b, _| {
-            b.iter(|| {
-                for w in &set {
-                    kvplug_cpu::linear::linear(&x, 1, w, rows, cols, &mut out);
-                }
-            })
-        });
     }
     g.finish();
 }
@@ -407,7 +333,7 @@ fn weights_prefill_blocks(cr: &mut Criterion) {
         BlockFormat::Q8_0,
         BlockFormat::Q4_0,
     ] {
-        let w = random_blocks(f, rows * cols / f.block_elems(), 9);
+        let w = shared::random_blocks(f, rows * cols / f.block_elems(), 9);
         g.bench_function(f.name(), |b| {
             b.iter(|| kvplug_cpu::qlinear::linear_blocks(&x, t, f, &w, rows, cols, &mut out))
         });

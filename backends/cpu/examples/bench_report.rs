@@ -84,8 +84,9 @@ fn main() {
         md,
         "Shapes: one layer, Hq 32, Hkv 8, D 128; times are criterion means. On a shared VM the \
          memory bandwidth left to us swings from run to run (and within one: samples cluster \
-         near two speeds), so the decode and weights tables also put the fastest sample \
-         against the fastest bandwidth sample.\n"
+         near two speeds), so the decode and stored-dtype weights tables also put the \
+         fastest sample against the fastest bandwidth sample; the block-format weights \
+         table pairs each pass with a bandwidth pass instead.\n"
     )
     .unwrap();
 
@@ -183,31 +184,12 @@ fn main() {
         "\n## Block-format weights, one decode token (256 MB weight sets, out of cache)\n"
     )
     .unwrap();
-    writeln!(md, "`qlinear::linear_blocks` on the blocks in place (activations quantized to 8 bits per 32 values), against f16 weights of the same shapes; Qwen2.5-0.5B's MLP shapes, `[rows, cols]` (the K formats need 256-value rows: down projection only).\n").unwrap();
-    writeln!(
-        md,
-        "| format | shape | time (ms) | weight GB/s | vs read bandwidth | fastest sample vs fastest bandwidth sample |\n|---|---|---|---|---|---|"
-    )
-    .unwrap();
-    for shape in ["896x4864", "4864x896"] {
-        for fmt in [
-            "q4_K", "q5_K", "q6_K", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "f16",
-        ] {
-            let id = format!("weights_decode_blocks/{fmt}/{shape}");
-            let (Some(t), Some(bytes)) = (mean(&id), throughput(&id)) else {
-                continue;
-            };
-            writeln!(
-                md,
-                "| {fmt} | {shape} | {:.2} | {:.1} | {:.2}× | {:.2}× |",
-                t * 1e3,
-                bytes / t / 1e9,
-                bytes / t / bw,
-                bytes / fastest(&id) / bw_best
-            )
-            .unwrap();
-        }
-    }
+    measured_section(
+        &mut md,
+        "weights_bandwidth.md",
+        "`qlinear::linear_blocks` on the blocks in place (activations quantized to 8 bits per 32 values), against f16 weights of the same shapes; Qwen2.5-0.5B's MLP shapes, `[rows, cols]` (the K formats need 256-value rows: down projection only). Each weight pass is paired with a read-bandwidth pass just before it, round-robin over every set (`cargo run --release -p kvplug-cpu --example weights_bandwidth`, whose doc comment says why): the ratios do not depend on which of this VM's two bandwidth speeds a separate benchmark caught. \"Fast pairs\" are those taken at the higher speed, where the kernels' arithmetic shows most. Criterion's `weights_decode_blocks` times the same passes alone.\n\n",
+        "",
+    );
     writeln!(
         md,
         "\n## Block-format weights, prefill (512 tokens through one 896 × 4864 weight)\n"
