@@ -1394,12 +1394,16 @@ mod x86 {
         // Bit 16i + v of `fifth[2h]` (`fifth[2h + 1]`): bit v (16 + v) of block 4h + i's.
         let mut fifth = [0u64; 4];
         if matches!(f, BlockFormat::Q5_0 | BlockFormat::Q5_1) {
+            // Stored, and loaded from memory straight into mask registers (`black_box` keeps
+            // the compiler from moving each through a general register instead: eight more
+            // vector operations a group).
             let mut hi = [0u64; 4];
             _mm256_storeu_si256(
                 hi.as_mut_ptr().cast(),
                 _mm512_extracti64x4_epi64::<1>(fields),
             );
-            fifth = [hi[0], hi[2], hi[1], hi[3]];
+            let hi = std::hint::black_box(&hi);
+            fifth = [0, 2, 1, 3].map(|i| _load_mask64(&hi[i]));
         }
         let low4 = _mm512_set1_epi8(0x0f);
         for h in 0..2 {
