@@ -21,7 +21,10 @@
 //! encoding, so 32 vector registers; a whole group two sub-blocks per 512-bit product, the
 //! products' lanes summed by permutes, not `vphaddd`; the 4- and 5-bit 32-value formats'
 //! groups gathered by word permutes and met by activations whose blocks' 16-value halves are
-//! regrouped once per call to match their nibbles; fifth bits set under byte masks; Q8_0's codes taken as
+//! regrouped once per call to match their nibbles; Q4_K/Q5_K's super-blocks split into low
+//! and high nibbles by two 512-bit loads and met by activations whose blocks are regrouped
+//! in pairs, their lane sums narrowed by i16 packs; fifth bits set under byte masks (Q5_K's
+//! moved into place by word shifts); Q8_0's codes taken as
 //! unsigned `q + 128` with an offset of `128·s_j` (no sign transfer); Q6_K's half scales
 //! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
 //! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
