@@ -150,8 +150,11 @@ fn pp(ctx: &mut Context, prompt: &[i32], depth: usize) -> Result<f64> {
 /// not sampled, as `llama-bench` measures generation).
 fn tg(ctx: &mut Context, ids: &[i32], depth: usize) -> Result<f64> {
     let t = Instant::now();
+    let mut batch = Batch::new();
     for (i, &id) in ids.iter().enumerate() {
-        ctx.decode(&Batch::sequence(&[id], depth + i, 0))?;
+        batch.clear();
+        batch.push(id, (depth + i) as i32, 0, true);
+        ctx.decode(&batch)?;
     }
     Ok(t.elapsed().as_secs_f64())
 }

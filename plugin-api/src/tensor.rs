@@ -84,59 +84,82 @@ impl HostTensor {
         }
     }
 
-    /// An f32 tensor.
-    pub fn from_f32(shape: &[usize], data: &[f32]) -> Self {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            data.len(),
-            "shape/data mismatch"
-        );
+    /// An empty f32 tensor (shape `[0]`): a slot for the `_into` writers to fill.
+    pub fn empty() -> Self {
         HostTensor {
             dtype: TensorDtype::F32,
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            bytes: data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            shape: RVec::from(vec![0]),
+            bytes: RVec::new(),
         }
+    }
+
+    /// An f32 tensor.
+    pub fn from_f32(shape: &[usize], data: &[f32]) -> Self {
+        Self::encode_f32(shape, data, TensorDtype::F32).expect("f32 is an activation dtype")
     }
 
     /// `data` encoded as `dtype` (f32, f16 or bf16, round to nearest even); `None` for i32,
     /// which activations cannot become.
     pub fn encode_f32(shape: &[usize], data: &[f32], dtype: TensorDtype) -> Option<Self> {
+        let mut t = HostTensor::empty();
+        t.encode_f32_into(shape, data, dtype).then_some(t)
+    }
+
+    /// [`HostTensor::encode_f32`] into this tensor, reusing its buffers (they keep the
+    /// largest size seen, so a repeating shape allocates nothing); `false`, leaving it
+    /// untouched, for i32.
+    pub fn encode_f32_into(&mut self, shape: &[usize], data: &[f32], dtype: TensorDtype) -> bool {
         assert_eq!(
             shape.iter().product::<usize>(),
             data.len(),
             "shape/data mismatch"
         );
-        let bytes: RVec<u8> = match dtype {
-            TensorDtype::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            TensorDtype::F16 => data
-                .iter()
-                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                .collect(),
-            TensorDtype::Bf16 => data
-                .iter()
-                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                .collect(),
-            TensorDtype::I32 => return None,
-        };
-        Some(HostTensor {
-            dtype,
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            bytes,
-        })
+        if dtype == TensorDtype::I32 {
+            return false;
+        }
+        self.set_shape(dtype, shape, data.len());
+        let b = &mut self.bytes;
+        match dtype {
+            TensorDtype::F32 => b.extend(data.iter().flat_map(|x| x.to_le_bytes())),
+            TensorDtype::F16 => b.extend(
+                data.iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
+            ),
+            TensorDtype::Bf16 => b.extend(
+                data.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()),
+            ),
+            TensorDtype::I32 => unreachable!("refused above"),
+        }
+        true
     }
 
     /// An i32 tensor.
     pub fn from_i32(shape: &[usize], data: &[i32]) -> Self {
+        let mut t = HostTensor::empty();
+        t.set_i32(shape, data);
+        t
+    }
+
+    /// This tensor made the i32 tensor `data` of `shape`, reusing its buffers as
+    /// [`HostTensor::encode_f32_into`] does.
+    pub fn set_i32(&mut self, shape: &[usize], data: &[i32]) {
         assert_eq!(
             shape.iter().product::<usize>(),
             data.len(),
             "shape/data mismatch"
         );
-        HostTensor {
-            dtype: TensorDtype::I32,
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            bytes: data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        }
+        self.set_shape(TensorDtype::I32, shape, data.len());
+        self.bytes.extend(data.iter().flat_map(|x| x.to_le_bytes()));
+    }
+
+    /// Sets dtype and shape, and empties `bytes` with room for `n` elements.
+    fn set_shape(&mut self, dtype: TensorDtype, shape: &[usize], n: usize) {
+        self.dtype = dtype;
+        self.shape.clear();
+        self.shape.extend(shape.iter().map(|&d| d as u64));
+        self.bytes.clear();
+        self.bytes.reserve(n * dtype.size());
     }
 
     /// The shape as `usize`.
@@ -175,12 +198,23 @@ impl HostTensor {
 
     /// Elements as i32 (`None` unless the dtype is i32).
     pub fn to_i32(&self) -> Option<Vec<i32>> {
-        (self.dtype == TensorDtype::I32).then(|| {
+        let mut v = Vec::new();
+        self.read_i32_into(&mut v).then_some(v)
+    }
+
+    /// [`HostTensor::to_i32`] into `out` (cleared first; grown, never shrunk): `false`
+    /// (and `out` empty) where the tensor is not i32.
+    pub fn read_i32_into(&self, out: &mut Vec<i32>) -> bool {
+        out.clear();
+        if self.dtype != TensorDtype::I32 {
+            return false;
+        }
+        out.extend(
             self.bytes
                 .chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
-        })
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        true
     }
 }
 
@@ -212,5 +246,24 @@ mod tests {
         assert!(HostTensor::encode_f32(&[1], &[1.0], TensorDtype::I32).is_none());
         let i = HostTensor::from_i32(&[2], &[7, -1]);
         assert_eq!(i.to_i32().unwrap(), vec![7, -1]);
+    }
+
+    #[test]
+    fn rewriting_a_tensor_reuses_its_buffers() {
+        let mut t = HostTensor::empty();
+        assert!(t.encode_f32_into(&[2, 3], &[1.0; 6], TensorDtype::F32));
+        let (bytes, cap) = (t.bytes.as_ptr(), t.bytes.capacity());
+        // A smaller tensor of another dtype in the same buffers, then back.
+        t.set_i32(&[2], &[5, -6]);
+        assert_eq!((t.check(), t.to_i32().unwrap()), (Ok(()), vec![5, -6]));
+        assert!(t.encode_f32_into(&[3], &[0.5, -1.0, 2.0], TensorDtype::Bf16));
+        assert_eq!(t.to_f32().unwrap(), vec![0.5, -1.0, 2.0]);
+        assert_eq!((t.bytes.as_ptr(), t.bytes.capacity()), (bytes, cap));
+        // i32 activations are refused and leave the tensor as it was.
+        let before = t.clone();
+        assert!(!t.encode_f32_into(&[1], &[1.0], TensorDtype::I32));
+        assert_eq!(t, before);
+        let mut out = vec![9];
+        assert!(!t.read_i32_into(&mut out) && out.is_empty());
     }
 }

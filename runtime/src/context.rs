@@ -25,6 +25,10 @@ pub struct Context {
     keys: KeyBasis,
     /// The last decode's logits, `rows × vocab`, reused from step to step.
     logits: Vec<f32>,
+    /// `forward`'s input and output tensors, reused from step to step (a decode loop
+    /// allocates none once warm).
+    inputs: RVec<HostTensor>,
+    outputs: RVec<HostTensor>,
     rows: usize,
     decodes: u64,
 }
@@ -74,6 +78,12 @@ impl Context {
             kv_dtype,
             keys,
             logits: Vec::new(),
+            inputs: RVec::from(vec![
+                HostTensor::empty(),
+                HostTensor::empty(),
+                HostTensor::empty(),
+            ]),
+            outputs: RVec::new(),
             rows: 0,
             decodes: 0,
         }
@@ -123,13 +133,15 @@ impl Context {
         let wanted = batch.logit_rows();
         let last = [batch.len() as i32 - 1];
         let rows = if wanted.is_empty() { &last[..] } else { wanted };
-        let mut inputs = RVec::with_capacity(3);
-        inputs.push(HostTensor::from_i32(&[batch.len()], batch.tokens()));
-        inputs.push(HostTensor::from_i32(&[batch.len()], batch.positions()));
-        inputs.push(HostTensor::from_i32(&[rows.len()], rows));
-        let out = self.method.execute(inputs).into_result()?;
+        self.inputs[0].set_i32(&[batch.len()], batch.tokens());
+        self.inputs[1].set_i32(&[batch.len()], batch.positions());
+        self.inputs[2].set_i32(&[rows.len()], rows);
+        self.method
+            .execute_into(self.inputs.as_rslice(), &mut self.outputs)
+            .into_result()?;
         self.decodes += 1;
-        let first = out
+        let first = self
+            .outputs
             .first()
             .ok_or_else(|| PluginError::new(AbiErrorKind::Backend, "forward returned no logits"))?;
         if !first.read_f32_into(&mut self.logits) || self.logits.len() != rows.len() * self.vocab {

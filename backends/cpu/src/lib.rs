@@ -182,8 +182,22 @@ impl Device for CpuDevice {
     }
 
     fn download(&self, t: &CpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
-        HostTensor::encode_f32(&t.dims, &t.data, dtype)
-            .ok_or_else(|| CacheError::bad_shape("cannot download activations as i32").into())
+        let mut out = HostTensor::empty();
+        self.download_into(t, dtype, &mut out)?;
+        Ok(out)
+    }
+
+    fn download_into(
+        &self,
+        t: &CpuTensor,
+        dtype: TensorDtype,
+        out: &mut HostTensor,
+    ) -> Result<(), KitError> {
+        if out.encode_f32_into(&t.dims, &t.data, dtype) {
+            Ok(())
+        } else {
+            Err(CacheError::bad_shape("cannot download activations as i32").into())
+        }
     }
 }
 

@@ -117,6 +117,18 @@ pub trait Device: Send + Sync + Sized + 'static {
 
     /// Downloads a tensor, converting to `dtype`.
     fn download(&self, t: &Self::Tensor, dtype: TensorDtype) -> Result<HostTensor, KitError>;
+
+    /// [`Device::download`] into `out`, reusing its buffers where the device can (a decode
+    /// loop's logits then allocate nothing once warm); by default a fresh download moved in.
+    fn download_into(
+        &self,
+        t: &Self::Tensor,
+        dtype: TensorDtype,
+        out: &mut HostTensor,
+    ) -> Result<(), KitError> {
+        *out = self.download(t, dtype)?;
+        Ok(())
+    }
 }
 
 /// A device that is also a plugin: its id, how to open it, and what `describe` says.

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use kvplug_core::{CacheError, CacheVerbs};
 use kvplug_plugin_api::abi_stable::sabi_trait::TD_Opaque;
-use kvplug_plugin_api::abi_stable::std_types::{RArc, RResult, RString, RVec};
+use kvplug_plugin_api::abi_stable::std_types::{RArc, RResult, RSlice, RString, RVec};
 use kvplug_plugin_api::{
     guard, AbiErrorKind, BackendOptions, HostServices, HostTensor, MethodHandle, ModelMethod,
     ModelMethod_TO, PluginError, TensorDtype,
@@ -28,11 +28,20 @@ pub const OPTION_KEY_BASIS: &str = "key_basis";
 /// into memory (`false`; see [`Residency`]).
 pub const OPTION_MMAP: &str = "mmap";
 
-/// `forward` bound to one cache, with its activation buffers.
+/// `forward` bound to one cache, with its buffers.
 pub struct ForwardMethod<D: ModelDevice> {
     model: DecoderModel<D>,
     cache: SharedCache<D>,
-    acts: Arc<Mutex<Option<Activations<D>>>>,
+    buffers: Arc<Mutex<Buffers<D>>>,
+}
+
+/// What a call reuses from the last: the activations and the decoded inputs.
+struct Buffers<D: ModelDevice> {
+    acts: Option<Activations<D>>,
+    tokens: Vec<i32>,
+    positions: Vec<i32>,
+    ints: Vec<i32>,
+    rows: Vec<usize>,
 }
 
 impl<D: ModelDevice> Clone for ForwardMethod<D> {
@@ -40,24 +49,29 @@ impl<D: ModelDevice> Clone for ForwardMethod<D> {
         ForwardMethod {
             model: self.model.clone(),
             cache: self.cache.clone(),
-            acts: self.acts.clone(),
+            buffers: self.buffers.clone(),
         }
     }
 }
 
-fn ints(t: &HostTensor, what: &str) -> Result<Vec<i32>, PluginError> {
+/// The i32 elements of input `t` into `out`.
+fn ints(t: &HostTensor, what: &str, out: &mut Vec<i32>) -> Result<(), PluginError> {
     t.check().map_err(CacheError::bad_shape)?;
-    t.to_i32().ok_or_else(|| {
-        CacheError::bad_shape(format!(
+    if t.read_i32_into(out) {
+        Ok(())
+    } else {
+        Err(CacheError::bad_shape(format!(
             "{what} must be an i32 tensor, got {}",
             t.dtype.as_str()
         ))
-        .into()
-    })
+        .into())
+    }
 }
 
 impl<D: ModelDevice> ForwardMethod<D> {
-    fn run(&self, inputs: &[HostTensor]) -> Result<RVec<HostTensor>, PluginError> {
+    /// The method's work: the logits (and the final hidden states where input 3 asks) into
+    /// `result`, its tensors reused.
+    fn run(&self, inputs: &[HostTensor], result: &mut RVec<HostTensor>) -> Result<(), PluginError> {
         if !(2..=4).contains(&inputs.len()) {
             return Err(CacheError::bad_shape(format!(
                 "forward takes tokens, positions[, logit rows[, want hidden]]; got {} inputs",
@@ -65,49 +79,57 @@ impl<D: ModelDevice> ForwardMethod<D> {
             ))
             .into());
         }
-        let tokens = ints(&inputs[0], "tokens")?;
-        let positions = ints(&inputs[1], "positions")?;
-        let rows: Option<Vec<usize>> = match inputs.get(2) {
-            Some(r) => Some(
-                ints(r, "logit rows")?
-                    .into_iter()
-                    .map(|r| {
-                        usize::try_from(r).map_err(|_| {
-                            PluginError::from(CacheError::bad_shape(format!(
-                                "logit row {r} is negative"
-                            )))
-                        })
-                    })
-                    .collect::<Result<_, _>>()?,
-            ),
-            None => None,
-        };
-        let want_hidden = match inputs.get(3) {
-            Some(f) => ints(f, "want hidden")?.first().copied().unwrap_or(0) != 0,
-            None => false,
-        };
         let mut cache = self.cache.lock()?;
-        let mut acts = self.acts.lock().map_err(|_| {
+        let mut buffers = self.buffers.lock().map_err(|_| {
             PluginError::new(
                 AbiErrorKind::Panic,
                 "forward is unusable: an earlier call panicked while holding its buffers",
             )
         })?;
+        let b = &mut *buffers;
+        ints(&inputs[0], "tokens", &mut b.tokens)?;
+        ints(&inputs[1], "positions", &mut b.positions)?;
+        let rows = match inputs.get(2) {
+            Some(r) => {
+                ints(r, "logit rows", &mut b.ints)?;
+                b.rows.clear();
+                for &r in &b.ints {
+                    b.rows.push(usize::try_from(r).map_err(|_| {
+                        PluginError::from(CacheError::bad_shape(format!(
+                            "logit row {r} is negative"
+                        )))
+                    })?);
+                }
+                Some(&b.rows[..])
+            }
+            None => None,
+        };
+        let want_hidden = match inputs.get(3) {
+            Some(f) => {
+                ints(f, "want hidden", &mut b.ints)?;
+                b.ints.first().copied().unwrap_or(0) != 0
+            }
+            None => false,
+        };
         let out = self.model.forward(
             &mut cache,
-            &tokens,
-            &positions,
-            rows.as_deref(),
+            &b.tokens,
+            &b.positions,
+            rows,
             want_hidden,
-            &mut acts,
+            &mut b.acts,
         )?;
         let dev = self.model_device();
-        let mut result = RVec::new();
-        result.push(dev.download(out.logits, TensorDtype::F32)?);
-        if let Some(h) = out.hidden {
-            result.push(dev.download(h, TensorDtype::F32)?);
+        let n = 1 + usize::from(out.hidden.is_some());
+        result.truncate(n);
+        while result.len() < n {
+            result.push(HostTensor::empty());
         }
-        Ok(result)
+        dev.download_into(out.logits, TensorDtype::F32, &mut result[0])?;
+        if let Some(h) = out.hidden {
+            dev.download_into(h, TensorDtype::F32, &mut result[1])?;
+        }
+        Ok(())
     }
 
     fn model_device(&self) -> Arc<D> {
@@ -121,7 +143,18 @@ impl<D: ModelDevice> ModelMethod for ForwardMethod<D> {
     }
 
     fn execute(&self, inputs: RVec<HostTensor>) -> RResult<RVec<HostTensor>, PluginError> {
-        guard(|| self.run(&inputs))
+        guard(|| {
+            let mut result = RVec::new();
+            self.run(&inputs, &mut result).map(|()| result)
+        })
+    }
+
+    fn execute_into(
+        &self,
+        inputs: RSlice<'_, HostTensor>,
+        outputs: &mut RVec<HostTensor>,
+    ) -> RResult<(), PluginError> {
+        guard(|| self.run(&inputs, outputs))
     }
 }
 
@@ -249,7 +282,13 @@ pub fn load_forward<B: Backend + ModelDevice>(
         RArc::new(ForwardMethod {
             model,
             cache,
-            acts: Arc::new(Mutex::new(None)),
+            buffers: Arc::new(Mutex::new(Buffers {
+                acts: None,
+                tokens: Vec::new(),
+                positions: Vec::new(),
+                ints: Vec::new(),
+                rows: Vec::new(),
+            })),
         }),
         TD_Opaque,
     ))
