@@ -204,7 +204,8 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
         &[candle_core::quantized::GgmlDType::F32],
         false,
     );
-    for (pre, split) in [("llama-bpe", LLAMA3), ("qwen2", QWEN2)] {
+    // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models.
+    for (pre, split) in [("llama-bpe", LLAMA3), ("falcon3", LLAMA3), ("qwen2", QWEN2)] {
         let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
         let (tokenizer, _) = bpe_tokenizer_meta(pre, &merges, preset.vocab);
         meta.extend(tokenizer);
@@ -230,5 +231,6 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
             .encode_raw("hello")
     };
     assert_eq!(raw("llama-bpe").unwrap(), [id("<|im_start|>"), id("hello")]);
+    assert_eq!(raw("falcon3").unwrap(), raw("llama-bpe").unwrap());
     assert_eq!(raw("qwen2").unwrap(), [id("hell"), id("o")]);
 }

@@ -439,10 +439,24 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
     Ok((tk, config))
 }
 
-/// Whether `pre` names Llama 3's pre-tokenizer (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3`
-/// names that are Llama 3's own).
+/// The `tokenizer.ggml.pre` names of Llama 3's pre-tokenizer: every name llama.cpp maps to
+/// `LLAMA_VOCAB_PRE_TYPE_LLAMA3` (its split, merges ignored for whole pre-tokens, BOS added
+/// by default), Llama 3's own and those of models that reuse it (Falcon 3, Pixtral, ...).
+const LLAMA3_PRES: [&str; 9] = [
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+];
+
+/// Whether `pre` names Llama 3's pre-tokenizer ([`LLAMA3_PRES`]).
 fn is_llama3_pre(pre: &str) -> bool {
-    matches!(pre, "llama-bpe" | "llama3" | "llama-v3")
+    LLAMA3_PRES.contains(&pre)
 }
 
 /// Whether the GGUF names pre-tokenizer `name`.
@@ -513,8 +527,9 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         other => fail!(
             Model,
             "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, default, \
-             qwen2, llama-bpe, llama3, llama-v3)",
-            g.path.display()
+             qwen2, {})",
+            g.path.display(),
+            LLAMA3_PRES.join(", ")
         ),
     };
     if pre_name_is(g, "qwen2") {
