@@ -4,6 +4,7 @@
 use std::hint::black_box;
 
 use kvplug_backend_kit::model::BlockFormat;
+use kvplug_backend_kit::testing::Rng;
 use kvplug_cpu::workers::Workers;
 
 /// Bytes of each weight set: far past the last-level cache, so every pass streams from
@@ -49,24 +50,9 @@ pub fn read_pass(buf: &[f32]) {
     });
 }
 
-/// `blocks` blocks of `f`: random codes, every f16 scale/minimum 0.01 (finite values).
+/// `blocks` random blocks of `f` (the kit's test blocks), seeded by `seed`.
 pub fn random_blocks(f: BlockFormat, blocks: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    let mut b: Vec<u8> = (0..blocks * f.block_bytes())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect();
-    let h = half::f16::from_f32(0.01).to_le_bytes();
-    for blk in b.chunks_exact_mut(f.block_bytes()) {
-        for &at in f.half_fields() {
-            blk[at..at + 2].copy_from_slice(&h);
-        }
-    }
-    b
+    kvplug_backend_kit::testing::random_blocks(f, blocks, &mut Rng(seed | 1))
 }
 
 /// A decode token's pass through [`BLOCK_SET_BYTES`] of `[rows, cols]` weights, in a block
