@@ -2,7 +2,6 @@
 //! [`KvDtype`].
 
 use half::{bf16, f16};
-use kvplug_backend_kit::quant::quantize_row;
 use kvplug_backend_kit::KitError;
 use kvplug_core::{CacheError, KvDtype};
 
@@ -270,7 +269,7 @@ impl CpuPool {
                 los,
             } => {
                 let (cb, g) = (d * *bits as usize / 8, d / *group);
-                quantize_row(
+                crate::simd::quantize_row(
                     src,
                     *bits,
                     *group,

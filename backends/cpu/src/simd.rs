@@ -241,6 +241,31 @@ pub fn dequantize_row(
     kvplug_backend_kit::quant::dequantize_row(codes, scales, los, bits, group, out)
 }
 
+/// Quantizes one row (see [`kvplug_backend_kit::quant::quantize_row`]), the same bytes,
+/// vectorized with AVX-512 where available for groups of a multiple of 16 values.
+pub fn quantize_row(
+    row: &[f32],
+    bits: u32,
+    group: usize,
+    codes: &mut [u8],
+    scales: &mut [u16],
+    los: &mut [u16],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if wide_path()
+        && group.is_multiple_of(16)
+        && row.len().is_multiple_of(group)
+        && matches!(bits, 4 | 8)
+        && codes.len() >= row.len() * bits as usize / 8
+        && scales.len() >= row.len() / group
+        && los.len() >= row.len() / group
+    {
+        // SAFETY: the features were detected and the layout checked above.
+        return unsafe { x86::quantize_row(row, bits, group, codes, scales, los) };
+    }
+    kvplug_backend_kit::quant::quantize_row(row, bits, group, codes, scales, los)
+}
+
 /// `out = src` converted from f16. Panics unless both have the same length.
 pub fn f16_to_f32(src: &[f16], out: &mut [f32]) {
     assert_eq!(src.len(), out.len(), "f16_to_f32 operands");
@@ -441,6 +466,92 @@ pub(crate) mod x86 {
         }
     }
 
+    /// [`super::quantize_row`] on 16 lanes: each group's minimum and maximum, its f16 scale
+    /// and offset, then per value the estimated code corrected against `(c ± ½)·scale`,
+    /// the kit's steps lane for lane.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL are present; groups are a multiple of 16 values and the outputs hold
+    /// the row's layout.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn quantize_row(
+        row: &[f32],
+        bits: u32,
+        group: usize,
+        codes: &mut [u8],
+        scales: &mut [u16],
+        los: &mut [u16],
+    ) {
+        let levels = (1u32 << bits) - 1;
+        let top = _mm512_set1_ps(levels as f32);
+        let (zero, half) = (_mm512_setzero_ps(), _mm512_set1_ps(0.5));
+        let f2h = |x: f32| {
+            _mm_extract_epi16::<0>(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x))) as u16
+        };
+        for (g, x) in row.chunks_exact(group).enumerate() {
+            let (mut lo, mut hi) = (
+                _mm512_set1_ps(f32::INFINITY),
+                _mm512_set1_ps(f32::NEG_INFINITY),
+            );
+            for c in x.chunks_exact(16) {
+                let v = _mm512_loadu_ps(c.as_ptr());
+                // NaN lanes lose, as in `f32::min`/`max` folds.
+                lo = _mm512_min_ps(v, lo);
+                hi = _mm512_max_ps(v, hi);
+            }
+            let (lo, hi) = (_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi));
+            let scale_h = f2h((hi - lo) * kvplug_core::quant::inverse_levels(bits));
+            // A zero lo (either sign) is stored as +0.
+            let lo_h = match f2h(lo) {
+                0x8000 => 0,
+                h => h,
+            };
+            (scales[g], los[g]) = (scale_h, lo_h);
+            let (scale, lo) = (h2f(scale_h), h2f(lo_h));
+            let (sv, lv) = (_mm512_set1_ps(scale), _mm512_set1_ps(lo));
+            for (i, c) in x.chunks_exact(16).enumerate() {
+                let code = if scale == 0.0 {
+                    _mm512_setzero_si512()
+                } else {
+                    let d = _mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), lv);
+                    let q = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+                        _mm512_add_ps(_mm512_div_ps(d, sv), half),
+                    );
+                    // NaN estimates clamp to 0, as `f32::clamp` then `as u32` gives.
+                    let q = _mm512_min_ps(_mm512_max_ps(q, zero), top);
+                    let down = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(q, zero)
+                        & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(
+                            d,
+                            _mm512_mul_ps(_mm512_sub_ps(q, half), sv),
+                        );
+                    let up = !down
+                        & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(q, top)
+                        & _mm512_cmp_ps_mask::<_CMP_GE_OQ>(
+                            d,
+                            _mm512_mul_ps(_mm512_add_ps(q, half), sv),
+                        );
+                    let q = _mm512_mask_sub_ps(q, down, q, _mm512_set1_ps(1.0));
+                    let q = _mm512_mask_add_ps(q, up, q, _mm512_set1_ps(1.0));
+                    _mm512_cvttps_epi32(q)
+                };
+                let at = g * group + i * 16;
+                if bits == 8 {
+                    _mm_storeu_si128(
+                        codes.as_mut_ptr().add(at) as *mut __m128i,
+                        _mm512_cvtepi32_epi8(code),
+                    );
+                } else {
+                    // Each 64-bit lane holds (even, odd): even | odd << 4 in its low byte.
+                    let pair = _mm512_or_si512(code, _mm512_srli_epi64::<28>(code));
+                    _mm_storel_epi64(
+                        codes.as_mut_ptr().add(at / 2) as *mut __m128i,
+                        _mm512_cvtepi64_epi8(pair),
+                    );
+                }
+            }
+        }
+    }
+
     /// [`super::fast_exp`] on 8 lanes, to the same accuracy (fused multiply-adds).
     #[inline(always)]
     pub unsafe fn exp8(x: __m256) -> __m256 {
@@ -589,6 +700,58 @@ mod tests {
         let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
         bf16_to_f32(&bb, &mut out);
         assert!(out.iter().zip(&bb).all(|(o, x)| *o == x.to_f32()));
+    }
+
+    #[test]
+    fn quantize_matches_the_kit_reference_byte_for_byte() {
+        use kvplug_backend_kit::quant::quantize_row as reference;
+        let mut rows: Vec<Vec<f32>> = (0..6)
+            .map(|r| {
+                (0..128)
+                    .map(|i| {
+                        ((i * 7 + r * 13) as f32 * 0.37).sin()
+                            * [1.0, 3.0, 1e-3, 60000.0, 0.5, 1e-6][r]
+                    })
+                    .collect()
+            })
+            .collect();
+        // A constant group (scale 0), groups of -0 alone and of -0 and +0, ties on code boundaries (values
+        // k·0.5 with scale a power of two), a group far from zero (lo's f16 rounding exceeds
+        // a step), a NaN.
+        rows.push([vec![2.5f32; 32], vec![-0.0; 32], [-0.0, 0.0].repeat(32)].concat());
+        // Every 16 values: 0, the maximum, then exact ties (c + ½)·scale for a power-of-two
+        // scale: 1/64 at 8 bits (max 255/64), 1/16 at 4 bits (max 15/16).
+        for (max, step) in [(255.0 / 64.0, 1.0 / 64.0), (15.0 / 16.0, 1.0 / 16.0)] {
+            rows.push(
+                (0..128)
+                    .map(|i| match i % 16 {
+                        0 => 0.0,
+                        1 => max,
+                        k => ((k * 7 + i / 16) % 15) as f32 * step + step / 2.0,
+                    })
+                    .collect(),
+            );
+        }
+        rows.push((0..128).map(|i| 1000.0 + (i % 7) as f32 * 0.01).collect());
+        let mut nan: Vec<f32> = (0..128).map(|i| i as f32).collect();
+        nan[5] = f32::NAN;
+        rows.push(nan);
+        for row in &rows {
+            for (bits, group) in [(8, 64), (8, 16), (4, 32), (4, 128)] {
+                let ng = 128 / group;
+                let cb = 128 * bits as usize / 8;
+                let (mut c, mut s, mut l) = (vec![0u8; cb], vec![0u16; ng], vec![0u16; ng]);
+                let (mut rc, mut rs, mut rl) = (vec![0u8; cb], vec![0u16; ng], vec![0u16; ng]);
+                quantize_row(row, bits, group, &mut c, &mut s, &mut l);
+                reference(row, bits, group, &mut rc, &mut rs, &mut rl);
+                assert_eq!(
+                    (c, s, l),
+                    (rc, rs, rl),
+                    "q{bits} g{group} row {:?}",
+                    &row[..4]
+                );
+            }
+        }
     }
 
     #[test]
