@@ -2,13 +2,14 @@
 //! D 64), one cache per layer holding `L` tokens, one decode step through every layer in
 //! turn, so each layer's K/V rows come from memory as they do in `kvplug bench -d L`.
 //! Prints the fastest of 20 (ROUNDS) steps per KV dtype, in µs per token and GB/s of K/V read.
-//! `cargo run --release -p kvplug-cpu --example decode_attention [L [DTYPES [ROUNDS]]]`.
+//! `cargo run --release -p kvplug-cpu --example decode_attention [L [DTYPES [ROUNDS]]]`;
+//! DTYPES is a comma list of KV dtypes, each optionally `+ARITHMETIC` (`q8+int8-query`).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvplug_backend_kit::KitCache;
-use kvplug_core::{make_config, CacheKind, CacheVerbs, KvDtype, ModelCacheParams};
+use kvplug_core::{make_config, Arithmetic, CacheKind, CacheVerbs, KvDtype, ModelCacheParams};
 use kvplug_cpu::tensor::CpuTensor;
 use kvplug_cpu::CpuDevice;
 
@@ -37,13 +38,19 @@ fn main() {
         n_kv_heads: HKV,
         head_dim: D,
     };
-    let dtypes: Vec<KvDtype> = std::env::args()
+    let dtypes: Vec<(KvDtype, Arithmetic)> = std::env::args()
         .nth(2)
         .unwrap_or_else(|| "f16,q8,q4".into())
         .split(',')
-        .map(|s| s.parse().expect("a KV dtype"))
+        .map(|s| {
+            let (dtype, arithmetic) = s.split_once('+').unwrap_or((s, "f32"));
+            (
+                dtype.parse().expect("a KV dtype"),
+                arithmetic.parse().expect("an attention arithmetic"),
+            )
+        })
         .collect();
-    for dtype in dtypes {
+    for (dtype, arithmetic) in dtypes {
         let config = make_config(&params, l + 1, dtype);
         let prefill = (tensor(HQ, l, 1.0), tensor(HKV, l, 2.0), tensor(HKV, l, 3.0));
         let positions: Vec<i32> = (0..l as i32).collect();
@@ -54,6 +61,8 @@ fn main() {
                 let (q, k, v) = &prefill;
                 c.update_and_attend(0, q, k, v, &positions, 0.125, &mut out)
                     .unwrap();
+                c.set_arithmetic(arithmetic)
+                    .expect("an arithmetic this cache computes");
                 c
             })
             .collect();
@@ -72,8 +81,8 @@ fn main() {
         }
         let bytes = (LAYERS * HKV * 2 * (l + 1) * dtype.row_bytes(D)) as f64;
         println!(
-            "{:>4} L {l}: {:7.1} µs per token, {:5.1} GB/s of K/V",
-            dtype.to_string(),
+            "{:>16} L {l}: {:7.1} µs per token, {:5.1} GB/s of K/V",
+            format!("{dtype}+{arithmetic}"),
             best * 1e6,
             bytes / best / 1e9
         );
