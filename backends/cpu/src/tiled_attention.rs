@@ -250,6 +250,18 @@ impl QuantRows {
         })
     }
 
+    /// Hints that rows `[j, j + n)` are read soon: one hint per cache line of their codes,
+    /// scales and offsets (contiguous runs; no effect on results).
+    #[inline(always)]
+    pub(super) unsafe fn prefetch_rows(&self, j: usize, n: usize) {
+        prefetch_bytes(
+            self.codes.add(j * self.d * self.bits / 8),
+            n * self.d * self.bits / 8,
+        );
+        prefetch_bytes(self.scales.add(j * self.ng), n * self.ng * 2);
+        prefetch_bytes(self.los.add(j * self.ng), n * self.ng * 2);
+    }
+
     /// The codes of values `[c, c + n)` of row `j` (`n` 8 or 16), one byte each.
     #[inline(always)]
     unsafe fn codes(&self, j: usize, c: usize, n: usize) -> __m128i {
@@ -328,12 +340,7 @@ impl RowView for QuantRows {
 
     #[inline(always)]
     unsafe fn prefetch(&self, j: usize) {
-        prefetch_bytes(
-            self.codes.add(j * self.d * self.bits / 8),
-            self.d * self.bits / 8,
-        );
-        prefetch_bytes(self.scales.add(j * self.ng), self.ng * 2);
-        prefetch_bytes(self.los.add(j * self.ng), self.ng * 2);
+        self.prefetch_rows(j, 1);
     }
 
     #[inline(always)]
@@ -765,7 +772,11 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             v.for_tile(j0, n, &mut s.v_groups),
         );
         if let Some(kq) = k.as_quant().filter(|_| int8) {
-            ktile.stage(kq, j0, n);
+            // A pool's K and V share its dtype.
+            let vq = v
+                .as_quant()
+                .expect("quantized keys come with quantized values");
+            ktile.stage(kq, vq, j0, n, keys.end);
         }
         for b0 in (0..rows).step_by(L::BLOCK) {
             let m = (rows - b0).min(L::BLOCK);
