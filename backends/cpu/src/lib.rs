@@ -47,10 +47,11 @@ impl Device for CpuDevice {
         &KvDtype::ALL
     }
 
-    /// f32 first (the default), then int8-query scores for q8/q4 pools in groups of a
-    /// multiple of 32 where the tiled kernel has AVX-512 VNNI (used for `head_dim` a
-    /// multiple of 64). Not the default: end to end it measured within noise of f32, and
-    /// Qwen2.5's greedy text left f16 KV's sooner with it (README, declared arithmetics).
+    /// For q8/q4 pools in groups of a multiple of 32, where the tiled kernel has AVX-512
+    /// VNNI (used for `head_dim` a multiple of 64): int8-query scores first (the default:
+    /// `kvplug bench -p 0 -n 32 -d 4096` measured it 1.08–1.18× f32's decode on SmolLM2
+    /// with q8 KV, and its next-token agreement with f16 KV equals f32's, BENCH.md), then
+    /// f32. Otherwise f32 alone.
     fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
         let grouped = match dtype {
             KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
@@ -59,7 +60,7 @@ impl Device for CpuDevice {
             _ => false,
         };
         if grouped && simd::wide_path() && simd::vnni_path() {
-            vec![Arithmetic::F32, Arithmetic::Int8Query]
+            vec![Arithmetic::Int8Query, Arithmetic::F32]
         } else {
             Vec::new()
         }
