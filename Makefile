@@ -81,6 +81,8 @@ unit: build
 bench: deps models
 	$(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
+	$(CARGO) run --release -p kvplug-cpu --example decode_attention -- 4096 \
+		f16,q8,q8+int8-query,q4,q4+int8-query 20 > target/criterion/decode_stream.txt
 	$(CARGO) run --release -p kvplug-cpu --example weights_bandwidth \
 		> target/criterion/weights_bandwidth.md
 	$(CARGO) build --release -p kvplug-cpu

@@ -10,7 +10,8 @@ mod shared;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvplug_backend_kit::KitCache;
 use kvplug_core::{
-    make_config, CacheConfig, CacheKind, CacheVerbs, KvDtype, ModelCacheParams, PosRange,
+    make_config, Arithmetic, CacheConfig, CacheKind, CacheVerbs, KvDtype, ModelCacheParams,
+    PosRange,
 };
 use kvplug_cpu::tensor::CpuTensor;
 use kvplug_cpu::CpuDevice;
@@ -99,8 +100,8 @@ fn read_bandwidth(cr: &mut Criterion) {
     g.finish();
 }
 
-/// One decode step at window L: rewind to L-1 and decode position L-1, in the cache's
-/// default arithmetic (named by the dtype) and in each other it has (`q8+int8-query`).
+/// One decode step at window L: rewind to L-1 and decode position L-1, in each arithmetic
+/// the cache has: f32 named by the dtype, others `q8+int8-query`.
 fn decode(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("decode");
     g.sample_size(20)
@@ -111,10 +112,10 @@ fn decode(cr: &mut Criterion) {
             let mut c = filled(l, dtype);
             let mut io = Io::new(1);
             let p = [(l - 1) as i32];
-            for (i, arithmetic) in c.arithmetics().into_iter().enumerate() {
+            for arithmetic in c.arithmetics() {
                 c.set_arithmetic(arithmetic).unwrap();
-                let name = match i {
-                    0 => dtype.to_string(),
+                let name = match arithmetic {
+                    Arithmetic::F32 => dtype.to_string(),
                     _ => format!("{dtype}+{arithmetic}"),
                 };
                 g.bench_with_input(BenchmarkId::new(name, l), &l, |b, _| {

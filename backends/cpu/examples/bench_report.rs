@@ -123,6 +123,18 @@ fn main() {
         .unwrap();
     }
 
+    writeln!(
+        md,
+        "\n## Decode step streamed from memory, Qwen2.5-0.5B's attention shape\n"
+    )
+    .unwrap();
+    measured_section(
+        &mut md,
+        "decode_stream.txt",
+        "`cargo run --release -p kvplug-cpu --example decode_attention -- 4096 f16,q8,q8+int8-query,q4,q4+int8-query 20`: 24 layers, Hq 14, Hkv 2, D 64, one cache per layer holding 4,096 tokens, one decode step through every layer (each layer's K/V come from memory, as in `kvplug bench -d 4096`; the one-layer table above mostly fits in the last-level cache). Fastest of 20 steps:\n\n```text\n",
+        "```\n",
+    );
+
     let (one, four) = (need("fork_step/branches/1"), need("fork_step/branches/4"));
     writeln!(
         md,
