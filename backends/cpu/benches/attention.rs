@@ -130,50 +130,52 @@ fn decode(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Seq cache: `n` branches sharing a 2048-token trunk, one decode step for all of them.
+/// Seq cache: `n` branches sharing a 2048-token trunk, one decode step for all of them, in
+/// f16 and q8 (each in the cache's default arithmetic).
 fn fork(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("fork_step");
     g.sample_size(20)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
-    let mut c = cache(CacheKind::Seq, 8192, KvDtype::F16);
-    let mut trunk = Io::new(512);
-    for start in (0..2048).step_by(512) {
-        let pos: Vec<i32> = (start..start + 512).collect();
-        trunk.step(&mut c, &pos);
-    }
-    for b in 1..=4 {
-        c.seq_cp(0, b, PosRange::ALL).unwrap();
-    }
-    for n in [1usize, 4] {
-        let seqs: Vec<i32> = (1..=n as i32).collect();
-        let pos = vec![2048; n];
-        let mut io = Io::new(n);
-        g.bench_with_input(BenchmarkId::new("branches", n), &n, |b, _| {
-            b.iter(|| {
-                c.begin_step(&seqs).unwrap();
-                io.step(&mut c, &pos);
-                for &s in &seqs {
-                    c.seq_rm(s, PosRange::new(Some(2048), None)).unwrap();
-                }
-            })
-        });
+    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
+        let mut c = cache(CacheKind::Seq, 8192, dtype);
+        let mut trunk = Io::new(512);
+        for start in (0..2048).step_by(512) {
+            let pos: Vec<i32> = (start..start + 512).collect();
+            trunk.step(&mut c, &pos);
+        }
+        for b in 1..=4 {
+            c.seq_cp(0, b, PosRange::ALL).unwrap();
+        }
+        for n in [1usize, 4] {
+            let seqs: Vec<i32> = (1..=n as i32).collect();
+            let pos = vec![2048; n];
+            let mut io = Io::new(n);
+            g.bench_with_input(
+                BenchmarkId::new(format!("{dtype}/branches"), n),
+                &n,
+                |b, _| {
+                    b.iter(|| {
+                        c.begin_step(&seqs).unwrap();
+                        io.step(&mut c, &pos);
+                        for &s in &seqs {
+                            c.seq_rm(s, PosRange::new(Some(2048), None)).unwrap();
+                        }
+                    })
+                },
+            );
+        }
     }
     g.finish();
 }
 
-/// Tree verify of 16 nodes vs a 1-token decode at L = 2048.
+/// Tree verify of 16 nodes vs a 1-token decode at L = 2048, in f16 and q8 (each in the
+/// cache's default arithmetic).
 fn tree_verify(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("tree_verify");
     g.sample_size(20)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
-    let mut c = cache(CacheKind::Tree, 8192, KvDtype::F16);
-    let mut pre = Io::new(512);
-    for start in (0..2048).step_by(512) {
-        let pos: Vec<i32> = (start..start + 512).collect();
-        pre.step(&mut c, &pos);
-    }
     let parents = [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7];
     let depth = |mut n: i32| {
         let mut d = 0;
@@ -184,22 +186,30 @@ fn tree_verify(cr: &mut Criterion) {
         d
     };
     let pos: Vec<i32> = (0..16).map(|n| 2048 + depth(n)).collect();
-    let mut io = Io::new(16);
-    g.bench_function("nodes_16", |b| {
-        b.iter(|| {
-            c.propose(&parents).unwrap();
-            io.step(&mut c, &pos);
-            c.commit(&[]).unwrap();
-        })
-    });
-    let mut d = filled(2049, KvDtype::F16);
-    let mut one = Io::new(1);
-    g.bench_function("decode_1", |b| {
-        b.iter(|| {
-            d.rewind(2048).unwrap();
-            one.step(&mut d, &[2048]);
-        })
-    });
+    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
+        let mut c = cache(CacheKind::Tree, 8192, dtype);
+        let mut pre = Io::new(512);
+        for start in (0..2048).step_by(512) {
+            let pos: Vec<i32> = (start..start + 512).collect();
+            pre.step(&mut c, &pos);
+        }
+        let mut io = Io::new(16);
+        g.bench_function(format!("{dtype}/nodes_16"), |b| {
+            b.iter(|| {
+                c.propose(&parents).unwrap();
+                io.step(&mut c, &pos);
+                c.commit(&[]).unwrap();
+            })
+        });
+        let mut d = filled(2049, dtype);
+        let mut one = Io::new(1);
+        g.bench_function(format!("{dtype}/decode_1"), |b| {
+            b.iter(|| {
+                d.rewind(2048).unwrap();
+                one.step(&mut d, &[2048]);
+            })
+        });
+    }
     g.finish();
 }
 
