@@ -76,9 +76,10 @@ fn cache(kind: CacheKind, capacity: usize, dtype: KvDtype) -> KitCache<CpuDevice
     KitCache::new(Arc::new(CpuDevice::new()), kind, config(capacity, dtype)).unwrap()
 }
 
-/// A contiguous cache holding `len` tokens.
-fn filled(len: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
-    let mut c = cache(CacheKind::Contiguous, 32768, dtype);
+/// A cache of `kind` (capacity 32768) holding `len` tokens of sequence 0, prefilled 512 at a
+/// time.
+fn filled(kind: CacheKind, len: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
+    let mut c = cache(kind, 32768, dtype);
     let mut chunk = Io::new(512);
     for start in (0..len).step_by(512) {
         let n = 512.min(len - start);
@@ -109,7 +110,7 @@ fn decode(cr: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1));
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
         for l in [512usize, 4096, 16384] {
-            let mut c = filled(l, dtype);
+            let mut c = filled(CacheKind::Contiguous, l, dtype);
             let mut io = Io::new(1);
             let p = [(l - 1) as i32];
             for arithmetic in c.arithmetics() {
@@ -138,12 +139,7 @@ fn fork(cr: &mut Criterion) {
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
-        let mut c = cache(CacheKind::Seq, 8192, dtype);
-        let mut trunk = Io::new(512);
-        for start in (0..2048).step_by(512) {
-            let pos: Vec<i32> = (start..start + 512).collect();
-            trunk.step(&mut c, &pos);
-        }
+        let mut c = filled(CacheKind::Seq, 2048, dtype);
         for b in 1..=4 {
             c.seq_cp(0, b, PosRange::ALL).unwrap();
         }
@@ -187,12 +183,7 @@ fn tree_verify(cr: &mut Criterion) {
     };
     let pos: Vec<i32> = (0..16).map(|n| 2048 + depth(n)).collect();
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
-        let mut c = cache(CacheKind::Tree, 8192, dtype);
-        let mut pre = Io::new(512);
-        for start in (0..2048).step_by(512) {
-            let pos: Vec<i32> = (start..start + 512).collect();
-            pre.step(&mut c, &pos);
-        }
+        let mut c = filled(CacheKind::Tree, 2048, dtype);
         let mut io = Io::new(16);
         g.bench_function(format!("{dtype}/nodes_16"), |b| {
             b.iter(|| {
@@ -201,7 +192,7 @@ fn tree_verify(cr: &mut Criterion) {
                 c.commit(&[]).unwrap();
             })
         });
-        let mut d = filled(2049, dtype);
+        let mut d = filled(CacheKind::Contiguous, 2049, dtype);
         let mut one = Io::new(1);
         g.bench_function(format!("{dtype}/decode_1"), |b| {
             b.iter(|| {
