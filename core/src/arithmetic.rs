@@ -14,9 +14,10 @@ pub enum Arithmetic {
     #[default]
     F32,
     /// Each query row quantized per [`QUERY_BLOCK`] consecutive values (the last block may
-    /// be shorter) to int8: `s = max|q| / 127` in f32, codes `round(q / s)` half away from
-    /// zero, clamped to ±127 (`s = 0` gives codes 0); integer dot products with the stored
-    /// key codes, block results scaled and summed in f32.
+    /// be shorter) to int8: `s = max|q| / 127` in f32 (a GPU's division may be 2.5 ulp
+    /// off), codes `round(q / s)` half away from zero, clamped to ±127 (`s = 0` gives codes
+    /// 0); integer dot products with the stored key codes, block results scaled and summed
+    /// in f32. [`crate::oracle::int8_half_steps`] derives the query's error.
     Int8Query,
 }
 

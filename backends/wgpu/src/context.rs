@@ -21,7 +21,7 @@ pub struct Context {
     pub adapter_features: wgpu::Features,
     /// Limits the device was created with (the adapter's).
     pub limits: wgpu::Limits,
-    attention: OnceLock<Kernels<3>>,
+    attention: OnceLock<Kernels<5>>,
     rows: OnceLock<Kernels<3>>,
     model: OnceLock<Kernels<13>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
@@ -68,8 +68,8 @@ pub enum Bind<'a> {
     Unused,
 }
 
-/// The most storage bindings of any module (attention's six).
-const MAX_STORAGE_SLOTS: usize = 6;
+/// The most storage bindings of any module (attention's seven).
+const MAX_STORAGE_SLOTS: usize = 7;
 
 /// A cached bind group: its layout and the buffers of its storage slots (the uniform slot is
 /// always the ring). Holding the buffers keeps their addresses, the key's identity, unique.
@@ -238,6 +238,15 @@ impl Recorder {
         bg
     }
 }
+
+/// Entry points of `attention.wgsl`, in the order of [`Context::attention`]'s pipelines.
+pub const ATTENTION_ENTRIES: [&str; 5] = [
+    "scores_main",
+    "softmax_main",
+    "output_main",
+    "quantize_main",
+    "scores_int8_main",
+];
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
 pub const MODEL_ENTRIES: [&str; 13] = [
@@ -423,9 +432,9 @@ impl Context {
         })
     }
 
-    /// Attention kernels: scores, softmax, output (compiled on first use, which keeps
+    /// Attention kernels, in [`ATTENTION_ENTRIES`] order (compiled on first use, which keeps
     /// plugin loading fast).
-    pub fn attention(&self) -> &Kernels<3> {
+    pub fn attention(&self) -> &Kernels<5> {
         self.attention.get_or_init(|| {
             use Slot::*;
             kernels(
@@ -434,9 +443,11 @@ impl Context {
                 include_str!("shaders/attention.wgsl"),
                 (
                     size_of::<crate::AttnParams>(),
-                    &[Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite],
+                    &[
+                        Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite, ReadWrite,
+                    ],
                 ),
-                ["scores_main", "softmax_main", "output_main"],
+                ATTENTION_ENTRIES,
             )
         })
     }

@@ -11,6 +11,10 @@
 //!   `[0, read_len)` with GQA head mapping and None / Causal / Explicit masks; quantized rows
 //!   are decoded inside them. Query heads are processed in chunks so the score buffer fits
 //!   the adapter's storage-binding limit.
+//! - Arithmetics: f32 everywhere (the default); on q8/q4 pools with groups a multiple of 32
+//!   also int8-query, where the query is quantized once per call and each 4 codes meet a
+//!   key word in one `dot4I8Packed` (native `OpSDot` where the Vulkan device has integer
+//!   dot products, naga's exact polyfill elsewhere; the result is the same integer).
 //! - Device selection honours `WGPU_BACKEND` and `WGPU_ADAPTER_NAME`. Without an adapter the
 //!   plugin still loads, `describe` says why, and building a cache fails with that reason.
 
@@ -46,6 +50,8 @@ pub struct WgpuPool {
 #[derive(Default)]
 pub struct WgpuScratch {
     scores: Option<OwnedBuffer>,
+    /// The int8-query codes of the call's query rows (`attention.wgsl`'s `qcodes`).
+    qcodes: Option<OwnedBuffer>,
     /// The mask bits being packed for this call.
     packing: Vec<u32>,
     /// The last mask uploaded, as packed bits, and the buffer holding it: every layer of a
@@ -134,6 +140,13 @@ pub(crate) struct AttnParams {
 
 const MAX_DISPATCH: u32 = 65535;
 
+/// Values per int8 query block (`attention.wgsl`'s `QBLOCK`).
+const QUERY_BLOCK: usize = kvplug_core::arithmetic::QUERY_BLOCK;
+
+/// Pool dtype codes (`attention.wgsl`'s `Params.dtype`).
+const DTYPE_Q8: u32 = 3;
+const DTYPE_Q4: u32 = 4;
+
 /// Values of one query row per workgroup of `output_main` (its `VALUES_PER_GROUP`).
 const VALUES_PER_GROUP: u32 = 8;
 
@@ -152,11 +165,11 @@ fn layout(dtype: KvDtype, d: usize) -> Result<(u32, usize, u32), CacheError> {
         KvDtype::Q8 { group } if group % 4 != 0 => {
             return Err(bad("a group that is a multiple of 4"))
         }
-        KvDtype::Q8 { group } => (3, d / 4 + d / group, group as u32),
+        KvDtype::Q8 { group } => (DTYPE_Q8, d / 4 + d / group, group as u32),
         KvDtype::Q4 { group } if group % 8 != 0 => {
             return Err(bad("a group that is a multiple of 8"))
         }
-        KvDtype::Q4 { group } => (4, d / 8 + d / group, group as u32),
+        KvDtype::Q4 { group } => (DTYPE_Q4, d / 8 + d / group, group as u32),
     })
 }
 
@@ -382,9 +395,20 @@ impl Device for WgpuDevice {
         );
     }
 
+    /// f32 first (it is the measured default here; int8-query has not been timed on a GPU
+    /// yet), then int8-query on q8/q4 pools whose groups hold whole query blocks.
+    fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
+        match dtype {
+            KvDtype::Q8 { group } | KvDtype::Q4 { group } if group % QUERY_BLOCK == 0 => {
+                vec![Arithmetic::F32, Arithmetic::Int8Query]
+            }
+            _ => Vec::new(),
+        }
+    }
+
     fn attend(
         &self,
-        _arithmetic: Arithmetic,
+        arithmetic: Arithmetic,
         q: &WgpuTensor,
         k: &WgpuPool,
         v: &WgpuPool,
@@ -418,9 +442,26 @@ impl Device for WgpuDevice {
         if scratch.scores.as_ref().is_none_or(|b| b.size() < need) {
             scratch.scores = Some(self.ctx.storage("scores", need));
         }
+        // The int8 query codes of all Hq·T rows, written by the first chunk's quantize pass.
+        let int8 = arithmetic == Arithmetic::Int8Query
+            && matches!(k.dtype, DTYPE_Q8 | DTYPE_Q4)
+            && k.group as usize % QUERY_BLOCK == 0;
+        let blocks = (hq * t * d / QUERY_BLOCK) as u32;
+        if int8 {
+            let need = (hq * t * (d / 4 + 2 * d / QUERY_BLOCK) * 4) as u64;
+            if scratch.qcodes.as_ref().is_none_or(|b| b.size() < need) {
+                scratch.qcodes = Some(self.ctx.storage("query codes", need));
+            }
+        }
         let (mask_kind, mask_buf) = scratch.mask_buffer(self, mask);
         let scores = scratch.scores.as_ref().expect("allocated above");
+        let qcodes = match (int8, &scratch.qcodes) {
+            (true, Some(b)) => Bind::Buffer(b),
+            _ => Bind::Unused,
+        };
         let value_groups = (d as u32).div_ceil(VALUES_PER_GROUP);
+        let quantize_groups = blocks.div_ceil(64);
+        let qx = quantize_groups.clamp(1, MAX_DISPATCH);
         for head0 in (0..hq).step_by(chunk) {
             let nheads = chunk.min(hq - head0);
             let rows = (nheads * t) as u32;
@@ -442,16 +483,32 @@ impl Device for WgpuDevice {
                 rows_per_y: sx,
                 pad: [0; 2],
             };
+            let score_grid = [(l as u32).div_ceil(64), t as u32, nheads as u32];
+            let all = [
+                (3, [qx, quantize_groups.div_ceil(qx), 1]),
+                (if int8 { 4 } else { 0 }, score_grid),
+                (1, [sx, sy, 1]),
+                (2, [value_groups, t as u32, nheads as u32]),
+            ];
+            let passes = if int8 && head0 == 0 {
+                &all[..]
+            } else {
+                &all[1..]
+            };
             self.ctx.dispatch(
                 self.ctx.attention(),
                 |_| params,
                 &[],
-                &[&q.buf, &k.buf, &v.buf, &mask_buf, scores, &out.buf].map(Bind::Buffer),
                 &[
-                    (0, [(l as u32).div_ceil(64), t as u32, nheads as u32]),
-                    (1, [sx, sy, 1]),
-                    (2, [value_groups, t as u32, nheads as u32]),
+                    Bind::Buffer(&q.buf),
+                    Bind::Buffer(&k.buf),
+                    Bind::Buffer(&v.buf),
+                    Bind::Buffer(&mask_buf),
+                    Bind::Buffer(scores),
+                    Bind::Buffer(&out.buf),
+                    qcodes,
                 ],
+                passes,
             );
         }
         Ok(())

@@ -180,18 +180,24 @@ pub fn attend(
 }
 
 /// Per value of a query row, how far [`Arithmetic::Int8Query`] may move it: `h =
-/// max|q|·((1 + u)/254 + 2u) + 2⁻¹⁴⁰` for its block. The block's f32 scale `s` is at most
-/// `(1 + u)·max|q|/127`; the code is `q/s` rounded in f32 (relative error `u`, so at most
-/// `127u` away from the exact quotient) then to the nearest integer (half a step), so
-/// `|code·s − q| <= s/2 + 127u·s`; the clamp to ±127 only removes an f32 rounding's excess.
-/// The last term covers a scale in f32's subnormal range (absolute error `2⁻¹⁵⁰`, times a
-/// code of at most 127).
+/// max|q|·((1 + 5u)/254 + 2u) + 2⁻¹¹⁹` for its block.
+///
+/// - The block's f32 scale `s = max|q|/127` is within a relative `5u` of the exact quotient:
+///   `u` when the division is correctly rounded (cpu), 2.5 ulp on a GPU (Vulkan's bound).
+/// - The code is the integer nearest `q/s` (half away from zero), found either from the
+///   correctly rounded quotient (at most `127u` from the exact one) or by comparing `q` with
+///   `(m ± ½)·s` rounded once (at most `u·127.5·s` off). Either way `|code·s − q| <=
+///   s·(½ + 127.5u) <= max|q|·((1 + 5u)/254 + 1.01u)`. The clamp to ±127 only removes an
+///   f32 rounding's excess (`q/s <= 127/(1 − 5u) < 127.5`).
+/// - The last term covers blocks whose scale falls below f32's normal range (`max|q| <
+///   127·2⁻¹²⁶ < 2⁻¹¹⁹`): a subnormal scale is off by at most ulps of `2⁻¹⁴⁹`, and a device
+///   that flushes subnormals to zero gives codes 0, an error of at most `max|q|`.
 pub fn int8_half_steps(qrow: &[f64]) -> Vec<f64> {
     let u = F32_UNIT_ROUNDOFF;
     qrow.chunks(QUERY_BLOCK)
         .flat_map(|b| {
             let amax = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let h = amax * ((1.0 + u) / 254.0 + 2.0 * u) + 2f64.powi(-140);
+            let h = amax * ((1.0 + 5.0 * u) / 254.0 + 2.0 * u) + 2f64.powi(-119);
             std::iter::repeat_n(h, b.len())
         })
         .collect()

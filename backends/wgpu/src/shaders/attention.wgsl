@@ -1,5 +1,7 @@
 // Attention over one layer's K/V pools, in three passes sharing one bind group:
 //   scores_main  : s[hh, i, j] = scale · q[h, i] · K[kh, j]   (masked entries get NEG)
+//                  or, in the int8-query arithmetic on q8/q4 keys, quantize_main then
+//                  scores_int8_main (see there)
 //   softmax_main : row-wise stable softmax of s in place        (masked entries become 0)
 //   output_main  : out[h, i, dd] = Σ_j s[hh, i, j] · V[kh, j, dd]
 // Pools are u32 words, row-major [heads, cells, row_words]; element decoding in decode().
@@ -20,6 +22,8 @@ const NEG: f32 = -3.0e38;
 @group(0) @binding(4) var<storage, read> maskbits: array<u32>;
 @group(0) @binding(5) var<storage, read_write> scores: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
+// int8-query only: per query row, QCODE_WORDS(d) words (see quantize_main).
+@group(0) @binding(7) var<storage, read_write> qcodes: array<u32>;
 
 fn code_word(dd: u32) -> u32 {
     switch p.dtype {
@@ -93,6 +97,115 @@ fn scores_main(@builtin(global_invocation_id) g: vec3<u32>) {
     var acc = 0.0;
     for (var dd = 0u; dd < p.d; dd++) {
         acc += q[qb + dd] * kelem(kh, j, dd);
+    }
+    scores[idx] = acc * p.scale;
+}
+
+// The int8-query arithmetic (kvplug_core::Arithmetic::Int8Query): each query row quantized
+// per 32-value block to int8 codes with an f32 block scale, integer dots against the stored
+// q8/q4 key codes, block results scaled and summed in f32. Keys' groups are multiples of 32,
+// so a block lies in one group: q·k over a block = s·(lo·Σc + scale·Σ c·code).
+const QBLOCK: u32 = 32u;
+
+// A query row's words in `qcodes`: d/4 words of codes (4 per word), then per block its f32
+// scale, then per block Σ codes (i32).
+fn qcode_words() -> u32 { return p.d / 4u + 2u * (p.d / QBLOCK); }
+
+// The int8 code of `x` for block scale `s`: round(x / s) half away from zero, clamped to
+// ±127 (s = 0 gives 0). The quotient only proposes the code (a GPU's division may be off by
+// 2.5 ulp); the products (m ± ½)·s, rounded once, decide it.
+fn qcode(x: f32, s: f32) -> i32 {
+    if s == 0.0 { return 0; }
+    let a = abs(x);
+    var m = trunc(a / s);
+    if a >= (m + 0.5) * s {
+        m += 1.0;
+    } else if m > 0.0 && a < (m - 0.5) * s {
+        m -= 1.0;
+    }
+    let c = i32(min(m, 127.0));
+    return select(c, -c, x < 0.0);
+}
+
+// One invocation per (query row, block) over all Hq·T rows. q8 keys pack element e at byte
+// e % 4 of word e / 4, so codes go in that order; q4 keys pack element e at nibble e % 8 of
+// word e / 8, so each key word's even elements (its low nibbles) go to one code word and its
+// odd ones (high nibbles) to the next.
+@compute @workgroup_size(64)
+fn quantize_main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let nb = p.d / QBLOCK;
+    let n = (wg.x + wg.y * nwg.x) * 64u + lid;
+    if n >= p.hq * p.t * nb { return; }
+    let row = n / nb;
+    let blk = n % nb;
+    let src = row * p.d + blk * QBLOCK;
+    var amax = 0.0;
+    for (var e = 0u; e < QBLOCK; e++) { amax = max(amax, abs(q[src + e])); }
+    let s = amax / 127.0;
+    let dst = row * qcode_words();
+    var sum = 0;
+    for (var w = 0u; w < QBLOCK / 4u; w++) {
+        var word = 0u;
+        for (var b = 0u; b < 4u; b++) {
+            var e = 4u * w + b;
+            if p.dtype == 4u { e = 8u * (w / 2u) + 2u * b + (w & 1u); }
+            let c = qcode(q[src + e], s);
+            sum += c;
+            word |= (bitcast<u32>(c) & 0xffu) << (8u * b);
+        }
+        qcodes[dst + blk * (QBLOCK / 4u) + w] = word;
+    }
+    qcodes[dst + p.d / 4u + blk] = bitcast<u32>(s);
+    qcodes[dst + p.d / 4u + nb + blk] = bitcast<u32>(sum);
+}
+
+// scores_main in the int8-query arithmetic, over the codes quantize_main wrote. q8 codes
+// (0..255) enter the signed dot as code − 128 (the top bit flipped), added back as 128·Σc;
+// q4 nibbles (0..15) enter it as they are.
+@compute @workgroup_size(64)
+fn scores_int8_main(@builtin(global_invocation_id) g: vec3<u32>) {
+    let j = g.x;
+    let i = g.y;
+    let hh = g.z;
+    if j >= p.l || i >= p.t || hh >= p.nheads { return; }
+    let h = p.head0 + hh;
+    let kh = h / (p.hq / p.hkv);
+    let idx = (hh * p.t + i) * p.l + j;
+    if !visible(i, j) {
+        scores[idx] = NEG;
+        return;
+    }
+    let nb = p.d / QBLOCK;
+    let qb = (h * p.t + i) * qcode_words();
+    let kb = row_base(kh, j);
+    var acc = 0.0;
+    for (var blk = 0u; blk < nb; blk++) {
+        let sum = bitcast<i32>(qcodes[qb + p.d / 4u + nb + blk]);
+        var dot = 0;
+        var gm = 0u;
+        if p.dtype == 3u {
+            for (var w = 0u; w < 8u; w++) {
+                let kw = kp[kb + blk * 8u + w] ^ 0x80808080u;
+                dot += dot4I8Packed(qcodes[qb + blk * 8u + w], kw);
+            }
+            dot += 128 * sum;
+            gm = kp[kb + p.d / 4u + blk * QBLOCK / p.group];
+        } else {
+            for (var w = 0u; w < 4u; w++) {
+                let kw = kp[kb + blk * 4u + w];
+                let qw = qb + blk * 8u + 2u * w;
+                dot += dot4I8Packed(qcodes[qw], kw & 0x0f0f0f0fu);
+                dot += dot4I8Packed(qcodes[qw + 1u], (kw >> 4u) & 0x0f0f0f0fu);
+            }
+            gm = kp[kb + p.d / 8u + blk * QBLOCK / p.group];
+        }
+        let m = unpack2x16float(gm);
+        let s = bitcast<f32>(qcodes[qb + p.d / 4u + blk]);
+        acc += s * (m.y * f32(sum) + m.x * f32(dot));
     }
     scores[idx] = acc * p.scale;
 }
