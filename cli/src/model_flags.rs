@@ -1,7 +1,7 @@
-//! The flags of the commands that run a model which say how its weights are held and its
-//! keys stored: `--no-mmap`, `--no-key-rotation`.
+//! The flags of the commands that run a model which say how its weights are held, its keys
+//! stored and its attention computed: `--no-mmap`, `--no-key-rotation`, `--attention`.
 
-use kvplug::Model;
+use kvplug::{Arithmetic, Model};
 
 /// How the model is loaded and its quantized keys stored.
 #[derive(clap::Args)]
@@ -35,5 +35,27 @@ impl ModelFlags {
         model
             .with_key_rotation(self.key_rotation())
             .with_mmap(self.mmap())
+    }
+}
+
+/// The attention arithmetic of the commands that run one (`bench` takes a list instead).
+#[derive(clap::Args)]
+pub struct AttentionFlag {
+    /// Attention arithmetic: `f32` or `int8-query` (default: the cache's own; README
+    /// "Declared arithmetics" says which backend declares which for which KV dtype).
+    /// Refused where the backend does not declare it for the KV dtype.
+    #[arg(long, value_name = "ARITHMETIC")]
+    attention: Option<Arithmetic>,
+}
+
+impl AttentionFlag {
+    /// The arithmetic asked for, if any.
+    pub fn get(&self) -> Option<Arithmetic> {
+        self.attention
+    }
+
+    /// `model` computing attention as this flag says.
+    pub fn apply(&self, model: Model) -> Model {
+        model.with_attention(self.attention)
     }
 }

@@ -473,6 +473,7 @@ pub fn run_speculative(
                     crate::formats::open_model(model.runtime(), model.backend(), path)?
                         .with_key_rotation(model.key_rotation())
                         .with_mmap(model.mmap())
+                        .with_attention(model.attention())
                 }
                 DraftKind::Layers(n) => model
                     .layers(*n)

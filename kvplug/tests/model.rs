@@ -355,6 +355,37 @@ fn refused_forwards_leave_the_cache_as_it_was() {
     }
 }
 
+/// A model's attention arithmetic reaches every context made from it and its layer views,
+/// overriding the cache's default, and a dtype that does not declare it is refused.
+#[test]
+fn a_model_sets_its_contexts_attention_arithmetic() {
+    use kvplug::Arithmetic;
+
+    let dir = tiny();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = kvplug::open_model(&rt, backend, dir.path()).unwrap();
+        let q8 = KvDtype::Q8 { group: 16 };
+        assert_eq!(m.attention(), None);
+        let f32 = m.with_attention(Some(Arithmetic::F32));
+        for view in [f32.clone(), f32.layers(1).unwrap()] {
+            assert_eq!(view.attention(), Some(Arithmetic::F32));
+            let ctx = view.context(CacheKind::Seq, 64, q8).unwrap();
+            assert_eq!(ctx.arithmetic(), "f32", "{backend}");
+        }
+        let int8 = m.with_attention(Some(Arithmetic::Int8Query));
+        let e = int8
+            .context(CacheKind::Contiguous, 64, KvDtype::F16)
+            .err()
+            .unwrap_or_else(|| panic!("{backend}: an f16 context in int8-query"))
+            .to_string();
+        assert!(
+            e.contains("int8-query") && e.contains("f16"),
+            "{backend}: {e}"
+        );
+    }
+}
+
 /// `kvplug bench` runs every combination (backend, kind, depth, test) with one sample per
 /// repetition, from each depth's context, and refuses an empty test list.
 #[test]

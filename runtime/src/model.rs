@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
 use kvplug_core::key_basis::rotation_width;
 use kvplug_core::{
-    make_config, CacheConfig, CacheKind, KeyBasis, KvDtype, ModelConfig, ModelError,
+    make_config, Arithmetic, CacheConfig, CacheKind, KeyBasis, KvDtype, ModelConfig, ModelError,
 };
 
 use crate::context::Context;
@@ -39,6 +39,8 @@ pub struct Model {
     rotate_quantized_keys: bool,
     /// Whether the backend maps the weight files (else it reads them into memory).
     mmap: bool,
+    /// The attention arithmetic its contexts compute with (none: each cache's default).
+    attention: Option<Arithmetic>,
 }
 
 impl Model {
@@ -57,6 +59,7 @@ impl Model {
             config: Arc::new(config),
             rotate_quantized_keys: true,
             mmap: true,
+            attention: None,
         })
     }
 
@@ -128,6 +131,21 @@ impl Model {
         }
     }
 
+    /// The same model whose contexts compute attention in `arithmetic` (`None`: the cache's
+    /// default, see [`crate::Cache::arithmetic`]). A context whose cache does not declare it
+    /// for its KV dtype is refused (`not_supported`).
+    pub fn with_attention(&self, arithmetic: Option<Arithmetic>) -> Model {
+        Model {
+            attention: arithmetic,
+            ..self.clone()
+        }
+    }
+
+    /// The attention arithmetic its contexts are set to (see [`Model::with_attention`]).
+    pub fn attention(&self) -> Option<Arithmetic> {
+        self.attention
+    }
+
     /// Whether contexts with quantized keys rotate them (see [`Model::with_key_rotation`]).
     pub fn key_rotation(&self) -> bool {
         self.rotate_quantized_keys
@@ -171,7 +189,8 @@ impl Model {
     }
 
     /// A context: a new `kind` cache of `capacity` cells in `kv_dtype`, bound to this view's
-    /// `forward` inside the backend, writing keys in [`Model::key_basis`].
+    /// `forward` inside the backend, writing keys in [`Model::key_basis`] and attending in
+    /// [`Model::attention`].
     pub fn context(
         &self,
         kind: CacheKind,
@@ -189,6 +208,9 @@ impl Model {
         cfg: &CacheConfig,
     ) -> Result<Context, RuntimeError> {
         let cache = self.runtime.cache(&self.backend, kind, cfg)?;
+        if let Some(arithmetic) = self.attention {
+            cache.set_arithmetic(arithmetic)?;
+        }
         let keys = self.key_basis(cfg.kv_dtype);
         let mut options = vec![(OPTION_MODEL_DIR, self.dir.display().to_string())];
         if self.layers != self.config.num_hidden_layers {

@@ -65,6 +65,9 @@ pub struct ServerConfig {
     /// Whether the weight files are mapped (the default) or read into memory (see
     /// [`kvplug::Model::with_mmap`]).
     pub mmap: bool,
+    /// The attention arithmetic (`None`: the cache's default; see
+    /// [`kvplug::Model::with_attention`]).
+    pub attention: Option<kvplug::Arithmetic>,
     /// Most requests in flight (sequences of the cache, 1..=64).
     pub parallel: usize,
     /// Most requests waiting beyond those.
@@ -139,7 +142,8 @@ impl Server {
         }
         let model = kvplug::open_model(runtime, &config.backend, &config.model)?
             .with_key_rotation(config.key_rotation)
-            .with_mmap(config.mmap);
+            .with_mmap(config.mmap)
+            .with_attention(config.attention);
         let text = Arc::new(Text::load(model.dir())?);
         // Constrained decoding (response_format, tools, grammar) needs the vocabulary as
         // bytes; a tokenizer llguidance cannot read leaves the server without it.

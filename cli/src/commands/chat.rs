@@ -44,6 +44,8 @@ pub struct Args {
     sampling: SamplingArgs,
     #[command(flatten)]
     model_flags: crate::model_flags::ModelFlags,
+    #[command(flatten)]
+    attention: crate::model_flags::AttentionFlag,
     /// One JSON object per turn instead of streamed text.
     #[arg(long)]
     json: bool,
@@ -54,9 +56,10 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     // Held until the chat ends (or moves to another name): a second process on the same
     // session is refused.
     let lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
-    let model = a
-        .model_flags
-        .apply(kvplug::open_model(runtime, &a.backend, &a.model)?);
+    let model = a.attention.apply(
+        a.model_flags
+            .apply(kvplug::open_model(runtime, &a.backend, &a.model)?),
+    );
     let session = match &a.session {
         Some(name) => Some(sessions.path_for_write(name)?),
         None => None,

@@ -50,6 +50,8 @@ pub struct Args {
     sampling: SamplingArgs,
     #[command(flatten)]
     model_flags: crate::model_flags::ModelFlags,
+    #[command(flatten)]
+    attention: crate::model_flags::AttentionFlag,
     /// Agent fork: K branches from the prompt, decoded together, best kept.
     #[arg(long, conflicts_with = "speculative")]
     agents: Option<usize>,
@@ -102,9 +104,10 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if a.max_new == 0 {
         bail!("--max-new 0 would generate nothing: give at least 1");
     }
-    let model = a
-        .model_flags
-        .apply(kvplug::open_model(runtime, &a.backend, &a.model)?);
+    let model = a.attention.apply(
+        a.model_flags
+            .apply(kvplug::open_model(runtime, &a.backend, &a.model)?),
+    );
     let (prompt, text) = prompt_of(&a, &model)?;
     let spec = RunSpec {
         prompt,

@@ -41,6 +41,8 @@ pub struct Args {
     kv_dtype: KvDtype,
     #[command(flatten)]
     model_flags: crate::model_flags::ModelFlags,
+    #[command(flatten)]
+    attention: crate::model_flags::AttentionFlag,
     /// Most requests decoded together (sequences of the cache, 1..=64).
     #[arg(long, default_value_t = 16)]
     parallel: usize,
@@ -90,6 +92,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         kv_dtype: a.kv_dtype,
         key_rotation: a.model_flags.key_rotation(),
         mmap: a.model_flags.mmap(),
+        attention: a.attention.get(),
         parallel: a.parallel,
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,
@@ -103,8 +106,13 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         },
     };
     let server = Server::bind(runtime, config)?;
+    let attention = a
+        .attention
+        .get()
+        .map(|x| format!(", {x} attention"))
+        .unwrap_or_default();
     println!(
-        "kvplug serve: listening on http://{} (model {model_id}, backend {}, capacity {}, {} KV)",
+        "kvplug serve: listening on http://{} (model {model_id}, backend {}, capacity {}, {} KV{attention})",
         server.local_addr(),
         a.backend,
         a.capacity,
