@@ -239,3 +239,120 @@ fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect()
 }
+
+/// Attention in both arithmetics at the head widths real models use (128, 256), with GQA,
+/// a causal mask over several query rows and query heads split into score chunks (a small
+/// storage-binding limit), against the oracle's bound for each arithmetic. Conformance
+/// covers the matrix at head_dim 64.
+#[test]
+fn attention_at_wide_heads_in_chunks_is_inside_each_arithmetics_bound() {
+    use kvplug_backend_kit::AttendMask;
+    use kvplug_core::oracle::{attend, store_rounded, AttnDims, RefMask};
+    use kvplug_core::Arithmetic;
+
+    // The scores of all heads (96 000 bytes) exceed the binding limit, so the heads run in
+    // chunks of 7 and 1; the query (up to 81 920 bytes), the pools (up to 86 400) and K/V
+    // written 50 rows at a time fit it.
+    let (hq, hkv, t, l) = (8, 1, 10, 300);
+    let dev = WgpuDevice::open_with_binding_limit(90_000).unwrap();
+    for d in [128, 256] {
+        // Rows of their own range and offset, so that each key's quantization groups differ
+        // (a wrong offset term then shifts the scores unevenly, which softmax does not undo).
+        let wave = |n: usize, salt: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let row = i / d;
+                    let x = ((i * 7919 + salt * 104_729) as f32 * 0.001).sin();
+                    x * (0.25 + (row % 7) as f32 * 0.25) + (row % 3) as f32 * 0.5 - 0.5
+                })
+                .collect()
+        };
+        let (q, k, v) = (
+            wave(hq * t * d, 1),
+            wave(hkv * l * d, 2),
+            wave(hkv * l * d, 3),
+        );
+        let up = |x: &[f32], h: usize, n: usize| {
+            dev.upload(&HostTensor::from_f32(&[h, n, d], x)).unwrap()
+        };
+        for dtype in [
+            KvDtype::Q8 { group: 64 },
+            KvDtype::Q8 { group: 32 },
+            KvDtype::Q4 { group: 32 },
+        ] {
+            let (mut kp, mut vp) = (
+                dev.pool_new(dtype, hkv, d, l).unwrap(),
+                dev.pool_new(dtype, hkv, d, l).unwrap(),
+            );
+            for c in (0..l).step_by(50) {
+                let rows = |x: &[f32]| up(&x[c * d..(c + 50) * d], hkv, 50);
+                dev.write_run(&mut kp, c, &rows(&k)).unwrap();
+                dev.write_run(&mut vp, c, &rows(&v)).unwrap();
+            }
+            let stored = |x: &[f32]| -> Vec<f64> {
+                x.chunks(d)
+                    .flat_map(|r| {
+                        store_rounded(dtype, &r.iter().map(|&x| x as f64).collect::<Vec<_>>())
+                    })
+                    .collect()
+            };
+            let (ks, vs) = (stored(&k), stored(&v));
+            let wide: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+            let scale = 1.0 / (d as f32).sqrt();
+            assert!(
+                dev.arithmetics(dtype).contains(&Arithmetic::Int8Query),
+                "{dtype}"
+            );
+            for arithmetic in [Arithmetic::F32, Arithmetic::Int8Query] {
+                let mut out = dev.zeros(&[hq, t, d]).unwrap();
+                let mut scratch = Default::default();
+                dev.attend(
+                    arithmetic,
+                    &up(&q, hq, t),
+                    &kp,
+                    &vp,
+                    l,
+                    AttendMask::Causal,
+                    scale,
+                    &mut out,
+                    &mut scratch,
+                )
+                .unwrap();
+                let got = dev
+                    .download(&out, TensorDtype::F32)
+                    .unwrap()
+                    .to_f32()
+                    .unwrap();
+                let dims = AttnDims {
+                    n_q_heads: hq,
+                    n_kv_heads: hkv,
+                    n_tok: t,
+                    read_len: l,
+                    head_dim: d,
+                };
+                let want = attend(
+                    dims,
+                    &wide,
+                    &ks,
+                    &vs,
+                    scale as f64,
+                    RefMask::Causal,
+                    arithmetic,
+                );
+                for (i, g) in got.iter().enumerate() {
+                    let err = (*g as f64 - want.out[i]).abs();
+                    assert!(
+                        err <= want.bound[i],
+                        "d {d} {dtype} {arithmetic}: head {} token {} element {} is {g}, the \
+                         oracle gives {} (bound {:.2e})",
+                        i / (t * d),
+                        (i / d) % t,
+                        i % d,
+                        want.out[i],
+                        want.bound[i]
+                    );
+                }
+            }
+        }
+    }
+}
