@@ -531,7 +531,7 @@ impl Context {
         })
     }
 
-    /// A 4-byte storage buffer for the read-only slots an op leaves unused (one per device).
+    /// A 4-byte storage buffer for the slots an op leaves unused (one per device).
     pub fn unused(&self) -> &wgpu::Buffer {
         self.unused.get_or_init(|| self.raw_storage("unused", 4))
     }

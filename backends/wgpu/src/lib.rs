@@ -12,8 +12,8 @@
 //!   are decoded inside them. Query heads are processed in chunks so the score buffer fits
 //!   the adapter's storage-binding limit.
 //! - Arithmetics: f32 everywhere (the default); on q8/q4 pools with groups a multiple of 32
-//!   also int8-query, where the query is quantized once per call and each 4 codes meet a
-//!   key word in one `dot4I8Packed` (native `OpSDot` where the Vulkan device has integer
+//!   also int8-query, where the query is quantized once per call and every 4 codes meet 4
+//!   key codes in one `dot4I8Packed` (native `OpSDot` where the Vulkan device has integer
 //!   dot products, naga's exact polyfill elsewhere; the result is the same integer).
 //! - Device selection honours `WGPU_BACKEND` and `WGPU_ADAPTER_NAME`. Without an adapter the
 //!   plugin still loads, `describe` says why, and building a cache fails with that reason.

@@ -250,11 +250,11 @@ fn attention_at_wide_heads_in_chunks_is_inside_each_arithmetics_bound() {
     use kvplug_core::oracle::{attend, store_rounded, AttnDims, RefMask};
     use kvplug_core::Arithmetic;
 
-    // The scores of all heads (96 000 bytes) exceed the binding limit, so the heads run in
-    // chunks of 7 and 1; the query (up to 81 920 bytes), the pools (up to 86 400) and K/V
-    // written 50 rows at a time fit it.
-    let (hq, hkv, t, l) = (8, 1, 10, 300);
-    let dev = WgpuDevice::open_with_binding_limit(90_000).unwrap();
+    // The scores of all heads (182 400 bytes) exceed the binding limit, so the heads run in
+    // chunks of 7 and 1; the query (up to 155 648 bytes), the pools (up to 172 800) and K/V
+    // written 50 rows at a time fit it. Four query heads share each KV head.
+    let (hq, hkv, t, l) = (8, 2, 19, 300);
+    let dev = WgpuDevice::open_with_binding_limit(176_000).unwrap();
     for d in [128, 256] {
         // Rows of their own range and offset, so that each key's quantization groups differ
         // (a wrong offset term then shifts the scores unevenly, which softmax does not undo).
@@ -285,7 +285,12 @@ fn attention_at_wide_heads_in_chunks_is_inside_each_arithmetics_bound() {
                 dev.pool_new(dtype, hkv, d, l).unwrap(),
             );
             for c in (0..l).step_by(50) {
-                let rows = |x: &[f32]| up(&x[c * d..(c + 50) * d], hkv, 50);
+                let rows = |x: &[f32]| {
+                    let run: Vec<f32> = (0..hkv)
+                        .flat_map(|h| x[(h * l + c) * d..(h * l + c + 50) * d].iter().copied())
+                        .collect();
+                    up(&run, hkv, 50)
+                };
                 dev.write_run(&mut kp, c, &rows(&k)).unwrap();
                 dev.write_run(&mut vp, c, &rows(&v)).unwrap();
             }

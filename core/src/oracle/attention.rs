@@ -190,8 +190,10 @@ pub fn attend(
 ///   s·(½ + 127.5u) <= max|q|·((1 + 5u)/254 + 1.01u)`. The clamp to ±127 only removes an
 ///   f32 rounding's excess (`q/s <= 127/(1 − 5u) < 127.5`).
 /// - The last term covers blocks whose scale falls below f32's normal range (`max|q| <
-///   127·2⁻¹²⁶ < 2⁻¹¹⁹`): a subnormal scale is off by at most ulps of `2⁻¹⁴⁹`, and a device
-///   that flushes subnormals to zero gives codes 0, an error of at most `max|q|`.
+///   127·2⁻¹²⁶ < 2⁻¹¹⁹`): a correctly rounded subnormal scale is off by at most `2⁻¹⁵⁰`
+///   (times a code of at most 127), and a kernel may instead give such a block scale 0 and
+///   codes 0 (the wgpu kernel does, as GPUs may flush subnormals), an error of at most
+///   `max|q|`.
 pub fn int8_half_steps(qrow: &[f64]) -> Vec<f64> {
     let u = F32_UNIT_ROUNDOFF;
     qrow.chunks(QUERY_BLOCK)

@@ -113,7 +113,7 @@ fn qcode_words() -> u32 { return p.d / 4u + 2u * (p.d / QBLOCK); }
 
 // The int8 code of `x` for block scale `s`: round(x / s) half away from zero, clamped to
 // ±127 (s = 0 gives 0). The quotient only proposes the code (a GPU's division may be off by
-// 2.5 ulp); the products (m ± ½)·s, rounded once, decide it.
+// 2.5 ulp for a normal s); the products (m ± ½)·s, rounded once, decide it.
 fn qcode(x: f32, s: f32) -> i32 {
     if s == 0.0 { return 0; }
     let a = abs(x);
@@ -145,7 +145,10 @@ fn quantize_main(
     let src = row * p.d + blk * QBLOCK;
     var amax = 0.0;
     for (var e = 0u; e < QBLOCK; e++) { amax = max(amax, abs(q[src + e])); }
-    let s = amax / 127.0;
+    // A scale below f32's normal range is taken as 0 (codes 0, an error of at most max|q|,
+    // under 2^-119): devices may flush subnormals anywhere, and their division is unbounded.
+    let s0 = amax / 127.0;
+    let s = select(s0, 0.0, s0 < 1.17549435e-38);
     let dst = row * qcode_words();
     var sum = 0;
     for (var w = 0u; w < QBLOCK / 4u; w++) {
