@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvplug_core::oracle::{Attention, RefCache};
-use kvplug_core::{Arithmetic, CacheConfig, CacheKind, CacheVerbs, KvDtype, PosRange};
+use kvplug_core::{Arithmetic, CacheConfig, CacheError, CacheKind, CacheVerbs, KvDtype, PosRange};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
@@ -748,6 +748,16 @@ impl<D: Device> DecodeCase<D> {
             cache,
             history,
         }
+    }
+
+    /// The arithmetics the cache declares, its default first (f32 is among them).
+    pub fn arithmetics(&self) -> Vec<Arithmetic> {
+        self.cache.arithmetics()
+    }
+
+    /// Computes later steps in `arithmetic` (one of [`DecodeCase::arithmetics`]).
+    pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) -> Result<(), CacheError> {
+        self.cache.set_arithmetic(arithmetic)
     }
 
     /// The decode step, its output read back.

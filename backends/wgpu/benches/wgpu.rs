@@ -8,7 +8,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvplug_backend_kit::testing::DecodeCase;
 use kvplug_backend_kit::{Backend, Device};
-use kvplug_core::KvDtype;
+use kvplug_core::{Arithmetic, KvDtype};
 use kvplug_wgpu::WgpuDevice;
 
 const HQ: usize = 8;
@@ -22,12 +22,20 @@ fn benches(cr: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
+    // Each arithmetic the cache declares: f32 named by the dtype, others `q8+int8-query`.
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
         for l in [256usize, 1024] {
             let mut case = DecodeCase::new(dev.clone(), HQ, HKV, D, dtype, l);
-            g.bench_with_input(BenchmarkId::new(dtype.to_string(), l), &l, |b, _| {
-                b.iter(|| black_box(case.step()))
-            });
+            for arithmetic in case.arithmetics() {
+                case.set_arithmetic(arithmetic).unwrap();
+                let name = match arithmetic {
+                    Arithmetic::F32 => dtype.to_string(),
+                    _ => format!("{dtype}+{arithmetic}"),
+                };
+                g.bench_with_input(BenchmarkId::new(name, l), &l, |b, _| {
+                    b.iter(|| black_box(case.step()))
+                });
+            }
         }
     }
     g.finish();
