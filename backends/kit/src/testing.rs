@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use kvplug_core::oracle::{Attention, RefCache};
+use kvplug_core::oracle::{Attention, AttnDims, RefCache};
 use kvplug_core::{Arithmetic, CacheConfig, CacheError, CacheKind, CacheVerbs, KvDtype, PosRange};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
@@ -342,7 +342,7 @@ pub fn check_pool_growth<D2: Device>(device: D2) {
 /// an explicit mask, and a query whose mask row is all false, which must read exactly zeros
 /// (never NaN).
 pub fn check_attend_masks<D2: Device>(device: D2) {
-    use kvplug_core::oracle::{attend, AttnDims, RefMask};
+    use kvplug_core::oracle::{attend, RefMask};
     let dev = device;
     let (t, l) = (3, 9);
     let q = values(HQ, t, 31);
@@ -414,18 +414,45 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
             };
             let (ks, vs) = (stored(&k), stored(&v));
             let want = attend(dims, &wide, &ks, &vs, scale as f64, refmask, arithmetic);
-            for (i, g) in got.iter().enumerate() {
-                let (h, tok, e) = (i / (t * D), (i / D) % t, i % D);
-                let err = (*g as f64 - want.out[i]).abs();
-                assert!(
-                    g.is_finite() && err <= want.bound[i],
-                    "{dtype} {arithmetic} {name} mask: query head {h} token {tok} element {e} is {g}, the oracle gives {} (bound {:.2e}){}",
-                    want.out[i],
-                    want.bound[i],
-                    if name == "explicit" && tok == 1 { "; this query sees no key and must read zeros" } else { "" }
-                );
-            }
+            assert_within_bound(
+                &format!("{dtype} {arithmetic} {name} mask"),
+                &got,
+                &want,
+                dims,
+                |tok| {
+                    if name == "explicit" && tok == 1 {
+                        "; this query sees no key and must read zeros"
+                    } else {
+                        ""
+                    }
+                },
+            );
         }
+    }
+}
+
+/// Asserts that every value of an attention output `got` (`[Hq, T, D]` of `dims`) is finite
+/// and within the oracle's bound of `want`; a failure names `what`, the value's place and
+/// `hint(token)`.
+pub fn assert_within_bound(
+    what: &str,
+    got: &[f32],
+    want: &Attention,
+    dims: AttnDims,
+    hint: impl Fn(usize) -> &'static str,
+) {
+    let (t, d) = (dims.n_tok, dims.head_dim);
+    assert_eq!(got.len(), want.out.len(), "{what}: output size");
+    for (i, g) in got.iter().enumerate() {
+        let (h, tok, e) = (i / (t * d), (i / d) % t, i % d);
+        let err = (*g as f64 - want.out[i]).abs();
+        assert!(
+            g.is_finite() && err <= want.bound[i],
+            "{what}: query head {h} token {tok} element {e} is {g}, the oracle gives {} (bound {:.2e}){}",
+            want.out[i],
+            want.bound[i],
+            hint(tok)
+        );
     }
 }
 

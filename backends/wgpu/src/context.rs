@@ -21,7 +21,7 @@ pub struct Context {
     pub adapter_features: wgpu::Features,
     /// Limits the device was created with (the adapter's).
     pub limits: wgpu::Limits,
-    attention: OnceLock<Kernels<5>>,
+    attention: OnceLock<Kernels<4>>,
     rows: OnceLock<Kernels<3>>,
     model: OnceLock<Kernels<13>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
@@ -240,12 +240,11 @@ impl Recorder {
 }
 
 /// Entry points of `attention.wgsl`, in the order of [`Context::attention`]'s pipelines.
-pub const ATTENTION_ENTRIES: [&str; 5] = [
+pub const ATTENTION_ENTRIES: [&str; 4] = [
     "scores_main",
     "softmax_main",
     "output_main",
     "quantize_main",
-    "scores_int8_main",
 ];
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
@@ -434,7 +433,7 @@ impl Context {
 
     /// Attention kernels, in [`ATTENTION_ENTRIES`] order (compiled on first use, which keeps
     /// plugin loading fast).
-    pub fn attention(&self) -> &Kernels<5> {
+    pub fn attention(&self) -> &Kernels<4> {
         self.attention.get_or_init(|| {
             use Slot::*;
             kernels(

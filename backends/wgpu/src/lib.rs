@@ -135,7 +135,9 @@ pub(crate) struct AttnParams {
     nheads: u32,
     scale: f32,
     rows_per_y: u32,
-    pad: [u32; 2],
+    /// 1: scores in the int8-query arithmetic.
+    int8: u32,
+    pad: u32,
 }
 
 const MAX_DISPATCH: u32 = 65535;
@@ -481,12 +483,13 @@ impl Device for WgpuDevice {
                 nheads: nheads as u32,
                 scale,
                 rows_per_y: sx,
-                pad: [0; 2],
+                int8: int8 as u32,
+                pad: 0,
             };
             let score_grid = [(l as u32).div_ceil(64), t as u32, nheads as u32];
             let all = [
                 (3, [qx, quantize_groups.div_ceil(qx), 1]),
-                (if int8 { 4 } else { 0 }, score_grid),
+                (0, score_grid),
                 (1, [sx, sy, 1]),
                 (2, [value_groups, t as u32, nheads as u32]),
             ];

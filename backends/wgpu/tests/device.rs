@@ -246,6 +246,7 @@ fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
 /// covers the matrix at head_dim 64.
 #[test]
 fn attention_at_wide_heads_in_chunks_is_inside_each_arithmetics_bound() {
+    use kvplug_backend_kit::testing::assert_within_bound;
     use kvplug_backend_kit::AttendMask;
     use kvplug_core::oracle::{attend, store_rounded, AttnDims, RefMask};
     use kvplug_core::Arithmetic;
@@ -344,19 +345,13 @@ fn attention_at_wide_heads_in_chunks_is_inside_each_arithmetics_bound() {
                     RefMask::Causal,
                     arithmetic,
                 );
-                for (i, g) in got.iter().enumerate() {
-                    let err = (*g as f64 - want.out[i]).abs();
-                    assert!(
-                        err <= want.bound[i],
-                        "d {d} {dtype} {arithmetic}: head {} token {} element {} is {g}, the \
-                         oracle gives {} (bound {:.2e})",
-                        i / (t * d),
-                        (i / d) % t,
-                        i % d,
-                        want.out[i],
-                        want.bound[i]
-                    );
-                }
+                assert_within_bound(
+                    &format!("d {d} {dtype} {arithmetic}"),
+                    &got,
+                    &want,
+                    dims,
+                    |_| "",
+                );
             }
         }
     }

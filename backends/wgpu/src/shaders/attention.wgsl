@@ -1,7 +1,6 @@
 // Attention over one layer's K/V pools, in three passes sharing one bind group:
 //   scores_main  : s[hh, i, j] = scale · q[h, i] · K[kh, j]   (masked entries get NEG)
-//                  or, in the int8-query arithmetic on q8/q4 keys, quantize_main then
-//                  scores_int8_main (see there)
+//                  (in the int8-query arithmetic on q8/q4 keys, after quantize_main)
 //   softmax_main : row-wise stable softmax of s in place        (masked entries become 0)
 //   output_main  : out[h, i, dd] = Σ_j s[hh, i, j] · V[kh, j, dd]
 // Pools are u32 words, row-major [heads, cells, row_words]; element decoding in decode().
@@ -10,7 +9,7 @@ struct Params {
     hq: u32, hkv: u32, t: u32, l: u32,
     d: u32, cells: u32, row_words: u32, dtype: u32,   // dtype: 0 f32, 1 f16, 2 bf16, 3 q8, 4 q4
     group: u32, mask_kind: u32, head0: u32, nheads: u32, // mask_kind: 0 none, 1 causal, 2 explicit
-    scale: f32, rows_per_y: u32, pad1: u32, pad2: u32,
+    scale: f32, rows_per_y: u32, int8: u32, pad: u32,    // int8: 1 for int8-query scores
 }
 
 const NEG: f32 = -3.0e38;
@@ -80,6 +79,16 @@ fn visible(i: u32, j: u32) -> bool {
     return ((maskbits[bit / 32u] >> (bit % 32u)) & 1u) == 1u;
 }
 
+// q·K[kh, j] in f32, K decoded per element.
+fn qk_f32(h: u32, i: u32, kh: u32, j: u32) -> f32 {
+    let qb = (h * p.t + i) * p.d;
+    var acc = 0.0;
+    for (var dd = 0u; dd < p.d; dd++) {
+        acc += q[qb + dd] * kelem(kh, j, dd);
+    }
+    return acc;
+}
+
 @compute @workgroup_size(64)
 fn scores_main(@builtin(global_invocation_id) g: vec3<u32>) {
     let j = g.x;
@@ -93,10 +102,11 @@ fn scores_main(@builtin(global_invocation_id) g: vec3<u32>) {
         scores[idx] = NEG;
         return;
     }
-    let qb = (h * p.t + i) * p.d;
     var acc = 0.0;
-    for (var dd = 0u; dd < p.d; dd++) {
-        acc += q[qb + dd] * kelem(kh, j, dd);
+    if p.int8 == 1u {
+        acc = qk_int8(h, i, kh, j);
+    } else {
+        acc = qk_f32(h, i, kh, j);
     }
     scores[idx] = acc * p.scale;
 }
@@ -166,22 +176,10 @@ fn quantize_main(
     qcodes[dst + p.d / 4u + nb + blk] = bitcast<u32>(sum);
 }
 
-// scores_main in the int8-query arithmetic, over the codes quantize_main wrote. q8 codes
+// q·K[kh, j] in the int8-query arithmetic, over the codes quantize_main wrote. q8 codes
 // (0..255) enter the signed dot as code − 128 (the top bit flipped), added back as 128·Σc;
 // q4 nibbles (0..15) enter it as they are.
-@compute @workgroup_size(64)
-fn scores_int8_main(@builtin(global_invocation_id) g: vec3<u32>) {
-    let j = g.x;
-    let i = g.y;
-    let hh = g.z;
-    if j >= p.l || i >= p.t || hh >= p.nheads { return; }
-    let h = p.head0 + hh;
-    let kh = h / (p.hq / p.hkv);
-    let idx = (hh * p.t + i) * p.l + j;
-    if !visible(i, j) {
-        scores[idx] = NEG;
-        return;
-    }
+fn qk_int8(h: u32, i: u32, kh: u32, j: u32) -> f32 {
     let nb = p.d / QBLOCK;
     let qb = (h * p.t + i) * qcode_words();
     let kb = row_base(kh, j);
@@ -210,7 +208,7 @@ fn scores_int8_main(@builtin(global_invocation_id) g: vec3<u32>) {
         let s = bitcast<f32>(qcodes[qb + p.d / 4u + blk]);
         acc += s * (m.y * f32(sum) + m.x * f32(dot));
     }
-    scores[idx] = acc * p.scale;
+    return acc;
 }
 
 var<workgroup> red: array<f32, 64>;
