@@ -7,7 +7,7 @@ use std::time::Duration;
 
 mod shared;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvplug_backend_kit::KitCache;
 use kvplug_core::{
     make_config, Arithmetic, CacheConfig, CacheKind, CacheVerbs, KvDtype, ModelCacheParams,
@@ -99,6 +99,73 @@ fn read_bandwidth(cr: &mut Criterion) {
     g.sample_size(10).measurement_time(Duration::from_secs(4));
     g.bench_function("sum_256MiB", |b| b.iter(|| shared::read_pass(&buf)));
     g.finish();
+}
+
+/// The arithmetic peak of the attention kernels' two multiply-add instructions on this
+/// machine (`examples/bench_report.rs` divides each step's multiply-adds by it: the time no
+/// kernel could beat on these instructions): per thread of the worker pool, [`PEAK_CHAINS`]
+/// independent chains of [`PEAK_STEPS`] 512-bit instructions each, f32 `vfmadd` (16
+/// multiply-adds) and, where the CPU has AVX-512 VNNI, `vpdpbusd` (64). Criterion's
+/// throughput is the multiply-adds of one pass.
+fn compute_peak(cr: &mut Criterion) {
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        return;
+    }
+    let threads = kvplug_cpu::workers::Workers::global().participants();
+    let mut g = cr.benchmark_group("compute_peak");
+    g.sample_size(10).measurement_time(Duration::from_secs(2));
+    let pass = (threads * PEAK_CHAINS * PEAK_STEPS) as u64;
+    g.throughput(Throughput::Elements(16 * pass));
+    // SAFETY: AVX-512F is present (checked above).
+    g.bench_function("f32_fma", |b| {
+        b.iter(|| peak_pass(|| unsafe { fma_chains() }))
+    });
+    if std::arch::is_x86_feature_detected!("avx512vnni") {
+        g.throughput(Throughput::Elements(64 * pass));
+        // SAFETY: AVX-512F and VNNI are present.
+        g.bench_function("int8_dot", |b| {
+            b.iter(|| peak_pass(|| unsafe { dot_chains() }))
+        });
+    }
+    g.finish();
+}
+
+/// Independent accumulator chains per thread in [`compute_peak`]: more than the
+/// instructions' latency times the ports that run them.
+const PEAK_CHAINS: usize = 16;
+/// Instructions per chain in one [`compute_peak`] pass.
+const PEAK_STEPS: usize = 1 << 16;
+
+/// Runs `chains` on every thread of the kernels' worker pool.
+fn peak_pass(chains: impl Fn() + Sync) {
+    let workers = kvplug_cpu::workers::Workers::global();
+    workers.run(workers.participants(), &|_| chains());
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_chains() {
+    use std::arch::x86_64::*;
+    let (x, y) = (_mm512_set1_ps(1.000_000_1), _mm512_set1_ps(1e-7));
+    let mut acc = [_mm512_setzero_ps(); PEAK_CHAINS];
+    for _ in 0..PEAK_STEPS {
+        for a in &mut acc {
+            *a = _mm512_fmadd_ps(*a, x, y);
+        }
+    }
+    black_box(acc);
+}
+
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dot_chains() {
+    use std::arch::x86_64::*;
+    let (x, y) = (_mm512_set1_epi8(3), _mm512_set1_epi8(5));
+    let mut acc = [_mm512_setzero_si512(); PEAK_CHAINS];
+    for _ in 0..PEAK_STEPS {
+        for a in &mut acc {
+            *a = _mm512_dpbusd_epi32(*a, x, y);
+        }
+    }
+    black_box(acc);
 }
 
 /// One decode step at window L: rewind to L-1 and decode position L-1, in each arithmetic
@@ -352,6 +419,7 @@ fn weights_prefill_blocks(cr: &mut Criterion) {
 criterion_group!(
     benches,
     read_bandwidth,
+    compute_peak,
     decode,
     fork,
     tree_verify,
