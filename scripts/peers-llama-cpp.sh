@@ -1,4 +1,5 @@
-# Sourced by the peer scripts (bench-peers.sh, crosscheck-peers.sh) from the repository root:
+# Sourced by the peer scripts (bench-peers.sh, crosscheck-peers.sh, kv-agreement-peers.sh) from
+# the repository root:
 # llama.cpp from the source that the PyPI sdist of llama-cpp-python vendors (pinned below with
 # its SHA-256), unpacked and built Release in $PEERS (git-ignored) with cmake from Debian,
 # GGML_NATIVE off and the x86 features /proc/cpuinfo lists turned on one by one, AMX off:

@@ -3,7 +3,7 @@ quantized (or differently computed) K/V follows its text with f16 K/V, on one GG
 
 The anchor for kvplug's `kv_quality` example (backends/cpu/BENCH.md, "KV dtype quality"):
 the same six chat prompts (read from kvplug/examples/kv_quality.rs, so the two cannot drift),
-rendered with the GGUF's own chat template, N greedy tokens each with end-of-sequence ignored,
+rendered with the GGUF's own chat template as kvplug renders it, N greedy tokens each with end-of-sequence ignored,
 llama.cpp driven in process through llama-cpp-python's ctypes bindings on the libllama that
 scripts/peers-llama-cpp.sh built. Reference: f16 K/V with flash attention on (llama.cpp needs
 it for quantized V). Prints, per other configuration, where its ids first leave the
@@ -57,11 +57,27 @@ def greedy(cfg, prompt_ids):
 
 
 vocab = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-template = jinja2.Environment().from_string(vocab.metadata["tokenizer.chat_template"])
+if "tokenizer.chat_template" not in vocab.metadata:
+    sys.exit(f"{path}: no chat template in the file (kv_quality would use kvplug's built-in "
+             "fallback, which this script does not reproduce)")
+
+
+def special(token):
+    """The text of special token `token`."""
+    return vocab.detokenize([token], special=True).decode()
+
+
+# As kvplug renders a chat (kvplug/src/text.rs, chat_template.rs): trimmed and
+# left-stripped blocks, the vocabulary's BOS and EOS texts, then the rendered text tokenized
+# with its special tokens recognised and no BOS added.
+env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+template = env.from_string(vocab.metadata["tokenizer.chat_template"])
 prompt_ids = [
     vocab.tokenize(
-        template.render(messages=[{"role": "user", "content": p}], add_generation_prompt=True)
-        .encode(), add_bos=vocab._model.add_bos_token(), special=True)
+        template.render(messages=[{"role": "user", "content": p}], add_generation_prompt=True,
+                        bos_token=special(vocab.token_bos()),
+                        eos_token=special(vocab.token_eos())).encode(),
+        add_bos=False, special=True)
     for p in prompts
 ]
 reference = greedy(CONFIGS[REFERENCE], prompt_ids)
