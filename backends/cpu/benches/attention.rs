@@ -146,7 +146,11 @@ fn peak_pass(chains: impl Fn() + Sync) {
 unsafe fn fma_chains() {
     use std::arch::x86_64::*;
     let (x, y) = (_mm512_set1_ps(1.000_000_1), _mm512_set1_ps(1e-7));
+    // Distinct starts: no two chains are the same computation.
     let mut acc = [_mm512_setzero_ps(); PEAK_CHAINS];
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = _mm512_set1_ps(i as f32);
+    }
     for _ in 0..PEAK_STEPS {
         for a in &mut acc {
             *a = _mm512_fmadd_ps(*a, x, y);
@@ -160,6 +164,9 @@ unsafe fn dot_chains() {
     use std::arch::x86_64::*;
     let (x, y) = (_mm512_set1_epi8(3), _mm512_set1_epi8(5));
     let mut acc = [_mm512_setzero_si512(); PEAK_CHAINS];
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = _mm512_set1_epi32(i as i32);
+    }
     for _ in 0..PEAK_STEPS {
         for a in &mut acc {
             *a = _mm512_dpbusd_epi32(*a, x, y);

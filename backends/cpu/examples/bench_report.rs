@@ -63,7 +63,8 @@ fn need(id: &str) -> f64 {
 }
 
 /// Multiply-adds per second of the attention kernels' instructions on every thread
-/// (criterion's `compute_peak`): f32 `vfmadd`, and `vpdpbusd` where the CPU has VNNI.
+/// (criterion's `compute_peak`, its fastest sample): f32 `vfmadd`, and `vpdpbusd` where the
+/// CPU has VNNI.
 struct Peaks {
     f32: f64,
     int8: Option<f64>,
@@ -71,7 +72,7 @@ struct Peaks {
 
 impl Peaks {
     fn measured() -> Option<Self> {
-        let rate = |id: &str| Some(throughput(id)? / mean(id)?);
+        let rate = |id: &str| Some(throughput(id)? / fastest(id));
         Some(Peaks {
             f32: rate("compute_peak/f32_fma")?,
             int8: rate("compute_peak/int8_dot"),
@@ -80,15 +81,16 @@ impl Peaks {
 
     /// The least time `pairs` (query row, key row) pairs take at these peaks: `D`
     /// multiply-adds each for the score (int8 where `int8`) and as many for the values
-    /// (f32 in every arithmetic). Softmax, staging and memory traffic are left out, so no
-    /// kernel on these instructions can be faster.
+    /// (f32 in every arithmetic). Scores and values in f32 share one instruction, so their
+    /// times add; int8 scores may run beside the f32 values on other ports, so only the
+    /// longer of the two counts. Softmax, staging and memory traffic are left out: no kernel
+    /// on these instructions can be faster.
     fn floor(&self, pairs: usize, int8: bool) -> f64 {
-        let macs = (pairs * D) as f64;
-        let scores = match self.int8 {
-            Some(rate) if int8 => rate,
-            _ => self.f32,
-        };
-        macs / scores + macs / self.f32
+        let f32_time = (pairs * D) as f64 / self.f32;
+        match self.int8 {
+            Some(rate) if int8 => f32_time.max((pairs * D) as f64 / rate),
+            _ => 2.0 * f32_time,
+        }
     }
 }
 
@@ -107,15 +109,21 @@ fn floor_and_ratio(peaks: &Option<Peaks>, pairs: usize, int8: bool, base: f64) -
     })
 }
 
+/// The CPU's name with its family and model numbers (a VM may name only the vendor's line:
+/// "AMD EPYC" covers Zen 4 and Zen 5, whose 512-bit arithmetic differs twofold).
 fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|v| v.trim().to_string())
+    };
+    match (field("model name"), field("cpu family"), field("model")) {
+        (Some(name), Some(family), Some(model)) => format!("{name}, family {family} model {model}"),
+        (Some(name), ..) => name,
+        _ => "unknown CPU".into(),
+    }
 }
 
 fn main() {
@@ -131,7 +139,7 @@ fn main() {
         let int8 = p.int8.map_or("not measured (no AVX-512 VNNI)".into(), |r| {
             format!("**{:.0} GMAC/s**", r / 1e9)
         });
-        writeln!(md, "Measured arithmetic peak (512-bit instructions in independent chains on every thread): f32 multiply-add (`vfmadd`) **{:.0} GMAC/s**; int8 dot (`vpdpbusd`) {int8}. A step's *compute floor* is its multiply-adds at these rates (scores in its arithmetic, values in f32; softmax and memory left out): no kernel on these instructions beats it.", p.f32 / 1e9).unwrap();
+        writeln!(md, "Measured arithmetic peak (512-bit instructions in independent chains on every thread): f32 multiply-add (`vfmadd`) **{:.0} GMAC/s**; int8 dot (`vpdpbusd`) {int8}. A step's *compute floor* is its multiply-adds at these rates (scores in its arithmetic, values in f32, their times added where both are f32 and the longer taken where the scores are int8; softmax and memory left out): no kernel on these instructions beats it.", p.f32 / 1e9).unwrap();
     }
     writeln!(
         md,
