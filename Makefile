@@ -113,7 +113,7 @@ crosscheck-peers: deps models
 kv-agreement-peers: deps models
 	./scripts/kv-agreement-peers.sh
 
-## make fuzz-long: the parser fuzz harness (kvplug/tests/fuzz.rs) at a hundred times the size
+## make fuzz-long: the parser fuzz harness (tests/models/tests/fuzz.rs) at a hundred times the size
 ## make test runs, about two million inputs. Not part of make test.
 fuzz-long: deps
-	KVPLUG_FUZZ_INPUTS=1020000 $(CARGO) test -p kvplug --test fuzz -- --nocapture
+	KVPLUG_FUZZ_INPUTS=1020000 $(CARGO) test -p kvplug-model-tests --test fuzz -- --nocapture

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs one of the Python test scripts in cli/tests/: openai-client.sh [SCRIPT] ARGS...
+# Runs one of the Python test scripts in tests/cli/tests/: openai-client.sh [SCRIPT] ARGS...
 # (SCRIPT defaults to openai_client.py, the `openai` Python client against a running `kvplug
 # serve` at the BASE_URL in ARGS; agents_sdk.py drives the OpenAI Agents SDK; hf_template.py
 # renders chat templates as Hugging Face transformers does, with Jinja2). Makes the venv they
@@ -30,4 +30,4 @@ if [[ "${1:-}" == *.py ]]; then
     script=$1
     shift
 fi
-exec "$venv/bin/python" "$root/cli/tests/$script" "$@"
+exec "$venv/bin/python" "$root/tests/cli/tests/$script" "$@"

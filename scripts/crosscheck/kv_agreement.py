@@ -2,7 +2,7 @@
 quantized (or differently computed) K/V follows its text with f16 K/V, on one GGUF.
 
 The anchor for kvplug's `kv_quality` example (backends/cpu/BENCH.md, "KV dtype quality"):
-the same six chat prompts (read from kvplug/examples/kv_quality.rs, so the two cannot drift),
+the same six chat prompts (read from host/sdk/examples/kv_quality.rs, so the two cannot drift),
 rendered with the GGUF's own chat template as kvplug renders it, N greedy tokens each with end-of-sequence ignored,
 llama.cpp driven in process through llama-cpp-python's ctypes bindings on the libllama that
 scripts/peers-llama-cpp.sh built. Reference: f16 K/V with flash attention on (llama.cpp needs
@@ -21,7 +21,7 @@ import llama_cpp
 import numpy as np
 
 path, n = sys.argv[1], int(sys.argv[2])
-source = (Path(__file__).parents[2] / "kvplug/examples/kv_quality.rs").read_text()
+source = (Path(__file__).parents[2] / "host/sdk/examples/kv_quality.rs").read_text()
 block = re.search(r"const PROMPTS: \[&str; \d+\] = \[(.*?)\];", source, re.S).group(1)
 # Rust string literals with only \n and \" escapes read the same as Python's.
 prompts = [ast.literal_eval(lit) for lit in re.findall(r'"(?:[^"\\]|\\.)*"', block)]
@@ -67,7 +67,7 @@ def special(token):
     return vocab.detokenize([token], special=True).decode()
 
 
-# As kvplug renders a chat (kvplug/src/text.rs, chat_template.rs): trimmed and
+# As kvplug renders a chat (host/sdk/src/text.rs, chat_template.rs): trimmed and
 # left-stripped blocks, the vocabulary's BOS and EOS texts, then the rendered text tokenized
 # with its special tokens recognised and no BOS added.
 env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)

@@ -1,0 +1,207 @@
+//! A `kvplug serve` process for the tests that talk HTTP to it (ureq).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// A server process, stopped (SIGTERM) on drop.
+pub struct Server {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    http: ureq::Agent,
+    /// The `--api-key` it was started with, sent with every request.
+    key: Option<String>,
+    /// The `--session-dir`.
+    pub sessions: tempfile::TempDir,
+    _plugins: tempfile::TempDir,
+}
+
+impl Server {
+    /// Starts `kvplug serve` on `model` with `args` (any port), the cpu plugin alone.
+    pub fn start(model: &Path, args: &[&str]) -> Server {
+        Server::start_in(model, args, tempfile::tempdir().unwrap())
+    }
+
+    /// [`Server::start`] with `sessions` as its session directory.
+    pub fn start_in(model: &Path, args: &[&str], sessions: tempfile::TempDir) -> Server {
+        let plugins = super::cpu_plugins();
+        let mut child = Command::new(super::kvplug_bin())
+            .arg("--plugins")
+            .arg(plugins.path())
+            .arg("--session-dir")
+            .arg(sessions.path())
+            .args(["serve", "--port", "0", "--model"])
+            .arg(model)
+            .args(args)
+            .env_remove("KVPLUG_API_KEY")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("the server did not start: {line:?}"))
+            .to_string();
+        let http: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(600)))
+            .build()
+            .into();
+        let key = args
+            .iter()
+            .position(|&a| a == "--api-key")
+            .map(|i| args[i + 1].to_string());
+        Server {
+            child,
+            url,
+            http,
+            key,
+            sessions,
+            _plugins: plugins,
+        }
+    }
+
+    /// GETs `path` with `key` as the bearer key.
+    pub fn get_as(&self, path: &str, key: Option<&str>) -> (u16, Value) {
+        let mut req = self.http.get(format!("{}{path}", self.url));
+        if let Some(k) = key {
+            req = req.header("Authorization", format!("Bearer {k}"));
+        }
+        let mut r = req.call().unwrap();
+        (r.status().as_u16(), r.body_mut().read_json().unwrap())
+    }
+
+    pub fn get(&self, path: &str) -> (u16, Value) {
+        self.get_as(path, self.key.as_deref())
+    }
+
+    /// GETs `path` (with the key) and returns its body as text; asserts a 200.
+    pub fn text(&self, path: &str) -> String {
+        let mut req = self.http.get(format!("{}{path}", self.url));
+        if let Some(k) = &self.key {
+            req = req.header("Authorization", format!("Bearer {k}"));
+        }
+        let mut r = req.call().unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{path}");
+        r.body_mut().read_to_string().unwrap()
+    }
+
+    pub fn post_request(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        let req = self.http.post(format!("{}{path}", self.url));
+        match &self.key {
+            Some(k) => req.header("Authorization", format!("Bearer {k}")),
+            None => req,
+        }
+    }
+
+    /// POSTs raw bytes with `headers`.
+    pub fn send(
+        &self,
+        path: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> ureq::http::Response<ureq::Body> {
+        let mut req = self.post_request(path);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req.send(body).unwrap()
+    }
+
+    /// POSTs raw bytes with `headers`; returns the status and the JSON body.
+    pub fn post_raw(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, Value) {
+        let mut r = self.send(path, body, headers);
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().unwrap();
+        let v = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text:?}"));
+        (status, v)
+    }
+
+    /// POSTs `body`; returns the status, the response headers (names lower-case) and the
+    /// JSON body.
+    pub fn post_with_headers(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> (u16, std::collections::HashMap<String, String>, Value) {
+        let mut r = self.send(path, body.to_string().as_bytes(), &[]);
+        let headers = r
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string()))
+            .collect();
+        let status = r.status().as_u16();
+        (status, headers, r.body_mut().read_json().unwrap())
+    }
+
+    pub fn post(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+        self.post_raw(path, body.to_string().as_bytes(), headers)
+    }
+
+    /// A 200 answer to `body`.
+    pub fn ok(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> Value {
+        let (status, v) = self.post(path, body, headers);
+        assert_eq!(status, 200, "{body}: {v}");
+        v
+    }
+
+    /// Opens a streamed answer; returns its lines as they come.
+    pub fn stream(&self, path: &str, body: &Value) -> impl Iterator<Item = String> {
+        let r = self
+            .post_request(path)
+            .send(body.to_string().as_bytes())
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{body}");
+        let ct = r.headers()["content-type"].to_str().unwrap().to_string();
+        assert!(ct.starts_with("text/event-stream"), "{ct}");
+        BufReader::new(r.into_body().into_reader())
+            .lines()
+            .map(Result::unwrap)
+            .filter(|l| !l.is_empty() && !l.starts_with(':'))
+    }
+
+    /// The `data:` payloads of a whole streamed answer, checking it ends with `[DONE]`.
+    pub fn chunks(&self, path: &str, body: &Value) -> Vec<Value> {
+        let lines: Vec<String> = self.stream(path, body).collect();
+        assert_eq!(
+            lines.last().map(String::as_str),
+            Some("data: [DONE]"),
+            "{lines:?}"
+        );
+        lines[..lines.len() - 1]
+            .iter()
+            .map(|l| serde_json::from_str(l.strip_prefix("data: ").unwrap()).unwrap())
+            .collect()
+    }
+
+    pub fn engine(&self) -> Value {
+        let (status, v) = self.get_as("/health", None);
+        assert_eq!(status, 200);
+        v["engine"].clone()
+    }
+
+    /// Sends SIGTERM and waits for a clean exit; returns the session directory.
+    pub fn stop(mut self) -> tempfile::TempDir {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "the server exited with {status}");
+        std::mem::replace(&mut self.sessions, tempfile::tempdir().unwrap())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

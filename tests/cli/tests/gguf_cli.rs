@@ -1,0 +1,166 @@
+//! The quantized real model through the CLI, as a user runs it: `run --model FILE.gguf`
+//! serves the file's weights in place (what the cache directory gains is a few MB of derived
+//! metadata, never a weight copy), mapped or read into memory alike, `plan` counts the
+//! weights as stored (quantized blocks as their bytes, summed here from the file's own tensor
+//! table), and `plugins` lists the weight formats each backend computes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+use common::target_dir;
+
+fn qwen() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(p.exists(), "run scripts/fetch-models.sh (make test does)");
+    p
+}
+
+fn kvplug(cache: &Path, args: &[&str]) -> String {
+    let out = Command::new(common::kvplug_bin())
+        .arg("--plugins")
+        .arg(target_dir())
+        .args(args)
+        .env("KVPLUG_CACHE_DIR", cache)
+        .env_remove("KVPLUG_PLUGIN_PATH")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Bytes of every file under `dir`.
+fn bytes_under(dir: &Path) -> u64 {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .map(|e| {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    bytes_under(&p)
+                } else {
+                    p.metadata().unwrap().len()
+                }
+            })
+            .sum()
+    })
+}
+
+#[test]
+fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
+    let cache = tempfile::tempdir().unwrap();
+    let model = qwen();
+    let m = model.to_str().unwrap();
+
+    // `run --json` on the question, with `extra` flags.
+    let ask = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["run", "--model", m, "--prompt", "What is 2 + 2?"];
+        args.extend(["--max-new", "8", "--json"]);
+        args.extend(extra);
+        serde_json::from_str(&kvplug(cache.path(), &args)).unwrap()
+    };
+    let run = ask(&[]);
+    assert!(
+        run["text"].as_str().is_some_and(|t| t.contains('4')),
+        "{run}"
+    );
+    // The file read into memory instead of mapped (--no-mmap) gives the same answer.
+    let loaded = ask(&["--no-mmap"]);
+    assert_eq!(loaded["text"], run["text"], "{loaded}");
+    let derived = bytes_under(cache.path());
+    assert!(
+        derived < 32 << 20,
+        "the cache directory holds {derived} bytes: only derived metadata belongs there"
+    );
+
+    // The file's own tensor table: each tensor's elements over its type's block size, times
+    // the block's bytes.
+    let content = {
+        let mut f = std::fs::File::open(&model).unwrap();
+        candle_core::quantized::gguf_file::Content::read(&mut f).unwrap()
+    };
+    let stored: u64 = content
+        .tensor_infos
+        .values()
+        .map(|t| {
+            let elems = t.shape.elem_count();
+            (elems / t.ggml_dtype.block_size() * t.ggml_dtype.type_size()) as u64
+        })
+        .sum();
+    let plan: serde_json::Value = serde_json::from_str(&kvplug(
+        cache.path(),
+        &["plan", "--model", m, "--budget", "2GiB", "--json"],
+    ))
+    .unwrap();
+    assert_eq!(plan["weight_bytes"].as_u64(), Some(stored), "{plan}");
+    assert!(stored < 500_000_000, "Q4_K_M, not widened: {stored}");
+
+    let plugins: serde_json::Value =
+        serde_json::from_str(&kvplug(cache.path(), &["plugins", "--json"])).unwrap();
+    let features = |id: &str| -> Vec<String> {
+        let p = plugins["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["backend_id"] == id)
+            .unwrap_or_else(|| panic!("{id} not loaded: {plugins}"));
+        p["features"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect()
+    };
+    let all = "weights=f32|f16|bf16|q4_0|q4_1|q5_0|q5_1|q8_0|q4_K|q5_K|q6_K";
+    for id in ["cpu", "wgpu"] {
+        let f = features(id);
+        assert!(f.iter().any(|f| f == all), "{id}: {f:?}");
+        assert!(!f.iter().any(|f| f.starts_with("weights-widened")), "{id}");
+    }
+    let mlx = features("mlx");
+    assert!(
+        mlx.iter().any(|f| f.starts_with("weights=f32"))
+            && mlx.iter().any(|f| f.starts_with("weights-widened=")),
+        "mlx on its CPU device widens the block formats and says so: {mlx:?}"
+    );
+}
+
+/// `run --agents` shows each branch as text (and `--json` lists them), the kept one being
+/// the run's answer.
+#[test]
+fn agents_show_each_branch_as_text() {
+    let cache = tempfile::tempdir().unwrap();
+    let model = qwen();
+    let args = [
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Name one primary colour.",
+        "--agents",
+        "3",
+        "--max-new",
+        "16",
+    ];
+    let v: serde_json::Value =
+        serde_json::from_str(&kvplug(cache.path(), &[&args[..], &["--json"]].concat())).unwrap();
+    let texts = v["branch_texts"].as_array().expect("branch_texts");
+    assert_eq!(texts.len(), 3, "{v}");
+    assert!(
+        texts
+            .iter()
+            .all(|t| t.as_str().is_some_and(|t| !t.trim().is_empty())),
+        "{v}"
+    );
+    assert!(
+        texts.contains(&v["text"]),
+        "the kept branch is the answer: {v}"
+    );
+    let shown = kvplug(cache.path(), &args);
+    assert_eq!(shown.matches("--- branch ").count(), 3, "{shown}");
+    assert_eq!(shown.matches("(kept)").count(), 1, "{shown}");
+}

@@ -1,0 +1,625 @@
+//! `kvplug serve` on the real model (SmolLM2-135M-Instruct, fetched by
+//! scripts/fetch-models.sh, which `make test` runs, imported to f16), each test starting its own server on a
+//! loopback port and talking HTTP to it: with a Rust client (ureq) and with the official
+//! `openai` Python package. Needs `cargo build --workspace` (the cpu plugin).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+mod common;
+use common::server::Server;
+
+/// SmolLM2's GGUF imported to f16 once per test process: these tests are about the server,
+/// and its Q4_1 weights computed in place (int8 activations on the cpu) leave the first
+/// answer token a near tie ("The" against "L'", 0.08 apart in the f64 reference).
+fn model() -> PathBuf {
+    static IMPORTED: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    IMPORTED
+        .get_or_init(|| {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+            assert!(
+                path.exists(),
+                "{} is missing: run scripts/fetch-models.sh (make test does)",
+                path.display()
+            );
+            let dir = tempfile::tempdir().unwrap();
+            let out = dir.path().join("smollm2-f16");
+            kvplug::formats::gguf::import(&path, &out, &mut |_, _, _| {}).unwrap();
+            (dir, out)
+        })
+        .1
+        .clone()
+}
+
+/// File names in a session directory.
+fn session_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect()
+}
+
+fn user(q: &str) -> Value {
+    json!([{"role": "user", "content": q}])
+}
+
+fn chat(messages: &Value, max_tokens: usize) -> Value {
+    json!({"messages": messages, "temperature": 0, "max_tokens": max_tokens})
+}
+
+fn content(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn chat_and_completions_speak_openai_streamed_or_not() {
+    let s = Server::start(&model(), &["--api-key", "sesame"]);
+    // The key guards /v1; /health stays open.
+    assert_eq!(s.get_as("/health", None).1["status"], "ok");
+    let (status, v) = s.get_as("/v1/models", None);
+    assert_eq!(
+        (status, &v["error"]["code"]),
+        (401, &json!("invalid_api_key"))
+    );
+    assert_eq!(s.get_as("/v1/models", Some("wrong")).0, 401);
+    let (status, v) = s.get("/v1/models");
+    assert_eq!(
+        (status, v["data"][0]["object"].as_str()),
+        (200, Some("model"))
+    );
+
+    let q = user("What is the capital of France?");
+    let a = s.ok("/v1/chat/completions", &chat(&q, 24), &[]);
+    assert_eq!(a["object"], "chat.completion");
+    let answer = content(&a);
+    assert!(answer.contains("Paris"), "{a}");
+    assert_eq!(a["choices"][0]["finish_reason"], "stop");
+    let usage = &a["usage"];
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(prompt_tokens + usage["completion_tokens"].as_u64().unwrap())
+    );
+
+    // Streamed: the same answer in chunks, then the usage chunk. The repeated prompt is
+    // reused from the prefix index up to its last token (which must run for its logits).
+    let mut body = chat(&q, 24);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let chunks = s.chunks("/v1/chat/completions", &body);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, answer);
+    let n = chunks.len();
+    assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert_eq!(
+        chunks[n - 1]["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(prompt_tokens - 1),
+        "{}",
+        chunks[n - 1]
+    );
+
+    // Completions with a stop string: the text is cut right before it, and is otherwise
+    // what the same request without the stop generates.
+    let prompt = json!({"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 12});
+    let free = s.ok("/v1/completions", &prompt, &[]);
+    let free_text = free["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(free_text.contains('7'), "{free}");
+    let mut stopped = prompt.clone();
+    stopped["stop"] = json!(["7", "never"]);
+    let cut = s.ok("/v1/completions", &stopped, &[]);
+    let cut_text = cut["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        free_text.find('7').map(|i| &free_text[..i]),
+        Some(cut_text),
+        "{cut}"
+    );
+    stopped["stream"] = json!(true);
+    let chunks = s.chunks("/v1/completions", &stopped);
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed, cut_text);
+
+    // The official Python client.
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
+    let out = Command::new(script)
+        .args([&s.url, "sesame"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openai client: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    s.stop();
+}
+
+/// A bad request and the error it must get.
+struct Bad {
+    body: Vec<u8>,
+    header: Option<(&'static str, &'static str)>,
+    status: u16,
+    param: Option<&'static str>,
+    says: &'static str,
+}
+
+#[test]
+fn bad_requests_get_4xx_and_the_server_keeps_serving() {
+    let s = Server::start(
+        &model(),
+        &[
+            "--capacity",
+            "256",
+            "--max-body",
+            "4096",
+            "--max-tokens",
+            "64",
+            "--parallel",
+            "1",
+            "--max-queue",
+            "1",
+        ],
+    );
+    let path = "/v1/chat/completions";
+    let hi = user("Hi");
+    let long = "word ".repeat(400);
+    let bad =
+        |body: &[u8], header: Option<(&'static str, &'static str)>, status, param, says| Bad {
+            body: body.to_vec(),
+            header,
+            status,
+            param,
+            says,
+        };
+    let cases = [
+        bad(b"{\"messages\": [", None, 400, None, "not valid JSON"),
+        bad(b"[1, 2]", None, 400, None, "JSON object"),
+        bad(
+            br#"{"messages": "hi"}"#,
+            None,
+            400,
+            Some("messages"),
+            "array",
+        ),
+        bad(
+            json!({"messages": hi, "temperature": "hot"})
+                .to_string()
+                .as_bytes(),
+            None,
+            400,
+            Some("temperature"),
+            "a number",
+        ),
+        bad(
+            json!({"messages": hi, "max_tokens": 65})
+                .to_string()
+                .as_bytes(),
+            None,
+            400,
+            Some("max_tokens"),
+            "limit of 64",
+        ),
+        bad(
+            json!({"messages": user(&long)}).to_string().as_bytes(),
+            None,
+            400,
+            Some("messages"),
+            "maximum context length is 256 tokens",
+        ),
+        bad(&[b' '; 5000], None, 413, None, "length limit"),
+        bad(
+            json!({"messages": hi}).to_string().as_bytes(),
+            Some(("X-Session-Id", "../etc")),
+            400,
+            None,
+            "not an agent name",
+        ),
+    ];
+    for c in &cases {
+        let headers: Vec<_> = c.header.into_iter().collect();
+        let (got, v) = s.post_raw(path, &c.body, &headers);
+        let what = String::from_utf8_lossy(&c.body[..c.body.len().min(60)]);
+        assert_eq!(got, c.status, "{what}: {v}");
+        assert_eq!(v["error"]["param"].as_str(), c.param, "{what}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(c.says), "{what}: {message}");
+        assert_eq!(s.engine()["active"], 0);
+    }
+    let (status, v) = s.get("/v1/nothing");
+    assert_eq!(
+        (status, v["error"]["type"].as_str()),
+        (404, Some("invalid_request_error"))
+    );
+    assert!(
+        content(&s.ok(path, &chat(&hi, 4), &[])).len() > 1,
+        "still serving"
+    );
+
+    // A client that goes away mid-stream: its sequence is released within a step or two,
+    // long before its 64 tokens would have been generated.
+    let counting = chat(&user("Count from 1 to 100, separated by commas."), 64);
+    let mut body = counting.clone();
+    body["stream"] = json!(true);
+    let mut lines = s.stream(path, &body);
+    for _ in 0..4 {
+        lines.next().unwrap();
+    }
+    let during = s.engine();
+    assert_eq!(during["active"], 1, "{during}");
+    let cache = &during["cache"];
+    assert!(
+        cache["live_cells"].as_u64() > cache["prefix_evictable"].as_u64(),
+        "the stream's sequence holds cells: {cache}"
+    );
+    drop(lines);
+    let t = Instant::now();
+    let after = loop {
+        let e = s.engine();
+        if e["active"] == 0 {
+            break e;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "never released: {e}");
+        thread::sleep(Duration::from_millis(50));
+    };
+    let steps = after["steps"].as_u64().unwrap() - during["steps"].as_u64().unwrap();
+    assert!(steps < 30, "{steps} more steps ran after the client left");
+    let cache = &after["cache"];
+    assert_eq!(
+        cache["live_cells"], cache["prefix_evictable"],
+        "no sequence holds a cell once the client is gone: {cache}"
+    );
+    // The full answer was never generated: the same request now runs all 64 tokens.
+    let full = s.ok(path, &counting, &[]);
+    assert_eq!(full["usage"]["completion_tokens"], 64, "{full}");
+
+    // One request in flight (--parallel 1) and one waiting (--max-queue 1): a third is
+    // turned away with 429 and Retry-After, and the waiting one is served after.
+    let mut lines = s.stream(path, &body);
+    lines.next().unwrap();
+    thread::scope(|scope| {
+        let waiting = scope.spawn(|| s.post(path, &chat(&hi, 4), &[]));
+        let t = Instant::now();
+        while s.engine()["queued"] != 1 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "never queued: {}",
+                s.engine()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let mut r = s.send(path, chat(&hi, 4).to_string().as_bytes(), &[]);
+        assert_eq!(r.status().as_u16(), 429);
+        assert_eq!(r.headers()["retry-after"], "1");
+        let v: Value = r.body_mut().read_json().unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+        drop(lines);
+        let (status, v) = waiting.join().unwrap();
+        assert_eq!(status, 200, "{v}");
+    });
+    s.stop();
+}
+
+#[test]
+fn concurrent_clients_get_what_each_would_get_alone() {
+    const CLIENTS: usize = 16;
+    const ROUNDS: usize = 8;
+    let s = Server::start(&model(), &["--parallel", "16", "--capacity", "4096"]);
+    let path = "/v1/chat/completions";
+    let topics = [
+        "cats", "rivers", "bread", "stars", "chess", "rain", "bees", "glass", "salt", "wolves",
+        "maps", "clocks", "tea", "snow", "bridges", "owls",
+    ];
+    let request = |i: usize| {
+        chat(
+            &user(&format!("Say one short sentence about {}.", topics[i])),
+            8,
+        )
+    };
+    let alone: Vec<String> = (0..topics.len())
+        .map(|i| content(&s.ok(path, &request(i), &[])))
+        .collect();
+    let t = Instant::now();
+    thread::scope(|scope| {
+        let s = &s;
+        let alone = &alone;
+        let handles: Vec<_> = (0..CLIENTS)
+            .map(|c| {
+                scope.spawn(move || {
+                    for r in 0..ROUNDS {
+                        let i = (c * 5 + r * 3) % topics.len();
+                        let got = content(&s.ok(path, &request(i), &[]));
+                        assert_eq!(got, alone[i], "client {c} round {r}: {}", topics[i]);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    });
+    let e = s.engine();
+    eprintln!(
+        "{} requests from {CLIENTS} clients in {:.1} s, {} forward steps",
+        CLIENTS * ROUNDS,
+        t.elapsed().as_secs_f64(),
+        e["steps"]
+    );
+    assert_eq!(
+        e["completed"],
+        (CLIENTS * ROUNDS + topics.len()) as u64,
+        "{e}"
+    );
+    s.stop();
+}
+
+/// More completions than the cache has sequences (6 requests × n=16 against 64): the
+/// requests wait for sequences instead of failing or stopping the server, each gets its 16
+/// choices, and the server then serves on.
+#[test]
+fn requests_for_more_completions_than_sequences_wait_their_turn() {
+    let s = Server::start(&model(), &["--capacity", "4096"]);
+    let body = json!({"prompt": "One, two, three,", "n": 16, "max_tokens": 4, "temperature": 0.9});
+    thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| scope.spawn(|| s.ok("/v1/completions", &body, &[])))
+            .collect();
+        for h in handles {
+            let v = h.join().unwrap();
+            assert_eq!(v["choices"].as_array().unwrap().len(), 16, "{v}");
+        }
+    });
+    s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+        &[],
+    );
+    s.stop();
+}
+
+#[test]
+fn agent_sessions_stay_hot_then_go_to_their_file_and_come_back() {
+    // 200 cells hold one agent's conversation but not two.
+    let s = Server::start(&model(), &["--capacity", "200", "--max-tokens", "32"]);
+    let path = "/v1/chat/completions";
+    let as_agent = |name: &'static str| [("X-Session-Id", name)];
+    let q1 = user("What is the capital of France?");
+    let a1 = s.ok(path, &chat(&q1, 24), &as_agent("alice"));
+    let p1 = a1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let mut q2 = q1.clone();
+    q2.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": content(&a1)}),
+        json!({"role": "user", "content": "And of Italy?"}),
+    ]);
+    // Hot: the second turn reuses the first turn's prompt and answer from alice's sequence.
+    let a2 = s.ok(path, &chat(&q2, 24), &as_agent("alice"));
+    let cached = a2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached > p1,
+        "turn 2 reused {cached} of alice's tokens, turn 1's prompt was {p1}"
+    );
+    let file = |name: &str| {
+        session_files(s.sessions.path())
+            .into_iter()
+            .find(|f| f.starts_with(&format!("{name}.")))
+    };
+    assert_eq!(file("alice"), None, "alice is hot, not parked");
+
+    // Bob's long request needs alice's cells: alice is parked to her session file.
+    let story = user(&format!(
+        "Summarize: {}",
+        "The quick brown fox jumps. ".repeat(18)
+    ));
+    let b = s.ok(path, &chat(&story, 32), &as_agent("bob"));
+    let parked =
+        file("alice").unwrap_or_else(|| panic!("alice not parked: {} {}", b["usage"], s.engine()));
+    assert!(parked.ends_with(".kvsession.safetensors"), "{parked}");
+
+    // Alice's third turn comes back from the file (and what the index still has), and
+    // answers as an anonymous request of the same conversation does.
+    let mut q3 = q2.clone();
+    q3.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": content(&a2)}),
+        json!({"role": "user", "content": "And of Spain?"}),
+    ]);
+    let a3 = s.ok(path, &chat(&q3, 24), &as_agent("alice"));
+    let cached = a3["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let p2 = a2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached > p2,
+        "turn 3 restored {cached} tokens, turn 2's prompt was {p2}"
+    );
+    let anonymous = s.ok(path, &chat(&q3, 24), &[]);
+    assert_eq!(content(&a3), content(&anonymous));
+    // On SIGTERM every hot agent is parked: bob's file appears.
+    let sessions = s.stop();
+    let names = session_files(sessions.path());
+    assert!(names.iter().any(|n| n.starts_with("bob.")), "{names:?}");
+}
+
+/// Parked agents' files (`NAME.<16 hex>.kvsession.safetensors`, any model) stay within
+/// `--agent-disk` (least recently written removed first) and `--agent-ttl`, at start, after
+/// each park and while idle; a named chat session is not an agent's and stays.
+#[test]
+fn parked_agents_stay_within_the_disk_budget_and_the_idle_limit() {
+    let sessions = tempfile::tempdir().unwrap();
+    let dir = sessions.path().to_path_buf();
+    let put = |name: &str, bytes: usize, age: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, vec![0u8; bytes]).unwrap();
+        let touched = Command::new("touch")
+            .arg("-d")
+            .arg(age)
+            .arg(&p)
+            .status()
+            .unwrap();
+        assert!(touched.success());
+    };
+    let agent = |name: &str| format!("{name}.0123456789abcdef.kvsession.safetensors");
+    put(&agent("old"), 1000, "2 hours ago");
+    put(&agent("a1"), 1000, "30 minutes ago");
+    put(&agent("a2"), 1000, "20 minutes ago");
+    put(&agent("a3"), 1000, "10 minutes ago");
+    put("mine.kvsession.safetensors", 5000, "3 hours ago");
+    let s = Server::start_in(
+        &model(),
+        &[
+            "--capacity",
+            "200",
+            "--max-tokens",
+            "32",
+            "--agent-disk",
+            "2500",
+            "--agent-ttl",
+            "1h",
+        ],
+        sessions,
+    );
+    // At start: "old" is idle past the hour; then a1, the oldest, until 2000 bytes fit.
+    let parked = s.engine()["parked"].clone();
+    assert_eq!(
+        parked,
+        json!({"files": 2, "bytes": 2000, "removed": 2, "limit_bytes": 2500, "limit_idle_s": 3600})
+    );
+    let mut names = session_files(&dir);
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            agent("a2"),
+            agent("a3"),
+            "mine.kvsession.safetensors".into()
+        ]
+    );
+
+    // A real park: alice's file alone is over the budget, so every agent file goes, oldest
+    // first, and her next turn is prefilled (and still answered).
+    let path = "/v1/chat/completions";
+    let q = user("What is the capital of France?");
+    let a1 = s.ok(path, &chat(&q, 24), &[("X-Session-Id", "alice")]);
+    let mut q2 = q.clone();
+    q2.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": content(&a1)}),
+        json!({"role": "user", "content": "And of Italy?"}),
+    ]);
+    // Two turns: her cells are what bob's request (as in the test above) needs.
+    s.ok(path, &chat(&q2, 24), &[("X-Session-Id", "alice")]);
+    let story = user(&format!(
+        "Summarize: {}",
+        "The quick brown fox jumps. ".repeat(18)
+    ));
+    s.ok(path, &chat(&story, 32), &[("X-Session-Id", "bob")]);
+    let parked = s.engine()["parked"].clone();
+    assert_eq!(
+        (parked["files"].as_u64(), parked["removed"].as_u64()),
+        (Some(0), Some(5)),
+        "{parked}"
+    );
+    let again = s.ok(path, &chat(&q2, 24), &[("X-Session-Id", "alice")]);
+    assert_eq!(content(&again), content(&s.ok(path, &chat(&q2, 24), &[])));
+
+    // While idle: a file past the idle limit goes within the engine's next wake (10 s).
+    let removed = s.engine()["parked"]["removed"].as_u64().unwrap();
+    put(&agent("late"), 10, "2 hours ago");
+    let started = Instant::now();
+    while dir.join(agent("late")).exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "not removed: {}",
+            s.engine()
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.engine()["parked"]["removed"], removed + 1);
+    let metric = format!("kvplug_agents_parked_removed_total {}", removed + 1);
+    assert!(s.text("/metrics").contains(&metric), "{metric}");
+    assert!(dir.join("mine.kvsession.safetensors").exists());
+}
+
+/// A client that never finishes its headers is disconnected after `--header-timeout`, and
+/// the server answers others meanwhile; of simultaneous requests, exactly `parallel +
+/// max-queue` are taken and the 429s say so.
+#[test]
+fn half_sent_requests_time_out_and_busy_answers_add_up() {
+    use std::io::{Read, Write};
+    let s = Server::start(
+        &model(),
+        &[
+            "--header-timeout",
+            "2s",
+            "--parallel",
+            "4",
+            "--max-queue",
+            "2",
+        ],
+    );
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    slow.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 512];
+    let n = slow.read(&mut buf).unwrap_or(0);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(10),
+        "closed after {waited:?}"
+    );
+    // hyper may answer 408 before closing; either way the connection ends.
+    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "{head}");
+    assert_eq!(slow.read(&mut buf).unwrap_or(0), 0, "still open");
+
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": true,
+                      "temperature": 0});
+    let answers: Vec<(u16, Value)> = thread::scope(|scope| {
+        let all: Vec<_> = (0..10)
+            .map(|_| scope.spawn(|| s.post("/v1/completions", &long, &[])))
+            .collect();
+        all.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let busy: Vec<&Value> = answers
+        .iter()
+        .filter(|a| a.0 == 429)
+        .map(|a| &a.1)
+        .collect();
+    assert_eq!(
+        answers.iter().filter(|a| a.0 == 200).count(),
+        6,
+        "{answers:?}"
+    );
+    assert_eq!(busy.len(), 4, "{answers:?}");
+    for b in busy {
+        let m = b["error"]["message"].as_str().unwrap();
+        assert!(
+            m.contains("holds 6 requests (at most 4 in flight and 2 waiting)"),
+            "{m}"
+        );
+    }
+}

@@ -1,0 +1,201 @@
+//! Named sessions shared between processes, through the binary: a crashed writer's leftovers
+//! are removed (a live writer's are not), a session in use by one `chat` is refused to a
+//! second, and output into a closed pipe ends a command quietly. Needs
+//! `cargo build --workspace` and the SmolLM2 model (make test fetches it).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+mod common;
+use common::cpu_plugins;
+
+fn kvplug(sessions: &Path) -> Command {
+    let mut c = Command::new(common::kvplug_bin());
+    c.arg("--session-dir")
+        .arg(sessions)
+        .env_remove("KVPLUG_PLUGIN_PATH");
+    c
+}
+
+fn output(c: &mut Command) -> Output {
+    c.stdin(Stdio::null()).output().unwrap()
+}
+
+fn smollm2() -> String {
+    let m =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(m.exists(), "run scripts/fetch-models.sh (make test does)");
+    m.to_str().unwrap().to_string()
+}
+
+/// `chat` on SmolLM2 with the cpu plugins in `plugins`, 4 tokens per answer, on `session`.
+fn chat_on(sessions: &Path, plugins: &Path, session: &str, extra: &[&str]) -> Command {
+    let mut c = kvplug(sessions);
+    c.arg("--plugins").arg(plugins).args([
+        "chat",
+        "--model",
+        &smollm2(),
+        "--max-new",
+        "4",
+        "--session",
+        session,
+    ]);
+    c.args(extra);
+    c
+}
+
+/// The pid of a process that has ended.
+fn dead_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+#[test]
+fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
+    let sessions = tempfile::tempdir().unwrap();
+    let mut live = Command::new("sleep").arg("60").spawn().unwrap();
+    let stale = sessions
+        .path()
+        .join(format!(".a.kvsession.safetensors.tmp-{}", dead_pid()));
+    let busy = sessions
+        .path()
+        .join(format!(".b.kvsession.safetensors.tmp-{}", live.id()));
+    std::fs::write(&stale, vec![0u8; 3_000_000]).unwrap();
+    std::fs::write(&busy, b"being written").unwrap();
+    let out = output(kvplug(sessions.path()).args(["session", "ls"]));
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("removed 1 temporary file(s) of crashed writers (3.0 MB)"),
+        "{err}"
+    );
+    assert!(!stale.exists() && busy.exists());
+    // `chat` sweeps when it starts, too.
+    live.kill().unwrap();
+    live.wait().unwrap();
+    let out =
+        output(kvplug(sessions.path()).args(["chat", "--model", &smollm2(), "--max-new", "1"]));
+    assert!(out.status.success(), "{out:?}");
+    assert!(!busy.exists(), "the writer has ended: its temporary goes");
+}
+
+#[test]
+fn a_session_in_use_is_refused_to_a_second_process() {
+    let sessions = tempfile::tempdir().unwrap();
+    let plugins = cpu_plugins();
+    let chat = |session: &str| chat_on(sessions.path(), plugins.path(), session, &[]);
+    let mut first = chat("dup")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = first.stdin.take().unwrap();
+    writeln!(stdin, "Hi").unwrap();
+    // Its first answer is out: it holds the session.
+    let mut answer = String::new();
+    BufReader::new(first.stdout.take().unwrap())
+        .read_line(&mut answer)
+        .unwrap();
+    let second = output(chat("dup").stdin(Stdio::null()));
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{second:?}");
+    assert!(
+        err.contains(&format!(
+            "session 'dup' is in use by another process (pid {})",
+            first.id()
+        )),
+        "{err}"
+    );
+    let rm = output(kvplug(sessions.path()).args(["session", "rm", "dup"]));
+    assert!(
+        String::from_utf8_lossy(&rm.stderr).contains("in use"),
+        "{rm:?}"
+    );
+    // Another name is free; and once the first has ended, so is its own.
+    assert!(output(chat("other").stdin(Stdio::null())).status.success());
+    drop(stdin);
+    assert!(first.wait().unwrap().success());
+    let again = output(chat("dup").stdin(Stdio::null()));
+    assert!(again.status.success(), "{again:?}");
+    let ls = output(kvplug(sessions.path()).args(["session", "ls"]));
+    // Listed with the model's name (its GGUF file's), not only a fingerprint.
+    let listed = String::from_utf8_lossy(&ls.stdout).to_string();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("dup ") && l.contains("  SmolLM2-135M-Instruct.Q4_1 (")),
+        "{listed}"
+    );
+}
+
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    let sessions = tempfile::tempdir().unwrap();
+    for args in [&["session", "ls"][..], &["plugins"][..]] {
+        let mut fds = [0; 2];
+        // SAFETY: pipe fills the two descriptors it is given.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just made, and each is owned once.
+        let (reader, writer) = unsafe {
+            use std::os::fd::{FromRawFd, OwnedFd};
+            (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))
+        };
+        drop(reader);
+        let out = kvplug(sessions.path())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert!(
+            out.stderr.is_empty(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "{args:?}: {:?}",
+            out.status
+        );
+    }
+}
+
+#[test]
+fn a_session_with_rotated_keys_resumes_only_where_keys_are_rotated() {
+    let sessions = tempfile::tempdir().unwrap();
+    let plugins = cpu_plugins();
+    let chat = |extra: &[&str]| chat_on(sessions.path(), plugins.path(), "rot", extra);
+    let mut first = chat(&["--kv-dtype", "q4"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    writeln!(first.stdin.take().unwrap(), "Hi").unwrap();
+    assert!(first.wait().unwrap().success());
+    let ls = output(kvplug(sessions.path()).args(["session", "ls"]));
+    let listed = String::from_utf8_lossy(&ls.stdout).to_string();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("rot ") && l.contains(" q4  hadamard ")),
+        "{listed}"
+    );
+    let plain = output(chat(&["--no-key-rotation"]).stdin(Stdio::null()));
+    let err = String::from_utf8_lossy(&plain.stderr);
+    assert_eq!(plain.status.code(), Some(1), "{plain:?}");
+    assert!(
+        err.contains(
+            "keys saved in the hadamard basis; this context keeps its keys in the identity basis"
+        ),
+        "{err}"
+    );
+    assert!(output(chat(&[]).stdin(Stdio::null())).status.success());
+}

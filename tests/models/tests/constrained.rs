@@ -1,0 +1,118 @@
+//! Constrained decoding on the real model (Qwen2.5-Coder-0.5B Q4_K_M, cpu): answers under
+//! a JSON schema parse and validate whatever the sampler draws, a GBNF grammar's answer is
+//! one of its strings, and a schema llguidance cannot compile is refused by name.
+
+use std::sync::Arc;
+
+use kvplug::{generate, CacheKind, GenOptions, GrammarSpec, Grammars, KvDtype, Message, Sampler};
+use kvplug::{Model, Text};
+use serde_json::{json, Value};
+
+mod common;
+
+fn qwen(rt: &kvplug::Runtime) -> Model {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        path.exists(),
+        "run scripts/fetch-models.sh (make test does)"
+    );
+    kvplug::open_model(rt, "cpu", &path).unwrap()
+}
+
+/// The answer to `question` under `spec`, sampled with `seed` at temperature 0.7.
+fn ask(
+    model: &Model,
+    text: &Arc<Text>,
+    grammars: &Grammars,
+    question: &str,
+    spec: &GrammarSpec,
+    seed: u64,
+) -> String {
+    let mut ctx = model
+        .context(CacheKind::Contiguous, 1024, KvDtype::F16)
+        .unwrap();
+    let prompt = text
+        .encode(&text.render(&[Message::new("user", question)]).unwrap())
+        .unwrap();
+    let opts = GenOptions {
+        max_tokens: 96,
+        sampler: Sampler::new(0.7, 1.0, seed),
+        stop_tokens: text.stop_tokens().clone(),
+        constraint: Some(grammars.constraint(spec).unwrap()),
+        ..GenOptions::default()
+    };
+    let g = generate(
+        &mut ctx,
+        Some(text.clone()),
+        0,
+        &prompt,
+        0,
+        opts,
+        &mut |_| Ok(()),
+    )
+    .unwrap();
+    text.decode(&g.ids).unwrap()
+}
+
+#[test]
+fn constrained_answers_follow_their_schema_and_grammar() {
+    let rt = common::runtime();
+    let model = qwen(&rt);
+    let text = Arc::new(Text::load(model.dir()).unwrap());
+    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
+    let grammars = Grammars::new(model.dir(), model.vocab(), &eos).unwrap();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "languages": {"type": "array", "items": {"enum": ["python", "rust", "c"]}, "maxItems": 3}
+        },
+        "required": ["name", "age", "languages"],
+        "additionalProperties": false
+    });
+    for seed in 0..3 {
+        let answer = ask(
+            &model,
+            &text,
+            &grammars,
+            "Describe a programmer as JSON.",
+            &GrammarSpec::JsonSchema(schema.clone()),
+            seed,
+        );
+        let v: Value = serde_json::from_str(&answer)
+            .unwrap_or_else(|e| panic!("seed {seed}: {answer:?} does not parse: {e}"));
+        assert!(
+            v["name"].as_str().is_some_and(|n| n.chars().count() <= 20),
+            "{v}"
+        );
+        assert!(v["age"].as_u64().is_some_and(|a| a <= 150), "{v}");
+        let langs = v["languages"].as_array().unwrap();
+        assert!(langs.len() <= 3, "{v}");
+        assert!(
+            langs
+                .iter()
+                .all(|l| ["python", "rust", "c"].contains(&l.as_str().unwrap())),
+            "{v}"
+        );
+        assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
+    }
+    let gbnf = GrammarSpec::Gbnf("root ::= answer\nanswer ::= \"yes\" | \"no\"\n".into());
+    let answer = ask(
+        &model,
+        &text,
+        &grammars,
+        "Is Rust a programming language?",
+        &gbnf,
+        1,
+    );
+    assert!(answer == "yes" || answer == "no", "{answer:?}");
+    let e = grammars
+        .constraint(&GrammarSpec::JsonSchema(
+            json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not compile"), "{e}");
+}

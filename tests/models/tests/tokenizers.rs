@@ -1,0 +1,236 @@
+//! GGUF byte-level BPE tokenizers (`tokenizer.ggml.model = gpt2`) with the `qwen2` and
+//! `llama-bpe` pre-tokenizers, against a plain reference written from llama.cpp's
+//! algorithm: control tokens split out first, NFC (Qwen2's normalizer), the pre-tokenizer's
+//! split regex as llama.cpp's `llama-vocab.cpp` spells it (without inline flags), GPT-2's
+//! byte map, then, for `llama-bpe`, a pre-token found whole in the vocabulary taken as one
+//! token (llama.cpp's `ignore_merges`), else repeatedly the adjacent pair of lowest merge
+//! rank (leftmost on ties). Raw prompts start with BOS where llama.cpp's default says so.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use kvplug::Text;
+use unicode_normalization::UnicodeNormalization;
+
+mod common;
+use common::{bpe_tokenizer_meta, byte_chars, gguf_tensors, llama_gguf_meta, write_gguf};
+
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2` split.
+const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3` split (`llama-bpe`): digits in runs of up to 3.
+const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Strings that tell pre-tokenizers apart: contractions in both cases, digit runs, letters
+/// of many scripts, decomposed accents, code, runs of spaces, tabs and newlines.
+const SAMPLES: [&str; 9] = [
+    "Hello world! I'm sure you'LL see it's 12345 or 3.14159, not 1000000. IT'Sx WE'REN'T",
+    "def reverse(s: str) -> str:\n    return s[::-1]\n\n\nprint(reverse(\"abc\"))  # cba\n",
+    "naïve café, 東京タワー, emoji 🦜 and ⅞ of a ℌ; Ελληνικά и русский",
+    "e\u{301}te\u{301} (decomposed) vs été",
+    "  two  spaces\t\ttabs \n\n trailing   ",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "x=1;y=22;z=333;w=4444 // hello hello hello",
+    "hello\nhello,hello",
+    "",
+];
+
+/// The reference tokenizer over one vocabulary.
+struct Reference {
+    id: HashMap<String, i32>,
+    rank: HashMap<(String, String), usize>,
+    /// Control tokens, matched whole before anything else.
+    control: Vec<String>,
+    split: fancy_regex::Regex,
+    nfc: bool,
+    /// A pre-token found whole in the vocabulary is one token (llama.cpp's Llama 3 rule).
+    ignore_merges: bool,
+}
+
+impl Reference {
+    fn new(tokens: &[String], merges: &[String], types: &[i32], split: &str, nfc: bool) -> Self {
+        let ignore_merges = split == LLAMA3;
+        Reference {
+            id: tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.clone(), i as i32))
+                .collect(),
+            rank: merges
+                .iter()
+                .enumerate()
+                .map(|(r, m)| {
+                    let (a, b) = m.split_once(' ').unwrap();
+                    ((a.to_string(), b.to_string()), r)
+                })
+                .collect(),
+            control: (0..tokens.len())
+                .filter(|&i| types[i] == 3)
+                .map(|i| tokens[i].clone())
+                .collect(),
+            split: fancy_regex::Regex::new(split).unwrap(),
+            nfc,
+            ignore_merges,
+        }
+    }
+
+    fn encode(&self, text: &str) -> Vec<i32> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let next = self
+                .control
+                .iter()
+                .filter_map(|c| rest.find(c.as_str()).map(|at| (at, c)))
+                .min_by_key(|&(at, c)| (at, usize::MAX - c.len()));
+            let (plain, control) = match next {
+                Some((at, c)) => (&rest[..at], Some(c)),
+                None => (rest, None),
+            };
+            self.encode_plain(plain, &mut out);
+            match control {
+                Some(c) => {
+                    out.push(self.id[c]);
+                    rest = &rest[plain.len() + c.len()..];
+                }
+                None => rest = "",
+            }
+        }
+        out
+    }
+
+    fn encode_plain(&self, text: &str, out: &mut Vec<i32>) {
+        let text: String = if self.nfc {
+            text.nfc().collect()
+        } else {
+            text.to_string()
+        };
+        let bytes = byte_chars();
+        for piece in self.split.find_iter(&text) {
+            let mut syms: Vec<String> = piece
+                .unwrap()
+                .as_str()
+                .bytes()
+                .map(|b| bytes[b as usize].to_string())
+                .collect();
+            if let Some(&id) = self.id.get(&syms.concat()).filter(|_| self.ignore_merges) {
+                out.push(id);
+                continue;
+            }
+            loop {
+                let best = (0..syms.len().saturating_sub(1))
+                    .filter_map(|i| {
+                        let pair = (syms[i].clone(), syms[i + 1].clone());
+                        self.rank.get(&pair).map(|&r| (r, i))
+                    })
+                    .min();
+                let Some((_, i)) = best else { break };
+                let right = syms.remove(i + 1);
+                syms[i].push_str(&right);
+            }
+            out.extend(syms.iter().map(|s| self.id[s]));
+        }
+    }
+}
+
+/// The GGUF's vocabulary, merges and token types.
+fn vocabulary(gguf: &Path) -> (Vec<String>, Vec<String>, Vec<i32>) {
+    let mut f = std::fs::File::open(gguf).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let list = |k: &str| content.metadata[k].to_vec().unwrap().clone();
+    let strings = |k: &str| -> Vec<String> {
+        list(k)
+            .iter()
+            .map(|v| v.to_string().unwrap().clone())
+            .collect()
+    };
+    let types = list("tokenizer.ggml.token_type")
+        .iter()
+        .map(|v| v.to_i32().unwrap())
+        .collect();
+    (
+        strings("tokenizer.ggml.tokens"),
+        strings("tokenizer.ggml.merges"),
+        types,
+    )
+}
+
+/// Asserts that kvplug's tokenizer for `gguf` (indexed into `dir`) gives the reference's ids
+/// on every sample.
+fn check(gguf: &Path, dir: &Path, split: &str, nfc: bool) {
+    kvplug::formats::gguf::index(gguf, dir).unwrap();
+    let text = Text::load(dir).unwrap();
+    let (tokens, merges, types) = vocabulary(gguf);
+    let reference = Reference::new(&tokens, &merges, &types, split, nfc);
+    for s in SAMPLES {
+        assert_eq!(text.encode(s).unwrap(), reference.encode(s), "{s:?}");
+    }
+}
+
+#[test]
+fn qwen2_pre_tokenizer_on_the_real_vocabulary_matches_the_reference() {
+    let gguf = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        gguf.exists(),
+        "run scripts/fetch-models.sh (make test does)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    check(&gguf, dir.path(), QWEN2, true);
+}
+
+#[test]
+fn llama_bpe_pre_tokenizer_matches_the_reference() {
+    // Merges across the places where splits differ: "123" is one token only where digits go
+    // in runs of up to 3, "'Sx" only where contractions are matched case-sensitively;
+    // "hello" is in the vocabulary but the merges stop at "hell" "o", so it is one token only
+    // where a whole pre-token found in the vocabulary is taken as is (llama-bpe).
+    let merges = [
+        "1 2", "12 3", "4 4", "44 4", "h e", "l l", "he ll", "Ġ he", "' L", "'L L", "o Ġ", "' S",
+        "'S x", "l o", "l lo", "he llo",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("hf");
+    let preset = kvplug::formats::synth::Preset {
+        name: "tokenizer",
+        vocab: 300,
+        ..kvplug::formats::synth::PRESETS[0]
+    };
+    kvplug::formats::synth::synth(&preset, &src, 1, "f32").unwrap();
+    let pkg = kvplug_backend_kit::model::ModelPackage::open(&src).unwrap();
+    let tensors = gguf_tensors(
+        &pkg,
+        &preset,
+        &[candle_core::quantized::GgmlDType::F32],
+        false,
+    );
+    // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models.
+    for (pre, split) in [("llama-bpe", LLAMA3), ("falcon3", LLAMA3), ("qwen2", QWEN2)] {
+        let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
+        let (tokenizer, _) = bpe_tokenizer_meta(pre, &merges, preset.vocab);
+        meta.extend(tokenizer);
+        let gguf = dir.path().join(format!("{pre}.gguf"));
+        write_gguf(&gguf, &meta, &tensors);
+        check(&gguf, &dir.path().join(pre), split, pre == "qwen2");
+    }
+    // The two splits differ on these merges, so each check above can fail.
+    let (tokens, merges, types) = vocabulary(&dir.path().join("llama-bpe.gguf"));
+    for sample in [SAMPLES[0], "hello"] {
+        assert_ne!(
+            Reference::new(&tokens, &merges, &types, LLAMA3, false).encode(sample),
+            Reference::new(&tokens, &merges, &types, QWEN2, false).encode(sample),
+            "{sample:?}"
+        );
+    }
+    // Neither GGUF says `add_bos_token`: llama.cpp's default starts a Llama 3 raw prompt with
+    // BOS and a Qwen2 one without.
+    let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as i32;
+    let raw = |pre: &str| {
+        Text::load(&dir.path().join(pre))
+            .unwrap()
+            .encode_raw("hello")
+    };
+    assert_eq!(raw("llama-bpe").unwrap(), [id("<|im_start|>"), id("hello")]);
+    assert_eq!(raw("falcon3").unwrap(), raw("llama-bpe").unwrap());
+    assert_eq!(raw("qwen2").unwrap(), [id("hell"), id("o")]);
+}
