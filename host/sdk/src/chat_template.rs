@@ -140,10 +140,7 @@ impl Sandbox {
             let (memory, seconds) = (self.memory, self.seconds);
             // SAFETY: only setrlimit, which is async-signal-safe, runs between fork and exec.
             unsafe {
-                cmd.pre_exec(move || {
-                    limit(libc::RLIMIT_AS, memory)?;
-                    limit(libc::RLIMIT_CPU, seconds)
-                });
+                cmd.pre_exec(move || limit(memory, seconds));
             }
         }
         let mut child = cmd.spawn().map_err(|e| {
@@ -217,17 +214,22 @@ impl Sandbox {
     }
 }
 
+/// Caps the calling process's address space at `memory` bytes and its CPU time at `seconds`.
+/// The resource constants keep each libc's own type (glibc's `__rlimit_resource_t`, a
+/// `c_int` on macOS and the BSDs), so no platform's type is named here.
 #[cfg(unix)]
-fn limit(resource: libc::__rlimit_resource_t, value: u64) -> std::io::Result<()> {
-    let l = libc::rlimit {
-        rlim_cur: value,
-        rlim_max: value,
-    };
-    // SAFETY: setrlimit reads the struct it is given.
-    match unsafe { libc::setrlimit(resource, &l) } {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
+fn limit(memory: u64, seconds: u64) -> std::io::Result<()> {
+    for (resource, value) in [(libc::RLIMIT_AS, memory), (libc::RLIMIT_CPU, seconds)] {
+        let l = libc::rlimit {
+            rlim_cur: value as libc::rlim_t,
+            rlim_max: value as libc::rlim_t,
+        };
+        // SAFETY: setrlimit reads the struct it is given.
+        if unsafe { libc::setrlimit(resource, &l) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
     }
+    Ok(())
 }
 
 /// A sandboxed rendering's outcome, as the child writes it.
