@@ -24,7 +24,8 @@ from agents import (
 from pydantic import BaseModel, Field
 
 base = sys.argv[1]
-client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+# A hang guard, not a speed bound: a tool-calling turn takes seconds in CI.
+client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=1800)
 set_tracing_disabled(True)
 
 

@@ -44,6 +44,23 @@ fn session_files(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The server's engine state once `ok` holds of it, polled. The limit only guards against a
+/// hang: every wait here ends on the server's own work or timers, seconds on any machine.
+fn engine_when(s: &Server, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let started = Instant::now();
+    loop {
+        let e = s.engine();
+        if ok(&e) {
+            return e;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "{what}: never after 10 minutes: {e}"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn user(q: &str) -> Value {
     json!([{"role": "user", "content": q}])
 }
@@ -255,11 +272,19 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
         "still serving"
     );
 
-    // A client that goes away mid-stream: its sequence is released within a step or two,
-    // long before its 64 tokens would have been generated.
-    let counting = chat(&user("Count from 1 to 100, separated by commas."), 64);
-    let mut body = counting.clone();
+    s.stop();
+
+    // The rest holds requests in flight with answers far longer than the test needs them (a
+    // thousand tokens, EOS ignored), so no check below races the decode however fast or slow
+    // the machine is: one in flight (--parallel 1) and one waiting (--max-queue 1).
+    let s = Server::start(&model(), &["--parallel", "1", "--max-queue", "1"]);
+    let held = 1000;
+    let mut body = chat(&user("Count from 1 to 100, separated by commas."), held);
     body["stream"] = json!(true);
+    body["ignore_eos"] = json!(true);
+
+    // A client that goes away mid-stream: its sequence is released within a few steps, long
+    // before its answer would have been generated.
     let mut lines = s.stream(path, &body);
     for _ in 0..4 {
         lines.next().unwrap();
@@ -272,41 +297,32 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
         "the stream's sequence holds cells: {cache}"
     );
     drop(lines);
-    let t = Instant::now();
-    let after = loop {
-        let e = s.engine();
-        if e["active"] == 0 {
-            break e;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "never released: {e}");
-        thread::sleep(Duration::from_millis(50));
-    };
+    let after = engine_when(&s, "the sequence released", |e| e["active"] == 0);
     let steps = after["steps"].as_u64().unwrap() - during["steps"].as_u64().unwrap();
-    assert!(steps < 30, "{steps} more steps ran after the client left");
+    assert!(
+        steps < held as u64 / 2,
+        "{steps} more steps ran after the client left"
+    );
     let cache = &after["cache"];
     assert_eq!(
         cache["live_cells"], cache["prefix_evictable"],
         "no sequence holds a cell once the client is gone: {cache}"
     );
-    // The full answer was never generated: the same request now runs all 64 tokens.
-    let full = s.ok(path, &counting, &[]);
+    // The abandoned answer left nothing behind: the same question now runs its 64 tokens.
+    let full = s.ok(
+        path,
+        &chat(&user("Count from 1 to 100, separated by commas."), 64),
+        &[],
+    );
     assert_eq!(full["usage"]["completion_tokens"], 64, "{full}");
 
-    // One request in flight (--parallel 1) and one waiting (--max-queue 1): a third is
-    // turned away with 429 and Retry-After, and the waiting one is served after.
+    // One request in flight and one waiting: a third is turned away with 429 and
+    // Retry-After, and the waiting one is served after.
     let mut lines = s.stream(path, &body);
     lines.next().unwrap();
     thread::scope(|scope| {
         let waiting = scope.spawn(|| s.post(path, &chat(&hi, 4), &[]));
-        let t = Instant::now();
-        while s.engine()["queued"] != 1 {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "never queued: {}",
-                s.engine()
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
+        engine_when(&s, "a request queued", |e| e["queued"] == 1);
         let mut r = s.send(path, chat(&hi, 4).to_string().as_bytes(), &[]);
         assert_eq!(r.status().as_u16(), 429);
         assert_eq!(r.headers()["retry-after"], "1");
@@ -544,17 +560,10 @@ fn parked_agents_stay_within_the_disk_budget_and_the_idle_limit() {
     // While idle: a file past the idle limit goes within the engine's next wake (10 s).
     let removed = s.engine()["parked"]["removed"].as_u64().unwrap();
     put(&agent("late"), 10, "2 hours ago");
-    let started = Instant::now();
-    while dir.join(agent("late")).exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "not removed: {}",
-            s.engine()
-        );
-        thread::sleep(Duration::from_millis(200));
-    }
-    thread::sleep(Duration::from_millis(300));
-    assert_eq!(s.engine()["parked"]["removed"], removed + 1);
+    engine_when(&s, "the idle file removed", |e| {
+        e["parked"]["removed"] == removed + 1
+    });
+    assert!(!dir.join(agent("late")).exists());
     let metric = format!("kvplug_agents_parked_removed_total {}", removed + 1);
     assert!(s.text("/metrics").contains(&metric), "{metric}");
     assert!(dir.join("mine.kvsession.safetensors").exists());
@@ -581,14 +590,15 @@ fn half_sent_requests_time_out_and_busy_answers_add_up() {
     let mut slow = std::net::TcpStream::connect(&addr).unwrap();
     slow.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
-    slow.set_read_timeout(Some(Duration::from_secs(20)))
+    slow.set_read_timeout(Some(Duration::from_secs(600)))
         .unwrap();
     let started = Instant::now();
     let mut buf = [0u8; 512];
     let n = slow.read(&mut buf).unwrap_or(0);
     let waited = started.elapsed();
+    // Not before the timeout; how long after it depends on the machine.
     assert!(
-        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(10),
+        waited >= Duration::from_millis(1500),
         "closed after {waited:?}"
     );
     // hyper may answer 408 before closing; either way the connection ends.
@@ -596,12 +606,24 @@ fn half_sent_requests_time_out_and_busy_answers_add_up() {
     assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "{head}");
     assert_eq!(slow.read(&mut buf).unwrap_or(0), 0, "still open");
 
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": true,
-                      "temperature": 0});
+    // Four answers held in flight (a thousand tokens each, far longer than the test needs),
+    // then six simultaneous requests: two wait, four are turned away.
+    let held = json!({"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": true,
+                      "temperature": 0, "stream": true});
+    let streams: Vec<_> = (0..4).map(|_| s.stream("/v1/completions", &held)).collect();
+    engine_when(&s, "four in flight", |e| e["active"] == 4);
+    let short = json!({"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0});
     let answers: Vec<(u16, Value)> = thread::scope(|scope| {
-        let all: Vec<_> = (0..10)
-            .map(|_| scope.spawn(|| s.post("/v1/completions", &long, &[])))
+        let all: Vec<_> = (0..6)
+            .map(|_| scope.spawn(|| s.post("/v1/completions", &short, &[])))
             .collect();
+        engine_when(&s, "two waiting", |e| e["queued"] == 2);
+        let started = Instant::now();
+        while all.iter().filter(|t| t.is_finished()).count() < 4 {
+            assert!(started.elapsed() < Duration::from_secs(600), "no 429s");
+            thread::sleep(Duration::from_millis(20));
+        }
+        drop(streams);
         all.into_iter().map(|t| t.join().unwrap()).collect()
     });
     let busy: Vec<&Value> = answers
@@ -611,7 +633,7 @@ fn half_sent_requests_time_out_and_busy_answers_add_up() {
         .collect();
     assert_eq!(
         answers.iter().filter(|a| a.0 == 200).count(),
-        6,
+        2,
         "{answers:?}"
     );
     assert_eq!(busy.len(), 4, "{answers:?}");

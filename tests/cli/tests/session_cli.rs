@@ -56,7 +56,7 @@ fn dead_pid() -> u32 {
 #[test]
 fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
     let sessions = tempfile::tempdir().unwrap();
-    let mut live = Command::new("sleep").arg("60").spawn().unwrap();
+    let mut live = Command::new("sleep").arg("3600").spawn().unwrap();
     let stale = sessions
         .path()
         .join(format!(".a.kvsession.safetensors.tmp-{}", dead_pid()));

@@ -51,9 +51,11 @@ impl Server {
             .find(|w| w.starts_with("http://"))
             .unwrap_or_else(|| panic!("the server did not start: {line:?}"))
             .to_string();
+        // The one limit on a request is a hang guard (half an hour), never a speed bound: the
+        // heaviest request, a ~1,400-token agent turn, takes seconds in CI.
         let http: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(600)))
+            .timeout_global(Some(Duration::from_secs(1800)))
             .build()
             .into();
         let key = args
