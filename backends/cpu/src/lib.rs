@@ -207,6 +207,7 @@ impl Backend for CpuDevice {
     const NAME: &'static str = "kvplug CPU backend";
 
     fn open() -> Result<Self, String> {
+        simd::isa_cap()?;
         Ok(CpuDevice::new())
     }
 
@@ -214,7 +215,9 @@ impl Backend for CpuDevice {
         format!(
             "{} host threads, {}",
             workers::Workers::global().participants(),
-            if self.features.avx512f && self.features.avx2_fma_f16c {
+            if self.features.avx512vnni {
+                "AVX-512F+VNNI+AVX2+FMA+F16C kernels"
+            } else if self.features.avx512f {
                 "AVX-512F+AVX2+FMA+F16C kernels"
             } else if self.features.avx2_fma_f16c {
                 "AVX2+FMA+F16C kernels"

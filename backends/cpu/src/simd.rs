@@ -20,26 +20,50 @@ impl Default for Features {
     }
 }
 
-/// Detects the features.
+/// Detects the features, capped at the level `KVPLUG_CPU_ISA` allows ([`isa_cap`]).
 pub fn features() -> Features {
-    #[cfg(target_arch = "x86_64")]
-    {
-        Features {
-            avx2_fma_f16c: is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c"),
-            avx512f: is_x86_feature_detected!("avx512f"),
-            avx512vnni: vnni_path(),
-        }
+    Features {
+        avx2_fma_f16c: vector_path(),
+        avx512f: wide_path(),
+        avx512vnni: vnni_path(),
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        Features {
-            avx2_fma_f16c: false,
-            avx512f: false,
-            avx512vnni: false,
+}
+
+/// The instruction-set levels the kernels are written for, lowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Portable Rust only.
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 (F, and VNNI + VL + BW for the integer kernels) beside AVX2.
+    Avx512,
+}
+
+/// The highest level the kernels may use: `KVPLUG_CPU_ISA` (`scalar`, `avx2` or `avx512`),
+/// read once; unset or empty, no cap. It lets a machine test and benchmark the paths a lesser
+/// CPU takes; it never enables what the CPU lacks. An unknown value is an error
+/// [`CpuDevice`](crate::CpuDevice) reports when the plugin opens (kernels then run scalar).
+pub fn isa_cap() -> Result<Isa, String> {
+    static CAP: std::sync::OnceLock<Result<Isa, String>> = std::sync::OnceLock::new();
+    CAP.get_or_init(|| {
+        let v = std::env::var("KVPLUG_CPU_ISA").unwrap_or_default();
+        match v.trim().to_ascii_lowercase().as_str() {
+            "" | "avx512" => Ok(Isa::Avx512),
+            "avx2" => Ok(Isa::Avx2),
+            "scalar" => Ok(Isa::Scalar),
+            _ => Err(format!(
+                "KVPLUG_CPU_ISA={v:?}: expected avx512, avx2 or scalar"
+            )),
         }
-    }
+    })
+    .clone()
+}
+
+/// Whether `level` is within [`isa_cap`].
+#[inline]
+fn allowed(level: Isa) -> bool {
+    isa_cap().is_ok_and(|cap| level <= cap)
 }
 
 /// Whether the AVX2 + FMA + F16C kernels can run here.
@@ -47,7 +71,8 @@ pub fn features() -> Features {
 pub(crate) fn vector_path() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2")
+        allowed(Isa::Avx2)
+            && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
     }
@@ -63,7 +88,7 @@ pub(crate) fn vector_path() -> bool {
 pub(crate) fn wide_path() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        vector_path() && is_x86_feature_detected!("avx512f")
+        allowed(Isa::Avx512) && vector_path() && is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -77,7 +102,7 @@ pub(crate) fn wide_path() -> bool {
 pub(crate) fn vnni_path() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        vector_path()
+        wide_path()
             && is_x86_feature_detected!("avx512vnni")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bw")
