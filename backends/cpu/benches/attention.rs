@@ -7,7 +7,7 @@ use std::time::Duration;
 
 mod shared;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvplug_backend_kit::KitCache;
 use kvplug_core::{
     make_config, Arithmetic, CacheConfig, CacheKind, CacheVerbs, KvDtype, ModelCacheParams,
@@ -107,41 +107,51 @@ fn read_bandwidth(cr: &mut Criterion) {
 /// independent chains of [`PEAK_STEPS`] 512-bit instructions each, f32 `vfmadd` (16
 /// multiply-adds) and, where the CPU has AVX-512 VNNI, `vpdpbusd` (64). Criterion's
 /// throughput is the multiply-adds of one pass.
+/// Measures nothing off x86-64 (the instructions are x86's).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn compute_peak(cr: &mut Criterion) {
-    if !std::arch::is_x86_feature_detected!("avx512f") {
-        return;
-    }
-    let threads = kvplug_cpu::workers::Workers::global().participants();
-    let mut g = cr.benchmark_group("compute_peak");
-    g.sample_size(10).measurement_time(Duration::from_secs(2));
-    let pass = (threads * PEAK_CHAINS * PEAK_STEPS) as u64;
-    g.throughput(Throughput::Elements(16 * pass));
-    // SAFETY: AVX-512F is present (checked above).
-    g.bench_function("f32_fma", |b| {
-        b.iter(|| peak_pass(|| unsafe { fma_chains() }))
-    });
-    if std::arch::is_x86_feature_detected!("avx512vnni") {
-        g.throughput(Throughput::Elements(64 * pass));
-        // SAFETY: AVX-512F and VNNI are present.
-        g.bench_function("int8_dot", |b| {
-            b.iter(|| peak_pass(|| unsafe { dot_chains() }))
+    #[cfg(target_arch = "x86_64")]
+    {
+        use criterion::Throughput;
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let threads = kvplug_cpu::workers::Workers::global().participants();
+        let mut g = cr.benchmark_group("compute_peak");
+        g.sample_size(10).measurement_time(Duration::from_secs(2));
+        let pass = (threads * PEAK_CHAINS * PEAK_STEPS) as u64;
+        g.throughput(Throughput::Elements(16 * pass));
+        // SAFETY: AVX-512F is present (checked above).
+        g.bench_function("f32_fma", |b| {
+            b.iter(|| peak_pass(|| unsafe { fma_chains() }))
         });
+        if std::arch::is_x86_feature_detected!("avx512vnni") {
+            g.throughput(Throughput::Elements(64 * pass));
+            // SAFETY: AVX-512F and VNNI are present.
+            g.bench_function("int8_dot", |b| {
+                b.iter(|| peak_pass(|| unsafe { dot_chains() }))
+            });
+        }
+        g.finish();
     }
-    g.finish();
 }
 
 /// Independent accumulator chains per thread in [`compute_peak`]: more than the
 /// instructions' latency times the ports that run them.
+#[cfg(target_arch = "x86_64")]
 const PEAK_CHAINS: usize = 16;
 /// Instructions per chain in one [`compute_peak`] pass.
+#[cfg(target_arch = "x86_64")]
 const PEAK_STEPS: usize = 1 << 16;
 
 /// Runs `chains` on every thread of the kernels' worker pool.
+#[cfg(target_arch = "x86_64")]
 fn peak_pass(chains: impl Fn() + Sync) {
     let workers = kvplug_cpu::workers::Workers::global();
     workers.run(workers.participants(), &|_| chains());
 }
 
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn fma_chains() {
     use std::arch::x86_64::*;
@@ -159,6 +169,7 @@ unsafe fn fma_chains() {
     black_box(acc);
 }
 
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vnni")]
 unsafe fn dot_chains() {
     use std::arch::x86_64::*;
@@ -293,7 +304,7 @@ fn prefill(cr: &mut Criterion) {
         Kernel::Rows,
     ];
     for kernel in kernels {
-        if kernel == Kernel::Xnnpack && !cfg!(feature = "xnnpack") {
+        if kernel == Kernel::Xnnpack && !cfg!(all(feature = "xnnpack", target_os = "linux")) {
             continue;
         }
         #[cfg(target_arch = "x86_64")]

@@ -19,7 +19,7 @@ const PARALLEL_MIN_WORK: usize = 1 << 18;
 
 /// Query blocks at least this long use the XNNPACK GEMM path where the tiled kernel does
 /// not apply (measured crossover over the row kernel; see BENCH.md).
-#[cfg(feature = "xnnpack")]
+#[cfg(all(feature = "xnnpack", target_os = "linux"))]
 pub const XNNPACK_MIN_TOKENS: usize = 32;
 
 /// The attention kernels, fastest first; each call runs on the first that applies.
@@ -55,7 +55,7 @@ pub struct HeadScratch {
     /// Scores, `[group, L]` (`[group, T, L]` on the GEMM path).
     scores: Vec<f32>,
     /// f32 copies of the K and V windows for the GEMM path, `[L, D]` each.
-    #[cfg(feature = "xnnpack")]
+    #[cfg(all(feature = "xnnpack", target_os = "linux"))]
     window: (Vec<f32>, Vec<f32>),
     /// One K or V row converted to f32, `[D]`.
     row: Vec<f32>,
@@ -75,7 +75,7 @@ trait LoadRows {
     /// Row `j` as f32 into `out` (`[D]`).
     fn load(&self, j: usize, out: &mut [f32]);
     /// Rows `[0, l)` as f32 into `buf` (`[l, d]`).
-    #[cfg(feature = "xnnpack")]
+    #[cfg(all(feature = "xnnpack", target_os = "linux"))]
     fn window_f32(&self, l: usize, d: usize, buf: &mut Vec<f32>);
 }
 
@@ -109,7 +109,7 @@ impl LoadRows for HeadRows<'_> {
     }
 
     /// Rows `[0, l)` as f32 into `buf` (`[l, d]`).
-    #[cfg(feature = "xnnpack")]
+    #[cfg(all(feature = "xnnpack", target_os = "linux"))]
     fn window_f32(&self, l: usize, d: usize, buf: &mut Vec<f32>) {
         buf.clear();
         buf.resize(l * d, 0.0);
@@ -124,7 +124,7 @@ impl LoadRows for HeadRows<'_> {
 /// where it has them; every other path computes in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
-    arithmetic: Arithmetic,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] arithmetic: Arithmetic,
     q: &CpuTensor,
     k: &CpuPool,
     v: &CpuPool,
@@ -150,7 +150,7 @@ pub fn attend(
             return;
         }
     }
-    #[cfg(feature = "xnnpack")]
+    #[cfg(all(feature = "xnnpack", target_os = "linux"))]
     let gemm =
         t >= XNNPACK_MIN_TOKENS && allowed(Kernel::Xnnpack) && crate::xnnpack::available().is_ok();
     let hkv = k.heads;
@@ -160,7 +160,7 @@ pub fn attend(
     let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
         let (kr, vr) = (k.head_rows(kh, k.cells), v.head_rows(kh, v.cells));
-        #[cfg(feature = "xnnpack")]
+        #[cfg(all(feature = "xnnpack", target_os = "linux"))]
         if gemm {
             match attend_kv_head_gemm(qh, kr, vr, g, t, d, l, mask, scale, o, s) {
                 Ok(()) => return,
@@ -190,7 +190,7 @@ pub fn attend(
 
 /// [`attend_kv_head`] as two XNNPACK GEMMs: `S = Q·Kᵀ` over all `g·T` query rows, masked
 /// stable softmax in place, `O = P·V`. Same maths, same masks.
-#[cfg(feature = "xnnpack")]
+#[cfg(all(feature = "xnnpack", target_os = "linux"))]
 #[allow(clippy::too_many_arguments)]
 fn attend_kv_head_gemm(
     q: &[f32],

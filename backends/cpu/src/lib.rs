@@ -4,6 +4,10 @@
 //! `[heads, cells, head_dim]` in f32 / f16 / bf16 / q8 / q4; attention runs a tiled
 //! AVX-512 or AVX2/FMA/F16C kernel (XNNPACK and a scalar row kernel elsewhere) and splits
 //! long windows over KV heads on both cores. Exported as a plugin with one line; also usable as an rlib.
+//!
+//! Off x86-64 only the portable kernels exist, and the helpers the vector kernels share are
+//! left unused there.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 pub mod attention;
 pub mod linear;
@@ -14,7 +18,7 @@ pub mod simd;
 pub mod tensor;
 pub mod tiled_attention;
 pub mod workers;
-#[cfg(feature = "xnnpack")]
+#[cfg(all(feature = "xnnpack", target_os = "linux"))]
 pub mod xnnpack;
 
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
@@ -238,7 +242,7 @@ impl Backend for CpuDevice {
         if self.features.avx512vnni {
             f.push("avx512vnni".into());
         }
-        #[cfg(feature = "xnnpack")]
+        #[cfg(all(feature = "xnnpack", target_os = "linux"))]
         if xnnpack::available().is_ok() {
             f.push("xnnpack".into());
         }

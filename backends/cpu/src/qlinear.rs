@@ -51,7 +51,9 @@ use std::ops::Range;
 
 use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
 
-use crate::linear::{PREFETCH_AHEAD, STREAM_CHUNK_BYTES};
+#[cfg(target_arch = "x86_64")]
+use crate::linear::PREFETCH_AHEAD;
+use crate::linear::STREAM_CHUNK_BYTES;
 use crate::simd::{vector_path, vnni_path};
 use crate::workers::{DisjointChunks, Workers};
 
@@ -668,12 +670,13 @@ impl Task<'_> {
 
     /// Panels `pi..pi + P`'s tokens of rows `r..r + R` (a vector path's).
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn panel<const F: usize, const R: usize, const P: usize>(
         &self,
         pi: usize,
         r: usize,
     ) -> [[[f32; PANEL]; R]; P] {
-        let rows = std::array::from_fn(|i| {
+        let rows: [&[u8]; R] = std::array::from_fn(|i| {
             &self.w[(r + i) * self.row_bytes..(r + i + 1) * self.row_bytes]
         });
         let (p, blocks) = (&self.acts.panels, self.acts.blocks);
