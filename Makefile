@@ -28,7 +28,7 @@ demo: deps models
 	./target/release/kvplug --plugins target/release conform --backend cpu
 
 ## make test: everything CI checks.
-test: deps models fmt-check clippy build unit conform template
+test: deps models fmt-check clippy build template unit conform
 
 # Libraries, binaries and test targets in one build: the test targets' dev-dependencies
 # unify features once, so `cargo test` afterwards compiles nothing again (a plain build
@@ -49,7 +49,8 @@ conform: build
 # The backend template (examples/backend-template) built as an outside author builds it: its
 # own workspace and lock, out of tree, then loaded from its own plugins directory by this
 # build's host and run through the conformance matrix. An API change that breaks outside
-# backends breaks here.
+# backends breaks here. It runs before `unit`, whose model test builds the template again
+# (offline, nothing left to fetch) and checks its model operations.
 TEMPLATE = examples/backend-template
 OUT_OF_TREE = target/out-of-tree
 DLL = $(if $(filter Darwin,$(shell uname -s)),dylib,so)

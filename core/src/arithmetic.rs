@@ -9,6 +9,7 @@ pub const QUERY_BLOCK: usize = 32;
 
 /// How a kernel computes `q·kᵀ`; the softmax and the value sum are f32 in every one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Arithmetic {
     /// The reference: K widened to f32, f32 products and sums.
     #[default]

@@ -3,7 +3,7 @@
 //! [`crate::qlinear`]), and plain loops for the element-wise ops (the activations' `e^x`
 //! through [`simd::fast_exp`], so that they vectorize).
 
-use kvplug_backend_kit::model::ops::check_hadamard;
+use kvplug_backend_kit::model::ops::{check_hadamard, hadamard_in_place};
 use kvplug_backend_kit::model::{
     BlockFormat, ModelDevice, Projection, StoredDtype, StoredTensor, StoredValues,
 };
@@ -71,6 +71,14 @@ fn fused_blocks<const N: usize>(x: &CpuTensor, ps: [&mut Projection<'_, CpuDevic
     true
 }
 
+/// A stored dtype this backend has no kernel for (one a later kit added).
+fn unsupported(dtype: StoredDtype) -> KitError {
+    KitError::Device(format!(
+        "the cpu backend has no kernel for {} weights",
+        dtype.name()
+    ))
+}
+
 fn check(cond: bool, what: &str) -> Result<(), KitError> {
     if cond {
         Ok(())
@@ -84,14 +92,18 @@ impl ModelDevice for CpuDevice {
 
     fn weight(&self, data: StoredTensor, rows: usize, cols: usize) -> Result<CpuWeight, KitError> {
         check(data.len() == rows * cols, "weight")?;
-        if let StoredDtype::Block(f) = data.dtype() {
-            if !cols.is_multiple_of(f.block_elems()) {
-                return Err(KitError::Device(format!(
-                    "a {} weight's rows must be whole {}-value blocks; it has {cols} columns",
-                    f.name(),
-                    f.block_elems()
-                )));
+        match data.dtype() {
+            StoredDtype::F32 | StoredDtype::F16 | StoredDtype::BF16 => {}
+            StoredDtype::Block(f) => {
+                if !cols.is_multiple_of(f.block_elems()) {
+                    return Err(KitError::Device(format!(
+                        "a {} weight's rows must be whole {}-value blocks; it has {cols} columns",
+                        f.name(),
+                        f.block_elems()
+                    )));
+                }
             }
+            other => return Err(unsupported(other)),
         }
         Ok(CpuWeight { rows, cols, data })
     }
@@ -109,7 +121,7 @@ impl ModelDevice for CpuDevice {
                 StoredValues::F32(v) => row.copy_from_slice(&v[at]),
                 StoredValues::F16(v) => simd::f16_to_f32(&v[at], row),
                 StoredValues::BF16(v) => simd::bf16_to_f32(&v[at], row),
-                StoredValues::Blocks(..) => table.data.rows_f32(at.start, row),
+                _ => table.data.rows_f32(at.start, row),
             }
         }
         Ok(())
@@ -148,6 +160,7 @@ impl ModelDevice for CpuDevice {
             StoredValues::F16(v) => linear(x, t, v, w.rows, w.cols, o),
             StoredValues::BF16(v) => linear(x, t, v, w.rows, w.cols, o),
             StoredValues::Blocks(f, b) => linear_blocks(x, t, f, b, w.rows, w.cols, o),
+            _ => return Err(unsupported(w.data.dtype())),
         }
         if let Some(b) = bias {
             add_bias(out, b);
@@ -217,21 +230,7 @@ impl ModelDevice for CpuDevice {
     fn hadamard(&self, x: &CpuTensor, n: usize, out: &mut CpuTensor) -> Result<(), KitError> {
         check_hadamard(&x.dims, n, &out.dims)?;
         out.data.copy_from_slice(&x.data);
-        let norm = 1.0 / (n as f32).sqrt();
-        for piece in out.data.chunks_exact_mut(n) {
-            // In-place butterflies, stride h = 1, 2, 4, …: (a, b) → (a + b, a − b).
-            let mut h = 1;
-            while h < n {
-                for pair in piece.chunks_exact_mut(2 * h) {
-                    let (lo, hi) = pair.split_at_mut(h);
-                    for (a, b) in lo.iter_mut().zip(hi) {
-                        (*a, *b) = (*a + *b, *a - *b);
-                    }
-                }
-                h *= 2;
-            }
-            piece.iter_mut().for_each(|v| *v *= norm);
-        }
+        hadamard_in_place(&mut out.data, n);
         Ok(())
     }
 

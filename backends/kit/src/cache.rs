@@ -17,6 +17,7 @@ pub const IMPORT_CHUNK: usize = 512;
 
 /// A refused call (cache error, input unchanged) or a device failure.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KitError {
     /// Bad input; the cache is unchanged.
     #[error(transparent)]

@@ -53,13 +53,18 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// Bytes `pool` holds (codes, scales and offsets included).
     fn pool_bytes(&self, pool: &Self::Pool) -> usize;
 
-    /// Writes `src` (`[heads, T, head_dim]`) to rows `start..start + T`.
+    /// Writes `src` (`[heads, T, head_dim]`) to rows `start..start + T`. The default scatters
+    /// to those rows ([`Device::scatter_rows`]).
     fn write_run(
         &self,
         pool: &mut Self::Pool,
         start: usize,
         src: &Self::Tensor,
-    ) -> Result<(), KitError>;
+    ) -> Result<(), KitError> {
+        let tokens = self.dims(src)[1];
+        let cells: Vec<u32> = (start..start + tokens).map(|c| c as u32).collect();
+        self.scatter_rows(pool, &cells, src)
+    }
 
     /// Writes token `i` of `src` to row `cells[i]`.
     fn scatter_rows(
@@ -109,8 +114,11 @@ pub trait Device: Send + Sync + Sized + 'static {
         scratch: &mut Self::Scratch,
     ) -> Result<(), KitError>;
 
-    /// A zeroed f32 tensor of `dims`.
-    fn zeros(&self, dims: &[usize]) -> Result<Self::Tensor, KitError>;
+    /// A zeroed f32 tensor of `dims`. The default uploads zeros from the host.
+    fn zeros(&self, dims: &[usize]) -> Result<Self::Tensor, KitError> {
+        let zeros = vec![0f32; dims.iter().product()];
+        self.upload(&HostTensor::from_f32(dims, &zeros))
+    }
 
     /// Uploads a host tensor (f32/f16/bf16) as an activation tensor.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor, KitError>;

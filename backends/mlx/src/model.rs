@@ -123,8 +123,8 @@ impl ModelDevice for MlxDevice {
             StoredDtype::F32 => (data.bytes(), dtype::F32),
             StoredDtype::F16 => (data.bytes(), dtype::F16),
             StoredDtype::BF16 => (data.bytes(), dtype::BF16),
-            // Dequantized once here (see the module docs).
-            StoredDtype::Block(_) => {
+            // Dequantized once here (see the module docs), as is any format a later kit adds.
+            _ => {
                 widened = data.to_f32();
                 (bytemuck::cast_slice(&widened[..]), dtype::F32)
             }

@@ -37,9 +37,10 @@ struct WeightPart {
     rows: usize,
 }
 
-/// The shaders' flag for a stored dtype (`weight_at` in model.wgsl).
-fn dtype_flag(d: StoredDtype) -> u32 {
-    match d {
+/// The shaders' flag for a stored dtype (`weight_at` in model.wgsl), or an error for one the
+/// shaders do not read (a dtype a later kit added).
+fn dtype_flag(d: StoredDtype) -> Result<u32, KitError> {
+    Ok(match d {
         StoredDtype::F32 => 0,
         StoredDtype::F16 => 1,
         StoredDtype::BF16 => 2,
@@ -49,7 +50,13 @@ fn dtype_flag(d: StoredDtype) -> u32 {
                 .position(|&g| g == f)
                 .expect("every format is listed") as u32
         }
-    }
+        other => {
+            return Err(KitError::Device(format!(
+                "the wgpu shaders do not read {} weights",
+                other.name()
+            )))
+        }
+    })
 }
 
 #[repr(C)]
@@ -177,6 +184,7 @@ impl ModelDevice for WgpuDevice {
                 data.len()
             )));
         }
+        let dtype = dtype_flag(data.dtype())?;
         let unit = data.dtype().unit_elems();
         if cols % unit != 0 {
             return Err(KitError::Device(format!(
@@ -218,7 +226,7 @@ impl ModelDevice for WgpuDevice {
         }
         Ok(WgpuWeight {
             parts,
-            dtype: dtype_flag(data.dtype()),
+            dtype,
             rows,
             cols,
         })

@@ -1,18 +1,24 @@
 //! # kvplug-backend-template
 //!
 //! A complete kvplug backend in plain safe Rust, written to be copied: every method of
-//! [`Device`] and [`Backend`], the simplest way that meets its contract, on one host thread.
-//! It builds every cache kind (`contiguous`, `seq`, `tree`) with f32, f16 and bf16 KV; it has
-//! no model methods (see the README for what `export_backend!(…, models)` adds).
+//! [`Device`] and [`Backend`] the kit has no default for, the simplest way that meets its
+//! contract, on one host thread. It builds every cache kind (`contiguous`, `seq`, `tree`)
+//! with f32, f16 and bf16 KV, and serves models: [`model`] implements the kit's
+//! `ModelDevice`, so `export_backend!(…, models)` gives it the `forward` method.
 //!
 //! Pools keep their rows in the canonical row form itself (`[heads, cells, row_bytes]`,
 //! values little-endian), so [`Device::read_rows`] and [`Device::write_rows`] are copies
 //! and the storage dtype's rounding is applied exactly once, when a row is written.
+//! `write_run` and `zeros` keep the kit's defaults (a scatter to consecutive rows; an
+//! upload of zeros).
 
 use half::{bf16, f16};
+use kvplug_backend_kit::model::blocks::{weights_features, BLOCK_FORMATS};
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
 use kvplug_core::{Arithmetic, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
+
+pub mod model;
 
 /// The device: nothing to hold, everything is computed on the calling thread.
 pub struct TemplateDevice;
@@ -154,16 +160,6 @@ impl Device for TemplateDevice {
         pool.bytes.len()
     }
 
-    fn write_run(&self, pool: &mut Pool, start: usize, src: &Tensor) -> Result<(), KitError> {
-        let (heads, t, d) = (src.dims[0], src.dims[1], src.dims[2]);
-        for h in 0..heads {
-            for i in 0..t {
-                pool.store(h, start + i, &src.data[(h * t + i) * d..][..d]);
-            }
-        }
-        Ok(())
-    }
-
     fn scatter_rows(&self, pool: &mut Pool, cells: &[u32], src: &Tensor) -> Result<(), KitError> {
         let (heads, t, d) = (src.dims[0], src.dims[1], src.dims[2]);
         for h in 0..heads {
@@ -268,13 +264,6 @@ impl Device for TemplateDevice {
         Ok(())
     }
 
-    fn zeros(&self, dims: &[usize]) -> Result<Tensor, KitError> {
-        Ok(Tensor {
-            dims: dims.to_vec(),
-            data: vec![0.0; dims.iter().product()],
-        })
-    }
-
     fn upload(&self, t: &HostTensor) -> Result<Tensor, KitError> {
         let data = t.to_f32().ok_or_else(|| {
             KitError::Device(format!("cannot upload a {} tensor", t.dtype.as_str()))
@@ -303,9 +292,10 @@ impl Backend for TemplateDevice {
         "host CPU, one thread, plain Rust".into()
     }
 
+    /// Every stored weight dtype, block formats widened at load.
     fn features(&self) -> Vec<String> {
-        Vec::new()
+        weights_features(&BLOCK_FORMATS)
     }
 }
 
-kvplug_backend_kit::export_backend!(TemplateDevice);
+kvplug_backend_kit::export_backend!(TemplateDevice, models);

@@ -1,8 +1,9 @@
 //! Model-level checks on every backend that serves models (cpu; wgpu on lavapipe in CI)
 //! with the synthetic `tiny` model: logits against a plain f64 reference forward, the three
 //! cache kinds agreeing, speculative decoding equal to greedy decoding, and agent branches
-//! equal to running each branch alone. Needs the plugin dylibs next to this test binary
-//! (`cargo build --workspace`); both backends must load.
+//! equal to running each branch alone; and the backend template's model operations against
+//! the same reference. Needs the plugin dylibs next to this test binary
+//! (`cargo build --workspace`); every backend must load.
 
 use kvplug::formats::synth::{synth, PRESETS};
 use kvplug::run::{run_agents, run_decode, RunSpec};
@@ -12,6 +13,20 @@ use kvplug::{generate, CacheKind, GenOptions, KvDtype, Model, Sampler};
 
 mod common;
 use common::{forward, reference_logits, runtime, BACKENDS};
+
+/// The loader tests' helpers, for the backend template's out-of-tree build.
+#[path = "../../../host/runtime/tests/common/mod.rs"]
+mod dylibs;
+
+/// A plugins directory holding only the backend template's dylib, built out of tree (`make
+/// test` builds it first, online; here cargo runs offline).
+fn template_plugins() -> tempfile::TempDir {
+    let manifest = dylibs::checkout().join("examples/backend-template/Cargo.toml");
+    dylibs::build_out_of_tree(&manifest, &["--locked"]);
+    let name = dylibs::dylib_name("kvplug_backend_template");
+    let built = dylibs::out_of_tree_target().join("debug").join(&name);
+    dylibs::plugins_dir(&[(built, name.as_str())])
+}
 
 const PROMPT: [i32; 7] = [3, 141, 59, 26, 53, 58, 97];
 
@@ -48,7 +63,6 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
     let rt = runtime();
     // Weights stored as f32, f16 and bf16 are read as stored (the reference widens the same
     // stored values); tiny has head_dim 16, so the quantization group is 16.
-    let models = ["f32", "f16", "bf16"].map(|d| (d, tiny_stored_as(d)));
     let cases = [
         ("f32", KvDtype::F32, 1e-3),
         ("f32", KvDtype::F16, 2e-2),
@@ -56,12 +70,42 @@ fn logits_match_the_f64_reference_for_prompt_and_eight_decode_steps() {
         ("f16", KvDtype::F32, 1e-3),
         ("bf16", KvDtype::F32, 1e-3),
     ];
-    for (backend, (weights, dtype, tol)) in BACKENDS
-        .iter()
-        .flat_map(|b| cases.iter().map(move |c| (*b, *c)))
-    {
+    for backend in BACKENDS {
+        logits_match_the_f64_reference(&rt, backend, &cases);
+    }
+}
+
+/// The backend template (examples/backend-template), built out of tree as an outside author
+/// builds it, serves models through its plain-Rust `ModelDevice`: its logits meet the same
+/// reference as the in-tree backends' in the KV dtypes it stores. A kit change that breaks a
+/// model-serving backend breaks this build.
+#[test]
+fn the_backend_template_serves_models_within_the_f64_reference() {
+    let plugins = template_plugins();
+    let rt = kvplug::Runtime::load(&kvplug::PluginSearch::only(
+        &[plugins.path().to_path_buf()],
+        false,
+    ));
+    let cases = [
+        ("f32", KvDtype::F32, 1e-3),
+        ("f32", KvDtype::F16, 2e-2),
+        ("f16", KvDtype::F32, 1e-3),
+        ("bf16", KvDtype::F32, 1e-3),
+    ];
+    logits_match_the_f64_reference(&rt, "template", &cases);
+}
+
+/// On `backend`, for each `(weights, KV dtype, tolerance)`: the logits of [`PROMPT`] and of
+/// eight greedy decode steps against the f64 reference forward.
+fn logits_match_the_f64_reference(
+    rt: &kvplug::Runtime,
+    backend: &str,
+    cases: &[(&str, KvDtype, f64)],
+) {
+    let models = ["f32", "f16", "bf16"].map(|d| (d, tiny_stored_as(d)));
+    for &(weights, dtype, tol) in cases {
         let model = &models.iter().find(|(d, _)| *d == weights).unwrap().1;
-        let mut ctx = common::model(&rt, backend, model.path())
+        let mut ctx = common::model(rt, backend, model.path())
             .context(CacheKind::Contiguous, 64, dtype)
             .unwrap();
         let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();

@@ -1,6 +1,7 @@
 //! The device operations the model graph needs, on top of the cache primitives.
 
 use kvplug_core::RopePairs;
+use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::KitError;
 use crate::device::Device;
@@ -8,15 +9,35 @@ use crate::device::Device;
 use super::stored::StoredTensor;
 
 /// Refuses a [`ModelDevice::hadamard`] call whose shapes break its contract: `n` not a power
-/// of two or not dividing the rows, or `out` of other dims than `x`.
+/// of two or not dividing a row's width (the last dim), or `out` of other dims than `x`.
 pub fn check_hadamard(x: &[usize], n: usize, out: &[usize]) -> Result<(), KitError> {
-    let total: usize = x.iter().product();
-    if !n.is_power_of_two() || total % n != 0 || out != x {
+    let row = x.last().copied().unwrap_or(0);
+    if !n.is_power_of_two() || row % n != 0 || out != x {
         return Err(KitError::Device(format!(
             "hadamard of {n}-wide pieces on {x:?} into {out:?}"
         )));
     }
     Ok(())
+}
+
+/// Multiplies each `n`-wide piece of `data` by `H_n / √n` in place (the host form of
+/// [`ModelDevice::hadamard`]: butterflies `(a, b) → (a + b, a − b)` at strides 1, 2, 4, …,
+/// then the scale). `n` is a power of two dividing `data.len()` ([`check_hadamard`]).
+pub fn hadamard_in_place(data: &mut [f32], n: usize) {
+    let norm = 1.0 / (n as f32).sqrt();
+    for piece in data.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for pair in piece.chunks_exact_mut(2 * h) {
+                let (lo, hi) = pair.split_at_mut(h);
+                for (a, b) in lo.iter_mut().zip(hi) {
+                    (*a, *b) = (*a + *b, *a - *b);
+                }
+            }
+            h *= 2;
+        }
+        piece.iter_mut().for_each(|v| *v *= norm);
+    }
 }
 
 /// One projection of a [`ModelDevice::linears`] call: `out = x·Wᵀ (+ bias)`.
@@ -45,8 +66,10 @@ pub trait ModelDevice: Device {
         rows: usize,
         cols: usize,
     ) -> Result<Self::Weight, KitError>;
-    /// A tensor holding `data` with `dims`.
-    fn tensor(&self, data: &[f32], dims: &[usize]) -> Result<Self::Tensor, KitError>;
+    /// A tensor holding `data` with `dims`. The default uploads it as a host tensor.
+    fn tensor(&self, data: &[f32], dims: &[usize]) -> Result<Self::Tensor, KitError> {
+        self.upload(&HostTensor::from_f32(dims, data))
+    }
     /// `out[t] = table[ids[t]]` widened to f32; `table` is `[vocab, hidden]` (the same weight
     /// serves a tied LM head), out `[T, hidden]`.
     fn embed(
@@ -101,8 +124,20 @@ pub trait ModelDevice: Device {
     /// `out = x` with each `n`-wide piece of every row multiplied by `H_n / √n`, `H_n`
     /// Sylvester's Hadamard matrix (`H_1 = [1]`, `H_2m = [[H_m, H_m], [H_m, −H_m]]`): x and
     /// out `[T, k·n]`, `n` a power of two (the rotation of
-    /// [`KeyBasis::Hadamard`](kvplug_core::KeyBasis::Hadamard)). Any summation order.
-    fn hadamard(&self, x: &Self::Tensor, n: usize, out: &mut Self::Tensor) -> Result<(), KitError>;
+    /// [`KeyBasis::Hadamard`](kvplug_core::KeyBasis::Hadamard)). Any summation order. The
+    /// default is correct but round-trips through host memory ([`hadamard_in_place`]); a
+    /// device that runs quantized KV caches should compute it where its tensors live.
+    fn hadamard(&self, x: &Self::Tensor, n: usize, out: &mut Self::Tensor) -> Result<(), KitError> {
+        let dims = self.dims(x).to_vec();
+        check_hadamard(&dims, n, self.dims(out))?;
+        let mut data = self
+            .download(x, TensorDtype::F32)?
+            .to_f32()
+            .ok_or_else(|| KitError::Device("hadamard: an f32 download was not f32".into()))?;
+        hadamard_in_place(&mut data, n);
+        *out = self.tensor(&data, &dims)?;
+        Ok(())
+    }
     /// `[T, H·D]` → `[H, T, D]`.
     fn split_heads(
         &self,

@@ -44,6 +44,7 @@ pub struct ModelPackage {
 
 /// How a package's weight bytes are held in memory (llama.cpp's `--mmap` / `--no-mmap`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Residency {
     /// The files mapped: pages read on first touch, shared with the page cache and with
     /// other processes mapping the same file, dropped and re-read under memory pressure.

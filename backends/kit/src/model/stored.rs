@@ -14,6 +14,7 @@ compile_error!("stored tensors are read in place as little-endian values");
 
 /// How a stored tensor's elements are encoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StoredDtype {
     /// IEEE binary32.
     F32,
@@ -64,6 +65,7 @@ impl StoredDtype {
 
 /// The typed elements of a [`StoredTensor`].
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub enum StoredValues<'a> {
     /// f32 elements.
     F32(&'a [f32]),
