@@ -6,7 +6,7 @@
 //! whole piece and leaves each score `q·k = (Hq)·(Hk)` unchanged in exact arithmetic, so
 //! only the quantization error moves. The values stay as they are, so the attention output
 //! needs no inverse (llama.cpp also rotates quantized V, and the output back; measured on
-//! three models, rotating V as well changed nothing: README "Key rotation").
+//! three models, rotating V as well changed nothing: docs/concepts.md "Key rotation").
 //!
 //! The basis is part of what a cache's key rows mean: session files record it, and rows
 //! saved in one basis are refused by a context that keeps the other.

@@ -152,7 +152,7 @@ fn main() {
     .unwrap();
 
     writeln!(md, "## Decode step (T = 1)\n").unwrap();
-    writeln!(md, "Scores in f32; `int8-query` rows (where the CPU has AVX-512 VNNI) compute them from the query quantized to int8 (README, declared arithmetics).\n").unwrap();
+    writeln!(md, "Scores in f32; `int8-query` rows (where the CPU has AVX-512 VNNI) compute them from the query quantized to int8 (docs/conformance.md, declared arithmetics).\n").unwrap();
     writeln!(md, "| KV dtype | L | time (µs) | K+V bytes read | effective GB/s | bandwidth bound (µs) | time / bound | time vs f16 | fastest sample / its bound | compute floor (µs) |").unwrap();
     writeln!(md, "|---|---|---|---|---|---|---|---|---|---|").unwrap();
     let int8 = |dtype: KvDtype, l: usize| format!("decode/{dtype}+int8-query/{l}");

@@ -7,14 +7,15 @@ use kvplug::{Arithmetic, Model};
 #[derive(clap::Args)]
 pub struct ModelFlags {
     /// Keep q8/q4 keys unrotated. By default a quantized KV cache stores each head's keys
-    /// (and reads its queries) Hadamard-rotated, which lowers their quantization error (README
-    /// "Key rotation"; llama.cpp's counterpart is LLAMA_ATTN_ROT_DISABLE=1).
+    /// (and reads its queries) Hadamard-rotated, which lowers their quantization error
+    /// (docs/concepts.md "Key rotation"; llama.cpp's counterpart is
+    /// LLAMA_ATTN_ROT_DISABLE=1).
     #[arg(long)]
     no_key_rotation: bool,
     /// Read the weight files into memory instead of mapping them, as llama.cpp's --no-mmap
     /// does: on Linux onto transparent huge pages, which the cpu backend's decode streams
-    /// faster (README "Weights in memory"); the whole file is read at load and its pages are
-    /// not shared with other processes.
+    /// faster (docs/cli.md "Weights in memory"); the whole file is read at load and its pages
+    /// are not shared with other processes.
     #[arg(long)]
     no_mmap: bool,
 }
@@ -41,8 +42,9 @@ impl ModelFlags {
 /// The attention arithmetic of the commands that run one (`bench` takes a list instead).
 #[derive(clap::Args)]
 pub struct AttentionFlag {
-    /// Attention arithmetic: `f32` or `int8-query` (default: the cache's own; README
-    /// "Declared arithmetics" says which backend declares which for which KV dtype).
+    /// Attention arithmetic: `f32` or `int8-query` (default: the cache's own;
+    /// docs/conformance.md "Declared arithmetics" says which backend declares which for which
+    /// KV dtype).
     /// Refused where the backend does not declare it for the KV dtype.
     #[arg(long, value_name = "ARITHMETIC")]
     attention: Option<Arithmetic>,
