@@ -79,13 +79,9 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-# The loader tests read the fixture dylibs, which only a workspace build produces. The cpu
-# backend's kernel tests run again at each lower instruction-set level.
+# The loader tests read the fixture dylibs, which only a workspace build produces.
 unit: build
 	$(CARGO) test --workspace
-	for isa in $(CPU_ISA_LEVELS); do \
-		KVPLUG_CPU_ISA=$$isa $(CARGO) test -p kvplug-cpu || exit 1; \
-	done
 
 ## make test-one-core: make test pinned to one core (taskset -c 0), as a slow or busy machine
 ## runs it: no test may depend on speed, so it stays green, however long it takes.

@@ -45,8 +45,12 @@ pub fn use_kernels_from(first: Kernel) {
     FIRST_KERNEL.store(first as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether `kernel` may run: not skipped by [`use_kernels_from`], and XNNPACK (whose own
+/// vector kernels `KVPLUG_CPU_ISA` cannot cap) not under `KVPLUG_CPU_ISA=scalar`.
 fn allowed(kernel: Kernel) -> bool {
+    let scalar = crate::simd::isa_cap().is_ok_and(|cap| cap == crate::simd::Isa::Scalar);
     kernel as u8 >= FIRST_KERNEL.load(std::sync::atomic::Ordering::Relaxed)
+        && !(scalar && kernel == Kernel::Xnnpack)
 }
 
 /// Per-KV-head scratch, reused across steps.

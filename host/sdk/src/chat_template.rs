@@ -216,7 +216,7 @@ impl Sandbox {
 
 /// Caps the calling process's address space at `memory` bytes and its CPU time at `seconds`.
 /// The resource constants keep each libc's own type (glibc's `__rlimit_resource_t`, a
-/// `c_int` on macOS and the BSDs), so no platform's type is named here.
+/// `c_int` on macOS), so no platform's type is named here.
 #[cfg(unix)]
 fn limit(memory: u64, seconds: u64) -> std::io::Result<()> {
     for (resource, value) in [(libc::RLIMIT_AS, memory), (libc::RLIMIT_CPU, seconds)] {

@@ -56,13 +56,21 @@ fn dead_pid() -> u32 {
 #[test]
 fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
     let sessions = tempfile::tempdir().unwrap();
-    let mut live = Command::new("sleep").arg("3600").spawn().unwrap();
+    /// The stand-in live writer, killed however the test ends.
+    struct Live(std::process::Child);
+    impl Drop for Live {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let live = Live(Command::new("sleep").arg("3600").spawn().unwrap());
     let stale = sessions
         .path()
         .join(format!(".a.kvsession.safetensors.tmp-{}", dead_pid()));
     let busy = sessions
         .path()
-        .join(format!(".b.kvsession.safetensors.tmp-{}", live.id()));
+        .join(format!(".b.kvsession.safetensors.tmp-{}", live.0.id()));
     std::fs::write(&stale, vec![0u8; 3_000_000]).unwrap();
     std::fs::write(&busy, b"being written").unwrap();
     let out = output(kvplug(sessions.path()).args(["session", "ls"]));
@@ -74,8 +82,7 @@ fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
     );
     assert!(!stale.exists() && busy.exists());
     // `chat` sweeps when it starts, too.
-    live.kill().unwrap();
-    live.wait().unwrap();
+    drop(live);
     let out =
         output(kvplug(sessions.path()).args(["chat", "--model", &smollm2(), "--max-new", "1"]));
     assert!(out.status.success(), "{out:?}");
