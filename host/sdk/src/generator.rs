@@ -52,6 +52,16 @@ pub struct GenOptions {
     pub cancel: Option<Arc<AtomicBool>>,
 }
 
+impl GenOptions {
+    /// Up to `n` tokens, greedy, everything else as [`GenOptions::default`].
+    pub fn max_tokens(n: usize) -> Self {
+        GenOptions {
+            max_tokens: n,
+            ..GenOptions::default()
+        }
+    }
+}
+
 impl Default for GenOptions {
     fn default() -> Self {
         GenOptions {

@@ -6,10 +6,12 @@
 //!
 //! ## Quick start
 //!
-#![doc = concat!("```no_run\n", include_str!("../examples/quick_start.rs"), "\n```")]
+#![doc = concat!("```no_run\n", include_str!("../../../examples/quick-start/src/main.rs"), "\n```")]
 //!
 //! ## What is here
 //!
+//! - [`Llm`]: a loaded model with its text, opened by [`Llm::builder`]; `chat`, `complete`
+//!   (and their `_stream` forms) answer on a fresh context, `context` gives the low level.
 //! - [`Generator`]: the one generation loop — prefill in micro-batches, sampling, stop
 //!   tokens and strings, token limits, a per-token callback — for one sequence or many in
 //!   one forward per step (continuous batching). Every runner below is built on it.
@@ -32,6 +34,7 @@ pub mod fingerprint;
 pub mod formats;
 pub mod generator;
 pub mod grammar;
+mod llm;
 pub mod plan;
 pub mod run;
 pub mod sampler;
@@ -54,5 +57,6 @@ pub use kvplug_runtime::{
     Arithmetic, Batch, CacheKind, Context, KeyBasis, KvDtype, Model, PluginSearch, Runtime,
     RuntimeError,
 };
+pub use llm::{Answer, Llm, LlmBuilder};
 pub use sampler::{Adjustments, Sampler};
 pub use text::{Message, Text};

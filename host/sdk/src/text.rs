@@ -50,6 +50,21 @@ impl Message {
             name: None,
         }
     }
+
+    /// A `system` message.
+    pub fn system(content: &str) -> Self {
+        Message::new("system", content)
+    }
+
+    /// A `user` message.
+    pub fn user(content: &str) -> Self {
+        Message::new("user", content)
+    }
+
+    /// An `assistant` message.
+    pub fn assistant(content: &str) -> Self {
+        Message::new("assistant", content)
+    }
 }
 
 /// The tokenizer, chat template and stop tokens of one model directory.

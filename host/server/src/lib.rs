@@ -140,11 +140,16 @@ impl Server {
                 "the header timeout must be above zero".into(),
             ));
         }
-        let model = kvplug::open_model(runtime, &config.backend, &config.model)?
-            .with_key_rotation(config.key_rotation)
-            .with_mmap(config.mmap)
-            .with_attention(config.attention);
-        let text = Arc::new(Text::load(model.dir())?);
+        let llm = kvplug::Llm::builder(&config.model)
+            .runtime(runtime)
+            .backend(&config.backend)
+            .kv_dtype(config.kv_dtype)
+            .capacity(config.capacity)
+            .key_rotation(config.key_rotation)
+            .mmap(config.mmap)
+            .attention(config.attention)
+            .build()?;
+        let (model, text) = (llm.model().clone(), llm.text().clone());
         // Constrained decoding (response_format, tools, grammar) needs the vocabulary as
         // bytes; a tokenizer llguidance cannot read leaves the server without it.
         let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();

@@ -3,12 +3,11 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use kvplug::run::{run_decode, run_fork, RunSpec};
 use kvplug::speculative::{run_speculative, DraftKind, SpecOptions};
-use kvplug::{KvDtype, Message, Runtime, Sampler, Text};
+use kvplug::{KvDtype, Message, Runtime, Sampler};
 
 /// Arguments of `kvplug demo`.
 #[derive(clap::Args)]
@@ -53,8 +52,11 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if max_new == 0 {
         bail!("--max-new 0 would generate nothing: give at least 1");
     }
-    let model = kvplug::open_model(runtime, backend, &a.model)?;
-    let text = Arc::new(Text::load(model.dir())?);
+    let llm = kvplug::Llm::builder(&a.model)
+        .runtime(runtime)
+        .backend(backend)
+        .build()?;
+    let (model, text) = (llm.model(), llm.text());
     let question = Message::new("user", "What is the capital of France?");
     let spec = |prompt: Vec<i32>| RunSpec {
         prompt,
@@ -68,7 +70,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     print!("assistant: ");
     let chat = spec(text.encode(&text.render(std::slice::from_ref(&question))?)?);
     let answer = run_decode(
-        &model,
+        model,
         &chat,
         Some(text.clone()),
         Sampler::greedy(),
@@ -99,7 +101,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             .context("the chat template does not extend a conversation by appending")?;
         suffixes.push(text.encode(suffix)?);
     }
-    let fork = run_fork(&model, &spec(text.encode(&trunk_text)?), &suffixes)?;
+    let fork = run_fork(model, &spec(text.encode(&trunk_text)?), &suffixes)?;
     println!(
         "\n== agents: {} branches share the {}-token conversation (prefilled once), then decode together",
         turns.len(),
@@ -119,13 +121,13 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         max_new: 200,
         ..spec(text.encode(&text.render(std::slice::from_ref(&rewrite))?)?)
     };
-    let plain = run_decode(&model, &code, None, Sampler::greedy(), &mut |_| Ok(()))?;
+    let plain = run_decode(model, &code, None, Sampler::greedy(), &mut |_| Ok(()))?;
     let opts = SpecOptions {
         draft: DraftKind::Ngram,
         max_depth: 8,
         max_width: 1,
     };
-    let spec_run = run_speculative(&model, &code, &opts, &mut Sampler::greedy())?;
+    let spec_run = run_speculative(model, &code, &opts, &mut Sampler::greedy())?;
     let same = spec_run.ids == plain.ids;
     println!(
         "\n== speculative (ngram prompt lookup) on a code rewrite ({} prompt tokens): output {} greedy decoding; {:.0}% of drafted tokens accepted, {:.2} tokens per target forward, {:.2}x plain decoding",

@@ -1,0 +1,236 @@
+//! [`Llm`]: the handle a host application holds — a loaded model with its text (tokenizer,
+//! chat template, stop tokens), opened by [`Llm::builder`]. [`Llm::chat`] and
+//! [`Llm::complete`] answer on a fresh contiguous context through the one [`Generator`]
+//! (`*_stream` pass each piece of text as it is released); [`Llm::context`] and
+//! [`Llm::model`] give the low level (`Context::decode`, other cache kinds).
+//!
+//! [`Generator`]: crate::Generator
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvplug_runtime::{Arithmetic, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime};
+
+use crate::generator::{generate, Finish, GenOptions, TokenEvent};
+use crate::text::{Message, Text};
+use crate::Result;
+
+/// A loaded model with its text, ready to answer. Cheap to share behind an `Arc`: each call
+/// makes its own context, so calls on several threads run side by side.
+pub struct Llm {
+    model: Model,
+    text: Arc<Text>,
+    kv_dtype: KvDtype,
+    capacity: usize,
+}
+
+/// One answer: its text, its ids, why it ended and what it cost.
+#[derive(Clone, Debug)]
+pub struct Answer {
+    /// The generated text (a stop string excluded; the stop token's own text excluded).
+    pub text: String,
+    /// The generated ids (the stop token included).
+    pub ids: Vec<i32>,
+    /// Why it ended.
+    pub finish: Finish,
+    /// Tokens of the prompt as rendered.
+    pub prompt_tokens: usize,
+}
+
+/// How an [`Llm`] is opened: [`Llm::builder`] gives the defaults (the `cpu` backend, f16 K/V,
+/// 4,096 cells, weights mapped, quantized keys rotated, the cache's own attention arithmetic,
+/// the standard plugin search).
+#[must_use]
+pub struct LlmBuilder {
+    path: PathBuf,
+    backend: String,
+    kv_dtype: KvDtype,
+    capacity: usize,
+    mmap: bool,
+    key_rotation: bool,
+    attention: Option<Arithmetic>,
+    plugins: Option<PluginSearch>,
+    runtime: Option<Runtime>,
+}
+
+impl LlmBuilder {
+    /// The backend by id (`cpu`, `wgpu`, `mlx`, or an out-of-tree plugin's).
+    pub fn backend(mut self, id: &str) -> Self {
+        self.backend = id.into();
+        self
+    }
+
+    /// The K/V storage dtype of the contexts it makes.
+    pub fn kv_dtype(mut self, dtype: KvDtype) -> Self {
+        self.kv_dtype = dtype;
+        self
+    }
+
+    /// Cells of the contexts it makes: the longest prompt plus answer.
+    pub fn capacity(mut self, cells: usize) -> Self {
+        self.capacity = cells;
+        self
+    }
+
+    /// Map the weight files (the default) or read them into memory (llama.cpp's
+    /// `--no-mmap`).
+    pub fn mmap(mut self, on: bool) -> Self {
+        self.mmap = on;
+        self
+    }
+
+    /// Store q8/q4 keys Hadamard-rotated (the default) or as they are.
+    pub fn key_rotation(mut self, on: bool) -> Self {
+        self.key_rotation = on;
+        self
+    }
+
+    /// The attention arithmetic of its contexts (`None`: each cache's default); refused
+    /// when a context is made where the backend does not declare it for the K/V dtype.
+    pub fn attention(mut self, arithmetic: Option<Arithmetic>) -> Self {
+        self.attention = arithmetic;
+        self
+    }
+
+    /// Where plugins are searched (default: [`PluginSearch::standard`] with no extra
+    /// directory: `KVPLUG_PLUGIN_PATH`, then beside the executable).
+    pub fn plugins(mut self, search: PluginSearch) -> Self {
+        self.plugins = Some(search);
+        self
+    }
+
+    /// Plugins already loaded (a host opening several models loads them once).
+    pub fn runtime(mut self, runtime: &Runtime) -> Self {
+        self.runtime = Some(runtime.clone());
+        self
+    }
+
+    /// Loads the plugins (unless given), opens the model (a GGUF file or a model directory)
+    /// on the backend and reads its text.
+    pub fn build(self) -> Result<Llm> {
+        let runtime = match self.runtime {
+            Some(r) => r,
+            None => Runtime::load(
+                &self
+                    .plugins
+                    .unwrap_or_else(|| PluginSearch::standard(&[], false)),
+            ),
+        };
+        let model = crate::formats::open_model(&runtime, &self.backend, &self.path)?
+            .with_key_rotation(self.key_rotation)
+            .with_mmap(self.mmap)
+            .with_attention(self.attention);
+        let text = Arc::new(Text::load(model.dir())?);
+        Ok(Llm {
+            model,
+            text,
+            kv_dtype: self.kv_dtype,
+            capacity: self.capacity,
+        })
+    }
+}
+
+impl Llm {
+    /// Opens the model at `path` (a GGUF file or a model directory) as the builder says.
+    pub fn builder(path: impl Into<PathBuf>) -> LlmBuilder {
+        LlmBuilder {
+            path: path.into(),
+            backend: "cpu".into(),
+            kv_dtype: KvDtype::F16,
+            capacity: 4096,
+            mmap: true,
+            key_rotation: true,
+            attention: None,
+            plugins: None,
+            runtime: None,
+        }
+    }
+
+    /// The answer to `messages`, rendered by the model's chat template. The model's stop
+    /// tokens are added to `opts`'s.
+    pub fn chat(&self, messages: &[Message], opts: GenOptions) -> Result<Answer> {
+        self.chat_stream(messages, opts, &mut |_| Ok(()))
+    }
+
+    /// [`Llm::chat`], passing each piece of text to `on_text` as it is released.
+    pub fn chat_stream(
+        &self,
+        messages: &[Message],
+        opts: GenOptions,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Answer> {
+        let prompt = self.text.encode(&self.text.render(messages)?)?;
+        self.answer(&prompt, opts, on_text)
+    }
+
+    /// The continuation of `prompt`, taken as raw text (no chat template). The model's stop
+    /// tokens are added to `opts`'s.
+    pub fn complete(&self, prompt: &str, opts: GenOptions) -> Result<Answer> {
+        self.complete_stream(prompt, opts, &mut |_| Ok(()))
+    }
+
+    /// [`Llm::complete`], passing each piece of text to `on_text` as it is released.
+    pub fn complete_stream(
+        &self,
+        prompt: &str,
+        opts: GenOptions,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Answer> {
+        let prompt = self.text.encode_raw(prompt)?;
+        self.answer(&prompt, opts, on_text)
+    }
+
+    /// A fresh context of `kind` with the builder's capacity and K/V dtype (the low level:
+    /// `Context::decode`, or a [`Generator`](crate::Generator) of your own).
+    pub fn context(&self, kind: CacheKind) -> Result<Context> {
+        Ok(self.model.context(kind, self.capacity, self.kv_dtype)?)
+    }
+
+    /// The model (layer views, other contexts, its config).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Its tokenizer, chat template and stop tokens.
+    pub fn text(&self) -> &Arc<Text> {
+        &self.text
+    }
+
+    /// `prompt` answered on a fresh contiguous context.
+    fn answer(
+        &self,
+        prompt: &[i32],
+        mut opts: GenOptions,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Answer> {
+        opts.stop_tokens.extend(self.text.stop_tokens());
+        let mut ctx = self.context(CacheKind::Contiguous)?;
+        let mut text = String::new();
+        let mut on_token = |e: &TokenEvent<'_>| {
+            if e.text.is_empty() {
+                return Ok(());
+            }
+            text.push_str(&e.text);
+            on_text(&e.text)
+        };
+        let done = generate(
+            &mut ctx,
+            Some(self.text.clone()),
+            0,
+            prompt,
+            0,
+            opts,
+            &mut on_token,
+        )?;
+        if !done.text_tail.is_empty() {
+            text.push_str(&done.text_tail);
+            on_text(&done.text_tail)?;
+        }
+        Ok(Answer {
+            text,
+            ids: done.ids,
+            finish: done.reason,
+            prompt_tokens: prompt.len(),
+        })
+    }
+}
