@@ -2,7 +2,9 @@
 
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
-use crate::limits::{check_limit, MAX_CAPACITY, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS};
+use crate::limits::{
+    check_limit, MAX_CAPACITY, MAX_CONV_CHANNELS, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS,
+};
 
 /// Default first pool allocation, in cells.
 pub const DEFAULT_MIN_CHUNK: usize = 256;
@@ -41,6 +43,9 @@ pub struct CacheConfig {
     /// The layers that attend through a sliding window (`None`: every layer attends fully).
     #[serde(default)]
     pub sliding: Option<SlidingLayers>,
+    /// The short-convolution layers of a hybrid model (`None`: none); they hold no K/V.
+    #[serde(default)]
+    pub conv: Option<ConvLayers>,
 }
 
 /// A set of layer indices below [`MAX_LAYERS`].
@@ -106,6 +111,27 @@ pub struct SlidingLayers {
     pub layers: LayerSet,
 }
 
+/// The short-convolution layers of a hybrid model (LFM2): recurrent layers whose state is
+/// the tail of a causal depthwise convolution over their input rows.
+///
+/// The cache keeps each such layer's input row (`channels` f32 values) in a pool indexed by
+/// the same cells as the K/V rows, so the state at any position is a function of the rows of
+/// its last `width - 1` positions: every verb (rewind, `seq_rm`, `seq_cp`, fork, tree
+/// commit, a dropped step) is exact on it as it is on K/V, and no checkpoint is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct ConvLayers {
+    /// Taps of the convolution, the current position's included (`>= 2`; LFM2's
+    /// `conv_L_cache`).
+    pub width: usize,
+    /// Channels (values per row).
+    pub channels: usize,
+    /// The convolution layers.
+    pub layers: LayerSet,
+}
+
+/// The widest convolution kernel a config may declare.
+pub const MAX_CONV_WIDTH: usize = 64;
+
 fn default_min_chunk() -> usize {
     DEFAULT_MIN_CHUNK
 }
@@ -125,6 +151,7 @@ pub fn make_config(params: &ModelCacheParams, capacity: usize, kv_dtype: KvDtype
         min_chunk: DEFAULT_MIN_CHUNK,
         kv_dtype,
         sliding: None,
+        conv: None,
     }
 }
 
@@ -158,7 +185,37 @@ impl CacheConfig {
                 )));
             }
         }
+        if let Some(c) = &self.conv {
+            if !(2..=MAX_CONV_WIDTH).contains(&c.width) {
+                return Err(CacheError::bad_config(format!(
+                    "a convolution width of {} is outside 2..={MAX_CONV_WIDTH}",
+                    c.width
+                )));
+            }
+            if c.channels == 0 {
+                return Err(CacheError::bad_config(
+                    "convolution layers need at least one channel",
+                ));
+            }
+            check_limit("conv channels", c.channels, MAX_CONV_CHANNELS)?;
+            if let Some(l) = c.layers.iter().find(|&l| l >= self.n_layers) {
+                return Err(CacheError::bad_config(format!(
+                    "convolution layer {l} is outside 0..{}",
+                    self.n_layers
+                )));
+            }
+            if let Some(l) = c.layers.iter().find(|&l| self.slides(l)) {
+                return Err(CacheError::bad_config(format!(
+                    "layer {l} cannot both slide and convolve"
+                )));
+            }
+        }
         self.kv_dtype.check_head_dim(self.head_dim)
+    }
+
+    /// Whether `layer` is a short-convolution layer.
+    pub fn convolves(&self, layer: usize) -> bool {
+        self.conv.is_some_and(|c| c.layers.contains(layer))
     }
 
     /// Whether `layer` attends through the sliding window.
@@ -168,13 +225,25 @@ impl CacheConfig {
 
     /// Layers that attend fully.
     pub fn full_layers(&self) -> usize {
-        self.n_layers - self.sliding.map_or(0, |s| s.layers.len())
+        self.n_layers
+            - self.sliding.map_or(0, |s| s.layers.len())
+            - self.conv.map_or(0, |c| c.layers.len())
     }
 
-    /// Bytes of the K and V pools of the fully attending layers holding `cells` cells each;
-    /// `None` on overflow.
+    /// Bytes of the pools indexed by cells (K and V of the fully attending layers, the
+    /// convolution layers' input rows) holding `cells` cells each; `None` on overflow.
     pub fn pools_bytes(&self, cells: usize) -> Option<u64> {
-        self.layer_pools_bytes(self.full_layers(), cells)
+        self.layer_pools_bytes(self.full_layers(), cells)?
+            .checked_add(self.conv_pools_bytes(cells)?)
+    }
+
+    /// Bytes of the convolution layers' row pools (f32) holding `cells` cells each.
+    pub fn conv_pools_bytes(&self, cells: usize) -> Option<u64> {
+        self.conv.map_or(Some(0), |c| {
+            (c.layers.len() as u64)
+                .checked_mul(cells as u64)?
+                .checked_mul(4 * c.channels as u64)
+        })
     }
 
     /// Bytes of the K and V pools of `layers` layers holding `cells` cells each.

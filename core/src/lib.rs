@@ -46,7 +46,8 @@ pub mod window;
 
 pub use arithmetic::Arithmetic;
 pub use config::{
-    make_config, CacheConfig, LayerSet, ModelCacheParams, SlidingLayers, DEFAULT_MIN_CHUNK,
+    make_config, CacheConfig, ConvLayers, LayerSet, ModelCacheParams, SlidingLayers,
+    DEFAULT_MIN_CHUNK,
 };
 pub use contiguous::ContiguousBookkeeping;
 pub use dtype::KvDtype;

@@ -16,6 +16,8 @@ pub const MAX_KV_HEADS: usize = 1024;
 /// Values per head row: released models use at most 512; the scenario format allows up to
 /// this bound, so it is the largest the conformance matrix can check on every backend.
 pub const MAX_HEAD_DIM: usize = 1024;
+/// Channels of a convolution layer's rows (its model's residual width, at most 64Ki).
+pub const MAX_CONV_CHANNELS: usize = 1 << 16;
 
 /// Checks `value` of `name` against `max`.
 pub fn check_limit(name: &str, value: usize, max: usize) -> CacheResult<()> {

@@ -3,7 +3,7 @@
 //! and what it implies: rotary frequencies per layer type, attention scale, which layers slide.
 
 use crate::spec::{LayerAttention, ModelCacheSpec};
-use crate::{CacheError, ModelCacheParams, SlidingLayers};
+use crate::{CacheError, ConvLayers, ModelCacheParams, SlidingLayers};
 
 /// Why a model package cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +72,9 @@ pub enum Arch {
     /// Gemma 3 (text): q/k norms, (1 + w) RMSNorm weights, pre- and post-norms around
     /// attention and MLP, GELU-tanh MLP, embeddings scaled by √hidden, local/global RoPE.
     Gemma3,
+    /// LFM2: a hybrid whose layers are short convolutions (`conv`) or GQA attention with
+    /// per-head q/k norms, each followed by a SiLU MLP; Hugging Face's LFM2 tensor names.
+    Lfm2,
 }
 
 /// The gate activation of the MLP.
@@ -103,8 +106,8 @@ pub struct ModelConfig {
     pub num_hidden_layers: usize,
     /// Vocabulary.
     pub vocab_size: usize,
-    /// RMSNorm epsilon.
-    #[serde(default = "eps")]
+    /// RMSNorm epsilon (LFM2 calls it `norm_eps`).
+    #[serde(default = "eps", alias = "norm_eps")]
     pub rms_norm_eps: f64,
     /// RoPE base.
     #[serde(default = "theta")]
@@ -112,8 +115,8 @@ pub struct ModelConfig {
     /// Llama 3 frequency scaling.
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
-    /// Whether `lm_head` reuses the embedding table.
-    #[serde(default)]
+    /// Whether `lm_head` reuses the embedding table (LFM2: `tie_embedding`).
+    #[serde(default, alias = "tie_embedding")]
     pub tie_word_embeddings: bool,
     /// Head width (default hidden / heads).
     #[serde(default)]
@@ -161,6 +164,26 @@ pub const MAX_INTERMEDIATE: usize = 1 << 18;
 /// See [`MAX_HIDDEN`].
 pub const MAX_VOCAB: usize = 1 << 22;
 
+/// LFM2's MLP width as its converter derives it: with `block_auto_adjust_ff_dim`, two
+/// thirds of `block_ff_dim` (or `intermediate_size`), times `block_ffn_dim_multiplier`,
+/// rounded up to `block_multiple_of`; written back as `intermediate_size`.
+fn lfm2_ff_dim(v: &mut serde_json::Value) -> Result<(), ModelError> {
+    if !v["block_auto_adjust_ff_dim"].as_bool().unwrap_or(false) {
+        return Ok(());
+    }
+    let ff = v["block_ff_dim"]
+        .as_u64()
+        .or_else(|| v["intermediate_size"].as_u64())
+        .ok_or_else(|| ModelError::Malformed("LFM2 config without block_ff_dim".into()))?;
+    let mut ff = 2 * ff / 3;
+    if let Some(m) = v["block_ffn_dim_multiplier"].as_f64() {
+        ff = (m * ff as f64) as u64;
+    }
+    let multiple = v["block_multiple_of"].as_u64().unwrap_or(1).max(1);
+    v["intermediate_size"] = ff.div_ceil(multiple).saturating_mul(multiple).into();
+    Ok(())
+}
+
 /// `Gemma3TextConfig`'s defaults for the fields this kit reads.
 fn gemma3_defaults() -> [(&'static str, serde_json::Value); 8] {
     use serde_json::json;
@@ -184,9 +207,12 @@ impl ModelConfig {
         let model_type = v["model_type"].as_str().unwrap_or_default().to_string();
         if !matches!(
             model_type.as_str(),
-            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text"
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text" | "lfm2"
         ) {
             return Err(ModelError::Unsupported(model_type));
+        }
+        if model_type == "lfm2" {
+            lfm2_ff_dim(&mut v)?;
         }
         if model_type == "gemma3_text" {
             let Some(obj) = v.as_object_mut() else {
@@ -238,7 +264,7 @@ impl ModelConfig {
             }
         }
         let act = match c.arch() {
-            Arch::Llama => ("hidden_act", c.hidden_act.as_deref(), "silu"),
+            Arch::Llama | Arch::Lfm2 => ("hidden_act", c.hidden_act.as_deref(), "silu"),
             Arch::Gemma3 => (
                 "hidden_activation",
                 c.hidden_activation.as_deref(),
@@ -354,24 +380,24 @@ impl ModelConfig {
 
     /// The graph this config selects.
     pub fn arch(&self) -> Arch {
-        if self.model_type == "gemma3_text" {
-            Arch::Gemma3
-        } else {
-            Arch::Llama
+        match self.model_type.as_str() {
+            "gemma3_text" => Arch::Gemma3,
+            "lfm2" => Arch::Lfm2,
+            _ => Arch::Llama,
         }
     }
 
     /// The MLP's gate activation.
     pub fn activation(&self) -> Activation {
         match self.arch() {
-            Arch::Llama => Activation::Silu,
+            Arch::Llama | Arch::Lfm2 => Activation::Silu,
             Arch::Gemma3 => Activation::GeluTanh,
         }
     }
 
-    /// Whether q and k pass through per-head RMSNorms before RoPE (Gemma 3, Qwen3).
+    /// Whether q and k pass through per-head RMSNorms before RoPE (Gemma 3, Qwen3, LFM2).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.model_type.as_str(), "gemma3_text" | "qwen3")
+        matches!(self.model_type.as_str(), "gemma3_text" | "qwen3" | "lfm2")
     }
 
     /// Whether q/k/v carry biases.
@@ -406,6 +432,14 @@ impl ModelConfig {
         let mut spec = self.cache_spec();
         spec.layers.truncate(layers);
         spec.sliding().map_err(|e| ModelError::Malformed(e.message))
+    }
+
+    /// The convolution layers among the first `layers` (a cache for this model must have
+    /// exactly these).
+    pub fn conv(&self, layers: usize) -> Result<Option<ConvLayers>, ModelError> {
+        let mut spec = self.cache_spec();
+        spec.layers.truncate(layers);
+        spec.conv().map_err(|e| ModelError::Malformed(e.message))
     }
 
     /// The cache shape this model needs.
@@ -599,6 +633,36 @@ mod tests {
             (s.window, s.layers.iter().collect::<Vec<_>>()),
             (4096, vec![28, 29])
         );
+    }
+
+    /// LFM2-350M's config.json as Liquid AI publishes it (fields this kit reads).
+    const LFM2: &str = r#"{"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"],
+        "hidden_size": 1024, "intermediate_size": 6656, "block_ff_dim": 6656,
+        "block_auto_adjust_ff_dim": true, "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256, "conv_L_cache": 3, "norm_eps": 1e-05,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 16,
+        "rope_theta": 1000000.0, "tie_embedding": true, "vocab_size": 65536,
+        "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention",
+        "conv", "conv", "full_attention", "conv", "full_attention", "conv", "full_attention",
+        "conv", "full_attention", "conv"]}"#;
+
+    #[test]
+    fn lfm2_configs_read_conv_layers_and_the_derived_mlp_width() {
+        let c = ModelConfig::parse(LFM2).unwrap();
+        assert_eq!(
+            (c.arch(), c.activation(), c.qk_norm(), c.tie_word_embeddings),
+            (Arch::Lfm2, Activation::Silu, true, true)
+        );
+        // 2/3 of 6656 = 4437, rounded up to a multiple of 256: llama.cpp's 350M size.
+        assert_eq!((c.intermediate_size, c.rms_norm_eps), (4608, 1e-5));
+        let conv = c.conv(16).unwrap().unwrap();
+        assert_eq!((conv.width, conv.channels), (3, 1024));
+        assert_eq!(
+            conv.layers.iter().collect::<Vec<_>>(),
+            [0, 1, 3, 4, 6, 7, 9, 11, 13, 15]
+        );
+        assert_eq!(c.sliding(16).unwrap(), None);
+        assert_eq!(c.conv(2).unwrap().unwrap().layers.len(), 2);
     }
 
     /// Gemma 3 270M's config.json as Hugging Face publishes it (fields this kit reads).

@@ -3,24 +3,26 @@
 //! Each layer attends fully or through a sliding window. Conventions read, in order (those of
 //! Hugging Face `transformers`):
 //!
-//! 1. an explicit `layer_types` list (`full_attention` / `sliding_attention`), window
-//!    `sliding_window`;
+//! 1. an explicit `layer_types` list (`full_attention` / `sliding_attention`, window
+//!    `sliding_window`; LFM2's `conv`, a short-convolution layer of `conv_L_cache` taps over
+//!    `hidden_size` channels);
 //! 2. Gemma 3's `sliding_window_pattern` `N`: layer `i` is full iff `(i + 1) % N == 0`;
 //! 3. Qwen2's `use_sliding_window` with `max_window_layers` `M`: layers `i >= M` slide
 //!    (absent in a `qwen*` config, it is false: Qwen2 ships a window it does not use);
 //! 4. otherwise a non-null `sliding_window` makes every layer slide (Mistral);
 //! 5. otherwise every layer is full (Llama).
 //!
-//! [`ModelCacheSpec::sliding`] turns the spec into the [`SlidingLayers`] of a
-//! [`crate::CacheConfig`]: a hybrid cache (see [`crate::window`]).
+//! [`ModelCacheSpec::sliding`] and [`ModelCacheSpec::conv`] turn the spec into the
+//! [`SlidingLayers`] and [`ConvLayers`] of a [`crate::CacheConfig`]: a hybrid cache (see
+//! [`crate::window`]).
 
 use serde_json::Value;
 
-use crate::config::{LayerSet, SlidingLayers};
+use crate::config::{ConvLayers, LayerSet, SlidingLayers, MAX_CONV_WIDTH};
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
 
-/// How one layer attends.
+/// How one layer attends, or what state it keeps instead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LayerAttention {
@@ -30,6 +32,14 @@ pub enum LayerAttention {
     Sliding {
         /// Positions seen, the query's own included.
         window: usize,
+    },
+    /// No attention: a recurrent short convolution (LFM2), whose state is its input rows of
+    /// the last `width - 1` positions (see [`ConvLayers`]).
+    Conv {
+        /// Taps, the current position's included.
+        width: usize,
+        /// Channels per row.
+        channels: usize,
     },
 }
 
@@ -70,6 +80,22 @@ impl ModelCacheSpec {
                 .map(|w| w as usize)
                 .ok_or_else(|| bad("sliding layers need a positive integer sliding_window".into()))
         };
+        let conv = || -> CacheResult<LayerAttention> {
+            let width = config["conv_L_cache"]
+                .as_u64()
+                .filter(|w| (2..=MAX_CONV_WIDTH as u64).contains(w))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "conv layers need an integer conv_L_cache in 2..={MAX_CONV_WIDTH}"
+                    ))
+                })? as usize;
+            let channels = config["hidden_size"]
+                .as_u64()
+                .filter(|&h| h > 0)
+                .ok_or_else(|| bad("conv layers need a positive hidden_size".into()))?
+                as usize;
+            Ok(LayerAttention::Conv { width, channels })
+        };
         let layers = if let Some(types) = config["layer_types"].as_array() {
             if types.len() != n_layers {
                 return Err(bad(format!(
@@ -82,6 +108,7 @@ impl ModelCacheSpec {
                 .map(|t| match t.as_str() {
                     Some("full_attention") => Ok(LayerAttention::Full),
                     Some("sliding_attention") => Ok(LayerAttention::Sliding { window: window()? }),
+                    Some("conv") => conv(),
                     other => Err(bad(format!("unknown layer type {other:?}"))),
                 })
                 .collect::<CacheResult<_>>()?
@@ -159,9 +186,38 @@ impl ModelCacheSpec {
             return Ok(None);
         };
         let layers = LayerSet::of(
-            (0..self.layers.len()).filter(|&i| self.layers[i] != LayerAttention::Full),
+            (0..self.layers.len())
+                .filter(|&i| matches!(self.layers[i], LayerAttention::Sliding { .. })),
         )?;
         Ok(Some(SlidingLayers { window, layers }))
+    }
+
+    /// The convolution layers of a cache config (`None` without any); `bad_config` when
+    /// they differ in width or channels (one convolution group per cache).
+    pub fn conv(&self) -> CacheResult<Option<ConvLayers>> {
+        let mut shape = None;
+        for l in &self.layers {
+            if let LayerAttention::Conv { width, channels } = *l {
+                if shape.is_some_and(|s| s != (width, channels)) {
+                    return Err(CacheError::bad_config(
+                        "convolution layers of different widths or channels are not supported",
+                    ));
+                }
+                shape = Some((width, channels));
+            }
+        }
+        let Some((width, channels)) = shape else {
+            return Ok(None);
+        };
+        let layers = LayerSet::of(
+            (0..self.layers.len())
+                .filter(|&i| matches!(self.layers[i], LayerAttention::Conv { .. })),
+        )?;
+        Ok(Some(ConvLayers {
+            width,
+            channels,
+            layers,
+        }))
     }
 
     /// K and V bytes one token takes in one layer.
@@ -169,15 +225,28 @@ impl ModelCacheSpec {
         2 * self.n_kv_heads * dtype.row_bytes(self.head_dim)
     }
 
-    /// K/V bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
+    /// Cache bytes one token takes in a layer of kind `layer`: its K and V rows, or a
+    /// convolution layer's f32 input row.
+    pub fn bytes_per_token(&self, layer: LayerAttention, dtype: KvDtype) -> usize {
+        match layer {
+            LayerAttention::Full | LayerAttention::Sliding { .. } => {
+                self.layer_bytes_per_token(dtype)
+            }
+            LayerAttention::Conv { channels, .. } => 4 * channels,
+        }
+    }
+
+    /// Cache bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
     /// `window + ubatch` of them (the window plus one micro-batch in flight).
     pub fn sequence_bytes(&self, dtype: KvDtype, tokens: usize, ubatch: usize) -> u128 {
-        let per = self.layer_bytes_per_token(dtype) as u128;
         self.layers
             .iter()
-            .map(|l| match *l {
-                LayerAttention::Full => tokens as u128 * per,
-                LayerAttention::Sliding { window } => tokens.min(window + ubatch) as u128 * per,
+            .map(|&l| {
+                let held = match l {
+                    LayerAttention::Sliding { window } => tokens.min(window + ubatch),
+                    LayerAttention::Full | LayerAttention::Conv { .. } => tokens,
+                };
+                held as u128 * self.bytes_per_token(l, dtype) as u128
             })
             .sum()
     }
@@ -253,5 +322,43 @@ mod tests {
         assert_eq!(full, [5, 11, 17]);
         let llama = ModelCacheSpec::from_config(&json!({}), 2, 1, 64).unwrap();
         assert_eq!(llama.sliding().unwrap(), None);
+        assert_eq!(llama.conv().unwrap(), None);
+    }
+
+    #[test]
+    fn conv_layers_hold_an_f32_row_per_token_and_no_kv() {
+        // LFM2-350M's pattern: 16 layers, attention at 2, 5, 8, 10, 12, 14.
+        let attn = [2, 5, 8, 10, 12, 14];
+        let types: Vec<&str> = (0..16)
+            .map(|i| {
+                if attn.contains(&i) {
+                    "full_attention"
+                } else {
+                    "conv"
+                }
+            })
+            .collect();
+        let c = json!({"layer_types": types, "conv_L_cache": 3, "hidden_size": 1024});
+        let spec = ModelCacheSpec::from_config(&c, 16, 8, 64).unwrap();
+        let conv = spec.conv().unwrap().unwrap();
+        assert_eq!(
+            (conv.width, conv.channels, conv.layers.len()),
+            (3, 1024, 10)
+        );
+        assert!(attn.iter().all(|&l| !conv.layers.contains(l)));
+        assert_eq!(spec.sliding().unwrap(), None);
+        let per_attn = spec.layer_bytes_per_token(KvDtype::F16) as u128;
+        assert_eq!(
+            spec.sequence_bytes(KvDtype::F16, 10, 0),
+            10 * (6 * per_attn + 10 * 4 * 1024)
+        );
+        for bad in [
+            json!({"layer_types": ["conv"], "hidden_size": 8}),
+            json!({"layer_types": ["conv"], "conv_L_cache": 1, "hidden_size": 8}),
+            json!({"layer_types": ["conv"], "conv_L_cache": 3}),
+        ] {
+            let e = ModelCacheSpec::from_config(&bad, 1, 1, 64).unwrap_err();
+            assert!(e.message.contains("conv"), "{}", e.message);
+        }
     }
 }

@@ -6,7 +6,7 @@
 use abi_stable::sabi_trait;
 use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::StableAbi;
-use kvplug_core::config::{LayerSet, SlidingLayers};
+use kvplug_core::config::{ConvLayers, LayerSet, SlidingLayers};
 use kvplug_core::{CacheConfig, CacheError, KvDtype};
 
 use crate::error::PluginError;
@@ -32,6 +32,12 @@ pub struct AbiCacheConfig {
     pub sliding_window: u64,
     /// Layers attending through the sliding window.
     pub sliding_layers: RVec<u32>,
+    /// Taps of [`AbiCacheConfig::conv_layers`]' convolution (0: no convolution layers).
+    pub conv_width: u32,
+    /// Channels of the convolution layers' rows.
+    pub conv_channels: u32,
+    /// Short-convolution layers (no K/V; see [`ConvLayers`]).
+    pub conv_layers: RVec<u32>,
 }
 
 impl From<&CacheConfig> for AbiCacheConfig {
@@ -49,6 +55,16 @@ impl From<&CacheConfig> for AbiCacheConfig {
             sliding_layers: c
                 .sliding
                 .map(|s| s.layers.iter().map(|l| l as u32).collect())
+                .unwrap_or_default(),
+            conv_width: c
+                .conv
+                .map_or(0, |v| u32::try_from(v.width).unwrap_or(u32::MAX)),
+            conv_channels: c
+                .conv
+                .map_or(0, |v| u32::try_from(v.channels).unwrap_or(u32::MAX)),
+            conv_layers: c
+                .conv
+                .map(|v| v.layers.iter().map(|l| l as u32).collect())
                 .unwrap_or_default(),
         }
     }
@@ -76,8 +92,22 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
                 layers: LayerSet::of(c.sliding_layers.iter().map(|&l| l as usize))?,
             }),
         };
+        let conv = match (c.conv_width, c.conv_layers.is_empty()) {
+            (0, true) => None,
+            (0, false) => {
+                return Err(CacheError::bad_config(
+                    "convolution layers are listed but their width is 0",
+                ))
+            }
+            (w, _) => Some(ConvLayers {
+                width: w as usize,
+                channels: c.conv_channels as usize,
+                layers: LayerSet::of(c.conv_layers.iter().map(|&l| l as usize))?,
+            }),
+        };
         let cfg = CacheConfig {
             sliding,
+            conv,
             capacity: c.capacity as usize,
             n_layers: c.n_layers as usize,
             n_kv_heads: c.n_kv_heads as usize,

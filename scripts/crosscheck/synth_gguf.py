@@ -11,6 +11,10 @@ copies of them.
   BOS), rope base 500000.
 - llama, untied: a separate output matrix, 4 KV heads, rope base 10000, the `llama3`
   pre-tokenizer name.
+- lfm2 (a hybrid): short-convolution layers (3 taps) between GQA attention layers with
+  q/k norms, per-layer KV head counts (0 on convolution layers), tied embeddings, the
+  final norm as `token_embd_norm`; and a second shape with 4 taps, an untied output and
+  another layer pattern.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR"""
@@ -127,9 +131,69 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
     print(path)
 
 
+def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=True, seed=0):
+    """An LFM2 file: layers in `attention` attend, the others convolve."""
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    path = os.path.join(out, f"{name}.f32.gguf")
+    w = gguf.GGUFWriter(path, "lfm2")
+    w.add_name(name)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv([kv_heads if i in attention else 0 for i in range(layers)])
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_shortconv_l_cache(taps)
+    w.add_vocab_size(VOCAB)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, "qwen2", True)
+
+    def weight(n, rows, cols, gain=1.0):
+        w.add_tensor(n, (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
+                     .astype(np.float32))
+
+    def norm(n, size):
+        w.add_tensor(n, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", hidden)
+        if i in attention:
+            weight(b + "attn_q.weight", heads * head_dim, hidden)
+            weight(b + "attn_k.weight", kv_heads * head_dim, hidden)
+            weight(b + "attn_v.weight", kv_heads * head_dim, hidden)
+            weight(b + "attn_output.weight", hidden, heads * head_dim, gain=8.0)
+            norm(b + "attn_q_norm.weight", head_dim)
+            norm(b + "attn_k_norm.weight", head_dim)
+        else:
+            # The depthwise kernel, [hidden, taps]; B, C and x stacked in the projection.
+            weight(b + "shortconv.conv.weight", hidden, taps, gain=2.0)
+            weight(b + "shortconv.in_proj.weight", 3 * hidden, hidden, gain=2.0)
+            weight(b + "shortconv.out_proj.weight", hidden, hidden, gain=8.0)
+        norm(b + "ffn_norm.weight", hidden)
+        weight(b + "ffn_gate.weight", ffn, hidden)
+        weight(b + "ffn_up.weight", ffn, hidden)
+        weight(b + "ffn_down.weight", hidden, ffn, gain=8.0)
+    norm("token_embd_norm.weight", hidden)
+    if not tied:
+        weight("output.weight", VOCAB, hidden, gain=20.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(path)
+
+
 model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)
 model("qwen2", "qwen2-synthetic-tied", 512, 4, 8, 2, 64, 1536, biases=True)
 model("llama", "llama3-synthetic", 512, 4, 8, 2, 64, 1536, rope_base=5e5, llama3_rope=True,
       pre="llama-bpe", state_bos=False)
 model("llama", "llama-synthetic-untied", 512, 4, 8, 4, 64, 1536, rope_base=1e4, tied=False,
       pre="llama3")
+# LFM2-350M's pattern scaled down (attention at 2, 5 of 8) and another one.
+lfm2("lfm2-synthetic", 512, 8, {2, 5}, 8, 4, 1536, 3)
+lfm2("lfm2-synthetic-untied", 256, 6, {0, 3, 4}, 4, 2, 768, 4, tied=False, seed=1)

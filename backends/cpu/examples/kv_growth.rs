@@ -128,6 +128,7 @@ fn kvplug_run(tokens: &[Vec<f32>]) -> Run {
         kv_dtype: KvDtype::F16,
         min_chunk: STEP,
         sliding: None,
+        conv: None,
     };
     let mut c = ContiguousKv::new(Arc::new(CpuDevice::new()), cfg).expect("a cache");
     let inputs: Vec<CpuTensor> = tokens

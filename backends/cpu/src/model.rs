@@ -261,6 +261,13 @@ impl ModelDevice for CpuDevice {
         Ok(())
     }
 
+    fn mul(&self, a: &CpuTensor, b: &CpuTensor, out: &mut CpuTensor) -> Result<(), KitError> {
+        for ((o, x), y) in out.data.iter_mut().zip(&a.data).zip(&b.data) {
+            *o = x * y;
+        }
+        Ok(())
+    }
+
     fn silu_mul(
         &self,
         gate: &CpuTensor,

@@ -23,6 +23,7 @@ fn cfg(capacity: usize) -> CacheConfig {
         kv_dtype: KvDtype::F16,
         min_chunk: 4,
         sliding: None,
+        conv: None,
     }
 }
 

@@ -4,13 +4,13 @@ use std::sync::Arc;
 
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
-    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind,
-    PosRange, PrefixStats, SlotMap,
+    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, KvDtype, MaskKind,
+    PlanKind, PosRange, PrefixStats, SlotMap,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, PluginError, SeqRows};
 
-use crate::device::{AttendMask, Device};
+use crate::device::{AttendMask, Device, NO_CELL};
 
 /// Rows [`KitCache::import_seq`] writes per step (bounds the step plan and the staging copy).
 pub const IMPORT_CHUNK: usize = 512;
@@ -65,6 +65,10 @@ pub struct KitStats {
 /// Sliding-window layers (a hybrid model, see [`kvplug_core::SlidingLayers`]) form one group
 /// with its own pools, indexed by the group's [`SlotMap`]: bounded by the window whatever
 /// the history, read under the window's mask.
+///
+/// Short-convolution layers (LFM2, see [`kvplug_core::ConvLayers`]) keep their f32 input
+/// rows in pools indexed by the K/V cells: a token's convolution reads the rows of its own
+/// last positions among the cells its query may see, so the state follows every verb.
 pub struct KitCache<D: Device> {
     device: Arc<D>,
     cfg: CacheConfig,
@@ -75,6 +79,14 @@ pub struct KitCache<D: Device> {
     v: Vec<D::Pool>,
     pool_cells: usize,
     sliding: Option<SlidingGroup<D>>,
+    /// The convolution layers' row pools (f32, one head of `channels`), indexed by cells.
+    conv: Vec<D::Pool>,
+    /// The position each cell was last written at (kept only with convolution layers): with
+    /// the plan's visibility, where a token finds the rows of its previous positions.
+    cell_pos: Vec<i32>,
+    /// The open step's convolution taps (`[T, width]` cells), made at its first
+    /// convolution layer.
+    taps: Option<Vec<u32>>,
     /// Read path and read window of the last planned step.
     last_plan: Option<(PlanKind, usize)>,
     /// The layer the open step expects next.
@@ -91,6 +103,7 @@ type KvPools<D> = (Vec<<D as Device>::Pool>, Vec<<D as Device>::Pool>);
 enum Place {
     Full(usize),
     Sliding(usize),
+    Conv(usize),
 }
 
 /// Published prefix ends whose window rows a sliding group keeps, so that later sequences
@@ -136,6 +149,12 @@ impl<D: Device> KitCache<D> {
             Ok((pools, v))
         };
         let (pools, v) = new_pools(cfg.full_layers())?;
+        let conv = match cfg.conv {
+            Some(c) => (0..c.layers.len())
+                .map(|_| device.pool_new(KvDtype::F32, 1, c.channels, cells))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
         let sliding = match cfg.sliding {
             Some(s) => {
                 let (k, v) = new_pools(s.layers.len())?;
@@ -148,11 +167,13 @@ impl<D: Device> KitCache<D> {
             }
             None => None,
         };
-        let (mut full, mut slide) = (0, 0);
+        let (mut full, mut slide, mut convolve) = (0, 0, 0);
         let place = (0..cfg.n_layers)
             .map(|l| {
                 let (n, p): (&mut usize, fn(usize) -> Place) = if cfg.slides(l) {
                     (&mut slide, Place::Sliding)
+                } else if cfg.convolves(l) {
+                    (&mut convolve, Place::Conv)
                 } else {
                     (&mut full, Place::Full)
                 };
@@ -177,6 +198,13 @@ impl<D: Device> KitCache<D> {
             v,
             pool_cells: cells,
             sliding,
+            cell_pos: if conv.is_empty() {
+                Vec::new()
+            } else {
+                vec![-1; cells]
+            },
+            conv,
+            taps: None,
             last_plan: None,
             next_layer: 0,
             scratch: D::Scratch::default(),
@@ -233,6 +261,7 @@ impl<D: Device> KitCache<D> {
                 .k
                 .iter()
                 .chain(&self.v)
+                .chain(&self.conv)
                 .chain(self.sliding.iter().flat_map(|g| g.k.iter().chain(&g.v)))
                 .map(|p| self.device.pool_bytes(p))
                 .sum(),
@@ -338,6 +367,7 @@ impl<D: Device> KitCache<D> {
         if let Some(g) = &mut self.sliding {
             g.map.rollback_step();
         }
+        self.taps = None;
         let plan = self.book.open_step(positions)?;
         let (read_len, kind) = (plan.read_len, plan.kind());
         self.last_plan = Some((kind, read_len));
@@ -371,6 +401,12 @@ impl<D: Device> KitCache<D> {
         let _span = tracing::debug_span!("pool_grow", from = self.pool_cells, to = cells).entered();
         for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
             self.device.pool_grow(pool, cells, self.pool_cells)?;
+        }
+        for pool in &mut self.conv {
+            self.device.pool_grow(pool, cells, self.pool_cells)?;
+        }
+        if !self.conv.is_empty() {
+            self.cell_pos.resize(cells, -1);
         }
         tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
         self.pool_cells = cells;
@@ -411,6 +447,7 @@ impl<D: Device> KitCache<D> {
     /// The K/V history `seq` holds, in canonical storage form (see [`SeqRows`]): every row
     /// of the fully attending layers, the window's rows of the sliding ones.
     pub fn export_seq(&self, seq: i32) -> Result<SeqRows, KitError> {
+        self.refuse_rows_of_conv()?;
         let history = self.book.history(seq)?;
         let positions: Vec<i32> = history.iter().map(|h| h.0).collect();
         let cells: Vec<u32> = history.iter().map(|h| h.1).collect();
@@ -441,6 +478,7 @@ impl<D: Device> KitCache<D> {
                             let g = self.sliding.as_ref().expect("sliding layers have a group");
                             (&[&g.k, &g.v][side][i], &slots)
                         }
+                        Place::Conv(_) => return self.refuse_rows_of_conv().map(|()| RVec::new()),
                     };
                     self.device.read_rows(pool, at).map(RVec::from)
                 })
@@ -464,6 +502,7 @@ impl<D: Device> KitCache<D> {
     /// end right before it; a tree cache must be empty), and the rows must cover this cache's
     /// window after the last of them. Validates first; all or nothing.
     pub fn import_seq(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
+        self.refuse_rows_of_conv()?;
         self.rollback();
         self.check_rows(seq, rows)?;
         let Some(&first) = rows.positions.first() else {
@@ -530,6 +569,10 @@ impl<D: Device> KitCache<D> {
                     let (k, v) = (&mut g.k[i], &mut g.v[i]);
                     ([k, v], g.map.write_slots())
                 }
+                Place::Conv(_) => {
+                    failed = self.refuse_rows_of_conv().err();
+                    break 'layers;
+                }
             };
             for (pool, src) in pools.into_iter().zip([&rows.k[l], &rows.v[l]]) {
                 buf.clear();
@@ -554,6 +597,18 @@ impl<D: Device> KitCache<D> {
         self.commit_step();
         Ok(())
     }
+    /// Saved rows (session files) do not carry convolution rows yet: refused, unchanged.
+    fn refuse_rows_of_conv(&self) -> Result<(), KitError> {
+        match self.cfg.conv {
+            Some(_) => Err(CacheError::not_supported(
+                "saving or restoring the rows of a model with convolution layers (LFM2) is \
+                 not supported yet",
+            )
+            .into()),
+            None => Ok(()),
+        }
+    }
+
     /// Checks that `rows` fit this cache and can follow what `seq` holds.
     fn check_rows(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
         let cfg = &self.cfg;
@@ -694,6 +749,7 @@ impl<D: Device> KitCache<D> {
         let (device, scratch, arithmetic) = (&self.device, &mut self.scratch, self.arithmetic);
         let i = match self.place[layer] {
             Place::Full(i) => i,
+            Place::Conv(_) => return Err(conv_layer_attended(layer).into()),
             Place::Sliding(i) => {
                 let g = self
                     .sliding
@@ -727,6 +783,40 @@ impl<D: Device> KitCache<D> {
         device.attend(arithmetic, q, kp, vp, l, mask, scale, out, scratch)
     }
 
+    /// Makes the open step's convolution taps (`[T, width]`) unless made: for each token,
+    /// the cells holding its sequence's previous `width - 1` positions among those its query
+    /// sees (the plan's visibility; [`NO_CELL`] before the sequence began), oldest first,
+    /// then its own.
+    fn make_taps(&mut self, width: usize) {
+        if self.taps.is_none() {
+            let plan = self
+                .book
+                .step_plan()
+                .expect("convolution taps are made inside an open step");
+            for (i, &p) in plan.positions.iter().enumerate() {
+                self.cell_pos[plan.cell_of(i)] = p;
+            }
+            let held = |i: usize, c: usize, p: i32| plan.visible(i, c) && self.cell_pos[c] == p;
+            let mut taps = Vec::with_capacity(plan.n_tok * width);
+            for (i, &p) in plan.positions.iter().enumerate() {
+                let own = plan.cell_of(i);
+                for back in (1..width).rev() {
+                    let want = p - back as i32;
+                    // Consecutive positions usually sit in consecutive cells; else search
+                    // the cells the query sees.
+                    let tap = own
+                        .checked_sub(back)
+                        .filter(|&c| held(i, c, want))
+                        .or_else(|| (0..plan.read_len).find(|&c| held(i, c, want)))
+                        .map_or(NO_CELL, |c| c as u32);
+                    taps.push(tap);
+                }
+                taps.push(own as u32);
+            }
+            self.taps = Some(taps);
+        }
+    }
+
     fn check_shapes(
         &self,
         layer: usize,
@@ -742,6 +832,9 @@ impl<D: Device> KitCache<D> {
                 "layer {layer} is outside 0..{}",
                 self.cfg.n_layers
             )));
+        }
+        if let Place::Conv(_) = self.place[layer] {
+            return Err(conv_layer_attended(layer));
         }
         let dev = &self.device;
         let (qd, kd, vd, od) = (dev.dims(q), dev.dims(k), dev.dims(v), dev.dims(out));
@@ -764,8 +857,18 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         &mut self.book
     }
     fn move_rows(&mut self, base: usize, rows: &[u32]) {
-        for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
+        for pool in self
+            .k
+            .iter_mut()
+            .chain(self.v.iter_mut())
+            .chain(&mut self.conv)
+        {
             self.device.move_rows(pool, base, rows);
+        }
+        if !self.cell_pos.is_empty() {
+            for (i, &r) in rows.iter().enumerate() {
+                self.cell_pos[base + i] = self.cell_pos[r as usize];
+            }
         }
         if let Some(g) = &mut self.sliding {
             g.map.move_cells(base, rows);
@@ -789,6 +892,13 @@ impl<D: Device> CacheVerbs for KitCache<D> {
             None => Ok(()),
         }
     }
+}
+
+/// The refusal of attention on a convolution layer.
+fn conv_layer_attended(layer: usize) -> CacheError {
+    CacheError::bad_shape(format!(
+        "layer {layer} is a convolution layer: it holds no K/V (the model's forward runs it)"
+    ))
 }
 
 /// A step in progress on a [`KitCache`] (see [`KitCache::step`]). Dropped uncommitted, it
@@ -830,6 +940,54 @@ impl<D: Device> Step<'_, D> {
         let t = self.plan().n_tok;
         self.cache.check_shapes(layer, q, k, v, t, out)?;
         self.cache.write_and_attend(layer, q, k, v, scale, out)?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Writes the input rows `x` (`[1, T, channels]`) of the next layer, `layer`, a
+    /// convolution layer, and convolves each token's rows of its sequence's last `width`
+    /// positions with `kernel` (`[channels, width]`) into `out` (`[T, channels]`).
+    pub fn conv(
+        &mut self,
+        layer: usize,
+        x: &D::Tensor,
+        kernel: &D::Tensor,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        if layer != self.next_layer {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} out of order: the step expects layer {}",
+                self.next_layer
+            ))
+            .into());
+        }
+        let c = &mut *self.cache;
+        let (Some(Place::Conv(i)), Some(conv)) = (c.place.get(layer).copied(), c.cfg.conv) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is not a convolution layer of this cache"
+            ))
+            .into());
+        };
+        let plan = c.book.step_plan().expect("a Step holds an open step");
+        let t = plan.n_tok;
+        let dev = &*c.device;
+        let (xd, kd) = (dev.dims(x), dev.dims(kernel));
+        if xd != [1, t, conv.channels] || kd != [conv.channels, conv.width] {
+            return Err(CacheError::bad_shape(format!(
+                "expected x [1, {t}, {ch}] and kernel [{ch}, {w}]; got x {xd:?}, kernel {kd:?}",
+                ch = conv.channels,
+                w = conv.width
+            ))
+            .into());
+        }
+        match plan.write_start {
+            Some(start) => dev.write_run(&mut c.conv[i], start, x)?,
+            None => dev.scatter_rows(&mut c.conv[i], &plan.write_cells, x)?,
+        }
+        c.make_taps(conv.width);
+        let taps = c.taps.as_deref().expect("made above");
+        c.device
+            .short_conv(&c.conv[i], taps, conv.width, kernel, out)?;
         self.next_layer += 1;
         Ok(())
     }

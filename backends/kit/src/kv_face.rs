@@ -65,6 +65,7 @@ impl<D: Device> ContiguousKv<D> {
         let cfg = CacheConfig {
             n_layers: 1,
             sliding: None,
+            conv: None,
             ..cfg
         };
         cfg.validate()?;

@@ -13,6 +13,9 @@ use crate::cache::{KitCache, KitError};
 use crate::device::{AttendMask, Device};
 use crate::model::blocks::{dequantize_row, BlockFormat};
 
+mod conv;
+pub use conv::check_conv_verbs;
+
 /// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend` or
 /// `write_rows` call (0-based) fails with a device error; everything else is `D`'s.
 pub struct Faulty<D> {
@@ -113,6 +116,16 @@ impl<D: Device> Device for Faulty<D> {
         self.tick()?;
         self.inner
             .attend(arithmetic, q, k, v, read_len, mask, scale, out, scratch)
+    }
+    fn short_conv(
+        &self,
+        pool: &D::Pool,
+        taps: &[u32],
+        width: usize,
+        kernel: &D::Tensor,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        self.inner.short_conv(pool, taps, width, kernel, out)
     }
     fn zeros(&self, dims: &[usize]) -> Result<D::Tensor, KitError> {
         self.inner.zeros(dims)
@@ -584,6 +597,7 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
                     min_chunk: 4,
                     kv_dtype: dtype,
                     sliding: None,
+                    conv: None,
                 };
                 let mut failed = KitCache::new(dev.clone(), kind, cfg).unwrap();
                 let mut twin = KitCache::new(dev.clone(), kind, cfg).unwrap();
@@ -678,6 +692,7 @@ pub fn check_import_rollback<D2: Device>(device: D2) {
             min_chunk: 4,
             kv_dtype: dtype,
             sliding: None,
+            conv: None,
         };
         let mut src = KitCache::new(dev.clone(), CacheKind::Seq, cfg).unwrap();
         step(&mut src, &positions, Some(&vec![0; n]), 1).unwrap();
@@ -949,6 +964,10 @@ macro_rules! backend_tests {
         #[test]
         fn kit_attend_masks() {
             $crate::testing::check_attend_masks($device);
+        }
+        #[test]
+        fn kit_conv_verbs() {
+            $crate::testing::check_conv_verbs($device);
         }
     };
 }

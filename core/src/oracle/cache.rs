@@ -646,6 +646,7 @@ mod tests {
             min_chunk: 4,
             kv_dtype,
             sliding: None,
+            conv: None,
         }
     }
 

@@ -168,7 +168,7 @@ impl Model {
     }
 
     /// The cache configuration this view needs at `capacity` cells of `kv_dtype`: its
-    /// layers' shape and sliding layers, validated.
+    /// layers' shape, sliding and convolution layers, validated.
     pub fn cache_config(
         &self,
         capacity: usize,
@@ -180,6 +180,13 @@ impl Model {
         cfg.sliding = self
             .config
             .sliding(self.layers)
+            .map_err(|reason| RuntimeError::Model {
+                path: self.dir.join("config.json"),
+                reason,
+            })?;
+        cfg.conv = self
+            .config
+            .conv(self.layers)
             .map_err(|reason| RuntimeError::Model {
                 path: self.dir.join("config.json"),
                 reason,

@@ -153,9 +153,16 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
         );
     };
     let dtype = args.kv_dtype;
-    let per_layer = spec.layer_bytes_per_token(dtype);
+    // Every sliding layer kept whole (convolution layers keep a row per token either way).
     let full = ModelCacheSpec {
-        layers: vec![LayerAttention::Full; spec.layers.len()],
+        layers: spec
+            .layers
+            .iter()
+            .map(|&l| match l {
+                LayerAttention::Sliding { .. } => LayerAttention::Full,
+                other => other,
+            })
+            .collect(),
         ..spec.clone()
     };
     let cap = kvplug_core::limits::MAX_CAPACITY;
@@ -180,7 +187,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
             .map(|g| GroupPlan {
                 attention: g.attention,
                 layers: g.layers.len(),
-                bytes_per_token: g.layers.len() * per_layer,
+                bytes_per_token: g.layers.len() * spec.bytes_per_token(g.attention, dtype),
             })
             .collect(),
         tokens: tokens_of(&spec),
@@ -236,6 +243,7 @@ impl Plan {
             let name = match g.attention {
                 LayerAttention::Full => "full".to_string(),
                 LayerAttention::Sliding { window } => format!("sliding({window})"),
+                LayerAttention::Conv { width, .. } => format!("conv({width}), f32 rows"),
             };
             out += &format!("{name:<20} {:>6}  {:>19}\n", g.layers, g.bytes_per_token);
         }
@@ -248,7 +256,10 @@ impl Plan {
                 "note: the model was trained on {n} positions (max_position_embeddings)\n"
             );
         }
-        if p.groups.iter().any(|g| g.attention != LayerAttention::Full) {
+        if p.groups
+            .iter()
+            .any(|g| matches!(g.attention, LayerAttention::Sliding { .. }))
+        {
             out += &format!(
             "note: sliding layers are counted at window + {PREFILL_UBATCH} tokens; with every layer kept whole: {} tokens, {} agents\n",
             p.tokens_all_full, p.agents_all_full

@@ -424,6 +424,7 @@ fn session_cache(kv_dtype: KvDtype) -> CacheConfig {
         min_chunk: 4,
         kv_dtype,
         sliding: None,
+        conv: None,
     }
 }
 

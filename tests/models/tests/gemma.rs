@@ -317,6 +317,7 @@ fn gemma3_matches_the_f64_reference_past_the_window_on_every_backend() {
     // past the window.
     let full = kvplug_core::CacheConfig {
         sliding: None,
+        conv: None,
         ..cfg
     };
     let e = common::model(&rt, "cpu", dir.path())
@@ -406,6 +407,7 @@ fn a_hybrid_session_resumes_on_every_backend_and_kind() {
     // A cache whose layers all attend fully needs every row of every layer.
     let full = kvplug_core::CacheConfig {
         sliding: None,
+        conv: None,
         ..common::model(&rt, "cpu", dir.path())
             .cache_config(64, KvDtype::F32)
             .unwrap()

@@ -1,23 +1,54 @@
 //! [`DecoderModel`]: weights on the device and the forward pass, written once for the Llama
-//! family and Gemma 3 (the differences are optional weights and three config facts).
+//! family, Gemma 3 and LFM2 (the differences are optional weights, a few config facts and,
+//! for LFM2, blocks that mix positions by a gated short convolution instead of attention).
 
 use std::any::{Any, TypeId};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use kvplug_core::key_basis::rotation_width;
-use kvplug_core::{CacheError, KeyBasis, RopePairs};
+use kvplug_core::{CacheError, KeyBasis, LayerAttention, RopePairs};
 
 use super::config::{Activation, Arch, ModelConfig, ModelError};
 use super::ops::{ModelDevice, Projection};
 use super::package::{ModelPackage, Residency};
 use crate::cache::{KitCache, KitError};
 
-/// One block. Gemma 3 adds the per-head q/k norms (Qwen3 has them too) and the norms after
-/// attention and MLP; its RMSNorm weights are stored as `w` and loaded as `1 + w`.
+/// One block. Gemma 3 adds the per-head q/k norms (Qwen3 and LFM2 have them too) and the
+/// norms after attention and MLP; its RMSNorm weights are stored as `w` and loaded as
+/// `1 + w`.
 struct Layer<D: ModelDevice> {
-    /// Before attention.
+    /// Before attention (or the convolution).
     ln1: D::Tensor,
+    mixer: Mixer<D>,
+    /// On the attention output before the residual add.
+    post_attn: Option<D::Tensor>,
+    /// Before the MLP.
+    ln2: D::Tensor,
+    gate: D::Weight,
+    up: D::Weight,
+    down: D::Weight,
+    /// On the MLP output before the residual add.
+    post_mlp: Option<D::Tensor>,
+}
+
+/// What mixes positions in a block.
+enum Mixer<D: ModelDevice> {
+    Attention(Attention<D>),
+    /// LFM2's gated short convolution: `out(C · conv(B · x))`, with `B`, `C` and `x` the
+    /// three parts of its input projection and the convolution's state in the cache.
+    Conv {
+        b: D::Weight,
+        c: D::Weight,
+        x: D::Weight,
+        /// `[hidden, width]`.
+        kernel: D::Tensor,
+        out: D::Weight,
+    },
+}
+
+/// An attention block's weights.
+struct Attention<D: ModelDevice> {
     q: D::Weight,
     k: D::Weight,
     v: D::Weight,
@@ -28,15 +59,6 @@ struct Layer<D: ModelDevice> {
     q_norm: Option<D::Tensor>,
     k_norm: Option<D::Tensor>,
     o: D::Weight,
-    /// On the attention output before the residual add.
-    post_attn: Option<D::Tensor>,
-    /// Before the MLP.
-    ln2: D::Tensor,
-    gate: D::Weight,
-    up: D::Weight,
-    down: D::Weight,
-    /// On the MLP output before the residual add.
-    post_mlp: Option<D::Tensor>,
     /// Whether the layer attends through the sliding window (its RoPE base is the local one).
     sliding: bool,
 }
@@ -82,6 +104,51 @@ pub struct ForwardOutput<T> {
     pub logits: T,
     /// `[R, hidden]`, when asked for.
     pub hidden: Option<T>,
+}
+
+/// The Hugging Face tensor names that differ by family (per layer: after
+/// `model.layers.{l}.`; attention ones after `self_attn.`).
+struct Names {
+    attn_norm: &'static str,
+    ffn_norm: &'static str,
+    o: &'static str,
+    q_norm: &'static str,
+    k_norm: &'static str,
+    gate: &'static str,
+    up: &'static str,
+    down: &'static str,
+    final_norm: &'static str,
+}
+
+impl Names {
+    fn of(arch: Arch) -> Self {
+        match arch {
+            Arch::Llama | Arch::Gemma3 => Names {
+                attn_norm: "input_layernorm",
+                ffn_norm: "post_attention_layernorm",
+                o: "o_proj",
+                q_norm: "q_norm",
+                k_norm: "k_norm",
+                gate: "mlp.gate_proj",
+                up: "mlp.up_proj",
+                down: "mlp.down_proj",
+                final_norm: "model.norm.weight",
+            },
+            // LFM2's final norm is named for the embedding, though it runs after the last
+            // layer (as in its Hugging Face and llama.cpp graphs).
+            Arch::Lfm2 => Names {
+                attn_norm: "operator_norm",
+                ffn_norm: "ffn_norm",
+                o: "out_proj",
+                q_norm: "q_layernorm",
+                k_norm: "k_layernorm",
+                gate: "feed_forward.w1",
+                up: "feed_forward.w3",
+                down: "feed_forward.w2",
+                final_norm: "model.embedding_norm.weight",
+            },
+        }
+    }
 }
 
 fn weights_err(e: KitError) -> ModelError {
@@ -141,6 +208,7 @@ impl<D: ModelDevice> DecoderModel<D> {
         } else {
             Some(mat("lm_head.weight", c.vocab_size, h)?)
         };
+        let n = Names::of(c.arch());
         let mut ls = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
             let p = format!("model.layers.{l}.");
@@ -157,34 +225,64 @@ impl<D: ModelDevice> DecoderModel<D> {
                     gemma_norm(format!("{p}post_attention_layernorm.weight"), h)?,
                 )
             } else {
-                (
-                    norm(&format!("{p}post_attention_layernorm.weight"), h)?,
-                    None,
-                )
+                (norm(&format!("{p}{}.weight", n.ffn_norm), h)?, None)
+            };
+            let mixer = match c.attention[l] {
+                LayerAttention::Conv { width, channels } => {
+                    if channels != h {
+                        return Err(ModelError::Malformed(format!(
+                            "layer {l}: {channels} convolution channels for a {h}-wide model"
+                        )));
+                    }
+                    let name = format!("{p}conv.in_proj.weight");
+                    let bcx = pkg.tensor(&name, &[3 * h, h])?;
+                    let part = |i: usize| -> Result<D::Weight, ModelError> {
+                        let rows = bcx.rows(h, i * h..(i + 1) * h).ok_or_else(|| {
+                            ModelError::Malformed(format!("{name}: rows of partial blocks"))
+                        })?;
+                        device.weight(rows, h, h).map_err(weights_err)
+                    };
+                    // Hugging Face stores the depthwise kernel as [h, 1, width]; a GGUF as
+                    // [h, width].
+                    let kernel_name = format!("{p}conv.conv.weight");
+                    let kernel = pkg
+                        .tensor_f32(&kernel_name, &[h, width])
+                        .or_else(|_| pkg.tensor_f32(&kernel_name, &[h, 1, width]))?;
+                    Mixer::Conv {
+                        b: part(0)?,
+                        c: part(1)?,
+                        x: part(2)?,
+                        kernel: device.tensor(&kernel, &[h, width]).map_err(weights_err)?,
+                        out: mat(&format!("{p}conv.out_proj.weight"), h, h)?,
+                    }
+                }
+                attention => Mixer::Attention(Attention {
+                    q: mat(&format!("{p}self_attn.q_proj.weight"), hq * hd, h)?,
+                    k: mat(&format!("{p}self_attn.k_proj.weight"), hkv * hd, h)?,
+                    v: mat(&format!("{p}self_attn.v_proj.weight"), hkv * hd, h)?,
+                    q_bias: bias("q", hq * hd)?,
+                    k_bias: bias("k", hkv * hd)?,
+                    v_bias: bias("v", hkv * hd)?,
+                    q_norm: qk_norm(format!("{p}self_attn.{}.weight", n.q_norm))?,
+                    k_norm: qk_norm(format!("{p}self_attn.{}.weight", n.k_norm))?,
+                    o: mat(&format!("{p}self_attn.{}.weight", n.o), h, hq * hd)?,
+                    sliding: attention != LayerAttention::Full,
+                }),
             };
             ls.push(Layer {
-                ln1: norm(&format!("{p}input_layernorm.weight"), h)?,
-                q: mat(&format!("{p}self_attn.q_proj.weight"), hq * hd, h)?,
-                k: mat(&format!("{p}self_attn.k_proj.weight"), hkv * hd, h)?,
-                v: mat(&format!("{p}self_attn.v_proj.weight"), hkv * hd, h)?,
-                q_bias: bias("q", hq * hd)?,
-                k_bias: bias("k", hkv * hd)?,
-                v_bias: bias("v", hkv * hd)?,
-                q_norm: qk_norm(format!("{p}self_attn.q_norm.weight"))?,
-                k_norm: qk_norm(format!("{p}self_attn.k_norm.weight"))?,
-                o: mat(&format!("{p}self_attn.o_proj.weight"), h, hq * hd)?,
+                ln1: norm(&format!("{p}{}.weight", n.attn_norm), h)?,
+                mixer,
                 post_attn,
                 ln2,
-                gate: mat(&format!("{p}mlp.gate_proj.weight"), im, h)?,
-                up: mat(&format!("{p}mlp.up_proj.weight"), im, h)?,
-                down: mat(&format!("{p}mlp.down_proj.weight"), h, im)?,
+                gate: mat(&format!("{p}{}.weight", n.gate), im, h)?,
+                up: mat(&format!("{p}{}.weight", n.up), im, h)?,
+                down: mat(&format!("{p}{}.weight", n.down), h, im)?,
                 post_mlp: gemma_norm(format!("{p}post_feedforward_layernorm.weight"), h)?,
-                sliding: c.attention[l] != kvplug_core::LayerAttention::Full,
             });
         }
         let weights = Weights {
             embed,
-            norm: norm("model.norm.weight", h)?,
+            norm: norm(n.final_norm, h)?,
             inv_freq: c.inv_freq(),
             inv_freq_local: c.inv_freq_local(),
             rope_pairs: pkg.rope_pairs(),
@@ -347,51 +445,92 @@ impl<D: ModelDevice> DecoderModel<D> {
         let mut step = cache.step(positions, None)?;
         for (l, lw) in w.layers[..self.layers].iter().enumerate() {
             d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
-            d.linears(
-                &a.hn,
-                &mut [
-                    Projection {
-                        w: &lw.q,
-                        bias: lw.q_bias.as_ref(),
-                        out: &mut a.q,
-                    },
-                    Projection {
-                        w: &lw.k,
-                        bias: lw.k_bias.as_ref(),
-                        out: &mut a.k,
-                    },
-                    Projection {
-                        w: &lw.v,
-                        bias: lw.v_bias.as_ref(),
-                        out: &mut a.v,
-                    },
-                ],
-            )?;
-            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
-                std::mem::swap(&mut a.q, &mut a.merged);
-                d.rms_norm(&a.k, kn, eps, &mut a.kn)?;
-                std::mem::swap(&mut a.k, &mut a.kn);
+            match &lw.mixer {
+                Mixer::Attention(at) => {
+                    d.linears(
+                        &a.hn,
+                        &mut [
+                            Projection {
+                                w: &at.q,
+                                bias: at.q_bias.as_ref(),
+                                out: &mut a.q,
+                            },
+                            Projection {
+                                w: &at.k,
+                                bias: at.k_bias.as_ref(),
+                                out: &mut a.k,
+                            },
+                            Projection {
+                                w: &at.v,
+                                bias: at.v_bias.as_ref(),
+                                out: &mut a.v,
+                            },
+                        ],
+                    )?;
+                    if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
+                        d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
+                        std::mem::swap(&mut a.q, &mut a.merged);
+                        d.rms_norm(&a.k, kn, eps, &mut a.kn)?;
+                        std::mem::swap(&mut a.k, &mut a.kn);
+                    }
+                    let inv_freq = if at.sliding {
+                        &w.inv_freq_local
+                    } else {
+                        &w.inv_freq
+                    };
+                    d.rope(&mut a.q, hq, positions, inv_freq, w.rope_pairs)?;
+                    d.rope(&mut a.k, hkv, positions, inv_freq, w.rope_pairs)?;
+                    if let Some(n) = rotate {
+                        d.hadamard(&a.q, n, &mut a.merged)?;
+                        std::mem::swap(&mut a.q, &mut a.merged);
+                        d.hadamard(&a.k, n, &mut a.kn)?;
+                        std::mem::swap(&mut a.k, &mut a.kn);
+                    }
+                    d.split_heads(&a.q, hq, &mut a.qh)?;
+                    d.split_heads(&a.k, hkv, &mut a.kh)?;
+                    d.split_heads(&a.v, hkv, &mut a.vh)?;
+                    step.attend(l, &a.qh, &a.kh, &a.vh, scale, &mut a.att)?;
+                    d.merge_heads(&a.att, &mut a.merged)?;
+                    d.linear(&a.merged, &at.o, None, &mut a.o)?;
+                }
+                Mixer::Conv {
+                    b,
+                    c: gate,
+                    x,
+                    kernel,
+                    out,
+                } => {
+                    let cv = a
+                        .conv
+                        .as_mut()
+                        .ok_or_else(|| KitError::Device("convolution buffers missing".into()))?;
+                    d.linears(
+                        &a.hn,
+                        &mut [
+                            Projection {
+                                w: b,
+                                bias: None,
+                                out: &mut cv.b,
+                            },
+                            Projection {
+                                w: gate,
+                                bias: None,
+                                out: &mut cv.c,
+                            },
+                            Projection {
+                                w: x,
+                                bias: None,
+                                out: &mut cv.x,
+                            },
+                        ],
+                    )?;
+                    d.mul(&cv.b, &cv.x, &mut cv.bx)?;
+                    d.split_heads(&cv.bx, 1, &mut cv.rows)?;
+                    step.conv(l, &cv.rows, kernel, &mut cv.y)?;
+                    d.mul(&cv.c, &cv.y, &mut cv.bx)?;
+                    d.linear(&cv.bx, out, None, &mut a.o)?;
+                }
             }
-            let inv_freq = if lw.sliding {
-                &w.inv_freq_local
-            } else {
-                &w.inv_freq
-            };
-            d.rope(&mut a.q, hq, positions, inv_freq, w.rope_pairs)?;
-            d.rope(&mut a.k, hkv, positions, inv_freq, w.rope_pairs)?;
-            if let Some(n) = rotate {
-                d.hadamard(&a.q, n, &mut a.merged)?;
-                std::mem::swap(&mut a.q, &mut a.merged);
-                d.hadamard(&a.k, n, &mut a.kn)?;
-                std::mem::swap(&mut a.k, &mut a.kn);
-            }
-            d.split_heads(&a.q, hq, &mut a.qh)?;
-            d.split_heads(&a.k, hkv, &mut a.kh)?;
-            d.split_heads(&a.v, hkv, &mut a.vh)?;
-            step.attend(l, &a.qh, &a.kh, &a.vh, scale, &mut a.att)?;
-            d.merge_heads(&a.att, &mut a.merged)?;
-            d.linear(&a.merged, &lw.o, None, &mut a.o)?;
             residual_add(d, &mut a.x, &mut a.o, lw.post_attn.as_ref(), eps, &mut a.hn)?;
             d.rms_norm(&a.x, &lw.ln2, eps, &mut a.hn)?;
             d.linears(
@@ -472,6 +611,20 @@ pub struct Activations<D: ModelDevice> {
     mlp: D::Tensor,
     picked: D::Tensor,
     logits: D::Tensor,
+    /// Those of the convolution blocks (a model with any).
+    conv: Option<ConvActivations<D>>,
+}
+
+/// The buffers of a convolution block: its three projections (`[T, hidden]`), their gated
+/// product (`bx`, then reused for the gated output), `bx` as the one-head rows the cache
+/// keeps (`[1, T, hidden]`) and the convolution's output.
+struct ConvActivations<D: ModelDevice> {
+    b: D::Tensor,
+    c: D::Tensor,
+    x: D::Tensor,
+    bx: D::Tensor,
+    rows: D::Tensor,
+    y: D::Tensor,
 }
 
 impl<D: ModelDevice> Activations<D> {
@@ -504,6 +657,21 @@ impl<D: ModelDevice> Activations<D> {
             mlp: d.zeros(&[t, im])?,
             picked: d.zeros(&[n_rows, h])?,
             logits: d.zeros(&[n_rows, c.vocab_size])?,
+            conv: match c
+                .attention
+                .iter()
+                .any(|l| matches!(l, LayerAttention::Conv { .. }))
+            {
+                true => Some(ConvActivations {
+                    b: d.zeros(&[t, h])?,
+                    c: d.zeros(&[t, h])?,
+                    x: d.zeros(&[t, h])?,
+                    bx: d.zeros(&[t, h])?,
+                    rows: d.zeros(&[1, t, h])?,
+                    y: d.zeros(&[t, h])?,
+                }),
+                false => None,
+            },
         })
     }
 

@@ -270,6 +270,29 @@ pub fn load_forward<B: Backend + ModelDevice>(
             ),
         ));
     }
+    let conv = model
+        .config()
+        .conv(want_layers)
+        .map_err(|e| PluginError::new(AbiErrorKind::BadConfig, e.to_string()))?;
+    if cfg.conv != conv {
+        let say = |c: Option<kvplug_core::ConvLayers>| match c {
+            Some(c) => format!(
+                "{}-tap convolutions of {} channels on layers {:?}",
+                c.width,
+                c.channels,
+                c.layers.iter().collect::<Vec<_>>()
+            ),
+            None => "no convolution layers".into(),
+        };
+        return Err(PluginError::new(
+            AbiErrorKind::BadConfig,
+            format!(
+                "cache '{key}' has {}; the model needs {}",
+                say(cfg.conv),
+                say(conv)
+            ),
+        ));
+    }
     let _span =
         tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
     tracing::info!(

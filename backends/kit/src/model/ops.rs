@@ -47,7 +47,7 @@ pub struct Projection<'a, D: ModelDevice> {
     pub out: &'a mut D::Tensor,
 }
 
-/// Tensor operations of the decoder forward pass (Llama family, Gemma 3). Activations are f32 `Device::Tensor`s,
+/// Tensor operations of the decoder forward pass (Llama family, Gemma 3, LFM2). Activations are f32 `Device::Tensor`s,
 /// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
 /// consistent shapes.
 pub trait ModelDevice: Device {
@@ -162,6 +162,31 @@ pub trait ModelDevice: Device {
         up: &Self::Tensor,
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
+    /// `out = a · b`, element by element (LFM2's convolution gates; `a`, `b` and `out` of
+    /// one shape). The default is correct but round-trips through host memory.
+    fn mul(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        let dims = self.dims(a).to_vec();
+        if self.dims(b) != dims {
+            return Err(KitError::Device(format!(
+                "mul: shapes {dims:?} and {:?} differ",
+                self.dims(b)
+            )));
+        }
+        let f32s = |t: &Self::Tensor| -> Result<Vec<f32>, KitError> {
+            self.download(t, TensorDtype::F32)?
+                .to_f32()
+                .ok_or_else(|| KitError::Device("mul: an f32 download was not f32".into()))
+        };
+        let (mut x, y) = (f32s(a)?, f32s(b)?);
+        x.iter_mut().zip(&y).for_each(|(x, y)| *x *= y);
+        *out = self.tensor(&x, &dims)?;
+        Ok(())
+    }
     /// `x *= s`.
     fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<(), KitError>;
     /// `x += y`.

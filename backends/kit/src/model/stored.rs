@@ -155,6 +155,22 @@ impl StoredTensor {
             .expect("whole f32 elements")
     }
 
+    /// Rows `rows` of this tensor read as `[_, cols]` row-major, sharing its bytes (LFM2's
+    /// fused input projection split into its three parts); `None` when a row is not whole
+    /// units of the dtype or the rows run past the end.
+    pub fn rows(&self, cols: usize, rows: Range<usize>) -> Option<Self> {
+        if cols % self.dtype.unit_elems() != 0 || rows.start > rows.end {
+            return None;
+        }
+        let row_bytes = cols / self.dtype.unit_elems() * self.dtype.unit_bytes();
+        let start = self.range.start + rows.start.checked_mul(row_bytes)?;
+        let end = self.range.start + rows.end.checked_mul(row_bytes)?;
+        if end > self.range.end {
+            return None;
+        }
+        Self::new(self.dtype, self.owner.clone(), start..end)
+    }
+
     /// The element encoding.
     pub fn dtype(&self) -> StoredDtype {
         self.dtype

@@ -87,6 +87,36 @@ impl Gguf {
         }
     }
 
+    /// A count per layer: an array of counts, or one count for every layer.
+    fn uints(&self, key: &str) -> Result<Vec<u64>> {
+        let v = self
+            .get(key)
+            .with_context(|| format!("{}: metadata '{key}' is missing", self.path.display()))?;
+        if let Some(n) = as_u64(v) {
+            let layers = self.uint(&format!(
+                "{}.block_count",
+                self.string("general.architecture")?
+            ))?;
+            return Ok(vec![
+                n;
+                layers.min(kvplug_core::limits::MAX_LAYERS as u64 + 1)
+                    as usize
+            ]);
+        }
+        v.to_vec()
+            .map_err(|e| crate::Error::Model(format!("{key}: {e}")))?
+            .iter()
+            .map(|n| {
+                as_u64(n).with_context(|| {
+                    format!(
+                        "{}: metadata '{key}' holds a non-count",
+                        self.path.display()
+                    )
+                })
+            })
+            .collect()
+    }
+
     fn strings(&self, key: &str) -> Result<Vec<String>> {
         let v = self
             .get(key)
@@ -147,6 +177,7 @@ enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    Lfm2,
 }
 
 /// Gemma's chat template (text turns) for a `gemma3` GGUF that ships none: Google's
@@ -176,10 +207,11 @@ impl Gguf {
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
             "gemma3" => Ok(Arch::Gemma3),
+            "lfm2" => Ok(Arch::Lfm2),
             other => fail!(
                 Model,
                 "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
-                 gemma3)",
+                 gemma3, lfm2)",
                 self.path.display()
             ),
         }
@@ -208,6 +240,39 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
         "tie_word_embeddings": tied,
     });
     match arch {
+        Arch::Lfm2 => {
+            // Per layer KV heads: 0 marks a short-convolution layer (the converter's rule).
+            let kv = g.uints(&k("attention.head_count_kv"))?;
+            if kv.len() as u64 != layers {
+                fail!(
+                    Model,
+                    "{}: {} per-layer KV head counts for {layers} layers",
+                    g.path.display(),
+                    kv.len()
+                );
+            }
+            let attn_kv: Vec<u64> = kv.iter().copied().filter(|&n| n > 0).collect();
+            if attn_kv.windows(2).any(|w| w[0] != w[1]) {
+                fail!(
+                    Model,
+                    "{}: attention layers with different KV head counts {attn_kv:?}",
+                    g.path.display()
+                );
+            }
+            c["model_type"] = "lfm2".into();
+            c["architectures"] = serde_json::json!(["Lfm2ForCausalLM"]);
+            c["num_key_value_heads"] = attn_kv.first().copied().unwrap_or(heads).into();
+            c["layer_types"] = kv
+                .iter()
+                .map(|&n| if n == 0 { "conv" } else { "full_attention" })
+                .collect();
+            c["conv_L_cache"] = g.uint(&k("shortconv.l_cache"))?.into();
+            c["rms_norm_eps"] = g
+                .float(&k("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5)
+                .into();
+            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
+        }
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
             let (model_type, class) = match arch {
                 Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
@@ -299,8 +364,12 @@ fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// The GGUF tensor behind each Hugging Face weight name.
-fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> {
+/// The GGUF tensor behind each Hugging Face weight name, for the layers of `config`.
+fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(String, String)> {
+    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    if arch == Arch::Lfm2 {
+        return lfm2_tensor_names(config, layers, tied);
+    }
     let mut v = vec![
         (
             "token_embd.weight".into(),
@@ -336,6 +405,7 @@ fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> 
             ("ffn_norm", "pre_feedforward_layernorm"),
             ("post_ffw_norm", "post_feedforward_layernorm"),
         ],
+        Arch::Lfm2 => unreachable!("lfm2_tensor_names names LFM2's tensors"),
     };
     for l in 0..layers {
         for (g, hf) in common.iter().chain(own) {
@@ -351,6 +421,63 @@ fn tensor_names(arch: Arch, layers: usize, tied: bool) -> Vec<(String, String)> 
                     format!("model.layers.{l}.self_attn.{p}_proj.bias"),
                 ));
             }
+        }
+    }
+    v
+}
+
+/// LFM2's names: its convolution layers hold `shortconv.*`, its attention layers q/k/v,
+/// their norms and `out_proj`; the final norm is `token_embd_norm` (llama.cpp's name for
+/// Hugging Face's `embedding_norm`).
+fn lfm2_tensor_names(
+    config: &serde_json::Value,
+    layers: usize,
+    tied: bool,
+) -> Vec<(String, String)> {
+    let mut v = vec![
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+        ),
+        (
+            "token_embd_norm.weight".into(),
+            "model.embedding_norm.weight".into(),
+        ),
+    ];
+    if !tied {
+        v.push(("output.weight".into(), "lm_head.weight".into()));
+    }
+    let common = [
+        ("attn_norm", "operator_norm"),
+        ("ffn_norm", "ffn_norm"),
+        ("ffn_gate", "feed_forward.w1"),
+        ("ffn_up", "feed_forward.w3"),
+        ("ffn_down", "feed_forward.w2"),
+    ];
+    let attention = [
+        ("attn_q", "self_attn.q_proj"),
+        ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.out_proj"),
+        ("attn_q_norm", "self_attn.q_layernorm"),
+        ("attn_k_norm", "self_attn.k_layernorm"),
+    ];
+    let conv = [
+        ("shortconv.conv", "conv.conv"),
+        ("shortconv.in_proj", "conv.in_proj"),
+        ("shortconv.out_proj", "conv.out_proj"),
+    ];
+    for l in 0..layers {
+        let own: &[_] = if config["layer_types"][l] == "conv" {
+            &conv
+        } else {
+            &attention
+        };
+        for (g, hf) in common.iter().chain(own) {
+            v.push((
+                format!("blk.{l}.{g}.weight"),
+                format!("model.layers.{l}.{hf}.weight"),
+            ));
         }
     }
     v
@@ -731,10 +858,9 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
     let tied = !g.content.tensor_infos.contains_key("output.weight");
     let config = config_json(&g, tied)?;
     let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
-    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
     let file = std::fs::canonicalize(gguf).with_context(|| format!("{}", gguf.display()))?;
     let mut tensors = std::collections::BTreeMap::new();
-    for (src, dst) in tensor_names(arch, layers, tied) {
+    for (src, dst) in tensor_names(arch, &config, tied) {
         let info = g
             .content
             .tensor_infos
@@ -813,7 +939,7 @@ pub fn import(
         n("num_attention_heads"),
         n("num_key_value_heads"),
     );
-    let names = tensor_names(arch, layers, tied);
+    let names = tensor_names(arch, &config, tied);
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
     for (i, (src, dst)) in names.iter().enumerate() {
         on_tensor(i, names.len(), dst);

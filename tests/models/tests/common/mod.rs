@@ -257,22 +257,84 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
         .map(|&t| embed[t as usize * h..(t as usize + 1) * h].to_vec())
         .collect();
     let n = tokens.len();
+    // LFM2 names its norms, MLP and attention output its own way.
+    let lfm2 = c.model_type == "lfm2";
+    let name = |llama: &'static str, lfm2_name: &'static str| if lfm2 { lfm2_name } else { llama };
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}.");
+        let ln1 = w(
+            &format!("{p}{}.weight", name("input_layernorm", "operator_norm")),
+            &[h],
+        );
+        let ln2 = w(
+            &format!("{p}{}.weight", name("post_attention_layernorm", "ffn_norm")),
+            &[h],
+        );
+        let (wg, wu, wd) = (
+            mat(
+                &format!("{p}{}.weight", name("mlp.gate_proj", "feed_forward.w1")),
+                &[im, h],
+            ),
+            mat(
+                &format!("{p}{}.weight", name("mlp.up_proj", "feed_forward.w3")),
+                &[im, h],
+            ),
+            mat(
+                &format!("{p}{}.weight", name("mlp.down_proj", "feed_forward.w2")),
+                &[h, im],
+            ),
+        );
+        let mlp = |x: &mut Vec<f64>| {
+            let hn = norm(x, &ln2);
+            let (g, u) = (matvec(&wg, im, &hn), matvec(&wu, im, &hn));
+            let m: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = matvec(&wd, h, &m);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        };
+        if let kvplug_core::LayerAttention::Conv { width, .. } = c.attention[l] {
+            // LFM2's gated short convolution: B, C, x = in_proj·hn; y = C·conv(B·x), the
+            // convolution over this and the previous width − 1 tokens (zeros before the
+            // first); out_proj·y.
+            let inp = mat(&format!("{p}conv.in_proj.weight"), &[3 * h, h]);
+            let kernel = w(&format!("{p}conv.conv.weight"), &[h, width]);
+            let outp = mat(&format!("{p}conv.out_proj.weight"), &[h, h]);
+            let mut bx: Vec<Vec<f64>> = Vec::new();
+            let mut gates: Vec<Vec<f64>> = Vec::new();
+            for x in &xs {
+                let bcx = matvec(&inp, 3 * h, &norm(x, &ln1));
+                bx.push((0..h).map(|i| bcx[i] * bcx[2 * h + i]).collect());
+                gates.push(bcx[h..2 * h].to_vec());
+            }
+            for t in 0..n {
+                let y: Vec<f64> = (0..h)
+                    .map(|ch| {
+                        let conv: f64 = (0..width)
+                            .filter_map(|j| {
+                                let at = (t + j).checked_sub(width - 1)?;
+                                Some(kernel[ch * width + j] * bx[at][ch])
+                            })
+                            .sum();
+                        gates[t][ch] * conv
+                    })
+                    .collect();
+                let o = matvec(&outp, h, &y);
+                xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+                mlp(&mut xs[t]);
+            }
+            continue;
+        }
         let (wq, wk, wv) = (
             mat(&format!("{p}self_attn.q_proj.weight"), &[hq * hd, h]),
             mat(&format!("{p}self_attn.k_proj.weight"), &[hkv * hd, h]),
             mat(&format!("{p}self_attn.v_proj.weight"), &[hkv * hd, h]),
         );
-        let wo = mat(&format!("{p}self_attn.o_proj.weight"), &[h, hq * hd]);
-        let (ln1, ln2) = (
-            w(&format!("{p}input_layernorm.weight"), &[h]),
-            w(&format!("{p}post_attention_layernorm.weight"), &[h]),
-        );
-        let (wg, wu, wd) = (
-            mat(&format!("{p}mlp.gate_proj.weight"), &[im, h]),
-            mat(&format!("{p}mlp.up_proj.weight"), &[im, h]),
-            mat(&format!("{p}mlp.down_proj.weight"), &[h, im]),
+        let wo = mat(
+            &format!("{p}self_attn.{}.weight", name("o_proj", "out_proj")),
+            &[h, hq * hd],
         );
         // Qwen2's q/k/v biases and Qwen3's per-head q/k norms, where the package has them.
         let optional = |name: String, n: usize| pkg.has_tensor(&name).then(|| w(&name, &[n]));
@@ -292,8 +354,14 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             optional(format!("{p}self_attn.v_proj.bias"), hkv * hd),
         );
         let (nq, nk) = (
-            optional(format!("{p}self_attn.q_norm.weight"), hd),
-            optional(format!("{p}self_attn.k_norm.weight"), hd),
+            optional(
+                format!("{p}self_attn.{}.weight", name("q_norm", "q_layernorm")),
+                hd,
+            ),
+            optional(
+                format!("{p}self_attn.{}.weight", name("k_norm", "k_layernorm")),
+                hd,
+            ),
         );
         let mut qs = Vec::new();
         let mut ks = Vec::new();
@@ -351,18 +419,13 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             }
             let o = matvec(&wo, h, &att);
             xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let hn = norm(&xs[t], &ln2);
-            let (g, u) = (matvec(&wg, im, &hn), matvec(&wu, im, &hn));
-            let m: Vec<f64> = g
-                .iter()
-                .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let d = matvec(&wd, h, &m);
-            xs[t].iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            mlp(&mut xs[t]);
         }
     }
-    let fnorm = w("model.norm.weight", &[h]);
+    let fnorm = w(
+        name("model.norm.weight", "model.embedding_norm.weight"),
+        &[h],
+    );
     let head = if c.tie_word_embeddings {
         mat("model.embed_tokens.weight", &[v, h])
     } else {

@@ -1,0 +1,286 @@
+//! The convolution-state check: every cache verb is exact on the short-convolution layers
+//! of a hybrid model, against the f64 recurrence and a history the check keeps itself.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kvplug_core::oracle::{short_conv, short_conv_bound};
+use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, ConvLayers, KvDtype, LayerSet, PosRange};
+use kvplug_plugin_api::{HostTensor, TensorDtype};
+
+use crate::cache::{KitCache, KitError};
+use crate::device::Device;
+
+/// Channels (odd, so no kernel can assume a vector width).
+const C: usize = 5;
+/// Layers: 0 and 2 convolve, 1 attends.
+const CONV_LAYERS: [usize; 2] = [0, 2];
+
+/// A token's input row on conv layer `l`: a function of the tag the script gives it, so two
+/// sequences at one position can hold different rows.
+fn row(l: usize, tag: u32) -> Vec<f32> {
+    (0..C)
+        .map(|c| {
+            let h = (tag as u64 * 2_654_435_761 + (l * 97 + c * 13) as u64) % 1009;
+            h as f32 / 504.5 - 1.0
+        })
+        .collect()
+}
+
+fn kernel(l: usize, width: usize) -> Vec<f32> {
+    (0..C * width)
+        .map(|i| ((i * 7 + l * 3) % 11) as f32 / 5.0 - 1.0)
+        .collect()
+}
+
+/// The rows a sequence holds, by position (the check's own model of the state).
+type History = BTreeMap<i32, u32>;
+
+/// Runs one step of tokens `(position, tag)` (sequences `seqs` for a seq cache) and checks
+/// each token's convolution output on both conv layers against the f64 recurrence over
+/// `histories[i]` (the rows token `i` sees before it: its sequence's, this step's earlier
+/// tokens of it included).
+/// Returns `Err` when the step is refused.
+fn step_and_check<D2: Device>(
+    cache: &mut KitCache<D2>,
+    width: usize,
+    tokens: &[(i32, u32)],
+    seqs: Option<&[i32]>,
+    histories: &[History],
+    what: &str,
+) -> Result<(), KitError> {
+    let dev = cache.device().clone();
+    let t = tokens.len();
+    let positions: Vec<i32> = tokens.iter().map(|x| x.0).collect();
+    let mut step = cache.step(&positions, seqs)?;
+    for l in 0..3 {
+        if !CONV_LAYERS.contains(&l) {
+            let q = dev.upload(&HostTensor::from_f32(&[2, t, 4], &vec![0.5; 2 * t * 4]))?;
+            let kv = dev.upload(&HostTensor::from_f32(&[1, t, 4], &vec![0.25; t * 4]))?;
+            let mut out = dev.zeros(&[2, t, 4])?;
+            step.attend(l, &q, &kv, &kv, 0.5, &mut out)?;
+            continue;
+        }
+        let x: Vec<f32> = tokens.iter().flat_map(|&(_, tag)| row(l, tag)).collect();
+        let x = dev.upload(&HostTensor::from_f32(&[1, t, C], &x))?;
+        let k = kernel(l, width);
+        let kt = dev.upload(&HostTensor::from_f32(&[C, width], &k))?;
+        let mut out = dev.zeros(&[t, C])?;
+        step.conv(l, &x, &kt, &mut out)?;
+        let got = dev.download(&out, TensorDtype::F32)?.to_f32().expect("f32");
+        let kernel64: Vec<f64> = k.iter().map(|&v| v as f64).collect();
+        for (i, &(p, tag)) in tokens.iter().enumerate() {
+            let rows: Vec<Option<Vec<f64>>> = (0..width)
+                .map(|j| {
+                    let at = p - (width - 1 - j) as i32;
+                    let tag = if at == p {
+                        Some(tag)
+                    } else {
+                        histories[i].get(&at).copied()
+                    };
+                    tag.map(|g| row(l, g).iter().map(|&v| v as f64).collect())
+                })
+                .collect();
+            let window: Vec<Option<&[f64]>> = rows.iter().map(|r| r.as_deref()).collect();
+            let want = short_conv(&window, &kernel64, C);
+            for c in 0..C {
+                let (g, w) = (got[i * C + c] as f64, want[c]);
+                let bound = short_conv_bound(&window, &kernel64, c);
+                assert!(
+                    (g - w).abs() <= bound,
+                    "{what}: layer {l} token {i} (position {p}) channel {c}: {g} vs the \
+                     recurrence's {w} (bound {bound:e}): the convolution read rows other \
+                     than its sequence's last {width}"
+                );
+            }
+        }
+    }
+    step.commit()
+}
+
+fn config(width: usize) -> CacheConfig {
+    CacheConfig {
+        capacity: 64,
+        n_layers: 3,
+        n_kv_heads: 1,
+        head_dim: 4,
+        min_chunk: 4,
+        kv_dtype: KvDtype::F32,
+        sliding: None,
+        conv: Some(ConvLayers {
+            width,
+            channels: C,
+            layers: LayerSet::of(CONV_LAYERS).expect("small layer indices"),
+        }),
+    }
+}
+
+/// Adds `tokens` to `h`.
+fn extend(h: &mut History, tokens: &[(i32, u32)]) {
+    h.extend(tokens.iter().copied());
+}
+
+/// What each of `tokens`, one sequence's run after `h`, sees before it: `h` and the run's
+/// earlier tokens.
+fn run(h: &History, tokens: &[(i32, u32)]) -> Vec<History> {
+    (0..tokens.len())
+        .map(|i| {
+            let mut seen = h.clone();
+            extend(&mut seen, &tokens[..i]);
+            seen
+        })
+        .collect()
+}
+
+/// The convolution-state contract on `device`, for widths 3 and 4: decoding, a rewind and
+/// a dropped step (contiguous), forked sequences that diverge and a tail removed (seq), and
+/// a speculative tree, its commit and decoding after it (tree) each give every token the
+/// convolution of its own sequence's last rows, within the f64 recurrence's bound.
+pub fn check_conv_verbs<D2: Device>(device: D2) {
+    let dev = Arc::new(device);
+    for width in [3, 4] {
+        let w = width;
+        // Contiguous: prefill, decode, rewind and decode other rows, a dropped step.
+        let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, config(w)).unwrap();
+        let mut h = History::new();
+        let prefill: Vec<(i32, u32)> = (0..5).map(|p| (p, 100 + p as u32)).collect();
+        step_and_check(
+            &mut c,
+            w,
+            &prefill,
+            None,
+            &run(&h, &prefill),
+            "contiguous prefill",
+        )
+        .unwrap();
+        extend(&mut h, &prefill);
+        step_and_check(
+            &mut c,
+            w,
+            &[(5, 105)],
+            None,
+            &[h.clone()],
+            "contiguous decode",
+        )
+        .unwrap();
+        extend(&mut h, &[(5, 105)]);
+        step_and_check(
+            &mut c,
+            w,
+            &[(6, 106)],
+            None,
+            &[h.clone()],
+            "contiguous decode",
+        )
+        .unwrap();
+        c.rewind(4).unwrap();
+        h.retain(|&p, _| p < 4);
+        let redo = [(4, 904), (5, 905)];
+        step_and_check(&mut c, w, &redo, None, &run(&h, &redo), "after a rewind").unwrap();
+        extend(&mut h, &redo);
+        {
+            // A step dropped after its first layer leaves the rows as they were.
+            let mut s = c.step(&[6], None).unwrap();
+            let x = dev
+                .upload(&HostTensor::from_f32(&[1, 1, C], &row(0, 7777)))
+                .unwrap();
+            let k = dev
+                .upload(&HostTensor::from_f32(&[C, w], &kernel(0, w)))
+                .unwrap();
+            let mut out = dev.zeros(&[1, C]).unwrap();
+            s.conv(0, &x, &k, &mut out).unwrap();
+        }
+        step_and_check(
+            &mut c,
+            w,
+            &[(6, 606)],
+            None,
+            &[h.clone()],
+            "after a dropped step",
+        )
+        .unwrap();
+
+        // Seq: a shared prefix, a fork that diverges, a tail removed and decoded again.
+        let mut s = KitCache::new(dev.clone(), CacheKind::Seq, config(w)).unwrap();
+        let mut h0 = History::new();
+        let prefix: Vec<(i32, u32)> = (0..4).map(|p| (p, 200 + p as u32)).collect();
+        step_and_check(
+            &mut s,
+            w,
+            &prefix,
+            Some(&[0; 4]),
+            &run(&h0, &prefix),
+            "seq prefill",
+        )
+        .unwrap();
+        extend(&mut h0, &prefix);
+        s.seq_cp(0, 1, PosRange::ALL).unwrap();
+        let mut h1 = h0.clone();
+        let fork = [(4, 300), (4, 400)];
+        step_and_check(
+            &mut s,
+            w,
+            &fork,
+            Some(&[0, 1]),
+            &[h0.clone(), h1.clone()],
+            "forked decode",
+        )
+        .unwrap();
+        extend(&mut h0, &fork[..1]);
+        extend(&mut h1, &fork[1..]);
+        let next = [(5, 301), (5, 401)];
+        step_and_check(
+            &mut s,
+            w,
+            &next,
+            Some(&[0, 1]),
+            &[h0.clone(), h1.clone()],
+            "after the fork",
+        )
+        .unwrap();
+        extend(&mut h0, &next[..1]);
+        extend(&mut h1, &next[1..]);
+        s.seq_rm(1, PosRange::new(Some(5), None)).unwrap();
+        h1.retain(|&p, _| p < 5);
+        let again = [(5, 501), (6, 302)];
+        step_and_check(
+            &mut s,
+            w,
+            &again,
+            Some(&[1, 0]),
+            &[h1.clone(), h0.clone()],
+            "after seq_rm",
+        )
+        .unwrap();
+
+        // Tree: committed base, a proposed tree, the commit of one branch, then decoding.
+        let mut t = KitCache::new(dev.clone(), CacheKind::Tree, config(w)).unwrap();
+        let mut base = History::new();
+        let prompt: Vec<(i32, u32)> = (0..3).map(|p| (p, 600 + p as u32)).collect();
+        step_and_check(
+            &mut t,
+            w,
+            &prompt,
+            None,
+            &run(&base, &prompt),
+            "tree prompt",
+        )
+        .unwrap();
+        extend(&mut base, &prompt);
+        // Nodes: 0 (position 3) ← 1, 2 (position 4); 1 ← 3 (position 5).
+        t.propose(&[-1, 0, 0, 1]).unwrap();
+        let nodes = [(3, 700), (4, 701), (4, 702), (5, 703)];
+        let path = |ids: &[usize]| {
+            let mut h = base.clone();
+            for &n in ids {
+                extend(&mut h, &nodes[n..n + 1]);
+            }
+            h
+        };
+        let hs = [path(&[]), path(&[0]), path(&[0]), path(&[0, 1])];
+        step_and_check(&mut t, w, &nodes, None, &hs, "tree step").unwrap();
+        t.commit(&[0, 2]).unwrap();
+        let kept = path(&[0, 2]);
+        step_and_check(&mut t, w, &[(5, 800)], None, &[kept], "after the commit").unwrap();
+    }
+}

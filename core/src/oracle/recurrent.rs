@@ -1,0 +1,144 @@
+//! Reference recurrences of hybrid models' recurrent layers, in f64: LFM2's short
+//! convolution and the gated delta rule of Qwen3.5 / Qwen3-Next linear attention. Written
+//! from the papers' and Hugging Face's definitions, step by step, with no shared code.
+
+use super::attention::gamma;
+
+/// One position of a causal depthwise convolution: `out[c] = Σ_j kernel[c][j] · x_j[c]`,
+/// where `window` holds the input rows of the last `width` positions, oldest first, the
+/// current one last, and `None` where the sequence had not started (zero, as the
+/// convolution's left padding). `kernel` is `[channels, width]` row-major.
+pub fn short_conv(window: &[Option<&[f64]>], kernel: &[f64], channels: usize) -> Vec<f64> {
+    let width = window.len();
+    assert_eq!(
+        kernel.len(),
+        channels * width,
+        "kernel is [channels, width]"
+    );
+    (0..channels)
+        .map(|c| {
+            window
+                .iter()
+                .enumerate()
+                .filter_map(|(j, row)| row.map(|r| kernel[c * width + j] * r[c]))
+                .sum()
+        })
+        .collect()
+}
+
+/// The largest difference an f32 evaluation of [`short_conv`] may have from it on
+/// channel `c`, when its inputs are exactly representable: `width` products summed in any
+/// order, `γ(width) · Σ_j |kernel[c][j] · x_j[c]|` (Higham's bound for a dot product).
+pub fn short_conv_bound(window: &[Option<&[f64]>], kernel: &[f64], c: usize) -> f64 {
+    let width = window.len();
+    let magnitude: f64 = window
+        .iter()
+        .enumerate()
+        .filter_map(|(j, row)| row.map(|r| (kernel[c * width + j] * r[c]).abs()))
+        .sum();
+    gamma(width) * magnitude
+}
+
+/// One token of the gated delta rule on one head (Yang et al., "Gated Delta Networks"; the
+/// recurrent form of Hugging Face's Qwen3-Next): with `q` and `k` L2-normalized and `q`
+/// scaled by `1/√dk`, the state `S` (`[dk, dv]` row-major) decays by `exp(g)`, then moves
+/// toward `v` along `k` by `beta`:
+///
+/// `S ← exp(g)·S;  S ← S + k ⊗ beta·(v − Sᵀk);  out = Sᵀq`.
+///
+/// `g` is the log decay (`<= 0`), `beta` in `[0, 1]`. Returns `out` (`[dv]`).
+pub fn gated_delta_step(
+    state: &mut [f64],
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    g: f64,
+    beta: f64,
+) -> Vec<f64> {
+    let (dk, dv) = (k.len(), v.len());
+    assert_eq!(state.len(), dk * dv, "state is [dk, dv]");
+    assert_eq!(q.len(), dk, "q and k have dk values");
+    let unit = |x: &[f64]| -> Vec<f64> {
+        // Hugging Face's l2norm: x / sqrt(Σx² + 1e-6).
+        let n = (x.iter().map(|a| a * a).sum::<f64>() + 1e-6).sqrt();
+        x.iter().map(|a| a / n).collect()
+    };
+    let scale = 1.0 / (dk as f64).sqrt();
+    let q: Vec<f64> = unit(q).into_iter().map(|a| a * scale).collect();
+    let k = unit(k);
+    let decay = g.exp();
+    state.iter_mut().for_each(|s| *s *= decay);
+    // What the state recalls for k, then the correction toward v.
+    let recalled: Vec<f64> = (0..dv)
+        .map(|j| (0..dk).map(|i| state[i * dv + j] * k[i]).sum())
+        .collect();
+    for i in 0..dk {
+        for j in 0..dv {
+            state[i * dv + j] += k[i] * beta * (v[j] - recalled[j]);
+        }
+    }
+    (0..dv)
+        .map(|j| (0..dk).map(|i| state[i * dv + j] * q[i]).sum())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_convolution_weighs_the_last_rows_oldest_first_and_pads_with_zeros() {
+        // Two channels, three taps: channel 0 = [1, 2, 3], channel 1 = [10, 20, 30].
+        let kernel = [1.0, 2.0, 3.0, 10.0, 20.0, 30.0];
+        let (a, b, c) = ([1.0, -1.0], [0.5, 2.0], [4.0, 0.25]);
+        let out = short_conv(&[Some(&a), Some(&b), Some(&c)], &kernel, 2);
+        assert_eq!(out, [1.0 + 1.0 + 12.0, -10.0 + 40.0 + 7.5]);
+        // At the start of a sequence the missing rows count as zeros.
+        let out = short_conv(&[None, None, Some(&c)], &kernel, 2);
+        assert_eq!(out, [12.0, 7.5]);
+        assert_eq!(
+            short_conv_bound(&[None, Some(&b), Some(&c)], &kernel, 1),
+            gamma(3) * (40.0 + 7.5)
+        );
+    }
+
+    #[test]
+    fn the_delta_rule_stores_a_value_recalls_it_and_decays() {
+        // dk = 2, dv = 1. From a zero state, k = q = e0 and beta = 1 store v exactly:
+        // out = Sᵀq = v · (k̂·q̂) / √2.
+        let mut s = vec![0.0; 2];
+        let out = gated_delta_step(&mut s, &[1.0, 0.0], &[1.0, 0.0], &[3.0], 0.0, 1.0);
+        let unit = 1.0 / (1.0f64 + 1e-6).sqrt();
+        assert!((s[0] - 3.0 * unit).abs() < 1e-12 && s[1] == 0.0, "{s:?}");
+        assert!((out[0] - 3.0 * unit * unit / 2f64.sqrt()).abs() < 1e-12);
+        // Writing the same key again with beta = 1 replaces the value (the delta rule's
+        // point: Sᵀk is corrected toward the new v, not added to), after the decay.
+        let mut s2 = s.clone();
+        gated_delta_step(
+            &mut s2,
+            &[1.0, 0.0],
+            &[1.0, 0.0],
+            &[-1.0],
+            (0.5f64).ln(),
+            1.0,
+        );
+        let recalled = s2[0] * unit;
+        let expect = 0.5 * s[0] * unit + unit * unit * (-1.0 - 0.5 * s[0] * unit);
+        assert!((recalled - expect).abs() < 1e-12, "{recalled} vs {expect}");
+        // beta = 0 only decays; an orthogonal key leaves the first slot alone.
+        let mut s3 = s.clone();
+        gated_delta_step(
+            &mut s3,
+            &[0.0, 1.0],
+            &[0.0, 1.0],
+            &[5.0],
+            (0.25f64).ln(),
+            0.0,
+        );
+        assert!((s3[0] - 0.25 * s[0]).abs() < 1e-12 && s3[1] == 0.0);
+        let mut s4 = s.clone();
+        gated_delta_step(&mut s4, &[0.0, 1.0], &[0.0, 1.0], &[5.0], 0.0, 1.0);
+        assert_eq!(s4[0], s[0]);
+        assert!((s4[1] - 5.0 * unit).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,250 @@
+//! Hybrid models: LFM2 (short-convolution layers between attention layers) from a GGUF,
+//! on every backend, against the f64 reference forward; and the convolution state through
+//! the verbs a runner uses (a fork of one prompt into two sequences, a rewind).
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use kvplug::sampler::argmax;
+use kvplug::{Batch, CacheKind, Context, KvDtype};
+
+mod common;
+use common::{
+    bpe_tokenizer_meta, forward, max_logit_error, reference_logits, runtime, write_gguf, BACKENDS,
+    MERGES,
+};
+
+const HIDDEN: usize = 64;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const FFN: usize = 128;
+const VOCAB: usize = 300;
+const PROMPT: [i32; 9] = [3, 141, 59, 26, 53, 58, 97, 93, 238];
+
+/// Deterministic values in `[-gain, gain)` (a multiplicative hash of the index and salt).
+fn values(n: usize, salt: u64, gain: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let h = (i ^ salt.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            ((h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * gain
+        })
+        .collect()
+}
+
+/// Writes an LFM2 GGUF: `layers` layers, those in `attention` attending, the others
+/// convolving over `taps` positions; matrices in `types` (cycled), vectors and the
+/// convolution kernel f32; no output matrix when `tied`.
+fn write_lfm2(
+    path: &Path,
+    layers: usize,
+    attention: &[usize],
+    taps: usize,
+    types: &[GgmlDType],
+    tied: bool,
+) {
+    let hd = HIDDEN / HEADS;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut salt = 0;
+    let mut add = |name: String, shape: &[usize], gain: f32, ty: GgmlDType| {
+        salt += 1;
+        let n = shape.iter().product();
+        let mut data = values(n, salt, gain);
+        if shape.len() == 1 {
+            // Norm weights near 1.
+            data.iter_mut().for_each(|x| *x += 1.0);
+        }
+        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
+    };
+    let mut matrix = 0;
+    let mut next_type = || {
+        matrix += 1;
+        types[matrix % types.len()]
+    };
+    add(
+        "token_embd.weight".into(),
+        &[VOCAB, HIDDEN],
+        1.0,
+        next_type(),
+    );
+    add(
+        "token_embd_norm.weight".into(),
+        &[HIDDEN],
+        0.1,
+        GgmlDType::F32,
+    );
+    if !tied {
+        add("output.weight".into(), &[VOCAB, HIDDEN], 0.5, next_type());
+    }
+    for l in 0..layers {
+        let b = |n: &str| format!("blk.{l}.{n}.weight");
+        add(b("attn_norm"), &[HIDDEN], 0.1, GgmlDType::F32);
+        add(b("ffn_norm"), &[HIDDEN], 0.1, GgmlDType::F32);
+        add(b("ffn_gate"), &[FFN, HIDDEN], 0.3, next_type());
+        add(b("ffn_up"), &[FFN, HIDDEN], 0.3, next_type());
+        add(b("ffn_down"), &[HIDDEN, FFN], 0.3, next_type());
+        if attention.contains(&l) {
+            add(b("attn_q"), &[HEADS * hd, HIDDEN], 0.3, next_type());
+            add(b("attn_k"), &[KV_HEADS * hd, HIDDEN], 0.3, next_type());
+            add(b("attn_v"), &[KV_HEADS * hd, HIDDEN], 0.3, next_type());
+            add(b("attn_output"), &[HIDDEN, HEADS * hd], 0.3, next_type());
+            add(b("attn_q_norm"), &[hd], 0.1, GgmlDType::F32);
+            add(b("attn_k_norm"), &[hd], 0.1, GgmlDType::F32);
+        } else {
+            add(b("shortconv.conv"), &[HIDDEN, taps], 0.8, GgmlDType::F32);
+            add(
+                b("shortconv.in_proj"),
+                &[3 * HIDDEN, HIDDEN],
+                0.5,
+                next_type(),
+            );
+            add(b("shortconv.out_proj"), &[HIDDEN, HIDDEN], 0.5, next_type());
+        }
+    }
+    let u = |x: usize| Value::U32(x as u32);
+    let mut meta = vec![
+        ("general.architecture", Value::String("lfm2".into())),
+        ("lfm2.block_count", u(layers)),
+        ("lfm2.embedding_length", u(HIDDEN)),
+        ("lfm2.feed_forward_length", u(FFN)),
+        ("lfm2.attention.head_count", u(HEADS)),
+        (
+            "lfm2.attention.head_count_kv",
+            Value::Array(
+                (0..layers)
+                    .map(|l| u(if attention.contains(&l) { KV_HEADS } else { 0 }))
+                    .collect(),
+            ),
+        ),
+        ("lfm2.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("lfm2.rope.freq_base", Value::F32(1e6)),
+        ("lfm2.context_length", u(2048)),
+        ("lfm2.shortconv.l_cache", u(taps)),
+        ("lfm2.vocab_size", u(VOCAB)),
+    ];
+    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    write_gguf(path, &meta, &tensors);
+}
+
+/// Every row's logits of one batch: token `i` at `positions[i]` in sequence `seqs[i]`.
+fn decode(ctx: &mut Context, tokens: &[i32], positions: &[i32], seqs: &[i32]) -> Vec<Vec<f32>> {
+    let mut b = Batch::new();
+    for ((&t, &p), &s) in tokens.iter().zip(positions).zip(seqs) {
+        b.push(t, p, s, true);
+    }
+    ctx.decode(&b)
+        .unwrap()
+        .rows()
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+/// The indexed model of [`write_lfm2`] in `dir`.
+fn lfm2(
+    dir: &Path,
+    layers: usize,
+    attention: &[usize],
+    taps: usize,
+    types: &[GgmlDType],
+    tied: bool,
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let gguf = dir.join("lfm2.gguf");
+    write_lfm2(&gguf, layers, attention, taps, types, tied);
+    let model = dir.join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    model
+}
+
+#[test]
+fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two shapes: LFM2's 3 taps with attention in the middle and at the end, tied; 4 taps
+    // with attention first, an output matrix.
+    for (i, (layers, attention, taps, tied)) in [(5, &[1, 4][..], 3, true), (4, &[0][..], 4, false)]
+        .into_iter()
+        .enumerate()
+    {
+        let model = lfm2(
+            &dir.path().join(i.to_string()),
+            layers,
+            attention,
+            taps,
+            &[GgmlDType::F32],
+            tied,
+        );
+        for backend in BACKENDS {
+            let rt = runtime();
+            let mut ctx = common::model(&rt, backend, &model)
+                .context(CacheKind::Contiguous, 64, KvDtype::F32)
+                .unwrap();
+            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+            let mut got = forward(&mut ctx, &PROMPT, &positions);
+            let mut tokens = PROMPT.to_vec();
+            for _ in 0..6 {
+                let next = argmax(got.last().unwrap());
+                tokens.push(next);
+                got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
+            }
+            let want = reference_logits(&model, &tokens);
+            let worst = max_logit_error(&got, &want);
+            // The f32 tolerance of the model tests (model.rs).
+            assert!(
+                worst < 1e-3,
+                "LFM2 shape {i} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
+}
+
+#[test]
+fn lfm2_convolution_state_follows_forks_and_rewinds() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = lfm2(dir.path(), 3, &[1], 3, &[GgmlDType::F32], true);
+    let rt = runtime();
+    let m = common::model(&rt, "cpu", &model);
+    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+    // Alone: the prompt then token 7 (or token 9) at the next position.
+    let alone = |next: i32| {
+        let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
+        forward(&mut ctx, &PROMPT, &positions);
+        forward(&mut ctx, &[next, 11], &[9, 10])
+    };
+    let (want7, want9) = (alone(7), alone(9));
+    // One seq cache: the prompt in sequence 0, copied to sequence 1, then each sequence
+    // continues with its own token in one batch, then one more token each.
+    let mut ctx = m.context(CacheKind::Seq, 64, KvDtype::F32).unwrap();
+    decode(&mut ctx, &PROMPT, &positions, &[0; 9]);
+    ctx.seq_cp(0, 1, None, None).unwrap();
+    let a = decode(&mut ctx, &[7, 9], &[9, 9], &[0, 1]);
+    let b = decode(&mut ctx, &[11, 11], &[10, 10], &[0, 1]);
+    for (what, got, want) in [
+        ("sequence 0", [&a[0], &b[0]], &want7),
+        ("sequence 1", [&a[1], &b[1]], &want9),
+    ] {
+        for (g, w) in got.iter().zip(want) {
+            let worst = g
+                .iter()
+                .zip(w)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            // Same arithmetic on both sides, up to the attention's read order.
+            assert!(
+                worst < 1e-4,
+                "{what} after the fork: max |logit diff| {worst}"
+            );
+        }
+    }
+    // A rewind past a token and a different token there: as if it had never been seen.
+    let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
+    forward(&mut ctx, &PROMPT, &positions);
+    forward(&mut ctx, &[9, 11], &[9, 10]);
+    ctx.rewind(9).unwrap();
+    let again = forward(&mut ctx, &[7, 11], &[9, 10]);
+    assert_eq!(
+        again, want7,
+        "a rewind leaves no trace in the convolution state"
+    );
+}
