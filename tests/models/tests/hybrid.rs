@@ -12,8 +12,8 @@ use kvplug::{Batch, CacheKind, Context, KvDtype};
 
 mod common;
 use common::{
-    bpe_tokenizer_meta, forward, max_logit_error, reference_logits, runtime, write_gguf, BACKENDS,
-    MERGES,
+    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_as, runtime, write_gguf,
+    BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -161,18 +161,28 @@ fn lfm2(
 #[test]
 fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
     let dir = tempfile::tempdir().unwrap();
-    // Two shapes: LFM2's 3 taps with attention in the middle and at the end, tied; 4 taps
-    // with attention first, an output matrix.
-    for (i, (layers, attention, taps, tied)) in [(5, &[1, 4][..], 3, true), (4, &[0][..], 4, false)]
-        .into_iter()
-        .enumerate()
+    // Two shapes: LFM2's 3 taps with attention in the middle and at the end, tied, f32;
+    // 4 taps with attention first, an output matrix, matrices in block formats (the
+    // convolution's input projection split through its blocks).
+    let blocks = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4_1,
+    ];
+    for (i, (layers, attention, taps, tied, types)) in [
+        (5, &[1, 4][..], 3, true, &[GgmlDType::F32][..]),
+        (4, &[0][..], 4, false, &blocks[..]),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let model = lfm2(
             &dir.path().join(i.to_string()),
             layers,
             attention,
             taps,
-            &[GgmlDType::F32],
+            types,
             tied,
         );
         for backend in BACKENDS {
@@ -188,7 +198,9 @@ fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
                 tokens.push(next);
                 got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
             }
-            let want = reference_logits(&model, &tokens);
+            // The cpu quantizes the inputs of block-format linears to int8 blocks (its
+            // declared arithmetic); the reference does the same for it.
+            let want = reference_logits_as(&model, &tokens, backend == "cpu");
             let worst = max_logit_error(&got, &want);
             // The f32 tolerance of the model tests (model.rs).
             assert!(
