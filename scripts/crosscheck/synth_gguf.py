@@ -17,7 +17,9 @@ copies of them.
   another layer pattern.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
-next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR"""
+next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
+[bench]; with `bench`, only an LFM2-350M-shaped file (16 layers of 1024, attention at
+2, 5, 8, 10, 12, 14, MLP 4608) for benchmarks, to quantize with llama-quantize."""
 import os
 import sys
 
@@ -25,6 +27,7 @@ import gguf
 import numpy as np
 
 src, out = sys.argv[1], sys.argv[2]
+bench = sys.argv[3:] == ["bench"]
 os.makedirs(out, exist_ok=True)
 vocab_file = gguf.GGUFReader(src)
 VOCAB = len(vocab_file.fields["tokenizer.ggml.tokens"].data)
@@ -187,6 +190,10 @@ def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=Tr
     w.close()
     print(path)
 
+
+if bench:
+    lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16, 8, 4608, 3)
+    sys.exit(0)
 
 model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)
 model("qwen2", "qwen2-synthetic-tied", 512, 4, 8, 2, 64, 1536, biases=True)
