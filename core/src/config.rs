@@ -192,9 +192,9 @@ impl CacheConfig {
                     c.width
                 )));
             }
-            if c.channels == 0 {
+            if c.channels == 0 || c.layers.is_empty() {
                 return Err(CacheError::bad_config(
-                    "convolution layers need at least one channel",
+                    "convolution layers need at least one layer and one channel",
                 ));
             }
             check_limit("conv channels", c.channels, MAX_CONV_CHANNELS)?;

@@ -106,8 +106,8 @@ pub struct ModelConfig {
     pub num_hidden_layers: usize,
     /// Vocabulary.
     pub vocab_size: usize,
-    /// RMSNorm epsilon (LFM2 calls it `norm_eps`).
-    #[serde(default = "eps", alias = "norm_eps")]
+    /// RMSNorm epsilon (LFM2's `norm_eps`).
+    #[serde(default = "eps")]
     pub rms_norm_eps: f64,
     /// RoPE base.
     #[serde(default = "theta")]
@@ -115,8 +115,8 @@ pub struct ModelConfig {
     /// Llama 3 frequency scaling.
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
-    /// Whether `lm_head` reuses the embedding table (LFM2: `tie_embedding`).
-    #[serde(default, alias = "tie_embedding")]
+    /// Whether `lm_head` reuses the embedding table (LFM2's `tie_embedding`).
+    #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Head width (default hidden / heads).
     #[serde(default)]
@@ -164,10 +164,25 @@ pub const MAX_INTERMEDIATE: usize = 1 << 18;
 /// See [`MAX_HIDDEN`].
 pub const MAX_VOCAB: usize = 1 << 22;
 
-/// LFM2's MLP width as its converter derives it: with `block_auto_adjust_ff_dim`, two
-/// thirds of `block_ff_dim` (or `intermediate_size`), times `block_ffn_dim_multiplier`,
-/// rounded up to `block_multiple_of`; written back as `intermediate_size`.
-fn lfm2_ff_dim(v: &mut serde_json::Value) -> Result<(), ModelError> {
+/// LFM2's fields under the names this kit reads: `norm_eps` and `tie_embedding` (where the
+/// usual names are absent), and the MLP width as its converter derives it: with
+/// `block_auto_adjust_ff_dim`, two thirds of `block_ff_dim` (or `intermediate_size`), times
+/// `block_ffn_dim_multiplier`, rounded up to `block_multiple_of`, as `intermediate_size`.
+/// Convolution biases are refused (not implemented).
+fn lfm2_fields(v: &mut serde_json::Value) -> Result<(), ModelError> {
+    if v["conv_bias"].as_bool() == Some(true) {
+        return Err(ModelError::Malformed(
+            "conv_bias is not supported (LFM2 convolutions without biases only)".into(),
+        ));
+    }
+    for (lfm2, usual) in [
+        ("norm_eps", "rms_norm_eps"),
+        ("tie_embedding", "tie_word_embeddings"),
+    ] {
+        if v[usual].is_null() && !v[lfm2].is_null() {
+            v[usual] = v[lfm2].clone();
+        }
+    }
     if !v["block_auto_adjust_ff_dim"].as_bool().unwrap_or(false) {
         return Ok(());
     }
@@ -212,7 +227,7 @@ impl ModelConfig {
             return Err(ModelError::Unsupported(model_type));
         }
         if model_type == "lfm2" {
-            lfm2_ff_dim(&mut v)?;
+            lfm2_fields(&mut v)?;
         }
         if model_type == "gemma3_text" {
             let Some(obj) = v.as_object_mut() else {
@@ -663,6 +678,16 @@ mod tests {
         );
         assert_eq!(c.sliding(16).unwrap(), None);
         assert_eq!(c.conv(2).unwrap().unwrap().layers.len(), 2);
+        // The usual names win where both are given; convolution biases are refused.
+        let both = LFM2.replace(
+            "\"tie_embedding\": true",
+            "\"tie_embedding\": true, \"tie_word_embeddings\": false, \"rms_norm_eps\": 1e-6",
+        );
+        let c = ModelConfig::parse(&both).unwrap();
+        assert_eq!((c.tie_word_embeddings, c.rms_norm_eps), (false, 1e-6));
+        let biased = LFM2.replace("\"conv_L_cache\"", "\"conv_bias\": true, \"conv_L_cache\"");
+        let e = ModelConfig::parse(&biased).unwrap_err().to_string();
+        assert!(e.contains("conv_bias"), "{e}");
     }
 
     /// Gemma 3 270M's config.json as Hugging Face publishes it (fields this kit reads).

@@ -785,8 +785,10 @@ impl<D: Device> KitCache<D> {
 
     /// Makes the open step's convolution taps (`[T, width]`) unless made: for each token,
     /// the cells holding its sequence's previous `width - 1` positions among those its query
-    /// sees (the plan's visibility; [`NO_CELL`] before the sequence began), oldest first,
-    /// then its own.
+    /// sees (the plan's visibility; [`NO_CELL`] where it holds no such position: before the
+    /// sequence began, or removed by a `seq_rm` inside its history), oldest first, then its
+    /// own. A position held twice (as attention allows) reads the cell right before the
+    /// token's own if that is one of them, else the lowest.
     fn make_taps(&mut self, width: usize) {
         if self.taps.is_none() {
             let plan = self

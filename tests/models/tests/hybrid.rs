@@ -12,8 +12,8 @@ use kvplug::{Batch, CacheKind, Context, KvDtype};
 
 mod common;
 use common::{
-    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_as, runtime, write_gguf,
-    BACKENDS, MERGES,
+    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_with, runtime, write_gguf,
+    Reference, BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -33,17 +33,28 @@ fn values(n: usize, salt: u64, gain: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Writes an LFM2 GGUF: `layers` layers, those in `attention` attending, the others
-/// convolving over `taps` positions; matrices in `types` (cycled), vectors and the
-/// convolution kernel f32; no output matrix when `tied`.
-fn write_lfm2(
-    path: &Path,
+/// The shape of an LFM2 file: `layers` layers, those in `attention` attending (through a
+/// sliding `window` when given), the others convolving over `taps` positions; matrices in
+/// `types` (cycled), vectors and the convolution kernel f32; no output matrix when `tied`.
+struct Shape<'a> {
     layers: usize,
-    attention: &[usize],
+    attention: &'a [usize],
     taps: usize,
-    types: &[GgmlDType],
+    types: &'a [GgmlDType],
     tied: bool,
-) {
+    window: Option<usize>,
+}
+
+/// Writes an LFM2 GGUF of `shape`.
+fn write_lfm2(path: &Path, shape: &Shape) {
+    let Shape {
+        layers,
+        attention,
+        taps,
+        types,
+        tied,
+        window,
+    } = *shape;
     let hd = HIDDEN / HEADS;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut salt = 0;
@@ -124,6 +135,9 @@ fn write_lfm2(
         ("lfm2.shortconv.l_cache", u(taps)),
         ("lfm2.vocab_size", u(VOCAB)),
     ];
+    if let Some(w) = window {
+        meta.push(("lfm2.attention.sliding_window", u(w)));
+    }
     meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
     write_gguf(path, &meta, &tensors);
 }
@@ -142,17 +156,10 @@ fn decode(ctx: &mut Context, tokens: &[i32], positions: &[i32], seqs: &[i32]) ->
 }
 
 /// The indexed model of [`write_lfm2`] in `dir`.
-fn lfm2(
-    dir: &Path,
-    layers: usize,
-    attention: &[usize],
-    taps: usize,
-    types: &[GgmlDType],
-    tied: bool,
-) -> std::path::PathBuf {
+fn lfm2(dir: &Path, shape: &Shape) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let gguf = dir.join("lfm2.gguf");
-    write_lfm2(&gguf, layers, attention, taps, types, tied);
+    write_lfm2(&gguf, shape);
     let model = dir.join("indexed");
     kvplug::formats::gguf::index(&gguf, &model).unwrap();
     model
@@ -161,30 +168,44 @@ fn lfm2(
 #[test]
 fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
     let dir = tempfile::tempdir().unwrap();
-    // Two shapes: LFM2's 3 taps with attention in the middle and at the end, tied, f32;
-    // 4 taps with attention first, an output matrix, matrices in block formats (the
-    // convolution's input projection split through its blocks).
+    // LFM2's 3 taps with attention in the middle and at the end, tied, f32; 4 taps with
+    // attention first, an output matrix, matrices in block formats (the convolution's input
+    // projection split through its blocks); attention through a 4-token sliding window.
     let blocks = [
         GgmlDType::Q8_0,
         GgmlDType::Q4_0,
         GgmlDType::Q5_1,
         GgmlDType::Q4_1,
     ];
-    for (i, (layers, attention, taps, tied, types)) in [
-        (5, &[1, 4][..], 3, true, &[GgmlDType::F32][..]),
-        (4, &[0][..], 4, false, &blocks[..]),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let model = lfm2(
-            &dir.path().join(i.to_string()),
-            layers,
-            attention,
-            taps,
-            types,
-            tied,
-        );
+    let f32s = [GgmlDType::F32];
+    let shapes = [
+        Shape {
+            layers: 5,
+            attention: &[1, 4],
+            taps: 3,
+            types: &f32s,
+            tied: true,
+            window: None,
+        },
+        Shape {
+            layers: 4,
+            attention: &[0],
+            taps: 4,
+            types: &blocks,
+            tied: false,
+            window: None,
+        },
+        Shape {
+            layers: 4,
+            attention: &[1, 3],
+            taps: 3,
+            types: &f32s,
+            tied: true,
+            window: Some(4),
+        },
+    ];
+    for (i, shape) in shapes.iter().enumerate() {
+        let model = lfm2(&dir.path().join(i.to_string()), shape);
         for backend in BACKENDS {
             let rt = runtime();
             let mut ctx = common::model(&rt, backend, &model)
@@ -200,7 +221,12 @@ fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
             }
             // The cpu quantizes the inputs of block-format linears to int8 blocks (its
             // declared arithmetic); the reference does the same for it.
-            let want = reference_logits_as(&model, &tokens, backend == "cpu");
+            let told = Reference {
+                int8_block_acts: backend == "cpu",
+                window: shape.window,
+                ..Reference::default()
+            };
+            let want = reference_logits_with(&model, &tokens, &told);
             let worst = max_logit_error(&got, &want);
             // The f32 tolerance of the model tests (model.rs).
             assert!(
@@ -214,7 +240,15 @@ fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
 #[test]
 fn lfm2_convolution_state_follows_forks_and_rewinds() {
     let dir = tempfile::tempdir().unwrap();
-    let model = lfm2(dir.path(), 3, &[1], 3, &[GgmlDType::F32], true);
+    let shape = Shape {
+        layers: 3,
+        attention: &[1],
+        taps: 3,
+        types: &[GgmlDType::F32],
+        tied: true,
+        window: None,
+    };
+    let model = lfm2(dir.path(), &shape);
     let rt = runtime();
     let m = common::model(&rt, "cpu", &model);
     let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();

@@ -242,6 +242,17 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
         extend(&mut h1, &next[1..]);
         s.seq_rm(1, PosRange::new(Some(5), None)).unwrap();
         h1.retain(|&p, _| p < 5);
+        {
+            // A step of both sequences dropped after its first layer.
+            let mut d = s.step(&[5, 6], Some(&[1, 0])).unwrap();
+            let x: Vec<f32> = [row(0, 8888), row(0, 9999)].concat();
+            let x = dev.upload(&HostTensor::from_f32(&[1, 2, C], &x)).unwrap();
+            let k = dev
+                .upload(&HostTensor::from_f32(&[C, w], &kernel(0, w)))
+                .unwrap();
+            let mut out = dev.zeros(&[2, C]).unwrap();
+            d.conv(0, &x, &k, &mut out).unwrap();
+        }
         let again = [(5, 501), (6, 302)];
         step_and_check(
             &mut s,
@@ -279,8 +290,10 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
         };
         let hs = [path(&[]), path(&[0]), path(&[0]), path(&[0, 1])];
         step_and_check(&mut t, w, &nodes, None, &hs, "tree step").unwrap();
-        t.commit(&[0, 2]).unwrap();
-        let kept = path(&[0, 2]);
-        step_and_check(&mut t, w, &[(5, 800)], None, &[kept], "after the commit").unwrap();
+        // The chain through node 1 and its child: node 3's row moves from the cell after
+        // node 2's to node 2's cell.
+        t.commit(&[0, 1, 3]).unwrap();
+        let kept = path(&[0, 1, 3]);
+        step_and_check(&mut t, w, &[(6, 800)], None, &[kept], "after the commit").unwrap();
     }
 }

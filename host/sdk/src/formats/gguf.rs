@@ -259,13 +259,33 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                     g.path.display()
                 );
             }
+            if matches!(g.get(&k("attention.causal")), Some(Value::Bool(false))) {
+                fail!(
+                    Model,
+                    "{}: a bidirectional (non-causal) LFM2 is an embedding model; kvplug runs \
+                     causal decoders",
+                    g.path.display()
+                );
+            }
+            // As llama.cpp reads it: a positive window makes every attention layer slide.
+            let window = g
+                .uint(&k("attention.sliding_window"))
+                .ok()
+                .filter(|&w| w > 0);
             c["model_type"] = "lfm2".into();
             c["architectures"] = serde_json::json!(["Lfm2ForCausalLM"]);
             c["num_key_value_heads"] = attn_kv.first().copied().unwrap_or(heads).into();
             c["layer_types"] = kv
                 .iter()
-                .map(|&n| if n == 0 { "conv" } else { "full_attention" })
+                .map(|&n| match (n, window) {
+                    (0, _) => "conv",
+                    (_, Some(_)) => "sliding_attention",
+                    (_, None) => "full_attention",
+                })
                 .collect();
+            if let Some(w) = window {
+                c["sliding_window"] = w.into();
+            }
             c["conv_L_cache"] = g.uint(&k("shortconv.l_cache"))?.into();
             c["rms_norm_eps"] = g
                 .float(&k("attention.layer_norm_rms_epsilon"))
@@ -961,8 +981,9 @@ pub fn import(
         if let Some(bad) = data.iter().find(|x| !x.is_finite()) {
             fail!(Model, "{}: tensor '{src}' holds {bad}", gguf.display());
         }
-        // Vectors (norm weights) stay f32, as llama.cpp keeps them; matrices become f16.
-        let (dtype, bytes) = if dims.len() == 1 {
+        // Vectors (norm weights) and LFM2's convolution kernels stay f32, as llama.cpp keeps
+        // them; matrices become f16.
+        let (dtype, bytes) = if dims.len() == 1 || src.ends_with("shortconv.conv.weight") {
             (
                 Dtype::F32,
                 data.iter().flat_map(|x| x.to_le_bytes()).collect(),
