@@ -73,18 +73,45 @@ def llama3_rope_factors(base, head_dim, factor=8.0, low=1.0, high=4.0, original=
     return np.array(out, dtype=np.float32)
 
 
+class Writer:
+    """An f32 GGUF of `arch` under OUT_DIR with the shape facts every family shares, and
+    random tensors drawn from one seeded generator."""
+
+    def __init__(self, arch, name, hidden, layers, heads, ffn, seed):
+        self.rng = np.random.default_rng(seed)
+        self.path = os.path.join(out, f"{name}.f32.gguf")
+        self.w = w = gguf.GGUFWriter(self.path, arch)
+        w.add_name(name)
+        w.add_context_length(8192)
+        w.add_embedding_length(hidden)
+        w.add_block_count(layers)
+        w.add_feed_forward_length(ffn)
+        w.add_head_count(heads)
+
+    def weight(self, n, rows, cols, gain=1.0):
+        self.w.add_tensor(n, (self.rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
+                          .astype(np.float32))
+
+    def norm(self, n, size):
+        self.w.add_tensor(n, (1.0 + 0.1 * self.rng.standard_normal(size)).astype(np.float32))
+
+    def embedding(self, hidden):
+        self.w.add_tensor("token_embd.weight",
+                          self.rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+
+    def finish(self):
+        self.w.write_header_to_file()
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+        print(self.path)
+
+
 def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm=False,
           biases=False, tied=True, rope_base=1e6, llama3_rope=False, pre="qwen2", state_bos=True,
           seed=0):
-    rng = np.random.default_rng(seed)
-    path = os.path.join(out, f"{name}.f32.gguf")
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name(name)
-    w.add_context_length(8192)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
+    f = Writer(arch, name, hidden, layers, heads, ffn, seed)
+    w, rng, weight, norm = f.w, f.rng, f.weight, f.norm
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -95,15 +122,7 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
         w.add_vocab_size(VOCAB)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     copy_tokenizer(w, pre, state_bos)
-
-    def weight(n, rows, cols, gain=1.0):
-        w.add_tensor(n, (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
-                     .astype(np.float32))
-
-    def norm(n, size):
-        w.add_tensor(n, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
-
-    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+    f.embedding(hidden)
     for i in range(layers):
         b = f"blk.{i}."
         norm(b + "attn_norm.weight", hidden)
@@ -127,25 +146,14 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
         weight("output.weight", VOCAB, hidden, gain=20.0)
     if llama3_rope:
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    print(path)
+    f.finish()
 
 
 def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=True, seed=0):
     """An LFM2 file: layers in `attention` attend, the others convolve."""
-    rng = np.random.default_rng(seed)
     head_dim = hidden // heads
-    path = os.path.join(out, f"{name}.f32.gguf")
-    w = gguf.GGUFWriter(path, "lfm2")
-    w.add_name(name)
-    w.add_context_length(8192)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
+    f = Writer("lfm2", name, hidden, layers, heads, ffn, seed)
+    w, weight, norm = f.w, f.weight, f.norm
     w.add_head_count_kv([kv_heads if i in attention else 0 for i in range(layers)])
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-5)
@@ -153,15 +161,7 @@ def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=Tr
     w.add_vocab_size(VOCAB)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     copy_tokenizer(w, "qwen2", True)
-
-    def weight(n, rows, cols, gain=1.0):
-        w.add_tensor(n, (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
-                     .astype(np.float32))
-
-    def norm(n, size):
-        w.add_tensor(n, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
-
-    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+    f.embedding(hidden)
     for i in range(layers):
         b = f"blk.{i}."
         norm(b + "attn_norm.weight", hidden)
@@ -184,11 +184,7 @@ def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=Tr
     norm("token_embd_norm.weight", hidden)
     if not tied:
         weight("output.weight", VOCAB, hidden, gain=20.0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    print(path)
+    f.finish()
 
 
 if bench:

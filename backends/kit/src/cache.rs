@@ -932,17 +932,22 @@ impl<D: Device> Step<'_, D> {
         scale: f32,
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
-        if layer != self.next_layer {
-            return Err(CacheError::bad_shape(format!(
-                "layer {layer} out of order: the step expects layer {}",
-                self.next_layer
-            ))
-            .into());
-        }
+        self.expect_layer(layer)?;
         let t = self.plan().n_tok;
         self.cache.check_shapes(layer, q, k, v, t, out)?;
         self.cache.write_and_attend(layer, q, k, v, scale, out)?;
         self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Refuses `layer` unless it is the one the step expects next.
+    fn expect_layer(&self, layer: usize) -> Result<(), CacheError> {
+        if layer != self.next_layer {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} out of order: the step expects layer {}",
+                self.next_layer
+            )));
+        }
         Ok(())
     }
 
@@ -956,13 +961,7 @@ impl<D: Device> Step<'_, D> {
         kernel: &D::Tensor,
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
-        if layer != self.next_layer {
-            return Err(CacheError::bad_shape(format!(
-                "layer {layer} out of order: the step expects layer {}",
-                self.next_layer
-            ))
-            .into());
-        }
+        self.expect_layer(layer)?;
         let c = &mut *self.cache;
         let (Some(Place::Conv(i)), Some(conv)) = (c.place.get(layer).copied(), c.cfg.conv) else {
             return Err(CacheError::bad_shape(format!(

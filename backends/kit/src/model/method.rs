@@ -247,52 +247,34 @@ pub fn load_forward<B: Backend + ModelDevice>(
             ),
         ));
     }
-    // A sliding layer run with full attention (or the reverse) is wrong past the window.
+    // A sliding layer run with full attention (or the reverse) is wrong past the window; a
+    // convolution layer has no K/V at all.
+    let bad = |m: String| PluginError::new(AbiErrorKind::BadConfig, m);
     let sliding = model
         .config()
         .sliding(want_layers)
-        .map_err(|e| PluginError::new(AbiErrorKind::BadConfig, e.to_string()))?;
-    if cfg.sliding != sliding {
-        let say = |s: Option<kvplug_core::SlidingLayers>| match s {
-            Some(s) => format!(
-                "a {}-token window on layers {:?}",
-                s.window,
-                s.layers.iter().collect::<Vec<_>>()
-            ),
-            None => "no sliding layers".into(),
-        };
-        return Err(PluginError::new(
-            AbiErrorKind::BadConfig,
-            format!(
-                "cache '{key}' has {}; the model needs {}",
-                say(cfg.sliding),
-                say(sliding)
-            ),
-        ));
-    }
+        .map_err(|e| bad(e.to_string()))?;
+    check_layers(key, cfg.sliding, sliding, "no sliding layers", |s| {
+        format!(
+            "a {}-token window on layers {:?}",
+            s.window,
+            s.layers.iter().collect::<Vec<_>>()
+        )
+    })
+    .map_err(bad)?;
     let conv = model
         .config()
         .conv(want_layers)
-        .map_err(|e| PluginError::new(AbiErrorKind::BadConfig, e.to_string()))?;
-    if cfg.conv != conv {
-        let say = |c: Option<kvplug_core::ConvLayers>| match c {
-            Some(c) => format!(
-                "{}-tap convolutions of {} channels on layers {:?}",
-                c.width,
-                c.channels,
-                c.layers.iter().collect::<Vec<_>>()
-            ),
-            None => "no convolution layers".into(),
-        };
-        return Err(PluginError::new(
-            AbiErrorKind::BadConfig,
-            format!(
-                "cache '{key}' has {}; the model needs {}",
-                say(cfg.conv),
-                say(conv)
-            ),
-        ));
-    }
+        .map_err(|e| bad(e.to_string()))?;
+    check_layers(key, cfg.conv, conv, "no convolution layers", |c| {
+        format!(
+            "{}-tap convolutions of {} channels on layers {:?}",
+            c.width,
+            c.channels,
+            c.layers.iter().collect::<Vec<_>>()
+        )
+    })
+    .map_err(bad)?;
     let _span =
         tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
     tracing::info!(
@@ -314,5 +296,25 @@ pub fn load_forward<B: Backend + ModelDevice>(
             })),
         }),
         TD_Opaque,
+    ))
+}
+
+/// Refuses a cache whose layer group (`has`) differs from the model's (`needs`), naming
+/// both: `say` describes a group, `none` its absence.
+fn check_layers<T: PartialEq + Copy>(
+    key: &str,
+    has: Option<T>,
+    needs: Option<T>,
+    none: &str,
+    say: impl Fn(T) -> String,
+) -> Result<(), String> {
+    if has == needs {
+        return Ok(());
+    }
+    let say = |g: Option<T>| g.map_or_else(|| none.to_string(), &say);
+    Err(format!(
+        "cache '{key}' has {}; the model needs {}",
+        say(has),
+        say(needs)
     ))
 }
