@@ -46,6 +46,10 @@ pub struct CacheConfig {
     /// The short-convolution layers of a hybrid model (`None`: none); they hold no K/V.
     #[serde(default)]
     pub conv: Option<ConvLayers>,
+    /// The gated delta-rule layers of a hybrid model (`None`: none); each is also one of
+    /// the `conv` layers (its convolution runs over q, k and v before the rule).
+    #[serde(default)]
+    pub delta: Option<DeltaLayers>,
 }
 
 /// A set of layer indices below [`MAX_LAYERS`].
@@ -129,6 +133,42 @@ pub struct ConvLayers {
     pub layers: LayerSet,
 }
 
+/// The gated delta-rule (linear attention) layers of a hybrid model (Qwen3.5, Qwen3-Next):
+/// per sequence, a `head_dim × head_dim` f32 state per value head, decayed and moved toward
+/// each token's value along its key.
+///
+/// The state cannot be kept per token (a layer's state is as large as thousands of K/V
+/// rows), so the cache keeps **anchors**: the state after the token of a cell, for the cell
+/// that ends each committed step of each sequence, for every node of a tree step, and at
+/// published prefix ends. A step resumes each sequence from the anchor of its previous
+/// position; a verb that would leave a sequence ending where no anchor is kept is refused
+/// (see `docs/architecture.md`, "Recurrent state").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct DeltaLayers {
+    /// Key heads (q and k); each serves `value_heads / key_heads` value heads, value head
+    /// `h` reading key head `h % key_heads` (llama.cpp's layout of Qwen3.5 files).
+    pub key_heads: usize,
+    /// Value heads, each with its own state.
+    pub value_heads: usize,
+    /// Size of a key and of a value head (the state is `head_dim × head_dim`).
+    pub head_dim: usize,
+    /// The delta-rule layers.
+    pub layers: LayerSet,
+}
+
+impl DeltaLayers {
+    /// f32 values of one layer's state of one sequence.
+    pub fn state_len(&self) -> usize {
+        self.value_heads * self.head_dim * self.head_dim
+    }
+
+    /// Channels of the convolution in front of the rule: q and k (`key_heads` heads each),
+    /// then v, in that order.
+    pub fn conv_channels(&self) -> usize {
+        (2 * self.key_heads + self.value_heads) * self.head_dim
+    }
+}
+
 /// The widest convolution kernel a config may declare.
 pub const MAX_CONV_WIDTH: usize = 64;
 
@@ -152,6 +192,7 @@ pub fn make_config(params: &ModelCacheParams, capacity: usize, kv_dtype: KvDtype
         kv_dtype,
         sliding: None,
         conv: None,
+        delta: None,
     }
 }
 
@@ -210,7 +251,53 @@ impl CacheConfig {
                 )));
             }
         }
+        if let Some(d) = &self.delta {
+            self.validate_delta(d)?;
+        }
         self.kv_dtype.check_head_dim(self.head_dim)
+    }
+
+    fn validate_delta(&self, d: &DeltaLayers) -> CacheResult<()> {
+        if d.key_heads == 0 || d.head_dim == 0 || d.layers.is_empty() {
+            return Err(CacheError::bad_config(
+                "delta-rule layers need at least one layer, one key head and a head size",
+            ));
+        }
+        if d.value_heads % d.key_heads != 0 {
+            return Err(CacheError::bad_config(format!(
+                "{} value heads do not share {} key heads evenly",
+                d.value_heads, d.key_heads
+            )));
+        }
+        check_limit("delta heads", d.value_heads, MAX_KV_HEADS)?;
+        check_limit("delta head size", d.head_dim, MAX_HEAD_DIM)?;
+        match self.conv {
+            Some(c) if d.layers.iter().all(|l| c.layers.contains(l)) => {
+                if c.channels != d.conv_channels() {
+                    return Err(CacheError::bad_config(format!(
+                        "the delta-rule layers convolve {} channels (q, k, v), not {}",
+                        d.conv_channels(),
+                        c.channels
+                    )));
+                }
+                Ok(())
+            }
+            _ => Err(CacheError::bad_config(
+                "every delta-rule layer must also be a convolution layer",
+            )),
+        }
+    }
+
+    /// Whether `layer` is a gated delta-rule layer.
+    pub fn is_delta(&self, layer: usize) -> bool {
+        self.delta.is_some_and(|d| d.layers.contains(layer))
+    }
+
+    /// Bytes of one anchor: the state of every delta-rule layer after one token (0 without
+    /// such layers).
+    pub fn anchor_bytes(&self) -> u64 {
+        self.delta
+            .map_or(0, |d| 4 * (d.layers.len() * d.state_len()) as u64)
     }
 
     /// Whether `layer` is a short-convolution layer.

@@ -46,7 +46,7 @@ pub mod window;
 
 pub use arithmetic::Arithmetic;
 pub use config::{
-    make_config, CacheConfig, ConvLayers, LayerSet, ModelCacheParams, SlidingLayers,
+    make_config, CacheConfig, ConvLayers, DeltaLayers, LayerSet, ModelCacheParams, SlidingLayers,
     DEFAULT_MIN_CHUNK,
 };
 pub use contiguous::ContiguousBookkeeping;

@@ -3,7 +3,7 @@
 //! and what it implies: rotary frequencies per layer type, attention scale, which layers slide.
 
 use crate::spec::{LayerAttention, ModelCacheSpec};
-use crate::{CacheError, ConvLayers, ModelCacheParams, SlidingLayers};
+use crate::{CacheError, ConvLayers, DeltaLayers, ModelCacheParams, SlidingLayers};
 
 /// Why a model package cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +75,12 @@ pub enum Arch {
     /// LFM2: a hybrid whose layers are short convolutions (`conv`) or GQA attention with
     /// per-head q/k norms, each followed by a SiLU MLP; Hugging Face's LFM2 tensor names.
     Lfm2,
+    /// Qwen3.5 (dense): a hybrid of gated delta-rule layers (`linear_attention`) and gated
+    /// full attention (q/k norms, a sigmoid output gate carried by the q projection,
+    /// partial rotary), each followed by a SiLU MLP. Read from GGUF only: its weights as
+    /// llama.cpp's converter writes them (RMSNorm weights with their `1 +` folded in,
+    /// `a = −exp(A_log)`).
+    Qwen35,
 }
 
 /// The gate activation of the MLP.
@@ -149,6 +155,18 @@ pub struct ModelConfig {
     /// Biases on the MLP projections (not implemented: refused).
     #[serde(default)]
     pub mlp_bias: bool,
+    /// The share of each head that rotates (Qwen3.5: 0.25; default 1).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// Multimodal RoPE sections (Qwen3.5's `mrope_section`, llama.cpp's
+    /// `rope.dimension_sections`, interleaved): on text, pairs of the fourth section (or past
+    /// three times each section) rotate by position 0, i.e. not at all.
+    #[serde(default)]
+    pub mrope_section: Option<Vec<usize>>,
+    /// Set by the host's GGUF index: the weights follow llama.cpp's converter (required for
+    /// Qwen3.5, whose Hugging Face and GGUF weights differ).
+    #[serde(default)]
+    pub gguf_converted: bool,
     /// Per-pair divisors of the rotary frequencies (`head_dim / 2` values): llama.cpp's
     /// `rope_freqs` tensor, in which a Llama 3.x GGUF carries its `rope_scaling` (written
     /// into the derived `config.json` by the host's GGUF index; not a Hugging Face field).
@@ -222,9 +240,16 @@ impl ModelConfig {
         let model_type = v["model_type"].as_str().unwrap_or_default().to_string();
         if !matches!(
             model_type.as_str(),
-            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text" | "lfm2"
+            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text" | "lfm2" | "qwen3_5_text"
         ) {
             return Err(ModelError::Unsupported(model_type));
+        }
+        if model_type == "qwen3_5_text" && v["gguf_converted"].as_bool() != Some(true) {
+            return Err(ModelError::Malformed(
+                "Qwen3.5 is read from GGUF files only (its Hugging Face weights are laid out \
+                 differently); convert it with llama.cpp's convert_hf_to_gguf.py"
+                    .into(),
+            ));
         }
         if model_type == "lfm2" {
             lfm2_fields(&mut v)?;
@@ -279,7 +304,9 @@ impl ModelConfig {
             }
         }
         let act = match c.arch() {
-            Arch::Llama | Arch::Lfm2 => ("hidden_act", c.hidden_act.as_deref(), "silu"),
+            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 => {
+                ("hidden_act", c.hidden_act.as_deref(), "silu")
+            }
             Arch::Gemma3 => (
                 "hidden_activation",
                 c.hidden_activation.as_deref(),
@@ -333,6 +360,22 @@ impl ModelConfig {
                 c.head_dim(),
                 c.num_hidden_layers
             )));
+        }
+        if let Some(f) = c.partial_rotary_factor {
+            let rot = f * c.head_dim() as f64;
+            if !(f > 0.0 && f <= 1.0 && rot.fract() == 0.0 && rot as usize % 2 == 0) {
+                return Err(ModelError::Malformed(format!(
+                    "partial_rotary_factor {f} does not give an even number of the {} dims",
+                    c.head_dim()
+                )));
+            }
+        }
+        if let Some(s) = &c.mrope_section {
+            if s.len() > 4 || s.iter().sum::<usize>() == 0 {
+                return Err(ModelError::Malformed(format!(
+                    "mrope_section {s:?}: up to four sections, not all empty"
+                )));
+            }
         }
         c.attention = ModelCacheSpec::from_config(&v, c.num_hidden_layers, kv, c.head_dim())
             .map_err(|e| ModelError::Malformed(e.message))?
@@ -398,6 +441,7 @@ impl ModelConfig {
         match self.model_type.as_str() {
             "gemma3_text" => Arch::Gemma3,
             "lfm2" => Arch::Lfm2,
+            "qwen3_5_text" => Arch::Qwen35,
             _ => Arch::Llama,
         }
     }
@@ -405,14 +449,17 @@ impl ModelConfig {
     /// The MLP's gate activation.
     pub fn activation(&self) -> Activation {
         match self.arch() {
-            Arch::Llama | Arch::Lfm2 => Activation::Silu,
+            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 => Activation::Silu,
             Arch::Gemma3 => Activation::GeluTanh,
         }
     }
 
     /// Whether q and k pass through per-head RMSNorms before RoPE (Gemma 3, Qwen3, LFM2).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.model_type.as_str(), "gemma3_text" | "qwen3" | "lfm2")
+        matches!(
+            self.model_type.as_str(),
+            "gemma3_text" | "qwen3" | "lfm2" | "qwen3_5_text"
+        )
     }
 
     /// Whether q/k/v carry biases.
@@ -457,6 +504,20 @@ impl ModelConfig {
         spec.conv().map_err(|e| ModelError::Malformed(e.message))
     }
 
+    /// The gated delta-rule layers among the first `layers`.
+    pub fn delta(&self, layers: usize) -> Result<Option<DeltaLayers>, ModelError> {
+        let mut spec = self.cache_spec();
+        spec.layers.truncate(layers);
+        spec.delta().map_err(|e| ModelError::Malformed(e.message))
+    }
+
+    /// Dims of each head that rotate (`partial_rotary_factor · head_dim`; all by default).
+    pub fn rotary_dim(&self) -> usize {
+        let hd = self.head_dim();
+        self.partial_rotary_factor
+            .map_or(hd, |f| (f * hd as f64) as usize)
+    }
+
     /// The cache shape this model needs.
     pub fn cache_params(&self) -> ModelCacheParams {
         ModelCacheParams {
@@ -481,11 +542,17 @@ impl ModelConfig {
         }
     }
 
+    /// Per pair of the rotate-half layout (`head_dim / 2`); with a partial rotary, pairs
+    /// past `rotary_dim / 2` (and, on text, MRoPE pairs of no text section) are 0: the
+    /// model's forward lays a head's dims out so that its rotary pairs come first.
     fn frequencies(&self, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
-        let hd = self.head_dim();
+        let (hd, rot) = (self.head_dim(), self.rotary_dim());
         (0..hd / 2)
             .map(|i| {
-                let mut f = theta.powf(-(2.0 * i as f64) / hd as f64);
+                if i >= rot / 2 || !self.mrope_text_pair(i) {
+                    return 0.0;
+                }
+                let mut f = theta.powf(-(2.0 * i as f64) / rot as f64);
                 if let Some(factors) = &self.rope_freq_factors {
                     f /= factors[i];
                 }
@@ -510,6 +577,20 @@ impl ModelConfig {
                 scaled as f32
             })
             .collect()
+    }
+}
+
+impl ModelConfig {
+    /// Whether rotary pair `i` rotates by a text token's position under interleaved MRoPE
+    /// (llama.cpp's `GGML_ROPE_TYPE_IMROPE`, positions `[p, p, p, 0]`): sector `i mod Σ`
+    /// belongs to section `sector mod 3` while `sector < 3 · section`, else to the fourth.
+    fn mrope_text_pair(&self, i: usize) -> bool {
+        let Some(s) = &self.mrope_section else {
+            return true;
+        };
+        let sec = |k: usize| s.get(k).copied().unwrap_or(0);
+        let sector = i % s.iter().sum::<usize>();
+        sector < 3 * sec(sector % 3)
     }
 }
 

@@ -5,7 +5,9 @@
 //!
 //! 1. an explicit `layer_types` list (`full_attention` / `sliding_attention`, window
 //!    `sliding_window`; LFM2's `conv`, a short-convolution layer of `conv_L_cache` taps over
-//!    `hidden_size` channels);
+//!    `hidden_size` channels; Qwen3.5's `linear_attention`, a gated delta-rule layer of
+//!    `linear_num_key_heads` / `linear_num_value_heads` heads of `linear_key_head_dim`
+//!    behind a `linear_conv_kernel_dim`-tap convolution);
 //! 2. Gemma 3's `sliding_window_pattern` `N`: layer `i` is full iff `(i + 1) % N == 0`;
 //! 3. Qwen2's `use_sliding_window` with `max_window_layers` `M`: layers `i >= M` slide
 //!    (absent in a `qwen*` config, it is false: Qwen2 ships a window it does not use);
@@ -18,7 +20,7 @@
 
 use serde_json::Value;
 
-use crate::config::{ConvLayers, LayerSet, SlidingLayers, MAX_CONV_WIDTH};
+use crate::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers, MAX_CONV_WIDTH};
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
 
@@ -41,6 +43,35 @@ pub enum LayerAttention {
         /// Channels per row.
         channels: usize,
     },
+    /// No attention: a gated delta rule (Qwen3.5) behind a short convolution over its q, k
+    /// and v; its state is a `head_dim × head_dim` matrix per value head and sequence (see
+    /// [`DeltaLayers`]), the convolution's is as [`LayerAttention::Conv`]'s.
+    Delta {
+        /// Taps of the convolution.
+        width: usize,
+        /// Key heads.
+        key_heads: usize,
+        /// Value heads.
+        value_heads: usize,
+        /// Key and value head size.
+        head_dim: usize,
+    },
+}
+
+impl LayerAttention {
+    /// The convolution in front of a recurrent layer: `(width, channels)`.
+    pub fn conv_shape(&self) -> Option<(usize, usize)> {
+        match *self {
+            LayerAttention::Conv { width, channels } => Some((width, channels)),
+            LayerAttention::Delta {
+                width,
+                key_heads,
+                value_heads,
+                head_dim,
+            } => Some((width, (2 * key_heads + value_heads) * head_dim)),
+            LayerAttention::Full | LayerAttention::Sliding { .. } => None,
+        }
+    }
 }
 
 /// A model's per-layer cache shape.
@@ -96,6 +127,34 @@ impl ModelCacheSpec {
                 as usize;
             Ok(LayerAttention::Conv { width, channels })
         };
+        let delta = || -> CacheResult<LayerAttention> {
+            let get = |key: &str| {
+                config[key]
+                    .as_u64()
+                    .filter(|&n| n > 0)
+                    .map(|n| n as usize)
+                    .ok_or_else(|| bad(format!("linear_attention layers need a positive {key}")))
+            };
+            let (head_dim, value_dim) =
+                (get("linear_key_head_dim")?, get("linear_value_head_dim")?);
+            if head_dim != value_dim {
+                return Err(bad(format!(
+                    "linear_key_head_dim {head_dim} differs from linear_value_head_dim {value_dim}"
+                )));
+            }
+            let width = get("linear_conv_kernel_dim")?;
+            if !(2..=MAX_CONV_WIDTH).contains(&width) {
+                return Err(bad(format!(
+                    "linear_conv_kernel_dim {width} is outside 2..={MAX_CONV_WIDTH}"
+                )));
+            }
+            Ok(LayerAttention::Delta {
+                width,
+                key_heads: get("linear_num_key_heads")?,
+                value_heads: get("linear_num_value_heads")?,
+                head_dim,
+            })
+        };
         let layers = if let Some(types) = config["layer_types"].as_array() {
             if types.len() != n_layers {
                 return Err(bad(format!(
@@ -109,6 +168,7 @@ impl ModelCacheSpec {
                     Some("full_attention") => Ok(LayerAttention::Full),
                     Some("sliding_attention") => Ok(LayerAttention::Sliding { window: window()? }),
                     Some("conv") => conv(),
+                    Some("linear_attention") => delta(),
                     other => Err(bad(format!("unknown layer type {other:?}"))),
                 })
                 .collect::<CacheResult<_>>()?
@@ -197,7 +257,7 @@ impl ModelCacheSpec {
     pub fn conv(&self) -> CacheResult<Option<ConvLayers>> {
         let mut shape = None;
         for l in &self.layers {
-            if let LayerAttention::Conv { width, channels } = *l {
+            if let Some((width, channels)) = l.conv_shape() {
                 if shape.is_some_and(|s| s != (width, channels)) {
                     return Err(CacheError::bad_config(
                         "convolution layers of different widths or channels are not supported",
@@ -210,12 +270,47 @@ impl ModelCacheSpec {
             return Ok(None);
         };
         let layers = LayerSet::of(
-            (0..self.layers.len())
-                .filter(|&i| matches!(self.layers[i], LayerAttention::Conv { .. })),
+            (0..self.layers.len()).filter(|&i| self.layers[i].conv_shape().is_some()),
         )?;
         Ok(Some(ConvLayers {
             width,
             channels,
+            layers,
+        }))
+    }
+
+    /// The gated delta-rule layers of a cache config (`None` without any); `bad_config`
+    /// when they differ in shape.
+    pub fn delta(&self) -> CacheResult<Option<DeltaLayers>> {
+        let mut shape = None;
+        for l in &self.layers {
+            if let LayerAttention::Delta {
+                key_heads,
+                value_heads,
+                head_dim,
+                ..
+            } = *l
+            {
+                let this = (key_heads, value_heads, head_dim);
+                if shape.is_some_and(|s| s != this) {
+                    return Err(CacheError::bad_config(
+                        "delta-rule layers of different shapes are not supported",
+                    ));
+                }
+                shape = Some(this);
+            }
+        }
+        let Some((key_heads, value_heads, head_dim)) = shape else {
+            return Ok(None);
+        };
+        let layers = LayerSet::of(
+            (0..self.layers.len())
+                .filter(|&i| matches!(self.layers[i], LayerAttention::Delta { .. })),
+        )?;
+        Ok(Some(DeltaLayers {
+            key_heads,
+            value_heads,
+            head_dim,
             layers,
         }))
     }
@@ -226,29 +321,47 @@ impl ModelCacheSpec {
     }
 
     /// Cache bytes one token takes in a layer of kind `layer`: its K and V rows, or a
-    /// convolution layer's f32 input row.
+    /// recurrent layer's f32 convolution input row.
     pub fn bytes_per_token(&self, layer: LayerAttention, dtype: KvDtype) -> usize {
-        match layer {
-            LayerAttention::Full | LayerAttention::Sliding { .. } => {
-                self.layer_bytes_per_token(dtype)
-            }
-            LayerAttention::Conv { channels, .. } => 4 * channels,
+        match layer.conv_shape() {
+            Some((_, channels)) => 4 * channels,
+            None => self.layer_bytes_per_token(dtype),
         }
     }
 
+    /// Bytes of one anchor of a sequence's delta-rule state (every such layer's f32
+    /// `head_dim × head_dim` matrices): what each kept anchor costs.
+    pub fn state_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match *l {
+                LayerAttention::Delta {
+                    value_heads,
+                    head_dim,
+                    ..
+                } => 4 * value_heads * head_dim * head_dim,
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// Cache bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
-    /// `window + ubatch` of them (the window plus one micro-batch in flight).
+    /// `window + ubatch` of them (the window plus one micro-batch in flight), with the
+    /// anchor of its end (delta-rule layers).
     pub fn sequence_bytes(&self, dtype: KvDtype, tokens: usize, ubatch: usize) -> u128 {
         self.layers
             .iter()
             .map(|&l| {
                 let held = match l {
                     LayerAttention::Sliding { window } => tokens.min(window + ubatch),
-                    LayerAttention::Full | LayerAttention::Conv { .. } => tokens,
+                    LayerAttention::Full
+                    | LayerAttention::Conv { .. }
+                    | LayerAttention::Delta { .. } => tokens,
                 };
                 held as u128 * self.bytes_per_token(l, dtype) as u128
             })
-            .sum()
+            .sum::<u128>()
+            + self.state_bytes() as u128
     }
 }
 

@@ -6,7 +6,7 @@
 use abi_stable::sabi_trait;
 use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::StableAbi;
-use kvplug_core::config::{ConvLayers, LayerSet, SlidingLayers};
+use kvplug_core::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers};
 use kvplug_core::{CacheConfig, CacheError, KvDtype};
 
 use crate::error::PluginError;
@@ -38,6 +38,14 @@ pub struct AbiCacheConfig {
     pub conv_channels: u32,
     /// Short-convolution layers (no K/V; see [`ConvLayers`]).
     pub conv_layers: RVec<u32>,
+    /// Key heads of [`AbiCacheConfig::delta_layers`] (0: no delta-rule layers).
+    pub delta_key_heads: u32,
+    /// Value heads of the delta-rule layers.
+    pub delta_value_heads: u32,
+    /// Head size (key and value) of the delta-rule layers.
+    pub delta_head_dim: u32,
+    /// Gated delta-rule layers (each also a convolution layer; see [`DeltaLayers`]).
+    pub delta_layers: RVec<u32>,
 }
 
 impl From<&CacheConfig> for AbiCacheConfig {
@@ -66,8 +74,20 @@ impl From<&CacheConfig> for AbiCacheConfig {
                 .conv
                 .map(|v| v.layers.iter().map(|l| l as u32).collect())
                 .unwrap_or_default(),
+            delta_key_heads: c.delta.map_or(0, |d| saturate(d.key_heads)),
+            delta_value_heads: c.delta.map_or(0, |d| saturate(d.value_heads)),
+            delta_head_dim: c.delta.map_or(0, |d| saturate(d.head_dim)),
+            delta_layers: c
+                .delta
+                .map(|d| d.layers.iter().map(|l| l as u32).collect())
+                .unwrap_or_default(),
         }
     }
+}
+
+/// `n` as a `u32`, saturated (validation refuses it on the other side).
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 impl TryFrom<&AbiCacheConfig> for CacheConfig {
@@ -105,9 +125,24 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
                 layers: LayerSet::of(c.conv_layers.iter().map(|&l| l as usize))?,
             }),
         };
+        let delta = match (c.delta_key_heads, c.delta_layers.is_empty()) {
+            (0, true) => None,
+            (0, false) => {
+                return Err(CacheError::bad_config(
+                    "delta-rule layers are listed but they have no key heads",
+                ))
+            }
+            (k, _) => Some(DeltaLayers {
+                key_heads: k as usize,
+                value_heads: c.delta_value_heads as usize,
+                head_dim: c.delta_head_dim as usize,
+                layers: LayerSet::of(c.delta_layers.iter().map(|&l| l as usize))?,
+            }),
+        };
         let cfg = CacheConfig {
             sliding,
             conv,
+            delta,
             capacity: c.capacity as usize,
             n_layers: c.n_layers as usize,
             n_kv_heads: c.n_kv_heads as usize,

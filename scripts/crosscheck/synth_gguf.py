@@ -15,6 +15,11 @@ copies of them.
   q/k norms, per-layer KV head counts (0 on convolution layers), tied embeddings, the
   final norm as `token_embd_norm`; and a second shape with 4 taps, an untied output and
   another layer pattern.
+- qwen35 (a hybrid): gated delta-rule layers (a 4-tap convolution over q, k and v, L2-normed
+  q/k, per-head decay and beta, a gated RMSNorm) with a full-attention layer every
+  `full_attention_interval`; the attention layers' q projection carries an output gate,
+  q/k norms, partial rotary (MRoPE sections on text positions); more value heads than key
+  heads; and a second shape with one head kind per count and another interval.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
@@ -187,6 +192,61 @@ def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=Tr
     f.finish()
 
 
+def qwen35(name, hidden, layers, interval, heads, kv_heads, head_dim, rope_dim, sections,
+           k_heads, v_heads, state, ffn, *, tied=True, seed=0):
+    """A Qwen3.5 file: every `interval`-th layer attends, the others run the delta rule."""
+    f = Writer("qwen35", name, hidden, layers, heads, ffn, seed)
+    w, rng, weight, norm = f.w, f.rng, f.weight, f.norm
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(rope_dim)
+    w.add_rope_dimension_sections(sections)
+    w.add_rope_freq_base(1e7)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_full_attention_interval(interval)
+    w.add_ssm_conv_kernel(4)
+    w.add_ssm_inner_size(v_heads * state)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(v_heads)
+    w.add_ssm_group_count(k_heads)
+    w.add_vocab_size(VOCAB)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, "qwen2", True)
+    f.embedding(hidden)
+    conv_dim = 2 * k_heads * state + v_heads * state
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", hidden)
+        if (i + 1) % interval == 0:
+            # q and its output gate, interleaved per head.
+            weight(b + "attn_q.weight", 2 * heads * head_dim, hidden)
+            weight(b + "attn_k.weight", kv_heads * head_dim, hidden)
+            weight(b + "attn_v.weight", kv_heads * head_dim, hidden)
+            weight(b + "attn_output.weight", hidden, heads * head_dim, gain=8.0)
+            norm(b + "attn_q_norm.weight", head_dim)
+            norm(b + "attn_k_norm.weight", head_dim)
+        else:
+            weight(b + "attn_qkv.weight", conv_dim, hidden, gain=2.0)
+            weight(b + "attn_gate.weight", v_heads * state, hidden, gain=2.0)
+            weight(b + "ssm_conv1d.weight", conv_dim, 4, gain=2.0)
+            w.add_tensor(b + "ssm_dt.bias", rng.standard_normal(v_heads).astype(np.float32))
+            # -exp(A_log), as the converter stores it.
+            w.add_tensor(b + "ssm_a", -np.exp(rng.uniform(-1.0, 1.0, v_heads)).astype(np.float32))
+            weight(b + "ssm_beta.weight", v_heads, hidden, gain=2.0)
+            weight(b + "ssm_alpha.weight", v_heads, hidden, gain=2.0)
+            norm(b + "ssm_norm.weight", state)
+            weight(b + "ssm_out.weight", hidden, v_heads * state, gain=8.0)
+        norm(b + "post_attention_norm.weight", hidden)
+        weight(b + "ffn_gate.weight", ffn, hidden)
+        weight(b + "ffn_up.weight", ffn, hidden)
+        weight(b + "ffn_down.weight", hidden, ffn, gain=8.0)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.finish()
+
+
 if bench:
     lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16, 8, 4608, 3)
     sys.exit(0)
@@ -200,3 +260,8 @@ model("llama", "llama-synthetic-untied", 512, 4, 8, 4, 64, 1536, rope_base=1e4, 
 # LFM2-350M's pattern scaled down (attention at 2, 5 of 8) and another one.
 lfm2("lfm2-synthetic", 512, 8, {2, 5}, 8, 4, 1536, 3)
 lfm2("lfm2-synthetic-untied", 256, 6, {0, 3, 4}, 4, 2, 768, 4, tied=False, seed=1)
+# Qwen3.5-0.8B's pattern scaled down (attention every 4th layer, 2 value heads per key head,
+# rotary on a quarter of each head) and another one.
+qwen35("qwen35-synthetic", 512, 8, 4, 8, 2, 128, 32, [6, 5, 5, 0], 4, 8, 64, 1536)
+qwen35("qwen35-synthetic-untied", 256, 6, 3, 4, 1, 64, 64, [11, 11, 10, 0], 2, 2, 32, 768,
+       tied=False, seed=2)

@@ -129,6 +129,7 @@ fn kvplug_run(tokens: &[Vec<f32>]) -> Run {
         min_chunk: STEP,
         sliding: None,
         conv: None,
+        delta: None,
     };
     let mut c = ContiguousKv::new(Arc::new(CpuDevice::new()), cfg).expect("a cache");
     let inputs: Vec<CpuTensor> = tokens

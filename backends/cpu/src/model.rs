@@ -268,6 +268,16 @@ impl ModelDevice for CpuDevice {
         Ok(())
     }
 
+    fn sigmoid_mul(
+        &self,
+        gate: &CpuTensor,
+        x: &CpuTensor,
+        out: &mut CpuTensor,
+    ) -> Result<(), KitError> {
+        simd::sigmoid_mul(&gate.data, &x.data, &mut out.data);
+        Ok(())
+    }
+
     fn silu_mul(
         &self,
         gate: &CpuTensor,

@@ -369,6 +369,11 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     gated(gate, up, out, |g| g / (1.0 + fast_exp(-g)))
 }
 
+/// `out = sigmoid(gate) · x` element-wise, through [`fast_exp`].
+pub fn sigmoid_mul(gate: &[f32], x: &[f32], out: &mut [f32]) {
+    gated(gate, x, out, |g| 1.0 / (1.0 + fast_exp(-g)))
+}
+
 /// `out = gelu_tanh(gate) · up` element-wise (Gemma's GELU, tanh approximation), as
 /// `g / (1 + e^(−2y))`, which equals `g · (1 + tanh y) / 2` without its cancellation,
 /// through [`fast_exp`].

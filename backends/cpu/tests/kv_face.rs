@@ -24,6 +24,7 @@ fn cfg(capacity: usize) -> CacheConfig {
         min_chunk: 4,
         sliding: None,
         conv: None,
+        delta: None,
     }
 }
 

@@ -8,8 +8,9 @@ use kvplug_core::{
     PlanKind, PosRange, PrefixStats, SlotMap,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
-use kvplug_plugin_api::{AbiErrorKind, PluginError, SeqRows};
+use kvplug_plugin_api::{AbiErrorKind, HostTensor, PluginError, SeqRows, TensorDtype};
 
+use crate::anchors::Anchors;
 use crate::device::{AttendMask, Device, NO_CELL};
 
 /// Rows [`KitCache::import_seq`] writes per step (bounds the step plan and the staging copy).
@@ -87,6 +88,8 @@ pub struct KitCache<D: Device> {
     /// The open step's convolution taps (`[T, width]` cells), made at its first
     /// convolution layer.
     taps: Option<Vec<u32>>,
+    /// The delta-rule layers' states (Qwen3.5, see [`kvplug_core::DeltaLayers`]).
+    anchors: Option<Anchors>,
     /// Read path and read window of the last planned step.
     last_plan: Option<(PlanKind, usize)>,
     /// The layer the open step expects next.
@@ -205,6 +208,7 @@ impl<D: Device> KitCache<D> {
             },
             conv,
             taps: None,
+            anchors: cfg.delta.map(|d| Anchors::new(d, cfg.n_layers)),
             last_plan: None,
             next_layer: 0,
             scratch: D::Scratch::default(),
@@ -368,6 +372,9 @@ impl<D: Device> KitCache<D> {
             g.map.rollback_step();
         }
         self.taps = None;
+        if let Some(a) = &mut self.anchors {
+            a.rollback_step();
+        }
         let plan = self.book.open_step(positions)?;
         let (read_len, kind) = (plan.read_len, plan.kind());
         self.last_plan = Some((kind, read_len));
@@ -441,6 +448,13 @@ impl<D: Device> KitCache<D> {
         self.book.commit_step();
         if let Some(g) = &mut self.sliding {
             g.map.commit_step(&self.book);
+        }
+        if let Some(a) = &mut self.anchors {
+            a.commit_step();
+            if a.over_budget() {
+                // A step only appends: nothing is refused, spares beyond the budget go.
+                let _ = a.check_verb(&self.book);
+            }
         }
     }
 
@@ -729,6 +743,9 @@ impl<D: Device> KitCache<D> {
         if let Some(g) = &mut self.sliding {
             g.map.rollback_step();
         }
+        if let Some(a) = &mut self.anchors {
+            a.rollback_step();
+        }
     }
 
     /// Writes `k`/`v` (`[Hkv, T, D]`) for `layer` per the open step's plan, then attends `q`
@@ -815,6 +832,9 @@ impl<D: Device> KitCache<D> {
                 }
                 taps.push(own as u32);
             }
+            if let Some(a) = &mut self.anchors {
+                a.open_step(plan, &taps, width, self.book.kind() == CacheKind::Tree);
+            }
             self.taps = Some(taps);
         }
     }
@@ -875,16 +895,27 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         if let Some(g) = &mut self.sliding {
             g.map.move_cells(base, rows);
         }
+        if let Some(a) = &mut self.anchors {
+            a.move_rows(base, rows);
+        }
     }
     fn checks_verbs(&self) -> bool {
-        self.sliding.is_some()
+        self.sliding.is_some() || self.anchors.is_some()
     }
     fn after_publish(&mut self, seq: i32, len: usize) {
         if let Some(g) = &mut self.sliding {
             g.map.pin_end(&self.book, seq, len);
         }
+        if let Some(a) = &mut self.anchors {
+            a.pin_end(&self.book, seq, len);
+        }
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
+        if let Some(a) = &mut self.anchors {
+            // A verb abandons an open step: so do its states.
+            a.rollback_step();
+            a.check_verb(&self.book)?;
+        }
         match &mut self.sliding {
             Some(g) => {
                 // A verb abandons an open step: so do the slots.
@@ -962,6 +993,81 @@ impl<D: Device> Step<'_, D> {
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
         self.expect_layer(layer)?;
+        if self.cache.cfg.is_delta(layer) {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is a delta-rule layer: run it with Step::delta"
+            ))
+            .into());
+        }
+        self.convolve(layer, x, kernel, out)?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Runs the next layer, `layer`, a gated delta-rule layer: convolves its q, k, v
+    /// projection `x` (`[1, T, conv_channels]`) as [`Step::conv`] does (into `mixed`), then
+    /// runs the rule (see [`Anchors::run_layer`]) from each sequence's state with the
+    /// decay projection `alpha` (bias added) and step-size projection `beta` (`[T, Hv]`),
+    /// the heads' decay rates `a` and the L2 norm's `eps`, into `out` (`[T, Hv·dv]`). The
+    /// rule runs on the host over f32 downloads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta(
+        &mut self,
+        layer: usize,
+        x: &D::Tensor,
+        kernel: &D::Tensor,
+        mixed: &mut D::Tensor,
+        alpha: &D::Tensor,
+        beta: &D::Tensor,
+        a: &[f32],
+        eps: f32,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        self.expect_layer(layer)?;
+        let Some(d) = self.cache.cfg.delta.filter(|d| d.layers.contains(layer)) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is not a delta-rule layer of this cache"
+            ))
+            .into());
+        };
+        let t = self.plan().n_tok;
+        let dev = self.cache.device.clone();
+        let (ad, bd) = (dev.dims(alpha), dev.dims(beta));
+        if ad != [t, d.value_heads] || bd != ad || a.len() != d.value_heads {
+            return Err(CacheError::bad_shape(format!(
+                "expected alpha and beta [{t}, {hv}] and {hv} decay rates; got {ad:?}, {bd:?}, {}",
+                a.len(),
+                hv = d.value_heads
+            ))
+            .into());
+        }
+        self.convolve(layer, x, kernel, mixed)?;
+        let host = |t: &D::Tensor| -> Result<Vec<f32>, KitError> {
+            dev.download(t, TensorDtype::F32)?
+                .to_f32()
+                .ok_or_else(|| KitError::Device("delta: an f32 download was not f32".into()))
+        };
+        let (m, al, be) = (host(mixed)?, host(alpha)?, host(beta)?);
+        let mut y = vec![0f32; t * d.value_heads * d.head_dim];
+        let anchors = self
+            .cache
+            .anchors
+            .as_mut()
+            .expect("a cache with delta layers has anchors");
+        anchors.run_layer(layer, &m, &al, &be, a, eps, &mut y)?;
+        *out = dev.upload(&HostTensor::from_f32(&[t, d.value_heads * d.head_dim], &y))?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Writes a convolution layer's input rows and convolves them (see [`Step::conv`]).
+    fn convolve(
+        &mut self,
+        layer: usize,
+        x: &D::Tensor,
+        kernel: &D::Tensor,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
         let c = &mut *self.cache;
         let (Some(Place::Conv(i)), Some(conv)) = (c.place.get(layer).copied(), c.cfg.conv) else {
             return Err(CacheError::bad_shape(format!(
@@ -988,9 +1094,7 @@ impl<D: Device> Step<'_, D> {
         c.make_taps(conv.width);
         let taps = c.taps.as_deref().expect("made above");
         c.device
-            .short_conv(&c.conv[i], taps, conv.width, kernel, out)?;
-        self.next_layer += 1;
-        Ok(())
+            .short_conv(&c.conv[i], taps, conv.width, kernel, out)
     }
 
     /// Makes the step permanent; every layer must have been written.

@@ -66,6 +66,7 @@ impl<D: Device> ContiguousKv<D> {
             n_layers: 1,
             sliding: None,
             conv: None,
+            delta: None,
             ..cfg
         };
         cfg.validate()?;

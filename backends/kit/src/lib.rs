@@ -20,6 +20,7 @@
 //! [`HostTensor`]: kvplug_plugin_api::HostTensor
 //! [`Bookkeeping`]: kvplug_core::Bookkeeping
 
+pub mod anchors;
 pub mod cache;
 pub mod device;
 pub mod glue;

@@ -598,6 +598,7 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
                     kv_dtype: dtype,
                     sliding: None,
                     conv: None,
+                    delta: None,
                 };
                 let mut failed = KitCache::new(dev.clone(), kind, cfg).unwrap();
                 let mut twin = KitCache::new(dev.clone(), kind, cfg).unwrap();
@@ -693,6 +694,7 @@ pub fn check_import_rollback<D2: Device>(device: D2) {
             kv_dtype: dtype,
             sliding: None,
             conv: None,
+            delta: None,
         };
         let mut src = KitCache::new(dev.clone(), CacheKind::Seq, cfg).unwrap();
         step(&mut src, &positions, Some(&vec![0; n]), 1).unwrap();

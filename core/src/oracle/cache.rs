@@ -647,6 +647,7 @@ mod tests {
             kv_dtype,
             sliding: None,
             conv: None,
+            delta: None,
         }
     }
 

@@ -191,6 +191,13 @@ impl Model {
                 path: self.dir.join("config.json"),
                 reason,
             })?;
+        cfg.delta = self
+            .config
+            .delta(self.layers)
+            .map_err(|reason| RuntimeError::Model {
+                path: self.dir.join("config.json"),
+                reason,
+            })?;
         cfg.validate()?;
         Ok(cfg)
     }

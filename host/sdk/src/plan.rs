@@ -244,6 +244,7 @@ impl Plan {
                 LayerAttention::Full => "full".to_string(),
                 LayerAttention::Sliding { window } => format!("sliding({window})"),
                 LayerAttention::Conv { width, .. } => format!("conv({width}), f32 rows"),
+                LayerAttention::Delta { width, .. } => format!("delta rule, conv({width})"),
             };
             out += &format!("{name:<20} {:>6}  {:>19}\n", g.layers, g.bytes_per_token);
         }

@@ -628,6 +628,7 @@ fn run_arithmetic(
     let cfg = CacheConfig {
         sliding,
         conv: None,
+        delta: None,
         capacity: c.capacity,
         n_layers: c.n_layers,
         n_kv_heads: c.n_kv_heads,

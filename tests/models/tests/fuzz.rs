@@ -425,6 +425,7 @@ fn session_cache(kv_dtype: KvDtype) -> CacheConfig {
         kv_dtype,
         sliding: None,
         conv: None,
+        delta: None,
     }
 }
 

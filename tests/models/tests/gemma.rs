@@ -318,6 +318,7 @@ fn gemma3_matches_the_f64_reference_past_the_window_on_every_backend() {
     let full = kvplug_core::CacheConfig {
         sliding: None,
         conv: None,
+        delta: None,
         ..cfg
     };
     let e = common::model(&rt, "cpu", dir.path())
@@ -408,6 +409,7 @@ fn a_hybrid_session_resumes_on_every_backend_and_kind() {
     let full = kvplug_core::CacheConfig {
         sliding: None,
         conv: None,
+        delta: None,
         ..common::model(&rt, "cpu", dir.path())
             .cache_config(64, KvDtype::F32)
             .unwrap()

@@ -1,6 +1,7 @@
 //! [`DecoderModel`]: weights on the device and the forward pass, written once for the Llama
-//! family, Gemma 3 and LFM2 (the differences are optional weights, a few config facts and,
-//! for LFM2, blocks that mix positions by a gated short convolution instead of attention).
+//! family, Gemma 3, LFM2 and Qwen3.5 (the differences are optional weights, a few config
+//! facts and, for the hybrids, blocks that mix positions by a gated short convolution (LFM2)
+//! or a gated delta rule (Qwen3.5) instead of attention).
 
 use std::any::{Any, TypeId};
 use std::path::{Path, PathBuf};
@@ -45,6 +46,26 @@ enum Mixer<D: ModelDevice> {
         kernel: D::Tensor,
         out: D::Weight,
     },
+    /// Qwen3.5's gated delta rule: `out(norm(rule(conv(qkv · x))) · silu(z · x))`, the
+    /// rule's decay from `alpha · x + dt_bias` and step size from `beta · x`; its state and
+    /// the convolution's in the cache.
+    Delta(Box<Delta<D>>),
+}
+
+/// A gated delta-rule block's weights (names after Hugging Face's `linear_attn`).
+struct Delta<D: ModelDevice> {
+    qkv: D::Weight,
+    z: D::Weight,
+    beta: D::Weight,
+    alpha: D::Weight,
+    dt_bias: D::Tensor,
+    /// `[conv_channels, width]`.
+    kernel: D::Tensor,
+    /// Per value head, `−exp(A_log)`.
+    a: Vec<f32>,
+    /// `[head_dim]`, on each head of the rule's output.
+    norm: D::Tensor,
+    out: D::Weight,
 }
 
 /// An attention block's weights.
@@ -59,6 +80,9 @@ struct Attention<D: ModelDevice> {
     q_norm: Option<D::Tensor>,
     k_norm: Option<D::Tensor>,
     o: D::Weight,
+    /// Qwen3.5: the output gate (`sigmoid(gate · x)` times the attention output), split
+    /// from the q projection.
+    gate: Option<D::Weight>,
     /// Whether the layer attends through the sliding window (its RoPE base is the local one).
     sliding: bool,
 }
@@ -123,7 +147,7 @@ struct Names {
 impl Names {
     fn of(arch: Arch) -> Self {
         match arch {
-            Arch::Llama | Arch::Gemma3 => Names {
+            Arch::Llama | Arch::Gemma3 | Arch::Qwen35 => Names {
                 attn_norm: "input_layernorm",
                 ffn_norm: "post_attention_layernorm",
                 o: "o_proj",
@@ -256,6 +280,71 @@ impl<D: ModelDevice> DecoderModel<D> {
                         out: mat(&format!("{p}conv.out_proj.weight"), h, h)?,
                     }
                 }
+                LayerAttention::Delta {
+                    width,
+                    key_heads,
+                    value_heads,
+                    head_dim: dn,
+                } => {
+                    let (ch, vd) = ((2 * key_heads + value_heads) * dn, value_heads * dn);
+                    let a = format!("{p}linear_attn.");
+                    // A GGUF stores the depthwise kernel as [channels, width].
+                    let kernel = pkg.tensor_f32(&format!("{a}conv1d.weight"), &[ch, width])?;
+                    Mixer::Delta(Box::new(Delta {
+                        qkv: mat(&format!("{a}in_proj_qkv.weight"), ch, h)?,
+                        z: mat(&format!("{a}in_proj_z.weight"), vd, h)?,
+                        beta: mat(&format!("{a}in_proj_b.weight"), value_heads, h)?,
+                        alpha: mat(&format!("{a}in_proj_a.weight"), value_heads, h)?,
+                        dt_bias: vec(&format!("{a}dt_bias"), value_heads)?,
+                        kernel: device.tensor(&kernel, &[ch, width]).map_err(weights_err)?,
+                        a: pkg.tensor_f32(&format!("{a}a"), &[value_heads])?,
+                        norm: vec(&format!("{a}norm.weight"), dn)?,
+                        out: mat(&format!("{a}out_proj.weight"), h, vd)?,
+                    }))
+                }
+                attention if c.arch() == Arch::Qwen35 => {
+                    let a = format!("{p}self_attn.");
+                    // q and the output gate interleave per head; the rotary dims go first.
+                    let order = rotary_first(hd, c.rotary_dim());
+                    let rows = |heads: usize, stride: usize, at: usize| -> Vec<usize> {
+                        (0..heads)
+                            .flat_map(|hh| order.iter().map(move |&i| hh * stride + at + i))
+                            .collect()
+                    };
+                    let qg = pkg.tensor(&format!("{a}q_proj.weight"), &[2 * hq * hd, h])?;
+                    let kw = pkg.tensor(&format!("{a}k_proj.weight"), &[hkv * hd, h])?;
+                    let pick = |t: &super::stored::StoredTensor, rows: Vec<usize>| {
+                        let n = rows.len();
+                        let picked = t.gather(h, &rows).ok_or_else(|| {
+                            ModelError::Malformed(format!("layer {l}: q/k rows of partial blocks"))
+                        })?;
+                        device.weight(picked, n, h).map_err(weights_err)
+                    };
+                    let permuted = |name: &str| -> Result<D::Tensor, ModelError> {
+                        let w = pkg.tensor_f32(&format!("{a}{name}.weight"), &[hd])?;
+                        let w: Vec<f32> = order.iter().map(|&i| w[i]).collect();
+                        device.tensor(&w, &[hd]).map_err(weights_err)
+                    };
+                    Mixer::Attention(Attention {
+                        q: pick(&qg, rows(hq, 2 * hd, 0))?,
+                        // The gate multiplies the output: its rows keep their order.
+                        gate: Some(pick(
+                            &qg,
+                            (0..hq)
+                                .flat_map(|hh| (0..hd).map(move |i| hh * 2 * hd + hd + i))
+                                .collect(),
+                        )?),
+                        k: pick(&kw, rows(hkv, hd, 0))?,
+                        v: mat(&format!("{a}v_proj.weight"), hkv * hd, h)?,
+                        q_bias: None,
+                        k_bias: None,
+                        v_bias: None,
+                        q_norm: Some(permuted(n.q_norm)?),
+                        k_norm: Some(permuted(n.k_norm)?),
+                        o: mat(&format!("{a}{}.weight", n.o), h, hq * hd)?,
+                        sliding: attention != LayerAttention::Full,
+                    })
+                }
                 attention => Mixer::Attention(Attention {
                     q: mat(&format!("{p}self_attn.q_proj.weight"), hq * hd, h)?,
                     k: mat(&format!("{p}self_attn.k_proj.weight"), hkv * hd, h)?,
@@ -266,6 +355,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                     q_norm: qk_norm(format!("{p}self_attn.{}.weight", n.q_norm))?,
                     k_norm: qk_norm(format!("{p}self_attn.{}.weight", n.k_norm))?,
                     o: mat(&format!("{p}self_attn.{}.weight", n.o), h, hq * hd)?,
+                    gate: None,
                     sliding: attention != LayerAttention::Full,
                 }),
             };
@@ -491,6 +581,11 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.split_heads(&a.v, hkv, &mut a.vh)?;
                     step.attend(l, &a.qh, &a.kh, &a.vh, scale, &mut a.att)?;
                     d.merge_heads(&a.att, &mut a.merged)?;
+                    if let Some(g) = &at.gate {
+                        d.linear(&a.hn, g, None, &mut a.q)?;
+                        d.sigmoid_mul(&a.q, &a.merged, &mut a.qh_flat)?;
+                        std::mem::swap(&mut a.merged, &mut a.qh_flat);
+                    }
                     d.linear(&a.merged, &at.o, None, &mut a.o)?;
                 }
                 Mixer::Conv {
@@ -529,6 +624,52 @@ impl<D: ModelDevice> DecoderModel<D> {
                     step.conv(l, &cv.rows, kernel, &mut cv.y)?;
                     d.mul(&cv.c, &cv.y, &mut cv.bx)?;
                     d.linear(&cv.bx, out, None, &mut a.o)?;
+                }
+                Mixer::Delta(dw) => {
+                    let dv = a
+                        .delta
+                        .as_mut()
+                        .ok_or_else(|| KitError::Device("delta-rule buffers missing".into()))?;
+                    d.linears(
+                        &a.hn,
+                        &mut [
+                            Projection {
+                                w: &dw.qkv,
+                                bias: None,
+                                out: &mut dv.qkv,
+                            },
+                            Projection {
+                                w: &dw.z,
+                                bias: None,
+                                out: &mut dv.z,
+                            },
+                            Projection {
+                                w: &dw.beta,
+                                bias: None,
+                                out: &mut dv.beta,
+                            },
+                            Projection {
+                                w: &dw.alpha,
+                                bias: Some(&dw.dt_bias),
+                                out: &mut dv.alpha,
+                            },
+                        ],
+                    )?;
+                    d.split_heads(&dv.qkv, 1, &mut dv.rows)?;
+                    step.delta(
+                        l,
+                        &dv.rows,
+                        &dw.kernel,
+                        &mut dv.mixed,
+                        &dv.alpha,
+                        &dv.beta,
+                        &dw.a,
+                        eps,
+                        &mut dv.core,
+                    )?;
+                    d.rms_norm(&dv.core, &dw.norm, eps, &mut dv.normed)?;
+                    d.silu_mul(&dv.z, &dv.normed, &mut dv.core)?;
+                    d.linear(&dv.core, &dw.out, None, &mut a.o)?;
                 }
             }
             residual_add(d, &mut a.x, &mut a.o, lw.post_attn.as_ref(), eps, &mut a.hn)?;
@@ -611,8 +752,27 @@ pub struct Activations<D: ModelDevice> {
     mlp: D::Tensor,
     picked: D::Tensor,
     logits: D::Tensor,
+    /// The gated attention output (`[T, Hq·hd]`, Qwen3.5).
+    qh_flat: D::Tensor,
     /// Those of the convolution blocks (a model with any).
     conv: Option<ConvActivations<D>>,
+    /// Those of the delta-rule blocks (a model with any).
+    delta: Option<DeltaActivations<D>>,
+}
+
+/// The buffers of a delta-rule block: the q/k/v projection (`[T, channels]`), as one-head
+/// rows for the cache and convolved, the output gate `z` and the rule's output
+/// (`[T, Hv·dv]`, `core` reused for the gated product), its normed form, and the per-head
+/// `alpha` and `beta` (`[T, Hv]`).
+struct DeltaActivations<D: ModelDevice> {
+    qkv: D::Tensor,
+    rows: D::Tensor,
+    mixed: D::Tensor,
+    z: D::Tensor,
+    core: D::Tensor,
+    normed: D::Tensor,
+    alpha: D::Tensor,
+    beta: D::Tensor,
 }
 
 /// The buffers of a convolution block: its three projections (`[T, hidden]`), their gated
@@ -657,6 +817,31 @@ impl<D: ModelDevice> Activations<D> {
             mlp: d.zeros(&[t, im])?,
             picked: d.zeros(&[n_rows, h])?,
             logits: d.zeros(&[n_rows, c.vocab_size])?,
+            qh_flat: d.zeros(&[t, hq * hd])?,
+            delta: match c.attention.iter().find_map(|l| match *l {
+                LayerAttention::Delta {
+                    key_heads,
+                    value_heads,
+                    head_dim,
+                    ..
+                } => Some((key_heads, value_heads, head_dim)),
+                _ => None,
+            }) {
+                Some((hk, hv, dn)) => {
+                    let ch = (2 * hk + hv) * dn;
+                    Some(DeltaActivations {
+                        qkv: d.zeros(&[t, ch])?,
+                        rows: d.zeros(&[1, t, ch])?,
+                        mixed: d.zeros(&[t, ch])?,
+                        z: d.zeros(&[t, hv * dn])?,
+                        core: d.zeros(&[t, hv * dn])?,
+                        normed: d.zeros(&[t, hv * dn])?,
+                        alpha: d.zeros(&[t, hv])?,
+                        beta: d.zeros(&[t, hv])?,
+                    })
+                }
+                None => None,
+            },
             conv: match c
                 .attention
                 .iter()
@@ -678,4 +863,20 @@ impl<D: ModelDevice> Activations<D> {
     fn fits(&self, t: usize, n_rows: usize) -> bool {
         (self.t, self.n_rows) == (t, n_rows)
     }
+}
+
+/// The order of a head's dims that puts a partial rotary's pairs where a rotate-half over
+/// the whole head pairs them: with `rot` of `hd` dims rotating as `(i, i + rot/2)`, new
+/// dim `j` reads old dim `order[j]`, and pair `(j, j + hd/2)` is a rotary pair for
+/// `j < rot/2` and two pass-through dims otherwise (rotated by angle 0).
+fn rotary_first(hd: usize, rot: usize) -> Vec<usize> {
+    let (half, r2, rest) = (hd / 2, rot / 2, (hd - rot) / 2);
+    (0..hd)
+        .map(|j| match (j < half, j % half) {
+            (true, i) if i < r2 => i,
+            (true, i) => rot + (i - r2),
+            (false, i) if i < r2 => r2 + i,
+            (false, i) => rot + rest + (i - r2),
+        })
+        .collect()
 }

@@ -275,6 +275,20 @@ pub fn load_forward<B: Backend + ModelDevice>(
         )
     })
     .map_err(bad)?;
+    let delta = model
+        .config()
+        .delta(want_layers)
+        .map_err(|e| bad(e.to_string()))?;
+    check_layers(key, cfg.delta, delta, "no delta-rule layers", |d| {
+        format!(
+            "delta-rule layers of {} key and {} value heads of {} on layers {:?}",
+            d.key_heads,
+            d.value_heads,
+            d.head_dim,
+            d.layers.iter().collect::<Vec<_>>()
+        )
+    })
+    .map_err(bad)?;
     let _span =
         tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
     tracing::info!(

@@ -187,6 +187,33 @@ pub trait ModelDevice: Device {
         *out = self.tensor(&x, &dims)?;
         Ok(())
     }
+    /// `out = sigmoid(gate) · x`, element by element (Qwen3.5's attention output gate;
+    /// one shape). The default is correct but round-trips through host memory.
+    fn sigmoid_mul(
+        &self,
+        gate: &Self::Tensor,
+        x: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        let dims = self.dims(x).to_vec();
+        if self.dims(gate) != dims {
+            return Err(KitError::Device(format!(
+                "sigmoid_mul: shapes {:?} and {dims:?} differ",
+                self.dims(gate)
+            )));
+        }
+        let f32s = |t: &Self::Tensor| -> Result<Vec<f32>, KitError> {
+            self.download(t, TensorDtype::F32)?
+                .to_f32()
+                .ok_or_else(|| KitError::Device("sigmoid_mul: an f32 download was not f32".into()))
+        };
+        let (g, mut y) = (f32s(gate)?, f32s(x)?);
+        y.iter_mut()
+            .zip(&g)
+            .for_each(|(y, g)| *y /= 1.0 + (-g).exp());
+        *out = self.tensor(&y, &dims)?;
+        Ok(())
+    }
     /// `x *= s`.
     fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<(), KitError>;
     /// `x += y`.

@@ -171,6 +171,18 @@ impl StoredTensor {
         Self::new(self.dtype, self.owner.clone(), start..end)
     }
 
+    /// Rows `rows` (in that order) of this tensor read as `[_, cols]` row-major, copied into
+    /// a tensor of their own (Qwen3.5's q projection: its query and gate rows interleave per
+    /// head, and a partial rotary reorders a head's rows); `None` as for [`StoredTensor::rows`].
+    pub fn gather(&self, cols: usize, rows: &[usize]) -> Option<Self> {
+        let mut bytes = Vec::new();
+        for &r in rows {
+            bytes.extend_from_slice(self.rows(cols, r..r + 1)?.bytes());
+        }
+        let len = bytes.len();
+        Self::new(self.dtype, Arc::new(bytes), 0..len)
+    }
+
     /// The element encoding.
     pub fn dtype(&self) -> StoredDtype {
         self.dtype

@@ -107,6 +107,7 @@ fn config(width: usize) -> CacheConfig {
         min_chunk: 4,
         kv_dtype: KvDtype::F32,
         sliding: None,
+        delta: None,
         conv: Some(ConvLayers {
             width,
             channels: C,

@@ -1,4 +1,5 @@
-//! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `gemma3`).
+//! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `gemma3`, `lfm2`,
+//! `qwen35`).
 //!
 //! [`resolve_model`] (what `--model FILE.gguf` does): the weights stay in the GGUF and are
 //! used where they lie, in their stored types (quantized blocks included). It derives a small
@@ -178,6 +179,7 @@ enum Arch {
     Qwen3,
     Gemma3,
     Lfm2,
+    Qwen35,
 }
 
 /// Gemma's chat template (text turns) for a `gemma3` GGUF that ships none: Google's
@@ -208,10 +210,11 @@ impl Gguf {
             "qwen3" => Ok(Arch::Qwen3),
             "gemma3" => Ok(Arch::Gemma3),
             "lfm2" => Ok(Arch::Lfm2),
+            "qwen35" => Ok(Arch::Qwen35),
             other => fail!(
                 Model,
                 "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
-                 gemma3, lfm2)",
+                 gemma3, lfm2, qwen35)",
                 self.path.display()
             ),
         }
@@ -293,6 +296,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .into();
             c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
         }
+        Arch::Qwen35 => qwen35_fields(g, &mut c, layers)?,
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
             let (model_type, class) = match arch {
                 Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
@@ -364,6 +368,84 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     Ok(c)
 }
 
+/// Qwen3.5's facts (llama.cpp's `qwen35` keys) under Hugging Face's names: which layers
+/// run the delta rule (`attention.recurrent_layers`, else all but every
+/// `full_attention_interval`-th), the rule's heads, the partial rotary and its MRoPE
+/// sections. The weights stay as the converter wrote them (`gguf_converted`).
+fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
+    let k = |s: &str| format!("qwen35.{s}");
+    let recurrent: Vec<bool> = match g.get(&k("attention.recurrent_layers")) {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| matches!(v, Value::Bool(true)) || as_u64(v).is_some_and(|n| n != 0))
+            .collect(),
+        _ => {
+            let every = g.uint(&k("full_attention_interval")).unwrap_or(4).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    if recurrent.len() as u64 != layers {
+        fail!(
+            Model,
+            "{}: {} recurrent-layer flags for {layers} layers",
+            g.path.display(),
+            recurrent.len()
+        );
+    }
+    let head_dim = g.uint(&k("attention.key_length"))?;
+    if let Ok(v) = g.uint(&k("attention.value_length")) {
+        if v != head_dim {
+            fail!(
+                Model,
+                "{}: key_length {head_dim} and value_length {v} differ",
+                g.path.display()
+            );
+        }
+    }
+    let state = g.uint(&k("ssm.state_size"))?;
+    let v_heads = g.uint(&k("ssm.time_step_rank"))?;
+    let inner = g.uint(&k("ssm.inner_size"))?;
+    if inner != state * v_heads {
+        fail!(
+            Model,
+            "{}: ssm.inner_size {inner} is not {v_heads} value heads of {state} (the rule's \
+             key and value heads have one size)",
+            g.path.display()
+        );
+    }
+    let rot = g.uint(&k("rope.dimension_count")).unwrap_or(head_dim);
+    c["model_type"] = "qwen3_5_text".into();
+    c["architectures"] = serde_json::json!(["Qwen3_5ForCausalLM"]);
+    c["gguf_converted"] = true.into();
+    c["layer_types"] = recurrent
+        .iter()
+        .map(|&r| {
+            if r {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    c["linear_conv_kernel_dim"] = g.uint(&k("ssm.conv_kernel"))?.into();
+    c["linear_num_key_heads"] = g.uint(&k("ssm.group_count"))?.into();
+    c["linear_num_value_heads"] = v_heads.into();
+    c["linear_key_head_dim"] = state.into();
+    c["linear_value_head_dim"] = state.into();
+    c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
+    if let Ok(sections) = g.uints(&k("rope.dimension_sections")) {
+        if sections.iter().any(|&s| s > 0) {
+            c["mrope_section"] = sections.into();
+        }
+    }
+    c["rms_norm_eps"] = g
+        .float(&k("attention.layer_norm_rms_epsilon"))
+        .unwrap_or(1e-6)
+        .into();
+    c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e7).into();
+    Ok(())
+}
+
 /// llama.cpp's converter stores q/k rows of each head as (pairs interleaved) for its
 /// rotary kernel; Hugging Face's rotate-half layout takes the first half, then the second.
 /// Undo `reshape(heads, 2, hd/2, cols).swap(1, 2)`.
@@ -425,9 +507,46 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
             ("ffn_norm", "pre_feedforward_layernorm"),
             ("post_ffw_norm", "post_feedforward_layernorm"),
         ],
+        Arch::Qwen35 => &[("post_attention_norm", "post_attention_layernorm")],
         Arch::Lfm2 => unreachable!("lfm2_tensor_names names LFM2's tensors"),
     };
+    // Qwen3.5's delta-rule layers hold `linear_attn.*` (kvplug's names where the
+    // converter changed a tensor: `a` is `−exp(A_log)`), its attention layers q/k norms.
+    let delta = [
+        ("attn_qkv.weight", "linear_attn.in_proj_qkv.weight"),
+        ("attn_gate.weight", "linear_attn.in_proj_z.weight"),
+        ("ssm_beta.weight", "linear_attn.in_proj_b.weight"),
+        ("ssm_alpha.weight", "linear_attn.in_proj_a.weight"),
+        ("ssm_dt.bias", "linear_attn.dt_bias"),
+        ("ssm_a", "linear_attn.a"),
+        ("ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+        ("ssm_norm.weight", "linear_attn.norm.weight"),
+        ("ssm_out.weight", "linear_attn.out_proj.weight"),
+    ];
+    let gated_attention = [
+        ("attn_q_norm", "self_attn.q_norm"),
+        ("attn_k_norm", "self_attn.k_norm"),
+    ];
     for l in 0..layers {
+        if arch == Arch::Qwen35 {
+            let pairs: Vec<(&str, &str)> = if config["layer_types"][l] == "linear_attention" {
+                v.extend(
+                    delta
+                        .iter()
+                        .map(|(g, hf)| (format!("blk.{l}.{g}"), format!("model.layers.{l}.{hf}"))),
+                );
+                common[..1].iter().chain(&common[5..]).copied().collect()
+            } else {
+                common.iter().chain(&gated_attention).copied().collect()
+            };
+            for (g, hf) in pairs.iter().chain(own) {
+                v.push((
+                    format!("blk.{l}.{g}.weight"),
+                    format!("model.layers.{l}.{hf}.weight"),
+                ));
+            }
+            continue;
+        }
         for (g, hf) in common.iter().chain(own) {
             v.push((
                 format!("blk.{l}.{g}.weight"),
@@ -647,11 +766,13 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         .map_err(|e| crate::Error::Model(format!("building the BPE tokenizer: {e}")))?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
-    // Qwen2's and Llama 3's tokenizer.json: their split regex (isolated matches), then
-    // byte-level without its own regex. They differ in digit runs (one vs up to three).
-    let split_then_bytes = |digits: &str| -> Result<PreTokenizerWrapper> {
+    // Qwen2's, Qwen3.5's and Llama 3's tokenizer.json: their split regex (isolated
+    // matches), then byte-level without its own regex. They differ in digit runs (one vs up
+    // to three) and in whether combining marks (`\p{M}`) join letters (Qwen3.5).
+    let split_then_bytes = |digits: &str, marks: bool| -> Result<PreTokenizerWrapper> {
+        let m = if marks { r"\p{M}" } else { "" };
         let regex = format!(
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{digits}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}{m}]+|\p{{N}}{digits}| ?[^\s\p{{L}}{m}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
         );
         let split = Split::new(
             SplitPattern::Regex(regex),
@@ -669,17 +790,18 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         "gpt2" | "default" => byte_level.into(),
-        "qwen2" => split_then_bytes("")?,
-        pre if is_llama3_pre(pre) => split_then_bytes("{1,3}")?,
+        "qwen2" => split_then_bytes("", false)?,
+        "qwen35" => split_then_bytes("", true)?,
+        pre if is_llama3_pre(pre) => split_then_bytes("{1,3}", false)?,
         other => fail!(
             Model,
             "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, default, \
-             qwen2, {})",
+             qwen2, qwen35, {})",
             g.path.display(),
             LLAMA3_PRES.join(", ")
         ),
     };
-    if pre_name_is(g, "qwen2") {
+    if pre_name_is(g, "qwen2") || pre_name_is(g, "qwen35") {
         tk.with_normalizer(Some(tokenizers::normalizers::unicode::NFC));
     }
     tk.with_pre_tokenizer(Some(pre));

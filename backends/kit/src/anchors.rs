@@ -1,0 +1,450 @@
+//! The gated delta rule's state (Qwen3.5 linear attention) in a [`KitCache`](crate::KitCache):
+//! **anchors**, the state of every delta-rule layer after the token of one cell, and the
+//! rule itself run over a step's tokens.
+//!
+//! A step resumes each token from the state after its sequence's previous position: the
+//! previous token of the step when it is that position (a chain), another token of the step
+//! (a tree node's parent), or the anchor of the cell holding it. A step anchors the last
+//! token of each chain, and every token of a tree step (any node may end the accepted
+//! chain); `commit` moves anchors with their cells. Verbs that would leave a sequence
+//! ending at a cell without an anchor are refused by [`Anchors::check_verb`], so a step
+//! always finds its state. States are f32 and live in host memory.
+
+use kvplug_core::{Bookkeeping, CacheError, CacheResult, DeltaLayers, StepPlan, MAX_SEQS};
+
+use crate::device::NO_CELL;
+
+/// Anchors kept beyond those a sequence needs to continue (the newest; older step ends a
+/// `rewind` or `seq_rm` may return to).
+pub const SPARE_ANCHORS: usize = 8;
+
+/// Published prefix ends whose anchors are kept (the newest), as the sliding group pins.
+pub const PINNED_ANCHORS: usize = 4;
+
+const NONE: u32 = u32::MAX;
+
+/// One anchor's storage.
+struct Slot {
+    /// Every delta layer's state, `[layer][value head][dv][dk]` (row `j` holds `S[·][j]`).
+    data: Vec<f32>,
+    /// The cell it anchors (`NONE`: free or held by the open step).
+    cell: u32,
+    /// When it was last anchored (larger is newer).
+    stamp: u64,
+    pinned: bool,
+}
+
+/// The anchors of a cache with delta-rule layers, and the open step's working state.
+pub struct Anchors {
+    d: DeltaLayers,
+    /// The index among delta layers of each layer of the model (`NONE` for the others).
+    index: Vec<u32>,
+    slot_of: Vec<u32>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    clock: u64,
+    /// Per token of the open step: its cell, its predecessor's cell (`NO_CELL`: none),
+    /// and the slot its state is kept in (`NONE`: not kept).
+    step_cell: Vec<u32>,
+    step_pred: Vec<u32>,
+    step_slot: Vec<u32>,
+    /// One state being advanced, and the normalized q and k of one token.
+    work: Vec<f32>,
+    qk: Vec<f32>,
+    /// Anchors the last check found needed (sequence ends, tree nodes).
+    needed: usize,
+    /// The check's buffers, kept (no allocation once warm).
+    use_of: Vec<u8>,
+    spare: Vec<(u64, bool, u32)>,
+    dead: Vec<u32>,
+}
+
+impl Anchors {
+    /// Anchors for `d`, the delta layers among `n_layers`.
+    pub fn new(d: DeltaLayers, n_layers: usize) -> Self {
+        let mut index = vec![NONE; n_layers];
+        for (i, l) in d.layers.iter().enumerate() {
+            index[l] = i as u32;
+        }
+        Anchors {
+            index,
+            slot_of: Vec::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            clock: 0,
+            step_cell: Vec::new(),
+            step_pred: Vec::new(),
+            step_slot: Vec::new(),
+            work: vec![0.0; d.state_len()],
+            qk: vec![0.0; 2 * d.key_heads * d.head_dim],
+            needed: 0,
+            use_of: Vec::new(),
+            spare: Vec::new(),
+            dead: Vec::new(),
+            d,
+        }
+    }
+
+    /// The layer's index among the delta layers, if it is one.
+    pub fn delta_index(&self, layer: usize) -> Option<usize> {
+        self.index
+            .get(layer)
+            .filter(|&&i| i != NONE)
+            .map(|&i| i as usize)
+    }
+
+    /// Bytes held by anchors (free slots included).
+    pub fn bytes(&self) -> usize {
+        self.slots.len() * 4 * self.per_slot()
+    }
+
+    /// Anchors in use.
+    pub fn in_use(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    fn per_slot(&self) -> usize {
+        self.d.layers.len() * self.d.state_len()
+    }
+
+    fn anchor(&self, cell: usize) -> Option<u32> {
+        self.slot_of.get(cell).copied().filter(|&s| s != NONE)
+    }
+
+    fn take_slot(&mut self) -> u32 {
+        if let Some(s) = self.free.pop() {
+            return s;
+        }
+        self.slots.push(Slot {
+            data: vec![0.0; self.per_slot()],
+            cell: NONE,
+            stamp: 0,
+            pinned: false,
+        });
+        (self.slots.len() - 1) as u32
+    }
+
+    fn release(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        if slot.cell != NONE {
+            self.slot_of[slot.cell as usize] = NONE;
+        }
+        slot.cell = NONE;
+        slot.pinned = false;
+        self.free.push(s);
+    }
+
+    /// Opens a step from its plan and convolution taps (`width` per token, the token's own
+    /// cell last, the previous position's before it): decides which tokens keep their
+    /// state (the last of each chain; all of a tree step).
+    pub fn open_step(&mut self, plan: &StepPlan, taps: &[u32], width: usize, tree: bool) {
+        self.rollback_step();
+        let t = plan.n_tok;
+        self.step_cell.clear();
+        self.step_pred.clear();
+        for i in 0..t {
+            self.step_cell.push(taps[i * width + width - 1]);
+            self.step_pred.push(taps[i * width + width - 2]);
+        }
+        for i in 0..t {
+            let cell = self.step_cell[i];
+            let continued = i + 1 < t && self.step_pred[i + 1] == cell;
+            let read_later = (i + 2..t).any(|j| self.step_pred[j] == cell);
+            let slot = if tree || !continued || read_later {
+                self.take_slot()
+            } else {
+                NONE
+            };
+            self.step_slot.push(slot);
+        }
+    }
+
+    /// Drops the open step's states (its anchors were never published).
+    pub fn rollback_step(&mut self) {
+        for &s in &self.step_slot {
+            if s != NONE {
+                self.free.push(s);
+            }
+        }
+        self.step_slot.clear();
+        self.step_cell.clear();
+        self.step_pred.clear();
+    }
+
+    /// Whether anchors beyond the budget have piled up (steps add anchors; a check every
+    /// few steps drops the surplus, so a decode loop scans the cells rarely).
+    pub fn over_budget(&self) -> bool {
+        self.in_use() > self.needed + 2 * SPARE_ANCHORS + PINNED_ANCHORS
+    }
+
+    /// Publishes the open step's kept states as the anchors of their cells (replacing what
+    /// those cells anchored before).
+    pub fn commit_step(&mut self) {
+        self.clock += 1;
+        for i in 0..self.step_cell.len() {
+            let cell = self.step_cell[i] as usize;
+            if let Some(old) = self.anchor(cell) {
+                self.release(old);
+            }
+            let s = self.step_slot[i];
+            if s == NONE {
+                continue;
+            }
+            if self.slot_of.len() <= cell {
+                self.slot_of.resize(cell + 1, NONE);
+            }
+            self.slot_of[cell] = s;
+            let slot = &mut self.slots[s as usize];
+            slot.cell = cell as u32;
+            slot.stamp = self.clock;
+        }
+        self.step_slot.clear();
+        self.step_cell.clear();
+        self.step_pred.clear();
+    }
+
+    /// Runs delta layer `layer` over the open step: `mixed` `[T, conv_channels]` is the
+    /// convolution's output (q, k, v before SiLU), `alpha` `[T, Hv]` the decay projection
+    /// with its bias, `beta` `[T, Hv]` the step-size projection, `a` `[Hv]` the per-head
+    /// decay rates (`−exp(A_log)`); writes `out` `[T, Hv·dv]`. Per value head `h` (key head
+    /// `h mod Hk`): `q, k ← L2-normalized (ε = eps), q ← q/√dk, g = a·softplus(alpha),
+    /// b = sigmoid(beta)`, then `S ← exp(g)·S; S ← S + k ⊗ b·(v − Sᵀk); out = Sᵀq`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_layer(
+        &mut self,
+        layer: usize,
+        mixed: &[f32],
+        alpha: &[f32],
+        beta: &[f32],
+        a: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> CacheResult<()> {
+        let li = self
+            .delta_index(layer)
+            .ok_or_else(|| CacheError::bad_shape(format!("layer {layer} is no delta layer")))?;
+        let d = self.d;
+        let (hk, hv, n) = (d.key_heads, d.value_heads, d.head_dim);
+        let (sl, ch) = (d.state_len(), d.conv_channels());
+        let t = self.step_cell.len();
+        let at = li * sl;
+        for i in 0..t {
+            let resumes = i > 0 && self.step_pred[i] == self.step_cell[i - 1];
+            if !resumes {
+                self.load(i, at, sl)?;
+            }
+            let x = &mixed[i * ch..(i + 1) * ch];
+            // SiLU, then L2-normalize q and k per key head; q also by 1/√dk.
+            for (h, qk) in self.qk.chunks_mut(n).enumerate() {
+                let src = &x[h * n..(h + 1) * n];
+                let mut ss = 0f32;
+                for (o, &v) in qk.iter_mut().zip(src) {
+                    *o = silu(v);
+                    ss += *o * *o;
+                }
+                let mut r = 1.0 / (ss + eps).sqrt();
+                if h < hk {
+                    r /= (n as f32).sqrt();
+                }
+                qk.iter_mut().for_each(|v| *v *= r);
+            }
+            let v_all = &x[2 * hk * n..];
+            for h in 0..hv {
+                let g = (a[h] * softplus(alpha[i * hv + h])).exp();
+                let b = sigmoid(beta[i * hv + h]);
+                let q = &self.qk[(h % hk) * n..(h % hk + 1) * n];
+                let k = &self.qk[(hk + h % hk) * n..(hk + h % hk + 1) * n];
+                let s = &mut self.work[h * n * n..(h + 1) * n * n];
+                let o = &mut out[(i * hv + h) * n..(i * hv + h + 1) * n];
+                for (j, row) in s.chunks_mut(n).enumerate() {
+                    row.iter_mut().for_each(|v| *v *= g);
+                    let kv: f32 = row.iter().zip(k).map(|(s, k)| s * k).sum();
+                    let delta = (silu(v_all[h * n + j]) - kv) * b;
+                    row.iter_mut().zip(k).for_each(|(s, &k)| *s += k * delta);
+                    o[j] = row.iter().zip(q).map(|(s, q)| s * q).sum();
+                }
+            }
+            let s = self.step_slot[i];
+            if s != NONE {
+                self.slots[s as usize].data[at..at + sl].copy_from_slice(&self.work);
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the state token `i` resumes from into `work`: zeros at a sequence's start, a
+    /// step token's kept state, or the anchor of its predecessor's cell.
+    fn load(&mut self, i: usize, at: usize, sl: usize) -> CacheResult<()> {
+        let pred = self.step_pred[i];
+        if pred == NO_CELL {
+            self.work.fill(0.0);
+            return Ok(());
+        }
+        let from_step = (0..i)
+            .rev()
+            .find(|&j| self.step_cell[j] == pred)
+            .map(|j| self.step_slot[j]);
+        let slot = match from_step {
+            Some(s) if s != NONE => s,
+            Some(_) => unreachable!("open_step keeps every state a later token reads"),
+            None => self.anchor(pred as usize).ok_or_else(|| {
+                CacheError::bad_shape(format!(
+                    "the recurrent state after cell {pred} is not kept (no anchor)"
+                ))
+            })?,
+        };
+        self.work
+            .copy_from_slice(&self.slots[slot as usize].data[at..at + sl]);
+        Ok(())
+    }
+
+    /// Moves anchors with rows (a tree commit: `rows[i]` → `base + i`).
+    pub fn move_rows(&mut self, base: usize, rows: &[u32]) {
+        let moved: Vec<u32> = rows.iter().map(|&r| self.take_anchor(r as usize)).collect();
+        for (i, s) in moved.into_iter().enumerate() {
+            let cell = base + i;
+            if let Some(old) = self.anchor(cell) {
+                self.release(old);
+            }
+            if s != NONE {
+                self.slot_of[cell] = s;
+                self.slots[s as usize].cell = cell as u32;
+            }
+        }
+    }
+
+    fn take_anchor(&mut self, cell: usize) -> u32 {
+        match self.anchor(cell) {
+            Some(s) => {
+                self.slot_of[cell] = NONE;
+                self.slots[s as usize].cell = NONE;
+                s
+            }
+            None => NONE,
+        }
+    }
+
+    /// Pins the anchor at the end of a published prefix (`seq`'s position `len − 1`).
+    pub fn pin_end(&mut self, book: &Bookkeeping, seq: i32, len: usize) {
+        let Ok(history) = book.history(seq) else {
+            return;
+        };
+        let Some(&(_, cell)) = history.iter().find(|&&(p, _)| p as usize + 1 == len) else {
+            return;
+        };
+        if let Some(s) = self.anchor(cell as usize) {
+            self.slots[s as usize].pinned = true;
+            self.clock += 1;
+            self.slots[s as usize].stamp = self.clock;
+        }
+    }
+
+    /// After a verb: refuses the state `book` is in when a sequence would end at a cell
+    /// without an anchor, or hold a hole (a `seq_rm` inside its history: the state cannot
+    /// forget the middle); else drops anchors beyond what is needed, the spares and pins.
+    pub fn check_verb(&mut self, book: &Bookkeeping) -> CacheResult<()> {
+        let mut last = [-1i32; MAX_SEQS];
+        book.last_positions(&mut last);
+        let mut held = [0usize; MAX_SEQS];
+        // Per slot: 0 dead (its cell is no longer held), 1 a spare, 2 needed.
+        let mut use_of = std::mem::take(&mut self.use_of);
+        use_of.clear();
+        use_of.resize(self.slots.len(), 0);
+        for c in 0..book.high_water() {
+            let Some(q) = book.cell_position(c) else {
+                // A tree node: kept while the tree lives.
+                if book.in_reach(c, 0, 1, &last) {
+                    if let Some(s) = self.anchor(c) {
+                        use_of[s as usize] = 2;
+                    }
+                }
+                continue;
+            };
+            if let Some(s) = self.anchor(c) {
+                use_of[s as usize] = 1;
+            }
+            let mut bits = book.cell_holders(c);
+            while bits != 0 {
+                held[bits.trailing_zeros() as usize] += 1;
+                bits &= bits - 1;
+            }
+            if book.in_reach(c, q, 1, &last) {
+                match self.anchor(c) {
+                    Some(s) => use_of[s as usize] = 2,
+                    None => {
+                        self.use_of = use_of;
+                        return Err(CacheError::bad_shape(format!(
+                            "the recurrent state after position {q} is not kept: a hybrid \
+                             cache with delta-rule layers can return only to the end of a \
+                             step, of the last {SPARE_ANCHORS} steps or of a published prefix"
+                        )));
+                    }
+                }
+            }
+        }
+        if let Some(h) = (0..MAX_SEQS).find(|&h| last[h] >= 0 && held[h] != last[h] as usize + 1) {
+            return Err(CacheError::bad_shape(format!(
+                "sequence {h} would hold {} of its positions 0..={}: a delta-rule state \
+                 cannot forget the middle of a sequence (remove a tail instead)",
+                held[h], last[h]
+            )));
+        }
+        self.needed = use_of.iter().filter(|&&u| u == 2).count();
+        self.evict(&use_of);
+        self.use_of = use_of;
+        Ok(())
+    }
+
+    /// Frees anchors of cells no longer held, then all but the newest spares and pins.
+    fn evict(&mut self, use_of: &[u8]) {
+        let (mut spare, mut dead) = (
+            std::mem::take(&mut self.spare),
+            std::mem::take(&mut self.dead),
+        );
+        spare.clear();
+        dead.clear();
+        for (s, (slot, &u)) in self.slots.iter().zip(use_of).enumerate() {
+            match (slot.cell != NONE, u) {
+                (true, 0) => dead.push(s as u32),
+                (true, 1) => spare.push((slot.stamp, slot.pinned, s as u32)),
+                _ => {}
+            }
+        }
+        for &s in &dead {
+            self.release(s);
+        }
+        spare.sort_unstable_by_key(|&(stamp, ..)| std::cmp::Reverse(stamp));
+        let (mut pins, mut spares) = (0, 0);
+        for &(_, pinned, s) in &spare {
+            let keep = if pinned {
+                pins += 1;
+                pins <= PINNED_ANCHORS
+            } else {
+                spares += 1;
+                spares <= SPARE_ANCHORS
+            };
+            if !keep {
+                self.release(s);
+            }
+        }
+        self.spare = spare;
+        self.dead = dead;
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `ln(1 + eˣ)`, as ggml computes it (linear above 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
