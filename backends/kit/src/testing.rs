@@ -14,7 +14,9 @@ use crate::device::{AttendMask, Device};
 use crate::model::blocks::{dequantize_row, BlockFormat};
 
 mod conv;
+mod delta;
 pub use conv::check_conv_verbs;
+pub use delta::check_delta_verbs;
 
 /// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend` or
 /// `write_rows` call (0-based) fails with a device error; everything else is `D`'s.
@@ -970,6 +972,10 @@ macro_rules! backend_tests {
         #[test]
         fn kit_conv_verbs() {
             $crate::testing::check_conv_verbs($device);
+        }
+        #[test]
+        fn kit_delta_verbs() {
+            $crate::testing::check_delta_verbs($device);
         }
     };
 }
