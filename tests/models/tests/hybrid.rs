@@ -294,3 +294,153 @@ fn lfm2_convolution_state_follows_forks_and_rewinds() {
         "a rewind leaves no trace in the convolution state"
     );
 }
+
+/// Writes a Qwen3.5 GGUF (f32): 3 layers, the last attending (q with its output gate,
+/// rotary on half of each head, MRoPE sections), the others running the delta rule with one
+/// key head of 16 serving two value heads.
+fn write_qwen35(path: &Path) {
+    let (hd, rot, state, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize);
+    let ch = (2 + hv) * state;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut salt = 100;
+    let mut add = |name: String, shape: &[usize], gain: f32, offset: f32| {
+        salt += 1;
+        let mut data = values(shape.iter().product(), salt, gain);
+        data.iter_mut().for_each(|x| *x += offset);
+        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+        tensors.push((name, QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+    };
+    add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0);
+    add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0);
+    for l in 0..3 {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        add(b("attn_norm.weight"), &[HIDDEN], 0.1, 1.0);
+        add(b("post_attention_norm.weight"), &[HIDDEN], 0.1, 1.0);
+        add(b("ffn_gate.weight"), &[FFN, HIDDEN], 0.3, 0.0);
+        add(b("ffn_up.weight"), &[FFN, HIDDEN], 0.3, 0.0);
+        add(b("ffn_down.weight"), &[HIDDEN, FFN], 0.3, 0.0);
+        if l == 2 {
+            add(b("attn_q.weight"), &[2 * HEADS * hd, HIDDEN], 0.3, 0.0);
+            add(b("attn_k.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
+            add(b("attn_v.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
+            add(b("attn_output.weight"), &[HIDDEN, HEADS * hd], 0.3, 0.0);
+            add(b("attn_q_norm.weight"), &[hd], 0.1, 1.0);
+            add(b("attn_k_norm.weight"), &[hd], 0.1, 1.0);
+        } else {
+            add(b("attn_qkv.weight"), &[ch, HIDDEN], 0.5, 0.0);
+            add(b("attn_gate.weight"), &[hv * state, HIDDEN], 0.5, 0.0);
+            add(b("ssm_conv1d.weight"), &[ch, 4], 0.8, 0.0);
+            add(b("ssm_dt.bias"), &[hv], 0.5, 0.0);
+            add(b("ssm_a"), &[hv], 0.3, -0.7);
+            add(b("ssm_beta.weight"), &[hv, HIDDEN], 0.5, 0.0);
+            add(b("ssm_alpha.weight"), &[hv, HIDDEN], 0.5, 0.0);
+            add(b("ssm_norm.weight"), &[state], 0.1, 1.0);
+            add(b("ssm_out.weight"), &[HIDDEN, hv * state], 0.5, 0.0);
+        }
+    }
+    let u = |x: usize| Value::U32(x as u32);
+    let mut meta = vec![
+        ("general.architecture", Value::String("qwen35".into())),
+        ("qwen35.block_count", u(3)),
+        ("qwen35.embedding_length", u(HIDDEN)),
+        ("qwen35.feed_forward_length", u(FFN)),
+        ("qwen35.attention.head_count", u(HEADS)),
+        ("qwen35.attention.head_count_kv", u(KV_HEADS)),
+        ("qwen35.attention.key_length", u(hd)),
+        ("qwen35.attention.value_length", u(hd)),
+        ("qwen35.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("qwen35.rope.freq_base", Value::F32(1e7)),
+        ("qwen35.rope.dimension_count", u(rot)),
+        (
+            "qwen35.rope.dimension_sections",
+            Value::Array(vec![u(2), u(1), u(1), u(0)]),
+        ),
+        ("qwen35.full_attention_interval", u(3)),
+        ("qwen35.ssm.conv_kernel", u(4)),
+        ("qwen35.ssm.inner_size", u(hv * state)),
+        ("qwen35.ssm.state_size", u(state)),
+        ("qwen35.ssm.time_step_rank", u(hv)),
+        ("qwen35.ssm.group_count", u(1)),
+        ("qwen35.context_length", u(2048)),
+        ("qwen35.vocab_size", u(VOCAB)),
+    ];
+    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    write_gguf(path, &meta, &tensors);
+}
+
+/// The delta-rule state through the verbs a runner uses, on a Qwen3.5 file: a fork of one
+/// prompt into two sequences decodes each as if alone; a rewind to a step's end forgets
+/// what followed; a rewind inside the prompt is refused and changes nothing; a speculative
+/// tree's committed branch continues as the same tokens decoded one by one.
+#[test]
+fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("qwen35.gguf");
+    write_qwen35(&gguf);
+    let model = dir.path().join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, &model);
+        let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+        let alone = |next: i32| {
+            let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
+            forward(&mut ctx, &PROMPT, &positions);
+            let mut out = forward(&mut ctx, &[next], &[9]);
+            out.extend(forward(&mut ctx, &[11], &[10]));
+            out
+        };
+        let (want7, want9) = (alone(7), alone(9));
+        let close = |what: &str, got: &[Vec<f32>], want: &[Vec<f32>]| {
+            for (g, w) in got.iter().zip(want) {
+                let worst = g
+                    .iter()
+                    .zip(w)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                // Same arithmetic on both sides, up to the attention's read order.
+                assert!(worst < 1e-4, "{backend}, {what}: max |logit diff| {worst}");
+            }
+        };
+        // Fork: both continuations in one seq cache.
+        let mut ctx = m.context(CacheKind::Seq, 64, KvDtype::F32).unwrap();
+        decode(&mut ctx, &PROMPT, &positions, &[0; 9]);
+        ctx.seq_cp(0, 1, None, None).unwrap();
+        let a = decode(&mut ctx, &[7, 9], &[9, 9], &[0, 1]);
+        let b = decode(&mut ctx, &[11, 11], &[10, 10], &[0, 1]);
+        close(
+            "sequence 0 after the fork",
+            &[a[0].clone(), b[0].clone()],
+            &want7,
+        );
+        close(
+            "sequence 1 after the fork",
+            &[a[1].clone(), b[1].clone()],
+            &want9,
+        );
+        // Rewind to the end of the prompt's step, then another token.
+        let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
+        forward(&mut ctx, &PROMPT, &positions);
+        forward(&mut ctx, &[9], &[9]);
+        forward(&mut ctx, &[11], &[10]);
+        let e = ctx.rewind(5).unwrap_err().to_string();
+        assert!(e.contains("not kept"), "{backend}: {e}");
+        ctx.rewind(9).unwrap();
+        let mut again = forward(&mut ctx, &[7], &[9]);
+        again.extend(forward(&mut ctx, &[11], &[10]));
+        close("after a rewind", &again, &want7);
+        // A tree: the root 7 with children 11 and 12; committing 7, 11 then decoding 5
+        // gives what decoding 7, 11, 5 one by one gives.
+        let mut ctx = m.context(CacheKind::Tree, 64, KvDtype::F32).unwrap();
+        forward(&mut ctx, &PROMPT, &positions);
+        ctx.propose(&[-1, 0, 0]).unwrap();
+        let tree = forward(&mut ctx, &[7, 11, 12], &[9, 10, 10]);
+        close("the tree's branch", &tree[..2], &want7);
+        ctx.commit(&[0, 1]).unwrap();
+        let next = forward(&mut ctx, &[5], &[11]);
+        let mut plain = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
+        forward(&mut plain, &PROMPT, &positions);
+        forward(&mut plain, &[7, 11], &[9, 10]);
+        close("after the commit", &next, &forward(&mut plain, &[5], &[11]));
+    }
+}
