@@ -261,7 +261,8 @@ model("llama", "llama-synthetic-untied", 512, 4, 8, 4, 64, 1536, rope_base=1e4, 
 lfm2("lfm2-synthetic", 512, 8, {2, 5}, 8, 4, 1536, 3)
 lfm2("lfm2-synthetic-untied", 256, 6, {0, 3, 4}, 4, 2, 768, 4, tied=False, seed=1)
 # Qwen3.5-0.8B's pattern scaled down (attention every 4th layer, 2 value heads per key head,
-# rotary on a quarter of each head) and another one.
-qwen35("qwen35-synthetic", 512, 8, 4, 8, 2, 128, 32, [6, 5, 5, 0], 4, 8, 64, 1536)
+# rotary on a quarter of each head; MRoPE sections that leave 4 of the 16 rotary pairs to the
+# fourth section, still on text) and another one.
+qwen35("qwen35-synthetic", 512, 8, 4, 8, 2, 128, 32, [2, 6, 6, 2], 4, 8, 64, 1536)
 qwen35("qwen35-synthetic-untied", 256, 6, 3, 4, 1, 64, 64, [11, 11, 10, 0], 2, 2, 32, 768,
        tied=False, seed=2)

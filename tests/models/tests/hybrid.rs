@@ -1,6 +1,7 @@
-//! Hybrid models: LFM2 (short-convolution layers between attention layers) from a GGUF,
-//! on every backend, against the f64 reference forward; and the convolution state through
-//! the verbs a runner uses (a fork of one prompt into two sequences, a rewind).
+//! Hybrid models: LFM2 (short-convolution layers between attention layers) and Qwen3.5
+//! (gated delta-rule layers between gated attention layers) from GGUFs, on every backend,
+//! against the f64 reference forward; and their recurrent state through the verbs a runner
+//! uses (a fork of one prompt into two sequences, a rewind, a tree commit).
 
 use std::path::Path;
 
@@ -295,20 +296,27 @@ fn lfm2_convolution_state_follows_forks_and_rewinds() {
     );
 }
 
-/// Writes a Qwen3.5 GGUF (f32): 3 layers, the last attending (q with its output gate,
-/// rotary on half of each head, MRoPE sections), the others running the delta rule with one
-/// key head of 16 serving two value heads.
-fn write_qwen35(path: &Path) {
-    let (hd, rot, state, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize);
-    let ch = (2 + hv) * state;
+/// Writes a Qwen3.5 GGUF: 3 layers, the last attending (q with its output gate, rotary on
+/// half of each head, MRoPE sections), the others running the delta rule with two key heads
+/// of 16 serving four value heads; matrices in `types` (cycled), vectors and the
+/// convolution kernel f32.
+fn write_qwen35(path: &Path, types: &[GgmlDType]) {
+    let (hd, rot, state, hk, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize, 4usize);
+    let ch = (2 * hk + hv) * state;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let mut salt = 100;
+    let (mut salt, mut matrix) = (100, 0);
     let mut add = |name: String, shape: &[usize], gain: f32, offset: f32| {
         salt += 1;
         let mut data = values(shape.iter().product(), salt, gain);
         data.iter_mut().for_each(|x| *x += offset);
         let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
-        tensors.push((name, QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+        let ty = if shape.len() == 2 && shape[1] == HIDDEN {
+            matrix += 1;
+            types[matrix % types.len()]
+        } else {
+            GgmlDType::F32
+        };
+        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
     };
     add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0);
     add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0);
@@ -353,19 +361,69 @@ fn write_qwen35(path: &Path) {
         ("qwen35.rope.dimension_count", u(rot)),
         (
             "qwen35.rope.dimension_sections",
-            Value::Array(vec![u(2), u(1), u(1), u(0)]),
+            // Pairs 0 and 3 of the 4 fall outside the text sections: they do not turn.
+            Value::Array(vec![u(0), u(2), u(2), u(0)]),
         ),
         ("qwen35.full_attention_interval", u(3)),
         ("qwen35.ssm.conv_kernel", u(4)),
         ("qwen35.ssm.inner_size", u(hv * state)),
         ("qwen35.ssm.state_size", u(state)),
         ("qwen35.ssm.time_step_rank", u(hv)),
-        ("qwen35.ssm.group_count", u(1)),
+        ("qwen35.ssm.group_count", u(hk)),
         ("qwen35.context_length", u(2048)),
         ("qwen35.vocab_size", u(VOCAB)),
     ];
     meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
     write_gguf(path, &meta, &tensors);
+}
+
+/// The indexed model of [`write_qwen35`] in `dir`.
+fn qwen35(dir: &Path, types: &[GgmlDType]) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let gguf = dir.join("qwen35.gguf");
+    write_qwen35(&gguf, types);
+    let model = dir.join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    model
+}
+
+#[test]
+fn qwen35_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4_1,
+    ];
+    for (i, types) in [&[GgmlDType::F32][..], &blocks].into_iter().enumerate() {
+        let model = qwen35(&dir.path().join(i.to_string()), types);
+        for backend in BACKENDS {
+            let rt = runtime();
+            let mut ctx = common::model(&rt, backend, &model)
+                .context(CacheKind::Contiguous, 64, KvDtype::F32)
+                .unwrap();
+            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+            let mut got = forward(&mut ctx, &PROMPT, &positions);
+            let mut tokens = PROMPT.to_vec();
+            for _ in 0..6 {
+                let next = argmax(got.last().unwrap());
+                tokens.push(next);
+                got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
+            }
+            let told = Reference {
+                int8_block_acts: backend == "cpu",
+                ..Reference::default()
+            };
+            let want = reference_logits_with(&model, &tokens, &told);
+            let worst = max_logit_error(&got, &want);
+            // The f32 tolerance of the model tests (model.rs).
+            assert!(
+                worst < 1e-3,
+                "Qwen3.5 file {i} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
 }
 
 /// The delta-rule state through the verbs a runner uses, on a Qwen3.5 file: a fork of one
@@ -375,10 +433,7 @@ fn write_qwen35(path: &Path) {
 #[test]
 fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
     let dir = tempfile::tempdir().unwrap();
-    let gguf = dir.path().join("qwen35.gguf");
-    write_qwen35(&gguf);
-    let model = dir.path().join("indexed");
-    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    let model = qwen35(dir.path(), &[GgmlDType::F32]);
     let rt = runtime();
     for backend in BACKENDS {
         let m = common::model(&rt, backend, &model);

@@ -327,6 +327,78 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             }
             continue;
         }
+        if let kvplug_core::LayerAttention::Delta {
+            width,
+            key_heads: hk,
+            value_heads: hv,
+            head_dim: dn,
+        } = c.attention[l]
+        {
+            // Qwen3.5's gated delta rule: qkv = conv(in_proj_qkv·hn) through SiLU, split
+            // into q, k (hk heads) and v (hv heads); per value head (key head h mod hk) the
+            // f64 recurrence with g = a·softplus(in_proj_a·hn + dt_bias) and
+            // β = sigmoid(in_proj_b·hn); then RMSNorm per head times SiLU(in_proj_z·hn),
+            // out_proj.
+            let a = format!("{p}linear_attn.");
+            let ch = (2 * hk + hv) * dn;
+            let wqkv = mat(&format!("{a}in_proj_qkv.weight"), &[ch, h]);
+            let wz = mat(&format!("{a}in_proj_z.weight"), &[hv * dn, h]);
+            let wb = mat(&format!("{a}in_proj_b.weight"), &[hv, h]);
+            let wa = mat(&format!("{a}in_proj_a.weight"), &[hv, h]);
+            let dt = w(&format!("{a}dt_bias"), &[hv]);
+            let decay = w(&format!("{a}a"), &[hv]);
+            let kernel = w(&format!("{a}conv1d.weight"), &[ch, width]);
+            let gnorm = w(&format!("{a}norm.weight"), &[dn]);
+            let outp = mat(&format!("{a}out_proj.weight"), &[h, hv * dn]);
+            let silu = |x: f64| x / (1.0 + (-x).exp());
+            let hns: Vec<Vec<f64>> = xs.iter().map(|x| norm(x, &ln1)).collect();
+            let mixed: Vec<Vec<f64>> = hns.iter().map(|hn| matvec(&wqkv, ch, hn)).collect();
+            let mut states = vec![vec![0.0; dn * dn]; hv];
+            for t in 0..n {
+                let hn = &hns[t];
+                let act: Vec<f64> = (0..ch)
+                    .map(|c| {
+                        silu(
+                            (0..width)
+                                .filter_map(|j| {
+                                    let at = (t + j).checked_sub(width - 1)?;
+                                    Some(kernel[c * width + j] * mixed[at][c])
+                                })
+                                .sum(),
+                        )
+                    })
+                    .collect();
+                let (z, b, al) = (
+                    matvec(&wz, hv * dn, hn),
+                    matvec(&wb, hv, hn),
+                    matvec(&wa, hv, hn),
+                );
+                let mut y = Vec::with_capacity(hv * dn);
+                for (head, s) in states.iter_mut().enumerate() {
+                    let kh = head % hk;
+                    let q = &act[kh * dn..(kh + 1) * dn];
+                    let k = &act[(hk + kh) * dn..(hk + kh + 1) * dn];
+                    let v = &act[(2 * hk + head) * dn..(2 * hk + head + 1) * dn];
+                    let g = decay[head] * (al[head] + dt[head]).exp().ln_1p();
+                    let beta = 1.0 / (1.0 + (-b[head]).exp());
+                    let o = kvplug_core::oracle::gated_delta_step(s, q, k, v, g, beta);
+                    let o = norm(&o, &gnorm);
+                    y.extend(
+                        o.iter()
+                            .zip(&z[head * dn..(head + 1) * dn])
+                            .map(|(o, z)| o * silu(*z)),
+                    );
+                }
+                let o = matvec(&outp, h, &y);
+                xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+                mlp(&mut xs[t]);
+            }
+            continue;
+        }
+        if c.model_type == "qwen3_5_text" {
+            qwen35_attention(&pkg, &c, l, &mut xs, &ln1, &norm, &mat, &matvec, &mlp);
+            continue;
+        }
         let (wq, wk, wv) = (
             mat(&format!("{p}self_attn.q_proj.weight"), &[hq * hd, h]),
             mat(&format!("{p}self_attn.k_proj.weight"), &[hkv * hd, h]),
@@ -434,6 +506,125 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
     xs.iter()
         .map(|x| matvec(&head, v, &norm(x, &fnorm)))
         .collect()
+}
+
+/// A matrix and whether its linear quantizes its input (see `reference_logits_with`).
+type RefMatrix = (Vec<f64>, bool);
+
+/// Qwen3.5's gated attention layer `l` over every token of `xs`, with its MLP: q and its
+/// output gate interleaved per head in `q_proj`, per-head q/k RMSNorms, rotary on the first
+/// `partial_rotary_factor` of each head (pairs `(i, i + rot/2)`, frequencies
+/// `θ^(−2i/rot)`; under interleaved MRoPE on text, pairs of the fourth section do not
+/// turn), causal attention, the output times `sigmoid(gate)`.
+#[allow(clippy::too_many_arguments)]
+fn qwen35_attention(
+    pkg: &ModelPackage,
+    c: &kvplug_backend_kit::model::ModelConfig,
+    l: usize,
+    xs: &mut [Vec<f64>],
+    ln1: &[f64],
+    norm: &dyn Fn(&[f64], &[f64]) -> Vec<f64>,
+    mat: &dyn Fn(&str, &[usize]) -> RefMatrix,
+    matvec: &dyn Fn(&RefMatrix, usize, &[f64]) -> Vec<f64>,
+    mlp: &dyn Fn(&mut Vec<f64>),
+) {
+    let (h, hd, hq, hkv) = (
+        c.hidden_size,
+        c.head_dim(),
+        c.num_attention_heads,
+        c.kv_heads(),
+    );
+    let p = format!("model.layers.{l}.self_attn.");
+    let vecw = |name: &str| -> Vec<f64> {
+        pkg.tensor_f32(name, &[hd])
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    };
+    let (wq, wk, wv, wo) = (
+        mat(&format!("{p}q_proj.weight"), &[2 * hq * hd, h]),
+        mat(&format!("{p}k_proj.weight"), &[hkv * hd, h]),
+        mat(&format!("{p}v_proj.weight"), &[hkv * hd, h]),
+        mat(&format!("{p}o_proj.weight"), &[h, hq * hd]),
+    );
+    let (nq, nk) = (
+        vecw(&format!("{p}q_norm.weight")),
+        vecw(&format!("{p}k_norm.weight")),
+    );
+    let rot = (c.partial_rotary_factor.unwrap_or(1.0) * hd as f64) as usize;
+    let sections = c.mrope_section.clone();
+    let turns = |i: usize| match &sections {
+        None => true,
+        Some(s) => {
+            let sector = i % s.iter().sum::<usize>();
+            sector < 3 * s.get(sector % 3).copied().unwrap_or(0)
+        }
+    };
+    let rope = |x: &mut [f64], pos: usize| {
+        for head in x.chunks_mut(hd) {
+            for i in (0..rot / 2).filter(|&i| turns(i)) {
+                let f = c.rope_theta.powf(-(2.0 * i as f64) / rot as f64);
+                let (s, co) = (pos as f64 * f).sin_cos();
+                let (a, b) = (head[i], head[i + rot / 2]);
+                head[i] = a * co - b * s;
+                head[i + rot / 2] = b * co + a * s;
+            }
+        }
+    };
+    let (mut qs, mut gates, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (t, x) in xs.iter().enumerate() {
+        let hn = norm(x, ln1);
+        let qg = matvec(&wq, 2 * hq * hd, &hn);
+        let mut q: Vec<f64> = qg
+            .chunks(2 * hd)
+            .flat_map(|c| norm(&c[..hd], &nq))
+            .collect();
+        gates.push(
+            qg.chunks(2 * hd)
+                .flat_map(|c| c[hd..].to_vec())
+                .collect::<Vec<_>>(),
+        );
+        let mut k: Vec<f64> = matvec(&wk, hkv * hd, &hn)
+            .chunks(hd)
+            .flat_map(|c| norm(c, &nk))
+            .collect();
+        rope(&mut q, t);
+        rope(&mut k, t);
+        qs.push(q);
+        ks.push(k);
+        vs.push(matvec(&wv, hkv * hd, &hn));
+    }
+    for t in 0..xs.len() {
+        let mut att = vec![0.0; hq * hd];
+        for head in 0..hq {
+            let kh = head / (hq / hkv);
+            let q = &qs[t][head * hd..(head + 1) * hd];
+            let scores: Vec<f64> = (0..=t)
+                .map(|j| {
+                    q.iter()
+                        .zip(&ks[j][kh * hd..(kh + 1) * hd])
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for (j, ej) in e.iter().enumerate() {
+                for d in 0..hd {
+                    att[head * hd + d] += ej / z * vs[j][kh * hd + d];
+                }
+            }
+        }
+        att.iter_mut()
+            .zip(&gates[t])
+            .for_each(|(a, g)| *a /= 1.0 + (-g).exp());
+        let o = matvec(&wo, h, &att);
+        xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        mlp(&mut xs[t]);
+    }
 }
 
 /// The Hugging Face weight names and shapes of a Llama model of shape `p` (untied).
