@@ -24,7 +24,9 @@ copies of them.
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
 [bench]; with `bench`, only an LFM2-350M-shaped file (16 layers of 1024, attention at
-2, 5, 8, 10, 12, 14, MLP 4608) for benchmarks, to quantize with llama-quantize."""
+2, 5, 8, 10, 12, 14, MLP 4608) and a Qwen3.5-0.8B-shaped one (24 layers of 1024, attention
+every 4th with 8 heads of 256, 2 KV heads, rotary on 64 dims; 16 key and 16 value heads of
+128 in the delta rule, MLP 3584) for benchmarks, to quantize with llama-quantize."""
 import os
 import sys
 
@@ -249,6 +251,8 @@ def qwen35(name, hidden, layers, interval, heads, kv_heads, head_dim, rope_dim, 
 
 if bench:
     lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16, 8, 4608, 3)
+    qwen35("qwen35-0.8b-shaped", 1024, 24, 4, 8, 2, 256, 64, [11, 11, 10, 0], 16, 16, 128,
+           3584)
     sys.exit(0)
 
 model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)

@@ -48,9 +48,12 @@ pub struct Anchors {
     step_cell: Vec<u32>,
     step_pred: Vec<u32>,
     step_slot: Vec<u32>,
-    /// One state being advanced, and the normalized q and k of one token.
-    work: Vec<f32>,
+    /// Per token of the open step: the slot its state is computed in, that of the last
+    /// token of its run of continuing tokens (a chain advances in place there).
+    step_home: Vec<u32>,
+    /// The normalized q and k of one token, and one row of a state updated in place.
     qk: Vec<f32>,
+    row_buf: Vec<f32>,
     /// Anchors the last check found needed (sequence ends, tree nodes).
     needed: usize,
     /// The check's buffers, kept (no allocation once warm).
@@ -75,8 +78,9 @@ impl Anchors {
             step_cell: Vec::new(),
             step_pred: Vec::new(),
             step_slot: Vec::new(),
-            work: vec![0.0; d.state_len()],
+            step_home: Vec::new(),
             qk: vec![0.0; 2 * d.key_heads * d.head_dim],
+            row_buf: vec![0.0; d.head_dim],
             needed: 0,
             use_of: Vec::new(),
             spare: Vec::new(),
@@ -136,7 +140,7 @@ impl Anchors {
 
     /// Opens a step from its plan and convolution taps (`width` per token, the token's own
     /// cell last, the previous position's before it): decides which tokens keep their
-    /// state (the last of each chain; all of a tree step).
+    /// state (the last of each chain; all of a tree step) and where each is computed.
     pub fn open_step(&mut self, plan: &StepPlan, taps: &[u32], width: usize, tree: bool) {
         self.rollback_step();
         let t = plan.n_tok;
@@ -157,6 +161,14 @@ impl Anchors {
             };
             self.step_slot.push(slot);
         }
+        self.step_home.clear();
+        self.step_home.resize(t, NONE);
+        for i in (0..t).rev() {
+            self.step_home[i] = match self.step_slot[i] {
+                NONE => self.step_home[i + 1],
+                s => s,
+            };
+        }
     }
 
     /// Drops the open step's states (its anchors were never published).
@@ -169,6 +181,7 @@ impl Anchors {
         self.step_slot.clear();
         self.step_cell.clear();
         self.step_pred.clear();
+        self.step_home.clear();
     }
 
     /// Whether anchors beyond the budget have piled up (steps add anchors; a check every
@@ -201,6 +214,7 @@ impl Anchors {
         self.step_slot.clear();
         self.step_cell.clear();
         self.step_pred.clear();
+        self.step_home.clear();
     }
 
     /// Runs delta layer `layer` over the open step: `mixed` `[T, conv_channels]` is the
@@ -230,9 +244,11 @@ impl Anchors {
         let at = li * sl;
         for i in 0..t {
             let resumes = i > 0 && self.step_pred[i] == self.step_cell[i - 1];
-            if !resumes {
-                self.load(i, at, sl)?;
-            }
+            let src = if resumes {
+                Some(self.step_home[i - 1])
+            } else {
+                self.source(i)?
+            };
             let x = &mixed[i * ch..(i + 1) * ch];
             // SiLU, then L2-normalize q and k per key head; q also by 1/√dk.
             for (h, qk) in self.qk.chunks_mut(n).enumerate() {
@@ -249,53 +265,74 @@ impl Anchors {
                 qk.iter_mut().for_each(|v| *v *= r);
             }
             let v_all = &x[2 * hk * n..];
+            let home = self.step_home[i] as usize;
+            // The state after the previous position (none: zeros) and where this token's
+            // goes: the same slot (a chain in place) or another, read once.
+            let (from, to): (Option<&[f32]>, &mut [f32]) = match src {
+                Some(s) if s as usize == home => (None, &mut self.slots[home].data[at..at + sl]),
+                Some(s) => {
+                    let s = s as usize;
+                    let (lo, hi) = self.slots.split_at_mut(s.max(home));
+                    let (src, dst) = if s < home {
+                        (&lo[s].data, &mut hi[0].data)
+                    } else {
+                        (&hi[0].data, &mut lo[home].data)
+                    };
+                    (Some(&src[at..at + sl]), &mut dst[at..at + sl])
+                }
+                None => {
+                    let dst = &mut self.slots[home].data[at..at + sl];
+                    dst.fill(0.0);
+                    (None, dst)
+                }
+            };
             for h in 0..hv {
                 let g = (a[h] * softplus(alpha[i * hv + h])).exp();
                 let b = sigmoid(beta[i * hv + h]);
                 let q = &self.qk[(h % hk) * n..(h % hk + 1) * n];
                 let k = &self.qk[(hk + h % hk) * n..(hk + h % hk + 1) * n];
-                let s = &mut self.work[h * n * n..(h + 1) * n * n];
+                let rows = h * n * n..(h + 1) * n * n;
                 let o = &mut out[(i * hv + h) * n..(i * hv + h + 1) * n];
-                for (j, row) in s.chunks_mut(n).enumerate() {
-                    row.iter_mut().for_each(|v| *v *= g);
-                    let kv: f32 = row.iter().zip(k).map(|(s, k)| s * k).sum();
+                let dst = &mut to[rows.clone()];
+                for (j, row) in dst.chunks_mut(n).enumerate() {
+                    // Row j holds S[·][j]: decay, recall along k, correct toward v, read
+                    // along q; in place, the old row is first copied into `row_buf` (L1).
+                    let old = match from {
+                        Some(f) => &f[rows.start + j * n..rows.start + (j + 1) * n],
+                        None => {
+                            self.row_buf.copy_from_slice(row);
+                            &self.row_buf[..]
+                        }
+                    };
+                    let kv = g * dot(old, k);
                     let delta = (silu(v_all[h * n + j]) - kv) * b;
-                    row.iter_mut().zip(k).for_each(|(s, &k)| *s += k * delta);
-                    o[j] = row.iter().zip(q).map(|(s, q)| s * q).sum();
+                    o[j] = decay_update_dot(row, old, g, k, delta, q);
                 }
-            }
-            let s = self.step_slot[i];
-            if s != NONE {
-                self.slots[s as usize].data[at..at + sl].copy_from_slice(&self.work);
             }
         }
         Ok(())
     }
 
-    /// Loads the state token `i` resumes from into `work`: zeros at a sequence's start, a
-    /// step token's kept state, or the anchor of its predecessor's cell.
-    fn load(&mut self, i: usize, at: usize, sl: usize) -> CacheResult<()> {
+    /// The slot holding the state token `i` resumes from (`None`: zeros, at a sequence's
+    /// start): a step token's kept state, or the anchor of its predecessor's cell.
+    fn source(&self, i: usize) -> CacheResult<Option<u32>> {
         let pred = self.step_pred[i];
         if pred == NO_CELL {
-            self.work.fill(0.0);
-            return Ok(());
+            return Ok(None);
         }
         let from_step = (0..i)
             .rev()
             .find(|&j| self.step_cell[j] == pred)
             .map(|j| self.step_slot[j]);
-        let slot = match from_step {
-            Some(s) if s != NONE => s,
+        match from_step {
+            Some(s) if s != NONE => Ok(Some(s)),
             Some(_) => unreachable!("open_step keeps every state a later token reads"),
-            None => self.anchor(pred as usize).ok_or_else(|| {
+            None => self.anchor(pred as usize).map(Some).ok_or_else(|| {
                 CacheError::bad_shape(format!(
                     "the recurrent state after cell {pred} is not kept (no anchor)"
                 ))
-            })?,
-        };
-        self.work
-            .copy_from_slice(&self.slots[slot as usize].data[at..at + sl]);
-        Ok(())
+            }),
+        }
     }
 
     /// Moves anchors with rows (a tree commit: `rows[i]` → `base + i`).
@@ -430,6 +467,51 @@ impl Anchors {
         self.spare = spare;
         self.dead = dead;
     }
+}
+
+/// Lanes of the partial sums below: independent accumulators the compiler keeps in one
+/// vector register (a float sum in one accumulator cannot be vectorized).
+const LANES: usize = 8;
+
+/// `Σ a·b`, in `LANES` partial sums.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `row ← g·old + delta·k`, returning `Σ row·q` of the new row, in `LANES` partial sums.
+fn decay_update_dot(row: &mut [f32], old: &[f32], g: f32, k: &[f32], delta: f32, q: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let n = row.len() / LANES * LANES;
+    for (((r, o), k), q) in row[..n]
+        .chunks_exact_mut(LANES)
+        .zip(old.chunks_exact(LANES))
+        .zip(k.chunks_exact(LANES))
+        .zip(q.chunks_exact(LANES))
+    {
+        for l in 0..LANES {
+            r[l] = g * o[l] + delta * k[l];
+            acc[l] += r[l] * q[l];
+        }
+    }
+    let mut tail = 0.0;
+    for i in n..row.len() {
+        row[i] = g * old[i] + delta * k[i];
+        tail += row[i] * q[i];
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 fn silu(x: f32) -> f32 {
