@@ -54,6 +54,12 @@ pub struct Anchors {
     /// The normalized q and k of one token, and one row of a state updated in place.
     qk: Vec<f32>,
     row_buf: Vec<f32>,
+    /// One token's SiLU'd v, and per value head its decay and step size.
+    v: Vec<f32>,
+    g: Vec<f32>,
+    b: Vec<f32>,
+    /// Threads a prefill splits the heads over (at most 2).
+    threads: usize,
     /// Anchors the last check found needed (sequence ends, tree nodes).
     needed: usize,
     /// The check's buffers, kept (no allocation once warm).
@@ -81,6 +87,10 @@ impl Anchors {
             step_home: Vec::new(),
             qk: vec![0.0; 2 * d.key_heads * d.head_dim],
             row_buf: vec![0.0; d.head_dim],
+            v: vec![0.0; d.value_heads * d.head_dim],
+            g: vec![0.0; d.value_heads],
+            b: vec![0.0; d.value_heads],
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
             needed: 0,
             use_of: Vec::new(),
             spare: Vec::new(),
@@ -252,9 +262,9 @@ impl Anchors {
             let x = &mixed[i * ch..(i + 1) * ch];
             // SiLU, then L2-normalize q and k per key head; q also by 1/√dk.
             for (h, qk) in self.qk.chunks_mut(n).enumerate() {
-                let src = &x[h * n..(h + 1) * n];
+                let raw = &x[h * n..(h + 1) * n];
                 let mut ss = 0f32;
-                for (o, &v) in qk.iter_mut().zip(src) {
+                for (o, &v) in qk.iter_mut().zip(raw) {
                     *o = silu(v);
                     ss += *o * *o;
                 }
@@ -264,7 +274,14 @@ impl Anchors {
                 }
                 qk.iter_mut().for_each(|v| *v *= r);
             }
-            let v_all = &x[2 * hk * n..];
+            for (v, &x) in self.v.iter_mut().zip(&x[2 * hk * n..]) {
+                *v = silu(x);
+            }
+            for h in 0..hv {
+                self.g[h] = (a[h] * softplus(alpha[i * hv + h])).exp();
+                self.b[h] = sigmoid(beta[i * hv + h]);
+            }
+            let v_all = &self.v[..];
             let home = self.step_home[i] as usize;
             // The state after the previous position (none: zeros) and where this token's
             // goes: the same slot (a chain in place) or another, read once.
@@ -286,28 +303,36 @@ impl Anchors {
                     (None, dst)
                 }
             };
-            for h in 0..hv {
-                let g = (a[h] * softplus(alpha[i * hv + h])).exp();
-                let b = sigmoid(beta[i * hv + h]);
-                let q = &self.qk[(h % hk) * n..(h % hk + 1) * n];
-                let k = &self.qk[(hk + h % hk) * n..(hk + h % hk + 1) * n];
-                let rows = h * n * n..(h + 1) * n * n;
-                let o = &mut out[(i * hv + h) * n..(i * hv + h + 1) * n];
-                let dst = &mut to[rows.clone()];
-                for (j, row) in dst.chunks_mut(n).enumerate() {
-                    // Row j holds S[·][j]: decay, recall along k, correct toward v, read
-                    // along q; in place, the old row is first copied into `row_buf` (L1).
-                    let old = match from {
-                        Some(f) => &f[rows.start + j * n..rows.start + (j + 1) * n],
-                        None => {
-                            self.row_buf.copy_from_slice(row);
-                            &self.row_buf[..]
-                        }
-                    };
-                    let kv = g * dot(old, k);
-                    let delta = (silu(v_all[h * n + j]) - kv) * b;
-                    o[j] = decay_update_dot(row, old, g, k, delta, q);
-                }
+            let heads = Heads {
+                n,
+                hk,
+                qk: &self.qk,
+                v: v_all,
+                g: &self.g,
+                b: &self.b,
+            };
+            let o = &mut out[i * hv * n..(i + 1) * hv * n];
+            // A prefill splits the heads over two threads (a decode step stays on one).
+            if t >= PARALLEL_TOKENS && hv >= 2 && self.threads > 1 {
+                let half = hv / 2;
+                let (to_a, to_b) = to.split_at_mut(half * n * n);
+                let (o_a, o_b) = o.split_at_mut(half * n);
+                let (from_a, from_b) = match from {
+                    Some(f) => {
+                        let (fa, fb) = f.split_at(half * n * n);
+                        (Some(fa), Some(fb))
+                    }
+                    None => (None, None),
+                };
+                let heads = &heads;
+                std::thread::scope(|scope| {
+                    scope.spawn(move || {
+                        heads.run(half..hv, to_b, from_b, o_b, &mut vec![0.0; n]);
+                    });
+                    heads.run(0..half, to_a, from_a, o_a, &mut self.row_buf);
+                });
+            } else {
+                heads.run(0..hv, to, from, o, &mut self.row_buf);
             }
         }
         Ok(())
@@ -466,6 +491,58 @@ impl Anchors {
         }
         self.spare = spare;
         self.dead = dead;
+    }
+}
+
+/// Steps of at least this many tokens split the rule's heads over threads.
+const PARALLEL_TOKENS: usize = 8;
+
+/// One token's inputs to the rule, shared by its value heads: normalized q and k (`hk`
+/// heads of `n`), the SiLU'd v of every value head, per value head the decay `g = exp(·)`
+/// and step size `b`.
+struct Heads<'a> {
+    n: usize,
+    hk: usize,
+    qk: &'a [f32],
+    v: &'a [f32],
+    g: &'a [f32],
+    b: &'a [f32],
+}
+
+impl Heads<'_> {
+    /// Advances value heads `heads` (value head `h` reads key head `h mod hk`): `to` holds
+    /// their states (`[head][j][i]`, `S[i][j]` at row `j`), updated from `from` (the same
+    /// heads' previous states) or in place; `out` receives their outputs.
+    fn run(
+        &self,
+        heads: std::ops::Range<usize>,
+        to: &mut [f32],
+        from: Option<&[f32]>,
+        out: &mut [f32],
+        row_buf: &mut [f32],
+    ) {
+        let (n, hk) = (self.n, self.hk);
+        for (x, h) in heads.enumerate() {
+            let (g, b) = (self.g[h], self.b[h]);
+            let q = &self.qk[(h % hk) * n..(h % hk + 1) * n];
+            let k = &self.qk[(hk + h % hk) * n..(hk + h % hk + 1) * n];
+            let rows = x * n * n..(x + 1) * n * n;
+            let o = &mut out[x * n..(x + 1) * n];
+            for (j, row) in to[rows.clone()].chunks_mut(n).enumerate() {
+                // Row j holds S[·][j]: decay, recall along k, correct toward v, read along
+                // q; in place, the old row is first copied into `row_buf` (L1).
+                let old = match from {
+                    Some(f) => &f[rows.start + j * n..rows.start + (j + 1) * n],
+                    None => {
+                        row_buf.copy_from_slice(row);
+                        &*row_buf
+                    }
+                };
+                let kv = g * dot(old, k);
+                let delta = (self.v[h * n + j] - kv) * b;
+                o[j] = decay_update_dot(row, old, g, k, delta, q);
+            }
+        }
     }
 }
 

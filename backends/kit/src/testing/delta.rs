@@ -190,8 +190,8 @@ fn dropped_step<D2: Device>(cache: &mut KitCache<D2>, p: i32, seqs: Option<&[i32
         .unwrap();
 }
 
-/// The delta-rule state contract on `device`: decoding, a dropped step, a rewind to a
-/// step's end and one refused (no anchor there, the cache unchanged) on a contiguous cache;
+/// The delta-rule state contract on `device`: a prefill (its heads over threads),
+/// decoding, a dropped step, a rewind to a step's end and one refused (no anchor there, the cache unchanged) on a contiguous cache;
 /// forked sequences that diverge, a tail removed, a hole refused (seq); a speculative tree
 /// whose commit of a branch ending inside it, then decoding (tree): every token's output
 /// is the recurrence over its own sequence, within the derived bound.
@@ -200,34 +200,35 @@ pub fn check_delta_verbs<D2: Device>(device: D2) {
     // Contiguous.
     let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, config()).unwrap();
     let mut h = History::new();
-    let prefill: Vec<(i32, u32)> = (0..5).map(|p| (p, 100 + p as u32)).collect();
+    // A prefill long enough to split the heads over threads.
+    let prefill: Vec<(i32, u32)> = (0..9).map(|p| (p, 100 + p as u32)).collect();
     step_and_check(&mut c, &prefill, None, &run(&h, &prefill), "prefill").unwrap();
     h.extend(prefill.iter().copied());
-    for p in 5..8 {
+    for p in 9..12 {
         step_and_check(&mut c, &[(p, 100 + p as u32)], None, &[h.clone()], "decode").unwrap();
         h.insert(p, 100 + p as u32);
     }
-    dropped_step(&mut c, 8, None);
+    dropped_step(&mut c, 12, None);
     step_and_check(
         &mut c,
-        &[(8, 508)],
+        &[(12, 512)],
         None,
         &[h.clone()],
         "after a dropped step",
     )
     .unwrap();
-    h.insert(8, 508);
-    // Position 6 ended a step (its anchor is kept); position 3 is inside the prefill.
-    let e = c.rewind(3).unwrap_err();
+    h.insert(12, 512);
+    // Position 10 ended a step (its anchor is kept); position 3 is inside the prefill.
+    let e = c.rewind(4).unwrap_err();
     assert!(e.message.contains("not kept"), "{}", e.message);
     assert_eq!(
         c.bookkeeping().high_water(),
-        9,
+        13,
         "a refused rewind changes nothing"
     );
-    c.rewind(7).unwrap();
-    h.retain(|&p, _| p < 7);
-    let redo = [(7, 907), (8, 908)];
+    c.rewind(11).unwrap();
+    h.retain(|&p, _| p < 11);
+    let redo = [(11, 911), (12, 912)];
     step_and_check(&mut c, &redo, None, &run(&h, &redo), "after a rewind").unwrap();
 
     // Seq: a shared prefix, a fork that diverges, a tail removed, a hole refused.
