@@ -510,6 +510,10 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
 
 /// A matrix and whether its linear quantizes its input (see `reference_logits_with`).
 type RefMatrix = (Vec<f64>, bool);
+/// RMSNorm of a row by a weight.
+type RefNorm<'a> = &'a dyn Fn(&[f64], &[f64]) -> Vec<f64>;
+/// A matrix (rows) times a vector.
+type RefMatvec<'a> = &'a dyn Fn(&RefMatrix, usize, &[f64]) -> Vec<f64>;
 
 /// Qwen3.5's gated attention layer `l` over every token of `xs`, with its MLP: q and its
 /// output gate interleaved per head in `q_proj`, per-head q/k RMSNorms, rotary on the first
@@ -523,9 +527,9 @@ fn qwen35_attention(
     l: usize,
     xs: &mut [Vec<f64>],
     ln1: &[f64],
-    norm: &dyn Fn(&[f64], &[f64]) -> Vec<f64>,
+    norm: RefNorm,
     mat: &dyn Fn(&str, &[usize]) -> RefMatrix,
-    matvec: &dyn Fn(&RefMatrix, usize, &[f64]) -> Vec<f64>,
+    matvec: RefMatvec,
     mlp: &dyn Fn(&mut Vec<f64>),
 ) {
     let (h, hd, hq, hkv) = (
