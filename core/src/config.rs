@@ -46,8 +46,9 @@ pub struct CacheConfig {
     /// The short-convolution layers of a hybrid model (`None`: none); they hold no K/V.
     #[serde(default)]
     pub conv: Option<ConvLayers>,
-    /// The gated delta-rule layers of a hybrid model (`None`: none); each is also one of
-    /// the `conv` layers (its convolution runs over q, k and v before the rule).
+    /// The gated delta-rule layers of a hybrid model (`None`: none); they hold no K/V and
+    /// no rows per cell (their whole state, the convolution's tail included, is kept as
+    /// anchors).
     #[serde(default)]
     pub delta: Option<DeltaLayers>,
 }
@@ -138,9 +139,10 @@ pub struct ConvLayers {
 /// each token's value along its key.
 ///
 /// The state cannot be kept per token (a layer's state is as large as thousands of K/V
-/// rows), so the cache keeps **anchors**: the state after the token of a cell, for the cell
-/// that ends each committed step of each sequence, for every node of a tree step, and at
-/// published prefix ends. A step resumes each sequence from the anchor of its previous
+/// rows), so the cache keeps **anchors**: the state after the token of a cell (the rule's
+/// matrices and the last `width - 1` input rows of the convolution in front of it), for
+/// the cell that ends each committed step of each sequence, for every node of a tree step,
+/// and at published prefix ends. A step resumes each sequence from the anchor of its previous
 /// position; a verb that would leave a sequence ending where no anchor is kept is refused
 /// (see `docs/architecture.md`, "Recurrent state").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -152,14 +154,21 @@ pub struct DeltaLayers {
     pub value_heads: usize,
     /// Size of a key and of a value head (the state is `head_dim × head_dim`).
     pub head_dim: usize,
+    /// Taps of the causal depthwise convolution over q, k and v in front of the rule.
+    pub width: usize,
     /// The delta-rule layers.
     pub layers: LayerSet,
 }
 
 impl DeltaLayers {
-    /// f32 values of one layer's state of one sequence.
+    /// f32 values of one layer's rule state of one sequence.
     pub fn state_len(&self) -> usize {
         self.value_heads * self.head_dim * self.head_dim
+    }
+
+    /// f32 values of one layer's convolution tail (its last `width - 1` input rows).
+    pub fn tail_len(&self) -> usize {
+        (self.width - 1) * self.conv_channels()
     }
 
     /// Channels of the convolution in front of the rule: q and k (`key_heads` heads each),
@@ -271,21 +280,28 @@ impl CacheConfig {
         }
         check_limit("delta heads", d.value_heads, MAX_KV_HEADS)?;
         check_limit("delta head size", d.head_dim, MAX_HEAD_DIM)?;
-        match self.conv {
-            Some(c) if d.layers.iter().all(|l| c.layers.contains(l)) => {
-                if c.channels != d.conv_channels() {
-                    return Err(CacheError::bad_config(format!(
-                        "the delta-rule layers convolve {} channels (q, k, v), not {}",
-                        d.conv_channels(),
-                        c.channels
-                    )));
-                }
-                Ok(())
-            }
-            _ => Err(CacheError::bad_config(
-                "every delta-rule layer must also be a convolution layer",
-            )),
+        if !(2..=MAX_CONV_WIDTH).contains(&d.width) {
+            return Err(CacheError::bad_config(format!(
+                "a delta-rule convolution width of {} is outside 2..={MAX_CONV_WIDTH}",
+                d.width
+            )));
         }
+        if let Some(l) = d.layers.iter().find(|&l| l >= self.n_layers) {
+            return Err(CacheError::bad_config(format!(
+                "delta-rule layer {l} is outside 0..{}",
+                self.n_layers
+            )));
+        }
+        if let Some(l) = d
+            .layers
+            .iter()
+            .find(|&l| self.slides(l) || self.convolves(l))
+        {
+            return Err(CacheError::bad_config(format!(
+                "layer {l} cannot both run the delta rule and slide or convolve"
+            )));
+        }
+        Ok(())
     }
 
     /// Whether `layer` is a gated delta-rule layer.
@@ -296,8 +312,9 @@ impl CacheConfig {
     /// Bytes of one anchor: the state of every delta-rule layer after one token (0 without
     /// such layers).
     pub fn anchor_bytes(&self) -> u64 {
-        self.delta
-            .map_or(0, |d| 4 * (d.layers.len() * d.state_len()) as u64)
+        self.delta.map_or(0, |d| {
+            4 * (d.layers.len() * (d.state_len() + d.tail_len())) as u64
+        })
     }
 
     /// Whether `layer` is a short-convolution layer.
@@ -315,6 +332,7 @@ impl CacheConfig {
         self.n_layers
             - self.sliding.map_or(0, |s| s.layers.len())
             - self.conv.map_or(0, |c| c.layers.len())
+            - self.delta.map_or(0, |d| d.layers.len())
     }
 
     /// Bytes of the pools indexed by cells (K and V of the fully attending layers, the

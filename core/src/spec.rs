@@ -44,8 +44,8 @@ pub enum LayerAttention {
         channels: usize,
     },
     /// No attention: a gated delta rule (Qwen3.5) behind a short convolution over its q, k
-    /// and v; its state is a `head_dim × head_dim` matrix per value head and sequence (see
-    /// [`DeltaLayers`]), the convolution's is as [`LayerAttention::Conv`]'s.
+    /// and v; its state is a `head_dim × head_dim` matrix per value head and sequence and
+    /// the convolution's last `width - 1` input rows (see [`DeltaLayers`]).
     Delta {
         /// Taps of the convolution.
         width: usize,
@@ -56,22 +56,6 @@ pub enum LayerAttention {
         /// Key and value head size.
         head_dim: usize,
     },
-}
-
-impl LayerAttention {
-    /// The convolution in front of a recurrent layer: `(width, channels)`.
-    pub fn conv_shape(&self) -> Option<(usize, usize)> {
-        match *self {
-            LayerAttention::Conv { width, channels } => Some((width, channels)),
-            LayerAttention::Delta {
-                width,
-                key_heads,
-                value_heads,
-                head_dim,
-            } => Some((width, (2 * key_heads + value_heads) * head_dim)),
-            LayerAttention::Full | LayerAttention::Sliding { .. } => None,
-        }
-    }
 }
 
 /// A model's per-layer cache shape.
@@ -257,7 +241,7 @@ impl ModelCacheSpec {
     pub fn conv(&self) -> CacheResult<Option<ConvLayers>> {
         let mut shape = None;
         for l in &self.layers {
-            if let Some((width, channels)) = l.conv_shape() {
+            if let LayerAttention::Conv { width, channels } = *l {
                 if shape.is_some_and(|s| s != (width, channels)) {
                     return Err(CacheError::bad_config(
                         "convolution layers of different widths or channels are not supported",
@@ -270,7 +254,8 @@ impl ModelCacheSpec {
             return Ok(None);
         };
         let layers = LayerSet::of(
-            (0..self.layers.len()).filter(|&i| self.layers[i].conv_shape().is_some()),
+            (0..self.layers.len())
+                .filter(|&i| matches!(self.layers[i], LayerAttention::Conv { .. })),
         )?;
         Ok(Some(ConvLayers {
             width,
@@ -285,13 +270,13 @@ impl ModelCacheSpec {
         let mut shape = None;
         for l in &self.layers {
             if let LayerAttention::Delta {
+                width,
                 key_heads,
                 value_heads,
                 head_dim,
-                ..
             } = *l
             {
-                let this = (key_heads, value_heads, head_dim);
+                let this = (key_heads, value_heads, head_dim, width);
                 if shape.is_some_and(|s| s != this) {
                     return Err(CacheError::bad_config(
                         "delta-rule layers of different shapes are not supported",
@@ -300,7 +285,7 @@ impl ModelCacheSpec {
                 shape = Some(this);
             }
         }
-        let Some((key_heads, value_heads, head_dim)) = shape else {
+        let Some((key_heads, value_heads, head_dim, width)) = shape else {
             return Ok(None);
         };
         let layers = LayerSet::of(
@@ -311,6 +296,7 @@ impl ModelCacheSpec {
             key_heads,
             value_heads,
             head_dim,
+            width,
             layers,
         }))
     }
@@ -320,26 +306,34 @@ impl ModelCacheSpec {
         2 * self.n_kv_heads * dtype.row_bytes(self.head_dim)
     }
 
-    /// Cache bytes one token takes in a layer of kind `layer`: its K and V rows, or a
-    /// recurrent layer's f32 convolution input row.
+    /// Cache bytes one token takes in a layer of kind `layer`: its K and V rows, a
+    /// convolution layer's f32 input row, nothing in a delta-rule layer (its state is per
+    /// sequence, [`ModelCacheSpec::state_bytes`]).
     pub fn bytes_per_token(&self, layer: LayerAttention, dtype: KvDtype) -> usize {
-        match layer.conv_shape() {
-            Some((_, channels)) => 4 * channels,
-            None => self.layer_bytes_per_token(dtype),
+        match layer {
+            LayerAttention::Full | LayerAttention::Sliding { .. } => {
+                self.layer_bytes_per_token(dtype)
+            }
+            LayerAttention::Conv { channels, .. } => 4 * channels,
+            LayerAttention::Delta { .. } => 0,
         }
     }
 
     /// Bytes of one anchor of a sequence's delta-rule state (every such layer's f32
-    /// `head_dim × head_dim` matrices): what each kept anchor costs.
+    /// `head_dim × head_dim` matrices and convolution tail): what each kept anchor costs.
     pub fn state_bytes(&self) -> usize {
         self.layers
             .iter()
             .map(|l| match *l {
                 LayerAttention::Delta {
+                    width,
+                    key_heads,
                     value_heads,
                     head_dim,
-                    ..
-                } => 4 * value_heads * head_dim * head_dim,
+                } => {
+                    4 * (value_heads * head_dim * head_dim
+                        + (width - 1) * (2 * key_heads + value_heads) * head_dim)
+                }
                 _ => 0,
             })
             .sum()

@@ -44,7 +44,9 @@ pub struct AbiCacheConfig {
     pub delta_value_heads: u32,
     /// Head size (key and value) of the delta-rule layers.
     pub delta_head_dim: u32,
-    /// Gated delta-rule layers (each also a convolution layer; see [`DeltaLayers`]).
+    /// Taps of the convolution in front of the delta rule.
+    pub delta_conv_width: u32,
+    /// Gated delta-rule layers (no K/V, no rows per cell; see [`DeltaLayers`]).
     pub delta_layers: RVec<u32>,
 }
 
@@ -77,6 +79,7 @@ impl From<&CacheConfig> for AbiCacheConfig {
             delta_key_heads: c.delta.map_or(0, |d| saturate(d.key_heads)),
             delta_value_heads: c.delta.map_or(0, |d| saturate(d.value_heads)),
             delta_head_dim: c.delta.map_or(0, |d| saturate(d.head_dim)),
+            delta_conv_width: c.delta.map_or(0, |d| saturate(d.width)),
             delta_layers: c
                 .delta
                 .map(|d| d.layers.iter().map(|l| l as u32).collect())
@@ -136,6 +139,7 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
                 key_heads: k as usize,
                 value_heads: c.delta_value_heads as usize,
                 head_dim: c.delta_head_dim as usize,
+                width: c.delta_conv_width as usize,
                 layers: LayerSet::of(c.delta_layers.iter().map(|&l| l as usize))?,
             }),
         };

@@ -51,7 +51,9 @@ pub struct Anchors {
     /// Per token of the open step: the slot its state is computed in, that of the last
     /// token of its run of continuing tokens (a chain advances in place there).
     step_home: Vec<u32>,
-    /// The normalized q and k of one token, and one row of a state updated in place.
+    /// One token's convolution output, its normalized q and k, and one row of a state
+    /// updated in place.
+    mixed: Vec<f32>,
     qk: Vec<f32>,
     row_buf: Vec<f32>,
     /// One token's SiLU'd v, and per value head its decay and step size.
@@ -85,6 +87,7 @@ impl Anchors {
             step_pred: Vec::new(),
             step_slot: Vec::new(),
             step_home: Vec::new(),
+            mixed: vec![0.0; d.conv_channels()],
             qk: vec![0.0; 2 * d.key_heads * d.head_dim],
             row_buf: vec![0.0; d.head_dim],
             v: vec![0.0; d.value_heads * d.head_dim],
@@ -118,7 +121,12 @@ impl Anchors {
     }
 
     fn per_slot(&self) -> usize {
-        self.d.layers.len() * self.d.state_len()
+        self.d.layers.len() * self.per_layer()
+    }
+
+    /// One layer's part of an anchor: the rule's state, then the convolution's tail.
+    fn per_layer(&self) -> usize {
+        self.d.state_len() + self.d.tail_len()
     }
 
     fn anchor(&self, cell: usize) -> Option<u32> {
@@ -227,17 +235,20 @@ impl Anchors {
         self.step_home.clear();
     }
 
-    /// Runs delta layer `layer` over the open step: `mixed` `[T, conv_channels]` is the
-    /// convolution's output (q, k, v before SiLU), `alpha` `[T, Hv]` the decay projection
-    /// with its bias, `beta` `[T, Hv]` the step-size projection, `a` `[Hv]` the per-head
-    /// decay rates (`−exp(A_log)`); writes `out` `[T, Hv·dv]`. Per value head `h` (key head
-    /// `h mod Hk`): `q, k ← L2-normalized (ε = eps), q ← q/√dk, g = a·softplus(alpha),
-    /// b = sigmoid(beta)`, then `S ← exp(g)·S; S ← S + k ⊗ b·(v − Sᵀk); out = Sᵀq`.
+    /// Runs delta layer `layer` over the open step: `x` `[T, channels]` is the q, k, v
+    /// projection, `kernel` `[channels, width]` the depthwise convolution over it, `alpha`
+    /// `[T, Hv]` the decay projection with its bias, `beta` `[T, Hv]` the step-size
+    /// projection, `a` `[Hv]` the per-head decay rates (`−exp(A_log)`); writes `out`
+    /// `[T, Hv·dv]`. Per token: the convolution over its sequence's last `width` rows
+    /// (zeros before the start), SiLU; then per value head `h` (key head `h mod Hk`):
+    /// `q, k ← L2-normalized (ε = eps), q ← q/√dk, g = a·softplus(alpha),
+    /// b = sigmoid(beta)`, `S ← exp(g)·S; S ← S + k ⊗ b·(v − Sᵀk); out = Sᵀq`.
     #[allow(clippy::too_many_arguments)]
     pub fn run_layer(
         &mut self,
         layer: usize,
-        mixed: &[f32],
+        x: &[f32],
+        kernel: &[f32],
         alpha: &[f32],
         beta: &[f32],
         a: &[f32],
@@ -248,10 +259,10 @@ impl Anchors {
             .delta_index(layer)
             .ok_or_else(|| CacheError::bad_shape(format!("layer {layer} is no delta layer")))?;
         let d = self.d;
-        let (hk, hv, n) = (d.key_heads, d.value_heads, d.head_dim);
-        let (sl, ch) = (d.state_len(), d.conv_channels());
+        let (hk, hv, n, w) = (d.key_heads, d.value_heads, d.head_dim, d.width);
+        let (sl, ch, pl) = (d.state_len(), d.conv_channels(), self.per_layer());
         let t = self.step_cell.len();
-        let at = li * sl;
+        let at = li * pl;
         for i in 0..t {
             let resumes = i > 0 && self.step_pred[i] == self.step_cell[i - 1];
             let src = if resumes {
@@ -259,7 +270,50 @@ impl Anchors {
             } else {
                 self.source(i)?
             };
-            let x = &mixed[i * ch..(i + 1) * ch];
+            let home = self.step_home[i] as usize;
+            // The state after the previous position (none: zeros) and where this token's
+            // goes: the same slot (a chain in place) or another, read once.
+            let (from, to): (Option<&[f32]>, &mut [f32]) = match src {
+                Some(s) if s as usize == home => (None, &mut self.slots[home].data[at..at + pl]),
+                Some(s) => {
+                    let s = s as usize;
+                    let (lo, hi) = self.slots.split_at_mut(s.max(home));
+                    let (src, dst) = if s < home {
+                        (&lo[s].data, &mut hi[0].data)
+                    } else {
+                        (&hi[0].data, &mut lo[home].data)
+                    };
+                    (Some(&src[at..at + pl]), &mut dst[at..at + pl])
+                }
+                None => {
+                    let dst = &mut self.slots[home].data[at..at + pl];
+                    dst.fill(0.0);
+                    (None, dst)
+                }
+            };
+            let (to, tail) = to.split_at_mut(sl);
+            let (from, old_tail) = match from {
+                Some(f) => {
+                    let (s, t) = f.split_at(sl);
+                    (Some(s), Some(t))
+                }
+                None => (None, None),
+            };
+            // The convolution: the tail's rows (oldest first), then the token's own; the
+            // new tail drops the oldest row and ends with the token's.
+            let row = &x[i * ch..(i + 1) * ch];
+            let old = old_tail.unwrap_or(tail);
+            for (c, m) in self.mixed.iter_mut().enumerate() {
+                let k = &kernel[c * w..(c + 1) * w];
+                let past: f32 = (0..w - 1).map(|j| k[j] * old[j * ch + c]).sum();
+                *m = past + k[w - 1] * row[c];
+            }
+            match old_tail {
+                Some(o) => tail[..(w - 2) * ch].copy_from_slice(&o[ch..]),
+                None => tail.copy_within(ch.., 0),
+            }
+            tail[(w - 2) * ch..].copy_from_slice(row);
+            let x = &self.mixed[..];
             // SiLU, then L2-normalize q and k per key head; q also by 1/√dk.
             for (h, qk) in self.qk.chunks_mut(n).enumerate() {
                 let raw = &x[h * n..(h + 1) * n];
@@ -282,27 +336,6 @@ impl Anchors {
                 self.b[h] = sigmoid(beta[i * hv + h]);
             }
             let v_all = &self.v[..];
-            let home = self.step_home[i] as usize;
-            // The state after the previous position (none: zeros) and where this token's
-            // goes: the same slot (a chain in place) or another, read once.
-            let (from, to): (Option<&[f32]>, &mut [f32]) = match src {
-                Some(s) if s as usize == home => (None, &mut self.slots[home].data[at..at + sl]),
-                Some(s) => {
-                    let s = s as usize;
-                    let (lo, hi) = self.slots.split_at_mut(s.max(home));
-                    let (src, dst) = if s < home {
-                        (&lo[s].data, &mut hi[0].data)
-                    } else {
-                        (&hi[0].data, &mut lo[home].data)
-                    };
-                    (Some(&src[at..at + sl]), &mut dst[at..at + sl])
-                }
-                None => {
-                    let dst = &mut self.slots[home].data[at..at + sl];
-                    dst.fill(0.0);
-                    (None, dst)
-                }
-            };
             let heads = Heads {
                 n,
                 hk,

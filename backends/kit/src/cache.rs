@@ -107,6 +107,8 @@ enum Place {
     Full(usize),
     Sliding(usize),
     Conv(usize),
+    /// A delta-rule layer: its state is in the anchors.
+    Delta,
 }
 
 /// Published prefix ends whose window rows a sliding group keeps, so that later sequences
@@ -173,6 +175,9 @@ impl<D: Device> KitCache<D> {
         let (mut full, mut slide, mut convolve) = (0, 0, 0);
         let place = (0..cfg.n_layers)
             .map(|l| {
+                if cfg.is_delta(l) {
+                    return Place::Delta;
+                }
                 let (n, p): (&mut usize, fn(usize) -> Place) = if cfg.slides(l) {
                     (&mut slide, Place::Sliding)
                 } else if cfg.convolves(l) {
@@ -201,7 +206,7 @@ impl<D: Device> KitCache<D> {
             v,
             pool_cells: cells,
             sliding,
-            cell_pos: if conv.is_empty() {
+            cell_pos: if conv.is_empty() && cfg.delta.is_none() {
                 Vec::new()
             } else {
                 vec![-1; cells]
@@ -412,7 +417,7 @@ impl<D: Device> KitCache<D> {
         for pool in &mut self.conv {
             self.device.pool_grow(pool, cells, self.pool_cells)?;
         }
-        if !self.conv.is_empty() {
+        if !self.cell_pos.is_empty() {
             self.cell_pos.resize(cells, -1);
         }
         tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
@@ -492,7 +497,9 @@ impl<D: Device> KitCache<D> {
                             let g = self.sliding.as_ref().expect("sliding layers have a group");
                             (&[&g.k, &g.v][side][i], &slots)
                         }
-                        Place::Conv(_) => return self.refuse_rows_of_conv().map(|()| RVec::new()),
+                        Place::Conv(_) | Place::Delta => {
+                            return self.refuse_rows_of_conv().map(|()| RVec::new())
+                        }
                     };
                     self.device.read_rows(pool, at).map(RVec::from)
                 })
@@ -583,7 +590,7 @@ impl<D: Device> KitCache<D> {
                     let (k, v) = (&mut g.k[i], &mut g.v[i]);
                     ([k, v], g.map.write_slots())
                 }
-                Place::Conv(_) => {
+                Place::Conv(_) | Place::Delta => {
                     failed = self.refuse_rows_of_conv().err();
                     break 'layers;
                 }
@@ -611,16 +618,16 @@ impl<D: Device> KitCache<D> {
         self.commit_step();
         Ok(())
     }
-    /// Saved rows (session files) do not carry convolution rows yet: refused, unchanged.
+    /// Saved rows (session files) do not carry recurrent state yet: refused, unchanged.
     fn refuse_rows_of_conv(&self) -> Result<(), KitError> {
-        match self.cfg.conv {
-            Some(_) => Err(CacheError::not_supported(
-                "saving or restoring the rows of a model with convolution layers (LFM2) is \
-                 not supported yet",
+        if self.cfg.conv.is_some() || self.cfg.delta.is_some() {
+            return Err(CacheError::not_supported(
+                "saving or restoring the rows of a hybrid model (convolution or delta-rule \
+                 layers: LFM2, Qwen3.5) is not supported yet",
             )
-            .into()),
-            None => Ok(()),
+            .into());
         }
+        Ok(())
     }
 
     /// Checks that `rows` fit this cache and can follow what `seq` holds.
@@ -766,7 +773,7 @@ impl<D: Device> KitCache<D> {
         let (device, scratch, arithmetic) = (&self.device, &mut self.scratch, self.arithmetic);
         let i = match self.place[layer] {
             Place::Full(i) => i,
-            Place::Conv(_) => return Err(conv_layer_attended(layer).into()),
+            Place::Conv(_) | Place::Delta => return Err(conv_layer_attended(layer).into()),
             Place::Sliding(i) => {
                 let g = self
                     .sliding
@@ -806,7 +813,9 @@ impl<D: Device> KitCache<D> {
     /// sequence began, or removed by a `seq_rm` inside its history), oldest first, then its
     /// own. A position held twice (as attention allows) reads the cell right before the
     /// token's own if that is one of them, else the lowest.
-    fn make_taps(&mut self, width: usize) {
+    fn make_taps(&mut self) {
+        // The convolution layers' taps; for delta-rule layers only the previous position.
+        let width = self.cfg.conv.map_or(2, |c| c.width);
         if self.taps.is_none() {
             let plan = self
                 .book
@@ -855,7 +864,7 @@ impl<D: Device> KitCache<D> {
                 self.cfg.n_layers
             )));
         }
-        if let Place::Conv(_) = self.place[layer] {
+        if let Place::Conv(_) | Place::Delta = self.place[layer] {
             return Err(conv_layer_attended(layer));
         }
         let dev = &self.device;
@@ -927,10 +936,10 @@ impl<D: Device> CacheVerbs for KitCache<D> {
     }
 }
 
-/// The refusal of attention on a convolution layer.
+/// The refusal of attention on a recurrent (convolution or delta-rule) layer.
 fn conv_layer_attended(layer: usize) -> CacheError {
     CacheError::bad_shape(format!(
-        "layer {layer} is a convolution layer: it holds no K/V (the model's forward runs it)"
+        "layer {layer} is a recurrent layer: it holds no K/V (the model's forward runs it)"
     ))
 }
 
@@ -993,30 +1002,23 @@ impl<D: Device> Step<'_, D> {
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
         self.expect_layer(layer)?;
-        if self.cache.cfg.is_delta(layer) {
-            return Err(CacheError::bad_shape(format!(
-                "layer {layer} is a delta-rule layer: run it with Step::delta"
-            ))
-            .into());
-        }
         self.convolve(layer, x, kernel, out)?;
         self.next_layer += 1;
         Ok(())
     }
 
-    /// Runs the next layer, `layer`, a gated delta-rule layer: convolves its q, k, v
-    /// projection `x` (`[1, T, conv_channels]`) as [`Step::conv`] does (into `mixed`), then
-    /// runs the rule (see [`Anchors::run_layer`]) from each sequence's state with the
-    /// decay projection `alpha` (bias added) and step-size projection `beta` (`[T, Hv]`),
-    /// the heads' decay rates `a` and the L2 norm's `eps`, into `out` (`[T, Hv·dv]`). The
-    /// rule runs on the host over f32 downloads.
+    /// Runs the next layer, `layer`, a gated delta-rule layer (see
+    /// [`Anchors::run_layer`]): its q, k, v projection `x` (`[T, channels]`) through the
+    /// causal depthwise convolution `kernel` (`[channels, width]`, host f32) from each
+    /// sequence's state, the decay projection `alpha` (bias added) and step-size projection
+    /// `beta` (`[T, Hv]`), the heads' decay rates `a` and the L2 norm's `eps`, into `out`
+    /// (`[T, Hv·dv]`). The rule runs on the host over f32 downloads.
     #[allow(clippy::too_many_arguments)]
     pub fn delta(
         &mut self,
         layer: usize,
         x: &D::Tensor,
-        kernel: &D::Tensor,
-        mixed: &mut D::Tensor,
+        kernel: &[f32],
         alpha: &D::Tensor,
         beta: &D::Tensor,
         a: &[f32],
@@ -1032,29 +1034,38 @@ impl<D: Device> Step<'_, D> {
         };
         let t = self.plan().n_tok;
         let dev = self.cache.device.clone();
-        let (ad, bd) = (dev.dims(alpha), dev.dims(beta));
-        if ad != [t, d.value_heads] || bd != ad || a.len() != d.value_heads {
+        let (xd, ad, bd) = (dev.dims(x), dev.dims(alpha), dev.dims(beta));
+        let ch = d.conv_channels();
+        if xd != [t, ch]
+            || ad != [t, d.value_heads]
+            || bd != ad
+            || a.len() != d.value_heads
+            || kernel.len() != ch * d.width
+        {
             return Err(CacheError::bad_shape(format!(
-                "expected alpha and beta [{t}, {hv}] and {hv} decay rates; got {ad:?}, {bd:?}, {}",
+                "expected x [{t}, {ch}], a kernel of {ch}x{w}, alpha and beta [{t}, {hv}] and \
+                 {hv} decay rates; got {xd:?}, {} values, {ad:?}, {bd:?}, {}",
+                kernel.len(),
                 a.len(),
+                w = d.width,
                 hv = d.value_heads
             ))
             .into());
         }
-        self.convolve(layer, x, kernel, mixed)?;
         let host = |t: &D::Tensor| -> Result<Vec<f32>, KitError> {
             dev.download(t, TensorDtype::F32)?
                 .to_f32()
                 .ok_or_else(|| KitError::Device("delta: an f32 download was not f32".into()))
         };
-        let (m, al, be) = (host(mixed)?, host(alpha)?, host(beta)?);
+        let (m, al, be) = (host(x)?, host(alpha)?, host(beta)?);
+        let c = &mut *self.cache;
+        c.make_taps();
         let mut y = vec![0f32; t * d.value_heads * d.head_dim];
-        let anchors = self
-            .cache
+        let anchors = c
             .anchors
             .as_mut()
             .expect("a cache with delta layers has anchors");
-        anchors.run_layer(layer, &m, &al, &be, a, eps, &mut y)?;
+        anchors.run_layer(layer, &m, kernel, &al, &be, a, eps, &mut y)?;
         *out = dev.upload(&HostTensor::from_f32(&[t, d.value_heads * d.head_dim], &y))?;
         self.next_layer += 1;
         Ok(())
@@ -1091,7 +1102,7 @@ impl<D: Device> Step<'_, D> {
             Some(start) => dev.write_run(&mut c.conv[i], start, x)?,
             None => dev.scatter_rows(&mut c.conv[i], &plan.write_cells, x)?,
         }
-        c.make_taps(conv.width);
+        c.make_taps();
         let taps = c.taps.as_deref().expect("made above");
         c.device
             .short_conv(&c.conv[i], taps, conv.width, kernel, out)

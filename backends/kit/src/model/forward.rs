@@ -59,8 +59,8 @@ struct Delta<D: ModelDevice> {
     beta: D::Weight,
     alpha: D::Weight,
     dt_bias: D::Tensor,
-    /// `[conv_channels, width]`.
-    kernel: D::Tensor,
+    /// `[conv_channels, width]`, on the host (the rule and its convolution run there).
+    kernel: Vec<f32>,
     /// Per value head, `−exp(A_log)`.
     a: Vec<f32>,
     /// `[head_dim]`, on each head of the rule's output.
@@ -296,7 +296,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                         beta: mat(&format!("{a}in_proj_b.weight"), value_heads, h)?,
                         alpha: mat(&format!("{a}in_proj_a.weight"), value_heads, h)?,
                         dt_bias: vec(&format!("{a}dt_bias"), value_heads)?,
-                        kernel: device.tensor(&kernel, &[ch, width]).map_err(weights_err)?,
+                        kernel,
                         a: pkg.tensor_f32(&format!("{a}a"), &[value_heads])?,
                         norm: vec(&format!("{a}norm.weight"), dn)?,
                         out: mat(&format!("{a}out_proj.weight"), h, vd)?,
@@ -655,12 +655,10 @@ impl<D: ModelDevice> DecoderModel<D> {
                             },
                         ],
                     )?;
-                    d.split_heads(&dv.qkv, 1, &mut dv.rows)?;
                     step.delta(
                         l,
-                        &dv.rows,
+                        &dv.qkv,
                         &dw.kernel,
-                        &mut dv.mixed,
                         &dv.alpha,
                         &dv.beta,
                         &dw.a,
@@ -760,14 +758,11 @@ pub struct Activations<D: ModelDevice> {
     delta: Option<DeltaActivations<D>>,
 }
 
-/// The buffers of a delta-rule block: the q/k/v projection (`[T, channels]`), as one-head
-/// rows for the cache and convolved, the output gate `z` and the rule's output
-/// (`[T, Hv·dv]`, `core` reused for the gated product), its normed form, and the per-head
-/// `alpha` and `beta` (`[T, Hv]`).
+/// The buffers of a delta-rule block: the q/k/v projection (`[T, channels]`), the output
+/// gate `z` and the rule's output (`[T, Hv·dv]`, `core` reused for the gated product), its
+/// normed form, and the per-head `alpha` and `beta` (`[T, Hv]`).
 struct DeltaActivations<D: ModelDevice> {
     qkv: D::Tensor,
-    rows: D::Tensor,
-    mixed: D::Tensor,
     z: D::Tensor,
     core: D::Tensor,
     normed: D::Tensor,
@@ -831,8 +826,6 @@ impl<D: ModelDevice> Activations<D> {
                     let ch = (2 * hk + hv) * dn;
                     Some(DeltaActivations {
                         qkv: d.zeros(&[t, ch])?,
-                        rows: d.zeros(&[1, t, ch])?,
-                        mixed: d.zeros(&[t, ch])?,
                         z: d.zeros(&[t, hv * dn])?,
                         core: d.zeros(&[t, hv * dn])?,
                         normed: d.zeros(&[t, hv * dn])?,

@@ -1,13 +1,12 @@
 //! The delta-rule state check: every cache verb is exact on the gated delta-rule layers of a
-//! hybrid model (Qwen3.5), against the f64 recurrence over a history the check keeps itself.
+//! hybrid model (Qwen3.5), their convolution included, against the f64 recurrence over a
+//! history the check keeps itself.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvplug_core::oracle::{gamma, gated_delta_step};
-use kvplug_core::{
-    CacheConfig, CacheKind, CacheVerbs, ConvLayers, DeltaLayers, KvDtype, LayerSet, PosRange,
-};
+use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, DeltaLayers, KvDtype, LayerSet, PosRange};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
@@ -18,8 +17,7 @@ const HK: usize = 1;
 const HV: usize = 2;
 const N: usize = 4;
 const CH: usize = (2 * HK + HV) * N;
-/// The convolution's taps; its kernel passes the token's own row through (the convolution
-/// has its own check), so the rule sees each token's row as written.
+/// The convolution's taps.
 const WIDTH: usize = 4;
 /// Per value head, `−exp(A_log)`.
 const A: [f32; HV] = [-0.5, -1.25];
@@ -35,6 +33,13 @@ fn row(tag: u32) -> Vec<f32> {
         .collect()
 }
 
+/// The convolution's kernel, `[CH, WIDTH]`.
+fn kernel() -> Vec<f32> {
+    (0..CH * WIDTH)
+        .map(|i| ((i * 7) % 11) as f32 / 5.0 - 1.0)
+        .collect()
+}
+
 fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
@@ -43,16 +48,33 @@ fn silu(x: f64) -> f64 {
 /// last): the output of its last token per value head, and the bound on an f32
 /// evaluation's difference from it. The bound propagates magnitudes through the same
 /// recurrence (`|S| ← |S| + |k|·(|v| + |S|ᵀ|k|)`, `|out| = |S|ᵀ|q|`) and takes
-/// `γ(K·t)` of them, `K = 3·N + 20` roundings per token (the two dots and the rank-one
-/// update per element, the q/k normalization, SiLU, exp, softplus and sigmoid within a few
-/// ulps), `t` tokens: Higham's first-order bound.
+/// `γ(K·t)` of them, `K = 3·N + 20 + WIDTH` roundings per token (the two dots and the
+/// rank-one update per element, the q/k normalization, the convolution's sum, SiLU, exp,
+/// softplus and sigmoid within a few ulps), `t` tokens: Higham's first-order bound, which
+/// holds for the convolution's rounding too because SiLU's slope stays below 1.1 and the
+/// normalization divides by norms the rows keep well above the error.
 fn reference(tags: &[u32]) -> (Vec<f64>, Vec<f64>) {
     let mut s = vec![vec![0f64; N * N]; HV];
     let mut mag = vec![vec![0f64; N * N]; HV];
     let (mut out, mut bound) = (vec![0f64; HV * N], vec![0f64; HV * N]);
-    for &tag in tags {
-        let x: Vec<f64> = row(tag).iter().map(|&v| v as f64).collect();
-        let act: Vec<f64> = x[..CH].iter().map(|&v| silu(v)).collect();
+    let kernel: Vec<f64> = kernel().iter().map(|&v| v as f64).collect();
+    let rows: Vec<Vec<f64>> = tags
+        .iter()
+        .map(|&t| row(t).iter().map(|&v| v as f64).collect())
+        .collect();
+    for (t, x) in rows.iter().enumerate() {
+        // The convolution over this and the previous WIDTH − 1 rows (zeros before).
+        let act: Vec<f64> = (0..CH)
+            .map(|c| {
+                let conv: f64 = (0..WIDTH)
+                    .filter_map(|j| {
+                        let at = (t + j).checked_sub(WIDTH - 1)?;
+                        Some(kernel[c * WIDTH + j] * rows[at][c])
+                    })
+                    .sum();
+                silu(conv)
+            })
+            .collect();
         let (q, k) = (&act[..N], &act[N..2 * N]);
         let norm = |v: &[f64]| (v.iter().map(|a| a * a).sum::<f64>() + 1e-6).sqrt();
         let (qn, kn) = (norm(q), norm(k));
@@ -75,7 +97,7 @@ fn reference(tags: &[u32]) -> (Vec<f64>, Vec<f64>) {
             }
         }
     }
-    let g = gamma((3 * N + 20) * tags.len());
+    let g = gamma((3 * N + 20 + WIDTH) * tags.len());
     (out, bound.iter().map(|b| g * b).collect())
 }
 
@@ -100,15 +122,11 @@ fn step_and_check<D2: Device>(
     let x: Vec<f32> = rows.iter().flat_map(|r| r[..CH].to_vec()).collect();
     let part =
         |at: usize| -> Vec<f32> { rows.iter().flat_map(|r| r[at..at + HV].to_vec()).collect() };
-    let x = dev.upload(&HostTensor::from_f32(&[1, t, CH], &x))?;
+    let x = dev.upload(&HostTensor::from_f32(&[t, CH], &x))?;
     let alpha = dev.upload(&HostTensor::from_f32(&[t, HV], &part(CH)))?;
     let beta = dev.upload(&HostTensor::from_f32(&[t, HV], &part(CH + HV)))?;
-    let kernel: Vec<f32> = (0..CH * WIDTH)
-        .map(|i| if i % WIDTH == WIDTH - 1 { 1.0 } else { 0.0 })
-        .collect();
-    let kernel = dev.upload(&HostTensor::from_f32(&[CH, WIDTH], &kernel))?;
-    let (mut mixed, mut out) = (dev.zeros(&[t, CH])?, dev.zeros(&[t, HV * N])?);
-    step.delta(0, &x, &kernel, &mut mixed, &alpha, &beta, &A, EPS, &mut out)?;
+    let mut out = dev.zeros(&[t, HV * N])?;
+    step.delta(0, &x, &kernel(), &alpha, &beta, &A, EPS, &mut out)?;
     let q = dev.upload(&HostTensor::from_f32(&[2, t, 4], &vec![0.5; 2 * t * 4]))?;
     let kv = dev.upload(&HostTensor::from_f32(&[1, t, 4], &vec![0.25; t * 4]))?;
     let mut att = dev.zeros(&[2, t, 4])?;
@@ -145,15 +163,12 @@ fn config() -> CacheConfig {
         min_chunk: 4,
         kv_dtype: KvDtype::F32,
         sliding: None,
-        conv: Some(ConvLayers {
-            width: WIDTH,
-            channels: CH,
-            layers,
-        }),
+        conv: None,
         delta: Some(DeltaLayers {
             key_heads: HK,
             value_heads: HV,
             head_dim: N,
+            width: WIDTH,
             layers,
         }),
     }
@@ -176,17 +191,13 @@ fn dropped_step<D2: Device>(cache: &mut KitCache<D2>, p: i32, seqs: Option<&[i32
     let mut s = cache.step(&[p], seqs).unwrap();
     let r = row(4242);
     let x = dev
-        .upload(&HostTensor::from_f32(&[1, 1, CH], &r[..CH]))
+        .upload(&HostTensor::from_f32(&[1, CH], &r[..CH]))
         .unwrap();
     let ab = dev
         .upload(&HostTensor::from_f32(&[1, HV], &r[CH..CH + HV]))
         .unwrap();
-    let k = dev.zeros(&[CH, WIDTH]).unwrap();
-    let (mut m, mut out) = (
-        dev.zeros(&[1, CH]).unwrap(),
-        dev.zeros(&[1, HV * N]).unwrap(),
-    );
-    s.delta(0, &x, &k, &mut m, &ab, &ab, &A, EPS, &mut out)
+    let mut out = dev.zeros(&[1, HV * N]).unwrap();
+    s.delta(0, &x, &kernel(), &ab, &ab, &A, EPS, &mut out)
         .unwrap();
 }
 
