@@ -129,6 +129,11 @@ impl Anchors {
         self.d.state_len() + self.d.tail_len()
     }
 
+    /// Whether `cell` holds an anchor.
+    pub fn anchored(&self, cell: usize) -> bool {
+        self.anchor(cell).is_some()
+    }
+
     fn anchor(&self, cell: usize) -> Option<u32> {
         self.slot_of.get(cell).copied().filter(|&s| s != NONE)
     }

@@ -911,6 +911,36 @@ impl<D: Device> CacheVerbs for KitCache<D> {
     fn checks_verbs(&self) -> bool {
         self.sliding.is_some() || self.anchors.is_some()
     }
+    /// With delta-rule layers, attaches the cached prefix only up to its longest part
+    /// that ends at an anchor (a prefix whose end no anchor holds cannot be resumed: the
+    /// rest is prefilled again); all or nothing as any verb.
+    fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> kvplug_core::CacheResult<usize> {
+        let Some(anchors) = &self.anchors else {
+            return self.checked(|b| b.prefix_attach(seq, tokens));
+        };
+        let before = self.book.clone();
+        let attach = |book: &mut Bookkeeping| -> kvplug_core::CacheResult<usize> {
+            let n = book.prefix_attach(seq, tokens)?;
+            let keep = book
+                .history(seq)?
+                .iter()
+                .filter(|&&(_, cell)| anchors.anchored(cell as usize))
+                .map(|&(p, _)| p as usize + 1)
+                .max()
+                .unwrap_or(0)
+                .min(n);
+            if keep < n {
+                book.seq_rm(seq, kvplug_core::PosRange::new(Some(keep as i32), None))?;
+            }
+            Ok(keep)
+        };
+        let out = attach(&mut self.book);
+        let out = out.and_then(|n| self.after_verb(Some(&before)).map(|()| n));
+        if out.is_err() {
+            self.book = before;
+        }
+        out
+    }
     fn after_publish(&mut self, seq: i32, len: usize) {
         if let Some(g) = &mut self.sliding {
             g.map.pin_end(&self.book, seq, len);
