@@ -203,7 +203,8 @@ fn dropped_step<D2: Device>(cache: &mut KitCache<D2>, p: i32, seqs: Option<&[i32
 
 /// The delta-rule state contract on `device`: a prefill (its heads over threads),
 /// decoding, a dropped step, a rewind to a step's end and one refused (no anchor there, the cache unchanged) on a contiguous cache;
-/// forked sequences that diverge, a tail removed, a hole refused (seq); a speculative tree
+/// forked sequences that diverge, a tail removed, a hole refused, a cached prefix attached
+/// up to its anchored part (seq); a speculative tree
 /// whose commit of a branch ending inside it, then decoding (tree): every token's output
 /// is the recurrence over its own sequence, within the derived bound.
 pub fn check_delta_verbs<D2: Device>(device: D2) {
@@ -291,6 +292,32 @@ pub fn check_delta_verbs<D2: Device>(device: D2) {
         Some(&[1, 0]),
         &[h1.clone(), h0.clone()],
         "after seq_rm",
+    )
+    .unwrap();
+
+    // Prefix reuse: an attached prefix is cut back to its longest anchored part.
+    let mut r = KitCache::new(dev.clone(), CacheKind::Seq, config()).unwrap();
+    let prompt: Vec<(i32, u32)> = (0..6).map(|p| (p, 300 + p as u32)).collect();
+    step_and_check(
+        &mut r,
+        &prompt,
+        Some(&[0; 6]),
+        &run(&History::new(), &prompt),
+        "to publish",
+    )
+    .unwrap();
+    let ids: Vec<u32> = (1..=6).collect();
+    r.prefix_publish(0, &ids).unwrap();
+    // Four shared tokens end inside the prompt's step: nothing can be resumed there.
+    assert_eq!(r.prefix_attach(1, &[1, 2, 3, 4, 99]).unwrap(), 0);
+    assert_eq!(r.prefix_attach(2, &[1, 2, 3, 4, 5, 6, 7]).unwrap(), 6);
+    let shared: History = prompt.iter().copied().collect();
+    step_and_check(
+        &mut r,
+        &[(6, 777)],
+        Some(&[2]),
+        &[shared],
+        "after an attach",
     )
     .unwrap();
 
