@@ -178,6 +178,14 @@ impl DeltaLayers {
     }
 }
 
+/// Anchors a delta-rule cache keeps beyond those a sequence needs to continue (the newest;
+/// older step ends a `rewind` or `seq_rm` may return to).
+pub const SPARE_ANCHORS: usize = 8;
+
+/// Published prefix ends whose anchors a delta-rule cache keeps (the newest), as a sliding
+/// group pins its windows.
+pub const PINNED_ANCHORS: usize = 4;
+
 /// The widest convolution kernel a config may declare.
 pub const MAX_CONV_WIDTH: usize = 64;
 

@@ -10,16 +10,10 @@
 //! ending at a cell without an anchor are refused by [`Anchors::check_verb`], so a step
 //! always finds its state. States are f32 and live in host memory.
 
+use kvplug_core::config::{PINNED_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{Bookkeeping, CacheError, CacheResult, DeltaLayers, StepPlan, MAX_SEQS};
 
 use crate::device::NO_CELL;
-
-/// Anchors kept beyond those a sequence needs to continue (the newest; older step ends a
-/// `rewind` or `seq_rm` may return to).
-pub const SPARE_ANCHORS: usize = 8;
-
-/// Published prefix ends whose anchors are kept (the newest), as the sliding group pins.
-pub const PINNED_ANCHORS: usize = 4;
 
 const NONE: u32 = u32::MAX;
 

@@ -87,6 +87,9 @@ pub struct Plan {
     pub agents_all_full: usize,
     /// The model's `max_position_embeddings`, if stated.
     pub trained_positions: Option<u64>,
+    /// Bytes of one sequence's recurrent state (delta-rule layers; 0 without): each
+    /// sequence holds at least one, counted in `tokens` and `agents`.
+    pub state_bytes: usize,
 }
 
 /// Bytes of every tensor as stored: in the model's safetensors shards, or, for weights used
@@ -196,6 +199,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
         tokens_all_full: tokens_of(&full),
         agents_all_full: agents_of(&full),
         trained_positions: config["max_position_embeddings"].as_u64(),
+        state_bytes: spec.state_bytes(),
     })
 }
 
@@ -247,6 +251,13 @@ impl Plan {
                 LayerAttention::Delta { width, .. } => format!("delta rule, conv({width})"),
             };
             out += &format!("{name:<20} {:>6}  {:>19}\n", g.layers, g.bytes_per_token);
+        }
+        if p.state_bytes > 0 {
+            out += &format!(
+                "recurrent state      {} per sequence (an anchor; a decoding sequence keeps up to {} more, a speculative tree one per node)\n",
+                mib(p.state_bytes as u64),
+                2 * kvplug_core::config::SPARE_ANCHORS + kvplug_core::config::PINNED_ANCHORS
+            );
         }
         out += &format!(
         "\none sequence   {} tokens\nagents         {} of {} tokens each (a seq cache runs at most {MAX_SEQS} at once)\n",
