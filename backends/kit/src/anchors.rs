@@ -434,7 +434,8 @@ impl Anchors {
     }
 
     /// After a verb: refuses the state `book` is in when a sequence would end at a cell
-    /// without an anchor, or hold a hole (a `seq_rm` inside its history: the state cannot
+    /// without an anchor (`out_of_window`, as a sliding window's refusal: the state there is
+    /// gone), or hold a hole (`bad_shape`) (a `seq_rm` inside its history: the state cannot
     /// forget the middle); else drops anchors beyond what is needed, the spares and pins.
     pub fn check_verb(&mut self, book: &Bookkeeping) -> CacheResult<()> {
         let mut last = [-1i32; MAX_SEQS];
@@ -467,7 +468,7 @@ impl Anchors {
                     Some(s) => use_of[s as usize] = 2,
                     None => {
                         self.use_of = use_of;
-                        return Err(CacheError::bad_shape(format!(
+                        return Err(CacheError::out_of_window(format!(
                             "the recurrent state after position {q} is not kept: a hybrid \
                              cache with delta-rule layers can return only to the end of a \
                              step, of the last {SPARE_ANCHORS} steps or of a published prefix"

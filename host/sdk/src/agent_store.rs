@@ -353,8 +353,8 @@ impl AgentStore {
         } else if indexed < shared {
             "the cells were evicted to make room"
         } else {
-            "the sliding-window layers keep rows only at the ends of earlier requests, and the \
-             prompt departs between two of them"
+            "the hybrid's sliding-window or recurrent layers keep their state only at the ends \
+             of earlier requests, and the prompt departs between two of them"
         });
         Some(Divergence {
             cached_tokens: cached,
