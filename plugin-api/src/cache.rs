@@ -190,6 +190,7 @@ pub struct CacheStats {
 /// `row_bytes = KvDtype::row_bytes(head_dim)` and `rows` those of [`SeqRows::layer_rows`]:
 /// every position for a fully attending layer, the positions from index `window_from` on for
 /// a layer in `sliding_layers` (a hybrid model's sliding-window layers keep only the window);
+/// none for a layer in `recurrent_layers` (a delta-rule layer: its state is in `state`);
 /// V likewise. A row is its values little-endian
 /// (f32/f16/bf16), or for q8/q4 its codes (one byte per value; for q4 two per byte, low
 /// nibble first) followed by one little-endian f16 `(scale, lo)` pair per group.
@@ -215,6 +216,13 @@ pub struct SeqRows {
     pub sliding_layers: RVec<u32>,
     /// Index in `positions` of the first row the `sliding_layers` hold (0 without them).
     pub window_from: u32,
+    /// Layers without rows (delta-rule layers), ascending; their `k` and `v` are empty.
+    pub recurrent_layers: RVec<u32>,
+    /// The recurrent layers' state after the last row (empty without them, or for a slice
+    /// that ends before the last row): per recurrent layer, ascending, its f32 values
+    /// little-endian, the rule's matrices (`[value head][j][i]`, `S[i][j]`) then the
+    /// convolution's last `width − 1` input rows, oldest first.
+    pub state: RVec<u8>,
 }
 
 impl SeqRows {
@@ -230,16 +238,16 @@ impl SeqRows {
 
     /// Bytes of one head row (0 when there are no rows).
     pub fn row_bytes(&self) -> usize {
-        let n = self.layer_rows(0).len() * self.n_kv_heads as usize;
-        self.k
-            .first()
-            .map_or(0, |l| l.len())
-            .checked_div(n)
-            .unwrap_or(0)
+        let Some(l) = (0..self.k.len()).find(|&l| !self.recurrent_layers.contains(&(l as u32)))
+        else {
+            return 0;
+        };
+        let n = self.layer_rows(l).len() * self.n_kv_heads as usize;
+        self.k[l].len().checked_div(n).unwrap_or(0)
     }
 
     /// Rows `range` (by index, not position), every layer; a sliding layer keeps the part of
-    /// `range` it holds.
+    /// `range` it holds; the recurrent state only when `range` runs to the last row.
     pub fn slice(&self, range: std::ops::Range<usize>) -> SeqRows {
         let (heads, row) = (self.n_kv_heads as usize, self.row_bytes());
         let from = (self.window_from as usize).clamp(range.start, range.end);
@@ -248,6 +256,9 @@ impl SeqRows {
                 .iter()
                 .enumerate()
                 .map(|(l, rows)| {
+                    if rows.is_empty() {
+                        return RVec::new();
+                    }
                     let held = self.layer_rows(l);
                     let (n, a, b) = (
                         held.len(),
@@ -268,6 +279,11 @@ impl SeqRows {
                 0
             } else {
                 (from - range.start) as u32
+            },
+            state: if range.end == self.positions.len() {
+                self.state.clone()
+            } else {
+                RVec::new()
             },
             ..self.clone()
         }

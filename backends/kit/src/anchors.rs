@@ -123,6 +123,41 @@ impl Anchors {
         self.d.state_len() + self.d.tail_len()
     }
 
+    /// The state anchored at `cell` (every delta layer's, as [`SeqRows::state`] lays it
+    /// out), if any.
+    ///
+    /// [`SeqRows::state`]: kvplug_plugin_api::SeqRows::state
+    pub fn state_at(&self, cell: usize) -> Option<&[f32]> {
+        self.anchor(cell).map(|s| &self.slots[s as usize].data[..])
+    }
+
+    /// Anchors `state` (laid out as [`Anchors::state_at`] gives it) at `cell`; false when
+    /// its length is not this cache's.
+    pub fn set_state(&mut self, cell: usize, state: &[f32]) -> bool {
+        if state.len() != self.per_slot() {
+            return false;
+        }
+        if let Some(old) = self.anchor(cell) {
+            self.release(old);
+        }
+        let s = self.take_slot();
+        self.slots[s as usize].data.copy_from_slice(state);
+        if self.slot_of.len() <= cell {
+            self.slot_of.resize(cell + 1, NONE);
+        }
+        self.slot_of[cell] = s;
+        self.clock += 1;
+        let slot = &mut self.slots[s as usize];
+        slot.cell = cell as u32;
+        slot.stamp = self.clock;
+        true
+    }
+
+    /// Bytes of one anchor's state.
+    pub fn state_bytes(&self) -> usize {
+        4 * self.per_slot()
+    }
+
     /// Whether `cell` holds an anchor.
     pub fn anchored(&self, cell: usize) -> bool {
         self.anchor(cell).is_some()

@@ -467,6 +467,7 @@ impl<D: Device> KitCache<D> {
     /// of the fully attending layers, the window's rows of the sliding ones.
     pub fn export_seq(&self, seq: i32) -> Result<SeqRows, KitError> {
         self.refuse_rows_of_conv()?;
+        let state = self.state_of(seq)?;
         let history = self.book.history(seq)?;
         let positions: Vec<i32> = history.iter().map(|h| h.0).collect();
         let cells: Vec<u32> = history.iter().map(|h| h.1).collect();
@@ -497,9 +498,8 @@ impl<D: Device> KitCache<D> {
                             let g = self.sliding.as_ref().expect("sliding layers have a group");
                             (&[&g.k, &g.v][side][i], &slots)
                         }
-                        Place::Conv(_) | Place::Delta => {
-                            return self.refuse_rows_of_conv().map(|()| RVec::new())
-                        }
+                        Place::Delta => return Ok(RVec::new()),
+                        Place::Conv(_) => return self.refuse_rows_of_conv().map(|()| RVec::new()),
                     };
                     self.device.read_rows(pool, at).map(RVec::from)
                 })
@@ -515,7 +515,27 @@ impl<D: Device> KitCache<D> {
             v: read(1)?,
             sliding_layers: sliding_layers.into(),
             window_from: window_from as u32,
+            recurrent_layers: self
+                .cfg
+                .delta
+                .map(|d| d.layers.iter().map(|l| l as u32).collect())
+                .unwrap_or_default(),
+            state,
         })
+    }
+
+    /// The delta-rule state anchored at the end of `seq` (empty without delta layers or
+    /// for an empty sequence), as [`SeqRows::state`] lays it out.
+    fn state_of(&self, seq: i32) -> Result<RVec<u8>, KitError> {
+        let (Some(a), Some(&(p, cell))) = (&self.anchors, self.book.history(seq)?.last()) else {
+            return Ok(RVec::new());
+        };
+        let state = a.state_at(cell as usize).ok_or_else(|| {
+            CacheError::out_of_window(format!(
+                "sequence {seq}'s recurrent state after position {p} is not kept"
+            ))
+        })?;
+        Ok(state.iter().flat_map(|v| v.to_le_bytes()).collect())
     }
 
     /// Appends `rows` to the history of `seq`, in steps of at most [`IMPORT_CHUNK`] rows:
@@ -542,6 +562,9 @@ impl<D: Device> KitCache<D> {
             if result.is_err() {
                 break;
             }
+        }
+        if result.is_ok() {
+            result = self.anchor_imported(seq, rows);
         }
         if result.is_err() {
             // Undo the chunks already written: everything from the first row on.
@@ -590,7 +613,8 @@ impl<D: Device> KitCache<D> {
                     let (k, v) = (&mut g.k[i], &mut g.v[i]);
                     ([k, v], g.map.write_slots())
                 }
-                Place::Conv(_) | Place::Delta => {
+                Place::Delta => continue,
+                Place::Conv(_) => {
                     failed = self.refuse_rows_of_conv().err();
                     break 'layers;
                 }
@@ -618,12 +642,12 @@ impl<D: Device> KitCache<D> {
         self.commit_step();
         Ok(())
     }
-    /// Saved rows (session files) do not carry recurrent state yet: refused, unchanged.
+    /// Saved rows (session files) do not carry convolution rows yet: refused, unchanged.
     fn refuse_rows_of_conv(&self) -> Result<(), KitError> {
-        if self.cfg.conv.is_some() || self.cfg.delta.is_some() {
+        if self.cfg.conv.is_some() {
             return Err(CacheError::not_supported(
-                "saving or restoring the rows of a hybrid model (convolution or delta-rule \
-                 layers: LFM2, Qwen3.5) is not supported yet",
+                "saving or restoring the rows of a model with convolution layers (LFM2) is \
+                 not supported yet",
             )
             .into());
         }
@@ -667,10 +691,12 @@ impl<D: Device> KitCache<D> {
         let row = cfg.kv_dtype.row_bytes(cfg.head_dim);
         let sized = |v: &RVec<RVec<u8>>| {
             v.len() == cfg.n_layers
-                && v.iter()
-                    .enumerate()
-                    .all(|(l, b)| b.len() == cfg.n_kv_heads * rows.layer_rows(l).len() * row)
+                && v.iter().enumerate().all(|(l, b)| match cfg.is_delta(l) {
+                    true => b.is_empty(),
+                    false => b.len() == cfg.n_kv_heads * rows.layer_rows(l).len() * row,
+                })
         };
+        self.check_state(rows)?;
         if !sized(&rows.k) || !sized(&rows.v) {
             return Err(CacheError::bad_shape(format!(
                 "every layer's K and V must hold {} bytes per row it holds ({n} rows; sliding layers from row {})",
@@ -705,6 +731,70 @@ impl<D: Device> KitCache<D> {
                 "{n} rows do not fit: the cache has room for {} (capacity {})",
                 self.book.capacity() - self.book.live_cells(),
                 self.book.capacity()
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Anchors the imported state at the cell of `seq`'s last position (checked by
+    /// [`KitCache::check_state`]) and records the positions of its cells.
+    fn anchor_imported(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
+        let Some(a) = &mut self.anchors else {
+            return Ok(());
+        };
+        let history = self.book.history(seq)?;
+        // Where the next step finds its previous position (as `make_taps` records it).
+        for &(p, cell) in &history {
+            self.cell_pos[cell as usize] = p;
+        }
+        let Some(&(_, cell)) = history.last() else {
+            return Ok(());
+        };
+        let state: Vec<f32> = rows
+            .state
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if !a.set_state(cell as usize, &state) {
+            return Err(CacheError::bad_shape("a recurrent state of another size").into());
+        }
+        Ok(())
+    }
+
+    /// With delta-rule layers, `rows` must name them as its recurrent layers and carry their
+    /// state at its end (`out_of_window` when it does not: a slice ending early, whose
+    /// prompt is prefilled instead).
+    fn check_state(&self, rows: &SeqRows) -> Result<(), KitError> {
+        let want: Vec<u32> = self
+            .cfg
+            .delta
+            .map(|d| d.layers.iter().map(|l| l as u32).collect())
+            .unwrap_or_default();
+        if rows.recurrent_layers.as_slice() != want.as_slice() {
+            return Err(CacheError::bad_shape(format!(
+                "the rows' recurrent layers are {:?}, this cache's {want:?}",
+                rows.recurrent_layers
+            ))
+            .into());
+        }
+        let Some(a) = &self.anchors else {
+            return Ok(());
+        };
+        if rows.positions.is_empty() {
+            return Ok(());
+        }
+        if rows.state.is_empty() {
+            return Err(CacheError::out_of_window(
+                "the rows carry no recurrent state at their end (a slice that ends early)",
+            )
+            .into());
+        }
+        if rows.state.len() != a.state_bytes() {
+            return Err(CacheError::bad_shape(format!(
+                "a recurrent state of {} bytes, this cache's is {}",
+                rows.state.len(),
+                a.state_bytes()
             ))
             .into());
         }

@@ -8,7 +8,9 @@
 //! - Per layer group: `g0`, the fully attending layers, with a row per position; `g1`, only
 //!   in files of hybrid models, the sliding-window layers, with the rows of the window they
 //!   keep (the positions from index `window_from` on). A group's K and V rows are in their
-//!   storage dtype, `[layers, n_kv_heads, rows, ...]`, layers ascending. f32/f16/bf16 rows
+//!   storage dtype, `[layers, n_kv_heads, rows, ...]`, layers ascending. A hybrid model's
+//!   delta-rule layers (`recurrent_layers`) have no rows: their state after the last row is
+//!   `state` (F32 `[values]`, laid out as [`SeqRows::state`]). f32/f16/bf16 rows
 //!   are `g0.k` / `g0.v` (`[.., head_dim]` in that dtype); q8/q4 rows are `g0.k.codes` (U8
 //!   `[.., code_bytes]`: one byte per value, or two 4-bit values per byte, low nibble first)
 //!   with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file is about 0.31x an
@@ -17,8 +19,9 @@
 //!   `model_fingerprint` (see [`crate::fingerprint`]), `model_name` (for listings only),
 //!   `kv_dtype`, `key_basis` (`identity` or `hadamard`, see [`KeyBasis`]; a file without
 //!   it is `identity`, as every earlier writer's was), `n_layers`, `n_kv_heads`,
-//!   `head_dim`, `layer_groups` (`full`, or `full,sliding` with `sliding_layers`, the
-//!   comma-separated layer indices of `g1`, and `window_from`), `tokens`, `writer`, and
+//!   `head_dim`, `layer_groups` (`full`, then `sliding` with `sliding_layers`, the
+//!   comma-separated layer indices of `g1`, and `window_from`, then `recurrent` with
+//!   `recurrent_layers`, comma-separated), `tokens`, `writer`, and
 //!   `checksum`: the BLAKE3 of the whole file with the checksum's own 64 hex digits written
 //!   as `0`s. Applications add `app.*` entries (a chat keeps its messages there).
 //!
@@ -254,11 +257,17 @@ fn encode(s: &Session) -> Result<Encoded<'_>, String> {
         .iter()
         .map(|(k, v)| (format!("app.{k}"), v.clone()))
         .collect();
-    let sliding = &r.sliding_layers;
+    let (sliding, recurrent) = (&r.sliding_layers, &r.recurrent_layers);
+    let list = |l: &RVec<u32>| l.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let mut layer_groups = vec!["full"];
     if !sliding.is_empty() {
-        let list: Vec<String> = sliding.iter().map(u32::to_string).collect();
-        meta.insert("kv_cache.sliding_layers".into(), list.join(","));
+        meta.insert("kv_cache.sliding_layers".into(), list(sliding));
         meta.insert("kv_cache.window_from".into(), r.window_from.to_string());
+        layer_groups.push("sliding");
+    }
+    if !recurrent.is_empty() {
+        meta.insert("kv_cache.recurrent_layers".into(), list(recurrent));
+        layer_groups.push("recurrent");
     }
     for (k, v) in [
         ("format", FORMAT.to_string()),
@@ -270,15 +279,7 @@ fn encode(s: &Session) -> Result<Encoded<'_>, String> {
         ("n_layers", l.to_string()),
         ("n_kv_heads", h.to_string()),
         ("head_dim", d.to_string()),
-        (
-            "layer_groups",
-            if sliding.is_empty() {
-                "full"
-            } else {
-                "full,sliding"
-            }
-            .to_string(),
-        ),
+        ("layer_groups", layer_groups.join(",")),
         ("tokens", n.to_string()),
         (
             "writer",
@@ -302,9 +303,19 @@ fn encode(s: &Session) -> Result<Encoded<'_>, String> {
             vec![Cow::Owned(i32_bytes(&s.tokens))],
         ),
     ];
+    if !r.state.is_empty() {
+        tensors.push((
+            "state".into(),
+            Dtype::F32,
+            vec![r.state.len() / 4],
+            vec![Cow::Borrowed(&r.state[..])],
+        ));
+    }
     let groups = [(false, n), (true, n.saturating_sub(r.window_from as usize))];
     for (g, (slides, rows)) in groups.into_iter().enumerate() {
-        let members = (0..l).filter(|&i| sliding.contains(&(i as u32)) == slides);
+        let members = (0..l).filter(|&i| {
+            sliding.contains(&(i as u32)) == slides && !recurrent.contains(&(i as u32))
+        });
         if slides && sliding.is_empty() {
             continue;
         }
@@ -466,9 +477,11 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
             found: schema.to_string(),
         });
     }
-    let hybrid = match get("layer_groups")? {
-        "full" => false,
-        "full,sliding" => true,
+    let (hybrid, recurrent) = match get("layer_groups")? {
+        "full" => (false, false),
+        "full,sliding" => (true, false),
+        "full,recurrent" => (false, true),
+        "full,sliding,recurrent" => (true, true),
         other => {
             return Err(malformed(
                 path,
@@ -556,6 +569,36 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
     } else {
         (Vec::new(), 0)
     };
+    let recurrent_layers: Vec<u32> = if recurrent {
+        get("recurrent_layers")?
+            .split(',')
+            .map(|x| x.parse::<u32>().ok().filter(|&i| (i as usize) < l))
+            .collect::<Option<Vec<u32>>>()
+            .filter(|v| v.windows(2).all(|w| w[0] < w[1]))
+            .filter(|v| v.iter().all(|i| !sliding_layers.contains(i)))
+            .ok_or_else(|| {
+                malformed(
+                    path,
+                    format!(
+                        "recurrent_layers: ascending layer indices below {l}, none sliding, expected"
+                    ),
+                )
+            })?
+    } else {
+        Vec::new()
+    };
+    let state: RVec<u8> = match (recurrent && n > 0, st.tensor("state")) {
+        (false, _) => RVec::new(),
+        (true, Ok(t)) if t.dtype() == Dtype::F32 && t.shape().len() == 1 => {
+            RVec::from_slice(t.data())
+        }
+        (true, _) => {
+            return Err(malformed(
+                path,
+                "a file with recurrent layers needs an F32 tensor state",
+            ))
+        }
+    };
     let row = dtype.row_bytes(d);
     // Group `g`'s tensors of side `s` (`l` layers of `n` rows), split per layer.
     // Sizes are computed only once a tensor of that shape is known to exist in the file.
@@ -598,7 +641,9 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
     // Every layer's rows, in layer order.
     let side = |s: &str| -> Result<RVec<RVec<u8>>, SessionFileError> {
         let slides = |i: usize| sliding_layers.contains(&(i as u32));
-        let mut full = group(0, s, l - sliding_layers.len(), n)?.into_iter();
+        let recurs = |i: usize| recurrent_layers.contains(&(i as u32));
+        let full_layers = l - sliding_layers.len() - recurrent_layers.len();
+        let mut full = group(0, s, full_layers, n)?.into_iter();
         let mut window = match hybrid {
             true => group(1, s, sliding_layers.len(), n - window_from)?,
             false => Vec::new(),
@@ -606,7 +651,9 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
         .into_iter();
         Ok((0..l)
             .map(|i| {
-                if slides(i) {
+                if recurs(i) {
+                    Some(RVec::new())
+                } else if slides(i) {
                     window.next()
                 } else {
                     full.next()
@@ -632,6 +679,8 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
         v: v?,
         window_from: window_from as u32,
         sliding_layers: sliding_layers.into(),
+        recurrent_layers: recurrent_layers.into(),
+        state,
     };
     Ok(Session {
         rows,

@@ -456,6 +456,8 @@ fn tiny_session() -> kvplug::session_file::Session {
             v: vec![layer(), layer()].into(),
             sliding_layers: RVec::new(),
             window_from: 0,
+            recurrent_layers: Default::default(),
+            state: Default::default(),
         },
         tokens: vec![5, 6, 7],
         model: "0".repeat(64),

@@ -194,6 +194,8 @@ pub fn to_seq_rows(cfg: &CacheConfig, want: &RefRows) -> (SeqRows, RefRows) {
             want.window_from as u32
         },
         sliding_layers: sliding.into(),
+        recurrent_layers: Default::default(),
+        state: Default::default(),
     };
     (rows, decoded)
 }

@@ -499,3 +499,60 @@ fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
         close("after the commit", &next, &forward(&mut plain, &[5], &[11]));
     }
 }
+
+/// A Qwen3.5 sequence saved to session-file bytes on the cpu (K/V of the attention layers,
+/// the delta-rule state at its end) and restored on every backend decodes on as the
+/// original does; a slice of it that ends early carries no state and is refused
+/// `out_of_window` (its prompt is prefilled instead).
+#[test]
+fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
+    use kvplug::session_file::{self, Session};
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    let rt = runtime();
+    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+    let mut ctx = common::model(&rt, "cpu", &model)
+        .context(CacheKind::Contiguous, 64, KvDtype::F32)
+        .unwrap();
+    forward(&mut ctx, &PROMPT, &positions);
+    forward(&mut ctx, &[7], &[9]);
+    let rows = ctx.export_seq(0).unwrap();
+    assert_eq!(rows.recurrent_layers.as_slice(), [0, 1]);
+    let session = Session {
+        rows,
+        tokens: [&PROMPT[..], &[7]].concat(),
+        model: "test".into(),
+        key_basis: kvplug::KeyBasis::Identity,
+        model_name: String::new(),
+        app: Default::default(),
+    };
+    let path = dir.path().join("s.kvsession.safetensors");
+    let bytes = session_file::to_bytes(&session).unwrap();
+    let saved = session_file::from_bytes(&path, &bytes).unwrap();
+    assert_eq!(
+        saved.rows, session.rows,
+        "the file keeps every row and the state"
+    );
+    let want = forward(&mut ctx, &[11, 5], &[10, 11]);
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, &model);
+        let mut restored = m.context(CacheKind::Seq, 64, KvDtype::F32).unwrap();
+        restored.import_seq(0, &saved.rows).unwrap();
+        let got = decode(&mut restored, &[11, 5], &[10, 11], &[0, 0]);
+        for (g, w) in got.iter().zip(&want) {
+            let worst = g
+                .iter()
+                .zip(w)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            // The cpu's f32 arithmetic against each backend's (model.rs's tolerance).
+            assert!(
+                worst < 1e-3,
+                "{backend}: restored, max |logit diff| {worst}"
+            );
+        }
+        let early = m.context(CacheKind::Seq, 64, KvDtype::F32).unwrap();
+        let e = early.import_seq(0, &saved.rows.slice(0..5)).unwrap_err();
+        assert_eq!(e.kind, kvplug_plugin_api::AbiErrorKind::OutOfWindow, "{e}");
+    }
+}
