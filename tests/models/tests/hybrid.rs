@@ -166,6 +166,39 @@ fn lfm2(dir: &Path, shape: &Shape) -> std::path::PathBuf {
     model
 }
 
+/// The largest `|a − b|` of two rows of logits.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// The largest logit error, against the f64 reference forward, of `backend` decoding the
+/// prompt and 6 greedy tokens of `model` (attention through `window` when given).
+fn greedy_logit_error(model: &Path, backend: &str, window: Option<usize>) -> f64 {
+    let rt = runtime();
+    let mut ctx = common::model(&rt, backend, model)
+        .context(CacheKind::Contiguous, 64, KvDtype::F32)
+        .unwrap();
+    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+    let mut got = forward(&mut ctx, &PROMPT, &positions);
+    let mut tokens = PROMPT.to_vec();
+    for _ in 0..6 {
+        let next = argmax(got.last().unwrap());
+        tokens.push(next);
+        got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
+    }
+    // The cpu quantizes the inputs of block-format linears to int8 blocks (its declared
+    // arithmetic); the reference does the same for it.
+    let told = Reference {
+        int8_block_acts: backend == "cpu",
+        window,
+        ..Reference::default()
+    };
+    max_logit_error(&got, &reference_logits_with(model, &tokens, &told))
+}
+
 #[test]
 fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
     let dir = tempfile::tempdir().unwrap();
@@ -208,27 +241,7 @@ fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
     for (i, shape) in shapes.iter().enumerate() {
         let model = lfm2(&dir.path().join(i.to_string()), shape);
         for backend in BACKENDS {
-            let rt = runtime();
-            let mut ctx = common::model(&rt, backend, &model)
-                .context(CacheKind::Contiguous, 64, KvDtype::F32)
-                .unwrap();
-            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-            let mut got = forward(&mut ctx, &PROMPT, &positions);
-            let mut tokens = PROMPT.to_vec();
-            for _ in 0..6 {
-                let next = argmax(got.last().unwrap());
-                tokens.push(next);
-                got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
-            }
-            // The cpu quantizes the inputs of block-format linears to int8 blocks (its
-            // declared arithmetic); the reference does the same for it.
-            let told = Reference {
-                int8_block_acts: backend == "cpu",
-                window: shape.window,
-                ..Reference::default()
-            };
-            let want = reference_logits_with(&model, &tokens, &told);
-            let worst = max_logit_error(&got, &want);
+            let worst = greedy_logit_error(&model, backend, shape.window);
             // The f32 tolerance of the model tests (model.rs).
             assert!(
                 worst < 1e-3,
@@ -272,11 +285,7 @@ fn lfm2_convolution_state_follows_forks_and_rewinds() {
         ("sequence 1", [&a[1], &b[1]], &want9),
     ] {
         for (g, w) in got.iter().zip(want) {
-            let worst = g
-                .iter()
-                .zip(w)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let worst = max_diff(g, w);
             // Same arithmetic on both sides, up to the attention's read order.
             assert!(
                 worst < 1e-4,
@@ -399,24 +408,7 @@ fn qwen35_gguf_decodes_within_the_f64_reference_on_every_backend() {
     for (i, types) in [&[GgmlDType::F32][..], &blocks].into_iter().enumerate() {
         let model = qwen35(&dir.path().join(i.to_string()), types);
         for backend in BACKENDS {
-            let rt = runtime();
-            let mut ctx = common::model(&rt, backend, &model)
-                .context(CacheKind::Contiguous, 64, KvDtype::F32)
-                .unwrap();
-            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-            let mut got = forward(&mut ctx, &PROMPT, &positions);
-            let mut tokens = PROMPT.to_vec();
-            for _ in 0..6 {
-                let next = argmax(got.last().unwrap());
-                tokens.push(next);
-                got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
-            }
-            let told = Reference {
-                int8_block_acts: backend == "cpu",
-                ..Reference::default()
-            };
-            let want = reference_logits_with(&model, &tokens, &told);
-            let worst = max_logit_error(&got, &want);
+            let worst = greedy_logit_error(&model, backend, None);
             // The f32 tolerance of the model tests (model.rs).
             assert!(
                 worst < 1e-3,
@@ -448,11 +440,7 @@ fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
         let (want7, want9) = (alone(7), alone(9));
         let close = |what: &str, got: &[Vec<f32>], want: &[Vec<f32>]| {
             for (g, w) in got.iter().zip(want) {
-                let worst = g
-                    .iter()
-                    .zip(w)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
+                let worst = max_diff(g, w);
                 // Same arithmetic on both sides, up to the attention's read order.
                 assert!(worst < 1e-4, "{backend}, {what}: max |logit diff| {worst}");
             }
@@ -540,11 +528,7 @@ fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
         restored.import_seq(0, &saved.rows).unwrap();
         let got = decode(&mut restored, &[11, 5], &[10, 11], &[0, 0]);
         for (g, w) in got.iter().zip(&want) {
-            let worst = g
-                .iter()
-                .zip(w)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let worst = max_diff(g, w);
             // The cpu's f32 arithmetic against each backend's (model.rs's tolerance).
             assert!(
                 worst < 1e-3,

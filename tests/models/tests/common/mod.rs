@@ -465,33 +465,11 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             ks.push(k);
             vs.push(v);
         }
-        for t in 0..n {
-            let mut att = vec![0.0; hq * hd];
-            for head in 0..hq {
-                let kh = head / (hq / hkv);
-                let q = &qs[t][head * hd..(head + 1) * hd];
-                let first = r.window.map_or(0, |w| (t + 1).saturating_sub(w));
-                let scores: Vec<f64> = (first..=t)
-                    .map(|j| {
-                        q.iter()
-                            .zip(&ks[j][kh * hd..(kh + 1) * hd])
-                            .map(|(a, b)| a * b)
-                            .sum::<f64>()
-                            / (hd as f64).sqrt()
-                    })
-                    .collect();
-                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for (j, ej) in (first..=t).zip(&e) {
-                    for d in 0..hd {
-                        att[head * hd + d] += ej / z * vs[j][kh * hd + d];
-                    }
-                }
-            }
+        for (t, x) in xs.iter_mut().enumerate() {
+            let att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), r.window);
             let o = matvec(&wo, h, &att);
-            xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            mlp(&mut xs[t]);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            mlp(x);
         }
     }
     let fnorm = w(
@@ -506,6 +484,43 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
     xs.iter()
         .map(|x| matvec(&head, v, &norm(x, &fnorm)))
         .collect()
+}
+
+/// Token `t`'s attention output (`[hq · hd]`) over the rows of tokens `..=t` (the last
+/// `window` of them when given): per query head, softmax of `q·k / √hd` over its KV head
+/// `head / (hq / hkv)`, times v.
+fn causal_attention(
+    qs: &[Vec<f64>],
+    ks: &[Vec<f64>],
+    vs: &[Vec<f64>],
+    t: usize,
+    (hq, hkv, hd): (usize, usize, usize),
+    window: Option<usize>,
+) -> Vec<f64> {
+    let mut att = vec![0.0; hq * hd];
+    for head in 0..hq {
+        let kh = head / (hq / hkv);
+        let q = &qs[t][head * hd..(head + 1) * hd];
+        let first = window.map_or(0, |w| (t + 1).saturating_sub(w));
+        let scores: Vec<f64> = (first..=t)
+            .map(|j| {
+                q.iter()
+                    .zip(&ks[j][kh * hd..(kh + 1) * hd])
+                    .map(|(a, b)| a * b)
+                    .sum::<f64>()
+                    / (hd as f64).sqrt()
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let z: f64 = e.iter().sum();
+        for (j, ej) in (first..=t).zip(&e) {
+            for d in 0..hd {
+                att[head * hd + d] += ej / z * vs[j][kh * hd + d];
+            }
+        }
+    }
+    att
 }
 
 /// A matrix and whether its linear quantizes its input (see `reference_logits_with`).
@@ -599,35 +614,14 @@ fn qwen35_attention(
         ks.push(k);
         vs.push(matvec(&wv, hkv * hd, &hn));
     }
-    for t in 0..xs.len() {
-        let mut att = vec![0.0; hq * hd];
-        for head in 0..hq {
-            let kh = head / (hq / hkv);
-            let q = &qs[t][head * hd..(head + 1) * hd];
-            let scores: Vec<f64> = (0..=t)
-                .map(|j| {
-                    q.iter()
-                        .zip(&ks[j][kh * hd..(kh + 1) * hd])
-                        .map(|(a, b)| a * b)
-                        .sum::<f64>()
-                        / (hd as f64).sqrt()
-                })
-                .collect();
-            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for (j, ej) in e.iter().enumerate() {
-                for d in 0..hd {
-                    att[head * hd + d] += ej / z * vs[j][kh * hd + d];
-                }
-            }
-        }
+    for (t, x) in xs.iter_mut().enumerate() {
+        let mut att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), None);
         att.iter_mut()
             .zip(&gates[t])
             .for_each(|(a, g)| *a /= 1.0 + (-g).exp());
         let o = matvec(&wo, h, &att);
-        xs[t].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-        mlp(&mut xs[t]);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        mlp(x);
     }
 }
 
