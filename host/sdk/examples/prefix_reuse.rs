@@ -8,7 +8,6 @@
 //! `cargo run --release -p kvplug --example prefix_reuse -- MODEL [BACKEND] [N]`
 //! (defaults: cpu, 2048), after `cargo build --release --workspace`.
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -17,7 +16,7 @@ use kvplug::fingerprint::model_fingerprint;
 use kvplug::session_file::{self, Session};
 use kvplug::{
     generate, AgentStore, AgentStoreOptions, CacheKind, GenOptions, KvDtype, PluginSearch, Runtime,
-    Sampler, Text,
+    Text,
 };
 
 /// About `n` tokens of varied English text.
@@ -70,21 +69,15 @@ fn main() -> Result<()> {
             warm: Default::default(),
         },
     )?;
-    let greedy = &mut Sampler::greedy();
-    let none = BTreeSet::new();
     let cold = store.generate(
         None,
         &question("Which dock did note 3 mention?")?,
-        1,
-        greedy,
-        &none,
+        GenOptions::max_tokens(1),
     )?;
     let hit = store.generate(
         None,
         &question("How many items were damaged in note 5?")?,
-        1,
-        greedy,
-        &none,
+        GenOptions::max_tokens(1),
     )?;
     println!("{backend}, {n}-token shared system prompt:");
     println!(

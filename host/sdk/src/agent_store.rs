@@ -17,7 +17,7 @@
 //!   [`WarmLimits`]: those idle longer than its TTL are removed, then the least recently
 //!   parked until the rest fit its disk budget. A removed agent's next request prefills.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -30,6 +30,7 @@ use crate::fingerprint::model_fingerprint;
 use crate::generator::{generate, GenOptions};
 use crate::sampler::Sampler;
 use crate::session_file::{self, Session, SessionFileError, EXTENSION};
+use crate::speculative::SpecStats;
 
 /// How a store runs.
 pub struct AgentStoreOptions {
@@ -83,6 +84,11 @@ pub struct Reply {
     pub ttft: f64,
     /// Generated tokens per second after the first.
     pub decode_tok_s: f64,
+    /// The sampler as it ended (its stream goes on from there).
+    #[serde(skip)]
+    pub sampler: Sampler,
+    /// What speculation did, when the request speculated.
+    pub speculation: Option<SpecStats>,
 }
 
 struct Agent {
@@ -431,20 +437,20 @@ impl AgentStore {
     }
 
     /// Generates for `prompt` (at least one token) as agent `agent` (or anonymously):
-    /// reuse, prefill, decode to a stop token or `max_new`, publish.
+    /// reuse, prefill, decode as `opts` asks (`max_tokens` at least 1; stop strings need a
+    /// generator with text: not here), publish. A speculating request looks up drafts in
+    /// the whole sequence, the reused part included.
     pub fn generate(
         &mut self,
         agent: Option<&str>,
         prompt: &[i32],
-        max_new: usize,
-        sampler: &mut Sampler,
-        stop: &BTreeSet<i32>,
+        opts: GenOptions,
     ) -> Result<Reply> {
-        if max_new == 0 {
-            fail!(Invalid, "a request needs max_new >= 1");
+        if opts.max_tokens == 0 {
+            fail!(Invalid, "a request needs max_tokens >= 1");
         }
         let t0 = Instant::now();
-        let Some(placed) = self.admit(agent, prompt, max_new)? else {
+        let Some(placed) = self.admit(agent, prompt, opts.max_tokens)? else {
             fail!(
                 Invalid,
                 "the memory budget ({} cells) cannot hold this request",
@@ -452,7 +458,7 @@ impl AgentStore {
             );
         };
         let seq = placed.seq;
-        let reply = match self.run(seq, prompt, placed.history, max_new, sampler, stop, t0) {
+        let reply = match self.run(seq, prompt, placed.history, opts, t0) {
             Ok(r) => r,
             Err(e) => {
                 self.abort(agent, seq)?;
@@ -757,23 +763,17 @@ impl AgentStore {
         hot.iter().try_for_each(|n| self.park(n))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         seq: i32,
         prompt: &[i32],
         history: usize,
-        max_new: usize,
-        sampler: &mut Sampler,
-        stop: &BTreeSet<i32>,
+        mut opts: GenOptions,
         t0: Instant,
     ) -> Result<Reply> {
-        let opts = GenOptions {
-            max_tokens: max_new,
-            sampler: sampler.clone(),
-            stop_tokens: stop.clone(),
-            ..GenOptions::default()
-        };
+        if let Some(s) = &mut opts.speculate {
+            s.earlier = prompt[..history].to_vec();
+        }
         let mut ttft = None;
         let g = generate(
             &mut self.cache,
@@ -787,8 +787,9 @@ impl AgentStore {
                 Ok(())
             },
         )?;
-        *sampler = g.sampler;
         Ok(Reply {
+            sampler: g.sampler,
+            speculation: g.speculation,
             decode_tok_s: g.decode_tok_s,
             ids: g.ids,
             cached_tokens: 0,

@@ -17,6 +17,7 @@ use crate::fingerprint::model_fingerprint;
 use crate::generator::{generate, Finish, GenOptions};
 use crate::sampler::Sampler;
 use crate::session_file::{self, Session};
+use crate::speculative::{Draft, SpecStats, Speculation};
 use crate::text::{Message, Text};
 
 /// The `app.*` entry of a chat's session file holding its messages (JSON).
@@ -39,6 +40,8 @@ pub struct ChatOptions {
     /// Set (from any thread, or a signal handler) to stop the turn in progress, its
     /// prompt's prefill included: the turn fails and the conversation stays as it was.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Answers speculate with this draft (its tokens are those plain decoding gives).
+    pub speculate: Option<Draft>,
 }
 
 /// A conversation restored from a session file.
@@ -69,6 +72,9 @@ pub struct TurnReport {
     /// The oldest messages (after the system message) left out so the conversation fits the
     /// capacity; what followed them was prefilled again.
     pub dropped_messages: usize,
+    /// What speculation did, when the chat speculates.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<SpecStats>,
 }
 
 /// Where a conversation stands.
@@ -95,6 +101,7 @@ pub struct Chat {
     max_new: usize,
     sampler: Sampler,
     cancel: Option<Arc<AtomicBool>>,
+    speculate: Option<Draft>,
     /// The session file, if any: written after every turn.
     file: Option<PathBuf>,
     /// The model's directory, and its fingerprint once a session needed it.
@@ -154,6 +161,7 @@ impl Chat {
             capacity: opts.capacity,
             max_new: opts.max_new,
             sampler: opts.sampler,
+            speculate: opts.speculate,
             cancel: opts.cancel,
             file: opts.session,
             dir: dir.to_path_buf(),
@@ -331,6 +339,10 @@ impl Chat {
             sampler: self.sampler.clone(),
             stop_tokens: self.text.stop_tokens().clone(),
             cancel: self.cancel.clone(),
+            speculate: self.speculate.clone().map(|draft| Speculation {
+                earlier: self.cached.clone(),
+                ..Speculation::new(draft)
+            }),
             ..GenOptions::default()
         };
         let text = Some(self.text.clone());
@@ -372,6 +384,7 @@ impl Chat {
             reused_tokens: reused,
             prefilled_tokens: fresh.len(),
             dropped_messages: dropped,
+            speculation: g.speculation,
         })
     }
 

@@ -15,6 +15,7 @@ use kvplug_runtime::{Batch, Context};
 use crate::error::{fail, Result};
 use crate::grammar::Constraint;
 use crate::sampler::{Adjustments, Sampler, TokenLogprobs, REPEAT_WINDOW};
+use crate::speculative::{SpecStats, Speculation, Speculator};
 use crate::stop::StopMatcher;
 use crate::text::{Streamer, Text};
 
@@ -50,6 +51,9 @@ pub struct GenOptions {
     /// a long prompt stops being prefilled within one micro-batch, and the request finishes
     /// [`Finish::Cancelled`].
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Decode speculatively: draft tokens verified in the request's own steps (see
+    /// [`crate::speculative`]); the tokens are those plain decoding gives.
+    pub speculate: Option<Speculation>,
 }
 
 impl GenOptions {
@@ -74,6 +78,7 @@ impl Default for GenOptions {
             triggered: Vec::new(),
             logprobs: None,
             cancel: None,
+            speculate: None,
         }
     }
 }
@@ -145,6 +150,8 @@ pub struct Finished {
     pub sampler: Sampler,
     /// Why it failed, when [`Finish::Failed`].
     pub error: Option<String>,
+    /// What speculation did, when the request speculated.
+    pub speculation: Option<SpecStats>,
 }
 
 impl Finished {
@@ -167,8 +174,11 @@ struct Active {
     opts: GenOptions,
     streamer: Streamer,
     stop: StopMatcher,
-    /// Tokens this step feeds.
+    /// Prompt tokens this step feeds.
     fed: usize,
+    spec: Option<Speculator>,
+    /// Whether this step's decode went through its speculator.
+    drafted: bool,
 }
 
 impl Active {
@@ -192,6 +202,7 @@ impl Active {
             text_tail,
             sampler: self.opts.sampler,
             error,
+            speculation: self.spec.as_ref().map(Speculator::stats),
         }
     }
 }
@@ -202,9 +213,12 @@ pub struct Generator {
     text: Option<Arc<Text>>,
     active: Vec<Active>,
     next: RequestId,
-    // The step's batch and which request owns each logits row, reused across steps.
+    // The step's batch, the requests owning its logits rows (each request's rows in a run:
+    // its index and row count), and the rows written again after verification (see
+    // `Speculator::settle`); reused across steps.
     batch: Batch,
-    owners: Vec<usize>,
+    owners: Vec<(usize, usize)>,
+    refeed: Batch,
     /// A row of logits being adjusted or masked, reused.
     scratch: Vec<f32>,
     masks: u64,
@@ -247,6 +261,11 @@ impl Generator {
         if self.active.iter().any(|a| a.seq == seq) {
             fail!(Invalid, "sequence {seq} already has a request in flight");
         }
+        let spec = opts
+            .speculate
+            .as_ref()
+            .map(|s| Speculator::new(s, prompt, start))
+            .transpose()?;
         let request = self.next;
         self.next += 1;
         self.active.push(Active {
@@ -260,6 +279,8 @@ impl Generator {
             opts,
             streamer: Streamer::default(),
             fed: 0,
+            spec,
+            drafted: false,
         });
         Ok(request)
     }
@@ -327,6 +348,7 @@ impl Generator {
         ctx: &mut Context,
         on_token: &mut dyn FnMut(&TokenEvent<'_>) -> Result<()>,
     ) -> Result<Vec<Finished>> {
+        let t0 = Instant::now();
         let mut cancelled = Vec::new();
         while let Some(i) = self.active.iter().position(|a| {
             a.opts
@@ -342,31 +364,54 @@ impl Generator {
         }
         self.batch.clear();
         self.owners.clear();
-        let decoding = self.active.iter().filter(|a| !a.prefilling()).count();
-        let mut budget = PREFILL_UBATCH.saturating_sub(decoding).max(1);
-        for decode in [true, false] {
-            for (i, a) in self.active.iter_mut().enumerate() {
-                if a.prefilling() == decode {
-                    continue;
+        // Requests draft only in a step that prefills nothing (see `crate::speculative`).
+        let mut undecided = self.active.iter().filter(|a| !a.prefilling()).count();
+        let drafting = undecided == self.active.len();
+        for (i, a) in self.active.iter_mut().enumerate() {
+            if a.prefilling() {
+                continue;
+            }
+            undecided -= 1;
+            let pos = a.start + a.written + a.generated.len() - 1;
+            a.drafted = drafting && a.spec.is_some();
+            let Some(s) = a.spec.as_mut().filter(|_| drafting) else {
+                let last = a.generated[a.generated.len() - 1];
+                self.batch.push(last, pos as i32, a.seq, true);
+                self.owners.push((i, 1));
+                continue;
+            };
+            // The most draft nodes the cache has room for beside this step's other tokens.
+            let cells = self.batch.len() + 1 + undecided;
+            let room = (0..=s.max_nodes())
+                .rev()
+                .find(|&r| ctx.can_extend(cells + r))
+                .unwrap_or(0);
+            let remaining = a.opts.max_tokens - a.generated.len();
+            let tree = match s.draft(ctx, &a.generated, pos, remaining, room) {
+                Ok(tree) => tree,
+                Err(e) => {
+                    self.active.clear();
+                    return Err(e);
                 }
-                let pos = a.start + a.written + a.generated.len().saturating_sub(1);
-                let (input, wants) = if decode {
-                    a.fed = 1;
-                    (&a.generated[a.generated.len() - 1..], true)
-                } else {
-                    a.fed = (a.prompt.len() - a.written).min(budget);
-                    budget -= a.fed;
-                    let end = a.written + a.fed;
-                    let last = end == a.prompt.len() && a.opts.max_tokens > 0;
-                    (&a.prompt[a.written..end], last)
-                };
-                if a.fed == 0 {
-                    continue;
-                }
-                self.batch.push_run(input, pos, a.seq, wants);
-                if wants {
-                    self.owners.push(i);
-                }
+            };
+            for (&t, &d) in tree.tokens.iter().zip(&tree.depth) {
+                self.batch.push(t, (pos + d) as i32, a.seq, true);
+            }
+            self.owners.push((i, tree.tokens.len()));
+        }
+        let mut budget = PREFILL_UBATCH.saturating_sub(self.batch.len()).max(1);
+        for (i, a) in self.active.iter_mut().enumerate() {
+            if !a.prefilling() || budget == 0 {
+                continue;
+            }
+            a.fed = (a.prompt.len() - a.written).min(budget);
+            budget -= a.fed;
+            let end = a.written + a.fed;
+            let wants = end == a.prompt.len() && a.opts.max_tokens > 0;
+            self.batch
+                .push_run(&a.prompt[a.written..end], a.start + a.written, a.seq, wants);
+            if wants {
+                self.owners.push((i, 1));
             }
         }
         // The masks of constrained requests sampling this step are computed beside the
@@ -376,7 +421,7 @@ impl Generator {
             .active
             .iter_mut()
             .enumerate()
-            .filter(|(i, _)| owners.contains(i))
+            .filter(|(i, _)| owners.iter().any(|&(o, _)| o == *i))
             .filter_map(|(_, a)| a.opts.constraint.as_mut())
             .collect();
         // A mask that fails here fails again when its request samples, ending that request.
@@ -398,23 +443,64 @@ impl Generator {
         let logits = decoded?;
         masked?;
         for a in &mut self.active {
-            let fed = std::mem::take(&mut a.fed);
-            if a.written < a.prompt.len() {
-                a.written += fed;
-            }
+            a.written += std::mem::take(&mut a.fed);
         }
         let mut ended = Vec::new();
-        for (row, &i) in self.owners.iter().enumerate() {
+        let mut row = 0;
+        for &(i, rows) in &self.owners {
             let a = &mut self.active[i];
-            match sample_one(a, logits.row(row), &mut self.scratch, &self.text) {
-                Ok((event, finish)) => {
-                    if let Err(e) = on_token(&event) {
-                        self.active.clear();
-                        return Err(e);
-                    }
-                    ended.extend(finish.map(|reason| (i, reason, None)));
+            let first = row;
+            row += rows;
+            // A drafting request samples its rows along the drafted child holding each
+            // sampled token.
+            let mut node = Some(0);
+            while let Some(n) = node {
+                let (event, finish) =
+                    match sample_one(a, logits.row(first + n), &mut self.scratch, &self.text) {
+                        Ok(sampled) => sampled,
+                        Err(e) => {
+                            ended.push((i, Finish::Failed, Some(e.to_string())));
+                            break;
+                        }
+                    };
+                if let Err(e) = on_token(&event) {
+                    self.active.clear();
+                    return Err(e);
                 }
-                Err(e) => ended.push((i, Finish::Failed, Some(e.to_string()))),
+                node = match (a.drafted, a.spec.as_mut()) {
+                    (true, Some(s)) => s.follow(n, event.id),
+                    _ => None,
+                };
+                if let Some(reason) = finish {
+                    ended.push((i, reason, None));
+                    break;
+                }
+            }
+        }
+        // The caches keep the accepted chains only; the step's cost teaches each policy.
+        self.refeed.clear();
+        let settled = self
+            .active
+            .iter_mut()
+            .filter(|a| a.drafted)
+            .try_for_each(|a| {
+                let s = a.spec.as_mut().expect("a drafting request speculates");
+                s.settle(ctx, a.seq, &mut self.refeed)
+            })
+            .and_then(|()| {
+                if !self.refeed.is_empty() {
+                    ctx.decode(&self.refeed)?;
+                }
+                Ok(())
+            });
+        if let Err(e) = settled {
+            self.active.clear();
+            return Err(e);
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        for a in &mut self.active {
+            if std::mem::take(&mut a.drafted) {
+                a.spec.as_mut().expect("speculates").observe(seconds);
             }
         }
         for (i, a) in self.active.iter().enumerate() {
@@ -561,6 +647,8 @@ pub struct Generation {
     pub sampler: Sampler,
     /// Text held back at the end that was no stop string (the tokens' text ends before it).
     pub text_tail: String,
+    /// What speculation did, when the request speculated.
+    pub speculation: Option<SpecStats>,
 }
 
 /// One request on sequence `seq` of `ctx` (see [`Generator::add`]), run to its end by a
@@ -599,5 +687,6 @@ pub fn generate(
         ids: f.generated,
         sampler: f.sampler,
         text_tail: f.text_tail,
+        speculation: f.speculation,
     })
 }

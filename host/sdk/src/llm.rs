@@ -35,6 +35,8 @@ pub struct Answer {
     pub finish: Finish,
     /// Tokens of the prompt as rendered.
     pub prompt_tokens: usize,
+    /// What speculation did, when `opts.speculate` asked for it.
+    pub speculation: Option<crate::speculative::SpecStats>,
 }
 
 /// How an [`Llm`] is opened: [`Llm::builder`] gives the defaults (the `cpu` backend, f16 K/V,
@@ -231,6 +233,7 @@ impl Llm {
             ids: done.ids,
             finish: done.reason,
             prompt_tokens: prompt.len(),
+            speculation: done.speculation,
         })
     }
 }

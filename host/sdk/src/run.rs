@@ -1,6 +1,6 @@
-//! The runs of `kvplug run`: plain decode on a contiguous context, agent fork and agents
-//! on a seq context (speculative decoding is in [`crate::speculative`]), each a few
-//! requests of the one [`Generator`].
+//! The runs of `kvplug run`: decode (plain on a contiguous context, speculative on a tree
+//! one), agent fork and agents on a seq context, each a few requests of the one
+//! [`Generator`].
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use kvplug_runtime::Model;
 use crate::error::{fail, Result};
 use crate::generator::{generate, GenOptions, Generator, TokenEvent};
 use crate::sampler::{log_prob, Sampler};
+use crate::speculative::Speculation;
 use crate::text::Text;
 
 /// Cache statistics for reports.
@@ -67,7 +68,8 @@ pub struct RunReport {
     /// Speculative: accepted draft tokens / drafted chain depth.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub acceptance: Option<f64>,
-    /// Speculative: tokens emitted per target forward.
+    /// Speculative: tokens emitted per decode forward (the prompt's forward, which samples
+    /// the first, aside).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_target_forward: Option<f64>,
 }
@@ -124,36 +126,44 @@ pub(crate) fn rate(tokens: usize, since: Instant) -> f64 {
     tokens as f64 / since.elapsed().as_secs_f64().max(1e-9)
 }
 
-/// Plain prefill + decode on a contiguous context; `on_token` sees each token as it is
-/// sampled (with its text when `text` is given).
+/// Prefill + decode: plain on a contiguous context, or with `speculate` on a tree context
+/// (drafts verified as trees); `on_token` sees each token as it is sampled (with its text
+/// when `text` is given).
 pub fn run_decode(
     model: &Model,
     spec: &RunSpec,
     text: Option<Arc<Text>>,
     sampler: Sampler,
+    speculate: Option<Speculation>,
     on_token: &mut dyn FnMut(&TokenEvent<'_>) -> Result<()>,
 ) -> Result<RunReport> {
     spec.check()?;
-    let mut ctx = model.context(CacheKind::Contiguous, spec.capacity, spec.kv_dtype)?;
-    let g = generate(
-        &mut ctx,
-        text,
-        0,
-        &spec.prompt,
-        0,
-        spec.options(sampler),
-        on_token,
-    )?;
+    let kind = match speculate {
+        Some(_) => CacheKind::Tree,
+        None => CacheKind::Contiguous,
+    };
+    let mut ctx = model.context(kind, spec.capacity, spec.kv_dtype)?;
+    let opts = GenOptions {
+        speculate,
+        ..spec.options(sampler)
+    };
+    let g = generate(&mut ctx, text, 0, &spec.prompt, 0, opts, on_token)?;
+    let decoded = g.ids.len().saturating_sub(1) as f64;
     Ok(RunReport {
-        mode: "decode".into(),
+        mode: if g.speculation.is_some() {
+            "speculative"
+        } else {
+            "decode"
+        }
+        .into(),
+        acceptance: g.speculation.map(|s| s.acceptance()),
+        tokens_per_target_forward: g.speculation.map(|s| decoded / s.steps.max(1) as f64),
         ids: g.ids,
         prefill_tok_s: g.prefill_tok_s,
         decode_tok_s: g.decode_tok_s,
         cache: ctx.stats()?.into(),
         branches: None,
         winner: None,
-        acceptance: None,
-        tokens_per_target_forward: None,
     })
 }
 

@@ -63,8 +63,9 @@ impl Sampler {
         self.temperature <= 0.0
     }
 
-    /// Picks a token from `logits`: a draw from [`Sampler::distribution`] (the same
-    /// token), without sorting more of the vocabulary than the draw reaches.
+    /// Picks a token from `logits`: the argmax when greedy, else a draw from the
+    /// distribution after temperature, min-p, top-k and top-p (renormalized), without
+    /// sorting more of the vocabulary than the draw reaches.
     pub fn sample(&mut self, logits: &[f32]) -> i32 {
         if self.is_greedy() {
             return argmax(logits);
@@ -89,22 +90,6 @@ impl Sampler {
         let t = picked.unwrap_or_else(|| cand[..keep].last().map_or(argmax(logits), |c| c.0));
         self.scratch = cand;
         t
-    }
-
-    /// The distribution [`Sampler::sample`] draws from: `(token, probability)` by descending
-    /// probability after temperature, min-p, top-k and top-p (renormalized); the argmax alone
-    /// when greedy. Tokens whose weight is 0 (a −∞ logit: masked or banned) never appear.
-    pub fn distribution(&self, logits: &[f32]) -> Vec<(i32, f32)> {
-        if self.is_greedy() {
-            return vec![(argmax(logits), 1.0)];
-        }
-        let mut cand = Vec::new();
-        let total = self.candidates(logits, &mut cand);
-        let (keep, mass) = self.truncate(&mut cand, total);
-        sort_prefix(&mut cand, keep);
-        cand.truncate(keep);
-        cand.iter_mut().for_each(|c| c.1 /= mass);
-        cand
     }
 
     /// The tokens `logits` allow after temperature and min-p, with their weights relative to
@@ -152,31 +137,12 @@ impl Sampler {
         }
     }
 
-    /// Draws a token from `dist` (`(token, probability)` pairs; the probabilities need not
-    /// sum to exactly 1).
-    pub fn draw(&mut self, dist: &[(i32, f32)]) -> i32 {
-        let total: f32 = dist.iter().map(|d| d.1).sum();
-        let mut r = self.uniform() * total;
-        for &(t, p) in dist {
-            if r < p {
-                return t;
-            }
-            r -= p;
-        }
-        dist.last().map_or(0, |d| d.0)
-    }
-
     /// A sampler with the same settings and its own stream, derived from this one's and
     /// `salt` (one per branch of a fork).
     pub fn fork(&self, salt: u64) -> Sampler {
         Sampler::new(self.temperature, self.top_p, self.state ^ salt)
             .with_top_k(self.top_k)
             .with_min_p(self.min_p)
-    }
-
-    /// A uniform draw in `[0, 1)` from this sampler's stream.
-    pub fn coin(&mut self) -> f32 {
-        self.uniform()
     }
 }
 
@@ -373,7 +339,7 @@ mod tests {
                 let logits: Vec<f32> = (0..3000)
                     .map(|i| match i % 97 {
                         0 => f32::NEG_INFINITY,
-                        _ => ((rng.coin() * spread * 10.0).round()) / 10.0,
+                        _ => ((rng.uniform() * spread * 10.0).round()) / 10.0,
                     })
                     .collect();
                 for seed in 0..40 {
@@ -406,7 +372,7 @@ mod tests {
                             keep += 1;
                         }
                     }
-                    let mut r = slow.coin() * mass;
+                    let mut r = slow.uniform() * mass;
                     let want = cand[..keep]
                         .iter()
                         .find(|c| {

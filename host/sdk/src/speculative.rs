@@ -1,44 +1,53 @@
-//! Speculative tree decoding that pays: a draft proposes a tree of continuations, the target
-//! verifies the whole tree in one forward on its tree cache, and the longest accepted chain
-//! is committed. Output is the target's: identical to plain greedy decoding when greedy,
-//! and distributed as the target's sampler when sampling.
+//! Speculative decoding inside the [`Generator`](crate::Generator): a request that asks for
+//! it ([`GenOptions::speculate`](crate::GenOptions::speculate)) feeds, each decode step, its
+//! last token followed by draft tokens, and the target verifies them all in that one
+//! forward. Output is the target's: identical to plain decoding when greedy, and
+//! distributed as the target's sampler (its adjustments and grammar included) when not.
 //!
-//! Draft sources ([`DraftKind`]):
-//! - `ngram` (prompt lookup): the continuations of earlier occurrences of the context's last
+//! Draft sources ([`Draft`]):
+//! - `ngram` (prompt lookup): the continuations of earlier occurrences of the sequence's last
 //!   tokens (longest n-gram first, most recent first); no draft model.
 //! - `draft:PATH`: another model sharing the vocabulary, on its own tree cache.
 //! - `layers:N`: the target's first N layers, a view of the loaded weights.
 //!
-//! Verification walks the tree from the root: at each node the target's distribution `p`
-//! is tried against the node's children in turn (each child token `x` is accepted with
-//! probability `p(x)`; when refused, `p` loses `x` and is renormalized), and when no child
-//! is accepted the next token is drawn from what is left of `p`. Drafted tokens are
-//! deterministic proposals, so this is exact; greedily `p` is the argmax alone.
+//! Verification samples each drafted position's row as plain decoding would (the request's
+//! sampler, adjustments, grammar, stop checks and logprobs) and follows the drafted child
+//! holding the sampled token; where none does, the sampled token is the round's last. A
+//! drafted token is a deterministic proposal, so it is accepted exactly with the target's
+//! probability of it, and the tokens come out as plain decoding would draw them (the same
+//! draws of a seeded sampler).
+//!
+//! The cache decides the draft's shape. A tree cache verifies a tree (`propose`, then
+//! `commit` of the accepted chain). A contiguous or seq cache verifies a chain and drops
+//! the refused tail (`rewind`, `seq_rm`); where it cannot cut inside the step (a recurrent
+//! layer keeps its state only at the step's end) it drops the whole step and the accepted
+//! tokens are written again in a second forward of the same step.
 //!
 //! Adaptive: each round drafts the depth that maximizes expected tokens per second, from the
-//! measured cost of target rounds by tree size and the recent acceptance at each draft
-//! position. When no depth beats a plain step, drafting pauses and then probes again, each
-//! pause twice as long as the last (a round that beats plain decoding per token resets
-//! it), so a draft that stops paying costs a probe every few hundred tokens at most.
+//! measured cost of steps by draft size and the recent acceptance at each draft position.
+//! When no depth beats a plain step, drafting pauses and then probes again, each pause
+//! twice as long as the last (a round that beats plain decoding per token resets it), so a
+//! draft that stops paying costs a probe every few hundred tokens at most. No request drafts
+//! in a step that prefills a prompt (the step is the prompt's), nor beyond the cache's room.
 
+use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::time::Instant;
 
 use kvplug_core::CacheKind;
+use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{Batch, Context, Model};
 
 use crate::error::{fail, Result};
 use crate::generator::{generate, GenOptions};
-use crate::run::{rate, RunReport, RunSpec};
-use crate::sampler::{argmax, Sampler};
+use crate::sampler::argmax;
 
-/// Where draft tokens come from.
+/// Where draft tokens come from, as a user names it (`ngram`, `draft:PATH`, `layers:N`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DraftKind {
     /// Prompt lookup: continuations of earlier occurrences of the last tokens.
     Ngram,
-    /// Another model directory.
+    /// Another model (a directory or a GGUF file).
     Model(PathBuf),
     /// The target's first N layers.
     Layers(usize),
@@ -65,28 +74,144 @@ impl FromStr for DraftKind {
     }
 }
 
-/// Speculative decoding settings: the draft and the largest tree.
-#[derive(Clone, Debug)]
-pub struct SpecOptions {
-    /// The draft source.
-    pub draft: DraftKind,
-    /// Deepest chain per round.
-    pub max_depth: usize,
-    /// Most children of the root.
-    pub max_width: usize,
+impl fmt::Display for DraftKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DraftKind::Ngram => f.write_str("ngram"),
+            DraftKind::Model(p) => write!(f, "draft:{}", p.display()),
+            DraftKind::Layers(n) => write!(f, "layers:{n}"),
+        }
+    }
 }
 
-impl SpecOptions {
-    /// Whether the largest draft tree fits beside `spec`'s prompt and answer in its
-    /// capacity (and depth and width are at least 1).
-    pub fn fits(&self, spec: &RunSpec) -> bool {
-        let tree = self
-            .max_width
-            .checked_mul(self.max_depth)
-            .and_then(|n| n.checked_add(1));
-        self.max_depth > 0
-            && self.max_width > 0
-            && tree.is_some_and(|n| spec.prompt.len() + spec.max_new + n <= spec.capacity)
+/// A draft source, ready: prompt lookup or a loaded draft model.
+#[derive(Clone)]
+pub enum Draft {
+    /// Prompt lookup over the sequence's tokens.
+    Ngram,
+    /// A model sharing the target's vocabulary (each request drafts on its own tree cache
+    /// of it, as large as the target's cache).
+    Model(Model),
+}
+
+impl fmt::Debug for Draft {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Draft::Ngram => f.write_str("Ngram"),
+            Draft::Model(m) => write!(f, "Model({})", m.dir().display()),
+        }
+    }
+}
+
+impl Draft {
+    /// Opens `kind` for `target`: a draft model is loaded on the target's backend and keyed,
+    /// mapped and computed as the target is; `layers:N` is a view of the target's weights.
+    /// Refuses a draft whose vocabulary differs from the target's.
+    pub fn open(kind: &DraftKind, target: &Model) -> Result<Draft> {
+        let m = match kind {
+            DraftKind::Ngram => return Ok(Draft::Ngram),
+            DraftKind::Model(path) => {
+                crate::formats::open_model(target.runtime(), target.backend(), path)?
+                    .with_key_rotation(target.key_rotation())
+                    .with_mmap(target.mmap())
+                    .with_attention(target.attention())
+            }
+            DraftKind::Layers(n) => target
+                .layers(*n)
+                .map_err(|e| crate::Error::from(e).context(format!("draft layers:{n}")))?,
+        };
+        if m.vocab() != target.vocab() {
+            fail!(
+                Invalid,
+                "the draft model {} has a vocabulary of {} tokens, the target {} has {}: a \
+                 draft must share the target's tokenizer",
+                m.dir().display(),
+                m.vocab(),
+                target.dir().display(),
+                target.vocab()
+            );
+        }
+        Ok(Draft::Model(m))
+    }
+}
+
+/// How a request speculates.
+#[derive(Clone, Debug)]
+pub struct Speculation {
+    /// The draft source.
+    pub draft: Draft,
+    /// Deepest chain per round (the depth adapts below it).
+    pub max_depth: usize,
+    /// Shallowest chain per round, where the room allows (llama.cpp's `--draft-min`): 0
+    /// lets the policy pause drafting that does not pay.
+    pub min_depth: usize,
+    /// Most children of the root (above 1 only on a tree cache; others verify one chain).
+    pub max_width: usize,
+    /// The sequence's tokens before the request's `start`: all of them, or none (prompt
+    /// lookup then searches the request's own tokens only; a draft model needs them all).
+    pub earlier: Vec<i32>,
+}
+
+impl Speculation {
+    /// Drafts of `draft`, chains up to 8 deep, one branch.
+    pub fn new(draft: Draft) -> Self {
+        Speculation {
+            draft,
+            max_depth: 8,
+            min_depth: 0,
+            max_width: 1,
+            earlier: Vec::new(),
+        }
+    }
+
+    /// Prompt lookup (see [`Speculation::new`]).
+    pub fn ngram() -> Self {
+        Speculation::new(Draft::Ngram)
+    }
+
+    /// Refuses a depth or width of 0 or above [`MAX_DRAFT_DEPTH`] / [`MAX_DRAFT_WIDTH`], and
+    /// a least depth above the depth.
+    pub fn check(&self) -> Result<()> {
+        let (d, w, least) = (self.max_depth, self.max_width, self.min_depth);
+        if !(1..=MAX_DRAFT_DEPTH).contains(&d) || !(1..=MAX_DRAFT_WIDTH).contains(&w) || least > d {
+            fail!(
+                Invalid,
+                "speculation takes a draft depth of 1..={MAX_DRAFT_DEPTH}, a width of \
+                 1..={MAX_DRAFT_WIDTH} and a least depth of at most the depth (got --depth {d}, \
+                 --width {w}, least depth {least})"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The deepest draft chain a request may ask for (llama.cpp's default `--draft-max` is 16).
+pub const MAX_DRAFT_DEPTH: usize = 64;
+/// The most branches from a draft tree's root.
+pub const MAX_DRAFT_WIDTH: usize = 16;
+
+/// What speculation did for one request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SpecStats {
+    /// Decode steps, plain or drafting (each one target forward).
+    pub steps: usize,
+    /// Draft tokens verified (the deepest chain of each round).
+    pub drafted: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
+}
+
+impl SpecStats {
+    /// Accepted draft tokens per drafted one (0 when nothing was drafted).
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+
+    /// Adds `other`'s counts.
+    pub fn add(&mut self, other: &SpecStats) {
+        self.steps += other.steps;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
     }
 }
 
@@ -111,20 +236,26 @@ pub struct Tree {
 
 impl Tree {
     fn root(token: i32) -> Self {
-        Tree {
-            tokens: vec![token],
-            parents: vec![-1],
-            depth: vec![0],
-        }
+        let mut t = Tree::default();
+        t.reset(token);
+        t
+    }
+
+    /// The root alone.
+    fn reset(&mut self, token: i32) {
+        self.tokens.clear();
+        self.parents.clear();
+        self.depth.clear();
+        self.tokens.push(token);
+        self.parents.push(-1);
+        self.depth.push(0);
     }
 
     /// Adds `chain` below the root, sharing nodes with chains already there.
     fn insert(&mut self, chain: &[i32]) {
         let mut cur = 0usize;
         for &t in chain {
-            cur = match (0..self.tokens.len())
-                .find(|&n| self.parents[n] == cur as i32 && self.tokens[n] == t)
-            {
+            cur = match self.child(cur, t) {
                 Some(n) => n,
                 None => {
                     self.tokens.push(t);
@@ -134,6 +265,12 @@ impl Tree {
                 }
             };
         }
+    }
+
+    /// The child of `node` holding `token`.
+    fn child(&self, node: usize, token: i32) -> Option<usize> {
+        (node + 1..self.tokens.len())
+            .find(|&n| self.parents[n] == node as i32 && self.tokens[n] == token)
     }
 
     fn children(&self, node: usize) -> impl Iterator<Item = usize> + '_ {
@@ -150,62 +287,37 @@ impl Tree {
 /// each) of the latest occurrences of the longest suffix of `context` (`NGRAM_MAX` down to
 /// `NGRAM_MIN` tokens) found earlier in it, as a tree under `context`'s last token.
 pub fn ngram_tree(context: &[i32], depth: usize, width: usize) -> Tree {
-    let mut tree = Tree::root(*context.last().expect("a context"));
+    let mut tree = Tree::default();
+    ngram_into(&mut tree, context, depth, width);
+    tree
+}
+
+/// [`ngram_tree`] into `tree` (its buffers reused).
+fn ngram_into(tree: &mut Tree, context: &[i32], depth: usize, width: usize) {
+    tree.reset(*context.last().expect("a context"));
     let n = context.len();
     for k in (NGRAM_MIN..=NGRAM_MAX.min(n - 1)).rev() {
         let suffix = &context[n - k..];
-        let mut firsts = Vec::new();
+        let mut found = 0;
         // Occurrences ending before the suffix itself, latest first.
         for end in (k..n).rev() {
             if &context[end - k..end] != suffix {
                 continue;
             }
             let cont = &context[end..(end + depth).min(n)];
-            if cont.is_empty() || firsts.contains(&cont[0]) {
+            if cont.is_empty() || tree.child(0, cont[0]).is_some() {
                 continue;
             }
-            firsts.push(cont[0]);
             tree.insert(cont);
-            if firsts.len() == width {
+            found += 1;
+            if found == width {
                 break;
             }
         }
-        if !firsts.is_empty() {
+        if found > 0 {
             break;
         }
     }
-    tree
-}
-
-/// The target's verdict at one node: the accepted child, or none and the token drawn from
-/// what is left of the target's distribution.
-fn verify_node(
-    sampler: &mut Sampler,
-    logits: &[f32],
-    tree: &Tree,
-    node: usize,
-) -> (Option<usize>, i32) {
-    let mut dist = sampler.distribution(logits);
-    for child in tree.children(node) {
-        let t = tree.tokens[child];
-        let p = dist.iter().find(|d| d.0 == t).map_or(0.0, |d| d.1);
-        let total: f32 = dist.iter().map(|d| d.1).sum();
-        if sampler.is_greedy() {
-            if p > 0.0 {
-                return (Some(child), t);
-            }
-        } else if sampler.coin() * total < p {
-            return (Some(child), t);
-        }
-        dist.retain(|d| d.0 != t);
-        if dist.is_empty() {
-            // Every token the target allows was drafted and refused: cannot happen with
-            // exact arithmetic; take the child (the target's own top choice) to stay total.
-            return (Some(child), t);
-        }
-    }
-    let t = sampler.draw(&dist);
-    (None, t)
 }
 
 /// When to draft, how deep and how wide: the tree that maximizes expected tokens per second,
@@ -443,148 +555,197 @@ impl ModelDraft {
     }
 }
 
-/// Speculative decoding of `spec` on `model` with `opts`, drawing with `sampler` (greedy or
-/// not).
-pub fn run_speculative(
-    model: &Model,
-    spec: &RunSpec,
-    opts: &SpecOptions,
-    sampler: &mut Sampler,
-) -> Result<RunReport> {
-    spec.check()?;
-    let (depth_max, width_max) = (opts.max_depth, opts.max_width);
-    if !opts.fits(spec) {
-        fail!(
-            Invalid,
-            "draft trees of depth {depth_max} × width {width_max} (both at least 1) do not fit \
-             beside the prompt ({}) and max_new ({}) in the capacity {}",
-            spec.prompt.len(),
-            spec.max_new,
-            spec.capacity
-        );
-    }
-    let mut tgt = model.context(CacheKind::Tree, spec.capacity, spec.kv_dtype)?;
-    let mut draft = match &opts.draft {
-        DraftKind::Ngram => None,
-        DraftKind::Model(_) | DraftKind::Layers(_) => {
-            let m = match &opts.draft {
-                // Loaded and keyed as the target is.
-                DraftKind::Model(path) => {
-                    crate::formats::open_model(model.runtime(), model.backend(), path)?
-                        .with_key_rotation(model.key_rotation())
-                        .with_mmap(model.mmap())
-                        .with_attention(model.attention())
-                }
-                DraftKind::Layers(n) => model
-                    .layers(*n)
-                    .map_err(|e| crate::Error::from(e).context(format!("draft layers:{n}")))?,
-                DraftKind::Ngram => unreachable!(),
-            };
-            if m.vocab() != model.vocab() {
-                fail!(
-                    Invalid,
-                    "the draft model {} has a vocabulary of {} tokens, the target {} has {}: a \
-                     draft must share the target's tokenizer",
-                    m.dir().display(),
-                    m.vocab(),
-                    model.dir().display(),
-                    model.vocab()
-                );
-            }
-            Some(ModelDraft {
-                ctx: m.context(CacheKind::Tree, spec.capacity, spec.kv_dtype)?,
-                len: 0,
-            })
+/// One request's speculation inside the generator: its draft, its policy, and the tree of
+/// the step in flight.
+pub(crate) struct Speculator {
+    /// The most nodes a tree may have besides its root.
+    max_nodes: usize,
+    min_depth: usize,
+    /// The draft model until its context is made on the first round.
+    draft_model: Option<Model>,
+    model_draft: Option<ModelDraft>,
+    policy: Policy,
+    /// The sequence's tokens from position `offset` (0 when the request gave its earlier
+    /// tokens), through the root once synced; `synced` of the request's generated ids are in.
+    lookup: Vec<i32>,
+    offset: usize,
+    synced: usize,
+    /// The step's tree, its root's position, whether a tree cache holds it as a proposal,
+    /// and the nodes whose rows were sampled (root first).
+    tree: Tree,
+    base: usize,
+    proposed: bool,
+    path: Vec<i32>,
+    stats: SpecStats,
+}
+
+impl Speculator {
+    /// Speculation `s` for a request of `prompt` at position `start`.
+    pub(crate) fn new(s: &Speculation, prompt: &[i32], start: usize) -> Result<Self> {
+        s.check()?;
+        let whole = s.earlier.len() == start;
+        if !s.earlier.is_empty() && !whole {
+            fail!(
+                Invalid,
+                "speculation's earlier tokens ({}) must be the whole sequence before the \
+                 request's start ({start})",
+                s.earlier.len()
+            );
         }
-    };
-    let p = spec.prompt.len();
-    let t0 = Instant::now();
-    if p > 1 {
-        prefill(&mut tgt, &spec.prompt[..p - 1], 0)?;
-    }
-    let prefill_tok_s = rate(p - 1, t0);
-    // `context` ends with the root: committed tokens plus the one not yet run.
-    let mut context = spec.prompt.clone();
-    let mut base = p - 1;
-    let mut policy = Policy::new(depth_max, width_max);
-    let (mut accepted_total, mut drafted_total, mut target_forwards) = (0usize, 0usize, 0usize);
-    let t1 = Instant::now();
-    let generated = |context: &[i32]| context.len() - p;
-    while generated(&context) < spec.max_new {
-        let round = Instant::now();
-        let (depth, width) = policy.shape();
-        let depth = depth.min(spec.max_new - generated(&context));
-        let tree = match (depth, draft.as_mut()) {
-            (0, _) => Tree::root(context[base]),
-            (d, None) => ngram_tree(&context, d, width),
-            (d, Some(m)) => m.tree(&context, base, d, width)?,
+        let draft_model = match &s.draft {
+            Draft::Ngram => None,
+            Draft::Model(_) if !whole => fail!(
+                Invalid,
+                "a draft model needs the sequence's {start} earlier tokens (Speculation::earlier)"
+            ),
+            Draft::Model(m) => Some(m.clone()),
         };
-        let positions: Vec<i32> = tree.depth.iter().map(|&d| (base + d) as i32).collect();
-        let speculative = tree.tokens.len() > 1;
-        if speculative {
-            tgt.propose(&tree.parents)?;
-        }
-        let logits = tgt.decode(&every_row(&tree.tokens, &positions))?;
-        target_forwards += 1;
-        let (mut chain, mut cur) = (vec![0i32], 0usize);
-        let next = loop {
-            match verify_node(sampler, logits.row(cur), &tree, cur) {
-                (Some(child), _) => {
-                    chain.push(child as i32);
-                    cur = child;
-                }
-                (None, t) => break t,
-            }
+        let mut lookup = s.earlier.clone();
+        lookup.extend_from_slice(prompt);
+        Ok(Speculator {
+            max_nodes: s.max_depth * s.max_width,
+            min_depth: s.min_depth,
+            draft_model,
+            model_draft: None,
+            policy: Policy::new(s.max_depth, s.max_width),
+            lookup,
+            offset: if whole { 0 } else { start },
+            synced: 0,
+            tree: Tree::default(),
+            base: 0,
+            proposed: false,
+            path: Vec::new(),
+            stats: SpecStats::default(),
+        })
+    }
+
+    /// The most nodes a tree may have besides its root.
+    pub(crate) fn max_nodes(&self) -> usize {
+        self.max_nodes
+    }
+
+    /// What it did so far.
+    pub(crate) fn stats(&self) -> SpecStats {
+        self.stats
+    }
+
+    /// Drafts this step's tree under the request's last generated id (the root, at position
+    /// `base`): at most `room` nodes besides the root, at most `remaining - 1` deep (the
+    /// request samples at most `remaining` more tokens). On a tree cache the tree is
+    /// proposed; elsewhere it is one chain. Returns the tree: feed node `n` at position
+    /// `base + depth[n]`, every row wanting logits.
+    pub(crate) fn draft(
+        &mut self,
+        ctx: &Context,
+        generated: &[i32],
+        base: usize,
+        remaining: usize,
+        room: usize,
+    ) -> Result<&Tree> {
+        self.lookup.extend_from_slice(&generated[self.synced..]);
+        self.synced = generated.len();
+        debug_assert_eq!(self.offset + self.lookup.len(), base + 1);
+        let tree_cache = ctx.kind() == CacheKind::Tree;
+        let (depth, width) = self.policy.shape();
+        let depth = depth.max(self.min_depth);
+        let width = if tree_cache {
+            width.min(room.max(1))
+        } else {
+            1
         };
-        tracing::debug!(
-            nodes = tree.tokens.len(),
-            depth = tree.max_depth(),
-            accepted = chain.len() - 1,
-            ms = round.elapsed().as_secs_f64() * 1e3,
-            "speculative round"
-        );
-        if speculative {
-            tgt.commit(&chain)?;
-            if let Some(m) = draft.as_mut() {
-                m.commit(&chain, base)?;
+        let depth = depth.min(remaining.saturating_sub(1)).min(room / width);
+        let root = *generated.last().expect("a decoding request has sampled");
+        self.base = base;
+        self.path.clear();
+        if depth > 0 && self.model_draft.is_none() {
+            if let Some(m) = self.draft_model.take() {
+                self.model_draft = Some(ModelDraft {
+                    ctx: m.context(CacheKind::Tree, ctx.capacity(), ctx.kv_dtype())?,
+                    len: 0,
+                });
             }
-            accepted_total += chain.len() - 1;
-            drafted_total += tree.max_depth();
         }
-        let roots: Vec<usize> = tree.children(0).collect();
-        policy.observe(
-            round.elapsed().as_secs_f64(),
-            tree.tokens.len(),
-            roots.len(),
-            chain
-                .get(1)
-                .and_then(|&c| roots.iter().position(|&r| r == c as usize)),
-            tree.max_depth(),
-            chain.len() - 1,
+        if depth == 0 {
+            self.tree.reset(root);
+        } else if let Some(m) = self.model_draft.as_mut() {
+            self.tree = m.tree(&self.lookup, base, depth, width)?;
+        } else {
+            ngram_into(&mut self.tree, &self.lookup, depth, width);
+        }
+        self.proposed = tree_cache && self.tree.tokens.len() > 1;
+        if self.proposed {
+            ctx.propose(&self.tree.parents)?;
+        }
+        Ok(&self.tree)
+    }
+
+    /// Verification sampled node `node`'s row and drew `token`: the child holding it, to
+    /// sample next.
+    pub(crate) fn follow(&mut self, node: usize, token: i32) -> Option<usize> {
+        self.path.push(node as i32);
+        self.tree.child(node, token)
+    }
+
+    /// After verification: the cache keeps the root and the accepted chain only (the
+    /// sampled nodes). Where it cannot cut inside the step, the step's rows are dropped and
+    /// the chain is pushed to `refeed`, to be written again.
+    pub(crate) fn settle(&mut self, ctx: &Context, seq: i32, refeed: &mut Batch) -> Result<()> {
+        let fed = self.tree.tokens.len();
+        if self.proposed {
+            ctx.commit(&self.path)?;
+        } else if fed > self.path.len() {
+            match cut(ctx, seq, self.base + self.path.len()) {
+                Ok(()) => {}
+                Err(e) if e.kind == AbiErrorKind::OutOfWindow => {
+                    cut(ctx, seq, self.base)?;
+                    for (k, &n) in self.path.iter().enumerate() {
+                        let pos = (self.base + k) as i32;
+                        refeed.push(self.tree.tokens[n as usize], pos, seq, false);
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if let (Some(m), true) = (self.model_draft.as_mut(), fed > 1) {
+            m.commit(&self.path, self.base)?;
+        }
+        Ok(())
+    }
+
+    /// The step took `seconds`: the policy learns its cost and what was accepted.
+    pub(crate) fn observe(&mut self, seconds: f64) {
+        let accepted = self.path.len().saturating_sub(1);
+        let depth = self.tree.max_depth();
+        let first = self.path.get(1).map(|&n| n as usize);
+        let (mut branches, mut rank) = (0, None);
+        for (r, c) in self.tree.children(0).enumerate() {
+            branches += 1;
+            if Some(c) == first {
+                rank = Some(r);
+            }
+        }
+        self.policy.observe(
+            seconds,
+            self.tree.tokens.len(),
+            branches,
+            rank,
+            depth,
+            accepted,
         );
-        context.extend(chain[1..].iter().map(|&n| tree.tokens[n as usize]));
-        context.push(next);
-        base += chain.len();
-        if context[p..].iter().any(|t| spec.stop.contains(t)) {
-            break;
+        self.stats.steps += 1;
+        if depth > 0 {
+            self.stats.drafted += depth;
+            self.stats.accepted += accepted;
         }
     }
-    let mut ids = context[p..].to_vec();
-    if let Some(end) = ids.iter().position(|t| spec.stop.contains(t)) {
-        ids.truncate(end + 1);
+}
+
+/// Drops `seq`'s positions from `keep` on (a contiguous cache holds sequence 0 only).
+fn cut(ctx: &Context, seq: i32, keep: usize) -> Result<(), kvplug_plugin_api::PluginError> {
+    match ctx.kind() {
+        CacheKind::Seq => ctx.seq_rm(seq, Some(keep as i32), None),
+        _ => ctx.rewind(keep),
     }
-    ids.truncate(spec.max_new);
-    Ok(RunReport {
-        mode: "speculative".into(),
-        decode_tok_s: rate(ids.len(), t1),
-        prefill_tok_s,
-        cache: tgt.stats()?.into(),
-        tokens_per_target_forward: Some(ids.len() as f64 / target_forwards.max(1) as f64),
-        ids,
-        branches: None,
-        winner: None,
-        acceptance: Some(accepted_total as f64 / drafted_total.max(1) as f64),
-    })
 }
 
 #[cfg(test)]
@@ -616,40 +777,6 @@ mod tests {
         assert_eq!(t.tokens, [8, 9, 7, 8]);
         // A single matching token is not enough.
         assert_eq!(ngram_tree(&[5, 1, 6, 1], 3, 1).tokens, [1]);
-    }
-
-    /// Target distribution p over 4 tokens; a tree proposing tokens 2 then 0 at the root.
-    /// The emitted first token must be distributed as p whatever was proposed.
-    #[test]
-    fn acceptance_keeps_the_target_distribution() {
-        let logits = [1.0f32, 0.2, 2.0, -0.5];
-        let mut tree = Tree::root(9);
-        tree.insert(&[2]);
-        tree.insert(&[0]);
-        let mut sampler = Sampler::new(1.0, 1.0, 42);
-        let p = sampler.distribution(&logits);
-        let n = 200_000;
-        let mut counts = [0usize; 4];
-        for _ in 0..n {
-            let (child, t) = verify_node(&mut sampler, &logits, &tree, 0);
-            if let Some(c) = child {
-                assert_eq!(tree.tokens[c], t);
-            }
-            counts[t as usize] += 1;
-        }
-        for &(t, pt) in &p {
-            let pt = pt as f64;
-            let sigma = (pt * (1.0 - pt) / n as f64).sqrt();
-            let got = counts[t as usize] as f64 / n as f64;
-            // Five standard deviations of a binomial proportion.
-            assert!((got - pt).abs() < 5.0 * sigma, "token {t}: {got} vs {pt}");
-        }
-        // Greedy: the argmax child is accepted, anything else refused.
-        let mut g = Sampler::new(0.0, 1.0, 0);
-        assert_eq!(verify_node(&mut g, &logits, &tree, 0), (Some(1), 2));
-        let mut other = Tree::root(9);
-        other.insert(&[0]);
-        assert_eq!(verify_node(&mut g, &logits, &other, 0), (None, 2));
     }
 
     #[test]

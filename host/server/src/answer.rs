@@ -16,9 +16,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::Endpoint;
-use crate::engine::{CachedTokens, Event, Usage};
+use crate::engine::{CachedTokens, Event, Predictions, Usage};
 use crate::error::ApiError;
 use crate::request::Calls;
+use kvplug::speculative::SpecStats;
 
 /// The answer's fixed fields.
 pub struct Answer {
@@ -54,6 +55,7 @@ struct Choice {
     logprobs: Vec<TokenLogprobs>,
     finish: Option<&'static str>,
     tokens: usize,
+    speculation: Option<SpecStats>,
 }
 
 impl Answer {
@@ -76,7 +78,16 @@ impl Answer {
         })
     }
 
-    fn usage(&self, cached: usize, completion: usize) -> Usage {
+    /// The request's usage once `choices` ended.
+    fn usage(&self, cached: usize, choices: &[Choice]) -> Usage {
+        let completion = choices.iter().map(|c| c.tokens).sum();
+        let drafts = choices
+            .iter()
+            .filter_map(|c| c.speculation)
+            .reduce(|mut a, b| {
+                a.add(&b);
+                a
+            });
         Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: completion,
@@ -84,6 +95,10 @@ impl Answer {
             prompt_tokens_details: CachedTokens {
                 cached_tokens: cached,
             },
+            completion_tokens_details: drafts.map(|d| Predictions {
+                accepted_prediction_tokens: d.accepted,
+                rejected_prediction_tokens: d.drafted - d.accepted,
+            }),
         }
     }
 
@@ -198,8 +213,7 @@ impl Answer {
             })
             .collect();
         let mut v = self.envelope(false, json!(list));
-        let completion = choices.iter().map(|c| c.tokens).sum();
-        v["usage"] = json!(self.usage(cached, completion));
+        v["usage"] = json!(self.usage(cached, choices));
         v
     }
 
@@ -254,9 +268,11 @@ pub async fn collect(
                 choice,
                 finish_reason,
                 completion_tokens,
+                speculation,
             }) => {
                 choices[choice].finish = Some(finish_reason);
                 choices[choice].tokens = completion_tokens;
+                choices[choice].speculation = speculation;
                 open -= 1;
             }
             Some(Event::Admitted { .. }) => {}
@@ -376,9 +392,11 @@ pub fn stream(
                     choice: i,
                     finish_reason,
                     completion_tokens,
+                    speculation,
                 }) => {
                     let c = &mut st.choices[i];
                     c.tokens = completion_tokens;
+                    c.speculation = speculation;
                     let mut finish = finish_reason;
                     if !c.text.is_empty() {
                         let parsed = a.split(c);
@@ -429,8 +447,7 @@ pub fn stream(
                     if st.open == 0 {
                         if a.include_usage {
                             let mut u = a.envelope(true, json!([]));
-                            let completion = st.choices.iter().map(|c| c.tokens).sum();
-                            u["usage"] = json!(a.usage(st.cached, completion));
+                            u["usage"] = json!(a.usage(st.cached, &st.choices));
                             st.out.push_back(data(u));
                         }
                         st.ended = true;

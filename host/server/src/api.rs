@@ -92,6 +92,8 @@ pub struct Params {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with `usage`.
     pub include_usage: bool,
+    /// Speculative decoding on or off (`None`: the server's default).
+    pub speculative: Option<bool>,
 }
 
 /// Most stop strings per request (OpenAI's limit).
@@ -129,7 +131,7 @@ const REFUSED: [&str; 9] = [
 ];
 
 /// Fields this server reads.
-const IMPLEMENTED: [&str; 26] = [
+const IMPLEMENTED: [&str; 27] = [
     "messages",
     "prompt",
     "max_tokens",
@@ -156,6 +158,7 @@ const IMPLEMENTED: [&str; 26] = [
     "grammar",
     "stream",
     "stream_options",
+    "speculative",
 ];
 
 /// Parses and checks a request body.
@@ -258,6 +261,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         format,
         stream,
         include_usage,
+        speculative: f.bool("speculative")?,
     })
 }
 

@@ -17,6 +17,7 @@ use kvplug::agent_store::{AgentStore, Divergence, Placed};
 use kvplug::generator::{Finish, Finished, GenOptions, Generator, RequestId};
 use kvplug::run::CacheReport;
 use kvplug::sampler::TokenLogprobs;
+use kvplug::speculative::{Draft, SpecStats, Speculation};
 use kvplug::{AbiErrorKind, Text};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -38,6 +39,8 @@ pub struct GenRequest {
     pub events: UnboundedSender<Event>,
     /// When it arrived (for time to first token).
     pub arrived: Instant,
+    /// Whether its completions speculate (`None`: as the server does by default).
+    pub speculative: Option<bool>,
 }
 
 /// What a request hears back.
@@ -69,6 +72,8 @@ pub enum Event {
         finish_reason: &'static str,
         /// Its generated tokens (a final end-of-turn token included).
         completion_tokens: usize,
+        /// What speculation did, when it speculated.
+        speculation: Option<SpecStats>,
     },
     /// The request failed; nothing more follows.
     Failed(ApiError),
@@ -85,6 +90,19 @@ pub struct Usage {
     pub total_tokens: usize,
     /// `cached_tokens`: prompt tokens whose K/V were reused, not prefilled.
     pub prompt_tokens_details: CachedTokens,
+    /// Draft tokens accepted and refused, when the request speculated (OpenAI's names for
+    /// its predicted outputs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<Predictions>,
+}
+
+/// `usage.completion_tokens_details`.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Predictions {
+    /// Draft tokens the model accepted (each saved a forward).
+    pub accepted_prediction_tokens: usize,
+    /// Draft tokens it refused.
+    pub rejected_prediction_tokens: usize,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -114,13 +132,17 @@ pub struct Status {
     pub parked: kvplug::WarmUsage,
 }
 
-/// Batcher limits.
-#[derive(Clone, Copy, Debug)]
+/// Batcher limits and defaults.
+#[derive(Clone, Debug)]
 pub struct Limits {
     /// Most requests in flight at once (each a sequence of the cache).
     pub parallel: usize,
     /// Most requests waiting; beyond, 429.
     pub max_queue: usize,
+    /// The draft of speculating requests (`None`: prompt lookup), and whether requests
+    /// speculate unless they say otherwise.
+    pub draft: Option<Draft>,
+    pub speculate: bool,
 }
 
 /// A generator request of a request in flight: which completion, on which sequence, from
@@ -378,6 +400,13 @@ impl Engine {
         if choice == Some(0) {
             opts.sampler = a.req.opts.sampler.clone();
         }
+        if choice.is_some() && a.req.speculative.unwrap_or(self.limits.speculate) {
+            let draft = self.limits.draft.clone().unwrap_or(Draft::Ngram);
+            opts.speculate = Some(Speculation {
+                earlier: a.req.prompt[..start].to_vec(),
+                ..Speculation::new(draft)
+            });
+        }
         let mut r = Running {
             request: 0,
             choice,
@@ -595,7 +624,7 @@ impl Engine {
             Finish::Length => "length",
             _ => "stop",
         };
-        self.metrics.generated(f.generated.len());
+        self.metrics.generated(f.generated.len(), f.speculation);
         // The bookkeeping comes before `Done`: a client that has its answer finds the
         // request counted (and its K/V published) when it asks next.
         let finished = self
@@ -611,6 +640,7 @@ impl Engine {
             choice,
             finish_reason,
             completion_tokens: f.generated.len(),
+            speculation: f.speculation,
         });
         finished?;
         if a.done < a.req.n {

@@ -23,7 +23,19 @@
 //!
 //! The HTTP side runs on its own thread; the model stays on the caller's. The library prints
 //! nothing: [`Server::bind`] returns the bound address for the caller to announce, and
-//! [`Server::run`] calls back when a shutdown signal arrives.
+//! [`Server::run`] calls back when a shutdown signal arrives or a [`Stopper`] is used.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let (runtime, config): (kvplug::Runtime, kvplug_server::ServerConfig) = todo!();
+//! let server = kvplug_server::Server::bind(&runtime, config)?; // port 0: any free port
+//! let (addr, stop) = (server.local_addr(), server.stopper());
+//! let serving = std::thread::spawn(move || server.run(|| {}));
+//! // ... talk HTTP to `addr` ...
+//! stop.stop();
+//! serving.join().unwrap()?;
+//! # Ok(()) }
+//! ```
 
 mod answer;
 mod api;
@@ -87,6 +99,10 @@ pub struct ServerConfig {
     /// this prompt departs from it; turn off where clients must not learn of each other's
     /// prompts).
     pub prefix_header: bool,
+    /// Speculative decoding: the draft (`ngram`, `draft:PATH`, `layers:N`) of every
+    /// request that does not turn it off (`"speculative": false`); `None`: only requests
+    /// asking for it (`"speculative": true`) speculate, by prompt lookup.
+    pub speculative: Option<kvplug::speculative::DraftKind>,
 }
 
 /// What starting or running the server can fail with.
@@ -116,6 +132,18 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
     move |error| ServerError::Io { what, error }
 }
 
+/// Stops a running [`Server`] as SIGTERM does (requests in flight finish, agents are
+/// parked); from any thread, before or after `run` starts.
+#[derive(Clone)]
+pub struct Stopper(Arc<tokio::sync::Notify>);
+
+impl Stopper {
+    /// Asks the server to stop.
+    pub fn stop(&self) {
+        self.0.notify_one();
+    }
+}
+
 /// A server bound to its address, its model loaded.
 pub struct Server {
     listener: std::net::TcpListener,
@@ -124,6 +152,8 @@ pub struct Server {
     store: AgentStore,
     text: Arc<Text>,
     grammars: Result<kvplug::Grammars, String>,
+    draft: Option<kvplug::speculative::Draft>,
+    stop: Arc<tokio::sync::Notify>,
 }
 
 impl Server {
@@ -150,6 +180,10 @@ impl Server {
             .attention(config.attention)
             .build()?;
         let (model, text) = (llm.model().clone(), llm.text().clone());
+        let draft = match &config.speculative {
+            Some(kind) => Some(kvplug::speculative::Draft::open(kind, &model)?),
+            None => None,
+        };
         // Constrained decoding (response_format, tools, grammar) needs the vocabulary as
         // bytes; a tokenizer llguidance cannot read leaves the server without it.
         let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
@@ -180,6 +214,8 @@ impl Server {
             store,
             text,
             grammars,
+            draft,
+            stop: Arc::default(),
         })
     }
 
@@ -188,7 +224,12 @@ impl Server {
         self.addr
     }
 
-    /// Serves until SIGINT or SIGTERM; `on_shutdown` runs when the signal arrives, then
+    /// A handle that stops it.
+    pub fn stopper(&self) -> Stopper {
+        Stopper(self.stop.clone())
+    }
+
+    /// Serves until SIGINT, SIGTERM or its [`Stopper`]; `on_shutdown` runs then, and
     /// requests in flight are finished and agents parked in their session files.
     pub fn run(self, on_shutdown: impl FnOnce() + Send + 'static) -> Result<(), ServerError> {
         let Server {
@@ -197,6 +238,8 @@ impl Server {
             store,
             text,
             grammars,
+            draft,
+            stop,
             ..
         } = self;
         let (tx, rx) = mpsc::channel();
@@ -232,7 +275,8 @@ impl Server {
                 rt.block_on(async {
                     let listener =
                         tokio::net::TcpListener::from_std(listener).map_err(io("the listener"))?;
-                    serve_http(listener, app, header_timeout, shutdown_signal(on_shutdown)).await;
+                    let shutdown = shutdown_signal(stop, on_shutdown);
+                    serve_http(listener, app, header_timeout, shutdown).await;
                     Ok(())
                 })
             })
@@ -240,6 +284,8 @@ impl Server {
         let limits = Limits {
             parallel: config.parallel,
             max_queue: config.max_queue,
+            speculate: draft.is_some(),
+            draft,
         };
         // The engine ends when the HTTP side is gone (every sender dropped).
         Engine::new(store, text, limits, status, metrics).run(rx)?;
@@ -290,7 +336,7 @@ async fn serve_http(
     graceful.shutdown().await;
 }
 
-async fn shutdown_signal(on_shutdown: impl FnOnce()) {
+async fn shutdown_signal(stop: Arc<tokio::sync::Notify>, on_shutdown: impl FnOnce()) {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {
@@ -302,6 +348,7 @@ async fn shutdown_signal(on_shutdown: impl FnOnce()) {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term => {}
+        () = stop.notified() => {}
     }
     on_shutdown();
 }

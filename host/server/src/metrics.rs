@@ -1,6 +1,7 @@
 //! `/metrics` in Prometheus' text format: requests by status, prompt, generated and cached
 //! tokens, time to first token and per-token latency histograms, queue depth, KV cells used
-//! and evictable, agents hot and parked, constraint masks.
+//! and evictable, agents hot and parked, constraint masks, draft tokens verified and
+//! accepted.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -69,6 +70,8 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     generated_tokens: AtomicU64,
+    draft_tokens: AtomicU64,
+    accepted_tokens: AtomicU64,
     ttft: Mutex<Histogram>,
     per_token: Mutex<Histogram>,
     gauges: Mutex<Gauges>,
@@ -84,6 +87,8 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::default(),
             cached_tokens: AtomicU64::default(),
             generated_tokens: AtomicU64::default(),
+            draft_tokens: AtomicU64::default(),
+            accepted_tokens: AtomicU64::default(),
             ttft: Mutex::new(Histogram::new(TTFT)),
             per_token: Mutex::new(Histogram::new(PER_TOKEN)),
             gauges: Mutex::default(),
@@ -128,9 +133,15 @@ impl Metrics {
         }
     }
 
-    /// A completion of `n` tokens ended.
-    pub fn generated(&self, n: usize) {
+    /// A completion of `n` tokens ended, with what its speculation did.
+    pub fn generated(&self, n: usize, speculation: Option<kvplug::speculative::SpecStats>) {
         self.generated_tokens.fetch_add(n as u64, Ordering::Relaxed);
+        if let Some(s) = speculation {
+            self.draft_tokens
+                .fetch_add(s.drafted as u64, Ordering::Relaxed);
+            self.accepted_tokens
+                .fetch_add(s.accepted as u64, Ordering::Relaxed);
+        }
     }
 
     /// The engine's state: queue, requests in flight, the cache, agents (hot, parked) and
@@ -195,6 +206,18 @@ impl Metrics {
             "kvplug_generated_tokens_total",
             "Tokens generated.",
             load(&self.generated_tokens),
+        );
+        counter(
+            &mut out,
+            "kvplug_draft_tokens_total",
+            "Draft tokens verified by speculating requests.",
+            load(&self.draft_tokens),
+        );
+        counter(
+            &mut out,
+            "kvplug_draft_accepted_tokens_total",
+            "Of those, tokens accepted (each saved a forward).",
+            load(&self.accepted_tokens),
         );
         self.ttft.lock().expect("metrics lock").render(
             &mut out,

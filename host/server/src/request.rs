@@ -100,6 +100,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         logprobs: p.logprobs,
         // The engine ends requests itself (a client gone, a deadline).
         cancel: None,
+        // The engine sets it, with the sequence's earlier tokens.
+        speculate: None,
     };
     Ok(Prepared {
         prompt,

@@ -235,6 +235,7 @@ async fn generate(
             agent,
             events: tx,
             arrived,
+            speculative: p.speculative,
         })
         .map_err(|_| ApiError::unavailable("the model has stopped", 5))?;
     let first = rx

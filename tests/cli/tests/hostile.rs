@@ -145,6 +145,10 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         "--depth 10000",
     );
     refuses(
+        run(&["--speculative", "ngram", "--width", "4294967295"]),
+        "--width 4294967295",
+    );
+    refuses(
         run(&["--agents", "4", "--capacity", "7"]),
         "the capacity is 7",
     );

@@ -13,27 +13,9 @@ use serde_json::{json, Value};
 mod common;
 use common::server::Server;
 
-/// SmolLM2's GGUF imported to f16 once per test process: these tests are about the server,
-/// and its Q4_1 weights computed in place (int8 activations on the cpu) leave the first
-/// answer token a near tie ("The" against "L'", 0.08 apart in the f64 reference).
+/// SmolLM2 imported to f16 (see [`common::server::smollm2_f16`]).
 fn model() -> PathBuf {
-    static IMPORTED: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
-    IMPORTED
-        .get_or_init(|| {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-            assert!(
-                path.exists(),
-                "{} is missing: run scripts/fetch-models.sh (make test does)",
-                path.display()
-            );
-            let dir = tempfile::tempdir().unwrap();
-            let out = dir.path().join("smollm2-f16");
-            kvplug::formats::gguf::import(&path, &out, &mut |_, _, _| {}).unwrap();
-            (dir, out)
-        })
-        .1
-        .clone()
+    common::server::smollm2_f16()
 }
 
 /// File names in a session directory.

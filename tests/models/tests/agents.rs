@@ -2,13 +2,12 @@
 //! under a memory budget and model tagging, each checked against plain greedy decoding of
 //! the same prompt on a fresh cache.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
 use kvplug::agent_store::Reply;
 use kvplug::formats::synth::{synth, PRESETS};
 use kvplug::run::{run_decode, RunSpec};
-use kvplug::{AgentStore, AgentStoreOptions, KvDtype, Model, Runtime, Sampler};
+use kvplug::{AgentStore, AgentStoreOptions, GenOptions, KvDtype, Model, Runtime, Sampler};
 
 mod common;
 use common::{runtime, BACKENDS};
@@ -50,7 +49,7 @@ fn plain(rt: &Runtime, backend: &str, model: &Path, prompt: &[i32]) -> Vec<i32> 
         stop: Default::default(),
     };
     let m = common::model(rt, backend, model);
-    run_decode(&m, &spec, None, Sampler::greedy(), &mut |_| Ok(()))
+    run_decode(&m, &spec, None, Sampler::greedy(), None, &mut |_| Ok(()))
         .unwrap()
         .ids
 }
@@ -62,7 +61,7 @@ fn tokens(seed: i32, n: usize) -> Vec<i32> {
 }
 
 fn ask(s: &mut AgentStore, agent: Option<&str>, prompt: &[i32]) -> Reply {
-    s.generate(agent, prompt, NEW, &mut Sampler::greedy(), &BTreeSet::new())
+    s.generate(agent, prompt, GenOptions::max_tokens(NEW))
         .unwrap()
 }
 

@@ -9,7 +9,8 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvplug::sampler::argmax;
-use kvplug::{Batch, CacheKind, Context, KvDtype};
+use kvplug::speculative::{DraftKind, Speculation};
+use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 
 mod common;
 use common::{
@@ -485,6 +486,59 @@ fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
         forward(&mut plain, &PROMPT, &positions);
         forward(&mut plain, &[7, 11], &[9, 10]);
         close("after the commit", &next, &forward(&mut plain, &[5], &[11]));
+    }
+}
+
+/// Speculation in the generator on a Qwen3.5 file gives plain decoding's tokens on every
+/// cache kind: a tree cache commits the accepted branch; a seq or contiguous cache, which
+/// keeps the delta-rule state only at a step's end, drops a partly refused step and
+/// writes the accepted tokens again — after which the cache holds exactly the prompt and
+/// every generated token but the last.
+#[test]
+fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, &model);
+        let run = |kind, speculate| {
+            let mut ctx = m.context(kind, 128, KvDtype::F32).unwrap();
+            let opts = GenOptions {
+                speculate,
+                ..GenOptions::max_tokens(24)
+            };
+            let mut g = Generator::new();
+            g.add(0, &PROMPT, 0, opts).unwrap();
+            let f = g.run(&mut ctx, &mut |_| Ok(())).unwrap().remove(0);
+            let held = match kind {
+                CacheKind::Seq => ctx.seq_len(0).unwrap(),
+                _ => ctx.stats().unwrap().live_cells as usize,
+            };
+            (f, held)
+        };
+        let (plain, _) = run(CacheKind::Contiguous, None);
+        let layers = kvplug::speculative::Draft::open(&DraftKind::Layers(1), &m).unwrap();
+        for kind in [CacheKind::Tree, CacheKind::Seq, CacheKind::Contiguous] {
+            let speculate = Speculation {
+                max_depth: 3,
+                min_depth: 3,
+                ..Speculation::new(layers.clone())
+            };
+            let (f, held) = run(kind, Some(speculate));
+            assert_eq!(f.generated, plain.generated, "{backend} {kind}");
+            let stats = f.speculation.unwrap();
+            assert!(
+                stats.accepted > 0 && stats.accepted < stats.drafted,
+                "{backend} {kind}: {stats:?} (both verdicts exercised)"
+            );
+            if kind != CacheKind::Tree {
+                assert_eq!(
+                    held,
+                    PROMPT.len() + f.generated.len() - 1,
+                    "{backend} {kind}"
+                );
+            }
+        }
     }
 }
 

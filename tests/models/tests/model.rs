@@ -8,8 +8,8 @@
 use kvplug::formats::synth::{synth, PRESETS};
 use kvplug::run::{run_agents, run_decode, RunSpec};
 use kvplug::sampler::argmax;
-use kvplug::speculative::{run_speculative, DraftKind, SpecOptions};
-use kvplug::{generate, CacheKind, GenOptions, KvDtype, Model, Sampler};
+use kvplug::speculative::{Draft, DraftKind, Speculation};
+use kvplug::{generate, CacheKind, GenOptions, Generator, KvDtype, Model, Sampler};
 
 mod common;
 use common::{forward, reference_logits, runtime, BACKENDS};
@@ -53,7 +53,7 @@ fn spec(max_new: usize, kv_dtype: KvDtype) -> RunSpec {
 
 /// Greedy ids of `spec` on `model`.
 fn greedy_ids(model: &Model, spec: &RunSpec) -> Vec<i32> {
-    run_decode(model, spec, None, Sampler::greedy(), &mut |_| Ok(()))
+    run_decode(model, spec, None, Sampler::greedy(), None, &mut |_| Ok(()))
         .unwrap()
         .ids
 }
@@ -300,40 +300,102 @@ fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
 }
 
 #[test]
-fn speculative_decoding_equals_greedy_decoding() {
+fn speculative_decoding_equals_plain_decoding() {
     let model = tiny();
     let rt = runtime();
-    let opts = |draft| SpecOptions {
-        draft,
-        max_depth: 3,
-        max_width: 2,
-    };
-    let greedy = || Sampler::new(0.0, 1.0, 0);
     for backend in BACKENDS {
         let m = common::model(&rt, backend, model.path());
+        let draft = |kind: DraftKind| Draft::open(&kind, &m).unwrap();
+        let tree = |draft| {
+            Some(Speculation {
+                max_depth: 3,
+                max_width: 2,
+                ..Speculation::new(draft)
+            })
+        };
+        let run = |s: &RunSpec, speculate, sampler| {
+            run_decode(&m, s, None, sampler, speculate, &mut |_| Ok(())).unwrap()
+        };
         let s = spec(20, KvDtype::F16);
         let plain = greedy_ids(&m, &s);
-        let own_draft = opts(DraftKind::Model(model.path().to_path_buf()));
-        let own = run_speculative(&m, &s, &own_draft, &mut greedy()).unwrap();
-        assert_eq!(own.ids, plain, "target as its own draft");
+        let own = run(
+            &s,
+            tree(draft(DraftKind::Model(model.path().to_path_buf()))),
+            Sampler::greedy(),
+        );
+        assert_eq!(own.ids, plain, "{backend}: the target as its own draft");
         assert_eq!(
             own.acceptance,
             Some(1.0),
             "a model drafting for itself is always accepted"
         );
-        let shallow = run_speculative(&m, &s, &opts(DraftKind::Layers(1)), &mut greedy()).unwrap();
-        assert_eq!(shallow.ids, plain, "one-layer draft");
-        let acc = shallow.acceptance.unwrap();
-        assert!((0.0..=1.0).contains(&acc));
-        // Prompt lookup on a prompt that repeats itself.
+        let shallow = run(&s, tree(draft(DraftKind::Layers(1))), Sampler::greedy());
+        assert_eq!(shallow.ids, plain, "{backend}: one-layer draft");
+        // Prompt lookup on a prompt that repeats itself, greedy and sampled: a seeded
+        // sampler draws the same tokens.
         let repeats = RunSpec {
             prompt: [PROMPT, PROMPT, PROMPT].concat(),
             max_new: 24,
             ..s.clone()
         };
-        let plain = greedy_ids(&m, &repeats);
-        let ngram = run_speculative(&m, &repeats, &opts(DraftKind::Ngram), &mut greedy()).unwrap();
-        assert_eq!(ngram.ids, plain, "{backend}: ngram drafts");
+        let ngram = run(&repeats, tree(Draft::Ngram), Sampler::greedy());
+        assert_eq!(
+            ngram.ids,
+            greedy_ids(&m, &repeats),
+            "{backend}: ngram drafts"
+        );
+        let seeded = || Sampler::new(0.9, 0.95, 11);
+        assert_eq!(
+            run(&repeats, tree(Draft::Ngram), seeded()).ids,
+            run(&repeats, None, seeded()).ids,
+            "{backend}: sampled ngram drafts"
+        );
+        // Chains on a seq cache (two requests drafting in one forward per step) and on a
+        // contiguous one, the refused tails cut: plain decoding's tokens, and the cache
+        // holds each prompt and all its tokens but the last.
+        let chain = |kind| {
+            Some(Speculation {
+                max_depth: 4,
+                min_depth: 4,
+                ..Speculation::new(draft(kind))
+            })
+        };
+        for cache in [CacheKind::Seq, CacheKind::Contiguous] {
+            let mut ctx = m.context(cache, 256, KvDtype::F16).unwrap();
+            let mut g = Generator::new();
+            let prompts = [&s.prompt, &repeats.prompt];
+            let seqs = if cache == CacheKind::Seq { 2 } else { 1 };
+            for (seq, prompt) in prompts.iter().take(seqs).enumerate() {
+                let opts = GenOptions {
+                    speculate: chain(DraftKind::Layers(1)),
+                    ..GenOptions::max_tokens(20)
+                };
+                g.add(seq as i32, prompt, 0, opts).unwrap();
+            }
+            let done = g.run(&mut ctx, &mut |_| Ok(())).unwrap();
+            for f in done {
+                let prompt = prompts[f.seq as usize];
+                let alone = RunSpec {
+                    prompt: prompt.to_vec(),
+                    ..s.clone()
+                };
+                assert_eq!(f.generated, greedy_ids(&m, &alone), "{backend} {cache}");
+                let stats = f.speculation.expect("it speculated");
+                assert!(
+                    stats.accepted > 0 && stats.accepted < stats.drafted,
+                    "{backend} {cache}: {stats:?} (both verdicts exercised)"
+                );
+                let held = match cache {
+                    CacheKind::Seq => ctx.seq_len(f.seq).unwrap(),
+                    _ => ctx.stats().unwrap().live_cells as usize,
+                };
+                assert_eq!(
+                    held,
+                    prompt.len() + f.generated.len() - 1,
+                    "{backend} {cache}"
+                );
+            }
+        }
     }
 }
 
@@ -392,7 +454,7 @@ fn refused_forwards_leave_the_cache_as_it_was() {
             .unwrap_err()
             .to_string();
         assert!(e.contains("max_new 0"), "{e}");
-        let e = run_decode(&m, &none, None, Sampler::greedy(), &mut |_| Ok(()))
+        let e = run_decode(&m, &none, None, Sampler::greedy(), None, &mut |_| Ok(()))
             .unwrap_err()
             .to_string();
         assert!(e.contains("max_new 0"), "{e}");

@@ -15,7 +15,7 @@ use common::{runtime, BACKENDS};
 
 /// Greedy decoding of `spec` on `model`.
 fn greedy(model: &Model, spec: &RunSpec) -> RunReport {
-    run_decode(model, spec, None, Sampler::greedy(), &mut |_| Ok(())).unwrap()
+    run_decode(model, spec, None, Sampler::greedy(), None, &mut |_| Ok(())).unwrap()
 }
 
 /// `models/NAME`, fetched by scripts/fetch-models.sh (which `make test` runs).
@@ -85,6 +85,7 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
         sampler: Sampler::new(0.0, 1.0, 0),
         session: Some(session),
         cancel: None,
+        speculate: None,
     };
     let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts(saved.clone())).unwrap();
     let first = chat
@@ -150,6 +151,7 @@ fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
         sampler: Sampler::greedy(),
         session: None,
         cancel: Some(cancel.clone()),
+        speculate: None,
     };
     let mut chat = Chat::new(&model, opts).unwrap();
     let questions = [

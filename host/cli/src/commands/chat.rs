@@ -46,6 +46,10 @@ pub struct Args {
     model_flags: crate::model_flags::ModelFlags,
     #[command(flatten)]
     attention: crate::model_flags::AttentionFlag,
+    /// Speculative decoding, drafting with KIND: `ngram` (prompt lookup over the
+    /// conversation), `draft:PATH` or `layers:N`. Answers are those plain decoding gives.
+    #[arg(long, value_name = "KIND")]
+    speculative: Option<kvplug::speculative::DraftKind>,
     /// One JSON object per turn instead of streamed text.
     #[arg(long)]
     json: bool,
@@ -77,6 +81,11 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         sampler: a.sampling.sampler(),
         session,
         cancel: Some(STOP.clone()),
+        speculate: a
+            .speculative
+            .as_ref()
+            .map(|kind| kvplug::speculative::Draft::open(kind, &model))
+            .transpose()?,
     };
     let mut chat = Chat::new(&model, opts)?;
     if let Some(r) = chat.restored() {
@@ -268,8 +277,11 @@ impl Repl<'_> {
 }
 
 fn summary(r: &kvplug::chat::TurnReport) -> String {
+    let drafts = r.speculation.map_or(String::new(), |s| {
+        format!("; {} of {} draft tokens accepted", s.accepted, s.drafted)
+    });
     format!(
-        "prefilled {} tokens, reused {} from the cache; {} generated at {:.1} tok/s",
+        "prefilled {} tokens, reused {} from the cache; {} generated at {:.1} tok/s{drafts}",
         r.prefilled_tokens,
         r.reused_tokens,
         r.ids.len(),

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use kvplug::run::{run_decode, run_fork, RunSpec};
-use kvplug::speculative::{run_speculative, DraftKind, SpecOptions};
+use kvplug::speculative::Speculation;
 use kvplug::{KvDtype, Message, Runtime, Sampler};
 
 /// Arguments of `kvplug demo`.
@@ -74,6 +74,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         &chat,
         Some(text.clone()),
         Sampler::greedy(),
+        None,
         &mut |e| {
             print!("{}", e.text);
             std::io::stdout().flush()?;
@@ -121,13 +122,18 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         max_new: 200,
         ..spec(text.encode(&text.render(std::slice::from_ref(&rewrite))?)?)
     };
-    let plain = run_decode(model, &code, None, Sampler::greedy(), &mut |_| Ok(()))?;
-    let opts = SpecOptions {
-        draft: DraftKind::Ngram,
-        max_depth: 8,
-        max_width: 1,
+    let greedy = |speculate| {
+        run_decode(
+            model,
+            &code,
+            None,
+            Sampler::greedy(),
+            speculate,
+            &mut |_| Ok(()),
+        )
     };
-    let spec_run = run_speculative(model, &code, &opts, &mut Sampler::greedy())?;
+    let plain = greedy(None)?;
+    let spec_run = greedy(Some(Speculation::ngram()))?;
     let same = spec_run.ids == plain.ids;
     println!(
         "\n== speculative (ngram prompt lookup) on a code rewrite ({} prompt tokens): output {} greedy decoding; {:.0}% of drafted tokens accepted, {:.2} tokens per target forward, {:.2}x plain decoding",

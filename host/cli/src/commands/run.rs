@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use kvplug::run::{run_agents, run_decode, RunReport, RunSpec};
-use kvplug::speculative::{run_speculative, DraftKind, SpecOptions};
+use kvplug::speculative::{Draft, DraftKind, Speculation};
 use kvplug::{Message, Model, Runtime, Text};
 
 use crate::sampling::SamplingArgs;
@@ -119,32 +119,29 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             _ => Default::default(),
         },
     };
-    let mut sampler = a.sampling.sampler();
+    let sampler = a.sampling.sampler();
     let report: RunReport = if let Some(k) = a.agents {
         run_agents(&model, &spec, k, &sampler)?
-    } else if let Some(draft) = &a.speculative {
-        let opts = SpecOptions {
-            draft: draft.clone(),
-            max_depth: a.depth,
-            max_width: a.width,
-        };
-        if !opts.fits(&spec) {
-            bail!(
-                "--depth {} × --width {} draft trees (both at least 1) do not fit beside the \
-                 prompt ({}) and --max-new ({}) in the capacity {}",
-                a.depth,
-                a.width,
-                spec.prompt.len(),
-                spec.max_new,
-                spec.capacity
-            );
-        }
-        run_speculative(&model, &spec, &opts, &mut sampler)?
     } else {
+        let speculate = match &a.speculative {
+            Some(kind) => {
+                let s = Speculation {
+                    max_depth: a.depth,
+                    max_width: a.width,
+                    ..Speculation::ngram()
+                };
+                s.check()?;
+                Some(Speculation {
+                    draft: Draft::open(kind, &model)?,
+                    ..s
+                })
+            }
+            None => None,
+        };
         let stream = !a.json;
         let progress = std::io::stderr().is_terminal();
         let mut done = 0;
-        run_decode(&model, &spec, text.clone(), sampler, &mut |e| {
+        run_decode(&model, &spec, text.clone(), sampler, speculate, &mut |e| {
             if stream && !e.text.is_empty() {
                 print!("{}", e.text);
                 std::io::stdout().flush()?;
@@ -187,7 +184,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     match (&decoded, report.mode.as_str()) {
-        (Some(_), "decode") => println!(),
+        (Some(_), "decode" | "speculative") => println!(),
         (Some(d), _) => println!("{d}"),
         (None, _) => {
             let ids: Vec<String> = report.ids.iter().map(|i| i.to_string()).collect();

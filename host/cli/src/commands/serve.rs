@@ -70,6 +70,13 @@ pub struct Args {
     /// from a recent request's — possibly another client's — prompt.
     #[arg(long)]
     no_prefix_header: bool,
+    /// Speculative decoding for every request that does not turn it off
+    /// (`"speculative": false`), drafting with KIND: `ngram` (prompt lookup over the
+    /// conversation), `draft:PATH` or `layers:N`. Without it, only requests with
+    /// `"speculative": true` speculate, by prompt lookup. Answers are those plain decoding
+    /// gives; usage counts accepted and rejected draft tokens.
+    #[arg(long, value_name = "KIND")]
+    speculative: Option<kvplug::speculative::DraftKind>,
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
@@ -99,6 +106,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_body: a.max_body,
         session_dir: sessions.dir().to_path_buf(),
         prefix_header: !a.no_prefix_header,
+        speculative: a.speculative,
         header_timeout: a.header_timeout,
         parked: WarmLimits {
             bytes: (a.agent_disk > 0).then_some(a.agent_disk),

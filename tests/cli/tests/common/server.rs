@@ -1,16 +1,29 @@
-//! A `kvplug serve` process for the tests that talk HTTP to it (ureq).
+//! A server for the tests that talk HTTP to it (ureq): a `kvplug serve` process, or a
+//! [`kvplug_server::Server`] in this process.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvplug_server::{ServerConfig, ServerError, Stopper};
 use serde_json::Value;
 
-/// A server process, stopped (SIGTERM) on drop.
+/// Where a server runs.
+enum Running {
+    Process(Child),
+    /// Served on its own thread until stopped.
+    InProcess {
+        stop: Stopper,
+        serving: Option<JoinHandle<Result<(), ServerError>>>,
+    },
+}
+
+/// A server, stopped on drop (a process by SIGTERM, one in this process by its stopper).
 pub struct Server {
-    child: Child,
+    running: Running,
     /// `http://127.0.0.1:PORT`.
     pub url: String,
     http: ureq::Agent,
@@ -51,21 +64,42 @@ impl Server {
             .find(|w| w.starts_with("http://"))
             .unwrap_or_else(|| panic!("the server did not start: {line:?}"))
             .to_string();
-        // The one limit on a request is a hang guard (half an hour), never a speed bound: the
-        // heaviest request, a ~1,400-token agent turn, takes seconds in CI.
-        let http: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(1800)))
-            .build()
-            .into();
         let key = args
             .iter()
             .position(|&a| a == "--api-key")
             .map(|i| args[i + 1].to_string());
         Server {
-            child,
+            running: Running::Process(child),
             url,
-            http,
+            http: http(),
+            key,
+            sessions,
+            _plugins: plugins,
+        }
+    }
+
+    /// A [`kvplug_server::Server`] in this process on `config` (its address and session
+    /// directory set here: port 0, a fresh directory), the cpu plugin alone.
+    pub fn in_process(mut config: ServerConfig) -> Server {
+        let plugins = super::cpu_plugins();
+        let sessions = tempfile::tempdir().unwrap();
+        config.addr = "127.0.0.1:0".parse().unwrap();
+        config.session_dir = sessions.path().to_path_buf();
+        let key = config.api_key.clone();
+        let runtime = kvplug::Runtime::load(&kvplug::PluginSearch::only(
+            &[plugins.path().to_path_buf()],
+            false,
+        ));
+        let server = kvplug_server::Server::bind(&runtime, config).unwrap();
+        let (url, stop) = (format!("http://{}", server.local_addr()), server.stopper());
+        let serving = std::thread::spawn(move || server.run(|| {}));
+        Server {
+            running: Running::InProcess {
+                stop,
+                serving: Some(serving),
+            },
+            url,
+            http: http(),
             key,
             sessions,
             _plugins: plugins,
@@ -191,19 +225,97 @@ impl Server {
         v["engine"].clone()
     }
 
-    /// Sends SIGTERM and waits for a clean exit; returns the session directory.
+    /// Stops it as SIGTERM does and waits for a clean end; returns the session directory.
     pub fn stop(mut self) -> tempfile::TempDir {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "the server exited with {status}");
+        match &mut self.running {
+            Running::Process(child) => {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                let status = child.wait().unwrap();
+                assert!(status.success(), "the server exited with {status}");
+            }
+            Running::InProcess { stop, serving } => {
+                stop.stop();
+                let served = serving.take().unwrap().join().expect("the server thread");
+                served.expect("the server ended cleanly");
+            }
+        }
         std::mem::replace(&mut self.sessions, tempfile::tempdir().unwrap())
     }
 }
 
+/// The tests' HTTP client. The one limit on a request is a hang guard (half an hour), never
+/// a speed bound: the heaviest request, a ~1,400-token agent turn, takes seconds in CI.
+fn http() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(1800)))
+        .build()
+        .into()
+}
+
+/// The settings `kvplug serve` starts with by default, on `model`.
+pub fn config(model: &Path) -> ServerConfig {
+    ServerConfig {
+        model: model.to_path_buf(),
+        model_id: "test".into(),
+        backend: "cpu".into(),
+        addr: "127.0.0.1:0".parse().unwrap(),
+        api_key: None,
+        capacity: 8192,
+        kv_dtype: kvplug::KvDtype::F16,
+        key_rotation: true,
+        mmap: true,
+        attention: None,
+        parallel: 16,
+        max_queue: 64,
+        max_tokens: 1024,
+        max_body: 1 << 20,
+        session_dir: PathBuf::new(),
+        parked: kvplug::WarmLimits::default(),
+        header_timeout: Duration::from_secs(30),
+        prefix_header: true,
+        speculative: None,
+    }
+}
+
+/// SmolLM2-135M-Instruct's GGUF (fetched by scripts/fetch-models.sh, which `make test`
+/// runs) imported to f16 once per test process: the server tests are about the server,
+/// and its Q4_1 weights computed in place (int8 activations on the cpu) leave the first
+/// answer token a near tie ("The" against "L'", 0.08 apart in the f64 reference).
+pub fn smollm2_f16() -> PathBuf {
+    static IMPORTED: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
+    IMPORTED
+        .get_or_init(|| {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+            assert!(
+                path.exists(),
+                "{} is missing: run scripts/fetch-models.sh (make test does)",
+                path.display()
+            );
+            let dir = tempfile::tempdir().unwrap();
+            let out = dir.path().join("smollm2-f16");
+            kvplug::formats::gguf::import(&path, &out, &mut |_, _, _| {}).unwrap();
+            (dir, out)
+        })
+        .1
+        .clone()
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        match &mut self.running {
+            Running::Process(child) => {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Running::InProcess { stop, serving } => {
+                stop.stop();
+                if let Some(s) = serving.take() {
+                    let _ = s.join();
+                }
+            }
+        }
     }
 }
