@@ -16,8 +16,9 @@
 //!   tokens and strings, token limits, a per-token callback — for one sequence or many in
 //!   one forward per step (continuous batching). Every runner below is built on it.
 //! - [`Sampler`]: greedy, or temperature with top-k and top-p, seeded.
-//! - [`run`]: plain decode, agent fork and agents; [`speculative`]: tree drafts verified in
-//!   one forward.
+//! - [`Speculation`] ([`speculative`]): a request's option — draft tokens (prompt lookup or a
+//!   draft model) verified in its own steps, the output unchanged.
+//! - [`run`]: decode (plain or speculative), agent fork and agents.
 //! - [`Chat`]: a conversation on one contiguous context that prefills only what is new.
 //! - [`AgentStore`]: named agents on one seq context, their K/V hot in the cache or warm in
 //!   their session files.
@@ -59,4 +60,5 @@ pub use kvplug_runtime::{
 };
 pub use llm::{Answer, Llm, LlmBuilder};
 pub use sampler::{Adjustments, Sampler};
+pub use speculative::{Draft, DraftKind, SpecStats, Speculation};
 pub use text::{Message, Text};
