@@ -37,7 +37,7 @@ for _ in range(n):
     llm.eval([int(best)])
 
 cmd = [kvplug, "--plugins", plugins, "run", "--backend", backend, "--model", path, "--raw",
-       "--prompt", prompt, "--max-new", str(n), "--ignore-eos", "--json", "--kv-dtype", kv]
+       "--prompt", prompt, "--max-tokens", str(n), "--ignore-eos", "--json", "--kv-dtype", kv]
 res = subprocess.run(cmd, capture_output=True, text=True)
 if res.returncode != 0:
     print(f"{path}: kvplug failed: {res.stderr[-2000:]}")

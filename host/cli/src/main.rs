@@ -114,11 +114,11 @@ fn main() -> ExitCode {
         .nth(1)
         .is_some_and(|a| a == RENDER_TEMPLATE)
     {
-        return kvplug::chat_template::serve_sandboxed();
+        return kvplug::serve_sandboxed();
     }
     // Templates come from model files: render them in a child of this binary, bounded.
     if let Ok(exe) = std::env::current_exe() {
-        let _ = kvplug::chat_template::Sandbox::new(exe, [RENDER_TEMPLATE]).install();
+        let _ = kvplug::Sandbox::new(exe, [RENDER_TEMPLATE]).install();
     }
     ensure_runtime_dir();
     let cli = Cli::parse();
@@ -162,7 +162,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         only
     };
     let runtime = Runtime::load(&search);
-    let sessions = kvplug::session_dir::SessionDir::standard(cli.session_dir.as_deref());
+    let sessions = kvplug::SessionDir::standard(cli.session_dir.as_deref());
     match cli.command {
         Command::Plugins(a) => plugins::run(&runtime, &search, a),
         Command::Model { command } => model::run(command),

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use kvplug::fingerprint::model_fingerprint;
+use kvplug::model_fingerprint;
 use kvplug::session_file::{self, Session};
 use kvplug::{
     generate, AgentStore, AgentStoreOptions, CacheKind, GenOptions, KvDtype, PluginSearch, Runtime,

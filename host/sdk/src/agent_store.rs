@@ -71,7 +71,7 @@ pub struct WarmUsage {
 /// What one request did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Reply {
-    /// Generated ids (ending at a stop token unless cut at `max_new`).
+    /// Generated ids (ending at a stop token unless cut at `max_tokens`).
     pub ids: Vec<i32>,
     /// Prompt tokens whose K/V were reused: from the prefix index, the agent's own sequence
     /// or its session file.

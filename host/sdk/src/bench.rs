@@ -89,6 +89,46 @@ pub struct BenchResult {
 }
 
 impl BenchResult {
+    /// The table's header rows.
+    pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache MiB |\n| --- | --- | --- | --- | ---: | ---: | ---: |";
+
+    /// One table row; `kv` names an attention arithmetic other than f32, and quantized keys
+    /// left unrotated, after the dtype; `model` says `no-mmap` after the name where the weights
+    /// were read into memory.
+    pub fn table_row(&self) -> String {
+        let r = self;
+        let quantized = r
+            .kv_dtype
+            .parse::<KvDtype>()
+            .is_ok_and(KvDtype::is_quantized);
+        let notes: Vec<&str> = [
+            (r.attention != Arithmetic::F32.as_str()).then_some(r.attention.as_str()),
+            (quantized && r.key_basis == KeyBasis::Identity.as_str()).then_some("unrotated"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let kv = match notes.is_empty() {
+            true => r.kv_dtype.clone(),
+            false => format!("{} ({})", r.kv_dtype, notes.join(", ")),
+        };
+        let model = match r.use_mmap {
+            true => r.model.clone(),
+            false => format!("{} (no-mmap)", r.model),
+        };
+        format!(
+            "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",
+            model,
+            r.backend,
+            r.kind,
+            kv,
+            r.test(),
+            r.avg_ts,
+            r.stddev_ts,
+            r.cache_bytes as f64 / (1 << 20) as f64
+        )
+    }
+
     /// `pp512`, `tg128 @ d4096`: `llama-bench`'s test names.
     pub fn test(&self) -> String {
         let t = match self.n_prompt {
@@ -171,7 +211,7 @@ fn mean_sd(v: &[f64]) -> (f64, f64) {
 
 /// Runs every combination of `a` on `runtime`'s backends; `on_result` sees each test as it
 /// finishes.
-pub fn run(
+pub fn bench(
     runtime: &Runtime,
     a: &BenchOptions,
     on_result: &mut dyn FnMut(&BenchResult),
@@ -258,45 +298,6 @@ pub fn run(
         }
     }
     Ok(results)
-}
-
-/// The table's header rows.
-pub const TABLE_HEAD: &str = "| model | backend | kind | kv | test | t/s | cache MiB |\n| --- | --- | --- | --- | ---: | ---: | ---: |";
-
-/// One table row; `kv` names an attention arithmetic other than f32, and quantized keys
-/// left unrotated, after the dtype; `model` says `no-mmap` after the name where the weights
-/// were read into memory.
-pub fn table_row(r: &BenchResult) -> String {
-    let quantized = r
-        .kv_dtype
-        .parse::<KvDtype>()
-        .is_ok_and(KvDtype::is_quantized);
-    let notes: Vec<&str> = [
-        (r.attention != Arithmetic::F32.as_str()).then_some(r.attention.as_str()),
-        (quantized && r.key_basis == KeyBasis::Identity.as_str()).then_some("unrotated"),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    let kv = match notes.is_empty() {
-        true => r.kv_dtype.clone(),
-        false => format!("{} ({})", r.kv_dtype, notes.join(", ")),
-    };
-    let model = match r.use_mmap {
-        true => r.model.clone(),
-        false => format!("{} (no-mmap)", r.model),
-    };
-    format!(
-        "| {} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.1} |",
-        model,
-        r.backend,
-        r.kind,
-        kv,
-        r.test(),
-        r.avg_ts,
-        r.stddev_ts,
-        r.cache_bytes as f64 / (1 << 20) as f64
-    )
 }
 
 #[cfg(test)]

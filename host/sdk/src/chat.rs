@@ -32,7 +32,7 @@ pub struct ChatOptions {
     /// KV storage dtype; `None` = the session file's, else f16.
     pub kv_dtype: Option<KvDtype>,
     /// Most tokens per answer.
-    pub max_new: usize,
+    pub max_tokens: usize,
     /// How tokens are picked.
     pub sampler: Sampler,
     /// A session file: resumed when it exists, written after every turn.
@@ -61,7 +61,7 @@ pub struct Restored {
 pub struct TurnReport {
     /// The assistant's answer.
     pub text: String,
-    /// Its token ids (ending at the end-of-turn token unless cut at `max_new`).
+    /// Its token ids (ending at the end-of-turn token unless cut at `max_tokens`).
     pub ids: Vec<i32>,
     /// Prompt tokens already in the cache from earlier turns.
     pub reused_tokens: usize,
@@ -98,7 +98,7 @@ pub struct Chat {
     /// Tokens in the cache, in order (cell i holds `cached[i]`).
     cached: Vec<i32>,
     capacity: usize,
-    max_new: usize,
+    max_tokens: usize,
     sampler: Sampler,
     cancel: Option<Arc<AtomicBool>>,
     speculate: Option<Draft>,
@@ -159,7 +159,7 @@ impl Chat {
             messages,
             cached: Vec::new(),
             capacity: opts.capacity,
-            max_new: opts.max_new,
+            max_tokens: opts.max_tokens,
             sampler: opts.sampler,
             speculate: opts.speculate,
             cancel: opts.cancel,
@@ -292,7 +292,7 @@ impl Chat {
     /// with, prefills the rest, and decodes to the end of the turn. `on_text` gets the answer
     /// as it is produced; its error ends the turn, which then leaves the conversation as it
     /// was (a stopped answer is not kept). When the conversation no longer fits the
-    /// capacity with `max_new` tokens of answer, its oldest messages after the system
+    /// capacity with `max_tokens` tokens of answer, its oldest messages after the system
     /// message are left out (the report says how many) and the rest is prefilled again.
     pub fn turn(
         &mut self,
@@ -305,16 +305,16 @@ impl Chat {
         let mut dropped = 0;
         let prompt = loop {
             let prompt = self.text.encode(&self.text.render(&messages)?)?;
-            if prompt.len() + self.max_new <= self.capacity {
+            if prompt.len() + self.max_tokens <= self.capacity {
                 break prompt;
             }
             if messages.len() - first <= 1 {
                 fail!(
                     Invalid,
-                    "this message ({} tokens with the system message) + max_new ({}) does not \
+                    "this message ({} tokens with the system message) + max_tokens ({}) does not \
                      fit the capacity {}",
                     prompt.len(),
-                    self.max_new,
+                    self.max_tokens,
                     self.capacity
                 );
             }
@@ -335,7 +335,7 @@ impl Chat {
         let reused = self.rewind(reused)?;
         let fresh = &prompt[reused..];
         let opts = GenOptions {
-            max_tokens: self.max_new,
+            max_tokens: self.max_tokens,
             sampler: self.sampler.clone(),
             stop_tokens: self.text.stop_tokens().clone(),
             cancel: self.cancel.clone(),
@@ -373,7 +373,7 @@ impl Chat {
         self.cached.extend_from_slice(fresh);
         self.cached
             .extend_from_slice(&g.ids[..g.ids.len().saturating_sub(1)]);
-        let answer = self.text.decode(&g.ids)?;
+        let answer = self.text.detokenize(&g.ids)?;
         messages.push(Message::new("assistant", answer.trim()));
         self.messages = messages;
         self.save()?;

@@ -595,7 +595,7 @@ fn sample_one<'l>(
 /// Installs the first of `a`'s waiting constraints whose opening its answer has reached
 /// (dropping those that can no longer fire); whether the installed grammar is complete.
 fn trigger(a: &mut Active, text: &Text) -> Result<bool> {
-    let answer = text.decode(&a.generated)?;
+    let answer = text.detokenize(&a.generated)?;
     let start = answer.trim_start();
     // An opening only allowed at the start cannot come once the start departs from it.
     a.opts
@@ -615,7 +615,7 @@ fn trigger(a: &mut Active, text: &Text) -> Result<bool> {
     let mut from = 0;
     for f in (0..a.generated.len()).rev() {
         if text
-            .decode(&a.generated[f..])?
+            .detokenize(&a.generated[f..])?
             .trim_start()
             .starts_with(&w.opening)
         {

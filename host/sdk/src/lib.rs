@@ -16,42 +16,52 @@
 //!   tokens and strings, token limits, a per-token callback — for one sequence or many in
 //!   one forward per step (continuous batching). Every runner below is built on it.
 //! - [`Sampler`]: greedy, or temperature with top-k and top-p, seeded.
-//! - [`Speculation`] ([`speculative`]): a request's option — draft tokens (prompt lookup or a
-//!   draft model) verified in its own steps, the output unchanged.
-//! - [`run`]: decode (plain or speculative), agent fork and agents.
+//! - [`Speculation`]: a request's option — draft tokens (prompt lookup or a draft model)
+//!   verified in its own steps, the output unchanged.
+//! - [`run_decode`] (plain or speculative), [`run_fork`], [`run_agents`]: `kvplug run`.
 //! - [`Chat`]: a conversation on one contiguous context that prefills only what is new.
 //! - [`AgentStore`]: named agents on one seq context, their K/V hot in the cache or warm in
 //!   their session files.
-//! - [`session_file`]: saved K/V files ("sessions"), [`session_dir`] where they live.
-//! - [`Text`]: tokenizer, chat template, streamed text; [`formats`]: GGUF and synthetic
-//!   models; [`plan`]: memory plans; [`bench`]: `llama-bench`-shaped throughput.
+//! - [`session_file`]: saved K/V files ("sessions"), [`SessionDir`] where they live.
+//! - [`Text`]: tokenizer, chat template, streamed text; [`Grammars`]: constrained decoding;
+//!   [`tools`]: tool calls as templates write them.
+//! - [`formats`]: GGUF and synthetic models; [`plan()`]: memory plans; [`bench()`]:
+//!   `llama-bench`-shaped throughput.
 
-pub mod agent_store;
-pub mod bench;
-pub mod chat;
-pub mod chat_template;
-pub mod error;
-pub mod fingerprint;
+mod agent_store;
+mod bench;
+mod chat;
+mod chat_template;
+mod error;
+mod fingerprint;
 pub mod formats;
-pub mod generator;
-pub mod grammar;
+mod generator;
+mod grammar;
 mod llm;
-pub mod plan;
-pub mod run;
-pub mod sampler;
-pub mod session_dir;
+mod plan;
+mod run;
+mod sampler;
+mod session_dir;
 pub mod session_file;
-pub mod speculative;
-pub mod stop;
-pub mod text;
+mod speculative;
+mod stop;
+mod text;
 pub mod tools;
 
-pub use agent_store::{AgentStore, AgentStoreOptions, WarmLimits, WarmUsage};
-pub use chat::{Chat, ChatOptions, ChatStats};
+pub use agent_store::{
+    check_agent_name, parked_in, AgentStore, AgentStoreOptions, Divergence, Placed, Reply,
+    WarmLimits, WarmUsage,
+};
+pub use bench::{bench, BenchOptions, BenchResult};
+pub use chat::{Chat, ChatOptions, ChatStats, Restored, TurnReport};
 pub use error::{Error, Result};
+pub use fingerprint::model_fingerprint;
 pub use formats::open_model;
-pub use generator::{generate, Finish, GenOptions, Generator, TokenEvent, PREFILL_UBATCH};
-pub use grammar::{Constraint, GrammarSpec, Grammars};
+pub use generator::{
+    generate, Finish, Finished, GenOptions, Generation, Generator, RequestId, TokenEvent,
+    Triggered, PREFILL_UBATCH,
+};
+pub use grammar::{json_rule, Constraint, GrammarSpec, Grammars};
 pub use kvplug_plugin_api::AbiErrorKind;
 pub use kvplug_runtime::loader;
 pub use kvplug_runtime::{
@@ -59,6 +69,14 @@ pub use kvplug_runtime::{
     RuntimeError,
 };
 pub use llm::{Answer, Llm, LlmBuilder};
-pub use sampler::{Adjustments, Sampler};
-pub use speculative::{Draft, DraftKind, SpecStats, Speculation};
+pub use plan::{default_capacity, parse_bytes, plan, GroupPlan, Plan, PlanOptions};
+pub use run::{run_agents, run_decode, run_fork, CacheReport, ForkReport, RunReport, RunSpec};
+pub use sampler::{argmax, Adjustments, Sampler, TokenLogprobs};
+pub use session_dir::{Listed, SessionDir, SessionLock};
+pub use speculative::{Draft, DraftKind, SpecStats, Speculation, MAX_DRAFT_DEPTH, MAX_DRAFT_WIDTH};
 pub use text::{Message, Text};
+
+/// For a binary that runs itself as the chat-template sandbox (the `kvplug` CLI), and JSON
+/// escaping shared with the server: not part of the SDK's surface.
+#[doc(hidden)]
+pub use chat_template::{ascii_escaped, serve_sandboxed, Sandbox};

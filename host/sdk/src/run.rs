@@ -80,30 +80,33 @@ pub struct RunSpec {
     /// Prompt ids (at least one).
     pub prompt: Vec<i32>,
     /// Tokens to generate.
-    pub max_new: usize,
+    pub max_tokens: usize,
     /// KV storage dtype.
     pub kv_dtype: KvDtype,
     /// Cache capacity in cells.
     pub capacity: usize,
-    /// Tokens that end generation (kept as the last id; none: run to `max_new`).
-    pub stop: BTreeSet<i32>,
+    /// Tokens that end generation (kept as the last id; none: run to `max_tokens`).
+    pub stop_tokens: BTreeSet<i32>,
 }
 
 impl RunSpec {
-    /// Refuses an empty prompt, `max_new` 0 and runs beyond the capacity.
+    /// Refuses an empty prompt, `max_tokens` 0 and runs beyond the capacity.
     pub(crate) fn check(&self) -> Result<()> {
         if self.prompt.is_empty() {
             fail!(Invalid, "the prompt is empty");
         }
-        if self.max_new == 0 {
-            fail!(Invalid, "max_new 0 would generate nothing: give at least 1");
-        }
-        if self.prompt.len().saturating_add(self.max_new) > self.capacity {
+        if self.max_tokens == 0 {
             fail!(
                 Invalid,
-                "prompt ({}) + max_new ({}) exceed the capacity {}",
+                "max_tokens 0 would generate nothing: give at least 1"
+            );
+        }
+        if self.prompt.len().saturating_add(self.max_tokens) > self.capacity {
+            fail!(
+                Invalid,
+                "prompt ({}) + max_tokens ({}) exceed the capacity {}",
                 self.prompt.len(),
-                self.max_new,
+                self.max_tokens,
                 self.capacity
             );
         }
@@ -113,9 +116,9 @@ impl RunSpec {
     /// The request options for `sampler`.
     pub(crate) fn options(&self, sampler: Sampler) -> GenOptions {
         GenOptions {
-            max_tokens: self.max_new,
+            max_tokens: self.max_tokens,
             sampler,
-            stop_tokens: self.stop.clone(),
+            stop_tokens: self.stop_tokens.clone(),
             ..GenOptions::default()
         }
     }
@@ -170,7 +173,7 @@ pub fn run_decode(
 /// What [`run_fork`] produced.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ForkReport {
-    /// Each branch's generated ids (ending at a stop token or at `max_new`).
+    /// Each branch's generated ids (ending at a stop token or at `max_tokens`).
     pub branches: Vec<Vec<i32>>,
     /// Trunk tokens prefilled once and shared by every branch.
     pub trunk_tokens: usize,
@@ -188,7 +191,7 @@ pub struct ForkReport {
 /// prefilled once); branch `b` (sequence `b + 1`) shares it zero-copy (`seq_cp`) and adds
 /// its own `suffixes[b]` (e.g. a different user turn). The suffixes go in together, then
 /// every live branch decodes in one forward per step until it reaches a stop token or
-/// `spec.max_new` (greedy).
+/// `spec.max_tokens` (greedy).
 pub fn run_fork(model: &Model, spec: &RunSpec, suffixes: &[Vec<i32>]) -> Result<ForkReport> {
     spec.check()?;
     let k = suffixes.len();
@@ -201,12 +204,12 @@ pub fn run_fork(model: &Model, spec: &RunSpec, suffixes: &[Vec<i32>]) -> Result<
     let p = spec.prompt.len();
     let suffix_tokens: usize = suffixes.iter().map(Vec::len).sum();
     let longest = suffixes.iter().map(Vec::len).max().unwrap_or(0);
-    let cells = p + suffix_tokens + k * spec.max_new;
-    if cells > spec.capacity || p + longest + spec.max_new > spec.capacity {
+    let cells = p + suffix_tokens + k * spec.max_tokens;
+    if cells > spec.capacity || p + longest + spec.max_tokens > spec.capacity {
         fail!(
             Invalid,
-            "the trunk ({p}), the suffixes ({suffix_tokens}) and {k} × max_new ({}) need {cells} cells; the capacity is {}",
-            spec.max_new,
+            "the trunk ({p}), the suffixes ({suffix_tokens}) and {k} × max_tokens ({}) need {cells} cells; the capacity is {}",
+            spec.max_tokens,
             spec.capacity
         );
     }
@@ -245,7 +248,7 @@ pub fn run_fork(model: &Model, spec: &RunSpec, suffixes: &[Vec<i32>]) -> Result<
 
 /// Agent fork on a seq context: the prompt as a shared trunk (sequence 0), `k` branches
 /// forked with `seq_cp` and decoded together, one forward per step, each to its own stop
-/// token or `max_new`; the branch with the highest log-probability is kept with
+/// token or `max_tokens`; the branch with the highest log-probability is kept with
 /// `seq_keep`. Branch `b` starts from the trunk's `b`-th most likely token (greedy) or its
 /// own sample.
 pub fn run_agents(model: &Model, spec: &RunSpec, k: usize, sampler: &Sampler) -> Result<RunReport> {
@@ -256,13 +259,13 @@ pub fn run_agents(model: &Model, spec: &RunSpec, k: usize, sampler: &Sampler) ->
             "agents take 1..=63 branches (sequence 0 is the trunk)"
         );
     }
-    let need = spec.prompt.len() + k * spec.max_new;
+    let need = spec.prompt.len() + k * spec.max_tokens;
     if need > spec.capacity {
         fail!(
             Invalid,
-            "the prompt ({}) and {k} branches of max_new ({}) need {need} cells; the capacity is {}",
+            "the prompt ({}) and {k} branches of max_tokens ({}) need {need} cells; the capacity is {}",
             spec.prompt.len(),
-            spec.max_new,
+            spec.max_tokens,
             spec.capacity
         );
     }
@@ -300,9 +303,9 @@ pub fn run_agents(model: &Model, spec: &RunSpec, k: usize, sampler: &Sampler) ->
         let seq = b as i32 + 1;
         ctx.seq_cp(0, seq, None, None)?;
         let first = branches[b][0];
-        if spec.max_new > 1 && !spec.stop.contains(&first) {
+        if spec.max_tokens > 1 && !spec.stop_tokens.contains(&first) {
             let opts = RunSpec {
-                max_new: spec.max_new - 1,
+                max_tokens: spec.max_tokens - 1,
                 ..spec.clone()
             }
             .options(s);

@@ -225,7 +225,7 @@ const PAUSE_MAX: usize = 256;
 
 /// One round's tree: node 0 is the root (the last committed token, not yet run).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Tree {
+pub(crate) struct Tree {
     /// Token of each node.
     pub tokens: Vec<i32>,
     /// Parent of each node (`-1` for the root).
@@ -283,16 +283,10 @@ impl Tree {
     }
 }
 
-/// Prompt lookup: up to `width` continuations (distinct first tokens, at most `depth` tokens
-/// each) of the latest occurrences of the longest suffix of `context` (`NGRAM_MAX` down to
-/// `NGRAM_MIN` tokens) found earlier in it, as a tree under `context`'s last token.
-pub fn ngram_tree(context: &[i32], depth: usize, width: usize) -> Tree {
-    let mut tree = Tree::default();
-    ngram_into(&mut tree, context, depth, width);
-    tree
-}
-
-/// [`ngram_tree`] into `tree` (its buffers reused).
+/// Prompt lookup into `tree` (its buffers reused): up to `width` continuations (distinct
+/// first tokens, at most `depth` tokens each) of the latest occurrences of the longest
+/// suffix of `context` (`NGRAM_MAX` down to `NGRAM_MIN` tokens) found earlier in it, as a
+/// tree under `context`'s last token.
 fn ngram_into(tree: &mut Tree, context: &[i32], depth: usize, width: usize) {
     tree.reset(*context.last().expect("a context"));
     let n = context.len();
@@ -760,6 +754,12 @@ mod tests {
         for bad in ["layers:0", "layers:x", "draft:", "medusa"] {
             assert!(bad.parse::<DraftKind>().is_err(), "{bad}");
         }
+    }
+
+    fn ngram_tree(context: &[i32], depth: usize, width: usize) -> Tree {
+        let mut tree = Tree::default();
+        ngram_into(&mut tree, context, depth, width);
+        tree
     }
 
     #[test]

@@ -224,7 +224,7 @@ impl Text {
     }
 
     /// Text of `ids` (special tokens skipped).
-    pub fn decode(&self, ids: &[i32]) -> Result<String> {
+    pub fn detokenize(&self, ids: &[i32]) -> Result<String> {
         let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
         self.tokenizer
             .decode(&ids, true)
@@ -244,7 +244,7 @@ impl Streamer {
     /// Adds `id`; returns the new text that can be printed now.
     pub fn push(&mut self, text: &Text, id: i32) -> Result<String> {
         self.ids.push(id);
-        let all = text.decode(&self.ids)?;
+        let all = text.detokenize(&self.ids)?;
         if all.ends_with('\u{FFFD}')
             || all.len() < self.printed
             || !all.is_char_boundary(self.printed)

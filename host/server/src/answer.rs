@@ -9,8 +9,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use kvplug::sampler::TokenLogprobs;
 use kvplug::tools::{parse, Parsed};
+use kvplug::TokenLogprobs;
 use kvplug::{Grammars, Text};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -19,7 +19,7 @@ use crate::api::Endpoint;
 use crate::engine::{CachedTokens, Event, Predictions, Usage};
 use crate::error::ApiError;
 use crate::request::Calls;
-use kvplug::speculative::SpecStats;
+use kvplug::SpecStats;
 
 /// The answer's fixed fields.
 pub struct Answer {

@@ -13,12 +13,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvplug::agent_store::{AgentStore, Divergence, Placed};
-use kvplug::generator::{Finish, Finished, GenOptions, Generator, RequestId};
-use kvplug::run::CacheReport;
-use kvplug::sampler::TokenLogprobs;
-use kvplug::speculative::{Draft, SpecStats, Speculation};
+use kvplug::CacheReport;
+use kvplug::TokenLogprobs;
 use kvplug::{AbiErrorKind, Text};
+use kvplug::{AgentStore, Divergence, Placed};
+use kvplug::{Draft, SpecStats, Speculation};
+use kvplug::{Finish, Finished, GenOptions, Generator, RequestId};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;

@@ -102,7 +102,7 @@ pub struct ServerConfig {
     /// Speculative decoding: the draft (`ngram`, `draft:PATH`, `layers:N`) of every
     /// request that does not turn it off (`"speculative": false`); `None`: only requests
     /// asking for it (`"speculative": true`) speculate, by prompt lookup.
-    pub speculative: Option<kvplug::speculative::DraftKind>,
+    pub speculative: Option<kvplug::DraftKind>,
 }
 
 /// What starting or running the server can fail with.
@@ -152,7 +152,7 @@ pub struct Server {
     store: AgentStore,
     text: Arc<Text>,
     grammars: Result<kvplug::Grammars, String>,
-    draft: Option<kvplug::speculative::Draft>,
+    draft: Option<kvplug::Draft>,
     stop: Arc<tokio::sync::Notify>,
 }
 
@@ -181,7 +181,7 @@ impl Server {
             .build()?;
         let (model, text) = (llm.model().clone(), llm.text().clone());
         let draft = match &config.speculative {
-            Some(kind) => Some(kvplug::speculative::Draft::open(kind, &model)?),
+            Some(kind) => Some(kvplug::Draft::open(kind, &model)?),
             None => None,
         };
         // Constrained decoding (response_format, tools, grammar) needs the vocabulary as

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvplug::run::CacheReport;
+use kvplug::CacheReport;
 
 /// A histogram with fixed upper bounds (seconds).
 struct Histogram {
@@ -134,7 +134,7 @@ impl Metrics {
     }
 
     /// A completion of `n` tokens ended, with what its speculation did.
-    pub fn generated(&self, n: usize, speculation: Option<kvplug::speculative::SpecStats>) {
+    pub fn generated(&self, n: usize, speculation: Option<kvplug::SpecStats>) {
         self.generated_tokens.fetch_add(n as u64, Ordering::Relaxed);
         if let Some(s) = speculation {
             self.draft_tokens

@@ -3,9 +3,9 @@
 //! and the grammar the answer must follow — a JSON schema, a grammar, or the tool-call form
 //! of the model's template family with each call's arguments under its tool's schema.
 
-use kvplug::generator::Triggered;
-use kvplug::grammar::{json_rule, GrammarSpec};
 use kvplug::tools::{call_grammar, Tool, ToolFormat};
+use kvplug::Triggered;
+use kvplug::{json_rule, GrammarSpec};
 use kvplug::{GenOptions, Grammars, Sampler, Text};
 use serde_json::Value;
 

@@ -24,8 +24,8 @@ use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::{prepare, Model};
-use kvplug::agent_store::check_agent_name;
-use kvplug::chat_template::ascii_escaped;
+use kvplug::ascii_escaped;
+use kvplug::check_agent_name;
 use kvplug::{Grammars, Text};
 
 /// The header naming an agent session: its K/V stays in the cache between requests, and

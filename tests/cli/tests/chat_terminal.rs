@@ -55,7 +55,14 @@ fn a_person_can_chat_on_a_terminal() {
         .arg(plugins.path())
         .arg("--session-dir")
         .arg(sessions.path())
-        .args(["chat", "--capacity", "8192", "--max-new", "300", "--model"])
+        .args([
+            "chat",
+            "--capacity",
+            "8192",
+            "--max-tokens",
+            "300",
+            "--model",
+        ])
         .arg(&model)
         .env_remove("KVPLUG_PLUGIN_PATH");
     let mut p = rexpect::session::spawn_command(cmd, Some(TIMEOUT_MS)).unwrap();

@@ -59,7 +59,7 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
     // `run --json` on the question, with `extra` flags.
     let ask = |extra: &[&str]| -> serde_json::Value {
         let mut args = vec!["run", "--model", m, "--prompt", "What is 2 + 2?"];
-        args.extend(["--max-new", "8", "--json"]);
+        args.extend(["--max-tokens", "8", "--json"]);
         args.extend(extra);
         serde_json::from_str(&kvplug(cache.path(), &args)).unwrap()
     };
@@ -143,7 +143,7 @@ fn agents_show_each_branch_as_text() {
         "Name one primary colour.",
         "--agents",
         "3",
-        "--max-new",
+        "--max-tokens",
         "16",
     ];
     let v: serde_json::Value =

@@ -114,7 +114,7 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
             m,
             "--prompt-ids",
             "1,2,3",
-            "--max-new",
+            "--max-tokens",
             "3",
         ]
         .iter()
@@ -165,10 +165,18 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         "token id -5 is outside the vocabulary of 256",
     );
     refuses(
-        ["run", "--model", m, "--prompt-ids", "1", "--max-new", "0"]
-            .map(String::from)
-            .to_vec(),
-        "--max-new 0",
+        [
+            "run",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1",
+            "--max-tokens",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec(),
+        "--max-tokens 0",
     );
     refuses(
         vec![
@@ -204,7 +212,7 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
             dir,
             "--prompt-ids",
             "1,2",
-            "--max-new",
+            "--max-tokens",
             "2",
         ]
         .iter()
@@ -269,10 +277,10 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
             "demo".into(),
             "--model".into(),
             m.into(),
-            "--max-new".into(),
+            "--max-tokens".into(),
             "0".into(),
         ],
-        "--max-new 0",
+        "--max-tokens 0",
     );
 
     // A draft model with another vocabulary is refused before decoding starts.
@@ -432,7 +440,7 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         m,
         "--prompt-ids",
         &long,
-        "--max-new",
+        "--max-tokens",
         "1",
         "--capacity",
         "16400",

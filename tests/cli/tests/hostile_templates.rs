@@ -125,13 +125,13 @@ fn hostile_templates_end_in_errors_and_the_server_keeps_serving() {
         let m = dir.to_str().unwrap();
         refused(
             plugins.path(),
-            &["run", "--model", m, "--prompt", "Hi", "--max-new", "2"],
+            &["run", "--model", m, "--prompt", "Hi", "--max-tokens", "2"],
             "",
             says,
         );
         refused(
             plugins.path(),
-            &["chat", "--model", m, "--max-new", "2"],
+            &["chat", "--model", m, "--max-tokens", "2"],
             "Hi\n",
             says,
         );

@@ -155,7 +155,7 @@ fn hostile_plugin_files_are_skipped_with_a_reason_never_a_crash() {
             m,
             "--prompt-ids",
             "1,2,3",
-            "--max-new",
+            "--max-tokens",
             "2",
         ],
     );

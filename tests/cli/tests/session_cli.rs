@@ -36,7 +36,7 @@ fn chat_on(sessions: &Path, plugins: &Path, session: &str, extra: &[&str]) -> Co
         "chat",
         "--model",
         &smollm2(),
-        "--max-new",
+        "--max-tokens",
         "4",
         "--session",
         session,
@@ -84,7 +84,7 @@ fn a_crashed_writers_temporaries_are_removed_and_a_live_writers_kept() {
     // `chat` sweeps when it starts, too.
     drop(live);
     let out =
-        output(kvplug(sessions.path()).args(["chat", "--model", &smollm2(), "--max-new", "1"]));
+        output(kvplug(sessions.path()).args(["chat", "--model", &smollm2(), "--max-tokens", "1"]));
     assert!(out.status.success(), "{out:?}");
     assert!(!busy.exists(), "the writer has ended: its temporary goes");
 }

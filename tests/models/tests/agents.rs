@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use kvplug::agent_store::Reply;
 use kvplug::formats::synth::{synth, PRESETS};
-use kvplug::run::{run_decode, RunSpec};
+use kvplug::Reply;
+use kvplug::{run_decode, RunSpec};
 use kvplug::{AgentStore, AgentStoreOptions, GenOptions, KvDtype, Model, Runtime, Sampler};
 
 mod common;
@@ -43,10 +43,10 @@ fn store_of(model: &Model, kv_dtype: KvDtype, capacity: usize, dir: &Path) -> Ag
 fn plain(rt: &Runtime, backend: &str, model: &Path, prompt: &[i32]) -> Vec<i32> {
     let spec = RunSpec {
         prompt: prompt.to_vec(),
-        max_new: NEW,
+        max_tokens: NEW,
         kv_dtype: KvDtype::F16,
         capacity: 256,
-        stop: Default::default(),
+        stop_tokens: Default::default(),
     };
     let m = common::model(rt, backend, model);
     run_decode(&m, &spec, None, Sampler::greedy(), None, &mut |_| Ok(()))

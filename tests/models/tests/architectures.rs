@@ -9,8 +9,8 @@ use std::path::Path;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use kvplug::argmax;
 use kvplug::formats::synth::{synth, Preset};
-use kvplug::sampler::argmax;
 use kvplug::{CacheKind, KvDtype};
 use kvplug_backend_kit::model::ModelPackage;
 

@@ -52,7 +52,7 @@ fn ask(
         &mut |_| Ok(()),
     )
     .unwrap();
-    text.decode(&g.ids).unwrap()
+    text.detokenize(&g.ids).unwrap()
 }
 
 #[test]

@@ -499,7 +499,7 @@ fn a_published_hybrid_prefix_resumes_in_another_sequence_on_every_backend() {
 /// back to the depth needs, so each run prefills the depth again instead of failing.
 #[test]
 fn bench_at_a_depth_past_the_window_runs_on_a_hybrid_model() {
-    use kvplug::bench::{run, BenchOptions};
+    use kvplug::{bench as run, BenchOptions};
 
     let dir = tempfile::tempdir().unwrap();
     let c = config();

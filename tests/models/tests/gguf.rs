@@ -207,7 +207,7 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
         ids.contains(&(256 + 2)),
         "the 'hell' merge is used: {ids:?}"
     );
-    assert_eq!(text.decode(&ids).unwrap(), hello);
+    assert_eq!(text.detokenize(&ids).unwrap(), hello);
     let prompt = text
         .render(&[
             Message::new("system", " be brief "),

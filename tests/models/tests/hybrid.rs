@@ -8,9 +8,9 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use kvplug::sampler::argmax;
-use kvplug::speculative::{DraftKind, Speculation};
+use kvplug::argmax;
 use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
+use kvplug::{DraftKind, Speculation};
 
 mod common;
 use common::{
@@ -517,7 +517,7 @@ fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
             (f, held)
         };
         let (plain, _) = run(CacheKind::Contiguous, None);
-        let layers = kvplug::speculative::Draft::open(&DraftKind::Layers(1), &m).unwrap();
+        let layers = kvplug::Draft::open(&DraftKind::Layers(1), &m).unwrap();
         for kind in [CacheKind::Tree, CacheKind::Seq, CacheKind::Contiguous] {
             let speculate = Speculation {
                 max_depth: 3,

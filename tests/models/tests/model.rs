@@ -5,11 +5,11 @@
 //! the same reference. Needs the plugin dylibs next to this test binary
 //! (`cargo build --workspace`); every backend must load.
 
+use kvplug::argmax;
 use kvplug::formats::synth::{synth, PRESETS};
-use kvplug::run::{run_agents, run_decode, RunSpec};
-use kvplug::sampler::argmax;
-use kvplug::speculative::{Draft, DraftKind, Speculation};
 use kvplug::{generate, CacheKind, GenOptions, Generator, KvDtype, Model, Sampler};
+use kvplug::{run_agents, run_decode, RunSpec};
+use kvplug::{Draft, DraftKind, Speculation};
 
 mod common;
 use common::{forward, reference_logits, runtime, BACKENDS};
@@ -41,13 +41,13 @@ fn tiny_stored_as(dtype: &str) -> tempfile::TempDir {
     dir
 }
 
-fn spec(max_new: usize, kv_dtype: KvDtype) -> RunSpec {
+fn spec(max_tokens: usize, kv_dtype: KvDtype) -> RunSpec {
     RunSpec {
         prompt: PROMPT.to_vec(),
-        max_new,
+        max_tokens,
         kv_dtype,
         capacity: 128,
-        stop: Default::default(),
+        stop_tokens: Default::default(),
     }
 }
 
@@ -335,7 +335,7 @@ fn speculative_decoding_equals_plain_decoding() {
         // sampler draws the same tokens.
         let repeats = RunSpec {
             prompt: [PROMPT, PROMPT, PROMPT].concat(),
-            max_new: 24,
+            max_tokens: 24,
             ..s.clone()
         };
         let ngram = run(&repeats, tree(Draft::Ngram), Sampler::greedy());
@@ -453,11 +453,11 @@ fn refused_forwards_leave_the_cache_as_it_was() {
         let e = run_agents(&m, &none, 2, &Sampler::greedy())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("max_new 0"), "{e}");
+        assert!(e.contains("max_tokens 0"), "{e}");
         let e = run_decode(&m, &none, None, Sampler::greedy(), None, &mut |_| Ok(()))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("max_new 0"), "{e}");
+        assert!(e.contains("max_tokens 0"), "{e}");
     }
 }
 
@@ -496,7 +496,7 @@ fn a_model_sets_its_contexts_attention_arithmetic() {
 /// repetition, from each depth's context, and refuses an empty test list.
 #[test]
 fn bench_runs_every_combination() {
-    use kvplug::bench::{run, BenchOptions};
+    use kvplug::{bench as run, BenchOptions};
 
     let model = tiny();
     let rt = runtime();
@@ -551,10 +551,10 @@ fn bench_runs_every_combination() {
         let r = &run(&rt, &opts, &mut |_| {}).unwrap()[0];
         assert_eq!(r.key_basis, if on { "hadamard" } else { "identity" });
         assert_eq!(
-            kvplug::bench::table_row(r).contains("| q8g16 (unrotated) |"),
+            r.table_row().contains("| q8g16 (unrotated) |"),
             !on,
             "{}",
-            kvplug::bench::table_row(r)
+            r.table_row()
         );
     }
     // Weights read into memory are recorded and marked as such.
@@ -563,7 +563,7 @@ fn bench_runs_every_combination() {
         ..quick.clone()
     };
     let r = &run(&rt, &opts, &mut |_| {}).unwrap()[0];
-    let row = kvplug::bench::table_row(r);
+    let row = r.table_row();
     assert!(!r.use_mmap && row.contains(" (no-mmap) |"), "{row}");
     (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
     let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();

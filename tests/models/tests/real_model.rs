@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use kvplug::formats::gguf;
-use kvplug::run::{run_decode, RunReport, RunSpec};
+use kvplug::{run_decode, RunReport, RunSpec};
 use kvplug::{Chat, ChatOptions, KvDtype, Message, Model, Sampler, Text};
 
 mod common;
@@ -53,17 +53,17 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
     for backend in BACKENDS {
         let spec = RunSpec {
             prompt: text.encode(&prompt).unwrap(),
-            max_new: 32,
+            max_tokens: 32,
             kv_dtype: KvDtype::F16,
             capacity: 256,
-            stop: text.stop_tokens().clone(),
+            stop_tokens: text.stop_tokens().clone(),
         };
         let report = greedy(&common::model(&rt, backend, &model), &spec);
-        let answer = text.decode(&report.ids).unwrap();
+        let answer = text.detokenize(&report.ids).unwrap();
         assert!(answer.contains("Paris"), "{backend}: {answer:?}");
         let last = report.ids.last().unwrap();
         assert!(
-            text.stop_tokens().contains(last) && report.ids.len() < spec.max_new,
+            text.stop_tokens().contains(last) && report.ids.len() < spec.max_tokens,
             "{backend}: generation must end at <|im_end|>, got {:?}",
             report.ids
         );
@@ -81,7 +81,7 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
         system: None,
         capacity: 512,
         kv_dtype: None,
-        max_new: 32,
+        max_tokens: 32,
         sampler: Sampler::new(0.0, 1.0, 0),
         session: Some(session),
         cancel: None,
@@ -147,7 +147,7 @@ fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
         system: Some("You answer in one short sentence.".into()),
         capacity: 110,
         kv_dtype: None,
-        max_new: 24,
+        max_tokens: 24,
         sampler: Sampler::greedy(),
         session: None,
         cancel: Some(cancel.clone()),
@@ -355,13 +355,13 @@ fn gemma3_recalls_a_word_from_past_the_window_with_bounded_sliding_layers() {
     let rt = runtime();
     let spec = RunSpec {
         prompt: ids.clone(),
-        max_new: 4,
+        max_tokens: 4,
         kv_dtype: KvDtype::F16,
         capacity: 4096,
-        stop: text.stop_tokens().clone(),
+        stop_tokens: text.stop_tokens().clone(),
     };
     let report = greedy(&common::model(&rt, "cpu", &model), &spec);
-    let answer = text.decode(&report.ids).unwrap();
+    let answer = text.detokenize(&report.ids).unwrap();
     assert!(answer.starts_with("pelican"), "{answer:?}");
     // The full layers hold every position; the sliding layers at most the window plus
     // one prefill micro-batch (pools grow by doubling).
@@ -397,13 +397,13 @@ fn qwen_q4_k_m_in_place_agrees_across_backends_and_with_the_f64_reference() {
     for backend in BACKENDS {
         let spec = RunSpec {
             prompt: prompt.clone(),
-            max_new: 3,
+            max_tokens: 3,
             kv_dtype: KvDtype::F16,
             capacity: 64,
-            stop: Default::default(),
+            stop_tokens: Default::default(),
         };
         let report = greedy(&common::model(&rt, backend, &model), &spec);
-        let answer = text.decode(&report.ids).unwrap();
+        let answer = text.detokenize(&report.ids).unwrap();
         assert!(answer.contains("Paris"), "{backend}: {answer:?}");
         answers.push(report.ids);
     }

@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use kvplug::fingerprint::model_fingerprint;
 use kvplug::formats::synth::{synth, PRESETS};
+use kvplug::model_fingerprint;
 use kvplug::session_file::{self, Session, SessionFileError};
 use kvplug::{generate, CacheKind, Context, GenOptions, KeyBasis, KvDtype, Runtime};
 use kvplug_plugin_api::AbiErrorKind;

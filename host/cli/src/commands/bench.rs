@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use kvplug::bench::{self, BenchOptions};
 use kvplug::{Arithmetic, CacheKind, KvDtype, Runtime};
+use kvplug::{BenchOptions, BenchResult};
 
 /// `kvplug bench`'s arguments. Lists are comma-separated; every combination runs.
 #[derive(clap::Args)]
@@ -60,11 +60,11 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         mmap: a.model_flags.mmap(),
     };
     if !a.json {
-        println!("{}", bench::TABLE_HEAD);
+        println!("{}", BenchResult::TABLE_HEAD);
     }
-    let results = bench::run(runtime, &opts, &mut |r| {
+    let results = kvplug::bench(runtime, &opts, &mut |r| {
         if !a.json {
-            println!("{}", bench::table_row(r));
+            println!("{}", r.table_row());
         }
     })?;
     if a.json {

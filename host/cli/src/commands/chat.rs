@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use anyhow::{bail, Context, Result};
-use kvplug::session_dir::{SessionDir, SessionLock};
 use kvplug::{Chat, ChatOptions, KvDtype, Runtime};
+use kvplug::{SessionDir, SessionLock};
 
 use crate::sampling::SamplingArgs;
 
@@ -27,8 +27,8 @@ pub struct Args {
     #[arg(long)]
     system: Option<String>,
     /// Most tokens per answer.
-    #[arg(long, default_value_t = 256)]
-    max_new: usize,
+    #[arg(long, visible_alias = "max-new", default_value_t = 256)]
+    max_tokens: usize,
     /// Cache capacity in cells (the whole conversation; older messages are left out beyond
     /// it). Default: the model's trained context, bounded by half the available memory.
     #[arg(long)]
@@ -49,7 +49,7 @@ pub struct Args {
     /// Speculative decoding, drafting with KIND: `ngram` (prompt lookup over the
     /// conversation), `draft:PATH` or `layers:N`. Answers are those plain decoding gives.
     #[arg(long, value_name = "KIND")]
-    speculative: Option<kvplug::speculative::DraftKind>,
+    speculative: Option<kvplug::DraftKind>,
     /// One JSON object per turn instead of streamed text.
     #[arg(long)]
     json: bool,
@@ -71,20 +71,20 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     let kv_dtype: Option<KvDtype> = a.kv_dtype.as_deref().map(str::parse).transpose()?;
     let capacity = match a.capacity {
         Some(c) => c,
-        None => kvplug::plan::default_capacity(model.dir(), kv_dtype.unwrap_or(KvDtype::F16))?,
+        None => kvplug::default_capacity(model.dir(), kv_dtype.unwrap_or(KvDtype::F16))?,
     };
     let opts = ChatOptions {
         system: a.system,
         capacity,
         kv_dtype,
-        max_new: a.max_new,
+        max_tokens: a.max_tokens,
         sampler: a.sampling.sampler(),
         session,
         cancel: Some(STOP.clone()),
         speculate: a
             .speculative
             .as_ref()
-            .map(|kind| kvplug::speculative::Draft::open(kind, &model))
+            .map(|kind| kvplug::Draft::open(kind, &model))
             .transpose()?,
     };
     let mut chat = Chat::new(&model, opts)?;
@@ -133,7 +133,7 @@ struct Repl<'a> {
     /// The lock of the session the chat saves to.
     lock: Option<SessionLock>,
     json: bool,
-    last: Option<kvplug::chat::TurnReport>,
+    last: Option<kvplug::TurnReport>,
 }
 
 impl Repl<'_> {
@@ -276,7 +276,7 @@ impl Repl<'_> {
     }
 }
 
-fn summary(r: &kvplug::chat::TurnReport) -> String {
+fn summary(r: &kvplug::TurnReport) -> String {
     let drafts = r.speculation.map_or(String::new(), |s| {
         format!("; {} of {} draft tokens accepted", s.accepted, s.drafted)
     });

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use kvplug::run::{run_decode, run_fork, RunSpec};
-use kvplug::speculative::Speculation;
+use kvplug::Speculation;
+use kvplug::{run_decode, run_fork, RunSpec};
 use kvplug::{KvDtype, Message, Runtime, Sampler};
 
 /// Arguments of `kvplug demo`.
@@ -19,8 +19,8 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Most tokens to generate per answer.
-    #[arg(long, default_value_t = 48)]
-    max_new: usize,
+    #[arg(long, visible_alias = "max-new", default_value_t = 48)]
+    max_tokens: usize,
 }
 
 /// Code the demo's speculative run rewrites.
@@ -48,9 +48,9 @@ def apply_discount(orders, rate):
 /// conversation with different user turns (shared trunk, one forward per step); speculative
 /// decoding (prompt lookup) of a code rewrite, identical to greedy, against plain decoding.
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
-    let (backend, max_new) = (a.backend.as_str(), a.max_new);
-    if max_new == 0 {
-        bail!("--max-new 0 would generate nothing: give at least 1");
+    let (backend, max_tokens) = (a.backend.as_str(), a.max_tokens);
+    if max_tokens == 0 {
+        bail!("--max-tokens 0 would generate nothing: give at least 1");
     }
     let llm = kvplug::Llm::builder(&a.model)
         .runtime(runtime)
@@ -60,10 +60,10 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     let question = Message::new("user", "What is the capital of France?");
     let spec = |prompt: Vec<i32>| RunSpec {
         prompt,
-        max_new,
+        max_tokens,
         kv_dtype: KvDtype::F16,
         capacity: 2048,
-        stop: text.stop_tokens().clone(),
+        stop_tokens: text.stop_tokens().clone(),
     };
     println!("== chat ({backend}, {})", model.dir().display());
     println!("user: {}", question.content);
@@ -82,7 +82,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         },
     )?;
     println!();
-    let reply = text.decode(&answer.ids)?;
+    let reply = text.detokenize(&answer.ids)?;
 
     let turns = [
         "And of Germany?",
@@ -109,7 +109,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         fork.trunk_tokens
     );
     for (turn, ids) in turns.iter().zip(&fork.branches) {
-        println!("user: {turn}\nassistant: {}", text.decode(ids)?.trim());
+        println!("user: {turn}\nassistant: {}", text.detokenize(ids)?.trim());
     }
 
     // Speculative decoding where it pays: rewriting code quotes the prompt, so prompt
@@ -119,7 +119,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         &format!("Rewrite this code with the variable `total` renamed to `amount_sum`:\n\n```python\n{DEMO_CODE}```"),
     );
     let code = RunSpec {
-        max_new: 200,
+        max_tokens: 200,
         ..spec(text.encode(&text.render(std::slice::from_ref(&rewrite))?)?)
     };
     let greedy = |speculate| {

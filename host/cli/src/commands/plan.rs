@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use kvplug::plan::{parse_bytes, plan, PlanOptions};
 use kvplug::KvDtype;
+use kvplug::{parse_bytes, plan, PlanOptions};
 
 /// Arguments of `kvplug plan`.
 #[derive(clap::Args)]

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use kvplug::run::{run_agents, run_decode, RunReport, RunSpec};
-use kvplug::speculative::{Draft, DraftKind, Speculation};
+use kvplug::{run_agents, run_decode, RunReport, RunSpec};
+use kvplug::{Draft, DraftKind, Speculation};
 use kvplug::{Message, Model, Runtime, Text};
 
 use crate::sampling::SamplingArgs;
@@ -38,8 +38,8 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     prompt_ids: Vec<i32>,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 32)]
-    max_new: usize,
+    #[arg(long, visible_alias = "max-new", default_value_t = 32)]
+    max_tokens: usize,
     /// KV storage dtype.
     #[arg(long, default_value = "f16")]
     kv_dtype: String,
@@ -101,8 +101,8 @@ fn prompt_of(a: &Args, model: &Model) -> Result<(Vec<i32>, Option<Arc<Text>>)> {
 }
 
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
-    if a.max_new == 0 {
-        bail!("--max-new 0 would generate nothing: give at least 1");
+    if a.max_tokens == 0 {
+        bail!("--max-tokens 0 would generate nothing: give at least 1");
     }
     let model = a.attention.apply(
         a.model_flags
@@ -111,10 +111,10 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     let (prompt, text) = prompt_of(&a, &model)?;
     let spec = RunSpec {
         prompt,
-        max_new: a.max_new,
+        max_tokens: a.max_tokens,
         kv_dtype: a.kv_dtype.parse()?,
         capacity: a.capacity,
-        stop: match (&text, a.ignore_eos) {
+        stop_tokens: match (&text, a.ignore_eos) {
             (Some(t), false) => t.stop_tokens().clone(),
             _ => Default::default(),
         },
@@ -147,9 +147,9 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
                 std::io::stdout().flush()?;
             }
             done += 1;
-            if progress && (done % 16 == 0 || done == spec.max_new) {
-                eprint!("\rgenerated {done}/{}", spec.max_new);
-                if done == spec.max_new {
+            if progress && (done % 16 == 0 || done == spec.max_tokens) {
+                eprint!("\rgenerated {done}/{}", spec.max_tokens);
+                if done == spec.max_tokens {
                     eprintln!();
                 }
             }
@@ -157,7 +157,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         })?
     };
     let decoded = match &text {
-        Some(t) => Some(t.decode(&report.ids)?),
+        Some(t) => Some(t.detokenize(&report.ids)?),
         None => None,
     };
     if a.json {
@@ -168,7 +168,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         v["stopped_at_eos"] = report
             .ids
             .last()
-            .is_some_and(|t| spec.stop.contains(t))
+            .is_some_and(|t| spec.stop_tokens.contains(t))
             .into();
         if let Some(d) = decoded {
             v["text"] = d.into();
@@ -176,7 +176,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         if let (Some(t), Some(branches)) = (&text, &report.branches) {
             let texts: Vec<String> = branches
                 .iter()
-                .map(|ids| t.decode(ids))
+                .map(|ids| t.detokenize(ids))
                 .collect::<Result<_, _>>()?;
             v["branch_texts"] = texts.into();
         }
@@ -198,7 +198,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
                 Some(t) => println!(
                     "--- branch {b}{kept}, {} tokens ---\n{}",
                     ids.len(),
-                    t.decode(ids)?.trim_end()
+                    t.detokenize(ids)?.trim_end()
                 ),
                 None => println!("branch {b}{kept}: {ids:?}"),
             }

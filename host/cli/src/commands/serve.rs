@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kvplug::session_dir::SessionDir;
+use kvplug::SessionDir;
 use kvplug::{KvDtype, Runtime, WarmLimits};
 use kvplug_server::{Server, ServerConfig};
 
@@ -57,7 +57,7 @@ pub struct Args {
     max_body: usize,
     /// Disk the parked agents' session files may take, every model's (bytes, or with a unit
     /// as in `plan --budget`; 0: unbounded); past it the least recently parked are removed.
-    #[arg(long, default_value = "4GiB", value_parser = kvplug::plan::parse_bytes)]
+    #[arg(long, default_value = "4GiB", value_parser = kvplug::parse_bytes)]
     agent_disk: u64,
     /// Parked agents unused this long are removed (e.g. 90s, 30m, 24h, 7d; 0: never).
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
@@ -76,7 +76,7 @@ pub struct Args {
     /// `"speculative": true` speculate, by prompt lookup. Answers are those plain decoding
     /// gives; usage counts accepted and rejected draft tokens.
     #[arg(long, value_name = "KIND")]
-    speculative: Option<kvplug::speculative::DraftKind>,
+    speculative: Option<kvplug::DraftKind>,
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use kvplug::session_dir::SessionDir;
-use kvplug::{fingerprint, formats, session_file};
+use kvplug::SessionDir;
+use kvplug::{formats, model_fingerprint, session_file};
 
 /// Saved sessions (see chat --session).
 #[derive(clap::Subcommand)]
@@ -79,7 +79,7 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                     Err(e) => println!("{:<24} unreadable: {e}", l.name),
                 }
             }
-            let parked = kvplug::agent_store::parked_in(dir.dir())?;
+            let parked = kvplug::parked_in(dir.dir())?;
             if parked.files > 0 {
                 println!(
                     "parked agents (NAME.<model>): {} files, {:.1} MB; kvplug serve keeps them \
@@ -121,7 +121,7 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
             }
             if let Some(m) = model {
                 let m = formats::resolve_model(&m)?;
-                let fp = fingerprint::model_fingerprint(&m)?;
+                let fp = model_fingerprint(&m)?;
                 // As a context of its dtype keeps keys by default.
                 let dtype: kvplug::KvDtype = s.rows.kv_dtype.parse()?;
                 let keys = kvplug::KeyBasis::default_for(dtype);
