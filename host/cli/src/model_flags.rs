@@ -1,7 +1,9 @@
 //! The flags of the commands that run a model which say how its weights are held, its keys
 //! stored and its attention computed: `--no-mmap`, `--no-key-rotation`, `--attention`.
 
-use kvplug::{Arithmetic, Model};
+use std::path::Path;
+
+use kvplug::{Arithmetic, Llm, LlmBuilder, Runtime};
 
 /// How the model is loaded and its quantized keys stored.
 #[derive(clap::Args)]
@@ -31,11 +33,13 @@ impl ModelFlags {
         !self.no_mmap
     }
 
-    /// `model` as these flags say.
-    pub fn apply(&self, model: Model) -> Model {
-        model
-            .with_key_rotation(self.key_rotation())
-            .with_mmap(self.mmap())
+    /// The builder of `model` on `backend` with `runtime`'s plugins, as these flags say.
+    pub fn builder(&self, runtime: &Runtime, backend: &str, model: &Path) -> LlmBuilder {
+        Llm::builder(model)
+            .runtime(runtime)
+            .backend(backend)
+            .key_rotation(self.key_rotation())
+            .mmap(self.mmap())
     }
 }
 
@@ -54,10 +58,5 @@ impl AttentionFlag {
     /// The arithmetic asked for, if any.
     pub fn get(&self) -> Option<Arithmetic> {
         self.attention
-    }
-
-    /// `model` computing attention as this flag says.
-    pub fn apply(&self, model: Model) -> Model {
-        model.with_attention(self.attention)
     }
 }

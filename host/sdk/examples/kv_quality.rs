@@ -119,7 +119,10 @@ fn main() -> Result<()> {
         .map(str::parse)
         .collect::<Result<_, _>>()?;
     let runtime = Runtime::load(&PluginSearch::of_build());
-    let model = kvplug::open_model(&runtime, backend, Path::new(path))?;
+    let model = kvplug::Llm::builder(Path::new(path))
+        .runtime(&runtime)
+        .backend(backend)
+        .build_model()?;
     let text = Text::load(model.dir())?;
     let vocab = model
         .context(CacheKind::Contiguous, CAPACITY, KvDtype::F16)?

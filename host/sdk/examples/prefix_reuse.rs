@@ -51,7 +51,10 @@ fn main() -> Result<()> {
     let backend = args.get(1).map_or("cpu", String::as_str);
     let n: usize = args.get(2).map_or(Ok(2048), |s| s.parse())?;
     let runtime = Runtime::load(&PluginSearch::of_build());
-    let m = kvplug::open_model(&runtime, backend, Path::new(model))?;
+    let m = kvplug::Llm::builder(Path::new(model))
+        .runtime(&runtime)
+        .backend(backend)
+        .build_model()?;
     let dir = m.dir().to_path_buf();
     let text = Text::load(&dir)?;
     let system = long_prompt(&text, n)?;

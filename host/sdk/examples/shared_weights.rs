@@ -33,7 +33,10 @@ fn main() -> Result<()> {
     let backend = args.get(1).map_or("cpu", String::as_str);
     let n: usize = args.get(2).map_or(Ok(4), |s| s.parse())?;
     let runtime = Runtime::load(&PluginSearch::of_build());
-    let model = kvplug::open_model(&runtime, backend, std::path::Path::new(model))?;
+    let model = kvplug::Llm::builder(std::path::Path::new(model))
+        .runtime(&runtime)
+        .backend(backend)
+        .build_model()?;
     println!("{backend}: plugins loaded, RSS {:.0} MiB", rss_mib()?);
     let prompt: Vec<i32> = (1..=32).collect();
     let mut bound = Vec::new();

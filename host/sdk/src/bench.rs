@@ -237,9 +237,12 @@ pub fn bench(
     let mut results = Vec::new();
     for backend in &a.backend {
         let device = runtime.plugin(backend)?.device.clone();
-        let model = crate::formats::open_model(runtime, backend, &a.model)?
-            .with_key_rotation(a.key_rotation)
-            .with_mmap(a.mmap);
+        let model = crate::Llm::builder(&a.model)
+            .runtime(runtime)
+            .backend(backend)
+            .key_rotation(a.key_rotation)
+            .mmap(a.mmap)
+            .build_model()?;
         for &kind in &a.kind {
             let arithmetics: Vec<Option<Arithmetic>> = match a.attention.len() {
                 0 => vec![None],

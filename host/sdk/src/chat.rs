@@ -17,7 +17,7 @@ use crate::fingerprint::model_fingerprint;
 use crate::generator::{generate, Finish, GenOptions};
 use crate::sampler::Sampler;
 use crate::session_file::{self, Session};
-use crate::speculative::{Draft, SpecStats, Speculation};
+use crate::speculative::{SpecStats, Speculation};
 use crate::text::{Message, Text};
 
 /// The `app.*` entry of a chat's session file holding its messages (JSON).
@@ -40,8 +40,9 @@ pub struct ChatOptions {
     /// Set (from any thread, or a signal handler) to stop the turn in progress, its
     /// prompt's prefill included: the turn fails and the conversation stays as it was.
     pub cancel: Option<Arc<AtomicBool>>,
-    /// Answers speculate with this draft (its tokens are those plain decoding gives).
-    pub speculate: Option<Draft>,
+    /// Answers speculate so (their tokens are those plain decoding gives; the
+    /// conversation's tokens are its `earlier`).
+    pub speculate: Option<Speculation>,
 }
 
 /// A conversation restored from a session file.
@@ -101,7 +102,7 @@ pub struct Chat {
     max_tokens: usize,
     sampler: Sampler,
     cancel: Option<Arc<AtomicBool>>,
-    speculate: Option<Draft>,
+    speculate: Option<Speculation>,
     /// The session file, if any: written after every turn.
     file: Option<PathBuf>,
     /// The model's directory, and its fingerprint once a session needed it.
@@ -339,9 +340,9 @@ impl Chat {
             sampler: self.sampler.clone(),
             stop_tokens: self.text.stop_tokens().clone(),
             cancel: self.cancel.clone(),
-            speculate: self.speculate.clone().map(|draft| Speculation {
+            speculate: self.speculate.clone().map(|s| Speculation {
                 earlier: self.cached.clone(),
-                ..Speculation::new(draft)
+                ..s
             }),
             ..GenOptions::default()
         };

@@ -56,7 +56,6 @@ pub use bench::{bench, BenchOptions, BenchResult};
 pub use chat::{Chat, ChatOptions, ChatStats, Restored, TurnReport};
 pub use error::{Error, Result};
 pub use fingerprint::model_fingerprint;
-pub use formats::open_model;
 pub use generator::{
     generate, Finish, Finished, GenOptions, Generation, Generator, RequestId, TokenEvent,
     Triggered, PREFILL_UBATCH,

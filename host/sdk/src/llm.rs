@@ -110,18 +110,7 @@ impl LlmBuilder {
     /// Loads the plugins (unless given), opens the model (a GGUF file or a model directory)
     /// on the backend and reads its text.
     pub fn build(self) -> Result<Llm> {
-        let runtime = match self.runtime {
-            Some(r) => r,
-            None => Runtime::load(
-                &self
-                    .plugins
-                    .unwrap_or_else(|| PluginSearch::standard(&[], false)),
-            ),
-        };
-        let model = crate::formats::open_model(&runtime, &self.backend, &self.path)?
-            .with_key_rotation(self.key_rotation)
-            .with_mmap(self.mmap)
-            .with_attention(self.attention);
+        let model = self.build_model()?;
         let text = Arc::new(Text::load(model.dir())?);
         Ok(Llm {
             model,
@@ -129,6 +118,25 @@ impl LlmBuilder {
             kv_dtype: self.kv_dtype,
             capacity: self.capacity,
         })
+    }
+}
+
+impl LlmBuilder {
+    /// [`build`](Self::build) without the text: the model alone, opened and configured as
+    /// the builder says (a model without a tokenizer, or a caller reading its text itself;
+    /// the builder's capacity and K/V dtype are the caller's to apply then).
+    pub fn build_model(&self) -> Result<Model> {
+        let runtime = match (&self.runtime, &self.plugins) {
+            (Some(r), _) => r.clone(),
+            (None, Some(search)) => Runtime::load(search),
+            (None, None) => Runtime::load(&PluginSearch::standard(&[], false)),
+        };
+        Ok(
+            crate::formats::open_model(&runtime, &self.backend, &self.path)?
+                .with_key_rotation(self.key_rotation)
+                .with_mmap(self.mmap)
+                .with_attention(self.attention),
+        )
     }
 }
 

@@ -110,12 +110,13 @@ impl Draft {
     pub fn open(kind: &DraftKind, target: &Model) -> Result<Draft> {
         let m = match kind {
             DraftKind::Ngram => return Ok(Draft::Ngram),
-            DraftKind::Model(path) => {
-                crate::formats::open_model(target.runtime(), target.backend(), path)?
-                    .with_key_rotation(target.key_rotation())
-                    .with_mmap(target.mmap())
-                    .with_attention(target.attention())
-            }
+            DraftKind::Model(path) => crate::Llm::builder(path)
+                .runtime(target.runtime())
+                .backend(target.backend())
+                .key_rotation(target.key_rotation())
+                .mmap(target.mmap())
+                .attention(target.attention())
+                .build_model()?,
             DraftKind::Layers(n) => target
                 .layers(*n)
                 .map_err(|e| crate::Error::from(e).context(format!("draft layers:{n}")))?,

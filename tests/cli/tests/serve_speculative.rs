@@ -1,7 +1,8 @@
 //! Speculative decoding in the server, on a [`kvplug_server::Server`] in this process (port
 //! 0, stopped by its `Stopper`) with SmolLM2-135M-Instruct imported to f16: a request that
 //! speculates gets the answer plain decoding gives — whole or streamed, cut at a stop string,
-//! with its log-probabilities — and its usage and `/metrics` count the draft tokens.
+//! with its log-probabilities, under a JSON schema — and its usage and `/metrics` count the
+//! draft tokens.
 
 use serde_json::{json, Value};
 
@@ -105,6 +106,23 @@ fn speculating_requests_get_plain_decodings_answer_and_count_their_drafts() {
             .collect::<Vec<_>>()
     };
     assert_eq!(lp(true), lp(false));
+
+    // Under a JSON schema (the grammar masks every verified row): the same object.
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "code", "strict": true,
+        "schema": {"type": "object", "properties": {"function": {"type": "string"},
+        "lines": {"type": "integer"}}, "required": ["function", "lines"],
+        "additionalProperties": false}}});
+    let structured = |speculative: bool| {
+        let body = copy_code(json!({"response_format": schema, "speculative": speculative}));
+        s.ok(path, &body, &[])
+    };
+    let (a, b) = (structured(false), structured(true));
+    assert_eq!(content(&b), content(&a));
+    let object: Value = serde_json::from_str(content(&b)).unwrap();
+    assert!(
+        object["function"].is_string() && object["lines"].is_i64(),
+        "{object}"
+    );
 
     // A bad value is refused by name, and the server goes on.
     let (status, e) = s.post(path, &copy_code(json!({"speculative": "yes"})), &[]);

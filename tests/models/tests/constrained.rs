@@ -17,7 +17,7 @@ fn qwen(rt: &kvplug::Runtime) -> Model {
         path.exists(),
         "run scripts/fetch-models.sh (make test does)"
     );
-    kvplug::open_model(rt, "cpu", &path).unwrap()
+    kvplug::formats::open_model(rt, "cpu", &path).unwrap()
 }
 
 /// The answer to `question` under `spec`, sampled with `seed` at temperature 0.7.

@@ -470,7 +470,7 @@ fn a_model_sets_its_contexts_attention_arithmetic() {
     let dir = tiny();
     let rt = runtime();
     for backend in BACKENDS {
-        let m = kvplug::open_model(&rt, backend, dir.path()).unwrap();
+        let m = kvplug::formats::open_model(&rt, backend, dir.path()).unwrap();
         let q8 = KvDtype::Q8 { group: 16 };
         assert_eq!(m.attention(), None);
         let f32 = m.with_attention(Some(Arithmetic::F32));

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use kvplug::formats::gguf;
 use kvplug::{run_decode, RunReport, RunSpec};
-use kvplug::{Chat, ChatOptions, KvDtype, Message, Model, Sampler, Text};
+use kvplug::{Chat, ChatOptions, Draft, KvDtype, Message, Model, Sampler, Speculation, Text};
 
 mod common;
 use common::{runtime, BACKENDS};
@@ -131,6 +131,52 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
             ),
             "{backend}: resumed second turn"
         );
+    }
+
+    // A chat speculating (prompt lookup over the conversation, and the first 8 of the
+    // model's 30 layers as a draft, drafting every step) answers as the plain chat does;
+    // asked to repeat itself, prompt lookup finds the answer in the conversation (the
+    // shallow draft's acceptance is its own business: on this model it is low).
+    let turns = [
+        "What is the capital of France?",
+        "Repeat your last answer word for word.",
+    ];
+    let answers = |speculate: Option<Speculation>| {
+        let opts = ChatOptions {
+            session: None,
+            speculate,
+            ..opts(PathBuf::new())
+        };
+        let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts).unwrap();
+        turns
+            .iter()
+            .map(|t| chat.turn(t, &mut |_| Ok(())).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let plain = answers(None);
+    let layers = Draft::open(
+        &"layers:8".parse().unwrap(),
+        &common::model(&rt, "cpu", &model),
+    );
+    let drafted = [
+        Speculation::ngram(),
+        Speculation {
+            min_depth: 4,
+            ..Speculation::new(layers.unwrap())
+        },
+    ];
+    for speculate in drafted {
+        let what = format!("{:?}", speculate.draft);
+        let got = answers(Some(speculate));
+        for (g, p) in got.iter().zip(&plain) {
+            assert_eq!(g.ids, p.ids, "{what}");
+            assert_eq!(g.text, p.text, "{what}");
+        }
+        let repeat = got[1].speculation.unwrap();
+        assert!(repeat.drafted > 0, "{what}: {repeat:?}");
+        if what == "Ngram" {
+            assert!(repeat.accepted > 0, "{what}: {repeat:?}");
+        }
     }
 }
 

@@ -60,10 +60,11 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     // Held until the chat ends (or moves to another name): a second process on the same
     // session is refused.
     let lock = a.session.as_deref().map(|n| sessions.lock(n)).transpose()?;
-    let model = a.attention.apply(
-        a.model_flags
-            .apply(kvplug::open_model(runtime, &a.backend, &a.model)?),
-    );
+    let model = a
+        .model_flags
+        .builder(runtime, &a.backend, &a.model)
+        .attention(a.attention.get())
+        .build_model()?;
     let session = match &a.session {
         Some(name) => Some(sessions.path_for_write(name)?),
         None => None,
@@ -81,11 +82,10 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         sampler: a.sampling.sampler(),
         session,
         cancel: Some(STOP.clone()),
-        speculate: a
-            .speculative
-            .as_ref()
-            .map(|kind| kvplug::Draft::open(kind, &model))
-            .transpose()?,
+        speculate: match &a.speculative {
+            Some(kind) => Some(kvplug::Speculation::new(kvplug::Draft::open(kind, &model)?)),
+            None => None,
+        },
     };
     let mut chat = Chat::new(&model, opts)?;
     if let Some(r) = chat.restored() {

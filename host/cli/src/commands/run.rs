@@ -104,10 +104,11 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if a.max_tokens == 0 {
         bail!("--max-tokens 0 would generate nothing: give at least 1");
     }
-    let model = a.attention.apply(
-        a.model_flags
-            .apply(kvplug::open_model(runtime, &a.backend, &a.model)?),
-    );
+    let model = a
+        .model_flags
+        .builder(runtime, &a.backend, &a.model)
+        .attention(a.attention.get())
+        .build_model()?;
     let (prompt, text) = prompt_of(&a, &model)?;
     let spec = RunSpec {
         prompt,
