@@ -556,6 +556,10 @@ pub(crate) struct Speculator {
     /// The most nodes a tree may have besides its root.
     max_nodes: usize,
     min_depth: usize,
+    /// Whether its cache can verify drafts (known from the first decode step): a contiguous
+    /// or seq cache whose model has sliding-window layers cannot cut a refused tail (see
+    /// [`Speculator::draft`]).
+    verifies: Option<bool>,
     /// The draft model until its context is made on the first round.
     draft_model: Option<Model>,
     model_draft: Option<ModelDraft>,
@@ -600,6 +604,7 @@ impl Speculator {
         Ok(Speculator {
             max_nodes: s.max_depth * s.max_width,
             min_depth: s.min_depth,
+            verifies: None,
             draft_model,
             model_draft: None,
             policy: Policy::new(s.max_depth, s.max_width),
@@ -641,8 +646,32 @@ impl Speculator {
         self.synced = generated.len();
         debug_assert_eq!(self.offset + self.lookup.len(), base + 1);
         let tree_cache = ctx.kind() == CacheKind::Tree;
-        let (depth, width) = self.policy.shape();
-        let depth = depth.max(self.min_depth);
+        // A sliding-window layer frees the rows that leave the window after every step, so
+        // a seq or contiguous cache cannot cut back a refused tail there (the rows before it
+        // are gone): such a request decodes plainly. A tree cache commits the accepted
+        // chain before anything is freed.
+        let verifies = match self.verifies {
+            Some(v) => v,
+            None => {
+                let v = tree_cache || ctx.stats()?.window_cells == 0;
+                if !v {
+                    tracing::debug!(
+                        "a sliding-window model on a {} cache: no drafts",
+                        ctx.kind()
+                    );
+                }
+                *self.verifies.insert(v)
+            }
+        };
+        let (depth, width) = match verifies {
+            true => self.policy.shape(),
+            false => (0, 1),
+        };
+        let depth = if verifies {
+            depth.max(self.min_depth)
+        } else {
+            0
+        };
         let width = if tree_cache {
             width.min(room.max(1))
         } else {

@@ -139,9 +139,9 @@ pub struct Limits {
     pub parallel: usize,
     /// Most requests waiting; beyond, 429.
     pub max_queue: usize,
-    /// The draft of speculating requests (`None`: prompt lookup), and whether requests
-    /// speculate unless they say otherwise.
+    /// The draft of speculating requests (`None`: prompt lookup).
     pub draft: Option<Draft>,
+    /// Whether greedy requests speculate unless they say otherwise.
     pub speculate: bool,
 }
 
@@ -400,7 +400,8 @@ impl Engine {
         if choice == Some(0) {
             opts.sampler = a.req.opts.sampler.clone();
         }
-        if choice.is_some() && a.req.speculative.unwrap_or(self.limits.speculate) {
+        let greedy = a.req.opts.sampler.is_greedy();
+        if choice.is_some() && a.req.speculative.unwrap_or(self.limits.speculate && greedy) {
             let draft = self.limits.draft.clone().unwrap_or(Draft::Ngram);
             opts.speculate = Some(Speculation {
                 earlier: a.req.prompt[..start].to_vec(),

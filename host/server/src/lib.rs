@@ -99,9 +99,9 @@ pub struct ServerConfig {
     /// this prompt departs from it; turn off where clients must not learn of each other's
     /// prompts).
     pub prefix_header: bool,
-    /// Speculative decoding: the draft (`ngram`, `draft:PATH`, `layers:N`) of every
-    /// request that does not turn it off (`"speculative": false`); `None`: only requests
-    /// asking for it (`"speculative": true`) speculate, by prompt lookup.
+    /// Speculative decoding: the draft (`ngram`, `draft:PATH`, `layers:N`) greedy requests
+    /// use unless they send `"speculative": false`, and any request sending `"speculative":
+    /// true`; `None`: off unless a request asks (then by prompt lookup).
     pub speculative: Option<kvplug::DraftKind>,
 }
 

@@ -39,10 +39,8 @@ fn counter(metrics: &str, name: &str) -> u64 {
 
 #[test]
 fn speculating_requests_get_plain_decodings_answer_and_count_their_drafts() {
-    let s = Server::in_process(kvplug_server::ServerConfig {
-        speculative: Some("ngram".parse().unwrap()),
-        ..config(&smollm2_f16())
-    });
+    // `kvplug serve`'s defaults: greedy requests draft by prompt lookup.
+    let s = Server::in_process(config(&smollm2_f16()));
     let path = "/v1/chat/completions";
     let plain = s.ok(path, &copy_code(json!({"speculative": false})), &[]);
     assert!(

@@ -523,3 +523,50 @@ fn bench_at_a_depth_past_the_window_runs_on_a_hybrid_model() {
         assert_eq!(r.samples_ts.len(), 2, "{}", r.test());
     }
 }
+
+/// Speculation on a sliding-window model gives plain decoding's tokens on every cache kind:
+/// a tree cache verifies drafts (it commits the accepted chain before the window frees
+/// anything); a contiguous or seq cache cannot cut a refused tail once the window freed the
+/// rows before it, so there the request decodes plainly.
+#[test]
+fn speculation_on_a_sliding_window_model_drafts_on_a_tree_cache_only() {
+    use kvplug::{Draft, DraftKind, GenOptions, Generator, Speculation};
+
+    let dir = tempfile::tempdir().unwrap();
+    let c = config();
+    write_package(dir.path(), &c, &weights(&c));
+    let rt = runtime();
+    let prompt: Vec<i32> = (0..3 * WINDOW as i32)
+        .map(|i| (i * 37 + 11) % 300)
+        .collect();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, dir.path());
+        let run = |kind, speculate| {
+            let mut ctx = m.context(kind, 64, KvDtype::F32).unwrap();
+            let opts = GenOptions {
+                speculate,
+                ..GenOptions::max_tokens(4 * WINDOW)
+            };
+            let mut g = Generator::new();
+            g.add(0, &prompt, 0, opts).unwrap();
+            g.run(&mut ctx, &mut |_| Ok(())).unwrap().remove(0)
+        };
+        let plain = run(CacheKind::Contiguous, None);
+        let layers = Draft::open(&DraftKind::Layers(1), &m).unwrap();
+        for kind in [CacheKind::Tree, CacheKind::Seq, CacheKind::Contiguous] {
+            let speculate = Speculation {
+                max_depth: 3,
+                min_depth: 3,
+                ..Speculation::new(layers.clone())
+            };
+            let f = run(kind, Some(speculate));
+            assert_eq!(f.generated, plain.generated, "{backend} {kind}");
+            let drafted = f.speculation.unwrap().drafted;
+            assert_eq!(
+                drafted > 0,
+                kind == CacheKind::Tree,
+                "{backend} {kind}: {drafted}"
+            );
+        }
+    }
+}

@@ -70,13 +70,14 @@ pub struct Args {
     /// from a recent request's — possibly another client's — prompt.
     #[arg(long)]
     no_prefix_header: bool,
-    /// Speculative decoding for every request that does not turn it off
-    /// (`"speculative": false`), drafting with KIND: `ngram` (prompt lookup over the
-    /// conversation), `draft:PATH` or `layers:N`. Without it, only requests with
-    /// `"speculative": true` speculate, by prompt lookup. Answers are those plain decoding
-    /// gives; usage counts accepted and rejected draft tokens.
-    #[arg(long, value_name = "KIND")]
-    speculative: Option<kvplug::DraftKind>,
+    /// Speculative decoding of greedy requests (unless they send `"speculative": false`)
+    /// and of any request sending `"speculative": true`, drafting with KIND: `ngram`
+    /// (prompt lookup over the conversation: agents re-emit what they read), `draft:PATH`,
+    /// `layers:N`, or `off` (then only requests asking for it speculate, by prompt lookup).
+    /// Answers are those plain decoding gives; usage counts accepted and rejected draft
+    /// tokens.
+    #[arg(long, value_name = "KIND", default_value = "ngram", value_parser = draft_or_off)]
+    speculative: Speculative,
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
@@ -106,7 +107,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_body: a.max_body,
         session_dir: sessions.dir().to_path_buf(),
         prefix_header: !a.no_prefix_header,
-        speculative: a.speculative,
+        speculative: a.speculative.0,
         header_timeout: a.header_timeout,
         parked: WarmLimits {
             bytes: (a.agent_disk > 0).then_some(a.agent_disk),
@@ -149,4 +150,15 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     n.checked_mul(scale)
         .map(Duration::from_secs)
         .ok_or_else(|| format!("'{s}' is too long"))
+}
+
+/// `--speculative`: a draft, or `off`.
+#[derive(Clone)]
+struct Speculative(Option<kvplug::DraftKind>);
+
+fn draft_or_off(s: &str) -> Result<Speculative, String> {
+    match s {
+        "off" => Ok(Speculative(None)),
+        kind => kind.parse().map(|k| Speculative(Some(k))),
+    }
 }

@@ -275,7 +275,7 @@ pub fn config(model: &Path) -> ServerConfig {
         parked: kvplug::WarmLimits::default(),
         header_timeout: Duration::from_secs(30),
         prefix_header: true,
-        speculative: None,
+        speculative: Some(kvplug::DraftKind::Ngram),
     }
 }
 
