@@ -81,6 +81,11 @@ impl ToolFormat {
     }
 }
 
+/// Whether a prompt rendered with tools shows calls in doubled braces (`{{"name": …}}`).
+pub fn teaches_doubled_braces(rendered: &str) -> bool {
+    rendered.contains("{{\"name\"")
+}
+
 /// An answer split into its text and its calls.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Parsed {
@@ -151,7 +156,7 @@ fn hermes(answer: &str) -> Option<(String, Vec<ToolCall>)> {
             Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
             None => (after, ""),
         };
-        match call_of(&serde_json::from_str(body.trim()).ok()?) {
+        match call_of(&call_json(body)?) {
             Some(c) => calls.push(c),
             None => return Some((String::new(), Vec::new())),
         }
@@ -161,8 +166,30 @@ fn hermes(answer: &str) -> Option<(String, Vec<ToolCall>)> {
     Some((content.trim().to_string(), calls))
 }
 
-/// `text` as call objects (one, an array, or several one after the other).
+/// A call's JSON: `text` itself, or the object inside its doubled braces (see
+/// [`undoubled`]).
+fn call_json(text: &str) -> Option<Value> {
+    let t = text.trim();
+    serde_json::from_str(t)
+        .ok()
+        .or_else(|| serde_json::from_str(undoubled(t)?).ok())
+}
+
+/// The object inside `{{…}}`: where a chat template's instructions show a call in doubled
+/// braces (a Jinja escaping mistake, as in Qwen2.5-Coder's templates), small models copy
+/// them.
+fn undoubled(text: &str) -> Option<&str> {
+    let inner = text.strip_prefix('{')?.strip_suffix('}')?;
+    (inner.trim_start().starts_with('{') && inner.trim_end().ends_with('}')).then_some(inner)
+}
+
+/// `text` as call objects (one, an array, or several one after the other), or the one
+/// object inside doubled braces.
 fn calls_of(text: &str) -> Option<Vec<ToolCall>> {
+    calls_in(text).or_else(|| calls_in(undoubled(text.trim())?))
+}
+
+fn calls_in(text: &str) -> Option<Vec<ToolCall>> {
     let mut calls = Vec::new();
     for v in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
         match v.ok()? {
@@ -196,8 +223,14 @@ fn call_of(v: &Value) -> Option<ToolCall> {
 
 /// The Lark grammar of an answer that is one call (or, with `parallel`, one or more) of
 /// `tools`, written as `format` writes them, each call's arguments following its tool's
-/// schema.
-pub fn call_grammar(tools: &[Tool], format: ToolFormat, parallel: bool) -> Result<String> {
+/// schema; with `doubled_braces` a call object may also stand in doubled braces, as a
+/// template showing `{{"name": …}}` teaches (see [`teaches_doubled_braces`]).
+pub fn call_grammar(
+    tools: &[Tool],
+    format: ToolFormat,
+    parallel: bool,
+    doubled_braces: bool,
+) -> Result<String> {
     if tools.is_empty() {
         fail!(Invalid, "no tool to call");
     }
@@ -222,6 +255,10 @@ pub fn call_grammar(tools: &[Tool], format: ToolFormat, parallel: bool) -> Resul
         .collect();
     let schema = json!({"anyOf": variants});
     let one = crate::grammar::json_rule(&schema);
+    let one = match doubled_braces {
+        true => format!("(\"{{\" {one} \"}}\" | {one})"),
+        false => one,
+    };
     // Further calls, one per line (or comma-separated in Mistral's array).
     let (more, more_listed) = if parallel {
         (format!(" (\"\\n\" {one})*"), format!(" (\", \" {one})*"))
@@ -298,11 +335,26 @@ mod tests {
             &t,
         );
         assert_eq!(p.calls, [call("add", "{}"), call("add", "{\"a\":1}")]);
+        // Doubled braces, as a template's instructions may show them, in a block or bare.
+        let p = parse(
+            "<tool_call>\n{{\"name\": \"add\", \"arguments\": {\"a\": 1}}}\n</tool_call>",
+            ToolFormat::Hermes,
+            &t,
+        );
+        assert_eq!(p.calls, [call("add", "{\"a\":1}")]);
+        let p = parse(
+            "{{\"name\": \"get_weather\", \"arguments\": {}}}",
+            ToolFormat::Json,
+            &t,
+        );
+        assert_eq!(p.calls, [call("get_weather", "{}")]);
         // Undeclared tools, broken JSON and plain JSON answers are text.
         for s in [
             "{\"name\": \"rm_rf\", \"arguments\": {}}",
             "<tool_call>{\"name\": \"add\", \"arguments\": {</tool_call>",
             "{\"answer\": 42}",
+            "{{\"answer\": 42}}",
+            "{{\"name\": \"add\"}",
             "The weather is fine.",
         ] {
             let p = parse(s, ToolFormat::Hermes, &t);

@@ -3,7 +3,7 @@
 //! and the grammar the answer must follow — a JSON schema, a grammar, or the tool-call form
 //! of the model's template family with each call's arguments under its tool's schema.
 
-use kvplug::tools::{call_grammar, Tool, ToolFormat};
+use kvplug::tools::{call_grammar, teaches_doubled_braces, Tool, ToolFormat};
 use kvplug::Triggered;
 use kvplug::{json_rule, GrammarSpec};
 use kvplug::{GenOptions, Grammars, Sampler, Text};
@@ -19,6 +19,9 @@ pub struct Calls {
     pub tools: Vec<Tool>,
     /// The template family.
     pub format: ToolFormat,
+    /// Whether the rendered prompt shows calls in doubled braces (the call grammar then
+    /// allows them).
+    pub doubled_braces: bool,
 }
 
 /// A request ready for the engine.
@@ -43,13 +46,14 @@ pub struct Model<'a> {
     pub max_tokens: usize,
 }
 
-/// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
-pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
-    let calls = match (&p.tools[..], &p.tool_choice) {
+/// `p`'s prompt rendered (with the tools it offers, when it may call them) and tokenized.
+pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiError> {
+    let mut calls = match (&p.tools[..], &p.tool_choice) {
         ([], _) | (_, ToolChoice::None) => None,
         (tools, _) => Some(Calls {
             tools: tools.to_vec(),
             format: ToolFormat::of_template(m.text.template().unwrap_or_default()),
+            doubled_braces: false,
         }),
     };
     let rendered = match &p.prompt {
@@ -70,6 +74,9 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         }
         Prompt::Text(t) => t.clone(),
     };
+    if let Some(c) = &mut calls {
+        c.doubled_braces = teaches_doubled_braces(&rendered);
+    }
     let prompt = m
         .text
         .encode(&rendered)
@@ -80,6 +87,12 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
             "the prompt has no tokens",
         ));
     }
+    Ok((prompt, calls))
+}
+
+/// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
+pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
+    let (prompt, calls) = render(m, p)?;
     let max_tokens = max_tokens(m, p.max_tokens, p.n, prompt.len())?;
     let (constraint, triggered) = constraint(m, p, calls.as_ref())?;
     let sampler = Sampler::new(p.temperature, p.top_p, p.seed.unwrap_or(seed))
@@ -187,7 +200,7 @@ fn constraint(
     };
     let parallel = p.parallel_tool_calls && !matches!(p.tool_choice, ToolChoice::Named(_));
     let grammar = |format, parallel| {
-        call_grammar(&tools, format, parallel)
+        call_grammar(&tools, format, parallel, c.doubled_braces)
             .map_err(|e| ApiError::invalid(Some("tools"), e.to_string()))
     };
     let calls = grammar(c.format, parallel)?;

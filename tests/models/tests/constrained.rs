@@ -116,3 +116,57 @@ fn constrained_answers_follow_their_schema_and_grammar() {
         .to_string();
     assert!(e.contains("does not compile"), "{e}");
 }
+
+/// A call in the doubled braces a template's instructions may show (`{{"name": …}}`, a Jinja
+/// escaping mistake small models copy) follows the call grammar that allows them, its
+/// arguments still under the tool's schema, and parses back as the call; the plain grammar
+/// refuses it.
+#[test]
+fn tool_calls_in_a_templates_doubled_braces_follow_their_grammar() {
+    use kvplug::tools::{call_grammar, parse, teaches_doubled_braces, Tool, ToolFormat};
+
+    let rt = common::runtime();
+    let model = qwen(&rt);
+    let text = Text::load(model.dir()).unwrap();
+    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
+    let grammars = Grammars::new(model.dir(), model.vocab(), &eos).unwrap();
+    let tools = [Tool {
+        name: "add".into(),
+        description: None,
+        parameters: json!({"type": "object", "properties": {"a": {"type": "integer"}},
+            "required": ["a"], "additionalProperties": false}),
+    }];
+    let accepts = |doubled: bool, answer: &str| {
+        let lark = call_grammar(&tools, ToolFormat::Hermes, false, doubled).unwrap();
+        let mut c = grammars.constraint(&GrammarSpec::Lark(lark)).unwrap();
+        c.catch_up(&text.encode_raw(answer).unwrap())
+    };
+    let call = |args: &str, open: &str, close: &str| {
+        format!("<tool_call>\n{open}\"name\": \"add\", \"arguments\": {args}{close}\n</tool_call>")
+    };
+    let doubled = call("{\"a\": 1}", "{{", "}}");
+    assert!(accepts(true, &doubled));
+    assert!(accepts(true, &call("{\"a\": 1}", "{", "}")));
+    assert!(
+        !accepts(false, &doubled),
+        "the plain grammar refuses doubled braces"
+    );
+    assert!(
+        !accepts(true, &call("{\"a\": \"one\"}", "{{", "}}")),
+        "the arguments stay under the schema"
+    );
+    let parsed = parse(&doubled, ToolFormat::Hermes, &tools);
+    assert_eq!(
+        (
+            parsed.calls[0].name.as_str(),
+            parsed.calls[0].arguments.as_str()
+        ),
+        ("add", "{\"a\":1}")
+    );
+    assert!(teaches_doubled_braces(
+        "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+    ));
+    assert!(!teaches_doubled_braces(
+        "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    ));
+}
