@@ -152,6 +152,8 @@ pub struct Finished {
     pub error: Option<String>,
     /// What speculation did, when the request speculated.
     pub speculation: Option<SpecStats>,
+    /// The stop string that ended it, when one did.
+    pub stop_string: Option<String>,
 }
 
 impl Finished {
@@ -203,6 +205,7 @@ impl Active {
             sampler: self.opts.sampler,
             error,
             speculation: self.spec.as_ref().map(Speculator::stats),
+            stop_string: self.stop.matched().map(String::from),
         }
     }
 }

@@ -7,6 +7,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text not yet released: a suffix that may begin a stop string.
     held: String,
+    /// The stop string reached, once reached.
+    matched: Option<usize>,
 }
 
 impl StopMatcher {
@@ -15,6 +17,7 @@ impl StopMatcher {
         StopMatcher {
             stops,
             held: String::new(),
+            matched: None,
         }
     }
 
@@ -25,9 +28,11 @@ impl StopMatcher {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(k, s)| Some((self.held.find(s.as_str())?, k)))
             .min();
-        if let Some(at) = first {
+        if let Some((at, k)) = first {
+            self.matched = Some(k);
             let out = self.held[..at].to_string();
             self.held.clear();
             return (out, true);
@@ -36,6 +41,11 @@ impl StopMatcher {
         let out = self.held[..self.held.len() - keep].to_string();
         self.held.drain(..self.held.len() - keep);
         (out, false)
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|k| self.stops[k].as_str())
     }
 
     /// The held text, at the end of generation (it did not become a stop string).

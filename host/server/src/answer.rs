@@ -48,7 +48,7 @@ pub struct Answer {
 
 /// One completion as it comes in.
 #[derive(Default)]
-struct Choice {
+pub struct Choice {
     text: String,
     /// Characters of its text streamed so far.
     sent_chars: usize,
@@ -56,6 +56,39 @@ struct Choice {
     finish: Option<&'static str>,
     tokens: usize,
     speculation: Option<SpecStats>,
+    stop_string: Option<String>,
+}
+
+impl Choice {
+    /// Why it ended, as OpenAI says it before tool calls are told apart (`stop`, `length`).
+    pub fn finish(&self) -> &'static str {
+        self.finish.unwrap_or("stop")
+    }
+
+    /// Its generated tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The stop string that ended it, when one did.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stop_string.as_deref()
+    }
+}
+
+/// A streamed answer's pieces, before they are shaped into one API's events.
+pub enum Chunk {
+    /// An OpenAI chunk (`chat.completion.chunk` or `text_completion`).
+    Data(Value),
+    /// Choice 0 ended (this comes before its finish chunk): why, as the finish chunk says
+    /// it (`tool_calls` when it called), the stop string that ended it, and its tokens.
+    Ended {
+        finish: &'static str,
+        stop_string: Option<String>,
+        tokens: usize,
+    },
+    /// The request failed; nothing more follows.
+    Failed(ApiError),
 }
 
 impl Answer {
@@ -154,7 +187,7 @@ impl Answer {
     }
 
     /// Completion `c`'s text split into content and tool calls (no tools: all content).
-    fn split(&self, c: &Choice) -> Parsed {
+    pub fn split(&self, c: &Choice) -> Parsed {
         match &self.calls {
             Some(calls) => parse(&c.text, calls.format, &calls.tools),
             None => Parsed {
@@ -165,7 +198,7 @@ impl Answer {
     }
 
     /// OpenAI's `tool_calls` entries for `parsed`'s calls of choice `i`.
-    fn tool_calls(&self, i: usize, parsed: &Parsed) -> Vec<Value> {
+    pub fn tool_calls(&self, i: usize, parsed: &Parsed) -> Vec<Value> {
         parsed
             .calls
             .iter()
@@ -249,10 +282,15 @@ impl Answer {
 pub async fn collect(
     answer: Answer,
     cached: usize,
-    mut rx: UnboundedReceiver<Event>,
+    rx: UnboundedReceiver<Event>,
 ) -> Result<Value, ApiError> {
-    let mut choices: Vec<Choice> = (0..answer.n).map(|_| Choice::default()).collect();
-    let mut open = answer.n;
+    Ok(answer.full(&choices(answer.n, rx).await?, cached))
+}
+
+/// Reads events to the end of every one of `n` completions.
+pub async fn choices(n: usize, mut rx: UnboundedReceiver<Event>) -> Result<Vec<Choice>, ApiError> {
+    let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
+    let mut open = n;
     while open > 0 {
         match rx.recv().await {
             Some(Event::Token {
@@ -269,10 +307,13 @@ pub async fn collect(
                 finish_reason,
                 completion_tokens,
                 speculation,
+                stop_string,
             }) => {
-                choices[choice].finish = Some(finish_reason);
-                choices[choice].tokens = completion_tokens;
-                choices[choice].speculation = speculation;
+                let c = &mut choices[choice];
+                c.finish = Some(finish_reason);
+                c.tokens = completion_tokens;
+                c.speculation = speculation;
+                c.stop_string = stop_string;
                 open -= 1;
             }
             Some(Event::Admitted { .. }) => {}
@@ -280,7 +321,7 @@ pub async fn collect(
             None => return Err(ApiError::internal("the engine dropped the request")),
         }
     }
-    Ok(answer.full(&choices, cached))
+    Ok(choices)
 }
 
 /// Where in `text` a call opened by `opening` starts or may start (a prefix of it at the end):
@@ -303,13 +344,35 @@ fn may_be_call(text: &str) -> bool {
         .any(|o| t.starts_with(o) || o.starts_with(t))
 }
 
-/// Server-sent events. Dropping the stream (the client went away) drops `rx`, which tells
-/// the engine to release the request's sequences.
+/// OpenAI's server-sent events (`data: {chunk}` … `data: [DONE]`). Dropping the stream (the
+/// client went away) drops `rx`, which tells the engine to release the request's sequences.
 pub fn stream(
     answer: Answer,
     cached: usize,
     rx: UnboundedReceiver<Event>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    use futures_util::StreamExt;
+    let data = |v: Value| Some(Ok(SseEvent::default().data(v.to_string())));
+    let events = chunks(answer, cached, rx)
+        .filter_map(move |c| async move {
+            match c {
+                Chunk::Data(v) => data(v),
+                Chunk::Failed(e) => data(e.body()),
+                Chunk::Ended { .. } => None,
+            }
+        })
+        .chain(futures_util::stream::once(async {
+            Ok(SseEvent::default().data("[DONE]"))
+        }));
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+/// The pieces of a streamed answer, as the engine's events come in (see [`Chunk`]).
+pub fn chunks(
+    answer: Answer,
+    cached: usize,
+    rx: UnboundedReceiver<Event>,
+) -> impl futures_util::Stream<Item = Chunk> {
     struct State {
         answer: Answer,
         cached: usize,
@@ -318,10 +381,10 @@ pub fn stream(
         /// Per choice: text is held back (it may be a tool call).
         holding: Vec<bool>,
         open: usize,
-        out: VecDeque<SseEvent>,
+        out: VecDeque<Chunk>,
         ended: bool,
     }
-    let data = |v: Value| SseEvent::default().data(v.to_string());
+    let data = Chunk::Data;
     let mut out = VecDeque::new();
     if answer.endpoint == Endpoint::Chat {
         for i in 0..answer.n {
@@ -345,10 +408,10 @@ pub fn stream(
         out,
         ended: false,
     };
-    let events = futures_util::stream::unfold(state, move |mut st| async move {
+    futures_util::stream::unfold(state, move |mut st| async move {
         loop {
             if let Some(e) = st.out.pop_front() {
-                return Some((Ok(e), st));
+                return Some((e, st));
             }
             if st.ended {
                 return None;
@@ -393,10 +456,12 @@ pub fn stream(
                     finish_reason,
                     completion_tokens,
                     speculation,
+                    stop_string,
                 }) => {
                     let c = &mut st.choices[i];
                     c.tokens = completion_tokens;
                     c.speculation = speculation;
+                    c.stop_string = stop_string;
                     let mut finish = finish_reason;
                     if !c.text.is_empty() {
                         let parsed = a.split(c);
@@ -441,6 +506,12 @@ pub fn stream(
                         Endpoint::Chat => json!({}),
                         Endpoint::Completion => json!({"content": ""}),
                     };
+                    let c = &st.choices[i];
+                    st.out.push_back(Chunk::Ended {
+                        finish,
+                        stop_string: c.stop_string.clone(),
+                        tokens: c.tokens,
+                    });
                     st.out
                         .push_back(data(a.chunk(i, delta, &[], 0, Some(finish))));
                     st.open -= 1;
@@ -455,21 +526,17 @@ pub fn stream(
                 }
                 Some(Event::Admitted { .. }) => {}
                 Some(Event::Failed(e)) => {
-                    st.out.push_back(data(e.body()));
+                    st.out.push_back(Chunk::Failed(e));
                     st.ended = true;
                 }
                 None => {
                     let e = ApiError::internal("the engine dropped the request");
-                    st.out.push_back(data(e.body()));
+                    st.out.push_back(Chunk::Failed(e));
                     st.ended = true;
                 }
             }
-            if st.ended {
-                st.out.push_back(SseEvent::default().data("[DONE]"));
-            }
         }
-    });
-    Sse::new(events).keep_alive(KeepAlive::default())
+    })
 }
 
 #[cfg(test)]

@@ -341,20 +341,10 @@ fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
         let Some(func) = t.get("function").and_then(Value::as_object) else {
             return Err(bad(format!("tools[{i}].function must be an object")));
         };
-        let name = match func.get("name").and_then(Value::as_str) {
-            Some(n)
-                if !n.is_empty()
-                    && n.len() <= 64
-                    && n.chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
-            {
-                n.to_string()
-            }
-            _ => {
-                return Err(bad(format!(
-                    "tools[{i}].function.name must be 1-64 of a-z A-Z 0-9 _ -"
-                )))
-            }
+        let Some(name) = func.get("name").and_then(Value::as_str).and_then(tool_name) else {
+            return Err(bad(format!(
+                "tools[{i}].function.name must be 1-64 of a-z A-Z 0-9 _ -"
+            )));
         };
         if out.iter().any(|t| t.name == name) {
             return Err(bad(format!("tools[{i}]: '{name}' is declared twice")));
@@ -378,6 +368,14 @@ fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
         });
     }
     Ok(out)
+}
+
+/// `n` as a tool's name: 1-64 of a-z A-Z 0-9 _ - (OpenAI's and Anthropic's rule).
+pub fn tool_name(n: &str) -> Option<String> {
+    let ok = (1..=64).contains(&n.len())
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    ok.then(|| n.to_string())
 }
 
 /// `tool_choice`: `auto`, `none`, `required` or `{"type": "function", "function": {"name"}}`.
@@ -603,10 +601,10 @@ fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
 }
 
 /// A body's fields; `null` counts as absent.
-struct Fields<'a>(&'a Map<String, Value>);
+pub struct Fields<'a>(pub &'a Map<String, Value>);
 
 impl Fields<'_> {
-    fn get(&self, k: &str) -> Option<&Value> {
+    pub fn get(&self, k: &str) -> Option<&Value> {
         self.0.get(k).filter(|v| !v.is_null())
     }
 
@@ -614,13 +612,13 @@ impl Fields<'_> {
         ApiError::invalid(Some(k), format!("'{k}' must be {what}, got {v}"))
     }
 
-    fn string(&self, k: &str) -> Result<Option<&str>, ApiError> {
+    pub fn string(&self, k: &str) -> Result<Option<&str>, ApiError> {
         self.get(k)
             .map(|v| v.as_str().ok_or_else(|| Self::wrong(k, "a string", v)))
             .transpose()
     }
 
-    fn bool(&self, k: &str) -> Result<Option<bool>, ApiError> {
+    pub fn bool(&self, k: &str) -> Result<Option<bool>, ApiError> {
         self.get(k)
             .map(|v| {
                 v.as_bool()
@@ -635,7 +633,7 @@ impl Fields<'_> {
             .transpose()
     }
 
-    fn count(&self, k: &str) -> Result<Option<u64>, ApiError> {
+    pub fn count(&self, k: &str) -> Result<Option<u64>, ApiError> {
         self.get(k)
             .map(|v| {
                 v.as_u64()
@@ -644,7 +642,7 @@ impl Fields<'_> {
             .transpose()
     }
 
-    fn number(&self, k: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    pub fn number(&self, k: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
         let Some(v) = self.get(k) else {
             return Ok(None);
         };

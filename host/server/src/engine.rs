@@ -74,6 +74,8 @@ pub enum Event {
         completion_tokens: usize,
         /// What speculation did, when it speculated.
         speculation: Option<SpecStats>,
+        /// The stop string that ended it, when one did.
+        stop_string: Option<String>,
     },
     /// The request failed; nothing more follows.
     Failed(ApiError),
@@ -642,6 +644,7 @@ impl Engine {
             finish_reason,
             completion_tokens: f.generated.len(),
             speculation: f.speculation,
+            stop_string: f.stop_string.clone(),
         });
         finished?;
         if a.done < a.req.n {

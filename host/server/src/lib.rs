@@ -3,9 +3,10 @@
 //! An OpenAI-compatible HTTP server for agents (axum on tokio), over the SDK.
 //!
 //! - **Routes.** `POST /v1/chat/completions` and `POST /v1/completions` (one JSON answer, or
-//!   server-sent events ending with `data: [DONE]` when `stream` is true), `GET /v1/models`
+//!   server-sent events ending with `data: [DONE]` when `stream` is true), Anthropic's
+//!   `POST /v1/messages` and `/v1/messages/count_tokens` (`messages.rs`), `GET /v1/models`
 //!   and `/v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus; both open even with
-//!   a key).
+//!   a key). The key goes in `Authorization: Bearer` or `x-api-key`.
 //! - **Agents' dialect.** Tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool
 //!   messages) rendered by the model's own template and parsed back per template family;
 //!   `response_format` (JSON object or schema) and `grammar` (Lark or GBNF) followed by
@@ -41,6 +42,7 @@ mod answer;
 mod api;
 mod engine;
 mod error;
+mod messages;
 mod metrics;
 mod request;
 mod routes;

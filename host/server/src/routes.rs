@@ -16,16 +16,18 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::mpsc::unbounded_channel;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::answer::{collect, stream, Answer};
-use crate::api::{self, Endpoint};
+use crate::api::{self, Endpoint, Params};
 use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
+use crate::messages;
 use crate::metrics::Metrics;
-use crate::request::{prepare, Model};
+use crate::request::{prepare, render, Model};
 use kvplug::ascii_escaped;
 use kvplug::check_agent_name;
+use kvplug::Divergence;
 use kvplug::{Grammars, Text};
 
 /// The header naming an agent session: its K/V stays in the cache between requests, and
@@ -64,11 +66,25 @@ pub struct Shared {
 
 type AppState = Arc<Shared>;
 
+impl Shared {
+    /// What preparing a request needs of the server.
+    fn request_model(&self) -> Model<'_> {
+        Model {
+            text: &self.text,
+            grammars: &self.grammars,
+            capacity: self.capacity,
+            max_tokens: self.max_tokens,
+        }
+    }
+}
+
 /// The routes; bodies above `max_body` bytes are refused with 413.
 pub fn router(state: AppState, max_body: usize) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic_messages))
+        .route("/v1/messages/count_tokens", post(anthropic_count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
@@ -93,13 +109,16 @@ fn same_key(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
+/// Checks the key: `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+/// (Anthropic's).
 async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.api_key {
-        let given = req
-            .headers()
+        let headers = req.headers();
+        let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
@@ -188,15 +207,25 @@ fn agent_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 /// The header telling where a prompt's reuse ended (JSON, non-ASCII escaped).
 pub const PREFIX_HEADER: &str = "x-kvplug-prefix";
 
-async fn generate(
-    s: AppState,
+/// A request the engine admitted: what its answer is built from.
+struct Admitted {
+    answer: Answer,
+    cached: usize,
+    rx: UnboundedReceiver<Event>,
+    divergence: Option<Divergence>,
+    stream: bool,
+}
+
+/// Prepares `p` (the template, tokens and grammars, off the runtime's few workers), hands it
+/// to the engine and waits for its admission; the answer's id starts with `id_prefix`.
+async fn admit(
+    s: &AppState,
     endpoint: Endpoint,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
-    let p = api::parse(endpoint, &body)?;
+    p: Params,
+    arrived: Instant,
+    id_prefix: &str,
+) -> Result<Admitted, ApiError> {
     let agent = agent_of(headers)?;
     if agent.is_some() && p.n > 1 {
         return Err(ApiError::invalid(
@@ -211,17 +240,9 @@ async fn generate(
             .map_or(0, |d| d.as_nanos() as u64);
         t ^ n.rotate_left(32)
     };
-    // Rendering the template and compiling grammars can take a while: not on the runtime's
-    // few workers.
     let shared = s.clone();
     let (prepared, p) = tokio::task::spawn_blocking(move || {
-        let model = Model {
-            text: &shared.text,
-            grammars: &shared.grammars,
-            capacity: shared.capacity,
-            max_tokens: shared.max_tokens,
-        };
-        prepare(&model, &p, seed).map(|prepared| (prepared, p))
+        prepare(&shared.request_model(), &p, seed).map(|prepared| (prepared, p))
     })
     .await
     .map_err(|e| ApiError::internal(format!("preparing the request: {e}")))??;
@@ -252,14 +273,7 @@ async fn generate(
     };
     let answer = Answer {
         endpoint,
-        id: format!(
-            "{}-{}{n:08x}",
-            match endpoint {
-                Endpoint::Chat => "chatcmpl",
-                Endpoint::Completion => "cmpl",
-            },
-            s.instance
-        ),
+        id: format!("{id_prefix}{}{n:08x}", s.instance),
         created: unix_now(),
         model: s.model_id.clone(),
         include_usage: p.include_usage,
@@ -269,11 +283,22 @@ async fn generate(
         text: s.text.clone(),
         vocab: s.grammars.as_ref().ok().cloned(),
     };
-    let mut response = if p.stream {
-        stream(answer, cached, rx).into_response()
-    } else {
-        Json(collect(answer, cached, rx).await?).into_response()
-    };
+    Ok(Admitted {
+        answer,
+        cached,
+        rx,
+        divergence,
+        stream: p.stream,
+    })
+}
+
+/// `response` with the `x-kvplug-prefix` header saying where the prompt departed from the
+/// cache, when the server shows it.
+fn with_prefix_header(
+    s: &Shared,
+    mut response: Response,
+    divergence: Option<Divergence>,
+) -> Response {
     if let Some(d) = divergence.filter(|_| s.prefix_header) {
         let mut d = serde_json::to_value(&d).unwrap_or_default();
         let piece = |v: &Value| v.as_i64().and_then(|t| s.text.piece(t as i32).ok());
@@ -284,5 +309,65 @@ async fn generate(
             response.headers_mut().insert(PREFIX_HEADER, v);
         }
     }
-    Ok(response)
+    response
+}
+
+async fn generate(
+    s: AppState,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+    let p = api::parse(endpoint, &body)?;
+    let id_prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl-",
+        Endpoint::Completion => "cmpl-",
+    };
+    let a = admit(&s, endpoint, headers, p, arrived, id_prefix).await?;
+    let response = if a.stream {
+        stream(a.answer, a.cached, a.rx).into_response()
+    } else {
+        Json(collect(a.answer, a.cached, a.rx).await?).into_response()
+    };
+    Ok(with_prefix_header(&s, response, a.divergence))
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API (errors in its shape).
+async fn anthropic_messages(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    let answered = async {
+        let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+        let p = messages::parse(&body, false)?;
+        let a = admit(&s, Endpoint::Chat, &headers, p, arrived, "msg_").await?;
+        let response = if a.stream {
+            messages::stream(a.answer, a.cached, a.rx).into_response()
+        } else {
+            Json(messages::message(a.answer, a.cached, a.rx).await?).into_response()
+        };
+        Ok::<_, ApiError>(with_prefix_header(&s, response, a.divergence))
+    };
+    answered.await.unwrap_or_else(messages::error_response)
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens as the model's template renders it.
+async fn anthropic_count_tokens(
+    State(s): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let counted = async {
+        let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+        let p = messages::parse(&body, true)?;
+        let shared = s.clone();
+        let (prompt, _) = tokio::task::spawn_blocking(move || render(&shared.request_model(), &p))
+            .await
+            .map_err(|e| ApiError::internal(format!("counting tokens: {e}")))??;
+        Ok::<_, ApiError>(Json(messages::token_count(prompt.len())).into_response())
+    };
+    counted.await.unwrap_or_else(messages::error_response)
 }

@@ -3,7 +3,8 @@
 //! tool-choice modes, tool messages, structured output, grammars, log-probabilities, `n`,
 //! sampling fields, refusals, the model routes, `/metrics`, and a ten-turn tool loop that
 //! reuses its history. Then the OpenAI Agents SDK and the `openai` client's stream assembly
-//! (tests/cli/tests/agents_sdk.py through scripts/openai-client.sh).
+//! (tests/cli/tests/agents_sdk.py), and the `anthropic` client on the Messages API
+//! (tests/cli/tests/anthropic_client.py), both through scripts/openai-client.sh.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -522,4 +523,26 @@ fn the_agents_sdk_and_the_openai_stream_assembly() {
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// Anthropic's Messages API through the official `anthropic` client (x-api-key): messages
+/// whole and streamed, stop sequences and `max_tokens`, a forced tool call whole and
+/// streamed, its result rendered back as the template renders a tool message (counted
+/// against the OpenAI route), refusals in Anthropic's shape (tests/cli/tests/anthropic_client.py).
+#[test]
+fn the_anthropic_client_speaks_the_messages_api() {
+    let s = Server::start(&qwen(), &["--capacity", "4096", "--api-key", "secret"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
+    let out = Command::new(script)
+        .args(["anthropic_client.py", &s.url, "secret"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "anthropic client: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    s.stop();
 }
