@@ -3,7 +3,9 @@
 //! An OpenAI-compatible HTTP server for agents (axum on tokio), over the SDK.
 //!
 //! - **Routes.** `POST /v1/chat/completions` and `POST /v1/completions` (one JSON answer, or
-//!   server-sent events ending with `data: [DONE]` when `stream` is true), Anthropic's
+//!   server-sent events ending with `data: [DONE]` when `stream` is true), OpenAI's
+//!   `POST /v1/responses` (`responses.rs`, stored responses continued by
+//!   `previous_response_id`), Anthropic's
 //!   `POST /v1/messages` and `/v1/messages/count_tokens` (`messages.rs`), `GET /v1/models`
 //!   and `/v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus; both open even with
 //!   a key). The key goes in `Authorization: Bearer` or `x-api-key`.
@@ -45,6 +47,7 @@ mod error;
 mod messages;
 mod metrics;
 mod request;
+mod responses;
 mod routes;
 
 use std::net::SocketAddr;
@@ -261,6 +264,7 @@ impl Server {
             counter: AtomicU64::new(0),
             instance: format!("{:08x}", instance_id()),
             prefix_header: config.prefix_header,
+            responses: Arc::default(),
             grammars,
             metrics: metrics.clone(),
         });

@@ -25,6 +25,7 @@ use crate::error::ApiError;
 use crate::messages;
 use crate::metrics::Metrics;
 use crate::request::{prepare, render, Model};
+use crate::responses;
 use kvplug::ascii_escaped;
 use kvplug::check_agent_name;
 use kvplug::Divergence;
@@ -58,6 +59,8 @@ pub struct Shared {
     pub instance: String,
     /// Whether answers carry the `x-kvplug-prefix` header.
     pub prefix_header: bool,
+    /// Stored responses, for `previous_response_id`.
+    pub responses: Arc<responses::Store>,
     /// Constrained decoding over the model's vocabulary, or why it is not available.
     pub grammars: Result<Grammars, String>,
     /// What `/metrics` shows.
@@ -83,6 +86,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(openai_responses))
         .route("/v1/messages", post(anthropic_messages))
         .route("/v1/messages/count_tokens", post(anthropic_count_tokens))
         .route("/v1/models", get(models))
@@ -330,6 +334,33 @@ async fn generate(
         stream(a.answer, a.cached, a.rx).into_response()
     } else {
         Json(collect(a.answer, a.cached, a.rx).await?).into_response()
+    };
+    Ok(with_prefix_header(&s, response, a.divergence))
+}
+
+/// `POST /v1/responses`: OpenAI's Responses API.
+async fn openai_responses(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+    let r = responses::parse(&body, &s.responses)?;
+    let a = admit(
+        &s,
+        Endpoint::Chat,
+        &headers,
+        r.params.clone(),
+        arrived,
+        "resp_",
+    )
+    .await?;
+    let store = s.responses.clone();
+    let response = if a.stream {
+        responses::stream(a.answer, r, store, a.cached, a.rx).into_response()
+    } else {
+        Json(responses::whole(a.answer, r, store, a.cached, a.rx).await?).into_response()
     };
     Ok(with_prefix_header(&s, response, a.divergence))
 }

@@ -3,8 +3,10 @@
 //! tool-choice modes, tool messages, structured output, grammars, log-probabilities, `n`,
 //! sampling fields, refusals, the model routes, `/metrics`, and a ten-turn tool loop that
 //! reuses its history. Then the OpenAI Agents SDK and the `openai` client's stream assembly
-//! (tests/cli/tests/agents_sdk.py), and the `anthropic` client on the Messages API
-//! (tests/cli/tests/anthropic_client.py), both through scripts/openai-client.sh.
+//! (tests/cli/tests/agents_sdk.py), the Responses API through the `openai` client and the
+//! Agents SDK's default model (tests/cli/tests/responses_client.py), and the `anthropic`
+//! client on the Messages API (tests/cli/tests/anthropic_client.py), all through
+//! scripts/openai-client.sh.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -540,6 +542,29 @@ fn the_anthropic_client_speaks_the_messages_api() {
     assert!(
         out.status.success(),
         "anthropic client: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    s.stop();
+}
+
+/// OpenAI's Responses API through the official `openai` client and the Agents SDK's default
+/// (Responses) model: responses whole and streamed, `previous_response_id` continuing from
+/// the cache, `store: false`, a forced function call whole and streamed, its output rendered
+/// back as the template renders a tool message (counted against the chat route),
+/// `text.format`'s schema, a refusal (tests/cli/tests/responses_client.py).
+#[test]
+fn the_responses_api_speaks_to_the_openai_client_and_the_agents_sdk() {
+    let s = Server::start(&qwen(), &["--capacity", "4096"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
+    let out = Command::new(script)
+        .args(["responses_client.py", &s.url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "responses client: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

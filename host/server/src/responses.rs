@@ -1,0 +1,810 @@
+//! OpenAI's Responses API (`POST /v1/responses`), as the OpenAI Agents SDK's default model
+//! and Codex-style agents speak it, mapped onto the same checks, engine and answers as the
+//! chat route: `instructions` and input items (messages, `function_call`,
+//! `function_call_output`) become chat messages rendered by the model's template; the answer
+//! becomes a `response` of `message` and `function_call` output items, or its stream of
+//! typed events. A response is stored (unless `store` is false) so that a later request's
+//! `previous_response_id` continues its conversation: the stored turns are rendered again,
+//! and their K/V comes back from the prefix cache instead of being prefilled.
+//!
+//! Fields that cannot change the answer (`metadata`, `user`, `include`, `reasoning`,
+//! `truncation`, cache keys, …) are accepted; fields that would change it in ways not
+//! implemented (`background`, `conversation`, `prompt`, …) and unknown ones are refused with
+//! a 400 naming them.
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use kvplug::tools::Tool;
+use kvplug::{Adjustments, Message};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::answer::{chunks, Answer, Choice, Chunk};
+use crate::api::{tool_name, Fields, Format, Params, Prompt, ToolChoice};
+use crate::engine::Event;
+use crate::error::ApiError;
+
+/// Responses kept for `previous_response_id` (the oldest go first).
+pub const MAX_STORED: usize = 1024;
+
+/// Fields that cannot change the answer.
+const IGNORED: [&str; 13] = [
+    "model",
+    "metadata",
+    "user",
+    "include",
+    "reasoning",
+    "truncation",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "stream_options",
+    "max_tool_calls",
+    "top_logprobs",
+];
+
+/// Fields this server reads.
+const IMPLEMENTED: [&str; 12] = [
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "store",
+    "previous_response_id",
+];
+
+/// A stored response's conversation (instructions aside).
+type Turns = Arc<Vec<Message>>;
+
+/// Stored responses' conversations: what `previous_response_id` continues.
+#[derive(Default)]
+pub struct Store {
+    /// By response id, and the ids oldest first.
+    inner: Mutex<(HashMap<String, Turns>, VecDeque<String>)>,
+}
+
+impl Store {
+    fn get(&self, id: &str) -> Option<Turns> {
+        self.inner.lock().expect("store lock").0.get(id).cloned()
+    }
+
+    fn put(&self, id: String, turns: Vec<Message>) {
+        let mut g = self.inner.lock().expect("store lock");
+        let (map, order) = &mut *g;
+        if map.insert(id.clone(), Arc::new(turns)).is_none() {
+            order.push_back(id);
+        }
+        while order.len() > MAX_STORED {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+}
+
+/// A checked request: its parameters, and what storing its response needs.
+pub struct Request {
+    /// What the engine runs.
+    pub params: Params,
+    /// The conversation before the answer (the previous response's, then the input).
+    turns: Vec<Message>,
+    /// Whether the response is stored.
+    store: bool,
+    /// Echoed in the response.
+    echo: Value,
+}
+
+/// Parses and checks a Responses body, continuing `previous_response_id` from `store`.
+pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(map) = &value else {
+        return Err(ApiError::invalid(None, "the body must be a JSON object"));
+    };
+    for (k, v) in map {
+        if !v.is_null() && !IGNORED.contains(&k.as_str()) && !IMPLEMENTED.contains(&k.as_str()) {
+            return Err(ApiError::invalid(
+                Some(k),
+                format!("'{k}' is not supported"),
+            ));
+        }
+    }
+    let f = Fields(map);
+    f.string("model")?;
+    let previous = f.string("previous_response_id")?;
+    let mut turns = match previous {
+        Some(id) => store
+            .get(id)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    Some("previous_response_id"),
+                    format!("no stored response '{id}' (it was not stored, or has expired)"),
+                )
+            })?
+            .to_vec(),
+        None => Vec::new(),
+    };
+    turns.extend(input(&f)?);
+    if turns.is_empty() {
+        return Err(ApiError::invalid(Some("input"), "'input' is required"));
+    }
+    let mut messages = Vec::new();
+    if let Some(i) = f.string("instructions")?.filter(|i| !i.is_empty()) {
+        messages.push(Message::new("system", i));
+    }
+    messages.extend(turns.iter().cloned());
+    let tools = tools(&f)?;
+    let tool_choice = tool_choice(&f, &tools)?;
+    let max_tokens = match f.count("max_output_tokens")? {
+        Some(0) => {
+            return Err(ApiError::invalid(
+                Some("max_output_tokens"),
+                "'max_output_tokens' must be at least 1",
+            ))
+        }
+        n => n.map(|n| n.min(usize::MAX as u64) as usize),
+    };
+    let top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    if top_p == 0.0 {
+        return Err(ApiError::invalid(Some("top_p"), "'top_p' must be above 0"));
+    }
+    let format = format(&f)?;
+    let echo = json!({
+        "instructions": f.get("instructions"),
+        "previous_response_id": previous,
+        "tools": f.get("tools").cloned().unwrap_or(json!([])),
+        "tool_choice": f.get("tool_choice").cloned().unwrap_or(json!("auto")),
+        "parallel_tool_calls": f.bool("parallel_tool_calls")?.unwrap_or(true),
+        "text": f.get("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
+        "max_output_tokens": max_tokens,
+        "metadata": f.get("metadata").cloned().unwrap_or(json!({})),
+    });
+    let params = Params {
+        prompt: Prompt::Chat(messages),
+        max_tokens,
+        temperature: f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
+        top_p: top_p as f32,
+        top_k: 0,
+        min_p: 0.0,
+        adjust: Adjustments::default(),
+        ignore_eos: false,
+        stop: Vec::new(),
+        seed: None,
+        n: 1,
+        logprobs: None,
+        tools,
+        tool_choice,
+        parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
+        format,
+        stream: f.bool("stream")?.unwrap_or(false),
+        include_usage: false,
+        speculative: None,
+    };
+    Ok(Request {
+        params,
+        turns,
+        store: f.bool("store")?.unwrap_or(true),
+        echo,
+    })
+}
+
+/// `input`: a string (one user message) or items — messages (`role` with a string or
+/// `input_text` / `output_text` parts), `function_call` (joined to the assistant turn before
+/// it) and `function_call_output` (a tool message); `reasoning` items are skipped.
+fn input(f: &Fields) -> Result<Vec<Message>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("input"), m);
+    let items = match f.get("input") {
+        None => return Ok(Vec::new()),
+        Some(Value::String(s)) => return Ok(vec![Message::new("user", s)]),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(bad("'input' must be a string or an array of items".into())),
+    };
+    let mut out: Vec<Message> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let kind = item.get("type").and_then(Value::as_str);
+        match kind {
+            Some("function_call") => {
+                let (Some(call_id), Some(name), Some(args)) = (
+                    item.get("call_id").and_then(Value::as_str),
+                    item.get("name").and_then(Value::as_str),
+                    item.get("arguments").and_then(Value::as_str),
+                ) else {
+                    return Err(bad(format!(
+                        "input[{i}]: a function_call needs call_id, name and arguments strings"
+                    )));
+                };
+                let arguments: Value = serde_json::from_str(args)
+                    .map_err(|e| bad(format!("input[{i}].arguments is not JSON: {e}")))?;
+                let call = json!({"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": arguments}});
+                match out.last_mut() {
+                    Some(m) if m.role == "assistant" => m.tool_calls.push(call),
+                    _ => {
+                        let mut m = Message::new("assistant", "");
+                        m.tool_calls.push(call);
+                        out.push(m);
+                    }
+                }
+            }
+            Some("function_call_output") => {
+                let Some(call_id) = item.get("call_id").and_then(Value::as_str) else {
+                    return Err(bad(format!("input[{i}].call_id must be a string")));
+                };
+                let output = match item.get("output") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => parts_text(parts)
+                        .ok_or_else(|| bad(format!("input[{i}].output: only text parts")))?,
+                    _ => return Err(bad(format!("input[{i}].output must be a string"))),
+                };
+                let mut m = Message::new("tool", &output);
+                m.tool_call_id = Some(call_id.to_string());
+                out.push(m);
+            }
+            Some("reasoning") => {}
+            None | Some("message") => {
+                let role = match item.get("role").and_then(Value::as_str) {
+                    Some("developer") => "system",
+                    Some(r @ ("system" | "user" | "assistant")) => r,
+                    _ => {
+                        return Err(bad(format!(
+                            "input[{i}].role must be user, assistant, system or developer"
+                        )))
+                    }
+                };
+                let content = match item.get("content") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => parts_text(parts).ok_or_else(|| {
+                        bad(format!(
+                            "input[{i}].content: only input_text and output_text parts are \
+                             supported"
+                        ))
+                    })?,
+                    _ => return Err(bad(format!("input[{i}].content must be a string or parts"))),
+                };
+                out.push(Message::new(role, &content));
+            }
+            Some(t) => return Err(bad(format!("input[{i}]: '{t}' items are not supported"))),
+        }
+    }
+    Ok(out)
+}
+
+/// The text of `input_text` / `output_text` parts.
+fn parts_text(parts: &[Value]) -> Option<String> {
+    parts
+        .iter()
+        .map(|p| match p.get("type").and_then(Value::as_str)? {
+            "input_text" | "output_text" | "text" => p.get("text")?.as_str(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `tools`: function tools, flat (`{"type": "function", "name", "parameters"}`).
+fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("tools"), m);
+    let list = match f.get("tools") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(l)) => l,
+        Some(_) => return Err(bad("'tools' must be an array".into())),
+    };
+    let mut out: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "tools[{i}]: '{other}' tools are not supported (function tools are)"
+                )))
+            }
+            None => return Err(bad(format!("tools[{i}].type must be \"function\""))),
+        }
+        let name = t
+            .get("name")
+            .and_then(Value::as_str)
+            .and_then(tool_name)
+            .ok_or_else(|| bad(format!("tools[{i}].name must be 1-64 of a-z A-Z 0-9 _ -")))?;
+        if out.iter().any(|t| t.name == name) {
+            return Err(bad(format!("tools[{i}]: '{name}' is declared twice")));
+        }
+        let parameters = match t.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(bad(format!(
+                    "tools[{i}].parameters must be a JSON schema object"
+                )))
+            }
+        };
+        out.push(Tool {
+            name,
+            description: t
+                .get("description")
+                .and_then(Value::as_str)
+                .map(String::from),
+            parameters,
+        });
+    }
+    Ok(out)
+}
+
+/// `tool_choice`: `auto`, `none`, `required` or `{"type": "function", "name"}`.
+fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("tool_choice"), m);
+    let choice = match f.get("tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            _ => {
+                return Err(bad(
+                    "'tool_choice' must be auto, none, required or a function".into(),
+                ))
+            }
+        },
+        Some(v) => match v.get("name").and_then(Value::as_str) {
+            Some(n) => ToolChoice::Named(n.to_string()),
+            None => return Err(bad("'tool_choice' names no function".into())),
+        },
+    };
+    match &choice {
+        ToolChoice::Required if tools.is_empty() => Err(bad("'required' needs 'tools'".into())),
+        ToolChoice::Named(n) if !tools.iter().any(|t| &t.name == n) => Err(bad(format!(
+            "'tool_choice' names '{n}', which 'tools' does not declare"
+        ))),
+        _ => Ok(choice),
+    }
+}
+
+/// `text.format`: text, `json_object`, or `json_schema` with its `schema`.
+fn format(f: &Fields) -> Result<Format, ApiError> {
+    let bad = |m: &str| ApiError::invalid(Some("text"), m);
+    let Some(format) = f.get("text").and_then(|t| t.get("format")) else {
+        return Ok(Format::Text);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(Format::Text),
+        Some("json_object") => Ok(Format::Json(None)),
+        Some("json_schema") => match format.get("schema") {
+            Some(s @ Value::Object(_)) => Ok(Format::Json(Some(s.clone()))),
+            _ => Err(bad("'text.format.schema' must be an object")),
+        },
+        _ => Err(bad(
+            "'text.format.type' must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// The output items of answer `c` (text as one `message`, then each `function_call`), the
+/// assistant turn they add to the conversation, and whether any call was made.
+fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
+    let parsed = a.split(c);
+    let rest = a.id.trim_start_matches("resp_");
+    let mut items = Vec::new();
+    let mut turn = Message::new("assistant", &parsed.content);
+    if !parsed.content.is_empty() || parsed.calls.is_empty() {
+        items.push(json!({
+            "type": "message", "id": format!("msg_{rest}"), "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": parsed.content, "annotations": []}],
+        }));
+    }
+    for (k, (call, openai)) in parsed
+        .calls
+        .iter()
+        .zip(a.tool_calls(0, &parsed))
+        .enumerate()
+    {
+        let call_id = openai["id"].as_str().unwrap_or_default().to_string();
+        items.push(json!({
+            "type": "function_call", "id": format!("fc_{rest}_{k}"), "call_id": call_id,
+            "name": call.name, "arguments": call.arguments, "status": "completed",
+        }));
+        let arguments: Value = serde_json::from_str(&call.arguments).unwrap_or(json!({}));
+        turn.tool_calls
+            .push(json!({"id": call_id, "type": "function",
+            "function": {"name": call.name, "arguments": arguments}}));
+    }
+    let called = !parsed.calls.is_empty();
+    (items, turn, called)
+}
+
+/// The answer's fixed fields a response shows.
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+}
+
+impl Head {
+    fn of(a: &Answer) -> Head {
+        Head {
+            id: a.id.clone(),
+            created: a.created,
+            model: a.model.clone(),
+            prompt_tokens: a.prompt_tokens,
+        }
+    }
+}
+
+/// The `response` object: the request's fields, `output`, status and usage.
+fn response(
+    h: &Head,
+    r: &Request,
+    output: Value,
+    status: &str,
+    cached: usize,
+    tokens: usize,
+) -> Value {
+    let mut v = json!({
+        "id": h.id, "object": "response", "created_at": h.created, "model": h.model,
+        "status": status,
+        "incomplete_details": if status == "incomplete" {
+            json!({"reason": "max_output_tokens"})
+        } else {
+            Value::Null
+        },
+        "error": null, "output": output, "store": r.store,
+        "temperature": r.params.temperature, "top_p": r.params.top_p,
+        "truncation": "disabled", "reasoning": {"effort": null, "summary": null},
+        "usage": {
+            "input_tokens": h.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": h.prompt_tokens + tokens,
+        },
+    });
+    for (k, x) in r.echo.as_object().expect("an object") {
+        v[k] = x.clone();
+    }
+    v
+}
+
+/// The status of an answer that ended as OpenAI's `finish` says.
+fn status(finish: &str) -> &'static str {
+    match finish {
+        "length" => "incomplete",
+        _ => "completed",
+    }
+}
+
+/// Stores the conversation `r` continued with `turn` under response `id`.
+fn remember(store: &Store, id: &str, r: &Request, turn: Message) {
+    if r.store {
+        let mut turns = r.turns.clone();
+        turns.push(turn);
+        store.put(id.to_string(), turns);
+    }
+}
+
+/// The whole response (stored when asked).
+pub async fn whole(
+    a: Answer,
+    r: Request,
+    store: Arc<Store>,
+    cached: usize,
+    rx: UnboundedReceiver<Event>,
+) -> Result<Value, ApiError> {
+    let choices = crate::answer::choices(1, rx).await?;
+    let c = &choices[0];
+    let (items, turn, called) = output(&a, c);
+    let finish = if called { "tool_calls" } else { c.finish() };
+    remember(&store, &a.id, &r, turn);
+    let h = Head::of(&a);
+    Ok(response(
+        &h,
+        &r,
+        json!(items),
+        status(finish),
+        cached,
+        c.tokens(),
+    ))
+}
+
+/// The response's stream: `response.created`, `response.in_progress`, then per output item
+/// `response.output_item.added`, its content (`response.content_part.added`,
+/// `response.output_text.delta` … `.done`, or `response.function_call_arguments.delta` …
+/// `.done`) and `response.output_item.done`, then `response.completed` (or
+/// `response.incomplete`) with the whole response; `error` if it fails. Built from the
+/// OpenAI chunks, whose held-back tool calls it keeps.
+pub fn stream(
+    a: Answer,
+    r: Request,
+    store: Arc<Store>,
+    cached: usize,
+    rx: UnboundedReceiver<Event>,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    use futures_util::StreamExt;
+    let head = Head::of(&a);
+    let shown = response(&head, &r, json!([]), "in_progress", cached, 0);
+    let start = vec![
+        json!({"type": "response.created", "response": shown}),
+        json!({"type": "response.in_progress", "response": shown}),
+    ];
+    let mut items = Items {
+        rest: head.id.trim_start_matches("resp_").to_string(),
+        head,
+        store,
+        request: r,
+        cached,
+        done: Vec::new(),
+        text: None,
+        call: None,
+        turn: Message::new("assistant", ""),
+    };
+    let mut sequence = 0u64;
+    let events = futures_util::stream::once(async move { start })
+        .chain(chunks(a, cached, rx).map(move |c| items.events(c)))
+        .flat_map(futures_util::stream::iter)
+        .map(move |mut v: Value| {
+            v["sequence_number"] = json!(sequence);
+            sequence += 1;
+            let name = v["type"].as_str().unwrap_or("error").to_string();
+            Ok(SseEvent::default().event(name).data(v.to_string()))
+        });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+/// The output items of a streamed response, as OpenAI chunks open and fill them.
+struct Items {
+    head: Head,
+    /// The response id's unique part, for item ids.
+    rest: String,
+    store: Arc<Store>,
+    request: Request,
+    cached: usize,
+    /// Items finished, in order.
+    done: Vec<Value>,
+    /// The text of the message item being streamed.
+    text: Option<String>,
+    /// The function call item being streamed (its arguments so far).
+    call: Option<Value>,
+    /// The assistant turn the output adds to the conversation.
+    turn: Message,
+}
+
+impl Items {
+    /// The events for chunk `c`.
+    fn events(&mut self, c: Chunk) -> Vec<Value> {
+        let mut out = Vec::new();
+        let index = |s: &Self| s.done.len();
+        match c {
+            Chunk::Data(v) => {
+                let delta = &v["choices"][0]["delta"];
+                if let Some(t) = delta["content"].as_str().filter(|t| !t.is_empty()) {
+                    if self.text.is_none() {
+                        self.end_call(&mut out);
+                        self.open_text(&mut out);
+                    }
+                    self.text.as_mut().expect("open").push_str(t);
+                    out.push(json!({"type": "response.output_text.delta",
+                        "item_id": self.message_id(), "output_index": index(self),
+                        "content_index": 0, "delta": t, "logprobs": []}));
+                }
+                if let Some(call) = delta["tool_calls"].get(0) {
+                    if let Some(id) = call["id"].as_str() {
+                        self.end_text(&mut out);
+                        self.end_call(&mut out);
+                        let k = self.turn.tool_calls.len();
+                        let item = json!({"type": "function_call",
+                            "id": format!("fc_{}_{k}", self.rest), "call_id": id,
+                            "name": call["function"]["name"], "arguments": "",
+                            "status": "in_progress"});
+                        out.push(json!({"type": "response.output_item.added",
+                            "output_index": index(self), "item": item}));
+                        self.call = Some(item);
+                    } else if let (Some(args), Some(item)) =
+                        (call["function"]["arguments"].as_str(), self.call.as_mut())
+                    {
+                        let so_far = item["arguments"].as_str().unwrap_or_default().to_string();
+                        item["arguments"] = json!(so_far + args);
+                        out.push(json!({"type": "response.function_call_arguments.delta",
+                            "item_id": item["id"], "output_index": self.done.len(),
+                            "delta": args}));
+                    }
+                }
+            }
+            Chunk::Ended { finish, tokens, .. } => {
+                self.end_text(&mut out);
+                self.end_call(&mut out);
+                if self.done.is_empty() {
+                    self.open_text(&mut out);
+                    self.end_text(&mut out);
+                }
+                let turn = std::mem::replace(&mut self.turn, Message::new("assistant", ""));
+                remember(&self.store, &self.head.id, &self.request, turn);
+                let status = status(finish);
+                let whole = response(
+                    &self.head,
+                    &self.request,
+                    json!(self.done),
+                    status,
+                    self.cached,
+                    tokens,
+                );
+                out.push(json!({"type": format!("response.{status}"), "response": whole}));
+            }
+            Chunk::Failed(e) => out.push(json!({"type": "error", "code": null,
+                "message": e.message, "param": e.param})),
+        }
+        out
+    }
+
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.rest)
+    }
+
+    fn open_text(&mut self, out: &mut Vec<Value>) {
+        out.push(
+            json!({"type": "response.output_item.added", "output_index": self.done.len(),
+            "item": {"type": "message", "id": self.message_id(), "status": "in_progress",
+                     "role": "assistant", "content": []}}),
+        );
+        out.push(
+            json!({"type": "response.content_part.added", "item_id": self.message_id(),
+            "output_index": self.done.len(), "content_index": 0,
+            "part": {"type": "output_text", "text": "", "annotations": []}}),
+        );
+        self.text = Some(String::new());
+    }
+
+    fn end_text(&mut self, out: &mut Vec<Value>) {
+        let Some(text) = self.text.take() else {
+            return;
+        };
+        let (id, at) = (self.message_id(), self.done.len());
+        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        out.push(json!({"type": "response.output_text.done", "item_id": id,
+            "output_index": at, "content_index": 0, "text": text, "logprobs": []}));
+        out.push(json!({"type": "response.content_part.done", "item_id": id,
+            "output_index": at, "content_index": 0, "part": part}));
+        let item = json!({"type": "message", "id": id, "status": "completed",
+            "role": "assistant", "content": [part]});
+        out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
+        self.done.push(item);
+        self.turn.content.push_str(&text);
+    }
+
+    fn end_call(&mut self, out: &mut Vec<Value>) {
+        let Some(mut item) = self.call.take() else {
+            return;
+        };
+        let at = self.done.len();
+        item["status"] = json!("completed");
+        out.push(json!({"type": "response.function_call_arguments.done",
+            "item_id": item["id"], "output_index": at, "arguments": item["arguments"]}));
+        out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
+        let arguments: Value =
+            serde_json::from_str(item["arguments"].as_str().unwrap_or("{}")).unwrap_or(json!({}));
+        self.turn
+            .tool_calls
+            .push(json!({"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": arguments}}));
+        self.done.push(item);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(body: &str, param: &str, says: &str) {
+        let e = parse(body.as_bytes(), &Store::default()).err().unwrap();
+        assert_eq!(e.status, 400, "{body}");
+        assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        assert!(e.message.contains(says), "{body}: {}", e.message);
+    }
+
+    #[test]
+    fn input_items_become_chat_messages_and_previous_responses_continue() {
+        let store = Store::default();
+        store.put(
+            "resp_1".into(),
+            vec![
+                Message::new("user", "Hi"),
+                Message::new("assistant", "Hello"),
+            ],
+        );
+        let r = parse(
+            br#"{"model": "m", "instructions": "Be brief.", "previous_response_id": "resp_1",
+                "input": [
+                  {"role": "developer", "content": [{"type": "input_text", "text": "Mind the tools."}]},
+                  {"type": "message", "role": "user", "content": "Add 1 and 2."},
+                  {"type": "function_call", "call_id": "call_7", "name": "add", "arguments": "{\"a\": 1, \"b\": 2}"},
+                  {"type": "function_call_output", "call_id": "call_7", "output": "3"},
+                  {"type": "reasoning", "summary": []}],
+                "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
+                "tool_choice": {"type": "function", "name": "add"},
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+                "max_output_tokens": 7, "store": false, "reasoning": {"effort": "low"}}"#,
+            &store,
+        )
+        .unwrap();
+        let Prompt::Chat(m) = &r.params.prompt else {
+            panic!("{:?}", r.params.prompt)
+        };
+        let roles: Vec<&str> = m.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(
+            roles,
+            [
+                "system",
+                "user",
+                "assistant",
+                "system",
+                "user",
+                "assistant",
+                "tool"
+            ]
+        );
+        assert_eq!(m[0].content, "Be brief.");
+        assert_eq!(m[5].tool_calls[0]["function"]["arguments"]["b"], 2);
+        assert_eq!(m[6].tool_call_id.as_deref(), Some("call_7"));
+        assert_eq!(r.params.tool_choice, ToolChoice::Named("add".into()));
+        assert_eq!(
+            r.params.format,
+            Format::Json(Some(json!({"type": "object"})))
+        );
+        assert_eq!((r.params.max_tokens, r.store), (Some(7), false));
+        // The stored turns carry no instructions.
+        assert_eq!(r.turns.len(), m.len() - 1);
+    }
+
+    #[test]
+    fn what_the_responses_api_does_not_allow_is_refused_by_name() {
+        refused(r#"{"model": "m"}"#, "input", "required");
+        refused(
+            r#"{"input": "hi", "previous_response_id": "resp_x"}"#,
+            "previous_response_id",
+            "no stored response",
+        );
+        refused(
+            r#"{"input": "hi", "background": true}"#,
+            "background",
+            "not supported",
+        );
+        refused(
+            r#"{"input": "hi", "max_output_tokens": 0}"#,
+            "max_output_tokens",
+            "at least 1",
+        );
+        refused(
+            r#"{"input": [{"type": "image_generation_call"}]}"#,
+            "input",
+            "not supported",
+        );
+        refused(
+            r#"{"input": "hi", "tools": [{"type": "web_search"}]}"#,
+            "tools",
+            "not supported",
+        );
+        refused(
+            r#"{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}"#,
+            "input",
+            "not JSON",
+        );
+    }
+
+    #[test]
+    fn the_store_keeps_the_newest_responses() {
+        let store = Store::default();
+        for i in 0..MAX_STORED + 3 {
+            store.put(format!("resp_{i}"), Vec::new());
+        }
+        assert!(store.get("resp_2").is_none());
+        assert!(store.get("resp_3").is_some());
+        assert!(store.get(&format!("resp_{}", MAX_STORED + 2)).is_some());
+    }
+}
