@@ -344,8 +344,10 @@ impl Generator {
 
     /// One forward over the requests in flight; `on_token` sees each sampled token. Returns
     /// the requests that ended. A failed forward leaves every request in flight (the caller
-    /// decides: retry, or [`cancel_all`](Self::cancel_all)); a failing `on_token` ends them
-    /// all (their tokens of this step were sampled but not all handed out).
+    /// decides: retry, or [`cancel_all`](Self::cancel_all)) unless the step drafted (its
+    /// proposals are in the caches: then, as when drafting or settling fails, it ends them
+    /// all); a failing `on_token` ends them all (their tokens of this step were sampled but
+    /// not all handed out).
     pub fn step(
         &mut self,
         ctx: &mut Context,
@@ -443,7 +445,15 @@ impl Generator {
             });
             (decoded, masked)
         });
-        let logits = decoded?;
+        let logits = match decoded {
+            Ok(logits) => logits,
+            // A step that drafted left proposals in the caches: its requests cannot retry.
+            Err(e) if self.active.iter().any(|a| a.drafted) => {
+                self.active.clear();
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         masked?;
         for a in &mut self.active {
             a.written += std::mem::take(&mut a.fed);
@@ -458,10 +468,18 @@ impl Generator {
             // sampled token.
             let mut node = Some(0);
             while let Some(n) = node {
+                let sampled_before = a.generated.len();
                 let (event, finish) =
                     match sample_one(a, logits.row(first + n), &mut self.scratch, &self.text) {
                         Ok(sampled) => sampled,
                         Err(e) => {
+                            // A token sampled before the failure counts as generated: the
+                            // cache keeps the row it was sampled from, as `written` says.
+                            if let (true, Some(s)) = (a.drafted, a.spec.as_mut()) {
+                                if a.generated.len() > sampled_before {
+                                    s.follow(n, i32::MIN);
+                                }
+                            }
                             ended.push((i, Finish::Failed, Some(e.to_string())));
                             break;
                         }

@@ -223,7 +223,7 @@ fn call_of(v: &Value) -> Option<ToolCall> {
 
 /// The Lark grammar of an answer that is one call (or, with `parallel`, one or more) of
 /// `tools`, written as `format` writes them, each call's arguments following its tool's
-/// schema; with `doubled_braces` a call object may also stand in doubled braces, as a
+/// schema; with `doubled_braces` a Hermes call object may also stand in doubled braces, as a
 /// template showing `{{"name": …}}` teaches (see [`teaches_doubled_braces`]).
 pub fn call_grammar(
     tools: &[Tool],
@@ -255,7 +255,8 @@ pub fn call_grammar(
         .collect();
     let schema = json!({"anyOf": variants});
     let one = crate::grammar::json_rule(&schema);
-    let one = match doubled_braces {
+    // Only a tagged family shows its calls in doubled braces; the parser reads one per block.
+    let one = match doubled_braces && format == ToolFormat::Hermes {
         true => format!("(\"{{\" {one} \"}}\" | {one})"),
         false => one,
     };
@@ -360,6 +361,19 @@ mod tests {
             let p = parse(s, ToolFormat::Hermes, &t);
             assert!(p.calls.is_empty(), "{s}");
             assert_eq!(p.content, s.trim(), "{s}");
+        }
+    }
+
+    #[test]
+    fn only_tagged_calls_may_stand_in_doubled_braces() {
+        let t = tools();
+        let grammar = |f, doubled| call_grammar(&t, f, true, doubled).unwrap();
+        assert_ne!(
+            grammar(ToolFormat::Hermes, true),
+            grammar(ToolFormat::Hermes, false)
+        );
+        for f in [ToolFormat::Json, ToolFormat::Llama3, ToolFormat::Mistral] {
+            assert_eq!(grammar(f, true), grammar(f, false), "{f:?}");
         }
     }
 

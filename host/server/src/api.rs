@@ -60,6 +60,10 @@ pub struct Params {
     pub prompt: Prompt,
     /// `max_completion_tokens` or `max_tokens`; the server's default when absent.
     pub max_tokens: Option<usize>,
+    /// Whether `max_tokens` is only a bound (Anthropic's `max_tokens`, the Responses API's
+    /// `max_output_tokens`: clients send their model's largest), lowered to the server's
+    /// limit and the room the prompt leaves instead of refused above them.
+    pub max_tokens_is_bound: bool,
     /// 0 = greedy (default 1, OpenAI's).
     pub temperature: f32,
     /// Nucleus mass (default 1).
@@ -238,6 +242,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     Ok(Params {
         prompt,
         max_tokens: max_tokens.map(|n| n.min(usize::MAX as u64) as usize),
+        max_tokens_is_bound: false,
         temperature,
         top_p,
         top_k: f

@@ -99,6 +99,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     Ok(Params {
         prompt: Prompt::Chat(messages),
         max_tokens,
+        max_tokens_is_bound: true,
         temperature: f.number("temperature", 0.0, 1.0)?.unwrap_or(1.0) as f32,
         top_p: top_p(&f)?,
         top_k: f
@@ -158,8 +159,9 @@ fn system(f: &Fields) -> Result<Vec<Message>, ApiError> {
         Some(Value::Array(blocks)) => blocks
             .iter()
             .map(|b| text_of(b).ok_or("system blocks must be text blocks"))
-            .collect::<Result<String, _>>()
-            .map_err(|m| ApiError::invalid(Some("system"), m))?,
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|m| ApiError::invalid(Some("system"), m))?
+            .join(BLOCK_SEPARATOR),
         Some(_) => {
             return Err(ApiError::invalid(
                 Some("system"),
@@ -169,6 +171,9 @@ fn system(f: &Fields) -> Result<Vec<Message>, ApiError> {
     };
     Ok(vec![Message::new("system", &text)])
 }
+
+/// Between a turn's text blocks (each its own paragraph).
+const BLOCK_SEPARATOR: &str = "\n\n";
 
 /// A text block's text.
 fn text_of(block: &Value) -> Option<&str> {
@@ -210,9 +215,14 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages[{i}].content[{j}]");
             match (b.get("type").and_then(Value::as_str), role) {
-                (Some("text"), _) => text.push_str(
-                    text_of(b).ok_or_else(|| bad(format!("{at}.text must be a string")))?,
-                ),
+                (Some("text"), _) => {
+                    if !text.is_empty() {
+                        text.push_str(BLOCK_SEPARATOR);
+                    }
+                    text.push_str(
+                        text_of(b).ok_or_else(|| bad(format!("{at}.text must be a string")))?,
+                    )
+                }
                 (Some("tool_use"), "assistant") => {
                     calls.push(tool_use(b).map_err(|e| bad(format!("{at}: {e}")))?)
                 }

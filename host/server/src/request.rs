@@ -93,7 +93,7 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
 /// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
 pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
     let (prompt, calls) = render(m, p)?;
-    let max_tokens = max_tokens(m, p.max_tokens, p.n, prompt.len())?;
+    let max_tokens = max_tokens(m, p, prompt.len())?;
     let (constraint, triggered) = constraint(m, p, calls.as_ref())?;
     let sampler = Sampler::new(p.temperature, p.top_p, p.seed.unwrap_or(seed))
         .with_top_k(p.top_k)
@@ -123,11 +123,11 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
     })
 }
 
-/// The `max_tokens` to run: the request's, checked against the server's limit and what the
-/// capacity leaves after the prompt (for each of `n` completions), else the largest the
-/// server allows.
-fn max_tokens(m: &Model, asked: Option<usize>, n: usize, prompt: usize) -> Result<usize, ApiError> {
-    let cap = m.capacity;
+/// The `max_tokens` to run: the request's, checked against (or, when it is only a bound,
+/// lowered to) the server's limit and what the capacity leaves after the prompt (for each
+/// of `n` completions), else the largest the server allows.
+fn max_tokens(m: &Model, p: &Params, prompt: usize) -> Result<usize, ApiError> {
+    let (asked, n, cap) = (p.max_tokens, p.n, m.capacity);
     if prompt >= cap {
         return Err(ApiError::too_long(format!(
             "This model's maximum context length is {cap} tokens. However, your prompt is \
@@ -137,7 +137,8 @@ fn max_tokens(m: &Model, asked: Option<usize>, n: usize, prompt: usize) -> Resul
     // The completions share the prompt's cells; each writes its own.
     let room = (cap - prompt) / n;
     match asked {
-        Some(a) if a > m.max_tokens => Err(ApiError::invalid(
+        Some(a) if p.max_tokens_is_bound && room > 0 => Ok(a.min(m.max_tokens).min(room)),
+        Some(a) if a > m.max_tokens && !p.max_tokens_is_bound => Err(ApiError::invalid(
             Some("max_tokens"),
             format!(
                 "max_tokens {a} is above this server's limit of {}",

@@ -27,6 +27,21 @@ use crate::api::{tool_name, Fields, Format, Params, Prompt, ToolChoice};
 use crate::engine::Event;
 use crate::error::ApiError;
 
+/// A response id no other client can guess (`previous_response_id` continues a stored
+/// conversation by id alone): `resp_` and 128 bits of SipHash under per-process random keys.
+pub fn unguessable_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let word = |salt: u64| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(n);
+        h.write_u64(salt);
+        h.finish()
+    };
+    format!("resp_{:016x}{:016x}", word(1), word(2))
+}
+
 /// Responses kept for `previous_response_id` (the oldest go first).
 pub const MAX_STORED: usize = 1024;
 
@@ -172,6 +187,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
     let params = Params {
         prompt: Prompt::Chat(messages),
         max_tokens,
+        max_tokens_is_bound: true,
         temperature: f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
         top_p: top_p as f32,
         top_k: 0,
@@ -529,7 +545,8 @@ pub fn stream(
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     use futures_util::StreamExt;
     let head = Head::of(&a);
-    let shown = response(&head, &r, json!([]), "in_progress", cached, 0);
+    let mut shown = response(&head, &r, json!([]), "in_progress", cached, 0);
+    shown["usage"] = Value::Null;
     let start = vec![
         json!({"type": "response.created", "response": shown}),
         json!({"type": "response.in_progress", "response": shown}),
@@ -637,8 +654,20 @@ impl Items {
                 );
                 out.push(json!({"type": format!("response.{status}"), "response": whole}));
             }
-            Chunk::Failed(e) => out.push(json!({"type": "error", "code": null,
-                "message": e.message, "param": e.param})),
+            Chunk::Failed(e) => {
+                out.push(json!({"type": "error", "code": null, "message": e.message,
+                    "param": e.param}));
+                let mut failed = response(
+                    &self.head,
+                    &self.request,
+                    json!(self.done),
+                    "failed",
+                    self.cached,
+                    0,
+                );
+                failed["error"] = json!({"code": "server_error", "message": e.message});
+                out.push(json!({"type": "response.failed", "response": failed}));
+            }
         }
         out
     }

@@ -124,7 +124,10 @@ async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
             .and_then(|v| v.strip_prefix("Bearer "))
             .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
+            return match req.uri().path().starts_with("/v1/messages") {
+                true => messages::error_response(ApiError::unauthorized()),
+                false => ApiError::unauthorized().into_response(),
+            };
         }
     }
     next.run(req).await
@@ -347,7 +350,7 @@ async fn openai_responses(
     let arrived = Instant::now();
     let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
     let r = responses::parse(&body, &s.responses)?;
-    let a = admit(
+    let mut a = admit(
         &s,
         Endpoint::Chat,
         &headers,
@@ -356,6 +359,8 @@ async fn openai_responses(
         "resp_",
     )
     .await?;
+    // Stored responses are continued by id alone: not one another client could guess.
+    a.answer.id = responses::unguessable_id();
     let store = s.responses.clone();
     let response = if a.stream {
         responses::stream(a.answer, r, store, a.cached, a.rx).into_response()

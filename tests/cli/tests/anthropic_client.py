@@ -79,6 +79,11 @@ check(
     "stop_sequences",
     cut,
 )
+# Clients send their model's largest max_tokens: a bound, lowered to the server's limit.
+large = client.messages.create(
+    model="qwen", **GREEDY, max_tokens=32000, system=SYSTEM, messages=QUESTION
+)
+check(text_of(large) == text_of(msg), "max_tokens above the server's limit is a bound", large)
 short = client.messages.create(model="qwen", **GREEDY, max_tokens=1, messages=QUESTION)
 check(short.stop_reason == "max_tokens" and short.usage.output_tokens == 1, "max_tokens", short)
 
@@ -185,8 +190,8 @@ try:
         model="qwen", max_tokens=8, messages=QUESTION
     )
     check(False, "a wrong key is refused", "it was answered")
-except anthropic.AuthenticationError:
-    check(True, "a wrong key is refused")
+except anthropic.AuthenticationError as e:
+    check(e.body["type"] == "error", "a wrong key is refused in Anthropic's shape", e.body)
 again = client.messages.create(model="qwen", **GREEDY, max_tokens=32, system=SYSTEM,
                                messages=QUESTION)
 check(text_of(again) == text_of(msg), "the server serves on")

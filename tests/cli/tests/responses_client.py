@@ -41,6 +41,7 @@ first = client.responses.create(**ASK)
 check(first.status == "completed" and "Paris" in first.output_text, "a response", first)
 check(first.output[0].type == "message" and first.output[0].role == "assistant", "its item")
 check(first.usage.input_tokens > 0 and first.usage.output_tokens > 0, "usage", first.usage)
+check(first.id.startswith("resp_") and len(first.id) == 37, "an unguessable id", first.id)
 with client.responses.stream(**ASK) as stream:
     kinds = [e.type for e in stream]
     final = stream.get_final_response()
@@ -52,6 +53,9 @@ check(
     "stream events",
     kinds,
 )
+
+bounded = client.responses.create(**{**ASK, "max_output_tokens": 100000})
+check(bounded.output_text == first.output_text, "max_output_tokens is a bound", bounded.status)
 
 # The next turn continues the stored response: its conversation is rendered again and its
 # K/V comes from the cache (all of the first prompt at least).
