@@ -165,14 +165,35 @@ const IMPLEMENTED: [&str; 27] = [
     "speculative",
 ];
 
+/// A request body's JSON object.
+pub fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ApiError::invalid(None, "the body must be a JSON object")),
+        Err(e) => Err(ApiError::invalid(
+            None,
+            format!("the body is not valid JSON: {e}"),
+        )),
+    }
+}
+
+/// Refuses, by name, every set field of `f` that is neither `ignored` nor `implemented`.
+pub fn refuse_others(f: &Fields, ignored: &[&str], implemented: &[&str]) -> Result<(), ApiError> {
+    match f.0.iter().find(|(k, v)| {
+        !v.is_null() && !ignored.contains(&k.as_str()) && !implemented.contains(&k.as_str())
+    }) {
+        Some((k, _)) => Err(ApiError::invalid(
+            Some(k),
+            format!("'{k}' is not supported"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Parses and checks a request body.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(map) = &value else {
-        return Err(ApiError::invalid(None, "the body must be a JSON object"));
-    };
-    let f = Fields(map);
+    let map = object(body)?;
+    let f = Fields(&map);
     f.string("model")?;
     refuse_unsupported(&f)?;
     let prompt = match endpoint {
@@ -331,56 +352,70 @@ fn logprobs(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
 
 /// `tools`: function tools with a name and a JSON-schema object of parameters.
 fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
-    let bad = |m: String| ApiError::invalid(Some("tools"), m);
-    let Some(list) = f.get("tools") else {
-        return Ok(Vec::new());
-    };
-    let Value::Array(list) = list else {
-        return Err(bad("'tools' must be an array".into()));
+    tools_with(f, |declared, i, t| {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(format!("tools[{i}].type must be \"function\""));
+        }
+        let func = t
+            .get("function")
+            .and_then(Value::as_object)
+            .ok_or_else(|| format!("tools[{i}].function must be an object"))?;
+        let f = |k: &str| func.get(k).filter(|v| !v.is_null());
+        let at = format!("tools[{i}].function");
+        declare_tool(declared, &at, f("name"), f("description"), f("parameters"))
+    })
+}
+
+/// `tools`, an array whose entry `i` becomes a [`Tool`] by `one(declared before it, i,
+/// entry)`; its error names the entry.
+pub fn tools_with(
+    f: &Fields,
+    one: impl Fn(&[Tool], usize, &Value) -> Result<Tool, String>,
+) -> Result<Vec<Tool>, ApiError> {
+    let list = match f.get("tools") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(l)) => l,
+        Some(_) => return Err(ApiError::invalid(Some("tools"), "'tools' must be an array")),
     };
     let mut out: Vec<Tool> = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
-        if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(bad(format!("tools[{i}].type must be \"function\"")));
-        }
-        let Some(func) = t.get("function").and_then(Value::as_object) else {
-            return Err(bad(format!("tools[{i}].function must be an object")));
-        };
-        let Some(name) = func.get("name").and_then(Value::as_str).and_then(tool_name) else {
-            return Err(bad(format!(
-                "tools[{i}].function.name must be 1-64 of a-z A-Z 0-9 _ -"
-            )));
-        };
-        if out.iter().any(|t| t.name == name) {
-            return Err(bad(format!("tools[{i}]: '{name}' is declared twice")));
-        }
-        let parameters = match func.get("parameters") {
-            None | Some(Value::Null) => serde_json::json!({"type": "object", "properties": {}}),
-            Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => {
-                return Err(bad(format!(
-                    "tools[{i}].function.parameters must be a JSON schema object"
-                )))
-            }
-        };
-        out.push(Tool {
-            name,
-            description: func
-                .get("description")
-                .and_then(Value::as_str)
-                .map(String::from),
-            parameters,
-        });
+        let tool = one(&out, i, t).map_err(|m| ApiError::invalid(Some("tools"), m))?;
+        out.push(tool);
     }
     Ok(out)
 }
 
-/// `n` as a tool's name: 1-64 of a-z A-Z 0-9 _ - (OpenAI's and Anthropic's rule).
-pub fn tool_name(n: &str) -> Option<String> {
-    let ok = (1..=64).contains(&n.len())
-        && n.chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    ok.then(|| n.to_string())
+/// A declared tool: its `name` (1-64 of a-z A-Z 0-9 _ -, OpenAI's and Anthropic's rule,
+/// not among `declared`), `description`, and `parameters` (a JSON schema object; absent,
+/// none). `at` names the tool in the error.
+pub fn declare_tool(
+    declared: &[Tool],
+    at: &str,
+    name: Option<&Value>,
+    description: Option<&Value>,
+    parameters: Option<&Value>,
+) -> Result<Tool, String> {
+    let name = name
+        .and_then(Value::as_str)
+        .filter(|n| {
+            (1..=64).contains(&n.len())
+                && n.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        })
+        .ok_or_else(|| format!("{at}.name must be 1-64 of a-z A-Z 0-9 _ -"))?;
+    if declared.iter().any(|t| t.name == name) {
+        return Err(format!("{at}: '{name}' is declared twice"));
+    }
+    let parameters = match parameters {
+        None => serde_json::json!({"type": "object", "properties": {}}),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(_) => return Err(format!("{at}.parameters must be a JSON schema object")),
+    };
+    Ok(Tool {
+        name: name.to_string(),
+        description: description.and_then(Value::as_str).map(String::from),
+        parameters,
+    })
 }
 
 /// `tool_choice`: `auto`, `none`, `required` or `{"type": "function", "function": {"name"}}`.
@@ -403,12 +438,20 @@ fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
             None => return Err(bad("'tool_choice' names no function")),
         },
     };
+    checked_choice(choice, tools)
+}
+
+/// `choice` where `tools` are declared: a required call needs a tool, a named one must be
+/// declared.
+pub fn checked_choice(choice: ToolChoice, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("tool_choice"), m);
     match &choice {
-        ToolChoice::Required if tools.is_empty() => Err(bad("'required' needs 'tools'")),
-        ToolChoice::Named(n) if !tools.iter().any(|t| &t.name == n) => Err(ApiError::invalid(
-            Some("tool_choice"),
-            format!("'tool_choice' names '{n}', which 'tools' does not declare"),
-        )),
+        ToolChoice::Required if tools.is_empty() => {
+            Err(bad("a required call needs 'tools'".into()))
+        }
+        ToolChoice::Named(n) if !tools.iter().any(|t| &t.name == n) => Err(bad(format!(
+            "'tool_choice' names '{n}', which 'tools' does not declare"
+        ))),
         _ => Ok(choice),
     }
 }

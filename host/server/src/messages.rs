@@ -22,7 +22,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::answer::{chunks, Answer, Choice, Chunk};
-use crate::api::{tool_name, Fields, Format, Params, Prompt, ToolChoice};
+use crate::api::{
+    checked_choice, declare_tool, object, refuse_others, tools_with, Fields, Format, Params,
+    Prompt, ToolChoice,
+};
 use crate::engine::Event;
 use crate::error::ApiError;
 
@@ -62,20 +65,9 @@ const IMPLEMENTED: [&str; 11] = [
 /// Parses and checks a Messages body (`counting`: a `count_tokens` body, which has no
 /// `max_tokens`).
 pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(map) = &value else {
-        return Err(ApiError::invalid(None, "the body must be a JSON object"));
-    };
-    for (k, v) in map {
-        if !v.is_null() && !IGNORED.contains(&k.as_str()) && !IMPLEMENTED.contains(&k.as_str()) {
-            return Err(ApiError::invalid(
-                Some(k),
-                format!("'{k}' is not supported"),
-            ));
-        }
-    }
-    let f = Fields(map);
+    let map = object(body)?;
+    let f = Fields(&map);
+    refuse_others(&f, &IGNORED, &IMPLEMENTED)?;
     f.string("model")?;
     let max_tokens = match (f.count("max_tokens")?, counting) {
         (Some(0), false) => {
@@ -291,48 +283,29 @@ fn tool_result(b: &Value) -> Result<Message, &'static str> {
 
 /// `tools`: custom tools with an `input_schema` (Anthropic's server tools are refused).
 fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
-    let bad = |m: String| ApiError::invalid(Some("tools"), m);
-    let list = match f.get("tools") {
-        None => return Ok(Vec::new()),
-        Some(Value::Array(l)) => l,
-        Some(_) => return Err(bad("'tools' must be an array".into())),
-    };
-    let mut out: Vec<Tool> = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
-        match t.get("type").and_then(Value::as_str) {
-            None | Some("custom") => {}
-            Some(other) => {
-                return Err(bad(format!(
-                    "tools[{i}]: '{other}' is a server tool; only custom tools are supported"
-                )))
-            }
-        }
-        let name = t
-            .get("name")
+    tools_with(f, |declared, i, t| {
+        if let Some(other) = t
+            .get("type")
             .and_then(Value::as_str)
-            .and_then(tool_name)
-            .ok_or_else(|| bad(format!("tools[{i}].name must be 1-64 of a-z A-Z 0-9 _ -")))?;
-        if out.iter().any(|t| t.name == name) {
-            return Err(bad(format!("tools[{i}]: '{name}' is declared twice")));
+            .filter(|&k| k != "custom")
+        {
+            return Err(format!(
+                "tools[{i}]: '{other}' is a server tool; only custom tools are supported"
+            ));
         }
-        let parameters = match t.get("input_schema") {
-            Some(s @ Value::Object(_)) => s.clone(),
-            _ => {
-                return Err(bad(format!(
-                    "tools[{i}].input_schema must be a JSON schema object"
-                )))
-            }
-        };
-        out.push(Tool {
-            name,
-            description: t
-                .get("description")
-                .and_then(Value::as_str)
-                .map(String::from),
-            parameters,
-        });
-    }
-    Ok(out)
+        let schema = t
+            .get("input_schema")
+            .filter(|s| s.is_object())
+            .ok_or_else(|| format!("tools[{i}].input_schema must be a JSON schema object"))?;
+        let at = format!("tools[{i}]");
+        declare_tool(
+            declared,
+            &at,
+            t.get("name"),
+            t.get("description"),
+            Some(schema),
+        )
+    })
 }
 
 /// `tool_choice` (`auto`, `any`, `tool` with a name, `none`) and whether several calls may
@@ -352,15 +325,9 @@ fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<(ToolChoice, bool), ApiErro
     let choice = match c.get("type").and_then(Value::as_str) {
         Some("auto") => ToolChoice::Auto,
         Some("none") => ToolChoice::None,
-        Some("any") if tools.is_empty() => return Err(bad("'any' needs 'tools'".into())),
         Some("any") => ToolChoice::Required,
         Some("tool") => match c.get("name").and_then(Value::as_str) {
-            Some(n) if tools.iter().any(|t| t.name == n) => ToolChoice::Named(n.to_string()),
-            Some(n) => {
-                return Err(bad(format!(
-                    "'tool_choice' names '{n}', which 'tools' does not declare"
-                )))
-            }
+            Some(n) => ToolChoice::Named(n.to_string()),
             None => return Err(bad("'tool_choice' of type tool needs a name".into())),
         },
         _ => {
@@ -369,6 +336,7 @@ fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<(ToolChoice, bool), ApiErro
             ))
         }
     };
+    let choice = checked_choice(choice, tools)?;
     Ok((choice, parallel))
 }
 

@@ -23,7 +23,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::answer::{chunks, Answer, Choice, Chunk};
-use crate::api::{tool_name, Fields, Format, Params, Prompt, ToolChoice};
+use crate::api::{
+    checked_choice, declare_tool, object, refuse_others, tools_with, Fields, Format, Params,
+    Prompt, ToolChoice,
+};
 use crate::engine::Event;
 use crate::error::ApiError;
 
@@ -121,20 +124,9 @@ pub struct Request {
 
 /// Parses and checks a Responses body, continuing `previous_response_id` from `store`.
 pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(map) = &value else {
-        return Err(ApiError::invalid(None, "the body must be a JSON object"));
-    };
-    for (k, v) in map {
-        if !v.is_null() && !IGNORED.contains(&k.as_str()) && !IMPLEMENTED.contains(&k.as_str()) {
-            return Err(ApiError::invalid(
-                Some(k),
-                format!("'{k}' is not supported"),
-            ));
-        }
-    }
-    let f = Fields(map);
+    let map = object(body)?;
+    let f = Fields(&map);
+    refuse_others(&f, &IGNORED, &IMPLEMENTED)?;
     f.string("model")?;
     let previous = f.string("previous_response_id")?;
     let mut turns = match previous {
@@ -308,50 +300,20 @@ fn parts_text(parts: &[Value]) -> Option<String> {
 
 /// `tools`: function tools, flat (`{"type": "function", "name", "parameters"}`).
 fn tools(f: &Fields) -> Result<Vec<Tool>, ApiError> {
-    let bad = |m: String| ApiError::invalid(Some("tools"), m);
-    let list = match f.get("tools") {
-        None => return Ok(Vec::new()),
-        Some(Value::Array(l)) => l,
-        Some(_) => return Err(bad("'tools' must be an array".into())),
-    };
-    let mut out: Vec<Tool> = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
+    tools_with(f, |declared, i, t| {
         match t.get("type").and_then(Value::as_str) {
             Some("function") => {}
             Some(other) => {
-                return Err(bad(format!(
+                return Err(format!(
                     "tools[{i}]: '{other}' tools are not supported (function tools are)"
-                )))
+                ))
             }
-            None => return Err(bad(format!("tools[{i}].type must be \"function\""))),
+            None => return Err(format!("tools[{i}].type must be \"function\"")),
         }
-        let name = t
-            .get("name")
-            .and_then(Value::as_str)
-            .and_then(tool_name)
-            .ok_or_else(|| bad(format!("tools[{i}].name must be 1-64 of a-z A-Z 0-9 _ -")))?;
-        if out.iter().any(|t| t.name == name) {
-            return Err(bad(format!("tools[{i}]: '{name}' is declared twice")));
-        }
-        let parameters = match t.get("parameters") {
-            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-            Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => {
-                return Err(bad(format!(
-                    "tools[{i}].parameters must be a JSON schema object"
-                )))
-            }
-        };
-        out.push(Tool {
-            name,
-            description: t
-                .get("description")
-                .and_then(Value::as_str)
-                .map(String::from),
-            parameters,
-        });
-    }
-    Ok(out)
+        let f = |k: &str| t.get(k).filter(|v| !v.is_null());
+        let at = format!("tools[{i}]");
+        declare_tool(declared, &at, f("name"), f("description"), f("parameters"))
+    })
 }
 
 /// `tool_choice`: `auto`, `none`, `required` or `{"type": "function", "name"}`.
@@ -374,13 +336,7 @@ fn tool_choice(f: &Fields, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
             None => return Err(bad("'tool_choice' names no function".into())),
         },
     };
-    match &choice {
-        ToolChoice::Required if tools.is_empty() => Err(bad("'required' needs 'tools'".into())),
-        ToolChoice::Named(n) if !tools.iter().any(|t| &t.name == n) => Err(bad(format!(
-            "'tool_choice' names '{n}', which 'tools' does not declare"
-        ))),
-        _ => Ok(choice),
-    }
+    checked_choice(choice, tools)
 }
 
 /// `text.format`: text, `json_object`, or `json_schema` with its `schema`.

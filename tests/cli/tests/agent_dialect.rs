@@ -510,21 +510,28 @@ fn a_ten_turn_conversation_reuses_its_history_on_a_hybrid_model() {
     s.stop();
 }
 
-#[test]
-fn the_agents_sdk_and_the_openai_stream_assembly() {
-    let s = Server::start(&qwen(), &["--capacity", "4096"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
-    let out = Command::new(script)
-        .args(["agents_sdk.py", &s.url])
+/// Runs the Python client `script` (tests/cli/tests/, in the venv scripts/openai-client.sh
+/// makes) with `args`; fails with its output unless it succeeds.
+fn python_client(script: &str, args: &[&str]) {
+    let runner = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
+    let out = Command::new(runner)
+        .arg(script)
+        .args(args)
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "agents sdk: {}{}",
+        "{script}: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn the_agents_sdk_and_the_openai_stream_assembly() {
+    let s = Server::start(&qwen(), &["--capacity", "4096"]);
+    python_client("agents_sdk.py", &[&s.url]);
 }
 
 /// Anthropic's Messages API through the official `anthropic` client (x-api-key): messages
@@ -534,18 +541,7 @@ fn the_agents_sdk_and_the_openai_stream_assembly() {
 #[test]
 fn the_anthropic_client_speaks_the_messages_api() {
     let s = Server::start(&qwen(), &["--capacity", "4096", "--api-key", "secret"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
-    let out = Command::new(script)
-        .args(["anthropic_client.py", &s.url, "secret"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "anthropic client: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    python_client("anthropic_client.py", &[&s.url, "secret"]);
     s.stop();
 }
 
@@ -557,17 +553,6 @@ fn the_anthropic_client_speaks_the_messages_api() {
 #[test]
 fn the_responses_api_speaks_to_the_openai_client_and_the_agents_sdk() {
     let s = Server::start(&qwen(), &["--capacity", "4096"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai-client.sh");
-    let out = Command::new(script)
-        .args(["responses_client.py", &s.url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "responses client: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+    python_client("responses_client.py", &[&s.url]);
     s.stop();
 }
