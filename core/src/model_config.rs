@@ -16,7 +16,8 @@ pub enum ModelError {
     Malformed(String),
     /// An architecture this kit does not implement.
     #[error(
-        "unsupported architecture '{0}' (supported: llama, mistral, qwen2, qwen3, gemma3_text)"
+        "unsupported architecture '{0}' (supported: llama, mistral, qwen2, qwen3, qwen3_moe, \
+         gemma3_text, lfm2, qwen3_5_text)"
     )]
     Unsupported(String),
 }
@@ -67,7 +68,8 @@ fn theta() -> f64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     /// Llama, Mistral, Qwen2, Qwen3 (and SmolLM, TinyLlama shapes): pre-norm blocks, SiLU
-    /// MLP; Qwen3 adds per-head q/k RMSNorms.
+    /// MLP; Qwen3 adds per-head q/k RMSNorms; Qwen3-MoE is Qwen3 with a mixture of experts
+    /// in place of the MLP ([`Experts`]).
     Llama,
     /// Gemma 3 (text): q/k norms, (1 + w) RMSNorm weights, pre- and post-norms around
     /// attention and MLP, GELU-tanh MLP, embeddings scaled by √hidden, local/global RoPE.
@@ -96,7 +98,8 @@ pub enum Activation {
 /// Gemma 3 config may leave out take `Gemma3TextConfig`'s defaults.
 #[derive(Clone, Debug, serde::Deserialize)]
 pub struct ModelConfig {
-    /// `llama`, `mistral`, `qwen2`, `qwen3` or `gemma3_text`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `qwen3_moe`, `gemma3_text`, `lfm2` or
+    /// `qwen3_5_text`.
     #[serde(default)]
     pub model_type: String,
     /// Residual width.
@@ -172,7 +175,46 @@ pub struct ModelConfig {
     /// into the derived `config.json` by the host's GGUF index; not a Hugging Face field).
     #[serde(default)]
     pub rope_freq_factors: Option<Vec<f64>>,
+    /// Experts of a mixture-of-experts feed-forward (Qwen3-MoE's `num_experts`; absent in
+    /// a dense model).
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    /// Experts each token routes to.
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    /// Each expert's MLP width.
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    /// Whether the chosen experts' probabilities are renormalized to sum to 1 (Qwen3-MoE's
+    /// default: false, as in `Qwen3MoeConfig`; llama.cpp's `qwen3moe` always renormalizes,
+    /// and the GGUF reader says so).
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is sparse (default 1: all) ...
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    /// ... except these, which keep a dense MLP of `intermediate_size`.
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
 }
+
+/// The mixture-of-experts feed-forward of a model's sparse layers: a router (`[experts,
+/// hidden]`) scores every expert per token; the token's output is the weighted sum of its
+/// `per_token` best experts' SiLU MLPs of `width`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Experts {
+    /// Experts per layer.
+    pub count: usize,
+    /// Experts each token routes to (top-k).
+    pub per_token: usize,
+    /// Each expert's MLP width.
+    pub width: usize,
+    /// Whether the chosen experts' softmax probabilities are renormalized to sum to 1.
+    pub renormalize: bool,
+}
+
+/// The most experts a layer may have (released models: 8–512).
+pub const MAX_EXPERTS: usize = 1 << 12;
 
 /// The largest residual width, MLP width and vocabulary a config may declare (released
 /// models stay well below; the bounds keep every shape product far from overflow).
@@ -240,7 +282,14 @@ impl ModelConfig {
         let model_type = v["model_type"].as_str().unwrap_or_default().to_string();
         if !matches!(
             model_type.as_str(),
-            "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3_text" | "lfm2" | "qwen3_5_text"
+            "llama"
+                | "mistral"
+                | "qwen2"
+                | "qwen3"
+                | "qwen3_moe"
+                | "gemma3_text"
+                | "lfm2"
+                | "qwen3_5_text"
         ) {
             return Err(ModelError::Unsupported(model_type));
         }
@@ -377,6 +426,7 @@ impl ModelConfig {
                 )));
             }
         }
+        c.check_experts()?;
         c.attention = ModelCacheSpec::from_config(&v, c.num_hidden_layers, kv, c.head_dim())
             .map_err(|e| ModelError::Malformed(e.message))?
             .layers;
@@ -458,8 +508,58 @@ impl ModelConfig {
     pub fn qk_norm(&self) -> bool {
         matches!(
             self.model_type.as_str(),
-            "gemma3_text" | "qwen3" | "lfm2" | "qwen3_5_text"
+            "gemma3_text" | "qwen3" | "qwen3_moe" | "lfm2" | "qwen3_5_text"
         )
+    }
+
+    /// The mixture of experts of the sparse layers, if the model has one.
+    pub fn experts(&self) -> Option<Experts> {
+        Some(Experts {
+            count: self.num_experts.filter(|&n| n > 0)?,
+            per_token: self.num_experts_per_tok.unwrap_or(1),
+            width: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
+            renormalize: self.norm_topk_prob,
+        })
+    }
+
+    /// Whether layer `l`'s feed-forward is the mixture of experts (Qwen3-MoE's rule: every
+    /// `decoder_sparse_step`-th layer but those in `mlp_only_layers`).
+    pub fn sparse_layer(&self, l: usize) -> bool {
+        let step = self.decoder_sparse_step.unwrap_or(1).max(1);
+        self.experts().is_some() && (l + 1) % step == 0 && !self.mlp_only_layers.contains(&l)
+    }
+
+    /// Refuses a mixture of experts that cannot run: expert fields on an architecture
+    /// without one, top-k outside `1..=experts`, limits exceeded.
+    fn check_experts(&self) -> Result<(), ModelError> {
+        let Some(e) = self.experts() else {
+            if self.model_type == "qwen3_moe" {
+                return Err(ModelError::Malformed(
+                    "a qwen3_moe config without num_experts".into(),
+                ));
+            }
+            return Ok(());
+        };
+        if self.model_type != "qwen3_moe" {
+            return Err(ModelError::Malformed(format!(
+                "num_experts is not supported for {} (mixtures of experts: qwen3_moe)",
+                self.model_type
+            )));
+        }
+        if e.count > MAX_EXPERTS || e.width > MAX_INTERMEDIATE || e.width == 0 {
+            return Err(ModelError::Malformed(format!(
+                "{} experts of width {}: outside the limits ({MAX_EXPERTS} experts, width 1 to \
+                 {MAX_INTERMEDIATE})",
+                e.count, e.width
+            )));
+        }
+        if !(1..=e.count).contains(&e.per_token) {
+            return Err(ModelError::Malformed(format!(
+                "num_experts_per_tok {} must be between 1 and num_experts {}",
+                e.per_token, e.count
+            )));
+        }
+        Ok(())
     }
 
     /// Whether q/k/v carry biases.
@@ -630,7 +730,8 @@ mod tests {
         let e = ModelConfig::parse(&SMOL.replace("\"llama\"", "\"gpt2\"")).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, qwen3, gemma3_text)"
+            "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, qwen3, \
+             qwen3_moe, gemma3_text, lfm2, qwen3_5_text)"
         );
         let e = ModelConfig::parse(
             &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),
@@ -729,6 +830,53 @@ mod tests {
             (s.window, s.layers.iter().collect::<Vec<_>>()),
             (4096, vec![28, 29])
         );
+    }
+
+    /// Qwen3-30B-A3B's config.json (fields this kit reads).
+    const QWEN3_MOE: &str = r#"{"model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": true, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_hidden_layers": 48, "vocab_size": 151936,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "hidden_act": "silu"}"#;
+
+    #[test]
+    fn qwen3_moe_configs_read_their_experts_and_sparse_layers() {
+        let c = ModelConfig::parse(QWEN3_MOE).unwrap();
+        let e = c.experts().unwrap();
+        assert_eq!(
+            (e.count, e.per_token, e.width, e.renormalize),
+            (128, 8, 768, true)
+        );
+        assert!(c.qk_norm() && (0..48).all(|l| c.sparse_layer(l)));
+        let mut v: serde_json::Value = serde_json::from_str(QWEN3_MOE).unwrap();
+        v["decoder_sparse_step"] = 2.into();
+        v["mlp_only_layers"] = serde_json::json!([3]);
+        let c = ModelConfig::parse(&v.to_string()).unwrap();
+        let sparse: Vec<usize> = (0..8).filter(|&l| c.sparse_layer(l)).collect();
+        assert_eq!(sparse, [1, 5, 7]);
+        assert!(!ModelConfig::parse(SMOL).unwrap().sparse_layer(0));
+        for (key, value, says) in [
+            (
+                "num_experts_per_tok",
+                129,
+                "must be between 1 and num_experts 128",
+            ),
+            ("num_experts_per_tok", 0, "must be between 1"),
+            ("num_experts", 1 << 20, "outside the limits"),
+        ] {
+            let mut v: serde_json::Value = serde_json::from_str(QWEN3_MOE).unwrap();
+            v[key] = value.into();
+            let e = ModelConfig::parse(&v.to_string()).unwrap_err().to_string();
+            assert!(e.contains(says), "{key}: {e}");
+        }
+        let e = ModelConfig::parse(&SMOL.replace("\"extra\": 1", "\"num_experts\": 8"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("num_experts is not supported for llama"), "{e}");
+        let mut v: serde_json::Value = serde_json::from_str(QWEN3_MOE).unwrap();
+        v.as_object_mut().unwrap().remove("num_experts");
+        assert!(ModelConfig::parse(&v.to_string()).is_err());
     }
 
     /// LFM2-350M's config.json as Liquid AI publishes it (fields this kit reads).

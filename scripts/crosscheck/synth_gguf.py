@@ -20,13 +20,18 @@ copies of them.
   `full_attention_interval`; the attention layers' q projection carries an output gate,
   q/k norms, partial rotary (MRoPE sections on text positions); more value heads than key
   heads; and a second shape with one head kind per count and another interval.
+- qwen3moe (a mixture of experts): Qwen3's attention with every MLP replaced by a router
+  over 3-D expert tensors (`ffn_{gate,up,down}_exps`), 8 experts of which 2 run per token;
+  and a second shape with 16 experts, 4 per token, an untied output.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
 [bench]; with `bench`, only an LFM2-350M-shaped file (16 layers of 1024, attention at
-2, 5, 8, 10, 12, 14, MLP 4608) and a Qwen3.5-0.8B-shaped one (24 layers of 1024, attention
+2, 5, 8, 10, 12, 14, MLP 4608), a Qwen3.5-0.8B-shaped one (24 layers of 1024, attention
 every 4th with 8 heads of 256, 2 KV heads, rotary on 64 dims; 16 key and 16 value heads of
-128 in the delta rule, MLP 3584) for benchmarks, to quantize with llama-quantize."""
+128 in the delta rule, MLP 3584) and two qwen3moe files of the same active size (16 layers
+of 1024, 4 experts of 512 per token) with 32 and 64 experts (about 1.0B and 1.8B in all,
+0.3B active) for benchmarks, to quantize with llama-quantize."""
 import os
 import sys
 
@@ -249,10 +254,56 @@ def qwen35(name, hidden, layers, interval, heads, kv_heads, head_dim, rope_dim, 
     f.finish()
 
 
+def qwen3moe(name, hidden, layers, heads, kv_heads, head_dim, experts, used, width, *,
+             tied=True, seed=0):
+    """A Qwen3-MoE file: Qwen3 attention (q/k norms), a router and `experts` experts of
+    `width` in every layer, `used` of them per token."""
+    f = Writer("qwen3moe", name, hidden, layers, heads, width, seed)
+    w, rng, weight, norm = f.w, f.rng, f.weight, f.norm
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    w.add_expert_feed_forward_length(width)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, "qwen2", True)
+    f.embedding(hidden)
+
+    def stacked(n, rows, cols, gain=1.0):
+        w.add_tensor(n, (rng.standard_normal((experts, rows, cols)) * gain / np.sqrt(cols))
+                     .astype(np.float32))
+
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", hidden)
+        weight(b + "attn_q.weight", heads * head_dim, hidden)
+        weight(b + "attn_k.weight", kv_heads * head_dim, hidden)
+        weight(b + "attn_v.weight", kv_heads * head_dim, hidden)
+        weight(b + "attn_output.weight", hidden, heads * head_dim, gain=8.0)
+        norm(b + "attn_q_norm.weight", head_dim)
+        norm(b + "attn_k_norm.weight", head_dim)
+        norm(b + "ffn_norm.weight", hidden)
+        # A router with a spread of a few units between experts, so that the choice is not
+        # decided by rounding.
+        weight(b + "ffn_gate_inp.weight", experts, hidden, gain=4.0)
+        stacked(b + "ffn_gate_exps.weight", width, hidden)
+        stacked(b + "ffn_up_exps.weight", width, hidden)
+        stacked(b + "ffn_down_exps.weight", hidden, width, gain=8.0)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.finish()
+
+
 if bench:
     lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16, 8, 4608, 3)
     qwen35("qwen35-0.8b-shaped", 1024, 24, 4, 8, 2, 256, 64, [11, 11, 10, 0], 16, 16, 128,
            3584)
+    qwen3moe("qwen3moe-1b-a0.3b-shaped", 1024, 16, 8, 2, 128, 32, 4, 512)
+    qwen3moe("qwen3moe-2b-a0.3b-shaped", 1024, 16, 8, 2, 128, 64, 4, 512, seed=1)
     sys.exit(0)
 
 model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)
@@ -270,3 +321,5 @@ lfm2("lfm2-synthetic-untied", 256, 6, {0, 3, 4}, 4, 2, 768, 4, tied=False, seed=
 qwen35("qwen35-synthetic", 512, 8, 4, 8, 2, 128, 32, [2, 6, 6, 2], 4, 8, 64, 1536)
 qwen35("qwen35-synthetic-untied", 256, 6, 3, 4, 1, 64, 64, [11, 11, 10, 0], 2, 2, 32, 768,
        tied=False, seed=2)
+qwen3moe("qwen3moe-synthetic", 512, 4, 8, 2, 64, 8, 2, 256)
+qwen3moe("qwen3moe-synthetic-untied", 256, 3, 4, 1, 64, 16, 4, 128, tied=False, seed=3)

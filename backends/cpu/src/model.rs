@@ -3,6 +3,9 @@
 //! [`crate::qlinear`]), and plain loops for the element-wise ops (the activations' `e^x`
 //! through [`simd::fast_exp`], so that they vectorize).
 
+use std::cell::RefCell;
+
+use kvplug_backend_kit::model::moe::{combine, Expert, ExpertGroups, Routes};
 use kvplug_backend_kit::model::ops::{check_hadamard, hadamard_in_place};
 use kvplug_backend_kit::model::{
     BlockFormat, ModelDevice, Projection, StoredDtype, StoredTensor, StoredValues,
@@ -46,29 +49,48 @@ fn add_bias(out: &mut CpuTensor, bias: &CpuTensor) {
     }
 }
 
-/// The projections (checked) as one [`linear_blocks_many`] job, biases left out, when every
-/// weight is in a block format; otherwise `false` and nothing done.
-fn fused_blocks<const N: usize>(x: &CpuTensor, ps: [&mut Projection<'_, CpuDevice>; N]) -> bool {
+/// The projections of `x` (`[t, cols]`; shapes checked by the caller) as one
+/// [`linear_blocks_many`] job, biases left out, when every weight is in a block format;
+/// otherwise `false` and nothing done.
+fn fused_blocks<const N: usize>(
+    x: &[f32],
+    t: usize,
+    cols: usize,
+    ps: [(&CpuWeight, &mut [f32]); N],
+) -> bool {
     fn blocks(w: &CpuWeight) -> Option<(BlockFormat, &[u8])> {
         match w.data.values() {
             StoredValues::Blocks(f, b) => Some((f, b)),
             _ => None,
         }
     }
-    if !ps.iter().all(|p| blocks(p.w).is_some()) {
+    if !ps.iter().all(|(w, _)| blocks(w).is_some()) {
         return false;
     }
-    let matrices = ps.map(|p| {
-        let (format, w) = blocks(p.w).expect("checked above");
+    let matrices = ps.map(|(w, out)| {
+        let (format, b) = blocks(w).expect("checked above");
         BlockMatrix {
             format,
-            w,
-            rows: p.w.rows,
-            out: &mut p.out.data,
+            w: b,
+            rows: w.rows,
+            out,
         }
     });
-    linear_blocks_many(&x.data, x.dims[0], x.dims[1], matrices);
+    linear_blocks_many(x, t, cols, matrices);
     true
+}
+
+/// `out = x·Wᵀ` on slices: x `[t, w.cols]`, out `[t, w.rows]` (shapes checked by the
+/// caller), in the weight's stored dtype.
+fn project(x: &[f32], t: usize, w: &CpuWeight, out: &mut [f32]) -> Result<(), KitError> {
+    match w.data.values() {
+        StoredValues::F32(v) => linear(x, t, v, w.rows, w.cols, out),
+        StoredValues::F16(v) => linear(x, t, v, w.rows, w.cols, out),
+        StoredValues::BF16(v) => linear(x, t, v, w.rows, w.cols, out),
+        StoredValues::Blocks(f, b) => linear_blocks(x, t, f, b, w.rows, w.cols, out),
+        _ => return Err(unsupported(w.data.dtype())),
+    }
+    Ok(())
 }
 
 /// A stored dtype this backend has no kernel for (one a later kit added).
@@ -77,6 +99,30 @@ fn unsupported(dtype: StoredDtype) -> KitError {
         "the cpu backend has no kernel for {} weights",
         dtype.name()
     ))
+}
+
+/// A thread's buffers for [`ModelDevice::experts`]: the routed rows grouped by expert, their
+/// gate, up and gated products, and the experts' outputs; grown to the largest step seen,
+/// then reused (a decode loop allocates nothing once warm).
+#[derive(Default)]
+struct ExpertScratch {
+    x: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    y: Vec<f32>,
+}
+
+thread_local! {
+    static EXPERT_SCRATCH: RefCell<ExpertScratch> = RefCell::default();
+}
+
+/// `v` holding `n` values (contents unspecified); allocates only to grow.
+fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
 }
 
 fn check(cond: bool, what: &str) -> Result<(), KitError> {
@@ -153,15 +199,7 @@ impl ModelDevice for CpuDevice {
         out: &mut CpuTensor,
     ) -> Result<(), KitError> {
         check_linear(x, w, bias, out)?;
-        let t = x.dims[0];
-        let (x, o) = (&x.data[..], &mut out.data[..]);
-        match w.data.values() {
-            StoredValues::F32(v) => linear(x, t, v, w.rows, w.cols, o),
-            StoredValues::F16(v) => linear(x, t, v, w.rows, w.cols, o),
-            StoredValues::BF16(v) => linear(x, t, v, w.rows, w.cols, o),
-            StoredValues::Blocks(f, b) => linear_blocks(x, t, f, b, w.rows, w.cols, o),
-            _ => return Err(unsupported(w.data.dtype())),
-        }
+        project(&x.data, x.dims[0], w, &mut out.data)?;
         if let Some(b) = bias {
             add_bias(out, b);
         }
@@ -172,9 +210,15 @@ impl ModelDevice for CpuDevice {
         for p in ps.iter() {
             check_linear(x, p.w, p.bias, p.out)?;
         }
+        let (t, cols) = (x.dims[0], x.dims[1]);
         let fused = match ps {
-            [a, b] => fused_blocks(x, [a, b]),
-            [a, b, c] => fused_blocks(x, [a, b, c]),
+            [a, b] => fused_blocks(&x.data, t, cols, [a, b].map(|p| (p.w, &mut p.out.data[..]))),
+            [a, b, c] => fused_blocks(
+                &x.data,
+                t,
+                cols,
+                [a, b, c].map(|p| (p.w, &mut p.out.data[..])),
+            ),
             _ => false,
         };
         if !fused {
@@ -306,6 +350,62 @@ impl ModelDevice for CpuDevice {
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<(), KitError> {
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
         Ok(())
+    }
+
+    /// Each used expert runs once on all of its tokens' rows (one fused gate/up job and one
+    /// down job over its weights, read in place), then [`combine`] sums each token's slots.
+    fn experts(
+        &self,
+        x: &CpuTensor,
+        experts: &[Expert<Self>],
+        width: usize,
+        routes: &Routes,
+        groups: &ExpertGroups,
+        out: &mut CpuTensor,
+    ) -> Result<(), KitError> {
+        let [t, h] = x.dims[..] else {
+            return check(false, "experts");
+        };
+        check(
+            out.dims == x.dims
+                && routes.tokens() == t
+                && groups.pairs.len() == routes.experts.len(),
+            "experts",
+        )?;
+        for (e, _) in groups.used() {
+            let ex = experts
+                .get(e)
+                .ok_or_else(|| KitError::Device(format!("experts: no expert {e}")))?;
+            let fits = |w: &CpuWeight, rows, cols| w.rows == rows && w.cols == cols;
+            check(
+                fits(&ex.gate, width, h) && fits(&ex.up, width, h) && fits(&ex.down, h, width),
+                "experts",
+            )?;
+        }
+        EXPERT_SCRATCH.with_borrow_mut(|s| {
+            let n = groups.pairs.len();
+            let xs = sized(&mut s.x, n * h);
+            for (row, &pair) in xs.chunks_exact_mut(h).zip(&groups.pairs) {
+                let tok = pair / routes.per_token;
+                row.copy_from_slice(&x.data[tok * h..(tok + 1) * h]);
+            }
+            let (gate, up) = (sized(&mut s.gate, n * width), sized(&mut s.up, n * width));
+            let (act, y) = (sized(&mut s.act, n * width), sized(&mut s.y, n * h));
+            for (e, r) in groups.used() {
+                let ex = &experts[e];
+                let (xe, m) = (&xs[r.start * h..r.end * h], r.len());
+                let wide = r.start * width..r.end * width;
+                let (g, u) = (&mut gate[wide.clone()], &mut up[wide.clone()]);
+                if !fused_blocks(xe, m, h, [(&ex.gate, &mut *g), (&ex.up, &mut *u)]) {
+                    project(xe, m, &ex.gate, g)?;
+                    project(xe, m, &ex.up, u)?;
+                }
+                simd::silu_mul(g, u, &mut act[wide.clone()]);
+                project(&act[wide], m, &ex.down, &mut y[r.start * h..r.end * h])?;
+            }
+            combine(routes, groups, y, h, &mut out.data);
+            Ok(())
+        })
     }
 
     fn gather_rows(

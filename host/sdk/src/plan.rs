@@ -66,8 +66,18 @@ pub struct GroupPlan {
 /// The plan.
 #[derive(Debug, serde::Serialize)]
 pub struct Plan {
-    /// Bytes of the weights as stored.
+    /// Bytes of the weights as stored (all of them mapped).
     pub weight_bytes: u64,
+    /// Parameters (weight elements) in all.
+    pub parameters: u64,
+    /// Parameters a token runs through: all but the experts it is not routed to (equal to
+    /// `parameters` for a dense model; the embedding table counts whole).
+    pub active_parameters: u64,
+    /// Bytes of the experts' weights (0 for a dense model).
+    pub expert_bytes: u64,
+    /// Bytes of weights a one-token step reads at most: all but the experts it is not
+    /// routed to (the embedding table counted whole).
+    pub step_bytes: u64,
     /// The budget.
     pub budget_bytes: u64,
     /// KV storage dtype.
@@ -92,9 +102,43 @@ pub struct Plan {
     pub state_bytes: usize,
 }
 
-/// Bytes of every tensor as stored: in the model's safetensors shards, or, for weights used
-/// in place in a GGUF, every indexed tensor (quantized blocks counted as their bytes).
-fn weight_bytes(dir: &Path) -> Result<u64> {
+/// What a model's weights hold: bytes as stored and elements, in all and in its experts'
+/// tensors (`mlp.experts.*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Census {
+    bytes: u64,
+    parameters: u64,
+    expert_bytes: u64,
+    expert_parameters: u64,
+}
+
+impl Census {
+    fn add(&mut self, name: &str, shape: &[usize], bytes: u64) {
+        let elems = shape.iter().product::<usize>() as u64;
+        self.bytes += bytes;
+        self.parameters += elems;
+        if name.contains(".mlp.experts.") {
+            self.expert_bytes += bytes;
+            self.expert_parameters += elems;
+        }
+    }
+
+    /// `total` less the share of the experts' `part` a token is not routed to.
+    fn active(total: u64, part: u64, config: &ModelConfig) -> u64 {
+        match config.experts() {
+            Some(e) => {
+                let idle = e.count - e.per_token;
+                total - (part as u128 * idle as u128 / e.count as u128) as u64
+            }
+            None => total,
+        }
+    }
+}
+
+/// Every tensor as stored: in the model's safetensors shards, or, for weights used in place
+/// in a GGUF, every indexed tensor (quantized blocks counted as their bytes).
+fn census(dir: &Path) -> Result<Census> {
+    let mut c = Census::default();
     let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
     if index.exists() {
         let index: kvplug_core::GgufIndex = serde_json::from_str(&kvplug_core::files::read_text(
@@ -102,9 +146,11 @@ fn weight_bytes(dir: &Path) -> Result<u64> {
             kvplug_core::files::MAX_TEXT_BYTES,
         )?)
         .with_context(|| format!("{}", index.display()))?;
-        return Ok(index.tensors.values().map(|t| t.bytes).sum());
+        for (name, t) in &index.tensors {
+            c.add(name, &t.shape, t.bytes);
+        }
+        return Ok(c);
     }
-    let mut total = 0u64;
     for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let p = e?.path();
         if p.extension().is_none_or(|x| x != "safetensors") {
@@ -115,13 +161,11 @@ fn weight_bytes(dir: &Path) -> Result<u64> {
         let map = unsafe { memmap2::Mmap::map(&file) }?;
         let st = SafeTensors::deserialize(&map)
             .with_context(|| format!("{}: not a safetensors file", p.display()))?;
-        total += st
-            .tensors()
-            .iter()
-            .map(|(_, v)| v.data().len() as u64)
-            .sum::<u64>();
+        for (name, v) in st.tensors() {
+            c.add(&name, v.shape(), v.data().len() as u64);
+        }
     }
-    Ok(total)
+    Ok(c)
 }
 
 /// The largest `n` with `fits(n)` (monotone), up to `cap`.
@@ -147,7 +191,8 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     let spec = model.cache_spec();
     args.kv_dtype.check_head_dim(spec.head_dim)?;
     let config: serde_json::Value = serde_json::from_str(&text)?;
-    let weight_bytes = weight_bytes(&dir)?;
+    let weights = census(&dir)?;
+    let weight_bytes = weights.bytes;
     let Some(kv_budget) = args.budget.checked_sub(weight_bytes) else {
         fail!(
             Invalid,
@@ -182,6 +227,10 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     };
     Ok(Plan {
         weight_bytes,
+        parameters: weights.parameters,
+        active_parameters: Census::active(weights.parameters, weights.expert_parameters, &model),
+        expert_bytes: weights.expert_bytes,
+        step_bytes: Census::active(weight_bytes, weights.expert_bytes, &model),
         budget_bytes: args.budget,
         kv_dtype: dtype.to_string(),
         groups: spec
@@ -231,18 +280,39 @@ fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
 }
 
+/// A parameter count as people quote it (`494.0M`, `30.5B`).
+fn count(n: u64) -> String {
+    match n {
+        0..1_000_000 => n.to_string(),
+        1_000_000..1_000_000_000 => format!("{:.1}M", n as f64 / 1e6),
+        _ => format!("{:.2}B", n as f64 / 1e9),
+    }
+}
+
 impl Plan {
     /// The plan as text, a table per layer group.
     pub fn render(&self) -> String {
         let p = self;
         let mut out = format!(
-        "budget      {} ({} bytes)\nweights     {} as stored\nK/V         {} left, {} storage\n\nlayer group          layers  K/V bytes per token\n",
-        mib(p.budget_bytes),
-        p.budget_bytes,
-        mib(p.weight_bytes),
-        mib(p.budget_bytes - p.weight_bytes),
-        p.kv_dtype
-    );
+            "budget      {} ({} bytes)\nweights     {} as stored, {} parameters\n",
+            mib(p.budget_bytes),
+            p.budget_bytes,
+            mib(p.weight_bytes),
+            count(p.parameters)
+        );
+        if p.expert_bytes > 0 {
+            out += &format!(
+                "experts     {} of the weights; a token runs {} parameters, a step reads at most {}\n",
+                mib(p.expert_bytes),
+                count(p.active_parameters),
+                mib(p.step_bytes)
+            );
+        }
+        out += &format!(
+            "K/V         {} left, {} storage\n\nlayer group          layers  K/V bytes per token\n",
+            mib(p.budget_bytes - p.weight_bytes),
+            p.kv_dtype
+        );
         for g in &p.groups {
             let name = match g.attention {
                 LayerAttention::Full => "full".to_string(),
@@ -312,7 +382,7 @@ mod tests {
             kv_dtype,
             agent_tokens: 100,
         };
-        let weights = weight_bytes(dir.path()).unwrap();
+        let weights = census(dir.path()).unwrap().bytes;
         // tiny: 2 layers, 2 KV heads, head_dim 16: f16 K+V = 2 * 2 * 32 bytes per layer.
         let per_token = 2 * 2 * 2 * 32;
         let p = plan(&args(weights + 1000 * per_token + 5, KvDtype::F16)).unwrap();

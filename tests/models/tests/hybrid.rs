@@ -14,8 +14,8 @@ use kvplug::{DraftKind, Speculation};
 
 mod common;
 use common::{
-    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_with, runtime, write_gguf,
-    Reference, BACKENDS, MERGES,
+    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_with, runtime, values,
+    write_gguf, Reference, BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -24,16 +24,6 @@ const KV_HEADS: usize = 2;
 const FFN: usize = 128;
 const VOCAB: usize = 300;
 const PROMPT: [i32; 9] = [3, 141, 59, 26, 53, 58, 97, 93, 238];
-
-/// Deterministic values in `[-gain, gain)` (a multiplicative hash of the index and salt).
-fn values(n: usize, salt: u64, gain: f32) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let h = (i ^ salt.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x2545_f491_4f6c_dd1d);
-            ((h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * gain
-        })
-        .collect()
-}
 
 /// The shape of an LFM2 file: `layers` layers, those in `attention` attending (through a
 /// sliding `window` when given), the others convolving over `taps` positions; matrices in

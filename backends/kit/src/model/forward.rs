@@ -9,8 +9,10 @@ use std::sync::{Arc, Mutex, Weak};
 
 use kvplug_core::key_basis::rotation_width;
 use kvplug_core::{CacheError, KeyBasis, LayerAttention, RopePairs};
+use kvplug_plugin_api::{HostTensor, TensorDtype};
 
-use super::config::{Activation, Arch, ModelConfig, ModelError};
+use super::config::{Activation, Arch, Experts, ModelConfig, ModelError};
+use super::moe::{route, Expert, ExpertGroups, Routes};
 use super::ops::{ModelDevice, Projection};
 use super::package::{ModelPackage, Residency};
 use crate::cache::{KitCache, KitError};
@@ -26,11 +28,25 @@ struct Layer<D: ModelDevice> {
     post_attn: Option<D::Tensor>,
     /// Before the MLP.
     ln2: D::Tensor,
-    gate: D::Weight,
-    up: D::Weight,
-    down: D::Weight,
+    ffn: Ffn<D>,
     /// On the MLP output before the residual add.
     post_mlp: Option<D::Tensor>,
+}
+
+/// A block's feed-forward.
+enum Ffn<D: ModelDevice> {
+    /// `down(act(gate·x) · up·x)`.
+    Dense {
+        gate: D::Weight,
+        up: D::Weight,
+        down: D::Weight,
+    },
+    /// A mixture of experts: the router (`[experts, hidden]`) chooses each token's experts.
+    Experts {
+        router: D::Weight,
+        experts: Vec<Expert<D>>,
+        spec: Experts,
+    },
 }
 
 /// What mixes positions in a block.
@@ -359,14 +375,24 @@ impl<D: ModelDevice> DecoderModel<D> {
                     sliding: attention != LayerAttention::Full,
                 }),
             };
+            let ffn = match c.experts().filter(|_| c.sparse_layer(l)) {
+                Some(spec) => Ffn::Experts {
+                    router: mat(&format!("{p}mlp.gate.weight"), spec.count, h)?,
+                    experts: load_experts(&*device, pkg, &p, &spec, h)?,
+                    spec,
+                },
+                None => Ffn::Dense {
+                    gate: mat(&format!("{p}{}.weight", n.gate), im, h)?,
+                    up: mat(&format!("{p}{}.weight", n.up), im, h)?,
+                    down: mat(&format!("{p}{}.weight", n.down), h, im)?,
+                },
+            };
             ls.push(Layer {
                 ln1: norm(&format!("{p}{}.weight", n.attn_norm), h)?,
                 mixer,
                 post_attn,
                 ln2,
-                gate: mat(&format!("{p}{}.weight", n.gate), im, h)?,
-                up: mat(&format!("{p}{}.weight", n.up), im, h)?,
-                down: mat(&format!("{p}{}.weight", n.down), h, im)?,
+                ffn,
                 post_mlp: gemma_norm(format!("{p}post_feedforward_layernorm.weight"), h)?,
             });
         }
@@ -672,26 +698,46 @@ impl<D: ModelDevice> DecoderModel<D> {
             }
             residual_add(d, &mut a.x, &mut a.o, lw.post_attn.as_ref(), eps, &mut a.hn)?;
             d.rms_norm(&a.x, &lw.ln2, eps, &mut a.hn)?;
-            d.linears(
-                &a.hn,
-                &mut [
-                    Projection {
-                        w: &lw.gate,
-                        bias: None,
-                        out: &mut a.gate,
-                    },
-                    Projection {
-                        w: &lw.up,
-                        bias: None,
-                        out: &mut a.up,
-                    },
-                ],
-            )?;
-            match c.activation() {
-                Activation::Silu => d.silu_mul(&a.gate, &a.up, &mut a.mlp)?,
-                Activation::GeluTanh => d.gelu_tanh_mul(&a.gate, &a.up, &mut a.mlp)?,
+            match &lw.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    d.linears(
+                        &a.hn,
+                        &mut [
+                            Projection {
+                                w: gate,
+                                bias: None,
+                                out: &mut a.gate,
+                            },
+                            Projection {
+                                w: up,
+                                bias: None,
+                                out: &mut a.up,
+                            },
+                        ],
+                    )?;
+                    match c.activation() {
+                        Activation::Silu => d.silu_mul(&a.gate, &a.up, &mut a.mlp)?,
+                        Activation::GeluTanh => d.gelu_tanh_mul(&a.gate, &a.up, &mut a.mlp)?,
+                    }
+                    d.linear(&a.mlp, down, None, &mut a.o)?;
+                }
+                Ffn::Experts {
+                    router,
+                    experts,
+                    spec,
+                } => {
+                    let m = a
+                        .moe
+                        .as_mut()
+                        .ok_or_else(|| KitError::Device("router buffers missing".into()))?;
+                    d.linear(&a.hn, router, None, &mut m.logits)?;
+                    d.download_into(&m.logits, TensorDtype::F32, &mut m.downloaded)?;
+                    m.downloaded.read_f32_into(&mut m.host);
+                    route(&m.host, spec, &mut m.routes);
+                    m.groups.group(&m.routes, spec.count);
+                    d.experts(&a.hn, experts, spec.width, &m.routes, &m.groups, &mut a.o)?;
+                }
             }
-            d.linear(&a.mlp, &lw.down, None, &mut a.o)?;
             residual_add(d, &mut a.x, &mut a.o, lw.post_mlp.as_ref(), eps, &mut a.hn)?;
         }
         d.rms_norm(&a.x, &w.norm, eps, &mut a.hn)?;
@@ -756,6 +802,18 @@ pub struct Activations<D: ModelDevice> {
     conv: Option<ConvActivations<D>>,
     /// Those of the delta-rule blocks (a model with any).
     delta: Option<DeltaActivations<D>>,
+    /// The router's (a model with a mixture of experts).
+    moe: Option<RouterActivations<D>>,
+}
+
+/// The router's logits (`[T, experts]`) on the device and on the host, and the routes and
+/// groups made from them.
+struct RouterActivations<D: ModelDevice> {
+    logits: D::Tensor,
+    downloaded: HostTensor,
+    host: Vec<f32>,
+    routes: Routes,
+    groups: ExpertGroups,
 }
 
 /// The buffers of a delta-rule block: the q/k/v projection (`[T, channels]`), the output
@@ -835,6 +893,16 @@ impl<D: ModelDevice> Activations<D> {
                 }
                 None => None,
             },
+            moe: match c.experts() {
+                Some(e) => Some(RouterActivations {
+                    logits: d.zeros(&[t, e.count])?,
+                    downloaded: HostTensor::from_f32(&[0], &[]),
+                    host: Vec::with_capacity(t * e.count),
+                    routes: Routes::default(),
+                    groups: ExpertGroups::default(),
+                }),
+                None => None,
+            },
             conv: match c
                 .attention
                 .iter()
@@ -856,6 +924,53 @@ impl<D: ModelDevice> Activations<D> {
     fn fits(&self, t: usize, n_rows: usize) -> bool {
         (self.t, self.n_rows) == (t, n_rows)
     }
+}
+
+/// The experts of a sparse layer (prefix `p`): each a view of its rows of the stacked
+/// `mlp.experts.{gate,up,down}_proj.weight` (`[experts, rows, cols]`, a GGUF's 3-D expert
+/// tensors, kept in place), or Hugging Face's per-expert `mlp.experts.{e}.*_proj.weight`.
+fn load_experts<D: ModelDevice>(
+    device: &D,
+    pkg: &ModelPackage,
+    p: &str,
+    spec: &Experts,
+    h: usize,
+) -> Result<Vec<Expert<D>>, ModelError> {
+    let (n, w) = (spec.count, spec.width);
+    let stacked = pkg.has_tensor(&format!("{p}mlp.experts.gate_proj.weight"));
+    // Each stacked tensor is read (and checked) once; its experts share its bytes.
+    let whole = |proj: &str, rows: usize, cols: usize| -> Result<_, ModelError> {
+        let name = format!("{p}mlp.experts.{proj}.weight");
+        Ok(if stacked {
+            Some((pkg.tensor(&name, &[n, rows, cols])?, name))
+        } else {
+            None
+        })
+    };
+    let parts = [("gate_proj", w, h), ("up_proj", w, h), ("down_proj", h, w)];
+    let wholes = parts
+        .iter()
+        .map(|&(proj, rows, cols)| whole(proj, rows, cols))
+        .collect::<Result<Vec<_>, _>>()?;
+    let part = |i: usize, e: usize| -> Result<D::Weight, ModelError> {
+        let (proj, rows, cols) = parts[i];
+        let data = match &wholes[i] {
+            Some((t, name)) => t
+                .rows(cols, e * rows..(e + 1) * rows)
+                .ok_or_else(|| ModelError::Malformed(format!("{name}: rows of partial blocks")))?,
+            None => pkg.tensor(&format!("{p}mlp.experts.{e}.{proj}.weight"), &[rows, cols])?,
+        };
+        device.weight(data, rows, cols).map_err(weights_err)
+    };
+    (0..n)
+        .map(|e| {
+            Ok(Expert {
+                gate: part(0, e)?,
+                up: part(1, e)?,
+                down: part(2, e)?,
+            })
+        })
+        .collect()
 }
 
 /// The order of a head's dims that puts a partial rotary's pairs where a rotate-half over

@@ -12,6 +12,7 @@ pub mod blocks;
 pub use kvplug_core::model_config as config;
 pub mod forward;
 pub mod method;
+pub mod moe;
 pub mod ops;
 pub mod package;
 pub mod stored;

@@ -6,6 +6,7 @@ use kvplug_plugin_api::{HostTensor, TensorDtype};
 use crate::cache::KitError;
 use crate::device::Device;
 
+use super::moe::{combine, Expert, ExpertGroups, Routes};
 use super::stored::StoredTensor;
 
 /// Refuses a [`ModelDevice::hadamard`] call whose shapes break its contract: `n` not a power
@@ -212,6 +213,85 @@ pub trait ModelDevice: Device {
             .zip(&g)
             .for_each(|(y, g)| *y /= 1.0 + (-g).exp());
         *out = self.tensor(&y, &dims)?;
+        Ok(())
+    }
+    /// A mixture of experts' feed-forward: `out[t] = Σ_j w_tj · down_e(silu(gate_e·x[t]) ·
+    /// up_e·x[t])` over token `t`'s routes (`e = routes.experts[t·k + j]`, `w_tj` its
+    /// weight), summed as [`combine`] sums; `groups` is `routes` grouped by expert, `width`
+    /// each expert's MLP width; x and out `[T, hidden]`. An implementation reads only the
+    /// used experts' weights, each once per call. The default runs each used expert on its
+    /// tokens' rows through this trait's ops and combines on the host: correct, but a
+    /// download per expert and buffers allocated per call.
+    fn experts(
+        &self,
+        x: &Self::Tensor,
+        experts: &[Expert<Self>],
+        width: usize,
+        routes: &Routes,
+        groups: &ExpertGroups,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError>
+    where
+        Self: Sized,
+    {
+        let dims = self.dims(x).to_vec();
+        let [t, h] = dims[..] else {
+            return Err(KitError::Device(format!(
+                "experts: input of shape {dims:?}"
+            )));
+        };
+        if routes.tokens() != t {
+            return Err(KitError::Device(format!(
+                "experts: {} routed tokens for {t} rows",
+                routes.tokens()
+            )));
+        }
+        let mut rows = vec![0f32; groups.pairs.len() * h];
+        let mut tokens = Vec::new();
+        for (e, range) in groups.used() {
+            let ex = experts
+                .get(e)
+                .ok_or_else(|| KitError::Device(format!("experts: no expert {e}")))?;
+            tokens.clear();
+            tokens.extend(
+                groups.pairs[range.clone()]
+                    .iter()
+                    .map(|&i| i / routes.per_token),
+            );
+            let n = tokens.len();
+            let mut xe = self.zeros(&[n, h])?;
+            self.gather_rows(x, &tokens, &mut xe)?;
+            let (mut g, mut u, mut m) = (
+                self.zeros(&[n, width])?,
+                self.zeros(&[n, width])?,
+                self.zeros(&[n, width])?,
+            );
+            self.linears(
+                &xe,
+                &mut [
+                    Projection {
+                        w: &ex.gate,
+                        bias: None,
+                        out: &mut g,
+                    },
+                    Projection {
+                        w: &ex.up,
+                        bias: None,
+                        out: &mut u,
+                    },
+                ],
+            )?;
+            self.silu_mul(&g, &u, &mut m)?;
+            self.linear(&m, &ex.down, None, &mut xe)?;
+            let y = self
+                .download(&xe, TensorDtype::F32)?
+                .to_f32()
+                .ok_or_else(|| KitError::Device("experts: an f32 download was not f32".into()))?;
+            rows[range.start * h..range.end * h].copy_from_slice(&y);
+        }
+        let mut sum = vec![0f32; t * h];
+        combine(routes, groups, &rows, h, &mut sum);
+        *out = self.tensor(&sum, &dims)?;
         Ok(())
     }
     /// `x *= s`.

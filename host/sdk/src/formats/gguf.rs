@@ -1,5 +1,5 @@
-//! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `gemma3`, `lfm2`,
-//! `qwen35`).
+//! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `qwen3moe`,
+//! `gemma3`, `lfm2`, `qwen35`).
 //!
 //! [`resolve_model`] (what `--model FILE.gguf` does): the weights stay in the GGUF and are
 //! used where they lie, in their stored types (quantized blocks included). It derives a small
@@ -177,6 +177,7 @@ enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Qwen3Moe,
     Gemma3,
     Lfm2,
     Qwen35,
@@ -208,13 +209,14 @@ impl Gguf {
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
             "gemma3" => Ok(Arch::Gemma3),
             "lfm2" => Ok(Arch::Lfm2),
             "qwen35" => Ok(Arch::Qwen35),
             other => fail!(
                 Model,
                 "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
-                 gemma3, lfm2, qwen35)",
+                 qwen3moe, gemma3, lfm2, qwen35)",
                 self.path.display()
             ),
         }
@@ -233,9 +235,14 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
         Ok(v) => v,
         Err(_) => g.strings("tokenizer.ggml.tokens")?.len() as u64,
     };
+    // A mixture of experts' file may leave the dense width out: its experts' width stands in.
+    let ffn = match (g.uint(&k("feed_forward_length")), arch) {
+        (Err(_), Arch::Qwen3Moe) => g.uint(&k("expert_feed_forward_length"))?,
+        (ffn, _) => ffn?,
+    };
     let mut c = serde_json::json!({
         "hidden_size": hidden,
-        "intermediate_size": g.uint(&k("feed_forward_length"))?,
+        "intermediate_size": ffn,
         "num_attention_heads": heads,
         "num_key_value_heads": g.uint(&k("attention.head_count_kv")).unwrap_or(heads),
         "num_hidden_layers": layers,
@@ -297,12 +304,21 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
         }
         Arch::Qwen35 => qwen35_fields(g, &mut c, layers)?,
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
             let (model_type, class) = match arch {
                 Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
                 Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+                Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
                 _ => ("llama", "LlamaForCausalLM"),
             };
+            if arch == Arch::Qwen3Moe {
+                // llama.cpp's qwen3moe graph: every layer sparse, the chosen experts'
+                // softmax probabilities renormalized.
+                c["num_experts"] = g.uint(&k("expert_count"))?.into();
+                c["num_experts_per_tok"] = g.uint(&k("expert_used_count"))?.into();
+                c["moe_intermediate_size"] = g.uint(&k("expert_feed_forward_length"))?.into();
+                c["norm_topk_prob"] = true.into();
+            }
             c["model_type"] = model_type.into();
             c["architectures"] = serde_json::json!([class]);
             c["rms_norm_eps"] = g
@@ -495,7 +511,7 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
     let own: &[(&str, &str)] = match arch {
         Arch::Llama => &[("ffn_norm", "post_attention_layernorm")],
         Arch::Qwen2 => &[("ffn_norm", "post_attention_layernorm")],
-        Arch::Qwen3 => &[
+        Arch::Qwen3 | Arch::Qwen3Moe => &[
             ("ffn_norm", "post_attention_layernorm"),
             ("attn_q_norm", "self_attn.q_norm"),
             ("attn_k_norm", "self_attn.k_norm"),
@@ -547,7 +563,19 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
             }
             continue;
         }
-        for (g, hf) in common.iter().chain(own) {
+        // A mixture of experts in place of the MLP: the router and the 3-D expert tensors
+        // (`[experts, rows, cols]`; kvplug's names for the stacked form).
+        let ffn: &[(&str, &str)] = if arch == Arch::Qwen3Moe {
+            &[
+                ("ffn_gate_inp", "mlp.gate"),
+                ("ffn_gate_exps", "mlp.experts.gate_proj"),
+                ("ffn_up_exps", "mlp.experts.up_proj"),
+                ("ffn_down_exps", "mlp.experts.down_proj"),
+            ]
+        } else {
+            &common[5..]
+        };
+        for (g, hf) in common[..5].iter().chain(ffn).chain(own) {
             v.push((
                 format!("blk.{l}.{g}.weight"),
                 format!("model.layers.{l}.{hf}.weight"),

@@ -166,6 +166,16 @@ pub fn llama3_inv_freq(
         .collect()
 }
 
+/// Deterministic values in `[-gain, gain)` (a multiplicative hash of the index and salt).
+pub fn values(n: usize, salt: u64, gain: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let h = (i ^ salt.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            ((h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * gain
+        })
+        .collect()
+}
+
 /// The reference forward, as `r` says.
 pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec<Vec<f64>> {
     let pkg = ModelPackage::open(model).unwrap();
@@ -270,29 +280,70 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             &format!("{p}{}.weight", name("post_attention_layernorm", "ffn_norm")),
             &[h],
         );
-        let (wg, wu, wd) = (
-            mat(
-                &format!("{p}{}.weight", name("mlp.gate_proj", "feed_forward.w1")),
-                &[im, h],
-            ),
-            mat(
-                &format!("{p}{}.weight", name("mlp.up_proj", "feed_forward.w3")),
-                &[im, h],
-            ),
-            mat(
-                &format!("{p}{}.weight", name("mlp.down_proj", "feed_forward.w2")),
-                &[h, im],
-            ),
-        );
-        let mlp = |x: &mut Vec<f64>| {
-            let hn = norm(x, &ln2);
-            let (g, u) = (matvec(&wg, im, &hn), matvec(&wu, im, &hn));
+        // A sparse layer's experts (`[experts, rows, cols]` each) and router, or the MLP.
+        let sparse = c.experts().filter(|_| c.sparse_layer(l));
+        let (ew, en) = sparse.map_or((im, 1), |e| (e.width, e.count));
+        let (wg, wu, wd) = if sparse.is_some() {
+            let e =
+                |n: &str, rows, cols| mat(&format!("{p}mlp.experts.{n}.weight"), &[en, rows, cols]);
+            (
+                e("gate_proj", ew, h),
+                e("up_proj", ew, h),
+                e("down_proj", h, ew),
+            )
+        } else {
+            (
+                mat(
+                    &format!("{p}{}.weight", name("mlp.gate_proj", "feed_forward.w1")),
+                    &[im, h],
+                ),
+                mat(
+                    &format!("{p}{}.weight", name("mlp.up_proj", "feed_forward.w3")),
+                    &[im, h],
+                ),
+                mat(
+                    &format!("{p}{}.weight", name("mlp.down_proj", "feed_forward.w2")),
+                    &[h, im],
+                ),
+            )
+        };
+        let router = sparse.map(|e| mat(&format!("{p}mlp.gate.weight"), &[e.count, h]));
+        // Expert `e`'s SiLU MLP (expert 0 of a dense layer: its MLP).
+        let expert = |e: usize, hn: &[f64]| -> Vec<f64> {
+            let part = |m: &(Vec<f64>, bool), rows: usize, cols: usize, x: &[f64]| {
+                matvec_as(m.1, &m.0[e * rows * cols..(e + 1) * rows * cols], rows, x)
+            };
+            let (g, u) = (part(&wg, ew, h, hn), part(&wu, ew, h, hn));
             let m: Vec<f64> = g
                 .iter()
                 .zip(&u)
                 .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
                 .collect();
-            let d = matvec(&wd, h, &m);
+            part(&wd, h, ew, &m)
+        };
+        let mlp = |x: &mut Vec<f64>| {
+            let hn = norm(x, &ln2);
+            let d = match (sparse, &router) {
+                (Some(e), Some(router)) => {
+                    // Softmax over every expert; the per_token most probable (ties to the
+                    // lower index), weighted by probability, renormalized when asked.
+                    let z = matvec(router, e.count, &hn);
+                    let max = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let total: f64 = z.iter().map(|z| (z - max).exp()).sum();
+                    let mut order: Vec<usize> = (0..e.count).collect();
+                    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
+                    order.truncate(e.per_token);
+                    let p: Vec<f64> = order.iter().map(|&i| (z[i] - max).exp() / total).collect();
+                    let sum: f64 = if e.renormalize { p.iter().sum() } else { 1.0 };
+                    let mut d = vec![0.0; h];
+                    for (&i, p) in order.iter().zip(&p) {
+                        let y = expert(i, &hn);
+                        d.iter_mut().zip(&y).for_each(|(d, y)| *d += p / sum * y);
+                    }
+                    d
+                }
+                _ => expert(0, &hn),
+            };
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         };
         if let kvplug_core::LayerAttention::Conv { width, .. } = c.attention[l] {

@@ -1,0 +1,264 @@
+//! Mixtures of experts: Qwen3-MoE GGUFs (a router and 3-D expert tensors in every layer) on
+//! every backend against the f64 reference forward, and a token's result independent of the
+//! batch it is routed in.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use kvplug::argmax;
+use kvplug::{Batch, CacheKind, KvDtype};
+
+mod common;
+use common::{
+    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_with, runtime, values,
+    write_gguf, Reference, BACKENDS, MERGES,
+};
+
+const HIDDEN: usize = 64;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const VOCAB: usize = 300;
+const PROMPT: [i32; 9] = [3, 141, 59, 26, 53, 58, 97, 93, 238];
+
+/// A Qwen3-MoE file's shape: `experts` experts of `width` per layer, `per_token` of them per
+/// token; expert matrices in `types` (cycled), attention and router f32 (llama-quantize
+/// keeps routers f32); an output matrix unless `tied`.
+struct Shape<'a> {
+    layers: usize,
+    experts: usize,
+    per_token: usize,
+    width: usize,
+    types: &'a [GgmlDType],
+    tied: bool,
+}
+
+/// Writes the GGUF of `s` and indexes it under `dir`; returns the indexed model.
+fn qwen3moe(dir: &Path, s: &Shape) -> PathBuf {
+    let hd = HIDDEN / HEADS;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let (mut salt, mut matrix) = (200, 0);
+    let mut add = |name: String, shape: &[usize], gain: f32, ty: Option<&[GgmlDType]>| {
+        salt += 1;
+        let mut data = values(shape.iter().product(), salt, gain);
+        if shape.len() == 1 {
+            data.iter_mut().for_each(|x| *x += 1.0);
+        }
+        let ty = ty.map_or(GgmlDType::F32, |types| {
+            matrix += 1;
+            types[matrix % types.len()]
+        });
+        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
+    };
+    let f32s = Some(&[GgmlDType::F32][..]);
+    add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, f32s);
+    add("output_norm.weight".into(), &[HIDDEN], 0.1, None);
+    if !s.tied {
+        add("output.weight".into(), &[VOCAB, HIDDEN], 0.5, f32s);
+    }
+    let (e, w) = (s.experts, s.width);
+    for l in 0..s.layers {
+        let b = |n: &str| format!("blk.{l}.{n}.weight");
+        add(b("attn_norm"), &[HIDDEN], 0.1, None);
+        add(b("attn_q"), &[HEADS * hd, HIDDEN], 0.3, f32s);
+        add(b("attn_k"), &[KV_HEADS * hd, HIDDEN], 0.3, f32s);
+        add(b("attn_v"), &[KV_HEADS * hd, HIDDEN], 0.3, f32s);
+        add(b("attn_output"), &[HIDDEN, HEADS * hd], 0.3, f32s);
+        add(b("attn_q_norm"), &[hd], 0.1, None);
+        add(b("attn_k_norm"), &[hd], 0.1, None);
+        add(b("ffn_norm"), &[HIDDEN], 0.1, None);
+        // Router logits a few units apart: the choice is not decided by rounding.
+        add(b("ffn_gate_inp"), &[e, HIDDEN], 1.0, f32s);
+        add(b("ffn_gate_exps"), &[e, w, HIDDEN], 0.3, Some(s.types));
+        add(b("ffn_up_exps"), &[e, w, HIDDEN], 0.3, Some(s.types));
+        add(b("ffn_down_exps"), &[e, HIDDEN, w], 0.3, Some(s.types));
+    }
+    let u = |x: usize| Value::U32(x as u32);
+    let mut meta = vec![
+        ("general.architecture", Value::String("qwen3moe".into())),
+        ("qwen3moe.block_count", u(s.layers)),
+        ("qwen3moe.embedding_length", u(HIDDEN)),
+        ("qwen3moe.feed_forward_length", u(4 * HIDDEN)),
+        ("qwen3moe.expert_feed_forward_length", u(w)),
+        ("qwen3moe.expert_count", u(e)),
+        ("qwen3moe.expert_used_count", u(s.per_token)),
+        ("qwen3moe.attention.head_count", u(HEADS)),
+        ("qwen3moe.attention.head_count_kv", u(KV_HEADS)),
+        ("qwen3moe.attention.key_length", u(hd)),
+        ("qwen3moe.attention.value_length", u(hd)),
+        (
+            "qwen3moe.attention.layer_norm_rms_epsilon",
+            Value::F32(1e-6),
+        ),
+        ("qwen3moe.rope.freq_base", Value::F32(1e6)),
+        ("qwen3moe.context_length", u(2048)),
+    ];
+    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    std::fs::create_dir_all(dir).unwrap();
+    let gguf = dir.join("qwen3moe.gguf");
+    write_gguf(&gguf, &meta, &tensors);
+    let model = dir.join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    model
+}
+
+/// The largest logit error, against the f64 reference forward, of `backend` decoding the
+/// prompt (one step: tokens grouped by expert) and 6 greedy tokens (one token each).
+fn greedy_logit_error(model: &Path, backend: &str) -> f64 {
+    let rt = runtime();
+    let mut ctx = common::model(&rt, backend, model)
+        .context(CacheKind::Contiguous, 64, KvDtype::F32)
+        .unwrap();
+    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+    let mut got = forward(&mut ctx, &PROMPT, &positions);
+    let mut tokens = PROMPT.to_vec();
+    for _ in 0..6 {
+        let next = argmax(got.last().unwrap());
+        tokens.push(next);
+        got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
+    }
+    let told = Reference {
+        int8_block_acts: backend == "cpu",
+        ..Reference::default()
+    };
+    max_logit_error(&got, &reference_logits_with(model, &tokens, &told))
+}
+
+#[test]
+fn qwen3moe_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4_1,
+    ];
+    // 8 experts, 2 per token, f32, tied; 6 experts, 3 per token, block formats, untied.
+    let shapes = [
+        Shape {
+            layers: 3,
+            experts: 8,
+            per_token: 2,
+            width: 32,
+            types: &[GgmlDType::F32],
+            tied: true,
+        },
+        Shape {
+            layers: 2,
+            experts: 6,
+            per_token: 3,
+            width: 64,
+            types: &blocks,
+            tied: false,
+        },
+    ];
+    for (i, shape) in shapes.iter().enumerate() {
+        let model = qwen3moe(&dir.path().join(i.to_string()), shape);
+        for backend in BACKENDS {
+            let worst = greedy_logit_error(&model, backend);
+            // The f32 tolerance of the model tests (model.rs).
+            assert!(
+                worst < 1e-3,
+                "Qwen3-MoE shape {i} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
+}
+
+/// Two sequences forked from one prompt and decoded in one batch (their tokens routed and
+/// grouped together) give each sequence's logits as decoding it alone does.
+#[test]
+fn a_tokens_experts_do_not_depend_on_its_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen3moe(
+        dir.path(),
+        &Shape {
+            layers: 2,
+            experts: 8,
+            per_token: 2,
+            width: 32,
+            types: &[GgmlDType::Q8_0],
+            tied: true,
+        },
+    );
+    let rt = runtime();
+    let m = common::model(&rt, "cpu", &model);
+    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+    let alone = |next: i32| {
+        let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
+        forward(&mut ctx, &PROMPT, &positions);
+        forward(&mut ctx, &[next], &[9]).remove(0)
+    };
+    let mut ctx = m.context(CacheKind::Seq, 64, KvDtype::F32).unwrap();
+    let mut b = Batch::new();
+    for (&t, &p) in PROMPT.iter().zip(&positions) {
+        b.push(t, p, 0, false);
+    }
+    ctx.decode(&b).unwrap();
+    ctx.seq_cp(0, 1, None, None).unwrap();
+    let mut b = Batch::new();
+    b.push(7, 9, 0, true);
+    b.push(9, 9, 1, true);
+    let rows: Vec<Vec<f32>> = ctx
+        .decode(&b)
+        .unwrap()
+        .rows()
+        .map(<[f32]>::to_vec)
+        .collect();
+    for (row, next) in rows.iter().zip([7, 9]) {
+        let want = alone(next);
+        let worst = row
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // The experts' arithmetic is per row; only attention's read order may differ.
+        assert!(worst < 1e-4, "token {next}: max |logit diff| {worst}");
+    }
+}
+
+/// `plan` counts the experts' parameters and bytes, and what a token runs: all but the
+/// experts it is not routed to.
+#[test]
+fn plans_count_total_and_active_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let (layers, experts, per_token, width) = (3, 8, 2, 32);
+    let model = qwen3moe(
+        dir.path(),
+        &Shape {
+            layers,
+            experts,
+            per_token,
+            width,
+            types: &[GgmlDType::Q8_0],
+            tied: true,
+        },
+    );
+    let p = kvplug::plan(&kvplug::PlanOptions {
+        model,
+        budget: 1 << 30,
+        kv_dtype: KvDtype::F16,
+        agent_tokens: 100,
+    })
+    .unwrap();
+    let (h, hd) = (HIDDEN, HIDDEN / HEADS);
+    let attention = h + 2 * HEADS * hd * h + 2 * KV_HEADS * hd * h + 2 * hd;
+    let expert = 3 * width * h;
+    let layer = attention + h + experts * h + experts * expert;
+    let total = VOCAB * h + h + layers * layer;
+    let idle = layers * (experts - per_token) * expert;
+    assert_eq!(
+        (p.parameters, p.active_parameters),
+        (total as u64, (total - idle) as u64)
+    );
+    // Q8_0: 34 bytes per 32 values.
+    let expert_bytes = (layers * experts * expert / 32 * 34) as u64;
+    assert_eq!(p.expert_bytes, expert_bytes);
+    assert_eq!(
+        p.weight_bytes - p.step_bytes,
+        expert_bytes * (experts - per_token) as u64 / experts as u64
+    );
+    assert!(p.render().contains("a token runs"), "{}", p.render());
+}
