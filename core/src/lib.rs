@@ -56,7 +56,7 @@ pub use gguf_index::{GgufIndex, IndexedTensor, RopePairs};
 pub use key_basis::KeyBasis;
 pub use kind::{Bookkeeping, CacheKind, CacheVerbs};
 pub use metadata::{read_cache_params, write_cache_params, MetadataError};
-pub use model_config::{ModelConfig, ModelError};
+pub use model_config::{Experts, ModelConfig, ModelError};
 pub use plan::{MaskKind, PlanKind, StepPlan};
 pub use radix::{PrefixHandle, PrefixLock, RadixError, RadixIndex};
 pub use seq::{PosRange, PrefixStats, SeqBookkeeping, MAX_SEQS};

@@ -11,11 +11,12 @@ use kvplug_core::key_basis::rotation_width;
 use kvplug_core::{CacheError, KeyBasis, LayerAttention, RopePairs};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
-use super::config::{Activation, Arch, Experts, ModelConfig, ModelError};
+use super::config::{Activation, Arch, ModelConfig, ModelError};
 use super::moe::{route, Expert, ExpertGroups, Routes};
 use super::ops::{ModelDevice, Projection};
 use super::package::{ModelPackage, Residency};
 use crate::cache::{KitCache, KitError};
+use kvplug_core::Experts;
 
 /// One block. Gemma 3 adds the per-head q/k norms (Qwen3 and LFM2 have them too) and the
 /// norms after attention and MLP; its RMSNorm weights are stored as `w` and loaded as
