@@ -125,7 +125,8 @@ impl LoadRows for HeadRows<'_> {
 
 /// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, l)`. q and out are `[Hq, T, D]`.
 /// `arithmetic` is the largest error allowed: the tiled kernel takes int8-query scores
-/// where it has them; every other path computes in f32.
+/// where it has them; every other path computes in f32. With `sinks` (one per query head),
+/// each row's softmax sum also counts `e^{sink}` ([`simd::sink_weight`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] arithmetic: Arithmetic,
@@ -135,6 +136,7 @@ pub fn attend(
     l: usize,
     mask: AttendMask<'_>,
     scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut CpuTensor,
     scratch: &mut CpuScratch,
 ) {
@@ -150,7 +152,15 @@ pub fn attend(
             &[]
         };
         let (tiles, min) = (&mut scratch.tiles, PARALLEL_MIN_WORK);
-        if tiled::attend(q, k, v, l, mask, scale, out, tiles, min, widths, arithmetic) {
+        let call = tiled::Call {
+            l,
+            mask,
+            scale,
+            sinks,
+            parallel_min: min,
+            arithmetic,
+        };
+        if tiled::attend(q, k, v, call, out, tiles, widths) {
             return;
         }
     }
@@ -163,15 +173,17 @@ pub fn attend(
     let per_head = g * t * d;
     let one = |kh: usize, o: &mut [f32], s: &mut HeadScratch| {
         let qh = &q.data[kh * per_head..(kh + 1) * per_head];
+        // The sinks of this KV head's g query heads.
+        let sinks = sinks.map(|s| &s[kh * g..(kh + 1) * g]);
         let (kr, vr) = (k.head_rows(kh, k.cells), v.head_rows(kh, v.cells));
         #[cfg(all(feature = "xnnpack", target_os = "linux"))]
         if gemm {
-            match attend_kv_head_gemm(qh, kr, vr, g, t, d, l, mask, scale, o, s) {
+            match attend_kv_head_gemm(qh, kr, vr, g, t, d, l, mask, scale, sinks, o, s) {
                 Ok(()) => return,
                 Err(e) => tracing::debug!("xnnpack path failed, using the Rust kernel: {e}"),
             }
         }
-        attend_kv_head(qh, kr, vr, g, t, d, l, mask, scale, o, s);
+        attend_kv_head(qh, kr, vr, g, t, d, l, mask, scale, sinks, o, s);
     };
     if hq * t * l * d >= PARALLEL_MIN_WORK {
         let outs = DisjointChunks::new(&mut out.data, per_head);
@@ -206,6 +218,7 @@ fn attend_kv_head_gemm(
     l: usize,
     mask: AttendMask<'_>,
     scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
     s: &mut HeadScratch,
 ) -> Result<(), String> {
@@ -236,7 +249,7 @@ fn attend_kv_head_gemm(
             row.fill(0.0);
             continue;
         }
-        let mut sum = 0.0;
+        let mut sum = simd::sink_weight(sinks.map(|s| s[r / t]), max);
         for x in row.iter_mut() {
             *x = (*x - max).exp();
             sum += *x;
@@ -246,8 +259,9 @@ fn attend_kv_head_gemm(
     FullyConnected::new(l, d, vw, true)?.run(g * t, &s.scores, out)
 }
 
-/// One KV head and its `g` query heads: q and out are `[g, T, D]`. Each K and V row is
-/// read and converted once per call and used by all `g·T` query rows.
+/// One KV head and its `g` query heads (and their sinks, where given): q and out are `[g, T,
+/// D]`. Each K and V row is read and converted once per call and used by all `g·T` query
+/// rows.
 #[allow(clippy::too_many_arguments)]
 fn attend_kv_head(
     q: &[f32],
@@ -259,6 +273,7 @@ fn attend_kv_head(
     l: usize,
     mask: AttendMask<'_>,
     scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
     s: &mut HeadScratch,
 ) {
@@ -284,8 +299,8 @@ fn attend_kv_head(
             simd::dot_many(qi, t * d, g, &s.row, scale, si, t * l);
         }
     }
-    for sc in s.scores.chunks_exact_mut(l) {
-        simd::softmax_in_place(sc);
+    for (r, sc) in s.scores.chunks_exact_mut(l).enumerate() {
+        simd::softmax_in_place(sc, sinks.map(|s| s[r / t]));
     }
     out.fill(0.0);
     for j in 0..l {

@@ -202,7 +202,37 @@ impl Device for CpuDevice {
         out: &mut CpuTensor,
         scratch: &mut CpuScratch,
     ) -> Result<(), KitError> {
-        attention::attend(arithmetic, q, k, v, read_len, mask, scale, out, scratch);
+        attention::attend(
+            arithmetic, q, k, v, read_len, mask, scale, None, out, scratch,
+        );
+        Ok(())
+    }
+
+    fn attend_sinks(
+        &self,
+        arithmetic: Arithmetic,
+        q: &CpuTensor,
+        k: &CpuPool,
+        v: &CpuPool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        sinks: &CpuTensor,
+        out: &mut CpuTensor,
+        scratch: &mut CpuScratch,
+    ) -> Result<(), KitError> {
+        if sinks.data.len() != q.dims[0] {
+            return Err(CacheError::bad_shape(format!(
+                "{} attention sinks for {} query heads",
+                sinks.data.len(),
+                q.dims[0]
+            ))
+            .into());
+        }
+        let sinks = Some(&sinks.data[..]);
+        attention::attend(
+            arithmetic, q, k, v, read_len, mask, scale, sinks, out, scratch,
+        );
         Ok(())
     }
 
@@ -276,6 +306,7 @@ impl Backend for CpuDevice {
         if self.features.avx512vnni {
             f.push("avx512vnni".into());
         }
+        f.push("attention-sinks".into());
         #[cfg(all(feature = "xnnpack", target_os = "linux"))]
         if xnnpack::available().is_ok() {
             f.push("xnnpack".into());

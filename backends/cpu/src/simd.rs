@@ -342,17 +342,17 @@ pub fn fast_exp(x: f32) -> f32 {
 }
 
 /// Numerically stable softmax of `x` in place; an all `-inf` row becomes zeros.
-pub fn softmax_in_place(x: &mut [f32]) {
+pub fn softmax_in_place(x: &mut [f32], sink: Option<f32>) {
     #[cfg(target_arch = "x86_64")]
     if vector_path() {
         // SAFETY: the features were detected above.
-        return unsafe { x86::softmax_in_place(x) };
+        return unsafe { x86::softmax_in_place(x, sink) };
     }
-    softmax_body(x)
+    softmax_body(x, sink)
 }
 
 #[inline(always)]
-fn softmax_body(x: &mut [f32]) {
+fn softmax_body(x: &mut [f32], sink: Option<f32>) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         x.fill(0.0);
@@ -360,8 +360,14 @@ fn softmax_body(x: &mut [f32]) {
     }
     // Separate passes so the exp loop vectorizes (a running float sum would not).
     x.iter_mut().for_each(|v| *v = fast_exp(*v - max));
-    let inv = 1.0 / sum_lanes(x);
+    let inv = 1.0 / (sum_lanes(x) + sink_weight(sink, max));
     x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The weight `e^{sink − max}` an attention sink adds to a softmax sum taken relative to
+/// `max` (0 without a sink), in f32's exp.
+pub fn sink_weight(sink: Option<f32>, max: f32) -> f32 {
+    sink.map_or(0.0, |s| (s - max).exp())
 }
 
 /// `out = silu(gate) · up` element-wise, `silu(g) = g / (1 + e^-g)` with [`fast_exp`].
@@ -632,8 +638,8 @@ pub(crate) mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn softmax_in_place(x: &mut [f32]) {
-        super::softmax_body(x)
+    pub unsafe fn softmax_in_place(x: &mut [f32], sink: Option<f32>) {
+        super::softmax_body(x, sink)
     }
 
     /// [`super::gated`]'s loop, vectorized by the compiler for AVX2/FMA.
@@ -820,10 +826,14 @@ mod tests {
         assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(fast_exp(-100.0), 0.0);
         let mut x = [1000.0, 1000.0, f32::NEG_INFINITY];
-        softmax_in_place(&mut x);
+        softmax_in_place(&mut x, None);
         assert_eq!(x, [0.5, 0.5, 0.0]);
+        // A sink equal to the scores takes a third of the weight.
+        let mut x = [3.0, 3.0];
+        softmax_in_place(&mut x, Some(3.0));
+        assert_eq!(x, [1.0 / 3.0; 2]);
         let mut none = [f32::NEG_INFINITY; 3];
-        softmax_in_place(&mut none);
+        softmax_in_place(&mut none, Some(1.0));
         assert_eq!(none, [0.0; 3]);
     }
 

@@ -29,8 +29,8 @@ use kvplug_core::arithmetic::QUERY_BLOCK;
 use kvplug_core::Arithmetic;
 
 use crate::pool::{CpuPool, HeadRows};
-use crate::simd::fast_exp;
 use crate::simd::x86::{exp16, exp8, hsum};
+use crate::simd::{fast_exp, sink_weight};
 use crate::tensor::CpuTensor;
 use crate::workers::{DisjointChunks, Workers};
 
@@ -821,19 +821,30 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     (s.query, s.keys) = (query, ktile);
 }
 
-/// Divides each row of `out` (`[rows, d]`) by its softmax sum; a row that saw nothing is 0.
-pub fn finish(out: &mut [f32], d: usize, s: &TileScratch) {
-    for (o, &sum) in out.chunks_exact_mut(d).zip(&s.sum) {
+/// Divides each row of `out` (`[rows, d]`) by its softmax sum, plus its sink's weight
+/// (`sink(r)` for row `r`); a row that saw nothing is 0.
+pub fn finish(out: &mut [f32], d: usize, s: &TileScratch, sink: impl Fn(usize) -> Option<f32>) {
+    let rows = out.chunks_exact_mut(d).zip(s.sum.iter().zip(&s.max));
+    for (r, (o, (&sum, &max))) in rows.enumerate() {
         match sum {
             0.0 => o.fill(0.0),
-            sum => o.iter_mut().for_each(|x| *x /= sum),
+            sum => {
+                let sum = sum + sink_weight(sink(r), max);
+                o.iter_mut().for_each(|x| *x /= sum)
+            }
         }
     }
 }
 
 /// Combines the parts of one head split over key rows (each `accumulate`d into its
-/// scratch's `part`) into the normalized `out` (`[rows, d]`).
-pub fn merge(parts: &[TileScratch], d: usize, out: &mut [f32]) {
+/// scratch's `part`) into the normalized `out` (`[rows, d]`), row `r`'s sum counting its
+/// sink's weight (`sink(r)`).
+pub fn merge(
+    parts: &[TileScratch],
+    d: usize,
+    out: &mut [f32],
+    sink: impl Fn(usize) -> Option<f32>,
+) {
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
         let max = parts
             .iter()
@@ -843,7 +854,7 @@ pub fn merge(parts: &[TileScratch], d: usize, out: &mut [f32]) {
         if max == f32::NEG_INFINITY {
             continue;
         }
-        let mut sum = 0.0;
+        let mut sum = sink_weight(sink(r), max);
         for p in parts.iter().filter(|p| p.sum[r] > 0.0) {
             let w = fast_exp(p.max[r] - max);
             sum += p.sum[r] * w;
@@ -1200,27 +1211,44 @@ impl Split {
     }
 }
 
-/// `out = softmax(q·kᵀ·scale + mask)·v` over rows `[0, l)` on the tiled kernel at the first
-/// of `widths` that applies, split over the [`Workers`] pool when the call does at least
-/// `parallel_min` multiply-adds; q and out are `[Hq, T, D]`. False (nothing done) where no
-/// width applies.
-#[allow(clippy::too_many_arguments)]
+/// What an [`attend`] call computes: over rows `[0, l)`, under `mask`, scores times
+/// `scale`, a sink per query head where given, split over the [`Workers`] pool when it does
+/// at least `parallel_min` multiply-adds, within `arithmetic`.
+#[derive(Clone, Copy)]
+pub struct Call<'a> {
+    pub l: usize,
+    pub mask: AttendMask<'a>,
+    pub scale: f32,
+    pub sinks: Option<&'a [f32]>,
+    pub parallel_min: usize,
+    pub arithmetic: Arithmetic,
+}
+
+/// `out = softmax(q·kᵀ·scale + mask)·v` as `call` says, on the tiled kernel at the first of
+/// `widths` that applies; q and out are `[Hq, T, D]`. False (nothing done) where no width
+/// applies.
 pub fn attend(
     q: &CpuTensor,
     k: &CpuPool,
     v: &CpuPool,
-    l: usize,
-    mask: AttendMask<'_>,
-    scale: f32,
+    call: Call<'_>,
     out: &mut CpuTensor,
     tiles: &mut Vec<TileScratch>,
-    parallel_min: usize,
     widths: &[Width],
-    arithmetic: Arithmetic,
 ) -> bool {
+    let Call {
+        l,
+        mask,
+        scale,
+        sinks,
+        parallel_min,
+        arithmetic,
+    } = call;
     let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
     let hkv = k.heads;
     let rows = hq / hkv * t;
+    // Row r of KV head kh's block is query head kh·g + r / t.
+    let sink = |kh: usize, r: usize| sinks.map(|s| s[kh * (hq / hkv) + r / t]);
     let views = |kh: usize, w: Width| {
         HeadViews::new(k.head_rows(kh, k.cells), v.head_rows(kh, v.cells), d, w)
     };
@@ -1267,7 +1295,7 @@ pub fn attend(
             } else {
                 let o = outs.span(at, n);
                 views.accumulate(width, p, o, s);
-                finish(o, d, s);
+                finish(o, d, s, |r| sink(kh, first + r));
             }
         }
     };
@@ -1278,7 +1306,7 @@ pub fn attend(
     }
     if parts > 1 && matches!(split, Split::Keys(_)) {
         for (kh, o) in out.data.chunks_exact_mut(rows * d).enumerate() {
-            merge(&tiles[kh * parts..(kh + 1) * parts], d, o);
+            merge(&tiles[kh * parts..(kh + 1) * parts], d, o, |r| sink(kh, r));
         }
     }
     true

@@ -5,8 +5,9 @@
 //! checked on machines where they are not the default. Shapes are chosen to
 //! reach every split: 3 KV heads (the key rows of a decode step split over 2 threads and
 //! merged), query blocks long enough to split over query rows and to take the XNNPACK path,
-//! and explicit masks (two sequences in one step). Every kernel computes in f32 here (the
-//! int8-query scores of quantized caches are checked against the oracle by conformance).
+//! and explicit masks (two sequences in one step); each with and without attention sinks.
+//! Every kernel computes in f32 here (the int8-query scores of quantized caches are checked
+//! against the oracle by conformance).
 
 use std::sync::Arc;
 
@@ -41,8 +42,10 @@ fn tensor(h: usize, t: usize, salt: u32, amplitude: f32) -> CpuTensor {
 
 /// Attention outputs of: a 700-token prefill (causal), a decode step, then two sequences
 /// forked from the trunk taking 20 tokens each in one step (explicit mask, 40 query tokens)
-/// and one token each (explicit mask, 2 query tokens).
-fn outputs(dtype: KvDtype) -> Vec<Vec<f32>> {
+/// and one token each (explicit mask, 2 query tokens); with a sink per query head where
+/// given.
+fn outputs(dtype: KvDtype, sinks: Option<&[f32]>) -> Vec<Vec<f32>> {
+    let sinks = sinks.map(|s| CpuTensor::new(&[HQ], s.to_vec()));
     let cfg = make_config(
         &ModelCacheParams {
             n_layers: 1,
@@ -58,17 +61,18 @@ fn outputs(dtype: KvDtype) -> Vec<Vec<f32>> {
     let mut step = |c: &mut KitCache<CpuDevice>, seqs: &[i32], pos: &[i32], salt: u32| {
         let t = pos.len();
         let mut out = CpuTensor::zeros(&[HQ, t, D]);
-        c.begin_step(seqs).unwrap();
-        c.update_and_attend(
+        let mut step = c.step(pos, Some(seqs)).unwrap();
+        step.attend_sinks(
             0,
             &tensor(HQ, t, salt, Q_AMPLITUDE),
             &tensor(HKV, t, salt + 1, 1.0),
             &tensor(HKV, t, salt + 2, 1.0),
-            pos,
             1.0 / (D as f32).sqrt(),
+            sinks.as_ref(),
             &mut out,
         )
         .unwrap();
+        step.commit().unwrap();
         outs.push(out.data);
     };
     let trunk: Vec<i32> = (0..TRUNK as i32).collect();
@@ -93,13 +97,20 @@ fn every_kernel_gives_the_same_attention() {
     // D·eps·24 ≈ 9.2e-5; softmax turns score errors δ into relative weight errors ≤ 2δ
     // (plus 1e-6 from the exp), and an output is a weighted mean of values ≤ 1: kernels
     // may differ by 2·9.2e-5 + 1e-6.
+    // A sink only adds to a row's softmax sum (computed in f32 from an exact sink), which
+    // scales the output by at most one more relative f32 rounding of the sum.
     const TOL: f32 = 1.9e-4;
-    for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
+    // Sinks about the scores' size, the largest above most of them.
+    let sinks: Vec<f32> = (0..HQ).map(|h| h as f32 * 1.5 - 2.0).collect();
+    let cases = [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT]
+        .into_iter()
+        .flat_map(|d| [(d, None), (d, Some(&sinks[..]))]);
+    for (dtype, sinks) in cases {
         use_kernels_from(Kernel::TiledAvx512);
-        let want = outputs(dtype);
+        let want = outputs(dtype, sinks);
         for kernel in [Kernel::Tiled, Kernel::Xnnpack, Kernel::Rows] {
             use_kernels_from(kernel);
-            let got = outputs(dtype);
+            let got = outputs(dtype, sinks);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let worst = g
                     .iter()
@@ -108,7 +119,8 @@ fn every_kernel_gives_the_same_attention() {
                     .fold(0.0, f32::max);
                 assert!(
                     worst <= TOL,
-                    "{dtype} step {i}: {kernel:?} differs from the default kernel by {worst}"
+                    "{dtype} step {i}, sinks {sinks:?}: {kernel:?} differs from the default \
+                     kernel by {worst}"
                 );
             }
         }

@@ -366,7 +366,7 @@ impl<D: Device> KitCache<D> {
             ))
             .into());
         }
-        self.write_and_attend(layer, q, k, v, scale, out)?;
+        self.write_and_attend(layer, q, k, v, scale, None, out)?;
         self.next_layer += 1;
         Ok(())
     }
@@ -846,7 +846,8 @@ impl<D: Device> KitCache<D> {
     }
 
     /// Writes `k`/`v` (`[Hkv, T, D]`) for `layer` per the open step's plan, then attends `q`
-    /// (`[Hq, T, D]`) into `out`.
+    /// (`[Hq, T, D]`) into `out`, with `sinks` where given.
+    #[allow(clippy::too_many_arguments)]
     fn write_and_attend(
         &mut self,
         layer: usize,
@@ -854,6 +855,7 @@ impl<D: Device> KitCache<D> {
         k: &D::Tensor,
         v: &D::Tensor,
         scale: f32,
+        sinks: Option<&D::Tensor>,
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
         let plan = self
@@ -861,6 +863,11 @@ impl<D: Device> KitCache<D> {
             .step_plan()
             .expect("write_and_attend runs inside an open step");
         let (device, scratch, arithmetic) = (&self.device, &mut self.scratch, self.arithmetic);
+        let attend = |kp: &D::Pool, vp: &D::Pool, l, mask, out: &mut D::Tensor, scratch| match sinks
+        {
+            None => device.attend(arithmetic, q, kp, vp, l, mask, scale, out, scratch),
+            Some(s) => device.attend_sinks(arithmetic, q, kp, vp, l, mask, scale, s, out, scratch),
+        };
         let i = match self.place[layer] {
             Place::Full(i) => i,
             Place::Conv(_) | Place::Delta => return Err(conv_layer_attended(layer).into()),
@@ -874,7 +881,7 @@ impl<D: Device> KitCache<D> {
                 device.scatter_rows(vp, g.map.write_slots(), v)?;
                 let mask = AttendMask::Explicit(g.map.mask());
                 let l = g.map.read_len();
-                return device.attend(arithmetic, q, kp, vp, l, mask, scale, out, scratch);
+                return attend(kp, vp, l, mask, out, scratch);
             }
         };
         let (kp, vp) = (&mut self.k[i], &mut self.v[i]);
@@ -893,8 +900,7 @@ impl<D: Device> KitCache<D> {
             MaskKind::Causal => AttendMask::Causal,
             MaskKind::Explicit => AttendMask::Explicit(&plan.mask_bits),
         };
-        let l = plan.read_len;
-        device.attend(arithmetic, q, kp, vp, l, mask, scale, out, scratch)
+        attend(kp, vp, plan.read_len, mask, out, scratch)
     }
 
     /// Makes the open step's convolution taps (`[T, width]`) unless made: for each token,
@@ -1082,7 +1088,6 @@ impl<D: Device> Step<'_, D> {
 
     /// Writes `k`/`v` (`[Hkv, T, D]`) of the next layer, `layer`, and attends `q` (`[Hq, T, D]`)
     /// into `out`. Layers go in order `0..n_layers`, once each.
-    #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &mut self,
         layer: usize,
@@ -1092,10 +1097,36 @@ impl<D: Device> Step<'_, D> {
         scale: f32,
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
+        self.attend_sinks(layer, q, k, v, scale, None, out)
+    }
+
+    /// [`Step::attend`] with a sink per query head where `sinks` is given
+    /// ([`Device::attend_sinks`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_sinks(
+        &mut self,
+        layer: usize,
+        q: &D::Tensor,
+        k: &D::Tensor,
+        v: &D::Tensor,
+        scale: f32,
+        sinks: Option<&D::Tensor>,
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
         self.expect_layer(layer)?;
         let t = self.plan().n_tok;
         self.cache.check_shapes(layer, q, k, v, t, out)?;
-        self.cache.write_and_attend(layer, q, k, v, scale, out)?;
+        let device = &self.cache.device;
+        if let Some(s) = sinks.filter(|s| device.dims(s) != [device.dims(q)[0]]) {
+            return Err(CacheError::bad_shape(format!(
+                "sinks of shape {:?} for {} query heads",
+                device.dims(s),
+                device.dims(q)[0]
+            ))
+            .into());
+        }
+        self.cache
+            .write_and_attend(layer, q, k, v, scale, sinks, out)?;
         self.next_layer += 1;
         Ok(())
     }

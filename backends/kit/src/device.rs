@@ -117,6 +117,32 @@ pub trait Device: Send + Sync + Sized + 'static {
         scratch: &mut Self::Scratch,
     ) -> Result<(), KitError>;
 
+    /// [`Device::attend`] with a learned sink per query head (GPT-OSS's `attn_sinks`):
+    /// row `i` of query head `h` divides by `Σ_j e^{s_j} + e^{sinks[h]}`, as if one more key
+    /// of score `sinks[h]` (not scaled) and value zero were visible
+    /// ([`kvplug_core::oracle::attend_sinks`]); a row that sees no key still reads zeros.
+    /// `sinks` is `[Hq]` (a model's weights, uploaded once).
+    /// A backend that computes it lists `attention-sinks` in its
+    /// [`Backend::features`]; the default refuses.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_sinks(
+        &self,
+        _arithmetic: Arithmetic,
+        _q: &Self::Tensor,
+        _k: &Self::Pool,
+        _v: &Self::Pool,
+        _read_len: usize,
+        _mask: AttendMask<'_>,
+        _scale: f32,
+        _sinks: &Self::Tensor,
+        _out: &mut Self::Tensor,
+        _scratch: &mut Self::Scratch,
+    ) -> Result<(), KitError> {
+        Err(KitError::Device(
+            "this backend has no attention sinks (models such as GPT-OSS need them)".into(),
+        ))
+    }
+
     /// One causal depthwise convolution step per token over rows of an f32 pool of one head
     /// (`channels` values a row): `out[t][c] = Σ_j kernel[c][j] · row(taps[t·width + j])[c]`,
     /// `j` ascending from the oldest tap to the token's own row; a tap of [`NO_CELL`] reads

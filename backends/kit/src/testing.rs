@@ -119,6 +119,24 @@ impl<D: Device> Device for Faulty<D> {
         self.inner
             .attend(arithmetic, q, k, v, read_len, mask, scale, out, scratch)
     }
+    fn attend_sinks(
+        &self,
+        arithmetic: Arithmetic,
+        q: &D::Tensor,
+        k: &D::Pool,
+        v: &D::Pool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        sinks: &D::Tensor,
+        out: &mut D::Tensor,
+        scratch: &mut D::Scratch,
+    ) -> Result<(), KitError> {
+        self.tick()?;
+        self.inner.attend_sinks(
+            arithmetic, q, k, v, read_len, mask, scale, sinks, out, scratch,
+        )
+    }
     fn short_conv(
         &self,
         pool: &D::Pool,
@@ -355,9 +373,9 @@ pub fn check_pool_growth<D2: Device>(device: D2) {
 /// `attend` on `device`, for every dtype it lists and every arithmetic it declares for it,
 /// against the oracle's f64 attention and that arithmetic's bound: no mask, the causal mask,
 /// an explicit mask, and a query whose mask row is all false, which must read exactly zeros
-/// (never NaN).
+/// (never NaN); each also through `attend_sinks` with a sink per query head.
 pub fn check_attend_masks<D2: Device>(device: D2) {
-    use kvplug_core::oracle::{attend, RefMask};
+    use kvplug_core::oracle::{attend_sinks, RefMask};
     let dev = device;
     let (t, l) = (3, 9);
     let q = values(HQ, t, 31);
@@ -389,7 +407,7 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
         if !arithmetics.contains(&Arithmetic::F32) {
             arithmetics.push(Arithmetic::F32);
         }
-        for ((name, mask, refmask), arithmetic) in [
+        for (((name, mask, refmask), arithmetic), with_sinks) in [
             ("no", AttendMask::None, RefMask::None),
             ("causal", AttendMask::Causal, RefMask::Causal),
             (
@@ -400,20 +418,38 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
         ]
         .into_iter()
         .flat_map(|m| arithmetics.iter().map(move |&a| (m, a)))
+        .flat_map(|c| [(c, false), (c, true)])
         {
+            // Sinks about the scores' size, one below and one above them.
+            let sinks: Vec<f32> = (0..HQ).map(|h| h as f32 * 0.75 - 0.5).collect();
             let mut out = dev.zeros(&[HQ, t, D]).unwrap();
             let mut scratch = D2::Scratch::default();
-            dev.attend(
-                arithmetic,
-                &up(&q, HQ, t),
-                &kp,
-                &vp,
-                l,
-                mask,
-                scale,
-                &mut out,
-                &mut scratch,
-            )
+            let qt = up(&q, HQ, t);
+            match with_sinks {
+                false => dev.attend(
+                    arithmetic,
+                    &qt,
+                    &kp,
+                    &vp,
+                    l,
+                    mask,
+                    scale,
+                    &mut out,
+                    &mut scratch,
+                ),
+                true => dev.attend_sinks(
+                    arithmetic,
+                    &qt,
+                    &kp,
+                    &vp,
+                    l,
+                    mask,
+                    scale,
+                    &dev.upload(&HostTensor::from_f32(&[HQ], &sinks)).unwrap(),
+                    &mut out,
+                    &mut scratch,
+                ),
+            }
             .unwrap();
             let got = dev
                 .download(&out, TensorDtype::F32)
@@ -428,9 +464,21 @@ pub fn check_attend_masks<D2: Device>(device: D2) {
                 head_dim: D,
             };
             let (ks, vs) = (stored(&k), stored(&v));
-            let want = attend(dims, &wide, &ks, &vs, scale as f64, refmask, arithmetic);
+            let wide_sinks: Vec<f64> = sinks.iter().map(|&s| s as f64).collect();
+            let sinks = with_sinks.then_some(&wide_sinks[..]);
+            let want = attend_sinks(
+                dims,
+                &wide,
+                &ks,
+                &vs,
+                scale as f64,
+                refmask,
+                arithmetic,
+                sinks,
+            );
+            let sinks = if with_sinks { ", sinks" } else { "" };
             assert_within_bound(
-                &format!("{dtype} {arithmetic} {name} mask"),
+                &format!("{dtype} {arithmetic} {name} mask{sinks}"),
                 &got,
                 &want,
                 dims,

@@ -215,7 +215,8 @@ QuantRows quantize(const Array& x, int32_t bits, int32_t group) {
 
 std::unique_ptr<Array> attend(const Array& q, const Array& k, const Array& v,
                               int32_t read_len, uint8_t mask_kind,
-                              rust::Slice<const uint8_t> mask, float scale) {
+                              rust::Slice<const uint8_t> mask, float scale,
+                              const Array& sinks, bool has_sinks) {
   int hq = q.a.shape(0), t = q.a.shape(1), d = q.a.shape(2);
   int hkv = k.a.shape(0);
   auto window = [&](const mx::array& pool) {
@@ -231,7 +232,12 @@ std::unique_ptr<Array> attend(const Array& q, const Array& k, const Array& v,
     mode = "array";
     m = mask_array(mask_kind, mask, t, read_len);
   }
-  auto o = mx::fast::scaled_dot_product_attention(q4, window(k.a), window(v.a), scale, mode, m);
+  std::optional<mx::array> sink;
+  if (has_sinks) {
+    sink = sinks.a;
+  }
+  auto o = mx::fast::scaled_dot_product_attention(q4, window(k.a), window(v.a), scale, mode, m,
+                                                  sink);
   o = zero_unseeing(mx::reshape(o, {hq, t, d}), m);
   return wrap(mx::astype(o, mx::float32));
 }
@@ -242,7 +248,8 @@ std::unique_ptr<Array> attend_quant(const Array& q, const Array& k_codes,
                                     const Array& v_los, int32_t read_len,
                                     uint8_t mask_kind,
                                     rust::Slice<const uint8_t> mask, float scale,
-                                    int32_t bits, int32_t group) {
+                                    int32_t bits, int32_t group, const Array& sinks,
+                                    bool has_sinks) {
   // Per KV head (a head's window is one contiguous block, so MLX reads it without a copy):
   // scores, a masked softmax, the product with V. With a group MLX's quantized_matmul
   // supports, both products run on the codes (dequantization fused into the dot); other
@@ -270,7 +277,15 @@ std::unique_ptr<Array> attend_quant(const Array& q, const Array& k_codes,
     if (allowed) {
       s = mx::where(*allowed, s, mx::array(-std::numeric_limits<float>::infinity()));
     }
-    auto p = mx::reshape(mx::softmax(s, -1, true), {g * t, l});
+    if (has_sinks) {
+      // One more score per row, the head's sink (value zero: its column is dropped).
+      auto sink = mx::reshape(mx::slice(sinks.a, {h * g}, {(h + 1) * g}), {g, 1, 1});
+      s = mx::concatenate({s, mx::broadcast_to(sink, {g, t, 1})}, -1);
+      s = mx::slice(mx::softmax(s, -1, true), {0, 0, 0}, {g, t, l});
+    } else {
+      s = mx::softmax(s, -1, true);
+    }
+    auto p = mx::reshape(s, {g * t, l});
     auto o = product(p, v_codes, v_scales, v_los, h, false);
     heads.push_back(zero_unseeing(mx::reshape(o, {g, t, d}), allowed));
   }

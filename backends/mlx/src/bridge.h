@@ -43,14 +43,16 @@ std::unique_ptr<Array> regrown(const Array& src, int32_t cells, int32_t keep);
 QuantRows quantize(const Array& x, int32_t bits, int32_t group);
 std::unique_ptr<Array> attend(const Array& q, const Array& k, const Array& v,
                               int32_t read_len, uint8_t mask_kind,
-                              rust::Slice<const uint8_t> mask, float scale);
+                              rust::Slice<const uint8_t> mask, float scale,
+                              const Array& sinks, bool has_sinks);
 std::unique_ptr<Array> attend_quant(const Array& q, const Array& k_codes,
                                     const Array& k_scales, const Array& k_los,
                                     const Array& v_codes, const Array& v_scales,
                                     const Array& v_los, int32_t read_len,
                                     uint8_t mask_kind,
                                     rust::Slice<const uint8_t> mask, float scale,
-                                    int32_t bits, int32_t group);
+                                    int32_t bits, int32_t group, const Array& sinks,
+                                    bool has_sinks);
 
 // Model graph operations on f32 activations.
 std::unique_ptr<Array> embed(const Array& table, rust::Slice<const int32_t> ids);

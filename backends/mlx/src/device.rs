@@ -318,39 +318,30 @@ impl Device for MlxDevice {
         out: &mut MlxTensor,
         _scratch: &mut (),
     ) -> Result<(), KitError> {
-        let _g = self.enter()?;
-        let (kind, bits): (u8, &[u8]) = match mask {
-            AttendMask::None => (0, &[]),
-            AttendMask::Causal => (1, &[]),
-            // SAFETY: bool is one byte holding 0 or 1.
-            AttendMask::Explicit(m) => (2, unsafe {
-                std::slice::from_raw_parts(m.as_ptr().cast::<u8>(), m.len())
-            }),
-        };
-        let l = read_len as i32;
-        out.a = match k.dtype.quant() {
-            None => ffi::attend(&q.a, &k.parts[0], &v.parts[0], l, kind, bits, scale),
-            Some((b, group)) => {
-                let (kp, vp) = (&k.parts, &v.parts);
-                ffi::attend_quant(
-                    &q.a,
-                    &kp[0],
-                    &kp[1],
-                    &kp[2],
-                    &vp[0],
-                    &vp[1],
-                    &vp[2],
-                    l,
-                    kind,
-                    bits,
-                    scale,
-                    b as i32,
-                    group as i32,
-                )
-            }
+        self.attention(q, k, v, (read_len, mask, scale, None), out)
+    }
+
+    fn attend_sinks(
+        &self,
+        _arithmetic: Arithmetic,
+        q: &MlxTensor,
+        k: &MlxPool,
+        v: &MlxPool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        sinks: &MlxTensor,
+        out: &mut MlxTensor,
+        _scratch: &mut (),
+    ) -> Result<(), KitError> {
+        if sinks.dims != [q.dims[0]] {
+            return Err(CacheError::bad_shape(format!(
+                "sinks of shape {:?} for {} query heads",
+                sinks.dims, q.dims[0]
+            ))
+            .into());
         }
-        .map_err(err)?;
-        Ok(())
+        self.attention(q, k, v, (read_len, mask, scale, Some(sinks)), out)
     }
 
     fn zeros(&self, dims: &[usize]) -> Result<MlxTensor, KitError> {
@@ -409,8 +400,73 @@ impl Backend for MlxDevice {
     }
 
     fn features(&self) -> Vec<String> {
-        kvplug_backend_kit::model::blocks::weights_features(crate::model::widened(
+        let mut f = kvplug_backend_kit::model::blocks::weights_features(crate::model::widened(
             self.quantized_weights,
-        ))
+        ));
+        f.push("attention-sinks".into());
+        f
+    }
+}
+
+impl MlxDevice {
+    /// [`Device::attend`], with the sinks of [`Device::attend_sinks`] where given: `call`
+    /// is (read_len, mask, scale, sinks).
+    #[allow(clippy::type_complexity)]
+    fn attention(
+        &self,
+        q: &MlxTensor,
+        k: &MlxPool,
+        v: &MlxPool,
+        call: (usize, AttendMask<'_>, f32, Option<&MlxTensor>),
+        out: &mut MlxTensor,
+    ) -> Result<(), KitError> {
+        let (read_len, mask, scale, sinks) = call;
+        let _g = self.enter()?;
+        // Without sinks the bridge is handed q and told there are none.
+        let (sink, has) = (sinks.map_or(&q.a, |s| &s.a), sinks.is_some());
+        let (kind, bits): (u8, &[u8]) = match mask {
+            AttendMask::None => (0, &[]),
+            AttendMask::Causal => (1, &[]),
+            // SAFETY: bool is one byte holding 0 or 1.
+            AttendMask::Explicit(m) => (2, unsafe {
+                std::slice::from_raw_parts(m.as_ptr().cast::<u8>(), m.len())
+            }),
+        };
+        let l = read_len as i32;
+        out.a = match k.dtype.quant() {
+            None => ffi::attend(
+                &q.a,
+                &k.parts[0],
+                &v.parts[0],
+                l,
+                kind,
+                bits,
+                scale,
+                sink,
+                has,
+            ),
+            Some((b, group)) => {
+                let (kp, vp) = (&k.parts, &v.parts);
+                ffi::attend_quant(
+                    &q.a,
+                    &kp[0],
+                    &kp[1],
+                    &kp[2],
+                    &vp[0],
+                    &vp[1],
+                    &vp[2],
+                    l,
+                    kind,
+                    bits,
+                    scale,
+                    b as i32,
+                    group as i32,
+                    sink,
+                    has,
+                )
+            }
+        }
+        .map_err(err)?;
+        Ok(())
     }
 }

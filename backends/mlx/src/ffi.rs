@@ -50,6 +50,8 @@ mod bridge {
             mask_kind: u8,
             mask: &[u8],
             scale: f32,
+            sinks: &Array,
+            has_sinks: bool,
         ) -> Result<UniquePtr<Array>>;
         #[allow(clippy::too_many_arguments)]
         fn attend_quant(
@@ -66,6 +68,8 @@ mod bridge {
             scale: f32,
             bits: i32,
             group: i32,
+            sinks: &Array,
+            has_sinks: bool,
         ) -> Result<UniquePtr<Array>>;
 
         fn embed(table: &Array, ids: &[i32]) -> Result<UniquePtr<Array>>;

@@ -68,8 +68,8 @@ pub enum Bind<'a> {
     Unused,
 }
 
-/// The most storage bindings of any module (attention's seven).
-const MAX_STORAGE_SLOTS: usize = 7;
+/// The most storage bindings of any module (attention's eight).
+const MAX_STORAGE_SLOTS: usize = 8;
 
 /// A cached bind group: its layout and the buffers of its storage slots (the uniform slot is
 /// always the ring). Holding the buffers keeps their addresses, the key's identity, unique.
@@ -443,7 +443,7 @@ impl Context {
                 (
                     size_of::<crate::AttnParams>(),
                     &[
-                        Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite, ReadWrite,
+                        Uniform, Read, Read, Read, Read, ReadWrite, ReadWrite, ReadWrite, Read,
                     ],
                 ),
                 ATTENTION_ENTRIES,

@@ -137,7 +137,8 @@ pub(crate) struct AttnParams {
     rows_per_y: u32,
     /// 1: scores in the int8-query arithmetic.
     int8: u32,
-    pad: u32,
+    /// 1: a sink per query head is bound.
+    sinks: u32,
 }
 
 const MAX_DISPATCH: u32 = 65535;
@@ -420,6 +421,83 @@ impl Device for WgpuDevice {
         out: &mut WgpuTensor,
         scratch: &mut WgpuScratch,
     ) -> Result<(), KitError> {
+        let call = (arithmetic, read_len, mask, scale, None);
+        self.attention(q, k, v, call, out, scratch)
+    }
+
+    fn attend_sinks(
+        &self,
+        arithmetic: Arithmetic,
+        q: &WgpuTensor,
+        k: &WgpuPool,
+        v: &WgpuPool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        sinks: &WgpuTensor,
+        out: &mut WgpuTensor,
+        scratch: &mut WgpuScratch,
+    ) -> Result<(), KitError> {
+        if sinks.dims != [q.dims[0]] {
+            return Err(CacheError::bad_shape(format!(
+                "sinks of shape {:?} for {} query heads",
+                sinks.dims, q.dims[0]
+            ))
+            .into());
+        }
+        let call = (arithmetic, read_len, mask, scale, Some(sinks));
+        self.attention(q, k, v, call, out, scratch)
+    }
+
+    fn zeros(&self, dims: &[usize]) -> Result<WgpuTensor, KitError> {
+        Ok(WgpuTensor {
+            buf: self
+                .ctx
+                .storage("tensor", (dims.iter().product::<usize>() * 4) as u64),
+            dims: dims.to_vec(),
+        })
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<WgpuTensor, KitError> {
+        let data = t.to_f32().ok_or_else(|| {
+            CacheError::bad_shape(format!(
+                "cannot upload a {} tensor as activations",
+                t.dtype.as_str()
+            ))
+        })?;
+        Ok(WgpuTensor {
+            buf: self.ctx.buffer_with(
+                "tensor",
+                bytemuck::cast_slice(&data),
+                BufferUsages::STORAGE | BufferUsages::COPY_SRC,
+            ),
+            dims: t.dims(),
+        })
+    }
+
+    fn download(&self, t: &WgpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
+        let n = t.dims.iter().product::<usize>();
+        let bytes = self.ctx.read(&t.buf, (n * 4) as u64).map_err(device_err)?;
+        let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+        HostTensor::encode_f32(&t.dims, &data, dtype)
+            .ok_or_else(|| CacheError::bad_shape("cannot download activations as i32").into())
+    }
+}
+
+impl WgpuDevice {
+    /// [`Device::attend`], with the sinks of [`Device::attend_sinks`] where given: `call` is
+    /// (arithmetic, read_len, mask, scale, sinks).
+    #[allow(clippy::type_complexity)]
+    fn attention(
+        &self,
+        q: &WgpuTensor,
+        k: &WgpuPool,
+        v: &WgpuPool,
+        call: (Arithmetic, usize, AttendMask<'_>, f32, Option<&WgpuTensor>),
+        out: &mut WgpuTensor,
+        scratch: &mut WgpuScratch,
+    ) -> Result<(), KitError> {
+        let (arithmetic, read_len, mask, scale, sinks) = call;
         let (hq, t, d, l) = (q.dims[0], q.dims[1], q.dims[2], read_len);
         if t > MAX_DISPATCH as usize {
             return Err(device_err(format!(
@@ -484,7 +562,7 @@ impl Device for WgpuDevice {
                 scale,
                 rows_per_y: sx,
                 int8: int8 as u32,
-                pad: 0,
+                sinks: sinks.is_some() as u32,
             };
             let score_grid = [(l as u32).div_ceil(64), t as u32, nheads as u32];
             let all = [
@@ -510,45 +588,14 @@ impl Device for WgpuDevice {
                     Bind::Buffer(scores),
                     Bind::Buffer(&out.buf),
                     qcodes,
+                    // Without sinks the slot holds q (read, as slot 1 does; the shared unused
+                    // buffer is qcodes', read-write): the shader does not read it.
+                    Bind::Buffer(sinks.map_or(&q.buf, |s| &s.buf)),
                 ],
                 passes,
             );
         }
         Ok(())
-    }
-
-    fn zeros(&self, dims: &[usize]) -> Result<WgpuTensor, KitError> {
-        Ok(WgpuTensor {
-            buf: self
-                .ctx
-                .storage("tensor", (dims.iter().product::<usize>() * 4) as u64),
-            dims: dims.to_vec(),
-        })
-    }
-
-    fn upload(&self, t: &HostTensor) -> Result<WgpuTensor, KitError> {
-        let data = t.to_f32().ok_or_else(|| {
-            CacheError::bad_shape(format!(
-                "cannot upload a {} tensor as activations",
-                t.dtype.as_str()
-            ))
-        })?;
-        Ok(WgpuTensor {
-            buf: self.ctx.buffer_with(
-                "tensor",
-                bytemuck::cast_slice(&data),
-                BufferUsages::STORAGE | BufferUsages::COPY_SRC,
-            ),
-            dims: t.dims(),
-        })
-    }
-
-    fn download(&self, t: &WgpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
-        let n = t.dims.iter().product::<usize>();
-        let bytes = self.ctx.read(&t.buf, (n * 4) as u64).map_err(device_err)?;
-        let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-        HostTensor::encode_f32(&t.dims, &data, dtype)
-            .ok_or_else(|| CacheError::bad_shape("cannot download activations as i32").into())
     }
 }
 
@@ -575,6 +622,7 @@ impl Backend for WgpuDevice {
             f.push("shader-f16-available".into());
         }
         f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
+        f.push("attention-sinks".into());
         f
     }
 }

@@ -102,6 +102,25 @@ pub fn attend(
     mask: RefMask,
     arithmetic: Arithmetic,
 ) -> Attention {
+    attend_sinks(dims, q, k, v, scale, mask, arithmetic, None)
+}
+
+/// [`attend`] with a learned sink per query head (GPT-OSS's `attn_sinks`): the softmax of
+/// query head `h` also counts a key of score `sinks[h]` (not scaled) and value zero, so
+/// `out = Σ_j e^{s_j}·v_j / (Σ_j e^{s_j} + e^{sinks[h]})`. The sink enters the bound as one
+/// more weight whose score has no rounding (it is given) and whose value is 0; a query that
+/// sees no key still reads zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_sinks(
+    dims: AttnDims,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    scale: f64,
+    mask: RefMask,
+    arithmetic: Arithmetic,
+    sinks: Option<&[f64]>,
+) -> Attention {
     let AttnDims {
         n_q_heads,
         n_kv_heads,
@@ -113,6 +132,10 @@ pub fn attend(
     assert_eq!(k.len(), n_kv_heads * l * d, "k shape");
     assert_eq!(v.len(), n_kv_heads * l * d, "v shape");
     assert_eq!(n_q_heads % n_kv_heads, 0, "GQA group");
+    assert!(
+        sinks.is_none_or(|s| s.len() == n_q_heads),
+        "a sink per query head"
+    );
     let u = F32_UNIT_ROUNDOFF;
     let group = n_q_heads / n_kv_heads;
     let mut out = vec![0.0; n_q_heads * t * d];
@@ -125,8 +148,8 @@ pub fn attend(
                 Arithmetic::F32 => None,
                 Arithmetic::Int8Query => Some(int8_half_steps(qrow)),
             };
-            // (key, score, Σ|q·k|) of every visible key.
-            let scores: Vec<(usize, f64, f64)> = (0..l)
+            // (key, score, its error) of every visible key, then the sink (no key: value 0).
+            let mut scores: Vec<(Option<usize>, f64, f64)> = (0..l)
                 .filter(|&j| mask.visible(i, j, t, l))
                 .map(|j| {
                     let krow = &k[(kh * l + j) * d..][..d];
@@ -138,9 +161,15 @@ pub fn attend(
                         }
                         Some(h) => int8_query_score_error(qrow, h, krow) * scale.abs(),
                     };
-                    (j, dot * scale, err)
+                    (Some(j), dot * scale, err)
                 })
                 .collect();
+            if scores.is_empty() {
+                continue;
+            }
+            if let Some(s) = sinks {
+                scores.push((None, s[h], 0.0));
+            }
             let Some(max) = scores.iter().map(|s| s.1).reduce(f64::max) else {
                 continue;
             };
@@ -158,7 +187,7 @@ pub fn attend(
             let sum_gamma = gamma(scores.len() + 4);
             let row = (h * t + i) * d;
             for e in 0..d {
-                let vs = |j: usize| v[(kh * l + j) * d + e];
+                let vs = |j: Option<usize>| j.map_or(0.0, |j| v[(kh * l + j) * d + e]);
                 let o: f64 = scores
                     .iter()
                     .zip(&weights)

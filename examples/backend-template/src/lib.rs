@@ -215,53 +215,30 @@ impl Device for TemplateDevice {
         out: &mut Tensor,
         scores: &mut Vec<f32>,
     ) -> Result<(), KitError> {
-        let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
-        let group = hq / k.heads;
-        let (mut key, mut value) = (vec![0.0; d], vec![0.0; d]);
-        for h in 0..hq {
-            let kh = h / group;
-            for i in 0..t {
-                let query = &q.data[(h * t + i) * d..][..d];
-                let o = &mut out.data[(h * t + i) * d..][..d];
-                o.fill(0.0);
-                // Scores of the keys query i sees (lower-right aligned for Causal).
-                scores.clear();
-                for j in 0..read_len {
-                    let sees = match mask {
-                        AttendMask::None => true,
-                        AttendMask::Causal => j + t <= read_len + i,
-                        AttendMask::Explicit(m) => m[i * read_len + j],
-                    };
-                    if sees {
-                        k.load(kh, j, &mut key);
-                        let dot: f32 = query.iter().zip(&key).map(|(a, b)| a * b).sum();
-                        scores.push(dot * scale);
-                    } else {
-                        scores.push(f32::NEG_INFINITY);
-                    }
-                }
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                if max == f32::NEG_INFINITY {
-                    continue; // A query that sees no key reads zeros.
-                }
-                let mut total = 0.0;
-                for (j, s) in scores.iter().enumerate() {
-                    if *s == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let w = (s - max).exp();
-                    total += w;
-                    v.load(kh, j, &mut value);
-                    for (o, x) in o.iter_mut().zip(&value) {
-                        *o += w * x;
-                    }
-                }
-                for o in o.iter_mut() {
-                    *o /= total;
-                }
-            }
+        attend(q, k, v, read_len, mask, scale, None, out, scores)
+    }
+
+    fn attend_sinks(
+        &self,
+        _arithmetic: Arithmetic,
+        q: &Tensor,
+        k: &Pool,
+        v: &Pool,
+        read_len: usize,
+        mask: AttendMask<'_>,
+        scale: f32,
+        sinks: &Tensor,
+        out: &mut Tensor,
+        scores: &mut Vec<f32>,
+    ) -> Result<(), KitError> {
+        if sinks.data.len() != q.dims[0] {
+            return Err(KitError::Device(format!(
+                "{} sinks for {} query heads",
+                sinks.data.len(),
+                q.dims[0]
+            )));
         }
-        Ok(())
+        attend(q, k, v, read_len, mask, scale, Some(&sinks.data), out, scores)
     }
 
     fn upload(&self, t: &HostTensor) -> Result<Tensor, KitError> {
@@ -294,8 +271,75 @@ impl Backend for TemplateDevice {
 
     /// Every stored weight dtype, block formats widened at load.
     fn features(&self) -> Vec<String> {
-        weights_features(&BLOCK_FORMATS)
+        let mut f = weights_features(&BLOCK_FORMATS);
+        f.push("attention-sinks".into());
+        f
     }
 }
 
 kvplug_backend_kit::export_backend!(TemplateDevice, models);
+
+/// `out = softmax(q·kᵀ·scale + mask)·v`, each row's softmax sum also counting
+/// `e^{sinks[h]}` for its query head `h` where sinks are given; a query that sees no key
+/// reads zeros.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &Tensor,
+    k: &Pool,
+    v: &Pool,
+    read_len: usize,
+    mask: AttendMask<'_>,
+    scale: f32,
+    sinks: Option<&[f32]>,
+    out: &mut Tensor,
+    scores: &mut Vec<f32>,
+) -> Result<(), KitError> {
+    let (hq, t, d) = (q.dims[0], q.dims[1], q.dims[2]);
+    let group = hq / k.heads;
+    let (mut key, mut value) = (vec![0.0; d], vec![0.0; d]);
+    for h in 0..hq {
+        let kh = h / group;
+        for i in 0..t {
+            let query = &q.data[(h * t + i) * d..][..d];
+            let o = &mut out.data[(h * t + i) * d..][..d];
+            o.fill(0.0);
+            // Scores of the keys query i sees (lower-right aligned for Causal).
+            scores.clear();
+            for j in 0..read_len {
+                let sees = match mask {
+                    AttendMask::None => true,
+                    AttendMask::Causal => j + t <= read_len + i,
+                    AttendMask::Explicit(m) => m[i * read_len + j],
+                };
+                if sees {
+                    k.load(kh, j, &mut key);
+                    let dot: f32 = query.iter().zip(&key).map(|(a, b)| a * b).sum();
+                    scores.push(dot * scale);
+                } else {
+                    scores.push(f32::NEG_INFINITY);
+                }
+            }
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if max == f32::NEG_INFINITY {
+                continue; // A query that sees no key reads zeros.
+            }
+            // A sink is one more weight, of a value that is zero.
+            let mut total = sinks.map_or(0.0, |s| (s[h] - max).exp());
+            for (j, s) in scores.iter().enumerate() {
+                if *s == f32::NEG_INFINITY {
+                    continue;
+                }
+                let w = (s - max).exp();
+                total += w;
+                v.load(kh, j, &mut value);
+                for (o, x) in o.iter_mut().zip(&value) {
+                    *o += w * x;
+                }
+            }
+            for o in o.iter_mut() {
+                *o /= total;
+            }
+        }
+    }
+    Ok(())
+}

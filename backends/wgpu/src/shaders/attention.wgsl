@@ -1,7 +1,8 @@
 // Attention over one layer's K/V pools, in three passes sharing one bind group:
 //   scores_main  : s[hh, i, j] = scale · q[h, i] · K[kh, j]   (masked entries get NEG)
 //                  (in the int8-query arithmetic on q8/q4 keys, after quantize_main)
-//   softmax_main : row-wise stable softmax of s in place        (masked entries become 0)
+//   softmax_main : row-wise stable softmax of s in place        (masked entries become 0;
+//                  with sinks, each row's sum also counts e^{sink} of its query head)
 //   output_main  : out[h, i, dd] = Σ_j s[hh, i, j] · V[kh, j, dd]
 // Pools are u32 words, row-major [heads, cells, row_words]; element decoding in decode().
 
@@ -9,7 +10,7 @@ struct Params {
     hq: u32, hkv: u32, t: u32, l: u32,
     d: u32, cells: u32, row_words: u32, dtype: u32,   // dtype: 0 f32, 1 f16, 2 bf16, 3 q8, 4 q4
     group: u32, mask_kind: u32, head0: u32, nheads: u32, // mask_kind: 0 none, 1 causal, 2 explicit
-    scale: f32, rows_per_y: u32, int8: u32, pad: u32,    // int8: 1 for int8-query scores
+    scale: f32, rows_per_y: u32, int8: u32, sinks: u32, // int8: int8-query scores; sinks: 1 when bound
 }
 
 const NEG: f32 = -3.0e38;
@@ -23,6 +24,8 @@ const NEG: f32 = -3.0e38;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 // int8-query only: per query row, QCODE_WORDS(d) words (see quantize_main).
 @group(0) @binding(7) var<storage, read_write> qcodes: array<u32>;
+// With p.sinks: a sink per query head (all Hq of them).
+@group(0) @binding(8) var<storage, read> sinkv: array<f32>;
 
 fn code_word(dd: u32) -> u32 {
     switch p.dtype {
@@ -239,7 +242,10 @@ fn softmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         if lid < s { red[lid] = red[lid] + red[lid + s]; }
         workgroupBarrier();
     }
-    let total = red[0];
+    var total = red[0];
+    if p.sinks != 0u && total > 0.0 {
+        total += exp(sinkv[p.head0 + r / p.t] - mx);
+    }
     for (var j = lid; j < p.l; j += 64u) {
         let v = scores[base + j];
         var pr = 0.0;
