@@ -28,10 +28,11 @@ impl From<ModelError> for CacheError {
     }
 }
 
-/// `rope_scaling`: Llama 3's, or linear (position interpolation, Gemma 3's global layers).
+/// `rope_scaling`: Llama 3's, linear (position interpolation, Gemma 3's global layers), or
+/// YaRN (GPT-OSS).
 #[derive(Clone, Debug, serde::Deserialize)]
 pub struct RopeScaling {
-    /// `llama3` or `linear` (others are rejected).
+    /// `llama3`, `linear` or `yarn` (others are rejected).
     #[serde(alias = "type")]
     pub rope_type: String,
     /// Frequency division factor.
@@ -46,6 +47,23 @@ pub struct RopeScaling {
     /// Context length the frequencies were trained for.
     #[serde(default = "ctx")]
     pub original_max_position_embeddings: f64,
+    /// YaRN: rotations per original context above which a pair keeps its frequency.
+    #[serde(default = "thirty_two")]
+    pub beta_fast: f64,
+    /// YaRN: rotations per original context below which a pair's frequency is divided.
+    #[serde(default = "one")]
+    pub beta_slow: f64,
+    /// YaRN: whether the ramp's ends are rounded to whole pairs (llama.cpp always does; a
+    /// GGUF's model follows it).
+    #[serde(default = "yes")]
+    pub truncate: bool,
+}
+
+fn thirty_two() -> f64 {
+    32.0
+}
+fn yes() -> bool {
+    true
 }
 
 fn one() -> f64 {
@@ -77,6 +95,11 @@ pub enum Arch {
     /// LFM2: a hybrid whose layers are short convolutions (`conv`) or GQA attention with
     /// per-head q/k norms, each followed by a SiLU MLP; Hugging Face's LFM2 tensor names.
     Lfm2,
+    /// GPT-OSS: attention with biases, a learned sink per head and YaRN rotary, sliding
+    /// (128) and full layers alternating, a mixture of biased experts with a clamped SwiGLU
+    /// (the router's softmax over its top-k). Read from GGUF only (its Hugging Face weights
+    /// are MXFP4 blocks in a layout of their own).
+    GptOss,
     /// Qwen3.5 (dense): a hybrid of gated delta-rule layers (`linear_attention`) and gated
     /// full attention (q/k norms, a sigmoid output gate carried by the q projection,
     /// partial rotary), each followed by a SiLU MLP. Read from GGUF only: its weights as
@@ -86,12 +109,30 @@ pub enum Arch {
 }
 
 /// The gate activation of the MLP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Activation {
     /// `x · sigmoid(x)`.
     Silu,
     /// GELU, tanh approximation (`gelu_pytorch_tanh`).
     GeluTanh,
+    /// GPT-OSS's clamped SwiGLU: with `g = min(gate, limit)` and `u = clamp(up, −limit,
+    /// limit)`, `g·sigmoid(alpha·g)·(u + 1)`.
+    SwigluOai {
+        /// The sigmoid's slope (1.702).
+        alpha: f32,
+        /// The clamp (`swiglu_limit`, 7).
+        limit: f32,
+    },
+}
+
+/// How a router turns a token's logits into its experts' weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Qwen3-MoE: softmax over every expert, the top-k probabilities as weights
+    /// (renormalized to sum to 1 when [`Experts::renormalize`]).
+    Softmax,
+    /// GPT-OSS: the top-k logits, then a softmax over those k.
+    TopKSoftmax,
 }
 
 /// The fields of a Hugging Face `config.json` this kit reads (others are ignored). Fields a
@@ -196,12 +237,18 @@ pub struct ModelConfig {
     /// ... except these, which keep a dense MLP of `intermediate_size`.
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
+    /// GPT-OSS's name for [`ModelConfig::num_experts`].
+    #[serde(default)]
+    pub num_local_experts: Option<usize>,
+    /// GPT-OSS: the clamp of its SwiGLU (default 7).
+    #[serde(default)]
+    pub swiglu_limit: Option<f64>,
 }
 
 /// The mixture-of-experts feed-forward of a model's sparse layers: a router (`[experts,
 /// hidden]`) scores every expert per token; the token's output is the weighted sum of its
-/// `per_token` best experts' SiLU MLPs of `width`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `per_token` best experts' gated MLPs of `width`.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Experts {
     /// Experts per layer.
     pub count: usize,
@@ -211,6 +258,10 @@ pub struct Experts {
     pub width: usize,
     /// Whether the chosen experts' softmax probabilities are renormalized to sum to 1.
     pub renormalize: bool,
+    /// How the router's logits become weights.
+    pub gating: Gating,
+    /// The experts' gate activation.
+    pub activation: Activation,
 }
 
 /// The most experts a layer may have (released models: 8–512).
@@ -287,11 +338,19 @@ impl ModelConfig {
                 | "qwen2"
                 | "qwen3"
                 | "qwen3_moe"
+                | "gpt_oss"
                 | "gemma3_text"
                 | "lfm2"
                 | "qwen3_5_text"
         ) {
             return Err(ModelError::Unsupported(model_type));
+        }
+        if model_type == "gpt_oss" && v["gguf_converted"].as_bool() != Some(true) {
+            return Err(ModelError::Malformed(
+                "GPT-OSS is read from GGUF files only (its Hugging Face weights are MXFP4 \
+                 blocks in a layout of their own)"
+                    .into(),
+            ));
         }
         if model_type == "qwen3_5_text" && v["gguf_converted"].as_bool() != Some(true) {
             return Err(ModelError::Malformed(
@@ -353,7 +412,7 @@ impl ModelConfig {
             }
         }
         let act = match c.arch() {
-            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 => {
+            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 | Arch::GptOss => {
                 ("hidden_act", c.hidden_act.as_deref(), "silu")
             }
             Arch::Gemma3 => (
@@ -385,7 +444,7 @@ impl ModelConfig {
                 "mlp_bias is not supported (MLP projections without biases only)".into(),
             ));
         }
-        if c.attention_bias && c.model_type != "qwen2" {
+        if c.attention_bias && !matches!(c.model_type.as_str(), "qwen2" | "gpt_oss") {
             return Err(ModelError::Malformed(format!(
                 "attention_bias is not supported for {} (it adds an o_proj bias)",
                 c.model_type
@@ -452,9 +511,18 @@ impl ModelConfig {
             match s.rope_type.as_str() {
                 "linear" => return Ok(c),
                 "llama3" => {}
+                "yarn" => {
+                    positive(
+                        "rope_scaling.original_max_position_embeddings",
+                        s.original_max_position_embeddings,
+                    )?;
+                    positive("rope_scaling.beta_fast", s.beta_fast)?;
+                    positive("rope_scaling.beta_slow", s.beta_slow)?;
+                    return Ok(c);
+                }
                 other => {
                     return Err(ModelError::Malformed(format!(
-                        "rope_scaling type '{other}' is not supported (llama3, linear)"
+                        "rope_scaling type '{other}' is not supported (llama3, linear, yarn)"
                     )))
                 }
             }
@@ -492,6 +560,7 @@ impl ModelConfig {
             "gemma3_text" => Arch::Gemma3,
             "lfm2" => Arch::Lfm2,
             "qwen3_5_text" => Arch::Qwen35,
+            "gpt_oss" => Arch::GptOss,
             _ => Arch::Llama,
         }
     }
@@ -501,6 +570,10 @@ impl ModelConfig {
         match self.arch() {
             Arch::Llama | Arch::Lfm2 | Arch::Qwen35 => Activation::Silu,
             Arch::Gemma3 => Activation::GeluTanh,
+            Arch::GptOss => Activation::SwigluOai {
+                alpha: 1.702,
+                limit: self.swiglu_limit.unwrap_or(7.0) as f32,
+            },
         }
     }
 
@@ -514,11 +587,21 @@ impl ModelConfig {
 
     /// The mixture of experts of the sparse layers, if the model has one.
     pub fn experts(&self) -> Option<Experts> {
+        let gpt_oss = self.arch() == Arch::GptOss;
         Some(Experts {
-            count: self.num_experts.filter(|&n| n > 0)?,
+            count: self
+                .num_experts
+                .or(self.num_local_experts)
+                .filter(|&n| n > 0)?,
             per_token: self.num_experts_per_tok.unwrap_or(1),
             width: self.moe_intermediate_size.unwrap_or(self.intermediate_size),
             renormalize: self.norm_topk_prob,
+            gating: if gpt_oss {
+                Gating::TopKSoftmax
+            } else {
+                Gating::Softmax
+            },
+            activation: self.activation(),
         })
     }
 
@@ -533,16 +616,17 @@ impl ModelConfig {
     /// without one, top-k outside `1..=experts`, limits exceeded.
     fn check_experts(&self) -> Result<(), ModelError> {
         let Some(e) = self.experts() else {
-            if self.model_type == "qwen3_moe" {
-                return Err(ModelError::Malformed(
-                    "a qwen3_moe config without num_experts".into(),
-                ));
+            if matches!(self.model_type.as_str(), "qwen3_moe" | "gpt_oss") {
+                return Err(ModelError::Malformed(format!(
+                    "a {} config without its number of experts",
+                    self.model_type
+                )));
             }
             return Ok(());
         };
-        if self.model_type != "qwen3_moe" {
+        if !matches!(self.model_type.as_str(), "qwen3_moe" | "gpt_oss") {
             return Err(ModelError::Malformed(format!(
-                "num_experts is not supported for {} (mixtures of experts: qwen3_moe)",
+                "num_experts is not supported for {} (mixtures of experts: qwen3_moe, gpt_oss)",
                 self.model_type
             )));
         }
@@ -567,10 +651,26 @@ impl ModelConfig {
         self.attention_bias || self.model_type == "qwen2"
     }
 
-    /// The factor on q·k: `query_pre_attn_scalar^-1/2` where given, else `head_dim^-1/2`.
+    /// Whether the attention output projection carries a bias and each head a learned sink
+    /// (GPT-OSS).
+    pub fn o_bias_and_sinks(&self) -> bool {
+        self.arch() == Arch::GptOss
+    }
+
+    /// The factor on q·k: `query_pre_attn_scalar^-1/2` where given, else `head_dim^-1/2`;
+    /// times the square of YaRN's magnitude factor, which multiplies both q and k.
     pub fn attn_scale(&self) -> f32 {
         let s = self.query_pre_attn_scalar.unwrap_or(self.head_dim() as f64);
-        (1.0 / s.sqrt()) as f32
+        let m = self.rope_magnitude();
+        (m * m / s.sqrt()) as f32
+    }
+
+    /// YaRN's factor on rotated q and k: `1 + 0.1·ln(factor)` (1 without YaRN).
+    pub fn rope_magnitude(&self) -> f64 {
+        match &self.rope_scaling {
+            Some(s) if s.rope_type == "yarn" && s.factor > 1.0 => 1.0 + 0.1 * s.factor.ln(),
+            _ => 1.0,
+        }
     }
 
     /// The factor on embeddings entering the first layer (Gemma: √hidden, in f32 as
@@ -659,8 +759,10 @@ impl ModelConfig {
                 let Some(s) = scaling else {
                     return f as f32;
                 };
-                if s.rope_type == "linear" {
-                    return (f / s.factor) as f32;
+                match s.rope_type.as_str() {
+                    "linear" => return (f / s.factor) as f32,
+                    "yarn" => return self.yarn(s, i, f) as f32,
+                    _ => {}
                 }
                 let wavelen = 2.0 * std::f64::consts::PI / f;
                 let low = s.original_max_position_embeddings / s.low_freq_factor;
@@ -681,6 +783,28 @@ impl ModelConfig {
 }
 
 impl ModelConfig {
+    /// YaRN's frequency of rotary pair `i` (unscaled `f`): pairs that turn more than
+    /// `beta_fast` times over the original context keep `f`, those below `beta_slow` take
+    /// `f / factor`, a linear ramp between (llama.cpp's `rope_yarn`; ends rounded out to
+    /// whole pairs unless `truncate` is false, as Hugging Face reads GPT-OSS's config).
+    fn yarn(&self, s: &RopeScaling, i: usize, f: f64) -> f64 {
+        let dims = self.rotary_dim() as f64;
+        // The pair index at which a frequency turns `rotations` times over the context.
+        let pair = |rotations: f64| {
+            let base = self.rope_theta;
+            dims * (s.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI))
+                .ln()
+                / (2.0 * base.ln())
+        };
+        let (mut low, mut high) = (pair(s.beta_fast), pair(s.beta_slow));
+        if s.truncate {
+            (low, high) = (low.floor().max(0.0), high.ceil().min(dims - 1.0));
+        }
+        let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+        // Extrapolated (kept) where the ramp is 0, interpolated (divided) where it is 1.
+        f * (1.0 - ramp) + f / s.factor * ramp
+    }
+
     /// Whether rotary pair `i` rotates by a text token's position under interleaved MRoPE
     /// (llama.cpp's `GGML_ROPE_TYPE_IMROPE`, positions `[p, p, p, 0]`): sector `i mod Σ`
     /// belongs to section `sector mod 3` while `sector < 3 · section`, else to the fourth.
@@ -877,6 +1001,57 @@ mod tests {
         let mut v: serde_json::Value = serde_json::from_str(QWEN3_MOE).unwrap();
         v.as_object_mut().unwrap().remove("num_experts");
         assert!(ModelConfig::parse(&v.to_string()).is_err());
+    }
+
+    /// GPT-OSS-20B's config.json (fields this kit reads), as the GGUF reader derives it.
+    const GPT_OSS: &str = r#"{"model_type": "gpt_oss", "gguf_converted": true,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 201088, "attention_bias": true,
+        "rope_theta": 150000.0, "rms_norm_eps": 1e-05, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+        "full_attention"], "rope_scaling": {"rope_type": "yarn", "factor": 32.0,
+        "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+        "truncate": true}}"#;
+
+    #[test]
+    fn gpt_oss_configs_read_experts_windows_and_yarn() {
+        let c = ModelConfig::parse(GPT_OSS).unwrap();
+        let e = c.experts().unwrap();
+        assert_eq!(
+            (e.count, e.per_token, e.width, e.gating),
+            (32, 4, 2880, Gating::TopKSoftmax)
+        );
+        assert_eq!(
+            e.activation,
+            Activation::SwigluOai {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        assert!(c.o_bias_and_sinks() && c.qkv_bias() && c.sparse_layer(3));
+        let s = c.sliding(4).unwrap().unwrap();
+        assert_eq!(
+            (s.window, s.layers.iter().collect::<Vec<_>>()),
+            (128, vec![0, 2])
+        );
+        // Pair 0 turns fastest: kept; the last pair turns slowest: divided by the factor.
+        let (yarn, plain) = (
+            c.inv_freq(),
+            ModelConfig {
+                rope_scaling: None,
+                ..c.clone()
+            }
+            .inv_freq(),
+        );
+        assert_eq!(yarn[0], plain[0]);
+        assert_eq!(yarn[31], (f64::from(plain[31]) / 32.0) as f32);
+        let m = 1.0 + 0.1 * 32f64.ln();
+        assert_eq!(c.attn_scale(), (m * m / 8.0) as f32);
+        let e = ModelConfig::parse(&GPT_OSS.replace("\"gguf_converted\": true,", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GGUF files only"), "{e}");
     }
 
     /// LFM2-350M's config.json as Liquid AI publishes it (fields this kit reads).

@@ -23,6 +23,12 @@ copies of them.
 - qwen3moe (a mixture of experts): Qwen3's attention with every MLP replaced by a router
   over 3-D expert tensors (`ffn_{gate,up,down}_exps`), 8 experts of which 2 run per token;
   and a second shape with 16 experts, 4 per token, an untied output.
+- gpt-oss (a mixture of experts): sliding (here 8 tokens) and full attention layers
+  alternating, biases on q/k/v/o, a learned sink per head, YaRN rotary (factor 32 over 4096
+  positions), a biased router whose top-k logits are softmaxed, biased experts with the
+  clamped SwiGLU (the expert matrices f32 here: llama-quantize's MXFP4 is for another
+  check), separate output matrix; and a second shape with another window, expert count and
+  head layout.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
@@ -298,6 +304,60 @@ def qwen3moe(name, hidden, layers, heads, kv_heads, head_dim, experts, used, wid
     f.finish()
 
 
+def gpt_oss(name, hidden, layers, heads, kv_heads, head_dim, experts, used, width, window, *,
+            seed=0):
+    """A GPT-OSS file, as llama.cpp's converter writes one (f32 here)."""
+    f = Writer("gpt-oss", name, hidden, layers, heads, width, seed)
+    w, rng, weight, norm = f.w, f.rng, f.weight, f.norm
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(150000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    w.add_expert_feed_forward_length(width)
+    w.add_sliding_window(window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, "qwen2", True)
+    f.embedding(hidden)
+
+    def vector(n, size, gain):
+        w.add_tensor(n, (gain * rng.standard_normal(size)).astype(np.float32))
+
+    def stacked(n, rows, cols, gain=1.0):
+        w.add_tensor(n, (rng.standard_normal((experts, rows, cols)) * gain / np.sqrt(cols))
+                     .astype(np.float32))
+
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", hidden)
+        for proj, rows in [("q", heads), ("k", kv_heads), ("v", kv_heads)]:
+            weight(f"{b}attn_{proj}.weight", rows * head_dim, hidden)
+            vector(f"{b}attn_{proj}.bias", rows * head_dim, 0.5)
+        weight(b + "attn_output.weight", hidden, heads * head_dim, gain=8.0)
+        vector(b + "attn_output.bias", hidden, 0.5)
+        vector(b + "attn_sinks.weight", heads, 1.0)
+        norm(b + "post_attention_norm.weight", hidden)
+        weight(b + "ffn_gate_inp.weight", experts, hidden, gain=4.0)
+        vector(b + "ffn_gate_inp.bias", experts, 1.0)
+        stacked(b + "ffn_gate_exps.weight", width, hidden, gain=2.0)
+        stacked(b + "ffn_up_exps.weight", width, hidden, gain=2.0)
+        stacked(b + "ffn_down_exps.weight", hidden, width, gain=8.0)
+        w.add_tensor(b + "ffn_gate_exps.bias",
+                     (0.5 * rng.standard_normal((experts, width))).astype(np.float32))
+        w.add_tensor(b + "ffn_up_exps.bias",
+                     (0.5 * rng.standard_normal((experts, width))).astype(np.float32))
+        w.add_tensor(b + "ffn_down_exps.bias",
+                     (0.5 * rng.standard_normal((experts, hidden))).astype(np.float32))
+    norm("output_norm.weight", hidden)
+    weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.finish()
+
+
 if bench:
     lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16, 8, 4608, 3)
     qwen35("qwen35-0.8b-shaped", 1024, 24, 4, 8, 2, 256, 64, [11, 11, 10, 0], 16, 16, 128,
@@ -323,3 +383,5 @@ qwen35("qwen35-synthetic-untied", 256, 6, 3, 4, 1, 64, 64, [11, 11, 10, 0], 2, 2
        tied=False, seed=2)
 qwen3moe("qwen3moe-synthetic", 512, 4, 8, 2, 64, 8, 2, 256)
 qwen3moe("qwen3moe-synthetic-untied", 256, 3, 4, 1, 64, 16, 4, 128, tied=False, seed=3)
+gpt_oss("gpt-oss-synthetic", 512, 4, 8, 2, 64, 8, 2, 256, 8)
+gpt_oss("gpt-oss-synthetic-b", 256, 3, 4, 4, 64, 16, 4, 128, 5, seed=4)

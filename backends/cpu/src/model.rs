@@ -5,8 +5,9 @@
 
 use std::cell::RefCell;
 
+use kvplug_backend_kit::model::config::{Activation, Experts};
 use kvplug_backend_kit::model::moe::{combine, Expert, ExpertGroups, Routes};
-use kvplug_backend_kit::model::ops::{check_hadamard, hadamard_in_place};
+use kvplug_backend_kit::model::ops::{check_hadamard, hadamard_in_place, swiglu_oai};
 use kvplug_backend_kit::model::{
     BlockFormat, ModelDevice, Projection, StoredDtype, StoredTensor, StoredValues,
 };
@@ -43,9 +44,22 @@ fn check_linear(
 }
 
 /// `out += bias` on each row (`[T, rows]`, `rows` values of bias).
-fn add_bias(out: &mut CpuTensor, bias: &CpuTensor) {
-    for row in out.data.chunks_exact_mut(bias.data.len()) {
+fn add_bias(out: &mut [f32], bias: &CpuTensor) {
+    for row in out.chunks_exact_mut(bias.data.len()) {
         row.iter_mut().zip(&bias.data).for_each(|(o, b)| *o += b);
+    }
+}
+
+/// `out = act(gate, up)` element-wise on slices of one length.
+fn gated(act: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    match act {
+        Activation::Silu => simd::silu_mul(gate, up, out),
+        Activation::GeluTanh => simd::gelu_tanh_mul(gate, up, out),
+        Activation::SwigluOai { alpha, limit } => {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = swiglu_oai(g, u, alpha, limit);
+            }
+        }
     }
 }
 
@@ -201,7 +215,7 @@ impl ModelDevice for CpuDevice {
         check_linear(x, w, bias, out)?;
         project(&x.data, x.dims[0], w, &mut out.data)?;
         if let Some(b) = bias {
-            add_bias(out, b);
+            add_bias(&mut out.data, b);
         }
         Ok(())
     }
@@ -228,7 +242,7 @@ impl ModelDevice for CpuDevice {
         }
         for p in ps.iter_mut() {
             if let Some(b) = p.bias {
-                add_bias(p.out, b);
+                add_bias(&mut p.out.data, b);
             }
         }
         Ok(())
@@ -342,6 +356,19 @@ impl ModelDevice for CpuDevice {
         Ok(())
     }
 
+    fn swiglu_oai_mul(
+        &self,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+        alpha: f32,
+        limit: f32,
+        out: &mut CpuTensor,
+    ) -> Result<(), KitError> {
+        let act = Activation::SwigluOai { alpha, limit };
+        gated(act, &gate.data, &up.data, &mut out.data);
+        Ok(())
+    }
+
     fn scale(&self, x: &mut CpuTensor, s: f32) -> Result<(), KitError> {
         x.data.iter_mut().for_each(|v| *v *= s);
         Ok(())
@@ -358,11 +385,12 @@ impl ModelDevice for CpuDevice {
         &self,
         x: &CpuTensor,
         experts: &[Expert<Self>],
-        width: usize,
+        spec: &Experts,
         routes: &Routes,
         groups: &ExpertGroups,
         out: &mut CpuTensor,
     ) -> Result<(), KitError> {
+        let width = spec.width;
         let [t, h] = x.dims[..] else {
             return check(false, "experts");
         };
@@ -377,8 +405,14 @@ impl ModelDevice for CpuDevice {
                 .get(e)
                 .ok_or_else(|| KitError::Device(format!("experts: no expert {e}")))?;
             let fits = |w: &CpuWeight, rows, cols| w.rows == rows && w.cols == cols;
+            let bias_fits = |b: &Option<CpuTensor>, n| b.as_ref().is_none_or(|b| b.data.len() == n);
             check(
-                fits(&ex.gate, width, h) && fits(&ex.up, width, h) && fits(&ex.down, h, width),
+                fits(&ex.gate, width, h)
+                    && fits(&ex.up, width, h)
+                    && fits(&ex.down, h, width)
+                    && bias_fits(&ex.gate_bias, width)
+                    && bias_fits(&ex.up_bias, width)
+                    && bias_fits(&ex.down_bias, h),
                 "experts",
             )?;
         }
@@ -400,8 +434,17 @@ impl ModelDevice for CpuDevice {
                     project(xe, m, &ex.gate, g)?;
                     project(xe, m, &ex.up, u)?;
                 }
-                simd::silu_mul(g, u, &mut act[wide.clone()]);
-                project(&act[wide], m, &ex.down, &mut y[r.start * h..r.end * h])?;
+                for (out, bias) in [(&mut *g, &ex.gate_bias), (&mut *u, &ex.up_bias)] {
+                    if let Some(b) = bias {
+                        add_bias(out, b);
+                    }
+                }
+                gated(spec.activation, g, u, &mut act[wide.clone()]);
+                let ye = &mut y[r.start * h..r.end * h];
+                project(&act[wide], m, &ex.down, ye)?;
+                if let Some(b) = &ex.down_bias {
+                    add_bias(ye, b);
+                }
             }
             combine(routes, groups, y, h, &mut out.data);
             Ok(())

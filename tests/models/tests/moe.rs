@@ -262,3 +262,209 @@ fn plans_count_total_and_active_parameters() {
     );
     assert!(p.render().contains("a token runs"), "{}", p.render());
 }
+
+/// A GPT-OSS file's shape: layers alternating sliding (`window`) and full attention from
+/// layer 0, `experts` of `width` with `per_token` per token; expert matrices in `types`.
+struct OssShape<'a> {
+    layers: usize,
+    window: usize,
+    experts: usize,
+    per_token: usize,
+    width: usize,
+    types: &'a [GgmlDType],
+}
+
+/// GPT-OSS's YaRN: factor 32 over 4096 original positions, rope base 150000.
+const YARN_FACTOR: f64 = 32.0;
+const YARN_ORIGINAL: f64 = 4096.0;
+const OSS_THETA: f64 = 150000.0;
+
+/// Writes a GPT-OSS GGUF of `s` (as llama.cpp's converter names it) and indexes it.
+fn gpt_oss(dir: &Path, s: &OssShape) -> PathBuf {
+    let hd = HIDDEN / HEADS;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let (mut salt, mut matrix) = (300, 0);
+    let mut add =
+        |name: String, shape: &[usize], gain: f32, offset: f32, ty: Option<&[GgmlDType]>| {
+            salt += 1;
+            let mut data = values(shape.iter().product(), salt, gain);
+            data.iter_mut().for_each(|x| *x += offset);
+            let ty = ty.map_or(GgmlDType::F32, |types| {
+                matrix += 1;
+                types[matrix % types.len()]
+            });
+            let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+            tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
+        };
+    add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0, None);
+    add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0, None);
+    add("output.weight".into(), &[VOCAB, HIDDEN], 0.5, 0.0, None);
+    let (e, w) = (s.experts, s.width);
+    for l in 0..s.layers {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        add(b("attn_norm.weight"), &[HIDDEN], 0.1, 1.0, None);
+        for (proj, rows) in [("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)] {
+            add(
+                b(&format!("attn_{proj}.weight")),
+                &[rows * hd, HIDDEN],
+                0.3,
+                0.0,
+                None,
+            );
+            add(
+                b(&format!("attn_{proj}.bias")),
+                &[rows * hd],
+                0.3,
+                0.0,
+                None,
+            );
+        }
+        add(
+            b("attn_output.weight"),
+            &[HIDDEN, HEADS * hd],
+            0.3,
+            0.0,
+            None,
+        );
+        add(b("attn_output.bias"), &[HIDDEN], 0.3, 0.0, None);
+        add(b("attn_sinks.weight"), &[HEADS], 1.0, 0.5, None);
+        add(b("post_attention_norm.weight"), &[HIDDEN], 0.1, 1.0, None);
+        add(b("ffn_gate_inp.weight"), &[e, HIDDEN], 1.0, 0.0, None);
+        add(b("ffn_gate_inp.bias"), &[e], 0.5, 0.0, None);
+        add(
+            b("ffn_gate_exps.weight"),
+            &[e, w, HIDDEN],
+            0.5,
+            0.0,
+            Some(s.types),
+        );
+        add(
+            b("ffn_up_exps.weight"),
+            &[e, w, HIDDEN],
+            0.5,
+            0.0,
+            Some(s.types),
+        );
+        add(
+            b("ffn_down_exps.weight"),
+            &[e, HIDDEN, w],
+            0.3,
+            0.0,
+            Some(s.types),
+        );
+        add(b("ffn_gate_exps.bias"), &[e, w], 0.3, 0.0, None);
+        add(b("ffn_up_exps.bias"), &[e, w], 0.3, 0.0, None);
+        add(b("ffn_down_exps.bias"), &[e, HIDDEN], 0.3, 0.0, None);
+    }
+    let u = |x: usize| Value::U32(x as u32);
+    let mut meta = vec![
+        ("general.architecture", Value::String("gpt-oss".into())),
+        ("gpt-oss.block_count", u(s.layers)),
+        ("gpt-oss.embedding_length", u(HIDDEN)),
+        ("gpt-oss.feed_forward_length", u(w)),
+        ("gpt-oss.expert_feed_forward_length", u(w)),
+        ("gpt-oss.expert_count", u(e)),
+        ("gpt-oss.expert_used_count", u(s.per_token)),
+        ("gpt-oss.attention.head_count", u(HEADS)),
+        ("gpt-oss.attention.head_count_kv", u(KV_HEADS)),
+        ("gpt-oss.attention.key_length", u(hd)),
+        ("gpt-oss.attention.value_length", u(hd)),
+        ("gpt-oss.attention.sliding_window", u(s.window)),
+        ("gpt-oss.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("gpt-oss.rope.freq_base", Value::F32(OSS_THETA as f32)),
+        ("gpt-oss.rope.scaling.type", Value::String("yarn".into())),
+        (
+            "gpt-oss.rope.scaling.factor",
+            Value::F32(YARN_FACTOR as f32),
+        ),
+        (
+            "gpt-oss.rope.scaling.original_context_length",
+            u(YARN_ORIGINAL as usize),
+        ),
+        ("gpt-oss.context_length", u(131072)),
+    ];
+    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    std::fs::create_dir_all(dir).unwrap();
+    let gguf = dir.join("gpt-oss.gguf");
+    write_gguf(&gguf, &meta, &tensors);
+    let model = dir.join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    model
+}
+
+/// YaRN's frequencies as the YaRN paper and llama.cpp's `rope_yarn` define them, written out
+/// here: pair `i` of a `d`-wide head turns `r_i = L·θ^(−2i/d)/(2π)` times over the original
+/// context `L`; pairs with `r_i > β_fast` keep `θ^(−2i/d)`, those with `r_i < β_slow` divide
+/// it by the factor, a linear ramp in `i` between (the ramp's ends rounded out to whole
+/// pairs).
+fn yarn_inv_freq(d: usize) -> Vec<f64> {
+    let pair_at = |rotations: f64| {
+        d as f64 * (YARN_ORIGINAL / (rotations * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * OSS_THETA.ln())
+    };
+    let (low, high) = (
+        pair_at(32.0).floor().max(0.0),
+        pair_at(1.0).ceil().min(d as f64 - 1.0),
+    );
+    (0..d / 2)
+        .map(|i| {
+            let f = OSS_THETA.powf(-(2.0 * i as f64) / d as f64);
+            let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+            f * (1.0 - ramp) + f / YARN_FACTOR * ramp
+        })
+        .collect()
+}
+
+#[test]
+fn gpt_oss_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1];
+    // A 4-token window over 15 tokens: the sliding layers see only their last 4.
+    let shapes = [
+        OssShape {
+            layers: 3,
+            window: 4,
+            experts: 8,
+            per_token: 2,
+            width: 32,
+            types: &[GgmlDType::F32],
+        },
+        OssShape {
+            layers: 2,
+            window: 3,
+            experts: 6,
+            per_token: 4,
+            width: 64,
+            types: &blocks,
+        },
+    ];
+    for (i, shape) in shapes.iter().enumerate() {
+        let model = gpt_oss(&dir.path().join(i.to_string()), shape);
+        for backend in BACKENDS {
+            let rt = runtime();
+            let mut ctx = common::model(&rt, backend, &model)
+                .context(CacheKind::Contiguous, 64, KvDtype::F32)
+                .unwrap();
+            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+            let mut got = forward(&mut ctx, &PROMPT, &positions);
+            let mut tokens = PROMPT.to_vec();
+            for _ in 0..6 {
+                let next = argmax(got.last().unwrap());
+                tokens.push(next);
+                got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
+            }
+            let told = Reference {
+                int8_block_acts: backend == "cpu",
+                inv_freq: Some(yarn_inv_freq(HIDDEN / HEADS)),
+                rope_magnitude: Some(1.0 + 0.1 * YARN_FACTOR.ln()),
+                ..Reference::default()
+            };
+            let worst = max_logit_error(&got, &reference_logits_with(&model, &tokens, &told));
+            // The f32 tolerance of the model tests (model.rs).
+            assert!(
+                worst < 1e-3,
+                "GPT-OSS shape {i} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
+}

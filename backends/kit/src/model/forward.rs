@@ -11,7 +11,7 @@ use kvplug_core::key_basis::rotation_width;
 use kvplug_core::{CacheError, KeyBasis, LayerAttention, RopePairs};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
-use super::config::{Activation, Arch, ModelConfig, ModelError};
+use super::config::{Arch, ModelConfig, ModelError};
 use super::moe::{route, Expert, ExpertGroups, Routes};
 use super::ops::{ModelDevice, Projection};
 use super::package::{ModelPackage, Residency};
@@ -45,6 +45,8 @@ enum Ffn<D: ModelDevice> {
     /// A mixture of experts: the router (`[experts, hidden]`) chooses each token's experts.
     Experts {
         router: D::Weight,
+        /// GPT-OSS: on the router's logits.
+        router_bias: Option<D::Tensor>,
         experts: Vec<Expert<D>>,
         spec: Experts,
     },
@@ -100,6 +102,10 @@ struct Attention<D: ModelDevice> {
     /// Qwen3.5: the output gate (`sigmoid(gate · x)` times the attention output), split
     /// from the q projection.
     gate: Option<D::Weight>,
+    /// GPT-OSS: the output projection's bias (`[hidden]`) and a learned sink per head
+    /// (`[Hq]`).
+    o_bias: Option<D::Tensor>,
+    sinks: Option<D::Tensor>,
     /// Whether the layer attends through the sliding window (its RoPE base is the local one).
     sliding: bool,
 }
@@ -164,7 +170,7 @@ struct Names {
 impl Names {
     fn of(arch: Arch) -> Self {
         match arch {
-            Arch::Llama | Arch::Gemma3 | Arch::Qwen35 => Names {
+            Arch::Llama | Arch::Gemma3 | Arch::Qwen35 | Arch::GptOss => Names {
                 attn_norm: "input_layernorm",
                 ffn_norm: "post_attention_layernorm",
                 o: "o_proj",
@@ -226,6 +232,14 @@ impl<D: ModelDevice> DecoderModel<D> {
         let gemma_norm = |name: String, n: usize| -> Result<Option<D::Tensor>, ModelError> {
             if gemma {
                 norm(&name, n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        // GPT-OSS's attention output bias and sinks.
+        let sinks_too = |name: String, n: usize| -> Result<Option<D::Tensor>, ModelError> {
+            if c.o_bias_and_sinks() {
+                vec(&name, n).map(Some)
             } else {
                 Ok(None)
             }
@@ -359,6 +373,8 @@ impl<D: ModelDevice> DecoderModel<D> {
                         q_norm: Some(permuted(n.q_norm)?),
                         k_norm: Some(permuted(n.k_norm)?),
                         o: mat(&format!("{a}{}.weight", n.o), h, hq * hd)?,
+                        o_bias: None,
+                        sinks: None,
                         sliding: attention != LayerAttention::Full,
                     })
                 }
@@ -373,12 +389,18 @@ impl<D: ModelDevice> DecoderModel<D> {
                     k_norm: qk_norm(format!("{p}self_attn.{}.weight", n.k_norm))?,
                     o: mat(&format!("{p}self_attn.{}.weight", n.o), h, hq * hd)?,
                     gate: None,
+                    o_bias: sinks_too(format!("{p}self_attn.{}.bias", n.o), h)?,
+                    sinks: sinks_too(format!("{p}self_attn.sinks"), hq)?,
                     sliding: attention != LayerAttention::Full,
                 }),
             };
             let ffn = match c.experts().filter(|_| c.sparse_layer(l)) {
                 Some(spec) => Ffn::Experts {
                     router: mat(&format!("{p}mlp.gate.weight"), spec.count, h)?,
+                    router_bias: match pkg.has_tensor(&format!("{p}mlp.gate.bias")) {
+                        true => Some(vec(&format!("{p}mlp.gate.bias"), spec.count)?),
+                        false => None,
+                    },
                     experts: load_experts(&*device, pkg, &p, &spec, h)?,
                     spec,
                 },
@@ -606,14 +628,15 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.split_heads(&a.q, hq, &mut a.qh)?;
                     d.split_heads(&a.k, hkv, &mut a.kh)?;
                     d.split_heads(&a.v, hkv, &mut a.vh)?;
-                    step.attend(l, &a.qh, &a.kh, &a.vh, scale, &mut a.att)?;
+                    let sinks = at.sinks.as_ref();
+                    step.attend_sinks(l, &a.qh, &a.kh, &a.vh, scale, sinks, &mut a.att)?;
                     d.merge_heads(&a.att, &mut a.merged)?;
                     if let Some(g) = &at.gate {
                         d.linear(&a.hn, g, None, &mut a.q)?;
                         d.sigmoid_mul(&a.q, &a.merged, &mut a.qh_flat)?;
                         std::mem::swap(&mut a.merged, &mut a.qh_flat);
                     }
-                    d.linear(&a.merged, &at.o, None, &mut a.o)?;
+                    d.linear(&a.merged, &at.o, at.o_bias.as_ref(), &mut a.o)?;
                 }
                 Mixer::Conv {
                     b,
@@ -716,14 +739,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                             },
                         ],
                     )?;
-                    match c.activation() {
-                        Activation::Silu => d.silu_mul(&a.gate, &a.up, &mut a.mlp)?,
-                        Activation::GeluTanh => d.gelu_tanh_mul(&a.gate, &a.up, &mut a.mlp)?,
-                    }
+                    d.gated(c.activation(), &a.gate, &a.up, &mut a.mlp)?;
                     d.linear(&a.mlp, down, None, &mut a.o)?;
                 }
                 Ffn::Experts {
                     router,
+                    router_bias,
                     experts,
                     spec,
                 } => {
@@ -731,12 +752,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                         .moe
                         .as_mut()
                         .ok_or_else(|| KitError::Device("router buffers missing".into()))?;
-                    d.linear(&a.hn, router, None, &mut m.logits)?;
+                    d.linear(&a.hn, router, router_bias.as_ref(), &mut m.logits)?;
                     d.download_into(&m.logits, TensorDtype::F32, &mut m.downloaded)?;
                     m.downloaded.read_f32_into(&mut m.host);
                     route(&m.host, spec, &mut m.routes);
                     m.groups.group(&m.routes, spec.count);
-                    d.experts(&a.hn, experts, spec.width, &m.routes, &m.groups, &mut a.o)?;
+                    d.experts(&a.hn, experts, spec, &m.routes, &m.groups, &mut a.o)?;
                 }
             }
             residual_add(d, &mut a.x, &mut a.o, lw.post_mlp.as_ref(), eps, &mut a.hn)?;
@@ -963,12 +984,33 @@ fn load_experts<D: ModelDevice>(
         };
         device.weight(data, rows, cols).map_err(weights_err)
     };
+    // GPT-OSS's expert biases: `[experts, rows]` each, a row per expert.
+    let biases = parts
+        .iter()
+        .map(|&(proj, rows, _)| {
+            let name = format!("{p}mlp.experts.{proj}.bias");
+            match pkg.has_tensor(&name) {
+                true => pkg.tensor_f32(&name, &[n, rows]).map(|b| Some((b, rows))),
+                false => Ok(None),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bias = |i: usize, e: usize| -> Result<Option<D::Tensor>, ModelError> {
+        let Some((b, rows)) = &biases[i] else {
+            return Ok(None);
+        };
+        let row = &b[e * rows..(e + 1) * rows];
+        device.tensor(row, &[*rows]).map(Some).map_err(weights_err)
+    };
     (0..n)
         .map(|e| {
             Ok(Expert {
                 gate: part(0, e)?,
                 up: part(1, e)?,
                 down: part(2, e)?,
+                gate_bias: bias(0, e)?,
+                up_bias: bias(1, e)?,
+                down_bias: bias(2, e)?,
             })
         })
         .collect()

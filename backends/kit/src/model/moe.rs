@@ -3,14 +3,18 @@
 //! each chosen expert's weights once, for all of its tokens) and the experts' weights
 //! ([`Expert`]), kept in place as rows of the file's 3-D expert tensors.
 
-use super::config::Experts;
+use super::config::{Experts, Gating};
 use super::ops::ModelDevice;
 
-/// One expert's SiLU MLP: `down(silu(gate·x) · up·x)`.
+/// One expert's gated MLP: `down(act(gate·x + b_g, up·x + b_u)) + b_d`, the biases where
+/// the model has them (GPT-OSS).
 pub struct Expert<D: ModelDevice> {
     pub gate: D::Weight,
     pub up: D::Weight,
     pub down: D::Weight,
+    pub gate_bias: Option<D::Tensor>,
+    pub up_bias: Option<D::Tensor>,
+    pub down_bias: Option<D::Tensor>,
 }
 
 /// The router's choice for a step's tokens: token `t`'s slot `j` (`j < per_token`, best
@@ -34,10 +38,12 @@ impl Routes {
 pub const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 
 /// Routes `logits` (`[T, experts.count]`, a row per token) into `routes`, reusing its
-/// buffers: softmax over every expert (max subtracted, f32), the `per_token` most probable
-/// experts best first (ties to the lower index), their probabilities as weights, divided by
-/// their sum (at least [`MIN_WEIGHT_SUM`]) when `experts.renormalize`. Non-finite logits
-/// still give `per_token` distinct experts per token (which ones is unspecified).
+/// buffers: the `per_token` highest-scoring experts best first (ties to the lower index),
+/// weighted as `experts.gating` says. [`Gating::Softmax`]: by their probabilities in a
+/// softmax over every expert (max subtracted, f32), divided by their sum (at least
+/// [`MIN_WEIGHT_SUM`]) when `experts.renormalize`. [`Gating::TopKSoftmax`]: by a softmax
+/// over the chosen logits alone. Non-finite logits still give `per_token` distinct experts
+/// per token (which ones is unspecified).
 pub fn route(logits: &[f32], experts: &Experts, routes: &mut Routes) {
     let (n, k) = (experts.count, experts.per_token);
     routes.per_token = k;
@@ -45,12 +51,20 @@ pub fn route(logits: &[f32], experts: &Experts, routes: &mut Routes) {
     routes.weights.clear();
     for row in logits.chunks_exact(n) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f32 = row.iter().map(|&z| (z - max).exp()).sum();
+        let sum: f32 = match experts.gating {
+            Gating::Softmax => row.iter().map(|&z| (z - max).exp()).sum(),
+            Gating::TopKSoftmax => 0.0,
+        };
         let at = routes.experts.len();
         // Insertion into the k best so far: strictly greater moves up, so among equals the
         // lower index (seen first) stays ahead.
         for (e, &z) in row.iter().enumerate() {
-            let p = (z - max).exp() / sum;
+            // The score experts are chosen by; the softmax is monotone, so the choice is
+            // the same either way.
+            let p = match experts.gating {
+                Gating::Softmax => (z - max).exp() / sum,
+                Gating::TopKSoftmax => z,
+            };
             let chosen = &routes.weights[at..];
             let slot = chosen.iter().position(|&q| p > q).unwrap_or(chosen.len());
             if slot == k {
@@ -63,7 +77,13 @@ pub fn route(logits: &[f32], experts: &Experts, routes: &mut Routes) {
             routes.experts.insert(at + slot, e as u32);
             routes.weights.insert(at + slot, p);
         }
-        if experts.renormalize {
+        if experts.gating == Gating::TopKSoftmax {
+            let chosen = &mut routes.weights[at..];
+            let top = chosen[0];
+            chosen.iter_mut().for_each(|z| *z = (*z - top).exp());
+            let total: f32 = chosen.iter().sum();
+            chosen.iter_mut().for_each(|w| *w /= total);
+        } else if experts.renormalize {
             let chosen = &mut routes.weights[at..];
             let total = chosen.iter().sum::<f32>().max(MIN_WEIGHT_SUM);
             chosen.iter_mut().for_each(|w| *w /= total);
@@ -147,6 +167,8 @@ mod tests {
             per_token,
             width: 1,
             renormalize,
+            gating: Gating::Softmax,
+            activation: super::super::config::Activation::Silu,
         }
     }
 
@@ -181,6 +203,18 @@ mod tests {
         // top-k = all experts: every one, in order of probability.
         route(&[1.0, 3.0, 2.0], &experts(3, 3, false), &mut r);
         assert_eq!(r.experts, [1, 2, 0]);
+        // GPT-OSS's gating: the top-k logits, a softmax over them alone.
+        let top_k = Experts {
+            gating: Gating::TopKSoftmax,
+            ..experts(6, 3, false)
+        };
+        route(&logits, &top_k, &mut r);
+        assert_eq!(r.experts, [1, 4, 3]);
+        let (a, b) = (1f64, (-1f64).exp());
+        let want = [a / (2.0 * a + b), a / (2.0 * a + b), b / (2.0 * a + b)];
+        for (w, want) in r.weights.iter().zip(want) {
+            assert!((f64::from(*w) - want).abs() < 1e-6, "{w} vs {want}");
+        }
         // Non-finite logits still route each token to distinct experts.
         route(
             &[f32::NAN, 0.0, f32::INFINITY],

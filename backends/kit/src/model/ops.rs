@@ -6,6 +6,7 @@ use kvplug_plugin_api::{HostTensor, TensorDtype};
 use crate::cache::KitError;
 use crate::device::Device;
 
+use super::config::{Activation, Experts};
 use super::moe::{combine, Expert, ExpertGroups, Routes};
 use super::stored::StoredTensor;
 
@@ -39,6 +40,15 @@ pub fn hadamard_in_place(data: &mut [f32], n: usize) {
         }
         piece.iter_mut().for_each(|v| *v *= norm);
     }
+}
+
+/// GPT-OSS's clamped SwiGLU of one gate and up value ([`Activation::SwigluOai`]), in f32 as
+/// ggml computes it: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
+/// `g / (1 + e^{−alpha·g}) · (u + 1)`.
+pub fn swiglu_oai(gate: f32, up: f32, alpha: f32, limit: f32) -> f32 {
+    let g = gate.min(limit);
+    let u = up.clamp(-limit, limit);
+    g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
 }
 
 /// One projection of a [`ModelDevice::linears`] call: `out = x·Wᵀ (+ bias)`.
@@ -163,6 +173,36 @@ pub trait ModelDevice: Device {
         up: &Self::Tensor,
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
+    /// `out = swiglu_oai(gate, up)` element by element ([`Activation::SwigluOai`]: `g =
+    /// min(gate, limit)`, `u = clamp(up, −limit, limit)`, `g·sigmoid(alpha·g)·(u + 1)`;
+    /// GPT-OSS's experts). The default is correct but round-trips through host memory.
+    fn swiglu_oai_mul(
+        &self,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        alpha: f32,
+        limit: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        let dims = self.dims(gate).to_vec();
+        if self.dims(up) != dims {
+            return Err(KitError::Device(format!(
+                "swiglu_oai_mul: shapes {dims:?} and {:?} differ",
+                self.dims(up)
+            )));
+        }
+        let f32s = |t: &Self::Tensor| -> Result<Vec<f32>, KitError> {
+            self.download(t, TensorDtype::F32)?.to_f32().ok_or_else(|| {
+                KitError::Device("swiglu_oai_mul: an f32 download was not f32".into())
+            })
+        };
+        let (mut g, u) = (f32s(gate)?, f32s(up)?);
+        g.iter_mut()
+            .zip(&u)
+            .for_each(|(g, &u)| *g = swiglu_oai(*g, u, alpha, limit));
+        *out = self.tensor(&g, &dims)?;
+        Ok(())
+    }
     /// `out = a · b`, element by element (LFM2's convolution gates; `a`, `b` and `out` of
     /// one shape). The default is correct but round-trips through host memory.
     fn mul(
@@ -215,18 +255,19 @@ pub trait ModelDevice: Device {
         *out = self.tensor(&y, &dims)?;
         Ok(())
     }
-    /// A mixture of experts' feed-forward: `out[t] = Σ_j w_tj · down_e(silu(gate_e·x[t]) ·
-    /// up_e·x[t])` over token `t`'s routes (`e = routes.experts[t·k + j]`, `w_tj` its
-    /// weight), summed as [`combine`] sums; `groups` is `routes` grouped by expert, `width`
-    /// each expert's MLP width; x and out `[T, hidden]`. An implementation reads only the
-    /// used experts' weights, each once per call. The default runs each used expert on its
-    /// tokens' rows through this trait's ops and combines on the host: correct, but a
+    /// A mixture of experts' feed-forward: `out[t] = Σ_j w_tj · expert_e(x[t])` over token
+    /// `t`'s routes (`e = routes.experts[t·k + j]`, `w_tj` its weight), summed as
+    /// [`combine`] sums, an expert being `down(act(gate·x + b_g, up·x + b_u)) + b_d` with
+    /// `spec.activation` ([`ModelDevice::gated`]) and its biases where it has them; `groups`
+    /// is `routes` grouped by expert; x and out `[T, hidden]`. An implementation reads only
+    /// the used experts' weights, each once per call. The default runs each used expert on
+    /// its tokens' rows through this trait's ops and combines on the host: correct, but a
     /// download per expert and buffers allocated per call.
     fn experts(
         &self,
         x: &Self::Tensor,
         experts: &[Expert<Self>],
-        width: usize,
+        spec: &Experts,
         routes: &Routes,
         groups: &ExpertGroups,
         out: &mut Self::Tensor,
@@ -234,6 +275,7 @@ pub trait ModelDevice: Device {
     where
         Self: Sized,
     {
+        let width = spec.width;
         let dims = self.dims(x).to_vec();
         let [t, h] = dims[..] else {
             return Err(KitError::Device(format!(
@@ -271,18 +313,18 @@ pub trait ModelDevice: Device {
                 &mut [
                     Projection {
                         w: &ex.gate,
-                        bias: None,
+                        bias: ex.gate_bias.as_ref(),
                         out: &mut g,
                     },
                     Projection {
                         w: &ex.up,
-                        bias: None,
+                        bias: ex.up_bias.as_ref(),
                         out: &mut u,
                     },
                 ],
             )?;
-            self.silu_mul(&g, &u, &mut m)?;
-            self.linear(&m, &ex.down, None, &mut xe)?;
+            self.gated(spec.activation, &g, &u, &mut m)?;
+            self.linear(&m, &ex.down, ex.down_bias.as_ref(), &mut xe)?;
             let y = self
                 .download(&xe, TensorDtype::F32)?
                 .to_f32()
@@ -293,6 +335,24 @@ pub trait ModelDevice: Device {
         combine(routes, groups, &rows, h, &mut sum);
         *out = self.tensor(&sum, &dims)?;
         Ok(())
+    }
+    /// `out = act(gate, up)`: the MLP's gated product for `act` (through
+    /// [`ModelDevice::silu_mul`], [`ModelDevice::gelu_tanh_mul`] or
+    /// [`ModelDevice::swiglu_oai_mul`]).
+    fn gated(
+        &self,
+        act: Activation,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        match act {
+            Activation::Silu => self.silu_mul(gate, up, out),
+            Activation::GeluTanh => self.gelu_tanh_mul(gate, up, out),
+            Activation::SwigluOai { alpha, limit } => {
+                self.swiglu_oai_mul(gate, up, alpha, limit, out)
+            }
+        }
     }
     /// `x *= s`.
     fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<(), KitError>;

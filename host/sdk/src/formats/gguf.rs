@@ -1,5 +1,5 @@
 //! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `qwen3moe`,
-//! `gemma3`, `lfm2`, `qwen35`).
+//! `gpt-oss`, `gemma3`, `lfm2`, `qwen35`).
 //!
 //! [`resolve_model`] (what `--model FILE.gguf` does): the weights stay in the GGUF and are
 //! used where they lie, in their stored types (quantized blocks included). It derives a small
@@ -178,6 +178,7 @@ enum Arch {
     Qwen2,
     Qwen3,
     Qwen3Moe,
+    GptOss,
     Gemma3,
     Lfm2,
     Qwen35,
@@ -210,13 +211,14 @@ impl Gguf {
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
+            "gpt-oss" => Ok(Arch::GptOss),
             "gemma3" => Ok(Arch::Gemma3),
             "lfm2" => Ok(Arch::Lfm2),
             "qwen35" => Ok(Arch::Qwen35),
             other => fail!(
                 Model,
                 "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
-                 qwen3moe, gemma3, lfm2, qwen35)",
+                 qwen3moe, gpt-oss, gemma3, lfm2, qwen35)",
                 self.path.display()
             ),
         }
@@ -237,7 +239,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     };
     // A mixture of experts' file may leave the dense width out: its experts' width stands in.
     let ffn = match (g.uint(&k("feed_forward_length")), arch) {
-        (Err(_), Arch::Qwen3Moe) => g.uint(&k("expert_feed_forward_length"))?,
+        (Err(_), Arch::Qwen3Moe | Arch::GptOss) => g.uint(&k("expert_feed_forward_length"))?,
         (ffn, _) => ffn?,
     };
     let mut c = serde_json::json!({
@@ -304,6 +306,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
         }
         Arch::Qwen35 => qwen35_fields(g, &mut c, layers)?,
+        Arch::GptOss => gpt_oss_fields(g, &mut c, layers)?,
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
             let (model_type, class) = match arch {
                 Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
@@ -382,6 +385,87 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
         }
     }
     Ok(c)
+}
+
+/// GPT-OSS's facts (llama.cpp's `gpt-oss` keys) under Hugging Face's names, as llama.cpp's
+/// graph reads them: sliding and full layers alternating (`attention.sliding_window_pattern`,
+/// an array of flags or a period, default 2: even layers slide), biased attention with
+/// sinks, YaRN from `rope.scaling.*` (beta 32 and 1, its ramp rounded to whole pairs), the
+/// experts' width from `expert_feed_forward_length`. The weights stay as the converter
+/// wrote them (`gguf_converted`).
+fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
+    let k = |s: &str| format!("gpt-oss.{s}");
+    let sliding: Vec<bool> = match g.get(&k("attention.sliding_window_pattern")) {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| matches!(v, Value::Bool(true)) || as_u64(v).is_some_and(|n| n != 0))
+            .collect(),
+        other => {
+            let n = other.and_then(as_u64).unwrap_or(2);
+            (0..layers).map(|l| n == 0 || l % n < n - 1).collect()
+        }
+    };
+    if sliding.len() as u64 != layers {
+        fail!(
+            Model,
+            "{}: {} sliding-layer flags for {layers} layers",
+            g.path.display(),
+            sliding.len()
+        );
+    }
+    c["model_type"] = "gpt_oss".into();
+    c["architectures"] = serde_json::json!(["GptOssForCausalLM"]);
+    c["gguf_converted"] = true.into();
+    c["attention_bias"] = true.into();
+    c["sliding_window"] = g.uint(&k("attention.sliding_window"))?.into();
+    c["layer_types"] = sliding
+        .iter()
+        .map(|&s| {
+            if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    c["num_local_experts"] = g.uint(&k("expert_count"))?.into();
+    c["num_experts_per_tok"] = g.uint(&k("expert_used_count"))?.into();
+    c["intermediate_size"] = g.uint(&k("expert_feed_forward_length"))?.into();
+    c["rms_norm_eps"] = g
+        .float(&k("attention.layer_norm_rms_epsilon"))
+        .unwrap_or(1e-5)
+        .into();
+    c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(150000.0).into();
+    if let Some(f) = g
+        .float(&k("rope.scaling.attn_factor"))
+        .filter(|&f| f != 1.0)
+    {
+        fail!(
+            Model,
+            "{}: rope.scaling.attn_factor {f} is not supported (1 only)",
+            g.path.display()
+        );
+    }
+    match g.string(&k("rope.scaling.type")) {
+        Ok("yarn") => {
+            let factor = g.float(&k("rope.scaling.factor")).with_context(|| {
+                format!("{}: YaRN rope scaling without a factor", g.path.display())
+            })?;
+            let original = g
+                .uint(&k("rope.scaling.original_context_length"))
+                .or_else(|_| g.uint(&k("context_length")))?;
+            c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": original, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": true});
+        }
+        Ok("none") | Err(_) => {}
+        Ok(other) => fail!(
+            Model,
+            "{}: rope scaling '{other}' is not supported for gpt-oss (yarn)",
+            g.path.display()
+        ),
+    }
+    Ok(())
 }
 
 /// Qwen3.5's facts (llama.cpp's `qwen35` keys) under Hugging Face's names: which layers
@@ -523,7 +607,7 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
             ("ffn_norm", "pre_feedforward_layernorm"),
             ("post_ffw_norm", "post_feedforward_layernorm"),
         ],
-        Arch::Qwen35 => &[("post_attention_norm", "post_attention_layernorm")],
+        Arch::Qwen35 | Arch::GptOss => &[("post_attention_norm", "post_attention_layernorm")],
         Arch::Lfm2 => unreachable!("lfm2_tensor_names names LFM2's tensors"),
     };
     // Qwen3.5's delta-rule layers hold `linear_attn.*` (kvplug's names where the
@@ -565,7 +649,7 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
         }
         // A mixture of experts in place of the MLP: the router and the 3-D expert tensors
         // (`[experts, rows, cols]`; kvplug's names for the stacked form).
-        let ffn: &[(&str, &str)] = if arch == Arch::Qwen3Moe {
+        let ffn: &[(&str, &str)] = if matches!(arch, Arch::Qwen3Moe | Arch::GptOss) {
             &[
                 ("ffn_gate_inp", "mlp.gate"),
                 ("ffn_gate_exps", "mlp.experts.gate_proj"),
@@ -579,6 +663,29 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
             v.push((
                 format!("blk.{l}.{g}.weight"),
                 format!("model.layers.{l}.{hf}.weight"),
+            ));
+        }
+        if arch == Arch::GptOss {
+            // Biases on q/k/v/o, the router and the experts; a sink per head.
+            let biased = [
+                ("attn_q", "self_attn.q_proj"),
+                ("attn_k", "self_attn.k_proj"),
+                ("attn_v", "self_attn.v_proj"),
+                ("attn_output", "self_attn.o_proj"),
+                ("ffn_gate_inp", "mlp.gate"),
+                ("ffn_gate_exps", "mlp.experts.gate_proj"),
+                ("ffn_up_exps", "mlp.experts.up_proj"),
+                ("ffn_down_exps", "mlp.experts.down_proj"),
+            ];
+            for (g, hf) in biased {
+                v.push((
+                    format!("blk.{l}.{g}.bias"),
+                    format!("model.layers.{l}.{hf}.bias"),
+                ));
+            }
+            v.push((
+                format!("blk.{l}.attn_sinks.weight"),
+                format!("model.layers.{l}.self_attn.sinks"),
             ));
         }
         if arch == Arch::Qwen2 {
@@ -814,17 +921,34 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         ])
         .into())
     };
+    // GPT-4o's (o200k, GPT-OSS's): the split regex of its tokenizer.json (case classes
+    // instead of Qwen's `(?i:…)` contractions; digit runs up to three), then byte-level.
+    let gpt4o = || -> Result<PreTokenizerWrapper> {
+        let regex = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+        let split = Split::new(
+            SplitPattern::Regex(regex.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| crate::Error::Model(format!("the gpt-4o split regex: {e}")))?;
+        Ok(Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, false, false).into(),
+        ])
+        .into())
+    };
     let pre: PreTokenizerWrapper = match pre {
         // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         "gpt2" | "default" => byte_level.into(),
         "qwen2" => split_then_bytes("", false)?,
         "qwen35" => split_then_bytes("", true)?,
+        "gpt-4o" | "llama4" => gpt4o()?,
         pre if is_llama3_pre(pre) => split_then_bytes("{1,3}", false)?,
         other => fail!(
             Model,
             "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, default, \
-             qwen2, qwen35, {})",
+             qwen2, qwen35, gpt-4o, llama4, {})",
             g.path.display(),
             LLAMA3_PRES.join(", ")
         ),

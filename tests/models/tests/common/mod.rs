@@ -113,6 +113,8 @@ pub struct Reference {
     /// K and V rows stored in this quantized dtype (rounded through core's affine
     /// quantization) before attention reads them.
     pub kv_quant: Option<kvplug::KvDtype>,
+    /// Rotated q and k multiplied by this (YaRN's magnitude factor).
+    pub rope_magnitude: Option<f64>,
 }
 
 /// `x` with each `n`-wide piece multiplied by `H_n/√n`, from the matrix's definition.
@@ -308,18 +310,47 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             )
         };
         let router = sparse.map(|e| mat(&format!("{p}mlp.gate.weight"), &[e.count, h]));
-        // Expert `e`'s SiLU MLP (expert 0 of a dense layer: its MLP).
+        // GPT-OSS: biases on the router and the experts (`[experts, rows]`), its clamped
+        // SwiGLU and its gating (a softmax over the top-k logits).
+        let gpt_oss = c.model_type == "gpt_oss";
+        let stacked_bias = |n: &str, rows: usize| {
+            let name = format!("{p}mlp.experts.{n}.bias");
+            pkg.has_tensor(&name).then(|| w(&name, &[en, rows]))
+        };
+        let (bg, bu, bd) = (
+            stacked_bias("gate_proj", ew),
+            stacked_bias("up_proj", ew),
+            stacked_bias("down_proj", h),
+        );
+        let router_bias = {
+            let name = format!("{p}mlp.gate.bias");
+            pkg.has_tensor(&name).then(|| w(&name, &[en]))
+        };
+        // Expert `e`'s gated MLP (expert 0 of a dense layer: its MLP).
         let expert = |e: usize, hn: &[f64]| -> Vec<f64> {
-            let part = |m: &(Vec<f64>, bool), rows: usize, cols: usize, x: &[f64]| {
-                matvec_as(m.1, &m.0[e * rows * cols..(e + 1) * rows * cols], rows, x)
+            let part = |m: &(Vec<f64>, bool), b: &Option<Vec<f64>>, rows, cols, x: &[f64]| {
+                let mut y = matvec_as(m.1, &m.0[e * rows * cols..(e + 1) * rows * cols], rows, x);
+                if let Some(b) = b {
+                    y.iter_mut()
+                        .zip(&b[e * rows..(e + 1) * rows])
+                        .for_each(|(y, b)| *y += b);
+                }
+                y
             };
-            let (g, u) = (part(&wg, ew, h, hn), part(&wu, ew, h, hn));
+            let (g, u) = (part(&wg, &bg, ew, h, hn), part(&wu, &bu, ew, h, hn));
             let m: Vec<f64> = g
                 .iter()
                 .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .map(|(&g, &u)| {
+                    if gpt_oss {
+                        let (g, u) = (g.min(7.0), u.clamp(-7.0, 7.0));
+                        g / (1.0 + (-1.702 * g).exp()) * (u + 1.0)
+                    } else {
+                        g / (1.0 + (-g).exp()) * u
+                    }
+                })
                 .collect();
-            part(&wd, h, ew, &m)
+            part(&wd, &bd, h, ew, &m)
         };
         let mlp = |x: &mut Vec<f64>| {
             let hn = norm(x, &ln2);
@@ -327,12 +358,20 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
                 (Some(e), Some(router)) => {
                     // Softmax over every expert; the per_token most probable (ties to the
                     // lower index), weighted by probability, renormalized when asked.
-                    let z = matvec(router, e.count, &hn);
+                    let mut z = matvec(router, e.count, &hn);
+                    if let Some(b) = &router_bias {
+                        z.iter_mut().zip(b).for_each(|(z, b)| *z += b);
+                    }
                     let max = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let total: f64 = z.iter().map(|z| (z - max).exp()).sum();
                     let mut order: Vec<usize> = (0..e.count).collect();
                     order.sort_by(|&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
                     order.truncate(e.per_token);
+                    // GPT-OSS softmaxes the chosen logits alone (`total` over them).
+                    let among: &[usize] = if gpt_oss { &order } else { &[] };
+                    let total: f64 = match among {
+                        [] => z.iter().map(|z| (z - max).exp()).sum(),
+                        chosen => chosen.iter().map(|&i| (z[i] - max).exp()).sum(),
+                    };
                     let p: Vec<f64> = order.iter().map(|&i| (z[i] - max).exp() / total).collect();
                     let sum: f64 = if e.renormalize { p.iter().sum() } else { 1.0 };
                     let mut d = vec![0.0; h];
@@ -476,6 +515,13 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             optional(format!("{p}self_attn.k_proj.bias"), hkv * hd),
             optional(format!("{p}self_attn.v_proj.bias"), hkv * hd),
         );
+        // GPT-OSS: the output's bias, a sink per head, this layer's own window.
+        let bo = optional(format!("{p}self_attn.o_proj.bias"), h);
+        let sinks = optional(format!("{p}self_attn.sinks"), hq);
+        let window = match c.attention[l] {
+            kvplug_core::LayerAttention::Sliding { window } => Some(window),
+            _ => r.window,
+        };
         let (nq, nk) = (
             optional(
                 format!("{p}self_attn.{}.weight", name("q_norm", "q_layernorm")),
@@ -500,6 +546,9 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             head_norm(&mut k, &nk);
             rope(&mut q, t);
             rope(&mut k, t);
+            if let Some(m) = r.rope_magnitude {
+                q.iter_mut().chain(k.iter_mut()).for_each(|x| *x *= m);
+            }
             if r.rotate_keys {
                 let n = 1 << hd.trailing_zeros();
                 (q, k) = (hadamard_f64(&q, n), hadamard_f64(&k, n));
@@ -517,8 +566,9 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             vs.push(v);
         }
         for (t, x) in xs.iter_mut().enumerate() {
-            let att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), r.window);
-            let o = matvec(&wo, h, &att);
+            let att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), window, sinks.as_deref());
+            let mut o = matvec(&wo, h, &att);
+            bias(&mut o, &bo);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             mlp(x);
         }
@@ -547,6 +597,7 @@ fn causal_attention(
     t: usize,
     (hq, hkv, hd): (usize, usize, usize),
     window: Option<usize>,
+    sinks: Option<&[f64]>,
 ) -> Vec<f64> {
     let mut att = vec![0.0; hq * hd];
     for head in 0..hq {
@@ -564,7 +615,9 @@ fn causal_attention(
             .collect();
         let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-        let z: f64 = e.iter().sum();
+        // A sink is one more score (unscaled) whose value is zero.
+        let sink = sinks.map_or(0.0, |s| (s[head] - max).exp());
+        let z: f64 = e.iter().sum::<f64>() + sink;
         for (j, ej) in (first..=t).zip(&e) {
             for d in 0..hd {
                 att[head * hd + d] += ej / z * vs[j][kh * hd + d];
@@ -666,7 +719,7 @@ fn qwen35_attention(
         vs.push(matvec(&wv, hkv * hd, &hn));
     }
     for (t, x) in xs.iter_mut().enumerate() {
-        let mut att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), None);
+        let mut att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), None, None);
         att.iter_mut()
             .zip(&gates[t])
             .for_each(|(a, g)| *a /= 1.0 + (-g).exp());
