@@ -194,7 +194,7 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains(&name) && e.contains("Q2K") && e.contains("cannot compute"),
+        e.contains(&name) && e.contains("q2_K") && e.contains("cannot compute"),
         "{e}"
     );
 

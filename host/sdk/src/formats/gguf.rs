@@ -12,8 +12,9 @@
 //! Face–style directory (`model.safetensors` — matrices dequantized to f16, vectors in f32 —
 //! with `kv_cache.*` metadata), the converter's changes undone.
 //!
-//! The container and the ggml block formats are read by candle's `gguf_file` (dequantized by
-//! its reference code for `import`); this module maps names and metadata.
+//! The container is read by [`super::gguf_file`] (kvplug's own reader: candle's refuses files
+//! with MXFP4 tensors and trusts claimed lengths); the block formats are dequantized by
+//! candle's reference code for `import`. This module maps names and metadata.
 //!
 //! Tokenizers: byte-level BPE (`tokenizer.ggml.model = gpt2`) from the vocabulary and merges;
 //! SentencePiece BPE (`llama`, as Gemma ships it) from the vocabulary and scores — the merge
@@ -23,42 +24,41 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::error::{fail, Context, Result};
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::GgmlDType;
 use candle_core::Device;
 use half::f16;
 use kvplug_core::files::open_regular;
 
-use super::gguf_check::{check_header, check_tensors};
+use super::gguf_file::{ggml_type, GgufFile};
 use safetensors::tensor::{Dtype, TensorView};
 use sha2::{Digest, Sha256};
 
 /// Reads a GGUF header and its metadata.
 struct Gguf {
     path: PathBuf,
-    content: Content,
+    file: GgufFile,
 }
 
 impl Gguf {
-    /// Parses the header (after [`check_header`]) and checks every tensor lies inside.
+    /// Reads the header; every tensor lies inside the file ([`GgufFile::read`]).
     fn open(path: &Path) -> Result<Self> {
-        check_header(path)?;
-        let (file, len) = open_regular(path)?;
-        let content = Content::read(&mut BufReader::new(file)).map_err(|e| {
-            crate::Error::Model(format!("{}: not a readable GGUF file: {e}", path.display()))
-        })?;
-        check_tensors(&content, len, path)?;
         Ok(Gguf {
             path: path.to_path_buf(),
-            content,
+            file: GgufFile::read(path)?,
         })
     }
 
     fn get(&self, key: &str) -> Option<&Value> {
-        self.content.metadata.get(key)
+        self.file.metadata.get(key)
+    }
+
+    fn has_tensor(&self, name: &str) -> bool {
+        self.file.tensors.contains_key(name)
     }
 
     fn string(&self, key: &str) -> Result<&str> {
@@ -133,15 +133,32 @@ impl Gguf {
             .collect()
     }
 
-    /// One tensor as f32, row-major in Hugging Face's `[rows, cols]` order.
+    /// One tensor as f32, row-major in Hugging Face's `[rows, cols]` order (dequantized by
+    /// candle's reference code: types candle reads only).
     fn tensor(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let mut r = BufReader::new(open_regular(&self.path)?.0);
-        let q = self
-            .content
-            .tensor(&mut r, name, &Device::Cpu)
-            .map_err(|e| {
-                crate::Error::Model(format!("{}: tensor '{name}': {e}", self.path.display()))
-            })?;
+        let at = |e: String| {
+            crate::Error::Model(format!("{}: tensor '{name}': {e}", self.path.display()))
+        };
+        let info = self
+            .file
+            .tensors
+            .get(name)
+            .ok_or_else(|| at("missing".into()))?;
+        let dtype = candle_type(info.ggml_type).ok_or_else(|| {
+            let type_name = ggml_type(info.ggml_type).map_or("unknown", |t| t.2);
+            at(format!("kvplug cannot dequantize {type_name} tensors"))
+        })?;
+        let mut raw = vec![0u8; info.bytes() as usize];
+        let mut f = open_regular(&self.path)?.0;
+        f.seek(SeekFrom::Start(self.file.data_offset + info.offset))?;
+        f.read_exact(&mut raw)?;
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            dtype,
+            &raw,
+            info.dims.clone(),
+            &Device::Cpu,
+        )
+        .map_err(|e| at(e.to_string()))?;
         let dims = q.shape().dims().to_vec();
         let t = q
             .dequantize(&Device::Cpu)
@@ -330,7 +347,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .into();
             c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
             // Llama 3.x: the converter turns rope_scaling into per-pair frequency divisors.
-            if g.content.tensor_infos.contains_key("rope_freqs.weight") {
+            if g.has_tensor("rope_freqs.weight") {
                 let (_, f) = g.tensor("rope_freqs.weight")?;
                 c["rope_freq_factors"] = f.iter().map(|&x| x as f64).collect();
             }
@@ -1114,22 +1131,44 @@ fn staging_dir(out: &Path, what: &str) -> Result<PathBuf> {
     Ok(tmp)
 }
 
-/// The stored-type name `gguf.json` uses for a ggml type (the kit's names), or `None` for a
-/// type kvplug does not compute.
-fn stored_type_name(t: candle_core::quantized::GgmlDType) -> Option<&'static str> {
-    use candle_core::quantized::GgmlDType as T;
-    Some(match t {
-        T::F32 => "f32",
-        T::F16 => "f16",
-        T::BF16 => "bf16",
-        T::Q4_0 => "q4_0",
-        T::Q4_1 => "q4_1",
-        T::Q5_0 => "q5_0",
-        T::Q5_1 => "q5_1",
-        T::Q8_0 => "q8_0",
-        T::Q4K => "q4_K",
-        T::Q5K => "q5_K",
-        T::Q6K => "q6_K",
+/// The stored-type name `gguf.json` uses for a ggml type id (the kit's names), or `None` for
+/// a type kvplug does not compute.
+fn stored_type_name(id: u32) -> Option<&'static str> {
+    Some(match id {
+        0 => "f32",
+        1 => "f16",
+        30 => "bf16",
+        2 => "q4_0",
+        3 => "q4_1",
+        6 => "q5_0",
+        7 => "q5_1",
+        8 => "q8_0",
+        12 => "q4_K",
+        13 => "q5_K",
+        14 => "q6_K",
+        _ => return None,
+    })
+}
+
+/// candle's type for a ggml type id it dequantizes.
+fn candle_type(id: u32) -> Option<GgmlDType> {
+    use GgmlDType as T;
+    Some(match id {
+        0 => T::F32,
+        1 => T::F16,
+        30 => T::BF16,
+        2 => T::Q4_0,
+        3 => T::Q4_1,
+        6 => T::Q5_0,
+        7 => T::Q5_1,
+        8 => T::Q8_0,
+        9 => T::Q8_1,
+        10 => T::Q2K,
+        11 => T::Q3K,
+        12 => T::Q4K,
+        13 => T::Q5K,
+        14 => T::Q6K,
+        15 => T::Q8K,
         _ => return None,
     })
 }
@@ -1149,35 +1188,33 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
     };
     let g = Gguf::open(gguf)?;
     let arch = g.arch()?;
-    let tied = !g.content.tensor_infos.contains_key("output.weight");
+    let tied = !g.has_tensor("output.weight");
     let config = config_json(&g, tied)?;
     let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
     let file = std::fs::canonicalize(gguf).with_context(|| format!("{}", gguf.display()))?;
     let mut tensors = std::collections::BTreeMap::new();
     for (src, dst) in tensor_names(arch, &config, tied) {
         let info = g
-            .content
-            .tensor_infos
+            .file
+            .tensors
             .get(&src)
             .with_context(|| format!("{}: tensor '{src}' is missing", gguf.display()))?;
-        let dtype = stored_type_name(info.ggml_dtype).with_context(|| {
+        let dtype = stored_type_name(info.ggml_type).with_context(|| {
             format!(
-                "{}: tensor '{src}' is {:?}, a type kvplug cannot compute (supported: f32, \
+                "{}: tensor '{src}' is {}, a type kvplug cannot compute (supported: f32, \
                  f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
                 gguf.display(),
-                info.ggml_dtype
+                ggml_type(info.ggml_type).map_or("unknown", |t| t.2)
             )
         })?;
-        let elems = info.shape.elem_count();
-        // check_tensors (at open) proved whole blocks inside the file.
-        let bytes = elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
         tensors.insert(
             dst,
             IndexedTensor {
                 dtype: dtype.into(),
-                shape: info.shape.dims().to_vec(),
-                offset: g.content.tensor_data_offset + info.offset,
-                bytes: bytes as u64,
+                shape: info.dims.clone(),
+                // GgufFile::read proved whole blocks inside the file.
+                offset: g.file.data_offset + info.offset,
+                bytes: info.bytes(),
             },
         );
     }
@@ -1224,7 +1261,7 @@ pub fn import(
     }
     let g = Gguf::open(gguf)?;
     let arch = g.arch()?;
-    let tied = !g.content.tensor_infos.contains_key("output.weight");
+    let tied = !g.has_tensor("output.weight");
     let config = config_json(&g, tied)?;
     let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
     let n = |k: &str| config[k].as_u64().unwrap_or(0) as usize;

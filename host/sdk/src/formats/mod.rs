@@ -2,7 +2,7 @@
 //! [`open_model`], which takes either a model directory or a GGUF file.
 
 pub mod gguf;
-mod gguf_check;
+mod gguf_file;
 pub mod synth;
 
 use std::path::Path;
