@@ -5,6 +5,7 @@
 
 use std::cell::RefCell;
 
+use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
 use kvplug_backend_kit::model::config::{Activation, Experts};
 use kvplug_backend_kit::model::moe::{combine, Expert, ExpertGroups, Routes};
 use kvplug_backend_kit::model::ops::{check_hadamard, hadamard_in_place, swiglu_oai};
@@ -154,7 +155,7 @@ impl ModelDevice for CpuDevice {
         check(data.len() == rows * cols, "weight")?;
         match data.dtype() {
             StoredDtype::F32 | StoredDtype::F16 | StoredDtype::BF16 => {}
-            StoredDtype::Block(f) => {
+            StoredDtype::Block(f) if BLOCK_FORMATS.contains(&f) => {
                 if !cols.is_multiple_of(f.block_elems()) {
                     return Err(KitError::Device(format!(
                         "a {} weight's rows must be whole {}-value blocks; it has {cols} columns",

@@ -552,6 +552,7 @@ const fn format_index(f: BlockFormat) -> usize {
         BlockFormat::Q4K => 5,
         BlockFormat::Q5K => 6,
         BlockFormat::Q6K => 7,
+        BlockFormat::Mxfp4 => panic!("MXFP4 is re-encoded at load (StoredTensor::computable)"),
     }
 }
 
@@ -809,6 +810,7 @@ fn unpack(f: BlockFormat, b: &[u8], n: usize) -> Group {
                 }
             }
         }
+        BlockFormat::Mxfp4 => unreachable!("MXFP4 is re-encoded at load"),
         BlockFormat::Q6K => {
             let d = half_at(b, 208);
             // Half h (128 values) holds sub-blocks 4h..4h+4: low nibbles of ql[0..32] and
@@ -1235,6 +1237,7 @@ mod x86 {
                     }
                 }
             }
+            BlockFormat::Mxfp4 => unreachable!("MXFP4 is re-encoded at load"),
             BlockFormat::Q6K => {
                 let two = _mm256_set1_epi8(0x30);
                 for h in 0..2 {
@@ -2295,6 +2298,7 @@ mod tests {
                 BlockFormat::Q4K => (16..144, 0xff),
                 BlockFormat::Q5K => (16..176, 0xff),
                 BlockFormat::Q6K => (0..192, 0xff),
+                BlockFormat::Mxfp4 => unreachable!("not in BLOCK_FORMATS"),
             };
             let mut w = random_blocks(f, rows * cols / f.block_elems(), &mut Rng(5));
             for b in w.chunks_exact_mut(f.block_bytes()) {

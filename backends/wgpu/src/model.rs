@@ -44,11 +44,11 @@ fn dtype_flag(d: StoredDtype) -> Result<u32, KitError> {
         StoredDtype::F32 => 0,
         StoredDtype::F16 => 1,
         StoredDtype::BF16 => 2,
-        StoredDtype::Block(f) => {
+        StoredDtype::Block(f) if BLOCK_FORMATS.contains(&f) => {
             3 + BLOCK_FORMATS
                 .iter()
                 .position(|&g| g == f)
-                .expect("every format is listed") as u32
+                .expect("checked above") as u32
         }
         other => {
             return Err(KitError::Device(format!(

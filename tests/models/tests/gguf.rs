@@ -248,6 +248,7 @@ fn every_block_format_dequantizes_like_candle_on_random_blocks() {
             F::Q4K => GgmlDType::Q4K,
             F::Q5K => GgmlDType::Q5K,
             F::Q6K => GgmlDType::Q6K,
+            F::Mxfp4 => unreachable!("MXFP4 is not in BLOCK_FORMATS (candle has no MXFP4)"),
         };
         let blocks = 96;
         let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())

@@ -29,9 +29,27 @@ pub enum BlockFormat {
     /// 256 values in 16 sub-blocks of 16 with i8 scales under an f16 `d`; 6-bit codes,
     /// `x = d·sc·(q − 32)`.
     Q6K,
+    /// 32 values (OCP's MX FP4, GPT-OSS's experts): an E8M0 scale byte `e`, then 4-bit E2M1
+    /// codes (low nibbles values 0..16, high ones 16..32); `x = kvalue[q]·2^(e − 128)`, the
+    /// kvalues being E2M1 doubled ([`MXFP4_VALUES`]). No backend computes it in place: the
+    /// kit re-encodes it once at load ([`StoredTensor::computable`](super::StoredTensor::computable)).
+    Mxfp4,
 }
 
-/// Every block format, in GGML type order.
+/// MXFP4's code values, E2M1 numbers doubled (ggml's `kvalues_mxfp4`).
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// MXFP4's scale: `2^(e − 128)` (ggml's `GGML_E8M0_TO_FP32_HALF`: E8M0 halved, as the codes
+/// are doubled), exact in f32 for every byte (subnormal for `e` < 2).
+pub fn e8m0_half(e: u8) -> f32 {
+    f32::from_bits(match e {
+        0 | 1 => 0x0020_0000 << e,
+        e => u32::from(e - 1) << 23,
+    })
+}
+
+/// Every block format the backends compute on (MXFP4 aside: it is re-encoded at load), in
+/// GGML type order.
 pub const BLOCK_FORMATS: [BlockFormat; 8] = [
     BlockFormat::Q4_0,
     BlockFormat::Q4_1,
@@ -63,6 +81,7 @@ impl BlockFormat {
             BlockFormat::Q4K => 144,
             BlockFormat::Q5K => 176,
             BlockFormat::Q6K => 210,
+            BlockFormat::Mxfp4 => 17,
         }
     }
 
@@ -77,6 +96,7 @@ impl BlockFormat {
             BlockFormat::Q4K => "q4_K",
             BlockFormat::Q5K => "q5_K",
             BlockFormat::Q6K => "q6_K",
+            BlockFormat::Mxfp4 => "mxfp4",
         }
     }
 
@@ -86,6 +106,8 @@ impl BlockFormat {
             BlockFormat::Q4_0 | BlockFormat::Q5_0 | BlockFormat::Q8_0 => &[0],
             BlockFormat::Q4_1 | BlockFormat::Q5_1 | BlockFormat::Q4K | BlockFormat::Q5K => &[0, 2],
             BlockFormat::Q6K => &[208],
+            // E8M0 has no infinity or NaN in ggml's reading (byte 255 is 2^127).
+            BlockFormat::Mxfp4 => &[],
         }
     }
 
@@ -100,6 +122,7 @@ impl BlockFormat {
             12 => BlockFormat::Q4K,
             13 => BlockFormat::Q5K,
             14 => BlockFormat::Q6K,
+            39 => BlockFormat::Mxfp4,
             _ => return None,
         })
     }
@@ -108,6 +131,7 @@ impl BlockFormat {
     pub fn from_name(name: &str) -> Option<Self> {
         BLOCK_FORMATS
             .into_iter()
+            .chain([BlockFormat::Mxfp4])
             .find(|f| f.name().eq_ignore_ascii_case(name))
     }
 
@@ -129,9 +153,10 @@ pub fn weights_features(widened: &[BlockFormat]) -> Vec<String> {
     };
     let native = ["f32", "f16", "bf16"].into_iter().chain(names(true));
     let mut features = vec![format!("weights={}", native.collect::<Vec<_>>().join("|"))];
-    if !widened.is_empty() {
-        features.push(format!("weights-widened={}", names(false).join("|")));
-    }
+    // MXFP4 is re-encoded by the kit for every backend.
+    let mut widened = names(false);
+    widened.push(BlockFormat::Mxfp4.name());
+    features.push(format!("weights-widened={}", widened.join("|")));
     features
 }
 
@@ -167,7 +192,7 @@ impl BlockFormat {
             BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q4K => Some(4),
             BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q5K => Some(5),
             BlockFormat::Q8_0 => Some(8),
-            BlockFormat::Q6K => None,
+            BlockFormat::Q6K | BlockFormat::Mxfp4 => None,
         }
     }
 }
@@ -265,14 +290,14 @@ pub fn affine_row(
                     }
                 }
             }
-            BlockFormat::Q6K => unreachable!("asserted above"),
+            BlockFormat::Q6K | BlockFormat::Mxfp4 => unreachable!("asserted above"),
         }
     }
 }
 
 /// Dequantizes whole blocks `bytes` into `out` (`out.len()` values: `bytes.len() /
-/// block_bytes · block_elems`): the affine formats through [`affine_row`], Q6_K as ggml
-/// writes it. Panics when the lengths disagree.
+/// block_bytes · block_elems`): the affine formats through [`affine_row`], Q6_K and MXFP4 as
+/// ggml writes them. Panics when the lengths disagree.
 pub fn dequantize_row(format: BlockFormat, bytes: &[u8], out: &mut [f32]) {
     let (be, bb) = (format.block_elems(), format.block_bytes());
     assert!(
@@ -283,6 +308,14 @@ pub fn dequantize_row(format: BlockFormat, bytes: &[u8], out: &mut [f32]) {
         out.len()
     );
     for (b, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
+        if format == BlockFormat::Mxfp4 {
+            let d = e8m0_half(b[0]);
+            for (j, &q) in b[1..17].iter().enumerate() {
+                y[j] = f32::from(MXFP4_VALUES[usize::from(q & 0x0f)]) * d;
+                y[j + 16] = f32::from(MXFP4_VALUES[usize::from(q >> 4)]) * d;
+            }
+            continue;
+        }
         if format.affine_bits().is_some() {
             let (mut codes, mut scale, mut bias) = ([0u8; 256], [0f32; 8], [0f32; 8]);
             let groups = be / AFFINE_GROUP;

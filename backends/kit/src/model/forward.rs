@@ -253,7 +253,7 @@ impl<D: ModelDevice> DecoderModel<D> {
         };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<D::Weight, ModelError> {
             device
-                .weight(pkg.tensor(name, &[rows, cols])?, rows, cols)
+                .weight(pkg.tensor(name, &[rows, cols])?.computable(), rows, cols)
                 .map_err(weights_err)
         };
         let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
@@ -295,7 +295,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                         let rows = bcx.rows(h, i * h..(i + 1) * h).ok_or_else(|| {
                             ModelError::Malformed(format!("{name}: rows of partial blocks"))
                         })?;
-                        device.weight(rows, h, h).map_err(weights_err)
+                        device.weight(rows.computable(), h, h).map_err(weights_err)
                     };
                     // Hugging Face stores the depthwise kernel as [h, 1, width]; a GGUF as
                     // [h, width].
@@ -349,7 +349,9 @@ impl<D: ModelDevice> DecoderModel<D> {
                         let picked = t.gather(h, &rows).ok_or_else(|| {
                             ModelError::Malformed(format!("layer {l}: q/k rows of partial blocks"))
                         })?;
-                        device.weight(picked, n, h).map_err(weights_err)
+                        device
+                            .weight(picked.computable(), n, h)
+                            .map_err(weights_err)
                     };
                     let permuted = |name: &str| -> Result<D::Tensor, ModelError> {
                         let w = pkg.tensor_f32(&format!("{a}{name}.weight"), &[hd])?;
@@ -982,7 +984,9 @@ fn load_experts<D: ModelDevice>(
                 .ok_or_else(|| ModelError::Malformed(format!("{name}: rows of partial blocks")))?,
             None => pkg.tensor(&format!("{p}mlp.experts.{e}.{proj}.weight"), &[rows, cols])?,
         };
-        device.weight(data, rows, cols).map_err(weights_err)
+        device
+            .weight(data.computable(), rows, cols)
+            .map_err(weights_err)
     };
     // GPT-OSS's expert biases: `[experts, rows]` each, a row per expert.
     let biases = parts

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use super::blocks::{dequantize_row, BlockFormat};
+use super::blocks::{dequantize_row, e8m0_half, BlockFormat, MXFP4_VALUES};
 
 #[cfg(target_endian = "big")]
 compile_error!("stored tensors are read in place as little-endian values");
@@ -183,6 +183,51 @@ impl StoredTensor {
         Self::new(self.dtype, Arc::new(bytes), 0..len)
     }
 
+    /// This tensor in a dtype every backend computes: itself, but for MXFP4, which no
+    /// backend reads in place yet and which is re-encoded once, exactly, as Q5_0 (a code
+    /// `kvalue + 16`, the block's scale `2^(e − 128)` as its f16 `d`; 22 bytes a block for
+    /// 17), or as f32 where a block with a nonzero code has a scale outside f16's range
+    /// (`e` outside 104..=143).
+    pub fn computable(self) -> Self {
+        if self.dtype != StoredDtype::Block(BlockFormat::Mxfp4) {
+            return self;
+        }
+        let blocks = self.bytes().chunks_exact(17);
+        let fits = |b: &[u8]| (104..=143).contains(&b[0]) || b[1..].iter().all(|&q| q & 0x77 == 0);
+        if !blocks.clone().all(fits) {
+            tracing::warn!("an MXFP4 tensor's scales fall outside f16's range: widened to f32");
+            return Self::from_f32(&self.to_f32());
+        }
+        let mut out = Vec::with_capacity(blocks.len() * 22);
+        for b in blocks {
+            let codes: Vec<u8> = (0..32)
+                .map(|j| {
+                    let q = if j < 16 {
+                        b[1 + j] & 0x0f
+                    } else {
+                        b[j - 15] >> 4
+                    };
+                    (MXFP4_VALUES[usize::from(q)] + 16) as u8
+                })
+                .collect();
+            let d = if (104..=143).contains(&b[0]) {
+                half::f16::from_f32(e8m0_half(b[0]))
+            } else {
+                half::f16::ZERO
+            };
+            out.extend(d.to_le_bytes());
+            let qh = codes
+                .iter()
+                .enumerate()
+                .fold(0u32, |h, (j, &c)| h | (u32::from(c >> 4) << j));
+            out.extend(qh.to_le_bytes());
+            out.extend((0..16).map(|j| (codes[j] & 0x0f) | ((codes[j + 16] & 0x0f) << 4)));
+        }
+        let len = out.len();
+        Self::new(StoredDtype::Block(BlockFormat::Q5_0), Arc::new(out), 0..len)
+            .expect("whole Q5_0 blocks")
+    }
+
     /// The element encoding.
     pub fn dtype(&self) -> StoredDtype {
         self.dtype
@@ -279,6 +324,47 @@ impl StoredTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// MXFP4 blocks (every code, scales across f16's range and a zero block with a tiny
+    /// scale) re-encode as Q5_0 that dequantizes to the same numbers; a nonzero block with a
+    /// scale below f16's range widens the tensor to f32, exactly.
+    #[test]
+    fn mxfp4_re_encodes_exactly() {
+        let block = |e: u8, salt: u8| -> Vec<u8> {
+            let mut b = vec![e];
+            b.extend((0..16u8).map(|j| j.wrapping_mul(17).wrapping_add(salt)));
+            b
+        };
+        let bytes: Vec<u8> = [block(104, 0), block(127, 3), block(143, 9), {
+            let mut zero = vec![3u8];
+            zero.extend([0x88u8; 16]); // codes 8: kvalue 0 (a negative zero)
+            zero
+        }]
+        .concat();
+        let t = |b: Vec<u8>| {
+            let n = b.len();
+            StoredTensor::new(StoredDtype::Block(BlockFormat::Mxfp4), Arc::new(b), 0..n).unwrap()
+        };
+        let mxfp4 = t(bytes);
+        let want = mxfp4.to_f32();
+        // Byte 2's low nibble (value 1) is code 1: kvalue 1 under 2^(104 − 128).
+        assert_eq!(want[1], 2f32.powi(-24));
+        assert_eq!(
+            (e8m0_half(0), e8m0_half(255)),
+            (2f32.powi(-128), 2f32.powi(127))
+        );
+        let q5 = mxfp4.clone().computable();
+        assert_eq!(q5.dtype(), StoredDtype::Block(BlockFormat::Q5_0));
+        assert_eq!(q5.byte_len(), 4 * 22);
+        let got = q5.to_f32();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g == w, "value {i}: {g} after re-encoding, {w} before");
+        }
+        let tiny = t(block(100, 1));
+        let wide = tiny.clone().computable();
+        assert_eq!(wide.dtype(), StoredDtype::F32);
+        assert_eq!(wide.to_f32(), tiny.to_f32());
+    }
 
     #[test]
     fn misaligned_ranges_are_copied_and_read_the_same() {

@@ -1146,6 +1146,7 @@ fn stored_type_name(id: u32) -> Option<&'static str> {
         12 => "q4_K",
         13 => "q5_K",
         14 => "q6_K",
+        39 => "mxfp4",
         _ => return None,
     })
 }
@@ -1202,7 +1203,7 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
         let dtype = stored_type_name(info.ggml_type).with_context(|| {
             format!(
                 "{}: tensor '{src}' is {}, a type kvplug cannot compute (supported: f32, \
-                 f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                 f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, mxfp4)",
                 gguf.display(),
                 ggml_type(info.ggml_type).map_or("unknown", |t| t.2)
             )
