@@ -52,6 +52,7 @@ pub fn render_here(src: &str, ctx: &serde_json::Value) -> Result<String, String>
         Err(Error::new(ErrorKind::InvalidOperation, msg))
     });
     env.add_filter("tojson", tojson);
+    env.add_function("strftime_now", strftime_now);
     env.add_template("chat", src)
         .map_err(|e| format!("the chat template does not parse: {e}"))?;
     let mut out = Capped(Vec::new());
@@ -68,6 +69,23 @@ pub fn render_here(src: &str, ctx: &serde_json::Value) -> Result<String, String>
         )),
         Err(e) => Err(format!("rendering the chat template: {e}")),
     }
+}
+
+/// `strftime_now(format)`: the local time now in a C `strftime` format, as Hugging Face's
+/// and llama.cpp's template environments provide it (Llama 3.x and GPT-OSS print the
+/// date); a format chrono cannot read is a template error.
+fn strftime_now(format: String) -> Result<String, Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item<'_>> = StrftimeItems::new(&format).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: '{format}' is not a strftime format"),
+        ));
+    }
+    Ok(chrono::Local::now()
+        .format_with_items(items.into_iter())
+        .to_string())
 }
 
 /// Rendered text that refuses to grow past [`MAX_RENDERED`] (its length then says why).
@@ -412,6 +430,17 @@ mod tests {
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
         let e = render_here(src, &json!({})).unwrap_err();
         assert!(e.contains("fuel"), "{e}");
+    }
+
+    #[test]
+    fn strftime_now_prints_the_date_and_refuses_bad_formats() {
+        let today = chrono::Local::now().format("%Y-%m-%d").to_string();
+        let got = r("{{ strftime_now('%Y-%m-%d') }}", serde_json::json!({}));
+        // Around midnight the day may turn between the two readings.
+        let after = chrono::Local::now().format("%Y-%m-%d").to_string();
+        assert!(got == today || got == after, "{got}");
+        let e = render_here("{{ strftime_now('%Q') }}", &serde_json::json!({})).unwrap_err();
+        assert!(e.contains("not a strftime format"), "{e}");
     }
 
     #[test]
