@@ -17,7 +17,7 @@ pub enum ModelError {
     /// An architecture this kit does not implement.
     #[error(
         "unsupported architecture '{0}' (supported: llama, mistral, qwen2, qwen3, qwen3_moe, \
-         gemma3_text, lfm2, qwen3_5_text)"
+         gpt_oss, gemma3_text, lfm2, qwen3_5_text)"
     )]
     Unsupported(String),
 }
@@ -512,6 +512,16 @@ impl ModelConfig {
                 "linear" => return Ok(c),
                 "llama3" => {}
                 "yarn" => {
+                    // As GPT-OSS's GGUF states it: no mscale keys, every dim rotating.
+                    // Other families' YaRN (attention_factor, mscale_all_dim, partial
+                    // rotary) would compute something else: refused until read.
+                    if c.model_type != "gpt_oss" || c.rotary_dim() != c.head_dim() {
+                        return Err(ModelError::Malformed(format!(
+                            "rope_scaling type 'yarn' is supported for gpt_oss with full \
+                             rotary only, not {}",
+                            c.model_type
+                        )));
+                    }
                     positive(
                         "rope_scaling.original_max_position_embeddings",
                         s.original_max_position_embeddings,
@@ -855,7 +865,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, qwen3, \
-             qwen3_moe, gemma3_text, lfm2, qwen3_5_text)"
+             qwen3_moe, gpt_oss, gemma3_text, lfm2, qwen3_5_text)"
         );
         let e = ModelConfig::parse(
             &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),
@@ -1052,6 +1062,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("GGUF files only"), "{e}");
+        // Other families' YaRN (mscale keys, partial rotary) is not read yet: refused.
+        let yarn = SMOL.replace(
+            "\"extra\": 1",
+            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
+        );
+        let e = ModelConfig::parse(&yarn).unwrap_err().to_string();
+        assert!(e.contains("supported for gpt_oss"), "{e}");
     }
 
     /// LFM2-350M's config.json as Liquid AI publishes it (fields this kit reads).

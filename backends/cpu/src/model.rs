@@ -7,7 +7,9 @@ use std::cell::RefCell;
 
 use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
 use kvplug_backend_kit::model::config::{Activation, Experts};
-use kvplug_backend_kit::model::moe::{combine, Expert, ExpertGroups, Routes};
+use kvplug_backend_kit::model::moe::{
+    check as check_routes, combine, Expert, ExpertGroups, Routes,
+};
 use kvplug_backend_kit::model::ops::{check_hadamard, hadamard_in_place, swiglu_oai};
 use kvplug_backend_kit::model::{
     BlockFormat, ModelDevice, Projection, StoredDtype, StoredTensor, StoredValues,
@@ -395,12 +397,8 @@ impl ModelDevice for CpuDevice {
         let [t, h] = x.dims[..] else {
             return check(false, "experts");
         };
-        check(
-            out.dims == x.dims
-                && routes.tokens() == t
-                && groups.pairs.len() == routes.experts.len(),
-            "experts",
-        )?;
+        check(out.dims == x.dims, "experts")?;
+        check_routes(routes, groups, t, experts.len()).map_err(KitError::Device)?;
         for (e, _) in groups.used() {
             let ex = experts
                 .get(e)

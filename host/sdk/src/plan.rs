@@ -66,7 +66,8 @@ pub struct GroupPlan {
 /// The plan.
 #[derive(Debug, serde::Serialize)]
 pub struct Plan {
-    /// Bytes of the weights as stored (all of them mapped).
+    /// Bytes the weights take: as stored (mapped), but MXFP4 tensors as the Q5_0 they are
+    /// re-encoded into at load (22 bytes a block for 17, in memory).
     pub weight_bytes: u64,
     /// Parameters (weight elements) in all.
     pub parameters: u64,
@@ -113,8 +114,15 @@ struct Census {
 }
 
 impl Census {
-    fn add(&mut self, name: &str, shape: &[usize], bytes: u64) {
+    /// Counts tensor `name` of `shape`, `bytes` stored in `dtype` (the kit's names).
+    fn add(&mut self, name: &str, shape: &[usize], bytes: u64, dtype: &str) {
         let elems = shape.iter().product::<usize>() as u64;
+        // MXFP4 is re-encoded at load as Q5_0 (StoredTensor::computable).
+        let bytes = if dtype == "mxfp4" {
+            bytes / 17 * 22
+        } else {
+            bytes
+        };
         self.bytes += bytes;
         self.parameters += elems;
         if name.contains(".mlp.experts.") {
@@ -147,7 +155,7 @@ fn census(dir: &Path) -> Result<Census> {
         )?)
         .with_context(|| format!("{}", index.display()))?;
         for (name, t) in &index.tensors {
-            c.add(name, &t.shape, t.bytes);
+            c.add(name, &t.shape, t.bytes, &t.dtype);
         }
         return Ok(c);
     }
@@ -162,7 +170,7 @@ fn census(dir: &Path) -> Result<Census> {
         let st = SafeTensors::deserialize(&map)
             .with_context(|| format!("{}: not a safetensors file", p.display()))?;
         for (name, v) in st.tensors() {
-            c.add(&name, v.shape(), v.data().len() as u64);
+            c.add(&name, v.shape(), v.data().len() as u64, "");
         }
     }
     Ok(c)

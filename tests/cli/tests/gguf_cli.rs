@@ -120,6 +120,10 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
         let f = features(id);
         assert!(f.iter().any(|f| f == all), "{id}: {f:?}");
         assert!(!f.iter().any(|f| f.starts_with("weights-widened")), "{id}");
+        assert!(
+            f.iter().any(|f| f == "weights-reencoded=mxfp4"),
+            "{id}: {f:?}"
+        );
     }
     let mlx = features("mlx");
     assert!(

@@ -143,7 +143,9 @@ impl BlockFormat {
 
 /// The `features` entries (for `kvplug plugins`) of a backend that computes f32/f16/bf16
 /// weights in place and every block format in place but those it widens once at load
-/// (`widened`): `weights=f32|f16|bf16|q4_0|…` and, if any, `weights-widened=q6_K|…`.
+/// (`widened`): `weights=f32|f16|bf16|q4_0|…`, if any `weights-widened=q6_K|…`, and
+/// `weights-reencoded=mxfp4` (the kit re-encodes MXFP4 once at load for every backend,
+/// [`StoredTensor::computable`](super::StoredTensor::computable)).
 pub fn weights_features(widened: &[BlockFormat]) -> Vec<String> {
     let names = |native: bool| -> Vec<&str> {
         let formats = BLOCK_FORMATS
@@ -153,10 +155,10 @@ pub fn weights_features(widened: &[BlockFormat]) -> Vec<String> {
     };
     let native = ["f32", "f16", "bf16"].into_iter().chain(names(true));
     let mut features = vec![format!("weights={}", native.collect::<Vec<_>>().join("|"))];
-    // MXFP4 is re-encoded by the kit for every backend.
-    let mut widened = names(false);
-    widened.push(BlockFormat::Mxfp4.name());
-    features.push(format!("weights-widened={}", widened.join("|")));
+    if !widened.is_empty() {
+        features.push(format!("weights-widened={}", names(false).join("|")));
+    }
+    features.push(format!("weights-reencoded={}", BlockFormat::Mxfp4.name()));
     features
 }
 

@@ -756,7 +756,11 @@ impl<D: ModelDevice> DecoderModel<D> {
                         .ok_or_else(|| KitError::Device("router buffers missing".into()))?;
                     d.linear(&a.hn, router, router_bias.as_ref(), &mut m.logits)?;
                     d.download_into(&m.logits, TensorDtype::F32, &mut m.downloaded)?;
-                    m.downloaded.read_f32_into(&mut m.host);
+                    if !m.downloaded.read_f32_into(&mut m.host) {
+                        return Err(KitError::Device(
+                            "the router's logits did not download as f32".into(),
+                        ));
+                    }
                     route(&m.host, spec, &mut m.routes);
                     m.groups.group(&m.routes, spec.count);
                     d.experts(&a.hn, experts, spec, &m.routes, &m.groups, &mut a.o)?;

@@ -140,6 +140,31 @@ impl ExpertGroups {
     }
 }
 
+/// Refuses routes and groups that do not fit each other, `t` tokens and `count` experts
+/// (what [`ModelDevice::experts`](super::ModelDevice::experts) implementations index by).
+pub fn check(routes: &Routes, groups: &ExpertGroups, t: usize, count: usize) -> Result<(), String> {
+    let n = routes.experts.len();
+    let fits = routes.per_token > 0
+        && n == t * routes.per_token
+        && routes.weights.len() == n
+        && groups.pairs.len() == n
+        && groups.at.len() == n
+        && groups.starts.len() == count + 1
+        && groups.starts.last() == Some(&n)
+        && groups.pairs.iter().all(|&p| p < n)
+        && groups.at.iter().all(|&a| a < n)
+        && routes.experts.iter().all(|&e| (e as usize) < count);
+    if fits {
+        Ok(())
+    } else {
+        Err(format!(
+            "experts: {n} routes of {} per token for {t} tokens over {count} experts do not \
+             fit their groups",
+            routes.per_token
+        ))
+    }
+}
+
 /// `out[t] = Σ_j weights[t·k + j] · rows[at[t·k + j]]` summed in slot order `j` from zero:
 /// the experts' outputs (`rows`, `[routes, n]` in grouped order) combined per token into
 /// `out` (`[T, n]`). Every backend sums in this order, so a token's result does not depend

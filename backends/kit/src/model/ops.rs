@@ -7,7 +7,7 @@ use crate::cache::KitError;
 use crate::device::Device;
 
 use super::config::{Activation, Experts};
-use super::moe::{combine, Expert, ExpertGroups, Routes};
+use super::moe::{check, combine, Expert, ExpertGroups, Routes};
 use super::stored::StoredTensor;
 
 /// Refuses a [`ModelDevice::hadamard`] call whose shapes break its contract: `n` not a power
@@ -282,12 +282,7 @@ pub trait ModelDevice: Device {
                 "experts: input of shape {dims:?}"
             )));
         };
-        if routes.tokens() != t {
-            return Err(KitError::Device(format!(
-                "experts: {} routed tokens for {t} rows",
-                routes.tokens()
-            )));
-        }
+        check(routes, groups, t, experts.len()).map_err(KitError::Device)?;
         let mut rows = vec![0f32; groups.pairs.len() * h];
         let mut tokens = Vec::new();
         for (e, range) in groups.used() {

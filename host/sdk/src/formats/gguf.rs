@@ -250,6 +250,15 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     let heads = g.uint(&k("attention.head_count"))?;
     let hidden = g.uint(&k("embedding_length"))?;
     let layers = g.uint(&k("block_count"))?;
+    // Bounded before any per-layer list is made from it.
+    let max_layers = kvplug_core::limits::MAX_LAYERS as u64;
+    if layers > max_layers {
+        fail!(
+            Model,
+            "{}: {layers} layers (block_count) is above the limit of {max_layers}",
+            g.path.display()
+        );
+    }
     let vocab = match g.uint(&k("vocab_size")) {
         Ok(v) => v,
         Err(_) => g.strings("tokenizer.ggml.tokens")?.len() as u64,

@@ -6,10 +6,11 @@
 //! the tensor it cannot compute. And candle allocates every length the header claims before
 //! reading it and divides by `general.alignment` unchecked, so one corrupt number panicked or
 //! aborted the process (the fuzz test found a capacity overflow within three inputs). Here
-//! every claimed length is checked against the bytes that remain before anything is
-//! allocated, and every tensor's extent against the file. Metadata values are candle's
-//! [`Value`] (the block formats are still dequantized by candle's reference code, for
-//! `import`).
+//! every claimed length is checked against the bytes that remain before it is read, counts
+//! are capped ([`MAX_ARRAY`], [`MAX_TENSORS`]) and reservations bounded, so memory follows
+//! what the file really holds; every tensor's extent is checked against the file. Metadata
+//! values are candle's [`Value`] (the block formats are still dequantized by candle's
+//! reference code, for `import`).
 
 use std::collections::HashMap;
 use std::io::{BufReader, Read};
@@ -26,6 +27,12 @@ const MAX_DEPTH: usize = 4;
 const MAX_DIMS: u32 = 4;
 /// The data section's alignment when `general.alignment` does not say.
 const DEFAULT_ALIGNMENT: u64 = 32;
+/// Most elements of one metadata array (real vocabularies and merge lists: under 2^20).
+pub const MAX_ARRAY: u64 = 1 << 24;
+/// Most tensors in one file (real files: under 2^14).
+pub const MAX_TENSORS: u64 = 1 << 20;
+/// Most elements reserved ahead of reading them (a vector grows past it as items arrive).
+const RESERVE: u64 = 1 << 16;
 
 /// One tensor's place: its ggml type, its dims in row-major order (ggml's reversed:
 /// `[rows, cols]` for a matrix), and its offset in the data section.
@@ -108,9 +115,17 @@ impl<R: Read> Cursor<R> {
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut b = [0u8; N];
         self.r.read_exact(&mut b).context("the header ends early")?;
-        self.left -= N as u64;
-        self.read += N as u64;
+        self.consumed(N as u64)?;
         Ok(b)
+    }
+    /// Counts `n` bytes read (a file that grew while read is refused, not wrapped around).
+    fn consumed(&mut self, n: u64) -> Result<()> {
+        self.left = self
+            .left
+            .checked_sub(n)
+            .context("the file changed while its header was read")?;
+        self.read += n;
+        Ok(())
     }
     fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(self.bytes()?))
@@ -129,8 +144,7 @@ impl<R: Read> Cursor<R> {
         }
         let mut b = vec![0u8; n as usize];
         self.r.read_exact(&mut b).context("the header ends early")?;
-        self.left -= n;
-        self.read += n;
+        self.consumed(n)?;
         Ok(b)
     }
     fn string(&mut self, what: &str) -> Result<String> {
@@ -158,14 +172,14 @@ impl<R: Read> Cursor<R> {
                 let n = self.u64()?;
                 // Every element takes at least one byte: a count beyond the bytes left is
                 // a lie, whatever the element type.
-                if n > self.left {
+                if n > self.left || n > MAX_ARRAY {
                     fail!(
                         Model,
-                        "an array claims {n} elements but only {} bytes remain",
+                        "an array claims {n} elements ({} bytes remain; at most {MAX_ARRAY})",
                         self.left
                     );
                 }
-                let mut items = Vec::with_capacity(n as usize);
+                let mut items = Vec::with_capacity(n.min(RESERVE) as usize);
                 for _ in 0..n {
                     items.push(self.value(elem, depth + 1)?);
                 }
@@ -202,6 +216,9 @@ impl GgufFile {
             }
             let tensors = c.u64()?;
             let kvs = c.u64()?;
+            if tensors > MAX_TENSORS {
+                fail!(Model, "{tensors} tensors (at most {MAX_TENSORS})");
+            }
             // A key/value takes at least 12 bytes, a tensor info at least 24.
             if kvs
                 .saturating_mul(12)
@@ -213,13 +230,13 @@ impl GgufFile {
                     "{kvs} metadata entries and {tensors} tensors cannot fit in the file"
                 );
             }
-            let mut metadata = HashMap::new();
+            let mut metadata = HashMap::with_capacity(kvs.min(RESERVE) as usize);
             for _ in 0..kvs {
                 let key = c.string("a metadata key")?;
                 let ty = c.u32()?;
                 metadata.insert(key, c.value(ty, 0)?);
             }
-            let mut infos = Vec::with_capacity(tensors as usize);
+            let mut infos = Vec::with_capacity(tensors.min(RESERVE) as usize);
             for _ in 0..tensors {
                 let name = c.string("a tensor name")?;
                 let n = c.u32()?;
@@ -238,24 +255,25 @@ impl GgufFile {
             Ok((metadata, infos))
         })()
         .map_err(invalid)?;
+        // llama.cpp reads the alignment as a u32; any unsigned width is taken, anything else
+        // (a misplaced offset would read every tensor wrong) refused.
         let alignment = match metadata.get("general.alignment") {
-            Some(v @ (Value::U8(_) | Value::U16(_) | Value::U32(_) | Value::U64(_))) => {
-                let a = match v {
-                    Value::U8(a) => u64::from(*a),
-                    Value::U16(a) => u64::from(*a),
-                    Value::U32(a) => u64::from(*a),
-                    Value::U64(a) => *a,
-                    _ => unreachable!("matched above"),
-                };
-                if !a.is_power_of_two() {
-                    return Err(invalid(crate::Error::Model(format!(
-                        "general.alignment {a} is not a power of two"
-                    ))));
-                }
-                a
+            None => DEFAULT_ALIGNMENT,
+            Some(Value::U8(a)) => u64::from(*a),
+            Some(Value::U16(a)) => u64::from(*a),
+            Some(Value::U32(a)) => u64::from(*a),
+            Some(Value::U64(a)) => *a,
+            Some(other) => {
+                return Err(invalid(crate::Error::Model(format!(
+                    "general.alignment is {other:?}, not an unsigned integer"
+                ))))
             }
-            _ => DEFAULT_ALIGNMENT,
         };
+        if !alignment.is_power_of_two() {
+            return Err(invalid(crate::Error::Model(format!(
+                "general.alignment {alignment} is not a power of two"
+            ))));
+        }
         let data_offset = c.read.div_ceil(alignment) * alignment;
         let bad = |m: String| crate::Error::Model(format!("{}: {m}", path.display()));
         let mut tensors = HashMap::with_capacity(infos.len());
@@ -302,5 +320,122 @@ impl GgufFile {
             tensors,
             data_offset,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF header: version 3, `kvs` (key, type, value bytes), `tensors` (name, dims,
+    /// type, offset), then `data` after the default alignment.
+    fn file(
+        kvs: &[(&str, u32, Vec<u8>)],
+        tensors: &[(&str, &[u64], u32, u64)],
+        data: usize,
+    ) -> Vec<u8> {
+        let s = |t: &str| {
+            [
+                (t.len() as u64).to_le_bytes().to_vec(),
+                t.as_bytes().to_vec(),
+            ]
+            .concat()
+        };
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend((kvs.len() as u64).to_le_bytes());
+        for (k, ty, v) in kvs {
+            b.extend(s(k));
+            b.extend(ty.to_le_bytes());
+            b.extend(v);
+        }
+        for (name, dims, ty, offset) in tensors {
+            b.extend(s(name));
+            b.extend((dims.len() as u32).to_le_bytes());
+            dims.iter().for_each(|d| b.extend(d.to_le_bytes()));
+            b.extend(ty.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+        }
+        b.resize(b.len().div_ceil(32) * 32 + data, 0);
+        b
+    }
+
+    fn read(bytes: &[u8]) -> Result<GgufFile> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        std::fs::write(&p, bytes).unwrap();
+        GgufFile::read(&p)
+    }
+
+    #[test]
+    fn reads_tensors_of_any_known_type_and_names_unknown_ones() {
+        let ok = file(
+            &[("general.alignment", 4, 32u32.to_le_bytes().to_vec())],
+            &[("e", &[64, 2], 39, 0), ("w", &[4], 0, 96)],
+            112,
+        );
+        let g = read(&ok).unwrap();
+        // MXFP4: 2 rows of 64 values, 2 blocks of 17 bytes each; dims row-major.
+        assert_eq!(g.tensors["e"].dims, [2, 64]);
+        assert_eq!((g.tensors["e"].bytes(), g.tensors["w"].bytes()), (68, 16));
+        let e = read(&file(&[], &[("q", &[32], 41, 0)], 64)).err().unwrap();
+        assert!(e.to_string().contains("ggml type 41"), "{e}");
+    }
+
+    #[test]
+    fn refuses_lies_before_allocating_them() {
+        let cases: [(Vec<u8>, &str); 6] = [
+            // An array of 2^40 u8 values in a small file.
+            (
+                file(
+                    &[(
+                        "a",
+                        9,
+                        [
+                            0u32.to_le_bytes().to_vec(),
+                            (1u64 << 40).to_le_bytes().to_vec(),
+                        ]
+                        .concat(),
+                    )],
+                    &[],
+                    0,
+                ),
+                "an array claims",
+            ),
+            (
+                file(
+                    &[("general.alignment", 5, 64i32.to_le_bytes().to_vec())],
+                    &[],
+                    0,
+                ),
+                "not an unsigned integer",
+            ),
+            (
+                file(
+                    &[("general.alignment", 4, 48u32.to_le_bytes().to_vec())],
+                    &[],
+                    0,
+                ),
+                "not a power of two",
+            ),
+            (
+                file(&[], &[("t", &[32], 0, 0), ("t", &[32], 0, 0)], 256),
+                "appears twice",
+            ),
+            (
+                file(&[], &[("t", &[33], 2, 0)], 64),
+                "not whole q4_0 blocks",
+            ),
+            (file(&[], &[("t", &[1 << 40], 0, 0)], 64), "past the end"),
+        ];
+        for (bytes, says) in cases {
+            let e = read(&bytes).err().expect(says).to_string();
+            let chain = format!("{e} {:?}", e);
+            assert!(chain.contains(says), "{says}: {chain}");
+        }
+        let mut many = file(&[], &[], 0);
+        many[8..16].copy_from_slice(&(MAX_TENSORS + 1).to_le_bytes());
+        assert!(read(&many).is_err());
     }
 }
