@@ -113,6 +113,11 @@ class Writer:
     def norm(self, n, size):
         self.w.add_tensor(n, (1.0 + 0.1 * self.rng.standard_normal(size)).astype(np.float32))
 
+    def stacked(self, n, experts, rows, cols, gain=1.0):
+        """A 3-D expert tensor `[experts, rows, cols]` (llama.cpp's `*_exps`)."""
+        self.w.add_tensor(n, (self.rng.standard_normal((experts, rows, cols)) * gain
+                              / np.sqrt(cols)).astype(np.float32))
+
     def embedding(self, hidden):
         self.w.add_tensor("token_embd.weight",
                           self.rng.standard_normal((VOCAB, hidden)).astype(np.float32))
@@ -278,10 +283,6 @@ def qwen3moe(name, hidden, layers, heads, kv_heads, head_dim, experts, used, wid
     copy_tokenizer(w, "qwen2", True)
     f.embedding(hidden)
 
-    def stacked(n, rows, cols, gain=1.0):
-        w.add_tensor(n, (rng.standard_normal((experts, rows, cols)) * gain / np.sqrt(cols))
-                     .astype(np.float32))
-
     for i in range(layers):
         b = f"blk.{i}."
         norm(b + "attn_norm.weight", hidden)
@@ -295,9 +296,9 @@ def qwen3moe(name, hidden, layers, heads, kv_heads, head_dim, experts, used, wid
         # A router with a spread of a few units between experts, so that the choice is not
         # decided by rounding.
         weight(b + "ffn_gate_inp.weight", experts, hidden, gain=4.0)
-        stacked(b + "ffn_gate_exps.weight", width, hidden)
-        stacked(b + "ffn_up_exps.weight", width, hidden)
-        stacked(b + "ffn_down_exps.weight", hidden, width, gain=8.0)
+        f.stacked(b + "ffn_gate_exps.weight", experts, width, hidden)
+        f.stacked(b + "ffn_up_exps.weight", experts, width, hidden)
+        f.stacked(b + "ffn_down_exps.weight", experts, hidden, width, gain=8.0)
     norm("output_norm.weight", hidden)
     if not tied:
         weight("output.weight", VOCAB, hidden, gain=20.0)
@@ -328,10 +329,6 @@ def gpt_oss(name, hidden, layers, heads, kv_heads, head_dim, experts, used, widt
     def vector(n, size, gain):
         w.add_tensor(n, (gain * rng.standard_normal(size)).astype(np.float32))
 
-    def stacked(n, rows, cols, gain=1.0):
-        w.add_tensor(n, (rng.standard_normal((experts, rows, cols)) * gain / np.sqrt(cols))
-                     .astype(np.float32))
-
     for i in range(layers):
         b = f"blk.{i}."
         norm(b + "attn_norm.weight", hidden)
@@ -344,9 +341,9 @@ def gpt_oss(name, hidden, layers, heads, kv_heads, head_dim, experts, used, widt
         norm(b + "post_attention_norm.weight", hidden)
         weight(b + "ffn_gate_inp.weight", experts, hidden, gain=4.0)
         vector(b + "ffn_gate_inp.bias", experts, 1.0)
-        stacked(b + "ffn_gate_exps.weight", width, hidden, gain=2.0)
-        stacked(b + "ffn_up_exps.weight", width, hidden, gain=2.0)
-        stacked(b + "ffn_down_exps.weight", hidden, width, gain=8.0)
+        f.stacked(b + "ffn_gate_exps.weight", experts, width, hidden, gain=2.0)
+        f.stacked(b + "ffn_up_exps.weight", experts, width, hidden, gain=2.0)
+        f.stacked(b + "ffn_down_exps.weight", experts, hidden, width, gain=8.0)
         w.add_tensor(b + "ffn_gate_exps.bias",
                      (0.5 * rng.standard_normal((experts, width))).astype(np.float32))
         w.add_tensor(b + "ffn_up_exps.bias",

@@ -238,7 +238,17 @@ impl Device for TemplateDevice {
                 q.dims[0]
             )));
         }
-        attend(q, k, v, read_len, mask, scale, Some(&sinks.data), out, scores)
+        attend(
+            q,
+            k,
+            v,
+            read_len,
+            mask,
+            scale,
+            Some(&sinks.data),
+            out,
+            scores,
+        )
     }
 
     fn upload(&self, t: &HostTensor) -> Result<Tensor, KitError> {

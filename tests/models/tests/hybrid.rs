@@ -8,14 +8,12 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use kvplug::argmax;
 use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 use kvplug::{DraftKind, Speculation};
 
 mod common;
 use common::{
-    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_with, runtime, values,
-    write_gguf, Reference, BACKENDS, MERGES,
+    bpe_tokenizer_meta, forward, runtime, values, write_gguf, Reference, BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -165,29 +163,13 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-/// The largest logit error, against the f64 reference forward, of `backend` decoding the
-/// prompt and 6 greedy tokens of `model` (attention through `window` when given).
+/// [`common::greedy_logit_error`] from [`PROMPT`], attention through `window` when given.
 fn greedy_logit_error(model: &Path, backend: &str, window: Option<usize>) -> f64 {
-    let rt = runtime();
-    let mut ctx = common::model(&rt, backend, model)
-        .context(CacheKind::Contiguous, 64, KvDtype::F32)
-        .unwrap();
-    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-    let mut got = forward(&mut ctx, &PROMPT, &positions);
-    let mut tokens = PROMPT.to_vec();
-    for _ in 0..6 {
-        let next = argmax(got.last().unwrap());
-        tokens.push(next);
-        got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
-    }
-    // The cpu quantizes the inputs of block-format linears to int8 blocks (its declared
-    // arithmetic); the reference does the same for it.
     let told = Reference {
-        int8_block_acts: backend == "cpu",
         window,
         ..Reference::default()
     };
-    max_logit_error(&got, &reference_logits_with(model, &tokens, &told))
+    common::greedy_logit_error(model, backend, &PROMPT, told)
 }
 
 #[test]

@@ -7,13 +7,12 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use kvplug::argmax;
 use kvplug::{Batch, CacheKind, KvDtype};
 
 mod common;
 use common::{
-    bpe_tokenizer_meta, forward, max_logit_error, reference_logits_with, runtime, values,
-    write_gguf, Reference, BACKENDS, MERGES,
+    bpe_tokenizer_meta, forward, greedy_logit_error, runtime, values, write_gguf, Reference,
+    BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -104,28 +103,6 @@ fn qwen3moe(dir: &Path, s: &Shape) -> PathBuf {
     model
 }
 
-/// The largest logit error, against the f64 reference forward, of `backend` decoding the
-/// prompt (one step: tokens grouped by expert) and 6 greedy tokens (one token each).
-fn greedy_logit_error(model: &Path, backend: &str) -> f64 {
-    let rt = runtime();
-    let mut ctx = common::model(&rt, backend, model)
-        .context(CacheKind::Contiguous, 64, KvDtype::F32)
-        .unwrap();
-    let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-    let mut got = forward(&mut ctx, &PROMPT, &positions);
-    let mut tokens = PROMPT.to_vec();
-    for _ in 0..6 {
-        let next = argmax(got.last().unwrap());
-        tokens.push(next);
-        got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
-    }
-    let told = Reference {
-        int8_block_acts: backend == "cpu",
-        ..Reference::default()
-    };
-    max_logit_error(&got, &reference_logits_with(model, &tokens, &told))
-}
-
 #[test]
 fn qwen3moe_gguf_decodes_within_the_f64_reference_on_every_backend() {
     let dir = tempfile::tempdir().unwrap();
@@ -157,7 +134,8 @@ fn qwen3moe_gguf_decodes_within_the_f64_reference_on_every_backend() {
     for (i, shape) in shapes.iter().enumerate() {
         let model = qwen3moe(&dir.path().join(i.to_string()), shape);
         for backend in BACKENDS {
-            let worst = greedy_logit_error(&model, backend);
+            // The prompt in one step (its tokens grouped by expert), then one at a time.
+            let worst = greedy_logit_error(&model, backend, &PROMPT, Reference::default());
             // The f32 tolerance of the model tests (model.rs).
             assert!(
                 worst < 1e-3,
@@ -446,25 +424,12 @@ fn gpt_oss_gguf_decodes_within_the_f64_reference_on_every_backend() {
     for (i, shape) in shapes.iter().enumerate() {
         let model = gpt_oss(&dir.path().join(i.to_string()), shape);
         for backend in BACKENDS {
-            let rt = runtime();
-            let mut ctx = common::model(&rt, backend, &model)
-                .context(CacheKind::Contiguous, 64, KvDtype::F32)
-                .unwrap();
-            let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-            let mut got = forward(&mut ctx, &PROMPT, &positions);
-            let mut tokens = PROMPT.to_vec();
-            for _ in 0..6 {
-                let next = argmax(got.last().unwrap());
-                tokens.push(next);
-                got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
-            }
             let told = Reference {
-                int8_block_acts: backend == "cpu",
                 inv_freq: Some(yarn_inv_freq(HIDDEN / HEADS)),
                 rope_magnitude: Some(1.0 + 0.1 * YARN_FACTOR.ln()),
                 ..Reference::default()
             };
-            let worst = max_logit_error(&got, &reference_logits_with(&model, &tokens, &told));
+            let worst = greedy_logit_error(&model, backend, &PROMPT, told);
             // The f32 tolerance of the model tests (model.rs).
             assert!(
                 worst < 1e-3,

@@ -178,6 +178,29 @@ pub fn values(n: usize, salt: u64, gain: f32) -> Vec<f32> {
         .collect()
 }
 
+/// The largest logit error of `backend` against the reference forward told `told` (and,
+/// on the cpu, its int8 arithmetic for block-format linears): `prompt` decoded in one step
+/// (prefill), then 6 greedy tokens one at a time, on a contiguous f32 cache.
+pub fn greedy_logit_error(model: &Path, backend: &str, prompt: &[i32], told: Reference) -> f64 {
+    let rt = runtime();
+    let mut ctx = self::model(&rt, backend, model)
+        .context(kvplug::CacheKind::Contiguous, 64, kvplug::KvDtype::F32)
+        .unwrap();
+    let positions: Vec<i32> = (0..prompt.len() as i32).collect();
+    let mut got = forward(&mut ctx, prompt, &positions);
+    let mut tokens = prompt.to_vec();
+    for _ in 0..6 {
+        let next = kvplug::argmax(got.last().unwrap());
+        tokens.push(next);
+        got.extend(forward(&mut ctx, &[next], &[tokens.len() as i32 - 1]));
+    }
+    let told = Reference {
+        int8_block_acts: backend == "cpu",
+        ..told
+    };
+    max_logit_error(&got, &reference_logits_with(model, &tokens, &told))
+}
+
 /// The reference forward, as `r` says.
 pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec<Vec<f64>> {
     let pkg = ModelPackage::open(model).unwrap();
