@@ -14,6 +14,11 @@ ANTHROPIC_VERSION=2.14.0
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="$root/.venv/openai"
 
+# Tests run this script in parallel: one at a time checks (and, the first time, makes) the
+# venv, so that none removes it while another installs into it.
+mkdir -p "$root/.venv"
+exec 9>"$root/.venv/openai.lock"
+flock 9
 if ! "$venv/bin/python" - "$OPENAI_VERSION" "$AGENTS_VERSION" "$JINJA2_VERSION" \
     "$ANTHROPIC_VERSION" 2>/dev/null <<'PY'
 import importlib.metadata as m, sys
@@ -30,6 +35,7 @@ then
         "openai==$OPENAI_VERSION" "openai-agents==$AGENTS_VERSION" "jinja2==$JINJA2_VERSION" \
         "anthropic==$ANTHROPIC_VERSION"
 fi
+exec 9>&-
 script=openai_client.py
 if [[ "${1:-}" == *.py ]]; then
     script=$1
