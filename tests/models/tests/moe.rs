@@ -427,6 +427,7 @@ fn gpt_oss_gguf_decodes_within_the_f64_reference_on_every_backend() {
             let told = Reference {
                 inv_freq: Some(yarn_inv_freq(HIDDEN / HEADS)),
                 rope_magnitude: Some(1.0 + 0.1 * YARN_FACTOR.ln()),
+                config_windows: true,
                 ..Reference::default()
             };
             let worst = greedy_logit_error(&model, backend, &PROMPT, told);

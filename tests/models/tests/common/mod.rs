@@ -115,6 +115,9 @@ pub struct Reference {
     pub kv_quant: Option<kvplug::KvDtype>,
     /// Rotated q and k multiplied by this (YaRN's magnitude factor).
     pub rope_magnitude: Option<f64>,
+    /// Each sliding layer attends through the window its config states (GPT-OSS's
+    /// alternating layers); other layers as `window` says.
+    pub config_windows: bool,
 }
 
 /// `x` with each `n`-wide piece multiplied by `H_n/√n`, from the matrix's definition.
@@ -541,8 +544,8 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
         // GPT-OSS: the output's bias, a sink per head, this layer's own window.
         let bo = optional(format!("{p}self_attn.o_proj.bias"), h);
         let sinks = optional(format!("{p}self_attn.sinks"), hq);
-        let window = match c.attention[l] {
-            kvplug_core::LayerAttention::Sliding { window } => Some(window),
+        let window = match (r.config_windows, c.attention[l]) {
+            (true, kvplug_core::LayerAttention::Sliding { window }) => Some(window),
             _ => r.window,
         };
         let (nq, nk) = (
