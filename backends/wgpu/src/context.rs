@@ -33,6 +33,21 @@ pub struct Context {
     readback: Mutex<Option<wgpu::Buffer>>,
     buffers_created: AtomicU64,
     bind_groups_created: AtomicU64,
+    dispatches: AtomicU64,
+    read_back: AtomicU64,
+    /// `KVPLUG_WGPU_TRACE`: what the readbacks since the last line cost, printed every 64.
+    trace: Option<Mutex<Trace>>,
+}
+
+/// The counters of `KVPLUG_WGPU_TRACE` (set to anything): every 64 readbacks one line on
+/// stderr with the dispatches, submits, time waiting for the device and wall time since
+/// the last line, which tells a device-bound step from a host-bound one.
+struct Trace {
+    since: std::time::Instant,
+    reads: u64,
+    waited: std::time::Duration,
+    dispatches: u64,
+    submits: u64,
 }
 
 /// Ops recorded in one batch before it is submitted without waiting for a read: the uniform
@@ -46,13 +61,19 @@ const MAX_PARAMS: usize = 64;
 /// holds): long enough for a draft model's steps between two target verifies.
 const KEEP_SUBMITS: u64 = 64;
 
-/// Buffers and bind groups a [`Context`] has created since it opened.
+/// What a [`Context`] has created, dispatched and read back since it opened: the counters
+/// that make a step's structure visible (a warm decode step creates nothing, dispatches a
+/// bounded number of kernels per layer and reads back only what the caller asked for).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Created {
     /// Buffers of every kind: pools, activations, weights, staging, the recorder's own.
     pub buffers: u64,
     /// Bind groups (each cached one counts once).
     pub bind_groups: u64,
+    /// Compute dispatches recorded.
+    pub dispatches: u64,
+    /// Bytes copied back to the host.
+    pub read_back_bytes: u64,
 }
 
 /// What one storage binding of an op holds (see [`Context::dispatch`]).
@@ -104,7 +125,7 @@ impl Drop for OwnedBuffer {
 }
 
 /// The recorder, taken even where a thread panicked holding it (as every lock here is).
-fn lock(r: &Mutex<Recorder>) -> MutexGuard<'_, Recorder> {
+fn lock<T>(r: &Mutex<T>) -> MutexGuard<'_, T> {
     r.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -252,7 +273,7 @@ pub const MODEL_ENTRIES: [&str; 13] = [
     "gather_main",
     "rmsnorm_main",
     "linear_main",
-    "bias_main",
+    "rope_heads_main",
     "rope_main",
     "heads_main",
     "silu_main",
@@ -428,6 +449,17 @@ impl Context {
             // The recorder's ring, arena and scratch, made above.
             buffers_created: AtomicU64::new(3),
             bind_groups_created: AtomicU64::new(0),
+            dispatches: AtomicU64::new(0),
+            read_back: AtomicU64::new(0),
+            trace: std::env::var_os("KVPLUG_WGPU_TRACE").map(|_| {
+                Mutex::new(Trace {
+                    since: std::time::Instant::now(),
+                    reads: 0,
+                    waited: Default::default(),
+                    dispatches: 0,
+                    submits: 0,
+                })
+            }),
         })
     }
 
@@ -478,7 +510,7 @@ impl Context {
                 include_str!("shaders/model.wgsl"),
                 (
                     size_of::<crate::model::OpParams>(),
-                    &[Uniform, Read, Read, Read, ReadWrite],
+                    &[Uniform, Read, Read, Read, ReadWrite, Read, Read],
                 ),
                 MODEL_ENTRIES,
             )
@@ -614,6 +646,7 @@ impl Context {
             pass.set_pipeline(&kernels.pipelines[pipeline]);
             pass.set_bind_group(0, &bind_group, &[offset as u32]);
             pass.dispatch_workgroups(x, y, z);
+            self.dispatches.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -627,6 +660,8 @@ impl Context {
         Created {
             buffers: self.buffers_created.load(Ordering::Relaxed),
             bind_groups: self.bind_groups_created.load(Ordering::Relaxed),
+            dispatches: self.dispatches.load(Ordering::Relaxed),
+            read_back_bytes: self.read_back.load(Ordering::Relaxed),
         }
     }
 
@@ -688,9 +723,34 @@ impl Context {
         staging.map_async(wgpu::MapMode::Read, ..size.max(4), move |r| {
             let _ = tx.send(r);
         });
+        let waiting = std::time::Instant::now();
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| format!("waiting for the device: {e}"))?;
+        if let Some(trace) = &self.trace {
+            let submits = self.recorder().submits;
+            let mut t = lock(trace);
+            t.waited += waiting.elapsed();
+            t.reads += 1;
+            if t.reads == 64 {
+                let dispatches = self.dispatches.load(Ordering::Relaxed);
+                eprintln!(
+                    "wgpu trace: 64 reads in {:.2} ms, {:.2} ms of it waiting for the device; \
+                     {} dispatches, {} submits",
+                    t.since.elapsed().as_secs_f64() * 1e3,
+                    t.waited.as_secs_f64() * 1e3,
+                    dispatches - t.dispatches,
+                    submits - t.submits
+                );
+                *t = Trace {
+                    since: std::time::Instant::now(),
+                    reads: 0,
+                    waited: Default::default(),
+                    dispatches,
+                    submits,
+                };
+            }
+        }
         rx.recv()
             .map_err(|e| format!("readback callback dropped: {e}"))?
             .map_err(|e| format!("mapping the readback buffer: {e}"))?;
@@ -699,6 +759,7 @@ impl Context {
             .map_err(|e| format!("reading the mapped range: {e:?}"))?[..size as usize]
             .to_vec();
         staging.unmap();
+        self.read_back.fetch_add(size, Ordering::Relaxed);
         // Kept only after a clean read: a failed one leaves no mapped buffer behind.
         *cached = Some(staging);
         Ok(bytes)

@@ -2,8 +2,9 @@
 //! activations stay on the device between layers (only logits are read back).
 
 use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
+use kvplug_backend_kit::model::config::Activation;
 use kvplug_backend_kit::model::ops::check_hadamard;
-use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
+use kvplug_backend_kit::model::{ModelDevice, Projection, StoredDtype, StoredTensor};
 use kvplug_backend_kit::{Device, KitError};
 use kvplug_core::RopePairs;
 use wgpu::BufferUsages;
@@ -68,7 +69,26 @@ pub(crate) struct OpParams {
     /// Where the op's index words start, and its second array of them (set by [`WgpuDevice::op`]).
     idx: [u32; 2],
     eps: f32,
-    pad2: [f32; 3],
+    /// A linear's `mode` bits (model.wgsl's `WITH_BIAS`, `ACCUMULATE`).
+    mode: u32,
+    pad2: [f32; 2],
+}
+
+/// model.wgsl's `mode` bits.
+const WITH_BIAS: u32 = 1;
+const ACCUMULATE: u32 = 2;
+const NORMED: u32 = 4;
+const GATED: u32 = 8;
+
+/// How a linear reads its input (model.wgsl's `xin`).
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    /// As it is.
+    Plain,
+    /// `rms_norm(x)·w`, eps.
+    Normed(&'a WgpuTensor, f32),
+    /// `silu(x)·up`.
+    Gated(&'a WgpuTensor),
 }
 
 /// The most tokens a linear computes with several invocations per output row
@@ -76,7 +96,10 @@ pub(crate) struct OpParams {
 const ROWS_TOGETHER_MAX_T: usize = 16;
 
 /// Output rows per workgroup of `linear_rows_main` (its `ROWS_PER_GROUP`).
-const ROWS_PER_GROUP: u32 = 8;
+const ROWS_PER_GROUP: u32 = 4;
+
+/// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`).
+const TILE: u32 = 64;
 
 /// The most workgroups in one dimension of a dispatch (WebGPU's default limit).
 const MAX_GROUPS: u32 = 65535;
@@ -87,7 +110,7 @@ enum Op {
     Gather = 0,
     RmsNorm = 1,
     Linear = 2,
-    Bias = 3,
+    RopeHeads = 3,
     Rope = 4,
     Heads = 5,
     Silu = 6,
@@ -99,12 +122,15 @@ enum Op {
     LinearRows = 12,
 }
 
-/// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
-/// and up to two arrays of index words (read at `idx0` and `idx1`).
+/// The read-only operands of one op: buffers `a`, `b` and a linear's `bias` and `aux` (absent
+/// ones are bound to a dummy) and up to two arrays of index words (read at `idx0` and
+/// `idx1`).
 #[derive(Clone, Copy, Default)]
 struct Inputs<'a> {
     a: Option<&'a wgpu::Buffer>,
     b: Option<&'a wgpu::Buffer>,
+    bias: Option<&'a wgpu::Buffer>,
+    aux: Option<&'a wgpu::Buffer>,
     words: &'a [&'a [u32]],
 }
 
@@ -113,7 +139,13 @@ fn inputs<'a>(
     b: Option<&'a wgpu::Buffer>,
     words: &'a [&'a [u32]],
 ) -> Inputs<'a> {
-    Inputs { a, b, words }
+    Inputs {
+        a,
+        b,
+        bias: None,
+        aux: None,
+        words,
+    }
 }
 
 /// Workgroups for `total` invocations in 64-wide groups, spread over x and y.
@@ -123,7 +155,71 @@ fn flat_groups(total: usize) -> [u32; 3] {
     [x, groups.div_ceil(x), 1]
 }
 
+/// rope_main's flag for a pair layout.
+fn rope_flag(pairs: RopePairs) -> u32 {
+    match pairs {
+        RopePairs::Halves => 0,
+        RopePairs::Interleaved => 1,
+    }
+}
+
 impl WgpuDevice {
+    /// `out = in·Wᵀ (+ bias)`, or `out += …` when `accumulate`, `in` being `x` read as
+    /// `input` says: one dispatch per part of the weight, the input made as it is read and
+    /// the bias and the residual added where each output is stored.
+    fn project(
+        &self,
+        x: &WgpuTensor,
+        input: Input<'_>,
+        w: &WgpuWeight,
+        bias: Option<&WgpuTensor>,
+        out: &WgpuTensor,
+        accumulate: bool,
+    ) {
+        let t = x.dims[0];
+        // Few tokens (decode, a small verify batch): 16 invocations per output row and token,
+        // reading the row together (see linear_rows_main); else the tiled product.
+        let rows_together = t <= ROWS_TOGETHER_MAX_T;
+        let (input_mode, aux, eps) = match input {
+            Input::Plain => (0, None, 0.0),
+            Input::Normed(norm, eps) => (NORMED, Some(&*norm.buf), eps),
+            Input::Gated(up) => (GATED, Some(&*up.buf), 0.0),
+        };
+        let mode = input_mode
+            | if bias.is_some() { WITH_BIAS } else { 0 }
+            | if accumulate { ACCUMULATE } else { 0 };
+        for part in &w.parts {
+            let rows = part.rows as u32;
+            if rows == 0 {
+                continue;
+            }
+            let params = OpParams {
+                n: [rows, w.cols as u32, part.row0 as u32, w.rows as u32],
+                flag: w.dtype,
+                total: t as u32,
+                mode,
+                eps,
+                ..Default::default()
+            };
+            let (op, groups) = if rows_together {
+                let row_groups = rows.div_ceil(ROWS_PER_GROUP);
+                let x = row_groups.min(MAX_GROUPS);
+                (Op::LinearRows, [x, row_groups.div_ceil(x), t as u32])
+            } else {
+                (
+                    Op::Linear,
+                    [rows.div_ceil(TILE), (t as u32).div_ceil(TILE), 1],
+                )
+            };
+            let operands = Inputs {
+                bias: bias.map(|b| &*b.buf),
+                aux,
+                ..inputs(Some(&x.buf), Some(&part.buf), &[])
+            };
+            self.op(op, params, operands, &out.buf, groups);
+        }
+    }
+
     fn op(
         &self,
         op: Op,
@@ -133,7 +229,13 @@ impl WgpuDevice {
         groups: [u32; 3],
     ) {
         let ctx = self.context();
-        let Inputs { a, b, words } = inputs;
+        let Inputs {
+            a,
+            b,
+            bias,
+            aux,
+            words,
+        } = inputs;
         fn buffer(x: Option<&wgpu::Buffer>) -> Bind<'_> {
             x.map_or(Bind::Unused, Bind::Buffer)
         }
@@ -150,7 +252,14 @@ impl WgpuDevice {
                 ..params
             },
             words,
-            &[buffer(a), buffer(b), idx, Bind::Buffer(out)],
+            &[
+                buffer(a),
+                buffer(b),
+                idx,
+                Bind::Buffer(out),
+                buffer(bias),
+                buffer(aux),
+            ],
             &[(op as usize, groups)],
         );
     }
@@ -289,50 +398,86 @@ impl ModelDevice for WgpuDevice {
         bias: Option<&WgpuTensor>,
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
-        let t = x.dims[0];
-        // Few tokens (decode, a small verify batch): 8 invocations per output row and token,
-        // reading the row together (see linear_rows_main); else an invocation each.
-        let rows_together = t <= ROWS_TOGETHER_MAX_T;
-        for part in &w.parts {
-            let params = OpParams {
-                n: [
-                    part.rows as u32,
-                    w.cols as u32,
-                    part.row0 as u32,
-                    w.rows as u32,
+        self.project(x, Input::Plain, w, bias, out, false);
+        Ok(())
+    }
+
+    fn norm_linears(
+        &self,
+        x: &WgpuTensor,
+        norm: &WgpuTensor,
+        eps: f32,
+        _hn: &mut WgpuTensor,
+        projections: &mut [Projection<'_, Self>],
+    ) -> Result<(), KitError> {
+        for p in projections {
+            self.project(x, Input::Normed(norm, eps), p.w, p.bias, p.out, false);
+        }
+        Ok(())
+    }
+
+    fn gated_linear_add(
+        &self,
+        act: Activation,
+        gate: &WgpuTensor,
+        up: &WgpuTensor,
+        w: &WgpuWeight,
+        mlp: &mut WgpuTensor,
+        _scratch: &mut WgpuTensor,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        if act == Activation::Silu {
+            self.project(gate, Input::Gated(up), w, None, out, true);
+        } else {
+            self.gated(act, gate, up, mlp)?;
+            self.project(mlp, Input::Plain, w, None, out, true);
+        }
+        Ok(())
+    }
+
+    fn linear_add(
+        &self,
+        x: &WgpuTensor,
+        w: &WgpuWeight,
+        bias: Option<&WgpuTensor>,
+        _scratch: &mut WgpuTensor,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        self.project(x, Input::Plain, w, bias, out, true);
+        Ok(())
+    }
+
+    fn rope_heads(
+        &self,
+        x: &mut WgpuTensor,
+        heads: usize,
+        positions: &[i32],
+        inv_freq: &[f32],
+        pairs: RopePairs,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let hd = 2 * inv_freq.len();
+        let t = positions.len();
+        if x.dims != [t, heads * hd] {
+            // Rotary on part of each head: the pairs' kernel, then the split.
+            self.rope(x, heads, positions, inv_freq, pairs)?;
+            return self.split_heads(x, heads, out);
+        }
+        self.flat(
+            Op::RopeHeads,
+            [heads as u32, hd as u32, t as u32, 0],
+            rope_flag(pairs),
+            t * heads * hd / 2,
+            inputs(
+                Some(&x.buf),
+                None,
+                &[
+                    bytemuck::cast_slice(positions),
+                    bytemuck::cast_slice(inv_freq),
                 ],
-                flag: w.dtype,
-                ..Default::default()
-            };
-            let rows = part.rows as u32;
-            if rows == 0 {
-                continue;
-            }
-            let (op, groups) = if rows_together {
-                let row_groups = rows.div_ceil(ROWS_PER_GROUP);
-                let x = row_groups.min(MAX_GROUPS);
-                (Op::LinearRows, [x, row_groups.div_ceil(x), t as u32])
-            } else {
-                (Op::Linear, [rows.div_ceil(64), t as u32, 1])
-            };
-            self.op(
-                op,
-                params,
-                inputs(Some(&x.buf), Some(&part.buf), &[]),
-                &out.buf,
-                groups,
-            );
-        }
-        if let Some(b) = bias {
-            self.flat(
-                Op::Bias,
-                [w.rows as u32, 0, 0, 0],
-                0,
-                t * w.rows,
-                inputs(Some(&b.buf), None, &[]),
-                &out.buf,
-            );
-        }
+            ),
+            &out.buf,
+        );
         Ok(())
     }
 
@@ -349,10 +494,7 @@ impl ModelDevice for WgpuDevice {
         self.flat(
             Op::Rope,
             [heads as u32, hd as u32, 0, 0],
-            match pairs {
-                RopePairs::Halves => 0,
-                RopePairs::Interleaved => 1,
-            },
+            rope_flag(pairs),
             total,
             inputs(
                 None,

@@ -89,3 +89,42 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
         );
     }
 }
+
+/// The structure of a warm decode step of the tiny Llama (no biases, no post-norms): the
+/// kernels it dispatches per layer and the bytes it reads back. A layer is q, k and v, each
+/// normalizing its input itself (3); RoPE with the split into heads for q and k (2); v's
+/// split (1); the K/V write and attention (5); the merge of heads (1); the output projection
+/// adding into the residual (1); gate and up, normalizing their input (2); the down
+/// projection of the gated product, adding into the residual (1). Around the layers: the
+/// embedding, the final norm, the logit row's gather and the head (4). Undoing a fusion
+/// adds a dispatch per layer and fails it. The step reads back the logits and nothing else.
+#[test]
+fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
+    const PER_LAYER: u64 = 16;
+    const AROUND: u64 = 4;
+    let (dev, pkg, model) = tiny_model("wgpu-dispatches");
+    let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
+    let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, cfg).unwrap();
+    let mut acts = None;
+    let prompt: Vec<i32> = (0..8).collect();
+    model
+        .forward(&mut c, &prompt, &prompt, Some(&[7]), false, &mut acts)
+        .unwrap();
+    for p in 8..10 {
+        let before = dev.created();
+        let out = model
+            .forward(&mut c, &[3], &[p], None, false, &mut acts)
+            .unwrap();
+        dev.download(out.logits, kvplug_plugin_api::TensorDtype::F32)
+            .unwrap();
+        let after = dev.created();
+        let layers = model.n_layers() as u64;
+        let vocab = model.config().vocab_size as u64;
+        assert_eq!(
+            after.dispatches - before.dispatches,
+            PER_LAYER * layers + AROUND,
+            "dispatches of a decode step over {layers} layers"
+        );
+        assert_eq!(after.read_back_bytes - before.read_back_bytes, 4 * vocab);
+    }
+}

@@ -585,29 +585,32 @@ impl<D: ModelDevice> DecoderModel<D> {
         };
         let mut step = cache.step(positions, None)?;
         for (l, lw) in w.layers[..self.layers].iter().enumerate() {
-            d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
             match &lw.mixer {
                 Mixer::Attention(at) => {
-                    d.linears(
-                        &a.hn,
-                        &mut [
-                            Projection {
-                                w: &at.q,
-                                bias: at.q_bias.as_ref(),
-                                out: &mut a.q,
-                            },
-                            Projection {
-                                w: &at.k,
-                                bias: at.k_bias.as_ref(),
-                                out: &mut a.k,
-                            },
-                            Projection {
-                                w: &at.v,
-                                bias: at.v_bias.as_ref(),
-                                out: &mut a.v,
-                            },
-                        ],
-                    )?;
+                    let qkv = &mut [
+                        Projection {
+                            w: &at.q,
+                            bias: at.q_bias.as_ref(),
+                            out: &mut a.q,
+                        },
+                        Projection {
+                            w: &at.k,
+                            bias: at.k_bias.as_ref(),
+                            out: &mut a.k,
+                        },
+                        Projection {
+                            w: &at.v,
+                            bias: at.v_bias.as_ref(),
+                            out: &mut a.v,
+                        },
+                    ];
+                    if at.gate.is_some() {
+                        // The output gate reads the normed rows after attention.
+                        d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
+                        d.linears(&a.hn, qkv)?;
+                    } else {
+                        d.norm_linears(&a.x, &lw.ln1, eps, &mut a.hn, qkv)?;
+                    }
                     if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
                         d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
                         std::mem::swap(&mut a.q, &mut a.merged);
@@ -619,16 +622,20 @@ impl<D: ModelDevice> DecoderModel<D> {
                     } else {
                         &w.inv_freq
                     };
-                    d.rope(&mut a.q, hq, positions, inv_freq, w.rope_pairs)?;
-                    d.rope(&mut a.k, hkv, positions, inv_freq, w.rope_pairs)?;
+                    let pairs = w.rope_pairs;
                     if let Some(n) = rotate {
+                        d.rope(&mut a.q, hq, positions, inv_freq, pairs)?;
+                        d.rope(&mut a.k, hkv, positions, inv_freq, pairs)?;
                         d.hadamard(&a.q, n, &mut a.merged)?;
                         std::mem::swap(&mut a.q, &mut a.merged);
                         d.hadamard(&a.k, n, &mut a.kn)?;
                         std::mem::swap(&mut a.k, &mut a.kn);
+                        d.split_heads(&a.q, hq, &mut a.qh)?;
+                        d.split_heads(&a.k, hkv, &mut a.kh)?;
+                    } else {
+                        d.rope_heads(&mut a.q, hq, positions, inv_freq, pairs, &mut a.qh)?;
+                        d.rope_heads(&mut a.k, hkv, positions, inv_freq, pairs, &mut a.kh)?;
                     }
-                    d.split_heads(&a.q, hq, &mut a.qh)?;
-                    d.split_heads(&a.k, hkv, &mut a.kh)?;
                     d.split_heads(&a.v, hkv, &mut a.vh)?;
                     let sinks = at.sinks.as_ref();
                     step.attend_sinks(l, &a.qh, &a.kh, &a.vh, scale, sinks, &mut a.att)?;
@@ -638,7 +645,9 @@ impl<D: ModelDevice> DecoderModel<D> {
                         d.sigmoid_mul(&a.q, &a.merged, &mut a.qh_flat)?;
                         std::mem::swap(&mut a.merged, &mut a.qh_flat);
                     }
-                    d.linear(&a.merged, &at.o, at.o_bias.as_ref(), &mut a.o)?;
+                    let (o_bias, post) = (at.o_bias.as_ref(), lw.post_attn.as_ref());
+                    let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
+                    project_out(d, &a.merged, &at.o, o_bias, post, eps, o, x, hn)?;
                 }
                 Mixer::Conv {
                     b,
@@ -651,8 +660,11 @@ impl<D: ModelDevice> DecoderModel<D> {
                         .conv
                         .as_mut()
                         .ok_or_else(|| KitError::Device("convolution buffers missing".into()))?;
-                    d.linears(
-                        &a.hn,
+                    d.norm_linears(
+                        &a.x,
+                        &lw.ln1,
+                        eps,
+                        &mut a.hn,
                         &mut [
                             Projection {
                                 w: b,
@@ -675,15 +687,21 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.split_heads(&cv.bx, 1, &mut cv.rows)?;
                     step.conv(l, &cv.rows, kernel, &mut cv.y)?;
                     d.mul(&cv.c, &cv.y, &mut cv.bx)?;
-                    d.linear(&cv.bx, out, None, &mut a.o)?;
+                    let post = lw.post_attn.as_ref();
+                    project_out(
+                        d, &cv.bx, out, None, post, eps, &mut a.o, &mut a.x, &mut a.hn,
+                    )?;
                 }
                 Mixer::Delta(dw) => {
                     let dv = a
                         .delta
                         .as_mut()
                         .ok_or_else(|| KitError::Device("delta-rule buffers missing".into()))?;
-                    d.linears(
-                        &a.hn,
+                    d.norm_linears(
+                        &a.x,
+                        &lw.ln1,
+                        eps,
+                        &mut a.hn,
                         &mut [
                             Projection {
                                 w: &dw.qkv,
@@ -719,15 +737,18 @@ impl<D: ModelDevice> DecoderModel<D> {
                     )?;
                     d.rms_norm(&dv.core, &dw.norm, eps, &mut dv.normed)?;
                     d.silu_mul(&dv.z, &dv.normed, &mut dv.core)?;
-                    d.linear(&dv.core, &dw.out, None, &mut a.o)?;
+                    let post = lw.post_attn.as_ref();
+                    let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
+                    project_out(d, &dv.core, &dw.out, None, post, eps, o, x, hn)?;
                 }
             }
-            residual_add(d, &mut a.x, &mut a.o, lw.post_attn.as_ref(), eps, &mut a.hn)?;
-            d.rms_norm(&a.x, &lw.ln2, eps, &mut a.hn)?;
             match &lw.ffn {
                 Ffn::Dense { gate, up, down } => {
-                    d.linears(
-                        &a.hn,
+                    d.norm_linears(
+                        &a.x,
+                        &lw.ln2,
+                        eps,
+                        &mut a.hn,
                         &mut [
                             Projection {
                                 w: gate,
@@ -741,8 +762,15 @@ impl<D: ModelDevice> DecoderModel<D> {
                             },
                         ],
                     )?;
-                    d.gated(c.activation(), &a.gate, &a.up, &mut a.mlp)?;
-                    d.linear(&a.mlp, down, None, &mut a.o)?;
+                    let (act, post) = (c.activation(), lw.post_mlp.as_ref());
+                    let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
+                    match post {
+                        None => d.gated_linear_add(act, &a.gate, &a.up, down, &mut a.mlp, o, x)?,
+                        Some(_) => {
+                            d.gated(act, &a.gate, &a.up, &mut a.mlp)?;
+                            project_out(d, &a.mlp, down, None, post, eps, o, x, hn)?;
+                        }
+                    }
                 }
                 Ffn::Experts {
                     router,
@@ -750,6 +778,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                     experts,
                     spec,
                 } => {
+                    d.rms_norm(&a.x, &lw.ln2, eps, &mut a.hn)?;
                     let m = a
                         .moe
                         .as_mut()
@@ -764,9 +793,9 @@ impl<D: ModelDevice> DecoderModel<D> {
                     route(&m.host, spec, &mut m.routes);
                     m.groups.group(&m.routes, spec.count);
                     d.experts(&a.hn, experts, spec, &m.routes, &m.groups, &mut a.o)?;
+                    residual_add(d, &mut a.x, &mut a.o, lw.post_mlp.as_ref(), eps, &mut a.hn)?;
                 }
             }
-            residual_add(d, &mut a.x, &mut a.o, lw.post_mlp.as_ref(), eps, &mut a.hn)?;
         }
         d.rms_norm(&a.x, &w.norm, eps, &mut a.hn)?;
         d.gather_rows(&a.hn, &a.rows, &mut a.picked)?;
@@ -778,6 +807,30 @@ impl<D: ModelDevice> DecoderModel<D> {
             logits: &a.logits,
             hidden: want_hidden.then_some(&a.picked),
         })
+    }
+}
+
+/// A block's output projection `y = x·Wᵀ (+ bias)` added to the residual stream `resid`:
+/// in one [`ModelDevice::linear_add`] when the block has no post-norm, else `y` into `o`
+/// and [`residual_add`].
+#[allow(clippy::too_many_arguments)]
+fn project_out<D: ModelDevice>(
+    d: &D,
+    x: &D::Tensor,
+    w: &D::Weight,
+    bias: Option<&D::Tensor>,
+    post: Option<&D::Tensor>,
+    eps: f32,
+    o: &mut D::Tensor,
+    resid: &mut D::Tensor,
+    scratch: &mut D::Tensor,
+) -> Result<(), KitError> {
+    match post {
+        None => d.linear_add(x, w, bias, o, resid),
+        Some(_) => {
+            d.linear(x, w, bias, o)?;
+            residual_add(d, resid, o, post, eps, scratch)
+        }
     }
 }
 

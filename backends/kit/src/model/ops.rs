@@ -106,6 +106,21 @@ pub trait ModelDevice: Device {
         bias: Option<&Self::Tensor>,
         out: &mut Self::Tensor,
     ) -> Result<(), KitError>;
+    /// `out += x·Wᵀ (+ bias)`: a block's output projection added to the residual stream
+    /// (`out` `[T, rows]`). `scratch` (`[T, rows]`) may be left holding anything. The default
+    /// is [`ModelDevice::linear`] into `scratch`, then [`ModelDevice::add_assign`]; a device
+    /// may add where it stores each output (one kernel instead of two).
+    fn linear_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Tensor>,
+        scratch: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        self.linear(x, w, bias, scratch)?;
+        self.add_assign(out, scratch)
+    }
     /// [`ModelDevice::linear`] for each projection of one input (a layer's q/k/v, its
     /// gate/up), with the same results; a device may run them as one job (the cpu: one
     /// quantization of `x`, one dispatch). The default calls `linear` for each in turn, so
@@ -120,6 +135,21 @@ pub trait ModelDevice: Device {
             .iter_mut()
             .try_for_each(|p| self.linear(x, p.w, p.bias, p.out))
     }
+    /// [`ModelDevice::rms_norm`] of `x` with `norm` into `hn`, then
+    /// [`ModelDevice::linears`] of `hn`: a block's normed input projections. `hn` may be left
+    /// holding anything (a device may normalize as it reads `x`: one kernel less). The
+    /// default is those two calls.
+    fn norm_linears(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Tensor,
+        eps: f32,
+        hn: &mut Self::Tensor,
+        projections: &mut [Projection<'_, Self>],
+    ) -> Result<(), KitError> {
+        self.rms_norm(x, norm, eps, hn)?;
+        self.linears(hn, projections)
+    }
     /// Rotary embedding in place on `x` `[T, heads·head_dim]`: token t rotates pair `i` of
     /// each head by angle `positions[t] · inv_freq[i]`, the pair being `(i, i + head_dim/2)`
     /// for [`RopePairs::Halves`] (rotate-half) and `(2i, 2i + 1)` for
@@ -132,6 +162,22 @@ pub trait ModelDevice: Device {
         inv_freq: &[f32],
         pairs: RopePairs,
     ) -> Result<(), KitError>;
+    /// [`ModelDevice::rope`] of `x` (`[T, heads·head_dim]`), then
+    /// [`ModelDevice::split_heads`] into `out` (`[heads, T, head_dim]`); `x` may be left
+    /// rotated or not. The default is those two calls; a device may rotate as it splits
+    /// (one pass instead of two).
+    fn rope_heads(
+        &self,
+        x: &mut Self::Tensor,
+        heads: usize,
+        positions: &[i32],
+        inv_freq: &[f32],
+        pairs: RopePairs,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        self.rope(x, heads, positions, inv_freq, pairs)?;
+        self.split_heads(x, heads, out)
+    }
     /// `out = x` with each `n`-wide piece of every row multiplied by `H_n / √n`, `H_n`
     /// Sylvester's Hadamard matrix (`H_1 = [1]`, `H_2m = [[H_m, H_m], [H_m, −H_m]]`): x and
     /// out `[T, k·n]`, `n` a power of two (the rotation of
@@ -348,6 +394,24 @@ pub trait ModelDevice: Device {
                 self.swiglu_oai_mul(gate, up, alpha, limit, out)
             }
         }
+    }
+    /// `out += gated(act, gate, up)·Wᵀ`: an MLP's down projection of its gated product added
+    /// to the residual stream. `mlp` (`[T, width]`) and `scratch` (`[T, rows]`) may be left
+    /// holding anything (a device may make the product as it reads it: one kernel less). The
+    /// default is [`ModelDevice::gated`] into `mlp`, then [`ModelDevice::linear_add`].
+    #[allow(clippy::too_many_arguments)]
+    fn gated_linear_add(
+        &self,
+        act: Activation,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        w: &Self::Weight,
+        mlp: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        self.gated(act, gate, up, mlp)?;
+        self.linear_add(mlp, w, None, scratch, out)
     }
     /// `x *= s`.
     fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<(), KitError>;

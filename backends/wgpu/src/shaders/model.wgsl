@@ -1,13 +1,14 @@
 // Model-graph operations on f32 activations (row-major). One bind group layout for all:
 // params, a (f32, read), b (32-bit words, read: f32 values, or a weight in its stored
 // dtype), idx (u32, read: the batch's index words; an op's start at idx0, a second array at
-// idx1), out (f32, read_write). Flat invocation index:
+// idx1), out (f32, read_write), bias (f32, read: a linear's bias), aux (f32, read: the norm weight
+// or the up projection a linear's input is made with). Flat invocation index:
 // gid.x + gid.y · (workgroups.x · 64), so large element counts use a 2-D dispatch.
 
 struct Params {
     n0: u32, n1: u32, n2: u32, n3: u32,
     flag: u32, total: u32, idx0: u32, idx1: u32,
-    eps: f32, pad2: f32, pad3: f32, pad4: f32,
+    eps: f32, mode: u32, pad3: f32, pad4: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -15,6 +16,41 @@ struct Params {
 @group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read> idx: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> bias: array<f32>;
+@group(0) @binding(6) var<storage, read> aux: array<f32>;
+
+// A linear's `mode` bits: add `bias`; add to what `out` holds (a residual); its input is
+// rms_norm(a)·aux (a block's normed input, the norm computed by the linear's own
+// workgroups) or silu(a)·aux (an MLP's gated product, a the gate and aux the up
+// projection).
+const WITH_BIAS: u32 = 1u;
+const ACCUMULATE: u32 = 2u;
+const NORMED: u32 = 4u;
+const GATED: u32 = 8u;
+
+// 1/rms of the token whose values a NORMED linear's invocation reads (set by its entry point).
+var<private> norm_inv: f32;
+
+// Value i (flat, [T, n1]) of a linear's input, as p.mode says.
+fn xin(i: u32) -> f32 {
+    if (p.mode & GATED) != 0u {
+        let g = a[i];
+        return g / (1.0 + exp(-g)) * aux[i];
+    }
+    if (p.mode & NORMED) != 0u {
+        return a[i] * norm_inv * aux[i % p.n1];
+    }
+    return a[i];
+}
+
+// Stores output o (of n3) of token t of a linear, with its bias and residual as p.mode says.
+fn store(t: u32, o: u32, acc: f32) {
+    let i = t * p.n3 + o;
+    var v = acc;
+    if (p.mode & WITH_BIAS) != 0u { v += bias[o]; }
+    if (p.mode & ACCUMULATE) != 0u { v += out[i]; }
+    out[i] = v;
+}
 
 fn flat(g: vec3<u32>, nw: vec3<u32>) -> u32 {
     return g.x + g.y * nw.x * 64u;
@@ -166,35 +202,98 @@ fn rmsnorm_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
 
 // out[t, n2 + o] = Σ_i a[t, i] · W[o, i], W in `b` (dtype in flag); n0 = rows of W (this
 // part's outputs), n1 = cols, n2 = the part's first output, n3 = outputs per token (a weight
-// larger than one binding is split into parts of whole rows).
-// One invocation per (o, t); biases are added by bias_main.
-@compute @workgroup_size(64)
-fn linear_main(@builtin(global_invocation_id) g: vec3<u32>) {
-    let o = g.x;
-    let t = g.y;
-    if o >= p.n0 { return; }
+// larger than one binding is split into parts of whole rows). T = total tokens. `store`
+// adds the bias and the residual (p.mode).
+//
+// A tiled matrix product (prefill): each workgroup computes a TILE x TILE block of outputs
+// (rows o0 = wg.x · TILE, tokens t0 = wg.y · TILE), each invocation 4 rows x 4 tokens of it.
+// Per 32-wide step of the inner dimension the workgroup loads the W tile (dequantized as it
+// is loaded, `quad`) and the x tile into workgroup memory, then every invocation reads 4 + 4
+// values per 16 products from there.
+const TILE: u32 = 64u;
+const KSTEP: u32 = 32u;
+var<workgroup> wtile: array<f32, 2048>; // [KSTEP][TILE] of W, inner index a row
+var<workgroup> xtile: array<f32, 2048>; // [KSTEP][TILE] of x, inner index a token
+@compute @workgroup_size(256)
+fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let cols = p.n1;
-    var acc = 0.0;
-    if p.flag < 3u {
-        for (var i = 0u; i < cols; i++) {
-            acc += a[t * cols + i] * weight_at(o * cols + i);
+    let o0 = wg.x * TILE;
+    let t0 = wg.y * TILE;
+    let ty = lid / 16u; // rows 4·ty..
+    let tx = lid % 16u; // tokens 4·tx..
+    var acc: array<vec4<f32>, 4>;
+    // The W row and the two quads (of 8 per slice) this invocation loads.
+    let lr = lid % TILE;
+    let lq = (lid / TILE) * 2u;
+    // The x token and the 8 values of a step this invocation loads.
+    let xt = lid / 4u;
+    let xk = (lid % 4u) * 8u;
+    if (p.mode & NORMED) != 0u {
+        // Token xt's sum of squares by its 4 loaders, through wtile.
+        var s = 0.0;
+        if t0 + xt < p.total {
+            for (var i = lid % 4u; i < cols; i += 4u) {
+                let v = a[(t0 + xt) * cols + i];
+                s += v * v;
+            }
         }
-    } else {
-        // Block formats: each block's scales are read once and its codes a byte at a time.
-        let be = select(32u, 256u, p.flag >= 8u);
-        let first = o * cols / be;
-        for (var k = 0u; k < cols / be; k++) {
-            acc += block_dot(first + k, t * cols + k * be);
+        wtile[lid] = s;
+        workgroupBarrier();
+        let g = 4u * xt;
+        let sum = (wtile[g] + wtile[g + 1u]) + (wtile[g + 2u] + wtile[g + 3u]);
+        norm_inv = 1.0 / sqrt(sum / f32(cols) + p.eps);
+        workgroupBarrier();
+    }
+    for (var k0 = 0u; k0 < cols; k0 += KSTEP) {
+        let o = o0 + lr;
+        for (var q = lq; q < lq + 2u; q++) {
+            var v = vec4<f32>(0.0);
+            if o < p.n0 {
+                if p.flag < 3u {
+                    for (var i = 0u; i < 4u; i++) {
+                        let c = k0 + 4u * q + i;
+                        if c < cols { v[i] = weight_at(o * cols + c); }
+                    }
+                } else {
+                    v = quad(slice(o * (cols / 32u) + k0 / 32u), q);
+                }
+            }
+            for (var i = 0u; i < 4u; i++) { wtile[(4u * q + i) * TILE + lr] = v[i]; }
+        }
+        let t = t0 + xt;
+        for (var i = 0u; i < 8u; i++) {
+            let c = k0 + xk + i;
+            var x = 0.0;
+            if t < p.total && c < cols { x = xin(t * cols + c); }
+            xtile[(xk + i) * TILE + xt] = x;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < KSTEP; kk++) {
+            let wv = vec4<f32>(wtile[kk * TILE + 4u * ty], wtile[kk * TILE + 4u * ty + 1u],
+                               wtile[kk * TILE + 4u * ty + 2u], wtile[kk * TILE + 4u * ty + 3u]);
+            let xv = vec4<f32>(xtile[kk * TILE + 4u * tx], xtile[kk * TILE + 4u * tx + 1u],
+                               xtile[kk * TILE + 4u * tx + 2u], xtile[kk * TILE + 4u * tx + 3u]);
+            for (var i = 0u; i < 4u; i++) { acc[i] += wv[i] * xv; }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let o = o0 + 4u * ty + i;
+        for (var j = 0u; j < 4u; j++) {
+            let t = t0 + 4u * tx + j;
+            if o < p.n0 && t < p.total { store(t, p.n2 + o, acc[i][j]); }
         }
     }
-    out[t * p.n3 + p.n2 + o] = acc;
 }
 
-// linear_main for few tokens: each workgroup computes ROWS_PER_GROUP output rows of one token
-// (row group o = x + y · workgroups.x, token t = z), LANES invocations per row striding over
-// its blocks (or values) so neighbours read neighbouring bytes, their sums added by a tree
-// in workgroup memory.
-const LANES: u32 = 8u;
+// linear_main for few tokens (a matrix-vector product per token): each workgroup computes
+// ROWS_PER_GROUP output rows of one token (row group o = x + y · workgroups.x, token t = z),
+// LANES invocations per row. Block formats: the lanes stride over the row's 32-value slices
+// (a block, or an eighth of a K-quant super-block), each reading its slice's codes as whole
+// words with its scales once (`slice_dot`), so a row's bytes are read once by neighbouring
+// lanes; dense dtypes: over its values. The lanes' sums are added by a tree in workgroup
+// memory.
+const LANES: u32 = 16u;
 const ROWS_PER_GROUP: u32 = 64u / LANES;
 @compute @workgroup_size(64)
 fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
@@ -203,17 +302,32 @@ fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroup
     let lane = lid % LANES;
     let t = wg.z;
     let cols = p.n1;
+    if (p.mode & NORMED) != 0u {
+        // The token's norm, summed as rmsnorm_main sums it.
+        var s = 0.0;
+        for (var i = lid; i < cols; i += 64u) {
+            let v = a[t * cols + i];
+            s += v * v;
+        }
+        red[lid] = s;
+        workgroupBarrier();
+        for (var k = 32u; k > 0u; k >>= 1u) {
+            if lid < k { red[lid] = red[lid] + red[lid + k]; }
+            workgroupBarrier();
+        }
+        norm_inv = 1.0 / sqrt(red[0] / f32(cols) + p.eps);
+        workgroupBarrier();
+    }
     var acc = 0.0;
     if o < p.n0 {
         if p.flag < 3u {
             for (var i = lane; i < cols; i += LANES) {
-                acc += a[t * cols + i] * weight_at(o * cols + i);
+                acc += xin(t * cols + i) * weight_at(o * cols + i);
             }
         } else {
-            let be = select(32u, 256u, p.flag >= 8u);
-            let first = o * cols / be;
-            for (var k = lane; k < cols / be; k += LANES) {
-                acc += block_dot(first + k, t * cols + k * be);
+            let slices = cols / 32u;
+            for (var s = lane; s < slices; s += LANES) {
+                acc += slice_dot(o * slices + s, t * cols + s * 32u);
             }
         }
     }
@@ -223,105 +337,132 @@ fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroup
         if lane < s { red[lid] = red[lid] + red[lid + s]; }
         workgroupBarrier();
     }
-    if lane == 0u && o < p.n0 { out[t * p.n3 + p.n2 + o] = red[lid]; }
+    if lane == 0u && o < p.n0 { store(t, p.n2 + o, red[lid]); }
 }
 
-// Σ_j a[ab + j] · (value j of quantized block `blk` of `b`), the format in p.flag (as for
-// weight_at; 3..=10).
-fn block_dot(blk: u32, ab: u32) -> f32 {
+// Bytes o..o + 4 of `b` as one little-endian word, at any byte offset (blocks of 18, 22, 34
+// or 210 bytes leave their fields unaligned).
+fn word_at(o: u32) -> u32 {
+    let s = (o & 3u) * 8u;
+    let w = b[o >> 2u];
+    if s == 0u { return w; }
+    return (w >> s) | (b[(o >> 2u) + 1u] << (32u - s));
+}
+
+// Byte i of word w, as a signed value.
+fn sbyte(w: u32, i: u32) -> f32 {
+    return f32(i32(w << (24u - 8u * i)) >> 24u);
+}
+
+// A 32-value slice of a block-format weight: a whole block of the 32-value formats, or
+// sub-block sl % 8 of super-block sl / 8 of the K-quants. Value j is
+// scale[j / 16] · code_j + offset[j / 16], code_j read from the bytes at `codes` (and the
+// high bits at `high`, or in the word `qh`) by `quad`.
+struct Slice {
+    scale: vec2<f32>,
+    offset: vec2<f32>,
+    codes: u32,
+    high: u32,
+    qh: u32,
+    shift: u32,
+}
+
+// The scales, offsets and code positions of slice `sl` of the weight in `b`, the format in
+// p.flag (as for weight_at; 3..=10).
+fn slice(sl: u32) -> Slice {
+    var h: Slice;
     switch p.flag {
         case 3u, 4u, 5u, 6u: {
-            // q4_0, q4_1, q5_0, q5_1: [d, (m), (qh), 16 code bytes].
-            let bytes = 18u + 2u * (p.flag - 3u);
-            let o = blk * bytes;
+            // q4_0, q4_1, q5_0, q5_1: [d, (m), (qh), 16 code bytes]; byte j holds value j in
+            // its low nibble and value j + 16 in its high one, q5's fifth bits in qh.
+            let o = sl * (18u + 2u * (p.flag - 3u));
             let has_m = p.flag == 4u || p.flag == 6u;
             let five = p.flag >= 5u;
+            let d = half_at(o);
             let qh_at = o + select(2u, 4u, has_m);
-            let qs = qh_at + select(0u, 4u, five);
-            var s = 0.0;
-            var sa = 0.0;
-            for (var j = 0u; j < 16u; j++) {
-                let q = byte_at(qs + j);
-                var lo = q & 15u;
-                var hi = q >> 4u;
-                if five {
-                    lo |= bit5(qh_at, j);
-                    hi |= bit5(qh_at, j + 16u);
-                }
-                let x0 = a[ab + j];
-                let x1 = a[ab + j + 16u];
-                s += f32(lo) * x0 + f32(hi) * x1;
-                sa += x0 + x1;
-            }
-            if has_m {
-                return half_at(o) * s + half_at(o + 2u) * sa;
-            }
-            // Codes are offset by 8 (q4_0) or 16 (q5_0).
-            return half_at(o) * (s - select(8.0, 16.0, five) * sa);
+            h.codes = qh_at + select(0u, 4u, five);
+            if five { h.qh = word_at(qh_at); }
+            var m = -select(8.0, 16.0, five) * d;
+            if has_m { m = half_at(o + 2u); }
+            h.scale = vec2<f32>(d);
+            h.offset = vec2<f32>(m);
         }
         case 7u: {
-            let o = blk * 34u;
-            var s = 0.0;
-            for (var j = 0u; j < 32u; j++) {
-                s += f32(i32(byte_at(o + 2u + j) << 24u) >> 24u) * a[ab + j];
-            }
-            return half_at(o) * s;
+            let o = sl * 34u;
+            h.scale = vec2<f32>(half_at(o));
+            h.codes = o + 2u;
         }
         case 8u, 9u: {
+            // q4_K, q5_K: sub-block `sub` takes the low (even sub) or high nibbles of the
+            // 32 code bytes of its pair, q5_K's fifth bit from bit `sub` of 32 qh bytes.
             let q5 = p.flag == 9u;
-            let o = blk * select(144u, 176u, q5);
-            let qs = o + select(16u, 48u, q5);
-            let d = half_at(o);
-            let dmin = half_at(o + 2u);
-            var acc = 0.0;
-            for (var sub = 0u; sub < 8u; sub++) {
-                let sm = k4_scale_min(sub, o + 4u);
-                let chunk = sub / 2u;
-                let shift = 4u * (sub % 2u);
-                var s = 0.0;
-                var sa = 0.0;
-                for (var l = 0u; l < 32u; l++) {
-                    var v = (byte_at(qs + chunk * 32u + l) >> shift) & 15u;
-                    if q5 && ((byte_at(o + 16u + l) >> sub) & 1u) == 1u {
-                        v += 16u;
-                    }
-                    let x = a[ab + sub * 32u + l];
-                    s += f32(v) * x;
-                    sa += x;
-                }
-                acc += d * sm.x * s - dmin * sm.y * sa;
-            }
-            return acc;
+            let sub = sl % 8u;
+            let o = (sl / 8u) * select(144u, 176u, q5);
+            let sm = k4_scale_min(sub, o + 4u);
+            h.scale = vec2<f32>(half_at(o) * sm.x);
+            h.offset = vec2<f32>(-half_at(o + 2u) * sm.y);
+            h.codes = o + select(16u, 48u, q5) + (sub / 2u) * 32u;
+            h.shift = 4u * (sub % 2u);
+            if q5 { h.high = o + 16u; }
+            h.qh = sub;
         }
         default: {
-            // q6_K: 16 sub-blocks of 16 values, i8 scales.
-            let o = blk * 210u;
-            var acc = 0.0;
-            for (var n = 0u; n < 2u; n++) {
-                for (var quarter = 0u; quarter < 4u; quarter++) {
-                    for (var part = 0u; part < 2u; part++) {
-                        var s = 0.0;
-                        for (var l = part * 16u; l < part * 16u + 16u; l++) {
-                            let lo = (byte_at(o + n * 64u + l + 32u * (quarter & 1u)) >> (4u * (quarter >> 1u))) & 15u;
-                            let hb = (byte_at(o + 128u + n * 32u + l) >> (2u * quarter)) & 3u;
-                            s += f32(i32(lo | (hb << 4u)) - 32) * a[ab + n * 128u + quarter * 32u + l];
-                        }
-                        let sc = i32(byte_at(o + 192u + n * 8u + part + 2u * quarter) << 24u) >> 24u;
-                        acc += f32(sc) * s;
-                    }
-                }
-            }
-            return half_at(o + 208u) * acc;
+            // q6_K: sub-block `sub` is quarter sub % 4 of half sub / 4: low bits from the
+            // low (quarters 0, 1) or high nibbles of 32 ql bytes, high bits from 2-bit field
+            // `quarter` of 32 qh bytes, an i8 scale per 16 values.
+            let sub = sl % 8u;
+            let o = (sl / 8u) * 210u;
+            let n = sub / 4u;
+            let quarter = sub % 4u;
+            let sc = word_at(o + 192u + n * 8u + 2u * quarter);
+            let d = half_at(o + 208u);
+            h.scale = d * vec2<f32>(sbyte(sc, 0u), sbyte(sc, 1u));
+            h.offset = -32.0 * h.scale;
+            h.codes = o + n * 64u + 32u * (quarter & 1u);
+            h.high = o + 128u + n * 32u;
+            h.shift = 4u * (quarter >> 1u);
+            h.qh = 2u * quarter;
         }
     }
+    return h;
 }
 
-// out[t, o] += bias[o]: bias in `a`, n0 = width.
-@compute @workgroup_size(64)
-fn bias_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
-    let i = flat(g, nw);
-    if i >= p.total { return; }
-    out[i] = out[i] + a[i % p.n0];
+// Values 4k .. 4k + 3 (k < 8) of slice h, dequantized.
+fn quad(h: Slice, k: u32) -> vec4<f32> {
+    var c: vec4<f32>;
+    switch p.flag {
+        case 3u, 4u, 5u, 6u: {
+            let lo = (unpack4xU8(word_at(h.codes + 4u * (k % 4u))) >> vec4<u32>(4u * (k / 4u))) & vec4<u32>(15u);
+            let hi = (vec4<u32>(h.qh >> (4u * k)) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u);
+            c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
+        }
+        case 7u: {
+            c = vec4<f32>(unpack4xI8(word_at(h.codes + 4u * k)));
+        }
+        case 8u, 9u: {
+            let lo = (unpack4xU8(b[(h.codes >> 2u) + k]) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
+            var hi = vec4<u32>(0u);
+            if p.flag == 9u { hi = (unpack4xU8(b[(h.high >> 2u) + k]) >> vec4<u32>(h.qh)) & vec4<u32>(1u); }
+            c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
+        }
+        default: {
+            let lo = (unpack4xU8(word_at(h.codes + 4u * k)) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
+            let hi = (unpack4xU8(word_at(h.high + 4u * k)) >> vec4<u32>(h.qh)) & vec4<u32>(3u);
+            c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
+        }
+    }
+    return h.scale[k / 4u] * c + vec4<f32>(h.offset[k / 4u]);
+}
+
+// Σ_j x_j · (value j of slice `sl` of the weight in `b`), x_j = xin(ab + j).
+fn slice_dot(sl: u32, ab: u32) -> f32 {
+    let h = slice(sl);
+    var s = 0.0;
+    for (var k = 0u; k < 8u; k++) {
+        let x = vec4<f32>(xin(ab + 4u * k), xin(ab + 4u * k + 1u), xin(ab + 4u * k + 2u), xin(ab + 4u * k + 3u));
+        s += dot(quad(h, k), x);
+    }
+    return s;
 }
 
 // RoPE in place on out [T, heads·hd]: n0 = heads, n1 = hd; positions (i32 bits) at idx0,
@@ -349,6 +490,33 @@ fn rope_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroup
     let x2 = out[i2];
     out[i1] = x1 * c - x2 * s;
     out[i2] = x2 * c + x1 * s;
+}
+
+// rope_main reading a [T, heads·hd] and writing its pairs rotated to out [heads, T, hd]
+// (RoPE and the split into heads in one pass); parameters as rope_main's, n2 = T.
+@compute @workgroup_size(64)
+fn rope_heads_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let n = flat(g, nw);
+    if n >= p.total { return; }
+    let half = p.n1 / 2u;
+    let i = n % half;
+    let head = (n / half) % p.n0;
+    let t = n / (half * p.n0);
+    let ang = f32(bitcast<i32>(idx[p.idx0 + t])) * bitcast<f32>(idx[p.idx1 + i]);
+    let c = cos(ang);
+    let s = sin(ang);
+    var j1 = i;
+    var j2 = i + half;
+    if p.flag == 1u {
+        j1 = 2u * i;
+        j2 = j1 + 1u;
+    }
+    let src = (t * p.n0 + head) * p.n1;
+    let dst = (head * p.n2 + t) * p.n1;
+    let x1 = a[src + j1];
+    let x2 = a[src + j2];
+    out[dst + j1] = x1 * c - x2 * s;
+    out[dst + j2] = x2 * c + x1 * s;
 }
 
 // [T, H·D] -> [H, T, D] (flag 0) or [H, T, D] -> [T, H·D] (flag 1); n0 = H, n1 = T, n2 = D.
