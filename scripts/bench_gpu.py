@@ -1,0 +1,106 @@
+"""`make bench-gpu`: kvplug's GPU backend on random-weight Q4_K_M files of the SmolLM2-135M,
+Qwen2.5-0.5B and Qwen2.5-1.5B shapes (bench_shapes.py writes them here), reporting tg128,
+pp512 and tg32 at depth 4096, the counters the backend keeps per decode token, and the
+fraction of the device's memory bandwidth a decode token reaches.
+
+Bandwidth: a decode token reads the weights a step touches (`kvplug plan`'s `step_bytes`)
+and the K/V of every position before it; `tokens/s x bytes` over the device's bandwidth is
+the fraction. The bandwidth is `--bandwidth GB/s`, else the datasheet figure of the GPU
+`nvidia-smi` names (H100 SXM 3350, H200 4800), else unknown (no fraction printed).
+
+Usage: bench_gpu.py [--kvplug BIN] [--plugins DIR] [--backend ID] [--out DIR]
+       [--bandwidth GB/s] [--shapes NAME,...] [--repetitions N]
+Writes OUT/results.json and prints a markdown table."""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_shapes  # noqa: E402
+
+DATASHEET_GBS = {"H200": 4800, "H100 80GB HBM3": 3350, "H100 SXM": 3350, "H100 PCIe": 2000}
+
+
+def gpu_name():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def run_json(cmd):
+    print("+", " ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvplug", default="target/release/kvplug")
+    ap.add_argument("--plugins", default="target/release")
+    ap.add_argument("--backend", default="wgpu")
+    ap.add_argument("--out", default="target/bench-gpu")
+    ap.add_argument("--bandwidth", type=float, help="the device's memory bandwidth, GB/s")
+    ap.add_argument("--shapes", default=",".join(bench_shapes.SHAPES))
+    ap.add_argument("--repetitions", type=int, default=3)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    name = gpu_name()
+    bandwidth = a.bandwidth
+    if bandwidth is None and name:
+        bandwidth = next((v for k, v in DATASHEET_GBS.items() if k in name), None)
+    host = [a.kvplug, "--plugins", a.plugins]
+    rows = []
+    for shape in a.shapes.split(","):
+        path = os.path.join(a.out, shape + ".gguf")
+        if not os.path.exists(path):
+            bench_shapes.write(a.out, shape)
+        plan = run_json(host + ["plan", "--model", path, "--budget", "64G", "--json"])
+        kv_per_token = sum(g["bytes_per_token"] for g in plan["groups"])
+        tests = run_json(host + ["bench", "--backend", a.backend, "--model", path, "-p", "512",
+                                 "-n", "128", "-r", str(a.repetitions), "--json"])
+        tests += run_json(host + ["bench", "--backend", a.backend, "--model", path, "-p", "0",
+                                  "-n", "32", "-d", "4096", "-r", str(a.repetitions), "--json"])
+        for t in tests:
+            t["shape"] = shape
+            t["test"] = (f"pp{t['n_prompt']}" if t["n_prompt"] else f"tg{t['n_gen']}") + (
+                f" @ d{t['n_depth']}" if t["n_depth"] else "")
+            t["step_bytes"] = plan["step_bytes"]
+            if t["n_gen"] > 0:
+                # The mean context a timed decode token reads.
+                context = t["n_depth"] + (t["n_gen"] + 1) / 2
+                t["bytes_per_token"] = plan["step_bytes"] + kv_per_token * context
+                if bandwidth:
+                    t["bandwidth_fraction"] = t["avg_ts"] * t["bytes_per_token"] / (bandwidth * 1e9)
+            rows.append(t)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": name,
+        "bandwidth_gbs": bandwidth,
+        "tests": rows,
+    }
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['date']} on {name or 'an unnamed device'}"
+          f" ({rows[0]['device'] if rows else '?'}), bandwidth "
+          f"{f'{bandwidth:g} GB/s' if bandwidth else 'unknown'}\n")
+    extra = [k for k in ("dispatches_per_token", "readback_bytes_per_token") if rows and k in rows[0]]
+    print("| shape | test | t/s | of bandwidth |" + "".join(f" {k} |" for k in extra))
+    print("| --- | ---: | ---: | ---: |" + " ---: |" * len(extra))
+    for t in rows:
+        frac = t.get("bandwidth_fraction")
+        frac = f"{100 * frac:.1f}%" if frac is not None else ""
+        cells = "".join(f" {t[k]:g} |" for k in extra)
+        print(f"| {t['shape']} | {t['test']} | {t['avg_ts']:.1f} ± {t['stddev_ts']:.1f} "
+              f"| {frac} |{cells}")
+
+
+if __name__ == "__main__":
+    main()
