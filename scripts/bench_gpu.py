@@ -3,6 +3,9 @@ Qwen2.5-0.5B and Qwen2.5-1.5B shapes (bench_shapes.py writes them here), reporti
 pp512 and tg32 at depth 4096, the counters the backend keeps per decode token, and the
 fraction of the device's memory bandwidth a decode token reaches.
 
+The table also gives the backend's counters per token (dispatches, bytes read back), from
+`kvplug bench --json`'s `per_token`.
+
 Bandwidth: a decode token reads the weights a step touches (`kvplug plan`'s `step_bytes`)
 and the K/V of every position before it; `tokens/s x bytes` over the device's bandwidth is
 the fraction. The bandwidth is `--bandwidth GB/s`, else the datasheet figure of the GPU
@@ -91,13 +94,14 @@ def main():
     print(f"\n{result['date']} on {name or 'an unnamed device'}"
           f" ({rows[0]['device'] if rows else '?'}), bandwidth "
           f"{f'{bandwidth:g} GB/s' if bandwidth else 'unknown'}\n")
-    extra = [k for k in ("dispatches_per_token", "readback_bytes_per_token") if rows and k in rows[0]]
-    print("| shape | test | t/s | of bandwidth |" + "".join(f" {k} |" for k in extra))
+    # The backend's counters per token (`kvplug bench --json`'s per_token), where it keeps them.
+    extra = [k for k in ("dispatches", "read_back_bytes") if any(k in t.get("per_token", {}) for t in rows)]
+    print("| shape | test | t/s | of bandwidth |" + "".join(f" {k} per token |" for k in extra))
     print("| --- | ---: | ---: | ---: |" + " ---: |" * len(extra))
     for t in rows:
         frac = t.get("bandwidth_fraction")
         frac = f"{100 * frac:.1f}%" if frac is not None else ""
-        cells = "".join(f" {t[k]:g} |" for k in extra)
+        cells = "".join(f" {t.get('per_token', {}).get(k, float('nan')):.0f} |" for k in extra)
         print(f"| {t['shape']} | {t['test']} | {t['avg_ts']:.1f} ± {t['stddev_ts']:.1f} "
               f"| {frac} |{cells}")
 

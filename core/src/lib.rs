@@ -22,6 +22,7 @@
 
 #![warn(missing_docs)]
 
+pub mod argmax;
 pub mod arithmetic;
 pub mod config;
 pub mod contiguous;
@@ -44,6 +45,7 @@ pub mod spec;
 pub mod tree;
 pub mod window;
 
+pub use argmax::argmax;
 pub use arithmetic::Arithmetic;
 pub use config::{
     make_config, CacheConfig, ConvLayers, DeltaLayers, LayerSet, ModelCacheParams, SlidingLayers,

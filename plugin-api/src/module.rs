@@ -118,6 +118,10 @@ pub struct BackendModule {
         options: &BackendOptions,
         host: HostServices,
     ) -> RResult<MethodHandle, PluginError>,
+    /// The backend device's counters since it opened, by name (`dispatches`,
+    /// `read_back_bytes`, ...; none where it keeps none): what a step costs where the host
+    /// cannot see it (`kvplug bench` reports them per token). Since 3.1.
+    pub counters: extern "C" fn() -> RVec<Tuple2<RString, u64>>,
 }
 
 /// The plugin API version this crate defines: what a plugin is built against and what a
@@ -128,10 +132,11 @@ pub const API_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// `plugin` when their majors are equal and the plugin's minor is the host's or newer (for a
 /// `0.y` API, when `y` is equal). A minor release only appends fields to prefix types
 /// ([`BackendModule`], [`CacheObject`](crate::CacheObject)) — with a default or
-/// `#[sabi(missing_field(option))]` — which an older host never reads. An older plugin lacks
-/// them, and abi_stable's layout check refuses a plugin whose prefix types have fewer fields
-/// than the host's, so it is refused here in one line first. Any other change to a type
-/// that crosses the boundary is a new major.
+/// `#[sabi(missing_field(option))]` — which an older host never reads, or adds what a host
+/// may ask of a plugin's methods (3.1: the `forward` method's `argmax` input). An older
+/// plugin lacks them, and abi_stable's layout check refuses a plugin whose prefix types have
+/// fewer fields than the host's, so it is refused here in one line first. Any other change
+/// to a type that crosses the boundary is a new major.
 pub fn accepts(host: VersionNumber, plugin: VersionNumber) -> bool {
     host.major == plugin.major
         && if host.major == 0 {

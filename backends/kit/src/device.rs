@@ -227,4 +227,10 @@ pub trait Backend: Device {
 
     /// Feature flags (e.g. `xnnpack`, `avx2`).
     fn features(&self) -> Vec<String>;
+
+    /// The device's counters since it opened, by name (`dispatches`, `read_back_bytes`,
+    /// ...), which `kvplug bench` reports per token. The default keeps none.
+    fn counters(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvplug_core::{CacheConfig, CacheKind};
-use kvplug_plugin_api::abi_stable::std_types::{RResult, RStr, RString, RVec};
+use kvplug_plugin_api::abi_stable::std_types::{RResult, RStr, RString, RVec, Tuple2};
 use kvplug_plugin_api::log::ForwardingSubscriber;
 use kvplug_plugin_api::{
     guard, AbiCacheConfig, AbiErrorKind, BackendInfo, BackendOptions, CacheHandle, HostServices,
@@ -84,6 +84,18 @@ pub fn describe<B: Backend>(
     })
 }
 
+/// The root module's `counters`: the device's, none when it has none or panics.
+pub fn counters<B: Backend>(device: Result<&Arc<B>, &String>) -> RVec<Tuple2<RString, u64>> {
+    let Ok(d) = device else {
+        return RVec::new();
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.counters()))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, value)| Tuple2(name.into(), value))
+        .collect()
+}
+
 /// The root module's `register`: forwards this dylib's tracing events to the host and
 /// registers this backend's builders.
 pub fn register<B: Backend>(
@@ -160,7 +172,9 @@ macro_rules! export_backend {
         pub mod __kvplug_plugin {
             use super::*;
             use $crate::kvplug_plugin_api::abi_stable::prefix_type::PrefixTypeTrait as _;
-            use $crate::kvplug_plugin_api::abi_stable::std_types::{RResult, RStr, RString};
+            use $crate::kvplug_plugin_api::abi_stable::std_types::{
+                RResult, RStr, RString, RVec, Tuple2,
+            };
             use $crate::kvplug_plugin_api::{
                 AbiCacheConfig, BackendInfo, BackendModule, BackendModule_Ref, BackendOptions,
                 CacheHandle, HostServices, MethodHandle, PluginError, Registrar,
@@ -206,6 +220,9 @@ macro_rules! export_backend {
             extern "C" fn load_method(name: RStr<'_>, options: &BackendOptions, host: HostServices) -> RResult<MethodHandle, PluginError> {
                 $load(name, options, host)
             }
+            extern "C" fn counters() -> RVec<Tuple2<RString, u64>> {
+                $crate::glue::counters::<$backend>(device())
+            }
 
             /// The plugin's root module.
             #[::abi_stable::export_root_module]
@@ -215,6 +232,7 @@ macro_rules! export_backend {
                     describe,
                     register,
                     load_method,
+                    counters,
                 }
                 .leak_into_prefix()
             }

@@ -13,8 +13,10 @@ use crate::cache::{KitCache, KitError};
 use crate::device::{AttendMask, Device};
 use crate::model::blocks::{dequantize_row, BlockFormat};
 
+mod argmax;
 mod conv;
 mod delta;
+pub use argmax::check_argmax_rows;
 pub use conv::check_conv_verbs;
 pub use delta::check_delta_verbs;
 
@@ -1024,6 +1026,20 @@ macro_rules! backend_tests {
         #[test]
         fn kit_delta_verbs() {
             $crate::testing::check_delta_verbs($device);
+        }
+    };
+}
+
+/// The [`ModelDevice`](crate::model::ModelDevice) checks of [`testing`](crate::testing) as
+/// `#[test]` functions of the calling crate, beside [`backend_tests!`](crate::backend_tests)
+/// for a backend that serves models: the device argmax against the host's. `$device` is
+/// evaluated once per test.
+#[macro_export]
+macro_rules! model_device_tests {
+    ($device:expr) => {
+        #[test]
+        fn kit_argmax_rows() {
+            $crate::testing::check_argmax_rows($device);
         }
     };
 }

@@ -8,4 +8,7 @@ mod with_mlx {
     kvplug_backend_kit::backend_tests!(
         kvplug_mlx::MlxDevice::open().unwrap_or_else(|e| panic!("no MLX device: {e}"))
     );
+    kvplug_backend_kit::model_device_tests!(
+        kvplug_mlx::MlxDevice::open().unwrap_or_else(|e| panic!("no MLX device: {e}"))
+    );
 }

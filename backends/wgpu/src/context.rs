@@ -21,9 +21,9 @@ pub struct Context {
     pub adapter_features: wgpu::Features,
     /// Limits the device was created with (the adapter's).
     pub limits: wgpu::Limits,
-    attention: OnceLock<Kernels<4>>,
+    attention: OnceLock<Kernels<6>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<13>>,
+    model: OnceLock<Kernels<14>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
     recorder: Arc<Mutex<Recorder>>,
@@ -261,15 +261,17 @@ impl Recorder {
 }
 
 /// Entry points of `attention.wgsl`, in the order of [`Context::attention`]'s pipelines.
-pub const ATTENTION_ENTRIES: [&str; 4] = [
+pub const ATTENTION_ENTRIES: [&str; 6] = [
     "scores_main",
     "softmax_main",
     "output_main",
     "quantize_main",
+    "flash_main",
+    "combine_main",
 ];
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 13] = [
+pub const MODEL_ENTRIES: [&str; 14] = [
     "gather_main",
     "rmsnorm_main",
     "linear_main",
@@ -283,6 +285,7 @@ pub const MODEL_ENTRIES: [&str; 13] = [
     "scale_main",
     "hadamard_main",
     "linear_rows_main",
+    "argmax_main",
 ];
 
 /// Pipelines of one shader module sharing one bind-group layout: binding 0 is the uniform
@@ -465,7 +468,7 @@ impl Context {
 
     /// Attention kernels, in [`ATTENTION_ENTRIES`] order (compiled on first use, which keeps
     /// plugin loading fast).
-    pub fn attention(&self) -> &Kernels<4> {
+    pub fn attention(&self) -> &Kernels<6> {
         self.attention.get_or_init(|| {
             use Slot::*;
             kernels(
@@ -501,7 +504,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<13> {
+    pub fn model(&self) -> &Kernels<14> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(

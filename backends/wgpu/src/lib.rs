@@ -7,10 +7,12 @@
 //!   rows as bits, f16 and bf16 packed two per word (`unpack2x16float` / shifts), q8 and q4
 //!   codes packed four / eight per word followed by one word per group holding the f16
 //!   scale and offset. Rows are encoded by a kernel, so activations never leave the device.
-//! - Attention runs three kernels (scores, masked stable softmax, output) over the window
-//!   `[0, read_len)` with GQA head mapping and None / Causal / Explicit masks; quantized rows
-//!   are decoded inside them. Query heads are processed in chunks so the score buffer fits
-//!   the adapter's storage-binding limit.
+//! - Attention over the window `[0, read_len)` with GQA head mapping and None / Causal /
+//!   Explicit masks, quantized rows decoded inside the kernels: in the f32 arithmetic split
+//!   over chunks of 256 keys (flash-decoding: each chunk's scores, softmax and weighted values
+//!   in one workgroup, then a pass merging a row's chunks), in the int8-query arithmetic as
+//!   scores, masked stable softmax and output passes. Query heads are processed in groups so
+//!   the scratch fits the adapter's storage-binding limit.
 //! - Arithmetics: f32 everywhere (the default); on q8/q4 pools with groups a multiple of 32
 //!   also int8-query, where the query is quantized once per call and every 4 codes meet 4
 //!   key codes in one `dot4I8Packed` (native `OpSDot` where the Vulkan device has integer
@@ -142,6 +144,9 @@ pub(crate) struct AttnParams {
 }
 
 const MAX_DISPATCH: u32 = 65535;
+
+/// Keys per chunk of the flash-decoding pass (`attention.wgsl`'s `CHUNK`).
+const FLASH_CHUNK: usize = 256;
 
 /// Values per int8 query block (`attention.wgsl`'s `QBLOCK`).
 const QUERY_BLOCK: usize = kvplug_core::arithmetic::QUERY_BLOCK;
@@ -509,10 +514,21 @@ impl WgpuDevice {
             .limits
             .max_storage_buffer_binding_size
             .min(self.ctx.limits.max_buffer_size);
-        let per_head = (t * l * 4) as u64;
+        let int8 = arithmetic == Arithmetic::Int8Query
+            && matches!(k.dtype, DTYPE_Q8 | DTYPE_Q4)
+            && k.group as usize % QUERY_BLOCK == 0;
+        // Scratch per head: the int8 path's scores, or the flash path's partials (per query
+        // row and chunk of keys: the largest score, the sum and d weighted values).
+        let key_chunks = l.div_ceil(FLASH_CHUNK);
+        let per_head = if int8 {
+            (t * l * 4) as u64
+        } else {
+            (t * key_chunks * (d + 2) * 4) as u64
+        };
         if per_head > limit {
             return Err(device_err(format!(
-                "scores of one head ({t} × {l} floats) exceed the adapter's storage binding limit of {limit} bytes"
+                "the attention scratch of one head ({per_head} bytes for {t} queries over {l} \
+                 keys) exceeds the adapter's storage binding limit of {limit} bytes"
             )));
         }
         let chunk = ((limit / per_head) as usize)
@@ -523,9 +539,6 @@ impl WgpuDevice {
             scratch.scores = Some(self.ctx.storage("scores", need));
         }
         // The int8 query codes of all Hq·T rows, written by the first chunk's quantize pass.
-        let int8 = arithmetic == Arithmetic::Int8Query
-            && matches!(k.dtype, DTYPE_Q8 | DTYPE_Q4)
-            && k.group as usize % QUERY_BLOCK == 0;
         let blocks = (hq * t * d / QUERY_BLOCK) as u32;
         if int8 {
             let need = (hq * t * (d / 4 + 2 * d / QUERY_BLOCK) * 4) as u64;
@@ -565,16 +578,20 @@ impl WgpuDevice {
                 sinks: sinks.is_some() as u32,
             };
             let score_grid = [(l as u32).div_ceil(64), t as u32, nheads as u32];
-            let all = [
+            let int8_passes = [
                 (3, [qx, quantize_groups.div_ceil(qx), 1]),
                 (0, score_grid),
                 (1, [sx, sy, 1]),
                 (2, [value_groups, t as u32, nheads as u32]),
             ];
-            let passes = if int8 && head0 == 0 {
-                &all[..]
-            } else {
-                &all[1..]
+            let flash_passes = [
+                (4, [key_chunks as u32, t as u32, nheads as u32]),
+                (5, [sx, sy, 1]),
+            ];
+            let passes = match (int8, head0) {
+                (true, 0) => &int8_passes[..],
+                (true, _) => &int8_passes[1..],
+                (false, _) => &flash_passes[..],
             };
             self.ctx.dispatch(
                 self.ctx.attention(),
@@ -624,6 +641,16 @@ impl Backend for WgpuDevice {
         f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
         f.push("attention-sinks".into());
         f
+    }
+
+    fn counters(&self) -> Vec<(String, u64)> {
+        let c = self.ctx.created();
+        vec![
+            ("dispatches".into(), c.dispatches),
+            ("read_back_bytes".into(), c.read_back_bytes),
+            ("buffers_created".into(), c.buffers),
+            ("bind_groups_created".into(), c.bind_groups),
+        ]
     }
 }
 

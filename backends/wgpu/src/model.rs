@@ -69,9 +69,11 @@ pub(crate) struct OpParams {
     /// Where the op's index words start, and its second array of them (set by [`WgpuDevice::op`]).
     idx: [u32; 2],
     eps: f32,
-    /// A linear's `mode` bits (model.wgsl's `WITH_BIAS`, `ACCUMULATE`).
+    /// A linear's `mode` bits (model.wgsl's `WITH_BIAS`, `ACCUMULATE`, …).
     mode: u32,
-    pad2: [f32; 2],
+    /// A `HEADS` input's head width.
+    hd: u32,
+    pad2: f32,
 }
 
 /// model.wgsl's `mode` bits.
@@ -79,6 +81,7 @@ const WITH_BIAS: u32 = 1;
 const ACCUMULATE: u32 = 2;
 const NORMED: u32 = 4;
 const GATED: u32 = 8;
+const HEADS: u32 = 16;
 
 /// How a linear reads its input (model.wgsl's `xin`).
 #[derive(Clone, Copy)]
@@ -89,6 +92,8 @@ enum Input<'a> {
     Normed(&'a WgpuTensor, f32),
     /// `silu(x)·up`.
     Gated(&'a WgpuTensor),
+    /// `x` heads-major (`[H, T, D]`), read as its merge `[T, H·D]`.
+    Heads,
 }
 
 /// The most tokens a linear computes with several invocations per output row
@@ -96,7 +101,7 @@ enum Input<'a> {
 const ROWS_TOGETHER_MAX_T: usize = 16;
 
 /// Output rows per workgroup of `linear_rows_main` (its `ROWS_PER_GROUP`).
-const ROWS_PER_GROUP: u32 = 4;
+const ROWS_PER_GROUP: u32 = 2;
 
 /// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`).
 const TILE: u32 = 64;
@@ -120,6 +125,7 @@ enum Op {
     Scale = 10,
     Hadamard = 11,
     LinearRows = 12,
+    Argmax = 13,
 }
 
 /// The read-only operands of one op: buffers `a`, `b` and a linear's `bias` and `aux` (absent
@@ -176,14 +182,18 @@ impl WgpuDevice {
         out: &WgpuTensor,
         accumulate: bool,
     ) {
-        let t = x.dims[0];
-        // Few tokens (decode, a small verify batch): 16 invocations per output row and token,
+        let (t, hd) = match input {
+            Input::Heads => (x.dims[1], x.dims[2]),
+            _ => (x.dims[0], 0),
+        };
+        // Few tokens (decode, a small verify batch): 32 invocations per output row and token,
         // reading the row together (see linear_rows_main); else the tiled product.
         let rows_together = t <= ROWS_TOGETHER_MAX_T;
         let (input_mode, aux, eps) = match input {
             Input::Plain => (0, None, 0.0),
             Input::Normed(norm, eps) => (NORMED, Some(&*norm.buf), eps),
             Input::Gated(up) => (GATED, Some(&*up.buf), 0.0),
+            Input::Heads => (HEADS, None, 0.0),
         };
         let mode = input_mode
             | if bias.is_some() { WITH_BIAS } else { 0 }
@@ -199,6 +209,7 @@ impl WgpuDevice {
                 total: t as u32,
                 mode,
                 eps,
+                hd: hd as u32,
                 ..Default::default()
             };
             let (op, groups) = if rows_together {
@@ -447,6 +458,19 @@ impl ModelDevice for WgpuDevice {
         Ok(())
     }
 
+    fn heads_linear_add(
+        &self,
+        x: &WgpuTensor,
+        w: &WgpuWeight,
+        bias: Option<&WgpuTensor>,
+        _merged: &mut WgpuTensor,
+        _scratch: &mut WgpuTensor,
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        self.project(x, Input::Heads, w, bias, out, true);
+        Ok(())
+    }
+
     fn rope_heads(
         &self,
         x: &mut WgpuTensor,
@@ -621,6 +645,45 @@ impl ModelDevice for WgpuDevice {
             n,
             inputs(Some(&y.buf), None, &[]),
             &x.buf,
+        );
+        Ok(())
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &WgpuTensor,
+        ids: &mut WgpuTensor,
+        out: &mut Vec<i32>,
+    ) -> Result<(), KitError> {
+        let (rows, width) = match x.dims[..] {
+            [r, w] if ids.dims == [r] && r as u32 <= MAX_GROUPS => (r, w),
+            _ => {
+                return Err(KitError::Device(format!(
+                    "argmax of {:?} into {:?}",
+                    x.dims, ids.dims
+                )))
+            }
+        };
+        let params = OpParams {
+            n: [width as u32, 0, 0, 0],
+            ..Default::default()
+        };
+        self.op(
+            Op::Argmax,
+            params,
+            inputs(Some(&x.buf), None, &[]),
+            &ids.buf,
+            [rows as u32, 1, 1],
+        );
+        let bytes = self
+            .context()
+            .read(&ids.buf, (rows * 4) as u64)
+            .map_err(KitError::Device)?;
+        out.clear();
+        out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         );
         Ok(())
     }

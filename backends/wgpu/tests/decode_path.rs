@@ -5,10 +5,11 @@
 
 use std::sync::Arc;
 
-use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
+use kvplug_backend_kit::model::{DecoderModel, ModelDevice, ModelPackage};
 use kvplug_backend_kit::testing::tiny_llama;
 use kvplug_backend_kit::{Backend, Device, KitCache};
 use kvplug_core::{make_config, CacheKind, KvDtype};
+use kvplug_plugin_api::TensorDtype;
 use kvplug_wgpu::WgpuDevice;
 
 /// The tiny test Llama on a fresh wgpu device.
@@ -93,14 +94,15 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
 /// The structure of a warm decode step of the tiny Llama (no biases, no post-norms): the
 /// kernels it dispatches per layer and the bytes it reads back. A layer is q, k and v, each
 /// normalizing its input itself (3); RoPE with the split into heads for q and k (2); v's
-/// split (1); the K/V write and attention (5); the merge of heads (1); the output projection
-/// adding into the residual (1); gate and up, normalizing their input (2); the down
-/// projection of the gated product, adding into the residual (1). Around the layers: the
-/// embedding, the final norm, the logit row's gather and the head (4). Undoing a fusion
-/// adds a dispatch per layer and fails it. The step reads back the logits and nothing else.
+/// split (1); the K and V writes (2); attention split over chunks of keys and the merge of
+/// the chunks (2); the output projection reading attention's heads as merged and adding
+/// into the residual (1); gate and up, normalizing their input (2); the down projection of
+/// the gated product, adding into the residual (1). Around the layers: the embedding, the
+/// final norm, the logit row's gather and the head (4); a greedy step adds the argmax (1)
+/// and reads back 4 bytes. Undoing a fusion adds a dispatch per layer and fails it.
 #[test]
 fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
-    const PER_LAYER: u64 = 16;
+    const PER_LAYER: u64 = 14;
     const AROUND: u64 = 4;
     let (dev, pkg, model) = tiny_model("wgpu-dispatches");
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
@@ -110,21 +112,35 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
     model
         .forward(&mut c, &prompt, &prompt, Some(&[7]), false, &mut acts)
         .unwrap();
-    for p in 8..10 {
+    let mut ids = dev.zeros(&[1]).unwrap();
+    let mut picked = Vec::new();
+    let layers = model.n_layers() as u64;
+    let vocab = model.config().vocab_size;
+    for p in 8..12 {
+        let greedy = p % 2 == 0;
         let before = dev.created();
         let out = model
             .forward(&mut c, &[3], &[p], None, false, &mut acts)
             .unwrap();
-        dev.download(out.logits, kvplug_plugin_api::TensorDtype::F32)
-            .unwrap();
+        if greedy {
+            dev.argmax_rows(out.logits, &mut ids, &mut picked).unwrap();
+        } else {
+            dev.download(out.logits, TensorDtype::F32).unwrap();
+        }
         let after = dev.created();
-        let layers = model.n_layers() as u64;
-        let vocab = model.config().vocab_size as u64;
         assert_eq!(
             after.dispatches - before.dispatches,
-            PER_LAYER * layers + AROUND,
+            PER_LAYER * layers + AROUND + u64::from(greedy),
             "dispatches of a decode step over {layers} layers"
         );
-        assert_eq!(after.read_back_bytes - before.read_back_bytes, 4 * vocab);
+        let read = after.read_back_bytes - before.read_back_bytes;
+        if greedy {
+            assert_eq!(read, 4, "a greedy step reads back its token");
+            let logits = dev.download(out.logits, TensorDtype::F32).unwrap();
+            let want = kvplug_core::argmax(&logits.to_f32().unwrap());
+            assert_eq!(picked, [want]);
+        } else {
+            assert_eq!(read, 4 * vocab as u64, "a step reads back its logits");
+        }
     }
 }

@@ -106,8 +106,11 @@ fn describes_its_adapter() {
 }
 
 // The kit's device contract: step and import rollback, canonical rows, pool growth,
-// attention under each mask kind.
+// attention under each mask kind; and its model-device contract (the argmax kernel).
 kvplug_backend_kit::backend_tests!(
+    WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
+);
+kvplug_backend_kit::model_device_tests!(
     WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
 );
 

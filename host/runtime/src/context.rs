@@ -3,7 +3,7 @@
 use std::ops::Deref;
 
 use kvplug_core::{CacheError, CacheKind, KeyBasis, KvDtype};
-use kvplug_plugin_api::abi_stable::std_types::RVec;
+use kvplug_plugin_api::abi_stable::std_types::{RSlice, RVec};
 use kvplug_plugin_api::{AbiErrorKind, HostTensor, MethodHandle, PluginError};
 
 use crate::batch::Batch;
@@ -25,6 +25,8 @@ pub struct Context {
     keys: KeyBasis,
     /// The last decode's logits, `rows × vocab`, reused from step to step.
     logits: Vec<f32>,
+    /// The last [`Context::decode_argmax`]'s ids.
+    ids: Vec<i32>,
     /// `forward`'s input and output tensors, reused from step to step (a decode loop
     /// allocates none once warm).
     inputs: RVec<HostTensor>,
@@ -78,10 +80,13 @@ impl Context {
             kv_dtype,
             keys,
             logits: Vec::new(),
+            ids: Vec::new(),
             inputs: RVec::from(vec![
                 HostTensor::empty(),
                 HostTensor::empty(),
                 HostTensor::empty(),
+                HostTensor::from_i32(&[1], &[0]),
+                HostTensor::from_i32(&[1], &[1]),
             ]),
             outputs: RVec::new(),
             rows: 0,
@@ -116,6 +121,55 @@ impl Context {
     /// (`begin_step`); the other kinds hold one sequence, so their batches use sequence 0.
     /// A refused batch leaves the cache as it was.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits<'_>, RuntimeError> {
+        let rows = self.step(batch, false)?;
+        if !first_output(&self.outputs)?.read_f32_into(&mut self.logits)
+            || self.logits.len() != rows * self.vocab
+        {
+            return Err(PluginError::new(
+                AbiErrorKind::Backend,
+                format!(
+                    "forward returned {} logits for {rows} rows of {}",
+                    self.logits.len(),
+                    self.vocab
+                ),
+            )
+            .into());
+        }
+        self.rows = if batch.logit_rows().is_empty() {
+            0
+        } else {
+            rows
+        };
+        Ok(Logits {
+            data: &self.logits[..self.rows * self.vocab],
+            vocab: self.vocab,
+        })
+    }
+
+    /// [`Context::decode`] returning each asked row's greedy token instead of its logits:
+    /// the index of its largest logit (the lowest on ties, never a NaN, as
+    /// [`kvplug_core::argmax`] picks it), computed where the logits are, so a step reads
+    /// back 4 bytes a row rather than `4 · vocab`.
+    pub fn decode_argmax(&mut self, batch: &Batch) -> Result<&[i32], RuntimeError> {
+        let rows = self.step(batch, true)?;
+        if !first_output(&self.outputs)?.read_i32_into(&mut self.ids) || self.ids.len() != rows {
+            return Err(PluginError::new(
+                AbiErrorKind::Backend,
+                format!("forward's argmax returned no {rows} i32 ids"),
+            )
+            .into());
+        }
+        let asked = if batch.logit_rows().is_empty() {
+            0
+        } else {
+            rows
+        };
+        Ok(&self.ids[..asked])
+    }
+
+    /// Runs `batch` through `forward` (with its argmax where `argmax`) and returns how many
+    /// rows came back.
+    fn step(&mut self, batch: &Batch, argmax: bool) -> Result<usize, RuntimeError> {
         if batch.is_empty() {
             return Err(CacheError::bad_shape("an empty batch").into());
         }
@@ -136,32 +190,22 @@ impl Context {
         self.inputs[0].set_i32(&[batch.len()], batch.tokens());
         self.inputs[1].set_i32(&[batch.len()], batch.positions());
         self.inputs[2].set_i32(&[rows.len()], rows);
+        // Inputs 3 (want hidden: no) and 4 (argmax: yes) only when asked, so a plugin built
+        // before them still serves plain decodes.
+        let n = if argmax { 5 } else { 3 };
         self.method
-            .execute_into(self.inputs.as_rslice(), &mut self.outputs)
+            .execute_into(RSlice::from_slice(&self.inputs[..n]), &mut self.outputs)
             .into_result()?;
         self.decodes += 1;
-        let first = self
-            .outputs
-            .first()
-            .ok_or_else(|| PluginError::new(AbiErrorKind::Backend, "forward returned no logits"))?;
-        if !first.read_f32_into(&mut self.logits) || self.logits.len() != rows.len() * self.vocab {
-            return Err(PluginError::new(
-                AbiErrorKind::Backend,
-                format!(
-                    "forward returned {} logits for {} rows of {}",
-                    self.logits.len(),
-                    rows.len(),
-                    self.vocab
-                ),
-            )
-            .into());
-        }
-        self.rows = if wanted.is_empty() { 0 } else { rows.len() };
-        Ok(Logits {
-            data: &self.logits[..self.rows * self.vocab],
-            vocab: self.vocab,
-        })
+        Ok(rows.len())
     }
+}
+
+/// `forward`'s first output (its logits or ids).
+fn first_output(outputs: &RVec<HostTensor>) -> Result<&HostTensor, RuntimeError> {
+    Ok(outputs
+        .first()
+        .ok_or_else(|| PluginError::new(AbiErrorKind::Backend, "forward returned no logits"))?)
 }
 
 impl Deref for Context {

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModule};
 use abi_stable::sabi_types::VersionNumber;
+use abi_stable::std_types::Tuple2;
 use kvplug_plugin_api::{accepted_range, accepts, BackendModule_Ref, HostServices, Registrar};
 
 use crate::discovery::{is_dylib, world_writable, PluginSearch};
@@ -35,6 +36,17 @@ pub struct LoadedPlugin {
     pub features: Vec<String>,
     #[serde(skip)]
     pub(crate) module: BackendModule_Ref,
+}
+
+impl LoadedPlugin {
+    /// Its device's counters since it opened, by name (`dispatches`, `read_back_bytes`,
+    /// ...; none where the backend keeps none).
+    pub fn counters(&self) -> Vec<(String, u64)> {
+        (self.module.counters())()
+            .into_iter()
+            .map(|Tuple2(name, value)| (name.into(), value))
+            .collect()
+    }
 }
 
 /// A file or directory that was not loaded, and why (one line).

@@ -171,7 +171,7 @@ fn unknown_backends_and_bad_configs_are_clear_errors() {
 /// The plugin of [`built_against_the_next_api_major`]: a root module with nothing to offer.
 const BUMPED_PLUGIN: &str = r#"
 use abi_stable::prefix_type::PrefixTypeTrait;
-use abi_stable::std_types::{RResult, RStr, RString};
+use abi_stable::std_types::{RResult, RStr, RString, RVec, Tuple2};
 use kvplug_plugin_api::*;
 
 extern "C" fn backend_id() -> RString {
@@ -191,9 +191,13 @@ extern "C" fn load_method(
     RResult::RErr(PluginError::new(AbiErrorKind::NotFound, "fixture"))
 }
 
+extern "C" fn counters() -> RVec<Tuple2<RString, u64>> {
+    RVec::new()
+}
+
 #[abi_stable::export_root_module]
 pub fn get_library() -> BackendModule_Ref {
-    BackendModule { backend_id, describe, register, load_method }.leak_into_prefix()
+    BackendModule { backend_id, describe, register, load_method, counters }.leak_into_prefix()
 }
 "#;
 

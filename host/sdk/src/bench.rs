@@ -14,6 +14,7 @@
 //! carry `llama-bench`'s JSON field names (`n_prompt`, `n_gen`, `n_depth`, `avg_ts`, `stddev_ts`, `samples_ts`) so the two
 //! compare directly.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -86,6 +87,11 @@ pub struct BenchResult {
     pub stddev_ts: f64,
     /// The cache's K/V pool bytes after the last run.
     pub cache_bytes: u64,
+    /// The backend's counters per token of the last run (`dispatches`, `read_back_bytes`,
+    /// ...; empty where the backend keeps none): a test of N tokens divides each
+    /// counter's growth over the run by N.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub per_token: BTreeMap<String, f64>,
 }
 
 impl BenchResult {
@@ -199,6 +205,24 @@ fn tg(ctx: &mut Context, ids: &[i32], depth: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// Each counter's growth from `before` to `after` per token of a test of `tokens`.
+fn counted(
+    before: &[(String, u64)],
+    after: &[(String, u64)],
+    tokens: usize,
+) -> BTreeMap<String, f64> {
+    after
+        .iter()
+        .filter_map(|(name, a)| {
+            let (_, b) = before.iter().find(|(n, _)| n == name)?;
+            Some((
+                name.clone(),
+                a.saturating_sub(*b) as f64 / tokens.max(1) as f64,
+            ))
+        })
+        .collect()
+}
+
 fn mean_sd(v: &[f64]) -> (f64, f64) {
     let n = v.len() as f64;
     let mean = v.iter().sum::<f64>() / n;
@@ -236,7 +260,8 @@ pub fn bench(
     let capacity = a.n_depth.iter().max().copied().unwrap_or(0) + longest;
     let mut results = Vec::new();
     for backend in &a.backend {
-        let device = runtime.plugin(backend)?.device.clone();
+        let plugin = runtime.plugin(backend)?;
+        let device = plugin.device.clone();
         let model = crate::Llm::builder(&a.model)
             .runtime(runtime)
             .backend(backend)
@@ -264,8 +289,10 @@ pub fn bench(
                     for &(p, n) in &tests {
                         let ids = tokens(p.max(n), vocab, 7);
                         let mut samples = Vec::with_capacity(a.repetitions);
+                        let mut per_token = BTreeMap::new();
                         for rep in 0..=a.repetitions {
                             reset(&mut ctx, &context, &mut held)?;
+                            let before = plugin.counters();
                             let secs = match p {
                                 0 => tg(&mut ctx, &ids, depth)?,
                                 _ => pp(&mut ctx, &ids, depth)?,
@@ -273,6 +300,9 @@ pub fn bench(
                             // Run 0 warms up.
                             if rep > 0 {
                                 samples.push(ids.len() as f64 / secs.max(1e-9));
+                            }
+                            if rep == a.repetitions {
+                                per_token = counted(&before, &plugin.counters(), ids.len());
                             }
                         }
                         let (avg_ts, stddev_ts) = mean_sd(&samples);
@@ -292,6 +322,7 @@ pub fn bench(
                             avg_ts,
                             stddev_ts,
                             cache_bytes: ctx.stats()?.allocated_bytes,
+                            per_token,
                         };
                         on_result(&r);
                         results.push(r);
@@ -325,10 +356,23 @@ mod tests {
             avg_ts: 0.0,
             stddev_ts: 0.0,
             cache_bytes: 0,
+            per_token: BTreeMap::new(),
         };
         assert_eq!(r.test(), "pp512");
         (r.n_prompt, r.n_gen, r.n_depth) = (0, 128, 4096);
         assert_eq!(r.test(), "tg128 @ d4096");
+    }
+
+    #[test]
+    fn counters_per_token_are_the_growth_over_the_run() {
+        let c = |d: u64, r: u64| vec![("dispatches".to_string(), d), ("read_back_bytes".into(), r)];
+        let per = counted(&c(100, 8), &c(100 + 4 * 424, 8 + 4 * 196_608), 4);
+        assert_eq!(per["dispatches"], 424.0);
+        assert_eq!(per["read_back_bytes"], 196_608.0);
+        assert!(
+            counted(&[], &c(1, 1), 4).is_empty(),
+            "a counter seen once is skipped"
+        );
     }
 
     #[test]

@@ -344,6 +344,8 @@ impl Chat {
                 earlier: self.cached.clone(),
                 ..s
             }),
+            // A greedy chat reads back its tokens, not rows of logits.
+            device_argmax: true,
             ..GenOptions::default()
         };
         let text = Some(self.text.clone());

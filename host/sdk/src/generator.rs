@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvplug_runtime::{Batch, Context};
+use kvplug_runtime::{Batch, Context, Logits};
 
 use crate::error::{fail, Result};
 use crate::grammar::Constraint;
@@ -54,6 +54,12 @@ pub struct GenOptions {
     /// Decode speculatively: draft tokens verified in the request's own steps (see
     /// [`crate::speculative`]); the tokens are those plain decoding gives.
     pub speculate: Option<Speculation>,
+    /// Take a greedy token's argmax where the logits are ([`Context::decode_argmax`]: 4
+    /// bytes read back a token instead of a row of logits) in steps whose every request
+    /// asked for it and picks plainly greedily (a greedy sampler, no adjustments, grammar,
+    /// logprobs or speculation). Its [`TokenEvent`]s then carry no logits (an empty slice).
+    /// The tokens are the same either way.
+    pub device_argmax: bool,
 }
 
 impl GenOptions {
@@ -79,6 +85,7 @@ impl Default for GenOptions {
             logprobs: None,
             cancel: None,
             speculate: None,
+            device_argmax: false,
         }
     }
 }
@@ -125,7 +132,8 @@ pub struct TokenEvent<'a> {
     /// Text released with it (empty while a piece of a character or a possible stop
     /// string is held back; empty without a [`Text`]).
     pub text: String,
-    /// The logits it was sampled from (the model's, before adjustments and masks).
+    /// The logits it was sampled from (the model's, before adjustments and masks); empty
+    /// when its argmax was taken on the device ([`GenOptions::device_argmax`]).
     pub logits: &'a [f32],
     /// Its log-probability and the best alternatives', when the request asked.
     pub logprobs: Option<TokenLogprobs>,
@@ -184,6 +192,18 @@ struct Active {
 }
 
 impl Active {
+    /// Whether its tokens may be picked by the device's argmax (see
+    /// [`GenOptions::device_argmax`]).
+    fn device_greedy(&self) -> bool {
+        let o = &self.opts;
+        o.device_argmax
+            && o.sampler.is_greedy()
+            && o.adjust.is_identity()
+            && o.constraint.is_none()
+            && o.logprobs.is_none()
+            && self.spec.is_none()
+    }
+
     fn prefilling(&self) -> bool {
         self.written < self.prompt.len()
     }
@@ -419,6 +439,7 @@ impl Generator {
                 self.owners.push((i, 1));
             }
         }
+        let argmax = self.active.iter().all(Active::device_greedy);
         // The masks of constrained requests sampling this step are computed beside the
         // forward pass, on a second thread.
         let owners = &self.owners;
@@ -438,15 +459,19 @@ impl Generator {
                     }
                 })
             });
-            let decoded = ctx.decode(&self.batch);
+            let decoded = if argmax {
+                ctx.decode_argmax(&self.batch).map(Picks::Ids)
+            } else {
+                ctx.decode(&self.batch).map(Picks::Logits)
+            };
             let masked = masks.map_or(Ok(()), |h| {
                 h.join()
                     .map_err(|_| crate::Error::Invalid("constrained decoding panicked".into()))
             });
             (decoded, masked)
         });
-        let logits = match decoded {
-            Ok(logits) => logits,
+        let picks = match decoded {
+            Ok(picks) => picks,
             // A step that drafted left proposals in the caches: its requests cannot retry.
             Err(e) if self.active.iter().any(|a| a.drafted) => {
                 self.active.clear();
@@ -470,7 +495,7 @@ impl Generator {
             while let Some(n) = node {
                 let sampled_before = a.generated.len();
                 let (event, finish) =
-                    match sample_one(a, logits.row(first + n), &mut self.scratch, &self.text) {
+                    match sample_one(a, picks.row(first + n), &mut self.scratch, &self.text) {
                         Ok(sampled) => sampled,
                         Err(e) => {
                             // A token sampled before the failure counts as generated: the
@@ -566,22 +591,26 @@ impl Generator {
 /// and whether the request ends.
 fn sample_one<'l>(
     a: &mut Active,
-    l: &'l [f32],
+    pick: Pick<'l>,
     scratch: &mut Vec<f32>,
     text: &Option<Arc<Text>>,
 ) -> Result<(TokenEvent<'l>, Option<Finish>)> {
     let constrained = a.opts.constraint.is_some();
-    let id = if a.opts.adjust.is_identity() && !constrained {
-        a.opts.sampler.sample(l)
-    } else {
-        scratch.clear();
-        scratch.extend_from_slice(l);
-        let recent = &a.prompt[a.prompt.len().saturating_sub(REPEAT_WINDOW)..];
-        a.opts.adjust.apply(scratch, recent, &a.generated);
-        if let Some(c) = &mut a.opts.constraint {
-            c.apply(scratch)?;
+    let (id, l) = match pick {
+        Pick::Id(id) => (id, &[][..]),
+        Pick::Row(l) if a.opts.adjust.is_identity() && !constrained => {
+            (a.opts.sampler.sample(l), l)
         }
-        a.opts.sampler.sample(scratch)
+        Pick::Row(l) => {
+            scratch.clear();
+            scratch.extend_from_slice(l);
+            let recent = &a.prompt[a.prompt.len().saturating_sub(REPEAT_WINDOW)..];
+            a.opts.adjust.apply(scratch, recent, &a.generated);
+            if let Some(c) = &mut a.opts.constraint {
+                c.apply(scratch)?;
+            }
+            (a.opts.sampler.sample(scratch), l)
+        }
     };
     a.generated.push(id);
     let mut complete = false;
@@ -611,6 +640,28 @@ fn sample_one<'l>(
         logprobs: a.opts.logprobs.map(|top| TokenLogprobs::of(l, id, top)),
     };
     Ok((event, finish))
+}
+
+/// What a step's forward returned: logit rows, or (every request picking greedily on the
+/// device) each row's argmax.
+enum Picks<'a> {
+    Logits(Logits<'a>),
+    Ids(&'a [i32]),
+}
+
+/// One row's share of [`Picks`].
+enum Pick<'a> {
+    Row(&'a [f32]),
+    Id(i32),
+}
+
+impl<'a> Picks<'a> {
+    fn row(&self, i: usize) -> Pick<'a> {
+        match self {
+            Picks::Logits(l) => Pick::Row(l.row(i)),
+            Picks::Ids(ids) => Pick::Id(ids[i]),
+        }
+    }
 }
 
 /// Installs the first of `a`'s waiting constraints whose opening its answer has reached

@@ -160,16 +160,9 @@ fn sort_prefix(cand: &mut [(i32, f32)], k: usize) {
     cand[..k].sort_unstable_by(order);
 }
 
-/// Index of the largest logit (the first on ties).
-pub fn argmax(logits: &[f32]) -> i32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as i32
-}
+/// Index of the largest logit (the first on ties; never a NaN): the same pick as a
+/// backend's device argmax.
+pub use kvplug_core::argmax;
 
 /// What is done to a row of logits before it is sampled, from the request and the tokens
 /// generated so far (OpenAI's and llama.cpp's meanings).

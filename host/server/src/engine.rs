@@ -393,7 +393,11 @@ impl Engine {
         start: usize,
     ) -> kvplug::Result<()> {
         let mut opts = match choice {
-            None => GenOptions::default(),
+            // The shared prefill samples nothing: it never keeps a step off the device argmax.
+            None => GenOptions {
+                device_argmax: true,
+                ..GenOptions::default()
+            },
             Some(c) => GenOptions {
                 sampler: a.req.opts.sampler.fork(c as u64),
                 ..a.req.opts.clone()

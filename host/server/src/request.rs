@@ -115,6 +115,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         cancel: None,
         // The engine sets it, with the sequence's earlier tokens.
         speculate: None,
+        // Greedy requests without logprobs read back a token, not a row of logits.
+        device_argmax: true,
     };
     Ok(Prepared {
         prompt,

@@ -299,6 +299,61 @@ fn the_three_cache_kinds_produce_the_same_greedy_tokens() {
     }
 }
 
+/// Greedy tokens picked by the device's argmax (4 bytes read back a token) are those picked
+/// on the host from the logits; events carry no logits then. A step with one request that
+/// needs its logits (logprobs) reads them back for every request, with the same tokens.
+#[test]
+fn device_argmax_picks_the_tokens_the_host_picks() {
+    let model = tiny();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let plain = greedy_ids(&m, &spec(12, KvDtype::F16));
+        for kind in [CacheKind::Contiguous, CacheKind::Seq] {
+            let mut ctx = m.context(kind, 128, KvDtype::F16).unwrap();
+            let opts = GenOptions {
+                max_tokens: 12,
+                device_argmax: true,
+                ..GenOptions::default()
+            };
+            let mut rows = 0;
+            let ids = generate(&mut ctx, None, 0, &PROMPT, 0, opts, &mut |e| {
+                rows += e.logits.len();
+                Ok(())
+            })
+            .unwrap()
+            .ids;
+            assert_eq!((ids, rows), (plain.clone(), 0), "{backend} {kind} cache");
+        }
+        let mut ctx = m.context(CacheKind::Seq, 256, KvDtype::F16).unwrap();
+        let mut g = Generator::new();
+        for (seq, logprobs) in [(0, None), (1, Some(2))] {
+            let opts = GenOptions {
+                max_tokens: 12,
+                device_argmax: true,
+                logprobs,
+                ..GenOptions::default()
+            };
+            g.add(seq, &PROMPT, 0, opts).unwrap();
+        }
+        let mut got = [Vec::new(), Vec::new()];
+        let mut rows = 0;
+        g.run(&mut ctx, &mut |e| {
+            got[e.seq as usize].push(e.id);
+            rows += e.logits.len();
+            Ok(())
+        })
+        .unwrap();
+        let vocab = PRESETS[0].vocab;
+        assert_eq!(got, [plain.clone(), plain], "{backend} mixed");
+        assert_eq!(
+            rows,
+            2 * 12 * vocab,
+            "{backend}: the mixed steps read logits"
+        );
+    }
+}
+
 #[test]
 fn speculative_decoding_equals_plain_decoding() {
     let model = tiny();
@@ -517,10 +572,27 @@ fn bench_runs_every_combination() {
     let results = run(&rt, &args, &mut |_| seen += 1).unwrap();
     assert_eq!(results.len(), BACKENDS.len() * 3 * 2 * 2);
     assert_eq!(seen, results.len());
+    let vocab = PRESETS[0].vocab as f64;
     for r in &results {
         assert_eq!(r.samples_ts.len(), 2, "{}", r.test());
         assert!(r.avg_ts.is_finite() && r.avg_ts > 0.0, "{}", r.test());
         assert!(r.cache_bytes > 0);
+        // The wgpu backend counts its dispatches and readbacks: a tg token reads back at
+        // least its row of logits (the device's counters also count what the other tests
+        // of this binary run on it meanwhile; backends/wgpu/tests/decode_path.rs counts a
+        // step alone); the others keep no counters.
+        match (r.backend.as_str(), r.n_gen) {
+            ("wgpu", 0) => assert!(r.per_token["dispatches"] > 0.0),
+            ("wgpu", _) => {
+                assert!(r.per_token["dispatches"] > 0.0);
+                assert!(
+                    r.per_token["read_back_bytes"] >= 4.0 * vocab,
+                    "{}",
+                    r.test()
+                );
+            }
+            _ => assert!(r.per_token.is_empty(), "{}", r.backend),
+        }
     }
     let names: Vec<String> = results[..4].iter().map(|r| r.test()).collect();
     assert_eq!(names, ["pp9", "tg4", "pp9 @ d5", "tg4 @ d5"]);

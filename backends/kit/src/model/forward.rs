@@ -639,15 +639,20 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.split_heads(&a.v, hkv, &mut a.vh)?;
                     let sinks = at.sinks.as_ref();
                     step.attend_sinks(l, &a.qh, &a.kh, &a.vh, scale, sinks, &mut a.att)?;
-                    d.merge_heads(&a.att, &mut a.merged)?;
-                    if let Some(g) = &at.gate {
-                        d.linear(&a.hn, g, None, &mut a.q)?;
-                        d.sigmoid_mul(&a.q, &a.merged, &mut a.qh_flat)?;
-                        std::mem::swap(&mut a.merged, &mut a.qh_flat);
-                    }
                     let (o_bias, post) = (at.o_bias.as_ref(), lw.post_attn.as_ref());
-                    let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                    project_out(d, &a.merged, &at.o, o_bias, post, eps, o, x, hn)?;
+                    if at.gate.is_none() && post.is_none() {
+                        let (merged, o) = (&mut a.merged, &mut a.o);
+                        d.heads_linear_add(&a.att, &at.o, o_bias, merged, o, &mut a.x)?;
+                    } else {
+                        d.merge_heads(&a.att, &mut a.merged)?;
+                        if let Some(g) = &at.gate {
+                            d.linear(&a.hn, g, None, &mut a.q)?;
+                            d.sigmoid_mul(&a.q, &a.merged, &mut a.qh_flat)?;
+                            std::mem::swap(&mut a.merged, &mut a.qh_flat);
+                        }
+                        let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
+                        project_out(d, &a.merged, &at.o, o_bias, post, eps, o, x, hn)?;
+                    }
                 }
                 Mixer::Conv {
                     b,

@@ -35,13 +35,16 @@ pub struct ForwardMethod<D: ModelDevice> {
     buffers: Arc<Mutex<Buffers<D>>>,
 }
 
-/// What a call reuses from the last: the activations and the decoded inputs.
+/// What a call reuses from the last: the activations, the decoded inputs and a greedy
+/// call's ids (on the device and on the host).
 struct Buffers<D: ModelDevice> {
     acts: Option<Activations<D>>,
     tokens: Vec<i32>,
     positions: Vec<i32>,
     ints: Vec<i32>,
     rows: Vec<usize>,
+    ids: Option<D::Tensor>,
+    picked: Vec<i32>,
 }
 
 impl<D: ModelDevice> Clone for ForwardMethod<D> {
@@ -69,12 +72,14 @@ fn ints(t: &HostTensor, what: &str, out: &mut Vec<i32>) -> Result<(), PluginErro
 }
 
 impl<D: ModelDevice> ForwardMethod<D> {
-    /// The method's work: the logits (and the final hidden states where input 3 asks) into
-    /// `result`, its tensors reused.
+    /// The method's work: the logits (or, where input 4 asks, each logit row's argmax as
+    /// i32 ids) and the final hidden states where input 3 asks, into `result`, its tensors
+    /// reused.
     fn run(&self, inputs: &[HostTensor], result: &mut RVec<HostTensor>) -> Result<(), PluginError> {
-        if !(2..=4).contains(&inputs.len()) {
+        if !(2..=5).contains(&inputs.len()) {
             return Err(CacheError::bad_shape(format!(
-                "forward takes tokens, positions[, logit rows[, want hidden]]; got {} inputs",
+                "forward takes tokens, positions[, logit rows[, want hidden[, argmax]]]; got {} \
+                 inputs",
                 inputs.len()
             ))
             .into());
@@ -104,13 +109,17 @@ impl<D: ModelDevice> ForwardMethod<D> {
             }
             None => None,
         };
-        let want_hidden = match inputs.get(3) {
-            Some(f) => {
-                ints(f, "want hidden", &mut b.ints)?;
-                b.ints.first().copied().unwrap_or(0) != 0
+        let mut flag = |i: usize, what: &str| -> Result<bool, PluginError> {
+            match inputs.get(i) {
+                Some(f) => {
+                    ints(f, what, &mut b.ints)?;
+                    Ok(b.ints.first().copied().unwrap_or(0) != 0)
+                }
+                None => Ok(false),
             }
-            None => false,
         };
+        let want_hidden = flag(3, "want hidden")?;
+        let want_argmax = flag(4, "argmax")?;
         let out = self.model.forward(
             &mut cache,
             &b.tokens,
@@ -125,7 +134,17 @@ impl<D: ModelDevice> ForwardMethod<D> {
         while result.len() < n {
             result.push(HostTensor::empty());
         }
-        dev.download_into(out.logits, TensorDtype::F32, &mut result[0])?;
+        if want_argmax {
+            let n = dev.dims(out.logits).first().copied().unwrap_or(0);
+            if b.ids.as_ref().is_none_or(|t| dev.dims(t) != [n]) {
+                b.ids = Some(dev.zeros(&[n])?);
+            }
+            let ids = b.ids.as_mut().expect("set above");
+            dev.argmax_rows(out.logits, ids, &mut b.picked)?;
+            result[0].set_i32(&[b.picked.len()], &b.picked);
+        } else {
+            dev.download_into(out.logits, TensorDtype::F32, &mut result[0])?;
+        }
         if let Some(h) = out.hidden {
             dev.download_into(h, TensorDtype::F32, &mut result[1])?;
         }
@@ -307,6 +326,8 @@ pub fn load_forward<B: Backend + ModelDevice>(
                 positions: Vec::new(),
                 ints: Vec::new(),
                 rows: Vec::new(),
+                ids: None,
+                picked: Vec::new(),
             })),
         }),
         TD_Opaque,

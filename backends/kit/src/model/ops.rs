@@ -121,6 +121,23 @@ pub trait ModelDevice: Device {
         self.linear(x, w, bias, scratch)?;
         self.add_assign(out, scratch)
     }
+    /// `out += merge_heads(x)·Wᵀ (+ bias)`: attention's output (`x` `[H, T, D]`) through its
+    /// output projection into the residual stream. `merged` (`[T, H·D]`) and `scratch`
+    /// (`[T, rows]`) may be left holding anything (a device may read `x` as merged: one
+    /// kernel less). The default is [`ModelDevice::merge_heads`] into `merged`, then
+    /// [`ModelDevice::linear_add`].
+    fn heads_linear_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Tensor>,
+        merged: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        self.merge_heads(x, merged)?;
+        self.linear_add(merged, w, bias, scratch, out)
+    }
     /// [`ModelDevice::linear`] for each projection of one input (a layer's q/k/v, its
     /// gate/up), with the same results; a device may run them as one job (the cpu: one
     /// quantization of `x`, one dispatch). The default calls `linear` for each in turn, so
@@ -417,6 +434,26 @@ pub trait ModelDevice: Device {
     fn scale(&self, x: &mut Self::Tensor, s: f32) -> Result<(), KitError>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<(), KitError>;
+    /// The index of each row's largest value of `x` (`[R, V]`: logit rows) into `out` (R
+    /// ids), picked as [`kvplug_core::argmax`] picks it (the lowest index on ties, never a
+    /// NaN): a greedy step's tokens, read back as R integers instead of R·V floats. `ids`
+    /// (`[R]`) is scratch a device may compute them into. The default downloads the rows.
+    fn argmax_rows(
+        &self,
+        x: &Self::Tensor,
+        ids: &mut Self::Tensor,
+        out: &mut Vec<i32>,
+    ) -> Result<(), KitError> {
+        let _ = ids;
+        let width = self.dims(x).last().copied().unwrap_or(0).max(1);
+        let rows = self
+            .download(x, TensorDtype::F32)?
+            .to_f32()
+            .ok_or_else(|| KitError::Device("argmax: an f32 download was not f32".into()))?;
+        out.clear();
+        out.extend(rows.chunks_exact(width).map(kvplug_core::argmax));
+        Ok(())
+    }
     /// Rows `rows` of `x` (`[T, n]`) into `out` (`[rows.len(), n]`).
     fn gather_rows(
         &self,

@@ -1,10 +1,17 @@
-// Attention over one layer's K/V pools, in three passes sharing one bind group:
+// Attention over one layer's K/V pools, with kernels sharing one bind group. The f32
+// arithmetic runs split over the keys (flash-decoding), in two passes:
+//   flash_main   : for query row (hh, i) and a chunk of CHUNK keys: the chunk's largest
+//                  score m, Σ e^{s−m} and Σ e^{s−m}·V, into `scores` (the partials)
+//   combine_main : a row's chunks merged (rescaled to the row's largest score, with sinks
+//                  e^{sink} of the query head counted in the sum): out[h, i, :]
+// The int8-query arithmetic on q8/q4 keys, in four:
+//   quantize_main: the query rows' int8 codes
 //   scores_main  : s[hh, i, j] = scale · q[h, i] · K[kh, j]   (masked entries get NEG)
-//                  (in the int8-query arithmetic on q8/q4 keys, after quantize_main)
 //   softmax_main : row-wise stable softmax of s in place        (masked entries become 0;
 //                  with sinks, each row's sum also counts e^{sink} of its query head)
 //   output_main  : out[h, i, dd] = Σ_j s[hh, i, j] · V[kh, j, dd]
-// Pools are u32 words, row-major [heads, cells, row_words]; element decoding in decode().
+// A query row that sees no key reads zeros. Pools are u32 words, row-major
+// [heads, cells, row_words]; element decoding in decode().
 
 struct Params {
     hq: u32, hkv: u32, t: u32, l: u32,
@@ -105,13 +112,7 @@ fn scores_main(@builtin(global_invocation_id) g: vec3<u32>) {
         scores[idx] = NEG;
         return;
     }
-    var acc = 0.0;
-    if p.int8 == 1u {
-        acc = qk_int8(h, i, kh, j);
-    } else {
-        acc = qk_f32(h, i, kh, j);
-    }
-    scores[idx] = acc * p.scale;
+    scores[idx] = qk_int8(h, i, kh, j) * p.scale;
 }
 
 // The int8-query arithmetic (kvplug_core::Arithmetic::Int8Query): each query row quantized
@@ -283,4 +284,108 @@ fn output_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         workgroupBarrier();
     }
     if lane == 0u && dd < p.d { out[(h * p.t + i) * p.d + dd] = red[lid]; }
+}
+
+// Keys per chunk of flash_main (a workgroup's scores stay in workgroup memory).
+const CHUNK: u32 = 256u;
+var<workgroup> probs: array<f32, 256>;
+
+fn chunks() -> u32 {
+    return (p.l + CHUNK - 1u) / CHUNK;
+}
+
+// Where row r's partial of chunk c starts in `scores`: m, Σ e^{s−m}, then d sums.
+fn partial(r: u32, c: u32) -> u32 {
+    return (r * chunks() + c) * (p.d + 2u);
+}
+
+// Chunk x of the keys for query row y of head z (of this dispatch's heads).
+@compute @workgroup_size(64)
+fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let c = wg.x;
+    let i = wg.y;
+    let hh = wg.z;
+    let h = p.head0 + hh;
+    let kh = h / (p.hq / p.hkv);
+    let j0 = c * CHUNK;
+    let n = min(CHUNK, p.l - j0);
+    var m = NEG;
+    for (var jj = lid; jj < n; jj += 64u) {
+        let j = j0 + jj;
+        var s = NEG;
+        if visible(i, j) { s = qk_f32(h, i, kh, j) * p.scale; }
+        probs[jj] = s;
+        m = max(m, s);
+    }
+    red[lid] = m;
+    workgroupBarrier();
+    for (var k = 32u; k > 0u; k >>= 1u) {
+        if lid < k { red[lid] = max(red[lid], red[lid + k]); }
+        workgroupBarrier();
+    }
+    let mx = red[0];
+    workgroupBarrier();
+    var sum = 0.0;
+    for (var jj = lid; jj < n; jj += 64u) {
+        let s = probs[jj];
+        var e = 0.0;
+        if s > NEG { e = exp(s - mx); }
+        probs[jj] = e;
+        sum += e;
+    }
+    red[lid] = sum;
+    workgroupBarrier();
+    for (var k = 32u; k > 0u; k >>= 1u) {
+        if lid < k { red[lid] = red[lid] + red[lid + k]; }
+        workgroupBarrier();
+    }
+    let at = partial(hh * p.t + i, c);
+    // Neighbouring invocations take neighbouring values of each V row.
+    for (var dd = lid; dd < p.d; dd += 64u) {
+        var acc = 0.0;
+        for (var jj = 0u; jj < n; jj++) {
+            let w = probs[jj];
+            if w != 0.0 { acc += w * velem(kh, j0 + jj, dd); }
+        }
+        scores[at + 2u + dd] = acc;
+    }
+    if lid == 0u {
+        scores[at] = mx;
+        scores[at + 1u] = red[0];
+    }
+}
+
+// Row x + y · rows_per_y of this dispatch's query rows: its chunks' partials merged.
+@compute @workgroup_size(64)
+fn combine_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x + wg.y * p.rows_per_y;
+    if r >= p.nheads * p.t { return; }
+    let nc = chunks();
+    var mx = NEG;
+    for (var c = 0u; c < nc; c++) {
+        let at = partial(r, c);
+        if scores[at + 1u] > 0.0 { mx = max(mx, scores[at]); }
+    }
+    var total = 0.0;
+    for (var c = 0u; c < nc; c++) {
+        let at = partial(r, c);
+        let l = scores[at + 1u];
+        if l > 0.0 { total += l * exp(scores[at] - mx); }
+    }
+    let h = p.head0 + r / p.t;
+    let i = r % p.t;
+    var denom = total;
+    if p.sinks != 0u && total > 0.0 { denom += exp(sinkv[h] - mx); }
+    for (var dd = lid; dd < p.d; dd += 64u) {
+        var acc = 0.0;
+        if total > 0.0 {
+            for (var c = 0u; c < nc; c++) {
+                let at = partial(r, c);
+                let l = scores[at + 1u];
+                if l > 0.0 { acc += scores[at + 2u + dd] * exp(scores[at] - mx); }
+            }
+            acc = acc / denom;
+        }
+        out[(h * p.t + i) * p.d + dd] = acc;
+    }
 }

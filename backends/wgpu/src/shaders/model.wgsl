@@ -8,7 +8,7 @@
 struct Params {
     n0: u32, n1: u32, n2: u32, n3: u32,
     flag: u32, total: u32, idx0: u32, idx1: u32,
-    eps: f32, mode: u32, pad3: f32, pad4: f32,
+    eps: f32, mode: u32, hd: u32, pad4: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -21,12 +21,13 @@ struct Params {
 
 // A linear's `mode` bits: add `bias`; add to what `out` holds (a residual); its input is
 // rms_norm(a)·aux (a block's normed input, the norm computed by the linear's own
-// workgroups) or silu(a)·aux (an MLP's gated product, a the gate and aux the up
-// projection).
+// workgroups), silu(a)·aux (an MLP's gated product, a the gate and aux the up
+// projection), or `a` heads-major ([n1 / hd, T, hd], attention's output) read as its merge.
 const WITH_BIAS: u32 = 1u;
 const ACCUMULATE: u32 = 2u;
 const NORMED: u32 = 4u;
 const GATED: u32 = 8u;
+const HEADS: u32 = 16u;
 
 // 1/rms of the token whose values a NORMED linear's invocation reads (set by its entry point).
 var<private> norm_inv: f32;
@@ -39,6 +40,10 @@ fn xin(i: u32) -> f32 {
     }
     if (p.mode & NORMED) != 0u {
         return a[i] * norm_inv * aux[i % p.n1];
+    }
+    if (p.mode & HEADS) != 0u {
+        let c = i % p.n1;
+        return a[((c / p.hd) * p.total + i / p.n1) * p.hd + c % p.hd];
     }
     return a[i];
 }
@@ -288,12 +293,12 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
 
 // linear_main for few tokens (a matrix-vector product per token): each workgroup computes
 // ROWS_PER_GROUP output rows of one token (row group o = x + y · workgroups.x, token t = z),
-// LANES invocations per row. Block formats: the lanes stride over the row's 32-value slices
-// (a block, or an eighth of a K-quant super-block), each reading its slice's codes as whole
-// words with its scales once (`slice_dot`), so a row's bytes are read once by neighbouring
-// lanes; dense dtypes: over its values. The lanes' sums are added by a tree in workgroup
-// memory.
-const LANES: u32 = 16u;
+// LANES invocations per row striding over its values (dense dtypes) or its quads (block
+// formats), so that neighbouring lanes read neighbouring weight words and x values: a
+// GPU's loads of one step coalesce. (Lanes striding over whole slices read x 128 bytes
+// apart, a cache line per lane; decode with that form streamed weights at about 60 GB/s on
+// an H200, docs/benchmarks.md.) The lanes' sums are added by a tree in workgroup memory.
+const LANES: u32 = 32u;
 const ROWS_PER_GROUP: u32 = 64u / LANES;
 @compute @workgroup_size(64)
 fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
@@ -325,9 +330,14 @@ fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroup
                 acc += xin(t * cols + i) * weight_at(o * cols + i);
             }
         } else {
-            let slices = cols / 32u;
-            for (var s = lane; s < slices; s += LANES) {
-                acc += slice_dot(o * slices + s, t * cols + s * 32u);
+            // Lane-consecutive quads (4 values of a slice): a step of the lanes reads
+            // consecutive code words and consecutive x values, each lane decoding its
+            // slice's scales (the lanes of one slice read the same bytes for them).
+            let first = o * (cols / 32u);
+            for (var q = lane; q < cols / 4u; q += LANES) {
+                let i = t * cols + 4u * q;
+                let x = vec4<f32>(xin(i), xin(i + 1u), xin(i + 2u), xin(i + 3u));
+                acc += dot(quad(slice(first + q / 8u), q % 8u), x);
             }
         }
     }
@@ -454,16 +464,6 @@ fn quad(h: Slice, k: u32) -> vec4<f32> {
     return h.scale[k / 4u] * c + vec4<f32>(h.offset[k / 4u]);
 }
 
-// Σ_j x_j · (value j of slice `sl` of the weight in `b`), x_j = xin(ab + j).
-fn slice_dot(sl: u32, ab: u32) -> f32 {
-    let h = slice(sl);
-    var s = 0.0;
-    for (var k = 0u; k < 8u; k++) {
-        let x = vec4<f32>(xin(ab + 4u * k), xin(ab + 4u * k + 1u), xin(ab + 4u * k + 2u), xin(ab + 4u * k + 3u));
-        s += dot(quad(h, k), x);
-    }
-    return s;
-}
 
 // RoPE in place on out [T, heads·hd]: n0 = heads, n1 = hd; positions (i32 bits) at idx0,
 // inverse frequencies (f32 bits) at idx1; pair i is (i, i + hd/2) (flag 0, rotate-half) or
@@ -592,4 +592,45 @@ fn hadamard_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workg
         }
     }
     out[i] = acc * p.eps;
+}
+
+// out[r] = the bits of the index of the largest value of row r of a ([R, n0]), the lowest
+// such index on ties, never a NaN (a row of NaNs: 0), as kvplug_core::argmax picks it. One
+// workgroup per row: each invocation scans a stride of the row in order, then a tree keeps
+// the larger value (the lower index on ties).
+const NO_INDEX: u32 = 0xffffffffu;
+var<workgroup> best: array<u32, 64>;
+@compute @workgroup_size(64)
+fn argmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x;
+    let n = p.n0;
+    var bv = 0.0;
+    var bi = NO_INDEX;
+    for (var i = lid; i < n; i += 64u) {
+        let v = a[r * n + i];
+        // NaN by its bits (a shader compiler may assume comparisons never see one).
+        let nan = (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+        if !nan && (bi == NO_INDEX || v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+    red[lid] = bv;
+    best[lid] = bi;
+    workgroupBarrier();
+    for (var k = 32u; k > 0u; k >>= 1u) {
+        if lid < k {
+            let v = red[lid + k];
+            let i = best[lid + k];
+            let mine = best[lid];
+            if i != NO_INDEX && (mine == NO_INDEX || v > red[lid] || (v == red[lid] && i < mine)) {
+                red[lid] = v;
+                best[lid] = i;
+            }
+        }
+        workgroupBarrier();
+    }
+    if lid == 0u {
+        out[r] = bitcast<f32>(select(best[0], 0u, best[0] == NO_INDEX));
+    }
 }
