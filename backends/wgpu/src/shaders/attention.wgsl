@@ -217,6 +217,31 @@ fn qk_int8(h: u32, i: u32, kh: u32, j: u32) -> f32 {
 
 var<workgroup> red: array<f32, 64>;
 
+// The largest of red[0..64], by a tree; every invocation of the workgroup calls it (after
+// writing its red[lid]) and gets the result.
+fn reduce_max(lid: u32) -> f32 {
+    workgroupBarrier();
+    for (var k = 32u; k > 0u; k >>= 1u) {
+        if lid < k { red[lid] = max(red[lid], red[lid + k]); }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+// The sum of red[0..64], as reduce_max.
+fn reduce_sum(lid: u32) -> f32 {
+    workgroupBarrier();
+    for (var k = 32u; k > 0u; k >>= 1u) {
+        if lid < k { red[lid] = red[lid] + red[lid + k]; }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
 @compute @workgroup_size(64)
 fn softmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r = wg.x + wg.y * p.rows_per_y;
@@ -225,25 +250,14 @@ fn softmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     var m = NEG;
     for (var j = lid; j < p.l; j += 64u) { m = max(m, scores[base + j]); }
     red[lid] = m;
-    workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        if lid < s { red[lid] = max(red[lid], red[lid + s]); }
-        workgroupBarrier();
-    }
-    let mx = red[0];
-    workgroupBarrier();
+    let mx = reduce_max(lid);
     var sum = 0.0;
     for (var j = lid; j < p.l; j += 64u) {
         let v = scores[base + j];
         if v > NEG { sum += exp(v - mx); }
     }
     red[lid] = sum;
-    workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        if lid < s { red[lid] = red[lid] + red[lid + s]; }
-        workgroupBarrier();
-    }
-    var total = red[0];
+    var total = reduce_sum(lid);
     if p.sinks != 0u && total > 0.0 {
         total += exp(sinkv[p.head0 + r / p.t] - mx);
     }
@@ -318,13 +332,7 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         m = max(m, s);
     }
     red[lid] = m;
-    workgroupBarrier();
-    for (var k = 32u; k > 0u; k >>= 1u) {
-        if lid < k { red[lid] = max(red[lid], red[lid + k]); }
-        workgroupBarrier();
-    }
-    let mx = red[0];
-    workgroupBarrier();
+    let mx = reduce_max(lid);
     var sum = 0.0;
     for (var jj = lid; jj < n; jj += 64u) {
         let s = probs[jj];
@@ -334,11 +342,7 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         sum += e;
     }
     red[lid] = sum;
-    workgroupBarrier();
-    for (var k = 32u; k > 0u; k >>= 1u) {
-        if lid < k { red[lid] = red[lid] + red[lid + k]; }
-        workgroupBarrier();
-    }
+    let total = reduce_sum(lid);
     let at = partial(hh * p.t + i, c);
     // Neighbouring invocations take neighbouring values of each V row.
     for (var dd = lid; dd < p.d; dd += 64u) {
@@ -351,7 +355,7 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     }
     if lid == 0u {
         scores[at] = mx;
-        scores[at + 1u] = red[0];
+        scores[at + 1u] = total;
     }
 }
 

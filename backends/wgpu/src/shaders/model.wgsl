@@ -182,15 +182,14 @@ fn gather_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgro
     out[i] = a[idx[p.idx0 + i / w] * w + i % w];
 }
 
-// out[r, :] = a[r, :] / rms(a[r, :]) · b; one workgroup per row of n0 = len(b) values.
 var<workgroup> red: array<f32, 64>;
-@compute @workgroup_size(64)
-fn rmsnorm_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = wg.x;
-    let w = p.n0;
+
+// 1 / rms of the w values of `a` from `base` (eps = p.eps), summed by a workgroup of 64: a
+// strided sum each, then a tree in `red`. Every invocation calls it and gets the result.
+fn inv_rms(base: u32, w: u32, lid: u32) -> f32 {
     var s = 0.0;
     for (var i = lid; i < w; i += 64u) {
-        let v = a[r * w + i];
+        let v = a[base + i];
         s += v * v;
     }
     red[lid] = s;
@@ -200,6 +199,16 @@ fn rmsnorm_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         workgroupBarrier();
     }
     let inv = 1.0 / sqrt(red[0] / f32(w) + p.eps);
+    workgroupBarrier();
+    return inv;
+}
+
+// out[r, :] = a[r, :] / rms(a[r, :]) · b; one workgroup per row of n0 = len(b) values.
+@compute @workgroup_size(64)
+fn rmsnorm_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x;
+    let w = p.n0;
+    let inv = inv_rms(r * w, w, lid);
     for (var i = lid; i < w; i += 64u) {
         out[r * w + i] = a[r * w + i] * inv * bitcast<f32>(b[i]);
     }
@@ -309,19 +318,7 @@ fn linear_rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroup
     let cols = p.n1;
     if (p.mode & NORMED) != 0u {
         // The token's norm, summed as rmsnorm_main sums it.
-        var s = 0.0;
-        for (var i = lid; i < cols; i += 64u) {
-            let v = a[t * cols + i];
-            s += v * v;
-        }
-        red[lid] = s;
-        workgroupBarrier();
-        for (var k = 32u; k > 0u; k >>= 1u) {
-            if lid < k { red[lid] = red[lid] + red[lid + k]; }
-            workgroupBarrier();
-        }
-        norm_inv = 1.0 / sqrt(red[0] / f32(cols) + p.eps);
-        workgroupBarrier();
+        norm_inv = inv_rms(t * cols, cols, lid);
     }
     var acc = 0.0;
     if o < p.n0 {
