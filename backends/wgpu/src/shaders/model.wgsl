@@ -461,59 +461,64 @@ fn quad(h: Slice, k: u32) -> vec4<f32> {
     return h.scale[k / 4u] * c + vec4<f32>(h.offset[k / 4u]);
 }
 
+// Pair n of a RoPE op (n0 = heads, n1 = hd; positions (i32 bits) at idx0, inverse
+// frequencies (f32 bits) at idx1): its token, its head, its two offsets in the head, (i,
+// i + hd/2) (flag 0, rotate-half) or (2i, 2i + 1) (flag 1, interleaved), and the cos and
+// sin of its angle.
+struct RopePair {
+    t: u32,
+    head: u32,
+    j1: u32,
+    j2: u32,
+    c: f32,
+    s: f32,
+}
 
-// RoPE in place on out [T, heads·hd]: n0 = heads, n1 = hd; positions (i32 bits) at idx0,
-// inverse frequencies (f32 bits) at idx1; pair i is (i, i + hd/2) (flag 0, rotate-half) or
-// (2i, 2i + 1) (flag 1, interleaved). One invocation per (t, head, i < hd/2).
+fn rope_pair(n: u32) -> RopePair {
+    let half = p.n1 / 2u;
+    let i = n % half;
+    var r: RopePair;
+    r.head = (n / half) % p.n0;
+    r.t = n / (half * p.n0);
+    let ang = f32(bitcast<i32>(idx[p.idx0 + r.t])) * bitcast<f32>(idx[p.idx1 + i]);
+    r.c = cos(ang);
+    r.s = sin(ang);
+    r.j1 = i;
+    r.j2 = i + half;
+    if p.flag == 1u {
+        r.j1 = 2u * i;
+        r.j2 = r.j1 + 1u;
+    }
+    return r;
+}
+
+// RoPE in place on out [T, heads·hd] (parameters as rope_pair's). One invocation per
+// (t, head, i < hd/2).
 @compute @workgroup_size(64)
 fn rope_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let n = flat(g, nw);
     if n >= p.total { return; }
-    let half = p.n1 / 2u;
-    let i = n % half;
-    let head = (n / half) % p.n0;
-    let t = n / (half * p.n0);
-    let base = (t * p.n0 + head) * p.n1;
-    let ang = f32(bitcast<i32>(idx[p.idx0 + t])) * bitcast<f32>(idx[p.idx1 + i]);
-    let c = cos(ang);
-    let s = sin(ang);
-    var i1 = base + i;
-    var i2 = base + i + half;
-    if p.flag == 1u {
-        i1 = base + 2u * i;
-        i2 = i1 + 1u;
-    }
-    let x1 = out[i1];
-    let x2 = out[i2];
-    out[i1] = x1 * c - x2 * s;
-    out[i2] = x2 * c + x1 * s;
+    let r = rope_pair(n);
+    let base = (r.t * p.n0 + r.head) * p.n1;
+    let x1 = out[base + r.j1];
+    let x2 = out[base + r.j2];
+    out[base + r.j1] = x1 * r.c - x2 * r.s;
+    out[base + r.j2] = x2 * r.c + x1 * r.s;
 }
 
 // rope_main reading a [T, heads·hd] and writing its pairs rotated to out [heads, T, hd]
-// (RoPE and the split into heads in one pass); parameters as rope_main's, n2 = T.
+// (RoPE and the split into heads in one pass); n2 = T.
 @compute @workgroup_size(64)
 fn rope_heads_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let n = flat(g, nw);
     if n >= p.total { return; }
-    let half = p.n1 / 2u;
-    let i = n % half;
-    let head = (n / half) % p.n0;
-    let t = n / (half * p.n0);
-    let ang = f32(bitcast<i32>(idx[p.idx0 + t])) * bitcast<f32>(idx[p.idx1 + i]);
-    let c = cos(ang);
-    let s = sin(ang);
-    var j1 = i;
-    var j2 = i + half;
-    if p.flag == 1u {
-        j1 = 2u * i;
-        j2 = j1 + 1u;
-    }
-    let src = (t * p.n0 + head) * p.n1;
-    let dst = (head * p.n2 + t) * p.n1;
-    let x1 = a[src + j1];
-    let x2 = a[src + j2];
-    out[dst + j1] = x1 * c - x2 * s;
-    out[dst + j2] = x2 * c + x1 * s;
+    let r = rope_pair(n);
+    let src = (r.t * p.n0 + r.head) * p.n1;
+    let dst = (r.head * p.n2 + r.t) * p.n1;
+    let x1 = a[src + r.j1];
+    let x2 = a[src + r.j2];
+    out[dst + r.j1] = x1 * r.c - x2 * r.s;
+    out[dst + r.j2] = x2 * r.c + x1 * r.s;
 }
 
 // [T, H·D] -> [H, T, D] (flag 0) or [H, T, D] -> [T, H·D] (flag 1); n0 = H, n1 = T, n2 = D.
