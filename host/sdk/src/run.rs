@@ -131,7 +131,8 @@ pub(crate) fn rate(tokens: usize, since: Instant) -> f64 {
 
 /// Prefill + decode: plain on a contiguous context, or with `speculate` on a tree context
 /// (drafts verified as trees); `on_token` sees each token as it is sampled (with its text
-/// when `text` is given).
+/// when `text` is given). Greedy tokens are picked where the logits are
+/// ([`GenOptions::device_argmax`]): their events carry no logits.
 pub fn run_decode(
     model: &Model,
     spec: &RunSpec,
@@ -148,6 +149,7 @@ pub fn run_decode(
     let mut ctx = model.context(kind, spec.capacity, spec.kv_dtype)?;
     let opts = GenOptions {
         speculate,
+        device_argmax: true,
         ..spec.options(sampler)
     };
     let g = generate(&mut ctx, text, 0, &spec.prompt, 0, opts, on_token)?;
