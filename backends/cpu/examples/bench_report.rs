@@ -152,7 +152,7 @@ fn main() {
     .unwrap();
 
     writeln!(md, "## Decode step (T = 1)\n").unwrap();
-    writeln!(md, "Scores in f32; `int8-query` rows (where the CPU has AVX-512 VNNI) compute them from the query quantized to int8 (docs/conformance.md, declared arithmetics).\n").unwrap();
+    writeln!(md, "Scores in f32; `int8-query` rows (where the CPU has AVX2: `maddubs`, or `vpdpbusd` with AVX-512 VNNI) compute them from the query quantized to int8 (docs/conformance.md, declared arithmetics).\n").unwrap();
     writeln!(md, "| KV dtype | L | time (µs) | K+V bytes read | effective GB/s | bandwidth bound (µs) | time / bound | time vs f16 | fastest sample / its bound | compute floor (µs) |").unwrap();
     writeln!(md, "|---|---|---|---|---|---|---|---|---|---|").unwrap();
     let int8 = |dtype: KvDtype, l: usize| format!("decode/{dtype}+int8-query/{l}");
@@ -199,7 +199,7 @@ fn main() {
 
     writeln!(
         md,
-        "\n## Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX-512 VNNI). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
+        "\n## Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
     )
     .unwrap();
     writeln!(

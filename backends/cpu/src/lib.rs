@@ -52,11 +52,12 @@ impl Device for CpuDevice {
         &KvDtype::ALL
     }
 
-    /// For q8/q4 pools in groups of a multiple of 32, where the tiled kernel has AVX-512
-    /// VNNI (used for `head_dim` a multiple of 64): int8-query scores first (the default:
-    /// `kvplug bench -p 0 -n 32 -d 4096` measured it 1.08–1.18× f32's decode on SmolLM2
-    /// with q8 KV, and its next-token agreement with f16 KV is within a few positions of
-    /// f32's, BENCH.md), then f32. Otherwise f32 alone.
+    /// For q8/q4 pools in groups of a multiple of 32, where the tiled kernel runs (AVX2;
+    /// its int8 scores are used for `head_dim` a multiple of 64, with VNNI where the CPU has
+    /// AVX-512): int8-query scores first (the default: `kvplug bench -p 0 -n 32 -d 4096`
+    /// measured it 1.08–1.18× f32's decode on SmolLM2 with q8 KV, and its next-token
+    /// agreement with f16 KV is within a few positions of f32's, BENCH.md), then f32.
+    /// Otherwise f32 alone.
     fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
         let grouped = match dtype {
             KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
@@ -64,7 +65,7 @@ impl Device for CpuDevice {
             }
             _ => false,
         };
-        if grouped && simd::wide_path() && simd::vnni_path() {
+        if grouped && simd::vector_path() {
             vec![Arithmetic::Int8Query, Arithmetic::F32]
         } else {
             Vec::new()

@@ -13,8 +13,8 @@
 //! up to 4 rows) into register accumulators. Key rows a whole block cannot see (past the
 //! causal limit) are skipped. Both widths do the same f32 multiply-adds; only their order of
 //! summation differs. In the int8-query arithmetic the scores come from [`int8_query`]
-//! instead (512-bit width with VNNI): each tile's key codes are transposed once, then
-//! integer dots give 16 key rows' scores per register.
+//! instead (at 512-bit width with VNNI, else at 256): each tile's key codes are transposed
+//! once, then integer dots give 16 (8) key rows' scores per register.
 //!
 //! `accumulate` leaves `out` unnormalized with each row's running max and sum, so a
 //! caller may split the key rows of one head over threads and [`merge`] the parts
@@ -496,6 +496,22 @@ trait Lanes {
         out: &mut [f32],
         s: &mut TileScratch,
     );
+    /// Stages `kt` at this width for [`Lanes::int8_scores`] (see [`KeyTile::stage_avx512`]).
+    unsafe fn stage_keys(
+        kt: &mut KeyTile,
+        k: &QuantRows,
+        v: &QuantRows,
+        j0: usize,
+        n: usize,
+        kend: usize,
+    );
+    /// The int8-query scores at this width (see [`int8_query::scores_avx512`]).
+    unsafe fn int8_scores<const M: usize>(
+        blk: &Block<'_>,
+        qc: &QueryCodes,
+        kt: &KeyTile,
+        p: &mut [f32],
+    );
     /// [`accumulate`] at this width.
     unsafe fn accumulate<K: RowView, V: RowView>(
         part: Part<'_>,
@@ -600,6 +616,26 @@ lanes!(
     #[inline(always)]
     unsafe fn exp_sum(p: &mut [f32], max: f32) -> f32 {
         exp8_sum(p, max)
+    },
+    #[inline(always)]
+    unsafe fn stage_keys(
+        kt: &mut KeyTile,
+        k: &QuantRows,
+        v: &QuantRows,
+        j0: usize,
+        n: usize,
+        kend: usize,
+    ) {
+        kt.stage_avx2(k, v, j0, n, kend)
+    },
+    #[inline(always)]
+    unsafe fn int8_scores<const M: usize>(
+        blk: &Block<'_>,
+        qc: &QueryCodes,
+        kt: &KeyTile,
+        p: &mut [f32],
+    ) {
+        int8_query::scores_avx2::<M>(blk, qc, kt, p)
     }
 );
 
@@ -659,6 +695,27 @@ lanes!(
             sum = _mm512_add_ps(sum, e);
         }
         _mm512_reduce_add_ps(sum)
+    },
+    /// Needs AVX-512 VNNI too, which [`attend`] checks before it asks for int8 scores.
+    #[inline(always)]
+    unsafe fn stage_keys(
+        kt: &mut KeyTile,
+        k: &QuantRows,
+        v: &QuantRows,
+        j0: usize,
+        n: usize,
+        kend: usize,
+    ) {
+        kt.stage_avx512(k, v, j0, n, kend)
+    },
+    #[inline(always)]
+    unsafe fn int8_scores<const M: usize>(
+        blk: &Block<'_>,
+        qc: &QueryCodes,
+        kt: &KeyTile,
+        p: &mut [f32],
+    ) {
+        int8_query::scores_avx512::<M>(blk, qc, kt, p)
     }
 );
 
@@ -722,9 +779,9 @@ struct Part<'a> {
     keys: std::ops::Range<usize>,
     vis: Visibility<'a>,
     scale: f32,
-    /// Scores in the int8-query arithmetic ([`int8_query`]): set only at 512-bit width on
-    /// a CPU with VNNI, for quantized keys in groups of a multiple of 32 and `d` a multiple
-    /// of 64.
+    /// Scores in the int8-query arithmetic ([`int8_query`]): set only for quantized keys in
+    /// groups of a multiple of 32, `d` a multiple of 64 and, at 512-bit width, a CPU with
+    /// VNNI.
     int8: bool,
 }
 
@@ -776,7 +833,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             let vq = v
                 .as_quant()
                 .expect("quantized keys come with quantized values");
-            ktile.stage(kq, vq, j0, n, keys.end);
+            L::stage_keys(&mut ktile, kq, vq, j0, n, keys.end);
         }
         for b0 in (0..rows).step_by(L::BLOCK) {
             let m = (rows - b0).min(L::BLOCK);
@@ -901,7 +958,7 @@ impl Block<'_> {
         match self.int8 {
             // SAFETY: `int8` is set only where the int8 kernel's contract holds; the tile's
             // staging asked for its V rows and the next tile's K rows.
-            Some((qc, kt)) => int8_query::scores::<M>(&self, qc, kt, &mut s.p),
+            Some((qc, kt)) => L::int8_scores::<M>(&self, qc, kt, &mut s.p),
             None => self.scores::<L, M, K, V>(q, k, ahead, &mut s.p),
         }
         let mut any = false;
@@ -1252,14 +1309,18 @@ pub fn attend(
     let views = |kh: usize, w: Width| {
         HeadViews::new(k.head_rows(kh, k.cells), v.head_rows(kh, v.cells), d, w)
     };
-    let Some(width) = widths.iter().copied().find(|&w| views(0, w).is_some()) else {
+    // Int8-query scores at the first width that has them, else f32 at the first that applies.
+    let int8_at = |w: Width| {
+        arithmetic == Arithmetic::Int8Query
+            && (w == Width::Avx2 || crate::simd::vnni_path())
+            && d.is_multiple_of(2 * QUERY_BLOCK)
+            && matches!(views(0, w), Some(HeadViews::Quant(k, _)) if k.group.is_multiple_of(QUERY_BLOCK))
+    };
+    let int8_width = widths.iter().copied().find(|&w| int8_at(w));
+    let Some(width) = int8_width.or(widths.iter().copied().find(|&w| views(0, w).is_some())) else {
         return false;
     };
-    let int8 = arithmetic == Arithmetic::Int8Query
-        && width == Width::Avx512
-        && crate::simd::vnni_path()
-        && d.is_multiple_of(2 * QUERY_BLOCK)
-        && matches!(views(0, width), Some(HeadViews::Quant(k, _)) if k.group.is_multiple_of(QUERY_BLOCK));
+    let int8 = int8_width.is_some();
     let split = Split::plan(hkv, rows, l, hq * t * l * d, parallel_min);
     let parts = split.parts(rows, l);
     tiles.resize_with(hkv * parts, TileScratch::default);

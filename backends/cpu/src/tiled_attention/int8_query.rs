@@ -1,9 +1,10 @@
-//! Scores in the [`Arithmetic::Int8Query`](kvplug_core::Arithmetic) arithmetic on AVX-512
-//! VNNI: each query row quantized once per call to int8 per 32-value block; each tile's key
-//! codes transposed once ([`KeyTile`]) so that a register holds 4 codes of 16 key rows;
-//! then, per 16 key rows, `dpbusd` of those registers with the query's broadcast 4-code
-//! words gives 16 integer block dots at once, scaled per block by `scale_k·s` and summed
-//! with the offsets' `lo·Σ s·q` in f32. The keys are never widened to f32 and no horizontal
+//! Scores in the [`Arithmetic::Int8Query`](kvplug_core::Arithmetic) arithmetic, on AVX-512
+//! VNNI or on AVX2: each query row quantized once per call to int8 per 32-value block; each
+//! tile's key codes transposed once ([`KeyTile`]) so that a register holds 4 codes of 16
+//! key rows (8 on AVX2); then, per register of key rows, `dpbusd` (AVX2: `maddubs` and
+//! `madd`) of those registers with the query's broadcast 4-code words gives 16 (8) integer
+//! block dots at once, scaled per block by `scale_k·s` and summed with the offsets'
+//! `lo·Σ s·q` in f32. Both widths give the same f32 scores, bit for bit. The keys are never widened to f32 and no horizontal
 //! sums are taken; the transposition is shared by every query row of the tile.
 //!
 //! q4 keys pack values `2i, 2i + 1` in the low and high nibble of one byte, so a 4-byte word
@@ -19,16 +20,15 @@ use super::{Block, QuantRows, TILE};
 /// Codes per 4-byte word.
 const WORD: usize = 4;
 
-/// Key rows per register.
-const LANES: usize = 16;
-
-/// A call's query rows in int8, laid out for [`scores`].
+/// A call's query rows in int8, laid out for the scores kernels.
 #[derive(Default)]
 pub struct QueryCodes {
     /// `[rows, d]` codes, each block in the key codes' order.
     codes: Vec<i8>,
     /// `[rows, d / 32]`: each block's scale.
     scales: Vec<f32>,
+    /// `[rows, d / 32]`: each block's `Σ codes`.
+    sums: Vec<i32>,
     /// `[rows, d / group]`: `Σ scale · Σ codes` over the blocks of each key group.
     group_sums: Vec<f32>,
     d: usize,
@@ -43,8 +43,8 @@ impl QueryCodes {
     /// quotient: code 0). With `nibble_order` each block's codes are stored evens first.
     ///
     /// # Safety
-    /// AVX-512F is present.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    /// AVX2 and FMA are present (the rounding vectorizes on them).
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn quantize(&mut self, q: &[f32], d: usize, group: usize, nibble_order: bool) {
         debug_assert!(d.is_multiple_of(2 * QUERY_BLOCK) && q.len().is_multiple_of(d));
         debug_assert!(group.is_multiple_of(QUERY_BLOCK) && d.is_multiple_of(group));
@@ -52,77 +52,58 @@ impl QueryCodes {
         (self.d, self.group) = (d, group);
         self.codes.resize(q.len(), 0);
         self.scales.resize(blocks, 0.0);
+        self.sums.resize(blocks, 0);
         self.group_sums.clear();
         self.group_sums.resize(q.len() / group, 0.0);
-        let abs = |v: __m512| {
-            _mm512_castsi512_ps(_mm512_and_si512(
-                _mm512_castps_si512(v),
-                _mm512_set1_epi32(0x7fff_ffff),
-            ))
-        };
-        let (evens, odds) = (
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-            _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31),
-        );
-        for b in 0..blocks {
-            let x = q.as_ptr().add(b * QUERY_BLOCK);
-            let (x0, x1) = (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)));
-            let s = _mm512_reduce_max_ps(_mm512_max_ps(abs(x0), abs(x1))) / 127.0;
-            let (x0, x1) = if nibble_order {
-                (
-                    _mm512_permutex2var_ps(x0, evens, x1),
-                    _mm512_permutex2var_ps(x0, odds, x1),
-                )
-            } else {
-                (x0, x1)
-            };
-            let code = |x: __m512| {
-                if s == 0.0 {
-                    return _mm512_setzero_si512();
-                }
-                // Half away from zero: the truncation, plus the sign where the exact
-                // remainder is at least a half.
-                let y = _mm512_div_ps(x, _mm512_set1_ps(s));
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-                let half =
-                    _mm512_cmp_ps_mask::<_CMP_GE_OQ>(abs(_mm512_sub_ps(y, t)), _mm512_set1_ps(0.5));
-                let sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(i32::MIN));
-                let one = _mm512_castsi512_ps(_mm512_or_si512(
-                    sign,
-                    _mm512_castps_si512(_mm512_set1_ps(1.0)),
-                ));
-                let r = _mm512_mask_add_ps(t, half, t, one);
-                let r = _mm512_min_ps(
-                    _mm512_max_ps(r, _mm512_set1_ps(-127.0)),
-                    _mm512_set1_ps(127.0),
-                );
-                _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y), r)
-            };
-            let (c0, c1) = (code(x0), code(x1));
-            let at = self.codes.as_mut_ptr().add(b * QUERY_BLOCK) as *mut __m128i;
-            _mm_storeu_si128(at, _mm512_cvtepi32_epi8(c0));
-            _mm_storeu_si128(at.add(1), _mm512_cvtepi32_epi8(c1));
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        let blocks = q.chunks_exact(QUERY_BLOCK);
+        let codes = self.codes.chunks_exact_mut(QUERY_BLOCK);
+        for (b, (x, codes)) in blocks.zip(codes).enumerate() {
+            let s = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let mut sum = 0;
+            for (i, &v) in x.iter().enumerate() {
+                // `round` is half away from zero; `as` takes a NaN to 0.
+                let c = match s {
+                    0.0 => 0,
+                    s => (v / s).round().clamp(-127.0, 127.0) as i8,
+                };
+                let at = match nibble_order {
+                    true => i % 2 * (QUERY_BLOCK / 2) + i / 2,
+                    false => i,
+                };
+                codes[at] = c;
+                sum += c as i32;
+            }
             self.scales[b] = s;
+            self.sums[b] = sum;
             self.group_sums[b * QUERY_BLOCK / group] += s * sum as f32;
         }
     }
 }
 
-/// One tile's key rows for [`scores`], staged by [`KeyTile::stage`].
+/// One tile's key rows for the scores kernels, staged at one width by
+/// [`KeyTile::stage_avx512`] or [`KeyTile::stage_avx2`] (`lanes` rows a register).
 #[derive(Default)]
 pub struct KeyTile {
-    /// `[n / 16, d / 4]` registers: lane `i` of register `w` of group `r` is the codes
-    /// of word `w` of key row `16r + i`, one unsigned byte each, in the query codes' order
-    /// (rows past the tile repeat its last).
-    codes: Vec<__m512i>,
+    /// `[rows / lanes, d / 4]` registers: 4-byte word `i` of register `w` of group `r`
+    /// holds the codes of word `w` of key row `lanes·r + i`, in the query codes' order (rows
+    /// past the tile repeat its last): unsigned bytes, but for q8 at 256 bits `code − 128`
+    /// (see [`scores_avx2`]).
+    codes: Vec<Line>,
     /// `[ng, rows]`: each row's group scales, then (`los`) offsets, in f32; `rows` is the
-    /// tile's rows rounded up to 16.
+    /// tile's rows rounded up to `lanes`.
     scales: Vec<f32>,
     los: Vec<f32>,
     rows: usize,
     group: usize,
+    /// Bits per key code (8 or 4).
+    bits: usize,
 }
+
+/// 64 bytes aligned as a 512-bit register (and so as two 256-bit ones), zeroed without
+/// AVX-512.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Line([u64; 8]);
 
 /// Transposes 16 registers of 16 words: word `w` of register `i` moves to word `i` of
 /// register `w`.
@@ -153,32 +134,77 @@ unsafe fn transpose16(r: &mut [__m512i; 16]) {
     }
 }
 
+/// Transposes 8 registers of 8 words: word `w` of register `i` moves to word `i` of
+/// register `w`.
+#[inline(always)]
+unsafe fn transpose8(r: &mut [__m256i; 8]) {
+    // Per 128-bit half: words c and 4 + c of rows 4a..4a + 4 gather in u[4a + c].
+    let mut u = [_mm256_setzero_si256(); 8];
+    for a in 0..2 {
+        let [r0, r1, r2, r3] = [r[4 * a], r[4 * a + 1], r[4 * a + 2], r[4 * a + 3]];
+        let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
+        let (t2, t3) = (_mm256_unpacklo_epi32(r2, r3), _mm256_unpackhi_epi32(r2, r3));
+        u[4 * a] = _mm256_unpacklo_epi64(t0, t2);
+        u[4 * a + 1] = _mm256_unpackhi_epi64(t0, t2);
+        u[4 * a + 2] = _mm256_unpacklo_epi64(t1, t3);
+        u[4 * a + 3] = _mm256_unpackhi_epi64(t1, t3);
+    }
+    for c in 0..4 {
+        r[c] = _mm256_permute2x128_si256::<0x20>(u[c], u[4 + c]);
+        r[c + 4] = _mm256_permute2x128_si256::<0x31>(u[c], u[4 + c]);
+    }
+}
+
 impl KeyTile {
-    /// Stages rows `[j0, j0 + n)` of `k` (staged for the tile by [`RowView::for_tile`]).
-    /// Per 16 rows it asks for the same rows of `v` and for `k`'s rows a tile further (up
-    /// to `kend`), a hint per cache line: spread over the staging, these measured 1.4–2×
-    /// faster decode from memory than none or the whole tile's at once (q8, 8–30 layers
-    /// streamed at L = 4096, `examples/decode_attention`).
+    /// Sizes the tile for `n` rows of `k` at `lanes` rows a register and stages each row's
+    /// group scales and offsets; returns the registers per row group.
+    ///
+    /// # Safety
+    /// `k` was staged for a tile of `n` rows by [`RowView::for_tile`].
+    unsafe fn start(&mut self, k: &QuantRows, n: usize, lanes: usize) -> usize {
+        let words = k.d / WORD;
+        let rows = n.next_multiple_of(lanes);
+        self.codes
+            .resize((rows * words * WORD).div_ceil(64), Line::default());
+        (self.rows, self.group, self.bits) = (rows, k.group, k.bits);
+        self.scales.resize(k.ng * rows, 0.0);
+        self.los.resize(k.ng * rows, 0.0);
+        for g in 0..k.ng {
+            for i in 0..rows {
+                // The (scale, offset) pairs `for_tile` widened, `ng` a row.
+                let pair = k.staged.add((i.min(n - 1) * k.ng + g) * 2);
+                (self.scales[g * rows + i], self.los[g * rows + i]) = (*pair, *pair.add(1));
+            }
+        }
+        words
+    }
+
+    /// Stages rows `[j0, j0 + n)` of `k` (staged for the tile by [`RowView::for_tile`]) 16
+    /// rows a register. Per 16 rows it asks for the same rows of `v` and for `k`'s rows a
+    /// tile further (up to `kend`), a hint per cache line: spread over the staging, these
+    /// measured 1.4–2× faster decode from memory than none or the whole tile's at once (q8,
+    /// 8–30 layers streamed at L = 4096, `examples/decode_attention`).
     ///
     /// # Safety
     /// AVX-512F/BW are present; `k` holds the rows and `kend`, `v` the tile's rows; `k.d`
     /// is a multiple of 64 and its groups of 32.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub unsafe fn stage(&mut self, k: &QuantRows, v: &QuantRows, j0: usize, n: usize, kend: usize) {
-        let d = k.d;
-        let words = d / WORD;
-        let groups = n.div_ceil(LANES);
-        let rows = groups * LANES;
+    pub unsafe fn stage_avx512(
+        &mut self,
+        k: &QuantRows,
+        v: &QuantRows,
+        j0: usize,
+        n: usize,
+        kend: usize,
+    ) {
+        const LANES: usize = 16;
+        let words = self.start(k, n, LANES);
         // Packed 4-byte words per row.
-        let packed = d * k.bits / 8 / WORD;
-        self.codes.resize(groups * words, _mm512_setzero_si512());
-        self.rows = rows;
-        self.group = k.group;
-        self.scales.resize(k.ng * rows, 0.0);
-        self.los.resize(k.ng * rows, 0.0);
-        let row_bytes = d * k.bits / 8;
+        let packed = k.d * k.bits / 8 / WORD;
+        let row_bytes = k.d * k.bits / 8;
         let mask = _mm512_set1_epi8(0xf);
-        for r in 0..groups {
+        let codes = self.codes.as_mut_ptr() as *mut __m512i;
+        for r in 0..self.rows / LANES {
             let first = j0 + r * LANES;
             let here = LANES.min(j0 + n - first);
             v.prefetch_rows(first, here);
@@ -186,31 +212,11 @@ impl KeyTile {
                 k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
             }
             // Rows past the tile repeat its last.
-            let row = |i: usize| (first + i).min(j0 + n - 1);
-            // Each row's (scale, offset) pairs as `for_tile` widened them, gathered by group.
-            let pairs = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            let pairs = _mm512_min_epi32(
-                _mm512_add_epi32(pairs, _mm512_set1_epi32((first - j0) as i32)),
-                _mm512_set1_epi32((n - 1) as i32),
-            );
-            let pairs = _mm512_mullo_epi32(pairs, _mm512_set1_epi32(2 * k.ng as i32));
-            for g in 0..k.ng {
-                let at = _mm512_add_epi32(pairs, _mm512_set1_epi32(2 * g as i32));
-                let staged = k.staged;
-                _mm512_storeu_ps(
-                    self.scales.as_mut_ptr().add(g * rows + r * LANES),
-                    _mm512_i32gather_ps::<4>(at, staged),
-                );
-                _mm512_storeu_ps(
-                    self.los.as_mut_ptr().add(g * rows + r * LANES),
-                    _mm512_i32gather_ps::<4>(at, staged.add(1)),
-                );
-            }
             let mut rows_at = [k.codes; LANES];
             for (i, at) in rows_at.iter_mut().enumerate() {
-                *at = k.codes.add(row(i) * row_bytes);
+                *at = k.codes.add((first + i).min(j0 + n - 1) * row_bytes);
             }
-            let out = self.codes.as_mut_ptr().add(r * words);
+            let out = codes.add(r * words);
             for w0 in (0..packed).step_by(LANES) {
                 let left = (packed - w0).min(LANES);
                 let m: __mmask16 = if left == LANES { !0 } else { (1 << left) - 1 };
@@ -236,23 +242,104 @@ impl KeyTile {
             }
         }
     }
+
+    /// [`KeyTile::stage_avx512`] 8 rows a register, q8 codes stored as `code − 128` (signed).
+    ///
+    /// # Safety
+    /// AVX2 is present; the rest as [`KeyTile::stage_avx512`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn stage_avx2(
+        &mut self,
+        k: &QuantRows,
+        v: &QuantRows,
+        j0: usize,
+        n: usize,
+        kend: usize,
+    ) {
+        const LANES: usize = 8;
+        let words = self.start(k, n, LANES);
+        // Packed 4-byte words per row: a multiple of 8, as `d` is of 64.
+        let packed = k.d * k.bits / 8 / WORD;
+        let row_bytes = k.d * k.bits / 8;
+        let (mask, flip) = (_mm256_set1_epi8(0xf), _mm256_set1_epi8(i8::MIN));
+        let codes = self.codes.as_mut_ptr() as *mut __m256i;
+        for r in 0..self.rows / LANES {
+            let first = j0 + r * LANES;
+            let here = LANES.min(j0 + n - first);
+            v.prefetch_rows(first, here);
+            if first + TILE < kend {
+                k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
+            }
+            let mut rows_at = [k.codes; LANES];
+            for (i, at) in rows_at.iter_mut().enumerate() {
+                *at = k.codes.add((first + i).min(j0 + n - 1) * row_bytes);
+            }
+            let out = codes.add(r * words);
+            for w0 in (0..packed).step_by(LANES) {
+                let mut x = [_mm256_setzero_si256(); LANES];
+                for (x, at) in x.iter_mut().zip(&rows_at) {
+                    *x = _mm256_loadu_si256(at.add(w0 * WORD) as *const __m256i);
+                }
+                transpose8(&mut x);
+                for (w, &x) in x.iter().enumerate() {
+                    let w = w0 + w;
+                    if k.bits == 8 {
+                        out.add(w).write(_mm256_xor_si256(x, flip));
+                    } else {
+                        let (b, s) = (w / 4, w % 4);
+                        out.add(8 * b + s).write(_mm256_and_si256(x, mask));
+                        out.add(8 * b + 4 + s)
+                            .write(_mm256_and_si256(_mm256_srli_epi32::<4>(x), mask));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Pointers to the block's `M` query rows' codes, block scales, block sums and group sums.
+struct QueryRows<const M: usize> {
+    words: [*const i32; M],
+    scales: [*const f32; M],
+    sums: [*const i32; M],
+    group_sums: [*const f32; M],
+}
+
+impl<const M: usize> QueryRows<M> {
+    /// Rows `b0..b0 + M` of `qc`.
+    ///
+    /// # Safety
+    /// `qc` holds those rows.
+    unsafe fn new(qc: &QueryCodes, b0: usize) -> Self {
+        let (d, blocks, ng) = (qc.d, qc.d / QUERY_BLOCK, qc.d / qc.group);
+        QueryRows {
+            words: std::array::from_fn(|b| qc.codes.as_ptr().add((b0 + b) * d) as *const i32),
+            scales: std::array::from_fn(|b| qc.scales.as_ptr().add((b0 + b) * blocks)),
+            sums: std::array::from_fn(|b| qc.sums.as_ptr().add((b0 + b) * blocks)),
+            group_sums: std::array::from_fn(|b| qc.group_sums.as_ptr().add((b0 + b) * ng)),
+        }
+    }
 }
 
 /// [`Block::scores`] for quantized keys in [`Arithmetic::Int8Query`](kvplug_core::Arithmetic):
 /// the scores of the block's `M` query rows (rows `b0..` of `qc`) against rows
-/// `[j0, j0 + nb)` of the staged tile `kt` into `p`, 16 key rows at a time (lanes past `nb`
-/// are written too, up to a multiple of 16).
+/// `[j0, j0 + nb)` of the tile `kt` staged by [`KeyTile::stage_avx512`] into `p`, 16 key
+/// rows at a time (lanes past `nb` are written too, up to a multiple of 16). Per 16 rows:
+/// the offsets' terms in group order, then per block in order its integer dots times
+/// `scale_k·s`, then the scale; [`scores_avx2`] does the same f32 operations in the same
+/// order.
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI and the AVX2 set are present; `kt` holds the tile staged from keys
 /// in groups of a multiple of 32 values; `qc` holds the block's rows quantized for them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn scores<const M: usize>(
+pub unsafe fn scores_avx512<const M: usize>(
     blk: &Block<'_>,
     qc: &QueryCodes,
     kt: &KeyTile,
     p: &mut [f32],
 ) {
+    const LANES: usize = 16;
     let Block {
         b0, nb, d, scale, ..
     } = *blk;
@@ -262,13 +349,11 @@ pub unsafe fn scores<const M: usize>(
     let (per_group, ng) = (kt.group / QUERY_BLOCK, d / kt.group);
     // Blocks whose dots run side by side: 2·M chains where the registers allow.
     let side = if M <= 4 { 2 } else { 1 };
-    let qw: [*const i32; M] =
-        std::array::from_fn(|b| qc.codes.as_ptr().add((b0 + b) * d) as *const i32);
-    let qs: [*const f32; M] = std::array::from_fn(|b| qc.scales.as_ptr().add((b0 + b) * blocks));
-    let qsum: [*const f32; M] = std::array::from_fn(|b| qc.group_sums.as_ptr().add((b0 + b) * ng));
+    let q = QueryRows::<M>::new(qc, b0);
     let scale = _mm512_set1_ps(scale);
+    let codes = kt.codes.as_ptr() as *const __m512i;
     for r in 0..nb.div_ceil(LANES) {
-        let codes = kt.codes.as_ptr().add(r * words);
+        let codes = codes.add(r * words);
         let (ks, lo) = (
             kt.scales.as_ptr().add(r * LANES),
             kt.los.as_ptr().add(r * LANES),
@@ -276,7 +361,7 @@ pub unsafe fn scores<const M: usize>(
         let mut f = [_mm512_setzero_ps(); M];
         for g in 0..ng {
             let lo = _mm512_loadu_ps(lo.add(g * rows));
-            for (f, qsum) in f.iter_mut().zip(&qsum) {
+            for (f, qsum) in f.iter_mut().zip(&q.group_sums) {
                 *f = _mm512_fmadd_ps(lo, _mm512_set1_ps(*qsum.add(g)), *f);
             }
         }
@@ -287,7 +372,7 @@ pub unsafe fn scores<const M: usize>(
                 for h in 0..side {
                     let w = (first + h) * PER_BLOCK + s;
                     let x = *codes.add(w);
-                    for (a, qw) in acc.iter_mut().zip(&qw) {
+                    for (a, qw) in acc.iter_mut().zip(&q.words) {
                         let q = _mm512_set1_epi32(*qw.add(w));
                         a[h] = _mm512_dpbusd_epi32(a[h], x, q);
                     }
@@ -296,7 +381,7 @@ pub unsafe fn scores<const M: usize>(
             for h in 0..side {
                 let blk = first + h;
                 let ks = _mm512_loadu_ps(ks.add(blk / per_group * rows));
-                for ((f, a), qs) in f.iter_mut().zip(&acc).zip(&qs) {
+                for ((f, a), qs) in f.iter_mut().zip(&acc).zip(&q.scales) {
                     let w = _mm512_mul_ps(ks, _mm512_set1_ps(*qs.add(blk)));
                     *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[h]), w, *f);
                 }
@@ -310,11 +395,93 @@ pub unsafe fn scores<const M: usize>(
     }
 }
 
+/// [`scores_avx512`] on AVX2, 8 key rows at a time, for a tile staged by
+/// [`KeyTile::stage_avx2`]; the same integer dots by other instructions, so the same f32
+/// results. `maddubs` (unsigned × signed bytes to i16 pair sums, saturating) then `madd`
+/// with ones to i32: q4 codes (≤ 15) sum a block's 8 words in i16 (at most
+/// 16·15·127 < 2^15) before one `madd`; q8 codes (≤ 255) would saturate a pair, so they are
+/// staged as `c − 128` and multiplied as `|c − 128|` against the query code under their
+/// sign (pairs at most 2·128·127 < 2^15), the block's `128·Σ codes` added back in i32.
+///
+/// # Safety
+/// AVX2 is present; the rest as [`scores_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scores_avx2<const M: usize>(
+    blk: &Block<'_>,
+    qc: &QueryCodes,
+    kt: &KeyTile,
+    p: &mut [f32],
+) {
+    const LANES: usize = 8;
+    let Block {
+        b0, nb, d, scale, ..
+    } = *blk;
+    debug_assert!(qc.d == d && qc.group == kt.group);
+    const PER_BLOCK: usize = QUERY_BLOCK / WORD;
+    let (words, blocks, rows) = (d / WORD, d / QUERY_BLOCK, kt.rows);
+    let (per_group, ng) = (kt.group / QUERY_BLOCK, d / kt.group);
+    let q = QueryRows::<M>::new(qc, b0);
+    let (scale, ones) = (_mm256_set1_ps(scale), _mm256_set1_epi16(1));
+    let codes = kt.codes.as_ptr() as *const __m256i;
+    for r in 0..nb.div_ceil(LANES) {
+        let codes = codes.add(r * words);
+        let (ks, lo) = (
+            kt.scales.as_ptr().add(r * LANES),
+            kt.los.as_ptr().add(r * LANES),
+        );
+        let mut f = [_mm256_setzero_ps(); M];
+        for g in 0..ng {
+            let lo = _mm256_loadu_ps(lo.add(g * rows));
+            for (f, qsum) in f.iter_mut().zip(&q.group_sums) {
+                *f = _mm256_fmadd_ps(lo, _mm256_set1_ps(*qsum.add(g)), *f);
+            }
+        }
+        for blk in 0..blocks {
+            let mut acc = [_mm256_setzero_si256(); M];
+            let words = blk * PER_BLOCK..(blk + 1) * PER_BLOCK;
+            if kt.bits == 4 {
+                for w in words {
+                    let x = *codes.add(w);
+                    for (a, qw) in acc.iter_mut().zip(&q.words) {
+                        let pairs = _mm256_maddubs_epi16(x, _mm256_set1_epi32(*qw.add(w)));
+                        *a = _mm256_add_epi16(*a, pairs);
+                    }
+                }
+                for a in acc.iter_mut() {
+                    *a = _mm256_madd_epi16(*a, ones);
+                }
+            } else {
+                for (a, sums) in acc.iter_mut().zip(&q.sums) {
+                    *a = _mm256_set1_epi32(128 * *sums.add(blk));
+                }
+                for w in words {
+                    let x = *codes.add(w);
+                    let magnitude = _mm256_abs_epi8(x);
+                    for (a, qw) in acc.iter_mut().zip(&q.words) {
+                        let signed = _mm256_sign_epi8(_mm256_set1_epi32(*qw.add(w)), x);
+                        let pairs = _mm256_maddubs_epi16(magnitude, signed);
+                        *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            let ks = _mm256_loadu_ps(ks.add(blk / per_group * rows));
+            for ((f, a), qs) in f.iter_mut().zip(&acc).zip(&q.scales) {
+                let w = _mm256_mul_ps(ks, _mm256_set1_ps(*qs.add(blk)));
+                *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*a), w, *f);
+            }
+        }
+        for (b, &f) in f.iter().enumerate() {
+            let at = p.as_mut_ptr().add((b0 + b) * TILE + r * LANES);
+            _mm256_storeu_ps(at, _mm256_mul_ps(f, scale));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::RowView;
     use super::*;
-    use crate::tiled_attention::{Visibility, TILE};
+    use crate::tiled_attention::{Visibility, Width, TILE};
     use kvplug_backend_kit::AttendMask;
     use kvplug_core::oracle::gamma;
 
@@ -334,7 +501,14 @@ mod tests {
     /// arithmetic, `γ(D + 2)·scale·Σ |code|·s·(scale_k·c + |lo|)`, per score. Query blocks
     /// of very different magnitudes and key groups of different scales and offsets, so a
     /// lane given the wrong block's or group's factor is far outside it.
-    fn check<const M: usize>(bits: u32, group: usize, d: usize, nb: usize, seed: u64) {
+    fn check<const M: usize>(
+        width: Width,
+        bits: u32,
+        group: usize,
+        d: usize,
+        nb: usize,
+        seed: u64,
+    ) -> Vec<f32> {
         let mut next = stream(seed);
         let levels = (1u32 << bits) - 1;
         let codes: Vec<u8> = (0..nb * d)
@@ -362,31 +536,9 @@ mod tests {
         let mut qc = QueryCodes::default();
         unsafe { qc.quantize(&q, d, group, bits == 4) };
         let k = QuantRows::new(&packed, &sk16, &lo16, bits, group, d).unwrap();
-        let mut staged = Vec::new();
         let scale = 0.125;
-        let mut p = vec![f32::NAN; M * TILE];
-        // SAFETY: the features are checked by the caller; k holds nb rows staged for them.
-        unsafe {
-            let k = k.for_tile(0, nb, &mut staged);
-            let mut kt = KeyTile::default();
-            kt.stage(&k, &k, 0, nb, nb);
-            let blk = Block {
-                b0: 0,
-                j0: 0,
-                nb,
-                d,
-                scale,
-                first: 0,
-                vis: Visibility {
-                    mask: AttendMask::None,
-                    t: 1,
-                    l: nb,
-                },
-                int8: Some((&qc, &kt)),
-                kend: nb,
-            };
-            scores::<M>(&blk, &qc, &kt, &mut p);
-        }
+        // SAFETY: the features are checked by the caller; k holds nb rows.
+        let p = unsafe { scores_at::<M>(width, &qc, k, nb, scale) };
         for r in 0..M {
             for j in 0..nb {
                 let (mut exact, mut abs) = (0f64, 0f64);
@@ -409,25 +561,137 @@ mod tests {
                 let bound = gamma(d + 2) * scale as f64 * abs;
                 assert!(
                     (got - want).abs() <= bound,
-                    "q{bits} g{group} d{d} M{M}: row {r} key {j}: {got} vs {want} (bound {bound:e})"
+                    "{width:?} q{bits} g{group} d{d} M{M}: row {r} key {j}: {got} vs {want} (bound {bound:e})"
                 );
             }
         }
+        p
     }
 
+    /// The scores of `qc`'s first `M` rows against the `nb` rows of `k`, staged and scored
+    /// at `width`: `[M, TILE]`, NaN past `nb`'s register.
+    ///
+    /// # Safety
+    /// The width's int8 features are present; `k` holds `nb` rows `qc` was quantized for.
+    unsafe fn scores_at<const M: usize>(
+        width: Width,
+        qc: &QueryCodes,
+        k: QuantRows,
+        nb: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let mut staged = Vec::new();
+        let mut p = vec![f32::NAN; M * TILE];
+        let k = k.for_tile(0, nb, &mut staged);
+        let mut kt = KeyTile::default();
+        let blk = Block {
+            b0: 0,
+            j0: 0,
+            nb,
+            d: k.d,
+            scale,
+            first: 0,
+            vis: Visibility {
+                mask: AttendMask::None,
+                t: 1,
+                l: nb,
+            },
+            int8: None,
+            kend: nb,
+        };
+        match width {
+            Width::Avx512 => {
+                kt.stage_avx512(&k, &k, 0, nb, nb);
+                scores_avx512::<M>(&blk, qc, &kt, &mut p);
+            }
+            Width::Avx2 => {
+                kt.stage_avx2(&k, &k, 0, nb, nb);
+                scores_avx2::<M>(&blk, qc, &kt, &mut p);
+            }
+        }
+        p
+    }
+
+    /// The widths whose int8 kernels this CPU runs.
+    fn widths() -> Vec<Width> {
+        let mut widths = Vec::new();
+        if crate::simd::vector_path() {
+            widths.push(Width::Avx2);
+        }
+        if crate::simd::vnni_path() {
+            widths.push(Width::Avx512);
+        }
+        widths
+    }
+
+    /// At every width, against the definition; where both run, the same bits.
     #[test]
     fn scores_are_the_declared_arithmetic_lane_for_lane() {
-        if !(crate::simd::wide_path() && crate::simd::vnni_path()) {
-            eprintln!("skipped: this CPU has no AVX-512 VNNI, the kernel's only target");
+        let widths = widths();
+        if widths.is_empty() {
+            eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
             return;
         }
         for (bits, group) in [(8, 64), (8, 32), (4, 32), (4, 64)] {
             for (d, nb) in [(64, 37), (128, 64), (256, 5)] {
                 let seed = (bits * 1000 + group as u32 + d as u32) as u64;
-                check::<1>(bits, group, d, nb, seed);
-                check::<4>(bits, group, d, nb, seed + 1);
-                check::<7>(bits, group, d, nb, seed + 2);
-                check::<8>(bits, group, d, nb, seed + 3);
+                let runs: Vec<[Vec<f32>; 4]> = widths
+                    .iter()
+                    .map(|&w| {
+                        [
+                            check::<1>(w, bits, group, d, nb, seed),
+                            check::<4>(w, bits, group, d, nb, seed + 1),
+                            check::<7>(w, bits, group, d, nb, seed + 2),
+                            check::<8>(w, bits, group, d, nb, seed + 3),
+                        ]
+                    })
+                    .collect();
+                for run in &runs[1..] {
+                    for (a, b) in run.iter().zip(&runs[0]) {
+                        // Only the lanes both wrote: each writes whole registers.
+                        let same = a.chunks(TILE).zip(b.chunks(TILE)).all(|(a, b)| {
+                            a[..nb]
+                                .iter()
+                                .zip(&b[..nb])
+                                .all(|(x, y)| x.to_bits() == y.to_bits())
+                        });
+                        assert!(same, "q{bits} g{group} d{d}: the widths' scores differ");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Extreme codes at both widths: q8 codes 0, 128 and 255 against query codes ±127 (the
+    /// pair sums `maddubs` must not saturate), q4 codes 15 throughout.
+    #[test]
+    fn extreme_codes_do_not_saturate() {
+        let (d, nb, group) = (64, 8, 32);
+        // Query block 0: +127 everywhere; block 1: alternating ±127 (s = 1 both).
+        let q: Vec<f32> = (0..d)
+            .map(|i| if i < 32 || i % 2 == 0 { 127.0 } else { -127.0 })
+            .collect();
+        for bits in [8u32, 4] {
+            let top = (1u32 << bits) - 1;
+            let codes: Vec<u8> = (0..nb * d)
+                .map(|i| [0, top / 2 + 1, top][(i / 2) % 3] as u8)
+                .collect();
+            let packed: Vec<u8> = match bits {
+                8 => codes.clone(),
+                _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
+            };
+            let one = half::f16::ONE.to_bits();
+            let (sk, lo) = (vec![one; nb * 2], vec![0u16; nb * 2]);
+            let mut qc = QueryCodes::default();
+            unsafe { qc.quantize(&q, d, group, bits == 4) };
+            for w in widths() {
+                let k = QuantRows::new(&packed, &sk, &lo, bits, group, d).unwrap();
+                // SAFETY: the width is this CPU's; k holds nb rows.
+                let p = unsafe { scores_at::<1>(w, &qc, k, nb, 1.0) };
+                for j in 0..nb {
+                    let want: i64 = (0..d).map(|e| codes[j * d + e] as i64 * q[e] as i64).sum();
+                    assert_eq!(p[j], want as f32, "{w:?} q{bits} key {j}");
+                }
             }
         }
     }
@@ -435,8 +699,8 @@ mod tests {
     /// Codes by the definition, in f64: ties away from zero, the clamp, a zero block.
     #[test]
     fn query_codes_round_half_away_from_zero_per_block() {
-        if !crate::simd::wide_path() {
-            eprintln!("skipped: this CPU has no AVX-512, the quantizer's only target");
+        if !crate::simd::vector_path() {
+            eprintln!("skipped: this CPU has no AVX2, the quantizer's target");
             return;
         }
         let d = 64;
