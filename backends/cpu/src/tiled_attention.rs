@@ -469,6 +469,10 @@ trait Lanes {
     /// Query rows per block: what the scores' and values' accumulators leave of the
     /// register file (16 ymm; 32 zmm).
     const BLOCK: usize;
+    /// Query rows per block in int8-query calls: 8 at both widths (the integer scores take
+    /// 4 rows at a time at 256 bits, the values pass one register per slice there), so
+    /// that each V row of a tile is widened once for up to 8 rows (GQA groups of up to 8).
+    const INT8_BLOCK: usize = 8;
     unsafe fn zero() -> Self::V;
     unsafe fn set1(x: f32) -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
@@ -835,8 +839,9 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 .expect("quantized keys come with quantized values");
             L::stage_keys(&mut ktile, kq, vq, j0, n, keys.end);
         }
-        for b0 in (0..rows).step_by(L::BLOCK) {
-            let m = (rows - b0).min(L::BLOCK);
+        let block = if int8 { L::INT8_BLOCK } else { L::BLOCK };
+        for b0 in (0..rows).step_by(block) {
+            let m = (rows - b0).min(block);
             let token = |b: usize| (first + b0 + b) % vis.t;
             // Rows of the tile some query of the block may see.
             let nb = (0..m)
@@ -1095,11 +1100,14 @@ impl Block<'_> {
 
     /// `out += p · V` for the block's `M` query rows: a slice of `D` at a time through every
     /// row, four registers wide where the accumulators fit (512-bit, up to 4 rows: half the
-    /// passes over the tile, q8 decode at L = 4096 measured ~10% faster), else two.
+    /// passes over the tile, q8 decode at L = 4096 measured ~10% faster), one where two
+    /// would not (256-bit, more than 4 rows), else two.
     #[inline(always)]
     unsafe fn values<L: Lanes, const M: usize, V: RowView>(self, v: V, p: &[f32], out: &mut [f32]) {
         if L::N == 16 && M <= 4 && self.d.is_multiple_of(4 * L::N) {
             self.values_in::<L, M, V, 4>(v, p, out)
+        } else if L::N == 8 && M > 4 {
+            self.values_in::<L, M, V, 1>(v, p, out)
         } else {
             self.values_in::<L, M, V, 2>(v, p, out)
         }

@@ -403,10 +403,36 @@ pub unsafe fn scores_avx512<const M: usize>(
 /// staged as `c − 128` and multiplied as `|c − 128|` against the query code under their
 /// sign (pairs at most 2·128·127 < 2^15), the block's `128·Σ codes` added back in i32.
 ///
+/// The rows go 4 at a time (their accumulators fill the 16 registers).
+///
 /// # Safety
 /// AVX2 is present; the rest as [`scores_avx512`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scores_avx2<const M: usize>(
+    blk: &Block<'_>,
+    qc: &QueryCodes,
+    kt: &KeyTile,
+    p: &mut [f32],
+) {
+    if M <= 4 {
+        return scores_avx2_rows::<M>(blk, qc, kt, p);
+    }
+    scores_avx2_rows::<4>(blk, qc, kt, p);
+    let rest = Block {
+        b0: blk.b0 + 4,
+        ..*blk
+    };
+    match M - 4 {
+        4 => scores_avx2_rows::<4>(&rest, qc, kt, p),
+        3 => scores_avx2_rows::<3>(&rest, qc, kt, p),
+        2 => scores_avx2_rows::<2>(&rest, qc, kt, p),
+        _ => scores_avx2_rows::<1>(&rest, qc, kt, p),
+    }
+}
+
+/// [`scores_avx2`] for `M` rows at once.
+#[inline(always)]
+unsafe fn scores_avx2_rows<const M: usize>(
     blk: &Block<'_>,
     qc: &QueryCodes,
     kt: &KeyTile,
