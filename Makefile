@@ -121,10 +121,12 @@ bench-gpu: deps
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)
 ## on the same GGUF (the demo model, weights in place) and threads, as ratios
-## (scripts/bench-peers.sh says what it runs).
+## (scripts/bench-peers.sh says what it runs), at every ISA level the CPU has: its own and,
+## on an AVX-512 CPU, AVX2 (ISA=avx2: llama.cpp built without AVX-512, kvplug capped).
 ## Not part of make test.
 bench-peers: deps models
 	./scripts/bench-peers.sh
+	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-peers.sh; fi
 
 ## make crosscheck-peers: kvplug's greedy ids against llama.cpp's (the same .peers build) on
 ## the demo model and on random-weight GGUFs of the architecture variants it lacks (qwen3,

@@ -11,7 +11,7 @@
 # machine's bandwidth drifts over minutes: one side running all its tests first would be
 # measured on a different machine than the other), and a table of their tokens per second
 # (mean ± standard deviation of every sample) and kvplug / llama.cpp follows
-# (also in .peers/peers.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
+# (also in .peers/peers.md, or peers-avx2.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
 # peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens, 512 where PP=0, after the rest
 # as context, one run; llama.cpp with the flash-attention setting its default picks; both at the
 # first MMAP setting).
@@ -23,12 +23,16 @@
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names), MMAP (comma list: 1
 # maps the weights on both sides, the default of both; 0 reads them into memory, llama-bench
 # -lm none and kvplug --no-mmap; each test runs at each setting in turn, rows marked no-mmap).
-# RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096).
+# RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096). ISA (native, the
+# default: every x86 feature this CPU has; avx2: llama.cpp built without AVX-512 and AVX-VNNI,
+# kvplug under KVPLUG_CPU_ISA=avx2, as on an AVX2-only CPU; the table goes to
+# .peers/peers-avx2.md).
 set -euo pipefail
 PEERS_WHO=bench-peers
 cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
+PEERS_TABLE=.peers/peers.md
 F16=${F16:-0}
 THREADS=${THREADS:-$(nproc)}
 PP=${PP:-512}
@@ -39,6 +43,13 @@ ROUNDS=${ROUNDS:-2}
 KV=${KV:-f16}
 MMAP=${MMAP:-1}
 RSS_CONTEXT=${RSS_CONTEXT:-4096}
+ISA=${ISA:-native}
+case "$ISA" in
+    native) table="$PEERS_TABLE" ;;
+    avx2) table="${PEERS_TABLE%.md}-avx2.md"; export KVPLUG_CPU_ISA=avx2 ;;
+    *) echo "bench-peers: ISA must be native or avx2 (got $ISA)" >&2; exit 2 ;;
+esac
+export PEERS_ISA=$ISA
 
 case "$KV" in
     f16) KVPLUG_KV=f16 ;;
@@ -105,9 +116,9 @@ for depth in ${DEPTHS//,/ }; do
     done
 done
 
-python3 - "$runs" "$weights" "$THREADS" "$KV" "$VERSION" "${features[*]}" <<'EOF' | tee "$PEERS/peers.md"
+python3 - "$runs" "$weights" "$THREADS" "$KV" "$VERSION" "${features[*]}" "$ISA" <<'EOF' | tee "$table"
 import glob, json, os, statistics, sys
-runs, model, threads, kv, version, features = sys.argv[1:]
+runs, model, threads, kv, version, features, isa = sys.argv[1:]
 # Weights mapped: kvplug's use_mmap, llama-bench's load_mode other than none.
 key = lambda r: (r["n_prompt"], r["n_gen"], r["n_depth"],
                  r.get("use_mmap", True) and r.get("load_mode") != "none")
@@ -129,6 +140,9 @@ print(f"llama.cpp: the source llama-cpp-python {version} vendors, built Release 
       f"GGML_NATIVE=OFF and this CPU's features named one by one ({features}): AMX is off "
       "because these sandboxes refuse AMX tile state (a native build dies with SIGILL on "
       "Q4_K).\n")
+if isa == "avx2":
+    print("Both sides at the AVX2 level, as on a CPU without AVX-512: llama.cpp built with "
+          "the AVX-512 and AVX-VNNI options off (above), kvplug under KVPLUG_CPU_ISA=avx2.\n")
 print("| test | llama.cpp t/s | llama.cpp -fa | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | :---: | ---: | ---: |")
 for k in sorted(ours, key=lambda k: (k[2], k[1], k[0], not k[3])):
@@ -167,7 +181,7 @@ theirs=$(peak_rss "$build/bin/llama-bench" -m "$weights" -t "$THREADS" -p "$rss_
     -r 1 -ctk "$KV" -ctv "$KV" "${no_mmap_llama[@]}")
 ours=$(peak_rss ./target/release/kvplug --plugins target/release bench --model "$weights" \
     --backend cpu --kv-dtype "$KVPLUG_KV" -p "$rss_pp" -n 0 -d "$depth" -r 1 "${no_mmap[@]}")
-python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$rss_pp" "$mmap" <<'EOF' | tee -a "$PEERS/peers.md"
+python3 - "$theirs" "$ours" "$RSS_CONTEXT" "$rss_pp" "$mmap" <<'EOF' | tee -a "$table"
 import sys
 theirs, ours = float(sys.argv[1]), float(sys.argv[2])
 ctx, pp, mmap = sys.argv[3:]

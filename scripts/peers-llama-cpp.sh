@@ -7,7 +7,9 @@
 # Q4_K there. Sets PEERS, VERSION, src (the llama.cpp source), features (the cmake feature
 # options) and build (its build directory: bin/llama-bench, bin/llama-quantize,
 # bin/libllama.so). `peers_python` then makes the Python side for scripts that drive that
-# libllama in process through the sdist's ctypes bindings.
+# libllama in process through the sdist's ctypes bindings. PEERS_ISA=avx2 builds it without
+# any AVX-512 or AVX-VNNI instruction instead (in $PEERS/build-avx2): the peer of kvplug
+# under KVPLUG_CPU_ISA=avx2, as an AVX2-only CPU (Zen 2/3, Intel client cores) runs both.
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -38,6 +40,15 @@ fi
 
 build="$PEERS/build"
 flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+case "${PEERS_ISA:-native}" in
+    native) ;;
+    avx2)
+        [[ " $flags " == *" avx2 "* ]] || { echo "$PEERS_WHO: PEERS_ISA=avx2 on a CPU without AVX2" >&2; exit 2; }
+        build="$PEERS/build-avx2"
+        flags=$(tr ' ' '\n' <<<"$flags" | grep -v -e '^avx512' -e '^avx_vnni$' | tr '\n' ' ')
+        ;;
+    *) echo "$PEERS_WHO: PEERS_ISA must be native or avx2 (got $PEERS_ISA)" >&2; exit 2 ;;
+esac
 has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
 features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"
     -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)"

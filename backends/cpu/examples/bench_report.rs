@@ -394,6 +394,11 @@ fn main() {
         )
         .unwrap(),
     }
+    // The AVX2 level's run, where the CPU has more (`ISA=avx2`).
+    if let Ok(peers) = std::fs::read_to_string(manifest.join("../../.peers/peers-avx2.md")) {
+        writeln!(md, "\n### At the AVX2 level\n").unwrap();
+        md.push_str(&peers);
+    }
     let out = manifest.join("BENCH.md");
     std::fs::write(&out, &md).unwrap();
     print!("{md}");
