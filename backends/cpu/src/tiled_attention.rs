@@ -531,6 +531,7 @@ trait Lanes {
 macro_rules! lanes {
     ($width:ident, $v:ty, $n:literal, $block:literal, $features:literal, $row:ident,
      $zero:ident, $set1:ident, $load:ident, $store:ident, $add:ident, $fmadd:ident,
+     $stage:ident, $int8_scores:ident,
      $($own:item),+ $(,)?) => {
         impl Lanes for $width {
             type V = $v;
@@ -559,6 +560,26 @@ macro_rules! lanes {
             #[inline(always)]
             unsafe fn row<R: RowView>(rows: &R, gr: R::Group, j: usize, c: usize) -> $v {
                 rows.$row(gr, j, c)
+            }
+            #[inline(always)]
+            unsafe fn stage_keys(
+                kt: &mut KeyTile,
+                k: &QuantRows,
+                v: &QuantRows,
+                j0: usize,
+                n: usize,
+                kend: usize,
+            ) {
+                kt.$stage(k, v, j0, n, kend)
+            }
+            #[inline(always)]
+            unsafe fn int8_scores<const M: usize>(
+                blk: &Block<'_>,
+                qc: &QueryCodes,
+                kt: &KeyTile,
+                p: &mut [f32],
+            ) {
+                int8_query::$int8_scores::<M>(blk, qc, kt, p)
             }
             $($own)*
             #[inline(never)]
@@ -604,6 +625,8 @@ lanes!(
     _mm256_storeu_ps,
     _mm256_add_ps,
     _mm256_fmadd_ps,
+    stage_avx2,
+    scores_avx2,
     #[inline(always)]
     unsafe fn sums(acc: [[__m256; 8]; 2], n: usize, scale: f32, out: &mut [f32; 16]) {
         for (i, a) in acc.into_iter().enumerate() {
@@ -620,26 +643,6 @@ lanes!(
     #[inline(always)]
     unsafe fn exp_sum(p: &mut [f32], max: f32) -> f32 {
         exp8_sum(p, max)
-    },
-    #[inline(always)]
-    unsafe fn stage_keys(
-        kt: &mut KeyTile,
-        k: &QuantRows,
-        v: &QuantRows,
-        j0: usize,
-        n: usize,
-        kend: usize,
-    ) {
-        kt.stage_avx2(k, v, j0, n, kend)
-    },
-    #[inline(always)]
-    unsafe fn int8_scores<const M: usize>(
-        blk: &Block<'_>,
-        qc: &QueryCodes,
-        kt: &KeyTile,
-        p: &mut [f32],
-    ) {
-        int8_query::scores_avx2::<M>(blk, qc, kt, p)
     }
 );
 
@@ -659,6 +662,9 @@ lanes!(
     _mm512_storeu_ps,
     _mm512_add_ps,
     _mm512_fmadd_ps,
+    // Need AVX-512 VNNI too, which `attend` checks before it asks for int8 scores.
+    stage_avx512,
+    scores_avx512,
     /// A tree of 512-bit shuffles and adds (15 merges of two registers for 16 slots, 7
     /// for 8), all EVEX-encoded: the accumulators may live in any of the 32 registers.
     #[inline(always)]
@@ -699,27 +705,6 @@ lanes!(
             sum = _mm512_add_ps(sum, e);
         }
         _mm512_reduce_add_ps(sum)
-    },
-    /// Needs AVX-512 VNNI too, which [`attend`] checks before it asks for int8 scores.
-    #[inline(always)]
-    unsafe fn stage_keys(
-        kt: &mut KeyTile,
-        k: &QuantRows,
-        v: &QuantRows,
-        j0: usize,
-        n: usize,
-        kend: usize,
-    ) {
-        kt.stage_avx512(k, v, j0, n, kend)
-    },
-    #[inline(always)]
-    unsafe fn int8_scores<const M: usize>(
-        blk: &Block<'_>,
-        qc: &QueryCodes,
-        kt: &KeyTile,
-        p: &mut [f32],
-    ) {
-        int8_query::scores_avx512::<M>(blk, qc, kt, p)
     }
 );
 

@@ -155,6 +155,35 @@ unsafe fn transpose8(r: &mut [__m256i; 8]) {
     }
 }
 
+/// Where the codes of the `LANES` key rows from `first` start, rows past the tile `tile`
+/// repeating its last; asks for the same rows of `v` and for `k`'s rows a tile further (up
+/// to `kend`), a hint per cache line: spread over the staging, these measured 1.4–2× faster
+/// decode from memory than none or the whole tile's at once (q8, 8–30 layers streamed at
+/// L = 4096, `examples/decode_attention`).
+///
+/// # Safety
+/// `k` holds the rows to `kend`, `v` the tile's rows.
+#[inline(always)]
+unsafe fn row_group<const LANES: usize>(
+    k: &QuantRows,
+    v: &QuantRows,
+    first: usize,
+    tile: std::ops::Range<usize>,
+    kend: usize,
+) -> [*const u8; LANES] {
+    let here = LANES.min(tile.end - first);
+    v.prefetch_rows(first, here);
+    if first + TILE < kend {
+        k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
+    }
+    let row_bytes = k.d * k.bits / 8;
+    let mut rows_at = [k.codes; LANES];
+    for (i, at) in rows_at.iter_mut().enumerate() {
+        *at = k.codes.add((first + i).min(tile.end - 1) * row_bytes);
+    }
+    rows_at
+}
+
 impl KeyTile {
     /// Sizes the tile for `n` rows of `k` at `lanes` rows a register and stages each row's
     /// group scales and offsets; returns the registers per row group.
@@ -180,10 +209,7 @@ impl KeyTile {
     }
 
     /// Stages rows `[j0, j0 + n)` of `k` (staged for the tile by [`RowView::for_tile`]) 16
-    /// rows a register. Per 16 rows it asks for the same rows of `v` and for `k`'s rows a
-    /// tile further (up to `kend`), a hint per cache line: spread over the staging, these
-    /// measured 1.4–2× faster decode from memory than none or the whole tile's at once (q8,
-    /// 8–30 layers streamed at L = 4096, `examples/decode_attention`).
+    /// rows a register, asking for rows of `v` and `k` as [`row_group`] says.
     ///
     /// # Safety
     /// AVX-512F/BW are present; `k` holds the rows and `kend`, `v` the tile's rows; `k.d`
@@ -201,21 +227,10 @@ impl KeyTile {
         let words = self.start(k, n, LANES);
         // Packed 4-byte words per row.
         let packed = k.d * k.bits / 8 / WORD;
-        let row_bytes = k.d * k.bits / 8;
         let mask = _mm512_set1_epi8(0xf);
         let codes = self.codes.as_mut_ptr() as *mut __m512i;
         for r in 0..self.rows / LANES {
-            let first = j0 + r * LANES;
-            let here = LANES.min(j0 + n - first);
-            v.prefetch_rows(first, here);
-            if first + TILE < kend {
-                k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
-            }
-            // Rows past the tile repeat its last.
-            let mut rows_at = [k.codes; LANES];
-            for (i, at) in rows_at.iter_mut().enumerate() {
-                *at = k.codes.add((first + i).min(j0 + n - 1) * row_bytes);
-            }
+            let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend);
             let out = codes.add(r * words);
             for w0 in (0..packed).step_by(LANES) {
                 let left = (packed - w0).min(LANES);
@@ -260,20 +275,10 @@ impl KeyTile {
         let words = self.start(k, n, LANES);
         // Packed 4-byte words per row: a multiple of 8, as `d` is of 64.
         let packed = k.d * k.bits / 8 / WORD;
-        let row_bytes = k.d * k.bits / 8;
         let (mask, flip) = (_mm256_set1_epi8(0xf), _mm256_set1_epi8(i8::MIN));
         let codes = self.codes.as_mut_ptr() as *mut __m256i;
         for r in 0..self.rows / LANES {
-            let first = j0 + r * LANES;
-            let here = LANES.min(j0 + n - first);
-            v.prefetch_rows(first, here);
-            if first + TILE < kend {
-                k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
-            }
-            let mut rows_at = [k.codes; LANES];
-            for (i, at) in rows_at.iter_mut().enumerate() {
-                *at = k.codes.add((first + i).min(j0 + n - 1) * row_bytes);
-            }
+            let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend);
             let out = codes.add(r * words);
             for w0 in (0..packed).step_by(LANES) {
                 let mut x = [_mm256_setzero_si256(); LANES];
@@ -522,11 +527,12 @@ mod tests {
         }
     }
 
-    /// [`scores`] against the same arithmetic in f64, from the definition (query codes
-    /// recomputed here, key codes unpacked by hand): within the f32 rounding of the block
-    /// arithmetic, `γ(D + 2)·scale·Σ |code|·s·(scale_k·c + |lo|)`, per score. Query blocks
-    /// of very different magnitudes and key groups of different scales and offsets, so a
-    /// lane given the wrong block's or group's factor is far outside it.
+    /// The scores kernel at `width` against the same arithmetic in f64, from the definition
+    /// (query codes recomputed here, key codes unpacked by hand): within the f32 rounding of
+    /// the block arithmetic, `γ(D + 2)·scale·Σ |code|·s·(scale_k·c + |lo|)`, per score.
+    /// Query blocks of very different magnitudes and key groups of different scales and
+    /// offsets, so a lane given the wrong block's or group's factor is far outside it.
+    /// Returns the scores.
     fn check<const M: usize>(
         width: Width,
         bits: u32,
