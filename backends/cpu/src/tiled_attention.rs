@@ -7,10 +7,11 @@
 //!
 //! Rows are read in their storage dtype and widened in registers, a register at a time
 //! ([`RowView`]: f32, f16, bf16, and q8/q4 with the affine dequantization fused in), never
-//! staged as f32 rows. Per block of query rows (`Lanes::BLOCK`: 4 on AVX2, 8 on AVX-512)
-//! and per tile: scores of 2 rows × the block per pass over `D`, then `out += p · V` with
-//! the tile's rows swept once per slice of `D` (two registers, four at 512 bits for blocks of
-//! up to 4 rows) into register accumulators. Key rows a whole block cannot see (past the
+//! staged as f32 rows. Per block of query rows (`Lanes::BLOCK`: 4 on AVX2, 8 on AVX-512;
+//! 8 at both in int8-query calls) and per tile: scores of 2 rows × the block per pass over
+//! `D`, then `out += p · V` with the tile's rows swept once per slice of `D` (two registers;
+//! four at 512 bits for blocks of up to 4 rows, one at 256 for blocks of more) into
+//! register accumulators. Key rows a whole block cannot see (past the
 //! causal limit) are skipped. Both widths do the same f32 multiply-adds; only their order of
 //! summation differs. In the int8-query arithmetic the scores come from [`int8_query`]
 //! instead (at 512-bit width with VNNI, else at 256): each tile's key codes are transposed

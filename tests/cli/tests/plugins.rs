@@ -231,8 +231,8 @@ fn a_backend_author_conforms_one_file_on_chosen_scenarios() {
         2 * 3 * 2 * 2,
         "scenarios × kinds × dtypes × inputs"
     );
-    // Each other arithmetic the cpu declares (int8-query, for q4 where it has AVX-512
-    // VNNI) runs the q4 cases again.
+    // Each other arithmetic the cpu declares (int8-query, for q4 where it has AVX2) runs
+    // the q4 cases again.
     let others: Vec<_> = results
         .iter()
         .filter(|r| r["arithmetic"] != "f32")

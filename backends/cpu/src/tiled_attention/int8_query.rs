@@ -40,7 +40,8 @@ impl QueryCodes {
     /// Quantizes `q` (`[rows, d]`, `d` a multiple of 64) for keys in groups of `group`
     /// values (a multiple of 32 dividing `d`): per block of 32 values `s = max|q| / 127`,
     /// codes `round(q / s)` half away from zero clamped to ±127 (`s = 0`, or a NaN
-    /// quotient: code 0). With `nibble_order` each block's codes are stored evens first.
+    /// quotient: code 0; a NaN value makes `s` NaN). With `nibble_order` each block's codes
+    /// are stored evens first.
     ///
     /// # Safety
     /// AVX2 and FMA are present (the rounding vectorizes on them).
@@ -58,7 +59,11 @@ impl QueryCodes {
         let blocks = q.chunks_exact(QUERY_BLOCK);
         let codes = self.codes.chunks_exact_mut(QUERY_BLOCK);
         for (b, (x, codes)) in blocks.zip(codes).enumerate() {
-            let s = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            // A NaN value makes `s` NaN (every code 0), so the scores are NaN, as in f32.
+            let s = x.iter().fold(0f32, |m, v| match m.is_nan() || v.is_nan() {
+                true => f32::NAN,
+                false => m.max(v.abs()),
+            }) / 127.0;
             let mut sum = 0;
             for (i, &v) in x.iter().enumerate() {
                 // `round` is half away from zero; `as` takes a NaN to 0.
@@ -406,7 +411,8 @@ pub unsafe fn scores_avx512<const M: usize>(
 /// with ones to i32: q4 codes (≤ 15) sum a block's 8 words in i16 (at most
 /// 16·15·127 < 2^15) before one `madd`; q8 codes (≤ 255) would saturate a pair, so they are
 /// staged as `c − 128` and multiplied as `|c − 128|` against the query code under their
-/// sign (pairs at most 2·128·127 < 2^15), the block's `128·Σ codes` added back in i32.
+/// sign (pairs at most 2·128·127 < 2^15), `128·Σ q` (the block's query codes) added back
+/// in i32.
 ///
 /// The rows go 4 at a time (their accumulators fill the 16 registers).
 ///
@@ -694,10 +700,16 @@ mod tests {
         }
     }
 
-    /// Extreme codes at both widths: q8 codes 0, 128 and 255 against query codes ±127 (the
-    /// pair sums `maddubs` must not saturate), q4 codes 15 throughout.
+    /// Extreme codes at every width against query codes ±127: q8 codes 0, 128 and 255 (the
+    /// pair sums `maddubs` must not saturate), q4 codes 0, 8 and 15; key row 0 all at the top
+    /// code (q4's largest i16 block sum, 16·15·127), row 1 all 0.
     #[test]
     fn extreme_codes_do_not_saturate() {
+        let widths = widths();
+        if widths.is_empty() {
+            eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
+            return;
+        }
         let (d, nb, group) = (64, 8, 32);
         // Query block 0: +127 everywhere; block 1: alternating ±127 (s = 1 both).
         let q: Vec<f32> = (0..d)
@@ -706,7 +718,11 @@ mod tests {
         for bits in [8u32, 4] {
             let top = (1u32 << bits) - 1;
             let codes: Vec<u8> = (0..nb * d)
-                .map(|i| [0, top / 2 + 1, top][(i / 2) % 3] as u8)
+                .map(|i| match i / d {
+                    0 => top as u8,
+                    1 => 0,
+                    _ => [0, top / 2 + 1, top][(i / 2) % 3] as u8,
+                })
                 .collect();
             let packed: Vec<u8> = match bits {
                 8 => codes.clone(),
@@ -716,7 +732,7 @@ mod tests {
             let (sk, lo) = (vec![one; nb * 2], vec![0u16; nb * 2]);
             let mut qc = QueryCodes::default();
             unsafe { qc.quantize(&q, d, group, bits == 4) };
-            for w in widths() {
+            for &w in &widths {
                 let k = QuantRows::new(&packed, &sk, &lo, bits, group, d).unwrap();
                 // SAFETY: the width is this CPU's; k holds nb rows.
                 let p = unsafe { scores_at::<1>(w, &qc, k, nb, 1.0) };
@@ -746,6 +762,12 @@ mod tests {
         assert_eq!(qc.scales[..2], [1.0, 0.0]);
         // Σ codes of block 0 is 128.
         assert_eq!(qc.group_sums[..2], [128.0, 0.0]);
+        // A NaN value: its block's scale is NaN (the scores NaN, as in f32), its codes 0.
+        let mut q = vec![1f32; d];
+        q[40] = f32::NAN;
+        unsafe { qc.quantize(&q, d, 32, false) };
+        assert_eq!(qc.scales[0], 1.0 / 127.0);
+        assert!(qc.scales[1].is_nan() && qc.codes[32..].iter().all(|&c| c == 0));
         // Random rows against the definition, rounded in f64.
         let q: Vec<f32> = (0..4 * d)
             .map(|i| ((i * 7919) as f32 * 0.37).sin() * if i % 13 == 0 { 9.0 } else { 1.0 })
