@@ -12,7 +12,7 @@
 //! the activations are also laid out once per call with the 8 tokens' codes interleaved by
 //! 4-byte dwords, so that one weight code dword, broadcast, meets all 8 tokens in one
 //! product with lane i for token i — no horizontal sums —, each activation vector loaded
-//! serves 2 weight rows and each unpacked sub-block 4 panels. The float steps per sub-block and the final additions are the
+//! serves 2 weight rows and each unpacked sub-block 4 panels (2 on the AVX2 path). The float steps per sub-block and the final additions are the
 //! tile's, lane for lane, so a token's outputs are the same bit for bit whether it comes in a
 //! panel, a tile or alone. The vector paths are chosen at run time: AVX2
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
@@ -68,8 +68,14 @@ const TILE: usize = 4;
 const PANEL: usize = 8;
 /// Weight rows per pass over a panel: each activation vector loaded serves this many.
 const PANEL_ROWS: usize = 2;
-/// Panels per pass over the weight rows: each unpacked sub-block serves this many.
+/// Panels per pass over the weight rows on the `dpbusd` path: each unpacked sub-block serves
+/// this many.
 const PANELS_PER_PASS: usize = 4;
+/// [`PANELS_PER_PASS`] on the `maddubs` path, whose 16 registers hold fewer of the
+/// accumulators (Qwen2.5-1.5B's shape, pp512 under `KVPLUG_CPU_ISA=avx2`, two interleaved
+/// rounds: 2 panels 74.4 / 78.5 tok/s, 4 panels 69.4 / 70.9, 1 panel 62.9 / 63.8; on the
+/// `dpbusd` path 2 panels measured 100 against 110–122).
+const PANELS_PER_PASS_AVX2: usize = 2;
 /// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
 /// Values at which the activations are quantized on every thread rather than the caller's.
@@ -629,9 +635,15 @@ impl Task<'_> {
     fn rows_of<const F: usize>(&self, rows: Range<usize>) {
         let panels = self.acts.panels.count;
         let mut pi = 0;
-        while pi + PANELS_PER_PASS <= panels {
-            self.panels_of::<F, PANELS_PER_PASS>(pi, rows.clone());
-            pi += PANELS_PER_PASS;
+        if self.path == Path::Vnni {
+            while pi + PANELS_PER_PASS <= panels {
+                self.panels_of::<F, PANELS_PER_PASS>(pi, rows.clone());
+                pi += PANELS_PER_PASS;
+            }
+        }
+        while pi + PANELS_PER_PASS_AVX2 <= panels {
+            self.panels_of::<F, PANELS_PER_PASS_AVX2>(pi, rows.clone());
+            pi += PANELS_PER_PASS_AVX2;
         }
         for pi in pi..panels {
             self.panels_of::<F, 1>(pi, rows.clone());
