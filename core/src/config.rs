@@ -134,6 +134,14 @@ pub struct ConvLayers {
     pub layers: LayerSet,
 }
 
+impl ConvLayers {
+    /// f32 values of one layer's convolution tail (its last `width - 1` input rows): what a
+    /// saved sequence carries of the layer.
+    pub fn tail_len(&self) -> usize {
+        (self.width - 1) * self.channels
+    }
+}
+
 /// The gated delta-rule (linear attention) layers of a hybrid model (Qwen3.5, Qwen3-Next):
 /// per sequence, a `head_dim × head_dim` f32 state per value head, decayed and moved toward
 /// each token's value along its key.

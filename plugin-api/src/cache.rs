@@ -216,12 +216,15 @@ pub struct SeqRows {
     pub sliding_layers: RVec<u32>,
     /// Index in `positions` of the first row the `sliding_layers` hold (0 without them).
     pub window_from: u32,
-    /// Layers without rows (delta-rule layers), ascending; their `k` and `v` are empty.
+    /// Layers without rows (delta-rule and short-convolution layers), ascending; their `k`
+    /// and `v` are empty.
     pub recurrent_layers: RVec<u32>,
     /// The recurrent layers' state after the last row (empty without them, or for a slice
     /// that ends before the last row): per recurrent layer, ascending, its f32 values
-    /// little-endian, the rule's matrices (`[value head][j][i]`, `S[i][j]`) then the
-    /// convolution's last `width − 1` input rows, oldest first.
+    /// little-endian. A delta-rule layer: the rule's matrices (`[value head][j][i]`,
+    /// `S[i][j]`) then its convolution's last `width − 1` input rows, oldest first. A
+    /// short-convolution layer: its input rows of positions `last − width + 2 ..= last`,
+    /// oldest first, zeros for a position the sequence does not hold.
     pub state: RVec<u8>,
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
     Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, KvDtype, MaskKind,
-    PlanKind, PosRange, PrefixStats, SlotMap,
+    PlanKind, PosRange, PrefixStats, SlotMap, MAX_SEQS,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, HostTensor, PluginError, SeqRows, TensorDtype};
@@ -15,6 +15,10 @@ use crate::device::{AttendMask, Device, NO_CELL};
 
 /// Rows [`KitCache::import_seq`] writes per step (bounds the step plan and the staging copy).
 pub const IMPORT_CHUNK: usize = 512;
+
+/// The `cell_pos` of an imported cell whose convolution rows the saved sequence did not
+/// carry (it carries only its last `width - 1` positions').
+const UNRESTORED: i32 = i32::MIN;
 
 /// A refused call (cache error, input unchanged) or a device failure.
 #[derive(Debug, thiserror::Error)]
@@ -69,7 +73,10 @@ pub struct KitStats {
 ///
 /// Short-convolution layers (LFM2, see [`kvplug_core::ConvLayers`]) keep their f32 input
 /// rows in pools indexed by the K/V cells: a token's convolution reads the rows of its own
-/// last positions among the cells its query may see, so the state follows every verb.
+/// last positions among the cells its query may see, so the state follows every verb. A
+/// saved sequence carries only its last `width - 1` rows (as its state): after an import,
+/// a verb that would make a sequence continue from an earlier position is refused
+/// `out_of_window`, as a delta-rule cache refuses one where it kept no anchor.
 pub struct KitCache<D: Device> {
     device: Arc<D>,
     cfg: CacheConfig,
@@ -84,7 +91,11 @@ pub struct KitCache<D: Device> {
     conv: Vec<D::Pool>,
     /// The position each cell was last written at (kept only with convolution layers): with
     /// the plan's visibility, where a token finds the rows of its previous positions.
+    /// [`UNRESTORED`] for an imported cell without convolution rows.
     cell_pos: Vec<i32>,
+    /// Whether an import left cells [`UNRESTORED`]: verbs are then checked so that no
+    /// sequence's next token would read one.
+    conv_gaps: bool,
     /// The open step's convolution taps (`[T, width]` cells), made at its first
     /// convolution layer.
     taps: Option<Vec<u32>>,
@@ -212,6 +223,7 @@ impl<D: Device> KitCache<D> {
                 vec![-1; cells]
             },
             conv,
+            conv_gaps: false,
             taps: None,
             anchors: cfg.delta.map(|d| Anchors::new(d, cfg.n_layers)),
             last_plan: None,
@@ -464,9 +476,9 @@ impl<D: Device> KitCache<D> {
     }
 
     /// The K/V history `seq` holds, in canonical storage form (see [`SeqRows`]): every row
-    /// of the fully attending layers, the window's rows of the sliding ones.
+    /// of the fully attending layers, the window's rows of the sliding ones, and the
+    /// recurrent layers' state at its end.
     pub fn export_seq(&self, seq: i32) -> Result<SeqRows, KitError> {
-        self.refuse_rows_of_conv()?;
         let state = self.state_of(seq)?;
         let history = self.book.history(seq)?;
         let positions: Vec<i32> = history.iter().map(|h| h.0).collect();
@@ -498,8 +510,7 @@ impl<D: Device> KitCache<D> {
                             let g = self.sliding.as_ref().expect("sliding layers have a group");
                             (&[&g.k, &g.v][side][i], &slots)
                         }
-                        Place::Delta => return Ok(RVec::new()),
-                        Place::Conv(_) => return self.refuse_rows_of_conv().map(|()| RVec::new()),
+                        Place::Delta | Place::Conv(_) => return Ok(RVec::new()),
                     };
                     self.device.read_rows(pool, at).map(RVec::from)
                 })
@@ -515,27 +526,86 @@ impl<D: Device> KitCache<D> {
             v: read(1)?,
             sliding_layers: sliding_layers.into(),
             window_from: window_from as u32,
-            recurrent_layers: self
-                .cfg
-                .delta
-                .map(|d| d.layers.iter().map(|l| l as u32).collect())
-                .unwrap_or_default(),
+            recurrent_layers: self.recurrent_layers().into(),
             state,
         })
     }
 
-    /// The delta-rule state anchored at the end of `seq` (empty without delta layers or
-    /// for an empty sequence), as [`SeqRows::state`] lays it out.
+    /// The layers a [`SeqRows`] carries as state instead of rows (delta-rule and
+    /// convolution layers), ascending.
+    fn recurrent_layers(&self) -> Vec<u32> {
+        (0..self.cfg.n_layers)
+            .filter(|&l| self.is_recurrent(l))
+            .map(|l| l as u32)
+            .collect()
+    }
+
+    fn is_recurrent(&self, layer: usize) -> bool {
+        matches!(self.place[layer], Place::Delta | Place::Conv(_))
+    }
+
+    /// Each recurrent layer's part of [`SeqRows::state`], in f32 values: the layer and the
+    /// range, ascending.
+    fn state_layout(&self) -> Vec<(usize, std::ops::Range<usize>)> {
+        let mut at = 0;
+        self.recurrent_layers()
+            .into_iter()
+            .map(|l| {
+                let len = match (self.place[l as usize], self.cfg.delta, self.cfg.conv) {
+                    (Place::Delta, Some(d), _) => d.state_len() + d.tail_len(),
+                    (_, _, Some(c)) => c.tail_len(),
+                    _ => unreachable!("a recurrent layer is a delta or a convolution layer"),
+                };
+                at += len;
+                (l as usize, at - len..at)
+            })
+            .collect()
+    }
+
+    /// The recurrent layers' state at the end of `seq` (empty without them or for an empty
+    /// sequence), as [`SeqRows::state`] lays it out: a delta-rule layer's part of the anchor
+    /// at its last cell, a convolution layer's rows of its last `width - 1` positions.
     fn state_of(&self, seq: i32) -> Result<RVec<u8>, KitError> {
-        let (Some(a), Some(&(p, cell))) = (&self.anchors, self.book.history(seq)?.last()) else {
+        let history = self.book.history(seq)?;
+        let Some(&(p, cell)) = history.last() else {
             return Ok(RVec::new());
         };
-        let state = a.state_at(cell as usize).ok_or_else(|| {
-            CacheError::out_of_window(format!(
-                "sequence {seq}'s recurrent state after position {p} is not kept"
-            ))
-        })?;
-        Ok(state.iter().flat_map(|v| v.to_le_bytes()).collect())
+        let anchored = match &self.anchors {
+            Some(a) => a.state_at(cell as usize).ok_or_else(|| {
+                CacheError::out_of_window(format!(
+                    "sequence {seq}'s recurrent state after position {p} is not kept"
+                ))
+            })?,
+            None => &[],
+        };
+        let mut state = Vec::new();
+        let mut delta_at = 0;
+        for (l, range) in self.state_layout() {
+            let Place::Conv(i) = self.place[l] else {
+                let part = &anchored[delta_at..delta_at + range.len()];
+                delta_at += range.len();
+                state.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+                continue;
+            };
+            let conv = self.cfg.conv.expect("a convolution layer has its config");
+            let tail = conv_tail(&history, conv.width);
+            let held: Vec<u32> = tail.iter().filter_map(|t| t.1).collect();
+            if let Some(&(q, _)) = tail
+                .iter()
+                .find(|t| t.1.is_some_and(|c| self.cell_pos[c as usize] != t.0))
+            {
+                return Err(unrestored(q, conv.width).into());
+            }
+            let rows = self.device.read_rows(&self.conv[i], &held)?;
+            let mut rows = rows.chunks_exact(4 * conv.channels);
+            for (_, c) in &tail {
+                match c {
+                    Some(_) => state.extend_from_slice(rows.next().expect("a row per cell")),
+                    None => state.resize(state.len() + 4 * conv.channels, 0),
+                }
+            }
+        }
+        Ok(state.into())
     }
 
     /// Appends `rows` to the history of `seq`, in steps of at most [`IMPORT_CHUNK`] rows:
@@ -543,7 +613,6 @@ impl<D: Device> KitCache<D> {
     /// end right before it; a tree cache must be empty), and the rows must cover this cache's
     /// window after the last of them. Validates first; all or nothing.
     pub fn import_seq(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
-        self.refuse_rows_of_conv()?;
         self.rollback();
         self.check_rows(seq, rows)?;
         let Some(&first) = rows.positions.first() else {
@@ -564,7 +633,7 @@ impl<D: Device> KitCache<D> {
             }
         }
         if result.is_ok() {
-            result = self.anchor_imported(seq, rows);
+            result = self.restore_state(seq, first, rows);
         }
         if result.is_err() {
             // Undo the chunks already written: everything from the first row on.
@@ -613,11 +682,7 @@ impl<D: Device> KitCache<D> {
                     let (k, v) = (&mut g.k[i], &mut g.v[i]);
                     ([k, v], g.map.write_slots())
                 }
-                Place::Delta => continue,
-                Place::Conv(_) => {
-                    failed = self.refuse_rows_of_conv().err();
-                    break 'layers;
-                }
+                Place::Delta | Place::Conv(_) => continue,
             };
             for (pool, src) in pools.into_iter().zip([&rows.k[l], &rows.v[l]]) {
                 buf.clear();
@@ -642,18 +707,6 @@ impl<D: Device> KitCache<D> {
         self.commit_step();
         Ok(())
     }
-    /// Saved rows (session files) do not carry convolution rows yet: refused, unchanged.
-    fn refuse_rows_of_conv(&self) -> Result<(), KitError> {
-        if self.cfg.conv.is_some() {
-            return Err(CacheError::not_supported(
-                "saving or restoring the rows of a model with convolution layers (LFM2) is \
-                 not supported yet",
-            )
-            .into());
-        }
-        Ok(())
-    }
-
     /// Checks that `rows` fit this cache and can follow what `seq` holds.
     fn check_rows(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
         let cfg = &self.cfg;
@@ -691,12 +744,14 @@ impl<D: Device> KitCache<D> {
         let row = cfg.kv_dtype.row_bytes(cfg.head_dim);
         let sized = |v: &RVec<RVec<u8>>| {
             v.len() == cfg.n_layers
-                && v.iter().enumerate().all(|(l, b)| match cfg.is_delta(l) {
-                    true => b.is_empty(),
-                    false => b.len() == cfg.n_kv_heads * rows.layer_rows(l).len() * row,
-                })
+                && v.iter()
+                    .enumerate()
+                    .all(|(l, b)| match self.is_recurrent(l) {
+                        true => b.is_empty(),
+                        false => b.len() == cfg.n_kv_heads * rows.layer_rows(l).len() * row,
+                    })
         };
-        self.check_state(rows)?;
+        self.check_state(seq, rows)?;
         if !sized(&rows.k) || !sized(&rows.v) {
             return Err(CacheError::bad_shape(format!(
                 "every layer's K and V must hold {} bytes per row it holds ({n} rows; sliding layers from row {})",
@@ -737,40 +792,78 @@ impl<D: Device> KitCache<D> {
         Ok(())
     }
 
-    /// Anchors the imported state at the cell of `seq`'s last position (checked by
-    /// [`KitCache::check_state`]) and records the positions of its cells.
-    fn anchor_imported(&mut self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
-        let Some(a) = &mut self.anchors else {
+    /// Restores the imported state (checked by [`KitCache::check_state`]) at the end of
+    /// `seq`, whose rows from position `first` on were just imported: the delta-rule
+    /// layers' part as the anchor of its last cell, the convolution layers' tails into the
+    /// cells of their positions (the other imported cells are left [`UNRESTORED`]); records
+    /// the positions of the cells. `out_of_window` when the tail would read a cell an
+    /// earlier import left without rows.
+    fn restore_state(&mut self, seq: i32, first: i32, rows: &SeqRows) -> Result<(), KitError> {
+        if self.cell_pos.is_empty() {
             return Ok(());
-        };
-        let history = self.book.history(seq)?;
-        // Where the next step finds its previous position (as `make_taps` records it).
-        for &(p, cell) in &history {
-            self.cell_pos[cell as usize] = p;
         }
-        let Some(&(_, cell)) = history.last() else {
+        let history = self.book.history(seq)?;
+        let Some(&(_, last_cell)) = history.last() else {
             return Ok(());
         };
+        // Where the next step finds its previous positions (as `make_taps` records them).
+        let conv = self.cfg.conv;
+        for &(p, cell) in history.iter().filter(|h| h.0 >= first) {
+            self.cell_pos[cell as usize] = if conv.is_some() { UNRESTORED } else { p };
+        }
         let state: Vec<f32> = rows
             .state
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        if !a.set_state(cell as usize, &state) {
-            return Err(CacheError::bad_shape("a recurrent state of another size").into());
+        let mut delta = Vec::new();
+        for (l, range) in self.state_layout() {
+            let Place::Conv(i) = self.place[l] else {
+                delta.extend_from_slice(&state[range]);
+                continue;
+            };
+            let c = conv.expect("a convolution layer has its config");
+            let (mut cells, mut at, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+            let tail = conv_tail(&history, c.width);
+            for (&(q, cell), row) in tail.iter().zip(state[range].chunks_exact(c.channels)) {
+                if let Some(cell) = cell.filter(|_| q >= first) {
+                    cells.push(cell);
+                    at.push(q);
+                    bytes.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+                }
+            }
+            self.device.write_rows(&mut self.conv[i], &cells, &bytes)?;
+            for (&cell, q) in cells.iter().zip(at) {
+                self.cell_pos[cell as usize] = q;
+            }
+        }
+        if let Some(a) = &mut self.anchors {
+            if !a.set_state(last_cell as usize, &delta) {
+                return Err(CacheError::bad_shape("a recurrent state of another size").into());
+            }
+        }
+        if let Some(c) = conv {
+            let pos = &self.cell_pos;
+            self.conv_gaps |= history
+                .iter()
+                .any(|&(p, cell)| p >= first && pos[cell as usize] != p);
+            if let Some(&(q, _)) = conv_tail(&history, c.width)
+                .iter()
+                .find(|t| t.1.is_some_and(|cell| pos[cell as usize] != t.0))
+            {
+                return Err(unrestored(q, c.width).into());
+            }
         }
         Ok(())
     }
 
-    /// With delta-rule layers, `rows` must name them as its recurrent layers and carry their
-    /// state at its end (`out_of_window` when it does not: a slice ending early, whose
-    /// prompt is prefilled instead).
-    fn check_state(&self, rows: &SeqRows) -> Result<(), KitError> {
-        let want: Vec<u32> = self
-            .cfg
-            .delta
-            .map(|d| d.layers.iter().map(|l| l as u32).collect())
-            .unwrap_or_default();
+    /// `rows` must name this cache's recurrent layers (delta-rule and convolution layers) as
+    /// its own and carry their state at its end (`out_of_window` when it does not: a slice
+    /// ending early, whose prompt is prefilled instead), of this cache's size; a
+    /// convolution row of a position `seq` will not hold must be zero (the convolution reads
+    /// zeros there).
+    fn check_state(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
+        let want = self.recurrent_layers();
         if rows.recurrent_layers.as_slice() != want.as_slice() {
             return Err(CacheError::bad_shape(format!(
                 "the rows' recurrent layers are {:?}, this cache's {want:?}",
@@ -778,25 +871,48 @@ impl<D: Device> KitCache<D> {
             ))
             .into());
         }
-        let Some(a) = &self.anchors else {
+        let Some(&last) = rows.positions.last().filter(|_| !want.is_empty()) else {
             return Ok(());
         };
-        if rows.positions.is_empty() {
-            return Ok(());
-        }
         if rows.state.is_empty() {
             return Err(CacheError::out_of_window(
                 "the rows carry no recurrent state at their end (a slice that ends early)",
             )
             .into());
         }
-        if rows.state.len() != a.state_bytes() {
+        let layout = self.state_layout();
+        let bytes = 4 * layout.last().map_or(0, |l| l.1.end);
+        if rows.state.len() != bytes {
             return Err(CacheError::bad_shape(format!(
-                "a recurrent state of {} bytes, this cache's is {}",
+                "a recurrent state of {} bytes, this cache's is {bytes}",
                 rows.state.len(),
-                a.state_bytes()
             ))
             .into());
+        }
+        let Some(c) = self.cfg.conv else {
+            return Ok(());
+        };
+        let held = self.book.history(seq)?;
+        let holds = |q: i32| rows.positions.contains(&q) || held.iter().any(|h| h.0 == q);
+        let row_bytes = 4 * c.channels;
+        for (l, range) in layout.into_iter().filter(|l| self.cfg.convolves(l.0)) {
+            let part = &rows.state[4 * range.start..4 * range.end];
+            for (back, row) in (0..c.width as i32 - 1)
+                .rev()
+                .zip(part.chunks_exact(row_bytes))
+            {
+                let q = last - back;
+                let zero = row
+                    .chunks_exact(4)
+                    .all(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0.0);
+                if !holds(q) && !zero {
+                    return Err(CacheError::bad_shape(format!(
+                        "layer {l}'s convolution row for position {q} is not zero, but the \
+                         sequence holds no such position"
+                    ))
+                    .into());
+                }
+            }
         }
         Ok(())
     }
@@ -908,8 +1024,9 @@ impl<D: Device> KitCache<D> {
     /// sees (the plan's visibility; [`NO_CELL`] where it holds no such position: before the
     /// sequence began, or removed by a `seq_rm` inside its history), oldest first, then its
     /// own. A position held twice (as attention allows) reads the cell right before the
-    /// token's own if that is one of them, else the lowest.
-    fn make_taps(&mut self) {
+    /// token's own if that is one of them, else the lowest. `out_of_window` when a token
+    /// would read a cell an import left without convolution rows.
+    fn make_taps(&mut self) -> Result<(), CacheError> {
         // The convolution layers' taps; for delta-rule layers only the previous position.
         let width = self.cfg.conv.map_or(2, |c| c.width);
         if self.taps.is_none() {
@@ -933,6 +1050,11 @@ impl<D: Device> KitCache<D> {
                         .filter(|&c| held(i, c, want))
                         .or_else(|| (0..plan.read_len).find(|&c| held(i, c, want)))
                         .map_or(NO_CELL, |c| c as u32);
+                    let gap =
+                        |c: usize| plan.visible(i, c) && self.book.cell_position(c) == Some(want);
+                    if tap == NO_CELL && self.conv_gaps && (0..plan.read_len).any(gap) {
+                        return Err(unrestored(want, width));
+                    }
                     taps.push(tap);
                 }
                 taps.push(own as u32);
@@ -942,6 +1064,26 @@ impl<D: Device> KitCache<D> {
             }
             self.taps = Some(taps);
         }
+        Ok(())
+    }
+
+    /// After a verb, with cells an import left without convolution rows: `out_of_window`
+    /// when a sequence's next token would read one (a position in its last `width - 1`).
+    fn check_conv_tails(&self) -> Result<(), CacheError> {
+        let Some(conv) = self.cfg.conv else {
+            return Ok(());
+        };
+        let mut last = [-1i32; MAX_SEQS];
+        self.book.last_positions(&mut last);
+        for c in 0..self.book.high_water() {
+            let Some(q) = self.book.cell_position(c) else {
+                continue;
+            };
+            if self.cell_pos[c] != q && self.book.in_reach(c, q, conv.width - 1, &last) {
+                return Err(unrestored(q, conv.width));
+            }
+        }
+        Ok(())
     }
 
     fn check_shapes(
@@ -1005,26 +1147,38 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         }
     }
     fn checks_verbs(&self) -> bool {
-        self.sliding.is_some() || self.anchors.is_some()
+        self.sliding.is_some() || self.anchors.is_some() || self.conv_gaps
     }
     /// With delta-rule layers, attaches the cached prefix only up to its longest part
     /// that ends at an anchor (a prefix whose end no anchor holds cannot be resumed: the
-    /// rest is prefilled again); all or nothing as any verb.
+    /// rest is prefilled again), and with convolution rows an import did not restore, only
+    /// up to its longest part whose last `width - 1` positions have theirs; all or nothing
+    /// as any verb.
     fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> kvplug_core::CacheResult<usize> {
-        let Some(anchors) = &self.anchors else {
+        let conv = self.cfg.conv.filter(|_| self.conv_gaps);
+        if self.anchors.is_none() && conv.is_none() {
             return self.checked(|b| b.prefix_attach(seq, tokens));
-        };
+        }
         let before = self.book.clone();
+        let (anchors, cell_pos) = (self.anchors.as_ref(), &self.cell_pos);
         let attach = |book: &mut Bookkeeping| -> kvplug_core::CacheResult<usize> {
             let n = book.prefix_attach(seq, tokens)?;
-            let keep = book
-                .history(seq)?
-                .iter()
-                .filter(|&&(_, cell)| anchors.anchored(cell as usize))
-                .map(|&(p, _)| p as usize + 1)
-                .max()
-                .unwrap_or(0)
-                .min(n);
+            // The cell of each attached position.
+            let mut cell_of = vec![None; n];
+            for &(p, cell) in &book.history(seq)? {
+                if let Some(c) = cell_of.get_mut(p as usize) {
+                    *c = Some(cell as usize);
+                }
+            }
+            let resumable = |m: usize| {
+                m == 0
+                    || (anchors.is_none_or(|a| cell_of[m - 1].is_some_and(|c| a.anchored(c)))
+                        && conv.is_none_or(|c| {
+                            (m.saturating_sub(c.width - 1)..m)
+                                .all(|q| cell_of[q].is_none_or(|cell| cell_pos[cell] == q as i32))
+                        }))
+            };
+            let keep = (0..=n).rev().find(|&m| resumable(m)).unwrap_or(0);
             if keep < n {
                 book.seq_rm(seq, kvplug_core::PosRange::new(Some(keep as i32), None))?;
             }
@@ -1046,6 +1200,9 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         }
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
+        if self.conv_gaps {
+            self.check_conv_tails()?;
+        }
         if let Some(a) = &mut self.anchors {
             // A verb abandons an open step: so do its states.
             a.rollback_step();
@@ -1060,6 +1217,31 @@ impl<D: Device> CacheVerbs for KitCache<D> {
             None => Ok(()),
         }
     }
+}
+
+/// For a sequence with `history` (ascending positions, not empty), its positions
+/// `last - width + 2 ..= last`, oldest first, each with the lowest cell holding it (`None`
+/// where the sequence holds no such position): the rows its next token convolves.
+fn conv_tail(history: &[(i32, u32)], width: usize) -> Vec<(i32, Option<u32>)> {
+    let last = history.last().map_or(0, |h| h.0);
+    (0..width as i32 - 1)
+        .rev()
+        .map(|back| {
+            let q = last - back;
+            let cell = history.iter().filter(|h| h.0 == q).map(|h| h.1).min();
+            (q, cell)
+        })
+        .collect()
+}
+
+/// The refusal of a state that would read the convolution rows of position `q`, which an
+/// import did not restore.
+fn unrestored(q: i32, width: usize) -> CacheError {
+    CacheError::out_of_window(format!(
+        "the convolution rows at position {q} were not restored (a saved sequence carries only \
+         its last {} positions' rows): continue from a later position, or prefill again",
+        width - 1
+    ))
 }
 
 /// The refusal of attention on a recurrent (convolution or delta-rule) layer.
@@ -1210,7 +1392,7 @@ impl<D: Device> Step<'_, D> {
         };
         let (m, al, be) = (host(x)?, host(alpha)?, host(beta)?);
         let c = &mut *self.cache;
-        c.make_taps();
+        c.make_taps()?;
         let mut y = vec![0f32; t * d.value_heads * d.head_dim];
         let anchors = c
             .anchors
@@ -1253,7 +1435,7 @@ impl<D: Device> Step<'_, D> {
             Some(start) => dev.write_run(&mut c.conv[i], start, x)?,
             None => dev.scatter_rows(&mut c.conv[i], &plan.write_cells, x)?,
         }
-        c.make_taps();
+        c.make_taps()?;
         let taps = c.taps.as_deref().expect("made above");
         c.device
             .short_conv(&c.conv[i], taps, conv.width, kernel, out)

@@ -520,18 +520,41 @@ fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
 /// `out_of_window` (its prompt is prefilled instead).
 #[test]
 fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    sessions_carry_the_recurrent_state(&qwen35(dir.path(), &[GgmlDType::F32]), &[0, 1]);
+}
+
+/// The same for LFM2, whose convolution layers' state is the rows of the last two
+/// positions; a restored sequence cannot go back before them (`out_of_window`, unchanged).
+#[test]
+fn lfm2_sessions_carry_the_convolution_rows_across_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        layers: 3,
+        attention: &[1],
+        taps: 3,
+        types: &[GgmlDType::F32],
+        tied: true,
+        window: None,
+    };
+    sessions_carry_the_recurrent_state(&lfm2(dir.path(), &shape), &[0, 2]);
+}
+
+/// Saves the prompt and one token of `model` on the cpu through session-file bytes
+/// (naming `recurrent` as its recurrent layers), restores it on every backend and checks
+/// the next two tokens' logits against the original's; a slice ending early is refused.
+fn sessions_carry_the_recurrent_state(model: &Path, recurrent: &[u32]) {
     use kvplug::session_file::{self, Session};
     let dir = tempfile::tempdir().unwrap();
-    let model = qwen35(dir.path(), &[GgmlDType::F32]);
     let rt = runtime();
     let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
-    let mut ctx = common::model(&rt, "cpu", &model)
+    let mut ctx = common::model(&rt, "cpu", model)
         .context(CacheKind::Contiguous, 64, KvDtype::F32)
         .unwrap();
     forward(&mut ctx, &PROMPT, &positions);
     forward(&mut ctx, &[7], &[9]);
     let rows = ctx.export_seq(0).unwrap();
-    assert_eq!(rows.recurrent_layers.as_slice(), [0, 1]);
+    assert_eq!(rows.recurrent_layers.as_slice(), recurrent);
     let session = Session {
         rows,
         tokens: [&PROMPT[..], &[7]].concat(),
@@ -549,9 +572,11 @@ fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
     );
     let want = forward(&mut ctx, &[11, 5], &[10, 11]);
     for backend in BACKENDS {
-        let m = common::model(&rt, backend, &model);
+        let m = common::model(&rt, backend, model);
         let mut restored = m.context(CacheKind::Seq, 64, KvDtype::F32).unwrap();
         restored.import_seq(0, &saved.rows).unwrap();
+        let e = restored.seq_rm(0, Some(3), None).unwrap_err();
+        assert_eq!(e.kind, kvplug_plugin_api::AbiErrorKind::OutOfWindow, "{e}");
         let got = decode(&mut restored, &[11, 5], &[10, 11], &[0, 0]);
         for (g, w) in got.iter().zip(&want) {
             let worst = max_diff(g, w);

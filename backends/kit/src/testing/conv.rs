@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvplug_core::oracle::{short_conv, short_conv_bound};
-use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, ConvLayers, KvDtype, LayerSet, PosRange};
+use kvplug_core::{
+    CacheConfig, CacheKind, CacheVerbs, ConvLayers, ErrorKind, KvDtype, LayerSet, PosRange,
+};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
@@ -133,10 +135,72 @@ fn run(h: &History, tokens: &[(i32, u32)]) -> Vec<History> {
         .collect()
 }
 
+/// A sequence saved (`export_seq`, the form of session files) carries each convolution
+/// layer's rows of its last `width - 1` positions as its state; restored into a seq cache
+/// it exports the same rows and decodes as the original would. It refuses (unchanged) a
+/// verb that would continue from a position whose rows it did not get, and a prefix
+/// attached from it stops where the rows before the end are missing.
+fn check_saved_rows<D2: Device>(dev: &Arc<D2>, c: &KitCache<D2>, w: usize, h: &History) {
+    let rows = c.export_seq(0).unwrap();
+    assert_eq!(rows.recurrent_layers.as_slice(), [0, 2], "the conv layers");
+    assert!(rows.k[0].is_empty() && rows.v[2].is_empty() && !rows.k[1].is_empty());
+    let last = *h.keys().last().expect("a history");
+    let tail = |l: usize| (last + 2 - w as i32..=last).flat_map(move |q| row(l, h[&q]));
+    let want: Vec<u8> = CONV_LAYERS
+        .iter()
+        .flat_map(|&l| tail(l))
+        .flat_map(f32::to_le_bytes)
+        .collect();
+    assert_eq!(
+        rows.state.as_slice(),
+        want,
+        "each layer's last rows, oldest first"
+    );
+    let mut r = KitCache::new(dev.clone(), CacheKind::Seq, config(w)).unwrap();
+    r.import_seq(0, &rows).unwrap();
+    assert_eq!(
+        r.export_seq(0).unwrap(),
+        rows,
+        "exported again after the import"
+    );
+    let e = r
+        .seq_rm(0, PosRange::new(Some(last), None))
+        .expect_err("the tail before the restored rows is gone");
+    assert_eq!(e.kind, ErrorKind::OutOfWindow, "{e}");
+    assert_eq!(
+        r.export_seq(0).unwrap(),
+        rows,
+        "a refused verb changes nothing"
+    );
+    let tokens: Vec<u32> = (0..=last as u32).collect();
+    r.prefix_publish(0, &tokens).unwrap();
+    assert_eq!(
+        r.prefix_attach(1, &tokens).unwrap(),
+        tokens.len(),
+        "ends restored"
+    );
+    assert_eq!(
+        r.prefix_attach(2, &tokens[..tokens.len() - 1]).unwrap(),
+        0,
+        "a prefix ending before the restored rows"
+    );
+    let next = [(last + 1, 1234)];
+    step_and_check(
+        &mut r,
+        w,
+        &next,
+        Some(&[1]),
+        std::slice::from_ref(h),
+        "restored",
+    )
+    .unwrap();
+}
+
 /// The convolution-state contract on `device`, for widths 3 and 4: decoding, a rewind and
 /// a dropped step (contiguous), forked sequences that diverge and a tail removed (seq), and
 /// a speculative tree, its commit and decoding after it (tree) each give every token the
-/// convolution of its own sequence's last rows, within the f64 recurrence's bound.
+/// convolution of its own sequence's last rows, within the f64 recurrence's bound; a saved
+/// sequence restores them (`check_saved_rows`).
 pub fn check_conv_verbs<D2: Device>(device: D2) {
     let dev = Arc::new(device);
     for width in [3, 4] {
@@ -200,6 +264,8 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
             "after a dropped step",
         )
         .unwrap();
+        extend(&mut h, &[(6, 606)]);
+        check_saved_rows(&dev, &c, w, &h);
 
         // Seq: a shared prefix, a fork that diverges, a tail removed and decoded again.
         let mut s = KitCache::new(dev.clone(), CacheKind::Seq, config(w)).unwrap();
