@@ -194,6 +194,13 @@ pub const SPARE_ANCHORS: usize = 8;
 /// group pins its windows.
 pub const PINNED_ANCHORS: usize = 4;
 
+/// Prompt ends whose anchors a delta-rule cache keeps (the newest): the last token of a
+/// sequence's run of two or more tokens in a step (a prefill), unless the next step goes on
+/// with the same prompt. A chat whose template renders the last answer differently the next
+/// turn (reasoning dropped, text trimmed) returns there instead of to the start, as
+/// llama.cpp's server keeps context checkpoints near the end of each prompt.
+pub const PROMPT_END_ANCHORS: usize = 4;
+
 /// The widest convolution kernel a config may declare.
 pub const MAX_CONV_WIDTH: usize = 64;
 

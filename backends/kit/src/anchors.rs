@@ -10,7 +10,7 @@
 //! ending at a cell without an anchor are refused by [`Anchors::check_verb`], so a step
 //! always finds its state. States are f32 and live in host memory.
 
-use kvplug_core::config::{PINNED_ANCHORS, SPARE_ANCHORS};
+use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{Bookkeeping, CacheError, CacheResult, DeltaLayers, StepPlan, MAX_SEQS};
 
 use crate::device::NO_CELL;
@@ -25,7 +25,18 @@ struct Slot {
     cell: u32,
     /// When it was last anchored (larger is newer).
     stamp: u64,
-    pinned: bool,
+    pin: Pin,
+}
+
+/// Why an anchor no sequence needs is kept: each kind keeps its newest few.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pin {
+    /// A recent step's end ([`SPARE_ANCHORS`]).
+    Spare,
+    /// A published prefix's end ([`PINNED_ANCHORS`]).
+    Prefix,
+    /// A prompt's end ([`PROMPT_END_ANCHORS`]).
+    Prompt,
 }
 
 /// The anchors of a cache with delta-rule layers, and the open step's working state.
@@ -45,6 +56,8 @@ pub struct Anchors {
     /// Per token of the open step: the slot its state is computed in, that of the last
     /// token of its run of continuing tokens (a chain advances in place there).
     step_home: Vec<u32>,
+    /// Whether the open step is a tree step (its nodes are no prompt).
+    step_tree: bool,
     /// One token's convolution output, its normalized q and k, and one row of a state
     /// updated in place.
     mixed: Vec<f32>,
@@ -60,7 +73,7 @@ pub struct Anchors {
     needed: usize,
     /// The check's buffers, kept (no allocation once warm).
     use_of: Vec<u8>,
-    spare: Vec<(u64, bool, u32)>,
+    spare: Vec<(u64, Pin, u32)>,
     dead: Vec<u32>,
 }
 
@@ -81,6 +94,7 @@ impl Anchors {
             step_pred: Vec::new(),
             step_slot: Vec::new(),
             step_home: Vec::new(),
+            step_tree: false,
             mixed: vec![0.0; d.conv_channels()],
             qk: vec![0.0; 2 * d.key_heads * d.head_dim],
             row_buf: vec![0.0; d.head_dim],
@@ -175,7 +189,7 @@ impl Anchors {
             data: vec![0.0; self.per_slot()],
             cell: NONE,
             stamp: 0,
-            pinned: false,
+            pin: Pin::Spare,
         });
         (self.slots.len() - 1) as u32
     }
@@ -186,7 +200,7 @@ impl Anchors {
             self.slot_of[slot.cell as usize] = NONE;
         }
         slot.cell = NONE;
-        slot.pinned = false;
+        slot.pin = Pin::Spare;
         self.free.push(s);
     }
 
@@ -195,6 +209,7 @@ impl Anchors {
     /// state (the last of each chain; all of a tree step) and where each is computed.
     pub fn open_step(&mut self, plan: &StepPlan, taps: &[u32], width: usize, tree: bool) {
         self.rollback_step();
+        self.step_tree = tree;
         let t = plan.n_tok;
         self.step_cell.clear();
         self.step_pred.clear();
@@ -239,14 +254,33 @@ impl Anchors {
     /// Whether anchors beyond the budget have piled up (steps add anchors; a check every
     /// few steps drops the surplus, so a decode loop scans the cells rarely).
     pub fn over_budget(&self) -> bool {
-        self.in_use() > self.needed + 2 * SPARE_ANCHORS + PINNED_ANCHORS
+        self.in_use() > self.needed + 2 * SPARE_ANCHORS + PINNED_ANCHORS + PROMPT_END_ANCHORS
     }
 
     /// Publishes the open step's kept states as the anchors of their cells (replacing what
-    /// those cells anchored before).
+    /// those cells anchored before). Outside a tree step, the end of a run of two or more
+    /// tokens is kept as a prompt end ([`PROMPT_END_ANCHORS`]); a run that goes on from
+    /// the prompt end the previous step kept makes that one a plain spare (a prompt
+    /// prefilled in chunks keeps its last end only).
     pub fn commit_step(&mut self) {
+        let previous = self.clock;
         self.clock += 1;
-        for i in 0..self.step_cell.len() {
+        let t = self.step_cell.len();
+        for i in 0..t {
+            if self.goes_on(i) || !self.goes_on(i + 1) {
+                continue;
+            }
+            // A run's first token: its predecessor's prompt end, kept by the previous
+            // step, was a chunk's end.
+            if let Some(s) = self.anchor(self.step_pred[i] as usize) {
+                let slot = &mut self.slots[s as usize];
+                if slot.pin == Pin::Prompt && slot.stamp == previous {
+                    slot.pin = Pin::Spare;
+                }
+            }
+        }
+        for i in 0..t {
+            let prompt_end = self.goes_on(i) && !self.goes_on(i + 1);
             let cell = self.step_cell[i] as usize;
             if let Some(old) = self.anchor(cell) {
                 self.release(old);
@@ -262,11 +296,21 @@ impl Anchors {
             let slot = &mut self.slots[s as usize];
             slot.cell = cell as u32;
             slot.stamp = self.clock;
+            slot.pin = if prompt_end { Pin::Prompt } else { Pin::Spare };
         }
         self.step_slot.clear();
         self.step_cell.clear();
         self.step_pred.clear();
         self.step_home.clear();
+    }
+
+    /// Whether token `i` of the open step (none past its last) goes on from token `i − 1`:
+    /// one run of a sequence, outside a tree step.
+    fn goes_on(&self, i: usize) -> bool {
+        !self.step_tree
+            && i > 0
+            && i < self.step_cell.len()
+            && self.step_pred[i] == self.step_cell[i - 1]
     }
 
     /// Runs delta layer `layer` over the open step: `x` `[T, channels]` is the q, k, v
@@ -462,7 +506,7 @@ impl Anchors {
             return;
         };
         if let Some(s) = self.anchor(cell as usize) {
-            self.slots[s as usize].pinned = true;
+            self.slots[s as usize].pin = Pin::Prefix;
             self.clock += 1;
             self.slots[s as usize].stamp = self.clock;
         }
@@ -505,8 +549,9 @@ impl Anchors {
                         self.use_of = use_of;
                         return Err(CacheError::out_of_window(format!(
                             "the recurrent state after position {q} is not kept: a hybrid \
-                             cache with delta-rule layers can return only to the end of a \
-                             step, of the last {SPARE_ANCHORS} steps or of a published prefix"
+                             cache with delta-rule layers can return only to the end of one \
+                             of the last {SPARE_ANCHORS} steps, of one of the last \
+                             {PROMPT_END_ANCHORS} prompts or of a published prefix"
                         )));
                     }
                 }
@@ -536,7 +581,7 @@ impl Anchors {
         for (s, (slot, &u)) in self.slots.iter().zip(use_of).enumerate() {
             match (slot.cell != NONE, u) {
                 (true, 0) => dead.push(s as u32),
-                (true, 1) => spare.push((slot.stamp, slot.pinned, s as u32)),
+                (true, 1) => spare.push((slot.stamp, slot.pin, s as u32)),
                 _ => {}
             }
         }
@@ -544,16 +589,15 @@ impl Anchors {
             self.release(s);
         }
         spare.sort_unstable_by_key(|&(stamp, ..)| std::cmp::Reverse(stamp));
-        let (mut pins, mut spares) = (0, 0);
-        for &(_, pinned, s) in &spare {
-            let keep = if pinned {
-                pins += 1;
-                pins <= PINNED_ANCHORS
-            } else {
-                spares += 1;
-                spares <= SPARE_ANCHORS
+        let mut kept = [0; 3];
+        for &(_, pin, s) in &spare {
+            let budget = match pin {
+                Pin::Spare => SPARE_ANCHORS,
+                Pin::Prefix => PINNED_ANCHORS,
+                Pin::Prompt => PROMPT_END_ANCHORS,
             };
-            if !keep {
+            kept[pin as usize] += 1;
+            if kept[pin as usize] > budget {
                 self.release(s);
             }
         }

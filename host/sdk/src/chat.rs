@@ -98,6 +98,9 @@ pub struct Chat {
     messages: Vec<Message>,
     /// Tokens in the cache, in order (cell i holds `cached[i]`).
     cached: Vec<i32>,
+    /// The lengths of this conversation's prompts still in the cache, ascending: where a
+    /// hybrid cache keeps the recurrent state (see [`Chat::rewind`]).
+    prompt_ends: Vec<usize>,
     capacity: usize,
     max_tokens: usize,
     sampler: Sampler,
@@ -159,6 +162,7 @@ impl Chat {
             ctx,
             messages,
             cached: Vec::new(),
+            prompt_ends: Vec::new(),
             capacity: opts.capacity,
             max_tokens: opts.max_tokens,
             sampler: opts.sampler,
@@ -190,8 +194,7 @@ impl Chat {
         messages: Vec<Message>,
         started: Instant,
     ) -> Result<Restored> {
-        self.ctx.rewind(0)?;
-        self.cached.clear();
+        self.rewind(0)?;
         self.ctx.import_seq(0, &s.rows)?;
         let restored = Restored {
             tokens: s.tokens.len(),
@@ -374,6 +377,7 @@ impl Chat {
         // Every generated id but the last was run; the next turn's prompt decides whether
         // the cache keeps them (a template may render the end of turn differently).
         self.cached.extend_from_slice(fresh);
+        self.prompt_ends.push(prompt.len());
         self.cached
             .extend_from_slice(&g.ids[..g.ids.len().saturating_sub(1)]);
         let answer = self.text.detokenize(&g.ids)?;
@@ -391,19 +395,35 @@ impl Chat {
         })
     }
 
-    /// Keeps the cache's first `n` tokens (all of them if it starts over: a hybrid cache's
-    /// sliding layers may no longer hold the rows a shorter history needs); returns how many
-    /// it keeps.
+    /// Keeps the cache's first `n` tokens, or where a hybrid cache cannot return there
+    /// (its sliding layers no longer hold the rows a shorter history needs, or it kept no
+    /// recurrent state there) the longest earlier prompt it can return to, else none (all of
+    /// it is prefilled again); returns how many it keeps. A template that renders the last
+    /// answer differently in the next turn (its reasoning dropped, its text trimmed) makes
+    /// `n` fall inside that answer: a delta-rule cache then resumes at the end of the
+    /// previous prompt, whose state it keeps.
     fn rewind(&mut self, n: usize) -> Result<usize> {
-        let kept = match self.ctx.rewind(n) {
-            Ok(()) => n,
-            Err(e) if e.kind == AbiErrorKind::OutOfWindow => {
+        let earlier = self.prompt_ends.iter().rev().copied().filter(|&e| e < n);
+        let mut kept = None;
+        for len in std::iter::once(n).chain(earlier) {
+            match self.ctx.rewind(len) {
+                Ok(()) => {
+                    kept = Some(len);
+                    break;
+                }
+                Err(e) if e.kind == AbiErrorKind::OutOfWindow => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let kept = match kept {
+            Some(k) => k,
+            None => {
                 self.ctx.rewind(0)?;
                 0
             }
-            Err(e) => return Err(e.into()),
         };
         self.cached.truncate(kept);
+        self.prompt_ends.retain(|&e| e <= kept);
         Ok(kept)
     }
 }

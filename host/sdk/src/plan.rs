@@ -334,7 +334,9 @@ impl Plan {
             out += &format!(
                 "recurrent state      {} per sequence (an anchor; a decoding sequence keeps up to {} more, a speculative tree one per node)\n",
                 mib(p.state_bytes as u64),
-                2 * kvplug_core::config::SPARE_ANCHORS + kvplug_core::config::PINNED_ANCHORS
+                2 * kvplug_core::config::SPARE_ANCHORS
+                    + kvplug_core::config::PINNED_ANCHORS
+                    + kvplug_core::config::PROMPT_END_ANCHORS
             );
         }
         out += &format!(

@@ -282,7 +282,7 @@ fn lfm2_convolution_state_follows_forks_and_rewinds() {
 /// half of each head, MRoPE sections), the others running the delta rule with two key heads
 /// of 16 serving four value heads; matrices in `types` (cycled), vectors and the
 /// convolution kernel f32.
-fn write_qwen35(path: &Path, types: &[GgmlDType]) {
+fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
     let (hd, rot, state, hk, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize, 4usize);
     let ch = (2 * hk + hv) * state;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -356,14 +356,23 @@ fn write_qwen35(path: &Path, types: &[GgmlDType]) {
         ("qwen35.vocab_size", u(VOCAB)),
     ];
     meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    if let Some(t) = template {
+        let at = meta.iter().position(|m| m.0 == "tokenizer.chat_template");
+        meta[at.expect("the tokenizer has a template")].1 = Value::String(t.into());
+    }
     write_gguf(path, &meta, &tensors);
 }
 
 /// The indexed model of [`write_qwen35`] in `dir`.
 fn qwen35(dir: &Path, types: &[GgmlDType]) -> std::path::PathBuf {
+    qwen35_templated(dir, types, None)
+}
+
+/// [`qwen35`] with its own chat template.
+fn qwen35_templated(dir: &Path, types: &[GgmlDType], template: Option<&str>) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let gguf = dir.join("qwen35.gguf");
-    write_qwen35(&gguf, types);
+    write_qwen35(&gguf, types, template);
     let model = dir.join("indexed");
     kvplug::formats::gguf::index(&gguf, &model).unwrap();
     model
@@ -590,4 +599,41 @@ fn sessions_carry_the_recurrent_state(model: &Path, recurrent: &[u32]) {
         let e = early.import_seq(0, &saved.rows.slice(0..5)).unwrap_err();
         assert_eq!(e.kind, kvplug_plugin_api::AbiErrorKind::OutOfWindow, "{e}");
     }
+}
+
+/// A chat on Qwen3.5 whose template renders an earlier answer differently from how it was
+/// generated (here as a placeholder, as Qwen3's drops its reasoning): the second turn's
+/// prompt leaves the cache after the first turn's prompt, inside the first answer's steps,
+/// and the chat resumes at the end of that prompt (kept as a prompt end) instead of
+/// prefilling everything again.
+#[test]
+fn qwen35_chat_resumes_at_the_previous_prompt_end() {
+    use kvplug::{Chat, ChatOptions, Sampler};
+    let dir = tempfile::tempdir().unwrap();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
+        {% if m.role == 'assistant' and not loop.last %}(an earlier answer){% else %}\
+        {{ m.content | trim }}{% endif %}<|im_end|>\n{% endfor %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(template));
+    let rt = runtime();
+    let opts = ChatOptions {
+        system: None,
+        capacity: 512,
+        kv_dtype: None,
+        max_tokens: 48,
+        sampler: Sampler::greedy(),
+        session: None,
+        cancel: None,
+        speculate: None,
+    };
+    let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts).unwrap();
+    let first = chat.turn("hello there", &mut |_| Ok(())).unwrap();
+    // Enough decode steps that the prompt's end is no longer among the recent steps' ends.
+    let spares = kvplug_core::config::SPARE_ANCHORS;
+    assert!(first.ids.len() > 3 * spares, "{} tokens", first.ids.len());
+    let second = chat.turn("and again", &mut |_| Ok(())).unwrap();
+    assert_eq!(
+        second.reused_tokens, first.prefilled_tokens,
+        "the second turn resumes where the first prompt ended"
+    );
 }

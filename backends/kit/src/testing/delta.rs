@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use kvplug_core::config::SPARE_ANCHORS;
 use kvplug_core::oracle::{gamma, gated_delta_step};
 use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, DeltaLayers, KvDtype, LayerSet, PosRange};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
@@ -201,8 +202,39 @@ fn dropped_step<D2: Device>(cache: &mut KitCache<D2>, p: i32, seqs: Option<&[i32
         .unwrap();
 }
 
+/// A prompt prefilled in two chunks, then more decode steps than spares are kept: the
+/// cache returns to the prompt's end (its anchor is kept as a prompt end), not to the first
+/// chunk's (a chunk's end is only a spare), and decodes from there.
+fn check_prompt_ends<D2: Device>(dev: &Arc<D2>) {
+    let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, config()).unwrap();
+    let mut h = History::new();
+    for chunk in [0..4, 4..8] {
+        let tokens: Vec<(i32, u32)> = chunk.map(|p| (p, 700 + p as u32)).collect();
+        step_and_check(&mut c, &tokens, None, &run(&h, &tokens), "a prompt's chunk").unwrap();
+        h.extend(tokens);
+    }
+    let end = 8 + SPARE_ANCHORS as i32 + 2;
+    for p in 8..end {
+        let token = [(p, 700 + p as u32)];
+        step_and_check(&mut c, &token, None, &run(&h, &token), "decode").unwrap();
+        h.extend(token);
+    }
+    // A verb drops the anchors beyond the budgets.
+    c.rewind(end as usize).unwrap();
+    let e = c.rewind(4).unwrap_err();
+    assert!(
+        e.message.contains("not kept"),
+        "a chunk's end: {}",
+        e.message
+    );
+    c.rewind(8).expect("the prompt's end is kept");
+    h.retain(|&p, _| p < 8);
+    step_and_check(&mut c, &[(8, 808)], None, &[h], "after the prompt's end").unwrap();
+}
+
 /// The delta-rule state contract on `device`: a prefill (its heads over threads),
-/// decoding, a dropped step, a rewind to a step's end and one refused (no anchor there, the cache unchanged) on a contiguous cache;
+/// decoding, a dropped step, a rewind to a step's end and one refused (no anchor there, the
+/// cache unchanged) on a contiguous cache, and a prompt's end kept (`check_prompt_ends`);
 /// forked sequences that diverge, a tail removed, a hole refused, a cached prefix attached
 /// up to its anchored part (seq); a speculative tree
 /// whose commit of a branch ending inside it, then decoding (tree): every token's output
@@ -242,6 +274,8 @@ pub fn check_delta_verbs<D2: Device>(device: D2) {
     h.retain(|&p, _| p < 11);
     let redo = [(11, 911), (12, 912)];
     step_and_check(&mut c, &redo, None, &run(&h, &redo), "after a rewind").unwrap();
+
+    check_prompt_ends(&dev);
 
     // Seq: a shared prefix, a fork that diverges, a tail removed, a hole refused.
     let mut s = KitCache::new(dev.clone(), CacheKind::Seq, config()).unwrap();
