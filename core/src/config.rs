@@ -122,7 +122,9 @@ pub struct SlidingLayers {
 /// The cache keeps each such layer's input row (`channels` f32 values) in a pool indexed by
 /// the same cells as the K/V rows, so the state at any position is a function of the rows of
 /// its last `width - 1` positions: every verb (rewind, `seq_rm`, `seq_cp`, fork, tree
-/// commit, a dropped step) is exact on it as it is on K/V, and no checkpoint is kept.
+/// commit, a dropped step) is exact on it as it is on K/V, and no checkpoint is kept. A
+/// saved sequence carries only the rows of its last `width - 1` positions: after an import,
+/// a verb that would continue it from an earlier position is refused `out_of_window`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ConvLayers {
     /// Taps of the convolution, the current position's included (`>= 2`; LFM2's
@@ -194,9 +196,9 @@ pub const SPARE_ANCHORS: usize = 8;
 /// group pins its windows.
 pub const PINNED_ANCHORS: usize = 4;
 
-/// Prompt ends whose anchors a delta-rule cache keeps (the newest): the last token of a
-/// sequence's run of two or more tokens in a step (a prefill), unless the next step goes on
-/// with the same prompt. A chat whose template renders the last answer differently the next
+/// Prompt ends whose anchors a delta-rule cache keeps (the newest): the end of a sequence's
+/// run of two or more tokens in a step whose last token's output is read and the one
+/// before it not (the last chunk of a prompt). A chat whose template renders the last answer differently the next
 /// turn (reasoning dropped, text trimmed) returns there instead of to the start, as
 /// llama.cpp's server keeps context checkpoints near the end of each prompt.
 pub const PROMPT_END_ANCHORS: usize = 4;

@@ -163,7 +163,8 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
 #[repr(C)]
 #[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
 pub struct CacheStats {
-    /// Bytes allocated for K and V pools over all layers (scales and offsets included).
+    /// Bytes allocated for K and V pools over all layers (scales and offsets included) and
+    /// for the recurrent layers' state (convolution rows, delta-rule anchors).
     pub allocated_bytes: u64,
     /// Cells the full layers' pools have room for (lazy growth: never more than needed,
     /// doubled).

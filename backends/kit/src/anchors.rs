@@ -56,7 +56,8 @@ pub struct Anchors {
     /// Per token of the open step: the slot its state is computed in, that of the last
     /// token of its run of continuing tokens (a chain advances in place there).
     step_home: Vec<u32>,
-    /// Whether the open step is a tree step (its nodes are no prompt).
+    /// Whether the open step is a tree frontier (every node keeps its state; none is a
+    /// prompt).
     step_tree: bool,
     /// One token's convolution output, its normalized q and k, and one row of a state
     /// updated in place.
@@ -259,28 +260,16 @@ impl Anchors {
 
     /// Publishes the open step's kept states as the anchors of their cells (replacing what
     /// those cells anchored before). Outside a tree step, the end of a run of two or more
-    /// tokens is kept as a prompt end ([`PROMPT_END_ANCHORS`]); a run that goes on from
-    /// the prompt end the previous step kept makes that one a plain spare (a prompt
-    /// prefilled in chunks keeps its last end only).
-    pub fn commit_step(&mut self) {
-        let previous = self.clock;
+    /// tokens whose last token's output is read (`read`, per token) and the one before it
+    /// not is kept as a prompt end ([`PROMPT_END_ANCHORS`]): the last chunk of a prompt,
+    /// not an earlier chunk (nothing read), a speculative chain (every token read) or a
+    /// chain written again (nothing read).
+    pub fn commit_step(&mut self, read: &[bool]) {
         self.clock += 1;
-        let t = self.step_cell.len();
-        for i in 0..t {
-            if self.goes_on(i) || !self.goes_on(i + 1) {
-                continue;
-            }
-            // A run's first token: its predecessor's prompt end, kept by the previous
-            // step, was a chunk's end.
-            if let Some(s) = self.anchor(self.step_pred[i] as usize) {
-                let slot = &mut self.slots[s as usize];
-                if slot.pin == Pin::Prompt && slot.stamp == previous {
-                    slot.pin = Pin::Spare;
-                }
-            }
-        }
-        for i in 0..t {
-            let prompt_end = self.goes_on(i) && !self.goes_on(i + 1);
+        for i in 0..self.step_cell.len() {
+            let read_at = |j: usize| read.get(j).copied().unwrap_or(false);
+            let prompt_end =
+                self.goes_on(i) && !self.goes_on(i + 1) && read_at(i) && !read_at(i - 1);
             let cell = self.step_cell[i] as usize;
             if let Some(old) = self.anchor(cell) {
                 self.release(old);

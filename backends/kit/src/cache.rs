@@ -44,7 +44,8 @@ impl From<KitError> for PluginError {
 /// Memory and last-step statistics of a [`KitCache`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KitStats {
-    /// Bytes of every layer's K and V pools.
+    /// Bytes of every layer's K and V pools, the convolution layers' rows and the
+    /// delta-rule layers' anchors.
     pub allocated_bytes: usize,
     /// Rows per head each full layer's pool has room for.
     pub pool_cells: usize,
@@ -96,9 +97,14 @@ pub struct KitCache<D: Device> {
     /// Whether an import left cells [`UNRESTORED`]: verbs are then checked so that no
     /// sequence's next token would read one.
     conv_gaps: bool,
-    /// The open step's convolution taps (`[T, width]` cells), made at its first
-    /// convolution layer.
+    /// The open step's convolution taps (`[T, width]` cells), made when it opens (with
+    /// convolution or delta-rule layers).
     taps: Option<Vec<u32>>,
+    /// Per token of the open step, whether its output is read ([`Step::read_rows`]).
+    reads: Vec<bool>,
+    /// The step cells' `cell_pos` before [`KitCache::make_taps`] set them (restored when it
+    /// refuses the step).
+    saved_pos: Vec<i32>,
     /// The delta-rule layers' states (Qwen3.5, see [`kvplug_core::DeltaLayers`]).
     anchors: Option<Anchors>,
     /// Read path and read window of the last planned step.
@@ -225,6 +231,8 @@ impl<D: Device> KitCache<D> {
             conv,
             conv_gaps: false,
             taps: None,
+            reads: Vec::new(),
+            saved_pos: Vec::new(),
             anchors: cfg.delta.map(|d| Anchors::new(d, cfg.n_layers)),
             last_plan: None,
             next_layer: 0,
@@ -285,7 +293,8 @@ impl<D: Device> KitCache<D> {
                 .chain(&self.conv)
                 .chain(self.sliding.iter().flat_map(|g| g.k.iter().chain(&g.v)))
                 .map(|p| self.device.pool_bytes(p))
-                .sum(),
+                .sum::<usize>()
+                + self.anchors.as_ref().map_or(0, Anchors::bytes),
             pool_cells: self.pool_cells,
             window_cells: self.sliding.as_ref().map_or(0, |g| g.cells),
             live_cells: self.book.live_cells(),
@@ -309,6 +318,13 @@ impl<D: Device> KitCache<D> {
             self.book.begin_step(seqs)?;
         }
         self.open(positions)?;
+        if !self.cell_pos.is_empty() {
+            // Before anything is written, so that a refusal undoes the step exactly.
+            if let Err(e) = self.make_taps() {
+                self.cancel_open();
+                return Err(e.into());
+            }
+        }
         Ok(Step {
             cache: self,
             next_layer: 0,
@@ -392,6 +408,8 @@ impl<D: Device> KitCache<D> {
         if let Some(a) = &mut self.anchors {
             a.rollback_step();
         }
+        self.reads.clear();
+        self.reads.resize(positions.len(), false);
         let plan = self.book.open_step(positions)?;
         let (read_len, kind) = (plan.read_len, plan.kind());
         self.last_plan = Some((kind, read_len));
@@ -400,14 +418,18 @@ impl<D: Device> KitCache<D> {
             return Err(e);
         }
         if let Err(e) = self.open_sliding() {
-            // Nothing was written: the step is undone exactly.
-            self.book.cancel_step();
-            if let Some(g) = &mut self.sliding {
-                g.map.rollback_step();
-            }
+            self.cancel_open();
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Undoes a step just opened, before anything was written: exactly.
+    fn cancel_open(&mut self) {
+        self.book.cancel_step();
+        if let Some(g) = &mut self.sliding {
+            g.map.rollback_step();
+        }
     }
 
     /// Grows the full layers' pools (by the doubling policy, memory checked first) so they
@@ -467,7 +489,7 @@ impl<D: Device> KitCache<D> {
             g.map.commit_step(&self.book);
         }
         if let Some(a) = &mut self.anchors {
-            a.commit_step();
+            a.commit_step(&self.reads);
             if a.over_budget() {
                 // A step only appends: nothing is refused, spares beyond the budget go.
                 let _ = a.check_verb(&self.book);
@@ -803,11 +825,21 @@ impl<D: Device> KitCache<D> {
             return Ok(());
         }
         let history = self.book.history(seq)?;
-        let Some(&(_, last_cell)) = history.last() else {
+        let Some(&(last, last_cell)) = history.last() else {
             return Ok(());
         };
-        // Where the next step finds its previous positions (as `make_taps` records them).
         let conv = self.cfg.conv;
+        // The tail's cells held before the import must have their rows (checked before
+        // anything is written).
+        if let Some(c) = conv {
+            let tail_start = last - c.width as i32 + 2;
+            if let Some(&(q, _)) = history.iter().find(|&&(p, cell)| {
+                (tail_start..first).contains(&p) && self.cell_pos[cell as usize] != p
+            }) {
+                return Err(unrestored(q, c.width).into());
+            }
+        }
+        // Where the next step finds its previous positions (as `make_taps` records them).
         for &(p, cell) in history.iter().filter(|h| h.0 >= first) {
             self.cell_pos[cell as usize] = if conv.is_some() { UNRESTORED } else { p };
         }
@@ -823,35 +855,31 @@ impl<D: Device> KitCache<D> {
                 continue;
             };
             let c = conv.expect("a convolution layer has its config");
-            let (mut cells, mut at, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
-            let tail = conv_tail(&history, c.width);
-            for (&(q, cell), row) in tail.iter().zip(state[range].chunks_exact(c.channels)) {
-                if let Some(cell) = cell.filter(|_| q >= first) {
-                    cells.push(cell);
-                    at.push(q);
-                    bytes.extend(row.iter().flat_map(|v| v.to_le_bytes()));
-                }
+            // Every imported cell of a tail position (a position held twice gets its row in
+            // each of its cells).
+            let tail_start = last - c.width as i32 + 2;
+            let (mut cells, mut bytes) = (Vec::new(), Vec::new());
+            for &(p, cell) in history.iter().filter(|h| h.0 >= first.max(tail_start)) {
+                let row = (p - tail_start) as usize * c.channels;
+                cells.push(cell);
+                bytes.extend(
+                    state[range.clone()][row..row + c.channels]
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes()),
+                );
             }
             self.device.write_rows(&mut self.conv[i], &cells, &bytes)?;
-            for (&cell, q) in cells.iter().zip(at) {
-                self.cell_pos[cell as usize] = q;
+        }
+        if let Some(c) = conv {
+            let tail_start = last - c.width as i32 + 2;
+            for &(p, cell) in history.iter().filter(|h| h.0 >= first.max(tail_start)) {
+                self.cell_pos[cell as usize] = p;
             }
+            self.conv_gaps |= history.iter().any(|&(p, _)| p >= first && p < tail_start);
         }
         if let Some(a) = &mut self.anchors {
             if !a.set_state(last_cell as usize, &delta) {
                 return Err(CacheError::bad_shape("a recurrent state of another size").into());
-            }
-        }
-        if let Some(c) = conv {
-            let pos = &self.cell_pos;
-            self.conv_gaps |= history
-                .iter()
-                .any(|&(p, cell)| p >= first && pos[cell as usize] != p);
-            if let Some(&(q, _)) = conv_tail(&history, c.width)
-                .iter()
-                .find(|t| t.1.is_some_and(|cell| pos[cell as usize] != t.0))
-            {
-                return Err(unrestored(q, c.width).into());
             }
         }
         Ok(())
@@ -893,7 +921,10 @@ impl<D: Device> KitCache<D> {
             return Ok(());
         };
         let held = self.book.history(seq)?;
-        let holds = |q: i32| rows.positions.contains(&q) || held.iter().any(|h| h.0 == q);
+        let holds = |q: i64| {
+            let is = |p: i32| i64::from(p) == q;
+            rows.positions.iter().any(|&p| is(p)) || held.iter().any(|h| is(h.0))
+        };
         let row_bytes = 4 * c.channels;
         for (l, range) in layout.into_iter().filter(|l| self.cfg.convolves(l.0)) {
             let part = &rows.state[4 * range.start..4 * range.end];
@@ -901,7 +932,8 @@ impl<D: Device> KitCache<D> {
                 .rev()
                 .zip(part.chunks_exact(row_bytes))
             {
-                let q = last - back;
+                // In i64: the positions are not checked yet.
+                let q = i64::from(last) - i64::from(back);
                 let zero = row
                     .chunks_exact(4)
                     .all(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0.0);
@@ -1019,8 +1051,8 @@ impl<D: Device> KitCache<D> {
         attend(kp, vp, plan.read_len, mask, out, scratch)
     }
 
-    /// Makes the open step's convolution taps (`[T, width]`) unless made: for each token,
-    /// the cells holding its sequence's previous `width - 1` positions among those its query
+    /// Makes the open step's convolution taps (`[T, width]`) and opens the anchors' step:
+    /// for each token, the cells holding its sequence's previous `width - 1` positions among those its query
     /// sees (the plan's visibility; [`NO_CELL`] where it holds no such position: before the
     /// sequence began, or removed by a `seq_rm` inside its history), oldest first, then its
     /// own. A position held twice (as attention allows) reads the cell right before the
@@ -1029,61 +1061,71 @@ impl<D: Device> KitCache<D> {
     fn make_taps(&mut self) -> Result<(), CacheError> {
         // The convolution layers' taps; for delta-rule layers only the previous position.
         let width = self.cfg.conv.map_or(2, |c| c.width);
-        if self.taps.is_none() {
-            let plan = self
-                .book
-                .step_plan()
-                .expect("convolution taps are made inside an open step");
-            for (i, &p) in plan.positions.iter().enumerate() {
-                self.cell_pos[plan.cell_of(i)] = p;
-            }
-            let held = |i: usize, c: usize, p: i32| plan.visible(i, c) && self.cell_pos[c] == p;
-            let mut taps = Vec::with_capacity(plan.n_tok * width);
-            for (i, &p) in plan.positions.iter().enumerate() {
-                let own = plan.cell_of(i);
-                for back in (1..width).rev() {
-                    let want = p - back as i32;
-                    // Consecutive positions usually sit in consecutive cells; else search
-                    // the cells the query sees.
-                    let tap = own
-                        .checked_sub(back)
-                        .filter(|&c| held(i, c, want))
-                        .or_else(|| (0..plan.read_len).find(|&c| held(i, c, want)))
-                        .map_or(NO_CELL, |c| c as u32);
-                    let gap =
-                        |c: usize| plan.visible(i, c) && self.book.cell_position(c) == Some(want);
-                    if tap == NO_CELL && self.conv_gaps && (0..plan.read_len).any(gap) {
-                        return Err(unrestored(want, width));
-                    }
-                    taps.push(tap);
-                }
-                taps.push(own as u32);
-            }
-            if let Some(a) = &mut self.anchors {
-                a.open_step(plan, &taps, width, self.book.kind() == CacheKind::Tree);
-            }
-            self.taps = Some(taps);
+        let plan = self
+            .book
+            .step_plan()
+            .expect("convolution taps are made inside an open step");
+        self.saved_pos.clear();
+        for (i, &p) in plan.positions.iter().enumerate() {
+            let c = plan.cell_of(i);
+            self.saved_pos.push(self.cell_pos[c]);
+            self.cell_pos[c] = p;
         }
+        let held = |i: usize, c: usize, p: i32| plan.visible(i, c) && self.cell_pos[c] == p;
+        let mut taps = Vec::with_capacity(plan.n_tok * width);
+        for (i, &p) in plan.positions.iter().enumerate() {
+            let own = plan.cell_of(i);
+            for back in (1..width).rev() {
+                let want = p - back as i32;
+                // Consecutive positions usually sit in consecutive cells; else search
+                // the cells the query sees.
+                let tap = own
+                    .checked_sub(back)
+                    .filter(|&c| held(i, c, want))
+                    .or_else(|| (0..plan.read_len).find(|&c| held(i, c, want)))
+                    .map_or(NO_CELL, |c| c as u32);
+                let gap = |c: usize| plan.visible(i, c) && self.book.cell_position(c) == Some(want);
+                if tap == NO_CELL && self.conv_gaps && (0..plan.read_len).any(gap) {
+                    for (i, &old) in self.saved_pos.iter().enumerate() {
+                        self.cell_pos[plan.cell_of(i)] = old;
+                    }
+                    return Err(unrestored(want, width));
+                }
+                taps.push(tap);
+            }
+            taps.push(own as u32);
+        }
+        if let Some(a) = &mut self.anchors {
+            // A tree cache's prefix steps are plain ones; its frontiers are masked.
+            let tree = self.book.kind() == CacheKind::Tree && plan.mask == MaskKind::Explicit;
+            a.open_step(plan, &taps, width, tree);
+        }
+        self.taps = Some(taps);
         Ok(())
     }
 
     /// After a verb, with cells an import left without convolution rows: `out_of_window`
-    /// when a sequence's next token would read one (a position in its last `width - 1`).
-    fn check_conv_tails(&self) -> Result<(), CacheError> {
+    /// when a sequence's next token would read one (a position in its last `width - 1`),
+    /// else whether any such cell is still held.
+    fn check_conv_tails(&self) -> Result<bool, CacheError> {
         let Some(conv) = self.cfg.conv else {
-            return Ok(());
+            return Ok(false);
         };
         let mut last = [-1i32; MAX_SEQS];
         self.book.last_positions(&mut last);
+        let mut gaps = false;
         for c in 0..self.book.high_water() {
             let Some(q) = self.book.cell_position(c) else {
                 continue;
             };
-            if self.cell_pos[c] != q && self.book.in_reach(c, q, conv.width - 1, &last) {
-                return Err(unrestored(q, conv.width));
+            if self.cell_pos[c] != q {
+                if self.book.in_reach(c, q, conv.width - 1, &last) {
+                    return Err(unrestored(q, conv.width));
+                }
+                gaps = true;
             }
         }
-        Ok(())
+        Ok(gaps)
     }
 
     fn check_shapes(
@@ -1200,8 +1242,9 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         }
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
-        if self.conv_gaps {
-            self.check_conv_tails()?;
+        // A tree commit (no `before`) keeps what its steps wrote: nothing to check.
+        if self.conv_gaps && before.is_some() {
+            self.conv_gaps = self.check_conv_tails()?;
         }
         if let Some(a) = &mut self.anchors {
             // A verb abandons an open step: so do its states.
@@ -1392,7 +1435,6 @@ impl<D: Device> Step<'_, D> {
         };
         let (m, al, be) = (host(x)?, host(alpha)?, host(beta)?);
         let c = &mut *self.cache;
-        c.make_taps()?;
         let mut y = vec![0f32; t * d.value_heads * d.head_dim];
         let anchors = c
             .anchors
@@ -1435,10 +1477,20 @@ impl<D: Device> Step<'_, D> {
             Some(start) => dev.write_run(&mut c.conv[i], start, x)?,
             None => dev.scatter_rows(&mut c.conv[i], &plan.write_cells, x)?,
         }
-        c.make_taps()?;
-        let taps = c.taps.as_deref().expect("made above");
+        let taps = c.taps.as_deref().expect("made when the step opened");
         c.device
             .short_conv(&c.conv[i], taps, conv.width, kernel, out)
+    }
+
+    /// Says which of the step's tokens have their outputs read (the model's logit rows):
+    /// a delta-rule cache keeps the end of a sequence's run as a prompt end when only its
+    /// last token is read (see `Anchors::commit_step`). None are, unless said.
+    pub fn read_rows(&mut self, rows: &[usize]) {
+        for &r in rows {
+            if let Some(x) = self.cache.reads.get_mut(r) {
+                *x = true;
+            }
+        }
     }
 
     /// Makes the step permanent; every layer must have been written.

@@ -98,8 +98,8 @@ pub struct Chat {
     messages: Vec<Message>,
     /// Tokens in the cache, in order (cell i holds `cached[i]`).
     cached: Vec<i32>,
-    /// The lengths of this conversation's prompts still in the cache, ascending: where a
-    /// hybrid cache keeps the recurrent state (see [`Chat::rewind`]).
+    /// The lengths of this conversation's newest prompts still in the cache, ascending:
+    /// where a hybrid cache keeps the recurrent state (see [`Chat::rewind`]).
     prompt_ends: Vec<usize>,
     capacity: usize,
     max_tokens: usize,
@@ -377,6 +377,10 @@ impl Chat {
         // Every generated id but the last was run; the next turn's prompt decides whether
         // the cache keeps them (a template may render the end of turn differently).
         self.cached.extend_from_slice(fresh);
+        // A delta-rule cache keeps the newest few prompt ends: older ones are not tried.
+        if self.prompt_ends.len() > kvplug_core::config::PROMPT_END_ANCHORS {
+            self.prompt_ends.remove(0);
+        }
         self.prompt_ends.push(prompt.len());
         self.cached
             .extend_from_slice(&g.ids[..g.ids.len().saturating_sub(1)]);

@@ -9,8 +9,9 @@
 //!   in files of hybrid models, the sliding-window layers, with the rows of the window they
 //!   keep (the positions from index `window_from` on). A group's K and V rows are in their
 //!   storage dtype, `[layers, n_kv_heads, rows, ...]`, layers ascending. A hybrid model's
-//!   delta-rule layers (`recurrent_layers`) have no rows: their state after the last row is
-//!   `state` (F32 `[values]`, laid out as [`SeqRows::state`]). f32/f16/bf16 rows
+//!   delta-rule and short-convolution layers (`recurrent_layers`) have no rows: their state
+//!   after the last row is `state` (F32 `[values]`, laid out as [`SeqRows::state`]; for a
+//!   convolution layer, its input rows of the last `width - 1` positions). f32/f16/bf16 rows
 //!   are `g0.k` / `g0.v` (`[.., head_dim]` in that dtype); q8/q4 rows are `g0.k.codes` (U8
 //!   `[.., code_bytes]`: one byte per value, or two 4-bit values per byte, low nibble first)
 //!   with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file is about 0.31x an

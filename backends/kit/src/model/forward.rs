@@ -584,6 +584,7 @@ impl<D: ModelDevice> DecoderModel<D> {
             KeyBasis::Identity => None,
         };
         let mut step = cache.step(positions, None)?;
+        step.read_rows(&a.rows);
         for (l, lw) in w.layers[..self.layers].iter().enumerate() {
             match &lw.mixer {
                 Mixer::Attention(at) => {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvplug_core::config::SPARE_ANCHORS;
+use kvplug_core::config::{PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::oracle::{gamma, gated_delta_step};
 use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, DeltaLayers, KvDtype, LayerSet, PosRange};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
@@ -115,10 +115,23 @@ fn step_and_check<D2: Device>(
     histories: &[History],
     what: &str,
 ) -> Result<(), KitError> {
+    step_reading(cache, tokens, seqs, histories, &[], what)
+}
+
+/// [`step_and_check`], the outputs of tokens `read` read (as a model reads its logit rows).
+fn step_reading<D2: Device>(
+    cache: &mut KitCache<D2>,
+    tokens: &[(i32, u32)],
+    seqs: Option<&[i32]>,
+    histories: &[History],
+    read: &[usize],
+    what: &str,
+) -> Result<(), KitError> {
     let dev = cache.device().clone();
     let t = tokens.len();
     let positions: Vec<i32> = tokens.iter().map(|x| x.0).collect();
     let mut step = cache.step(&positions, seqs)?;
+    step.read_rows(read);
     let rows: Vec<Vec<f32>> = tokens.iter().map(|&(_, tag)| row(tag)).collect();
     let x: Vec<f32> = rows.iter().flat_map(|r| r[..CH].to_vec()).collect();
     let part =
@@ -202,22 +215,28 @@ fn dropped_step<D2: Device>(cache: &mut KitCache<D2>, p: i32, seqs: Option<&[i32
         .unwrap();
 }
 
-/// A prompt prefilled in two chunks, then more decode steps than spares are kept: the
-/// cache returns to the prompt's end (its anchor is kept as a prompt end), not to the first
-/// chunk's (a chunk's end is only a spare), and decodes from there.
+/// A prompt prefilled in two chunks (the last token's output read, as a model reads its
+/// logits), then more decode steps than spares are kept, each with a speculative chain of
+/// two read tokens written between them: the cache returns to the prompt's end (its anchor
+/// is kept as a prompt end), not to the first chunk's or a chain's (only spares), and
+/// decodes from there.
 fn check_prompt_ends<D2: Device>(dev: &Arc<D2>) {
     let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, config()).unwrap();
     let mut h = History::new();
-    for chunk in [0..4, 4..8] {
+    for (chunk, read) in [(0..4, &[][..]), (4..8, &[3][..])] {
         let tokens: Vec<(i32, u32)> = chunk.map(|p| (p, 700 + p as u32)).collect();
-        step_and_check(&mut c, &tokens, None, &run(&h, &tokens), "a prompt's chunk").unwrap();
+        let hs = run(&h, &tokens);
+        step_reading(&mut c, &tokens, None, &hs, read, "a prompt's chunk").unwrap();
         h.extend(tokens);
     }
-    let end = 8 + SPARE_ANCHORS as i32 + 2;
-    for p in 8..end {
-        let token = [(p, 700 + p as u32)];
-        step_and_check(&mut c, &token, None, &run(&h, &token), "decode").unwrap();
-        h.extend(token);
+    let end = 8 + 3 * (SPARE_ANCHORS + PROMPT_END_ANCHORS) as i32;
+    for p in (8..end).step_by(3) {
+        let one = [(p, 700 + p as u32)];
+        step_reading(&mut c, &one, None, &run(&h, &one), &[0], "decode").unwrap();
+        h.extend(one);
+        let chain = [(p + 1, 701 + p as u32), (p + 2, 702 + p as u32)];
+        step_reading(&mut c, &chain, None, &run(&h, &chain), &[0, 1], "a chain").unwrap();
+        h.extend(chain);
     }
     // A verb drops the anchors beyond the budgets.
     c.rewind(end as usize).unwrap();
@@ -354,6 +373,27 @@ pub fn check_delta_verbs<D2: Device>(device: D2) {
         "after an attach",
     )
     .unwrap();
+
+    // A tree cache's prompt (a plain step) keeps its end's state only, as a contiguous
+    // cache's does: the same memory.
+    let long: Vec<(i32, u32)> = (0..12).map(|p| (p, 650 + p as u32)).collect();
+    let bytes = |kind| {
+        let mut c = KitCache::new(dev.clone(), kind, config()).unwrap();
+        step_and_check(
+            &mut c,
+            &long,
+            None,
+            &run(&History::new(), &long),
+            "a prompt",
+        )
+        .unwrap();
+        c.stats().allocated_bytes
+    };
+    assert_eq!(
+        bytes(CacheKind::Tree),
+        bytes(CacheKind::Contiguous),
+        "a tree cache's prompt keeps a state per token"
+    );
 
     // Tree: a prompt, a tree, the commit of a branch that ends inside it, decoding.
     let mut t = KitCache::new(dev.clone(), CacheKind::Tree, config()).unwrap();
