@@ -35,6 +35,16 @@ struct Shape<'a> {
     window: Option<usize>,
 }
 
+/// Three f32 layers, the middle one attending, convolutions of 3 taps.
+const SMALL_LFM2: Shape<'static> = Shape {
+    layers: 3,
+    attention: &[1],
+    taps: 3,
+    types: &[GgmlDType::F32],
+    tied: true,
+    window: None,
+};
+
 /// Writes an LFM2 GGUF of `shape`.
 fn write_lfm2(path: &Path, shape: &Shape) {
     let Shape {
@@ -227,15 +237,7 @@ fn lfm2_gguf_decodes_within_the_f64_reference_on_every_backend() {
 #[test]
 fn lfm2_convolution_state_follows_forks_and_rewinds() {
     let dir = tempfile::tempdir().unwrap();
-    let shape = Shape {
-        layers: 3,
-        attention: &[1],
-        taps: 3,
-        types: &[GgmlDType::F32],
-        tied: true,
-        window: None,
-    };
-    let model = lfm2(dir.path(), &shape);
+    let model = lfm2(dir.path(), &SMALL_LFM2);
     let rt = runtime();
     let m = common::model(&rt, "cpu", &model);
     let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
@@ -538,15 +540,7 @@ fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
 #[test]
 fn lfm2_sessions_carry_the_convolution_rows_across_backends() {
     let dir = tempfile::tempdir().unwrap();
-    let shape = Shape {
-        layers: 3,
-        attention: &[1],
-        taps: 3,
-        types: &[GgmlDType::F32],
-        tied: true,
-        window: None,
-    };
-    sessions_carry_the_recurrent_state(&lfm2(dir.path(), &shape), &[0, 2]);
+    sessions_carry_the_recurrent_state(&lfm2(dir.path(), &SMALL_LFM2), &[0, 2]);
 }
 
 /// Saves the prompt and one token of `model` on the cpu through session-file bytes
