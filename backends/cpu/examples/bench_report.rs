@@ -15,68 +15,136 @@ const HQ: usize = 32;
 const HKV: usize = 8;
 const D: usize = 128;
 
-fn criterion_dir() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-    target.join("criterion")
+/// One ISA level's results: `target/criterion` (the CPU's own level), or
+/// `target/criterion-avx2`, where `make bench` runs the kernels again under
+/// `KVPLUG_CPU_ISA=avx2` on an AVX-512 CPU (`CRITERION_HOME`).
+struct Level {
+    dir: PathBuf,
 }
 
-/// Mean time in seconds of benchmark `id` (e.g. `decode/f16/512`).
-fn mean(id: &str) -> Option<f64> {
-    let text = std::fs::read_to_string(criterion_dir().join(id).join("new/estimates.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    Some(v["mean"]["point_estimate"].as_f64()? * 1e-9)
-}
+impl Level {
+    fn new(name: &str) -> Self {
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+        Level {
+            dir: target.join(name),
+        }
+    }
 
-/// The throughput criterion recorded for benchmark `id` (bytes or elements per iteration).
-fn throughput(id: &str) -> Option<f64> {
-    let text = std::fs::read_to_string(criterion_dir().join(id).join("new/benchmark.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let t = v["throughput"].as_object()?;
-    t.values().next()?.as_f64()
-}
-
-/// Time in seconds of the fastest sample of benchmark `id` (each sample is the mean of many
-/// iterations): the figure least disturbed by other tenants of a shared machine.
-fn fastest(id: &str) -> f64 {
-    let read = || -> Option<f64> {
-        let text =
-            std::fs::read_to_string(criterion_dir().join(id).join("new/sample.json")).ok()?;
+    /// Mean time in seconds of benchmark `id` (e.g. `decode/f16/512`).
+    fn mean(&self, id: &str) -> Option<f64> {
+        let text = std::fs::read_to_string(self.dir.join(id).join("new/estimates.json")).ok()?;
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-        let (iters, times) = (v["iters"].as_array()?, v["times"].as_array()?);
-        iters
-            .iter()
-            .zip(times)
-            .map(|(i, t)| Some(t.as_f64()? / i.as_f64()? * 1e-9))
-            .try_fold(f64::INFINITY, |m, x| Some(m.min(x?)))
-    };
-    read().unwrap_or_else(|| {
-        panic!("no criterion samples for {id}: run `cargo bench -p kvplug-cpu` first")
-    })
-}
+        Some(v["mean"]["point_estimate"].as_f64()? * 1e-9)
+    }
 
-fn need(id: &str) -> f64 {
-    mean(id).unwrap_or_else(|| {
-        panic!("no criterion result for {id}: run `cargo bench -p kvplug-cpu` first")
-    })
+    /// The throughput criterion recorded for benchmark `id` (bytes or elements per
+    /// iteration).
+    fn throughput(&self, id: &str) -> Option<f64> {
+        let text = std::fs::read_to_string(self.dir.join(id).join("new/benchmark.json")).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        let t = v["throughput"].as_object()?;
+        t.values().next()?.as_f64()
+    }
+
+    /// Time in seconds of the fastest sample of benchmark `id` (each sample is the mean of
+    /// many iterations): the figure least disturbed by other tenants of a shared machine.
+    fn fastest(&self, id: &str) -> f64 {
+        let read = || -> Option<f64> {
+            let text = std::fs::read_to_string(self.dir.join(id).join("new/sample.json")).ok()?;
+            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            let (iters, times) = (v["iters"].as_array()?, v["times"].as_array()?);
+            iters
+                .iter()
+                .zip(times)
+                .map(|(i, t)| Some(t.as_f64()? / i.as_f64()? * 1e-9))
+                .try_fold(f64::INFINITY, |m, x| Some(m.min(x?)))
+        };
+        read().unwrap_or_else(|| {
+            panic!(
+                "no criterion samples for {id} in {}: run `make bench` first",
+                self.dir.display()
+            )
+        })
+    }
+
+    fn need(&self, id: &str) -> f64 {
+        self.mean(id).unwrap_or_else(|| {
+            panic!(
+                "no criterion result for {id} in {}: run `make bench` first",
+                self.dir.display()
+            )
+        })
+    }
+
+    /// Appends the output `make bench` wrote to `file` in this level's directory between
+    /// `before` and `after`, or says it was not measured.
+    fn measured_section(&self, md: &mut String, file: &str, before: &str, after: &str) {
+        let path = self.dir.join(file);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                md.push_str(before);
+                md.push_str(&text);
+                md.push_str(after);
+            }
+            Err(_) => {
+                writeln!(md, "Not measured: `make bench` writes {}.", path.display()).unwrap()
+            }
+        }
+    }
+
+    /// Measured read bandwidth in bytes per second: the mean, and the fastest sample.
+    fn bandwidth(&self) -> (f64, f64) {
+        let bytes = (256u64 << 20) as f64;
+        let id = "read_bandwidth/sum_256MiB";
+        (bytes / self.need(id), bytes / self.fastest(id))
+    }
 }
 
 /// Multiply-adds per second of the attention kernels' instructions on every thread
-/// (criterion's `compute_peak`, its fastest sample): f32 `vfmadd`, and `vpdpbusd` where the
-/// CPU has VNNI.
+/// (criterion's `compute_peak`, its fastest sample), at the level's width: f32 `vfmadd`,
+/// and the int8 dot (`vpdpbusd` where the CPU has VNNI; at 256 bits `vpmaddubsw` and
+/// `vpmaddwd`).
 struct Peaks {
+    /// 512 or 256.
+    bits: u32,
     f32: f64,
     int8: Option<f64>,
 }
 
 impl Peaks {
-    fn measured() -> Option<Self> {
-        let rate = |id: &str| Some(throughput(id)? / fastest(id));
+    fn measured(lv: &Level) -> Option<Self> {
+        let rate = |id: &str| Some(lv.throughput(id)? / lv.fastest(id));
+        if let Some(f32) = rate("compute_peak/f32_fma") {
+            return Some(Peaks {
+                bits: 512,
+                f32,
+                int8: rate("compute_peak/int8_dot"),
+            });
+        }
         Some(Peaks {
-            f32: rate("compute_peak/f32_fma")?,
-            int8: rate("compute_peak/int8_dot"),
+            bits: 256,
+            f32: rate("compute_peak/f32_fma_256")?,
+            int8: rate("compute_peak/int8_dot_256"),
         })
+    }
+
+    /// The sentence BENCH.md states them in.
+    fn describe(&self) -> String {
+        let int8 = match (self.int8, self.bits) {
+            (Some(r), 512) => format!("int8 dot (`vpdpbusd`) **{:.0} GMAC/s**", r / 1e9),
+            (Some(r), _) => format!(
+                "int8 dot (`vpmaddubsw` + `vpmaddwd` + `vpaddd`) **{:.0} GMAC/s**",
+                r / 1e9
+            ),
+            (None, _) => "int8 dot not measured (no AVX-512 VNNI)".into(),
+        };
+        format!(
+            "Measured arithmetic peak ({}-bit instructions in independent chains on every thread): f32 multiply-add (`vfmadd`) **{:.0} GMAC/s**; {int8}. A step's *compute floor* is its multiply-adds at these rates (scores in its arithmetic, values in f32, their times added where both are f32 and the longer taken where the scores are int8; softmax and memory left out): no kernel on these instructions beats it.",
+            self.bits,
+            self.f32 / 1e9
+        )
     }
 
     /// The least time `pairs` (query row, key row) pairs take at these peaks: `D`
@@ -126,32 +194,12 @@ fn cpu_model() -> String {
     }
 }
 
-fn main() {
-    let mut md = String::new();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let bw = (256u64 << 20) as f64 / need("read_bandwidth/sum_256MiB");
-    let bw_best = (256u64 << 20) as f64 / fastest("read_bandwidth/sum_256MiB");
-    writeln!(md, "# cpu backend benchmarks\n").unwrap();
-    writeln!(md, "Generated by `make bench` (`cargo bench -p kvplug-cpu` then `cargo run --release -p kvplug-cpu --example bench_report`); do not edit by hand.\n").unwrap();
-    writeln!(md, "Machine: {} ({cores} threads). Measured read bandwidth (sum over 256 MiB on every thread): **{:.1} GB/s** (mean), {:.1} GB/s (fastest sample).", cpu_model(), bw / 1e9, bw_best / 1e9).unwrap();
-    let peaks = Peaks::measured();
-    if let Some(p) = &peaks {
-        let int8 = p.int8.map_or("not measured (no AVX-512 VNNI)".into(), |r| {
-            format!("**{:.0} GMAC/s**", r / 1e9)
-        });
-        writeln!(md, "Measured arithmetic peak (512-bit instructions in independent chains on every thread): f32 multiply-add (`vfmadd`) **{:.0} GMAC/s**; int8 dot (`vpdpbusd`) {int8}. A step's *compute floor* is its multiply-adds at these rates (scores in its arithmetic, values in f32, their times added where both are f32 and the longer taken where the scores are int8; softmax and memory left out): no kernel on these instructions beats it.", p.f32 / 1e9).unwrap();
-    }
-    writeln!(
-        md,
-        "Shapes: one layer, Hq 32, Hkv 8, D 128; times are criterion means. On a shared VM the \
-         memory bandwidth left to us swings from run to run (and within one: samples cluster \
-         near two speeds), so the decode and stored-dtype weights tables also put the \
-         fastest sample against the fastest bandwidth sample; the block-format weights \
-         table pairs each pass with a bandwidth pass instead.\n"
-    )
-    .unwrap();
-
-    writeln!(md, "## Decode step (T = 1)\n").unwrap();
+/// The tables of the kernels whose speed depends on the ISA level, from `lv`'s results:
+/// decode (one layer, then streamed), fork, tree, prefill and weights; `h` opens their
+/// headings, `peaks` gives the compute floors (`None`: not measured at this level).
+fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
+    let (bw, bw_best) = lv.bandwidth();
+    writeln!(md, "{h} Decode step (T = 1)\n").unwrap();
     writeln!(md, "Scores in f32; `int8-query` rows (where the CPU has AVX2: `maddubs`, or `vpdpbusd` with AVX-512 VNNI) compute them from the query quantized to int8 (docs/conformance.md, declared arithmetics).\n").unwrap();
     writeln!(md, "| KV dtype | L | time (µs) | K+V bytes read | effective GB/s | bandwidth bound (µs) | time / bound | time vs f16 | fastest sample / its bound | compute floor (µs) |").unwrap();
     writeln!(md, "|---|---|---|---|---|---|---|---|---|---|").unwrap();
@@ -162,16 +210,16 @@ fn main() {
             [512usize, 4096, 16384].into_iter().flat_map(move |l| {
                 let plain = (dtype.to_string(), format!("decode/{dtype}/{l}"), dtype, l);
                 let reduced = (format!("{dtype} int8-query"), int8(dtype, l), dtype, l);
-                std::iter::once(plain).chain(mean(&reduced.1).map(|_| reduced))
+                std::iter::once(plain).chain(lv.mean(&reduced.1).map(|_| reduced))
             })
         });
     for (label, id, dtype, l) in rows {
-        let t = need(&id);
-        let floor = floor_us(&peaks, HQ * l, label.ends_with("int8-query"));
-        let f16 = need(&format!("decode/f16/{l}"));
+        let t = lv.need(&id);
+        let floor = floor_us(peaks, HQ * l, label.ends_with("int8-query"));
+        let f16 = lv.need(&format!("decode/f16/{l}"));
         let bytes = 2 * HKV * l * dtype.row_bytes(D);
         let bound = bytes as f64 / bw;
-        let best = fastest(&id) / (bytes as f64 / bw_best);
+        let best = lv.fastest(&id) / (bytes as f64 / bw_best);
         writeln!(
             md,
             "| {label} | {l} | {:.1} | {:.2} MB | {:.1} | {:.1} | {:.2}× | {:.2}× | {best:.2}× | {floor} |",
@@ -187,11 +235,11 @@ fn main() {
 
     writeln!(
         md,
-        "\n## Decode step streamed from memory, Qwen2.5-0.5B's attention shape\n"
+        "\n{h} Decode step streamed from memory, Qwen2.5-0.5B's attention shape\n"
     )
     .unwrap();
-    measured_section(
-        &mut md,
+    lv.measured_section(
+        md,
         "decode_stream.txt",
         "`cargo run --release -p kvplug-cpu --example decode_attention -- 4096 f16,q8,q8+int8-query,q4,q4+int8-query 20`: 24 layers, Hq 14, Hkv 2, D 64, one cache per layer holding 4,096 tokens, one decode step through every layer (each layer's K/V come from memory, as in `kvplug bench -d 4096`; the one-layer table above mostly fits in the last-level cache). Fastest of 20 steps:\n\n```text\n",
         "```\n",
@@ -199,7 +247,7 @@ fn main() {
 
     writeln!(
         md,
-        "\n## Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
+        "\n{h} Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
     )
     .unwrap();
     writeln!(
@@ -208,12 +256,12 @@ fn main() {
     )
     .unwrap();
     // q8 runs in its default arithmetic: int8-query where the decode bench found it.
-    let q8_int8 = mean(&int8(KvDtype::Q8_DEFAULT, 512)).is_some();
+    let q8_int8 = lv.mean(&int8(KvDtype::Q8_DEFAULT, 512)).is_some();
     for (dtype, int8) in [("f16", false), ("q8", q8_int8)] {
-        let one = need(&format!("fork_step/{dtype}_branches/1"));
-        let four = need(&format!("fork_step/{dtype}_branches/4"));
+        let one = lv.need(&format!("fork_step/{dtype}_branches/1"));
+        let four = lv.need(&format!("fork_step/{dtype}_branches/4"));
         // The trunk's rows only: a floor still.
-        let floor = floor_and_ratio(&peaks, 4 * HQ * 2048, int8, one);
+        let floor = floor_and_ratio(peaks, 4 * HQ * 2048, int8, one);
         writeln!(
             md,
             "| {dtype} | {:.1} | {:.1} | **{:.2}×** | {floor} |",
@@ -224,12 +272,12 @@ fn main() {
         .unwrap();
     }
 
-    writeln!(md, "\n## Tree verify (L = 2048)\n\n\"floor / decode\" is the least tree / decode this machine's arithmetic allows against the decode time as measured: the 16 nodes' multiply-adds (committed rows only) at the measured peak.\n").unwrap();
+    writeln!(md, "\n{h} Tree verify (L = 2048)\n\n\"floor / decode\" is the least tree / decode this machine's arithmetic allows against the decode time as measured: the 16 nodes' multiply-adds (committed rows only) at the measured peak.\n").unwrap();
     writeln!(md, "| KV dtype | 16-node tree, one step (µs) | 1-token decode (µs) | tree / decode | tree's compute floor (µs) | floor / decode |\n|---|---|---|---|---|---|").unwrap();
     for (dtype, int8) in [("f16", false), ("q8", q8_int8)] {
-        let tree = need(&format!("tree_verify/{dtype}_nodes_16"));
-        let dec = need(&format!("tree_verify/{dtype}_decode_1"));
-        let floor = floor_and_ratio(&peaks, 16 * HQ * 2048, int8, dec);
+        let tree = lv.need(&format!("tree_verify/{dtype}_nodes_16"));
+        let dec = lv.need(&format!("tree_verify/{dtype}_decode_1"));
+        let floor = floor_and_ratio(peaks, 16 * HQ * 2048, int8, dec);
         writeln!(
             md,
             "| {dtype} | {:.1} | {:.1} | **{:.2}×** | {floor} |",
@@ -240,8 +288,8 @@ fn main() {
         .unwrap();
     }
 
-    writeln!(md, "\n## Prefill, T = 512 (f16, one layer)\n").unwrap();
-    let tiled = need("prefill_512/tiled");
+    writeln!(md, "\n{h} Prefill, T = 512 (f16, one layer)\n").unwrap();
+    let tiled = lv.need("prefill_512/tiled");
     writeln!(
         md,
         "| attention kernel | time (ms) | vs tiled at 256 bits |\n|---|---|---|"
@@ -253,7 +301,7 @@ fn main() {
         ("XNNPACK GEMMs", "prefill_512/xnnpack"),
         ("row kernel", "prefill_512/rows"),
     ] {
-        match mean(id) {
+        match lv.mean(id) {
             Some(t) => writeln!(md, "| {name} | {:.2} | {:.2}× |", t * 1e3, t / tiled).unwrap(),
             None => writeln!(md, "| {name} | not built in or not this CPU's | |").unwrap(),
         }
@@ -261,7 +309,7 @@ fn main() {
 
     writeln!(
         md,
-        "\n## Weights, one decode token (150 matrices of 1536 × 576, out of cache)\n"
+        "\n{h} Weights, one decode token (150 matrices of 1536 × 576, out of cache)\n"
     )
     .unwrap();
     writeln!(
@@ -270,9 +318,9 @@ fn main() {
     )
     .unwrap();
     for dtype in ["f16", "bf16"] {
-        let t = need(&format!("weights_decode/{dtype}"));
+        let t = lv.need(&format!("weights_decode/{dtype}"));
         let bytes = (150 * 1536 * 576 * 2) as f64;
-        let best = fastest(&format!("weights_decode/{dtype}"));
+        let best = lv.fastest(&format!("weights_decode/{dtype}"));
         writeln!(
             md,
             "| {dtype} | {:.2} | {:.1} | {:.2}× | {:.2}× |",
@@ -286,27 +334,64 @@ fn main() {
 
     writeln!(
         md,
-        "\n## Block-format weights, one decode token (256 MB weight sets, out of cache)\n"
+        "\n{h} Block-format weights, one decode token (256 MB weight sets, out of cache)\n"
     )
     .unwrap();
-    measured_section(
-        &mut md,
+    lv.measured_section(
+        md,
         "weights_bandwidth.md",
         "`qlinear::linear_blocks` on the blocks in place (activations quantized to 8 bits per 32 values), against f16 weights of the same shapes; Qwen2.5-0.5B's MLP shapes, `[rows, cols]` (the K formats need 256-value rows: down projection only). Each weight pass is paired with a read-bandwidth pass just before it, round-robin over every set (`cargo run --release -p kvplug-cpu --example weights_bandwidth`, whose doc comment says why): the ratios do not depend on which of this VM's two bandwidth speeds a separate benchmark caught. \"Fast pairs\" are those taken at the higher speed, where the kernels' arithmetic shows most. Criterion's `weights_decode_blocks` times the same passes alone.\n\n",
         "",
     );
     writeln!(
         md,
-        "\n## Block-format weights, prefill (512 tokens through one 896 × 4864 weight)\n"
+        "\n{h} Block-format weights, prefill (512 tokens through one 896 × 4864 weight)\n"
     )
     .unwrap();
     writeln!(md, "| format | time (ms) | GFLOP/s |\n|---|---|---|").unwrap();
     for fmt in ["q4_K", "q6_K", "q8_0", "q4_0", "f16"] {
         let id = format!("weights_prefill_blocks/{fmt}");
-        let (Some(t), Some(flops)) = (mean(&id), throughput(&id)) else {
+        let (Some(t), Some(flops)) = (lv.mean(&id), lv.throughput(&id)) else {
             continue;
         };
         writeln!(md, "| {fmt} | {:.2} | {:.1} |", t * 1e3, flops / t / 1e9).unwrap();
+    }
+}
+
+fn main() {
+    let mut md = String::new();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let native = Level::new("criterion");
+    let (bw, bw_best) = native.bandwidth();
+    writeln!(md, "# cpu backend benchmarks\n").unwrap();
+    writeln!(md, "Generated by `make bench` (`cargo bench -p kvplug-cpu` then `cargo run --release -p kvplug-cpu --example bench_report`); do not edit by hand.\n").unwrap();
+    writeln!(md, "Machine: {} ({cores} threads). Measured read bandwidth (sum over 256 MiB on every thread): **{:.1} GB/s** (mean), {:.1} GB/s (fastest sample).", cpu_model(), bw / 1e9, bw_best / 1e9).unwrap();
+    let peaks = Peaks::measured(&native);
+    if let Some(p) = &peaks {
+        writeln!(md, "{}", p.describe()).unwrap();
+    }
+    writeln!(
+        md,
+        "Shapes: one layer, Hq 32, Hkv 8, D 128; times are criterion means. On a shared VM the \
+         memory bandwidth left to us swings from run to run (and within one: samples cluster \
+         near two speeds), so the decode and stored-dtype weights tables also put the \
+         fastest sample against the fastest bandwidth sample; the block-format weights \
+         table pairs each pass with a bandwidth pass instead.\n"
+    )
+    .unwrap();
+
+    kernel_tables(&mut md, &native, &peaks, "##");
+    let avx2 = Level::new("criterion-avx2");
+    if avx2.dir.exists() {
+        let (bw, _) = avx2.bandwidth();
+        let peaks = Peaks::measured(&avx2);
+        writeln!(md, "\n## At the AVX2 level\n").unwrap();
+        writeln!(md, "The same kernels capped at AVX2 (`KVPLUG_CPU_ISA=avx2`, the paths of Zen 2/3 and Intel client cores), run by `make bench` on this CPU after the tables above; read bandwidth in that run: {:.1} GB/s.", bw / 1e9).unwrap();
+        if let Some(p) = &peaks {
+            writeln!(md, "{}", p.describe()).unwrap();
+        }
+        writeln!(md).unwrap();
+        kernel_tables(&mut md, &avx2, &peaks, "###");
     }
 
     writeln!(
@@ -348,7 +433,7 @@ fn main() {
         )
         .unwrap();
     }
-    let growth = criterion_dir().join("kv_growth.md");
+    let growth = native.dir.join("kv_growth.md");
     let growth = std::fs::read_to_string(&growth).unwrap_or_else(|_| {
         panic!(
             "no {}: run `cargo run --release -p kvplug-cpu --example kv_growth > {0}` first",
@@ -367,7 +452,7 @@ fn main() {
         "\n## Sessions: save and restore, SmolLM2-135M, 2,048 tokens\n"
     )
     .unwrap();
-    measured_section(
+    native.measured_section(
         &mut md,
         "sessions.txt",
         "`cargo run --release -p kvplug --example prefix_reuse -- models/SmolLM2-135M-Instruct.Q4_1.gguf cpu 2048` (save: export, file written and fsynced; restore: file read and checked, rows imported):\n\n```text\n",
@@ -378,7 +463,7 @@ fn main() {
         "\n## KV dtype quality: next-token choices against f16 K/V, Qwen2.5-Coder-0.5B\n"
     )
     .unwrap();
-    measured_section(
+    native.measured_section(
         &mut md,
         "kv_quality.md",
         "`cargo run --release -p kvplug --example kv_quality -- models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf cpu 64` (its doc comment defines the three measures).\n\n",
@@ -403,18 +488,4 @@ fn main() {
     std::fs::write(&out, &md).unwrap();
     print!("{md}");
     eprintln!("wrote {}", out.display());
-}
-
-/// Appends the output `make bench` wrote to `file` in the criterion directory between
-/// `before` and `after`, or says it was not measured.
-fn measured_section(md: &mut String, file: &str, before: &str, after: &str) {
-    let path = criterion_dir().join(file);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => {
-            md.push_str(before);
-            md.push_str(&text);
-            md.push_str(after);
-        }
-        Err(_) => writeln!(md, "Not measured: `make bench` writes {}.", path.display()).unwrap(),
-    }
 }
