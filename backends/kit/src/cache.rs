@@ -1243,22 +1243,25 @@ impl<D: Device> CacheVerbs for KitCache<D> {
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
         // A tree commit (no `before`) keeps what its steps wrote: nothing to check.
-        if self.conv_gaps && before.is_some() {
-            self.conv_gaps = self.check_conv_tails()?;
-        }
+        let gaps = match self.conv_gaps && before.is_some() {
+            true => Some(self.check_conv_tails()?),
+            false => None,
+        };
         if let Some(a) = &mut self.anchors {
             // A verb abandons an open step: so do its states.
             a.rollback_step();
             a.check_verb(&self.book)?;
         }
-        match &mut self.sliding {
-            Some(g) => {
-                // A verb abandons an open step: so do the slots.
-                g.map.rollback_step();
-                g.map.check_verb(&self.book, before)
-            }
-            None => Ok(()),
+        if let Some(g) = &mut self.sliding {
+            // A verb abandons an open step: so do the slots.
+            g.map.rollback_step();
+            g.map.check_verb(&self.book, before)?;
         }
+        // Only once the verb stands (a refusal restores the bookkeeping, gaps included).
+        if let Some(gaps) = gaps {
+            self.conv_gaps = gaps;
+        }
+        Ok(())
     }
 }
 

@@ -182,11 +182,17 @@ impl Context {
             ))
             .into());
         }
-        // A forward returns at least one row: a batch that wants none (a prompt chunk) asks
-        // for its last and drops it.
+        // A forward returns at least one row: a batch that wants none (a prompt's earlier
+        // chunk, a chain written again) asks for its first and drops it. Not its last: a
+        // delta-rule cache keeps a run's state as a prompt end when only its last output is
+        // read (the last chunk of a prompt).
         let wanted = batch.logit_rows();
-        let last = [batch.len() as i32 - 1];
-        let rows = if wanted.is_empty() { &last[..] } else { wanted };
+        let first = [0];
+        let rows = if wanted.is_empty() {
+            &first[..]
+        } else {
+            wanted
+        };
         self.inputs[0].set_i32(&[batch.len()], batch.tokens());
         self.inputs[1].set_i32(&[batch.len()], batch.positions());
         self.inputs[2].set_i32(&[rows.len()], rows);

@@ -631,3 +631,38 @@ fn qwen35_chat_resumes_at_the_previous_prompt_end() {
         "the second turn resumes where the first prompt ended"
     );
 }
+
+/// Through the runtime's batches, as the generator sends them: a prompt's earlier chunk and
+/// a chain written again want no logits, its last chunk wants its last row's. Only the
+/// prompt's end is kept as a prompt end, so after more unread chunks than prompt ends are
+/// kept, and a verb that drops the surplus anchors, Qwen3.5 still returns there.
+#[test]
+fn qwen35_prompt_end_outlives_unread_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    let rt = runtime();
+    let mut ctx = common::model(&rt, "cpu", &model)
+        .context(CacheKind::Contiguous, 128, KvDtype::F32)
+        .unwrap();
+    let mut at = 0;
+    let mut feed = |ctx: &mut Context, n: usize, read_last: bool| {
+        let mut b = Batch::new();
+        for i in 0..n {
+            b.push(3 + at % 200, at, 0, read_last && i + 1 == n);
+            at += 1;
+        }
+        ctx.decode(&b).unwrap();
+    };
+    feed(&mut ctx, 4, false);
+    feed(&mut ctx, 4, true);
+    let prompt_end = 8;
+    let chunks = kvplug_core::config::PROMPT_END_ANCHORS + 1;
+    for _ in 0..chunks {
+        feed(&mut ctx, 1, true);
+        feed(&mut ctx, 2, false);
+    }
+    let len = prompt_end + chunks * 3;
+    ctx.rewind(len).unwrap();
+    ctx.rewind(prompt_end)
+        .expect("the prompt's end is kept, not the unread chunks' ends");
+}
