@@ -100,9 +100,10 @@ test-one-core:
 ## AVX-512 the kernels' benchmarks run again capped at AVX2 (target/criterion-avx2), for
 ## BENCH.md's AVX2 tables.
 bench: deps models
-	$(MAKE) bench-kernels
+	$(MAKE) bench-kernels KERNELS_OUT=$(CURDIR)/target/criterion
 	if grep -qw avx512f /proc/cpuinfo; then \
-		KVPLUG_CPU_ISA=avx2 CRITERION_HOME=$(CURDIR)/target/criterion-avx2 $(MAKE) bench-kernels; fi
+		KVPLUG_CPU_ISA=avx2 $(MAKE) bench-kernels KERNELS_OUT=$(CURDIR)/target/criterion-avx2; \
+	else rm -rf target/criterion-avx2; fi
 	$(CARGO) run --release -p kvplug-cpu --example kv_growth > target/criterion/kv_growth.md
 	$(CARGO) build --release -p kvplug-cpu
 	$(CARGO) run --release -p kvplug --example prefix_reuse -- \
@@ -112,15 +113,15 @@ bench: deps models
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
 
 ## make bench-kernels: the cpu kernels' benchmarks at the ISA level KVPLUG_CPU_ISA allows,
-## into CRITERION_HOME (default target/criterion); part of make bench.
-CRITERION_HOME ?= $(CURDIR)/target/criterion
+## into KERNELS_OUT (default target/criterion); part of make bench.
+KERNELS_OUT ?= $(CURDIR)/target/criterion
 bench-kernels:
-	mkdir -p $(CRITERION_HOME)
-	CRITERION_HOME=$(CRITERION_HOME) $(CARGO) bench -p kvplug-cpu --bench attention
+	mkdir -p $(KERNELS_OUT)
+	CRITERION_HOME=$(KERNELS_OUT) $(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example decode_attention -- 4096 \
-		f16,q8,q8+int8-query,q4,q4+int8-query 20 > $(CRITERION_HOME)/decode_stream.txt
+		f16,q8,q8+int8-query,q4,q4+int8-query 20 > $(KERNELS_OUT)/decode_stream.txt
 	$(CARGO) run --release -p kvplug-cpu --example weights_bandwidth \
-		> $(CRITERION_HOME)/weights_bandwidth.md
+		> $(KERNELS_OUT)/weights_bandwidth.md
 
 ## make bench-gpu: the wgpu backend on random-weight Q4_K_M files of the SmolLM2-135M,
 ## Qwen2.5-0.5B and Qwen2.5-1.5B shapes written on the spot (scripts/bench_shapes.py):

@@ -104,11 +104,11 @@ fn read_bandwidth(cr: &mut Criterion) {
 /// The arithmetic peak of the attention kernels' two multiply-add instructions on this
 /// machine at the kernels' ISA level (`examples/bench_report.rs` divides each step's
 /// multiply-adds by it: the time no kernel could beat on these instructions): per thread of
-/// the worker pool, [`PEAK_CHAINS`] independent chains of [`PEAK_STEPS`] steps each. With
-/// AVX-512: f32 `vfmadd` (16 multiply-adds) and, with VNNI, `vpdpbusd` (64); capped at or
-/// limited to AVX2 (`f32_fma_256`, `int8_dot_256`): 256-bit `vfmadd` (8) and the int8
-/// kernels' `vpmaddubsw`, `vpmaddwd`, `vpaddd` (32). Criterion's throughput is the
-/// multiply-adds of one pass. Measures nothing off x86-64 (the instructions are x86's).
+/// the worker pool, [`PEAK_CHAINS`] ([`PEAK_CHAINS_256`] for 256-bit `vfmadd`) independent chains
+/// of [`PEAK_STEPS`] steps each. With AVX-512: f32 `vfmadd` (16 multiply-adds) and, with
+/// VNNI, `vpdpbusd` (64); capped at or limited to AVX2 (`f32_fma_256`, `int8_dot_256`):
+/// 256-bit `vfmadd` (8) and the int8 kernels' `vpmaddubsw`, `vpmaddwd`, `vpaddd` (32).
+/// Criterion's throughput is the multiply-adds of one pass. Measures nothing off x86-64 (the instructions are x86's).
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn compute_peak(cr: &mut Criterion) {
     #[cfg(target_arch = "x86_64")]
@@ -133,7 +133,8 @@ fn compute_peak(cr: &mut Criterion) {
                 });
             }
         } else if isa.avx2_fma_f16c {
-            g.throughput(Throughput::Elements(8 * pass));
+            let fma_pass = (threads * PEAK_CHAINS_256 * PEAK_STEPS) as u64;
+            g.throughput(Throughput::Elements(8 * fma_pass));
             // SAFETY: AVX2 and FMA are present (the kernels' view).
             g.bench_function("f32_fma_256", |b| {
                 b.iter(|| peak_pass(|| unsafe { fma_chains_256() }))
@@ -152,6 +153,12 @@ fn compute_peak(cr: &mut Criterion) {
 /// instructions' latency times the ports that run them.
 #[cfg(target_arch = "x86_64")]
 const PEAK_CHAINS: usize = 16;
+/// `vfmadd` chains at 256 bits: AVX2 has 16 vector registers, so 16 chains and their
+/// operands spill inside the loop (measured 103 against 126 GMAC/s with 12, on this
+/// project's Intel VM). The int8 chain keeps [`PEAK_CHAINS`]: three instructions long (~11 cycles),
+/// it needs more in flight than it loses to a spill (215–220 against 198 GMAC/s with 12).
+#[cfg(target_arch = "x86_64")]
+const PEAK_CHAINS_256: usize = 12;
 /// Instructions per chain in one [`compute_peak`] pass.
 #[cfg(target_arch = "x86_64")]
 const PEAK_STEPS: usize = 1 << 16;
@@ -203,7 +210,7 @@ unsafe fn dot_chains() {
 unsafe fn fma_chains_256() {
     use std::arch::x86_64::*;
     let (x, y) = (_mm256_set1_ps(1.000_000_1), _mm256_set1_ps(1e-7));
-    let mut acc = [_mm256_setzero_ps(); PEAK_CHAINS];
+    let mut acc = [_mm256_setzero_ps(); PEAK_CHAINS_256];
     for (i, a) in acc.iter_mut().enumerate() {
         *a = _mm256_set1_ps(i as f32);
     }
@@ -222,7 +229,8 @@ unsafe fn fma_chains_256() {
 #[target_feature(enable = "avx2")]
 unsafe fn dot_chains_256() {
     use std::arch::x86_64::*;
-    let (x, ones) = (_mm256_set1_epi8(3), _mm256_set1_epi16(1));
+    // `ones` through black_box: no multiply by a known 1 to rewrite.
+    let (x, ones) = (_mm256_set1_epi8(3), black_box(_mm256_set1_epi16(1)));
     let mut acc = [_mm256_setzero_si256(); PEAK_CHAINS];
     for (i, a) in acc.iter_mut().enumerate() {
         *a = _mm256_set1_epi32(i as i32);
