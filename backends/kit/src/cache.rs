@@ -829,10 +829,11 @@ impl<D: Device> KitCache<D> {
             return Ok(());
         };
         let conv = self.cfg.conv;
+        // The first position of the convolution tail (what the next token reads).
+        let tail_start = conv.map_or(last, |c| last - c.width as i32 + 2);
         // The tail's cells held before the import must have their rows (checked before
         // anything is written).
         if let Some(c) = conv {
-            let tail_start = last - c.width as i32 + 2;
             if let Some(&(q, _)) = history.iter().find(|&&(p, cell)| {
                 (tail_start..first).contains(&p) && self.cell_pos[cell as usize] != p
             }) {
@@ -857,7 +858,6 @@ impl<D: Device> KitCache<D> {
             let c = conv.expect("a convolution layer has its config");
             // Every imported cell of a tail position (a position held twice gets its row in
             // each of its cells).
-            let tail_start = last - c.width as i32 + 2;
             let (mut cells, mut bytes) = (Vec::new(), Vec::new());
             for &(p, cell) in history.iter().filter(|h| h.0 >= first.max(tail_start)) {
                 let row = (p - tail_start) as usize * c.channels;
@@ -870,8 +870,7 @@ impl<D: Device> KitCache<D> {
             }
             self.device.write_rows(&mut self.conv[i], &cells, &bytes)?;
         }
-        if let Some(c) = conv {
-            let tail_start = last - c.width as i32 + 2;
+        if conv.is_some() {
             for &(p, cell) in history.iter().filter(|h| h.0 >= first.max(tail_start)) {
                 self.cell_pos[cell as usize] = p;
             }
