@@ -118,20 +118,23 @@ impl HostTensor {
             return false;
         }
         self.set_shape(dtype, shape, data.len());
-        let b = &mut self.bytes;
         match dtype {
-            TensorDtype::F32 => b.extend(data.iter().flat_map(|x| x.to_le_bytes())),
-            TensorDtype::F16 => b.extend(
-                data.iter()
-                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
-            ),
-            TensorDtype::Bf16 => b.extend(
-                data.iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()),
-            ),
+            TensorDtype::F32 => self.fill(data, |x| x.to_le_bytes()),
+            TensorDtype::F16 => self.fill(data, |&x| half::f16::from_f32(x).to_le_bytes()),
+            TensorDtype::Bf16 => self.fill(data, |&x| half::bf16::from_f32(x).to_le_bytes()),
             TensorDtype::I32 => unreachable!("refused above"),
         }
         true
+    }
+
+    /// Appends `encode` of each element to the (emptied) bytes: sized once and written in
+    /// place, which the compiler vectorizes (a byte-at-a-time `RVec::extend` checked its
+    /// capacity per byte: 4% of a Qwen3.5 prefill).
+    fn fill<T, const N: usize>(&mut self, data: &[T], encode: impl Fn(&T) -> [u8; N]) {
+        self.bytes.resize(data.len() * N, 0);
+        for (out, x) in self.bytes.chunks_exact_mut(N).zip(data) {
+            out.copy_from_slice(&encode(x));
+        }
     }
 
     /// An i32 tensor.
@@ -150,7 +153,7 @@ impl HostTensor {
             "shape/data mismatch"
         );
         self.set_shape(TensorDtype::I32, shape, data.len());
-        self.bytes.extend(data.iter().flat_map(|x| x.to_le_bytes()));
+        self.fill(data, |x| x.to_le_bytes());
     }
 
     /// Sets dtype and shape, and empties `bytes` with room for `n` elements.
