@@ -13,6 +13,7 @@
 use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{Bookkeeping, CacheError, CacheResult, DeltaLayers, StepPlan, MAX_SEQS};
 
+use crate::delta_rule::{Run, Scratch, Tokens, NO_STATE};
 use crate::device::NO_CELL;
 
 const NONE: u32 = u32::MAX;
@@ -59,15 +60,18 @@ pub struct Anchors {
     /// Whether the open step is a tree frontier (every node keeps its state; none is a
     /// prompt).
     step_tree: bool,
-    /// One token's convolution output, its normalized q and k, and one row of a state
-    /// updated in place.
+    /// One token's convolution output.
     mixed: Vec<f32>,
+    /// Per token of the step, the rule's inputs (laid out as [`Tokens`] says): normalized
+    /// q and k, SiLU'd v, per value head the log decay and step size.
     qk: Vec<f32>,
-    row_buf: Vec<f32>,
-    /// One token's SiLU'd v, and per value head its decay and step size.
     v: Vec<f32>,
-    g: Vec<f32>,
+    lg: Vec<f32>,
     b: Vec<f32>,
+    /// The step's runs of tokens advancing one state.
+    runs: Vec<Run>,
+    /// Each thread's buffers for the rule.
+    scratch: [Scratch; 2],
     /// Threads a prefill splits the heads over (at most 2).
     threads: usize,
     /// Anchors the last check found needed (sequence ends, tree nodes).
@@ -97,11 +101,12 @@ impl Anchors {
             step_home: Vec::new(),
             step_tree: false,
             mixed: vec![0.0; d.conv_channels()],
-            qk: vec![0.0; 2 * d.key_heads * d.head_dim],
-            row_buf: vec![0.0; d.head_dim],
-            v: vec![0.0; d.value_heads * d.head_dim],
-            g: vec![0.0; d.value_heads],
-            b: vec![0.0; d.value_heads],
+            qk: Vec::new(),
+            v: Vec::new(),
+            lg: Vec::new(),
+            b: Vec::new(),
+            runs: Vec::new(),
+            scratch: Default::default(),
             threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
             needed: 0,
             use_of: Vec::new(),
@@ -330,6 +335,14 @@ impl Anchors {
         let (sl, ch, pl) = (d.state_len(), d.conv_channels(), self.per_layer());
         let t = self.step_cell.len();
         let at = li * pl;
+        let qk_len = 2 * hk * n;
+        self.qk.resize(t * qk_len, 0.0);
+        self.v.resize(t * hv * n, 0.0);
+        self.lg.resize(t * hv, 0.0);
+        self.b.resize(t * hv, 0.0);
+        self.runs.clear();
+        // Each token in order: its convolution from its sequence's tail (which moves along
+        // with it), activations and gates; the runs of tokens advancing one state.
         for i in 0..t {
             let resumes = i > 0 && self.step_pred[i] == self.step_cell[i - 1];
             let src = if resumes {
@@ -337,11 +350,21 @@ impl Anchors {
             } else {
                 self.source(i)?
             };
-            let home = self.step_home[i] as usize;
-            // The state after the previous position (none: zeros) and where this token's
-            // goes: the same slot (a chain in place) or another, read once.
-            let (from, to): (Option<&[f32]>, &mut [f32]) = match src {
-                Some(s) if s as usize == home => (None, &mut self.slots[home].data[at..at + pl]),
+            let home = self.step_home[i];
+            if resumes && home == self.step_home[i - 1] {
+                self.runs.last_mut().expect("a run is open").end = i + 1;
+            } else {
+                self.runs.push(Run {
+                    start: i,
+                    end: i + 1,
+                    from: src.unwrap_or(NO_STATE),
+                    home,
+                });
+            }
+            let tails = at + sl..at + pl;
+            let home = home as usize;
+            let (old, tail): (Option<&[f32]>, &mut [f32]) = match src {
+                Some(s) if s as usize == home => (None, &mut self.slots[home].data[tails]),
                 Some(s) => {
                     let s = s as usize;
                     let (lo, hi) = self.slots.split_at_mut(s.max(home));
@@ -350,40 +373,33 @@ impl Anchors {
                     } else {
                         (&hi[0].data, &mut lo[home].data)
                     };
-                    (Some(&src[at..at + pl]), &mut dst[at..at + pl])
+                    (Some(&src[tails.clone()]), &mut dst[tails])
                 }
                 None => {
-                    let dst = &mut self.slots[home].data[at..at + pl];
+                    let dst = &mut self.slots[home].data[tails];
                     dst.fill(0.0);
                     (None, dst)
                 }
             };
-            let (to, tail) = to.split_at_mut(sl);
-            let (from, old_tail) = match from {
-                Some(f) => {
-                    let (s, t) = f.split_at(sl);
-                    (Some(s), Some(t))
-                }
-                None => (None, None),
-            };
             // The convolution: the tail's rows (oldest first), then the token's own; the
             // new tail drops the oldest row and ends with the token's.
             let row = &x[i * ch..(i + 1) * ch];
-            let old = old_tail.unwrap_or(tail);
+            let old_rows = old.unwrap_or(tail);
             for (c, m) in self.mixed.iter_mut().enumerate() {
                 let k = &kernel[c * w..(c + 1) * w];
-                let past: f32 = (0..w - 1).map(|j| k[j] * old[j * ch + c]).sum();
+                let past: f32 = (0..w - 1).map(|j| k[j] * old_rows[j * ch + c]).sum();
                 *m = past + k[w - 1] * row[c];
             }
-            match old_tail {
+            match old {
                 Some(o) => tail[..(w - 2) * ch].copy_from_slice(&o[ch..]),
                 None => tail.copy_within(ch.., 0),
             }
             tail[(w - 2) * ch..].copy_from_slice(row);
-            let x = &self.mixed[..];
+            let mixed = &self.mixed[..];
             // SiLU, then L2-normalize q and k per key head; q also by 1/√dk.
-            for (h, qk) in self.qk.chunks_mut(n).enumerate() {
-                let raw = &x[h * n..(h + 1) * n];
+            let qk = &mut self.qk[i * qk_len..(i + 1) * qk_len];
+            for (h, qk) in qk.chunks_mut(n).enumerate() {
+                let raw = &mixed[h * n..(h + 1) * n];
                 let mut ss = 0f32;
                 for (o, &v) in qk.iter_mut().zip(raw) {
                     *o = silu(v);
@@ -395,45 +411,47 @@ impl Anchors {
                 }
                 qk.iter_mut().for_each(|v| *v *= r);
             }
-            for (v, &x) in self.v.iter_mut().zip(&x[2 * hk * n..]) {
-                *v = silu(x);
+            let v = &mut self.v[i * hv * n..(i + 1) * hv * n];
+            for (v, &m) in v.iter_mut().zip(&mixed[qk_len..]) {
+                *v = silu(m);
             }
             for h in 0..hv {
-                self.g[h] = (a[h] * softplus(alpha[i * hv + h])).exp();
-                self.b[h] = sigmoid(beta[i * hv + h]);
+                self.lg[i * hv + h] = a[h] * softplus(alpha[i * hv + h]);
+                self.b[i * hv + h] = sigmoid(beta[i * hv + h]);
             }
-            let v_all = &self.v[..];
-            let heads = Heads {
-                n,
-                hk,
-                qk: &self.qk,
-                v: v_all,
-                g: &self.g,
-                b: &self.b,
-            };
-            let o = &mut out[i * hv * n..(i + 1) * hv * n];
-            // A prefill splits the heads over two threads (a decode step stays on one).
-            if t >= PARALLEL_TOKENS && hv >= 2 && self.threads > 1 {
-                let half = hv / 2;
-                let (to_a, to_b) = to.split_at_mut(half * n * n);
-                let (o_a, o_b) = o.split_at_mut(half * n);
-                let (from_a, from_b) = match from {
-                    Some(f) => {
-                        let (fa, fb) = f.split_at(half * n * n);
-                        (Some(fa), Some(fb))
-                    }
-                    None => (None, None),
-                };
-                let heads = &heads;
-                std::thread::scope(|scope| {
-                    scope.spawn(move || {
-                        heads.run(half..hv, to_b, from_b, o_b, &mut vec![0.0; n]);
-                    });
-                    heads.run(0..half, to_a, from_a, o_a, &mut self.row_buf);
+        }
+        let tokens = Tokens {
+            n,
+            hk,
+            hv,
+            qk: &self.qk,
+            v: &self.v,
+            lg: &self.lg,
+            b: &self.b,
+        };
+        let runs = &self.runs[..];
+        let [sc_a, sc_b] = &mut self.scratch;
+        let layer_states = self.slots.iter_mut().map(|s| &mut s.data[at..at + sl]);
+        // A prefill splits the heads over two threads (a decode step stays on one).
+        if t >= PARALLEL_TOKENS && hv >= 2 && self.threads > 1 {
+            let half = hv / 2;
+            let (mut states_a, mut states_b): (Vec<_>, Vec<_>) =
+                layer_states.map(|s| s.split_at_mut(half * n * n)).unzip();
+            let (mut out_a, mut out_b): (Vec<_>, Vec<_>) = out
+                .chunks_exact_mut(hv * n)
+                .map(|r| r.split_at_mut(half * n))
+                .unzip();
+            let tokens = &tokens;
+            std::thread::scope(|scope| {
+                scope.spawn(move || {
+                    tokens.advance(half..hv, runs, &mut states_b, &mut out_b, sc_b);
                 });
-            } else {
-                heads.run(0..hv, to, from, o, &mut self.row_buf);
-            }
+                tokens.advance(0..half, runs, &mut states_a, &mut out_a, sc_a);
+            });
+        } else {
+            let mut states: Vec<_> = layer_states.collect();
+            let mut rows: Vec<_> = out.chunks_exact_mut(hv * n).collect();
+            tokens.advance(0..hv, runs, &mut states, &mut rows, sc_a);
         }
         Ok(())
     }
@@ -597,100 +615,6 @@ impl Anchors {
 
 /// Steps of at least this many tokens split the rule's heads over threads.
 const PARALLEL_TOKENS: usize = 8;
-
-/// One token's inputs to the rule, shared by its value heads: normalized q and k (`hk`
-/// heads of `n`), the SiLU'd v of every value head, per value head the decay `g = exp(·)`
-/// and step size `b`.
-struct Heads<'a> {
-    n: usize,
-    hk: usize,
-    qk: &'a [f32],
-    v: &'a [f32],
-    g: &'a [f32],
-    b: &'a [f32],
-}
-
-impl Heads<'_> {
-    /// Advances value heads `heads` (value head `h` reads key head `h mod hk`): `to` holds
-    /// their states (`[head][j][i]`, `S[i][j]` at row `j`), updated from `from` (the same
-    /// heads' previous states) or in place; `out` receives their outputs.
-    fn run(
-        &self,
-        heads: std::ops::Range<usize>,
-        to: &mut [f32],
-        from: Option<&[f32]>,
-        out: &mut [f32],
-        row_buf: &mut [f32],
-    ) {
-        let (n, hk) = (self.n, self.hk);
-        for (x, h) in heads.enumerate() {
-            let (g, b) = (self.g[h], self.b[h]);
-            let q = &self.qk[(h % hk) * n..(h % hk + 1) * n];
-            let k = &self.qk[(hk + h % hk) * n..(hk + h % hk + 1) * n];
-            let rows = x * n * n..(x + 1) * n * n;
-            let o = &mut out[x * n..(x + 1) * n];
-            for (j, row) in to[rows.clone()].chunks_mut(n).enumerate() {
-                // Row j holds S[·][j]: decay, recall along k, correct toward v, read along
-                // q; in place, the old row is first copied into `row_buf` (L1).
-                let old = match from {
-                    Some(f) => &f[rows.start + j * n..rows.start + (j + 1) * n],
-                    None => {
-                        row_buf.copy_from_slice(row);
-                        &*row_buf
-                    }
-                };
-                let kv = g * dot(old, k);
-                let delta = (self.v[h * n + j] - kv) * b;
-                o[j] = decay_update_dot(row, old, g, k, delta, q);
-            }
-        }
-    }
-}
-
-/// Lanes of the partial sums below: independent accumulators the compiler keeps in one
-/// vector register (a float sum in one accumulator cannot be vectorized).
-const LANES: usize = 8;
-
-/// `Σ a·b`, in `LANES` partial sums.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// `row ← g·old + delta·k`, returning `Σ row·q` of the new row, in `LANES` partial sums.
-fn decay_update_dot(row: &mut [f32], old: &[f32], g: f32, k: &[f32], delta: f32, q: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let n = row.len() / LANES * LANES;
-    for (((r, o), k), q) in row[..n]
-        .chunks_exact_mut(LANES)
-        .zip(old.chunks_exact(LANES))
-        .zip(k.chunks_exact(LANES))
-        .zip(q.chunks_exact(LANES))
-    {
-        for l in 0..LANES {
-            r[l] = g * o[l] + delta * k[l];
-            acc[l] += r[l] * q[l];
-        }
-    }
-    let mut tail = 0.0;
-    for i in n..row.len() {
-        row[i] = g * old[i] + delta * k[i];
-        tail += row[i] * q[i];
-    }
-    acc.iter().sum::<f32>() + tail
-}
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())

@@ -22,6 +22,7 @@
 
 pub mod anchors;
 pub mod cache;
+pub(crate) mod delta_rule;
 pub mod device;
 pub mod glue;
 pub mod kv_face;

@@ -11,6 +11,7 @@ use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, DeltaLayers, KvDtype, Laye
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
+use crate::delta_rule::CHUNK;
 use crate::device::Device;
 
 /// One key head serving two value heads of 4 dims: q, k, then two v heads.
@@ -48,12 +49,17 @@ fn silu(x: f64) -> f64 {
 /// The f64 recurrence over `tags` (a sequence's tokens from position 0, the current one
 /// last): the output of its last token per value head, and the bound on an f32
 /// evaluation's difference from it. The bound propagates magnitudes through the same
-/// recurrence (`|S| ← |S| + |k|·(|v| + |S|ᵀ|k|)`, `|out| = |S|ᵀ|q|`) and takes
-/// `γ(K·t)` of them, `K = 3·N + 20 + WIDTH` roundings per token (the two dots and the
-/// rank-one update per element, the q/k normalization, the convolution's sum, SiLU, exp,
-/// softplus and sigmoid within a few ulps), `t` tokens: Higham's first-order bound, which
-/// holds for the convolution's rounding too because SiLU's slope stays below 1.1 and the
-/// normalization divides by norms the rows keep well above the error.
+/// recurrence (`|S| ← g·|S| + b·|k|·(|v| + g·|S|ᵀ|k|)`, `|out| = |S|ᵀ|q|`) and takes
+/// `γ(K·t)` of them, `t` tokens, `K = 3·N + 20 + WIDTH + 2·CHUNK` roundings per token: the
+/// two dots and the rank-one update per element, the q/k normalization, the convolution's
+/// sum, SiLU, exp, softplus and sigmoid within a few ulps; and, for runs the rule advances
+/// in its chunked form, the two sums over at most `CHUNK` earlier tokens of the chunk that
+/// each `u` and output adds (the form's other terms are dots of `N` and products of decays
+/// the token-by-token rule also rounds). Every term the chunked form sums appears, in
+/// absolute value, in the magnitudes' expansion, so they bound both forms. Higham's
+/// first-order bound, which holds for the convolution's rounding too because SiLU's slope
+/// stays below 1.1 and the normalization divides by norms the rows keep well above the
+/// error.
 fn reference(tags: &[u32]) -> (Vec<f64>, Vec<f64>) {
     let mut s = vec![vec![0f64; N * N]; HV];
     let mut mag = vec![vec![0f64; N * N]; HV];
@@ -86,11 +92,12 @@ fn reference(tags: &[u32]) -> (Vec<f64>, Vec<f64>) {
             let beta = 1.0 / (1.0 + (-x[CH + HV + h]).exp());
             let o = gated_delta_step(&mut s[h], q, k, v, g, beta);
             out[h * N..(h + 1) * N].copy_from_slice(&o);
-            let m = &mut mag[h];
+            let (m, decay) = (&mut mag[h], g.exp());
             for j in 0..N {
                 let recalled: f64 = (0..N).map(|i| m[i * N + j] * k[i].abs() / kn).sum();
                 for i in 0..N {
-                    m[i * N + j] += k[i].abs() / kn * (v[j].abs() + recalled);
+                    m[i * N + j] = decay * m[i * N + j]
+                        + beta * k[i].abs() / kn * (v[j].abs() + decay * recalled);
                 }
                 bound[h * N + j] = (0..N)
                     .map(|i| m[i * N + j] * q[i].abs() / qn / (N as f64).sqrt())
@@ -98,7 +105,7 @@ fn reference(tags: &[u32]) -> (Vec<f64>, Vec<f64>) {
             }
         }
     }
-    let g = gamma((3 * N + 20 + WIDTH) * tags.len());
+    let g = gamma((3 * N + 20 + WIDTH + 2 * CHUNK) * tags.len());
     (out, bound.iter().map(|b| g * b).collect())
 }
 
@@ -170,7 +177,7 @@ fn step_reading<D2: Device>(
 fn config() -> CacheConfig {
     let layers = LayerSet::of([0]).expect("small layer indices");
     CacheConfig {
-        capacity: 64,
+        capacity: 256,
         n_layers: 2,
         n_kv_heads: 1,
         head_dim: 4,
@@ -263,7 +270,16 @@ pub fn check_delta_verbs<D2: Device>(device: D2) {
     // Contiguous.
     let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, config()).unwrap();
     let mut h = History::new();
-    // A prefill long enough to split the heads over threads.
+    // Prefill chunks long enough to split the heads over threads and to cross chunks of
+    // the chunked form, the second resuming from the first's anchor.
+    let c0 = CHUNK as i32 + 9;
+    for (what, ps) in [("prefill", 0..c0), ("second chunk", c0..2 * c0)] {
+        let chunk: Vec<(i32, u32)> = ps.map(|p| (p, 100 + p as u32)).collect();
+        step_and_check(&mut c, &chunk, None, &run(&h, &chunk), what).unwrap();
+        h.extend(chunk.iter().copied());
+    }
+    c.clear();
+    h.clear();
     let prefill: Vec<(i32, u32)> = (0..9).map(|p| (p, 100 + p as u32)).collect();
     step_and_check(&mut c, &prefill, None, &run(&h, &prefill), "prefill").unwrap();
     h.extend(prefill.iter().copied());

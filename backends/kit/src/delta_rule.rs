@@ -1,0 +1,429 @@
+//! The gated delta rule's arithmetic over a step's tokens, per value head, after the
+//! convolution (see [`Anchors::run_layer`](crate::anchors::Anchors::run_layer) for the
+//! rule). A lone token advances its head's state row by row. A **run** of two or more
+//! tokens of one sequence (a prefill chunk, a speculative chain) advances it in the
+//! chunked form instead, [`CHUNK`] tokens at a time, which reads the state twice per chunk
+//! instead of twice per token.
+//!
+//! The chunked form (the WY form of Yang et al.'s gated DeltaNet). With `S₀` the state
+//! before a chunk, `Gₜ` the sum of the log decays of its tokens up to `t`, `γₜ = e^{Gₜ}`,
+//! the rule `Sₜ = gₜ·Sₜ₋₁ + kₜ·uₜᵀ`, `uₜ = bₜ·(vₜ − gₜ·Sₜ₋₁ᵀkₜ)` unrolls to
+//!
+//! - `uₜ = bₜ·(vₜ − γₜ·S₀ᵀkₜ) − bₜ·Σ_{s<t} e^{Gₜ−Gₛ}·(kₜ·kₛ)·uₛ` (forward substitution),
+//! - `outₜ = γₜ·S₀ᵀqₜ + Σ_{s≤t} e^{Gₜ−Gₛ}·(qₜ·kₛ)·uₛ`,
+//! - `S_end = γ_end·S₀ + Σₛ e^{G_end−Gₛ}·kₛ·uₛᵀ`,
+//!
+//! every factor `e^{…}` of a non-positive exponent (decays are at most 1), so nothing
+//! overflows where the token-by-token rule does not. In exact arithmetic both forms are
+//! equal; in f32 they round differently, within the bound `testing::check_delta_verbs`
+//! derives.
+//!
+//! On x86-64 the loops are compiled a second time for AVX2 and FMA and chosen at run time
+//! (the rule runs on the host for every backend).
+
+use std::ops::Range;
+
+/// Tokens of a run advanced together in the chunked form.
+pub const CHUNK: usize = 64;
+
+/// A step's tokens as the rule reads them, after the convolution and the activations.
+pub struct Tokens<'a> {
+    /// Each head's size (`dk = dv`), key heads, value heads (value head `h` reads key head
+    /// `h mod hk`).
+    pub n: usize,
+    pub hk: usize,
+    pub hv: usize,
+    /// `[T][2·hk·n]`: each token's L2-normalized q (also scaled by `1/√n`), then k.
+    pub qk: &'a [f32],
+    /// `[T][hv·n]`: each token's SiLU'd v.
+    pub v: &'a [f32],
+    /// `[T][hv]`: each token's log decay per value head, `a·softplus(alpha)` (≤ 0).
+    pub lg: &'a [f32],
+    /// `[T][hv]`: each token's step size per value head, `sigmoid(beta)`.
+    pub b: &'a [f32],
+}
+
+/// Tokens `start..end` of a step, one sequence's positions in order, advancing one state
+/// in place in slot `home` from the state in slot `from` (`NO_STATE`: zeros; `home`:
+/// already there).
+#[derive(Clone, Copy, Debug)]
+pub struct Run {
+    pub start: usize,
+    pub end: usize,
+    pub from: u32,
+    pub home: u32,
+}
+
+/// [`Run::from`] of a run that starts a sequence.
+pub const NO_STATE: u32 = u32::MAX;
+
+/// One thread's buffers, kept between steps (no allocation once warm).
+#[derive(Default)]
+pub struct Scratch {
+    /// `[n][CHUNK]`: a chunk's `S₀ᵀk` and `S₀ᵀq` by token; its k and q transposed.
+    ks: Vec<f32>,
+    qs: Vec<f32>,
+    kt: Vec<f32>,
+    qt: Vec<f32>,
+    /// `[CHUNK][CHUNK]`: `k_c·k_s` and `q_c·k_s`.
+    kk: Vec<f32>,
+    qk: Vec<f32>,
+    /// `[CHUNK][n]`: a chunk's `u`, k and q by token.
+    u: Vec<f32>,
+    kr: Vec<f32>,
+    qr: Vec<f32>,
+    /// Per token of a chunk: its `G`, and two rows of coefficients.
+    gc: Vec<f32>,
+    w: Vec<f32>,
+    e: Vec<f32>,
+    /// One state row, copied before it is updated in place.
+    row: Vec<f32>,
+}
+
+impl Tokens<'_> {
+    /// Advances value heads `heads` over `runs`: `states[s]` holds slot `s`'s states of
+    /// those heads (`[head][j][i]`, `S[i][j]` in row `j`), `out[t]` receives token `t`'s
+    /// outputs of those heads.
+    pub fn advance(
+        &self,
+        heads: Range<usize>,
+        runs: &[Run],
+        states: &mut [&mut [f32]],
+        out: &mut [&mut [f32]],
+        sc: &mut Scratch,
+    ) {
+        let n = self.n;
+        for buf in [
+            &mut sc.ks, &mut sc.qs, &mut sc.kt, &mut sc.qt, &mut sc.u, &mut sc.kr, &mut sc.qr,
+        ] {
+            buf.resize(CHUNK * n, 0.0);
+        }
+        sc.kk.resize(CHUNK * CHUNK, 0.0);
+        sc.qk.resize(CHUNK * CHUNK, 0.0);
+        for buf in [&mut sc.gc, &mut sc.w, &mut sc.e] {
+            buf.resize(CHUNK, 0.0);
+        }
+        sc.row.resize(n, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has the features `advance_avx2` is compiled for.
+            return unsafe { self.advance_avx2(heads, runs, states, out, sc) };
+        }
+        self.advance_any::<false>(heads, runs, states, out, sc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn advance_avx2(
+        &self,
+        heads: Range<usize>,
+        runs: &[Run],
+        states: &mut [&mut [f32]],
+        out: &mut [&mut [f32]],
+        sc: &mut Scratch,
+    ) {
+        self.advance_any::<true>(heads, runs, states, out, sc)
+    }
+
+    /// [`Tokens::advance`], products fused (`FUSED`: one rounding each, where the CPU has
+    /// FMA) or not.
+    #[inline(always)]
+    fn advance_any<const FUSED: bool>(
+        &self,
+        heads: Range<usize>,
+        runs: &[Run],
+        states: &mut [&mut [f32]],
+        out: &mut [&mut [f32]],
+        sc: &mut Scratch,
+    ) {
+        let nn = self.n * self.n;
+        for r in runs {
+            let (from, to) = pair(states, r.from, r.home);
+            for (x, h) in heads.clone().enumerate() {
+                let from = from.map(|f| &f[x * nn..(x + 1) * nn]);
+                let to = &mut to[x * nn..(x + 1) * nn];
+                if r.end - r.start == 1 {
+                    self.token(h, r.start, from, to, &mut out[r.start][x * self.n..], sc);
+                    continue;
+                }
+                let mut from = from;
+                for start in (r.start..r.end).step_by(CHUNK) {
+                    let toks = start..(start + CHUNK).min(r.end);
+                    self.chunk::<FUSED>(h, x, toks, from, to, out, sc);
+                    from = None;
+                }
+            }
+        }
+    }
+
+    /// Token `t`'s q, k (of value head `h`'s key head) and v.
+    #[inline(always)]
+    fn qkv(&self, h: usize, t: usize) -> (&[f32], &[f32], &[f32]) {
+        let (n, hk) = (self.n, self.hk);
+        let qk = &self.qk[t * 2 * hk * n..(t + 1) * 2 * hk * n];
+        let kh = h % hk;
+        (
+            &qk[kh * n..(kh + 1) * n],
+            &qk[(hk + kh) * n..(hk + kh + 1) * n],
+            &self.v[(t * self.hv + h) * n..(t * self.hv + h + 1) * n],
+        )
+    }
+
+    /// One token through head `h`, row by row: decay, recall along k, correct toward v,
+    /// read along q; `to` from `from` (`None`: in place).
+    #[inline(always)]
+    fn token(
+        &self,
+        h: usize,
+        t: usize,
+        from: Option<&[f32]>,
+        to: &mut [f32],
+        out: &mut [f32],
+        sc: &mut Scratch,
+    ) {
+        let n = self.n;
+        let (q, k, v) = self.qkv(h, t);
+        let g = self.lg[t * self.hv + h].exp();
+        let b = self.b[t * self.hv + h];
+        for (j, row) in to.chunks_exact_mut(n).enumerate() {
+            let old = match from {
+                Some(f) => &f[j * n..(j + 1) * n],
+                None => {
+                    sc.row.copy_from_slice(row);
+                    &sc.row[..]
+                }
+            };
+            let delta = (v[j] - g * dot(old, k)) * b;
+            out[j] = decay_update_dot(row, old, g, k, delta, q);
+        }
+    }
+
+    /// Tokens `toks` (at most [`CHUNK`], one run) through head `h` (the `x`th of the
+    /// thread's heads) in the chunked form (module doc); `to` from `from` (`None`: in
+    /// place). Its products are small matrix products ([`rows_times`], [`add_combination`]).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn chunk<const FUSED: bool>(
+        &self,
+        h: usize,
+        x: usize,
+        toks: Range<usize>,
+        from: Option<&[f32]>,
+        to: &mut [f32],
+        out: &mut [&mut [f32]],
+        sc: &mut Scratch,
+    ) {
+        let (n, hv) = (self.n, self.hv);
+        let (t0, l) = (toks.start, toks.len());
+        // Columns of the products over the chunk's tokens, whole blocks.
+        let cols = l.div_ceil(BLK) * BLK;
+        let mut g = 0f32;
+        for (c, t) in toks.clone().enumerate() {
+            g += self.lg[t * hv + h];
+            sc.gc[c] = g;
+            let (q, k, _) = self.qkv(h, t);
+            sc.kr[c * n..(c + 1) * n].copy_from_slice(k);
+            sc.qr[c * n..(c + 1) * n].copy_from_slice(q);
+            for i in 0..n {
+                sc.kt[i * CHUNK + c] = k[i];
+                sc.qt[i * CHUNK + c] = q[i];
+            }
+        }
+        // `[j][c]`: (S₀ᵀk_c)[j], (S₀ᵀq_c)[j]; `[c][s]`: k_c·k_s, q_c·k_s.
+        let s0 = from.unwrap_or(&*to);
+        rows_times::<FUSED>(s0, n, &sc.kt, cols, &mut sc.ks);
+        rows_times::<FUSED>(s0, n, &sc.qt, cols, &mut sc.qs);
+        rows_times::<FUSED>(&sc.kr[..l * n], n, &sc.kt, cols, &mut sc.kk);
+        rows_times::<FUSED>(&sc.qr[..l * n], n, &sc.kt, cols, &mut sc.qk);
+        // u by forward substitution, then each output.
+        for c in 0..l {
+            let t = t0 + c;
+            let (_, _, v) = self.qkv(h, t);
+            let b = self.b[t * hv + h];
+            let gamma = decay(sc.gc[c]);
+            for s in 0..=c {
+                let e = decay(sc.gc[c] - sc.gc[s]);
+                sc.w[s] = -b * e * sc.kk[c * CHUNK + s];
+                sc.e[s] = e * sc.qk[c * CHUNK + s];
+            }
+            let (done, rest) = sc.u.split_at_mut(c * n);
+            let u = &mut rest[..n];
+            for (j, (u, &v)) in u.iter_mut().zip(v).enumerate() {
+                *u = b * (v - gamma * sc.ks[j * CHUNK + c]);
+            }
+            add_combination::<FUSED>(u, &sc.w[..c], done);
+            let o = &mut out[t][x * n..(x + 1) * n];
+            for (j, o) in o.iter_mut().enumerate() {
+                *o = gamma * sc.qs[j * CHUNK + c];
+            }
+            add_combination::<FUSED>(o, &sc.e[..=c], &sc.u[..(c + 1) * n]);
+        }
+        // S_end = γ_end·S₀ + Σ_c e^{G_end−G_c}·k_c·u_cᵀ; row j adds `Σ_c e^{…}·u_c[j]·k_c`.
+        let g_end = sc.gc[l - 1];
+        for c in 0..l {
+            sc.e[c] = decay(g_end - sc.gc[c]);
+        }
+        let gamma = decay(g_end);
+        for j in 0..n {
+            for c in 0..l {
+                sc.w[c] = sc.e[c] * sc.u[c * n + j];
+            }
+            let row = &mut to[j * n..(j + 1) * n];
+            match from {
+                Some(f) => {
+                    for (r, &o) in row.iter_mut().zip(&f[j * n..(j + 1) * n]) {
+                        *r = gamma * o;
+                    }
+                }
+                None => row.iter_mut().for_each(|r| *r *= gamma),
+            }
+            add_combination::<FUSED>(row, &sc.w[..l], &sc.kr[..l * n]);
+        }
+    }
+}
+
+/// Run `from`'s state (read only) and `home`'s (written): `None` when the run advances in
+/// place (`from` is `home`, or [`NO_STATE`]: `home` zeroed first).
+#[inline(always)]
+fn pair<'s>(
+    states: &'s mut [&mut [f32]],
+    from: u32,
+    home: u32,
+) -> (Option<&'s [f32]>, &'s mut [f32]) {
+    let home = home as usize;
+    if from == NO_STATE || from as usize == home {
+        if from == NO_STATE {
+            states[home].fill(0.0);
+        }
+        return (None, &mut *states[home]);
+    }
+    let f = from as usize;
+    let (lo, hi) = states.split_at_mut(f.max(home));
+    if f < home {
+        (Some(&*lo[f]), &mut *hi[0])
+    } else {
+        (Some(&*hi[0]), &mut *lo[home])
+    }
+}
+
+/// Log decays below this make [`decay`] zero.
+const FLUSHED_LOG_DECAY: f32 = -64.0;
+
+/// `e^x` of a (non-positive) log decay, zero below [`FLUSHED_LOG_DECAY`] (`e^{-64}` is
+/// 1.6e-28). The terms dropped are 2⁻⁹² of their undecayed size, far below an f32
+/// rounding of the terms kept beside them; kept, they would make the products that scale
+/// by them subnormal, which x86 cores compute in microcode: a chunk of strongly decaying
+/// heads (a random-weight file's, or a real model's forgetting heads) ran 5× slower.
+#[inline(always)]
+fn decay(x: f32) -> f32 {
+    if x < FLUSHED_LOG_DECAY {
+        0.0
+    } else {
+        x.exp()
+    }
+}
+
+/// Lanes of the partial sums below: independent accumulators the compiler keeps in vector
+/// registers (a float sum in one accumulator cannot be vectorized).
+const LANES: usize = 8;
+
+/// Columns a product keeps in registers at a time.
+const BLK: usize = 64;
+
+/// `a·b + c`, fused (one rounding) when `FUSED`.
+#[inline(always)]
+fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FUSED {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// `Σ a·b`, in `LANES` partial sums.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `out[r][c] = Σᵢ a[r][i]·bt[i][c]` for each row `r` of `a` (`n` wide) and `c < cols`
+/// (whole [`BLK`]s), `bt` and `out` rows [`CHUNK`] wide: a row's value broadcast over a
+/// block of columns held in registers.
+#[inline(always)]
+fn rows_times<const FUSED: bool>(a: &[f32], n: usize, bt: &[f32], cols: usize, out: &mut [f32]) {
+    for (ar, or) in a.chunks_exact(n).zip(out.chunks_exact_mut(CHUNK)) {
+        for cb in (0..cols).step_by(BLK) {
+            let mut acc = [0f32; BLK];
+            for (i, &x) in ar.iter().enumerate() {
+                let b = &bt[i * CHUNK + cb..i * CHUNK + cb + BLK];
+                for l in 0..BLK {
+                    acc[l] = madd::<FUSED>(x, b[l], acc[l]);
+                }
+            }
+            or[cb..cb + BLK].copy_from_slice(&acc);
+        }
+    }
+}
+
+/// `y ← y + Σₛ coefs[s]·rows[s]` (`rows` `y.len()` wide), a block of `y` in registers.
+#[inline(always)]
+fn add_combination<const FUSED: bool>(y: &mut [f32], coefs: &[f32], rows: &[f32]) {
+    let n = y.len();
+    let full = n / BLK * BLK;
+    for cb in (0..full).step_by(BLK) {
+        let mut acc = [0f32; BLK];
+        acc.copy_from_slice(&y[cb..cb + BLK]);
+        for (s, &a) in coefs.iter().enumerate() {
+            let r = &rows[s * n + cb..s * n + cb + BLK];
+            for l in 0..BLK {
+                acc[l] = madd::<FUSED>(a, r[l], acc[l]);
+            }
+        }
+        y[cb..cb + BLK].copy_from_slice(&acc);
+    }
+    for (j, y) in y.iter_mut().enumerate().skip(full) {
+        for (s, &a) in coefs.iter().enumerate() {
+            *y = madd::<FUSED>(a, rows[s * n + j], *y);
+        }
+    }
+}
+
+/// `row ← g·old + delta·k`, returning `Σ row·q` of the new row, in `LANES` partial sums.
+#[inline(always)]
+fn decay_update_dot(row: &mut [f32], old: &[f32], g: f32, k: &[f32], delta: f32, q: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let n = row.len() / LANES * LANES;
+    for (((r, o), k), q) in row[..n]
+        .chunks_exact_mut(LANES)
+        .zip(old.chunks_exact(LANES))
+        .zip(k.chunks_exact(LANES))
+        .zip(q.chunks_exact(LANES))
+    {
+        let mut new = [0f32; LANES];
+        for l in 0..LANES {
+            new[l] = g * o[l] + delta * k[l];
+            acc[l] += new[l] * q[l];
+        }
+        r.copy_from_slice(&new);
+    }
+    let mut tail = 0.0;
+    for i in n..row.len() {
+        row[i] = g * old[i] + delta * k[i];
+        tail += row[i] * q[i];
+    }
+    acc.iter().sum::<f32>() + tail
+}
