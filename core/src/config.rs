@@ -292,9 +292,10 @@ impl CacheConfig {
     }
 
     fn validate_delta(&self, d: &DeltaLayers) -> CacheResult<()> {
-        if d.key_heads == 0 || d.head_dim == 0 || d.layers.is_empty() {
+        if d.key_heads == 0 || d.value_heads == 0 || d.head_dim == 0 || d.layers.is_empty() {
             return Err(CacheError::bad_config(
-                "delta-rule layers need at least one layer, one key head and a head size",
+                "delta-rule layers need at least one layer, one key head, one value head and a \
+                 head size",
             ));
         }
         if d.value_heads % d.key_heads != 0 {

@@ -1,9 +1,9 @@
 //! The gated delta rule's arithmetic over a step's tokens, per value head, after the
 //! convolution (see [`Anchors::run_layer`](crate::anchors::Anchors::run_layer) for the
-//! rule). A lone token advances its head's state row by row. A **run** of two or more
-//! tokens of one sequence (a prefill chunk, a speculative chain) advances it in the
-//! chunked form instead, [`CHUNK`] tokens at a time, which reads the state twice per chunk
-//! instead of twice per token.
+//! rule). A token advances its head's state row by row. A **run** of at least
+//! [`MIN_CHUNKED_RUN`] tokens of one sequence (a prefill chunk) advances it in the chunked
+//! form instead, [`CHUNK`] tokens at a time, which reads the state twice per chunk instead
+//! of twice per token.
 //!
 //! The chunked form (the WY form of Yang et al.'s gated DeltaNet). With `S₀` the state
 //! before a chunk, `Gₜ` the sum of the log decays of its tokens up to `t`, `γₜ = e^{Gₜ}`,
@@ -25,6 +25,10 @@ use std::ops::Range;
 
 /// Tokens of a run advanced together in the chunked form.
 pub const CHUNK: usize = 64;
+
+/// Runs shorter than this (a decode step, a speculative chain) go token by token: a chunk's
+/// products with the state cost about as much for 2 tokens as for 64.
+pub const MIN_CHUNKED_RUN: usize = 32;
 
 /// A step's tokens as the rule reads them, after the convolution and the activations.
 pub struct Tokens<'a> {
@@ -72,8 +76,9 @@ pub struct Scratch {
     u: Vec<f32>,
     kr: Vec<f32>,
     qr: Vec<f32>,
-    /// Per token of a chunk: its `G`, and two rows of coefficients.
-    gc: Vec<f32>,
+    /// Per token of a chunk: its `G` (in f64: differences of sums of many decays), and two
+    /// rows of coefficients.
+    gc: Vec<f64>,
     w: Vec<f32>,
     e: Vec<f32>,
     /// One state row, copied before it is updated in place.
@@ -100,9 +105,9 @@ impl Tokens<'_> {
         }
         sc.kk.resize(CHUNK * CHUNK, 0.0);
         sc.qk.resize(CHUNK * CHUNK, 0.0);
-        for buf in [&mut sc.gc, &mut sc.w, &mut sc.e] {
-            buf.resize(CHUNK, 0.0);
-        }
+        sc.gc.resize(CHUNK, 0.0);
+        sc.w.resize(CHUNK, 0.0);
+        sc.e.resize(CHUNK, 0.0);
         sc.row.resize(n, 0.0);
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -143,8 +148,12 @@ impl Tokens<'_> {
             for (x, h) in heads.clone().enumerate() {
                 let from = from.map(|f| &f[x * nn..(x + 1) * nn]);
                 let to = &mut to[x * nn..(x + 1) * nn];
-                if r.end - r.start == 1 {
-                    self.token(h, r.start, from, to, &mut out[r.start][x * self.n..], sc);
+                if r.end - r.start < MIN_CHUNKED_RUN {
+                    let mut from = from;
+                    for (t, o) in out[r.start..r.end].iter_mut().enumerate() {
+                        self.token(h, r.start + t, from, to, &mut o[x * self.n..], sc);
+                        from = None;
+                    }
                     continue;
                 }
                 let mut from = from;
@@ -218,9 +227,16 @@ impl Tokens<'_> {
         let (t0, l) = (toks.start, toks.len());
         // Columns of the products over the chunk's tokens, whole blocks.
         let cols = l.div_ceil(BLK) * BLK;
-        let mut g = 0f32;
+        // G in f64, each log decay at least just below the flush (a factor spanning it
+        // flushes either way; −∞ or a huge decay would otherwise make G meaningless).
+        let mut g = 0f64;
         for (c, t) in toks.clone().enumerate() {
-            g += self.lg[t * hv + h];
+            let lg = self.lg[t * hv + h];
+            g += if lg < FLUSHED_LOG_DECAY {
+                FLUSHED_LOG_DECAY - 1.0
+            } else {
+                lg
+            } as f64;
             sc.gc[c] = g;
             let (q, k, _) = self.qkv(h, t);
             sc.kr[c * n..(c + 1) * n].copy_from_slice(k);
@@ -241,9 +257,9 @@ impl Tokens<'_> {
             let t = t0 + c;
             let (_, _, v) = self.qkv(h, t);
             let b = self.b[t * hv + h];
-            let gamma = decay(sc.gc[c]);
+            let gamma = decay(sc.gc[c] as f32);
             for s in 0..=c {
-                let e = decay(sc.gc[c] - sc.gc[s]);
+                let e = decay((sc.gc[c] - sc.gc[s]) as f32);
                 sc.w[s] = -b * e * sc.kk[c * CHUNK + s];
                 sc.e[s] = e * sc.qk[c * CHUNK + s];
             }
@@ -262,9 +278,9 @@ impl Tokens<'_> {
         // S_end = γ_end·S₀ + Σ_c e^{G_end−G_c}·k_c·u_cᵀ; row j adds `Σ_c e^{…}·u_c[j]·k_c`.
         let g_end = sc.gc[l - 1];
         for c in 0..l {
-            sc.e[c] = decay(g_end - sc.gc[c]);
+            sc.e[c] = decay((g_end - sc.gc[c]) as f32);
         }
-        let gamma = decay(g_end);
+        let gamma = decay(g_end as f32);
         for j in 0..n {
             for c in 0..l {
                 sc.w[c] = sc.e[c] * sc.u[c * n + j];
@@ -426,4 +442,153 @@ fn decay_update_dot(row: &mut [f32], old: &[f32], g: f32, k: &[f32], delta: f32,
         tail += row[i] * q[i];
     }
     acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvplug_core::oracle::{gamma, gated_delta_step};
+
+    /// Deterministic values in `[lo, hi)`.
+    fn values(seed: u64, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+        let mut x = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                lo + (hi - lo) * ((x >> 11) as f64 / (1u64 << 53) as f64)
+            })
+            .collect()
+    }
+
+    /// One run of `t` tokens through two value heads of size `n` (one key head), from a
+    /// non-zero state in another slot, both compiled variants, against the f64 rule
+    /// (`gated_delta_step`): every output and the end state within the bound
+    /// `testing::check_delta_verbs` derives (magnitudes through the recurrence, `γ(K·t)`,
+    /// `K = 3·n + 20 + 2·CHUNK`). Some log decays are far below the flush, one is −∞.
+    fn check(n: usize, t: usize) {
+        let (hk, hv) = (1, 2);
+        let raw_q = values(1 + n as u64, t * n, -1.0, 1.0);
+        let raw_k = values(2 + t as u64, t * n, -1.0, 1.0);
+        let v = values(3, t * hv * n, -1.5, 1.5);
+        let mut lg = values(4, t * hv, -3.0, -0.01);
+        for (i, g) in lg.iter_mut().enumerate() {
+            match i % 37 {
+                5 => *g = -90.0,
+                11 => *g = f64::NEG_INFINITY,
+                _ => {}
+            }
+        }
+        let b = values(5, t * hv, 0.05, 0.95);
+        let s0 = values(6, hv * n * n, -0.5, 0.5);
+        let unit = |x: &[f64], scale: f64| -> Vec<f64> {
+            let r = (x.iter().map(|a| a * a).sum::<f64>() + 1e-6).sqrt();
+            x.iter().map(|a| a / r * scale).collect()
+        };
+        let mut qk = Vec::new();
+        for i in 0..t {
+            qk.extend(unit(&raw_q[i * n..(i + 1) * n], 1.0 / (n as f64).sqrt()));
+            qk.extend(unit(&raw_k[i * n..(i + 1) * n], 1.0));
+        }
+        let f = |x: &[f64]| -> Vec<f32> { x.iter().map(|&a| a as f32).collect() };
+        let (qk32, v32, lg32, b32) = (f(&qk), f(&v), f(&lg), f(&b));
+        let tokens = Tokens {
+            n,
+            hk,
+            hv,
+            qk: &qk32,
+            v: &v32,
+            lg: &lg32,
+            b: &b32,
+        };
+        // The stored layout: row j holds S[·][j].
+        let stored: Vec<f32> = (0..hv * n * n)
+            .map(|x| {
+                let (h, j, i) = (x / (n * n), x / n % n, x % n);
+                s0[h * n * n + i * n + j] as f32
+            })
+            .collect();
+        // The f64 rule and the magnitudes of its terms.
+        let mut want = vec![0f64; t * hv * n];
+        let mut bound = vec![0f64; t * hv * n];
+        let mut s = s0.clone();
+        let mut mag: Vec<f64> = s0.iter().map(|a| a.abs()).collect();
+        for i in 0..t {
+            let g = gamma((3 * n + 20 + 2 * CHUNK) * (i + 1));
+            let (q, k) = (&raw_q[i * n..(i + 1) * n], &raw_k[i * n..(i + 1) * n]);
+            let (qn, kn) = (unit(q, 1.0 / (n as f64).sqrt()), unit(k, 1.0));
+            for h in 0..hv {
+                let vh = &v[(i * hv + h) * n..(i * hv + h + 1) * n];
+                let (lgi, bi) = (lg[i * hv + h], b[i * hv + h]);
+                let st = &mut s[h * n * n..(h + 1) * n * n];
+                let o = gated_delta_step(st, q, k, vh, lgi, bi);
+                want[(i * hv + h) * n..(i * hv + h + 1) * n].copy_from_slice(&o);
+                let m = &mut mag[h * n * n..(h + 1) * n * n];
+                let d = lgi.exp();
+                for j in 0..n {
+                    let recalled: f64 = (0..n).map(|a| m[a * n + j] * kn[a].abs()).sum();
+                    for a in 0..n {
+                        m[a * n + j] =
+                            d * m[a * n + j] + bi * kn[a].abs() * (vh[j].abs() + d * recalled);
+                    }
+                    bound[(i * hv + h) * n + j] =
+                        g * (0..n).map(|a| m[a * n + j] * qn[a].abs()).sum::<f64>();
+                }
+            }
+        }
+        let g_end = gamma((3 * n + 20 + 2 * CHUNK) * t);
+        for fused in [false, true] {
+            if fused && !cfg!(target_arch = "x86_64") {
+                continue;
+            }
+            let mut slots = [stored.clone(), vec![f32::NAN; hv * n * n]];
+            let mut out = vec![0f32; t * hv * n];
+            let mut states: Vec<&mut [f32]> = slots.iter_mut().map(|s| &mut s[..]).collect();
+            let mut rows: Vec<&mut [f32]> = out.chunks_exact_mut(hv * n).collect();
+            let runs = [Run {
+                start: 0,
+                end: t,
+                from: 0,
+                home: 1,
+            }];
+            let mut sc = Scratch::default();
+            if fused {
+                tokens.advance(0..hv, &runs, &mut states, &mut rows, &mut sc);
+            } else {
+                // `advance` sizes the scratch; the unfused variant on any CPU.
+                tokens.advance(0..hv, &[], &mut states, &mut rows, &mut sc);
+                tokens.advance_any::<false>(0..hv, &runs, &mut states, &mut rows, &mut sc);
+            }
+            for (x, (&got, (&w, &bd))) in out.iter().zip(want.iter().zip(&bound)).enumerate() {
+                assert!(
+                    (got as f64 - w).abs() <= bd,
+                    "n {n}, {t} tokens, fused {fused}: token {} head {} value {}: {got} vs \
+                     {w} (bound {bd:e})",
+                    x / (hv * n),
+                    x / n % hv,
+                    x % n
+                );
+            }
+            for (x, &got) in slots[1].iter().enumerate() {
+                let (h, j, i) = (x / (n * n), x / n % n, x % n);
+                let (w, m) = (s[h * n * n + i * n + j], mag[h * n * n + i * n + j]);
+                assert!(
+                    (got as f64 - w).abs() <= g_end * m,
+                    "n {n}, {t} tokens, fused {fused}: end state S[{i}][{j}] of head {h}: \
+                     {got} vs {w} (bound {:e})",
+                    g_end * m
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn runs_match_the_f64_rule_at_every_head_size_and_length() {
+        for n in [4, 12, 64, 72, 128] {
+            for t in [1, 2, MIN_CHUNKED_RUN - 1, MIN_CHUNKED_RUN, 63, 64, 65, 130] {
+                check(n, t);
+            }
+        }
+    }
 }

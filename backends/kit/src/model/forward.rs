@@ -321,6 +321,14 @@ impl<D: ModelDevice> DecoderModel<D> {
                     let a = format!("{p}linear_attn.");
                     // A GGUF stores the depthwise kernel as [channels, width].
                     let kernel = pkg.tensor_f32(&format!("{a}conv1d.weight"), &[ch, width])?;
+                    // Decay rates are `−exp(A_log)`: a rate above 0 (or NaN) would make the
+                    // state grow without bound.
+                    let rates = pkg.tensor_f32(&format!("{a}a"), &[value_heads])?;
+                    if let Some(r) = rates.iter().find(|r| r.is_nan() || **r > 0.0) {
+                        return Err(ModelError::Malformed(format!(
+                            "{a}a: a decay rate of {r} (rates are -exp(A_log), at most 0)"
+                        )));
+                    }
                     Mixer::Delta(Box::new(Delta {
                         qkv: mat(&format!("{a}in_proj_qkv.weight"), ch, h)?,
                         z: mat(&format!("{a}in_proj_z.weight"), vd, h)?,
@@ -328,7 +336,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                         alpha: mat(&format!("{a}in_proj_a.weight"), value_heads, h)?,
                         dt_bias: vec(&format!("{a}dt_bias"), value_heads)?,
                         kernel,
-                        a: pkg.tensor_f32(&format!("{a}a"), &[value_heads])?,
+                        a: rates,
                         norm: vec(&format!("{a}norm.weight"), dn)?,
                         out: mat(&format!("{a}out_proj.weight"), h, vd)?,
                     }))

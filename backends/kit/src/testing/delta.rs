@@ -54,8 +54,8 @@ fn silu(x: f64) -> f64 {
 /// two dots and the rank-one update per element, the q/k normalization, the convolution's
 /// sum, SiLU, exp, softplus and sigmoid within a few ulps; and, for runs the rule advances
 /// in its chunked form, the two sums over at most `CHUNK` earlier tokens of the chunk that
-/// each `u` and output adds (the form's other terms are dots of `N` and products of decays
-/// the token-by-token rule also rounds). Every term the chunked form sums appears, in
+/// each `u` and output adds (the form's other terms are dots of `N`, and decay factors each
+/// rounded once from an f64 sum of log decays). Every term the chunked form sums appears, in
 /// absolute value, in the magnitudes' expansion, so they bound both forms. Higham's
 /// first-order bound, which holds for the convolution's rounding too because SiLU's slope
 /// stays below 1.1 and the normalization divides by norms the rows keep well above the
