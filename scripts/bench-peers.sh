@@ -23,7 +23,8 @@
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names), MMAP (comma list: 1
 # maps the weights on both sides, the default of both; 0 reads them into memory, llama-bench
 # -lm none and kvplug --no-mmap; each test runs at each setting in turn, rows marked no-mmap).
-# RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096). ISA (native, the
+# RSS_CONTEXT (tokens held for the peak-RSS comparison, default 4096). PEERS_TABLE (where the
+# table goes, default .peers/peers.md). ISA (native, the
 # default: every x86 feature this CPU has; avx2: llama.cpp built without AVX-512 and AVX-VNNI,
 # kvplug under KVPLUG_CPU_ISA=avx2, as on an AVX2-only CPU; the table goes to
 # .peers/peers-avx2.md).
@@ -32,7 +33,7 @@ PEERS_WHO=bench-peers
 cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
-PEERS_TABLE=.peers/peers.md
+PEERS_TABLE=${PEERS_TABLE:-.peers/peers.md}
 F16=${F16:-0}
 THREADS=${THREADS:-$(nproc)}
 PP=${PP:-512}

@@ -32,7 +32,7 @@ copies of them.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
-[bench]; with `bench`, only an LFM2-350M-shaped file (16 layers of 1024, attention at
+[bench [NAME...]]; with `bench`, only (or only the files NAMEd) an LFM2-350M-shaped file (16 layers of 1024, attention at
 2, 5, 8, 10, 12, 14, MLP 4608), a Qwen3.5-0.8B-shaped one (24 layers of 1024, attention
 every 4th with 8 heads of 256, 2 KV heads, rotary on 64 dims; 16 key and 16 value heads of
 128 in the delta rule, MLP 3584) and two qwen3moe files of the same active size (16 layers
@@ -45,7 +45,7 @@ import gguf
 import numpy as np
 
 src, out = sys.argv[1], sys.argv[2]
-bench = sys.argv[3:] == ["bench"]
+bench = sys.argv[3:4] == ["bench"]
 os.makedirs(out, exist_ok=True)
 vocab_file = gguf.GGUFReader(src)
 VOCAB = len(vocab_file.fields["tokenizer.ggml.tokens"].data)
@@ -355,12 +355,23 @@ def gpt_oss(name, hidden, layers, heads, kv_heads, head_dim, experts, used, widt
     f.finish()
 
 
+BENCH = {
+    "lfm2-350m-shaped": lambda: lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16,
+                                     8, 4608, 3),
+    "qwen35-0.8b-shaped": lambda: qwen35("qwen35-0.8b-shaped", 1024, 24, 4, 8, 2, 256, 64,
+                                         [11, 11, 10, 0], 16, 16, 128, 3584),
+    "qwen3moe-1b-a0.3b-shaped": lambda: qwen3moe("qwen3moe-1b-a0.3b-shaped", 1024, 16, 8, 2,
+                                                 128, 32, 4, 512),
+    "qwen3moe-2b-a0.3b-shaped": lambda: qwen3moe("qwen3moe-2b-a0.3b-shaped", 1024, 16, 8, 2,
+                                                 128, 64, 4, 512, seed=1),
+}
 if bench:
-    lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16, 8, 4608, 3)
-    qwen35("qwen35-0.8b-shaped", 1024, 24, 4, 8, 2, 256, 64, [11, 11, 10, 0], 16, 16, 128,
-           3584)
-    qwen3moe("qwen3moe-1b-a0.3b-shaped", 1024, 16, 8, 2, 128, 32, 4, 512)
-    qwen3moe("qwen3moe-2b-a0.3b-shaped", 1024, 16, 8, 2, 128, 64, 4, 512, seed=1)
+    names = sys.argv[4:] or list(BENCH)
+    unknown = [n for n in names if n not in BENCH]
+    if unknown:
+        sys.exit(f"synth_gguf.py: no bench file named {unknown} (there are {list(BENCH)})")
+    for n in names:
+        BENCH[n]()
     sys.exit(0)
 
 model("qwen3", "qwen3-synthetic", 512, 4, 8, 2, 128, 1536, qk_norm=True)

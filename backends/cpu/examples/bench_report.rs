@@ -484,8 +484,43 @@ fn main() {
         writeln!(md, "\n### At the AVX2 level\n").unwrap();
         md.push_str(&peers);
     }
+    hybrid_tables(&mut md, &manifest.join("../../.peers"));
     let out = manifest.join("BENCH.md");
     std::fs::write(&out, &md).unwrap();
     print!("{md}");
     eprintln!("wrote {}", out.display());
+}
+
+/// `make bench-hybrid`'s tables (`peers-hybrid-NAME[-avx2].md` in `peers`), a section per
+/// file.
+fn hybrid_tables(md: &mut String, peers: &Path) {
+    writeln!(
+        md,
+        "\n## Hybrid models against llama.cpp (`make bench-hybrid`)\n"
+    )
+    .unwrap();
+    md.push_str(
+        "Random-weight files of the LFM2-350M and Qwen3.5-0.8B shapes \
+         (`scripts/crosscheck/synth_gguf.py`), quantized by llama.cpp's `llama-quantize`; \
+         `scripts/bench-hybrid.sh` says what it runs.\n",
+    );
+    let mut tables: Vec<_> = std::fs::read_dir(peers)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("peers-hybrid-") && n.ends_with(".md"))
+        .collect();
+    tables.sort();
+    if tables.is_empty() {
+        writeln!(
+            md,
+            "\nNot measured on this machine yet: run `make bench-hybrid`, then `make bench`."
+        )
+        .unwrap();
+    }
+    for name in tables {
+        let file = name["peers-hybrid-".len()..name.len() - 3].to_string();
+        writeln!(md, "\n### {file}\n").unwrap();
+        md.push_str(&std::fs::read_to_string(peers.join(&name)).unwrap_or_default());
+    }
 }
