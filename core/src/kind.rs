@@ -392,6 +392,15 @@ impl Bookkeeping {
         }
     }
 
+    /// Seq only: the cells the prefix index holds the longest cached beginning of `tokens`
+    /// in, by position (locking nothing).
+    pub fn prefix_cells(&self, tokens: &[u32]) -> CacheResult<Vec<u32>> {
+        match &self.book {
+            Book::Seq(b) => Ok(b.prefix_cells(tokens)),
+            _ => Err(unsupported("prefix_cells", self.kind())),
+        }
+    }
+
     /// Seq only: see [`SeqBookkeeping::prefix_attach`].
     pub fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
         self.abandon_step();
@@ -488,9 +497,11 @@ pub trait CacheVerbs {
         Ok(())
     }
 
-    /// Called after `seq`'s positions `0..len` were published to the prefix index.
-    fn after_publish(&mut self, seq: i32, len: usize) {
-        let _ = (seq, len);
+    /// Called after `seq`'s `tokens` (positions `0..tokens.len()`) were published to the
+    /// prefix index (whose cells for a beginning it held already stay another sequence's:
+    /// [`Bookkeeping::prefix_cells`] names them).
+    fn after_publish(&mut self, seq: i32, tokens: &[u32]) {
+        let _ = (seq, tokens);
     }
 
     /// Runs `verb` on the bookkeeping, then [`CacheVerbs::after_verb`]; all or nothing.
@@ -564,7 +575,7 @@ pub trait CacheVerbs {
     /// Seq: cache a sequence's tokens.
     fn prefix_publish(&mut self, seq: i32, tokens: &[u32]) -> CacheResult<usize> {
         let cached = self.bookkeeping_mut().prefix_publish(seq, tokens)?;
-        self.after_publish(seq, tokens.len());
+        self.after_publish(seq, tokens);
         Ok(cached)
     }
     /// Seq: free `n` cells, evicting cached prefixes as needed.

@@ -504,16 +504,54 @@ impl Anchors {
         }
     }
 
-    /// Pins the anchor at the end of a published prefix (`seq`'s position `len − 1`).
-    pub fn pin_end(&mut self, book: &Bookkeeping, seq: i32, len: usize) {
+    /// Pins the state at the end of `seq`'s published `tokens` (a [`PINNED_ANCHORS`] pin).
+    /// Where the prefix index keeps another sequence's cell for that end (it held those
+    /// tokens already, from a request whose state was not kept there), that cell gets a
+    /// copy of the state: the state after the same tokens is the same, and a later request
+    /// attaching them resumes from the index's cells.
+    pub fn pin_end(&mut self, book: &Bookkeeping, seq: i32, tokens: &[u32]) {
+        let len = tokens.len();
         let Ok(history) = book.history(seq) else {
             return;
         };
         let Some(&(_, cell)) = history.iter().find(|&&(p, _)| p as usize + 1 == len) else {
             return;
         };
-        if let Some(s) = self.anchor(cell as usize) {
-            self.slots[s as usize].pin = Pin::Prefix;
+        let Some(own) = self.anchor(cell as usize) else {
+            return;
+        };
+        let indexed = book
+            .prefix_cells(tokens)
+            .ok()
+            .filter(|c| c.len() == len)
+            .and_then(|c| c.last().copied())
+            .filter(|&c| c != cell);
+        let pinned = match indexed {
+            Some(c) => match self.anchor(c as usize) {
+                Some(s) => s,
+                None => {
+                    let s = self.take_slot();
+                    let (from, to) = two(&mut self.slots, own as usize, s as usize);
+                    to.data.copy_from_slice(&from.data);
+                    if self.slot_of.len() <= c as usize {
+                        self.slot_of.resize(c as usize + 1, NONE);
+                    }
+                    self.slot_of[c as usize] = s;
+                    self.slots[s as usize].cell = c;
+                    s
+                }
+            },
+            None => own,
+        };
+        self.clock += 1;
+        let slot = &mut self.slots[pinned as usize];
+        slot.pin = Pin::Prefix;
+        slot.stamp = self.clock;
+    }
+
+    /// Makes the pin at `cell`, if any, the newest of its kind.
+    pub fn touch(&mut self, cell: usize) {
+        if let Some(s) = self.anchor(cell) {
             self.clock += 1;
             self.slots[s as usize].stamp = self.clock;
         }
@@ -630,5 +668,15 @@ fn softplus(x: f32) -> f32 {
         x
     } else {
         x.exp().ln_1p()
+    }
+}
+
+/// Slot `a` (read) and slot `b` (written), `a != b`.
+fn two(slots: &mut [Slot], a: usize, b: usize) -> (&Slot, &mut Slot) {
+    let (lo, hi) = slots.split_at_mut(a.max(b));
+    if a < b {
+        (&lo[a], &mut hi[0])
+    } else {
+        (&hi[0], &mut lo[b])
     }
 }

@@ -1227,17 +1227,30 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         };
         let out = attach(&mut self.book);
         let out = out.and_then(|n| self.after_verb(Some(&before)).map(|()| n));
-        if out.is_err() {
-            self.book = before;
+        match (&out, &mut self.anchors) {
+            (Err(_), _) => self.book = before,
+            // The state it resumes from counts as recently published: a prefix many
+            // requests share (a system prompt) keeps its pin among the newest.
+            (Ok(n @ 1..), Some(a)) => {
+                let end = self.book.history(seq).ok().and_then(|h| {
+                    h.iter()
+                        .find(|&&(p, _)| p as usize + 1 == *n)
+                        .map(|&(_, c)| c)
+                });
+                if let Some(cell) = end {
+                    a.touch(cell as usize);
+                }
+            }
+            _ => {}
         }
         out
     }
-    fn after_publish(&mut self, seq: i32, len: usize) {
+    fn after_publish(&mut self, seq: i32, tokens: &[u32]) {
         if let Some(g) = &mut self.sliding {
-            g.map.pin_end(&self.book, seq, len);
+            g.map.pin_end(&self.book, seq, tokens.len());
         }
         if let Some(a) = &mut self.anchors {
-            a.pin_end(&self.book, seq, len);
+            a.pin_end(&self.book, seq, tokens);
         }
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {

@@ -48,6 +48,11 @@ impl SeqBookkeeping {
         self.index.match_prefix(tokens).0.len()
     }
 
+    /// The cells of the longest cached prefix of `tokens`, by position.
+    pub fn prefix_cells(&self, tokens: &[u32]) -> Vec<u32> {
+        self.index.match_prefix(tokens).1
+    }
+
     /// Gives the empty sequence `seq` the cells of the longest cached prefix of `tokens`
     /// (positions `0..m`) and returns `m`; the caller prefills `tokens[m..]` at positions
     /// `m..`. To get logits for the last token, attach at most `tokens.len() - 1`.

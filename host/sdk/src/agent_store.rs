@@ -111,6 +111,9 @@ pub struct Placed {
     pub history: usize,
     /// Of those, tokens restored from the agent's session file.
     pub restored: usize,
+    /// Where the prefill should end a step and publish `prompt[..at]` before going on
+    /// (see [`AgentStore::admit`]); `None` on models that resume at every position.
+    pub anchor_at: Option<usize>,
 }
 
 /// The store. Requests run one at a time through [`AgentStore::generate`], or several at
@@ -139,6 +142,11 @@ const IDLE_CHECK: Duration = Duration::from_secs(10);
 
 /// Published token lists kept to explain prefix misses.
 const PUBLISHED_KEPT: usize = 32;
+
+/// Fewest prompt tokens a later request must be spared for a prefill to anchor a shared
+/// beginning (see `AgentStore::anchor_point`): each anchor takes one of the few published
+/// ends a hybrid cache keeps state at.
+const MIN_ANCHOR_GAIN: usize = 64;
 
 /// Where a prompt parted from what earlier requests left in the cache.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -458,7 +466,21 @@ impl AgentStore {
             );
         };
         let seq = placed.seq;
-        let reply = match self.run(seq, prompt, placed.history, opts, t0) {
+        let anchored = |s: &mut Self| -> Result<usize> {
+            let Some(at) = placed.anchor_at else {
+                return Ok(placed.history);
+            };
+            s.run(
+                seq,
+                &prompt[..at],
+                placed.history,
+                GenOptions::max_tokens(0),
+                t0,
+            )?;
+            s.publish(seq, &prompt[..at])?;
+            Ok(at)
+        };
+        let reply = match anchored(self).and_then(|from| self.run(seq, prompt, from, opts, t0)) {
             Ok(r) => r,
             Err(e) => {
                 self.abort(agent, seq)?;
@@ -482,7 +504,11 @@ impl AgentStore {
     /// in flight still have to write). `None` when that room or a sequence cannot be had
     /// now (requests in flight hold them); the store is then as before, except that an
     /// agent's hot sequence may have been cut back to what this prompt shares with it.
-    /// The agent is busy until [`finish`](Self::finish) or [`abort`](Self::abort).
+    /// The agent is busy until [`finish`](Self::finish) or [`abort`](Self::abort). On a
+    /// hybrid model, [`Placed::anchor_at`] may name where the prompt departs from a recent
+    /// request: the caller prefills up to there in a request of its own, publishes
+    /// `prompt[..at]` ([`publish`](Self::publish)), then goes on from there, so that later
+    /// requests sharing that beginning resume at it.
     pub fn admit(
         &mut self,
         agent: Option<&str>,
@@ -505,9 +531,10 @@ impl AgentStore {
         {
             return Ok(None);
         }
-        let Some(placed) = self.place(agent, prompt)? else {
+        let Some(mut placed) = self.place(agent, prompt)? else {
             return Ok(None);
         };
+        placed.anchor_at = self.anchor_point(prompt, placed.history)?;
         if !self.make_room(prompt.len() - placed.history + extra, agent)? {
             self.finish(agent, placed.seq, &prompt[..placed.history])?;
             return Ok(None);
@@ -518,16 +545,44 @@ impl AgentStore {
         Ok(Some(placed))
     }
 
-    /// Ends a request whose sequence holds `held` (token `i` at position `i`): publishes it
-    /// to the prefix index; a named agent keeps it (hot), an anonymous request's sequence
-    /// is released (what the index holds stays, evictable).
-    pub fn finish(&mut self, agent: Option<&str>, seq: i32, held: &[i32]) -> Result<()> {
+    /// Where a request reusing `history` tokens of `prompt` should anchor its prefill: the
+    /// end of the longest beginning it shares with a recent request, when the index holds
+    /// those cells but the model cannot resume there (a hybrid keeps its sliding-window or
+    /// recurrent state only where a step ended and was published) and anchoring saves at
+    /// least [`MIN_ANCHOR_GAIN`] tokens of a later request's prefill. Agents sharing a
+    /// system prompt: the second request anchors it, the later ones resume there. The
+    /// request's own last token is never shared (it is always recomputed).
+    fn anchor_point(&self, prompt: &[i32], history: usize) -> Result<Option<usize>> {
+        let shared = self
+            .published
+            .iter()
+            .map(|t| common_prefix(t, prompt))
+            .max()
+            .unwrap_or(0)
+            .min(prompt.len() - 1);
+        if shared < history + MIN_ANCHOR_GAIN {
+            return Ok(None);
+        }
+        let indexed = self.cache.prefix_match(&tokens_u32(&prompt[..shared]))?;
+        Ok((indexed >= shared).then_some(shared))
+    }
+
+    /// Publishes `held`, what `seq` holds (token `i` at position `i`), to the prefix index.
+    pub fn publish(&mut self, seq: i32, held: &[i32]) -> Result<()> {
         self.cache.prefix_publish(seq, &tokens_u32(held))?;
         self.published.retain(|t| t != held);
         if self.published.len() == PUBLISHED_KEPT {
             self.published.pop_front();
         }
         self.published.push_back(held.to_vec());
+        Ok(())
+    }
+
+    /// Ends a request whose sequence holds `held` (token `i` at position `i`): publishes it
+    /// to the prefix index; a named agent keeps it (hot), an anonymous request's sequence
+    /// is released (what the index holds stays, evictable).
+    pub fn finish(&mut self, agent: Option<&str>, seq: i32, held: &[i32]) -> Result<()> {
+        self.publish(seq, held)?;
         match agent {
             Some(name) => {
                 let clock = self.clock;
@@ -585,6 +640,7 @@ impl AgentStore {
                                 seq,
                                 history: keep,
                                 restored: 0,
+                                anchor_at: None,
                             }));
                         }
                         // A hybrid cache cannot go back that far: start the sequence over.
@@ -606,6 +662,7 @@ impl AgentStore {
                     seq,
                     history: attached,
                     restored: 0,
+                    anchor_at: None,
                 }));
             }
         }
@@ -687,6 +744,7 @@ impl AgentStore {
             seq,
             history,
             restored,
+            anchor_at: None,
         }))
     }
 

@@ -171,15 +171,19 @@ struct Active {
     done: usize,
     /// Whether a token has been sampled (time to first token recorded).
     started: bool,
+    /// Whether the prefill up to `placed.anchor_at` runs (it is published when it ends).
+    anchoring: bool,
 }
 
 impl Active {
     /// The prompt part request `r` was given.
     fn prompt_of(&self, r: &Running) -> &[i32] {
+        let prompt = &self.req.prompt;
         match r.choice {
-            Some(_) if self.req.n > 1 => &self.req.prompt[self.req.prompt.len() - 1..],
-            None => &self.req.prompt[self.placed.history..self.req.prompt.len() - 1],
-            Some(_) => &self.req.prompt[self.placed.history..],
+            Some(_) if self.req.n > 1 => &prompt[prompt.len() - 1..],
+            None if self.anchoring => &prompt[r.start..self.placed.anchor_at.expect("anchoring")],
+            None => &prompt[r.start..prompt.len() - 1],
+            Some(_) => &prompt[r.start..],
         }
     }
 
@@ -352,9 +356,12 @@ impl Engine {
                         main_open: true,
                         done: 0,
                         started: false,
+                        anchoring: placed.anchor_at.is_some(),
                     };
                     let last = a.req.prompt.len() - 1;
-                    let started = if a.req.n == 1 {
+                    let started = if a.anchoring {
+                        self.start(&mut a, None, placed.seq, placed.history)
+                    } else if a.req.n == 1 {
                         self.start(&mut a, Some(0), placed.seq, placed.history)
                     } else if placed.history < last {
                         self.start(&mut a, None, placed.seq, placed.history)
@@ -603,6 +610,22 @@ impl Engine {
             .expect("its request");
         let r = a.running.remove(at);
         let Some(choice) = r.choice else {
+            if a.anchoring {
+                // The prompt is in up to where it departs from a recent request: published
+                // there, the rest is prefilled (n > 1) or the completion starts.
+                a.anchoring = false;
+                let from = a.placed.anchor_at.expect("anchoring");
+                let (seq, last) = (a.placed.seq, a.req.prompt.len() - 1);
+                let go_on = self
+                    .store
+                    .publish(seq, &a.req.prompt[..from])
+                    .and_then(|()| match a.req.n {
+                        1 => self.start(&mut a, Some(0), seq, from),
+                        _ if from < last => self.start(&mut a, None, seq, from),
+                        _ => self.fork(&mut a),
+                    });
+                return self.keep_if_started(a, go_on);
+            }
             // The shared prompt is in: the completions fork from it.
             let forked = self.fork(&mut a);
             return self.keep_if_started(a, forked);

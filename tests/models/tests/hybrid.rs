@@ -8,6 +8,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use kvplug::{run_decode, AgentStore, AgentStoreOptions, RunSpec, Sampler};
 use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 use kvplug::{DraftKind, Speculation};
 
@@ -665,4 +666,47 @@ fn qwen35_prompt_end_outlives_unread_chunks() {
     ctx.rewind(len).unwrap();
     ctx.rewind(prompt_end)
         .expect("the prompt's end is kept, not the unread chunks' ends");
+}
+
+/// Requests sharing a system prompt on Qwen3.5, whose state is kept only where a step ended
+/// and was published: the second request anchors the beginning it shares with the first
+/// (its prefill ends a step there and publishes it), every later one resumes there, though
+/// each publishes its own end too (more than the 4 pins a cache keeps: resuming keeps the
+/// shared one among the newest); every answer is plain greedy decoding's on a fresh cache.
+#[test]
+fn qwen35_requests_resume_a_shared_system_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    let rt = runtime();
+    let system: Vec<i32> = (0..100).map(|i| (i * 37 + 11) % 290 + 5).collect();
+    let with = |q: &[i32]| [system.as_slice(), q].concat();
+    let prompts: Vec<Vec<i32>> = (0..8).map(|i| with(&[7 + i, 20 + 2 * i, 9])).collect();
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, &model);
+        let files = tempfile::tempdir().unwrap();
+        let opts = AgentStoreOptions {
+            capacity: 512,
+            kv_dtype: KvDtype::F16,
+            dir: files.path().to_path_buf(),
+            warm: Default::default(),
+        };
+        let mut store = AgentStore::new(&m, opts).unwrap();
+        let mut cached = Vec::new();
+        for p in &prompts {
+            let reply = store.generate(None, p, GenOptions::max_tokens(6)).unwrap();
+            cached.push(reply.cached_tokens);
+            let spec = RunSpec {
+                prompt: p.clone(),
+                max_tokens: 6,
+                kv_dtype: KvDtype::F16,
+                capacity: 512,
+                stop_tokens: Default::default(),
+            };
+            let plain = run_decode(&m, &spec, None, Sampler::greedy(), None, &mut |_| Ok(()));
+            assert_eq!(reply.ids, plain.unwrap().ids, "{backend}");
+        }
+        let mut want = vec![system.len(); prompts.len()];
+        want[..2].fill(0);
+        assert_eq!(cached, want, "{backend}: tokens reused");
+    }
 }
