@@ -4,7 +4,8 @@
 # scripts/crosscheck/synth_gguf.py (no real weights of these families are on PyPI), made
 # Q4_K_M by the same llama.cpp's llama-quantize, then scripts/bench-peers.sh on each (pp512
 # and tg128 interleaved, 2 rounds, peak RSS holding 1024 tokens). The tables go to
-# .peers/peers-hybrid-NAME.md, which `make bench` puts in backends/cpu/BENCH.md.
+# .peers/peers-hybrid-NAME.md (-avx2.md at ISA=avx2), which `make bench` puts in
+# backends/cpu/BENCH.md.
 #
 # Settings (environment): MODEL (the GGUF whose vocabulary the files copy; default the demo
 # model), QUANT (default Q4_K_M), and bench-peers.sh's own (THREADS, ROUNDS, REPS, ISA, ...).
@@ -38,9 +39,7 @@ if [ "$(cat "$dir/made-from" 2>/dev/null)" != "$made_from" ]; then
     echo "$made_from" >"$dir/made-from"
 fi
 
-suffix=""
-[ "${ISA:-native}" = avx2 ] && suffix="-avx2"
 for s in "${shapes[@]}"; do
     MODEL="$dir/$s.$QUANT.gguf" DEPTHS=0 RSS_CONTEXT=1024 \
-        PEERS_TABLE="$PEERS/peers-hybrid-$s$suffix.md" ./scripts/bench-peers.sh
+        PEERS_TABLE="$PEERS/peers-hybrid-$s.md" ./scripts/bench-peers.sh
 done

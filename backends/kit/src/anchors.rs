@@ -549,7 +549,7 @@ impl Anchors {
         slot.stamp = self.clock;
     }
 
-    /// Makes the pin at `cell`, if any, the newest of its kind.
+    /// Makes the anchor at `cell`, if any, the newest of its kind.
     pub fn touch(&mut self, cell: usize) {
         if let Some(s) = self.anchor(cell) {
             self.clock += 1;

@@ -123,6 +123,10 @@ pub struct Placed {
 pub struct AgentStore {
     /// Token lists finished requests published, newest last (to explain prefix misses).
     published: VecDeque<Vec<i32>>,
+    /// Whether an anchored prefill lets later requests resume at a shared beginning
+    /// (`anchor_point`): the cache keeps a delta-rule state at a published end on the
+    /// index's own cells. A sliding window is pinned only on the publishing sequence's.
+    anchors_prefixes: bool,
     cache: RtContext,
     fingerprint: String,
     /// The model's readable name, written into each parked agent's file.
@@ -238,8 +242,13 @@ impl AgentStore {
     /// A store for `model`, on a seq context of its own.
     pub fn new(model: &Model, opts: AgentStoreOptions) -> Result<Self> {
         let cache = model.context(CacheKind::Seq, opts.capacity, opts.kv_dtype)?;
+        let anchors_prefixes = model
+            .cache_config(opts.capacity, opts.kv_dtype)?
+            .delta
+            .is_some();
         let mut store = AgentStore {
             published: VecDeque::new(),
+            anchors_prefixes,
             cache,
             fingerprint: model_fingerprint(model.dir())?,
             model_name: crate::fingerprint::model_name(model.dir()),
@@ -547,12 +556,15 @@ impl AgentStore {
 
     /// Where a request reusing `history` tokens of `prompt` should anchor its prefill: the
     /// end of the longest beginning it shares with a recent request, when the index holds
-    /// those cells but the model cannot resume there (a hybrid keeps its sliding-window or
-    /// recurrent state only where a step ended and was published) and anchoring saves at
-    /// least [`MIN_ANCHOR_GAIN`] tokens of a later request's prefill. Agents sharing a
+    /// those cells but the model cannot resume there (a delta-rule model keeps its state
+    /// only where a step ended) and anchoring saves at least [`MIN_ANCHOR_GAIN`] tokens of
+    /// a later request's prefill. Agents sharing a
     /// system prompt: the second request anchors it, the later ones resume there. The
     /// request's own last token is never shared (it is always recomputed).
     fn anchor_point(&self, prompt: &[i32], history: usize) -> Result<Option<usize>> {
+        if !self.anchors_prefixes {
+            return Ok(None);
+        }
         let shared = self
             .published
             .iter()

@@ -173,6 +173,8 @@ struct Active {
     started: bool,
     /// Whether the prefill up to `placed.anchor_at` runs (it is published when it ends).
     anchoring: bool,
+    /// Prompt tokens `placed.seq` holds while no generator request runs on it.
+    main_held: usize,
 }
 
 impl Active {
@@ -299,12 +301,19 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            // The completions of prompts still prefilling write once they fork.
+            // The completions of prompts still prefilling write once they fork, and an
+            // anchoring prefill's prompt goes on past its anchor.
             let forks: usize = self
                 .active
                 .iter()
                 .filter(|a| a.running.iter().any(|r| r.choice.is_none()))
-                .map(|a| a.req.n * a.req.opts.max_tokens)
+                .map(|a| {
+                    let rest = match (a.anchoring, a.placed.anchor_at) {
+                        (true, Some(at)) => a.req.prompt.len() - at,
+                        _ => 0,
+                    };
+                    a.req.n * a.req.opts.max_tokens + rest
+                })
                 .sum();
             let extra = r.n * r.opts.max_tokens - 1 + self.generator.outstanding() + forks;
             match self.store.admit(r.agent.as_deref(), &r.prompt, extra) {
@@ -357,6 +366,7 @@ impl Engine {
                         done: 0,
                         started: false,
                         anchoring: placed.anchor_at.is_some(),
+                        main_held: placed.history,
                     };
                     let last = a.req.prompt.len() - 1;
                     let started = if a.anchoring {
@@ -502,9 +512,9 @@ impl Engine {
             a.main_open &= r.seq != main;
         }
         if a.main_open {
-            // Its prompt is in and no completion runs on it (n > 1: no agent).
-            let prompt = &a.req.prompt[..a.req.prompt.len() - 1];
-            self.store.finish(None, main, prompt)?;
+            // No generator request runs on it: it holds `main_held` prompt tokens.
+            let (agent, held) = (a.req.agent.as_deref(), &a.req.prompt[..a.main_held]);
+            self.store.finish(agent, main, held)?;
         }
         self.store.unreserve(a.reserved.drain(..));
         self.status.lock().expect("status lock").completed += 1;
@@ -615,6 +625,7 @@ impl Engine {
                 // there, the rest is prefilled (n > 1) or the completion starts.
                 a.anchoring = false;
                 let from = a.placed.anchor_at.expect("anchoring");
+                a.main_held = from;
                 let (seq, last) = (a.placed.seq, a.req.prompt.len() - 1);
                 let go_on = self
                     .store
@@ -627,6 +638,7 @@ impl Engine {
                 return self.keep_if_started(a, go_on);
             }
             // The shared prompt is in: the completions fork from it.
+            a.main_held = a.req.prompt.len() - 1;
             let forked = self.fork(&mut a);
             return self.keep_if_started(a, forked);
         };
