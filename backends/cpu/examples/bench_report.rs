@@ -510,7 +510,8 @@ fn hybrid_tables(md: &mut String, peers: &Path) {
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n.starts_with("peers-hybrid-") && n.ends_with(".md"))
         .collect();
-    tables.sort();
+    // Each file's native table, then its AVX2 one.
+    tables.sort_by_key(|n| (n.replace("-avx2.md", ".md"), n.ends_with("-avx2.md")));
     if tables.is_empty() {
         writeln!(
             md,
@@ -519,8 +520,12 @@ fn hybrid_tables(md: &mut String, peers: &Path) {
         .unwrap();
     }
     for name in tables {
-        let file = name["peers-hybrid-".len()..name.len() - 3].to_string();
-        writeln!(md, "\n### {file}\n").unwrap();
+        let file = &name["peers-hybrid-".len()..name.len() - 3];
+        let title = match file.strip_suffix("-avx2") {
+            Some(f) => format!("{f}, at the AVX2 level"),
+            None => file.to_string(),
+        };
+        writeln!(md, "\n### {title}\n").unwrap();
         md.push_str(&std::fs::read_to_string(peers.join(&name)).unwrap_or_default());
     }
 }
