@@ -710,3 +710,39 @@ fn qwen35_requests_resume_a_shared_system_prompt() {
         assert_eq!(cached, want, "{backend}: tokens reused");
     }
 }
+
+/// A Qwen3.5 file whose decay rate (`ssm_a`, `−exp(A_log)`) is above 0 would make the
+/// state grow without bound: every backend refuses to open it, naming the tensor.
+#[test]
+fn qwen35_decay_rates_above_zero_are_refused() {
+    use candle_core::quantized::gguf_file::Content;
+    use std::io::{Seek, SeekFrom, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("qwen35.gguf");
+    write_qwen35(&gguf, &[GgmlDType::F32], None);
+    let at = {
+        let mut f = std::fs::File::open(&gguf).unwrap();
+        let content = Content::read(&mut f).unwrap();
+        content.tensor_data_offset + content.tensor_infos["blk.1.ssm_a"].offset
+    };
+    let mut f = std::fs::OpenOptions::new().write(true).open(&gguf).unwrap();
+    f.seek(SeekFrom::Start(at + 4)).unwrap();
+    f.write_all(&0.5f32.to_le_bytes()).unwrap();
+    drop(f);
+    let model = dir.path().join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    let rt = runtime();
+    for backend in BACKENDS {
+        let e = rt
+            .model(backend, &model)
+            .and_then(|m| m.context(CacheKind::Contiguous, 64, KvDtype::F32))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ssm_a") || e.contains("linear_attn.a"),
+            "{backend}: {e}"
+        );
+        assert!(e.contains("decay rate of 0.5"), "{backend}: {e}");
+    }
+}
