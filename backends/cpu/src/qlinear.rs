@@ -11,10 +11,15 @@
 //! its rows front to back. On the vector paths prefill goes by *panels* of 8 tokens instead:
 //! the activations are also laid out once per call with the 8 tokens' codes interleaved by
 //! 4-byte dwords, so that one weight code dword, broadcast, meets all 8 tokens in one
-//! product with lane i for token i — no horizontal sums —, each activation vector loaded
-//! serves 2 weight rows and each unpacked sub-block 4 panels (2 on the AVX2 path). The float steps per sub-block and the final additions are the
-//! tile's, lane for lane, so a token's outputs are the same bit for bit whether it comes in a
-//! panel, a tile or alone. The vector paths are chosen at run time: AVX2
+//! product with lane i for token i — no horizontal sums. Blocks of 4 weight rows (2 on the
+//! AVX2 path) are unpacked once per chunk of panels that stays in cache, and then met 2
+//! panels at a time: each activation vector loaded serves the rows, each broadcast the
+//! panels. The tile keeps one accumulator lane per sub-block of a group; a panel runs one
+//! lane at a time over its sub-blocks (the rows and the panels' blocks laid out lane by
+//! lane, [`LaneMajor`]), so that its accumulators stay in registers. The float steps per
+//! sub-block and the final additions are the tile's, lane for lane, so a token's outputs
+//! are the same bit for bit whether it comes in a panel, a tile or alone. The vector paths
+//! are chosen at run time: AVX2
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
 //! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
@@ -66,16 +71,24 @@ const GROUP: usize = 8;
 const TILE: usize = 4;
 /// Tokens per panel (the vector paths' prefill): one 256-bit lane each.
 const PANEL: usize = 8;
-/// Weight rows per pass over a panel: each activation vector loaded serves this many.
-const PANEL_ROWS: usize = 2;
-/// Panels per pass over the weight rows on the `dpbusd` path: each unpacked sub-block serves
-/// this many.
-const PANELS_PER_PASS: usize = 4;
-/// [`PANELS_PER_PASS`] on the `maddubs` path, whose 16 registers hold fewer of the
-/// accumulators (Qwen2.5-1.5B's shape, pp512 under `KVPLUG_CPU_ISA=avx2`, two interleaved
-/// rounds: 2 panels 74.4 / 78.5 tok/s, 4 panels 69.4 / 70.9, 1 panel 62.9 / 63.8; on the
-/// `dpbusd` path 2 panels measured 100 against 110–122).
-const PANELS_PER_PASS_AVX2: usize = 2;
+/// Weight rows unpacked at a time for the panels on the `dpbusd` path, and units (pairs of
+/// panels, one 512-bit vector) per pass over them: each activation vector loaded serves the
+/// rows, each broadcast weight dword the units, and the rows × units accumulators and
+/// products stay in the 32 registers. Qwen2.5-1.5B's gate and down shapes, 512 tokens,
+/// 2 threads: 4 × 3 at 175–200 GMAC/s, 4 × 2 at 160–170, 6 × 2 at 160–185; on 256-bit
+/// vectors (single panels) 4 × 3 reached 175–185.
+const PANEL_ROWS: usize = 4;
+const PANELS_PER_PASS: usize = 3;
+/// The same on the `maddubs` path (single panels, 16 registers): 4 × 1 at 103–125 GMAC/s,
+/// 2 × 2 at 86–94, 3 × 2 at 92–101, 1 × 4 at 62–80.
+const PANEL_ROWS_AVX2: usize = 4;
+const PANELS_PER_PASS_AVX2: usize = 1;
+/// Bytes of activation codes in a chunk of panels that a block of unpacked rows passes over
+/// before the next block is unpacked: a chunk's codes and scales stay in a core's L2 on
+/// recent x86 (2 MiB on Sapphire Rapids; on Zen 2's 512 KiB they come from L3) while each
+/// unpacked row serves every panel in it. On Qwen2.5-1.5B's down shape (8960 columns) 768
+/// and 1536 KiB measured alike, both above 192.
+const PANEL_CHUNK_BYTES: usize = 1536 << 10;
 /// Output rows per task where tokens come in tiles (prefill): enough tasks to balance.
 const ROWS_PER_TASK: usize = 32;
 /// Values at which the activations are quantized on every thread rather than the caller's.
@@ -342,23 +355,30 @@ impl Quantized {
         }
         // The vector paths' panels (the scalar path has none).
         let panels = if path == Path::Scalar { 0 } else { t / PANEL };
-        let n = panels * blocks;
-        let pq = at_least(&mut self.panel_q, n * PANEL * QK);
-        let pd = at_least(&mut self.panel_d, n * PANEL);
-        let ps = at_least(&mut self.panel_sum, n * PANEL);
-        let ph = at_least(&mut self.panel_half, n * PANEL * 2);
-        for pb in 0..n {
-            let (pi, b) = (pb / blocks, pb % blocks);
+        // Blocks of pairs of panels (see [`Panels`]).
+        let n = panels.div_ceil(2) * blocks;
+        let pq = at_least(&mut self.panel_q, n * 2 * PANEL * QK);
+        let pd = at_least(&mut self.panel_d, n * 2 * PANEL);
+        let ps = at_least(&mut self.panel_sum, n * 2 * PANEL);
+        let ph = at_least(&mut self.panel_half, n * 4 * PANEL);
+        let order = LaneMajor::new(cols / QK);
+        let placed = Panels {
+            blocks,
+            ..Panels::default()
+        };
+        for pb in 0..panels * order.len() {
+            let (pi, b) = (pb / order.len(), pb % order.len());
+            let at = placed.block(pi, order.position(b));
             for i in 0..PANEL {
                 let src = (pi * PANEL + i) * blocks + b;
                 for k in 0..QK / 4 {
-                    let at = (pb * QK / 4 + k) * PANEL * 4 + i * 4;
-                    pq[at..at + 4].copy_from_slice(&self.q[src * QK + 4 * k..][..4]);
+                    let c = at.codes + k * PANEL_ROW + i * 4;
+                    pq[c..c + 4].copy_from_slice(&self.q[src * QK + 4 * k..][..4]);
                 }
-                pd[pb * PANEL + i] = self.d[src];
-                ps[pb * PANEL + i] = self.sum[src];
-                ph[pb * 2 * PANEL + i] = i32::from(self.half[2 * src]);
-                ph[pb * 2 * PANEL + PANEL + i] = i32::from(self.half[2 * src + 1]);
+                pd[at.scalars + i] = self.d[src];
+                ps[at.scalars + i] = self.sum[src];
+                ph[at.half + i] = i32::from(self.half[2 * src]);
+                ph[at.half + 2 * PANEL + i] = i32::from(self.half[2 * src + 1]);
             }
         }
         // The regrouped codes the call's formats take on the `dpbusd` path, for the tokens
@@ -392,11 +412,12 @@ impl Quantized {
             half: &self.half[..t * blocks * 2],
             blocks,
             panels: Panels {
-                q: &self.panel_q[..n * PANEL * QK],
-                d: &self.panel_d[..n * PANEL],
-                sum: &self.panel_sum[..n * PANEL],
-                half: &self.panel_half[..n * PANEL * 2],
+                q: &self.panel_q[..n * 2 * PANEL * QK],
+                d: &self.panel_d[..n * 2 * PANEL],
+                sum: &self.panel_sum[..n * 2 * PANEL],
+                half: &self.panel_half[..n * 4 * PANEL],
                 count: panels,
+                blocks,
             },
         }
     }
@@ -474,11 +495,14 @@ struct Acts<'a> {
     panels: Panels<'a>,
 }
 
-/// Tokens `PANEL·p .. PANEL·(p + 1)` of a call, for the vector paths' prefill, per block
-/// (`p·blocks + b`, `blocks` as in [`Acts`]): the codes as eight 32-byte vectors, vector `k`
-/// holding codes `4k..4k+4` of each token in turn; each token's scale, code sum, and half
-/// sums (the first halves', then the second halves').
-#[derive(Clone, Copy)]
+/// Tokens `PANEL·p .. PANEL·(p + 1)` of a call, for the vector paths' prefill, per pair of
+/// panels (`2m`, `2m + 1`) and block (at `m·blocks + position`, `blocks` as in [`Acts`],
+/// `position` the block's [`LaneMajor`] position in a row; the padding past a row's last
+/// block left out): the codes as eight [`PANEL_ROW`]-byte rows, row `k` holding codes
+/// `4k..4k+4` of each token of the first panel in turn, then the second's; the two panels'
+/// tokens' scales, then their code sums, then their first halves' sums, then their second
+/// halves'. A 256-bit vector reads one panel's tokens, a 512-bit one both.
+#[derive(Clone, Copy, Default)]
 struct Panels<'a> {
     q: &'a [i8],
     d: &'a [f32],
@@ -486,6 +510,38 @@ struct Panels<'a> {
     half: &'a [i32],
     /// Whole panels (`t / PANEL`; 0 on the scalar path).
     count: usize,
+    /// Blocks per token, as in [`Acts`].
+    blocks: usize,
+}
+
+/// Bytes of a row of a pair of panels' codes: four of each of their tokens.
+const PANEL_ROW: usize = 2 * PANEL * 4;
+
+/// A panel kernel's outputs: `[unit][row][token]`, a unit's one or two panels' tokens in
+/// order (the rest of each row unused).
+type PanelOut<const R: usize, const P: usize> = [[[f32; 2 * PANEL]; R]; P];
+
+/// Where panel `p`'s block at a position lies in [`Panels`]: its codes' first row (in bytes;
+/// rows [`PANEL_ROW`] apart), its scales and sums, and its half sums (the second halves'
+/// `2·PANEL` on).
+#[derive(Clone, Copy)]
+struct PanelBlock {
+    codes: usize,
+    scalars: usize,
+    half: usize,
+}
+
+impl Panels<'_> {
+    /// Panel `pi`'s block at `position`.
+    #[inline(always)]
+    fn block(&self, pi: usize, position: usize) -> PanelBlock {
+        let (pair, second) = (pi / 2 * self.blocks + position, pi % 2);
+        PanelBlock {
+            codes: pair * 2 * PANEL * QK + second * PANEL * 4,
+            scalars: pair * 2 * PANEL + second * PANEL,
+            half: pair * 4 * PANEL + second * PANEL,
+        }
+    }
 }
 
 /// One token's activations for one group: 256 codes, 8 scales, 8 sums, 16 half sums.
@@ -633,20 +689,11 @@ impl Task<'_> {
     /// then the remaining tokens one at a time (the same arithmetic, bit for bit, per token
     /// and row every way).
     fn rows_of<const F: usize>(&self, rows: Range<usize>) {
-        let panels = self.acts.panels.count;
-        let mut pi = 0;
-        if self.path == Path::Vnni {
-            while pi + PANELS_PER_PASS <= panels {
-                self.panels_of::<F, PANELS_PER_PASS>(pi, rows.clone());
-                pi += PANELS_PER_PASS;
-            }
-        }
-        while pi + PANELS_PER_PASS_AVX2 <= panels {
-            self.panels_of::<F, PANELS_PER_PASS_AVX2>(pi, rows.clone());
-            pi += PANELS_PER_PASS_AVX2;
-        }
-        for pi in pi..panels {
-            self.panels_of::<F, 1>(pi, rows.clone());
+        if self.acts.panels.count > 0 {
+            UNPACKED.with_borrow_mut(|u| match self.path {
+                Path::Vnni => self.panels::<F, PANEL_ROWS, PANELS_PER_PASS>(u, rows.clone()),
+                _ => self.panels::<F, PANEL_ROWS_AVX2, PANELS_PER_PASS_AVX2>(u, rows.clone()),
+            });
         }
         let mut t0 = self.acts.panels.count * PANEL;
         while t0 + TILE <= self.t {
@@ -655,6 +702,86 @@ impl Task<'_> {
         }
         for ti in t0..self.t {
             self.tiles::<F, 1>(ti, rows.clone());
+        }
+    }
+
+    /// Every panel against `rows`: in chunks of panels whose codes fit
+    /// [`PANEL_CHUNK_BYTES`], each chunk met by blocks of `R` rows unpacked once (single rows
+    /// at the end), `P` units a pass (single panels at the end). A unit is two panels on the
+    /// `dpbusd` path's 512-bit vectors, one on the `maddubs` path's 256.
+    fn panels<const F: usize, const R: usize, const P: usize>(
+        &self,
+        u: &mut UnpackedRows,
+        rows: Range<usize>,
+    ) {
+        let f = const { BLOCK_FORMATS[F] };
+        let order = LaneMajor::new(self.row_bytes / f.block_bytes() * (f.block_elems() / QK));
+        u.hold(R * order.len());
+        let count = self.acts.panels.count;
+        let unit = if self.path == Path::Vnni { 2 } else { 1 };
+        // Whole units, so that a chunk starts a pair.
+        let chunk = (PANEL_CHUNK_BYTES / (PANEL * QK * self.acts.blocks)) / unit * unit;
+        let chunk = chunk.max(unit * P);
+        for c0 in (0..count).step_by(chunk) {
+            let c1 = (c0 + chunk).min(count);
+            let mut r = rows.start;
+            while r < rows.end {
+                if r + R <= rows.end {
+                    self.unpack_rows::<F, R>(u, r, &order);
+                    self.panels_over::<F, R, P>(u, &order, c0..c1, r);
+                    r += R;
+                } else {
+                    self.unpack_rows::<F, 1>(u, r, &order);
+                    self.panels_over::<F, 1, 1>(u, &order, c0..c1, r);
+                    r += 1;
+                }
+            }
+        }
+    }
+
+    /// Panels `pis` against the `R` rows unpacked in `u` (rows `r..r + R`), `P` units a pass,
+    /// then single panels.
+    fn panels_over<const F: usize, const R: usize, const P: usize>(
+        &self,
+        u: &UnpackedRows,
+        order: &LaneMajor,
+        pis: Range<usize>,
+        r: usize,
+    ) {
+        let unit = if self.path == Path::Vnni { 2 } else { 1 };
+        let mut pi = pis.start;
+        while pi + unit * P <= pis.end {
+            self.write_panels(pi, unit, r, self.panel::<F, R, P>(u, order, pi, unit));
+            pi += unit * P;
+        }
+        while pi + unit <= pis.end {
+            self.write_panels(pi, unit, r, self.panel::<F, R, 1>(u, order, pi, unit));
+            pi += unit;
+        }
+        for pi in pi..pis.end {
+            self.write_panels(pi, 1, r, self.panel::<F, R, 1>(u, order, pi, 1));
+        }
+    }
+
+    /// Unpacks rows `r..r + R` into `u` in `order` (a vector path's).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    fn unpack_rows<const F: usize, const R: usize>(
+        &self,
+        u: &mut UnpackedRows,
+        r: usize,
+        order: &LaneMajor,
+    ) {
+        let rows: [&[u8]; R] = std::array::from_fn(|i| {
+            &self.w[(r + i) * self.row_bytes..(r + i + 1) * self.row_bytes]
+        });
+        match self.path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: panels exist on the vector paths only, each where detected.
+            Path::Avx2 => unsafe { x86::unpack_rows::<F>(&rows, order, u) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Path::Vnni => unsafe { x86::unpack_rows_vnni::<F>(&rows, order, u) },
+            _ => unreachable!("the scalar path has no panels"),
         }
     }
 
@@ -681,50 +808,49 @@ impl Task<'_> {
         }
     }
 
-    /// Panels `pi..pi + P`'s tokens of rows `r..r + R` (a vector path's).
+    /// `P` units of `unit` panels from panel `pi` on against the first `R` rows unpacked in
+    /// `u` (a vector path's; units of two on the `dpbusd` path only).
     #[inline(always)]
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn panel<const F: usize, const R: usize, const P: usize>(
         &self,
+        u: &UnpackedRows,
+        order: &LaneMajor,
         pi: usize,
-        r: usize,
-    ) -> [[[f32; PANEL]; R]; P] {
-        let rows: [&[u8]; R] = std::array::from_fn(|i| {
-            &self.w[(r + i) * self.row_bytes..(r + i + 1) * self.row_bytes]
-        });
-        let (p, blocks) = (&self.acts.panels, self.acts.blocks);
-        match self.path {
+        unit: usize,
+    ) -> PanelOut<R, P> {
+        let p = &self.acts.panels;
+        match (self.path, unit) {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: panels exist on the vector paths only, each where detected.
-            Path::Avx2 => unsafe { x86::panel::<F, R, P>(rows, p, blocks, pi) },
+            (Path::Avx2, 1) => unsafe { x86::panel::<F, R, P>(u, order, p, pi) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Path::Vnni => unsafe { x86::panel_vnni::<F, R, P>(rows, p, blocks, pi) },
+            (Path::Vnni, 1) => unsafe { x86::panel_vnni::<F, R, P>(u, order, p, pi) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above (the `dpbusd` path has AVX-512 F).
+            (Path::Vnni, 2) => unsafe { x86::panel_pairs::<F, R, P>(u, order, p, pi) },
             _ => unreachable!("the scalar path has no panels"),
         }
     }
 
-    /// Panels `pi..pi + P` over `rows`, [`PANEL_ROWS`] rows at a time.
-    fn panels_of<const F: usize, const P: usize>(&self, pi: usize, rows: Range<usize>) {
-        let mut r = rows.start;
-        while r + PANEL_ROWS <= rows.end {
-            self.write_panels(pi, r, self.panel::<F, PANEL_ROWS, P>(pi, r));
-            r += PANEL_ROWS;
-        }
-        for r in r..rows.end {
-            self.write_panels(pi, r, self.panel::<F, 1, P>(pi, r));
-        }
-    }
-
+    /// Writes a kernel's outputs for `P` units of `unit` panels from panel `pi` on, rows
+    /// `r..r + R`.
     fn write_panels<const R: usize, const P: usize>(
         &self,
         pi: usize,
+        unit: usize,
         r: usize,
-        v: [[[f32; PANEL]; R]; P],
+        v: PanelOut<R, P>,
     ) {
-        for (pp, v) in v.into_iter().enumerate() {
-            for (i, v) in v.into_iter().enumerate() {
-                self.write((pi + pp) * PANEL, r + i, v);
+        for (pp, v) in v.iter().enumerate() {
+            let first = (pi + pp * unit) * PANEL;
+            for (k, t) in (first..first + unit * PANEL).enumerate() {
+                // A token's rows together: one store.
+                let token: [f32; R] = std::array::from_fn(|i| v[i][k]);
+                let at = t * self.out_stride + r;
+                // SAFETY: elements (token, r..r + R) lie in this task's rows only.
+                unsafe { self.out.span(at, R) }.copy_from_slice(&token);
             }
         }
     }
@@ -735,6 +861,93 @@ impl Task<'_> {
             unsafe { self.out.get((t0 + i) * self.out_stride + r)[0] = v };
         }
     }
+}
+
+/// The order in which the panels take a row's sub-blocks and their activation blocks:
+/// lane-major, every sub-block of accumulator lane 0 in row order, then lane 1's, and so on,
+/// where a sub-block's lane is its place in its group, or in its piece of a short row's last
+/// fours, twos and ones ([`Task::tiles`]' pieces). One lane's sub-blocks then run
+/// contiguously into one accumulator per row and token.
+#[derive(Clone, Copy, Debug)]
+struct LaneMajor {
+    /// Whole groups in a row.
+    full: usize,
+    /// Sub-blocks past them (32-value formats only).
+    rest: usize,
+    /// Lane j's positions: `starts[j]..starts[j + 1]`.
+    starts: [usize; GROUP + 1],
+}
+
+impl LaneMajor {
+    /// The order of a row of `sub_blocks` sub-blocks.
+    fn new(sub_blocks: usize) -> LaneMajor {
+        let (full, rest) = (sub_blocks / GROUP, sub_blocks % GROUP);
+        let mut starts = [0; GROUP + 1];
+        for j in 0..GROUP {
+            let pieces = [4, 2, 1]
+                .iter()
+                .filter(|&&w| rest & w != 0 && j < w)
+                .count();
+            starts[j + 1] = starts[j] + full + pieces;
+        }
+        LaneMajor { full, rest, starts }
+    }
+
+    /// Sub-blocks in a row.
+    fn len(&self) -> usize {
+        self.full * GROUP + self.rest
+    }
+
+    /// The position of sub-block `sb` (below [`LaneMajor::len`]).
+    fn position(&self, sb: usize) -> usize {
+        if sb < self.full * GROUP {
+            return self.starts[sb % GROUP] + sb / GROUP;
+        }
+        // Each earlier piece is wider, so holds this lane too.
+        let (mut t, mut rank) = (sb - self.full * GROUP, self.full);
+        for w in [4, 2, 1] {
+            if self.rest & w != 0 {
+                if t < w {
+                    return self.starts[t] + rank;
+                }
+                t -= w;
+                rank += 1;
+            }
+        }
+        panic!("sub-block {sb} past a row of {}", self.len())
+    }
+}
+
+/// Weight rows unpacked for the panels (vector paths), a row's sub-blocks in [`LaneMajor`]
+/// order, row r's from `r·len` on.
+#[derive(Default)]
+struct UnpackedRows {
+    /// Unsigned codes as eight dwords (Q8_0 on the `maddubs` path: their magnitudes).
+    codes: Vec<[i32; QK / 4]>,
+    /// Q8_0 on the `maddubs` path: the signed codes.
+    signed: Vec<[i32; QK / 4]>,
+    /// `scale_j`.
+    scale: Vec<f32>,
+    /// `min_j`.
+    min: Vec<f32>,
+    /// Q6_K: the i8 scales of the sub-block's two 16-value halves.
+    half_scales: Vec<[i32; 2]>,
+}
+
+impl UnpackedRows {
+    /// Room for `n` sub-blocks (grown, never shrunk).
+    fn hold(&mut self, n: usize) {
+        at_least(&mut self.codes, n);
+        at_least(&mut self.signed, n);
+        at_least(&mut self.scale, n);
+        at_least(&mut self.min, n);
+        at_least(&mut self.half_scales, n);
+    }
+}
+
+thread_local! {
+    /// The calling thread's unpacked rows, grown on demand and kept between calls.
+    static UNPACKED: RefCell<UnpackedRows> = RefCell::default();
 }
 
 /// Sub-blocks in the group starting at byte `start` of a row of `row_len` bytes.
@@ -909,8 +1122,8 @@ mod x86 {
     use std::ops::Range;
 
     use super::{
-        dot_offset, group_bytes, group_len, has_min, wide_order, Acts, Panels, WideOrder, GROUP,
-        PANEL, PREFETCH_AHEAD, QK,
+        dot_offset, group_bytes, group_len, has_min, wide_order, Acts, LaneMajor, PanelBlock,
+        PanelOut, Panels, UnpackedRows, WideOrder, GROUP, PANEL, PANEL_ROW, PREFETCH_AHEAD, QK,
     };
     use crate::simd::x86::hsum;
 
@@ -1873,22 +2086,313 @@ mod x86 {
         out
     }
 
-    /// Panel `pi`'s [`PANEL`] tokens against the `R` weight rows `rows` (whole blocks of
-    /// format `F`), lane i for token i: each code dword of a sub-block, broadcast, meets the
-    /// eight tokens' codes in one product (no horizontal sums; each activation vector loaded
-    /// serves the `R` rows), and the per-sub-block float steps are [`dot`]'s, lane for lane,
-    /// with [`hsum`]'s additions done across vectors: the outputs are [`tile`]'s bit for bit.
+    /// Unpacks `rows` (whole rows of format `F`, each of `order.len()` sub-blocks) into `u`,
+    /// row r's sub-block `sb` at `order.position(sb)·rows.len() + r`: the pieces of [`tile`],
+    /// each unpacked as it does.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `u` holds `rows.len()` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn unpack_rows<const F: usize>(
+        rows: &[&[u8]],
+        order: &LaneMajor,
+        u: &mut UnpackedRows,
+    ) {
+        unpack_rows_with::<F, false>(rows, order, u)
+    }
+
+    /// [`unpack_rows`] for the `dpbusd` path.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available; as [`unpack_rows`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
+    pub(super) unsafe fn unpack_rows_vnni<const F: usize>(
+        rows: &[&[u8]],
+        order: &LaneMajor,
+        u: &mut UnpackedRows,
+    ) {
+        unpack_rows_with::<F, true>(rows, order, u)
+    }
+
+    /// [`unpack_rows`]' body, inlined into each entry point's features.
+    #[inline(always)]
+    unsafe fn unpack_rows_with<const F: usize, const VNNI: bool>(
+        rows: &[&[u8]],
+        order: &LaneMajor,
+        u: &mut UnpackedRows,
+    ) {
+        let f = const { BLOCK_FORMATS[F] };
+        let n = order.len();
+        assert!(
+            u.codes.len() >= rows.len() * n,
+            "unpack_rows: {} rows",
+            rows.len()
+        );
+        for (r, row) in rows.iter().enumerate() {
+            assert!(row.len() == f.bytes_for(n * QK), "unpack_rows: row {r}");
+            let at = |b: usize| {
+                row.as_ptr()
+                    .add(b / (f.block_elems() / QK) * f.block_bytes())
+            };
+            for gi in 0..order.full {
+                let p = at(gi * GROUP);
+                let g = unpack::<F, GROUP, VNNI>(p);
+                store_sub_blocks::<F, GROUP, VNNI>(&g, p, gi * GROUP, (r, rows.len()), order, u);
+            }
+            let mut b = order.full * GROUP;
+            if order.rest & 4 != 0 {
+                let g = unpack::<F, 4, VNNI>(at(b));
+                store_sub_blocks::<F, 4, VNNI>(&g, at(b), b, (r, rows.len()), order, u);
+                b += 4;
+            }
+            if order.rest & 2 != 0 {
+                let g = unpack::<F, 2, VNNI>(at(b));
+                store_sub_blocks::<F, 2, VNNI>(&g, at(b), b, (r, rows.len()), order, u);
+                b += 2;
+            }
+            if order.rest & 1 != 0 {
+                let g = unpack::<F, 1, VNNI>(at(b));
+                store_sub_blocks::<F, 1, VNNI>(&g, at(b), b, (r, rows.len()), order, u);
+            }
+        }
+    }
+
+    /// Stores the `N` sub-blocks of `g` (unpacked from `p`), sub-blocks `sb..sb + N` of row
+    /// `r` of `rows`, in `u`.
+    #[inline(always)]
+    unsafe fn store_sub_blocks<const F: usize, const N: usize, const VNNI: bool>(
+        g: &VGroup,
+        p: *const u8,
+        sb: usize,
+        (r, rows): (usize, usize),
+        order: &LaneMajor,
+        u: &mut UnpackedRows,
+    ) {
+        let f = const { BLOCK_FORMATS[F] };
+        let (mut scale, mut min) = ([0f32; GROUP], [0f32; GROUP]);
+        _mm256_storeu_ps(scale.as_mut_ptr(), g.scale);
+        _mm256_storeu_ps(min.as_mut_ptr(), g.min);
+        for j in 0..N {
+            let at = order.position(sb + j) * rows + r;
+            _mm256_storeu_si256(u.codes[at].as_mut_ptr().cast(), g.codes[j]);
+            if f == BlockFormat::Q8_0 && !VNNI {
+                _mm256_storeu_si256(u.signed[at].as_mut_ptr().cast(), g.signed[j]);
+            }
+            u.scale[at] = scale[j];
+            u.min[at] = min[j];
+            if f == BlockFormat::Q6K {
+                let sc = |h: usize| i32::from(*p.add(192 + 2 * j + h).cast::<i8>());
+                u.half_scales[at] = [sc(0), sc(1)];
+            }
+        }
+    }
+
+    /// The vectors a panel kernel runs on, a lane per token: one panel's [`PANEL`] tokens in
+    /// 256 bits ([`Ymm`], with `dpbusd` if `VNNI`), or two consecutive panels' in 512 ([`Zmm`],
+    /// `dpbusd`). The operations are the same lane by lane either way.
+    trait Lanes {
+        type I: Copy;
+        type F: Copy;
+        /// Panels a vector holds.
+        const PANELS: usize;
+        /// Whether the products run on `maddubs` (Q8_0's signs then go onto the activations).
+        const MADDUBS: bool;
+        unsafe fn zero_i() -> Self::I;
+        unsafe fn zero_f() -> Self::F;
+        /// The lanes at `p`, the vector's first panel's first.
+        unsafe fn load_i(p: *const i32) -> Self::I;
+        unsafe fn load_f(p: *const f32) -> Self::F;
+        unsafe fn set1_i(v: i32) -> Self::I;
+        unsafe fn set1_f(v: f32) -> Self::F;
+        /// `s` plus, per lane, the sum of the byte products of `w`'s unsigned and `x`'s
+        /// signed dword (`dpbusd`; `maddubs` and `madd`, exact here: see the module docs).
+        unsafe fn dot(s: Self::I, w: Self::I, x: Self::I) -> Self::I;
+        /// `x` with each byte's sign flipped where `s`'s byte is negative, zero where zero.
+        unsafe fn sign(x: Self::I, s: Self::I) -> Self::I;
+        unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn sub_i(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn mullo_i(a: Self::I, b: Self::I) -> Self::I;
+        /// `a·32`.
+        unsafe fn times32(a: Self::I) -> Self::I;
+        unsafe fn cvt(a: Self::I) -> Self::F;
+        unsafe fn mul_f(a: Self::F, b: Self::F) -> Self::F;
+        unsafe fn add_f(a: Self::F, b: Self::F) -> Self::F;
+        /// `a·b + c`, one rounding.
+        unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+        unsafe fn store_f(p: *mut f32, a: Self::F);
+    }
+
+    struct Ymm<const VNNI: bool>;
+    struct Zmm;
+
+    impl<const VNNI: bool> Lanes for Ymm<VNNI> {
+        type I = __m256i;
+        type F = __m256;
+        const PANELS: usize = 1;
+        const MADDUBS: bool = !VNNI;
+        #[inline(always)]
+        unsafe fn zero_i() -> __m256i {
+            _mm256_setzero_si256()
+        }
+        #[inline(always)]
+        unsafe fn zero_f() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load_i(p: *const i32) -> __m256i {
+            _mm256_loadu_si256(p.cast())
+        }
+        #[inline(always)]
+        unsafe fn load_f(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn set1_i(v: i32) -> __m256i {
+            _mm256_set1_epi32(v)
+        }
+        #[inline(always)]
+        unsafe fn set1_f(v: f32) -> __m256 {
+            _mm256_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn dot(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+            if VNNI {
+                _mm256_dpbusd_epi32(s, w, x)
+            } else {
+                let pairs = _mm256_maddubs_epi16(w, x);
+                _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn sign(x: __m256i, s: __m256i) -> __m256i {
+            _mm256_sign_epi8(x, s)
+        }
+        #[inline(always)]
+        unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sub_i(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_sub_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mullo_i(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_mullo_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn times32(a: __m256i) -> __m256i {
+            _mm256_slli_epi32(a, 5)
+        }
+        #[inline(always)]
+        unsafe fn cvt(a: __m256i) -> __m256 {
+            _mm256_cvtepi32_ps(a)
+        }
+        #[inline(always)]
+        unsafe fn mul_f(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn add_f(a: __m256, b: __m256) -> __m256 {
+            _mm256_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn store_f(p: *mut f32, a: __m256) {
+            _mm256_storeu_ps(p, a)
+        }
+    }
+
+    impl Lanes for Zmm {
+        type I = __m512i;
+        type F = __m512;
+        const PANELS: usize = 2;
+        const MADDUBS: bool = false;
+        #[inline(always)]
+        unsafe fn zero_i() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[inline(always)]
+        unsafe fn zero_f() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load_i(p: *const i32) -> __m512i {
+            _mm512_loadu_si512(p.cast())
+        }
+        #[inline(always)]
+        unsafe fn load_f(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn set1_i(v: i32) -> __m512i {
+            _mm512_set1_epi32(v)
+        }
+        #[inline(always)]
+        unsafe fn set1_f(v: f32) -> __m512 {
+            _mm512_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn dot(s: __m512i, w: __m512i, x: __m512i) -> __m512i {
+            _mm512_dpbusd_epi32(s, w, x)
+        }
+        #[inline(always)]
+        unsafe fn sign(_: __m512i, _: __m512i) -> __m512i {
+            unreachable!("the 512-bit panels run on dpbusd")
+        }
+        #[inline(always)]
+        unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_add_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sub_i(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_sub_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mullo_i(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_mullo_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn times32(a: __m512i) -> __m512i {
+            _mm512_slli_epi32::<5>(a)
+        }
+        #[inline(always)]
+        unsafe fn cvt(a: __m512i) -> __m512 {
+            _mm512_cvtepi32_ps(a)
+        }
+        #[inline(always)]
+        unsafe fn mul_f(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn add_f(a: __m512, b: __m512) -> __m512 {
+            _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn store_f(p: *mut f32, a: __m512) {
+            _mm512_storeu_ps(p, a)
+        }
+    }
+
+    /// Panels `pi..pi + P` (one panel a unit) against the first `R` rows of `u` (unpacked by
+    /// [`unpack_rows`] in `order`) on 256-bit vectors: see [`panel_with`].
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn panel<const F: usize, const R: usize, const P: usize>(
-        rows: [&[u8]; R],
+        u: &UnpackedRows,
+        order: &LaneMajor,
         p: &Panels<'_>,
-        blocks: usize,
         pi: usize,
-    ) -> [[[f32; PANEL]; R]; P] {
-        panel_with::<F, R, P, false>(rows, p, blocks, pi)
+    ) -> PanelOut<R, P> {
+        panel_with::<Ymm<false>, F, R, P>(u, order, p, pi)
     }
 
     /// [`panel`] with `dpbusd`.
@@ -1897,200 +2401,163 @@ mod x86 {
     /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
     #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
     pub(super) unsafe fn panel_vnni<const F: usize, const R: usize, const P: usize>(
-        rows: [&[u8]; R],
+        u: &UnpackedRows,
+        order: &LaneMajor,
         p: &Panels<'_>,
-        blocks: usize,
         pi: usize,
-    ) -> [[[f32; PANEL]; R]; P] {
-        panel_with::<F, R, P, true>(rows, p, blocks, pi)
+    ) -> PanelOut<R, P> {
+        panel_with::<Ymm<true>, F, R, P>(u, order, p, pi)
     }
 
-    /// [`panel`]'s body, inlined into each entry point's features.
-    #[inline(always)]
-    unsafe fn panel_with<const F: usize, const R: usize, const P: usize, const VNNI: bool>(
-        rows: [&[u8]; R],
+    /// Panels `pi..pi + 2·P` (`pi` even; a pair of panels a unit, on 512-bit vectors) with
+    /// `dpbusd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 F, VNNI, VL and BW must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
+    pub(super) unsafe fn panel_pairs<const F: usize, const R: usize, const P: usize>(
+        u: &UnpackedRows,
+        order: &LaneMajor,
         p: &Panels<'_>,
-        blocks: usize,
         pi: usize,
-    ) -> [[[f32; PANEL]; R]; P] {
+    ) -> PanelOut<R, P> {
+        panel_with::<Zmm, F, R, P>(u, order, p, pi)
+    }
+
+    /// `P` units of `L::PANELS` panels from panel `pi` on against the first `R` rows of `u`
+    /// (unpacked by [`unpack_rows`] in `order`), lane i of a unit's vectors for its token
+    /// i: each code dword of a sub-block, broadcast, meets the unit's tokens' codes in one
+    /// product (no horizontal sums; each activation vector loaded serves the `R` rows and
+    /// each broadcast the `P` units). The per-sub-block float steps are [`dot`]'s, lane for
+    /// lane, one accumulator lane at a time over its sub-blocks in row order (so that one
+    /// register per row and unit holds it), and [`hsum`]'s additions are done across the
+    /// lanes' vectors: the outputs are [`tile`]'s bit for bit.
+    #[inline(always)]
+    unsafe fn panel_with<L: Lanes, const F: usize, const R: usize, const P: usize>(
+        u: &UnpackedRows,
+        order: &LaneMajor,
+        p: &Panels<'_>,
+        pi: usize,
+    ) -> PanelOut<R, P> {
         let f = const { BLOCK_FORMATS[F] };
-        let len = rows[0].len();
-        let groups = len.div_ceil(group_bytes(f));
+        let (q8, q6) = (f == BlockFormat::Q8_0, f == BlockFormat::Q6K);
+        let offset = dot_offset(f, !L::MADDUBS);
+        let n = order.len();
+        let step = L::PANELS;
         assert!(
-            rows.iter().all(|r| r.len() == len)
-                && groups * GROUP <= blocks
-                && (pi + P) * blocks * PANEL <= p.d.len(),
-            "panel: activations for panels {pi}..{} of {groups} groups",
-            pi + P
+            u.codes.len() >= R * n
+                && (!q8 || !L::MADDUBS || u.signed.len() >= R * n)
+                && (!q6 || u.half_scales.len() >= R * n)
+                && u.scale.len() >= R * n
+                && u.min.len() >= R * n
+                && n <= p.blocks
+                && (step == 1 || pi.is_multiple_of(2))
+                && pi + step * P <= p.count,
+            "panel: {R} unpacked rows of {n} sub-blocks, {P} units of {step} from panel {pi}",
         );
-        // acc[pp][r][j]: sub-block lane j of [`tile`]'s accumulator for row r, for each token
-        // of panel pi + pp.
-        let mut acc = [[[_mm256_setzero_ps(); GROUP]; R]; P];
-        let firsts = std::array::from_fn(|pp| (pi + pp) * blocks);
-        // The same pieces as [`tile`]: whole groups, then fours, twos and ones.
-        let full = len / group_bytes(f);
-        for gi in 0..full {
-            panel_sub_blocks::<F, GROUP, R, P, VNNI>(rows, gi * GROUP, p, firsts, &mut acc);
+        // lanes[j][pp][r]: lane j of [`tile`]'s accumulator for row r, for each token of
+        // unit pp.
+        let mut lanes = [[[L::zero_f(); R]; P]; GROUP];
+        for (j, lane) in lanes.iter_mut().enumerate() {
+            let mut acc = [[L::zero_f(); R]; P];
+            for pos in order.starts[j]..order.starts[j + 1] {
+                // Position pos's rows lie together.
+                let w: [*const i32; R] =
+                    std::array::from_fn(|r| u.codes.as_ptr().add(pos * R + r).cast());
+                let signs: [*const i32; R] =
+                    std::array::from_fn(|r| u.signed.as_ptr().wrapping_add(pos * R + r).cast());
+                let at: [PanelBlock; P] = std::array::from_fn(|pp| p.block(pi + step * pp, pos));
+                let mut isum = if q6 {
+                    // Σ_h sc_h·(Σ c·q − 32·Σq) over the two halves with their i8 scales.
+                    let mut d0 = panel_dots::<L, F, R, P>(p, at, w, signs, 0..4);
+                    let d1 = panel_dots::<L, F, R, P>(p, at, w, signs, 4..8);
+                    for pp in 0..P {
+                        let half = p.half.as_ptr().add(at[pp].half);
+                        let hs0 = L::times32(L::load_i(half));
+                        let hs1 = L::times32(L::load_i(half.add(2 * PANEL)));
+                        for r in 0..R {
+                            let [sc0, sc1] = u.half_scales[pos * R + r];
+                            d0[pp][r] = L::add_i(
+                                L::mullo_i(L::sub_i(d0[pp][r], hs0), L::set1_i(sc0)),
+                                L::mullo_i(L::sub_i(d1[pp][r], hs1), L::set1_i(sc1)),
+                            );
+                        }
+                    }
+                    d0
+                } else {
+                    panel_dots::<L, F, R, P>(p, at, w, signs, 0..8)
+                };
+                for (pp, acc) in acc.iter_mut().enumerate() {
+                    let sum = L::load_i(p.sum.as_ptr().add(at[pp].scalars));
+                    if !q6 && offset != 0 {
+                        let off = L::mullo_i(sum, L::set1_i(offset));
+                        for s in isum[pp].iter_mut() {
+                            *s = L::sub_i(*s, off);
+                        }
+                    }
+                    let dx = L::load_f(p.d.as_ptr().add(at[pp].scalars));
+                    let sx = L::mul_f(L::cvt(sum), dx);
+                    for r in 0..R {
+                        let sdx = L::mul_f(L::set1_f(u.scale[pos * R + r]), dx);
+                        acc[r] = L::fmadd(L::cvt(isum[pp][r]), sdx, acc[r]);
+                        if has_min(f) {
+                            acc[r] = L::fmadd(L::set1_f(u.min[pos * R + r]), sx, acc[r]);
+                        }
+                    }
+                }
+            }
+            *lane = acc;
         }
-        let mut b = full * GROUP;
-        let rest = group_len(f, full * group_bytes(f), len);
-        if rest & 4 != 0 {
-            panel_sub_blocks::<F, 4, R, P, VNNI>(rows, b, p, firsts, &mut acc);
-            b += 4;
-        }
-        if rest & 2 != 0 {
-            panel_sub_blocks::<F, 2, R, P, VNNI>(rows, b, p, firsts, &mut acc);
-            b += 2;
-        }
-        if rest & 1 != 0 {
-            panel_sub_blocks::<F, 1, R, P, VNNI>(rows, b, p, firsts, &mut acc);
-        }
-        let mut out = [[[0f32; PANEL]; R]; P];
-        for (o, a) in out.iter_mut().flatten().zip(acc.iter().flatten()) {
-            // hsum's order: lanes j and j+4, then (0+2) + (1+3).
-            let (s0, s1) = (_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[1], a[5]));
-            let (s2, s3) = (_mm256_add_ps(a[2], a[6]), _mm256_add_ps(a[3], a[7]));
-            let sum = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
-            _mm256_storeu_ps(o.as_mut_ptr(), sum);
+        let mut out = [[[0f32; 2 * PANEL]; R]; P];
+        for (pp, out) in out.iter_mut().enumerate() {
+            for (r, o) in out.iter_mut().enumerate() {
+                let a = |j: usize| lanes[j][pp][r];
+                // hsum's order: lanes j and j+4, then (0+2) + (1+3).
+                let (s0, s1) = (L::add_f(a(0), a(4)), L::add_f(a(1), a(5)));
+                let (s2, s3) = (L::add_f(a(2), a(6)), L::add_f(a(3), a(7)));
+                L::store_f(o.as_mut_ptr(), L::add_f(L::add_f(s0, s2), L::add_f(s1, s3)));
+            }
         }
         out
     }
 
-    /// Per row r, `Σ_k (w[r][k], broadcast) · (dword k of each token at x)` over `ks` (Q8_0
-    /// with `maddubs`: the magnitudes against the activations under `signs[r][k]`'s signs);
-    /// each tokens' vector is loaded once for all the rows. A function, not a closure: a
-    /// closure that is not inlined loses the target features, and its intrinsics with them.
+    /// Per unit pp and row r, `Σ_k (w[r][k], broadcast) · (dword k of each token of
+    /// at[pp])` over `ks` (Q8_0 with `maddubs`: the magnitudes against the activations under
+    /// `signs[r][k]`'s signs); each tokens' vector is loaded once for all the rows and each
+    /// broadcast made once for all the units. A function, not a closure: a closure that is
+    /// not inlined loses the target features, and its intrinsics with them.
     ///
     /// # Safety
-    /// The vector path's features; `x` points at a panel block's eight vectors.
+    /// The vector path's features; `at` lies in `p`, each `w` (and `signs`, for Q8_0 with
+    /// `maddubs`) points at eight dwords.
     #[inline(always)]
-    unsafe fn panel_dots<const F: usize, const R: usize, const VNNI: bool>(
-        x: *const i8,
-        w: &[[i32; QK / 4]; R],
-        signs: &[[i32; QK / 4]; R],
+    unsafe fn panel_dots<L: Lanes, const F: usize, const R: usize, const P: usize>(
+        p: &Panels<'_>,
+        at: [PanelBlock; P],
+        w: [*const i32; R],
+        signs: [*const i32; R],
         ks: Range<usize>,
-    ) -> [__m256i; R] {
+    ) -> [[L::I; R]; P] {
         let q8 = const { BLOCK_FORMATS[F] } == BlockFormat::Q8_0;
-        let ones = _mm256_set1_epi16(1);
-        let mut s = [_mm256_setzero_si256(); R];
+        let mut s = [[L::zero_i(); R]; P];
         for k in ks {
-            let xk = _mm256_loadu_si256(x.add(k * PANEL * 4).cast());
+            let mut xk = [L::zero_i(); P];
+            for pp in 0..P {
+                xk[pp] = L::load_i(p.q.as_ptr().add(at[pp].codes + k * PANEL_ROW).cast());
+            }
             for r in 0..R {
-                let wk = _mm256_set1_epi32(w[r][k]);
-                s[r] = if VNNI {
-                    _mm256_dpbusd_epi32(s[r], wk, xk)
-                } else {
-                    let xk = if q8 {
-                        _mm256_sign_epi8(xk, _mm256_set1_epi32(signs[r][k]))
+                let wk = L::set1_i(*w[r].add(k));
+                for pp in 0..P {
+                    let x = if q8 && L::MADDUBS {
+                        L::sign(xk[pp], L::set1_i(*signs[r].add(k)))
                     } else {
-                        xk
+                        xk[pp]
                     };
-                    let pairs = _mm256_maddubs_epi16(wk, xk);
-                    _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones))
-                };
+                    s[pp][r] = L::dot(s[pp][r], wk, x);
+                }
             }
         }
         s
-    }
-
-    /// Adds the panel's dot products with the `N` sub-blocks of each of `rows` from sub-block
-    /// `b` on to `acc[r][j]` (row r, sub-block `b + j`); `first` is the panel's first block.
-    ///
-    /// # Safety
-    /// The vector path's features; the sub-blocks lie in the rows and the panel holds their
-    /// blocks.
-    #[inline(always)]
-    unsafe fn panel_sub_blocks<
-        const F: usize,
-        const N: usize,
-        const R: usize,
-        const P: usize,
-        const VNNI: bool,
-    >(
-        rows: [&[u8]; R],
-        b: usize,
-        p: &Panels<'_>,
-        firsts: [usize; P],
-        acc: &mut [[[__m256; GROUP]; R]; P],
-    ) {
-        let f = const { BLOCK_FORMATS[F] };
-        let start = b / (f.block_elems() / QK) * f.block_bytes();
-        let q8 = f == BlockFormat::Q8_0;
-        let offset = dot_offset(f, VNNI);
-        let at: [*const u8; R] = std::array::from_fn(|r| {
-            assert!(start + f.bytes_for(N * QK) <= rows[r].len());
-            rows[r].as_ptr().add(start)
-        });
-        // Loops, not `array::from_fn`: its closure would not inherit the target features.
-        let mut g = [unpack::<F, N, VNNI>(at[0]); R];
-        for r in 1..R {
-            g[r] = unpack::<F, N, VNNI>(at[r]);
-        }
-        let mut scale = [[0f32; GROUP]; R];
-        let mut min = [[0f32; GROUP]; R];
-        for r in 0..R {
-            _mm256_storeu_ps(scale[r].as_mut_ptr(), g[r].scale);
-            _mm256_storeu_ps(min[r].as_mut_ptr(), g[r].min);
-        }
-        for j in 0..N {
-            // Each row's code dwords, to be broadcast (Q8_0 with `maddubs`: magnitudes, and
-            // the signed codes' dwords whose signs go onto the activations).
-            let (mut w, mut signs) = ([[0i32; QK / 4]; R], [[0i32; QK / 4]; R]);
-            for r in 0..R {
-                _mm256_storeu_si256(w[r].as_mut_ptr().cast(), g[r].codes[j]);
-                if q8 && !VNNI {
-                    _mm256_storeu_si256(signs[r].as_mut_ptr().cast(), g[r].signed[j]);
-                }
-            }
-            for (pp, &first) in firsts.iter().enumerate() {
-                let blk = first + b + j;
-                let x = p.q.as_ptr().add(blk * PANEL * QK);
-                let sum = _mm256_loadu_si256(p.sum.as_ptr().add(blk * PANEL).cast());
-                let isum: [__m256i; R] = if f == BlockFormat::Q6K {
-                    // Σ_h sc_h·(Σ c·q − 32·Σq) over the two halves with their i8 scales.
-                    let half = p.half.as_ptr().add(blk * 2 * PANEL);
-                    let hs0 = _mm256_slli_epi32(_mm256_loadu_si256(half.cast()), 5);
-                    let hs1 = _mm256_slli_epi32(_mm256_loadu_si256(half.add(PANEL).cast()), 5);
-                    let (mut d0, d1) = (
-                        panel_dots::<F, R, VNNI>(x, &w, &signs, 0..4),
-                        panel_dots::<F, R, VNNI>(x, &w, &signs, 4..8),
-                    );
-                    for r in 0..R {
-                        let sc = |h: usize| i32::from(*at[r].add(192 + 2 * j + h).cast::<i8>());
-                        d0[r] = _mm256_add_epi32(
-                            _mm256_mullo_epi32(
-                                _mm256_sub_epi32(d0[r], hs0),
-                                _mm256_set1_epi32(sc(0)),
-                            ),
-                            _mm256_mullo_epi32(
-                                _mm256_sub_epi32(d1[r], hs1),
-                                _mm256_set1_epi32(sc(1)),
-                            ),
-                        );
-                    }
-                    d0
-                } else if offset != 0 {
-                    let off = _mm256_mullo_epi32(sum, _mm256_set1_epi32(offset));
-                    let mut s = panel_dots::<F, R, VNNI>(x, &w, &signs, 0..8);
-                    for s in s.iter_mut() {
-                        *s = _mm256_sub_epi32(*s, off);
-                    }
-                    s
-                } else {
-                    panel_dots::<F, R, VNNI>(x, &w, &signs, 0..8)
-                };
-                let dx = _mm256_loadu_ps(p.d.as_ptr().add(blk * PANEL));
-                let sx = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dx);
-                let acc = &mut acc[pp];
-                for r in 0..R {
-                    let sdx = _mm256_mul_ps(_mm256_set1_ps(scale[r][j]), dx);
-                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), sdx, acc[r][j]);
-                    if has_min(f) {
-                        acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(min[r][j]), sx, acc[r][j]);
-                    }
-                }
-            }
-        }
     }
 }
 
@@ -2324,10 +2791,12 @@ mod tests {
 
     #[test]
     fn a_token_gets_the_same_output_alone_or_batched() {
-        // Five panels (a pass of four, then one), a tile and a token alone, over rows in pairs
-        // and one alone; 896 columns end in 4 + 2 + 1 sub-blocks.
-        for cols in [512, 896] {
-            same_output_alone_or_batched(45, 9, cols);
+        // Fifteen panels (on the `dpbusd` path: two passes of three pairs, a pair, a lone
+        // panel), a tile and a token alone, over rows in blocks of four and one alone; 896
+        // columns end in 4 + 2 + 1 sub-blocks, and 26880 columns take the panels in chunks of
+        // six.
+        for cols in [512, 896, 26880] {
+            same_output_alone_or_batched(125, 9, cols);
         }
     }
 
