@@ -11,10 +11,10 @@
 //! its rows front to back. On the vector paths prefill goes by *panels* of 8 tokens instead:
 //! the activations are also laid out once per call with the 8 tokens' codes interleaved by
 //! 4-byte dwords, so that one weight code dword, broadcast, meets all 8 tokens in one
-//! product with lane i for token i — no horizontal sums. Blocks of 4 weight rows (2 on the
-//! AVX2 path) are unpacked once per chunk of panels that stays in cache, and then met 2
-//! panels at a time: each activation vector loaded serves the rows, each broadcast the
-//! panels. The tile keeps one accumulator lane per sub-block of a group; a panel runs one
+//! product with lane i for token i — no horizontal sums. Blocks of 4 weight rows are unpacked
+//! once per chunk of panels that stays in cache, and then met by 3 pairs of panels at a time
+//! on the VNNI path (a pair in one 512-bit vector), one panel at a time on the AVX2 path:
+//! each activation vector loaded serves the rows, each broadcast the panels. The tile keeps one accumulator lane per sub-block of a group; a panel runs one
 //! lane at a time over its sub-blocks (the rows and the panels' blocks laid out lane by
 //! lane, [`LaneMajor`]), so that its accumulators stay in registers. The float steps per
 //! sub-block and the final additions are the tile's, lane for lane, so a token's outputs
@@ -78,10 +78,12 @@ const PANEL: usize = 8;
 /// 2 threads: 4 × 3 at 175–200 GMAC/s, 4 × 2 at 160–170, 6 × 2 at 160–185; on 256-bit
 /// vectors (single panels) 4 × 3 reached 175–185.
 const PANEL_ROWS: usize = 4;
+/// See [`PANEL_ROWS`].
 const PANELS_PER_PASS: usize = 3;
 /// The same on the `maddubs` path (single panels, 16 registers): 4 × 1 at 103–125 GMAC/s,
 /// 2 × 2 at 86–94, 3 × 2 at 92–101, 1 × 4 at 62–80.
 const PANEL_ROWS_AVX2: usize = 4;
+/// See [`PANEL_ROWS_AVX2`].
 const PANELS_PER_PASS_AVX2: usize = 1;
 /// Bytes of activation codes in a chunk of panels that a block of unpacked rows passes over
 /// before the next block is unpacked: a chunk's codes and scales stay in a core's L2 on
@@ -99,7 +101,8 @@ const PARALLEL_QUANTIZE: usize = 1 << 16;
 enum Path {
     Scalar,
     Avx2,
-    /// AVX2 with AVX-512 VNNI's `dpbusd`: 256-bit registers, whole groups on 512-bit ones.
+    /// AVX2 with AVX-512 VNNI's `dpbusd`: 256-bit registers, whole groups and pairs of panels
+    /// on 512-bit ones.
     Vnni,
 }
 
@@ -213,6 +216,13 @@ fn run_many<const N: usize>(
         );
     }
     if t == 0 || matrices.iter().all(|m| m.rows == 0) {
+        return;
+    }
+    if cols == 0 {
+        // Empty sums.
+        for m in matrices {
+            m.out.fill(0.0);
+        }
         return;
     }
     let matrices_formats = matrices.each_ref().map(|m| m.format);
@@ -691,8 +701,10 @@ impl Task<'_> {
     fn rows_of<const F: usize>(&self, rows: Range<usize>) {
         if self.acts.panels.count > 0 {
             UNPACKED.with_borrow_mut(|u| match self.path {
-                Path::Vnni => self.panels::<F, PANEL_ROWS, PANELS_PER_PASS>(u, rows.clone()),
-                _ => self.panels::<F, PANEL_ROWS_AVX2, PANELS_PER_PASS_AVX2>(u, rows.clone()),
+                Path::Vnni => self.panels::<F, PANEL_ROWS, PANELS_PER_PASS, true>(u, rows.clone()),
+                _ => {
+                    self.panels::<F, PANEL_ROWS_AVX2, PANELS_PER_PASS_AVX2, false>(u, rows.clone())
+                }
             });
         }
         let mut t0 = self.acts.panels.count * PANEL;
@@ -705,11 +717,11 @@ impl Task<'_> {
         }
     }
 
-    /// Every panel against `rows`: in chunks of panels whose codes fit
+    /// Every panel against `rows`: in equal chunks of panels whose codes fit
     /// [`PANEL_CHUNK_BYTES`], each chunk met by blocks of `R` rows unpacked once (single rows
-    /// at the end), `P` units a pass (single panels at the end). A unit is two panels on the
-    /// `dpbusd` path's 512-bit vectors, one on the `maddubs` path's 256.
-    fn panels<const F: usize, const R: usize, const P: usize>(
+    /// at the end), `P` units a pass. A unit is two panels on the `dpbusd` path's 512-bit
+    /// vectors (`VNNI`), one on the `maddubs` path's 256.
+    fn panels<const F: usize, const R: usize, const P: usize, const VNNI: bool>(
         &self,
         u: &mut UnpackedRows,
         rows: Range<usize>,
@@ -718,48 +730,48 @@ impl Task<'_> {
         let order = LaneMajor::new(self.row_bytes / f.block_bytes() * (f.block_elems() / QK));
         u.hold(R * order.len());
         let count = self.acts.panels.count;
-        let unit = if self.path == Path::Vnni { 2 } else { 1 };
+        let unit = if VNNI { 2 } else { 1 };
+        let most = (PANEL_CHUNK_BYTES / (PANEL * QK * self.acts.blocks).max(1)).max(unit * P);
         // Whole units, so that a chunk starts a pair.
-        let chunk = (PANEL_CHUNK_BYTES / (PANEL * QK * self.acts.blocks)) / unit * unit;
-        let chunk = chunk.max(unit * P);
+        let chunk = count.div_ceil(count.div_ceil(most)).next_multiple_of(unit);
         for c0 in (0..count).step_by(chunk) {
             let c1 = (c0 + chunk).min(count);
             let mut r = rows.start;
             while r < rows.end {
                 if r + R <= rows.end {
                     self.unpack_rows::<F, R>(u, r, &order);
-                    self.panels_over::<F, R, P>(u, &order, c0..c1, r);
+                    self.panels_over::<F, R, P, VNNI>(u, &order, c0..c1, r);
                     r += R;
                 } else {
                     self.unpack_rows::<F, 1>(u, r, &order);
-                    self.panels_over::<F, 1, 1>(u, &order, c0..c1, r);
+                    self.panels_over::<F, 1, 1, VNNI>(u, &order, c0..c1, r);
                     r += 1;
                 }
             }
         }
     }
 
-    /// Panels `pis` against the `R` rows unpacked in `u` (rows `r..r + R`), `P` units a pass,
-    /// then single panels.
-    fn panels_over<const F: usize, const R: usize, const P: usize>(
+    /// Panels `pis` against the `R` rows unpacked in `u` (rows `r..r + R`): `P` units a pass,
+    /// then single units, then single panels.
+    fn panels_over<const F: usize, const R: usize, const P: usize, const VNNI: bool>(
         &self,
         u: &UnpackedRows,
         order: &LaneMajor,
         pis: Range<usize>,
         r: usize,
     ) {
-        let unit = if self.path == Path::Vnni { 2 } else { 1 };
+        let unit = if VNNI { 2 } else { 1 };
         let mut pi = pis.start;
         while pi + unit * P <= pis.end {
-            self.write_panels(pi, unit, r, self.panel::<F, R, P>(u, order, pi, unit));
+            self.write_panels(pi, unit, r, self.panel::<F, R, P, VNNI, VNNI>(u, order, pi));
             pi += unit * P;
         }
         while pi + unit <= pis.end {
-            self.write_panels(pi, unit, r, self.panel::<F, R, 1>(u, order, pi, unit));
+            self.write_panels(pi, unit, r, self.panel::<F, R, 1, VNNI, VNNI>(u, order, pi));
             pi += unit;
         }
         for pi in pi..pis.end {
-            self.write_panels(pi, 1, r, self.panel::<F, R, 1>(u, order, pi, 1));
+            self.write_panels(pi, 1, r, self.panel::<F, R, 1, VNNI, false>(u, order, pi));
         }
     }
 
@@ -808,30 +820,37 @@ impl Task<'_> {
         }
     }
 
-    /// `P` units of `unit` panels from panel `pi` on against the first `R` rows unpacked in
-    /// `u` (a vector path's; units of two on the `dpbusd` path only).
+    /// `P` units from panel `pi` on against the first `R` rows unpacked in `u`: on the
+    /// `dpbusd` path (`VNNI`) pairs of panels (`PAIRS`) or single ones, else single ones on
+    /// `maddubs`. The parameters are constants so that only the kernel chosen is compiled.
     #[inline(always)]
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-    fn panel<const F: usize, const R: usize, const P: usize>(
+    fn panel<
+        const F: usize,
+        const R: usize,
+        const P: usize,
+        const VNNI: bool,
+        const PAIRS: bool,
+    >(
         &self,
         u: &UnpackedRows,
         order: &LaneMajor,
         pi: usize,
-        unit: usize,
     ) -> PanelOut<R, P> {
         let p = &self.acts.panels;
-        match (self.path, unit) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: panels exist on the vector paths only, each where detected.
-            (Path::Avx2, 1) => unsafe { x86::panel::<F, R, P>(u, order, p, pi) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            (Path::Vnni, 1) => unsafe { x86::panel_vnni::<F, R, P>(u, order, p, pi) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above (the `dpbusd` path has AVX-512 F).
-            (Path::Vnni, 2) => unsafe { x86::panel_pairs::<F, R, P>(u, order, p, pi) },
-            _ => unreachable!("the scalar path has no panels"),
-        }
+        debug_assert_eq!(self.path == Path::Vnni, VNNI);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: panels exist on the vector paths only, each where detected (the `dpbusd`
+        // path has AVX-512 F).
+        return unsafe {
+            match (VNNI, PAIRS) {
+                (true, true) => x86::panel_pairs::<F, R, P>(u, order, p, pi),
+                (true, false) => x86::panel_vnni::<F, R, P>(u, order, p, pi),
+                (false, _) => x86::panel::<F, R, P>(u, order, p, pi),
+            }
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("panels exist on the x86 vector paths only")
     }
 
     /// Writes a kernel's outputs for `P` units of `unit` panels from panel `pi` on, rows
@@ -918,8 +937,8 @@ impl LaneMajor {
     }
 }
 
-/// Weight rows unpacked for the panels (vector paths), a row's sub-blocks in [`LaneMajor`]
-/// order, row r's from `r·len` on.
+/// Weight rows unpacked for the panels (vector paths): per [`LaneMajor`] position, that
+/// sub-block of each row in turn (of `R` rows, row r's at `position·R + r`).
 #[derive(Default)]
 struct UnpackedRows {
     /// Unsigned codes as eight dwords (Q8_0 on the `maddubs` path: their magnitudes).
@@ -2014,7 +2033,7 @@ mod x86 {
         }
     }
 
-    /// [`tile`]'s body, inlined into each entry point's features.
+    /// [`tile_with`]'s body, inlined into each entry point's features.
     #[inline(always)]
     unsafe fn tile_with<const F: usize, const NT: usize, const VNNI: bool>(
         row: &[u8],
@@ -2087,7 +2106,7 @@ mod x86 {
     }
 
     /// Unpacks `rows` (whole rows of format `F`, each of `order.len()` sub-blocks) into `u`,
-    /// row r's sub-block `sb` at `order.position(sb)·rows.len() + r`: the pieces of [`tile`],
+    /// row r's sub-block `sb` at `order.position(sb)·rows.len() + r`: the pieces of [`tile_with`],
     /// each unpacked as it does.
     ///
     /// # Safety
@@ -2431,7 +2450,7 @@ mod x86 {
     /// each broadcast the `P` units). The per-sub-block float steps are [`dot`]'s, lane for
     /// lane, one accumulator lane at a time over its sub-blocks in row order (so that one
     /// register per row and unit holds it), and [`hsum`]'s additions are done across the
-    /// lanes' vectors: the outputs are [`tile`]'s bit for bit.
+    /// lanes' vectors: the outputs are [`tile_with`]'s bit for bit.
     #[inline(always)]
     unsafe fn panel_with<L: Lanes, const F: usize, const R: usize, const P: usize>(
         u: &UnpackedRows,
@@ -2444,6 +2463,7 @@ mod x86 {
         let offset = dot_offset(f, !L::MADDUBS);
         let n = order.len();
         let step = L::PANELS;
+        let pair_blocks = p.count.div_ceil(2) * p.blocks;
         assert!(
             u.codes.len() >= R * n
                 && (!q8 || !L::MADDUBS || u.signed.len() >= R * n)
@@ -2452,10 +2472,14 @@ mod x86 {
                 && u.min.len() >= R * n
                 && n <= p.blocks
                 && (step == 1 || pi.is_multiple_of(2))
-                && pi + step * P <= p.count,
+                && pi + step * P <= p.count
+                && p.q.len() >= pair_blocks * 2 * PANEL * QK
+                && p.d.len() >= pair_blocks * 2 * PANEL
+                && p.sum.len() >= pair_blocks * 2 * PANEL
+                && p.half.len() >= pair_blocks * 4 * PANEL,
             "panel: {R} unpacked rows of {n} sub-blocks, {P} units of {step} from panel {pi}",
         );
-        // lanes[j][pp][r]: lane j of [`tile`]'s accumulator for row r, for each token of
+        // lanes[j][pp][r]: lane j of [`tile_with`]'s accumulator for row r, for each token of
         // unit pp.
         let mut lanes = [[[L::zero_f(); R]; P]; GROUP];
         for (j, lane) in lanes.iter_mut().enumerate() {
@@ -2792,10 +2816,10 @@ mod tests {
     #[test]
     fn a_token_gets_the_same_output_alone_or_batched() {
         // Fifteen panels (on the `dpbusd` path: two passes of three pairs, a pair, a lone
-        // panel), a tile and a token alone, over rows in blocks of four and one alone; 896
-        // columns end in 4 + 2 + 1 sub-blocks, and 26880 columns take the panels in chunks of
-        // six.
-        for cols in [512, 896, 26880] {
+        // panel), a tile and a token alone, over rows in blocks of four and one alone; 992
+        // columns end in 4 + 2 + 1 sub-blocks, 896 in 4, and 26880 columns take the panels in
+        // chunks of six.
+        for cols in [512, 896, 992, 26880] {
             same_output_alone_or_batched(125, 9, cols);
         }
     }
@@ -2831,6 +2855,17 @@ mod tests {
                         f.name()
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn no_columns_give_empty_sums() {
+        for path in paths() {
+            for t in [1, 4, 16] {
+                let mut out = vec![1f32; t * 3];
+                run(path, &[], t, BlockFormat::Q4K, &[], 3, 0, &mut out);
+                assert!(out.iter().all(|&v| v == 0.0), "{path:?} t {t}");
             }
         }
     }
