@@ -312,7 +312,7 @@ impl Backend for CpuDevice {
         if xnnpack::available().is_ok() {
             f.push("xnnpack".into());
         }
-        f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
+        f.extend(kvplug_backend_kit::model::blocks::weights_features_reading_mxfp4(&[]));
         f
     }
 }

@@ -153,11 +153,15 @@ fn check(cond: bool, what: &str) -> Result<(), KitError> {
 impl ModelDevice for CpuDevice {
     type Weight = CpuWeight;
 
+    fn reads_mxfp4(&self) -> bool {
+        true
+    }
+
     fn weight(&self, data: StoredTensor, rows: usize, cols: usize) -> Result<CpuWeight, KitError> {
         check(data.len() == rows * cols, "weight")?;
         match data.dtype() {
             StoredDtype::F32 | StoredDtype::F16 | StoredDtype::BF16 => {}
-            StoredDtype::Block(f) if BLOCK_FORMATS.contains(&f) => {
+            StoredDtype::Block(f) if BLOCK_FORMATS.contains(&f) || f == BlockFormat::Mxfp4 => {
                 if !cols.is_multiple_of(f.block_elems()) {
                     return Err(KitError::Device(format!(
                         "a {} weight's rows must be whole {}-value blocks; it has {cols} columns",

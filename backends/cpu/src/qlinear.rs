@@ -45,22 +45,50 @@
 //! where `I_j` is an exact i32: `Σ c·q` over the unsigned weight codes `c`, less the
 //! format's integer offset (`8·s_j` for Q4_0, `16·s_j` for Q5_0; Q6_K: `Σ_h sc_h·(Σ c·q −
 //! 32·Σq)` over its two 16-value halves with their i8 scales; Q8_0's codes are signed, or
-//! `q + 128` with `128·s_j` on the `dpbusd` path).
-//! `scale_j` is the block's `d` (`d·sc_j` for Q4_K/Q5_K), `min_j` the additive part (`m` of
-//! Q4_1/Q5_1, `−dmin·m_j` of Q4_K/Q5_K; zero elsewhere). Every `I_j` and `s_j` converts to
-//! f32 exactly (|I_j| ≤ 32·32·127·128 < 2²⁴ for Q6_K, less elsewhere), and `scale_j`,
-//! `min_j` are exact products of an f16 and a 6-bit integer.
+//! `q + 128` with `128·s_j` on the `dpbusd` path; MXFP4's 4-bit codes are looked up as
+//! `kvalue + 16` by a byte shuffle, with `16·s_j`).
+//! `scale_j` is the block's `d` (`d·sc_j` for Q4_K/Q5_K, `2^(e − 128)` for MXFP4), `min_j`
+//! the additive part (`m` of Q4_1/Q5_1, `−dmin·m_j` of Q4_K/Q5_K; zero elsewhere). Every
+//! `I_j` and `s_j` converts to f32 exactly (|I_j| ≤ 32·32·127·128 < 2²⁴ for Q6_K, less
+//! elsewhere), and `scale_j`, `min_j` are exact products of an f16 and a 6-bit integer, or
+//! powers of two.
 
 use std::cell::RefCell;
 use std::ops::Range;
 
-use kvplug_backend_kit::model::blocks::{half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS};
+use kvplug_backend_kit::model::blocks::{
+    e8m0_half, half_at, k4_scale_min, BlockFormat, BLOCK_FORMATS, MXFP4_VALUES,
+};
 
 #[cfg(target_arch = "x86_64")]
 use crate::linear::PREFETCH_AHEAD;
 use crate::linear::STREAM_CHUNK_BYTES;
 use crate::simd::{vector_path, vnni_path};
 use crate::workers::{DisjointChunks, Workers};
+
+/// The formats the kernels compute on, indexed by their const parameter ([`format_index`]):
+/// the kit's [`BLOCK_FORMATS`], then MXFP4.
+const FORMATS: [BlockFormat; 9] = {
+    let mut f = [BlockFormat::Mxfp4; 9];
+    let mut i = 0;
+    while i < BLOCK_FORMATS.len() {
+        f[i] = BLOCK_FORMATS[i];
+        i += 1;
+    }
+    f
+};
+
+/// MXFP4's 4-bit codes as the kernels' unsigned codes: `kvalue + 16` (4..=28), the offset
+/// being [`code_offset`]'s 16 (a power of two, as every offset the kernels shift by).
+const fn mxfp4_codes() -> [u8; 16] {
+    let mut c = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        c[i] = (MXFP4_VALUES[i] + 16) as u8;
+        i += 1;
+    }
+    c
+}
 
 /// Values per activation block, and per weight sub-block (Q6_K's 16-value sub-blocks come
 /// in pairs).
@@ -609,11 +637,13 @@ const fn wide_order(f: BlockFormat) -> WideOrder {
             WideOrder::Halves
         }
         BlockFormat::Q4K | BlockFormat::Q5K => WideOrder::Pairs,
+        // MXFP4's 17-byte blocks lie at odd offsets, out of reach of the word permutes:
+        // its codes come a block at a time, in order.
         _ => WideOrder::Natural,
     }
 }
 
-/// The index of `f` in [`BLOCK_FORMATS`] (the kernels' const parameter).
+/// The index of `f` in [`FORMATS`] (the kernels' const parameter).
 const fn format_index(f: BlockFormat) -> usize {
     match f {
         BlockFormat::Q4_0 => 0,
@@ -624,7 +654,7 @@ const fn format_index(f: BlockFormat) -> usize {
         BlockFormat::Q4K => 5,
         BlockFormat::Q5K => 6,
         BlockFormat::Q6K => 7,
-        BlockFormat::Mxfp4 => panic!("MXFP4 is re-encoded at load (StoredTensor::computable)"),
+        BlockFormat::Mxfp4 => 8,
     }
 }
 
@@ -640,7 +670,7 @@ const fn has_min(f: BlockFormat) -> bool {
 const fn code_offset(f: BlockFormat) -> i32 {
     match f {
         BlockFormat::Q4_0 => 8,
-        BlockFormat::Q5_0 => 16,
+        BlockFormat::Q5_0 | BlockFormat::Mxfp4 => 16,
         _ => 0,
     }
 }
@@ -682,6 +712,7 @@ impl Task<'_> {
         const F5: usize = format_index(BlockFormat::Q4K);
         const F6: usize = format_index(BlockFormat::Q5K);
         const F7: usize = format_index(BlockFormat::Q6K);
+        const F8: usize = format_index(BlockFormat::Mxfp4);
         match format_index(format) {
             F0 => self.rows_of::<F0>(rows),
             F1 => self.rows_of::<F1>(rows),
@@ -691,7 +722,8 @@ impl Task<'_> {
             F5 => self.rows_of::<F5>(rows),
             F6 => self.rows_of::<F6>(rows),
             F7 => self.rows_of::<F7>(rows),
-            _ => unreachable!("format_index covers BLOCK_FORMATS"),
+            F8 => self.rows_of::<F8>(rows),
+            _ => unreachable!("format_index covers FORMATS"),
         }
     }
 
@@ -726,7 +758,7 @@ impl Task<'_> {
         u: &mut UnpackedRows,
         rows: Range<usize>,
     ) {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let order = LaneMajor::new(self.row_bytes / f.block_bytes() * (f.block_elems() / QK));
         u.hold(R * order.len());
         let count = self.acts.panels.count;
@@ -1054,7 +1086,14 @@ fn unpack(f: BlockFormat, b: &[u8], n: usize) -> Group {
                 }
             }
         }
-        BlockFormat::Mxfp4 => unreachable!("MXFP4 is re-encoded at load"),
+        BlockFormat::Mxfp4 => {
+            let table = const { mxfp4_codes() };
+            for (j, b) in b.chunks_exact(f.block_bytes()).take(n).enumerate() {
+                g.scale[j] = e8m0_half(b[0]);
+                nibbles(&mut g.codes[j], &b[1..17], None);
+                g.codes[j] = g.codes[j].map(|c| table[usize::from(c)]);
+            }
+        }
         BlockFormat::Q6K => {
             let d = half_at(b, 208);
             // Half h (128 values) holds sub-blocks 4h..4h+4: low nibbles of ql[0..32] and
@@ -1079,7 +1118,7 @@ fn unpack(f: BlockFormat, b: &[u8], n: usize) -> Group {
 
 /// `acc` plus one token's dot product with group `g` (the module docs' arithmetic).
 fn scalar_dot<const F: usize>(g: &Group, a: ActGroup<'_>, mut acc: f32) -> f32 {
-    let f = const { BLOCK_FORMATS[F] };
+    let f = const { FORMATS[F] };
     let dot = |c: &[u8], q: &[i8]| -> i32 {
         c.iter()
             .zip(q)
@@ -1120,7 +1159,7 @@ fn scalar_tile<const F: usize, const NT: usize>(
     acts: &Acts<'_>,
     t0: usize,
 ) -> [f32; NT] {
-    let f = const { BLOCK_FORMATS[F] };
+    let f = const { FORMATS[F] };
     let mut acc = [0f32; NT];
     for (gi, start) in (0..row.len()).step_by(group_bytes(f)).enumerate() {
         let n = group_len(f, start, row.len());
@@ -1136,13 +1175,14 @@ fn scalar_tile<const F: usize, const NT: usize>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use kvplug_backend_kit::model::blocks::{BlockFormat, BLOCK_FORMATS};
+    use kvplug_backend_kit::model::blocks::{e8m0_half, BlockFormat};
 
     use std::ops::Range;
 
     use super::{
-        dot_offset, group_bytes, group_len, has_min, wide_order, Acts, LaneMajor, PanelBlock,
-        PanelOut, Panels, UnpackedRows, WideOrder, GROUP, PANEL, PANEL_ROW, PREFETCH_AHEAD, QK,
+        dot_offset, group_bytes, group_len, has_min, mxfp4_codes, wide_order, Acts, LaneMajor,
+        PanelBlock, PanelOut, Panels, UnpackedRows, WideOrder, FORMATS, GROUP, PANEL, PANEL_ROW,
+        PREFETCH_AHEAD, QK,
     };
     use crate::simd::x86::hsum;
 
@@ -1396,7 +1436,7 @@ mod x86 {
     /// where `BW`.
     #[inline(always)]
     unsafe fn unpack<const F: usize, const N: usize, const BW: bool>(p: *const u8) -> VGroup {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let bb = f.block_bytes();
         let mut g = VGroup::zeroed();
         let low4 = _mm256_set1_epi8(0x0f);
@@ -1481,7 +1521,17 @@ mod x86 {
                     }
                 }
             }
-            BlockFormat::Mxfp4 => unreachable!("MXFP4 is re-encoded at load"),
+            BlockFormat::Mxfp4 => {
+                let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    const { mxfp4_codes() }.as_ptr().cast(),
+                ));
+                let mut scale = [0f32; GROUP];
+                for (j, c) in g.codes.iter_mut().enumerate().take(N) {
+                    scale[j] = e8m0_half(*p.add(j * bb));
+                    *c = _mm256_shuffle_epi8(table, nibbles(p.add(j * bb + 1)));
+                }
+                g.scale = _mm256_loadu_ps(scale.as_ptr());
+            }
             BlockFormat::Q6K => {
                 let two = _mm256_set1_epi8(0x30);
                 for h in 0..2 {
@@ -1538,7 +1588,7 @@ mod x86 {
     /// As [`unpack`] with `BW`.
     #[inline(always)]
     unsafe fn unpack_pairs<const F: usize>(p: *const u8) -> VGroup {
-        match const { wide_order(BLOCK_FORMATS[F]) } {
+        match const { wide_order(FORMATS[F]) } {
             WideOrder::Halves => return wide_fours::<F>(p),
             WideOrder::Pairs => return wide_k_quant::<F>(p),
             WideOrder::Natural => {}
@@ -1631,8 +1681,8 @@ mod x86 {
     /// `p` must be valid for the reads of a group; AVX-512 BW.
     #[inline(always)]
     unsafe fn wide_fours<const F: usize>(p: *const u8) -> VGroup {
-        let f = const { BLOCK_FORMATS[F] };
-        let picks = const { &word_picks(BLOCK_FORMATS[F]) };
+        let f = const { FORMATS[F] };
+        let picks = const { &word_picks(FORMATS[F]) };
         let mut g = VGroup::zeroed();
         let span = GROUP * f.block_bytes();
         let a = _mm512_loadu_si512(p.cast());
@@ -1688,7 +1738,7 @@ mod x86 {
     /// `p` must be valid for the reads of a super-block; AVX-512 BW.
     #[inline(always)]
     unsafe fn wide_k_quant<const F: usize>(p: *const u8) -> VGroup {
-        let q5 = const { matches!(BLOCK_FORMATS[F], BlockFormat::Q5K) };
+        let q5 = const { matches!(FORMATS[F], BlockFormat::Q5K) };
         let mut g = VGroup::zeroed();
         let sm = k4_scales_mins(p);
         // d in lanes 0..8, dmin in 8..16 (the other six words widened too, and unused).
@@ -1776,7 +1826,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn scaled_half_sums<const F: usize>(g: &VGroup, q: *const i8) -> __m512i {
         let h = half_sums(&products(g, q));
-        if const { matches!(BLOCK_FORMATS[F], BlockFormat::Q6K) } {
+        if const { matches!(FORMATS[F], BlockFormat::Q6K) } {
             _mm512_mullo_epi32(h, join(g.sc_lo, g.sc_hi))
         } else {
             h
@@ -1914,11 +1964,11 @@ mod x86 {
         a: ActPtrs,
         acc: __m256,
     ) -> __m256 {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let offset = dot_offset(f, VNNI);
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
-        let order = const { wide_order(BLOCK_FORMATS[F]) };
+        let order = const { wide_order(FORMATS[F]) };
         let mut isum = if VNNI && N == GROUP && order == WideOrder::Halves {
             block_sums_of_fours(g, a.q_wide)
         } else if VNNI && N == GROUP && order == WideOrder::Pairs {
@@ -1977,7 +2027,7 @@ mod x86 {
         at: &impl Fn(usize, usize) -> ActPtrs,
         acc: &mut [__m256; NT],
     ) {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let start = b / (f.block_elems() / QK) * f.block_bytes();
         assert!(start + f.bytes_for(N * QK) <= row.len());
         let g = if VNNI && N == GROUP {
@@ -2040,7 +2090,7 @@ mod x86 {
         acts: &Acts<'_>,
         t0: usize,
     ) -> [f32; NT] {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let groups = row.len().div_ceil(group_bytes(f));
         // Every token's activations span `acts.blocks` ≥ 8·groups blocks.
         let first = t0 * acts.blocks;
@@ -2051,7 +2101,7 @@ mod x86 {
             groups
         );
         let wide = if VNNI {
-            acts.wide(const { wide_order(BLOCK_FORMATS[F]) })
+            acts.wide(const { wide_order(FORMATS[F]) })
         } else {
             acts.q
         };
@@ -2140,7 +2190,7 @@ mod x86 {
         order: &LaneMajor,
         u: &mut UnpackedRows,
     ) {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let n = order.len();
         assert!(
             u.codes.len() >= rows.len() * n,
@@ -2187,7 +2237,7 @@ mod x86 {
         order: &LaneMajor,
         u: &mut UnpackedRows,
     ) {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let (mut scale, mut min) = ([0f32; GROUP], [0f32; GROUP]);
         _mm256_storeu_ps(scale.as_mut_ptr(), g.scale);
         _mm256_storeu_ps(min.as_mut_ptr(), g.min);
@@ -2458,7 +2508,7 @@ mod x86 {
         p: &Panels<'_>,
         pi: usize,
     ) -> PanelOut<R, P> {
-        let f = const { BLOCK_FORMATS[F] };
+        let f = const { FORMATS[F] };
         let (q8, q6) = (f == BlockFormat::Q8_0, f == BlockFormat::Q6K);
         let offset = dot_offset(f, !L::MADDUBS);
         let n = order.len();
@@ -2562,7 +2612,7 @@ mod x86 {
         signs: [*const i32; R],
         ks: Range<usize>,
     ) -> [[L::I; R]; P] {
-        let q8 = const { BLOCK_FORMATS[F] } == BlockFormat::Q8_0;
+        let q8 = const { FORMATS[F] } == BlockFormat::Q8_0;
         let mut s = [[L::zero_i(); R]; P];
         for k in ks {
             let mut xk = [L::zero_i(); P];
@@ -2765,7 +2815,7 @@ mod tests {
         // Columns: whole groups, and every partial last group the vector path splits (1, 2,
         // 4 and 7 = 4 + 2 + 1 sub-blocks, alone or after whole groups).
         let shapes = [(1, 37), (3, 5), (7, 13), (16, 70), (130, 3)];
-        for (fi, f) in BLOCK_FORMATS.into_iter().enumerate() {
+        for (fi, f) in FORMATS.into_iter().enumerate() {
             let cols: &[usize] = if f.block_elems() == QK {
                 &[32, 64, 128, 224, 256, 288, 512, 896]
             } else {
@@ -2791,7 +2841,7 @@ mod tests {
             .into_iter()
             .flat_map(|v| std::iter::repeat_n(v, cols))
             .collect();
-        for f in BLOCK_FORMATS {
+        for f in FORMATS {
             let (codes, top) = match f {
                 BlockFormat::Q4_0 => (2..18, 0xff),
                 BlockFormat::Q4_1 => (4..20, 0xff),
@@ -2801,7 +2851,8 @@ mod tests {
                 BlockFormat::Q4K => (16..144, 0xff),
                 BlockFormat::Q5K => (16..176, 0xff),
                 BlockFormat::Q6K => (0..192, 0xff),
-                BlockFormat::Mxfp4 => unreachable!("not in BLOCK_FORMATS"),
+                // Nibble 7: kvalue 12 (E2M1's 6, doubled), the largest unsigned code (28).
+                BlockFormat::Mxfp4 => (1..17, 0x77),
             };
             let mut w = random_blocks(f, rows * cols / f.block_elems(), &mut Rng(5));
             for b in w.chunks_exact_mut(f.block_bytes()) {
@@ -2827,7 +2878,7 @@ mod tests {
     fn same_output_alone_or_batched(t: usize, rows: usize, cols: usize) {
         let mut rng = Rng(7);
         let x = activations(t, cols, &mut rng);
-        for f in BLOCK_FORMATS
+        for f in FORMATS
             .into_iter()
             .filter(|f| cols.is_multiple_of(f.block_elems()))
         {
@@ -2913,7 +2964,7 @@ mod tests {
         let (t, rows, cols) = (5, 11, 768);
         let mut rng = Rng(11);
         let x = activations(t, cols, &mut rng);
-        for f in BLOCK_FORMATS {
+        for f in FORMATS {
             let w = random_blocks(f, rows * cols / f.block_elems(), &mut rng);
             let outs: Vec<Vec<u32>> = vector
                 .iter()

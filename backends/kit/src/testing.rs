@@ -947,7 +947,7 @@ impl Rng {
 
 /// `blocks` valid random blocks of `f`: random code bytes (so random 6-bit K-quant scales
 /// and minimums too), every f16 field (d, m, dmin) of random sign and magnitude in
-/// [1e-3, 1e-1], Q6_K's i8 scales in ±127.
+/// [1e-3, 1e-1], Q6_K's i8 scales in ±127, MXFP4's scales in 2^-10..=2^-3.
 pub fn random_blocks(f: BlockFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let bb = f.block_bytes();
     let mut b: Vec<u8> = (0..blocks * bb).map(|_| rng.bits() as u8).collect();
@@ -956,6 +956,9 @@ pub fn random_blocks(f: BlockFormat, blocks: usize, rng: &mut Rng) -> Vec<u8> {
             let mag = 1e-3 + rng.unit() * (1e-1 - 1e-3);
             let v = if rng.bits() & 1 == 0 { mag } else { -mag };
             blk[at..at + 2].copy_from_slice(&half::f16::from_f64(v).to_le_bytes());
+        }
+        if f == BlockFormat::Mxfp4 {
+            blk[0] = 118 + (rng.bits() % 8) as u8;
         }
         if f == BlockFormat::Q6K {
             for s in &mut blk[192..208] {

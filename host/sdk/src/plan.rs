@@ -66,9 +66,12 @@ pub struct GroupPlan {
 /// The plan.
 #[derive(Debug, serde::Serialize)]
 pub struct Plan {
-    /// Bytes the weights take: as stored (mapped), but MXFP4 tensors as the Q5_0 they are
-    /// re-encoded into at load (22 bytes a block for 17, in memory).
+    /// Bytes the weights take as stored (mapped, and read in place by the cpu backend).
     pub weight_bytes: u64,
+    /// Bytes more the weights take on a backend that re-encodes MXFP4 at load (`kvplug
+    /// plugins` lists `weights-reencoded=mxfp4`: as Q5_0, 22 bytes a block for 17, in
+    /// memory); 0 for a model without MXFP4 tensors.
+    pub reencoded_extra_bytes: u64,
     /// Parameters (weight elements) in all.
     pub parameters: u64,
     /// Parameters a token runs through: all but the experts it is not routed to (equal to
@@ -108,6 +111,7 @@ pub struct Plan {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Census {
     bytes: u64,
+    reencoded_extra_bytes: u64,
     parameters: u64,
     expert_bytes: u64,
     expert_parameters: u64,
@@ -117,12 +121,10 @@ impl Census {
     /// Counts tensor `name` of `shape`, `bytes` stored in `dtype` (the kit's names).
     fn add(&mut self, name: &str, shape: &[usize], bytes: u64, dtype: &str) {
         let elems = shape.iter().product::<usize>() as u64;
-        // MXFP4 is re-encoded at load as Q5_0 (StoredTensor::computable).
-        let bytes = if dtype == "mxfp4" {
-            bytes / 17 * 22
-        } else {
-            bytes
-        };
+        if dtype == "mxfp4" {
+            // As Q5_0 (StoredTensor::computable).
+            self.reencoded_extra_bytes += bytes / 17 * 5;
+        }
         self.bytes += bytes;
         self.parameters += elems;
         if name.contains(".mlp.experts.") {
@@ -235,6 +237,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     };
     Ok(Plan {
         weight_bytes,
+        reencoded_extra_bytes: weights.reencoded_extra_bytes,
         parameters: weights.parameters,
         active_parameters: Census::active(weights.parameters, weights.expert_parameters, &model),
         expert_bytes: weights.expert_bytes,
@@ -308,6 +311,12 @@ impl Plan {
             mib(p.weight_bytes),
             count(p.parameters)
         );
+        if p.reencoded_extra_bytes > 0 {
+            out += &format!(
+                "            {} more where MXFP4 is re-encoded at load (weights-reencoded=mxfp4)\n",
+                mib(p.reencoded_extra_bytes)
+            );
+        }
         if p.expert_bytes > 0 {
             out += &format!(
                 "experts     {} of the weights; a token runs {} parameters, a step reads at most {}\n",

@@ -11,8 +11,8 @@ use kvplug::{Batch, CacheKind, KvDtype};
 
 mod common;
 use common::{
-    bpe_tokenizer_meta, forward, greedy_logit_error, runtime, values, write_gguf, Reference,
-    BACKENDS, MERGES,
+    bpe_tokenizer_meta, forward, greedy_logit_error, runtime, values, write_gguf, write_gguf_raw,
+    RawTensor, Reference, BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -247,7 +247,8 @@ fn plans_count_total_and_active_parameters() {
 }
 
 /// A GPT-OSS file's shape: layers alternating sliding (`window`) and full attention from
-/// layer 0, `experts` of `width` with `per_token` per token; expert matrices in `types`.
+/// layer 0, `experts` of `width` with `per_token` per token; expert matrices in `types`, or
+/// in MXFP4 (as GPT-OSS ships them) where `types` is empty.
 struct OssShape<'a> {
     layers: usize,
     window: usize,
@@ -255,6 +256,21 @@ struct OssShape<'a> {
     per_token: usize,
     width: usize,
     types: &'a [GgmlDType],
+}
+
+/// `n` values' random MXFP4 blocks (ggml type 39): scales 2^-7..=2^-4, random codes.
+fn mxfp4_blocks(n: usize, salt: u64) -> Vec<u8> {
+    let bytes = values(n / 32 * 17, salt, 1.0);
+    let byte = |x: f32| ((x + 1.0) * 127.5) as u8;
+    let at = bytes.iter().enumerate();
+    at.map(|(i, &x)| {
+        if i % 17 == 0 {
+            121 + byte(x) % 4
+        } else {
+            byte(x)
+        }
+    })
+    .collect()
 }
 
 /// GPT-OSS's YaRN: factor 32 over 4096 original positions, rope base 150000.
@@ -265,19 +281,28 @@ const OSS_THETA: f64 = 150000.0;
 /// Writes a GPT-OSS GGUF of `s` (as llama.cpp's converter names it) and indexes it.
 fn gpt_oss(dir: &Path, s: &OssShape) -> PathBuf {
     let hd = HIDDEN / HEADS;
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut tensors: Vec<RawTensor> = Vec::new();
     let (mut salt, mut matrix) = (300, 0);
     let mut add =
         |name: String, shape: &[usize], gain: f32, offset: f32, ty: Option<&[GgmlDType]>| {
             salt += 1;
-            let mut data = values(shape.iter().product(), salt, gain);
+            let n = shape.iter().product();
+            if ty.is_some_and(|types| types.is_empty()) {
+                return tensors.push(RawTensor {
+                    name,
+                    dims: shape.to_vec(),
+                    ggml_type: 39,
+                    bytes: mxfp4_blocks(n, salt),
+                });
+            }
+            let mut data = values(n, salt, gain);
             data.iter_mut().for_each(|x| *x += offset);
             let ty = ty.map_or(GgmlDType::F32, |types| {
                 matrix += 1;
                 types[matrix % types.len()]
             });
             let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
-            tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
+            tensors.push(RawTensor::of(&name, &QTensor::quantize(&t, ty).unwrap()));
         };
     add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0, None);
     add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0, None);
@@ -369,7 +394,7 @@ fn gpt_oss(dir: &Path, s: &OssShape) -> PathBuf {
     meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
     std::fs::create_dir_all(dir).unwrap();
     let gguf = dir.join("gpt-oss.gguf");
-    write_gguf(&gguf, &meta, &tensors);
+    write_gguf_raw(&gguf, &meta, &tensors);
     let model = dir.join("indexed");
     kvplug::formats::gguf::index(&gguf, &model).unwrap();
     model
@@ -419,6 +444,14 @@ fn gpt_oss_gguf_decodes_within_the_f64_reference_on_every_backend() {
             per_token: 4,
             width: 64,
             types: &blocks,
+        },
+        OssShape {
+            layers: 2,
+            window: 5,
+            experts: 8,
+            per_token: 4,
+            width: 96,
+            types: &[],
         },
     ];
     for (i, shape) in shapes.iter().enumerate() {

@@ -31,8 +31,9 @@ pub enum BlockFormat {
     Q6K,
     /// 32 values (OCP's MX FP4, GPT-OSS's experts): an E8M0 scale byte `e`, then 4-bit E2M1
     /// codes (low nibbles values 0..16, high ones 16..32); `x = kvalue[q]·2^(e − 128)`, the
-    /// kvalues being E2M1 doubled ([`MXFP4_VALUES`]). No backend computes it in place: the
-    /// kit re-encodes it once at load ([`StoredTensor::computable`](super::StoredTensor::computable)).
+    /// kvalues being E2M1 doubled ([`MXFP4_VALUES`]). Computed in place by a device whose
+    /// [`ModelDevice::reads_mxfp4`](super::ModelDevice::reads_mxfp4) says so; for the others
+    /// the kit re-encodes it once at load ([`StoredTensor::computable`](super::StoredTensor::computable)).
     Mxfp4,
 }
 
@@ -48,8 +49,8 @@ pub fn e8m0_half(e: u8) -> f32 {
     })
 }
 
-/// Every block format the backends compute on (MXFP4 aside: it is re-encoded at load), in
-/// GGML type order.
+/// Every block format every backend computes on (MXFP4 aside: it is read in place only where
+/// a device says so, and re-encoded at load elsewhere), in GGML type order.
 pub const BLOCK_FORMATS: [BlockFormat; 8] = [
     BlockFormat::Q4_0,
     BlockFormat::Q4_1,
@@ -144,12 +145,25 @@ impl BlockFormat {
 /// The `features` entries (for `kvplug plugins`) of a backend that computes f32/f16/bf16
 /// weights in place and every block format in place but those it widens once at load
 /// (`widened`): `weights=f32|f16|bf16|q4_0|…`, if any `weights-widened=q6_K|…`, and
-/// `weights-reencoded=mxfp4` (the kit re-encodes MXFP4 once at load for every backend,
-/// [`StoredTensor::computable`](super::StoredTensor::computable)).
+/// `weights-reencoded=mxfp4` (the kit re-encodes MXFP4 once at load for a device that does
+/// not read it, [`StoredTensor::computable`](super::StoredTensor::computable)). A backend
+/// whose device reads MXFP4 in place lists it with the others:
+/// [`weights_features_reading_mxfp4`].
 pub fn weights_features(widened: &[BlockFormat]) -> Vec<String> {
+    weights_features_with(widened, false)
+}
+
+/// [`weights_features`] of a backend whose device reads MXFP4 in place
+/// ([`ModelDevice::reads_mxfp4`](super::ModelDevice::reads_mxfp4)): `mxfp4` among `weights=`.
+pub fn weights_features_reading_mxfp4(widened: &[BlockFormat]) -> Vec<String> {
+    weights_features_with(widened, true)
+}
+
+fn weights_features_with(widened: &[BlockFormat], mxfp4: bool) -> Vec<String> {
     let names = |native: bool| -> Vec<&str> {
         let formats = BLOCK_FORMATS
             .iter()
+            .chain(mxfp4.then_some(&BlockFormat::Mxfp4))
             .filter(|f| widened.contains(f) != native);
         formats.map(|f| f.name()).collect()
     };
@@ -158,7 +172,9 @@ pub fn weights_features(widened: &[BlockFormat]) -> Vec<String> {
     if !widened.is_empty() {
         features.push(format!("weights-widened={}", names(false).join("|")));
     }
-    features.push(format!("weights-reencoded={}", BlockFormat::Mxfp4.name()));
+    if !mxfp4 {
+        features.push(format!("weights-reencoded={}", BlockFormat::Mxfp4.name()));
+    }
     features
 }
 

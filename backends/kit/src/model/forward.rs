@@ -198,6 +198,16 @@ impl Names {
     }
 }
 
+/// `t` as `device` takes it: MXFP4 kept as stored where the device reads it
+/// ([`ModelDevice::reads_mxfp4`]), re-encoded once elsewhere.
+fn held<D: ModelDevice>(device: &D, t: super::stored::StoredTensor) -> super::stored::StoredTensor {
+    if device.reads_mxfp4() {
+        t
+    } else {
+        t.computable()
+    }
+}
+
 fn weights_err(e: KitError) -> ModelError {
     ModelError::Malformed(format!("loading weights: {e}"))
 }
@@ -253,7 +263,7 @@ impl<D: ModelDevice> DecoderModel<D> {
         };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<D::Weight, ModelError> {
             device
-                .weight(pkg.tensor(name, &[rows, cols])?.computable(), rows, cols)
+                .weight(held(&*device, pkg.tensor(name, &[rows, cols])?), rows, cols)
                 .map_err(weights_err)
         };
         let embed = mat("model.embed_tokens.weight", c.vocab_size, h)?;
@@ -295,7 +305,9 @@ impl<D: ModelDevice> DecoderModel<D> {
                         let rows = bcx.rows(h, i * h..(i + 1) * h).ok_or_else(|| {
                             ModelError::Malformed(format!("{name}: rows of partial blocks"))
                         })?;
-                        device.weight(rows.computable(), h, h).map_err(weights_err)
+                        device
+                            .weight(held(&*device, rows), h, h)
+                            .map_err(weights_err)
                     };
                     // Hugging Face stores the depthwise kernel as [h, 1, width]; a GGUF as
                     // [h, width].
@@ -358,7 +370,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                             ModelError::Malformed(format!("layer {l}: q/k rows of partial blocks"))
                         })?;
                         device
-                            .weight(picked.computable(), n, h)
+                            .weight(held(&*device, picked), n, h)
                             .map_err(weights_err)
                     };
                     let permuted = |name: &str| -> Result<D::Tensor, ModelError> {
@@ -1056,7 +1068,7 @@ fn load_experts<D: ModelDevice>(
             None => pkg.tensor(&format!("{p}mlp.experts.{e}.{proj}.weight"), &[rows, cols])?,
         };
         device
-            .weight(data.computable(), rows, cols)
+            .weight(held(device, data), rows, cols)
             .map_err(weights_err)
     };
     // GPT-OSS's expert biases: `[experts, rows]` each, a row per expert.

@@ -68,6 +68,13 @@ pub trait ModelDevice: Device {
     /// [`Backend::features`](crate::Backend::features) (`weights=…`, `weights-widened=…`).
     type Weight: Send + Sync;
 
+    /// Whether [`ModelDevice::weight`] takes MXFP4 blocks as stored. The default (`false`):
+    /// the kit re-encodes them once at load, exactly, as Q5_0 (or f32,
+    /// [`StoredTensor::computable`]) before handing them over.
+    fn reads_mxfp4(&self) -> bool {
+        false
+    }
+
     /// Makes `data` (`[rows, cols]`, row-major, `rows·cols` elements) a weight (`out = x·Wᵀ`).
     /// A host-memory device may keep `data` itself (the mapped file: no copy); others upload
     /// its bytes once.

@@ -183,8 +183,9 @@ impl StoredTensor {
         Self::new(self.dtype, Arc::new(bytes), 0..len)
     }
 
-    /// This tensor in a dtype every backend computes: itself, but for MXFP4, which no
-    /// backend reads in place yet and which is re-encoded once, exactly, as Q5_0 (a code
+    /// This tensor in a dtype every backend computes: itself, but for MXFP4, which a device
+    /// reads in place only where it says so ([`ModelDevice::reads_mxfp4`](super::ModelDevice::reads_mxfp4))
+    /// and which is re-encoded once, exactly, as Q5_0 (a code
     /// `kvalue + 16`, the block's scale `2^(e − 128)` as its f16 `d`; 22 bytes a block for
     /// 17), or as f32 where a block with a nonzero code has a scale outside f16's range
     /// (`e` outside 104..=143).

@@ -843,6 +843,116 @@ pub fn write_gguf(path: &Path, meta: &[(&str, Value)], tensors: &[(String, QTens
     .unwrap();
 }
 
+/// A tensor as [`write_gguf_raw`] writes it: dims outermost first, ggml type id, bytes.
+pub struct RawTensor {
+    pub name: String,
+    pub dims: Vec<usize>,
+    pub ggml_type: u32,
+    pub bytes: Vec<u8>,
+}
+
+impl RawTensor {
+    /// `t`'s stored bytes.
+    pub fn of(name: &str, t: &QTensor) -> RawTensor {
+        let ggml_type = match t.dtype() {
+            GgmlDType::F32 => 0,
+            GgmlDType::F16 => 1,
+            GgmlDType::Q4_0 => 2,
+            GgmlDType::Q4_1 => 3,
+            GgmlDType::Q5_0 => 6,
+            GgmlDType::Q5_1 => 7,
+            GgmlDType::Q8_0 => 8,
+            GgmlDType::Q4K => 12,
+            GgmlDType::Q5K => 13,
+            GgmlDType::Q6K => 14,
+            other => panic!("RawTensor::of: {other:?}"),
+        };
+        RawTensor {
+            name: name.into(),
+            dims: t.shape().dims().to_vec(),
+            ggml_type,
+            bytes: t.data().unwrap().into_owned(),
+        }
+    }
+}
+
+/// Writes a GGUF of `meta` and `tensors` as given, laid out as ggml's `gguf.cpp` lays out
+/// version 3 (tensor data aligned to 32 bytes). For ggml types candle cannot write (MXFP4,
+/// type 39); [`write_gguf`] writes the others.
+pub fn write_gguf_raw(path: &Path, meta: &[(&str, Value)], tensors: &[RawTensor]) {
+    fn string(w: &mut Vec<u8>, s: &str) {
+        w.extend((s.len() as u64).to_le_bytes());
+        w.extend(s.as_bytes());
+    }
+    fn type_id(v: &Value) -> u32 {
+        match v {
+            Value::U8(_) => 0,
+            Value::I8(_) => 1,
+            Value::U16(_) => 2,
+            Value::I16(_) => 3,
+            Value::U32(_) => 4,
+            Value::I32(_) => 5,
+            Value::F32(_) => 6,
+            Value::Bool(_) => 7,
+            Value::String(_) => 8,
+            Value::Array(_) => 9,
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+        }
+    }
+    fn value(w: &mut Vec<u8>, v: &Value) {
+        match v {
+            Value::U8(x) => w.push(*x),
+            Value::I8(x) => w.extend(x.to_le_bytes()),
+            Value::U16(x) => w.extend(x.to_le_bytes()),
+            Value::I16(x) => w.extend(x.to_le_bytes()),
+            Value::U32(x) => w.extend(x.to_le_bytes()),
+            Value::I32(x) => w.extend(x.to_le_bytes()),
+            Value::U64(x) => w.extend(x.to_le_bytes()),
+            Value::I64(x) => w.extend(x.to_le_bytes()),
+            Value::F32(x) => w.extend(x.to_le_bytes()),
+            Value::F64(x) => w.extend(x.to_le_bytes()),
+            Value::Bool(x) => w.push(u8::from(*x)),
+            Value::String(x) => string(w, x),
+            Value::Array(a) => {
+                w.extend(a.first().map_or(4, type_id).to_le_bytes());
+                w.extend((a.len() as u64).to_le_bytes());
+                a.iter().for_each(|x| value(w, x));
+            }
+        }
+    }
+    let pad = |n: usize| n.next_multiple_of(32) - n;
+    let mut w = Vec::new();
+    w.extend(b"GGUF");
+    w.extend(3u32.to_le_bytes());
+    w.extend((tensors.len() as u64).to_le_bytes());
+    w.extend((meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        string(&mut w, k);
+        w.extend(type_id(v).to_le_bytes());
+        value(&mut w, v);
+    }
+    let mut offset = 0;
+    for t in tensors {
+        string(&mut w, &t.name);
+        w.extend((t.dims.len() as u32).to_le_bytes());
+        t.dims
+            .iter()
+            .rev()
+            .for_each(|&d| w.extend((d as u64).to_le_bytes()));
+        w.extend(t.ggml_type.to_le_bytes());
+        w.extend((offset as u64).to_le_bytes());
+        offset += t.bytes.len() + pad(t.bytes.len());
+    }
+    w.resize(w.len() + pad(w.len()), 0);
+    for t in tensors {
+        w.extend(&t.bytes);
+        w.resize(w.len() + pad(t.bytes.len()), 0);
+    }
+    std::fs::write(path, w).unwrap();
+}
+
 /// GPT-2's byte → printable character map (tokens of a byte-level BPE vocabulary).
 pub fn byte_chars() -> Vec<char> {
     let printable =
