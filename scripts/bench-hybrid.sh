@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# make bench-hybrid: kvplug against llama.cpp on the hybrid (recurrent-state) models, as
-# ratios: random-weight f32 files of the LFM2-350M and Qwen3.5-0.8B shapes written by
-# scripts/crosscheck/synth_gguf.py (no real weights of these families are on PyPI), made
-# Q4_K_M by the same llama.cpp's llama-quantize, then scripts/bench-peers.sh on each (pp512
-# and tg128 interleaved, 2 rounds, peak RSS holding 1024 tokens). The tables go to
+# make bench-hybrid: kvplug against llama.cpp on the hybrid (recurrent-state) and
+# mixture-of-experts models, as ratios: random-weight f32 files of the LFM2-350M and
+# Qwen3.5-0.8B shapes, two Qwen3-MoE shapes with the same active size and 32 or 64 experts,
+# and a GPT-OSS shape, written by scripts/crosscheck/synth_gguf.py (no real weights of these
+# families are on PyPI), made Q4_K_M (the GPT-OSS shape MXFP4_MOE, as GPT-OSS ships) by the
+# same llama.cpp's llama-quantize, then scripts/bench-peers.sh on each (pp512 and tg128
+# interleaved, 2 rounds, peak RSS holding 1024 tokens). The tables go to
 # .peers/peers-hybrid-NAME.md (-avx2.md at ISA=avx2), which `make bench` puts in
 # backends/cpu/BENCH.md.
 #
 # Settings (environment): MODEL (the GGUF whose vocabulary the files copy; default the demo
-# model), QUANT (default Q4_K_M), and bench-peers.sh's own (THREADS, ROUNDS, REPS, ISA, ...).
+# model), QUANT (default Q4_K_M), SHAPES (some of the shapes, by name; default all), and
+# bench-peers.sh's own (THREADS, ROUNDS, REPS, ISA, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS_WHO=bench-hybrid
@@ -20,26 +23,35 @@ QUANT=${QUANT:-Q4_K_M}
 source scripts/peers-llama-cpp.sh
 peers_python
 
-# The files are remade when MODEL (their vocabulary) or the generator changes.
-shapes=(lfm2-350m-shaped qwen35-0.8b-shaped)
+all=(lfm2-350m-shaped qwen35-0.8b-shaped qwen3moe-1b-a0.3b-shaped qwen3moe-2b-a0.3b-shaped
+    gpt-oss-1b-a0.5b-shaped)
+read -r -a shapes <<<"${SHAPES:-${all[*]}}"
+quant_of() {
+    case "$1" in
+        gpt-oss-*) echo MXFP4_MOE ;;
+        *) echo "$QUANT" ;;
+    esac
+}
+
+# Each file is remade when MODEL (its vocabulary), its quantization or the generator changes.
 dir="$PEERS/hybrid"
-made_from="$MODEL $QUANT $(sha256sum scripts/crosscheck/synth_gguf.py | cut -d' ' -f1)"
-if [ "$(cat "$dir/made-from" 2>/dev/null)" != "$made_from" ]; then
-    rm -rf "$dir"
-    mkdir -p "$dir"
-    echo "bench-hybrid: writing ${shapes[*]} ($QUANT) in $dir"
-    "$venv/bin/python" scripts/crosscheck/synth_gguf.py "$MODEL" "$dir" bench "${shapes[@]}" \
-        >/dev/null
-    for s in "${shapes[@]}"; do
-        "$build/bin/llama-quantize" "$dir/$s.f32.gguf" "$dir/$s.tmp" "$QUANT" \
-            >"$dir/quantize.log" 2>&1 || { cat "$dir/quantize.log" >&2; exit 1; }
-        mv "$dir/$s.tmp" "$dir/$s.$QUANT.gguf"
-        rm "$dir/$s.f32.gguf"
-    done
-    echo "$made_from" >"$dir/made-from"
-fi
+mkdir -p "$dir"
+generator=$(sha256sum scripts/crosscheck/synth_gguf.py | cut -d' ' -f1)
+for s in "${shapes[@]}"; do
+    q=$(quant_of "$s")
+    made_from="$MODEL $q $generator"
+    [ "$(cat "$dir/$s.made-from" 2>/dev/null)" = "$made_from" ] && continue
+    rm -f "$dir/$s".*
+    echo "bench-hybrid: writing $s ($q) in $dir"
+    "$venv/bin/python" scripts/crosscheck/synth_gguf.py "$MODEL" "$dir" bench "$s" >/dev/null
+    "$build/bin/llama-quantize" "$dir/$s.f32.gguf" "$dir/$s.tmp" "$q" \
+        >"$dir/quantize.log" 2>&1 || { cat "$dir/quantize.log" >&2; exit 1; }
+    mv "$dir/$s.tmp" "$dir/$s.$q.gguf"
+    rm "$dir/$s.f32.gguf"
+    echo "$made_from" >"$dir/$s.made-from"
+done
 
 for s in "${shapes[@]}"; do
-    MODEL="$dir/$s.$QUANT.gguf" DEPTHS=0 RSS_CONTEXT=1024 \
+    MODEL="$dir/$s.$(quant_of "$s").gguf" DEPTHS=0 RSS_CONTEXT=1024 \
         PEERS_TABLE="$PEERS/peers-hybrid-$s.md" ./scripts/bench-peers.sh
 done

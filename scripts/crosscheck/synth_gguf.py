@@ -364,6 +364,10 @@ BENCH = {
                                                  128, 32, 4, 512),
     "qwen3moe-2b-a0.3b-shaped": lambda: qwen3moe("qwen3moe-2b-a0.3b-shaped", 1024, 16, 8, 2,
                                                  128, 64, 4, 512, seed=1),
+    # 1.1B parameters, 0.5B active: GPT-OSS's pattern (sliding window 128 on every other
+    # layer, 4 of the experts per token) at a twentieth of GPT-OSS-20B.
+    "gpt-oss-1b-a0.5b-shaped": lambda: gpt_oss("gpt-oss-1b-a0.5b-shaped", 1024, 16, 16, 4, 64,
+                                               16, 4, 1024, 128, seed=2),
 }
 if bench:
     names = sys.argv[4:] or list(BENCH)

@@ -496,11 +496,12 @@ fn main() {
 fn hybrid_tables(md: &mut String, peers: &Path) {
     writeln!(
         md,
-        "\n## Hybrid models against llama.cpp (`make bench-hybrid`)\n"
+        "\n## Hybrid and mixture-of-experts models against llama.cpp (`make bench-hybrid`)\n"
     )
     .unwrap();
     md.push_str(
-        "Random-weight files of the LFM2-350M and Qwen3.5-0.8B shapes \
+        "Random-weight files of the LFM2-350M and Qwen3.5-0.8B shapes, two Qwen3-MoE shapes \
+         (the same active size, 32 or 64 experts) and a GPT-OSS shape \
          (`scripts/crosscheck/synth_gguf.py`), quantized by llama.cpp's `llama-quantize`; \
          `scripts/bench-hybrid.sh` says what it runs.\n",
     );

@@ -620,7 +620,7 @@ impl<'a> Acts<'a> {
 /// codes: that of the format's 512-bit unpack, per four 32-value blocks (128 codes).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum WideOrder {
-    /// As quantized (Q8_0, Q6_K).
+    /// As quantized (Q8_0, Q6_K, MXFP4).
     Natural,
     /// The first 16 codes of the four blocks, then their last 16: a block's low and high
     /// nibbles (Q4_0, Q4_1, Q5_0, Q5_1).
@@ -1329,7 +1329,7 @@ mod x86 {
         /// `min_j` in lane j.
         min: __m256,
         /// The `BW` path's whole groups, 64 codes a vector in the format's [`WideOrder`]:
-        /// sub-blocks 2k and 2k + 1 of `codes` in `wide[k]` (Q6_K, Q8_0); sub-blocks 4h,
+        /// sub-blocks 2k and 2k + 1 of `codes` in `wide[k]` (Q6_K, Q8_0, MXFP4); sub-blocks 4h,
         /// 4h + 2 in `wide[2h]` and 4h + 1, 4h + 3 in `wide[2h + 1]` (Q4_K, Q5_K); blocks
         /// 4h..4h + 4's first 16 codes each in `wide[2h]`, their last 16 in `wide[2h + 1]`
         /// (the [`fours`]).
@@ -1600,8 +1600,8 @@ mod x86 {
         g
     }
 
-    /// The 4- and 5-bit formats of 32-value blocks (each block's fields start at even
-    /// offsets: whole words).
+    /// The 4- and 5-bit formats of 32-value blocks whose fields start at even offsets
+    /// (whole words): all but MXFP4.
     const fn fours(f: BlockFormat) -> bool {
         matches!(wide_order(f), WideOrder::Halves)
     }

@@ -169,7 +169,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(a) => run::run(&runtime, a),
         Command::Chat(a) => chat::run(&runtime, &sessions, a),
         Command::Session { command } => session::run(&sessions, command),
-        Command::Plan(a) => plan::run(a),
+        Command::Plan(a) => plan::run(&runtime, a),
         Command::Serve(a) => serve::run(&runtime, &sessions, a),
         Command::Bench(a) => bench::run(&runtime, a),
         Command::Demo(a) => demo::run(&runtime, a),

@@ -21,6 +21,9 @@ pub struct PlanOptions {
     pub kv_dtype: KvDtype,
     /// Tokens per agent, for the agents line.
     pub agent_tokens: usize,
+    /// The backend planned for re-encodes MXFP4 at load (`kvplug plugins` lists
+    /// `weights-reencoded=mxfp4` for it); `false`: it reads MXFP4 in place (the cpu).
+    pub reencodes_mxfp4: bool,
 }
 
 /// `4GiB`, `512MB`, `1.5GiB`, `1000` (bytes); a bare `K`/`M`/`G`/`T` is binary, as `docker
@@ -66,12 +69,16 @@ pub struct GroupPlan {
 /// The plan.
 #[derive(Debug, serde::Serialize)]
 pub struct Plan {
-    /// Bytes the weights take as stored (mapped, and read in place by the cpu backend).
+    /// Bytes the weights take on the backend planned for: as stored (mapped), but MXFP4
+    /// tensors as the Q5_0 they are re-encoded into where `PlanOptions::reencodes_mxfp4`.
     pub weight_bytes: u64,
-    /// Bytes more the weights take on a backend that re-encodes MXFP4 at load (`kvplug
-    /// plugins` lists `weights-reencoded=mxfp4`: as Q5_0, 22 bytes a block for 17, in
-    /// memory); 0 for a model without MXFP4 tensors.
+    /// Bytes more the weights take, at least, on a backend that re-encodes MXFP4 at load
+    /// than on one that reads them in place (as Q5_0, 22 bytes a block for 17, in memory;
+    /// f32 for a tensor whose scales fall outside f16's range); 0 for a model without MXFP4
+    /// tensors.
     pub reencoded_extra_bytes: u64,
+    /// Whether `weight_bytes` (and every figure after it) counts that re-encoding.
+    pub reencodes_mxfp4: bool,
     /// Parameters (weight elements) in all.
     pub parameters: u64,
     /// Parameters a token runs through: all but the experts it is not routed to (equal to
@@ -106,10 +113,12 @@ pub struct Plan {
     pub state_bytes: usize,
 }
 
-/// What a model's weights hold: bytes as stored and elements, in all and in its experts'
-/// tensors (`mlp.experts.*`).
+/// What a model's weights hold: bytes as held (as stored, or MXFP4 re-encoded) and
+/// elements, in all and in its experts' tensors (`mlp.experts.*`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Census {
+    /// MXFP4 counted as re-encoded.
+    reencodes_mxfp4: bool,
     bytes: u64,
     reencoded_extra_bytes: u64,
     parameters: u64,
@@ -121,10 +130,13 @@ impl Census {
     /// Counts tensor `name` of `shape`, `bytes` stored in `dtype` (the kit's names).
     fn add(&mut self, name: &str, shape: &[usize], bytes: u64, dtype: &str) {
         let elems = shape.iter().product::<usize>() as u64;
-        if dtype == "mxfp4" {
+        let bytes = if dtype == "mxfp4" {
             // As Q5_0 (StoredTensor::computable).
             self.reencoded_extra_bytes += bytes / 17 * 5;
-        }
+            bytes / 17 * if self.reencodes_mxfp4 { 22 } else { 17 }
+        } else {
+            bytes
+        };
         self.bytes += bytes;
         self.parameters += elems;
         if name.contains(".mlp.experts.") {
@@ -147,8 +159,11 @@ impl Census {
 
 /// Every tensor as stored: in the model's safetensors shards, or, for weights used in place
 /// in a GGUF, every indexed tensor (quantized blocks counted as their bytes).
-fn census(dir: &Path) -> Result<Census> {
-    let mut c = Census::default();
+fn census(dir: &Path, reencodes_mxfp4: bool) -> Result<Census> {
+    let mut c = Census {
+        reencodes_mxfp4,
+        ..Census::default()
+    };
     let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
     if index.exists() {
         let index: kvplug_core::GgufIndex = serde_json::from_str(&kvplug_core::files::read_text(
@@ -201,7 +216,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     let spec = model.cache_spec();
     args.kv_dtype.check_head_dim(spec.head_dim)?;
     let config: serde_json::Value = serde_json::from_str(&text)?;
-    let weights = census(&dir)?;
+    let weights = census(&dir, args.reencodes_mxfp4)?;
     let weight_bytes = weights.bytes;
     let Some(kv_budget) = args.budget.checked_sub(weight_bytes) else {
         fail!(
@@ -238,6 +253,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     Ok(Plan {
         weight_bytes,
         reencoded_extra_bytes: weights.reencoded_extra_bytes,
+        reencodes_mxfp4: args.reencodes_mxfp4,
         parameters: weights.parameters,
         active_parameters: Census::active(weights.parameters, weights.expert_parameters, &model),
         expert_bytes: weights.expert_bytes,
@@ -304,19 +320,24 @@ impl Plan {
     /// The plan as text, a table per layer group.
     pub fn render(&self) -> String {
         let p = self;
+        let held = match (p.reencoded_extra_bytes, p.reencodes_mxfp4) {
+            (0, _) => "as stored".to_string(),
+            (extra, true) => format!(
+                "with MXFP4 re-encoded at load ({} more than stored)",
+                mib(extra)
+            ),
+            (extra, false) => format!(
+                "as stored, MXFP4 read in place ({} more on a backend that re-encodes it)",
+                mib(extra)
+            ),
+        };
         let mut out = format!(
-            "budget      {} ({} bytes)\nweights     {} as stored, {} parameters\n",
+            "budget      {} ({} bytes)\nweights     {} {held}, {} parameters\n",
             mib(p.budget_bytes),
             p.budget_bytes,
             mib(p.weight_bytes),
             count(p.parameters)
         );
-        if p.reencoded_extra_bytes > 0 {
-            out += &format!(
-                "            {} more where MXFP4 is re-encoded at load (weights-reencoded=mxfp4)\n",
-                mib(p.reencoded_extra_bytes)
-            );
-        }
         if p.expert_bytes > 0 {
             out += &format!(
                 "experts     {} of the weights; a token runs {} parameters, a step reads at most {}\n",
@@ -400,8 +421,9 @@ mod tests {
             budget,
             kv_dtype,
             agent_tokens: 100,
+            reencodes_mxfp4: false,
         };
-        let weights = census(dir.path()).unwrap().bytes;
+        let weights = census(dir.path(), false).unwrap().bytes;
         // tiny: 2 layers, 2 KV heads, head_dim 16: f16 K+V = 2 * 2 * 32 bytes per layer.
         let per_token = 2 * 2 * 2 * 32;
         let p = plan(&args(weights + 1000 * per_token + 5, KvDtype::F16)).unwrap();

@@ -98,6 +98,41 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
     .unwrap();
     assert_eq!(plan["weight_bytes"].as_u64(), Some(stored), "{plan}");
     assert!(stored < 500_000_000, "Q4_K_M, not widened: {stored}");
+    // Planned for a loaded backend (no MXFP4 here: the same bytes), or refused for one that
+    // is not loaded.
+    let for_wgpu: serde_json::Value = serde_json::from_str(&kvplug(
+        cache.path(),
+        &[
+            "plan",
+            "--model",
+            m,
+            "--budget",
+            "2GiB",
+            "--backend",
+            "wgpu",
+            "--json",
+        ],
+    ))
+    .unwrap();
+    assert_eq!(for_wgpu["weight_bytes"], plan["weight_bytes"], "{for_wgpu}");
+    let out = Command::new(common::kvplug_bin())
+        .args(["--plugins", &target_dir().display().to_string()])
+        .args([
+            "plan",
+            "--model",
+            m,
+            "--budget",
+            "2GiB",
+            "--backend",
+            "nope",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no backend 'nope' is loaded (loaded: "),
+        "{err}"
+    );
 
     let plugins: serde_json::Value =
         serde_json::from_str(&kvplug(cache.path(), &["plugins", "--json"])).unwrap();

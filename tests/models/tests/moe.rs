@@ -224,6 +224,7 @@ fn plans_count_total_and_active_parameters() {
         budget: 1 << 30,
         kv_dtype: KvDtype::F16,
         agent_tokens: 100,
+        reencodes_mxfp4: false,
     })
     .unwrap();
     let (h, hd) = (HIDDEN, HIDDEN / HEADS);
@@ -421,6 +422,51 @@ fn yarn_inv_freq(d: usize) -> Vec<f64> {
             f * (1.0 - ramp) + f / YARN_FACTOR * ramp
         })
         .collect()
+}
+
+/// `plan` counts MXFP4 experts as stored (17 bytes a block) for a backend that reads them
+/// in place, as Q5_0 (22 bytes) for one that re-encodes them, and says the difference.
+#[test]
+fn plans_count_mxfp4_as_stored_and_say_what_re_encoding_adds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (layers, experts, width) = (2, 4, 64);
+    let shape = OssShape {
+        layers,
+        window: 4,
+        experts,
+        per_token: 2,
+        width,
+        types: &[],
+    };
+    let model = gpt_oss(dir.path(), &shape);
+    let plan = |reencodes_mxfp4| {
+        kvplug::plan(&kvplug::PlanOptions {
+            model: model.clone(),
+            budget: 1 << 30,
+            kv_dtype: KvDtype::F16,
+            agent_tokens: 100,
+            reencodes_mxfp4,
+        })
+        .unwrap()
+    };
+    let (in_place, reencoded) = (plan(false), plan(true));
+    let blocks = (layers * experts * 3 * width * HIDDEN / 32) as u64;
+    // And the experts' f32 biases.
+    let biases = (layers * experts * (2 * width + HIDDEN) * 4) as u64;
+    assert_eq!(in_place.expert_bytes, blocks * 17 + biases);
+    assert_eq!(reencoded.expert_bytes, blocks * 22 + biases);
+    for p in [&in_place, &reencoded] {
+        assert_eq!(p.reencoded_extra_bytes, blocks * 5);
+    }
+    assert_eq!(reencoded.weight_bytes - in_place.weight_bytes, blocks * 5);
+    assert!(reencoded.tokens < in_place.tokens);
+    assert!(
+        in_place.render().contains("MXFP4 read in place")
+            && reencoded.render().contains("MXFP4 re-encoded at load"),
+        "{}\n{}",
+        in_place.render(),
+        reencoded.render()
+    );
 }
 
 #[test]

@@ -204,7 +204,7 @@ impl ModelPackage {
             let dtype = dtype_named(&t.dtype).ok_or_else(|| {
                 ModelError::Malformed(format!(
                     "tensor '{name}' has type {}, which kvplug cannot compute (supported: f32, \
-                     f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                     f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, mxfp4)",
                     t.dtype
                 ))
             })?;

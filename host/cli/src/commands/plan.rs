@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
-use kvplug::KvDtype;
+use anyhow::{bail, Result};
 use kvplug::{parse_bytes, plan, PlanOptions};
+use kvplug::{KvDtype, Runtime};
 
 /// Arguments of `kvplug plan`.
 #[derive(clap::Args)]
@@ -23,17 +23,40 @@ pub struct Args {
     /// Tokens per agent, for the agents line.
     #[arg(long, default_value_t = 4096)]
     agent_tokens: usize,
+    /// The backend to plan for (a loaded plugin's id): how it holds the weights (MXFP4 read
+    /// in place, or re-encoded at load). Without it, the weights count as stored, as the cpu
+    /// backend holds them.
+    #[arg(long)]
+    backend: Option<String>,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
 }
 
-pub fn run(a: Args) -> Result<ExitCode> {
+pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
+    let reencodes_mxfp4 = match &a.backend {
+        None => false,
+        Some(id) => {
+            let Some(p) = runtime.plugins().iter().find(|p| p.backend_id == *id) else {
+                let loaded: Vec<&str> = runtime
+                    .plugins()
+                    .iter()
+                    .map(|p| p.backend_id.as_str())
+                    .collect();
+                bail!(
+                    "no backend '{id}' is loaded (loaded: {})",
+                    loaded.join(", ")
+                );
+            };
+            p.features.iter().any(|f| f == "weights-reencoded=mxfp4")
+        }
+    };
     let p = plan(&PlanOptions {
         model: a.model,
         budget: a.budget,
         kv_dtype: a.kv_dtype,
         agent_tokens: a.agent_tokens,
+        reencodes_mxfp4,
     })?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
