@@ -15,6 +15,7 @@ use kvplug_runtime::{Context as RtContext, Model};
 use crate::error::{fail, Context, Result};
 use crate::fingerprint::model_fingerprint;
 use crate::generator::{generate, Finish, GenOptions};
+use crate::harmony::ContentStream;
 use crate::sampler::Sampler;
 use crate::session_file::{self, Session};
 use crate::speculative::{SpecStats, Speculation};
@@ -60,7 +61,7 @@ pub struct Restored {
 /// What one turn did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TurnReport {
-    /// The assistant's answer.
+    /// The assistant's answer (a harmony model's final channel).
     pub text: String,
     /// Its token ids (ending at the end-of-turn token unless cut at `max_tokens`).
     pub ids: Vec<i32>,
@@ -352,16 +353,31 @@ impl Chat {
             ..GenOptions::default()
         };
         let text = Some(self.text.clone());
+        // A harmony answer shows its final channel only.
+        let mut harmony = self.text.harmony().then(ContentStream::default);
+        let mut show = |t: &str| -> Result<()> {
+            let content;
+            let t = match &mut harmony {
+                Some(h) => {
+                    content = h.push(t);
+                    &content
+                }
+                None => t,
+            };
+            if t.is_empty() {
+                Ok(())
+            } else {
+                on_text(t)
+            }
+        };
         let generated = generate(&mut self.ctx, text, 0, fresh, reused, opts, &mut |e| {
-            on_text(&e.text)
+            show(&e.text)
         })
         .and_then(|g| {
             if g.reason == Finish::Cancelled {
                 fail!(Invalid, "the turn was stopped");
             }
-            if !g.text_tail.is_empty() {
-                on_text(&g.text_tail)?;
-            }
+            show(&g.text_tail)?;
             Ok(g)
         });
         let g = match generated {
@@ -384,7 +400,10 @@ impl Chat {
         self.prompt_ends.push(prompt.len());
         self.cached
             .extend_from_slice(&g.ids[..g.ids.len().saturating_sub(1)]);
-        let answer = self.text.detokenize(&g.ids)?;
+        let mut answer = self.text.detokenize(&g.ids)?;
+        if self.text.harmony() {
+            answer = crate::harmony::parse(&answer, &[], true).content;
+        }
         messages.push(Message::new("assistant", answer.trim()));
         self.messages = messages;
         self.save()?;

@@ -37,6 +37,7 @@ mod fingerprint;
 pub mod formats;
 mod generator;
 mod grammar;
+pub mod harmony;
 mod llm;
 mod plan;
 mod run;

@@ -76,6 +76,9 @@ pub struct Text {
     add_bos: bool,
     eos: Option<String>,
     stop: BTreeSet<i32>,
+    /// The template writes OpenAI's harmony (GPT-OSS) and the vocabulary has its markers:
+    /// answers keep their special tokens ([`crate::harmony`] parses them).
+    harmony: bool,
 }
 
 /// End-of-turn tokens of common chat templates; any the vocabulary has also stop generation.
@@ -126,19 +129,43 @@ impl Text {
             }
         }
         let eos = token_text(&tc["eos_token"]);
-        for t in END_OF_TURN.iter().map(|s| s.to_string()).chain(eos.clone()) {
+        let template = tc["chat_template"].as_str().map(String::from);
+        let harmony = template
+            .as_deref()
+            .is_some_and(crate::harmony::is_harmony_template)
+            && tokenizer.token_to_id("<|message|>").is_some();
+        // Harmony's `<|end|>` ends a message (the answer goes on); its turn ends are its own.
+        let ends: &[&str] = if harmony {
+            &crate::harmony::TURN_ENDS
+        } else {
+            &END_OF_TURN
+        };
+        for t in ends.iter().map(|s| s.to_string()).chain(eos.clone()) {
             if let Some(id) = tokenizer.token_to_id(&t) {
                 stop.insert(id as i32);
             }
         }
+        if harmony {
+            // Whatever the configs name, a message's end is not the turn's.
+            if let Some(end) = tokenizer.token_to_id("<|end|>") {
+                stop.remove(&(end as i32));
+            }
+        }
         Ok(Text {
             tokenizer,
-            template: tc["chat_template"].as_str().map(String::from),
+            template,
+            harmony,
             bos: token_text(&tc["bos_token"]),
             add_bos: tc["add_bos_token"].as_bool().unwrap_or(false),
             eos,
             stop,
         })
+    }
+
+    /// Whether the model answers in OpenAI's harmony (GPT-OSS): its answers' text keeps the
+    /// special tokens that mark their channels, for [`crate::harmony::parse`].
+    pub fn harmony(&self) -> bool {
+        self.harmony
     }
 
     /// Whether the model has a chat template.
@@ -223,11 +250,12 @@ impl Text {
         Ok(ids)
     }
 
-    /// Text of `ids` (special tokens skipped).
+    /// Text of `ids`: special tokens skipped, but written out for a [`Text::harmony`] model
+    /// (they say which channel its text is in).
     pub fn detokenize(&self, ids: &[i32]) -> Result<String> {
         let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
         self.tokenizer
-            .decode(&ids, true)
+            .decode(&ids, !self.harmony)
             .map_err(|e| crate::Error::Text(format!("detokenizing: {e}")))
     }
 }

@@ -55,12 +55,17 @@ pub enum ToolFormat {
     Mistral,
     /// A bare JSON object `{"name": …, "arguments": …}` (templates without a known form).
     Json,
+    /// OpenAI's harmony (GPT-OSS): a `commentary` message `to=functions.NAME` whose body is
+    /// the arguments ([`crate::harmony`]).
+    Harmony,
 }
 
 impl ToolFormat {
     /// The family of chat template `src`.
     pub fn of_template(src: &str) -> ToolFormat {
-        if src.contains("<tool_call>") {
+        if crate::harmony::is_harmony_template(src) {
+            ToolFormat::Harmony
+        } else if src.contains("<tool_call>") {
             ToolFormat::Hermes
         } else if src.contains("[TOOL_CALLS]") {
             ToolFormat::Mistral
@@ -76,7 +81,7 @@ impl ToolFormat {
         match self {
             ToolFormat::Hermes => Some("<tool_call>"),
             ToolFormat::Mistral => Some("[TOOL_CALLS]"),
-            ToolFormat::Llama3 | ToolFormat::Json => None,
+            ToolFormat::Llama3 | ToolFormat::Json | ToolFormat::Harmony => None,
         }
     }
 }
@@ -86,11 +91,14 @@ pub fn teaches_doubled_braces(rendered: &str) -> bool {
     rendered.contains("{{\"name\"")
 }
 
-/// An answer split into its text and its calls.
+/// An answer split into its text, its reasoning and its calls.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Parsed {
     /// The text outside the calls (trimmed).
     pub content: String,
+    /// The model's reasoning, where its format sets it apart (harmony's `analysis`
+    /// channel); empty otherwise.
+    pub reasoning: String,
     /// The calls, in order.
     pub calls: Vec<ToolCall>,
 }
@@ -99,9 +107,12 @@ pub struct Parsed {
 /// object naming a declared tool); the whole answer as text when it holds none or any part
 /// of it does not parse.
 pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
+    if format == ToolFormat::Harmony {
+        return crate::harmony::parse(answer, tools, true);
+    }
     let text = || Parsed {
         content: answer.trim().to_string(),
-        calls: Vec::new(),
+        ..Parsed::default()
     };
     let named = |calls: Vec<ToolCall>| calls.iter().all(|c| tools.iter().any(|t| t.name == c.name));
     let found = match format {
@@ -114,11 +125,15 @@ pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
             let body = body.strip_prefix("<|python_tag|>").unwrap_or(body);
             calls_of(body.trim()).map(|c| (String::new(), c))
         }
-        ToolFormat::Json => None,
+        ToolFormat::Json | ToolFormat::Harmony => None,
     };
     match found {
         Some((content, calls)) if !calls.is_empty() && named(calls.clone()) => {
-            return Parsed { content, calls };
+            return Parsed {
+                content,
+                calls,
+                ..Parsed::default()
+            };
         }
         Some(_) => return text(),
         None => {}
@@ -133,8 +148,8 @@ pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
         .trim();
     match calls_of(body) {
         Some(calls) if !calls.is_empty() && named(calls.clone()) => Parsed {
-            content: String::new(),
             calls,
+            ..Parsed::default()
         },
         _ => text(),
     }
@@ -234,6 +249,13 @@ pub fn call_grammar(
     if tools.is_empty() {
         fail!(Invalid, "no tool to call");
     }
+    if format == ToolFormat::Harmony {
+        fail!(
+            Invalid,
+            "a harmony model's (GPT-OSS's) calls cannot be constrained yet: with tool_choice \
+             \"auto\" its calls are parsed from its answer"
+        );
+    }
     let key = if format == ToolFormat::Llama3 {
         "parameters"
     } else {
@@ -273,6 +295,7 @@ pub fn call_grammar(
         ),
         ToolFormat::Mistral => format!("start: \"[TOOL_CALLS][\" {one}{more_listed} \"]\"\n"),
         ToolFormat::Llama3 | ToolFormat::Json => format!("start: {one}{more}\n"),
+        ToolFormat::Harmony => unreachable!("refused above"),
     })
 }
 

@@ -52,6 +52,9 @@ pub struct Choice {
     text: String,
     /// Characters of its text streamed so far.
     sent_chars: usize,
+    /// A harmony answer (whose `text` is kept whole): bytes of its parsed reasoning and
+    /// content streamed so far.
+    sent_parsed: (usize, usize),
     logprobs: Vec<TokenLogprobs>,
     finish: Option<&'static str>,
     tokens: usize,
@@ -186,15 +189,42 @@ impl Answer {
         }
     }
 
-    /// Completion `c`'s text split into content and tool calls (no tools: all content).
+    /// Completion `c`'s text split into content, reasoning and tool calls (no tools: all
+    /// content, but a harmony model's reasoning).
     pub fn split(&self, c: &Choice) -> Parsed {
         match &self.calls {
             Some(calls) => parse(&c.text, calls.format, &calls.tools),
+            None if self.text.harmony() => kvplug::harmony::parse(&c.text, &[], true),
             None => Parsed {
                 content: c.text.clone(),
-                calls: Vec::new(),
+                ..Parsed::default()
             },
         }
+    }
+
+    /// Whether streamed chat text is parsed as it grows (a harmony model's channels) rather
+    /// than sent as it comes.
+    fn parses_stream(&self) -> bool {
+        self.endpoint == Endpoint::Chat && self.text.harmony()
+    }
+
+    /// The parts of choice `c`'s parsed answer not streamed yet, as delta chunks of choice
+    /// `i` (`reasoning_content`, as llama.cpp and DeepSeek's API name it, then `content`),
+    /// the held log-probabilities going with the first.
+    fn parsed_deltas(&self, i: usize, c: &mut Choice, parsed: &Parsed, out: &mut VecDeque<Chunk>) {
+        let (r, t) = c.sent_parsed;
+        for (key, now, sent) in [
+            ("reasoning_content", &parsed.reasoning, r),
+            ("content", &parsed.content, t),
+        ] {
+            // Each field only grows (harmony::parse on a prefix gives prefixes).
+            let Some(new) = now.get(sent..).filter(|n| !n.is_empty()) else {
+                continue;
+            };
+            let lps = std::mem::take(&mut c.logprobs);
+            out.push_back(Chunk::Data(self.chunk(i, json!({key: new}), &lps, 0, None)));
+        }
+        c.sent_parsed = (parsed.reasoning.len().max(r), parsed.content.len().max(t));
     }
 
     /// OpenAI's `tool_calls` entries for `parsed`'s calls of choice `i`.
@@ -228,6 +258,9 @@ impl Answer {
                     Endpoint::Chat => {
                         let parsed = self.split(c);
                         let mut message = json!({"role": "assistant", "content": parsed.content});
+                        if !parsed.reasoning.is_empty() {
+                            message["reasoning_content"] = json!(parsed.reasoning);
+                        }
                         let mut finish = c.finish.unwrap_or("stop");
                         if !parsed.calls.is_empty() {
                             message["tool_calls"] = json!(self.tool_calls(i, &parsed));
@@ -426,6 +459,13 @@ pub fn chunks(
                     let c = &mut st.choices[i];
                     c.text += &text;
                     c.logprobs.extend(logprobs);
+                    if a.parses_stream() {
+                        // Reasoning and content as they grow; calls at the end.
+                        let tools = a.calls.as_ref().map_or(&[][..], |c| &c.tools[..]);
+                        let parsed = kvplug::harmony::parse(&c.text, tools, false);
+                        a.parsed_deltas(i, c, &parsed, &mut st.out);
+                        continue;
+                    }
                     if st.holding[i] && !may_be_call(&c.text) {
                         // Not a call at the start: the text goes out as it comes.
                         st.holding[i] = false;
@@ -463,7 +503,17 @@ pub fn chunks(
                     c.speculation = speculation;
                     c.stop_string = stop_string;
                     let mut finish = finish_reason;
-                    if !c.text.is_empty() {
+                    if a.parses_stream() {
+                        let parsed = a.split(c);
+                        a.parsed_deltas(i, c, &parsed, &mut st.out);
+                        for (k, call) in a.tool_calls(i, &parsed).into_iter().enumerate() {
+                            st.out
+                                .extend(call_chunks(a, i, k, call, &mut c.logprobs, 0));
+                        }
+                        if !parsed.calls.is_empty() {
+                            finish = "tool_calls";
+                        }
+                    } else if !c.text.is_empty() {
                         let parsed = a.split(c);
                         // The held tokens' log-probabilities go with the first chunk.
                         let mut lps = std::mem::take(&mut c.logprobs);
@@ -478,25 +528,7 @@ pub fn chunks(
                             )));
                         }
                         for (k, call) in a.tool_calls(i, &parsed).into_iter().enumerate() {
-                            // The call's id and name, then its arguments.
-                            let mut head = call.clone();
-                            head["index"] = json!(k);
-                            head["function"]["arguments"] = json!("");
-                            st.out.push_back(data(a.chunk(
-                                i,
-                                json!({"tool_calls": [head]}),
-                                &std::mem::take(&mut lps),
-                                offset,
-                                None,
-                            )));
-                            let args = json!({"index": k, "function": {"arguments": call["function"]["arguments"]}});
-                            st.out.push_back(data(a.chunk(
-                                i,
-                                json!({"tool_calls": [args]}),
-                                &[],
-                                0,
-                                None,
-                            )));
+                            st.out.extend(call_chunks(a, i, k, call, &mut lps, offset));
                         }
                         if !parsed.calls.is_empty() {
                             finish = "tool_calls";
@@ -539,9 +571,221 @@ pub fn chunks(
     })
 }
 
+/// Call `k` of choice `i` as two chunks (as OpenAI streams one): its id and name, then its
+/// arguments; `lps` (held log-probabilities, at character `offset`) go with the first.
+fn call_chunks(
+    a: &Answer,
+    i: usize,
+    k: usize,
+    call: Value,
+    lps: &mut Vec<TokenLogprobs>,
+    offset: usize,
+) -> [Chunk; 2] {
+    let mut head = call.clone();
+    head["index"] = json!(k);
+    head["function"]["arguments"] = json!("");
+    let args = json!({"index": k, "function": {"arguments": call["function"]["arguments"]}});
+    [
+        Chunk::Data(a.chunk(
+            i,
+            json!({"tool_calls": [head]}),
+            &std::mem::take(lps),
+            offset,
+            None,
+        )),
+        Chunk::Data(a.chunk(i, json!({"tool_calls": [args]}), &[], 0, None)),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
-    use super::call_start;
+    use super::*;
+    use crate::request::Calls;
+    use kvplug::tools::{Tool, ToolFormat};
+    use tokio::sync::mpsc::unbounded_channel;
+
+    /// A harmony model's text: harmony's markers in the vocabulary (special tokens, ids
+    /// 1..=6) and a template that writes them.
+    fn harmony_text() -> Arc<Text> {
+        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let k = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kvplug-harmony-{}-{k}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let specials = [
+            "<|start|>",
+            "<|channel|>",
+            "<|message|>",
+            "<|end|>",
+            "<|call|>",
+            "<|return|>",
+        ];
+        let mut vocab = serde_json::Map::from_iter([("[UNK]".to_string(), json!(0))]);
+        let added: Vec<Value> = (1..)
+            .zip(specials)
+            .map(|(id, t)| {
+                vocab.insert(t.into(), json!(id));
+                json!({"id": id, "content": t, "single_word": false, "lstrip": false,
+                       "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let tokenizer = json!({"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": added, "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}});
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        let template = "{{ '<|start|>assistant<|channel|>final<|message|>' }}";
+        let config = json!({"chat_template": template, "eos_token": "<|return|>"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let text = Text::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        Arc::new(text)
+    }
+
+    fn harmony_answer(tools: bool) -> Answer {
+        let text = harmony_text();
+        let calls = tools.then(|| Calls {
+            tools: vec![Tool {
+                name: "get_weather".into(),
+                description: None,
+                parameters: json!({"type": "object"}),
+            }],
+            format: ToolFormat::of_template(text.template().unwrap()),
+            doubled_braces: false,
+        });
+        Answer {
+            endpoint: Endpoint::Chat,
+            id: "chatcmpl-t".into(),
+            created: 0,
+            model: "gpt-oss".into(),
+            include_usage: false,
+            prompt_tokens: 1,
+            n: 1,
+            calls,
+            text,
+            vocab: None,
+        }
+    }
+
+    /// The engine's events for an answer of `pieces` (as the generator releases them: it
+    /// stops on `<|call|>` or `<|return|>`, which are not in the text).
+    fn events(pieces: &[&str]) -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        for p in pieces {
+            let text = p.to_string();
+            tx.send(Event::Token {
+                choice: 0,
+                text,
+                logprobs: None,
+            })
+            .unwrap();
+        }
+        tx.send(Event::Done {
+            choice: 0,
+            finish_reason: "stop",
+            completion_tokens: pieces.len() + 1,
+            speculation: None,
+            stop_string: None,
+        })
+        .unwrap();
+        rx
+    }
+
+    const CALL: [&str; 12] = [
+        "<|channel|>",
+        "analysis",
+        "<|message|>",
+        "Need the weather.",
+        "<|end|>",
+        "<|start|>",
+        "assistant",
+        "<|channel|>",
+        "commentary to=functions.get_weather <|constrain|>json",
+        "<|message|>",
+        "{\"city\": ",
+        "\"Paris\"}",
+    ];
+    const FINAL: [&str; 10] = [
+        "<|channel|>",
+        "analysis",
+        "<|message|>",
+        "Easy.",
+        "<|end|>",
+        "<|start|>",
+        "assistant<|channel|>final",
+        "<|message|>",
+        "It is ",
+        "sunny.",
+    ];
+
+    #[test]
+    fn a_harmony_vocabulary_stops_on_its_turn_ends_not_on_end() {
+        let stops: Vec<i32> = harmony_text().stop_tokens().iter().copied().collect();
+        assert_eq!(stops, [5, 6], "<|call|> and <|return|>, not <|end|> (4)");
+    }
+
+    #[tokio::test]
+    async fn a_harmony_answer_has_reasoning_content_and_calls() {
+        let v = collect(harmony_answer(true), 0, events(&CALL))
+            .await
+            .unwrap();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+        let m = &choice["message"];
+        assert_eq!(m["reasoning_content"], "Need the weather.");
+        assert_eq!(m["content"], Value::Null);
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(
+            m["tool_calls"][0]["function"]["arguments"],
+            r#"{"city":"Paris"}"#
+        );
+        let v = collect(harmony_answer(false), 0, events(&FINAL))
+            .await
+            .unwrap();
+        let m = &v["choices"][0]["message"];
+        assert_eq!(
+            (m["reasoning_content"].as_str(), m["content"].as_str()),
+            (Some("Easy."), Some("It is sunny."))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_streamed_harmony_answer_assembles_into_the_whole() {
+        use futures_util::StreamExt;
+        for (pieces, tools) in [(&CALL[..], true), (&FINAL[..], false)] {
+            let whole = collect(harmony_answer(tools), 0, events(pieces))
+                .await
+                .unwrap();
+            let whole = &whole["choices"][0]["message"];
+            let chunks: Vec<Chunk> = chunks(harmony_answer(tools), 0, events(pieces))
+                .collect()
+                .await;
+            let (mut reasoning, mut content, mut args, mut calls) =
+                (String::new(), String::new(), String::new(), 0);
+            let mut deltas = 0;
+            for c in &chunks {
+                let Chunk::Data(v) = c else { continue };
+                let d = &v["choices"][0]["delta"];
+                reasoning += d["reasoning_content"].as_str().unwrap_or_default();
+                content += d["content"].as_str().unwrap_or_default();
+                if let Some(call) = d["tool_calls"].get(0) {
+                    calls += usize::from(call["id"].is_string());
+                    args += call["function"]["arguments"].as_str().unwrap_or_default();
+                }
+                deltas += usize::from(d["reasoning_content"].is_string());
+            }
+            assert_eq!(reasoning, whole["reasoning_content"].as_str().unwrap());
+            assert_eq!(content, whole["content"].as_str().unwrap_or_default());
+            assert_eq!(calls, whole["tool_calls"].as_array().map_or(0, Vec::len));
+            assert_eq!(
+                args,
+                whole["tool_calls"][0]["function"]["arguments"]
+                    .as_str()
+                    .unwrap_or_default()
+            );
+            assert!(deltas >= 1, "reasoning streamed as it came");
+            assert!(!content.contains("<|"), "{content}");
+        }
+    }
 
     #[test]
     fn text_before_a_possible_call_opening_can_be_streamed() {

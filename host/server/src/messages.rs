@@ -392,6 +392,10 @@ pub async fn message(
     let c: &Choice = &choices[0];
     let parsed = a.split(c);
     let mut content = Vec::new();
+    if !parsed.reasoning.is_empty() {
+        // No signature: the reasoning is the model's own text, not Anthropic's.
+        content.push(json!({"type": "thinking", "thinking": parsed.reasoning, "signature": ""}));
+    }
     if !parsed.content.is_empty() {
         content.push(json!({"type": "text", "text": parsed.content}));
     }
@@ -422,7 +426,8 @@ pub async fn message(
 
 /// The message's stream: `message_start`, then per content block `content_block_start`,
 /// its deltas (`text_delta`, `input_json_delta`) and `content_block_stop`, then
-/// `message_delta` (stop reason, output tokens) and `message_stop`; `error` if it fails.
+/// `message_delta` (stop reason, output tokens) and `message_stop`; `error` if it fails. A
+/// model's reasoning (harmony's analysis channel) is a `thinking` block (`thinking_delta`).
 /// Built from the OpenAI chunks, whose held-back tool calls it keeps.
 pub fn stream(
     a: Answer,
@@ -452,6 +457,7 @@ struct Blocks {
     count: usize,
     open: bool,
     text_open: bool,
+    thinking_open: bool,
 }
 
 impl Blocks {
@@ -461,6 +467,17 @@ impl Blocks {
         match c {
             Chunk::Data(v) => {
                 let delta = &v["choices"][0]["delta"];
+                if let Some(t) = delta["reasoning_content"]
+                    .as_str()
+                    .filter(|t| !t.is_empty())
+                {
+                    if !self.thinking_open {
+                        let block = json!({"type": "thinking", "thinking": "", "signature": ""});
+                        self.start(&mut out, block);
+                        self.thinking_open = true;
+                    }
+                    out.push(self.delta(json!({"type": "thinking_delta", "thinking": t})));
+                }
                 if let Some(t) = delta["content"].as_str().filter(|t| !t.is_empty()) {
                     if !self.text_open {
                         self.start(&mut out, json!({"type": "text", "text": ""}));
@@ -515,6 +532,7 @@ impl Blocks {
             out.push(json!({"type": "content_block_stop", "index": self.count - 1}));
         }
         self.text_open = false;
+        self.thinking_open = false;
     }
 }
 
@@ -559,6 +577,36 @@ pub fn token_count(prompt_tokens: usize) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reasoning_streams_as_a_thinking_block_before_the_text() {
+        let chunk = |delta: Value| Chunk::Data(json!({"choices": [{"delta": delta}]}));
+        let mut b = Blocks::default();
+        let mut events = b.events(chunk(json!({"reasoning_content": "Hmm."})));
+        events.extend(b.events(chunk(json!({"reasoning_content": " Yes."}))));
+        events.extend(b.events(chunk(json!({"content": "Hi."}))));
+        let kinds: Vec<String> = events
+            .iter()
+            .map(|e| match e["type"].as_str().unwrap() {
+                "content_block_start" => format!("start {}", e["content_block"]["type"]),
+                "content_block_delta" => format!("delta {}", e["delta"]["type"]),
+                other => other.to_string(),
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "start \"thinking\"",
+                "delta \"thinking_delta\"",
+                "delta \"thinking_delta\"",
+                "content_block_stop",
+                "start \"text\"",
+                "delta \"text_delta\"",
+            ]
+        );
+        assert_eq!(events[2]["delta"]["thinking"], " Yes.");
+        assert_eq!(events[4]["index"], 1);
+    }
 
     fn refused(body: &str, param: &str, says: &str) {
         let e = parse(body.as_bytes(), false).unwrap_err();

@@ -186,6 +186,28 @@ fn constraint(
             .constraint(&spec)
             .map_err(|e| ApiError::invalid(Some(param), e.to_string()))
     };
+    if m.text.harmony() {
+        // Its answer opens with a channel's markers, which a grammar from the answer's start
+        // would forbid: its calls are parsed instead (tool_choice "auto").
+        let param = match (&p.format, &p.tool_choice) {
+            (Format::Json(_), _) => Some("response_format"),
+            (Format::Grammar(_), _) => Some("grammar"),
+            (_, ToolChoice::Required | ToolChoice::Named(_)) if calls.is_some() => {
+                Some("tool_choice")
+            }
+            _ => None,
+        };
+        return match param {
+            Some(param) => Err(ApiError::invalid(
+                Some(param),
+                "this model answers in OpenAI's harmony format (GPT-OSS), whose answers \
+                 cannot be constrained yet; with tool_choice \"auto\" its tool calls are \
+                 parsed from its answer"
+                    .to_string(),
+            )),
+            None => Ok((None, Vec::new())),
+        };
+    }
     let Some(c) = calls else {
         let spec = match (&p.format, schema) {
             (_, Some(s)) => (GrammarSpec::JsonSchema(s), "response_format"),

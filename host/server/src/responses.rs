@@ -365,6 +365,9 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
     let rest = a.id.trim_start_matches("resp_");
     let mut items = Vec::new();
     let mut turn = Message::new("assistant", &parsed.content);
+    if !parsed.reasoning.is_empty() {
+        items.push(reasoning_item(rest, &parsed.reasoning, "completed"));
+    }
     if !parsed.content.is_empty() || parsed.calls.is_empty() {
         items.push(json!({
             "type": "message", "id": format!("msg_{rest}"), "status": "completed",
@@ -390,6 +393,13 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
     }
     let called = !parsed.calls.is_empty();
     (items, turn, called)
+}
+
+/// A `reasoning` output item holding a model's reasoning text (harmony's analysis channel),
+/// as OpenAI's API gives an open-weight model's.
+fn reasoning_item(rest: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": format!("rs_{rest}"), "status": status, "summary": [],
+           "content": [{"type": "reasoning_text", "text": text}]})
 }
 
 /// The answer's fixed fields a response shows.
@@ -515,6 +525,7 @@ pub fn stream(
         cached,
         done: Vec::new(),
         text: None,
+        reasoning: None,
         call: None,
         turn: Message::new("assistant", ""),
     };
@@ -543,6 +554,8 @@ struct Items {
     done: Vec<Value>,
     /// The text of the message item being streamed.
     text: Option<String>,
+    /// The text of the reasoning item being streamed.
+    reasoning: Option<String>,
     /// The function call item being streamed (its arguments so far).
     call: Option<Value>,
     /// The assistant turn the output adds to the conversation.
@@ -557,8 +570,26 @@ impl Items {
         match c {
             Chunk::Data(v) => {
                 let delta = &v["choices"][0]["delta"];
+                if let Some(t) = delta["reasoning_content"]
+                    .as_str()
+                    .filter(|t| !t.is_empty())
+                {
+                    if self.reasoning.is_none() {
+                        self.end_text(&mut out);
+                        self.end_call(&mut out);
+                        let item = reasoning_item(&self.rest, "", "in_progress");
+                        out.push(json!({"type": "response.output_item.added",
+                            "output_index": index(self), "item": item}));
+                        self.reasoning = Some(String::new());
+                    }
+                    self.reasoning.as_mut().expect("open").push_str(t);
+                    out.push(json!({"type": "response.reasoning_text.delta",
+                        "item_id": format!("rs_{}", self.rest), "output_index": index(self),
+                        "content_index": 0, "delta": t}));
+                }
                 if let Some(t) = delta["content"].as_str().filter(|t| !t.is_empty()) {
                     if self.text.is_none() {
+                        self.end_reasoning(&mut out);
                         self.end_call(&mut out);
                         self.open_text(&mut out);
                     }
@@ -569,6 +600,7 @@ impl Items {
                 }
                 if let Some(call) = delta["tool_calls"].get(0) {
                     if let Some(id) = call["id"].as_str() {
+                        self.end_reasoning(&mut out);
                         self.end_text(&mut out);
                         self.end_call(&mut out);
                         let k = self.turn.tool_calls.len();
@@ -591,9 +623,10 @@ impl Items {
                 }
             }
             Chunk::Ended { finish, tokens, .. } => {
+                self.end_reasoning(&mut out);
                 self.end_text(&mut out);
                 self.end_call(&mut out);
-                if self.done.is_empty() {
+                if self.done.iter().all(|i| i["type"] == "reasoning") {
                     self.open_text(&mut out);
                     self.end_text(&mut out);
                 }
@@ -661,6 +694,20 @@ impl Items {
         out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
         self.done.push(item);
         self.turn.content.push_str(&text);
+    }
+
+    fn end_reasoning(&mut self, out: &mut Vec<Value>) {
+        let Some(text) = self.reasoning.take() else {
+            return;
+        };
+        let (id, at) = (format!("rs_{}", self.rest), self.done.len());
+        out.push(
+            json!({"type": "response.reasoning_text.done", "item_id": id,
+            "output_index": at, "content_index": 0, "text": text}),
+        );
+        let item = reasoning_item(&self.rest, &text, "completed");
+        out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
+        self.done.push(item);
     }
 
     fn end_call(&mut self, out: &mut Vec<Value>) {

@@ -142,9 +142,18 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         let stream = !a.json;
         let progress = std::io::stderr().is_terminal();
         let mut done = 0;
+        // A harmony answer to a chat prompt shows its final channel (--raw: all of it).
+        let mut harmony = text
+            .as_ref()
+            .filter(|t| t.harmony() && a.prompt.is_some() && !a.raw)
+            .map(|_| kvplug::harmony::ContentStream::default());
         run_decode(&model, &spec, text.clone(), sampler, speculate, &mut |e| {
-            if stream && !e.text.is_empty() {
-                print!("{}", e.text);
+            let shown = match &mut harmony {
+                Some(h) => h.push(&e.text),
+                None => e.text.clone(),
+            };
+            if stream && !shown.is_empty() {
+                print!("{shown}");
                 std::io::stdout().flush()?;
             }
             done += 1;
