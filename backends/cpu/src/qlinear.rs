@@ -1175,7 +1175,7 @@ fn scalar_tile<const F: usize, const NT: usize>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use kvplug_backend_kit::model::blocks::{e8m0_half, BlockFormat};
+    use kvplug_backend_kit::model::blocks::BlockFormat;
 
     use std::ops::Range;
 
@@ -1426,6 +1426,20 @@ mod x86 {
         ))
     }
 
+    /// The scales [`unpack`] gives the `N` MXFP4 blocks at `p`, lane by lane (for a test of
+    /// every E8M0 byte).
+    ///
+    /// # Safety
+    /// `p` must be valid for `N` blocks' reads; AVX2, FMA and F16C.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mxfp4_scales<const N: usize>(p: *const u8) -> [f32; GROUP] {
+        let g = unpack::<{ super::format_index(BlockFormat::Mxfp4) }, N, false>(p);
+        let mut scale = [0f32; GROUP];
+        _mm256_storeu_ps(scale.as_mut_ptr(), g.scale);
+        scale
+    }
+
     /// Unpacks the `N` sub-blocks of format `F` at `p` (see [`super::unpack`]; a K-quant
     /// super-block is always eight). With `BW` (the VNNI path, which has AVX-512 BW) the
     /// fifth bits are set under byte masks, and Q6_K's half scales come as i32 lanes
@@ -1525,12 +1539,21 @@ mod x86 {
                 let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
                     const { mxfp4_codes() }.as_ptr().cast(),
                 ));
-                let mut scale = [0f32; GROUP];
                 for (j, c) in g.codes.iter_mut().enumerate().take(N) {
-                    scale[j] = e8m0_half(*p.add(j * bb));
                     *c = _mm256_shuffle_epi8(table, nibbles(p.add(j * bb + 1)));
                 }
-                g.scale = _mm256_loadu_ps(scale.as_ptr());
+                // The scales' bits as `e8m0_half` makes them, lane by lane: `(e − 1) << 23`,
+                // or the subnormal `0x200000 << e` for e < 2.
+                let at = |j: usize| if j < N { i32::from(*p.add(j * bb)) } else { 0 };
+                let e = _mm256_setr_epi32(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7));
+                let normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+                let subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+                let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+                let bits = _mm256_blendv_epi8(normal, subnormal, small);
+                // Lanes from `N` on are zero, as the other formats' (e = 0 gives 2^-128).
+                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(N as i32), lane);
+                g.scale = _mm256_castsi256_ps(_mm256_and_si256(bits, kept));
             }
             BlockFormat::Q6K => {
                 let two = _mm256_set1_epi8(0x30);
@@ -2953,6 +2976,29 @@ mod tests {
                     assert_eq!(bits(&fused[i]), bits(&alone), "{path:?} t {t} matrix {i}");
                 }
             }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn every_mxfp4_scale_byte_unpacks_as_the_kit_reads_it() {
+        if !vector_path() {
+            return;
+        }
+        let bits = |s: [f32; GROUP]| s.map(f32::to_bits);
+        for first in (0..=255u8).step_by(GROUP) {
+            let mut blocks = [0u8; GROUP * 17];
+            for (j, b) in blocks.chunks_exact_mut(17).enumerate() {
+                b[0] = first + j as u8;
+            }
+            let want = std::array::from_fn(|j| e8m0_half(first + j as u8));
+            // SAFETY: eight whole blocks; the vector path's features are there.
+            let got = unsafe { x86::mxfp4_scales::<GROUP>(blocks.as_ptr()) };
+            assert_eq!(bits(got), bits(want), "bytes from {first}");
+            // Fewer blocks: the lanes past them are zero.
+            let got = unsafe { x86::mxfp4_scales::<2>(blocks.as_ptr()) };
+            let want = std::array::from_fn(|j| if j < 2 { want[j] } else { 0.0 });
+            assert_eq!(bits(got), bits(want), "bytes from {first}");
         }
     }
 
