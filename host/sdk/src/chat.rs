@@ -61,7 +61,7 @@ pub struct Restored {
 /// What one turn did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TurnReport {
-    /// The assistant's answer (a harmony model's final channel).
+    /// The assistant's answer (a harmony model's content: no reasoning, no markers).
     pub text: String,
     /// Its token ids (ending at the end-of-turn token unless cut at `max_tokens`).
     pub ids: Vec<i32>,
@@ -353,7 +353,7 @@ impl Chat {
             ..GenOptions::default()
         };
         let text = Some(self.text.clone());
-        // A harmony answer shows its final channel only.
+        // A harmony answer shows its content (final channel, preambles), not its reasoning.
         let mut harmony = self.text.harmony().then(ContentStream::default);
         let mut show = |t: &str| -> Result<()> {
             let content;
@@ -402,7 +402,7 @@ impl Chat {
             .extend_from_slice(&g.ids[..g.ids.len().saturating_sub(1)]);
         let mut answer = self.text.detokenize(&g.ids)?;
         if self.text.harmony() {
-            answer = crate::harmony::parse(&answer, &[], true).content;
+            answer = crate::harmony::parse(&answer, &[], g.reason == Finish::Stop).content;
         }
         messages.push(Message::new("assistant", answer.trim()));
         self.messages = messages;

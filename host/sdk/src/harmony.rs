@@ -5,6 +5,7 @@
 //! there). [`parse`] splits an answer (its special tokens written out): `analysis` bodies are
 //! reasoning, `final` and recipient-less `commentary` bodies (preambles) are content, and a
 //! body addressed `to=functions.NAME` is a call of NAME with the body as its JSON arguments.
+//! Text outside any message (a model that skipped the markers) is content too.
 //! On an answer still growing (`complete` false) it gives what the messages so far hold (a
 //! call only once its message ended), each field a prefix of what the whole answer gives:
 //! text can be streamed from it as it grows.
@@ -17,9 +18,9 @@ const MESSAGE: &str = "<|message|>";
 /// What ends a message's body: `<|end|>`, the turn's two ends, or a next message's start.
 const BODY_ENDS: [&str; 4] = ["<|end|>", "<|call|>", "<|return|>", START];
 
-/// The tokens that end a harmony turn: the generator stops on them (`<|end|>` ends only a
-/// message, and is not a stop token for a harmony model).
-pub const TURN_ENDS: [&str; 2] = ["<|return|>", "<|call|>"];
+/// The tokens that end a harmony turn, and the text: the generator stops on them (`<|end|>`
+/// ends only a message, and is not a stop token for a harmony model).
+pub const TURN_ENDS: [&str; 3] = ["<|return|>", "<|call|>", "<|endoftext|>"];
 
 /// Whether chat template `src` writes harmony (GPT-OSS's template).
 pub fn is_harmony_template(src: &str) -> bool {
@@ -27,15 +28,12 @@ pub fn is_harmony_template(src: &str) -> bool {
 }
 
 /// `answer` split into reasoning, content and calls of `tools` (see the module docs); where
-/// `complete`, its end ends its last message (the generator stopped on `<|call|>` or
-/// `<|return|>`, which are not in the text). An answer without harmony's markers is all
-/// content; a call of a tool not in `tools` stays in the content as its body.
+/// `complete`, its end ends its last message (the generator stopped on one of
+/// [`TURN_ENDS`], which are not in the text; an answer cut at its token limit or at a stop
+/// string is not complete, and a call it ends inside is not made). A call of a tool not in
+/// `tools` stays in the content as its body.
 pub fn parse(answer: &str, tools: &[Tool], complete: bool) -> Parsed {
     let mut p = Parsed::default();
-    if !answer.contains(MESSAGE) && !answer.contains(CHANNEL) {
-        p.content = answer.trim().to_string();
-        return p;
-    }
     let add = |to: &mut String, body: &str| {
         let body = body.trim();
         if !body.is_empty() {
@@ -45,9 +43,18 @@ pub fn parse(answer: &str, tools: &[Tool], complete: bool) -> Parsed {
             to.push_str(body);
         }
     };
+    // Text before a header's first marker is outside any message.
+    let loose = |header: &str| -> usize { header.find("<|").unwrap_or(header.len()) };
     let mut rest = answer;
-    while let Some(at) = rest.find(MESSAGE) {
-        let header = rest[..at].strip_prefix(START).unwrap_or(&rest[..at]);
+    loop {
+        let Some(at) = rest.find(MESSAGE) else {
+            // A header still coming, or text after the last message.
+            add(&mut p.content, &rest[..loose(rest)]);
+            break;
+        };
+        let from = loose(&rest[..at]);
+        add(&mut p.content, &rest[..from]);
+        let header = &rest[from..at];
         let after = &rest[at + MESSAGE.len()..];
         let end = BODY_ENDS
             .iter()
@@ -173,6 +180,16 @@ mod tests {
     #[test]
     fn other_answers_are_content_and_nothing_is_lost() {
         assert_eq!(parse("  plain text ", &tools(), true).content, "plain text");
+        // Text outside the messages, before and after.
+        let p = parse(
+            "Hello<|channel|>final<|message|>Hi<|end|>bye",
+            &tools(),
+            true,
+        );
+        assert_eq!(p.content, "Hello\nHi\nbye");
+        // A call the answer was cut inside (its token limit) is not made.
+        let cut = "<|channel|>commentary to=functions.search<|message|>{\"q\": ";
+        assert_eq!(parse(cut, &tools(), false), Parsed::default());
         // An undeclared tool's call stays in the content.
         let p = parse(
             "<|channel|>commentary to=functions.rm<|message|>{\"path\": \"/\"}<|call|>",
@@ -193,12 +210,13 @@ mod tests {
 
     #[test]
     fn an_answer_cut_short_gives_prefixes_of_the_whole() {
-        let answer = "<|channel|>analysis<|message|>First thought. Second.<|end|>\
+        let answer = "Well <|channel|>analysis<|message|>First thought. Second.<|end|>\
             <|start|>assistant<|channel|>analysis<|message|>More.<|end|>\
+            <|start|>assistant<|channel|>commentary to=functions.rm<|message|>{}<|end|>\
             <|start|>assistant<|channel|>final<|message|>The answer is 4.";
         let whole = parse(answer, &tools(), true);
         assert_eq!(whole.reasoning, "First thought. Second.\nMore.");
-        assert_eq!(whole.content, "The answer is 4.");
+        assert_eq!(whole.content, "Well\n{}\nThe answer is 4.");
         // Cut anywhere but inside a marker (a special token comes whole).
         let markers: Vec<(usize, usize)> = answer
             .match_indices("<|")

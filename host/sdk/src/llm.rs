@@ -27,7 +27,9 @@ pub struct Llm {
 /// One answer: its text, its ids, why it ended and what it cost.
 #[derive(Clone, Debug)]
 pub struct Answer {
-    /// The generated text (a stop string excluded; the stop token's own text excluded).
+    /// The generated text (a stop string excluded; the stop token's own text excluded). A
+    /// harmony model's (GPT-OSS's, [`Text::harmony`]) keeps its channels' markers: split it
+    /// with [`crate::harmony::parse`].
     pub text: String,
     /// The generated ids (the stop token included).
     pub ids: Vec<i32>,

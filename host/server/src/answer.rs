@@ -192,14 +192,23 @@ impl Answer {
     /// Completion `c`'s text split into content, reasoning and tool calls (no tools: all
     /// content, but a harmony model's reasoning).
     pub fn split(&self, c: &Choice) -> Parsed {
+        if self.text.harmony() {
+            // Ended on a turn's end: not cut at the token limit or a stop string.
+            let complete = c.finish() == "stop" && c.stop_string.is_none();
+            return kvplug::harmony::parse(&c.text, self.tools(), complete);
+        }
         match &self.calls {
             Some(calls) => parse(&c.text, calls.format, &calls.tools),
-            None if self.text.harmony() => kvplug::harmony::parse(&c.text, &[], true),
             None => Parsed {
                 content: c.text.clone(),
                 ..Parsed::default()
             },
         }
+    }
+
+    /// The tools the completions may call (none without `calls`).
+    fn tools(&self) -> &[kvplug::tools::Tool] {
+        self.calls.as_ref().map_or(&[], |c| &c.tools)
     }
 
     /// Whether streamed chat text is parsed as it grows (a harmony model's channels) rather
@@ -461,8 +470,7 @@ pub fn chunks(
                     c.logprobs.extend(logprobs);
                     if a.parses_stream() {
                         // Reasoning and content as they grow; calls at the end.
-                        let tools = a.calls.as_ref().map_or(&[][..], |c| &c.tools[..]);
-                        let parsed = kvplug::harmony::parse(&c.text, tools, false);
+                        let parsed = kvplug::harmony::parse(&c.text, a.tools(), false);
                         a.parsed_deltas(i, c, &parsed, &mut st.out);
                         continue;
                     }
@@ -509,6 +517,12 @@ pub fn chunks(
                         for (k, call) in a.tool_calls(i, &parsed).into_iter().enumerate() {
                             st.out
                                 .extend(call_chunks(a, i, k, call, &mut c.logprobs, 0));
+                        }
+                        if !c.logprobs.is_empty() {
+                            // Tokens that added no text (markers, trailing space, the end).
+                            let lps = std::mem::take(&mut c.logprobs);
+                            let empty = a.chunk(i, json!({"content": ""}), &lps, 0, None);
+                            st.out.push_back(data(empty));
                         }
                         if !parsed.calls.is_empty() {
                             finish = "tool_calls";
@@ -669,6 +683,11 @@ mod tests {
     /// The engine's events for an answer of `pieces` (as the generator releases them: it
     /// stops on `<|call|>` or `<|return|>`, which are not in the text).
     fn events(pieces: &[&str]) -> UnboundedReceiver<Event> {
+        events_ending(pieces, "stop")
+    }
+
+    /// [`events`] ending for `finish_reason`.
+    fn events_ending(pieces: &[&str], finish_reason: &'static str) -> UnboundedReceiver<Event> {
         let (tx, rx) = unbounded_channel();
         for p in pieces {
             let text = p.to_string();
@@ -681,7 +700,7 @@ mod tests {
         }
         tx.send(Event::Done {
             choice: 0,
-            finish_reason: "stop",
+            finish_reason,
             completion_tokens: pieces.len() + 1,
             speculation: None,
             stop_string: None,
@@ -738,6 +757,11 @@ mod tests {
             m["tool_calls"][0]["function"]["arguments"],
             r#"{"city":"Paris"}"#
         );
+        // Cut at the token limit inside the call: no call, the finish says so.
+        let cut = events_ending(&CALL[..11], "length");
+        let v = collect(harmony_answer(true), 0, cut).await.unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        assert_eq!(v["choices"][0]["message"]["tool_calls"], Value::Null, "{v}");
         let v = collect(harmony_answer(false), 0, events(&FINAL))
             .await
             .unwrap();

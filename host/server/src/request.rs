@@ -52,7 +52,11 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
         ([], _) | (_, ToolChoice::None) => None,
         (tools, _) => Some(Calls {
             tools: tools.to_vec(),
-            format: ToolFormat::of_template(m.text.template().unwrap_or_default()),
+            format: match ToolFormat::of_template(m.text.template().unwrap_or_default()) {
+                // Harmony's markers are not in this vocabulary: its calls come as text.
+                ToolFormat::Harmony if !m.text.harmony() => ToolFormat::Json,
+                f => f,
+            },
             doubled_braces: false,
         }),
     };

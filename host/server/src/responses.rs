@@ -366,7 +366,11 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
     let mut items = Vec::new();
     let mut turn = Message::new("assistant", &parsed.content);
     if !parsed.reasoning.is_empty() {
-        items.push(reasoning_item(rest, &parsed.reasoning, "completed"));
+        items.push(reasoning_item(
+            &format!("rs_{rest}"),
+            &parsed.reasoning,
+            "completed",
+        ));
     }
     if !parsed.content.is_empty() || parsed.calls.is_empty() {
         items.push(json!({
@@ -397,8 +401,8 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
 
 /// A `reasoning` output item holding a model's reasoning text (harmony's analysis channel),
 /// as OpenAI's API gives an open-weight model's.
-fn reasoning_item(rest: &str, text: &str, status: &str) -> Value {
-    json!({"type": "reasoning", "id": format!("rs_{rest}"), "status": status, "summary": [],
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
            "content": [{"type": "reasoning_text", "text": text}]})
 }
 
@@ -577,14 +581,14 @@ impl Items {
                     if self.reasoning.is_none() {
                         self.end_text(&mut out);
                         self.end_call(&mut out);
-                        let item = reasoning_item(&self.rest, "", "in_progress");
+                        let item = reasoning_item(&self.reasoning_id(), "", "in_progress");
                         out.push(json!({"type": "response.output_item.added",
                             "output_index": index(self), "item": item}));
                         self.reasoning = Some(String::new());
                     }
                     self.reasoning.as_mut().expect("open").push_str(t);
                     out.push(json!({"type": "response.reasoning_text.delta",
-                        "item_id": format!("rs_{}", self.rest), "output_index": index(self),
+                        "item_id": self.reasoning_id(), "output_index": index(self),
                         "content_index": 0, "delta": t}));
                 }
                 if let Some(t) = delta["content"].as_str().filter(|t| !t.is_empty()) {
@@ -661,8 +665,21 @@ impl Items {
         out
     }
 
+    /// The id of the item of `kind` open now (or next): `{prefix}_{rest}`, numbered from the
+    /// second on (a harmony answer may go back to reasoning after text).
+    fn item_id(&self, prefix: &str, kind: &str) -> String {
+        match self.done.iter().filter(|i| i["type"] == kind).count() {
+            0 => format!("{prefix}_{}", self.rest),
+            k => format!("{prefix}_{}_{k}", self.rest),
+        }
+    }
+
     fn message_id(&self) -> String {
-        format!("msg_{}", self.rest)
+        self.item_id("msg", "message")
+    }
+
+    fn reasoning_id(&self) -> String {
+        self.item_id("rs", "reasoning")
     }
 
     fn open_text(&mut self, out: &mut Vec<Value>) {
@@ -700,12 +717,12 @@ impl Items {
         let Some(text) = self.reasoning.take() else {
             return;
         };
-        let (id, at) = (format!("rs_{}", self.rest), self.done.len());
+        let (id, at) = (self.reasoning_id(), self.done.len());
         out.push(
             json!({"type": "response.reasoning_text.done", "item_id": id,
             "output_index": at, "content_index": 0, "text": text}),
         );
-        let item = reasoning_item(&self.rest, &text, "completed");
+        let item = reasoning_item(&id, &text, "completed");
         out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
         self.done.push(item);
     }

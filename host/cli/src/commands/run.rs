@@ -170,6 +170,17 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         Some(t) => Some(t.detokenize(&report.ids)?),
         None => None,
     };
+    // A harmony answer to a chat prompt: its content and reasoning apart.
+    let parsed = match (&text, &decoded) {
+        (Some(t), Some(d)) if t.harmony() && a.prompt.is_some() && !a.raw => {
+            let complete = report
+                .ids
+                .last()
+                .is_some_and(|i| spec.stop_tokens.contains(i));
+            Some(kvplug::harmony::parse(d, &[], complete))
+        }
+        _ => None,
+    };
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         v["prompt_tokens"] = spec.prompt.len().into();
@@ -180,8 +191,13 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             .last()
             .is_some_and(|t| spec.stop_tokens.contains(t))
             .into();
-        if let Some(d) = decoded {
-            v["text"] = d.into();
+        match (parsed, decoded) {
+            (Some(p), _) => {
+                v["text"] = p.content.into();
+                v["reasoning"] = p.reasoning.into();
+            }
+            (None, Some(d)) => v["text"] = d.into(),
+            (None, None) => {}
         }
         if let (Some(t), Some(branches)) = (&text, &report.branches) {
             let texts: Vec<String> = branches
