@@ -612,7 +612,7 @@ fn call_chunks(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::request::Calls;
     use kvplug::tools::{Tool, ToolFormat};
@@ -620,7 +620,7 @@ mod tests {
 
     /// A harmony model's text: harmony's markers in the vocabulary (special tokens, ids
     /// 1..=6) and a template that writes them.
-    fn harmony_text() -> Arc<Text> {
+    pub(crate) fn harmony_text() -> Arc<Text> {
         static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let k = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("kvplug-harmony-{}-{k}", std::process::id()));

@@ -274,3 +274,51 @@ fn bare(format: ToolFormat) -> ToolFormat {
         _ => ToolFormat::Json,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{parse, Endpoint};
+
+    #[test]
+    fn a_harmony_answer_is_not_constrained_and_says_why() {
+        let text = crate::answer::tests::harmony_text();
+        let grammars = Err("not needed".to_string());
+        let m = Model {
+            text: &text,
+            grammars: &grammars,
+            capacity: 4096,
+            max_tokens: 256,
+        };
+        let tools = r#""tools": [{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object"}}}]"#;
+        let asked = |extra: &str| {
+            let body = format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#);
+            let p = parse(Endpoint::Chat, body.as_bytes()).unwrap();
+            let calls = (!p.tools.is_empty()).then(|| Calls {
+                tools: p.tools.clone(),
+                format: ToolFormat::Harmony,
+                doubled_braces: false,
+            });
+            constraint(&m, &p, calls.as_ref()).map(|(c, w)| (c.is_none(), w.len()))
+        };
+        for (extra, param) in [
+            (
+                r#", "response_format": {"type": "json_object"}"#.to_string(),
+                "response_format",
+            ),
+            (r#", "grammar": "start: \"a\"""#.to_string(), "grammar"),
+            (
+                format!(r#", {tools}, "tool_choice": "required""#),
+                "tool_choice",
+            ),
+        ] {
+            let e = asked(&extra).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}");
+            assert!(e.message.contains("harmony"), "{}", e.message);
+        }
+        // Free text, or calls parsed from the answer.
+        assert_eq!(asked("").unwrap(), (true, 0));
+        assert_eq!(asked(&format!(", {tools}")).unwrap(), (true, 0));
+    }
+}
