@@ -750,6 +750,75 @@ impl Items {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_streamed_answer_that_returns_to_reasoning_numbers_its_items() {
+        let store = Arc::new(Store::default());
+        let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
+        let head = Head {
+            id: "resp_x".into(),
+            created: 0,
+            model: "m".into(),
+            prompt_tokens: 1,
+        };
+        let mut items = Items {
+            rest: "x".into(),
+            head,
+            store,
+            request,
+            cached: 0,
+            done: Vec::new(),
+            text: None,
+            reasoning: None,
+            call: None,
+            turn: Message::new("assistant", ""),
+        };
+        let delta = |d: Value| Chunk::Data(json!({"choices": [{"delta": d}]}));
+        let mut events = Vec::new();
+        for d in [
+            json!({"reasoning_content": "First."}),
+            json!({"content": "Let me look."}),
+            json!({"reasoning_content": "Then."}),
+            json!({"content": "Done."}),
+        ] {
+            events.extend(items.events(delta(d)));
+        }
+        events.extend(items.events(Chunk::Ended {
+            finish: "stop",
+            stop_string: None,
+            tokens: 4,
+        }));
+        let added: Vec<(Value, Value)> = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_item.added")
+            .map(|e| (e["output_index"].clone(), e["item"]["id"].clone()))
+            .collect();
+        assert_eq!(
+            added,
+            [
+                (json!(0), json!("rs_x")),
+                (json!(1), json!("msg_x")),
+                (json!(2), json!("rs_x_1")),
+                (json!(3), json!("msg_x_1")),
+            ]
+        );
+        let done = &events.last().unwrap()["response"]["output"];
+        let ids: Vec<&str> = done
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["rs_x", "msg_x", "rs_x_1", "msg_x_1"]);
+        assert_eq!(done[2]["content"][0]["text"], "Then.");
+        // Each delta names the item it fills.
+        let deltas: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["type"] == "response.reasoning_text.delta")
+            .map(|e| &e["item_id"])
+            .collect();
+        assert_eq!(deltas, [&json!("rs_x"), &json!("rs_x_1")]);
+    }
+
     fn refused(body: &str, param: &str, says: &str) {
         let e = parse(body.as_bytes(), &Store::default()).err().unwrap();
         assert_eq!(e.status, 400, "{body}");
