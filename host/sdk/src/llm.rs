@@ -12,6 +12,7 @@ use std::sync::Arc;
 use kvplug_runtime::{Arithmetic, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime};
 
 use crate::generator::{generate, Finish, GenOptions, TokenEvent};
+use crate::harmony::ContentStream;
 use crate::text::{Message, Text};
 use crate::Result;
 
@@ -28,9 +29,12 @@ pub struct Llm {
 #[derive(Clone, Debug)]
 pub struct Answer {
     /// The generated text (a stop string excluded; the stop token's own text excluded). A
-    /// harmony model's (GPT-OSS's, [`Text::harmony`]) keeps its channels' markers: split it
-    /// with [`crate::harmony::parse`].
+    /// harmony model's (GPT-OSS's, [`Text::harmony`]) answer to [`Llm::chat`] is its content
+    /// (final channel, preambles), its reasoning apart; [`Llm::complete`] keeps the
+    /// channels' markers ([`crate::harmony::parse`] splits them).
     pub text: String,
+    /// A harmony model's reasoning (its analysis channel) in a chat answer; empty otherwise.
+    pub reasoning: String,
     /// The generated ids (the stop token included).
     pub ids: Vec<i32>,
     /// Why it ended.
@@ -164,7 +168,8 @@ impl Llm {
         self.chat_stream(messages, opts, &mut |_| Ok(()))
     }
 
-    /// [`Llm::chat`], passing each piece of text to `on_text` as it is released.
+    /// [`Llm::chat`], passing each piece of text to `on_text` as it is released (a harmony
+    /// model's content only).
     pub fn chat_stream(
         &self,
         messages: &[Message],
@@ -172,7 +177,7 @@ impl Llm {
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Answer> {
         let prompt = self.text.encode(&self.text.render(messages)?)?;
-        self.answer(&prompt, opts, on_text)
+        self.answer(&prompt, opts, self.text.harmony(), on_text)
     }
 
     /// The continuation of `prompt`, taken as raw text (no chat template). The model's stop
@@ -189,7 +194,7 @@ impl Llm {
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Answer> {
         let prompt = self.text.encode_raw(prompt)?;
-        self.answer(&prompt, opts, on_text)
+        self.answer(&prompt, opts, false, on_text)
     }
 
     /// A fresh context of `kind` with the builder's capacity and K/V dtype (the low level:
@@ -208,23 +213,32 @@ impl Llm {
         &self.text
     }
 
-    /// `prompt` answered on a fresh contiguous context.
+    /// `prompt` answered on a fresh contiguous context; a `harmony` answer split into its
+    /// content and reasoning.
     fn answer(
         &self,
         prompt: &[i32],
         mut opts: GenOptions,
+        harmony: bool,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Answer> {
         opts.stop_tokens.extend(self.text.stop_tokens());
         let mut ctx = self.context(CacheKind::Contiguous)?;
         let mut text = String::new();
-        let mut on_token = |e: &TokenEvent<'_>| {
-            if e.text.is_empty() {
-                return Ok(());
+        let mut content = harmony.then(ContentStream::default);
+        let mut show = |t: &str| -> Result<()> {
+            text.push_str(t);
+            let shown = match &mut content {
+                Some(c) => c.push(t),
+                None => t.to_string(),
+            };
+            if shown.is_empty() {
+                Ok(())
+            } else {
+                on_text(&shown)
             }
-            text.push_str(&e.text);
-            on_text(&e.text)
         };
+        let mut on_token = |e: &TokenEvent<'_>| show(&e.text);
         let done = generate(
             &mut ctx,
             Some(self.text.clone()),
@@ -234,12 +248,16 @@ impl Llm {
             opts,
             &mut on_token,
         )?;
-        if !done.text_tail.is_empty() {
-            text.push_str(&done.text_tail);
-            on_text(&done.text_tail)?;
-        }
+        show(&done.text_tail)?;
+        let (text, reasoning) = if harmony {
+            let p = crate::harmony::parse(&text, &[], done.reason == Finish::Stop);
+            (p.content, p.reasoning)
+        } else {
+            (text, String::new())
+        };
         Ok(Answer {
             text,
+            reasoning,
             ids: done.ids,
             finish: done.reason,
             prompt_tokens: prompt.len(),
