@@ -354,20 +354,13 @@ impl Chat {
         };
         let text = Some(self.text.clone());
         // A harmony answer shows its content (final channel, preambles), not its reasoning.
-        let mut harmony = self.text.harmony().then(ContentStream::default);
+        let mut shown = ContentStream::new(self.text.harmony());
         let mut show = |t: &str| -> Result<()> {
-            let content;
-            let t = match &mut harmony {
-                Some(h) => {
-                    content = h.push(t);
-                    &content
-                }
-                None => t,
-            };
+            let t = shown.push(t);
             if t.is_empty() {
                 Ok(())
             } else {
-                on_text(t)
+                on_text(&t)
             }
         };
         let generated = generate(&mut self.ctx, text, 0, fresh, reused, opts, &mut |e| {

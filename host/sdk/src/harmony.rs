@@ -97,15 +97,29 @@ pub fn parse(answer: &str, tools: &[Tool], complete: bool) -> Parsed {
 
 /// The content of a harmony answer as its text comes in piece by piece (a chat shows the
 /// final channel, not the reasoning): [`parse`]'s content beyond what was returned before.
-#[derive(Default)]
+/// A stream made for another model's answer passes every piece through as it is.
 pub struct ContentStream {
+    harmony: bool,
     text: String,
     sent: usize,
 }
 
 impl ContentStream {
-    /// Adds `piece` of the answer's text; returns the content it completes.
+    /// A stream of an answer in harmony (`harmony`), or in plain text.
+    pub fn new(harmony: bool) -> Self {
+        ContentStream {
+            harmony,
+            text: String::new(),
+            sent: 0,
+        }
+    }
+
+    /// Adds `piece` of the answer's text; returns the text to show for it: the content it
+    /// completes (a harmony answer), or `piece` itself.
     pub fn push(&mut self, piece: &str) -> String {
+        if !self.harmony {
+            return piece.to_string();
+        }
         self.text.push_str(piece);
         let content = parse(&self.text, &[], false).content;
         let new = content.get(self.sent..).unwrap_or_default().to_string();
@@ -250,10 +264,13 @@ mod tests {
             " there",
             "!",
         ];
-        let mut s = ContentStream::default();
+        let mut s = ContentStream::new(true);
         let shown: Vec<String> = pieces.iter().map(|p| s.push(p)).collect();
         assert_eq!(shown.concat(), "Hi there!");
         assert_eq!(shown[11..], ["Hi", " there", "!"]);
+        // Another model's answer passes as it is.
+        let mut plain = ContentStream::new(false);
+        assert_eq!(plain.push("<|channel|>"), "<|channel|>");
     }
 
     #[test]

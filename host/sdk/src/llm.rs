@@ -225,13 +225,10 @@ impl Llm {
         opts.stop_tokens.extend(self.text.stop_tokens());
         let mut ctx = self.context(CacheKind::Contiguous)?;
         let mut text = String::new();
-        let mut content = harmony.then(ContentStream::default);
+        let mut content = ContentStream::new(harmony);
         let mut show = |t: &str| -> Result<()> {
             text.push_str(t);
-            let shown = match &mut content {
-                Some(c) => c.push(t),
-                None => t.to_string(),
-            };
+            let shown = content.push(t);
             if shown.is_empty() {
                 Ok(())
             } else {

@@ -110,6 +110,8 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         .attention(a.attention.get())
         .build_model()?;
     let (prompt, text) = prompt_of(&a, &model)?;
+    // A harmony answer to a chat prompt shows its content (--raw: all of it).
+    let harmony = text.as_ref().is_some_and(|t| t.harmony()) && a.prompt.is_some() && !a.raw;
     let spec = RunSpec {
         prompt,
         max_tokens: a.max_tokens,
@@ -142,16 +144,9 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         let stream = !a.json;
         let progress = std::io::stderr().is_terminal();
         let mut done = 0;
-        // A harmony answer to a chat prompt shows its final channel (--raw: all of it).
-        let mut harmony = text
-            .as_ref()
-            .filter(|t| t.harmony() && a.prompt.is_some() && !a.raw)
-            .map(|_| kvplug::harmony::ContentStream::default());
+        let mut content = kvplug::harmony::ContentStream::new(harmony);
         run_decode(&model, &spec, text.clone(), sampler, speculate, &mut |e| {
-            let shown = match &mut harmony {
-                Some(h) => h.push(&e.text),
-                None => e.text.clone(),
-            };
+            let shown = content.push(&e.text);
             if stream && !shown.is_empty() {
                 print!("{shown}");
                 std::io::stdout().flush()?;
@@ -170,9 +165,9 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         Some(t) => Some(t.detokenize(&report.ids)?),
         None => None,
     };
-    // A harmony answer to a chat prompt: its content and reasoning apart.
-    let parsed = match (&text, &decoded) {
-        (Some(t), Some(d)) if t.harmony() && a.prompt.is_some() && !a.raw => {
+    // A harmony answer: its content and reasoning apart.
+    let parsed = match &decoded {
+        Some(d) if harmony => {
             let complete = report
                 .ids
                 .last()
