@@ -25,8 +25,8 @@
 //! - [`session_file`]: saved K/V files ("sessions"), [`SessionDir`] where they live.
 //! - [`Text`]: tokenizer, chat template, streamed text; [`Grammars`]: constrained decoding;
 //!   [`tools`]: tool calls as templates write them.
-//! - [`formats`]: GGUF and synthetic models; [`plan()`]: memory plans; [`bench()`]:
-//!   `llama-bench`-shaped throughput.
+//! - [`formats`]: GGUF and synthetic models; [`plan()`]: memory plans; [`weights()`]: what
+//!   a model's weights take on a backend; [`bench()`]: `llama-bench`-shaped throughput.
 
 mod agent_store;
 mod bench;
@@ -69,7 +69,9 @@ pub use kvplug_runtime::{
     RuntimeError,
 };
 pub use llm::{Answer, Llm, LlmBuilder};
-pub use plan::{default_capacity, parse_bytes, plan, GroupPlan, Plan, PlanOptions};
+pub use plan::{
+    default_capacity, parse_bytes, plan, weights, GroupPlan, Holding, Plan, PlanOptions, Weights,
+};
 pub use run::{run_agents, run_decode, run_fork, CacheReport, ForkReport, RunReport, RunSpec};
 pub use sampler::{argmax, Adjustments, Sampler, TokenLogprobs};
 pub use session_dir::{Listed, SessionDir, SessionLock};

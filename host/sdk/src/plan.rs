@@ -21,9 +21,33 @@ pub struct PlanOptions {
     pub kv_dtype: KvDtype,
     /// Tokens per agent, for the agents line.
     pub agent_tokens: usize,
-    /// The backend planned for re-encodes MXFP4 at load (`kvplug plugins` lists
-    /// `weights-reencoded=mxfp4` for it); `false`: it reads MXFP4 in place (the cpu).
+    /// How the backend planned for holds the weights.
+    pub holding: Holding,
+}
+
+/// How a backend holds a model's weights beyond mapping them as stored, as its `features`
+/// (`kvplug plugins`) declare. The default holds every tensor as stored, as the cpu does.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holding {
+    /// MXFP4 tensors are re-encoded at load, as Q5_0 (`weights-reencoded=mxfp4`).
     pub reencodes_mxfp4: bool,
+    /// Stored types widened to f32 at load, by the GGUF index's names
+    /// (`weights-widened=q4_K|q6_K`).
+    pub widened: Vec<String>,
+}
+
+impl Holding {
+    /// How `plugin` holds weights, from its features.
+    pub fn of(plugin: &kvplug_runtime::LoadedPlugin) -> Holding {
+        let listed = |key: &str| -> Vec<String> {
+            let lists = plugin.features.iter().filter_map(|f| f.strip_prefix(key));
+            lists.flat_map(|l| l.split('|').map(String::from)).collect()
+        };
+        Holding {
+            reencodes_mxfp4: listed("weights-reencoded=").iter().any(|f| f == "mxfp4"),
+            widened: listed("weights-widened="),
+        }
+    }
 }
 
 /// `4GiB`, `512MB`, `1.5GiB`, `1000` (bytes); a bare `K`/`M`/`G`/`T` is binary, as `docker
@@ -66,11 +90,12 @@ pub struct GroupPlan {
     pub bytes_per_token: usize,
 }
 
-/// The plan.
-#[derive(Debug, serde::Serialize)]
-pub struct Plan {
-    /// Bytes the weights take on the backend planned for: as stored (mapped), but MXFP4
-    /// tensors as the Q5_0 they are re-encoded into where `PlanOptions::reencodes_mxfp4`.
+/// What a model's weights take on a backend (`kvplug plan`, `kvplug plugins --model`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Weights {
+    /// Bytes the weights take on the backend: as stored (mapped), but MXFP4 tensors as the
+    /// Q5_0 they are re-encoded into where `reencodes_mxfp4`, and tensors of a widened type
+    /// as f32.
     pub weight_bytes: u64,
     /// Bytes more the weights take, at least, on a backend that re-encodes MXFP4 at load
     /// than on one that reads them in place (as Q5_0, 22 bytes a block for 17, in memory;
@@ -79,6 +104,9 @@ pub struct Plan {
     pub reencoded_extra_bytes: u64,
     /// Whether `weight_bytes` (and every figure after it) counts that re-encoding.
     pub reencodes_mxfp4: bool,
+    /// Bytes more than stored the weights take from the backend widening them to f32 at
+    /// load (0 where it widens none of the model's types).
+    pub widened_extra_bytes: u64,
     /// Parameters (weight elements) in all.
     pub parameters: u64,
     /// Parameters a token runs through: all but the experts it is not routed to (equal to
@@ -89,6 +117,24 @@ pub struct Plan {
     /// Bytes of weights a one-token step reads at most: all but the experts it is not
     /// routed to (the embedding table counted whole).
     pub step_bytes: u64,
+}
+
+/// Counts the weights of `model` (a directory or a GGUF file) as a backend holding them as
+/// `holding` says ([`Holding::of`] a loaded plugin) takes them.
+pub fn weights(model: &Path, holding: &Holding) -> Result<Weights> {
+    let dir = crate::formats::resolve_model(model)?;
+    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
+    let config = ModelConfig::parse(&text)
+        .with_context(|| format!("{}", dir.join("config.json").display()))?;
+    Ok(census(&dir, holding)?.weights(&config))
+}
+
+/// The plan.
+#[derive(Debug, serde::Serialize)]
+pub struct Plan {
+    /// The weights on the backend planned for.
+    #[serde(flatten)]
+    pub weights: Weights,
     /// The budget.
     pub budget_bytes: u64,
     /// KV storage dtype.
@@ -113,14 +159,14 @@ pub struct Plan {
     pub state_bytes: usize,
 }
 
-/// What a model's weights hold: bytes as held (as stored, or MXFP4 re-encoded) and
-/// elements, in all and in its experts' tensors (`mlp.experts.*`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a model's weights hold: bytes as held (see [`Holding`]) and elements, in all and in
+/// its experts' tensors (`mlp.experts.*`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Census {
-    /// MXFP4 counted as re-encoded.
-    reencodes_mxfp4: bool,
+    holding: Holding,
     bytes: u64,
     reencoded_extra_bytes: u64,
+    widened_extra_bytes: u64,
     parameters: u64,
     expert_bytes: u64,
     expert_parameters: u64,
@@ -130,13 +176,18 @@ impl Census {
     /// Counts tensor `name` of `shape`, `bytes` stored in `dtype` (the kit's names).
     fn add(&mut self, name: &str, shape: &[usize], bytes: u64, dtype: &str) {
         let elems = shape.iter().product::<usize>() as u64;
-        let bytes = if dtype == "mxfp4" {
+        let (mut dtype, mut bytes) = (dtype, bytes);
+        if dtype == "mxfp4" {
             // As Q5_0 (StoredTensor::computable).
             self.reencoded_extra_bytes += bytes / 17 * 5;
-            bytes / 17 * if self.reencodes_mxfp4 { 22 } else { 17 }
-        } else {
-            bytes
-        };
+            if self.holding.reencodes_mxfp4 {
+                (dtype, bytes) = ("q5_0", bytes / 17 * 22);
+            }
+        }
+        if self.holding.widened.iter().any(|w| w == dtype) {
+            self.widened_extra_bytes += elems * 4 - bytes;
+            bytes = elems * 4;
+        }
         self.bytes += bytes;
         self.parameters += elems;
         if name.contains(".mlp.experts.") {
@@ -145,23 +196,34 @@ impl Census {
         }
     }
 
-    /// `total` less the share of the experts' `part` a token is not routed to.
-    fn active(total: u64, part: u64, config: &ModelConfig) -> u64 {
-        match config.experts() {
+    /// The counts as [`Weights`], for a model of `config`.
+    fn weights(&self, config: &ModelConfig) -> Weights {
+        // `total` less the share of the experts' `part` a token is not routed to.
+        let active = |total: u64, part: u64| match config.experts() {
             Some(e) => {
                 let idle = e.count - e.per_token;
                 total - (part as u128 * idle as u128 / e.count as u128) as u64
             }
             None => total,
+        };
+        Weights {
+            weight_bytes: self.bytes,
+            reencoded_extra_bytes: self.reencoded_extra_bytes,
+            reencodes_mxfp4: self.holding.reencodes_mxfp4,
+            widened_extra_bytes: self.widened_extra_bytes,
+            parameters: self.parameters,
+            active_parameters: active(self.parameters, self.expert_parameters),
+            expert_bytes: self.expert_bytes,
+            step_bytes: active(self.bytes, self.expert_bytes),
         }
     }
 }
 
 /// Every tensor as stored: in the model's safetensors shards, or, for weights used in place
 /// in a GGUF, every indexed tensor (quantized blocks counted as their bytes).
-fn census(dir: &Path, reencodes_mxfp4: bool) -> Result<Census> {
+fn census(dir: &Path, holding: &Holding) -> Result<Census> {
     let mut c = Census {
-        reencodes_mxfp4,
+        holding: holding.clone(),
         ..Census::default()
     };
     let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
@@ -216,8 +278,8 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     let spec = model.cache_spec();
     args.kv_dtype.check_head_dim(spec.head_dim)?;
     let config: serde_json::Value = serde_json::from_str(&text)?;
-    let weights = census(&dir, args.reencodes_mxfp4)?;
-    let weight_bytes = weights.bytes;
+    let weights = census(&dir, &args.holding)?.weights(&model);
+    let weight_bytes = weights.weight_bytes;
     let Some(kv_budget) = args.budget.checked_sub(weight_bytes) else {
         fail!(
             Invalid,
@@ -251,13 +313,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
         (kv_budget as u128 / each) as usize
     };
     Ok(Plan {
-        weight_bytes,
-        reencoded_extra_bytes: weights.reencoded_extra_bytes,
-        reencodes_mxfp4: args.reencodes_mxfp4,
-        parameters: weights.parameters,
-        active_parameters: Census::active(weights.parameters, weights.expert_parameters, &model),
-        expert_bytes: weights.expert_bytes,
-        step_bytes: Census::active(weight_bytes, weights.expert_bytes, &model),
+        weights,
         budget_bytes: args.budget,
         kv_dtype: dtype.to_string(),
         groups: spec
@@ -316,8 +372,8 @@ fn count(n: u64) -> String {
     }
 }
 
-impl Plan {
-    /// The plan as text, a table per layer group.
+impl Weights {
+    /// The counts as text: a `weights` line, and an `experts` line for a mixture of experts.
     pub fn render(&self) -> String {
         let p = self;
         let held = match (p.reencoded_extra_bytes, p.reencodes_mxfp4) {
@@ -331,10 +387,12 @@ impl Plan {
                 mib(extra)
             ),
         };
+        let held = match p.widened_extra_bytes {
+            0 => held,
+            extra => format!("{held}, block formats widened to f32 ({} more)", mib(extra)),
+        };
         let mut out = format!(
-            "budget      {} ({} bytes)\nweights     {} {held}, {} parameters\n",
-            mib(p.budget_bytes),
-            p.budget_bytes,
+            "weights     {} {held}, {} parameters\n",
             mib(p.weight_bytes),
             count(p.parameters)
         );
@@ -346,9 +404,23 @@ impl Plan {
                 mib(p.step_bytes)
             );
         }
+        out
+    }
+}
+
+impl Plan {
+    /// The plan as text, a table per layer group.
+    pub fn render(&self) -> String {
+        let p = self;
+        let mut out = format!(
+            "budget      {} ({} bytes)\n{}",
+            mib(p.budget_bytes),
+            p.budget_bytes,
+            p.weights.render()
+        );
         out += &format!(
             "K/V         {} left, {} storage\n\nlayer group          layers  K/V bytes per token\n",
-            mib(p.budget_bytes - p.weight_bytes),
+            mib(p.budget_bytes - p.weights.weight_bytes),
             p.kv_dtype
         );
         for g in &p.groups {
@@ -421,14 +493,14 @@ mod tests {
             budget,
             kv_dtype,
             agent_tokens: 100,
-            reencodes_mxfp4: false,
+            holding: Holding::default(),
         };
-        let weights = census(dir.path(), false).unwrap().bytes;
+        let weights = census(dir.path(), &Holding::default()).unwrap().bytes;
         // tiny: 2 layers, 2 KV heads, head_dim 16: f16 K+V = 2 * 2 * 32 bytes per layer.
         let per_token = 2 * 2 * 2 * 32;
         let p = plan(&args(weights + 1000 * per_token + 5, KvDtype::F16)).unwrap();
         assert_eq!(
-            (p.weight_bytes, p.groups[0].bytes_per_token),
+            (p.weights.weight_bytes, p.groups[0].bytes_per_token),
             (weights, per_token as usize)
         );
         assert_eq!((p.tokens, p.agents), (1000, 10));

@@ -173,6 +173,47 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
             && mlx.iter().any(|f| f.starts_with("weights-widened=")),
         "mlx on its CPU device widens the block formats and says so: {mlx:?}"
     );
+
+    // With a model, each backend's line counts its weights as `plan --backend` does: as
+    // stored on the cpu and wgpu, the block formats widened to f32 on mlx's CPU device.
+    let with_model: serde_json::Value =
+        serde_json::from_str(&kvplug(cache.path(), &["plugins", "--model", m, "--json"])).unwrap();
+    for id in ["cpu", "wgpu", "mlx"] {
+        let w = &with_model["model_weights"][id];
+        let planned: serde_json::Value = serde_json::from_str(&kvplug(
+            cache.path(),
+            &[
+                "plan",
+                "--model",
+                m,
+                "--budget",
+                "8GiB",
+                "--backend",
+                id,
+                "--json",
+            ],
+        ))
+        .unwrap();
+        for field in [
+            "weight_bytes",
+            "widened_extra_bytes",
+            "parameters",
+            "step_bytes",
+        ] {
+            assert_eq!(w[field], planned[field], "{id} {field}: {with_model}");
+        }
+        assert_eq!(w["parameters"], plan["parameters"], "{id}");
+        assert_eq!(w["expert_bytes"], 0, "a dense model: {w}");
+        let widened = w["widened_extra_bytes"].as_u64().unwrap();
+        assert_eq!(widened > 0, id == "mlx", "{id}: {w}");
+        let held = w["weight_bytes"].as_u64().unwrap();
+        assert_eq!(held, stored + widened, "{id}: {w}");
+    }
+    let text = kvplug(cache.path(), &["plugins", "--model", m]);
+    assert!(
+        text.contains("\non cpu:\nweights ") && !text.contains("experts "),
+        "{text}"
+    );
 }
 
 /// `run --agents` shows each branch as text (and `--json` lists them), the kept one being

@@ -224,7 +224,7 @@ fn plans_count_total_and_active_parameters() {
         budget: 1 << 30,
         kv_dtype: KvDtype::F16,
         agent_tokens: 100,
-        reencodes_mxfp4: false,
+        holding: Default::default(),
     })
     .unwrap();
     let (h, hd) = (HIDDEN, HIDDEN / HEADS);
@@ -234,14 +234,14 @@ fn plans_count_total_and_active_parameters() {
     let total = VOCAB * h + h + layers * layer;
     let idle = layers * (experts - per_token) * expert;
     assert_eq!(
-        (p.parameters, p.active_parameters),
+        (p.weights.parameters, p.weights.active_parameters),
         (total as u64, (total - idle) as u64)
     );
     // Q8_0: 34 bytes per 32 values.
     let expert_bytes = (layers * experts * expert / 32 * 34) as u64;
-    assert_eq!(p.expert_bytes, expert_bytes);
+    assert_eq!(p.weights.expert_bytes, expert_bytes);
     assert_eq!(
-        p.weight_bytes - p.step_bytes,
+        p.weights.weight_bytes - p.weights.step_bytes,
         expert_bytes * (experts - per_token) as u64 / experts as u64
     );
     assert!(p.render().contains("a token runs"), "{}", p.render());
@@ -439,26 +439,42 @@ fn plans_count_mxfp4_as_stored_and_say_what_re_encoding_adds() {
         types: &[],
     };
     let model = gpt_oss(dir.path(), &shape);
-    let plan = |reencodes_mxfp4| {
+    let plan = |reencodes_mxfp4, widened: &[&str]| {
         kvplug::plan(&kvplug::PlanOptions {
             model: model.clone(),
             budget: 1 << 30,
             kv_dtype: KvDtype::F16,
             agent_tokens: 100,
-            reencodes_mxfp4,
+            holding: kvplug::Holding {
+                reencodes_mxfp4,
+                widened: widened.iter().map(|w| w.to_string()).collect(),
+            },
         })
         .unwrap()
     };
-    let (in_place, reencoded) = (plan(false), plan(true));
+    let (in_place, reencoded) = (plan(false, &[]), plan(true, &[]));
+    // A backend that widens Q5_0 (mlx on its CPU) holds the re-encoded experts as f32.
+    let widened = plan(true, &["q5_0"]);
     let blocks = (layers * experts * 3 * width * HIDDEN / 32) as u64;
     // And the experts' f32 biases.
     let biases = (layers * experts * (2 * width + HIDDEN) * 4) as u64;
-    assert_eq!(in_place.expert_bytes, blocks * 17 + biases);
-    assert_eq!(reencoded.expert_bytes, blocks * 22 + biases);
-    for p in [&in_place, &reencoded] {
-        assert_eq!(p.reencoded_extra_bytes, blocks * 5);
+    assert_eq!(in_place.weights.expert_bytes, blocks * 17 + biases);
+    assert_eq!(reencoded.weights.expert_bytes, blocks * 22 + biases);
+    assert_eq!(widened.weights.expert_bytes, blocks * 32 * 4 + biases);
+    assert_eq!(widened.weights.widened_extra_bytes, blocks * (32 * 4 - 22));
+    assert_eq!(in_place.weights.widened_extra_bytes, 0);
+    assert!(
+        widened.render().contains("block formats widened to f32"),
+        "{}",
+        widened.render()
+    );
+    for p in [&in_place, &reencoded, &widened] {
+        assert_eq!(p.weights.reencoded_extra_bytes, blocks * 5);
     }
-    assert_eq!(reencoded.weight_bytes - in_place.weight_bytes, blocks * 5);
+    assert_eq!(
+        reencoded.weights.weight_bytes - in_place.weights.weight_bytes,
+        blocks * 5
+    );
     assert!(reencoded.tokens < in_place.tokens);
     assert!(
         in_place.render().contains("MXFP4 read in place")

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
-use kvplug::{parse_bytes, plan, PlanOptions};
+use kvplug::{parse_bytes, plan, Holding, PlanOptions};
 use kvplug::{KvDtype, Runtime};
 
 /// Arguments of `kvplug plan`.
@@ -24,8 +24,8 @@ pub struct Args {
     #[arg(long, default_value_t = 4096)]
     agent_tokens: usize,
     /// The backend to plan for (a loaded plugin's id): how it holds the weights (MXFP4 read
-    /// in place, or re-encoded at load). Without it, the weights count as stored, as the cpu
-    /// backend holds them.
+    /// in place or re-encoded at load, block formats widened to f32). Without it, the
+    /// weights count as stored, as the cpu backend holds them.
     #[arg(long)]
     backend: Option<String>,
     /// One JSON object instead of text.
@@ -34,8 +34,8 @@ pub struct Args {
 }
 
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
-    let reencodes_mxfp4 = match &a.backend {
-        None => false,
+    let holding = match &a.backend {
+        None => Holding::default(),
         Some(id) => {
             let Some(p) = runtime.plugins().iter().find(|p| p.backend_id == *id) else {
                 let loaded: Vec<&str> = runtime
@@ -48,7 +48,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
                     loaded.join(", ")
                 );
             };
-            p.features.iter().any(|f| f == "weights-reencoded=mxfp4")
+            Holding::of(p)
         }
     };
     let p = plan(&PlanOptions {
@@ -56,7 +56,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         budget: a.budget,
         kv_dtype: a.kv_dtype,
         agent_tokens: a.agent_tokens,
-        reencodes_mxfp4,
+        holding,
     })?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
