@@ -430,6 +430,11 @@ impl Generator {
                 continue;
             }
             a.fed = (a.prompt.len() - a.written).min(budget);
+            if a.prompt.len() - (a.written + a.fed) == 1 && a.fed > 1 {
+                // Not a last chunk of one token: read, it looks like a decode step, and a
+                // delta-rule cache would not keep the prompt's end (see `Anchors`).
+                a.fed -= 1;
+            }
             budget -= a.fed;
             let end = a.written + a.fed;
             let wants = end == a.prompt.len() && a.opts.max_tokens > 0;

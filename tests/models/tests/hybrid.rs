@@ -633,6 +633,57 @@ fn qwen35_chat_resumes_at_the_previous_prompt_end() {
     );
 }
 
+/// A prompt one token longer than a prefill micro-batch is not fed as a last chunk of one
+/// token (which reads as a decode step and is not kept as a prompt end): the next turn
+/// resumes at its end all the same.
+#[test]
+fn qwen35_prompt_of_a_micro_batch_and_one_token_keeps_its_end() {
+    use kvplug::{Chat, ChatOptions, Message, Sampler, Text, PREFILL_UBATCH};
+    let dir = tempfile::tempdir().unwrap();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
+        {% if m.role == 'assistant' and not loop.last %}(an earlier answer){% else %}\
+        {{ m.content | trim }}{% endif %}<|im_end|>\n{% endfor %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(template));
+    let text = Text::load(&model).unwrap();
+    let prompt_len = |m: &str| {
+        let rendered = text.render(&[Message::user(m)]).unwrap();
+        text.encode(&rendered).unwrap().len()
+    };
+    // Words added one at a time, then a letter, until the prompt is a micro-batch and one
+    // token long.
+    let want = PREFILL_UBATCH + 1;
+    let mut message = String::from("a");
+    while prompt_len(&format!("{message} a")) <= want {
+        message.push_str(" a");
+    }
+    while prompt_len(&message) < want {
+        message.push('b');
+    }
+    assert_eq!(prompt_len(&message), want, "{message}");
+    let rt = runtime();
+    let opts = ChatOptions {
+        system: None,
+        capacity: 1024,
+        kv_dtype: None,
+        max_tokens: 48,
+        sampler: Sampler::greedy(),
+        session: None,
+        cancel: None,
+        speculate: None,
+    };
+    let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts).unwrap();
+    let first = chat.turn(&message, &mut |_| Ok(())).unwrap();
+    assert_eq!(first.prefilled_tokens, PREFILL_UBATCH + 1);
+    let spares = kvplug_core::config::SPARE_ANCHORS;
+    assert!(first.ids.len() > 3 * spares, "{} tokens", first.ids.len());
+    let second = chat.turn("and again", &mut |_| Ok(())).unwrap();
+    assert_eq!(
+        second.reused_tokens, first.prefilled_tokens,
+        "the second turn resumes where the first prompt ended"
+    );
+}
+
 /// Through the runtime's batches, as the generator sends them: a prompt's earlier chunk and
 /// a chain written again want no logits, its last chunk wants its last row's. Only the
 /// prompt's end is kept as a prompt end, so after more unread chunks than prompt ends are
