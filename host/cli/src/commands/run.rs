@@ -161,21 +161,23 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             Ok(())
         })?
     };
-    let decoded = match &text {
-        Some(t) => Some(t.detokenize(&report.ids)?),
-        None => None,
+    // The text of `ids` (an answer or a branch) and, for a harmony answer, its content and
+    // reasoning apart; `None` without a tokenizer.
+    let answer = |ids: &[i32]| -> Result<Option<(String, Option<kvplug::tools::Parsed>)>> {
+        let Some(t) = &text else { return Ok(None) };
+        let d = t.detokenize(ids)?;
+        let parsed = harmony.then(|| {
+            let complete = ids.last().is_some_and(|i| spec.stop_tokens.contains(i));
+            kvplug::harmony::parse(&d, &[], complete)
+        });
+        Ok(Some((d, parsed)))
     };
-    // A harmony answer: its content and reasoning apart.
-    let parsed = match &decoded {
-        Some(d) if harmony => {
-            let complete = report
-                .ids
-                .last()
-                .is_some_and(|i| spec.stop_tokens.contains(i));
-            Some(kvplug::harmony::parse(d, &[], complete))
-        }
-        _ => None,
+    // What a text shows: a harmony answer's content, else all of it.
+    let shown = |ids: &[i32]| -> Result<Option<String>> {
+        Ok(answer(ids)?.map(|(d, p)| p.map_or(d, |p| p.content)))
     };
+    let (decoded, parsed) = answer(&report.ids)?.unzip();
+    let parsed = parsed.flatten();
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         v["prompt_tokens"] = spec.prompt.len().into();
@@ -194,11 +196,11 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             (None, Some(d)) => v["text"] = d.into(),
             (None, None) => {}
         }
-        if let (Some(t), Some(branches)) = (&text, &report.branches) {
-            let texts: Vec<String> = branches
+        if let (Some(_), Some(branches)) = (&text, &report.branches) {
+            let texts: Vec<Option<String>> = branches
                 .iter()
-                .map(|ids| t.detokenize(ids))
-                .collect::<Result<_, _>>()?;
+                .map(|ids| shown(ids))
+                .collect::<Result<_>>()?;
             v["branch_texts"] = texts.into();
         }
         println!("{}", serde_json::to_string(&v)?);
@@ -206,7 +208,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     }
     match (&decoded, report.mode.as_str()) {
         (Some(_), "decode" | "speculative") => println!(),
-        (Some(d), _) => println!("{d}"),
+        (Some(_), _) => println!("{}", shown(&report.ids)?.unwrap_or_default()),
         (None, _) => {
             let ids: Vec<String> = report.ids.iter().map(|i| i.to_string()).collect();
             println!("ids: {}", ids.join(","));
@@ -215,11 +217,11 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     if let (Some(branches), Some(w)) = (&report.branches, report.winner) {
         for (b, ids) in branches.iter().enumerate() {
             let kept = if b == w { " (kept)" } else { "" };
-            match &text {
-                Some(t) => println!(
+            match shown(ids)? {
+                Some(s) => println!(
                     "--- branch {b}{kept}, {} tokens ---\n{}",
                     ids.len(),
-                    t.detokenize(ids)?.trim_end()
+                    s.trim_end()
                 ),
                 None => println!("branch {b}{kept}: {ids:?}"),
             }
