@@ -1,6 +1,6 @@
 //! Naive scaled-dot-product attention in f64.
 
-use crate::arithmetic::{Arithmetic, QUERY_BLOCK};
+use crate::arithmetic::{Arithmetic, QUERY_BLOCK, WEIGHT_CODES};
 
 /// Shapes of one attention call. q and the output are `[n_q_heads, n_tok, head_dim]`;
 /// k and v are `[n_kv_heads, read_len, head_dim]`. Query head `h` reads KV head
@@ -91,7 +91,11 @@ pub struct Attention {
 ///
 /// [`Arithmetic::Int8Query`] replaces the `γ(D + 2)` term of `δ_j` by
 /// [`int8_query_score_error`] (times `scale`): the query's quantization error and the f32
-/// roundings of the block arithmetic; the rest is unchanged. Every bound is at least the
+/// roundings of the block arithmetic; the rest is unchanged.
+/// [`Arithmetic::Int8QueryI16Values`] has those scores, and its value sum splits each value
+/// into `lo + σ·c`, whose terms may exceed `|v|`: the sums' term counts `v_j`'s
+/// [`value_span`] beside `|v_j|` (`γ(n + 8)`: the codes' scale, its product and the
+/// conversion add roundings), and [`i16_value_error`] is added. Every bound is at least the
 /// f32 one, so a kernel may always compute more exactly than it declares.
 pub fn attend(
     dims: AttnDims,
@@ -144,10 +148,7 @@ pub fn attend_sinks(
         let kh = h / group;
         for i in 0..t {
             let qrow = &q[(h * t + i) * d..][..d];
-            let half_steps = match arithmetic {
-                Arithmetic::F32 => None,
-                Arithmetic::Int8Query => Some(int8_half_steps(qrow)),
-            };
+            let half_steps = arithmetic.int8_query().then(|| int8_half_steps(qrow));
             // (key, score, its error) of every visible key, then the sink (no key: value 0).
             let mut scores: Vec<(Option<usize>, f64, f64)> = (0..l)
                 .filter(|&j| mask.visible(i, j, t, l))
@@ -184,7 +185,24 @@ pub fn attend_sinks(
                 })
                 .collect();
             let rho_max = rho.iter().copied().fold(0.0, f64::max);
-            let sum_gamma = gamma(scores.len() + 4);
+            let i16_values = arithmetic.i16_values();
+            let sum_gamma = gamma(scores.len() + if i16_values { 8 } else { 4 });
+            // Each key's value span where the values are split into `lo + σ·c` (0 for the
+            // sink, whose value is no row).
+            let spans: Vec<f64> = scores
+                .iter()
+                .map(|s| match s.0 {
+                    Some(j) if i16_values => value_span(&v[(kh * l + j) * d..][..d]),
+                    _ => 0.0,
+                })
+                .collect();
+            let codes = if i16_values {
+                let keys = scores.iter().zip(&weights).zip(rho.iter().zip(&spans));
+                let w = keys.filter(|((s, _), _)| s.0.is_some());
+                i16_value_error(w.map(|((_, w), (r, span))| (w * (1.0 + r), *span)), total)
+            } else {
+                0.0
+            };
             let row = (h * t + i) * d;
             for e in 0..d {
                 let vs = |j: Option<usize>| j.map_or(0.0, |j| v[(kh * l + j) * d + e]);
@@ -194,18 +212,54 @@ pub fn attend_sinks(
                     .map(|(s, w)| w / total * vs(s.0))
                     .sum();
                 let (mut shift, mut mass) = (0.0, 0.0);
-                for ((s, w), r) in scores.iter().zip(&weights).zip(&rho) {
+                for (((s, w), r), span) in scores.iter().zip(&weights).zip(&rho).zip(&spans) {
                     let (wn, x) = (w / total, vs(s.0));
                     shift += wn * r * (x - o).abs();
-                    mass += wn * x.abs();
+                    mass += wn * (x.abs() + span);
                 }
                 out[row + e] = o;
                 bound[row + e] =
-                    (shift + sum_gamma * (mass + o.abs())) / (1.0 - rho_max - sum_gamma);
+                    (shift + sum_gamma * (mass + o.abs()) + codes) / (1.0 - rho_max - sum_gamma);
             }
         }
     }
     Attention { out, bound }
+}
+
+/// A bound on `σ·L` (a quantized group's scale times its top code, `L = 2^bits − 1`) and on
+/// `2·|lo|` of every group of the stored value row `v` (dequantized), whatever its bits
+/// (4 or 8) and groups: `2.21·max|v| + 2⁻¹⁶`.
+///
+/// With `x` the values the row was quantized from ([`crate::quant`]): `σ·L` is the f32
+/// difference `hi − lo ≤ 2·max|x|` times `f32(1/L)`, rounded to f16 (relative `2⁻¹¹`, or
+/// `2⁻²⁵` absolute below f16's normal range), times `L`: at most `2.002·max|x| + 2⁻¹⁷`. Each
+/// `x` is within `0.625·σ + 2⁻¹¹·|x|` of its dequantized value (half a step, the top
+/// code's clamp at most `L·σ·2⁻¹¹` more, the minimum's f16 rounding), so with `L >= 15`,
+/// `max|x| <= 1.092·max|v| + 2⁻¹⁹`, and `|lo| <= (1 + 2⁻¹¹)·max|x| + 2⁻²⁵`.
+pub fn value_span(v: &[f64]) -> f64 {
+    2.21 * v.iter().fold(0.0f64, |m, x| m.max(x.abs())) + 2f64.powi(-16)
+}
+
+/// How far [`Arithmetic::Int8QueryI16Values`]'s weight codes may move each output value of
+/// a query row, for its visible keys' `(weight, span)`: weights in any common unit (times
+/// `1 + ρ` for their rounding, as [`attend`] derives it), spans by [`value_span`]; `z` is
+/// the softmax's total in the same unit (sinks included):
+///
+/// `0.52 · n · max_j(w_j·span_j) / (32767 · z)`.
+///
+/// A key's code `e`, `u` times the f32 `32767 / max u` rounded once more, is within
+/// `½ + 32767·3u` of `u / r` (`r = max u / 32767`, itself rounded once), so `r·e` is within
+/// `0.51·r` of `u` and its term `e·c` is off by at most `0.51·r·L` (`c <= L`); `r` is the
+/// run's largest `p·σ` over 32767, with f32 roundings (`<= 0.52` all told), and
+/// `σ·L <= span`. Every key's run lies among the visible keys, so the largest `w·span` of
+/// all of them bounds each run's, whatever runs the kernel chose.
+pub fn i16_value_error(keys: impl Iterator<Item = (f64, f64)>, z: f64) -> f64 {
+    let (mut n, mut widest) = (0usize, 0.0f64);
+    for (w, span) in keys {
+        n += 1;
+        widest = widest.max(w * span);
+    }
+    0.52 * n as f64 * widest / (WEIGHT_CODES as f64 * z)
 }
 
 /// Per value of a query row, how far [`Arithmetic::Int8Query`] may move it: `h =
@@ -344,11 +398,88 @@ mod tests {
     /// A kernel's `q·k` for one query row and key row, in f32.
     type Dot<'a> = &'a dyn Fn(&[f64], &Key) -> f32;
 
-    /// Runs a naive f32 kernel (scores by `dot`, `f32::exp`, naive sums) over 200 random
-    /// causal cases with outlier key channels, keys quantized to q4 in groups of 32 when
-    /// `quantized`; returns the largest ratio of an error to `arithmetic`'s bound and the
-    /// widest bound.
+    /// How the test kernel sums the values.
+    #[derive(Clone, Copy)]
+    enum Values {
+        /// Raw values, naive f32 sums.
+        F32,
+        /// Values quantized to `bits` in groups of 32, summed as
+        /// [`Arithmetic::Int8QueryI16Values`] declares in runs of `run` keys, each run's
+        /// integer sum scaled by `r·r_error` (1 when right), codes up to `codes`.
+        I16 {
+            bits: u32,
+            run: usize,
+            r_error: f32,
+            codes: f32,
+        },
+    }
+
+    impl Values {
+        const Q8: Values = Values::I16 {
+            bits: 8,
+            run: 64,
+            r_error: 1.0,
+            codes: WEIGHT_CODES as f32,
+        };
+    }
+
+    /// `Σ p_j·v_j` of element `c` over `keys` (weights `p`), as `values` says.
+    fn value_sum(values: Values, p: &[f32], keys: &[&Key], c: usize) -> f32 {
+        let Values::I16 {
+            run,
+            r_error,
+            codes,
+            ..
+        } = values
+        else {
+            return p
+                .iter()
+                .zip(keys)
+                .fold(0f32, |a, (w, k)| a + w * k.values[c] as f32);
+        };
+        let g = c / 32;
+        let mut num = 0f32;
+        for (p, keys) in p.chunks(run).zip(keys.chunks(run)) {
+            let u: Vec<f32> = p
+                .iter()
+                .zip(keys)
+                .map(|(p, k)| p * k.groups[g].scale as f32)
+                .collect();
+            let r = u.iter().copied().fold(0f32, f32::max) / codes;
+            let acc: i64 = u
+                .iter()
+                .zip(keys)
+                .map(|(&u, k)| {
+                    let e = if r == 0.0 { 0 } else { (u / r).round() as i64 };
+                    e * k.groups[g].codes[c % 32] as i64
+                })
+                .sum();
+            assert!(acc < 1 << 31, "the i32 sum overflows");
+            let lo = p
+                .iter()
+                .zip(keys)
+                .fold(0f32, |a, (p, k)| a + p * k.groups[g].lo as f32);
+            num += r * r_error * acc as f32 + lo;
+        }
+        num
+    }
+
+    /// Runs a naive f32 kernel (scores by `dot`, `f32::exp`, naive sums, or `values`) over
+    /// 200 random causal cases with outlier key channels, keys quantized to q4 in groups of
+    /// 32 when `quantized`; returns the largest ratio of an error to `arithmetic`'s bound
+    /// and the widest bound.
     fn largest_ratio(arithmetic: Arithmetic, quantized: bool, dot: Dot<'_>) -> (f64, f64) {
+        largest_ratio_with(arithmetic, quantized, dot, Values::F32)
+    }
+
+    /// [`largest_ratio`] with the values summed as `values` says (over 700 keys at most,
+    /// to span runs).
+    fn largest_ratio_with(
+        arithmetic: Arithmetic,
+        quantized: bool,
+        dot: Dot<'_>,
+        values: Values,
+    ) -> (f64, f64) {
         let mut state = 7u64;
         let mut next = move || {
             state = state
@@ -359,7 +490,17 @@ mod tests {
         let mut worst_ratio = 0.0f64;
         let mut widest = 0.0f64;
         for case in 0..200 {
-            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % 90, [8, 64, 128][case % 3]);
+            let most = if matches!(values, Values::F32) {
+                90
+            } else {
+                700
+            };
+            let sizes = if matches!(values, Values::F32) {
+                [8, 64, 128]
+            } else {
+                [32, 64, 128]
+            };
+            let (t, l, d) = (1 + case % 4, 1 + (case * 7) % most, sizes[case % 3]);
             let dims = AttnDims {
                 n_q_heads: 2,
                 n_kv_heads: 1,
@@ -388,7 +529,24 @@ mod tests {
                 })
                 .collect();
             let k: Vec<f64> = keys.iter().flat_map(|r| r.values.clone()).collect();
-            let v: Vec<f64> = (0..l * d).map(|_| f32v(next())).collect();
+            let rows: Vec<Key> = (0..l)
+                .map(|_| {
+                    let Values::I16 { bits, .. } = values else {
+                        return Key {
+                            values: (0..d).map(|_| f32v(next())).collect(),
+                            groups: Vec::new(),
+                        };
+                    };
+                    let raw: Vec<f64> = (0..d).map(|e| f32v(next() * outlier(e + 7))).collect();
+                    let groups: Vec<QuantGroup> =
+                        raw.chunks(32).map(|g| quantize_group(g, bits)).collect();
+                    Key {
+                        values: groups.iter().flat_map(dequantize_group).collect(),
+                        groups,
+                    }
+                })
+                .collect();
+            let v: Vec<f64> = rows.iter().flat_map(|r| r.values.clone()).collect();
             let scale = 1.0 / (d as f64).sqrt();
             let want = attend(dims, &q, &k, &v, scale, RefMask::Causal, arithmetic);
             for h in 0..2 {
@@ -402,11 +560,9 @@ mod tests {
                     let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
                     let z: f32 = e.iter().sum();
+                    let seen: Vec<&Key> = visible.iter().map(|&j| &rows[j]).collect();
                     for c in 0..d {
-                        let num = visible
-                            .iter()
-                            .zip(&e)
-                            .fold(0f32, |a, (&j, w)| a + w * v[j * d + c] as f32);
+                        let num = value_sum(values, &e, &seen, c);
                         let got = if visible.is_empty() {
                             0.0
                         } else {
@@ -482,6 +638,76 @@ mod tests {
         // The f32 kernel on the same quantized keys is inside the int8 bound too.
         let (exact, _) = largest_ratio(Arithmetic::Int8Query, true, &f32_dot);
         assert!(exact <= 1.0);
+    }
+
+    /// An i16-values kernel on q8 and q4 values stays inside its declared bound, and outside
+    /// the int8-query one (undeclared i16 weights fail); with a code scale 1% off, or 8-bit
+    /// weight codes, it fails its own.
+    #[test]
+    fn an_i16_values_kernel_stays_inside_its_bound_and_only_its_own() {
+        let a = Arithmetic::Int8QueryI16Values;
+        let int8 = |q: &[f64], k: &Key| int8_dot(q, k, 1.0);
+        for bits in [8, 4] {
+            let values = Values::I16 {
+                bits,
+                run: 64,
+                r_error: 1.0,
+                codes: WEIGHT_CODES as f32,
+            };
+            let (worst, _) = largest_ratio_with(a, true, &int8, values);
+            assert!(worst <= 1.0, "q{bits}: an error exceeds its bound: {worst}");
+            assert!(
+                worst > 1e-3,
+                "q{bits}: the bound is never approached: {worst}"
+            );
+        }
+        // Runs of the most keys a run may hold.
+        let longest = Values::I16 {
+            bits: 8,
+            run: crate::arithmetic::VALUE_RUN,
+            r_error: 1.0,
+            codes: WEIGHT_CODES as f32,
+        };
+        let (worst, _) = largest_ratio_with(a, true, &int8, longest);
+        assert!(
+            worst <= 1.0,
+            "runs of {}: {worst}",
+            crate::arithmetic::VALUE_RUN
+        );
+        let (undeclared, _) = largest_ratio_with(Arithmetic::Int8Query, true, &int8, Values::Q8);
+        assert!(
+            undeclared > 1.0,
+            "the int8-query bound admits i16 weights: {undeclared}"
+        );
+        let off = Values::I16 {
+            bits: 8,
+            run: 64,
+            r_error: 1.01,
+            codes: WEIGHT_CODES as f32,
+        };
+        let (off, _) = largest_ratio_with(a, true, &int8, off);
+        assert!(off > 1.0, "a code scale 1% off passes: {off}");
+        let coarse = Values::I16 {
+            bits: 8,
+            run: 64,
+            r_error: 1.0,
+            codes: 255.0,
+        };
+        let (coarse, _) = largest_ratio_with(a, true, &int8, coarse);
+        assert!(coarse > 1.0, "8-bit weight codes pass: {coarse}");
+        // The f32 value sum on the same quantized values is inside the i16 bound too.
+        let (exact, _) = largest_ratio_with(
+            a,
+            true,
+            &int8,
+            Values::I16 {
+                bits: 8,
+                run: 1,
+                r_error: 1.0,
+                codes: WEIGHT_CODES as f32,
+            },
+        );
+        assert!(exact <= 1.0, "{exact}");
     }
 
     #[test]

@@ -11,8 +11,8 @@ mod recurrent;
 mod rows;
 
 pub use attention::{
-    attend, attend_sinks, exp_rel_error, gamma, int8_half_steps, int8_query_score_error, Attention,
-    AttnDims, RefMask, F32_UNIT_ROUNDOFF,
+    attend, attend_sinks, exp_rel_error, gamma, i16_value_error, int8_half_steps,
+    int8_query_score_error, value_span, Attention, AttnDims, RefMask, F32_UNIT_ROUNDOFF,
 };
 pub use cache::{store_rounded, RefCache, RefRows};
 pub use cells::{CellModel, RefPlan};
