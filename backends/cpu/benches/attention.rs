@@ -247,7 +247,8 @@ unsafe fn dot_chains_256() {
 }
 
 /// One decode step at window L: rewind to L-1 and decode position L-1, in each arithmetic
-/// the cache has: f32 named by the dtype, others `q8+int8-query`.
+/// the cache has: f32 named by the dtype, others `q8+int8-query` (but int8-query-i16-values,
+/// whose decode steps are int8-query's: it codes weights only for more rows than a block).
 fn decode(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("decode");
     g.sample_size(20)
@@ -258,7 +259,8 @@ fn decode(cr: &mut Criterion) {
             let mut c = filled(CacheKind::Contiguous, l, dtype);
             let mut io = Io::new(1);
             let p = [(l - 1) as i32];
-            for arithmetic in c.arithmetics() {
+            let arithmetics = c.arithmetics().into_iter().filter(|a| !a.i16_values());
+            for arithmetic in arithmetics {
                 c.set_arithmetic(arithmetic).unwrap();
                 let name = match arithmetic {
                     Arithmetic::F32 => dtype.to_string(),
@@ -276,8 +278,20 @@ fn decode(cr: &mut Criterion) {
     g.finish();
 }
 
+/// The arithmetics the fork and tree benches run a cache in, with the names they go by:
+/// its default (named by the dtype), then int8-query-i16-values where it has it.
+fn step_arithmetics(c: &KitCache<CpuDevice>, dtype: KvDtype) -> Vec<(Arithmetic, String)> {
+    let all = c.arithmetics();
+    let i16 = Arithmetic::Int8QueryI16Values;
+    let mut runs = vec![(c.arithmetic(), dtype.to_string())];
+    if all.contains(&i16) {
+        runs.push((i16, format!("{dtype}+{i16}")));
+    }
+    runs
+}
+
 /// Seq cache: `n` branches sharing a 2048-token trunk, one decode step for all of them, in
-/// f16 and q8 (each in the cache's default arithmetic).
+/// f16 and q8 (each in the cache's default arithmetic, and q8 in int8-query-i16-values).
 fn fork(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("fork_step");
     g.sample_size(20)
@@ -288,30 +302,33 @@ fn fork(cr: &mut Criterion) {
         for b in 1..=4 {
             c.seq_cp(0, b, PosRange::ALL).unwrap();
         }
-        for n in [1usize, 4] {
-            let seqs: Vec<i32> = (1..=n as i32).collect();
-            let pos = vec![2048; n];
-            let mut io = Io::new(n);
-            g.bench_with_input(
-                BenchmarkId::new(format!("{dtype}/branches"), n),
-                &n,
-                |b, _| {
-                    b.iter(|| {
-                        c.begin_step(&seqs).unwrap();
-                        io.step(&mut c, &pos);
-                        for &s in &seqs {
-                            c.seq_rm(s, PosRange::new(Some(2048), None)).unwrap();
-                        }
-                    })
-                },
-            );
+        for (arithmetic, name) in step_arithmetics(&c, dtype) {
+            c.set_arithmetic(arithmetic).unwrap();
+            for n in [1usize, 4] {
+                let seqs: Vec<i32> = (1..=n as i32).collect();
+                let pos = vec![2048; n];
+                let mut io = Io::new(n);
+                g.bench_with_input(
+                    BenchmarkId::new(format!("{name}/branches"), n),
+                    &n,
+                    |b, _| {
+                        b.iter(|| {
+                            c.begin_step(&seqs).unwrap();
+                            io.step(&mut c, &pos);
+                            for &s in &seqs {
+                                c.seq_rm(s, PosRange::new(Some(2048), None)).unwrap();
+                            }
+                        })
+                    },
+                );
+            }
         }
     }
     g.finish();
 }
 
 /// Tree verify of 16 nodes vs a 1-token decode at L = 2048, in f16 and q8 (each in the
-/// cache's default arithmetic).
+/// cache's default arithmetic, and q8 in int8-query-i16-values).
 fn tree_verify(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("tree_verify");
     g.sample_size(20)
@@ -329,22 +346,25 @@ fn tree_verify(cr: &mut Criterion) {
     let pos: Vec<i32> = (0..16).map(|n| 2048 + depth(n)).collect();
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
         let mut c = filled(CacheKind::Tree, 2048, dtype);
-        let mut io = Io::new(16);
-        g.bench_function(format!("{dtype}/nodes_16"), |b| {
-            b.iter(|| {
-                c.propose(&parents).unwrap();
-                io.step(&mut c, &pos);
-                c.commit(&[]).unwrap();
-            })
-        });
         let mut d = filled(CacheKind::Contiguous, 2049, dtype);
-        let mut one = Io::new(1);
-        g.bench_function(format!("{dtype}/decode_1"), |b| {
-            b.iter(|| {
-                d.rewind(2048).unwrap();
-                one.step(&mut d, &[2048]);
-            })
-        });
+        let (mut io, mut one) = (Io::new(16), Io::new(1));
+        for (arithmetic, name) in step_arithmetics(&c, dtype) {
+            c.set_arithmetic(arithmetic).unwrap();
+            d.set_arithmetic(arithmetic).unwrap();
+            g.bench_function(format!("{name}/nodes_16"), |b| {
+                b.iter(|| {
+                    c.propose(&parents).unwrap();
+                    io.step(&mut c, &pos);
+                    c.commit(&[]).unwrap();
+                })
+            });
+            g.bench_function(format!("{name}/decode_1"), |b| {
+                b.iter(|| {
+                    d.rewind(2048).unwrap();
+                    one.step(&mut d, &[2048]);
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -247,7 +247,7 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
 
     writeln!(
         md,
-        "\n{h} Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
+        "\n{h} Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2), and in int8-query-i16-values (the values summed against i16 weight codes, `vpdpwssd` or `vpmaddwd`; its floor is not measured). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
     )
     .unwrap();
     writeln!(
@@ -257,14 +257,22 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
     .unwrap();
     // q8 runs in its default arithmetic: int8-query where the decode bench found it.
     let q8_int8 = lv.mean(&int8(KvDtype::Q8_DEFAULT, 512)).is_some();
-    for (dtype, int8) in [("f16", false), ("q8", q8_int8)] {
+    // (row, bench name, the floor's score arithmetic: None where no floor is measured).
+    let mut steps = vec![("f16", "f16", Some(false)), ("q8", "q8", Some(q8_int8))];
+    let i16 = "q8+int8-query-i16-values";
+    if lv.mean(&format!("fork_step/{i16}_branches/1")).is_some() {
+        steps.push(("q8 int8-query-i16-values", i16, None));
+    }
+    for &(row, dtype, int8) in &steps {
         let one = lv.need(&format!("fork_step/{dtype}_branches/1"));
         let four = lv.need(&format!("fork_step/{dtype}_branches/4"));
         // The trunk's rows only: a floor still.
-        let floor = floor_and_ratio(peaks, 4 * HQ * 2048, int8, one);
+        let floor = int8.map_or("– | –".into(), |int8| {
+            floor_and_ratio(peaks, 4 * HQ * 2048, int8, one)
+        });
         writeln!(
             md,
-            "| {dtype} | {:.1} | {:.1} | **{:.2}×** | {floor} |",
+            "| {row} | {:.1} | {:.1} | **{:.2}×** | {floor} |",
             one * 1e6,
             four * 1e6,
             four / one,
@@ -274,13 +282,15 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
 
     writeln!(md, "\n{h} Tree verify (L = 2048)\n\n\"floor / decode\" is the least tree / decode this machine's arithmetic allows against the decode time as measured: the 16 nodes' multiply-adds (committed rows only) at the measured peak.\n").unwrap();
     writeln!(md, "| KV dtype | 16-node tree, one step (µs) | 1-token decode (µs) | tree / decode | tree's compute floor (µs) | floor / decode |\n|---|---|---|---|---|---|").unwrap();
-    for (dtype, int8) in [("f16", false), ("q8", q8_int8)] {
+    for &(row, dtype, int8) in &steps {
         let tree = lv.need(&format!("tree_verify/{dtype}_nodes_16"));
         let dec = lv.need(&format!("tree_verify/{dtype}_decode_1"));
-        let floor = floor_and_ratio(peaks, 16 * HQ * 2048, int8, dec);
+        let floor = int8.map_or("– | –".into(), |int8| {
+            floor_and_ratio(peaks, 16 * HQ * 2048, int8, dec)
+        });
         writeln!(
             md,
-            "| {dtype} | {:.1} | {:.1} | **{:.2}×** | {floor} |",
+            "| {row} | {:.1} | {:.1} | **{:.2}×** | {floor} |",
             tree * 1e6,
             dec * 1e6,
             tree / dec,

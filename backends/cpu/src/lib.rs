@@ -56,8 +56,9 @@ impl Device for CpuDevice {
     /// its int8 scores are used for `head_dim` a multiple of 64, with VNNI where the CPU has
     /// AVX-512): int8-query scores first (the default: `kvplug bench -p 0 -n 32 -d 4096`
     /// measured it 1.08–1.18× f32's decode on SmolLM2 with q8 KV, and its next-token
-    /// agreement with f16 KV is within a few positions of f32's, BENCH.md), then f32.
-    /// Otherwise f32 alone.
+    /// agreement with f16 KV is within a few positions of f32's, BENCH.md), then those
+    /// scores with the value sum in i16 weight codes (for fork and tree steps, whose many
+    /// query rows share each value row), then f32. Otherwise f32 alone.
     fn arithmetics(&self, dtype: KvDtype) -> Vec<Arithmetic> {
         let grouped = match dtype {
             KvDtype::Q8 { group } | KvDtype::Q4 { group } => {
@@ -66,7 +67,11 @@ impl Device for CpuDevice {
             _ => false,
         };
         if grouped && simd::vector_path() {
-            vec![Arithmetic::Int8Query, Arithmetic::F32]
+            vec![
+                Arithmetic::Int8Query,
+                Arithmetic::Int8QueryI16Values,
+                Arithmetic::F32,
+            ]
         } else {
             Vec::new()
         }

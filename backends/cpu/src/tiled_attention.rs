@@ -35,8 +35,10 @@ use crate::simd::{fast_exp, sink_weight};
 use crate::tensor::CpuTensor;
 use crate::workers::{DisjointChunks, Workers};
 
+mod i16_values;
 mod int8_query;
 
+use i16_values::ValueTile;
 use int8_query::{KeyTile, QueryCodes};
 
 /// Rows per tile: 64 f16 rows of 128 values (16 KiB) stay in L1 while the tile is swept.
@@ -420,6 +422,8 @@ pub struct TileScratch {
     /// calls only).
     query: QueryCodes,
     keys: KeyTile,
+    /// The tile's values staged for the integer value sum (int8-query-i16-values calls).
+    values: ValueTile,
 }
 
 /// Sums of 8 vectors, in order.
@@ -510,6 +514,14 @@ trait Lanes {
         n: usize,
         kend: usize,
     );
+    /// `out += p · V` in the int8-query-i16-values arithmetic (see
+    /// [`i16_values::values_avx512`]).
+    unsafe fn i16_values<const M: usize>(
+        blk: &Block<'_>,
+        vt: &ValueTile,
+        p: &[f32],
+        out: &mut [f32],
+    );
     /// The int8-query scores at this width (see [`int8_query::scores_avx512`]).
     unsafe fn int8_scores<const M: usize>(
         blk: &Block<'_>,
@@ -532,7 +544,7 @@ trait Lanes {
 macro_rules! lanes {
     ($width:ident, $v:ty, $n:literal, $block:literal, $features:literal, $row:ident,
      $zero:ident, $set1:ident, $load:ident, $store:ident, $add:ident, $fmadd:ident,
-     $stage:ident, $int8_scores:ident,
+     $stage:ident, $int8_scores:ident, $i16_values:ident,
      $($own:item),+ $(,)?) => {
         impl Lanes for $width {
             type V = $v;
@@ -582,6 +594,15 @@ macro_rules! lanes {
             ) {
                 int8_query::$int8_scores::<M>(blk, qc, kt, p)
             }
+            #[inline(always)]
+            unsafe fn i16_values<const M: usize>(
+                blk: &Block<'_>,
+                vt: &ValueTile,
+                p: &[f32],
+                out: &mut [f32],
+            ) {
+                i16_values::$i16_values::<M>(blk, vt, p, out)
+            }
             $($own)*
             #[inline(never)]
             #[target_feature(enable = $features)]
@@ -628,6 +649,7 @@ lanes!(
     _mm256_fmadd_ps,
     stage_avx2,
     scores_avx2,
+    values_avx2,
     #[inline(always)]
     unsafe fn sums(acc: [[__m256; 8]; 2], n: usize, scale: f32, out: &mut [f32; 16]) {
         for (i, a) in acc.into_iter().enumerate() {
@@ -666,6 +688,7 @@ lanes!(
     // Need AVX-512 VNNI too, which `attend` checks before it asks for int8 scores.
     stage_avx512,
     scores_avx512,
+    values_avx512,
     /// A tree of 512-bit shuffles and adds (15 merges of two registers for 16 slots, 7
     /// for 8), all EVEX-encoded: the accumulators may live in any of the 32 registers.
     #[inline(always)]
@@ -773,6 +796,8 @@ struct Part<'a> {
     /// groups of a multiple of 32, `d` a multiple of 64 and, at 512-bit width, a CPU with
     /// VNNI.
     int8: bool,
+    /// And the values summed in i16 weight codes ([`i16_values`]; only with `int8`).
+    i16: bool,
 }
 
 /// Accumulates `softmax(q·Kᵀ·scale)·V` for `part` into `out`, leaving `out` unnormalized and
@@ -798,6 +823,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
         vis,
         scale,
         int8,
+        i16,
     } = part;
     debug_assert!(d.is_multiple_of(2 * L::N) && q.len().is_multiple_of(d));
     debug_assert!(out.len() == q.len());
@@ -809,6 +835,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     s.sum.resize(rows, 0.0);
     out.fill(0.0);
     let (mut query, mut ktile) = (std::mem::take(&mut s.query), std::mem::take(&mut s.keys));
+    let mut vtile = std::mem::take(&mut s.values);
     if let Some(kq) = k.as_quant().filter(|_| int8) {
         query.quantize(q, d, kq.group, kq.bits == 4);
     }
@@ -824,6 +851,9 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 .as_quant()
                 .expect("quantized keys come with quantized values");
             L::stage_keys(&mut ktile, kq, vq, j0, n, keys.end);
+            if i16 {
+                vtile.stage(vq, j0, n);
+            }
         }
         let block = if int8 { L::INT8_BLOCK } else { L::BLOCK };
         for b0 in (0..rows).step_by(block) {
@@ -846,6 +876,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 first,
                 vis,
                 int8: int8.then_some((&query, &ktile)),
+                i16: i16.then_some(&vtile),
                 kend: keys.end,
             };
             // The first block of a tile asks for the V rows as it reads their K rows: the
@@ -866,7 +897,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             }
         }
     }
-    (s.query, s.keys) = (query, ktile);
+    (s.query, s.keys, s.values) = (query, ktile, vtile);
 }
 
 /// Divides each row of `out` (`[rows, d]`) by its softmax sum, plus its sink's weight
@@ -928,6 +959,8 @@ struct Block<'a> {
     /// The part's query rows in int8 and the tile's keys staged for them, where the scores
     /// use them.
     int8: Option<(&'a QueryCodes, &'a KeyTile)>,
+    /// The tile's values staged for the integer value sum, where it is used.
+    i16: Option<&'a ValueTile>,
     /// The end of the part's key rows.
     kend: usize,
 }
@@ -978,8 +1011,12 @@ impl Block<'_> {
                 }
             }
         }
-        if any {
-            self.values::<L, M, V>(v, &s.p, out);
+        match self.i16 {
+            // SAFETY: `i16` is set only with `int8`, whose width contract it shares; the
+            // tile's rows past `nb` hold weight 0.
+            Some(vt) if any => L::i16_values::<M>(&self, vt, &s.p, out),
+            _ if any => self.values::<L, M, V>(v, &s.p, out),
+            _ => {}
         }
     }
 
@@ -1305,7 +1342,7 @@ pub fn attend(
     };
     // Int8-query scores at the first width that has them, else f32 at the first that applies.
     let int8_at = |w: Width| {
-        arithmetic == Arithmetic::Int8Query
+        arithmetic.int8_query()
             && (w == Width::Avx2 || crate::simd::vnni_path())
             && d.is_multiple_of(2 * QUERY_BLOCK)
             && matches!(views(0, w), Some(HeadViews::Quant(k, _)) if k.group.is_multiple_of(QUERY_BLOCK))
@@ -1315,6 +1352,10 @@ pub fn attend(
         return false;
     };
     let int8 = int8_width.is_some();
+    // Values against i16 weight codes where rows share them: for one block of rows (a
+    // decode step) coding the weights costs more than it saves (fork step, 1 branch:
+    // 340 against 310 µs), so those rows sum in f32, more exactly than declared.
+    let i16 = int8 && arithmetic.i16_values() && rows > Avx2::INT8_BLOCK;
     let split = Split::plan(hkv, rows, l, hq * t * l * d, parallel_min);
     let parts = split.parts(rows, l);
     tiles.resize_with(hkv * parts, TileScratch::default);
@@ -1339,6 +1380,7 @@ pub fn attend(
             vis,
             scale,
             int8,
+            i16,
         };
         // SAFETY: the views were built for this CPU and width and hold l rows of d.
         unsafe {

@@ -635,6 +635,7 @@ mod tests {
                 l: nb,
             },
             int8: None,
+            i16: None,
             kend: nb,
         };
         match width {

@@ -1,0 +1,374 @@
+//! The value sum in the [`Arithmetic::Int8QueryI16Values`](kvplug_core::Arithmetic)
+//! arithmetic, for quantized values (`lo + σ·c` per group): each tile (one run of at most
+//! [`TILE`] keys) has its value codes staged once as pairs of keys ([`ValueTile`]: 32-bit
+//! lane `d` of pair `p` holds `c[2p][d] | c[2p + 1][d] << 16`), shared by every query row
+//! of the tile; per block row and value group the weights times the scales are coded to
+//! i16 (`u = p·σ`, `e = round(u·(32767 / max u))`, `r = max u / 32767`), and one `vpdpwssd`
+//! (AVX2: `vpmaddwd` and an add) multiplies a broadcast pair of codes with 16 (8) values of
+//! both keys at once, summing exactly in i32. Each block row then adds `r·Σ e·c` and
+//! `Σ p·lo` (f32) to its output. Both widths give the same sums, bit for bit.
+
+use std::arch::x86_64::*;
+
+use kvplug_core::arithmetic::WEIGHT_CODES;
+
+use super::{Block, QuantRows, TILE};
+
+/// Value groups a row may have ([`QuantRows`] holds up to 512 values in groups of 32).
+const MAX_GROUPS: usize = 16;
+
+/// A tile's value rows staged for the integer value sum.
+#[derive(Default)]
+pub struct ValueTile {
+    /// `[pair, d]`: the codes of keys `2p` and `2p + 1` of the tile, as i16 pairs (0 past
+    /// the tile's last key).
+    pairs: Vec<i32>,
+    /// `[group, TILE]`: each key's scale and offset per group (0 past the last key).
+    scales: Vec<f32>,
+    los: Vec<f32>,
+    /// Keys in the tile, values per row and per group.
+    n: usize,
+    d: usize,
+    group: usize,
+}
+
+impl ValueTile {
+    /// Stages rows `[j0, j0 + n)` of `v` (the view [`super::RowView::for_tile`] made for
+    /// them: their groups' scales and offsets widened).
+    ///
+    /// # Safety
+    /// AVX2 is present, `v`'s groups are a multiple of 32 values and `n <= TILE`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn stage(&mut self, v: &QuantRows, j0: usize, n: usize) {
+        debug_assert!(n <= TILE && v.group.is_multiple_of(32) && v.ng <= MAX_GROUPS);
+        let d = v.d;
+        (self.n, self.d, self.group) = (n, d, v.group);
+        let pairs = n.div_ceil(2);
+        self.pairs.resize(pairs * d, 0);
+        for p in 0..pairs {
+            let (a, b) = (j0 + 2 * p, j0 + 2 * p + 1);
+            for c in (0..d).step_by(16) {
+                let ca = v.codes(a, c, 16);
+                let cb = match 2 * p + 1 < n {
+                    true => v.codes(b, c, 16),
+                    false => _mm_setzero_si128(),
+                };
+                // Bytes a0 b0 a1 b1 …, widened to i16: lane i of 32 bits is (a_i, b_i).
+                let lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(ca, cb));
+                let hi = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(ca, cb));
+                let at = self.pairs.as_mut_ptr().add(p * d + c) as *mut __m256i;
+                _mm256_storeu_si256(at, lo);
+                _mm256_storeu_si256(at.add(1), hi);
+            }
+        }
+        self.scales.clear();
+        self.scales.resize(v.ng * TILE, 0.0);
+        self.los.clear();
+        self.los.resize(v.ng * TILE, 0.0);
+        for jj in 0..n {
+            for g in 0..v.ng {
+                let gr = v.staged.add((jj * v.ng + g) * 2);
+                self.scales[g * TILE + jj] = *gr;
+                self.los[g * TILE + jj] = *gr.add(1);
+            }
+        }
+    }
+}
+
+/// One block row's weights in one group, coded: its codes' scale `r` and the f32 `Σ p·lo`.
+#[derive(Clone, Copy, Default)]
+struct Coded {
+    r: f32,
+    lo: f32,
+}
+
+/// Codes the weights `p` of one block row for group `g` of `vt` into `codes` (`codes[p]`
+/// the i16 pair of keys `2p, 2p + 1`): its first `nb` keys (`p` holds 0 from `nb` to the
+/// next multiple of 8), the codes of the others 0.
+#[inline(always)]
+unsafe fn code(
+    vt: &ValueTile,
+    p: &[f32],
+    nb: usize,
+    g: usize,
+    codes: &mut [i32; TILE / 2],
+) -> Coded {
+    let (sc, lo) = (&vt.scales[g * TILE..][..TILE], &vt.los[g * TILE..][..TILE]);
+    let mut u = [_mm256_setzero_ps(); TILE / 8];
+    let (mut max, mut los) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let chunks = nb.div_ceil(8);
+    for (i, u) in u.iter_mut().enumerate().take(chunks) {
+        let w = _mm256_loadu_ps(p.as_ptr().add(8 * i));
+        *u = _mm256_mul_ps(w, _mm256_loadu_ps(sc.as_ptr().add(8 * i)));
+        max = _mm256_max_ps(max, *u);
+        los = _mm256_fmadd_ps(w, _mm256_loadu_ps(lo.as_ptr().add(8 * i)), los);
+    }
+    let max = {
+        let m = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps::<1>(max));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+    };
+    let limit = WEIGHT_CODES as f32;
+    let to_codes = _mm256_set1_ps(if max > 0.0 { limit / max } else { 0.0 });
+    codes.fill(0);
+    for (i, u) in u.iter().enumerate().take(chunks) {
+        // Rounded to nearest (ties to even), packed to i16 by pairs of 32-bit lanes.
+        let e = _mm256_cvtps_epi32(_mm256_mul_ps(*u, to_codes));
+        let packed = _mm256_packs_epi32(e, e);
+        let packed = _mm256_permute4x64_epi64::<0b1000>(packed);
+        _mm_storeu_si128(
+            codes.as_mut_ptr().add(4 * i) as *mut __m128i,
+            _mm256_castsi256_si128(packed),
+        );
+    }
+    Coded {
+        r: max / limit,
+        lo: super::hsum(los),
+    }
+}
+
+/// Where each block row's output goes: `out[(b0 + b)·d ..]`.
+#[inline(always)]
+unsafe fn finish_slice(out: *mut f32, acc: __m256i, coded: &Coded) {
+    let x = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(acc),
+        _mm256_set1_ps(coded.r),
+        _mm256_set1_ps(coded.lo),
+    );
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), x));
+}
+
+macro_rules! values {
+    ($name:ident, $features:literal, $v:ty, $n:literal, $load:ident, $dot:expr,
+     $zero:ident, $finish:expr) => {
+        /// `out += p · V` for the block's `M` rows over the first `blk.nb` keys of the tile
+        /// staged in `vt` (see the module docs).
+        ///
+        /// # Safety
+        /// The width's features are present; `p` holds the block's weights (`[rows, TILE]`,
+        /// 0 from `nb` to the next multiple of 8) and `out` its rows.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name<const M: usize>(
+            blk: &Block<'_>,
+            vt: &ValueTile,
+            p: &[f32],
+            out: &mut [f32],
+        ) {
+            const { assert!(M <= 8) };
+            let (d, b0, nb) = (vt.d, blk.b0, blk.nb);
+            let pairs = nb.div_ceil(2);
+            let mut codes = [[0i32; TILE / 2]; 8];
+            let mut coded = [Coded::default(); 8];
+            // A register of values at a time (two would spill an accumulator of 8 rows:
+            // a store and load in the loop, 30% of its time), within one group (groups are
+            // multiples of 32 values); the weights are coded anew at each group's first.
+            for c in (0..d).step_by($n) {
+                if c % vt.group == 0 {
+                    let g = c / vt.group;
+                    for b in 0..M {
+                        let p = &p[(b0 + b) * TILE..][..TILE];
+                        coded[b] = code(vt, p, nb, g, &mut codes[b]);
+                    }
+                }
+                let mut acc = [$zero(); M];
+                for pr in 0..pairs {
+                    let x = $load(vt.pairs.as_ptr().add(pr * d + c));
+                    for (b, a) in acc.iter_mut().enumerate() {
+                        *a = $dot(*a, x, *codes.get_unchecked(b).get_unchecked(pr));
+                    }
+                }
+                for (b, &a) in acc.iter().enumerate() {
+                    $finish(out.as_mut_ptr().add((b0 + b) * d + c), a, &coded[b]);
+                }
+            }
+        }
+    };
+}
+
+values!(
+    values_avx2,
+    "avx2,fma",
+    __m256i,
+    8,
+    load256,
+    |a, x, w| _mm256_add_epi32(a, _mm256_madd_epi16(x, _mm256_set1_epi32(w))),
+    _mm256_setzero_si256,
+    |o, a, c| finish_slice(o, a, c)
+);
+
+values!(
+    values_avx512,
+    "avx512f,avx512vnni,avx2,fma",
+    __m512i,
+    16,
+    load512,
+    |a, x, w| _mm512_dpwssd_epi32(a, x, _mm512_set1_epi32(w)),
+    _mm512_setzero_si512,
+    |o: *mut f32, a: __m512i, c: &Coded| {
+        finish_slice(o, _mm512_castsi512_si256(a), c);
+        finish_slice(o.add(8), _mm512_extracti64x4_epi64::<1>(a), c);
+    }
+);
+
+#[inline(always)]
+unsafe fn load256(p: *const i32) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
+}
+
+#[inline(always)]
+unsafe fn load512(p: *const i32) -> __m512i {
+    _mm512_loadu_si512(p as *const __m512i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tiled_attention::{RowView, Visibility, Width};
+    use kvplug_backend_kit::AttendMask;
+    use kvplug_core::oracle::gamma;
+
+    /// A deterministic generator of values in `[0, 1)`.
+    fn stream(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        }
+    }
+
+    /// The value sum of `M` rows of weights over `nb` random q`bits` value rows at `width`
+    /// against the declared arithmetic computed here: the same f32 codes and scale (scalar
+    /// IEEE operations give the vector lanes' bits), the integer sums exact, and `r·Σ e·c +
+    /// Σ p·lo` within the f32 roundings of the `lo` sum and the last multiply-add. Weights
+    /// spanning six decades and groups of different scales, so a lane coded with another
+    /// group's scale or key's weight is far outside. Returns the outputs.
+    fn check<const M: usize>(
+        width: Width,
+        bits: u32,
+        group: usize,
+        d: usize,
+        nb: usize,
+    ) -> Vec<f32> {
+        let mut next = stream((bits as usize * 1000 + group + d + nb) as u64);
+        let levels = (1u32 << bits) - 1;
+        let codes: Vec<u8> = (0..nb * d)
+            .map(|_| (next() * (levels + 1) as f32) as u8)
+            .collect();
+        let packed: Vec<u8> = match bits {
+            8 => codes.clone(),
+            _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
+        };
+        let ng = d / group;
+        let f16 = |x: f32| half::f16::from_f32(x);
+        let (sv, lo): (Vec<half::f16>, Vec<half::f16>) = (0..nb * ng)
+            .map(|i| {
+                (
+                    f16(0.001 + next() * 0.1 * (1 + i % 3) as f32),
+                    f16(next() * 4.0 - 3.0),
+                )
+            })
+            .unzip();
+        let bits16 = |v: &[half::f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        let (sv16, lo16) = (bits16(&sv), bits16(&lo));
+        let mut p = vec![0f32; M * TILE];
+        for (i, w) in p.iter_mut().enumerate().filter(|(i, _)| i % TILE < nb) {
+            *w = next() * 10f32.powi(-((i % 7) as i32));
+        }
+        let v = QuantRows::new(&packed, &sv16, &lo16, bits, group, d).unwrap();
+        let mut out = vec![0f32; M * d];
+        let mut staged = Vec::new();
+        // SAFETY: the caller checked the width's features; v holds nb rows.
+        unsafe {
+            let v = v.for_tile(0, nb, &mut staged);
+            let mut vt = ValueTile::default();
+            vt.stage(&v, 0, nb);
+            let blk = Block {
+                b0: 0,
+                j0: 0,
+                nb,
+                d,
+                scale: 1.0,
+                first: 0,
+                vis: Visibility {
+                    mask: AttendMask::None,
+                    t: 1,
+                    l: nb,
+                },
+                int8: None,
+                i16: None,
+                kend: nb,
+            };
+            match width {
+                Width::Avx512 => values_avx512::<M>(&blk, &vt, &p, &mut out),
+                Width::Avx2 => values_avx2::<M>(&blk, &vt, &p, &mut out),
+            }
+        }
+        let limit = WEIGHT_CODES as f32;
+        for r in 0..M {
+            let w = &p[r * TILE..][..nb];
+            for g in 0..ng {
+                let u: Vec<f32> = (0..nb).map(|j| w[j] * sv[j * ng + g].to_f32()).collect();
+                let max = u.iter().copied().fold(0f32, f32::max);
+                let to_codes = if max > 0.0 { limit / max } else { 0.0 };
+                let e: Vec<i64> = u
+                    .iter()
+                    .map(|&u| (u * to_codes).round_ties_even() as i64)
+                    .collect();
+                let rs = max / limit;
+                let (los, los_abs) = (0..nb).fold((0f64, 0f64), |(s, a), j| {
+                    let x = w[j] as f64 * lo[j * ng + g].to_f64();
+                    (s + x, a + x.abs())
+                });
+                for c in g * group..(g + 1) * group {
+                    let acc: i64 = (0..nb).map(|j| e[j] * codes[j * d + c] as i64).sum();
+                    let want = rs as f64 * acc as f64 + los;
+                    let bound = gamma(nb + 2) * (rs as f64 * acc as f64 + los_abs);
+                    let got = out[r * d + c] as f64;
+                    assert!(
+                        (got - want).abs() <= bound,
+                        "{width:?} q{bits} g{group} d{d} M{M}: row {r} value {c}: {got} vs {want} (bound {bound:e})"
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    /// At every width, against the definition; where both run, the same bits.
+    #[test]
+    fn values_are_the_declared_arithmetic_lane_for_lane() {
+        let mut widths = Vec::new();
+        if crate::simd::vector_path() {
+            widths.push(Width::Avx2);
+        }
+        if crate::simd::vnni_path() {
+            widths.push(Width::Avx512);
+        }
+        if widths.is_empty() {
+            eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
+            return;
+        }
+        for (bits, group) in [(8, 64), (8, 32), (4, 32)] {
+            for (d, nb) in [(64, 37), (128, 64), (256, 5)] {
+                let runs: Vec<[Vec<f32>; 3]> = widths
+                    .iter()
+                    .map(|&w| {
+                        [
+                            check::<1>(w, bits, group, d, nb),
+                            check::<5>(w, bits, group, d, nb),
+                            check::<8>(w, bits, group, d, nb),
+                        ]
+                    })
+                    .collect();
+                for run in &runs[1..] {
+                    for (a, b) in run.iter().zip(&runs[0]) {
+                        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(same, "q{bits} g{group} d{d}: the widths' sums differ");
+                    }
+                }
+            }
+        }
+    }
+}
