@@ -37,6 +37,8 @@ use crate::workers::{DisjointChunks, Workers};
 
 mod i16_values;
 mod int8_query;
+#[cfg(test)]
+mod test_rows;
 
 use i16_values::ValueTile;
 use int8_query::{KeyTile, QueryCodes};

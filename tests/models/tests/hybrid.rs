@@ -596,24 +596,27 @@ fn sessions_carry_the_recurrent_state(model: &Path, recurrent: &[u32]) {
     }
 }
 
-/// A chat on Qwen3.5 whose template renders an earlier answer differently from how it was
-/// generated (here as a placeholder, as Qwen3's drops its reasoning): the second turn's
-/// prompt leaves the cache after the first turn's prompt, inside the first answer's steps,
-/// and the chat resumes at the end of that prompt (kept as a prompt end) instead of
-/// prefilling everything again.
-#[test]
-fn qwen35_chat_resumes_at_the_previous_prompt_end() {
+/// A chat template that renders an earlier answer as a placeholder, as Qwen3's drops its
+/// reasoning: a chat's next prompt leaves the cache inside the earlier answer's steps.
+const PLACEHOLDER_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
+    {% if m.role == 'assistant' and not loop.last %}(an earlier answer){% else %}\
+    {{ m.content | trim }}{% endif %}<|im_end|>\n{% endfor %}\
+    {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// A greedy cpu chat on `model` of `capacity` tokens: the turn `first`, enough decode steps
+/// that its prompt's end is no longer among the recent steps' ends, then a second turn,
+/// which must resume where the first prompt ended. Returns the first turn's prefilled
+/// tokens.
+fn second_turn_resumes_at_the_first_prompt_end(
+    model: &Path,
+    capacity: usize,
+    first: &str,
+) -> usize {
     use kvplug::{Chat, ChatOptions, Sampler};
-    let dir = tempfile::tempdir().unwrap();
-    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
-        {% if m.role == 'assistant' and not loop.last %}(an earlier answer){% else %}\
-        {{ m.content | trim }}{% endif %}<|im_end|>\n{% endfor %}\
-        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-    let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(template));
     let rt = runtime();
     let opts = ChatOptions {
         system: None,
-        capacity: 512,
+        capacity,
         kv_dtype: None,
         max_tokens: 48,
         sampler: Sampler::greedy(),
@@ -621,9 +624,8 @@ fn qwen35_chat_resumes_at_the_previous_prompt_end() {
         cancel: None,
         speculate: None,
     };
-    let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts).unwrap();
-    let first = chat.turn("hello there", &mut |_| Ok(())).unwrap();
-    // Enough decode steps that the prompt's end is no longer among the recent steps' ends.
+    let mut chat = Chat::new(&common::model(&rt, "cpu", model), opts).unwrap();
+    let first = chat.turn(first, &mut |_| Ok(())).unwrap();
     let spares = kvplug_core::config::SPARE_ANCHORS;
     assert!(first.ids.len() > 3 * spares, "{} tokens", first.ids.len());
     let second = chat.turn("and again", &mut |_| Ok(())).unwrap();
@@ -631,6 +633,18 @@ fn qwen35_chat_resumes_at_the_previous_prompt_end() {
         second.reused_tokens, first.prefilled_tokens,
         "the second turn resumes where the first prompt ended"
     );
+    first.prefilled_tokens
+}
+
+/// A chat on Qwen3.5 whose template renders an earlier answer differently from how it was
+/// generated: the second turn's prompt leaves the cache after the first turn's prompt,
+/// inside the first answer's steps, and the chat resumes at the end of that prompt (kept as
+/// a prompt end) instead of prefilling everything again.
+#[test]
+fn qwen35_chat_resumes_at_the_previous_prompt_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(PLACEHOLDER_TEMPLATE));
+    second_turn_resumes_at_the_first_prompt_end(&model, 512, "hello there");
 }
 
 /// A prompt one token longer than a prefill micro-batch is not fed as a last chunk of one
@@ -638,13 +652,9 @@ fn qwen35_chat_resumes_at_the_previous_prompt_end() {
 /// resumes at its end all the same.
 #[test]
 fn qwen35_prompt_of_a_micro_batch_and_one_token_keeps_its_end() {
-    use kvplug::{Chat, ChatOptions, Message, Sampler, Text, PREFILL_UBATCH};
+    use kvplug::{Message, Text, PREFILL_UBATCH};
     let dir = tempfile::tempdir().unwrap();
-    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n\
-        {% if m.role == 'assistant' and not loop.last %}(an earlier answer){% else %}\
-        {{ m.content | trim }}{% endif %}<|im_end|>\n{% endfor %}\
-        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-    let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(template));
+    let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(PLACEHOLDER_TEMPLATE));
     let text = Text::load(&model).unwrap();
     let prompt_len = |m: &str| {
         let rendered = text.render(&[Message::user(m)]).unwrap();
@@ -661,27 +671,8 @@ fn qwen35_prompt_of_a_micro_batch_and_one_token_keeps_its_end() {
         message.push('b');
     }
     assert_eq!(prompt_len(&message), want, "{message}");
-    let rt = runtime();
-    let opts = ChatOptions {
-        system: None,
-        capacity: 1024,
-        kv_dtype: None,
-        max_tokens: 48,
-        sampler: Sampler::greedy(),
-        session: None,
-        cancel: None,
-        speculate: None,
-    };
-    let mut chat = Chat::new(&common::model(&rt, "cpu", &model), opts).unwrap();
-    let first = chat.turn(&message, &mut |_| Ok(())).unwrap();
-    assert_eq!(first.prefilled_tokens, PREFILL_UBATCH + 1);
-    let spares = kvplug_core::config::SPARE_ANCHORS;
-    assert!(first.ids.len() > 3 * spares, "{} tokens", first.ids.len());
-    let second = chat.turn("and again", &mut |_| Ok(())).unwrap();
-    assert_eq!(
-        second.reused_tokens, first.prefilled_tokens,
-        "the second turn resumes where the first prompt ended"
-    );
+    let prefilled = second_turn_resumes_at_the_first_prompt_end(&model, 1024, &message);
+    assert_eq!(prefilled, want);
 }
 
 /// Through the runtime's batches, as the generator sends them: a prompt's earlier chunk and

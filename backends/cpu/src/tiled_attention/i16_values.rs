@@ -222,21 +222,10 @@ unsafe fn load512(p: *const i32) -> __m512i {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_rows::{block, stream, widths, RandomRows};
     use super::*;
-    use crate::tiled_attention::{RowView, Visibility, Width};
-    use kvplug_backend_kit::AttendMask;
+    use crate::tiled_attention::{RowView, Width};
     use kvplug_core::oracle::gamma;
-
-    /// A deterministic generator of values in `[0, 1)`.
-    fn stream(seed: u64) -> impl FnMut() -> f32 {
-        let mut s = seed;
-        move || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32
-        }
-    }
 
     /// The value sum of `M` rows of weights over `nb` random q`bits` value rows at `width`
     /// against the declared arithmetic computed here: the same f32 codes and scale (scalar
@@ -252,31 +241,14 @@ mod tests {
         nb: usize,
     ) -> Vec<f32> {
         let mut next = stream((bits as usize * 1000 + group + d + nb) as u64);
-        let levels = (1u32 << bits) - 1;
-        let codes: Vec<u8> = (0..nb * d)
-            .map(|_| (next() * (levels + 1) as f32) as u8)
-            .collect();
-        let packed: Vec<u8> = match bits {
-            8 => codes.clone(),
-            _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
-        };
+        let rows = RandomRows::new(&mut next, bits, group, d, nb);
+        let (codes, sv, lo) = (&rows.codes, &rows.scales, &rows.los);
         let ng = d / group;
-        let f16 = |x: f32| half::f16::from_f32(x);
-        let (sv, lo): (Vec<half::f16>, Vec<half::f16>) = (0..nb * ng)
-            .map(|i| {
-                (
-                    f16(0.001 + next() * 0.1 * (1 + i % 3) as f32),
-                    f16(next() * 4.0 - 3.0),
-                )
-            })
-            .unzip();
-        let bits16 = |v: &[half::f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-        let (sv16, lo16) = (bits16(&sv), bits16(&lo));
         let mut p = vec![0f32; M * TILE];
         for (i, w) in p.iter_mut().enumerate().filter(|(i, _)| i % TILE < nb) {
             *w = next() * 10f32.powi(-((i % 7) as i32));
         }
-        let v = QuantRows::new(&packed, &sv16, &lo16, bits, group, d).unwrap();
+        let v = rows.view();
         let mut out = vec![0f32; M * d];
         let mut staged = Vec::new();
         // SAFETY: the caller checked the width's features; v holds nb rows.
@@ -284,22 +256,7 @@ mod tests {
             let v = v.for_tile(0, nb, &mut staged);
             let mut vt = ValueTile::default();
             vt.stage(&v, 0, nb);
-            let blk = Block {
-                b0: 0,
-                j0: 0,
-                nb,
-                d,
-                scale: 1.0,
-                first: 0,
-                vis: Visibility {
-                    mask: AttendMask::None,
-                    t: 1,
-                    l: nb,
-                },
-                int8: None,
-                i16: None,
-                kend: nb,
-            };
+            let blk = block(nb, d, 1.0);
             match width {
                 Width::Avx512 => values_avx512::<M>(&blk, &vt, &p, &mut out),
                 Width::Avx2 => values_avx2::<M>(&blk, &vt, &p, &mut out),
@@ -339,13 +296,7 @@ mod tests {
     /// At every width, against the definition; where both run, the same bits.
     #[test]
     fn values_are_the_declared_arithmetic_lane_for_lane() {
-        let mut widths = Vec::new();
-        if crate::simd::vector_path() {
-            widths.push(Width::Avx2);
-        }
-        if crate::simd::vnni_path() {
-            widths.push(Width::Avx512);
-        }
+        let widths = widths();
         if widths.is_empty() {
             eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
             return;

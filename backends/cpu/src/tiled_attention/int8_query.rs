@@ -516,22 +516,11 @@ unsafe fn scores_avx2_rows<const M: usize>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_rows::{block, stream, widths, RandomRows};
     use super::super::RowView;
     use super::*;
-    use crate::tiled_attention::{Visibility, Width, TILE};
-    use kvplug_backend_kit::AttendMask;
+    use crate::tiled_attention::{Width, TILE};
     use kvplug_core::oracle::gamma;
-
-    /// A deterministic generator of values in `[0, 1)`.
-    fn stream(seed: u64) -> impl FnMut() -> f32 {
-        let mut s = seed;
-        move || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32
-        }
-    }
 
     /// The scores kernel at `width` against the same arithmetic in f64, from the definition
     /// (query codes recomputed here, key codes unpacked by hand): within the f32 rounding of
@@ -548,32 +537,15 @@ mod tests {
         seed: u64,
     ) -> Vec<f32> {
         let mut next = stream(seed);
-        let levels = (1u32 << bits) - 1;
-        let codes: Vec<u8> = (0..nb * d)
-            .map(|_| (next() * (levels + 1) as f32) as u8)
-            .collect();
-        let packed: Vec<u8> = match bits {
-            8 => codes.clone(),
-            _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
-        };
+        let rows = RandomRows::new(&mut next, bits, group, d, nb);
+        let (codes, sk, lo) = (&rows.codes, &rows.scales, &rows.los);
         let ng = d / group;
-        let f16 = |x: f32| half::f16::from_f32(x);
-        let (sk, lo): (Vec<half::f16>, Vec<half::f16>) = (0..nb * ng)
-            .map(|i| {
-                (
-                    f16(0.001 + next() * 0.1 * (1 + i % 3) as f32),
-                    f16(next() * 4.0 - 3.0),
-                )
-            })
-            .unzip();
-        let bits16 = |v: &[half::f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-        let (sk16, lo16) = (bits16(&sk), bits16(&lo));
         let q: Vec<f32> = (0..M * d)
             .map(|i| (next() * 2.0 - 1.0) * [1.0, 30.0, 0.01, 3.0][(i / QUERY_BLOCK) % 4])
             .collect();
         let mut qc = QueryCodes::default();
         unsafe { qc.quantize(&q, d, group, bits == 4) };
-        let k = QuantRows::new(&packed, &sk16, &lo16, bits, group, d).unwrap();
+        let k = rows.view();
         let scale = 0.125;
         // SAFETY: the features are checked by the caller; k holds nb rows.
         let p = unsafe { scores_at::<M>(width, &qc, k, nb, scale) };
@@ -622,22 +594,7 @@ mod tests {
         let mut p = vec![f32::NAN; M * TILE];
         let k = k.for_tile(0, nb, &mut staged);
         let mut kt = KeyTile::default();
-        let blk = Block {
-            b0: 0,
-            j0: 0,
-            nb,
-            d: k.d,
-            scale,
-            first: 0,
-            vis: Visibility {
-                mask: AttendMask::None,
-                t: 1,
-                l: nb,
-            },
-            int8: None,
-            i16: None,
-            kend: nb,
-        };
+        let blk = block(nb, k.d, scale);
         match width {
             Width::Avx512 => {
                 kt.stage_avx512(&k, &k, 0, nb, nb);
@@ -649,18 +606,6 @@ mod tests {
             }
         }
         p
-    }
-
-    /// The widths whose int8 kernels this CPU runs.
-    fn widths() -> Vec<Width> {
-        let mut widths = Vec::new();
-        if crate::simd::vector_path() {
-            widths.push(Width::Avx2);
-        }
-        if crate::simd::vnni_path() {
-            widths.push(Width::Avx512);
-        }
-        widths
     }
 
     /// At every width, against the definition; where both run, the same bits.

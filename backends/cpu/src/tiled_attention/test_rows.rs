@@ -1,0 +1,119 @@
+//! Test inputs of the integer kernels ([`super::int8_query`], [`super::i16_values`]):
+//! random quantized rows, the block that reads them, the widths this CPU runs.
+
+use half::f16;
+use kvplug_backend_kit::AttendMask;
+
+use super::{Block, QuantRows, Visibility, Width};
+
+/// A deterministic generator of values in `[0, 1)`.
+pub fn stream(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed;
+    move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// `nb` random rows of `d` codes of `bits` in groups of `group` values, each group with its
+/// own f16 scale (0.001 to 0.3, three magnitudes) and offset (-3 to 1).
+pub struct RandomRows {
+    /// `[nb, d]`, one code a byte.
+    pub codes: Vec<u8>,
+    /// As a pool holds them (q4: two a byte, low nibble first).
+    pub packed: Vec<u8>,
+    /// `[nb, d / group]`.
+    pub scales: Vec<f16>,
+    pub los: Vec<f16>,
+    scale_bits: Vec<u16>,
+    lo_bits: Vec<u16>,
+    bits: u32,
+    group: usize,
+    d: usize,
+}
+
+impl RandomRows {
+    pub fn new(
+        next: &mut impl FnMut() -> f32,
+        bits: u32,
+        group: usize,
+        d: usize,
+        nb: usize,
+    ) -> Self {
+        let levels = (1u32 << bits) - 1;
+        let codes: Vec<u8> = (0..nb * d)
+            .map(|_| (next() * (levels + 1) as f32) as u8)
+            .collect();
+        let packed: Vec<u8> = match bits {
+            8 => codes.clone(),
+            _ => codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect(),
+        };
+        let (scales, los): (Vec<f16>, Vec<f16>) = (0..nb * (d / group))
+            .map(|i| {
+                (
+                    f16::from_f32(0.001 + next() * 0.1 * (1 + i % 3) as f32),
+                    f16::from_f32(next() * 4.0 - 3.0),
+                )
+            })
+            .unzip();
+        let to_bits = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        RandomRows {
+            scale_bits: to_bits(&scales),
+            lo_bits: to_bits(&los),
+            codes,
+            packed,
+            scales,
+            los,
+            bits,
+            group,
+            d,
+        }
+    }
+
+    /// The kernels' view of the rows.
+    pub fn view(&self) -> QuantRows {
+        QuantRows::new(
+            &self.packed,
+            &self.scale_bits,
+            &self.lo_bits,
+            self.bits,
+            self.group,
+            self.d,
+        )
+        .unwrap()
+    }
+}
+
+/// The block of query rows from 0 over the tile's first `nb` rows (from 0), no mask.
+pub fn block(nb: usize, d: usize, scale: f32) -> Block<'static> {
+    Block {
+        b0: 0,
+        j0: 0,
+        nb,
+        d,
+        scale,
+        first: 0,
+        vis: Visibility {
+            mask: AttendMask::None,
+            t: 1,
+            l: nb,
+        },
+        int8: None,
+        i16: None,
+        kend: nb,
+    }
+}
+
+/// The widths whose integer kernels this CPU runs.
+pub fn widths() -> Vec<Width> {
+    let mut widths = Vec::new();
+    if crate::simd::vector_path() {
+        widths.push(Width::Avx2);
+    }
+    if crate::simd::vnni_path() {
+        widths.push(Width::Avx512);
+    }
+    widths
+}
