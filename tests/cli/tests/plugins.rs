@@ -231,14 +231,21 @@ fn a_backend_author_conforms_one_file_on_chosen_scenarios() {
         2 * 3 * 2 * 2,
         "scenarios × kinds × dtypes × inputs"
     );
-    // Each other arithmetic the cpu declares (int8-query, for q4 where it has AVX2) runs
-    // the q4 cases again.
+    // Each other arithmetic the cpu declares (int8-query and int8-query-i16-values, for q4
+    // where it has AVX2) runs the q4 cases again.
     let others: Vec<_> = results
         .iter()
         .filter(|r| r["arithmetic"] != "f32")
         .collect();
     assert!(others.iter().all(|r| r["dtype"] == "q4"), "{others:?}");
-    assert!(others.is_empty() || others.len() == 2 * 3 * 2, "{others:?}");
+    for a in ["int8-query", "int8-query-i16-values"] {
+        let runs = others.iter().filter(|r| r["arithmetic"] == a).count();
+        assert_eq!(runs, others.len() / 2, "{a}: {others:?}");
+    }
+    assert!(
+        others.is_empty() || others.len() == 2 * 2 * 3 * 2,
+        "{others:?}"
+    );
     assert!(results.iter().all(|r| r["backend"] == "cpu"));
 
     let out = run(&["conform", "--scenario", "export_imprt"]);
