@@ -15,6 +15,10 @@ pub const VALUE_RUN: usize = 256;
 /// Codes of [`Arithmetic::Int8QueryI16Values`]'s weights: `0..=WEIGHT_CODES`.
 pub const WEIGHT_CODES: u16 = 32767;
 
+/// A run of [`Arithmetic::Int8QueryI16Values`] whose largest `p·σ` is below this (`2⁻¹⁰⁰`)
+/// may be coded 0 whole: `WEIGHT_CODES / max` could overflow f32 and `r` be subnormal.
+pub const TINY_RUN: f32 = f32::from_bits(27 << 23);
+
 /// How a kernel computes `q·kᵀ` and `p·V`; the softmax is f32 in every one, and the value
 /// sum too but in [`Arithmetic::Int8QueryI16Values`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -35,7 +39,7 @@ pub enum Arithmetic {
     /// consecutive keys (the kernel's choice), each key's weight `p ≤ 1` (its f32 `exp`
     /// against the row's running max) times its group's scale, `u = p·σ` in f32, is coded
     /// `e = round(u · (WEIGHT_CODES / max u))` (0 to [`WEIGHT_CODES`], the max over the run,
-    /// in f32; a max of 0 gives codes 0); `Σ e·c` is summed exactly in i32, times
+    /// in f32; a max below [`TINY_RUN`] may give codes 0); `Σ e·c` is summed exactly in i32, times
     /// `r = max u / WEIGHT_CODES` in f32, and `Σ p·lo` is added in f32. Values that are not
     /// quantized are summed in f32.
     /// [`crate::oracle::i16_value_error`] derives the error the codes add.

@@ -1354,10 +1354,11 @@ pub fn attend(
         return false;
     };
     let int8 = int8_width.is_some();
-    // Values against i16 weight codes where rows share them: for one block of rows (a
-    // decode step) coding the weights costs more than it saves (fork step, 1 branch:
-    // 340 against 310 µs), so those rows sum in f32, more exactly than declared.
-    let i16 = int8 && arithmetic.i16_values() && rows > Avx2::INT8_BLOCK;
+    // Values against i16 weight codes where rows share them, in steps of more than one
+    // token: for one block of rows coding the weights costs more than it saves (fork step,
+    // 1 branch: 340 against 310 µs), and a decode step sums in f32, more exactly than
+    // declared, so decode is int8-query's whatever the GQA group.
+    let i16 = int8 && arithmetic.i16_values() && t > 1 && rows > Avx2::INT8_BLOCK;
     let split = Split::plan(hkv, rows, l, hq * t * l * d, parallel_min);
     let parts = split.parts(rows, l);
     tiles.resize_with(hkv * parts, TileScratch::default);

@@ -241,25 +241,29 @@ pub fn value_span(v: &[f64]) -> f64 {
 }
 
 /// How far [`Arithmetic::Int8QueryI16Values`]'s weight codes may move each output value of
-/// a query row, for its visible keys' `(weight, span)`: weights in any common unit (times
-/// `1 + ρ` for their rounding, as [`attend`] derives it), spans by [`value_span`]; `z` is
-/// the softmax's total in the same unit (sinks included):
+/// a query row, for its visible keys' `(weight, span)`: weights relative to the row's
+/// largest (keys' and sink's: the largest is 1), times `1 + ρ` for their rounding as
+/// [`attend`] derives it; spans by [`value_span`]; `z` is the softmax's total in the same
+/// unit (sinks included):
 ///
-/// `0.52 · n · max_j(w_j·span_j) / (32767 · z)`.
+/// `(0.52 · n · max_j(w_j·span_j) / 32767 + n · 2⁻⁹²) / z`.
 ///
 /// A key's code `e`, `u` times the f32 `32767 / max u` rounded once more, is within
 /// `½ + 32767·3u` of `u / r` (`r = max u / 32767`, itself rounded once), so `r·e` is within
 /// `0.51·r` of `u` and its term `e·c` is off by at most `0.51·r·L` (`c <= L`); `r` is the
 /// run's largest `p·σ` over 32767, with f32 roundings (`<= 0.52` all told), and
 /// `σ·L <= span`. Every key's run lies among the visible keys, so the largest `w·span` of
-/// all of them bounds each run's, whatever runs the kernel chose.
+/// all of them bounds each run's, whatever runs the kernel chose. A run coded 0 for
+/// being below [`crate::arithmetic::TINY_RUN`] (`2⁻¹⁰⁰`) loses each key's `u·c <= 2⁻¹⁰⁰·255
+/// < 2⁻⁹²` in the kernel's units (weights against the running max of the keys), which only
+/// shrinks rescaled to the row's largest weight (1, sink included, so `z >= 1`).
 pub fn i16_value_error(keys: impl Iterator<Item = (f64, f64)>, z: f64) -> f64 {
     let (mut n, mut widest) = (0usize, 0.0f64);
     for (w, span) in keys {
         n += 1;
         widest = widest.max(w * span);
     }
-    0.52 * n as f64 * widest / (WEIGHT_CODES as f64 * z)
+    (0.52 * n as f64 * widest / WEIGHT_CODES as f64 + n as f64 * 2f64.powi(-92)) / z
 }
 
 /// Per value of a query row, how far [`Arithmetic::Int8Query`] may move it: `h =
@@ -445,13 +449,13 @@ mod tests {
                 .zip(keys)
                 .map(|(p, k)| p * k.groups[g].scale as f32)
                 .collect();
-            let r = u.iter().copied().fold(0f32, f32::max) / codes;
+            let max = u.iter().copied().fold(0f32, f32::max);
+            let (r, to_codes) = (max / codes, if max > 0.0 { codes / max } else { 0.0 });
             let acc: i64 = u
                 .iter()
                 .zip(keys)
                 .map(|(&u, k)| {
-                    let e = if r == 0.0 { 0 } else { (u / r).round() as i64 };
-                    e * k.groups[g].codes[c % 32] as i64
+                    (u * to_codes).round_ties_even() as i64 * k.groups[g].codes[c % 32] as i64
                 })
                 .sum();
             assert!(acc < 1 << 31, "the i32 sum overflows");

@@ -185,7 +185,7 @@ impl Census {
             }
         }
         if self.holding.widened.iter().any(|w| w == dtype) {
-            self.widened_extra_bytes += elems * 4 - bytes;
+            self.widened_extra_bytes += (elems * 4).saturating_sub(bytes);
             bytes = elems * 4;
         }
         self.bytes += bytes;

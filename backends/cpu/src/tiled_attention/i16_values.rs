@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use kvplug_core::arithmetic::WEIGHT_CODES;
+use kvplug_core::arithmetic::{TINY_RUN, WEIGHT_CODES};
 
 use super::{Block, QuantRows, TILE};
 
@@ -109,7 +109,8 @@ unsafe fn code(
         _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
     };
     let limit = WEIGHT_CODES as f32;
-    let to_codes = _mm256_set1_ps(if max > 0.0 { limit / max } else { 0.0 });
+    // A run below TINY_RUN is coded 0 (its scale could overflow, `r` be subnormal).
+    let to_codes = _mm256_set1_ps(if max >= TINY_RUN { limit / max } else { 0.0 });
     codes.fill(0);
     for (i, u) in u.iter().enumerate().take(chunks) {
         // Rounded to nearest (ties to even), packed to i16 by pairs of 32-bit lanes.
@@ -268,7 +269,7 @@ mod tests {
             for g in 0..ng {
                 let u: Vec<f32> = (0..nb).map(|j| w[j] * sv[j * ng + g].to_f32()).collect();
                 let max = u.iter().copied().fold(0f32, f32::max);
-                let to_codes = if max > 0.0 { limit / max } else { 0.0 };
+                let to_codes = if max >= TINY_RUN { limit / max } else { 0.0 };
                 let e: Vec<i64> = u
                     .iter()
                     .map(|&u| (u * to_codes).round_ties_even() as i64)
