@@ -16,9 +16,11 @@ use crate::model::blocks::{dequantize_row, BlockFormat};
 mod argmax;
 mod conv;
 mod delta;
+mod qkv;
 pub use argmax::check_argmax_rows;
 pub use conv::check_conv_verbs;
 pub use delta::check_delta_verbs;
+pub use qkv::check_norm_qkv_heads;
 
 /// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend` or
 /// `write_rows` call (0-based) fails with a device error; everything else is `D`'s.
@@ -1035,7 +1037,8 @@ macro_rules! backend_tests {
 
 /// The [`ModelDevice`](crate::model::ModelDevice) checks of [`testing`](crate::testing) as
 /// `#[test]` functions of the calling crate, beside [`backend_tests!`](crate::backend_tests)
-/// for a backend that serves models: the device argmax against the host's. `$device` is
+/// for a backend that serves models: the device argmax against the host's, a layer's
+/// attention inputs in one op against their composition. `$device` is
 /// evaluated once per test.
 #[macro_export]
 macro_rules! model_device_tests {
@@ -1043,6 +1046,10 @@ macro_rules! model_device_tests {
         #[test]
         fn kit_argmax_rows() {
             $crate::testing::check_argmax_rows($device);
+        }
+        #[test]
+        fn kit_norm_qkv_heads() {
+            $crate::testing::check_norm_qkv_heads($device);
         }
     };
 }

@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use wgpu::util::DeviceExt;
 
+use crate::profile::Profile;
+
 /// Adapter, device, queue and the kernels.
 pub struct Context {
     /// The device.
@@ -21,9 +23,12 @@ pub struct Context {
     pub adapter_features: wgpu::Features,
     /// Limits the device was created with (the adapter's).
     pub limits: wgpu::Limits,
+    /// How the projection kernels are shaped for this adapter.
+    pub tuning: Tuning,
     attention: OnceLock<Kernels<6>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<14>>,
+    model: OnceLock<Kernels<12>>,
+    project: OnceLock<Kernels<2>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
     recorder: Arc<Mutex<Recorder>>,
@@ -54,12 +59,18 @@ struct Trace {
 /// ring holds one slot per op of the batch.
 const RING_SLOTS: usize = 1024;
 
+/// Dispatches recorded before the batch is submitted without waiting for a read, so that
+/// the device runs a step's first layers while the host records the rest (the device
+/// otherwise starts only at the step's readback).
+const SUBMIT_AFTER: u32 = 64;
+
 /// The largest uniform of any module (`AttnParams`, 64 bytes).
 const MAX_PARAMS: usize = 64;
 
 /// Submits a cached bind group may go unused before it is dropped (with the buffers it
-/// holds): long enough for a draft model's steps between two target verifies.
-const KEEP_SUBMITS: u64 = 64;
+/// holds): long enough for a draft model's steps between two target verifies (a step
+/// submits every [`SUBMIT_AFTER`] dispatches).
+const KEEP_SUBMITS: u64 = 256;
 
 /// What a [`Context`] has created, dispatched and read back since it opened: the counters
 /// that make a step's structure visible (a warm decode step creates nothing, dispatches a
@@ -89,8 +100,8 @@ pub enum Bind<'a> {
     Unused,
 }
 
-/// The most storage bindings of any module (attention's eight).
-const MAX_STORAGE_SLOTS: usize = 8;
+/// The most storage bindings of any module (project's twelve, with three ways).
+const MAX_STORAGE_SLOTS: usize = 12;
 
 /// A cached bind group: its layout and the buffers of its storage slots (the uniform slot is
 /// always the ring). Holding the buffers keeps their addresses, the key's identity, unique.
@@ -146,6 +157,10 @@ struct Recorder {
     /// Bind groups by the buffers they bind, and the submit that last used each.
     bind_groups: HashMap<BindKey, (wgpu::BindGroup, u64)>,
     submits: u64,
+    /// Dispatches in the batch.
+    pending: u32,
+    /// `KVPLUG_WGPU_PROFILE`'s timestamps, when asked for.
+    profile: Option<Profile>,
 }
 
 impl Recorder {
@@ -178,11 +193,14 @@ impl Recorder {
 
     /// Uploads the batch's uniforms and words, submits its commands, and drops the bind
     /// groups unused for [`KEEP_SUBMITS`] submits.
-    fn submit(&mut self, queue: &wgpu::Queue) {
+    fn submit(&mut self, device: &wgpu::Device, queue: &wgpu::Queue) {
         self.pass = None;
-        let Some(enc) = self.encoder.take() else {
+        let Some(mut enc) = self.encoder.take() else {
             return;
         };
+        if let Some(p) = &self.profile {
+            p.resolve(&mut enc);
+        }
         if !self.params.is_empty() {
             queue.write_buffer(&self.ring, 0, &self.params);
         }
@@ -190,8 +208,12 @@ impl Recorder {
             queue.write_buffer(&self.arena, 0, bytemuck::cast_slice(&self.words));
         }
         queue.submit([enc.finish()]);
+        if let Some(p) = &mut self.profile {
+            p.collect(device);
+        }
         self.params.clear();
         self.words.clear();
+        self.pending = 0;
         self.submits += 1;
         let now = self.submits;
         self.bind_groups
@@ -271,10 +293,9 @@ pub const ATTENTION_ENTRIES: [&str; 6] = [
 ];
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 14] = [
+pub const MODEL_ENTRIES: [&str; 12] = [
     "gather_main",
     "rmsnorm_main",
-    "linear_main",
     "rope_heads_main",
     "rope_main",
     "heads_main",
@@ -284,9 +305,94 @@ pub const MODEL_ENTRIES: [&str; 14] = [
     "gelu_main",
     "scale_main",
     "hadamard_main",
-    "linear_rows_main",
     "argmax_main",
 ];
+
+/// Entry points of `project.wgsl`, in the order of [`Context::project`]'s pipelines.
+pub const PROJECT_ENTRIES: [&str; 2] = ["rows_main", "linear_main"];
+
+/// Storage bindings the three-way projection module needs (input, norm or up, index
+/// words, and a weight, an output and a bias per projection).
+const THREE_WAY_BINDINGS: u32 = 12;
+
+/// How the projection kernels (project.wgsl) are shaped for an adapter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Projections one dispatch computes (1 or 3: q/k/v, gate/up).
+    pub ways: usize,
+    /// Invocations in a workgroup of `rows_main` (its `GROUP`; a power of two, at most 256).
+    pub group: u32,
+    /// Steps a lane of a decode projection takes along its row.
+    pub lane_steps: u32,
+}
+
+impl Tuning {
+    /// A CPU adapter's (lavapipe): it runs a workgroup's invocations in turn, so few
+    /// invocations with long loops, and one projection a dispatch (choosing a projection's
+    /// binding at each load costs it about as much as the loads).
+    pub const CPU: Tuning = Tuning {
+        ways: 1,
+        group: 64,
+        lane_steps: 32,
+    };
+
+    /// A GPU's: memory latency is hidden only by many short chains of loads, so 256
+    /// invocations a workgroup and about four steps a lane, and three projections a dispatch
+    /// where the adapter allows [`THREE_WAY_BINDINGS`] storage bindings a stage.
+    pub fn gpu(limits: &wgpu::Limits) -> Tuning {
+        let three = limits.max_storage_buffers_per_shader_stage >= THREE_WAY_BINDINGS;
+        Tuning {
+            ways: if three { 3 } else { 1 },
+            group: 256,
+            lane_steps: 4,
+        }
+    }
+}
+
+/// `project.wgsl` for `ways` projections a dispatch, after `weights.wgsl`: the weight,
+/// output and bias bindings from 4 on, and the accessors of projection `sel`'s.
+fn project_source(ways: usize) -> String {
+    let mut s = String::from(include_str!("shaders/weights.wgsl"));
+    let mut decls = String::new();
+    for (k, (name, access, ty)) in [
+        ("w", "read", "u32"),
+        ("out", "read_write", "f32"),
+        ("bias", "read", "f32"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for w in 0..ways {
+            decls += &format!(
+                "@group(0) @binding({}) var<storage, {access}> {name}{w}: array<{ty}>;\n",
+                4 + k * ways + w
+            );
+        }
+    }
+    // The body of an accessor: `f(w)` for projection `sel`.
+    let pick = |f: &dyn Fn(usize) -> String| match ways {
+        1 => f(0),
+        _ => format!(
+            "switch sel {{ {} default: {{ {} }} }}",
+            (1..ways)
+                .map(|w| format!("case {w}u: {{ {} }}", f(w)))
+                .collect::<String>(),
+            f(0)
+        ),
+    };
+    decls += &format!(
+        "fn wb(i: u32) -> u32 {{ {} }}\n\
+         fn out_get(i: u32) -> f32 {{ {} }}\n\
+         fn out_set(i: u32, v: f32) {{ {} }}\n\
+         fn bias_at(i: u32) -> f32 {{ {} }}\n",
+        pick(&|w| format!("return w{w}[i];")),
+        pick(&|w| format!("return out{w}[i];")),
+        pick(&|w| format!("out{w}[i] = v;")),
+        pick(&|w| format!("return bias{w}[i];")),
+    );
+    s += &include_str!("shaders/project.wgsl").replace("//@WAYS\n", &decls);
+    s
+}
 
 /// Pipelines of one shader module sharing one bind-group layout: binding 0 is the uniform
 /// (bound at a dynamic offset), the others storage buffers.
@@ -295,6 +401,8 @@ pub struct Kernels<const N: usize> {
     pub layout: wgpu::BindGroupLayout,
     /// One pipeline per entry point, in the order given.
     pub pipelines: [wgpu::ComputePipeline; N],
+    /// The entry points' names, in the same order.
+    names: [&'static str; N],
     /// Bytes of the module's uniform.
     params_size: NonZeroU64,
 }
@@ -312,7 +420,8 @@ fn kernels<const N: usize>(
     label: &str,
     source: &str,
     (params_size, slots): (usize, &[Slot]),
-    entries: [&str; N],
+    entries: [&'static str; N],
+    compilation_options: wgpu::PipelineCompilationOptions<'_>,
 ) -> Kernels<N> {
     assert!(params_size <= MAX_PARAMS && params_size % 16 == 0);
     let params_size = NonZeroU64::new(params_size as u64).expect("a uniform has fields");
@@ -353,13 +462,14 @@ fn kernels<const N: usize>(
             layout: Some(&pipeline_layout),
             module: &module,
             entry_point: Some(entry),
-            compilation_options: Default::default(),
+            compilation_options: compilation_options.clone(),
             cache: None,
         })
     });
     Kernels {
         layout,
         pipelines,
+        names: entries,
         params_size,
     }
 }
@@ -392,9 +502,11 @@ async fn pick_adapter(instance: &wgpu::Instance) -> Result<wgpu::Adapter, String
 
 impl Context {
     /// Opens the adapter (honouring `WGPU_BACKEND` / `WGPU_ADAPTER_NAME`), the device with
-    /// the adapter's limits — storage bindings capped at `max_binding` bytes where given, as
-    /// a smaller adapter's would be — and builds the kernels.
-    pub fn open(max_binding: Option<u64>) -> Result<Self, String> {
+    /// the adapter's limits — where `max_binding` is given, storage bindings capped at that
+    /// many bytes and at 8 a stage (WebGPU's default count), as a smaller adapter's would be
+    /// — and builds the kernels, shaped by `tuning` where given (else the adapter's kind's:
+    /// [`Tuning::CPU`] or [`Tuning::gpu`]).
+    pub fn open(max_binding: Option<u64>, tuning: Option<Tuning>) -> Result<Self, String> {
         let instance =
             wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
         let adapter = pollster::block_on(pick_adapter(&instance))?;
@@ -403,10 +515,16 @@ impl Context {
         if let Some(cap) = max_binding {
             let l = &mut limits.max_storage_buffer_binding_size;
             *l = (*l).min(cap);
+            let n = &mut limits.max_storage_buffers_per_shader_stage;
+            *n = (*n).min(8);
         }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kvplug"),
-            required_features: wgpu::Features::empty(),
+            // Timestamps only for `KVPLUG_WGPU_PROFILE`.
+            required_features: match std::env::var_os("KVPLUG_WGPU_PROFILE") {
+                Some(_) => adapter.features() & Profile::FEATURES,
+                None => wgpu::Features::empty(),
+            },
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -435,16 +553,23 @@ impl Context {
             scratch: buffer("scratch", 1 << 16, wgpu::BufferUsages::STORAGE),
             bind_groups: HashMap::new(),
             submits: 0,
+            pending: 0,
+            profile: Profile::from_env(&device, &queue),
         };
         Ok(Context {
             device,
             queue,
             adapter_features: adapter.features(),
+            tuning: tuning.unwrap_or(match info.device_type {
+                wgpu::DeviceType::Cpu => Tuning::CPU,
+                _ => Tuning::gpu(&limits),
+            }),
             info,
             limits,
             attention: OnceLock::new(),
             rows: OnceLock::new(),
             model: OnceLock::new(),
+            project: OnceLock::new(),
             slot,
             recorder: Arc::new(Mutex::new(recorder)),
             unused: OnceLock::new(),
@@ -482,6 +607,7 @@ impl Context {
                     ],
                 ),
                 ATTENTION_ENTRIES,
+                Default::default(),
             )
         })
     }
@@ -499,23 +625,58 @@ impl Context {
                     &[Uniform, Read, Read, ReadWrite, ReadWrite],
                 ),
                 ["write_main", "gather_main", "place_main"],
+                Default::default(),
             )
         })
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<14> {
+    pub fn model(&self) -> &Kernels<12> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(
                 &self.device,
                 "model",
-                include_str!("shaders/model.wgsl"),
+                concat!(
+                    include_str!("shaders/weights.wgsl"),
+                    include_str!("shaders/model.wgsl")
+                ),
                 (
                     size_of::<crate::model::OpParams>(),
-                    &[Uniform, Read, Read, Read, ReadWrite, Read, Read],
+                    &[Uniform, Read, Read, Read, ReadWrite],
                 ),
                 MODEL_ENTRIES,
+                Default::default(),
+            )
+        })
+    }
+
+    /// Linear kernels, in [`PROJECT_ENTRIES`] order, for [`Tuning::ways`] projections a
+    /// dispatch. Bindings: the uniform, the input, the norm weight or up
+    /// projection, the index words, then each projection's weight, its output, its bias.
+    pub fn project(&self) -> &Kernels<2> {
+        self.project.get_or_init(|| {
+            use Slot::*;
+            let ways = self.tuning.ways;
+            let slots: Vec<Slot> = [Uniform, Read, Read, Read]
+                .into_iter()
+                .chain(
+                    [Read, ReadWrite, Read]
+                        .into_iter()
+                        .flat_map(|s| vec![s; ways]),
+                )
+                .collect();
+            kernels(
+                &self.device,
+                "project",
+                &project_source(ways),
+                (size_of::<crate::model::ProjParams>(), &slots),
+                PROJECT_ENTRIES,
+                wgpu::PipelineCompilationOptions {
+                    constants: &[("GROUP", self.tuning.group as f64)],
+                    // Each kernel writes its workgroup memory before reading it.
+                    zero_initialize_workgroup_memory: false,
+                },
             )
         })
     }
@@ -584,7 +745,7 @@ impl Context {
     /// readback on another thread may have taken them).
     pub fn flush(&self) {
         let mut r = self.recorder();
-        r.submit(&self.queue);
+        r.submit(&self.device, &self.queue);
     }
 
     /// Writes `bytes` into `buffer` at `offset` after every command recorded so far (a queue
@@ -616,8 +777,9 @@ impl Context {
         let mut r = self.recorder();
         if r.params.len() + self.slot > RING_SLOTS * self.slot
             || r.words.len() + n_words > r.arena_words()
+            || r.profile.as_ref().is_some_and(|p| !p.fits(passes.len()))
         {
-            r.submit(&self.queue);
+            r.submit(&self.device, &self.queue);
         }
         if n_words > r.arena_words() {
             let old = std::mem::replace(&mut r.arena, self.arena(n_words));
@@ -641,15 +803,27 @@ impl Context {
             .extend_from_slice(bytemuck::bytes_of(&params(first_word)));
         r.params.resize(offset + self.slot, 0);
         let bind_group = r.bind_group(self, kernels, slots);
-        let pass = r.pass(&self.device);
+        r.pass(&self.device);
+        let r = &mut *r;
+        let pass = r.pass.as_mut().expect("begun above");
         for &(pipeline, [x, y, z]) in passes {
             if x == 0 || y == 0 || z == 0 {
                 continue;
             }
             pass.set_pipeline(&kernels.pipelines[pipeline]);
             pass.set_bind_group(0, &bind_group, &[offset as u32]);
-            pass.dispatch_workgroups(x, y, z);
+            match &mut r.profile {
+                Some(p) => {
+                    let label = format!("{} {x}x{y}x{z}", kernels.names[pipeline]);
+                    p.around(pass, label, |pass| pass.dispatch_workgroups(x, y, z));
+                }
+                None => pass.dispatch_workgroups(x, y, z),
+            }
+            r.pending += 1;
             self.dispatches.fetch_add(1, Ordering::Relaxed);
+        }
+        if r.pending >= SUBMIT_AFTER {
+            r.submit(&self.device, &self.queue);
         }
     }
 

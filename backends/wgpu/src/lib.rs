@@ -22,6 +22,7 @@
 
 pub mod context;
 pub mod model;
+mod profile;
 
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
 use kvplug_core::{Arithmetic, CacheError, KvDtype};
@@ -209,7 +210,14 @@ impl WgpuDevice {
     /// at `max_binding` bytes: a smaller adapter's limit, so that splitting weights across
     /// bindings can be exercised on any machine.
     pub fn open_with_binding_limit(max_binding: u64) -> Result<Self, String> {
-        Context::open(Some(max_binding)).map(|ctx| WgpuDevice { ctx })
+        Context::open(Some(max_binding), None).map(|ctx| WgpuDevice { ctx })
+    }
+
+    /// The default adapter with its projection kernels shaped by `tuning` rather than by the
+    /// adapter's kind: a GPU's shapes (three projections a dispatch, 256 invocations a
+    /// workgroup) can be run on lavapipe, whose own default is [`context::Tuning::CPU`].
+    pub fn open_tuned(tuning: context::Tuning) -> Result<Self, String> {
+        Context::open(None, Some(tuning)).map(|ctx| WgpuDevice { ctx })
     }
 
     /// Buffers and bind groups this device has created since it opened.
@@ -621,7 +629,7 @@ impl Backend for WgpuDevice {
     const NAME: &'static str = "kvplug wgpu backend";
 
     fn open() -> Result<Self, String> {
-        Context::open(None).map(|ctx| WgpuDevice { ctx })
+        Context::open(None, None).map(|ctx| WgpuDevice { ctx })
     }
 
     fn device_description(&self) -> String {

@@ -4,7 +4,9 @@
 use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
 use kvplug_backend_kit::model::config::Activation;
 use kvplug_backend_kit::model::ops::check_hadamard;
-use kvplug_backend_kit::model::{ModelDevice, Projection, StoredDtype, StoredTensor};
+use kvplug_backend_kit::model::{
+    compose_norm_qkv_heads, ModelDevice, Projection, QkvHeads, StoredDtype, StoredTensor,
+};
 use kvplug_backend_kit::{Device, KitError};
 use kvplug_core::RopePairs;
 use wgpu::BufferUsages;
@@ -69,21 +71,38 @@ pub(crate) struct OpParams {
     /// Where the op's index words start, and its second array of them (set by [`WgpuDevice::op`]).
     idx: [u32; 2],
     eps: f32,
-    /// A linear's `mode` bits (model.wgsl's `WITH_BIAS`, `ACCUMULATE`, …).
-    mode: u32,
-    /// A `HEADS` input's head width.
-    hd: u32,
-    pad2: f32,
+    pad: [u32; 3],
 }
 
-/// model.wgsl's `mode` bits.
-const WITH_BIAS: u32 = 1;
-const ACCUMULATE: u32 = 2;
-const NORMED: u32 = 4;
-const GATED: u32 = 8;
-const HEADS: u32 = 16;
+/// project.wgsl's uniform (see its header).
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct ProjParams {
+    ends: [u32; 3],
+    cols: u32,
+    row0: u32,
+    n_out: u32,
+    fmts: u32,
+    mode: u32,
+    total: u32,
+    lanes: u32,
+    hd: u32,
+    eps: f32,
+    idx: [u32; 2],
+    starts: [u32; 2],
+}
 
-/// How a linear reads its input (model.wgsl's `xin`).
+/// project.wgsl's `mode` bits.
+const BIAS: u32 = 1;
+const ACCUMULATE: u32 = 8;
+const NORMED: u32 = 16;
+const GATED: u32 = 32;
+const HEADS: u32 = 64;
+const HEADS_OUT: u32 = 128;
+const ROPE: u32 = 256;
+const INTERLEAVED: u32 = 512;
+
+/// How a linear reads its input (project.wgsl's `xin`).
 #[derive(Clone, Copy)]
 enum Input<'a> {
     /// As it is.
@@ -96,12 +115,44 @@ enum Input<'a> {
     Heads,
 }
 
-/// The most tokens a linear computes with several invocations per output row
-/// (`linear_rows_main`).
-const ROWS_TOGETHER_MAX_T: usize = 16;
+/// One projection of a dispatch: rows of a weight (a part of it, or all of it), its bias and
+/// its output.
+struct Way<'a> {
+    w: &'a wgpu::Buffer,
+    dtype: u32,
+    rows: u32,
+    bias: Option<&'a wgpu::Buffer>,
+    out: &'a wgpu::Buffer,
+}
 
-/// Output rows per workgroup of `linear_rows_main` (its `ROWS_PER_GROUP`).
-const ROWS_PER_GROUP: u32 = 2;
+/// A projection whose weight is in one binding, as a [`Way`].
+fn way<'a>(p: &'a Projection<'_, WgpuDevice>) -> Way<'a> {
+    Way {
+        w: &p.w.parts[0].buf,
+        dtype: p.w.dtype,
+        rows: p.w.rows as u32,
+        bias: p.bias.map(|b| &*b.buf),
+        out: &p.out.buf,
+    }
+}
+
+/// Where a dispatch's outputs go beyond `t·n + o`: a weight part's first row and its
+/// weight's rows; or heads-major `[H, T, hd]`, projections 0 and 1 rotated first.
+#[derive(Clone, Copy)]
+enum Store<'a> {
+    Rows {
+        row0: u32,
+        n_out: u32,
+    },
+    Heads {
+        hd: u32,
+        rope: Option<(&'a [i32], &'a [f32], RopePairs)>,
+    },
+}
+
+/// The most tokens a linear computes with several invocations per output row
+/// (project.wgsl's `rows_main`); more take the tiled product.
+const ROWS_TOGETHER_MAX_T: usize = 16;
 
 /// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`).
 const TILE: u32 = 64;
@@ -109,34 +160,45 @@ const TILE: u32 = 64;
 /// The most workgroups in one dimension of a dispatch (WebGPU's default limit).
 const MAX_GROUPS: u32 = 65535;
 
+/// Lanes per row of `rows_main` for rows of `cols` values in dtype flag `dtype`: about
+/// `lane_steps` steps of a lane per row (each step a value of a dense dtype, a quad of a
+/// block format), a power of two from 8 to the workgroup's `group` invocations, at most half
+/// of them when rows are rotated (a pair shares a workgroup).
+fn row_lanes(cols: usize, dtype: u32, rotated: bool, lane_steps: u32, group: u32) -> u32 {
+    let steps = if dtype < 3 { cols } else { cols / 4 };
+    let lanes = (steps as u32 / lane_steps)
+        .next_power_of_two()
+        .clamp(8, group);
+    if rotated {
+        lanes.min(group / 2)
+    } else {
+        lanes
+    }
+}
+
 /// Indices into [`crate::context::MODEL_ENTRIES`].
 #[derive(Clone, Copy)]
 enum Op {
     Gather = 0,
     RmsNorm = 1,
-    Linear = 2,
-    RopeHeads = 3,
-    Rope = 4,
-    Heads = 5,
-    Silu = 6,
-    Add = 7,
-    Embed = 8,
-    Gelu = 9,
-    Scale = 10,
-    Hadamard = 11,
-    LinearRows = 12,
-    Argmax = 13,
+    RopeHeads = 2,
+    Rope = 3,
+    Heads = 4,
+    Silu = 5,
+    Add = 6,
+    Embed = 7,
+    Gelu = 8,
+    Scale = 9,
+    Hadamard = 10,
+    Argmax = 11,
 }
 
-/// The read-only operands of one op: buffers `a`, `b` and a linear's `bias` and `aux` (absent
-/// ones are bound to a dummy) and up to two arrays of index words (read at `idx0` and
-/// `idx1`).
+/// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
+/// and up to two arrays of index words (read at `idx0` and `idx1`).
 #[derive(Clone, Copy, Default)]
 struct Inputs<'a> {
     a: Option<&'a wgpu::Buffer>,
     b: Option<&'a wgpu::Buffer>,
-    bias: Option<&'a wgpu::Buffer>,
-    aux: Option<&'a wgpu::Buffer>,
     words: &'a [&'a [u32]],
 }
 
@@ -145,13 +207,7 @@ fn inputs<'a>(
     b: Option<&'a wgpu::Buffer>,
     words: &'a [&'a [u32]],
 ) -> Inputs<'a> {
-    Inputs {
-        a,
-        b,
-        bias: None,
-        aux: None,
-        words,
-    }
+    Inputs { a, b, words }
 }
 
 /// Workgroups for `total` invocations in 64-wide groups, spread over x and y.
@@ -182,53 +238,143 @@ impl WgpuDevice {
         out: &WgpuTensor,
         accumulate: bool,
     ) {
-        let (t, hd) = match input {
-            Input::Heads => (x.dims[1], x.dims[2]),
-            _ => (x.dims[0], 0),
-        };
-        // Few tokens (decode, a small verify batch): 32 invocations per output row and token,
-        // reading the row together (see linear_rows_main); else the tiled product.
-        let rows_together = t <= ROWS_TOGETHER_MAX_T;
-        let (input_mode, aux, eps) = match input {
-            Input::Plain => (0, None, 0.0),
-            Input::Normed(norm, eps) => (NORMED, Some(&*norm.buf), eps),
-            Input::Gated(up) => (GATED, Some(&*up.buf), 0.0),
-            Input::Heads => (HEADS, None, 0.0),
-        };
-        let mode = input_mode
-            | if bias.is_some() { WITH_BIAS } else { 0 }
-            | if accumulate { ACCUMULATE } else { 0 };
         for part in &w.parts {
-            let rows = part.rows as u32;
-            if rows == 0 {
-                continue;
-            }
-            let params = OpParams {
-                n: [rows, w.cols as u32, part.row0 as u32, w.rows as u32],
-                flag: w.dtype,
-                total: t as u32,
-                mode,
-                eps,
-                hd: hd as u32,
-                ..Default::default()
-            };
-            let (op, groups) = if rows_together {
-                let row_groups = rows.div_ceil(ROWS_PER_GROUP);
-                let x = row_groups.min(MAX_GROUPS);
-                (Op::LinearRows, [x, row_groups.div_ceil(x), t as u32])
-            } else {
-                (
-                    Op::Linear,
-                    [rows.div_ceil(TILE), (t as u32).div_ceil(TILE), 1],
-                )
-            };
-            let operands = Inputs {
+            let way = Way {
+                w: &part.buf,
+                dtype: w.dtype,
+                rows: part.rows as u32,
                 bias: bias.map(|b| &*b.buf),
-                aux,
-                ..inputs(Some(&x.buf), Some(&part.buf), &[])
+                out: &out.buf,
             };
-            self.op(op, params, operands, &out.buf, groups);
+            let store = Store::Rows {
+                row0: part.row0 as u32,
+                n_out: w.rows as u32,
+            };
+            self.project_ways(x, input, w.cols, &[way], store, accumulate);
         }
+    }
+
+    /// Whether `projections` of `x` can run as one dispatch of `rows_main`: few tokens, each
+    /// weight in one binding, as many as the adapter's bindings allow.
+    fn together(&self, x: &WgpuTensor, projections: &[&Projection<'_, Self>]) -> bool {
+        x.dims[0] <= ROWS_TOGETHER_MAX_T
+            && projections.len() <= self.context().tuning.ways
+            && projections.iter().all(|p| p.w.parts.len() == 1)
+    }
+
+    /// The projections `ways` of one input (`x` read as `input` says, `cols` wide) in one
+    /// dispatch, stored as `store` says: `rows_main` for few tokens, else (one way, rows
+    /// stored plainly) the tiled product.
+    fn project_ways(
+        &self,
+        x: &WgpuTensor,
+        input: Input<'_>,
+        cols: usize,
+        ways: &[Way<'_>],
+        store: Store<'_>,
+        accumulate: bool,
+    ) {
+        let t = match input {
+            Input::Heads => x.dims[1],
+            _ => x.dims[0],
+        };
+        let (mut mode, aux, eps, mut hd) = match input {
+            Input::Plain => (0, None, 0.0, 0),
+            Input::Normed(norm, eps) => (NORMED, Some(&*norm.buf), eps, 0),
+            Input::Gated(up) => (GATED, Some(&*up.buf), 0.0, 0),
+            Input::Heads => (HEADS, None, 0.0, x.dims[2] as u32),
+        };
+        if accumulate {
+            mode |= ACCUMULATE;
+        }
+        let (mut row0, mut n_out, mut words): (u32, u32, [&[u32]; 2]) = (0, 0, [&[], &[]]);
+        let mut rotated = false;
+        match store {
+            Store::Rows { row0: r, n_out: n } => (row0, n_out) = (r, n),
+            Store::Heads { hd: h, rope } => {
+                // Input::Heads and heads-major outputs never meet (an input projection's
+                // outputs, an output projection's input).
+                hd = h;
+                mode |= HEADS_OUT;
+                if let Some((positions, inv_freq, pairs)) = rope {
+                    mode |= ROPE;
+                    if pairs == RopePairs::Interleaved {
+                        mode |= INTERLEAVED;
+                    }
+                    words = [
+                        bytemuck::cast_slice(positions),
+                        bytemuck::cast_slice(inv_freq),
+                    ];
+                    rotated = true;
+                }
+            }
+        }
+        // Several ways and heads-major stores are for few tokens only (the callers' checks).
+        let together = t <= ROWS_TOGETHER_MAX_T;
+        let tuning = self.context().tuning;
+        let group = tuning.group;
+        let lanes = row_lanes(cols, ways[0].dtype, rotated, tuning.lane_steps, group);
+        // Each projection starts on a workgroup's first row (project.wgsl's header); the
+        // ways a dispatch does not have start past every row.
+        let per = group / lanes;
+        let (mut starts, mut ends) = ([0u32, u32::MAX, u32::MAX], [0u32; 3]);
+        let mut fmts = 0;
+        let mut at = 0;
+        for (k, way) in ways.iter().enumerate() {
+            starts[k] = at;
+            ends[k] = at + way.rows;
+            at = ends[k].next_multiple_of(per);
+            fmts |= way.dtype << (8 * k);
+            if way.bias.is_some() {
+                mode |= BIAS << k;
+            }
+        }
+        let (pipeline, groups) = if together {
+            let row_groups = at.div_ceil(per);
+            let gx = row_groups.min(MAX_GROUPS);
+            (0, [gx, row_groups.div_ceil(gx), t as u32])
+        } else {
+            (1, [ends[0].div_ceil(TILE), (t as u32).div_ceil(TILE), 1])
+        };
+        let first = words[0].len() as u32;
+        let params = |idx0: u32| ProjParams {
+            ends,
+            cols: cols as u32,
+            row0,
+            n_out,
+            fmts,
+            mode,
+            total: t as u32,
+            lanes,
+            hd,
+            eps,
+            idx: [idx0, idx0 + first],
+            starts: [starts[1], starts[2]],
+        };
+        // Slots a dispatch leaves unused hold `x` when read (the shared unused buffer is
+        // the outputs', read-write: one buffer cannot be both in a dispatch).
+        let ctx = self.context();
+        let n = ctx.tuning.ways;
+        fn read<'a>(b: Option<&'a wgpu::Buffer>, x: &'a wgpu::Buffer) -> Bind<'a> {
+            Bind::Buffer(b.unwrap_or(x))
+        }
+        let mut slots = [Bind::Unused; 12];
+        slots[0] = Bind::Buffer(&x.buf);
+        slots[1] = read(aux, &x.buf);
+        slots[2] = if first > 0 {
+            Bind::Words
+        } else {
+            Bind::Buffer(&x.buf)
+        };
+        for k in 0..n {
+            let way = ways.get(k);
+            slots[3 + k] = read(way.map(|w| w.w), &x.buf);
+            slots[3 + n + k] = way.map_or(Bind::Unused, |w| Bind::Buffer(w.out));
+            slots[3 + 2 * n + k] = read(way.and_then(|w| w.bias), &x.buf);
+        }
+        let words: &[&[u32]] = if first > 0 { &words } else { &[] };
+        let slots = &slots[..3 + 3 * n];
+        ctx.dispatch(ctx.project(), params, words, slots, &[(pipeline, groups)]);
     }
 
     fn op(
@@ -240,13 +386,7 @@ impl WgpuDevice {
         groups: [u32; 3],
     ) {
         let ctx = self.context();
-        let Inputs {
-            a,
-            b,
-            bias,
-            aux,
-            words,
-        } = inputs;
+        let Inputs { a, b, words } = inputs;
         fn buffer(x: Option<&wgpu::Buffer>) -> Bind<'_> {
             x.map_or(Bind::Unused, Bind::Buffer)
         }
@@ -263,14 +403,7 @@ impl WgpuDevice {
                 ..params
             },
             words,
-            &[
-                buffer(a),
-                buffer(b),
-                idx,
-                Bind::Buffer(out),
-                buffer(bias),
-                buffer(aux),
-            ],
+            &[buffer(a), buffer(b), idx, Bind::Buffer(out)],
             &[(op as usize, groups)],
         );
     }
@@ -421,9 +554,62 @@ impl ModelDevice for WgpuDevice {
         _hn: &mut WgpuTensor,
         projections: &mut [Projection<'_, Self>],
     ) -> Result<(), KitError> {
-        for p in projections {
-            self.project(x, Input::Normed(norm, eps), p.w, p.bias, p.out, false);
+        let input = Input::Normed(norm, eps);
+        let store = Store::Rows { row0: 0, n_out: 0 };
+        match &projections[..] {
+            [a, b] if self.together(x, &[a, b]) => {
+                self.project_ways(x, input, x.dims[1], &[way(a), way(b)], store, false)
+            }
+            [a, b, c] if self.together(x, &[a, b, c]) => {
+                let ways = [way(a), way(b), way(c)];
+                self.project_ways(x, input, x.dims[1], &ways, store, false)
+            }
+            _ => {
+                for p in projections {
+                    self.project(x, input, p.w, p.bias, p.out, false);
+                }
+            }
         }
+        Ok(())
+    }
+
+    fn norm_qkv_heads(
+        &self,
+        x: &WgpuTensor,
+        norm: &WgpuTensor,
+        eps: f32,
+        hn: &mut WgpuTensor,
+        qkv: &mut [Projection<'_, Self>; 3],
+        rope: QkvHeads<'_>,
+        heads: [&mut WgpuTensor; 3],
+    ) -> Result<(), KitError> {
+        let [q, k, v] = &*qkv;
+        let hd = 2 * rope.inv_freq.len();
+        let whole_heads = q.w.rows == rope.heads_q * hd && k.w.rows == rope.heads_kv * hd;
+        if !(whole_heads && v.w.rows == k.w.rows && self.together(x, &[q, k, v])) {
+            return compose_norm_qkv_heads(self, x, norm, eps, hn, qkv, rope, heads);
+        }
+        let [qh, kh, vh] = heads;
+        let ways = [
+            Way {
+                out: &qh.buf,
+                ..way(q)
+            },
+            Way {
+                out: &kh.buf,
+                ..way(k)
+            },
+            Way {
+                out: &vh.buf,
+                ..way(v)
+            },
+        ];
+        let store = Store::Heads {
+            hd: hd as u32,
+            rope: Some((rope.positions, rope.inv_freq, rope.pairs)),
+        };
+        let input = Input::Normed(norm, eps);
+        self.project_ways(x, input, x.dims[1], &ways, store, false);
         Ok(())
     }
 

@@ -1,7 +1,8 @@
 //! The decode path records a whole forward without creating anything per op once warm: each
 //! op's uniform takes a slot of the uniform ring, its index words a run of the batch's arena,
 //! bind groups of the same buffers are reused, and the step's mask and the logits' readback
-//! reuse their buffers.
+//! reuse their buffers. The device here is shaped as on a GPU (`GPU`), whatever the adapter:
+//! lavapipe's own shapes (one projection a dispatch) are what the other tests run.
 
 use std::sync::Arc;
 
@@ -10,11 +11,27 @@ use kvplug_backend_kit::testing::tiny_llama;
 use kvplug_backend_kit::{Backend, Device, KitCache};
 use kvplug_core::{make_config, CacheKind, KvDtype};
 use kvplug_plugin_api::TensorDtype;
+use kvplug_wgpu::context::Tuning;
 use kvplug_wgpu::WgpuDevice;
 
-/// The tiny test Llama on a fresh wgpu device.
+/// A GPU's shapes of the projection kernels (as `Tuning::gpu` gives an adapter with 12
+/// storage bindings a stage).
+const GPU: Tuning = Tuning {
+    ways: 3,
+    group: 256,
+    lane_steps: 4,
+};
+
+fn gpu_device() -> WgpuDevice {
+    WgpuDevice::open_tuned(GPU).unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
+}
+
+// The model-device checks (the fused attention inputs among them) with a GPU's shapes.
+kvplug_backend_kit::model_device_tests!(gpu_device());
+
+/// The tiny test Llama on a fresh wgpu device with a GPU's shapes.
 fn tiny_model(tag: &str) -> (Arc<WgpuDevice>, ModelPackage, DecoderModel<WgpuDevice>) {
-    let dev = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
+    let dev = Arc::new(gpu_device());
     let pkg = ModelPackage::open(&tiny_llama(tag)).unwrap();
     let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
     (dev, pkg, model)
@@ -92,17 +109,18 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
 }
 
 /// The structure of a warm decode step of the tiny Llama (no biases, no post-norms): the
-/// kernels it dispatches per layer and the bytes it reads back. A layer is q, k and v, each
-/// normalizing its input itself (3); RoPE with the split into heads for q and k (2); v's
-/// split (1); the K and V writes (2); attention split over chunks of keys and the merge of
+/// kernels it dispatches per layer and the bytes it reads back. A layer is q, k and v in one
+/// dispatch that normalizes its input, rotates q and k and stores the three split into
+/// heads (1); the K and V writes (2); attention split over chunks of keys and the merge of
 /// the chunks (2); the output projection reading attention's heads as merged and adding
-/// into the residual (1); gate and up, normalizing their input (2); the down projection of
-/// the gated product, adding into the residual (1). Around the layers: the embedding, the
-/// final norm, the logit row's gather and the head (4); a greedy step adds the argmax (1)
-/// and reads back 4 bytes. Undoing a fusion adds a dispatch per layer and fails it.
+/// into the residual (1); gate and up in one dispatch normalizing its input (1); the down
+/// projection of the gated product, adding into the residual (1). Around the layers: the
+/// embedding, the final norm, the logit row's gather and the head (4); a greedy step adds
+/// the argmax (1) and reads back 4 bytes. Undoing a fusion adds a dispatch per layer and
+/// fails it.
 #[test]
 fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
-    const PER_LAYER: u64 = 14;
+    const PER_LAYER: u64 = 8;
     const AROUND: u64 = 4;
     let (dev, pkg, model) = tiny_model("wgpu-dispatches");
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
@@ -142,5 +160,53 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
         } else {
             assert_eq!(read, 4 * vocab as u64, "a step reads back its logits");
         }
+    }
+}
+
+/// A GPU's shapes (three projections a dispatch, RoPE and the head split in the q/k/v
+/// kernel) and the adapter's own give the same logits over a prefill and decode steps, to
+/// the 1e-3 the backends are held to against each other (summation orders differ).
+#[test]
+fn a_gpus_kernel_shapes_give_the_adapters_logits() {
+    let (gpu, pkg, model) = tiny_model("wgpu-shapes");
+    let own = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
+    let own_model = DecoderModel::load(own.clone(), &pkg).unwrap();
+    let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
+    let mut caches = [
+        KitCache::new(gpu.clone(), CacheKind::Contiguous, cfg).unwrap(),
+        KitCache::new(own.clone(), CacheKind::Contiguous, cfg).unwrap(),
+    ];
+    let (mut acts_gpu, mut acts_own) = (None, None);
+    let prompt: Vec<i32> = (0..20).map(|i| (i * 7) % 40).collect();
+    let mut steps: Vec<(Vec<i32>, Vec<i32>)> = vec![(prompt.clone(), (0..20).collect())];
+    steps.extend((20..24).map(|p| (vec![(p * 11) % 40], vec![p])));
+    for (ids, positions) in &steps {
+        let [c_gpu, c_own] = &mut caches;
+        let last = Some(&[ids.len() - 1][..]);
+        let a = model
+            .forward(c_gpu, ids, positions, last, false, &mut acts_gpu)
+            .unwrap();
+        let a = gpu
+            .download(a.logits, TensorDtype::F32)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        let b = own_model
+            .forward(c_own, ids, positions, last, false, &mut acts_own)
+            .unwrap();
+        let b = own
+            .download(b.logits, TensorDtype::F32)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            worst < 1e-3,
+            "step at {positions:?}: logits differ by {worst}"
+        );
     }
 }

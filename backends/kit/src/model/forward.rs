@@ -13,7 +13,7 @@ use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use super::config::{Arch, ModelConfig, ModelError};
 use super::moe::{route, Expert, ExpertGroups, Routes};
-use super::ops::{ModelDevice, Projection};
+use super::ops::{ModelDevice, Projection, QkvHeads};
 use super::package::{ModelPackage, Residency};
 use crate::cache::{KitCache, KitError};
 use kvplug_core::Experts;
@@ -625,39 +625,53 @@ impl<D: ModelDevice> DecoderModel<D> {
                             out: &mut a.v,
                         },
                     ];
-                    if at.gate.is_some() {
-                        // The output gate reads the normed rows after attention.
-                        d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
-                        d.linears(&a.hn, qkv)?;
-                    } else {
-                        d.norm_linears(&a.x, &lw.ln1, eps, &mut a.hn, qkv)?;
-                    }
-                    if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
-                        d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
-                        std::mem::swap(&mut a.q, &mut a.merged);
-                        d.rms_norm(&a.k, kn, eps, &mut a.kn)?;
-                        std::mem::swap(&mut a.k, &mut a.kn);
-                    }
                     let inv_freq = if at.sliding {
                         &w.inv_freq_local
                     } else {
                         &w.inv_freq
                     };
                     let pairs = w.rope_pairs;
-                    if let Some(n) = rotate {
-                        d.rope(&mut a.q, hq, positions, inv_freq, pairs)?;
-                        d.rope(&mut a.k, hkv, positions, inv_freq, pairs)?;
-                        d.hadamard(&a.q, n, &mut a.merged)?;
-                        std::mem::swap(&mut a.q, &mut a.merged);
-                        d.hadamard(&a.k, n, &mut a.kn)?;
-                        std::mem::swap(&mut a.k, &mut a.kn);
-                        d.split_heads(&a.q, hq, &mut a.qh)?;
-                        d.split_heads(&a.k, hkv, &mut a.kh)?;
+                    let qk_norms = at.q_norm.is_some() && at.k_norm.is_some();
+                    if at.gate.is_none() && !qk_norms && rotate.is_none() {
+                        // Norm, projections, rotation and head split: one op.
+                        let rope = QkvHeads {
+                            heads_q: hq,
+                            heads_kv: hkv,
+                            positions,
+                            inv_freq,
+                            pairs,
+                        };
+                        let heads = [&mut a.qh, &mut a.kh, &mut a.vh];
+                        d.norm_qkv_heads(&a.x, &lw.ln1, eps, &mut a.hn, qkv, rope, heads)?;
                     } else {
-                        d.rope_heads(&mut a.q, hq, positions, inv_freq, pairs, &mut a.qh)?;
-                        d.rope_heads(&mut a.k, hkv, positions, inv_freq, pairs, &mut a.kh)?;
+                        if at.gate.is_some() {
+                            // The output gate reads the normed rows after attention.
+                            d.rms_norm(&a.x, &lw.ln1, eps, &mut a.hn)?;
+                            d.linears(&a.hn, qkv)?;
+                        } else {
+                            d.norm_linears(&a.x, &lw.ln1, eps, &mut a.hn, qkv)?;
+                        }
+                        if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
+                            d.rms_norm(&a.q, qn, eps, &mut a.merged)?;
+                            std::mem::swap(&mut a.q, &mut a.merged);
+                            d.rms_norm(&a.k, kn, eps, &mut a.kn)?;
+                            std::mem::swap(&mut a.k, &mut a.kn);
+                        }
+                        if let Some(n) = rotate {
+                            d.rope(&mut a.q, hq, positions, inv_freq, pairs)?;
+                            d.rope(&mut a.k, hkv, positions, inv_freq, pairs)?;
+                            d.hadamard(&a.q, n, &mut a.merged)?;
+                            std::mem::swap(&mut a.q, &mut a.merged);
+                            d.hadamard(&a.k, n, &mut a.kn)?;
+                            std::mem::swap(&mut a.k, &mut a.kn);
+                            d.split_heads(&a.q, hq, &mut a.qh)?;
+                            d.split_heads(&a.k, hkv, &mut a.kh)?;
+                        } else {
+                            d.rope_heads(&mut a.q, hq, positions, inv_freq, pairs, &mut a.qh)?;
+                            d.rope_heads(&mut a.k, hkv, positions, inv_freq, pairs, &mut a.kh)?;
+                        }
+                        d.split_heads(&a.v, hkv, &mut a.vh)?;
                     }
-                    d.split_heads(&a.v, hkv, &mut a.vh)?;
                     let sinks = at.sinks.as_ref();
                     step.attend_sinks(l, &a.qh, &a.kh, &a.vh, scale, sinks, &mut a.att)?;
                     let (o_bias, post) = (at.o_bias.as_ref(), lw.post_attn.as_ref());

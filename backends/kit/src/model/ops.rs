@@ -58,6 +58,46 @@ pub struct Projection<'a, D: ModelDevice> {
     pub out: &'a mut D::Tensor,
 }
 
+/// The rotary embedding and head split of [`ModelDevice::norm_qkv_heads`]: q has `heads_q`
+/// heads, k and v `heads_kv`, each `2 · inv_freq.len()` wide (rotary over whole heads).
+#[derive(Clone, Copy)]
+pub struct QkvHeads<'a> {
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    /// Each token's position.
+    pub positions: &'a [i32],
+    pub inv_freq: &'a [f32],
+    pub pairs: RopePairs,
+}
+
+/// [`ModelDevice::norm_qkv_heads`] as the calls it is made of: its default, and what a
+/// device that fuses it runs where it cannot (shapes or limits it does not cover).
+#[allow(clippy::too_many_arguments)]
+pub fn compose_norm_qkv_heads<D: ModelDevice>(
+    d: &D,
+    x: &D::Tensor,
+    norm: &D::Tensor,
+    eps: f32,
+    hn: &mut D::Tensor,
+    qkv: &mut [Projection<'_, D>; 3],
+    rope: QkvHeads<'_>,
+    heads: [&mut D::Tensor; 3],
+) -> Result<(), KitError> {
+    d.norm_linears(x, norm, eps, hn, qkv)?;
+    let [q, k, v] = qkv;
+    let [qh, kh, vh] = heads;
+    let QkvHeads {
+        heads_q,
+        heads_kv,
+        positions,
+        inv_freq,
+        pairs,
+    } = rope;
+    d.rope_heads(q.out, heads_q, positions, inv_freq, pairs, qh)?;
+    d.rope_heads(k.out, heads_kv, positions, inv_freq, pairs, kh)?;
+    d.split_heads(v.out, heads_kv, vh)
+}
+
 /// Tensor operations of the decoder forward pass (Llama family, Gemma 3, LFM2). Activations are f32 `Device::Tensor`s,
 /// row-major; `[T, n]` means T rows of n values. Implementations may assume the kit passes
 /// consistent shapes.
@@ -201,6 +241,25 @@ pub trait ModelDevice: Device {
     ) -> Result<(), KitError> {
         self.rope(x, heads, positions, inv_freq, pairs)?;
         self.split_heads(x, heads, out)
+    }
+    /// A layer's attention inputs: [`ModelDevice::norm_linears`] of `x` into the q, k and v
+    /// projections (`qkv`), then [`ModelDevice::rope_heads`] of q into `heads[0]` and of k
+    /// into `heads[1]`, and [`ModelDevice::split_heads`] of v into `heads[2]` (`[heads, T,
+    /// head_dim]` each), as `rope` says. The projections' outputs and `hn` may be left
+    /// holding anything: a device may rotate and split where it stores each output (one
+    /// kernel instead of six). The default is those calls ([`compose_norm_qkv_heads`]).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_qkv_heads(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Tensor,
+        eps: f32,
+        hn: &mut Self::Tensor,
+        qkv: &mut [Projection<'_, Self>; 3],
+        rope: QkvHeads<'_>,
+        heads: [&mut Self::Tensor; 3],
+    ) -> Result<(), KitError> {
+        compose_norm_qkv_heads(self, x, norm, eps, hn, qkv, rope, heads)
     }
     /// `out = x` with each `n`-wide piece of every row multiplied by `H_n / √n`, `H_n`
     /// Sylvester's Hadamard matrix (`H_1 = [1]`, `H_2m = [[H_m, H_m], [H_m, −H_m]]`): x and

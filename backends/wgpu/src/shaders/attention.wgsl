@@ -303,6 +303,17 @@ fn output_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
 // Keys per chunk of flash_main (a workgroup's scores stay in workgroup memory).
 const CHUNK: u32 = 256u;
 var<workgroup> probs: array<f32, 256>;
+// flash_main's per-lane value sums of a block: 64 / dl lanes of 4·dl values.
+var<workgroup> vpart: array<f32, 256>;
+
+// Values d0 .. d0 + 3 of V[h, c] (those past d are 0).
+fn vquad(h: u32, c: u32, d0: u32) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    for (var k = 0u; k < 4u; k++) {
+        if d0 + k < p.d { v[k] = velem(h, c, d0 + k); }
+    }
+    return v;
+}
 
 fn chunks() -> u32 {
     return (p.l + CHUNK - 1u) / CHUNK;
@@ -344,14 +355,35 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     red[lid] = sum;
     let total = reduce_sum(lid);
     let at = partial(hh * p.t + i, c);
-    // Neighbouring invocations take neighbouring values of each V row.
-    for (var dd = lid; dd < p.d; dd += 64u) {
-        var acc = 0.0;
-        for (var jj = 0u; jj < n; jj++) {
-            let w = probs[jj];
-            if w != 0.0 { acc += w * velem(kh, j0 + jj, dd); }
+    // Σ e^{s−m}·V over the chunk, in blocks of 4·dl values (the whole row when d ≤ 256).
+    // A lane of dl invocations covers a block, 4 neighbouring values each (a step of the
+    // lane reads consecutive words of a row); the 64 / dl lanes split the chunk's keys, two
+    // keys a step, so an invocation's chain of loads is about n·dl / 32 long rather than n.
+    // The lanes' sums meet in `vpart`.
+    let dl = min((p.d + 3u) / 4u, 64u);
+    let lanes = 64u / dl;
+    let g = lid / dl;
+    for (var base = 0u; base < p.d; base += 4u * dl) {
+        let d0 = base + 4u * (lid % dl);
+        if g < lanes {
+            var acc = vec4<f32>(0.0);
+            var jj = g;
+            for (; jj + lanes < n; jj += 2u * lanes) {
+                let w0 = probs[jj];
+                let w1 = probs[jj + lanes];
+                if w0 != 0.0 { acc += w0 * vquad(kh, j0 + jj, d0); }
+                if w1 != 0.0 { acc += w1 * vquad(kh, j0 + jj + lanes, d0); }
+            }
+            if jj < n && probs[jj] != 0.0 { acc += probs[jj] * vquad(kh, j0 + jj, d0); }
+            for (var k = 0u; k < 4u; k++) { vpart[g * 4u * dl + d0 - base + k] = acc[k]; }
         }
-        scores[at + 2u + dd] = acc;
+        workgroupBarrier();
+        for (var e = lid; e < 4u * dl && base + e < p.d; e += 64u) {
+            var sum_v = 0.0;
+            for (var gg = 0u; gg < lanes; gg++) { sum_v += vpart[gg * 4u * dl + e]; }
+            scores[at + 2u + base + e] = sum_v;
+        }
+        workgroupBarrier();
     }
     if lid == 0u {
         scores[at] = mx;

@@ -1,0 +1,289 @@
+// A linear's input through its weights: out = x·Wᵀ, for up to WAYS projections of one
+// input in one dispatch (a layer's q/k/v, its gate/up). Two entry points:
+//   rows_main  : few tokens (decode, a small verify batch): `lanes` invocations per output
+//                row and token reading the row together, all projections in one dispatch;
+//                their outputs optionally rotated (RoPE) and stored heads-major.
+//   linear_main: many tokens (prefill): a tiled matrix product, one projection.
+// The Rust side generates this module's weight, output and bias bindings for WAYS (1, or 3
+// where the adapter allows 12 storage bindings) and puts weights.wgsl before it.
+//
+// Projection s has rows [start_s, end_s) of the dispatch's rows (start_0 = 0; the host
+// starts each on a workgroup's first row, so a workgroup's rows are one projection's and
+// the projection, chosen from the workgroup id, is uniform across it), its weight in w_s (dtype (fmts >> 8s) & 255, as weight_at's flag), out_s,
+// bias_s. Output o (of n_s) of token t is stored at t·n_s + row0 + o, n_s being n_out when
+// given (a part of a weight split over bindings, row0 its first row) else the projection's
+// rows; or heads-major at ((o / hd)·T + t)·hd + o % hd (HEADS_OUT).
+
+struct Params {
+    end0: u32, end1: u32, end2: u32, cols: u32,
+    row0: u32, n_out: u32, fmts: u32, mode: u32,
+    total: u32, lanes: u32, hd: u32, eps: f32,
+    idx0: u32, idx1: u32, start1: u32, start2: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> a: array<f32>;
+@group(0) @binding(2) var<storage, read> aux: array<f32>;
+@group(0) @binding(3) var<storage, read> idx: array<u32>;
+//@WAYS
+
+// `mode` bits. The input is `a` (T x cols), or rms_norm(a)·aux (a block's normed input, the
+// norm computed by the kernel's own workgroups), silu(a)·aux (an MLP's gated product, a the
+// gate and aux the up projection), or `a` heads-major ([cols / hd, T, hd], attention's
+// output) read as its merge. Projection s adds bias_s when bit BIAS << s is set; ACCUMULATE
+// adds what the output holds (a residual). ROPE rotates projections 0 and 1 (q and k) pair
+// by pair, rotate-half or INTERLEAVED, at the positions at idx0 with the inverse
+// frequencies at idx1 (hd / 2 of them), before HEADS_OUT stores them.
+const BIAS: u32 = 1u;
+const ACCUMULATE: u32 = 8u;
+const NORMED: u32 = 16u;
+const GATED: u32 = 32u;
+const HEADS: u32 = 64u;
+const HEADS_OUT: u32 = 128u;
+const ROPE: u32 = 256u;
+const INTERLEAVED: u32 = 512u;
+
+// The projection being computed (which binding `wb`, `out_get`, `out_set`, `bias_at` use).
+var<private> sel: u32;
+
+// 1/rms of the token whose values a NORMED linear's invocation reads (set by its entry point).
+var<private> norm_inv: f32;
+
+// Value i (flat, [T, cols]) of the input, as p.mode says.
+fn xin(i: u32) -> f32 {
+    if (p.mode & GATED) != 0u {
+        let g = a[i];
+        return g / (1.0 + exp(-g)) * aux[i];
+    }
+    if (p.mode & NORMED) != 0u {
+        return a[i] * norm_inv * aux[i % p.cols];
+    }
+    if (p.mode & HEADS) != 0u {
+        let c = i % p.cols;
+        return a[((c / p.hd) * p.total + i / p.cols) * p.hd + c % p.hd];
+    }
+    return a[i];
+}
+
+fn start(s: u32) -> u32 {
+    switch s {
+        case 1u: { return p.start1; }
+        case 2u: { return p.start2; }
+        default: { return 0u; }
+    }
+}
+
+fn end(s: u32) -> u32 {
+    switch s {
+        case 1u: { return p.end1; }
+        case 2u: { return p.end2; }
+        default: { return p.end0; }
+    }
+}
+
+// Selects the projection whose rows start at or before dispatch row r (and its weight's
+// dtype).
+fn select_row(r: u32) {
+    sel = select(select(0u, 1u, r >= p.start1), 2u, r >= p.start2);
+    fmt = (p.fmts >> (8u * sel)) & 255u;
+}
+
+// Output o of token t of projection `sel`, its bias added.
+fn biased(o: u32, acc: f32) -> f32 {
+    if (p.mode & (BIAS << sel)) != 0u { return acc + bias_at(p.row0 + o); }
+    return acc;
+}
+
+// Stores v as output o of token t of projection `sel` (adding the residual when ACCUMULATE).
+fn put(t: u32, o: u32, v: f32) {
+    var i: u32;
+    if (p.mode & HEADS_OUT) != 0u {
+        i = ((o / p.hd) * p.total + t) * p.hd + o % p.hd;
+    } else {
+        let n = select(end(sel) - start(sel), p.n_out, p.n_out != 0u);
+        i = t * n + p.row0 + o;
+    }
+    var w = v;
+    if (p.mode & ACCUMULATE) != 0u { w += out_get(i); }
+    out_set(i, w);
+}
+
+var<workgroup> red: array<f32, 256>;
+
+// Invocations in a workgroup of rows_main (at most 256; the host sets it per adapter).
+override GROUP: u32 = 256u;
+
+// The row of projection `sel` that its slot k computes: slots pair up the rows a rotation
+// mixes ((i, i + hd/2), or (2i, 2i + 1) INTERLEAVED), as 2m and 2m + 1, when ROPE applies
+// to the projection; else slot k is row k.
+fn slot_row(k: u32) -> u32 {
+    if (p.mode & ROPE) == 0u || sel > 1u { return k; }
+    let half = p.hd / 2u;
+    let m = k / 2u;
+    let i = m % half;
+    let base = (m / half) * p.hd;
+    if (p.mode & INTERLEAVED) != 0u { return base + 2u * i + k % 2u; }
+    return base + i + (k % 2u) * half;
+}
+
+// rows_main: each workgroup of GROUP invocations computes GROUP / lanes rows (slots) of one
+// token (row group x + y · workgroups.x, token z), `lanes` invocations a row striding over
+// its values (dense dtypes) or its quads (block formats), so that neighbouring lanes read
+// neighbouring weight words and x values. The lanes' sums are added by a tree in workgroup
+// memory. Each invocation selects its row's projection (a workgroup may straddle two).
+@compute @workgroup_size(GROUP)
+fn rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let lanes = p.lanes;
+    let per = GROUP / lanes;
+    let r = (wg.x + wg.y * nw.x) * per + lid / lanes;
+    let lane = lid % lanes;
+    let t = wg.z;
+    let cols = p.cols;
+    if (p.mode & NORMED) != 0u {
+        var s = 0.0;
+        for (var i = lid; i < cols; i += GROUP) {
+            let v = a[t * cols + i];
+            s += v * v;
+        }
+        red[lid] = s;
+        workgroupBarrier();
+        for (var k = GROUP / 2u; k > 0u; k >>= 1u) {
+            if lid < k { red[lid] = red[lid] + red[lid + k]; }
+            workgroupBarrier();
+        }
+        norm_inv = 1.0 / sqrt(red[0] / f32(cols) + p.eps);
+        workgroupBarrier();
+    }
+    select_row((wg.x + wg.y * nw.x) * per);
+    let live = r < end(sel);
+    var o = 0u;
+    var acc = 0.0;
+    if live {
+        o = slot_row(r - start(sel));
+        let x0 = t * cols;
+        if fmt < 3u {
+            for (var i = lane; i < cols; i += lanes) {
+                acc += xin(x0 + i) * weight_at(o * cols + i);
+            }
+        } else {
+            // Lane-consecutive quads (4 values of a 32-value slice): a step of the lanes
+            // reads consecutive code words and x values, each lane decoding its slice's
+            // scales (the lanes of one slice read the same bytes for them).
+            let first = o * (cols / 32u);
+            for (var q = lane; q < cols / 4u; q += lanes) {
+                let i0 = x0 + 4u * q;
+                let x = vec4<f32>(xin(i0), xin(i0 + 1u), xin(i0 + 2u), xin(i0 + 3u));
+                acc += dot(quad(slice(first + q / 8u), q % 8u), x);
+            }
+        }
+    }
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var s = lanes / 2u; s > 0u; s >>= 1u) {
+        if lane < s { red[lid] = red[lid] + red[lid + s]; }
+        workgroupBarrier();
+    }
+    if lane != 0u || !live { return; }
+    let v = biased(o, red[lid]);
+    if (p.mode & ROPE) == 0u || sel > 1u {
+        put(t, o, v);
+        return;
+    }
+    // A rotated pair: the even slot's first lane stores both rows.
+    if ((r - start(sel)) & 1u) == 1u { return; }
+    let o2 = slot_row(r - start(sel) + 1u);
+    let v2 = biased(o2, red[lid + lanes]);
+    // The pair's index among the head's hd / 2 (o is its first row).
+    let j = o % p.hd;
+    let i = select(j, j / 2u, (p.mode & INTERLEAVED) != 0u);
+    let ang = f32(bitcast<i32>(idx[p.idx0 + t])) * bitcast<f32>(idx[p.idx1 + i]);
+    let c = cos(ang);
+    let sn = sin(ang);
+    put(t, o, v * c - v2 * sn);
+    put(t, o2, v2 * c + v * sn);
+}
+
+// linear_main: one projection (0) of many tokens, rows [0, end0) of a weight part. A tiled
+// matrix product: each workgroup computes a TILE x TILE block of outputs (rows o0 = wg.x ·
+// TILE, tokens t0 = wg.y · TILE), each invocation 4 rows x 4 tokens of it. Per 32-wide step
+// of the inner dimension the workgroup loads the W tile (dequantized as it is loaded,
+// `quad`) and the x tile into workgroup memory, then every invocation reads 4 + 4 values
+// per 16 products from there.
+const TILE: u32 = 64u;
+const KSTEP: u32 = 32u;
+var<workgroup> wtile: array<f32, 2048>; // [KSTEP][TILE] of W, inner index a row
+var<workgroup> xtile: array<f32, 2048>; // [KSTEP][TILE] of x, inner index a token
+@compute @workgroup_size(256)
+fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    select_row(0u);
+    let rows = p.end0;
+    let cols = p.cols;
+    let o0 = wg.x * TILE;
+    let t0 = wg.y * TILE;
+    let ty = lid / 16u; // rows 4·ty..
+    let tx = lid % 16u; // tokens 4·tx..
+    var acc: array<vec4<f32>, 4>;
+    // The W row and the two quads (of 8 per slice) this invocation loads.
+    let lr = lid % TILE;
+    let lq = (lid / TILE) * 2u;
+    // The x token and the 8 values of a step this invocation loads.
+    let xt = lid / 4u;
+    let xk = (lid % 4u) * 8u;
+    if (p.mode & NORMED) != 0u {
+        // Token xt's sum of squares by its 4 loaders, through wtile.
+        var s = 0.0;
+        if t0 + xt < p.total {
+            for (var i = lid % 4u; i < cols; i += 4u) {
+                let v = a[(t0 + xt) * cols + i];
+                s += v * v;
+            }
+        }
+        wtile[lid] = s;
+        workgroupBarrier();
+        let g = 4u * xt;
+        let sum = (wtile[g] + wtile[g + 1u]) + (wtile[g + 2u] + wtile[g + 3u]);
+        norm_inv = 1.0 / sqrt(sum / f32(cols) + p.eps);
+        workgroupBarrier();
+    }
+    for (var k0 = 0u; k0 < cols; k0 += KSTEP) {
+        let o = o0 + lr;
+        for (var q = lq; q < lq + 2u; q++) {
+            var v = vec4<f32>(0.0);
+            if o < rows {
+                if fmt < 3u {
+                    for (var i = 0u; i < 4u; i++) {
+                        let c = k0 + 4u * q + i;
+                        if c < cols { v[i] = weight_at(o * cols + c); }
+                    }
+                } else {
+                    v = quad(slice(o * (cols / 32u) + k0 / 32u), q);
+                }
+            }
+            for (var i = 0u; i < 4u; i++) { wtile[(4u * q + i) * TILE + lr] = v[i]; }
+        }
+        let t = t0 + xt;
+        for (var i = 0u; i < 8u; i++) {
+            let c = k0 + xk + i;
+            var x = 0.0;
+            if t < p.total && c < cols { x = xin(t * cols + c); }
+            xtile[(xk + i) * TILE + xt] = x;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < KSTEP; kk++) {
+            let wv = vec4<f32>(wtile[kk * TILE + 4u * ty], wtile[kk * TILE + 4u * ty + 1u],
+                               wtile[kk * TILE + 4u * ty + 2u], wtile[kk * TILE + 4u * ty + 3u]);
+            let xv = vec4<f32>(xtile[kk * TILE + 4u * tx], xtile[kk * TILE + 4u * tx + 1u],
+                               xtile[kk * TILE + 4u * tx + 2u], xtile[kk * TILE + 4u * tx + 3u]);
+            for (var i = 0u; i < 4u; i++) { acc[i] += wv[i] * xv; }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let o = o0 + 4u * ty + i;
+        for (var j = 0u; j < 4u; j++) {
+            let t = t0 + 4u * tx + j;
+            if o < rows && t < p.total { put(t, o, biased(o, acc[i][j])); }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+// Reading a weight in its stored dtype, shared by the modules that read weights (the
+// Rust side puts this file before each). A module defines `fn wb(i: u32) -> u32` (word i
+// of the weight being read) and sets `fmt` (its dtype flag, see weight_at) before calling
+// these.
+
+var<private> fmt: u32;
+
+// Byte o of the weight (little-endian words).
+fn byte_at(o: u32) -> u32 {
+    return (wb(o >> 2u) >> ((o & 3u) * 8u)) & 0xffu;
+}
+
+// The f16 at even byte offset o of the weight, widened.
+fn half_at(o: u32) -> f32 {
+    return unpack2x16float(wb(o >> 2u))[(o >> 1u) & 1u];
+}
+
+// Nibble j % 16 of the 16 code bytes at o: low nibbles hold values 0..16, high ones 16..32.
+fn nibble(o: u32, j: u32) -> u32 {
+    return (byte_at(o + (j & 15u)) >> (4u * (j >> 4u))) & 15u;
+}
+
+// The 5th bit of value j of a Q5_0/Q5_1 block, from its 32-bit qh at byte o.
+fn bit5(o: u32, j: u32) -> u32 {
+    return ((byte_at(o + (j >> 3u)) >> (j & 7u)) & 1u) << 4u;
+}
+
+// Sub-block j's 6-bit scale and minimum from the 12 packed bytes at o (Q4_K/Q5_K).
+fn k4_scale_min(j: u32, o: u32) -> vec2<f32> {
+    if j < 4u {
+        return vec2<f32>(f32(byte_at(o + j) & 63u), f32(byte_at(o + j + 4u) & 63u));
+    }
+    let sc = (byte_at(o + j + 4u) & 15u) | ((byte_at(o + j - 4u) >> 6u) << 4u);
+    let m = (byte_at(o + j + 4u) >> 4u) | ((byte_at(o + j) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+
+// Element e of the weight, stored as fmt says: 0 f32, 1 f16, 2 bf16 (two
+// little-endian halves per word, the lower-addressed in the low bits), or a ggml block
+// format dequantized as it is read (the arithmetic of the kit's blocks::dequantize_row):
+// 3 q4_0, 4 q4_1, 5 q5_0, 6 q5_1, 7 q8_0, 8 q4_K, 9 q5_K, 10 q6_K.
+fn weight_at(e: u32) -> f32 {
+    switch fmt {
+        case 1u: {
+            return unpack2x16float(wb(e / 2u))[e % 2u];
+        }
+        case 2u: {
+            let w = wb(e / 2u);
+            return bitcast<f32>(select(w << 16u, w & 0xffff0000u, e % 2u == 1u));
+        }
+        case 3u: {
+            let o = (e / 32u) * 18u;
+            return f32(i32(nibble(o + 2u, e % 32u)) - 8) * half_at(o);
+        }
+        case 4u: {
+            let o = (e / 32u) * 20u;
+            return f32(nibble(o + 4u, e % 32u)) * half_at(o) + half_at(o + 2u);
+        }
+        case 5u: {
+            let o = (e / 32u) * 22u;
+            let j = e % 32u;
+            return f32(i32(nibble(o + 6u, j) | bit5(o + 2u, j)) - 16) * half_at(o);
+        }
+        case 6u: {
+            let o = (e / 32u) * 24u;
+            let j = e % 32u;
+            return f32(nibble(o + 8u, j) | bit5(o + 4u, j)) * half_at(o) + half_at(o + 2u);
+        }
+        case 7u: {
+            let o = (e / 32u) * 34u;
+            let q = i32(byte_at(o + 2u + e % 32u) << 24u) >> 24u;
+            return f32(q) * half_at(o);
+        }
+        case 8u, 9u: {
+            let q5 = fmt == 9u;
+            let o = (e / 256u) * select(144u, 176u, q5);
+            let j = e % 256u;
+            let chunk = j / 64u;
+            let hi = (j / 32u) % 2u;
+            let l = j % 32u;
+            let sub = 2u * chunk + hi;
+            let sm = k4_scale_min(sub, o + 4u);
+            let qs = o + select(16u, 48u, q5);
+            var v = (byte_at(qs + chunk * 32u + l) >> (4u * hi)) & 15u;
+            if q5 && ((byte_at(o + 16u + l) >> sub) & 1u) == 1u {
+                v += 16u;
+            }
+            return half_at(o) * sm.x * f32(v) - half_at(o + 2u) * sm.y;
+        }
+        case 10u: {
+            let o = (e / 256u) * 210u;
+            let j = e % 256u;
+            let n = j / 128u;
+            let quarter = (j % 128u) / 32u;
+            let l = j % 32u;
+            let lo = (byte_at(o + n * 64u + l + 32u * (quarter & 1u)) >> (4u * (quarter >> 1u))) & 15u;
+            let hb = (byte_at(o + 128u + n * 32u + l) >> (2u * quarter)) & 3u;
+            let sc = i32(byte_at(o + 192u + n * 8u + l / 16u + 2u * quarter) << 24u) >> 24u;
+            return half_at(o + 208u) * f32(sc) * f32(i32(lo | (hb << 4u)) - 32);
+        }
+        default: {
+            return bitcast<f32>(wb(e));
+        }
+    }
+}
+
+// Bytes o..o + 4 of the weight as one little-endian word, at any byte offset (blocks of 18, 22, 34
+// or 210 bytes leave their fields unaligned).
+fn word_at(o: u32) -> u32 {
+    let s = (o & 3u) * 8u;
+    let w = wb(o >> 2u);
+    if s == 0u { return w; }
+    return (w >> s) | (wb((o >> 2u) + 1u) << (32u - s));
+}
+
+// Byte i of word w, as a signed value.
+fn sbyte(w: u32, i: u32) -> f32 {
+    return f32(i32(w << (24u - 8u * i)) >> 24u);
+}
+
+// A 32-value slice of a block-format weight: a whole block of the 32-value formats, or
+// sub-block sl % 8 of super-block sl / 8 of the K-quants. Value j is
+// scale[j / 16] · code_j + offset[j / 16], code_j read from the bytes at `codes` (and the
+// high bits at `high`, or in the word `qh`) by `quad`.
+struct Slice {
+    scale: vec2<f32>,
+    offset: vec2<f32>,
+    codes: u32,
+    high: u32,
+    qh: u32,
+    shift: u32,
+}
+
+// The scales, offsets and code positions of slice `sl` of the weight, the format in
+// fmt (as for weight_at; 3..=10).
+fn slice(sl: u32) -> Slice {
+    var h: Slice;
+    switch fmt {
+        case 3u, 4u, 5u, 6u: {
+            // q4_0, q4_1, q5_0, q5_1: [d, (m), (qh), 16 code bytes]; byte j holds value j in
+            // its low nibble and value j + 16 in its high one, q5's fifth bits in qh.
+            let o = sl * (18u + 2u * (fmt - 3u));
+            let has_m = fmt == 4u || fmt == 6u;
+            let five = fmt >= 5u;
+            let d = half_at(o);
+            let qh_at = o + select(2u, 4u, has_m);
+            h.codes = qh_at + select(0u, 4u, five);
+            if five { h.qh = word_at(qh_at); }
+            var m = -select(8.0, 16.0, five) * d;
+            if has_m { m = half_at(o + 2u); }
+            h.scale = vec2<f32>(d);
+            h.offset = vec2<f32>(m);
+        }
+        case 7u: {
+            let o = sl * 34u;
+            h.scale = vec2<f32>(half_at(o));
+            h.codes = o + 2u;
+        }
+        case 8u, 9u: {
+            // q4_K, q5_K: sub-block `sub` takes the low (even sub) or high nibbles of the
+            // 32 code bytes of its pair, q5_K's fifth bit from bit `sub` of 32 qh bytes.
+            let q5 = fmt == 9u;
+            let sub = sl % 8u;
+            let o = (sl / 8u) * select(144u, 176u, q5);
+            let sm = k4_scale_min(sub, o + 4u);
+            h.scale = vec2<f32>(half_at(o) * sm.x);
+            h.offset = vec2<f32>(-half_at(o + 2u) * sm.y);
+            h.codes = o + select(16u, 48u, q5) + (sub / 2u) * 32u;
+            h.shift = 4u * (sub % 2u);
+            if q5 { h.high = o + 16u; }
+            h.qh = sub;
+        }
+        default: {
+            // q6_K: sub-block `sub` is quarter sub % 4 of half sub / 4: low bits from the
+            // low (quarters 0, 1) or high nibbles of 32 ql bytes, high bits from 2-bit field
+            // `quarter` of 32 qh bytes, an i8 scale per 16 values.
+            let sub = sl % 8u;
+            let o = (sl / 8u) * 210u;
+            let n = sub / 4u;
+            let quarter = sub % 4u;
+            let sc = word_at(o + 192u + n * 8u + 2u * quarter);
+            let d = half_at(o + 208u);
+            h.scale = d * vec2<f32>(sbyte(sc, 0u), sbyte(sc, 1u));
+            h.offset = -32.0 * h.scale;
+            h.codes = o + n * 64u + 32u * (quarter & 1u);
+            h.high = o + 128u + n * 32u;
+            h.shift = 4u * (quarter >> 1u);
+            h.qh = 2u * quarter;
+        }
+    }
+    return h;
+}
+
+// Values 4k .. 4k + 3 (k < 8) of slice h, dequantized.
+fn quad(h: Slice, k: u32) -> vec4<f32> {
+    var c: vec4<f32>;
+    switch fmt {
+        case 3u, 4u, 5u, 6u: {
+            let lo = (unpack4xU8(word_at(h.codes + 4u * (k % 4u))) >> vec4<u32>(4u * (k / 4u))) & vec4<u32>(15u);
+            let hi = (vec4<u32>(h.qh >> (4u * k)) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u);
+            c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
+        }
+        case 7u: {
+            c = vec4<f32>(unpack4xI8(word_at(h.codes + 4u * k)));
+        }
+        case 8u, 9u: {
+            let lo = (unpack4xU8(wb((h.codes >> 2u) + k)) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
+            var hi = vec4<u32>(0u);
+            if fmt == 9u { hi = (unpack4xU8(wb((h.high >> 2u) + k)) >> vec4<u32>(h.qh)) & vec4<u32>(1u); }
+            c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
+        }
+        default: {
+            let lo = (unpack4xU8(word_at(h.codes + 4u * k)) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
+            let hi = (unpack4xU8(word_at(h.high + 4u * k)) >> vec4<u32>(h.qh)) & vec4<u32>(3u);
+            c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
+        }
+    }
+    return h.scale[k / 4u] * c + vec4<f32>(h.offset[k / 4u]);
+}
