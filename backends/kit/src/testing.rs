@@ -1038,7 +1038,7 @@ macro_rules! backend_tests {
 /// The [`ModelDevice`](crate::model::ModelDevice) checks of [`testing`](crate::testing) as
 /// `#[test]` functions of the calling crate, beside [`backend_tests!`](crate::backend_tests)
 /// for a backend that serves models: the device argmax against the host's, a layer's
-/// attention inputs in one op against their composition. `$device` is
+/// attention inputs in one op against an f64 reference. `$device` is
 /// evaluated once per test.
 #[macro_export]
 macro_rules! model_device_tests {

@@ -1,5 +1,5 @@
 //! Opening the adapter and device, the compute pipelines built once per device, and the
-//! recorder that batches ops into one submission without creating anything per op.
+//! recorder that batches ops into submissions without creating anything per op.
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
@@ -336,6 +336,26 @@ impl Tuning {
         lane_steps: 32,
     };
 
+    /// Whether the kernels can take these shapes on an adapter of `limits`.
+    fn check(&self, limits: &wgpu::Limits) -> Result<(), String> {
+        let fits = match self.ways {
+            1 => true,
+            3 => limits.max_storage_buffers_per_shader_stage >= THREE_WAY_BINDINGS,
+            _ => false,
+        };
+        if !fits
+            || !self.group.is_power_of_two()
+            || !(8..=256).contains(&self.group)
+            || self.lane_steps == 0
+        {
+            return Err(format!(
+                "{self:?}: projections take 1 way, or 3 with {THREE_WAY_BINDINGS} storage \
+                 bindings a stage; a workgroup a power of two from 8 to 256; a step a lane"
+            ));
+        }
+        Ok(())
+    }
+
     /// A GPU's: memory latency is hidden only by many short chains of loads, so 256
     /// invocations a workgroup and about four steps a lane, and three projections a dispatch
     /// where the adapter allows [`THREE_WAY_BINDINGS`] storage bindings a stage.
@@ -518,6 +538,9 @@ impl Context {
             let n = &mut limits.max_storage_buffers_per_shader_stage;
             *n = (*n).min(8);
         }
+        if let Some(t) = tuning {
+            t.check(&limits)?;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kvplug"),
             // Timestamps only for `KVPLUG_WGPU_PROFILE`.
@@ -652,8 +675,8 @@ impl Context {
     }
 
     /// Linear kernels, in [`PROJECT_ENTRIES`] order, for [`Tuning::ways`] projections a
-    /// dispatch. Bindings: the uniform, the input, the norm weight or up
-    /// projection, the index words, then each projection's weight, its output, its bias.
+    /// dispatch. Bindings: the uniform, the input, the norm weight or up projection, the
+    /// index words, then the projections' weights, their outputs, their biases.
     pub fn project(&self) -> &Kernels<2> {
         self.project.get_or_init(|| {
             use Slot::*;
@@ -733,7 +756,7 @@ impl Context {
 
     /// Records commands into the pending batch, after everything recorded before. Commands
     /// run in recording order; they are submitted by [`Context::flush`] (which every read
-    /// and host write calls first), so a forward's ops go to the GPU in one submission.
+    /// and host write calls first) and every [`SUBMIT_AFTER`] dispatches.
     pub fn record(&self, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
         let mut r = self.recorder();
         f(r.encoder(&self.device));

@@ -20,7 +20,7 @@ use crate::{WgpuDevice, WgpuTensor};
 /// parts of whole rows, each its own buffer.
 pub struct WgpuWeight {
     parts: Vec<WeightPart>,
-    /// The shaders' dtype flag (see `weight_at` in model.wgsl).
+    /// The shaders' dtype flag (see `weight_at` in weights.wgsl).
     dtype: u32,
     rows: usize,
     cols: usize,
@@ -40,7 +40,7 @@ struct WeightPart {
     rows: usize,
 }
 
-/// The shaders' flag for a stored dtype (`weight_at` in model.wgsl), or an error for one the
+/// The shaders' flag for a stored dtype (`weight_at` in weights.wgsl), or an error for one the
 /// shaders do not read (a dtype a later kit added).
 fn dtype_flag(d: StoredDtype) -> Result<u32, KitError> {
     Ok(match d {
@@ -366,10 +366,12 @@ impl WgpuDevice {
         } else {
             Bind::Buffer(&x.buf)
         };
+        // Writable slots must not alias: the second missing output takes the scratch.
+        let spare = [Bind::Unused, Bind::Unused, Bind::Scratch(4)];
         for k in 0..n {
             let way = ways.get(k);
             slots[3 + k] = read(way.map(|w| w.w), &x.buf);
-            slots[3 + n + k] = way.map_or(Bind::Unused, |w| Bind::Buffer(w.out));
+            slots[3 + n + k] = way.map_or(spare[k], |w| Bind::Buffer(w.out));
             slots[3 + 2 * n + k] = read(way.and_then(|w| w.bias), &x.buf);
         }
         let words: &[&[u32]] = if first > 0 { &words } else { &[] };

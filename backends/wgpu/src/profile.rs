@@ -108,6 +108,8 @@ impl Profile {
             .slice(..bytes)
             .map_async(wgpu::MapMode::Read, |_| {});
         if device.poll(wgpu::PollType::wait_indefinitely()).is_err() {
+            // The map is abandoned with the batch's times.
+            self.staging.unmap();
             return;
         }
         if let Ok(view) = self.staging.slice(..bytes).get_mapped_range() {

@@ -79,7 +79,7 @@ fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
 }
 
 /// A dropped cache and activation arena take their cached bind groups along (each of those
-/// holds its buffers alive), instead of leaving them to the sweep after 64 idle submits.
+/// holds its buffers alive), instead of leaving them to the sweep after 256 idle submits.
 #[test]
 fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
     let (dev, pkg, model) = tiny_model("wgpu-drop");
@@ -168,37 +168,26 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
 /// the 1e-3 the backends are held to against each other (summation orders differ).
 #[test]
 fn a_gpus_kernel_shapes_give_the_adapters_logits() {
-    let (gpu, pkg, model) = tiny_model("wgpu-shapes");
+    let (gpu, pkg, gpu_model) = tiny_model("wgpu-shapes");
     let own = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
     let own_model = DecoderModel::load(own.clone(), &pkg).unwrap();
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
-    let mut caches = [
-        KitCache::new(gpu.clone(), CacheKind::Contiguous, cfg).unwrap(),
-        KitCache::new(own.clone(), CacheKind::Contiguous, cfg).unwrap(),
-    ];
-    let (mut acts_gpu, mut acts_own) = (None, None);
+    let mut runs = [(gpu, gpu_model), (own, own_model)].map(|(dev, model)| {
+        let cache = KitCache::new(dev.clone(), CacheKind::Contiguous, cfg).unwrap();
+        (dev, model, cache, None)
+    });
     let prompt: Vec<i32> = (0..20).map(|i| (i * 7) % 40).collect();
-    let mut steps: Vec<(Vec<i32>, Vec<i32>)> = vec![(prompt.clone(), (0..20).collect())];
+    let mut steps: Vec<(Vec<i32>, Vec<i32>)> = vec![(prompt, (0..20).collect())];
     steps.extend((20..24).map(|p| (vec![(p * 11) % 40], vec![p])));
     for (ids, positions) in &steps {
-        let [c_gpu, c_own] = &mut caches;
         let last = Some(&[ids.len() - 1][..]);
-        let a = model
-            .forward(c_gpu, ids, positions, last, false, &mut acts_gpu)
-            .unwrap();
-        let a = gpu
-            .download(a.logits, TensorDtype::F32)
-            .unwrap()
-            .to_f32()
-            .unwrap();
-        let b = own_model
-            .forward(c_own, ids, positions, last, false, &mut acts_own)
-            .unwrap();
-        let b = own
-            .download(b.logits, TensorDtype::F32)
-            .unwrap()
-            .to_f32()
-            .unwrap();
+        let [a, b] = runs.each_mut().map(|(dev, model, cache, acts)| {
+            let out = model
+                .forward(cache, ids, positions, last, false, acts)
+                .unwrap();
+            let logits = dev.download(out.logits, TensorDtype::F32).unwrap();
+            logits.to_f32().unwrap()
+        });
         let worst = a
             .iter()
             .zip(&b)
@@ -208,5 +197,22 @@ fn a_gpus_kernel_shapes_give_the_adapters_logits() {
             worst < 1e-3,
             "step at {positions:?}: logits differ by {worst}"
         );
+    }
+}
+
+/// Kernel shapes the projection kernels cannot take are refused when the device opens.
+#[test]
+fn a_tuning_the_kernels_cannot_take_is_refused() {
+    for bad in [
+        Tuning { ways: 2, ..GPU },
+        Tuning { group: 96, ..GPU },
+        Tuning { group: 512, ..GPU },
+        Tuning {
+            lane_steps: 0,
+            ..GPU
+        },
+    ] {
+        let err = WgpuDevice::open_tuned(bad).err().expect("refused");
+        assert!(err.contains("projections take 1 way"), "{bad:?}: {err}");
     }
 }

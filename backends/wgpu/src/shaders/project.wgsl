@@ -130,7 +130,8 @@ fn slot_row(k: u32) -> u32 {
 // token (row group x + y · workgroups.x, token z), `lanes` invocations a row striding over
 // its values (dense dtypes) or its quads (block formats), so that neighbouring lanes read
 // neighbouring weight words and x values. The lanes' sums are added by a tree in workgroup
-// memory. Each invocation selects its row's projection (a workgroup may straddle two).
+// memory. The workgroup's projection is its first row's (projections start on a
+// workgroup's first row).
 @compute @workgroup_size(GROUP)
 fn rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
