@@ -256,6 +256,20 @@ impl Device for CpuDevice {
         Ok(CpuTensor::new(&t.dims(), data))
     }
 
+    fn upload_into(&self, t: &HostTensor, out: &mut CpuTensor) -> Result<(), KitError> {
+        t.check().map_err(CacheError::bad_shape)?;
+        if !t.read_f32_into(&mut out.data) {
+            return Err(CacheError::bad_shape(format!(
+                "cannot upload a {} tensor as activations",
+                t.dtype.as_str()
+            ))
+            .into());
+        }
+        out.dims.clear();
+        out.dims.extend(t.shape.iter().map(|&d| d as usize));
+        Ok(())
+    }
+
     fn download(&self, t: &CpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
         let mut out = HostTensor::empty();
         self.download_into(t, dtype, &mut out)?;

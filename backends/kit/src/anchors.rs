@@ -13,7 +13,7 @@
 use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{Bookkeeping, CacheError, CacheResult, DeltaLayers, StepPlan, MAX_SEQS};
 
-use crate::delta_rule::{Run, Scratch, Tokens, NO_STATE};
+use crate::delta_rule::{two, Rows, Run, Scratch, States, Tokens, NO_STATE};
 use crate::device::NO_CELL;
 
 const NONE: u32 = u32::MAX;
@@ -122,6 +122,13 @@ impl Anchors {
             .get(layer)
             .filter(|&&i| i != NONE)
             .map(|&i| i as usize)
+    }
+
+    /// Makes room to anchor cells `0..cells` (as the pools grow: a step then finds it).
+    pub fn reserve(&mut self, cells: usize) {
+        if self.slot_of.len() < cells {
+            self.slot_of.resize(cells, NONE);
+        }
     }
 
     /// Bytes held by anchors (free slots included).
@@ -366,14 +373,8 @@ impl Anchors {
             let (old, tail): (Option<&[f32]>, &mut [f32]) = match src {
                 Some(s) if s as usize == home => (None, &mut self.slots[home].data[tails]),
                 Some(s) => {
-                    let s = s as usize;
-                    let (lo, hi) = self.slots.split_at_mut(s.max(home));
-                    let (src, dst) = if s < home {
-                        (&lo[s].data, &mut hi[0].data)
-                    } else {
-                        (&hi[0].data, &mut lo[home].data)
-                    };
-                    (Some(&src[tails.clone()]), &mut dst[tails])
+                    let (src, dst) = two(&mut self.slots, s as usize, home);
+                    (Some(&src.data[tails.clone()]), &mut dst.data[tails])
                 }
                 None => {
                     let dst = &mut self.slots[home].data[tails];
@@ -431,10 +432,11 @@ impl Anchors {
         };
         let runs = &self.runs[..];
         let [sc_a, sc_b] = &mut self.scratch;
-        let layer_states = self.slots.iter_mut().map(|s| &mut s.data[at..at + sl]);
-        // A prefill splits the heads over two threads (a decode step stays on one).
+        // A prefill splits the heads over two threads (a decode step stays on one, and
+        // allocates nothing).
         if t >= PARALLEL_TOKENS && hv >= 2 && self.threads > 1 {
             let half = hv / 2;
+            let layer_states = self.slots.iter_mut().map(|s| &mut s.data[at..at + sl]);
             let (mut states_a, mut states_b): (Vec<_>, Vec<_>) =
                 layer_states.map(|s| s.split_at_mut(half * n * n)).unzip();
             let (mut out_a, mut out_b): (Vec<_>, Vec<_>) = out
@@ -444,13 +446,19 @@ impl Anchors {
             let tokens = &tokens;
             std::thread::scope(|scope| {
                 scope.spawn(move || {
-                    tokens.advance(half..hv, runs, &mut states_b, &mut out_b, sc_b);
+                    tokens.advance(half..hv, runs, &mut states_b[..], &mut out_b[..], sc_b);
                 });
-                tokens.advance(0..half, runs, &mut states_a, &mut out_a, sc_a);
+                tokens.advance(0..half, runs, &mut states_a[..], &mut out_a[..], sc_a);
             });
         } else {
-            let mut states: Vec<_> = layer_states.collect();
-            let mut rows: Vec<_> = out.chunks_exact_mut(hv * n).collect();
+            let mut states = LayerStates {
+                slots: &mut self.slots,
+                at: at..at + sl,
+            };
+            let mut rows = Rows {
+                data: out,
+                width: hv * n,
+            };
             tokens.advance(0..hv, runs, &mut states, &mut rows, sc_a);
         }
         Ok(())
@@ -671,12 +679,23 @@ fn softplus(x: f32) -> f32 {
     }
 }
 
-/// Slot `a` (read) and slot `b` (written), `a != b`.
-fn two(slots: &mut [Slot], a: usize, b: usize) -> (&Slot, &mut Slot) {
-    let (lo, hi) = slots.split_at_mut(a.max(b));
-    if a < b {
-        (&lo[a], &mut hi[0])
-    } else {
-        (&hi[0], &mut lo[b])
+/// One delta layer's states in the anchors' slots: `at` of each slot's data.
+struct LayerStates<'a> {
+    slots: &'a mut [Slot],
+    at: std::ops::Range<usize>,
+}
+
+impl States for LayerStates<'_> {
+    fn pair(&mut self, from: u32, home: u32) -> (Option<&[f32]>, &mut [f32]) {
+        let (home, at) = (home as usize, self.at.clone());
+        if from == NO_STATE || from as usize == home {
+            let to = &mut self.slots[home].data[at];
+            if from == NO_STATE {
+                to.fill(0.0);
+            }
+            return (None, to);
+        }
+        let (from, to) = two(self.slots, from as usize, home);
+        (Some(&from.data[at.clone()]), &mut to.data[at])
     }
 }

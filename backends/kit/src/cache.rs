@@ -98,8 +98,8 @@ pub struct KitCache<D: Device> {
     /// sequence's next token would read one.
     conv_gaps: bool,
     /// The open step's convolution taps (`[T, width]` cells), made when it opens (with
-    /// convolution or delta-rule layers).
-    taps: Option<Vec<u32>>,
+    /// convolution or delta-rule layers; else empty).
+    taps: Vec<u32>,
     /// Per token of the open step, whether its output is read ([`Step::read_rows`]).
     reads: Vec<bool>,
     /// The step cells' `cell_pos` before [`KitCache::make_taps`] set them (restored when it
@@ -107,6 +107,8 @@ pub struct KitCache<D: Device> {
     saved_pos: Vec<i32>,
     /// The delta-rule layers' states (Qwen3.5, see [`kvplug_core::DeltaLayers`]).
     anchors: Option<Anchors>,
+    /// The delta rule's host buffers, kept between steps.
+    delta_host: DeltaHost,
     /// Read path and read window of the last planned step.
     last_plan: Option<(PlanKind, usize)>,
     /// The layer the open step expects next.
@@ -118,6 +120,29 @@ pub struct KitCache<D: Device> {
 
 /// K and V pools of a set of layers.
 type KvPools<D> = (Vec<<D as Device>::Pool>, Vec<<D as Device>::Pool>);
+
+/// The delta rule's inputs and outputs on the host ([`Step::delta`]): downloaded, computed
+/// and uploaded through buffers that keep their size, so a decode step allocates nothing.
+struct DeltaHost {
+    /// The tensor each download and the upload go through.
+    tensor: HostTensor,
+    x: Vec<f32>,
+    alpha: Vec<f32>,
+    beta: Vec<f32>,
+    y: Vec<f32>,
+}
+
+impl Default for DeltaHost {
+    fn default() -> Self {
+        DeltaHost {
+            tensor: HostTensor::empty(),
+            x: Vec::new(),
+            alpha: Vec::new(),
+            beta: Vec::new(),
+            y: Vec::new(),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 enum Place {
@@ -230,10 +255,11 @@ impl<D: Device> KitCache<D> {
             },
             conv,
             conv_gaps: false,
-            taps: None,
+            taps: Vec::new(),
             reads: Vec::new(),
             saved_pos: Vec::new(),
             anchors: cfg.delta.map(|d| Anchors::new(d, cfg.n_layers)),
+            delta_host: DeltaHost::default(),
             last_plan: None,
             next_layer: 0,
             scratch: D::Scratch::default(),
@@ -404,7 +430,7 @@ impl<D: Device> KitCache<D> {
         if let Some(g) = &mut self.sliding {
             g.map.rollback_step();
         }
-        self.taps = None;
+        self.taps.clear();
         if let Some(a) = &mut self.anchors {
             a.rollback_step();
         }
@@ -453,6 +479,9 @@ impl<D: Device> KitCache<D> {
         }
         if !self.cell_pos.is_empty() {
             self.cell_pos.resize(cells, -1);
+        }
+        if let Some(a) = &mut self.anchors {
+            a.reserve(cells);
         }
         tracing::debug!(from = self.pool_cells, to = cells, "pools grown");
         self.pool_cells = cells;
@@ -1071,7 +1100,8 @@ impl<D: Device> KitCache<D> {
             self.cell_pos[c] = p;
         }
         let held = |i: usize, c: usize, p: i32| plan.visible(i, c) && self.cell_pos[c] == p;
-        let mut taps = Vec::with_capacity(plan.n_tok * width);
+        let mut taps = std::mem::take(&mut self.taps);
+        taps.clear();
         for (i, &p) in plan.positions.iter().enumerate() {
             let own = plan.cell_of(i);
             for back in (1..width).rev() {
@@ -1099,7 +1129,7 @@ impl<D: Device> KitCache<D> {
             let tree = self.book.kind() == CacheKind::Tree && plan.mask == MaskKind::Explicit;
             a.open_step(plan, &taps, width, tree);
         }
-        self.taps = Some(taps);
+        self.taps = taps;
         Ok(())
     }
 
@@ -1443,20 +1473,26 @@ impl<D: Device> Step<'_, D> {
             ))
             .into());
         }
-        let host = |t: &D::Tensor| -> Result<Vec<f32>, KitError> {
-            dev.download(t, TensorDtype::F32)?
-                .to_f32()
-                .ok_or_else(|| KitError::Device("delta: an f32 download was not f32".into()))
-        };
-        let (m, al, be) = (host(x)?, host(alpha)?, host(beta)?);
         let c = &mut *self.cache;
-        let mut y = vec![0f32; t * d.value_heads * d.head_dim];
+        let h = &mut c.delta_host;
+        for (t, v) in [(x, &mut h.x), (alpha, &mut h.alpha), (beta, &mut h.beta)] {
+            dev.download_into(t, TensorDtype::F32, &mut h.tensor)?;
+            if !h.tensor.read_f32_into(v) {
+                return Err(KitError::Device(
+                    "delta: an f32 download was not f32".into(),
+                ));
+            }
+        }
+        let width = d.value_heads * d.head_dim;
+        h.y.resize(t * width, 0.0);
         let anchors = c
             .anchors
             .as_mut()
             .expect("a cache with delta layers has anchors");
-        anchors.run_layer(layer, &m, kernel, &al, &be, a, eps, &mut y)?;
-        *out = dev.upload(&HostTensor::from_f32(&[t, d.value_heads * d.head_dim], &y))?;
+        anchors.run_layer(layer, &h.x, kernel, &h.alpha, &h.beta, a, eps, &mut h.y)?;
+        h.tensor
+            .encode_f32_into(&[t, width], &h.y, TensorDtype::F32);
+        dev.upload_into(&h.tensor, out)?;
         self.next_layer += 1;
         Ok(())
     }
@@ -1492,9 +1528,8 @@ impl<D: Device> Step<'_, D> {
             Some(start) => dev.write_run(&mut c.conv[i], start, x)?,
             None => dev.scatter_rows(&mut c.conv[i], &plan.write_cells, x)?,
         }
-        let taps = c.taps.as_deref().expect("made when the step opened");
         c.device
-            .short_conv(&c.conv[i], taps, conv.width, kernel, out)
+            .short_conv(&c.conv[i], &c.taps, conv.width, kernel, out)
     }
 
     /// Says which of the step's tokens have their outputs read (the model's logit rows):

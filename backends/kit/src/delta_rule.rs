@@ -86,15 +86,15 @@ pub struct Scratch {
 }
 
 impl Tokens<'_> {
-    /// Advances value heads `heads` over `runs`: `states[s]` holds slot `s`'s states of
-    /// those heads (`[head][j][i]`, `S[i][j]` in row `j`), `out[t]` receives token `t`'s
+    /// Advances value heads `heads` over `runs`: `states` holds each slot's states of
+    /// those heads (`[head][j][i]`, `S[i][j]` in row `j`), `out` receives each token's
     /// outputs of those heads.
-    pub fn advance(
+    pub fn advance<S: States + ?Sized, O: Outputs + ?Sized>(
         &self,
         heads: Range<usize>,
         runs: &[Run],
-        states: &mut [&mut [f32]],
-        out: &mut [&mut [f32]],
+        states: &mut S,
+        out: &mut O,
         sc: &mut Scratch,
     ) {
         let n = self.n;
@@ -115,43 +115,43 @@ impl Tokens<'_> {
             // SAFETY: the CPU has the features `advance_avx2` is compiled for.
             return unsafe { self.advance_avx2(heads, runs, states, out, sc) };
         }
-        self.advance_any::<false>(heads, runs, states, out, sc)
+        self.advance_any::<false, S, O>(heads, runs, states, out, sc)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn advance_avx2(
+    unsafe fn advance_avx2<S: States + ?Sized, O: Outputs + ?Sized>(
         &self,
         heads: Range<usize>,
         runs: &[Run],
-        states: &mut [&mut [f32]],
-        out: &mut [&mut [f32]],
+        states: &mut S,
+        out: &mut O,
         sc: &mut Scratch,
     ) {
-        self.advance_any::<true>(heads, runs, states, out, sc)
+        self.advance_any::<true, S, O>(heads, runs, states, out, sc)
     }
 
     /// [`Tokens::advance`], products fused (`FUSED`: one rounding each, where the CPU has
     /// FMA) or not.
     #[inline(always)]
-    fn advance_any<const FUSED: bool>(
+    fn advance_any<const FUSED: bool, S: States + ?Sized, O: Outputs + ?Sized>(
         &self,
         heads: Range<usize>,
         runs: &[Run],
-        states: &mut [&mut [f32]],
-        out: &mut [&mut [f32]],
+        states: &mut S,
+        out: &mut O,
         sc: &mut Scratch,
     ) {
         let nn = self.n * self.n;
         for r in runs {
-            let (from, to) = pair(states, r.from, r.home);
+            let (from, to) = states.pair(r.from, r.home);
             for (x, h) in heads.clone().enumerate() {
                 let from = from.map(|f| &f[x * nn..(x + 1) * nn]);
                 let to = &mut to[x * nn..(x + 1) * nn];
                 if r.end - r.start < MIN_CHUNKED_RUN {
                     let mut from = from;
-                    for (t, o) in out[r.start..r.end].iter_mut().enumerate() {
-                        self.token(h, r.start + t, from, to, &mut o[x * self.n..], sc);
+                    for t in r.start..r.end {
+                        self.token(h, t, from, to, &mut out.row(t)[x * self.n..], sc);
                         from = None;
                     }
                     continue;
@@ -159,7 +159,7 @@ impl Tokens<'_> {
                 let mut from = from;
                 for start in (r.start..r.end).step_by(CHUNK) {
                     let toks = start..(start + CHUNK).min(r.end);
-                    self.chunk::<FUSED>(h, x, toks, from, to, out, sc);
+                    self.chunk::<FUSED, O>(h, x, toks, from, to, out, sc);
                     from = None;
                 }
             }
@@ -213,14 +213,14 @@ impl Tokens<'_> {
     /// place). Its products are small matrix products ([`rows_times`], [`add_combination`]).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn chunk<const FUSED: bool>(
+    fn chunk<const FUSED: bool, O: Outputs + ?Sized>(
         &self,
         h: usize,
         x: usize,
         toks: Range<usize>,
         from: Option<&[f32]>,
         to: &mut [f32],
-        out: &mut [&mut [f32]],
+        out: &mut O,
         sc: &mut Scratch,
     ) {
         let (n, hv) = (self.n, self.hv);
@@ -269,7 +269,7 @@ impl Tokens<'_> {
                 *u = b * (v - gamma * sc.ks[j * CHUNK + c]);
             }
             add_combination::<FUSED>(u, &sc.w[..c], done);
-            let o = &mut out[t][x * n..(x + 1) * n];
+            let o = &mut out.row(t)[x * n..(x + 1) * n];
             for (j, o) in o.iter_mut().enumerate() {
                 *o = gamma * sc.qs[j * CHUNK + c];
             }
@@ -299,27 +299,60 @@ impl Tokens<'_> {
     }
 }
 
-/// Run `from`'s state (read only) and `home`'s (written): `None` when the run advances in
-/// place (`from` is `home`, or [`NO_STATE`]: `home` zeroed first).
-#[inline(always)]
-fn pair<'s>(
-    states: &'s mut [&mut [f32]],
-    from: u32,
-    home: u32,
-) -> (Option<&'s [f32]>, &'s mut [f32]) {
-    let home = home as usize;
-    if from == NO_STATE || from as usize == home {
-        if from == NO_STATE {
-            states[home].fill(0.0);
+/// Where a thread's runs keep their states: each slot's states of the thread's heads.
+pub trait States {
+    /// Slot `from`'s states (read only) and slot `home`'s (written): `None` when the run
+    /// advances in place (`from` is `home`, or [`NO_STATE`]: `home` zeroed first).
+    fn pair(&mut self, from: u32, home: u32) -> (Option<&[f32]>, &mut [f32]);
+}
+
+/// Slot `s`'s states are `self[s]`.
+impl States for [&mut [f32]] {
+    fn pair(&mut self, from: u32, home: u32) -> (Option<&[f32]>, &mut [f32]) {
+        let home = home as usize;
+        if from == NO_STATE || from as usize == home {
+            if from == NO_STATE {
+                self[home].fill(0.0);
+            }
+            return (None, &mut *self[home]);
         }
-        return (None, &mut *states[home]);
+        let (from, to) = two(self, from as usize, home);
+        (Some(&**from), &mut **to)
     }
-    let f = from as usize;
-    let (lo, hi) = states.split_at_mut(f.max(home));
-    if f < home {
-        (Some(&*lo[f]), &mut *hi[0])
+}
+
+/// Where a thread's tokens put their outputs.
+pub trait Outputs {
+    /// Token `t`'s outputs of the thread's heads.
+    fn row(&mut self, t: usize) -> &mut [f32];
+}
+
+/// Token `t`'s outputs are `self[t]`.
+impl Outputs for [&mut [f32]] {
+    fn row(&mut self, t: usize) -> &mut [f32] {
+        self[t]
+    }
+}
+
+/// Every head's outputs on one thread: token `t`'s are the `t`th `width` values of `data`.
+pub struct Rows<'a> {
+    pub data: &'a mut [f32],
+    pub width: usize,
+}
+
+impl Outputs for Rows<'_> {
+    fn row(&mut self, t: usize) -> &mut [f32] {
+        &mut self.data[t * self.width..(t + 1) * self.width]
+    }
+}
+
+/// Item `a` (read) and item `b` (written) of `items`, `a != b`.
+pub fn two<T>(items: &mut [T], a: usize, b: usize) -> (&T, &mut T) {
+    let (lo, hi) = items.split_at_mut(a.max(b));
+    if a < b {
+        (&lo[a], &mut hi[0])
     } else {
-        (Some(&*hi[0]), &mut *lo[home])
+        (&hi[0], &mut lo[b])
     }
 }
 
@@ -554,11 +587,12 @@ mod tests {
             }];
             let mut sc = Scratch::default();
             if fused {
-                tokens.advance(0..hv, &runs, &mut states, &mut rows, &mut sc);
+                tokens.advance(0..hv, &runs, &mut states[..], &mut rows[..], &mut sc);
             } else {
                 // `advance` sizes the scratch; the unfused variant on any CPU.
-                tokens.advance(0..hv, &[], &mut states, &mut rows, &mut sc);
-                tokens.advance_any::<false>(0..hv, &runs, &mut states, &mut rows, &mut sc);
+                tokens.advance(0..hv, &[], &mut states[..], &mut rows[..], &mut sc);
+                let (states, rows) = (&mut states[..], &mut rows[..]);
+                tokens.advance_any::<false, _, _>(0..hv, &runs, states, rows, &mut sc);
             }
             for (x, (&got, (&w, &bd))) in out.iter().zip(want.iter().zip(&bound)).enumerate() {
                 assert!(

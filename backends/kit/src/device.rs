@@ -195,6 +195,14 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// Uploads a host tensor (f32/f16/bf16) as an activation tensor.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor, KitError>;
 
+    /// [`Device::upload`] into `out`, reusing its buffers where the device can (a decode
+    /// step's host-computed layers then allocate nothing once warm); by default a fresh
+    /// upload moved in.
+    fn upload_into(&self, t: &HostTensor, out: &mut Self::Tensor) -> Result<(), KitError> {
+        *out = self.upload(t)?;
+        Ok(())
+    }
+
     /// Downloads a tensor, converting to `dtype`.
     fn download(&self, t: &Self::Tensor, dtype: TensorDtype) -> Result<HostTensor, KitError>;
 

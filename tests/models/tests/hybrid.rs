@@ -5,143 +5,14 @@
 
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::Value;
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::quantized::GgmlDType;
 use kvplug::{run_decode, AgentStore, AgentStoreOptions, RunSpec, Sampler};
 use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 use kvplug::{DraftKind, Speculation};
 
 mod common;
-use common::{
-    bpe_tokenizer_meta, forward, runtime, values, write_gguf, Reference, BACKENDS, MERGES,
-};
-
-const HIDDEN: usize = 64;
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const FFN: usize = 128;
-const VOCAB: usize = 300;
-const PROMPT: [i32; 9] = [3, 141, 59, 26, 53, 58, 97, 93, 238];
-
-/// The shape of an LFM2 file: `layers` layers, those in `attention` attending (through a
-/// sliding `window` when given), the others convolving over `taps` positions; matrices in
-/// `types` (cycled), vectors and the convolution kernel f32; no output matrix when `tied`.
-struct Shape<'a> {
-    layers: usize,
-    attention: &'a [usize],
-    taps: usize,
-    types: &'a [GgmlDType],
-    tied: bool,
-    window: Option<usize>,
-}
-
-/// Three f32 layers, the middle one attending, convolutions of 3 taps.
-const SMALL_LFM2: Shape<'static> = Shape {
-    layers: 3,
-    attention: &[1],
-    taps: 3,
-    types: &[GgmlDType::F32],
-    tied: true,
-    window: None,
-};
-
-/// Writes an LFM2 GGUF of `shape`.
-fn write_lfm2(path: &Path, shape: &Shape) {
-    let Shape {
-        layers,
-        attention,
-        taps,
-        types,
-        tied,
-        window,
-    } = *shape;
-    let hd = HIDDEN / HEADS;
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let mut salt = 0;
-    let mut add = |name: String, shape: &[usize], gain: f32, ty: GgmlDType| {
-        salt += 1;
-        let n = shape.iter().product();
-        let mut data = values(n, salt, gain);
-        if shape.len() == 1 {
-            // Norm weights near 1.
-            data.iter_mut().for_each(|x| *x += 1.0);
-        }
-        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
-        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
-    };
-    let mut matrix = 0;
-    let mut next_type = || {
-        matrix += 1;
-        types[matrix % types.len()]
-    };
-    add(
-        "token_embd.weight".into(),
-        &[VOCAB, HIDDEN],
-        1.0,
-        next_type(),
-    );
-    add(
-        "token_embd_norm.weight".into(),
-        &[HIDDEN],
-        0.1,
-        GgmlDType::F32,
-    );
-    if !tied {
-        add("output.weight".into(), &[VOCAB, HIDDEN], 0.5, next_type());
-    }
-    for l in 0..layers {
-        let b = |n: &str| format!("blk.{l}.{n}.weight");
-        add(b("attn_norm"), &[HIDDEN], 0.1, GgmlDType::F32);
-        add(b("ffn_norm"), &[HIDDEN], 0.1, GgmlDType::F32);
-        add(b("ffn_gate"), &[FFN, HIDDEN], 0.3, next_type());
-        add(b("ffn_up"), &[FFN, HIDDEN], 0.3, next_type());
-        add(b("ffn_down"), &[HIDDEN, FFN], 0.3, next_type());
-        if attention.contains(&l) {
-            add(b("attn_q"), &[HEADS * hd, HIDDEN], 0.3, next_type());
-            add(b("attn_k"), &[KV_HEADS * hd, HIDDEN], 0.3, next_type());
-            add(b("attn_v"), &[KV_HEADS * hd, HIDDEN], 0.3, next_type());
-            add(b("attn_output"), &[HIDDEN, HEADS * hd], 0.3, next_type());
-            add(b("attn_q_norm"), &[hd], 0.1, GgmlDType::F32);
-            add(b("attn_k_norm"), &[hd], 0.1, GgmlDType::F32);
-        } else {
-            add(b("shortconv.conv"), &[HIDDEN, taps], 0.8, GgmlDType::F32);
-            add(
-                b("shortconv.in_proj"),
-                &[3 * HIDDEN, HIDDEN],
-                0.5,
-                next_type(),
-            );
-            add(b("shortconv.out_proj"), &[HIDDEN, HIDDEN], 0.5, next_type());
-        }
-    }
-    let u = |x: usize| Value::U32(x as u32);
-    let mut meta = vec![
-        ("general.architecture", Value::String("lfm2".into())),
-        ("lfm2.block_count", u(layers)),
-        ("lfm2.embedding_length", u(HIDDEN)),
-        ("lfm2.feed_forward_length", u(FFN)),
-        ("lfm2.attention.head_count", u(HEADS)),
-        (
-            "lfm2.attention.head_count_kv",
-            Value::Array(
-                (0..layers)
-                    .map(|l| u(if attention.contains(&l) { KV_HEADS } else { 0 }))
-                    .collect(),
-            ),
-        ),
-        ("lfm2.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("lfm2.rope.freq_base", Value::F32(1e6)),
-        ("lfm2.context_length", u(2048)),
-        ("lfm2.shortconv.l_cache", u(taps)),
-        ("lfm2.vocab_size", u(VOCAB)),
-    ];
-    if let Some(w) = window {
-        meta.push(("lfm2.attention.sliding_window", u(w)));
-    }
-    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
-    write_gguf(path, &meta, &tensors);
-}
+use common::hybrids::{lfm2, qwen35, qwen35_templated, write_qwen35, Shape, PROMPT, SMALL_LFM2};
+use common::{forward, runtime, Reference, BACKENDS};
 
 /// Every row's logits of one batch: token `i` at `positions[i]` in sequence `seqs[i]`.
 fn decode(ctx: &mut Context, tokens: &[i32], positions: &[i32], seqs: &[i32]) -> Vec<Vec<f32>> {
@@ -154,16 +25,6 @@ fn decode(ctx: &mut Context, tokens: &[i32], positions: &[i32], seqs: &[i32]) ->
         .rows()
         .map(<[f32]>::to_vec)
         .collect()
-}
-
-/// The indexed model of [`write_lfm2`] in `dir`.
-fn lfm2(dir: &Path, shape: &Shape) -> std::path::PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let gguf = dir.join("lfm2.gguf");
-    write_lfm2(&gguf, shape);
-    let model = dir.join("indexed");
-    kvplug::formats::gguf::index(&gguf, &model).unwrap();
-    model
 }
 
 /// The largest `|a − b|` of two rows of logits.
@@ -279,106 +140,6 @@ fn lfm2_convolution_state_follows_forks_and_rewinds() {
         again, want7,
         "a rewind leaves no trace in the convolution state"
     );
-}
-
-/// Writes a Qwen3.5 GGUF: 3 layers, the last attending (q with its output gate, rotary on
-/// half of each head, MRoPE sections), the others running the delta rule with two key heads
-/// of 16 serving four value heads; matrices in `types` (cycled), vectors and the
-/// convolution kernel f32.
-fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
-    let (hd, rot, state, hk, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize, 4usize);
-    let ch = (2 * hk + hv) * state;
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let (mut salt, mut matrix) = (100, 0);
-    let mut add = |name: String, shape: &[usize], gain: f32, offset: f32| {
-        salt += 1;
-        let mut data = values(shape.iter().product(), salt, gain);
-        data.iter_mut().for_each(|x| *x += offset);
-        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
-        let ty = if shape.len() == 2 && shape[1] == HIDDEN {
-            matrix += 1;
-            types[matrix % types.len()]
-        } else {
-            GgmlDType::F32
-        };
-        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
-    };
-    add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0);
-    add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0);
-    for l in 0..3 {
-        let b = |n: &str| format!("blk.{l}.{n}");
-        add(b("attn_norm.weight"), &[HIDDEN], 0.1, 1.0);
-        add(b("post_attention_norm.weight"), &[HIDDEN], 0.1, 1.0);
-        add(b("ffn_gate.weight"), &[FFN, HIDDEN], 0.3, 0.0);
-        add(b("ffn_up.weight"), &[FFN, HIDDEN], 0.3, 0.0);
-        add(b("ffn_down.weight"), &[HIDDEN, FFN], 0.3, 0.0);
-        if l == 2 {
-            add(b("attn_q.weight"), &[2 * HEADS * hd, HIDDEN], 0.3, 0.0);
-            add(b("attn_k.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
-            add(b("attn_v.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
-            add(b("attn_output.weight"), &[HIDDEN, HEADS * hd], 0.3, 0.0);
-            add(b("attn_q_norm.weight"), &[hd], 0.1, 1.0);
-            add(b("attn_k_norm.weight"), &[hd], 0.1, 1.0);
-        } else {
-            add(b("attn_qkv.weight"), &[ch, HIDDEN], 0.5, 0.0);
-            add(b("attn_gate.weight"), &[hv * state, HIDDEN], 0.5, 0.0);
-            add(b("ssm_conv1d.weight"), &[ch, 4], 0.8, 0.0);
-            add(b("ssm_dt.bias"), &[hv], 0.5, 0.0);
-            add(b("ssm_a"), &[hv], 0.3, -0.7);
-            add(b("ssm_beta.weight"), &[hv, HIDDEN], 0.5, 0.0);
-            add(b("ssm_alpha.weight"), &[hv, HIDDEN], 0.5, 0.0);
-            add(b("ssm_norm.weight"), &[state], 0.1, 1.0);
-            add(b("ssm_out.weight"), &[HIDDEN, hv * state], 0.5, 0.0);
-        }
-    }
-    let u = |x: usize| Value::U32(x as u32);
-    let mut meta = vec![
-        ("general.architecture", Value::String("qwen35".into())),
-        ("qwen35.block_count", u(3)),
-        ("qwen35.embedding_length", u(HIDDEN)),
-        ("qwen35.feed_forward_length", u(FFN)),
-        ("qwen35.attention.head_count", u(HEADS)),
-        ("qwen35.attention.head_count_kv", u(KV_HEADS)),
-        ("qwen35.attention.key_length", u(hd)),
-        ("qwen35.attention.value_length", u(hd)),
-        ("qwen35.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
-        ("qwen35.rope.freq_base", Value::F32(1e7)),
-        ("qwen35.rope.dimension_count", u(rot)),
-        (
-            "qwen35.rope.dimension_sections",
-            // Pairs 0 and 3 of the 4 fall outside the text sections: they do not turn.
-            Value::Array(vec![u(0), u(2), u(2), u(0)]),
-        ),
-        ("qwen35.full_attention_interval", u(3)),
-        ("qwen35.ssm.conv_kernel", u(4)),
-        ("qwen35.ssm.inner_size", u(hv * state)),
-        ("qwen35.ssm.state_size", u(state)),
-        ("qwen35.ssm.time_step_rank", u(hv)),
-        ("qwen35.ssm.group_count", u(hk)),
-        ("qwen35.context_length", u(2048)),
-        ("qwen35.vocab_size", u(VOCAB)),
-    ];
-    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
-    if let Some(t) = template {
-        let at = meta.iter().position(|m| m.0 == "tokenizer.chat_template");
-        meta[at.expect("the tokenizer has a template")].1 = Value::String(t.into());
-    }
-    write_gguf(path, &meta, &tensors);
-}
-
-/// The indexed model of [`write_qwen35`] in `dir`.
-fn qwen35(dir: &Path, types: &[GgmlDType]) -> std::path::PathBuf {
-    qwen35_templated(dir, types, None)
-}
-
-/// [`qwen35`] with its own chat template.
-fn qwen35_templated(dir: &Path, types: &[GgmlDType], template: Option<&str>) -> std::path::PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let gguf = dir.join("qwen35.gguf");
-    write_qwen35(&gguf, types, template);
-    let model = dir.join("indexed");
-    kvplug::formats::gguf::index(&gguf, &model).unwrap();
-    model
 }
 
 #[test]

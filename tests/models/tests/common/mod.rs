@@ -11,6 +11,8 @@ use kvplug::formats::synth::Preset;
 use kvplug::{Batch, Context, Model, PluginSearch, Runtime};
 use kvplug_backend_kit::model::ModelPackage;
 
+pub mod hybrids;
+
 /// Backends under test.
 pub const BACKENDS: [&str; 3] = ["cpu", "wgpu", "mlx"];
 
