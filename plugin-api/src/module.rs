@@ -133,10 +133,10 @@ pub const API_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// `0.y` API, when `y` is equal). A minor release only appends fields to prefix types
 /// ([`BackendModule`], [`CacheObject`](crate::CacheObject)) — with a default or
 /// `#[sabi(missing_field(option))]` — which an older host never reads, or adds what a host
-/// may ask of a plugin's methods (3.1: the `forward` method's `argmax` input). An older
-/// plugin lacks them, and abi_stable's layout check refuses a plugin whose prefix types have
-/// fewer fields than the host's, so it is refused here in one line first. Any other change
-/// to a type that crosses the boundary is a new major.
+/// may ask of a plugin's methods (3.1: the `forward` method's `argmax` input; 3.2: its
+/// `top k` input). An older plugin lacks them, and abi_stable's layout check refuses a
+/// plugin whose prefix types have fewer fields than the host's, so it is refused here in one
+/// line first. Any other change to a type that crosses the boundary is a new major.
 pub fn accepts(host: VersionNumber, plugin: VersionNumber) -> bool {
     host.major == plugin.major
         && if host.major == 0 {

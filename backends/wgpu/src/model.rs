@@ -191,6 +191,7 @@ enum Op {
     Scale = 9,
     Hadamard = 10,
     Argmax = 11,
+    TopK = 12,
 }
 
 /// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
@@ -873,6 +874,61 @@ impl ModelDevice for WgpuDevice {
                 .chunks_exact(4)
                 .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         );
+        Ok(())
+    }
+
+    fn top_k_rows(
+        &self,
+        x: &WgpuTensor,
+        k: usize,
+        scratch: &mut WgpuTensor,
+        ids: &mut Vec<i32>,
+        values: &mut Vec<f32>,
+    ) -> Result<(), KitError> {
+        let (rows, width) = match x.dims[..] {
+            [r, w]
+                if scratch.dims == [r, 2 * k] && (1..=w).contains(&k) && r as u32 <= MAX_GROUPS =>
+            {
+                (r, w)
+            }
+            _ => {
+                return Err(KitError::Device(format!(
+                    "top {k} of {:?} into {:?}",
+                    x.dims, scratch.dims
+                )))
+            }
+        };
+        let params = OpParams {
+            n: [width as u32, k as u32, 0, 0],
+            ..Default::default()
+        };
+        self.op(
+            Op::TopK,
+            params,
+            inputs(Some(&x.buf), None, &[]),
+            &scratch.buf,
+            [rows as u32, 1, 1],
+        );
+        let bytes = self
+            .context()
+            .read(&scratch.buf, (rows * 2 * k * 4) as u64)
+            .map_err(KitError::Device)?;
+        ids.clear();
+        values.clear();
+        for row in bytes.chunks_exact(8 * k) {
+            let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
+            let (id_bytes, value_bytes) = row.split_at(4 * k);
+            ids.extend(
+                id_bytes
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes(word(b))),
+            );
+            values.extend(
+                value_bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(word(b))),
+            );
+        }
         Ok(())
     }
 

@@ -116,8 +116,8 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
 /// into the residual (1); gate and up in one dispatch normalizing its input (1); the down
 /// projection of the gated product, adding into the residual (1). Around the layers: the
 /// embedding, the final norm, the logit row's gather and the head (4); a greedy step adds
-/// the argmax (1) and reads back 4 bytes. Undoing a fusion adds a dispatch per layer and
-/// fails it.
+/// the argmax (1) and reads back 4 bytes, a top-k sampling step its top-k kernel (1) and
+/// `8·k` bytes. Undoing a fusion adds a dispatch per layer and fails it.
 #[test]
 fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
     const PER_LAYER: u64 = 8;
@@ -130,35 +130,51 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
     model
         .forward(&mut c, &prompt, &prompt, Some(&[7]), false, &mut acts)
         .unwrap();
+    const K: usize = 8;
     let mut ids = dev.zeros(&[1]).unwrap();
-    let mut picked = Vec::new();
+    let mut scratch = dev.zeros(&[1, 2 * K]).unwrap();
+    let (mut picked, mut values, mut want) = (Vec::new(), Vec::new(), Vec::new());
     let layers = model.n_layers() as u64;
     let vocab = model.config().vocab_size;
-    for p in 8..12 {
-        let greedy = p % 2 == 0;
+    for p in 8..14 {
+        // 0: greedy, 1: whole logits, 2: top-k candidates.
+        let mode = p % 3;
         let before = dev.created();
         let out = model
             .forward(&mut c, &[3], &[p], None, false, &mut acts)
             .unwrap();
-        if greedy {
-            dev.argmax_rows(out.logits, &mut ids, &mut picked).unwrap();
-        } else {
-            dev.download(out.logits, TensorDtype::F32).unwrap();
+        match mode {
+            0 => dev.argmax_rows(out.logits, &mut ids, &mut picked).unwrap(),
+            1 => drop(dev.download(out.logits, TensorDtype::F32).unwrap()),
+            _ => dev
+                .top_k_rows(out.logits, K, &mut scratch, &mut picked, &mut values)
+                .unwrap(),
         }
         let after = dev.created();
         assert_eq!(
             after.dispatches - before.dispatches,
-            PER_LAYER * layers + AROUND + u64::from(greedy),
+            PER_LAYER * layers + AROUND + u64::from(mode != 1),
             "dispatches of a decode step over {layers} layers"
         );
         let read = after.read_back_bytes - before.read_back_bytes;
-        if greedy {
-            assert_eq!(read, 4, "a greedy step reads back its token");
-            let logits = dev.download(out.logits, TensorDtype::F32).unwrap();
-            let want = kvplug_core::argmax(&logits.to_f32().unwrap());
-            assert_eq!(picked, [want]);
-        } else {
-            assert_eq!(read, 4 * vocab as u64, "a step reads back its logits");
+        let logits = || {
+            dev.download(out.logits, TensorDtype::F32)
+                .unwrap()
+                .to_f32()
+                .unwrap()
+        };
+        match mode {
+            0 => {
+                assert_eq!(read, 4, "a greedy step reads back its token");
+                assert_eq!(picked, [kvplug_core::argmax(&logits())]);
+            }
+            1 => assert_eq!(read, 4 * vocab as u64, "a step reads back its logits"),
+            _ => {
+                assert_eq!(read, 8 * K as u64, "a top-k step reads back its candidates");
+                kvplug_core::top_k(&logits(), K, &mut want);
+                assert!(picked.iter().copied().eq(want.iter().map(|c| c.0)));
+                assert!(values.iter().copied().eq(want.iter().map(|c| c.1)));
+            }
         }
     }
 }

@@ -25,7 +25,8 @@ pub struct Context {
     keys: KeyBasis,
     /// The last decode's logits, `rows × vocab`, reused from step to step.
     logits: Vec<f32>,
-    /// The last [`Context::decode_argmax`]'s ids.
+    /// The last [`Context::decode_argmax`]'s ids, or [`Context::decode_top_k`]'s ids and
+    /// their logits (reusing `logits`).
     ids: Vec<i32>,
     /// `forward`'s input and output tensors, reused from step to step (a decode loop
     /// allocates none once warm).
@@ -87,6 +88,7 @@ impl Context {
                 HostTensor::empty(),
                 HostTensor::from_i32(&[1], &[0]),
                 HostTensor::from_i32(&[1], &[1]),
+                HostTensor::from_i32(&[1], &[0]),
             ]),
             outputs: RVec::new(),
             rows: 0,
@@ -121,7 +123,7 @@ impl Context {
     /// (`begin_step`); the other kinds hold one sequence, so their batches use sequence 0.
     /// A refused batch leaves the cache as it was.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits<'_>, RuntimeError> {
-        let rows = self.step(batch, false)?;
+        let rows = self.step(batch, Reduce::None)?;
         if !first_output(&self.outputs)?.read_f32_into(&mut self.logits)
             || self.logits.len() != rows * self.vocab
         {
@@ -151,7 +153,7 @@ impl Context {
     /// [`kvplug_core::argmax`] picks it), computed where the logits are, so a step reads
     /// back 4 bytes a row rather than `4 · vocab`.
     pub fn decode_argmax(&mut self, batch: &Batch) -> Result<&[i32], RuntimeError> {
-        let rows = self.step(batch, true)?;
+        let rows = self.step(batch, Reduce::Argmax)?;
         if !first_output(&self.outputs)?.read_i32_into(&mut self.ids) || self.ids.len() != rows {
             return Err(PluginError::new(
                 AbiErrorKind::Backend,
@@ -167,9 +169,44 @@ impl Context {
         Ok(&self.ids[..asked])
     }
 
-    /// Runs `batch` through `forward` (with its argmax where `argmax`) and returns how many
-    /// rows came back.
-    fn step(&mut self, batch: &Batch, argmax: bool) -> Result<usize, RuntimeError> {
+    /// [`Context::decode`] returning each asked row's first `k` logits in
+    /// [`kvplug_core::rank`] order (larger first, the lower id on ties, NaNs last; `k` at
+    /// most the vocabulary) with their token ids, `k` a row, computed where the logits are:
+    /// a top-k sampler's candidates, `8·k` bytes a row rather than `4 · vocab`. Returns the
+    /// ids and the logits, row by row.
+    pub fn decode_top_k(
+        &mut self,
+        batch: &Batch,
+        k: usize,
+    ) -> Result<(&[i32], &[f32]), RuntimeError> {
+        let k = k.clamp(1, self.vocab);
+        let rows = self.step(batch, Reduce::TopK(k))?;
+        let bad = |what: &str| -> RuntimeError {
+            PluginError::new(
+                AbiErrorKind::Backend,
+                format!("forward's top {k} returned no {rows}x{k} {what}"),
+            )
+            .into()
+        };
+        if !first_output(&self.outputs)?.read_i32_into(&mut self.ids) || self.ids.len() != rows * k
+        {
+            return Err(bad("i32 ids"));
+        }
+        let values = self.outputs.get(1).ok_or_else(|| bad("logits"))?;
+        if !values.read_f32_into(&mut self.logits) || self.logits.len() != rows * k {
+            return Err(bad("logits"));
+        }
+        let asked = if batch.logit_rows().is_empty() {
+            0
+        } else {
+            rows * k
+        };
+        Ok((&self.ids[..asked], &self.logits[..asked]))
+    }
+
+    /// Runs `batch` through `forward`, its rows reduced as `reduce` says, and returns how
+    /// many rows came back.
+    fn step(&mut self, batch: &Batch, reduce: Reduce) -> Result<usize, RuntimeError> {
         if batch.is_empty() {
             return Err(CacheError::bad_shape("an empty batch").into());
         }
@@ -196,15 +233,33 @@ impl Context {
         self.inputs[0].set_i32(&[batch.len()], batch.tokens());
         self.inputs[1].set_i32(&[batch.len()], batch.positions());
         self.inputs[2].set_i32(&[rows.len()], rows);
-        // Inputs 3 (want hidden: no) and 4 (argmax: yes) only when asked, so a plugin built
-        // before them still serves plain decodes.
-        let n = if argmax { 5 } else { 3 };
+        // Inputs 3 (want hidden: no), 4 (argmax) and 5 (top k) only when asked, so a plugin
+        // built before them still serves plain decodes.
+        let n = match reduce {
+            Reduce::None => 3,
+            Reduce::Argmax => 5,
+            Reduce::TopK(k) => {
+                self.inputs[5].set_i32(&[1], &[k as i32]);
+                6
+            }
+        };
         self.method
             .execute_into(RSlice::from_slice(&self.inputs[..n]), &mut self.outputs)
             .into_result()?;
         self.decodes += 1;
         Ok(rows.len())
     }
+}
+
+/// What a step reads back of its logit rows.
+#[derive(Clone, Copy)]
+enum Reduce {
+    /// The rows.
+    None,
+    /// Each row's argmax.
+    Argmax,
+    /// Each row's first `k` in rank order, with their ids.
+    TopK(usize),
 }
 
 /// `forward`'s first output (its logits or ids).

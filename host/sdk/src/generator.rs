@@ -23,6 +23,10 @@ use crate::text::{Streamer, Text};
 /// with `ubatch × window`, never with a prompt squared.
 pub const PREFILL_UBATCH: usize = 512;
 
+/// The most candidates a step asks the device for ([`Context::decode_top_k`]): a sampler
+/// with a larger top-k, or none, reads whole rows of logits.
+pub const DEVICE_TOP_K: usize = 64;
+
 /// What a request asks for.
 #[derive(Clone, Debug)]
 pub struct GenOptions {
@@ -54,11 +58,12 @@ pub struct GenOptions {
     /// Decode speculatively: draft tokens verified in the request's own steps (see
     /// [`crate::speculative`]); the tokens are those plain decoding gives.
     pub speculate: Option<Speculation>,
-    /// Take a greedy token's argmax where the logits are ([`Context::decode_argmax`]: 4
-    /// bytes read back a token instead of a row of logits) in steps whose every request
-    /// asked for it and picks plainly greedily (a greedy sampler, no adjustments, grammar,
-    /// logprobs or speculation). Its [`TokenEvent`]s then carry no logits (an empty slice).
-    /// The tokens are the same either way.
+    /// Pick where the logits are, in steps whose every request asked for it and picks
+    /// plainly (no adjustments, grammar, logprobs or speculation): a greedy token's argmax
+    /// ([`Context::decode_argmax`]: 4 bytes read back a token instead of a row of logits),
+    /// and a top-k sampler's draw (top-k at most [`DEVICE_TOP_K`]) from the row's top-k
+    /// candidates ([`Context::decode_top_k`]: `8·k` bytes). Its [`TokenEvent`]s then carry
+    /// no logits (an empty slice). The tokens are the same either way.
     pub device_argmax: bool,
 }
 
@@ -133,7 +138,7 @@ pub struct TokenEvent<'a> {
     /// string is held back; empty without a [`Text`]).
     pub text: String,
     /// The logits it was sampled from (the model's, before adjustments and masks); empty
-    /// when its argmax was taken on the device ([`GenOptions::device_argmax`]).
+    /// when it was picked on the device ([`GenOptions::device_argmax`]).
     pub logits: &'a [f32],
     /// Its log-probability and the best alternatives', when the request asked.
     pub logprobs: Option<TokenLogprobs>,
@@ -192,16 +197,20 @@ struct Active {
 }
 
 impl Active {
-    /// Whether its tokens may be picked by the device's argmax (see
-    /// [`GenOptions::device_argmax`]).
-    fn device_greedy(&self) -> bool {
+    /// The candidates a row of its needs when its tokens may be picked on the device (see
+    /// [`GenOptions::device_argmax`]): 0 for the argmax, `k` for a top-k sampler's.
+    fn device_picks(&self) -> Option<usize> {
         let o = &self.opts;
-        o.device_argmax
-            && o.sampler.is_greedy()
+        let plain = o.device_argmax
             && o.adjust.is_identity()
             && o.constraint.is_none()
             && o.logprobs.is_none()
-            && self.spec.is_none()
+            && self.spec.is_none();
+        match plain && o.sampler.needs_at_most(DEVICE_TOP_K) {
+            true if o.sampler.is_greedy() => Some(0),
+            true => Some(o.sampler.top_k),
+            false => None,
+        }
     }
 
     fn prefilling(&self) -> bool {
@@ -448,7 +457,11 @@ impl Generator {
                 self.owners.push((i, 1));
             }
         }
-        let argmax = self.active.iter().all(Active::device_greedy);
+        // On the device: every request's argmax, or as many candidates as the most any wants.
+        let device = self
+            .active
+            .iter()
+            .try_fold(0, |k, a| a.device_picks().map(|n| k.max(n)));
         // The masks of constrained requests sampling this step are computed beside the
         // forward pass, on a second thread.
         let owners = &self.owners;
@@ -468,10 +481,14 @@ impl Generator {
                     }
                 })
             });
-            let decoded = if argmax {
-                ctx.decode_argmax(&self.batch).map(Picks::Ids)
-            } else {
-                ctx.decode(&self.batch).map(Picks::Logits)
+            let decoded = match device {
+                Some(0) => ctx.decode_argmax(&self.batch).map(Picks::Ids),
+                Some(k) => {
+                    let k = k.min(ctx.vocab());
+                    let top = ctx.decode_top_k(&self.batch, k);
+                    top.map(|(ids, logits)| Picks::Candidates { ids, logits, k })
+                }
+                None => ctx.decode(&self.batch).map(Picks::Logits),
             };
             let masked = masks.map_or(Ok(()), |h| {
                 h.join()
@@ -607,6 +624,7 @@ fn sample_one<'l>(
     let constrained = a.opts.constraint.is_some();
     let (id, l) = match pick {
         Pick::Id(id) => (id, &[][..]),
+        Pick::Candidates(ids, logits) => (a.opts.sampler.sample_candidates(ids, logits), &[][..]),
         Pick::Row(l) if a.opts.adjust.is_identity() && !constrained => {
             (a.opts.sampler.sample(l), l)
         }
@@ -651,17 +669,23 @@ fn sample_one<'l>(
     Ok((event, finish))
 }
 
-/// What a step's forward returned: logit rows, or (every request picking greedily on the
-/// device) each row's argmax.
+/// What a step's forward returned: logit rows, or (every request picking on the device)
+/// each row's argmax or its first `k` candidates.
 enum Picks<'a> {
     Logits(Logits<'a>),
     Ids(&'a [i32]),
+    Candidates {
+        ids: &'a [i32],
+        logits: &'a [f32],
+        k: usize,
+    },
 }
 
 /// One row's share of [`Picks`].
 enum Pick<'a> {
     Row(&'a [f32]),
     Id(i32),
+    Candidates(&'a [i32], &'a [f32]),
 }
 
 impl<'a> Picks<'a> {
@@ -669,6 +693,9 @@ impl<'a> Picks<'a> {
         match self {
             Picks::Logits(l) => Pick::Row(l.row(i)),
             Picks::Ids(ids) => Pick::Id(ids[i]),
+            Picks::Candidates { ids, logits, k } => {
+                Pick::Candidates(&ids[i * k..(i + 1) * k], &logits[i * k..(i + 1) * k])
+            }
         }
     }
 }

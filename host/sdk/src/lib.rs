@@ -59,7 +59,7 @@ pub use error::{Error, Result};
 pub use fingerprint::model_fingerprint;
 pub use generator::{
     generate, Finish, Finished, GenOptions, Generation, Generator, RequestId, TokenEvent,
-    Triggered, PREFILL_UBATCH,
+    Triggered, DEVICE_TOP_K, PREFILL_UBATCH,
 };
 pub use grammar::{json_rule, Constraint, GrammarSpec, Grammars};
 pub use kvplug_plugin_api::AbiErrorKind;

@@ -14,8 +14,9 @@ pub struct Sampler {
     /// Keep only tokens at least `min_p` times as likely as the most likely one (0 = all).
     pub min_p: f32,
     state: u64,
-    /// Candidates of the last draw (kept: sampling allocates nothing once warm).
-    scratch: Vec<(i32, f32)>,
+    /// Candidates of the last draw, `(id, weight, logit)` (kept: sampling allocates nothing
+    /// once warm).
+    scratch: Vec<(i32, f32, f32)>,
 }
 
 impl Sampler {
@@ -70,15 +71,38 @@ impl Sampler {
         if self.is_greedy() {
             return argmax(logits);
         }
+        self.draw(logits.iter().enumerate().map(|(i, &l)| (i as i32, l)))
+    }
+
+    /// Whether [`Sampler::sample_candidates`] picks what [`Sampler::sample`] does from
+    /// candidates holding a row's first `k` logits: greedy, or a top-k sampler with
+    /// `top_k <= k`.
+    pub fn needs_at_most(&self, k: usize) -> bool {
+        self.is_greedy() || (1..=k).contains(&self.top_k)
+    }
+
+    /// Picks a token from a row's candidates: its first logits in [`kvplug_core::rank`]
+    /// order with their `ids` (as `Context::decode_top_k` gives them). Where
+    /// [`Sampler::needs_at_most`] their number, this is the pick [`Sampler::sample`] makes
+    /// from the whole row, with the same stream.
+    pub fn sample_candidates(&mut self, ids: &[i32], logits: &[f32]) -> i32 {
+        if self.is_greedy() {
+            return ids.first().copied().unwrap_or(0);
+        }
+        self.draw(ids.iter().copied().zip(logits.iter().copied()))
+    }
+
+    /// A draw from `row`'s `(id, logit)` pairs (see [`Sampler::sample`]).
+    fn draw(&mut self, row: impl Iterator<Item = (i32, f32)> + Clone) -> i32 {
         let mut cand = std::mem::take(&mut self.scratch);
-        let total = self.candidates(logits, &mut cand);
+        let total = self.candidates(row.clone(), &mut cand);
         let (keep, mass) = self.truncate(&mut cand, total);
         let mut r = self.uniform() * mass;
         let (mut at, mut k, mut picked) = (0, FIRST_SORTED, None);
         while picked.is_none() && at < keep {
             let end = k.min(keep);
             sort_prefix(&mut cand[..keep], end);
-            for &(t, w) in &cand[at..end] {
+            for &(t, w, _) in &cand[at..end] {
                 if r < w {
                     picked = Some(t);
                     break;
@@ -87,33 +111,36 @@ impl Sampler {
             }
             (at, k) = (end, k * 4);
         }
-        let t = picked.unwrap_or_else(|| cand[..keep].last().map_or(argmax(logits), |c| c.0));
+        let first = || row.min_by(|a, b| rank(*a, *b)).map_or(0, |c| c.0);
+        let t = picked.unwrap_or_else(|| cand[..keep].last().map_or_else(first, |c| c.0));
         self.scratch = cand;
         t
     }
 
-    /// The tokens `logits` allow after temperature and min-p, with their weights relative to
-    /// the most likely token's (1), in id order; returns the weights' sum.
-    fn candidates(&self, logits: &[f32], cand: &mut Vec<(i32, f32)>) -> f32 {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    /// The tokens `row` allows after temperature and min-p, with their weights relative to
+    /// the most likely token's (1), in `row`'s order; returns the weights' sum.
+    fn candidates(
+        &self,
+        row: impl Iterator<Item = (i32, f32)> + Clone,
+        cand: &mut Vec<(i32, f32, f32)>,
+    ) -> f32 {
+        let max = row.clone().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
         cand.clear();
         cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i as i32, ((l - max) / self.temperature).exp()))
-                .filter(|&(_, w)| w > 0.0 && w >= self.min_p),
+            row.map(|(i, l)| (i, ((l - max) / self.temperature).exp(), l))
+                .filter(|&(_, w, _)| w > 0.0 && w >= self.min_p),
         );
         cand.iter().map(|c| c.1).sum()
     }
 
     /// Applies top-k then top-p to `cand` (weights summing to `total`): afterwards the kept
-    /// tokens are `cand[..keep]`, the first ones by weight (sorted as far as was needed);
-    /// returns `keep` and their weights' sum.
-    fn truncate(&self, cand: &mut [(i32, f32)], total: f32) -> (usize, f32) {
+    /// tokens are `cand[..keep]`, the first ones in rank order (sorted as far as was
+    /// needed); returns `keep` and their weights' sum. Under a top-k, the sum is taken in
+    /// rank order, so the same candidates give the same sum whatever order they came in.
+    fn truncate(&self, cand: &mut [(i32, f32, f32)], total: f32) -> (usize, f32) {
         let (mut keep, mut total) = (cand.len(), total);
-        if self.top_k > 0 && self.top_k < keep {
-            keep = self.top_k;
+        if self.top_k > 0 {
+            keep = self.top_k.min(keep);
             sort_prefix(cand, keep);
             total = cand[..keep].iter().map(|c| c.1).sum();
         }
@@ -149,10 +176,11 @@ impl Sampler {
 /// How many candidates a draw sorts first (more, fourfold, only when it reaches past them).
 const FIRST_SORTED: usize = 64;
 
-/// Puts the `k` heaviest candidates first, by descending weight and lower ids first on ties
-/// (a total order: the prefix is the same whatever the slice's order was).
-fn sort_prefix(cand: &mut [(i32, f32)], k: usize) {
-    let order = |a: &(i32, f32), b: &(i32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+/// Puts the `k` first candidates in [`kvplug_core::rank`] order of their logits first (so
+/// by descending weight; a total order: the prefix is the same whatever the slice's order
+/// was, and the same as a device's top-k).
+fn sort_prefix(cand: &mut [(i32, f32, f32)], k: usize) {
+    let order = |a: &(i32, f32, f32), b: &(i32, f32, f32)| rank((a.0, a.2), (b.0, b.2));
     let k = k.min(cand.len());
     if k < cand.len() {
         cand.select_nth_unstable_by(k, order);
@@ -163,6 +191,7 @@ fn sort_prefix(cand: &mut [(i32, f32)], k: usize) {
 /// Index of the largest logit (the first on ties; never a NaN): the same pick as a
 /// backend's device argmax.
 pub use kvplug_core::argmax;
+use kvplug_core::rank;
 
 /// What is done to a row of logits before it is sampled, from the request and the tokens
 /// generated so far (OpenAI's and llama.cpp's meanings).
@@ -311,8 +340,8 @@ mod tests {
 
     /// `sample` sorts only as much of the vocabulary as its draw reaches; it must pick what a
     /// draw walking the whole sorted distribution picks, for nuclei inside and far beyond
-    /// the first sorted prefix. The reference sorts everything itself (a stable sort by
-    /// descending weight) and applies top-k, top-p and min-p as Hugging Face defines them.
+    /// the first sorted prefix. The reference sorts everything itself (by descending logit,
+    /// lower ids first) and applies top-k, top-p and min-p as Hugging Face defines them.
     #[test]
     fn sample_draws_what_the_fully_sorted_distribution_gives() {
         let mut rng = Sampler::new(1.0, 1.0, 99);
@@ -343,17 +372,17 @@ mod tests {
                     let got = fast.sample(&logits);
                     // The reference.
                     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut cand: Vec<(i32, f32)> = logits
+                    let mut cand: Vec<(i32, f32, f32)> = logits
                         .iter()
                         .enumerate()
-                        .map(|(i, &l)| (i as i32, ((l - max) / 0.8).exp()))
-                        .filter(|&(_, w)| w > 0.0 && w >= min_p)
+                        .map(|(i, &l)| (i as i32, ((l - max) / 0.8).exp(), l))
+                        .filter(|&(_, w, _)| w > 0.0 && w >= min_p)
                         .collect();
-                    // Sums in the order the sampler adds (ids, then the sorted prefix after
-                    // top-k): float addition is not associative.
+                    // Sums in the order the sampler adds (ids; under a top-k, the sorted
+                    // prefix): float addition is not associative.
                     let mut total: f32 = cand.iter().map(|c| c.1).sum();
-                    cand.sort_by(|a, b| b.1.total_cmp(&a.1));
-                    if top_k > 0 && top_k < cand.len() {
+                    cand.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)));
+                    if top_k > 0 {
                         cand.truncate(top_k);
                         total = cand.iter().map(|c| c.1).sum();
                     }
@@ -378,5 +407,90 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A top-k sampler picks from a row's first `k` candidates (as a device's top-k gives
+    /// them, in rank order) exactly what it picks from the whole row, seed by seed; so does
+    /// a greedy one. Rows with ties, weights that tie where logits do not (far below the
+    /// maximum), NaNs and banned tokens; `k` equal to the sampler's top-k and beyond it.
+    #[test]
+    fn candidates_give_the_whole_rows_pick() {
+        let mut rng = Sampler::new(1.0, 1.0, 5);
+        let settings = [
+            (1.0, 1, 0.0, 1.0),
+            (1.0, 40, 0.0, 0.7),
+            (0.9, 40, 0.0, 1.3),
+            (0.5, 64, 0.05, 0.8),
+            (0.95, 7, 0.0, 60.0),
+            (1.0, 50, 0.0, 0.01),
+        ];
+        let mut top = Vec::new();
+        for (case, &(top_p, top_k, min_p, temperature)) in settings.iter().enumerate() {
+            for spread in [0.1f32, 2.0, 200.0] {
+                let logits: Vec<f32> = (0..5000)
+                    .map(|i| match i % 89 {
+                        0 => f32::NEG_INFINITY,
+                        1 if spread > 100.0 => f32::NAN,
+                        _ => ((rng.uniform() * spread * 10.0).round()) / 10.0,
+                    })
+                    .collect();
+                for extra in [0, 9] {
+                    kvplug_core::top_k(&logits, top_k + extra, &mut top);
+                    let ids: Vec<i32> = top.iter().map(|c| c.0).collect();
+                    let values: Vec<f32> = top.iter().map(|c| c.1).collect();
+                    for seed in 0..30 {
+                        let mut whole = Sampler::new(temperature, top_p, seed)
+                            .with_top_k(top_k)
+                            .with_min_p(min_p);
+                        assert!(whole.needs_at_most(top_k + extra));
+                        let mut part = whole.clone();
+                        for draw in 0..3 {
+                            assert_eq!(
+                                whole.sample(&logits),
+                                part.sample_candidates(&ids, &values),
+                                "case {case}, spread {spread}, k {}, seed {seed}, draw {draw}",
+                                top_k + extra
+                            );
+                        }
+                    }
+                    let mut greedy = Sampler::greedy();
+                    assert_eq!(
+                        greedy.sample(&logits),
+                        greedy.sample_candidates(&ids, &values)
+                    );
+                }
+            }
+        }
+        assert!(!Sampler::new(1.0, 0.9, 0).needs_at_most(64));
+        assert!(!Sampler::new(1.0, 1.0, 0).with_top_k(65).needs_at_most(64));
+    }
+
+    /// What makes candidates exact beyond what random draws can show: under a top-k, the
+    /// kept tokens follow the logits' rank order even where weights tie (both round to the
+    /// least subnormal here, so a weight order would keep id 1), and their sum does not
+    /// depend on the order the candidates came in (id order adds the small weights first).
+    #[test]
+    fn truncation_follows_the_rank_and_sums_alike_in_any_order() {
+        let s = Sampler::new(1.0, 1.0, 0).with_top_k(2);
+        let mut cand = Vec::new();
+        let row = [(5, 0.0), (2, -103.0), (1, -103.00001)];
+        let total = s.candidates(row.iter().copied(), &mut cand);
+        assert_eq!(cand[1].1, cand[2].1, "the weights tie");
+        let (keep, _) = s.truncate(&mut cand, total);
+        let kept: Vec<i32> = cand[..keep].iter().map(|c| c.0).collect();
+        assert_eq!(kept, [5, 2]);
+        let s = Sampler::new(1.0, 1.0, 0).with_top_k(40);
+        let tiny = -(24.0 * std::f32::consts::LN_2);
+        let by_id: Vec<(i32, f32)> = (0..17)
+            .map(|i| (i, if i == 16 { 0.0 } else { tiny }))
+            .collect();
+        let mut by_rank = by_id.clone();
+        by_rank.rotate_right(1);
+        let mut sums = Vec::new();
+        for row in [by_id, by_rank] {
+            let total = s.candidates(row.iter().copied(), &mut cand);
+            sums.push(s.truncate(&mut cand, total).1.to_bits());
+        }
+        assert_eq!(sums[0], sums[1]);
     }
 }

@@ -354,6 +354,51 @@ fn device_argmax_picks_the_tokens_the_host_picks() {
     }
 }
 
+/// A top-k sampler drawing from the device's top-k candidates (`8·k` bytes read back a
+/// token) draws the tokens it draws on the host from whole rows of logits, seed for seed,
+/// beside a greedy request in the same steps; events carry no logits then. A top-k beyond
+/// `DEVICE_TOP_K` reads whole rows.
+#[test]
+fn device_top_k_draws_the_tokens_the_host_draws() {
+    let model = tiny();
+    let rt = runtime();
+    let vocab = PRESETS[0].vocab;
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let plain = greedy_ids(&m, &spec(12, KvDtype::F16));
+        for (top_k, seed) in [(40, 3), (5, 11), (kvplug::DEVICE_TOP_K + 1, 7)] {
+            let sampler = Sampler::new(1.2, 0.95, seed).with_top_k(top_k);
+            let mut got = Vec::new();
+            for device in [false, true] {
+                let mut ctx = m.context(CacheKind::Seq, 256, KvDtype::F16).unwrap();
+                let mut g = Generator::new();
+                for (seq, sampler) in [(0, Sampler::greedy()), (1, sampler.clone())] {
+                    let opts = GenOptions {
+                        max_tokens: 12,
+                        sampler,
+                        device_argmax: device,
+                        ..GenOptions::default()
+                    };
+                    g.add(seq, &PROMPT, 0, opts).unwrap();
+                }
+                let (mut ids, mut rows) = ([Vec::new(), Vec::new()], 0);
+                g.run(&mut ctx, &mut |e| {
+                    ids[e.seq as usize].push(e.id);
+                    rows += e.logits.len();
+                    Ok(())
+                })
+                .unwrap();
+                let on_device = device && top_k <= kvplug::DEVICE_TOP_K;
+                let want_rows = if on_device { 0 } else { 2 * 12 * vocab };
+                assert_eq!(rows, want_rows, "{backend}, top-k {top_k}: logits read");
+                assert_eq!(ids[0], plain, "{backend}: the greedy request");
+                got.push(ids[1].clone());
+            }
+            assert_eq!(got[0], got[1], "{backend}, top-k {top_k}, seed {seed}");
+        }
+    }
+}
+
 #[test]
 fn speculative_decoding_equals_plain_decoding() {
     let model = tiny();

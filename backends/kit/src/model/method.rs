@@ -35,8 +35,8 @@ pub struct ForwardMethod<D: ModelDevice> {
     buffers: Arc<Mutex<Buffers<D>>>,
 }
 
-/// What a call reuses from the last: the activations, the decoded inputs and a greedy
-/// call's ids (on the device and on the host).
+/// What a call reuses from the last: the activations, the decoded inputs and a greedy or
+/// top-k call's picks (on the device and on the host).
 struct Buffers<D: ModelDevice> {
     acts: Option<Activations<D>>,
     tokens: Vec<i32>,
@@ -45,6 +45,7 @@ struct Buffers<D: ModelDevice> {
     rows: Vec<usize>,
     ids: Option<D::Tensor>,
     picked: Vec<i32>,
+    values: Vec<f32>,
 }
 
 impl<D: ModelDevice> Clone for ForwardMethod<D> {
@@ -72,14 +73,16 @@ fn ints(t: &HostTensor, what: &str, out: &mut Vec<i32>) -> Result<(), PluginErro
 }
 
 impl<D: ModelDevice> ForwardMethod<D> {
-    /// The method's work: the logits (or, where input 4 asks, each logit row's argmax as
-    /// i32 ids) and the final hidden states where input 3 asks, into `result`, its tensors
-    /// reused.
+    /// The method's work, into `result`, its tensors reused: the logits; or where input 5
+    /// asks for `k >= 1`, each logit row's top `k` ([`ModelDevice::top_k_rows`]; `k` at most
+    /// the vocabulary) as i32 ids `[R, k]` and f32 logits `[R, k]`; or else, where input 4
+    /// asks, each row's argmax as i32 ids `[R]`. Then the final hidden states where input 3
+    /// asks.
     fn run(&self, inputs: &[HostTensor], result: &mut RVec<HostTensor>) -> Result<(), PluginError> {
-        if !(2..=5).contains(&inputs.len()) {
+        if !(2..=6).contains(&inputs.len()) {
             return Err(CacheError::bad_shape(format!(
-                "forward takes tokens, positions[, logit rows[, want hidden[, argmax]]]; got {} \
-                 inputs",
+                "forward takes tokens, positions[, logit rows[, want hidden[, argmax[, top k]]]]; \
+                 got {} inputs",
                 inputs.len()
             ))
             .into());
@@ -120,6 +123,16 @@ impl<D: ModelDevice> ForwardMethod<D> {
         };
         let want_hidden = flag(3, "want hidden")?;
         let want_argmax = flag(4, "argmax")?;
+        let top_k = match inputs.get(5) {
+            Some(t) => {
+                ints(t, "top k", &mut b.ints)?;
+                let k = b.ints.first().copied().unwrap_or(0);
+                usize::try_from(k).map_err(|_| {
+                    PluginError::from(CacheError::bad_shape(format!("top k {k} is negative")))
+                })?
+            }
+            None => 0,
+        };
         let out = self.model.forward(
             &mut cache,
             &b.tokens,
@@ -129,12 +142,29 @@ impl<D: ModelDevice> ForwardMethod<D> {
             &mut b.acts,
         )?;
         let dev = self.model_device();
-        let n = 1 + usize::from(out.hidden.is_some());
+        let picks = if top_k > 0 { 2 } else { 1 };
+        let n = picks + usize::from(out.hidden.is_some());
         result.truncate(n);
         while result.len() < n {
             result.push(HostTensor::empty());
         }
-        if want_argmax {
+        if top_k > 0 {
+            let (rows, vocab) = match dev.dims(out.logits)[..] {
+                [r, v] => (r, v),
+                ref d => {
+                    let m = format!("forward gave logits of shape {d:?}");
+                    return Err(PluginError::new(AbiErrorKind::Backend, m));
+                }
+            };
+            let k = top_k.min(vocab);
+            if b.ids.as_ref().is_none_or(|t| dev.dims(t) != [rows, 2 * k]) {
+                b.ids = Some(dev.zeros(&[rows, 2 * k])?);
+            }
+            let scratch = b.ids.as_mut().expect("set above");
+            dev.top_k_rows(out.logits, k, scratch, &mut b.picked, &mut b.values)?;
+            result[0].set_i32(&[rows, k], &b.picked);
+            result[1].encode_f32_into(&[rows, k], &b.values, TensorDtype::F32);
+        } else if want_argmax {
             let n = dev.dims(out.logits).first().copied().unwrap_or(0);
             if b.ids.as_ref().is_none_or(|t| dev.dims(t) != [n]) {
                 b.ids = Some(dev.zeros(&[n])?);
@@ -146,7 +176,7 @@ impl<D: ModelDevice> ForwardMethod<D> {
             dev.download_into(out.logits, TensorDtype::F32, &mut result[0])?;
         }
         if let Some(h) = out.hidden {
-            dev.download_into(h, TensorDtype::F32, &mut result[1])?;
+            dev.download_into(h, TensorDtype::F32, &mut result[picks])?;
         }
         Ok(())
     }
@@ -328,6 +358,7 @@ pub fn load_forward<B: Backend + ModelDevice>(
                 rows: Vec::new(),
                 ids: None,
                 picked: Vec::new(),
+                values: Vec::new(),
             })),
         }),
         TD_Opaque,

@@ -520,6 +520,36 @@ pub trait ModelDevice: Device {
         out.extend(rows.chunks_exact(width).map(kvplug_core::argmax));
         Ok(())
     }
+    /// Each row's first `k` values of `x` (`[R, V]`: logit rows, `1 <= k <= V`) in
+    /// [`kvplug_core::rank`] order (larger first, the lower index on ties, NaNs last), as
+    /// [`kvplug_core::top_k`] picks them: their indices into `ids` and values into `values`
+    /// (`R·k` each, row by row) — a sampling step's candidates, read back as `8·R·k` bytes
+    /// instead of `4·R·V`. `scratch` (`[R, 2k]`) is a device's to compute them in. The
+    /// default downloads the rows.
+    fn top_k_rows(
+        &self,
+        x: &Self::Tensor,
+        k: usize,
+        scratch: &mut Self::Tensor,
+        ids: &mut Vec<i32>,
+        values: &mut Vec<f32>,
+    ) -> Result<(), KitError> {
+        let _ = scratch;
+        let width = self.dims(x).last().copied().unwrap_or(0).max(1);
+        let rows = self
+            .download(x, TensorDtype::F32)?
+            .to_f32()
+            .ok_or_else(|| KitError::Device("top k: an f32 download was not f32".into()))?;
+        let (mut row_top, k) = (Vec::with_capacity(width), k.min(width));
+        ids.clear();
+        values.clear();
+        for row in rows.chunks_exact(width) {
+            kvplug_core::top_k(row, k, &mut row_top);
+            ids.extend(row_top.iter().map(|c| c.0));
+            values.extend(row_top.iter().map(|c| c.1));
+        }
+        Ok(())
+    }
     /// Rows `rows` of `x` (`[T, n]`) into `out` (`[rows.len(), n]`).
     fn gather_rows(
         &self,

@@ -1,12 +1,12 @@
-//! [`check_argmax_rows`]: a device's argmax picks what the host's does.
+//! [`check_argmax_rows`] and [`check_top_k_rows`]: a device's greedy picks and sampling
+//! candidates are the host's.
 
 use crate::model::ModelDevice;
 
-/// [`ModelDevice::argmax_rows`] on rows built to tell picks apart: ties (the lowest index
-/// wins, `-0.0` ties `0.0`), NaNs (never picked; a row of them gives 0), infinities, a
-/// maximum in the last place and rows wider than one workgroup's stride, each against
-/// [`kvplug_core::argmax`]; then a second call with fewer rows into the same scratch.
-pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
+/// Logit rows built to tell picks apart: ties (the lowest index wins, `-0.0` ties `0.0`),
+/// NaNs (never picked; a row of them gives 0), infinities, a maximum in the last place, all
+/// wider than one workgroup's stride.
+fn rows() -> Vec<Vec<f32>> {
     let width = 1000;
     let mut rows: Vec<Vec<f32>> = Vec::new();
     let base = |i: usize| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5;
@@ -38,6 +38,14 @@ pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
         r[64] = f32::INFINITY;
         r[5] = f32::NAN;
     });
+    rows
+}
+
+/// [`ModelDevice::argmax_rows`] on [`rows`] against [`kvplug_core::argmax`]; then a second
+/// call with fewer rows into the same scratch.
+pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
+    let rows = rows();
+    let width = rows[0].len();
     for n in [rows.len(), 2] {
         let flat: Vec<f32> = rows[..n].concat();
         let x = dev.tensor(&flat, &[n, width]).unwrap();
@@ -46,5 +54,36 @@ pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
         dev.argmax_rows(&x, &mut ids, &mut got).unwrap();
         let want: Vec<i32> = rows[..n].iter().map(|r| kvplug_core::argmax(r)).collect();
         assert_eq!(got, want, "argmax of {n} rows");
+    }
+}
+
+/// [`ModelDevice::top_k_rows`] on [`rows`] (and on rows of distinct values) against
+/// [`kvplug_core::top_k`], for `k` from 1 to the whole row: the same indices in the same
+/// order and the same values, bit for bit; for all rows and then two.
+pub fn check_top_k_rows<D: ModelDevice>(dev: D) {
+    let mut rows = rows();
+    let width = rows[0].len();
+    rows.push((0..width).map(|i| (i as f32 * 0.37).sin()).collect());
+    let mut want = Vec::new();
+    for k in [1, 2, 40, 64, width] {
+        for n in [rows.len(), 2] {
+            let mut scratch = dev.zeros(&[n, 2 * k]).unwrap();
+            let flat: Vec<f32> = rows[..n].concat();
+            let x = dev.tensor(&flat, &[n, width]).unwrap();
+            let (mut ids, mut values) = (Vec::new(), Vec::new());
+            dev.top_k_rows(&x, k, &mut scratch, &mut ids, &mut values)
+                .unwrap();
+            assert_eq!(
+                (ids.len(), values.len()),
+                (n * k, n * k),
+                "top {k} of {n} rows"
+            );
+            for (r, row) in rows[..n].iter().enumerate() {
+                kvplug_core::top_k(row, k, &mut want);
+                let got = (r * k..(r + 1) * k).map(|i| (ids[i], values[i].to_bits()));
+                let want = want.iter().map(|c| (c.0, c.1.to_bits()));
+                assert!(got.eq(want), "top {k} of row {r} ({n} rows)");
+            }
+        }
     }
 }

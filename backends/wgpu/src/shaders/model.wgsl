@@ -257,3 +257,74 @@ fn argmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         out[r] = bitcast<f32>(select(best[0], 0u, best[0] == NO_INDEX));
     }
 }
+
+// out[r, :k] = the ids (u32 bits) and out[r, k:2k] the values of row r's first k values of
+// a ([R, n0]; k = n1) in rank order: larger first, the lower index on ties (-0.0 ties 0.0),
+// NaNs after every number (kvplug_core::rank). One workgroup per row picks them in k rounds:
+// each round, the first value ranked after the previous round's pick (each invocation over a
+// stride of the row, then a tree).
+const TOP_GROUP: u32 = 256u;
+var<workgroup> top_v: array<f32, 256>;
+var<workgroup> top_i: array<u32, 256>;
+var<workgroup> top_last: vec2<u32>;
+
+// NaN by its bits (a shader compiler may assume comparisons never see one).
+fn is_nan(v: f32) -> bool {
+    return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// Whether (av, ai) ranks before (bv, bi).
+fn ranks_before(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
+    let an = is_nan(av);
+    let bn = is_nan(bv);
+    if an != bn {
+        return bn;
+    }
+    if !an && av != bv {
+        return av > bv;
+    }
+    return ai < bi;
+}
+
+@compute @workgroup_size(256)
+fn topk_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x;
+    let n = p.n0;
+    let k = p.n1;
+    for (var j = 0u; j < k; j++) {
+        // The previous pick (none in the first round).
+        let last = top_last;
+        let lv = bitcast<f32>(last.x);
+        var bv = 0.0;
+        var bi = NO_INDEX;
+        for (var i = lid; i < n; i += TOP_GROUP) {
+            let v = a[r * n + i];
+            let after = j == 0u || ranks_before(lv, last.y, v, i);
+            if after && (bi == NO_INDEX || ranks_before(v, i, bv, bi)) {
+                bv = v;
+                bi = i;
+            }
+        }
+        top_v[lid] = bv;
+        top_i[lid] = bi;
+        workgroupBarrier();
+        for (var s = TOP_GROUP / 2u; s > 0u; s >>= 1u) {
+            if lid < s {
+                let v = top_v[lid + s];
+                let i = top_i[lid + s];
+                if i != NO_INDEX && (top_i[lid] == NO_INDEX || ranks_before(v, i, top_v[lid], top_i[lid])) {
+                    top_v[lid] = v;
+                    top_i[lid] = i;
+                }
+            }
+            workgroupBarrier();
+        }
+        if lid == 0u {
+            out[r * 2u * k + j] = bitcast<f32>(top_i[0]);
+            out[r * 2u * k + k + j] = top_v[0];
+            top_last = vec2<u32>(bitcast<u32>(top_v[0]), top_i[0]);
+        }
+        workgroupBarrier();
+    }
+}
+
