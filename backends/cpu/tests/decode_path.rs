@@ -3,33 +3,12 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use common::*;
+use kvplug_backend_kit::testing::CountingAllocator;
 use kvplug_core::{make_config, CacheKind, CacheVerbs, KeyBasis, KvDtype, PlanKind};
 
-/// Counts every allocation in the process.
-struct Counting;
-
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// Prefill 300 tokens, decode a few warm-up steps, then count allocations over 40 decode
 /// steps (no pool doubling happens between 305 and 345 cells: the pool holds 512), with
@@ -55,11 +34,11 @@ fn allocations_per_decode(kind: CacheKind, dtype: KvDtype, window: Option<usize>
     for p in 300..305 {
         decode(&mut c, &mut step, p);
     }
-    let before = ALLOCS.load(Ordering::SeqCst);
+    let before = CountingAllocator::calls();
     for p in 305..345 {
         decode(&mut c, &mut step, p);
     }
-    let n = ALLOCS.load(Ordering::SeqCst) - before;
+    let n = CountingAllocator::calls() - before;
     assert_eq!(c.stats().last_plan, Some(PlanKind::SingleContiguous));
     n
 }
@@ -101,11 +80,11 @@ fn a_model_is_loaded_once_and_drafts_are_views() {
     let dir = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
     let a = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
-    let before = ALLOCS.load(Ordering::SeqCst);
+    let before = CountingAllocator::calls();
     let b = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
     let draft = b.view(1).unwrap();
     assert!(
-        ALLOCS.load(Ordering::SeqCst) - before < 16,
+        CountingAllocator::calls() - before < 16,
         "sharing loads nothing"
     );
     assert!(a.shares_weights_with(&b) && a.shares_weights_with(&draft));
@@ -146,11 +125,11 @@ fn allocations_per_model_decode(kind: CacheKind, dtype: KvDtype) -> usize {
     for p in 40..45 {
         decode(p);
     }
-    let before = ALLOCS.load(Ordering::SeqCst);
+    let before = CountingAllocator::calls();
     for p in 45..85 {
         decode(p);
     }
-    ALLOCS.load(Ordering::SeqCst) - before
+    CountingAllocator::calls() - before
 }
 
 fn single_sequence_always_takes_the_fast_path() {

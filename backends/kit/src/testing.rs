@@ -13,10 +13,12 @@ use crate::cache::{KitCache, KitError};
 use crate::device::{AttendMask, Device};
 use crate::model::blocks::{dequantize_row, BlockFormat};
 
+mod alloc_count;
 mod argmax;
 mod conv;
 mod delta;
 mod qkv;
+pub use alloc_count::CountingAllocator;
 pub use argmax::{check_argmax_rows, check_top_k_rows};
 pub use conv::check_conv_verbs;
 pub use delta::check_delta_verbs;

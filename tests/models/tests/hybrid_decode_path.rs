@@ -2,13 +2,12 @@
 //! and convolution layers with their recurrent state, the attention layers, the logits —
 //! allocates nothing once warm, on every cache kind (the cpu backend in process).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
+use kvplug_backend_kit::testing::CountingAllocator;
 use kvplug_backend_kit::KitCache;
 use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheSpec};
@@ -16,26 +15,8 @@ use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheSpec};
 mod common;
 use common::hybrids::{lfm2, qwen35, SMALL_LFM2, VOCAB};
 
-/// Counts every allocation in the process.
-struct Counting;
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::SeqCst);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::SeqCst);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// Warm-up decode steps. Each step's state takes an anchor slot, new until the surplus
 /// check first frees spare anchors, reused after that; the first check also counts the
@@ -69,11 +50,11 @@ fn allocations_per_decode(model: &Path, kind: CacheKind) -> usize {
     for p in 40..40 + WARM {
         decode(p);
     }
-    let before = ALLOCS.load(Ordering::SeqCst);
+    let before = CountingAllocator::calls();
     for p in 40 + WARM..80 + WARM {
         decode(p);
     }
-    ALLOCS.load(Ordering::SeqCst) - before
+    CountingAllocator::calls() - before
 }
 
 #[test]

@@ -70,6 +70,17 @@ pub struct QkvHeads<'a> {
     pub pairs: RopePairs,
 }
 
+/// The rows of `x` (`[R, V]`) on the host, and `V`: what the defaults of
+/// [`ModelDevice::argmax_rows`] and [`ModelDevice::top_k_rows`] pick from.
+fn host_rows<D: ModelDevice>(d: &D, x: &D::Tensor) -> Result<(Vec<f32>, usize), KitError> {
+    let width = d.dims(x).last().copied().unwrap_or(0).max(1);
+    let rows = d
+        .download(x, TensorDtype::F32)?
+        .to_f32()
+        .ok_or_else(|| KitError::Device("logit rows: an f32 download was not f32".into()))?;
+    Ok((rows, width))
+}
+
 /// [`ModelDevice::norm_qkv_heads`] as the calls it is made of: its default, and what a
 /// device that fuses it runs where it cannot (shapes or limits it does not cover).
 #[allow(clippy::too_many_arguments)]
@@ -511,11 +522,7 @@ pub trait ModelDevice: Device {
         out: &mut Vec<i32>,
     ) -> Result<(), KitError> {
         let _ = ids;
-        let width = self.dims(x).last().copied().unwrap_or(0).max(1);
-        let rows = self
-            .download(x, TensorDtype::F32)?
-            .to_f32()
-            .ok_or_else(|| KitError::Device("argmax: an f32 download was not f32".into()))?;
+        let (rows, width) = host_rows(self, x)?;
         out.clear();
         out.extend(rows.chunks_exact(width).map(kvplug_core::argmax));
         Ok(())
@@ -535,11 +542,7 @@ pub trait ModelDevice: Device {
         values: &mut Vec<f32>,
     ) -> Result<(), KitError> {
         let _ = scratch;
-        let width = self.dims(x).last().copied().unwrap_or(0).max(1);
-        let rows = self
-            .download(x, TensorDtype::F32)?
-            .to_f32()
-            .ok_or_else(|| KitError::Device("top k: an f32 download was not f32".into()))?;
+        let (rows, width) = host_rows(self, x)?;
         let (mut row_top, k) = (Vec::with_capacity(width), k.min(width));
         ids.clear();
         values.clear();
