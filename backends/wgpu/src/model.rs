@@ -176,6 +176,11 @@ fn row_lanes(cols: usize, dtype: u32, rotated: bool, lane_steps: u32, group: u32
     }
 }
 
+/// Parts a row's top-k is split into at most (one workgroup each), and the fewest values a
+/// part holds: a 152k vocabulary is 64 parts of 2374.
+const TOP_K_PARTS: usize = 64;
+const TOP_K_PART: usize = 1024;
+
 /// Indices into [`crate::context::MODEL_ENTRIES`].
 #[derive(Clone, Copy)]
 enum Op {
@@ -877,6 +882,9 @@ impl ModelDevice for WgpuDevice {
         Ok(())
     }
 
+    /// In two dispatches (`topk_main`): each part of a row (at most [`TOP_K_PARTS`], of at
+    /// least [`TOP_K_PART`] values) picks its first `k`, then one workgroup per row picks
+    /// from theirs; `scratch` is replaced by one of `[R, 2k·(1 + parts)]` when it is not.
     fn top_k_rows(
         &self,
         x: &WgpuTensor,
@@ -886,29 +894,29 @@ impl ModelDevice for WgpuDevice {
         values: &mut Vec<f32>,
     ) -> Result<(), KitError> {
         let (rows, width) = match x.dims[..] {
-            [r, w]
-                if scratch.dims == [r, 2 * k] && (1..=w).contains(&k) && r as u32 <= MAX_GROUPS =>
-            {
-                (r, w)
-            }
-            _ => {
-                return Err(KitError::Device(format!(
-                    "top {k} of {:?} into {:?}",
-                    x.dims, scratch.dims
-                )))
-            }
+            [r, w] if (1..=w).contains(&k) && r as u32 <= MAX_GROUPS => (r, w),
+            _ => return Err(KitError::Device(format!("top {k} of {:?}", x.dims))),
         };
-        let params = OpParams {
-            n: [width as u32, k as u32, 0, 0],
-            ..Default::default()
-        };
-        self.op(
-            Op::TopK,
-            params,
-            inputs(Some(&x.buf), None, &[]),
-            &scratch.buf,
-            [rows as u32, 1, 1],
-        );
+        let part = width.div_ceil(TOP_K_PARTS).max(TOP_K_PART);
+        let parts = width.div_ceil(part);
+        let need = [rows, 2 * k * (1 + parts)];
+        if scratch.dims != need {
+            *scratch = self.zeros(&need)?;
+        }
+        for (phase, groups) in [(0, parts as u32), (1, 1)] {
+            let params = OpParams {
+                n: [width as u32, k as u32, part as u32, 0],
+                flag: phase,
+                ..Default::default()
+            };
+            self.op(
+                Op::TopK,
+                params,
+                inputs(Some(&x.buf), None, &[]),
+                &scratch.buf,
+                [groups, rows as u32, 1],
+            );
+        }
         let bytes = self
             .context()
             .read(&scratch.buf, (rows * 2 * k * 4) as u64)

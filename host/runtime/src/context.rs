@@ -179,7 +179,7 @@ impl Context {
         batch: &Batch,
         k: usize,
     ) -> Result<(&[i32], &[f32]), RuntimeError> {
-        let k = k.clamp(1, self.vocab);
+        let k = k.min(self.vocab).max(1);
         let rows = self.step(batch, Reduce::TopK(k))?;
         let bad = |what: &str| -> RuntimeError {
             PluginError::new(

@@ -348,7 +348,7 @@ impl Chat {
                 earlier: self.cached.clone(),
                 ..s
             }),
-            // A greedy chat reads back its tokens, not rows of logits.
+            // A greedy or top-k chat reads back its tokens or candidates, not rows of logits.
             device_argmax: true,
             ..GenOptions::default()
         };

@@ -131,7 +131,7 @@ pub(crate) fn rate(tokens: usize, since: Instant) -> f64 {
 
 /// Prefill + decode: plain on a contiguous context, or with `speculate` on a tree context
 /// (drafts verified as trees); `on_token` sees each token as it is sampled (with its text
-/// when `text` is given). Greedy tokens are picked where the logits are
+/// when `text` is given). Greedy and top-k sampled tokens are picked where the logits are
 /// ([`GenOptions::device_argmax`]): their events carry no logits.
 pub fn run_decode(
     model: &Model,

@@ -14,9 +14,11 @@ pub struct Sampler {
     /// Keep only tokens at least `min_p` times as likely as the most likely one (0 = all).
     pub min_p: f32,
     state: u64,
-    /// Candidates of the last draw, `(id, weight, logit)` (kept: sampling allocates nothing
-    /// once warm).
+    /// Candidates of the last draw, `(id, weight, logit)`, and of the last
+    /// [`Sampler::sample_candidates`] in id order (kept: sampling allocates nothing once
+    /// warm).
     scratch: Vec<(i32, f32, f32)>,
+    by_id: Vec<(i32, f32)>,
 }
 
 impl Sampler {
@@ -29,6 +31,7 @@ impl Sampler {
             min_p: 0.0,
             state: seed ^ 0x2545_F491_4F6C_DD1D,
             scratch: Vec::new(),
+            by_id: Vec::new(),
         }
     }
 
@@ -89,7 +92,14 @@ impl Sampler {
         if self.is_greedy() {
             return ids.first().copied().unwrap_or(0);
         }
-        self.draw(ids.iter().copied().zip(logits.iter().copied()))
+        // In id order, as `sample` meets a row's tokens: its sums add in that order.
+        let mut by_id = std::mem::take(&mut self.by_id);
+        by_id.clear();
+        by_id.extend(ids.iter().copied().zip(logits.iter().copied()));
+        by_id.sort_unstable_by_key(|c| c.0);
+        let t = self.draw(by_id.iter().copied());
+        self.by_id = by_id;
+        t
     }
 
     /// A draw from `row`'s `(id, logit)` pairs (see [`Sampler::sample`]).
@@ -135,12 +145,11 @@ impl Sampler {
 
     /// Applies top-k then top-p to `cand` (weights summing to `total`): afterwards the kept
     /// tokens are `cand[..keep]`, the first ones in rank order (sorted as far as was
-    /// needed); returns `keep` and their weights' sum. Under a top-k, the sum is taken in
-    /// rank order, so the same candidates give the same sum whatever order they came in.
+    /// needed); returns `keep` and their weights' sum.
     fn truncate(&self, cand: &mut [(i32, f32, f32)], total: f32) -> (usize, f32) {
         let (mut keep, mut total) = (cand.len(), total);
-        if self.top_k > 0 {
-            keep = self.top_k.min(keep);
+        if self.top_k > 0 && self.top_k < keep {
+            keep = self.top_k;
             sort_prefix(cand, keep);
             total = cand[..keep].iter().map(|c| c.1).sum();
         }
@@ -378,11 +387,11 @@ mod tests {
                         .map(|(i, &l)| (i as i32, ((l - max) / 0.8).exp(), l))
                         .filter(|&(_, w, _)| w > 0.0 && w >= min_p)
                         .collect();
-                    // Sums in the order the sampler adds (ids; under a top-k, the sorted
-                    // prefix): float addition is not associative.
+                    // Sums in the order the sampler adds (ids, then the sorted prefix after
+                    // top-k): float addition is not associative.
                     let mut total: f32 = cand.iter().map(|c| c.1).sum();
                     cand.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)));
-                    if top_k > 0 {
+                    if top_k > 0 && top_k < cand.len() {
                         cand.truncate(top_k);
                         total = cand.iter().map(|c| c.1).sum();
                     }
@@ -467,8 +476,9 @@ mod tests {
 
     /// What makes candidates exact beyond what random draws can show: under a top-k, the
     /// kept tokens follow the logits' rank order even where weights tie (both round to the
-    /// least subnormal here, so a weight order would keep id 1), and their sum does not
-    /// depend on the order the candidates came in (id order adds the small weights first).
+    /// least subnormal here, so a weight order would keep id 1); and candidates are summed
+    /// in id order, as a whole row is (4096 weights of 2⁻²⁵ count beside a weight of 1
+    /// only when added first: a draw past 1 then picks one of them).
     #[test]
     fn truncation_follows_the_rank_and_sums_alike_in_any_order() {
         let s = Sampler::new(1.0, 1.0, 0).with_top_k(2);
@@ -479,18 +489,19 @@ mod tests {
         let (keep, _) = s.truncate(&mut cand, total);
         let kept: Vec<i32> = cand[..keep].iter().map(|c| c.0).collect();
         assert_eq!(kept, [5, 2]);
-        let s = Sampler::new(1.0, 1.0, 0).with_top_k(40);
-        let tiny = -(24.0 * std::f32::consts::LN_2);
-        let by_id: Vec<(i32, f32)> = (0..17)
-            .map(|i| (i, if i == 16 { 0.0 } else { tiny }))
+        let tiny = -(25.0 * std::f32::consts::LN_2);
+        let row: Vec<f32> = (0..4097)
+            .map(|i| if i == 4096 { 0.0 } else { tiny })
             .collect();
-        let mut by_rank = by_id.clone();
-        by_rank.rotate_right(1);
-        let mut sums = Vec::new();
-        for row in [by_id, by_rank] {
-            let total = s.candidates(row.iter().copied(), &mut cand);
-            sums.push(s.truncate(&mut cand, total).1.to_bits());
-        }
-        assert_eq!(sums[0], sums[1]);
+        let mut top = Vec::new();
+        kvplug_core::top_k(&row, row.len(), &mut top);
+        let (ids, values): (Vec<i32>, Vec<f32>) = top.into_iter().unzip();
+        let near_one = |seed: &u64| Sampler::new(1.0, 1.0, *seed).uniform() > 1.0 - 2f32.powi(-14);
+        let seed = (0..).find(near_one).expect("a seed");
+        let mut whole = Sampler::new(1.0, 1.0, seed).with_top_k(5000);
+        let mut part = whole.clone();
+        let got = whole.sample(&row);
+        assert_ne!(got, 4096, "the draw reaches the small weights");
+        assert_eq!(part.sample_candidates(&ids, &values), got);
     }
 }

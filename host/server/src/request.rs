@@ -119,7 +119,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         cancel: None,
         // The engine sets it, with the sequence's earlier tokens.
         speculate: None,
-        // Greedy requests without logprobs read back a token, not a row of logits.
+        // Greedy and top-k requests without logprobs or penalties read back a token or its
+        // candidates, not a row of logits.
         device_argmax: true,
     };
     Ok(Prepared {

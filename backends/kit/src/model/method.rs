@@ -44,6 +44,8 @@ struct Buffers<D: ModelDevice> {
     ints: Vec<i32>,
     rows: Vec<usize>,
     ids: Option<D::Tensor>,
+    /// [`ModelDevice::top_k_rows`]'s scratch (the device may replace it).
+    top: Option<D::Tensor>,
     picked: Vec<i32>,
     values: Vec<f32>,
 }
@@ -126,10 +128,13 @@ impl<D: ModelDevice> ForwardMethod<D> {
         let top_k = match inputs.get(5) {
             Some(t) => {
                 ints(t, "top k", &mut b.ints)?;
-                let k = b.ints.first().copied().unwrap_or(0);
-                usize::try_from(k).map_err(|_| {
-                    PluginError::from(CacheError::bad_shape(format!("top k {k} is negative")))
-                })?
+                match b.ints[..] {
+                    [k] if k >= 0 => k as usize,
+                    ref k => {
+                        let m = format!("top k must be one integer of at least 0, got {k:?}");
+                        return Err(CacheError::bad_shape(m).into());
+                    }
+                }
             }
             None => 0,
         };
@@ -157,11 +162,19 @@ impl<D: ModelDevice> ForwardMethod<D> {
                 }
             };
             let k = top_k.min(vocab);
-            if b.ids.as_ref().is_none_or(|t| dev.dims(t) != [rows, 2 * k]) {
-                b.ids = Some(dev.zeros(&[rows, 2 * k])?);
+            if b.top.is_none() {
+                b.top = Some(dev.zeros(&[rows, 2 * k])?);
             }
-            let scratch = b.ids.as_mut().expect("set above");
+            let scratch = b.top.as_mut().expect("set above");
             dev.top_k_rows(out.logits, k, scratch, &mut b.picked, &mut b.values)?;
+            if b.picked.len() != rows * k || b.values.len() != rows * k {
+                let m = format!(
+                    "top_k_rows gave {} ids and {} values for {rows} rows of {k}",
+                    b.picked.len(),
+                    b.values.len()
+                );
+                return Err(PluginError::new(AbiErrorKind::Backend, m));
+            }
             result[0].set_i32(&[rows, k], &b.picked);
             result[1].encode_f32_into(&[rows, k], &b.values, TensorDtype::F32);
         } else if want_argmax {
@@ -357,6 +370,7 @@ pub fn load_forward<B: Backend + ModelDevice>(
                 ints: Vec::new(),
                 rows: Vec::new(),
                 ids: None,
+                top: None,
                 picked: Vec::new(),
                 values: Vec::new(),
             })),

@@ -531,8 +531,9 @@ pub trait ModelDevice: Device {
     /// [`kvplug_core::rank`] order (larger first, the lower index on ties, NaNs last), as
     /// [`kvplug_core::top_k`] picks them: their indices into `ids` and values into `values`
     /// (`R·k` each, row by row) — a sampling step's candidates, read back as `8·R·k` bytes
-    /// instead of `4·R·V`. `scratch` (`[R, 2k]`) is a device's to compute them in. The
-    /// default downloads the rows.
+    /// instead of `4·R·V`. `scratch` is the device's to compute them in, kept by the caller
+    /// between calls: a device may replace it by a tensor of the shape it needs. The default
+    /// downloads the rows.
     fn top_k_rows(
         &self,
         x: &Self::Tensor,

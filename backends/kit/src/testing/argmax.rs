@@ -57,32 +57,53 @@ pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
     }
 }
 
-/// [`ModelDevice::top_k_rows`] on [`rows`] (and on rows of distinct values) against
-/// [`kvplug_core::top_k`], for `k` from 1 to the whole row: the same indices in the same
-/// order and the same values, bit for bit; for all rows and then two.
+/// Rows of `width` values for a top-k: distinct values; ties of the largest across
+/// positions 1023/1024 and 2047/2048 (where a device may split a row into parts), a NaN
+/// and `±0.0` among them; one value repeated everywhere but at two places.
+fn wide_rows(width: usize) -> Vec<Vec<f32>> {
+    let distinct: Vec<f32> = (0..width).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut ties = distinct.clone();
+    for i in [1023, 1024, 2047, 2048, width - 1] {
+        if let Some(v) = ties.get_mut(i) {
+            *v = 7.0;
+        }
+    }
+    ties[3 % width] = f32::NAN;
+    ties[width / 2] = 0.0;
+    ties[width / 3] = -0.0;
+    let mut flat = vec![1.0; width];
+    flat[width - 2] = 2.0;
+    flat[5] = f32::NEG_INFINITY;
+    vec![distinct, ties, flat]
+}
+
+/// [`ModelDevice::top_k_rows`] on [`rows`] and on [`wide_rows`] (one part, several parts, a
+/// last part shorter than `k`) against [`kvplug_core::top_k`], for `k` from 1 to the
+/// whole row: the same indices in the same order and the same values, bit for bit; for
+/// all rows and then two; the scratch kept from call to call.
 pub fn check_top_k_rows<D: ModelDevice>(dev: D) {
-    let mut rows = rows();
-    let width = rows[0].len();
-    rows.push((0..width).map(|i| (i as f32 * 0.37).sin()).collect());
     let mut want = Vec::new();
-    for k in [1, 2, 40, 64, width] {
-        for n in [rows.len(), 2] {
-            let mut scratch = dev.zeros(&[n, 2 * k]).unwrap();
-            let flat: Vec<f32> = rows[..n].concat();
-            let x = dev.tensor(&flat, &[n, width]).unwrap();
-            let (mut ids, mut values) = (Vec::new(), Vec::new());
-            dev.top_k_rows(&x, k, &mut scratch, &mut ids, &mut values)
-                .unwrap();
-            assert_eq!(
-                (ids.len(), values.len()),
-                (n * k, n * k),
-                "top {k} of {n} rows"
-            );
-            for (r, row) in rows[..n].iter().enumerate() {
-                kvplug_core::top_k(row, k, &mut want);
-                let got = (r * k..(r + 1) * k).map(|i| (ids[i], values[i].to_bits()));
-                let want = want.iter().map(|c| (c.0, c.1.to_bits()));
-                assert!(got.eq(want), "top {k} of row {r} ({n} rows)");
+    for rows in [rows(), wide_rows(1030), wide_rows(5000)] {
+        let width = rows[0].len();
+        let mut scratch = dev.zeros(&[1, 2]).unwrap();
+        for k in [1, 2, 40, 64, width.min(1030)] {
+            for n in [rows.len(), 2] {
+                let flat: Vec<f32> = rows[..n].concat();
+                let x = dev.tensor(&flat, &[n, width]).unwrap();
+                let (mut ids, mut values) = (Vec::new(), Vec::new());
+                dev.top_k_rows(&x, k, &mut scratch, &mut ids, &mut values)
+                    .unwrap();
+                assert_eq!(
+                    (ids.len(), values.len()),
+                    (n * k, n * k),
+                    "top {k} of {n} rows"
+                );
+                for (r, row) in rows[..n].iter().enumerate() {
+                    kvplug_core::top_k(row, k, &mut want);
+                    let got = (r * k..(r + 1) * k).map(|i| (ids[i], values[i].to_bits()));
+                    let want = want.iter().map(|c| (c.0, c.1.to_bits()));
+                    assert!(got.eq(want), "top {k} of row {r} of {n}, {width} wide");
+                }
             }
         }
     }

@@ -258,11 +258,15 @@ fn argmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     }
 }
 
-// out[r, :k] = the ids (u32 bits) and out[r, k:2k] the values of row r's first k values of
-// a ([R, n0]; k = n1) in rank order: larger first, the lower index on ties (-0.0 ties 0.0),
-// NaNs after every number (kvplug_core::rank). One workgroup per row picks them in k rounds:
-// each round, the first value ranked after the previous round's pick (each invocation over a
-// stride of the row, then a tree).
+// Row r's first k values of a ([R, n0]; k = n1) in rank order: larger first, the lower
+// index on ties (-0.0 ties 0.0), NaNs after every number (kvplug_core::rank), in two
+// dispatches. Phase 0 (flag 0; workgroups [S, R]): workgroup (s, r) picks the first k of
+// the row's part s (n2 values a part, S = ceil(n0 / n2) parts) into the part's slot of out:
+// ids (u32 bits), then values, NO_INDEX ids where the part runs out. Phase 1 (flag 1;
+// workgroups [1, R]): one workgroup per row picks the first k of the parts' S·k picks into
+// out[r, :k] (ids) and out[r, k:2k] (values); the parts' slots follow the R rows. Each
+// picks in k rounds: the first entry ranked after the previous round's pick (each
+// invocation over a stride, then a tree).
 const TOP_GROUP: u32 = 256u;
 var<workgroup> top_v: array<f32, 256>;
 var<workgroup> top_i: array<u32, 256>;
@@ -286,20 +290,46 @@ fn ranks_before(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
     return ai < bi;
 }
 
-@compute @workgroup_size(256)
-fn topk_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = wg.x;
-    let n = p.n0;
+// Entry e of what workgroup (part, r) picks from: (value bits, id).
+fn top_entry(r: u32, part: u32, e: u32, rows: u32) -> vec2<u32> {
     let k = p.n1;
+    let parts = (p.n0 + p.n2 - 1u) / p.n2;
+    if p.flag == 0u {
+        let i = part * p.n2 + e;
+        return vec2<u32>(bitcast<u32>(a[r * p.n0 + i]), i);
+    }
+    let slot = (rows + r * parts + e / k) * 2u * k;
+    return vec2<u32>(bitcast<u32>(out[slot + k + e % k]), bitcast<u32>(out[slot + e % k]));
+}
+
+@compute @workgroup_size(256)
+fn topk_main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nw: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let r = wg.y;
+    let rows = nw.y;
+    let k = p.n1;
+    let parts = (p.n0 + p.n2 - 1u) / p.n2;
+    var m = parts * k;
+    var dst = r * 2u * k;
+    if p.flag == 0u {
+        m = min(p.n2, p.n0 - wg.x * p.n2);
+        dst = (rows + r * parts + wg.x) * 2u * k;
+    }
     for (var j = 0u; j < k; j++) {
-        // The previous pick (none in the first round).
+        // The previous pick (none in the first round; none left once a round found none).
         let last = top_last;
         let lv = bitcast<f32>(last.x);
+        let done = j > 0u && last.y == NO_INDEX;
         var bv = 0.0;
         var bi = NO_INDEX;
-        for (var i = lid; i < n; i += TOP_GROUP) {
-            let v = a[r * n + i];
-            let after = j == 0u || ranks_before(lv, last.y, v, i);
+        for (var e = lid; e < m && !done; e += TOP_GROUP) {
+            let t = top_entry(r, wg.x, e, rows);
+            let v = bitcast<f32>(t.x);
+            let i = t.y;
+            let after = i != NO_INDEX && (j == 0u || ranks_before(lv, last.y, v, i));
             if after && (bi == NO_INDEX || ranks_before(v, i, bv, bi)) {
                 bv = v;
                 bi = i;
@@ -320,11 +350,10 @@ fn topk_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
             workgroupBarrier();
         }
         if lid == 0u {
-            out[r * 2u * k + j] = bitcast<f32>(top_i[0]);
-            out[r * 2u * k + k + j] = top_v[0];
+            out[dst + j] = bitcast<f32>(top_i[0]);
+            out[dst + k + j] = top_v[0];
             top_last = vec2<u32>(bitcast<u32>(top_v[0]), top_i[0]);
         }
         workgroupBarrier();
     }
 }
-
