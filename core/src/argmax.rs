@@ -1,6 +1,7 @@
-//! The greedy pick and the order of sampling candidates, shared by the host's sampler and
-//! the backends' device argmax and top-k (`ModelDevice::argmax_rows`, `top_k_rows`), so that
-//! both choose the same tokens.
+//! The greedy pick, the order of sampling candidates and the adjustment of a logit before
+//! either, shared by the host's sampler and the backends' device picks
+//! (`ModelDevice::argmax_rows`, `top_k_rows`, `adjust_rows`), so that both choose the same
+//! tokens.
 
 use std::cmp::Ordering;
 
@@ -14,6 +15,52 @@ pub fn argmax(row: &[f32]) -> i32 {
         }
     }
     best.map_or(0, |(i, _)| i as i32)
+}
+
+/// How a token's logit `l` is changed before it is picked (logit bias, frequency, presence
+/// and repetition penalties): `(l + add) − sub`, then times `pos` where that is above 0 and
+/// times `neg` elsewhere (a repetition penalty `p` is `pos = 1/p`, `neg = p`). Each step is
+/// one f32 operation, correctly rounded, so a device computes the host's bits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adjust {
+    /// Added first (the logit bias).
+    pub add: f32,
+    /// Subtracted next (the frequency and presence penalties).
+    pub sub: f32,
+    /// The factor of a result above 0.
+    pub pos: f32,
+    /// The factor of any other result.
+    pub neg: f32,
+}
+
+impl Adjust {
+    /// No change.
+    pub const NONE: Adjust = Adjust {
+        add: 0.0,
+        sub: 0.0,
+        pos: 1.0,
+        neg: 1.0,
+    };
+
+    /// `l` adjusted.
+    pub fn apply(&self, l: f32) -> f32 {
+        let l = (l + self.add) - self.sub;
+        if l > 0.0 {
+            l * self.pos
+        } else {
+            l * self.neg
+        }
+    }
+
+    /// As four values: `add, sub, pos, neg`.
+    pub fn to_array(self) -> [f32; 4] {
+        [self.add, self.sub, self.pos, self.neg]
+    }
+
+    /// From [`Adjust::to_array`]'s four values.
+    pub fn from_array([add, sub, pos, neg]: [f32; 4]) -> Self {
+        Adjust { add, sub, pos, neg }
+    }
 }
 
 /// The order of candidates `(index, value)`: larger values first, the lower index first on

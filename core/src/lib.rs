@@ -45,7 +45,7 @@ pub mod spec;
 pub mod tree;
 pub mod window;
 
-pub use argmax::{argmax, rank, top_k};
+pub use argmax::{argmax, rank, top_k, Adjust};
 pub use arithmetic::Arithmetic;
 pub use config::{
     make_config, CacheConfig, ConvLayers, DeltaLayers, LayerSet, ModelCacheParams, SlidingLayers,

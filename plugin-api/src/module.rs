@@ -134,7 +134,7 @@ pub const API_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// ([`BackendModule`], [`CacheObject`](crate::CacheObject)) — with a default or
 /// `#[sabi(missing_field(option))]` — which an older host never reads, or adds what a host
 /// may ask of a plugin's methods (3.1: the `forward` method's `argmax` input; 3.2: its
-/// `top k` input). An older plugin lacks them, and abi_stable's layout check refuses a
+/// `top k` and adjustment inputs). An older plugin lacks them, and abi_stable's layout check refuses a
 /// plugin whose prefix types have fewer fields than the host's, so it is refused here in one
 /// line first. Any other change to a type that crosses the boundary is a new major.
 pub fn accepts(host: VersionNumber, plugin: VersionNumber) -> bool {

@@ -19,7 +19,7 @@ mod conv;
 mod delta;
 mod qkv;
 pub use alloc_count::CountingAllocator;
-pub use argmax::{check_argmax_rows, check_top_k_rows};
+pub use argmax::{check_adjust_rows, check_argmax_rows, check_top_k_rows};
 pub use conv::check_conv_verbs;
 pub use delta::check_delta_verbs;
 pub use qkv::check_norm_qkv_heads;
@@ -1039,8 +1039,8 @@ macro_rules! backend_tests {
 
 /// The [`ModelDevice`](crate::model::ModelDevice) checks of [`testing`](crate::testing) as
 /// `#[test]` functions of the calling crate, beside [`backend_tests!`](crate::backend_tests)
-/// for a backend that serves models: the device argmax and top-k against the host's, a
-/// layer's attention inputs in one op against an f64 reference. `$device` is evaluated once
+/// for a backend that serves models: the device argmax, top-k and logit adjustments against
+/// the host's, a layer's attention inputs in one op against an f64 reference. `$device` is evaluated once
 /// per test.
 #[macro_export]
 macro_rules! model_device_tests {
@@ -1052,6 +1052,10 @@ macro_rules! model_device_tests {
         #[test]
         fn kit_top_k_rows() {
             $crate::testing::check_top_k_rows($device);
+        }
+        #[test]
+        fn kit_adjust_rows() {
+            $crate::testing::check_adjust_rows($device);
         }
         #[test]
         fn kit_norm_qkv_heads() {

@@ -27,7 +27,7 @@ pub struct Context {
     pub tuning: Tuning,
     attention: OnceLock<Kernels<6>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<13>>,
+    model: OnceLock<Kernels<14>>,
     project: OnceLock<Kernels<2>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
@@ -293,7 +293,7 @@ pub const ATTENTION_ENTRIES: [&str; 6] = [
 ];
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 13] = [
+pub const MODEL_ENTRIES: [&str; 14] = [
     "gather_main",
     "rmsnorm_main",
     "rope_heads_main",
@@ -307,6 +307,7 @@ pub const MODEL_ENTRIES: [&str; 13] = [
     "hadamard_main",
     "argmax_main",
     "topk_main",
+    "adjust_main",
 ];
 
 /// Entry points of `project.wgsl`, in the order of [`Context::project`]'s pipelines.
@@ -655,7 +656,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<13> {
+    pub fn model(&self) -> &Kernels<14> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(

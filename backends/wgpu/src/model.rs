@@ -197,6 +197,7 @@ enum Op {
     Hadamard = 10,
     Argmax = 11,
     TopK = 12,
+    Adjust = 13,
 }
 
 /// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
@@ -937,6 +938,50 @@ impl ModelDevice for WgpuDevice {
                     .map(|b| f32::from_le_bytes(word(b))),
             );
         }
+        Ok(())
+    }
+
+    /// A copy of the rows (`gather_main`), then one invocation an adjustment.
+    fn adjust_rows(
+        &self,
+        x: &WgpuTensor,
+        at: &[[u32; 2]],
+        by: &[kvplug_core::Adjust],
+        out: &mut WgpuTensor,
+    ) -> Result<(), KitError> {
+        let [rows, width] = x.dims[..] else {
+            return Err(KitError::Device(format!(
+                "adjusting logits of shape {:?}",
+                x.dims
+            )));
+        };
+        if out.dims != x.dims || at.len() != by.len() {
+            return Err(KitError::Device(format!(
+                "adjusting {:?} into {:?} at {} places by {}",
+                x.dims,
+                out.dims,
+                at.len(),
+                by.len()
+            )));
+        }
+        let all: Vec<usize> = (0..rows).collect();
+        self.gather_rows(x, &all, out)?;
+        let words: Vec<u32> = at
+            .iter()
+            .zip(by)
+            .flat_map(|(&[r, t], a)| {
+                let [add, sub, pos, neg] = a.to_array().map(f32::to_bits);
+                [r, t, add, sub, pos, neg]
+            })
+            .collect();
+        self.flat(
+            Op::Adjust,
+            [width as u32, 0, 0, 0],
+            0,
+            at.len(),
+            inputs(None, None, &[&words]),
+            &out.buf,
+        );
         Ok(())
     }
 

@@ -2,9 +2,9 @@
 
 use std::ops::Deref;
 
-use kvplug_core::{CacheError, CacheKind, KeyBasis, KvDtype};
+use kvplug_core::{Adjust, CacheError, CacheKind, KeyBasis, KvDtype};
 use kvplug_plugin_api::abi_stable::std_types::{RSlice, RVec};
-use kvplug_plugin_api::{AbiErrorKind, HostTensor, MethodHandle, PluginError};
+use kvplug_plugin_api::{AbiErrorKind, HostTensor, MethodHandle, PluginError, TensorDtype};
 
 use crate::batch::Batch;
 use crate::cache::Cache;
@@ -32,6 +32,9 @@ pub struct Context {
     /// allocates none once warm).
     inputs: RVec<HostTensor>,
     outputs: RVec<HostTensor>,
+    /// A step's adjustments as inputs 6 and 7 take them.
+    adjust_at: Vec<i32>,
+    adjust_by: Vec<f32>,
     rows: usize,
     decodes: u64,
 }
@@ -89,7 +92,11 @@ impl Context {
                 HostTensor::from_i32(&[1], &[0]),
                 HostTensor::from_i32(&[1], &[1]),
                 HostTensor::from_i32(&[1], &[0]),
+                HostTensor::empty(),
+                HostTensor::empty(),
             ]),
+            adjust_at: Vec::new(),
+            adjust_by: Vec::new(),
             outputs: RVec::new(),
             rows: 0,
             decodes: 0,
@@ -123,7 +130,7 @@ impl Context {
     /// (`begin_step`); the other kinds hold one sequence, so their batches use sequence 0.
     /// A refused batch leaves the cache as it was.
     pub fn decode(&mut self, batch: &Batch) -> Result<Logits<'_>, RuntimeError> {
-        let rows = self.step(batch, Reduce::None)?;
+        let rows = self.step(batch, Reduce::None, &[])?;
         if !first_output(&self.outputs)?.read_f32_into(&mut self.logits)
             || self.logits.len() != rows * self.vocab
         {
@@ -150,10 +157,16 @@ impl Context {
 
     /// [`Context::decode`] returning each asked row's greedy token instead of its logits:
     /// the index of its largest logit (the lowest on ties, never a NaN, as
-    /// [`kvplug_core::argmax`] picks it), computed where the logits are, so a step reads
-    /// back 4 bytes a row rather than `4 · vocab`.
-    pub fn decode_argmax(&mut self, batch: &Batch) -> Result<&[i32], RuntimeError> {
-        let rows = self.step(batch, Reduce::Argmax)?;
+    /// [`kvplug_core::argmax`] picks it) after `adjust`, computed where the logits are, so
+    /// a step reads back 4 bytes a row rather than `4 · vocab`. `adjust` changes logits
+    /// before they are picked: `(row, token, how)`, `row` counting the rows the batch asks
+    /// for, each place once (logit bias and penalties).
+    pub fn decode_argmax(
+        &mut self,
+        batch: &Batch,
+        adjust: &[(usize, i32, Adjust)],
+    ) -> Result<&[i32], RuntimeError> {
+        let rows = self.step(batch, Reduce::Argmax, adjust)?;
         if !first_output(&self.outputs)?.read_i32_into(&mut self.ids) || self.ids.len() != rows {
             return Err(PluginError::new(
                 AbiErrorKind::Backend,
@@ -172,15 +185,17 @@ impl Context {
     /// [`Context::decode`] returning each asked row's first `k` logits in
     /// [`kvplug_core::rank`] order (larger first, the lower id on ties, NaNs last; `k` at
     /// most the vocabulary) with their token ids, `k` a row, computed where the logits are:
-    /// a top-k sampler's candidates, `8·k` bytes a row rather than `4 · vocab`. Returns the
-    /// ids and the logits, row by row.
+    /// a top-k sampler's candidates, `8·k` bytes a row rather than `4 · vocab`, after
+    /// `adjust` (as [`Context::decode_argmax`] takes it). Returns the ids and the logits,
+    /// row by row.
     pub fn decode_top_k(
         &mut self,
         batch: &Batch,
         k: usize,
+        adjust: &[(usize, i32, Adjust)],
     ) -> Result<(&[i32], &[f32]), RuntimeError> {
         let k = k.min(self.vocab).max(1);
-        let rows = self.step(batch, Reduce::TopK(k))?;
+        let rows = self.step(batch, Reduce::TopK(k), adjust)?;
         let bad = |what: &str| -> RuntimeError {
             PluginError::new(
                 AbiErrorKind::Backend,
@@ -204,9 +219,14 @@ impl Context {
         Ok((&self.ids[..asked], &self.logits[..asked]))
     }
 
-    /// Runs `batch` through `forward`, its rows reduced as `reduce` says, and returns how
-    /// many rows came back.
-    fn step(&mut self, batch: &Batch, reduce: Reduce) -> Result<usize, RuntimeError> {
+    /// Runs `batch` through `forward`, its rows adjusted by `adjust` and reduced as `reduce`
+    /// says, and returns how many rows came back.
+    fn step(
+        &mut self,
+        batch: &Batch,
+        reduce: Reduce,
+        adjust: &[(usize, i32, Adjust)],
+    ) -> Result<usize, RuntimeError> {
         if batch.is_empty() {
             return Err(CacheError::bad_shape("an empty batch").into());
         }
@@ -233,16 +253,30 @@ impl Context {
         self.inputs[0].set_i32(&[batch.len()], batch.tokens());
         self.inputs[1].set_i32(&[batch.len()], batch.positions());
         self.inputs[2].set_i32(&[rows.len()], rows);
-        // Inputs 3 (want hidden: no), 4 (argmax) and 5 (top k) only when asked, so a plugin
-        // built before them still serves plain decodes.
-        let n = match reduce {
+        // Inputs 3 (want hidden: no), 4 (argmax), 5 (top k), 6 and 7 (adjustments) only
+        // when asked, so a plugin built before them still serves plain decodes.
+        let mut n = match reduce {
             Reduce::None => 3,
             Reduce::Argmax => 5,
-            Reduce::TopK(k) => {
-                self.inputs[5].set_i32(&[1], &[k as i32]);
-                6
-            }
+            Reduce::TopK(_) => 6,
         };
+        let k = match reduce {
+            Reduce::TopK(k) => k as i32,
+            _ => 0,
+        };
+        self.inputs[5].set_i32(&[1], &[k]);
+        if !adjust.is_empty() {
+            self.adjust_at.clear();
+            self.adjust_by.clear();
+            for &(row, token, a) in adjust {
+                self.adjust_at.extend([row as i32, token]);
+                self.adjust_by.extend(a.to_array());
+            }
+            let m = adjust.len();
+            self.inputs[6].set_i32(&[m, 2], &self.adjust_at);
+            self.inputs[7].encode_f32_into(&[m, 4], &self.adjust_by, TensorDtype::F32);
+            n = 8;
+        }
         self.method
             .execute_into(RSlice::from_slice(&self.inputs[..n]), &mut self.outputs)
             .into_result()?;

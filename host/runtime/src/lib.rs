@@ -39,7 +39,7 @@ pub use cache::Cache;
 pub use context::{Context, Logits};
 pub use discovery::{PluginSearch, SearchDir};
 pub use error::RuntimeError;
-pub use kvplug_core::{Arithmetic, CacheKind, KeyBasis, KvDtype};
+pub use kvplug_core::{Adjust, Arithmetic, CacheKind, KeyBasis, KvDtype};
 pub use loader::{LoadedPlugin, Skipped};
 pub use model::Model;
 pub use registry::{BuilderRegistry, CacheRegistry};

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvplug_core::Adjust;
 use kvplug_runtime::{Batch, Context, Logits};
 
 use crate::error::{fail, Result};
@@ -59,7 +60,8 @@ pub struct GenOptions {
     /// [`crate::speculative`]); the tokens are those plain decoding gives.
     pub speculate: Option<Speculation>,
     /// Pick where the logits are, in steps whose every request asked for it and picks
-    /// plainly (no adjustments, grammar, logprobs or speculation): a greedy token's argmax
+    /// plainly (no grammar, logprobs or speculation; logit bias and penalties are applied
+    /// there too, as [`Adjustments::entries`] says): a greedy token's argmax
     /// ([`Context::decode_argmax`]: 4 bytes read back a token instead of a row of logits),
     /// and a top-k sampler's draw (top-k at most [`DEVICE_TOP_K`]) from the row's top-k
     /// candidates ([`Context::decode_top_k`]: `8·k` bytes). Its [`TokenEvent`]s then carry
@@ -202,7 +204,6 @@ impl Active {
     fn device_picks(&self) -> Option<usize> {
         let o = &self.opts;
         let plain = o.device_argmax
-            && o.adjust.is_identity()
             && o.constraint.is_none()
             && o.logprobs.is_none()
             && self.spec.is_none();
@@ -253,6 +254,10 @@ pub struct Generator {
     refeed: Batch,
     /// A row of logits being adjusted or masked, reused.
     scratch: Vec<f32>,
+    /// The logit adjustments of a step picking on the device (row, token, how), and one
+    /// request's, reused.
+    adjust: Vec<(usize, i32, Adjust)>,
+    entries: Vec<(i32, Adjust)>,
     masks: u64,
     mask_time: Duration,
 }
@@ -457,11 +462,29 @@ impl Generator {
                 self.owners.push((i, 1));
             }
         }
-        // On the device: every request's argmax, or as many candidates as the most any wants.
+        // On the device: every request's argmax, or as many candidates as the most any wants,
+        // each row's logit bias and penalties applied there first.
         let device = self
             .active
             .iter()
             .try_fold(0, |k, a| a.device_picks().map(|n| k.max(n)));
+        self.adjust.clear();
+        if device.is_some() {
+            let vocab = ctx.vocab() as i32;
+            for (row, &(i, _)) in self.owners.iter().enumerate() {
+                let a = &self.active[i];
+                if a.opts.adjust.is_identity() {
+                    continue;
+                }
+                let recent = &a.prompt[a.prompt.len().saturating_sub(REPEAT_WINDOW)..];
+                a.opts
+                    .adjust
+                    .entries(recent, &a.generated, &mut self.entries);
+                let in_vocab = self.entries.iter().filter(|e| (0..vocab).contains(&e.0));
+                self.adjust.extend(in_vocab.map(|&(t, how)| (row, t, how)));
+            }
+        }
+        let adjust = &self.adjust[..];
         // The masks of constrained requests sampling this step are computed beside the
         // forward pass, on a second thread.
         let owners = &self.owners;
@@ -482,10 +505,10 @@ impl Generator {
                 })
             });
             let decoded = match device {
-                Some(0) => ctx.decode_argmax(&self.batch).map(Picks::Ids),
+                Some(0) => ctx.decode_argmax(&self.batch, adjust).map(Picks::Ids),
                 Some(k) => {
                     let k = k.min(ctx.vocab());
-                    let top = ctx.decode_top_k(&self.batch, k);
+                    let top = ctx.decode_top_k(&self.batch, k, adjust);
                     top.map(|(ids, logits)| Picks::Candidates { ids, logits, k })
                 }
                 None => ctx.decode(&self.batch).map(Picks::Logits),

@@ -65,7 +65,7 @@ pub use grammar::{json_rule, Constraint, GrammarSpec, Grammars};
 pub use kvplug_plugin_api::AbiErrorKind;
 pub use kvplug_runtime::loader;
 pub use kvplug_runtime::{
-    Arithmetic, Batch, CacheKind, Context, KeyBasis, KvDtype, Model, PluginSearch, Runtime,
+    Adjust, Arithmetic, Batch, CacheKind, Context, KeyBasis, KvDtype, Model, PluginSearch, Runtime,
     RuntimeError,
 };
 pub use llm::{Answer, Llm, LlmBuilder};

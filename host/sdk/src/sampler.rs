@@ -200,7 +200,7 @@ fn sort_prefix(cand: &mut [(i32, f32, f32)], k: usize) {
 /// Index of the largest logit (the first on ties; never a NaN): the same pick as a
 /// backend's device argmax.
 pub use kvplug_core::argmax;
-use kvplug_core::rank;
+use kvplug_core::{rank, Adjust};
 
 /// What is done to a row of logits before it is sampled, from the request and the tokens
 /// generated so far (OpenAI's and llama.cpp's meanings).
@@ -208,8 +208,8 @@ use kvplug_core::rank;
 pub struct Adjustments {
     /// Added to the token's logit (−100 bans it, +100 all but forces it).
     pub logit_bias: Vec<(i32, f32)>,
-    /// Divides a positive logit (multiplies a negative one) of every token among the last
-    /// [`REPEAT_WINDOW`] of the prompt and the answer (1 or 0 = off).
+    /// Divides a positive logit (times its inverse) and multiplies a negative one, for every
+    /// token among the last [`REPEAT_WINDOW`] of the prompt and the answer (1 or 0 = off).
     pub repetition_penalty: f32,
     /// Subtracted once per earlier occurrence in the answer.
     pub frequency_penalty: f32,
@@ -229,41 +229,78 @@ impl Adjustments {
             && self.presence_penalty == 0.0
     }
 
-    /// Applies to `logits`, after `recent` (the last tokens of the prompt) and `answer`.
+    /// Applies to `logits`, after `recent` (the last tokens of the prompt) and `answer`:
+    /// [`Adjustments::entries`], each as [`Adjust::apply`] computes it (as a device does).
     pub fn apply(&self, logits: &mut [f32], recent: &[i32], answer: &[i32]) {
-        for &(t, b) in &self.logit_bias {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l += b;
+        let mut entries = Vec::new();
+        self.entries(recent, answer, &mut entries);
+        for (t, a) in entries {
+            if let Some(l) = usize::try_from(t).ok().and_then(|t| logits.get_mut(t)) {
+                *l = a.apply(*l);
             }
         }
+    }
+
+    /// What applying does to each token it changes, by token: the token's biases summed
+    /// (in list order) and added; `n·frequency + presence` subtracted for a token `n` times
+    /// in `answer`; a positive result divided by the repetition penalty `p` (times `1/p`)
+    /// and another multiplied by it, for a token among the last [`REPEAT_WINDOW`] of
+    /// `recent` and `answer`.
+    pub fn entries(&self, recent: &[i32], answer: &[i32], out: &mut Vec<(i32, Adjust)>) {
+        out.clear();
+        out.extend(self.logit_bias.iter().map(|&(t, b)| {
+            (
+                t,
+                Adjust {
+                    add: b,
+                    ..Adjust::NONE
+                },
+            )
+        }));
         if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
-            let mut counts: Vec<(i32, u32)> = Vec::new();
-            for &t in answer {
-                match counts.iter_mut().find(|c| c.0 == t) {
-                    Some(c) => c.1 += 1,
-                    None => counts.push((t, 1)),
-                }
-            }
-            for (t, n) in counts {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= n as f32 * self.frequency_penalty + self.presence_penalty;
-                }
-            }
+            out.extend(answer.iter().map(|&t| {
+                (
+                    t,
+                    Adjust {
+                        sub: 1.0,
+                        ..Adjust::NONE
+                    },
+                )
+            }));
         }
         let p = self.repetition_penalty;
         if p != 1.0 && p > 0.0 {
             let all = recent.iter().chain(answer);
             let skip = (recent.len() + answer.len()).saturating_sub(REPEAT_WINDOW);
-            let mut seen: Vec<i32> = Vec::new();
-            for &t in all.skip(skip) {
-                if seen.contains(&t) {
-                    continue;
-                }
-                seen.push(t);
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 { *l / p } else { *l * p };
-                }
+            out.extend(all.skip(skip).map(|&t| {
+                let scale = Adjust {
+                    pos: 1.0 / p,
+                    neg: p,
+                    ..Adjust::NONE
+                };
+                (t, scale)
+            }));
+        }
+        // A stable sort keeps the biases in list order; then one entry a token, the
+        // occurrences in `answer` counted in `sub`.
+        out.sort_by_key(|e| e.0);
+        out.dedup_by(|e, kept| {
+            if e.0 != kept.0 {
+                return false;
             }
+            kept.1.add += e.1.add;
+            kept.1.sub += e.1.sub;
+            if e.1.neg != 1.0 {
+                (kept.1.pos, kept.1.neg) = (e.1.pos, e.1.neg);
+            }
+            true
+        });
+        for (_, a) in out.iter_mut() {
+            a.sub = if a.sub > 0.0 {
+                a.sub * self.frequency_penalty + self.presence_penalty
+            } else {
+                0.0
+            };
         }
     }
 }
@@ -503,5 +540,39 @@ mod tests {
         let got = whole.sample(&row);
         assert_ne!(got, 4096, "the draw reaches the small weights");
         assert_eq!(part.sample_candidates(&ids, &values), got);
+    }
+
+    /// One entry a token, by token: its biases summed in list order, its count in the
+    /// answer times the frequency penalty plus the presence penalty, and the repetition
+    /// penalty's factors where it is among the last tokens; others untouched.
+    #[test]
+    fn adjustments_come_one_entry_a_token() {
+        let a = Adjustments {
+            logit_bias: vec![(9, 1.0), (4, -2.0), (9, 0.5)],
+            repetition_penalty: 2.0,
+            frequency_penalty: 0.25,
+            presence_penalty: 0.125,
+        };
+        let mut got = Vec::new();
+        a.entries(&[7, 4], &[4, 6, 4], &mut got);
+        let e = |add, sub, rep: bool| Adjust {
+            add,
+            sub,
+            pos: if rep { 0.5 } else { 1.0 },
+            neg: if rep { 2.0 } else { 1.0 },
+        };
+        let want = vec![
+            (4, e(-2.0, 2.0 * 0.25 + 0.125, true)),
+            (6, e(0.0, 0.25 + 0.125, true)),
+            (7, e(0.0, 0.0, true)),
+            (9, e(1.5, 0.0, false)),
+        ];
+        assert_eq!(got, want);
+        let mut row = vec![1.0f32; 10];
+        a.apply(&mut row, &[7, 4], &[4, 6, 4]);
+        assert_eq!(row[4], (1.0 - 2.0 - 0.625) * 2.0);
+        assert_eq!(row[7], 0.5);
+        assert_eq!(row[9], 2.5);
+        assert_eq!(row[0], 1.0);
     }
 }

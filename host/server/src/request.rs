@@ -119,8 +119,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         cancel: None,
         // The engine sets it, with the sequence's earlier tokens.
         speculate: None,
-        // Greedy and top-k requests without logprobs or penalties read back a token or its
-        // candidates, not a row of logits.
+        // Greedy and top-k requests without logprobs or a grammar read back a token or its
+        // candidates, not a row of logits (bias and penalties applied on the device).
         device_argmax: true,
     };
     Ok(Prepared {

@@ -7,7 +7,7 @@
 
 use kvplug::argmax;
 use kvplug::formats::synth::{synth, PRESETS};
-use kvplug::{generate, CacheKind, GenOptions, Generator, KvDtype, Model, Sampler};
+use kvplug::{generate, Adjustments, CacheKind, GenOptions, Generator, KvDtype, Model, Sampler};
 use kvplug::{run_agents, run_decode, RunSpec};
 use kvplug::{Draft, DraftKind, Speculation};
 
@@ -356,17 +356,34 @@ fn device_argmax_picks_the_tokens_the_host_picks() {
 
 /// A top-k sampler drawing from the device's top-k candidates (`8·k` bytes read back a
 /// token) draws the tokens it draws on the host from whole rows of logits, seed for seed,
-/// beside a greedy request in the same steps; events carry no logits then. A top-k beyond
-/// `DEVICE_TOP_K` reads whole rows.
+/// beside a greedy request in the same steps; events carry no logits then. With logit bias
+/// and penalties (applied on the device then) both requests still pick the host's tokens,
+/// and the greedy one no longer plain decoding's. A top-k beyond `DEVICE_TOP_K` reads
+/// whole rows.
 #[test]
 fn device_top_k_draws_the_tokens_the_host_draws() {
     let model = tiny();
     let rt = runtime();
     let vocab = PRESETS[0].vocab;
+    let penalties = Adjustments {
+        // Bans plain decoding's first token (so the greedy request departs from it).
+        logit_bias: vec![(-1, 5.0), (3, 1.5), (0, -0.5), (3, 0.25)],
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        presence_penalty: 0.2,
+    };
     for backend in BACKENDS {
         let m = common::model(&rt, backend, model.path());
         let plain = greedy_ids(&m, &spec(12, KvDtype::F16));
-        for (top_k, seed) in [(40, 3), (5, 11), (kvplug::DEVICE_TOP_K + 1, 7)] {
+        let mut banned = penalties.clone();
+        banned.logit_bias[0] = (plain[0], -100.0);
+        let cases = [
+            (40, 3, Adjustments::default()),
+            (5, 11, Adjustments::default()),
+            (kvplug::DEVICE_TOP_K + 1, 7, Adjustments::default()),
+            (40, 5, banned),
+        ];
+        for (top_k, seed, adjust) in cases {
             let sampler = Sampler::new(1.2, 0.95, seed).with_top_k(top_k);
             let mut got = Vec::new();
             for device in [false, true] {
@@ -376,6 +393,7 @@ fn device_top_k_draws_the_tokens_the_host_draws() {
                     let opts = GenOptions {
                         max_tokens: 12,
                         sampler,
+                        adjust: adjust.clone(),
                         device_argmax: device,
                         ..GenOptions::default()
                     };
@@ -391,11 +409,52 @@ fn device_top_k_draws_the_tokens_the_host_draws() {
                 let on_device = device && top_k <= kvplug::DEVICE_TOP_K;
                 let want_rows = if on_device { 0 } else { 2 * 12 * vocab };
                 assert_eq!(rows, want_rows, "{backend}, top-k {top_k}: logits read");
-                assert_eq!(ids[0], plain, "{backend}: the greedy request");
-                got.push(ids[1].clone());
+                if adjust.is_identity() {
+                    assert_eq!(ids[0], plain, "{backend}: the greedy request");
+                } else {
+                    assert_ne!(ids[0][0], plain[0], "{backend}: the ban holds");
+                }
+                got.push(ids);
             }
             assert_eq!(got[0], got[1], "{backend}, top-k {top_k}, seed {seed}");
         }
+    }
+}
+
+/// Adjustments a step cannot apply — a token outside the vocabulary, a row the batch does
+/// not ask for, a place given twice — are refused before the step runs: the cache holds
+/// what it held, and the same batch then goes through.
+#[test]
+fn bad_adjustments_are_refused_before_the_step() {
+    use kvplug::{Adjust, Batch};
+    let model = tiny();
+    let rt = runtime();
+    let vocab = PRESETS[0].vocab as i32;
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let mut ctx = m.context(CacheKind::Seq, 64, KvDtype::F16).unwrap();
+        let mut batch = Batch::new();
+        batch.push_run(&PROMPT, 0, 0, true);
+        let bias = Adjust {
+            add: 1.0,
+            ..Adjust::NONE
+        };
+        for bad in [
+            vec![(0, vocab, bias)],
+            vec![(0, -1, bias)],
+            vec![(1, 3, bias)],
+            vec![(0, 3, bias), (0, 3, bias)],
+        ] {
+            let err = ctx.decode_argmax(&batch, &bad).unwrap_err().to_string();
+            assert!(err.contains("adjust at"), "{backend}: {err}");
+            assert_eq!(
+                ctx.seq_len(0).unwrap(),
+                0,
+                "{backend}: the step did not run"
+            );
+        }
+        ctx.decode_argmax(&batch, &[(0, 3, bias)]).unwrap();
+        assert_eq!(ctx.seq_len(0).unwrap(), PROMPT.len(), "{backend}");
     }
 }
 

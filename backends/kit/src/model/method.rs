@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use kvplug_core::{CacheError, CacheVerbs};
+use kvplug_core::{Adjust, CacheError, CacheVerbs};
 use kvplug_plugin_api::abi_stable::sabi_trait::TD_Opaque;
 use kvplug_plugin_api::abi_stable::std_types::{RArc, RResult, RSlice, RString, RVec};
 use kvplug_plugin_api::{
@@ -46,6 +46,11 @@ struct Buffers<D: ModelDevice> {
     ids: Option<D::Tensor>,
     /// [`ModelDevice::top_k_rows`]'s scratch (the device may replace it).
     top: Option<D::Tensor>,
+    /// Inputs 6 and 7 decoded (sorted by place), and the logits they adjust into.
+    adjust: Vec<([u32; 2], Adjust)>,
+    at: Vec<[u32; 2]>,
+    by: Vec<Adjust>,
+    adjusted: Option<D::Tensor>,
     picked: Vec<i32>,
     values: Vec<f32>,
 }
@@ -58,6 +63,56 @@ impl<D: ModelDevice> Clone for ForwardMethod<D> {
             buffers: self.buffers.clone(),
         }
     }
+}
+
+/// Inputs 6 and 7 (see `ForwardMethod::run`) into `out`, sorted by place: each row below
+/// `rows`, each token below `vocab`, no place twice.
+fn adjustments(
+    inputs: &[HostTensor],
+    rows: usize,
+    vocab: usize,
+    ints_buf: &mut Vec<i32>,
+    floats: &mut Vec<f32>,
+    out: &mut Vec<([u32; 2], Adjust)>,
+) -> Result<(), PluginError> {
+    out.clear();
+    let (Some(at), Some(by)) = (inputs.get(6), inputs.get(7)) else {
+        return Ok(());
+    };
+    let bad = |m: String| -> PluginError { CacheError::bad_shape(m).into() };
+    ints(at, "adjust at", ints_buf)?;
+    by.check().map_err(CacheError::bad_shape)?;
+    if by.dtype != TensorDtype::F32 || !by.read_f32_into(floats) {
+        return Err(bad(format!(
+            "adjust by must be f32, got {}",
+            by.dtype.as_str()
+        )));
+    }
+    let n = ints_buf.len() / 2;
+    if at.shape.as_slice() != [n as u64, 2] || by.shape.as_slice() != [n as u64, 4] {
+        return Err(bad(format!(
+            "adjust at must be [n, 2] and adjust by [n, 4]; got {:?} and {:?}",
+            at.dims(),
+            by.dims()
+        )));
+    }
+    for (place, v) in ints_buf.chunks_exact(2).zip(floats.chunks_exact(4)) {
+        let (r, t) = (place[0], place[1]);
+        if !(0..rows as i64).contains(&(r as i64)) || !(0..vocab as i64).contains(&(t as i64)) {
+            return Err(bad(format!(
+                "adjust at ({r}, {t}) is outside {rows} rows of {vocab} logits"
+            )));
+        }
+        out.push((
+            [r as u32, t as u32],
+            Adjust::from_array([v[0], v[1], v[2], v[3]]),
+        ));
+    }
+    out.sort_unstable_by_key(|a| a.0);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(bad(format!("adjust at {:?} is given twice", w[0].0)));
+    }
+    Ok(())
 }
 
 /// The i32 elements of input `t` into `out`.
@@ -79,12 +134,14 @@ impl<D: ModelDevice> ForwardMethod<D> {
     /// asks for `k >= 1`, each logit row's top `k` ([`ModelDevice::top_k_rows`]; `k` at most
     /// the vocabulary) as i32 ids `[R, k]` and f32 logits `[R, k]`; or else, where input 4
     /// asks, each row's argmax as i32 ids `[R]`. Then the final hidden states where input 3
-    /// asks.
+    /// asks. Inputs 6 (i32 `[n, 2]`: row among the R, token) and 7 (f32 `[n, 4]`: a
+    /// [`kvplug_core::Adjust`]'s four values) adjust those logits first
+    /// ([`ModelDevice::adjust_rows`]); they are checked before the step runs.
     fn run(&self, inputs: &[HostTensor], result: &mut RVec<HostTensor>) -> Result<(), PluginError> {
-        if !(2..=6).contains(&inputs.len()) {
+        if !matches!(inputs.len(), 2..=6 | 8) {
             return Err(CacheError::bad_shape(format!(
-                "forward takes tokens, positions[, logit rows[, want hidden[, argmax[, top k]]]]; \
-                 got {} inputs",
+                "forward takes tokens, positions[, logit rows[, want hidden[, argmax[, top k[, \
+                 adjust at, adjust by]]]]]; got {} inputs",
                 inputs.len()
             ))
             .into());
@@ -138,6 +195,20 @@ impl<D: ModelDevice> ForwardMethod<D> {
             }
             None => 0,
         };
+        let n_rows = rows.map_or(b.tokens.len(), <[usize]>::len);
+        let vocab = self.model.config().vocab_size;
+        adjustments(
+            inputs,
+            n_rows,
+            vocab,
+            &mut b.ints,
+            &mut b.values,
+            &mut b.adjust,
+        )?;
+        b.at.clear();
+        b.by.clear();
+        b.at.extend(b.adjust.iter().map(|a| a.0));
+        b.by.extend(b.adjust.iter().map(|a| a.1));
         let out = self.model.forward(
             &mut cache,
             &b.tokens,
@@ -147,6 +218,17 @@ impl<D: ModelDevice> ForwardMethod<D> {
             &mut b.acts,
         )?;
         let dev = self.model_device();
+        let logits = if b.at.is_empty() {
+            out.logits
+        } else {
+            let dims = dev.dims(out.logits);
+            if b.adjusted.as_ref().is_none_or(|t| dev.dims(t) != dims) {
+                b.adjusted = Some(dev.zeros(dims)?);
+            }
+            let adjusted = b.adjusted.as_mut().expect("set above");
+            dev.adjust_rows(out.logits, &b.at, &b.by, adjusted)?;
+            &*adjusted
+        };
         let picks = if top_k > 0 { 2 } else { 1 };
         let n = picks + usize::from(out.hidden.is_some());
         result.truncate(n);
@@ -154,7 +236,7 @@ impl<D: ModelDevice> ForwardMethod<D> {
             result.push(HostTensor::empty());
         }
         if top_k > 0 {
-            let (rows, vocab) = match dev.dims(out.logits)[..] {
+            let (rows, vocab) = match dev.dims(logits)[..] {
                 [r, v] => (r, v),
                 ref d => {
                     let m = format!("forward gave logits of shape {d:?}");
@@ -166,7 +248,7 @@ impl<D: ModelDevice> ForwardMethod<D> {
                 b.top = Some(dev.zeros(&[rows, 2 * k])?);
             }
             let scratch = b.top.as_mut().expect("set above");
-            dev.top_k_rows(out.logits, k, scratch, &mut b.picked, &mut b.values)?;
+            dev.top_k_rows(logits, k, scratch, &mut b.picked, &mut b.values)?;
             if b.picked.len() != rows * k || b.values.len() != rows * k {
                 let m = format!(
                     "top_k_rows gave {} ids and {} values for {rows} rows of {k}",
@@ -178,15 +260,15 @@ impl<D: ModelDevice> ForwardMethod<D> {
             result[0].set_i32(&[rows, k], &b.picked);
             result[1].encode_f32_into(&[rows, k], &b.values, TensorDtype::F32);
         } else if want_argmax {
-            let n = dev.dims(out.logits).first().copied().unwrap_or(0);
+            let n = dev.dims(logits).first().copied().unwrap_or(0);
             if b.ids.as_ref().is_none_or(|t| dev.dims(t) != [n]) {
                 b.ids = Some(dev.zeros(&[n])?);
             }
             let ids = b.ids.as_mut().expect("set above");
-            dev.argmax_rows(out.logits, ids, &mut b.picked)?;
+            dev.argmax_rows(logits, ids, &mut b.picked)?;
             result[0].set_i32(&[b.picked.len()], &b.picked);
         } else {
-            dev.download_into(out.logits, TensorDtype::F32, &mut result[0])?;
+            dev.download_into(logits, TensorDtype::F32, &mut result[0])?;
         }
         if let Some(h) = out.hidden {
             dev.download_into(h, TensorDtype::F32, &mut result[picks])?;
@@ -371,6 +453,10 @@ pub fn load_forward<B: Backend + ModelDevice>(
                 rows: Vec::new(),
                 ids: None,
                 top: None,
+                adjust: Vec::new(),
+                at: Vec::new(),
+                by: Vec::new(),
+                adjusted: None,
                 picked: Vec::new(),
                 values: Vec::new(),
             })),

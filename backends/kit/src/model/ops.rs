@@ -554,6 +554,25 @@ pub trait ModelDevice: Device {
         }
         Ok(())
     }
+    /// `x` (`[R, V]`: logit rows) into `out` (`[R, V]`) with `by[i]` applied to the value
+    /// at `at[i]` (`[row, column]`, in range, no two alike) as [`kvplug_core::Adjust`]
+    /// computes it: a pick's logit bias and penalties, applied where the logits are. The
+    /// default goes through the host.
+    fn adjust_rows(
+        &self,
+        x: &Self::Tensor,
+        at: &[[u32; 2]],
+        by: &[kvplug_core::Adjust],
+        out: &mut Self::Tensor,
+    ) -> Result<(), KitError> {
+        let (mut rows, width) = host_rows(self, x)?;
+        for (&[r, c], a) in at.iter().zip(by) {
+            let v = &mut rows[r as usize * width + c as usize];
+            *v = a.apply(*v);
+        }
+        let dims = self.dims(x);
+        self.upload_into(&HostTensor::from_f32(dims, &rows), out)
+    }
     /// Rows `rows` of `x` (`[T, n]`) into `out` (`[rows.len(), n]`).
     fn gather_rows(
         &self,

@@ -1,5 +1,5 @@
-//! [`check_argmax_rows`] and [`check_top_k_rows`]: a device's greedy picks and sampling
-//! candidates are the host's.
+//! [`check_argmax_rows`], [`check_top_k_rows`] and [`check_adjust_rows`]: a device's greedy
+//! picks, sampling candidates and adjusted logits are the host's.
 
 use crate::model::ModelDevice;
 
@@ -105,6 +105,77 @@ pub fn check_top_k_rows<D: ModelDevice>(dev: D) {
                     assert!(got.eq(want), "top {k} of row {r} of {n}, {width} wide");
                 }
             }
+        }
+    }
+}
+
+/// [`ModelDevice::adjust_rows`] on [`rows`] against [`kvplug_core::Adjust::apply`], bit for
+/// bit: biases (a ban to `-inf` among them), penalties subtracted, repetition scales on
+/// positive, negative, zero, NaN and infinite logits, and places left alone; for all rows
+/// and then two.
+pub fn check_adjust_rows<D: ModelDevice>(dev: D) {
+    use kvplug_core::Adjust;
+    let rows = rows();
+    let width = rows[0].len();
+    let by = [
+        Adjust {
+            add: 2.5,
+            ..Adjust::NONE
+        },
+        Adjust {
+            add: f32::NEG_INFINITY,
+            ..Adjust::NONE
+        },
+        Adjust {
+            sub: 0.75,
+            ..Adjust::NONE
+        },
+        Adjust {
+            pos: 1.0 / 1.3,
+            neg: 1.3,
+            ..Adjust::NONE
+        },
+        Adjust {
+            add: -0.3,
+            sub: 1.5,
+            pos: 1.0 / 1.1,
+            neg: 1.1,
+        },
+    ];
+    for n in [rows.len(), 2] {
+        let mut at = Vec::new();
+        let mut adjust = Vec::new();
+        for r in 0..n as u32 {
+            // The rows' special places (ties, NaNs, infinities, ±0) and ordinary ones.
+            for (j, c) in [0u32, 1, 5, 64, 65, 300, 511, 640, 700, 999]
+                .into_iter()
+                .enumerate()
+            {
+                at.push([r, c]);
+                adjust.push(by[(j + r as usize) % by.len()]);
+            }
+        }
+        let flat: Vec<f32> = rows[..n].concat();
+        let x = dev.tensor(&flat, &[n, width]).unwrap();
+        let mut out = dev.zeros(&[n, width]).unwrap();
+        dev.adjust_rows(&x, &at, &adjust, &mut out).unwrap();
+        let got = dev
+            .download(&out, kvplug_plugin_api::TensorDtype::F32)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        let mut want = flat.clone();
+        for (&[r, c], a) in at.iter().zip(&adjust) {
+            let v = &mut want[r as usize * width + c as usize];
+            *v = a.apply(*v);
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "row {} column {}: {g} against {w} ({n} rows)",
+                i / width,
+                i % width
+            );
         }
     }
 }

@@ -50,6 +50,19 @@ fn gather_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgro
     out[i] = a[idx[p.idx0 + i / w] * w + i % w];
 }
 
+// Adjustment i of logit rows `out` ([R, n0]), six index words at idx0 + 6i: row, token,
+// then add, sub, pos, neg (f32 bits): (l + add) - sub, then times pos above 0, else times
+// neg (kvplug_core::Adjust; no place twice). total = adjustments.
+@compute @workgroup_size(64)
+fn adjust_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = flat(g, nw);
+    if i >= p.total { return; }
+    let w = p.idx0 + 6u * i;
+    let at = idx[w] * p.n0 + idx[w + 1u];
+    let l = (out[at] + bitcast<f32>(idx[w + 2u])) - bitcast<f32>(idx[w + 3u]);
+    out[at] = select(l * bitcast<f32>(idx[w + 5u]), l * bitcast<f32>(idx[w + 4u]), l > 0.0);
+}
+
 var<workgroup> red: array<f32, 64>;
 
 // 1 / rms of the w values of `a` from `base` (eps = p.eps), summed by a workgroup of 64: a
