@@ -454,6 +454,34 @@ impl ModelDevice for CpuDevice {
         })
     }
 
+    /// In place over `out`'s buffer (nothing allocated once warm).
+    fn adjust_rows(
+        &self,
+        x: &CpuTensor,
+        at: &[[u32; 2]],
+        by: &[kvplug_core::Adjust],
+        out: &mut CpuTensor,
+    ) -> Result<(), KitError> {
+        let width = x.dims.last().copied().unwrap_or(0);
+        let place = |&[r, c]: &[u32; 2]| r as usize * width + c as usize;
+        let outside = |p: &[u32; 2]| p[1] as usize >= width || place(p) >= x.data.len();
+        if at.len() != by.len() || at.iter().any(outside) {
+            return Err(KitError::Device(format!(
+                "adjusting {:?} at {} places by {}, one out of range",
+                x.dims,
+                at.len(),
+                by.len()
+            )));
+        }
+        out.dims.clone_from(&x.dims);
+        out.data.clone_from(&x.data);
+        for (p, a) in at.iter().zip(by) {
+            let v = &mut out.data[place(p)];
+            *v = a.apply(*v);
+        }
+        Ok(())
+    }
+
     fn gather_rows(
         &self,
         x: &CpuTensor,

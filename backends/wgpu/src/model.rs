@@ -955,9 +955,10 @@ impl ModelDevice for WgpuDevice {
                 x.dims
             )));
         };
-        if out.dims != x.dims || at.len() != by.len() {
+        let outside = |&[r, c]: &[u32; 2]| r as usize >= rows || c as usize >= width;
+        if out.dims != x.dims || at.len() != by.len() || at.iter().any(outside) {
             return Err(KitError::Device(format!(
-                "adjusting {:?} into {:?} at {} places by {}",
+                "adjusting {:?} into {:?} at {} places by {}, or a place out of range",
                 x.dims,
                 out.dims,
                 at.len(),

@@ -255,6 +255,10 @@ impl Context {
         self.inputs[2].set_i32(&[rows.len()], rows);
         // Inputs 3 (want hidden: no), 4 (argmax), 5 (top k), 6 and 7 (adjustments) only
         // when asked, so a plugin built before them still serves plain decodes.
+        debug_assert!(
+            adjust.is_empty() || !matches!(reduce, Reduce::None),
+            "adjustments go with a pick"
+        );
         let mut n = match reduce {
             Reduce::None => 3,
             Reduce::Argmax => 5,

@@ -471,11 +471,15 @@ impl Generator {
         self.adjust.clear();
         if device.is_some() {
             let vocab = ctx.vocab() as i32;
-            for (row, &(i, _)) in self.owners.iter().enumerate() {
+            let mut row = 0;
+            for &(i, rows) in &self.owners {
                 let a = &self.active[i];
+                row += rows;
                 if a.opts.adjust.is_identity() {
                     continue;
                 }
+                // One row a request: device picks exclude speculation.
+                let row = row - rows;
                 let recent = &a.prompt[a.prompt.len().saturating_sub(REPEAT_WINDOW)..];
                 a.opts
                     .adjust

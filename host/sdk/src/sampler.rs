@@ -248,15 +248,6 @@ impl Adjustments {
     /// `recent` and `answer`.
     pub fn entries(&self, recent: &[i32], answer: &[i32], out: &mut Vec<(i32, Adjust)>) {
         out.clear();
-        out.extend(self.logit_bias.iter().map(|&(t, b)| {
-            (
-                t,
-                Adjust {
-                    add: b,
-                    ..Adjust::NONE
-                },
-            )
-        }));
         if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
             out.extend(answer.iter().map(|&t| {
                 (
@@ -281,20 +272,34 @@ impl Adjustments {
                 (t, scale)
             }));
         }
-        // A stable sort keeps the biases in list order; then one entry a token, the
-        // occurrences in `answer` counted in `sub`.
-        out.sort_by_key(|e| e.0);
+        // One entry a token (an unstable sort allocates nothing): the occurrences in
+        // `answer` counted in `sub`; then the biases added in list order.
+        out.sort_unstable_by_key(|e| e.0);
         out.dedup_by(|e, kept| {
             if e.0 != kept.0 {
                 return false;
             }
-            kept.1.add += e.1.add;
             kept.1.sub += e.1.sub;
             if e.1.neg != 1.0 {
                 (kept.1.pos, kept.1.neg) = (e.1.pos, e.1.neg);
             }
             true
         });
+        for &(t, b) in &self.logit_bias {
+            match out.binary_search_by_key(&t, |e| e.0) {
+                Ok(i) => out[i].1.add += b,
+                Err(i) => out.insert(
+                    i,
+                    (
+                        t,
+                        Adjust {
+                            add: b,
+                            ..Adjust::NONE
+                        },
+                    ),
+                ),
+            }
+        }
         for (_, a) in out.iter_mut() {
             a.sub = if a.sub > 0.0 {
                 a.sub * self.frequency_penalty + self.presence_penalty
