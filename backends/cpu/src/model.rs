@@ -462,17 +462,8 @@ impl ModelDevice for CpuDevice {
         by: &[kvplug_core::Adjust],
         out: &mut CpuTensor,
     ) -> Result<(), KitError> {
-        let width = x.dims.last().copied().unwrap_or(0);
+        let (_, width) = kvplug_backend_kit::model::check_adjust(&x.dims, at, by)?;
         let place = |&[r, c]: &[u32; 2]| r as usize * width + c as usize;
-        let outside = |p: &[u32; 2]| p[1] as usize >= width || place(p) >= x.data.len();
-        if at.len() != by.len() || at.iter().any(outside) {
-            return Err(KitError::Device(format!(
-                "adjusting {:?} at {} places by {}, one out of range",
-                x.dims,
-                at.len(),
-                by.len()
-            )));
-        }
         out.dims.clone_from(&x.dims);
         out.data.clone_from(&x.data);
         for (p, a) in at.iter().zip(by) {

@@ -949,20 +949,11 @@ impl ModelDevice for WgpuDevice {
         by: &[kvplug_core::Adjust],
         out: &mut WgpuTensor,
     ) -> Result<(), KitError> {
-        let [rows, width] = x.dims[..] else {
+        let (rows, width) = kvplug_backend_kit::model::check_adjust(&x.dims, at, by)?;
+        if out.dims != x.dims {
             return Err(KitError::Device(format!(
-                "adjusting logits of shape {:?}",
-                x.dims
-            )));
-        };
-        let outside = |&[r, c]: &[u32; 2]| r as usize >= rows || c as usize >= width;
-        if out.dims != x.dims || at.len() != by.len() || at.iter().any(outside) {
-            return Err(KitError::Device(format!(
-                "adjusting {:?} into {:?} at {} places by {}, or a place out of range",
-                x.dims,
-                out.dims,
-                at.len(),
-                by.len()
+                "adjusting {:?} into {:?}",
+                x.dims, out.dims
             )));
         }
         let all: Vec<usize> = (0..rows).collect();

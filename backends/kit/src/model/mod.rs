@@ -21,6 +21,6 @@ pub use blocks::BlockFormat;
 pub use forward::{Activations, DecoderModel, ForwardOutput};
 pub use kvplug_core::{ModelConfig, ModelError};
 pub use method::ForwardMethod;
-pub use ops::{compose_norm_qkv_heads, ModelDevice, Projection, QkvHeads};
+pub use ops::{check_adjust, compose_norm_qkv_heads, ModelDevice, Projection, QkvHeads};
 pub use package::{ModelPackage, Residency};
 pub use stored::{StoredDtype, StoredTensor, StoredValues};

@@ -70,6 +70,29 @@ pub struct QkvHeads<'a> {
     pub pairs: RopePairs,
 }
 
+/// Checks [`ModelDevice::adjust_rows`]'s arguments for logit rows of `dims`: `[R, V]`, as
+/// many adjustments as places, each place inside the rows; returns `(R, V)`.
+pub fn check_adjust(
+    dims: &[usize],
+    at: &[[u32; 2]],
+    by: &[kvplug_core::Adjust],
+) -> Result<(usize, usize), KitError> {
+    let [rows, width] = dims[..] else {
+        return Err(KitError::Device(format!(
+            "adjusting logits of shape {dims:?}"
+        )));
+    };
+    let outside = |&[r, c]: &[u32; 2]| r as usize >= rows || c as usize >= width;
+    if at.len() != by.len() || at.iter().any(outside) {
+        return Err(KitError::Device(format!(
+            "adjusting {dims:?} at {} places by {}, or a place outside them",
+            at.len(),
+            by.len()
+        )));
+    }
+    Ok((rows, width))
+}
+
 /// The rows of `x` (`[R, V]`) on the host, and `V`: what the defaults of
 /// [`ModelDevice::argmax_rows`] and [`ModelDevice::top_k_rows`] pick from.
 fn host_rows<D: ModelDevice>(d: &D, x: &D::Tensor) -> Result<(Vec<f32>, usize), KitError> {
@@ -565,6 +588,7 @@ pub trait ModelDevice: Device {
         by: &[kvplug_core::Adjust],
         out: &mut Self::Tensor,
     ) -> Result<(), KitError> {
+        check_adjust(self.dims(x), at, by)?;
         let (mut rows, width) = host_rows(self, x)?;
         for (&[r, c], a) in at.iter().zip(by) {
             let v = &mut rows[r as usize * width + c as usize];
