@@ -6,13 +6,18 @@ fraction of the device's memory bandwidth a decode token reaches.
 The table also gives the backend's counters per token (dispatches, bytes read back), from
 `kvplug bench --json`'s `per_token`.
 
+`--llama-bench BIN` (a Vulkan build of llama.cpp's llama-bench, `scripts/peers-llama-cpp.sh`
+with PEERS_BACKEND=vulkan) runs the same tests on the same file right after each kvplug test
+(interleaved: the device's clocks drift), all layers offloaded, and adds its t/s and
+kvplug's ratio to it.
+
 Bandwidth: a decode token reads the weights a step touches (`kvplug plan`'s `step_bytes`)
 and the K/V of every position before it; `tokens/s x bytes` over the device's bandwidth is
 the fraction. The bandwidth is `--bandwidth GB/s`, else the datasheet figure of the GPU
 `nvidia-smi` names (H100 SXM 3350, H200 4800), else unknown (no fraction printed).
 
 Usage: bench_gpu.py [--kvplug BIN] [--plugins DIR] [--backend ID] [--out DIR]
-       [--bandwidth GB/s] [--shapes NAME,...] [--repetitions N]
+       [--bandwidth GB/s] [--shapes NAME,...] [--repetitions N] [--llama-bench BIN]
 Writes OUT/results.json and prints a markdown table."""
 import argparse
 import datetime
@@ -36,11 +41,17 @@ def gpu_name():
         return None
 
 
-def run_json(cmd):
+def run_json(cmd, peer=False):
+    """The JSON `cmd` prints. A failure ends the run, or for the peer (`peer`) is printed and
+    gives None: its column stays empty and kvplug's figures are kept."""
     print("+", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}")
+        message = f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-4000:]}"
+        if not peer:
+            sys.exit(message)
+        print(message, file=sys.stderr, flush=True)
+        return None
     return json.loads(out.stdout)
 
 
@@ -53,6 +64,7 @@ def main():
     ap.add_argument("--bandwidth", type=float, help="the device's memory bandwidth, GB/s")
     ap.add_argument("--shapes", default=",".join(bench_shapes.SHAPES))
     ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--llama-bench", help="a Vulkan llama-bench to run beside, same file")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     name = gpu_name()
@@ -67,10 +79,21 @@ def main():
             bench_shapes.write(a.out, shape)
         plan = run_json(host + ["plan", "--model", path, "--budget", "64G", "--json"])
         kv_per_token = sum(g["bytes_per_token"] for g in plan["groups"])
-        tests = run_json(host + ["bench", "--backend", a.backend, "--model", path, "-p", "512",
-                                 "-n", "128", "-r", str(a.repetitions), "--json"])
-        tests += run_json(host + ["bench", "--backend", a.backend, "--model", path, "-p", "0",
-                                  "-n", "32", "-d", "4096", "-r", str(a.repetitions), "--json"])
+        tests = []
+        for flags in (["-p", "512", "-n", "128"], ["-p", "0", "-n", "32", "-d", "4096"]):
+            ours = run_json(host + ["bench", "--backend", a.backend, "--model", path, *flags,
+                                    "-r", str(a.repetitions), "--json"])
+            if a.llama_bench:
+                theirs = run_json([a.llama_bench, "-m", path, "-ngl", "99", *flags,
+                                   "-r", str(a.repetitions), "-o", "json"], peer=True) or []
+                for t in ours:
+                    same = (t["n_prompt"], t["n_gen"], t["n_depth"])
+                    peer = next((p for p in theirs
+                                 if (p["n_prompt"], p["n_gen"], p.get("n_depth", 0)) == same), None)
+                    if peer:
+                        t["llama_cpp_ts"] = peer["avg_ts"]
+                        t["llama_cpp_stddev_ts"] = peer["stddev_ts"]
+            tests += ours
         for t in tests:
             t["shape"] = shape
             t["test"] = (f"pp{t['n_prompt']}" if t["n_prompt"] else f"tg{t['n_gen']}") + (
@@ -96,14 +119,21 @@ def main():
           f"{f'{bandwidth:g} GB/s' if bandwidth else 'unknown'}\n")
     # The backend's counters per token (`kvplug bench --json`'s per_token), where it keeps them.
     extra = [k for k in ("dispatches", "read_back_bytes") if any(k in t.get("per_token", {}) for t in rows)]
-    print("| shape | test | t/s | of bandwidth |" + "".join(f" {k} per token |" for k in extra))
-    print("| --- | ---: | ---: | ---: |" + " ---: |" * len(extra))
+    peer = a.llama_bench is not None
+    print("| shape | test | t/s | of bandwidth |" + "".join(f" {k} per token |" for k in extra)
+          + (" llama.cpp t/s | ratio |" if peer else ""))
+    print("| --- | ---: | ---: | ---: |" + " ---: |" * (len(extra) + 2 * peer))
     for t in rows:
         frac = t.get("bandwidth_fraction")
         frac = f"{100 * frac:.1f}%" if frac is not None else ""
         cells = "".join(f" {t.get('per_token', {}).get(k, float('nan')):.0f} |" for k in extra)
+        theirs = ""
+        if peer:
+            theirs = (f" {t['llama_cpp_ts']:.1f} ± {t['llama_cpp_stddev_ts']:.1f} "
+                      f"| {t['avg_ts'] / t['llama_cpp_ts']:.2f}× |" if "llama_cpp_ts" in t
+                      else " | |")
         print(f"| {t['shape']} | {t['test']} | {t['avg_ts']:.1f} ± {t['stddev_ts']:.1f} "
-              f"| {frac} |{cells}")
+              f"| {frac} |{cells}{theirs}")
 
 
 if __name__ == "__main__":

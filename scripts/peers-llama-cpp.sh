@@ -10,6 +10,10 @@
 # libllama in process through the sdist's ctypes bindings. PEERS_ISA=avx2 builds it without
 # any AVX-512 or AVX-VNNI instruction instead (in $PEERS/build-avx2): the peer of kvplug
 # under KVPLUG_CPU_ISA=avx2, as an AVX2-only CPU (Zen 2/3, Intel client cores) runs both.
+# PEERS_BACKEND=vulkan builds llama-bench alone with the Vulkan backend, statically linked (one
+# file to carry to a GPU machine), in $PEERS/build-vulkan: the peer of `make bench-gpu`.
+# Debian 12's glslc (2023.2) lacks the cooperative-matrix and integer-dot-product extensions,
+# so that build's shaders use neither (its configure log says so); a newer Vulkan SDK has them.
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -55,7 +59,22 @@ features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fm
     -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
     -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)"
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/llama-quantize" ]; then
+if [ "${PEERS_BACKEND:-cpu}" = vulkan ]; then
+    build="$PEERS/build-vulkan"
+    if [ ! -x "$build/bin/llama-bench" ]; then
+        if ! command -v glslc >/dev/null || [ ! -d /usr/share/cmake/SPIRV-Headers ]; then
+            echo "$PEERS_WHO: installing the Vulkan headers, glslc and SPIR-V headers (apt)"
+            apt-get update -qq && apt-get install -y -qq libvulkan-dev glslc spirv-headers >/dev/null
+        fi
+        echo "$PEERS_WHO: building llama-bench with the Vulkan backend (Release, static)"
+        cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+            -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+            -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+            -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_SERVER=OFF >/dev/null
+        cmake --build "$build" -j "$(nproc)" --target llama-bench >/dev/null
+    fi
+elif [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/llama-quantize" ]; then
     echo "$PEERS_WHO: building llama-bench and llama-quantize (Release, ${features[*]})"
     cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${features[@]}" \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \

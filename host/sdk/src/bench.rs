@@ -5,7 +5,8 @@
 //! micro-batches of [`PREFILL_UBATCH`](crate::generator::PREFILL_UBATCH) through the
 //! [`Generator`](crate::Generator), as every prefill runs); `tgN @ dD` times `N` single-token
 //! decode steps after `D` tokens, feeding drawn tokens rather than sampled ones, as
-//! `llama-bench` does. Tokens are drawn uniformly from the vocabulary with a fixed seed.
+//! `llama-bench` does. Each decode step reads its whole row of logits back, as `llama-bench`
+//! does, unless [`Readback`] asks for what a greedy or top-k sampler reads instead. Tokens are drawn uniformly from the vocabulary with a fixed seed.
 //! Each test runs once untimed (warm-up: pools grown, kernels and buffers ready), then
 //! `repetitions` times from the same context: the context is prefilled once per depth and
 //! the cache cut back to it before every run (`rewind` on a contiguous cache, `seq_rm` on a
@@ -23,7 +24,41 @@ use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{Batch, Context, Runtime};
 
 use crate::error::{fail, Result};
-use crate::generator::{generate, GenOptions};
+use crate::generator::{generate, GenOptions, DEVICE_TOP_K};
+
+/// What a timed decode step reads back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Readback {
+    /// The whole row of logits ([`Context::decode`]), as `llama-bench` measures.
+    #[default]
+    Logits,
+    /// The row's argmax, reduced by the backend ([`Context::decode_argmax`]): a greedy step.
+    Argmax,
+    /// The row's [`DEVICE_TOP_K`] best ids and logits ([`Context::decode_top_k`]): what a
+    /// top-k / top-p / min-p sampler reads.
+    TopK,
+}
+
+impl Readback {
+    /// `logits`, `argmax` or `top-k`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Readback::Logits => "logits",
+            Readback::Argmax => "argmax",
+            Readback::TopK => "top-k",
+        }
+    }
+}
+
+impl std::str::FromStr for Readback {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [Readback::Logits, Readback::Argmax, Readback::TopK]
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| format!("unknown readback {s:?} (logits, argmax or top-k)"))
+    }
+}
 
 /// What to measure. Every combination of the lists runs.
 #[derive(Clone, Debug)]
@@ -47,6 +82,8 @@ pub struct BenchOptions {
     pub n_depth: Vec<usize>,
     /// Timed runs per test.
     pub repetitions: usize,
+    /// What each decode step of a tg test reads back.
+    pub readback: Readback,
     /// Whether q8/q4 keys are Hadamard-rotated (the default; see [`kvplug_core::KeyBasis`]).
     pub key_rotation: bool,
     /// Whether the weight files are mapped (the default) or read into memory (see
@@ -79,6 +116,8 @@ pub struct BenchResult {
     pub n_gen: usize,
     /// Context before the test.
     pub n_depth: usize,
+    /// What each decode step read back (`logits`, `argmax`, `top-k`; [`Readback`]).
+    pub readback: &'static str,
     /// Tokens per second of each timed run.
     pub samples_ts: Vec<f64>,
     /// Their mean.
@@ -135,16 +174,20 @@ impl BenchResult {
         )
     }
 
-    /// `pp512`, `tg128 @ d4096`: `llama-bench`'s test names.
+    /// `pp512`, `tg128 @ d4096`: `llama-bench`'s test names; a tg test that read back
+    /// less than the logits says what, `tg128 (argmax)`.
     pub fn test(&self) -> String {
-        let t = match self.n_prompt {
+        let mut t = match self.n_prompt {
             0 => format!("tg{}", self.n_gen),
             p => format!("pp{p}"),
         };
-        match self.n_depth {
-            0 => t,
-            d => format!("{t} @ d{d}"),
+        if self.n_depth > 0 {
+            t += &format!(" @ d{}", self.n_depth);
         }
+        if self.n_prompt == 0 && self.readback != Readback::Logits.as_str() {
+            t += &format!(" ({})", self.readback);
+        }
+        t
     }
 }
 
@@ -192,15 +235,19 @@ fn pp(ctx: &mut Context, prompt: &[i32], depth: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Seconds to decode `ids` one at a time at `depth..` (each step's logits read back and
+/// Seconds to decode `ids` one at a time at `depth..` (each step's `readback` read and
 /// not sampled, as `llama-bench` measures generation).
-fn tg(ctx: &mut Context, ids: &[i32], depth: usize) -> Result<f64> {
+fn tg(ctx: &mut Context, ids: &[i32], depth: usize, readback: Readback) -> Result<f64> {
     let t = Instant::now();
     let mut batch = Batch::new();
     for (i, &id) in ids.iter().enumerate() {
         batch.clear();
         batch.push(id, (depth + i) as i32, 0, true);
-        ctx.decode(&batch)?;
+        match readback {
+            Readback::Logits => drop(ctx.decode(&batch)?),
+            Readback::Argmax => drop(ctx.decode_argmax(&batch, &[])?),
+            Readback::TopK => drop(ctx.decode_top_k(&batch, DEVICE_TOP_K, &[])?),
+        }
     }
     Ok(t.elapsed().as_secs_f64())
 }
@@ -294,7 +341,7 @@ pub fn bench(
                             reset(&mut ctx, &context, &mut held)?;
                             let before = plugin.counters();
                             let secs = match p {
-                                0 => tg(&mut ctx, &ids, depth)?,
+                                0 => tg(&mut ctx, &ids, depth, a.readback)?,
                                 _ => pp(&mut ctx, &ids, depth)?,
                             };
                             // Run 0 warms up.
@@ -318,6 +365,7 @@ pub fn bench(
                             n_prompt: p,
                             n_gen: n,
                             n_depth: depth,
+                            readback: a.readback.as_str(),
                             samples_ts: samples,
                             avg_ts,
                             stddev_ts,
@@ -352,6 +400,7 @@ mod tests {
             n_prompt: 512,
             n_gen: 0,
             n_depth: 0,
+            readback: "logits",
             samples_ts: vec![],
             avg_ts: 0.0,
             stddev_ts: 0.0,
@@ -361,6 +410,10 @@ mod tests {
         assert_eq!(r.test(), "pp512");
         (r.n_prompt, r.n_gen, r.n_depth) = (0, 128, 4096);
         assert_eq!(r.test(), "tg128 @ d4096");
+        r.readback = Readback::Argmax.as_str();
+        assert_eq!(r.test(), "tg128 @ d4096 (argmax)");
+        assert_eq!("top-k".parse::<Readback>(), Ok(Readback::TopK));
+        assert!("topk".parse::<Readback>().is_err());
     }
 
     #[test]

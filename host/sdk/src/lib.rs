@@ -53,7 +53,7 @@ pub use agent_store::{
     check_agent_name, parked_in, AgentStore, AgentStoreOptions, Divergence, Placed, Reply,
     WarmLimits, WarmUsage,
 };
-pub use bench::{bench, BenchOptions, BenchResult};
+pub use bench::{bench, BenchOptions, BenchResult, Readback};
 pub use chat::{Chat, ChatOptions, ChatStats, Restored, TurnReport};
 pub use error::{Error, Result};
 pub use fingerprint::model_fingerprint;

@@ -514,6 +514,7 @@ fn bench_at_a_depth_past_the_window_runs_on_a_hybrid_model() {
         n_gen: vec![WINDOW + 1],
         n_depth: vec![3 * WINDOW],
         repetitions: 2,
+        readback: Default::default(),
         key_rotation: true,
         mmap: true,
     };

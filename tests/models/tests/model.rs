@@ -655,7 +655,7 @@ fn a_model_sets_its_contexts_attention_arithmetic() {
 /// repetition, from each depth's context, and refuses an empty test list.
 #[test]
 fn bench_runs_every_combination() {
-    use kvplug::{bench as run, BenchOptions};
+    use kvplug::{bench as run, BenchOptions, Readback};
 
     let model = tiny();
     let rt = runtime();
@@ -669,6 +669,7 @@ fn bench_runs_every_combination() {
         n_gen: vec![4],
         n_depth: vec![0, 5],
         repetitions: 2,
+        readback: Readback::Logits,
         key_rotation: true,
         mmap: true,
     };
@@ -741,6 +742,23 @@ fn bench_runs_every_combination() {
     let r = &run(&rt, &opts, &mut |_| {}).unwrap()[0];
     let row = r.table_row();
     assert!(!r.use_mmap && row.contains(" (no-mmap) |"), "{row}");
+    // A tg test can read back what a greedy or a top-k sampler reads, on every backend.
+    for readback in [Readback::Argmax, Readback::TopK] {
+        let opts = BenchOptions {
+            kind: vec![CacheKind::Contiguous],
+            kv_dtype: vec![KvDtype::F16],
+            n_prompt: vec![0],
+            n_gen: vec![3],
+            readback,
+            ..args.clone()
+        };
+        let results = run(&rt, &opts, &mut |_| {}).unwrap();
+        assert_eq!(results.len(), BACKENDS.len() * 2);
+        for r in &results {
+            assert!(r.avg_ts > 0.0);
+            assert!(r.test().ends_with(&format!("({})", readback.as_str())));
+        }
+    }
     (args.n_prompt, args.n_gen) = (vec![0], vec![0]);
     let e = run(&rt, &args, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("no tests"), "{e}");

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use kvplug::{Arithmetic, CacheKind, KvDtype, Runtime};
-use kvplug::{BenchOptions, BenchResult};
+use kvplug::{BenchOptions, BenchResult, Readback};
 
 /// `kvplug bench`'s arguments. Lists are comma-separated; every combination runs.
 #[derive(clap::Args)]
@@ -38,6 +38,10 @@ pub struct Args {
     /// Timed runs per test.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
+    /// What each decode step reads back: `logits` (the whole row, as llama-bench), `argmax`
+    /// (a greedy step's id) or `top-k` (the 64 best ids and logits a sampler draws from).
+    #[arg(long, default_value = "logits")]
+    readback: Readback,
     /// A JSON array instead of the table.
     #[arg(long)]
     json: bool,
@@ -56,6 +60,7 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         n_gen: a.n_gen,
         n_depth: a.n_depth,
         repetitions: a.repetitions,
+        readback: a.readback,
         key_rotation: a.model_flags.key_rotation(),
         mmap: a.model_flags.mmap(),
     };
