@@ -25,9 +25,12 @@ pub struct Context {
     pub limits: wgpu::Limits,
     /// How the projection kernels are shaped for this adapter.
     pub tuning: Tuning,
+    /// Whether `rows_main` reduces with subgroup operations (the tuning asks for them and
+    /// the adapter has them).
+    pub subgroups: bool,
     attention: OnceLock<Kernels<6>>,
     rows: OnceLock<Kernels<3>>,
-    model: OnceLock<Kernels<14>>,
+    model: OnceLock<Kernels<{ MODEL_ENTRIES.len() }>>,
     project: OnceLock<Kernels<2>>,
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
@@ -293,7 +296,7 @@ pub const ATTENTION_ENTRIES: [&str; 6] = [
 ];
 
 /// Entry points of `model.wgsl`, in the order of [`Context::model`]'s pipelines.
-pub const MODEL_ENTRIES: [&str; 14] = [
+pub const MODEL_ENTRIES: [&str; 13] = [
     "gather_main",
     "rmsnorm_main",
     "rope_heads_main",
@@ -305,7 +308,6 @@ pub const MODEL_ENTRIES: [&str; 14] = [
     "gelu_main",
     "scale_main",
     "hadamard_main",
-    "argmax_main",
     "topk_main",
     "adjust_main",
 ];
@@ -326,6 +328,9 @@ pub struct Tuning {
     pub group: u32,
     /// Steps a lane of a decode projection takes along its row.
     pub lane_steps: u32,
+    /// Whether `rows_main` adds its lanes' sums with subgroup operations where the adapter
+    /// has them (`Features::SUBGROUP`), rather than through workgroup memory alone.
+    pub subgroups: bool,
 }
 
 impl Tuning {
@@ -336,7 +341,31 @@ impl Tuning {
         ways: 1,
         group: 64,
         lane_steps: 32,
+        subgroups: true,
     };
+
+    /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
+    /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `subgroups=0|1`).
+    fn with(mut self, spec: &str) -> Result<Tuning, String> {
+        for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
+            let bad = || {
+                format!(
+                    "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N or \
+                     subgroups=0|1"
+                )
+            };
+            let (name, value) = field.split_once('=').ok_or_else(bad)?;
+            let n: u32 = value.trim().parse().map_err(|_| bad())?;
+            match name.trim() {
+                "ways" => self.ways = n as usize,
+                "group" => self.group = n,
+                "lane_steps" => self.lane_steps = n,
+                "subgroups" if n <= 1 => self.subgroups = n == 1,
+                _ => return Err(bad()),
+            }
+        }
+        Ok(self)
+    }
 
     /// Whether the kernels can take these shapes on an adapter of `limits`.
     fn check(&self, limits: &wgpu::Limits) -> Result<(), String> {
@@ -367,13 +396,17 @@ impl Tuning {
             ways: if three { 3 } else { 1 },
             group: 256,
             lane_steps: 4,
+            subgroups: true,
         }
     }
 }
 
 /// `project.wgsl` for `ways` projections a dispatch, after `weights.wgsl`: the weight,
-/// output and bias bindings from 4 on, and the accessors of projection `sel`'s.
-fn project_source(ways: usize) -> String {
+/// output and bias bindings from 4 on, and the accessors of projection `sel`'s; then its
+/// sums, with subgroup operations (`reduce_subgroup.wgsl`) or without.
+fn project_source(ways: usize, subgroups: bool) -> String {
+    // Naga takes subgroup built-ins from a device with `Features::SUBGROUP` without the
+    // `enable subgroups;` directive, which it refuses (wgpu 30).
     let mut s = String::from(include_str!("shaders/weights.wgsl"));
     let mut decls = String::new();
     for (k, (name, access, ty)) in [
@@ -413,6 +446,10 @@ fn project_source(ways: usize) -> String {
         pick(&|w| format!("return bias{w}[i];")),
     );
     s += &include_str!("shaders/project.wgsl").replace("//@WAYS\n", &decls);
+    s += match subgroups {
+        true => include_str!("shaders/reduce_subgroup.wgsl"),
+        false => include_str!("shaders/reduce_workgroup.wgsl"),
+    };
     s
 }
 
@@ -540,15 +577,28 @@ impl Context {
             let n = &mut limits.max_storage_buffers_per_shader_stage;
             *n = (*n).min(8);
         }
-        if let Some(t) = tuning {
-            t.check(&limits)?;
-        }
+        let default = match info.device_type {
+            wgpu::DeviceType::Cpu => Tuning::CPU,
+            _ => Tuning::gpu(&limits),
+        };
+        let tuning = match tuning {
+            Some(t) => t,
+            None => match std::env::var("KVPLUG_WGPU_TUNING") {
+                Ok(spec) => default.with(&spec)?,
+                Err(_) => default,
+            },
+        };
+        tuning.check(&limits)?;
+        let subgroups = tuning.subgroups && adapter.features().contains(wgpu::Features::SUBGROUP);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kvplug"),
             // Timestamps only for `KVPLUG_WGPU_PROFILE`.
             required_features: match std::env::var_os("KVPLUG_WGPU_PROFILE") {
                 Some(_) => adapter.features() & Profile::FEATURES,
                 None => wgpu::Features::empty(),
+            } | match subgroups {
+                true => wgpu::Features::SUBGROUP,
+                false => wgpu::Features::empty(),
             },
             required_limits: limits.clone(),
             ..Default::default()
@@ -585,10 +635,8 @@ impl Context {
             device,
             queue,
             adapter_features: adapter.features(),
-            tuning: tuning.unwrap_or(match info.device_type {
-                wgpu::DeviceType::Cpu => Tuning::CPU,
-                _ => Tuning::gpu(&limits),
-            }),
+            tuning,
+            subgroups,
             info,
             limits,
             attention: OnceLock::new(),
@@ -656,7 +704,7 @@ impl Context {
     }
 
     /// Model kernels, in [`MODEL_ENTRIES`] order.
-    pub fn model(&self) -> &Kernels<14> {
+    pub fn model(&self) -> &Kernels<{ MODEL_ENTRIES.len() }> {
         self.model.get_or_init(|| {
             use Slot::*;
             kernels(
@@ -694,7 +742,7 @@ impl Context {
             kernels(
                 &self.device,
                 "project",
-                &project_source(ways),
+                &project_source(ways, self.subgroups),
                 (size_of::<crate::model::ProjParams>(), &slots),
                 PROJECT_ENTRIES,
                 wgpu::PipelineCompilationOptions {
@@ -965,5 +1013,22 @@ impl Context {
         // Kept only after a clean read: a failed one leaves no mapped buffer behind.
         *cached = Some(staging);
         Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tuning;
+
+    #[test]
+    fn a_tuning_spec_changes_the_fields_it_names() {
+        let t = Tuning::CPU.with(" group=128, lane_steps=8 ").unwrap();
+        assert_eq!((t.ways, t.group, t.lane_steps), (1, 128, 8));
+        assert!(!Tuning::CPU.with("subgroups=0").unwrap().subgroups);
+        assert_eq!(Tuning::CPU.with("").unwrap(), Tuning::CPU);
+        for bad in ["group", "group=x", "lanes=4", "ways=-1", "subgroups=2"] {
+            let e = Tuning::CPU.with(bad).unwrap_err();
+            assert!(e.contains("KVPLUG_WGPU_TUNING") && e.contains(bad), "{e}");
+        }
     }
 }

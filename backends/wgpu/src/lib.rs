@@ -264,8 +264,14 @@ impl WgpuDevice {
     }
 
     /// Encodes token `i` of `src` (`[heads, T, D]`) into row `cells[i]`.
+    /// `src` (`[heads, t, d]`) into rows `cells` of `pool`: `write_main`, one invocation a
+    /// word of a dense row or a group of a quantized one.
     fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], src: &WgpuTensor) {
-        let n = (pool.heads * src.dims[1]) as u32;
+        let units = match pool.dtype {
+            0 => pool.head_dim,
+            1 | 2 => pool.head_dim / 2,
+            _ => pool.head_dim / pool.group as usize,
+        };
         self.ctx.dispatch(
             self.ctx.rows(),
             |idx0| Self::row_params(pool, cells.len(), 0, idx0),
@@ -276,7 +282,7 @@ impl WgpuDevice {
                 Bind::Buffer(&pool.buf),
                 Bind::Unused,
             ],
-            &[(0, [n.div_ceil(64), 1, 1])],
+            &[(0, model::flat_groups(pool.heads * src.dims[1] * units))],
         );
     }
 }
@@ -645,6 +651,9 @@ impl Backend for WgpuDevice {
             .contains(wgpu::Features::SHADER_F16)
         {
             f.push("shader-f16-available".into());
+        }
+        if self.ctx.subgroups {
+            f.push("subgroups".into());
         }
         f.extend(kvplug_backend_kit::model::blocks::weights_features(&[]));
         f.push("attention-sinks".into());

@@ -195,9 +195,8 @@ enum Op {
     Gelu = 8,
     Scale = 9,
     Hadamard = 10,
-    Argmax = 11,
-    TopK = 12,
-    Adjust = 13,
+    TopK = 11,
+    Adjust = 12,
 }
 
 /// The read-only operands of one op: buffers `a` and `b` (absent ones are bound to a dummy)
@@ -218,7 +217,7 @@ fn inputs<'a>(
 }
 
 /// Workgroups for `total` invocations in 64-wide groups, spread over x and y.
-fn flat_groups(total: usize) -> [u32; 3] {
+pub(crate) fn flat_groups(total: usize) -> [u32; 3] {
     let groups = (total as u32).div_ceil(64).max(1);
     let x = groups.min(65535);
     [x, groups.div_ceil(x), 1]
@@ -433,6 +432,44 @@ impl WgpuDevice {
             ..Default::default()
         };
         self.op(op, params, inputs, out, flat_groups(total));
+    }
+
+    /// Each row's first `k` of `x` (`[R, V]`) in rank order, in two dispatches (`topk_main`):
+    /// each part of a row (at most [`TOP_K_PARTS`], of at least [`TOP_K_PART`] values) picks
+    /// its first `k`, then one workgroup per row picks from theirs into the first `2k` words
+    /// of the row's `scratch` (ids as u32 bits, then values). `scratch` is replaced by a
+    /// tensor of `[R, 2k·(1 + parts)]` when its buffer is smaller. Returns R.
+    fn pick_top(
+        &self,
+        x: &WgpuTensor,
+        k: usize,
+        scratch: &mut WgpuTensor,
+    ) -> Result<usize, KitError> {
+        let (rows, width) = match x.dims[..] {
+            [r, w] if (1..=w).contains(&k) && r as u32 <= MAX_GROUPS => (r, w),
+            _ => return Err(KitError::Device(format!("top {k} of {:?}", x.dims))),
+        };
+        let part = width.div_ceil(TOP_K_PARTS).max(TOP_K_PART);
+        let parts = width.div_ceil(part);
+        let need = [rows, 2 * k * (1 + parts)];
+        if scratch.buf.size() < (need[0] * need[1] * 4) as u64 {
+            *scratch = self.zeros(&need)?;
+        }
+        for (phase, groups) in [(0, parts as u32), (1, 1)] {
+            let params = OpParams {
+                n: [width as u32, k as u32, part as u32, 0],
+                flag: phase,
+                ..Default::default()
+            };
+            self.op(
+                Op::TopK,
+                params,
+                inputs(Some(&x.buf), None, &[]),
+                &scratch.buf,
+                [groups, rows as u32, 1],
+            );
+        }
+        Ok(rows)
     }
 }
 
@@ -844,35 +881,20 @@ impl ModelDevice for WgpuDevice {
         Ok(())
     }
 
+    /// Each row's first pick of [`Self::top_k_rows`]'s kernels at `k = 1` (the argmax's
+    /// order is rank's first), its id alone read back; `ids` is their scratch, replaced
+    /// as theirs is.
     fn argmax_rows(
         &self,
         x: &WgpuTensor,
         ids: &mut WgpuTensor,
         out: &mut Vec<i32>,
     ) -> Result<(), KitError> {
-        let (rows, width) = match x.dims[..] {
-            [r, w] if ids.dims == [r] && r as u32 <= MAX_GROUPS => (r, w),
-            _ => {
-                return Err(KitError::Device(format!(
-                    "argmax of {:?} into {:?}",
-                    x.dims, ids.dims
-                )))
-            }
-        };
-        let params = OpParams {
-            n: [width as u32, 0, 0, 0],
-            ..Default::default()
-        };
-        self.op(
-            Op::Argmax,
-            params,
-            inputs(Some(&x.buf), None, &[]),
-            &ids.buf,
-            [rows as u32, 1, 1],
-        );
+        let rows = self.pick_top(x, 1, ids)?;
+        let regions: Vec<(u64, u64)> = (0..rows as u64).map(|r| (8 * r, 4)).collect();
         let bytes = self
             .context()
-            .read(&ids.buf, (rows * 4) as u64)
+            .read_regions(&ids.buf, &regions)
             .map_err(KitError::Device)?;
         out.clear();
         out.extend(
@@ -883,9 +905,7 @@ impl ModelDevice for WgpuDevice {
         Ok(())
     }
 
-    /// In two dispatches (`topk_main`): each part of a row (at most [`TOP_K_PARTS`], of at
-    /// least [`TOP_K_PART`] values) picks its first `k`, then one workgroup per row picks
-    /// from theirs; `scratch` is replaced by one of `[R, 2k·(1 + parts)]` when it is not.
+    /// [`Self::pick_top`]'s picks, ids and values read back.
     fn top_k_rows(
         &self,
         x: &WgpuTensor,
@@ -894,30 +914,7 @@ impl ModelDevice for WgpuDevice {
         ids: &mut Vec<i32>,
         values: &mut Vec<f32>,
     ) -> Result<(), KitError> {
-        let (rows, width) = match x.dims[..] {
-            [r, w] if (1..=w).contains(&k) && r as u32 <= MAX_GROUPS => (r, w),
-            _ => return Err(KitError::Device(format!("top {k} of {:?}", x.dims))),
-        };
-        let part = width.div_ceil(TOP_K_PARTS).max(TOP_K_PART);
-        let parts = width.div_ceil(part);
-        let need = [rows, 2 * k * (1 + parts)];
-        if scratch.dims != need {
-            *scratch = self.zeros(&need)?;
-        }
-        for (phase, groups) in [(0, parts as u32), (1, 1)] {
-            let params = OpParams {
-                n: [width as u32, k as u32, part as u32, 0],
-                flag: phase,
-                ..Default::default()
-            };
-            self.op(
-                Op::TopK,
-                params,
-                inputs(Some(&x.buf), None, &[]),
-                &scratch.buf,
-                [groups, rows as u32, 1],
-            );
-        }
+        let rows = self.pick_top(x, k, scratch)?;
         let bytes = self
             .context()
             .read(&scratch.buf, (rows * 2 * k * 4) as u64)

@@ -41,19 +41,20 @@ fn rows() -> Vec<Vec<f32>> {
     rows
 }
 
-/// [`ModelDevice::argmax_rows`] on [`rows`] against [`kvplug_core::argmax`]; then a second
-/// call with fewer rows into the same scratch.
+/// [`ModelDevice::argmax_rows`] on [`rows`] against [`kvplug_core::argmax`]; then calls
+/// with fewer rows and with rows wider than a device's part of a row ([`wide_rows`]) into
+/// the same scratch, as the `forward` method keeps it.
 pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
-    let rows = rows();
-    let width = rows[0].len();
-    for n in [rows.len(), 2] {
-        let flat: Vec<f32> = rows[..n].concat();
-        let x = dev.tensor(&flat, &[n, width]).unwrap();
-        let mut ids = dev.zeros(&[n]).unwrap();
+    let narrow = rows();
+    let wide = wide_rows(5000);
+    let mut ids = dev.zeros(&[narrow.len()]).unwrap();
+    for rows in [&narrow[..], &narrow[..2], &wide[..]] {
+        let (n, width) = (rows.len(), rows[0].len());
+        let x = dev.tensor(&rows.concat(), &[n, width]).unwrap();
         let mut got = Vec::new();
         dev.argmax_rows(&x, &mut ids, &mut got).unwrap();
-        let want: Vec<i32> = rows[..n].iter().map(|r| kvplug_core::argmax(r)).collect();
-        assert_eq!(got, want, "argmax of {n} rows");
+        let want: Vec<i32> = rows.iter().map(|r| kvplug_core::argmax(r)).collect();
+        assert_eq!(got, want, "argmax of {n} rows of {width}");
     }
 }
 

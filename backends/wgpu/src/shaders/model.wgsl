@@ -230,46 +230,7 @@ fn hadamard_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workg
     out[i] = acc * p.eps;
 }
 
-// out[r] = the bits of the index of the largest value of row r of a ([R, n0]), the lowest
-// such index on ties, never a NaN (a row of NaNs: 0), as kvplug_core::argmax picks it. One
-// workgroup per row: each invocation scans a stride of the row in order, then a tree keeps
-// the larger value (the lower index on ties).
 const NO_INDEX: u32 = 0xffffffffu;
-var<workgroup> best: array<u32, 64>;
-@compute @workgroup_size(64)
-fn argmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = wg.x;
-    let n = p.n0;
-    var bv = 0.0;
-    var bi = NO_INDEX;
-    for (var i = lid; i < n; i += 64u) {
-        let v = a[r * n + i];
-        // NaN by its bits (a shader compiler may assume comparisons never see one).
-        let nan = (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
-        if !nan && (bi == NO_INDEX || v > bv) {
-            bv = v;
-            bi = i;
-        }
-    }
-    red[lid] = bv;
-    best[lid] = bi;
-    workgroupBarrier();
-    for (var k = 32u; k > 0u; k >>= 1u) {
-        if lid < k {
-            let v = red[lid + k];
-            let i = best[lid + k];
-            let mine = best[lid];
-            if i != NO_INDEX && (mine == NO_INDEX || v > red[lid] || (v == red[lid] && i < mine)) {
-                red[lid] = v;
-                best[lid] = i;
-            }
-        }
-        workgroupBarrier();
-    }
-    if lid == 0u {
-        out[r] = bitcast<f32>(select(best[0], 0u, best[0] == NO_INDEX));
-    }
-}
 
 // Row r's first k values of a ([R, n0]; k = n1) in rank order: larger first, the lower
 // index on ties (-0.0 ties 0.0), NaNs after every number (kvplug_core::rank), in two

@@ -5,7 +5,9 @@
 //                their outputs optionally rotated (RoPE) and stored heads-major.
 //   linear_main: many tokens (prefill): a tiled matrix product, one projection.
 // The Rust side generates this module's weight, output and bias bindings for WAYS (1, or 3
-// where the adapter allows 12 storage bindings) and puts weights.wgsl before it.
+// where the adapter allows 12 storage bindings), puts weights.wgsl before it and one of
+// reduce_subgroup.wgsl (where the adapter has subgroup operations) or reduce_workgroup.wgsl
+// after it: `group_sum`, `lane_sums` and the rows_main entry point that calls `rows`.
 //
 // Projection s has rows [start_s, end_s) of the dispatch's rows (start_0 = 0; the host
 // starts each on a workgroup's first row, so a workgroup's rows are one projection's and
@@ -108,6 +110,7 @@ fn put(t: u32, o: u32, v: f32) {
     out_set(i, w);
 }
 
+// Each row's total after `lane_sums`, at its first lane's invocation.
 var<workgroup> red: array<f32, 256>;
 
 // Invocations in a workgroup of rows_main (at most 256; the host sets it per adapter).
@@ -129,12 +132,11 @@ fn slot_row(k: u32) -> u32 {
 // rows_main: each workgroup of GROUP invocations computes GROUP / lanes rows (slots) of one
 // token (row group x + y · workgroups.x, token z), `lanes` invocations a row striding over
 // its values (dense dtypes) or its quads (block formats), so that neighbouring lanes read
-// neighbouring weight words and x values. The lanes' sums are added by a tree in workgroup
-// memory. The workgroup's projection is its first row's (projections start on a
-// workgroup's first row).
-@compute @workgroup_size(GROUP)
-fn rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
+// neighbouring weight words and x values; `lid` numbers the workgroup's invocations so that
+// a row's lanes are consecutive and, where subgroups are used, a subgroup's too. The lanes'
+// sums are added by `lane_sums`. The workgroup's projection is its first row's
+// (projections start on a workgroup's first row).
+fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
     let lanes = p.lanes;
     let per = GROUP / lanes;
     let r = (wg.x + wg.y * nw.x) * per + lid / lanes;
@@ -147,14 +149,7 @@ fn rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: 
             let v = a[t * cols + i];
             s += v * v;
         }
-        red[lid] = s;
-        workgroupBarrier();
-        for (var k = GROUP / 2u; k > 0u; k >>= 1u) {
-            if lid < k { red[lid] = red[lid] + red[lid + k]; }
-            workgroupBarrier();
-        }
-        norm_inv = 1.0 / sqrt(red[0] / f32(cols) + p.eps);
-        workgroupBarrier();
+        norm_inv = 1.0 / sqrt(group_sum(s, lid) / f32(cols) + p.eps);
     }
     select_row((wg.x + wg.y * nw.x) * per);
     let live = r < end(sel);
@@ -179,12 +174,7 @@ fn rows_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: 
             }
         }
     }
-    red[lid] = acc;
-    workgroupBarrier();
-    for (var s = lanes / 2u; s > 0u; s >>= 1u) {
-        if lane < s { red[lid] = red[lid] + red[lid + s]; }
-        workgroupBarrier();
-    }
+    lane_sums(acc, lid, lanes);
     if lane != 0u || !live { return; }
     let v = biased(o, red[lid]);
     if (p.mode & ROPE) == 0u || sel > 1u {

@@ -20,28 +20,38 @@ fn bf16(x: f32) -> u32 {
     return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
 }
 
-// Token i of head h (src [heads, t, d]) into row cellidx[idx0 + i].
+// The units of a row write_main writes one an invocation: a word of an f32 row, a word
+// (two values) of an f16 or bf16 row, a group (its scale word and code words) of a
+// quantized row.
+fn write_units() -> u32 {
+    switch p.dtype {
+        case 0u: { return p.d; }
+        case 1u, 2u: { return p.d / 2u; }
+        default: { return p.d / p.group; }
+    }
+}
+
+// Token i of head h (src [heads, t, d]) into row cellidx[idx0 + i], unit u of it by
+// invocation (h · t + i) · units + u (workgroups [x, y]: 64 invocations each, x first).
 @compute @workgroup_size(64)
-fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
-    let n = g.x;
-    if n >= p.heads * p.t { return; }
-    let h = n / p.t;
-    let i = n % p.t;
+fn write_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let units = write_units();
+    let n = g.x + g.y * nw.x * 64u;
+    if n >= p.heads * p.t * units { return; }
+    let u = n % units;
+    let h = n / units / p.t;
+    let i = (n / units) % p.t;
     let sb = (h * p.t + i) * p.d;
     let rb = (h * p.cells + cellidx[p.idx0 + i]) * p.row_words;
     switch p.dtype {
         case 0u: {
-            for (var dd = 0u; dd < p.d; dd++) { pool[rb + dd] = bitcast<u32>(src[sb + dd]); }
+            pool[rb + u] = bitcast<u32>(src[sb + u]);
         }
         case 1u: {
-            for (var k = 0u; k < p.d / 2u; k++) {
-                pool[rb + k] = pack2x16float(vec2<f32>(src[sb + 2u * k], src[sb + 2u * k + 1u]));
-            }
+            pool[rb + u] = pack2x16float(vec2<f32>(src[sb + 2u * u], src[sb + 2u * u + 1u]));
         }
         case 2u: {
-            for (var k = 0u; k < p.d / 2u; k++) {
-                pool[rb + k] = bf16(src[sb + 2u * k]) | (bf16(src[sb + 2u * k + 1u]) << 16u);
-            }
+            pool[rb + u] = bf16(src[sb + 2u * u]) | (bf16(src[sb + 2u * u + 1u]) << 16u);
         }
         default: {
             // Affine per group (kvplug_core::quant): lo = min, scale = (max - min) · f32(1 /
@@ -53,29 +63,27 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>) {
             let levels = (1u << bits) - 1u;
             let inv_levels = select(bitcast<f32>(0x3d888889u), bitcast<f32>(0x3b808081u), bits == 8u);
             let code_words = p.d / per_word;
-            for (var gi = 0u; gi < p.d / p.group; gi++) {
-                let g0 = sb + gi * p.group;
-                var lo = src[g0];
-                var hi = src[g0];
-                for (var k = 1u; k < p.group; k++) {
-                    lo = min(lo, src[g0 + k]);
-                    hi = max(hi, src[g0 + k]);
+            let g0 = sb + u * p.group;
+            var lo = src[g0];
+            var hi = src[g0];
+            for (var k = 1u; k < p.group; k++) {
+                lo = min(lo, src[g0 + k]);
+                hi = max(hi, src[g0 + k]);
+            }
+            // The stored f16 values, rounded here rather than read back through
+            // unpack2x16float(pack2x16float(..)): a driver may fold that pair into the
+            // unrounded values (NVIDIA's does), which would give codes for another scale.
+            let sl = vec2<f32>(f16_round((hi - lo) * inv_levels), f16_round(lo));
+            // A zero lo is stored as +0 (min may have picked -0).
+            let packed = pack2x16float(sl);
+            pool[rb + code_words + u] = select(packed, packed & 0xffffu, (packed >> 16u) == 0x8000u);
+            for (var w = 0u; w < p.group / per_word; w++) {
+                var word = 0u;
+                for (var k = 0u; k < per_word; k++) {
+                    let c = code(src[g0 + w * per_word + k] - sl.y, sl.x, levels);
+                    word = word | (c << (k * bits));
                 }
-                // The stored f16 values, rounded here rather than read back through
-                // unpack2x16float(pack2x16float(..)): a driver may fold that pair into the
-                // unrounded values (NVIDIA's does), which would give codes for another scale.
-                let sl = vec2<f32>(f16_round((hi - lo) * inv_levels), f16_round(lo));
-                // A zero lo is stored as +0 (min may have picked -0).
-                let packed = pack2x16float(sl);
-                pool[rb + code_words + gi] = select(packed, packed & 0xffffu, (packed >> 16u) == 0x8000u);
-                for (var w = 0u; w < p.group / per_word; w++) {
-                    var word = 0u;
-                    for (var k = 0u; k < per_word; k++) {
-                        let c = code(src[g0 + w * per_word + k] - sl.y, sl.x, levels);
-                        word = word | (c << (k * bits));
-                    }
-                    pool[rb + (gi * p.group) / per_word + w] = word;
-                }
+                pool[rb + (u * p.group) / per_word + w] = word;
             }
         }
     }
