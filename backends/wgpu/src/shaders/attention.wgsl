@@ -89,9 +89,26 @@ fn visible(i: u32, j: u32) -> bool {
     return ((maskbits[bit / 32u] >> (bit % 32u)) & 1u) == 1u;
 }
 
-// q·K[kh, j] in f32, K decoded per element.
+// q·K[kh, j] in f32, K decoded per element; an f16 row (the default dtype) two words a
+// step, its four products independent (a chain of d / 4 steps rather than d).
 fn qk_f32(h: u32, i: u32, kh: u32, j: u32) -> f32 {
     let qb = (h * p.t + i) * p.d;
+    if p.dtype == 1u {
+        let b = row_base(kh, j);
+        let words = p.d / 2u;
+        var acc4 = vec4<f32>(0.0);
+        var w = 0u;
+        for (; w + 1u < words; w += 2u) {
+            let k = vec4<f32>(unpack2x16float(kp[b + w]), unpack2x16float(kp[b + w + 1u]));
+            let x = qb + 2u * w;
+            acc4 += vec4<f32>(q[x], q[x + 1u], q[x + 2u], q[x + 3u]) * k;
+        }
+        if w < words {
+            let k = unpack2x16float(kp[b + w]);
+            acc4 += vec4<f32>(q[qb + 2u * w] * k.x, q[qb + 2u * w + 1u] * k.y, 0.0, 0.0);
+        }
+        return (acc4.x + acc4.y) + (acc4.z + acc4.w);
+    }
     var acc = 0.0;
     for (var dd = 0u; dd < p.d; dd++) {
         acc += q[qb + dd] * kelem(kh, j, dd);
@@ -306,8 +323,13 @@ var<workgroup> probs: array<f32, 256>;
 // flash_main's per-lane value sums of a block: 64 / dl lanes of 4·dl values.
 var<workgroup> vpart: array<f32, 256>;
 
-// Values d0 .. d0 + 3 of V[h, c] (those past d are 0).
+// Values d0 .. d0 + 3 of V[h, c] (those past d are 0); d0 is a multiple of 4, so an f16
+// row's four are two whole words.
 fn vquad(h: u32, c: u32, d0: u32) -> vec4<f32> {
+    if p.dtype == 1u && d0 + 3u < p.d {
+        let b = row_base(h, c) + d0 / 2u;
+        return vec4<f32>(unpack2x16float(vp[b]), unpack2x16float(vp[b + 1u]));
+    }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < 4u; k++) {
         if d0 + k < p.d { v[k] = velem(h, c, d0 + k); }
