@@ -328,6 +328,9 @@ pub struct Tuning {
     pub group: u32,
     /// Steps a lane of a decode projection takes along its row.
     pub lane_steps: u32,
+    /// The most lanes a row of a decode projection takes (a power of two; the workgroup's
+    /// `group` where larger).
+    pub max_lanes: u32,
     /// Whether `rows_main` adds its lanes' sums with subgroup operations where the adapter
     /// has them (`Features::SUBGROUP`), rather than through workgroup memory alone.
     pub subgroups: bool,
@@ -341,17 +344,19 @@ impl Tuning {
         ways: 1,
         group: 64,
         lane_steps: 32,
+        max_lanes: 64,
         subgroups: true,
     };
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
-    /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `subgroups=0|1`).
+    /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
+    /// `subgroups=0|1`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
         for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let bad = || {
                 format!(
-                    "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N or \
-                     subgroups=0|1"
+                    "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
+                     max_lanes=N or subgroups=0|1"
                 )
             };
             let (name, value) = field.split_once('=').ok_or_else(bad)?;
@@ -360,6 +365,7 @@ impl Tuning {
                 "ways" => self.ways = n as usize,
                 "group" => self.group = n,
                 "lane_steps" => self.lane_steps = n,
+                "max_lanes" => self.max_lanes = n,
                 "subgroups" if n <= 1 => self.subgroups = n == 1,
                 _ => return Err(bad()),
             }
@@ -378,24 +384,30 @@ impl Tuning {
             || !self.group.is_power_of_two()
             || !(8..=256).contains(&self.group)
             || self.lane_steps == 0
+            || !self.max_lanes.is_power_of_two()
+            || self.max_lanes < 8
         {
             return Err(format!(
                 "{self:?}: projections take 1 way, or 3 with {THREE_WAY_BINDINGS} storage \
-                 bindings a stage; a workgroup a power of two from 8 to 256; a step a lane"
+                 bindings a stage; a workgroup a power of two from 8 to 256; a step a lane; \
+                 at most a power of two from 8 lanes a row"
             ));
         }
         Ok(())
     }
 
     /// A GPU's: memory latency is hidden only by many short chains of loads, so 256
-    /// invocations a workgroup and about four steps a lane, and three projections a dispatch
-    /// where the adapter allows [`THREE_WAY_BINDINGS`] storage bindings a stage.
+    /// invocations a workgroup and about eight steps a lane, and three projections a dispatch
+    /// where the adapter allows [`THREE_WAY_BINDINGS`] storage bindings a stage. (Eight: on
+    /// an H200, 2026-11-30, 1.11x four's greedy decode on the Qwen2.5-1.5B shape and 0.98x
+    /// on the 0.5B one, within that run's noise; two and sixteen were slower on both.)
     pub fn gpu(limits: &wgpu::Limits) -> Tuning {
         let three = limits.max_storage_buffers_per_shader_stage >= THREE_WAY_BINDINGS;
         Tuning {
             ways: if three { 3 } else { 1 },
             group: 256,
-            lane_steps: 4,
+            lane_steps: 8,
+            max_lanes: 256,
             subgroups: true,
         }
     }

@@ -11,7 +11,7 @@ use kvplug_backend_kit::{Device, KitError};
 use kvplug_core::RopePairs;
 use wgpu::BufferUsages;
 
-use crate::context::Bind;
+use crate::context::{Bind, Tuning};
 use crate::{WgpuDevice, WgpuTensor};
 
 /// A `[rows, cols]` weight in storage buffers, in its stored dtype (the shaders widen each
@@ -161,14 +161,15 @@ const TILE: u32 = 64;
 const MAX_GROUPS: u32 = 65535;
 
 /// Lanes per row of `rows_main` for rows of `cols` values in dtype flag `dtype`: about
-/// `lane_steps` steps of a lane per row (each step a value of a dense dtype, a quad of a
-/// block format), a power of two from 8 to the workgroup's `group` invocations, at most half
-/// of them when rows are rotated (a pair shares a workgroup).
-fn row_lanes(cols: usize, dtype: u32, rotated: bool, lane_steps: u32, group: u32) -> u32 {
+/// `tuning.lane_steps` steps of a lane per row (each step a value of a dense dtype, a quad
+/// of a block format), a power of two from 8 to `tuning.max_lanes`, at most half of the
+/// workgroup's invocations when rows are rotated (a pair shares a workgroup).
+fn row_lanes(cols: usize, dtype: u32, rotated: bool, tuning: &Tuning) -> u32 {
+    let (group, max_lanes) = (tuning.group, tuning.max_lanes.min(tuning.group));
     let steps = if dtype < 3 { cols } else { cols / 4 };
-    let lanes = (steps as u32 / lane_steps)
+    let lanes = (steps as u32 / tuning.lane_steps)
         .next_power_of_two()
-        .clamp(8, group);
+        .clamp(8, max_lanes.max(8));
     if rotated {
         lanes.min(group / 2)
     } else {
@@ -319,7 +320,7 @@ impl WgpuDevice {
         let together = t <= ROWS_TOGETHER_MAX_T;
         let tuning = self.context().tuning;
         let group = tuning.group;
-        let lanes = row_lanes(cols, ways[0].dtype, rotated, tuning.lane_steps, group);
+        let lanes = row_lanes(cols, ways[0].dtype, rotated, &tuning);
         // Each projection starts on a workgroup's first row (project.wgsl's header); the
         // ways a dispatch does not have start past every row.
         let per = group / lanes;

@@ -19,7 +19,8 @@ use kvplug_wgpu::WgpuDevice;
 const GPU: Tuning = Tuning {
     ways: 3,
     group: 256,
-    lane_steps: 4,
+    lane_steps: 8,
+    max_lanes: 256,
     subgroups: true,
 };
 
@@ -240,6 +241,10 @@ fn a_tuning_the_kernels_cannot_take_is_refused() {
         Tuning { group: 512, ..GPU },
         Tuning {
             lane_steps: 0,
+            ..GPU
+        },
+        Tuning {
+            max_lanes: 48,
             ..GPU
         },
     ] {
