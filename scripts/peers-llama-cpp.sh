@@ -12,8 +12,12 @@
 # under KVPLUG_CPU_ISA=avx2, as an AVX2-only CPU (Zen 2/3, Intel client cores) runs both.
 # PEERS_BACKEND=vulkan builds llama-bench alone with the Vulkan backend, statically linked (one
 # file to carry to a GPU machine), in $PEERS/build-vulkan: the peer of `make bench-gpu`.
-# Debian 12's glslc (2023.2) lacks the cooperative-matrix and integer-dot-product extensions,
-# so that build's shaders use neither (its configure log says so); a newer Vulkan SDK has them.
+# This llama.cpp needs Vulkan headers newer than Debian 12's (1.3.239 lacks VK_EXT_layer_settings):
+# Debian 13's libvulkan-dev and spirv-headers are downloaded (apt-get download, no install)
+# and unpacked into $PEERS/vulkan-headers, headers only (the binary links Debian 12's
+# loader). Debian 12's glslc (2023.2) lacks the cooperative-matrix and integer-dot-product
+# extensions, so that build's shaders use neither (its configure log says so); a newer
+# Vulkan SDK has them.
 
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -62,12 +66,26 @@ features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fm
 if [ "${PEERS_BACKEND:-cpu}" = vulkan ]; then
     build="$PEERS/build-vulkan"
     if [ ! -x "$build/bin/llama-bench" ]; then
-        if ! command -v glslc >/dev/null || [ ! -d /usr/share/cmake/SPIRV-Headers ]; then
-            echo "$PEERS_WHO: installing the Vulkan headers, glslc and SPIR-V headers (apt)"
-            apt-get update -qq && apt-get install -y -qq libvulkan-dev glslc spirv-headers >/dev/null
+        if ! command -v glslc >/dev/null || [ ! -e /usr/lib/x86_64-linux-gnu/libvulkan.so ]; then
+            echo "$PEERS_WHO: installing the Vulkan loader's development files and glslc (apt)"
+            apt-get update -qq && apt-get install -y -qq libvulkan-dev glslc >/dev/null
+        fi
+        headers="$PWD/$PEERS/vulkan-headers"
+        if [ ! -f "$headers/usr/include/vulkan/vulkan.hpp" ]; then
+            echo "$PEERS_WHO: Vulkan and SPIR-V headers from Debian 13 (apt-get download)"
+            apt_dir="$PWD/$PEERS/apt-trixie"
+            mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$headers"
+            echo "deb http://deb.debian.org/debian trixie main" >"$apt_dir/sources.list"
+            o=(-oDir::Etc::SourceList="$apt_dir/sources.list" -oDir::Etc::SourceParts=/dev/null
+                -oDir::State::Lists="$apt_dir/lists" -oDir::Cache="$apt_dir/cache"
+                -oAPT::Architecture=amd64)
+            apt-get "${o[@]}" update -qq
+            (cd "$apt_dir" && apt-get "${o[@]}" download libvulkan-dev spirv-headers)
+            for deb in "$apt_dir"/*.deb; do dpkg -x "$deb" "$headers"; done
         fi
         echo "$PEERS_WHO: building llama-bench with the Vulkan backend (Release, static)"
         cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+            -DVulkan_INCLUDE_DIR="$headers/usr/include" -DCMAKE_PREFIX_PATH="$headers/usr" \
             -DGGML_VULKAN=ON -DBUILD_SHARED_LIBS=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
             -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
             -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
