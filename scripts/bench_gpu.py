@@ -7,9 +7,9 @@ The table also gives the backend's counters per token (dispatches, bytes read ba
 `kvplug bench --json`'s `per_token`.
 
 `--llama-bench BIN` (a Vulkan build of llama.cpp's llama-bench, `scripts/peers-llama-cpp.sh`
-with PEERS_BACKEND=vulkan) runs the same tests on the same file right after each kvplug test
-(interleaved: the device's clocks drift), all layers offloaded, and adds its t/s and
-kvplug's ratio to it.
+with PEERS_BACKEND=vulkan) runs the same tests on the same file right after each kvplug
+bench call (pp512 and tg128 together, then tg32 at depth 4096; interleaved, since the
+device's clocks drift), all layers offloaded, and adds its t/s and kvplug's ratio to it.
 
 Bandwidth: a decode token reads the weights a step touches (`kvplug plan`'s `step_bytes`)
 and the K/V of every position before it; `tokens/s x bytes` over the device's bandwidth is

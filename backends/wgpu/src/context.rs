@@ -601,7 +601,14 @@ impl Context {
             },
         };
         tuning.check(&limits)?;
-        let subgroups = tuning.subgroups && adapter.features().contains(wgpu::Features::SUBGROUP);
+        // reduce_subgroup.wgsl numbers a workgroup's invocations subgroup by subgroup, which
+        // covers the workgroup only when its subgroups are full: a workgroup of a multiple
+        // of the largest subgroup size (or within the smallest) has only full ones where the
+        // drivers we know of are concerned; Vulkan does not promise it.
+        let subgroups = tuning.subgroups
+            && adapter.features().contains(wgpu::Features::SUBGROUP)
+            && (tuning.group.checked_rem(info.subgroup_max_size) == Some(0)
+                || tuning.group <= info.subgroup_min_size);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kvplug"),
             // Timestamps only for `KVPLUG_WGPU_PROFILE`.

@@ -103,6 +103,9 @@ impl WgpuScratch {
 /// The wgpu device and its kernels.
 pub struct WgpuDevice {
     ctx: Context,
+    /// The top-k kernels' scratch of greedy steps (`argmax_rows`), grown on demand; its
+    /// lock holds it from the kernels to the readback.
+    picks: std::sync::Mutex<Option<WgpuTensor>>,
 }
 
 #[repr(C)]
@@ -118,7 +121,10 @@ pub(crate) struct RowParams {
     base: u32,
     /// Where the op's cells start in the index words.
     idx0: u32,
-    pad: [u32; 3],
+    /// What `write_main` writes an invocation: a word of a dense row, a group of a
+    /// quantized one; a row is `units` of them.
+    units: u32,
+    pad: [u32; 2],
 }
 
 #[repr(C)]
@@ -202,6 +208,13 @@ fn device_err(e: String) -> KitError {
 }
 
 impl WgpuDevice {
+    fn new(ctx: Context) -> WgpuDevice {
+        WgpuDevice {
+            ctx,
+            picks: Default::default(),
+        }
+    }
+
     pub(crate) fn context(&self) -> &Context {
         &self.ctx
     }
@@ -210,14 +223,14 @@ impl WgpuDevice {
     /// at `max_binding` bytes: a smaller adapter's limit, so that splitting weights across
     /// bindings can be exercised on any machine.
     pub fn open_with_binding_limit(max_binding: u64) -> Result<Self, String> {
-        Context::open(Some(max_binding), None).map(|ctx| WgpuDevice { ctx })
+        Context::open(Some(max_binding), None).map(WgpuDevice::new)
     }
 
     /// The default adapter with its projection kernels shaped by `tuning` rather than by the
     /// adapter's kind: a GPU's shapes (three projections a dispatch, 256 invocations a
     /// workgroup) can be run on lavapipe, whose own default is [`context::Tuning::CPU`].
     pub fn open_tuned(tuning: context::Tuning) -> Result<Self, String> {
-        Context::open(None, Some(tuning)).map(|ctx| WgpuDevice { ctx })
+        Context::open(None, Some(tuning)).map(WgpuDevice::new)
     }
 
     /// Buffers and bind groups this device has created since it opened.
@@ -241,7 +254,12 @@ impl WgpuDevice {
             group: pool.group,
             base: base as u32,
             idx0,
-            pad: [0; 3],
+            units: match pool.dtype {
+                0 => pool.head_dim,
+                1 | 2 => pool.head_dim / 2,
+                _ => pool.head_dim / pool.group as usize,
+            } as u32,
+            pad: [0; 2],
         }
     }
 
@@ -263,15 +281,10 @@ impl WgpuDevice {
         Ok(self.ctx.storage("pool", bytes))
     }
 
-    /// Encodes token `i` of `src` (`[heads, T, D]`) into row `cells[i]`.
     /// `src` (`[heads, t, d]`) into rows `cells` of `pool`: `write_main`, one invocation a
     /// word of a dense row or a group of a quantized one.
     fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], src: &WgpuTensor) {
-        let units = match pool.dtype {
-            0 => pool.head_dim,
-            1 | 2 => pool.head_dim / 2,
-            _ => pool.head_dim / pool.group as usize,
-        };
+        let units = Self::row_params(pool, 0, 0, 0).units as usize;
         self.ctx.dispatch(
             self.ctx.rows(),
             |idx0| Self::row_params(pool, cells.len(), 0, idx0),
@@ -635,7 +648,7 @@ impl Backend for WgpuDevice {
     const NAME: &'static str = "kvplug wgpu backend";
 
     fn open() -> Result<Self, String> {
-        Context::open(None, None).map(|ctx| WgpuDevice { ctx })
+        Context::open(None, None).map(WgpuDevice::new)
     }
 
     fn device_description(&self) -> String {

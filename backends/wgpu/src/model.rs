@@ -169,7 +169,7 @@ fn row_lanes(cols: usize, dtype: u32, rotated: bool, tuning: &Tuning) -> u32 {
     let steps = if dtype < 3 { cols } else { cols / 4 };
     let lanes = (steps as u32 / tuning.lane_steps)
         .next_power_of_two()
-        .clamp(8, max_lanes.max(8));
+        .clamp(8, max_lanes);
     if rotated {
         lanes.min(group / 2)
     } else {
@@ -882,20 +882,26 @@ impl ModelDevice for WgpuDevice {
         Ok(())
     }
 
-    /// Each row's first pick of [`Self::top_k_rows`]'s kernels at `k = 1` (the argmax's
-    /// order is rank's first), its id alone read back; `ids` is their scratch, replaced
-    /// as theirs is.
+    /// Each row's first pick of [`Self::top_k_rows`]'s kernels at `k = 1` (the argmax is
+    /// rank's first), its id alone read back. Their scratch is the device's own (`picks`),
+    /// not `ids`, which is `[R]`.
     fn argmax_rows(
         &self,
         x: &WgpuTensor,
         ids: &mut WgpuTensor,
         out: &mut Vec<i32>,
     ) -> Result<(), KitError> {
-        let rows = self.pick_top(x, 1, ids)?;
+        let _ = ids;
+        let mut picks = self.picks.lock().unwrap_or_else(|p| p.into_inner());
+        let scratch = match &mut *picks {
+            Some(s) => s,
+            none => none.insert(self.zeros(&[1, 2])?),
+        };
+        let rows = self.pick_top(x, 1, scratch)?;
         let regions: Vec<(u64, u64)> = (0..rows as u64).map(|r| (8 * r, 4)).collect();
         let bytes = self
             .context()
-            .read_regions(&ids.buf, &regions)
+            .read_regions(&scratch.buf, &regions)
             .map_err(KitError::Device)?;
         out.clear();
         out.extend(

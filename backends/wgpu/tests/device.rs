@@ -106,7 +106,7 @@ fn describes_its_adapter() {
 }
 
 // The kit's device contract: step and import rollback, canonical rows, pool growth,
-// attention under each mask kind; and its model-device contract (the argmax kernel).
+// attention under each mask kind; and its model-device contract (the argmax).
 kvplug_backend_kit::backend_tests!(
     WgpuDevice::open().unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
 );

@@ -6,7 +6,8 @@
 //! [`Generator`](crate::Generator), as every prefill runs); `tgN @ dD` times `N` single-token
 //! decode steps after `D` tokens, feeding drawn tokens rather than sampled ones, as
 //! `llama-bench` does. Each decode step reads its whole row of logits back, as `llama-bench`
-//! does, unless [`Readback`] asks for what a greedy or top-k sampler reads instead. Tokens are drawn uniformly from the vocabulary with a fixed seed.
+//! does, unless [`Readback`] asks for what a greedy or top-k sampler reads instead. Tokens
+//! are drawn uniformly from the vocabulary with a fixed seed.
 //! Each test runs once untimed (warm-up: pools grown, kernels and buffers ready), then
 //! `repetitions` times from the same context: the context is prefilled once per depth and
 //! the cache cut back to it before every run (`rewind` on a contiguous cache, `seq_rm` on a
@@ -116,7 +117,8 @@ pub struct BenchResult {
     pub n_gen: usize,
     /// Context before the test.
     pub n_depth: usize,
-    /// What each decode step read back (`logits`, `argmax`, `top-k`; [`Readback`]).
+    /// What each decode step of a tg test read back (`logits`, `argmax`, `top-k`;
+    /// [`Readback`]); a pp test records the option given.
     pub readback: &'static str,
     /// Tokens per second of each timed run.
     pub samples_ts: Vec<f64>,

@@ -260,8 +260,8 @@ impl<D: ModelDevice> ForwardMethod<D> {
             result[0].set_i32(&[rows, k], &b.picked);
             result[1].encode_f32_into(&[rows, k], &b.values, TensorDtype::F32);
         } else if want_argmax {
-            if b.ids.is_none() {
-                let n = dev.dims(logits).first().copied().unwrap_or(0);
+            let n = dev.dims(logits).first().copied().unwrap_or(0);
+            if b.ids.as_ref().is_none_or(|t| dev.dims(t) != [n]) {
                 b.ids = Some(dev.zeros(&[n])?);
             }
             let ids = b.ids.as_mut().expect("set above");

@@ -536,10 +536,8 @@ pub trait ModelDevice: Device {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<(), KitError>;
     /// The index of each row's largest value of `x` (`[R, V]`: logit rows) into `out` (R
     /// ids), picked as [`kvplug_core::argmax`] picks it (the lowest index on ties, never a
-    /// NaN): a greedy step's tokens, read back as R integers instead of R·V floats. `ids` is
-    /// the device's to compute them in, kept by the caller between calls (`[R]` when first
-    /// made): a device may replace it by a tensor of the shape it needs, as `top_k_rows`'s
-    /// scratch. The default downloads the rows.
+    /// NaN): a greedy step's tokens, read back as R integers instead of R·V floats. `ids`
+    /// (`[R]`) is scratch a device may compute them into. The default downloads the rows.
     fn argmax_rows(
         &self,
         x: &Self::Tensor,

@@ -42,15 +42,15 @@ fn rows() -> Vec<Vec<f32>> {
 }
 
 /// [`ModelDevice::argmax_rows`] on [`rows`] against [`kvplug_core::argmax`]; then calls
-/// with fewer rows and with rows wider than a device's part of a row ([`wide_rows`]) into
-/// the same scratch, as the `forward` method keeps it.
+/// with fewer rows and with rows wider than a device's part of a row ([`wide_rows`]), on
+/// the same device.
 pub fn check_argmax_rows<D: ModelDevice>(dev: D) {
     let narrow = rows();
     let wide = wide_rows(5000);
-    let mut ids = dev.zeros(&[narrow.len()]).unwrap();
     for rows in [&narrow[..], &narrow[..2], &wide[..]] {
         let (n, width) = (rows.len(), rows[0].len());
         let x = dev.tensor(&rows.concat(), &[n, width]).unwrap();
+        let mut ids = dev.zeros(&[n]).unwrap();
         let mut got = Vec::new();
         dev.argmax_rows(&x, &mut ids, &mut got).unwrap();
         let want: Vec<i32> = rows.iter().map(|r| kvplug_core::argmax(r)).collect();

@@ -5,7 +5,7 @@
 struct Params {
     heads: u32, t: u32, d: u32, cells: u32,
     row_words: u32, dtype: u32, group: u32, base: u32,
-    idx0: u32, pad0: u32, pad1: u32, pad2: u32,
+    idx0: u32, units: u32, pad1: u32, pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -20,22 +20,13 @@ fn bf16(x: f32) -> u32 {
     return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
 }
 
-// The units of a row write_main writes one an invocation: a word of an f32 row, a word
-// (two values) of an f16 or bf16 row, a group (its scale word and code words) of a
-// quantized row.
-fn write_units() -> u32 {
-    switch p.dtype {
-        case 0u: { return p.d; }
-        case 1u, 2u: { return p.d / 2u; }
-        default: { return p.d / p.group; }
-    }
-}
-
 // Token i of head h (src [heads, t, d]) into row cellidx[idx0 + i], unit u of it by
-// invocation (h · t + i) · units + u (workgroups [x, y]: 64 invocations each, x first).
+// invocation (h · t + i) · units + u (workgroups [x, y]: 64 invocations each, x first): a
+// unit is a word of an f32 row, a word (two values) of an f16 or bf16 row, a group (its
+// scale word and code words) of a quantized row.
 @compute @workgroup_size(64)
 fn write_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
-    let units = write_units();
+    let units = p.units;
     let n = g.x + g.y * nw.x * 64u;
     if n >= p.heads * p.t * units { return; }
     let u = n % units;
