@@ -397,6 +397,10 @@ impl Visibility<'_> {
             }
             AttendMask::Explicit(m) => {
                 let row = &m[i * self.l + j0..][..p.len()];
+                // Most tiles are seen whole (a shared trunk under forks or a tree).
+                if all_seen(row) {
+                    return;
+                }
                 for (x, &seen) in p.iter_mut().zip(row) {
                     if !seen {
                         *x = f32::NEG_INFINITY;
@@ -405,6 +409,17 @@ impl Visibility<'_> {
             }
         }
     }
+}
+
+/// Whether every entry of `row` is true, 8 at a time.
+#[inline(always)]
+fn all_seen(row: &[bool]) -> bool {
+    // SAFETY: a bool is one byte holding 0 or 1.
+    let bytes = unsafe { std::slice::from_raw_parts(row.as_ptr().cast::<u8>(), row.len()) };
+    let (words, rest) = bytes.as_chunks::<8>();
+    words.iter().fold(true, |all, w| {
+        all & (u64::from_ne_bytes(*w) == 0x0101_0101_0101_0101)
+    }) && rest.iter().all(|&b| b == 1)
 }
 
 /// Tile scores and running softmax state of one task, reused across steps.
@@ -996,22 +1011,28 @@ impl Block<'_> {
             p[nb..].fill(f32::NEG_INFINITY);
             self.vis
                 .apply((self.first + r) % self.vis.t, self.j0, &mut p[..nb]);
-            let new_max = s.max[r].max(L::max(p));
+            let old = s.max[r];
+            let new_max = old.max(L::max(p));
             if new_max == f32::NEG_INFINITY {
                 p.fill(0.0);
                 continue;
             }
             any = true;
-            let alpha = fast_exp(s.max[r] - new_max);
-            s.sum[r] = s.sum[r] * alpha + L::exp_sum(p, new_max);
-            s.max[r] = new_max;
-            if alpha != 1.0 {
-                let o = _mm256_set1_ps(alpha);
-                for c in (0..d).step_by(8) {
-                    let at = out.as_mut_ptr().add(r * d + c);
-                    _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(at), o));
+            // Where the max holds, the rescale is by e^0 = 1 exactly: skipped (mostly
+            // after the first tiles), not computed.
+            if new_max > old {
+                let alpha = fast_exp(old - new_max);
+                s.sum[r] *= alpha;
+                if alpha != 1.0 {
+                    let o = _mm256_set1_ps(alpha);
+                    for c in (0..d).step_by(8) {
+                        let at = out.as_mut_ptr().add(r * d + c);
+                        _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(at), o));
+                    }
                 }
             }
+            s.sum[r] += L::exp_sum(p, new_max);
+            s.max[r] = new_max;
         }
         match self.i16 {
             // SAFETY: `i16` is set only with `int8`, whose width contract it shares; the

@@ -84,9 +84,12 @@ struct Coded {
 
 /// Codes the weights `p` of one block row for group `g` of `vt` into `codes` (`codes[p]`
 /// the i16 pair of keys `2p, 2p + 1`): its first `nb` keys (`p` holds 0 from `nb` to the
-/// next multiple of 8), the codes of the others 0.
+/// next multiple of 8), up to the pair `nb.div_ceil(2)` that the sums read, 8 keys a
+/// register. `Σ p·lo` goes in two lanes of 8: keys `16i + k` in lane `k` of the first,
+/// `16i + 8 + k` of the second, each in key order, then their sum ([`code512`] keeps
+/// this order, so both widths give the same bits).
 #[inline(always)]
-unsafe fn code(
+unsafe fn code256(
     vt: &ValueTile,
     p: &[f32],
     nb: usize,
@@ -95,23 +98,15 @@ unsafe fn code(
 ) -> Coded {
     let (sc, lo) = (&vt.scales[g * TILE..][..TILE], &vt.los[g * TILE..][..TILE]);
     let mut u = [_mm256_setzero_ps(); TILE / 8];
-    let (mut max, mut los) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut max, mut los) = (_mm256_setzero_ps(), [_mm256_setzero_ps(); 2]);
     let chunks = nb.div_ceil(8);
     for (i, u) in u.iter_mut().enumerate().take(chunks) {
         let w = _mm256_loadu_ps(p.as_ptr().add(8 * i));
         *u = _mm256_mul_ps(w, _mm256_loadu_ps(sc.as_ptr().add(8 * i)));
         max = _mm256_max_ps(max, *u);
-        los = _mm256_fmadd_ps(w, _mm256_loadu_ps(lo.as_ptr().add(8 * i)), los);
+        los[i % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lo.as_ptr().add(8 * i)), los[i % 2]);
     }
-    let max = {
-        let m = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps::<1>(max));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
-    };
-    let limit = WEIGHT_CODES as f32;
-    // A run below TINY_RUN is coded 0 (its scale could overflow, `r` be subnormal).
-    let to_codes = _mm256_set1_ps(if max >= TINY_RUN { limit / max } else { 0.0 });
-    codes.fill(0);
+    let to_codes = _mm256_set1_ps(to_codes(max8(max)));
     for (i, u) in u.iter().enumerate().take(chunks) {
         // Rounded to nearest (ties to even), packed to i16 by pairs of 32-bit lanes.
         let e = _mm256_cvtps_epi32(_mm256_mul_ps(*u, to_codes));
@@ -123,8 +118,73 @@ unsafe fn code(
         );
     }
     Coded {
-        r: max / limit,
+        r: max8(max) / WEIGHT_CODES as f32,
+        lo: super::hsum(_mm256_add_ps(los[0], los[1])),
+    }
+}
+
+/// [`code256`] 16 keys a register, with the same operations lane for lane: the last
+/// register's upper half is left out where [`code256`] has no register for it.
+///
+/// # Safety
+/// AVX-512F is present.
+#[inline(always)]
+unsafe fn code512(
+    vt: &ValueTile,
+    p: &[f32],
+    nb: usize,
+    g: usize,
+    codes: &mut [i32; TILE / 2],
+) -> Coded {
+    let (sc, lo) = (&vt.scales[g * TILE..][..TILE], &vt.los[g * TILE..][..TILE]);
+    let mut u = [_mm512_setzero_ps(); TILE / 16];
+    let (mut max, mut los) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let chunks = nb.div_ceil(8);
+    for (i, u) in u.iter_mut().enumerate().take(chunks.div_ceil(2)) {
+        let lanes: __mmask16 = if 2 * i + 1 < chunks { 0xffff } else { 0xff };
+        let w = _mm512_maskz_loadu_ps(lanes, p.as_ptr().add(16 * i));
+        *u = _mm512_mul_ps(w, _mm512_maskz_loadu_ps(lanes, sc.as_ptr().add(16 * i)));
+        max = _mm512_max_ps(max, *u);
+        let l = _mm512_maskz_loadu_ps(lanes, lo.as_ptr().add(16 * i));
+        los = _mm512_mask3_fmadd_ps(w, l, los, lanes);
+    }
+    let max = _mm256_max_ps(_mm512_castps512_ps256(max), upper8(max));
+    let to_codes = _mm512_set1_ps(to_codes(max8(max)));
+    for (i, u) in u.iter().enumerate().take(chunks.div_ceil(2)) {
+        let e = _mm512_cvtps_epi32(_mm512_mul_ps(*u, to_codes));
+        // Saturated to i16 as `packs` does.
+        let packed = _mm512_cvtsepi32_epi16(e);
+        _mm256_storeu_si256(codes.as_mut_ptr().add(8 * i) as *mut __m256i, packed);
+    }
+    let los = _mm256_add_ps(_mm512_castps512_ps256(los), upper8(los));
+    Coded {
+        r: max8(max) / WEIGHT_CODES as f32,
         lo: super::hsum(los),
+    }
+}
+
+/// Lanes 8 to 15 of `x`.
+#[inline(always)]
+unsafe fn upper8(x: __m512) -> __m256 {
+    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)))
+}
+
+/// The largest lane of `m`.
+#[inline(always)]
+unsafe fn max8(m: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+}
+
+/// The factor from weights to codes for a run whose largest weight is `max`: 0 below
+/// [`TINY_RUN`] (such a run is coded 0: its factor could overflow, `r` be subnormal).
+#[inline(always)]
+fn to_codes(max: f32) -> f32 {
+    if max >= TINY_RUN {
+        WEIGHT_CODES as f32 / max
+    } else {
+        0.0
     }
 }
 
@@ -140,8 +200,8 @@ unsafe fn finish_slice(out: *mut f32, acc: __m256i, coded: &Coded) {
 }
 
 macro_rules! values {
-    ($name:ident, $features:literal, $v:ty, $n:literal, $load:ident, $dot:expr,
-     $zero:ident, $finish:expr) => {
+    ($name:ident, $features:literal, $v:ty, $n:literal, $slice:literal, $load:ident,
+     $code:ident, $dot:expr, $zero:ident, $finish:expr) => {
         /// `out += p · V` for the block's `M` rows over the first `blk.nb` keys of the tile
         /// staged in `vt` (see the module docs).
         ///
@@ -160,26 +220,34 @@ macro_rules! values {
             let pairs = nb.div_ceil(2);
             let mut codes = [[0i32; TILE / 2]; 8];
             let mut coded = [Coded::default(); 8];
-            // A register of values at a time (two would spill an accumulator of 8 rows:
-            // a store and load in the loop, 30% of its time), within one group (groups are
-            // multiples of 32 values); the weights are coded anew at each group's first.
-            for c in (0..d).step_by($n) {
+            // `$slice` registers of values at a time (16 accumulators for 8 rows at 512
+            // bits; two at 256 would spill one: a store and load in the loop, 30% of its
+            // time), within one group (groups are multiples of 32 values); the weights are
+            // coded anew at each group's first.
+            for c in (0..d).step_by($n * $slice) {
                 if c % vt.group == 0 {
                     let g = c / vt.group;
                     for b in 0..M {
                         let p = &p[(b0 + b) * TILE..][..TILE];
-                        coded[b] = code(vt, p, nb, g, &mut codes[b]);
+                        coded[b] = $code(vt, p, nb, g, &mut codes[b]);
                     }
                 }
-                let mut acc = [$zero(); M];
+                let mut acc = [[$zero(); $slice]; M];
                 for pr in 0..pairs {
-                    let x = $load(vt.pairs.as_ptr().add(pr * d + c));
+                    let at = vt.pairs.as_ptr().add(pr * d + c);
+                    let x: [$v; $slice] = std::array::from_fn(|i| $load(at.add(i * $n)));
                     for (b, a) in acc.iter_mut().enumerate() {
-                        *a = $dot(*a, x, *codes.get_unchecked(b).get_unchecked(pr));
+                        let w = *codes.get_unchecked(b).get_unchecked(pr);
+                        for (a, &x) in a.iter_mut().zip(&x) {
+                            *a = $dot(*a, x, w);
+                        }
                     }
                 }
-                for (b, &a) in acc.iter().enumerate() {
-                    $finish(out.as_mut_ptr().add((b0 + b) * d + c), a, &coded[b]);
+                for (b, a) in acc.iter().enumerate() {
+                    for (i, &a) in a.iter().enumerate() {
+                        let at = out.as_mut_ptr().add((b0 + b) * d + c + i * $n);
+                        $finish(at, a, &coded[b]);
+                    }
                 }
             }
         }
@@ -191,7 +259,9 @@ values!(
     "avx2,fma",
     __m256i,
     8,
+    1,
     load256,
+    code256,
     |a, x, w| _mm256_add_epi32(a, _mm256_madd_epi16(x, _mm256_set1_epi32(w))),
     _mm256_setzero_si256,
     |o, a, c| finish_slice(o, a, c)
@@ -202,12 +272,19 @@ values!(
     "avx512f,avx512vnni,avx2,fma",
     __m512i,
     16,
+    2,
     load512,
+    code512,
     |a, x, w| _mm512_dpwssd_epi32(a, x, _mm512_set1_epi32(w)),
     _mm512_setzero_si512,
     |o: *mut f32, a: __m512i, c: &Coded| {
-        finish_slice(o, _mm512_castsi512_si256(a), c);
-        finish_slice(o.add(8), _mm512_extracti64x4_epi64::<1>(a), c);
+        // The lanes' operations of `finish_slice`, so the same bits.
+        let x = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(a),
+            _mm512_set1_ps(c.r),
+            _mm512_set1_ps(c.lo),
+        );
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), x));
     }
 );
 

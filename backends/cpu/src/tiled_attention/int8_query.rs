@@ -44,7 +44,7 @@ impl QueryCodes {
     /// are stored evens first.
     ///
     /// # Safety
-    /// AVX2 and FMA are present (the rounding vectorizes on them).
+    /// AVX2 and FMA are present.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn quantize(&mut self, q: &[f32], d: usize, group: usize, nibble_order: bool) {
         debug_assert!(d.is_multiple_of(2 * QUERY_BLOCK) && q.len().is_multiple_of(d));
@@ -59,30 +59,69 @@ impl QueryCodes {
         let blocks = q.chunks_exact(QUERY_BLOCK);
         let codes = self.codes.chunks_exact_mut(QUERY_BLOCK);
         for (b, (x, codes)) in blocks.zip(codes).enumerate() {
-            // A NaN value makes `s` NaN (every code 0), so the scores are NaN, as in f32.
-            let s = x.iter().fold(0f32, |m, v| match m.is_nan() || v.is_nan() {
-                true => f32::NAN,
-                false => m.max(v.abs()),
-            }) / 127.0;
+            let (s, block) = quantize_block(x.try_into().expect("blocks of 32"));
             let mut sum = 0;
-            for (i, &v) in x.iter().enumerate() {
-                // `round` is half away from zero; `as` takes a NaN to 0.
-                let c = match s {
-                    0.0 => 0,
-                    s => (v / s).round().clamp(-127.0, 127.0) as i8,
-                };
+            for (i, &c) in block.iter().enumerate() {
                 let at = match nibble_order {
                     true => i % 2 * (QUERY_BLOCK / 2) + i / 2,
                     false => i,
                 };
-                codes[at] = c;
-                sum += c as i32;
+                codes[at] = c as i8;
+                sum += c;
             }
             self.scales[b] = s;
             self.sums[b] = sum;
             self.group_sums[b * QUERY_BLOCK / group] += s * sum as f32;
         }
     }
+}
+
+/// One block's scale and codes (see [`QueryCodes::quantize`]), 8 values a register: the
+/// quotient `q / s` is IEEE's as in scalar code, rounded half away from zero as
+/// `f32::round` does (its truncation, one more away from zero where the exact remainder
+/// is at least a half).
+///
+/// # Safety
+/// AVX2 is present.
+#[inline(always)]
+unsafe fn quantize_block(x: &[f32; QUERY_BLOCK]) -> (f32, [i32; QUERY_BLOCK]) {
+    const REGS: usize = QUERY_BLOCK / 8;
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let v: [__m256; REGS] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+    let (mut max, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for &v in &v {
+        max = _mm256_max_ps(max, _mm256_and_ps(v, abs));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    }
+    let mut codes = [0i32; QUERY_BLOCK];
+    // A NaN value makes `s` NaN (every code 0), so the scores are NaN, as in f32.
+    if _mm256_movemask_ps(nan) != 0 {
+        return (f32::NAN, codes);
+    }
+    let s = {
+        let m = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps::<1>(max));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+    } / 127.0;
+    if s == 0.0 {
+        return (s, codes);
+    }
+    let (sv, half, one) = (_mm256_set1_ps(s), _mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    for (i, &v) in v.iter().enumerate() {
+        let y = _mm256_div_ps(v, sv);
+        // A NaN quotient (an infinite value over an infinite `s`) is code 0.
+        let y = _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+        let away = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_and_ps(_mm256_sub_ps(y, t), abs), half);
+        let step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_andnot_ps(abs, y)));
+        let r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, step), lo), hi);
+        _mm256_storeu_si256(
+            codes.as_mut_ptr().add(8 * i) as *mut __m256i,
+            _mm256_cvttps_epi32(r),
+        );
+    }
+    (s, codes)
 }
 
 /// One tile's key rows for the scores kernels, staged at one width by
@@ -358,7 +397,7 @@ pub unsafe fn scores_avx512<const M: usize>(
     let (words, blocks, rows) = (d / WORD, d / QUERY_BLOCK, kt.rows);
     let (per_group, ng) = (kt.group / QUERY_BLOCK, d / kt.group);
     // Blocks whose dots run side by side: 2·M chains where the registers allow.
-    let side = if M <= 4 { 2 } else { 1 };
+    let side = 2;
     let q = QueryRows::<M>::new(qc, b0);
     let scale = _mm512_set1_ps(scale);
     let codes = kt.codes.as_ptr() as *const __m512i;
@@ -714,6 +753,12 @@ mod tests {
         unsafe { qc.quantize(&q, d, 32, false) };
         assert_eq!(qc.scales[0], 1.0 / 127.0);
         assert!(qc.scales[1].is_nan() && qc.codes[32..].iter().all(|&c| c == 0));
+        // An infinite value: its block's scale is infinite, every quotient 0 or NaN, so
+        // every code 0.
+        q[40] = f32::INFINITY;
+        unsafe { qc.quantize(&q, d, 32, false) };
+        assert_eq!(qc.scales[1], f32::INFINITY);
+        assert!(qc.codes[32..].iter().all(|&c| c == 0) && qc.sums[1] == 0);
         // Random rows against the definition, rounded in f64.
         let q: Vec<f32> = (0..4 * d)
             .map(|i| ((i * 7919) as f32 * 0.37).sin() * if i % 13 == 0 { 9.0 } else { 1.0 })
