@@ -85,9 +85,10 @@ struct Coded {
 /// Codes the weights `p` of one block row for group `g` of `vt` into `codes` (`codes[p]`
 /// the i16 pair of keys `2p, 2p + 1`): its first `nb` keys (`p` holds 0 from `nb` to the
 /// next multiple of 8), up to the pair `nb.div_ceil(2)` that the sums read, 8 keys a
-/// register. `Σ p·lo` goes in two lanes of 8: keys `16i + k` in lane `k` of the first,
-/// `16i + 8 + k` of the second, each in key order, then their sum ([`code512`] keeps
-/// this order, so both widths give the same bits).
+/// register. The max and `Σ p·lo` each run in two registers of 8 lanes: keys `16i + k` in
+/// lane `k` of the first, `16i + 8 + k` of the second, each in key order, then the two
+/// combined ([`code512`] keeps this order, so both widths give the same bits, NaNs
+/// included).
 #[inline(always)]
 unsafe fn code256(
     vt: &ValueTile,
@@ -98,15 +99,16 @@ unsafe fn code256(
 ) -> Coded {
     let (sc, lo) = (&vt.scales[g * TILE..][..TILE], &vt.los[g * TILE..][..TILE]);
     let mut u = [_mm256_setzero_ps(); TILE / 8];
-    let (mut max, mut los) = (_mm256_setzero_ps(), [_mm256_setzero_ps(); 2]);
+    let (mut max, mut los) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
     let chunks = nb.div_ceil(8);
     for (i, u) in u.iter_mut().enumerate().take(chunks) {
         let w = _mm256_loadu_ps(p.as_ptr().add(8 * i));
         *u = _mm256_mul_ps(w, _mm256_loadu_ps(sc.as_ptr().add(8 * i)));
-        max = _mm256_max_ps(max, *u);
+        max[i % 2] = _mm256_max_ps(max[i % 2], *u);
         los[i % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lo.as_ptr().add(8 * i)), los[i % 2]);
     }
-    let to_codes = _mm256_set1_ps(to_codes(max8(max)));
+    let max = max8(_mm256_max_ps(max[0], max[1]));
+    let to_codes = _mm256_set1_ps(to_codes(max));
     for (i, u) in u.iter().enumerate().take(chunks) {
         // Rounded to nearest (ties to even), packed to i16 by pairs of 32-bit lanes.
         let e = _mm256_cvtps_epi32(_mm256_mul_ps(*u, to_codes));
@@ -118,13 +120,14 @@ unsafe fn code256(
         );
     }
     Coded {
-        r: max8(max) / WEIGHT_CODES as f32,
+        r: max / WEIGHT_CODES as f32,
         lo: super::hsum(_mm256_add_ps(los[0], los[1])),
     }
 }
 
-/// [`code256`] 16 keys a register, with the same operations lane for lane: the last
-/// register's upper half is left out where [`code256`] has no register for it.
+/// [`code256`] 16 keys a register, with the same operations lane for lane: where
+/// [`code256`] has no register for the last one's upper half, its max and sum leave those
+/// lanes out (its codes there are 0).
 ///
 /// # Safety
 /// AVX-512F is present.
@@ -144,12 +147,12 @@ unsafe fn code512(
         let lanes: __mmask16 = if 2 * i + 1 < chunks { 0xffff } else { 0xff };
         let w = _mm512_maskz_loadu_ps(lanes, p.as_ptr().add(16 * i));
         *u = _mm512_mul_ps(w, _mm512_maskz_loadu_ps(lanes, sc.as_ptr().add(16 * i)));
-        max = _mm512_max_ps(max, *u);
+        max = _mm512_mask_max_ps(max, lanes, max, *u);
         let l = _mm512_maskz_loadu_ps(lanes, lo.as_ptr().add(16 * i));
         los = _mm512_mask3_fmadd_ps(w, l, los, lanes);
     }
-    let max = _mm256_max_ps(_mm512_castps512_ps256(max), upper8(max));
-    let to_codes = _mm512_set1_ps(to_codes(max8(max)));
+    let max = max8(_mm256_max_ps(_mm512_castps512_ps256(max), upper8(max)));
+    let to_codes = _mm512_set1_ps(to_codes(max));
     for (i, u) in u.iter().enumerate().take(chunks.div_ceil(2)) {
         let e = _mm512_cvtps_epi32(_mm512_mul_ps(*u, to_codes));
         // Saturated to i16 as `packs` does.
@@ -158,7 +161,7 @@ unsafe fn code512(
     }
     let los = _mm256_add_ps(_mm512_castps512_ps256(los), upper8(los));
     Coded {
-        r: max8(max) / WEIGHT_CODES as f32,
+        r: max / WEIGHT_CODES as f32,
         lo: super::hsum(los),
     }
 }
@@ -326,20 +329,7 @@ mod tests {
         for (i, w) in p.iter_mut().enumerate().filter(|(i, _)| i % TILE < nb) {
             *w = next() * 10f32.powi(-((i % 7) as i32));
         }
-        let v = rows.view();
-        let mut out = vec![0f32; M * d];
-        let mut staged = Vec::new();
-        // SAFETY: the caller checked the width's features; v holds nb rows.
-        unsafe {
-            let v = v.for_tile(0, nb, &mut staged);
-            let mut vt = ValueTile::default();
-            vt.stage(&v, 0, nb);
-            let blk = block(nb, d, 1.0);
-            match width {
-                Width::Avx512 => values_avx512::<M>(&blk, &vt, &p, &mut out),
-                Width::Avx2 => values_avx2::<M>(&blk, &vt, &p, &mut out),
-            }
-        }
+        let out = values_at::<M>(width, &rows, &p, d, nb);
         let limit = WEIGHT_CODES as f32;
         for r in 0..M {
             let w = &p[r * TILE..][..nb];
@@ -369,6 +359,60 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The value sum at `width` of `M` rows of weights `p` (`[M, TILE]`) over the `nb` rows
+    /// of `rows`.
+    fn values_at<const M: usize>(
+        width: Width,
+        rows: &RandomRows,
+        p: &[f32],
+        d: usize,
+        nb: usize,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; M * d];
+        let mut staged = Vec::new();
+        // SAFETY: the caller checked the width's features; the rows hold nb rows of d.
+        unsafe {
+            let v = rows.view().for_tile(0, nb, &mut staged);
+            let mut vt = ValueTile::default();
+            vt.stage(&v, 0, nb);
+            let blk = block(nb, d, 1.0);
+            match width {
+                Width::Avx512 => values_avx512::<M>(&blk, &vt, p, &mut out),
+                Width::Avx2 => values_avx2::<M>(&blk, &vt, p, &mut out),
+            }
+        }
+        out
+    }
+
+    /// A key whose group scale is infinite under weight 0 makes its `u` NaN; the max runs
+    /// in the same order at both widths, so they still give the same bits, wherever the
+    /// key sits and whether one or two such keys are in the run.
+    #[test]
+    fn nan_weight_codes_give_the_same_bits_at_both_widths() {
+        let widths = widths();
+        if widths.len() < 2 {
+            eprintln!("skipped: this CPU lacks one of the two widths");
+            return;
+        }
+        let (d, group, nb) = (64, 32, 37);
+        for (a, b) in (0..nb).flat_map(|a| [(a, a), (a, (a * 7 + 3) % nb)]) {
+            let mut next = stream(99);
+            let mut rows = RandomRows::new(&mut next, 8, group, d, nb);
+            let mut p: Vec<f32> = (0..TILE)
+                .map(|j| if j < nb { next() } else { 0.0 })
+                .collect();
+            for key in [a, b] {
+                rows.set_scale(key * (d / group), half::f16::INFINITY);
+                p[key] = 0.0;
+            }
+            let bits = |w: Width| -> Vec<u32> {
+                let out = values_at::<1>(w, &rows, &p, d, nb);
+                out.iter().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(bits(widths[0]), bits(widths[1]), "NaN keys {a} and {b}");
+        }
     }
 
     /// At every width, against the definition; where both run, the same bits.

@@ -396,7 +396,8 @@ pub unsafe fn scores_avx512<const M: usize>(
     const PER_BLOCK: usize = QUERY_BLOCK / WORD;
     let (words, blocks, rows) = (d / WORD, d / QUERY_BLOCK, kt.rows);
     let (per_group, ng) = (kt.group / QUERY_BLOCK, d / kt.group);
-    // Blocks whose dots run side by side: 2·M chains where the registers allow.
+    // Blocks whose dots run side by side: 2·M chains (at most 16 with 8 accumulated rows,
+    // which the 32 registers hold).
     let side = 2;
     let q = QueryRows::<M>::new(qc, b0);
     let scale = _mm512_set1_ps(scale);

@@ -72,6 +72,12 @@ impl RandomRows {
         }
     }
 
+    /// Sets group scale `i` (of `[nb, d / group]`) to `s`.
+    pub fn set_scale(&mut self, i: usize, s: f16) {
+        self.scales[i] = s;
+        self.scale_bits[i] = s.to_bits();
+    }
+
     /// The kernels' view of the rows.
     pub fn view(&self) -> QuantRows {
         QuantRows::new(
