@@ -64,6 +64,7 @@ pub const BLOCK_FORMATS: [BlockFormat; 8] = [
 
 impl BlockFormat {
     /// Values per block.
+    #[inline]
     pub const fn block_elems(self) -> usize {
         match self {
             BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => 256,
@@ -72,6 +73,7 @@ impl BlockFormat {
     }
 
     /// Bytes per block.
+    #[inline]
     pub const fn block_bytes(self) -> usize {
         match self {
             BlockFormat::Q4_0 => 18,
@@ -137,6 +139,7 @@ impl BlockFormat {
     }
 
     /// Bytes of `elems` values (`elems` a multiple of [`BlockFormat::block_elems`]).
+    #[inline]
     pub const fn bytes_for(self, elems: usize) -> usize {
         elems / self.block_elems() * self.block_bytes()
     }
