@@ -113,6 +113,19 @@ pub(crate) fn vnni_path() -> bool {
     }
 }
 
+/// Whether the AVX-512 VBMI byte permutes can run here (beside the [`vnni_path`] set).
+#[inline]
+pub(crate) fn vbmi_path() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vnni_path() && is_x86_feature_detected!("avx512vbmi")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `Σ a[i]·b[i]` with eight independent lanes (vectorizes without reassociation).
 #[inline(always)]
 fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {

@@ -40,7 +40,7 @@ mod int8_query;
 #[cfg(test)]
 mod test_rows;
 
-use i16_values::ValueTile;
+use i16_values::{values_avx2, ValueTile};
 use int8_query::{KeyTile, QueryCodes};
 
 /// Rows per tile: 64 f16 rows of 128 values (16 KiB) stay in L1 while the tile is swept.
@@ -532,10 +532,11 @@ trait Lanes {
         kend: usize,
     );
     /// `out += p · V` in the int8-query-i16-values arithmetic (see
-    /// [`i16_values::values_avx512`]).
+    /// [`i16_values::values_avx512`]), `v` holding the tile's rows.
     unsafe fn i16_values<const M: usize>(
         blk: &Block<'_>,
         vt: &ValueTile,
+        v: &QuantRows,
         p: &[f32],
         out: &mut [f32],
     );
@@ -615,10 +616,11 @@ macro_rules! lanes {
             unsafe fn i16_values<const M: usize>(
                 blk: &Block<'_>,
                 vt: &ValueTile,
+                v: &QuantRows,
                 p: &[f32],
                 out: &mut [f32],
             ) {
-                i16_values::$i16_values::<M>(blk, vt, p, out)
+                $i16_values::<M>(blk, vt, v, p, out)
             }
             $($own)*
             #[inline(never)]
@@ -705,7 +707,7 @@ lanes!(
     // Need AVX-512 VNNI too, which `attend` checks before it asks for int8 scores.
     stage_avx512,
     scores_avx512,
-    values_avx512,
+    i16_values_avx512,
     /// A tree of 512-bit shuffles and adds (15 merges of two registers for 16 slots, 7
     /// for 8), all EVEX-encoded: the accumulators may live in any of the 32 registers.
     #[inline(always)]
@@ -748,6 +750,22 @@ lanes!(
         _mm512_reduce_add_ps(sum)
     }
 );
+
+/// [`i16_values::values_avx512`] on a tile [`ValueTile::stage`] staged, else
+/// [`i16_values::values_vbmi`].
+#[inline(always)]
+unsafe fn i16_values_avx512<const M: usize>(
+    blk: &Block<'_>,
+    vt: &ValueTile,
+    v: &QuantRows,
+    p: &[f32],
+    out: &mut [f32],
+) {
+    match vt.has_pairs() {
+        true => i16_values::values_avx512::<M>(blk, vt, v, p, out),
+        false => i16_values::values_vbmi::<M>(blk, vt, v, p, out),
+    }
+}
 
 /// The merges of [`Avx512::sums`]: each adds two shuffles of `a` and `b`, leaving one
 /// register that holds the partial sums of both.
@@ -856,6 +874,12 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     if let Some(kq) = k.as_quant().filter(|_| int8) {
         query.quantize(q, d, kq.group, kq.bits == 4);
     }
+    // With VBMI and at most two blocks of rows the 512-bit value sums read the codes from
+    // the pool (`i16_values::values_vbmi`), each block permuting them anew, rather than
+    // staging them once per tile. At L = 4096, one thread, interleaved against staging: a
+    // 4-branch fork step (2 blocks) 2108–2316 against 2268–2445 µs; a 16-node tree verify
+    // (8 blocks) 6696–6936 against 6302–6385 µs, so more blocks stage.
+    let vbmi = i16 && L::N == 16 && rows <= 2 * L::INT8_BLOCK && crate::simd::vbmi_path();
     for j0 in keys.clone().step_by(TILE) {
         let n = TILE.min(keys.end - j0);
         let (k, v) = (
@@ -868,8 +892,10 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 .as_quant()
                 .expect("quantized keys come with quantized values");
             L::stage_keys(&mut ktile, kq, vq, j0, n, keys.end);
-            if i16 {
-                vtile.stage(vq, j0, n);
+            match (i16, vbmi) {
+                (true, true) => vtile.stage_scales(vq, n),
+                (true, false) => vtile.stage(vq, j0, n),
+                _ => {}
             }
         }
         let block = if int8 { L::INT8_BLOCK } else { L::BLOCK };
@@ -1037,7 +1063,10 @@ impl Block<'_> {
         match self.i16 {
             // SAFETY: `i16` is set only with `int8`, whose width contract it shares; the
             // tile's rows past `nb` hold weight 0.
-            Some(vt) if any => L::i16_values::<M>(&self, vt, &s.p, out),
+            Some(vt) if any => {
+                let vq = v.as_quant().expect("i16 values are quantized");
+                L::i16_values::<M>(&self, vt, vq, &s.p, out)
+            }
             _ if any => self.values::<L, M, V>(v, &s.p, out),
             _ => {}
         }

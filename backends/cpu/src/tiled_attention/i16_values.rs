@@ -26,6 +26,9 @@ pub struct ValueTile {
     /// `[group, TILE]`: each key's scale and offset per group (0 past the last key).
     scales: Vec<f32>,
     los: Vec<f32>,
+    /// Whether `pairs` holds the tile ([`ValueTile::stage`]) or the sums read the pool's
+    /// codes themselves ([`ValueTile::stage_scales`]).
+    staged: bool,
     /// Keys in the tile, values per row and per group.
     n: usize,
     d: usize,
@@ -40,9 +43,9 @@ impl ValueTile {
     /// AVX2 is present, `v`'s groups are a multiple of 32 values and `n <= TILE`.
     #[target_feature(enable = "avx2")]
     pub unsafe fn stage(&mut self, v: &QuantRows, j0: usize, n: usize) {
-        debug_assert!(n <= TILE && v.group.is_multiple_of(32) && v.ng <= MAX_GROUPS);
+        self.stage_scales(v, n);
+        self.staged = true;
         let d = v.d;
-        (self.n, self.d, self.group) = (n, d, v.group);
         let pairs = n.div_ceil(2);
         self.pairs.resize(pairs * d, 0);
         for p in 0..pairs {
@@ -61,6 +64,16 @@ impl ValueTile {
                 _mm256_storeu_si256(at.add(1), hi);
             }
         }
+    }
+
+    /// Stages only the scales and offsets of rows `[j0, j0 + n)`, for [`values_vbmi`],
+    /// which reads the codes from the pool as it sums.
+    ///
+    /// # Safety
+    /// As [`ValueTile::stage`].
+    pub unsafe fn stage_scales(&mut self, v: &QuantRows, n: usize) {
+        debug_assert!(n <= TILE && v.group.is_multiple_of(32) && v.ng <= MAX_GROUPS);
+        (self.n, self.d, self.group, self.staged) = (n, v.d, v.group, false);
         self.scales.clear();
         self.scales.resize(v.ng * TILE, 0.0);
         self.los.clear();
@@ -72,6 +85,11 @@ impl ValueTile {
                 self.los[g * TILE + jj] = *gr.add(1);
             }
         }
+    }
+
+    /// Whether [`ValueTile::stage`] staged the codes.
+    pub fn has_pairs(&self) -> bool {
+        self.staged
     }
 }
 
@@ -203,18 +221,20 @@ unsafe fn finish_slice(out: *mut f32, acc: __m256i, coded: &Coded) {
 }
 
 macro_rules! values {
-    ($name:ident, $features:literal, $v:ty, $n:literal, $slice:literal, $load:ident,
+    ($name:ident, $features:literal, $v:ty, $n:literal, $slice:literal, $pair:ident,
      $code:ident, $dot:expr, $zero:ident, $finish:expr) => {
         /// `out += p · V` for the block's `M` rows over the first `blk.nb` keys of the tile
         /// staged in `vt` (see the module docs).
         ///
         /// # Safety
-        /// The width's features are present; `p` holds the block's weights (`[rows, TILE]`,
-        /// 0 from `nb` to the next multiple of 8) and `out` its rows.
+        /// The width's features are present; `v` holds the tile's rows and `vt` was staged
+        /// as `$pair` reads it; `p` holds the block's weights (`[rows, TILE]`, 0 from `nb`
+        /// to the next multiple of 8) and `out` its rows.
         #[target_feature(enable = $features)]
         pub unsafe fn $name<const M: usize>(
             blk: &Block<'_>,
             vt: &ValueTile,
+            v: &QuantRows,
             p: &[f32],
             out: &mut [f32],
         ) {
@@ -237,8 +257,7 @@ macro_rules! values {
                 }
                 let mut acc = [[$zero(); $slice]; M];
                 for pr in 0..pairs {
-                    let at = vt.pairs.as_ptr().add(pr * d + c);
-                    let x: [$v; $slice] = std::array::from_fn(|i| $load(at.add(i * $n)));
+                    let x: [$v; $slice] = $pair(vt, v, blk.j0, pr, c);
                     for (b, a) in acc.iter_mut().enumerate() {
                         let w = *codes.get_unchecked(b).get_unchecked(pr);
                         for (a, &x) in a.iter_mut().zip(&x) {
@@ -263,12 +282,23 @@ values!(
     __m256i,
     8,
     1,
-    load256,
+    staged256,
     code256,
     |a, x, w| _mm256_add_epi32(a, _mm256_madd_epi16(x, _mm256_set1_epi32(w))),
     _mm256_setzero_si256,
-    |o, a, c| finish_slice(o, a, c)
+    finish_slice
 );
+
+/// The 512-bit sums' lanes, bit for bit (see [`finish_slice`]).
+#[inline(always)]
+unsafe fn finish512(o: *mut f32, a: __m512i, c: &Coded) {
+    let x = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(a),
+        _mm512_set1_ps(c.r),
+        _mm512_set1_ps(c.lo),
+    );
+    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), x));
+}
 
 values!(
     values_avx512,
@@ -276,29 +306,100 @@ values!(
     __m512i,
     16,
     2,
-    load512,
+    staged512,
     code512,
     |a, x, w| _mm512_dpwssd_epi32(a, x, _mm512_set1_epi32(w)),
     _mm512_setzero_si512,
-    |o: *mut f32, a: __m512i, c: &Coded| {
-        // The lanes' operations of `finish_slice`, so the same bits.
-        let x = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(a),
-            _mm512_set1_ps(c.r),
-            _mm512_set1_ps(c.lo),
-        );
-        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), x));
-    }
+    finish512
 );
 
+values!(
+    values_vbmi,
+    "avx512f,avx512bw,avx512vbmi,avx512vnni,avx2,fma",
+    __m512i,
+    16,
+    2,
+    pair_vbmi,
+    code512,
+    |a, x, w| _mm512_dpwssd_epi32(a, x, _mm512_set1_epi32(w)),
+    _mm512_setzero_si512,
+    finish512
+);
+
+/// Values `[c, c + 8)` of pair `pr`, as [`ValueTile::stage`] left them.
 #[inline(always)]
-unsafe fn load256(p: *const i32) -> __m256i {
-    _mm256_loadu_si256(p as *const __m256i)
+unsafe fn staged256(vt: &ValueTile, _: &QuantRows, _: usize, pr: usize, c: usize) -> [__m256i; 1] {
+    [_mm256_loadu_si256(
+        vt.pairs.as_ptr().add(pr * vt.d + c) as *const __m256i
+    )]
 }
 
+/// Values `[c, c + 32)` of pair `pr`, as [`ValueTile::stage`] left them.
 #[inline(always)]
-unsafe fn load512(p: *const i32) -> __m512i {
-    _mm512_loadu_si512(p as *const __m512i)
+unsafe fn staged512(vt: &ValueTile, _: &QuantRows, _: usize, pr: usize, c: usize) -> [__m512i; 2] {
+    let at = vt.pairs.as_ptr().add(pr * vt.d + c);
+    [0, 16].map(|i| _mm512_loadu_si512(at.add(i) as *const __m512i))
+}
+
+/// Values `[c, c + 32)` of pair `pr` of the tile at row `j0` of `v`, in [`ValueTile::stage`]'s
+/// layout, read from the pool's codes: per 16 values one two-source byte permute of both
+/// keys' codes ([`PAIR_BYTES`]), whose high bytes come from the first source's upper half,
+/// zero. The second key of an odd last pair reads as 0.
+///
+/// # Safety
+/// AVX-512F/BW/VBMI are present, `c + 32 <= v.d`, and the pair's rows are in `v`.
+#[inline(always)]
+unsafe fn pair_vbmi(vt: &ValueTile, v: &QuantRows, j0: usize, pr: usize, c: usize) -> [__m512i; 2] {
+    let (d, a, has_b) = (v.d, j0 + 2 * pr, 2 * pr + 1 < vt.n);
+    let (x, y, idx) = if v.bits == 8 {
+        let row = |j: usize| {
+            _mm512_zextsi256_si512(_mm256_loadu_si256(v.codes.add(j * d + c) as *const __m256i))
+        };
+        let y = if has_b {
+            row(a + 1)
+        } else {
+            _mm512_setzero_si512()
+        };
+        (row(a), y, &PAIR_BYTES[0])
+    } else {
+        // Key a's 16 bytes, then key b's: low nibbles (even values) in `x`, high in `y`.
+        let row = |j: usize| _mm_loadu_si128(v.codes.add((j * d + c) / 2) as *const __m128i);
+        let b = if has_b {
+            row(a + 1)
+        } else {
+            _mm_setzero_si128()
+        };
+        let both = _mm512_zextsi256_si512(_mm256_set_m128i(b, row(a)));
+        let nibble = _mm512_set1_epi8(0xf);
+        let y = _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble);
+        (_mm512_and_si512(both, nibble), y, &PAIR_BYTES[1])
+    };
+    idx.map(|i| _mm512_permutex2var_epi8(x, _mm512_loadu_si512(i.as_ptr().cast()), y))
+}
+
+/// The permutes of [`pair_vbmi`], for q8 then q4 codes: index `h` makes values `[16h, 16h +
+/// 16)` of a run of 32, byte `4i` (`4i + 2`) taking value `16h + i` of the pair's first
+/// (second) key and the others byte 32 of the first source (0). q8 sources hold each key's
+/// 32 codes; q4 sources the low nibbles (`x`) and high nibbles (`y`, index bit 6) of the
+/// first key's 16 bytes, then the second's.
+static PAIR_BYTES: [[[u8; 64]; 2]; 2] = [pair_bytes(8), pair_bytes(4)];
+
+const fn pair_bytes(bits: usize) -> [[u8; 64]; 2] {
+    let mut idx = [[32u8; 64]; 2];
+    let mut v = 0;
+    while v < 32 {
+        let (h, i) = (v / 16, v % 16);
+        let (a, b) = if bits == 8 {
+            (v, 64 + v)
+        } else {
+            let base = if v % 2 == 1 { 64 } else { 0 };
+            (base + v / 2, base + 16 + v / 2)
+        };
+        idx[h][4 * i] = a as u8;
+        idx[h][4 * i + 2] = b as u8;
+        v += 1;
+    }
+    idx
 }
 
 #[cfg(test)]
@@ -362,7 +463,7 @@ mod tests {
     }
 
     /// The value sum at `width` of `M` rows of weights `p` (`[M, TILE]`) over the `nb` rows
-    /// of `rows`.
+    /// of `rows`, as the kernel runs it (at 512 bits with VBMI, from the pool's codes).
     fn values_at<const M: usize>(
         width: Width,
         rows: &RandomRows,
@@ -370,20 +471,66 @@ mod tests {
         d: usize,
         nb: usize,
     ) -> Vec<f32> {
+        let vbmi = width == Width::Avx512 && crate::simd::vbmi_path();
+        values_staged::<M>(width, !vbmi, rows, p, d, nb)
+    }
+
+    /// [`values_at`], from codes staged as pairs or (`staged` false, at 512 bits with VBMI)
+    /// read from the pool.
+    fn values_staged<const M: usize>(
+        width: Width,
+        staged: bool,
+        rows: &RandomRows,
+        p: &[f32],
+        d: usize,
+        nb: usize,
+    ) -> Vec<f32> {
         let mut out = vec![0f32; M * d];
-        let mut staged = Vec::new();
+        let mut groups = Vec::new();
         // SAFETY: the caller checked the width's features; the rows hold nb rows of d.
         unsafe {
-            let v = rows.view().for_tile(0, nb, &mut staged);
+            let v = rows.view().for_tile(0, nb, &mut groups);
             let mut vt = ValueTile::default();
-            vt.stage(&v, 0, nb);
+            match staged {
+                true => vt.stage(&v, 0, nb),
+                false => vt.stage_scales(&v, nb),
+            }
             let blk = block(nb, d, 1.0);
-            match width {
-                Width::Avx512 => values_avx512::<M>(&blk, &vt, p, &mut out),
-                Width::Avx2 => values_avx2::<M>(&blk, &vt, p, &mut out),
+            match (width, staged) {
+                (Width::Avx512, true) => values_avx512::<M>(&blk, &vt, &v, p, &mut out),
+                (Width::Avx512, false) => values_vbmi::<M>(&blk, &vt, &v, p, &mut out),
+                (Width::Avx2, _) => values_avx2::<M>(&blk, &vt, &v, p, &mut out),
             }
         }
         out
+    }
+
+    /// The sums from the pool's codes (VBMI) and from staged pairs give the same bits: q8
+    /// and q4, odd and even tiles, every block size.
+    #[test]
+    fn codes_read_from_the_pool_sum_as_staged_ones() {
+        if !crate::simd::vbmi_path() {
+            eprintln!("skipped: this CPU has no AVX-512 VBMI");
+            return;
+        }
+        for (bits, group, d, nb) in [
+            (8, 32, 64, 37),
+            (8, 64, 128, 64),
+            (4, 32, 256, 5),
+            (4, 32, 64, 63),
+        ] {
+            let mut next = stream(bits as u64 * 7 + nb as u64);
+            let rows = RandomRows::new(&mut next, bits, group, d, nb);
+            let p: Vec<f32> = (0..8 * TILE)
+                .map(|i| if i % TILE < nb { next() } else { 0.0 })
+                .collect();
+            let bits_of = |staged: bool| -> Vec<u32> {
+                let out = values_staged::<8>(Width::Avx512, staged, &rows, &p, d, nb);
+                let one = values_staged::<1>(Width::Avx512, staged, &rows, &p, d, nb);
+                out.iter().chain(&one).map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(bits_of(true), bits_of(false), "q{bits} d{d} nb{nb}");
+        }
     }
 
     /// A key whose group scale is infinite under weight 0 makes its `u` NaN; the max runs
