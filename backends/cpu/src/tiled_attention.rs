@@ -704,7 +704,8 @@ lanes!(
     _mm512_storeu_ps,
     _mm512_add_ps,
     _mm512_fmadd_ps,
-    // Need AVX-512 VNNI too, which `attend` checks before it asks for int8 scores.
+    // Need AVX-512 VNNI too, which `attend` checks before it asks for int8 scores (and
+    // VBMI for the values from the pool's codes, which `accumulate` checks).
     stage_avx512,
     scores_avx512,
     i16_values_avx512,
@@ -763,7 +764,10 @@ unsafe fn i16_values_avx512<const M: usize>(
 ) {
     match vt.has_pairs() {
         true => i16_values::values_avx512::<M>(blk, vt, v, p, out),
-        false => i16_values::values_vbmi::<M>(blk, vt, v, p, out),
+        false => {
+            debug_assert!(crate::simd::vbmi_path(), "only a VBMI CPU skips the pairs");
+            i16_values::values_vbmi::<M>(blk, vt, v, p, out)
+        }
     }
 }
 
@@ -877,7 +881,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     // With VBMI and at most two blocks of rows the 512-bit value sums read the codes from
     // the pool (`i16_values::values_vbmi`), each block permuting them anew, rather than
     // staging them once per tile. At L = 4096, one thread, interleaved against staging: a
-    // 4-branch fork step (2 blocks) 2108–2316 against 2268–2445 µs; a 16-node tree verify
+    // 4-branch fork step (2 blocks) 2102–2316 against 2268–2445 µs; a 16-node tree verify
     // (8 blocks) 6696–6936 against 6302–6385 µs, so more blocks stage.
     let vbmi = i16 && L::N == 16 && rows <= 2 * L::INT8_BLOCK && crate::simd::vbmi_path();
     for j0 in keys.clone().step_by(TILE) {
@@ -1061,8 +1065,9 @@ impl Block<'_> {
             s.max[r] = new_max;
         }
         match self.i16 {
-            // SAFETY: `i16` is set only with `int8`, whose width contract it shares; the
-            // tile's rows past `nb` hold weight 0.
+            // SAFETY: `i16` is set only with `int8`, whose width contract it shares (and
+            // `vt` skipped the pairs only where `accumulate` found VBMI); the tile's rows
+            // past `nb` hold weight 0, and `v` holds its rows for the sums that read them.
             Some(vt) if any => {
                 let vq = v.as_quant().expect("i16 values are quantized");
                 L::i16_values::<M>(&self, vt, vq, &s.p, out)

@@ -2,7 +2,8 @@
 //! arithmetic, for quantized values (`lo + σ·c` per group): each tile (one run of at most
 //! [`TILE`] keys) has its value codes staged once as pairs of keys ([`ValueTile`]: 32-bit
 //! lane `d` of pair `p` holds `c[2p][d] | c[2p + 1][d] << 16`), shared by every query row
-//! of the tile; per block row and value group the weights times the scales are coded to
+//! of the tile (or, with AVX-512 VBMI and at most two blocks of rows, formed in registers
+//! from the pool as the sums read them: [`values_vbmi`]); per block row and value group the weights times the scales are coded to
 //! i16 (`u = p·σ`, `e = round(u·(32767 / max u))`, `r = max u / 32767`), and one `vpdpwssd`
 //! (AVX2: `vpmaddwd` and an add) multiplies a broadcast pair of codes with 16 (8) values of
 //! both keys at once, summing exactly in i32. Each block row then adds `r·Σ e·c` and
@@ -21,14 +22,14 @@ const MAX_GROUPS: usize = 16;
 #[derive(Default)]
 pub struct ValueTile {
     /// `[pair, d]`: the codes of keys `2p` and `2p + 1` of the tile, as i16 pairs (0 past
-    /// the tile's last key).
+    /// the tile's last key); only where `pairs_staged`.
     pairs: Vec<i32>,
     /// `[group, TILE]`: each key's scale and offset per group (0 past the last key).
     scales: Vec<f32>,
     los: Vec<f32>,
     /// Whether `pairs` holds the tile ([`ValueTile::stage`]) or the sums read the pool's
     /// codes themselves ([`ValueTile::stage_scales`]).
-    staged: bool,
+    pairs_staged: bool,
     /// Keys in the tile, values per row and per group.
     n: usize,
     d: usize,
@@ -44,7 +45,7 @@ impl ValueTile {
     #[target_feature(enable = "avx2")]
     pub unsafe fn stage(&mut self, v: &QuantRows, j0: usize, n: usize) {
         self.stage_scales(v, n);
-        self.staged = true;
+        self.pairs_staged = true;
         let d = v.d;
         let pairs = n.div_ceil(2);
         self.pairs.resize(pairs * d, 0);
@@ -66,14 +67,15 @@ impl ValueTile {
         }
     }
 
-    /// Stages only the scales and offsets of rows `[j0, j0 + n)`, for [`values_vbmi`],
-    /// which reads the codes from the pool as it sums.
+    /// Stages only the scales and offsets of the tile's `n` rows, for [`values_vbmi`], which
+    /// reads the codes from the pool as it sums.
     ///
     /// # Safety
-    /// As [`ValueTile::stage`].
+    /// `v` is the view [`super::RowView::for_tile`] made for the tile's `n` rows, its groups
+    /// a multiple of 32 values, and `n <= TILE`.
     pub unsafe fn stage_scales(&mut self, v: &QuantRows, n: usize) {
         debug_assert!(n <= TILE && v.group.is_multiple_of(32) && v.ng <= MAX_GROUPS);
-        (self.n, self.d, self.group, self.staged) = (n, v.d, v.group, false);
+        (self.n, self.d, self.group, self.pairs_staged) = (n, v.d, v.group, false);
         self.scales.clear();
         self.scales.resize(v.ng * TILE, 0.0);
         self.los.clear();
@@ -89,7 +91,7 @@ impl ValueTile {
 
     /// Whether [`ValueTile::stage`] staged the codes.
     pub fn has_pairs(&self) -> bool {
-        self.staged
+        self.pairs_staged
     }
 }
 
@@ -329,6 +331,7 @@ values!(
 /// Values `[c, c + 8)` of pair `pr`, as [`ValueTile::stage`] left them.
 #[inline(always)]
 unsafe fn staged256(vt: &ValueTile, _: &QuantRows, _: usize, pr: usize, c: usize) -> [__m256i; 1] {
+    debug_assert!(vt.pairs_staged);
     [_mm256_loadu_si256(
         vt.pairs.as_ptr().add(pr * vt.d + c) as *const __m256i
     )]
@@ -337,6 +340,7 @@ unsafe fn staged256(vt: &ValueTile, _: &QuantRows, _: usize, pr: usize, c: usize
 /// Values `[c, c + 32)` of pair `pr`, as [`ValueTile::stage`] left them.
 #[inline(always)]
 unsafe fn staged512(vt: &ValueTile, _: &QuantRows, _: usize, pr: usize, c: usize) -> [__m512i; 2] {
+    debug_assert!(vt.pairs_staged);
     let at = vt.pairs.as_ptr().add(pr * vt.d + c);
     [0, 16].map(|i| _mm512_loadu_si512(at.add(i) as *const __m512i))
 }
@@ -472,30 +476,35 @@ mod tests {
         nb: usize,
     ) -> Vec<f32> {
         let vbmi = width == Width::Avx512 && crate::simd::vbmi_path();
-        values_staged::<M>(width, !vbmi, rows, p, d, nb)
+        values_staged::<M>(width, !vbmi, rows, (0, nb), p, d, nb)
     }
 
-    /// [`values_at`], from codes staged as pairs or (`staged` false, at 512 bits with VBMI)
-    /// read from the pool.
+    /// [`values_at`] over the first `nb` keys of the tile of `n` rows from row `j0` of
+    /// `rows` (`tile`), from codes staged as pairs or (`staged` false, at 512 bits with
+    /// VBMI) read from the pool.
     fn values_staged<const M: usize>(
         width: Width,
         staged: bool,
         rows: &RandomRows,
+        (j0, n): (usize, usize),
         p: &[f32],
         d: usize,
         nb: usize,
     ) -> Vec<f32> {
         let mut out = vec![0f32; M * d];
         let mut groups = Vec::new();
-        // SAFETY: the caller checked the width's features; the rows hold nb rows of d.
+        // SAFETY: the caller checked the width's features; the rows hold j0 + n rows of d.
         unsafe {
-            let v = rows.view().for_tile(0, nb, &mut groups);
+            let v = rows.view().for_tile(j0, n, &mut groups);
             let mut vt = ValueTile::default();
             match staged {
-                true => vt.stage(&v, 0, nb),
-                false => vt.stage_scales(&v, nb),
+                true => vt.stage(&v, j0, n),
+                false => vt.stage_scales(&v, n),
             }
-            let blk = block(nb, d, 1.0);
+            let blk = Block {
+                j0,
+                ..block(nb, d, 1.0)
+            };
             match (width, staged) {
                 (Width::Avx512, true) => values_avx512::<M>(&blk, &vt, &v, p, &mut out),
                 (Width::Avx512, false) => values_vbmi::<M>(&blk, &vt, &v, p, &mut out),
@@ -506,30 +515,39 @@ mod tests {
     }
 
     /// The sums from the pool's codes (VBMI) and from staged pairs give the same bits: q8
-    /// and q4, odd and even tiles, every block size.
+    /// and q4, odd and even tiles, a tile past the pool's first, keys the block cannot see
+    /// (`nb < n`), every block size. (`values_at` takes the VBMI path where the CPU has it,
+    /// so the arithmetic tests check the staged 512-bit sums through this one.)
     #[test]
     fn codes_read_from_the_pool_sum_as_staged_ones() {
         if !crate::simd::vbmi_path() {
             eprintln!("skipped: this CPU has no AVX-512 VBMI");
             return;
         }
-        for (bits, group, d, nb) in [
-            (8, 32, 64, 37),
-            (8, 64, 128, 64),
-            (4, 32, 256, 5),
-            (4, 32, 64, 63),
-        ] {
-            let mut next = stream(bits as u64 * 7 + nb as u64);
-            let rows = RandomRows::new(&mut next, bits, group, d, nb);
+        let shapes = [
+            (8, 32, 64, 37, 37),
+            (8, 64, 128, 64, 64),
+            (8, 32, 128, 40, 63),
+            (4, 32, 256, 5, 5),
+            (4, 32, 64, 63, 64),
+            (4, 32, 64, 20, 33),
+        ];
+        for (bits, group, d, nb, n) in shapes {
+            let mut next = stream(bits as u64 * 7 + nb as u64 + n as u64);
+            let rows = RandomRows::new(&mut next, bits, group, d, TILE + n);
             let p: Vec<f32> = (0..8 * TILE)
                 .map(|i| if i % TILE < nb { next() } else { 0.0 })
                 .collect();
-            let bits_of = |staged: bool| -> Vec<u32> {
-                let out = values_staged::<8>(Width::Avx512, staged, &rows, &p, d, nb);
-                let one = values_staged::<1>(Width::Avx512, staged, &rows, &p, d, nb);
-                out.iter().chain(&one).map(|x| x.to_bits()).collect()
-            };
-            assert_eq!(bits_of(true), bits_of(false), "q{bits} d{d} nb{nb}");
+            for j0 in [0, TILE] {
+                let bits_of = |staged: bool| -> Vec<u32> {
+                    let tile = (j0, n);
+                    let out = values_staged::<8>(Width::Avx512, staged, &rows, tile, &p, d, nb);
+                    let one = values_staged::<1>(Width::Avx512, staged, &rows, tile, &p, d, nb);
+                    out.iter().chain(&one).map(|x| x.to_bits()).collect()
+                };
+                let what = format!("q{bits} d{d} nb{nb} n{n} j0 {j0}");
+                assert_eq!(bits_of(true), bits_of(false), "{what}");
+            }
         }
     }
 
