@@ -43,7 +43,8 @@ pub struct CacheConfig {
     /// The layers that attend through a sliding window (`None`: every layer attends fully).
     #[serde(default)]
     pub sliding: Option<SlidingLayers>,
-    /// The short-convolution layers of a hybrid model (`None`: none); they hold no K/V.
+    /// The short-convolution layers of a hybrid model (`None`: none); they hold no K/V and
+    /// no rows per cell (their state, the convolution's tail, is kept as anchors).
     #[serde(default)]
     pub conv: Option<ConvLayers>,
     /// The gated delta-rule layers of a hybrid model (`None`: none); they hold no K/V and
@@ -119,12 +120,11 @@ pub struct SlidingLayers {
 /// The short-convolution layers of a hybrid model (LFM2): recurrent layers whose state is
 /// the tail of a causal depthwise convolution over their input rows.
 ///
-/// The cache keeps each such layer's input row (`channels` f32 values) in a pool indexed by
-/// the same cells as the K/V rows, so the state at any position is a function of the rows of
-/// its last `width - 1` positions: every verb (rewind, `seq_rm`, `seq_cp`, fork, tree
-/// commit, a dropped step) is exact on it as it is on K/V, and no checkpoint is kept. A
-/// saved sequence carries only the rows of its last `width - 1` positions: after an import,
-/// a verb that would continue it from an earlier position is refused `out_of_window`.
+/// A sequence's state after a position is the layer's input rows of its last `width - 1`
+/// positions (`channels` f32 values each). The cache keeps it as it keeps a delta-rule
+/// layer's ([`DeltaLayers`]): in **anchors**, the state of every recurrent layer after the
+/// token of a cell, so every verb that ends a sequence where an anchor is kept is exact and
+/// the others are refused (see `docs/architecture.md`, "Recurrent state").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ConvLayers {
     /// Taps of the convolution, the current position's included (`>= 2`; LFM2's
@@ -188,15 +188,15 @@ impl DeltaLayers {
     }
 }
 
-/// Anchors a delta-rule cache keeps beyond those a sequence needs to continue (the newest;
+/// Anchors a recurrent cache keeps beyond those a sequence needs to continue (the newest;
 /// older step ends a `rewind` or `seq_rm` may return to).
 pub const SPARE_ANCHORS: usize = 8;
 
-/// Published prefix ends whose anchors a delta-rule cache keeps (the newest), as a sliding
+/// Published prefix ends whose anchors a recurrent cache keeps (the newest), as a sliding
 /// group pins its windows.
 pub const PINNED_ANCHORS: usize = 4;
 
-/// Prompt ends whose anchors a delta-rule cache keeps (the newest): the end of a sequence's
+/// Prompt ends whose anchors a recurrent cache keeps (the newest): the end of a sequence's
 /// run of two or more tokens in a step whose last token's output is read and the one
 /// before it not (the last chunk of a prompt). A chat whose template renders the last answer differently the next
 /// turn (reasoning dropped, text trimmed) returns there instead of to the start, as
@@ -335,12 +335,14 @@ impl CacheConfig {
         self.delta.is_some_and(|d| d.layers.contains(layer))
     }
 
-    /// Bytes of one anchor: the state of every delta-rule layer after one token (0 without
-    /// such layers).
+    /// Bytes of one anchor: the state of every recurrent (delta-rule and convolution) layer
+    /// after one token (0 without such layers).
     pub fn anchor_bytes(&self) -> u64 {
-        self.delta.map_or(0, |d| {
-            4 * (d.layers.len() * (d.state_len() + d.tail_len())) as u64
-        })
+        let delta = self
+            .delta
+            .map_or(0, |d| d.layers.len() * (d.state_len() + d.tail_len()));
+        let conv = self.conv.map_or(0, |c| c.layers.len() * c.tail_len());
+        4 * (delta + conv) as u64
     }
 
     /// Whether `layer` is a short-convolution layer.
@@ -361,20 +363,10 @@ impl CacheConfig {
             - self.delta.map_or(0, |d| d.layers.len())
     }
 
-    /// Bytes of the pools indexed by cells (K and V of the fully attending layers, the
-    /// convolution layers' input rows) holding `cells` cells each; `None` on overflow.
+    /// Bytes of the pools indexed by cells (K and V of the fully attending layers) holding
+    /// `cells` cells each; `None` on overflow.
     pub fn pools_bytes(&self, cells: usize) -> Option<u64> {
-        self.layer_pools_bytes(self.full_layers(), cells)?
-            .checked_add(self.conv_pools_bytes(cells)?)
-    }
-
-    /// Bytes of the convolution layers' row pools (f32) holding `cells` cells each.
-    pub fn conv_pools_bytes(&self, cells: usize) -> Option<u64> {
-        self.conv.map_or(Some(0), |c| {
-            (c.layers.len() as u64)
-                .checked_mul(cells as u64)?
-                .checked_mul(4 * c.channels as u64)
-        })
+        self.layer_pools_bytes(self.full_layers(), cells)
     }
 
     /// Bytes of the K and V pools of `layers` layers holding `cells` cells each.

@@ -36,7 +36,7 @@ pub enum LayerAttention {
         window: usize,
     },
     /// No attention: a recurrent short convolution (LFM2), whose state is its input rows of
-    /// the last `width - 1` positions (see [`ConvLayers`]).
+    /// the last `width - 1` positions per sequence (see [`ConvLayers`]).
     Conv {
         /// Taps, the current position's included.
         width: usize,
@@ -306,21 +306,21 @@ impl ModelCacheSpec {
         2 * self.n_kv_heads * dtype.row_bytes(self.head_dim)
     }
 
-    /// Cache bytes one token takes in a layer of kind `layer`: its K and V rows, a
-    /// convolution layer's f32 input row, nothing in a delta-rule layer (its state is per
-    /// sequence, [`ModelCacheSpec::state_bytes`]).
+    /// Cache bytes one token takes in a layer of kind `layer`: its K and V rows, nothing in
+    /// a recurrent (convolution or delta-rule) layer (its state is per sequence,
+    /// [`ModelCacheSpec::state_bytes`]).
     pub fn bytes_per_token(&self, layer: LayerAttention, dtype: KvDtype) -> usize {
         match layer {
             LayerAttention::Full | LayerAttention::Sliding { .. } => {
                 self.layer_bytes_per_token(dtype)
             }
-            LayerAttention::Conv { channels, .. } => 4 * channels,
-            LayerAttention::Delta { .. } => 0,
+            LayerAttention::Conv { .. } | LayerAttention::Delta { .. } => 0,
         }
     }
 
-    /// Bytes of one anchor of a sequence's delta-rule state (every such layer's f32
-    /// `head_dim × head_dim` matrices and convolution tail): what each kept anchor costs.
+    /// Bytes of one anchor of a sequence's recurrent state (every delta-rule layer's f32
+    /// `head_dim × head_dim` matrices and convolution tail, every convolution layer's tail):
+    /// what each kept anchor costs.
     pub fn state_bytes(&self) -> usize {
         self.layers
             .iter()
@@ -334,6 +334,7 @@ impl ModelCacheSpec {
                     4 * (value_heads * head_dim * head_dim
                         + (width - 1) * (2 * key_heads + value_heads) * head_dim)
                 }
+                LayerAttention::Conv { width, channels } => 4 * (width - 1) * channels,
                 _ => 0,
             })
             .sum()
@@ -341,7 +342,7 @@ impl ModelCacheSpec {
 
     /// Cache bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
     /// `window + ubatch` of them (the window plus one micro-batch in flight), with the
-    /// anchor of its end (delta-rule layers).
+    /// anchor of its end (recurrent layers).
     pub fn sequence_bytes(&self, dtype: KvDtype, tokens: usize, ubatch: usize) -> u128 {
         self.layers
             .iter()
@@ -433,7 +434,7 @@ mod tests {
     }
 
     #[test]
-    fn conv_layers_hold_an_f32_row_per_token_and_no_kv() {
+    fn conv_layers_hold_a_tail_per_sequence_and_no_kv() {
         // LFM2-350M's pattern: 16 layers, attention at 2, 5, 8, 10, 12, 14.
         let attn = [2, 5, 8, 10, 12, 14];
         let types: Vec<&str> = (0..16)
@@ -455,9 +456,11 @@ mod tests {
         assert!(attn.iter().all(|&l| !conv.layers.contains(l)));
         assert_eq!(spec.sliding().unwrap(), None);
         let per_attn = spec.layer_bytes_per_token(KvDtype::F16) as u128;
+        // Per token the attention layers' K/V; per sequence each conv layer's last 2 rows.
+        assert_eq!(spec.state_bytes(), 10 * 2 * 4 * 1024);
         assert_eq!(
             spec.sequence_bytes(KvDtype::F16, 10, 0),
-            10 * (6 * per_attn + 10 * 4 * 1024)
+            10 * 6 * per_attn + 10 * 2 * 4 * 1024
         );
         for bad in [
             json!({"layer_types": ["conv"], "hidden_size": 8}),

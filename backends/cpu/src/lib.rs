@@ -21,13 +21,12 @@ pub mod workers;
 #[cfg(all(feature = "xnnpack", target_os = "linux"))]
 pub mod xnnpack;
 
-use kvplug_backend_kit::device::NO_CELL;
 use kvplug_backend_kit::{AttendMask, Backend, Device, KitError};
 use kvplug_core::{Arithmetic, CacheError, KvDtype};
 use kvplug_plugin_api::{HostTensor, TensorDtype};
 
 use crate::attention::CpuScratch;
-use crate::pool::{CpuPool, Storage};
+use crate::pool::CpuPool;
 use crate::tensor::CpuTensor;
 
 /// The CPU device. Stateless: host memory needs no context.
@@ -150,39 +149,6 @@ impl Device for CpuDevice {
             for (c, n) in runs(cells) {
                 pool.write_canonical(h, c, n, &rows[at..at + n * row]);
                 at += n * row;
-            }
-        }
-        Ok(())
-    }
-
-    /// In place over the pool's f32 rows, into `out`'s buffer: nothing allocated.
-    fn short_conv(
-        &self,
-        pool: &CpuPool,
-        taps: &[u32],
-        width: usize,
-        kernel: &CpuTensor,
-        out: &mut CpuTensor,
-    ) -> Result<(), KitError> {
-        let Storage::F32(rows) = &pool.storage else {
-            return Err(KitError::Device(
-                "short_conv: convolution rows live in f32 pools".into(),
-            ));
-        };
-        let channels = pool.head_dim;
-        out.dims.clear();
-        out.dims.extend([taps.len() / width, channels]);
-        out.data.clear();
-        out.data.resize(taps.len() / width * channels, 0.0);
-        for (y, window) in out.data.chunks_exact_mut(channels).zip(taps.chunks(width)) {
-            for (j, &cell) in window.iter().enumerate() {
-                if cell == NO_CELL {
-                    continue;
-                }
-                let x = &rows[cell as usize * channels..(cell as usize + 1) * channels];
-                for (c, (y, x)) in y.iter_mut().zip(x).enumerate() {
-                    *y += kernel.data[c * width + j] * x;
-                }
             }
         }
         Ok(())

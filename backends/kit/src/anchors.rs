@@ -1,6 +1,7 @@
-//! The gated delta rule's state (Qwen3.5 linear attention) in a [`KitCache`](crate::KitCache):
-//! **anchors**, the state of every delta-rule layer after the token of one cell, and the
-//! rule itself run over a step's tokens.
+//! The recurrent layers' state in a [`KitCache`](crate::KitCache): **anchors**, the state of
+//! every recurrent layer after the token of one cell (a gated delta-rule layer's matrices
+//! and convolution tail, as Qwen3.5's linear attention keeps them; a short-convolution
+//! layer's tail, as LFM2's), and those layers run over a step's tokens.
 //!
 //! A step resumes each token from the state after its sequence's previous position: the
 //! previous token of the step when it is that position (a chain), another token of the step
@@ -11,16 +12,23 @@
 //! always finds its state. States are f32 and live in host memory.
 
 use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
-use kvplug_core::{Bookkeeping, CacheError, CacheResult, DeltaLayers, StepPlan, MAX_SEQS};
+use kvplug_core::{
+    Bookkeeping, CacheConfig, CacheError, CacheResult, ConvLayers, DeltaLayers, StepPlan, MAX_SEQS,
+};
 
 use crate::delta_rule::{two, Rows, Run, Scratch, States, Tokens, NO_STATE};
-use crate::device::NO_CELL;
+
+/// A tap that reads no cell: a token at the start of its sequence (its state starts from
+/// zeros).
+pub(crate) const NO_CELL: u32 = u32::MAX;
 
 const NONE: u32 = u32::MAX;
 
 /// One anchor's storage.
 struct Slot {
-    /// Every delta layer's state, `[layer][value head][dv][dk]` (row `j` holds `S[·][j]`).
+    /// Every recurrent layer's state, ascending by layer: a delta layer's
+    /// `[value head][dv][dk]` (row `j` holds `S[·][j]`) then its convolution tail, a
+    /// convolution layer's tail (its last `width - 1` input rows, oldest first).
     data: Vec<f32>,
     /// The cell it anchors (`NONE`: free or held by the open step).
     cell: u32,
@@ -40,11 +48,14 @@ enum Pin {
     Prompt,
 }
 
-/// The anchors of a cache with delta-rule layers, and the open step's working state.
+/// The anchors of a cache with recurrent layers, and the open step's working state.
 pub struct Anchors {
-    d: DeltaLayers,
-    /// The index among delta layers of each layer of the model (`NONE` for the others).
-    index: Vec<u32>,
+    delta: Option<DeltaLayers>,
+    conv: Option<ConvLayers>,
+    /// Where each layer of the model starts in an anchor's data (`NONE` for the others).
+    offset: Vec<u32>,
+    /// f32 values of one anchor.
+    per_slot: usize,
     slot_of: Vec<u32>,
     slots: Vec<Slot>,
     free: Vec<u32>,
@@ -60,7 +71,7 @@ pub struct Anchors {
     /// Whether the open step is a tree frontier (every node keeps its state; none is a
     /// prompt).
     step_tree: bool,
-    /// One token's convolution output.
+    /// One token's convolution output (delta or convolution layer).
     mixed: Vec<f32>,
     /// Per token of the step, the rule's inputs (laid out as [`Tokens`] says): normalized
     /// q and k, SiLU'd v, per value head the log decay and step size.
@@ -83,14 +94,32 @@ pub struct Anchors {
 }
 
 impl Anchors {
-    /// Anchors for `d`, the delta layers among `n_layers`.
-    pub fn new(d: DeltaLayers, n_layers: usize) -> Self {
-        let mut index = vec![NONE; n_layers];
-        for (i, l) in d.layers.iter().enumerate() {
-            index[l] = i as u32;
+    /// Anchors for the recurrent (delta-rule and short-convolution) layers of `cfg`; `None`
+    /// without any.
+    pub fn new(cfg: &CacheConfig) -> Option<Self> {
+        let (delta, conv) = (cfg.delta, cfg.conv);
+        if delta.is_none() && conv.is_none() {
+            return None;
         }
-        Anchors {
-            index,
+        let mut offset = vec![NONE; cfg.n_layers];
+        let mut per_slot = 0;
+        for (l, at) in offset.iter_mut().enumerate() {
+            let len = match (delta.filter(|d| d.layers.contains(l)), conv) {
+                (Some(d), _) => d.state_len() + d.tail_len(),
+                (None, Some(c)) if c.layers.contains(l) => c.tail_len(),
+                _ => continue,
+            };
+            *at = per_slot as u32;
+            per_slot += len;
+        }
+        let mixed = delta
+            .map_or(0, |d| d.conv_channels())
+            .max(conv.map_or(0, |c| c.channels));
+        Some(Anchors {
+            delta,
+            conv,
+            offset,
+            per_slot,
             slot_of: Vec::new(),
             slots: Vec::new(),
             free: Vec::new(),
@@ -100,7 +129,7 @@ impl Anchors {
             step_slot: Vec::new(),
             step_home: Vec::new(),
             step_tree: false,
-            mixed: vec![0.0; d.conv_channels()],
+            mixed: vec![0.0; mixed],
             qk: Vec::new(),
             v: Vec::new(),
             lg: Vec::new(),
@@ -112,16 +141,15 @@ impl Anchors {
             use_of: Vec::new(),
             spare: Vec::new(),
             dead: Vec::new(),
-            d,
-        }
+        })
     }
 
-    /// The layer's index among the delta layers, if it is one.
-    pub fn delta_index(&self, layer: usize) -> Option<usize> {
-        self.index
+    /// Where `layer`'s state starts in an anchor, if it is a recurrent layer.
+    fn offset(&self, layer: usize) -> Option<usize> {
+        self.offset
             .get(layer)
-            .filter(|&&i| i != NONE)
-            .map(|&i| i as usize)
+            .filter(|&&at| at != NONE)
+            .map(|&at| at as usize)
     }
 
     /// Makes room to anchor cells `0..cells` (as the pools grow: a step then finds it).
@@ -142,16 +170,11 @@ impl Anchors {
     }
 
     fn per_slot(&self) -> usize {
-        self.d.layers.len() * self.per_layer()
+        self.per_slot
     }
 
-    /// One layer's part of an anchor: the rule's state, then the convolution's tail.
-    fn per_layer(&self) -> usize {
-        self.d.state_len() + self.d.tail_len()
-    }
-
-    /// The state anchored at `cell` (every delta layer's, as [`SeqRows::state`] lays it
-    /// out), if any.
+    /// The state anchored at `cell` (every recurrent layer's, as [`SeqRows::state`] lays
+    /// it out), if any.
     ///
     /// [`SeqRows::state`]: kvplug_plugin_api::SeqRows::state
     pub fn state_at(&self, cell: usize) -> Option<&[f32]> {
@@ -334,14 +357,21 @@ impl Anchors {
         eps: f32,
         out: &mut [f32],
     ) -> CacheResult<()> {
-        let li = self
-            .delta_index(layer)
-            .ok_or_else(|| CacheError::bad_shape(format!("layer {layer} is no delta layer")))?;
-        let d = self.d;
+        let (Some(d), Some(at)) = (
+            self.delta.filter(|d| d.layers.contains(layer)),
+            self.offset(layer),
+        ) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is no delta layer"
+            )));
+        };
         let (hk, hv, n, w) = (d.key_heads, d.value_heads, d.head_dim, d.width);
-        let (sl, ch, pl) = (d.state_len(), d.conv_channels(), self.per_layer());
+        let (sl, ch, pl) = (
+            d.state_len(),
+            d.conv_channels(),
+            d.state_len() + d.tail_len(),
+        );
         let t = self.step_cell.len();
-        let at = li * pl;
         let qk_len = 2 * hk * n;
         self.qk.resize(t * qk_len, 0.0);
         self.v.resize(t * hv * n, 0.0);
@@ -351,14 +381,11 @@ impl Anchors {
         // Each token in order: its convolution from its sequence's tail (which moves along
         // with it), activations and gates; the runs of tokens advancing one state.
         for i in 0..t {
-            let resumes = i > 0 && self.step_pred[i] == self.step_cell[i - 1];
-            let src = if resumes {
-                Some(self.step_home[i - 1])
-            } else {
-                self.source(i)?
-            };
+            let row = &x[i * ch..(i + 1) * ch];
+            let src = self.convolve(i, at + sl..at + pl, row, kernel, w)?;
             let home = self.step_home[i];
-            if resumes && home == self.step_home[i - 1] {
+            if i > 0 && self.step_pred[i] == self.step_cell[i - 1] && home == self.step_home[i - 1]
+            {
                 self.runs.last_mut().expect("a run is open").end = i + 1;
             } else {
                 self.runs.push(Run {
@@ -368,35 +395,7 @@ impl Anchors {
                     home,
                 });
             }
-            let tails = at + sl..at + pl;
-            let home = home as usize;
-            let (old, tail): (Option<&[f32]>, &mut [f32]) = match src {
-                Some(s) if s as usize == home => (None, &mut self.slots[home].data[tails]),
-                Some(s) => {
-                    let (src, dst) = two(&mut self.slots, s as usize, home);
-                    (Some(&src.data[tails.clone()]), &mut dst.data[tails])
-                }
-                None => {
-                    let dst = &mut self.slots[home].data[tails];
-                    dst.fill(0.0);
-                    (None, dst)
-                }
-            };
-            // The convolution: the tail's rows (oldest first), then the token's own; the
-            // new tail drops the oldest row and ends with the token's.
-            let row = &x[i * ch..(i + 1) * ch];
-            let old_rows = old.unwrap_or(tail);
-            for (c, m) in self.mixed.iter_mut().enumerate() {
-                let k = &kernel[c * w..(c + 1) * w];
-                let past: f32 = (0..w - 1).map(|j| k[j] * old_rows[j * ch + c]).sum();
-                *m = past + k[w - 1] * row[c];
-            }
-            match old {
-                Some(o) => tail[..(w - 2) * ch].copy_from_slice(&o[ch..]),
-                None => tail.copy_within(ch.., 0),
-            }
-            tail[(w - 2) * ch..].copy_from_slice(row);
-            let mixed = &self.mixed[..];
+            let mixed = &self.mixed[..ch];
             // SiLU, then L2-normalize q and k per key head; q also by 1/√dk.
             let qk = &mut self.qk[i * qk_len..(i + 1) * qk_len];
             for (h, qk) in qk.chunks_mut(n).enumerate() {
@@ -462,6 +461,80 @@ impl Anchors {
             tokens.advance(0..hv, runs, &mut states, &mut rows, sc_a);
         }
         Ok(())
+    }
+
+    /// Runs short-convolution layer `layer` over the open step: `x` `[T, channels]` are its
+    /// input rows, `kernel` `[channels, width]`; writes `out` `[T, channels]`, per token the
+    /// causal depthwise convolution over its sequence's last `width` rows, the token's own
+    /// last (zeros before the sequence began), summed oldest first in f32.
+    pub fn run_conv(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        kernel: &[f32],
+        out: &mut [f32],
+    ) -> CacheResult<()> {
+        let (Some(c), Some(at)) = (
+            self.conv.filter(|c| c.layers.contains(layer)),
+            self.offset(layer),
+        ) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is no convolution layer"
+            )));
+        };
+        let ch = c.channels;
+        for i in 0..self.step_cell.len() {
+            let row = &x[i * ch..(i + 1) * ch];
+            self.convolve(i, at..at + c.tail_len(), row, kernel, c.width)?;
+            out[i * ch..(i + 1) * ch].copy_from_slice(&self.mixed[..ch]);
+        }
+        Ok(())
+    }
+
+    /// Token `i`'s convolution in the layer whose tail lies at `tails` of an anchor's data:
+    /// the tail's rows (oldest first), then `row` (the token's own), weighted by `kernel`
+    /// (`[row.len(), w]`), into `mixed`; the tail moves along into the token's home slot,
+    /// dropping its oldest row and ending with `row`. Returns the slot the token resumed
+    /// from (`None`: zeros, at a sequence's start).
+    fn convolve(
+        &mut self,
+        i: usize,
+        tails: std::ops::Range<usize>,
+        row: &[f32],
+        kernel: &[f32],
+        w: usize,
+    ) -> CacheResult<Option<u32>> {
+        let ch = row.len();
+        let src = if i > 0 && self.step_pred[i] == self.step_cell[i - 1] {
+            Some(self.step_home[i - 1])
+        } else {
+            self.source(i)?
+        };
+        let home = self.step_home[i] as usize;
+        let (old, tail): (Option<&[f32]>, &mut [f32]) = match src {
+            Some(s) if s as usize == home => (None, &mut self.slots[home].data[tails]),
+            Some(s) => {
+                let (src, dst) = two(&mut self.slots, s as usize, home);
+                (Some(&src.data[tails.clone()]), &mut dst.data[tails])
+            }
+            None => {
+                let dst = &mut self.slots[home].data[tails];
+                dst.fill(0.0);
+                (None, dst)
+            }
+        };
+        let old_rows = old.unwrap_or(tail);
+        for (c, m) in self.mixed[..ch].iter_mut().enumerate() {
+            let k = &kernel[c * w..(c + 1) * w];
+            let past: f32 = (0..w - 1).map(|j| k[j] * old_rows[j * ch + c]).sum();
+            *m = past + k[w - 1] * row[c];
+        }
+        match old {
+            Some(o) => tail[..(w - 2) * ch].copy_from_slice(&o[ch..]),
+            None => tail.copy_within(ch.., 0),
+        }
+        tail[(w - 2) * ch..].copy_from_slice(row);
+        Ok(src)
     }
 
     /// The slot holding the state token `i` resumes from (`None`: zeros, at a sequence's
@@ -602,7 +675,7 @@ impl Anchors {
                         self.use_of = use_of;
                         return Err(CacheError::out_of_window(format!(
                             "the recurrent state after position {q} is not kept: a hybrid \
-                             cache with delta-rule layers can return only to the end of one \
+                             cache with recurrent layers can return only to the end of one \
                              of the last {SPARE_ANCHORS} steps, of one of the last \
                              {PROMPT_END_ANCHORS} prompts or of a published prefix"
                         )));
@@ -612,7 +685,7 @@ impl Anchors {
         }
         if let Some(h) = (0..MAX_SEQS).find(|&h| last[h] >= 0 && held[h] != last[h] as usize + 1) {
             return Err(CacheError::bad_shape(format!(
-                "sequence {h} would hold {} of its positions 0..={}: a delta-rule state \
+                "sequence {h} would hold {} of its positions 0..={}: a recurrent state \
                  cannot forget the middle of a sequence (remove a tail instead)",
                 held[h], last[h]
             )));

@@ -4,21 +4,17 @@ use std::sync::Arc;
 
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
-    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, KvDtype, MaskKind,
-    PlanKind, PosRange, PrefixStats, SlotMap, MAX_SEQS,
+    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind,
+    PosRange, PrefixStats, SlotMap,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, HostTensor, PluginError, SeqRows, TensorDtype};
 
-use crate::anchors::Anchors;
-use crate::device::{AttendMask, Device, NO_CELL};
+use crate::anchors::{Anchors, NO_CELL};
+use crate::device::{AttendMask, Device};
 
 /// Rows [`KitCache::import_seq`] writes per step (bounds the step plan and the staging copy).
 pub const IMPORT_CHUNK: usize = 512;
-
-/// The `cell_pos` of an imported cell whose convolution rows the saved sequence did not
-/// carry (it carries only its last `width - 1` positions').
-const UNRESTORED: i32 = i32::MIN;
 
 /// A refused call (cache error, input unchanged) or a device failure.
 #[derive(Debug, thiserror::Error)]
@@ -44,8 +40,7 @@ impl From<KitError> for PluginError {
 /// Memory and last-step statistics of a [`KitCache`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KitStats {
-    /// Bytes of every layer's K and V pools, the convolution layers' rows and the
-    /// delta-rule layers' anchors.
+    /// Bytes of every layer's K and V pools and of the recurrent layers' anchors.
     pub allocated_bytes: usize,
     /// Rows per head each full layer's pool has room for.
     pub pool_cells: usize,
@@ -72,12 +67,10 @@ pub struct KitStats {
 /// with its own pools, indexed by the group's [`SlotMap`]: bounded by the window whatever
 /// the history, read under the window's mask.
 ///
-/// Short-convolution layers (LFM2, see [`kvplug_core::ConvLayers`]) keep their f32 input
-/// rows in pools indexed by the K/V cells: a token's convolution reads the rows of its own
-/// last positions among the cells its query may see, so the state follows every verb. A
-/// saved sequence carries only its last `width - 1` rows (as its state): after an import,
-/// a verb that would make a sequence continue from an earlier position is refused
-/// `out_of_window`, as a delta-rule cache refuses one where it kept no anchor.
+/// Recurrent layers (short-convolution layers, LFM2's, see [`kvplug_core::ConvLayers`];
+/// gated delta-rule layers, Qwen3.5's, see [`kvplug_core::DeltaLayers`]) hold no rows: their
+/// per-sequence state is kept as [`Anchors`], the state after chosen cells, and a verb that
+/// would leave a sequence ending where none is kept is refused.
 pub struct KitCache<D: Device> {
     device: Arc<D>,
     cfg: CacheConfig,
@@ -88,27 +81,18 @@ pub struct KitCache<D: Device> {
     v: Vec<D::Pool>,
     pool_cells: usize,
     sliding: Option<SlidingGroup<D>>,
-    /// The convolution layers' row pools (f32, one head of `channels`), indexed by cells.
-    conv: Vec<D::Pool>,
-    /// The position each cell was last written at (kept only with convolution layers): with
-    /// the plan's visibility, where a token finds the rows of its previous positions.
-    /// [`UNRESTORED`] for an imported cell without convolution rows.
+    /// The position each cell was last written at (kept only with recurrent layers): with
+    /// the plan's visibility, where a token finds the cell of its previous position.
     cell_pos: Vec<i32>,
-    /// Whether an import left cells [`UNRESTORED`]: verbs are then checked so that no
-    /// sequence's next token would read one.
-    conv_gaps: bool,
-    /// The open step's convolution taps (`[T, width]` cells), made when it opens (with
-    /// convolution or delta-rule layers; else empty).
+    /// The open step's taps (`[T, 2]` cells: each token's previous position's, then its
+    /// own), made when it opens (with recurrent layers; else empty).
     taps: Vec<u32>,
     /// Per token of the open step, whether its output is read ([`Step::read_rows`]).
     reads: Vec<bool>,
-    /// The step cells' `cell_pos` before [`KitCache::make_taps`] set them (restored when it
-    /// refuses the step).
-    saved_pos: Vec<i32>,
-    /// The delta-rule layers' states (Qwen3.5, see [`kvplug_core::DeltaLayers`]).
+    /// The recurrent layers' states (`None` without recurrent layers).
     anchors: Option<Anchors>,
-    /// The delta rule's host buffers, kept between steps.
-    delta_host: DeltaHost,
+    /// The recurrent layers' host buffers, kept between steps.
+    host: RecurrentHost,
     /// Read path and read window of the last planned step.
     last_plan: Option<(PlanKind, usize)>,
     /// The layer the open step expects next.
@@ -121,9 +105,10 @@ pub struct KitCache<D: Device> {
 /// K and V pools of a set of layers.
 type KvPools<D> = (Vec<<D as Device>::Pool>, Vec<<D as Device>::Pool>);
 
-/// The delta rule's inputs and outputs on the host ([`Step::delta`]): downloaded, computed
-/// and uploaded through buffers that keep their size, so a decode step allocates nothing.
-struct DeltaHost {
+/// The recurrent layers' inputs and outputs on the host ([`Step::delta`], [`Step::conv`]):
+/// downloaded, computed and uploaded through buffers that keep their size, so a decode step
+/// allocates nothing.
+struct RecurrentHost {
     /// The tensor each download and the upload go through.
     tensor: HostTensor,
     x: Vec<f32>,
@@ -132,9 +117,9 @@ struct DeltaHost {
     y: Vec<f32>,
 }
 
-impl Default for DeltaHost {
+impl Default for RecurrentHost {
     fn default() -> Self {
-        DeltaHost {
+        RecurrentHost {
             tensor: HostTensor::empty(),
             x: Vec::new(),
             alpha: Vec::new(),
@@ -148,9 +133,8 @@ impl Default for DeltaHost {
 enum Place {
     Full(usize),
     Sliding(usize),
-    Conv(usize),
-    /// A delta-rule layer: its state is in the anchors.
-    Delta,
+    /// A recurrent (convolution or delta-rule) layer: its state is in the anchors.
+    Recurrent,
 }
 
 /// Published prefix ends whose window rows a sliding group keeps, so that later sequences
@@ -196,12 +180,6 @@ impl<D: Device> KitCache<D> {
             Ok((pools, v))
         };
         let (pools, v) = new_pools(cfg.full_layers())?;
-        let conv = match cfg.conv {
-            Some(c) => (0..c.layers.len())
-                .map(|_| device.pool_new(KvDtype::F32, 1, c.channels, cells))
-                .collect::<Result<Vec<_>, _>>()?,
-            None => Vec::new(),
-        };
         let sliding = match cfg.sliding {
             Some(s) => {
                 let (k, v) = new_pools(s.layers.len())?;
@@ -214,16 +192,14 @@ impl<D: Device> KitCache<D> {
             }
             None => None,
         };
-        let (mut full, mut slide, mut convolve) = (0, 0, 0);
+        let (mut full, mut slide) = (0, 0);
         let place = (0..cfg.n_layers)
             .map(|l| {
-                if cfg.is_delta(l) {
-                    return Place::Delta;
+                if cfg.is_delta(l) || cfg.convolves(l) {
+                    return Place::Recurrent;
                 }
                 let (n, p): (&mut usize, fn(usize) -> Place) = if cfg.slides(l) {
                     (&mut slide, Place::Sliding)
-                } else if cfg.convolves(l) {
-                    (&mut convolve, Place::Conv)
                 } else {
                     (&mut full, Place::Full)
                 };
@@ -239,6 +215,7 @@ impl<D: Device> KitCache<D> {
             .first()
             .copied()
             .unwrap_or_default();
+        let anchors = Anchors::new(&cfg);
         Ok(KitCache {
             device,
             cfg,
@@ -248,18 +225,14 @@ impl<D: Device> KitCache<D> {
             v,
             pool_cells: cells,
             sliding,
-            cell_pos: if conv.is_empty() && cfg.delta.is_none() {
-                Vec::new()
-            } else {
-                vec![-1; cells]
+            cell_pos: match anchors {
+                Some(_) => vec![-1; cells],
+                None => Vec::new(),
             },
-            conv,
-            conv_gaps: false,
             taps: Vec::new(),
             reads: Vec::new(),
-            saved_pos: Vec::new(),
-            anchors: cfg.delta.map(|d| Anchors::new(d, cfg.n_layers)),
-            delta_host: DeltaHost::default(),
+            anchors,
+            host: RecurrentHost::default(),
             last_plan: None,
             next_layer: 0,
             scratch: D::Scratch::default(),
@@ -316,7 +289,6 @@ impl<D: Device> KitCache<D> {
                 .k
                 .iter()
                 .chain(&self.v)
-                .chain(&self.conv)
                 .chain(self.sliding.iter().flat_map(|g| g.k.iter().chain(&g.v)))
                 .map(|p| self.device.pool_bytes(p))
                 .sum::<usize>()
@@ -345,11 +317,7 @@ impl<D: Device> KitCache<D> {
         }
         self.open(positions)?;
         if !self.cell_pos.is_empty() {
-            // Before anything is written, so that a refusal undoes the step exactly.
-            if let Err(e) = self.make_taps() {
-                self.cancel_open();
-                return Err(e.into());
-            }
+            self.make_taps();
         }
         Ok(Step {
             cache: self,
@@ -474,9 +442,6 @@ impl<D: Device> KitCache<D> {
         for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
             self.device.pool_grow(pool, cells, self.pool_cells)?;
         }
-        for pool in &mut self.conv {
-            self.device.pool_grow(pool, cells, self.pool_cells)?;
-        }
         if !self.cell_pos.is_empty() {
             self.cell_pos.resize(cells, -1);
         }
@@ -561,7 +526,7 @@ impl<D: Device> KitCache<D> {
                             let g = self.sliding.as_ref().expect("sliding layers have a group");
                             (&[&g.k, &g.v][side][i], &slots)
                         }
-                        Place::Delta | Place::Conv(_) => return Ok(RVec::new()),
+                        Place::Recurrent => return Ok(RVec::new()),
                     };
                     self.device.read_rows(pool, at).map(RVec::from)
                 })
@@ -582,8 +547,8 @@ impl<D: Device> KitCache<D> {
         })
     }
 
-    /// The layers a [`SeqRows`] carries as state instead of rows (delta-rule and
-    /// convolution layers), ascending.
+    /// The layers a [`SeqRows`] carries as state instead of rows (the recurrent layers),
+    /// ascending.
     fn recurrent_layers(&self) -> Vec<u32> {
         (0..self.cfg.n_layers)
             .filter(|&l| self.is_recurrent(l))
@@ -592,71 +557,22 @@ impl<D: Device> KitCache<D> {
     }
 
     fn is_recurrent(&self, layer: usize) -> bool {
-        matches!(self.place[layer], Place::Delta | Place::Conv(_))
-    }
-
-    /// Each recurrent layer's part of [`SeqRows::state`], in f32 values: the layer and the
-    /// range, ascending.
-    fn state_layout(&self) -> Vec<(usize, std::ops::Range<usize>)> {
-        let mut at = 0;
-        self.recurrent_layers()
-            .into_iter()
-            .map(|l| {
-                let len = match (self.place[l as usize], self.cfg.delta, self.cfg.conv) {
-                    (Place::Delta, Some(d), _) => d.state_len() + d.tail_len(),
-                    (_, _, Some(c)) => c.tail_len(),
-                    _ => unreachable!("a recurrent layer is a delta or a convolution layer"),
-                };
-                at += len;
-                (l as usize, at - len..at)
-            })
-            .collect()
+        matches!(self.place[layer], Place::Recurrent)
     }
 
     /// The recurrent layers' state at the end of `seq` (empty without them or for an empty
-    /// sequence), as [`SeqRows::state`] lays it out: a delta-rule layer's part of the anchor
-    /// at its last cell, a convolution layer's rows of its last `width - 1` positions.
+    /// sequence), as [`SeqRows::state`] lays it out: the anchor at its last cell.
     fn state_of(&self, seq: i32) -> Result<RVec<u8>, KitError> {
         let history = self.book.history(seq)?;
-        let Some(&(p, cell)) = history.last() else {
+        let (Some(&(p, cell)), Some(a)) = (history.last(), &self.anchors) else {
             return Ok(RVec::new());
         };
-        let anchored = match &self.anchors {
-            Some(a) => a.state_at(cell as usize).ok_or_else(|| {
-                CacheError::out_of_window(format!(
-                    "sequence {seq}'s recurrent state after position {p} is not kept"
-                ))
-            })?,
-            None => &[],
-        };
-        let mut state = Vec::new();
-        let mut delta_at = 0;
-        for (l, range) in self.state_layout() {
-            let Place::Conv(i) = self.place[l] else {
-                let part = &anchored[delta_at..delta_at + range.len()];
-                delta_at += range.len();
-                state.extend(part.iter().flat_map(|v| v.to_le_bytes()));
-                continue;
-            };
-            let conv = self.cfg.conv.expect("a convolution layer has its config");
-            let tail = conv_tail(&history, conv.width);
-            let held: Vec<u32> = tail.iter().filter_map(|t| t.1).collect();
-            if let Some(&(q, _)) = tail
-                .iter()
-                .find(|t| t.1.is_some_and(|c| self.cell_pos[c as usize] != t.0))
-            {
-                return Err(unrestored(q, conv.width).into());
-            }
-            let rows = self.device.read_rows(&self.conv[i], &held)?;
-            let mut rows = rows.chunks_exact(4 * conv.channels);
-            for (_, c) in &tail {
-                match c {
-                    Some(_) => state.extend_from_slice(rows.next().expect("a row per cell")),
-                    None => state.resize(state.len() + 4 * conv.channels, 0),
-                }
-            }
-        }
-        Ok(state.into())
+        let state = a.state_at(cell as usize).ok_or_else(|| {
+            CacheError::out_of_window(format!(
+                "sequence {seq}'s recurrent state after position {p} is not kept"
+            ))
+        })?;
+        Ok(state.iter().flat_map(|v| v.to_le_bytes()).collect())
     }
 
     /// Appends `rows` to the history of `seq`, in steps of at most [`IMPORT_CHUNK`] rows:
@@ -733,7 +649,7 @@ impl<D: Device> KitCache<D> {
                     let (k, v) = (&mut g.k[i], &mut g.v[i]);
                     ([k, v], g.map.write_slots())
                 }
-                Place::Delta | Place::Conv(_) => continue,
+                Place::Recurrent => continue,
             };
             for (pool, src) in pools.into_iter().zip([&rows.k[l], &rows.v[l]]) {
                 buf.clear();
@@ -802,7 +718,7 @@ impl<D: Device> KitCache<D> {
                         false => b.len() == cfg.n_kv_heads * rows.layer_rows(l).len() * row,
                     })
         };
-        self.check_state(seq, rows)?;
+        self.check_state(rows)?;
         if !sized(&rows.k) || !sized(&rows.v) {
             return Err(CacheError::bad_shape(format!(
                 "every layer's K and V must hold {} bytes per row it holds ({n} rows; sliding layers from row {})",
@@ -844,81 +760,35 @@ impl<D: Device> KitCache<D> {
     }
 
     /// Restores the imported state (checked by [`KitCache::check_state`]) at the end of
-    /// `seq`, whose rows from position `first` on were just imported: the delta-rule
-    /// layers' part as the anchor of its last cell, the convolution layers' tails into the
-    /// cells of their positions (the other imported cells are left [`UNRESTORED`]); records
-    /// the positions of the cells. `out_of_window` when the tail would read a cell an
-    /// earlier import left without rows.
+    /// `seq`, whose rows from position `first` on were just imported, as the anchor of its
+    /// last cell; records the positions of the imported cells.
     fn restore_state(&mut self, seq: i32, first: i32, rows: &SeqRows) -> Result<(), KitError> {
-        if self.cell_pos.is_empty() {
-            return Ok(());
-        }
-        let history = self.book.history(seq)?;
-        let Some(&(last, last_cell)) = history.last() else {
+        let Some(a) = &mut self.anchors else {
             return Ok(());
         };
-        let conv = self.cfg.conv;
-        // The first position of the convolution tail (what the next token reads).
-        let tail_start = conv.map_or(last, |c| last - c.width as i32 + 2);
-        // The tail's cells held before the import must have their rows (checked before
-        // anything is written).
-        if let Some(c) = conv {
-            if let Some(&(q, _)) = history.iter().find(|&&(p, cell)| {
-                (tail_start..first).contains(&p) && self.cell_pos[cell as usize] != p
-            }) {
-                return Err(unrestored(q, c.width).into());
-            }
-        }
+        let history = self.book.history(seq)?;
+        let Some(&(_, last_cell)) = history.last() else {
+            return Ok(());
+        };
         // Where the next step finds its previous positions (as `make_taps` records them).
         for &(p, cell) in history.iter().filter(|h| h.0 >= first) {
-            self.cell_pos[cell as usize] = if conv.is_some() { UNRESTORED } else { p };
+            self.cell_pos[cell as usize] = p;
         }
         let state: Vec<f32> = rows
             .state
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
-        let mut delta = Vec::new();
-        for (l, range) in self.state_layout() {
-            let Place::Conv(i) = self.place[l] else {
-                delta.extend_from_slice(&state[range]);
-                continue;
-            };
-            let c = conv.expect("a convolution layer has its config");
-            // Every imported cell of a tail position (a position held twice gets its row in
-            // each of its cells).
-            let (mut cells, mut bytes) = (Vec::new(), Vec::new());
-            for &(p, cell) in history.iter().filter(|h| h.0 >= first.max(tail_start)) {
-                let row = (p - tail_start) as usize * c.channels;
-                cells.push(cell);
-                bytes.extend(
-                    state[range.clone()][row..row + c.channels]
-                        .iter()
-                        .flat_map(|v| v.to_le_bytes()),
-                );
-            }
-            self.device.write_rows(&mut self.conv[i], &cells, &bytes)?;
-        }
-        if conv.is_some() {
-            for &(p, cell) in history.iter().filter(|h| h.0 >= first.max(tail_start)) {
-                self.cell_pos[cell as usize] = p;
-            }
-            self.conv_gaps |= history.iter().any(|&(p, _)| p >= first && p < tail_start);
-        }
-        if let Some(a) = &mut self.anchors {
-            if !a.set_state(last_cell as usize, &delta) {
-                return Err(CacheError::bad_shape("a recurrent state of another size").into());
-            }
+        if !a.set_state(last_cell as usize, &state) {
+            return Err(CacheError::bad_shape("a recurrent state of another size").into());
         }
         Ok(())
     }
 
-    /// `rows` must name this cache's recurrent layers (delta-rule and convolution layers) as
-    /// its own and carry their state at its end (`out_of_window` when it does not: a slice
-    /// ending early, whose prompt is prefilled instead), of this cache's size; a
-    /// convolution row of a position `seq` will not hold must be zero (the convolution reads
-    /// zeros there).
-    fn check_state(&self, seq: i32, rows: &SeqRows) -> Result<(), KitError> {
+    /// `rows` must name this cache's recurrent layers as its own and carry their state at
+    /// its end (`out_of_window` when it does not: a slice ending early, whose prompt is
+    /// prefilled instead), of this cache's size.
+    fn check_state(&self, rows: &SeqRows) -> Result<(), KitError> {
         let want = self.recurrent_layers();
         if rows.recurrent_layers.as_slice() != want.as_slice() {
             return Err(CacheError::bad_shape(format!(
@@ -927,7 +797,7 @@ impl<D: Device> KitCache<D> {
             ))
             .into());
         }
-        let Some(&last) = rows.positions.last().filter(|_| !want.is_empty()) else {
+        let (Some(a), false) = (&self.anchors, rows.positions.is_empty()) else {
             return Ok(());
         };
         if rows.state.is_empty() {
@@ -936,43 +806,13 @@ impl<D: Device> KitCache<D> {
             )
             .into());
         }
-        let layout = self.state_layout();
-        let bytes = 4 * layout.last().map_or(0, |l| l.1.end);
-        if rows.state.len() != bytes {
+        if rows.state.len() != a.state_bytes() {
             return Err(CacheError::bad_shape(format!(
-                "a recurrent state of {} bytes, this cache's is {bytes}",
+                "a recurrent state of {} bytes, this cache's is {}",
                 rows.state.len(),
+                a.state_bytes()
             ))
             .into());
-        }
-        let Some(c) = self.cfg.conv else {
-            return Ok(());
-        };
-        let held = self.book.history(seq)?;
-        let holds = |q: i64| {
-            let is = |p: i32| i64::from(p) == q;
-            rows.positions.iter().any(|&p| is(p)) || held.iter().any(|h| is(h.0))
-        };
-        let row_bytes = 4 * c.channels;
-        for (l, range) in layout.into_iter().filter(|l| self.cfg.convolves(l.0)) {
-            let part = &rows.state[4 * range.start..4 * range.end];
-            for (back, row) in (0..c.width as i32 - 1)
-                .rev()
-                .zip(part.chunks_exact(row_bytes))
-            {
-                // In i64: the positions are not checked yet.
-                let q = i64::from(last) - i64::from(back);
-                let zero = row
-                    .chunks_exact(4)
-                    .all(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]) == 0.0);
-                if !holds(q) && !zero {
-                    return Err(CacheError::bad_shape(format!(
-                        "layer {l}'s convolution row for position {q} is not zero, but the \
-                         sequence holds no such position"
-                    ))
-                    .into());
-                }
-            }
         }
         Ok(())
     }
@@ -1046,7 +886,7 @@ impl<D: Device> KitCache<D> {
         };
         let i = match self.place[layer] {
             Place::Full(i) => i,
-            Place::Conv(_) | Place::Delta => return Err(conv_layer_attended(layer).into()),
+            Place::Recurrent => return Err(recurrent_layer_attended(layer).into()),
             Place::Sliding(i) => {
                 let g = self
                     .sliding
@@ -1079,82 +919,39 @@ impl<D: Device> KitCache<D> {
         attend(kp, vp, plan.read_len, mask, out, scratch)
     }
 
-    /// Makes the open step's convolution taps (`[T, width]`) and opens the anchors' step:
-    /// for each token, the cells holding its sequence's previous `width - 1` positions among those its query
-    /// sees (the plan's visibility; [`NO_CELL`] where it holds no such position: before the
-    /// sequence began, or removed by a `seq_rm` inside its history), oldest first, then its
-    /// own. A position held twice (as attention allows) reads the cell right before the
-    /// token's own if that is one of them, else the lowest. `out_of_window` when a token
-    /// would read a cell an import left without convolution rows.
-    fn make_taps(&mut self) -> Result<(), CacheError> {
-        // The convolution layers' taps; for delta-rule layers only the previous position.
-        let width = self.cfg.conv.map_or(2, |c| c.width);
+    /// Makes the open step's taps (`[T, 2]`) and opens the anchors' step: for each token, the
+    /// cell holding its sequence's previous position among those its query sees (the plan's
+    /// visibility; [`NO_CELL`] at the sequence's start), then its own. A position held twice
+    /// (as attention allows) reads the cell right before the token's own if that is one of
+    /// them, else the lowest.
+    fn make_taps(&mut self) {
         let plan = self
             .book
             .step_plan()
-            .expect("convolution taps are made inside an open step");
-        self.saved_pos.clear();
+            .expect("taps are made inside an open step");
         for (i, &p) in plan.positions.iter().enumerate() {
-            let c = plan.cell_of(i);
-            self.saved_pos.push(self.cell_pos[c]);
-            self.cell_pos[c] = p;
+            self.cell_pos[plan.cell_of(i)] = p;
         }
         let held = |i: usize, c: usize, p: i32| plan.visible(i, c) && self.cell_pos[c] == p;
         let mut taps = std::mem::take(&mut self.taps);
         taps.clear();
         for (i, &p) in plan.positions.iter().enumerate() {
             let own = plan.cell_of(i);
-            for back in (1..width).rev() {
-                let want = p - back as i32;
-                // Consecutive positions usually sit in consecutive cells; else search
-                // the cells the query sees.
-                let tap = own
-                    .checked_sub(back)
-                    .filter(|&c| held(i, c, want))
-                    .or_else(|| (0..plan.read_len).find(|&c| held(i, c, want)))
-                    .map_or(NO_CELL, |c| c as u32);
-                let gap = |c: usize| plan.visible(i, c) && self.book.cell_position(c) == Some(want);
-                if tap == NO_CELL && self.conv_gaps && (0..plan.read_len).any(gap) {
-                    for (i, &old) in self.saved_pos.iter().enumerate() {
-                        self.cell_pos[plan.cell_of(i)] = old;
-                    }
-                    return Err(unrestored(want, width));
-                }
-                taps.push(tap);
-            }
-            taps.push(own as u32);
+            // Consecutive positions usually sit in consecutive cells; else search the cells
+            // the query sees.
+            let tap = own
+                .checked_sub(1)
+                .filter(|&c| held(i, c, p - 1))
+                .or_else(|| (0..plan.read_len).find(|&c| held(i, c, p - 1)))
+                .map_or(NO_CELL, |c| c as u32);
+            taps.extend([tap, own as u32]);
         }
         if let Some(a) = &mut self.anchors {
             // A tree cache's prefix steps are plain ones; its frontiers are masked.
             let tree = self.book.kind() == CacheKind::Tree && plan.mask == MaskKind::Explicit;
-            a.open_step(plan, &taps, width, tree);
+            a.open_step(plan, &taps, 2, tree);
         }
         self.taps = taps;
-        Ok(())
-    }
-
-    /// After a verb, with cells an import left without convolution rows: `out_of_window`
-    /// when a sequence's next token would read one (a position in its last `width - 1`),
-    /// else whether any such cell is still held.
-    fn check_conv_tails(&self) -> Result<bool, CacheError> {
-        let Some(conv) = self.cfg.conv else {
-            return Ok(false);
-        };
-        let mut last = [-1i32; MAX_SEQS];
-        self.book.last_positions(&mut last);
-        let mut gaps = false;
-        for c in 0..self.book.high_water() {
-            let Some(q) = self.book.cell_position(c) else {
-                continue;
-            };
-            if self.cell_pos[c] != q {
-                if self.book.in_reach(c, q, conv.width - 1, &last) {
-                    return Err(unrestored(q, conv.width));
-                }
-                gaps = true;
-            }
-        }
-        Ok(gaps)
     }
 
     fn check_shapes(
@@ -1173,8 +970,8 @@ impl<D: Device> KitCache<D> {
                 self.cfg.n_layers
             )));
         }
-        if let Place::Conv(_) | Place::Delta = self.place[layer] {
-            return Err(conv_layer_attended(layer));
+        if let Place::Recurrent = self.place[layer] {
+            return Err(recurrent_layer_attended(layer));
         }
         let dev = &self.device;
         let (qd, kd, vd, od) = (dev.dims(q), dev.dims(k), dev.dims(v), dev.dims(out));
@@ -1197,12 +994,7 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         &mut self.book
     }
     fn move_rows(&mut self, base: usize, rows: &[u32]) {
-        for pool in self
-            .k
-            .iter_mut()
-            .chain(self.v.iter_mut())
-            .chain(&mut self.conv)
-        {
+        for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
             self.device.move_rows(pool, base, rows);
         }
         if !self.cell_pos.is_empty() {
@@ -1218,20 +1010,16 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         }
     }
     fn checks_verbs(&self) -> bool {
-        self.sliding.is_some() || self.anchors.is_some() || self.conv_gaps
+        self.sliding.is_some() || self.anchors.is_some()
     }
-    /// With delta-rule layers, attaches the cached prefix only up to its longest part
-    /// that ends at an anchor (a prefix whose end no anchor holds cannot be resumed: the
-    /// rest is prefilled again), and with convolution rows an import did not restore, only
-    /// up to its longest part whose last `width - 1` positions have theirs; all or nothing
-    /// as any verb.
+    /// With recurrent layers, attaches the cached prefix only up to its longest part that
+    /// ends at an anchor (a prefix whose end no anchor holds cannot be resumed: the rest is
+    /// prefilled again); all or nothing as any verb.
     fn prefix_attach(&mut self, seq: i32, tokens: &[u32]) -> kvplug_core::CacheResult<usize> {
-        let conv = self.cfg.conv.filter(|_| self.conv_gaps);
-        if self.anchors.is_none() && conv.is_none() {
+        let Some(anchors) = self.anchors.as_ref() else {
             return self.checked(|b| b.prefix_attach(seq, tokens));
-        }
+        };
         let before = self.book.clone();
-        let (anchors, cell_pos) = (self.anchors.as_ref(), &self.cell_pos);
         let attach = |book: &mut Bookkeeping| -> kvplug_core::CacheResult<usize> {
             let n = book.prefix_attach(seq, tokens)?;
             // The cell of each attached position.
@@ -1241,14 +1029,8 @@ impl<D: Device> CacheVerbs for KitCache<D> {
                     *c = Some(cell as usize);
                 }
             }
-            let resumable = |m: usize| {
-                m == 0
-                    || (anchors.is_none_or(|a| cell_of[m - 1].is_some_and(|c| a.anchored(c)))
-                        && conv.is_none_or(|c| {
-                            (m.saturating_sub(c.width - 1)..m)
-                                .all(|q| cell_of[q].is_none_or(|cell| cell_pos[cell] == q as i32))
-                        }))
-            };
+            let resumable =
+                |m: usize| m == 0 || cell_of[m - 1].is_some_and(|c| anchors.anchored(c));
             let keep = (0..=n).rev().find(|&m| resumable(m)).unwrap_or(0);
             if keep < n {
                 book.seq_rm(seq, kvplug_core::PosRange::new(Some(keep as i32), None))?;
@@ -1284,11 +1066,6 @@ impl<D: Device> CacheVerbs for KitCache<D> {
         }
     }
     fn after_verb(&mut self, before: Option<&Bookkeeping>) -> kvplug_core::CacheResult<()> {
-        // A tree commit (no `before`) keeps what its steps wrote: nothing to check.
-        let gaps = match self.conv_gaps && before.is_some() {
-            true => Some(self.check_conv_tails()?),
-            false => None,
-        };
         if let Some(a) = &mut self.anchors {
             // A verb abandons an open step: so do its states.
             a.rollback_step();
@@ -1299,41 +1076,12 @@ impl<D: Device> CacheVerbs for KitCache<D> {
             g.map.rollback_step();
             g.map.check_verb(&self.book, before)?;
         }
-        // Only once the verb stands (a refusal restores the bookkeeping, gaps included).
-        if let Some(gaps) = gaps {
-            self.conv_gaps = gaps;
-        }
         Ok(())
     }
 }
 
-/// For a sequence with `history` (ascending positions, not empty), its positions
-/// `last - width + 2 ..= last`, oldest first, each with the lowest cell holding it (`None`
-/// where the sequence holds no such position): the rows its next token convolves.
-fn conv_tail(history: &[(i32, u32)], width: usize) -> Vec<(i32, Option<u32>)> {
-    let last = history.last().map_or(0, |h| h.0);
-    (0..width as i32 - 1)
-        .rev()
-        .map(|back| {
-            let q = last - back;
-            let cell = history.iter().filter(|h| h.0 == q).map(|h| h.1).min();
-            (q, cell)
-        })
-        .collect()
-}
-
-/// The refusal of a state that would read the convolution rows of position `q`, which an
-/// import did not restore.
-fn unrestored(q: i32, width: usize) -> CacheError {
-    CacheError::out_of_window(format!(
-        "the convolution rows at position {q} were not restored (a saved sequence carries only \
-         its last {} positions' rows): continue from a later position, or prefill again",
-        width - 1
-    ))
-}
-
 /// The refusal of attention on a recurrent (convolution or delta-rule) layer.
-fn conv_layer_attended(layer: usize) -> CacheError {
+fn recurrent_layer_attended(layer: usize) -> CacheError {
     CacheError::bad_shape(format!(
         "layer {layer} is a recurrent layer: it holds no K/V (the model's forward runs it)"
     ))
@@ -1412,18 +1160,51 @@ impl<D: Device> Step<'_, D> {
         Ok(())
     }
 
-    /// Writes the input rows `x` (`[1, T, channels]`) of the next layer, `layer`, a
-    /// convolution layer, and convolves each token's rows of its sequence's last `width`
-    /// positions with `kernel` (`[channels, width]`) into `out` (`[T, channels]`).
+    /// Runs the next layer, `layer`, a short-convolution layer (see [`Anchors::run_conv`]):
+    /// its input rows `x` (`[T, channels]`) through the causal depthwise convolution
+    /// `kernel` (`[channels, width]`, host f32) from each sequence's state, into `out`
+    /// (`[T, channels]`). It runs on the host over an f32 download.
     pub fn conv(
         &mut self,
         layer: usize,
         x: &D::Tensor,
-        kernel: &D::Tensor,
+        kernel: &[f32],
         out: &mut D::Tensor,
     ) -> Result<(), KitError> {
         self.expect_layer(layer)?;
-        self.convolve(layer, x, kernel, out)?;
+        let Some(c) = self.cache.cfg.conv.filter(|c| c.layers.contains(layer)) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is not a convolution layer of this cache"
+            ))
+            .into());
+        };
+        let t = self.plan().n_tok;
+        let dev = self.cache.device.clone();
+        let xd = dev.dims(x);
+        if xd != [t, c.channels] || kernel.len() != c.channels * c.width {
+            return Err(CacheError::bad_shape(format!(
+                "expected x [{t}, {ch}] and a kernel of {ch}x{w}; got x {xd:?}, {} values",
+                kernel.len(),
+                ch = c.channels,
+                w = c.width
+            ))
+            .into());
+        }
+        let cache = &mut *self.cache;
+        let h = &mut cache.host;
+        dev.download_into(x, TensorDtype::F32, &mut h.tensor)?;
+        if !h.tensor.read_f32_into(&mut h.x) {
+            return Err(KitError::Device("conv: an f32 download was not f32".into()));
+        }
+        h.y.resize(t * c.channels, 0.0);
+        let anchors = cache
+            .anchors
+            .as_mut()
+            .expect("a cache with recurrent layers has anchors");
+        anchors.run_conv(layer, &h.x, kernel, &mut h.y)?;
+        h.tensor
+            .encode_f32_into(&[t, c.channels], &h.y, TensorDtype::F32);
+        dev.upload_into(&h.tensor, out)?;
         self.next_layer += 1;
         Ok(())
     }
@@ -1474,7 +1255,7 @@ impl<D: Device> Step<'_, D> {
             .into());
         }
         let c = &mut *self.cache;
-        let h = &mut c.delta_host;
+        let h = &mut c.host;
         for (t, v) in [(x, &mut h.x), (alpha, &mut h.alpha), (beta, &mut h.beta)] {
             dev.download_into(t, TensorDtype::F32, &mut h.tensor)?;
             if !h.tensor.read_f32_into(v) {
@@ -1488,7 +1269,7 @@ impl<D: Device> Step<'_, D> {
         let anchors = c
             .anchors
             .as_mut()
-            .expect("a cache with delta layers has anchors");
+            .expect("a cache with recurrent layers has anchors");
         anchors.run_layer(layer, &h.x, kernel, &h.alpha, &h.beta, a, eps, &mut h.y)?;
         h.tensor
             .encode_f32_into(&[t, width], &h.y, TensorDtype::F32);
@@ -1497,43 +1278,8 @@ impl<D: Device> Step<'_, D> {
         Ok(())
     }
 
-    /// Writes a convolution layer's input rows and convolves them (see [`Step::conv`]).
-    fn convolve(
-        &mut self,
-        layer: usize,
-        x: &D::Tensor,
-        kernel: &D::Tensor,
-        out: &mut D::Tensor,
-    ) -> Result<(), KitError> {
-        let c = &mut *self.cache;
-        let (Some(Place::Conv(i)), Some(conv)) = (c.place.get(layer).copied(), c.cfg.conv) else {
-            return Err(CacheError::bad_shape(format!(
-                "layer {layer} is not a convolution layer of this cache"
-            ))
-            .into());
-        };
-        let plan = c.book.step_plan().expect("a Step holds an open step");
-        let t = plan.n_tok;
-        let dev = &*c.device;
-        let (xd, kd) = (dev.dims(x), dev.dims(kernel));
-        if xd != [1, t, conv.channels] || kd != [conv.channels, conv.width] {
-            return Err(CacheError::bad_shape(format!(
-                "expected x [1, {t}, {ch}] and kernel [{ch}, {w}]; got x {xd:?}, kernel {kd:?}",
-                ch = conv.channels,
-                w = conv.width
-            ))
-            .into());
-        }
-        match plan.write_start {
-            Some(start) => dev.write_run(&mut c.conv[i], start, x)?,
-            None => dev.scatter_rows(&mut c.conv[i], &plan.write_cells, x)?,
-        }
-        c.device
-            .short_conv(&c.conv[i], &c.taps, conv.width, kernel, out)
-    }
-
     /// Says which of the step's tokens have their outputs read (the model's logit rows):
-    /// a delta-rule cache keeps the end of a sequence's run as a prompt end when only its
+    /// a recurrent cache keeps the end of a sequence's run as a prompt end when only its
     /// last token is read (see `Anchors::commit_step`). None are, unless said.
     pub fn read_rows(&mut self, rows: &[usize]) {
         for &r in rows {

@@ -16,9 +16,6 @@ pub enum AttendMask<'a> {
     Explicit(&'a [bool]),
 }
 
-/// A [`Device::short_conv`] tap that reads zeros.
-pub const NO_CELL: u32 = u32::MAX;
-
 /// Tensor primitives and kernels of one backend.
 ///
 /// `Tensor` holds activations (`[heads, tokens, head_dim]` for attention operands);
@@ -141,49 +138,6 @@ pub trait Device: Send + Sync + Sized + 'static {
         Err(KitError::Device(
             "this backend has no attention sinks (models such as GPT-OSS need them)".into(),
         ))
-    }
-
-    /// One causal depthwise convolution step per token over rows of an f32 pool of one head
-    /// (`channels` values a row): `out[t][c] = Σ_j kernel[c][j] · row(taps[t·width + j])[c]`,
-    /// `j` ascending from the oldest tap to the token's own row; a tap of [`NO_CELL`] reads
-    /// zeros (before the sequence began). `kernel` is `[channels, width]`, out `[T, channels]`
-    /// with `T = taps.len() / width`. The default reads the rows in canonical form and
-    /// computes on the host, in that order, in f32; a device may sum in another order.
-    fn short_conv(
-        &self,
-        pool: &Self::Pool,
-        taps: &[u32],
-        width: usize,
-        kernel: &Self::Tensor,
-        out: &mut Self::Tensor,
-    ) -> Result<(), KitError> {
-        let kernel = self
-            .download(kernel, TensorDtype::F32)?
-            .to_f32()
-            .ok_or_else(|| KitError::Device("short_conv: an f32 download was not f32".into()))?;
-        let channels = kernel.len() / width;
-        let cells: Vec<u32> = taps.iter().copied().filter(|&c| c != NO_CELL).collect();
-        let rows = self.read_rows(pool, &cells)?;
-        let value = |row: usize, c: usize| {
-            let at = (row * channels + c) * 4;
-            f32::from_le_bytes([rows[at], rows[at + 1], rows[at + 2], rows[at + 3]])
-        };
-        let tokens = taps.len() / width;
-        let mut y = vec![0f32; tokens * channels];
-        let mut row = 0;
-        for (t, window) in taps.chunks(width).enumerate() {
-            for (j, &cell) in window.iter().enumerate() {
-                if cell == NO_CELL {
-                    continue;
-                }
-                for (c, y) in y[t * channels..(t + 1) * channels].iter_mut().enumerate() {
-                    *y += kernel[c * width + j] * value(row, c);
-                }
-                row += 1;
-            }
-        }
-        *out = self.upload(&HostTensor::from_f32(&[tokens, channels], &y))?;
-        Ok(())
     }
 
     /// A zeroed f32 tensor of `dims`. The default uploads zeros from the host.

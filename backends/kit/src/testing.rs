@@ -143,16 +143,6 @@ impl<D: Device> Device for Faulty<D> {
             arithmetic, q, k, v, read_len, mask, scale, sinks, out, scratch,
         )
     }
-    fn short_conv(
-        &self,
-        pool: &D::Pool,
-        taps: &[u32],
-        width: usize,
-        kernel: &D::Tensor,
-        out: &mut D::Tensor,
-    ) -> Result<(), KitError> {
-        self.inner.short_conv(pool, taps, width, kernel, out)
-    }
     fn zeros(&self, dims: &[usize]) -> Result<D::Tensor, KitError> {
         self.inner.zeros(dims)
     }

@@ -124,7 +124,7 @@ pub struct AgentStore {
     /// Token lists finished requests published, newest last (to explain prefix misses).
     published: VecDeque<Vec<i32>>,
     /// Whether an anchored prefill lets later requests resume at a shared beginning
-    /// (`anchor_point`): the cache keeps a delta-rule state at a published end on the
+    /// (`anchor_point`): the cache keeps a recurrent state at a published end on the
     /// index's own cells. A sliding window is pinned only on the publishing sequence's.
     anchors_prefixes: bool,
     cache: RtContext,
@@ -244,8 +244,8 @@ impl AgentStore {
         let cache = model.context(CacheKind::Seq, opts.capacity, opts.kv_dtype)?;
         let anchors_prefixes = model
             .cache_config(opts.capacity, opts.kv_dtype)?
-            .delta
-            .is_some();
+            .anchor_bytes()
+            > 0;
         let mut store = AgentStore {
             published: VecDeque::new(),
             anchors_prefixes,

@@ -288,7 +288,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
         );
     };
     let dtype = args.kv_dtype;
-    // Every sliding layer kept whole (convolution layers keep a row per token either way).
+    // Every sliding layer kept whole.
     let full = ModelCacheSpec {
         layers: spec
             .layers
@@ -427,7 +427,7 @@ impl Plan {
             let name = match g.attention {
                 LayerAttention::Full => "full".to_string(),
                 LayerAttention::Sliding { window } => format!("sliding({window})"),
-                LayerAttention::Conv { width, .. } => format!("conv({width}), f32 rows"),
+                LayerAttention::Conv { width, .. } => format!("conv({width})"),
                 LayerAttention::Delta { width, .. } => format!("delta rule, conv({width})"),
             };
             out += &format!("{name:<20} {:>6}  {:>19}\n", g.layers, g.bytes_per_token);

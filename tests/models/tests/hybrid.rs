@@ -242,10 +242,22 @@ fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
 #[test]
 fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
     let dir = tempfile::tempdir().unwrap();
-    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    speculation_gives_plain_decodings_tokens(&qwen35(dir.path(), &[GgmlDType::F32]));
+}
+
+#[test]
+fn lfm2_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    speculation_gives_plain_decodings_tokens(&lfm2(dir.path(), &SMALL_LFM2));
+}
+
+/// Greedy decoding with a layer-skipping draft, on every backend and cache kind, gives
+/// plain decoding's tokens with drafts both accepted and rejected (the state of a rejected
+/// draft left behind); a contiguous or seq cache then holds exactly the sequence.
+fn speculation_gives_plain_decodings_tokens(model: &Path) {
     let rt = runtime();
     for backend in BACKENDS {
-        let m = common::model(&rt, backend, &model);
+        let m = common::model(&rt, backend, model);
         let run = |kind, speculate| {
             let mut ctx = m.context(kind, 128, KvDtype::F32).unwrap();
             let opts = GenOptions {
@@ -298,9 +310,10 @@ fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
 }
 
 /// The same for LFM2, whose convolution layers' state is the rows of the last two
-/// positions; a restored sequence cannot go back before them (`out_of_window`, unchanged).
+/// positions; a restored sequence cannot go back before its end (`out_of_window`,
+/// unchanged).
 #[test]
-fn lfm2_sessions_carry_the_convolution_rows_across_backends() {
+fn lfm2_sessions_carry_the_convolution_state_across_backends() {
     let dir = tempfile::tempdir().unwrap();
     sessions_carry_the_recurrent_state(&lfm2(dir.path(), &SMALL_LFM2), &[0, 2]);
 }
@@ -471,21 +484,31 @@ fn qwen35_prompt_end_outlives_unread_chunks() {
         .expect("the prompt's end is kept, not the unread chunks' ends");
 }
 
-/// Requests sharing a system prompt on Qwen3.5, whose state is kept only where a step ended
-/// and was published: the second request anchors the beginning it shares with the first
-/// (its prefill ends a step there and publishes it), every later one resumes there, though
-/// each publishes its own end too (more than the 4 pins a cache keeps: resuming keeps the
-/// shared one among the newest); every answer is plain greedy decoding's on a fresh cache.
 #[test]
 fn qwen35_requests_resume_a_shared_system_prompt() {
     let dir = tempfile::tempdir().unwrap();
-    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    requests_resume_a_shared_system_prompt(&qwen35(dir.path(), &[GgmlDType::F32]));
+}
+
+#[test]
+fn lfm2_requests_resume_a_shared_system_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    requests_resume_a_shared_system_prompt(&lfm2(dir.path(), &SMALL_LFM2));
+}
+
+/// Requests sharing a system prompt on a hybrid, whose state is kept only where a step
+/// ended and was published: the second request anchors the beginning it shares with the
+/// first (its prefill ends a step there and publishes it), every later one resumes there,
+/// though each publishes its own end too (more than the 4 pins a cache keeps: resuming keeps
+/// the shared one among the newest); every answer is plain greedy decoding's on a fresh
+/// cache.
+fn requests_resume_a_shared_system_prompt(model: &Path) {
     let rt = runtime();
     let system: Vec<i32> = (0..100).map(|i| (i * 37 + 11) % 290 + 5).collect();
     let with = |q: &[i32]| [system.as_slice(), q].concat();
     let prompts: Vec<Vec<i32>> = (0..8).map(|i| with(&[7 + i, 20 + 2 * i, 9])).collect();
     for backend in BACKENDS {
-        let m = common::model(&rt, backend, &model);
+        let m = common::model(&rt, backend, model);
         let files = tempfile::tempdir().unwrap();
         let opts = AgentStoreOptions {
             capacity: 512,

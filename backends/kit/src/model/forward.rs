@@ -61,8 +61,8 @@ enum Mixer<D: ModelDevice> {
         b: D::Weight,
         c: D::Weight,
         x: D::Weight,
-        /// `[hidden, width]`.
-        kernel: D::Tensor,
+        /// `[hidden, width]`, on the host (the convolution runs there).
+        kernel: Vec<f32>,
         out: D::Weight,
     },
     /// Qwen3.5's gated delta rule: `out(norm(rule(conv(qkv · x))) · silu(z · x))`, the
@@ -319,7 +319,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                         b: part(0)?,
                         c: part(1)?,
                         x: part(2)?,
-                        kernel: device.tensor(&kernel, &[h, width]).map_err(weights_err)?,
+                        kernel,
                         out: mat(&format!("{p}conv.out_proj.weight"), h, h)?,
                     }
                 }
@@ -724,8 +724,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                         ],
                     )?;
                     d.mul(&cv.b, &cv.x, &mut cv.bx)?;
-                    d.split_heads(&cv.bx, 1, &mut cv.rows)?;
-                    step.conv(l, &cv.rows, kernel, &mut cv.y)?;
+                    step.conv(l, &cv.bx, kernel, &mut cv.y)?;
                     d.mul(&cv.c, &cv.y, &mut cv.bx)?;
                     let post = lw.post_attn.as_ref();
                     project_out(
@@ -950,14 +949,13 @@ struct DeltaActivations<D: ModelDevice> {
 }
 
 /// The buffers of a convolution block: its three projections (`[T, hidden]`), their gated
-/// product (`bx`, then reused for the gated output), `bx` as the one-head rows the cache
-/// keeps (`[1, T, hidden]`) and the convolution's output.
+/// product (`bx`, the convolution's input, then reused for the gated output) and the
+/// convolution's output.
 struct ConvActivations<D: ModelDevice> {
     b: D::Tensor,
     c: D::Tensor,
     x: D::Tensor,
     bx: D::Tensor,
-    rows: D::Tensor,
     y: D::Tensor,
 }
 
@@ -1034,7 +1032,6 @@ impl<D: ModelDevice> Activations<D> {
                     c: d.zeros(&[t, h])?,
                     x: d.zeros(&[t, h])?,
                     bx: d.zeros(&[t, h])?,
-                    rows: d.zeros(&[1, t, h])?,
                     y: d.zeros(&[t, h])?,
                 }),
                 false => None,

@@ -1,5 +1,6 @@
 //! The convolution-state check: every cache verb is exact on the short-convolution layers
-//! of a hybrid model, against the f64 recurrence and a history the check keeps itself.
+//! of a hybrid model (or refused, unchanged, where no anchor keeps the state it would need),
+//! against the f64 recurrence and a history the check keeps itself.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use kvplug_core::oracle::{short_conv, short_conv_bound};
 use kvplug_core::{
     CacheConfig, CacheKind, CacheVerbs, ConvLayers, ErrorKind, KvDtype, LayerSet, PosRange,
 };
-use kvplug_plugin_api::{HostTensor, TensorDtype};
+use kvplug_plugin_api::{HostTensor, SeqRows, TensorDtype};
 
 use crate::cache::{KitCache, KitError};
 use crate::device::Device;
@@ -64,11 +65,10 @@ fn step_and_check<D2: Device>(
             continue;
         }
         let x: Vec<f32> = tokens.iter().flat_map(|&(_, tag)| row(l, tag)).collect();
-        let x = dev.upload(&HostTensor::from_f32(&[1, t, C], &x))?;
+        let x = dev.upload(&HostTensor::from_f32(&[t, C], &x))?;
         let k = kernel(l, width);
-        let kt = dev.upload(&HostTensor::from_f32(&[C, width], &k))?;
         let mut out = dev.zeros(&[t, C])?;
-        step.conv(l, &x, &kt, &mut out)?;
+        step.conv(l, &x, &k, &mut out)?;
         let got = dev.download(&out, TensorDtype::F32)?.to_f32().expect("f32");
         let kernel64: Vec<f64> = k.iter().map(|&v| v as f64).collect();
         for (i, &(p, tag)) in tokens.iter().enumerate() {
@@ -138,8 +138,8 @@ fn run(h: &History, tokens: &[(i32, u32)]) -> Vec<History> {
 /// A sequence saved (`export_seq`, the form of session files) carries each convolution
 /// layer's rows of its last `width - 1` positions as its state; restored into a seq cache
 /// it exports the same rows and decodes as the original would. It refuses (unchanged) a
-/// verb that would continue from a position whose rows it did not get, and a prefix
-/// attached from it stops where the rows before the end are missing.
+/// verb that would continue from an earlier position (no state is kept there), and a prefix
+/// attached from it stops at its end.
 fn check_saved_rows<D2: Device>(dev: &Arc<D2>, c: &KitCache<D2>, w: usize, h: &History) {
     let rows = c.export_seq(0).unwrap();
     assert_eq!(rows.recurrent_layers.as_slice(), [0, 2], "the conv layers");
@@ -165,7 +165,7 @@ fn check_saved_rows<D2: Device>(dev: &Arc<D2>, c: &KitCache<D2>, w: usize, h: &H
     );
     let e = r
         .seq_rm(0, PosRange::new(Some(last), None))
-        .expect_err("the tail before the restored rows is gone");
+        .expect_err("no state is kept before the restored end");
     assert_eq!(e.kind, ErrorKind::OutOfWindow, "{e}");
     assert_eq!(
         r.export_seq(0).unwrap(),
@@ -182,7 +182,7 @@ fn check_saved_rows<D2: Device>(dev: &Arc<D2>, c: &KitCache<D2>, w: usize, h: &H
     assert_eq!(
         r.prefix_attach(2, &tokens[..tokens.len() - 1]).unwrap(),
         0,
-        "a prefix ending before the restored rows"
+        "a prefix ending before the restored end"
     );
     let next = [(last + 1, 1234)];
     step_and_check(
@@ -196,9 +196,44 @@ fn check_saved_rows<D2: Device>(dev: &Arc<D2>, c: &KitCache<D2>, w: usize, h: &H
     .unwrap();
 }
 
-/// The convolution-state contract on `device`, for widths 3 and 4: decoding, a rewind and
-/// a dropped step (contiguous), forked sequences that diverge and a tail removed (seq), and
-/// a speculative tree, its commit and decoding after it (tree) each give every token the
+/// A step dropped after its first layer (sequences `seqs`, at positions `positions`).
+fn dropped_step<D2: Device>(
+    cache: &mut KitCache<D2>,
+    w: usize,
+    positions: &[i32],
+    seqs: Option<&[i32]>,
+) {
+    let dev = cache.device().clone();
+    let mut s = cache.step(positions, seqs).unwrap();
+    let t = positions.len();
+    let x: Vec<f32> = (0..t as u32).flat_map(|i| row(0, 7777 + i)).collect();
+    let x = dev.upload(&HostTensor::from_f32(&[t, C], &x)).unwrap();
+    let mut out = dev.zeros(&[t, C]).unwrap();
+    s.conv(0, &x, &kernel(0, w), &mut out).unwrap();
+}
+
+/// Asserts that `result` is a refusal whose message says `why`, and that sequence `seq`
+/// still exports `before`.
+fn refused<D2: Device, T: std::fmt::Debug>(
+    c: &KitCache<D2>,
+    result: kvplug_core::CacheResult<T>,
+    why: &str,
+    seq: i32,
+    before: &SeqRows,
+) {
+    let e = result.expect_err(why);
+    assert!(e.message.contains(why), "{}", e.message);
+    assert_eq!(
+        &c.export_seq(seq).unwrap(),
+        before,
+        "a refused verb changes nothing"
+    );
+}
+
+/// The convolution-state contract on `device`, for widths 3 and 4: decoding, a rewind to a
+/// step's end, a rewind refused where no state is kept and a dropped step (contiguous),
+/// forked sequences that diverge, a hole refused and a tail removed (seq), and a
+/// speculative tree, its commit and decoding after it (tree) each give every token the
 /// convolution of its own sequence's last rows, within the f64 recurrence's bound; a saved
 /// sequence restores them (`check_saved_rows`).
 pub fn check_conv_verbs<D2: Device>(device: D2) {
@@ -238,23 +273,18 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
             "contiguous decode",
         )
         .unwrap();
-        c.rewind(4).unwrap();
-        h.retain(|&p, _| p < 4);
-        let redo = [(4, 904), (5, 905)];
+        // Position 3 is inside the prefill: no state is kept after it.
+        let before = c.export_seq(0).unwrap();
+        let inside = c.rewind(4);
+        refused(&c, inside, "not kept", 0, &before);
+        // Position 4 ended the prefill.
+        c.rewind(5).unwrap();
+        h.retain(|&p, _| p < 5);
+        let redo = [(5, 905)];
         step_and_check(&mut c, w, &redo, None, &run(&h, &redo), "after a rewind").unwrap();
         extend(&mut h, &redo);
-        {
-            // A step dropped after its first layer leaves the rows as they were.
-            let mut s = c.step(&[6], None).unwrap();
-            let x = dev
-                .upload(&HostTensor::from_f32(&[1, 1, C], &row(0, 7777)))
-                .unwrap();
-            let k = dev
-                .upload(&HostTensor::from_f32(&[C, w], &kernel(0, w)))
-                .unwrap();
-            let mut out = dev.zeros(&[1, C]).unwrap();
-            s.conv(0, &x, &k, &mut out).unwrap();
-        }
+        // A step dropped after its first layer leaves the state as it was.
+        dropped_step(&mut c, w, &[6], None);
         step_and_check(
             &mut c,
             w,
@@ -307,19 +337,13 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
         .unwrap();
         extend(&mut h0, &next[..1]);
         extend(&mut h1, &next[1..]);
+        let before = s.export_seq(0).unwrap();
+        let hole = s.seq_rm(0, PosRange::new(Some(1), Some(2)));
+        refused(&s, hole, "middle", 0, &before);
         s.seq_rm(1, PosRange::new(Some(5), None)).unwrap();
         h1.retain(|&p, _| p < 5);
-        {
-            // A step of both sequences dropped after its first layer.
-            let mut d = s.step(&[5, 6], Some(&[1, 0])).unwrap();
-            let x: Vec<f32> = [row(0, 8888), row(0, 9999)].concat();
-            let x = dev.upload(&HostTensor::from_f32(&[1, 2, C], &x)).unwrap();
-            let k = dev
-                .upload(&HostTensor::from_f32(&[C, w], &kernel(0, w)))
-                .unwrap();
-            let mut out = dev.zeros(&[2, C]).unwrap();
-            d.conv(0, &x, &k, &mut out).unwrap();
-        }
+        // A step of both sequences dropped after its first layer.
+        dropped_step(&mut s, w, &[5, 6], Some(&[1, 0]));
         let again = [(5, 501), (6, 302)];
         step_and_check(
             &mut s,
