@@ -29,7 +29,7 @@ pub enum ErrorKind {
     NotSupported,
     /// A rollback (rewind, `seq_rm`, a rewriting step) or a share (`seq_cp`, a prefix
     /// attach) would leave a sequence's next query needing rows its sliding-window layers
-    /// have already dropped, or a recurrent state its delta-rule layers do not keep there;
+    /// have already dropped, or a recurrent state its recurrent layers do not keep there;
     /// the message says where it can resume.
     OutOfWindow,
 }

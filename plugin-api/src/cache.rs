@@ -164,7 +164,7 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
 #[derive(StableAbi, Clone, Debug, PartialEq, Eq)]
 pub struct CacheStats {
     /// Bytes allocated for K and V pools over all layers (scales and offsets included) and
-    /// for the recurrent layers' state (convolution rows, delta-rule anchors).
+    /// for the recurrent layers' state (their anchors).
     pub allocated_bytes: u64,
     /// Cells the full layers' pools have room for (lazy growth: never more than needed,
     /// doubled).
@@ -225,7 +225,7 @@ pub struct SeqRows {
     /// little-endian. A delta-rule layer: the rule's matrices (`[value head][j][i]`,
     /// `S[i][j]`) then its convolution's last `width − 1` input rows, oldest first. A
     /// short-convolution layer: its input rows of positions `last − width + 2 ..= last`,
-    /// oldest first, zeros for a position the sequence does not hold.
+    /// oldest first, zeros for a position before the sequence's start.
     pub state: RVec<u8>,
 }
 

@@ -77,11 +77,12 @@ fn decode_steps_allocate_nothing_once_warm() {
 /// those asking for it so, not with a mapped one.
 fn a_model_is_loaded_once_and_drafts_are_views() {
     use kvplug_backend_kit::model::{DecoderModel, Residency};
-    let dir = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
+    let tmp = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
+    let dir = tmp.path();
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
-    let a = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
+    let a = DecoderModel::load_shared(dev.clone(), dir, Residency::Mapped).unwrap();
     let before = CountingAllocator::calls();
-    let b = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
+    let b = DecoderModel::load_shared(dev.clone(), dir, Residency::Mapped).unwrap();
     let draft = b.view(1).unwrap();
     assert!(
         CountingAllocator::calls() - before < 16,
@@ -91,11 +92,11 @@ fn a_model_is_loaded_once_and_drafts_are_views() {
     assert_eq!((b.n_layers(), draft.n_layers()), (2, 1));
     assert!(b.view(3).is_err() && b.view(0).is_err());
     drop((a, b, draft));
-    let c = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
-    let d = DecoderModel::load_shared(dev.clone(), &dir, Residency::Mapped).unwrap();
+    let c = DecoderModel::load_shared(dev.clone(), dir, Residency::Mapped).unwrap();
+    let d = DecoderModel::load_shared(dev.clone(), dir, Residency::Mapped).unwrap();
     assert!(c.shares_weights_with(&d));
-    let e = DecoderModel::load_shared(dev.clone(), &dir, Residency::Loaded).unwrap();
-    let f = DecoderModel::load_shared(dev, &dir, Residency::Loaded).unwrap();
+    let e = DecoderModel::load_shared(dev.clone(), dir, Residency::Loaded).unwrap();
+    let f = DecoderModel::load_shared(dev, dir, Residency::Loaded).unwrap();
     assert!(e.shares_weights_with(&f) && !e.shares_weights_with(&c));
 }
 
@@ -103,8 +104,9 @@ fn a_model_is_loaded_once_and_drafts_are_views() {
 /// once warm (activation buffers reused, the step's plan in place), keys rotated or not.
 fn allocations_per_model_decode(kind: CacheKind, dtype: KvDtype) -> usize {
     use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
-    let dir = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
-    let pkg = ModelPackage::open(&dir).unwrap();
+    let tmp = kvplug_backend_kit::testing::tiny_llama("cpu-decode");
+    let dir = tmp.path();
+    let pkg = ModelPackage::open(dir).unwrap();
     let dev = std::sync::Arc::new(kvplug_cpu::CpuDevice::new());
     let model = DecoderModel::load(dev.clone(), &pkg)
         .unwrap()

@@ -240,18 +240,19 @@ impl Anchors {
         self.free.push(s);
     }
 
-    /// Opens a step from its plan and convolution taps (`width` per token, the token's own
-    /// cell last, the previous position's before it): decides which tokens keep their
-    /// state (the last of each chain; all of a tree step) and where each is computed.
-    pub fn open_step(&mut self, plan: &StepPlan, taps: &[u32], width: usize, tree: bool) {
+    /// Opens a step from its plan and taps (`[T, 2]`: per token the cell of its previous
+    /// position, [`NO_CELL`] at its sequence's start, then its own): decides which tokens
+    /// keep their state (the last of each chain; all of a tree step) and where each is
+    /// computed.
+    pub fn open_step(&mut self, plan: &StepPlan, taps: &[u32], tree: bool) {
         self.rollback_step();
         self.step_tree = tree;
         let t = plan.n_tok;
         self.step_cell.clear();
         self.step_pred.clear();
         for i in 0..t {
-            self.step_cell.push(taps[i * width + width - 1]);
-            self.step_pred.push(taps[i * width + width - 2]);
+            self.step_cell.push(taps[2 * i + 1]);
+            self.step_pred.push(taps[2 * i]);
         }
         for i in 0..t {
             let cell = self.step_cell[i];

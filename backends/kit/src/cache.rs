@@ -317,7 +317,11 @@ impl<D: Device> KitCache<D> {
         }
         self.open(positions)?;
         if !self.cell_pos.is_empty() {
-            self.make_taps();
+            // Before anything is written, so that a refusal undoes the step exactly.
+            if let Err(e) = self.make_taps() {
+                self.cancel_open();
+                return Err(e.into());
+            }
         }
         Ok(Step {
             cache: self,
@@ -745,6 +749,15 @@ impl<D: Device> KitCache<D> {
                 .into());
             }
         }
+        // A recurrent state follows every position from the sequence's start.
+        let next = held.last().map_or(0, |h| h.0 + 1);
+        if self.anchors.is_some() && rows.positions.iter().zip(next..).any(|(&p, q)| p != q) {
+            return Err(CacheError::bad_position(format!(
+                "a cache with recurrent layers imports consecutive positions from {next} on \
+                 (sequence {seq}'s next position)"
+            ))
+            .into());
+        }
         if self.book.kind() == CacheKind::Tree && self.book.high_water() > 0 {
             return Err(CacheError::bad_position("a tree cache imports only when empty").into());
         }
@@ -923,8 +936,11 @@ impl<D: Device> KitCache<D> {
     /// cell holding its sequence's previous position among those its query sees (the plan's
     /// visibility; [`NO_CELL`] at the sequence's start), then its own. A position held twice
     /// (as attention allows) reads the cell right before the token's own if that is one of
-    /// them, else the lowest.
-    fn make_taps(&mut self) {
+    /// them, else the lowest. `bad_position` for a token whose sequence holds earlier
+    /// positions but not the one before it: its state would start from zeros and leave a
+    /// hole no verb could keep (cells the refused step named keep its positions in
+    /// `cell_pos`: they are free, and a step writing them sets them again).
+    fn make_taps(&mut self) -> Result<(), CacheError> {
         let plan = self
             .book
             .step_plan()
@@ -944,14 +960,23 @@ impl<D: Device> KitCache<D> {
                 .filter(|&c| held(i, c, p - 1))
                 .or_else(|| (0..plan.read_len).find(|&c| held(i, c, p - 1)))
                 .map_or(NO_CELL, |c| c as u32);
+            let earlier = |c: usize| plan.visible(i, c) && self.cell_pos[c] < p;
+            if tap == NO_CELL && (0..plan.read_len).any(earlier) {
+                return Err(CacheError::bad_position(format!(
+                    "position {p} skips position {}: its sequence holds earlier positions but \
+                     not that one, and a recurrent state cannot skip positions",
+                    p - 1
+                )));
+            }
             taps.extend([tap, own as u32]);
         }
         if let Some(a) = &mut self.anchors {
             // A tree cache's prefix steps are plain ones; its frontiers are masked.
             let tree = self.book.kind() == CacheKind::Tree && plan.mask == MaskKind::Explicit;
-            a.open_step(plan, &taps, 2, tree);
+            a.open_step(plan, &taps, tree);
         }
         self.taps = taps;
+        Ok(())
     }
 
     fn check_shapes(

@@ -862,12 +862,15 @@ impl<D: Device> DecodeCase<D> {
 }
 
 /// A tiny Llama package (2 layers, hidden 64, 4 query / 2 KV heads, vocab 40) with
-/// deterministic pseudo-random f32 weights, written to a directory of the temp dir named
-/// after `tag` and the process.
-pub fn tiny_llama(tag: &str) -> std::path::PathBuf {
+/// deterministic pseudo-random f32 weights, written to a fresh directory of the temp dir
+/// whose name starts with `kvplug-{tag}-`, removed when the returned handle drops.
+pub fn tiny_llama(tag: &str) -> tempfile::TempDir {
     use safetensors::tensor::{Dtype, TensorView};
-    let dir = std::env::temp_dir().join(format!("kvplug-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("kvplug-{tag}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     std::fs::write(
         dir.join("config.json"),
         r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -915,7 +918,7 @@ pub fn tiny_llama(tag: &str) -> std::path::PathBuf {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    dir
+    tmp
 }
 
 /// xorshift64*: reproducible test data without a dependency.

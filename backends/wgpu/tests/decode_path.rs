@@ -31,10 +31,11 @@ fn gpu_device() -> WgpuDevice {
 // The model-device checks (the fused attention inputs among them) with a GPU's shapes.
 kvplug_backend_kit::model_device_tests!(gpu_device());
 
-/// The tiny test Llama on a fresh wgpu device with a GPU's shapes.
+/// The tiny test Llama on a fresh wgpu device with a GPU's shapes (its files are read
+/// and removed: the package and model hold what they need).
 fn tiny_model(tag: &str) -> (Arc<WgpuDevice>, ModelPackage, DecoderModel<WgpuDevice>) {
     let dev = Arc::new(gpu_device());
-    let pkg = ModelPackage::open(&tiny_llama(tag)).unwrap();
+    let pkg = ModelPackage::open(tiny_llama(tag).path()).unwrap();
     let model = DecoderModel::load(dev.clone(), &pkg).unwrap();
     (dev, pkg, model)
 }

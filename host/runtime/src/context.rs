@@ -241,7 +241,7 @@ impl Context {
         }
         // A forward returns at least one row: a batch that wants none (a prompt's earlier
         // chunk, a chain written again) asks for its first and drops it. Not its last: a
-        // delta-rule cache keeps a run's state as a prompt end when only its last output is
+        // recurrent cache keeps a run's state as a prompt end when only its last output is
         // read (the last chunk of a prompt).
         let wanted = batch.logit_rows();
         let first = [0];

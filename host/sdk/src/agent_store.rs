@@ -556,7 +556,7 @@ impl AgentStore {
 
     /// Where a request reusing `history` tokens of `prompt` should anchor its prefill: the
     /// end of the longest beginning it shares with a recent request, when the index holds
-    /// those cells but the model cannot resume there (a delta-rule model keeps its state
+    /// those cells but the model cannot resume there (a hybrid model keeps its state
     /// only where a step ended) and anchoring saves at least [`MIN_ANCHOR_GAIN`] tokens of
     /// a later request's prefill. Agents sharing a
     /// system prompt: the second request anchors it, the later ones resume there. The

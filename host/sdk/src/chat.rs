@@ -386,7 +386,7 @@ impl Chat {
         // Every generated id but the last was run; the next turn's prompt decides whether
         // the cache keeps them (a template may render the end of turn differently).
         self.cached.extend_from_slice(fresh);
-        // A delta-rule cache keeps the newest few prompt ends: older ones are not tried.
+        // A recurrent cache keeps the newest few prompt ends: older ones are not tried.
         if self.prompt_ends.len() > kvplug_core::config::PROMPT_END_ANCHORS {
             self.prompt_ends.remove(0);
         }
@@ -416,7 +416,7 @@ impl Chat {
     /// recurrent state there) the longest earlier prompt it can return to, else none (all of
     /// it is prefilled again); returns how many it keeps. A template that renders the last
     /// answer differently in the next turn (its reasoning dropped, its text trimmed) makes
-    /// `n` fall inside that answer: a delta-rule cache then resumes at the end of the
+    /// `n` fall inside that answer: a recurrent cache then resumes at the end of the
     /// previous prompt, whose state it keeps.
     fn rewind(&mut self, n: usize) -> Result<usize> {
         let earlier = self.prompt_ends.iter().rev().copied().filter(|&e| e < n);

@@ -446,7 +446,7 @@ impl Generator {
             a.fed = (a.prompt.len() - a.written).min(budget);
             if a.prompt.len() - (a.written + a.fed) == 1 {
                 // Not a last chunk of one token: read, it looks like a decode step, and a
-                // delta-rule cache would not keep the prompt's end (see `Anchors`). With room
+                // recurrent cache would not keep the prompt's end (see `Anchors`). With room
                 // for one token only, the request waits a step, as it does with none.
                 a.fed -= 1;
                 if a.fed == 0 {

@@ -154,7 +154,8 @@ pub struct Plan {
     pub agents_all_full: usize,
     /// The model's `max_position_embeddings`, if stated.
     pub trained_positions: Option<u64>,
-    /// Bytes of one sequence's recurrent state (delta-rule layers; 0 without): each
+    /// Bytes of one sequence's recurrent state (delta-rule and convolution layers; 0
+    /// without): each
     /// sequence holds at least one, counted in `tokens` and `agents`.
     pub state_bytes: usize,
 }

@@ -157,6 +157,17 @@ fn check_saved_rows<D2: Device>(dev: &Arc<D2>, c: &KitCache<D2>, w: usize, h: &H
         "each layer's last rows, oldest first"
     );
     let mut r = KitCache::new(dev.clone(), CacheKind::Seq, config(w)).unwrap();
+    // Rows that would not start at the sequence's next position (0 here) leave a gap.
+    let mut shifted = rows.clone();
+    shifted.positions = rows.positions.iter().map(|p| p + 1).collect();
+    match r.import_seq(0, &shifted) {
+        Err(KitError::Cache(e)) => assert_eq!(e.kind, ErrorKind::BadPosition, "{e}"),
+        other => panic!("an import leaving a gap: {other:?}"),
+    }
+    assert!(
+        r.export_seq(0).unwrap().positions.is_empty(),
+        "nothing imported"
+    );
     r.import_seq(0, &rows).unwrap();
     assert_eq!(
         r.export_seq(0).unwrap(),
@@ -238,7 +249,7 @@ fn refused<D2: Device, T: std::fmt::Debug>(
 /// sequence restores them (`check_saved_rows`).
 pub fn check_conv_verbs<D2: Device>(device: D2) {
     let dev = Arc::new(device);
-    for width in [3, 4] {
+    for width in [2, 3, 4] {
         let w = width;
         // Contiguous: prefill, decode, rewind and decode other rows, a dropped step.
         let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, config(w)).unwrap();
@@ -354,6 +365,21 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
             "after seq_rm",
         )
         .unwrap();
+        // Sequence 0 holds 0..=6: a step at 8 would skip 7.
+        let before = s.export_seq(0).unwrap();
+        match s.step(&[8], Some(&[0])) {
+            Err(KitError::Cache(e)) => {
+                assert_eq!(e.kind, ErrorKind::BadPosition, "{e}");
+                assert!(e.message.contains("skips"), "{e}");
+            }
+            Err(e) => panic!("a step skipping a position: {e}"),
+            Ok(_) => panic!("a step skipping a position was accepted"),
+        }
+        assert_eq!(
+            s.export_seq(0).unwrap(),
+            before,
+            "a refused step changes nothing"
+        );
 
         // Tree: committed base, a proposed tree, the commit of one branch, then decoding.
         let mut t = KitCache::new(dev.clone(), CacheKind::Tree, config(w)).unwrap();
