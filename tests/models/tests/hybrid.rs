@@ -11,7 +11,9 @@ use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 use kvplug::{DraftKind, Speculation};
 
 mod common;
-use common::hybrids::{lfm2, qwen35, qwen35_templated, write_qwen35, Shape, PROMPT, SMALL_LFM2};
+use common::hybrids::{
+    lfm2, lfm2_templated, qwen35, qwen35_templated, write_qwen35, Shape, PROMPT, SMALL_LFM2,
+};
 use common::{forward, runtime, Reference, BACKENDS};
 
 /// Every row's logits of one batch: token `i` at `positions[i]` in sequence `seqs[i]`.
@@ -418,6 +420,14 @@ fn second_turn_resumes_at_the_first_prompt_end(
 fn qwen35_chat_resumes_at_the_previous_prompt_end() {
     let dir = tempfile::tempdir().unwrap();
     let model = qwen35_templated(dir.path(), &[GgmlDType::F32], Some(PLACEHOLDER_TEMPLATE));
+    second_turn_resumes_at_the_first_prompt_end(&model, 512, "hello there");
+}
+
+/// The same on LFM2, whose convolution state is kept as the delta rule's is.
+#[test]
+fn lfm2_chat_resumes_at_the_previous_prompt_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = lfm2_templated(dir.path(), &SMALL_LFM2, Some(PLACEHOLDER_TEMPLATE));
     second_turn_resumes_at_the_first_prompt_end(&model, 512, "hello there");
 }
 

@@ -38,8 +38,8 @@ pub const SMALL_LFM2: Shape<'static> = Shape {
     window: None,
 };
 
-/// Writes an LFM2 GGUF of `shape`.
-pub fn write_lfm2(path: &Path, shape: &Shape) {
+/// Writes an LFM2 GGUF of `shape` (with `template` as its chat template when given).
+pub fn write_lfm2(path: &Path, shape: &Shape, template: Option<&str>) {
     let Shape {
         layers,
         attention,
@@ -131,15 +131,30 @@ pub fn write_lfm2(path: &Path, shape: &Shape) {
     if let Some(w) = window {
         meta.push(("lfm2.attention.sliding_window", u(w)));
     }
-    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    tokenizer_meta(&mut meta, template);
     write_gguf(path, &meta, &tensors);
+}
+
+/// Appends the test tokenizer's metadata to `meta`, with `template` as its chat template
+/// when given.
+fn tokenizer_meta(meta: &mut Vec<(&'static str, Value)>, template: Option<&str>) {
+    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
+    if let Some(t) = template {
+        let at = meta.iter().position(|m| m.0 == "tokenizer.chat_template");
+        meta[at.expect("the tokenizer has a template")].1 = Value::String(t.into());
+    }
 }
 
 /// The indexed model of [`write_lfm2`] in `dir`.
 pub fn lfm2(dir: &Path, shape: &Shape) -> std::path::PathBuf {
+    lfm2_templated(dir, shape, None)
+}
+
+/// [`lfm2`] with `template` as its chat template when given.
+pub fn lfm2_templated(dir: &Path, shape: &Shape, template: Option<&str>) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let gguf = dir.join("lfm2.gguf");
-    write_lfm2(&gguf, shape);
+    write_lfm2(&gguf, shape, template);
     let model = dir.join("indexed");
     kvplug::formats::gguf::index(&gguf, &model).unwrap();
     model
@@ -222,11 +237,7 @@ pub fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
         ("qwen35.context_length", u(2048)),
         ("qwen35.vocab_size", u(VOCAB)),
     ];
-    meta.extend(bpe_tokenizer_meta("qwen2", &MERGES, VOCAB).0);
-    if let Some(t) = template {
-        let at = meta.iter().position(|m| m.0 == "tokenizer.chat_template");
-        meta[at.expect("the tokenizer has a template")].1 = Value::String(t.into());
-    }
+    tokenizer_meta(&mut meta, template);
     write_gguf(path, &meta, &tensors);
 }
 
