@@ -267,14 +267,26 @@ fn kvplug_env(plugins: &Path, args: &[&str], env: &[(&str, &str)]) -> std::proce
     let bin_dir = tempfile::tempdir().unwrap();
     let bin = bin_dir.path().join("kvplug");
     std::fs::copy(common::kvplug_bin(), &bin).unwrap();
-    let out = Command::new(&bin)
+    let mut command = Command::new(&bin);
+    command
         .arg("--plugins")
         .arg(plugins)
         .args(args)
         .env_remove("KVPLUG_PLUGIN_PATH")
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
+        .envs(env.iter().copied());
+    // Another test thread forking while the copy was open for writing holds that descriptor
+    // until its child execs, and exec then fails with ETXTBSY: a race of the test harness,
+    // not of kvplug. Try again once the child has exec'd (it closes the descriptor).
+    let mut tries = 0;
+    let out = loop {
+        match command.output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other.unwrap(),
+        }
+    };
     drop(bin_dir);
     out
 }
