@@ -52,6 +52,10 @@ pub struct CacheConfig {
     /// anchors).
     #[serde(default)]
     pub delta: Option<DeltaLayers>,
+    /// The Mamba2 (selective state-space) layers of a hybrid model (`None`: none); they hold
+    /// no K/V and no rows per cell (their state and convolution tail are kept as anchors).
+    #[serde(default)]
+    pub ssm: Option<SsmLayers>,
 }
 
 /// A set of layer indices below [`MAX_LAYERS`].
@@ -188,6 +192,45 @@ impl DeltaLayers {
     }
 }
 
+/// The Mamba2 layers of a hybrid model (Granite 4.0-H, Falcon-H1, Nemotron-H): per sequence,
+/// a `head_dim × state` f32 state per head, decayed by a per-head scalar and moved by each
+/// token's `x ⊗ B`, behind a short convolution over x, B and C. Kept as anchors, as a
+/// delta-rule layer's state is ([`DeltaLayers`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct SsmLayers {
+    /// Heads, each with its own state and decay (llama.cpp's `ssm.time_step_rank`).
+    pub heads: usize,
+    /// Values of x per head (`d_inner / heads`).
+    pub head_dim: usize,
+    /// Groups of heads sharing one B and one C (`heads % groups == 0`; head `h` reads group
+    /// `h / (heads / groups)`).
+    pub groups: usize,
+    /// Size of B and C (the state's second dimension).
+    pub state: usize,
+    /// Taps of the causal depthwise convolution over x, B and C in front of the scan.
+    pub width: usize,
+    /// The Mamba2 layers.
+    pub layers: LayerSet,
+}
+
+impl SsmLayers {
+    /// f32 values of one layer's scan state of one sequence (`[heads][head_dim][state]`).
+    pub fn state_len(&self) -> usize {
+        self.heads * self.head_dim * self.state
+    }
+
+    /// f32 values of one layer's convolution tail (its last `width - 1` input rows).
+    pub fn tail_len(&self) -> usize {
+        (self.width - 1) * self.conv_channels()
+    }
+
+    /// Channels of the convolution: x (`heads · head_dim`), then B and C (`groups · state`
+    /// each), in that order.
+    pub fn conv_channels(&self) -> usize {
+        self.heads * self.head_dim + 2 * self.groups * self.state
+    }
+}
+
 /// Anchors a recurrent cache keeps beyond those a sequence needs to continue (the newest;
 /// older step ends a `rewind` or `seq_rm` may return to).
 pub const SPARE_ANCHORS: usize = 8;
@@ -227,6 +270,7 @@ pub fn make_config(params: &ModelCacheParams, capacity: usize, kv_dtype: KvDtype
         sliding: None,
         conv: None,
         delta: None,
+        ssm: None,
     }
 }
 
@@ -288,6 +332,9 @@ impl CacheConfig {
         if let Some(d) = &self.delta {
             self.validate_delta(d)?;
         }
+        if let Some(m) = &self.ssm {
+            self.validate_ssm(m)?;
+        }
         self.kv_dtype.check_head_dim(self.head_dim)
     }
 
@@ -330,19 +377,70 @@ impl CacheConfig {
         Ok(())
     }
 
+    fn validate_ssm(&self, m: &SsmLayers) -> CacheResult<()> {
+        if [m.heads, m.head_dim, m.groups, m.state].contains(&0) || m.layers.is_empty() {
+            return Err(CacheError::bad_config(
+                "Mamba2 layers need at least one layer, head, group, head value and state value",
+            ));
+        }
+        if m.heads % m.groups != 0 {
+            return Err(CacheError::bad_config(format!(
+                "{} Mamba2 heads do not share {} groups evenly",
+                m.heads, m.groups
+            )));
+        }
+        check_limit("Mamba2 heads", m.heads, MAX_CONV_CHANNELS)?;
+        check_limit("Mamba2 head size", m.head_dim, MAX_HEAD_DIM)?;
+        check_limit("Mamba2 state size", m.state, MAX_HEAD_DIM)?;
+        check_limit("Mamba2 channels", m.conv_channels(), MAX_CONV_CHANNELS)?;
+        if !(2..=MAX_CONV_WIDTH).contains(&m.width) {
+            return Err(CacheError::bad_config(format!(
+                "a Mamba2 convolution width of {} is outside 2..={MAX_CONV_WIDTH}",
+                m.width
+            )));
+        }
+        if let Some(l) = m.layers.iter().find(|&l| l >= self.n_layers) {
+            return Err(CacheError::bad_config(format!(
+                "Mamba2 layer {l} is outside 0..{}",
+                self.n_layers
+            )));
+        }
+        if let Some(l) = m
+            .layers
+            .iter()
+            .find(|&l| self.slides(l) || self.convolves(l) || self.is_delta(l))
+        {
+            return Err(CacheError::bad_config(format!(
+                "layer {l} cannot both run a Mamba2 scan and slide, convolve or run the delta rule"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether `layer` is a recurrent layer (short convolution, delta rule or Mamba2): it
+    /// holds no K/V, its state is kept as anchors.
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.convolves(layer)
+            || self.is_delta(layer)
+            || self.ssm.is_some_and(|m| m.layers.contains(layer))
+    }
+
     /// Whether `layer` is a gated delta-rule layer.
     pub fn is_delta(&self, layer: usize) -> bool {
         self.delta.is_some_and(|d| d.layers.contains(layer))
     }
 
-    /// Bytes of one anchor: the state of every recurrent (delta-rule and convolution) layer
+    /// Bytes of one anchor: the state of every recurrent (delta-rule, Mamba2 and convolution) layer
     /// after one token (0 without such layers).
     pub fn anchor_bytes(&self) -> u64 {
         let delta = self
             .delta
             .map_or(0, |d| d.layers.len() * (d.state_len() + d.tail_len()));
         let conv = self.conv.map_or(0, |c| c.layers.len() * c.tail_len());
-        4 * (delta + conv) as u64
+        let ssm = self
+            .ssm
+            .map_or(0, |m| m.layers.len() * (m.state_len() + m.tail_len()));
+        4 * (delta + conv + ssm) as u64
     }
 
     /// Whether `layer` is a short-convolution layer.
@@ -361,6 +459,7 @@ impl CacheConfig {
             - self.sliding.map_or(0, |s| s.layers.len())
             - self.conv.map_or(0, |c| c.layers.len())
             - self.delta.map_or(0, |d| d.layers.len())
+            - self.ssm.map_or(0, |m| m.layers.len())
     }
 
     /// Bytes of the pools indexed by cells (K and V of the fully attending layers) holding

@@ -49,7 +49,7 @@ pub use argmax::{argmax, rank, top_k, Adjust};
 pub use arithmetic::Arithmetic;
 pub use config::{
     make_config, CacheConfig, ConvLayers, DeltaLayers, LayerSet, ModelCacheParams, SlidingLayers,
-    DEFAULT_MIN_CHUNK,
+    SsmLayers, DEFAULT_MIN_CHUNK,
 };
 pub use contiguous::ContiguousBookkeeping;
 pub use dtype::KvDtype;

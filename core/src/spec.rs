@@ -7,7 +7,10 @@
 //!    `sliding_window`; LFM2's `conv`, a short-convolution layer of `conv_L_cache` taps over
 //!    `hidden_size` channels; Qwen3.5's `linear_attention`, a gated delta-rule layer of
 //!    `linear_num_key_heads` / `linear_num_value_heads` heads of `linear_key_head_dim`
-//!    behind a `linear_conv_kernel_dim`-tap convolution);
+//!    behind a `linear_conv_kernel_dim`-tap convolution; Granite 4.0-H's `mamba`, a Mamba2
+//!    layer of `mamba_n_heads` heads of `mamba_d_head` values, `mamba_n_groups` groups of
+//!    `mamba_d_state`-wide B and C, behind a `mamba_d_conv`-tap convolution; its `attention`
+//!    attends fully);
 //! 2. Gemma 3's `sliding_window_pattern` `N`: layer `i` is full iff `(i + 1) % N == 0`;
 //! 3. Qwen2's `use_sliding_window` with `max_window_layers` `M`: layers `i >= M` slide
 //!    (absent in a `qwen*` config, it is false: Qwen2 ships a window it does not use);
@@ -20,7 +23,7 @@
 
 use serde_json::Value;
 
-use crate::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers, MAX_CONV_WIDTH};
+use crate::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers, SsmLayers, MAX_CONV_WIDTH};
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
 
@@ -55,6 +58,21 @@ pub enum LayerAttention {
         value_heads: usize,
         /// Key and value head size.
         head_dim: usize,
+    },
+    /// No attention: a Mamba2 selective scan (Granite 4.0-H) behind a short convolution over
+    /// its x, B and C; its state is a `head_dim × state` matrix per head and sequence and the
+    /// convolution's last `width - 1` input rows (see [`SsmLayers`]).
+    Ssm {
+        /// Taps of the convolution.
+        width: usize,
+        /// Heads.
+        heads: usize,
+        /// Values of x per head.
+        head_dim: usize,
+        /// Groups of heads sharing B and C.
+        groups: usize,
+        /// Size of B and C.
+        state: usize,
     },
 }
 
@@ -139,6 +157,28 @@ impl ModelCacheSpec {
                 head_dim,
             })
         };
+        let ssm = || -> CacheResult<LayerAttention> {
+            let get = |key: &str| {
+                config[key]
+                    .as_u64()
+                    .filter(|&n| n > 0)
+                    .map(|n| n as usize)
+                    .ok_or_else(|| bad(format!("mamba layers need a positive {key}")))
+            };
+            let width = get("mamba_d_conv")?;
+            if !(2..=MAX_CONV_WIDTH).contains(&width) {
+                return Err(bad(format!(
+                    "mamba_d_conv {width} is outside 2..={MAX_CONV_WIDTH}"
+                )));
+            }
+            Ok(LayerAttention::Ssm {
+                width,
+                heads: get("mamba_n_heads")?,
+                head_dim: get("mamba_d_head")?,
+                groups: get("mamba_n_groups")?,
+                state: get("mamba_d_state")?,
+            })
+        };
         let layers = if let Some(types) = config["layer_types"].as_array() {
             if types.len() != n_layers {
                 return Err(bad(format!(
@@ -149,10 +189,11 @@ impl ModelCacheSpec {
             types
                 .iter()
                 .map(|t| match t.as_str() {
-                    Some("full_attention") => Ok(LayerAttention::Full),
+                    Some("full_attention" | "attention") => Ok(LayerAttention::Full),
                     Some("sliding_attention") => Ok(LayerAttention::Sliding { window: window()? }),
                     Some("conv") => conv(),
                     Some("linear_attention") => delta(),
+                    Some("mamba") => ssm(),
                     other => Err(bad(format!("unknown layer type {other:?}"))),
                 })
                 .collect::<CacheResult<_>>()?
@@ -301,6 +342,45 @@ impl ModelCacheSpec {
         }))
     }
 
+    /// The Mamba2 layers of a cache config (`None` without any); `bad_config` when they
+    /// differ in shape.
+    pub fn ssm(&self) -> CacheResult<Option<SsmLayers>> {
+        let mut shape = None;
+        for l in &self.layers {
+            if let LayerAttention::Ssm {
+                width,
+                heads,
+                head_dim,
+                groups,
+                state,
+            } = *l
+            {
+                let this = (width, heads, head_dim, groups, state);
+                if shape.is_some_and(|s| s != this) {
+                    return Err(CacheError::bad_config(
+                        "Mamba2 layers of different shapes are not supported",
+                    ));
+                }
+                shape = Some(this);
+            }
+        }
+        let Some((width, heads, head_dim, groups, state)) = shape else {
+            return Ok(None);
+        };
+        let layers = LayerSet::of(
+            (0..self.layers.len())
+                .filter(|&i| matches!(self.layers[i], LayerAttention::Ssm { .. })),
+        )?;
+        Ok(Some(SsmLayers {
+            heads,
+            head_dim,
+            groups,
+            state,
+            width,
+            layers,
+        }))
+    }
+
     /// K and V bytes one token takes in one layer.
     pub fn layer_bytes_per_token(&self, dtype: KvDtype) -> usize {
         2 * self.n_kv_heads * dtype.row_bytes(self.head_dim)
@@ -314,12 +394,15 @@ impl ModelCacheSpec {
             LayerAttention::Full | LayerAttention::Sliding { .. } => {
                 self.layer_bytes_per_token(dtype)
             }
-            LayerAttention::Conv { .. } | LayerAttention::Delta { .. } => 0,
+            LayerAttention::Conv { .. }
+            | LayerAttention::Delta { .. }
+            | LayerAttention::Ssm { .. } => 0,
         }
     }
 
     /// Bytes of one anchor of a sequence's recurrent state (every delta-rule layer's f32
-    /// `head_dim × head_dim` matrices and convolution tail, every convolution layer's tail):
+    /// `head_dim × head_dim` matrices and convolution tail, every Mamba2 layer's
+    /// `head_dim × state` matrices and convolution tail, every convolution layer's tail):
     /// what each kept anchor costs.
     pub fn state_bytes(&self) -> usize {
         self.layers
@@ -335,6 +418,23 @@ impl ModelCacheSpec {
                         + (width - 1) * (2 * key_heads + value_heads) * head_dim)
                 }
                 LayerAttention::Conv { width, channels } => 4 * (width - 1) * channels,
+                LayerAttention::Ssm {
+                    width,
+                    heads,
+                    head_dim,
+                    groups,
+                    state,
+                } => {
+                    let m = SsmLayers {
+                        heads,
+                        head_dim,
+                        groups,
+                        state,
+                        width,
+                        layers: LayerSet::default(),
+                    };
+                    4 * (m.state_len() + m.tail_len())
+                }
                 _ => 0,
             })
             .sum()
@@ -351,7 +451,8 @@ impl ModelCacheSpec {
                     LayerAttention::Sliding { window } => tokens.min(window + ubatch),
                     LayerAttention::Full
                     | LayerAttention::Conv { .. }
-                    | LayerAttention::Delta { .. } => tokens,
+                    | LayerAttention::Delta { .. }
+                    | LayerAttention::Ssm { .. } => tokens,
                 };
                 held as u128 * self.bytes_per_token(l, dtype) as u128
             })
@@ -431,6 +532,39 @@ mod tests {
         let llama = ModelCacheSpec::from_config(&json!({}), 2, 1, 64).unwrap();
         assert_eq!(llama.sliding().unwrap(), None);
         assert_eq!(llama.conv().unwrap(), None);
+    }
+
+    #[test]
+    fn mamba_layers_hold_a_state_and_tail_per_sequence_and_no_kv() {
+        // Granite 4.0-H-350M's pattern: attention at 10 and 13 of 16 here.
+        let types: Vec<&str> = (0..16)
+            .map(|i| {
+                if i == 10 || i == 13 {
+                    "attention"
+                } else {
+                    "mamba"
+                }
+            })
+            .collect();
+        let c = json!({"layer_types": types, "mamba_d_conv": 4, "mamba_n_heads": 48,
+            "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 128});
+        let spec = ModelCacheSpec::from_config(&c, 16, 4, 64).unwrap();
+        let m = spec.ssm().unwrap().unwrap();
+        assert_eq!(
+            (m.heads, m.head_dim, m.groups, m.state, m.width),
+            (48, 32, 1, 128, 4)
+        );
+        assert_eq!(m.layers.len(), 14);
+        assert_eq!(m.conv_channels(), 48 * 32 + 2 * 128);
+        let per_layer = 4 * (48 * 32 * 128 + 3 * (48 * 32 + 256));
+        assert_eq!(spec.state_bytes(), 14 * per_layer);
+        let per_attn = spec.layer_bytes_per_token(KvDtype::F16) as u128;
+        assert_eq!(
+            spec.sequence_bytes(KvDtype::F16, 10, 0),
+            10 * 2 * per_attn + 14 * per_layer as u128
+        );
+        let e = ModelCacheSpec::from_config(&json!({"layer_types": ["mamba"]}), 1, 1, 64);
+        assert!(e.unwrap_err().message.contains("mamba_d_conv"));
     }
 
     #[test]

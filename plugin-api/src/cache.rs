@@ -6,7 +6,7 @@
 use abi_stable::sabi_trait;
 use abi_stable::std_types::{RArc, ROption, RResult, RSlice, RStr, RString, RVec};
 use abi_stable::StableAbi;
-use kvplug_core::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers};
+use kvplug_core::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers, SsmLayers};
 use kvplug_core::{CacheConfig, CacheError, KvDtype};
 
 use crate::error::PluginError;
@@ -48,6 +48,18 @@ pub struct AbiCacheConfig {
     pub delta_conv_width: u32,
     /// Gated delta-rule layers (no K/V, no rows per cell; see [`DeltaLayers`]).
     pub delta_layers: RVec<u32>,
+    /// Heads of [`AbiCacheConfig::ssm_layers`] (0: no Mamba2 layers).
+    pub ssm_heads: u32,
+    /// Values of x per Mamba2 head.
+    pub ssm_head_dim: u32,
+    /// Groups of Mamba2 heads sharing B and C.
+    pub ssm_groups: u32,
+    /// Size of B and C.
+    pub ssm_state: u32,
+    /// Taps of the convolution in front of the scan.
+    pub ssm_conv_width: u32,
+    /// Mamba2 layers (no K/V, no rows per cell; see [`SsmLayers`]).
+    pub ssm_layers: RVec<u32>,
 }
 
 impl From<&CacheConfig> for AbiCacheConfig {
@@ -83,6 +95,15 @@ impl From<&CacheConfig> for AbiCacheConfig {
             delta_layers: c
                 .delta
                 .map(|d| d.layers.iter().map(|l| l as u32).collect())
+                .unwrap_or_default(),
+            ssm_heads: c.ssm.map_or(0, |m| saturate(m.heads)),
+            ssm_head_dim: c.ssm.map_or(0, |m| saturate(m.head_dim)),
+            ssm_groups: c.ssm.map_or(0, |m| saturate(m.groups)),
+            ssm_state: c.ssm.map_or(0, |m| saturate(m.state)),
+            ssm_conv_width: c.ssm.map_or(0, |m| saturate(m.width)),
+            ssm_layers: c
+                .ssm
+                .map(|m| m.layers.iter().map(|l| l as u32).collect())
                 .unwrap_or_default(),
         }
     }
@@ -143,10 +164,27 @@ impl TryFrom<&AbiCacheConfig> for CacheConfig {
                 layers: LayerSet::of(c.delta_layers.iter().map(|&l| l as usize))?,
             }),
         };
+        let ssm = match (c.ssm_heads, c.ssm_layers.is_empty()) {
+            (0, true) => None,
+            (0, false) => {
+                return Err(CacheError::bad_config(
+                    "Mamba2 layers are listed but they have no heads",
+                ))
+            }
+            (heads, _) => Some(SsmLayers {
+                heads: heads as usize,
+                head_dim: c.ssm_head_dim as usize,
+                groups: c.ssm_groups as usize,
+                state: c.ssm_state as usize,
+                width: c.ssm_conv_width as usize,
+                layers: LayerSet::of(c.ssm_layers.iter().map(|&l| l as usize))?,
+            }),
+        };
         let cfg = CacheConfig {
             sliding,
             conv,
             delta,
+            ssm,
             capacity: c.capacity as usize,
             n_layers: c.n_layers as usize,
             n_kv_heads: c.n_kv_heads as usize,

@@ -130,6 +130,7 @@ fn kvplug_run(tokens: &[Vec<f32>]) -> Run {
         sliding: None,
         conv: None,
         delta: None,
+        ssm: None,
     };
     let mut c = ContiguousKv::new(Arc::new(CpuDevice::new()), cfg).expect("a cache");
     let inputs: Vec<CpuTensor> = tokens

@@ -25,6 +25,7 @@ fn cfg(capacity: usize) -> CacheConfig {
         sliding: None,
         conv: None,
         delta: None,
+        ssm: None,
     }
 }
 

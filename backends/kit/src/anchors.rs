@@ -1,7 +1,8 @@
 //! The recurrent layers' state in a [`KitCache`](crate::KitCache): **anchors**, the state of
 //! every recurrent layer after the token of one cell (a gated delta-rule layer's matrices
-//! and convolution tail, as Qwen3.5's linear attention keeps them; a short-convolution
-//! layer's tail, as LFM2's), and those layers run over a step's tokens.
+//! and convolution tail, as Qwen3.5's linear attention keeps them; a Mamba2 layer's, as
+//! Granite 4.0-H's; a short-convolution layer's tail, as LFM2's), and those layers run over
+//! a step's tokens.
 //!
 //! A step resumes each token from the state after its sequence's previous position: the
 //! previous token of the step when it is that position (a chain), another token of the step
@@ -13,10 +14,12 @@
 
 use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{
-    Bookkeeping, CacheConfig, CacheError, CacheResult, ConvLayers, DeltaLayers, StepPlan, MAX_SEQS,
+    Bookkeeping, CacheConfig, CacheError, CacheResult, ConvLayers, DeltaLayers, SsmLayers,
+    StepPlan, MAX_SEQS,
 };
 
 use crate::delta_rule::{two, Rows, Run, Scratch, States, Tokens, NO_STATE};
+use crate::mamba2::{softplus, Scan};
 
 /// A tap that reads no cell: a token at the start of its sequence (its state starts from
 /// zeros).
@@ -27,8 +30,9 @@ const NONE: u32 = u32::MAX;
 /// One anchor's storage.
 struct Slot {
     /// Every recurrent layer's state, ascending by layer: a delta layer's
-    /// `[value head][dv][dk]` (row `j` holds `S[·][j]`) then its convolution tail, a
-    /// convolution layer's tail (its last `width - 1` input rows, oldest first).
+    /// `[value head][dv][dk]` (row `j` holds `S[·][j]`) then its convolution tail, a Mamba2
+    /// layer's `[head][head_dim][state]` then its convolution tail, a convolution layer's
+    /// tail (its last `width - 1` input rows, oldest first).
     data: Vec<f32>,
     /// The cell it anchors (`NONE`: free or held by the open step).
     cell: u32,
@@ -52,6 +56,7 @@ enum Pin {
 pub struct Anchors {
     delta: Option<DeltaLayers>,
     conv: Option<ConvLayers>,
+    ssm: Option<SsmLayers>,
     /// Where each layer of the model starts in an anchor's data (`NONE` for the others).
     offset: Vec<u32>,
     /// f32 values of one anchor.
@@ -81,6 +86,10 @@ pub struct Anchors {
     b: Vec<f32>,
     /// The step's runs of tokens advancing one state.
     runs: Vec<Run>,
+    /// Per token of the step, a Mamba2 layer's convolved x, B and C, and the slot its scan
+    /// resumes from.
+    ssm_in: Vec<f32>,
+    ssm_from: Vec<u32>,
     /// Each thread's buffers for the rule.
     scratch: [Scratch; 2],
     /// Threads a prefill splits the heads over (at most 2).
@@ -94,30 +103,36 @@ pub struct Anchors {
 }
 
 impl Anchors {
-    /// Anchors for the recurrent (delta-rule and short-convolution) layers of `cfg`; `None`
-    /// without any.
+    /// Anchors for the recurrent (delta-rule, Mamba2 and short-convolution) layers of `cfg`;
+    /// `None` without any.
     pub fn new(cfg: &CacheConfig) -> Option<Self> {
-        let (delta, conv) = (cfg.delta, cfg.conv);
-        if delta.is_none() && conv.is_none() {
+        let (delta, conv, ssm) = (cfg.delta, cfg.conv, cfg.ssm);
+        if delta.is_none() && conv.is_none() && ssm.is_none() {
             return None;
         }
         let mut offset = vec![NONE; cfg.n_layers];
         let mut per_slot = 0;
         for (l, at) in offset.iter_mut().enumerate() {
-            let len = match (delta.filter(|d| d.layers.contains(l)), conv) {
-                (Some(d), _) => d.state_len() + d.tail_len(),
-                (None, Some(c)) if c.layers.contains(l) => c.tail_len(),
-                _ => continue,
+            let len = if let Some(d) = delta.filter(|d| d.layers.contains(l)) {
+                d.state_len() + d.tail_len()
+            } else if let Some(m) = ssm.filter(|m| m.layers.contains(l)) {
+                m.state_len() + m.tail_len()
+            } else if let Some(c) = conv.filter(|c| c.layers.contains(l)) {
+                c.tail_len()
+            } else {
+                continue;
             };
             *at = per_slot as u32;
             per_slot += len;
         }
         let mixed = delta
             .map_or(0, |d| d.conv_channels())
-            .max(conv.map_or(0, |c| c.channels));
+            .max(conv.map_or(0, |c| c.channels))
+            .max(ssm.map_or(0, |m| m.conv_channels()));
         Some(Anchors {
             delta,
             conv,
+            ssm,
             offset,
             per_slot,
             slot_of: Vec::new(),
@@ -135,6 +150,8 @@ impl Anchors {
             lg: Vec::new(),
             b: Vec::new(),
             runs: Vec::new(),
+            ssm_in: Vec::new(),
+            ssm_from: Vec::new(),
             scratch: Default::default(),
             threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
             needed: 0,
@@ -492,6 +509,91 @@ impl Anchors {
         Ok(())
     }
 
+    /// Runs Mamba2 layer `layer` over the open step: `x` `[T, channels]` is the x, B and C
+    /// part of its input projection, `kernel` `[channels, width]` and `bias` `[channels]` the
+    /// depthwise convolution over it, `dt` `[T, heads]` the step projection with its bias,
+    /// `a` `[heads]` the decay rates (`−exp(A_log)`), `d` `[heads]` the skip weights; writes
+    /// `out` `[T, heads · head_dim]`. Per token: the convolution over its sequence's last
+    /// `width` rows (zeros before the start) plus `bias`, SiLU, then the scan of
+    /// [`crate::mamba2::scan_token`] from its sequence's state.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_ssm(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        kernel: &[f32],
+        bias: &[f32],
+        dt: &[f32],
+        a: &[f32],
+        d: &[f32],
+        out: &mut [f32],
+    ) -> CacheResult<()> {
+        let (Some(m), Some(at)) = (
+            self.ssm.filter(|m| m.layers.contains(layer)),
+            self.offset(layer),
+        ) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is no Mamba2 layer"
+            )));
+        };
+        let (ch, sl, inner) = (m.conv_channels(), m.state_len(), m.heads * m.head_dim);
+        let t = self.step_cell.len();
+        self.ssm_in.resize(t * ch, 0.0);
+        self.ssm_from.clear();
+        // Each token in order: its convolution from its sequence's tail (which moves along
+        // with it), plus the bias, through SiLU; then the scan over every token, by heads.
+        for i in 0..t {
+            let row = &x[i * ch..(i + 1) * ch];
+            let src = self.convolve(i, at + sl..at + sl + m.tail_len(), row, kernel, m.width)?;
+            let acts = &mut self.ssm_in[i * ch..(i + 1) * ch];
+            for ((v, &mixed), &b) in acts.iter_mut().zip(&self.mixed[..ch]).zip(bias) {
+                *v = silu(mixed + b);
+            }
+            self.ssm_from.push(src.unwrap_or(NO_STATE));
+        }
+        let scan = Scan {
+            xbc: &self.ssm_in,
+            dt,
+            a,
+            d,
+            heads: m.heads,
+            head_dim: m.head_dim,
+            groups: m.groups,
+            state: m.state,
+            from: &self.ssm_from,
+            home: &self.step_home,
+        };
+        // A prefill splits the heads over two threads (a decode step stays on one, and
+        // allocates nothing).
+        if t >= PARALLEL_TOKENS && m.heads >= 2 && self.threads > 1 {
+            let half = m.heads / 2;
+            let layer_states = self.slots.iter_mut().map(|s| &mut s.data[at..at + sl]);
+            let (mut states_a, mut states_b): (Vec<_>, Vec<_>) = layer_states
+                .map(|s| s.split_at_mut(half * m.head_dim * m.state))
+                .unzip();
+            let (mut out_a, mut out_b): (Vec<_>, Vec<_>) = out
+                .chunks_exact_mut(inner)
+                .map(|r| r.split_at_mut(half * m.head_dim))
+                .unzip();
+            let scan = &scan;
+            std::thread::scope(|scope| {
+                scope.spawn(move || scan.advance(half..m.heads, &mut states_b[..], &mut out_b[..]));
+                scan.advance(0..half, &mut states_a[..], &mut out_a[..]);
+            });
+        } else {
+            let mut states = LayerStates {
+                slots: &mut self.slots,
+                at: at..at + sl,
+            };
+            let mut rows = Rows {
+                data: out,
+                width: inner,
+            };
+            scan.advance(0..m.heads, &mut states, &mut rows);
+        }
+        Ok(())
+    }
+
     /// Token `i`'s convolution in the layer whose tail lies at `tails` of an anchor's data:
     /// the tail's rows (oldest first), then `row` (the token's own), weighted by `kernel`
     /// (`[row.len(), w]`), into `mixed`; the tail moves along into the token's home slot,
@@ -742,15 +844,6 @@ fn silu(x: f32) -> f32 {
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
-}
-
-/// `ln(1 + eˣ)`, as ggml computes it (linear above 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
 }
 
 /// One delta layer's states in the anchors' slots: `at` of each slot's data.

@@ -195,7 +195,7 @@ impl<D: Device> KitCache<D> {
         let (mut full, mut slide) = (0, 0);
         let place = (0..cfg.n_layers)
             .map(|l| {
-                if cfg.is_delta(l) || cfg.convolves(l) {
+                if cfg.is_recurrent(l) {
                     return Place::Recurrent;
                 }
                 let (n, p): (&mut usize, fn(usize) -> Place) = if cfg.slides(l) {
@@ -1229,6 +1229,78 @@ impl<D: Device> Step<'_, D> {
         anchors.run_conv(layer, &h.x, kernel, &mut h.y)?;
         h.tensor
             .encode_f32_into(&[t, c.channels], &h.y, TensorDtype::F32);
+        dev.upload_into(&h.tensor, out)?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Runs the next layer, `layer`, a Mamba2 layer (see [`Anchors::run_ssm`]): the x, B
+    /// and C part of its input projection `x` (`[T, channels]`) through the causal depthwise
+    /// convolution `kernel` (`[channels, width]`) plus `bias` (`[channels]`, host f32) and
+    /// SiLU, from each sequence's state, then the selective scan with the step projection
+    /// `dt` (`[T, heads]`, bias added), the decay rates `a` and skip weights `d` (`[heads]`,
+    /// host), into `out` (`[T, heads · head_dim]`). The scan runs on the host over f32
+    /// downloads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ssm(
+        &mut self,
+        layer: usize,
+        x: &D::Tensor,
+        kernel: &[f32],
+        bias: &[f32],
+        dt: &D::Tensor,
+        a: &[f32],
+        d: &[f32],
+        out: &mut D::Tensor,
+    ) -> Result<(), KitError> {
+        self.expect_layer(layer)?;
+        let Some(m) = self.cache.cfg.ssm.filter(|m| m.layers.contains(layer)) else {
+            return Err(CacheError::bad_shape(format!(
+                "layer {layer} is not a Mamba2 layer of this cache"
+            ))
+            .into());
+        };
+        let t = self.plan().n_tok;
+        let dev = self.cache.device.clone();
+        let (xd, dd) = (dev.dims(x), dev.dims(dt));
+        let ch = m.conv_channels();
+        if xd != [t, ch]
+            || dd != [t, m.heads]
+            || a.len() != m.heads
+            || d.len() != m.heads
+            || bias.len() != ch
+            || kernel.len() != ch * m.width
+        {
+            return Err(CacheError::bad_shape(format!(
+                "expected x [{t}, {ch}], a kernel of {ch}x{w} and {ch} biases, dt [{t}, {h}] \
+                 and {h} decay rates and skip weights; got {xd:?}, {} and {} values, {dd:?}, \
+                 {} and {}",
+                kernel.len(),
+                bias.len(),
+                a.len(),
+                d.len(),
+                w = m.width,
+                h = m.heads
+            ))
+            .into());
+        }
+        let c = &mut *self.cache;
+        let h = &mut c.host;
+        for (t, v) in [(x, &mut h.x), (dt, &mut h.alpha)] {
+            dev.download_into(t, TensorDtype::F32, &mut h.tensor)?;
+            if !h.tensor.read_f32_into(v) {
+                return Err(KitError::Device("ssm: an f32 download was not f32".into()));
+            }
+        }
+        let width = m.heads * m.head_dim;
+        h.y.resize(t * width, 0.0);
+        let anchors = c
+            .anchors
+            .as_mut()
+            .expect("a cache with recurrent layers has anchors");
+        anchors.run_ssm(layer, &h.x, kernel, bias, &h.alpha, a, d, &mut h.y)?;
+        h.tensor
+            .encode_f32_into(&[t, width], &h.y, TensorDtype::F32);
         dev.upload_into(&h.tensor, out)?;
         self.next_layer += 1;
         Ok(())

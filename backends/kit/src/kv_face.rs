@@ -67,6 +67,7 @@ impl<D: Device> ContiguousKv<D> {
             sliding: None,
             conv: None,
             delta: None,
+            ssm: None,
             ..cfg
         };
         cfg.validate()?;

@@ -26,6 +26,7 @@ pub(crate) mod delta_rule;
 pub mod device;
 pub mod glue;
 pub mod kv_face;
+pub(crate) mod mamba2;
 pub mod model;
 pub mod object;
 pub mod quant;

@@ -18,11 +18,13 @@ mod argmax;
 mod conv;
 mod delta;
 mod qkv;
+mod ssm;
 pub use alloc_count::CountingAllocator;
 pub use argmax::{check_adjust_rows, check_argmax_rows, check_top_k_rows};
 pub use conv::check_conv_verbs;
 pub use delta::check_delta_verbs;
 pub use qkv::check_norm_qkv_heads;
+pub use ssm::check_ssm_verbs;
 
 /// `D` with fault injection: after [`Faulty::fail_after`]`(n)`, the `n`-th next `attend` or
 /// `write_rows` call (0-based) fails with a device error; everything else is `D`'s.
@@ -645,6 +647,7 @@ pub fn check_step_rollback<D2: Device>(device: D2) {
                     sliding: None,
                     conv: None,
                     delta: None,
+                    ssm: None,
                 };
                 let mut failed = KitCache::new(dev.clone(), kind, cfg).unwrap();
                 let mut twin = KitCache::new(dev.clone(), kind, cfg).unwrap();
@@ -741,6 +744,7 @@ pub fn check_import_rollback<D2: Device>(device: D2) {
             sliding: None,
             conv: None,
             delta: None,
+            ssm: None,
         };
         let mut src = KitCache::new(dev.clone(), CacheKind::Seq, cfg).unwrap();
         step(&mut src, &positions, Some(&vec![0; n]), 1).unwrap();
@@ -1026,6 +1030,10 @@ macro_rules! backend_tests {
         #[test]
         fn kit_delta_verbs() {
             $crate::testing::check_delta_verbs($device);
+        }
+        #[test]
+        fn kit_ssm_verbs() {
+            $crate::testing::check_ssm_verbs($device);
         }
     };
 }

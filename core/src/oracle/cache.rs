@@ -648,6 +648,7 @@ mod tests {
             sliding: None,
             conv: None,
             delta: None,
+            ssm: None,
         }
     }
 

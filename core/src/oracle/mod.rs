@@ -16,5 +16,5 @@ pub use attention::{
 };
 pub use cache::{store_rounded, RefCache, RefRows};
 pub use cells::{CellModel, RefPlan};
-pub use recurrent::{gated_delta_step, short_conv, short_conv_bound};
+pub use recurrent::{gated_delta_step, mamba2_step, short_conv, short_conv_bound};
 pub use rows::{decode_row, encode_row, window_start};

@@ -1,5 +1,6 @@
 //! Reference recurrences of hybrid models' recurrent layers, in f64: LFM2's short
-//! convolution and the gated delta rule of Qwen3.5 / Qwen3-Next linear attention. Written
+//! convolution, the gated delta rule of Qwen3.5 / Qwen3-Next linear attention and the
+//! Mamba2 selective scan of Granite 4.0-H. Written
 //! from the papers' and Hugging Face's definitions, step by step, with no shared code.
 
 use super::attention::gamma;
@@ -82,6 +83,40 @@ pub fn gated_delta_step(
         .collect()
 }
 
+/// One token of one Mamba2 head's selective scan (Dao and Gu, "Transformers are SSMs"; the
+/// recurrent form of Hugging Face's `Mamba2Mixer`): with the step `dt = softplus(dt_raw)`
+/// (`dt_raw` the projection plus its bias), the state `S` (`[head_dim, state]` row-major)
+/// decays by `exp(dt·a)` (`a = −exp(A_log) < 0`) and takes in `dt · x ⊗ B`:
+///
+/// `S ← exp(dt·a)·S + dt·x ⊗ B;  y = S·C + d·x`.
+///
+/// Returns `y` (`[head_dim]`).
+pub fn mamba2_step(
+    state: &mut [f64],
+    x: &[f64],
+    b: &[f64],
+    c: &[f64],
+    dt_raw: f64,
+    a: f64,
+    d: f64,
+) -> Vec<f64> {
+    let n = b.len();
+    assert_eq!(state.len(), x.len() * n, "state is [head_dim, state]");
+    assert_eq!(c.len(), n, "B and C have the state's size");
+    let dt = dt_raw.exp().ln_1p();
+    let decay = (dt * a).exp();
+    x.iter()
+        .enumerate()
+        .map(|(i, &xi)| {
+            let row = &mut state[i * n..(i + 1) * n];
+            for (s, &bj) in row.iter_mut().zip(b) {
+                *s = decay * *s + dt * xi * bj;
+            }
+            row.iter().zip(c).map(|(s, cj)| s * cj).sum::<f64>() + d * xi
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +135,46 @@ mod tests {
             short_conv_bound(&[None, Some(&b), Some(&c)], &kernel, 1),
             gamma(3) * (40.0 + 7.5)
         );
+    }
+
+    #[test]
+    fn a_mamba2_head_takes_in_x_along_b_reads_along_c_and_decays() {
+        // head_dim 2, state 2; dt_raw = ln(e − 1) makes dt = 1 exactly (softplus).
+        let dt_raw = (std::f64::consts::E - 1.0).ln();
+        let mut s = vec![0.0; 4];
+        let y = mamba2_step(
+            &mut s,
+            &[2.0, -1.0],
+            &[1.0, 0.5],
+            &[0.0, 1.0],
+            dt_raw,
+            -0.5,
+            0.0,
+        );
+        assert!(s
+            .iter()
+            .zip([2.0, 1.0, -1.0, -0.5])
+            .all(|(a, b)| (a - b).abs() < 1e-12));
+        assert!(
+            (y[0] - 1.0).abs() < 1e-12 && (y[1] + 0.5).abs() < 1e-12,
+            "{y:?}"
+        );
+        // A zero input only decays, by exp(dt·a); d adds x directly.
+        let y = mamba2_step(
+            &mut s,
+            &[0.0, 0.0],
+            &[1.0, 1.0],
+            &[1.0, 0.0],
+            dt_raw,
+            -0.5,
+            3.0,
+        );
+        let decay = (-0.5f64).exp();
+        assert!((s[0] - 2.0 * decay).abs() < 1e-12 && (s[3] + 0.5 * decay).abs() < 1e-12);
+        assert!((y[0] - 2.0 * decay).abs() < 1e-12 && (y[1] + decay).abs() < 1e-12);
+        let mut s = vec![0.0; 2];
+        let y = mamba2_step(&mut s, &[4.0], &[0.0, 0.0], &[1.0, 1.0], dt_raw, -1.0, 0.25);
+        assert_eq!(y, [1.0]);
     }
 
     #[test]

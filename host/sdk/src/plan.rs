@@ -430,6 +430,7 @@ impl Plan {
                 LayerAttention::Sliding { window } => format!("sliding({window})"),
                 LayerAttention::Conv { width, .. } => format!("conv({width})"),
                 LayerAttention::Delta { width, .. } => format!("delta rule, conv({width})"),
+                LayerAttention::Ssm { width, .. } => format!("mamba2, conv({width})"),
             };
             out += &format!("{name:<20} {:>6}  {:>19}\n", g.layers, g.bytes_per_token);
         }

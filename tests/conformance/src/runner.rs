@@ -629,6 +629,7 @@ fn run_arithmetic(
         sliding,
         conv: None,
         delta: None,
+        ssm: None,
         capacity: c.capacity,
         n_layers: c.n_layers,
         n_kv_heads: c.n_kv_heads,

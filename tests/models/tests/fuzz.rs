@@ -426,6 +426,7 @@ fn session_cache(kv_dtype: KvDtype) -> CacheConfig {
         sliding: None,
         conv: None,
         delta: None,
+        ssm: None,
     }
 }
 

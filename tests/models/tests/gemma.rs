@@ -319,6 +319,7 @@ fn gemma3_matches_the_f64_reference_past_the_window_on_every_backend() {
         sliding: None,
         conv: None,
         delta: None,
+        ssm: None,
         ..cfg
     };
     let e = common::model(&rt, "cpu", dir.path())
@@ -410,6 +411,7 @@ fn a_hybrid_session_resumes_on_every_backend_and_kind() {
         sliding: None,
         conv: None,
         delta: None,
+        ssm: None,
         ..common::model(&rt, "cpu", dir.path())
             .cache_config(64, KvDtype::F32)
             .unwrap()

@@ -110,6 +110,7 @@ fn config(width: usize) -> CacheConfig {
         kv_dtype: KvDtype::F32,
         sliding: None,
         delta: None,
+        ssm: None,
         conv: Some(ConvLayers {
             width,
             channels: C,

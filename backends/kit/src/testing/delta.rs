@@ -192,6 +192,7 @@ fn config() -> CacheConfig {
             width: WIDTH,
             layers,
         }),
+        ssm: None,
     }
 }
 
