@@ -142,9 +142,9 @@ bench-peers: deps models
 	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-peers.sh; fi
 
 ## make bench-hybrid: kvplug vs llama.cpp on the hybrid models (recurrent state) and the
-## mixtures of experts: random-weight LFM2-350M-, Qwen3.5-0.8B- and Qwen3-MoE-shaped Q4_K_M
-## files and a GPT-OSS-shaped MXFP4_MOE one (scripts/bench-hybrid.sh; SHAPES picks some), at
-## every ISA level the CPU has, as bench-peers. Not part of make test.
+## mixtures of experts: random-weight LFM2-350M-, Qwen3.5-0.8B-, Granite-4.0-H-350M- and
+## Qwen3-MoE-shaped Q4_K_M files and a GPT-OSS-shaped MXFP4_MOE one (scripts/bench-hybrid.sh;
+## SHAPES picks some), at every ISA level the CPU has, as bench-peers. Not part of make test.
 bench-hybrid: deps models
 	./scripts/bench-hybrid.sh
 	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-hybrid.sh; fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench-hybrid: kvplug against llama.cpp on the hybrid (recurrent-state) and
-# mixture-of-experts models, as ratios: random-weight f32 files of the LFM2-350M and
-# Qwen3.5-0.8B shapes, two Qwen3-MoE shapes with the same active size and 32 or 64 experts,
+# mixture-of-experts models, as ratios: random-weight f32 files of the LFM2-350M,
+# Qwen3.5-0.8B and Granite-4.0-H-350M shapes, two Qwen3-MoE shapes with the same active size and 32 or 64 experts,
 # and a GPT-OSS shape, written by scripts/crosscheck/synth_gguf.py (no real weights of these
 # families are on PyPI), made Q4_K_M (the GPT-OSS shape MXFP4_MOE, as GPT-OSS ships) by the
 # same llama.cpp's llama-quantize, then scripts/bench-peers.sh on each (pp512 and tg128
@@ -23,8 +23,8 @@ QUANT=${QUANT:-Q4_K_M}
 source scripts/peers-llama-cpp.sh
 peers_python
 
-all=(lfm2-350m-shaped qwen35-0.8b-shaped qwen3moe-1b-a0.3b-shaped qwen3moe-2b-a0.3b-shaped
-    gpt-oss-1b-a0.5b-shaped)
+all=(lfm2-350m-shaped qwen35-0.8b-shaped granite-4.0-h-350m-shaped qwen3moe-1b-a0.3b-shaped
+    qwen3moe-2b-a0.3b-shaped gpt-oss-1b-a0.5b-shaped)
 read -r -a shapes <<<"${SHAPES:-${all[*]}}"
 quant_of() {
     case "$1" in

@@ -8,7 +8,8 @@
 # scripts/crosscheck/synth_gguf.py writes random-weight f32 GGUFs of the architecture
 # variants the demo model lacks (qwen3, qwen2 with tied embeddings, Llama 3 with rope_freqs
 # and the llama-bpe pre-tokenizer with BOS left to the default, llama with a separate output
-# matrix), with MODEL's vocabulary; llama-quantize makes QUANT copies of them. Then
+# matrix, and the hybrids and mixtures of experts: lfm2, qwen35, granitehybrid, qwen3moe,
+# gpt-oss), with MODEL's vocabulary; llama-quantize makes QUANT copies of them. Then
 # scripts/crosscheck/greedy.py decodes N tokens greedily on both sides from each prompt below
 # and compares the prompt ids (must agree) and the generated ids:
 #   - the f32 files with f32 K/V on both sides: llama.cpp and kvplug then both compute in

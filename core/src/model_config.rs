@@ -3,7 +3,7 @@
 //! and what it implies: rotary frequencies per layer type, attention scale, which layers slide.
 
 use crate::spec::{LayerAttention, ModelCacheSpec};
-use crate::{CacheError, ConvLayers, DeltaLayers, ModelCacheParams, SlidingLayers};
+use crate::{CacheError, ConvLayers, DeltaLayers, ModelCacheParams, SlidingLayers, SsmLayers};
 
 /// Why a model package cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -17,7 +17,7 @@ pub enum ModelError {
     /// An architecture this kit does not implement.
     #[error(
         "unsupported architecture '{0}' (supported: llama, mistral, qwen2, qwen3, qwen3_moe, \
-         gpt_oss, gemma3_text, lfm2, qwen3_5_text)"
+         gpt_oss, gemma3_text, lfm2, qwen3_5_text, granitemoehybrid)"
     )]
     Unsupported(String),
 }
@@ -106,6 +106,12 @@ pub enum Arch {
     /// llama.cpp's converter writes them (RMSNorm weights with their `1 +` folded in,
     /// `a = −exp(A_log)`).
     Qwen35,
+    /// Granite 4.0-H (dense): a hybrid of Mamba2 layers (`mamba`) and GQA attention without
+    /// positional encoding (`position_embedding_type` `nope`; RoPE where `rope`), each
+    /// followed by a SiLU MLP, with Granite's multipliers on the embeddings, the residual
+    /// branches, the attention scores and the logits. Read from GGUF only (`a = −exp(A_log)`
+    /// as llama.cpp's converter writes it).
+    GraniteHybrid,
 }
 
 /// The gate activation of the MLP.
@@ -207,6 +213,21 @@ pub struct ModelConfig {
     /// three times each section) rotate by position 0, i.e. not at all.
     #[serde(default)]
     pub mrope_section: Option<Vec<usize>>,
+    /// Granite: `nope` (no positional encoding) or `rope`.
+    #[serde(default)]
+    pub position_embedding_type: Option<String>,
+    /// Granite: the factor on the embeddings.
+    #[serde(default)]
+    pub embedding_multiplier: Option<f64>,
+    /// Granite: the factor on each block's output before the residual add.
+    #[serde(default)]
+    pub residual_multiplier: Option<f64>,
+    /// Granite: the attention scale (in place of `head_dim^-1/2`).
+    #[serde(default)]
+    pub attention_multiplier: Option<f64>,
+    /// Granite: the logits are divided by it.
+    #[serde(default)]
+    pub logits_scaling: Option<f64>,
     /// Set by the host's GGUF index: the weights follow llama.cpp's converter (required for
     /// Qwen3.5, whose Hugging Face and GGUF weights differ).
     #[serde(default)]
@@ -342,8 +363,16 @@ impl ModelConfig {
                 | "gemma3_text"
                 | "lfm2"
                 | "qwen3_5_text"
+                | "granitemoehybrid"
         ) {
             return Err(ModelError::Unsupported(model_type));
+        }
+        if model_type == "granitemoehybrid" && v["gguf_converted"].as_bool() != Some(true) {
+            return Err(ModelError::Malformed(
+                "Granite 4.0-H is read from GGUF files only; convert it with llama.cpp's \
+                 convert_hf_to_gguf.py"
+                    .into(),
+            ));
         }
         if model_type == "gpt_oss" && v["gguf_converted"].as_bool() != Some(true) {
             return Err(ModelError::Malformed(
@@ -406,13 +435,17 @@ impl ModelConfig {
         for (name, v) in [
             ("rope_local_base_freq", c.rope_local_base_freq),
             ("query_pre_attn_scalar", c.query_pre_attn_scalar),
+            ("embedding_multiplier", c.embedding_multiplier),
+            ("residual_multiplier", c.residual_multiplier),
+            ("attention_multiplier", c.attention_multiplier),
+            ("logits_scaling", c.logits_scaling),
         ] {
             if let Some(v) = v {
                 positive(name, v)?;
             }
         }
         let act = match c.arch() {
-            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 | Arch::GptOss => {
+            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 | Arch::GptOss | Arch::GraniteHybrid => {
                 ("hidden_act", c.hidden_act.as_deref(), "silu")
             }
             Arch::Gemma3 => (
@@ -571,6 +604,7 @@ impl ModelConfig {
             "lfm2" => Arch::Lfm2,
             "qwen3_5_text" => Arch::Qwen35,
             "gpt_oss" => Arch::GptOss,
+            "granitemoehybrid" => Arch::GraniteHybrid,
             _ => Arch::Llama,
         }
     }
@@ -578,7 +612,7 @@ impl ModelConfig {
     /// The MLP's gate activation.
     pub fn activation(&self) -> Activation {
         match self.arch() {
-            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 => Activation::Silu,
+            Arch::Llama | Arch::Lfm2 | Arch::Qwen35 | Arch::GraniteHybrid => Activation::Silu,
             Arch::Gemma3 => Activation::GeluTanh,
             Arch::GptOss => Activation::SwigluOai {
                 alpha: 1.702,
@@ -670,6 +704,9 @@ impl ModelConfig {
     /// The factor on q·k: `query_pre_attn_scalar^-1/2` where given, else `head_dim^-1/2`;
     /// times the square of YaRN's magnitude factor, which multiplies both q and k.
     pub fn attn_scale(&self) -> f32 {
+        if let Some(m) = self.attention_multiplier {
+            return m as f32;
+        }
         let s = self.query_pre_attn_scalar.unwrap_or(self.head_dim() as f64);
         let m = self.rope_magnitude();
         (m * m / s.sqrt()) as f32
@@ -686,7 +723,20 @@ impl ModelConfig {
     /// The factor on embeddings entering the first layer (Gemma: √hidden, in f32 as
     /// llama.cpp computes it).
     pub fn embed_scale(&self) -> Option<f32> {
-        (self.arch() == Arch::Gemma3).then(|| (self.hidden_size as f32).sqrt())
+        match self.arch() {
+            Arch::Gemma3 => Some((self.hidden_size as f32).sqrt()),
+            _ => self.embedding_multiplier.map(|m| m as f32),
+        }
+    }
+
+    /// Granite's factor on each block's output before the residual add (`None`: 1).
+    pub fn residual_scale(&self) -> Option<f32> {
+        self.residual_multiplier.map(|m| m as f32)
+    }
+
+    /// Granite's divisor of the logits (`None`: 1).
+    pub fn logit_divisor(&self) -> Option<f32> {
+        self.logits_scaling.map(|m| m as f32)
     }
 
     /// The per-layer cache shape: KV heads, head width and each layer's attention.
@@ -721,8 +771,18 @@ impl ModelConfig {
         spec.delta().map_err(|e| ModelError::Malformed(e.message))
     }
 
+    /// The Mamba2 layers among the first `layers`.
+    pub fn ssm(&self, layers: usize) -> Result<Option<SsmLayers>, ModelError> {
+        let mut spec = self.cache_spec();
+        spec.layers.truncate(layers);
+        spec.ssm().map_err(|e| ModelError::Malformed(e.message))
+    }
+
     /// Dims of each head that rotate (`partial_rotary_factor · head_dim`; all by default).
     pub fn rotary_dim(&self) -> usize {
+        if self.position_embedding_type.as_deref() == Some("nope") {
+            return 0;
+        }
         let hd = self.head_dim();
         self.partial_rotary_factor
             .map_or(hd, |f| (f * hd as f64) as usize)
@@ -854,6 +914,43 @@ mod tests {
     }
 
     #[test]
+    fn granite_configs_read_mamba_layers_multipliers_and_no_positions() {
+        let granite = r#"{"model_type": "granitemoehybrid", "gguf_converted": true,
+            "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 300,
+            "layer_types": ["mamba", "attention", "mamba"], "mamba_d_conv": 4,
+            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16,
+            "position_embedding_type": "nope", "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.25, "attention_multiplier": 0.0078125,
+            "logits_scaling": 4.0}"#;
+        let c = ModelConfig::parse(granite).unwrap();
+        assert_eq!(
+            (c.arch(), c.activation()),
+            (Arch::GraniteHybrid, Activation::Silu)
+        );
+        let m = c.ssm(3).unwrap().unwrap();
+        assert_eq!((m.heads, m.head_dim, m.state, m.width), (8, 16, 16, 4));
+        assert_eq!(m.layers.iter().collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(c.ssm(1).unwrap().unwrap().layers.len(), 1);
+        assert_eq!(
+            (
+                c.embed_scale(),
+                c.residual_scale(),
+                c.attn_scale(),
+                c.logit_divisor()
+            ),
+            (Some(12.0), Some(0.25), 0.0078125, Some(4.0))
+        );
+        // No positional encoding: no pair turns.
+        assert_eq!(c.rotary_dim(), 0);
+        assert!(c.inv_freq().iter().all(|&f| f == 0.0));
+        let e = ModelConfig::parse(&granite.replace("\"gguf_converted\": true,", ""));
+        assert!(e.unwrap_err().to_string().contains("GGUF files only"));
+        let e = ModelConfig::parse(&granite.replace("0.25", "-0.25")).unwrap_err();
+        assert!(e.to_string().contains("residual_multiplier"), "{e}");
+    }
+
+    #[test]
     fn parses_hf_configs() {
         let c = ModelConfig::parse(SMOL).unwrap();
         assert_eq!((c.head_dim(), c.kv_heads(), c.qkv_bias()), (64, 3, false));
@@ -865,7 +962,7 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, qwen3, \
-             qwen3_moe, gpt_oss, gemma3_text, lfm2, qwen3_5_text)"
+             qwen3_moe, gpt_oss, gemma3_text, lfm2, qwen3_5_text, granitemoehybrid)"
         );
         let e = ModelConfig::parse(
             &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),

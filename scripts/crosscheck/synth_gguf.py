@@ -29,6 +29,12 @@ copies of them.
   clamped SwiGLU (the expert matrices f32 here: llama-quantize's MXFP4 is for another
   check), separate output matrix; and a second shape with another window, expert count and
   head layout.
+- granitehybrid (Granite 4.0-H, a hybrid): Mamba2 layers (one input projection for z, x, B, C
+  and dt, a biased depthwise convolution over x, B and C, per-head A, D and step bias, a
+  grouped gated RMSNorm) between GQA attention layers without positional encoding, per-layer
+  KV head counts (0 on Mamba2 layers), Granite's embedding, residual, attention and logit
+  multipliers, tied embeddings; and a second shape with attention first, rotary, 3 taps and
+  an untied output.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
@@ -37,7 +43,9 @@ next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF
 every 4th with 8 heads of 256, 2 KV heads, rotary on 64 dims; 16 key and 16 value heads of
 128 in the delta rule, MLP 3584) and two qwen3moe files of the same active size (16 layers
 of 1024, 4 experts of 512 per token) with 32 and 64 experts (about 1.0B and 1.8B in all,
-0.3B active) for benchmarks, to quantize with llama-quantize."""
+0.3B active), a GPT-OSS-shaped one and a Granite-4.0-H-350M-shaped one (32 layers of 768,
+attention at 10, 13, 17, 27, Mamba2 of 48 heads of 32 with a state of 128, MLP 2048) for
+benchmarks, to quantize with llama-quantize."""
 import os
 import sys
 
@@ -95,12 +103,12 @@ class Writer:
     """An f32 GGUF of `arch` under OUT_DIR with the shape facts every family shares, and
     random tensors drawn from one seeded generator."""
 
-    def __init__(self, arch, name, hidden, layers, heads, ffn, seed):
+    def __init__(self, arch, name, hidden, layers, heads, ffn, seed, context=8192):
         self.rng = np.random.default_rng(seed)
         self.path = os.path.join(out, f"{name}.f32.gguf")
         self.w = w = gguf.GGUFWriter(self.path, arch)
         w.add_name(name)
-        w.add_context_length(8192)
+        w.add_context_length(context)
         w.add_embedding_length(hidden)
         w.add_block_count(layers)
         w.add_feed_forward_length(ffn)
@@ -355,6 +363,95 @@ def gpt_oss(name, hidden, layers, heads, kv_heads, head_dim, experts, used, widt
     f.finish()
 
 
+def granitehybrid(name, hidden, layers, attention, heads, kv_heads, ffn, *, ssm_heads,
+                  ssm_head_dim, groups=1, state, conv=4, rope=False, tied=True, conv_bias=True,
+                  seed=0):
+    """A Granite 4.0-H file (`granitehybrid`) with the keys and layouts llama.cpp's converter
+    writes for a dense one (GraniteMoeHybridForCausalLM, no experts): layers in `attention`
+    attend, the others are Mamba2 mixers of `ssm_heads` heads of `ssm_head_dim` over a state
+    of `state` per group. Without `rope` no positional encoding at all (Granite 4.0-H); with
+    it, rotary on whole heads (as a Bamba file). llama.cpp adds the convolution bias
+    unconditionally, so a file without one (`conv_bias=False`) is for readers, not for it."""
+    d_inner = ssm_heads * ssm_head_dim
+    # llama.cpp's loader asserts an expansion of 2.
+    assert d_inner == 2 * hidden and ssm_heads % groups == 0
+    head_dim = hidden // heads
+    channels = d_inner + 2 * groups * state  # x, B and C, what the convolution runs over
+    # The converter writes a context of 2**20 for a model without positions.
+    f = Writer("granitehybrid", name, hidden, layers, heads, ffn, seed,
+               context=8192 if rope else 2**20)
+    w, rng, weight, norm = f.w, f.rng, f.weight, f.norm
+    w.add_head_count_kv([kv_heads if i in attention else 0 for i in range(layers)])
+    w.add_rope_freq_base(1e4)
+    w.add_layer_norm_rms_eps(1e-5)
+    # A dense Granite 4.0-H's config states 0 experts and its MLP as the shared one, and the
+    # converter writes all three.
+    w.add_expert_count(0)
+    w.add_expert_used_count(0)
+    w.add_expert_shared_feed_forward_length(ffn)
+    w.add_vocab_size(VOCAB)
+    w.add_rope_dimension_count(head_dim)  # written with or without rotary
+    # Granite's multipliers, each away from its neutral value and in Granite 4.0-H's direction
+    # (its 350M: embedding 12, residual 0.246, attention 1/64 with 64-wide heads, logits /3):
+    # attention scores scaled by 1/head_dim (q and k at gain 3 keep them a unit or so apart),
+    # the embedding doubled, every layer's output times 1/4, logits divided by 4. The output
+    # projections are at gain 64, 16 once scaled: twice the other writers', as the embedding
+    # is doubled (at 8 the tied file repeats its last token about one step in ten).
+    w.add_attention_scale(1.0 / head_dim)
+    w.add_embedding_scale(2.0)
+    w.add_residual_scale(0.25)
+    w.add_logit_scale(4.0)
+    w.add_ssm_conv_kernel(conv)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_time_step_rank(ssm_heads)
+    w.add_rope_scaling_finetuned(rope)  # Granite's switch for rotary
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    copy_tokenizer(w, "qwen2", True)
+    f.embedding(hidden)
+    for i in range(layers):
+        b = f"blk.{i}."
+        norm(b + "attn_norm.weight", hidden)
+        if i in attention:
+            weight(b + "attn_q.weight", heads * head_dim, hidden, gain=3.0)
+            weight(b + "attn_k.weight", kv_heads * head_dim, hidden, gain=3.0)
+            weight(b + "attn_v.weight", kv_heads * head_dim, hidden)
+            weight(b + "attn_output.weight", hidden, heads * head_dim, gain=64.0)
+        else:
+            # z, then x, B and C, then dt, stacked; dt's rows at a small gain so that the
+            # step stays near its bias.
+            gains = np.repeat([2.0, 2.0, 0.5], [d_inner, channels, ssm_heads])
+            w.add_tensor(b + "ssm_in.weight",
+                         (rng.standard_normal((gains.size, hidden)) * gains[:, None]
+                          / np.sqrt(hidden)).astype(np.float32))
+            # The depthwise kernel, [channels, conv] (the converter squeezes [channels, 1, conv]).
+            weight(b + "ssm_conv1d.weight", channels, conv)
+            if conv_bias:
+                w.add_tensor(b + "ssm_conv1d.bias",
+                             (0.5 * rng.standard_normal(channels)).astype(np.float32))
+            # Mamba2's initialization: softplus of the bias log-uniform, here in [0.01, 0.5].
+            dt = np.exp(rng.uniform(np.log(0.01), np.log(0.5), ssm_heads))
+            w.add_tensor(b + "ssm_dt.bias", (dt + np.log(-np.expm1(-dt))).astype(np.float32))
+            # -exp(A_log), [heads, 1] as the converter stores it: A in [-8, -0.5].
+            w.add_tensor(b + "ssm_a", -np.exp(rng.uniform(np.log(0.5), np.log(8.0),
+                                                          (ssm_heads, 1))).astype(np.float32))
+            w.add_tensor(b + "ssm_d", rng.uniform(0.5, 1.5, (ssm_heads, 1)).astype(np.float32))
+            # The gated RMSNorm's weight per group, [groups, d_inner / groups].
+            w.add_tensor(b + "ssm_norm.weight",
+                         (1.0 + 0.1 * rng.standard_normal((groups, d_inner // groups)))
+                         .astype(np.float32))
+            weight(b + "ssm_out.weight", hidden, d_inner, gain=64.0)
+        norm(b + "ffn_norm.weight", hidden)
+        weight(b + "ffn_gate.weight", ffn, hidden)
+        weight(b + "ffn_up.weight", ffn, hidden)
+        weight(b + "ffn_down.weight", hidden, ffn, gain=64.0)
+    norm("output_norm.weight", hidden)
+    if not tied:
+        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.finish()
+
+
 BENCH = {
     "lfm2-350m-shaped": lambda: lfm2("lfm2-350m-shaped", 1024, 16, {2, 5, 8, 10, 12, 14}, 16,
                                      8, 4608, 3),
@@ -368,6 +465,12 @@ BENCH = {
     # layer, 4 of the experts per token) at a twentieth of GPT-OSS-20B.
     "gpt-oss-1b-a0.5b-shaped": lambda: gpt_oss("gpt-oss-1b-a0.5b-shaped", 1024, 16, 16, 4, 64,
                                                16, 4, 1024, 128, seed=2),
+    # Granite-4.0-H-350M's shape (its config.json): 32 layers of 768, attention at 10, 13, 17
+    # and 27 (12 heads of 64, 4 KV heads, no positions), Mamba2 elsewhere (48 heads of 32, a
+    # state of 128 in one group, 4 taps), MLP 2048, tied embeddings.
+    "granite-4.0-h-350m-shaped": lambda: granitehybrid(
+        "granite-4.0-h-350m-shaped", 768, 32, {10, 13, 17, 27}, 12, 4, 2048, ssm_heads=48,
+        ssm_head_dim=32, state=128, seed=5),
 }
 if bench:
     names = sys.argv[4:] or list(BENCH)
@@ -397,3 +500,10 @@ qwen3moe("qwen3moe-synthetic", 512, 4, 8, 2, 64, 8, 2, 256)
 qwen3moe("qwen3moe-synthetic-untied", 256, 3, 4, 1, 64, 16, 4, 128, tied=False, seed=3)
 gpt_oss("gpt-oss-synthetic", 512, 4, 8, 2, 64, 8, 2, 256, 8)
 gpt_oss("gpt-oss-synthetic-b", 256, 3, 4, 4, 64, 16, 4, 128, 5, seed=4)
+# Granite 4.0-H's pattern scaled down (Mamba2 mostly, 2 attention layers without positions)
+# and another one: attention first, rotary, 3 taps, an untied output (one group of B/C: kvplug
+# refuses the grouped output norm of more).
+granitehybrid("granitehybrid-synthetic", 256, 6, {2, 5}, 4, 2, 768, ssm_heads=8,
+              ssm_head_dim=64, state=32, conv=4)
+granitehybrid("granitehybrid-synthetic-rope", 256, 6, {0, 3}, 4, 2, 768, ssm_heads=8,
+              ssm_head_dim=64, state=32, conv=3, rope=True, tied=False, seed=6)

@@ -198,6 +198,13 @@ impl Model {
                 path: self.dir.join("config.json"),
                 reason,
             })?;
+        cfg.ssm = self
+            .config
+            .ssm(self.layers)
+            .map_err(|reason| RuntimeError::Model {
+                path: self.dir.join("config.json"),
+                reason,
+            })?;
         cfg.validate()?;
         Ok(cfg)
     }

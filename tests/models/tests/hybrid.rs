@@ -1,5 +1,6 @@
-//! Hybrid models: LFM2 (short-convolution layers between attention layers) and Qwen3.5
-//! (gated delta-rule layers between gated attention layers) from GGUFs, on every backend,
+//! Hybrid models: LFM2 (short-convolution layers between attention layers), Qwen3.5
+//! (gated delta-rule layers between gated attention layers) and Granite 4.0-H (Mamba2 layers
+//! between attention layers) from GGUFs, on every backend,
 //! against the f64 reference forward; and their recurrent state through the verbs a runner
 //! uses (a fork of one prompt into two sequences, a rewind, a tree commit).
 
@@ -12,7 +13,8 @@ use kvplug::{DraftKind, Speculation};
 
 mod common;
 use common::hybrids::{
-    lfm2, lfm2_templated, qwen35, qwen35_templated, write_qwen35, Shape, PROMPT, SMALL_LFM2,
+    granite, granite_templated, lfm2, lfm2_templated, qwen35, qwen35_templated, write_granite_with,
+    write_qwen35, Shape, PROMPT, SMALL_LFM2,
 };
 use common::{forward, runtime, Reference, BACKENDS};
 
@@ -166,6 +168,36 @@ fn qwen35_gguf_decodes_within_the_f64_reference_on_every_backend() {
     }
 }
 
+/// Granite 4.0-H (Mamba2 and attention layers, Granite's multipliers) in f32 and in block
+/// formats. The cpu quantizes a block linear's input to int8 per 32 values, and the
+/// reference does the same in f64: where an input sits at a rounding tie (this file with all
+/// four formats has one at 45.500004 steps), f32 and f64 can round it apart, and a Mamba2
+/// state carries that step on (0.048 in the logits here). The cpu reads the file of two formats,
+/// with no such tie; wgpu and mlx, which compute block linears in f32, read the four.
+#[test]
+fn granite_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let four = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q4_1,
+    ];
+    let files = [&[GgmlDType::F32][..], &four[..2], &four];
+    for (i, types) in files.into_iter().enumerate() {
+        let model = granite(&dir.path().join(i.to_string()), types);
+        let backends = BACKENDS.iter().filter(|&&b| i < 2 || b != "cpu");
+        for &backend in backends {
+            let worst = greedy_logit_error(&model, backend, None);
+            // The f32 tolerance of the model tests (model.rs).
+            assert!(
+                worst < 1e-3,
+                "Granite file {i} on {backend}: max |logit error| {worst}"
+            );
+        }
+    }
+}
+
 /// The delta-rule state through the verbs a runner uses, on a Qwen3.5 file: a fork of one
 /// prompt into two sequences decodes each as if alone; a rewind to a step's end forgets
 /// what followed; a rewind inside the prompt is refused and changes nothing; a speculative
@@ -173,10 +205,20 @@ fn qwen35_gguf_decodes_within_the_f64_reference_on_every_backend() {
 #[test]
 fn qwen35_delta_state_follows_forks_rewinds_and_tree_commits() {
     let dir = tempfile::tempdir().unwrap();
-    let model = qwen35(dir.path(), &[GgmlDType::F32]);
+    state_follows_forks_rewinds_and_tree_commits(&qwen35(dir.path(), &[GgmlDType::F32]));
+}
+
+/// The same for Granite 4.0-H's Mamba2 state.
+#[test]
+fn granite_mamba2_state_follows_forks_rewinds_and_tree_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    state_follows_forks_rewinds_and_tree_commits(&granite(dir.path(), &[GgmlDType::F32]));
+}
+
+fn state_follows_forks_rewinds_and_tree_commits(model: &Path) {
     let rt = runtime();
     for backend in BACKENDS {
-        let m = common::model(&rt, backend, &model);
+        let m = common::model(&rt, backend, model);
         let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
         let alone = |next: i32| {
             let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
@@ -248,6 +290,12 @@ fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
 }
 
 #[test]
+fn granite_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    speculation_gives_plain_decodings_tokens(&granite(dir.path(), &[GgmlDType::F32]));
+}
+
+#[test]
 fn lfm2_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
     let dir = tempfile::tempdir().unwrap();
     speculation_gives_plain_decodings_tokens(&lfm2(dir.path(), &SMALL_LFM2));
@@ -309,6 +357,13 @@ fn speculation_gives_plain_decodings_tokens(model: &Path) {
 fn qwen35_sessions_carry_the_recurrent_state_across_backends() {
     let dir = tempfile::tempdir().unwrap();
     sessions_carry_the_recurrent_state(&qwen35(dir.path(), &[GgmlDType::F32]), &[0, 1]);
+}
+
+/// The same for Granite 4.0-H (Mamba2 layers 0, 2 and 3).
+#[test]
+fn granite_sessions_carry_the_recurrent_state_across_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    sessions_carry_the_recurrent_state(&granite(dir.path(), &[GgmlDType::F32]), &[0, 2, 3]);
 }
 
 /// The same for LFM2, whose convolution layers' state is the rows of the last two
@@ -423,6 +478,14 @@ fn qwen35_chat_resumes_at_the_previous_prompt_end() {
     second_turn_resumes_at_the_first_prompt_end(&model, 512, "hello there");
 }
 
+/// The same on Granite 4.0-H's Mamba2 state.
+#[test]
+fn granite_chat_resumes_at_the_previous_prompt_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = granite_templated(dir.path(), &[GgmlDType::F32], Some(PLACEHOLDER_TEMPLATE));
+    second_turn_resumes_at_the_first_prompt_end(&model, 512, "hello there");
+}
+
 /// The same on LFM2, whose convolution state is kept as the delta rule's is.
 #[test]
 fn lfm2_chat_resumes_at_the_previous_prompt_end() {
@@ -498,6 +561,12 @@ fn qwen35_prompt_end_outlives_unread_chunks() {
 fn qwen35_requests_resume_a_shared_system_prompt() {
     let dir = tempfile::tempdir().unwrap();
     requests_resume_a_shared_system_prompt(&qwen35(dir.path(), &[GgmlDType::F32]));
+}
+
+#[test]
+fn granite_requests_resume_a_shared_system_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    requests_resume_a_shared_system_prompt(&granite(dir.path(), &[GgmlDType::F32]));
 }
 
 #[test]
@@ -581,4 +650,29 @@ fn qwen35_decay_rates_above_zero_are_refused() {
         );
         assert!(e.contains("decay rate of 0.5"), "{backend}: {e}");
     }
+}
+
+/// What kvplug does not run of Granite 4.0-H is refused with a reason: the mixture-of-experts
+/// sizes when the file is indexed, Mamba2 layers of more than one B/C group when it loads.
+#[test]
+fn granite_experts_and_grouped_norms_are_refused() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let experts = dir.path().join("experts.gguf");
+    let f32s = [GgmlDType::F32];
+    let count = ("granitehybrid.expert_count", Value::U32(8));
+    write_granite_with(&experts, &f32s, None, &[count]);
+    let e = kvplug::formats::gguf::index(&experts, &dir.path().join("e")).unwrap_err();
+    assert!(e.to_string().contains("mixture of experts"), "{e}");
+    let groups = dir.path().join("groups.gguf");
+    let two = ("granitehybrid.ssm.group_count", Value::U32(2));
+    write_granite_with(&groups, &f32s, None, &[two]);
+    let model = dir.path().join("g");
+    kvplug::formats::gguf::index(&groups, &model).unwrap();
+    let m = common::model(&runtime(), "cpu", &model);
+    let e = m
+        .context(CacheKind::Contiguous, 64, KvDtype::F32)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("2 groups is not supported"), "{e}");
 }

@@ -1,5 +1,6 @@
-//! The decode hot path of the hybrids: a whole Qwen3.5 or LFM2 decode step — the delta-rule
-//! and convolution layers with their recurrent state, the attention layers, the logits —
+//! The decode hot path of the hybrids: a whole Qwen3.5, LFM2 or Granite 4.0-H decode step —
+//! the delta-rule, convolution and Mamba2 layers with their recurrent state, the attention
+//! layers, the logits —
 //! allocates nothing once warm, on every cache kind (the cpu backend in process).
 
 use std::path::Path;
@@ -13,7 +14,7 @@ use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheSpec};
 
 mod common;
-use common::hybrids::{lfm2, qwen35, SMALL_LFM2, VOCAB};
+use common::hybrids::{granite, lfm2, qwen35, SMALL_LFM2, VOCAB};
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -37,6 +38,7 @@ fn allocations_per_decode(model: &Path, kind: CacheKind) -> usize {
     let (l, h, d) = (params.n_layers, params.n_kv_heads, params.head_dim);
     let spec = ModelCacheSpec::from_config(&config, l, h, d).unwrap();
     (cfg.conv, cfg.delta) = (spec.conv().unwrap(), spec.delta().unwrap());
+    cfg.ssm = spec.ssm().unwrap();
     let mut c = KitCache::new(dev, kind, cfg).unwrap();
     let mut acts = None;
     let prompt: Vec<i32> = (0..40).map(|i| (i * 37 + 5) % VOCAB as i32).collect();
@@ -67,6 +69,10 @@ fn hybrid_decode_steps_allocate_nothing_once_warm() {
             qwen35(&dir.path().join("qwen35"), &[GgmlDType::F32]),
         ),
         ("lfm2", lfm2(&dir.path().join("lfm2"), &SMALL_LFM2)),
+        (
+            "granite",
+            granite(&dir.path().join("granite"), &[GgmlDType::F32]),
+        ),
     ];
     for (name, model) in &models {
         for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {

@@ -1,7 +1,8 @@
 //! [`DecoderModel`]: weights on the device and the forward pass, written once for the Llama
-//! family, Gemma 3, LFM2 and Qwen3.5 (the differences are optional weights, a few config
-//! facts and, for the hybrids, blocks that mix positions by a gated short convolution (LFM2)
-//! or a gated delta rule (Qwen3.5) instead of attention).
+//! family, Gemma 3, LFM2, Qwen3.5 and Granite 4.0-H (the differences are optional weights, a
+//! few config facts and, for the hybrids, blocks that mix positions by a gated short
+//! convolution (LFM2), a gated delta rule (Qwen3.5) or a Mamba2 scan (Granite 4.0-H) instead
+//! of attention).
 
 use std::any::{Any, TypeId};
 use std::path::{Path, PathBuf};
@@ -69,6 +70,27 @@ enum Mixer<D: ModelDevice> {
     /// rule's decay from `alpha · x + dt_bias` and step size from `beta · x`; its state and
     /// the convolution's in the cache.
     Delta(Box<Delta<D>>),
+    /// A Mamba2 block: `out(norm(scan(conv(xBC · x)) · silu(z · x)))`, the scan's step from
+    /// `dt · x + dt_bias`; its state and the convolution's in the cache.
+    Ssm(Box<Ssm<D>>),
+}
+
+/// A Mamba2 block's weights (its input projection split into z, xBC and dt).
+struct Ssm<D: ModelDevice> {
+    z: D::Weight,
+    xbc: D::Weight,
+    dt: D::Weight,
+    dt_bias: D::Tensor,
+    /// `[channels, width]` and `[channels]`, on the host (the scan and its convolution run
+    /// there).
+    kernel: Vec<f32>,
+    conv_bias: Vec<f32>,
+    /// Per head, `−exp(A_log)`, and the skip weights `D`.
+    a: Vec<f32>,
+    d: Vec<f32>,
+    /// `[heads · head_dim]`, on the gated scan output (one group).
+    norm: D::Tensor,
+    out: D::Weight,
 }
 
 /// A gated delta-rule block's weights (names after Hugging Face's `linear_attn`).
@@ -170,17 +192,19 @@ struct Names {
 impl Names {
     fn of(arch: Arch) -> Self {
         match arch {
-            Arch::Llama | Arch::Gemma3 | Arch::Qwen35 | Arch::GptOss => Names {
-                attn_norm: "input_layernorm",
-                ffn_norm: "post_attention_layernorm",
-                o: "o_proj",
-                q_norm: "q_norm",
-                k_norm: "k_norm",
-                gate: "mlp.gate_proj",
-                up: "mlp.up_proj",
-                down: "mlp.down_proj",
-                final_norm: "model.norm.weight",
-            },
+            Arch::Llama | Arch::Gemma3 | Arch::Qwen35 | Arch::GptOss | Arch::GraniteHybrid => {
+                Names {
+                    attn_norm: "input_layernorm",
+                    ffn_norm: "post_attention_layernorm",
+                    o: "o_proj",
+                    q_norm: "q_norm",
+                    k_norm: "k_norm",
+                    gate: "mlp.gate_proj",
+                    up: "mlp.up_proj",
+                    down: "mlp.down_proj",
+                    final_norm: "model.norm.weight",
+                }
+            }
             // LFM2's final norm is named for the embedding, though it runs after the last
             // layer (as in its Hugging Face and llama.cpp graphs).
             Arch::Lfm2 => Names {
@@ -351,6 +375,65 @@ impl<D: ModelDevice> DecoderModel<D> {
                         a: rates,
                         norm: vec(&format!("{a}norm.weight"), dn)?,
                         out: mat(&format!("{a}out_proj.weight"), h, vd)?,
+                    }))
+                }
+                LayerAttention::Ssm {
+                    width,
+                    heads,
+                    head_dim: hp,
+                    groups,
+                    state,
+                } => {
+                    if groups != 1 {
+                        return Err(ModelError::Malformed(format!(
+                            "layer {l}: a Mamba2 layer of {groups} groups is not supported (its \
+                             grouped output norm is not implemented; Granite 4.0-H has one)"
+                        )));
+                    }
+                    let (inner, m) = (heads * hp, format!("{p}mamba."));
+                    let ch = inner + 2 * groups * state;
+                    let name = format!("{m}in_proj.weight");
+                    let zxbcdt = pkg.tensor(&name, &[inner + ch + heads, h])?;
+                    let part = |from: usize, rows: usize| -> Result<D::Weight, ModelError> {
+                        let t = zxbcdt.rows(h, from..from + rows).ok_or_else(|| {
+                            ModelError::Malformed(format!("{name}: rows of partial blocks"))
+                        })?;
+                        device
+                            .weight(held(&*device, t), rows, h)
+                            .map_err(weights_err)
+                    };
+                    // A GGUF stores vectors per head as [heads, 1] and the depthwise kernel
+                    // as [channels, width] (Hugging Face: [heads], [channels, 1, width]).
+                    let either = |name: String, a: &[usize], b: &[usize]| {
+                        pkg.tensor_f32(&name, a)
+                            .or_else(|_| pkg.tensor_f32(&name, b))
+                    };
+                    let kernel =
+                        either(format!("{m}conv1d.weight"), &[ch, width], &[ch, 1, width])?;
+                    let bias_name = format!("{m}conv1d.bias");
+                    let conv_bias = match pkg.has_tensor(&bias_name) {
+                        true => pkg.tensor_f32(&bias_name, &[ch])?,
+                        false => vec![0.0; ch],
+                    };
+                    // Decay rates above 0 (or NaN) would make the state grow without bound.
+                    let rates = either(format!("{m}a"), &[heads, 1], &[heads])?;
+                    if let Some(r) = rates.iter().find(|r| r.is_nan() || **r > 0.0) {
+                        return Err(ModelError::Malformed(format!(
+                            "{m}a: a decay rate of {r} (rates are -exp(A_log), at most 0)"
+                        )));
+                    }
+                    let norm = either(format!("{m}norm.weight"), &[1, inner], &[inner])?;
+                    Mixer::Ssm(Box::new(Ssm {
+                        z: part(0, inner)?,
+                        xbc: part(inner, ch)?,
+                        dt: part(inner + ch, heads)?,
+                        dt_bias: vec(&format!("{m}dt_bias"), heads)?,
+                        kernel,
+                        conv_bias,
+                        a: rates,
+                        d: either(format!("{m}D"), &[heads, 1], &[heads])?,
+                        norm: device.tensor(&norm, &[inner]).map_err(weights_err)?,
+                        out: mat(&format!("{m}out_proj.weight"), h, inner)?,
                     }))
                 }
                 attention if c.arch() == Arch::Qwen35 => {
@@ -594,6 +677,7 @@ impl<D: ModelDevice> DecoderModel<D> {
         }
         let scale = c.attn_scale();
         let eps = c.rms_norm_eps as f32;
+        let residual = c.residual_scale();
         d.embed(&w.embed, tokens, &mut a.x)?;
         if let Some(s) = c.embed_scale() {
             d.scale(&mut a.x, s)?;
@@ -675,7 +759,7 @@ impl<D: ModelDevice> DecoderModel<D> {
                     let sinks = at.sinks.as_ref();
                     step.attend_sinks(l, &a.qh, &a.kh, &a.vh, scale, sinks, &mut a.att)?;
                     let (o_bias, post) = (at.o_bias.as_ref(), lw.post_attn.as_ref());
-                    if at.gate.is_none() && post.is_none() {
+                    if at.gate.is_none() && post.is_none() && residual.is_none() {
                         let (merged, o) = (&mut a.merged, &mut a.o);
                         d.heads_linear_add(&a.att, &at.o, o_bias, merged, o, &mut a.x)?;
                     } else {
@@ -686,7 +770,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                             std::mem::swap(&mut a.merged, &mut a.qh_flat);
                         }
                         let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                        project_out(d, &a.merged, &at.o, o_bias, post, eps, o, x, hn)?;
+                        let out = Out {
+                            post,
+                            residual,
+                            eps,
+                        };
+                        project_out(d, &a.merged, &at.o, o_bias, out, o, x, hn)?;
                     }
                 }
                 Mixer::Conv {
@@ -727,9 +816,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                     step.conv(l, &cv.bx, kernel, &mut cv.y)?;
                     d.mul(&cv.c, &cv.y, &mut cv.bx)?;
                     let post = lw.post_attn.as_ref();
-                    project_out(
-                        d, &cv.bx, out, None, post, eps, &mut a.o, &mut a.x, &mut a.hn,
-                    )?;
+                    let to = Out {
+                        post,
+                        residual,
+                        eps,
+                    };
+                    project_out(d, &cv.bx, out, None, to, &mut a.o, &mut a.x, &mut a.hn)?;
                 }
                 Mixer::Delta(dw) => {
                     let dv = a
@@ -778,7 +870,53 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.silu_mul(&dv.z, &dv.normed, &mut dv.core)?;
                     let post = lw.post_attn.as_ref();
                     let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                    project_out(d, &dv.core, &dw.out, None, post, eps, o, x, hn)?;
+                    let out = Out {
+                        post,
+                        residual,
+                        eps,
+                    };
+                    project_out(d, &dv.core, &dw.out, None, out, o, x, hn)?;
+                }
+                Mixer::Ssm(sw) => {
+                    let sv = a
+                        .ssm
+                        .as_mut()
+                        .ok_or_else(|| KitError::Device("Mamba2 buffers missing".into()))?;
+                    d.norm_linears(
+                        &a.x,
+                        &lw.ln1,
+                        eps,
+                        &mut a.hn,
+                        &mut [
+                            Projection {
+                                w: &sw.z,
+                                bias: None,
+                                out: &mut sv.z,
+                            },
+                            Projection {
+                                w: &sw.xbc,
+                                bias: None,
+                                out: &mut sv.xbc,
+                            },
+                            Projection {
+                                w: &sw.dt,
+                                bias: Some(&sw.dt_bias),
+                                out: &mut sv.dt,
+                            },
+                        ],
+                    )?;
+                    let (kernel, bias) = (&sw.kernel, &sw.conv_bias);
+                    step.ssm(l, &sv.xbc, kernel, bias, &sv.dt, &sw.a, &sw.d, &mut sv.y)?;
+                    d.silu_mul(&sv.z, &sv.y, &mut sv.gated)?;
+                    d.rms_norm(&sv.gated, &sw.norm, eps, &mut sv.y)?;
+                    let post = lw.post_attn.as_ref();
+                    let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
+                    let out = Out {
+                        post,
+                        residual,
+                        eps,
+                    };
+                    project_out(d, &sv.y, &sw.out, None, out, o, x, hn)?;
                 }
             }
             match &lw.ffn {
@@ -803,11 +941,18 @@ impl<D: ModelDevice> DecoderModel<D> {
                     )?;
                     let (act, post) = (c.activation(), lw.post_mlp.as_ref());
                     let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                    match post {
-                        None => d.gated_linear_add(act, &a.gate, &a.up, down, &mut a.mlp, o, x)?,
-                        Some(_) => {
+                    match (post, residual) {
+                        (None, None) => {
+                            d.gated_linear_add(act, &a.gate, &a.up, down, &mut a.mlp, o, x)?
+                        }
+                        _ => {
                             d.gated(act, &a.gate, &a.up, &mut a.mlp)?;
-                            project_out(d, &a.mlp, down, None, post, eps, o, x, hn)?;
+                            let out = Out {
+                                post,
+                                residual,
+                                eps,
+                            };
+                            project_out(d, &a.mlp, down, None, out, o, x, hn)?;
                         }
                     }
                 }
@@ -832,6 +977,9 @@ impl<D: ModelDevice> DecoderModel<D> {
                     route(&m.host, spec, &mut m.routes);
                     m.groups.group(&m.routes, spec.count);
                     d.experts(&a.hn, experts, spec, &m.routes, &m.groups, &mut a.o)?;
+                    if let Some(r) = residual {
+                        d.scale(&mut a.o, r)?;
+                    }
                     residual_add(d, &mut a.x, &mut a.o, lw.post_mlp.as_ref(), eps, &mut a.hn)?;
                 }
             }
@@ -840,6 +988,9 @@ impl<D: ModelDevice> DecoderModel<D> {
         d.gather_rows(&a.hn, &a.rows, &mut a.picked)?;
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         d.linear(&a.picked, head, None, &mut a.logits)?;
+        if let Some(div) = c.logit_divisor() {
+            d.scale(&mut a.logits, 1.0 / div)?;
+        }
         step.commit()?;
         let a = &*a;
         Ok(ForwardOutput {
@@ -849,28 +1000,37 @@ impl<D: ModelDevice> DecoderModel<D> {
     }
 }
 
+/// How a block's output joins the residual stream: through its post-norm (Gemma 3), times
+/// the residual multiplier (Granite), or as it is.
+#[derive(Clone, Copy)]
+struct Out<'a, T> {
+    post: Option<&'a T>,
+    residual: Option<f32>,
+    eps: f32,
+}
+
 /// A block's output projection `y = x·Wᵀ (+ bias)` added to the residual stream `resid`:
-/// in one [`ModelDevice::linear_add`] when the block has no post-norm, else `y` into `o`
-/// and [`residual_add`].
+/// in one [`ModelDevice::linear_add`] when the block has no post-norm and no residual
+/// multiplier, else `y` into `o`, scaled, and [`residual_add`].
 #[allow(clippy::too_many_arguments)]
 fn project_out<D: ModelDevice>(
     d: &D,
     x: &D::Tensor,
     w: &D::Weight,
     bias: Option<&D::Tensor>,
-    post: Option<&D::Tensor>,
-    eps: f32,
+    out: Out<'_, D::Tensor>,
     o: &mut D::Tensor,
     resid: &mut D::Tensor,
     scratch: &mut D::Tensor,
 ) -> Result<(), KitError> {
-    match post {
-        None => d.linear_add(x, w, bias, o, resid),
-        Some(_) => {
-            d.linear(x, w, bias, o)?;
-            residual_add(d, resid, o, post, eps, scratch)
-        }
+    if out.post.is_none() && out.residual.is_none() {
+        return d.linear_add(x, w, bias, o, resid);
     }
+    d.linear(x, w, bias, o)?;
+    if let Some(r) = out.residual {
+        d.scale(o, r)?;
+    }
+    residual_add(d, resid, o, out.post, out.eps, scratch)
 }
 
 /// `x += y`, or `x += rms_norm(y)·post` when the block has a post-norm (`scratch` receives
@@ -922,6 +1082,8 @@ pub struct Activations<D: ModelDevice> {
     conv: Option<ConvActivations<D>>,
     /// Those of the delta-rule blocks (a model with any).
     delta: Option<DeltaActivations<D>>,
+    /// Those of the Mamba2 blocks (a model with any).
+    ssm: Option<SsmActivations<D>>,
     /// The router's (a model with a mixture of experts).
     moe: Option<RouterActivations<D>>,
 }
@@ -946,6 +1108,17 @@ struct DeltaActivations<D: ModelDevice> {
     normed: D::Tensor,
     alpha: D::Tensor,
     beta: D::Tensor,
+}
+
+/// The buffers of a Mamba2 block: the gate `z`, the scan's output `y` (`[T, inner]`, reused
+/// for the normed product) and their gated product, the convolution's input (`[T, channels]`)
+/// and the step projection (`[T, heads]`).
+struct SsmActivations<D: ModelDevice> {
+    z: D::Tensor,
+    xbc: D::Tensor,
+    dt: D::Tensor,
+    y: D::Tensor,
+    gated: D::Tensor,
 }
 
 /// The buffers of a convolution block: its three projections (`[T, hidden]`), their gated
@@ -1008,6 +1181,19 @@ impl<D: ModelDevice> Activations<D> {
                         normed: d.zeros(&[t, hv * dn])?,
                         alpha: d.zeros(&[t, hv])?,
                         beta: d.zeros(&[t, hv])?,
+                    })
+                }
+                None => None,
+            },
+            ssm: match c.ssm(c.num_hidden_layers).ok().flatten() {
+                Some(m) => {
+                    let inner = m.heads * m.head_dim;
+                    Some(SsmActivations {
+                        z: d.zeros(&[t, inner])?,
+                        xbc: d.zeros(&[t, m.conv_channels()])?,
+                        dt: d.zeros(&[t, m.heads])?,
+                        y: d.zeros(&[t, inner])?,
+                        gated: d.zeros(&[t, inner])?,
                     })
                 }
                 None => None,

@@ -433,6 +433,21 @@ pub fn load_forward<B: Backend + ModelDevice>(
         )
     })
     .map_err(bad)?;
+    let ssm = model
+        .config()
+        .ssm(want_layers)
+        .map_err(|e| bad(e.to_string()))?;
+    check_layers(key, cfg.ssm, ssm, "no Mamba2 layers", |m| {
+        format!(
+            "Mamba2 layers of {} heads of {} with {} groups of {} on layers {:?}",
+            m.heads,
+            m.head_dim,
+            m.groups,
+            m.state,
+            m.layers.iter().collect::<Vec<_>>()
+        )
+    })
+    .map_err(bad)?;
     let _span =
         tracing::info_span!("load_method", backend = B::ID, method = "forward", dir).entered();
     tracing::info!(

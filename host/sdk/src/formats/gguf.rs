@@ -1,5 +1,5 @@
 //! GGUF files (`llama` — Llama 2/3.x, Mistral, SmolLM —, `qwen2`, `qwen3`, `qwen3moe`,
-//! `gpt-oss`, `gemma3`, `lfm2`, `qwen35`).
+//! `gpt-oss`, `gemma3`, `lfm2`, `qwen35`, `granitehybrid`).
 //!
 //! [`resolve_model`] (what `--model FILE.gguf` does): the weights stay in the GGUF and are
 //! used where they lie, in their stored types (quantized blocks included). It derives a small
@@ -199,6 +199,7 @@ enum Arch {
     Gemma3,
     Lfm2,
     Qwen35,
+    GraniteHybrid,
 }
 
 /// Gemma's chat template (text turns) for a `gemma3` GGUF that ships none: Google's
@@ -232,10 +233,11 @@ impl Gguf {
             "gemma3" => Ok(Arch::Gemma3),
             "lfm2" => Ok(Arch::Lfm2),
             "qwen35" => Ok(Arch::Qwen35),
+            "granitehybrid" => Ok(Arch::GraniteHybrid),
             other => fail!(
                 Model,
                 "{}: architecture '{other}' is not supported (supported: llama, qwen2, qwen3, \
-                 qwen3moe, gpt-oss, gemma3, lfm2, qwen35)",
+                 qwen3moe, gpt-oss, gemma3, lfm2, qwen35, granitehybrid)",
                 self.path.display()
             ),
         }
@@ -332,6 +334,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
         }
         Arch::Qwen35 => qwen35_fields(g, &mut c, layers)?,
+        Arch::GraniteHybrid => granite_hybrid_fields(g, &mut c, layers)?,
         Arch::GptOss => gpt_oss_fields(g, &mut c, layers)?,
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
             let (model_type, class) = match arch {
@@ -572,6 +575,86 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
     Ok(())
 }
 
+/// Granite 4.0-H's facts (llama.cpp's `granitehybrid` keys) under Hugging Face's names, as
+/// llama.cpp's graph reads them: a layer with 0 KV heads is a Mamba2 layer; its heads
+/// (`ssm.time_step_rank`), groups, state and convolution; RoPE only where
+/// `rope.scaling.finetuned` is true (Granite 4.0-H has none); the four multipliers. The
+/// mixture-of-experts sizes (`expert_count` > 0) are refused.
+fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
+    let k = |s: &str| format!("granitehybrid.{s}");
+    if g.uint(&k("expert_count")).is_ok_and(|n| n > 0) {
+        fail!(
+            Model,
+            "{}: a Granite 4.0-H mixture of experts (tiny, small) is not supported; the dense \
+             models (micro, 1b, 350m) are",
+            g.path.display()
+        );
+    }
+    let kv = g.uints(&k("attention.head_count_kv"))?;
+    if kv.len() as u64 != layers {
+        fail!(
+            Model,
+            "{}: {} per-layer KV head counts for {layers} layers",
+            g.path.display(),
+            kv.len()
+        );
+    }
+    let attn_kv: Vec<u64> = kv.iter().copied().filter(|&n| n > 0).collect();
+    if attn_kv.windows(2).any(|w| w[0] != w[1]) {
+        fail!(
+            Model,
+            "{}: attention layers with different KV head counts {attn_kv:?}",
+            g.path.display()
+        );
+    }
+    let heads = g.uint(&k("ssm.time_step_rank"))?;
+    let inner = g.uint(&k("ssm.inner_size"))?;
+    if heads == 0 || inner % heads != 0 {
+        fail!(
+            Model,
+            "{}: ssm.inner_size {inner} is not a multiple of {heads} heads",
+            g.path.display()
+        );
+    }
+    c["model_type"] = "granitemoehybrid".into();
+    c["architectures"] = serde_json::json!(["GraniteMoeHybridForCausalLM"]);
+    c["gguf_converted"] = true.into();
+    if let Some(&n) = attn_kv.first() {
+        c["num_key_value_heads"] = n.into();
+    }
+    c["layer_types"] = kv
+        .iter()
+        .map(|&n| if n == 0 { "mamba" } else { "attention" })
+        .collect();
+    c["mamba_d_conv"] = g.uint(&k("ssm.conv_kernel"))?.into();
+    c["mamba_n_heads"] = heads.into();
+    c["mamba_d_head"] = (inner / heads).into();
+    c["mamba_n_groups"] = g.uint(&k("ssm.group_count"))?.into();
+    c["mamba_d_state"] = g.uint(&k("ssm.state_size"))?.into();
+    let rope = !matches!(
+        g.get(&k("rope.scaling.finetuned")),
+        Some(Value::Bool(false))
+    );
+    c["position_embedding_type"] = if rope { "rope" } else { "nope" }.into();
+    for (key, field) in [
+        ("embedding_scale", "embedding_multiplier"),
+        ("residual_scale", "residual_multiplier"),
+        ("attention.scale", "attention_multiplier"),
+        ("logit_scale", "logits_scaling"),
+    ] {
+        // llama.cpp reads 0 (or no key) as "no multiplier".
+        if let Some(v) = g.float(&k(key)).filter(|&v| v != 0.0) {
+            c[field] = v.into();
+        }
+    }
+    c["rms_norm_eps"] = g
+        .float(&k("attention.layer_norm_rms_epsilon"))
+        .unwrap_or(1e-5)
+        .into();
+    c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
+    Ok(())
+}
+
 /// llama.cpp's converter stores q/k rows of each head as (pairs interleaved) for its
 /// rotary kernel; Hugging Face's rotate-half layout takes the first half, then the second.
 /// Undo `reshape(heads, 2, hd/2, cols).swap(1, 2)`.
@@ -593,7 +676,12 @@ fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 }
 
 /// The GGUF tensor behind each Hugging Face weight name, for the layers of `config`.
-fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(String, String)> {
+fn tensor_names(
+    arch: Arch,
+    config: &serde_json::Value,
+    tied: bool,
+    conv_bias: &[usize],
+) -> Vec<(String, String)> {
     let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
     if arch == Arch::Lfm2 {
         return lfm2_tensor_names(config, layers, tied);
@@ -634,6 +722,7 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
             ("post_ffw_norm", "post_feedforward_layernorm"),
         ],
         Arch::Qwen35 | Arch::GptOss => &[("post_attention_norm", "post_attention_layernorm")],
+        Arch::GraniteHybrid => &[("ffn_norm", "post_attention_layernorm")],
         Arch::Lfm2 => unreachable!("lfm2_tensor_names names LFM2's tensors"),
     };
     // Qwen3.5's delta-rule layers hold `linear_attn.*` (kvplug's names where the
@@ -653,7 +742,37 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
         ("attn_q_norm", "self_attn.q_norm"),
         ("attn_k_norm", "self_attn.k_norm"),
     ];
+    // Granite 4.0-H's Mamba2 layers hold `mamba.*` (kvplug's names where the converter
+    // changed a tensor: `a` is `−exp(A_log)`; the conv bias only where the file has one).
+    let mamba = [
+        ("ssm_in.weight", "mamba.in_proj.weight"),
+        ("ssm_conv1d.weight", "mamba.conv1d.weight"),
+        ("ssm_dt.bias", "mamba.dt_bias"),
+        ("ssm_a", "mamba.a"),
+        ("ssm_d", "mamba.D"),
+        ("ssm_norm.weight", "mamba.norm.weight"),
+        ("ssm_out.weight", "mamba.out_proj.weight"),
+    ];
     for l in 0..layers {
+        if arch == Arch::GraniteHybrid && config["layer_types"][l] == "mamba" {
+            v.extend(
+                mamba
+                    .iter()
+                    .chain(
+                        conv_bias
+                            .contains(&l)
+                            .then_some(&("ssm_conv1d.bias", "mamba.conv1d.bias")),
+                    )
+                    .map(|(g, hf)| (format!("blk.{l}.{g}"), format!("model.layers.{l}.{hf}"))),
+            );
+            for (g, hf) in common[..1].iter().chain(&common[5..]).chain(own) {
+                v.push((
+                    format!("blk.{l}.{g}.weight"),
+                    format!("model.layers.{l}.{hf}.weight"),
+                ));
+            }
+            continue;
+        }
         if arch == Arch::Qwen35 {
             let pairs: Vec<(&str, &str)> = if config["layer_types"][l] == "linear_attention" {
                 v.extend(
@@ -724,6 +843,13 @@ fn tensor_names(arch: Arch, config: &serde_json::Value, tied: bool) -> Vec<(Stri
         }
     }
     v
+}
+
+/// The layers whose Mamba2 convolution has a bias in the file (`blk.{l}.ssm_conv1d.bias`).
+fn conv_biases(g: &Gguf) -> Vec<usize> {
+    (0..kvplug_core::limits::MAX_LAYERS)
+        .filter(|l| g.has_tensor(&format!("blk.{l}.ssm_conv1d.bias")))
+        .collect()
 }
 
 /// LFM2's names: its convolution layers hold `shortconv.*`, its attention layers q/k/v,
@@ -1203,7 +1329,7 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
     let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
     let file = std::fs::canonicalize(gguf).with_context(|| format!("{}", gguf.display()))?;
     let mut tensors = std::collections::BTreeMap::new();
-    for (src, dst) in tensor_names(arch, &config, tied) {
+    for (src, dst) in tensor_names(arch, &config, tied, &conv_biases(&g)) {
         let info = g
             .file
             .tensors
@@ -1232,7 +1358,7 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
         version: GGUF_INDEX_VERSION,
         file_bytes: std::fs::metadata(&file)?.len(),
         file,
-        rope_pairs: if arch == Arch::Llama {
+        rope_pairs: if matches!(arch, Arch::Llama | Arch::GraniteHybrid) {
             RopePairs::Interleaved
         } else {
             RopePairs::Halves
@@ -1280,17 +1406,17 @@ pub fn import(
         n("num_attention_heads"),
         n("num_key_value_heads"),
     );
-    let names = tensor_names(arch, &config, tied);
+    let names = tensor_names(arch, &config, tied, &conv_biases(&g));
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
     for (i, (src, dst)) in names.iter().enumerate() {
         on_tensor(i, names.len(), dst);
         let (dims, mut data) = g.tensor(src)?;
         let cols = *dims.last().unwrap_or(&1);
         match arch {
-            Arch::Llama if src.ends_with("attn_q.weight") => {
+            Arch::Llama | Arch::GraniteHybrid if src.ends_with("attn_q.weight") => {
                 data = unpermute_rows(&data, heads, cols);
             }
-            Arch::Llama if src.ends_with("attn_k.weight") => {
+            Arch::Llama | Arch::GraniteHybrid if src.ends_with("attn_k.weight") => {
                 data = unpermute_rows(&data, kv_heads, cols);
             }
             // The converter stores Gemma's RMSNorm weights as 1 + w; Hugging Face stores w.

@@ -1,4 +1,4 @@
-//! Random-weight hybrid GGUFs (LFM2, Qwen3.5) written with candle's GGUF writer, an
+//! Random-weight hybrid GGUFs (LFM2, Qwen3.5, Granite 4.0-H) written with candle's GGUF writer, an
 //! implementation independent of the loader under test.
 
 use std::path::Path;
@@ -255,6 +255,124 @@ pub fn qwen35_templated(
     std::fs::create_dir_all(dir).unwrap();
     let gguf = dir.join("qwen35.gguf");
     write_qwen35(&gguf, types, template);
+    let model = dir.join("indexed");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    model
+}
+
+/// Writes a Granite 4.0-H GGUF: 4 layers, layer 1 attending (no positional encoding, as
+/// Granite 4.0-H), the others Mamba2 layers of 8 heads of 16 in one group with a 16-wide
+/// state and 4 taps; Granite's four multipliers; matrices in `types` (cycled), vectors and the
+/// convolution kernel f32, per-head vectors `[heads, 1]` as llama.cpp's converter writes them.
+pub fn write_granite(path: &Path, types: &[GgmlDType], template: Option<&str>) {
+    write_granite_with(path, types, template, &[]);
+}
+
+/// [`write_granite`] with metadata keys of `overrides` replaced.
+pub fn write_granite_with(
+    path: &Path,
+    types: &[GgmlDType],
+    template: Option<&str>,
+    overrides: &[(&'static str, Value)],
+) {
+    let (hd, heads, hp, state, taps) = (HIDDEN / HEADS, 8usize, 16usize, 16usize, 4usize);
+    let inner = heads * hp;
+    let ch = inner + 2 * state;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let (mut salt, mut matrix) = (300, 0);
+    let mut add = |name: String, shape: &[usize], gain: f32, offset: f32| {
+        salt += 1;
+        let mut data = values(shape.iter().product(), salt, gain);
+        data.iter_mut().for_each(|x| *x += offset);
+        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+        let ty = if shape.len() == 2 && shape[1] % 32 == 0 && shape[0] > 1 {
+            matrix += 1;
+            types[matrix % types.len()]
+        } else {
+            GgmlDType::F32
+        };
+        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
+    };
+    add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0);
+    add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0);
+    for l in 0..4 {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        add(b("attn_norm.weight"), &[HIDDEN], 0.1, 1.0);
+        add(b("ffn_norm.weight"), &[HIDDEN], 0.1, 1.0);
+        add(b("ffn_gate.weight"), &[FFN, HIDDEN], 0.3, 0.0);
+        add(b("ffn_up.weight"), &[FFN, HIDDEN], 0.3, 0.0);
+        add(b("ffn_down.weight"), &[HIDDEN, FFN], 0.6, 0.0);
+        if l == 1 {
+            add(b("attn_q.weight"), &[HEADS * hd, HIDDEN], 0.6, 0.0);
+            add(b("attn_k.weight"), &[KV_HEADS * hd, HIDDEN], 0.6, 0.0);
+            add(b("attn_v.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
+            add(b("attn_output.weight"), &[HIDDEN, HEADS * hd], 0.6, 0.0);
+        } else {
+            add(b("ssm_in.weight"), &[inner + ch + heads, HIDDEN], 0.5, 0.0);
+            add(b("ssm_conv1d.weight"), &[ch, taps], 0.8, 0.0);
+            add(b("ssm_conv1d.bias"), &[ch], 0.3, 0.0);
+            add(b("ssm_dt.bias"), &[heads], 0.5, -1.0);
+            add(b("ssm_a"), &[heads, 1], 0.3, -0.7);
+            add(b("ssm_d"), &[heads, 1], 0.3, 1.0);
+            add(b("ssm_norm.weight"), &[1, inner], 0.1, 1.0);
+            add(b("ssm_out.weight"), &[HIDDEN, inner], 0.6, 0.0);
+        }
+    }
+    let u = |x: usize| Value::U32(x as u32);
+    let kv: Vec<Value> = (0..4)
+        .map(|l| u(if l == 1 { KV_HEADS } else { 0 }))
+        .collect();
+    let mut meta = vec![
+        (
+            "general.architecture",
+            Value::String("granitehybrid".into()),
+        ),
+        ("granitehybrid.block_count", u(4)),
+        ("granitehybrid.embedding_length", u(HIDDEN)),
+        ("granitehybrid.feed_forward_length", u(FFN)),
+        ("granitehybrid.attention.head_count", u(HEADS)),
+        ("granitehybrid.attention.head_count_kv", Value::Array(kv)),
+        (
+            "granitehybrid.attention.layer_norm_rms_epsilon",
+            Value::F32(1e-5),
+        ),
+        ("granitehybrid.rope.freq_base", Value::F32(1e4)),
+        ("granitehybrid.rope.scaling.finetuned", Value::Bool(false)),
+        ("granitehybrid.embedding_scale", Value::F32(2.0)),
+        ("granitehybrid.residual_scale", Value::F32(0.5)),
+        ("granitehybrid.attention.scale", Value::F32(1.0 / hd as f32)),
+        ("granitehybrid.logit_scale", Value::F32(4.0)),
+        ("granitehybrid.expert_count", u(0)),
+        ("granitehybrid.ssm.conv_kernel", u(taps)),
+        ("granitehybrid.ssm.inner_size", u(inner)),
+        ("granitehybrid.ssm.state_size", u(state)),
+        ("granitehybrid.ssm.time_step_rank", u(heads)),
+        ("granitehybrid.ssm.group_count", u(1)),
+        ("granitehybrid.context_length", u(2048)),
+        ("granitehybrid.vocab_size", u(VOCAB)),
+    ];
+    for (key, value) in overrides {
+        meta.retain(|(k, _)| k != key);
+        meta.push((key, value.clone()));
+    }
+    tokenizer_meta(&mut meta, template);
+    write_gguf(path, &meta, &tensors);
+}
+
+/// The indexed model of [`write_granite`] in `dir`.
+pub fn granite(dir: &Path, types: &[GgmlDType]) -> std::path::PathBuf {
+    granite_templated(dir, types, None)
+}
+
+/// [`granite`] with its own chat template.
+pub fn granite_templated(
+    dir: &Path,
+    types: &[GgmlDType],
+    template: Option<&str>,
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let gguf = dir.join("granite.gguf");
+    write_granite(&gguf, types, template);
     let model = dir.join("indexed");
     kvplug::formats::gguf::index(&gguf, &model).unwrap();
     model

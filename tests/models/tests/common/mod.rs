@@ -267,9 +267,14 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
     let matvec = |m: &(Vec<f64>, bool), rows: usize, x: &[f64]| matvec_as(m.1, &m.0, rows, x);
     // A matrix and whether its linear quantizes its input.
     let mat = |name: &str, shape: &[usize]| (w(name, shape), blocks(name, shape));
+    // Granite 4.0-H's `nope`: no positional encoding (no pair turns).
+    let nope = c.position_embedding_type.as_deref() == Some("nope");
     let inv_freq: Vec<f64> = r.inv_freq.clone().unwrap_or_else(|| {
         (0..hd / 2)
-            .map(|i| c.rope_theta.powf(-(2.0 * i as f64) / hd as f64))
+            .map(|i| match nope {
+                true => 0.0,
+                false => c.rope_theta.powf(-(2.0 * i as f64) / hd as f64),
+            })
             .collect()
     });
     assert_eq!(inv_freq.len(), hd / 2, "one frequency per rotary pair");
@@ -296,6 +301,11 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
         .iter()
         .map(|&t| embed[t as usize * h..(t as usize + 1) * h].to_vec())
         .collect();
+    // Granite's multipliers: on the embeddings, each block's output, the attention scale
+    // (in place of 1/√hd) and the logits (divided).
+    let embedding = c.embedding_multiplier.unwrap_or(1.0);
+    xs.iter_mut().flatten().for_each(|x| *x *= embedding);
+    let residual = c.residual_multiplier.unwrap_or(1.0);
     let n = tokens.len();
     // LFM2 names its norms, MLP and attention output its own way.
     let lfm2 = c.model_type == "lfm2";
@@ -411,7 +421,7 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
                 }
                 _ => expert(0, &hn),
             };
-            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += residual * b);
         };
         if let kvplug_core::LayerAttention::Conv { width, .. } = c.attention[l] {
             // LFM2's gated short convolution: B, C, x = in_proj·hn; y = C·conv(B·x), the
@@ -513,6 +523,80 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             }
             continue;
         }
+        if let kvplug_core::LayerAttention::Ssm {
+            width,
+            heads,
+            head_dim: hp,
+            groups,
+            state,
+        } = c.attention[l]
+        {
+            // Granite 4.0-H's Mamba2 block: z, xBC, dt = in_proj·hn; xBC through the
+            // convolution (zeros before the first token) plus its bias and SiLU, split into x
+            // (heads of hp), B and C (groups of state); per head (group head / (heads /
+            // groups)) the f64 scan with dt + dt_bias; then y·SiLU(z), RMSNorm per group,
+            // out_proj.
+            let m = format!("{p}mamba.");
+            let (inner, gw) = (heads * hp, heads * hp / groups);
+            let ch = inner + 2 * groups * state;
+            let win = mat(&format!("{m}in_proj.weight"), &[inner + ch + heads, h]);
+            let kernel = w(&format!("{m}conv1d.weight"), &[ch, width]);
+            let bias_name = format!("{m}conv1d.bias");
+            let cb = match pkg.has_tensor(&bias_name) {
+                true => w(&bias_name, &[ch]),
+                false => vec![0.0; ch],
+            };
+            let dt_bias = w(&format!("{m}dt_bias"), &[heads]);
+            let a = w(&format!("{m}a"), &[heads, 1]);
+            let skip = w(&format!("{m}D"), &[heads, 1]);
+            let gnorm = w(&format!("{m}norm.weight"), &[groups, gw]);
+            let outp = mat(&format!("{m}out_proj.weight"), &[h, inner]);
+            let silu = |x: f64| x / (1.0 + (-x).exp());
+            let proj: Vec<Vec<f64>> = xs
+                .iter()
+                .map(|x| matvec(&win, inner + ch + heads, &norm(x, &ln1)))
+                .collect();
+            let mut states = vec![vec![0.0; hp * state]; heads];
+            for t in 0..n {
+                let act: Vec<f64> = (0..ch)
+                    .map(|c| {
+                        let conv: f64 = (0..width)
+                            .filter_map(|j| {
+                                let at = (t + j).checked_sub(width - 1)?;
+                                Some(kernel[c * width + j] * proj[at][inner + c])
+                            })
+                            .sum();
+                        silu(conv + cb[c])
+                    })
+                    .collect();
+                let mut y = Vec::with_capacity(inner);
+                for (head, s) in states.iter_mut().enumerate() {
+                    let g = head / (heads / groups);
+                    let x = &act[head * hp..(head + 1) * hp];
+                    let b = &act[inner + g * state..inner + (g + 1) * state];
+                    let cc = &act[inner + (groups + g) * state..inner + (groups + g + 1) * state];
+                    let dt = proj[t][inner + ch + head] + dt_bias[head];
+                    y.extend(kvplug_core::oracle::mamba2_step(
+                        s, x, b, cc, dt, a[head], skip[head],
+                    ));
+                }
+                y.iter_mut()
+                    .zip(&proj[t][..inner])
+                    .for_each(|(y, z)| *y *= silu(*z));
+                let y: Vec<f64> = y
+                    .chunks(gw)
+                    .zip(gnorm.chunks(gw))
+                    .flat_map(|(y, g)| norm(y, g))
+                    .collect();
+                let o = matvec(&outp, h, &y);
+                xs[t]
+                    .iter_mut()
+                    .zip(&o)
+                    .for_each(|(a, b)| *a += residual * b);
+                mlp(&mut xs[t]);
+            }
+            continue;
+        }
         if c.model_type == "qwen3_5_text" {
             qwen35_attention(&pkg, &c, l, &mut xs, &ln1, &norm, &mat, &matvec, &mlp);
             continue;
@@ -577,6 +661,9 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             if let Some(m) = r.rope_magnitude {
                 q.iter_mut().chain(k.iter_mut()).for_each(|x| *x *= m);
             }
+            if let Some(m) = c.attention_multiplier {
+                q.iter_mut().for_each(|x| *x *= m * (hd as f64).sqrt());
+            }
             if r.rotate_keys {
                 let n = 1 << hd.trailing_zeros();
                 (q, k) = (hadamard_f64(&q, n), hadamard_f64(&k, n));
@@ -597,7 +684,7 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
             let att = causal_attention(&qs, &ks, &vs, t, (hq, hkv, hd), window, sinks.as_deref());
             let mut o = matvec(&wo, h, &att);
             bias(&mut o, &bo);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += residual * b);
             mlp(x);
         }
     }
@@ -610,8 +697,12 @@ pub fn reference_logits_with(model: &Path, tokens: &[i32], r: &Reference) -> Vec
     } else {
         mat("lm_head.weight", &[v, h])
     };
+    let divisor = c.logits_scaling.unwrap_or(1.0);
     xs.iter()
-        .map(|x| matvec(&head, v, &norm(x, &fnorm)))
+        .map(|x| {
+            let logits = matvec(&head, v, &norm(x, &fnorm));
+            logits.into_iter().map(|z| z / divisor).collect()
+        })
         .collect()
 }
 
