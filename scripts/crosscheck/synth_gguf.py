@@ -121,6 +121,13 @@ class Writer:
     def norm(self, n, size):
         self.w.add_tensor(n, (1.0 + 0.1 * self.rng.standard_normal(size)).astype(np.float32))
 
+    def mlp(self, b, hidden, ffn, down_gain):
+        """Block `b`'s norm and SiLU MLP (its down projection scaled by `down_gain`)."""
+        self.norm(b + "ffn_norm.weight", hidden)
+        self.weight(b + "ffn_gate.weight", ffn, hidden)
+        self.weight(b + "ffn_up.weight", ffn, hidden)
+        self.weight(b + "ffn_down.weight", hidden, ffn, gain=down_gain)
+
     def stacked(self, n, experts, rows, cols, gain=1.0):
         """A 3-D expert tensor `[experts, rows, cols]` (llama.cpp's `*_exps`)."""
         self.w.add_tensor(n, (self.rng.standard_normal((experts, rows, cols)) * gain
@@ -168,10 +175,7 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
         if qk_norm:
             norm(b + "attn_q_norm.weight", head_dim)
             norm(b + "attn_k_norm.weight", head_dim)
-        norm(b + "ffn_norm.weight", hidden)
-        weight(b + "ffn_gate.weight", ffn, hidden)
-        weight(b + "ffn_up.weight", ffn, hidden)
-        weight(b + "ffn_down.weight", hidden, ffn, gain=8.0)
+        f.mlp(b, hidden, ffn, 8.0)
     norm("output_norm.weight", hidden)
     if not tied:
         weight("output.weight", VOCAB, hidden, gain=20.0)
@@ -208,10 +212,7 @@ def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=Tr
             weight(b + "shortconv.conv.weight", hidden, taps, gain=2.0)
             weight(b + "shortconv.in_proj.weight", 3 * hidden, hidden, gain=2.0)
             weight(b + "shortconv.out_proj.weight", hidden, hidden, gain=8.0)
-        norm(b + "ffn_norm.weight", hidden)
-        weight(b + "ffn_gate.weight", ffn, hidden)
-        weight(b + "ffn_up.weight", ffn, hidden)
-        weight(b + "ffn_down.weight", hidden, ffn, gain=8.0)
+        f.mlp(b, hidden, ffn, 8.0)
     norm("token_embd_norm.weight", hidden)
     if not tied:
         weight("output.weight", VOCAB, hidden, gain=20.0)
@@ -442,10 +443,7 @@ def granitehybrid(name, hidden, layers, attention, heads, kv_heads, ffn, *, ssm_
                          (1.0 + 0.1 * rng.standard_normal((groups, d_inner // groups)))
                          .astype(np.float32))
             weight(b + "ssm_out.weight", hidden, d_inner, gain=64.0)
-        norm(b + "ffn_norm.weight", hidden)
-        weight(b + "ffn_gate.weight", ffn, hidden)
-        weight(b + "ffn_up.weight", ffn, hidden)
-        weight(b + "ffn_down.weight", hidden, ffn, gain=64.0)
+        f.mlp(b, hidden, ffn, 64.0)
     norm("output_norm.weight", hidden)
     if not tied:
         weight("output.weight", VOCAB, hidden, gain=20.0)

@@ -18,7 +18,7 @@ use kvplug_core::{
     StepPlan, MAX_SEQS,
 };
 
-use crate::delta_rule::{two, Rows, Run, Scratch, States, Tokens, NO_STATE};
+use crate::delta_rule::{two, Outputs, Rows, Run, Scratch, States, Tokens, NO_STATE};
 use crate::mamba2::{softplus, Scan};
 
 /// A tap that reads no cell: a token at the start of its sequence (its state starts from
@@ -449,35 +449,19 @@ impl Anchors {
         };
         let runs = &self.runs[..];
         let [sc_a, sc_b] = &mut self.scratch;
-        // A prefill splits the heads over two threads (a decode step stays on one, and
-        // allocates nothing).
-        if t >= PARALLEL_TOKENS && hv >= 2 && self.threads > 1 {
-            let half = hv / 2;
-            let layer_states = self.slots.iter_mut().map(|s| &mut s.data[at..at + sl]);
-            let (mut states_a, mut states_b): (Vec<_>, Vec<_>) =
-                layer_states.map(|s| s.split_at_mut(half * n * n)).unzip();
-            let (mut out_a, mut out_b): (Vec<_>, Vec<_>) = out
-                .chunks_exact_mut(hv * n)
-                .map(|r| r.split_at_mut(half * n))
-                .unzip();
-            let tokens = &tokens;
-            std::thread::scope(|scope| {
-                scope.spawn(move || {
-                    tokens.advance(half..hv, runs, &mut states_b[..], &mut out_b[..], sc_b);
-                });
-                tokens.advance(0..half, runs, &mut states_a[..], &mut out_a[..], sc_a);
-            });
-        } else {
-            let mut states = LayerStates {
-                slots: &mut self.slots,
-                at: at..at + sl,
-            };
-            let mut rows = Rows {
-                data: out,
-                width: hv * n,
-            };
-            tokens.advance(0..hv, runs, &mut states, &mut rows, sc_a);
-        }
+        let layer = LayerHeads {
+            at: at..at + sl,
+            heads: hv,
+            state: n * n,
+            width: n,
+            split: t >= PARALLEL_TOKENS && self.threads > 1,
+        };
+        layer.advance(
+            &mut self.slots,
+            out,
+            [sc_a, sc_b],
+            |heads, states, rows, sc| tokens.advance(heads, runs, states, rows, sc),
+        );
         Ok(())
     }
 
@@ -536,7 +520,7 @@ impl Anchors {
                 "layer {layer} is no Mamba2 layer"
             )));
         };
-        let (ch, sl, inner) = (m.conv_channels(), m.state_len(), m.heads * m.head_dim);
+        let (ch, sl) = (m.conv_channels(), m.state_len());
         let t = self.step_cell.len();
         self.ssm_in.resize(t * ch, 0.0);
         self.ssm_from.clear();
@@ -563,34 +547,19 @@ impl Anchors {
             from: &self.ssm_from,
             home: &self.step_home,
         };
-        // A prefill splits the heads over two threads (a decode step stays on one, and
-        // allocates nothing).
-        if t >= PARALLEL_TOKENS && m.heads >= 2 && self.threads > 1 {
-            let half = m.heads / 2;
-            let layer_states = self.slots.iter_mut().map(|s| &mut s.data[at..at + sl]);
-            let (mut states_a, mut states_b): (Vec<_>, Vec<_>) = layer_states
-                .map(|s| s.split_at_mut(half * m.head_dim * m.state))
-                .unzip();
-            let (mut out_a, mut out_b): (Vec<_>, Vec<_>) = out
-                .chunks_exact_mut(inner)
-                .map(|r| r.split_at_mut(half * m.head_dim))
-                .unzip();
-            let scan = &scan;
-            std::thread::scope(|scope| {
-                scope.spawn(move || scan.advance(half..m.heads, &mut states_b[..], &mut out_b[..]));
-                scan.advance(0..half, &mut states_a[..], &mut out_a[..]);
-            });
-        } else {
-            let mut states = LayerStates {
-                slots: &mut self.slots,
-                at: at..at + sl,
-            };
-            let mut rows = Rows {
-                data: out,
-                width: inner,
-            };
-            scan.advance(0..m.heads, &mut states, &mut rows);
-        }
+        let layer = LayerHeads {
+            at: at..at + sl,
+            heads: m.heads,
+            state: m.head_dim * m.state,
+            width: m.head_dim,
+            split: t >= PARALLEL_TOKENS && self.threads > 1,
+        };
+        layer.advance(
+            &mut self.slots,
+            out,
+            [&mut (), &mut ()],
+            |heads, states, rows, _| scan.advance(heads, states, rows),
+        );
         Ok(())
     }
 
@@ -846,7 +815,59 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// One delta layer's states in the anchors' slots: `at` of each slot's data.
+/// One recurrent layer's heads in the anchors' slots and a step's outputs: each slot's
+/// states at `at` of its data (`state` values per head), `width` outputs per head and token.
+struct LayerHeads {
+    at: std::ops::Range<usize>,
+    heads: usize,
+    state: usize,
+    width: usize,
+    /// Whether to split the heads over two threads (a prefill; a decode step stays on one
+    /// and allocates nothing).
+    split: bool,
+}
+
+impl LayerHeads {
+    /// Runs `advance` over every head into `out` (`[T, heads · width]`): on two threads, a
+    /// half of the heads and one of `scratch` each, when split (and there are two heads).
+    fn advance<X: Send>(
+        &self,
+        slots: &mut [Slot],
+        out: &mut [f32],
+        scratch: [&mut X; 2],
+        advance: impl Fn(std::ops::Range<usize>, &mut dyn States, &mut dyn Outputs, &mut X) + Sync,
+    ) {
+        let [sc_a, sc_b] = scratch;
+        let heads = self.heads;
+        if !self.split || heads < 2 {
+            let mut states = LayerStates {
+                slots,
+                at: self.at.clone(),
+            };
+            let mut rows = Rows {
+                data: out,
+                width: heads * self.width,
+            };
+            return advance(0..heads, &mut states, &mut rows, sc_a);
+        }
+        let half = heads / 2;
+        let layer_states = slots.iter_mut().map(|s| &mut s.data[self.at.clone()]);
+        let (mut states_a, mut states_b): (Vec<_>, Vec<_>) = layer_states
+            .map(|s| s.split_at_mut(half * self.state))
+            .unzip();
+        let (mut out_a, mut out_b): (Vec<_>, Vec<_>) = out
+            .chunks_exact_mut(heads * self.width)
+            .map(|r| r.split_at_mut(half * self.width))
+            .unzip();
+        let advance = &advance;
+        std::thread::scope(|scope| {
+            scope.spawn(move || advance(half..heads, &mut states_b, &mut out_b, sc_b));
+            advance(0..half, &mut states_a, &mut out_a, sc_a);
+        });
+    }
+}
+
+/// One recurrent layer's states in the anchors' slots: `at` of each slot's data.
 struct LayerStates<'a> {
     slots: &'a mut [Slot],
     at: std::ops::Range<usize>,

@@ -321,6 +321,13 @@ impl States for [&mut [f32]] {
     }
 }
 
+/// The same, held in a `Vec` (one thread's part of a split layer).
+impl States for Vec<&mut [f32]> {
+    fn pair(&mut self, from: u32, home: u32) -> (Option<&[f32]>, &mut [f32]) {
+        self[..].pair(from, home)
+    }
+}
+
 /// Where a thread's tokens put their outputs.
 pub trait Outputs {
     /// Token `t`'s outputs of the thread's heads.
@@ -329,6 +336,13 @@ pub trait Outputs {
 
 /// Token `t`'s outputs are `self[t]`.
 impl Outputs for [&mut [f32]] {
+    fn row(&mut self, t: usize) -> &mut [f32] {
+        self[t]
+    }
+}
+
+/// The same, held in a `Vec`.
+impl Outputs for Vec<&mut [f32]> {
     fn row(&mut self, t: usize) -> &mut [f32] {
         self[t]
     }
@@ -382,7 +396,7 @@ const BLK: usize = 64;
 
 /// `a·b + c`, fused (one rounding) when `FUSED`.
 #[inline(always)]
-fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+pub(crate) fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FUSED {
         a.mul_add(b, c)
     } else {

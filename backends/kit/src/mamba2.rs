@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use crate::delta_rule::{Outputs, States};
+use crate::delta_rule::{madd, Outputs, States};
 
 /// Partial sums a dot over the state keeps (two 8-lane vector registers of f32).
 const LANES: usize = 16;
@@ -156,16 +156,6 @@ fn update_dot<const FUSED: bool>(
         tail = madd::<FUSED>(s, c[j], tail);
     }
     acc.iter().sum::<f32>() + tail
-}
-
-/// `a·b + c`, fused (one rounding) when `FUSED`.
-#[inline(always)]
-fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FUSED {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
 }
 
 /// `ln(1 + eˣ)`, as ggml computes it (linear above 20).

@@ -18,6 +18,7 @@ mod argmax;
 mod conv;
 mod delta;
 mod qkv;
+mod recurrent;
 mod ssm;
 pub use alloc_count::CountingAllocator;
 pub use argmax::{check_adjust_rows, check_argmax_rows, check_top_k_rows};

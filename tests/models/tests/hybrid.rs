@@ -4,7 +4,7 @@
 //! against the f64 reference forward; and their recurrent state through the verbs a runner
 //! uses (a fork of one prompt into two sequences, a rewind, a tree commit).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::quantized::GgmlDType;
 use kvplug::{run_decode, AgentStore, AgentStoreOptions, RunSpec, Sampler};
@@ -148,6 +148,18 @@ fn lfm2_convolution_state_follows_forks_and_rewinds() {
 
 #[test]
 fn qwen35_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    decodes_within_the_f64_reference("Qwen3.5", qwen35);
+}
+
+/// Granite 4.0-H (Mamba2 and attention layers, Granite's multipliers).
+#[test]
+fn granite_gguf_decodes_within_the_f64_reference_on_every_backend() {
+    decodes_within_the_f64_reference("Granite", granite);
+}
+
+/// The model `write` makes in f32 and with its matrices in four block formats, on every
+/// backend, against the f64 reference forward.
+fn decodes_within_the_f64_reference(name: &str, write: fn(&Path, &[GgmlDType]) -> PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let blocks = [
         GgmlDType::Q8_0,
@@ -156,43 +168,13 @@ fn qwen35_gguf_decodes_within_the_f64_reference_on_every_backend() {
         GgmlDType::Q4_1,
     ];
     for (i, types) in [&[GgmlDType::F32][..], &blocks].into_iter().enumerate() {
-        let model = qwen35(&dir.path().join(i.to_string()), types);
+        let model = write(&dir.path().join(i.to_string()), types);
         for backend in BACKENDS {
             let worst = greedy_logit_error(&model, backend, None);
             // The f32 tolerance of the model tests (model.rs).
             assert!(
                 worst < 1e-3,
-                "Qwen3.5 file {i} on {backend}: max |logit error| {worst}"
-            );
-        }
-    }
-}
-
-/// Granite 4.0-H (Mamba2 and attention layers, Granite's multipliers) in f32 and in block
-/// formats. The cpu quantizes a block linear's input to int8 per 32 values, and the
-/// reference does the same in f64: where an input sits at a rounding tie (this file with all
-/// four formats has one at 45.500004 steps), f32 and f64 can round it apart, and a Mamba2
-/// state carries that step on (0.048 in the logits here). The cpu reads the file of two formats,
-/// with no such tie; wgpu and mlx, which compute block linears in f32, read the four.
-#[test]
-fn granite_gguf_decodes_within_the_f64_reference_on_every_backend() {
-    let dir = tempfile::tempdir().unwrap();
-    let four = [
-        GgmlDType::Q8_0,
-        GgmlDType::Q4_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q4_1,
-    ];
-    let files = [&[GgmlDType::F32][..], &four[..2], &four];
-    for (i, types) in files.into_iter().enumerate() {
-        let model = granite(&dir.path().join(i.to_string()), types);
-        let backends = BACKENDS.iter().filter(|&&b| i < 2 || b != "cpu");
-        for &backend in backends {
-            let worst = greedy_logit_error(&model, backend, None);
-            // The f32 tolerance of the model tests (model.rs).
-            assert!(
-                worst < 1e-3,
-                "Granite file {i} on {backend}: max |logit error| {worst}"
+                "{name} file {i} on {backend}: max |logit error| {worst}"
             );
         }
     }

@@ -282,23 +282,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     match arch {
         Arch::Lfm2 => {
             // Per layer KV heads: 0 marks a short-convolution layer (the converter's rule).
-            let kv = g.uints(&k("attention.head_count_kv"))?;
-            if kv.len() as u64 != layers {
-                fail!(
-                    Model,
-                    "{}: {} per-layer KV head counts for {layers} layers",
-                    g.path.display(),
-                    kv.len()
-                );
-            }
-            let attn_kv: Vec<u64> = kv.iter().copied().filter(|&n| n > 0).collect();
-            if attn_kv.windows(2).any(|w| w[0] != w[1]) {
-                fail!(
-                    Model,
-                    "{}: attention layers with different KV head counts {attn_kv:?}",
-                    g.path.display()
-                );
-            }
+            let (kv, attn_kv) = per_layer_kv_heads(g, &k("attention.head_count_kv"), layers)?;
             if matches!(g.get(&k("attention.causal")), Some(Value::Bool(false))) {
                 fail!(
                     Model,
@@ -314,7 +298,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .filter(|&w| w > 0);
             c["model_type"] = "lfm2".into();
             c["architectures"] = serde_json::json!(["Lfm2ForCausalLM"]);
-            c["num_key_value_heads"] = attn_kv.first().copied().unwrap_or(heads).into();
+            c["num_key_value_heads"] = attn_kv.unwrap_or(heads).into();
             c["layer_types"] = kv
                 .iter()
                 .map(|&n| match (n, window) {
@@ -575,22 +559,11 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
     Ok(())
 }
 
-/// Granite 4.0-H's facts (llama.cpp's `granitehybrid` keys) under Hugging Face's names, as
-/// llama.cpp's graph reads them: a layer with 0 KV heads is a Mamba2 layer; its heads
-/// (`ssm.time_step_rank`), groups, state and convolution; RoPE only where
-/// `rope.scaling.finetuned` is true (Granite 4.0-H has none); the four multipliers. The
-/// mixture-of-experts sizes (`expert_count` > 0) are refused.
-fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
-    let k = |s: &str| format!("granitehybrid.{s}");
-    if g.uint(&k("expert_count")).is_ok_and(|n| n > 0) {
-        fail!(
-            Model,
-            "{}: a Granite 4.0-H mixture of experts (tiny, small) is not supported; the dense \
-             models (micro, 1b, 350m) are",
-            g.path.display()
-        );
-    }
-    let kv = g.uints(&k("attention.head_count_kv"))?;
+/// A hybrid's per-layer KV head counts (`key`, one per layer; 0 marks a recurrent layer, the
+/// converter's rule) and the one count its attention layers share (`None`: no attention
+/// layer); refused when the list's length is not `layers` or the attention layers differ.
+fn per_layer_kv_heads(g: &Gguf, key: &str, layers: u64) -> Result<(Vec<u64>, Option<u64>)> {
+    let kv = g.uints(key)?;
     if kv.len() as u64 != layers {
         fail!(
             Model,
@@ -607,6 +580,25 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
             g.path.display()
         );
     }
+    Ok((kv, attn_kv.first().copied()))
+}
+
+/// Granite 4.0-H's facts (llama.cpp's `granitehybrid` keys) under Hugging Face's names, as
+/// llama.cpp's graph reads them: a layer with 0 KV heads is a Mamba2 layer; its heads
+/// (`ssm.time_step_rank`), groups, state and convolution; RoPE only where
+/// `rope.scaling.finetuned` is true (Granite 4.0-H has none); the four multipliers. The
+/// mixture-of-experts sizes (`expert_count` > 0) are refused.
+fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
+    let k = |s: &str| format!("granitehybrid.{s}");
+    if g.uint(&k("expert_count")).is_ok_and(|n| n > 0) {
+        fail!(
+            Model,
+            "{}: a Granite 4.0-H mixture of experts (tiny, small) is not supported; the dense \
+             models (micro, 1b, 350m) are",
+            g.path.display()
+        );
+    }
+    let (kv, attn_kv) = per_layer_kv_heads(g, &k("attention.head_count_kv"), layers)?;
     let heads = g.uint(&k("ssm.time_step_rank"))?;
     let inner = g.uint(&k("ssm.inner_size"))?;
     if heads == 0 || inner % heads != 0 {
@@ -619,7 +611,7 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
     c["model_type"] = "granitemoehybrid".into();
     c["architectures"] = serde_json::json!(["GraniteMoeHybridForCausalLM"]);
     c["gguf_converted"] = true.into();
-    if let Some(&n) = attn_kv.first() {
+    if let Some(n) = attn_kv {
         c["num_key_value_heads"] = n.into();
     }
     c["layer_types"] = kv

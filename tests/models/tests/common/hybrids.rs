@@ -152,12 +152,53 @@ pub fn lfm2(dir: &Path, shape: &Shape) -> std::path::PathBuf {
 
 /// [`lfm2`] with `template` as its chat template when given.
 pub fn lfm2_templated(dir: &Path, shape: &Shape, template: Option<&str>) -> std::path::PathBuf {
+    indexed(dir, "lfm2", |gguf| write_lfm2(gguf, shape, template))
+}
+
+/// Writes `dir/NAME.gguf` with `write` and indexes it into `dir/indexed`, returned.
+fn indexed(dir: &Path, name: &str, write: impl FnOnce(&Path)) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
-    let gguf = dir.join("lfm2.gguf");
-    write_lfm2(&gguf, shape, template);
+    let gguf = dir.join(format!("{name}.gguf"));
+    write(&gguf);
     let model = dir.join("indexed");
     kvplug::formats::gguf::index(&gguf, &model).unwrap();
     model
+}
+
+/// Random tensors for a GGUF: each `salt`ed apart, 2-D matrices `hidden` wide in the next
+/// of `types` (cycled), the rest f32.
+struct RandomTensors<'a> {
+    tensors: Vec<(String, QTensor)>,
+    types: &'a [GgmlDType],
+    salt: u64,
+    matrix: usize,
+}
+
+impl<'a> RandomTensors<'a> {
+    fn new(types: &'a [GgmlDType], salt: u64) -> Self {
+        RandomTensors {
+            tensors: Vec::new(),
+            types,
+            salt,
+            matrix: 0,
+        }
+    }
+
+    /// A tensor of `shape`, values of `gain` around `offset`.
+    fn add(&mut self, name: String, shape: &[usize], gain: f32, offset: f32) {
+        self.salt += 1;
+        let mut data = values(shape.iter().product(), self.salt, gain);
+        data.iter_mut().for_each(|x| *x += offset);
+        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
+        let ty = if shape.len() == 2 && shape[1] == HIDDEN {
+            self.matrix += 1;
+            self.types[self.matrix % self.types.len()]
+        } else {
+            GgmlDType::F32
+        };
+        self.tensors
+            .push((name, QTensor::quantize(&t, ty).unwrap()));
+    }
 }
 
 /// Writes a Qwen3.5 GGUF: 3 layers, the last attending (q with its output gate, rotary on
@@ -167,21 +208,9 @@ pub fn lfm2_templated(dir: &Path, shape: &Shape, template: Option<&str>) -> std:
 pub fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
     let (hd, rot, state, hk, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize, 4usize);
     let ch = (2 * hk + hv) * state;
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let (mut salt, mut matrix) = (100, 0);
-    let mut add = |name: String, shape: &[usize], gain: f32, offset: f32| {
-        salt += 1;
-        let mut data = values(shape.iter().product(), salt, gain);
-        data.iter_mut().for_each(|x| *x += offset);
-        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
-        let ty = if shape.len() == 2 && shape[1] == HIDDEN {
-            matrix += 1;
-            types[matrix % types.len()]
-        } else {
-            GgmlDType::F32
-        };
-        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
-    };
+    let mut t = RandomTensors::new(types, 100);
+    let mut add =
+        |name: String, shape: &[usize], gain: f32, offset: f32| t.add(name, shape, gain, offset);
     add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0);
     add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0);
     for l in 0..3 {
@@ -238,7 +267,7 @@ pub fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
         ("qwen35.vocab_size", u(VOCAB)),
     ];
     tokenizer_meta(&mut meta, template);
-    write_gguf(path, &meta, &tensors);
+    write_gguf(path, &meta, &t.tensors);
 }
 
 /// The indexed model of [`write_qwen35`] in `dir`.
@@ -252,18 +281,14 @@ pub fn qwen35_templated(
     types: &[GgmlDType],
     template: Option<&str>,
 ) -> std::path::PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let gguf = dir.join("qwen35.gguf");
-    write_qwen35(&gguf, types, template);
-    let model = dir.join("indexed");
-    kvplug::formats::gguf::index(&gguf, &model).unwrap();
-    model
+    indexed(dir, "qwen35", |gguf| write_qwen35(gguf, types, template))
 }
 
 /// Writes a Granite 4.0-H GGUF: 4 layers, layer 1 attending (no positional encoding, as
 /// Granite 4.0-H), the others Mamba2 layers of 8 heads of 16 in one group with a 16-wide
-/// state and 4 taps; Granite's four multipliers; matrices in `types` (cycled), vectors and the
-/// convolution kernel f32, per-head vectors `[heads, 1]` as llama.cpp's converter writes them.
+/// state and 4 taps; Granite's four multipliers; the matrices read by the residual stream in
+/// `types` (cycled), the others, vectors and the convolution kernel f32, per-head vectors
+/// `[heads, 1]` as llama.cpp's converter writes them.
 pub fn write_granite(path: &Path, types: &[GgmlDType], template: Option<&str>) {
     write_granite_with(path, types, template, &[]);
 }
@@ -278,21 +303,9 @@ pub fn write_granite_with(
     let (hd, heads, hp, state, taps) = (HIDDEN / HEADS, 8usize, 16usize, 16usize, 4usize);
     let inner = heads * hp;
     let ch = inner + 2 * state;
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let (mut salt, mut matrix) = (300, 0);
-    let mut add = |name: String, shape: &[usize], gain: f32, offset: f32| {
-        salt += 1;
-        let mut data = values(shape.iter().product(), salt, gain);
-        data.iter_mut().for_each(|x| *x += offset);
-        let t = Tensor::from_vec(data, shape, &Device::Cpu).unwrap();
-        let ty = if shape.len() == 2 && shape[1] % 32 == 0 && shape[0] > 1 {
-            matrix += 1;
-            types[matrix % types.len()]
-        } else {
-            GgmlDType::F32
-        };
-        tensors.push((name, QTensor::quantize(&t, ty).unwrap()));
-    };
+    let mut t = RandomTensors::new(types, 300);
+    let mut add =
+        |name: String, shape: &[usize], gain: f32, offset: f32| t.add(name, shape, gain, offset);
     add("token_embd.weight".into(), &[VOCAB, HIDDEN], 1.0, 0.0);
     add("output_norm.weight".into(), &[HIDDEN], 0.1, 1.0);
     for l in 0..4 {
@@ -356,7 +369,7 @@ pub fn write_granite_with(
         meta.push((key, value.clone()));
     }
     tokenizer_meta(&mut meta, template);
-    write_gguf(path, &meta, &tensors);
+    write_gguf(path, &meta, &t.tensors);
 }
 
 /// The indexed model of [`write_granite`] in `dir`.
@@ -370,10 +383,5 @@ pub fn granite_templated(
     types: &[GgmlDType],
     template: Option<&str>,
 ) -> std::path::PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let gguf = dir.join("granite.gguf");
-    write_granite(&gguf, types, template);
-    let model = dir.join("indexed");
-    kvplug::formats::gguf::index(&gguf, &model).unwrap();
-    model
+    indexed(dir, "granite", |gguf| write_granite(gguf, types, template))
 }
