@@ -389,7 +389,6 @@ impl CacheConfig {
                 m.heads, m.groups
             )));
         }
-        check_limit("Mamba2 heads", m.heads, MAX_CONV_CHANNELS)?;
         check_limit("Mamba2 head size", m.head_dim, MAX_HEAD_DIM)?;
         check_limit("Mamba2 state size", m.state, MAX_HEAD_DIM)?;
         check_limit("Mamba2 channels", m.conv_channels(), MAX_CONV_CHANNELS)?;

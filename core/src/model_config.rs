@@ -431,6 +431,15 @@ impl ModelConfig {
             }
         };
         positive("rms_norm_eps", c.rms_norm_eps)?;
+        if let Some(p) = c
+            .position_embedding_type
+            .as_deref()
+            .filter(|p| !["rope", "nope"].contains(p))
+        {
+            return Err(ModelError::Malformed(format!(
+                "position_embedding_type '{p}' is not supported (rope or nope)"
+            )));
+        }
         positive("rope_theta", c.rope_theta)?;
         for (name, v) in [
             ("rope_local_base_freq", c.rope_local_base_freq),
@@ -948,6 +957,11 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("GGUF files only"));
         let e = ModelConfig::parse(&granite.replace("0.25", "-0.25")).unwrap_err();
         assert!(e.to_string().contains("residual_multiplier"), "{e}");
+        let e = ModelConfig::parse(&granite.replace("\"nope\"", "\"alibi\"")).unwrap_err();
+        assert!(
+            e.to_string().contains("position_embedding_type 'alibi'"),
+            "{e}"
+        );
     }
 
     #[test]

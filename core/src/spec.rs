@@ -26,6 +26,7 @@ use serde_json::Value;
 use crate::config::{ConvLayers, DeltaLayers, LayerSet, SlidingLayers, SsmLayers, MAX_CONV_WIDTH};
 use crate::dtype::KvDtype;
 use crate::error::{CacheError, CacheResult};
+use crate::limits::MAX_CONV_CHANNELS;
 
 /// How one layer attends, or what state it keeps instead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -158,12 +159,17 @@ impl ModelCacheSpec {
             })
         };
         let ssm = || -> CacheResult<LayerAttention> {
+            // Bounded here: the spec's byte counts multiply them before any validation.
             let get = |key: &str| {
                 config[key]
                     .as_u64()
-                    .filter(|&n| n > 0)
+                    .filter(|&n| n > 0 && n <= MAX_CONV_CHANNELS as u64)
                     .map(|n| n as usize)
-                    .ok_or_else(|| bad(format!("mamba layers need a positive {key}")))
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "mamba layers need a {key} in 1..={MAX_CONV_CHANNELS}"
+                        ))
+                    })
             };
             let width = get("mamba_d_conv")?;
             if !(2..=MAX_CONV_WIDTH).contains(&width) {
@@ -565,6 +571,11 @@ mod tests {
         );
         let e = ModelCacheSpec::from_config(&json!({"layer_types": ["mamba"]}), 1, 1, 64);
         assert!(e.unwrap_err().message.contains("mamba_d_conv"));
+        // Sizes whose products would overflow the byte counts are refused up front.
+        let mut huge = c.clone();
+        huge["mamba_d_state"] = json!(1u64 << 40);
+        let e = ModelCacheSpec::from_config(&huge, 16, 4, 64).unwrap_err();
+        assert!(e.message.contains("mamba_d_state in 1..="), "{}", e.message);
     }
 
     #[test]

@@ -229,7 +229,7 @@ pub struct CacheStats {
 /// `row_bytes = KvDtype::row_bytes(head_dim)` and `rows` those of [`SeqRows::layer_rows`]:
 /// every position for a fully attending layer, the positions from index `window_from` on for
 /// a layer in `sliding_layers` (a hybrid model's sliding-window layers keep only the window);
-/// none for a layer in `recurrent_layers` (a delta-rule layer: its state is in `state`);
+/// none for a layer in `recurrent_layers` (a recurrent layer: its state is in `state`);
 /// V likewise. A row is its values little-endian
 /// (f32/f16/bf16), or for q8/q4 its codes (one byte per value; for q4 two per byte, low
 /// nibble first) followed by one little-endian f16 `(scale, lo)` pair per group.
@@ -255,14 +255,15 @@ pub struct SeqRows {
     pub sliding_layers: RVec<u32>,
     /// Index in `positions` of the first row the `sliding_layers` hold (0 without them).
     pub window_from: u32,
-    /// Layers without rows (delta-rule and short-convolution layers), ascending; their `k`
-    /// and `v` are empty.
+    /// Layers without rows (delta-rule, Mamba2 and short-convolution layers), ascending;
+    /// their `k` and `v` are empty.
     pub recurrent_layers: RVec<u32>,
     /// The recurrent layers' state after the last row (empty without them, or for a slice
     /// that ends before the last row): per recurrent layer, ascending, its f32 values
     /// little-endian. A delta-rule layer: the rule's matrices (`[value head][j][i]`,
-    /// `S[i][j]`) then its convolution's last `width − 1` input rows, oldest first. A
-    /// short-convolution layer: its input rows of positions `last − width + 2 ..= last`,
+    /// `S[i][j]`) then its convolution's last `width − 1` input rows, oldest first. A Mamba2
+    /// layer: the scan's state (`[head][head_dim][state]`) then its convolution's last
+    /// `width − 1` input rows (x, B and C), oldest first. A short-convolution layer: its input rows of positions `last − width + 2 ..= last`,
     /// oldest first, zeros for a position before the sequence's start.
     pub state: RVec<u8>,
 }

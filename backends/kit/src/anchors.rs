@@ -499,7 +499,7 @@ impl Anchors {
     /// `a` `[heads]` the decay rates (`−exp(A_log)`), `d` `[heads]` the skip weights; writes
     /// `out` `[T, heads · head_dim]`. Per token: the convolution over its sequence's last
     /// `width` rows (zeros before the start) plus `bias`, SiLU, then the scan of
-    /// [`crate::mamba2::scan_token`] from its sequence's state.
+    /// [`crate::mamba2::Scan::advance`] from its sequence's state.
     #[allow(clippy::too_many_arguments)]
     pub fn run_ssm(
         &mut self,

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use kvplug_core::limits::check_memory;
 use kvplug_core::{
-    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheVerbs, MaskKind, PlanKind,
-    PosRange, PrefixStats, SlotMap,
+    Arithmetic, Bookkeeping, CacheConfig, CacheError, CacheKind, CacheResult, CacheVerbs, MaskKind,
+    PlanKind, PosRange, PrefixStats, SlotMap,
 };
 use kvplug_plugin_api::abi_stable::std_types::RVec;
 use kvplug_plugin_api::{AbiErrorKind, HostTensor, PluginError, SeqRows, TensorDtype};
@@ -105,15 +105,14 @@ pub struct KitCache<D: Device> {
 /// K and V pools of a set of layers.
 type KvPools<D> = (Vec<<D as Device>::Pool>, Vec<<D as Device>::Pool>);
 
-/// The recurrent layers' inputs and outputs on the host ([`Step::delta`], [`Step::conv`]):
-/// downloaded, computed and uploaded through buffers that keep their size, so a decode step
-/// allocates nothing.
+/// The recurrent layers' inputs and outputs on the host ([`Step::conv`], [`Step::delta`],
+/// [`Step::ssm`]): downloaded, computed and uploaded through buffers that keep their size,
+/// so a decode step allocates nothing.
 struct RecurrentHost {
     /// The tensor each download and the upload go through.
     tensor: HostTensor,
-    x: Vec<f32>,
-    alpha: Vec<f32>,
-    beta: Vec<f32>,
+    /// A layer's inputs, in the order its step passes them (at most three).
+    inputs: [Vec<f32>; 3],
     y: Vec<f32>,
 }
 
@@ -121,9 +120,7 @@ impl Default for RecurrentHost {
     fn default() -> Self {
         RecurrentHost {
             tensor: HostTensor::empty(),
-            x: Vec::new(),
-            alpha: Vec::new(),
-            beta: Vec::new(),
+            inputs: Default::default(),
             y: Vec::new(),
         }
     }
@@ -1185,6 +1182,42 @@ impl<D: Device> Step<'_, D> {
         Ok(())
     }
 
+    /// A recurrent layer run on the host: downloads `inputs` (at most three) as f32, runs
+    /// `run` over them and the anchors with an output of `width` values per token, uploads it
+    /// into `out` (`[T, width]`) and moves on to the next layer.
+    fn on_host(
+        &mut self,
+        inputs: &[&D::Tensor],
+        width: usize,
+        out: &mut D::Tensor,
+        run: impl FnOnce(&mut Anchors, [&[f32]; 3], &mut [f32]) -> CacheResult<()>,
+    ) -> Result<(), KitError> {
+        let t = self.plan().n_tok;
+        let dev = self.cache.device.clone();
+        let c = &mut *self.cache;
+        let h = &mut c.host;
+        for (x, v) in inputs.iter().zip(h.inputs.iter_mut()) {
+            dev.download_into(x, TensorDtype::F32, &mut h.tensor)?;
+            if !h.tensor.read_f32_into(v) {
+                return Err(KitError::Device(
+                    "a recurrent layer's f32 download was not f32".into(),
+                ));
+            }
+        }
+        h.y.resize(t * width, 0.0);
+        let anchors = c
+            .anchors
+            .as_mut()
+            .expect("a cache with recurrent layers has anchors");
+        let [a, b, cc] = &h.inputs;
+        run(anchors, [a, b, cc], &mut h.y)?;
+        h.tensor
+            .encode_f32_into(&[t, width], &h.y, TensorDtype::F32);
+        dev.upload_into(&h.tensor, out)?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
     /// Runs the next layer, `layer`, a short-convolution layer (see [`Anchors::run_conv`]):
     /// its input rows `x` (`[T, channels]`) through the causal depthwise convolution
     /// `kernel` (`[channels, width]`, host f32) from each sequence's state, into `out`
@@ -1215,23 +1248,9 @@ impl<D: Device> Step<'_, D> {
             ))
             .into());
         }
-        let cache = &mut *self.cache;
-        let h = &mut cache.host;
-        dev.download_into(x, TensorDtype::F32, &mut h.tensor)?;
-        if !h.tensor.read_f32_into(&mut h.x) {
-            return Err(KitError::Device("conv: an f32 download was not f32".into()));
-        }
-        h.y.resize(t * c.channels, 0.0);
-        let anchors = cache
-            .anchors
-            .as_mut()
-            .expect("a cache with recurrent layers has anchors");
-        anchors.run_conv(layer, &h.x, kernel, &mut h.y)?;
-        h.tensor
-            .encode_f32_into(&[t, c.channels], &h.y, TensorDtype::F32);
-        dev.upload_into(&h.tensor, out)?;
-        self.next_layer += 1;
-        Ok(())
+        self.on_host(&[x], c.channels, out, |anchors, [x, ..], y| {
+            anchors.run_conv(layer, x, kernel, y)
+        })
     }
 
     /// Runs the next layer, `layer`, a Mamba2 layer (see [`Anchors::run_ssm`]): the x, B
@@ -1284,26 +1303,10 @@ impl<D: Device> Step<'_, D> {
             ))
             .into());
         }
-        let c = &mut *self.cache;
-        let h = &mut c.host;
-        for (t, v) in [(x, &mut h.x), (dt, &mut h.alpha)] {
-            dev.download_into(t, TensorDtype::F32, &mut h.tensor)?;
-            if !h.tensor.read_f32_into(v) {
-                return Err(KitError::Device("ssm: an f32 download was not f32".into()));
-            }
-        }
         let width = m.heads * m.head_dim;
-        h.y.resize(t * width, 0.0);
-        let anchors = c
-            .anchors
-            .as_mut()
-            .expect("a cache with recurrent layers has anchors");
-        anchors.run_ssm(layer, &h.x, kernel, bias, &h.alpha, a, d, &mut h.y)?;
-        h.tensor
-            .encode_f32_into(&[t, width], &h.y, TensorDtype::F32);
-        dev.upload_into(&h.tensor, out)?;
-        self.next_layer += 1;
-        Ok(())
+        self.on_host(&[x, dt], width, out, |anchors, [x, dt, _], y| {
+            anchors.run_ssm(layer, x, kernel, bias, dt, a, d, y)
+        })
     }
 
     /// Runs the next layer, `layer`, a gated delta-rule layer (see
@@ -1351,28 +1354,15 @@ impl<D: Device> Step<'_, D> {
             ))
             .into());
         }
-        let c = &mut *self.cache;
-        let h = &mut c.host;
-        for (t, v) in [(x, &mut h.x), (alpha, &mut h.alpha), (beta, &mut h.beta)] {
-            dev.download_into(t, TensorDtype::F32, &mut h.tensor)?;
-            if !h.tensor.read_f32_into(v) {
-                return Err(KitError::Device(
-                    "delta: an f32 download was not f32".into(),
-                ));
-            }
-        }
         let width = d.value_heads * d.head_dim;
-        h.y.resize(t * width, 0.0);
-        let anchors = c
-            .anchors
-            .as_mut()
-            .expect("a cache with recurrent layers has anchors");
-        anchors.run_layer(layer, &h.x, kernel, &h.alpha, &h.beta, a, eps, &mut h.y)?;
-        h.tensor
-            .encode_f32_into(&[t, width], &h.y, TensorDtype::F32);
-        dev.upload_into(&h.tensor, out)?;
-        self.next_layer += 1;
-        Ok(())
+        self.on_host(
+            &[x, alpha, beta],
+            width,
+            out,
+            |anchors, [x, alpha, beta], y| {
+                anchors.run_layer(layer, x, kernel, alpha, beta, a, eps, y)
+            },
+        )
     }
 
     /// Says which of the step's tokens have their outputs read (the model's logit rows):

@@ -635,26 +635,51 @@ fn qwen35_decay_rates_above_zero_are_refused() {
 }
 
 /// What kvplug does not run of Granite 4.0-H is refused with a reason: the mixture-of-experts
-/// sizes when the file is indexed, Mamba2 layers of more than one B/C group when it loads.
+/// sizes and biases on the attention or MLP projections when the file is indexed, Mamba2
+/// layers of more than one B/C group when it loads. A file without convolution biases (as
+/// Hugging Face's `mamba_conv_bias: false` converts) runs, within the reference.
 #[test]
-fn granite_experts_and_grouped_norms_are_refused() {
+fn granite_refusals_and_a_file_without_convolution_biases() {
     use candle_core::quantized::gguf_file::Value;
     let dir = tempfile::tempdir().unwrap();
-    let experts = dir.path().join("experts.gguf");
     let f32s = [GgmlDType::F32];
+    let index = |name: &str, overrides: &[(&'static str, Value)], add_bias: bool| {
+        let gguf = dir.path().join(format!("{name}.gguf"));
+        write_granite_with(&gguf, &f32s, None, overrides, |t| {
+            if add_bias {
+                let bias = t
+                    .iter()
+                    .find(|(n, _)| n == "blk.1.attn_norm.weight")
+                    .unwrap();
+                let q = candle_core::quantized::QTensor::quantize(
+                    &bias.1.dequantize(&candle_core::Device::Cpu).unwrap(),
+                    GgmlDType::F32,
+                )
+                .unwrap();
+                t.push(("blk.1.attn_output.bias".into(), q));
+            }
+        });
+        kvplug::formats::gguf::index(&gguf, &dir.path().join(name))
+    };
     let count = ("granitehybrid.expert_count", Value::U32(8));
-    write_granite_with(&experts, &f32s, None, &[count]);
-    let e = kvplug::formats::gguf::index(&experts, &dir.path().join("e")).unwrap_err();
+    let e = index("experts", &[count], false).unwrap_err();
     assert!(e.to_string().contains("mixture of experts"), "{e}");
-    let groups = dir.path().join("groups.gguf");
+    let e = index("biased", &[], true).unwrap_err();
+    assert!(e.to_string().contains("blk.1.attn_output.bias"), "{e}");
     let two = ("granitehybrid.ssm.group_count", Value::U32(2));
-    write_granite_with(&groups, &f32s, None, &[two]);
-    let model = dir.path().join("g");
-    kvplug::formats::gguf::index(&groups, &model).unwrap();
-    let m = common::model(&runtime(), "cpu", &model);
+    index("groups", &[two], false).unwrap();
+    let m = common::model(&runtime(), "cpu", &dir.path().join("groups"));
     let e = m
         .context(CacheKind::Contiguous, 64, KvDtype::F32)
         .map(|_| ())
         .unwrap_err();
     assert!(e.to_string().contains("2 groups is not supported"), "{e}");
+    let gguf = dir.path().join("unbiased.gguf");
+    write_granite_with(&gguf, &f32s, None, &[], |t| {
+        t.retain(|(n, _)| !n.ends_with("ssm_conv1d.bias"))
+    });
+    let model = dir.path().join("unbiased");
+    kvplug::formats::gguf::index(&gguf, &model).unwrap();
+    let worst = greedy_logit_error(&model, "cpu", None);
+    assert!(worst < 1e-3, "without convolution biases: {worst}");
 }

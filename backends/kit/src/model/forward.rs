@@ -770,12 +770,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                             std::mem::swap(&mut a.merged, &mut a.qh_flat);
                         }
                         let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                        let out = Out {
+                        let join = Join {
                             post,
                             residual,
                             eps,
                         };
-                        project_out(d, &a.merged, &at.o, o_bias, out, o, x, hn)?;
+                        project_out(d, &a.merged, &at.o, o_bias, join, o, x, hn)?;
                     }
                 }
                 Mixer::Conv {
@@ -816,12 +816,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                     step.conv(l, &cv.bx, kernel, &mut cv.y)?;
                     d.mul(&cv.c, &cv.y, &mut cv.bx)?;
                     let post = lw.post_attn.as_ref();
-                    let to = Out {
+                    let join = Join {
                         post,
                         residual,
                         eps,
                     };
-                    project_out(d, &cv.bx, out, None, to, &mut a.o, &mut a.x, &mut a.hn)?;
+                    project_out(d, &cv.bx, out, None, join, &mut a.o, &mut a.x, &mut a.hn)?;
                 }
                 Mixer::Delta(dw) => {
                     let dv = a
@@ -870,12 +870,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.silu_mul(&dv.z, &dv.normed, &mut dv.core)?;
                     let post = lw.post_attn.as_ref();
                     let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                    let out = Out {
+                    let join = Join {
                         post,
                         residual,
                         eps,
                     };
-                    project_out(d, &dv.core, &dw.out, None, out, o, x, hn)?;
+                    project_out(d, &dv.core, &dw.out, None, join, o, x, hn)?;
                 }
                 Mixer::Ssm(sw) => {
                     let sv = a
@@ -911,12 +911,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                     d.rms_norm(&sv.gated, &sw.norm, eps, &mut sv.y)?;
                     let post = lw.post_attn.as_ref();
                     let (o, x, hn) = (&mut a.o, &mut a.x, &mut a.hn);
-                    let out = Out {
+                    let join = Join {
                         post,
                         residual,
                         eps,
                     };
-                    project_out(d, &sv.y, &sw.out, None, out, o, x, hn)?;
+                    project_out(d, &sv.y, &sw.out, None, join, o, x, hn)?;
                 }
             }
             match &lw.ffn {
@@ -947,12 +947,12 @@ impl<D: ModelDevice> DecoderModel<D> {
                         }
                         _ => {
                             d.gated(act, &a.gate, &a.up, &mut a.mlp)?;
-                            let out = Out {
+                            let join = Join {
                                 post,
                                 residual,
                                 eps,
                             };
-                            project_out(d, &a.mlp, down, None, out, o, x, hn)?;
+                            project_out(d, &a.mlp, down, None, join, o, x, hn)?;
                         }
                     }
                 }
@@ -1003,7 +1003,7 @@ impl<D: ModelDevice> DecoderModel<D> {
 /// How a block's output joins the residual stream: through its post-norm (Gemma 3), times
 /// the residual multiplier (Granite), or as it is.
 #[derive(Clone, Copy)]
-struct Out<'a, T> {
+struct Join<'a, T> {
     post: Option<&'a T>,
     residual: Option<f32>,
     eps: f32,
@@ -1018,19 +1018,19 @@ fn project_out<D: ModelDevice>(
     x: &D::Tensor,
     w: &D::Weight,
     bias: Option<&D::Tensor>,
-    out: Out<'_, D::Tensor>,
+    join: Join<'_, D::Tensor>,
     o: &mut D::Tensor,
     resid: &mut D::Tensor,
     scratch: &mut D::Tensor,
 ) -> Result<(), KitError> {
-    if out.post.is_none() && out.residual.is_none() {
+    if join.post.is_none() && join.residual.is_none() {
         return d.linear_add(x, w, bias, o, resid);
     }
     d.linear(x, w, bias, o)?;
-    if let Some(r) = out.residual {
+    if let Some(r) = join.residual {
         d.scale(o, r)?;
     }
-    residual_add(d, resid, o, out.post, out.eps, scratch)
+    residual_add(d, resid, o, join.post, join.eps, scratch)
 }
 
 /// `x += y`, or `x += rms_norm(y)·post` when the block has a post-norm (`scratch` receives

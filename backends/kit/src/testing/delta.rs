@@ -59,7 +59,7 @@ fn reference(tags: &[u32]) -> (Vec<f64>, Vec<f64>) {
     let (mut out, mut bound) = (vec![0f64; HV * N], vec![0f64; HV * N]);
     let (rows, conv) = convolved(tags, CH + 2 * HV, &kernel(), WIDTH);
     for (x, conv) in rows.iter().zip(&conv) {
-        let act: Vec<f64> = conv.iter().map(|&c| silu(c)).collect();
+        let act: Vec<f64> = conv.iter().map(|&(c, _)| silu(c)).collect();
         let (q, k) = (&act[..N], &act[N..2 * N]);
         let norm = |v: &[f64]| (v.iter().map(|a| a * a).sum::<f64>() + 1e-6).sqrt();
         let (qn, kn) = (norm(q), norm(k));

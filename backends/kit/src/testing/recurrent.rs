@@ -125,15 +125,19 @@ pub(super) fn test_kernel(channels: usize, width: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A convolution's value and magnitude.
+pub(super) type Convolved = (f64, f64);
+
 /// The f64 base of a check's reference: the rows of `tags` (`tagged_row` of `len`), and
 /// per token the causal depthwise convolution of their first `kernel.len() / width`
-/// channels over this and the previous `width − 1` rows (zeros before the first).
+/// channels over this and the previous `width − 1` rows (zeros before the first), with its
+/// magnitude `Σ |kernel · row|` (what its f32 rounding is relative to).
 pub(super) fn convolved(
     tags: &[u32],
     len: usize,
     kernel: &[f32],
     width: usize,
-) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+) -> (Vec<Vec<f64>>, Vec<Vec<Convolved>>) {
     let channels = kernel.len() / width;
     let rows: Vec<Vec<f64>> = tags
         .iter()
@@ -148,7 +152,7 @@ pub(super) fn convolved(
                             let at = (t + j).checked_sub(width - 1)?;
                             Some(kernel[c * width + j] as f64 * rows[at][c])
                         })
-                        .sum()
+                        .fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()))
                 })
                 .collect()
         })

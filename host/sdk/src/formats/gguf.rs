@@ -585,11 +585,16 @@ fn per_layer_kv_heads(g: &Gguf, key: &str, layers: u64) -> Result<(Vec<u64>, Opt
 
 /// Granite 4.0-H's facts (llama.cpp's `granitehybrid` keys) under Hugging Face's names, as
 /// llama.cpp's graph reads them: a layer with 0 KV heads is a Mamba2 layer; its heads
-/// (`ssm.time_step_rank`), groups, state and convolution; RoPE only where
-/// `rope.scaling.finetuned` is true (Granite 4.0-H has none); the four multipliers. The
-/// mixture-of-experts sizes (`expert_count` > 0) are refused.
+/// (`ssm.time_step_rank`), groups, state and convolution; RoPE on `rope.dimension_count`
+/// dims unless `rope.scaling.finetuned` is false (as Granite 4.0-H's files say); the four
+/// multipliers. The mixture-of-experts sizes (`expert_count` > 0) and biases on the
+/// attention or MLP projections (which llama.cpp would add) are refused.
 fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
     let k = |s: &str| format!("granitehybrid.{s}");
+    let (hidden, attn_heads) = (
+        g.uint(&k("embedding_length"))?,
+        g.uint(&k("attention.head_count"))?.max(1),
+    );
     if g.uint(&k("expert_count")).is_ok_and(|n| n > 0) {
         fail!(
             Model,
@@ -623,11 +628,31 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
     c["mamba_d_head"] = (inner / heads).into();
     c["mamba_n_groups"] = g.uint(&k("ssm.group_count"))?.into();
     c["mamba_d_state"] = g.uint(&k("ssm.state_size"))?.into();
+    if let Some(name) = g
+        .file
+        .tensors
+        .keys()
+        .find(|n| n.ends_with(".bias") && !n.contains(".ssm_"))
+    {
+        fail!(
+            Model,
+            "{}: tensor '{name}': biases on Granite's attention or MLP projections are not \
+             supported",
+            g.path.display()
+        );
+    }
     let rope = !matches!(
         g.get(&k("rope.scaling.finetuned")),
         Some(Value::Bool(false))
     );
     c["position_embedding_type"] = if rope { "rope" } else { "nope" }.into();
+    if rope {
+        let head_dim = g
+            .uint(&k("attention.key_length"))
+            .unwrap_or(hidden / attn_heads);
+        let rot = g.uint(&k("rope.dimension_count")).unwrap_or(head_dim);
+        c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
+    }
     for (key, field) in [
         ("embedding_scale", "embedding_multiplier"),
         ("residual_scale", "residual_multiplier"),
@@ -837,9 +862,11 @@ fn tensor_names(
     v
 }
 
-/// The layers whose Mamba2 convolution has a bias in the file (`blk.{l}.ssm_conv1d.bias`).
-fn conv_biases(g: &Gguf) -> Vec<usize> {
-    (0..kvplug_core::limits::MAX_LAYERS)
+/// The layers whose Mamba2 convolution has a bias in the file (`blk.{l}.ssm_conv1d.bias`),
+/// among the `config`'s.
+fn conv_biases(g: &Gguf, config: &serde_json::Value) -> Vec<usize> {
+    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    (0..layers)
         .filter(|l| g.has_tensor(&format!("blk.{l}.ssm_conv1d.bias")))
         .collect()
 }
@@ -1321,7 +1348,7 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
     let (tokenizer, tokenizer_config) = tokenizer_files(&g)?;
     let file = std::fs::canonicalize(gguf).with_context(|| format!("{}", gguf.display()))?;
     let mut tensors = std::collections::BTreeMap::new();
-    for (src, dst) in tensor_names(arch, &config, tied, &conv_biases(&g)) {
+    for (src, dst) in tensor_names(arch, &config, tied, &conv_biases(&g, &config)) {
         let info = g
             .file
             .tensors
@@ -1398,7 +1425,7 @@ pub fn import(
         n("num_attention_heads"),
         n("num_key_value_heads"),
     );
-    let names = tensor_names(arch, &config, tied, &conv_biases(&g));
+    let names = tensor_names(arch, &config, tied, &conv_biases(&g, &config));
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
     for (i, (src, dst)) in names.iter().enumerate() {
         on_tensor(i, names.len(), dst);

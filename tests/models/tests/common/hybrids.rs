@@ -290,15 +290,17 @@ pub fn qwen35_templated(
 /// `types` (cycled), the others, vectors and the convolution kernel f32, per-head vectors
 /// `[heads, 1]` as llama.cpp's converter writes them.
 pub fn write_granite(path: &Path, types: &[GgmlDType], template: Option<&str>) {
-    write_granite_with(path, types, template, &[]);
+    write_granite_with(path, types, template, &[], |_| ());
 }
 
-/// [`write_granite`] with metadata keys of `overrides` replaced.
+/// [`write_granite`] with metadata keys of `overrides` replaced and its tensors edited by
+/// `tensors`.
 pub fn write_granite_with(
     path: &Path,
     types: &[GgmlDType],
     template: Option<&str>,
     overrides: &[(&'static str, Value)],
+    tensors: impl FnOnce(&mut Vec<(String, QTensor)>),
 ) {
     let (hd, heads, hp, state, taps) = (HIDDEN / HEADS, 8usize, 16usize, 16usize, 4usize);
     let inner = heads * hp;
@@ -369,6 +371,7 @@ pub fn write_granite_with(
         meta.push((key, value.clone()));
     }
     tokenizer_meta(&mut meta, template);
+    tensors(&mut t.tensors);
     write_gguf(path, &meta, &t.tensors);
 }
 
