@@ -435,3 +435,58 @@ pub trait CacheObject: Clone + Send + Sync {
 
 /// A shared cache object.
 pub type CacheHandle = CacheObject_TO<'static, RArc<()>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_crosses_the_abi_with_every_layer_kind() {
+        let set = |l: &[usize]| LayerSet::of(l.iter().copied()).unwrap();
+        let cfg = CacheConfig {
+            capacity: 4096,
+            n_layers: 6,
+            n_kv_heads: 2,
+            head_dim: 64,
+            min_chunk: 16,
+            kv_dtype: KvDtype::Q8 { group: 32 },
+            sliding: Some(SlidingLayers {
+                window: 128,
+                layers: set(&[0]),
+            }),
+            conv: Some(ConvLayers {
+                width: 3,
+                channels: 256,
+                layers: set(&[1]),
+            }),
+            delta: Some(DeltaLayers {
+                key_heads: 2,
+                value_heads: 4,
+                head_dim: 32,
+                width: 4,
+                layers: set(&[2]),
+            }),
+            ssm: Some(SsmLayers {
+                heads: 8,
+                head_dim: 16,
+                groups: 2,
+                state: 32,
+                width: 4,
+                layers: set(&[3, 4]),
+            }),
+        };
+        let abi = AbiCacheConfig::from(&cfg);
+        assert_eq!(CacheConfig::try_from(&abi).unwrap(), cfg);
+        // Mamba2 layers without heads (a producer that lost a field) are refused.
+        let e = CacheConfig::try_from(&AbiCacheConfig {
+            ssm_heads: 0,
+            ..abi
+        })
+        .unwrap_err();
+        assert!(
+            e.message.contains("Mamba2 layers are listed"),
+            "{}",
+            e.message
+        );
+    }
+}
