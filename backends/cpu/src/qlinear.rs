@@ -99,6 +99,12 @@ const GROUP: usize = 8;
 const TILE: usize = 4;
 /// Tokens per panel (the vector paths' prefill): one 256-bit lane each.
 const PANEL: usize = 8;
+/// Fewest tokens of a call that go in panels: below, unpacking every row for a panel or two
+/// costs more than tiles reading the packed rows.
+const MIN_PANEL_TOKENS: usize = 16;
+/// Most tokens that meet each row in one tile (a speculative chain, a short prompt): every
+/// row is read once. Past it, tiles of [`TILE`] until this many are left.
+const SHORT_TILE: usize = 8;
 /// Weight rows unpacked at a time for the panels on the `dpbusd` path, and units (pairs of
 /// panels, one 512-bit vector) per pass over them: each activation vector loaded serves the
 /// rows, each broadcast weight dword the units, and the rows × units accumulators and
@@ -271,7 +277,7 @@ fn run_many<const N: usize>(
             (*format, *rows, task)
         });
         let workers = Workers::global();
-        if t < TILE {
+        if t <= SHORT_TILE {
             // Where every token streams the rows: one long run per thread, through the
             // matrices in turn (their rows numbered on from one to the next).
             let total = tasks.iter().map(|(_, rows, _)| rows).sum();
@@ -392,7 +398,11 @@ impl Quantized {
             *sd = s as f32 * d;
         }
         // The vector paths' panels (the scalar path has none).
-        let panels = if path == Path::Scalar { 0 } else { t / PANEL };
+        let panels = if path == Path::Scalar || t < MIN_PANEL_TOKENS {
+            0
+        } else {
+            t / PANEL
+        };
         // Blocks of pairs of panels (see [`Panels`]).
         let n = panels.div_ceil(2) * blocks;
         let pq = at_least(&mut self.panel_q, n * 2 * PANEL * QK);
@@ -727,9 +737,9 @@ impl Task<'_> {
         }
     }
 
-    /// Panels of [`PANEL`] tokens over `rows` (vector paths), then tiles of [`TILE`] tokens,
-    /// then the remaining tokens one at a time (the same arithmetic, bit for bit, per token
-    /// and row every way).
+    /// Panels of [`PANEL`] tokens over `rows` (vector paths, from [`MIN_PANEL_TOKENS`] on),
+    /// then tiles of [`TILE`] tokens until at most [`SHORT_TILE`] are left, then those in one
+    /// tile (the same arithmetic, bit for bit, per token and row every way).
     fn rows_of<const F: usize>(&self, rows: Range<usize>) {
         if self.acts.panels.count > 0 {
             UNPACKED.with_borrow_mut(|u| match self.path {
@@ -740,12 +750,21 @@ impl Task<'_> {
             });
         }
         let mut t0 = self.acts.panels.count * PANEL;
-        while t0 + TILE <= self.t {
+        while self.t - t0 > SHORT_TILE {
             self.tiles::<F, TILE>(t0, rows.clone());
             t0 += TILE;
         }
-        for ti in t0..self.t {
-            self.tiles::<F, 1>(ti, rows.clone());
+        match self.t - t0 {
+            0 => {}
+            1 => self.tiles::<F, 1>(t0, rows),
+            2 => self.tiles::<F, 2>(t0, rows),
+            3 => self.tiles::<F, 3>(t0, rows),
+            4 => self.tiles::<F, 4>(t0, rows),
+            5 => self.tiles::<F, 5>(t0, rows),
+            6 => self.tiles::<F, 6>(t0, rows),
+            7 => self.tiles::<F, 7>(t0, rows),
+            8 => self.tiles::<F, 8>(t0, rows),
+            _ => unreachable!("at most SHORT_TILE tokens are left"),
         }
     }
 
@@ -2146,15 +2165,13 @@ mod x86 {
         // 32-value formats have them), each unpacked once and dotted with every token.
         let full = row.len() / group_bytes(f);
         for gi in 0..full {
-            if NT == 1 {
-                // A lone token streams the rows: warm the group's lines ahead. A prefetch never
-                // faults, past the weight included.
-                for l in 0..group_bytes(f).div_ceil(64) {
-                    let ahead = row
-                        .as_ptr()
-                        .wrapping_add(gi * group_bytes(f) + 64 * l + PREFETCH_AHEAD);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                }
+            // A tile's few tokens stream the rows: warm the group's lines ahead. A prefetch
+            // never faults, past the weight included.
+            for l in 0..group_bytes(f).div_ceil(64) {
+                let ahead = row
+                    .as_ptr()
+                    .wrapping_add(gi * group_bytes(f) + 64 * l + PREFETCH_AHEAD);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
             }
             sub_blocks::<F, GROUP, NT, VNNI>(row, gi * GROUP, &at, &mut acc);
         }
@@ -2895,6 +2912,11 @@ mod tests {
         // chunks of six.
         for cols in [512, 896, 992, 26880] {
             same_output_alone_or_batched(125, 9, cols);
+        }
+        // Below the panels: one tile of every size up to SHORT_TILE, then tiles of four and
+        // one of the rest.
+        for t in 2..MIN_PANEL_TOKENS {
+            same_output_alone_or_batched(t, 5, 992);
         }
     }
 
