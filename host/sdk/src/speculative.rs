@@ -27,7 +27,9 @@
 //! measured cost of steps by draft size and the recent acceptance at each draft position.
 //! When no depth beats a plain step, drafting pauses and then probes again, each pause
 //! twice as long as the last (a round that beats plain decoding per token resets it), so a
-//! draft that stops paying costs a probe every few hundred tokens at most. No request drafts
+//! draft that stops paying costs a probe every few hundred tokens at most. Every
+//! [`EXPLORE_EVERY`]-th drafting round drafts one level deeper than the best, so that a
+//! depth once measured slow (a busy machine) or never tried is measured again. No request drafts
 //! in a step that prefills a prompt (the step is the prompt's), nor beyond the cache's room.
 
 use std::fmt;
@@ -223,6 +225,9 @@ const NGRAM_MIN: usize = 2;
 /// Plain steps a first pause lasts; doubles on each pause that follows, up to `PAUSE_MAX`.
 const PAUSE_MIN: usize = 4;
 const PAUSE_MAX: usize = 256;
+/// Drafting rounds between two that draft one level deeper than the best, so that the cost
+/// and acceptance there are measured again (one slow round is not the last word).
+const EXPLORE_EVERY: usize = 8;
 
 /// One round's tree: node 0 is the root (the last committed token, not yet run).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -327,8 +332,10 @@ struct Policy {
     /// `deeper[i]`: how often draft token `i + 2` of a chain was accepted when the tokens
     /// before it were.
     deeper: Vec<f64>,
-    /// Seconds of a target round by node count (`cost[n]`, exponential average).
+    /// Seconds of a target round by node count (`cost[n]`, as `kept_cost` keeps it).
     cost: Vec<Option<f64>>,
+    /// Drafting rounds left before the next that explores one level deeper.
+    explore_in: usize,
     /// Plain steps left before the next probe round.
     pause_left: usize,
     next_pause: usize,
@@ -343,6 +350,7 @@ impl Policy {
             first: vec![0.6; max_width],
             deeper: vec![0.6; max_depth],
             cost: vec![None; max_depth * max_width + 2],
+            explore_in: EXPLORE_EVERY,
             pause_left: 0,
             next_pause: PAUSE_MIN,
             probe: false,
@@ -409,6 +417,13 @@ impl Policy {
         });
         let probe = std::mem::take(&mut self.probe);
         if best.0 > 0 {
+            self.explore_in -= 1;
+            if self.explore_in == 0 {
+                self.explore_in = EXPLORE_EVERY;
+                if best.0 < self.max_depth {
+                    return (best.0 + 1, best.1);
+                }
+            }
             return best;
         }
         if probe {
@@ -434,7 +449,7 @@ impl Policy {
         accepted: usize,
     ) {
         if let Some(c) = self.cost.get_mut(nodes) {
-            *c = Some(ema(*c, seconds));
+            *c = Some(kept_cost(*c, seconds));
         }
         let tried = rank.map_or(branches, |r| r + 1).min(self.max_width);
         for r in 0..tried {
@@ -453,8 +468,10 @@ impl Policy {
     }
 }
 
-fn ema(prev: Option<f64>, x: f64) -> f64 {
-    prev.map_or(x, |p| 0.7 * p + 0.3 * x)
+/// A round's cost, kept: a faster round replaces it, a slower one moves it a tenth of the way
+/// (a shared machine makes rounds slower now and then, never faster).
+fn kept_cost(prev: Option<f64>, x: f64) -> f64 {
+    prev.map_or(x, |p| if x < p { x } else { 0.9 * p + 0.1 * x })
 }
 
 /// Every token of `tokens` at `positions` (sequence 0), each wanting its logits (a tree
@@ -861,5 +878,32 @@ mod tests {
             }
         }
         assert_eq!(r.shape().1, 2);
+    }
+
+    #[test]
+    fn one_slow_round_does_not_keep_the_policy_shallow() {
+        // Every draft accepted; a round costs a plain step and a fifth of one per node, but
+        // the first 4-node round ran while the machine was busy (ten times that).
+        let mut p = Policy::new(8, 1);
+        let cost = |n: usize| 0.010 + 0.002 * (n - 1) as f64;
+        p.observe(cost(1), 1, 0, None, 0, 0);
+        for n in 2..=3 {
+            p.observe(cost(n), n, 1, Some(0), n - 1, n - 1);
+        }
+        p.observe(10.0 * cost(4), 4, 1, Some(0), 3, 3);
+        let mut depths = Vec::new();
+        for _ in 0..10 * EXPLORE_EVERY {
+            let (d, w) = p.shape();
+            p.observe(cost(1 + d * w), 1 + d * w, 1, Some(0), d, d);
+            depths.push(d);
+        }
+        assert!(
+            depths[0] < 3,
+            "the slow round is believed at first: {depths:?}"
+        );
+        assert!(
+            depths[8 * EXPLORE_EVERY..].iter().all(|&d| d == 8),
+            "rounds one level deeper now and then find the true cost: {depths:?}"
+        );
     }
 }
