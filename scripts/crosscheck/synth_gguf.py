@@ -38,14 +38,18 @@ copies of them.
 
 Attention and MLP outputs are scaled up so that the layers, not the embedding, decide the
 next token (else every model repeats its input). Usage: synth_gguf.py VOCAB_GGUF OUT_DIR
-[bench [NAME...]]; with `bench`, only (or only the files NAMEd) an LFM2-350M-shaped file (16 layers of 1024, attention at
-2, 5, 8, 10, 12, 14, MLP 4608), a Qwen3.5-0.8B-shaped one (24 layers of 1024, attention
-every 4th with 8 heads of 256, 2 KV heads, rotary on 64 dims; 16 key and 16 value heads of
-128 in the delta rule, MLP 3584) and two qwen3moe files of the same active size (16 layers
+[bench|quoting [NAME...]]; with `bench`, only (or only the files NAMEd) an LFM2-350M-shaped
+file (16 layers of 1024, attention at 2, 5, 8, 10, 12, 14, MLP 4608), a Qwen3.5-0.8B-shaped
+one (24 layers of 1024, attention every 4th with 8 heads of 256, 2 KV heads, rotary on 64
+dims; 16 key and 16 value heads of 128 in the delta rule, MLP 3584) and two qwen3moe files of the same active size (16 layers
 of 1024, 4 experts of 512 per token) with 32 and 64 experts (about 1.0B and 1.8B in all,
 0.3B active), a GPT-OSS-shaped one and a Granite-4.0-H-350M-shaped one (32 layers of 768,
 attention at 10, 13, 17, 27, Mamba2 of 48 heads of 32 with a state of 128, MLP 2048) for
-benchmarks, to quantize with llama-quantize."""
+benchmarks, to quantize with llama-quantize. With `quoting`, the same shapes as models
+that quote (NAME-quoting.f32.gguf, their block outputs scaled down and their output matrix
+a `successor_readout`) and the copy-with-edits tasks they answer (`quoting_tasks`): what
+speculative decoding by prompt lookup is measured on (scripts/bench-speculation.sh)."""
+import json
 import os
 import sys
 
@@ -53,10 +57,44 @@ import gguf
 import numpy as np
 
 src, out = sys.argv[1], sys.argv[2]
-bench = sys.argv[3:4] == ["bench"]
+bench = sys.argv[3:4] in (["bench"], ["quoting"])
 os.makedirs(out, exist_ok=True)
 vocab_file = gguf.GGUFReader(src)
 VOCAB = len(vocab_file.fields["tokenizer.ggml.tokens"].data)
+
+
+def quoting_tasks(length=384, edits=(64, 16, 8, 4)):
+    """Copy-with-edits tasks over the vocabulary's ordinary tokens, no token used twice
+    anywhere: for each `k` in `edits`, a prompt (a document of `length` tokens and a
+    separator) and the answer a quoting model gives, the document again with a fresh token
+    inserted after every `k`-th (as a rename inserts `_sum` after every `total`). Prompt
+    lookup drafts the copied runs and misses each insertion and the two tokens after it.
+    Returns the tasks and the readout text: every task's separator and answer."""
+    types = np.array(vocab_file.fields["tokenizer.ggml.token_type"].contents())
+    normal = np.flatnonzero(types == gguf.TokenType.NORMAL)
+    need = sum(length + 1 + length // k for k in edits)
+    pool = iter(np.random.default_rng(7).choice(normal, need, replace=False).tolist())
+    tasks, text = [], []
+    for k in edits:
+        doc = [next(pool) for _ in range(length)]
+        sep = next(pool)
+        answer = []
+        for i, t in enumerate(doc, 1):
+            answer.append(t)
+            if i % k == 0:
+                answer.append(next(pool))
+        tasks.append({"insert_every": k, "prompt": doc + [sep], "answer": answer})
+        text += [sep] + answer
+    return tasks, text
+
+
+# With `quoting`, the bench files are written as quoting models of the tasks' answers, and
+# the tasks to OUT_DIR/quoting-tasks.json.
+QUOTING = None
+if sys.argv[3:4] == ["quoting"]:
+    tasks, QUOTING = quoting_tasks()
+    with open(os.path.join(out, "quoting-tasks.json"), "w") as f:
+        json.dump(tasks, f)
 
 
 def copy_tokenizer(w, pre, state_bos):
@@ -99,13 +137,39 @@ def llama3_rope_factors(base, head_dim, factor=8.0, low=1.0, high=4.0, original=
     return np.array(out, dtype=np.float32)
 
 
+# A quoting file's block outputs are 1/256 of the usual, so that its residual stream stays
+# close to the current token's embedding and the readout decides the next token.
+BLOCK_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ssm_out.weight",
+                 "shortconv.out_proj.weight", "ffn_down_exps.weight")
+
+
+def successor_readout(embed, text):
+    """An output matrix under which the greedy next token after any token `t` of `text` is
+    its most frequent successor in `text` (the earliest on a tie; the first token of `text`
+    when `t` has none): row `s` sums the unit embeddings of the tokens whose successor is
+    `s`, over the square root of the width. With the residual near `t`'s embedding, `s`'s
+    logit is then about 20 and every other one a unit or so from 0 (random embeddings are
+    nearly orthogonal)."""
+    counts = {}
+    for t, s in zip(text, text[1:]):
+        counts.setdefault(t, {}).setdefault(s, 0)
+        counts[t][s] += 1
+    rows = np.zeros_like(embed)
+    for t in set(text):
+        follow = counts.get(t, {text[0]: 1})
+        s = max(follow, key=follow.get)  # dicts keep insertion order: the earliest wins ties
+        e = embed[t].astype(np.float64)
+        rows[s] += (20.0 * e / (np.linalg.norm(e) * np.sqrt(e.size))).astype(np.float32)
+    return rows
+
+
 class Writer:
     """An f32 GGUF of `arch` under OUT_DIR with the shape facts every family shares, and
     random tensors drawn from one seeded generator."""
 
     def __init__(self, arch, name, hidden, layers, heads, ffn, seed, context=8192):
         self.rng = np.random.default_rng(seed)
-        self.path = os.path.join(out, f"{name}.f32.gguf")
+        self.path = os.path.join(out, f"{name}{'-quoting' if QUOTING else ''}.f32.gguf")
         self.w = w = gguf.GGUFWriter(self.path, arch)
         w.add_name(name)
         w.add_context_length(context)
@@ -115,6 +179,8 @@ class Writer:
         w.add_head_count(heads)
 
     def weight(self, n, rows, cols, gain=1.0):
+        if QUOTING and n.endswith(BLOCK_OUTPUTS):
+            gain /= 256
         self.w.add_tensor(n, (self.rng.standard_normal((rows, cols)) * gain / np.sqrt(cols))
                           .astype(np.float32))
 
@@ -134,8 +200,16 @@ class Writer:
                               / np.sqrt(cols)).astype(np.float32))
 
     def embedding(self, hidden):
-        self.w.add_tensor("token_embd.weight",
-                          self.rng.standard_normal((VOCAB, hidden)).astype(np.float32))
+        self.embed = self.rng.standard_normal((VOCAB, hidden)).astype(np.float32)
+        self.w.add_tensor("token_embd.weight", self.embed)
+
+    def output(self, hidden, tied):
+        """The output matrix: none where `tied`, else random; in a quoting file always the
+        successor readout (`successor_readout`)."""
+        if QUOTING:
+            self.w.add_tensor("output.weight", successor_readout(self.embed, QUOTING))
+        elif not tied:
+            self.weight("output.weight", VOCAB, hidden, gain=20.0)
 
     def finish(self):
         self.w.write_header_to_file()
@@ -177,8 +251,7 @@ def model(arch, name, hidden, layers, heads, kv_heads, head_dim, ffn, *, qk_norm
             norm(b + "attn_k_norm.weight", head_dim)
         f.mlp(b, hidden, ffn, 8.0)
     norm("output_norm.weight", hidden)
-    if not tied:
-        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.output(hidden, tied)
     if llama3_rope:
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope_base, head_dim))
     f.finish()
@@ -214,8 +287,7 @@ def lfm2(name, hidden, layers, attention, heads, kv_heads, ffn, taps, *, tied=Tr
             weight(b + "shortconv.out_proj.weight", hidden, hidden, gain=8.0)
         f.mlp(b, hidden, ffn, 8.0)
     norm("token_embd_norm.weight", hidden)
-    if not tied:
-        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.output(hidden, tied)
     f.finish()
 
 
@@ -269,8 +341,7 @@ def qwen35(name, hidden, layers, interval, heads, kv_heads, head_dim, rope_dim, 
         weight(b + "ffn_up.weight", ffn, hidden)
         weight(b + "ffn_down.weight", hidden, ffn, gain=8.0)
     norm("output_norm.weight", hidden)
-    if not tied:
-        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.output(hidden, tied)
     f.finish()
 
 
@@ -309,8 +380,7 @@ def qwen3moe(name, hidden, layers, heads, kv_heads, head_dim, experts, used, wid
         f.stacked(b + "ffn_up_exps.weight", experts, width, hidden)
         f.stacked(b + "ffn_down_exps.weight", experts, hidden, width, gain=8.0)
     norm("output_norm.weight", hidden)
-    if not tied:
-        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.output(hidden, tied)
     f.finish()
 
 
@@ -360,7 +430,7 @@ def gpt_oss(name, hidden, layers, heads, kv_heads, head_dim, experts, used, widt
         w.add_tensor(b + "ffn_down_exps.bias",
                      (0.5 * rng.standard_normal((experts, hidden))).astype(np.float32))
     norm("output_norm.weight", hidden)
-    weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.output(hidden, False)
     f.finish()
 
 
@@ -445,8 +515,7 @@ def granitehybrid(name, hidden, layers, attention, heads, kv_heads, ffn, *, ssm_
             weight(b + "ssm_out.weight", hidden, d_inner, gain=64.0)
         f.mlp(b, hidden, ffn, 64.0)
     norm("output_norm.weight", hidden)
-    if not tied:
-        weight("output.weight", VOCAB, hidden, gain=20.0)
+    f.output(hidden, tied)
     f.finish()
 
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# make bench-speculation: speculative decoding by prompt lookup (`--speculative ngram`)
+# against plain greedy decoding on the hybrid models, where llama.cpp cannot speculate at
+# all. No hybrid's real weights are on PyPI and a random-weight model does not quote its
+# prompt, so scripts/crosscheck/synth_gguf.py writes the LFM2-350M, Qwen3.5-0.8B and
+# Granite-4.0-H-350M shapes as quoting models: the layers of the bench files (every matrix
+# read, every state kept) with their block outputs scaled down and an output matrix that
+# makes each token's greedy successor its successor in a set of copy-with-edits tasks (a
+# 384-token document given as the prompt, answered with a fresh token inserted after every
+# 64th, 16th, 8th or 4th). llama-quantize makes them Q4_K_M; scripts/bench_speculation.py
+# runs each task both ways, interleaved, and checks the answers. The table goes to
+# .peers/speculation-hybrid.md.
+#
+# Settings (environment): MODEL (the GGUF whose vocabulary the files copy; default the demo
+# model), QUANT (default Q4_K_M), SHAPES (default all three), ROUNDS (default 2; each runs
+# plain, ngram, ngram, plain or the reverse).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS_WHO=bench-speculation
+
+MODEL=${MODEL:-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
+QUANT=${QUANT:-Q4_K_M}
+ROUNDS=${ROUNDS:-2}
+[ -f "$MODEL" ] || { echo "bench-speculation: no model at $MODEL (make models fetches the demo model)" >&2; exit 2; }
+
+source scripts/peers-llama-cpp.sh
+peers_python
+
+read -r -a shapes <<<"${SHAPES:-lfm2-350m-shaped qwen35-0.8b-shaped granite-4.0-h-350m-shaped}"
+dir="$PEERS/quoting"
+mkdir -p "$dir"
+generator=$(sha256sum scripts/crosscheck/synth_gguf.py | cut -d' ' -f1)
+files=()
+for s in "${shapes[@]}"; do
+    made_from="$MODEL $QUANT $generator"
+    f="$dir/$s-quoting.$QUANT.gguf"
+    files+=("$f")
+    [ "$(cat "$dir/$s.made-from" 2>/dev/null)" = "$made_from" ] && [ -f "$dir/quoting-tasks.json" ] && continue
+    rm -f "$dir/$s".* "$dir/$s"-quoting.*
+    echo "bench-speculation: writing $s as a quoting model ($QUANT) in $dir"
+    "$venv/bin/python" scripts/crosscheck/synth_gguf.py "$MODEL" "$dir" quoting "$s" >/dev/null
+    "$build/bin/llama-quantize" "$dir/$s-quoting.f32.gguf" "$f.tmp" "$QUANT" \
+        >"$dir/quantize.log" 2>&1 || { cat "$dir/quantize.log" >&2; exit 1; }
+    mv "$f.tmp" "$f"
+    rm "$dir/$s-quoting.f32.gguf"
+    echo "$made_from" >"$dir/$s.made-from"
+done
+
+cargo build --release --quiet -p kvplug-cli -p kvplug-cpu
+echo "bench-speculation: plain and ngram decoding, $ROUNDS rounds, interleaved, $(nproc) threads"
+python3 scripts/bench_speculation.py ./target/release/kvplug target/release \
+    "$dir/quoting-tasks.json" "$ROUNDS" "${files[@]}" | tee "$PEERS/speculation-hybrid.md"
