@@ -36,19 +36,8 @@ quant_of() {
 # Each file is remade when MODEL (its vocabulary), its quantization or the generator changes.
 dir="$PEERS/hybrid"
 mkdir -p "$dir"
-generator=$(sha256sum scripts/crosscheck/synth_gguf.py | cut -d' ' -f1)
 for s in "${shapes[@]}"; do
-    q=$(quant_of "$s")
-    made_from="$MODEL $q $generator"
-    [ "$(cat "$dir/$s.made-from" 2>/dev/null)" = "$made_from" ] && continue
-    rm -f "$dir/$s".*
-    echo "bench-hybrid: writing $s ($q) in $dir"
-    "$venv/bin/python" scripts/crosscheck/synth_gguf.py "$MODEL" "$dir" bench "$s" >/dev/null
-    "$build/bin/llama-quantize" "$dir/$s.f32.gguf" "$dir/$s.tmp" "$q" \
-        >"$dir/quantize.log" 2>&1 || { cat "$dir/quantize.log" >&2; exit 1; }
-    mv "$dir/$s.tmp" "$dir/$s.$q.gguf"
-    rm "$dir/$s.f32.gguf"
-    echo "$made_from" >"$dir/$s.made-from"
+    synth_quantized "$dir" "$s" "$(quant_of "$s")" bench
 done
 
 for s in "${shapes[@]}"; do

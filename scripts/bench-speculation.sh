@@ -29,24 +29,15 @@ peers_python
 read -r -a shapes <<<"${SHAPES:-lfm2-350m-shaped qwen35-0.8b-shaped granite-4.0-h-350m-shaped}"
 dir="$PEERS/quoting"
 mkdir -p "$dir"
-generator=$(sha256sum scripts/crosscheck/synth_gguf.py | cut -d' ' -f1)
 files=()
 for s in "${shapes[@]}"; do
-    made_from="$MODEL $QUANT $generator"
-    f="$dir/$s-quoting.$QUANT.gguf"
-    files+=("$f")
-    [ "$(cat "$dir/$s.made-from" 2>/dev/null)" = "$made_from" ] && [ -f "$dir/quoting-tasks.json" ] && continue
-    rm -f "$dir/$s".* "$dir/$s"-quoting.*
-    echo "bench-speculation: writing $s as a quoting model ($QUANT) in $dir"
-    "$venv/bin/python" scripts/crosscheck/synth_gguf.py "$MODEL" "$dir" quoting "$s" >/dev/null
-    "$build/bin/llama-quantize" "$dir/$s-quoting.f32.gguf" "$f.tmp" "$QUANT" \
-        >"$dir/quantize.log" 2>&1 || { cat "$dir/quantize.log" >&2; exit 1; }
-    mv "$f.tmp" "$f"
-    rm "$dir/$s-quoting.f32.gguf"
-    echo "$made_from" >"$dir/$s.made-from"
+    # Each file is written with its tasks; without them, it is written again.
+    [ -f "$dir/$s-quoting.tasks.json" ] || rm -f "$dir/$s-quoting.made-from"
+    synth_quantized "$dir" "$s" "$QUANT" quoting
+    files+=("$dir/$s-quoting.$QUANT.gguf")
 done
 
 cargo build --release --quiet -p kvplug-cli -p kvplug-cpu
 echo "bench-speculation: plain and ngram decoding, $ROUNDS rounds, interleaved, $(nproc) threads"
-python3 scripts/bench_speculation.py ./target/release/kvplug target/release \
-    "$dir/quoting-tasks.json" "$ROUNDS" "${files[@]}" | tee "$PEERS/speculation-hybrid.md"
+python3 scripts/bench_speculation.py ./target/release/kvplug target/release "$ROUNDS" \
+    "${files[@]}" | tee "$PEERS/speculation-hybrid.md"

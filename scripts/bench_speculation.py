@@ -1,21 +1,20 @@
 """Speculative decoding by prompt lookup against plain greedy decoding, on quoting models
-(synth_gguf.py quoting): for each model file and each copy-with-edits task of
-quoting-tasks.json, `kvplug run --speculative ngram` and plain `kvplug run` over the task's
+(synth_gguf.py quoting): for each model file (NAME-quoting.QUANT.gguf) and each
+copy-with-edits task beside it (NAME-quoting.tasks.json), `kvplug run --speculative ngram` and plain `kvplug run` over the task's
 prompt ids, the two interleaved in ABBA order over ROUNDS rounds, then a markdown table of
 decode tok/s (mean of the rounds), their ratio, the share of drafted tokens accepted and
 tokens per target forward. Fails when plain decoding does not give the task's answer (the
 file does not quote as built) or speculation's output differs from it.
 
-Usage: bench_speculation.py KVPLUG PLUGINS TASKS_JSON ROUNDS MODEL..."""
+Usage: bench_speculation.py KVPLUG PLUGINS ROUNDS MODEL..."""
 import json
 import os
 import statistics
 import subprocess
 import sys
 
-kvplug, plugins, tasks_path, rounds, *models = sys.argv[1:]
+kvplug, plugins, rounds, *models = sys.argv[1:]
 rounds = int(rounds)
-tasks = json.load(open(tasks_path))
 
 
 def run(model, task, speculate):
@@ -35,6 +34,7 @@ print("| model | insert every | plain tok/s | ngram tok/s | ngram / plain | draf
 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 for model in models:
     name = os.path.basename(model).removesuffix(".gguf")
+    tasks = json.load(open(model.rsplit(".", 2)[0] + ".tasks.json"))
     for task in tasks:
         plain, spec = [], []
         for r in range(rounds):

@@ -1,5 +1,5 @@
-# Sourced by the peer scripts (bench-peers.sh, crosscheck-peers.sh, kv-agreement-peers.sh) from
-# the repository root:
+# Sourced by the peer scripts (bench-peers.sh, bench-hybrid.sh, bench-speculation.sh,
+# crosscheck-peers.sh, kv-agreement-peers.sh) from the repository root:
 # llama.cpp from the source that the PyPI sdist of llama-cpp-python vendors (pinned below with
 # its SHA-256), unpacked and built Release in $PEERS (git-ignored) with cmake from Debian,
 # GGML_NATIVE off and the x86 features /proc/cpuinfo lists turned on one by one, AMX off:
@@ -7,7 +7,8 @@
 # Q4_K there. Sets PEERS, VERSION, src (the llama.cpp source), features (the cmake feature
 # options) and build (its build directory: bin/llama-bench, bin/llama-quantize,
 # bin/libllama.so). `peers_python` then makes the Python side for scripts that drive that
-# libllama in process through the sdist's ctypes bindings. PEERS_ISA=avx2 builds it without
+# libllama in process through the sdist's ctypes bindings, and `synth_quantized` writes a
+# random-weight file of synth_gguf.py quantized. PEERS_ISA=avx2 builds it without
 # any AVX-512 or AVX-VNNI instruction instead (in $PEERS/build-avx2): the peer of kvplug
 # under KVPLUG_CPU_ISA=avx2, as an AVX2-only CPU (Zen 2/3, Intel client cores) runs both.
 # PEERS_BACKEND=vulkan builds llama-bench alone with the Vulkan backend, statically linked (one
@@ -113,4 +114,25 @@ peers_python() {
     local sdist="$PEERS/llama_cpp_python-$VERSION"
     export PYTHONPATH="$sdist:$sdist/vendor/llama.cpp/gguf-py"
     export LLAMA_CPP_LIB_PATH="$build/bin"
+}
+
+# `synth_quantized DIR NAME QUANT MODE`: DIR/STEM.QUANT.gguf, where STEM is NAME (MODE bench)
+# or NAME-quoting (MODE quoting), written by synth_gguf.py MODE NAME with MODEL's vocabulary
+# and made QUANT by the llama-quantize above; remade when MODEL, QUANT or the generator
+# change or the file is missing. Needs peers_python's venv.
+synth_quantized() {
+    local dir=$1 name=$2 q=$3 mode=$4 stem=$2
+    [ "$mode" = quoting ] && stem="$name-quoting"
+    local made_from
+    made_from="$MODEL $q $(sha256sum scripts/crosscheck/synth_gguf.py | cut -d' ' -f1)"
+    [ "$(cat "$dir/$stem.made-from" 2>/dev/null)" = "$made_from" ] && [ -f "$dir/$stem.$q.gguf" ] &&
+        return
+    rm -f "$dir/$stem".*
+    echo "$PEERS_WHO: writing $stem ($q) in $dir"
+    "$venv/bin/python" scripts/crosscheck/synth_gguf.py "$MODEL" "$dir" "$mode" "$name" >/dev/null
+    "$build/bin/llama-quantize" "$dir/$stem.f32.gguf" "$dir/$stem.tmp" "$q" \
+        >"$dir/quantize.log" 2>&1 || { cat "$dir/quantize.log" >&2; exit 1; }
+    mv "$dir/$stem.tmp" "$dir/$stem.$q.gguf"
+    rm "$dir/$stem.f32.gguf"
+    echo "$made_from" >"$dir/$stem.made-from"
 }

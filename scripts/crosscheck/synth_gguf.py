@@ -47,8 +47,9 @@ of 1024, 4 experts of 512 per token) with 32 and 64 experts (about 1.0B and 1.8B
 attention at 10, 13, 17, 27, Mamba2 of 48 heads of 32 with a state of 128, MLP 2048) for
 benchmarks, to quantize with llama-quantize. With `quoting`, the same shapes as models
 that quote (NAME-quoting.f32.gguf, their block outputs scaled down and their output matrix
-a `successor_readout`) and the copy-with-edits tasks they answer (`quoting_tasks`): what
-speculative decoding by prompt lookup is measured on (scripts/bench-speculation.sh)."""
+a `successor_readout`) and the copy-with-edits tasks they answer (`quoting_tasks`, in
+NAME-quoting.tasks.json), of the hybrid shapes only: what speculative decoding by prompt
+lookup is measured on (scripts/bench-speculation.sh)."""
 import json
 import os
 import sys
@@ -88,13 +89,9 @@ def quoting_tasks(length=384, edits=(64, 16, 8, 4)):
     return tasks, text
 
 
-# With `quoting`, the bench files are written as quoting models of the tasks' answers, and
-# the tasks to OUT_DIR/quoting-tasks.json.
-QUOTING = None
-if sys.argv[3:4] == ["quoting"]:
-    tasks, QUOTING = quoting_tasks()
-    with open(os.path.join(out, "quoting-tasks.json"), "w") as f:
-        json.dump(tasks, f)
+# With `quoting`, the hybrid bench files are written as quoting models of the tasks'
+# answers, each beside its tasks (NAME-quoting.tasks.json).
+TASKS, QUOTING = quoting_tasks() if sys.argv[3:4] == ["quoting"] else (None, None)
 
 
 def copy_tokenizer(w, pre, state_bos):
@@ -140,7 +137,7 @@ def llama3_rope_factors(base, head_dim, factor=8.0, low=1.0, high=4.0, original=
 # A quoting file's block outputs are 1/256 of the usual, so that its residual stream stays
 # close to the current token's embedding and the readout decides the next token.
 BLOCK_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ssm_out.weight",
-                 "shortconv.out_proj.weight", "ffn_down_exps.weight")
+                 "shortconv.out_proj.weight")
 
 
 def successor_readout(embed, text):
@@ -216,6 +213,9 @@ class Writer:
         self.w.write_kv_data_to_file()
         self.w.write_tensors_to_file()
         self.w.close()
+        if TASKS:
+            with open(self.path.removesuffix(".f32.gguf") + ".tasks.json", "w") as f:
+                json.dump(TASKS, f)
         print(self.path)
 
 
@@ -539,11 +539,16 @@ BENCH = {
         "granite-4.0-h-350m-shaped", 768, 32, {10, 13, 17, 27}, 12, 4, 2048, ssm_heads=48,
         ssm_head_dim=32, state=128, seed=5),
 }
+# The shapes a quoting model is written for (the MoE writers' expert outputs are not scaled
+# down, and GPT-OSS's biases would move the residual away from the token's embedding).
+QUOTABLE = ["lfm2-350m-shaped", "qwen35-0.8b-shaped", "granite-4.0-h-350m-shaped"]
 if bench:
-    names = sys.argv[4:] or list(BENCH)
-    unknown = [n for n in names if n not in BENCH]
+    known = QUOTABLE if QUOTING else list(BENCH)
+    names = sys.argv[4:] or known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        sys.exit(f"synth_gguf.py: no bench file named {unknown} (there are {list(BENCH)})")
+        sys.exit(f"synth_gguf.py: no {'quoting' if QUOTING else 'bench'} file named "
+                 f"{unknown} (there are {known})")
     for n in names:
         BENCH[n]()
     sys.exit(0)

@@ -6,9 +6,10 @@
 //!
 //! A weight row is walked in *groups* of 256 values: one K-quant super-block, or eight blocks
 //! of a 32-value format (fewer at the end of a row). A group is unpacked once (codes as
-//! unsigned bytes, per-sub-block f32 factors) and dotted with every token of a tile (4
-//! tokens), so each weight byte is read once per tile; a lone token (a decode step) streams
-//! its rows front to back. On the vector paths prefill goes by *panels* of 8 tokens instead:
+//! unsigned bytes, per-sub-block f32 factors) and dotted with every token of a tile (up to 8
+//! tokens: a decode step, a speculative verify, the end of a prefill), so each weight byte is
+//! read once per tile, the rows streamed front to back with prefetch. On the vector paths a
+//! prefill of 16 tokens or more goes by *panels* of 8 tokens instead:
 //! the activations are also laid out once per call with the 8 tokens' codes interleaved by
 //! 4-byte dwords, so that one weight code dword, broadcast, meets all 8 tokens in one
 //! product with lane i for token i — no horizontal sums. Blocks of 4 weight rows are unpacked
@@ -556,7 +557,8 @@ struct Panels<'a> {
     d: &'a [f32],
     sum: &'a [i32],
     half: &'a [i32],
-    /// Whole panels (`t / PANEL`; 0 on the scalar path).
+    /// Whole panels (`t / PANEL` from [`MIN_PANEL_TOKENS`] on; 0 below and on the scalar
+    /// path).
     count: usize,
     /// Blocks per token, as in [`Acts`].
     blocks: usize,
@@ -2850,8 +2852,9 @@ mod tests {
 
     #[test]
     fn every_format_shape_and_path_is_within_the_derived_bound() {
-        // Tokens: one (decode), fewer than a tile, tiles plus a remainder, whole tiles, and
-        // enough to quantize on every thread. Rows: odd counts, one task or several.
+        // Tokens: one (decode), short tiles of three and seven, two panels, and sixteen
+        // panels and a tile of two, enough to quantize on every thread. Rows: odd counts, one
+        // task or several.
         // Columns: whole groups, and every partial last group the vector path splits (1, 2,
         // 4 and 7 = 4 + 2 + 1 sub-blocks, alone or after whole groups).
         let shapes = [(1, 37), (3, 5), (7, 13), (16, 70), (130, 3)];
@@ -2907,7 +2910,7 @@ mod tests {
     #[test]
     fn a_token_gets_the_same_output_alone_or_batched() {
         // Fifteen panels (on the `dpbusd` path: two passes of three pairs, a pair, a lone
-        // panel), a tile and a token alone, over rows in blocks of four and one alone; 992
+        // panel) and a tile of five, over rows in blocks of four and one alone; 992
         // columns end in 4 + 2 + 1 sub-blocks, 896 in 4, and 26880 columns take the panels in
         // chunks of six.
         for cols in [512, 896, 992, 26880] {
@@ -2916,7 +2919,9 @@ mod tests {
         // Below the panels: one tile of every size up to SHORT_TILE, then tiles of four and
         // one of the rest.
         for t in 2..MIN_PANEL_TOKENS {
-            same_output_alone_or_batched(t, 5, 992);
+            for cols in [768, 992] {
+                same_output_alone_or_batched(t, 5, cols);
+            }
         }
     }
 

@@ -332,10 +332,12 @@ struct Policy {
     /// `deeper[i]`: how often draft token `i + 2` of a chain was accepted when the tokens
     /// before it were.
     deeper: Vec<f64>,
-    /// Seconds of a target round by node count (`cost[n]`, as `kept_cost` keeps it).
+    /// Seconds of a target round by node count (`cost[n]`, exponential average).
     cost: Vec<Option<f64>>,
-    /// Drafting rounds left before the next that explores one level deeper.
+    /// Drafting rounds left before the next that explores one level deeper (0: it is due).
     explore_in: usize,
+    /// The depth an exploring round asked for (0: none); due until a round drafts it.
+    exploring: usize,
     /// Plain steps left before the next probe round.
     pause_left: usize,
     next_pause: usize,
@@ -351,6 +353,7 @@ impl Policy {
             deeper: vec![0.6; max_depth],
             cost: vec![None; max_depth * max_width + 2],
             explore_in: EXPLORE_EVERY,
+            exploring: 0,
             pause_left: 0,
             next_pause: PAUSE_MIN,
             probe: false,
@@ -417,12 +420,9 @@ impl Policy {
         });
         let probe = std::mem::take(&mut self.probe);
         if best.0 > 0 {
-            self.explore_in -= 1;
-            if self.explore_in == 0 {
-                self.explore_in = EXPLORE_EVERY;
-                if best.0 < self.max_depth {
-                    return (best.0 + 1, best.1);
-                }
+            if self.explore_in == 0 && best.0 < self.max_depth {
+                self.exploring = best.0 + 1;
+                return (self.exploring, best.1);
             }
             return best;
         }
@@ -448,8 +448,17 @@ impl Policy {
         depth: usize,
         accepted: usize,
     ) {
+        // A drafting round counts down to the next exploring one, which is due until a round
+        // drafts as deep as it asked (prompt lookup may find a shorter continuation). Its cost
+        // replaces what was known of its size: it was run to measure that again.
+        let explored = depth > 0 && self.exploring > 0 && depth >= self.exploring;
+        if explored {
+            (self.explore_in, self.exploring) = (EXPLORE_EVERY, 0);
+        } else if depth > 0 {
+            self.explore_in = self.explore_in.saturating_sub(1);
+        }
         if let Some(c) = self.cost.get_mut(nodes) {
-            *c = Some(kept_cost(*c, seconds));
+            *c = Some(if explored { seconds } else { ema(*c, seconds) });
         }
         let tried = rank.map_or(branches, |r| r + 1).min(self.max_width);
         for r in 0..tried {
@@ -468,10 +477,8 @@ impl Policy {
     }
 }
 
-/// A round's cost, kept: a faster round replaces it, a slower one moves it a tenth of the way
-/// (a shared machine makes rounds slower now and then, never faster).
-fn kept_cost(prev: Option<f64>, x: f64) -> f64 {
-    prev.map_or(x, |p| if x < p { x } else { 0.9 * p + 0.1 * x })
+fn ema(prev: Option<f64>, x: f64) -> f64 {
+    prev.map_or(x, |p| 0.7 * p + 0.3 * x)
 }
 
 /// Every token of `tokens` at `positions` (sequence 0), each wanting its logits (a tree
