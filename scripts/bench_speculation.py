@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup against plain greedy decoding, on quoting models
 (synth_gguf.py quoting): for each model file (NAME-quoting.QUANT.gguf) and each
-copy-with-edits task beside it (NAME-quoting.tasks.json), `kvplug run --speculative ngram` and plain `kvplug run` over the task's
-prompt ids, the two interleaved in ABBA order over ROUNDS rounds, then a markdown table of
+copy-with-edits task beside it (NAME-quoting.tasks.json), `kvplug run --speculative ngram`
+and plain `kvplug run` over the task's prompt ids, the two interleaved in ABBA order over
+ROUNDS rounds, then a markdown table of
 decode tok/s (mean of the rounds), their ratio, the share of drafted tokens accepted and
 tokens per target forward. Fails when plain decoding does not give the task's answer (the
 file does not quote as built) or speculation's output differs from it.
