@@ -26,6 +26,8 @@ pub enum Prompt {
     Chat(Vec<Message>),
     /// Raw text.
     Text(String),
+    /// Token ids, fed as they are (OpenAI's array of integers).
+    Ids(Vec<i32>),
 }
 
 /// `tool_choice`.
@@ -198,7 +200,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     refuse_unsupported(&f)?;
     let prompt = match endpoint {
         Endpoint::Chat => Prompt::Chat(messages(&f)?),
-        Endpoint::Completion => Prompt::Text(completion_prompt(&f)?),
+        Endpoint::Completion => completion_prompt(&f)?,
     };
     let max_tokens = match f.count("max_completion_tokens")? {
         Some(n) => Some(n),
@@ -481,6 +483,11 @@ fn format(f: &Fields, endpoint: Endpoint) -> Result<Format, ApiError> {
     match rf.get("type").and_then(Value::as_str) {
         Some("text") => Ok(Format::Text),
         Some("json_object") => Ok(Format::Json(None)),
+        // OpenAI requires the `json_schema` object; its `schema` is optional (any JSON
+        // object then).
+        Some("json_schema") if !rf.get("json_schema").is_some_and(Value::is_object) => Err(bad(
+            "'response_format.json_schema' is required with type json_schema, an object",
+        )),
         Some("json_schema") => match rf.pointer("/json_schema/schema") {
             Some(s @ Value::Object(_)) => Ok(Format::Json(Some(s.clone()))),
             Some(Value::Bool(true)) | None => Ok(Format::Json(None)),
@@ -612,16 +619,29 @@ fn tool_call(c: &Value) -> Result<Value, String> {
     }))
 }
 
-/// `prompt`: a string, or an array holding one string.
-fn completion_prompt(f: &Fields) -> Result<String, ApiError> {
+/// `prompt`: a string, an array of token ids, or an array holding one of either (OpenAI's
+/// batch form, one prompt long). The ids are checked against the vocabulary later.
+fn completion_prompt(f: &Fields) -> Result<Prompt, ApiError> {
+    const ONE: &str =
+        "'prompt' must be a string, an array of token ids, or an array holding one of either";
     let bad = |m: &str| ApiError::invalid(Some("prompt"), m);
+    let ids = |a: &[Value]| -> Result<Prompt, ApiError> {
+        a.iter()
+            .map(|v| v.as_u64().and_then(|id| i32::try_from(id).ok()))
+            .collect::<Option<Vec<i32>>>()
+            .map(Prompt::Ids)
+            .ok_or_else(|| bad("'prompt' token ids must be integers from 0 up"))
+    };
     match f.get("prompt") {
-        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
         Some(Value::Array(a)) => match a.as_slice() {
-            [Value::String(s)] => Ok(s.clone()),
-            _ => Err(bad("'prompt' must be a string or an array of one string")),
+            [Value::String(s)] => Ok(Prompt::Text(s.clone())),
+            [Value::Array(one)] => ids(one),
+            [] => Err(bad(ONE)),
+            _ if a.iter().all(|v| !v.is_string() && !v.is_array()) => ids(a),
+            _ => Err(bad(ONE)),
         },
-        Some(_) => Err(bad("'prompt' must be a string")),
+        Some(_) => Err(bad(ONE)),
         None => Err(bad("'prompt' is required")),
     }
 }
@@ -749,6 +769,11 @@ mod tests {
         );
         let c = parse(Endpoint::Completion, br#"{"prompt": ["x"]}"#).unwrap();
         assert_eq!(c.prompt, Prompt::Text("x".into()));
+        for ids in [r#"[3, 0, 7]"#, r#"[[3, 0, 7]]"#] {
+            let body = format!(r#"{{"prompt": {ids}}}"#);
+            let c = parse(Endpoint::Completion, body.as_bytes()).unwrap();
+            assert_eq!(c.prompt, Prompt::Ids(vec![3, 0, 7]));
+        }
     }
 
     #[test]
@@ -880,9 +905,28 @@ mod tests {
             "response_format",
             "json_schema",
         );
+        refused(
+            &with(r#""response_format": {"type": "json_schema"}"#),
+            "response_format",
+            "json_schema' is required",
+        );
         refused(&with(r#""echo": true"#), "echo", "not supported");
         refused(&with(r#""frobnicate": 1"#), "frobnicate", "unknown field");
-        let e = parse(Endpoint::Completion, br#"{"prompt": [1, 2]}"#).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("prompt"));
+        // Several prompts, negative or fractional ids, nothing, a number.
+        for prompt in [
+            r#"["a", "b"]"#,
+            r#"[[1], [2]]"#,
+            r#"[1, "a"]"#,
+            r#"[-1]"#,
+            r#"[1.5]"#,
+            r#"[4294967296]"#,
+            r#"[]"#,
+            r#"5"#,
+        ] {
+            let body = format!(r#"{{"prompt": {prompt}}}"#);
+            let e = parse(Endpoint::Completion, body.as_bytes()).unwrap_err();
+            assert_eq!(e.status, 400, "{prompt}");
+            assert_eq!(e.param.as_deref(), Some("prompt"), "{prompt}");
+        }
     }
 }

@@ -156,6 +156,7 @@ pub struct Server {
     config: ServerConfig,
     store: AgentStore,
     text: Arc<Text>,
+    vocab: usize,
     grammars: Result<kvplug::Grammars, String>,
     draft: Option<kvplug::Draft>,
     stop: Arc<tokio::sync::Notify>,
@@ -218,6 +219,7 @@ impl Server {
             config,
             store,
             text,
+            vocab: model.vocab(),
             grammars,
             draft,
             stop: Arc::default(),
@@ -242,6 +244,7 @@ impl Server {
             config,
             store,
             text,
+            vocab,
             grammars,
             draft,
             stop,
@@ -252,6 +255,7 @@ impl Server {
         let metrics = Arc::new(metrics::Metrics::default());
         let shared = Arc::new(routes::Shared {
             text: text.clone(),
+            vocab,
             engine: tx,
             model_id: config.model_id.clone(),
             capacity: config.capacity,

@@ -38,6 +38,8 @@ pub struct Prepared {
 pub struct Model<'a> {
     /// Tokenizer and template.
     pub text: &'a Text,
+    /// Token ids the model reads (a prompt of ids is checked against it).
+    pub vocab: usize,
     /// The model's grammars, or why it has none.
     pub grammars: &'a Result<Grammars, String>,
     /// Cache capacity: the longest prompt + completion.
@@ -77,14 +79,29 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
         }
         Prompt::Text(t) => t.clone(),
+        Prompt::Ids(ids) => {
+            if let Some(&bad) = ids.iter().find(|&&id| id as usize >= m.vocab) {
+                return Err(ApiError::invalid(
+                    Some("prompt"),
+                    format!(
+                        "token id {bad} is outside the vocabulary of {} tokens",
+                        m.vocab
+                    ),
+                ));
+            }
+            String::new()
+        }
     };
     if let Some(c) = &mut calls {
         c.doubled_braces = teaches_doubled_braces(&rendered);
     }
-    let prompt = m
-        .text
-        .encode(&rendered)
-        .map_err(|e| ApiError::invalid(None, e.to_string()))?;
+    let prompt = match &p.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        _ => m
+            .text
+            .encode(&rendered)
+            .map_err(|e| ApiError::invalid(None, e.to_string()))?,
+    };
     if prompt.is_empty() {
         return Err(ApiError::invalid(
             Some("prompt"),
@@ -96,6 +113,20 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
 
 /// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
 pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
+    if let Some(&(bad, _)) = p
+        .adjust
+        .logit_bias
+        .iter()
+        .find(|&&(id, _)| id as usize >= m.vocab)
+    {
+        return Err(ApiError::invalid(
+            Some("logit_bias"),
+            format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                m.vocab
+            ),
+        ));
+    }
     let (prompt, calls) = render(m, p)?;
     let max_tokens = max_tokens(m, p, prompt.len())?;
     let (constraint, triggered) = constraint(m, p, calls.as_ref())?;
@@ -287,6 +318,7 @@ mod tests {
         let grammars = Err("not needed".to_string());
         let m = Model {
             text: &text,
+            vocab: 1000,
             grammars: &grammars,
             capacity: 4096,
             max_tokens: 256,

@@ -39,6 +39,8 @@ pub const SESSION_HEADER: &str = "x-session-id";
 pub struct Shared {
     /// Tokenizer and chat template.
     pub text: Arc<Text>,
+    /// Token ids the model reads.
+    pub vocab: usize,
     /// To the engine thread.
     pub engine: Sender<GenRequest>,
     /// The model's id in `/v1/models` and in answers.
@@ -74,6 +76,7 @@ impl Shared {
     fn request_model(&self) -> Model<'_> {
         Model {
             text: &self.text,
+            vocab: self.vocab,
             grammars: &self.grammars,
             capacity: self.capacity,
             max_tokens: self.max_tokens,

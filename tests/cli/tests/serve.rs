@@ -120,6 +120,18 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
     let free = s.ok("/v1/completions", &prompt, &[]);
     let free_text = free["choices"][0]["text"].as_str().unwrap().to_string();
     assert!(free_text.contains('7'), "{free}");
+    // The same prompt as token ids, bare or as a batch of one: the same answer.
+    let ids = kvplug::Text::load(&model())
+        .unwrap()
+        .encode("1, 2, 3, 4,")
+        .unwrap();
+    for as_ids in [json!(ids), json!([ids])] {
+        let mut by_ids = prompt.clone();
+        by_ids["prompt"] = as_ids;
+        let v = s.ok("/v1/completions", &by_ids, &[]);
+        assert_eq!(v["choices"][0]["text"], free_text.as_str(), "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], ids.len(), "{v}");
+    }
     let mut stopped = prompt.clone();
     stopped["stop"] = json!(["7", "never"]);
     let cut = s.ok("/v1/completions", &stopped, &[]);
@@ -244,6 +256,25 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
         assert!(message.contains(c.says), "{what}: {message}");
         assert_eq!(s.engine()["active"], 0);
     }
+    // A token id the model does not have.
+    let (got, v) = s.post("/v1/completions", &json!({"prompt": [1, 99_999_999]}), &[]);
+    assert_eq!(
+        (got, v["error"]["param"].as_str()),
+        (400, Some("prompt")),
+        "{v}"
+    );
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("outside the vocabulary"), "{message}");
+    let (got, v) = s.post(
+        path,
+        &json!({"messages": hi, "logit_bias": {"99999999": 5}}),
+        &[],
+    );
+    assert_eq!(
+        (got, v["error"]["param"].as_str()),
+        (400, Some("logit_bias")),
+        "{v}"
+    );
     let (status, v) = s.get("/v1/nothing");
     assert_eq!(
         (status, v["error"]["type"].as_str()),
