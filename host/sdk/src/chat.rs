@@ -238,8 +238,10 @@ impl Chat {
 
     /// Starts a new conversation: no messages but the system message — `system` when given,
     /// else the current one (an empty `system` removes it). The cache keeps what the new
-    /// conversation's first prompt still shares with it.
-    pub fn clear(&mut self, system: Option<&str>) {
+    /// conversation's first prompt still shares with it. The session file, if any, keeps the
+    /// conversation as it was: the new one is saved only once [`Chat::save_as`] names a file.
+    /// Returns the file it stopped saving to.
+    pub fn clear(&mut self, system: Option<&str>) -> Option<PathBuf> {
         let current = self
             .messages
             .first()
@@ -251,6 +253,7 @@ impl Chat {
             None => current,
         };
         self.messages = system.into_iter().collect();
+        self.file.take()
     }
 
     /// Where the conversation stands.

@@ -250,13 +250,16 @@ fn a_chat_outgrowing_its_capacity_drops_its_oldest_exchanges() {
         .unwrap();
     assert!(r.reused_tokens > 0);
 
-    // save_as, then load into a cleared chat: the same conversation and tokens.
+    // save_as, then load into a cleared chat: the same conversation and tokens. The new
+    // conversation's turn in between is not saved over it.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("c.kvsession.safetensors");
     chat.save_as(file.clone()).unwrap();
     let (messages, tokens) = (chat.messages().to_vec(), chat.stats().tokens);
-    chat.clear(None);
+    assert_eq!(chat.clear(None), Some(file.clone()));
     assert_eq!(chat.messages(), &messages[..1], "the system message stays");
+    assert_eq!(chat.stats().session, None);
+    chat.turn("Hi.", &mut |_| Ok(())).unwrap();
     let restored = chat.load(file).unwrap();
     assert_eq!(
         (restored.messages, restored.tokens),

@@ -116,7 +116,8 @@ extern "C" fn on_sigint(_: libc::c_int) {
 
 const HELP: &str = "\
 /help            this text
-/clear           start a new conversation (the system message stays)
+/clear           start a new conversation (the system message stays; a saved session keeps
+                 the previous one)
 /system TEXT     start a new conversation with this system message (empty: none)
 /save NAME       save the conversation as session NAME, and after every turn from now on
 /load NAME       continue session NAME instead
@@ -179,13 +180,22 @@ impl Repl<'_> {
         match name {
             "exit" | "bye" | "quit" => return Ok(false),
             "help" | "?" => eprintln!("{HELP}"),
-            "clear" => {
-                self.chat.clear(None);
-                eprintln!("[new conversation]");
-            }
-            "system" => {
-                self.chat.clear(Some(arg));
-                eprintln!("[new conversation with this system message]");
+            "clear" | "system" => {
+                let left = self.chat.clear((name == "system").then_some(arg));
+                let with = if name == "system" {
+                    " with this system message"
+                } else {
+                    ""
+                };
+                eprintln!("[new conversation{with}]");
+                if let Some(file) = left {
+                    // The session keeps the previous conversation; its lock goes with it.
+                    self.lock = None;
+                    eprintln!(
+                        "[{} keeps the previous one: /save NAME saves this one]",
+                        file.display()
+                    );
+                }
             }
             "save" | "load" if arg.is_empty() => bail!("/{name} takes a session name"),
             "save" => {
