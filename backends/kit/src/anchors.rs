@@ -7,12 +7,13 @@
 //! A step resumes each token from the state after its sequence's previous position: the
 //! previous token of the step when it is that position (a chain), another token of the step
 //! (a tree node's parent), or the anchor of the cell holding it. A step anchors the last
-//! token of each chain, and every token of a tree step (any node may end the accepted
-//! chain); `commit` moves anchors with their cells. Verbs that would leave a sequence
+//! token of each chain, every token of a tree step (any node may end the accepted chain)
+//! and the last [`CHAIN_ANCHORS`] tokens of a chain whose outputs are read (a speculative
+//! chain, whose refused tail is cut); `commit` moves anchors with their cells. Verbs that would leave a sequence
 //! ending at a cell without an anchor are refused by [`Anchors::check_verb`], so a step
 //! always finds its state. States are f32 and live in host memory.
 
-use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
+use kvplug_core::config::{CHAIN_ANCHORS, PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{
     Bookkeeping, CacheConfig, CacheError, CacheResult, ConvLayers, DeltaLayers, SsmLayers,
     StepPlan, MAX_SEQS,
@@ -282,6 +283,13 @@ impl Anchors {
             };
             self.step_slot.push(slot);
         }
+        self.place();
+    }
+
+    /// Where each token of the open step is computed: its own slot if it keeps its state,
+    /// else that of the next token of its chain that does (a chain advances in place).
+    fn place(&mut self) {
+        let t = self.step_cell.len();
         self.step_home.clear();
         self.step_home.resize(t, NONE);
         for i in (0..t).rev() {
@@ -289,6 +297,41 @@ impl Anchors {
                 NONE => self.step_home[i + 1],
                 s => s,
             };
+        }
+    }
+
+    /// The open step's outputs that are read (`read`, per token; before any layer runs):
+    /// the tokens ending a run of two or more whose outputs are all read — a speculative
+    /// chain's, up to its last [`CHAIN_ANCHORS`] — keep their states, so a rewind or
+    /// `seq_rm` of a refused tail there is exact. A tree step keeps every node already.
+    pub fn keep_read(&mut self, read: &[bool]) {
+        let t = self.step_cell.len();
+        if self.step_tree || read.len() != t {
+            return;
+        }
+        let mut kept = false;
+        let mut end = t;
+        while end > 0 {
+            let mut start = end - 1;
+            while self.goes_on(start) {
+                start -= 1;
+            }
+            let mut from = end;
+            while from > start && end - from < CHAIN_ANCHORS && read[from - 1] {
+                from -= 1;
+            }
+            if end - from >= 2 {
+                for i in from..end {
+                    if self.step_slot[i] == NONE {
+                        self.step_slot[i] = self.take_slot();
+                        kept = true;
+                    }
+                }
+            }
+            end = start;
+        }
+        if kept {
+            self.place();
         }
     }
 

@@ -1365,14 +1365,19 @@ impl<D: Device> Step<'_, D> {
         )
     }
 
-    /// Says which of the step's tokens have their outputs read (the model's logit rows):
-    /// a recurrent cache keeps the end of a sequence's run as a prompt end when only its
-    /// last token is read (see `Anchors::commit_step`). None are, unless said.
+    /// Says which of the step's tokens have their outputs read (the model's logit rows),
+    /// before any layer runs: a recurrent cache keeps the end of a sequence's run as a
+    /// prompt end when only its last token is read (see `Anchors::commit_step`), and the
+    /// state of each token of a run whose outputs are all read, a speculative chain (see
+    /// `Anchors::keep_read`). None are, unless said.
     pub fn read_rows(&mut self, rows: &[usize]) {
         for &r in rows {
             if let Some(x) = self.cache.reads.get_mut(r) {
                 *x = true;
             }
+        }
+        if let (Some(a), 0) = (&mut self.cache.anchors, self.next_layer) {
+            a.keep_read(&self.cache.reads);
         }
     }
 

@@ -10,6 +10,7 @@ use candle_core::quantized::GgmlDType;
 use kvplug::{run_decode, AgentStore, AgentStoreOptions, RunSpec, Sampler};
 use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 use kvplug::{DraftKind, Speculation};
+use kvplug_core::config::CHAIN_ANCHORS;
 
 mod common;
 use common::hybrids::{
@@ -233,9 +234,14 @@ fn state_follows_forks_rewinds_and_tree_commits(model: &Path) {
             &[a[1].clone(), b[1].clone()],
             &want9,
         );
-        // Rewind to the end of the prompt's step, then another token.
+        // Rewind to the end of the prompt's step (its last row read, as a prompt's is: a run
+        // whose every row is read keeps each token's state), then another token.
         let mut ctx = m.context(CacheKind::Contiguous, 64, KvDtype::F32).unwrap();
-        forward(&mut ctx, &PROMPT, &positions);
+        let mut prompt = Batch::new();
+        for (i, (&t, &p)) in PROMPT.iter().zip(&positions).enumerate() {
+            prompt.push(t, p, 0, i + 1 == PROMPT.len());
+        }
+        ctx.decode(&prompt).unwrap();
         forward(&mut ctx, &[9], &[9]);
         forward(&mut ctx, &[11], &[10]);
         let e = ctx.rewind(5).unwrap_err().to_string();
@@ -261,10 +267,10 @@ fn state_follows_forks_rewinds_and_tree_commits(model: &Path) {
 }
 
 /// Speculation in the generator on a Qwen3.5 file gives plain decoding's tokens on every
-/// cache kind: a tree cache commits the accepted branch; a seq or contiguous cache, which
-/// keeps the delta-rule state only at a step's end, drops a partly refused step and
-/// writes the accepted tokens again — after which the cache holds exactly the prompt and
-/// every generated token but the last.
+/// cache kind: a tree cache commits the accepted branch; a seq or contiguous cache keeps the
+/// state of a speculative chain's last `CHAIN_ANCHORS` tokens and cuts the refused tail
+/// there, and drops a deeper chain refused before them and writes its accepted tokens again
+/// — after which the cache holds exactly the prompt and every generated token but the last.
 #[test]
 fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {
     let dir = tempfile::tempdir().unwrap();
@@ -307,14 +313,20 @@ fn speculation_gives_plain_decodings_tokens(model: &Path) {
         };
         let (plain, _) = run(CacheKind::Contiguous, None);
         let layers = kvplug::Draft::open(&DraftKind::Layers(1), &m).unwrap();
-        for kind in [CacheKind::Tree, CacheKind::Seq, CacheKind::Contiguous] {
+        let deep = CHAIN_ANCHORS + 2;
+        for (kind, depth) in [
+            (CacheKind::Tree, 3),
+            (CacheKind::Seq, 3),
+            (CacheKind::Contiguous, 3),
+            (CacheKind::Contiguous, deep),
+        ] {
             let speculate = Speculation {
-                max_depth: 3,
-                min_depth: 3,
+                max_depth: depth,
+                min_depth: depth,
                 ..Speculation::new(layers.clone())
             };
             let (f, held) = run(kind, Some(speculate));
-            assert_eq!(f.generated, plain.generated, "{backend} {kind}");
+            assert_eq!(f.generated, plain.generated, "{backend} {kind} {depth}");
             let stats = f.speculation.unwrap();
             assert!(
                 stats.accepted > 0 && stats.accepted < stats.drafted,

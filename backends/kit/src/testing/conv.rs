@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use kvplug_core::config::CHAIN_ANCHORS;
 use kvplug_core::oracle::{short_conv, short_conv_bound};
 use kvplug_core::{
     CacheConfig, CacheKind, CacheVerbs, ConvLayers, ErrorKind, KvDtype, LayerSet, PosRange,
@@ -52,10 +53,24 @@ fn step_and_check<D2: Device>(
     histories: &[History],
     what: &str,
 ) -> Result<(), KitError> {
+    step_reading(cache, width, tokens, seqs, histories, &[], what)
+}
+
+/// [`step_and_check`], the outputs of tokens `read` read (as a model reads its logit rows).
+fn step_reading<D2: Device>(
+    cache: &mut KitCache<D2>,
+    width: usize,
+    tokens: &[(i32, u32)],
+    seqs: Option<&[i32]>,
+    histories: &[History],
+    read: &[usize],
+    what: &str,
+) -> Result<(), KitError> {
     let dev = cache.device().clone();
     let t = tokens.len();
     let positions: Vec<i32> = tokens.iter().map(|x| x.0).collect();
     let mut step = cache.step(&positions, seqs)?;
+    step.read_rows(read);
     for l in 0..3 {
         if !CONV_LAYERS.contains(&l) {
             let q = dev.upload(&HostTensor::from_f32(&[2, t, 4], &vec![0.5; 2 * t * 4]))?;
@@ -243,7 +258,8 @@ fn refused<D2: Device, T: std::fmt::Debug>(
 }
 
 /// The convolution-state contract on `device`, for widths 3 and 4: decoding, a rewind to a
-/// step's end, a rewind refused where no state is kept and a dropped step (contiguous),
+/// step's end, a rewind refused where no state is kept, a dropped step and a speculative
+/// chain cut inside it (contiguous),
 /// forked sequences that diverge, a hole refused and a tail removed (seq), and a
 /// speculative tree, its commit and decoding after it (tree) each give every token the
 /// convolution of its own sequence's last rows, within the f64 recurrence's bound; a saved
@@ -307,6 +323,29 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
         )
         .unwrap();
         extend(&mut h, &[(6, 606)]);
+        // A speculative chain (every output read) longer than the states it keeps: its
+        // refused tail is cut exactly inside it; a cut before its last CHAIN_ANCHORS tokens
+        // is refused.
+        let chain: Vec<(i32, u32)> = (7..9 + CHAIN_ANCHORS as i32)
+            .map(|p| (p, 700 + p as u32))
+            .collect();
+        let read: Vec<usize> = (0..chain.len()).collect();
+        step_reading(&mut c, w, &chain, None, &run(&h, &chain), &read, "a chain").unwrap();
+        let before = c.export_seq(0).unwrap();
+        let early = c.rewind(9);
+        refused(&c, early, "not kept", 0, &before);
+        c.rewind(10).unwrap();
+        extend(&mut h, &chain[..3]);
+        step_and_check(
+            &mut c,
+            w,
+            &[(10, 710)],
+            None,
+            &[h.clone()],
+            "after a cut chain",
+        )
+        .unwrap();
+        extend(&mut h, &[(10, 710)]);
         check_saved_rows(&dev, &c, w, &h);
 
         // Seq: a shared prefix, a fork that diverges, a tail removed and decoded again.

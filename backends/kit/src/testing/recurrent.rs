@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use kvplug_core::config::CHAIN_ANCHORS;
 use kvplug_core::{CacheConfig, CacheKind, CacheVerbs, KvDtype, LayerSet, PosRange};
 
 use crate::cache::{KitCache, KitError};
@@ -177,7 +178,8 @@ pub(super) fn run(h: &History, tokens: &[(i32, u32)]) -> Vec<History> {
 
 /// The verbs every recurrent layer kind is exact under, on `dev`: a prefill, decoding, a
 /// dropped step, a rewind to a step's end and one refused (no anchor there, the cache
-/// unchanged) on a contiguous cache; forked sequences that diverge, a tail removed, a hole
+/// unchanged), a speculative chain cut inside it and a cut before its kept anchors refused,
+/// on a contiguous cache; forked sequences that diverge, a tail removed, a hole
 /// refused, a cached prefix attached up to its anchored part (seq); a tree cache's prompt
 /// keeping its end's state only; a speculative tree whose commit of a branch ending inside
 /// it, then decoding (tree): every token's output is the recurrence over its own sequence,
@@ -215,6 +217,26 @@ pub(super) fn check_verbs<L: Layer, D2: Device>(dev: &Arc<D2>) {
     h.retain(|&p, _| p < 11);
     let redo = [(11, 911), (12, 912)];
     step_and_check::<L, D2>(&mut c, &redo, None, &run(&h, &redo), "after a rewind").unwrap();
+    h.extend(redo);
+    // A speculative chain (every output read) longer than the anchors it keeps: its refused
+    // tail is cut exactly inside it; a cut before its last CHAIN_ANCHORS tokens is refused.
+    let chain: Vec<(i32, u32)> = (13..15 + CHAIN_ANCHORS as i32)
+        .map(|p| (p, 900 + p as u32))
+        .collect();
+    let read: Vec<usize> = (0..chain.len()).collect();
+    L::step(&mut c, &chain, None, &run(&h, &chain), &read, "a chain").unwrap();
+    let e = c.rewind(15).unwrap_err();
+    assert!(e.message.contains("not kept"), "{}", e.message);
+    c.rewind(16).unwrap();
+    h.extend(chain[..3].iter().copied());
+    step_and_check::<L, D2>(
+        &mut c,
+        &[(16, 916)],
+        None,
+        &[h.clone()],
+        "after a cut chain",
+    )
+    .unwrap();
 
     // Seq: a shared prefix, a fork that diverges, a tail removed, a hole refused.
     let mut s = KitCache::new(dev.clone(), CacheKind::Seq, L::config()).unwrap();
