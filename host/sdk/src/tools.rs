@@ -157,7 +157,8 @@ pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
 
 /// Hermes blocks: the text outside them and the calls inside; `None` when there is no
 /// block, `Some` with no calls when a block does not parse. A last block the answer ended
-/// inside (no closing tag) counts if its JSON is whole.
+/// inside (no closing tag) counts if its JSON is whole; after whole calls, one that is not
+/// (the answer reached its token limit inside it) is left out.
 fn hermes(answer: &str) -> Option<(String, Vec<ToolCall>)> {
     if !answer.contains("<tool_call>") {
         return None;
@@ -167,11 +168,16 @@ fn hermes(answer: &str) -> Option<(String, Vec<ToolCall>)> {
     while let Some(at) = rest.find("<tool_call>") {
         content.push_str(&rest[..at]);
         let after = &rest[at + "<tool_call>".len()..];
-        let (body, next) = match after.find("</tool_call>") {
-            Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
-            None => (after, ""),
+        let (body, next, closed) = match after.find("</tool_call>") {
+            Some(end) => (&after[..end], &after[end + "</tool_call>".len()..], true),
+            None => (after, "", false),
         };
-        match call_of(&call_json(body)?) {
+        let json = call_json(body);
+        if json.is_none() && !closed && !calls.is_empty() {
+            rest = "";
+            break;
+        }
+        match call_of(&json?) {
             Some(c) => calls.push(c),
             None => return Some((String::new(), Vec::new())),
         }
@@ -359,6 +365,16 @@ mod tests {
             &t,
         );
         assert_eq!(p.calls, [call("add", "{}"), call("add", "{\"a\":1}")]);
+        // An answer that reached its token limit inside a second block: the first call.
+        let p = parse(
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"ad",
+            ToolFormat::Hermes,
+            &t,
+        );
+        assert_eq!(
+            (p.content.as_str(), &p.calls[..]),
+            ("", &[call("add", "{\"a\":1}")][..])
+        );
         // Doubled braces, as a template's instructions may show them, in a block or bare.
         let p = parse(
             "<tool_call>\n{{\"name\": \"add\", \"arguments\": {\"a\": 1}}}\n</tool_call>",
