@@ -371,13 +371,13 @@ impl AgentStore {
             .cache
             .prefix_match(&tokens_u32(&prompt[..shared]))
             .unwrap_or(0);
-        let why = (shared > cached).then_some(if shared == prompt.len() {
+        let why = (shared > cached).then_some(if shared == prompt.len() && cached + 1 == shared {
             "the last prompt token is always recomputed"
         } else if indexed < shared {
             "the cells were evicted to make room"
         } else {
-            "the hybrid's sliding-window or recurrent layers keep their state only at the ends \
-             of earlier requests, and the prompt departs between two of them"
+            "the hybrid's sliding-window or recurrent layers keep their state only at some step \
+             ends of earlier requests, and the shared part ends between two of them"
         });
         Some(Divergence {
             cached_tokens: cached,

@@ -360,8 +360,12 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     Ok(fits.max(1))
 }
 
-fn mib(b: u64) -> String {
-    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+/// Bytes in MiB, or in KiB below one MiB (an LFM2 layer's state is a few KiB).
+fn size(b: u64) -> String {
+    match b {
+        0..1_048_576 => format!("{:.1} KiB", b as f64 / 1024.0),
+        _ => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+    }
 }
 
 /// A parameter count as people quote it (`494.0M`, `30.5B`).
@@ -381,28 +385,31 @@ impl Weights {
             (0, _) => "as stored".to_string(),
             (extra, true) => format!(
                 "with MXFP4 re-encoded at load ({} more than stored)",
-                mib(extra)
+                size(extra)
             ),
             (extra, false) => format!(
                 "as stored, MXFP4 read in place ({} more on a backend that re-encodes it)",
-                mib(extra)
+                size(extra)
             ),
         };
         let held = match p.widened_extra_bytes {
             0 => held,
-            extra => format!("{held}, block formats widened to f32 ({} more)", mib(extra)),
+            extra => format!(
+                "{held}, block formats widened to f32 ({} more)",
+                size(extra)
+            ),
         };
         let mut out = format!(
             "weights     {} {held}, {} parameters\n",
-            mib(p.weight_bytes),
+            size(p.weight_bytes),
             count(p.parameters)
         );
         if p.expert_bytes > 0 {
             out += &format!(
                 "experts     {} of the weights; a token runs {} parameters, a step reads at most {}\n",
-                mib(p.expert_bytes),
+                size(p.expert_bytes),
                 count(p.active_parameters),
-                mib(p.step_bytes)
+                size(p.step_bytes)
             );
         }
         out
@@ -415,13 +422,13 @@ impl Plan {
         let p = self;
         let mut out = format!(
             "budget      {} ({} bytes)\n{}",
-            mib(p.budget_bytes),
+            size(p.budget_bytes),
             p.budget_bytes,
             p.weights.render()
         );
         out += &format!(
             "K/V         {} left, {} storage\n\nlayer group          layers  K/V bytes per token\n",
-            mib(p.budget_bytes - p.weights.weight_bytes),
+            size(p.budget_bytes - p.weights.weight_bytes),
             p.kv_dtype
         );
         for g in &p.groups {
@@ -437,7 +444,7 @@ impl Plan {
         if p.state_bytes > 0 {
             out += &format!(
                 "recurrent state      {} per sequence (an anchor; a decoding sequence keeps up to {} more, a speculative tree one per node)\n",
-                mib(p.state_bytes as u64),
+                size(p.state_bytes as u64),
                 2 * kvplug_core::config::SPARE_ANCHORS
                     + kvplug_core::config::PINNED_ANCHORS
                     + kvplug_core::config::PROMPT_END_ANCHORS
