@@ -8,12 +8,13 @@
 # makes each token's greedy successor its successor in a set of copy-with-edits tasks (a
 # 384-token document given as the prompt, answered with a fresh token inserted after every
 # 64th, 16th, 8th or 4th). llama-quantize makes them Q4_K_M; scripts/bench_speculation.py
-# runs each task both ways, interleaved, and checks the answers. The table goes to
+# runs each task both ways, interleaved, and checks the answers: through `kvplug run` (a
+# tree cache) and through `kvplug serve` (a seq cache, chains). The tables go to
 # .peers/speculation-hybrid.md.
 #
 # Settings (environment): MODEL (the GGUF whose vocabulary the files copy; default the demo
 # model), QUANT (default Q4_K_M), SHAPES (default all three), ROUNDS (default 2; each runs
-# plain, ngram, ngram, plain or the reverse).
+# plain, ngram, ngram, plain or the reverse), WAYS (default "run serve").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PEERS_WHO=bench-speculation
@@ -39,5 +40,8 @@ done
 
 cargo build --release --quiet -p kvplug-cli -p kvplug-cpu
 echo "bench-speculation: plain and ngram decoding, $ROUNDS rounds, interleaved, $(nproc) threads"
-python3 scripts/bench_speculation.py ./target/release/kvplug target/release "$ROUNDS" \
-    "${files[@]}" | tee "$PEERS/speculation-hybrid.md"
+: >"$PEERS/speculation-hybrid.md"
+for way in ${WAYS:-run serve}; do
+    python3 scripts/bench_speculation.py ./target/release/kvplug target/release "$ROUNDS" \
+        "$way" "${files[@]}" | tee -a "$PEERS/speculation-hybrid.md"
+done
