@@ -246,11 +246,12 @@ pub const PINNED_ANCHORS: usize = 4;
 /// llama.cpp's server keeps context checkpoints near the end of each prompt.
 pub const PROMPT_END_ANCHORS: usize = 4;
 
-/// The most tokens at the end of a run of a sequence whose outputs are all read (a
-/// speculative chain: any of them may end the accepted part) that a recurrent cache anchors
-/// each, so that cutting a refused tail there is exact; a cut further back is refused as a
-/// rewind into a prefill is. Bounds what a run reading every output (a prompt's logprobs)
-/// keeps: a Qwen3.5-0.8B anchor is 19.3 MiB.
+/// The most tokens of one step's runs whose outputs are all read (speculative chains: any
+/// token may end the accepted part) that a recurrent cache anchors each, the earliest of
+/// each run first, so that cutting a refused tail there is exact; a cut elsewhere inside
+/// such a run is refused as a rewind into a prefill is. Kept until the next step commits.
+/// Bounds what a step of many chains or a run reading every output (a prompt's logprobs)
+/// holds: a Qwen3.5-0.8B anchor is 19.3 MiB.
 pub const CHAIN_ANCHORS: usize = 16;
 
 /// The widest convolution kernel a config may declare.

@@ -8,8 +8,9 @@
 //! previous token of the step when it is that position (a chain), another token of the step
 //! (a tree node's parent), or the anchor of the cell holding it. A step anchors the last
 //! token of each chain, every token of a tree step (any node may end the accepted chain)
-//! and the last [`CHAIN_ANCHORS`] tokens of a chain whose outputs are read (a speculative
-//! chain, whose refused tail is cut); `commit` moves anchors with their cells. Verbs that would leave a sequence
+//! and up to [`CHAIN_ANCHORS`] tokens of the step's chains whose outputs are read
+//! (speculative chains, whose refused tails are cut); `commit` moves anchors with their
+//! cells. Verbs that would leave a sequence
 //! ending at a cell without an anchor are refused by [`Anchors::check_verb`], so a step
 //! always finds its state. States are f32 and live in host memory.
 
@@ -51,6 +52,9 @@ enum Pin {
     Prefix,
     /// A prompt's end ([`PROMPT_END_ANCHORS`]).
     Prompt,
+    /// A token inside a speculative chain of the newest step ([`Anchors::keep_read`]): kept
+    /// until the next step commits (the refused tails are cut before it), then a spare.
+    Chain,
 }
 
 /// The anchors of a cache with recurrent layers, and the open step's working state.
@@ -77,6 +81,11 @@ pub struct Anchors {
     /// Whether the open step is a tree frontier (every node keeps its state; none is a
     /// prompt).
     step_tree: bool,
+    /// Per token of the open step: whether it keeps its state as a chain's
+    /// ([`Anchors::keep_read`]).
+    step_chain: Vec<bool>,
+    /// The slots the newest step kept for its chains ([`Pin::Chain`]).
+    chain: Vec<u32>,
     /// One token's convolution output (delta or convolution layer).
     mixed: Vec<f32>,
     /// Per token of the step, the rule's inputs (laid out as [`Tokens`] says): normalized
@@ -145,6 +154,8 @@ impl Anchors {
             step_slot: Vec::new(),
             step_home: Vec::new(),
             step_tree: false,
+            step_chain: Vec::new(),
+            chain: Vec::new(),
             mixed: vec![0.0; mixed],
             qk: Vec::new(),
             v: Vec::new(),
@@ -266,6 +277,8 @@ impl Anchors {
         self.rollback_step();
         self.step_tree = tree;
         let t = plan.n_tok;
+        self.step_chain.clear();
+        self.step_chain.resize(t, false);
         self.step_cell.clear();
         self.step_pred.clear();
         for i in 0..t {
@@ -301,36 +314,43 @@ impl Anchors {
     }
 
     /// The open step's outputs that are read (`read`, per token; before any layer runs):
-    /// the tokens ending a run of two or more whose outputs are all read — a speculative
-    /// chain's, up to its last [`CHAIN_ANCHORS`] — keep their states, so a rewind or
-    /// `seq_rm` of a refused tail there is exact. A tree step keeps every node already.
+    /// in a run of a sequence whose outputs are all read from some token to its end — a
+    /// speculative chain — each of those tokens keeps its state, the earliest first (a
+    /// refused tail is cut where the accepted part ends, most often early), up to
+    /// [`CHAIN_ANCHORS`] over the step; so a rewind or `seq_rm` of a refused tail there is
+    /// exact. The states are kept until the next step commits ([`Pin::Chain`]). A tree step
+    /// keeps every node already.
     pub fn keep_read(&mut self, read: &[bool]) {
         let t = self.step_cell.len();
         if self.step_tree || read.len() != t {
             return;
         }
-        let mut kept = false;
-        let mut end = t;
-        while end > 0 {
-            let mut start = end - 1;
-            while self.goes_on(start) {
-                start -= 1;
+        let (mut budget, mut end) = (CHAIN_ANCHORS, 0);
+        while end < t && budget > 0 {
+            let start = end;
+            end += 1;
+            while self.goes_on(end) {
+                end += 1;
             }
             let mut from = end;
-            while from > start && end - from < CHAIN_ANCHORS && read[from - 1] {
+            while from > start && read[from - 1] {
                 from -= 1;
             }
-            if end - from >= 2 {
-                for i in from..end {
-                    if self.step_slot[i] == NONE {
-                        self.step_slot[i] = self.take_slot();
-                        kept = true;
-                    }
+            if end - from < 2 {
+                continue;
+            }
+            for i in from..end - 1 {
+                if budget == 0 {
+                    break;
+                }
+                if self.step_slot[i] == NONE {
+                    self.step_slot[i] = self.take_slot();
+                    self.step_chain[i] = true;
+                    budget -= 1;
                 }
             }
-            end = start;
         }
-        if kept {
+        if budget < CHAIN_ANCHORS {
             self.place();
         }
     }
@@ -362,6 +382,13 @@ impl Anchors {
     /// chain written again (nothing read).
     pub fn commit_step(&mut self, read: &[bool]) {
         self.clock += 1;
+        for &s in &self.chain {
+            let slot = &mut self.slots[s as usize];
+            if slot.pin == Pin::Chain {
+                slot.pin = Pin::Spare;
+            }
+        }
+        self.chain.clear();
         for i in 0..self.step_cell.len() {
             let read_at = |j: usize| read.get(j).copied().unwrap_or(false);
             let prompt_end =
@@ -381,7 +408,14 @@ impl Anchors {
             let slot = &mut self.slots[s as usize];
             slot.cell = cell as u32;
             slot.stamp = self.clock;
-            slot.pin = if prompt_end { Pin::Prompt } else { Pin::Spare };
+            slot.pin = if prompt_end {
+                Pin::Prompt
+            } else if self.step_chain.get(i) == Some(&true) {
+                self.chain.push(s);
+                Pin::Chain
+            } else {
+                Pin::Spare
+            };
         }
         self.step_slot.clear();
         self.step_cell.clear();
@@ -792,7 +826,8 @@ impl Anchors {
                             "the recurrent state after position {q} is not kept: a hybrid \
                              cache with recurrent layers can return only to the end of one \
                              of the last {SPARE_ANCHORS} steps, of one of the last \
-                             {PROMPT_END_ANCHORS} prompts or of a published prefix"
+                             {PROMPT_END_ANCHORS} prompts, of a published prefix or to a \
+                             token of the newest step's speculative chains"
                         )));
                     }
                 }
@@ -830,12 +865,13 @@ impl Anchors {
             self.release(s);
         }
         spare.sort_unstable_by_key(|&(stamp, ..)| std::cmp::Reverse(stamp));
-        let mut kept = [0; 3];
+        let mut kept = [0; 4];
         for &(_, pin, s) in &spare {
             let budget = match pin {
                 Pin::Spare => SPARE_ANCHORS,
                 Pin::Prefix => PINNED_ANCHORS,
                 Pin::Prompt => PROMPT_END_ANCHORS,
+                Pin::Chain => CHAIN_ANCHORS,
             };
             kept[pin as usize] += 1;
             if kept[pin as usize] > budget {

@@ -20,9 +20,9 @@
 //! The cache decides the draft's shape. A tree cache verifies a tree (`propose`, then
 //! `commit` of the accepted chain). A contiguous or seq cache verifies a chain and drops
 //! the refused tail (`rewind`, `seq_rm`); where it cannot cut inside the step (a recurrent
-//! layer keeps the state of only a chain's last `CHAIN_ANCHORS` tokens; another backend's
-//! cache may keep none) it drops the whole step and the accepted tokens are written again
-//! in a second forward of the same step.
+//! layer keeps the state of at most `CHAIN_ANCHORS` tokens of a step's chains; another
+//! backend's cache may keep none) it drops the whole step and the accepted tokens are
+//! written again in a second forward of the same step.
 //!
 //! Adaptive: each round drafts the depth that maximizes expected tokens per second, from the
 //! measured cost of steps by draft size and the recent acceptance at each draft position.

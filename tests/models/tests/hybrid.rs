@@ -268,8 +268,8 @@ fn state_follows_forks_rewinds_and_tree_commits(model: &Path) {
 
 /// Speculation in the generator on a Qwen3.5 file gives plain decoding's tokens on every
 /// cache kind: a tree cache commits the accepted branch; a seq or contiguous cache keeps the
-/// state of a speculative chain's last `CHAIN_ANCHORS` tokens and cuts the refused tail
-/// there, and drops a deeper chain refused before them and writes its accepted tokens again
+/// state of a speculative chain's first `CHAIN_ANCHORS` tokens and cuts the refused tail
+/// there, and drops a deeper chain refused past them and writes its accepted tokens again
 /// — after which the cache holds exactly the prompt and every generated token but the last.
 #[test]
 fn qwen35_speculation_gives_plain_decodings_tokens_on_every_cache_kind() {

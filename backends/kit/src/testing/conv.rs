@@ -323,17 +323,17 @@ pub fn check_conv_verbs<D2: Device>(device: D2) {
         )
         .unwrap();
         extend(&mut h, &[(6, 606)]);
-        // A speculative chain (every output read) longer than the states it keeps: its
-        // refused tail is cut exactly inside it; a cut before its last CHAIN_ANCHORS tokens
-        // is refused.
+        // A speculative chain (every output read) longer than the states a step keeps: its
+        // refused tail is cut exactly inside its first CHAIN_ANCHORS tokens; a cut after
+        // them, short of its end, is refused.
         let chain: Vec<(i32, u32)> = (7..9 + CHAIN_ANCHORS as i32)
             .map(|p| (p, 700 + p as u32))
             .collect();
         let read: Vec<usize> = (0..chain.len()).collect();
         step_reading(&mut c, w, &chain, None, &run(&h, &chain), &read, "a chain").unwrap();
         let before = c.export_seq(0).unwrap();
-        let early = c.rewind(9);
-        refused(&c, early, "not kept", 0, &before);
+        let late = c.rewind(8 + CHAIN_ANCHORS);
+        refused(&c, late, "not kept", 0, &before);
         c.rewind(10).unwrap();
         extend(&mut h, &chain[..3]);
         step_and_check(

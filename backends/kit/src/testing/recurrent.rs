@@ -178,7 +178,7 @@ pub(super) fn run(h: &History, tokens: &[(i32, u32)]) -> Vec<History> {
 
 /// The verbs every recurrent layer kind is exact under, on `dev`: a prefill, decoding, a
 /// dropped step, a rewind to a step's end and one refused (no anchor there, the cache
-/// unchanged), a speculative chain cut inside it and a cut before its kept anchors refused,
+/// unchanged), a speculative chain cut inside it and a cut past its kept anchors refused,
 /// on a contiguous cache; forked sequences that diverge, a tail removed, a hole
 /// refused, a cached prefix attached up to its anchored part (seq); a tree cache's prompt
 /// keeping its end's state only; a speculative tree whose commit of a branch ending inside
@@ -218,14 +218,15 @@ pub(super) fn check_verbs<L: Layer, D2: Device>(dev: &Arc<D2>) {
     let redo = [(11, 911), (12, 912)];
     step_and_check::<L, D2>(&mut c, &redo, None, &run(&h, &redo), "after a rewind").unwrap();
     h.extend(redo);
-    // A speculative chain (every output read) longer than the anchors it keeps: its refused
-    // tail is cut exactly inside it; a cut before its last CHAIN_ANCHORS tokens is refused.
+    // A speculative chain (every output read) longer than the anchors a step keeps: its
+    // refused tail is cut exactly inside its first CHAIN_ANCHORS tokens; a cut after them,
+    // short of its end, is refused.
     let chain: Vec<(i32, u32)> = (13..15 + CHAIN_ANCHORS as i32)
         .map(|p| (p, 900 + p as u32))
         .collect();
     let read: Vec<usize> = (0..chain.len()).collect();
     L::step(&mut c, &chain, None, &run(&h, &chain), &read, "a chain").unwrap();
-    let e = c.rewind(15).unwrap_err();
+    let e = c.rewind(14 + CHAIN_ANCHORS).unwrap_err();
     assert!(e.message.contains("not kept"), "{}", e.message);
     c.rewind(16).unwrap();
     h.extend(chain[..3].iter().copied());
@@ -287,6 +288,40 @@ pub(super) fn check_verbs<L: Layer, D2: Device>(dev: &Arc<D2>) {
         Some(&[1, 0]),
         &[h1.clone(), h0.clone()],
         "after seq_rm",
+    )
+    .unwrap();
+    h1.insert(5, 501);
+    h0.insert(6, 302);
+    // Both sequences' speculative chains in one step, the first keeping more states than
+    // the spares a verb leaves, then each cut early in its chain, the second first: that
+    // cut's check keeps the other chain's states.
+    let (long, short) = (CHAIN_ANCHORS - 3, 5usize);
+    let mut chains: Vec<(i32, u32)> = (7..7 + long as i32).map(|p| (p, 700 + p as u32)).collect();
+    chains.extend((6..6 + short as i32).map(|p| (p, 600 + p as u32)));
+    let mut seqs = vec![0; long];
+    seqs.extend(vec![1; short]);
+    let mut hs = run(&h0, &chains[..long]);
+    hs.extend(run(&h1, &chains[long..]));
+    let read: Vec<usize> = (0..chains.len()).collect();
+    L::step(&mut s, &chains, Some(&seqs), &hs, &read, "two chains").unwrap();
+    s.seq_rm(1, PosRange::new(Some(7), None)).unwrap();
+    // Every kept state of the first chain is still there: a copy of it ending at each.
+    for (k, p) in (7..6 + long as i32).enumerate() {
+        let copy = 2 + k as i32;
+        if let Err(e) = s.seq_cp(0, copy, PosRange::new(None, Some(p + 1))) {
+            panic!("the chain's state at {p} was dropped by the other's cut: {e}");
+        }
+        s.seq_rm(copy, PosRange::ALL).unwrap();
+    }
+    s.seq_rm(0, PosRange::new(Some(8), None)).unwrap();
+    h1.insert(6, 606);
+    h0.insert(7, 707);
+    step_and_check::<L, D2>(
+        &mut s,
+        &[(7, 617), (8, 718)],
+        Some(&[1, 0]),
+        &[h1.clone(), h0.clone()],
+        "after two cut chains",
     )
     .unwrap();
 
