@@ -486,7 +486,7 @@ fn format(f: &Fields, endpoint: Endpoint) -> Result<Format, ApiError> {
         // OpenAI requires the `json_schema` object; its `schema` is optional (any JSON
         // object then).
         Some("json_schema") if !rf.get("json_schema").is_some_and(Value::is_object) => Err(bad(
-            "'response_format.json_schema' is required with type json_schema, an object",
+            "'response_format.json_schema' must be an object (required with type json_schema)",
         )),
         Some("json_schema") => match rf.pointer("/json_schema/schema") {
             Some(s @ Value::Object(_)) => Ok(Format::Json(Some(s.clone()))),
@@ -908,7 +908,7 @@ mod tests {
         refused(
             &with(r#""response_format": {"type": "json_schema"}"#),
             "response_format",
-            "json_schema' is required",
+            "json_schema' must be an object",
         );
         refused(&with(r#""echo": true"#), "echo", "not supported");
         refused(&with(r#""frobnicate": 1"#), "frobnicate", "unknown field");

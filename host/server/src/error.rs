@@ -63,6 +63,14 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, format!("no route {path}"))
     }
 
+    /// A route asked with a method it does not take (405).
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{path} does not take {method}"),
+        )
+    }
+
     /// 404: a model this server does not serve.
     pub fn not_found_model(id: &str) -> Self {
         ApiError {

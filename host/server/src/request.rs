@@ -62,7 +62,12 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
             doubled_braces: false,
         }),
     };
-    let rendered = match &p.prompt {
+    let prompt = match &p.prompt {
+        Prompt::Ids(ids) => {
+            in_vocabulary(m, "prompt", ids.iter().copied())?;
+            ids.clone()
+        }
+        Prompt::Text(t) => encode(m, &mut calls, t)?,
         Prompt::Chat(messages) => {
             if !m.text.has_template() {
                 return Err(ApiError::invalid(
@@ -74,33 +79,12 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
                 .iter()
                 .flat_map(|c| c.tools.iter().map(Tool::to_value))
                 .collect();
-            m.text
+            let rendered = m
+                .text
                 .render_tools(messages, &tools, true)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            encode(m, &mut calls, &rendered)?
         }
-        Prompt::Text(t) => t.clone(),
-        Prompt::Ids(ids) => {
-            if let Some(&bad) = ids.iter().find(|&&id| id as usize >= m.vocab) {
-                return Err(ApiError::invalid(
-                    Some("prompt"),
-                    format!(
-                        "token id {bad} is outside the vocabulary of {} tokens",
-                        m.vocab
-                    ),
-                ));
-            }
-            String::new()
-        }
-    };
-    if let Some(c) = &mut calls {
-        c.doubled_braces = teaches_doubled_braces(&rendered);
-    }
-    let prompt = match &p.prompt {
-        Prompt::Ids(ids) => ids.clone(),
-        _ => m
-            .text
-            .encode(&rendered)
-            .map_err(|e| ApiError::invalid(None, e.to_string()))?,
     };
     if prompt.is_empty() {
         return Err(ApiError::invalid(
@@ -111,22 +95,42 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
     Ok((prompt, calls))
 }
 
-/// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
-pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
-    if let Some(&(bad, _)) = p
-        .adjust
-        .logit_bias
-        .iter()
-        .find(|&&(id, _)| id as usize >= m.vocab)
-    {
-        return Err(ApiError::invalid(
-            Some("logit_bias"),
+/// The token ids of `rendered`, the prompt's text; `calls` learn whether it shows them in
+/// doubled braces.
+fn encode(m: &Model, calls: &mut Option<Calls>, rendered: &str) -> Result<Vec<i32>, ApiError> {
+    if let Some(c) = calls {
+        c.doubled_braces = teaches_doubled_braces(rendered);
+    }
+    m.text
+        .encode(rendered)
+        .map_err(|e| ApiError::invalid(None, e.to_string()))
+}
+
+/// Refuses (400, naming `param`) a token id outside the model's vocabulary.
+fn in_vocabulary(
+    m: &Model,
+    param: &str,
+    mut ids: impl Iterator<Item = i32>,
+) -> Result<(), ApiError> {
+    match ids.find(|&id| id as usize >= m.vocab) {
+        Some(bad) => Err(ApiError::invalid(
+            Some(param),
             format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
                 m.vocab
             ),
-        ));
+        )),
+        None => Ok(()),
     }
+}
+
+/// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
+pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
+    in_vocabulary(
+        m,
+        "logit_bias",
+        p.adjust.logit_bias.iter().map(|&(id, _)| id),
+    )?;
     let (prompt, calls) = render(m, p)?;
     let max_tokens = max_tokens(m, p, prompt.len())?;
     let (constraint, triggered) = constraint(m, p, calls.as_ref())?;

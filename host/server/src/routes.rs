@@ -10,7 +10,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Uri};
+use axum::http::{header, HeaderMap, HeaderValue, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -100,6 +100,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
@@ -153,6 +154,10 @@ async fn metrics(State(s): State<AppState>) -> Response {
 
 async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(uri.path())
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
 }
 
 async fn health(State(s): State<AppState>) -> Json<Value> {

@@ -280,6 +280,12 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
         (status, v["error"]["type"].as_str()),
         (404, Some("invalid_request_error"))
     );
+    let (status, v) = s.get(path);
+    assert_eq!(
+        (status, v["error"]["type"].as_str()),
+        (405, Some("invalid_request_error")),
+        "{v}"
+    );
     assert!(
         content(&s.ok(path, &chat(&hi, 4), &[])).len() > 1,
         "still serving"
