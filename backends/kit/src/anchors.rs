@@ -10,9 +10,8 @@
 //! token of each chain, every token of a tree step (any node may end the accepted chain)
 //! and up to [`CHAIN_ANCHORS`] tokens of the step's chains whose outputs are read
 //! (speculative chains, whose refused tails are cut); `commit` moves anchors with their
-//! cells. Verbs that would leave a sequence
-//! ending at a cell without an anchor are refused by [`Anchors::check_verb`], so a step
-//! always finds its state. States are f32 and live in host memory.
+//! cells. Verbs that would leave a sequence ending at a cell without an anchor are refused
+//! by [`Anchors::check_verb`], so a step always finds its state. States are f32 and live in host memory.
 
 use kvplug_core::config::{CHAIN_ANCHORS, PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
 use kvplug_core::{

@@ -443,11 +443,12 @@ impl Plan {
         }
         if p.state_bytes > 0 {
             out += &format!(
-                "recurrent state      {} per sequence (an anchor; a decoding sequence keeps up to {} more, a speculative tree one per node)\n",
+                "recurrent state      {} per sequence (an anchor; a cache keeps up to {} more, a speculative tree one per node, a step's speculative chains up to {})\n",
                 size(p.state_bytes as u64),
                 2 * kvplug_core::config::SPARE_ANCHORS
                     + kvplug_core::config::PINNED_ANCHORS
-                    + kvplug_core::config::PROMPT_END_ANCHORS
+                    + kvplug_core::config::PROMPT_END_ANCHORS,
+                kvplug_core::config::CHAIN_ANCHORS
             );
         }
         out += &format!(
