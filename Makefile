@@ -129,7 +129,7 @@ bench-kernels:
 ## a decode token reaches (scripts/bench_gpu.py). Run where a GPU is; not part of make test.
 ## PEER=vulkan adds llama.cpp's Vulkan llama-bench on the same files, interleaved.
 bench-gpu: deps
-	$(CARGO) build --release -p kvplug -p kvplug-wgpu
+	$(CARGO) build --release -p kvplug-cli -p kvplug-wgpu
 	./scripts/bench-gpu.sh
 
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)
