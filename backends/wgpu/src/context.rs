@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use wgpu::util::DeviceExt;
 
+use crate::model::WEIGHT_DTYPES;
 use crate::profile::Profile;
 
 /// Adapter, device, queue and the kernels.
@@ -32,6 +33,8 @@ pub struct Context {
     rows: OnceLock<Kernels<3>>,
     model: OnceLock<Kernels<{ MODEL_ENTRIES.len() }>>,
     project: OnceLock<Kernels<2>>,
+    /// `project`'s kernels built for one weight dtype, by its flag.
+    project_by_dtype: [OnceLock<Kernels<2>>; WEIGHT_DTYPES],
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
     recorder: Arc<Mutex<Recorder>>,
@@ -334,6 +337,10 @@ pub struct Tuning {
     /// Whether `rows_main` adds its lanes' sums with subgroup operations where the adapter
     /// has them (`Features::SUBGROUP`), rather than through workgroup memory alone.
     pub subgroups: bool,
+    /// Whether a dispatch whose weights share a dtype runs kernels built for it
+    /// ([`Context::project`]): a GPU's compiler then drops the other dtypes' branches; on a
+    /// CPU adapter each dtype's build costs about a second of compiling for little gain.
+    pub by_dtype: bool,
 }
 
 impl Tuning {
@@ -346,17 +353,18 @@ impl Tuning {
         lane_steps: 32,
         max_lanes: 64,
         subgroups: true,
+        by_dtype: false,
     };
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
     /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
-    /// `subgroups=0|1`).
+    /// `subgroups=0|1`, `by_dtype=0|1`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
         for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let bad = || {
                 format!(
                     "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
-                     max_lanes=N or subgroups=0|1"
+                     max_lanes=N, subgroups=0|1 or by_dtype=0|1"
                 )
             };
             let (name, value) = field.split_once('=').ok_or_else(bad)?;
@@ -367,6 +375,7 @@ impl Tuning {
                 "lane_steps" => self.lane_steps = n,
                 "max_lanes" => self.max_lanes = n,
                 "subgroups" if n <= 1 => self.subgroups = n == 1,
+                "by_dtype" if n <= 1 => self.by_dtype = n == 1,
                 _ => return Err(bad()),
             }
         }
@@ -409,6 +418,7 @@ impl Tuning {
             lane_steps: 8,
             max_lanes: 256,
             subgroups: true,
+            by_dtype: true,
         }
     }
 }
@@ -493,6 +503,7 @@ fn kernels<const N: usize>(
     (params_size, slots): (usize, &[Slot]),
     entries: [&'static str; N],
     compilation_options: wgpu::PipelineCompilationOptions<'_>,
+    layout: Option<&wgpu::BindGroupLayout>,
 ) -> Kernels<N> {
     assert!(params_size <= MAX_PARAMS && params_size % 16 == 0);
     let params_size = NonZeroU64::new(params_size as u64).expect("a uniform has fields");
@@ -518,9 +529,11 @@ fn kernels<const N: usize>(
             count: None,
         })
         .collect();
-    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-        label: Some(label),
-        entries: &layout_entries,
+    let layout = layout.cloned().unwrap_or_else(|| {
+        device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some(label),
+            entries: &layout_entries,
+        })
     });
     let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
         label: Some(label),
@@ -662,6 +675,7 @@ impl Context {
             rows: OnceLock::new(),
             model: OnceLock::new(),
             project: OnceLock::new(),
+            project_by_dtype: Default::default(),
             slot,
             recorder: Arc::new(Mutex::new(recorder)),
             unused: OnceLock::new(),
@@ -700,6 +714,7 @@ impl Context {
                 ),
                 ATTENTION_ENTRIES,
                 Default::default(),
+                None,
             )
         })
     }
@@ -718,6 +733,7 @@ impl Context {
                 ),
                 ["write_main", "gather_main", "place_main"],
                 Default::default(),
+                None,
             )
         })
     }
@@ -739,38 +755,59 @@ impl Context {
                 ),
                 MODEL_ENTRIES,
                 Default::default(),
+                None,
             )
         })
     }
 
     /// Linear kernels, in [`PROJECT_ENTRIES`] order, for [`Tuning::ways`] projections a
     /// dispatch. Bindings: the uniform, the input, the norm weight or up projection, the
-    /// index words, then the projections' weights, their outputs, their biases.
-    pub fn project(&self) -> &Kernels<2> {
-        self.project.get_or_init(|| {
-            use Slot::*;
-            let ways = self.tuning.ways;
-            let slots: Vec<Slot> = [Uniform, Read, Read, Read]
-                .into_iter()
-                .chain(
-                    [Read, ReadWrite, Read]
-                        .into_iter()
-                        .flat_map(|s| vec![s; ways]),
-                )
-                .collect();
-            kernels(
-                &self.device,
-                "project",
-                &project_source(ways, self.subgroups),
-                (size_of::<crate::model::ProjParams>(), &slots),
-                PROJECT_ENTRIES,
-                wgpu::PipelineCompilationOptions {
-                    constants: &[("GROUP", self.tuning.group as f64)],
-                    // Each kernel writes its workgroup memory before reading it.
-                    zero_initialize_workgroup_memory: false,
-                },
+    /// index words, then the projections' weights, their outputs, their biases. `dtype`:
+    /// the weights' dtype flag where every projection of the dispatch has it, for kernels
+    /// built for it (weights.wgsl's `FMT`: on an H200 the dtype's branches cost more than
+    /// the arithmetic), made on first use and binding as the generic ones (their layout).
+    pub fn project(&self, dtype: Option<u32>) -> &Kernels<2> {
+        let generic = self
+            .project
+            .get_or_init(|| self.project_kernels(None, None));
+        match dtype {
+            None => generic,
+            Some(f) => self.project_by_dtype[f as usize]
+                .get_or_init(|| self.project_kernels(Some(f), Some(&generic.layout))),
+        }
+    }
+
+    fn project_kernels(
+        &self,
+        dtype: Option<u32>,
+        layout: Option<&wgpu::BindGroupLayout>,
+    ) -> Kernels<2> {
+        use Slot::*;
+        let ways = self.tuning.ways;
+        let slots: Vec<Slot> = [Uniform, Read, Read, Read]
+            .into_iter()
+            .chain(
+                [Read, ReadWrite, Read]
+                    .into_iter()
+                    .flat_map(|s| vec![s; ways]),
             )
-        })
+            .collect();
+        kernels(
+            &self.device,
+            "project",
+            &project_source(ways, self.subgroups),
+            (size_of::<crate::model::ProjParams>(), &slots),
+            PROJECT_ENTRIES,
+            wgpu::PipelineCompilationOptions {
+                constants: &[
+                    ("GROUP", self.tuning.group as f64),
+                    ("FMT", dtype.map_or(255.0, f64::from)),
+                ],
+                // Each kernel writes its workgroup memory before reading it.
+                zero_initialize_workgroup_memory: false,
+            },
+            layout,
+        )
     }
 
     /// A buffer holding `bytes` (at least 4 bytes, as bindings must not be empty).
@@ -1044,8 +1081,16 @@ mod tests {
         let t = Tuning::CPU.with(" group=128, lane_steps=8 ").unwrap();
         assert_eq!((t.ways, t.group, t.lane_steps), (1, 128, 8));
         assert!(!Tuning::CPU.with("subgroups=0").unwrap().subgroups);
+        assert!(Tuning::CPU.with("by_dtype=1").unwrap().by_dtype);
         assert_eq!(Tuning::CPU.with("").unwrap(), Tuning::CPU);
-        for bad in ["group", "group=x", "lanes=4", "ways=-1", "subgroups=2"] {
+        for bad in [
+            "group",
+            "group=x",
+            "lanes=4",
+            "ways=-1",
+            "subgroups=2",
+            "by_dtype=2",
+        ] {
             let e = Tuning::CPU.with(bad).unwrap_err();
             assert!(e.contains("KVPLUG_WGPU_TUNING") && e.contains(bad), "{e}");
         }

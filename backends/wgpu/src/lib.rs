@@ -221,9 +221,13 @@ impl WgpuDevice {
 
     /// The default adapter, as [`Backend::open`] opens it, but with storage bindings capped
     /// at `max_binding` bytes: a smaller adapter's limit, so that splitting weights across
-    /// bindings can be exercised on any machine.
-    pub fn open_with_binding_limit(max_binding: u64) -> Result<Self, String> {
-        Context::open(Some(max_binding), None).map(WgpuDevice::new)
+    /// bindings can be exercised on any machine; `tuning` as [`Self::open_tuned`]'s, or the
+    /// adapter's kind's.
+    pub fn open_with_binding_limit(
+        max_binding: u64,
+        tuning: Option<context::Tuning>,
+    ) -> Result<Self, String> {
+        Context::open(Some(max_binding), tuning).map(WgpuDevice::new)
     }
 
     /// The default adapter with its projection kernels shaped by `tuning` rather than by the

@@ -40,6 +40,9 @@ struct WeightPart {
     rows: usize,
 }
 
+/// Dtype flags the shaders read (`dtype_flag`'s values).
+pub(crate) const WEIGHT_DTYPES: usize = 3 + BLOCK_FORMATS.len();
+
 /// The shaders' flag for a stored dtype (`weight_at` in weights.wgsl), or an error for one the
 /// shaders do not read (a dtype a later kit added).
 fn dtype_flag(d: StoredDtype) -> Result<u32, KitError> {
@@ -383,7 +386,9 @@ impl WgpuDevice {
         }
         let words: &[&[u32]] = if first > 0 { &words } else { &[] };
         let slots = &slots[..3 + 3 * n];
-        ctx.dispatch(ctx.project(), params, words, slots, &[(pipeline, groups)]);
+        let dtype = tuning.by_dtype && ways.iter().all(|w| w.dtype == ways[0].dtype);
+        let kernels = ctx.project(dtype.then_some(ways[0].dtype));
+        ctx.dispatch(kernels, params, words, slots, &[(pipeline, groups)]);
     }
 
     fn op(

@@ -22,6 +22,7 @@ const GPU: Tuning = Tuning {
     lane_steps: 8,
     max_lanes: 256,
     subgroups: true,
+    by_dtype: true,
 };
 
 fn gpu_device() -> WgpuDevice {

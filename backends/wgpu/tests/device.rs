@@ -258,7 +258,7 @@ fn attention_at_wide_heads_in_chunks_is_inside_each_arithmetics_bound() {
     // chunks of 7 and 1; the query (up to 155 648 bytes), the pools (up to 172 800) and K/V
     // written 50 rows at a time fit it. Four query heads share each KV head.
     let (hq, hkv, t, l) = (8, 2, 19, 300);
-    let dev = WgpuDevice::open_with_binding_limit(176_000).unwrap();
+    let dev = WgpuDevice::open_with_binding_limit(176_000, None).unwrap();
     for d in [128, 256] {
         // Rows of their own range and offset, so that each key's quantization groups differ
         // (a wrong offset term then shifts the scores unevenly, which softmax does not undo).

@@ -12,6 +12,7 @@ use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::testing::{additive_parts, random_blocks, Rng};
 use kvplug_backend_kit::Device;
 use kvplug_plugin_api::TensorDtype;
+use kvplug_wgpu::context::Tuning;
 use kvplug_wgpu::WgpuDevice;
 
 const COLS: usize = 512;
@@ -100,12 +101,25 @@ fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
     let x: Vec<f32> = (0..20 * COLS)
         .map(|i| rng.signed() * if i / COLS == 1 { 100.0 } else { 1.0 })
         .collect();
+    // The adapter's kernels, and (as a GPU runs them) kernels built for each dtype.
+    for by_dtype in [false, true] {
+        let dev = WgpuDevice::open_with_binding_limit(
+            CAP as u64,
+            Some(Tuning {
+                by_dtype,
+                ..Tuning::CPU
+            }),
+        )
+        .unwrap_or_else(|e| panic!("no wgpu adapter (install mesa-vulkan-drivers): {e}"));
+        check_weights(&dev, &x, &mut rng);
+    }
+}
+
+fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
     let u = 2f64.powi(-24);
     let gamma = |k: f64| k * u / (1.0 - k * u);
     let gamma64 = COLS as f64 * 2f64.powi(-53);
-    let dev = WgpuDevice::open_with_binding_limit(CAP as u64)
-        .unwrap_or_else(|e| panic!("no wgpu adapter (install mesa-vulkan-drivers): {e}"));
-    for (dtype, bytes) in weights(&mut rng) {
+    for (dtype, bytes) in weights(rng) {
         let rows = rows(dtype);
         let n = bytes.len();
         let stored = StoredTensor::new(dtype, Arc::new(bytes.clone()), 0..n).unwrap();

@@ -34,7 +34,7 @@ fn flat(g: vec3<u32>, nw: vec3<u32>) -> u32 {
 fn embed_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let i = flat(g, nw);
     if i >= p.total { return; }
-    fmt = p.flag;
+    set_fmt(p.flag);
     let w = p.n0;
     let id = idx[p.idx0 + i / w];
     if id < p.n1 || id >= p.n1 + p.n2 { return; }

@@ -51,20 +51,32 @@ var<private> sel: u32;
 // 1/rms of the token whose values a NORMED linear's invocation reads (set by its entry point).
 var<private> norm_inv: f32;
 
-// Value i (flat, [T, cols]) of the input, as p.mode says.
-fn xin(i: u32) -> f32 {
+// Value c of token t's input, as p.mode says.
+fn xin(t: u32, c: u32) -> f32 {
+    let i = t * p.cols + c;
     if (p.mode & GATED) != 0u {
         let g = a[i];
         return g / (1.0 + exp(-g)) * aux[i];
     }
     if (p.mode & NORMED) != 0u {
-        return a[i] * norm_inv * aux[i % p.cols];
+        return a[i] * norm_inv * aux[c];
     }
     if (p.mode & HEADS) != 0u {
-        let c = i % p.cols;
-        return a[((c / p.hd) * p.total + i / p.cols) * p.hd + c % p.hd];
+        return a[((c / p.hd) * p.total + t) * p.hd + c % p.hd];
     }
     return a[i];
+}
+
+// Values c .. c + 4 of token t's input (c a multiple of 4): a plain input, or heads-major
+// with heads a multiple of 4 wide, read from one place (one head's), the others by xin.
+fn xin4(t: u32, c: u32) -> vec4<f32> {
+    var i = t * p.cols + c;
+    let heads = (p.mode & HEADS) != 0u;
+    if (p.mode & (GATED | NORMED)) != 0u || (heads && p.hd % 4u != 0u) {
+        return vec4<f32>(xin(t, c), xin(t, c + 1u), xin(t, c + 2u), xin(t, c + 3u));
+    }
+    if heads { i = ((c / p.hd) * p.total + t) * p.hd + c % p.hd; }
+    return vec4<f32>(a[i], a[i + 1u], a[i + 2u], a[i + 3u]);
 }
 
 fn start(s: u32) -> u32 {
@@ -87,7 +99,7 @@ fn end(s: u32) -> u32 {
 // dtype).
 fn select_row(r: u32) {
     sel = select(select(0u, 1u, r >= p.start1), 2u, r >= p.start2);
-    fmt = (p.fmts >> (8u * sel)) & 255u;
+    set_fmt((p.fmts >> (8u * sel)) & 255u);
 }
 
 // Output o of token t of projection `sel`, its bias added.
@@ -157,20 +169,19 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
     var acc = 0.0;
     if live {
         o = slot_row(r - start(sel));
-        let x0 = t * cols;
         if fmt < 3u {
             for (var i = lane; i < cols; i += lanes) {
-                acc += xin(x0 + i) * weight_at(o * cols + i);
+                acc += xin(t, i) * weight_at(o * cols + i);
             }
         } else {
             // Lane-consecutive quads (4 values of a 32-value slice): a step of the lanes
             // reads consecutive code words and x values, each lane decoding its slice's
-            // scales (the lanes of one slice read the same bytes for them).
+            // scales (the lanes of one slice read the same bytes for them). (A lane a slice,
+            // its scales decoded once, was half as fast on an H200: a step of the lanes then
+            // reads words a block apart.)
             let first = o * (cols / 32u);
             for (var q = lane; q < cols / 4u; q += lanes) {
-                let i0 = x0 + 4u * q;
-                let x = vec4<f32>(xin(i0), xin(i0 + 1u), xin(i0 + 2u), xin(i0 + 3u));
-                acc += dot(quad(slice(first + q / 8u), q % 8u), x);
+                acc += dot(quad(slice(first + q / 8u), q % 8u), xin4(t, 4u * q));
             }
         }
     }
@@ -197,14 +208,16 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
 
 // linear_main: one projection (0) of many tokens, rows [0, end0) of a weight part. A tiled
 // matrix product: each workgroup computes a TILE x TILE block of outputs (rows o0 = wg.x ·
-// TILE, tokens t0 = wg.y · TILE), each invocation 4 rows x 4 tokens of it. Per 32-wide step
-// of the inner dimension the workgroup loads the W tile (dequantized as it is loaded,
-// `quad`) and the x tile into workgroup memory, then every invocation reads 4 + 4 values
-// per 16 products from there.
+// TILE, tokens t0 = wg.y · TILE), each invocation 4 rows x 4 tokens of it in four vec4
+// accumulators (explicit, not an indexed array: an array indexed in a loop may live in
+// memory rather than registers). Per 32-wide step of the inner dimension the workgroup
+// loads the W tile (dequantized as it is loaded, `quad`, each slice's scales once) and the
+// x tile into workgroup memory, then every invocation reads one vec4 of 4 rows and one of
+// 4 tokens per 16 products from there.
 const TILE: u32 = 64u;
 const KSTEP: u32 = 32u;
-var<workgroup> wtile: array<f32, 2048>; // [KSTEP][TILE] of W, inner index a row
-var<workgroup> xtile: array<f32, 2048>; // [KSTEP][TILE] of x, inner index a token
+var<workgroup> wtile: array<vec4<f32>, 512>; // [KSTEP][TILE / 4] of W: 4 neighbouring rows
+var<workgroup> xtile: array<vec4<f32>, 512>; // [KSTEP][TILE / 4] of x: 4 neighbouring tokens
 @compute @workgroup_size(256)
 fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     select_row(0u);
@@ -214,7 +227,11 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     let t0 = wg.y * TILE;
     let ty = lid / 16u; // rows 4·ty..
     let tx = lid % 16u; // tokens 4·tx..
-    var acc: array<vec4<f32>, 4>;
+    // Row 4·ty + i's products with the 4 tokens.
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
     // The W row and the two quads (of 8 per slice) this invocation loads.
     let lr = lid % TILE;
     let lq = (lid / TILE) * 2u;
@@ -230,15 +247,18 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
                 s += v * v;
             }
         }
-        wtile[lid] = s;
+        wtile[lid].x = s;
         workgroupBarrier();
         let g = 4u * xt;
-        let sum = (wtile[g] + wtile[g + 1u]) + (wtile[g + 2u] + wtile[g + 3u]);
+        let sum = (wtile[g].x + wtile[g + 1u].x) + (wtile[g + 2u].x + wtile[g + 3u].x);
         norm_inv = 1.0 / sqrt(sum / f32(cols) + p.eps);
         workgroupBarrier();
     }
     for (var k0 = 0u; k0 < cols; k0 += KSTEP) {
         let o = o0 + lr;
+        // The slice of a block-format row this invocation's two quads are in.
+        var h: Slice;
+        if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k0 / 32u); }
         for (var q = lq; q < lq + 2u; q++) {
             var v = vec4<f32>(0.0);
             if o < rows {
@@ -248,33 +268,45 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
                         if c < cols { v[i] = weight_at(o * cols + c); }
                     }
                 } else {
-                    v = quad(slice(o * (cols / 32u) + k0 / 32u), q);
+                    v = quad(h, q);
                 }
             }
-            for (var i = 0u; i < 4u; i++) { wtile[(4u * q + i) * TILE + lr] = v[i]; }
+            // Values 4q .. 4q + 4 of row lr: component lr % 4 of four k-rows' vec4s.
+            let w = 4u * q * (TILE / 4u) + lr / 4u;
+            let c = lr % 4u;
+            wtile[w][c] = v.x;
+            wtile[w + TILE / 4u][c] = v.y;
+            wtile[w + 2u * (TILE / 4u)][c] = v.z;
+            wtile[w + 3u * (TILE / 4u)][c] = v.w;
         }
         let t = t0 + xt;
         for (var i = 0u; i < 8u; i++) {
             let c = k0 + xk + i;
             var x = 0.0;
-            if t < p.total && c < cols { x = xin(t * cols + c); }
-            xtile[(xk + i) * TILE + xt] = x;
+            if t < p.total && c < cols { x = xin(t, c); }
+            xtile[(xk + i) * (TILE / 4u) + xt / 4u][xt % 4u] = x;
         }
         workgroupBarrier();
         for (var kk = 0u; kk < KSTEP; kk++) {
-            let wv = vec4<f32>(wtile[kk * TILE + 4u * ty], wtile[kk * TILE + 4u * ty + 1u],
-                               wtile[kk * TILE + 4u * ty + 2u], wtile[kk * TILE + 4u * ty + 3u]);
-            let xv = vec4<f32>(xtile[kk * TILE + 4u * tx], xtile[kk * TILE + 4u * tx + 1u],
-                               xtile[kk * TILE + 4u * tx + 2u], xtile[kk * TILE + 4u * tx + 3u]);
-            for (var i = 0u; i < 4u; i++) { acc[i] += wv[i] * xv; }
+            let wv = wtile[kk * (TILE / 4u) + ty];
+            let xv = xtile[kk * (TILE / 4u) + tx];
+            acc0 += wv.x * xv;
+            acc1 += wv.y * xv;
+            acc2 += wv.z * xv;
+            acc3 += wv.w * xv;
         }
         workgroupBarrier();
     }
-    for (var i = 0u; i < 4u; i++) {
-        let o = o0 + 4u * ty + i;
-        for (var j = 0u; j < 4u; j++) {
-            let t = t0 + 4u * tx + j;
-            if o < rows && t < p.total { put(t, o, biased(o, acc[i][j])); }
-        }
+    put_tile(o0 + 4u * ty, t0 + 4u * tx, acc0);
+    put_tile(o0 + 4u * ty + 1u, t0 + 4u * tx, acc1);
+    put_tile(o0 + 4u * ty + 2u, t0 + 4u * tx, acc2);
+    put_tile(o0 + 4u * ty + 3u, t0 + 4u * tx, acc3);
+}
+
+// linear_main's outputs of row o for tokens t .. t + 4 (those that exist).
+fn put_tile(o: u32, t: u32, v: vec4<f32>) {
+    if o >= p.end0 { return; }
+    for (var j = 0u; j < 4u; j++) {
+        if t + j < p.total { put(t + j, o, biased(o, v[j])); }
     }
 }

@@ -5,6 +5,16 @@
 
 var<private> fmt: u32;
 
+// The dtype flag a pipeline was built for (its weights all have it: a constant the driver's
+// compiler folds into weight_at, slice and quad, leaving no branch on the dtype), else 255:
+// the dtype is read at run time.
+override FMT: u32 = 255u;
+
+// Sets `fmt`: FMT where the pipeline was built for one dtype, else `flag`.
+fn set_fmt(flag: u32) {
+    fmt = select(flag, FMT, FMT != 255u);
+}
+
 // Byte o of the weight (little-endian words).
 fn byte_at(o: u32) -> u32 {
     return (wb(o >> 2u) >> ((o & 3u) * 8u)) & 0xffu;
