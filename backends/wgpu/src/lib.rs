@@ -619,9 +619,11 @@ impl WgpuDevice {
                 (4, [key_chunks as u32, t as u32, nheads as u32]),
                 (5, [sx, sy, 1]),
             ];
+            // One chunk of keys: flash_main writes the output itself.
             let passes = match (int8, head0) {
                 (true, 0) => &int8_passes[..],
                 (true, _) => &int8_passes[1..],
+                (false, _) if key_chunks == 1 => &flash_passes[..1],
                 (false, _) => &flash_passes[..],
             };
             self.ctx.dispatch(

@@ -115,8 +115,8 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
 /// The structure of a warm decode step of the tiny Llama (no biases, no post-norms): the
 /// kernels it dispatches per layer and the bytes it reads back. A layer is q, k and v in one
 /// dispatch that normalizes its input, rotates q and k and stores the three split into
-/// heads (1); the K and V writes (2); attention split over chunks of keys and the merge of
-/// the chunks (2); the output projection reading attention's heads as merged and adding
+/// heads (1); the K and V writes (2); attention over one chunk of keys (1: up to 256 keys),
+/// or split over chunks and the merge of the chunks (2); the output projection reading attention's heads as merged and adding
 /// into the residual (1); gate and up in one dispatch normalizing its input (1); the down
 /// projection of the gated product, adding into the residual (1). Around the layers: the
 /// embedding, the final norm, the logit row's gather and the head (4); a greedy step adds
@@ -124,7 +124,8 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
 /// the same two phases and `8·k` bytes. Undoing a fusion adds a dispatch per layer and fails it.
 #[test]
 fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
-    const PER_LAYER: u64 = 8;
+    // A layer with attention over one chunk of keys; past 256 keys it adds the merge.
+    const PER_LAYER: u64 = 7;
     const AROUND: u64 = 4;
     let (dev, pkg, model) = tiny_model("wgpu-dispatches");
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
@@ -181,6 +182,29 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
             }
         }
     }
+    // Past one chunk of keys: a greedy step at position 300.
+    let fill: Vec<i32> = (14..300).map(|p| p % vocab as i32).collect();
+    let at: Vec<i32> = (14..300).collect();
+    model
+        .forward(
+            &mut c,
+            &fill,
+            &at,
+            Some(&[fill.len() - 1]),
+            false,
+            &mut acts,
+        )
+        .unwrap();
+    let before = dev.created();
+    let out = model
+        .forward(&mut c, &[3], &[300], None, false, &mut acts)
+        .unwrap();
+    dev.argmax_rows(out.logits, &mut ids, &mut picked).unwrap();
+    assert_eq!(
+        dev.created().dispatches - before.dispatches,
+        (PER_LAYER + 1) * layers + AROUND + 2,
+        "dispatches of a decode step past 256 keys over {layers} layers"
+    );
 }
 
 /// A GPU's shapes (three projections a dispatch, RoPE and the head split in the q/k/v

@@ -346,7 +346,9 @@ fn partial(r: u32, c: u32) -> u32 {
     return (r * chunks() + c) * (p.d + 2u);
 }
 
-// Chunk x of the keys for query row y of head z (of this dispatch's heads).
+// Chunk x of the keys for query row y of head z (of this dispatch's heads). With one chunk
+// (at most CHUNK keys, as a decode step's early positions) it writes the row's output as
+// combine_main would, and the host dispatches no combine.
 @compute @workgroup_size(64)
 fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let c = wg.x;
@@ -377,6 +379,9 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     red[lid] = sum;
     let total = reduce_sum(lid);
     let at = partial(hh * p.t + i, c);
+    let single = chunks() == 1u;
+    var denom = total;
+    if p.sinks != 0u && total > 0.0 { denom += exp(sinkv[h] - mx); }
     // Σ e^{s−m}·V over the chunk, in blocks of 4·dl values (the whole row when d ≤ 256).
     // A lane of dl invocations covers a block, 4 neighbouring values each (a step of the
     // lane reads consecutive words of a row); the 64 / dl lanes split the chunk's keys, two
@@ -403,11 +408,15 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         for (var e = lid; e < 4u * dl && base + e < p.d; e += 64u) {
             var sum_v = 0.0;
             for (var gg = 0u; gg < lanes; gg++) { sum_v += vpart[gg * 4u * dl + e]; }
-            scores[at + 2u + base + e] = sum_v;
+            if single {
+                out[(h * p.t + i) * p.d + base + e] = select(0.0, sum_v / denom, total > 0.0);
+            } else {
+                scores[at + 2u + base + e] = sum_v;
+            }
         }
         workgroupBarrier();
     }
-    if lid == 0u {
+    if lid == 0u && !single {
         scores[at] = mx;
         scores[at + 1u] = total;
     }
