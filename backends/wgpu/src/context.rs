@@ -511,25 +511,25 @@ fn kernels<const N: usize>(
         label: Some(label),
         source: wgpu::ShaderSource::Wgsl(source.into()),
     });
-    let layout_entries: Vec<wgpu::BindGroupLayoutEntry> = slots
-        .iter()
-        .enumerate()
-        .map(|(i, s)| wgpu::BindGroupLayoutEntry {
-            binding: i as u32,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: match s {
-                    Slot::Uniform => wgpu::BufferBindingType::Uniform,
-                    Slot::Read => wgpu::BufferBindingType::Storage { read_only: true },
-                    Slot::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
-                },
-                has_dynamic_offset: matches!(s, Slot::Uniform),
-                min_binding_size: matches!(s, Slot::Uniform).then_some(params_size),
-            },
-            count: None,
-        })
-        .collect();
     let layout = layout.cloned().unwrap_or_else(|| {
+        let layout_entries: Vec<wgpu::BindGroupLayoutEntry> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| wgpu::BindGroupLayoutEntry {
+                binding: i as u32,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: match s {
+                        Slot::Uniform => wgpu::BufferBindingType::Uniform,
+                        Slot::Read => wgpu::BufferBindingType::Storage { read_only: true },
+                        Slot::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
+                    },
+                    has_dynamic_offset: matches!(s, Slot::Uniform),
+                    min_binding_size: matches!(s, Slot::Uniform).then_some(params_size),
+                },
+                count: None,
+            })
+            .collect();
         device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some(label),
             entries: &layout_entries,
@@ -764,25 +764,21 @@ impl Context {
     /// dispatch. Bindings: the uniform, the input, the norm weight or up projection, the
     /// index words, then the projections' weights, their outputs, their biases. `dtype`:
     /// the weights' dtype flag where every projection of the dispatch has it, for kernels
-    /// built for it (weights.wgsl's `FMT`: on an H200 the dtype's branches cost more than
-    /// the arithmetic), made on first use and binding as the generic ones (their layout).
+    /// built for it (weights.wgsl's `FMT`: the driver folds the dtype's branches, 1.05–1.07×
+    /// decode on an H200), made on first use and binding as the generic ones (their layout).
     pub fn project(&self, dtype: Option<u32>) -> &Kernels<2> {
-        let generic = self
-            .project
-            .get_or_init(|| self.project_kernels(None, None));
         match dtype {
-            None => generic,
-            Some(f) => self.project_by_dtype[f as usize]
-                .get_or_init(|| self.project_kernels(Some(f), Some(&generic.layout))),
+            None => self.project.get_or_init(|| self.project_kernels(None)),
+            Some(f) => {
+                self.project_by_dtype[f as usize].get_or_init(|| self.project_kernels(Some(f)))
+            }
         }
     }
 
-    fn project_kernels(
-        &self,
-        dtype: Option<u32>,
-        layout: Option<&wgpu::BindGroupLayout>,
-    ) -> Kernels<2> {
+    fn project_kernels(&self, dtype: Option<u32>) -> Kernels<2> {
         use Slot::*;
+        // A dtype's kernels bind as the generic ones: one cached bind group serves both.
+        let layout = dtype.map(|_| &self.project(None).layout);
         let ways = self.tuning.ways;
         let slots: Vec<Slot> = [Uniform, Read, Read, Read]
             .into_iter()

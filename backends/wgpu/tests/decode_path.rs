@@ -116,8 +116,8 @@ fn dropping_a_cache_and_its_activations_frees_their_bind_groups() {
 /// kernels it dispatches per layer and the bytes it reads back. A layer is q, k and v in one
 /// dispatch that normalizes its input, rotates q and k and stores the three split into
 /// heads (1); the K and V writes (2); attention over one chunk of keys (1: up to 256 keys),
-/// or split over chunks and the merge of the chunks (2); the output projection reading attention's heads as merged and adding
-/// into the residual (1); gate and up in one dispatch normalizing its input (1); the down
+/// or split over chunks and the merge of the chunks (2); the output projection reading
+/// attention's heads as merged and adding into the residual (1); gate and up in one dispatch normalizing its input (1); the down
 /// projection of the gated product, adding into the residual (1). Around the layers: the
 /// embedding, the final norm, the logit row's gather and the head (4); a greedy step adds
 /// the top-k kernel's two phases at k = 1 (2) and reads back 4 bytes, a top-k sampling step

@@ -34,6 +34,13 @@ const NEG: f32 = -3.0e38;
 // With p.sinks: a sink per query head (all Hq of them).
 @group(0) @binding(8) var<storage, read> sinkv: array<f32>;
 
+// A softmax's denominator: `total` (Σ e^{s−mx} over the visible keys) plus head h's sink
+// e^{sink−mx} when the op has sinks and a key is visible (a row with none stays all zeros).
+fn with_sink(total: f32, h: u32, mx: f32) -> f32 {
+    if p.sinks != 0u && total > 0.0 { return total + exp(sinkv[h] - mx); }
+    return total;
+}
+
 fn code_word(dd: u32) -> u32 {
     switch p.dtype {
         case 0u: { return dd; }
@@ -274,10 +281,7 @@ fn softmax_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         if v > NEG { sum += exp(v - mx); }
     }
     red[lid] = sum;
-    var total = reduce_sum(lid);
-    if p.sinks != 0u && total > 0.0 {
-        total += exp(sinkv[p.head0 + r / p.t] - mx);
-    }
+    let total = with_sink(reduce_sum(lid), p.head0 + r / p.t, mx);
     for (var j = lid; j < p.l; j += 64u) {
         let v = scores[base + j];
         var pr = 0.0;
@@ -380,8 +384,7 @@ fn flash_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let total = reduce_sum(lid);
     let at = partial(hh * p.t + i, c);
     let single = chunks() == 1u;
-    var denom = total;
-    if p.sinks != 0u && total > 0.0 { denom += exp(sinkv[h] - mx); }
+    let denom = with_sink(total, h, mx);
     // Σ e^{s−m}·V over the chunk, in blocks of 4·dl values (the whole row when d ≤ 256).
     // A lane of dl invocations covers a block, 4 neighbouring values each (a step of the
     // lane reads consecutive words of a row); the 64 / dl lanes split the chunk's keys, two
@@ -441,8 +444,7 @@ fn combine_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     }
     let h = p.head0 + r / p.t;
     let i = r % p.t;
-    var denom = total;
-    if p.sinks != 0u && total > 0.0 { denom += exp(sinkv[h] - mx); }
+    let denom = with_sink(total, h, mx);
     for (var dd = lid; dd < p.d; dd += 64u) {
         var acc = 0.0;
         if total > 0.0 {

@@ -51,6 +51,11 @@ var<private> sel: u32;
 // 1/rms of the token whose values a NORMED linear's invocation reads (set by its entry point).
 var<private> norm_inv: f32;
 
+// Where value c of token t is in a heads-major [c / hd, T, hd] array.
+fn heads_at(t: u32, c: u32) -> u32 {
+    return ((c / p.hd) * p.total + t) * p.hd + c % p.hd;
+}
+
 // Value c of token t's input, as p.mode says.
 fn xin(t: u32, c: u32) -> f32 {
     let i = t * p.cols + c;
@@ -62,7 +67,7 @@ fn xin(t: u32, c: u32) -> f32 {
         return a[i] * norm_inv * aux[c];
     }
     if (p.mode & HEADS) != 0u {
-        return a[((c / p.hd) * p.total + t) * p.hd + c % p.hd];
+        return a[heads_at(t, c)];
     }
     return a[i];
 }
@@ -75,7 +80,7 @@ fn xin4(t: u32, c: u32) -> vec4<f32> {
     if (p.mode & (GATED | NORMED)) != 0u || (heads && p.hd % 4u != 0u) {
         return vec4<f32>(xin(t, c), xin(t, c + 1u), xin(t, c + 2u), xin(t, c + 3u));
     }
-    if heads { i = ((c / p.hd) * p.total + t) * p.hd + c % p.hd; }
+    if heads { i = heads_at(t, c); }
     return vec4<f32>(a[i], a[i + 1u], a[i + 2u], a[i + 3u]);
 }
 
@@ -112,7 +117,7 @@ fn biased(o: u32, acc: f32) -> f32 {
 fn put(t: u32, o: u32, v: f32) {
     var i: u32;
     if (p.mode & HEADS_OUT) != 0u {
-        i = ((o / p.hd) * p.total + t) * p.hd + o % p.hd;
+        i = heads_at(t, o);
     } else {
         let n = select(end(sel) - start(sel), p.n_out, p.n_out != 0u);
         i = t * n + p.row0 + o;
@@ -177,7 +182,7 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
             // Lane-consecutive quads (4 values of a 32-value slice): a step of the lanes
             // reads consecutive code words and x values, each lane decoding its slice's
             // scales (the lanes of one slice read the same bytes for them). (A lane a slice,
-            // its scales decoded once, was half as fast on an H200: a step of the lanes then
+            // its scales decoded once, ran at 0.5-0.9x on an H200: a step of the lanes then
             // reads words a block apart.)
             let first = o * (cols / 32u);
             for (var q = lane; q < cols / 4u; q += lanes) {
