@@ -44,6 +44,7 @@ pub struct Context {
     readback: Mutex<Option<wgpu::Buffer>>,
     buffers_created: AtomicU64,
     bind_groups_created: AtomicU64,
+    kernels_built: AtomicU64,
     dispatches: AtomicU64,
     read_back: AtomicU64,
     /// `KVPLUG_WGPU_TRACE`: what the readbacks since the last line cost, printed every 64.
@@ -87,6 +88,8 @@ pub struct Created {
     pub buffers: u64,
     /// Bind groups (each cached one counts once).
     pub bind_groups: u64,
+    /// Compute pipelines compiled (each module's once, on first use).
+    pub kernels: u64,
     /// Compute dispatches recorded.
     pub dispatches: u64,
     /// Bytes copied back to the host.
@@ -496,68 +499,6 @@ enum Slot {
     ReadWrite,
 }
 
-fn kernels<const N: usize>(
-    device: &wgpu::Device,
-    label: &str,
-    source: &str,
-    (params_size, slots): (usize, &[Slot]),
-    entries: [&'static str; N],
-    compilation_options: wgpu::PipelineCompilationOptions<'_>,
-    layout: Option<&wgpu::BindGroupLayout>,
-) -> Kernels<N> {
-    assert!(params_size <= MAX_PARAMS && params_size % 16 == 0);
-    let params_size = NonZeroU64::new(params_size as u64).expect("a uniform has fields");
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some(label),
-        source: wgpu::ShaderSource::Wgsl(source.into()),
-    });
-    let layout = layout.cloned().unwrap_or_else(|| {
-        let layout_entries: Vec<wgpu::BindGroupLayoutEntry> = slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| wgpu::BindGroupLayoutEntry {
-                binding: i as u32,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: wgpu::BindingType::Buffer {
-                    ty: match s {
-                        Slot::Uniform => wgpu::BufferBindingType::Uniform,
-                        Slot::Read => wgpu::BufferBindingType::Storage { read_only: true },
-                        Slot::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
-                    },
-                    has_dynamic_offset: matches!(s, Slot::Uniform),
-                    min_binding_size: matches!(s, Slot::Uniform).then_some(params_size),
-                },
-                count: None,
-            })
-            .collect();
-        device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some(label),
-            entries: &layout_entries,
-        })
-    });
-    let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-        label: Some(label),
-        bind_group_layouts: &[Some(&layout)],
-        immediate_size: 0,
-    });
-    let pipelines = entries.map(|entry| {
-        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(entry),
-            layout: Some(&pipeline_layout),
-            module: &module,
-            entry_point: Some(entry),
-            compilation_options: compilation_options.clone(),
-            cache: None,
-        })
-    });
-    Kernels {
-        layout,
-        pipelines,
-        names: entries,
-        params_size,
-    }
-}
-
 /// Picks the adapter: `WGPU_ADAPTER_NAME` (substring, case-insensitive) when set, else the
 /// default adapter for the backends `WGPU_BACKEND` allows.
 async fn pick_adapter(instance: &wgpu::Instance) -> Result<wgpu::Adapter, String> {
@@ -585,6 +526,75 @@ async fn pick_adapter(instance: &wgpu::Instance) -> Result<wgpu::Adapter, String
 }
 
 impl Context {
+    /// The pipelines of `entries` in one module of `source` (counted in `kernels_built`),
+    /// bound by `layout` where given (another module's, binding as it does), else by a
+    /// layout of `slots`.
+    fn kernels<const N: usize>(
+        &self,
+        label: &str,
+        source: &str,
+        (params_size, slots): (usize, &[Slot]),
+        entries: [&'static str; N],
+        compilation_options: wgpu::PipelineCompilationOptions<'_>,
+        layout: Option<&wgpu::BindGroupLayout>,
+    ) -> Kernels<N> {
+        let device = &self.device;
+        self.kernels_built.fetch_add(N as u64, Ordering::Relaxed);
+        assert!(params_size <= MAX_PARAMS && params_size % 16 == 0);
+        let params_size = NonZeroU64::new(params_size as u64).expect("a uniform has fields");
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+        let layout = layout.cloned().unwrap_or_else(|| {
+            let layout_entries: Vec<wgpu::BindGroupLayoutEntry> = slots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| wgpu::BindGroupLayoutEntry {
+                    binding: i as u32,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: match s {
+                            Slot::Uniform => wgpu::BufferBindingType::Uniform,
+                            Slot::Read => wgpu::BufferBindingType::Storage { read_only: true },
+                            Slot::ReadWrite => {
+                                wgpu::BufferBindingType::Storage { read_only: false }
+                            }
+                        },
+                        has_dynamic_offset: matches!(s, Slot::Uniform),
+                        min_binding_size: matches!(s, Slot::Uniform).then_some(params_size),
+                    },
+                    count: None,
+                })
+                .collect();
+            device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(label),
+                entries: &layout_entries,
+            })
+        });
+        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(label),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipelines = entries.map(|entry| {
+            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pipeline_layout),
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: compilation_options.clone(),
+                cache: None,
+            })
+        });
+        Kernels {
+            layout,
+            pipelines,
+            names: entries,
+            params_size,
+        }
+    }
+
     /// Opens the adapter (honouring `WGPU_BACKEND` / `WGPU_ADAPTER_NAME`), the device with
     /// the adapter's limits — where `max_binding` is given, storage bindings capped at that
     /// many bytes and at 8 a stage (WebGPU's default count), as a smaller adapter's would be
@@ -683,6 +693,7 @@ impl Context {
             // The recorder's ring, arena and scratch, made above.
             buffers_created: AtomicU64::new(3),
             bind_groups_created: AtomicU64::new(0),
+            kernels_built: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
             read_back: AtomicU64::new(0),
             trace: std::env::var_os("KVPLUG_WGPU_TRACE").map(|_| {
@@ -702,8 +713,7 @@ impl Context {
     pub fn attention(&self) -> &Kernels<6> {
         self.attention.get_or_init(|| {
             use Slot::*;
-            kernels(
-                &self.device,
+            self.kernels(
                 "attention",
                 include_str!("shaders/attention.wgsl"),
                 (
@@ -723,8 +733,7 @@ impl Context {
     pub fn rows(&self) -> &Kernels<3> {
         self.rows.get_or_init(|| {
             use Slot::*;
-            kernels(
-                &self.device,
+            self.kernels(
                 "rows",
                 include_str!("shaders/rows.wgsl"),
                 (
@@ -742,8 +751,7 @@ impl Context {
     pub fn model(&self) -> &Kernels<{ MODEL_ENTRIES.len() }> {
         self.model.get_or_init(|| {
             use Slot::*;
-            kernels(
-                &self.device,
+            self.kernels(
                 "model",
                 concat!(
                     include_str!("shaders/weights.wgsl"),
@@ -788,8 +796,7 @@ impl Context {
                     .flat_map(|s| vec![s; ways]),
             )
             .collect();
-        kernels(
-            &self.device,
+        self.kernels(
             "project",
             &project_source(ways, self.subgroups),
             (size_of::<crate::model::ProjParams>(), &slots),
@@ -957,11 +964,13 @@ impl Context {
         self.recorder().bind_groups.len()
     }
 
-    /// Buffers and bind groups this context has created so far.
+    /// Buffers, bind groups and pipelines this context has created so far, dispatches it
+    /// recorded and bytes it read back.
     pub fn created(&self) -> Created {
         Created {
             buffers: self.buffers_created.load(Ordering::Relaxed),
             bind_groups: self.bind_groups_created.load(Ordering::Relaxed),
+            kernels: self.kernels_built.load(Ordering::Relaxed),
             dispatches: self.dispatches.load(Ordering::Relaxed),
             read_back_bytes: self.read_back.load(Ordering::Relaxed),
         }

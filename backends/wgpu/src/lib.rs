@@ -562,7 +562,8 @@ impl WgpuDevice {
                  keys) exceeds the adapter's storage binding limit of {limit} bytes"
             )));
         }
-        let chunk = ((limit / per_head) as usize)
+        // (No queries or no keys take no scratch.)
+        let chunk = ((limit / per_head.max(1)) as usize)
             .clamp(1, hq)
             .min(MAX_DISPATCH as usize);
         let need = per_head * chunk as u64;

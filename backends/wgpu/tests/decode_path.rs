@@ -42,9 +42,10 @@ fn tiny_model(tag: &str) -> (Arc<WgpuDevice>, ModelPackage, DecoderModel<WgpuDev
 }
 
 /// Prefill 300 tokens, decode 5 warm-up steps, then count what 40 decode steps create (no
-/// pool doubling between 305 and 345 cells: the pool holds 512).
+/// pool doubling between 305 and 345 cells: the pool holds 512): no buffer, no bind group
+/// and no pipeline (a GPU's kernels built per weight dtype are made by the first steps).
 #[test]
-fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
+fn model_decode_creates_no_buffer_bind_group_or_pipeline_once_warm() {
     let (dev, pkg, model) = tiny_model("wgpu-decode");
     for kind in [CacheKind::Contiguous, CacheKind::Seq, CacheKind::Tree] {
         let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
@@ -74,10 +75,11 @@ fn model_decode_creates_no_buffer_and_no_bind_group_once_warm() {
         assert_eq!(
             (
                 after.buffers - before.buffers,
-                after.bind_groups - before.bind_groups
+                after.bind_groups - before.bind_groups,
+                after.kernels - before.kernels
             ),
-            (0, 0),
-            "buffers and bind groups created by 40 decode steps on {kind}"
+            (0, 0, 0),
+            "buffers, bind groups and pipelines created by 40 decode steps on {kind}"
         );
     }
 }
