@@ -290,15 +290,16 @@ fn step_arithmetics(c: &KitCache<CpuDevice>, dtype: KvDtype) -> Vec<(Arithmetic,
     runs
 }
 
-/// Seq cache: `n` branches sharing a 2048-token trunk, one decode step for all of them, in
+/// Seq cache: `n` branches sharing a [`shared::STEP_CONTEXT`]-token trunk, one decode step for all of them, in
 /// f16 and q8 (each in the cache's default arithmetic, and q8 in int8-query-i16-values).
 fn fork(cr: &mut Criterion) {
+    const L: usize = shared::STEP_CONTEXT;
     let mut g = cr.benchmark_group("fork_step");
     g.sample_size(20)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
-        let mut c = filled(CacheKind::Seq, 2048, dtype);
+        let mut c = filled(CacheKind::Seq, L, dtype);
         for b in 1..=4 {
             c.seq_cp(0, b, PosRange::ALL).unwrap();
         }
@@ -306,7 +307,7 @@ fn fork(cr: &mut Criterion) {
             c.set_arithmetic(arithmetic).unwrap();
             for n in [1usize, 4] {
                 let seqs: Vec<i32> = (1..=n as i32).collect();
-                let pos = vec![2048; n];
+                let pos = vec![L as i32; n];
                 let mut io = Io::new(n);
                 g.bench_with_input(
                     BenchmarkId::new(format!("{name}/branches"), n),
@@ -316,7 +317,7 @@ fn fork(cr: &mut Criterion) {
                             c.begin_step(&seqs).unwrap();
                             io.step(&mut c, &pos);
                             for &s in &seqs {
-                                c.seq_rm(s, PosRange::new(Some(2048), None)).unwrap();
+                                c.seq_rm(s, PosRange::new(Some(L as i32), None)).unwrap();
                             }
                         })
                     },
@@ -327,9 +328,10 @@ fn fork(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Tree verify of 16 nodes vs a 1-token decode at L = 2048, in f16 and q8 (each in the
+/// Tree verify of 16 nodes vs a 1-token decode at L = [`shared::STEP_CONTEXT`], in f16 and q8 (each in the
 /// cache's default arithmetic, and q8 in int8-query-i16-values).
 fn tree_verify(cr: &mut Criterion) {
+    const L: usize = shared::STEP_CONTEXT;
     let mut g = cr.benchmark_group("tree_verify");
     g.sample_size(20)
         .measurement_time(Duration::from_secs(3))
@@ -343,10 +345,10 @@ fn tree_verify(cr: &mut Criterion) {
         }
         d
     };
-    let pos: Vec<i32> = (0..16).map(|n| 2048 + depth(n)).collect();
+    let pos: Vec<i32> = (0..16).map(|n| L as i32 + depth(n)).collect();
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
-        let mut c = filled(CacheKind::Tree, 2048, dtype);
-        let mut d = filled(CacheKind::Contiguous, 2049, dtype);
+        let mut c = filled(CacheKind::Tree, L, dtype);
+        let mut d = filled(CacheKind::Contiguous, L + 1, dtype);
         let (mut io, mut one) = (Io::new(16), Io::new(1));
         for (arithmetic, name) in step_arithmetics(&c, dtype) {
             c.set_arithmetic(arithmetic).unwrap();
@@ -360,8 +362,8 @@ fn tree_verify(cr: &mut Criterion) {
             });
             g.bench_function(format!("{name}/decode_1"), |b| {
                 b.iter(|| {
-                    d.rewind(2048).unwrap();
-                    one.step(&mut d, &[2048]);
+                    d.rewind(L).unwrap();
+                    one.step(&mut d, &[L as i32]);
                 })
             });
         }

@@ -11,6 +11,13 @@ use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheParams};
 use kvplug_cpu::tensor::CpuTensor;
 use kvplug_cpu::CpuDevice;
 
+// Only the benches' step context is read here.
+#[allow(dead_code)]
+#[path = "../benches/shared/mod.rs"]
+mod shared;
+
+use shared::STEP_CONTEXT;
+
 const HQ: usize = 32;
 const HKV: usize = 8;
 const D: usize = 128;
@@ -247,7 +254,7 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
 
     writeln!(
         md,
-        "\n{h} Agent fork (seq cache, 2048-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2), and in int8-query-i16-values (the values summed against i16 weight codes, `vpdpwssd` or `vpmaddwd`; its floor is not measured). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
+        "\n{h} Agent fork (seq cache, {STEP_CONTEXT}-token shared trunk)\n\nOne decode step for all branches; q8 in its default arithmetic (int8-query where the CPU has AVX2), and in int8-query-i16-values (the values summed against i16 weight codes, `vpdpwssd` or `vpmaddwd`; its floor is not measured). \"floor / 1 branch\" is the least 4 / 1 this machine's arithmetic allows against the 1-branch time as measured: the 4 branches' multiply-adds (trunk rows only) at the measured peak.\n"
     )
     .unwrap();
     writeln!(
@@ -268,7 +275,7 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
         let four = lv.need(&format!("fork_step/{dtype}_branches/4"));
         // The trunk's rows only: a floor still.
         let floor = int8.map_or("– | –".into(), |int8| {
-            floor_and_ratio(peaks, 4 * HQ * 2048, int8, one)
+            floor_and_ratio(peaks, 4 * HQ * STEP_CONTEXT, int8, one)
         });
         writeln!(
             md,
@@ -280,13 +287,13 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
         .unwrap();
     }
 
-    writeln!(md, "\n{h} Tree verify (L = 2048)\n\n\"floor / decode\" is the least tree / decode this machine's arithmetic allows against the decode time as measured: the 16 nodes' multiply-adds (committed rows only) at the measured peak.\n").unwrap();
+    writeln!(md, "\n{h} Tree verify (L = {STEP_CONTEXT})\n\n\"floor / decode\" is the least tree / decode this machine's arithmetic allows against the decode time as measured: the 16 nodes' multiply-adds (committed rows only) at the measured peak.\n").unwrap();
     writeln!(md, "| KV dtype | 16-node tree, one step (µs) | 1-token decode (µs) | tree / decode | tree's compute floor (µs) | floor / decode |\n|---|---|---|---|---|---|").unwrap();
     for &(row, dtype, int8) in &steps {
         let tree = lv.need(&format!("tree_verify/{dtype}_nodes_16"));
         let dec = lv.need(&format!("tree_verify/{dtype}_decode_1"));
         let floor = int8.map_or("– | –".into(), |int8| {
-            floor_and_ratio(peaks, 16 * HQ * 2048, int8, dec)
+            floor_and_ratio(peaks, 16 * HQ * STEP_CONTEXT, int8, dec)
         });
         writeln!(
             md,

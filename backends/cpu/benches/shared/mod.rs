@@ -7,6 +7,11 @@ use kvplug_backend_kit::model::BlockFormat;
 use kvplug_backend_kit::testing::Rng;
 use kvplug_cpu::workers::Workers;
 
+/// The context length of the fork and tree benches (the shared trunk, the committed rows):
+/// issue 64's goals are set at this depth. (`weights_bandwidth` includes this module too.)
+#[allow(dead_code)]
+pub const STEP_CONTEXT: usize = 4096;
+
 /// Bytes of each weight set: far past the last-level cache, so every pass streams from
 /// memory.
 pub const BLOCK_SET_BYTES: usize = 256 << 20;
