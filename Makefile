@@ -112,14 +112,17 @@ bench: deps models
 		> target/criterion/kv_quality.md
 	$(CARGO) run --release -p kvplug-cpu --example bench_report
 
-## make bench-kernels: the cpu kernels' benchmarks at the ISA level KVPLUG_CPU_ISA allows,
-## into KERNELS_OUT (default target/criterion); part of make bench.
+## make bench-kernels: the cpu kernels' benchmarks at the ISA level KVPLUG_CPU_ISA allows
+## (criterion's attention bench; decode streamed, weights against bandwidth and the fork and
+## tree step ratios on one thread, from examples), into KERNELS_OUT (default
+## target/criterion); part of make bench.
 KERNELS_OUT ?= $(CURDIR)/target/criterion
 bench-kernels:
 	mkdir -p $(KERNELS_OUT)
 	CRITERION_HOME=$(KERNELS_OUT) $(CARGO) bench -p kvplug-cpu --bench attention
 	$(CARGO) run --release -p kvplug-cpu --example decode_attention -- 4096 \
 		f16,q8,q8+int8-query,q4,q4+int8-query 20 > $(KERNELS_OUT)/decode_stream.txt
+	$(CARGO) run --release -p kvplug-cpu --example step_ratios > $(KERNELS_OUT)/step_ratios.md
 	$(CARGO) run --release -p kvplug-cpu --example weights_bandwidth \
 		> $(KERNELS_OUT)/weights_bandwidth.md
 

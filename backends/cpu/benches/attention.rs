@@ -2,95 +2,13 @@
 //! D 128). `examples/bench_report.rs` turns the results into BENCH.md.
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::Duration;
 
 mod shared;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvplug_backend_kit::KitCache;
-use kvplug_core::{
-    make_config, Arithmetic, CacheConfig, CacheKind, CacheVerbs, KvDtype, ModelCacheParams,
-    PosRange,
-};
-use kvplug_cpu::tensor::CpuTensor;
-use kvplug_cpu::CpuDevice;
-
-const HQ: usize = 32;
-const HKV: usize = 8;
-const D: usize = 128;
-
-fn config(capacity: usize, dtype: KvDtype) -> CacheConfig {
-    make_config(
-        &ModelCacheParams {
-            n_layers: 1,
-            n_kv_heads: HKV,
-            head_dim: D,
-        },
-        capacity,
-        dtype,
-    )
-}
-
-fn tensor(h: usize, t: usize, salt: f32) -> CpuTensor {
-    CpuTensor::new(
-        &[h, t, D],
-        (0..h * t * D)
-            .map(|i| ((i as f32 + salt) * 0.0131).sin())
-            .collect(),
-    )
-}
-
-struct Io {
-    q: CpuTensor,
-    k: CpuTensor,
-    v: CpuTensor,
-    out: CpuTensor,
-}
-
-impl Io {
-    fn new(t: usize) -> Self {
-        Io {
-            q: tensor(HQ, t, 1.0),
-            k: tensor(HKV, t, 2.0),
-            v: tensor(HKV, t, 3.0),
-            out: CpuTensor::zeros(&[HQ, t, D]),
-        }
-    }
-    fn step(&mut self, c: &mut KitCache<CpuDevice>, positions: &[i32]) {
-        c.update_and_attend(
-            0,
-            &self.q,
-            &self.k,
-            &self.v,
-            positions,
-            1.0 / (D as f32).sqrt(),
-            &mut self.out,
-        )
-        .unwrap();
-        black_box(&self.out);
-    }
-}
-
-fn cache(kind: CacheKind, capacity: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
-    KitCache::new(Arc::new(CpuDevice::new()), kind, config(capacity, dtype)).unwrap()
-}
-
-/// A cache of `kind` (capacity 32768) holding `len` tokens of sequence 0, prefilled 512 at a
-/// time.
-fn filled(kind: CacheKind, len: usize, dtype: KvDtype) -> KitCache<CpuDevice> {
-    let mut c = cache(kind, 32768, dtype);
-    let mut chunk = Io::new(512);
-    for start in (0..len).step_by(512) {
-        let n = 512.min(len - start);
-        if n < 512 {
-            chunk = Io::new(n);
-        }
-        let pos: Vec<i32> = (start as i32..(start + n) as i32).collect();
-        chunk.step(&mut c, &pos);
-    }
-    c
-}
+use kvplug_core::{Arithmetic, CacheKind, CacheVerbs, KvDtype};
+use shared::steps::{cache, filled, step_arithmetics, Fork, Io, Tree};
 
 /// The machine's read bandwidth: [`shared::read_pass`] over 256 MiB (GB/s = bytes / time).
 fn read_bandwidth(cr: &mut Criterion) {
@@ -278,94 +196,40 @@ fn decode(cr: &mut Criterion) {
     g.finish();
 }
 
-/// The arithmetics the fork and tree benches run a cache in, with the names they go by:
-/// its default (named by the dtype), then int8-query-i16-values where it has it.
-fn step_arithmetics(c: &KitCache<CpuDevice>, dtype: KvDtype) -> Vec<(Arithmetic, String)> {
-    let all = c.arithmetics();
-    let i16 = Arithmetic::Int8QueryI16Values;
-    let mut runs = vec![(c.arithmetic(), dtype.to_string())];
-    if all.contains(&i16) {
-        runs.push((i16, format!("{dtype}+{i16}")));
-    }
-    runs
-}
-
-/// Seq cache: `n` branches sharing a [`shared::STEP_CONTEXT`]-token trunk, one decode step for all of them, in
-/// f16 and q8 (each in the cache's default arithmetic, and q8 in int8-query-i16-values).
+/// Seq cache: `n` branches sharing a [`STEP_CONTEXT`]-token trunk, one decode step for all
+/// of them, in f16 and q8 (each in the cache's default arithmetic, and q8 in
+/// int8-query-i16-values).
 fn fork(cr: &mut Criterion) {
-    const L: usize = shared::STEP_CONTEXT;
     let mut g = cr.benchmark_group("fork_step");
     g.sample_size(20)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
-        let mut c = filled(CacheKind::Seq, L, dtype);
-        for b in 1..=4 {
-            c.seq_cp(0, b, PosRange::ALL).unwrap();
-        }
-        for (arithmetic, name) in step_arithmetics(&c, dtype) {
-            c.set_arithmetic(arithmetic).unwrap();
+        let mut f = Fork::new(dtype);
+        for (arithmetic, name) in step_arithmetics(&f.cache, dtype) {
+            f.cache.set_arithmetic(arithmetic).unwrap();
             for n in [1usize, 4] {
-                let seqs: Vec<i32> = (1..=n as i32).collect();
-                let pos = vec![L as i32; n];
-                let mut io = Io::new(n);
-                g.bench_with_input(
-                    BenchmarkId::new(format!("{name}/branches"), n),
-                    &n,
-                    |b, _| {
-                        b.iter(|| {
-                            c.begin_step(&seqs).unwrap();
-                            io.step(&mut c, &pos);
-                            for &s in &seqs {
-                                c.seq_rm(s, PosRange::new(Some(L as i32), None)).unwrap();
-                            }
-                        })
-                    },
-                );
+                let id = BenchmarkId::new(format!("{name}/branches"), n);
+                g.bench_with_input(id, &n, |b, &n| b.iter(|| f.step(n)));
             }
         }
     }
     g.finish();
 }
 
-/// Tree verify of 16 nodes vs a 1-token decode at L = [`shared::STEP_CONTEXT`], in f16 and q8 (each in the
-/// cache's default arithmetic, and q8 in int8-query-i16-values).
+/// Tree verify of 16 nodes vs a 1-token decode at L = [`STEP_CONTEXT`], in f16 and q8 (each
+/// in the cache's default arithmetic, and q8 in int8-query-i16-values).
 fn tree_verify(cr: &mut Criterion) {
-    const L: usize = shared::STEP_CONTEXT;
     let mut g = cr.benchmark_group("tree_verify");
     g.sample_size(20)
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
-    let parents = [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7];
-    let depth = |mut n: i32| {
-        let mut d = 0;
-        while parents[n as usize] >= 0 {
-            n = parents[n as usize];
-            d += 1;
-        }
-        d
-    };
-    let pos: Vec<i32> = (0..16).map(|n| L as i32 + depth(n)).collect();
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT] {
-        let mut c = filled(CacheKind::Tree, L, dtype);
-        let mut d = filled(CacheKind::Contiguous, L + 1, dtype);
-        let (mut io, mut one) = (Io::new(16), Io::new(1));
-        for (arithmetic, name) in step_arithmetics(&c, dtype) {
-            c.set_arithmetic(arithmetic).unwrap();
-            d.set_arithmetic(arithmetic).unwrap();
-            g.bench_function(format!("{name}/nodes_16"), |b| {
-                b.iter(|| {
-                    c.propose(&parents).unwrap();
-                    io.step(&mut c, &pos);
-                    c.commit(&[]).unwrap();
-                })
-            });
-            g.bench_function(format!("{name}/decode_1"), |b| {
-                b.iter(|| {
-                    d.rewind(L).unwrap();
-                    one.step(&mut d, &[L as i32]);
-                })
-            });
+        let mut t = Tree::new(dtype);
+        for (arithmetic, name) in step_arithmetics(&t.tree, dtype) {
+            t.set_arithmetic(arithmetic);
+            g.bench_function(format!("{name}/nodes_16"), |b| b.iter(|| t.verify()));
+            g.bench_function(format!("{name}/decode_1"), |b| b.iter(|| t.decode()));
         }
     }
     g.finish();

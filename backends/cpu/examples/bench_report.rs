@@ -11,16 +11,11 @@ use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheParams};
 use kvplug_cpu::tensor::CpuTensor;
 use kvplug_cpu::CpuDevice;
 
-// Only the benches' step context is read here.
-#[allow(dead_code)]
+#[allow(dead_code)] // only the steps' shape is read here
 #[path = "../benches/shared/mod.rs"]
 mod shared;
 
-use shared::STEP_CONTEXT;
-
-const HQ: usize = 32;
-const HKV: usize = 8;
-const D: usize = 128;
+use shared::steps::{D, HKV, HQ, STEP_CONTEXT};
 
 /// One ISA level's results: `target/criterion` (the CPU's own level), or
 /// `target/criterion-avx2`, where `make bench` runs the kernels again under
@@ -305,6 +300,18 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
         .unwrap();
     }
 
+    writeln!(
+        md,
+        "\n{h} Fork and tree steps on one thread, in its CPU time (L = {STEP_CONTEXT}, q8)\n"
+    )
+    .unwrap();
+    lv.measured_section(
+        md,
+        "step_ratios.md",
+        "`cargo run --release -p kvplug-cpu --example step_ratios`: the same steps as the two tables above, on one thread, each ratio's two steps alternating 300 times and each keeping its fastest run in the thread's CPU time, which the host's other tenants disturb far less than the wall clock of steps timed a minute apart (issue 64's goals: 4 / 1 ≤ 2.0×, tree / decode ≤ 6×).\n\n",
+        "",
+    );
+
     writeln!(md, "\n{h} Prefill, T = 512 (f16, one layer)\n").unwrap();
     let tiled = lv.need("prefill_512/tiled");
     writeln!(
@@ -487,49 +494,124 @@ fn main() {
         "",
     );
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    writeln!(md, "\n## Against llama.cpp (`make bench-peers`)\n").unwrap();
-    match std::fs::read_to_string(manifest.join("../../.peers/peers.md")) {
-        Ok(peers) => md.push_str(&peers),
-        Err(_) => writeln!(
-            md,
-            "Not measured on this machine yet: run `make bench-peers`, then `make bench`."
-        )
-        .unwrap(),
-    }
-    // The AVX2 level's run, where the CPU has more (`ISA=avx2`).
-    if let Ok(peers) = std::fs::read_to_string(manifest.join("../../.peers/peers-avx2.md")) {
-        writeln!(md, "\n### At the AVX2 level\n").unwrap();
-        md.push_str(&peers);
-    }
-    hybrid_tables(&mut md, &manifest.join("../../.peers"));
     let out = manifest.join("BENCH.md");
+    let previous = Previous::read(&out);
+    let peers = manifest.join("../../.peers");
+    const PEERS: &str = "## Against llama.cpp (`make bench-peers`)";
+    writeln!(md, "\n{PEERS}\n").unwrap();
+    match std::fs::read_to_string(peers.join("peers.md")) {
+        Ok(table) => {
+            md.push_str(&table);
+            // The AVX2 level's run, where the CPU has more (`ISA=avx2`).
+            if let Ok(table) = std::fs::read_to_string(peers.join("peers-avx2.md")) {
+                writeln!(md, "\n### At the AVX2 level\n").unwrap();
+                md.push_str(&table);
+            }
+        }
+        Err(_) => match previous.section(PEERS) {
+            Some(body) => md.push_str(&previous.carried(body, "make bench-peers")),
+            None => writeln!(
+                md,
+                "Not measured on this machine yet: run `make bench-peers`, then `make bench`."
+            )
+            .unwrap(),
+        },
+    }
+    hybrid_tables(&mut md, &peers, &previous);
     std::fs::write(&out, &md).unwrap();
     print!("{md}");
     eprintln!("wrote {}", out.display());
 }
 
+/// The BENCH.md a run replaces, for the tables of the peer benchmarks (`make bench-peers`,
+/// `make bench-hybrid`) that `.peers/` no longer holds (a fresh machine, or one where only
+/// some ran): those are carried over, marked with where they came from, rather than dropped.
+struct Previous {
+    text: String,
+    /// Its machine line, less `Machine: `.
+    machine: String,
+}
+
+impl Previous {
+    fn read(path: &Path) -> Self {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let machine = text
+            .lines()
+            .find_map(|l| l.strip_prefix("Machine: "))
+            .and_then(|l| l.split(". ").next())
+            .unwrap_or("unknown")
+            .to_string();
+        Previous { text, machine }
+    }
+
+    /// The body of the section headed by the line `heading`: up to the next heading of its
+    /// level or above.
+    fn section(&self, heading: &str) -> Option<&str> {
+        let level = heading.len() - heading.trim_start_matches('#').len();
+        let start = self.text.find(&format!("\n{heading}\n"))? + heading.len() + 2;
+        let body = &self.text[start..];
+        let end = body
+            .match_indices("\n#")
+            .map(|(i, _)| i + 1)
+            .find(|&i| {
+                let h = body[i..].len() - body[i..].trim_start_matches('#').len();
+                h <= level && body[i + h..].starts_with(' ')
+            })
+            .unwrap_or(body.len());
+        Some(body[..end].trim_matches('\n'))
+    }
+
+    /// `body` marked as carried over (once: a body carried before keeps its first mark).
+    fn carried(&self, body: &str, by: &str) -> String {
+        match body.starts_with(CARRIED) {
+            true => format!("{body}\n"),
+            false => format!(
+                "{CARRIED} unchanged from the BENCH.md this run replaced (its machine: {}), as \
+                 `.peers/` holds no `{by}` table for it here.*\n\n{body}\n",
+                self.machine
+            ),
+        }
+    }
+}
+
+/// How a carried-over section begins.
+const CARRIED: &str = "*Carried over";
+
 /// `make bench-hybrid`'s tables (`peers-hybrid-NAME[-avx2].md` in `peers`), a section per
-/// file.
-fn hybrid_tables(md: &mut String, peers: &Path) {
-    writeln!(
-        md,
-        "\n## Hybrid and mixture-of-experts models against llama.cpp (`make bench-hybrid`)\n"
-    )
-    .unwrap();
+/// file; the previous BENCH.md's sections for files `peers` lacks are carried over.
+fn hybrid_tables(md: &mut String, peers: &Path, previous: &Previous) {
+    const HYBRID: &str =
+        "## Hybrid and mixture-of-experts models against llama.cpp (`make bench-hybrid`)";
+    writeln!(md, "\n{HYBRID}\n").unwrap();
     md.push_str(
         "Random-weight files of the LFM2-350M and Qwen3.5-0.8B shapes, two Qwen3-MoE shapes \
          (the same active size, 32 or 64 experts) and a GPT-OSS shape \
          (`scripts/crosscheck/synth_gguf.py`), quantized by llama.cpp's `llama-quantize`; \
          `scripts/bench-hybrid.sh` says what it runs.\n",
     );
-    let mut tables: Vec<_> = std::fs::read_dir(peers)
+    let title = |file: &str| match file.strip_suffix("-avx2") {
+        Some(f) => format!("{f}, at the AVX2 level"),
+        None => file.to_string(),
+    };
+    // (title, body): this machine's tables, then the previous ones for files it lacks.
+    let mut tables: Vec<(String, String)> = std::fs::read_dir(peers)
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with("peers-hybrid-") && n.ends_with(".md"))
+        .filter_map(|n| {
+            let file = n.strip_prefix("peers-hybrid-")?.strip_suffix(".md")?;
+            Some((title(file), std::fs::read_to_string(peers.join(&n)).ok()?))
+        })
         .collect();
+    let old = previous.section(HYBRID).unwrap_or_default();
+    for t in old.lines().filter_map(|l| l.strip_prefix("### ")) {
+        if !tables.iter().any(|(have, _)| have == t) {
+            let body = previous.section(&format!("### {t}")).unwrap_or_default();
+            tables.push((t.to_string(), previous.carried(body, "make bench-hybrid")));
+        }
+    }
     // Each file's native table, then its AVX2 one.
-    tables.sort_by_key(|n| (n.replace("-avx2.md", ".md"), n.ends_with("-avx2.md")));
+    tables.sort_by(|a, b| a.0.cmp(&b.0));
     if tables.is_empty() {
         writeln!(
             md,
@@ -537,13 +619,8 @@ fn hybrid_tables(md: &mut String, peers: &Path) {
         )
         .unwrap();
     }
-    for name in tables {
-        let file = &name["peers-hybrid-".len()..name.len() - 3];
-        let title = match file.strip_suffix("-avx2") {
-            Some(f) => format!("{f}, at the AVX2 level"),
-            None => file.to_string(),
-        };
+    for (title, body) in tables {
         writeln!(md, "\n### {title}\n").unwrap();
-        md.push_str(&std::fs::read_to_string(peers.join(&name)).unwrap_or_default());
+        md.push_str(&body);
     }
 }

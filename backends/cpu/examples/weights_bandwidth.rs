@@ -8,6 +8,7 @@
 //! pass), which `make bench` keeps for BENCH.md.
 //! `cargo run --release -p kvplug-cpu --example weights_bandwidth`.
 
+#[allow(dead_code)] // the attention steps are the other examples'
 #[path = "../benches/shared/mod.rs"]
 mod shared;
 

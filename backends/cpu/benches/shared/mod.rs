@@ -1,16 +1,14 @@
-//! What the criterion benches and the `weights_bandwidth` example share: the read-bandwidth
-//! pass and the decode weight sets.
+//! What the criterion benches and the examples that time kernels share: the read-bandwidth
+//! pass and the decode weight sets (`weights_bandwidth`), and the attention steps
+//! ([`steps`]: `step_ratios`, `bench_report`). Each example reads only some of it.
+
+pub mod steps;
 
 use std::hint::black_box;
 
 use kvplug_backend_kit::model::BlockFormat;
 use kvplug_backend_kit::testing::Rng;
 use kvplug_cpu::workers::Workers;
-
-/// The context length of the fork and tree benches (the shared trunk, the committed rows):
-/// issue 64's goals are set at this depth. (`weights_bandwidth` includes this module too.)
-#[allow(dead_code)]
-pub const STEP_CONTEXT: usize = 4096;
 
 /// Bytes of each weight set: far past the last-level cache, so every pass streams from
 /// memory.
