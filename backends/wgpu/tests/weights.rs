@@ -13,6 +13,7 @@ use kvplug_backend_kit::testing::{additive_parts, random_blocks, Rng};
 use kvplug_backend_kit::Device;
 use kvplug_plugin_api::TensorDtype;
 use kvplug_wgpu::context::Tuning;
+use kvplug_wgpu::model::WgpuWeight;
 use kvplug_wgpu::WgpuDevice;
 
 const COLS: usize = 512;
@@ -125,17 +126,13 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
         let stored = StoredTensor::new(dtype, Arc::new(bytes.clone()), 0..n).unwrap();
         let w = dev.weight(stored, rows, COLS).unwrap();
         assert_eq!(w.bindings(), 3, "{}", dtype.name());
-        let got: Vec<Vec<f32>> = [3, 20]
+        // `linear` on x, then `heads_linear_add` (into zeros) on x laid out heads-major as
+        // attention leaves it, heads 64 wide (read 4 values at a time) and 2 wide (one by
+        // one): the same sums.
+        let inputs = [None, Some(64), Some(2)];
+        let got: Vec<[Vec<f32>; 2]> = inputs
             .iter()
-            .map(|&tokens| {
-                let xt = dev.tensor(&x[..tokens * COLS], &[tokens, COLS]).unwrap();
-                let mut out = dev.zeros(&[tokens, rows]).unwrap();
-                dev.linear(&xt, &w, None, &mut out).unwrap();
-                dev.download(&out, TensorDtype::F32)
-                    .unwrap()
-                    .to_f32()
-                    .unwrap()
-            })
+            .map(|&hd| [3, 20].map(|tokens| project(dev, (&w, rows), &x[..tokens * COLS], hd)))
             .collect();
         // The first row of each part and the last row.
         let ids: Vec<i32> = (0..rows)
@@ -152,10 +149,11 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
             .unwrap();
         for r in 0..rows {
             let (wv, m) = row_values(dtype, &bytes, r);
-            for (t, got) in (0..3)
-                .map(|t| (t, &got[0]))
-                .chain((0..20).map(|t| (t, &got[1])))
-            {
+            let runs = got.iter().zip(inputs).flat_map(|([three, twenty], hd)| {
+                let three = (0..3).map(move |t| (t, three, hd));
+                three.chain((0..20).map(move |t| (t, twenty, hd)))
+            });
+            for (t, got, hd) in runs {
                 let xr = &x[t * COLS..(t + 1) * COLS];
                 let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
                 for c in 0..COLS {
@@ -168,7 +166,7 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
                 let g = f64::from(got[t * rows + r]);
                 assert!(
                     (g - want).abs() <= bound,
-                    "{} linear: token {t} row {r}: got {g}, want {want}, |diff| {:e} > {bound:e}",
+                    "{} linear (heads {hd:?}): token {t} row {r}: got {g}, want {want}, |diff| {:e} > {bound:e}",
                     dtype.name(),
                     (g - want).abs()
                 );
@@ -187,4 +185,37 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
             }
         }
     }
+}
+
+/// `x` (`[T, COLS]`) through `w` (`[rows, COLS]`): `linear`, or with `hd` given, `heads_linear_add` into zeros
+/// from `x` laid out heads-major (`[COLS / hd, T, hd]`).
+fn project(
+    dev: &WgpuDevice,
+    (w, rows): (&WgpuWeight, usize),
+    x: &[f32],
+    hd: Option<usize>,
+) -> Vec<f32> {
+    let tokens = x.len() / COLS;
+    let mut out = dev.zeros(&[tokens, rows]).unwrap();
+    match hd {
+        None => {
+            let xt = dev.tensor(x, &[tokens, COLS]).unwrap();
+            dev.linear(&xt, w, None, &mut out).unwrap();
+        }
+        Some(hd) => {
+            let heads: Vec<f32> = (0..COLS / hd)
+                .flat_map(|h| (0..tokens).flat_map(move |t| (0..hd).map(move |d| (h, t, d))))
+                .map(|(h, t, d)| x[t * COLS + h * hd + d])
+                .collect();
+            let xt = dev.tensor(&heads, &[COLS / hd, tokens, hd]).unwrap();
+            let mut merged = dev.zeros(&[tokens, COLS]).unwrap();
+            let mut scratch = dev.zeros(&[tokens, rows]).unwrap();
+            dev.heads_linear_add(&xt, w, None, &mut merged, &mut scratch, &mut out)
+                .unwrap();
+        }
+    }
+    dev.download(&out, TensorDtype::F32)
+        .unwrap()
+        .to_f32()
+        .unwrap()
 }
