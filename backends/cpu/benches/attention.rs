@@ -196,7 +196,7 @@ fn decode(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Seq cache: `n` branches sharing a [`STEP_CONTEXT`]-token trunk, one decode step for all
+/// Seq cache: `n` branches sharing a `STEP_CONTEXT`-token trunk ([`shared::steps`]), one decode step for all
 /// of them, in f16 and q8 (each in the cache's default arithmetic, and q8 in
 /// int8-query-i16-values).
 fn fork(cr: &mut Criterion) {
@@ -217,7 +217,7 @@ fn fork(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Tree verify of 16 nodes vs a 1-token decode at L = [`STEP_CONTEXT`], in f16 and q8 (each
+/// Tree verify of 16 nodes vs a 1-token decode at L = `STEP_CONTEXT` ([`shared::steps`]), in f16 and q8 (each
 /// in the cache's default arithmetic, and q8 in int8-query-i16-values).
 fn tree_verify(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("tree_verify");

@@ -308,7 +308,7 @@ fn kernel_tables(md: &mut String, lv: &Level, peaks: &Option<Peaks>, h: &str) {
     lv.measured_section(
         md,
         "step_ratios.md",
-        "`cargo run --release -p kvplug-cpu --example step_ratios`: the same steps as the two tables above, on one thread, each ratio's two steps alternating 300 times and each keeping its fastest run in the thread's CPU time, which the host's other tenants disturb far less than the wall clock of steps timed a minute apart (issue 64's goals: 4 / 1 ≤ 2.0×, tree / decode ≤ 6×).\n\n",
+        "`cargo run --release -p kvplug-cpu --example step_ratios`: the same steps as the two tables above, on one thread, each ratio's two steps alternating and each keeping its fastest run in the thread's CPU time, which the host's other tenants disturb less than the wall clock of steps timed a minute apart (issue 64's goals: 4 / 1 ≤ 2.0×, tree / decode ≤ 6×).\n\n",
         "",
     );
 
@@ -498,24 +498,24 @@ fn main() {
     let previous = Previous::read(&out);
     let peers = manifest.join("../../.peers");
     const PEERS: &str = "## Against llama.cpp (`make bench-peers`)";
+    const PEERS_AVX2: &str = "### At the AVX2 level";
     writeln!(md, "\n{PEERS}\n").unwrap();
-    match std::fs::read_to_string(peers.join("peers.md")) {
-        Ok(table) => {
-            md.push_str(&table);
-            // The AVX2 level's run, where the CPU has more (`ISA=avx2`).
-            if let Ok(table) = std::fs::read_to_string(peers.join("peers-avx2.md")) {
-                writeln!(md, "\n### At the AVX2 level\n").unwrap();
-                md.push_str(&table);
-            }
-        }
-        Err(_) => match previous.section(PEERS) {
-            Some(body) => md.push_str(&previous.carried(body, "make bench-peers")),
-            None => writeln!(
-                md,
-                "Not measured on this machine yet: run `make bench-peers`, then `make bench`."
-            )
-            .unwrap(),
-        },
+    let old = section(&previous.text, PEERS, true);
+    match previous.table(
+        &peers.join("peers.md"),
+        section(&previous.text, PEERS, false),
+    ) {
+        Some(table) => md.push_str(&table),
+        None => writeln!(
+            md,
+            "Not measured on this machine yet: run `make bench-peers`, then `make bench`."
+        )
+        .unwrap(),
+    }
+    // The AVX2 level's run, where the CPU has more (`ISA=avx2`).
+    let old_avx2 = old.and_then(|o| section(o, PEERS_AVX2, true));
+    if let Some(table) = previous.table(&peers.join("peers-avx2.md"), old_avx2) {
+        write!(md, "\n{PEERS_AVX2}\n\n{table}").unwrap();
     }
     hybrid_tables(&mut md, &peers, &previous);
     std::fs::write(&out, &md).unwrap();
@@ -544,38 +544,68 @@ impl Previous {
         Previous { text, machine }
     }
 
-    /// The body of the section headed by the line `heading`: up to the next heading of its
-    /// level or above.
-    fn section(&self, heading: &str) -> Option<&str> {
-        let level = heading.len() - heading.trim_start_matches('#').len();
-        let start = self.text.find(&format!("\n{heading}\n"))? + heading.len() + 2;
-        let body = &self.text[start..];
-        let end = body
-            .match_indices("\n#")
-            .map(|(i, _)| i + 1)
-            .find(|&i| {
-                let h = body[i..].len() - body[i..].trim_start_matches('#').len();
-                h <= level && body[i + h..].starts_with(' ')
-            })
-            .unwrap_or(body.len());
-        Some(body[..end].trim_matches('\n'))
-    }
-
-    /// `body` marked as carried over (once: a body carried before keeps its first mark).
-    fn carried(&self, body: &str, by: &str) -> String {
-        match body.starts_with(CARRIED) {
-            true => format!("{body}\n"),
+    /// The table a peer benchmark left in `fresh`, else `old` (its section in this BENCH.md)
+    /// marked as carried over (once: a table carried before keeps its first mark).
+    fn table(&self, fresh: &Path, old: Option<&str>) -> Option<String> {
+        if let Ok(table) = std::fs::read_to_string(fresh) {
+            return Some(table);
+        }
+        let old = old.filter(|o| !o.is_empty())?;
+        Some(match old.starts_with(CARRIED) {
+            true => format!("{old}\n"),
             false => format!(
                 "{CARRIED} unchanged from the BENCH.md this run replaced (its machine: {}), as \
-                 `.peers/` holds no `{by}` table for it here.*\n\n{body}\n",
-                self.machine
+                 `.peers/` holds no {} here.*\n\n{old}\n",
+                self.machine,
+                fresh.file_name().unwrap_or_default().to_string_lossy()
             ),
-        }
+        })
     }
 }
 
-/// How a carried-over section begins.
+/// How a carried-over table begins.
 const CARRIED: &str = "*Carried over";
+
+/// The body of the section of `text` headed by the line `heading`, up to the next heading of
+/// its level or above (`nested`) or of any level (not `nested`: the text before its first
+/// subsection); lines in fenced code blocks are never headings.
+fn section<'a>(text: &'a str, heading: &str, nested: bool) -> Option<&'a str> {
+    let level = |line: &str| {
+        let hashes = line.len() - line.trim_start_matches('#').len();
+        (hashes > 0 && line[hashes..].starts_with(' ')).then_some(hashes)
+    };
+    let own = level(heading)?;
+    let (mut fenced, mut start) = (false, None);
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let bare = line.trim_end_matches('\n');
+        if bare.starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced {
+            match (start, level(bare)) {
+                (None, _) if bare == heading => start = Some(at + line.len()),
+                (Some(s), Some(l)) if !nested || l <= own => {
+                    return Some(text[s..at].trim_matches('\n'));
+                }
+                _ => {}
+            }
+        }
+        at += line.len();
+    }
+    start.map(|s| text[s..].trim_matches('\n'))
+}
+
+/// The `### ` headings of `text` outside fenced code blocks, less their hashes.
+fn subsections(text: &str) -> Vec<&str> {
+    let mut fenced = false;
+    text.lines()
+        .filter(|l| {
+            fenced ^= l.starts_with("```");
+            !fenced && !l.starts_with("```")
+        })
+        .filter_map(|l| l.strip_prefix("### "))
+        .collect()
+}
 
 /// `make bench-hybrid`'s tables (`peers-hybrid-NAME[-avx2].md` in `peers`), a section per
 /// file; the previous BENCH.md's sections for files `peers` lacks are carried over.
@@ -593,7 +623,10 @@ fn hybrid_tables(md: &mut String, peers: &Path, previous: &Previous) {
         Some(f) => format!("{f}, at the AVX2 level"),
         None => file.to_string(),
     };
-    // (title, body): this machine's tables, then the previous ones for files it lacks.
+    let file = |title: &str| match title.strip_suffix(", at the AVX2 level") {
+        Some(t) => format!("peers-hybrid-{t}-avx2.md"),
+        None => format!("peers-hybrid-{title}.md"),
+    };
     let mut tables: Vec<(String, String)> = std::fs::read_dir(peers)
         .into_iter()
         .flatten()
@@ -603,11 +636,13 @@ fn hybrid_tables(md: &mut String, peers: &Path, previous: &Previous) {
             Some((title(file), std::fs::read_to_string(peers.join(&n)).ok()?))
         })
         .collect();
-    let old = previous.section(HYBRID).unwrap_or_default();
-    for t in old.lines().filter_map(|l| l.strip_prefix("### ")) {
+    let old = section(&previous.text, HYBRID, true).unwrap_or_default();
+    for t in subsections(old) {
         if !tables.iter().any(|(have, _)| have == t) {
-            let body = previous.section(&format!("### {t}")).unwrap_or_default();
-            tables.push((t.to_string(), previous.carried(body, "make bench-hybrid")));
+            let body = section(old, &format!("### {t}"), true);
+            if let Some(body) = previous.table(&peers.join(file(t)), body) {
+                tables.push((t.to_string(), body));
+            }
         }
     }
     // Each file's native table, then its AVX2 one.

@@ -26,15 +26,28 @@ fn cpu_time() -> f64 {
     ts.tv_sec as f64 * 1e6 + ts.tv_nsec as f64 / 1e3
 }
 
-/// Keeps this process on the CPU it runs on, so the kernels' worker pool, sized by
-/// `available_parallelism` when first used, is the caller alone.
+/// Keeps this thread (the process's only one yet) on one CPU it may run on, so the kernels'
+/// worker pool, sized by `available_parallelism` when first used, is the caller alone.
 fn one_thread() {
-    // SAFETY: a zeroed cpu_set_t is an empty set; the calls read and write only it.
+    // SAFETY: the calls read and write only `set`, a cpu_set_t of the size they are given.
     unsafe {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(libc::sched_getcpu().max(0) as usize, &mut set);
-        let rc = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        assert_eq!(rc, 0, "sched_setaffinity");
+        assert_eq!(
+            libc::sched_getaffinity(0, size, &mut set),
+            0,
+            "sched_getaffinity"
+        );
+        let cpu = (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &set))
+            .expect("the affinity mask names a CPU");
+        libc::CPU_ZERO(&mut set);
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size, &set),
+            0,
+            "sched_setaffinity"
+        );
     }
     assert_eq!(std::thread::available_parallelism().unwrap().get(), 1);
 }
@@ -54,10 +67,11 @@ fn fastest<T>(rounds: usize, x: &mut T, a: impl Fn(&mut T), b: impl Fn(&mut T)) 
 }
 
 fn main() {
-    let rounds = match std::env::args().nth(1) {
+    let rounds: usize = match std::env::args().nth(1) {
         Some(r) => r.parse().expect("ROUNDS: a whole number"),
         None => 300,
     };
+    assert!(rounds > 0, "ROUNDS: at least 1");
     one_thread();
     println!("| KV dtype, arithmetic | 4 branches (µs) | 1 branch (µs) | **4 / 1** | 16-node tree (µs) | decode (µs) | **tree / decode** |");
     println!("|---|---|---|---|---|---|---|");
@@ -75,5 +89,5 @@ fn main() {
             verify / decode,
         );
     }
-    eprintln!("step_ratios: L = {STEP_CONTEXT}, {rounds} rounds, one thread");
+    println!("\nL = {STEP_CONTEXT}; the fastest of {rounds} alternating rounds, one thread.");
 }

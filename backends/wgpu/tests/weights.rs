@@ -127,8 +127,8 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
         let w = dev.weight(stored, rows, COLS).unwrap();
         assert_eq!(w.bindings(), 3, "{}", dtype.name());
         // `linear` on x, then `heads_linear_add` (into zeros) on x laid out heads-major as
-        // attention leaves it, heads 64 wide (read 4 values at a time) and 2 wide (one by
-        // one): the same sums.
+        // attention leaves it, heads 64 wide (block formats read them 4 values at a time,
+        // `xin4`) and 2 wide (one by one, `xin`): the same sums.
         let inputs = [None, Some(64), Some(2)];
         let got: Vec<[Vec<f32>; 2]> = inputs
             .iter()

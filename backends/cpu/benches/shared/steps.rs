@@ -129,17 +129,18 @@ impl Fork {
 
     /// One decode step for branches `1..=n` (`n` ≤ 4), then their new token removed.
     pub fn step(&mut self, n: usize) {
-        let seqs: Vec<i32> = (1..=n as i32).collect();
-        let at = STEP_CONTEXT as i32;
-        self.cache.begin_step(&seqs).unwrap();
-        self.io[n - 1].step(&mut self.cache, &vec![at; n]);
-        for &s in &seqs {
-            self.cache.seq_rm(s, PosRange::new(Some(at), None)).unwrap();
+        const SEQS: [i32; 4] = [1, 2, 3, 4];
+        const AT: i32 = STEP_CONTEXT as i32;
+        self.cache.begin_step(&SEQS[..n]).unwrap();
+        self.io[n - 1].step(&mut self.cache, &[AT; 4][..n]);
+        for &s in &SEQS[..n] {
+            self.cache.seq_rm(s, PosRange::new(Some(AT), None)).unwrap();
         }
     }
 }
 
-/// A tree cache and a contiguous one, each holding [`STEP_CONTEXT`] committed tokens.
+/// A tree cache holding [`STEP_CONTEXT`] committed tokens, and a contiguous one holding one
+/// more (the decode step's token, rewound before each step).
 pub struct Tree {
     pub tree: KitCache<CpuDevice>,
     pub line: KitCache<CpuDevice>,
