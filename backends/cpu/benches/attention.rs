@@ -196,9 +196,9 @@ fn decode(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Seq cache: `n` branches sharing a `STEP_CONTEXT`-token trunk ([`shared::steps`]), one decode step for all
-/// of them, in f16 and q8 (each in the cache's default arithmetic, and q8 in
-/// int8-query-i16-values).
+/// Seq cache: `n` branches sharing a `STEP_CONTEXT`-token trunk ([`shared::steps`]), one
+/// decode step for all of them, in f16 and q8 (each in the cache's default arithmetic, and q8
+/// in int8-query-i16-values).
 fn fork(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("fork_step");
     g.sample_size(20)
@@ -217,8 +217,8 @@ fn fork(cr: &mut Criterion) {
     g.finish();
 }
 
-/// Tree verify of 16 nodes vs a 1-token decode at L = `STEP_CONTEXT` ([`shared::steps`]), in f16 and q8 (each
-/// in the cache's default arithmetic, and q8 in int8-query-i16-values).
+/// Tree verify of 16 nodes vs a 1-token decode at L = `STEP_CONTEXT` ([`shared::steps`]), in
+/// f16 and q8 (each in the cache's default arithmetic, and q8 in int8-query-i16-values).
 fn tree_verify(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("tree_verify");
     g.sample_size(20)
