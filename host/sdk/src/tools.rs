@@ -155,6 +155,21 @@ pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
     }
 }
 
+/// [`parse`] for an answer cut short (at its token limit or a stop string): a call block of
+/// a tagged family (Hermes, Mistral) that it ended inside is not text, so when no whole call
+/// parses, the content is the text before the block's opening tag. (A cut after whole calls
+/// keeps them, as [`parse`] does.)
+pub fn parse_cut(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
+    let parsed = parse(answer, format, tools);
+    match format.opening().and_then(|o| answer.find(o)) {
+        Some(at) if parsed.calls.is_empty() => Parsed {
+            content: answer[..at].trim().to_string(),
+            ..parsed
+        },
+        _ => parsed,
+    }
+}
+
 /// Hermes blocks: the text outside them and the calls inside; `None` when there is no
 /// block, `Some` with no calls when a block does not parse. A last block the answer ended
 /// inside (no closing tag) counts if its JSON is whole; after whole calls, one that is not

@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use kvplug::tools::{parse, Parsed};
+use kvplug::tools::{parse, parse_cut, Parsed};
 use kvplug::TokenLogprobs;
 use kvplug::{Grammars, Text};
 use serde_json::{json, Value};
@@ -66,6 +66,17 @@ impl Choice {
     /// Why it ended, as OpenAI says it before tool calls are told apart (`stop`, `length`).
     pub fn finish(&self) -> &'static str {
         self.finish.unwrap_or("stop")
+    }
+
+    /// Why it ended, as OpenAI says it when its answer holds calls (`called`): `tool_calls`,
+    /// unless its token limit cut it (`length`, as OpenAI and llama.cpp say it even after
+    /// whole calls: a call may have been cut off).
+    pub fn finish_calling(&self, called: bool) -> &'static str {
+        match self.finish() {
+            "length" => "length",
+            _ if called => "tool_calls",
+            f => f,
+        }
     }
 
     /// Its generated tokens.
@@ -190,15 +201,17 @@ impl Answer {
     }
 
     /// Completion `c`'s text split into content, reasoning and tool calls (no tools: all
-    /// content, but a harmony model's reasoning).
+    /// content, but a harmony model's reasoning). A call block the answer was cut inside is
+    /// left out, its markup never content.
     pub fn split(&self, c: &Choice) -> Parsed {
+        // Ended on a turn's end: not cut at the token limit or a stop string.
+        let complete = c.finish() == "stop" && c.stop_string.is_none();
         if self.text.harmony() {
-            // Ended on a turn's end: not cut at the token limit or a stop string.
-            let complete = c.finish() == "stop" && c.stop_string.is_none();
             return kvplug::harmony::parse(&c.text, self.tools(), complete);
         }
         match &self.calls {
-            Some(calls) => parse(&c.text, calls.format, &calls.tools),
+            Some(calls) if complete => parse(&c.text, calls.format, &calls.tools),
+            Some(calls) => parse_cut(&c.text, calls.format, &calls.tools),
             None => Parsed {
                 content: c.text.clone(),
                 ..Parsed::default()
@@ -270,14 +283,13 @@ impl Answer {
                         if !parsed.reasoning.is_empty() {
                             message["reasoning_content"] = json!(parsed.reasoning);
                         }
-                        let mut finish = c.finish.unwrap_or("stop");
                         if !parsed.calls.is_empty() {
                             message["tool_calls"] = json!(self.tool_calls(i, &parsed));
                             if parsed.content.is_empty() {
                                 message["content"] = Value::Null;
                             }
-                            finish = "tool_calls";
                         }
+                        let finish = c.finish_calling(!parsed.calls.is_empty());
                         json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
                     }
                     Endpoint::Completion => json!({
@@ -507,6 +519,7 @@ pub fn chunks(
                     stop_string,
                 }) => {
                     let c = &mut st.choices[i];
+                    c.finish = Some(finish_reason);
                     c.tokens = completion_tokens;
                     c.speculation = speculation;
                     c.stop_string = stop_string;
@@ -524,9 +537,7 @@ pub fn chunks(
                             let empty = a.chunk(i, json!({"content": ""}), &lps, 0, None);
                             st.out.push_back(data(empty));
                         }
-                        if !parsed.calls.is_empty() {
-                            finish = "tool_calls";
-                        }
+                        finish = c.finish_calling(!parsed.calls.is_empty());
                     } else if !c.text.is_empty() {
                         let parsed = a.split(c);
                         // The held tokens' log-probabilities go with the first chunk.
@@ -544,9 +555,7 @@ pub fn chunks(
                         for (k, call) in a.tool_calls(i, &parsed).into_iter().enumerate() {
                             st.out.extend(call_chunks(a, i, k, call, &mut lps, offset));
                         }
-                        if !parsed.calls.is_empty() {
-                            finish = "tool_calls";
-                        }
+                        finish = c.finish_calling(!parsed.calls.is_empty());
                     }
                     let delta = match a.endpoint {
                         Endpoint::Chat => json!({}),
@@ -621,6 +630,12 @@ pub(crate) mod tests {
     /// A harmony model's text: harmony's markers in the vocabulary (special tokens, ids
     /// 1..=6) and a template that writes them.
     pub(crate) fn harmony_text() -> Arc<Text> {
+        text_of("{{ '<|start|>assistant<|channel|>final<|message|>' }}")
+    }
+
+    /// A text with harmony's markers in its vocabulary (special tokens, ids 1..=6) and the
+    /// chat template `template`.
+    fn text_of(template: &str) -> Arc<Text> {
         static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let k = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("kvplug-harmony-{}-{k}", std::process::id()));
@@ -647,7 +662,6 @@ pub(crate) mod tests {
             "post_processor": null, "decoder": null,
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}});
         std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-        let template = "{{ '<|start|>assistant<|channel|>final<|message|>' }}";
         let config = json!({"chat_template": template, "eos_token": "<|return|>"});
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         let text = Text::load(&dir).unwrap();
@@ -687,7 +701,10 @@ pub(crate) mod tests {
     }
 
     /// [`events`] ending for `finish_reason`.
-    fn events_ending(pieces: &[&str], finish_reason: &'static str) -> UnboundedReceiver<Event> {
+    pub(crate) fn events_ending(
+        pieces: &[&str],
+        finish_reason: &'static str,
+    ) -> UnboundedReceiver<Event> {
         let (tx, rx) = unbounded_channel();
         for p in pieces {
             let text = p.to_string();
@@ -808,6 +825,69 @@ pub(crate) mod tests {
             );
             assert!(deltas >= 1, "reasoning streamed as it came");
             assert!(!content.contains("<|"), "{content}");
+        }
+    }
+
+    /// An answer of a Hermes-family model (Qwen2.5's tags) that may call two tools.
+    pub(crate) fn hermes_answer() -> Answer {
+        let tool = |name: &str| Tool {
+            name: name.into(),
+            description: None,
+            parameters: json!({"type": "object"}),
+        };
+        Answer {
+            calls: Some(Calls {
+                tools: vec![tool("get_weather"), tool("get_time")],
+                format: ToolFormat::Hermes,
+                doubled_braces: false,
+            }),
+            text: text_of("{{ '<|im_start|>assistant\\n<tool_call>' }}"),
+            ..harmony_answer(false)
+        }
+    }
+
+    /// A whole Hermes call.
+    pub(crate) const WHOLE_CALL: &str =
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+
+    /// Hermes answers their token limit cut: after a whole call, inside a second; inside the
+    /// first. With the whole calls each has.
+    pub(crate) const CUT: [(&[&str], usize); 2] = [
+        (&[WHOLE_CALL, "\n<tool_call>\n{\"name\": \"get_ti"], 1),
+        (&["<tool_call>\n{\"name\": \"get_weather\", \""], 0),
+    ];
+
+    #[tokio::test]
+    async fn an_answer_cut_in_a_call_says_length_and_shows_no_call_markup() {
+        use futures_util::StreamExt;
+        let v = collect(hermes_answer(), 0, events(&[WHOLE_CALL]))
+            .await
+            .unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+        for (pieces, whole_calls) in CUT {
+            let v = collect(hermes_answer(), 0, events_ending(pieces, "length"))
+                .await
+                .unwrap();
+            let (choice, m) = (&v["choices"][0], &v["choices"][0]["message"]);
+            assert_eq!(choice["finish_reason"], "length", "{v}");
+            let calls = m["tool_calls"].as_array().map_or(0, Vec::len);
+            assert_eq!(calls, whole_calls, "{v}");
+            assert_eq!(m["content"].as_str().unwrap_or_default(), "", "{v}");
+            let chunks: Vec<Chunk> = chunks(hermes_answer(), 0, events_ending(pieces, "length"))
+                .collect()
+                .await;
+            let (mut content, mut calls, mut finish) = (String::new(), 0, Value::Null);
+            for c in &chunks {
+                let Chunk::Data(v) = c else { continue };
+                let choice = &v["choices"][0];
+                content += choice["delta"]["content"].as_str().unwrap_or_default();
+                calls += usize::from(choice["delta"]["tool_calls"][0]["id"].is_string());
+                if !choice["finish_reason"].is_null() {
+                    finish = choice["finish_reason"].clone();
+                }
+            }
+            assert_eq!((content.as_str(), calls), ("", whole_calls));
+            assert_eq!(finish, "length");
         }
     }
 

@@ -60,6 +60,9 @@ pub enum Format {
 pub struct Params {
     /// What to generate from.
     pub prompt: Prompt,
+    /// The request field it came in (`messages`, `prompt`, `input`): the `param` of a
+    /// `context_length_exceeded` error.
+    pub prompt_field: &'static str,
     /// `max_completion_tokens` or `max_tokens`; the server's default when absent.
     pub max_tokens: Option<usize>,
     /// Whether `max_tokens` is only a bound (Anthropic's `max_tokens`, the Responses API's
@@ -264,6 +267,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     }
     Ok(Params {
         prompt,
+        prompt_field: match endpoint {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+        },
         max_tokens: max_tokens.map(|n| n.min(usize::MAX as u64) as usize),
         max_tokens_is_bound: false,
         temperature,
@@ -517,7 +524,11 @@ fn logit_bias(f: &Fields) -> Result<Vec<(i32, f32)>, ApiError> {
                 let b = v
                     .as_f64()
                     .filter(|b| (-100.0..=100.0).contains(b))
-                    .ok_or_else(|| bad(format!("the bias of {k} must be in [-100, 100]")))?;
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "the bias of token {k} must be a number in [-100, 100], not {v}"
+                        ))
+                    })?;
                 Ok((id, b as f32))
             })
             .collect(),

@@ -39,11 +39,11 @@ impl ApiError {
         }
     }
 
-    /// 400 with code `context_length_exceeded`.
-    pub fn too_long(message: impl Into<String>) -> Self {
+    /// 400 with code `context_length_exceeded`, `param` the prompt's field.
+    pub fn too_long(param: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             code: Some("context_length_exceeded"),
-            ..Self::invalid(Some("messages"), message)
+            ..Self::invalid(Some(param), message)
         }
     }
 

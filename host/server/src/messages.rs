@@ -90,6 +90,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     messages.extend(turns(&f)?);
     Ok(Params {
         prompt: Prompt::Chat(messages),
+        prompt_field: "messages",
         max_tokens,
         max_tokens_is_bound: true,
         temperature: f.number("temperature", 0.0, 1.0)?.unwrap_or(1.0) as f32,
@@ -407,11 +408,7 @@ pub async fn message(
             "input": serde_json::from_str::<Value>(&call.arguments).unwrap_or_else(|_| json!({})),
         }));
     }
-    let finish = if parsed.calls.is_empty() {
-        c.finish()
-    } else {
-        "tool_calls"
-    };
+    let finish = c.finish_calling(!parsed.calls.is_empty());
     Ok(json!({
         "id": a.id,
         "type": "message",
@@ -720,5 +717,19 @@ mod tests {
         assert_eq!(stop_reason("stop", Some("\n")), "stop_sequence");
         assert_eq!(stop_reason("length", None), "max_tokens");
         assert_eq!(stop_reason("tool_calls", None), "tool_use");
+    }
+
+    #[tokio::test]
+    async fn an_answer_cut_in_a_call_stops_at_max_tokens_with_its_whole_calls() {
+        use crate::answer::tests::{events_ending, hermes_answer, CUT};
+        for (pieces, whole_calls) in CUT {
+            let m = message(hermes_answer(), 0, events_ending(pieces, "length"))
+                .await
+                .unwrap();
+            assert_eq!(m["stop_reason"], "max_tokens", "{m}");
+            let content = m["content"].as_array().unwrap();
+            assert!(content.iter().all(|b| b["type"] == "tool_use"), "{m}");
+            assert_eq!(content.len(), whole_calls, "{m}");
+        }
     }
 }

@@ -171,10 +171,13 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
 fn max_tokens(m: &Model, p: &Params, prompt: usize) -> Result<usize, ApiError> {
     let (asked, n, cap) = (p.max_tokens, p.n, m.capacity);
     if prompt >= cap {
-        return Err(ApiError::too_long(format!(
-            "This model's maximum context length is {cap} tokens. However, your prompt is \
+        return Err(ApiError::too_long(
+            p.prompt_field,
+            format!(
+                "This model's maximum context length is {cap} tokens. However, your prompt is \
              {prompt} tokens, which leaves no room to generate."
-        )));
+            ),
+        ));
     }
     // The completions share the prompt's cells; each writes its own.
     let room = (cap - prompt) / n;
@@ -187,16 +190,22 @@ fn max_tokens(m: &Model, p: &Params, prompt: usize) -> Result<usize, ApiError> {
                 m.max_tokens
             ),
         )),
-        Some(a) if a > room => Err(ApiError::too_long(format!(
-            "This model's maximum context length is {cap} tokens. However, you requested {} \
+        Some(a) if a > room => Err(ApiError::too_long(
+            p.prompt_field,
+            format!(
+                "This model's maximum context length is {cap} tokens. However, you requested {} \
              tokens ({prompt} in the prompt, {a} in each of {n} completion(s)).",
-            prompt + a * n
-        ))),
+                prompt + a * n
+            ),
+        )),
         Some(a) => Ok(a),
-        None if room == 0 => Err(ApiError::too_long(format!(
-            "This model's maximum context length is {cap} tokens: {n} completions of a \
+        None if room == 0 => Err(ApiError::too_long(
+            p.prompt_field,
+            format!(
+                "This model's maximum context length is {cap} tokens: {n} completions of a \
              {prompt}-token prompt do not fit."
-        ))),
+            ),
+        )),
         None => Ok(m.max_tokens.min(room)),
     }
 }

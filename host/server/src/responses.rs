@@ -178,6 +178,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
     });
     let params = Params {
         prompt: Prompt::Chat(messages),
+        prompt_field: "input",
         max_tokens,
         max_tokens_is_bound: true,
         temperature: f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,
@@ -359,22 +360,24 @@ fn format(f: &Fields) -> Result<Format, ApiError> {
 }
 
 /// The output items of answer `c` (text as one `message`, then each `function_call`), the
-/// assistant turn they add to the conversation, and whether any call was made.
+/// assistant turn they add to the conversation, and whether any call was made. Where the
+/// token limit cut the answer its text items are `incomplete` (its calls are whole ones).
 fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
     let parsed = a.split(c);
     let rest = a.id.trim_start_matches("resp_");
+    let text_status = status(c.finish());
     let mut items = Vec::new();
     let mut turn = Message::new("assistant", &parsed.content);
     if !parsed.reasoning.is_empty() {
         items.push(reasoning_item(
             &format!("rs_{rest}"),
             &parsed.reasoning,
-            "completed",
+            text_status,
         ));
     }
     if !parsed.content.is_empty() || parsed.calls.is_empty() {
         items.push(json!({
-            "type": "message", "id": format!("msg_{rest}"), "status": "completed",
+            "type": "message", "id": format!("msg_{rest}"), "status": text_status,
             "role": "assistant",
             "content": [{"type": "output_text", "text": parsed.content, "annotations": []}],
         }));
@@ -487,7 +490,7 @@ pub async fn whole(
     let choices = crate::answer::choices(1, rx).await?;
     let c = &choices[0];
     let (items, turn, called) = output(&a, c);
-    let finish = if called { "tool_calls" } else { c.finish() };
+    let finish = c.finish_calling(called);
     remember(&store, &a.id, &r, turn);
     let h = Head::of(&a);
     Ok(response(
@@ -531,6 +534,7 @@ pub fn stream(
         text: None,
         reasoning: None,
         call: None,
+        text_status: "completed",
         turn: Message::new("assistant", ""),
     };
     let mut sequence = 0u64;
@@ -562,6 +566,9 @@ struct Items {
     reasoning: Option<String>,
     /// The function call item being streamed (its arguments so far).
     call: Option<Value>,
+    /// The status a text or reasoning item ends with: `incomplete` for those the token limit
+    /// cut (the ones still open at the end of such an answer).
+    text_status: &'static str,
     /// The assistant turn the output adds to the conversation.
     turn: Message,
 }
@@ -627,6 +634,8 @@ impl Items {
                 }
             }
             Chunk::Ended { finish, tokens, .. } => {
+                let status = status(finish);
+                self.text_status = status;
                 self.end_reasoning(&mut out);
                 self.end_text(&mut out);
                 self.end_call(&mut out);
@@ -636,7 +645,6 @@ impl Items {
                 }
                 let turn = std::mem::replace(&mut self.turn, Message::new("assistant", ""));
                 remember(&self.store, &self.head.id, &self.request, turn);
-                let status = status(finish);
                 let whole = response(
                     &self.head,
                     &self.request,
@@ -706,7 +714,7 @@ impl Items {
             "output_index": at, "content_index": 0, "text": text, "logprobs": []}));
         out.push(json!({"type": "response.content_part.done", "item_id": id,
             "output_index": at, "content_index": 0, "part": part}));
-        let item = json!({"type": "message", "id": id, "status": "completed",
+        let item = json!({"type": "message", "id": id, "status": self.text_status,
             "role": "assistant", "content": [part]});
         out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
         self.done.push(item);
@@ -722,7 +730,7 @@ impl Items {
             json!({"type": "response.reasoning_text.done", "item_id": id,
             "output_index": at, "content_index": 0, "text": text}),
         );
-        let item = reasoning_item(&id, &text, "completed");
+        let item = reasoning_item(&id, &text, self.text_status);
         out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
         self.done.push(item);
     }
@@ -770,6 +778,7 @@ mod tests {
             text: None,
             reasoning: None,
             call: None,
+            text_status: "completed",
             turn: Message::new("assistant", ""),
         };
         let delta = |d: Value| Chunk::Data(json!({"choices": [{"delta": d}]}));
@@ -913,6 +922,29 @@ mod tests {
             "input",
             "not JSON",
         );
+    }
+
+    #[tokio::test]
+    async fn an_answer_cut_in_a_call_is_incomplete_with_its_whole_calls() {
+        use crate::answer::tests::{events_ending, hermes_answer, CUT};
+        for (pieces, whole_calls) in CUT {
+            let store = Arc::new(Store::default());
+            let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
+            let events = events_ending(pieces, "length");
+            let v = whole(hermes_answer(), request, store, 0, events)
+                .await
+                .unwrap();
+            assert_eq!(v["status"], "incomplete", "{v}");
+            assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+            let items = v["output"].as_array().unwrap();
+            let calls = items.iter().filter(|i| i["type"] == "function_call");
+            assert!(calls.clone().all(|c| c["status"] == "completed"), "{v}");
+            assert_eq!(calls.count(), whole_calls, "{v}");
+            for m in items.iter().filter(|i| i["type"] == "message") {
+                assert_eq!(m["status"], "incomplete", "{v}");
+                assert_eq!(m["content"][0]["text"], "", "no call markup: {v}");
+            }
+        }
     }
 
     #[test]

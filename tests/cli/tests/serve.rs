@@ -265,6 +265,28 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
     );
     let message = v["error"]["message"].as_str().unwrap();
     assert!(message.contains("outside the vocabulary"), "{message}");
+    // A prompt past the capacity is named by its own field on each OpenAI endpoint.
+    for (route, body, param) in [
+        ("/v1/completions", json!({"prompt": long}), "prompt"),
+        ("/v1/responses", json!({"input": long}), "input"),
+    ] {
+        let (got, v) = s.post(route, &body, &[]);
+        assert_eq!(
+            (got, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{route}: {v}"
+        );
+    }
+    let (got, v) = s.post(
+        path,
+        &json!({"messages": hi, "logit_bias": {"7": 500}}),
+        &[],
+    );
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        got == 400 && message.contains("token 7") && message.contains("not 500"),
+        "{v}"
+    );
     let (got, v) = s.post(
         path,
         &json!({"messages": hi, "logit_bias": {"99999999": 5}}),
