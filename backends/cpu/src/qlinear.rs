@@ -22,7 +22,8 @@
 //! are the same bit for bit whether it comes in a panel, a tile or alone. The vector paths
 //! are chosen at run time: AVX2
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
-//! f32 FMA) and, where the CPU has AVX-512 VNNI, VL and BW, the same with
+//! f32 FMA; in panels a run of code dwords adds its pair sums in i16 before one `madd`,
+//! [`i16_run`]) and, where the CPU has AVX-512 VNNI, VL and BW, the same with
 //! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
 //! encoding, so 32 vector registers; a whole group two sub-blocks per 512-bit product, the
 //! products' lanes summed by permutes, not `vphaddd`; the 4- and 5-bit 32-value formats'
@@ -687,6 +688,31 @@ const fn code_offset(f: BlockFormat) -> i32 {
     }
 }
 
+/// The largest unsigned code of `f` as the kernels hold it (Q8_0's magnitudes on the
+/// `maddubs` path; MXFP4's `kvalue + 16`).
+const fn max_code(f: BlockFormat) -> i32 {
+    match f {
+        BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q4K => 15,
+        BlockFormat::Q5_0 | BlockFormat::Q5_1 | BlockFormat::Q5K => 31,
+        BlockFormat::Mxfp4 => 28,
+        BlockFormat::Q6K => 63,
+        BlockFormat::Q8_0 => 128,
+    }
+}
+
+/// Code dwords of a sub-block whose `maddubs` pair sums one 16-bit lane adds up exactly
+/// before a `madd` widens them (a power of two, at most the sub-block's 8): each pair sum is
+/// at most `2·max_code·127` in magnitude (|q| ≤ 127), so 8 for the 4-bit formats, 4 for
+/// the 5-bit ones and MXFP4, 2 for Q6_K and 1 for Q8_0.
+const fn i16_run(f: BlockFormat) -> usize {
+    let fits = i16::MAX as i32 / (2 * max_code(f) * 127);
+    let mut run = 1;
+    while run < GROUP && 2 * run <= fits as usize {
+        run *= 2;
+    }
+    run
+}
+
 /// The offset the integer dots subtract per code: [`code_offset`], or 128 for Q8_0 on the
 /// `dpbusd` path, which takes its codes as unsigned `q + 128` (`maddubs`, whose pair sums
 /// 2·255·127 would saturate, takes |q| against sign(x, q) instead).
@@ -1201,9 +1227,9 @@ mod x86 {
     use std::ops::Range;
 
     use super::{
-        dot_offset, group_bytes, group_len, has_min, mxfp4_codes, wide_order, Acts, LaneMajor,
-        PanelBlock, PanelOut, Panels, UnpackedRows, WideOrder, FORMATS, GROUP, PANEL, PANEL_ROW,
-        PREFETCH_AHEAD, QK,
+        dot_offset, group_bytes, group_len, has_min, i16_run, mxfp4_codes, wide_order, Acts,
+        LaneMajor, PanelBlock, PanelOut, Panels, UnpackedRows, WideOrder, FORMATS, GROUP, PANEL,
+        PANEL_ROW, PREFETCH_AHEAD, QK,
     };
     use crate::simd::x86::hsum;
 
@@ -2318,6 +2344,11 @@ mod x86 {
         /// `s` plus, per lane, the sum of the byte products of `w`'s unsigned and `x`'s
         /// signed dword (`dpbusd`; `maddubs` and `madd`, exact here: see the module docs).
         unsafe fn dot(s: Self::I, w: Self::I, x: Self::I) -> Self::I;
+        /// `s` plus, per 16-bit lane, the sum of the byte products of `w`'s unsigned and
+        /// `x`'s signed byte pair (`maddubs`; the caller keeps the sums in i16's range).
+        unsafe fn dot16(s: Self::I, w: Self::I, x: Self::I) -> Self::I;
+        /// `s` plus, per 32-bit lane, the sum of `p`'s two 16-bit lanes (`madd` with ones).
+        unsafe fn widen_add(s: Self::I, p: Self::I) -> Self::I;
         /// `x` with each byte's sign flipped where `s`'s byte is negative, zero where zero.
         unsafe fn sign(x: Self::I, s: Self::I) -> Self::I;
         unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I;
@@ -2373,6 +2404,14 @@ mod x86 {
                 let pairs = _mm256_maddubs_epi16(w, x);
                 _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
             }
+        }
+        #[inline(always)]
+        unsafe fn dot16(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+            _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x))
+        }
+        #[inline(always)]
+        unsafe fn widen_add(s: __m256i, p: __m256i) -> __m256i {
+            _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
         }
         #[inline(always)]
         unsafe fn sign(x: __m256i, s: __m256i) -> __m256i {
@@ -2448,6 +2487,14 @@ mod x86 {
         #[inline(always)]
         unsafe fn dot(s: __m512i, w: __m512i, x: __m512i) -> __m512i {
             _mm512_dpbusd_epi32(s, w, x)
+        }
+        #[inline(always)]
+        unsafe fn dot16(_: __m512i, _: __m512i, _: __m512i) -> __m512i {
+            unreachable!("the 512-bit panels run on dpbusd")
+        }
+        #[inline(always)]
+        unsafe fn widen_add(_: __m512i, _: __m512i) -> __m512i {
+            unreachable!("the 512-bit panels run on dpbusd")
         }
         #[inline(always)]
         unsafe fn sign(_: __m512i, _: __m512i) -> __m512i {
@@ -2640,7 +2687,9 @@ mod x86 {
     /// Per unit pp and row r, `Σ_k (w[r][k], broadcast) · (dword k of each token of
     /// at[pp])` over `ks` (Q8_0 with `maddubs`: the magnitudes against the activations under
     /// `signs[r][k]`'s signs); each tokens' vector is loaded once for all the rows and each
-    /// broadcast made once for all the units. A function, not a closure: a closure that is
+    /// broadcast made once for all the units. On the `maddubs` path the pair sums of
+    /// [`i16_run`] dwords add up in i16 before one `madd` widens them (the same exact sums,
+    /// one widening a run rather than a dword). A function, not a closure: a closure that is
     /// not inlined loses the target features, and its intrinsics with them.
     ///
     /// # Safety
@@ -2655,12 +2704,36 @@ mod x86 {
         ks: Range<usize>,
     ) -> [[L::I; R]; P] {
         let q8 = const { FORMATS[F] } == BlockFormat::Q8_0;
+        let run = const { i16_run(FORMATS[F]) };
+        let xk = |k: usize| -> [L::I; P] {
+            std::array::from_fn(|pp| {
+                L::load_i(p.q.as_ptr().add(at[pp].codes + k * PANEL_ROW).cast())
+            })
+        };
         let mut s = [[L::zero_i(); R]; P];
-        for k in ks {
-            let mut xk = [L::zero_i(); P];
-            for pp in 0..P {
-                xk[pp] = L::load_i(p.q.as_ptr().add(at[pp].codes + k * PANEL_ROW).cast());
+        if L::MADDUBS && run > 1 {
+            debug_assert!(ks.len().is_multiple_of(run));
+            for k0 in ks.step_by(run) {
+                let mut s16 = [[L::zero_i(); R]; P];
+                for k in k0..k0 + run {
+                    let xk = xk(k);
+                    for r in 0..R {
+                        let wk = L::set1_i(*w[r].add(k));
+                        for pp in 0..P {
+                            s16[pp][r] = L::dot16(s16[pp][r], wk, xk[pp]);
+                        }
+                    }
+                }
+                for (s, s16) in s.iter_mut().zip(&s16) {
+                    for (s, &s16) in s.iter_mut().zip(s16) {
+                        *s = L::widen_add(*s, s16);
+                    }
+                }
             }
+            return s;
+        }
+        for k in ks {
+            let xk = xk(k);
             for r in 0..R {
                 let wk = L::set1_i(*w[r].add(k));
                 for pp in 0..P {
@@ -2878,12 +2951,14 @@ mod tests {
     fn the_largest_codes_against_the_largest_activations_are_within_the_bound() {
         // Every weight code at its largest (Q8_0: 127) against activation codes of 127 and
         // of −127: the integer sums at their extremes, where a kernel's narrowed lane sums
-        // (i16 on some paths) would saturate.
+        // (i16 on some paths) would saturate. Tokens of each sign in tiles (2) and in panels
+        // (`MIN_PANEL_TOKENS`).
         let (rows, cols) = (3, 512);
-        let x: Vec<f32> = [1f32, -1.0]
-            .into_iter()
-            .flat_map(|v| std::iter::repeat_n(v, cols))
-            .collect();
+        let tokens = |t: usize| -> Vec<f32> {
+            (0..t)
+                .flat_map(|i| std::iter::repeat_n(if i % 2 == 0 { 1f32 } else { -1.0 }, cols))
+                .collect()
+        };
         for f in FORMATS {
             let (codes, top) = match f {
                 BlockFormat::Q4_0 => (2..18, 0xff),
@@ -2901,8 +2976,10 @@ mod tests {
             for b in w.chunks_exact_mut(f.block_bytes()) {
                 b[codes.clone()].fill(top);
             }
-            for path in paths() {
-                check_weights(path, f, &w, &x, 2, rows, cols);
+            for t in [2, MIN_PANEL_TOKENS] {
+                for path in paths() {
+                    check_weights(path, f, &w, &tokens(t), t, rows, cols);
+                }
             }
         }
     }
