@@ -422,6 +422,15 @@ fn all_seen(row: &[bool]) -> bool {
     }) && rest.iter().all(|&b| b == 1)
 }
 
+/// One key chunk's partial softmax for a task's query rows: their unnormalized outputs
+/// (`[rows, D]`), each row's max and sum.
+#[derive(Default)]
+struct Partial {
+    out: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
 /// Tile scores and running softmax state of one task, reused across steps.
 #[derive(Default)]
 pub struct TileScratch {
@@ -430,8 +439,12 @@ pub struct TileScratch {
     /// Running max and sum per query row.
     max: Vec<f32>,
     sum: Vec<f32>,
-    /// The unnormalized output of a part of a split head, `[rows, D]`.
-    pub part: Vec<f32>,
+    /// The partial softmaxes of the key chunks this task computed for a fold after it (a
+    /// head's keys split over tasks), else one: the chunk it is folding.
+    chunks: Vec<Partial>,
+    /// The running max and sum of the rows whose chunks this task folds ([`fold`]).
+    fold_max: Vec<f32>,
+    fold_sum: Vec<f32>,
     /// The tile's K and V groups (see [`Row8::for_tile`]).
     k_groups: Vec<f32>,
     v_groups: Vec<f32>,
@@ -837,6 +850,8 @@ struct Part<'a> {
     int8: bool,
     /// And the values summed in i16 weight codes ([`i16_values`]; only with `int8`).
     i16: bool,
+    /// The scratch's query codes are already these rows' (a later key chunk of the task).
+    quantized: bool,
 }
 
 /// Accumulates `softmax(q·Kᵀ·scale)·V` for `part` into `out`, leaving `out` unnormalized and
@@ -863,6 +878,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
         scale,
         int8,
         i16,
+        quantized,
     } = part;
     debug_assert!(d.is_multiple_of(2 * L::N) && q.len().is_multiple_of(d));
     debug_assert!(out.len() == q.len());
@@ -875,7 +891,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     out.fill(0.0);
     let (mut query, mut ktile) = (std::mem::take(&mut s.query), std::mem::take(&mut s.keys));
     let mut vtile = std::mem::take(&mut s.values);
-    if let Some(kq) = k.as_quant().filter(|_| int8) {
+    if let Some(kq) = k.as_quant().filter(|_| int8 && !quantized) {
         query.quantize(q, d, kq.group, kq.bits == 4);
     }
     // With VBMI and at most two blocks of rows the 512-bit value sums read the codes from
@@ -947,10 +963,16 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     (s.query, s.keys, s.values) = (query, ktile, vtile);
 }
 
-/// Divides each row of `out` (`[rows, d]`) by its softmax sum, plus its sink's weight
-/// (`sink(r)` for row `r`); a row that saw nothing is 0.
-pub fn finish(out: &mut [f32], d: usize, s: &TileScratch, sink: impl Fn(usize) -> Option<f32>) {
-    let rows = out.chunks_exact_mut(d).zip(s.sum.iter().zip(&s.max));
+/// Divides each row of `out` (`[rows, d]`) by its softmax sum (`sum`, the row's max in
+/// `max`), plus its sink's weight (`sink(r)` for row `r`); a row that saw nothing is 0.
+fn finish(
+    out: &mut [f32],
+    d: usize,
+    sum: &[f32],
+    max: &[f32],
+    sink: impl Fn(usize) -> Option<f32>,
+) {
+    let rows = out.chunks_exact_mut(d).zip(sum.iter().zip(max));
     for (r, (o, (&sum, &max))) in rows.enumerate() {
         match sum {
             0.0 => o.fill(0.0),
@@ -962,33 +984,30 @@ pub fn finish(out: &mut [f32], d: usize, s: &TileScratch, sink: impl Fn(usize) -
     }
 }
 
-/// Combines the parts of one head split over key rows (each `accumulate`d into its
-/// scratch's `part`) into the normalized `out` (`[rows, d]`), row `r`'s sum counting its
-/// sink's weight (`sink(r)`).
-pub fn merge(
-    parts: &[TileScratch],
-    d: usize,
-    out: &mut [f32],
-    sink: impl Fn(usize) -> Option<f32>,
-) {
-    for (r, o) in out.chunks_exact_mut(d).enumerate() {
-        let max = parts
-            .iter()
-            .map(|p| p.max[r])
-            .fold(f32::NEG_INFINITY, f32::max);
-        o.fill(0.0);
-        if max == f32::NEG_INFINITY {
+/// Folds the partial softmax of one key chunk (`part`) into the running one (`out`, `max`,
+/// `sum`; begun at 0, −∞ and 0). Chunks fold in key order with these same operations
+/// wherever a row's chunks were computed (see [`KEY_CHUNK`]); the first a row sees is
+/// copied, so a row within one chunk gets the unsplit kernel's bits.
+fn fold(out: &mut [f32], max: &mut [f32], sum: &mut [f32], part: &Partial, d: usize) {
+    let (pmax, psum) = (&part.max, &part.sum);
+    let rows = out.chunks_exact_mut(d).zip(part.out.chunks_exact(d));
+    for (r, (o, p)) in rows.enumerate() {
+        if psum[r] == 0.0 {
+            // The row sees none of the chunk's keys.
             continue;
         }
-        let mut sum = sink_weight(sink(r), max);
-        for p in parts.iter().filter(|p| p.sum[r] > 0.0) {
-            let w = fast_exp(p.max[r] - max);
-            sum += p.sum[r] * w;
-            for (x, &y) in o.iter_mut().zip(&p.part[r * d..(r + 1) * d]) {
-                *x += w * y;
-            }
+        if sum[r] == 0.0 {
+            o.copy_from_slice(p);
+            (max[r], sum[r]) = (pmax[r], psum[r]);
+            continue;
         }
-        o.iter_mut().for_each(|x| *x /= sum);
+        let m = max[r].max(pmax[r]);
+        let (a, b) = (fast_exp(max[r] - m), fast_exp(pmax[r] - m));
+        sum[r] = sum[r] * a + psum[r] * b;
+        for (x, &y) in o.iter_mut().zip(p) {
+            *x = *x * a + y * b;
+        }
+        max[r] = m;
     }
 }
 
@@ -1319,39 +1338,53 @@ impl HeadViews {
 /// each tile, enough tasks to balance causal work over the threads.
 const ROWS_PER_TASK: usize = 64;
 
+/// Keys per chunk (a multiple of [`TILE`]). Every row's keys are summed a chunk at a time
+/// from key 0 on, and the chunks' partial softmaxes folded in order ([`fold`]), however the
+/// call is split over tasks and threads: a row's output depends on its own query and keys
+/// alone, not on the call's other rows, its length or the thread count, so a speculative
+/// verify gives each row plain decoding's bits (before, key splits placed by the call's
+/// length and the threads made greedy output with drafts differ from without on 2 threads).
+const KEY_CHUNK: usize = 1024;
+
 /// How each head's work is split over tasks.
 #[derive(Clone, Copy, PartialEq)]
 enum Split {
-    /// Query rows, `n` per task, each task normalizing its own rows.
+    /// Query rows, `n` per task, each task folding its rows' key chunks as it goes.
     Queries(usize),
-    /// Key rows, `n` per task (a multiple of [`TILE`]), merged after.
+    /// All the head's rows, its key chunks in this many runs, a task each, their partial
+    /// softmaxes folded after.
     Keys(usize),
 }
 
 impl Split {
-    /// Whole heads below `parallel_min` multiply-adds; query rows for long query blocks;
-    /// key rows otherwise, into the fewest parts that give every participant the same
-    /// number of tasks (3 KV heads on 2 threads: 6 parts of half a window).
-    fn plan(hkv: usize, rows: usize, l: usize, work: usize, parallel_min: usize) -> Split {
+    /// One task per head below `parallel_min` multiply-adds or on one thread; query rows
+    /// for long query blocks; else runs of key chunks, the fewest that give every participant
+    /// the same number of tasks (3 KV heads on 2 threads: 2 runs a head), at most one a chunk.
+    fn plan(hkv: usize, rows: usize, chunks: usize, work: usize, parallel_min: usize) -> Split {
         let participants = Workers::global().participants();
         if work < parallel_min || participants == 1 {
-            return Split::Keys(l.max(1));
+            return Split::Queries(rows.max(1));
         }
         if rows >= ROWS_PER_TASK {
             return Split::Queries(ROWS_PER_TASK);
         }
-        let mut parts = 1;
-        while !(hkv * parts).is_multiple_of(participants) || hkv * parts < participants {
-            parts += 1;
+        let mut runs = 1;
+        while runs < chunks
+            && (!(hkv * runs).is_multiple_of(participants) || hkv * runs < participants)
+        {
+            runs += 1;
         }
-        Split::Keys(l.div_ceil(parts).next_multiple_of(TILE))
+        match runs {
+            1 => Split::Queries(rows.max(1)),
+            runs => Split::Keys(runs),
+        }
     }
 
     /// Tasks per head.
-    fn parts(self, rows: usize, l: usize) -> usize {
+    fn parts(self, rows: usize) -> usize {
         match self {
             Split::Queries(n) => rows.div_ceil(n),
-            Split::Keys(n) => l.div_ceil(n).max(1),
+            Split::Keys(runs) => runs,
         }
     }
 }
@@ -1414,8 +1447,10 @@ pub fn attend(
     // 1 branch: 340 against 310 µs), and a decode step sums in f32, more exactly than
     // declared, so decode is int8-query's whatever the GQA group.
     let i16 = int8 && arithmetic.i16_values() && t > 1 && rows > Avx2::INT8_BLOCK;
-    let split = Split::plan(hkv, rows, l, hq * t * l * d, parallel_min);
-    let parts = split.parts(rows, l);
+    let chunks = l.div_ceil(KEY_CHUNK).max(1);
+    let chunk = |c: usize| c * KEY_CHUNK..((c + 1) * KEY_CHUNK).min(l);
+    let split = Split::plan(hkv, rows, chunks, hq * t * l * d, parallel_min);
+    let parts = split.parts(rows);
     tiles.resize_with(hkv * parts, TileScratch::default);
     let vis = Visibility { mask, t, l };
     let outs = DisjointChunks::new(&mut out.data, d);
@@ -1425,12 +1460,12 @@ pub fn attend(
         let views = views(kh, width).expect("every head has the dtype of head 0");
         // SAFETY: task i alone holds scratch i and the output rows of its query range.
         let s = unsafe { &mut scratch.get(i)[0] };
-        let (first, n, keys) = match split {
-            Split::Queries(n) => (part * n, n.min(rows - part * n), 0..l),
-            Split::Keys(n) => (0, rows, (part * n).min(l)..((part + 1) * n).min(l)),
+        let (first, n, run) = match split {
+            Split::Queries(n) => (part * n, n.min(rows - part * n), 0..chunks),
+            Split::Keys(runs) => (0, rows, part * chunks / runs..(part + 1) * chunks / runs),
         };
         let at = kh * rows + first;
-        let p = Part {
+        let over = |keys: std::ops::Range<usize>, quantized| Part {
             q: &q.data[at * d..(at + n) * d],
             first,
             d,
@@ -1439,19 +1474,40 @@ pub fn attend(
             scale,
             int8,
             i16,
+            quantized,
         };
-        // SAFETY: the views were built for this CPU and width and hold l rows of d.
+        // SAFETY: the views were built for this CPU and width and hold l rows of d; task i
+        // alone holds the output rows of a query split's part.
         unsafe {
-            if parts > 1 && matches!(split, Split::Keys(_)) {
-                let mut part = std::mem::take(&mut s.part);
-                part.resize(n * d, 0.0);
-                views.accumulate(width, p, &mut part, s);
-                s.part = part;
-            } else {
-                let o = outs.span(at, n);
-                views.accumulate(width, p, o, s);
-                finish(o, d, s, |r| sink(kh, first + r));
+            let o = || outs.span(at, n);
+            if chunks == 1 {
+                views.accumulate(width, over(0..l, false), o(), s);
+                finish(o(), d, &s.sum, &s.max, |r| sink(kh, first + r));
+                return;
             }
+            // Each chunk of the run into a partial of its own where the head's runs are
+            // folded after; else into one partial, folded into the output as it comes.
+            let kept = matches!(split, Split::Keys(_));
+            let mut partials = std::mem::take(&mut s.chunks);
+            partials.resize_with(if kept { run.len() } else { 1 }, Partial::default);
+            if !kept {
+                o().fill(0.0);
+                reset(&mut s.fold_max, &mut s.fold_sum, n);
+            }
+            for (k, c) in run.enumerate() {
+                let p = &mut partials[if kept { k } else { 0 }];
+                p.out.resize(n * d, 0.0);
+                views.accumulate(width, over(chunk(c), k > 0), &mut p.out, s);
+                p.max.clone_from(&s.max);
+                p.sum.clone_from(&s.sum);
+                if !kept {
+                    fold(o(), &mut s.fold_max, &mut s.fold_sum, p, d);
+                }
+            }
+            if !kept {
+                finish(o(), d, &s.fold_sum, &s.fold_max, |r| sink(kh, first + r));
+            }
+            s.chunks = partials;
         }
     };
     if parts * hkv > 1 && hq * t * l * d >= parallel_min {
@@ -1459,12 +1515,37 @@ pub fn attend(
     } else {
         (0..hkv * parts).for_each(task);
     }
-    if parts > 1 && matches!(split, Split::Keys(_)) {
+    if let Split::Keys(runs) = split {
         for (kh, o) in out.data.chunks_exact_mut(rows * d).enumerate() {
-            merge(&tiles[kh * parts..(kh + 1) * parts], d, o, |r| sink(kh, r));
+            let (head, rest) = tiles[kh * runs..(kh + 1) * runs]
+                .split_first_mut()
+                .expect("a task per run");
+            let (mut max, mut sum) = (
+                std::mem::take(&mut head.fold_max),
+                std::mem::take(&mut head.fold_sum),
+            );
+            reset(&mut max, &mut sum, rows);
+            o.fill(0.0);
+            for p in head
+                .chunks
+                .iter()
+                .chain(rest.iter().flat_map(|t| &t.chunks))
+            {
+                fold(o, &mut max, &mut sum, p, d);
+            }
+            finish(o, d, &sum, &max, |r| sink(kh, r));
+            (head.fold_max, head.fold_sum) = (max, sum);
         }
     }
     true
+}
+
+/// `max` and `sum` as [`fold`] begins them, for `rows` rows.
+fn reset(max: &mut Vec<f32>, sum: &mut Vec<f32>, rows: usize) {
+    max.clear();
+    max.resize(rows, f32::NEG_INFINITY);
+    sum.clear();
+    sum.resize(rows, 0.0);
 }
 
 #[cfg(test)]

@@ -3,8 +3,8 @@
 //! f64 oracle; this runs the same steps on each kernel (`use_kernels_from`) and compares the
 //! others with it, so the narrower tiled kernel, the XNNPACK path and the row kernel stay
 //! checked on machines where they are not the default. Shapes are chosen to
-//! reach every split: 3 KV heads (the key rows of a decode step split over 2 threads and
-//! merged), query blocks long enough to split over query rows and to take the XNNPACK path,
+//! reach every split: 3 KV heads (a decode step's key chunks split in runs over 2 threads
+//! and folded), query blocks long enough to split over query rows and to take the XNNPACK path,
 //! and explicit masks (two sequences in one step); each with and without attention sinks.
 //! Every kernel computes in f32 here (the int8-query scores of quantized caches are checked
 //! against the oracle by conformance).
@@ -22,8 +22,9 @@ use kvplug_cpu::CpuDevice;
 const HQ: usize = 6;
 const HKV: usize = 3;
 const D: usize = 64;
-/// Long enough that a decode step does the multiply-adds that split it over threads.
-const TRUNK: usize = 700;
+/// Long enough that a decode step does the multiply-adds that split it over threads, in
+/// more than one run of key chunks (`tiled_attention::KEY_CHUNK`, 1024 keys).
+const TRUNK: usize = 2100;
 
 /// Queries are scaled by this, so that softmax is sharp.
 const Q_AMPLITUDE: f32 = 3.0;
@@ -40,7 +41,7 @@ fn tensor(h: usize, t: usize, salt: u32, amplitude: f32) -> CpuTensor {
     CpuTensor::new(&[h, t, D], data)
 }
 
-/// Attention outputs of: a 700-token prefill (causal), a decode step, then two sequences
+/// Attention outputs of: a 2100-token prefill (causal), a decode step, then two sequences
 /// forked from the trunk taking 20 tokens each in one step (explicit mask, 40 query tokens)
 /// and one token each (explicit mask, 2 query tokens); with a sink per query head where
 /// given.
