@@ -125,3 +125,30 @@ fn a_person_can_chat_on_a_terminal() {
     p.exp_eof().unwrap();
     assert!(sessions.path().join("mine.kvsession.safetensors").exists());
 }
+
+#[test]
+fn a_failed_turn_at_a_terminal_leaves_the_chat_going() {
+    let plugins = cpu_plugins();
+    let sessions = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(common::kvplug_bin());
+    cmd.arg("--plugins")
+        .arg(plugins.path())
+        .arg("--session-dir")
+        .arg(sessions.path())
+        .args(["chat", "--capacity", "64", "--max-tokens", "8", "--model"])
+        .arg(smollm2())
+        .env_remove("KVPLUG_PLUGIN_PATH");
+    let mut p = rexpect::session::spawn_command(cmd, Some(TIMEOUT_MS)).unwrap();
+    p.exp_string("/help lists commands").unwrap();
+    p.exp_string("\x1b[K> ").unwrap();
+    // Past the capacity: told, not kept, and the chat goes on.
+    p.send_line(&"word ".repeat(100)).unwrap();
+    p.exp_string("does not fit the capacity 64").unwrap();
+    p.exp_string("\x1b[K> ").unwrap();
+    p.send_line("/stats").unwrap();
+    p.exp_string("[0 messages, ").unwrap();
+    p.send_line("Hi").unwrap();
+    turn_tokens(&mut p);
+    p.send_line("/exit").unwrap();
+    p.exp_eof().unwrap();
+}

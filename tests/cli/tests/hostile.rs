@@ -179,6 +179,24 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         "--max-tokens 0",
     );
     refuses(
+        run(&["--system", "Be terse."]),
+        "--system goes with --prompt",
+    );
+    refuses(
+        [
+            "plan",
+            "--model",
+            m,
+            "--budget",
+            "1GiB",
+            "--agent-tokens",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec(),
+        "--agent-tokens 0",
+    );
+    refuses(
         vec![
             "conform".into(),
             "--backend".into(),

@@ -168,7 +168,15 @@ impl Repl<'_> {
                 },
                 None => text,
             };
-            self.turn(message)?;
+            match self.turn(message) {
+                // At a terminal a failed turn (a message past the capacity, a full disk) is
+                // told and the conversation goes on; a script stops at it.
+                Err(e) if matches!(input, Input::Editor(_)) => {
+                    println!();
+                    eprintln!("kvplug: {e:#}");
+                }
+                done => done?,
+            }
         }
         Ok(ExitCode::SUCCESS)
     }

@@ -94,6 +94,7 @@ fn prompt_of(a: &Args, model: &Model) -> Result<(Vec<i32>, Option<Arc<Text>>)> {
                 t.encode(&t.render(&messages)?)?
             }
         }
+        _ if a.system.is_some() => bail!("--system goes with --prompt (ids are sent as they are)"),
         _ if !a.prompt_ids.is_empty() => a.prompt_ids.clone(),
         _ => bail!("pass --prompt TEXT or --prompt-ids 1,2,3"),
     };
