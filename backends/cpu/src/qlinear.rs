@@ -707,7 +707,7 @@ const fn max_code(f: BlockFormat) -> i32 {
 const fn i16_run(f: BlockFormat) -> usize {
     let fits = i16::MAX as i32 / (2 * max_code(f) * 127);
     let mut run = 1;
-    while run < GROUP && 2 * run <= fits as usize {
+    while run < QK / 4 && 2 * run <= fits as usize {
         run *= 2;
     }
     run
@@ -2705,6 +2705,8 @@ mod x86 {
     ) -> [[L::I; R]; P] {
         let q8 = const { FORMATS[F] } == BlockFormat::Q8_0;
         let run = const { i16_run(FORMATS[F]) };
+        // Q8_0's signs go onto the activations dword by dword (below), a run of one.
+        const { assert!(!(matches!(FORMATS[F], BlockFormat::Q8_0) && i16_run(FORMATS[F]) > 1)) };
         let xk = |k: usize| -> [L::I; P] {
             std::array::from_fn(|pp| {
                 L::load_i(p.q.as_ptr().add(at[pp].codes + k * PANEL_ROW).cast())

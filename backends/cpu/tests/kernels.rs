@@ -23,7 +23,7 @@ const HQ: usize = 6;
 const HKV: usize = 3;
 const D: usize = 64;
 /// Long enough that a decode step does the multiply-adds that split it over threads, in
-/// more than one run of key chunks (`tiled_attention::KEY_CHUNK`, 1024 keys).
+/// more than one run of key chunks (`tiled_attention::KEY_CHUNK`, 1,024 keys).
 const TRUNK: usize = 2100;
 
 /// Queries are scaled by this, so that softmax is sharp.

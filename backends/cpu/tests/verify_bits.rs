@@ -17,10 +17,10 @@ use kvplug_cpu::CpuDevice;
 const HQ: usize = 6;
 const HKV: usize = 3;
 const D: usize = 64;
-/// Contexts before the 8 tokens: across the key chunk boundaries at 1024 and 2048, and
-/// across 1280, where the old split of 3 KV heads over 2 threads moved (half the keys,
-/// rounded up to a tile: 640 up to 1280 keys, 704 from 1281), all long enough that the steps
-/// run split over the threads.
+/// Contexts before the tokens: across key chunk boundaries (every 1,024) and across 1280, where
+/// the old split of 3 KV heads over 2 threads moved (half the keys, rounded up to a tile: 640
+/// up to 1280 keys, 704 from 1281); the longer ones do the work that runs a decode step split
+/// over the threads (508 does not: one task a head).
 const CONTEXTS: [usize; 5] = [2044, 1275, 1020, 1000, 508];
 /// Tokens verified at once: a draft's 8 (a task per run of key chunks, as a decode step),
 /// and 40 (80 query rows a head: tasks of 64 query rows, each folding its chunks itself).
@@ -69,6 +69,12 @@ fn step(c: &mut KitCache<CpuDevice>, range: std::ops::Range<usize>) -> Vec<f32> 
 
 #[test]
 fn a_verify_gives_each_row_a_decode_steps_bits() {
+    // A head's key chunks are split in runs over tasks only with 2 threads or more.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert!(
+        threads >= 2,
+        "this test needs 2 threads to split a step's keys"
+    );
     for dtype in [KvDtype::F16, KvDtype::Q8_DEFAULT, KvDtype::Q4_DEFAULT] {
         let params = ModelCacheParams {
             n_layers: 1,
