@@ -272,6 +272,9 @@ fn largest(cap: usize, fits: impl Fn(usize) -> bool) -> usize {
 
 /// Plans `args.model` under `args.budget`.
 pub fn plan(args: &PlanOptions) -> Result<Plan> {
+    if args.agent_tokens == 0 {
+        fail!(Invalid, "agent tokens 0: an agent holds at least 1 token");
+    }
     let dir = crate::formats::resolve_model(&args.model)?;
     let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
     let model = ModelConfig::parse(&text)

@@ -76,6 +76,14 @@ impl ToolFormat {
         }
     }
 
+    /// The text that closes a call block, where the family has one (Hermes).
+    fn closing(self) -> Option<&'static str> {
+        match self {
+            ToolFormat::Hermes => Some("</tool_call>"),
+            _ => None,
+        }
+    }
+
     /// The text that opens a call in this family's answers (`None`: a bare JSON object).
     pub fn opening(self) -> Option<&'static str> {
         match self {
@@ -155,18 +163,23 @@ pub fn parse(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
     }
 }
 
-/// [`parse`] for an answer cut short (at its token limit or a stop string): a call block of
-/// a tagged family (Hermes, Mistral) that it ended inside is not text, so when no whole call
-/// parses, the content is the text before the block's opening tag. (A cut after whole calls
-/// keeps them, as [`parse`] does.)
+/// [`parse`] for an answer cut short (at its token limit or a stop string): the call block of
+/// a tagged family (Hermes, Mistral) that it ended inside — its last opening tag, not closed
+/// after — is not text, so when no whole call parses, the content is the text before that
+/// tag. (A Hermes answer cut after whole calls keeps them, as [`parse`] does; untagged
+/// families' answers parse as [`parse`] parses them.)
 pub fn parse_cut(answer: &str, format: ToolFormat, tools: &[Tool]) -> Parsed {
     let parsed = parse(answer, format, tools);
-    match format.opening().and_then(|o| answer.find(o)) {
-        Some(at) if parsed.calls.is_empty() => Parsed {
+    let Some(at) = format.opening().and_then(|o| answer.rfind(o)) else {
+        return parsed;
+    };
+    let closed = format.closing().is_some_and(|c| answer[at..].contains(c));
+    match parsed.calls.is_empty() && !closed {
+        true => Parsed {
             content: answer[..at].trim().to_string(),
             ..parsed
         },
-        _ => parsed,
+        false => parsed,
     }
 }
 
@@ -332,6 +345,39 @@ mod tests {
                 parameters: json!({"type": "object"}),
             })
             .to_vec()
+    }
+
+    #[test]
+    fn a_cut_answer_drops_only_the_call_block_it_ended_inside() {
+        let t = tools();
+        let call = r#"<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>"#;
+        let cut = |a: &str, f| parse_cut(a, f, &t);
+        // Inside the first call: the text before it.
+        let p = cut(r#"Sure. <tool_call>{"name": "get_we"#, ToolFormat::Hermes);
+        assert_eq!((p.content.as_str(), p.calls.len()), ("Sure.", 0));
+        // After a whole call: the call, no text.
+        let p = cut(&format!("{call}\n<tool_call>{{\"na"), ToolFormat::Hermes);
+        assert_eq!((p.content.as_str(), p.calls.len()), ("", 1));
+        // The tag named in prose before the cut block stays text.
+        let p = cut(
+            "Calls go in <tool_call> tags.\n<tool_call>{",
+            ToolFormat::Hermes,
+        );
+        assert_eq!(p.content, "Calls go in <tool_call> tags.");
+        // A closed block that is no call, then text cut short: all text, as uncut.
+        let unknown = r#"<tool_call>{"name": "nope"}</tool_call> and then"#;
+        assert_eq!(cut(unknown, ToolFormat::Hermes).content, unknown);
+        let p = cut(
+            r#"Let me see. [TOOL_CALLS][{"name": "add", "#,
+            ToolFormat::Mistral,
+        );
+        assert_eq!((p.content.as_str(), p.calls.len()), ("Let me see.", 0));
+        // Untagged families parse as uncut.
+        let json = r#"{"name": "add", "argu"#;
+        assert_eq!(
+            cut(json, ToolFormat::Json),
+            parse(json, ToolFormat::Json, &t)
+        );
     }
 
     #[test]

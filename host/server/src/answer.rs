@@ -294,7 +294,7 @@ impl Answer {
                     }
                     Endpoint::Completion => json!({
                         "index": i, "text": c.text, "logprobs": logprobs,
-                        "finish_reason": c.finish.unwrap_or("stop"),
+                        "finish_reason": c.finish(),
                     }),
                 }
             })

@@ -361,23 +361,23 @@ fn format(f: &Fields) -> Result<Format, ApiError> {
 
 /// The output items of answer `c` (text as one `message`, then each `function_call`), the
 /// assistant turn they add to the conversation, and whether any call was made. Where the
-/// token limit cut the answer its text items are `incomplete` (its calls are whole ones).
+/// token limit cut the answer, the item it cut (its last, where that is text or reasoning:
+/// its calls are whole ones) is `incomplete`, as the streamed answer leaves it.
 fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
     let parsed = a.split(c);
     let rest = a.id.trim_start_matches("resp_");
-    let text_status = status(c.finish());
     let mut items = Vec::new();
     let mut turn = Message::new("assistant", &parsed.content);
     if !parsed.reasoning.is_empty() {
         items.push(reasoning_item(
             &format!("rs_{rest}"),
             &parsed.reasoning,
-            text_status,
+            "completed",
         ));
     }
     if !parsed.content.is_empty() || parsed.calls.is_empty() {
         items.push(json!({
-            "type": "message", "id": format!("msg_{rest}"), "status": text_status,
+            "type": "message", "id": format!("msg_{rest}"), "status": "completed",
             "role": "assistant",
             "content": [{"type": "output_text", "text": parsed.content, "annotations": []}],
         }));
@@ -397,6 +397,9 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
         turn.tool_calls
             .push(json!({"id": call_id, "type": "function",
             "function": {"name": call.name, "arguments": arguments}}));
+    }
+    if let Some(last) = items.last_mut().filter(|i| i["type"] != "function_call") {
+        last["status"] = json!(status(c.finish()));
     }
     let called = !parsed.calls.is_empty();
     (items, turn, called)
@@ -566,8 +569,8 @@ struct Items {
     reasoning: Option<String>,
     /// The function call item being streamed (its arguments so far).
     call: Option<Value>,
-    /// The status a text or reasoning item ends with: `incomplete` for those the token limit
-    /// cut (the ones still open at the end of such an answer).
+    /// The status a text or reasoning item ends with: `incomplete` for the one the token
+    /// limit cut (the one still open at the end of such an answer).
     text_status: &'static str,
     /// The assistant turn the output adds to the conversation.
     turn: Message,
@@ -927,6 +930,7 @@ mod tests {
     #[tokio::test]
     async fn an_answer_cut_in_a_call_is_incomplete_with_its_whole_calls() {
         use crate::answer::tests::{events_ending, hermes_answer, CUT};
+        use futures_util::StreamExt;
         for (pieces, whole_calls) in CUT {
             let store = Arc::new(Store::default());
             let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
@@ -944,6 +948,35 @@ mod tests {
                 assert_eq!(m["status"], "incomplete", "{v}");
                 assert_eq!(m["content"][0]["text"], "", "no call markup: {v}");
             }
+            // Streamed: the same items, statuses and all.
+            let store = Arc::new(Store::default());
+            let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
+            let mut streamed = Items {
+                rest: "t".into(),
+                head: Head::of(&hermes_answer()),
+                store,
+                request,
+                cached: 0,
+                done: Vec::new(),
+                text: None,
+                reasoning: None,
+                call: None,
+                text_status: "completed",
+                turn: Message::new("assistant", ""),
+            };
+            let chunks: Vec<Chunk> = chunks(hermes_answer(), 0, events_ending(pieces, "length"))
+                .collect()
+                .await;
+            let last = chunks.into_iter().flat_map(|c| streamed.events(c)).last();
+            let last = last.expect("events");
+            assert_eq!(last["type"], "response.incomplete", "{last}");
+            let shape = |items: &Value| -> Vec<(Value, Value)> {
+                let items = items.as_array().unwrap().iter();
+                items
+                    .map(|i| (i["type"].clone(), i["status"].clone()))
+                    .collect()
+            };
+            assert_eq!(shape(&last["response"]["output"]), shape(&v["output"]));
         }
     }
 

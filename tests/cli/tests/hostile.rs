@@ -194,7 +194,7 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         ]
         .map(String::from)
         .to_vec(),
-        "--agent-tokens 0",
+        "agent tokens 0",
     );
     refuses(
         vec![

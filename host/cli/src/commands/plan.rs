@@ -51,9 +51,6 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
             Holding::of(p)
         }
     };
-    if a.agent_tokens == 0 {
-        bail!("--agent-tokens 0: an agent holds at least 1 token");
-    }
     let p = plan(&PlanOptions {
         model: a.model,
         budget: a.budget,
