@@ -527,19 +527,7 @@ pub fn stream(
         json!({"type": "response.created", "response": shown}),
         json!({"type": "response.in_progress", "response": shown}),
     ];
-    let mut items = Items {
-        rest: head.id.trim_start_matches("resp_").to_string(),
-        head,
-        store,
-        request: r,
-        cached,
-        done: Vec::new(),
-        text: None,
-        reasoning: None,
-        call: None,
-        text_status: "completed",
-        turn: Message::new("assistant", ""),
-    };
+    let mut items = Items::new(head, store, r, cached);
     let mut sequence = 0u64;
     let events = futures_util::stream::once(async move { start })
         .chain(chunks(a, cached, rx).map(move |c| items.events(c)))
@@ -577,6 +565,23 @@ struct Items {
 }
 
 impl Items {
+    /// No items yet, for the response `head` answering `request`.
+    fn new(head: Head, store: Arc<Store>, request: Request, cached: usize) -> Items {
+        Items {
+            rest: head.id.trim_start_matches("resp_").to_string(),
+            head,
+            store,
+            request,
+            cached,
+            done: Vec::new(),
+            text: None,
+            reasoning: None,
+            call: None,
+            text_status: "completed",
+            turn: Message::new("assistant", ""),
+        }
+    }
+
     /// The events for chunk `c`.
     fn events(&mut self, c: Chunk) -> Vec<Value> {
         let mut out = Vec::new();
@@ -771,19 +776,7 @@ mod tests {
             model: "m".into(),
             prompt_tokens: 1,
         };
-        let mut items = Items {
-            rest: "x".into(),
-            head,
-            store,
-            request,
-            cached: 0,
-            done: Vec::new(),
-            text: None,
-            reasoning: None,
-            call: None,
-            text_status: "completed",
-            turn: Message::new("assistant", ""),
-        };
+        let mut items = Items::new(head, store, request, 0);
         let delta = |d: Value| Chunk::Data(json!({"choices": [{"delta": d}]}));
         let mut events = Vec::new();
         for d in [
@@ -951,19 +944,7 @@ mod tests {
             // Streamed: the same items, statuses and all.
             let store = Arc::new(Store::default());
             let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
-            let mut streamed = Items {
-                rest: "t".into(),
-                head: Head::of(&hermes_answer()),
-                store,
-                request,
-                cached: 0,
-                done: Vec::new(),
-                text: None,
-                reasoning: None,
-                call: None,
-                text_status: "completed",
-                turn: Message::new("assistant", ""),
-            };
+            let mut streamed = Items::new(Head::of(&hermes_answer()), store, request, 0);
             let chunks: Vec<Chunk> = chunks(hermes_answer(), 0, events_ending(pieces, "length"))
                 .collect()
                 .await;
