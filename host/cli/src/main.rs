@@ -106,6 +106,27 @@ fn version_line() -> &'static str {
     })
 }
 
+/// Output that cannot be written (stdout on a full disk, `> /dev/full`) ends the process
+/// with the error and status 1, as a failed command does, instead of a panic report: the
+/// commands print with `println!`, which panics there. Other panics keep the default report.
+fn exit_on_unwritable_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied());
+        match message.filter(|m| m.starts_with("failed printing to stdout")) {
+            Some(m) => {
+                eprintln!("kvplug: {m}");
+                std::process::exit(1);
+            }
+            None => report(info),
+        }
+    }));
+}
+
 /// The hidden argument that starts this binary as its own chat-template sandbox.
 const RENDER_TEMPLATE: &str = "__render-template";
 
@@ -143,6 +164,7 @@ fn main() -> ExitCode {
         // where a client going away is an error on its own connection.
         // SAFETY: setting a signal's disposition to the default before any thread starts.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        exit_on_unwritable_stdout();
     }
     match dispatch(cli) {
         Ok(code) => code,

@@ -57,6 +57,26 @@ impl Cli {
         );
     }
 
+    /// Runs `args` with stdout on a full disk (`/dev/full`): status 1 and a one-line error.
+    fn fails_on_full_stdout(&self, args: &[&str]) {
+        let out = Command::new("timeout")
+            .arg(SECONDS)
+            .arg(common::kvplug_bin())
+            .arg("--plugins")
+            .arg(self.plugins.path())
+            .args(args)
+            .env_remove("KVPLUG_PLUGIN_PATH")
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("No space left") && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+
     fn succeeds(&self, args: &[&str]) -> String {
         let out = self.run(args);
         assert!(out.status.success(), "{args:?}: {out:?}");
@@ -182,6 +202,9 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         run(&["--system", "Be terse."]),
         "--system goes with --prompt",
     );
+    // Output to a full disk is an error like any other, not a panic.
+    cli.fails_on_full_stdout(&["plugins"]);
+    cli.fails_on_full_stdout(&["plan", "--model", m, "--budget", "1GiB"]);
     refuses(
         [
             "plan",
