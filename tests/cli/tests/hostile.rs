@@ -27,16 +27,20 @@ impl Cli {
         }
     }
 
-    fn run(&self, args: &[&str]) -> Output {
-        Command::new("timeout")
-            .arg(SECONDS)
+    /// `kvplug args` under `timeout`, with this test's plugins only.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("timeout");
+        c.arg(SECONDS)
             .arg(common::kvplug_bin())
             .arg("--plugins")
             .arg(self.plugins.path())
             .args(args)
-            .env_remove("KVPLUG_PLUGIN_PATH")
-            .output()
-            .unwrap()
+            .env_remove("KVPLUG_PLUGIN_PATH");
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().unwrap()
     }
 
     /// Runs `args` expecting a clean failure whose message contains `says`.
@@ -59,13 +63,8 @@ impl Cli {
 
     /// Runs `args` with stdout on a full disk (`/dev/full`): status 1 and a one-line error.
     fn fails_on_full_stdout(&self, args: &[&str]) {
-        let out = Command::new("timeout")
-            .arg(SECONDS)
-            .arg(common::kvplug_bin())
-            .arg("--plugins")
-            .arg(self.plugins.path())
-            .args(args)
-            .env_remove("KVPLUG_PLUGIN_PATH")
+        let out = self
+            .command(args)
             .stdout(std::fs::File::create("/dev/full").unwrap())
             .output()
             .unwrap();
