@@ -24,12 +24,14 @@ pub struct Tool {
 }
 
 impl Tool {
-    /// The tool as OpenAI's API and the chat templates write it.
+    /// The tool as OpenAI's API and the chat templates write it: `name`, `description`
+    /// (when it has one), `parameters`, in that order (a template's `tojson` keeps it).
     pub fn to_value(&self) -> Value {
-        let mut f = json!({"name": self.name, "parameters": self.parameters});
+        let mut f = json!({"name": self.name});
         if let Some(d) = &self.description {
             f["description"] = json!(d);
         }
+        f["parameters"] = self.parameters.clone();
         json!({"type": "function", "function": f})
     }
 }
@@ -336,6 +338,22 @@ pub fn call_grammar(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tool_is_written_in_openai_order_with_its_schema_as_given() {
+        let schema = r#"{"type":"object","properties":{"zone":{"type":"string"},"at":{"type":"number"}},"required":["zone"]}"#;
+        let t = Tool {
+            name: "clock".into(),
+            description: Some("Time in a zone".into()),
+            parameters: serde_json::from_str(schema).unwrap(),
+        };
+        assert_eq!(
+            t.to_value().to_string(),
+            format!(
+                r#"{{"type":"function","function":{{"name":"clock","description":"Time in a zone","parameters":{schema}}}}}"#
+            )
+        );
+    }
 
     fn tools() -> Vec<Tool> {
         ["get_weather", "add"]

@@ -124,6 +124,15 @@ fn tools_calls_and_results_render_as_transformers_renders_them() {
     let mut messages = conversation();
     messages.extend([call, result]);
     same("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", &messages, &tools);
+    // The server hands its templates each tool as the SDK's `Tool` writes it: that same
+    // object, keys in the same order.
+    let f = &tools[0]["function"];
+    let tool = kvplug::tools::Tool {
+        name: f["name"].as_str().unwrap().into(),
+        description: f["description"].as_str().map(String::from),
+        parameters: f["parameters"].clone(),
+    };
+    assert_eq!(tool.to_value().to_string(), tools[0].to_string());
     // Without a system message, the template writes its own.
     same(
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
