@@ -83,6 +83,14 @@ impl ApiError {
         }
     }
 
+    /// 404: no stored response `id` (never stored, expired, or deleted).
+    pub fn not_found_response(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            format!("no stored response '{id}' (it was not stored, has expired or was deleted)"),
+        )
+    }
+
     /// 429: the server's queue is full; retry after `seconds`.
     pub fn busy(message: impl Into<String>, seconds: u64) -> Self {
         ApiError {

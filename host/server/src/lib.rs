@@ -5,7 +5,8 @@
 //! - **Routes.** `POST /v1/chat/completions` and `POST /v1/completions` (one JSON answer, or
 //!   server-sent events ending with `data: [DONE]` when `stream` is true), OpenAI's
 //!   `POST /v1/responses` (`responses.rs`, stored responses continued by
-//!   `previous_response_id`), Anthropic's
+//!   `previous_response_id`, read by `GET /v1/responses/{id}`, forgotten by `DELETE`),
+//!   Anthropic's
 //!   `POST /v1/messages` and `/v1/messages/count_tokens` (`messages.rs`), `GET /v1/models`
 //!   and `/v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus; both open even with
 //!   a key). The key goes in `Authorization: Bearer` or `x-api-key`.

@@ -6,6 +6,8 @@
 //! typed events. A response is stored (unless `store` is false) so that a later request's
 //! `previous_response_id` continues its conversation: the stored turns are rendered again,
 //! and their K/V comes back from the prefix cache instead of being prefilled.
+//! `GET /v1/responses/{id}` returns a stored response and `DELETE` forgets it; the store
+//! keeps the newest [`MAX_STORED`] responses within [`MAX_STORED_BYTES`].
 //!
 //! Fields that cannot change the answer (`metadata`, `user`, `include`, `reasoning`,
 //! `truncation`, cache keys, …) are accepted; fields that would change it in ways not
@@ -47,6 +49,9 @@ pub fn unguessable_id() -> String {
 
 /// Responses kept for `previous_response_id` (the oldest go first).
 pub const MAX_STORED: usize = 1024;
+/// The most bytes of conversations and responses the store keeps (the oldest go first): a
+/// client chaining long conversations cannot fill the server's memory.
+pub const MAX_STORED_BYTES: usize = 256 << 20;
 
 /// Fields that cannot change the answer.
 const IGNORED: [&str; 13] = [
@@ -84,30 +89,96 @@ const IMPLEMENTED: [&str; 12] = [
 /// A stored response's conversation (instructions aside).
 type Turns = Arc<Vec<Message>>;
 
-/// Stored responses' conversations: what `previous_response_id` continues.
+/// A stored response.
+struct Stored {
+    /// What `previous_response_id` continues.
+    turns: Turns,
+    /// The `response` object, as answered.
+    response: Arc<Value>,
+    /// What it holds, in bytes of JSON.
+    bytes: usize,
+}
+
+/// Stored responses, by id, and the ids oldest first.
+#[derive(Default)]
+struct Kept {
+    by_id: HashMap<String, Stored>,
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+/// Stored responses: what `previous_response_id` continues and `GET /v1/responses/{id}`
+/// returns.
 #[derive(Default)]
 pub struct Store {
-    /// By response id, and the ids oldest first.
-    inner: Mutex<(HashMap<String, Turns>, VecDeque<String>)>,
+    inner: Mutex<Kept>,
 }
 
 impl Store {
-    fn get(&self, id: &str) -> Option<Turns> {
-        self.inner.lock().expect("store lock").0.get(id).cloned()
+    fn kept(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.inner.lock().expect("store lock")
     }
 
-    fn put(&self, id: String, turns: Vec<Message>) {
-        let mut g = self.inner.lock().expect("store lock");
-        let (map, order) = &mut *g;
-        if map.insert(id.clone(), Arc::new(turns)).is_none() {
-            order.push_back(id);
+    fn turns(&self, id: &str) -> Option<Turns> {
+        self.kept().by_id.get(id).map(|s| s.turns.clone())
+    }
+
+    /// The stored response `id`.
+    pub fn response(&self, id: &str) -> Option<Arc<Value>> {
+        self.kept().by_id.get(id).map(|s| s.response.clone())
+    }
+
+    /// Forgets response `id`; false when none was stored.
+    pub fn remove(&self, id: &str) -> bool {
+        let mut k = self.kept();
+        let Some(gone) = k.by_id.remove(id) else {
+            return false;
+        };
+        k.bytes -= gone.bytes;
+        k.order.retain(|o| o != id);
+        true
+    }
+
+    fn put(&self, id: String, turns: Vec<Message>, response: Value) {
+        let bytes = json_len(&turns) + json_len(&response);
+        let mut k = self.kept();
+        let stored = Stored {
+            turns: Arc::new(turns),
+            response: Arc::new(response),
+            bytes,
+        };
+        match k.by_id.insert(id.clone(), stored) {
+            Some(old) => k.bytes -= old.bytes,
+            None => k.order.push_back(id),
         }
-        while order.len() > MAX_STORED {
-            if let Some(old) = order.pop_front() {
-                map.remove(&old);
+        k.bytes += bytes;
+        while k.order.len() > MAX_STORED || k.bytes > MAX_STORED_BYTES {
+            let Some(old) = k.order.pop_front() else {
+                break;
+            };
+            if let Some(gone) = k.by_id.remove(&old) {
+                k.bytes -= gone.bytes;
             }
         }
     }
+}
+
+/// The length of `v` written as JSON.
+fn json_len(v: &impl serde::Serialize) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Messages and JSON values always serialize; a failure would only undercount.
+    let _ = serde_json::to_writer(&mut count, v);
+    count.0
 }
 
 /// A checked request: its parameters, and what storing its response needs.
@@ -131,11 +202,13 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
     let previous = f.string("previous_response_id")?;
     let mut turns = match previous {
         Some(id) => store
-            .get(id)
+            .turns(id)
             .ok_or_else(|| {
                 ApiError::invalid(
                     Some("previous_response_id"),
-                    format!("no stored response '{id}' (it was not stored, or has expired)"),
+                    format!(
+                        "no stored response '{id}' (it was not stored, has expired or was deleted)"
+                    ),
                 )
             })?
             .to_vec(),
@@ -473,12 +546,12 @@ fn status(finish: &str) -> &'static str {
     }
 }
 
-/// Stores the conversation `r` continued with `turn` under response `id`.
-fn remember(store: &Store, id: &str, r: &Request, turn: Message) {
+/// Stores `response` and the conversation `r` continued with `turn` under response `id`.
+fn remember(store: &Store, id: &str, r: &Request, turn: Message, response: &Value) {
     if r.store {
         let mut turns = r.turns.clone();
         turns.push(turn);
-        store.put(id.to_string(), turns);
+        store.put(id.to_string(), turns, response.clone());
     }
 }
 
@@ -494,16 +567,10 @@ pub async fn whole(
     let c = &choices[0];
     let (items, turn, called) = output(&a, c);
     let finish = c.finish_calling(called);
-    remember(&store, &a.id, &r, turn);
     let h = Head::of(&a);
-    Ok(response(
-        &h,
-        &r,
-        json!(items),
-        status(finish),
-        cached,
-        c.tokens(),
-    ))
+    let v = response(&h, &r, json!(items), status(finish), cached, c.tokens());
+    remember(&store, &a.id, &r, turn, &v);
+    Ok(v)
 }
 
 /// The response's stream: `response.created`, `response.in_progress`, then per output item
@@ -651,8 +718,6 @@ impl Items {
                     self.open_text(&mut out);
                     self.end_text(&mut out);
                 }
-                let turn = std::mem::replace(&mut self.turn, Message::new("assistant", ""));
-                remember(&self.store, &self.head.id, &self.request, turn);
                 let whole = response(
                     &self.head,
                     &self.request,
@@ -661,6 +726,8 @@ impl Items {
                     self.cached,
                     tokens,
                 );
+                let turn = std::mem::replace(&mut self.turn, Message::new("assistant", ""));
+                remember(&self.store, &self.head.id, &self.request, turn, &whole);
                 out.push(json!({"type": format!("response.{status}"), "response": whole}));
             }
             Chunk::Failed(e) => {
@@ -840,6 +907,7 @@ mod tests {
                 Message::new("user", "Hi"),
                 Message::new("assistant", "Hello"),
             ],
+            json!({}),
         );
         let r = parse(
             br#"{"model": "m", "instructions": "Be brief.", "previous_response_id": "resp_1",
@@ -962,13 +1030,36 @@ mod tests {
     }
 
     #[test]
-    fn the_store_keeps_the_newest_responses() {
+    fn the_store_keeps_the_newest_responses_within_its_bytes() {
         let store = Store::default();
         for i in 0..MAX_STORED + 3 {
-            store.put(format!("resp_{i}"), Vec::new());
+            store.put(format!("resp_{i}"), Vec::new(), json!({"n": i}));
         }
-        assert!(store.get("resp_2").is_none());
-        assert!(store.get("resp_3").is_some());
-        assert!(store.get(&format!("resp_{}", MAX_STORED + 2)).is_some());
+        assert!(store.turns("resp_2").is_none());
+        assert!(store.turns("resp_3").is_some());
+        let newest = format!("resp_{}", MAX_STORED + 2);
+        assert_eq!(
+            *store.response(&newest).unwrap(),
+            json!({"n": MAX_STORED + 2})
+        );
+        assert!(store.remove(&newest));
+        assert!(!store.remove(&newest));
+        assert!(store.response(&newest).is_none());
+
+        // Conversations of just under a quarter of the budget each (their JSON and the
+        // response's add 32 bytes): four fit, the fifth pushes the first out.
+        let store = Store::default();
+        let long = Message::new("user", &"x".repeat(MAX_STORED_BYTES / 4 - 100));
+        for i in 0..5 {
+            store.put(format!("resp_{i}"), vec![long.clone()], json!({}));
+        }
+        assert!(store.turns("resp_0").is_none());
+        assert!(store.turns("resp_1").is_some() && store.turns("resp_4").is_some());
+        assert!(store.kept().bytes <= MAX_STORED_BYTES);
+        // Forgetting one gives its bytes back.
+        let before = store.kept().bytes;
+        assert!(store.remove("resp_2"));
+        assert_eq!(before - store.kept().bytes, MAX_STORED_BYTES / 4 - 100 + 32);
+        assert_eq!(store.kept().order.len(), 3);
     }
 }

@@ -90,6 +90,10 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(openai_responses))
+        .route(
+            "/v1/responses/{id}",
+            get(stored_response).delete(delete_response),
+        )
         .route("/v1/messages", post(anthropic_messages))
         .route("/v1/messages/count_tokens", post(anthropic_count_tokens))
         .route("/v1/models", get(models))
@@ -376,6 +380,32 @@ async fn openai_responses(
         Json(responses::whole(a.answer, r, store, a.cached, a.rx).await?).into_response()
     };
     Ok(with_prefix_header(&s, response, a.divergence))
+}
+
+/// `GET /v1/responses/{id}`: a stored response, as it was answered.
+async fn stored_response(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    match s.responses.response(&id) {
+        Some(v) => Ok(Json(Value::clone(&v))),
+        None => Err(ApiError::not_found_response(&id)),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a stored response (a later `previous_response_id`
+/// naming it is refused).
+async fn delete_response(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if s.responses.remove(&id) {
+        Ok(Json(
+            json!({"id": id, "object": "response.deleted", "deleted": true}),
+        ))
+    } else {
+        Err(ApiError::not_found_response(&id))
+    }
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API (errors in its shape).

@@ -547,7 +547,7 @@ fn the_anthropic_client_speaks_the_messages_api() {
 
 /// OpenAI's Responses API through the official `openai` client and the Agents SDK's default
 /// (Responses) model: responses whole and streamed, `previous_response_id` continuing from
-/// the cache, `store: false`, a forced function call whole and streamed, its output rendered
+/// the cache, `store: false`, retrieval and deletion by id, a forced function call whole and streamed, its output rendered
 /// back as the template renders a tool message (counted against the chat route),
 /// `text.format`'s schema, a refusal (tests/cli/tests/responses_client.py).
 #[test]

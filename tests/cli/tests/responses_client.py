@@ -1,6 +1,6 @@
 """OpenAI's Responses API against a running `kvplug serve` on Qwen2.5-Coder-0.5B-Instruct:
 the `openai` client's `client.responses` (whole and streamed, `previous_response_id`,
-function calls and their outputs, `text.format`) and the OpenAI Agents SDK's default model,
+retrieved and deleted by id, function calls and their outputs, `text.format`) and the OpenAI Agents SDK's default model,
 which speaks the Responses API.
 
 Usage: responses_client.py BASE_URL. Exits non-zero with a message on the first check that
@@ -80,6 +80,34 @@ try:
     check(False, "a response made with store false is not stored", "it was continued")
 except openai.BadRequestError:
     check(True, "a response made with store false is not stored")
+
+# A stored response comes back by id as it was answered; a deleted one is gone.
+got = client.responses.retrieve(first.id)
+check(
+    got.model_dump() == first.model_dump(), "a stored response is retrieved by id", got
+)
+for gone, what in ((unstored.id, "an unstored response"), ("resp_nowhere", "an unknown id")):
+    try:
+        client.responses.retrieve(gone)
+        check(False, f"retrieving {what} is a 404", "it was found")
+    except openai.NotFoundError:
+        check(True, f"retrieving {what} is a 404")
+client.responses.delete(bounded.id)
+try:
+    client.responses.retrieve(bounded.id)
+    check(False, "a deleted response is not retrieved", "it was found")
+except openai.NotFoundError:
+    check(True, "a deleted response is not retrieved")
+try:
+    client.responses.create(model="qwen", input="hi", previous_response_id=bounded.id)
+    check(False, "a deleted response is not continued", "it was continued")
+except openai.BadRequestError:
+    check(True, "a deleted response is not continued")
+try:
+    client.responses.delete(bounded.id)
+    check(False, "deleting it again is a 404", "it was deleted twice")
+except openai.NotFoundError:
+    check(True, "deleting it again is a 404")
 
 # A function the model must call, whole and streamed; its output goes back in the next
 # request, rendered as the chat route renders the same exchange.
