@@ -177,7 +177,9 @@ fn text_of(block: &Value) -> Option<&str> {
 
 /// `messages`: user and assistant turns of a string or content blocks, as chat messages —
 /// an assistant's `tool_use` blocks become its tool calls, a user's `tool_result` blocks
-/// tool messages (before the text of the same turn).
+/// tool messages (before the text of the same turn). As Anthropic's API: every turn but a
+/// last assistant one has content, and a `tool_result` answers a `tool_use` of the turn
+/// before.
 fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages"), m);
     let list = match f.get("messages") {
@@ -187,14 +189,27 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
         None => return Err(bad("'messages' is required".into())),
     };
     let mut out = Vec::new();
+    // The ids of the previous turn's `tool_use` blocks.
+    let mut used: Vec<String> = Vec::new();
     for (i, m) in list.iter().enumerate() {
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant")) => r,
             _ => return Err(bad(format!("messages[{i}].role must be user or assistant"))),
         };
+        let empty = match m.get("content") {
+            Some(Value::String(s)) => s.is_empty(),
+            Some(Value::Array(b)) => b.is_empty(),
+            _ => false,
+        };
+        if empty && (role == "user" || i + 1 < list.len()) {
+            return Err(bad(format!(
+                "messages[{i}].content must not be empty (only a last assistant turn may be)"
+            )));
+        }
         let blocks = match m.get("content") {
             Some(Value::String(s)) => {
                 out.push(Message::new(role, s));
+                used.clear();
                 continue;
             }
             Some(Value::Array(b)) => b,
@@ -220,7 +235,14 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                     calls.push(tool_use(b).map_err(|e| bad(format!("{at}: {e}")))?)
                 }
                 (Some("tool_result"), "user") => {
-                    out.push(tool_result(b).map_err(|e| bad(format!("{at}: {e}")))?)
+                    let result = tool_result(b).map_err(|e| bad(format!("{at}: {e}")))?;
+                    let id = result.tool_call_id.as_deref().unwrap_or_default();
+                    if !used.iter().any(|u| u == id) {
+                        return Err(bad(format!(
+                            "{at}: tool_use_id '{id}' answers no tool_use block of the turn before"
+                        )));
+                    }
+                    out.push(result)
                 }
                 // The models served here write none; earlier ones are not shown to them.
                 (Some("thinking" | "redacted_thinking"), "assistant") => {}
@@ -232,6 +254,10 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                 (None, _) => return Err(bad(format!("{at}.type must be a string"))),
             }
         }
+        used = calls
+            .iter()
+            .filter_map(|c| c["id"].as_str().map(str::to_string))
+            .collect();
         if !text.is_empty() || !calls.is_empty() || role == "assistant" {
             let mut msg = Message::new(role, &text);
             msg.tool_calls = calls;
@@ -693,6 +719,24 @@ mod tests {
             r#"{"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}"#,
             "messages",
             "user or assistant",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": []}]}"#,
+            "messages",
+            "messages[0].content must not be empty",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": ""}, {"role": "user", "content": "hi"}]}"#,
+            "messages",
+            "messages[1].content must not be empty",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}]}"#,
+            "messages",
+            "tool_use_id 't2' answers no tool_use block",
         );
         refused(
             &format!("{{{hi}, \"max_tokens\": 5, \"tools\": [{{\"type\": \"bash_20250124\", \"name\": \"bash\"}}]}}"),
