@@ -246,6 +246,11 @@ pub const PINNED_ANCHORS: usize = 4;
 /// llama.cpp's server keeps context checkpoints near the end of each prompt.
 pub const PROMPT_END_ANCHORS: usize = 4;
 
+/// Anchors a recurrent cache may hold beside those its sequences need, between speculative
+/// steps: twice [`SPARE_ANCHORS`] (a commit that goes past this drops the surplus spares),
+/// [`PINNED_ANCHORS`] and [`PROMPT_END_ANCHORS`].
+pub const SURPLUS_ANCHORS: usize = 2 * SPARE_ANCHORS + PINNED_ANCHORS + PROMPT_END_ANCHORS;
+
 /// The most tokens of one step's runs whose outputs are all read (speculative chains: any
 /// token may end the accepted part) that a recurrent cache anchors each, the earliest of
 /// each run first, so that cutting a refused tail there is exact; a cut elsewhere inside

@@ -446,6 +446,16 @@ impl ModelCacheSpec {
             .sum()
     }
 
+    /// Cache bytes of the anchors a recurrent cache may hold beside its sequences' own, once
+    /// per cache: [`SURPLUS_ANCHORS`], and the one of the step whose commit goes past them
+    /// (speculative steps hold up to [`CHAIN_ANCHORS`] more until they commit).
+    ///
+    /// [`SURPLUS_ANCHORS`]: crate::config::SURPLUS_ANCHORS
+    /// [`CHAIN_ANCHORS`]: crate::config::CHAIN_ANCHORS
+    pub fn surplus_bytes(&self) -> u128 {
+        (crate::config::SURPLUS_ANCHORS as u128 + 1) * self.state_bytes() as u128
+    }
+
     /// Cache bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
     /// `window + ubatch` of them (the window plus one micro-batch in flight), with the
     /// anchor of its end (recurrent layers).

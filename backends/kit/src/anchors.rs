@@ -13,7 +13,9 @@
 //! cells. Verbs that would leave a sequence ending at a cell without an anchor are refused
 //! by [`Anchors::check_verb`], so a step always finds its state. States are f32 and live in host memory.
 
-use kvplug_core::config::{CHAIN_ANCHORS, PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
+use kvplug_core::config::{
+    CHAIN_ANCHORS, PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS, SURPLUS_ANCHORS,
+};
 use kvplug_core::{
     Bookkeeping, CacheConfig, CacheError, CacheResult, ConvLayers, DeltaLayers, SsmLayers,
     StepPlan, MAX_SEQS,
@@ -370,7 +372,7 @@ impl Anchors {
     /// Whether anchors beyond the budget have piled up (steps add anchors; a check every
     /// few steps drops the surplus, so a decode loop scans the cells rarely).
     pub fn over_budget(&self) -> bool {
-        self.in_use() > self.needed + 2 * SPARE_ANCHORS + PINNED_ANCHORS + PROMPT_END_ANCHORS
+        self.in_use() > self.needed + SURPLUS_ANCHORS
     }
 
     /// Publishes the open step's kept states as the anchors of their cells (replacing what

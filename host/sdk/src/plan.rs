@@ -154,9 +154,10 @@ pub struct Plan {
     pub agents_all_full: usize,
     /// The model's `max_position_embeddings`, if stated.
     pub trained_positions: Option<u64>,
-    /// Bytes of one sequence's recurrent state (delta-rule and convolution layers; 0
-    /// without): each
-    /// sequence holds at least one, counted in `tokens` and `agents`.
+    /// Bytes of one sequence's recurrent state (delta-rule, convolution and Mamba2 layers; 0
+    /// without): each sequence holds one, and the cache up to
+    /// [`SURPLUS_ANCHORS`](kvplug_core::config::SURPLUS_ANCHORS) + 1 more, all counted in
+    /// `tokens` and `agents`.
     pub state_bytes: usize,
 }
 
@@ -304,18 +305,8 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
             .collect(),
         ..spec.clone()
     };
-    let cap = kvplug_core::limits::MAX_CAPACITY;
-    let tokens_of = |s: &ModelCacheSpec| {
-        largest(cap, |n| {
-            s.sequence_bytes(dtype, n, PREFILL_UBATCH) <= kv_budget as u128
-        })
-    };
-    let agents_of = |s: &ModelCacheSpec| {
-        let each = s
-            .sequence_bytes(dtype, args.agent_tokens, PREFILL_UBATCH)
-            .max(1);
-        (kv_budget as u128 / each) as usize
-    };
+    let (tokens, agents) = fit(&spec, dtype, kv_budget, args.agent_tokens);
+    let (tokens_all_full, agents_all_full) = fit(&full, dtype, kv_budget, args.agent_tokens);
     Ok(Plan {
         weights,
         budget_bytes: args.budget,
@@ -329,14 +320,27 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
                 bytes_per_token: g.layers.len() * spec.bytes_per_token(g.attention, dtype),
             })
             .collect(),
-        tokens: tokens_of(&spec),
+        tokens,
         agent_tokens: args.agent_tokens,
-        agents: agents_of(&spec),
-        tokens_all_full: tokens_of(&full),
-        agents_all_full: agents_of(&full),
+        agents,
+        tokens_all_full,
+        agents_all_full,
         trained_positions: config["max_position_embeddings"].as_u64(),
         state_bytes: spec.state_bytes(),
     })
+}
+
+/// The tokens one sequence can hold, and the sequences of `agent_tokens` tokens that fit, in
+/// `budget` bytes of cache of `spec` (the cache's surplus anchors counted once).
+fn fit(spec: &ModelCacheSpec, dtype: KvDtype, budget: u64, agent_tokens: usize) -> (usize, usize) {
+    let budget = (budget as u128).saturating_sub(spec.surplus_bytes());
+    let tokens = largest(kvplug_core::limits::MAX_CAPACITY, |n| {
+        spec.sequence_bytes(dtype, n, PREFILL_UBATCH) <= budget
+    });
+    let each = spec
+        .sequence_bytes(dtype, agent_tokens, PREFILL_UBATCH)
+        .max(1);
+    (tokens, (budget / each) as usize)
 }
 
 /// The cache capacity a conversation on `model` gets by default: the context it was trained
@@ -357,8 +361,9 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     let Some(available) = kvplug_core::limits::available_memory() else {
         return Ok(trained);
     };
+    let half = (available / 2) as u128;
     let fits = largest(trained, |n| {
-        spec.sequence_bytes(kv_dtype, n, PREFILL_UBATCH) <= (available / 2) as u128
+        spec.sequence_bytes(kv_dtype, n, PREFILL_UBATCH) + spec.surplus_bytes() <= half
     });
     Ok(fits.max(1))
 }
@@ -446,11 +451,9 @@ impl Plan {
         }
         if p.state_bytes > 0 {
             out += &format!(
-                "recurrent state      {} per sequence (an anchor; a cache keeps up to {} more, a speculative tree one per node, a step's speculative chains up to {})\n",
+                "recurrent state      {} per sequence (an anchor; a cache keeps up to {} more, counted below; a speculative tree one per node, a step's speculative chains up to {})\n",
                 size(p.state_bytes as u64),
-                2 * kvplug_core::config::SPARE_ANCHORS
-                    + kvplug_core::config::PINNED_ANCHORS
-                    + kvplug_core::config::PROMPT_END_ANCHORS,
+                kvplug_core::config::SURPLUS_ANCHORS + 1,
                 kvplug_core::config::CHAIN_ANCHORS
             );
         }
@@ -522,6 +525,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("the weights alone take"), "{e}");
+    }
+
+    #[test]
+    fn a_recurrent_cache_counts_its_surplus_anchors_once() {
+        use kvplug_core::config::SURPLUS_ANCHORS;
+        // LFM2-shaped: two convolution layers (a 2-row f32 tail of 1024 channels each)
+        // around an attention layer of 2 KV heads of 64.
+        let c = serde_json::json!({"layer_types": ["conv", "full_attention", "conv"],
+            "conv_L_cache": 3, "hidden_size": 1024});
+        let spec = ModelCacheSpec::from_config(&c, 3, 2, 64).unwrap();
+        let state = spec.state_bytes() as u64;
+        assert_eq!(state, 2 * 2 * 1024 * 4);
+        let per_token = 2 * 2 * 64 * 2;
+        let surplus = (SURPLUS_ANCHORS as u64 + 1) * state;
+        // One sequence: its tokens, its own state and the cache's surplus anchors.
+        let (tokens, _) = fit(&spec, KvDtype::F16, surplus + state + 1000 * per_token, 1);
+        assert_eq!(tokens, 1000);
+        // Agents: each its tokens and state, the surplus once.
+        let agent = 100 * per_token + state;
+        let (_, agents) = fit(&spec, KvDtype::F16, surplus + 10 * agent + agent - 1, 100);
+        assert_eq!(agents, 10);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use candle_core::quantized::GgmlDType;
 use kvplug_backend_kit::model::{DecoderModel, ModelPackage};
 use kvplug_backend_kit::testing::CountingAllocator;
 use kvplug_backend_kit::KitCache;
-use kvplug_core::config::{PINNED_ANCHORS, PROMPT_END_ANCHORS, SPARE_ANCHORS};
+use kvplug_core::config::SURPLUS_ANCHORS;
 use kvplug_core::{make_config, CacheKind, KvDtype, ModelCacheSpec};
 
 mod common;
@@ -23,7 +23,7 @@ static GLOBAL: CountingAllocator = CountingAllocator;
 /// check first frees spare anchors, reused after that; the first check also counts the
 /// anchors needed, which can move the second check one step later. Two checks' worth of
 /// steps reach the largest number of slots.
-const WARM: i32 = (2 * (2 * SPARE_ANCHORS + PINNED_ANCHORS + PROMPT_END_ANCHORS) + 4) as i32;
+const WARM: i32 = (2 * SURPLUS_ANCHORS + 4) as i32;
 
 /// Prefills a 40-token prompt (reading its last row's logits), decodes [`WARM`] steps, then
 /// counts the allocations of 40 more steps, each reading its logits.
