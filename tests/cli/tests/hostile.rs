@@ -197,6 +197,14 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         .to_vec(),
         "--max-tokens 0",
     );
+    // A refused bench prints no table head.
+    let out = cli.run(&["bench", "--model", m, "-r", "0"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "", "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("repetitions must be at least 1"),
+        "{out:?}"
+    );
     refuses(
         run(&["--system", "Be terse."]),
         "--system goes with --prompt",

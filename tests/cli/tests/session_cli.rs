@@ -137,6 +137,19 @@ fn a_session_in_use_is_refused_to_a_second_process() {
             .any(|l| l.starts_with("dup ") && l.contains("  SmolLM2-135M-Instruct.Q4_1 (")),
         "{listed}"
     );
+    // A missing name fails the command, not the names after it.
+    let rm = output(kvplug(sessions.path()).args(["session", "rm", "missing", "dup"]));
+    assert_eq!(rm.status.code(), Some(1), "{rm:?}");
+    assert_eq!(String::from_utf8_lossy(&rm.stdout), "removed dup\n");
+    assert!(
+        String::from_utf8_lossy(&rm.stderr).contains("no session 'missing'"),
+        "{rm:?}"
+    );
+    let ls = output(kvplug(sessions.path()).args(["session", "ls"]));
+    assert!(
+        !String::from_utf8_lossy(&ls.stdout).contains("dup "),
+        "{ls:?}"
+    );
 }
 
 #[test]

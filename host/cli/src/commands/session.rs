@@ -24,7 +24,7 @@ pub enum Command {
         #[arg(long)]
         model: Option<PathBuf>,
     },
-    /// Delete sessions.
+    /// Delete sessions (each that can go; the status is 1 if any could not).
     Rm {
         /// Session names.
         #[arg(required = true)]
@@ -130,9 +130,20 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
             }
         }
         Command::Rm { names } => {
+            // As rm: a name that cannot go is told, the others still go, and the status
+            // says not all went.
+            let mut failed = false;
             for n in names {
-                dir.remove(&n)?;
-                println!("removed {n}");
+                match dir.remove(&n) {
+                    Ok(()) => println!("removed {n}"),
+                    Err(e) => {
+                        eprintln!("kvplug: {e:#}");
+                        failed = true;
+                    }
+                }
+            }
+            if failed {
+                return Ok(ExitCode::FAILURE);
             }
         }
     }

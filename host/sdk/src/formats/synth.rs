@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use kvplug_core::files::{read_text, MAX_TEXT_BYTES};
+use kvplug_core::files::{read_text, write_atomic, MAX_TEXT_BYTES};
 use kvplug_core::metadata::write_cache_params;
 use kvplug_core::ModelCacheParams;
 use safetensors::Dtype;
@@ -200,8 +200,12 @@ pub fn synth(preset: &Preset, out: &Path, seed: u64, dtype: &str) -> Result<()> 
         &mut meta,
     );
     prepare_out(out)?;
+    // Written beside, then renamed: a failure (a full disk) leaves no torn weights, and no
+    // temporary file.
     let tmp = out.join(".model.safetensors.partial");
-    safetensors::serialize_to_file(views, Some(meta), &tmp)?;
+    safetensors::serialize_to_file(views, Some(meta), &tmp).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })?;
     std::fs::rename(&tmp, out.join("model.safetensors"))?;
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
@@ -219,9 +223,10 @@ pub fn synth(preset: &Preset, out: &Path, seed: u64, dtype: &str) -> Result<()> 
         "torch_dtype": match dtype { "f32" => "float32", "f16" => "float16", _ => "bfloat16" },
         "kvplug_synthetic": {"preset": p.name, "seed": seed},
     });
-    let tmp = out.join(".config.json.partial");
-    std::fs::write(&tmp, serde_json::to_string_pretty(&config)?)?;
-    std::fs::rename(&tmp, out.join("config.json"))?;
+    write_atomic(
+        &out.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
     Ok(())
 }
 
