@@ -175,10 +175,19 @@ pub fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice(body) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(ApiError::invalid(None, "the body must be a JSON object")),
-        Err(e) => Err(ApiError::invalid(
-            None,
-            format!("the body is not valid JSON: {e}"),
-        )),
+        Err(e) => {
+            // serde_json names a lone UTF-16 surrogate (`\ud800` unpaired) by the escape it
+            // expected next; say what is wrong with the text.
+            let hint = if e.to_string().contains("hex escape") {
+                " (a \\uD800-\\uDFFF escape must be half of a surrogate pair)"
+            } else {
+                ""
+            };
+            Err(ApiError::invalid(
+                None,
+                format!("the body is not valid JSON: {e}{hint}"),
+            ))
+        }
     }
 }
 
@@ -591,7 +600,12 @@ fn messages(f: &Fields) -> Result<Vec<Message>, ApiError> {
                     })
                     .collect::<Result<String, _>>()?,
                 None | Some(Value::Null) if !calls.is_empty() => String::new(),
-                _ => return Err(bad(format!("messages[{i}].content must be a string"))),
+                _ => {
+                    return Err(bad(format!(
+                        "messages[{i}].content must be a string or an array of text parts \
+                         (null only on an assistant message with tool_calls)"
+                    )))
+                }
             };
             let mut msg = Message::new(role, &content);
             msg.tool_calls = calls;
@@ -823,6 +837,13 @@ mod tests {
         let e = chat("{\"messages\": [").unwrap_err();
         assert!(e.message.contains("not valid JSON"), "{e:?}");
         assert!(chat("[1]").unwrap_err().message.contains("JSON object"));
+        let e = chat(r#"{"messages": [{"role": "user", "content": "\ud800 hi"}]}"#).unwrap_err();
+        assert!(e.message.contains("half of a surrogate pair"), "{e:?}");
+        refused(
+            r#"{"messages": [{"role": "user", "content": null}]}"#,
+            "messages",
+            "messages[0].content must be a string or an array of text parts",
+        );
         refused("{}", "messages", "required");
         refused(r#"{"messages": "hi"}"#, "messages", "array");
         refused(r#"{"messages": []}"#, "messages", "empty");

@@ -53,7 +53,7 @@ impl ApiError {
             code: Some("invalid_api_key"),
             ..Self::new(
                 StatusCode::UNAUTHORIZED,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             )
         }
     }
