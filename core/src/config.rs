@@ -246,9 +246,10 @@ pub const PINNED_ANCHORS: usize = 4;
 /// llama.cpp's server keeps context checkpoints near the end of each prompt.
 pub const PROMPT_END_ANCHORS: usize = 4;
 
-/// Anchors a recurrent cache may hold beside those its sequences need, between speculative
-/// steps: twice [`SPARE_ANCHORS`] (a commit that goes past this drops the surplus spares),
-/// [`PINNED_ANCHORS`] and [`PROMPT_END_ANCHORS`].
+/// Anchors a recurrent cache holds beside those its sequences need before a commit drops the
+/// surplus spares: twice [`SPARE_ANCHORS`], [`PINNED_ANCHORS`] and [`PROMPT_END_ANCHORS`].
+/// A step adds one per stepping sequence (its new end) before its commit checks; speculative
+/// steps' [`CHAIN_ANCHORS`] come on top.
 pub const SURPLUS_ANCHORS: usize = 2 * SPARE_ANCHORS + PINNED_ANCHORS + PROMPT_END_ANCHORS;
 
 /// The most tokens of one step's runs whose outputs are all read (speculative chains: any

@@ -446,19 +446,20 @@ impl ModelCacheSpec {
             .sum()
     }
 
-    /// Cache bytes of the anchors a recurrent cache may hold beside its sequences' own, once
-    /// per cache: [`SURPLUS_ANCHORS`], and the one of the step whose commit goes past them
-    /// (speculative steps hold up to [`CHAIN_ANCHORS`] more until they commit).
+    /// Cache bytes of the anchors a recurrent cache may hold beside its sequences' own
+    /// ([`sequence_bytes`](Self::sequence_bytes)), once per cache: [`SURPLUS_ANCHORS`]
+    /// (speculative steps hold up to twice [`CHAIN_ANCHORS`] more: the last step's, kept
+    /// through its cut, and the open one's).
     ///
     /// [`SURPLUS_ANCHORS`]: crate::config::SURPLUS_ANCHORS
     /// [`CHAIN_ANCHORS`]: crate::config::CHAIN_ANCHORS
     pub fn surplus_bytes(&self) -> u128 {
-        (crate::config::SURPLUS_ANCHORS as u128 + 1) * self.state_bytes() as u128
+        crate::config::SURPLUS_ANCHORS as u128 * self.state_bytes() as u128
     }
 
     /// Cache bytes of one sequence of `tokens` tokens when each sliding layer keeps at most
     /// `window + ubatch` of them (the window plus one micro-batch in flight), with the
-    /// anchor of its end (recurrent layers).
+    /// anchor of its end and the one a step opens for its new end (recurrent layers).
     pub fn sequence_bytes(&self, dtype: KvDtype, tokens: usize, ubatch: usize) -> u128 {
         self.layers
             .iter()
@@ -473,7 +474,7 @@ impl ModelCacheSpec {
                 held as u128 * self.bytes_per_token(l, dtype) as u128
             })
             .sum::<u128>()
-            + self.state_bytes() as u128
+            + 2 * self.state_bytes() as u128
     }
 }
 
@@ -577,7 +578,7 @@ mod tests {
         let per_attn = spec.layer_bytes_per_token(KvDtype::F16) as u128;
         assert_eq!(
             spec.sequence_bytes(KvDtype::F16, 10, 0),
-            10 * 2 * per_attn + 14 * per_layer as u128
+            10 * 2 * per_attn + 2 * 14 * per_layer as u128
         );
         let e = ModelCacheSpec::from_config(&json!({"layer_types": ["mamba"]}), 1, 1, 64);
         assert!(e.unwrap_err().message.contains("mamba_d_conv"));
@@ -611,11 +612,12 @@ mod tests {
         assert!(attn.iter().all(|&l| !conv.layers.contains(l)));
         assert_eq!(spec.sliding().unwrap(), None);
         let per_attn = spec.layer_bytes_per_token(KvDtype::F16) as u128;
-        // Per token the attention layers' K/V; per sequence each conv layer's last 2 rows.
+        // Per token the attention layers' K/V; per sequence each conv layer's last 2 rows,
+        // at its end and at a step's.
         assert_eq!(spec.state_bytes(), 10 * 2 * 4 * 1024);
         assert_eq!(
             spec.sequence_bytes(KvDtype::F16, 10, 0),
-            10 * 6 * per_attn + 10 * 2 * 4 * 1024
+            10 * 6 * per_attn + 2 * 10 * 2 * 4 * 1024
         );
         for bad in [
             json!({"layer_types": ["conv"], "hidden_size": 8}),

@@ -155,8 +155,9 @@ pub struct Plan {
     /// The model's `max_position_embeddings`, if stated.
     pub trained_positions: Option<u64>,
     /// Bytes of one sequence's recurrent state (delta-rule, convolution and Mamba2 layers; 0
-    /// without): each sequence holds one, and the cache up to
-    /// [`SURPLUS_ANCHORS`](kvplug_core::config::SURPLUS_ANCHORS) + 1 more, all counted in
+    /// without): each sequence holds two (its end's, and its step's new one until the step
+    /// commits), and the cache up to
+    /// [`SURPLUS_ANCHORS`](kvplug_core::config::SURPLUS_ANCHORS) more, all counted in
     /// `tokens` and `agents`.
     pub state_bytes: usize,
 }
@@ -345,7 +346,7 @@ fn fit(spec: &ModelCacheSpec, dtype: KvDtype, budget: u64, agent_tokens: usize) 
 
 /// The cache capacity a conversation on `model` gets by default: the context it was trained
 /// on (`max_position_embeddings`, else 4096), bounded by the tokens whose K/V (in `kv_dtype`)
-/// fit half the memory the system has available now.
+/// fit half the memory the system has available now, with a hybrid's recurrent states.
 pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     let dir = crate::formats::resolve_model(model)?;
     let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
@@ -451,10 +452,10 @@ impl Plan {
         }
         if p.state_bytes > 0 {
             out += &format!(
-                "recurrent state      {} per sequence (an anchor; a cache keeps up to {} more, counted below; a speculative tree one per node, a step's speculative chains up to {})\n",
+                "recurrent state      {} an anchor, 2 per sequence (its end, and a step's new end); a cache keeps up to {} more; all counted below (a speculative tree holds one per node, speculative chains up to {} more)\n",
                 size(p.state_bytes as u64),
-                kvplug_core::config::SURPLUS_ANCHORS + 1,
-                kvplug_core::config::CHAIN_ANCHORS
+                kvplug_core::config::SURPLUS_ANCHORS,
+                2 * kvplug_core::config::CHAIN_ANCHORS
             );
         }
         out += &format!(
@@ -538,12 +539,17 @@ mod tests {
         let state = spec.state_bytes() as u64;
         assert_eq!(state, 2 * 2 * 1024 * 4);
         let per_token = 2 * 2 * 64 * 2;
-        let surplus = (SURPLUS_ANCHORS as u64 + 1) * state;
-        // One sequence: its tokens, its own state and the cache's surplus anchors.
-        let (tokens, _) = fit(&spec, KvDtype::F16, surplus + state + 1000 * per_token, 1);
+        let surplus = SURPLUS_ANCHORS as u64 * state;
+        // One sequence: its tokens, its two states and the cache's surplus anchors.
+        let (tokens, _) = fit(
+            &spec,
+            KvDtype::F16,
+            surplus + 2 * state + 1000 * per_token,
+            1,
+        );
         assert_eq!(tokens, 1000);
-        // Agents: each its tokens and state, the surplus once.
-        let agent = 100 * per_token + state;
+        // Agents: each its tokens and two states, the surplus once.
+        let agent = 100 * per_token + 2 * state;
         let (_, agents) = fit(&spec, KvDtype::F16, surplus + 10 * agent + agent - 1, 100);
         assert_eq!(agents, 10);
     }
