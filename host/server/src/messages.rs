@@ -177,9 +177,9 @@ fn text_of(block: &Value) -> Option<&str> {
 
 /// `messages`: user and assistant turns of a string or content blocks, as chat messages —
 /// an assistant's `tool_use` blocks become its tool calls, a user's `tool_result` blocks
-/// tool messages (before the text of the same turn). As Anthropic's API: every turn but a
-/// last assistant one has content, and a `tool_result` answers a `tool_use` of the turn
-/// before.
+/// tool messages (before the text of the same turn). As Anthropic's API, which reads turns
+/// of one role in a row as one turn: every turn but a last assistant one has content, and a
+/// `tool_result` answers a `tool_use` of the assistant turns just before.
 fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages"), m);
     let list = match f.get("messages") {
@@ -189,13 +189,18 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
         None => return Err(bad("'messages' is required".into())),
     };
     let mut out = Vec::new();
-    // The ids of the previous turn's `tool_use` blocks.
+    // The ids of the `tool_use` blocks of the last run of assistant turns.
     let mut used: Vec<String> = Vec::new();
+    let mut previous_role = "";
     for (i, m) in list.iter().enumerate() {
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant")) => r,
             _ => return Err(bad(format!("messages[{i}].role must be user or assistant"))),
         };
+        if role == "assistant" && previous_role == "user" {
+            used.clear();
+        }
+        previous_role = role;
         let empty = match m.get("content") {
             Some(Value::String(s)) => s.is_empty(),
             Some(Value::Array(b)) => b.is_empty(),
@@ -209,7 +214,6 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
         let blocks = match m.get("content") {
             Some(Value::String(s)) => {
                 out.push(Message::new(role, s));
-                used.clear();
                 continue;
             }
             Some(Value::Array(b)) => b,
@@ -239,7 +243,8 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                     let id = result.tool_call_id.as_deref().unwrap_or_default();
                     if !used.iter().any(|u| u == id) {
                         return Err(bad(format!(
-                            "{at}: tool_use_id '{id}' answers no tool_use block of the turn before"
+                            "{at}: tool_use_id '{id}' answers no tool_use block of the assistant \
+                             turn before"
                         )));
                     }
                     out.push(result)
@@ -254,10 +259,11 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                 (None, _) => return Err(bad(format!("{at}.type must be a string"))),
             }
         }
-        used = calls
-            .iter()
-            .filter_map(|c| c["id"].as_str().map(str::to_string))
-            .collect();
+        used.extend(
+            calls
+                .iter()
+                .filter_map(|c| c["id"].as_str().map(str::to_string)),
+        );
         if !text.is_empty() || !calls.is_empty() || role == "assistant" {
             let mut msg = Message::new(role, &text);
             msg.tool_calls = calls;
@@ -631,6 +637,29 @@ mod tests {
         assert_eq!(events[4]["index"], 1);
     }
 
+    #[test]
+    fn turns_of_one_role_in_a_row_are_one_turn_for_tool_results() {
+        // Results split over user turns, and calls followed by an assistant's text.
+        for body in [
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"},
+                    {"type": "tool_use", "id": "t2", "name": "f"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}]}"#,
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]},
+                {"role": "assistant", "content": "Calling."},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"},
+                    {"type": "text", "text": "Go on."}]}]}"#,
+        ] {
+            let p = parse(body.as_bytes(), false).unwrap();
+            let Prompt::Chat(m) = &p.prompt else {
+                panic!("{:?}", p.prompt)
+            };
+            assert!(m.iter().any(|m| m.role == "tool"), "{m:?}");
+        }
+    }
+
     fn refused(body: &str, param: &str, says: &str) {
         let e = parse(body.as_bytes(), false).unwrap_err();
         assert_eq!(e.status, 400, "{body}");
@@ -737,6 +766,16 @@ mod tests {
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}]}"#,
             "messages",
             "tool_use_id 't2' answers no tool_use block",
+        );
+        // A result for a call of an earlier exchange.
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+                {"role": "assistant", "content": "Done."},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]}"#,
+            "messages",
+            "messages[4].content[0]: tool_use_id 't1'",
         );
         refused(
             &format!("{{{hi}, \"max_tokens\": 5, \"tools\": [{{\"type\": \"bash_20250124\", \"name\": \"bash\"}}]}}"),
