@@ -109,12 +109,27 @@ struct Kept {
 
 /// Stored responses: what `previous_response_id` continues and `GET /v1/responses/{id}`
 /// returns.
-#[derive(Default)]
 pub struct Store {
     inner: Mutex<Kept>,
+    /// The most bytes of JSON kept.
+    max_bytes: usize,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Store::within(MAX_STORED_BYTES)
+    }
 }
 
 impl Store {
+    /// A store that keeps at most `max_bytes` of JSON.
+    fn within(max_bytes: usize) -> Self {
+        Store {
+            inner: Mutex::default(),
+            max_bytes,
+        }
+    }
+
     fn kept(&self) -> std::sync::MutexGuard<'_, Kept> {
         self.inner.lock().expect("store lock")
     }
@@ -141,6 +156,11 @@ impl Store {
 
     fn put(&self, id: String, turns: Vec<Message>, response: Value) {
         let bytes = json_len(&turns) + json_len(&response);
+        if bytes > self.max_bytes {
+            // It would push out every other response and then itself.
+            tracing::warn!(id = %id, bytes, "a response too large to store");
+            return;
+        }
         let mut k = self.kept();
         let stored = Stored {
             turns: Arc::new(turns),
@@ -152,7 +172,7 @@ impl Store {
             None => k.order.push_back(id),
         }
         k.bytes += bytes;
-        while k.order.len() > MAX_STORED || k.bytes > MAX_STORED_BYTES {
+        while k.order.len() > MAX_STORED || k.bytes > self.max_bytes {
             let Some(old) = k.order.pop_front() else {
                 break;
             };
@@ -1048,18 +1068,24 @@ mod tests {
 
         // Conversations of just under a quarter of the budget each (their JSON and the
         // response's add 32 bytes): four fit, the fifth pushes the first out.
-        let store = Store::default();
-        let long = Message::new("user", &"x".repeat(MAX_STORED_BYTES / 4 - 100));
+        const BUDGET: usize = 4000;
+        let store = Store::within(BUDGET);
+        let long = Message::new("user", &"x".repeat(BUDGET / 4 - 100));
         for i in 0..5 {
             store.put(format!("resp_{i}"), vec![long.clone()], json!({}));
         }
         assert!(store.turns("resp_0").is_none());
         assert!(store.turns("resp_1").is_some() && store.turns("resp_4").is_some());
-        assert!(store.kept().bytes <= MAX_STORED_BYTES);
+        assert!(store.kept().bytes <= BUDGET);
         // Forgetting one gives its bytes back.
         let before = store.kept().bytes;
         assert!(store.remove("resp_2"));
-        assert_eq!(before - store.kept().bytes, MAX_STORED_BYTES / 4 - 100 + 32);
+        assert_eq!(before - store.kept().bytes, BUDGET / 4 - 100 + 32);
+        assert_eq!(store.kept().order.len(), 3);
+        // One larger than the whole budget is not stored, and pushes nothing out.
+        let huge = Message::new("user", &"x".repeat(BUDGET));
+        store.put("resp_huge".into(), vec![huge], json!({}));
+        assert!(store.turns("resp_huge").is_none());
         assert_eq!(store.kept().order.len(), 3);
     }
 }

@@ -382,11 +382,22 @@ async fn openai_responses(
     Ok(with_prefix_header(&s, response, a.divergence))
 }
 
-/// `GET /v1/responses/{id}`: a stored response, as it was answered.
+/// `GET /v1/responses/{id}`: a stored response, as it was answered (as JSON: replaying its
+/// stream, `?stream=true`, is refused).
 async fn stored_response(
     State(s): State<AppState>,
     Path(id): Path<String>,
+    uri: Uri,
 ) -> Result<Json<Value>, ApiError> {
+    let streamed = uri
+        .query()
+        .is_some_and(|q| q.split('&').any(|kv| kv == "stream=true"));
+    if streamed {
+        return Err(ApiError::invalid(
+            Some("stream"),
+            "a stored response is returned whole: replaying its stream is not supported",
+        ));
+    }
     match s.responses.response(&id) {
         Some(v) => Ok(Json(Value::clone(&v))),
         None => Err(ApiError::not_found_response(&id)),
@@ -401,7 +412,7 @@ async fn delete_response(
 ) -> Result<Json<Value>, ApiError> {
     if s.responses.remove(&id) {
         Ok(Json(
-            json!({"id": id, "object": "response.deleted", "deleted": true}),
+            json!({"id": id, "object": "response", "deleted": true}),
         ))
     } else {
         Err(ApiError::not_found_response(&id))
