@@ -55,3 +55,13 @@ pub struct GgufIndex {
     /// Hugging Face tensor name → where it lies.
     pub tensors: BTreeMap<String, IndexedTensor>,
 }
+
+/// The file a model directory's `config.json` speaks for, to name in messages: the GGUF
+/// whose metadata it restates when `dir` indexes one, else that `config.json`.
+pub fn config_source(dir: &std::path::Path) -> PathBuf {
+    let config = dir.join("config.json");
+    crate::files::read_text(&dir.join(GGUF_INDEX_FILE), crate::files::MAX_TEXT_BYTES)
+        .ok()
+        .and_then(|t| serde_json::from_str::<GgufIndex>(&t).ok())
+        .map_or(config, |i| i.file)
+}

@@ -43,14 +43,19 @@ pub struct Model {
     attention: Option<Arithmetic>,
 }
 
+/// A `config.json` fault of the model in `dir`, naming the file it came from (the GGUF, for
+/// a GGUF's metadata).
+fn config_error(dir: &Path, reason: ModelError) -> RuntimeError {
+    RuntimeError::Model {
+        path: kvplug_core::gguf_index::config_source(dir),
+        reason,
+    }
+}
+
 impl Model {
     pub(crate) fn open(runtime: Runtime, backend: &str, dir: &Path) -> Result<Self, RuntimeError> {
-        let path = dir.join("config.json");
-        let bad = |reason: ModelError| RuntimeError::Model {
-            path: path.clone(),
-            reason,
-        };
-        let config = ModelConfig::parse(&read_text(&path, MAX_TEXT_BYTES)?).map_err(bad)?;
+        let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
+        let config = ModelConfig::parse(&text).map_err(|reason| config_error(dir, reason))?;
         Ok(Model {
             runtime,
             backend: backend.to_string(),
@@ -180,31 +185,19 @@ impl Model {
         cfg.sliding = self
             .config
             .sliding(self.layers)
-            .map_err(|reason| RuntimeError::Model {
-                path: self.dir.join("config.json"),
-                reason,
-            })?;
+            .map_err(|reason| config_error(&self.dir, reason))?;
         cfg.conv = self
             .config
             .conv(self.layers)
-            .map_err(|reason| RuntimeError::Model {
-                path: self.dir.join("config.json"),
-                reason,
-            })?;
+            .map_err(|reason| config_error(&self.dir, reason))?;
         cfg.delta = self
             .config
             .delta(self.layers)
-            .map_err(|reason| RuntimeError::Model {
-                path: self.dir.join("config.json"),
-                reason,
-            })?;
+            .map_err(|reason| config_error(&self.dir, reason))?;
         cfg.ssm = self
             .config
             .ssm(self.layers)
-            .map_err(|reason| RuntimeError::Model {
-                path: self.dir.join("config.json"),
-                reason,
-            })?;
+            .map_err(|reason| config_error(&self.dir, reason))?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use kvplug_core::files::{open_regular, read_text, MAX_TEXT_BYTES};
+use kvplug_core::gguf_index::config_source;
 use kvplug_core::{KvDtype, LayerAttention, ModelCacheSpec, ModelConfig, MAX_SEQS};
 use safetensors::SafeTensors;
 
@@ -124,8 +125,8 @@ pub struct Weights {
 pub fn weights(model: &Path, holding: &Holding) -> Result<Weights> {
     let dir = crate::formats::resolve_model(model)?;
     let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
-    let config = ModelConfig::parse(&text)
-        .with_context(|| format!("{}", dir.join("config.json").display()))?;
+    let config =
+        ModelConfig::parse(&text).with_context(|| format!("{}", config_source(&dir).display()))?;
     Ok(census(&dir, holding)?.weights(&config))
 }
 
@@ -279,8 +280,8 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     }
     let dir = crate::formats::resolve_model(&args.model)?;
     let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
-    let model = ModelConfig::parse(&text)
-        .with_context(|| format!("{}", dir.join("config.json").display()))?;
+    let model =
+        ModelConfig::parse(&text).with_context(|| format!("{}", config_source(&dir).display()))?;
     let spec = model.cache_spec();
     args.kv_dtype.check_head_dim(spec.head_dim)?;
     let config: serde_json::Value = serde_json::from_str(&text)?;
@@ -351,7 +352,7 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     let dir = crate::formats::resolve_model(model)?;
     let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
     let spec = ModelConfig::parse(&text)
-        .with_context(|| format!("{}", dir.join("config.json").display()))?
+        .with_context(|| format!("{}", config_source(&dir).display()))?
         .cache_spec();
     let config: serde_json::Value = serde_json::from_str(&text)?;
     let trained = config["max_position_embeddings"]

@@ -198,6 +198,37 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
         "{e}"
     );
 
+    // Metadata that contradicts itself is refused naming the GGUF file (not the index's
+    // derived config.json) and the fault; a NaN or infinite number, naming its key.
+    {
+        use candle_core::quantized::gguf_file::Value;
+        let rt = runtime();
+        let with = |key: &str, value: Value, n: usize| {
+            let mut m = meta.clone();
+            m.iter_mut().find(|kv| kv.0 == key).unwrap().1 = value.clone();
+            let file = dir.path().join(format!("bad{n}.gguf"));
+            write_gguf(&file, &m, &tensors);
+            let out = dir.path().join(format!("bad{n}"));
+            let e = gguf::index(&file, &out)
+                .map_err(|e| e.to_string())
+                .and_then(|()| rt.model("cpu", &out).map_err(|e| e.to_string()))
+                .err()
+                .unwrap_or_else(|| panic!("{key} = {value:?} was accepted"));
+            (file, e)
+        };
+        let (file, e) = with("llama.attention.head_count", Value::U32(0), 0);
+        assert!(
+            e.starts_with(&format!("{}: ", file.display())) && e.contains("heads 0"),
+            "{e}"
+        );
+        let key = "llama.attention.layer_norm_rms_epsilon";
+        let (_, e) = with(key, Value::F32(f32::NAN), 1);
+        assert!(
+            e.contains(&format!("metadata '{key}' is NaN, not a finite number")),
+            "{e}"
+        );
+    }
+
     // Text: the tokenizer round-trips, special tokens are whole, the template renders,
     // and the end-of-turn token stops generation.
     let text = Text::load(&out).unwrap();

@@ -79,12 +79,21 @@ impl Gguf {
             .with_context(|| format!("{}: metadata '{key}' is not a count", self.path.display()))
     }
 
-    fn float(&self, key: &str) -> Option<f64> {
-        match self.get(key)? {
+    /// A number, `None` when absent; a NaN or infinity is refused by key.
+    fn float(&self, key: &str) -> Result<Option<f64>> {
+        let x = match self.get(key) {
+            None => return Ok(None),
             // The f32's shortest decimal (1e-5, not 9.99999974e-6).
-            Value::F32(x) => x.to_string().parse().ok(),
-            Value::F64(x) => Some(*x),
-            v => as_u64(v).map(|x| x as f64),
+            Some(Value::F32(x)) => x.to_string().parse().ok(),
+            Some(Value::F64(x)) => Some(*x),
+            Some(v) => as_u64(v).map(|x| x as f64),
+        };
+        match x {
+            Some(x) if !x.is_finite() => Err(crate::Error::Model(format!(
+                "{}: metadata '{key}' is {x}, not a finite number",
+                self.path.display()
+            ))),
+            x => Ok(x),
         }
     }
 
@@ -312,10 +321,10 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             }
             c["conv_L_cache"] = g.uint(&k("shortconv.l_cache"))?.into();
             c["rms_norm_eps"] = g
-                .float(&k("attention.layer_norm_rms_epsilon"))
+                .float(&k("attention.layer_norm_rms_epsilon"))?
                 .unwrap_or(1e-5)
                 .into();
-            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
+            c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e6).into();
         }
         Arch::Qwen35 => qwen35_fields(g, &mut c, layers)?,
         Arch::GraniteHybrid => granite_hybrid_fields(g, &mut c, layers)?,
@@ -338,10 +347,10 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             c["model_type"] = model_type.into();
             c["architectures"] = serde_json::json!([class]);
             c["rms_norm_eps"] = g
-                .float(&k("attention.layer_norm_rms_epsilon"))
+                .float(&k("attention.layer_norm_rms_epsilon"))?
                 .unwrap_or(1e-5)
                 .into();
-            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
+            c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0).into();
             // Llama 3.x: the converter turns rope_scaling into per-pair frequency divisors.
             if g.has_tensor("rope_freqs.weight") {
                 let (_, f) = g.tensor("rope_freqs.weight")?;
@@ -356,10 +365,10 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             c["model_type"] = "gemma3_text".into();
             c["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
             c["rms_norm_eps"] = g
-                .float(&k("attention.layer_norm_rms_epsilon"))
+                .float(&k("attention.layer_norm_rms_epsilon"))?
                 .unwrap_or(1e-6)
                 .into();
-            c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e6).into();
+            c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e6).into();
             c["rope_local_base_freq"] = 10000.0.into();
             c["query_pre_attn_scalar"] = head_dim.into();
             c["hidden_activation"] = "gelu_pytorch_tanh".into();
@@ -375,7 +384,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .collect();
             if let Ok(t) = g.string(&k("rope.scaling.type")) {
                 if t != "none" {
-                    let factor = g.float(&k("rope.scaling.factor")).with_context(|| {
+                    let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
                         format!("{}: rope scaling '{t}' without a factor", g.path.display())
                     })?;
                     c["rope_scaling"] = serde_json::json!({"rope_type": t, "factor": factor});
@@ -445,12 +454,12 @@ fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()
     c["num_experts_per_tok"] = g.uint(&k("expert_used_count"))?.into();
     c["intermediate_size"] = g.uint(&k("expert_feed_forward_length"))?.into();
     c["rms_norm_eps"] = g
-        .float(&k("attention.layer_norm_rms_epsilon"))
+        .float(&k("attention.layer_norm_rms_epsilon"))?
         .unwrap_or(1e-5)
         .into();
-    c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(150000.0).into();
+    c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(150000.0).into();
     if let Some(f) = g
-        .float(&k("rope.scaling.attn_factor"))
+        .float(&k("rope.scaling.attn_factor"))?
         .filter(|&f| f != 1.0)
     {
         fail!(
@@ -461,7 +470,7 @@ fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()
     }
     match g.string(&k("rope.scaling.type")) {
         Ok("yarn") => {
-            let factor = g.float(&k("rope.scaling.factor")).with_context(|| {
+            let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
                 format!("{}: YaRN rope scaling without a factor", g.path.display())
             })?;
             let original = g
@@ -552,10 +561,10 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
         }
     }
     c["rms_norm_eps"] = g
-        .float(&k("attention.layer_norm_rms_epsilon"))
+        .float(&k("attention.layer_norm_rms_epsilon"))?
         .unwrap_or(1e-6)
         .into();
-    c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(1e7).into();
+    c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e7).into();
     Ok(())
 }
 
@@ -660,15 +669,15 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
         ("logit_scale", "logits_scaling"),
     ] {
         // llama.cpp reads 0 (or no key) as "no multiplier".
-        if let Some(v) = g.float(&k(key)).filter(|&v| v != 0.0) {
+        if let Some(v) = g.float(&k(key))?.filter(|&v| v != 0.0) {
             c[field] = v.into();
         }
     }
     c["rms_norm_eps"] = g
-        .float(&k("attention.layer_norm_rms_epsilon"))
+        .float(&k("attention.layer_norm_rms_epsilon"))?
         .unwrap_or(1e-5)
         .into();
-    c["rope_theta"] = g.float(&k("rope.freq_base")).unwrap_or(10000.0).into();
+    c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0).into();
     Ok(())
 }
 
