@@ -221,6 +221,17 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
             e.starts_with(&format!("{}: ", file.display())) && e.contains("heads 0"),
             "{e}"
         );
+        // A context length of 0 states none: a chat gets the default capacity, not 1 token.
+        let mut m = meta.clone();
+        m.iter_mut()
+            .find(|kv| kv.0 == "llama.context_length")
+            .unwrap()
+            .1 = Value::U32(0);
+        let file = dir.path().join("no-context.gguf");
+        write_gguf(&file, &m, &tensors);
+        let out = dir.path().join("no-context");
+        gguf::index(&file, &out).unwrap();
+        assert_eq!(kvplug::default_capacity(&out, KvDtype::F16).unwrap(), 4096);
         let key = "llama.attention.layer_norm_rms_epsilon";
         let (_, e) = with(key, Value::F32(f32::NAN), 1);
         assert!(

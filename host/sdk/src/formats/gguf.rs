@@ -392,7 +392,8 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             }
         }
     }
-    if let Ok(n) = g.uint(&k("context_length")) {
+    // A context length of 0 states nothing.
+    if let Some(n) = g.uint(&k("context_length")).ok().filter(|&n| n > 0) {
         c["max_position_embeddings"] = n.into();
     }
     if let Ok(d) = g.uint(&k("attention.key_length")) {
