@@ -177,9 +177,10 @@ fn text_of(block: &Value) -> Option<&str> {
 
 /// `messages`: user and assistant turns of a string or content blocks, as chat messages —
 /// an assistant's `tool_use` blocks become its tool calls, a user's `tool_result` blocks
-/// tool messages (before the text of the same turn). As Anthropic's API, which reads turns
-/// of one role in a row as one turn: every turn but a last assistant one has content, and a
-/// `tool_result` answers a `tool_use` of the assistant turns just before.
+/// tool messages (before the text of the same turn). As Anthropic's API, turns of one role in
+/// a row are one turn (their text and calls join the message before); every turn but a last
+/// assistant one has content, and a `tool_result` answers a `tool_use` of the assistant turns
+/// just before.
 fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages"), m);
     let list = match f.get("messages") {
@@ -200,6 +201,7 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
         if role == "assistant" && previous_role == "user" {
             used.clear();
         }
+        let continues = previous_role == role;
         previous_role = role;
         let empty = match m.get("content") {
             Some(Value::String(s)) => s.is_empty(),
@@ -211,19 +213,19 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                 "messages[{i}].content must not be empty (only a last assistant turn may be)"
             )));
         }
+        let (mut text, mut calls) = (String::new(), Vec::new());
         let blocks = match m.get("content") {
             Some(Value::String(s)) => {
-                out.push(Message::new(role, s));
-                continue;
+                text.clone_from(s);
+                &[][..]
             }
-            Some(Value::Array(b)) => b,
+            Some(Value::Array(b)) => b.as_slice(),
             _ => {
                 return Err(bad(format!(
                     "messages[{i}].content must be a string or an array of blocks"
                 )))
             }
         };
-        let (mut text, mut calls) = (String::new(), Vec::new());
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages[{i}].content[{j}]");
             match (b.get("type").and_then(Value::as_str), role) {
@@ -264,10 +266,20 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                 .iter()
                 .filter_map(|c| c["id"].as_str().map(str::to_string)),
         );
-        if !text.is_empty() || !calls.is_empty() || role == "assistant" {
-            let mut msg = Message::new(role, &text);
-            msg.tool_calls = calls;
-            out.push(msg);
+        match out.last_mut() {
+            Some(last) if continues && last.role == role => {
+                if !text.is_empty() && !last.content.is_empty() {
+                    last.content.push_str(BLOCK_SEPARATOR);
+                }
+                last.content.push_str(&text);
+                last.tool_calls.extend(calls);
+            }
+            _ if !text.is_empty() || !calls.is_empty() || role == "assistant" => {
+                let mut msg = Message::new(role, &text);
+                msg.tool_calls = calls;
+                out.push(msg);
+            }
+            _ => {}
         }
     }
     Ok(out)
@@ -657,7 +669,35 @@ mod tests {
                 panic!("{:?}", p.prompt)
             };
             assert!(m.iter().any(|m| m.role == "tool"), "{m:?}");
+            // The assistant's turns are one message: roles alternate as templates want.
+            let assistants: Vec<&Message> = m.iter().filter(|m| m.role == "assistant").collect();
+            assert_eq!(assistants.len(), 1, "{m:?}");
         }
+        // The calls and the text of two assistant turns join in one message.
+        let p = parse(
+            br#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "there"}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]},
+                {"role": "assistant", "content": "Calling."},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]}"#,
+            false,
+        )
+        .unwrap();
+        let Prompt::Chat(m) = &p.prompt else {
+            panic!("{:?}", p.prompt)
+        };
+        let shape: Vec<(&str, &str, usize)> = m
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str(), m.tool_calls.len()))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                ("user", "hi\n\nthere", 0),
+                ("assistant", "Calling.", 1),
+                ("tool", "", 0)
+            ]
+        );
     }
 
     fn refused(body: &str, param: &str, says: &str) {
