@@ -389,9 +389,14 @@ async fn stored_response(
     Path(id): Path<String>,
     uri: Uri,
 ) -> Result<Json<Value>, ApiError> {
-    let streamed = uri
-        .query()
-        .is_some_and(|q| q.split('&').any(|kv| kv == "stream=true"));
+    // Any `stream` but an explicit false asks for events.
+    let streamed = uri.query().is_some_and(|q| {
+        q.split('&').any(|kv| {
+            kv.split_once('=').map_or(kv == "stream", |(k, v)| {
+                k == "stream" && v != "false" && v != "0"
+            })
+        })
+    });
     if streamed {
         return Err(ApiError::invalid(
             Some("stream"),

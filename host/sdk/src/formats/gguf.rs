@@ -1341,8 +1341,9 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// Revision of what [`index`] derives from a file (config, tokenizer): bumped when that
 /// changes, so that indexes an older build cached are made again rather than reused.
 /// 2: Llama 3 tokenizers take whole-vocabulary pre-tokens as is; unstated `add_bos_token`
-/// follows llama.cpp's default.
-const INDEXER_REVISION: u32 = 2;
+/// follows llama.cpp's default. 3: a `context_length` of 0 is left out; NaN or infinite
+/// numbers are refused.
+const INDEXER_REVISION: u32 = 3;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
 /// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and
