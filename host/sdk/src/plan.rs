@@ -124,9 +124,7 @@ pub struct Weights {
 /// `holding` says ([`Holding::of`] a loaded plugin) takes them.
 pub fn weights(model: &Path, holding: &Holding) -> Result<Weights> {
     let dir = crate::formats::resolve_model(model)?;
-    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
-    let config =
-        ModelConfig::parse(&text).with_context(|| format!("{}", config_source(&dir).display()))?;
+    let (config, _) = model_config(&dir)?;
     Ok(census(&dir, holding)?.weights(&config))
 }
 
@@ -279,9 +277,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
         fail!(Invalid, "agent tokens 0: an agent holds at least 1 token");
     }
     let dir = crate::formats::resolve_model(&args.model)?;
-    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
-    let model =
-        ModelConfig::parse(&text).with_context(|| format!("{}", config_source(&dir).display()))?;
+    let (model, text) = model_config(&dir)?;
     let spec = model.cache_spec();
     args.kv_dtype.check_head_dim(spec.head_dim)?;
     let config: serde_json::Value = serde_json::from_str(&text)?;
@@ -332,6 +328,14 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
     })
 }
 
+/// The config of the model in `dir`, and its text; a fault names the file it came from.
+fn model_config(dir: &Path) -> Result<(ModelConfig, String)> {
+    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
+    let config =
+        ModelConfig::parse(&text).with_context(|| format!("{}", config_source(dir).display()))?;
+    Ok((config, text))
+}
+
 /// The tokens one sequence can hold, and the sequences of `agent_tokens` tokens that fit, in
 /// `budget` bytes of cache of `spec` (the cache's surplus anchors counted once).
 fn fit(spec: &ModelCacheSpec, dtype: KvDtype, budget: u64, agent_tokens: usize) -> (usize, usize) {
@@ -350,10 +354,8 @@ fn fit(spec: &ModelCacheSpec, dtype: KvDtype, budget: u64, agent_tokens: usize) 
 /// fit half the memory the system has available now, with a hybrid's recurrent states.
 pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     let dir = crate::formats::resolve_model(model)?;
-    let text = read_text(&dir.join("config.json"), MAX_TEXT_BYTES)?;
-    let spec = ModelConfig::parse(&text)
-        .with_context(|| format!("{}", config_source(&dir).display()))?
-        .cache_spec();
+    let (model, text) = model_config(&dir)?;
+    let spec = model.cache_spec();
     let config: serde_json::Value = serde_json::from_str(&text)?;
     let trained = config["max_position_embeddings"]
         .as_u64()
