@@ -323,7 +323,7 @@ pub fn plan(args: &PlanOptions) -> Result<Plan> {
         agents,
         tokens_all_full,
         agents_all_full,
-        trained_positions: config["max_position_embeddings"].as_u64(),
+        trained_positions: trained_positions(&config),
         state_bytes: spec.state_bytes(),
     })
 }
@@ -357,11 +357,9 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     let (model, text) = model_config(&dir)?;
     let spec = model.cache_spec();
     let config: serde_json::Value = serde_json::from_str(&text)?;
-    let trained = config["max_position_embeddings"]
-        .as_u64()
-        .map_or(4096, |n| {
-            n.min(kvplug_core::limits::MAX_CAPACITY as u64) as usize
-        });
+    let trained = trained_positions(&config).map_or(4096, |n| {
+        n.min(kvplug_core::limits::MAX_CAPACITY as u64) as usize
+    });
     let Some(available) = kvplug_core::limits::available_memory() else {
         return Ok(trained);
     };
@@ -370,6 +368,14 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
         spec.sequence_bytes(kv_dtype, n, PREFILL_UBATCH) + spec.surplus_bytes() <= half
     });
     Ok(fits.max(1))
+}
+
+/// The positions the model was trained on: `max_position_embeddings` where the config states
+/// a positive one (a 0, as some converters write for "unknown", states nothing).
+fn trained_positions(config: &serde_json::Value) -> Option<u64> {
+    config["max_position_embeddings"]
+        .as_u64()
+        .filter(|&n| n > 0)
 }
 
 /// Bytes in MiB, or in KiB below one MiB (an LFM2 layer's state is a few KiB).
@@ -529,6 +535,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("the weights alone take"), "{e}");
+    }
+
+    #[test]
+    fn a_zero_max_position_embeddings_states_no_trained_context() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::formats::synth::synth(&crate::formats::synth::PRESETS[0], dir.path(), 1, "f16")
+            .unwrap();
+        let path = dir.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config["max_position_embeddings"] = 0.into();
+        std::fs::write(&path, config.to_string()).unwrap();
+        // The tiny model's K/V for 4096 tokens (256 KiB a thousand) fits any machine's half.
+        assert_eq!(default_capacity(dir.path(), KvDtype::F16).unwrap(), 4096);
+        let args = PlanOptions {
+            model: dir.path().to_path_buf(),
+            budget: 1 << 30,
+            kv_dtype: KvDtype::F16,
+            agent_tokens: 100,
+            holding: Holding::default(),
+        };
+        assert_eq!(plan(&args).unwrap().trained_positions, None);
     }
 
     #[test]
