@@ -57,8 +57,9 @@ enum Command {
     /// Memory plan: weights, KV bytes per token by layer group, and how many tokens and
     /// agents fit a budget.
     Plan(plan::Args),
-    /// An OpenAI-compatible HTTP server (chat and text completions, streaming, continuous
-    /// batching, prefix reuse; agent sessions by the X-Session-Id header).
+    /// An OpenAI- and Anthropic-compatible HTTP server (chat and text completions, the
+    /// Responses and Messages APIs, streaming, continuous batching, prefix reuse; agent
+    /// sessions by the X-Session-Id header).
     Serve(serve::Args),
     /// Throughput like llama.cpp's llama-bench: pp (prefill) and tg (decode) tokens per second
     /// at context depths, per backend, cache kind and KV dtype.

@@ -29,7 +29,8 @@ pub struct Args {
     /// Port (0: any free port; the address is printed on start).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/*.
+    /// Require `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
+    /// clients) on /v1/*.
     #[arg(long, env = "KVPLUG_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Cache capacity in cells: the K/V memory budget shared by all requests and agents
