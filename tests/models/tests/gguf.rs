@@ -217,11 +217,19 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
             (file, e)
         };
         let (file, e) = with("llama.attention.head_count", Value::U32(0), 0);
-        assert!(
-            e.starts_with(&format!("{}: ", file.canonicalize().unwrap().display()))
-                && e.contains("heads 0"),
-            "{e}"
-        );
+        let named = format!("{}: ", file.canonicalize().unwrap().display());
+        assert!(e.starts_with(&named) && e.contains("heads 0"), "{e}");
+        // `plan` reads the same config and names the same file.
+        let e = kvplug::plan(&kvplug::PlanOptions {
+            model: dir.path().join("bad0"),
+            budget: 1 << 30,
+            kv_dtype: KvDtype::F16,
+            agent_tokens: 100,
+            holding: Default::default(),
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with(&named) && e.contains("heads 0"), "{e}");
         // A context length of 0 states none: a chat gets the default capacity, not 1 token.
         let mut m = meta.clone();
         m.iter_mut()
