@@ -215,6 +215,30 @@ impl Text {
         crate::chat_template::render(src, &ctx).map_err(crate::Error::Text)
     }
 
+    /// The chat template applied to `messages` with the last one, an assistant's text, left
+    /// open for the model to go on with (Hugging Face's `continue_final_message`, Anthropic's
+    /// prefill): the rendering without a generation prompt, cut right after that text. A
+    /// `Text` error unless the last message is an assistant's with text, shown verbatim by the
+    /// template (some templates drop or rewrite parts of an assistant's turn).
+    pub fn render_continuing(&self, messages: &[Message], tools: &[Value]) -> Result<String> {
+        let last = match messages.last() {
+            Some(m) if m.role == "assistant" && !m.content.trim().is_empty() => m.content.trim(),
+            _ => fail!(
+                Text,
+                "only an assistant's text as the last message can be continued"
+            ),
+        };
+        let rendered = self.render_tools(messages, tools, false)?;
+        match rendered.rfind(last) {
+            Some(at) => Ok(rendered[..at + last.len()].to_string()),
+            None => fail!(
+                Text,
+                "the chat template does not show the last assistant message as it was given, so \
+                 it cannot be continued"
+            ),
+        }
+    }
+
     /// Token ids of `text`; special tokens written in the text are recognised (a rendered
     /// template contains them).
     pub fn encode(&self, text: &str) -> Result<Vec<i32>> {

@@ -24,6 +24,9 @@ pub enum Endpoint {
 pub enum Prompt {
     /// Chat messages (rendered with the model's template, assistant turn opened).
     Chat(Vec<Message>),
+    /// Chat messages whose last one, an assistant's text, the answer goes on with
+    /// (Anthropic's prefill): rendered with that turn left open.
+    Prefilled(Vec<Message>),
     /// Raw text.
     Text(String),
     /// Token ids, fed as they are (OpenAI's array of integers).

@@ -89,7 +89,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     let mut messages = system(&f)?;
     messages.extend(turns(&f)?);
     Ok(Params {
-        prompt: Prompt::Chat(messages),
+        prompt: prompt(messages)?,
         prompt_field: "messages",
         max_tokens,
         max_tokens_is_bound: true,
@@ -175,6 +175,27 @@ fn text_of(block: &Value) -> Option<&str> {
         .flatten()
 }
 
+/// The prompt of `messages`, as Anthropic's API reads a last assistant turn: its text is a
+/// prefill the answer goes on with (and may not end in whitespace), an empty one is no turn.
+fn prompt(mut messages: Vec<Message>) -> Result<Prompt, ApiError> {
+    match messages.last() {
+        Some(m) if m.role == "assistant" && m.tool_calls.is_empty() => {
+            if m.content.is_empty() {
+                messages.pop();
+                return Ok(Prompt::Chat(messages));
+            }
+            if m.content.trim_end() != m.content {
+                return Err(ApiError::invalid(
+                    Some("messages"),
+                    "final assistant content cannot end with trailing whitespace",
+                ));
+            }
+            Ok(Prompt::Prefilled(messages))
+        }
+        _ => Ok(Prompt::Chat(messages)),
+    }
+}
+
 /// `messages`: user and assistant turns of a string or content blocks, as chat messages —
 /// an assistant's `tool_use` blocks become its tool calls, a user's `tool_result` blocks
 /// tool messages (before the text of the same turn). As Anthropic's API, turns of one role in
@@ -230,12 +251,16 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
             let at = format!("messages[{i}].content[{j}]");
             match (b.get("type").and_then(Value::as_str), role) {
                 (Some("text"), _) => {
+                    let t = text_of(b).ok_or_else(|| bad(format!("{at}.text must be a string")))?;
+                    if t.trim().is_empty() {
+                        return Err(bad(format!(
+                            "{at}: text content blocks must contain non-whitespace text"
+                        )));
+                    }
                     if !text.is_empty() {
                         text.push_str(BLOCK_SEPARATOR);
                     }
-                    text.push_str(
-                        text_of(b).ok_or_else(|| bad(format!("{at}.text must be a string")))?,
-                    )
+                    text.push_str(t)
                 }
                 (Some("tool_use"), "assistant") => {
                     calls.push(tool_use(b).map_err(|e| bad(format!("{at}: {e}")))?)
@@ -314,7 +339,8 @@ fn tool_result(b: &Value) -> Result<Message, &'static str> {
         Some(Value::Array(parts)) => parts
             .iter()
             .map(|p| text_of(p).ok_or("content blocks must be text blocks"))
-            .collect::<Result<String, _>>()?,
+            .collect::<Result<Vec<_>, _>>()?
+            .join(BLOCK_SEPARATOR),
         None | Some(Value::Null) => String::new(),
         Some(_) => return Err("content must be a string or text blocks"),
     };
@@ -718,7 +744,7 @@ mod tests {
                     {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                      "input": {"city": "Paris"}}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                     "content": [{"type": "text", "text": "18 C"}]},
+                     "content": [{"type": "text", "text": "18 C"}, {"type": "text", "text": "dry"}]},
                     {"type": "text", "text": "And tomorrow?"}]}],
                 "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
                 "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
@@ -737,7 +763,7 @@ mod tests {
         assert_eq!(m[2].tool_calls[0]["function"]["arguments"]["city"], "Paris");
         assert_eq!(
             (m[3].content.as_str(), m[3].tool_call_id.as_deref()),
-            ("18 C", Some("toolu_1"))
+            ("18 C\n\ndry", Some("toolu_1"))
         );
         assert_eq!(m[4].content, "And tomorrow?");
         assert_eq!(p.tools[0].name, "get_weather");
@@ -758,6 +784,45 @@ mod tests {
             true,
         );
         assert_eq!(counted.unwrap().max_tokens, None);
+    }
+
+    #[test]
+    fn a_last_assistant_turn_is_a_prefill_the_answer_goes_on_with() {
+        let body = |last: &str| {
+            format!(
+                r#"{{"max_tokens": 5, "messages": [{{"role": "user", "content": "Count."}}, {last}]}}"#
+            )
+        };
+        let p = parse(
+            body(r#"{"role": "assistant", "content": [{"type": "text", "text": "1, 2,"}]}"#)
+                .as_bytes(),
+            false,
+        )
+        .unwrap();
+        let Prompt::Prefilled(m) = &p.prompt else {
+            panic!("{:?}", p.prompt)
+        };
+        assert_eq!((m.len(), m[1].content.as_str()), (2, "1, 2,"));
+        // An empty one (or one of thinking only) is no turn; one calling tools is a turn.
+        for last in [
+            r#"{"role": "assistant", "content": ""}"#,
+            r#"{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}"#,
+        ] {
+            let p = parse(body(last).as_bytes(), false).unwrap();
+            assert!(
+                matches!(&p.prompt, Prompt::Chat(m) if m.len() == 1),
+                "{last}"
+            );
+        }
+        let call =
+            r#"{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}"#;
+        let p = parse(body(call).as_bytes(), false).unwrap();
+        assert!(matches!(&p.prompt, Prompt::Chat(m) if m.len() == 2));
+        refused(
+            &body(r#"{"role": "assistant", "content": "1, 2, "}"#),
+            "messages",
+            "cannot end with trailing whitespace",
+        );
     }
 
     #[test]
@@ -793,6 +858,12 @@ mod tests {
             r#"{"max_tokens": 5, "messages": [{"role": "user", "content": []}]}"#,
             "messages",
             "messages[0].content must not be empty",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": " \n"}]}]}"#,
+            "messages",
+            "messages[1].content[0]: text content blocks must contain non-whitespace text",
         );
         refused(
             r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},

@@ -68,7 +68,7 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
             ids.clone()
         }
         Prompt::Text(t) => encode(m, &mut calls, t)?,
-        Prompt::Chat(messages) => {
+        Prompt::Chat(messages) | Prompt::Prefilled(messages) => {
             if !m.text.has_template() {
                 return Err(ApiError::invalid(
                     None,
@@ -79,10 +79,11 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
                 .iter()
                 .flat_map(|c| c.tools.iter().map(Tool::to_value))
                 .collect();
-            let rendered = m
-                .text
-                .render_tools(messages, &tools, true)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            let rendered = match &p.prompt {
+                Prompt::Prefilled(_) => m.text.render_continuing(messages, &tools),
+                _ => m.text.render_tools(messages, &tools, true),
+            }
+            .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
             encode(m, &mut calls, &rendered)?
         }
     };
@@ -173,9 +174,12 @@ fn max_tokens(m: &Model, p: &Params, prompt: usize) -> Result<usize, ApiError> {
     if prompt >= cap {
         return Err(ApiError::too_long(
             p.prompt_field,
+            // Anthropic's wording first (agents such as Claude Code look for it to compact
+            // their context), then OpenAI's.
             format!(
-                "This model's maximum context length is {cap} tokens. However, your prompt is \
-             {prompt} tokens, which leaves no room to generate."
+                "prompt is too long: {prompt} tokens > {} maximum (this model's maximum context \
+                 length is {cap} tokens, and a prompt must leave room to generate)",
+                cap - 1
             ),
         ));
     }

@@ -173,6 +173,12 @@ check(
     text_of(structured),
 )
 
+# A last assistant turn is a prefill: the answer goes on from it (a fresh turn counts from 1).
+count_up = [{"role": "user", "content": "Count from 1 to 10, comma separated."},
+            {"role": "assistant", "content": "1, 2, 3, 4,"}]
+goes_on = client.messages.create(model="qwen", **GREEDY, max_tokens=8, messages=count_up)
+check(text_of(goes_on).startswith(" 5, 6"), "a prefill is continued", text_of(goes_on))
+
 # Refusals in Anthropic's shape; the server serves on.
 for bad, what in [
     (dict(max_tokens=0, messages=QUESTION), "max_tokens 0"),

@@ -89,6 +89,53 @@ fn plain_conversations_render_as_transformers_renders_them() {
     }
 }
 
+/// A last assistant message is continued (Anthropic's prefill, transformers'
+/// `continue_final_message`): the prompt is the one that opens a fresh assistant turn after the
+/// messages before it, then that message's text, verbatim, the turn left open.
+#[test]
+fn a_last_assistant_message_is_continued_where_a_fresh_turn_would_start() {
+    for file in [
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+    ] {
+        let (config, text) = model(file);
+        let before = conversation();
+        let mut messages = before.clone();
+        messages.push(msg("assistant", "{\"name\": \"Al"));
+        let fresh = transformers(&config, &before, &[], true);
+        let ours = text.render_continuing(&messages, &[]).unwrap();
+        assert_eq!(ours, format!("{fresh}{{\"name\": \"Al"), "{file}");
+        // Only an assistant's text can be continued.
+        let e = text
+            .render_continuing(&before, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only an assistant's text"), "{file}: {e}");
+    }
+    // A template that rewrites an assistant's text cannot continue it.
+    let dir = tempfile::tempdir().unwrap();
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}{% endfor %}";
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let qwen = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    let tokenizer = resolve_model(&qwen).unwrap().join("tokenizer.json");
+    std::fs::copy(tokenizer, dir.path().join("tokenizer.json")).unwrap();
+    let text = Text::load(dir.path()).unwrap();
+    let e = text
+        .render_continuing(&[msg("user", "hi"), msg("assistant", "Hello")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("does not show the last assistant message"),
+        "{e}"
+    );
+}
+
 /// Block tags on lines of their own leave no blank lines or indentation behind
 /// (transformers' `trim_blocks` and `lstrip_blocks`), in a template written without `-`.
 #[test]

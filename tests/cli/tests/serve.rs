@@ -235,7 +235,7 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
             None,
             400,
             Some("messages"),
-            "maximum context length is 256 tokens",
+            "tokens > 255 maximum (this model's maximum context length is 256 tokens",
         ),
         bad(&[b' '; 5000], None, 413, None, "length limit"),
         bad(
