@@ -217,21 +217,31 @@ impl Text {
 
     /// The chat template applied to `messages` with the last one, an assistant's text, left
     /// open for the model to go on with (Hugging Face's `continue_final_message`, Anthropic's
-    /// prefill): the rendering without a generation prompt, cut right after that text. A
-    /// `Text` error unless the last message is an assistant's with text, shown verbatim by the
-    /// template (some templates drop or rewrite parts of an assistant's turn).
+    /// prefill): the rendering without a generation prompt, cut right after that text. The
+    /// text is found by a marker rendered after it, not by a search that could stop in the
+    /// template's own markup. A `Text` error unless the last message is an assistant's with
+    /// text, shown verbatim by the template (its leading whitespace may be trimmed; some
+    /// templates drop or rewrite parts of an assistant's turn).
     pub fn render_continuing(&self, messages: &[Message], tools: &[Value]) -> Result<String> {
-        let last = match messages.last() {
-            Some(m) if m.role == "assistant" && !m.content.trim().is_empty() => m.content.trim(),
+        /// Private-use characters no template writes of its own.
+        const MARK: &str = "\u{F8FF}kvplug-continue\u{F8FF}";
+        let text = match messages.split_last() {
+            Some((m, _)) if m.role == "assistant" && !m.content.trim().is_empty() => &m.content,
             _ => fail!(
                 Text,
                 "only an assistant's text as the last message can be continued"
             ),
         };
-        let rendered = self.render_tools(messages, tools, false)?;
-        match rendered.rfind(last) {
-            Some(at) => Ok(rendered[..at + last.len()].to_string()),
-            None => fail!(
+        let mut marked = messages.to_vec();
+        if let Some(last) = marked.last_mut() {
+            last.content.push_str(MARK);
+        }
+        let rendered = self.render_tools(&marked, tools, false)?;
+        match rendered.rfind(MARK) {
+            Some(at) if rendered[..at].ends_with(text.trim_start()) => {
+                Ok(rendered[..at].to_string())
+            }
+            _ => fail!(
                 Text,
                 "the chat template does not show the last assistant message as it was given, so \
                  it cannot be continued"

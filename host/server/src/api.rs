@@ -732,8 +732,15 @@ impl Fields<'_> {
     pub fn count(&self, k: &str) -> Result<Option<u64>, ApiError> {
         self.get(k)
             .map(|v| {
-                v.as_u64()
-                    .ok_or_else(|| Self::wrong(k, "a non-negative integer", v))
+                v.as_u64().ok_or_else(|| {
+                    // A whole number past u64 reaches here as a float (1e+30).
+                    let whole = v.as_f64().is_some_and(|x| x >= 0.0 && x.fract() == 0.0);
+                    let what = match whole {
+                        true => "a non-negative integer below 2^64",
+                        false => "a non-negative integer",
+                    };
+                    Self::wrong(k, what, v)
+                })
             })
             .transpose()
     }

@@ -88,8 +88,27 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     let (tool_choice, parallel) = tool_choice(&f, &tools)?;
     let mut messages = system(&f)?;
     messages.extend(turns(&f)?);
+    let prompt = prompt(messages)?;
+    let format = output_format(&f)?;
+    if let Prompt::Prefilled(_) = prompt {
+        // The answer goes on with the assistant's text: it cannot also start as a whole
+        // structured answer or a call (Anthropic's API refuses a prefill with structured
+        // outputs).
+        if format != Format::Text {
+            return Err(ApiError::invalid(
+                Some("output_config"),
+                "'output_config.format' cannot be combined with a prefilled assistant turn",
+            ));
+        }
+        if matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+            return Err(ApiError::invalid(
+                Some("tool_choice"),
+                "a 'tool_choice' of any or tool cannot be combined with a prefilled assistant turn",
+            ));
+        }
+    }
     Ok(Params {
-        prompt: prompt(messages)?,
+        prompt,
         prompt_field: "messages",
         max_tokens,
         max_tokens_is_bound: true,
@@ -108,7 +127,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
         tools,
         tool_choice,
         parallel_tool_calls: parallel,
-        format: output_format(&f)?,
+        format,
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage: false,
         speculative: None,
@@ -182,6 +201,12 @@ fn prompt(mut messages: Vec<Message>) -> Result<Prompt, ApiError> {
         Some(m) if m.role == "assistant" && m.tool_calls.is_empty() => {
             if m.content.is_empty() {
                 messages.pop();
+                if messages.iter().all(|m| m.role == "system") {
+                    return Err(ApiError::invalid(
+                        Some("messages"),
+                        "'messages' holds no turn to answer (only an empty assistant turn)",
+                    ));
+                }
                 return Ok(Prompt::Chat(messages));
             }
             if m.content.trim_end() != m.content {
@@ -823,6 +848,32 @@ mod tests {
             "messages",
             "cannot end with trailing whitespace",
         );
+        // It cannot also start a structured answer or a forced call.
+        let prefilled = r#""messages": [{"role": "user", "content": "Name?"},
+            {"role": "assistant", "content": "{\"name\": \""}]"#;
+        let tool = r#""tools": [{"name": "f", "input_schema": {"type": "object"}}]"#;
+        refused(
+            &format!(
+                r#"{{"max_tokens": 5, {prefilled}, "output_config": {{"format":
+                {{"type": "json_schema", "schema": {{"type": "object"}}}}}}}}"#
+            ),
+            "output_config",
+            "cannot be combined with a prefilled assistant turn",
+        );
+        refused(
+            &format!(
+                r#"{{"max_tokens": 5, {prefilled}, {tool}, "tool_choice": {{"type": "any"}}}}"#
+            ),
+            "tool_choice",
+            "cannot be combined with a prefilled assistant turn",
+        );
+        let auto = format!(r#"{{"max_tokens": 5, {prefilled}, {tool}}}"#);
+        assert!(parse(auto.as_bytes(), false).is_ok());
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "assistant", "content": ""}]}"#,
+            "messages",
+            "no turn to answer",
+        );
     }
 
     #[test]
@@ -833,6 +884,11 @@ mod tests {
             &format!("{{{hi}, \"max_tokens\": 0}}"),
             "max_tokens",
             "at least 1",
+        );
+        refused(
+            &format!("{{{hi}, \"max_tokens\": 1000000000000000000000000000000}}"),
+            "max_tokens",
+            "a non-negative integer below 2^64, got 1e+30",
         );
         refused(
             &format!("{{{hi}, \"max_tokens\": 5, \"temperature\": 1.5}}"),

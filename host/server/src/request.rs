@@ -62,6 +62,7 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
             doubled_braces: false,
         }),
     };
+    let continuing = matches!(p.prompt, Prompt::Prefilled(_));
     let prompt = match &p.prompt {
         Prompt::Ids(ids) => {
             in_vocabulary(m, "prompt", ids.iter().copied())?;
@@ -79,14 +80,19 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
                 .iter()
                 .flat_map(|c| c.tools.iter().map(Tool::to_value))
                 .collect();
-            let rendered = match &p.prompt {
-                Prompt::Prefilled(_) => m.text.render_continuing(messages, &tools),
-                _ => m.text.render_tools(messages, &tools, true),
+            let rendered = match continuing {
+                true => m.text.render_continuing(messages, &tools),
+                false => m.text.render_tools(messages, &tools, true),
             }
             .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
             encode(m, &mut calls, &rendered)?
         }
     };
+    if continuing {
+        // The answer goes on with the assistant's text: no call is looked for in it (the
+        // tools stay in the prompt, as the conversation showed them).
+        calls = None;
+    }
     if prompt.is_empty() {
         return Err(ApiError::invalid(
             Some("prompt"),
@@ -174,12 +180,13 @@ fn max_tokens(m: &Model, p: &Params, prompt: usize) -> Result<usize, ApiError> {
     if prompt >= cap {
         return Err(ApiError::too_long(
             p.prompt_field,
-            // Anthropic's wording first (agents such as Claude Code look for it to compact
-            // their context), then OpenAI's.
+            // Anthropic's wording (agents such as Claude Code look for it to compact their
+            // context), then OpenAI's (which LiteLLM looks for).
             format!(
-                "prompt is too long: {prompt} tokens > {} maximum (this model's maximum context \
-                 length is {cap} tokens, and a prompt must leave room to generate)",
-                cap - 1
+                "prompt is too long: {prompt} tokens > {} maximum. This model's maximum context \
+                 length is {cap} tokens. However, your prompt is {prompt} tokens, which leaves \
+                 no room to generate.",
+                cap.saturating_sub(1)
             ),
         ));
     }

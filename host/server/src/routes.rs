@@ -132,10 +132,7 @@ async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
             .and_then(|v| v.strip_prefix("Bearer "))
             .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
-            return match req.uri().path().starts_with("/v1/messages") {
-                true => messages::error_response(ApiError::unauthorized()),
-                false => ApiError::unauthorized().into_response(),
-            };
+            return in_dialect(req.uri(), ApiError::unauthorized());
         }
     }
     next.run(req).await
@@ -156,12 +153,24 @@ async fn metrics(State(s): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn not_found(uri: Uri) -> ApiError {
-    ApiError::not_found(uri.path())
+/// `e` in the shape of the API `uri` belongs to: Anthropic's under `/v1/messages`, else
+/// OpenAI's.
+fn in_dialect(uri: &Uri, e: ApiError) -> Response {
+    match uri.path().starts_with("/v1/messages") {
+        true => messages::error_response(e),
+        false => e.into_response(),
+    }
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
-    ApiError::method_not_allowed(method.as_str(), uri.path())
+async fn not_found(uri: Uri) -> Response {
+    in_dialect(&uri, ApiError::not_found(uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    in_dialect(
+        &uri,
+        ApiError::method_not_allowed(method.as_str(), uri.path()),
+    )
 }
 
 async fn health(State(s): State<AppState>) -> Json<Value> {

@@ -178,6 +178,14 @@ count_up = [{"role": "user", "content": "Count from 1 to 10, comma separated."},
             {"role": "assistant", "content": "1, 2, 3, 4,"}]
 goes_on = client.messages.create(model="qwen", **GREEDY, max_tokens=8, messages=count_up)
 check(text_of(goes_on).startswith(" 5, 6"), "a prefill is continued", text_of(goes_on))
+# With tools offered too: the continuation is text, its leading space kept.
+with_tools = client.messages.create(
+    model="qwen", **GREEDY, max_tokens=8, messages=count_up,
+    tools=[{"name": "get_time", "description": "The time now.",
+            "input_schema": {"type": "object", "properties": {}}}],
+)
+check(text_of(with_tools).startswith(" 5, 6") and with_tools.stop_reason != "tool_use",
+      "a prefill is continued with tools offered", with_tools)
 
 # Refusals in Anthropic's shape; the server serves on.
 for bad, what in [

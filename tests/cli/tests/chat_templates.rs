@@ -101,11 +101,14 @@ fn a_last_assistant_message_is_continued_where_a_fresh_turn_would_start() {
     ] {
         let (config, text) = model(file);
         let before = conversation();
-        let mut messages = before.clone();
-        messages.push(msg("assistant", "{\"name\": \"Al"));
         let fresh = transformers(&config, &before, &[], true);
-        let ours = text.render_continuing(&messages, &[]).unwrap();
-        assert_eq!(ours, format!("{fresh}{{\"name\": \"Al"), "{file}");
+        // Prefills the templates' own markup also holds (`<|im_end|>`, `<end_of_turn>`).
+        for prefill in ["{\"name\": \"Al", ">", "<", "end", "turn", "|"] {
+            let mut messages = before.clone();
+            messages.push(msg("assistant", prefill));
+            let ours = text.render_continuing(&messages, &[]).unwrap();
+            assert_eq!(ours, format!("{fresh}{prefill}"), "{file}");
+        }
         // Only an assistant's text can be continued.
         let e = text
             .render_continuing(&before, &[])

@@ -235,7 +235,7 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
             None,
             400,
             Some("messages"),
-            "tokens > 255 maximum (this model's maximum context length is 256 tokens",
+            "tokens > 255 maximum. This model's maximum context length is 256 tokens.",
         ),
         bad(&[b' '; 5000], None, 413, None, "length limit"),
         bad(
@@ -308,6 +308,22 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() {
         (405, Some("invalid_request_error")),
         "{v}"
     );
+    // Under /v1/messages, in Anthropic's shape.
+    for (got, status, kind) in [
+        (s.get("/v1/messages"), 405, "invalid_request_error"),
+        (s.get("/v1/messages/batches"), 404, "not_found_error"),
+    ] {
+        assert_eq!(
+            (
+                got.0,
+                got.1["type"].as_str(),
+                got.1["error"]["type"].as_str()
+            ),
+            (status, Some("error"), Some(kind)),
+            "{}",
+            got.1
+        );
+    }
     assert!(
         content(&s.ok(path, &chat(&hi, 4), &[])).len() > 1,
         "still serving"
