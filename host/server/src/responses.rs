@@ -143,6 +143,14 @@ impl Store {
         self.kept().by_id.get(id).map(|s| s.response.clone())
     }
 
+    /// The input items of stored response `id` (the conversation before its answer, as
+    /// items), oldest first.
+    pub fn input_items(&self, id: &str) -> Option<Vec<Value>> {
+        let turns = self.turns(id)?;
+        let before = &turns[..turns.len().saturating_sub(1)];
+        Some(items_of(id.trim_start_matches("resp_"), before))
+    }
+
     /// Forgets response `id`; false when none was stored.
     pub fn remove(&self, id: &str) -> bool {
         let mut k = self.kept();
@@ -379,6 +387,109 @@ fn input(f: &Fields) -> Result<Vec<Message>, ApiError> {
         }
     }
     Ok(out)
+}
+
+/// Chat messages as Responses items, the inverse of [`input`] (a developer message reads
+/// back as `system`), item `k` numbered `{kind}_{rest}_{k}`: messages (a user's or system's
+/// text as `input_text`, an assistant's as `output_text`), an assistant's calls as
+/// `function_call` items, tool messages as `function_call_output`.
+fn items_of(rest: &str, turns: &[Message]) -> Vec<Value> {
+    let mut items = Vec::new();
+    for m in turns {
+        let id = |kind: &str, n: usize| format!("{kind}_{rest}_{n}");
+        match m.role.as_str() {
+            "tool" => items.push(json!({
+                "type": "function_call_output", "id": id("fco", items.len()),
+                "call_id": m.tool_call_id.as_deref().unwrap_or_default(),
+                "output": m.content, "status": "completed",
+            })),
+            role => {
+                if !m.content.is_empty() || m.tool_calls.is_empty() {
+                    let part = match role {
+                        "assistant" => {
+                            json!({"type": "output_text", "text": m.content, "annotations": []})
+                        }
+                        _ => json!({"type": "input_text", "text": m.content}),
+                    };
+                    items.push(json!({
+                        "type": "message", "id": id("msg", items.len()), "role": role,
+                        "status": "completed", "content": [part],
+                    }));
+                }
+                for call in &m.tool_calls {
+                    let f = &call["function"];
+                    items.push(json!({
+                        "type": "function_call", "id": id("fc", items.len()),
+                        "call_id": call["id"], "name": f["name"],
+                        "arguments": f["arguments"].to_string(), "status": "completed",
+                    }));
+                }
+            }
+        }
+    }
+    items
+}
+
+/// A page of `items` (oldest first) as `GET /v1/responses/{id}/input_items` lists them, its
+/// query (`limit` 1–100, default 20; `order` `asc` or `desc`, the default; `after` an item
+/// id) as the URI gave it.
+pub fn input_items_page(items: Vec<Value>, query: Option<&str>) -> Result<Value, ApiError> {
+    let (mut limit, mut newest_first, mut after) = (20, true, None);
+    for (k, v) in query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter_map(|kv| kv.split_once('='))
+    {
+        match k {
+            "limit" => {
+                limit = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=100).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::invalid(Some("limit"), "'limit' must be an integer from 1 to 100")
+                    })?
+            }
+            "order" => {
+                newest_first = match v {
+                    "desc" => true,
+                    "asc" => false,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            Some("order"),
+                            "'order' must be asc or desc",
+                        ))
+                    }
+                }
+            }
+            "after" => after = Some(v),
+            _ => {}
+        }
+    }
+    let mut items = items;
+    if newest_first {
+        items.reverse();
+    }
+    let start = match after {
+        Some(a) => {
+            items.iter().position(|i| i["id"] == a).ok_or_else(|| {
+                ApiError::invalid(
+                    Some("after"),
+                    format!("'after' names no item of this response: {a}"),
+                )
+            })? + 1
+        }
+        None => 0,
+    };
+    let has_more = items.len() > start + limit;
+    let page: Vec<Value> = items.into_iter().skip(start).take(limit).collect();
+    Ok(json!({
+        "object": "list",
+        "first_id": page.first().map(|i| i["id"].clone()),
+        "last_id": page.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": page,
+    }))
 }
 
 /// The text of `input_text` / `output_text` parts.
@@ -1047,6 +1158,71 @@ mod tests {
             };
             assert_eq!(shape(&last["response"]["output"]), shape(&v["output"]));
         }
+    }
+
+    #[test]
+    fn a_stored_responses_input_items_read_back_as_its_input_a_page_at_a_time() {
+        let store = Store::default();
+        let mut call = Message::new("assistant", "");
+        call.tool_calls = vec![json!({"id": "call_7", "type": "function",
+            "function": {"name": "add", "arguments": {"a": 1, "b": 2}}})];
+        let mut result = Message::new("tool", "3");
+        result.tool_call_id = Some("call_7".into());
+        let before = vec![
+            Message::new("system", "Mind the tools."),
+            Message::new("user", "Hi"),
+            Message::new("assistant", "Hello"),
+            Message::new("user", "Add 1 and 2."),
+            call,
+            result,
+        ];
+        let mut turns = before.clone();
+        turns.push(Message::new("assistant", "It is 3."));
+        store.put("resp_9".into(), turns, json!({}));
+        let items = store.input_items("resp_9").unwrap();
+        assert_eq!(items.len(), 6);
+        assert_eq!(items[2]["content"][0]["type"], "output_text");
+        assert_eq!(items[4]["arguments"], r#"{"a":1,"b":2}"#);
+        // Given back as a request's input, the items are the same conversation.
+        let body = json!({"model": "m", "input": items}).to_string();
+        let Prompt::Chat(m) = parse(body.as_bytes(), &store).unwrap().params.prompt else {
+            panic!()
+        };
+        assert_eq!(m, before);
+        // Newest first by default; pages follow `after`.
+        let ids = |v: &Value| -> Vec<String> {
+            v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i["id"].as_str().unwrap().into())
+                .collect()
+        };
+        let page = input_items_page(items.clone(), Some("limit=4")).unwrap();
+        assert_eq!(ids(&page), ["fco_9_5", "fc_9_4", "msg_9_3", "msg_9_2"]);
+        assert_eq!(
+            (&page["has_more"], &page["last_id"]),
+            (&json!(true), &json!("msg_9_2"))
+        );
+        let next = input_items_page(items.clone(), Some("after=msg_9_2&limit=4")).unwrap();
+        assert_eq!(ids(&next), ["msg_9_1", "msg_9_0"]);
+        assert_eq!(next["has_more"], false);
+        let oldest = input_items_page(items.clone(), Some("order=asc&limit=1")).unwrap();
+        assert_eq!(ids(&oldest), ["msg_9_0"]);
+        for (q, param) in [
+            ("limit=0", "limit"),
+            ("limit=101", "limit"),
+            ("order=up", "order"),
+            ("after=nope", "after"),
+        ] {
+            let e = input_items_page(items.clone(), Some(q)).unwrap_err();
+            assert_eq!(
+                (e.status.as_u16(), e.param.as_deref()),
+                (400, Some(param)),
+                "{q}"
+            );
+        }
+        assert!(store.input_items("resp_8").is_none());
     }
 
     #[test]

@@ -94,6 +94,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             "/v1/responses/{id}",
             get(stored_response).delete(delete_response),
         )
+        .route("/v1/responses/{id}/input_items", get(response_input_items))
         .route("/v1/messages", post(anthropic_messages))
         .route("/v1/messages/count_tokens", post(anthropic_count_tokens))
         .route("/v1/models", get(models))
@@ -420,6 +421,20 @@ async fn stored_response(
 
 /// `DELETE /v1/responses/{id}`: forgets a stored response (a later `previous_response_id`
 /// naming it is refused).
+/// `GET /v1/responses/{id}/input_items`: the items a stored response answered, a page at a
+/// time.
+async fn response_input_items(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    uri: Uri,
+) -> Result<Json<Value>, ApiError> {
+    let items = s
+        .responses
+        .input_items(&id)
+        .ok_or_else(|| ApiError::not_found_response(&id))?;
+    responses::input_items_page(items, uri.query()).map(Json)
+}
+
 async fn delete_response(
     State(s): State<AppState>,
     Path(id): Path<String>,

@@ -1,6 +1,6 @@
 """OpenAI's Responses API against a running `kvplug serve` on Qwen2.5-Coder-0.5B-Instruct:
 the `openai` client's `client.responses` (whole and streamed, `previous_response_id`,
-retrieved and deleted by id, function calls and their outputs, `text.format`) and the OpenAI Agents SDK's default model,
+retrieved and deleted by id, their input items, function calls and their outputs, `text.format`) and the OpenAI Agents SDK's default model,
 which speaks the Responses API.
 
 Usage: responses_client.py BASE_URL. Exits non-zero with a message on the first check that
@@ -86,6 +86,27 @@ got = client.responses.retrieve(first.id)
 check(
     got.model_dump() == first.model_dump(), "a stored response is retrieved by id", got
 )
+
+# Its input items, and the second's (the first exchange, then its own input), newest first.
+items = list(client.responses.input_items.list(first.id))
+check(
+    [(i.type, i.role, i.content[0].text) for i in items]
+    == [("message", "user", ASK["input"])],
+    "a stored response's input items",
+    items,
+)
+items = list(client.responses.input_items.list(second.id, order="asc", limit=1))
+check(
+    [(i.role, i.content[0].text) for i in items]
+    == [("user", ASK["input"]), ("assistant", first.output_text), ("user", "And of Germany?")],
+    "input items page by page, oldest first",
+    items,
+)
+try:
+    client.responses.input_items.list(unstored.id)
+    check(False, "an unstored response's input items are a 404", "they were listed")
+except openai.NotFoundError:
+    check(True, "an unstored response's input items are a 404")
 
 
 def unparsed(v):
