@@ -237,7 +237,11 @@ impl Text {
             last.content.push_str(MARK);
         }
         let rendered = self.render_tools(&marked, tools, false)?;
-        match rendered.rfind(MARK) {
+        // Once: a template that writes the text twice would leave the marker in the prompt.
+        match rendered
+            .find(MARK)
+            .filter(|&at| rendered.rfind(MARK) == Some(at))
+        {
             Some(at) if rendered[..at].ends_with(text.trim_start()) => {
                 Ok(rendered[..at].to_string())
             }

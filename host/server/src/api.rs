@@ -734,8 +734,8 @@ impl Fields<'_> {
             .map(|v| {
                 v.as_u64().ok_or_else(|| {
                     // A whole number past u64 reaches here as a float (1e+30).
-                    let whole = v.as_f64().is_some_and(|x| x >= 0.0 && x.fract() == 0.0);
-                    let what = match whole {
+                    let past = v.as_f64().is_some_and(|x| x >= u64::MAX as f64);
+                    let what = match past {
                         true => "a non-negative integer below 2^64",
                         false => "a non-negative integer",
                     };

@@ -396,7 +396,8 @@ fn input(f: &Fields) -> Result<Vec<Message>, ApiError> {
 fn items_of(rest: &str, turns: &[Message]) -> Vec<Value> {
     let mut items = Vec::new();
     for m in turns {
-        let id = |kind: &str, n: usize| format!("{kind}_{rest}_{n}");
+        // `in` keeps them apart from the ids of the response's own output items.
+        let id = |kind: &str, n: usize| format!("{kind}_{rest}_in{n}");
         match m.role.as_str() {
             "tool" => items.push(json!({
                 "type": "function_call_output", "id": id("fco", items.len()),
@@ -405,24 +406,15 @@ fn items_of(rest: &str, turns: &[Message]) -> Vec<Value> {
             })),
             role => {
                 if !m.content.is_empty() || m.tool_calls.is_empty() {
-                    let part = match role {
-                        "assistant" => {
-                            json!({"type": "output_text", "text": m.content, "annotations": []})
-                        }
-                        _ => json!({"type": "input_text", "text": m.content}),
-                    };
-                    items.push(json!({
-                        "type": "message", "id": id("msg", items.len()), "role": role,
-                        "status": "completed", "content": [part],
-                    }));
+                    let at = id("msg", items.len());
+                    items.push(message_item(&at, role, &m.content, "completed"));
                 }
                 for call in &m.tool_calls {
-                    let f = &call["function"];
-                    items.push(json!({
-                        "type": "function_call", "id": id("fc", items.len()),
-                        "call_id": call["id"], "name": f["name"],
-                        "arguments": f["arguments"].to_string(), "status": "completed",
-                    }));
+                    let (f, at) = (&call["function"], id("fc", items.len()));
+                    let (call_id, name) = (call["id"].as_str(), f["name"].as_str());
+                    let (call_id, name) = (call_id.unwrap_or_default(), name.unwrap_or_default());
+                    let arguments = f["arguments"].to_string();
+                    items.push(call_item(&at, call_id, name, &arguments, "completed"));
                 }
             }
         }
@@ -430,17 +422,29 @@ fn items_of(rest: &str, turns: &[Message]) -> Vec<Value> {
     items
 }
 
-/// A page of `items` (oldest first) as `GET /v1/responses/{id}/input_items` lists them, its
-/// query (`limit` 1–100, default 20; `order` `asc` or `desc`, the default; `after` an item
-/// id) as the URI gave it.
-pub fn input_items_page(items: Vec<Value>, query: Option<&str>) -> Result<Value, ApiError> {
+/// A `message` item: an assistant's `text` as `output_text`, anyone else's as `input_text`.
+fn message_item(id: &str, role: &str, text: &str, status: &str) -> Value {
+    let part = match role {
+        "assistant" => json!({"type": "output_text", "text": text, "annotations": []}),
+        _ => json!({"type": "input_text", "text": text}),
+    };
+    json!({"type": "message", "id": id, "status": status, "role": role, "content": [part]})
+}
+
+/// A `function_call` item (`arguments` as the JSON text of the call's arguments).
+fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": call_id, "name": name,
+        "arguments": arguments, "status": status})
+}
+
+/// A page of `items` (oldest first) as `GET /v1/responses/{id}/input_items` lists them, by
+/// its query's pairs (`limit` 1–100, default 20; `order` `asc` or `desc`, the default; `after`
+/// an item id; others ignored).
+pub fn input_items_page(items: Vec<Value>, query: &[(String, String)]) -> Result<Value, ApiError> {
     let (mut limit, mut newest_first, mut after) = (20, true, None);
-    for (k, v) in query
-        .into_iter()
-        .flat_map(|q| q.split('&'))
-        .filter_map(|kv| kv.split_once('='))
-    {
-        match k {
+    for (k, v) in query {
+        let v = v.as_str();
+        match k.as_str() {
             "limit" => {
                 limit = v
                     .parse()
@@ -462,7 +466,7 @@ pub fn input_items_page(items: Vec<Value>, query: Option<&str>) -> Result<Value,
                     }
                 }
             }
-            "after" => after = Some(v),
+            "after" if !v.is_empty() => after = Some(v),
             _ => {}
         }
     }
@@ -580,11 +584,8 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
         ));
     }
     if !parsed.content.is_empty() || parsed.calls.is_empty() {
-        items.push(json!({
-            "type": "message", "id": format!("msg_{rest}"), "status": "completed",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": parsed.content, "annotations": []}],
-        }));
+        let id = format!("msg_{rest}");
+        items.push(message_item(&id, "assistant", &parsed.content, "completed"));
     }
     for (k, (call, openai)) in parsed
         .calls
@@ -593,10 +594,14 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
         .enumerate()
     {
         let call_id = openai["id"].as_str().unwrap_or_default().to_string();
-        items.push(json!({
-            "type": "function_call", "id": format!("fc_{rest}_{k}"), "call_id": call_id,
-            "name": call.name, "arguments": call.arguments, "status": "completed",
-        }));
+        let id = format!("fc_{rest}_{k}");
+        items.push(call_item(
+            &id,
+            &call_id,
+            &call.name,
+            &call.arguments,
+            "completed",
+        ));
         let arguments: Value = serde_json::from_str(&call.arguments).unwrap_or(json!({}));
         turn.tool_calls
             .push(json!({"id": call_id, "type": "function",
@@ -821,10 +826,9 @@ impl Items {
                         self.end_text(&mut out);
                         self.end_call(&mut out);
                         let k = self.turn.tool_calls.len();
-                        let item = json!({"type": "function_call",
-                            "id": format!("fc_{}_{k}", self.rest), "call_id": id,
-                            "name": call["function"]["name"], "arguments": "",
-                            "status": "in_progress"});
+                        let name = call["function"]["name"].as_str().unwrap_or_default();
+                        let at = format!("fc_{}_{k}", self.rest);
+                        let item = call_item(&at, id, name, "", "in_progress");
                         out.push(json!({"type": "response.output_item.added",
                             "output_index": index(self), "item": item}));
                         self.call = Some(item);
@@ -915,13 +919,11 @@ impl Items {
             return;
         };
         let (id, at) = (self.message_id(), self.done.len());
-        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        let item = message_item(&id, "assistant", &text, self.text_status);
         out.push(json!({"type": "response.output_text.done", "item_id": id,
             "output_index": at, "content_index": 0, "text": text, "logprobs": []}));
         out.push(json!({"type": "response.content_part.done", "item_id": id,
-            "output_index": at, "content_index": 0, "part": part}));
-        let item = json!({"type": "message", "id": id, "status": self.text_status,
-            "role": "assistant", "content": [part]});
+            "output_index": at, "content_index": 0, "part": item["content"][0]}));
         out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
         self.done.push(item);
         self.turn.content.push_str(&text);
@@ -1198,28 +1200,42 @@ mod tests {
                 .map(|i| i["id"].as_str().unwrap().into())
                 .collect()
         };
-        let page = input_items_page(items.clone(), Some("limit=4")).unwrap();
-        assert_eq!(ids(&page), ["fco_9_5", "fc_9_4", "msg_9_3", "msg_9_2"]);
+        let page = input_items_page(items.clone(), &[("limit".into(), "4".into())]).unwrap();
+        assert_eq!(
+            ids(&page),
+            ["fco_9_in5", "fc_9_in4", "msg_9_in3", "msg_9_in2"]
+        );
         assert_eq!(
             (&page["has_more"], &page["last_id"]),
-            (&json!(true), &json!("msg_9_2"))
+            (&json!(true), &json!("msg_9_in2"))
         );
-        let next = input_items_page(items.clone(), Some("after=msg_9_2&limit=4")).unwrap();
-        assert_eq!(ids(&next), ["msg_9_1", "msg_9_0"]);
+        let next = input_items_page(
+            items.clone(),
+            &[
+                ("after".into(), "msg_9_in2".into()),
+                ("limit".into(), "4".into()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(ids(&next), ["msg_9_in1", "msg_9_in0"]);
         assert_eq!(next["has_more"], false);
-        let oldest = input_items_page(items.clone(), Some("order=asc&limit=1")).unwrap();
-        assert_eq!(ids(&oldest), ["msg_9_0"]);
-        for (q, param) in [
-            ("limit=0", "limit"),
-            ("limit=101", "limit"),
-            ("order=up", "order"),
-            ("after=nope", "after"),
+        let oldest = input_items_page(
+            items.clone(),
+            &[("order".into(), "asc".into()), ("limit".into(), "1".into())],
+        )
+        .unwrap();
+        assert_eq!(ids(&oldest), ["msg_9_in0"]);
+        for (k, v) in [
+            ("limit", "0"),
+            ("limit", "101"),
+            ("order", "up"),
+            ("after", "nope"),
         ] {
-            let e = input_items_page(items.clone(), Some(q)).unwrap_err();
+            let e = input_items_page(items.clone(), &[(k.into(), v.into())]).unwrap_err();
             assert_eq!(
                 (e.status.as_u16(), e.param.as_deref()),
-                (400, Some(param)),
-                "{q}"
+                (400, Some(k)),
+                "{k}={v}"
             );
         }
         assert!(store.input_items("resp_8").is_none());

@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -157,7 +157,8 @@ async fn metrics(State(s): State<AppState>) -> Response {
 /// `e` in the shape of the API `uri` belongs to: Anthropic's under `/v1/messages`, else
 /// OpenAI's.
 fn in_dialect(uri: &Uri, e: ApiError) -> Response {
-    match uri.path().starts_with("/v1/messages") {
+    let path = uri.path();
+    match path == "/v1/messages" || path.starts_with("/v1/messages/") {
         true => messages::error_response(e),
         false => e.into_response(),
     }
@@ -397,16 +398,12 @@ async fn openai_responses(
 async fn stored_response(
     State(s): State<AppState>,
     Path(id): Path<String>,
-    uri: Uri,
+    Query(query): Query<Vec<(String, String)>>,
 ) -> Result<Json<Value>, ApiError> {
     // Any `stream` but an explicit false asks for events.
-    let streamed = uri.query().is_some_and(|q| {
-        q.split('&').any(|kv| {
-            kv.split_once('=').map_or(kv == "stream", |(k, v)| {
-                k == "stream" && v != "false" && v != "0"
-            })
-        })
-    });
+    let streamed = query
+        .iter()
+        .any(|(k, v)| k == "stream" && v != "false" && v != "0");
     if streamed {
         return Err(ApiError::invalid(
             Some("stream"),
@@ -419,22 +416,22 @@ async fn stored_response(
     }
 }
 
-/// `DELETE /v1/responses/{id}`: forgets a stored response (a later `previous_response_id`
-/// naming it is refused).
 /// `GET /v1/responses/{id}/input_items`: the items a stored response answered, a page at a
 /// time.
 async fn response_input_items(
     State(s): State<AppState>,
     Path(id): Path<String>,
-    uri: Uri,
+    Query(query): Query<Vec<(String, String)>>,
 ) -> Result<Json<Value>, ApiError> {
     let items = s
         .responses
         .input_items(&id)
         .ok_or_else(|| ApiError::not_found_response(&id))?;
-    responses::input_items_page(items, uri.query()).map(Json)
+    responses::input_items_page(items, &query).map(Json)
 }
 
+/// `DELETE /v1/responses/{id}`: forgets a stored response (a later `previous_response_id`
+/// naming it is refused).
 async fn delete_response(
     State(s): State<AppState>,
     Path(id): Path<String>,
