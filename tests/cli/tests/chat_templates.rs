@@ -116,27 +116,31 @@ fn a_last_assistant_message_is_continued_where_a_fresh_turn_would_start() {
             .to_string();
         assert!(e.contains("only an assistant's text"), "{file}: {e}");
     }
-    // A template that rewrites an assistant's text cannot continue it.
-    let dir = tempfile::tempdir().unwrap();
-    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}{% endfor %}";
-    std::fs::write(
-        dir.path().join("tokenizer_config.json"),
-        json!({"chat_template": template}).to_string(),
-    )
-    .unwrap();
+    // A template that rewrites an assistant's text, or writes it twice, cannot continue it.
     let qwen = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     let tokenizer = resolve_model(&qwen).unwrap().join("tokenizer.json");
-    std::fs::copy(tokenizer, dir.path().join("tokenizer.json")).unwrap();
-    let text = Text::load(dir.path()).unwrap();
-    let e = text
-        .render_continuing(&[msg("user", "hi"), msg("assistant", "Hello")], &[])
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("does not show the last assistant message"),
-        "{e}"
-    );
+    for template in [
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}{% endfor %}",
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}|{{ m.content }}{% endfor %}",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            json!({"chat_template": template}).to_string(),
+        )
+        .unwrap();
+        std::fs::copy(&tokenizer, dir.path().join("tokenizer.json")).unwrap();
+        let text = Text::load(dir.path()).unwrap();
+        let e = text
+            .render_continuing(&[msg("user", "hi"), msg("assistant", "Hello")], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not show the last assistant message"),
+            "{template}: {e}"
+        );
+    }
 }
 
 /// Block tags on lines of their own leave no blank lines or indentation behind
