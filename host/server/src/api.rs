@@ -143,8 +143,9 @@ const REFUSED: [&str; 9] = [
 ];
 
 /// Fields this server reads.
-const IMPLEMENTED: [&str; 27] = [
+const IMPLEMENTED: [&str; 28] = [
     "messages",
+    "continue_final_message",
     "prompt",
     "max_tokens",
     "max_completion_tokens",
@@ -207,6 +208,52 @@ pub fn refuse_others(f: &Fields, ignored: &[&str], implemented: &[&str]) -> Resu
     }
 }
 
+/// `messages`, the last one continued where `continue_final_message` (transformers' and
+/// vLLM's name) is true: an assistant's text the answer goes on with, not a fresh turn.
+fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
+    let messages = messages(f)?;
+    if !f.bool("continue_final_message")?.unwrap_or(false) {
+        return Ok(Prompt::Chat(messages));
+    }
+    match messages.last() {
+        Some(m)
+            if m.role == "assistant" && m.tool_calls.is_empty() && !m.content.trim().is_empty() =>
+        {
+            Ok(Prompt::Prefilled(messages))
+        }
+        _ => Err(ApiError::invalid(
+            Some("continue_final_message"),
+            "'continue_final_message' needs an assistant's text as the last message",
+        )),
+    }
+}
+
+/// A prefilled prompt's answer goes on with the assistant's text: it cannot also start as a
+/// whole structured answer (`format`, the request's field `format_param`) or a forced call.
+pub fn check_prefill(
+    prompt: &Prompt,
+    format: &Format,
+    tool_choice: &ToolChoice,
+    format_param: &str,
+) -> Result<(), ApiError> {
+    if !matches!(prompt, Prompt::Prefilled(_)) {
+        return Ok(());
+    }
+    if *format != Format::Text {
+        return Err(ApiError::invalid(
+            Some(format_param),
+            format!("'{format_param}' cannot be combined with a prefilled assistant turn"),
+        ));
+    }
+    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            Some("tool_choice"),
+            "a 'tool_choice' that forces a call cannot be combined with a prefilled assistant turn",
+        ));
+    }
+    Ok(())
+}
+
 /// Parses and checks a request body.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     let map = object(body)?;
@@ -214,7 +261,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     f.string("model")?;
     refuse_unsupported(&f)?;
     let prompt = match endpoint {
-        Endpoint::Chat => Prompt::Chat(messages(&f)?),
+        Endpoint::Chat => chat_prompt(&f)?,
         Endpoint::Completion => completion_prompt(&f)?,
     };
     let max_tokens = match f.count("max_completion_tokens")? {
@@ -262,7 +309,17 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     let tools = tools(&f)?;
     let tool_choice = tool_choice(&f, &tools)?;
     let format = format(&f, endpoint)?;
-    for field in ["tools", "tool_choice", "parallel_tool_calls"] {
+    let format_param = match f.get("grammar") {
+        Some(_) => "grammar",
+        None => "response_format",
+    };
+    check_prefill(&prompt, &format, &tool_choice, format_param)?;
+    for field in [
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "continue_final_message",
+    ] {
         if endpoint == Endpoint::Completion && f.get(field).is_some() {
             return Err(ApiError::invalid(
                 Some(field),
@@ -776,6 +833,39 @@ mod tests {
     }
 
     const HI: &str = r#""messages": [{"role": "user", "content": "hi"}]"#;
+
+    #[test]
+    fn continue_final_message_continues_a_last_assistant_text() {
+        let two = r#""messages": [{"role": "user", "content": "Count."},
+            {"role": "assistant", "content": "1, 2,"}]"#;
+        let p = chat(&format!("{{{two}, \"continue_final_message\": true}}")).unwrap();
+        assert!(
+            matches!(&p.prompt, Prompt::Prefilled(m) if m.len() == 2),
+            "{:?}",
+            p.prompt
+        );
+        // Without it, the last assistant message is a turn of the conversation.
+        let p = chat(&format!("{{{two}, \"continue_final_message\": false}}")).unwrap();
+        assert!(matches!(&p.prompt, Prompt::Chat(m) if m.len() == 2));
+        refused(
+            &format!("{{{HI}, \"continue_final_message\": true}}"),
+            "continue_final_message",
+            "needs an assistant's text as the last message",
+        );
+        refused(
+            &format!(
+                r#"{{{two}, "continue_final_message": true, "response_format": {{"type": "json_object"}}}}"#
+            ),
+            "response_format",
+            "cannot be combined with a prefilled assistant turn",
+        );
+        let e = parse(
+            Endpoint::Completion,
+            br#"{"prompt": "x", "continue_final_message": true}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("continue_final_message"));
+    }
 
     #[test]
     fn a_chat_body_parses_with_openai_defaults() {

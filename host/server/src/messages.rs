@@ -23,8 +23,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::answer::{chunks, Answer, Choice, Chunk};
 use crate::api::{
-    checked_choice, declare_tool, object, refuse_others, tools_with, Fields, Format, Params,
-    Prompt, ToolChoice,
+    check_prefill, checked_choice, declare_tool, object, refuse_others, tools_with, Fields, Format,
+    Params, Prompt, ToolChoice,
 };
 use crate::engine::Event;
 use crate::error::ApiError;
@@ -90,23 +90,8 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     messages.extend(turns(&f)?);
     let prompt = prompt(messages)?;
     let format = output_format(&f)?;
-    if let Prompt::Prefilled(_) = prompt {
-        // The answer goes on with the assistant's text: it cannot also start as a whole
-        // structured answer or a call (Anthropic's API refuses a prefill with structured
-        // outputs).
-        if format != Format::Text {
-            return Err(ApiError::invalid(
-                Some("output_config"),
-                "'output_config.format' cannot be combined with a prefilled assistant turn",
-            ));
-        }
-        if matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
-            return Err(ApiError::invalid(
-                Some("tool_choice"),
-                "a 'tool_choice' of any or tool cannot be combined with a prefilled assistant turn",
-            ));
-        }
-    }
+    // Anthropic's API refuses a prefill with structured outputs too.
+    check_prefill(&prompt, &format, &tool_choice, "output_config")?;
     Ok(Params {
         prompt,
         prompt_field: "messages",

@@ -55,6 +55,13 @@ c = client.completions.create(model=model, prompt="1, 2, 3, 4,", temperature=0, 
 check(c.choices[0].finish_reason == "stop", f"completion stop: {c.choices[0]}")
 check("5" in c.choices[0].text and "7" not in c.choices[0].text, f"completion {c.choices[0].text!r}")
 
+# A last assistant message continued (continue_final_message, transformers' and vLLM's name).
+counting = [{"role": "user", "content": "Count from 1 to 10, comma separated."},
+            {"role": "assistant", "content": "1, 2, 3, 4,"}]
+r = client.chat.completions.create(model=model, messages=counting, temperature=0, max_tokens=8,
+                                   extra_body={"continue_final_message": True})
+check(r.choices[0].message.content.startswith(" 5, 6"), f"continued {r.choices[0].message.content!r}")
+
 try:
     client.chat.completions.create(model=model, messages=question, temperature=7)
     check(False, "temperature 7 refused")
