@@ -162,12 +162,13 @@ impl Store {
         true
     }
 
-    fn put(&self, id: String, turns: Vec<Message>, response: Value) {
+    /// Stores `response` and its conversation under `id`; false when they are too large to
+    /// store (they would push out every other response and then themselves).
+    fn put(&self, id: String, turns: Vec<Message>, response: Value) -> bool {
         let bytes = json_len(&turns) + json_len(&response);
         if bytes > self.max_bytes {
-            // It would push out every other response and then itself.
             tracing::warn!(id = %id, bytes, "a response too large to store");
-            return;
+            return false;
         }
         let mut k = self.kept();
         let stored = Stored {
@@ -188,6 +189,7 @@ impl Store {
                 k.bytes -= gone.bytes;
             }
         }
+        true
     }
 }
 
@@ -682,12 +684,15 @@ fn status(finish: &str) -> &'static str {
     }
 }
 
-/// Stores `response` and the conversation `r` continued with `turn` under response `id`.
-fn remember(store: &Store, id: &str, r: &Request, turn: Message, response: &Value) {
+/// Stores `response` and the conversation `r` continued with `turn` under response `id`;
+/// where they are too large to store, `response` says `"store": false`.
+fn remember(store: &Store, id: &str, r: &Request, turn: Message, response: &mut Value) {
     if r.store {
         let mut turns = r.turns.clone();
         turns.push(turn);
-        store.put(id.to_string(), turns, response.clone());
+        if !store.put(id.to_string(), turns, response.clone()) {
+            response["store"] = json!(false);
+        }
     }
 }
 
@@ -704,8 +709,8 @@ pub async fn whole(
     let (items, turn, called) = output(&a, c);
     let finish = c.finish_calling(called);
     let h = Head::of(&a);
-    let v = response(&h, &r, json!(items), status(finish), cached, c.tokens());
-    remember(&store, &a.id, &r, turn, &v);
+    let mut v = response(&h, &r, json!(items), status(finish), cached, c.tokens());
+    remember(&store, &a.id, &r, turn, &mut v);
     Ok(v)
 }
 
@@ -853,7 +858,7 @@ impl Items {
                     self.open_text(&mut out);
                     self.end_text(&mut out);
                 }
-                let whole = response(
+                let mut whole = response(
                     &self.head,
                     &self.request,
                     json!(self.done),
@@ -862,7 +867,7 @@ impl Items {
                     tokens,
                 );
                 let turn = std::mem::replace(&mut self.turn, Message::new("assistant", ""));
-                remember(&self.store, &self.head.id, &self.request, turn, &whole);
+                remember(&self.store, &self.head.id, &self.request, turn, &mut whole);
                 out.push(json!({"type": format!("response.{status}"), "response": whole}));
             }
             Chunk::Failed(e) => {
@@ -1274,10 +1279,19 @@ mod tests {
         assert!(store.remove("resp_2"));
         assert_eq!(before - store.kept().bytes, BUDGET / 4 - 100 + 32);
         assert_eq!(store.kept().order.len(), 3);
-        // One larger than the whole budget is not stored, and pushes nothing out.
+        // One larger than the whole budget is not stored, and pushes nothing out; the
+        // response then says so.
         let huge = Message::new("user", &"x".repeat(BUDGET));
-        store.put("resp_huge".into(), vec![huge], json!({}));
+        let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
+        let mut answered = json!({"id": "resp_huge", "store": true});
+        remember(&store, "resp_huge", &request, huge, &mut answered);
         assert!(store.turns("resp_huge").is_none());
         assert_eq!(store.kept().order.len(), 3);
+        assert_eq!(answered["store"], false);
+        // One that fits keeps saying it is stored.
+        let mut answered = json!({"id": "resp_small", "store": true});
+        remember(&store, "resp_small", &request, long, &mut answered);
+        assert!(store.turns("resp_small").is_some());
+        assert_eq!(answered["store"], true);
     }
 }

@@ -25,8 +25,8 @@ pub enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
-    /// Import a Llama-architecture GGUF file as a model directory (f16 weights, tokenizer,
-    /// chat template).
+    /// Import a GGUF file of a supported architecture as a model directory (f16 weights,
+    /// tokenizer, chat template).
     Import {
         /// The GGUF file.
         gguf: PathBuf,

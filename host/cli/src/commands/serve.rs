@@ -17,7 +17,8 @@ pub struct Args {
     /// Model: a directory with a tokenizer (and a chat template for chat), or a GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// The model's id in answers and /v1/models (default: the file or directory name).
+    /// The model's id in answers and /v1/models (default: the file or directory name without
+    /// its extension).
     #[arg(long)]
     alias: Option<String>,
     /// Backend id.
