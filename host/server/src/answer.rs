@@ -84,6 +84,11 @@ impl Choice {
         self.tokens
     }
 
+    /// Its tokens' log-probabilities, where the request asked for them.
+    pub fn logprobs(&self) -> &[TokenLogprobs] {
+        &self.logprobs
+    }
+
     /// The stop string that ended it, when one did.
     pub fn stop_string(&self) -> Option<&str> {
         self.stop_string.as_deref()
@@ -165,19 +170,28 @@ impl Answer {
         }
     }
 
-    /// Log-probabilities in the endpoint's shape; completions' `text_offset`s count
-    /// characters from `offset` (the answer's text before these tokens) on.
-    fn logprobs(&self, lps: &[TokenLogprobs], offset: usize) -> Value {
+    /// Chat's per-token log-probability entries (`token`, `logprob`, `bytes`,
+    /// `top_logprobs`), as chat's `logprobs.content` and the Responses API's `output_text`
+    /// carry them.
+    pub fn token_logprobs(&self, lps: &[TokenLogprobs]) -> Vec<Value> {
         let entry = |id: i32, lp: f32| {
             let (bytes, token) = self.piece(id);
             json!({"token": token, "logprob": lp, "bytes": bytes})
         };
-        match self.endpoint {
-            Endpoint::Chat => json!({"content": lps.iter().map(|l| {
+        lps.iter()
+            .map(|l| {
                 let mut e = entry(l.token, l.logprob);
                 e["top_logprobs"] = l.top.iter().map(|&(t, p)| entry(t, p)).collect();
                 e
-            }).collect::<Vec<_>>(), "refusal": null}),
+            })
+            .collect()
+    }
+
+    /// Log-probabilities in the endpoint's shape; completions' `text_offset`s count
+    /// characters from `offset` (the answer's text before these tokens) on.
+    fn logprobs(&self, lps: &[TokenLogprobs], offset: usize) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => json!({"content": self.token_logprobs(lps), "refusal": null}),
             Endpoint::Completion => {
                 let mut offset = offset;
                 let mut offsets = Vec::with_capacity(lps.len());

@@ -9,8 +9,9 @@
 //! `GET /v1/responses/{id}` returns a stored response and `DELETE` forgets it; the store
 //! keeps the newest [`MAX_STORED`] responses within [`MAX_STORED_BYTES`].
 //!
-//! Fields that cannot change the answer (`metadata`, `user`, `include`, `reasoning`,
-//! `truncation`, cache keys, …) are accepted; fields that would change it in ways not
+//! `include: ["message.output_text.logprobs"]` or `top_logprobs` give the output text its
+//! tokens' log-probabilities. Fields that cannot change the answer (`metadata`, `user`,
+//! `include`'s other values, `reasoning`, `truncation`, cache keys, …) are accepted; fields that would change it in ways not
 //! implemented (`background`, `conversation`, `prompt`, …) and unknown ones are refused with
 //! a 400 naming them.
 
@@ -27,7 +28,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::answer::{chunks, Answer, Choice, Chunk};
 use crate::api::{
     checked_choice, declare_tool, object, refuse_others, tools_with, Fields, Format, Params,
-    Prompt, ToolChoice,
+    Prompt, ToolChoice, MAX_TOP_LOGPROBS,
 };
 use crate::engine::Event;
 use crate::error::ApiError;
@@ -54,11 +55,10 @@ pub const MAX_STORED: usize = 1024;
 pub const MAX_STORED_BYTES: usize = 256 << 20;
 
 /// Fields that cannot change the answer.
-const IGNORED: [&str; 13] = [
+const IGNORED: [&str; 11] = [
     "model",
     "metadata",
     "user",
-    "include",
     "reasoning",
     "truncation",
     "service_tier",
@@ -67,11 +67,10 @@ const IGNORED: [&str; 13] = [
     "safety_identifier",
     "stream_options",
     "max_tool_calls",
-    "top_logprobs",
 ];
 
 /// Fields this server reads.
-const IMPLEMENTED: [&str; 12] = [
+const IMPLEMENTED: [&str; 14] = [
     "input",
     "instructions",
     "tools",
@@ -84,7 +83,12 @@ const IMPLEMENTED: [&str; 12] = [
     "stream",
     "store",
     "previous_response_id",
+    "include",
+    "top_logprobs",
 ];
+
+/// The `include` value that asks for the output text's log-probabilities.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
 
 /// A stored response's conversation (instructions aside).
 type Turns = Arc<Vec<Message>>;
@@ -293,7 +297,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
         stop: Vec::new(),
         seed: None,
         n: 1,
-        logprobs: None,
+        logprobs: logprobs(&f)?,
         tools,
         tool_choice,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
@@ -308,6 +312,42 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
         store: f.bool("store")?.unwrap_or(true),
         echo,
     })
+}
+
+/// Log-probabilities, with `top_logprobs` (0 to [`MAX_TOP_LOGPROBS`]) alternatives a token,
+/// where `include` names [`INCLUDE_LOGPROBS`] or `top_logprobs` asks for alternatives.
+/// `include`'s other values (`reasoning.encrypted_content`, …) ask for what this server
+/// does not keep and are passed over.
+fn logprobs(f: &Fields) -> Result<Option<usize>, ApiError> {
+    let asked = match f.get("include") {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(values)) => {
+            let mut asked = false;
+            for (i, v) in values.iter().enumerate() {
+                let v = v.as_str().ok_or_else(|| {
+                    ApiError::invalid(Some("include"), format!("include[{i}] must be a string"))
+                })?;
+                asked |= v == INCLUDE_LOGPROBS;
+            }
+            asked
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("include"),
+                "'include' must be an array of strings",
+            ))
+        }
+    };
+    let top = match f.count("top_logprobs")? {
+        Some(n) if n > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                format!("'top_logprobs' must be at most {MAX_TOP_LOGPROBS}"),
+            ))
+        }
+        n => n.map_or(0, |n| n as usize),
+    };
+    Ok((asked || top > 0).then_some(top))
 }
 
 /// `input`: a string (one user message) or items — messages (`role` with a string or
@@ -572,8 +612,10 @@ fn format(f: &Fields) -> Result<Format, ApiError> {
 /// The output items of answer `c` (text as one `message`, then each `function_call`), the
 /// assistant turn they add to the conversation, and whether any call was made. Where the
 /// token limit cut the answer, the item it cut (its last, where that is text or reasoning:
-/// its calls are whole ones) is `incomplete`, as the streamed answer leaves it.
-fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
+/// its calls are whole ones) is `incomplete`, as the streamed answer leaves it. Where the
+/// request asked for log-probabilities, the message's text carries every token's, as chat's
+/// `logprobs.content` does.
+fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool) {
     let parsed = a.split(c);
     let rest = a.id.trim_start_matches("resp_");
     let mut items = Vec::new();
@@ -587,7 +629,11 @@ fn output(a: &Answer, c: &Choice) -> (Vec<Value>, Message, bool) {
     }
     if !parsed.content.is_empty() || parsed.calls.is_empty() {
         let id = format!("msg_{rest}");
-        items.push(message_item(&id, "assistant", &parsed.content, "completed"));
+        let mut item = message_item(&id, "assistant", &parsed.content, "completed");
+        if logprobs {
+            item["content"][0]["logprobs"] = json!(a.token_logprobs(c.logprobs()));
+        }
+        items.push(item);
     }
     for (k, (call, openai)) in parsed
         .calls
@@ -706,7 +752,7 @@ pub async fn whole(
 ) -> Result<Value, ApiError> {
     let choices = crate::answer::choices(1, rx).await?;
     let c = &choices[0];
-    let (items, turn, called) = output(&a, c);
+    let (items, turn, called) = output(&a, c, r.params.logprobs.is_some());
     let finish = c.finish_calling(called);
     let h = Head::of(&a);
     let mut v = response(&h, &r, json!(items), status(finish), cached, c.tokens());
@@ -761,6 +807,9 @@ struct Items {
     done: Vec<Value>,
     /// The text of the message item being streamed.
     text: Option<String>,
+    /// Its tokens' log-probabilities so far (those that came with its deltas), where the
+    /// request asked for them.
+    text_logprobs: Vec<Value>,
     /// The text of the reasoning item being streamed.
     reasoning: Option<String>,
     /// The function call item being streamed (its arguments so far).
@@ -783,6 +832,7 @@ impl Items {
             cached,
             done: Vec::new(),
             text: None,
+            text_logprobs: Vec::new(),
             reasoning: None,
             call: None,
             text_status: "completed",
@@ -821,9 +871,14 @@ impl Items {
                         self.open_text(&mut out);
                     }
                     self.text.as_mut().expect("open").push_str(t);
+                    let lps = v["choices"][0]["logprobs"]["content"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default();
+                    self.text_logprobs.extend(lps.iter().cloned());
                     out.push(json!({"type": "response.output_text.delta",
                         "item_id": self.message_id(), "output_index": index(self),
-                        "content_index": 0, "delta": t, "logprobs": []}));
+                        "content_index": 0, "delta": t, "logprobs": lps}));
                 }
                 if let Some(call) = delta["tool_calls"].get(0) {
                     if let Some(id) = call["id"].as_str() {
@@ -924,9 +979,13 @@ impl Items {
             return;
         };
         let (id, at) = (self.message_id(), self.done.len());
-        let item = message_item(&id, "assistant", &text, self.text_status);
+        let mut item = message_item(&id, "assistant", &text, self.text_status);
+        let lps = std::mem::take(&mut self.text_logprobs);
+        if self.request.params.logprobs.is_some() {
+            item["content"][0]["logprobs"] = json!(lps);
+        }
         out.push(json!({"type": "response.output_text.done", "item_id": id,
-            "output_index": at, "content_index": 0, "text": text, "logprobs": []}));
+            "output_index": at, "content_index": 0, "text": text, "logprobs": lps}));
         out.push(json!({"type": "response.content_part.done", "item_id": id,
             "output_index": at, "content_index": 0, "part": item["content"][0]}));
         out.push(json!({"type": "response.output_item.done", "output_index": at, "item": item}));
@@ -1165,6 +1224,129 @@ mod tests {
             };
             assert_eq!(shape(&last["response"]["output"]), shape(&v["output"]));
         }
+    }
+
+    #[test]
+    fn logprobs_are_asked_by_include_or_top_logprobs() {
+        let asked = |extra: &str| {
+            let body = format!(r#"{{"model": "m", "input": "hi"{extra}}}"#);
+            parse(body.as_bytes(), &Store::default())
+                .unwrap()
+                .params
+                .logprobs
+        };
+        assert_eq!(asked(""), None);
+        assert_eq!(
+            asked(r#", "include": ["reasoning.encrypted_content"]"#),
+            None
+        );
+        assert_eq!(asked(r#", "include": null"#), None);
+        assert_eq!(asked(r#", "top_logprobs": 0"#), None);
+        assert_eq!(
+            asked(r#", "include": ["message.output_text.logprobs"]"#),
+            Some(0)
+        );
+        assert_eq!(asked(r#", "top_logprobs": 3"#), Some(3));
+        assert_eq!(
+            asked(r#", "include": ["message.output_text.logprobs"], "top_logprobs": 20"#),
+            Some(20)
+        );
+        let base = r#"{"model": "m", "input": "hi", "#;
+        refused(
+            &format!(r#"{base}"top_logprobs": 21}}"#),
+            "top_logprobs",
+            "at most 20",
+        );
+        refused(
+            &format!(r#"{base}"include": "x"}}"#),
+            "include",
+            "an array of strings",
+        );
+        refused(
+            &format!(r#"{base}"include": [1]}}"#),
+            "include",
+            "include[0]",
+        );
+    }
+
+    #[tokio::test]
+    async fn the_output_text_carries_its_tokens_logprobs_whole_and_streamed() {
+        use crate::answer::tests::hermes_answer;
+        use futures_util::StreamExt;
+        use kvplug::TokenLogprobs;
+        use tokio::sync::mpsc::unbounded_channel;
+        let events = || {
+            let (tx, rx) = unbounded_channel();
+            for (i, piece) in ["Hello", " world"].into_iter().enumerate() {
+                let lp = -0.25 * (i + 1) as f32;
+                let logprobs = TokenLogprobs {
+                    token: i as i32,
+                    logprob: lp,
+                    top: vec![(i as i32, lp), (7, -3.0)],
+                };
+                tx.send(Event::Token {
+                    choice: 0,
+                    text: piece.into(),
+                    logprobs: Some(logprobs),
+                })
+                .unwrap();
+            }
+            tx.send(Event::Done {
+                choice: 0,
+                finish_reason: "stop",
+                completion_tokens: 2,
+                speculation: None,
+                stop_string: None,
+            })
+            .unwrap();
+            rx
+        };
+        let logprobs = |entries: &Value| -> Vec<f64> {
+            let entries = entries.as_array().expect("logprobs");
+            for e in entries {
+                assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2, "{e}");
+            }
+            entries
+                .iter()
+                .map(|e| e["logprob"].as_f64().unwrap())
+                .collect()
+        };
+        let body = br#"{"model": "m", "input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}"#;
+        let store = Arc::new(Store::default());
+        let request = parse(body, &store).unwrap();
+        let v = whole(hermes_answer(), request, store, 0, events())
+            .await
+            .unwrap();
+        let part = &v["output"][0]["content"][0];
+        assert_eq!(part["text"], "Hello world", "{v}");
+        assert_eq!(logprobs(&part["logprobs"]), [-0.25, -0.5], "{v}");
+
+        let store = Arc::new(Store::default());
+        let request = parse(body, &store).unwrap();
+        let mut items = Items::new(Head::of(&hermes_answer()), store, request, 0);
+        let chunks: Vec<Chunk> = chunks(hermes_answer(), 0, events()).collect().await;
+        let sent: Vec<Value> = chunks.into_iter().flat_map(|c| items.events(c)).collect();
+        let of = |kind: &'static str| sent.iter().filter(move |e| e["type"] == kind);
+        let deltas: Vec<f64> = of("response.output_text.delta")
+            .flat_map(|e| logprobs(&e["logprobs"]))
+            .collect();
+        assert_eq!(deltas, [-0.25, -0.5]);
+        let done = of("response.output_text.done").next().unwrap();
+        assert_eq!(logprobs(&done["logprobs"]), [-0.25, -0.5]);
+        let completed = of("response.completed").next().unwrap();
+        let part = &completed["response"]["output"][0]["content"][0];
+        assert_eq!(logprobs(&part["logprobs"]), [-0.25, -0.5], "{completed}");
+
+        // Not asked: no logprobs on the item, none with the deltas.
+        let store = Arc::new(Store::default());
+        let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
+        let v = whole(hermes_answer(), request, store, 0, events())
+            .await
+            .unwrap();
+        assert!(
+            v["output"][0]["content"][0].get("logprobs").is_none(),
+            "{v}"
+        );
     }
 
     #[test]

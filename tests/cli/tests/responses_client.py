@@ -1,6 +1,7 @@
 """OpenAI's Responses API against a running `kvplug serve` on Qwen2.5-Coder-0.5B-Instruct:
 the `openai` client's `client.responses` (whole and streamed, `previous_response_id`,
-retrieved and deleted by id, their input items, function calls and their outputs, `text.format`) and the OpenAI Agents SDK's default model,
+retrieved and deleted by id, their input items, function calls and their outputs, `text.format`,
+the output text's log-probabilities) and the OpenAI Agents SDK's default model,
 which speaks the Responses API.
 
 Usage: responses_client.py BASE_URL. Exits non-zero with a message on the first check that
@@ -53,6 +54,27 @@ check(
     "stream events",
     kinds,
 )
+
+# The output text's log-probabilities (`include`), whole and streamed: a token's own and the
+# alternatives asked for, the tokens spelling the text.
+asked = dict(ASK, include=["message.output_text.logprobs"], top_logprobs=2)
+part = client.responses.create(**asked).output[0].content[0]
+check(
+    part.logprobs
+    and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in part.logprobs)
+    and part.text in "".join(t.token for t in part.logprobs),
+    "logprobs of the output text",
+    part,
+)
+with client.responses.stream(**asked) as stream:
+    streamed = [t.token for e in stream if e.type == "response.output_text.delta" for t in e.logprobs]
+    gathered = stream.get_final_response().output[0].content[0]
+check(
+    streamed and streamed == [t.token for t in gathered.logprobs],
+    "streamed logprobs gather into the response's",
+    (streamed, gathered),
+)
+check(not first.output[0].content[0].logprobs, "no logprobs unasked", first.output[0])
 
 bounded = client.responses.create(**{**ASK, "max_output_tokens": 100000})
 check(bounded.output_text == first.output_text, "max_output_tokens is a bound", bounded.status)
