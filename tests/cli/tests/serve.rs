@@ -74,6 +74,8 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
         (status, v["data"][0]["object"].as_str()),
         (200, Some("model"))
     );
+    // A model directory is named whole (a file would lose its extension).
+    assert_eq!(v["data"][0]["id"], common::server::SMOLLM2_F16_ID);
 
     let q = user("What is the capital of France?");
     let a = s.ok("/v1/chat/completions", &chat(&q, 24), &[]);

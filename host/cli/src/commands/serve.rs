@@ -17,8 +17,8 @@ pub struct Args {
     /// Model: a directory with a tokenizer (and a chat template for chat), or a GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// The model's id in answers and /v1/models (default: the file or directory name without
-    /// its extension).
+    /// The model's id in answers and /v1/models (default: the directory's name, or the file's
+    /// without its extension).
     #[arg(long)]
     alias: Option<String>,
     /// Backend id.
@@ -86,11 +86,14 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     sessions.sweep();
     let model_id = match &a.alias {
         Some(alias) => alias.clone(),
-        None => a
-            .model
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .context("--model has no file name: give --alias")?,
+        // A directory's whole name (`Qwen2.5-Coder-0.5B-Instruct`), a file's without its
+        // extension.
+        None => match a.model.is_dir() {
+            true => a.model.file_name(),
+            false => a.model.file_stem(),
+        }
+        .map(|s| s.to_string_lossy().into_owned())
+        .context("--model has no file name: give --alias")?,
     };
     let config = ServerConfig {
         model: a.model,

@@ -279,6 +279,9 @@ pub fn config(model: &Path) -> ServerConfig {
     }
 }
 
+/// The directory [`smollm2_f16`] imports into, and so the model id a server of it answers as.
+pub const SMOLLM2_F16_ID: &str = "SmolLM2-135M-Instruct.f16";
+
 /// SmolLM2-135M-Instruct's GGUF (fetched by scripts/fetch-models.sh, which `make test`
 /// runs) imported to f16 once per test process: the server tests are about the server,
 /// and its Q4_1 weights computed in place (int8 activations on the cpu) leave the first
@@ -295,7 +298,8 @@ pub fn smollm2_f16() -> PathBuf {
                 path.display()
             );
             let dir = tempfile::tempdir().unwrap();
-            let out = dir.path().join("smollm2-f16");
+            // A dotted directory name, as downloaded model directories have: the served id.
+            let out = dir.path().join(SMOLLM2_F16_ID);
             kvplug::formats::gguf::import(&path, &out, &mut |_, _, _| {}).unwrap();
             (dir, out)
         })
