@@ -647,8 +647,8 @@ pub(crate) mod tests {
         text_of("{{ '<|start|>assistant<|channel|>final<|message|>' }}")
     }
 
-    /// A text with harmony's markers in its vocabulary (special tokens, ids 1..=6) and the
-    /// chat template `template`.
+    /// A text with harmony's markers in its vocabulary (special tokens, ids 1..=6), the
+    /// words of [`WORDS`] after them, and the chat template `template`.
     fn text_of(template: &str) -> Arc<Text> {
         static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let k = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -663,6 +663,9 @@ pub(crate) mod tests {
             "<|return|>",
         ];
         let mut vocab = serde_json::Map::from_iter([("[UNK]".to_string(), json!(0))]);
+        for (id, w) in (specials.len() + 1..).zip(WORDS) {
+            vocab.insert(w.into(), json!(id));
+        }
         let added: Vec<Value> = (1..)
             .zip(specials)
             .map(|(id, t)| {
@@ -682,6 +685,9 @@ pub(crate) mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         Arc::new(text)
     }
+
+    /// Plain words in [`text_of`]'s vocabulary, ids 7 on.
+    pub(crate) const WORDS: [&str; 2] = ["Hel", "lo"];
 
     fn harmony_answer(tools: bool) -> Answer {
         let text = harmony_text();

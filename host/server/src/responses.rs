@@ -282,6 +282,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
         "text": f.get("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
         "max_output_tokens": max_tokens,
         "metadata": f.get("metadata").cloned().unwrap_or(json!({})),
+        "top_logprobs": f.count("top_logprobs")?.unwrap_or(0),
     });
     let params = Params {
         prompt: Prompt::Chat(messages),
@@ -613,8 +614,8 @@ fn format(f: &Fields) -> Result<Format, ApiError> {
 /// assistant turn they add to the conversation, and whether any call was made. Where the
 /// token limit cut the answer, the item it cut (its last, where that is text or reasoning:
 /// its calls are whole ones) is `incomplete`, as the streamed answer leaves it. Where the
-/// request asked for log-probabilities, the message's text carries every token's, as chat's
-/// `logprobs.content` does.
+/// request asked for log-probabilities, the message's text carries those of the tokens that
+/// spell it ([`spelling`]).
 fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool) {
     let parsed = a.split(c);
     let rest = a.id.trim_start_matches("resp_");
@@ -631,7 +632,9 @@ fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool)
         let id = format!("msg_{rest}");
         let mut item = message_item(&id, "assistant", &parsed.content, "completed");
         if logprobs {
-            item["content"][0]["logprobs"] = json!(a.token_logprobs(c.logprobs()));
+            let tokens = a.token_logprobs(c.logprobs());
+            let spelled = spelling(&tokens, &parsed.content, a.text.harmony());
+            item["content"][0]["logprobs"] = json!(tokens[spelled]);
         }
         items.push(item);
     }
@@ -662,6 +665,44 @@ fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool)
     (items, turn, called)
 }
 
+/// The run of `tokens` (chat's log-probability entries of an answer's tokens, in order) that
+/// spells `text`, the answer's message text: the tokens whose bytes overlap `text` where it
+/// lies in their joined bytes — its first place, or its last in a harmony answer (whose
+/// final channel comes after the reasoning and the markers). The markup around the text
+/// (a tool call's, harmony's, the end-of-turn token) is left out; a text not found in them
+/// (none yet) has no tokens.
+fn spelling(tokens: &[Value], text: &str, harmony: bool) -> std::ops::Range<usize> {
+    let bytes = |e: &Value| -> Vec<u8> {
+        let b = e["bytes"].as_array().map(Vec::as_slice).unwrap_or_default();
+        b.iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u8)
+            .collect()
+    };
+    let mut joined = Vec::new();
+    let mut ends = Vec::with_capacity(tokens.len());
+    for e in tokens {
+        joined.extend(bytes(e));
+        ends.push(joined.len());
+    }
+    let text = text.as_bytes();
+    let found = if text.is_empty() {
+        None
+    } else if harmony {
+        joined.windows(text.len()).rposition(|w| w == text)
+    } else {
+        joined.windows(text.len()).position(|w| w == text)
+    };
+    let Some(start) = found else {
+        return 0..0;
+    };
+    let end = start + text.len();
+    // Token i covers bytes [ends[i - 1], ends[i]).
+    let first = ends.partition_point(|&e| e <= start);
+    let last = ends.partition_point(|&e| e < end);
+    first..last + 1
+}
+
 /// A `reasoning` output item holding a model's reasoning text (harmony's analysis channel),
 /// as OpenAI's API gives an open-weight model's.
 fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
@@ -675,6 +716,8 @@ struct Head {
     created: u64,
     model: String,
     prompt_tokens: usize,
+    /// Whether the model writes harmony (its text comes after its reasoning; [`spelling`]).
+    harmony: bool,
 }
 
 impl Head {
@@ -684,6 +727,7 @@ impl Head {
             created: a.created,
             model: a.model.clone(),
             prompt_tokens: a.prompt_tokens,
+            harmony: a.text.harmony(),
         }
     }
 }
@@ -807,9 +851,10 @@ struct Items {
     done: Vec<Value>,
     /// The text of the message item being streamed.
     text: Option<String>,
-    /// Its tokens' log-probabilities so far (those that came with its deltas), where the
-    /// request asked for them.
-    text_logprobs: Vec<Value>,
+    /// The answer's tokens' log-probabilities so far (chat's entries, from every chunk),
+    /// where the request asked for them, and how many of them the text's deltas have sent.
+    tokens: Vec<Value>,
+    tokens_sent: usize,
     /// The text of the reasoning item being streamed.
     reasoning: Option<String>,
     /// The function call item being streamed (its arguments so far).
@@ -832,7 +877,8 @@ impl Items {
             cached,
             done: Vec::new(),
             text: None,
-            text_logprobs: Vec::new(),
+            tokens: Vec::new(),
+            tokens_sent: 0,
             reasoning: None,
             call: None,
             text_status: "completed",
@@ -846,6 +892,9 @@ impl Items {
         let index = |s: &Self| s.done.len();
         match c {
             Chunk::Data(v) => {
+                if let Some(lps) = v["choices"][0]["logprobs"]["content"].as_array() {
+                    self.tokens.extend(lps.iter().cloned());
+                }
                 let delta = &v["choices"][0]["delta"];
                 if let Some(t) = delta["reasoning_content"]
                     .as_str()
@@ -871,11 +920,10 @@ impl Items {
                         self.open_text(&mut out);
                     }
                     self.text.as_mut().expect("open").push_str(t);
-                    let lps = v["choices"][0]["logprobs"]["content"]
-                        .as_array()
-                        .cloned()
-                        .unwrap_or_default();
-                    self.text_logprobs.extend(lps.iter().cloned());
+                    let spelled = self.spelled(self.text.as_deref().unwrap_or_default());
+                    let from = self.tokens_sent.clamp(spelled.start, spelled.end);
+                    let lps = &self.tokens[from..spelled.end];
+                    self.tokens_sent = spelled.end;
                     out.push(json!({"type": "response.output_text.delta",
                         "item_id": self.message_id(), "output_index": index(self),
                         "content_index": 0, "delta": t, "logprobs": lps}));
@@ -952,6 +1000,11 @@ impl Items {
         }
     }
 
+    /// The run of the answer's tokens so far that spells `text` ([`spelling`]).
+    fn spelled(&self, text: &str) -> std::ops::Range<usize> {
+        spelling(&self.tokens, text, self.head.harmony)
+    }
+
     fn message_id(&self) -> String {
         self.item_id("msg", "message")
     }
@@ -969,7 +1022,7 @@ impl Items {
         out.push(
             json!({"type": "response.content_part.added", "item_id": self.message_id(),
             "output_index": self.done.len(), "content_index": 0,
-            "part": {"type": "output_text", "text": "", "annotations": []}}),
+            "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
         );
         self.text = Some(String::new());
     }
@@ -980,7 +1033,7 @@ impl Items {
         };
         let (id, at) = (self.message_id(), self.done.len());
         let mut item = message_item(&id, "assistant", &text, self.text_status);
-        let lps = std::mem::take(&mut self.text_logprobs);
+        let lps = &self.tokens[self.spelled(&text)];
         if self.request.params.logprobs.is_some() {
             item["content"][0]["logprobs"] = json!(lps);
         }
@@ -1039,6 +1092,7 @@ mod tests {
             created: 0,
             model: "m".into(),
             prompt_tokens: 1,
+            harmony: true,
         };
         let mut items = Items::new(head, store, request, 0);
         let delta = |d: Value| Chunk::Data(json!({"choices": [{"delta": d}]}));
@@ -1270,23 +1324,30 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_output_text_carries_its_tokens_logprobs_whole_and_streamed() {
-        use crate::answer::tests::hermes_answer;
+    async fn the_output_text_carries_the_logprobs_of_the_tokens_that_spell_it() {
+        use crate::answer::tests::{hermes_answer, WHOLE_CALL, WORDS};
         use futures_util::StreamExt;
         use kvplug::TokenLogprobs;
         use tokio::sync::mpsc::unbounded_channel;
-        let events = || {
+        // "Hel" (7) and "lo" (8), then maybe a whole call (one unknown token, 0), then the
+        // end of turn (6, `<|return|>`, which adds no text).
+        let events = |call: bool| {
             let (tx, rx) = unbounded_channel();
-            for (i, piece) in ["Hello", " world"].into_iter().enumerate() {
+            let mut tokens = vec![(WORDS[0], 7), (WORDS[1], 8)];
+            if call {
+                tokens.push((WHOLE_CALL, 0));
+            }
+            tokens.push(("", 6));
+            for (i, &(text, id)) in tokens.iter().enumerate() {
                 let lp = -0.25 * (i + 1) as f32;
                 let logprobs = TokenLogprobs {
-                    token: i as i32,
+                    token: id,
                     logprob: lp,
-                    top: vec![(i as i32, lp), (7, -3.0)],
+                    top: vec![(id, lp), (5, -3.0)],
                 };
                 tx.send(Event::Token {
                     choice: 0,
-                    text: piece.into(),
+                    text: text.into(),
                     logprobs: Some(logprobs),
                 })
                 .unwrap();
@@ -1294,7 +1355,7 @@ mod tests {
             tx.send(Event::Done {
                 choice: 0,
                 finish_reason: "stop",
-                completion_tokens: 2,
+                completion_tokens: tokens.len(),
                 speculation: None,
                 stop_string: None,
             })
@@ -1311,42 +1372,79 @@ mod tests {
                 .map(|e| e["logprob"].as_f64().unwrap())
                 .collect()
         };
+        let spelled = [-0.25, -0.5];
         let body = br#"{"model": "m", "input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}"#;
-        let store = Arc::new(Store::default());
-        let request = parse(body, &store).unwrap();
-        let v = whole(hermes_answer(), request, store, 0, events())
-            .await
-            .unwrap();
-        let part = &v["output"][0]["content"][0];
-        assert_eq!(part["text"], "Hello world", "{v}");
-        assert_eq!(logprobs(&part["logprobs"]), [-0.25, -0.5], "{v}");
+        for call in [false, true] {
+            let store = Arc::new(Store::default());
+            let request = parse(body, &store).unwrap();
+            let v = whole(hermes_answer(), request, store, 0, events(call))
+                .await
+                .unwrap();
+            let part = &v["output"][0]["content"][0];
+            assert_eq!(part["text"], "Hello", "{v}");
+            let tokens: Vec<&str> = part["logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["token"].as_str().unwrap())
+                .collect();
+            assert_eq!(tokens, WORDS, "{v}");
+            assert_eq!(logprobs(&part["logprobs"]), spelled, "{v}");
+            let items = v["output"].as_array().unwrap();
+            let called = items.iter().any(|i| i["type"] == "function_call");
+            assert_eq!(called, call, "{v}");
 
-        let store = Arc::new(Store::default());
-        let request = parse(body, &store).unwrap();
-        let mut items = Items::new(Head::of(&hermes_answer()), store, request, 0);
-        let chunks: Vec<Chunk> = chunks(hermes_answer(), 0, events()).collect().await;
-        let sent: Vec<Value> = chunks.into_iter().flat_map(|c| items.events(c)).collect();
-        let of = |kind: &'static str| sent.iter().filter(move |e| e["type"] == kind);
-        let deltas: Vec<f64> = of("response.output_text.delta")
-            .flat_map(|e| logprobs(&e["logprobs"]))
-            .collect();
-        assert_eq!(deltas, [-0.25, -0.5]);
-        let done = of("response.output_text.done").next().unwrap();
-        assert_eq!(logprobs(&done["logprobs"]), [-0.25, -0.5]);
-        let completed = of("response.completed").next().unwrap();
-        let part = &completed["response"]["output"][0]["content"][0];
-        assert_eq!(logprobs(&part["logprobs"]), [-0.25, -0.5], "{completed}");
+            let store = Arc::new(Store::default());
+            let request = parse(body, &store).unwrap();
+            let mut items = Items::new(Head::of(&hermes_answer()), store, request, 0);
+            let chunks: Vec<Chunk> = chunks(hermes_answer(), 0, events(call)).collect().await;
+            let sent: Vec<Value> = chunks.into_iter().flat_map(|c| items.events(c)).collect();
+            let of = |kind: &'static str| sent.iter().filter(move |e| e["type"] == kind);
+            let deltas: Vec<f64> = of("response.output_text.delta")
+                .flat_map(|e| logprobs(&e["logprobs"]))
+                .collect();
+            assert_eq!(deltas, spelled, "call {call}");
+            let done = of("response.output_text.done").next().unwrap();
+            assert_eq!(logprobs(&done["logprobs"]), spelled);
+            let completed = of("response.completed").next().unwrap();
+            let part = &completed["response"]["output"][0]["content"][0];
+            assert_eq!(logprobs(&part["logprobs"]), spelled, "{completed}");
+        }
 
         // Not asked: no logprobs on the item, none with the deltas.
         let store = Arc::new(Store::default());
         let request = parse(br#"{"model": "m", "input": "hi"}"#, &store).unwrap();
-        let v = whole(hermes_answer(), request, store, 0, events())
+        let v = whole(hermes_answer(), request, store, 0, events(false))
             .await
             .unwrap();
         assert!(
             v["output"][0]["content"][0].get("logprobs").is_none(),
             "{v}"
         );
+    }
+
+    #[test]
+    fn the_tokens_that_spell_a_text_are_found_in_their_bytes() {
+        let tokens: Vec<Value> = [
+            "<|channel|>",
+            "He",
+            "llo",
+            " wor",
+            "ld",
+            "<|end|>",
+            "He",
+            "llo",
+        ]
+        .iter()
+        .map(|t| json!({"token": t, "bytes": t.as_bytes()}))
+        .collect();
+        assert_eq!(spelling(&tokens, "Hello world", false), 1..5);
+        // A text cut inside a token keeps that token; the first place, or the last in harmony.
+        assert_eq!(spelling(&tokens, "Hello wo", false), 1..4);
+        assert_eq!(spelling(&tokens, "Hello", false), 1..3);
+        assert_eq!(spelling(&tokens, "Hello", true), 6..8);
+        assert_eq!(spelling(&tokens, "", false), 0..0);
+        assert_eq!(spelling(&tokens, "absent", false), 0..0);
     }
 
     #[test]

@@ -62,7 +62,7 @@ part = client.responses.create(**asked).output[0].content[0]
 check(
     part.logprobs
     and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in part.logprobs)
-    and part.text in "".join(t.token for t in part.logprobs),
+    and "".join(t.token for t in part.logprobs) == part.text,
     "logprobs of the output text",
     part,
 )
@@ -70,7 +70,7 @@ with client.responses.stream(**asked) as stream:
     streamed = [t.token for e in stream if e.type == "response.output_text.delta" for t in e.logprobs]
     gathered = stream.get_final_response().output[0].content[0]
 check(
-    streamed and streamed == [t.token for t in gathered.logprobs],
+    "".join(streamed) == gathered.text and streamed == [t.token for t in gathered.logprobs],
     "streamed logprobs gather into the response's",
     (streamed, gathered),
 )
