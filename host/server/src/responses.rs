@@ -615,7 +615,7 @@ fn format(f: &Fields) -> Result<Format, ApiError> {
 /// token limit cut the answer, the item it cut (its last, where that is text or reasoning:
 /// its calls are whole ones) is `incomplete`, as the streamed answer leaves it. Where the
 /// request asked for log-probabilities, the message's text carries those of the tokens that
-/// spell it ([`spelling`]).
+/// spell it ([`TokenRun`]).
 fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool) {
     let parsed = a.split(c);
     let rest = a.id.trim_start_matches("resp_");
@@ -632,9 +632,13 @@ fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool)
         let id = format!("msg_{rest}");
         let mut item = message_item(&id, "assistant", &parsed.content, "completed");
         if logprobs {
-            let tokens = a.token_logprobs(c.logprobs());
-            let spelled = spelling(&tokens, &parsed.content, a.text.harmony());
-            item["content"][0]["logprobs"] = json!(tokens[spelled]);
+            let mut run = TokenRun::default();
+            run.extend(&a.token_logprobs(c.logprobs()));
+            let text = parsed.content.as_bytes();
+            let spelled = run
+                .find(text, 0, a.text.harmony())
+                .map_or(0..0, |at| run.covering(at, at + text.len()));
+            item["content"][0]["logprobs"] = json!(run.entries[spelled]);
         }
         items.push(item);
     }
@@ -665,42 +669,54 @@ fn output(a: &Answer, c: &Choice, logprobs: bool) -> (Vec<Value>, Message, bool)
     (items, turn, called)
 }
 
-/// The run of `tokens` (chat's log-probability entries of an answer's tokens, in order) that
-/// spells `text`, the answer's message text: the tokens whose bytes overlap `text` where it
-/// lies in their joined bytes — its first place, or its last in a harmony answer (whose
-/// final channel comes after the reasoning and the markers). The markup around the text
-/// (a tool call's, harmony's, the end-of-turn token) is left out; a text not found in them
-/// (none yet) has no tokens.
-fn spelling(tokens: &[Value], text: &str, harmony: bool) -> std::ops::Range<usize> {
-    let bytes = |e: &Value| -> Vec<u8> {
-        let b = e["bytes"].as_array().map(Vec::as_slice).unwrap_or_default();
-        b.iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u8)
-            .collect()
-    };
-    let mut joined = Vec::new();
-    let mut ends = Vec::with_capacity(tokens.len());
-    for e in tokens {
-        joined.extend(bytes(e));
-        ends.push(joined.len());
+/// An answer's tokens' log-probability entries (chat's), in order, with their bytes joined:
+/// where the output text's tokens are found. A text is spelled by the tokens whose bytes
+/// overlap its place in the joined bytes, so the markup around it (a tool call's, harmony's
+/// channels, the end-of-turn token) is left out. A text that is not one run of the tokens'
+/// bytes (a harmony answer of several messages, joined by newlines; Hermes text on both sides
+/// of a call) is not found, and has none.
+#[derive(Default)]
+struct TokenRun {
+    entries: Vec<Value>,
+    joined: Vec<u8>,
+    /// Where each token's bytes end in `joined`.
+    ends: Vec<usize>,
+}
+
+impl TokenRun {
+    fn extend(&mut self, entries: &[Value]) {
+        for e in entries {
+            let bytes = e["bytes"].as_array().map(Vec::as_slice).unwrap_or_default();
+            self.joined
+                .extend(bytes.iter().filter_map(|x| x.as_u64()).map(|x| x as u8));
+            self.ends.push(self.joined.len());
+            self.entries.push(e.clone());
+        }
     }
-    let text = text.as_bytes();
-    let found = if text.is_empty() {
-        None
-    } else if harmony {
-        joined.windows(text.len()).rposition(|w| w == text)
-    } else {
-        joined.windows(text.len()).position(|w| w == text)
-    };
-    let Some(start) = found else {
-        return 0..0;
-    };
-    let end = start + text.len();
-    // Token i covers bytes [ends[i - 1], ends[i]).
-    let first = ends.partition_point(|&e| e <= start);
-    let last = ends.partition_point(|&e| e < end);
-    first..last + 1
+
+    /// Where `text` lies in the bytes from byte `from` on: its first place, or its last in a
+    /// harmony answer (whose final channel comes after the reasoning and the markers).
+    fn find(&self, text: &[u8], from: usize, harmony: bool) -> Option<usize> {
+        let mut windows = self.joined.get(from..)?.windows(text.len().max(1));
+        let at = match harmony {
+            true => windows.rposition(|w| w == text),
+            false => windows.position(|w| w == text),
+        };
+        at.filter(|_| !text.is_empty()).map(|at| from + at)
+    }
+
+    /// The tokens whose bytes overlap bytes `[start, end)` (`start < end`).
+    fn covering(&self, start: usize, end: usize) -> std::ops::Range<usize> {
+        // Token i holds bytes [ends[i - 1], ends[i]).
+        let first = self.ends.partition_point(|&e| e <= start);
+        let last = self.ends.partition_point(|&e| e < end);
+        first..last + 1
+    }
+
+    /// The byte where token `i` starts.
+    fn start_of(&self, i: usize) -> usize {
+        i.checked_sub(1).map_or(0, |i| self.ends[i])
+    }
 }
 
 /// A `reasoning` output item holding a model's reasoning text (harmony's analysis channel),
@@ -851,10 +867,14 @@ struct Items {
     done: Vec<Value>,
     /// The text of the message item being streamed.
     text: Option<String>,
-    /// The answer's tokens' log-probabilities so far (chat's entries, from every chunk),
-    /// where the request asked for them, and how many of them the text's deltas have sent.
-    tokens: Vec<Value>,
+    /// The answer's tokens' log-probabilities so far (from every chunk), where the request
+    /// asked for them; how many of them text deltas have sent; where the open message's
+    /// text lies in their bytes (`Some(None)`: not one run of them, so it has none); and
+    /// the entries its deltas sent.
+    tokens: TokenRun,
     tokens_sent: usize,
+    text_at: Option<Option<usize>>,
+    text_logprobs: Vec<Value>,
     /// The text of the reasoning item being streamed.
     reasoning: Option<String>,
     /// The function call item being streamed (its arguments so far).
@@ -877,8 +897,10 @@ impl Items {
             cached,
             done: Vec::new(),
             text: None,
-            tokens: Vec::new(),
+            tokens: TokenRun::default(),
             tokens_sent: 0,
+            text_at: None,
+            text_logprobs: Vec::new(),
             reasoning: None,
             call: None,
             text_status: "completed",
@@ -893,7 +915,7 @@ impl Items {
         match c {
             Chunk::Data(v) => {
                 if let Some(lps) = v["choices"][0]["logprobs"]["content"].as_array() {
-                    self.tokens.extend(lps.iter().cloned());
+                    self.tokens.extend(lps);
                 }
                 let delta = &v["choices"][0]["delta"];
                 if let Some(t) = delta["reasoning_content"]
@@ -920,10 +942,7 @@ impl Items {
                         self.open_text(&mut out);
                     }
                     self.text.as_mut().expect("open").push_str(t);
-                    let spelled = self.spelled(self.text.as_deref().unwrap_or_default());
-                    let from = self.tokens_sent.clamp(spelled.start, spelled.end);
-                    let lps = &self.tokens[from..spelled.end];
-                    self.tokens_sent = spelled.end;
+                    let lps = self.text_grew(t.len());
                     out.push(json!({"type": "response.output_text.delta",
                         "item_id": self.message_id(), "output_index": index(self),
                         "content_index": 0, "delta": t, "logprobs": lps}));
@@ -1000,9 +1019,30 @@ impl Items {
         }
     }
 
-    /// The run of the answer's tokens so far that spells `text` ([`spelling`]).
-    fn spelled(&self, text: &str) -> std::ops::Range<usize> {
-        spelling(&self.tokens, text, self.head.harmony)
+    /// The entries of the tokens the open message's text now covers and no delta has sent,
+    /// its last `grew` bytes new: its place found at its first delta (after the tokens
+    /// earlier text took), then checked to run on there ([`TokenRun`]).
+    fn text_grew(&mut self, grew: usize) -> Vec<Value> {
+        let text = self.text.as_deref().unwrap_or_default().as_bytes();
+        let run = &self.tokens;
+        let from = run.start_of(self.tokens_sent);
+        let at = *self
+            .text_at
+            .get_or_insert_with(|| run.find(text, from, self.head.harmony));
+        let Some(at) = at else {
+            return Vec::new();
+        };
+        let new = at + text.len() - grew..at + text.len();
+        if run.joined.get(new) != Some(&text[text.len() - grew..]) {
+            self.text_at = Some(None);
+            return Vec::new();
+        }
+        let spelled = run.covering(at, at + text.len());
+        let sent = self.tokens_sent.max(spelled.start)..spelled.end.max(self.tokens_sent);
+        let lps = run.entries[sent.clone()].to_vec();
+        self.tokens_sent = sent.end;
+        self.text_logprobs.extend(lps.iter().cloned());
+        lps
     }
 
     fn message_id(&self) -> String {
@@ -1033,7 +1073,8 @@ impl Items {
         };
         let (id, at) = (self.message_id(), self.done.len());
         let mut item = message_item(&id, "assistant", &text, self.text_status);
-        let lps = &self.tokens[self.spelled(&text)];
+        let lps = std::mem::take(&mut self.text_logprobs);
+        self.text_at = None;
         if self.request.params.logprobs.is_some() {
             item["content"][0]["logprobs"] = json!(lps);
         }
@@ -1424,27 +1465,95 @@ mod tests {
     }
 
     #[test]
+    fn a_streamed_text_sends_each_token_once_and_done_gathers_the_deltas() {
+        let store = Arc::new(Store::default());
+        let body = br#"{"model": "m", "input": "hi", "top_logprobs": 1}"#;
+        let request = parse(body, &store).unwrap();
+        let mut items = Items::new(
+            Head::of(&crate::answer::tests::hermes_answer()),
+            store,
+            request,
+            0,
+        );
+        let data = |delta: Value, tokens: &[&str]| {
+            let lps: Vec<Value> = tokens
+                .iter()
+                .map(|t| json!({"token": t, "logprob": -1.0, "bytes": t.as_bytes(), "top_logprobs": []}))
+                .collect();
+            Chunk::Data(json!({"choices": [{"delta": delta, "logprobs": {"content": lps}}]}))
+        };
+        let mut sent = Vec::new();
+        for c in [
+            // A token's logprobs before its text (held), then with it.
+            data(json!({}), &["Ye"]),
+            data(json!({"content": "Yes"}), &["s"]),
+            // Text that does not run on in the tokens' bytes (harmony joins its messages
+            // with a newline): none from there on, nothing sent again.
+            data(json!({"content": "\nYes"}), &["<|end|>", "Yes"]),
+            data(json!({"content": " again"}), &[" again"]),
+            // A call whose arguments hold the text again.
+            data(
+                json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                    "function": {"name": "f", "arguments": ""}}]}),
+                &["{\"a\": \"Yes\"}"],
+            ),
+        ] {
+            sent.extend(items.events(c));
+        }
+        let tokens = |e: &Value| -> Vec<String> {
+            let lps = e["logprobs"].as_array().unwrap();
+            lps.iter()
+                .map(|l| l["token"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let deltas: Vec<String> = sent
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .flat_map(tokens)
+            .collect();
+        assert_eq!(deltas, ["Ye", "s"]);
+        let done = sent
+            .iter()
+            .find(|e| e["type"] == "response.output_text.done")
+            .unwrap();
+        assert_eq!(done["text"], "Yes\nYes again");
+        assert_eq!(tokens(done), deltas);
+    }
+
+    #[test]
     fn the_tokens_that_spell_a_text_are_found_in_their_bytes() {
-        let tokens: Vec<Value> = [
+        let mut run = TokenRun::default();
+        let tokens = [
             "<|channel|>",
             "He",
             "llo",
+            "",
             " wor",
             "ld",
             "<|end|>",
             "He",
             "llo",
-        ]
-        .iter()
-        .map(|t| json!({"token": t, "bytes": t.as_bytes()}))
-        .collect();
-        assert_eq!(spelling(&tokens, "Hello world", false), 1..5);
-        // A text cut inside a token keeps that token; the first place, or the last in harmony.
-        assert_eq!(spelling(&tokens, "Hello wo", false), 1..4);
-        assert_eq!(spelling(&tokens, "Hello", false), 1..3);
-        assert_eq!(spelling(&tokens, "Hello", true), 6..8);
-        assert_eq!(spelling(&tokens, "", false), 0..0);
-        assert_eq!(spelling(&tokens, "absent", false), 0..0);
+        ];
+        let entries: Vec<Value> = tokens
+            .iter()
+            .map(|t| json!({"token": t, "bytes": t.as_bytes()}))
+            .collect();
+        run.extend(&entries);
+        let spelled = |text: &str, from: usize, harmony: bool| {
+            let at = run.find(text.as_bytes(), from, harmony)?;
+            Some(run.covering(at, at + text.len()))
+        };
+        // An empty token inside the text is kept.
+        assert_eq!(spelled("Hello world", 0, false), Some(1..6));
+        // A text cut inside a token keeps that token.
+        assert_eq!(spelled("Hello wo", 0, false), Some(1..5));
+        // The first place, the last in harmony, or the first from a byte on.
+        assert_eq!(spelled("Hello", 0, false), Some(1..3));
+        assert_eq!(spelled("Hello", 0, true), Some(7..9));
+        assert_eq!(spelled("Hello", run.start_of(3), false), Some(7..9));
+        assert_eq!(spelled("", 0, false), None);
+        assert_eq!(spelled("absent", 0, false), None);
+        assert_eq!(spelled("Hello", 1000, false), None);
     }
 
     #[test]
