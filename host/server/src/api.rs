@@ -398,17 +398,20 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Field `k`: a count of alternatives a token, at most [`MAX_TOP_LOGPROBS`].
+pub fn top_logprobs(f: &Fields, k: &str) -> Result<Option<usize>, ApiError> {
+    match f.count(k)? {
+        Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
+            Some(k),
+            format!("'{k}' must be at most {MAX_TOP_LOGPROBS}"),
+        )),
+        n => Ok(n.map(|n| n as usize)),
+    }
+}
+
 /// `logprobs` (chat: a bool with `top_logprobs`; completions: the alternatives' count).
 fn logprobs(f: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
-    let top = |k: &str| -> Result<Option<usize>, ApiError> {
-        match f.count(k)? {
-            Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
-                Some(k),
-                format!("'{k}' must be at most {MAX_TOP_LOGPROBS}"),
-            )),
-            n => Ok(n.map(|n| n as usize)),
-        }
-    };
+    let top = |k: &str| top_logprobs(f, k);
     match endpoint {
         Endpoint::Chat => {
             let on = f.bool("logprobs")?.unwrap_or(false);

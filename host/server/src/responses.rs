@@ -27,8 +27,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::answer::{chunks, Answer, Choice, Chunk};
 use crate::api::{
-    checked_choice, declare_tool, object, refuse_others, tools_with, Fields, Format, Params,
-    Prompt, ToolChoice, MAX_TOP_LOGPROBS,
+    checked_choice, declare_tool, object, refuse_others, tools_with, top_logprobs, Fields, Format,
+    Params, Prompt, ToolChoice,
 };
 use crate::engine::Event;
 use crate::error::ApiError;
@@ -315,7 +315,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
     })
 }
 
-/// Log-probabilities, with `top_logprobs` (0 to [`MAX_TOP_LOGPROBS`]) alternatives a token,
+/// Log-probabilities, with `top_logprobs` (0 to [`MAX_TOP_LOGPROBS`](crate::api::MAX_TOP_LOGPROBS)) alternatives a token,
 /// where `include` names [`INCLUDE_LOGPROBS`] or `top_logprobs` asks for alternatives.
 /// `include`'s other values (`reasoning.encrypted_content`, …) ask for what this server
 /// does not keep and are passed over.
@@ -339,15 +339,7 @@ fn logprobs(f: &Fields) -> Result<Option<usize>, ApiError> {
             ))
         }
     };
-    let top = match f.count("top_logprobs")? {
-        Some(n) if n > MAX_TOP_LOGPROBS => {
-            return Err(ApiError::invalid(
-                Some("top_logprobs"),
-                format!("'top_logprobs' must be at most {MAX_TOP_LOGPROBS}"),
-            ))
-        }
-        n => n.map_or(0, |n| n as usize),
-    };
+    let top = top_logprobs(f, "top_logprobs")?.unwrap_or(0);
     Ok((asked || top > 0).then_some(top))
 }
 
@@ -732,7 +724,7 @@ struct Head {
     created: u64,
     model: String,
     prompt_tokens: usize,
-    /// Whether the model writes harmony (its text comes after its reasoning; [`spelling`]).
+    /// Whether the model writes harmony (its text comes after its reasoning; [`TokenRun`]).
     harmony: bool,
 }
 
