@@ -153,10 +153,6 @@ enum Store<'a> {
     },
 }
 
-/// The most tokens a linear computes with several invocations per output row
-/// (project.wgsl's `rows_main`); more take the tiled product.
-const ROWS_TOGETHER_MAX_T: usize = 16;
-
 /// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`).
 const TILE: u32 = 64;
 
@@ -267,7 +263,7 @@ impl WgpuDevice {
     /// Whether `projections` of `x` can run as one dispatch of `rows_main`: few tokens, each
     /// weight in one binding, as many as the adapter's bindings allow.
     fn together(&self, x: &WgpuTensor, projections: &[&Projection<'_, Self>]) -> bool {
-        x.dims[0] <= ROWS_TOGETHER_MAX_T
+        x.dims[0] <= self.context().tuning.rows_tokens
             && projections.len() <= self.context().tuning.ways
             && projections.iter().all(|p| p.w.parts.len() == 1)
     }
@@ -320,8 +316,8 @@ impl WgpuDevice {
             }
         }
         // Several ways and heads-major stores are for few tokens only (the callers' checks).
-        let together = t <= ROWS_TOGETHER_MAX_T;
         let tuning = self.context().tuning;
+        let together = t <= tuning.rows_tokens;
         let group = tuning.group;
         let lanes = row_lanes(cols, ways[0].dtype, rotated, &tuning);
         // Each projection starts on a workgroup's first row (project.wgsl's header); the

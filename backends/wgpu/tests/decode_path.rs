@@ -21,6 +21,7 @@ const GPU: Tuning = Tuning {
     group: 256,
     lane_steps: 8,
     max_lanes: 256,
+    rows_tokens: 16,
     subgroups: true,
     by_dtype: true,
 };
