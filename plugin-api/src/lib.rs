@@ -9,7 +9,7 @@
 //! Contracts:
 //!
 //! - **No panics across the boundary.** Every function a plugin exports, and every method of
-//!   [`CacheObject`] and [`ModelMethod`], catches panics ([`guard`]) and returns a
+//!   [`CacheObject`] and [`ModelMethod`], catches panics ([`guard()`]) and returns a
 //!   [`PluginError`] of kind [`AbiErrorKind::Panic`].
 //! - **No shared statics.** Each dylib has its own copy of every Rust static; what the host
 //!   shares (cache lookup, the log sink) reaches a plugin through [`HostServices`].

@@ -7,6 +7,10 @@
 //!
 //! Off x86-64 only the portable kernels exist, and the helpers the vector kernels share are
 //! left unused there.
+
+// A backend's docs are read with its private items (`cargo doc --document-private-items`),
+// which its public items' docs link to.
+#![allow(rustdoc::private_intra_doc_links)]
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 pub mod attention;

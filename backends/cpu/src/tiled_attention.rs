@@ -446,7 +446,7 @@ pub struct TileScratch {
     /// The running max and sum of the rows whose chunks this task folds ([`fold`]).
     fold_max: Vec<f32>,
     fold_sum: Vec<f32>,
-    /// The tile's K and V groups (see [`Row8::for_tile`]).
+    /// The tile's K and V groups (see [`RowView::for_tile`]).
     k_groups: Vec<f32>,
     v_groups: Vec<f32>,
     /// The part's query rows in int8 and the tile's keys staged for them (int8-query

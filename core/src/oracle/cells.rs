@@ -10,7 +10,7 @@
 //! - tree: a frontier node sees the committed prefix, its ancestors (by walking parents) and
 //!   itself; a step with no frontier is a contiguous step on the prefix.
 //!
-//! Refusals use the same [`ErrorKind`]s, checked in the order the contract lists them.
+//! Refusals use the same [`ErrorKind`](crate::error::ErrorKind)s, checked in the order the contract lists them.
 
 use std::collections::BTreeSet;
 

@@ -1,6 +1,6 @@
-//! Prefix reuse on the seq cache: the [`RadixIndex`] maps token prefixes to the cells holding
-//! their K/V, so a new sequence starting with cached tokens takes those cells by membership
-//! (no K/V copy) and prefills only the rest.
+//! Prefix reuse on the seq cache: the [`RadixIndex`](crate::radix::RadixIndex) maps token
+//! prefixes to the cells holding their K/V, so a new sequence starting with cached tokens
+//! takes those cells by membership (no K/V copy) and prefills only the rest.
 //!
 //! Rules:
 //! - Cells enter the index by [`SeqBookkeeping::prefix_publish`] (tokens at positions

@@ -157,7 +157,7 @@ impl Context {
 
     /// [`Context::decode`] returning each asked row's greedy token instead of its logits:
     /// the index of its largest logit (the lowest on ties, never a NaN, as
-    /// [`kvplug_core::argmax`] picks it) after `adjust`, computed where the logits are, so
+    /// [`kvplug_core::argmax()`] picks it) after `adjust`, computed where the logits are, so
     /// a step reads back 4 bytes a row rather than `4 · vocab`. `adjust` changes logits
     /// before they are picked: `(row, token, how)`, `row` counting the rows the batch asks
     /// for, each place once (logit bias and penalties).

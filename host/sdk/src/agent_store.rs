@@ -273,7 +273,7 @@ impl AgentStore {
         self.usage
     }
 
-    /// Applies [`WarmLimits`] if they were last applied over [`IDLE_CHECK`] ago (a server
+    /// Applies [`WarmLimits`] if they were last applied over `IDLE_CHECK` ago (a server
     /// calls this between steps and when idle); parking applies them at once.
     pub fn check_warm(&mut self) {
         if self.checked.elapsed() >= IDLE_CHECK {

@@ -137,7 +137,7 @@ impl Sandbox {
         }
     }
 
-    /// Makes this the process's sandbox for [`render`]; fails (returning it) when one is
+    /// Makes this the process's sandbox for `render`; fails (returning it) when one is
     /// installed already.
     pub fn install(self) -> Result<(), Sandbox> {
         SANDBOX.set(self)

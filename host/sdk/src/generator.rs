@@ -57,7 +57,7 @@ pub struct GenOptions {
     /// [`Finish::Cancelled`].
     pub cancel: Option<Arc<AtomicBool>>,
     /// Decode speculatively: draft tokens verified in the request's own steps (see
-    /// [`crate::speculative`]); the tokens are those plain decoding gives.
+    /// the `speculative` module); the tokens are those plain decoding gives.
     pub speculate: Option<Speculation>,
     /// Pick where the logits are, in steps whose every request asked for it and picks
     /// plainly (no grammar, logprobs or speculation; logit bias and penalties are applied

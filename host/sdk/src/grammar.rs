@@ -46,7 +46,7 @@ pub fn compact_json(schema: &Value) -> Value {
     schema
 }
 
-/// A Lark rule body matching one JSON value under `schema`, laid out by [`compact_json`].
+/// A Lark rule body matching one JSON value under `schema`, laid out by `compact_json`.
 pub fn json_rule(schema: &Value) -> String {
     format!("%json {}", compact_json(schema))
 }

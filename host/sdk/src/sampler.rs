@@ -209,7 +209,7 @@ pub struct Adjustments {
     /// Added to the token's logit (−100 bans it, +100 all but forces it).
     pub logit_bias: Vec<(i32, f32)>,
     /// Divides a positive logit (times its inverse) and multiplies a negative one, for every
-    /// token among the last [`REPEAT_WINDOW`] of the prompt and the answer (1 or 0 = off).
+    /// token among the last `REPEAT_WINDOW` of the prompt and the answer (1 or 0 = off).
     pub repetition_penalty: f32,
     /// Subtracted once per earlier occurrence in the answer.
     pub frequency_penalty: f32,
@@ -244,7 +244,7 @@ impl Adjustments {
     /// What applying does to each token it changes, by token: the token's biases summed
     /// (in list order) and added; `n·frequency + presence` subtracted for a token `n` times
     /// in `answer`; a positive result divided by the repetition penalty `p` (times `1/p`)
-    /// and another multiplied by it, for a token among the last [`REPEAT_WINDOW`] of
+    /// and another multiplied by it, for a token among the last `REPEAT_WINDOW` of
     /// `recent` and `answer`.
     pub fn entries(&self, recent: &[i32], answer: &[i32], out: &mut Vec<(i32, Adjust)>) {
         out.clear();

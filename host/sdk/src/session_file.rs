@@ -17,7 +17,7 @@
 //!   with `g0.k.scales` and `g0.k.los` (F16 `[.., groups]`), so a q4 file is about 0.31x an
 //!   f16 one.
 //! - Metadata under `kv_cache.`: `format` (`kvplug-session`), `schema_version`,
-//!   `model_fingerprint` (see [`crate::fingerprint`]), `model_name` (for listings only),
+//!   `model_fingerprint` (see the `fingerprint` module), `model_name` (for listings only),
 //!   `kv_dtype`, `key_basis` (`identity` or `hadamard`, see [`KeyBasis`]; a file without
 //!   it is `identity`, as every earlier writer's was), `n_layers`, `n_kv_heads`,
 //!   `head_dim`, `layer_groups` (`full`, then `sliding` with `sliding_layers`, the
@@ -66,7 +66,7 @@ pub struct Session {
     /// The basis of the key rows ([`Context::key_basis`](kvplug_runtime::Context::key_basis)
     /// of the context they came from).
     pub key_basis: KeyBasis,
-    /// A readable name of the model ([`crate::fingerprint::model_name`]), for listings;
+    /// A readable name of the model (`fingerprint::model_name`), for listings;
     /// empty when unknown (files of earlier writers). Never checked.
     pub model_name: String,
     /// Application entries (`app.*` keys without the prefix).

@@ -16,8 +16,9 @@
 //!   constrained decoding (llguidance); `logprobs`, `n`, penalties, `logit_bias`, `min_p`,
 //!   `top_k`, `ignore_eos`.
 //! - **One model, one seq cache.** Requests are sequences of one cache; the engine thread
-//!   runs one forward per step over all of them ([`engine`]). The cache's capacity is the
-//!   memory budget: requests beyond it wait, a full queue answers 429 with `Retry-After`.
+//!   runs one forward per step over all of them (the `engine` module). The cache's capacity
+//!   is the memory budget: requests beyond it wait, a full queue answers 429 with
+//!   `Retry-After`.
 //! - **Reuse.** Every answered request leaves its K/V in the prefix index, so a later
 //!   request sharing its beginning (a system prompt, an agent's transcript) prefills only the
 //!   rest; `usage.prompt_tokens_details.cached_tokens` says how much was reused. A request

@@ -5,7 +5,7 @@
 //! output (every layer, every step) and the neutral verbs' results ([`runner`]).
 //!
 //! The runner is independent of how caches are made: the caller passes a
-//! [`CacheFactory`](runner::CacheFactory); [`matrix`] runs it over a runtime's backends
+//! [`CacheFactory`]; [`matrix`] runs it over a runtime's backends
 //! ([`RuntimeFactory`]), for `kvplug conform` and `make test`.
 
 pub mod matrix;

@@ -233,7 +233,7 @@ impl KeyTile {
     /// group scales and offsets; returns the registers per row group.
     ///
     /// # Safety
-    /// `k` was staged for a tile of `n` rows by [`RowView::for_tile`].
+    /// `k` was staged for a tile of `n` rows by [`super::RowView::for_tile`].
     unsafe fn start(&mut self, k: &QuantRows, n: usize, lanes: usize) -> usize {
         let words = k.d / WORD;
         let rows = n.next_multiple_of(lanes);
@@ -252,7 +252,7 @@ impl KeyTile {
         words
     }
 
-    /// Stages rows `[j0, j0 + n)` of `k` (staged for the tile by [`RowView::for_tile`]) 16
+    /// Stages rows `[j0, j0 + n)` of `k` (staged for the tile by [`super::RowView::for_tile`]) 16
     /// rows a register, asking for rows of `v` and `k` as [`row_group`] says.
     ///
     /// # Safety

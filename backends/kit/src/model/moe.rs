@@ -141,7 +141,7 @@ impl ExpertGroups {
 }
 
 /// Refuses routes and groups that do not fit each other, `t` tokens and `count` experts
-/// (what [`ModelDevice::experts`](super::ModelDevice::experts) implementations index by).
+/// (what [`ModelDevice::experts`] implementations index by).
 pub fn check(routes: &Routes, groups: &ExpertGroups, t: usize, count: usize) -> Result<(), String> {
     let n = routes.experts.len();
     let fits = routes.per_token > 0

@@ -535,7 +535,7 @@ pub trait ModelDevice: Device {
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<(), KitError>;
     /// The index of each row's largest value of `x` (`[R, V]`: logit rows) into `out` (R
-    /// ids), picked as [`kvplug_core::argmax`] picks it (the lowest index on ties, never a
+    /// ids), picked as [`kvplug_core::argmax()`] picks it (the lowest index on ties, never a
     /// NaN): a greedy step's tokens, read back as R integers instead of R·V floats. `ids`
     /// (`[R]`) is scratch a device may compute them into. The default downloads the rows.
     fn argmax_rows(

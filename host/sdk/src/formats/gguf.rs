@@ -12,7 +12,7 @@
 //! Face–style directory (`model.safetensors` — matrices dequantized to f16, vectors in f32 —
 //! with `kv_cache.*` metadata), the converter's changes undone.
 //!
-//! The container is read by [`super::gguf_file`] (kvplug's own reader: candle's refuses files
+//! The container is read by `formats::gguf_file` (kvplug's own reader: candle's refuses files
 //! with MXFP4 tensors and trusts claimed lengths); the block formats are dequantized by
 //! candle's reference code for `import`. This module maps names and metadata.
 //!
@@ -1525,7 +1525,7 @@ pub fn cache_dir() -> PathBuf {
 /// A model directory for `path`: `path` itself when it is a directory, else the directory
 /// that serves the GGUF file's weights in place ([`index`]), made once into [`cache_dir`]
 /// under a digest of the file's canonical path, length and modification time (a changed
-/// file gets a new index; nothing reads the weights to name it) and [`INDEXER_REVISION`].
+/// file gets a new index; nothing reads the weights to name it) and `INDEXER_REVISION`.
 pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     if path.is_dir() {
         return Ok(path.to_path_buf());
