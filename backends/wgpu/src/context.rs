@@ -407,11 +407,14 @@ impl Tuning {
             || self.lane_steps == 0
             || !self.max_lanes.is_power_of_two()
             || self.max_lanes < 8
+            || self.rows_tokens > limits.max_compute_workgroups_per_dimension as usize
         {
             return Err(format!(
                 "{self:?}: projections take 1 way, or 3 with {THREE_WAY_BINDINGS} storage \
                  bindings a stage; a workgroup a power of two from 8 to 256; a step a lane; \
-                 at most a power of two from 8 lanes a row"
+                 at most a power of two from 8 lanes a row; rows_main at most {} tokens (a \
+                 workgroup row each)",
+                limits.max_compute_workgroups_per_dimension
             ));
         }
         Ok(())

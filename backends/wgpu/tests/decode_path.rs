@@ -276,6 +276,12 @@ fn a_tuning_the_kernels_cannot_take_is_refused() {
             max_lanes: 48,
             ..GPU
         },
+        // Past the workgroups a dispatch dimension may count (rows_main's grid has one
+        // workgroup row a token).
+        Tuning {
+            rows_tokens: 1 << 20,
+            ..GPU
+        },
     ] {
         let err = WgpuDevice::open_tuned(bad).err().expect("refused");
         assert!(err.contains("projections take 1 way"), "{bad:?}: {err}");

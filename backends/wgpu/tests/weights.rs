@@ -98,7 +98,8 @@ fn row_values(dtype: StoredDtype, bytes: &[u8], r: usize) -> (Vec<f32>, Vec<f32>
 #[test]
 fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
     let mut rng = Rng(17);
-    // 2 tokens take the workgroup-per-row kernel (up to 2 on a CPU adapter), 20 the tiled one.
+    // 2 tokens take the decode kernel, `lanes` invocations a row (up to
+    // `Tuning::CPU.rows_tokens`), 20 the tiled one.
     let x: Vec<f32> = (0..20 * COLS)
         .map(|i| rng.signed() * if i / COLS == 1 { 100.0 } else { 1.0 })
         .collect();
