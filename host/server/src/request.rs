@@ -13,7 +13,7 @@ use crate::api::{Format, Params, Prompt, ToolChoice};
 use crate::error::ApiError;
 
 /// The tools a request's answer may call, and how its template writes the calls (`None`:
-/// no tool, or `tool_choice` none).
+/// no tool, `tool_choice` none, or a continued assistant turn).
 pub struct Calls {
     /// The tools offered.
     pub tools: Vec<Tool>,
@@ -48,11 +48,15 @@ pub struct Model<'a> {
     pub max_tokens: usize,
 }
 
-/// `p`'s prompt rendered (with the tools it offers, when it may call them) and tokenized.
+/// `p`'s prompt rendered with the tools it offers and tokenized, and the calls its answer
+/// may make (as [`Calls`] says). Under `tool_choice` none the model still sees the tools, as
+/// OpenAI's, vLLM's and llama.cpp's do (an earlier turn's calls and results keep their
+/// meaning) and its answer is text: the prompt is the one an `auto` turn renders, so an
+/// agent that switches between the two keeps its cached prefix.
 pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiError> {
-    let mut calls = match (&p.tools[..], &p.tool_choice) {
-        ([], _) | (_, ToolChoice::None) => None,
-        (tools, _) => Some(Calls {
+    let mut calls = match &p.tools[..] {
+        [] => None,
+        tools => Some(Calls {
             tools: tools.to_vec(),
             format: match ToolFormat::of_template(m.text.template().unwrap_or_default()) {
                 // Harmony's markers are not in this vocabulary: its calls come as text.
@@ -88,9 +92,9 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
             encode(m, &mut calls, &rendered)?
         }
     };
-    if continuing {
-        // The answer goes on with the assistant's text: no call is looked for in it (the
-        // tools stay in the prompt, as the conversation showed them).
+    if continuing || p.tool_choice == ToolChoice::None {
+        // The answer is text (a continuation goes on with the assistant's): no call is
+        // looked for in it, though the tools stay in the prompt.
         calls = None;
     }
     if prompt.is_empty() {

@@ -119,6 +119,26 @@ fn tool_calls_streamed_or_not_in_every_choice_mode() {
     let (got, finish) = assembled(&s.chunks(PATH, &streamed));
     assert_eq!((got, finish.as_str()), (calls, "tool_calls"));
 
+    // none: the same prompt (the tools shown, the cached prefix kept) and a text answer,
+    // even to a question the model answers with a call.
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    let t = s.ok(PATH, &none, &[]);
+    assert_eq!(
+        t["usage"]["prompt_tokens"], v["usage"]["prompt_tokens"],
+        "{t}"
+    );
+    assert_eq!(
+        t["usage"]["prompt_tokens_details"]["cached_tokens"],
+        json!(v["usage"]["prompt_tokens"].as_u64().unwrap() - 1),
+        "{t}"
+    );
+    let content = t["choices"][0]["message"]["content"].as_str();
+    assert!(
+        calls_of(&t).is_empty() && content.is_some_and(|c| !c.is_empty()),
+        "{t}"
+    );
+
     // required: a call even where the question needs none; named: that tool; none: text.
     let hello = json!([{"role": "user", "content": "Say hello."}]);
     let mut b = json!({"messages": hello, "tools": weather_tools(), "tool_choice": "required",
