@@ -331,6 +331,23 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
         "grammar": "root ::= (\"yes\" | \"no\")", "temperature": 1.0, "max_tokens": 8});
     let a = s.ok(PATH, &yes_no, &[])["choices"][0]["message"]["content"].clone();
     assert!(a == "yes" || a == "no", "{a}");
+    // A chain of rules deeper than a 2 MiB thread compiles (it aborted the server once);
+    // a schema that allows no answer is a 400 before a stream starts.
+    let chain: String = (0..1000)
+        .map(|i| format!("a{i}: a{} | \"x\"\n", i + 1))
+        .collect();
+    let mut deep = yes_no.clone();
+    deep["grammar"] = json!(format!("start: a0\n{chain}a1000: \"y\"\n"));
+    let a = s.ok(PATH, &deep, &[])["choices"][0]["message"]["content"].clone();
+    assert!(a == "x" || a == "y", "{a}");
+    let nothing = json!({"messages": person, "stream": true,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"$ref": "#"}}}});
+    let (status, v) = s.post(PATH, &nothing, &[]);
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("response_format")),
+        "{v}"
+    );
     let greedy = json!({"messages": person, "temperature": 0, "max_tokens": 1, "logprobs": true});
     let first = s.ok(PATH, &greedy, &[])["choices"][0]["logprobs"]["content"][0].clone();
     let id = token_id(first["token"].as_str().unwrap());

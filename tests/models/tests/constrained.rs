@@ -170,3 +170,68 @@ fn tool_calls_in_a_templates_doubled_braces_follow_their_grammar() {
         "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
     ));
 }
+
+/// Grammars whose compile recurses deeper than a thread's usual 2 MiB of stack (a chain of
+/// rules, of terminals, of schema references, each link nested) compile on the grammar
+/// thread's own stack; past its bound they are refused before compiling, and a grammar that
+/// allows no answer is refused when it is built, not at its first token. The test's own
+/// thread has 2 MiB: an overflow would abort it.
+#[test]
+fn deep_grammars_compile_or_are_refused_and_never_overflow_the_stack() {
+    let rt = common::runtime();
+    let model = qwen(&rt);
+    let text = Text::load(model.dir()).unwrap();
+    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
+    let grammars = Grammars::new(model.dir(), model.vocab(), &eos).unwrap();
+    let chain = |n: usize, nested: usize, name: &dyn Fn(usize) -> String| {
+        let (open, close) = ("(".repeat(nested), ")".repeat(nested));
+        let mut g = format!("start: {}\n", name(0));
+        for i in 0..n {
+            g += &format!("{}: {open}{} | \"x\"{close}\n", name(i), name(i + 1));
+        }
+        g + &format!("{}: \"y\"\n", name(n))
+    };
+    let refs = |n: usize| {
+        let defs: serde_json::Map<String, Value> = (0..n)
+            .map(|i| {
+                let next = json!({"anyOf": [{"$ref": format!("#/$defs/d{}", i + 1)}, {"type": "integer"}]});
+                (format!("d{i}"), json!({"type": "array", "items": next}))
+            })
+            .chain([(format!("d{n}"), json!({"type": "integer"}))])
+            .collect();
+        GrammarSpec::JsonSchema(json!({"$defs": defs, "$ref": "#/$defs/d0"}))
+    };
+    // Each past what 2 MiB held (measured: 600 rules, 655 terminals, 33 rules nested 28
+    // deep, 265 references).
+    let rule = |i: usize| format!("a{i}");
+    let terminal = |i: usize| format!("T{i}");
+    for spec in [
+        GrammarSpec::Lark(chain(1_000, 0, &rule)),
+        GrammarSpec::Lark(chain(1_000, 0, &terminal)),
+        GrammarSpec::Lark(chain(100, 28, &rule)),
+        refs(600),
+    ] {
+        let mut c = grammars.constraint(&spec).unwrap();
+        let mut logits = vec![0.0; model.vocab()];
+        c.apply(&mut logits).unwrap();
+        assert!(logits.iter().any(|l| l.is_finite()));
+    }
+    for (spec, says) in [
+        (
+            GrammarSpec::Lark(chain(20_000, 0, &rule)),
+            "nests too deeply",
+        ),
+        (refs(5_000), "nests too deeply"),
+        (
+            GrammarSpec::JsonSchema(json!({"$ref": "#"})),
+            "allows no answer",
+        ),
+        (
+            GrammarSpec::Lark("start: s\ns: s\n".into()),
+            "allows no answer",
+        ),
+    ] {
+        let e = grammars.constraint(&spec).unwrap_err().to_string();
+        assert!(e.contains(says) && !e.contains("<state>"), "{e}");
+    }
+}
