@@ -101,6 +101,8 @@ pub struct ServerConfig {
     pub parked: kvplug::WarmLimits,
     /// How long a client may take to send a request's headers.
     pub header_timeout: std::time::Duration,
+    /// The longest a request's body may stop arriving before the request ends with 408.
+    pub body_timeout: std::time::Duration,
     /// Whether answers say where their prompt's reuse ended (the `x-kvplug-prefix` header:
     /// it shows the token of a recent request's prompt, possibly another client's, where
     /// this prompt departs from it; turn off where clients must not learn of each other's
@@ -173,9 +175,9 @@ impl Server {
                 kvplug_core::MAX_SEQS
             )));
         }
-        if config.header_timeout.is_zero() {
+        if config.header_timeout.is_zero() || config.body_timeout.is_zero() {
             return Err(ServerError::Config(
-                "the header timeout must be above zero".into(),
+                "the header and body timeouts must be above zero".into(),
             ));
         }
         let llm = kvplug::Llm::builder(&config.model)
@@ -274,7 +276,7 @@ impl Server {
             grammars,
             metrics: metrics.clone(),
         });
-        let app = routes::router(shared, config.max_body);
+        let app = routes::router(shared, config.max_body, config.body_timeout);
         let header_timeout = config.header_timeout;
         let http = std::thread::Builder::new()
             .name("kvplug-http".into())

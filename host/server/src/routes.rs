@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -17,6 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutError};
 
 use crate::answer::{collect, stream, Answer};
 use crate::api::{self, Endpoint, Params};
@@ -84,8 +85,9 @@ impl Shared {
     }
 }
 
-/// The routes; bodies above `max_body` bytes are refused with 413.
-pub fn router(state: AppState, max_body: usize) -> Router {
+/// The routes; bodies above `max_body` bytes are refused with 413, and one whose bytes stop
+/// arriving for `body_timeout` with 408.
+pub fn router(state: AppState, max_body: usize, body_timeout: Duration) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -108,6 +110,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(RequestBodyTimeoutLayer::new(body_timeout))
         .with_state(state)
 }
 
@@ -234,6 +237,24 @@ fn agent_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     Ok(Some(name.to_string()))
 }
 
+/// A request's body, or why it could not be read (413 past the size limit, 408 when its
+/// bytes stopped arriving for the body timeout).
+fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let mut cause: Option<&dyn std::error::Error> = Some(&e);
+        while let Some(c) = cause {
+            if c.is::<TimeoutError>() {
+                return ApiError::with_status(
+                    axum::http::StatusCode::REQUEST_TIMEOUT,
+                    "the request body stopped arriving",
+                );
+            }
+            cause = c.source();
+        }
+        ApiError::with_status(e.status(), e.body_text())
+    })
+}
+
 /// The header telling where a prompt's reuse ended (JSON, non-ASCII escaped).
 pub const PREFIX_HEADER: &str = "x-kvplug-prefix";
 
@@ -349,7 +370,7 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+    let body = body_of(body)?;
     let p = api::parse(endpoint, &body)?;
     let id_prefix = match endpoint {
         Endpoint::Chat => "chatcmpl-",
@@ -371,7 +392,7 @@ async fn openai_responses(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+    let body = body_of(body)?;
     let r = responses::parse(&body, &s.responses)?;
     let mut a = admit(
         &s,
@@ -453,7 +474,7 @@ async fn anthropic_messages(
 ) -> Response {
     let arrived = Instant::now();
     let answered = async {
-        let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+        let body = body_of(body)?;
         let p = messages::parse(&body, false)?;
         let a = admit(&s, Endpoint::Chat, &headers, p, arrived, "msg_").await?;
         let response = if a.stream {
@@ -472,7 +493,7 @@ async fn anthropic_count_tokens(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let counted = async {
-        let body = body.map_err(|e| ApiError::with_status(e.status(), e.body_text()))?;
+        let body = body_of(body)?;
         let p = messages::parse(&body, true)?;
         let shared = s.clone();
         let (prompt, _) = tokio::task::spawn_blocking(move || render(&shared.request_model(), &p))

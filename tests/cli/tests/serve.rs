@@ -628,9 +628,10 @@ fn parked_agents_stay_within_the_disk_budget_and_the_idle_limit() {
     assert!(dir.join("mine.kvsession.safetensors").exists());
 }
 
-/// A client that never finishes its headers is disconnected after `--header-timeout`, and
-/// the server answers others meanwhile; of simultaneous requests, exactly `parallel +
-/// max-queue` are taken and the 429s say so.
+/// A client that never finishes its headers is disconnected after `--header-timeout`, one
+/// whose body stops arriving gets 408 after `--body-timeout`, and the server answers others
+/// meanwhile; of simultaneous requests, exactly `parallel + max-queue` are taken and the
+/// 429s say so.
 #[test]
 fn half_sent_requests_time_out_and_busy_answers_add_up() {
     use std::io::{Read, Write};
@@ -638,6 +639,8 @@ fn half_sent_requests_time_out_and_busy_answers_add_up() {
         &model(),
         &[
             "--header-timeout",
+            "2s",
+            "--body-timeout",
             "2s",
             "--parallel",
             "4",
@@ -676,6 +679,40 @@ fn half_sent_requests_time_out_and_busy_answers_add_up() {
     let head = String::from_utf8_lossy(&buf[..n]).to_string();
     assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "{head}");
     assert_eq!(closed(slow.read(&mut buf)), 0, "still open");
+
+    // Headers whole, the body's first byte of a thousand, then nothing: 408, then closed.
+    let mut stalled = std::net::TcpStream::connect(&addr).unwrap();
+    stalled
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{",
+        )
+        .unwrap();
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    loop {
+        match closed(stalled.read(&mut buf)) {
+            0 => break,
+            n => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1500),
+        "answered after {waited:?}"
+    );
+    let answer = String::from_utf8_lossy(&answer).to_string();
+    assert!(
+        answer.starts_with("HTTP/1.1 408") && answer.contains("stopped arriving"),
+        "{answer}"
+    );
+    s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 1}),
+        &[],
+    );
 
     // Four answers held in flight (a thousand tokens each, far longer than the test needs),
     // then six simultaneous requests: two wait, four are turned away.

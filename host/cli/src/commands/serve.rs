@@ -68,6 +68,9 @@ pub struct Args {
     /// previous request on the connection), else it is disconnected.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     header_timeout: Duration,
+    /// A request whose body stops arriving for this long ends with 408 and its connection.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    body_timeout: Duration,
     /// Leave out the x-kvplug-prefix header, which shows the token where a prompt departs
     /// from a recent request's — possibly another client's — prompt.
     #[arg(long)]
@@ -114,6 +117,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         prefix_header: !a.no_prefix_header,
         speculative: a.speculative.0,
         header_timeout: a.header_timeout,
+        body_timeout: a.body_timeout,
         parked: WarmLimits {
             bytes: (a.agent_disk > 0).then_some(a.agent_disk),
             idle: (!a.agent_ttl.is_zero()).then_some(a.agent_ttl),

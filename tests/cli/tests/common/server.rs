@@ -274,6 +274,7 @@ pub fn config(model: &Path) -> ServerConfig {
         session_dir: PathBuf::new(),
         parked: kvplug::WarmLimits::default(),
         header_timeout: Duration::from_secs(30),
+        body_timeout: Duration::from_secs(30),
         prefix_header: true,
         speculative: Some(kvplug::DraftKind::Ngram),
     }
