@@ -72,9 +72,13 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     body_timeout: Duration,
     /// Leave out the x-kvplug-prefix header, which shows the token where a prompt departs
-    /// from a recent request's — possibly another client's — prompt.
-    #[arg(long)]
+    /// from a recent request's — possibly another client's — prompt. It is left out by
+    /// default when the server listens beyond loopback or requires a key.
+    #[arg(long, conflicts_with = "prefix_header")]
     no_prefix_header: bool,
+    /// Send the x-kvplug-prefix header even when listening beyond loopback or requiring a key.
+    #[arg(long)]
+    prefix_header: bool,
     /// Speculative decoding of greedy requests (unless they send `"speculative": false`)
     /// and of any request sending `"speculative": true`, drafting with KIND: `ngram`
     /// (prompt lookup over the conversation: agents re-emit what they read), `draft:PATH`,
@@ -98,12 +102,13 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         .map(|s| s.to_string_lossy().into_owned())
         .context("--model has no file name: give --alias")?,
     };
+    let api_key = a.api_key.filter(|k| !k.is_empty());
     let config = ServerConfig {
         model: a.model,
         model_id: model_id.clone(),
         backend: a.backend.clone(),
         addr: SocketAddr::new(a.host, a.port),
-        api_key: a.api_key.filter(|k| !k.is_empty()),
+        api_key: api_key.clone(),
         capacity: a.capacity,
         kv_dtype: a.kv_dtype,
         key_rotation: a.model_flags.key_rotation(),
@@ -114,7 +119,9 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         max_tokens: a.max_tokens,
         max_body: a.max_body,
         session_dir: sessions.dir().to_path_buf(),
-        prefix_header: !a.no_prefix_header,
+        // One user's own clients by default; others must not read each other's prompts.
+        prefix_header: a.prefix_header
+            || (!a.no_prefix_header && a.host.is_loopback() && api_key.is_none()),
         speculative: a.speculative.0,
         header_timeout: a.header_timeout,
         body_timeout: a.body_timeout,
