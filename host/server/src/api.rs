@@ -467,7 +467,8 @@ pub fn tools_with(
 }
 
 /// A declared tool: its `name` (1-64 of a-z A-Z 0-9 _ -, OpenAI's and Anthropic's rule,
-/// not among `declared`), `description`, and `parameters` (a JSON schema object; absent,
+/// not among `declared`), `description`, and `parameters` (a JSON schema object of type
+/// `object`, as OpenAI and Anthropic require: a call's arguments are an object; absent,
 /// none). `at` names the tool in the error.
 pub fn declare_tool(
     declared: &[Tool],
@@ -489,6 +490,13 @@ pub fn declare_tool(
     }
     let parameters = match parameters {
         None => serde_json::json!({"type": "object", "properties": {}}),
+        Some(Value::Object(o)) if o.get("type").is_some_and(|t| t != "object") => {
+            return Err(format!(
+                "{at}: a call's arguments are an object, so its schema's type must be \"object\", \
+                 not {}",
+                o["type"]
+            ))
+        }
         Some(p @ Value::Object(_)) => p.clone(),
         Some(_) => return Err(format!("{at}.parameters must be a JSON schema object")),
     };
@@ -1013,6 +1021,13 @@ mod tests {
             &with(r#""tools": [{"type": "function", "function": {"name": "a b"}}]"#),
             "tools",
             "1-64",
+        );
+        refused(
+            &with(
+                r#""tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]"#,
+            ),
+            "tools",
+            "must be \"object\", not \"string\"",
         );
         refused(
             &with(r#""tool_choice": {"type": "function", "function": {"name": "f"}}"#),
