@@ -563,11 +563,17 @@ impl Engine {
                 .find(|r| r.request == e.request)
                 .and_then(|r| r.choice)
                 .unwrap_or(0);
-            if !e.text.is_empty() || e.logprobs.is_some() {
+            // A stop token ends the answer but is not in it: its log-probability is left out
+            // (as OpenAI's), so an answer's tokens spell its text, streamed or not.
+            let logprobs = e
+                .logprobs
+                .clone()
+                .filter(|_| !a.req.opts.stop_tokens.contains(&e.id));
+            if !e.text.is_empty() || logprobs.is_some() {
                 let _ = a.req.events.send(Event::Token {
                     choice,
                     text: e.text.clone(),
-                    logprobs: e.logprobs.clone(),
+                    logprobs,
                 });
             }
             Ok(())

@@ -265,6 +265,30 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
             "{t}"
         );
     }
+    // An answer its end-of-turn token ended: the tokens spell the content, streamed or not
+    // (the end-of-turn token is not in it).
+    let ok = json!({"messages": [{"role": "user", "content": "Say just OK."}],
+        "temperature": 0, "max_tokens": 16, "logprobs": true});
+    let v = s.ok(PATH, &ok, &[]);
+    let spelled =
+        |lps: &[Value]| -> String { lps.iter().map(|t| t["token"].as_str().unwrap()).collect() };
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let whole = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(spelled(whole), content, "{v}");
+    let mut streamed = ok.clone();
+    streamed["stream"] = json!(true);
+    let parts: Vec<Value> = s
+        .chunks(PATH, &streamed)
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(spelled(&parts), content);
     let v = s.ok(
         "/v1/completions",
         &json!({"prompt": "def add(a, b):", "temperature": 0, "max_tokens": 5, "logprobs": 2}),
