@@ -120,14 +120,19 @@ impl Answer {
     }
 
     fn envelope(&self, chunk: bool, choices: Value) -> Value {
-        json!({
+        let mut v = json!({
             "id": self.id,
             "object": self.object(chunk),
             "created": self.created,
             "model": self.model,
             "system_fingerprint": Value::Null,
             "choices": choices,
-        })
+        });
+        if chunk && self.include_usage {
+            // OpenAI's: `usage` on every chunk, null until the last.
+            v["usage"] = Value::Null;
+        }
+        v
     }
 
     /// The request's usage once `choices` ended.

@@ -123,6 +123,12 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
     let n = chunks.len();
     assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "stop");
     assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert!(
+        chunks[..n - 1]
+            .iter()
+            .all(|c| c["usage"].is_null() && c.as_object().unwrap().contains_key("usage")),
+        "usage: null on every chunk before the last"
+    );
     assert_eq!(
         chunks[n - 1]["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
         Some(prompt_tokens - 1),
