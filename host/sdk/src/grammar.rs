@@ -55,88 +55,98 @@ pub fn json_rule(schema: &Value) -> String {
 /// rule, terminal or schema definition not compiled yet, and each nested group or schema
 /// level, takes a frame, so a long chain of them overflows an ordinary thread's 2 MiB (and a
 /// stack overflow aborts the process). Untouched, the stack costs address space only.
-pub const COMPILE_STACK: usize = 256 << 20;
+const COMPILE_STACK: usize = 256 << 20;
 
 /// The most stack a grammar may need by [`lark_stack`] / [`schema_stack`]: a quarter of
-/// [`COMPILE_STACK`], since their costs per level were measured on one build.
-pub const MAX_COMPILE_STACK: usize = COMPILE_STACK / 4;
+/// [`COMPILE_STACK`], since their costs were measured on one build.
+const MAX_COMPILE_STACK: usize = COMPILE_STACK / 4;
 
 /// Stack a compile takes per rule or terminal in a chain of references, per group nested
-/// in one, per schema `$ref` in a chain, and per level of a schema's nesting: measured
-/// (debug build, 2 MiB threads; 600 rules, 655 terminals, 33 rules nested 28 deep, 265
-/// references, 23 references nested 20 deep) and rounded up.
+/// in one, per schema `$ref` in a chain, and per level of a schema's nesting: measured in
+/// the dev profile (llguidance at opt-level 2, 2 MiB threads: 600 rules, 655 terminals, 33
+/// rules nested 28 deep, 265 references, 23 references nested 20 deep) and rounded up.
 const RULE_STACK: usize = 4 << 10;
 const GROUP_STACK: usize = 5 << 9;
 const REF_STACK: usize = 8 << 10;
 const LEVEL_STACK: usize = 9 << 9;
 
-/// An upper bound on the stack compiling Lark `src` takes: every line that starts a
-/// definition may be a link of one chain of references, each as deep as the deepest group
-/// on its lines (Lark groups do not span lines), and each `%json` schema adds its
-/// [`schema_stack`]. String literals, regular expressions and comments are skipped.
-pub fn lark_stack(src: &str) -> usize {
+/// An upper bound on the stack compiling Lark `src` takes: every definition (each `:`) may
+/// be a link of one chain of references, every group (`(`, `[`) may nest in that chain, and
+/// each `%json` schema adds its [`schema_stack`]. The text is split as llguidance's lexer
+/// splits it (string literals, regular expressions, which may span lines, `<special>`
+/// tokens, `#` and `//` comments, and the JSON after `%json`, `%regex` and `%llguidance` are
+/// not grammar), so nothing it compiles goes uncounted.
+fn lark_stack(src: &str) -> usize {
     let b = src.as_bytes();
-    let mut need = 0;
-    let (mut i, mut depth, mut deepest) = (0, 0usize, 0usize);
-    let mut line_start = true;
+    let line_end = |i: usize| {
+        b[i..]
+            .iter()
+            .position(|&c| c == b'\n')
+            .map_or(b.len(), |n| i + n)
+    };
+    let (mut need, mut i) = (0, 0);
     while i < b.len() {
-        if line_start {
-            line_start = false;
-            need += GROUP_STACK * deepest;
-            (depth, deepest) = (0, 0);
-            let line = &b[i..b[i..]
-                .iter()
-                .position(|&c| c == b'\n')
-                .map_or(b.len(), |n| i + n)];
-            let line = line.trim_ascii_start();
-            if !line.starts_with(b"|") && line.contains(&b':') {
+        i = match b[i] {
+            b'#' => line_end(i),
+            b'/' if b.get(i + 1) == Some(&b'/') => line_end(i),
+            b'"' => past_quoted(b, i + 1, b'"'),
+            b'/' => past_quoted(b, i + 1, b'/'),
+            b'<' => {
+                let name = b[i + 1..]
+                    .iter()
+                    .position(|&c| c == b'<' || c == b'>' || c.is_ascii_whitespace());
+                match name {
+                    Some(n) if n > 0 && b[i + 1 + n] == b'>' => i + n + 2,
+                    _ => i + 1,
+                }
+            }
+            b':' => {
                 need += RULE_STACK;
-            }
-        }
-        match b[i] {
-            b'\n' => line_start = true,
-            b'/' if b.get(i + 1) == Some(&b'/') => {
-                while b.get(i + 1).is_some_and(|&c| c != b'\n') {
-                    i += 1;
-                }
-            }
-            quote @ (b'"' | b'/') => {
-                i += 1;
-                while i < b.len() && b[i] != quote && b[i] != b'\n' {
-                    i += if b[i] == b'\\' && b.get(i + 1) != Some(&b'\n') {
-                        2
-                    } else {
-                        1
-                    };
-                }
-                if b.get(i) == Some(&b'\n') {
-                    continue;
-                }
+                i + 1
             }
             b'(' | b'[' => {
-                depth += 1;
-                deepest = deepest.max(depth);
+                need += GROUP_STACK;
+                i + 1
             }
-            b')' | b']' => depth = depth.saturating_sub(1),
-            b'%' if b[i..].starts_with(b"%json") => {
-                let rest = &src[i + 5..];
-                let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-                if let Some(Ok(schema)) = values.next() {
-                    need += schema_stack(&schema);
-                    i += 5 + values.byte_offset();
-                    continue;
+            b'%' => {
+                let keyword = ["%json", "%regex", "%llguidance"]
+                    .into_iter()
+                    .find(|k| b[i..].starts_with(k.as_bytes()));
+                let mut after = i + 1;
+                if let Some(k) = keyword {
+                    let rest = &src[i + k.len()..];
+                    let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+                    if let Some(Ok(v)) = values.next() {
+                        if k == "%json" {
+                            need += schema_stack(&v);
+                        }
+                        after = i + k.len() + values.byte_offset();
+                    }
                 }
+                after
             }
-            _ => {}
-        }
-        i += 1;
+            _ => i + 1,
+        };
     }
-    need + GROUP_STACK * deepest
+    need
+}
+
+/// The index past the `end` that closes a literal whose text starts at `i` (a backslash
+/// escapes the byte after it), or the end of `b` when none does.
+fn past_quoted(b: &[u8], mut i: usize, end: u8) -> usize {
+    while i < b.len() {
+        match b[i] {
+            b'\\' => i += 2,
+            c if c == end => return i + 1,
+            _ => i += 1,
+        }
+    }
+    b.len()
 }
 
 /// An upper bound on the stack compiling JSON schema `schema` takes: a chain through each
 /// distinct `$ref` target, each as deep as the schema nests.
-pub fn schema_stack(schema: &Value) -> usize {
+fn schema_stack(schema: &Value) -> usize {
     let mut targets = std::collections::HashSet::new();
     let mut deepest = 0;
     let mut todo = vec![(schema, 1)];
@@ -240,10 +250,11 @@ impl Grammars {
         )
     }
 
-    /// A fresh constraint for `spec`; a grammar or schema llguidance cannot compile is
-    /// refused with its reason, and one that could nest its compile past
-    /// [`MAX_COMPILE_STACK`] (by [`lark_stack`] / [`schema_stack`]) before it is compiled.
-    /// The compile runs on a thread of [`COMPILE_STACK`] bytes of its own.
+    /// A fresh constraint for `spec`, its first mask computed. Refused with the reason: a
+    /// grammar or schema llguidance cannot compile, one that allows no answer, and, before
+    /// compiling, one whose rules, groups and schema references could nest its compile
+    /// past 64 MiB of stack (it compiles on a thread of 256 MiB of its own). A failure to
+    /// start that thread is an [`Io`](crate::Error::Io) error.
     pub fn constraint(&self, spec: &GrammarSpec) -> Result<Constraint> {
         let (grammar, stack) = match spec {
             GrammarSpec::JsonSchema(schema) => (
@@ -270,7 +281,6 @@ impl Grammars {
         // Compiled, and its first mask computed: a grammar that allows no answer at all
         // (`{"$ref": "#"}`, `s: s`) is refused here, before any token is generated.
         let compile = move || {
-            let t = std::time::Instant::now();
             let parser = self
                 .factory
                 .create_parser(grammar)
@@ -279,19 +289,19 @@ impl Grammars {
             let mask = matcher
                 .compute_mask()
                 .map_err(|e| format!("the grammar allows no answer: {}", reason(e)))?;
+            // Not counted in `mask_stats`: it was not computed beside a forward pass.
             Ok::<_, String>(Constraint {
                 matcher,
                 mask: Some(mask),
-                mask_time: t.elapsed(),
-                masks: 1,
+                mask_time: Duration::ZERO,
+                masks: 0,
             })
         };
         let compiled = std::thread::scope(|s| {
             let thread = std::thread::Builder::new()
                 .name("kvplug-grammar".into())
                 .stack_size(COMPILE_STACK)
-                .spawn_scoped(s, compile)
-                .map_err(|e| crate::Error::Invalid(format!("compiling the grammar: {e}")))?;
+                .spawn_scoped(s, compile)?;
             thread.join().map_err(|_| {
                 crate::Error::Invalid("the grammar compiler failed on this grammar".into())
             })
@@ -379,7 +389,8 @@ impl Constraint {
         self.matcher.is_stopped()
     }
 
-    /// Masks computed so far and the time they took (for the metrics).
+    /// Masks computed beside forward passes so far (not the one computed when the
+    /// constraint was built) and the time they took (for the metrics).
     pub fn mask_stats(&self) -> (u32, Duration) {
         (self.masks, self.mask_time)
     }
@@ -520,17 +531,22 @@ mod tests {
 
     #[test]
     fn a_grammars_stack_bound_counts_definitions_groups_and_schema_references() {
-        // Two definitions, the second's line nesting two groups; the continuation line and
-        // the brackets inside a string, a regular expression and a comment count nothing.
-        let lark = "start: a\na: ((\"x\") | b)\n  | \"((\" /[(]/ // ((:\nb: \"y\"\n";
+        // Three definitions and two groups; the brackets and colons inside a string, a
+        // regular expression and comments count nothing.
+        let lark = "start: a\na: ((\"x\") | b)\n  | \"((:\" /[(:]/ // ((:\nb: \"y\" # (:\n";
         assert_eq!(lark_stack(lark), 3 * RULE_STACK + 2 * GROUP_STACK);
+        // What follows a regular expression spanning lines, or a special token holding a
+        // `/`, is grammar again (llguidance lexes them so).
+        for lark in ["a: /x\n/ ((\"y\"))\n", "a: </s> ((\"y\"))\n"] {
+            assert_eq!(lark_stack(lark), RULE_STACK + 2 * GROUP_STACK, "{lark:?}");
+        }
         // A schema: one chain link per distinct target, each as deep as the schema nests
         // (the object, `$defs`, `d`, its `items` and the reference in them: 5 levels).
         let schema = json!({"$defs": {"d": {"type": "array", "items": {"$ref": "#/$defs/d"}}},
                             "anyOf": [{"$ref": "#/$defs/d"}, {"$ref": "#"}]});
         assert_eq!(schema_stack(&schema), 3 * (REF_STACK + 5 * LEVEL_STACK));
         // An embedded schema adds its own; its braces and brackets are not groups.
-        let embedded = format!("start: \"<\" %json {schema} \">\"\n");
+        let embedded = format!("start: \"<\" /x\n/ %json {schema} \">\"\n");
         assert_eq!(lark_stack(&embedded), RULE_STACK + schema_stack(&schema));
     }
 }

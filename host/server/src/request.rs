@@ -246,9 +246,10 @@ fn constraint(
                 format!("this model's tokenizer cannot be used for constrained decoding: {why}"),
             )
         })?;
-        grammars
-            .constraint(&spec)
-            .map_err(|e| ApiError::invalid(Some(param), e.to_string()))
+        grammars.constraint(&spec).map_err(|e| match e {
+            kvplug::Error::Io(e) => ApiError::internal(format!("compiling the grammar: {e}")),
+            e => ApiError::invalid(Some(param), e.to_string()),
+        })
     };
     if m.text.harmony() {
         // Its answer opens with a channel's markers, which a grammar from the answer's start
