@@ -20,6 +20,13 @@ fn qwen(rt: &kvplug::Runtime) -> Model {
     kvplug::formats::open_model(rt, "cpu", &path).unwrap()
 }
 
+/// The model's grammars, ending at its end-of-turn tokens.
+fn grammars(model: &Model) -> Grammars {
+    let text = Text::load(model.dir()).unwrap();
+    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
+    Grammars::new(model.dir(), model.vocab(), &eos).unwrap()
+}
+
 /// The answer to `question` under `spec`, sampled with `seed` at temperature 0.7.
 fn ask(
     model: &Model,
@@ -60,8 +67,7 @@ fn constrained_answers_follow_their_schema_and_grammar() {
     let rt = common::runtime();
     let model = qwen(&rt);
     let text = Arc::new(Text::load(model.dir()).unwrap());
-    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
-    let grammars = Grammars::new(model.dir(), model.vocab(), &eos).unwrap();
+    let grammars = grammars(&model);
     let schema = json!({
         "type": "object",
         "properties": {
@@ -128,8 +134,7 @@ fn tool_calls_in_a_templates_doubled_braces_follow_their_grammar() {
     let rt = common::runtime();
     let model = qwen(&rt);
     let text = Text::load(model.dir()).unwrap();
-    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
-    let grammars = Grammars::new(model.dir(), model.vocab(), &eos).unwrap();
+    let grammars = grammars(&model);
     let tools = [Tool {
         name: "add".into(),
         description: None,
@@ -180,9 +185,7 @@ fn tool_calls_in_a_templates_doubled_braces_follow_their_grammar() {
 fn deep_grammars_compile_or_are_refused_and_never_overflow_the_stack() {
     let rt = common::runtime();
     let model = qwen(&rt);
-    let text = Text::load(model.dir()).unwrap();
-    let eos: Vec<i32> = text.stop_tokens().iter().copied().collect();
-    let grammars = Grammars::new(model.dir(), model.vocab(), &eos).unwrap();
+    let grammars = grammars(&model);
     let chain = |n: usize, nested: usize, name: &dyn Fn(usize) -> String| {
         let (open, close) = ("(".repeat(nested), ")".repeat(nested));
         let mut g = format!("start: {}\n", name(0));
