@@ -601,8 +601,26 @@ fn the_agents_sdk_and_the_openai_stream_assembly() {
 /// against the OpenAI route), refusals in Anthropic's shape (tests/cli/tests/anthropic_client.py).
 #[test]
 fn the_anthropic_client_speaks_the_messages_api() {
-    let s = Server::start(&qwen(), &["--capacity", "4096", "--api-key", "secret"]);
+    let s = Server::start(
+        &qwen(),
+        &[
+            "--capacity",
+            "4096",
+            "--api-key",
+            "secret",
+            "--prefix-header",
+        ],
+    );
     python_client("anthropic_client.py", &[&s.url, "secret"]);
+    // A keyed server says where a prompt's reuse ended only when told to (serve.rs checks
+    // that it does not by default): a prompt sent again is reused up to its last token.
+    let again = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1});
+    s.ok(PATH, &again, &[]);
+    let (status, headers, _) = s.post_with_headers(PATH, &again);
+    assert_eq!(
+        (status, headers.contains_key("x-kvplug-prefix")),
+        (200, true)
+    );
     s.stop();
 }
 
