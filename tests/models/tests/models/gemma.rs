@@ -11,7 +11,7 @@ use std::path::Path;
 use kvplug::{CacheKind, KvDtype};
 use serde_json::{json, Value};
 
-mod common;
+use crate::common;
 use common::{forward, forward_seq, runtime, BACKENDS};
 
 const WINDOW: usize = 5;

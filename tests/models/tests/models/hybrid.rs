@@ -12,7 +12,7 @@ use kvplug::{Batch, CacheKind, Context, GenOptions, Generator, KvDtype};
 use kvplug::{DraftKind, Speculation};
 use kvplug_core::config::CHAIN_ANCHORS;
 
-mod common;
+use crate::common;
 use common::hybrids::{
     granite, granite_templated, lfm2, lfm2_templated, qwen35, qwen35_templated, write_granite_with,
     write_qwen35, Shape, PROMPT, SMALL_LFM2,

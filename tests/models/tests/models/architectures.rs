@@ -14,7 +14,7 @@ use kvplug::formats::synth::{synth, Preset};
 use kvplug::{CacheKind, KvDtype};
 use kvplug_backend_kit::model::ModelPackage;
 
-mod common;
+use crate::common;
 use common::{
     bpe_tokenizer_meta, forward, gguf_tensors, llama3_inv_freq, llama_gguf_meta, max_logit_error,
     reference_logits_with, runtime, write_gguf, Reference, BACKENDS, MERGES,

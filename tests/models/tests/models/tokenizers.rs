@@ -13,7 +13,7 @@ use candle_core::quantized::gguf_file;
 use kvplug::Text;
 use unicode_normalization::UnicodeNormalization;
 
-mod common;
+use crate::common;
 use common::{bpe_tokenizer_meta, byte_chars, gguf_tensors, llama_gguf_meta, write_gguf};
 
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2` split.

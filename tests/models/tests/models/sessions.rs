@@ -10,7 +10,7 @@ use kvplug::session_file::{self, Session, SessionFileError};
 use kvplug::{generate, CacheKind, Context, GenOptions, KeyBasis, KvDtype, Runtime};
 use kvplug_plugin_api::AbiErrorKind;
 
-mod common;
+use crate::common;
 use common::{runtime, BACKENDS};
 
 const PROMPT: [i32; 9] = [3, 141, 59, 26, 53, 58, 97, 93, 23];

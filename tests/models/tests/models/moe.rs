@@ -9,7 +9,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use kvplug::{Batch, CacheKind, KvDtype};
 
-mod common;
+use crate::common;
 use common::{
     bpe_tokenizer_meta, forward, greedy_logit_error, runtime, values, write_gguf, write_gguf_raw,
     RawTensor, Reference, BACKENDS, MERGES,

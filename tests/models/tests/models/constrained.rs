@@ -8,7 +8,7 @@ use kvplug::{generate, CacheKind, GenOptions, GrammarSpec, Grammars, KvDtype, Me
 use kvplug::{Model, Text};
 use serde_json::{json, Value};
 
-mod common;
+use crate::common;
 
 fn qwen(rt: &kvplug::Runtime) -> Model {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

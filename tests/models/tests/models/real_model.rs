@@ -10,7 +10,7 @@ use kvplug::formats::gguf;
 use kvplug::{run_decode, RunReport, RunSpec};
 use kvplug::{Chat, ChatOptions, Draft, KvDtype, Message, Model, Sampler, Speculation, Text};
 
-mod common;
+use crate::common;
 use common::{runtime, BACKENDS};
 
 /// Greedy decoding of `spec` on `model`.

@@ -11,11 +11,11 @@ use kvplug::{generate, Adjustments, CacheKind, GenOptions, Generator, KvDtype, M
 use kvplug::{run_agents, run_decode, RunSpec};
 use kvplug::{Draft, DraftKind, Speculation};
 
-mod common;
+use crate::common;
 use common::{forward, reference_logits, runtime, BACKENDS};
 
 /// The loader tests' helpers, for the backend template's out-of-tree build.
-#[path = "../../../host/runtime/tests/common/mod.rs"]
+#[path = "../../../../host/runtime/tests/common/mod.rs"]
 mod dylibs;
 
 /// A plugins directory holding only the backend template's dylib, built out of tree (`make

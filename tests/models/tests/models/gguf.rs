@@ -14,7 +14,7 @@ use kvplug::formats::synth::{synth, Preset};
 use kvplug::{CacheKind, KvDtype, Message, Text};
 use kvplug_backend_kit::model::ModelPackage;
 
-mod common;
+use crate::common;
 use common::{
     bpe_tokenizer_meta, forward, gguf_name, gguf_tensors, hf_tensor_shapes, llama_gguf_meta,
     matrix_type, reference_logits, runtime, write_gguf, MERGES,

@@ -9,7 +9,7 @@ use kvplug::Reply;
 use kvplug::{run_decode, RunSpec};
 use kvplug::{AgentStore, AgentStoreOptions, GenOptions, KvDtype, Model, Runtime, Sampler};
 
-mod common;
+use crate::common;
 use common::{runtime, BACKENDS};
 
 const NEW: usize = 8;
