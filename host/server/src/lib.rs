@@ -103,6 +103,9 @@ pub struct ServerConfig {
     pub header_timeout: std::time::Duration,
     /// The longest a request's body may stop arriving before the request ends with 408.
     pub body_timeout: std::time::Duration,
+    /// Most connections open at once; further clients wait in the listen queue until one
+    /// closes (so a flood of connections cannot take every file descriptor).
+    pub max_connections: usize,
     /// Whether answers say where their prompt's reuse ended (the `x-kvplug-prefix` header:
     /// it shows the token of a recent request's prompt, possibly another client's, where
     /// this prompt departs from it; turn off where clients must not learn of each other's
@@ -113,6 +116,9 @@ pub struct ServerConfig {
     /// true`; `None`: off unless a request asks (then by prompt lookup).
     pub speculative: Option<kvplug::DraftKind>,
 }
+
+/// The most `max_connections` may be (each open connection takes a file descriptor).
+pub const MAX_CONNECTIONS: usize = 1 << 20;
 
 /// What starting or running the server can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +185,11 @@ impl Server {
             return Err(ServerError::Config(
                 "the header and body timeouts must be above zero".into(),
             ));
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&config.max_connections) {
+            return Err(ServerError::Config(format!(
+                "max connections takes 1..={MAX_CONNECTIONS}"
+            )));
         }
         let llm = kvplug::Llm::builder(&config.model)
             .runtime(runtime)
@@ -277,7 +288,7 @@ impl Server {
             metrics: metrics.clone(),
         });
         let app = routes::router(shared, config.max_body, config.body_timeout);
-        let header_timeout = config.header_timeout;
+        let (header_timeout, max_connections) = (config.header_timeout, config.max_connections);
         let http = std::thread::Builder::new()
             .name("kvplug-http".into())
             .spawn(move || -> Result<(), ServerError> {
@@ -290,7 +301,7 @@ impl Server {
                     let listener =
                         tokio::net::TcpListener::from_std(listener).map_err(io("the listener"))?;
                     let shutdown = shutdown_signal(stop, on_shutdown);
-                    serve_http(listener, app, header_timeout, shutdown).await;
+                    serve_http(listener, app, header_timeout, max_connections, shutdown).await;
                     Ok(())
                 })
             })
@@ -310,11 +321,14 @@ impl Server {
 /// Serves HTTP/1 connections from `listener` with `app` until `shutdown` completes, then
 /// waits for the connections in flight. A client must send a request's headers within
 /// `header_timeout` of connecting or of its previous request, else its connection is
-/// closed (half-sent requests held connections forever).
+/// closed (half-sent requests held connections forever). At most `max_connections` are
+/// open at once: at the limit nothing is accepted until one closes, and later clients wait
+/// in the kernel's listen queue.
 async fn serve_http(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     header_timeout: std::time::Duration,
+    max_connections: usize,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     use hyper_util::rt::{TokioIo, TokioTimer};
@@ -322,10 +336,16 @@ async fn serve_http(
     http.timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let open = Arc::new(tokio::sync::Semaphore::new(max_connections));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        let accepted = async {
+            // The semaphore is never closed.
+            let permit = open.clone().acquire_owned().await.ok();
+            (permit, listener.accept().await)
+        };
         tokio::select! {
-            accepted = listener.accept() => match accepted {
+            (permit, accepted) = accepted => match accepted {
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
                     let service = hyper_util::service::TowerToHyperService::new(app.clone());
@@ -334,6 +354,7 @@ async fn serve_http(
                         if let Err(e) = conn.await {
                             tracing::debug!("connection ended: {e}");
                         }
+                        drop(permit);
                     });
                 }
                 // Out of descriptors and the like: the listener stays, later accepts may work.

@@ -643,6 +643,47 @@ fn parked_agents_stay_within_the_disk_budget_and_the_idle_limit() {
     assert!(dir.join("mine.kvsession.safetensors").exists());
 }
 
+/// At `--max-connections 2`, two idle connections take the whole allowance: a third
+/// client's request is not answered while they stay open, and is as soon as one closes.
+#[test]
+fn clients_past_the_connection_limit_wait_for_one_to_close() {
+    use std::io::{Read, Write};
+    let s = Server::start(&model(), &["--max-connections", "2"]);
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut idle: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut third = std::net::TcpStream::connect(&addr).unwrap();
+    third
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    // A wait that can only pass the test wrongly (an answer arriving later), never fail it.
+    third
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    match third.read(&mut buf) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        r => panic!(
+            "a third connection was served past the limit: {:?}",
+            r.map(|n| String::from_utf8_lossy(&buf[..n]).to_string())
+        ),
+    }
+    drop(idle.pop());
+    third
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .unwrap();
+    let mut answer = String::new();
+    third.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    drop(idle);
+    assert_eq!(s.get("/health").0, 200);
+}
+
 /// A client that never finishes its headers is disconnected after `--header-timeout`, one
 /// whose body stops arriving gets 408 after `--body-timeout`, and the server answers others
 /// meanwhile; of simultaneous requests, exactly `parallel + max-queue` are taken and the

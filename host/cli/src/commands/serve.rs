@@ -71,6 +71,10 @@ pub struct Args {
     /// A request whose body stops arriving for this long ends with 408 and its connection.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     body_timeout: Duration,
+    /// Most client connections open at once (1..); at the limit the server accepts no more
+    /// until one closes, and new clients wait in the listen queue.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
     /// Leave out the x-kvplug-prefix header, which shows the token where a prompt departs
     /// from a recent request's — possibly another client's — prompt. It is left out by
     /// default when the server listens beyond loopback or requires a key.
@@ -125,6 +129,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         speculative: a.speculative.0,
         header_timeout: a.header_timeout,
         body_timeout: a.body_timeout,
+        max_connections: a.max_connections,
         parked: WarmLimits {
             bytes: (a.agent_disk > 0).then_some(a.agent_disk),
             idle: (!a.agent_ttl.is_zero()).then_some(a.agent_ttl),

@@ -275,6 +275,7 @@ pub fn config(model: &Path) -> ServerConfig {
         parked: kvplug::WarmLimits::default(),
         header_timeout: Duration::from_secs(30),
         body_timeout: Duration::from_secs(30),
+        max_connections: 512,
         prefix_header: true,
         speculative: Some(kvplug::DraftKind::Ngram),
     }
