@@ -3,16 +3,21 @@
 use kvplug_core::{CacheError, ModelError};
 use kvplug_plugin_api::PluginError;
 
+use crate::loader::Skipped;
+
 /// What a runtime operation can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    /// No loaded backend has this id.
-    #[error("backend '{wanted}' is not loaded (loaded: {})", list(.loaded))]
+    /// No loaded backend has this id (the files that were not loaded, with their reasons,
+    /// may say why).
+    #[error("backend '{wanted}' is not loaded (loaded: {}){}", list(.loaded), skips(.skipped))]
     UnknownBackend {
         /// The id asked for.
         wanted: String,
         /// The ids that are loaded.
         loaded: Vec<String>,
+        /// The plugin files and directories skipped when loading.
+        skipped: Vec<Skipped>,
     },
     /// The backend has no builder for this kind.
     #[error("backend '{backend}' has no '{kind}' cache (it has: {})", list(.kinds))]
@@ -63,6 +68,12 @@ impl RuntimeError {
             _ => None,
         }
     }
+}
+
+fn skips(v: &[Skipped]) -> String {
+    v.iter()
+        .map(|s| format!("; skipped {}: {}", s.file.display(), s.reason))
+        .collect()
 }
 
 fn list(v: &[String]) -> String {

@@ -84,6 +84,7 @@ impl Runtime {
             .ok_or_else(|| RuntimeError::UnknownBackend {
                 wanted: backend.to_string(),
                 loaded: self.backend_ids(),
+                skipped: self.skipped().to_vec(),
             })
     }
 

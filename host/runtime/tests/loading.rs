@@ -72,6 +72,21 @@ fn loads_cpu_and_skips_every_bad_file_with_a_reason() {
     assert!(reason_for(&host, "garbage.so").starts_with("not a loadable object file"));
     assert!(!host.skipped().iter().any(|s| s.file.ends_with("notes.txt")));
     assert_eq!(host.skipped().len(), 5);
+    // A backend asked for and not loaded: the error says what was skipped and why.
+    let e = host
+        .cache("wgpu", CacheKind::Contiguous, &cfg())
+        .err()
+        .unwrap()
+        .to_string();
+    let garbage = dir.path().join("garbage.so");
+    assert!(
+        e.starts_with("backend 'wgpu' is not loaded (loaded: cpu); skipped ")
+            && e.contains(&format!(
+                "; skipped {}: not a loadable object file",
+                garbage.display()
+            )),
+        "{e}"
+    );
 }
 
 #[test]

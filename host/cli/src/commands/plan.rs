@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use kvplug::{parse_bytes, plan, Holding, PlanOptions};
 use kvplug::{KvDtype, Runtime};
 
@@ -36,20 +36,7 @@ pub struct Args {
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     let holding = match &a.backend {
         None => Holding::default(),
-        Some(id) => {
-            let Some(p) = runtime.plugins().iter().find(|p| p.backend_id == *id) else {
-                let loaded: Vec<&str> = runtime
-                    .plugins()
-                    .iter()
-                    .map(|p| p.backend_id.as_str())
-                    .collect();
-                bail!(
-                    "no backend '{id}' is loaded (loaded: {})",
-                    loaded.join(", ")
-                );
-            };
-            Holding::of(p)
-        }
+        Some(id) => Holding::of(runtime.plugin(id)?),
     };
     let p = plan(&PlanOptions {
         model: a.model,
