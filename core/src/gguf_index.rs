@@ -12,6 +12,9 @@ pub const GGUF_INDEX_FILE: &str = "gguf.json";
 /// The manifest version this build writes and reads.
 pub const GGUF_INDEX_VERSION: u32 = 1;
 
+/// The cache's directory of GGUF index directories (one per file, named by a digest).
+pub const INDEX_DIR: &str = "gguf-index";
+
 /// How the two values of each rotary pair sit in a head's q/k rows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -56,12 +59,34 @@ pub struct GgufIndex {
     pub tensors: BTreeMap<String, IndexedTensor>,
 }
 
+/// The GGUF file a model directory indexes, if it indexes one.
+pub fn indexed_file(dir: &std::path::Path) -> Option<PathBuf> {
+    /// `gguf.json`'s one field read here (the tensors are skipped).
+    #[derive(serde::Deserialize)]
+    struct File {
+        file: PathBuf,
+    }
+    let text =
+        crate::files::read_text(&dir.join(GGUF_INDEX_FILE), crate::files::MAX_TEXT_BYTES).ok()?;
+    serde_json::from_str::<File>(&text).ok().map(|f| f.file)
+}
+
+/// What a model directory stands for, to name in messages: for an index directory of the
+/// cache (`…/gguf-index/DIGEST`, which the user never named) the GGUF it indexes, else
+/// `dir` itself.
+pub fn model_source(dir: &std::path::Path) -> PathBuf {
+    let cached = dir
+        .parent()
+        .and_then(|p| p.file_name())
+        .is_some_and(|n| n == INDEX_DIR);
+    cached
+        .then(|| indexed_file(dir))
+        .flatten()
+        .unwrap_or_else(|| dir.to_path_buf())
+}
+
 /// The file a model directory's `config.json` speaks for, to name in messages: the GGUF
 /// whose metadata it restates when `dir` indexes one, else that `config.json`.
 pub fn config_source(dir: &std::path::Path) -> PathBuf {
-    let config = dir.join("config.json");
-    crate::files::read_text(&dir.join(GGUF_INDEX_FILE), crate::files::MAX_TEXT_BYTES)
-        .ok()
-        .and_then(|t| serde_json::from_str::<GgufIndex>(&t).ok())
-        .map_or(config, |i| i.file)
+    indexed_file(dir).unwrap_or_else(|| dir.join("config.json"))
 }

@@ -98,12 +98,18 @@ impl Model {
         self.layers
     }
 
+    /// What the model was opened from, to name in messages: the GGUF file for a GGUF's
+    /// index directory ([`Model::dir`] is then in the cache), else the directory.
+    pub fn source(&self) -> PathBuf {
+        kvplug_core::gguf_index::model_source(&self.dir)
+    }
+
     /// The view of its first `n` layers (a draft that shares the weights, no copy).
     pub fn layers(&self, n: usize) -> Result<Model, RuntimeError> {
         let all = self.config.num_hidden_layers;
         if n == 0 || n > all {
             return Err(RuntimeError::Model {
-                path: self.dir.clone(),
+                path: self.source(),
                 reason: ModelError::Malformed(format!(
                     "a view of {n} layers: the model has {all} (give 1..={all})"
                 )),

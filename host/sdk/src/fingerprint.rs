@@ -11,11 +11,7 @@ use safetensors::SafeTensors;
 /// without its extension for weights read in place from one, else the directory's name.
 /// Not an identity ([`model_fingerprint`] is).
 pub fn model_name(dir: &Path) -> String {
-    let index = dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE);
-    let gguf = read_text(&index, MAX_TEXT_BYTES)
-        .ok()
-        .and_then(|t| serde_json::from_str::<kvplug_core::GgufIndex>(&t).ok())
-        .map(|i| i.file);
+    let gguf = kvplug_core::gguf_index::indexed_file(dir);
     let named = gguf.as_deref().unwrap_or(dir);
     let stem = if gguf.is_some() {
         named.file_stem()

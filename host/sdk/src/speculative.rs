@@ -129,9 +129,9 @@ impl Draft {
                 Invalid,
                 "the draft model {} has a vocabulary of {} tokens, the target {} has {}: a \
                  draft must share the target's tokenizer",
-                m.dir().display(),
+                m.source().display(),
                 m.vocab(),
-                target.dir().display(),
+                target.source().display(),
                 target.vocab()
             );
         }

@@ -130,7 +130,33 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("no backend 'nope' is loaded (loaded: "),
+        !out.status.success() && err.contains("backend 'nope' is not loaded (loaded: "),
+        "{err}"
+    );
+
+    // Errors name the file the user gave, not its index in the cache.
+    let out = Command::new(common::kvplug_bin())
+        .args(["--plugins", &target_dir().display().to_string()])
+        .args([
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "Hi",
+            "--speculative",
+            "layers:99",
+        ])
+        .env("KVPLUG_CACHE_DIR", cache.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains(&format!(
+                "{}: a view of 99 layers",
+                model.canonicalize().unwrap().display()
+            ))
+            && !err.contains("gguf-index"),
         "{err}"
     );
 

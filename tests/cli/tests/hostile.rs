@@ -209,6 +209,57 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         run(&["--system", "Be terse."]),
         "--system goes with --prompt",
     );
+    // SmolLM2's GGUF through a copy of its index without the chat template, a directory of
+    // the user's: `run` says it takes the prompt raw, and refuses `--system` saying why.
+    let smollm2 = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        .canonicalize()
+        .unwrap();
+    let untemplated = tmp.path().join("untemplated");
+    std::fs::create_dir(&untemplated).unwrap();
+    for f in std::fs::read_dir(kvplug::formats::resolve_model(&smollm2).unwrap()).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, untemplated.join(f.file_name().unwrap())).unwrap();
+    }
+    let config = untemplated.join("tokenizer_config.json");
+    let mut tc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    tc.as_object_mut().unwrap().remove("chat_template").unwrap();
+    std::fs::write(&config, tc.to_string()).unwrap();
+    let u = untemplated.to_str().unwrap();
+    let text = |extra: &[&str]| -> Vec<String> {
+        [
+            "run",
+            "--model",
+            u,
+            "--prompt",
+            "The capital of France is",
+            "-n",
+            "2",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let named = u;
+    refuses(
+        text(&["--system", "Be terse."]),
+        &format!("--system needs a chat template, and {named} has none"),
+    );
+    refuses(
+        text(&["--system", "Be terse.", "--raw"]),
+        "--system needs the model's chat template (drop --raw)",
+    );
+    let args = text(&[]);
+    let out = cli.run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains(&format!(
+                "{named} has no chat template: the prompt runs as raw text"
+            )),
+        "{out:?}"
+    );
     // Output to a full disk is an error like any other, not a panic.
     cli.fails_on_full_stdout(&["plugins"]);
     cli.fails_on_full_stdout(&["plan", "--model", m, "--budget", "1GiB"]);

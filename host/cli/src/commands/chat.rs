@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long)]
     system: Option<String>,
     /// Most tokens per answer.
-    #[arg(long, visible_alias = "max-new", default_value_t = 256)]
+    #[arg(short = 'n', long, visible_alias = "max-new", default_value_t = 256)]
     max_tokens: usize,
     /// Cache capacity in cells (the whole conversation; older messages are left out beyond
     /// it). Default: the model's trained context, bounded by half the available memory.

@@ -38,7 +38,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     prompt_ids: Vec<i32>,
     /// Tokens to generate.
-    #[arg(long, visible_alias = "max-new", default_value_t = 32)]
+    #[arg(short = 'n', long, visible_alias = "max-new", default_value_t = 32)]
     max_tokens: usize,
     /// KV storage dtype.
     #[arg(long, default_value = "f16")]
@@ -81,8 +81,17 @@ fn prompt_of(a: &Args, model: &Model) -> Result<(Vec<i32>, Option<Arc<Text>>)> {
     let ids = match (&a.prompt, &text) {
         (Some(p), Some(t)) => {
             if a.raw || !t.has_template() {
-                if a.system.is_some() {
-                    bail!("--system needs the model's chat template (drop --raw)");
+                match (a.system.is_some(), a.raw) {
+                    (true, true) => bail!("--system needs the model's chat template (drop --raw)"),
+                    (true, false) => bail!(
+                        "--system needs a chat template, and {} has none",
+                        model.source().display()
+                    ),
+                    (false, false) => eprintln!(
+                        "kvplug: {} has no chat template: the prompt runs as raw text (as --raw)",
+                        model.source().display()
+                    ),
+                    (false, true) => {}
                 }
                 t.encode_raw(p)?
             } else {

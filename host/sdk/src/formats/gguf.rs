@@ -1524,12 +1524,35 @@ pub fn cache_dir() -> PathBuf {
 
 /// A model directory for `path`: `path` itself when it is a directory, else the directory
 /// that serves the GGUF file's weights in place ([`index`]), made once into [`cache_dir`]
-/// under a digest of the file's canonical path, length and modification time (a changed
-/// file gets a new index; nothing reads the weights to name it) and `INDEXER_REVISION`.
+/// under [`index_digest`] (a changed file gets a new index; nothing reads the weights to
+/// name it). The directory's modification time is set to now each time it is resolved, so
+/// that its age is how long it went unused; making one also removes stale ones
+/// ([`sweep_index`]).
 pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     if path.is_dir() {
         return Ok(path.to_path_buf());
     }
+    let root = cache_dir().join(kvplug_core::gguf_index::INDEX_DIR);
+    let dir = root.join(index_digest(path)?);
+    if !dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() {
+        tracing::info!(gguf = %path.display(), dir = %dir.display(), "indexing a GGUF file");
+        match index(path, &dir) {
+            Ok(()) => sweep_index(&root, STALE_INDEX_AGE),
+            // Another process indexed the same file meanwhile and renamed its complete
+            // directory into place first.
+            Err(_) if dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() => {}
+            Err(e) => return Err(e),
+        }
+    } else if let Ok(d) = File::open(&dir) {
+        // Best effort: a directory that cannot be touched is only swept sooner.
+        let _ = d.set_modified(std::time::SystemTime::now());
+    }
+    Ok(dir)
+}
+
+/// The name of a GGUF file's index directory: a digest of its canonical path, length and
+/// modification time, and of the index format's versions.
+pub fn index_digest(path: &Path) -> Result<String> {
     let (f, len) = open_regular(path)?;
     let canonical = std::fs::canonicalize(path).with_context(|| format!("{}", path.display()))?;
     let modified = f
@@ -1544,24 +1567,50 @@ pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     hash.update(modified.to_le_bytes());
     hash.update(kvplug_core::gguf_index::GGUF_INDEX_VERSION.to_le_bytes());
     hash.update(INDEXER_REVISION.to_le_bytes());
-    let digest: String = hash
+    Ok(hash
         .finalize()
         .iter()
         .take(16)
         .map(|b| format!("{b:02x}"))
-        .collect();
-    let dir = cache_dir().join("gguf-index").join(digest);
-    if !dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() {
-        tracing::info!(gguf = %path.display(), dir = %dir.display(), "indexing a GGUF file");
-        match index(path, &dir) {
-            Ok(()) => {}
-            // Another process indexed the same file meanwhile and renamed its complete
-            // directory into place first.
-            Err(_) if dir.join(kvplug_core::gguf_index::GGUF_INDEX_FILE).exists() => {}
-            Err(e) => return Err(e),
+        .collect())
+}
+
+/// How long a stale index directory must have gone unresolved before [`sweep_index`]
+/// removes it: a process that opened it before its file changed may still be reading it.
+pub const STALE_INDEX_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Removes the index directories under `root` (`gguf-index/`) unresolved for `age` that no
+/// file would resolve to any more: their GGUF is gone or changed (length, modification
+/// time) or was indexed by another version, or their indexing never finished (a staging
+/// directory left by a crash). Best effort: what cannot be read or removed stays, and so
+/// does a directory whose GGUF cannot be opened for another reason than its absence.
+pub fn sweep_index(root: &Path, age: std::time::Duration) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|e| e >= age);
+        if !old || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let stale = match kvplug_core::gguf_index::indexed_file(&dir) {
+            None => true,
+            Some(file) => match std::fs::metadata(&file) {
+                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+                Ok(_) => index_digest(&file).is_ok_and(|d| entry.file_name() != d.as_str()),
+            },
+        };
+        if stale {
+            tracing::info!(dir = %dir.display(), "removing a stale GGUF index");
+            let _ = std::fs::remove_dir_all(&dir);
         }
     }
-    Ok(dir)
 }
 
 #[cfg(test)]

@@ -180,6 +180,42 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
     }
 }
 
+/// Index directories no GGUF resolves to any more — its file deleted or changed, or its
+/// indexing never finished — are removed once old enough; current ones stay.
+#[test]
+fn stale_gguf_indexes_are_swept() {
+    use std::time::{Duration, SystemTime};
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("gguf-index");
+    let [kept, gone, changed] = ["kept", "gone", "changed"].map(|n| dir.path().join(n));
+    for f in [&kept, &gone, &changed] {
+        std::fs::copy(smollm2(), f).unwrap();
+    }
+    for f in [&kept, &gone, &changed] {
+        gguf::index(f, &root.join(gguf::index_digest(f).unwrap())).unwrap();
+    }
+    std::fs::create_dir(root.join(".kept.index-1")).unwrap();
+    std::fs::remove_file(&gone).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&changed)
+        .unwrap()
+        .set_modified(SystemTime::now() - Duration::from_secs(600))
+        .unwrap();
+    let left = || {
+        let mut names: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    gguf::sweep_index(&root, gguf::STALE_INDEX_AGE);
+    assert_eq!(left().len(), 4, "young directories stay");
+    gguf::sweep_index(&root, Duration::ZERO);
+    assert_eq!(left(), [gguf::index_digest(&kept).unwrap()]);
+}
+
 /// A chat outgrowing its capacity leaves out its oldest exchanges (never the system message)
 /// and goes on; a turn whose callback fails or whose cancel flag is set (Ctrl-C in the CLI)
 /// leaves the conversation and the cache as they were; `clear` keeps the system message; `save_as`/`load` round-trip.
