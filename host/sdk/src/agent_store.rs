@@ -27,7 +27,7 @@ use kvplug_runtime::{Context as RtContext, Model};
 
 use crate::error::{fail, Context, Result};
 use crate::fingerprint::model_fingerprint;
-use crate::generator::{generate, GenOptions};
+use crate::generator::{generate, Finish, GenOptions};
 use crate::sampler::Sampler;
 use crate::session_file::{self, Session, SessionFileError, EXTENSION};
 use crate::speculative::SpecStats;
@@ -456,7 +456,9 @@ impl AgentStore {
     /// Generates for `prompt` (at least one token) as agent `agent` (or anonymously):
     /// reuse, prefill, decode as `opts` asks (`max_tokens` at least 1; stop strings need a
     /// generator with text: not here), publish. A speculating request looks up drafts in
-    /// the whole sequence, the reused part included.
+    /// the whole sequence, the reused part included. A request cancelled through
+    /// `opts.cancel` before its first token is an error, its sequence dropped (the agent
+    /// keeps nothing hot); one cancelled later ends as a reply with what it generated.
     pub fn generate(
         &mut self,
         agent: Option<&str>,
@@ -857,6 +859,11 @@ impl AgentStore {
                 Ok(())
             },
         )?;
+        if g.reason == Finish::Cancelled && g.ids.is_empty() {
+            // Cancelled before its first token: the sequence may hold part of the prompt
+            // only, and the caller aborts it.
+            fail!(Invalid, "the request was cancelled before its first token");
+        }
         Ok(Reply {
             sampler: g.sampler,
             speculation: g.speculation,

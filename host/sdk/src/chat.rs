@@ -126,7 +126,7 @@ impl Chat {
             fail!(
                 Invalid,
                 "{}: no chat template, so no chat (run a raw prompt instead)",
-                dir.display()
+                model.source().display()
             );
         }
         let fingerprint = opts
@@ -339,7 +339,7 @@ impl Chat {
             .zip(&self.cached)
             .take_while(|(a, b)| a == b)
             .count()
-            .min(prompt.len() - 1);
+            .min(prompt.len().saturating_sub(1));
         let reused = self.rewind(reused)?;
         let fresh = &prompt[reused..];
         let opts = GenOptions {

@@ -295,6 +295,9 @@ impl Generator {
                 "stop strings and triggers need the model's tokenizer"
             );
         }
+        if opts.stop_strings.iter().any(String::is_empty) {
+            fail!(Invalid, "a stop string must not be empty");
+        }
         if self.active.iter().any(|a| a.seq == seq) {
             fail!(Invalid, "sequence {seq} already has a request in flight");
         }
@@ -787,7 +790,11 @@ pub struct Generation {
 }
 
 /// One request on sequence `seq` of `ctx` (see [`Generator::add`]), run to its end by a
-/// generator with `text` (or ids only); `on_token` sees each token.
+/// generator with `text` (or ids only); `on_token` sees each token. A request whose own
+/// sampling fails ([`Finish::Failed`]: its grammar, its text) is an [`Error::Invalid`]
+/// naming why.
+///
+/// [`Error::Invalid`]: crate::Error::Invalid
 pub fn generate(
     ctx: &mut Context,
     text: Option<Arc<Text>>,
@@ -810,6 +817,13 @@ pub fn generate(
     })?;
     let end = Instant::now();
     let f = done.into_iter().next().expect("the request ends");
+    if f.reason == Finish::Failed {
+        fail!(
+            Invalid,
+            "the answer failed: {}",
+            f.error.as_deref().unwrap_or("no reason given")
+        );
+    }
     let prefill_end = first.unwrap_or(end);
     let rate = |n: usize, secs: f64| n as f64 / secs.max(1e-9);
     Ok(Generation {

@@ -78,7 +78,11 @@ pub use session_dir::{Listed, SessionDir, SessionLock};
 pub use speculative::{Draft, DraftKind, SpecStats, Speculation, MAX_DRAFT_DEPTH, MAX_DRAFT_WIDTH};
 pub use text::{Message, Text};
 
-/// For a binary that runs itself as the chat-template sandbox (the `kvplug` CLI), and JSON
-/// escaping shared with the server: not part of the SDK's surface.
+/// JSON escaping shared with the server: not part of the SDK's surface.
 #[doc(hidden)]
-pub use chat_template::{ascii_escaped, serve_sandboxed, Sandbox};
+pub use chat_template::ascii_escaped;
+/// A host that opens model files it did not vet renders their chat templates in a child
+/// process of its own binary, bounded in memory and time: [`Sandbox::install`] at start,
+/// and [`serve_sandboxed`] when the binary is started as that child (docs/sdk.md,
+/// "Untrusted model files").
+pub use chat_template::{serve_sandboxed, Sandbox};

@@ -11,8 +11,10 @@ use std::sync::Arc;
 
 use kvplug_runtime::{Arithmetic, CacheKind, Context, KvDtype, Model, PluginSearch, Runtime};
 
+use crate::error::fail;
 use crate::generator::{generate, Finish, GenOptions, TokenEvent};
 use crate::harmony::ContentStream;
+use crate::sampler::TokenLogprobs;
 use crate::text::{Message, Text};
 use crate::Result;
 
@@ -37,7 +39,10 @@ pub struct Answer {
     pub reasoning: String,
     /// The generated ids (the stop token included).
     pub ids: Vec<i32>,
-    /// Why it ended.
+    /// Each generated id's log-probability and its best alternatives', when `opts.logprobs`
+    /// asked (one entry per id).
+    pub logprobs: Option<Vec<TokenLogprobs>>,
+    /// Why it ended: [`Finish::Length`] also when the capacity is full.
     pub finish: Finish,
     /// Tokens of the prompt as rendered.
     pub prompt_tokens: usize,
@@ -114,9 +119,11 @@ impl LlmBuilder {
     }
 
     /// Loads the plugins (unless given), opens the model (a GGUF file or a model directory)
-    /// on the backend and reads its text.
+    /// on the backend and reads its text; a capacity or K/V dtype the model's caches cannot
+    /// take is refused here, not at the first answer.
     pub fn build(self) -> Result<Llm> {
         let model = self.build_model()?;
+        model.cache_config(self.capacity, self.kv_dtype)?;
         let text = Arc::new(Text::load(model.dir())?);
         Ok(Llm {
             model,
@@ -163,7 +170,10 @@ impl Llm {
     }
 
     /// The answer to `messages`, rendered by the model's chat template. The model's stop
-    /// tokens are added to `opts`'s.
+    /// tokens are added to `opts`'s. `opts.max_tokens` must be at least 1; an answer that
+    /// would pass the capacity ends there ([`Finish::Length`]), and a prompt that fills it
+    /// is refused. A grammar that fails ([`Finish::Failed`]) is an error; an answer stopped
+    /// through `opts.cancel` is one, with what it generated ([`Finish::Cancelled`]).
     pub fn chat(&self, messages: &[Message], opts: GenOptions) -> Result<Answer> {
         self.chat_stream(messages, opts, &mut |_| Ok(()))
     }
@@ -180,8 +190,8 @@ impl Llm {
         self.answer(&prompt, opts, self.text.harmony(), on_text)
     }
 
-    /// The continuation of `prompt`, taken as raw text (no chat template). The model's stop
-    /// tokens are added to `opts`'s.
+    /// The continuation of `prompt`, taken as raw text (no chat template), with the same
+    /// rules as [`Llm::chat`].
     pub fn complete(&self, prompt: &str, opts: GenOptions) -> Result<Answer> {
         self.complete_stream(prompt, opts, &mut |_| Ok(()))
     }
@@ -222,7 +232,26 @@ impl Llm {
         harmony: bool,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Answer> {
+        if opts.max_tokens == 0 {
+            fail!(
+                Invalid,
+                "max_tokens is 0: nothing to generate (GenOptions::max_tokens(n) sets it)"
+            );
+        }
+        if prompt.len() >= self.capacity {
+            fail!(
+                Invalid,
+                "the prompt ({} tokens) leaves no room to generate in a capacity of {} tokens",
+                prompt.len(),
+                self.capacity
+            );
+        }
+        opts.max_tokens = opts.max_tokens.min(self.capacity - prompt.len());
         opts.stop_tokens.extend(self.text.stop_tokens());
+        // Events' logits are never shown here: a greedy or top-k answer reads back its
+        // tokens or candidates, not rows of logits.
+        opts.device_argmax = true;
+        let mut logprobs = opts.logprobs.map(|_| Vec::new());
         let mut ctx = self.context(CacheKind::Contiguous)?;
         let mut text = String::new();
         let mut content = ContentStream::new(harmony);
@@ -235,7 +264,12 @@ impl Llm {
                 on_text(&shown)
             }
         };
-        let mut on_token = |e: &TokenEvent<'_>| show(&e.text);
+        let mut on_token = |e: &TokenEvent<'_>| {
+            if let (Some(all), Some(l)) = (&mut logprobs, &e.logprobs) {
+                all.push(l.clone());
+            }
+            show(&e.text)
+        };
         let done = generate(
             &mut ctx,
             Some(self.text.clone()),
@@ -256,6 +290,7 @@ impl Llm {
             text,
             reasoning,
             ids: done.ids,
+            logprobs,
             finish: done.reason,
             prompt_tokens: prompt.len(),
             speculation: done.speculation,

@@ -334,6 +334,9 @@ pub struct TokenLogprobs {
 
 impl TokenLogprobs {
     /// Of `token` under `logits`, with the `top` best (log-softmax in f64).
+    ///
+    /// # Panics
+    /// If `token` is not an index of `logits` (so also when `logits` is empty).
     pub fn of(logits: &[f32], token: i32, top: usize) -> Self {
         let lse = log_sum_exp(logits);
         let mut best: Vec<(i32, f32)> = Vec::with_capacity(top + 1);

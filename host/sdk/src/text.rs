@@ -299,11 +299,20 @@ impl Text {
 }
 
 /// Turns a growing list of ids into text pieces as they become printable: a token that ends
-/// inside a multi-byte character is held back until the character is complete.
+/// inside a multi-byte character is held back until the character is complete. Each push
+/// decodes a window, not the whole answer (the incremental detokenization of TGI and vLLM):
+/// the tokens of the last piece, as context, and those after them; the new piece is what
+/// the window's text adds to the context's own. The pieces add up to the whole answer's
+/// text wherever a decoder's text for a run of tokens does not depend on tokens before the
+/// run's context (true of byte-level BPE and SentencePiece decoders).
 #[derive(Default)]
 pub struct Streamer {
+    /// The window: the last piece's tokens, then those not printed yet.
     ids: Vec<i32>,
-    printed: usize,
+    /// Where the tokens not printed yet start in `ids`.
+    read: usize,
+    /// Bytes of the context's text (the window's first `read` tokens, decoded alone).
+    context: usize,
 }
 
 impl Streamer {
@@ -312,13 +321,80 @@ impl Streamer {
         self.ids.push(id);
         let all = text.detokenize(&self.ids)?;
         if all.ends_with('\u{FFFD}')
-            || all.len() < self.printed
-            || !all.is_char_boundary(self.printed)
+            || all.len() <= self.context
+            || !all.is_char_boundary(self.context)
         {
             return Ok(String::new());
         }
-        let piece = all[self.printed..].to_string();
-        self.printed = all.len();
+        let piece = all[self.context..].to_string();
+        self.ids.drain(..self.read);
+        self.read = self.ids.len();
+        self.context = text.detokenize(&self.ids)?.len();
         Ok(piece)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence;
+    use tokenizers::decoders::strip::Strip;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::normalizers::Replace;
+
+    /// A SentencePiece-style text (as the GGUF import builds for `add_space_prefix`): `▁`
+    /// for spaces, byte tokens, and the first leading space stripped from a decoded run.
+    fn spm() -> Text {
+        let tokens = ["▁hello", "▁world", "▁caf", "<0xC3>", "<0xA9>", "!"];
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .byte_fallback(true)
+            .build()
+            .unwrap();
+        let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+        tokenizer.with_decoder(Some(Sequence::new(vec![
+            Replace::new("▁", " ").unwrap().into(),
+            ByteFallback::new().into(),
+            Fuse::new().into(),
+            Strip::new(' ', 1, 0).into(),
+        ])));
+        Text {
+            tokenizer,
+            template: None,
+            harmony: false,
+            bos: None,
+            add_bos: false,
+            eos: None,
+            stop: BTreeSet::new(),
+        }
+    }
+
+    #[test]
+    fn streamed_pieces_keep_the_spaces_a_decoded_run_strips() {
+        let text = spm();
+        let ids = [0, 1, 2, 3, 4, 5, 0, 3];
+        let mut streamer = Streamer::default();
+        let pieces: Vec<String> = ids
+            .iter()
+            .map(|&id| streamer.push(&text, id).unwrap())
+            .collect();
+        // `é`'s first byte is held back until its second arrives; a lone first byte never
+        // prints.
+        assert_eq!(
+            pieces,
+            ["hello", " world", " caf", "", "é", "!", " hello", ""]
+        );
+        assert_eq!(
+            text.detokenize(&ids[..7]).unwrap(),
+            pieces.concat(),
+            "the pieces add up to the whole"
+        );
     }
 }

@@ -65,6 +65,27 @@ fn ask(s: &mut AgentStore, agent: Option<&str>, prompt: &[i32]) -> Reply {
         .unwrap()
 }
 
+/// A request cancelled before it starts is an error, and the agent's next request runs
+/// as on a fresh store.
+#[test]
+fn a_cancelled_request_is_an_error_and_the_agent_goes_on() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    let model = tiny(7);
+    let rt = runtime();
+    let files = tempfile::tempdir().unwrap();
+    let mut s = store(&rt, "cpu", model.path(), 256, files.path());
+    let prompt = tokens(2, 30);
+    let cancelled = GenOptions {
+        cancel: Some(Arc::new(AtomicBool::new(true))),
+        ..GenOptions::max_tokens(NEW)
+    };
+    let e = s.generate(Some("a"), &prompt, cancelled).unwrap_err();
+    assert!(e.to_string().contains("cancelled"), "{e}");
+    let r = ask(&mut s, Some("a"), &prompt);
+    assert_eq!(r.ids, plain(&rt, "cpu", model.path(), &prompt));
+}
+
 #[test]
 fn requests_reuse_shared_prefixes_and_agents_their_history() {
     let model = tiny(7);

@@ -180,6 +180,106 @@ fn smollm2_answers_paris_and_stops_at_end_of_turn_on_every_backend() {
     }
 }
 
+/// `Llm`'s rules on the cpu backend: an answer that would pass the capacity ends there
+/// with `Length` (the text streamed so far kept), a prompt that fills the capacity, a
+/// `max_tokens` of 0 and an empty stop string are refused, and asked-for log-probabilities
+/// come one per generated id.
+#[test]
+fn llm_answers_end_at_the_capacity_and_refuse_what_cannot_run() {
+    use kvplug::{Finish, GenOptions, Llm};
+    let rt = runtime();
+    let open = |capacity| {
+        Llm::builder(smollm2())
+            .runtime(&rt)
+            .capacity(capacity)
+            .build()
+            .unwrap()
+    };
+    let question = [Message::user("Tell me a long story about a dragon.")];
+    let llm = open(48);
+    let mut streamed = String::new();
+    let long = GenOptions {
+        logprobs: Some(2),
+        ..GenOptions::max_tokens(1000)
+    };
+    let answer = llm
+        .chat_stream(&question, long, &mut |piece| {
+            streamed.push_str(piece);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(answer.finish, Finish::Length, "{:?}", answer.text);
+    assert!(answer.ids.len() >= 8, "{}", answer.prompt_tokens);
+    assert_eq!(answer.prompt_tokens + answer.ids.len(), 48);
+    assert_eq!(streamed, answer.text);
+    let logprobs = answer.logprobs.unwrap();
+    assert_eq!(logprobs.len(), answer.ids.len());
+    for (l, &id) in logprobs.iter().zip(&answer.ids) {
+        // Greedy: the token is the best alternative.
+        assert_eq!((l.token, l.top.len(), l.top[0]), (id, 2, (id, l.logprob)));
+        assert!(l.logprob <= 0.0 && l.logprob >= l.top[1].1, "{l:?}");
+    }
+    let e = llm.chat(&question, GenOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("max_tokens is 0"), "{e}");
+    let empty_stop = GenOptions {
+        stop_strings: vec![String::new()],
+        ..GenOptions::max_tokens(8)
+    };
+    let e = llm.chat(&question, empty_stop).unwrap_err();
+    assert!(
+        e.to_string().contains("stop string must not be empty"),
+        "{e}"
+    );
+    let e = open(answer.prompt_tokens)
+        .chat(&question, GenOptions::max_tokens(8))
+        .unwrap_err();
+    assert!(e.to_string().contains("leaves no room"), "{e}");
+    let e = Llm::builder(smollm2())
+        .runtime(&rt)
+        .capacity(0)
+        .build()
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("capacity"), "{e}");
+}
+
+/// Streamed pieces add up to the answer's ids detokenized whole, on each real tokenizer
+/// (byte-level BPE: SmolLM2, Qwen; SentencePiece with byte fallback: Gemma 3), for a
+/// sampled answer to a prompt that asks for accented, CJK and emoji text.
+#[test]
+fn streamed_pieces_add_up_to_the_answer_detokenized_whole() {
+    use kvplug::{GenOptions, Llm};
+    let rt = runtime();
+    let question = [Message::user(
+        "Écris trois phrases en français, puis traduis-les en japonais 日本語 avec des emoji 🐉🔥.",
+    )];
+    let mut non_ascii = false;
+    for path in [smollm2(), gemma3(), qwen_coder()] {
+        let llm = Llm::builder(&path).runtime(&rt).build().unwrap();
+        let opts = GenOptions {
+            sampler: Sampler::new(1.0, 1.0, 0),
+            ..GenOptions::max_tokens(64)
+        };
+        let mut streamed = String::new();
+        let answer = llm
+            .chat_stream(&question, opts, &mut |piece| {
+                streamed.push_str(piece);
+                Ok(())
+            })
+            .unwrap();
+        let ids = match answer.finish {
+            kvplug::Finish::Stop => &answer.ids[..answer.ids.len() - 1],
+            _ => &answer.ids[..],
+        };
+        let whole = llm.text().detokenize(ids).unwrap();
+        // A sampled answer may end inside a character: its bytes are never printed.
+        let whole = whole.trim_end_matches('\u{FFFD}');
+        assert_eq!(streamed, whole, "{}", path.display());
+        non_ascii |= !streamed.is_ascii();
+    }
+    assert!(non_ascii, "no answer had a character past ASCII");
+}
+
 /// Index directories no GGUF resolves to any more — its file deleted or changed, or its
 /// indexing never finished — are removed once old enough; current ones stay.
 #[test]
