@@ -40,7 +40,7 @@ pub use context::{Context, Logits};
 pub use discovery::{PluginSearch, SearchDir};
 pub use error::RuntimeError;
 pub use kvplug_core::{Adjust, Arithmetic, CacheKind, KeyBasis, KvDtype};
-pub use loader::{LoadedPlugin, Skipped};
+pub use loader::{Description, LoadedPlugin, Skipped};
 pub use model::Model;
 pub use registry::{BuilderRegistry, CacheRegistry};
 pub use runtime::Runtime;

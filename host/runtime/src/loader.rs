@@ -2,43 +2,80 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use abi_stable::library::{lib_header_from_path, LibHeader, LibraryError, RootModule};
 use abi_stable::sabi_types::VersionNumber;
-use abi_stable::std_types::Tuple2;
+use abi_stable::std_types::{RString, RVec, Tuple2};
 use kvplug_plugin_api::{accepted_range, accepts, BackendModule_Ref, HostServices, Registrar};
 
 use crate::discovery::{is_dylib, world_writable, PluginSearch};
 use crate::plugin_file::{check_object, not_a_regular_file, open_now};
 use crate::registry::BuilderRegistry;
 
-/// A plugin that loaded and registered.
-#[derive(Clone, serde::Serialize)]
+/// A plugin that loaded and registered. What it says of itself and its device
+/// ([`LoadedPlugin::description`]) is asked on first use, not at load: describing opens the
+/// device (a Vulkan instance, a GPU context), which a run on another backend should not pay
+/// for.
+#[derive(Clone)]
 pub struct LoadedPlugin {
     /// Its backend id.
     pub backend_id: String,
     /// The file it came from.
     pub file: PathBuf,
+    /// The plugin API version it was built against.
+    pub api_version: String,
+    /// Kinds it registered.
+    pub kinds: Vec<String>,
+    /// Its `describe`, once asked (shared by clones).
+    described: Arc<OnceLock<Description>>,
+    pub(crate) module: BackendModule_Ref,
+}
+
+/// What a plugin's `describe` says: itself and its device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Description {
     /// Human-readable name.
     pub name: String,
     /// Plugin version.
     pub version: String,
-    /// The plugin API version it was built against.
-    pub api_version: String,
-    /// Device description.
+    /// Device description; `unavailable: …` where the device did not open or `describe`
+    /// failed.
     pub device: String,
-    /// Kinds it registered.
-    pub kinds: Vec<String>,
     /// KV dtypes its pools support.
     pub kv_dtypes: Vec<String>,
     /// Feature flags.
     pub features: Vec<String>,
-    #[serde(skip)]
-    pub(crate) module: BackendModule_Ref,
 }
 
 impl LoadedPlugin {
+    /// The plugin's `describe`, called (opening its device) the first time any clone of this
+    /// plugin asks. A `describe` that fails or panics gives the name `?` and a device
+    /// `unavailable: describe failed: …`, with no dtypes or features.
+    pub fn description(&self) -> &Description {
+        self.described.get_or_init(|| {
+            let _span = tracing::debug_span!("describe", backend = %self.backend_id).entered();
+            let strings = |v: RVec<RString>| v.into_iter().map(String::from).collect();
+            match (self.module.describe())().into_result() {
+                Ok(info) => Description {
+                    name: info.name.into(),
+                    version: info.version.into(),
+                    device: info.device.into(),
+                    kv_dtypes: strings(info.kv_dtypes),
+                    features: strings(info.features),
+                },
+                Err(e) => Description {
+                    name: "?".into(),
+                    version: "?".into(),
+                    device: format!("unavailable: describe failed: {e}"),
+                    kv_dtypes: Vec::new(),
+                    features: Vec::new(),
+                },
+            }
+        })
+    }
+
     /// Its device's counters since it opened, by name (`dispatches`, `read_back_bytes`,
     /// ...; none where the backend keeps none).
     pub fn counters(&self) -> Vec<(String, u64)> {
@@ -46,6 +83,37 @@ impl LoadedPlugin {
             .into_iter()
             .map(|Tuple2(name, value)| (name.into(), value))
             .collect()
+    }
+}
+
+/// Serialized as one object, its description included (asked for here).
+impl serde::Serialize for LoadedPlugin {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(serde::Serialize)]
+        struct View<'a> {
+            backend_id: &'a str,
+            file: &'a Path,
+            name: &'a str,
+            version: &'a str,
+            api_version: &'a str,
+            device: &'a str,
+            kinds: &'a [String],
+            kv_dtypes: &'a [String],
+            features: &'a [String],
+        }
+        let d = self.description();
+        let view = View {
+            backend_id: &self.backend_id,
+            file: &self.file,
+            name: &d.name,
+            version: &d.version,
+            api_version: &self.api_version,
+            device: &d.device,
+            kinds: &self.kinds,
+            kv_dtypes: &d.kv_dtypes,
+            features: &d.features,
+        };
+        serde::Serialize::serialize(&view, s)
     }
 }
 
@@ -244,9 +312,6 @@ fn load_one(
             prev.file.display()
         ));
     }
-    let info = (module.describe())()
-        .into_result()
-        .map_err(|e| format!("describe failed: {e}"))?;
     let mut registrar = Registrar::default();
     (module.register())(services.clone(), &mut registrar)
         .into_result()
@@ -257,19 +322,12 @@ fn load_one(
         kinds.push(b.kind.to_string());
     }
     kinds.sort_by_key(|k| k.parse::<kvplug_core::CacheKind>().ok());
-    let strings = |v: &abi_stable::std_types::RVec<abi_stable::std_types::RString>| {
-        v.iter().map(|s| s.to_string()).collect()
-    };
     Ok(LoadedPlugin {
         backend_id: id,
         file: file.to_path_buf(),
-        name: info.name.to_string(),
-        version: info.version.to_string(),
         api_version,
-        device: info.device.to_string(),
         kinds,
-        kv_dtypes: strings(&info.kv_dtypes),
-        features: strings(&info.features),
+        described: Arc::default(),
         module,
     })
 }

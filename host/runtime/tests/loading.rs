@@ -52,7 +52,10 @@ fn loads_cpu_and_skips_every_bad_file_with_a_reason() {
     assert_eq!(host.backend_ids(), vec!["cpu".to_string()]);
     let p = &host.plugins()[0];
     assert_eq!(p.kinds, vec!["contiguous", "seq", "tree"]);
-    assert_eq!(p.kv_dtypes, vec!["f32", "f16", "bf16", "q8", "q4"]);
+    assert_eq!(
+        p.description().kv_dtypes,
+        vec!["f32", "f16", "bf16", "q8", "q4"]
+    );
     assert_eq!(
         host.builders().keys(),
         vec!["cpu:contiguous", "cpu:seq", "cpu:tree"]
@@ -181,6 +184,39 @@ fn unknown_backends_and_bad_configs_are_clear_errors() {
         other => panic!("{:?}", other.map(|_| ())),
     }
     assert!(host.caches().is_empty());
+}
+
+/// A plugin is described (its device opened) when first asked, not at load: a run on one
+/// backend does not open every other plugin's device. A failing `describe` leaves the plugin
+/// loaded, its device reported unavailable.
+#[test]
+fn plugins_are_described_when_first_asked_and_once() {
+    let dir = plugins_dir(&[(
+        fixture("kvplug_fixture_describe_counting_plugin"),
+        "libcounting.so",
+    )]);
+    let host = Runtime::load(&PluginSearch::only(&[dir.path().to_path_buf()], false));
+    let p = host
+        .plugin("counting")
+        .expect("a failing describe does not fail the load");
+    let calls = || {
+        p.counters()
+            .into_iter()
+            .find(|(name, _)| name == "describe_calls")
+            .map(|(_, n)| n)
+            .expect("the fixture counts its describe calls")
+    };
+    assert_eq!(calls(), 0, "loading described the plugin");
+    let d = p.description();
+    assert_eq!(
+        d.device,
+        "unavailable: describe failed: backend: fixture has no device to describe"
+    );
+    assert_eq!((d.name.as_str(), d.kv_dtypes.len()), ("?", 0));
+    // A clone shares the description; the JSON of `kvplug plugins --json` reads it too.
+    let json = serde_json::to_value(p.clone()).unwrap();
+    assert_eq!(json["device"], d.device.as_str());
+    assert_eq!(calls(), 1);
 }
 
 /// The plugin of [`built_against_the_next_api_major`]: a root module with nothing to offer.

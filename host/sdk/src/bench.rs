@@ -310,7 +310,7 @@ pub fn bench(
     let mut results = Vec::new();
     for backend in &a.backend {
         let plugin = runtime.plugin(backend)?;
-        let device = plugin.device.clone();
+        let device = plugin.description().device.clone();
         let model = crate::Llm::builder(&a.model)
             .runtime(runtime)
             .backend(backend)

@@ -41,7 +41,11 @@ impl Holding {
     /// How `plugin` holds weights, from its features.
     pub fn of(plugin: &kvplug_runtime::LoadedPlugin) -> Holding {
         let listed = |key: &str| -> Vec<String> {
-            let lists = plugin.features.iter().filter_map(|f| f.strip_prefix(key));
+            let lists = plugin
+                .description()
+                .features
+                .iter()
+                .filter_map(|f| f.strip_prefix(key));
             lists.flat_map(|l| l.split('|').map(String::from)).collect()
         };
         Holding {

@@ -27,6 +27,7 @@ impl<'a> RuntimeFactory<'a> {
     /// KV dtypes the backend reports.
     pub fn dtypes(&self) -> Vec<KvDtype> {
         self.plugin
+            .description()
             .kv_dtypes
             .iter()
             .filter_map(|d| d.parse().ok())
@@ -49,7 +50,7 @@ impl CacheFactory for RuntimeFactory<'_> {
         if !self.dtypes().iter().any(|d| d.family() == dtype.family()) {
             return Err(format!(
                 "backend has no {dtype} pools (it has: {})",
-                self.plugin.kv_dtypes.join(", ")
+                self.plugin.description().kv_dtypes.join(", ")
             ));
         }
         Ok(())
@@ -110,9 +111,10 @@ pub fn run_matrix(runtime: &Runtime, scenarios: &[Scenario], opts: &ConformOptio
     {
         let factory = RuntimeFactory::new(runtime, plugin);
         if factory.dtypes().is_empty() {
-            matrix
-                .unusable_backends
-                .push((plugin.backend_id.clone(), plugin.device.clone()));
+            matrix.unusable_backends.push((
+                plugin.backend_id.clone(),
+                plugin.description().device.clone(),
+            ));
             continue;
         }
         for scenario in scenarios {

@@ -59,17 +59,18 @@ pub fn run(runtime: &Runtime, search: &PluginSearch, a: Args) -> Result<ExitCode
         ]
         .map(String::from)];
         for p in runtime.plugins() {
-            let features = match p.features.is_empty() {
+            let d = p.description();
+            let features = match d.features.is_empty() {
                 true => "-".to_string(),
-                false => p.features.join(","),
+                false => d.features.join(","),
             };
             rows.push([
                 p.backend_id.to_string(),
-                p.version.to_string(),
+                d.version.to_string(),
                 p.api_version.to_string(),
                 p.kinds.join(","),
-                p.device.to_string(),
-                p.kv_dtypes.join(","),
+                d.device.to_string(),
+                d.kv_dtypes.join(","),
                 p.file.display().to_string(),
                 features,
             ]);

@@ -38,7 +38,8 @@ pub fn runtime() -> Runtime {
         let p = rt
             .plugin(b)
             .unwrap_or_else(|e| panic!("{e}; skipped: {:?}", rt.skipped()));
-        assert!(!p.device.starts_with("unavailable"), "{b}: {}", p.device);
+        let device = &p.description().device;
+        assert!(!device.starts_with("unavailable"), "{b}: {device}");
     }
     rt
 }
