@@ -207,16 +207,19 @@ fn plugins_are_described_when_first_asked_and_once() {
             .expect("the fixture counts its describe calls")
     };
     assert_eq!(calls(), 0, "loading described the plugin");
+    // A clone made before the first description shares it.
+    let clone = p.clone();
     let d = p.description();
     assert_eq!(
         d.device,
         "unavailable: describe failed: backend: fixture has no device to describe"
     );
     assert_eq!((d.name.as_str(), d.kv_dtypes.len()), ("?", 0));
-    // A clone shares the description; the JSON of `kvplug plugins --json` reads it too.
-    let json = serde_json::to_value(p.clone()).unwrap();
+    assert_eq!(clone.description(), d);
+    // The JSON of `kvplug plugins --json` reads it too.
+    let json = serde_json::to_value(&clone).unwrap();
     assert_eq!(json["device"], d.device.as_str());
-    assert_eq!(calls(), 1);
+    assert_eq!(calls(), 1, "the plugin was described more than once");
 }
 
 /// The plugin of [`built_against_the_next_api_major`]: a root module with nothing to offer.
