@@ -70,7 +70,8 @@ pub use kvplug_runtime::{
 };
 pub use llm::{Answer, Llm, LlmBuilder};
 pub use plan::{
-    default_capacity, parse_bytes, plan, weights, GroupPlan, Holding, Plan, PlanOptions, Weights,
+    default_capacity, parse_bytes, plan, trained_context, weights, GroupPlan, Holding, Plan,
+    PlanOptions, Weights,
 };
 pub use run::{run_agents, run_decode, run_fork, CacheReport, ForkReport, RunReport, RunSpec};
 pub use sampler::{argmax, Adjustments, Sampler, TokenLogprobs};

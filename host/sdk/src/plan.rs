@@ -374,6 +374,14 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     Ok(fits.max(1))
 }
 
+/// The positions `model` was trained on (see [`trained_positions`]): a context past them runs
+/// on positions it never saw, as llama.cpp warns when `n_ctx` passes `n_ctx_train`.
+pub fn trained_context(model: &Path) -> Result<Option<u64>> {
+    let dir = crate::formats::resolve_model(model)?;
+    let (_, text) = model_config(&dir)?;
+    Ok(trained_positions(&serde_json::from_str(&text)?))
+}
+
 /// The positions the model was trained on: `max_position_embeddings` where the config states
 /// a positive one (a 0, as some converters write for "unknown", states nothing).
 fn trained_positions(config: &serde_json::Value) -> Option<u64> {
@@ -549,10 +557,14 @@ mod tests {
         let path = dir.path().join("config.json");
         let mut config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let stated = config["max_position_embeddings"].as_u64();
+        assert!(stated.is_some_and(|n| n > 0));
+        assert_eq!(trained_context(dir.path()).unwrap(), stated);
         config["max_position_embeddings"] = 0.into();
         std::fs::write(&path, config.to_string()).unwrap();
         // The tiny model's K/V for 4096 tokens (256 KiB a thousand) fits any machine's half.
         assert_eq!(default_capacity(dir.path(), KvDtype::F16).unwrap(), 4096);
+        assert_eq!(trained_context(dir.path()).unwrap(), None);
         let args = PlanOptions {
             model: dir.path().to_path_buf(),
             budget: 1 << 30,

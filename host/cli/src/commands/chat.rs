@@ -74,6 +74,12 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         Some(c) => c,
         None => kvplug::default_capacity(model.dir(), kv_dtype.unwrap_or(KvDtype::F16))?,
     };
+    if let Some(n) = kvplug::trained_context(model.dir())?.filter(|&n| n < capacity as u64) {
+        eprintln!(
+            "warning: a capacity of {capacity} tokens passes the {n} positions the model was \
+             trained on (max_position_embeddings): a conversation past them may degrade"
+        );
+    }
     let opts = ChatOptions {
         system: a.system,
         capacity,

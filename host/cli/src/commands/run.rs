@@ -120,6 +120,13 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         .attention(a.attention.get())
         .build_model()?;
     let (prompt, text) = prompt_of(&a, &model)?;
+    let reach = prompt.len() + a.max_tokens;
+    if let Some(n) = kvplug::trained_context(model.dir())?.filter(|&n| n < reach as u64) {
+        eprintln!(
+            "warning: this run reaches position {reach}, past the {n} the model was trained on \
+             (max_position_embeddings): output past them may degrade"
+        );
+    }
     // A harmony answer to a chat prompt shows its content (--raw: all of it).
     let harmony = text.as_ref().is_some_and(|t| t.harmony()) && a.prompt.is_some() && !a.raw;
     let spec = RunSpec {
