@@ -267,6 +267,18 @@ impl QuantRows {
         prefetch_bytes(self.los.add(j * self.ng), n * self.ng * 2);
     }
 
+    /// Hints that row `j` is read soon: the cache line of its codes, and of its group scales
+    /// and offsets where a line of them starts (no effect on results).
+    #[inline(always)]
+    pub(super) unsafe fn prefetch_ahead(&self, j: usize) {
+        let bytes = self.d * self.bits / 8;
+        prefetch_bytes(self.codes.add(j * bytes), bytes);
+        if (j * self.ng).is_multiple_of(32) {
+            _mm_prefetch::<_MM_HINT_T0>(self.scales.add(j * self.ng) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(self.los.add(j * self.ng) as *const i8);
+        }
+    }
+
     /// The codes of values `[c, c + n)` of row `j` (`n` 8 or 16), one byte each.
     #[inline(always)]
     unsafe fn codes(&self, j: usize, c: usize, n: usize) -> __m128i {
@@ -544,6 +556,7 @@ trait Lanes {
         j0: usize,
         n: usize,
         kend: usize,
+        ask: bool,
     );
     /// `out += p · V` in the int8-query-i16-values arithmetic (see
     /// [`i16_values::values_avx512`]), `v` holding the tile's rows.
@@ -614,8 +627,9 @@ macro_rules! lanes {
                 j0: usize,
                 n: usize,
                 kend: usize,
+                ask: bool,
             ) {
-                kt.$stage(k, v, j0, n, kend)
+                kt.$stage(k, v, j0, n, kend, ask)
             }
             #[inline(always)]
             unsafe fn int8_scores<const M: usize>(
@@ -916,7 +930,10 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             let vq = v
                 .as_quant()
                 .expect("quantized keys come with quantized values");
-            L::stage_keys(&mut ktile, kq, vq, j0, n, held);
+            // Where the value sum asks for the next tile's rows, the staging asks only on
+            // the part's first tile.
+            let ask = i16 || !asks_ahead::<L>(vq) || j0 == keys.start;
+            L::stage_keys(&mut ktile, kq, vq, j0, n, held, ask);
             match (i16, vbmi) {
                 (true, true) => vtile.stage_scales(vq, n),
                 (true, false) => vtile.stage(vq, j0, n),
@@ -1096,7 +1113,11 @@ impl Block<'_> {
                 let vq = v.as_quant().expect("i16 values are quantized");
                 L::i16_values::<M>(&self, vt, vq, &s.p, out)
             }
-            _ if any => self.values::<L, M, V>(v, &s.p, out),
+            _ if any => {
+                let ahead = ahead
+                    .filter(|_| self.int8.is_some() && v.as_quant().is_some_and(asks_ahead::<L>));
+                self.values::<L, M, K, V>(v, ahead, &s.p, out)
+            }
             _ => {}
         }
     }
@@ -1207,31 +1228,51 @@ impl Block<'_> {
     /// passes over the tile, q8 decode at L = 4096 measured ~10% faster), one where two
     /// would not (256-bit, more than 4 rows), else two.
     #[inline(always)]
-    unsafe fn values<L: Lanes, const M: usize, V: RowView>(self, v: V, p: &[f32], out: &mut [f32]) {
+    unsafe fn values<L: Lanes, const M: usize, K: RowView, V: RowView>(
+        self,
+        v: V,
+        ahead: Option<(K, V)>,
+        p: &[f32],
+        out: &mut [f32],
+    ) {
         if L::N == 16 && M <= 4 && self.d.is_multiple_of(4 * L::N) {
-            self.values_in::<L, M, V, 4>(v, p, out)
+            self.values_in::<L, M, K, V, 4>(v, ahead, p, out)
         } else if L::N == 8 && M > 4 {
-            self.values_in::<L, M, V, 1>(v, p, out)
+            self.values_in::<L, M, K, V, 1>(v, ahead, p, out)
         } else {
-            self.values_in::<L, M, V, 2>(v, p, out)
+            self.values_in::<L, M, K, V, 2>(v, ahead, p, out)
         }
     }
 
     /// [`Block::values`] in slices of `S` registers.
     #[inline(always)]
-    unsafe fn values_in<L: Lanes, const M: usize, V: RowView, const S: usize>(
+    unsafe fn values_in<L: Lanes, const M: usize, K: RowView, V: RowView, const S: usize>(
         self,
         v: V,
+        ahead: Option<(K, V)>,
         p: &[f32],
         out: &mut [f32],
     ) {
         let Block { b0, j0, nb, d, .. } = self;
         // The registers of a slice in one group, or each in its own.
         let one_group = v.group_len().is_multiple_of(S * L::N);
-        for c in (0..d).step_by(S * L::N) {
+        let ahead = ahead
+            .as_ref()
+            .and_then(|(k, v)| Some((k.as_quant()?, v.as_quant()?)));
+        let slices = d / (S * L::N);
+        for (slice, c) in (0..d).step_by(S * L::N).enumerate() {
             let mut acc = [[L::zero(); S]; M];
+            // Rows `slice`, `slice + slices`, … ask for their K and V rows a tile further.
+            let mut next = slice;
             for jj in 0..nb {
                 let r = j0 + jj;
+                if let Some((k, v)) = ahead.filter(|_| jj == next) {
+                    next += slices;
+                    if r + TILE < self.kend {
+                        k.prefetch_ahead(r + TILE);
+                        v.prefetch_ahead(r + TILE);
+                    }
+                }
                 let gr = v.group(r, c);
                 // A loop, not a closure: outlined, a closure loses the target features.
                 let mut x = [L::zero(); S];
@@ -1259,6 +1300,17 @@ impl Block<'_> {
             }
         }
     }
+}
+
+/// Whether the f32 value sums over `v` (int8-query scores) ask for the next tile's K and V
+/// rows, a row every few rows, instead of the staging asking for this tile's V and the next
+/// tile's K at once: q8 at 512 bits. The staging's burst leaves the memory idle while the
+/// core computes; spread, `decode_attention` at L = 4,096 (fastest of 5–6 interleaved runs)
+/// measured q8 20–23% faster (SmolLM2's and Qwen2.5-0.5B's shapes, 1 and 2 threads), but q4
+/// and the AVX2 level mixed or slower (docs/benchmarks.md).
+#[inline(always)]
+fn asks_ahead<L: Lanes>(v: &QuantRows) -> bool {
+    L::N == 16 && v.bits == 8
 }
 
 /// The tiled views of one KV head's K and V rows.

@@ -200,10 +200,10 @@ unsafe fn transpose8(r: &mut [__m256i; 8]) {
 }
 
 /// Where the codes of the `LANES` key rows from `first` start, rows past the tile `tile`
-/// repeating its last; asks for the same rows of `v` and for `k`'s rows a tile further (up
-/// to `kend`), a hint per cache line: spread over the staging, these measured 1.4–2× faster
-/// decode from memory than none or the whole tile's at once (q8, 8–30 layers streamed at
-/// L = 4096, `examples/decode_attention`).
+/// repeating its last; with `ask`, asks for the same rows of `v` and for `k`'s rows a tile
+/// further (up to `kend`), a hint per cache line: spread over the staging, these measured
+/// 1.4–2× faster decode from memory than none or the whole tile's at once (q8, 8–30 layers
+/// streamed at L = 4096, `examples/decode_attention`).
 ///
 /// # Safety
 /// `k` holds the rows to `kend`, `v` the tile's rows.
@@ -214,11 +214,14 @@ unsafe fn row_group<const LANES: usize>(
     first: usize,
     tile: std::ops::Range<usize>,
     kend: usize,
+    ask: bool,
 ) -> [*const u8; LANES] {
     let here = LANES.min(tile.end - first);
-    v.prefetch_rows(first, here);
-    if first + TILE < kend {
-        k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
+    if ask {
+        v.prefetch_rows(first, here);
+        if first + TILE < kend {
+            k.prefetch_rows(first + TILE, here.min(kend - first - TILE));
+        }
     }
     let row_bytes = k.d * k.bits / 8;
     let mut rows_at = [k.codes; LANES];
@@ -253,7 +256,7 @@ impl KeyTile {
     }
 
     /// Stages rows `[j0, j0 + n)` of `k` (staged for the tile by [`super::RowView::for_tile`]) 16
-    /// rows a register, asking for rows of `v` and `k` as [`row_group`] says.
+    /// rows a register, asking for rows of `v` and `k` as [`row_group`] says with `ask`.
     ///
     /// # Safety
     /// AVX-512F/BW are present; `k` holds the rows and `kend`, `v` the tile's rows; `k.d`
@@ -266,6 +269,7 @@ impl KeyTile {
         j0: usize,
         n: usize,
         kend: usize,
+        ask: bool,
     ) {
         const LANES: usize = 16;
         let words = self.start(k, n, LANES);
@@ -274,7 +278,7 @@ impl KeyTile {
         let mask = _mm512_set1_epi8(0xf);
         let codes = self.codes.as_mut_ptr() as *mut __m512i;
         for r in 0..self.rows / LANES {
-            let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend);
+            let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend, ask);
             let out = codes.add(r * words);
             for w0 in (0..packed).step_by(LANES) {
                 let left = (packed - w0).min(LANES);
@@ -314,6 +318,7 @@ impl KeyTile {
         j0: usize,
         n: usize,
         kend: usize,
+        ask: bool,
     ) {
         const LANES: usize = 8;
         let words = self.start(k, n, LANES);
@@ -322,7 +327,7 @@ impl KeyTile {
         let (mask, flip) = (_mm256_set1_epi8(0xf), _mm256_set1_epi8(i8::MIN));
         let codes = self.codes.as_mut_ptr() as *mut __m256i;
         for r in 0..self.rows / LANES {
-            let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend);
+            let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend, ask);
             let out = codes.add(r * words);
             for w0 in (0..packed).step_by(LANES) {
                 let mut x = [_mm256_setzero_si256(); LANES];
@@ -637,11 +642,11 @@ mod tests {
         let blk = block(nb, k.d, scale);
         match width {
             Width::Avx512 => {
-                kt.stage_avx512(&k, &k, 0, nb, nb);
+                kt.stage_avx512(&k, &k, 0, nb, nb, true);
                 scores_avx512::<M>(&blk, qc, &kt, &mut p);
             }
             Width::Avx2 => {
-                kt.stage_avx2(&k, &k, 0, nb, nb);
+                kt.stage_avx2(&k, &k, 0, nb, nb, true);
                 scores_avx2::<M>(&blk, qc, &kt, &mut p);
             }
         }
