@@ -1069,7 +1069,7 @@ impl Block<'_> {
         let Block { b0, nb, d, .. } = self;
         match self.int8 {
             // SAFETY: `int8` is set only where the int8 kernel's contract holds; the tile's
-            // staging asked for its V rows and the next tile's K rows.
+            // staging or the last tile's value sum asked for its K and V rows (`asks_ahead`).
             Some((qc, kt)) => L::int8_scores::<M>(&self, qc, kt, &mut s.p),
             None => self.scores::<L, M, K, V>(q, k, ahead, &mut s.p),
         }
