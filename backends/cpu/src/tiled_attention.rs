@@ -547,7 +547,7 @@ trait Lanes {
         ahead: Option<(K, V)>,
         out: &mut [f32],
         s: &mut TileScratch,
-    );
+    ) -> bool;
     /// Stages `kt` at this width for [`Lanes::int8_scores`] (see [`KeyTile::stage_avx512`]).
     unsafe fn stage_keys(
         kt: &mut KeyTile,
@@ -661,7 +661,7 @@ macro_rules! lanes {
                 ahead: Option<(K, V)>,
                 out: &mut [f32],
                 s: &mut TileScratch,
-            ) {
+            ) -> bool {
                 blk.run::<Self, M, K, V>(q, k, v, ahead, out, s)
             }
             #[target_feature(enable = $features)]
@@ -919,6 +919,9 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     // 4-branch fork step (2 blocks) 2102–2316 against 2268–2445 µs; a 16-node tree verify
     // (8 blocks) 6696–6936 against 6302–6385 µs, so more blocks stage.
     let vbmi = i16 && L::N == 16 && rows <= 2 * L::INT8_BLOCK && crate::simd::vbmi_path();
+    // Whether the last tile's value sum asked for this tile's K and V rows (`asks_ahead`);
+    // else the staging asks.
+    let mut asked = false;
     for j0 in keys.clone().step_by(TILE) {
         let n = TILE.min(keys.end - j0);
         let (k, v) = (
@@ -930,10 +933,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             let vq = v
                 .as_quant()
                 .expect("quantized keys come with quantized values");
-            // Where the value sum asks for the next tile's rows, the staging asks only on
-            // the part's first tile.
-            let ask = i16 || !asks_ahead::<L>(vq) || j0 == keys.start;
-            L::stage_keys(&mut ktile, kq, vq, j0, n, held, ask);
+            L::stage_keys(&mut ktile, kq, vq, j0, n, held, !asked);
             match (i16, vbmi) {
                 (true, true) => vtile.stage_scales(vq, n),
                 (true, false) => vtile.stage(vq, j0, n),
@@ -941,6 +941,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             }
         }
         let block = if int8 { L::INT8_BLOCK } else { L::BLOCK };
+        asked = false;
         for b0 in (0..rows).step_by(block) {
             let m = (rows - b0).min(block);
             let token = |b: usize| (first + b0 + b) % vis.t;
@@ -970,7 +971,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             // It asks for the next tile's K rows too, which the scores otherwise wait on
             // (examples/decode_attention, Qwen2.5-0.5B's shape at L = 4096: 7–9% faster).
             let ahead = (b0 == 0).then_some((k, v));
-            match m {
+            asked |= match m {
                 8 => L::block::<8, K, V>(blk, q, k, v, ahead, out, s),
                 7 => L::block::<7, K, V>(blk, q, k, v, ahead, out, s),
                 6 => L::block::<6, K, V>(blk, q, k, v, ahead, out, s),
@@ -979,7 +980,7 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 3 => L::block::<3, K, V>(blk, q, k, v, ahead, out, s),
                 2 => L::block::<2, K, V>(blk, q, k, v, ahead, out, s),
                 _ => L::block::<1, K, V>(blk, q, k, v, ahead, out, s),
-            }
+            };
         }
     }
     (s.query, s.keys, s.values) = (query, ktile, vtile);
@@ -1055,7 +1056,8 @@ struct Block<'a> {
 
 impl Block<'_> {
     /// The block's `M` query rows through one tile: scores, the online softmax's update of
-    /// each row's max, sum and output, then `out += p · V`.
+    /// each row's max, sum and output, then `out += p · V`. True where the value sum asked
+    /// for the next tile's K and V rows (`ahead` given, [`asks_ahead`]).
     #[inline(always)]
     unsafe fn run<L: Lanes, const M: usize, K: RowView, V: RowView>(
         self,
@@ -1065,7 +1067,7 @@ impl Block<'_> {
         ahead: Option<(K, V)>,
         out: &mut [f32],
         s: &mut TileScratch,
-    ) {
+    ) -> bool {
         let Block { b0, nb, d, .. } = self;
         match self.int8 {
             // SAFETY: `int8` is set only where the int8 kernel's contract holds; the tile's
@@ -1111,14 +1113,16 @@ impl Block<'_> {
             // past `nb` hold weight 0, and `v` holds its rows for the sums that read them.
             Some(vt) if any => {
                 let vq = v.as_quant().expect("i16 values are quantized");
-                L::i16_values::<M>(&self, vt, vq, &s.p, out)
+                L::i16_values::<M>(&self, vt, vq, &s.p, out);
+                false
             }
             _ if any => {
                 let ahead = ahead
                     .filter(|_| self.int8.is_some() && v.as_quant().is_some_and(asks_ahead::<L>));
-                self.values::<L, M, K, V>(v, ahead, &s.p, out)
+                self.values::<L, M, K, V>(v, ahead, &s.p, out);
+                ahead.is_some()
             }
-            _ => {}
+            _ => false,
         }
     }
 
