@@ -267,15 +267,18 @@ impl QuantRows {
         prefetch_bytes(self.los.add(j * self.ng), n * self.ng * 2);
     }
 
-    /// Hints that row `j` is read soon: the cache line of its codes, and of its group scales
-    /// and offsets where a line of them starts (no effect on results).
+    /// Hints that row `j` is read soon: the cache lines of its codes, and of its group scales
+    /// and offsets where the row holds the start of a run of 32 of them (a line from a
+    /// 64-byte-aligned start), so that rows asked in order ask for each such run once (no
+    /// effect on results).
     #[inline(always)]
     pub(super) unsafe fn prefetch_ahead(&self, j: usize) {
         let bytes = self.d * self.bits / 8;
         prefetch_bytes(self.codes.add(j * bytes), bytes);
-        if (j * self.ng).is_multiple_of(32) {
-            _mm_prefetch::<_MM_HINT_T0>(self.scales.add(j * self.ng) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(self.los.add(j * self.ng) as *const i8);
+        let run = (j * self.ng).next_multiple_of(32);
+        if run < (j + 1) * self.ng {
+            _mm_prefetch::<_MM_HINT_T0>(self.scales.add(run) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(self.los.add(run) as *const i8);
         }
     }
 
@@ -919,8 +922,8 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     // 4-branch fork step (2 blocks) 2102–2316 against 2268–2445 µs; a 16-node tree verify
     // (8 blocks) 6696–6936 against 6302–6385 µs, so more blocks stage.
     let vbmi = i16 && L::N == 16 && rows <= 2 * L::INT8_BLOCK && crate::simd::vbmi_path();
-    // Whether the last tile's value sum asked for this tile's K and V rows (`asks_ahead`);
-    // else the staging asks.
+    // Whether the last tile's value sum asked for all of this tile's K and V rows
+    // (`asks_ahead`); else the staging asks for this tile's V rows and the next tile's K rows.
     let mut asked = false;
     for j0 in keys.clone().step_by(TILE) {
         let n = TILE.min(keys.end - j0);
@@ -970,8 +973,10 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
             // prefetcher follows poorly from memory (f16 decode at L = 4096: 15–20% faster).
             // It asks for the next tile's K rows too, which the scores otherwise wait on
             // (examples/decode_attention, Qwen2.5-0.5B's shape at L = 4096: 7–9% faster).
-            let ahead = (b0 == 0).then_some((k, v));
-            asked |= match m {
+            // In int8-query calls only the values use `ahead`, where the part is one block
+            // of rows (a decode step): a block past the first may see rows the first did not.
+            let ahead = (b0 == 0 && !(int8 && rows > block)).then_some((k, v));
+            let asked_next = match m {
                 8 => L::block::<8, K, V>(blk, q, k, v, ahead, out, s),
                 7 => L::block::<7, K, V>(blk, q, k, v, ahead, out, s),
                 6 => L::block::<6, K, V>(blk, q, k, v, ahead, out, s),
@@ -981,6 +986,8 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
                 2 => L::block::<2, K, V>(blk, q, k, v, ahead, out, s),
                 _ => L::block::<1, K, V>(blk, q, k, v, ahead, out, s),
             };
+            // A value sum over part of the tile asked for the same part of the next one.
+            asked |= asked_next && nb == n;
         }
     }
     (s.query, s.keys, s.values) = (query, ktile, vtile);
@@ -1050,7 +1057,7 @@ struct Block<'a> {
     int8: Option<(&'a QueryCodes, &'a KeyTile)>,
     /// The tile's values staged for the integer value sum, where it is used.
     i16: Option<&'a ValueTile>,
-    /// The end of the part's key rows.
+    /// The rows the views hold (the call's window): prefetches stop there.
     kend: usize,
 }
 

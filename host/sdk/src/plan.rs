@@ -374,8 +374,9 @@ pub fn default_capacity(model: &Path, kv_dtype: KvDtype) -> Result<usize> {
     Ok(fits.max(1))
 }
 
-/// The positions `model` was trained on (see [`trained_positions`]): a context past them runs
-/// on positions it never saw, as llama.cpp warns when `n_ctx` passes `n_ctx_train`.
+/// The positions `model` was trained on: its config's `max_position_embeddings` where that is
+/// positive (a GGUF's `context_length`). A context past them runs on positions the model never
+/// saw, as llama.cpp warns when `n_ctx` passes `n_ctx_train`.
 pub fn trained_context(model: &Path) -> Result<Option<u64>> {
     let dir = crate::formats::resolve_model(model)?;
     let (_, text) = model_config(&dir)?;

@@ -120,11 +120,11 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         .attention(a.attention.get())
         .build_model()?;
     let (prompt, text) = prompt_of(&a, &model)?;
-    let reach = prompt.len() + a.max_tokens;
+    let reach = prompt.len().saturating_add(a.max_tokens);
     if let Some(n) = kvplug::trained_context(model.dir())?.filter(|&n| n < reach as u64) {
         eprintln!(
-            "warning: this run reaches position {reach}, past the {n} the model was trained on \
-             (max_position_embeddings): output past them may degrade"
+            "warning: this run spans up to {reach} positions (prompt + --max-tokens), past the \
+             {n} the model was trained on (max_position_embeddings): output past them may degrade"
         );
     }
     // A harmony answer to a chat prompt shows its content (--raw: all of it).
