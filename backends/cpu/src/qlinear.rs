@@ -23,10 +23,11 @@
 //! are chosen at run time: AVX2
 //! (`maddubs`: unsigned weight codes × signed activation codes to i16 pairs, `madd` to i32,
 //! f32 FMA; in panels a run of code dwords adds its pair sums in i16 before one `madd`,
-//! [`i16_run`]) and, where the CPU has AVX-512 VNNI, VL and BW, the same with
-//! `dpbusd` (the byte products summed straight into i32, one instruction for two; EVEX
-//! encoding, so 32 vector registers; a whole group two sub-blocks per 512-bit product, the
-//! products' lanes summed by permutes, not `vphaddd`; the 4- and 5-bit 32-value formats'
+//! [`i16_run`], and in tiles a group's sub-blocks add theirs as far by `hadd` levels) and,
+//! where the CPU has AVX-512 VNNI, VL and BW, the same with `dpbusd` (the byte products
+//! summed straight into i32, one instruction for two; EVEX encoding, so 32 vector registers;
+//! a whole group two sub-blocks per 512-bit product, the products' lanes summed by permutes,
+//! not `vphaddd`; the 4- and 5-bit 32-value formats'
 //! groups gathered by word permutes and met by activations whose blocks' 16-value halves are
 //! regrouped once per call to match their nibbles; Q4_K/Q5_K's super-blocks split into low
 //! and high nibbles by two 512-bit loads and met by activations whose blocks are regrouped
@@ -1983,6 +1984,34 @@ mod x86 {
         )
     }
 
+    /// Lane j = the sum of the 16 `maddubs` pair sums (i16) of `p[j]`, for a format whose
+    /// [`i16_run`] `RUN` is 4 or 8: `hadd` levels add them in i16 while a lane holds at most
+    /// `RUN` of them (exact, as in the panels), then one widening for all eight sub-blocks:
+    /// `RUN` 8 sign-extends the two halves, 4 takes one `madd` per four sub-blocks, where
+    /// [`reduce8`] needs one per sub-block. The `madd`s were what an AVX2 core without
+    /// AVX-512 ran out of (Zen 1-class, 256-bit multiplies on one 128-bit port).
+    #[inline(always)]
+    unsafe fn reduce8_pair_sums<const RUN: usize>(p: &[__m256i; GROUP]) -> __m256i {
+        const { assert!(RUN == 4 || RUN == 8) };
+        let h = |a, b| _mm256_hadd_epi16(a, b);
+        // Per 128-bit half: s0 s0 s1 s1 s2 s2 s3 s3, each lane 4 pair sums; then s4 … s7.
+        let a = h(h(p[0], p[1]), h(p[2], p[3]));
+        let b = h(h(p[4], p[5]), h(p[6], p[7]));
+        if RUN == 8 {
+            // Per half: s0 … s7, each lane 8 pair sums; the halves added in i32.
+            let s = h(a, b);
+            let lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s));
+            _mm256_add_epi32(lo, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)))
+        } else {
+            let ones = _mm256_set1_epi16(1);
+            let (a, b) = (_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
+            _mm256_add_epi32(
+                _mm256_permute2x128_si256(a, b, 0x20),
+                _mm256_permute2x128_si256(a, b, 0x31),
+            )
+        }
+    }
+
     /// Lane j = the sum of the eight lanes of `s[j]` for `j < N`, zero above (`s[N..]` must be
     /// zero).
     #[inline(always)]
@@ -2036,6 +2065,7 @@ mod x86 {
     ) -> __m256 {
         let f = const { FORMATS[F] };
         let offset = dot_offset(f, VNNI);
+        let run = const { i16_run(FORMATS[F]) };
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
         let order = const { wide_order(FORMATS[F]) };
@@ -2045,6 +2075,15 @@ mod x86 {
             sub_block_sums_of_pairs(g, a.q_wide)
         } else if VNNI && N == GROUP {
             narrowed_pair_sums(scaled_half_sums::<F>(g, a.q))
+        } else if !VNNI && N == GROUP && run >= 4 {
+            let p: [__m256i; GROUP] = std::array::from_fn(|j| {
+                let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
+                _mm256_maddubs_epi16(g.codes[j], x)
+            });
+            match run {
+                8 => reduce8_pair_sums::<8>(&p),
+                _ => reduce8_pair_sums::<4>(&p),
+            }
         } else {
             debug_assert!(!VNNI || f.block_elems() == QK, "K-quant groups are whole");
             for (j, s) in s.iter_mut().enumerate().take(N) {
