@@ -2012,6 +2012,26 @@ mod x86 {
         }
     }
 
+    /// Lane j = Q6_K sub-block j's `Σ_h sc_h·Σ c·q` over its two halves, from its `maddubs`
+    /// pair sums `p[j]` (the first 128 bits its first half's, as `mul[j]` holds the scales):
+    /// one `hadd` level per pair of sub-blocks (Q6_K's [`i16_run`] is 2), then one `madd`
+    /// with both sub-blocks' scales rather than one each (see [`reduce8_pair_sums`]).
+    #[inline(always)]
+    unsafe fn reduce8_q6k(p: &[__m256i; GROUP], mul: &[__m256i; GROUP]) -> __m256i {
+        // Per 128-bit half: sub-block 2k's four i32 lanes' worth, then 2k + 1's: i32 lanes
+        // [2k, 2k, 2k + 1, 2k + 1], each scaled by its half's scale.
+        let q: [__m256i; 4] = std::array::from_fn(|k| {
+            let scales = _mm256_blend_epi32::<0b1100_1100>(mul[2 * k], mul[2 * k + 1]);
+            _mm256_madd_epi16(_mm256_hadd_epi16(p[2 * k], p[2 * k + 1]), scales)
+        });
+        // Per half: sub-blocks 0 … 3, then 4 … 7; the halves added.
+        let (a, b) = (_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(a, b, 0x20),
+            _mm256_permute2x128_si256(a, b, 0x31),
+        )
+    }
+
     /// Lane j = the sum of the eight lanes of `s[j]` for `j < N`, zero above (`s[N..]` must be
     /// zero).
     #[inline(always)]
@@ -2075,13 +2095,14 @@ mod x86 {
             sub_block_sums_of_pairs(g, a.q_wide)
         } else if VNNI && N == GROUP {
             narrowed_pair_sums(scaled_half_sums::<F>(g, a.q))
-        } else if !VNNI && N == GROUP && run >= 4 {
+        } else if !VNNI && N == GROUP && (run >= 4 || f == BlockFormat::Q6K) {
             let p: [__m256i; GROUP] = std::array::from_fn(|j| {
                 let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
                 _mm256_maddubs_epi16(g.codes[j], x)
             });
-            match run {
-                8 => reduce8_pair_sums::<8>(&p),
+            match (f, run) {
+                (BlockFormat::Q6K, _) => reduce8_q6k(&p, &g.mul),
+                (_, 8) => reduce8_pair_sums::<8>(&p),
                 _ => reduce8_pair_sums::<4>(&p),
             }
         } else {
