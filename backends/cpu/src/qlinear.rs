@@ -1988,8 +1988,9 @@ mod x86 {
     /// [`i16_run`] `RUN` is 4 or 8: `hadd` levels add them in i16 while a lane holds at most
     /// `RUN` of them (exact, as in the panels), then one widening for all eight sub-blocks:
     /// `RUN` 8 sign-extends the two halves, 4 takes one `madd` per four sub-blocks, where
-    /// [`reduce8`] needs one per sub-block. The `madd`s were what an AVX2 core without
-    /// AVX-512 ran out of (Zen 1-class, 256-bit multiplies on one 128-bit port).
+    /// the sums [`reduce8`] takes are widened by one each. The `madd`s were what an AVX2
+    /// core without AVX-512 ran out of (Zen 1-class, 256-bit multiplies on one 128-bit
+    /// port).
     #[inline(always)]
     unsafe fn reduce8_pair_sums<const RUN: usize>(p: &[__m256i; GROUP]) -> __m256i {
         const { assert!(RUN == 4 || RUN == 8) };
