@@ -1971,14 +1971,11 @@ mod x86 {
         _mm512_cvtepi64_epi32(_mm512_add_epi32(h, _mm512_srli_epi64::<32>(h)))
     }
 
-    /// Lane j = the sum of the four low lanes of `s[j]` (the first 128 bits), and the same of
-    /// the four high lanes.
+    /// Lanes 0..4 = `a`'s four lanes of its first 128 bits plus those of its second; lanes
+    /// 4..8 the same of `b`.
     #[inline(always)]
-    unsafe fn reduce8_halves(s: &[__m256i; GROUP]) -> (__m256i, __m256i) {
-        // Per 128-bit half: [s0 s1 s2 s3] partial sums, then the halves regrouped.
-        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        (
+    unsafe fn add_halves(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi32(
             _mm256_permute2x128_si256(a, b, 0x20),
             _mm256_permute2x128_si256(a, b, 0x31),
         )
@@ -2005,11 +2002,7 @@ mod x86 {
             _mm256_add_epi32(lo, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)))
         } else {
             let ones = _mm256_set1_epi16(1);
-            let (a, b) = (_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
-            _mm256_add_epi32(
-                _mm256_permute2x128_si256(a, b, 0x20),
-                _mm256_permute2x128_si256(a, b, 0x31),
-            )
+            add_halves(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones))
         }
     }
 
@@ -2026,11 +2019,7 @@ mod x86 {
             _mm256_madd_epi16(_mm256_hadd_epi16(p[2 * k], p[2 * k + 1]), scales)
         });
         // Per half: sub-blocks 0 … 3, then 4 … 7; the halves added.
-        let (a, b) = (_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256(a, b, 0x20),
-            _mm256_permute2x128_si256(a, b, 0x31),
-        )
+        add_halves(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]))
     }
 
     /// Lane j = the sum of the eight lanes of `s[j]` for `j < N`, zero above (`s[N..]` must be
@@ -2043,8 +2032,10 @@ mod x86 {
             let sum = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
             return _mm256_zextsi128_si256(sum);
         }
-        let (lo, hi) = reduce8_halves(s);
-        _mm256_add_epi32(lo, hi)
+        // Per 128-bit half: [s0 s1 s2 s3] partial sums, then [s4 … s7].
+        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+        add_halves(a, b)
     }
 
     /// One token's activations for one group, as [`super::ActGroup`]: 256 codes, 8 scales, 8
