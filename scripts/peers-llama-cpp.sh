@@ -14,7 +14,7 @@
 # PEERS_BACKEND=vulkan builds llama-bench alone with the Vulkan backend, statically linked (one
 # file to carry to a GPU machine), in $PEERS/build-vulkan: the peer of `make bench-gpu`.
 # This llama.cpp needs Vulkan headers newer than Debian 12's (1.3.239 lacks VK_EXT_layer_settings):
-# Debian 13's libvulkan-dev and spirv-headers are downloaded (apt-get download, no install)
+# Debian 13's libvulkan-dev and spirv-headers are downloaded (scripts/apt-unpack.sh, no install)
 # and unpacked into $PEERS/vulkan-headers, headers only (the binary links Debian 12's
 # loader). Debian 12's glslc (2023.2) lacks the cooperative-matrix and integer-dot-product
 # extensions, so that build's shaders use neither (its configure log says so); a newer
@@ -74,15 +74,8 @@ if [ "${PEERS_BACKEND:-cpu}" = vulkan ]; then
         headers="$PWD/$PEERS/vulkan-headers"
         if [ ! -f "$headers/usr/include/vulkan/vulkan.hpp" ]; then
             echo "$PEERS_WHO: Vulkan and SPIR-V headers from Debian 13 (apt-get download)"
-            apt_dir="$PWD/$PEERS/apt-trixie"
-            mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$headers"
-            echo "deb http://deb.debian.org/debian trixie main" >"$apt_dir/sources.list"
-            o=(-oDir::Etc::SourceList="$apt_dir/sources.list" -oDir::Etc::SourceParts=/dev/null
-                -oDir::State::Lists="$apt_dir/lists" -oDir::Cache="$apt_dir/cache"
-                -oAPT::Architecture=amd64)
-            apt-get "${o[@]}" update -qq
-            (cd "$apt_dir" && apt-get "${o[@]}" download libvulkan-dev spirv-headers)
-            for deb in "$apt_dir"/*.deb; do dpkg -x "$deb" "$headers"; done
+            ./scripts/apt-unpack.sh trixie "$PWD/$PEERS/apt-trixie" "$headers" \
+                libvulkan-dev spirv-headers >/dev/null
         fi
         echo "$PEERS_WHO: building llama-bench with the Vulkan backend (Release, static)"
         cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
