@@ -20,7 +20,7 @@ dest=.deps/lavapipe
 icd=$dest/lvp_icd.json
 
 fragment() {
-    { echo "# Written by scripts/install-lavapipe.sh."; echo "$@"; } >"$out.part"
+    { echo "# Written by scripts/install-lavapipe.sh (delete it to run the script again)."; echo "$@"; } >"$out.part"
     mv "$out.part" "$out"
 }
 system_driver() {
