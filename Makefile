@@ -6,8 +6,9 @@ CARGO ?= cargo
 export XDG_RUNTIME_DIR ?= /tmp/kvplug-xdg-runtime
 
 # Backends the conformance run must load: a missing one fails the run. On Linux the wgpu
-# backend runs on the software Vulkan driver (lavapipe) that install-deps provides, and the
-# mlx backend on MLX's CPU device from the mlx-cpu wheel that install-mlx provides.
+# backend runs on the software Vulkan driver (lavapipe: install-deps provides the system's,
+# install-lavapipe a newer one where it can, below), and the mlx backend on MLX's CPU device
+# from the mlx-cpu wheel that install-mlx provides.
 ifeq ($(shell uname -s),Linux)
 REQUIRED_BACKENDS ?= cpu,wgpu,mlx
 else
@@ -17,8 +18,8 @@ KVPLUG = ./target/debug/kvplug --plugins target/debug
 
 # The goals that run the wgpu backend on lavapipe take a newer one than Debian 12's where
 # scripts/install-lavapipe.sh can fetch it (4-6x faster shaders; the script says why and
-# when not): its fragment sets VK_ICD_FILENAMES. Make writes the fragment first, then
-# rereads this file.
+# when not): its fragment sets VK_ICD_FILENAMES. Make writes the fragment first (even under
+# -n), then rereads this file.
 LAVAPIPE_GOALS = test test-one-core unit conform template
 ifneq ($(filter $(LAVAPIPE_GOALS),$(MAKECMDGOALS)),)
 include .deps/lavapipe.mk

@@ -13,7 +13,8 @@ mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$dest"
 work=$(realpath "$work") dest=$(realpath "$dest")
 echo "deb http://deb.debian.org/debian $suite main" >"$work/sources.list"
 o=(-oDir::Etc::SourceList="$work/sources.list" -oDir::Etc::SourceParts=/dev/null
-    -oDir::State::Lists="$work/lists" -oDir::Cache="$work/cache" -oAPT::Architecture=amd64)
+    -oDir::State::Lists="$work/lists" -oDir::Cache="$work/cache" -oAPT::Architecture=amd64
+    -oDir::Etc::Preferences=/dev/null -oDir::Etc::PreferencesParts=/dev/null)
 # As root apt would hand the download to its _apt user, who cannot write to WORKDIR.
 if [ "$(id -u)" -eq 0 ]; then o+=(-oAPT::Sandbox::User=root); fi
 apt-get "${o[@]}" update -qq
