@@ -24,7 +24,6 @@ LAVAPIPE_GOALS = test test-one-core unit conform template
 ifneq ($(filter $(LAVAPIPE_GOALS),$(MAKECMDGOALS)),)
 include .deps/lavapipe.mk
 .deps/lavapipe.mk: scripts/install-lavapipe.sh scripts/apt-unpack.sh
-	@mkdir -p .deps
 	@./scripts/install-lavapipe.sh $@
 endif
 

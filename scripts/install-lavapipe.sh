@@ -17,6 +17,7 @@
 # tok/s, its prefill at 0.04 vs 0.15: the wgpu half of the model tests was most of CI's time.
 set -euo pipefail
 out=$(realpath -m -- "$1")
+mkdir -p "$(dirname "$out")"
 cd "$(dirname "$0")/.."
 version=25.0.7-2~bpo12+1
 dest=.deps/lavapipe
@@ -38,8 +39,7 @@ codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}") || cod
 if [ "$(uname -m)" != x86_64 ] || [ "$codename" != bookworm ]; then
     system_driver "not Debian 12 on x86_64 (newer Debians ship Mesa 25 themselves)"
 fi
-gpus="/dev/dri/renderD* /dev/nvidia[0-9]*"
-if compgen -G "${gpus% *}" >/dev/null || compgen -G "${gpus#* }" >/dev/null; then
+if compgen -G "/dev/dri/renderD*" >/dev/null || compgen -G "/dev/nvidia[0-9]*" >/dev/null; then
     system_driver "a GPU is present"
 fi
 if [ ! -f "$icd" ]; then
@@ -63,6 +63,6 @@ if [ ! -f "$icd" ]; then
 fi
 echo "install-lavapipe: $(cat "$dest/INSTALLED")"
 fragment "ifneq (\$(wildcard \$(CURDIR)/$icd),)" \
-    "ifeq (\$(wildcard $gpus),)" \
+    "ifeq (\$(wildcard /dev/dri/renderD* /dev/nvidia[0-9]*),)" \
     "export VK_ICD_FILENAMES ?= \$(CURDIR)/$icd" \
     "endif" "endif"
