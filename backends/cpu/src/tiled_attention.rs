@@ -1264,6 +1264,28 @@ impl Block<'_> {
         p: &[f32],
         out: &mut [f32],
     ) {
+        // At 256 bits the loop is compiled apart for q8 rows, so that the code width's test
+        // in `QuantRows::codes` folds away: in the loop it left LLVM 8 rows' accumulators in
+        // rotating registers with one on the stack, a store-to-load chain every key row. At
+        // KVPLUG_CPU_ISA=avx2, Zen 4, one thread, q8 at L = 4096 (examples/step_ratios,
+        // interleaved): a 4-branch fork step 5990–6444 → 3766–3842 µs, a 16-node tree
+        // verify 22720–23049 → 14009–14161 µs, prefilling its three 4,096-token caches
+        // 8.8–9.3 → 5.9–6.1 s. At 512 bits (no spill) the split measured nothing.
+        match v.as_quant().map(|q| q.bits) {
+            Some(8) if L::N == 8 => self.values_loop::<L, M, K, V, S>(v, ahead, p, out),
+            _ => self.values_loop::<L, M, K, V, S>(v, ahead, p, out),
+        }
+    }
+
+    /// [`Block::values_in`]'s loop.
+    #[inline(always)]
+    unsafe fn values_loop<L: Lanes, const M: usize, K: RowView, V: RowView, const S: usize>(
+        self,
+        v: V,
+        ahead: Option<(K, V)>,
+        p: &[f32],
+        out: &mut [f32],
+    ) {
         let Block { b0, j0, nb, d, .. } = self;
         // The registers of a slice in one group, or each in its own.
         let one_group = v.group_len().is_multiple_of(S * L::N);
