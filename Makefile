@@ -156,7 +156,8 @@ bench-gpu: deps
 ## on the same GGUF (the demo model, weights in place) and threads, as ratios
 ## (scripts/bench-peers.sh says what it runs), at every ISA level the CPU has: its own and,
 ## on an AVX-512 CPU, AVX2 (ISA=avx2: llama.cpp built without AVX-512, kvplug capped).
-## Not part of make test.
+## SHAPE=qwen2.5-1.5b-shaped (in the environment) runs a random-weight Q4_K_M file of that
+## shape (scripts/bench_shapes.py) instead. Not part of make test.
 bench-peers: deps models
 	./scripts/bench-peers.sh
 	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-peers.sh; fi

@@ -41,6 +41,6 @@ for s in "${shapes[@]}"; do
 done
 
 for s in "${shapes[@]}"; do
-    MODEL="$dir/$s.$(quant_of "$s").gguf" DEPTHS=0 RSS_CONTEXT=1024 \
+    SHAPE= MODEL="$dir/$s.$(quant_of "$s").gguf" DEPTHS=0 RSS_CONTEXT=1024 \
         PEERS_TABLE="$PEERS/peers-hybrid-$s.md" ./scripts/bench-peers.sh
 done

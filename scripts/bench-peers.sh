@@ -16,8 +16,9 @@
 # as context, one run; llama.cpp with the flash-attention setting its default picks; both at the
 # first MMAP setting).
 #
-# Settings (environment): MODEL (a GGUF; default the demo model), F16 (1: both sides read an
-# f16 copy of MODEL), THREADS (default: every
+# Settings (environment): MODEL (a GGUF; default the demo model), SHAPE (instead of MODEL: a
+# shape scripts/bench_shapes.py writes, e.g. qwen2.5-1.5b-shaped, its random-weight Q4_K_M
+# file kept in .peers/shapes), F16 (1: both sides read an f16 copy of MODEL), THREADS (default: every
 # core; kvplug's cpu backend uses every core), PP, TG, DEPTHS, REPS (llama-bench's -p -n -d -r,
 # REPS per run), ROUNDS (default 2: llama.cpp, kvplug, kvplug, llama.cpp for each test),
 # KV (KV dtype on both sides: f16, q8_0 or q4_0 in llama.cpp's names), MMAP (comma list: 1
@@ -59,10 +60,31 @@ case "$KV" in
     *) echo "bench-peers: KV must be f16, q8_0 or q4_0 (got $KV)" >&2; exit 2 ;;
 esac
 [[ "$MMAP" =~ ^[01](,[01])*$ ]] || { echo "bench-peers: MMAP must list 1 and/or 0 (got $MMAP)" >&2; exit 2; }
-[ -f "$MODEL" ] || { echo "bench-peers: no model at $MODEL (make models fetches the demo model)" >&2; exit 2; }
+# The peak-RSS run prefills PP tokens (512 where PP=0) on top of the rest of RSS_CONTEXT.
+[[ "$PP" =~ ^[0-9]+$ && "$RSS_CONTEXT" =~ ^[0-9]+$ ]] && ((RSS_CONTEXT >= (PP > 0 ? PP : 512))) || {
+    echo "bench-peers: RSS_CONTEXT ($RSS_CONTEXT) must be a token count of at least the prefill" \
+        "(PP, or 512 where PP=0; got PP=$PP)" >&2
+    exit 2
+}
+SHAPE=${SHAPE:-}
+[ -n "$SHAPE" ] || [ -f "$MODEL" ] ||
+    { echo "bench-peers: no model at $MODEL (make models fetches the demo model)" >&2; exit 2; }
 
 # llama.cpp from the pinned sdist, built in $PEERS/build ($build).
 source scripts/peers-llama-cpp.sh
+
+if [ -n "$SHAPE" ]; then
+    MODEL="$PEERS/shapes/$SHAPE.gguf"
+    if [ ! -f "$MODEL" ]; then
+        # Written aside and moved into place: an interrupted write leaves no file to reuse.
+        peers_python
+        echo "bench-peers: writing $MODEL"
+        rm -rf "$PEERS/shapes/.partial" && mkdir -p "$PEERS/shapes/.partial"
+        "$venv/bin/python" scripts/bench_shapes.py "$PEERS/shapes/.partial" "$SHAPE" >/dev/null
+        mv "$PEERS/shapes/.partial/$SHAPE.gguf" "$MODEL"
+        rmdir "$PEERS/shapes/.partial"
+    fi
+fi
 
 # The file both sides read.
 weights="$MODEL"
