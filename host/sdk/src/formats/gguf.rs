@@ -392,6 +392,29 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             }
         }
     }
+    // llama.cpp's `n_rot`: the dims of a head that rotate, all where absent; a `llama` file
+    // must rotate all (llama.cpp refuses it otherwise), the others may rotate a part. The
+    // hybrids and GPT-OSS read it above.
+    if matches!(
+        arch,
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3
+    ) {
+        let head_dim = g.uint(&k("attention.key_length")).ok();
+        let head_dim = head_dim.or(hidden.checked_div(heads));
+        if let (Ok(rot), Some(head_dim)) = (g.uint(&k("rope.dimension_count")), head_dim) {
+            if arch == Arch::Llama && rot != head_dim {
+                fail!(
+                    Model,
+                    "{}: rope.dimension_count {rot} is not the head size {head_dim} (a llama \
+                     model rotates every dim of a head)",
+                    g.path.display()
+                );
+            }
+            if rot != head_dim && head_dim > 0 {
+                c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
+            }
+        }
+    }
     // A context length of 0 states nothing.
     if let Some(n) = g.uint(&k("context_length")).ok().filter(|&n| n > 0) {
         c["max_position_embeddings"] = n.into();

@@ -296,6 +296,14 @@ impl GgufFile {
                      {block}"
                 )));
             }
+            // As llama.cpp: a tensor starts on the alignment (a shifted offset reads every
+            // weight of it wrong, and quietly).
+            if offset % alignment != 0 {
+                return Err(bad(format!(
+                    "tensor '{name}' at offset {offset} is not aligned to {alignment} bytes \
+                     (general.alignment)"
+                )));
+            }
             let end = (elems / block as u64)
                 .checked_mul(size as u64)
                 .and_then(|b| data_offset.checked_add(offset)?.checked_add(b));
@@ -385,7 +393,7 @@ mod tests {
 
     #[test]
     fn refuses_lies_before_allocating_them() {
-        let cases: [(Vec<u8>, &str); 6] = [
+        let cases: [(Vec<u8>, &str); 7] = [
             // An array of 2^40 u8 values in a small file.
             (
                 file(
@@ -428,6 +436,8 @@ mod tests {
                 "not whole q4_0 blocks",
             ),
             (file(&[], &[("t", &[1 << 40], 0, 0)], 64), "past the end"),
+            // Inside the file, but 2 bytes off the default alignment of 32.
+            (file(&[], &[("t", &[32], 2, 2)], 64), "not aligned to 32"),
         ];
         for (bytes, says) in cases {
             let e = read(&bytes).err().expect(says).to_string();

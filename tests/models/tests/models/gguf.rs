@@ -247,6 +247,20 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
             e.contains(&format!("metadata '{key}' is NaN, not a finite number")),
             "{e}"
         );
+        // A `llama` file whose rotary dims are not the head's (llama.cpp refuses them too;
+        // read as all, the model would run with the wrong positions).
+        let head = PRESET.hidden / PRESET.heads;
+        for (n, rot) in [(2, head / 2), (3, 2 * head)] {
+            let mut m = meta.clone();
+            m.push(("llama.rope.dimension_count", Value::U32(rot as u32)));
+            let file = dir.path().join(format!("bad{n}.gguf"));
+            write_gguf(&file, &m, &tensors);
+            let e = gguf::index(&file, &dir.path().join(format!("bad{n}")))
+                .unwrap_err()
+                .to_string();
+            let says = format!("rope.dimension_count {rot} is not the head size {head}");
+            assert!(e.contains(&says), "{e}");
+        }
     }
 
     // Text: the tokenizer round-trips, special tokens are whole, the template renders,
