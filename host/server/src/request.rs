@@ -72,7 +72,9 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
             in_vocabulary(m, "prompt", ids.iter().copied())?;
             ids.clone()
         }
-        Prompt::Text(t) => encode(m, &mut calls, t)?,
+        // A raw prompt starts with BOS where the tokenizer asks for it, as the CLI's `run
+        // --raw` and llama.cpp's server begin it; a chat template writes its own.
+        Prompt::Text(t) => encode(m, &mut calls, t, true)?,
         Prompt::Chat(messages) | Prompt::Prefilled(messages) => {
             if !m.text.has_template() {
                 return Err(ApiError::invalid(
@@ -89,7 +91,7 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
                 false => m.text.render_tools(messages, &tools, true),
             }
             .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-            encode(m, &mut calls, &rendered)?
+            encode(m, &mut calls, &rendered, false)?
         }
     };
     if continuing || p.tool_choice == ToolChoice::None {
@@ -106,15 +108,22 @@ pub fn render(m: &Model, p: &Params) -> Result<(Vec<i32>, Option<Calls>), ApiErr
     Ok((prompt, calls))
 }
 
-/// The token ids of `rendered`, the prompt's text; `calls` learn whether it shows them in
-/// doubled braces.
-fn encode(m: &Model, calls: &mut Option<Calls>, rendered: &str) -> Result<Vec<i32>, ApiError> {
+/// The token ids of `rendered`, the prompt's text, behind the tokenizer's BOS where `raw`
+/// and it asks for one; `calls` learn whether it shows them in doubled braces.
+fn encode(
+    m: &Model,
+    calls: &mut Option<Calls>,
+    rendered: &str,
+    raw: bool,
+) -> Result<Vec<i32>, ApiError> {
     if let Some(c) = calls {
         c.doubled_braces = teaches_doubled_braces(rendered);
     }
-    m.text
-        .encode(rendered)
-        .map_err(|e| ApiError::invalid(None, e.to_string()))
+    match raw {
+        true => m.text.encode_raw(rendered),
+        false => m.text.encode(rendered),
+    }
+    .map_err(|e| ApiError::invalid(None, e.to_string()))
 }
 
 /// Refuses (400, naming `param`) a token id outside the model's vocabulary.

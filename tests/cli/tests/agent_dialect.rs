@@ -568,6 +568,18 @@ fn a_ten_turn_conversation_reuses_its_history_on_a_hybrid_model() {
     streamed["stream"] = json!(false);
     streamed["max_tokens"] = json!(4);
     s.ok("/v1/completions", &streamed, &[]);
+
+    // Gemma's tokenizer asks for BOS: a raw prompt gets it, as one that writes it out does.
+    let raw = |prompt: &str| {
+        let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+        let v = s.ok("/v1/completions", &body, &[]);
+        (
+            v["usage"]["prompt_tokens"].clone(),
+            v["choices"][0]["text"].clone(),
+        )
+    };
+    let question = "The capital of France is";
+    assert_eq!(raw(question), raw(&format!("<bos>{question}")));
     s.stop();
 }
 
