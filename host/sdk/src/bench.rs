@@ -337,7 +337,9 @@ pub fn bench(
                     let context = tokens(depth, vocab, 1 + depth as u64);
                     for &(p, n) in &tests {
                         let ids = tokens(p.max(n), vocab, 7);
-                        let mut samples = Vec::with_capacity(a.repetitions);
+                        // Grown as the runs end: a huge `-r` runs until stopped, never
+                        // allocates its count up front.
+                        let mut samples = Vec::new();
                         let mut per_token = BTreeMap::new();
                         for rep in 0..=a.repetitions {
                             reset(&mut ctx, &context, &mut held)?;
