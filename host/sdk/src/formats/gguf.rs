@@ -394,7 +394,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     }
     // llama.cpp's `n_rot`: the dims of a head that rotate, all where absent; a `llama` file
     // must rotate all (llama.cpp refuses it otherwise), the others may rotate a part. The
-    // hybrids and GPT-OSS read it above.
+    // Qwen3.5 and Granite hybrids read it above; LFM2 and GPT-OSS rotate every dim.
     if matches!(
         arch,
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3
