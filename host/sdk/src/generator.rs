@@ -144,6 +144,11 @@ pub struct TokenEvent<'a> {
     pub logits: &'a [f32],
     /// Its log-probability and the best alternatives', when the request asked.
     pub logprobs: Option<TokenLogprobs>,
+    /// How many of the request's latest tokens, this one included unless it is a stop token
+    /// (which adds no text), have none of their text released yet: held back (see `text`),
+    /// or in a stop string just reached (then never released). The text of every earlier
+    /// token is out, so a client can give each token's log-probability with its text.
+    pub held: usize,
 }
 
 /// A request that ended.
@@ -619,8 +624,12 @@ impl Generator {
                 self.masks += u64::from(n);
                 self.mask_time += t;
             }
-            // After a stop string nothing is held; otherwise the held text was no stop.
-            let tail = a.stop.flush();
+            // After a stop string nothing is held; otherwise the held text was no stop, and
+            // bytes that never completed a character end the text.
+            let mut tail = a.stop.flush();
+            if let (Some(t), None) = (&self.text, a.stop.matched()) {
+                tail += &a.streamer.flush(t)?;
+            }
             done.push(a.finished(reason, tail, error));
         }
         done.reverse();
@@ -695,6 +704,7 @@ fn sample_one<'l>(
         text: released,
         logits: l,
         logprobs: a.opts.logprobs.map(|top| TokenLogprobs::of(l, id, top)),
+        held: a.stop.held_pieces(),
     };
     Ok((event, finish))
 }

@@ -7,6 +7,9 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text not yet released: a suffix that may begin a stop string.
     held: String,
+    /// Where in `held` each piece wholly held starts (a piece partly released is not
+    /// listed; an empty piece is held until text after it is released).
+    starts: Vec<usize>,
     /// The stop string reached, once reached.
     matched: Option<usize>,
 }
@@ -17,6 +20,7 @@ impl StopMatcher {
         StopMatcher {
             stops,
             held: String::new(),
+            starts: Vec::new(),
             matched: None,
         }
     }
@@ -24,6 +28,7 @@ impl StopMatcher {
     /// Adds `piece`; returns the text that can be released and whether a stop string was
     /// reached (the text is then everything before it, and generation ends).
     pub fn push(&mut self, piece: &str) -> (String, bool) {
+        self.starts.push(self.held.len());
         self.held.push_str(piece);
         let first = self
             .stops
@@ -35,12 +40,24 @@ impl StopMatcher {
             self.matched = Some(k);
             let out = self.held[..at].to_string();
             self.held.clear();
+            // The pieces from the stop string on are never released.
+            self.starts.retain(|&s| s >= at);
             return (out, true);
         }
-        let keep = self.partial_suffix();
-        let out = self.held[..self.held.len() - keep].to_string();
-        self.held.drain(..self.held.len() - keep);
+        let cut = self.held.len() - self.partial_suffix();
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        if cut > 0 {
+            self.starts.retain(|&s| s >= cut);
+            self.starts.iter_mut().for_each(|s| *s -= cut);
+        }
         (out, false)
+    }
+
+    /// How many of the latest pieces (those pushed last) have none of their text released:
+    /// held back, or in (or after) the stop string once one is reached.
+    pub fn held_pieces(&self) -> usize {
+        self.starts.len()
     }
 
     /// The stop string that ended the text, if one did.
@@ -50,6 +67,7 @@ impl StopMatcher {
 
     /// The held text, at the end of generation (it did not become a stop string).
     pub fn flush(&mut self) -> String {
+        self.starts.clear();
         std::mem::take(&mut self.held)
     }
 
@@ -110,6 +128,32 @@ mod tests {
         assert_eq!(m.push("x"), ("ENx".into(), false));
         assert_eq!(run(&["END"], &["a", "EN"]), ("aEN".into(), false));
         assert_eq!(run(&[], &["plain", " text"]), ("plain text".into(), false));
+    }
+
+    #[test]
+    fn the_pieces_with_no_text_released_are_counted() {
+        let mut m = StopMatcher::new(vec![", 5".into()]);
+        assert_eq!((m.push("4"), m.held_pieces()), (("4".into(), false), 0));
+        // An empty piece (a partial character) is held until text after it goes out.
+        assert_eq!((m.push(""), m.held_pieces()), ((String::new(), false), 1));
+        assert_eq!((m.push(","), m.held_pieces()), ((String::new(), false), 2));
+        assert_eq!((m.push(" "), m.held_pieces()), ((String::new(), false), 3));
+        // Released: the pieces held so far are out, and the new one, partly released.
+        assert_eq!((m.push("6,"), m.held_pieces()), ((", 6".into(), false), 0));
+        // A piece partly released is out; those from the stop string on are never released.
+        let mut m = StopMatcher::new(vec![", 5".into()]);
+        assert_eq!((m.push("4,"), m.held_pieces()), (("4".into(), false), 0));
+        assert_eq!((m.push(" "), m.held_pieces()), ((String::new(), false), 1));
+        assert_eq!((m.push("5!"), m.held_pieces()), ((String::new(), true), 2));
+        // Held text released by a piece that is itself held whole.
+        let mut m = StopMatcher::new(vec!["ab".into(), "c5".into()]);
+        assert_eq!((m.push("a"), m.held_pieces()), ((String::new(), false), 1));
+        assert_eq!((m.push("c"), m.held_pieces()), (("a".into(), false), 1));
+        assert_eq!((m.push("5"), m.held_pieces()), ((String::new(), true), 2));
+        // At the end, the held text goes out with its pieces.
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        m.push("xE");
+        assert_eq!((m.flush(), m.held_pieces()), ("E".into(), 0));
     }
 
     #[test]

@@ -332,6 +332,15 @@ impl Streamer {
         self.context = text.detokenize(&self.ids)?.len();
         Ok(piece)
     }
+
+    /// The text of the tokens not printed yet, at the end of generation: bytes that never
+    /// completed a character come out as U+FFFD (as a whole detokenized answer writes them).
+    pub fn flush(&mut self, text: &Text) -> Result<String> {
+        let all = text.detokenize(&self.ids)?;
+        let piece = all.get(self.context..).unwrap_or_default().to_string();
+        *self = Streamer::default();
+        Ok(piece)
+    }
 }
 
 #[cfg(test)]
@@ -385,16 +394,23 @@ mod tests {
             .iter()
             .map(|&id| streamer.push(&text, id).unwrap())
             .collect();
-        // `é`'s first byte is held back until its second arrives; a lone first byte never
-        // prints.
+        // `é`'s first byte is held back until its second arrives; a lone first byte is
+        // written as U+FFFD at the end, as the whole answer decodes it.
         assert_eq!(
             pieces,
             ["hello", " world", " caf", "", "é", "!", " hello", ""]
         );
+        let tail = streamer.flush(&text).unwrap();
+        assert_eq!(tail, "\u{FFFD}");
         assert_eq!(
-            text.detokenize(&ids[..7]).unwrap(),
-            pieces.concat(),
+            text.detokenize(&ids).unwrap(),
+            pieces.concat() + &tail,
             "the pieces add up to the whole"
+        );
+        assert_eq!(
+            streamer.flush(&text).unwrap(),
+            "",
+            "nothing is held after a flush"
         );
     }
 }

@@ -736,7 +736,7 @@ pub(crate) mod tests {
             tx.send(Event::Token {
                 choice: 0,
                 text,
-                logprobs: None,
+                logprobs: Vec::new(),
             })
             .unwrap();
         }

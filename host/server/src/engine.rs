@@ -54,15 +54,15 @@ pub enum Event {
         /// Where the prompt parted from what the cache holds, when it shares anything.
         divergence: Option<Divergence>,
     },
-    /// A token of completion `choice`: its text (empty while held back) and
-    /// log-probabilities when asked; or text held back at its end (no log-probabilities).
+    /// Text of completion `choice` released (by a token, or held back to its end), with the
+    /// log-probabilities of the tokens whose text it completes, when the request asked.
     Token {
         /// Which completion.
         choice: usize,
         /// Text released.
         text: String,
-        /// The token's log-probabilities, when the request asked.
-        logprobs: Option<TokenLogprobs>,
+        /// Log-probabilities of the tokens it releases, in order.
+        logprobs: Vec<TokenLogprobs>,
     },
     /// Completion `choice` ended.
     Done {
@@ -149,13 +149,17 @@ pub struct Limits {
 
 /// A generator request of a request in flight: which completion, on which sequence, from
 /// which position.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Running {
     request: RequestId,
     /// The completion (`None`: the shared prefill before `n` completions fork).
     choice: Option<usize>,
     seq: i32,
     start: usize,
+    /// Log-probabilities of its latest tokens whose text is not out yet (see
+    /// [`kvplug::TokenEvent::held`]): they go out with it, or not at all when it is in a stop
+    /// string.
+    held: Vec<TokenLogprobs>,
 }
 
 /// A request in flight.
@@ -436,6 +440,7 @@ impl Engine {
             choice,
             seq,
             start,
+            held: Vec::new(),
         };
         r.request = self.generator.add(seq, a.prompt_of(&r), start, opts)?;
         a.running.push(r);
@@ -557,23 +562,25 @@ impl Engine {
                 a.started = true;
                 metrics.first_token(a.req.arrived.elapsed());
             }
-            let choice = a
+            let r = a
                 .running
-                .iter()
+                .iter_mut()
                 .find(|r| r.request == e.request)
-                .and_then(|r| r.choice)
-                .unwrap_or(0);
-            // A stop token ends the answer but is not in it: its log-probability is left out
+                .expect("its request");
+            // A token's log-probability goes out with its text: held with it, and left out
+            // with a stop token or a stop string, which end the answer but are not in it
             // (as OpenAI's), so an answer's tokens spell its text, streamed or not.
-            let logprobs = e
-                .logprobs
-                .clone()
-                .filter(|_| !a.req.opts.stop_tokens.contains(&e.id));
-            if !e.text.is_empty() || logprobs.is_some() {
+            if let Some(l) = e.logprobs.as_ref() {
+                if !a.req.opts.stop_tokens.contains(&e.id) {
+                    r.held.push(l.clone());
+                }
+            }
+            let out = r.held.len().saturating_sub(e.held);
+            if !e.text.is_empty() || out > 0 {
                 let _ = a.req.events.send(Event::Token {
-                    choice,
+                    choice: r.choice.unwrap_or(0),
                     text: e.text.clone(),
-                    logprobs,
+                    logprobs: r.held.drain(..out).collect(),
                 });
             }
             Ok(())
@@ -624,7 +631,7 @@ impl Engine {
             .iter()
             .position(|r| r.request == f.request)
             .expect("its request");
-        let r = a.running.remove(at);
+        let mut r = a.running.remove(at);
         let Some(choice) = r.choice else {
             if a.anchoring {
                 // The prompt is in up to where it departs from a recent request: published
@@ -661,11 +668,17 @@ impl Engine {
                 .finish(agent.as_deref(), r.seq, &a.held(&r, &f, false))?;
             return self.release(a);
         }
-        if !f.text_tail.is_empty() {
+        // The held text was no stop string: it goes out with its tokens' log-probabilities
+        // (after a stop string, those held are in it and dropped).
+        let logprobs = match f.stop_string {
+            Some(_) => Vec::new(),
+            None => std::mem::take(&mut r.held),
+        };
+        if !f.text_tail.is_empty() || !logprobs.is_empty() {
             let _ = a.req.events.send(Event::Token {
                 choice,
                 text: f.text_tail.clone(),
-                logprobs: None,
+                logprobs,
             });
         }
         let finish_reason = match f.reason {

@@ -1381,7 +1381,7 @@ mod tests {
                 tx.send(Event::Token {
                     choice: 0,
                     text: text.into(),
-                    logprobs: Some(logprobs),
+                    logprobs: vec![logprobs],
                 })
                 .unwrap();
             }

@@ -270,12 +270,12 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     let ok = json!({"messages": [{"role": "user", "content": "Say just OK."}],
         "temperature": 0, "max_tokens": 16, "logprobs": true});
     let v = s.ok(PATH, &ok, &[]);
-    let spelled =
+    let spelled_chat =
         |lps: &[Value]| -> String { lps.iter().map(|t| t["token"].as_str().unwrap()).collect() };
     let content = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     let whole = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
-    assert_eq!(spelled(whole), content, "{v}");
+    assert_eq!(spelled_chat(whole), content, "{v}");
     let mut streamed = ok.clone();
     streamed["stream"] = json!(true);
     let parts: Vec<Value> = s
@@ -288,7 +288,7 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
                 .unwrap_or_default()
         })
         .collect();
-    assert_eq!(spelled(&parts), content);
+    assert_eq!(spelled_chat(&parts), content);
     let v = s.ok(
         "/v1/completions",
         &json!({"prompt": "def add(a, b):", "temperature": 0, "max_tokens": 5, "logprobs": 2}),
@@ -349,6 +349,37 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
         text, streamed_text,
         "streamed tokens spell the streamed text"
     );
+    // Cut by a stop string (three tokens of the answer, so held across tokens): the tokens
+    // in it are not in the answer's logprobs either, streamed or not.
+    let count = json!({"messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+        "temperature": 0, "max_tokens": 24, "logprobs": true});
+    let v = s.ok(PATH, &count, &[]);
+    let whole = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let tokens: Vec<&str> = whole.iter().map(|t| t["token"].as_str().unwrap()).collect();
+    let mut stopped = count.clone();
+    stopped["stop"] = json!(tokens[6..9].concat());
+    let v = s.ok(PATH, &stopped, &[]);
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(content.len() < tokens.concat().len(), "{v}");
+    let lps = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(spelled_chat(lps), content, "{v}");
+    stopped["stream"] = json!(true);
+    let chunks = s.chunks(PATH, &stopped);
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    let streamed_text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(spelled_chat(&streamed), streamed_text);
 
     // A GBNF grammar; a banned token never appears; ignore_eos runs to max_tokens.
     let yes_no = json!({"messages": [{"role": "user", "content": "Is Rust a language?"}],
@@ -382,6 +413,32 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
         other, first["token"],
         "logit_bias -100 bans the greedy token"
     );
+    // A byte token forced again and again never completes a character: the text still has
+    // it, as U+FFFD (as the whole answer decodes), and the tokens spell it, streamed or not.
+    let text = kvplug::Text::load(&kvplug::formats::gguf::resolve_model(&qwen()).unwrap()).unwrap();
+    let byte = (0..1000)
+        .find(|&id| text.detokenize(&[id]).unwrap() == "\u{FFFD}")
+        .expect("a byte token");
+    let expected = text.detokenize(&[byte; 3]).unwrap();
+    let forced = json!({"prompt": "Hi", "temperature": 0, "max_tokens": 3, "logprobs": 1,
+        "logit_bias": {byte.to_string(): 100}});
+    let v = s.ok("/v1/completions", &forced, &[]);
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(v["choices"][0]["text"], json!(expected), "{v}");
+    let (tokens, offsets) = spelled(lp);
+    assert_eq!(
+        (tokens, json!(offsets)),
+        (expected.clone(), lp["text_offset"].clone()),
+        "{v}"
+    );
+    let mut streamed = forced.clone();
+    streamed["stream"] = json!(true);
+    let streamed_text: String = s
+        .chunks("/v1/completions", &streamed)
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed_text, expected);
     let long = s.ok(
         PATH,
         &json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 12,
