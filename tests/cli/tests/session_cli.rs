@@ -153,6 +153,55 @@ fn a_session_in_use_is_refused_to_a_second_process() {
 }
 
 #[test]
+fn save_does_not_write_over_another_conversation() {
+    let sessions = tempfile::tempdir().unwrap();
+    let plugins = cpu_plugins();
+    let talk = |c: &mut Command, lines: &str| -> Output {
+        let mut child = c
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(lines.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let kept = talk(
+        &mut chat_on(sessions.path(), plugins.path(), "kept", &[]),
+        "Hi\n",
+    );
+    assert!(kept.status.success(), "{kept:?}");
+    let file = sessions.path().join("kept.kvsession.safetensors");
+    let before = std::fs::read(&file).unwrap();
+    let mut other = kvplug(sessions.path());
+    other.arg("--plugins").arg(plugins.path()).args([
+        "chat",
+        "--model",
+        &smollm2(),
+        "--max-tokens",
+        "4",
+    ]);
+    let out = talk(&mut other, "Hello\n/save kept\n/save fresh\nMore\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{out:?}");
+    assert!(err.contains("session 'kept' exists"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), before, "kept is untouched");
+    assert!(err.contains("[saved as fresh"), "{err}");
+    // The chat's own session is saved again under its name.
+    let again = talk(
+        &mut chat_on(sessions.path(), plugins.path(), "kept", &[]),
+        "Again\n/save kept\n",
+    );
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(err.contains("[saved as kept"), "{err}");
+}
+
+#[test]
 fn output_into_a_closed_pipe_ends_quietly() {
     let sessions = tempfile::tempdir().unwrap();
     for args in [&["session", "ls"][..], &["plugins"][..]] {

@@ -125,7 +125,7 @@ const HELP: &str = "\
 /clear           start a new conversation (the system message stays; a saved session keeps
                  the previous one)
 /system TEXT     start a new conversation with this system message (empty: none)
-/save NAME       save the conversation as session NAME, and after every turn from now on
+/save NAME       save the conversation as new session NAME, and after every turn from now on
 /load NAME       continue session NAME instead
 /stats           messages, tokens in the cache, capacity, the last turn's speed
 /exit, /bye      leave (so do Ctrl-D and the end of input)
@@ -215,6 +215,13 @@ impl Repl<'_> {
             "save" => {
                 let path = self.sessions.path_for_write(arg)?;
                 let lock = self.lock_for(arg)?;
+                // Another conversation saved under the name is not written over.
+                if path.exists() && self.chat.stats().session.as_ref() != Some(&path) {
+                    bail!(
+                        "session '{arg}' exists: /save NAME takes a new name (/load {arg} \
+                         continues it; `kvplug session rm {arg}` deletes it)"
+                    );
+                }
                 let bytes = self.chat.save_as(path)?;
                 self.lock = lock;
                 eprintln!("[saved as {arg}: {bytes} bytes; later turns are saved there too]");
