@@ -56,6 +56,9 @@ pub struct Args {
 }
 
 pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens 0 would answer nothing: give at least 1");
+    }
     sessions.sweep();
     // Held until the chat ends (or moves to another name): a second process on the same
     // session is refused.
