@@ -66,6 +66,9 @@ pub struct Params {
     /// The request field it came in (`messages`, `prompt`, `input`): the `param` of a
     /// `context_length_exceeded` error.
     pub prompt_field: &'static str,
+    /// The request field a JSON answer format came in (`response_format`, the Responses
+    /// API's `text`, the Messages API's `output_config`): the `param` of its errors.
+    pub format_field: &'static str,
     /// `max_completion_tokens` or `max_tokens`; the server's default when absent.
     pub max_tokens: Option<usize>,
     /// Whether `max_tokens` is only a bound (Anthropic's `max_tokens`, the Responses API's
@@ -340,6 +343,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
             Endpoint::Chat => "messages",
             Endpoint::Completion => "prompt",
         },
+        format_field: "response_format",
         max_tokens: max_tokens.map(|n| n.min(usize::MAX as u64) as usize),
         max_tokens_is_bound: false,
         temperature,

@@ -95,6 +95,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     Ok(Params {
         prompt,
         prompt_field: "messages",
+        format_field: "output_config",
         max_tokens,
         max_tokens_is_bound: true,
         temperature: f.number("temperature", 0.0, 1.0)?.unwrap_or(1.0) as f32,

@@ -264,7 +264,7 @@ fn constraint(
         // Its answer opens with a channel's markers, which a grammar from the answer's start
         // would forbid: its calls are parsed instead (tool_choice "auto").
         let param = match (&p.format, &p.tool_choice) {
-            (Format::Json(_), _) => Some("response_format"),
+            (Format::Json(_), _) => Some(p.format_field),
             (Format::Grammar(_), _) => Some("grammar"),
             (_, ToolChoice::Required | ToolChoice::Named(_)) if calls.is_some() => {
                 Some("tool_choice")
@@ -284,7 +284,7 @@ fn constraint(
     }
     let Some(c) = calls else {
         let spec = match (&p.format, schema) {
-            (_, Some(s)) => (GrammarSpec::JsonSchema(s), "response_format"),
+            (_, Some(s)) => (GrammarSpec::JsonSchema(s), p.format_field),
             (Format::Grammar(g), _) if g.contains("::=") => {
                 (GrammarSpec::Gbnf(g.clone()), "grammar")
             }
@@ -313,7 +313,7 @@ fn constraint(
         (_, Some(s)) => {
             let calls = calls.replacen("start:", "calls:", 1);
             let spec = GrammarSpec::Lark(format!("start: calls | {}\n{calls}", json_rule(&s)));
-            Ok((Some(compile(spec, "response_format")?), Vec::new()))
+            Ok((Some(compile(spec, p.format_field)?), Vec::new()))
         }
         // Free text, or calls once the model opens one: with its template's tag anywhere, or
         // (small models do) with a bare JSON object at the start of the answer.

@@ -287,6 +287,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
     let params = Params {
         prompt: Prompt::Chat(messages),
         prompt_field: "input",
+        format_field: "text",
         max_tokens,
         max_tokens_is_bound: true,
         temperature: f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32,

@@ -403,6 +403,15 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
         (400, Some("response_format")),
         "{v}"
     );
+    // The Responses API names its own field.
+    let nothing = json!({"input": "Hi", "stream": true,
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"$ref": "#"}}}});
+    let (status, v) = s.post("/v1/responses", &nothing, &[]);
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("text")),
+        "{v}"
+    );
     let greedy = json!({"messages": person, "temperature": 0, "max_tokens": 1, "logprobs": true});
     let first = s.ok(PATH, &greedy, &[])["choices"][0]["logprobs"]["content"][0].clone();
     let id = token_id(first["token"].as_str().unwrap());
