@@ -290,6 +290,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
+        // OpenAI's rule: its options have no stream to apply to.
+        Some(_) if !stream => {
+            return Err(ApiError::invalid(
+                Some("stream_options"),
+                "'stream_options' is only allowed with 'stream': true",
+            ))
+        }
         Some(Value::Object(o)) => Fields(o).bool("include_usage")?.unwrap_or(false),
         Some(_) => {
             return Err(ApiError::invalid(
@@ -360,7 +367,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         },
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         stop: stop(&f)?,
-        seed: f.integer("seed")?.map(|s| s as u64),
+        seed: f.seed("seed")?,
         n: n as usize,
         logprobs: logprobs(&f, endpoint)?,
         tool_choice,
@@ -795,9 +802,14 @@ impl Fields<'_> {
             .transpose()
     }
 
-    fn integer(&self, k: &str) -> Result<Option<i64>, ApiError> {
+    /// A 64-bit seed: any integer from -2^63 to 2^64 - 1, as its 64 bits.
+    fn seed(&self, k: &str) -> Result<Option<u64>, ApiError> {
         self.get(k)
-            .map(|v| v.as_i64().ok_or_else(|| Self::wrong(k, "an integer", v)))
+            .map(|v| {
+                v.as_u64()
+                    .or_else(|| v.as_i64().map(|s| s as u64))
+                    .ok_or_else(|| Self::wrong(k, "an integer from -2^63 to 2^64 - 1", v))
+            })
             .transpose()
     }
 
@@ -991,6 +1003,15 @@ mod tests {
         );
         refused(&with(r#""stop": [""]"#), "stop", "empty");
         refused(&with(r#""seed": 1.5"#), "seed", "integer");
+        refused(&with(r#""seed": 1e30"#), "seed", "integer");
+        let seed = |v: &str| chat(&with(&format!(r#""seed": {v}"#))).unwrap().seed;
+        assert_eq!(seed("18446744073709551615"), Some(u64::MAX));
+        assert_eq!(seed("-1"), Some(u64::MAX));
+        refused(
+            &with(r#""stream_options": {"include_usage": true}"#),
+            "stream_options",
+            "only allowed with 'stream': true",
+        );
         refused(&with(r#""model": 7"#), "model", "a string");
         refused(&with(r#""n": 0"#), "n", "between 1 and 16");
         refused(&with(r#""n": 17"#), "n", "between 1 and 16");
