@@ -79,6 +79,17 @@ impl Gguf {
             .with_context(|| format!("{}: metadata '{key}' is not a count", self.path.display()))
     }
 
+    /// A count, `None` when absent; a value that is no count (a negative number, a string,
+    /// an array) is refused by key rather than read as absent.
+    fn uint_opt(&self, key: &str) -> Result<Option<u64>> {
+        self.get(key).map(|_| self.uint(key)).transpose()
+    }
+
+    /// A string, `None` when absent; a value of another type is refused by key.
+    fn string_opt(&self, key: &str) -> Result<Option<&str>> {
+        self.get(key).map(|_| self.string(key)).transpose()
+    }
+
     /// A number, `None` when absent; a NaN or infinity is refused by key.
     fn float(&self, key: &str) -> Result<Option<f64>> {
         let x = match self.get(key) {
@@ -382,7 +393,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                     }
                 })
                 .collect();
-            if let Ok(t) = g.string(&k("rope.scaling.type")) {
+            if let Some(t) = g.string_opt(&k("rope.scaling.type"))? {
                 if t != "none" {
                     let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
                         format!("{}: rope scaling '{t}' without a factor", g.path.display())
@@ -392,41 +403,35 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             }
         }
     }
-    // llama.cpp's `n_rot`: the dims of a head that rotate, all where absent; a `llama` file
-    // must rotate all (llama.cpp refuses it otherwise), the others may rotate a part. The
-    // Qwen3.5 and Granite hybrids read it above; LFM2 and GPT-OSS rotate every dim.
+    // The rotating dims (a `llama` file must rotate all). The Qwen3.5 and Granite hybrids read
+    // them above; LFM2 and GPT-OSS rotate every dim.
     if matches!(
         arch,
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3
     ) {
-        let head_dim = g.uint(&k("attention.key_length")).ok();
-        let head_dim = head_dim.or(hidden.checked_div(heads));
-        if let (Ok(rot), Some(head_dim)) = (g.uint(&k("rope.dimension_count")), head_dim) {
-            if arch == Arch::Llama && rot != head_dim {
-                fail!(
-                    Model,
-                    "{}: rope.dimension_count {rot} is not the head size {head_dim} (a llama \
-                     model rotates every dim of a head)",
-                    g.path.display()
-                );
-            }
-            if rot != head_dim && head_dim > 0 {
-                c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
-            }
+        let head_dim = g.uint_opt(&k("attention.key_length"))?;
+        if let Some(head_dim) = head_dim.or(hidden.checked_div(heads)) {
+            partial_rotary(
+                g,
+                &mut c,
+                &k("rope.dimension_count"),
+                head_dim,
+                arch == Arch::Llama,
+            )?;
         }
     }
     // A context length of 0 states nothing.
-    if let Some(n) = g.uint(&k("context_length")).ok().filter(|&n| n > 0) {
+    if let Some(n) = g.uint_opt(&k("context_length"))?.filter(|&n| n > 0) {
         c["max_position_embeddings"] = n.into();
     }
-    if let Ok(d) = g.uint(&k("attention.key_length")) {
+    if let Some(d) = g.uint_opt(&k("attention.key_length"))? {
         c["head_dim"] = d.into();
     }
     for (key, field) in [
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token_id"),
     ] {
-        if let Ok(id) = g.uint(key) {
+        if let Some(id) = g.uint_opt(key)? {
             c[field] = id.into();
         }
     }
@@ -526,7 +531,10 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
             .map(|v| matches!(v, Value::Bool(true)) || as_u64(v).is_some_and(|n| n != 0))
             .collect(),
         _ => {
-            let every = g.uint(&k("full_attention_interval")).unwrap_or(4).max(1);
+            let every = g
+                .uint_opt(&k("full_attention_interval"))?
+                .unwrap_or(4)
+                .max(1);
             (0..layers).map(|i| (i + 1) % every != 0).collect()
         }
     };
@@ -539,7 +547,7 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
         );
     }
     let head_dim = g.uint(&k("attention.key_length"))?;
-    if let Ok(v) = g.uint(&k("attention.value_length")) {
+    if let Some(v) = g.uint_opt(&k("attention.value_length"))? {
         if v != head_dim {
             fail!(
                 Model,
@@ -559,7 +567,6 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
             g.path.display()
         );
     }
-    let rot = g.uint(&k("rope.dimension_count")).unwrap_or(head_dim);
     c["model_type"] = "qwen3_5_text".into();
     c["architectures"] = serde_json::json!(["Qwen3_5ForCausalLM"]);
     c["gguf_converted"] = true.into();
@@ -578,8 +585,10 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
     c["linear_num_value_heads"] = v_heads.into();
     c["linear_key_head_dim"] = state.into();
     c["linear_value_head_dim"] = state.into();
-    c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
-    if let Ok(sections) = g.uints(&k("rope.dimension_sections")) {
+    partial_rotary(g, c, &k("rope.dimension_count"), head_dim, false)?;
+    let sections = k("rope.dimension_sections");
+    if g.get(&sections).is_some() {
+        let sections = g.uints(&sections)?;
         if sections.iter().any(|&s| s > 0) {
             c["mrope_section"] = sections.into();
         }
@@ -589,6 +598,32 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
         .unwrap_or(1e-6)
         .into();
     c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e7).into();
+    Ok(())
+}
+
+/// Sets `partial_rotary_factor` from `key` (`<arch>.rope.dimension_count`, llama.cpp's
+/// `n_rot`: the dims of each `head_dim`-wide head that rotate; all where absent). `whole`:
+/// the architecture rotates every dim, so another count is refused (llama.cpp's rule for
+/// `llama`). The config check refuses an odd count or one above the head.
+fn partial_rotary(
+    g: &Gguf,
+    c: &mut serde_json::Value,
+    key: &str,
+    head_dim: u64,
+    whole: bool,
+) -> Result<()> {
+    let rot = g.uint_opt(key)?.unwrap_or(head_dim);
+    if whole && rot != head_dim {
+        fail!(
+            Model,
+            "{}: {key} {rot} is not the head size {head_dim} (a llama model rotates every \
+             dim of a head)",
+            g.path.display()
+        );
+    }
+    if head_dim > 0 {
+        c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
+    }
     Ok(())
 }
 
@@ -628,7 +663,7 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
         g.uint(&k("embedding_length"))?,
         g.uint(&k("attention.head_count"))?.max(1),
     );
-    if g.uint(&k("expert_count")).is_ok_and(|n| n > 0) {
+    if g.uint_opt(&k("expert_count"))?.is_some_and(|n| n > 0) {
         fail!(
             Model,
             "{}: a Granite 4.0-H mixture of experts (tiny, small) is not supported; the dense \
@@ -681,10 +716,9 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
     c["position_embedding_type"] = if rope { "rope" } else { "nope" }.into();
     if rope {
         let head_dim = g
-            .uint(&k("attention.key_length"))
+            .uint_opt(&k("attention.key_length"))?
             .unwrap_or(hidden / attn_heads);
-        let rot = g.uint(&k("rope.dimension_count")).unwrap_or(head_dim);
-        c["partial_rotary_factor"] = (rot as f64 / head_dim as f64).into();
+        partial_rotary(g, c, &k("rope.dimension_count"), head_dim, false)?;
     }
     for (key, field) in [
         ("embedding_scale", "embedding_multiplier"),
@@ -1016,10 +1050,10 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
             .cloned()
     };
     let mut config = serde_json::json!({});
-    match g.string("tokenizer.chat_template") {
-        Ok(t) => config["chat_template"] = t.into(),
-        Err(_) if g.arch()? == Arch::Gemma3 => config["chat_template"] = GEMMA_TEMPLATE.into(),
-        Err(_) => {}
+    match g.string_opt("tokenizer.chat_template")? {
+        Some(t) => config["chat_template"] = t.into(),
+        None if g.arch()? == Arch::Gemma3 => config["chat_template"] = GEMMA_TEMPLATE.into(),
+        None => {}
     }
     for (key, field) in [
         ("tokenizer.ggml.bos_token_id", "bos_token"),
@@ -1365,8 +1399,9 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// changes, so that indexes an older build cached are made again rather than reused.
 /// 2: Llama 3 tokenizers take whole-vocabulary pre-tokens as is; unstated `add_bos_token`
 /// follows llama.cpp's default. 3: a `context_length` of 0 is left out; NaN or infinite
-/// numbers are refused.
-const INDEXER_REVISION: u32 = 3;
+/// numbers are refused. 4: optional metadata of the wrong type (a negative count, a
+/// template that is no string) is refused, not read as absent.
+const INDEXER_REVISION: u32 = 4;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
 /// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and

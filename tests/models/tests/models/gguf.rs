@@ -247,6 +247,15 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
             e.contains(&format!("metadata '{key}' is NaN, not a finite number")),
             "{e}"
         );
+        // A value of another type is refused by its key, not read as absent (a negative
+        // context length would have given the default capacity; a template no template).
+        for (n, key, value) in [
+            (4, "llama.context_length", Value::I32(-5)),
+            (5, "tokenizer.chat_template", Value::U32(7)),
+        ] {
+            let (_, e) = with(key, value, n);
+            assert!(e.contains(&format!("metadata '{key}'")), "{e}");
+        }
         // A `llama` file whose rotary dims are not the head's (llama.cpp refuses them too;
         // read as all, the model would run with the wrong positions).
         let head = PRESET.hidden / PRESET.heads;
