@@ -438,7 +438,14 @@ pub fn read(path: &Path) -> Result<Session, SessionFileError> {
 /// is verified on a second thread while the rows are copied out (a file that fails it is
 /// refused as such, whatever the parse found).
 pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
-    let at = checksum_at(bytes).ok_or_else(|| malformed(path, "no checksum entry"))?;
+    let at = checksum_at(bytes).ok_or_else(|| match SafeTensors::read_metadata(bytes) {
+        // What a file that is no session at all (text, a truncated file) fails first.
+        Err(e) => malformed(path, format!("its safetensors header does not parse ({e})")),
+        Ok(_) => malformed(
+            path,
+            format!("the header holds no single {CHECKSUM_KEY} entry"),
+        ),
+    })?;
     let (sum_ok, parsed) = std::thread::scope(|scope| {
         let hashing = scope.spawn(|| {
             let mut h = blake3::Hasher::new();
@@ -802,5 +809,27 @@ impl Session {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_that_is_no_session_says_what_it_is_not() {
+        let why = |bytes: &[u8]| from_bytes(Path::new("s"), bytes).unwrap_err().to_string();
+        for bytes in [&b"hello, world"[..], &[1, 0, 0, 0], &[]] {
+            let e = why(bytes);
+            assert!(e.contains("safetensors header does not parse"), "{e}");
+        }
+        let header = br#"{"__metadata__":{"kv_cache.format":"x"}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        let e = why(&bytes);
+        assert!(
+            e.contains(&format!("no single {CHECKSUM_KEY} entry")),
+            "{e}"
+        );
     }
 }
