@@ -92,6 +92,13 @@ impl SessionDir {
     /// The path for writing session `name`, creating the directory if needed.
     pub fn path_for_write(&self, name: &str) -> Result<PathBuf> {
         let path = self.path(name)?;
+        if self.dir.exists() && !self.dir.is_dir() {
+            fail!(
+                Invalid,
+                "the session directory {} is not a directory (--session-dir names one)",
+                self.dir.display()
+            );
+        }
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("creating {}", self.dir.display()))?;
         Ok(path)

@@ -630,6 +630,12 @@ fn sessions_and_plans_through_the_cli() {
     );
     let show = cli.succeeds(&["--session-dir", d, "session", "show", "ada"]);
     assert!(show.contains("checksum     ok"), "{show}");
+    // A session directory that is a file is named as such.
+    let f = file.to_str().unwrap();
+    cli.refuses(
+        &["--session-dir", f, "chat", "--model", m, "--session", "x"],
+        "is not a directory",
+    );
     cli.refuses(
         &["--session-dir", d, "session", "show", "ada", "--model", m],
         "saved with another model",

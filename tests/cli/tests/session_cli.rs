@@ -199,6 +199,14 @@ fn save_does_not_write_over_another_conversation() {
     );
     let err = String::from_utf8_lossy(&again.stderr);
     assert!(err.contains("[saved as kept"), "{err}");
+    // It fits the model, named as given (not the index directory a GGUF file is served from).
+    let show =
+        output(kvplug(sessions.path()).args(["session", "show", "kept", "--model", &smollm2()]));
+    let listed = String::from_utf8_lossy(&show.stdout);
+    assert!(
+        listed.contains(&format!("  fits         {}\n", smollm2())),
+        "{show:?}"
+    );
 }
 
 #[test]

@@ -120,8 +120,8 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                 );
             }
             if let Some(m) = model {
-                let m = formats::resolve_model(&m)?;
-                let fp = model_fingerprint(&m)?;
+                // The model as given (a GGUF file is served from an index directory).
+                let fp = model_fingerprint(&formats::resolve_model(&m)?)?;
                 // As a context of its dtype keeps keys by default.
                 let dtype: kvplug::KvDtype = s.rows.kv_dtype.parse()?;
                 let keys = kvplug::KeyBasis::default_for(dtype);
