@@ -493,18 +493,27 @@ impl ModelConfig {
             )));
         }
         let kv = c.kv_heads();
-        let dims_ok = c.hidden_size > 0
-            && c.intermediate_size > 0
-            && c.num_attention_heads > 0
-            && kv > 0
-            && c.num_attention_heads % kv == 0
-            && c.num_hidden_layers > 0
-            && c.vocab_size > 0
-            && c.head_dim() % 2 == 0
-            && c.head_dim() > 0;
-        if !dims_ok {
+        let heads = c.num_attention_heads;
+        let broken = [
+            (c.hidden_size == 0, "hidden_size is 0"),
+            (c.intermediate_size == 0, "intermediate_size is 0"),
+            (heads == 0, "num_attention_heads is 0"),
+            (kv == 0, "num_key_value_heads is 0"),
+            (
+                kv > 0 && heads % kv != 0,
+                "num_attention_heads is not a multiple of num_key_value_heads",
+            ),
+            (c.num_hidden_layers == 0, "num_hidden_layers is 0"),
+            (c.vocab_size == 0, "vocab_size is 0"),
+            (
+                c.head_dim() == 0 || c.head_dim() % 2 == 1,
+                "head_dim is not an even count above 0",
+            ),
+        ];
+        if let Some((_, why)) = broken.iter().find(|b| b.0) {
             return Err(ModelError::Malformed(format!(
-                "inconsistent shape (hidden {}, heads {}, kv heads {kv}, head_dim {}, layers {})",
+                "inconsistent shape: {why} (hidden {}, heads {}, kv heads {kv}, head_dim {}, \
+                 layers {})",
                 c.hidden_size,
                 c.num_attention_heads,
                 c.head_dim(),
@@ -982,7 +991,9 @@ mod tests {
             &SMOL.replace("\"num_key_value_heads\": 3", "\"num_key_value_heads\": 4"),
         )
         .unwrap_err();
-        assert!(e.to_string().contains("inconsistent shape"), "{e}");
+        let says =
+            "inconsistent shape: num_attention_heads is not a multiple of num_key_value_heads";
+        assert!(e.to_string().contains(says), "{e}");
         assert!(ModelConfig::parse("{").is_err());
     }
 
