@@ -39,6 +39,10 @@ pub struct IndexedTensor {
     pub offset: u64,
     /// Byte length.
     pub bytes: u64,
+    /// Its name in the GGUF (`token_embd.weight`), which errors give; empty in indexes
+    /// written before it was kept.
+    #[serde(default)]
+    pub gguf_name: String,
 }
 
 /// The manifest.

@@ -337,17 +337,33 @@ impl ModelPackage {
             };
         if got != shape {
             return Err(ModelError::Malformed(format!(
-                "tensor '{name}' has shape {got:?}, expected {shape:?}"
+                "{} has shape {got:?}, expected {shape:?}",
+                self.label(name)
             )));
         }
-        let t = StoredTensor::new(dtype, owner, range)
-            .ok_or_else(|| ModelError::Malformed(format!("tensor '{name}': partial elements")))?;
+        let t = StoredTensor::new(dtype, owner, range).ok_or_else(|| {
+            ModelError::Malformed(format!("{}: partial elements", self.label(name)))
+        })?;
         if let Some(i) = t.first_non_finite() {
             return Err(ModelError::Malformed(format!(
-                "tensor '{name}' has a NaN or infinite value at element {i}"
+                "{} has a NaN or infinite value at element {i}",
+                self.label(name)
             )));
         }
         Ok(t)
+    }
+
+    /// Tensor `name` as errors give it: as the file holds it (a GGUF's own name and path).
+    fn label(&self, name: &str) -> String {
+        match &self.source {
+            Source::Gguf { index, .. } => match index.tensors.get(name) {
+                Some(t) if !t.gguf_name.is_empty() => {
+                    format!("{}: tensor '{}'", index.file.display(), t.gguf_name)
+                }
+                _ => format!("tensor '{name}'"),
+            },
+            Source::Safetensors { .. } => format!("tensor '{name}'"),
+        }
     }
 
     /// Whether the package holds tensor `name`.

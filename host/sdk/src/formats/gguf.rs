@@ -1439,6 +1439,7 @@ pub fn index(gguf: &Path, out: &Path) -> Result<()> {
                 // GgufFile::read proved whole blocks inside the file.
                 offset: g.file.data_offset + info.offset,
                 bytes: info.bytes(),
+                gguf_name: src.clone(),
             },
         );
     }

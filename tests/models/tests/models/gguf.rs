@@ -198,6 +198,36 @@ fn a_gguf_with_k_quants_imports_exactly_and_runs() {
         "{e}"
     );
 
+    // A NaN weight is named as the GGUF holds it, with the file (not the Hugging Face name
+    // of the index it is served from).
+    let nan: Vec<(String, QTensor)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            let mut v = t.dequantize(&Device::Cpu).unwrap();
+            if *n == name {
+                let mut data = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                data[2] = f32::NAN;
+                v = Tensor::from_vec(data, v.shape(), &Device::Cpu).unwrap();
+            }
+            (n.clone(), QTensor::quantize(&v, GgmlDType::F32).unwrap())
+        })
+        .collect();
+    let file = dir.path().join("nan.gguf");
+    write_gguf(&file, &meta, &nan);
+    let out = dir.path().join("nan");
+    gguf::index(&file, &out).unwrap();
+    let rt = runtime();
+    let e = common::model(&rt, "cpu", &out)
+        .context(CacheKind::Contiguous, 64, KvDtype::F32)
+        .err()
+        .expect("a NaN weight is refused")
+        .to_string();
+    let says = format!(
+        "{}: tensor '{name}' has a NaN or infinite value at element 2",
+        file.canonicalize().unwrap().display()
+    );
+    assert!(e.contains(&says), "{e}");
+
     // Metadata that contradicts itself is refused naming the GGUF file (not the index's
     // derived config.json) and the fault; a NaN or infinite number, naming its key.
     {
