@@ -100,14 +100,14 @@ pub fn router(state: AppState, max_body: usize, body_timeout: Duration) -> Route
         .route("/v1/messages", post(anthropic_messages))
         .route("/v1/messages/count_tokens", post(anthropic_count_tokens))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+        .route("/v1/models/{id}", get(model));
     Router::new()
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(RequestBodyTimeoutLayer::new(body_timeout))
@@ -125,10 +125,16 @@ fn same_key(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
-/// Checks the key: `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
-/// (Anthropic's).
+/// Checks the key on `/v1/*` (a path that is no route included, so that a client without
+/// the key learns nothing of the routes): `Authorization: Bearer KEY` (OpenAI's clients) or
+/// `x-api-key: KEY` (Anthropic's).
 async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.api_key {
+    let path = req.uri().path();
+    if let Some(key) = s
+        .api_key
+        .as_ref()
+        .filter(|_| path == "/v1" || path.starts_with("/v1/"))
+    {
         let headers = req.headers();
         let given = headers
             .get(header::AUTHORIZATION)

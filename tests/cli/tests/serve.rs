@@ -69,6 +69,10 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
         (401, &json!("invalid_api_key"))
     );
     assert_eq!(s.get_as("/v1/models", Some("wrong")).0, 401);
+    // A path that is no route tells a client without the key nothing either; with it, 404.
+    assert_eq!(s.get_as("/v1/bogus", None).0, 401);
+    assert_eq!(s.get_as("/v1/bogus", Some("sesame")).0, 404);
+    assert_eq!(s.get_as("/bogus", None).0, 404);
     let (status, v) = s.get("/v1/models");
     assert_eq!(
         (status, v["data"][0]["object"].as_str()),
