@@ -89,13 +89,21 @@ impl KvDtype {
         }
     }
 
-    /// Checks that the group divides `head_dim` (and q4 groups are even).
+    /// Checks that the group divides `head_dim` (and q4 groups are even); the error names
+    /// the largest group below this one that fits (`q8g32` for a head of 96), if any.
     pub fn check_head_dim(self, head_dim: usize) -> Result<(), CacheError> {
         if let Some((bits, group)) = self.quant() {
-            if group == 0 || head_dim % group != 0 || (bits == 4 && group % 2 != 0) {
+            let fits = |g: usize| g > 0 && head_dim % g == 0 && (bits == 8 || g % 2 == 0);
+            if !fits(group) {
+                // The groups `q8g<N>` / `q4g<N>` name: powers of two from 2 to 1024.
+                let other = (1..=10)
+                    .rev()
+                    .map(|k| 1usize << k)
+                    .find(|&g| g < group && fits(g));
                 return Err(CacheError::bad_config(format!(
-                    "{self}: group {group} must divide head_dim {head_dim}{}",
-                    if bits == 4 { " and be even" } else { "" }
+                    "{self}: group {group} must divide head_dim {head_dim}{}{}",
+                    if bits == 4 { " and be even" } else { "" },
+                    other.map_or(String::new(), |g| format!(" ({}g{g} fits)", self.family()))
                 )));
             }
         }
@@ -200,6 +208,15 @@ mod tests {
         assert!(KvDtype::Q8_DEFAULT.check_head_dim(128).is_ok());
         let e = KvDtype::Q8_DEFAULT.check_head_dim(48).unwrap_err();
         assert_eq!(e.kind, crate::ErrorKind::BadConfig);
+        assert!(e.message.ends_with("head_dim 48 (q8g16 fits)"), "{e:?}");
+        let e = KvDtype::Q8_DEFAULT.check_head_dim(96).unwrap_err();
+        assert!(e.message.ends_with("(q8g32 fits)"), "{e:?}");
+        let e = KvDtype::Q4 { group: 32 }.check_head_dim(80).unwrap_err();
+        assert!(e.message.ends_with("and be even (q4g16 fits)"), "{e:?}");
+        // No power-of-two group fits an odd head.
+        let e = KvDtype::Q8_DEFAULT.check_head_dim(45).unwrap_err();
+        assert!(e.message.ends_with("head_dim 45"), "{e:?}");
+        assert!(KvDtype::Q8 { group: 0 }.check_head_dim(64).is_err());
         assert!(KvDtype::Q4 { group: 3 }.check_head_dim(9).is_err());
         assert!(KvDtype::F16.check_head_dim(7).is_ok());
     }
