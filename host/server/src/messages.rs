@@ -222,8 +222,9 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
         None => return Err(bad("'messages' is required".into())),
     };
     let mut out = Vec::new();
-    // The ids of the `tool_use` blocks of the last run of assistant turns.
+    // The ids of the `tool_use` blocks of the last run of assistant turns, and of all.
     let mut used: Vec<String> = Vec::new();
+    let mut ids = std::collections::HashSet::new();
     let mut previous_role = "";
     for (i, m) in list.iter().enumerate() {
         let role = match m.get("role").and_then(Value::as_str) {
@@ -274,7 +275,16 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
                     text.push_str(t)
                 }
                 (Some("tool_use"), "assistant") => {
-                    calls.push(tool_use(b).map_err(|e| bad(format!("{at}: {e}")))?)
+                    let call = tool_use(b).map_err(|e| bad(format!("{at}: {e}")))?;
+                    let id = call["id"].as_str().unwrap_or_default();
+                    // Anthropic's rule: a result answers exactly one call.
+                    if !ids.insert(id.to_string()) {
+                        return Err(bad(format!(
+                            "{at}: tool_use id '{id}' is used by an earlier tool_use block \
+                             (ids must be unique)"
+                        )));
+                    }
+                    calls.push(call)
                 }
                 (Some("tool_result"), "user") => {
                     let result = tool_result(b).map_err(|e| bad(format!("{at}: {e}")))?;
@@ -919,6 +929,14 @@ mod tests {
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}]}"#,
             "messages",
             "tool_use_id 't2' answers no tool_use block",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f"}]}]}"#,
+            "messages",
+            "messages[3].content[0]: tool_use id 't1' is used by an earlier tool_use block",
         );
         // A result for a call of an earlier exchange.
         refused(
