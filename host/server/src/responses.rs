@@ -249,6 +249,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
         None => Vec::new(),
     };
     turns.extend(input(&f)?);
+    answered_calls(&turns)?;
     if turns.is_empty() {
         return Err(ApiError::invalid(Some("input"), "'input' is required"));
     }
@@ -342,6 +343,24 @@ fn logprobs(f: &Fields) -> Result<Option<usize>, ApiError> {
     };
     let top = top_logprobs(f, "top_logprobs")?.unwrap_or(0);
     Ok((asked || top > 0).then_some(top))
+}
+
+/// Checks that each `function_call_output` answers a `function_call` before it (given in
+/// `input` or in the stored response continued), as OpenAI's API does.
+fn answered_calls(turns: &[Message]) -> Result<(), ApiError> {
+    let mut calls = std::collections::HashSet::new();
+    for m in turns {
+        calls.extend(m.tool_calls.iter().filter_map(|c| c["id"].as_str()));
+        if let Some(id) = m.tool_call_id.as_deref().filter(|_| m.role == "tool") {
+            if !calls.contains(id) {
+                return Err(ApiError::invalid(
+                    Some("input"),
+                    format!("no function call found for function_call_output with call_id '{id}'"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `input`: a string (one user message) or items — messages (`role` with a string or
@@ -1241,6 +1260,11 @@ mod tests {
     #[test]
     fn what_the_responses_api_does_not_allow_is_refused_by_name() {
         refused(r#"{"model": "m"}"#, "input", "required");
+        refused(
+            r#"{"input": [{"type": "function_call_output", "call_id": "call_9", "output": "3"}]}"#,
+            "input",
+            "no function call found for function_call_output with call_id 'call_9'",
+        );
         refused(
             r#"{"input": "hi", "previous_response_id": "resp_x"}"#,
             "previous_response_id",
