@@ -101,6 +101,8 @@ fn a_session_in_use_is_refused_to_a_second_process() {
         .spawn()
         .unwrap();
     let mut stdin = first.stdin.take().unwrap();
+    // Saving under its own name keeps the session held.
+    writeln!(stdin, "/save dup").unwrap();
     writeln!(stdin, "Hi").unwrap();
     // Its first answer is out: it holds the session.
     let mut answer = String::new();

@@ -128,7 +128,8 @@ const HELP: &str = "\
 /clear           start a new conversation (the system message stays; a saved session keeps
                  the previous one)
 /system TEXT     start a new conversation with this system message (empty: none)
-/save NAME       save the conversation as new session NAME, and after every turn from now on
+/save NAME       save the conversation as session NAME (a new one, or its own), and after
+                 every turn from now on
 /load NAME       continue session NAME instead
 /stats           messages, tokens in the cache, capacity, the last turn's speed
 /exit, /bye      leave (so do Ctrl-D and the end of input)
@@ -226,14 +227,14 @@ impl Repl<'_> {
                     );
                 }
                 let bytes = self.chat.save_as(path)?;
-                self.lock = lock;
+                self.hold(lock);
                 eprintln!("[saved as {arg}: {bytes} bytes; later turns are saved there too]");
             }
             "load" => {
                 let path = self.sessions.path(arg)?;
                 let lock = self.lock_for(arg)?;
                 let r = self.chat.load(path)?;
-                self.lock = lock;
+                self.hold(lock);
                 eprintln!(
                     "[loaded {arg}: {} messages, {} tokens of K/V restored in {:.0} ms]",
                     r.messages,
@@ -258,6 +259,14 @@ impl Repl<'_> {
             _ => bail!("unknown command /{name}: /help lists them (//{name} sends it as text)"),
         }
         Ok(true)
+    }
+
+    /// Holds `lock`, the lock of the session the chat moved to; `None` (it stayed on its own
+    /// session) keeps the lock it holds.
+    fn hold(&mut self, lock: Option<SessionLock>) {
+        if lock.is_some() {
+            self.lock = lock;
+        }
     }
 
     /// The lock of session `name`, unless the chat holds it already.
