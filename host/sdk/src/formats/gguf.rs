@@ -281,14 +281,16 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             g.path.display()
         );
     }
-    let vocab = match g.uint(&k("vocab_size")) {
-        Ok(v) => v,
-        Err(_) => g.strings("tokenizer.ggml.tokens")?.len() as u64,
+    let vocab = match g.uint_opt(&k("vocab_size"))? {
+        Some(v) => v,
+        None => g.strings("tokenizer.ggml.tokens")?.len() as u64,
     };
     // A mixture of experts' file may leave the dense width out: its experts' width stands in.
-    let ffn = match (g.uint(&k("feed_forward_length")), arch) {
-        (Err(_), Arch::Qwen3Moe | Arch::GptOss) => g.uint(&k("expert_feed_forward_length"))?,
-        (ffn, _) => ffn?,
+    let ffn = match (g.uint_opt(&k("feed_forward_length"))?, arch) {
+        (Some(ffn), _) => ffn,
+        (None, Arch::Qwen3Moe | Arch::GptOss) => g.uint(&k("expert_feed_forward_length"))?,
+        // Its "missing" error.
+        (None, _) => g.uint(&k("feed_forward_length"))?,
     };
     let mut c = serde_json::json!({
         "hidden_size": hidden,
@@ -313,8 +315,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             }
             // As llama.cpp reads it: a positive window makes every attention layer slide.
             let window = g
-                .uint(&k("attention.sliding_window"))
-                .ok()
+                .uint_opt(&k("attention.sliding_window"))?
                 .filter(|&w| w > 0);
             c["model_type"] = "lfm2".into();
             c["architectures"] = serde_json::json!(["Lfm2ForCausalLM"]);
@@ -497,20 +498,21 @@ fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()
             g.path.display()
         );
     }
-    match g.string(&k("rope.scaling.type")) {
-        Ok("yarn") => {
+    match g.string_opt(&k("rope.scaling.type"))? {
+        Some("yarn") => {
             let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
                 format!("{}: YaRN rope scaling without a factor", g.path.display())
             })?;
-            let original = g
-                .uint(&k("rope.scaling.original_context_length"))
-                .or_else(|_| g.uint(&k("context_length")))?;
+            let original = match g.uint_opt(&k("rope.scaling.original_context_length"))? {
+                Some(n) => n,
+                None => g.uint(&k("context_length"))?,
+            };
             c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings": original, "beta_fast": 32.0,
                 "beta_slow": 1.0, "truncate": true});
         }
-        Ok("none") | Err(_) => {}
-        Ok(other) => fail!(
+        Some("none") | None => {}
+        Some(other) => fail!(
             Model,
             "{}: rope scaling '{other}' is not supported for gpt-oss (yarn)",
             g.path.display()
@@ -1043,11 +1045,11 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
         .map(|(s, &t)| AddedToken::from(s.clone(), t == CONTROL).normalized(false))
         .collect();
     tk.add_special_tokens(&special);
-    let name = |key: &str| -> Option<String> {
-        g.uint(key)
-            .ok()
+    // An id outside the vocabulary names no token (llama.cpp warns and ignores it too).
+    let name = |key: &str| -> Result<Option<String>> {
+        Ok(g.uint_opt(key)?
             .and_then(|i| tokens.get(i as usize))
-            .cloned()
+            .cloned())
     };
     let mut config = serde_json::json!({});
     match g.string_opt("tokenizer.chat_template")? {
@@ -1061,7 +1063,7 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
         ("tokenizer.ggml.padding_token_id", "pad_token"),
         ("tokenizer.ggml.unknown_token_id", "unk_token"),
     ] {
-        if let Some(t) = name(key) {
+        if let Some(t) = name(key)? {
             config[field] = t.into();
         }
     }
@@ -1069,10 +1071,16 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
     // pre-tokenizer start a raw prompt with BOS, other byte-level BPEs do not.
     let add_bos = match g.get("tokenizer.ggml.add_bos_token") {
         Some(Value::Bool(b)) => *b,
-        _ => {
+        None => {
             g.string("tokenizer.ggml.model")? == "llama"
-                || g.string("tokenizer.ggml.pre").is_ok_and(is_llama3_pre)
+                || g.string_opt("tokenizer.ggml.pre")?
+                    .is_some_and(is_llama3_pre)
         }
+        Some(v) => fail!(
+            Model,
+            "{}: metadata 'tokenizer.ggml.add_bos_token' is {v:?}, not a bool",
+            g.path.display()
+        ),
     };
     config["add_bos_token"] = add_bos.into();
     Ok((tk, config))
@@ -1128,7 +1136,7 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         .enumerate()
         .map(|(i, t)| (t.clone(), i as u32))
         .collect();
-    let pre = g.string("tokenizer.ggml.pre").unwrap_or("gpt2");
+    let pre = g.string_opt("tokenizer.ggml.pre")?.unwrap_or("gpt2");
     // Llama 3's tokenizer.json (and llama.cpp for its pre-tokenizer) takes a pre-token found
     // whole in the vocabulary as one token, whatever the merges would make of it.
     let llama3 = is_llama3_pre(pre);
@@ -1265,8 +1273,7 @@ fn sentencepiece_bpe(g: &Gguf, tokens: &[String], types: &[u64]) -> Result<token
         .byte_fallback(true)
         .fuse_unk(true);
     if let Some(unk) = g
-        .uint("tokenizer.ggml.unknown_token_id")
-        .ok()
+        .uint_opt("tokenizer.ggml.unknown_token_id")?
         .and_then(|i| tokens.get(i as usize))
     {
         bpe = bpe.unk_token(unk.clone());
@@ -1400,7 +1407,7 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// 2: Llama 3 tokenizers take whole-vocabulary pre-tokens as is; unstated `add_bos_token`
 /// follows llama.cpp's default. 3: a `context_length` of 0 is left out; NaN or infinite
 /// numbers are refused. 4: optional metadata of the wrong type (a negative count, a
-/// template that is no string) is refused, not read as absent.
+/// template that is no string) is refused, not read as absent; tensors keep their GGUF names.
 const INDEXER_REVISION: u32 = 4;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
