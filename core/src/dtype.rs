@@ -95,8 +95,9 @@ impl KvDtype {
         if let Some((bits, group)) = self.quant() {
             let fits = |g: usize| g > 0 && head_dim % g == 0 && (bits == 8 || g % 2 == 0);
             if !fits(group) {
-                // The groups `q8g<N>` / `q4g<N>` name: powers of two from 2 to 1024.
-                let other = (1..=10)
+                // Of the groups `q8g<N>` / `q4g<N>` name (powers of two up to 1024), those
+                // every backend takes (wgpu's kernels need 4 or 8 values a group).
+                let other = (3..=10)
                     .rev()
                     .map(|k| 1usize << k)
                     .find(|&g| g < group && fits(g));
