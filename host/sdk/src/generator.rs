@@ -164,7 +164,8 @@ pub struct Finished {
     pub generated: Vec<i32>,
     /// Prompt tokens written to the cache (all of them, unless cancelled mid-prefill).
     pub prompt_written: usize,
-    /// Text held back at the end that was no stop string (release it after the tokens').
+    /// Text held back at the end that was no stop string (release it after the tokens'),
+    /// bytes that never completed a character as U+FFFD.
     pub text_tail: String,
     /// The request's sampler as it ended (its stream goes on from there).
     pub sampler: Sampler,
@@ -628,7 +629,9 @@ impl Generator {
             // bytes that never completed a character end the text.
             let mut tail = a.stop.flush();
             if let (Some(t), None) = (&self.text, a.stop.matched()) {
-                tail += &a.streamer.flush(t)?;
+                // The same ids decoded when they came in: an error here cannot arise, and
+                // failing now would lose the requests this loop already took out.
+                tail += &a.streamer.flush(t).unwrap_or_default();
             }
             done.push(a.finished(reason, tail, error));
         }
@@ -793,7 +796,8 @@ pub struct Generation {
     pub decode_tok_s: f64,
     /// The sampler as it ended.
     pub sampler: Sampler,
-    /// Text held back at the end that was no stop string (the tokens' text ends before it).
+    /// Text held back at the end that was no stop string (the tokens' text ends before it),
+    /// bytes that never completed a character as U+FFFD.
     pub text_tail: String,
     /// What speculation did, when the request speculated.
     pub speculation: Option<SpecStats>,

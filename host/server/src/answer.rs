@@ -575,6 +575,12 @@ pub fn chunks(
                             st.out.extend(call_chunks(a, i, k, call, &mut lps, offset));
                         }
                         finish = c.finish_calling(!parsed.calls.is_empty());
+                    } else if !c.logprobs.is_empty() {
+                        // Tokens that added no text at the end (an end-of-turn token under
+                        // ignore_eos), as the whole answer lists them.
+                        let lps = std::mem::take(&mut c.logprobs);
+                        let empty = a.chunk(i, json!({"content": ""}), &lps, c.sent_chars, None);
+                        st.out.push_back(data(empty));
                     }
                     let delta = match a.endpoint {
                         Endpoint::Chat => json!({}),
@@ -881,6 +887,56 @@ pub(crate) mod tests {
         (&[WHOLE_CALL, "\n<tool_call>\n{\"name\": \"get_ti"], 1),
         (&["<tool_call>\n{\"name\": \"get_weather\", \""], 0),
     ];
+
+    #[tokio::test]
+    async fn streamed_logprobs_are_those_of_the_whole_answer() {
+        use futures_util::StreamExt;
+        // The last token adds no text (an end-of-turn token under ignore_eos).
+        let answer = || Answer {
+            calls: None,
+            ..hermes_answer()
+        };
+        let events = || {
+            let (tx, rx) = unbounded_channel();
+            for (text, token) in [("Hel", 7), ("lo", 8), ("", 6)] {
+                let logprobs = vec![TokenLogprobs {
+                    token,
+                    logprob: -0.5,
+                    top: Vec::new(),
+                }];
+                tx.send(Event::Token {
+                    choice: 0,
+                    text: text.into(),
+                    logprobs,
+                })
+                .unwrap();
+            }
+            tx.send(Event::Done {
+                choice: 0,
+                finish_reason: "length",
+                completion_tokens: 3,
+                speculation: None,
+                stop_string: None,
+            })
+            .unwrap();
+            rx
+        };
+        let entries = |v: &Value| {
+            v["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .map_or(0, Vec::len)
+        };
+        let whole = collect(answer(), 0, events()).await.unwrap();
+        let chunks: Vec<Chunk> = chunks(answer(), 0, events()).collect().await;
+        let streamed: usize = chunks
+            .iter()
+            .map(|c| match c {
+                Chunk::Data(v) => entries(v),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!((entries(&whole), streamed), (3, 3));
+    }
 
     #[tokio::test]
     async fn an_answer_cut_in_a_call_says_length_and_shows_no_call_markup() {

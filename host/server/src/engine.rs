@@ -159,7 +159,7 @@ struct Running {
     /// Log-probabilities of its latest tokens whose text is not out yet (see
     /// [`kvplug::TokenEvent::held`]): they go out with it, or not at all when it is in a stop
     /// string.
-    held: Vec<TokenLogprobs>,
+    held_logprobs: Vec<TokenLogprobs>,
 }
 
 /// A request in flight.
@@ -440,7 +440,7 @@ impl Engine {
             choice,
             seq,
             start,
-            held: Vec::new(),
+            held_logprobs: Vec::new(),
         };
         r.request = self.generator.add(seq, a.prompt_of(&r), start, opts)?;
         a.running.push(r);
@@ -572,15 +572,15 @@ impl Engine {
             // (as OpenAI's), so an answer's tokens spell its text, streamed or not.
             if let Some(l) = e.logprobs.as_ref() {
                 if !a.req.opts.stop_tokens.contains(&e.id) {
-                    r.held.push(l.clone());
+                    r.held_logprobs.push(l.clone());
                 }
             }
-            let out = r.held.len().saturating_sub(e.held);
+            let out = r.held_logprobs.len().saturating_sub(e.held);
             if !e.text.is_empty() || out > 0 {
                 let _ = a.req.events.send(Event::Token {
                     choice: r.choice.unwrap_or(0),
                     text: e.text.clone(),
-                    logprobs: r.held.drain(..out).collect(),
+                    logprobs: r.held_logprobs.drain(..out).collect(),
                 });
             }
             Ok(())
@@ -672,7 +672,7 @@ impl Engine {
         // (after a stop string, those held are in it and dropped).
         let logprobs = match f.stop_string {
             Some(_) => Vec::new(),
-            None => std::mem::take(&mut r.held),
+            None => std::mem::take(&mut r.held_logprobs),
         };
         if !f.text_tail.is_empty() || !logprobs.is_empty() {
             let _ = a.req.events.send(Event::Token {

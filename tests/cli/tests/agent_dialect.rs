@@ -380,6 +380,18 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(spelled_chat(&streamed), streamed_text);
+    // (Not compared with the answer above token for token: it reuses that one's cached
+    // prompt, as the completions case above says.) Cut before the stop string.
+    let finish = chunks
+        .iter()
+        .rev()
+        .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("stop"));
+    let stop = stopped["stop"].as_str().unwrap();
+    assert!(
+        !streamed_text.is_empty() && !streamed_text.contains(stop),
+        "{streamed_text:?}"
+    );
 
     // A GBNF grammar; a banned token never appears; ignore_eos runs to max_tokens.
     let yes_no = json!({"messages": [{"role": "user", "content": "Is Rust a language?"}],
@@ -442,12 +454,25 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     );
     let mut streamed = forced.clone();
     streamed["stream"] = json!(true);
-    let streamed_text: String = s
-        .chunks("/v1/completions", &streamed)
+    let chunks = s.chunks("/v1/completions", &streamed);
+    let streamed_text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
         .collect();
-    assert_eq!(streamed_text, expected);
+    let streamed_tokens: String = chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["tokens"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        (streamed_text, streamed_tokens),
+        (expected.clone(), expected)
+    );
     let long = s.ok(
         PATH,
         &json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 12,
