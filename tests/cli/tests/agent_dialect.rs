@@ -33,6 +33,19 @@ fn token_id(piece: &str) -> i32 {
 
 const PATH: &str = "/v1/chat/completions";
 
+/// The `logprobs.content` entries of streamed chat chunks, in order.
+fn chat_logprobs(chunks: &[Value]) -> Vec<Value> {
+    chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
 fn weather_tools() -> Value {
     json!([{"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather of a city",
@@ -278,16 +291,7 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     assert_eq!(spelled_chat(whole), content, "{v}");
     let mut streamed = ok.clone();
     streamed["stream"] = json!(true);
-    let parts: Vec<Value> = s
-        .chunks(PATH, &streamed)
-        .iter()
-        .flat_map(|c| {
-            c["choices"][0]["logprobs"]["content"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .collect();
+    let parts = chat_logprobs(&s.chunks(PATH, &streamed));
     assert_eq!(spelled_chat(&parts), content);
     let v = s.ok(
         "/v1/completions",
@@ -366,15 +370,7 @@ fn structured_output_grammars_logprobs_n_and_sampling_fields() {
     assert_eq!(spelled_chat(lps), content, "{v}");
     stopped["stream"] = json!(true);
     let chunks = s.chunks(PATH, &stopped);
-    let streamed: Vec<Value> = chunks
-        .iter()
-        .flat_map(|c| {
-            c["choices"][0]["logprobs"]["content"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .collect();
+    let streamed = chat_logprobs(&chunks);
     let streamed_text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())

@@ -158,20 +158,12 @@ fn a_session_in_use_is_refused_to_a_second_process() {
 fn save_does_not_write_over_another_conversation() {
     let sessions = tempfile::tempdir().unwrap();
     let plugins = cpu_plugins();
+    // `lines` on stdin, from a file.
     let talk = |c: &mut Command, lines: &str| -> Output {
-        let mut child = c
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(lines.as_bytes())
-            .unwrap();
-        child.wait_with_output().unwrap()
+        let mut input = tempfile::tempfile().unwrap();
+        input.write_all(lines.as_bytes()).unwrap();
+        std::io::Seek::rewind(&mut input).unwrap();
+        c.stdin(input).output().unwrap()
     };
     let kept = talk(
         &mut chat_on(sessions.path(), plugins.path(), "kept", &[]),
