@@ -72,6 +72,10 @@ pub struct RunReport {
     /// the first, aside).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_target_forward: Option<f64>,
+    /// Decode: text held back at the end, after the streamed tokens' (bytes that never
+    /// completed a character, as U+FFFD); print it after them.
+    #[serde(skip)]
+    pub text_tail: String,
 }
 
 /// What to run.
@@ -164,6 +168,7 @@ pub fn run_decode(
         acceptance: g.speculation.map(|s| s.acceptance()),
         tokens_per_target_forward: g.speculation.map(|s| decoded / s.steps.max(1) as f64),
         ids: g.ids,
+        text_tail: g.text_tail,
         prefill_tok_s: g.prefill_tok_s,
         decode_tok_s: g.decode_tok_s,
         cache: ctx.stats()?.into(),
@@ -337,5 +342,6 @@ pub fn run_agents(model: &Model, spec: &RunSpec, k: usize, sampler: &Sampler) ->
         winner: Some(winner),
         acceptance: None,
         tokens_per_target_forward: None,
+        text_tail: String::new(),
     })
 }

@@ -277,3 +277,25 @@ fn agents_show_each_branch_as_text() {
     assert_eq!(shown.matches("--- branch ").count(), 3, "{shown}");
     assert_eq!(shown.matches("(kept)").count(), 1, "{shown}");
 }
+
+#[test]
+fn a_streamed_answer_ending_inside_a_character_shows_what_the_whole_answer_shows() {
+    let cache = tempfile::tempdir().unwrap();
+    let model = qwen();
+    // Qwen writes an emoji as byte tokens: one token of it ends inside the character.
+    let args = [
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--raw",
+        "--prompt",
+        "Three rocket emojis: 🚀🚀🚀. Again:",
+        "--max-tokens",
+        "1",
+    ];
+    let v: serde_json::Value =
+        serde_json::from_str(&kvplug(cache.path(), &[&args[..], &["--json"]].concat())).unwrap();
+    let whole = v["text"].as_str().unwrap();
+    assert!(whole.ends_with('\u{FFFD}'), "{v}");
+    assert_eq!(kvplug(cache.path(), &args), format!("{whole}\n"));
+}

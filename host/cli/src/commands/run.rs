@@ -162,12 +162,16 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
         let progress = std::io::stderr().is_terminal();
         let mut done = 0;
         let mut content = kvplug::harmony::ContentStream::new(harmony);
-        run_decode(&model, &spec, text.clone(), sampler, speculate, &mut |e| {
-            let shown = content.push(&e.text);
+        let mut show = |t: &str| -> kvplug::Result<()> {
+            let shown = content.push(t);
             if stream && !shown.is_empty() {
                 print!("{shown}");
                 std::io::stdout().flush()?;
             }
+            Ok(())
+        };
+        let report = run_decode(&model, &spec, text.clone(), sampler, speculate, &mut |e| {
+            show(&e.text)?;
             done += 1;
             if progress && (done % 16 == 0 || done == spec.max_tokens) {
                 eprint!("\rgenerated {done}/{}", spec.max_tokens);
@@ -176,7 +180,9 @@ pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
                 }
             }
             Ok(())
-        })?
+        })?;
+        show(&report.text_tail)?;
+        report
     };
     // The text of `ids` (an answer or a branch) and, for a harmony answer, its content and
     // reasoning apart; `None` without a tokenizer.
