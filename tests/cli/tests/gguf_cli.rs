@@ -34,6 +34,11 @@ fn kvplug(cache: &Path, args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// The object `kvplug ARGS --json` prints.
+fn run_json(cache: &Path, args: &[&str]) -> serde_json::Value {
+    serde_json::from_str(&kvplug(cache, &[args, &["--json"]].concat())).unwrap()
+}
+
 /// Bytes of every file under `dir`.
 fn bytes_under(dir: &Path) -> u64 {
     std::fs::read_dir(dir).map_or(0, |entries| {
@@ -259,8 +264,7 @@ fn agents_show_each_branch_as_text() {
         "--max-tokens",
         "16",
     ];
-    let v: serde_json::Value =
-        serde_json::from_str(&kvplug(cache.path(), &[&args[..], &["--json"]].concat())).unwrap();
+    let v = run_json(cache.path(), &args);
     let texts = v["branch_texts"].as_array().expect("branch_texts");
     assert_eq!(texts.len(), 3, "{v}");
     assert!(
@@ -293,8 +297,7 @@ fn a_streamed_answer_ending_inside_a_character_shows_what_the_whole_answer_shows
         "--max-tokens",
         "1",
     ];
-    let v: serde_json::Value =
-        serde_json::from_str(&kvplug(cache.path(), &[&args[..], &["--json"]].concat())).unwrap();
+    let v = run_json(cache.path(), &args);
     let whole = v["text"].as_str().unwrap();
     assert!(whole.ends_with('\u{FFFD}'), "{v}");
     assert_eq!(kvplug(cache.path(), &args), format!("{whole}\n"));
