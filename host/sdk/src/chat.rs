@@ -3,7 +3,7 @@
 //! the conversation survives the process: its K/V, tokens and messages are saved after every
 //! turn and restored on start, without re-prefilling.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,7 +12,7 @@ use kvplug_core::{CacheKind, KvDtype};
 use kvplug_plugin_api::AbiErrorKind;
 use kvplug_runtime::{Context as RtContext, Model};
 
-use crate::error::{fail, Context, Result};
+use crate::error::{fail, Context, Error, Result};
 use crate::fingerprint::model_fingerprint;
 use crate::generator::{generate, Finish, GenOptions};
 use crate::harmony::ContentStream;
@@ -140,11 +140,12 @@ impl Chat {
                 let s = session_file::read(path)?;
                 let dtype = s.rows.kv_dtype.parse::<KvDtype>()?;
                 s.check_fits(path, fp, dtype, model.key_basis(dtype), opts.capacity)?;
-                Some((s, dtype))
+                s.check_conversation(path)?;
+                Some((s, dtype, path.clone()))
             }
             _ => None,
         };
-        let saved_dtype = saved.as_ref().map(|(_, dtype)| *dtype);
+        let saved_dtype = saved.as_ref().map(|(_, dtype, _)| *dtype);
         let kv_dtype = match (opts.kv_dtype, saved_dtype) {
             (Some(a), Some(b)) if a != b => {
                 fail!(Invalid, "the session stores {b} KV, not {a}")
@@ -174,29 +175,32 @@ impl Chat {
             fingerprint,
             restored: None,
         };
-        if let Some((s, _)) = saved {
-            let saved_messages = session_messages(&s)?;
+        if let Some((s, _, path)) = saved {
+            let saved_messages = session_messages(&path, &s)?;
             if !chat.messages.is_empty() && saved_messages.first() != chat.messages.first() {
                 fail!(
                     Invalid,
                     "the session has its own system message, not the one given"
                 );
             }
-            chat.restored = Some(chat.restore(s, saved_messages, t)?);
+            chat.restored = Some(chat.restore(&path, s, saved_messages, t)?);
         }
         Ok(chat)
     }
 
-    /// Puts session `s` (checked against this model and capacity) in the cache in place of
-    /// the conversation.
+    /// Puts session `s` (read from `path`, checked against this model and capacity) in the
+    /// cache in place of the conversation.
     fn restore(
         &mut self,
+        path: &Path,
         s: Session,
         messages: Vec<Message>,
         started: Instant,
     ) -> Result<Restored> {
         self.rewind(0)?;
-        self.ctx.import_seq(0, &s.rows)?;
+        self.ctx.import_seq(0, &s.rows).map_err(|e| {
+            Error::from(e).context(format!("{}: restoring its K/V", path.display()))
+        })?;
         let restored = Restored {
             tokens: s.tokens.len(),
             messages: messages.len(),
@@ -223,8 +227,9 @@ impl Chat {
         let s = session_file::read(&path)?;
         let c = &self.ctx;
         s.check_fits(&path, &fp, c.kv_dtype(), c.key_basis(), self.capacity)?;
-        let messages = session_messages(&s)?;
-        let restored = self.restore(s, messages, t)?;
+        s.check_conversation(&path)?;
+        let messages = session_messages(&path, &s)?;
+        let restored = self.restore(&path, s, messages, t)?;
         self.file = Some(path);
         Ok(restored)
     }
@@ -448,7 +453,8 @@ impl Chat {
 }
 
 /// The messages a chat's session file holds.
-fn session_messages(s: &Session) -> Result<Vec<Message>> {
+/// The messages saved in session `s`, read from `path`.
+fn session_messages(path: &Path, s: &Session) -> Result<Vec<Message>> {
     serde_json::from_str(s.app.get(MESSAGES_KEY).map_or("[]", String::as_str))
-        .context("the session's messages")
+        .with_context(|| format!("{}: its messages", path.display()))
 }

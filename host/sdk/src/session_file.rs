@@ -769,6 +769,22 @@ pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
 }
 
 impl Session {
+    /// Refuses a session whose rows are not at positions `0, 1, 2, …`: what a chat saves,
+    /// and all a contiguous context resumes.
+    pub fn check_conversation(&self, path: &Path) -> Result<(), SessionFileError> {
+        let positions = self.rows.positions.iter();
+        match positions
+            .enumerate()
+            .find(|&(i, &p)| i64::from(p) != i as i64)
+        {
+            None => Ok(()),
+            Some((i, p)) => Err(malformed(
+                path,
+                format!("row {i} is at position {p}: a conversation's rows are at 0, 1, 2, …"),
+            )),
+        }
+    }
+
     /// Refuses the session for a model with fingerprint `model` and a context of `kv_dtype`
     /// keeping keys in `key_basis` with `capacity` cells. (A cache's own import checks the
     /// dtype too, but not the basis: its rows do not say it. Check here first.)

@@ -270,3 +270,38 @@ fn a_session_with_rotated_keys_resumes_only_where_keys_are_rotated() {
     );
     assert!(output(chat(&[]).stdin(Stdio::null())).status.success());
 }
+
+#[test]
+fn a_session_a_chat_cannot_resume_does_not_fit_and_is_named() {
+    let sessions = tempfile::tempdir().unwrap();
+    let plugins = cpu_plugins();
+    let mut talk = chat_on(sessions.path(), plugins.path(), "gap", &[])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    writeln!(talk.stdin.take().unwrap(), "Hi").unwrap();
+    assert!(talk.wait_with_output().unwrap().status.success());
+    // Its checksum still holds: a position held twice, as a seq cache may hold one.
+    let file = sessions.path().join("gap.kvsession.safetensors");
+    let mut s = kvplug::session_file::read(&file).unwrap();
+    let mut positions = s.rows.positions.to_vec();
+    positions[3] = 2;
+    s.rows.positions = positions.into();
+    kvplug::session_file::write(&file, &s).unwrap();
+    let why = "gap.kvsession.safetensors: not a valid kvplug session file: row 3 is at position 2";
+    let show =
+        output(kvplug(sessions.path()).args(["session", "show", "gap", "--model", &smollm2()]));
+    assert_eq!(show.status.code(), Some(1), "{show:?}");
+    assert!(
+        String::from_utf8_lossy(&show.stderr).contains(why),
+        "{show:?}"
+    );
+    let chat = output(&mut chat_on(sessions.path(), plugins.path(), "gap", &[]));
+    assert_eq!(chat.status.code(), Some(1), "{chat:?}");
+    assert!(
+        String::from_utf8_lossy(&chat.stderr).contains(why),
+        "{chat:?}"
+    );
+}

@@ -126,6 +126,7 @@ pub fn run(dir: &SessionDir, command: Command) -> Result<ExitCode> {
                 let dtype: kvplug::KvDtype = s.rows.kv_dtype.parse()?;
                 let keys = kvplug::KeyBasis::default_for(dtype);
                 s.check_fits(&path, &fp, dtype, keys, usize::MAX)?;
+                s.check_conversation(&path)?;
                 println!("  fits         {}", m.display());
             }
         }
