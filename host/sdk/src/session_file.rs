@@ -360,7 +360,7 @@ fn encode(s: &Session) -> Result<Encoded<'_>, String> {
     json.resize(json.len().next_multiple_of(8), b' ');
     let mut head = (json.len() as u64).to_le_bytes().to_vec();
     head.extend(json);
-    let checksum_at = checksum_at(&head).ok_or("the checksum entry is missing")?;
+    let checksum_at = checksum_at(&head)?;
     Ok(Encoded {
         head,
         data,
@@ -398,22 +398,33 @@ pub fn write(path: &Path, s: &Session) -> Result<u64, SessionFileError> {
     Ok(len as u64)
 }
 
-/// The offset of the checksum's 64 hex digits in the header, if present exactly once.
-fn checksum_at(bytes: &[u8]) -> Option<usize> {
-    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let header = bytes.get(8..8usize.checked_add(usize::try_from(len).ok()?)?)?;
+/// The offset of the checksum's 64 hex digits in the header; else what is wrong with its
+/// entry (none, several, or a value that is not 64 hex digits).
+fn checksum_at(bytes: &[u8]) -> Result<usize, String> {
+    let header = bytes
+        .get(..8)
+        .and_then(|len| usize::try_from(u64::from_le_bytes(len.try_into().ok()?)).ok())
+        .and_then(|len| bytes.get(8..8usize.checked_add(len)?))
+        .ok_or("the header is cut short")?;
     let key = format!("\"{CHECKSUM_KEY}\":\"");
     let key = key.as_bytes();
     let mut hits = header
         .windows(key.len())
         .enumerate()
         .filter(|(_, w)| *w == key);
-    let (first, _) = hits.next()?;
+    let Some((first, _)) = hits.next() else {
+        return Err(format!("the header holds no {CHECKSUM_KEY} entry"));
+    };
     if hits.next().is_some() {
-        return None;
+        return Err(format!(
+            "the header holds more than one {CHECKSUM_KEY} entry"
+        ));
     }
     let at = 8 + first + key.len();
-    (bytes.get(at..at + 65)?.last() == Some(&b'"')).then_some(at)
+    match bytes.get(at..at + 65) {
+        Some([digits @ .., b'"']) if digits.iter().all(u8::is_ascii_hexdigit) => Ok(at),
+        _ => Err(format!("its {CHECKSUM_KEY} value is not 64 hex digits")),
+    }
 }
 
 /// Reads and checks a session file (format, schema, checksum, tensors against metadata).
@@ -438,13 +449,10 @@ pub fn read(path: &Path) -> Result<Session, SessionFileError> {
 /// is verified on a second thread while the rows are copied out (a file that fails it is
 /// refused as such, whatever the parse found).
 pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Session, SessionFileError> {
-    let at = checksum_at(bytes).ok_or_else(|| match SafeTensors::read_metadata(bytes) {
+    let at = checksum_at(bytes).map_err(|why| match SafeTensors::read_metadata(bytes) {
         // What a file that is no session at all (text, a truncated file) fails first.
         Err(e) => malformed(path, format!("its safetensors header does not parse ({e})")),
-        Ok(_) => malformed(
-            path,
-            format!("the header holds no single {CHECKSUM_KEY} entry"),
-        ),
+        Ok(_) => malformed(path, why),
     })?;
     let (sum_ok, parsed) = std::thread::scope(|scope| {
         let hashing = scope.spawn(|| {
@@ -839,13 +847,25 @@ mod tests {
             let e = why(bytes);
             assert!(e.contains("safetensors header does not parse"), "{e}");
         }
-        let header = br#"{"__metadata__":{"kv_cache.format":"x"}}"#;
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(header);
-        let e = why(&bytes);
-        assert!(
-            e.contains(&format!("no single {CHECKSUM_KEY} entry")),
-            "{e}"
-        );
+        let file = |meta: &str| {
+            let header = format!(r#"{{"__metadata__":{{{meta}}}}}"#);
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(header.as_bytes());
+            why(&bytes)
+        };
+        let e = file(r#""kv_cache.format":"x""#);
+        assert!(e.contains("holds no kv_cache.checksum entry"), "{e}");
+        let digits = "0".repeat(64);
+        let e = file(&format!(
+            r#""kv_cache.checksum":"{digits}","kv_cache.checksum":"{digits}""#
+        ));
+        assert!(e.contains("more than one kv_cache.checksum entry"), "{e}");
+        for value in ["abc", &"g".repeat(64), &"0".repeat(65)] {
+            let e = file(&format!(r#""kv_cache.checksum":"{value}""#));
+            assert!(
+                e.contains("kv_cache.checksum value is not 64 hex digits"),
+                "{value}: {e}"
+            );
+        }
     }
 }
