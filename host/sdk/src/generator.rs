@@ -149,6 +149,9 @@ pub struct TokenEvent<'a> {
     /// or in a stop string just reached (then never released). The text of every earlier
     /// token is out, so a client can give each token's log-probability with its text.
     pub held: usize,
+    /// Whether it is one of the request's stop tokens: it ends the answer and is not in its
+    /// text.
+    pub stop_token: bool,
 }
 
 /// A request that ended.
@@ -690,7 +693,8 @@ fn sample_one<'l>(
         complete = trigger(a, t)?;
     }
     let mut released = String::new();
-    let mut stopped = a.opts.stop_tokens.contains(&id);
+    let stop_token = a.opts.stop_tokens.contains(&id);
+    let mut stopped = stop_token;
     if let (Some(t), false) = (text, stopped) {
         let piece = a.streamer.push(t, id)?;
         (released, stopped) = a.stop.push(&piece);
@@ -708,6 +712,7 @@ fn sample_one<'l>(
         logits: l,
         logprobs: a.opts.logprobs.map(|top| TokenLogprobs::of(l, id, top)),
         held: a.stop.held_pieces(),
+        stop_token,
     };
     Ok((event, finish))
 }

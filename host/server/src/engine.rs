@@ -571,7 +571,7 @@ impl Engine {
             // with a stop token or a stop string, which end the answer but are not in it
             // (as OpenAI's), so an answer's tokens spell its text, streamed or not.
             if let Some(l) = e.logprobs.as_ref() {
-                if !a.req.opts.stop_tokens.contains(&e.id) {
+                if !e.stop_token {
                     r.held_logprobs.push(l.clone());
                 }
             }
