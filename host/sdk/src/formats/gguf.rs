@@ -1101,14 +1101,13 @@ const LLAMA3_PRES: [&str; 9] = [
     "jina-v5-nano",
 ];
 
+/// The `tokenizer.ggml.pre` names llama.cpp gives Qwen2's pre-tokenizer: Qwen2's own and
+/// DeepSeek-R1's distilled Qwen models'.
+const QWEN2_PRES: [&str; 2] = ["qwen2", "deepseek-r1-qwen"];
+
 /// Whether `pre` names Llama 3's pre-tokenizer ([`LLAMA3_PRES`]).
 fn is_llama3_pre(pre: &str) -> bool {
     LLAMA3_PRES.contains(&pre)
-}
-
-/// Whether the GGUF names pre-tokenizer `name`.
-fn pre_name_is(g: &Gguf, name: &str) -> bool {
-    g.string("tokenizer.ggml.pre").is_ok_and(|p| p == name)
 }
 
 /// Byte-level BPE from `tokenizer.ggml.merges`, with the pre-tokenizer `tokenizer.ggml.pre`
@@ -1183,26 +1182,31 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         ])
         .into())
     };
-    let pre: PreTokenizerWrapper = match pre {
+    let split: PreTokenizerWrapper = match pre {
         // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         "gpt2" | "default" => byte_level.into(),
-        "qwen2" => split_then_bytes("", false)?,
+        pre if QWEN2_PRES.contains(&pre) => split_then_bytes("", false)?,
         "qwen35" => split_then_bytes("", true)?,
         "gpt-4o" | "llama4" => gpt4o()?,
-        pre if is_llama3_pre(pre) => split_then_bytes("{1,3}", false)?,
+        // DBRX's (GPT-4's cl100k, as Granite 4.0 writes it) and Smaug's: Llama 3's split,
+        // with the merges applied to every pre-token, as llama.cpp applies them.
+        pre if is_llama3_pre(pre) || ["dbrx", "smaug-bpe"].contains(&pre) => {
+            split_then_bytes("{1,3}", false)?
+        }
         other => fail!(
             Model,
             "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, default, \
-             qwen2, qwen35, gpt-4o, llama4, {})",
+             {}, qwen35, gpt-4o, llama4, dbrx, smaug-bpe, {})",
             g.path.display(),
+            QWEN2_PRES.join(", "),
             LLAMA3_PRES.join(", ")
         ),
     };
-    if pre_name_is(g, "qwen2") || pre_name_is(g, "qwen35") {
+    if QWEN2_PRES.contains(&pre) || pre == "qwen35" {
         tk.with_normalizer(Some(tokenizers::normalizers::unicode::NFC));
     }
-    tk.with_pre_tokenizer(Some(pre));
+    tk.with_pre_tokenizer(Some(split));
     tk.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(tk)
 }

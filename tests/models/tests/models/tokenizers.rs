@@ -1,5 +1,6 @@
 //! GGUF byte-level BPE tokenizers (`tokenizer.ggml.model = gpt2`) with the `qwen2` and
-//! `llama-bpe` pre-tokenizers, against a plain reference written from llama.cpp's
+//! `llama-bpe` pre-tokenizers (and `dbrx`, Llama 3's split without its `ignore_merges`, as
+//! Granite 4.0's files name it), against a plain reference written from llama.cpp's
 //! algorithm: control tokens split out first, NFC (Qwen2's normalizer), the pre-tokenizer's
 //! split regex as llama.cpp's `llama-vocab.cpp` spells it (without inline flags), GPT-2's
 //! byte map, then, for `llama-bpe`, a pre-token found whole in the vocabulary taken as one
@@ -35,6 +36,32 @@ const SAMPLES: [&str; 9] = [
     "",
 ];
 
+/// What a `tokenizer.ggml.pre` name means in llama.cpp: its split regex, whether text is
+/// NFC-normalized first (Qwen2's normalizer), and whether a pre-token found whole in the
+/// vocabulary is one token (`ignore_merges`, Llama 3's rule).
+#[derive(Clone, Copy)]
+struct Pre {
+    split: &'static str,
+    nfc: bool,
+    ignore_merges: bool,
+}
+
+const QWEN2_PRE: Pre = Pre {
+    split: QWEN2,
+    nfc: true,
+    ignore_merges: false,
+};
+const LLAMA3_PRE: Pre = Pre {
+    split: LLAMA3,
+    nfc: false,
+    ignore_merges: true,
+};
+/// DBRX's (and Granite 4.0's): Llama 3's split, the merges applied to every pre-token.
+const DBRX_PRE: Pre = Pre {
+    ignore_merges: false,
+    ..LLAMA3_PRE
+};
+
 /// The reference tokenizer over one vocabulary.
 struct Reference {
     id: HashMap<String, i32>,
@@ -48,8 +75,12 @@ struct Reference {
 }
 
 impl Reference {
-    fn new(tokens: &[String], merges: &[String], types: &[i32], split: &str, nfc: bool) -> Self {
-        let ignore_merges = split == LLAMA3;
+    fn new(tokens: &[String], merges: &[String], types: &[i32], pre: Pre) -> Self {
+        let Pre {
+            split,
+            nfc,
+            ignore_merges,
+        } = pre;
         Reference {
             id: tokens
                 .iter()
@@ -157,11 +188,11 @@ fn vocabulary(gguf: &Path) -> (Vec<String>, Vec<String>, Vec<i32>) {
 
 /// Asserts that kvplug's tokenizer for `gguf` (indexed into `dir`) gives the reference's ids
 /// on every sample.
-fn check(gguf: &Path, dir: &Path, split: &str, nfc: bool) {
+fn check(gguf: &Path, dir: &Path, pre: Pre) {
     kvplug::formats::gguf::index(gguf, dir).unwrap();
     let text = Text::load(dir).unwrap();
     let (tokens, merges, types) = vocabulary(gguf);
-    let reference = Reference::new(&tokens, &merges, &types, split, nfc);
+    let reference = Reference::new(&tokens, &merges, &types, pre);
     for s in SAMPLES {
         assert_eq!(text.encode(s).unwrap(), reference.encode(s), "{s:?}");
     }
@@ -176,7 +207,7 @@ fn qwen2_pre_tokenizer_on_the_real_vocabulary_matches_the_reference() {
         "run scripts/fetch-models.sh (make test does)"
     );
     let dir = tempfile::tempdir().unwrap();
-    check(&gguf, dir.path(), QWEN2, true);
+    check(&gguf, dir.path(), QWEN2_PRE);
 }
 
 #[test]
@@ -204,23 +235,32 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
         &[candle_core::quantized::GgmlDType::F32],
         false,
     );
-    // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models.
-    for (pre, split) in [("llama-bpe", LLAMA3), ("falcon3", LLAMA3), ("qwen2", QWEN2)] {
+    // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models;
+    // "deepseek-r1-qwen" one it gives Qwen2's.
+    let pres = [
+        ("llama-bpe", LLAMA3_PRE),
+        ("falcon3", LLAMA3_PRE),
+        ("dbrx", DBRX_PRE),
+        ("qwen2", QWEN2_PRE),
+        ("deepseek-r1-qwen", QWEN2_PRE),
+    ];
+    for (pre, reference) in pres {
         let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
         let (tokenizer, _) = bpe_tokenizer_meta(pre, &merges, preset.vocab);
         meta.extend(tokenizer);
         let gguf = dir.path().join(format!("{pre}.gguf"));
         write_gguf(&gguf, &meta, &tensors);
-        check(&gguf, &dir.path().join(pre), split, pre == "qwen2");
+        check(&gguf, &dir.path().join(pre), reference);
     }
-    // The two splits differ on these merges, so each check above can fail.
+    // The three differ on these merges, so each check above can fail.
     let (tokens, merges, types) = vocabulary(&dir.path().join("llama-bpe.gguf"));
-    for sample in [SAMPLES[0], "hello"] {
-        assert_ne!(
-            Reference::new(&tokens, &merges, &types, LLAMA3, false).encode(sample),
-            Reference::new(&tokens, &merges, &types, QWEN2, false).encode(sample),
-            "{sample:?}"
-        );
+    let encode = |pre, s| Reference::new(&tokens, &merges, &types, pre).encode(s);
+    for (a, b, sample) in [
+        (LLAMA3_PRE, QWEN2_PRE, SAMPLES[0]),
+        (DBRX_PRE, QWEN2_PRE, SAMPLES[0]),
+        (LLAMA3_PRE, DBRX_PRE, "hello"),
+    ] {
+        assert_ne!(encode(a, sample), encode(b, sample), "{sample:?}");
     }
     // Neither GGUF says `add_bos_token`: llama.cpp's default starts a Llama 3 raw prompt with
     // BOS and a Qwen2 one without.
@@ -233,4 +273,7 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     assert_eq!(raw("llama-bpe").unwrap(), [id("<|im_start|>"), id("hello")]);
     assert_eq!(raw("falcon3").unwrap(), raw("llama-bpe").unwrap());
     assert_eq!(raw("qwen2").unwrap(), [id("hell"), id("o")]);
+    // Nor DBRX's nor DeepSeek-R1-Qwen's.
+    assert_eq!(raw("dbrx").unwrap(), raw("qwen2").unwrap());
+    assert_eq!(raw("deepseek-r1-qwen").unwrap(), raw("qwen2").unwrap());
 }
