@@ -29,7 +29,7 @@ impl From<ModelError> for CacheError {
 }
 
 /// `rope_scaling`: Llama 3's, linear (position interpolation, Gemma 3's global layers), or
-/// YaRN (GPT-OSS).
+/// YaRN (GPT-OSS's, and any family's whose `attention_factor` is stated, as a GGUF's is).
 #[derive(Clone, Debug, serde::Deserialize)]
 pub struct RopeScaling {
     /// `llama3`, `linear` or `yarn` (others are rejected).
@@ -57,6 +57,9 @@ pub struct RopeScaling {
     /// GGUF's model follows it).
     #[serde(default = "yes")]
     pub truncate: bool,
+    /// YaRN: the factor on rotated q and k; unstated, `1 + 0.1·ln(factor)` (GPT-OSS's).
+    #[serde(default)]
+    pub attention_factor: Option<f64>,
 }
 
 fn thirty_two() -> f64 {
@@ -563,15 +566,21 @@ impl ModelConfig {
                 "linear" => return Ok(c),
                 "llama3" => {}
                 "yarn" => {
-                    // As GPT-OSS's GGUF states it: no mscale keys, every dim rotating.
-                    // Other families' YaRN (attention_factor, mscale_all_dim, partial
-                    // rotary) would compute something else: refused until read.
-                    if c.model_type != "gpt_oss" || c.rotary_dim() != c.head_dim() {
+                    // Every dim rotating, and the magnitude GPT-OSS's or stated (as a GGUF's
+                    // indexer states llama.cpp's): other families' unstated defaults
+                    // (Hugging Face's ratio of context lengths, mscale_all_dim) would compute
+                    // something else, refused until read.
+                    let stated = s.attention_factor.is_some() || c.model_type == "gpt_oss";
+                    if !stated || c.rotary_dim() != c.head_dim() {
                         return Err(ModelError::Malformed(format!(
-                            "rope_scaling type 'yarn' is supported for gpt_oss with full \
-                             rotary only, not {}",
-                            c.model_type
+                            "rope_scaling type 'yarn' is supported with full rotary, for \
+                             gpt_oss or with its attention_factor stated, not for {}{}",
+                            c.model_type,
+                            if stated { " with partial rotary" } else { "" }
                         )));
+                    }
+                    if let Some(a) = s.attention_factor {
+                        positive("rope_scaling.attention_factor", a)?;
                     }
                     positive(
                         "rope_scaling.original_max_position_embeddings",
@@ -730,10 +739,15 @@ impl ModelConfig {
         (m * m / s.sqrt()) as f32
     }
 
-    /// YaRN's factor on rotated q and k: `1 + 0.1·ln(factor)` (1 without YaRN).
+    /// YaRN's factor on rotated q and k: its `attention_factor`, else `1 + 0.1·ln(factor)`
+    /// (1 without YaRN).
     pub fn rope_magnitude(&self) -> f64 {
         match &self.rope_scaling {
-            Some(s) if s.rope_type == "yarn" && s.factor > 1.0 => 1.0 + 0.1 * s.factor.ln(),
+            Some(s) if s.rope_type == "yarn" => match s.attention_factor {
+                Some(a) => a,
+                None if s.factor > 1.0 => 1.0 + 0.1 * s.factor.ln(),
+                None => 1.0,
+            },
             _ => 1.0,
         }
     }
@@ -1184,13 +1198,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("GGUF files only"), "{e}");
-        // Other families' YaRN (mscale keys, partial rotary) is not read yet: refused.
-        let yarn = SMOL.replace(
-            "\"extra\": 1",
-            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
-        );
-        let e = ModelConfig::parse(&yarn).unwrap_err().to_string();
-        assert!(e.contains("supported for gpt_oss"), "{e}");
+        // Other families' YaRN is read where its magnitude is stated (a GGUF's index states
+        // llama.cpp's); their unstated defaults are not read yet: refused.
+        let yarn = |extra: &str| {
+            SMOL.replace(
+                "\"extra\": 1",
+                &format!(r#""rope_scaling": {{"rope_type": "yarn", "factor": 4.0{extra}}}"#),
+            )
+        };
+        let e = ModelConfig::parse(&yarn("")).unwrap_err().to_string();
+        assert!(e.contains("or with its attention_factor stated"), "{e}");
+        let c = ModelConfig::parse(&yarn(r#", "attention_factor": 1.25"#)).unwrap();
+        assert_eq!(c.rope_magnitude(), 1.25);
+        let e = ModelConfig::parse(&yarn(r#", "attention_factor": 0"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rope_scaling.attention_factor"), "{e}");
     }
 
     /// LFM2-350M's config.json as Liquid AI publishes it (fields this kit reads).

@@ -363,6 +363,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .unwrap_or(1e-5)
                 .into();
             c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0).into();
+            rope_scaling_fields(g, &mut c, &k, &["linear", "yarn"])?;
             // Llama 3.x: the converter turns rope_scaling into per-pair frequency divisors.
             if g.has_tensor("rope_freqs.weight") {
                 let (_, f) = g.tensor("rope_freqs.weight")?;
@@ -394,14 +395,8 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                     }
                 })
                 .collect();
-            if let Some(t) = g.string_opt(&k("rope.scaling.type"))? {
-                if t != "none" {
-                    let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
-                        format!("{}: rope scaling '{t}' without a factor", g.path.display())
-                    })?;
-                    c["rope_scaling"] = serde_json::json!({"rope_type": t, "factor": factor});
-                }
-            }
+            // Gemma 3's global layers alone scale (4B and up: linear, factor 8).
+            rope_scaling_fields(g, &mut c, &k, &["linear"])?;
         }
     }
     // The rotating dims (a `llama` file must rotate all). The Qwen3.5 and Granite hybrids read
@@ -488,6 +483,21 @@ fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()
         .unwrap_or(1e-5)
         .into();
     c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(150000.0).into();
+    rope_scaling_fields(g, c, &k, &["yarn"])
+}
+
+/// `rope.scaling.*` (keys named by `k`) as `rope_scaling`, in the meaning llama.cpp gives
+/// them, where `kinds` (this architecture's) holds its type: `linear` divides every
+/// frequency by the factor; `yarn` ramps from kept to divided pairs (beta 32 and 1, the
+/// ramp's ends rounded to whole pairs, the original context `original_context_length`,
+/// else `context_length`) and multiplies rotated q and k by `1 + 0.1·ln(factor)`, stated as
+/// the `attention_factor`. An `attn_factor` other than 1 is refused.
+fn rope_scaling_fields(
+    g: &Gguf,
+    c: &mut serde_json::Value,
+    k: &dyn Fn(&str) -> String,
+    kinds: &[&str],
+) -> Result<()> {
     if let Some(f) = g
         .float(&k("rope.scaling.attn_factor"))?
         .filter(|&f| f != 1.0)
@@ -498,26 +508,40 @@ fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()
             g.path.display()
         );
     }
-    match g.string_opt(&k("rope.scaling.type"))? {
-        Some("yarn") => {
-            let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
-                format!("{}: YaRN rope scaling without a factor", g.path.display())
-            })?;
+    let kind = match g.string_opt(&k("rope.scaling.type"))? {
+        None | Some("none") => return Ok(()),
+        Some(t) if kinds.contains(&t) => t,
+        Some(other) => fail!(
+            Model,
+            "{}: rope scaling '{other}' is not supported for {} ({})",
+            g.path.display(),
+            g.string("general.architecture")?,
+            kinds.join(", ")
+        ),
+    };
+    let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
+        format!(
+            "{}: rope scaling '{kind}' without a factor",
+            g.path.display()
+        )
+    })?;
+    c["rope_scaling"] = match kind {
+        "yarn" => {
             let original = match g.uint_opt(&k("rope.scaling.original_context_length"))? {
                 Some(n) => n,
                 None => g.uint(&k("context_length"))?,
             };
-            c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": factor,
+            let magnitude = if factor > 1.0 {
+                1.0 + 0.1 * factor.ln()
+            } else {
+                1.0
+            };
+            serde_json::json!({"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings": original, "beta_fast": 32.0,
-                "beta_slow": 1.0, "truncate": true});
+                "beta_slow": 1.0, "truncate": true, "attention_factor": magnitude})
         }
-        Some("none") | None => {}
-        Some(other) => fail!(
-            Model,
-            "{}: rope scaling '{other}' is not supported for gpt-oss (yarn)",
-            g.path.display()
-        ),
-    }
+        _ => serde_json::json!({"rope_type": kind, "factor": factor}),
+    };
     Ok(())
 }
 
@@ -1412,7 +1436,8 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// follows llama.cpp's default. 3: a `context_length` of 0 is left out; NaN or infinite
 /// numbers are refused. 4: optional metadata of the wrong type (a negative count, a
 /// template that is no string) is refused, not read as absent; tensors keep their GGUF names.
-const INDEXER_REVISION: u32 = 4;
+/// 5: Llama, Qwen2 and Qwen3 files' `rope.scaling.*` (linear, YaRN) is read, not ignored.
+const INDEXER_REVISION: u32 = 5;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
 /// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and

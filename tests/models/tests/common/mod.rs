@@ -174,6 +174,28 @@ pub fn llama3_inv_freq(
         .collect()
 }
 
+/// YaRN's frequencies as the YaRN paper and llama.cpp's `rope_yarn` define them, written out
+/// here: pair `i` of a `d`-wide head turns `r_i = L·θ^(−2i/d)/(2π)` times over the original
+/// context `L`; pairs with `r_i > 32` (β_fast) keep `θ^(−2i/d)`, those with `r_i < 1`
+/// (β_slow) divide it by `factor`, a linear ramp in `i` between (the ramp's ends rounded
+/// out to whole pairs).
+pub fn yarn_inv_freq(theta: f64, d: usize, factor: f64, original: f64) -> Vec<f64> {
+    let pair_at = |rotations: f64| {
+        d as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (low, high) = (
+        pair_at(32.0).floor().max(0.0),
+        pair_at(1.0).ceil().min(d as f64 - 1.0),
+    );
+    (0..d / 2)
+        .map(|i| {
+            let f = theta.powf(-(2.0 * i as f64) / d as f64);
+            let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+            f * (1.0 - ramp) + f / factor * ramp
+        })
+        .collect()
+}
+
 /// Deterministic values in `[-gain, gain)` (a multiplicative hash of the index and salt).
 pub fn values(n: usize, salt: u64, gain: f32) -> Vec<f32> {
     (0..n as u64)

@@ -1,8 +1,9 @@
 //! The Llama-family variants beyond plain Llama, each a synthetic model checked on every
 //! backend against the f64 reference forward (which is told the variant's arithmetic rather
 //! than reading it from the package): Llama 3.x RoPE scaling — from a GGUF's `rope_freqs`
-//! tensor and from a Hugging Face `rope_scaling` — with tied embeddings, and Mistral's
-//! sliding window. (Qwen2's biases and Qwen3's q/k norms are in `model.rs`, Gemma 3 in
+//! tensor and from a Hugging Face `rope_scaling` — with tied embeddings, a GGUF's linear and
+//! YaRN `rope.scaling.*` (as llama.cpp reads them for any family), and Mistral's sliding
+//! window. (Qwen2's biases and Qwen3's q/k norms are in `model.rs`, Gemma 3 in
 //! `gemma.rs`.)
 
 use std::path::Path;
@@ -17,7 +18,7 @@ use kvplug_backend_kit::model::ModelPackage;
 use crate::common;
 use common::{
     bpe_tokenizer_meta, forward, gguf_tensors, llama3_inv_freq, llama_gguf_meta, max_logit_error,
-    reference_logits_with, runtime, write_gguf, Reference, BACKENDS, MERGES,
+    reference_logits_with, runtime, write_gguf, yarn_inv_freq, Reference, BACKENDS, MERGES,
 };
 
 /// head_dim 32: sixteen rotary frequencies, enough for every region of Llama 3's scaling.
@@ -153,6 +154,54 @@ fn llama3_rope_freqs_gguf_with_tied_embeddings_matches_the_f64_reference() {
         ..Reference::default()
     };
     check(&model, "Llama 3 GGUF", &variant, 4);
+}
+
+#[test]
+fn gguf_linear_and_yarn_rope_scaling_match_the_f64_reference() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("hf");
+    synthetic(&src, serde_json::json!({}));
+    let pkg = ModelPackage::open(&src).unwrap();
+    let tensors = gguf_tensors(&pkg, &PRESET, &[GgmlDType::F32], false);
+    let hd = PRESET.hidden / PRESET.heads;
+    // An original context of 64 positions puts the ramp inside a 32-wide head's pairs.
+    let (factor, original) = (4.0, 64.0);
+    let plain = (0..hd / 2).map(|i| THETA.powf(-(2.0 * i as f64) / hd as f64));
+    let cases = [
+        (
+            "linear",
+            Reference {
+                inv_freq: Some(plain.map(|f| f / factor).collect()),
+                ..Reference::default()
+            },
+        ),
+        (
+            "yarn",
+            Reference {
+                inv_freq: Some(yarn_inv_freq(THETA, hd, factor, original)),
+                rope_magnitude: Some(1.0 + 0.1 * f64::ln(factor)),
+                ..Reference::default()
+            },
+        ),
+    ];
+    for (kind, variant) in cases {
+        let mut meta = llama_gguf_meta(&PRESET, pkg.config.rms_norm_eps as f32, THETA as f32);
+        meta.extend([
+            ("llama.rope.scaling.type", Value::String(kind.into())),
+            ("llama.rope.scaling.factor", Value::F32(factor as f32)),
+            (
+                "llama.rope.scaling.original_context_length",
+                Value::U32(original as u32),
+            ),
+        ]);
+        meta.extend(bpe_tokenizer_meta("llama-bpe", &MERGES, PRESET.vocab).0);
+        let gguf = dir.path().join(format!("{kind}.gguf"));
+        write_gguf(&gguf, &meta, &tensors);
+        let model = dir.path().join(kind);
+        kvplug::formats::gguf::index(&gguf, &model).unwrap();
+        check(&model, &format!("{kind} GGUF"), &variant, 4);
+    }
 }
 
 #[test]

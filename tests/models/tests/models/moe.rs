@@ -12,7 +12,7 @@ use kvplug::{Batch, CacheKind, KvDtype};
 use crate::common;
 use common::{
     bpe_tokenizer_meta, forward, greedy_logit_error, runtime, values, write_gguf, write_gguf_raw,
-    RawTensor, Reference, BACKENDS, MERGES,
+    yarn_inv_freq, RawTensor, Reference, BACKENDS, MERGES,
 };
 
 const HIDDEN: usize = 64;
@@ -401,29 +401,6 @@ fn gpt_oss(dir: &Path, s: &OssShape) -> PathBuf {
     model
 }
 
-/// YaRN's frequencies as the YaRN paper and llama.cpp's `rope_yarn` define them, written out
-/// here: pair `i` of a `d`-wide head turns `r_i = L·θ^(−2i/d)/(2π)` times over the original
-/// context `L`; pairs with `r_i > β_fast` keep `θ^(−2i/d)`, those with `r_i < β_slow` divide
-/// it by the factor, a linear ramp in `i` between (the ramp's ends rounded out to whole
-/// pairs).
-fn yarn_inv_freq(d: usize) -> Vec<f64> {
-    let pair_at = |rotations: f64| {
-        d as f64 * (YARN_ORIGINAL / (rotations * 2.0 * std::f64::consts::PI)).ln()
-            / (2.0 * OSS_THETA.ln())
-    };
-    let (low, high) = (
-        pair_at(32.0).floor().max(0.0),
-        pair_at(1.0).ceil().min(d as f64 - 1.0),
-    );
-    (0..d / 2)
-        .map(|i| {
-            let f = OSS_THETA.powf(-(2.0 * i as f64) / d as f64);
-            let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
-            f * (1.0 - ramp) + f / YARN_FACTOR * ramp
-        })
-        .collect()
-}
-
 /// `plan` counts MXFP4 experts as stored (17 bytes a block) for a backend that reads them
 /// in place, as Q5_0 (22 bytes) for one that re-encodes them, and says the difference.
 #[test]
@@ -520,7 +497,12 @@ fn gpt_oss_gguf_decodes_within_the_f64_reference_on_every_backend() {
         let model = gpt_oss(&dir.path().join(i.to_string()), shape);
         for backend in BACKENDS {
             let told = Reference {
-                inv_freq: Some(yarn_inv_freq(HIDDEN / HEADS)),
+                inv_freq: Some(yarn_inv_freq(
+                    OSS_THETA,
+                    HIDDEN / HEADS,
+                    YARN_FACTOR,
+                    YARN_ORIGINAL,
+                )),
                 rope_magnitude: Some(1.0 + 0.1 * YARN_FACTOR.ln()),
                 config_windows: true,
                 ..Reference::default()
