@@ -302,16 +302,50 @@ impl RadixIndex {
 
     /// Takes one more lock on what `lock` protects (for a second holder of the same cells).
     pub fn relock(&mut self, lock: &PrefixLock) -> Result<PrefixLock, RadixError> {
+        self.relock_to(lock, lock.len)
+    }
+
+    /// Takes a lock on the first `len` (at most `lock.len()`) tokens of what `lock` protects.
+    pub fn relock_to(&mut self, lock: &PrefixLock, len: usize) -> Result<PrefixLock, RadixError> {
         if lock.clears != self.clears {
             return Err(RadixError::StaleHandle);
         }
-        let id = self.node_ending_at(lock.node, lock.len);
+        debug_assert!(
+            len <= lock.len,
+            "a relock protects part of the lock's prefix"
+        );
+        let id = self.node_ending_at(lock.node, len.min(lock.len));
         self.add_ref(id);
         Ok(PrefixLock {
             node: id,
-            len: lock.len,
+            len: len.min(lock.len),
             clears: self.clears,
         })
+    }
+
+    /// How many leading tokens of `lock`'s prefix reach its deepest cell that `held` accepts
+    /// (0 when it accepts none). Changes nothing and allocates nothing.
+    pub fn held_len(
+        &self,
+        lock: &PrefixLock,
+        held: impl Fn(u32) -> bool,
+    ) -> Result<usize, RadixError> {
+        if lock.clears != self.clears {
+            return Err(RadixError::StaleHandle);
+        }
+        let mut id = lock.node;
+        while id != ROOT && self.node(id).start >= lock.len {
+            id = self.node(id).parent;
+        }
+        while id != ROOT {
+            let n = self.node(id);
+            let upto = n.end().min(lock.len) - n.start;
+            if let Some(i) = n.cells[..upto].iter().rposition(|&c| held(c)) {
+                return Ok(n.start + i + 1);
+            }
+            id = n.parent;
+        }
+        Ok(0)
     }
 
     /// Releases a lock. A lock from before a [`RadixIndex::clear`] is `StaleHandle` (the clear

@@ -7,7 +7,8 @@
 //!   `0..n` of a sequence) and stay after every sequence lets go of them: an indexed cell is
 //!   occupied but visible to no query until a sequence attaches it.
 //! - A sequence holding index cells (attached, published, or copied with `seq_cp`) locks their
-//!   prefix; the locks go when the sequence holds no cells any more. Eviction
+//!   prefix up to the last of them, no further; its locks shorten as it lets go of cells and
+//!   go when it holds none. Eviction
 //!   ([`SeqBookkeeping::prefix_evict`], [`SeqBookkeeping::prefix_reserve`]) takes only
 //!   unlocked prefixes, least recently used first, so it never frees a cell a live sequence
 //!   holds.
@@ -19,7 +20,7 @@
 
 use super::{seq_bit, SeqBits, SeqBookkeeping, MAX_SEQS};
 use crate::error::{CacheError, CacheResult};
-use crate::radix::RadixError;
+use crate::radix::{PrefixLock, RadixError};
 
 /// Sizes of the prefix index, in cells.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -116,16 +117,37 @@ impl SeqBookkeeping {
         for &c in &cells[cached..] {
             self.indexed[c as usize] = true;
         }
-        // Every sequence holding one of these cells (forks included) locks the prefix.
-        let holders = cells.iter().fold(0, |acc, &c| acc | self.seqs[c as usize]);
-        let (handle, _) = self.index.match_prefix(tokens);
+        // Every sequence holding cells of the prefix (forks, and requests that attached a part
+        // of it, included) locks it up to the last of them: no further, or cells it does not
+        // hold would stay unevictable while it lives.
+        let (handle, path) = self.index.match_prefix(tokens);
+        let holders = path.iter().fold(0, |acc, &c| acc | self.seqs[c as usize]);
+        let whole = self.index.lock(&handle)?;
         for s in 0..MAX_SEQS {
             if holders & (1u64 << s) != 0 {
-                let lock = self.index.lock(&handle)?;
-                self.locks[s].push(lock);
+                if let Some(lock) = self.lock_held(s, &whole) {
+                    self.locks[s].push(lock);
+                }
             }
         }
+        self.index.unlock(whole)?;
         Ok(cached)
+    }
+
+    /// How many leading tokens of `lock`'s prefix reach the last of its cells sequence `s`
+    /// holds (0 when it holds none).
+    fn held_len(&self, s: usize, lock: &PrefixLock) -> usize {
+        let (b, seqs) = (1u64 << s, &self.seqs);
+        self.index
+            .held_len(lock, |c| seqs[c as usize] & b != 0)
+            .expect("live lock")
+    }
+
+    /// A lock for sequence `s` on `lock`'s prefix up to the last of its cells `s` holds;
+    /// `None` when it holds none of them.
+    fn lock_held(&mut self, s: usize, lock: &PrefixLock) -> Option<PrefixLock> {
+        let len = self.held_len(s, lock);
+        (len > 0).then(|| self.index.relock_to(lock, len).expect("live lock"))
     }
 
     /// Frees at least `n` cells of cached prefixes no live sequence holds, least recently
@@ -171,22 +193,45 @@ impl SeqBookkeeping {
         }
     }
 
-    /// `dst` now holds cells of `src`'s prefixes too: it takes a lock on each.
+    /// `dst` now holds cells of `src`'s prefixes too: it locks each up to the last it holds.
     pub(super) fn share_locks(&mut self, src: i32, dst: i32) {
         let (src, dst) = (src as usize, dst as usize);
         for i in 0..self.locks[src].len() {
-            let again = self.index.relock(&self.locks[src][i]).expect("live lock");
-            self.locks[dst].push(again);
+            let lock = self.locks[src][i].clone();
+            if let Some(again) = self.lock_held(dst, &lock) {
+                self.locks[dst].push(again);
+            }
         }
     }
 
-    /// Releases the locks of the sequences in `which` that hold no cells any more.
+    /// The sequences in `which` let go of cells: those holding none release their locks,
+    /// the others shorten theirs to the last cell they still hold (allocating nothing).
     pub(super) fn release_locks(&mut self, which: SeqBits) {
         for s in 0..MAX_SEQS {
-            if which & (1u64 << s) != 0 && self.live & (1u64 << s) == 0 {
+            if which & (1u64 << s) == 0 {
+                continue;
+            }
+            if self.live & (1u64 << s) == 0 {
                 for lock in self.locks[s].drain(..) {
                     self.index.unlock(lock).expect("live lock");
                 }
+                continue;
+            }
+            let mut i = 0;
+            while i < self.locks[s].len() {
+                let lock = self.locks[s][i].clone();
+                let len = self.held_len(s, &lock);
+                if len == lock.len() {
+                    i += 1;
+                    continue;
+                }
+                if len > 0 {
+                    self.locks[s][i] = self.index.relock_to(&lock, len).expect("live lock");
+                    i += 1;
+                } else {
+                    self.locks[s].swap_remove(i);
+                }
+                self.index.unlock(lock).expect("live lock");
             }
         }
     }

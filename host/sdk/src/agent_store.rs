@@ -542,7 +542,7 @@ impl AgentStore {
         {
             return Ok(None);
         }
-        let Some(mut placed) = self.place(agent, prompt)? else {
+        let Some(mut placed) = self.place(agent, prompt, extra)? else {
             return Ok(None);
         };
         placed.anchor_at = self.anchor_point(prompt, placed.history)?;
@@ -639,8 +639,14 @@ impl AgentStore {
 
     /// Gives the request a sequence holding as much of `prompt[..len - 1]` as the agent's
     /// sequence, the prefix index or the agent's file has (a sequence must be free or the
-    /// agent hot). `None` when the cells to restore from the file cannot be freed now.
-    fn place(&mut self, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
+    /// agent hot). `None` when the cells to restore from the file cannot be freed now, with
+    /// the rest of the prompt and `extra` more.
+    fn place(
+        &mut self,
+        agent: Option<&str>,
+        prompt: &[i32],
+        extra: usize,
+    ) -> Result<Option<Placed>> {
         let limit = prompt.len() - 1;
         let indexed = self.cache.prefix_match(&tokens_u32(&prompt[..limit]))?;
         if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
@@ -681,7 +687,7 @@ impl AgentStore {
             }
         }
         let seq = self.free_seqs.pop().context("no free sequence")?;
-        let placed = self.fill(seq, agent, prompt);
+        let placed = self.fill(seq, agent, prompt, extra);
         if !matches!(placed, Ok(Some(_))) {
             // No room, or a failed restore: the sequence goes back empty.
             self.cache.seq_rm(seq, None, None)?;
@@ -692,8 +698,15 @@ impl AgentStore {
 
     /// Fills the empty `seq` with what the prefix index and the agent's file hold of
     /// `prompt[..len - 1]` and gives it to the agent; `None` when the cells to restore
-    /// cannot be freed now.
-    fn fill(&mut self, seq: i32, agent: Option<&str>, prompt: &[i32]) -> Result<Option<Placed>> {
+    /// cannot be freed now together with those the rest of the prompt and `extra` need (the
+    /// restore must not take cells promised to requests in flight).
+    fn fill(
+        &mut self,
+        seq: i32,
+        agent: Option<&str>,
+        prompt: &[i32],
+        extra: usize,
+    ) -> Result<Option<Placed>> {
         let limit = prompt.len() - 1;
         let attached = self.attach(seq, &prompt[..limit])?;
         let mut history = attached;
@@ -734,7 +747,7 @@ impl AgentStore {
                 let have = common_prefix(&s.tokens, prompt).min(limit);
                 if have > attached {
                     let need = have - attached;
-                    if !self.make_room(need, agent)? {
+                    if !self.make_room(prompt.len() - attached + extra, agent)? {
                         return Ok(None);
                     }
                     // A hybrid model's file keeps its sliding layers' rows only for the

@@ -62,6 +62,36 @@ fn a_second_request_reuses_the_published_prefix() {
 }
 
 #[test]
+fn a_request_sharing_a_beginning_leaves_the_rest_of_anothers_history_evictable() {
+    let mut b = SeqBookkeeping::new(16);
+    // Agent A's history, published and kept.
+    let a = [1u32, 2, 3, 4, 5, 6];
+    prefill(&mut b, 0, &a, 0);
+    b.prefix_publish(0, &a).unwrap();
+    // Agent B shares A's first three tokens, goes on with its own, publishes, and parks.
+    let bee = [1u32, 2, 3, 7, 8, 9, 10];
+    assert_eq!(b.prefix_attach(1, &bee[..6]), Ok(3));
+    prefill(&mut b, 1, &bee, 3);
+    b.prefix_publish(1, &bee).unwrap();
+    b.seq_rm(1, PosRange::ALL).unwrap();
+    // A holds the three shared cells, not B's four: those can go.
+    assert_eq!(
+        b.prefix_stats(),
+        PrefixStats {
+            cached: 10,
+            evictable: 4
+        }
+    );
+    assert_eq!(b.prefix_reserve(16 - 6), Ok(4));
+    // A fork of A's first two tokens, and A cut to one token: only the fork's two are held.
+    b.seq_cp(0, 2, PosRange::new(None, Some(2))).unwrap();
+    b.seq_rm(0, PosRange::new(Some(1), None)).unwrap();
+    assert_eq!(b.prefix_stats().evictable, 4);
+    b.seq_rm(2, PosRange::ALL).unwrap();
+    assert_eq!(b.prefix_stats().evictable, 5);
+}
+
+#[test]
 fn reserve_evicts_only_what_is_missing() {
     let mut b = SeqBookkeeping::new(8);
     let t = [1u32, 2, 3, 4, 5, 6];
@@ -100,6 +130,7 @@ enum Op {
     Publish(usize, usize),
     Finish(usize),
     Fork(usize, usize),
+    Truncate(usize, usize),
     Evict(usize),
     Reserve(usize),
 }
@@ -111,6 +142,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..4, 0usize..10).prop_map(|(s, n)| Op::Publish(s, n)),
         3 => (0usize..4).prop_map(Op::Finish),
         1 => (0usize..4, 0usize..4).prop_map(|(a, b)| Op::Fork(a, b)),
+        1 => (0usize..4, 1usize..8).prop_map(|(s, n)| Op::Truncate(s, n)),
         1 => (0usize..8).prop_map(Op::Evict),
         1 => (0usize..24).prop_map(Op::Reserve),
     ]
@@ -142,8 +174,15 @@ fn check(b: &SeqBookkeeping, content: &HashMap<usize, (u32, i32)>, live: &[Optio
         }
     }
     assert_eq!(occupied, b.live_cells());
-    // Everything the index calls evictable is held by no live sequence: evicting it all
-    // frees exactly that many cells.
+    // No lock of a sequence reaches past the last cell it holds on the locked prefix (else
+    // cells it let go of would stay unevictable while it lives) ...
+    for (s, locks) in b.locks.iter().enumerate() {
+        for lock in locks {
+            assert_eq!(b.held_len(s, lock), lock.len(), "a lock of seq {s}");
+        }
+    }
+    // ... and everything the index calls evictable is held by no live sequence: evicting it
+    // all frees exactly that many cells.
     let mut probe = b.clone();
     let evictable = probe.prefix_stats().evictable;
     assert_eq!(probe.prefix_evict(evictable), Ok(evictable));
@@ -184,6 +223,13 @@ fn run(ops: Vec<Op>) {
             Op::Fork(a, d) if a != d && live[d].is_none() && live[a].is_some() => {
                 b.seq_cp(a as i32, d as i32, PosRange::ALL).unwrap();
                 live[d] = live[a].clone();
+            }
+            Op::Truncate(s, n) => {
+                if let Some(t) = &mut live[s] {
+                    b.seq_rm(s as i32, PosRange::new(Some(n as i32), None))
+                        .unwrap();
+                    t.truncate(n);
+                }
             }
             Op::Evict(n) => {
                 let evictable = b.prefix_stats().evictable;

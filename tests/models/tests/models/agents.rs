@@ -185,6 +185,53 @@ fn a_budget_parks_idle_agents_to_files_and_restores_them() {
     }
 }
 
+/// Parking an agent that shares a beginning with the one asking frees the rest of its
+/// history: the asker's hold on the shared cells does not keep the parked agent's own.
+#[test]
+fn parking_an_agent_frees_what_it_does_not_share_with_the_asker() {
+    let model = tiny(7);
+    let rt = runtime();
+    let files = tempfile::tempdir().unwrap();
+    // a holds 47 cells, b 10 shared with a and 57 of its own: 104 of 110.
+    let mut s = store(&rt, "cpu", model.path(), 110, files.path());
+    let shared = tokens(1, 10);
+    let pa = [shared.as_slice(), &tokens(2, 30)].concat();
+    let pb = [shared.as_slice(), &tokens(3, 50)].concat();
+    let turn1 = ask(&mut s, Some("a"), &pa);
+    ask(&mut s, Some("b"), &pb);
+    assert!(s.is_hot("a") && s.is_hot("b"));
+    // a's next turn needs more than the 6 free cells: b goes to its file.
+    let next = [pa.as_slice(), &turn1.ids, &[4, 4, 2]].concat();
+    let turn2 = ask(&mut s, Some("a"), &next);
+    assert!(!s.is_hot("b"));
+    assert_eq!(turn2.ids, plain(&rt, "cpu", model.path(), &next));
+}
+
+/// Restoring a parked agent's file takes no cell promised to a request in flight: with too
+/// little room for the restore and the rest, the request waits and nothing is restored.
+#[test]
+fn a_restore_leaves_the_cells_promised_to_requests_in_flight() {
+    let model = tiny(7);
+    let rt = runtime();
+    let files = tempfile::tempdir().unwrap();
+    const CAPACITY: usize = 110;
+    let mut s = store(&rt, "cpu", model.path(), CAPACITY, files.path());
+    let py = tokens(4, 40);
+    let turn1 = ask(&mut s, Some("y"), &py);
+    s.park("y").unwrap();
+    let free = |s: &AgentStore| CAPACITY - s.cache().stats().unwrap().live_cells as usize;
+    // A request in flight is promised its 40 prompt cells and 50 more (evicting y's
+    // published history for them).
+    let x = s.admit(Some("x"), &tokens(5, 40), 50).unwrap().unwrap();
+    assert!(x.history == 0 && free(&s) >= 90);
+    // y's next turn would restore its 47 cells from its file: that and the rest of its
+    // turn would not fit beside x's 90 (the engine's `extra` counts them).
+    let next = [py.as_slice(), &turn1.ids, &[7, 7]].concat();
+    assert!(s.admit(Some("y"), &next, 90 + NEW).unwrap().is_none());
+    assert!(free(&s) >= 90, "x's cells are still free: {}", free(&s));
+    assert!(!s.is_hot("y"), "nothing was restored");
+}
+
 #[test]
 fn a_parked_file_of_another_kv_dtype_or_key_basis_is_a_miss_not_an_error() {
     let model = tiny(7);
