@@ -181,6 +181,11 @@ impl Server {
                 kvplug_core::MAX_SEQS
             )));
         }
+        if config.max_tokens == 0 {
+            return Err(ServerError::Config(
+                "max tokens 0 would answer nothing: give at least 1".into(),
+            ));
+        }
         if config.header_timeout.is_zero() || config.body_timeout.is_zero() {
             return Err(ServerError::Config(
                 "the header and body timeouts must be above zero".into(),
