@@ -81,13 +81,22 @@ pub struct Text {
     harmony: bool,
 }
 
-/// End-of-turn tokens of common chat templates; any the vocabulary has also stop generation.
-const END_OF_TURN: [&str; 5] = [
+/// Tokens that end generation wherever the vocabulary has them, as llama.cpp finds them by
+/// their text: common chat templates' ends of turn, Llama 3's end of text and end of
+/// message (a tool call's), Code Llama's end of infill, and Qwen2.5-Coder's
+/// fill-in-the-middle pad, repository and file separators.
+const END_OF_TURN: [&str; 11] = [
     "<|im_end|>",
     "<|eot_id|>",
     "<end_of_turn>",
     "<|end|>",
     "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
 ];
 
 fn ids(v: &Value) -> Vec<i32> {

@@ -281,6 +281,23 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
             g.path.display()
         );
     }
+    // Qwen3.5's multi-token-prediction blocks follow its layers (`nextn_predict_layers`,
+    // counted in `block_count`): llama.cpp's graph runs the layers before them, as here.
+    let layers = match arch {
+        Arch::Qwen35 => {
+            let nextn = g.uint_opt(&k("nextn_predict_layers"))?.unwrap_or(0);
+            if nextn >= layers {
+                fail!(
+                    Model,
+                    "{}: {nextn} next-token prediction blocks (nextn_predict_layers) of \
+                     {layers} leave no layer",
+                    g.path.display()
+                );
+            }
+            layers - nextn
+        }
+        _ => layers,
+    };
     let vocab = match g.uint_opt(&k("vocab_size"))? {
         Some(v) => v,
         None => g.strings("tokenizer.ggml.tokens")?.len() as u64,
@@ -337,6 +354,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .unwrap_or(1e-5)
                 .into();
             c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e6).into();
+            rope_scaling_fields(g, &mut c, &k, &[])?;
         }
         Arch::Qwen35 => qwen35_fields(g, &mut c, layers)?,
         Arch::GraniteHybrid => granite_hybrid_fields(g, &mut c, layers)?,
@@ -348,6 +366,26 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
                 _ => ("llama", "LlamaForCausalLM"),
             };
+            if arch == Arch::Llama {
+                // What llama.cpp's llama graph also runs and kvplug does not: refused, not
+                // run without it.
+                if g.uint_opt(&k("expert_count"))?.is_some_and(|n| n > 0) {
+                    fail!(
+                        Model,
+                        "{}: a llama mixture of experts (Mixtral's expert_count) is not \
+                         supported",
+                        g.path.display()
+                    );
+                }
+                if let Some(name) = g.file.tensors.keys().find(|n| n.ends_with(".bias")) {
+                    fail!(
+                        Model,
+                        "{}: tensor '{name}': biases on a llama model's projections are not \
+                         supported",
+                        g.path.display()
+                    );
+                }
+            }
             if arch == Arch::Qwen3Moe {
                 // llama.cpp's qwen3moe graph: every layer sparse, the chosen experts'
                 // softmax probabilities renormalized.
@@ -372,9 +410,17 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
         }
         Arch::Gemma3 => {
             // llama.cpp's gemma3 graph: local layers use RoPE base 10000 and every sixth
-            // layer is global; attention scale is key_length^-1/2 (query_pre_attn_scalar).
+            // layer is global; attention scale is key_length^-1/2 (query_pre_attn_scalar),
+            // but (hidden / heads)^-1/2 for the 62-layer model (Gemma 3 27B: 168, its
+            // query_pre_attn_scalar, where its heads are 128 wide), as llama.cpp tells it by
+            // its layer count.
             let window = g.uint(&k("attention.sliding_window"))?;
             let head_dim = g.uint(&k("attention.key_length"))?;
+            let scalar = match layers {
+                // No heads: refused by the config's check, not divided by here.
+                62 => hidden.checked_div(heads).unwrap_or(head_dim),
+                _ => head_dim,
+            };
             c["model_type"] = "gemma3_text".into();
             c["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
             c["rms_norm_eps"] = g
@@ -383,7 +429,7 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
                 .into();
             c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e6).into();
             c["rope_local_base_freq"] = 10000.0.into();
-            c["query_pre_attn_scalar"] = head_dim.into();
+            c["query_pre_attn_scalar"] = scalar.into();
             c["hidden_activation"] = "gelu_pytorch_tanh".into();
             c["sliding_window"] = window.into();
             c["layer_types"] = (0..layers)
@@ -423,13 +469,32 @@ fn config_json(g: &Gguf, tied: bool) -> Result<serde_json::Value> {
     if let Some(d) = g.uint_opt(&k("attention.key_length"))? {
         c["head_dim"] = d.into();
     }
-    for (key, field) in [
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    if let Some(id) = g.uint_opt("tokenizer.ggml.bos_token_id")? {
+        c["bos_token_id"] = id.into();
+    }
+    // The tokens that end generation, as llama.cpp gathers them from the ids the file names:
+    // its EOS, end-of-turn (`<|eot_id|>`) and end-of-message (Llama 3.1's `<|eom_id|>`,
+    // which ends a tool call) tokens, and the fill-in-the-middle pad, repository and file
+    // separators. Ids outside the vocabulary are left out, as llama.cpp ignores them.
+    let mut ends = Vec::new();
+    for key in [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+        "tokenizer.ggml.fim_pad_token_id",
+        "tokenizer.ggml.fim_rep_token_id",
+        "tokenizer.ggml.fim_sep_token_id",
     ] {
-        if let Some(id) = g.uint_opt(key)? {
-            c[field] = id.into();
+        if let Some(id) = g.uint_opt(key)?.filter(|&id| id < vocab) {
+            if !ends.contains(&id) {
+                ends.push(id);
+            }
         }
+    }
+    match ends[..] {
+        [] => {}
+        [eos] => c["eos_token_id"] = eos.into(),
+        _ => c["eos_token_id"] = ends.into(),
     }
     Ok(c)
 }
@@ -487,11 +552,13 @@ fn gpt_oss_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()
 }
 
 /// `rope.scaling.*` (keys named by `k`) as `rope_scaling`, in the meaning llama.cpp gives
-/// them, where `kinds` (this architecture's) holds its type: `linear` divides every
-/// frequency by the factor; `yarn` ramps from kept to divided pairs (beta 32 and 1, the
-/// ramp's ends rounded to whole pairs, the original context `original_context_length`,
-/// else `context_length`) and multiplies rotated q and k by `1 + 0.1·ln(factor)`, stated as
-/// the `attention_factor`. An `attn_factor` other than 1 is refused.
+/// them, where `kinds` (this architecture's) holds its kind. The factor (`rope.scaling.factor`,
+/// else the older `rope.scale_linear`; 0 or 1: none) divides every frequency unless the type
+/// is `yarn`, whatever else the type says or where it is absent (llama.cpp's default type is
+/// `linear`); `yarn` ramps from kept to divided pairs (beta 32 and 1, the ramp's ends
+/// rounded to whole pairs, the original context `original_context_length`, else
+/// `context_length`) and multiplies rotated q and k by `1 + 0.1·ln(factor)`, stated as the
+/// `attention_factor`. An `attn_factor` other than 1 is refused.
 fn rope_scaling_fields(
     g: &Gguf,
     c: &mut serde_json::Value,
@@ -508,54 +575,65 @@ fn rope_scaling_fields(
             g.path.display()
         );
     }
-    let kind = match g.string_opt(&k("rope.scaling.type"))? {
-        None | Some("none") => return Ok(()),
-        Some(t) if kinds.contains(&t) => t,
-        Some(other) => fail!(
+    let factor = match g.float(&k("rope.scaling.factor"))? {
+        Some(f) => Some(f),
+        None => g.float(&k("rope.scale_linear"))?,
+    }
+    .filter(|&f| f != 0.0 && f != 1.0);
+    let kind = match (g.string_opt(&k("rope.scaling.type"))?, factor) {
+        (None | Some("none" | "linear" | "yarn"), None) => return Ok(()),
+        (Some("yarn"), Some(_)) => "yarn",
+        (None | Some("none" | "linear"), Some(_)) => "linear",
+        (Some(other), _) => other,
+    };
+    if !kinds.contains(&kind) {
+        fail!(
             Model,
-            "{}: rope scaling '{other}' is not supported for {} ({})",
+            "{}: rope scaling '{kind}' is not supported for {} ({})",
             g.path.display(),
             g.string("general.architecture")?,
-            kinds.join(", ")
-        ),
-    };
-    let factor = g.float(&k("rope.scaling.factor"))?.with_context(|| {
-        format!(
-            "{}: rope scaling '{kind}' without a factor",
-            g.path.display()
-        )
-    })?;
+            match kinds {
+                [] => "none".to_string(),
+                _ => kinds.join(", "),
+            }
+        );
+    }
+    let factor = factor.expect("a kind to apply comes with a factor");
     c["rope_scaling"] = match kind {
         "yarn" => {
             let original = match g.uint_opt(&k("rope.scaling.original_context_length"))? {
                 Some(n) => n,
                 None => g.uint(&k("context_length"))?,
             };
-            let magnitude = if factor > 1.0 {
-                1.0 + 0.1 * factor.ln()
-            } else {
-                1.0
-            };
             serde_json::json!({"rope_type": "yarn", "factor": factor,
                 "original_max_position_embeddings": original, "beta_fast": 32.0,
-                "beta_slow": 1.0, "truncate": true, "attention_factor": magnitude})
+                "beta_slow": 1.0, "truncate": true,
+                "attention_factor": if factor > 1.0 { 1.0 + 0.1 * factor.ln() } else { 1.0 }})
         }
         _ => serde_json::json!({"rope_type": kind, "factor": factor}),
     };
     Ok(())
 }
 
-/// Qwen3.5's facts (llama.cpp's `qwen35` keys) under Hugging Face's names: which layers
-/// run the delta rule (`attention.recurrent_layers`, else all but every
-/// `full_attention_interval`-th), the rule's heads, the partial rotary and its MRoPE
-/// sections. The weights stay as the converter wrote them (`gguf_converted`).
+/// Qwen3.5's facts (llama.cpp's `qwen35` keys) under Hugging Face's names: which of its
+/// `layers` (the blocks before its prediction blocks) run the delta rule
+/// (`attention.recurrent_layers`, else all but every `full_attention_interval`-th), the
+/// rule's heads, the partial rotary and its MRoPE sections. The weights stay as the
+/// converter wrote them (`gguf_converted`).
 fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()> {
     let k = |s: &str| format!("qwen35.{s}");
+    let blocks = g.uint(&k("block_count"))?;
     let recurrent: Vec<bool> = match g.get(&k("attention.recurrent_layers")) {
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| matches!(v, Value::Bool(true)) || as_u64(v).is_some_and(|n| n != 0))
-            .collect(),
+        // One flag a layer, or one a block (the prediction blocks' left out).
+        Some(Value::Array(a)) => {
+            let a = match a.len() as u64 == blocks {
+                true => &a[..layers as usize],
+                false => &a[..],
+            };
+            a.iter()
+                .map(|v| matches!(v, Value::Bool(true)) || as_u64(v).is_some_and(|n| n != 0))
+                .collect()
+        }
         _ => {
             let every = g
                 .uint_opt(&k("full_attention_interval"))?
@@ -624,6 +702,7 @@ fn qwen35_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Result<()>
         .unwrap_or(1e-6)
         .into();
     c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(1e7).into();
+    rope_scaling_fields(g, c, &k, &[])?;
     Ok(())
 }
 
@@ -762,6 +841,7 @@ fn granite_hybrid_fields(g: &Gguf, c: &mut serde_json::Value, layers: u64) -> Re
         .unwrap_or(1e-5)
         .into();
     c["rope_theta"] = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0).into();
+    rope_scaling_fields(g, c, &k, &[])?;
     Ok(())
 }
 
@@ -1238,7 +1318,8 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
 /// SentencePiece BPE from `tokenizer.ggml.scores`: the merges are every split of a normal
 /// piece into two pieces of the vocabulary, ranked by the piece's score (highest first;
 /// splits of one piece by their ids), as Hugging Face's `SentencePieceExtractor` derives
-/// them. Spaces become `▁` (no prefix space unless `tokenizer.ggml.add_space_prefix`);
+/// them. Spaces become `▁`, and one comes first unless `tokenizer.ggml.add_space_prefix`
+/// is false;
 /// characters outside the vocabulary fall back to `<0xNN>` byte tokens.
 fn sentencepiece_bpe(g: &Gguf, tokens: &[String], types: &[u64]) -> Result<tokenizers::Tokenizer> {
     use tokenizers::decoders::byte_fallback::ByteFallback;
@@ -1311,10 +1392,17 @@ fn sentencepiece_bpe(g: &Gguf, tokens: &[String], types: &[u64]) -> Result<token
     })?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let replace = || Replace::new(" ", "▁").map_err(|e| crate::Error::Model(format!("{e}")));
-    let prefix = matches!(
-        g.get("tokenizer.ggml.add_space_prefix"),
-        Some(Value::Bool(true))
-    );
+    // Unstated, llama.cpp's default for SentencePiece: a space before the text (Llama 2's
+    // and Mistral's files state nothing; Gemma's say false).
+    let prefix = match g.get("tokenizer.ggml.add_space_prefix") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => fail!(
+            Model,
+            "{}: metadata 'tokenizer.ggml.add_space_prefix' is {v:?}, not a bool",
+            g.path.display()
+        ),
+    };
     let normalizer: NormalizerWrapper = if prefix {
         tokenizers::normalizers::Sequence::new(vec![
             Prepend::new("▁".into()).into(),
@@ -1436,7 +1524,10 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// follows llama.cpp's default. 3: a `context_length` of 0 is left out; NaN or infinite
 /// numbers are refused. 4: optional metadata of the wrong type (a negative count, a
 /// template that is no string) is refused, not read as absent; tensors keep their GGUF names.
-/// 5: Llama, Qwen2 and Qwen3 files' `rope.scaling.*` (linear, YaRN) is read, not ignored.
+/// 5: `rope.scaling.*` (linear, YaRN; the older `rope.scale_linear`) is read for Llama, Qwen2
+/// and Qwen3 files, not ignored; a SentencePiece text without `add_space_prefix` starts with
+/// a space (llama.cpp's default); Qwen3.5's prediction blocks are left out; Gemma 3 27B's
+/// attention scale.
 const INDEXER_REVISION: u32 = 5;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
@@ -1711,6 +1802,148 @@ pub fn sweep_index(root: &Path, age: std::time::Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::gguf_file::{self as candle_gguf, Value};
+
+    /// The config a GGUF of metadata `meta` (and no tensors) gives.
+    fn config_of(meta: &[(&str, Value)]) -> Result<serde_json::Value> {
+        config_with(meta, &[])
+    }
+
+    /// The config a GGUF of metadata `meta` and f32 vectors named `tensors` gives.
+    fn config_with(meta: &[(&str, Value)], tensors: &[&str]) -> Result<serde_json::Value> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.gguf");
+        let mut f = std::fs::File::create(&path).unwrap();
+        let meta: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+        let t = candle_core::Tensor::zeros(32, candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+        let t = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|n| (*n, &t)).collect();
+        candle_gguf::write(&mut f, &meta, &tensors).unwrap();
+        config_json(&Gguf::open(&path)?, false)
+    }
+
+    #[test]
+    fn a_llama_file_with_experts_or_biases_is_refused() {
+        let u = |n: u32| Value::U32(n);
+        let meta = vec![
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", u(2)),
+            ("llama.embedding_length", u(64)),
+            ("llama.feed_forward_length", u(128)),
+            ("llama.attention.head_count", u(4)),
+            ("llama.vocab_size", u(300)),
+        ];
+        assert!(config_with(&meta, &["blk.0.attn_norm.weight"]).is_ok());
+        let e = config_with(&meta, &["blk.0.attn_q.bias"]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("tensor 'blk.0.attn_q.bias': biases on a llama"),
+            "{e}"
+        );
+        let mixtral = [meta.as_slice(), &[("llama.expert_count", u(8))]].concat();
+        let e = config_of(&mixtral).unwrap_err();
+        assert!(e.to_string().contains("mixture of experts"), "{e}");
+    }
+
+    #[test]
+    fn rope_scaling_is_read_as_llama_cpp_reads_it() {
+        let u = |n: u32| Value::U32(n);
+        let llama = |extra: &[(&'static str, Value)]| {
+            let mut meta = vec![
+                ("general.architecture", Value::String("llama".into())),
+                ("llama.block_count", u(2)),
+                ("llama.embedding_length", u(64)),
+                ("llama.feed_forward_length", u(128)),
+                ("llama.attention.head_count", u(4)),
+                ("llama.attention.head_count_kv", u(2)),
+                ("llama.context_length", u(4096)),
+                ("llama.vocab_size", u(300)),
+            ];
+            meta.extend_from_slice(extra);
+            config_of(&meta).map(|c| c["rope_scaling"].clone())
+        };
+        let linear = serde_json::json!({"rope_type": "linear", "factor": 4.0});
+        let (factor, scale_linear) = ("llama.rope.scaling.factor", "llama.rope.scale_linear");
+        let typed = |t: &str| ("llama.rope.scaling.type", Value::String(t.into()));
+        // Without a type, with "none", or from the 2023 key: the factor divides.
+        assert_eq!(llama(&[(factor, Value::F32(4.0))]).unwrap(), linear);
+        assert_eq!(llama(&[(scale_linear, Value::F32(4.0))]).unwrap(), linear);
+        assert_eq!(
+            llama(&[typed("none"), (factor, Value::F32(4.0))]).unwrap(),
+            linear
+        );
+        // A factor of 1 or 0 scales nothing; a YaRN without one neither.
+        for f in [0.0, 1.0] {
+            assert!(llama(&[(factor, Value::F32(f))]).unwrap().is_null());
+        }
+        assert!(llama(&[typed("yarn")]).unwrap().is_null());
+        let yarn = llama(&[typed("yarn"), (factor, Value::F32(4.0))]).unwrap();
+        assert_eq!(yarn["original_max_position_embeddings"], 4096);
+        assert_eq!(yarn["attention_factor"], 1.0 + 0.1 * 4f64.ln());
+        let e = llama(&[typed("longrope"), (factor, Value::F32(4.0))]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("rope scaling 'longrope' is not supported for llama (linear, yarn)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn generation_ends_at_the_eos_eot_and_eom_tokens_the_file_names() {
+        let u = |n: u32| Value::U32(n);
+        let ends = |ids: &[(&'static str, u32)]| {
+            let mut meta = vec![
+                ("general.architecture", Value::String("llama".into())),
+                ("llama.block_count", u(2)),
+                ("llama.embedding_length", u(64)),
+                ("llama.feed_forward_length", u(128)),
+                ("llama.attention.head_count", u(4)),
+                ("llama.vocab_size", u(300)),
+            ];
+            meta.extend(ids.iter().map(|&(k, id)| (k, u(id))));
+            config_of(&meta).unwrap()["eos_token_id"].clone()
+        };
+        let (eos, eot, eom) = (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        );
+        assert_eq!(ends(&[(eos, 2)]), serde_json::json!(2));
+        assert_eq!(
+            ends(&[(eos, 2), (eot, 7), (eom, 8)]),
+            serde_json::json!([2, 7, 8])
+        );
+        // The same id twice once; one outside the vocabulary not at all.
+        assert_eq!(
+            ends(&[(eos, 7), (eot, 7), (eom, 300)]),
+            serde_json::json!(7)
+        );
+    }
+
+    #[test]
+    fn gemma3_scales_attention_by_the_head_width_except_at_62_layers() {
+        let u = |n: u32| Value::U32(n);
+        // Gemma 3 27B: 5376 wide, 32 heads of 128; 1B: 1152 wide, 4 heads of 256.
+        let gemma = |layers, hidden, heads, head_dim| {
+            let meta = [
+                ("general.architecture", Value::String("gemma3".into())),
+                ("gemma3.block_count", u(layers)),
+                ("gemma3.embedding_length", u(hidden)),
+                ("gemma3.feed_forward_length", u(4 * hidden)),
+                ("gemma3.attention.head_count", u(heads)),
+                ("gemma3.attention.head_count_kv", u(heads / 2)),
+                ("gemma3.attention.key_length", u(head_dim)),
+                ("gemma3.attention.value_length", u(head_dim)),
+                ("gemma3.attention.sliding_window", u(1024)),
+                ("gemma3.vocab_size", u(262144)),
+            ];
+            config_of(&meta).unwrap()["query_pre_attn_scalar"].as_u64()
+        };
+        assert_eq!(gemma(62, 5376, 32, 128), Some(168));
+        assert_eq!(gemma(26, 1152, 4, 256), Some(256));
+    }
 
     #[test]
     fn unpermute_inverts_the_converters_permutation() {

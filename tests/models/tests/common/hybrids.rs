@@ -206,6 +206,14 @@ impl<'a> RandomTensors<'a> {
 /// of 16 serving four value heads; matrices in `types` (cycled), vectors and the
 /// convolution kernel f32.
 pub fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
+    write_qwen35_with(path, types, template, 0)
+}
+
+/// [`write_qwen35`] with `nextn` multi-token-prediction blocks after its 3 layers, as
+/// Qwen3.5's files carry them (`nextn_predict_layers`, counted in `block_count`; llama.cpp
+/// runs the layers before them only): each an attention layer of random weights with the
+/// `nextn.*` projections and norms.
+pub fn write_qwen35_with(path: &Path, types: &[GgmlDType], template: Option<&str>, nextn: usize) {
     let (hd, rot, state, hk, hv) = (HIDDEN / HEADS, 8usize, 16usize, 2usize, 4usize);
     let ch = (2 * hk + hv) * state;
     let mut t = RandomTensors::new(types, 100);
@@ -239,10 +247,22 @@ pub fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
             add(b("ssm_out.weight"), &[HIDDEN, hv * state], 0.5, 0.0);
         }
     }
+    for l in 3..3 + nextn {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        add(b("attn_norm.weight"), &[HIDDEN], 0.1, 1.0);
+        add(b("attn_q.weight"), &[2 * HEADS * hd, HIDDEN], 0.3, 0.0);
+        add(b("attn_k.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
+        add(b("attn_v.weight"), &[KV_HEADS * hd, HIDDEN], 0.3, 0.0);
+        add(b("attn_output.weight"), &[HIDDEN, HEADS * hd], 0.3, 0.0);
+        add(b("ffn_up.weight"), &[FFN, HIDDEN], 0.3, 0.0);
+        add(b("nextn.eh_proj.weight"), &[HIDDEN, 2 * HIDDEN], 0.3, 0.0);
+        add(b("nextn.enorm.weight"), &[HIDDEN], 0.1, 1.0);
+        add(b("nextn.hnorm.weight"), &[HIDDEN], 0.1, 1.0);
+    }
     let u = |x: usize| Value::U32(x as u32);
     let mut meta = vec![
         ("general.architecture", Value::String("qwen35".into())),
-        ("qwen35.block_count", u(3)),
+        ("qwen35.block_count", u(3 + nextn)),
         ("qwen35.embedding_length", u(HIDDEN)),
         ("qwen35.feed_forward_length", u(FFN)),
         ("qwen35.attention.head_count", u(HEADS)),
@@ -266,6 +286,9 @@ pub fn write_qwen35(path: &Path, types: &[GgmlDType], template: Option<&str>) {
         ("qwen35.context_length", u(2048)),
         ("qwen35.vocab_size", u(VOCAB)),
     ];
+    if nextn > 0 {
+        meta.push(("qwen35.nextn_predict_layers", u(nextn)));
+    }
     tokenizer_meta(&mut meta, template);
     write_gguf(path, &meta, &t.tensors);
 }

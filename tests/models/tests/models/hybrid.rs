@@ -15,7 +15,7 @@ use kvplug_core::config::CHAIN_ANCHORS;
 use crate::common;
 use common::hybrids::{
     granite, granite_templated, lfm2, lfm2_templated, qwen35, qwen35_templated, write_granite_with,
-    write_qwen35, Shape, PROMPT, SMALL_LFM2,
+    write_qwen35, write_qwen35_with, Shape, PROMPT, SMALL_LFM2,
 };
 use common::{forward, runtime, Reference, BACKENDS};
 
@@ -607,6 +607,36 @@ fn requests_resume_a_shared_system_prompt(model: &Path) {
         let mut want = vec![system.len(); prompts.len()];
         want[..2].fill(0);
         assert_eq!(cached, want, "{backend}: tokens reused");
+    }
+}
+
+/// A Qwen3.5 file with a multi-token-prediction block after its layers (as Qwen3.5's files
+/// carry one: `nextn_predict_layers`, counted in `block_count`) runs the layers before it
+/// only, as llama.cpp does: the same logits as the file without it.
+#[test]
+fn qwen35_runs_the_layers_before_its_prediction_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = runtime();
+    let [plain, predicting] = [0, 1].map(|nextn| {
+        let gguf = dir.path().join(format!("qwen35-{nextn}.gguf"));
+        write_qwen35_with(&gguf, &[GgmlDType::F32], None, nextn);
+        let model = dir.path().join(format!("indexed-{nextn}"));
+        kvplug::formats::gguf::index(&gguf, &model).unwrap();
+        model
+    });
+    let logits = |model: &Path, backend: &str| {
+        let mut ctx = common::model(&rt, backend, model)
+            .context(CacheKind::Contiguous, 64, KvDtype::F32)
+            .unwrap();
+        let positions: Vec<i32> = (0..PROMPT.len() as i32).collect();
+        forward(&mut ctx, &PROMPT, &positions)
+    };
+    for backend in BACKENDS {
+        assert_eq!(
+            logits(&predicting, backend),
+            logits(&plain, backend),
+            "{backend}"
+        );
     }
 }
 

@@ -277,3 +277,73 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     assert_eq!(raw("dbrx").unwrap(), raw("qwen2").unwrap());
     assert_eq!(raw("deepseek-r1-qwen").unwrap(), raw("qwen2").unwrap());
 }
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`) starts a text with a space
+/// unless `tokenizer.ggml.add_space_prefix` says false, as llama.cpp does: Llama 2's and
+/// Mistral's files do not state it.
+#[test]
+fn sentencepiece_texts_start_with_a_space_unless_the_file_says_not() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("hf");
+    let preset = kvplug::formats::synth::Preset {
+        name: "tokenizer",
+        vocab: 300,
+        ..kvplug::formats::synth::PRESETS[0]
+    };
+    kvplug::formats::synth::synth(&preset, &src, 1, "f32").unwrap();
+    let pkg = kvplug_backend_kit::model::ModelPackage::open(&src).unwrap();
+    let tensors = gguf_tensors(
+        &pkg,
+        &preset,
+        &[candle_core::quantized::GgmlDType::F32],
+        false,
+    );
+    // "Hello" is one piece with the space before it and one without.
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>", "▁", "H", "e", "l", "o"]
+        .map(String::from)
+        .to_vec();
+    for w in ["He", "Hel", "Hell", "Hello"] {
+        tokens.push(w.into());
+        tokens.push(format!("▁{w}"));
+    }
+    tokens.push("▁H".into());
+    while tokens.len() < preset.vocab {
+        tokens.push(format!("<unused{}>", tokens.len()));
+    }
+    let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as i32;
+    let types: Vec<Value> = (0..tokens.len())
+        .map(|i| Value::I32(if (1..3).contains(&i) { 3 } else { 1 }))
+        .collect();
+    let scores: Vec<Value> = (0..tokens.len()).map(|i| Value::F32(-(i as f32))).collect();
+    for (name, prefix) in [("unstated", None), ("false", Some(false))] {
+        let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
+        meta.extend([
+            ("tokenizer.ggml.model", Value::String("llama".into())),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect()),
+            ),
+            ("tokenizer.ggml.scores", Value::Array(scores.clone())),
+            ("tokenizer.ggml.token_type", Value::Array(types.clone())),
+            ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+        ]);
+        if let Some(p) = prefix {
+            meta.push(("tokenizer.ggml.add_space_prefix", Value::Bool(p)));
+        }
+        let gguf = dir.path().join(format!("{name}.gguf"));
+        write_gguf(&gguf, &meta, &tensors);
+        let model = dir.path().join(name);
+        kvplug::formats::gguf::index(&gguf, &model).unwrap();
+        let want = match prefix {
+            None => id("▁Hello"),
+            Some(_) => id("Hello"),
+        };
+        assert_eq!(
+            Text::load(&model).unwrap().encode("Hello").unwrap(),
+            [want],
+            "{name}"
+        );
+    }
+}
