@@ -1824,17 +1824,27 @@ mod tests {
         config_json(&Gguf::open(&path)?, false)
     }
 
-    #[test]
-    fn a_llama_file_with_experts_or_biases_is_refused() {
+    /// A small llama file's metadata (2 layers of 64, 4 heads, 300 tokens, 4096 positions),
+    /// then `extra`.
+    fn llama_meta(extra: &[(&'static str, Value)]) -> Vec<(&'static str, Value)> {
         let u = |n: u32| Value::U32(n);
-        let meta = vec![
+        let mut meta = vec![
             ("general.architecture", Value::String("llama".into())),
             ("llama.block_count", u(2)),
             ("llama.embedding_length", u(64)),
             ("llama.feed_forward_length", u(128)),
             ("llama.attention.head_count", u(4)),
+            ("llama.context_length", u(4096)),
             ("llama.vocab_size", u(300)),
         ];
+        meta.extend_from_slice(extra);
+        meta
+    }
+
+    #[test]
+    fn a_llama_file_with_experts_or_biases_is_refused() {
+        let u = |n: u32| Value::U32(n);
+        let meta = llama_meta(&[]);
         assert!(config_with(&meta, &["blk.0.attn_norm.weight"]).is_ok());
         let e = config_with(&meta, &["blk.0.attn_q.bias"]).unwrap_err();
         assert!(
@@ -1849,20 +1859,8 @@ mod tests {
 
     #[test]
     fn rope_scaling_is_read_as_llama_cpp_reads_it() {
-        let u = |n: u32| Value::U32(n);
         let llama = |extra: &[(&'static str, Value)]| {
-            let mut meta = vec![
-                ("general.architecture", Value::String("llama".into())),
-                ("llama.block_count", u(2)),
-                ("llama.embedding_length", u(64)),
-                ("llama.feed_forward_length", u(128)),
-                ("llama.attention.head_count", u(4)),
-                ("llama.attention.head_count_kv", u(2)),
-                ("llama.context_length", u(4096)),
-                ("llama.vocab_size", u(300)),
-            ];
-            meta.extend_from_slice(extra);
-            config_of(&meta).map(|c| c["rope_scaling"].clone())
+            config_of(&llama_meta(extra)).map(|c| c["rope_scaling"].clone())
         };
         let linear = serde_json::json!({"rope_type": "linear", "factor": 4.0});
         let (factor, scale_linear) = ("llama.rope.scaling.factor", "llama.rope.scale_linear");
@@ -1892,18 +1890,9 @@ mod tests {
 
     #[test]
     fn generation_ends_at_the_eos_eot_and_eom_tokens_the_file_names() {
-        let u = |n: u32| Value::U32(n);
         let ends = |ids: &[(&'static str, u32)]| {
-            let mut meta = vec![
-                ("general.architecture", Value::String("llama".into())),
-                ("llama.block_count", u(2)),
-                ("llama.embedding_length", u(64)),
-                ("llama.feed_forward_length", u(128)),
-                ("llama.attention.head_count", u(4)),
-                ("llama.vocab_size", u(300)),
-            ];
-            meta.extend(ids.iter().map(|&(k, id)| (k, u(id))));
-            config_of(&meta).unwrap()["eos_token_id"].clone()
+            let ids: Vec<_> = ids.iter().map(|&(k, id)| (k, Value::U32(id))).collect();
+            config_of(&llama_meta(&ids)).unwrap()["eos_token_id"].clone()
         };
         let (eos, eot, eom) = (
             "tokenizer.ggml.eos_token_id",

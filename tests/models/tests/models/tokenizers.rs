@@ -210,18 +210,15 @@ fn qwen2_pre_tokenizer_on_the_real_vocabulary_matches_the_reference() {
     check(&gguf, dir.path(), QWEN2_PRE);
 }
 
-#[test]
-fn llama_bpe_pre_tokenizer_matches_the_reference() {
-    // Merges across the places where splits differ: "123" is one token only where digits go
-    // in runs of up to 3, "'Sx" only where contractions are matched case-sensitively;
-    // "hello" is in the vocabulary but the merges stop at "hell" "o", so it is one token only
-    // where a whole pre-token found in the vocabulary is taken as is (llama-bpe).
-    let merges = [
-        "1 2", "12 3", "4 4", "44 4", "h e", "l l", "he ll", "Ġ he", "' L", "'L L", "o Ġ", "' S",
-        "'S x", "l o", "l lo", "he llo",
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("hf");
+/// A synthetic llama model's preset (300 tokens) and its f32 tensors as a GGUF holds them,
+/// made under `dir`.
+fn synthetic_weights(
+    dir: &Path,
+) -> (
+    kvplug::formats::synth::Preset,
+    Vec<(String, candle_core::quantized::QTensor)>,
+) {
+    let src = dir.join("hf");
     let preset = kvplug::formats::synth::Preset {
         name: "tokenizer",
         vocab: 300,
@@ -235,6 +232,21 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
         &[candle_core::quantized::GgmlDType::F32],
         false,
     );
+    (preset, tensors)
+}
+
+#[test]
+fn llama_bpe_pre_tokenizer_matches_the_reference() {
+    // Merges across the places where splits differ: "123" is one token only where digits go
+    // in runs of up to 3, "'Sx" only where contractions are matched case-sensitively;
+    // "hello" is in the vocabulary but the merges stop at "hell" "o", so it is one token only
+    // where a whole pre-token found in the vocabulary is taken as is (llama-bpe).
+    let merges = [
+        "1 2", "12 3", "4 4", "44 4", "h e", "l l", "he ll", "Ġ he", "' L", "'L L", "o Ġ", "' S",
+        "'S x", "l o", "l lo", "he llo",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let (preset, tensors) = synthetic_weights(dir.path());
     // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models;
     // "deepseek-r1-qwen" one it gives Qwen2's.
     let pres = [
@@ -285,20 +297,7 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
 fn sentencepiece_texts_start_with_a_space_unless_the_file_says_not() {
     use candle_core::quantized::gguf_file::Value;
     let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("hf");
-    let preset = kvplug::formats::synth::Preset {
-        name: "tokenizer",
-        vocab: 300,
-        ..kvplug::formats::synth::PRESETS[0]
-    };
-    kvplug::formats::synth::synth(&preset, &src, 1, "f32").unwrap();
-    let pkg = kvplug_backend_kit::model::ModelPackage::open(&src).unwrap();
-    let tensors = gguf_tensors(
-        &pkg,
-        &preset,
-        &[candle_core::quantized::GgmlDType::F32],
-        false,
-    );
+    let (preset, tensors) = synthetic_weights(dir.path());
     // "Hello" is one piece with the space before it and one without.
     let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>", "▁", "H", "e", "l", "o"]
         .map(String::from)
