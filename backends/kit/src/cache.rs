@@ -903,8 +903,7 @@ impl<D: Device> KitCache<D> {
                     .as_mut()
                     .expect("sliding layers have a sliding group");
                 let (kp, vp) = (&mut g.k[i], &mut g.v[i]);
-                device.scatter_rows(kp, g.map.write_slots(), k)?;
-                device.scatter_rows(vp, g.map.write_slots(), v)?;
+                device.scatter_kv_rows(kp, vp, g.map.write_slots(), k, v)?;
                 let mask = AttendMask::Explicit(g.map.mask());
                 let l = g.map.read_len();
                 return attend(kp, vp, l, mask, out, scratch);
@@ -912,14 +911,8 @@ impl<D: Device> KitCache<D> {
         };
         let (kp, vp) = (&mut self.k[i], &mut self.v[i]);
         match plan.write_start {
-            Some(start) => {
-                device.write_run(kp, start, k)?;
-                device.write_run(vp, start, v)?;
-            }
-            None => {
-                device.scatter_rows(kp, &plan.write_cells, k)?;
-                device.scatter_rows(vp, &plan.write_cells, v)?;
-            }
+            Some(start) => device.write_kv_run(kp, vp, start, k, v)?,
+            None => device.scatter_kv_rows(kp, vp, &plan.write_cells, k, v)?,
         }
         let mask = match plan.mask {
             MaskKind::None => AttendMask::None,

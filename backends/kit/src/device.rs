@@ -74,6 +74,36 @@ pub trait Device: Send + Sync + Sized + 'static {
         src: &Self::Tensor,
     ) -> Result<(), KitError>;
 
+    /// Writes a step's keys `k` to rows `start..start + T` of `kp` and its values `v` to
+    /// the same rows of `vp`. The default writes each pool by [`Device::write_run`]; a
+    /// backend may write both in one pass.
+    fn write_kv_run(
+        &self,
+        kp: &mut Self::Pool,
+        vp: &mut Self::Pool,
+        start: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+    ) -> Result<(), KitError> {
+        self.write_run(kp, start, k)?;
+        self.write_run(vp, start, v)
+    }
+
+    /// Writes token `i` of the keys `k` to row `cells[i]` of `kp` and of the values `v` to
+    /// the same row of `vp`. The default writes each pool by [`Device::scatter_rows`]; a
+    /// backend may write both in one pass.
+    fn scatter_kv_rows(
+        &self,
+        kp: &mut Self::Pool,
+        vp: &mut Self::Pool,
+        cells: &[u32],
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+    ) -> Result<(), KitError> {
+        self.scatter_rows(kp, cells, k)?;
+        self.scatter_rows(vp, cells, v)
+    }
+
     /// Reads rows `cells` of every head in the canonical storage form (see
     /// [`SeqRows`](kvplug_plugin_api::SeqRows)): `[heads, cells.len(), row_bytes]`.
     fn read_rows(&self, pool: &Self::Pool, cells: &[u32]) -> Result<Vec<u8>, KitError>;

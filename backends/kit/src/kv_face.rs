@@ -144,8 +144,8 @@ impl<D: Device> KeyValueCache for ContiguousKv<D> {
             self.device.pool_grow(&mut self.v, cells, self.len)?;
             self.cells = cells;
         }
-        self.device.write_run(&mut self.k, self.len, keys)?;
-        self.device.write_run(&mut self.v, self.len, values)?;
+        self.device
+            .write_kv_run(&mut self.k, &mut self.v, self.len, keys, values)?;
         self.len = need;
         let view = |pool| PoolView { pool, len: need };
         Ok((view(&self.k), view(&self.v)))

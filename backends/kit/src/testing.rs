@@ -99,6 +99,26 @@ impl<D: Device> Device for Faulty<D> {
     ) -> Result<(), KitError> {
         self.inner.scatter_rows(pool, cells, src)
     }
+    fn write_kv_run(
+        &self,
+        kp: &mut D::Pool,
+        vp: &mut D::Pool,
+        start: usize,
+        k: &D::Tensor,
+        v: &D::Tensor,
+    ) -> Result<(), KitError> {
+        self.inner.write_kv_run(kp, vp, start, k, v)
+    }
+    fn scatter_kv_rows(
+        &self,
+        kp: &mut D::Pool,
+        vp: &mut D::Pool,
+        cells: &[u32],
+        k: &D::Tensor,
+        v: &D::Tensor,
+    ) -> Result<(), KitError> {
+        self.inner.scatter_kv_rows(kp, vp, cells, k, v)
+    }
     fn read_rows(&self, pool: &D::Pool, cells: &[u32]) -> Result<Vec<u8>, KitError> {
         self.inner.read_rows(pool, cells)
     }
@@ -282,6 +302,36 @@ pub fn check_rows_round_trip<D2: Device>(device: D2) {
             &want,
             "rows written by scatter_rows",
         );
+        // Keys and values written together (`write_kv_run`, `scatter_kv_rows`): each pool
+        // holds its own tensor's rows.
+        let (a, b) = (values(HKV, 2, 14), values(HKV, 2, 15));
+        let up = |x: &[f32]| dev.upload(&HostTensor::from_f32(&[HKV, 2, D], x)).unwrap();
+        let mut kp = dev.pool_new(dtype, HKV, D, 8).unwrap();
+        let mut vp = dev.pool_new(dtype, HKV, D, 8).unwrap();
+        dev.write_kv_run(&mut kp, &mut vp, 3, &up(&a), &up(&b))
+            .unwrap();
+        dev.scatter_kv_rows(&mut kp, &mut vp, &[7, 0], &up(&b), &up(&a))
+            .unwrap();
+        for (pool, run, scattered, what) in [(&kp, &a, &b, "keys"), (&vp, &b, &a, "values")] {
+            let got = dev.read_rows(pool, &[3, 4]).unwrap();
+            let want = canonical_rows(dtype, run);
+            assert_rows(
+                dtype,
+                &[3, 4],
+                &got,
+                &want,
+                &format!("{what} of write_kv_run"),
+            );
+            let got = dev.read_rows(pool, &[7, 0]).unwrap();
+            let want = canonical_rows(dtype, scattered);
+            assert_rows(
+                dtype,
+                &[7, 0],
+                &got,
+                &want,
+                &format!("{what} of scatter_kv_rows"),
+            );
+        }
         let ascending = pick(&part, 3, &[1, 0, 2]);
         let got = dev.read_rows(&pool, &[7, 9, 12]).unwrap();
         let want = canonical_rows(dtype, &ascending);

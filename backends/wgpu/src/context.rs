@@ -66,9 +66,11 @@ struct Trace {
 /// ring holds one slot per op of the batch.
 const RING_SLOTS: usize = 1024;
 
-/// Dispatches recorded before the batch is submitted without waiting for a read, so that
-/// the device runs a step's first layers while the host records the rest (the device
-/// otherwise starts only at the step's readback).
+/// The most dispatches recorded before the batch is submitted without waiting for a read, so
+/// that the device runs a step's first layers while the host records the rest (the device
+/// otherwise starts only at the step's readback). A step's first batch is submitted sooner,
+/// after `Tuning::first_submit` dispatches, and each next one after twice as many as the
+/// last, up to this.
 const SUBMIT_AFTER: u32 = 64;
 
 /// The largest uniform of any module (`AttnParams`, 64 bytes).
@@ -168,6 +170,9 @@ struct Recorder {
     submits: u64,
     /// Dispatches in the batch.
     pending: u32,
+    /// Dispatches after which the batch is submitted: `Tuning::first_submit` after a flush,
+    /// doubling at each submit it makes, up to [`SUBMIT_AFTER`].
+    submit_at: u32,
     /// `KVPLUG_WGPU_PROFILE`'s timestamps, when asked for.
     profile: Option<Profile>,
 }
@@ -348,6 +353,17 @@ pub struct Tuning {
     /// ([`Context::project`]): a GPU's compiler then drops the other dtypes' branches; on a
     /// CPU adapter each dtype's build costs about a second of compiling for little gain.
     pub by_dtype: bool,
+    /// Dispatches recorded after a flush (a step's readback) before the batch is first
+    /// submitted (1 to [`SUBMIT_AFTER`]): the device idles until then, so fewer start it
+    /// sooner, and later submits wait for twice as many as the last.
+    pub first_submit: u32,
+    /// Whether `rows_main` stages its token's input in workgroup memory, made once per
+    /// workgroup, where the op makes it (normed, gated or merged heads) and a workgroup
+    /// computes several rows, rather than each lane making the values it reads. (On an H200,
+    /// 2026-12-04: staged everywhere, the Qwen2.5-0.5B shape's gate/up took 30.4 µs rather
+    /// than 33.8, its down projection, one row a workgroup, 30.9 rather than 22.6 and the
+    /// head, a plain input, 221 rather than 178.)
+    pub stage: bool,
 }
 
 impl Tuning {
@@ -364,18 +380,20 @@ impl Tuning {
         rows_tokens: 2,
         subgroups: true,
         by_dtype: false,
+        first_submit: SUBMIT_AFTER,
+        stage: false,
     };
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
     /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
-    /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`).
+    /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`, `first_submit=N`, `stage=0|1`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
         for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let bad = || {
                 format!(
                     "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
-                     max_lanes=N, rows_tokens=N, subgroups=0|1 or \
-                     by_dtype=0|1"
+                     max_lanes=N, rows_tokens=N, subgroups=0|1, by_dtype=0|1, \
+                     first_submit=N or stage=0|1"
                 )
             };
             let (name, value) = field.split_once('=').ok_or_else(bad)?;
@@ -388,6 +406,8 @@ impl Tuning {
                 "rows_tokens" => self.rows_tokens = n as usize,
                 "subgroups" if n <= 1 => self.subgroups = n == 1,
                 "by_dtype" if n <= 1 => self.by_dtype = n == 1,
+                "first_submit" => self.first_submit = n,
+                "stage" if n <= 1 => self.stage = n == 1,
                 _ => return Err(bad()),
             }
         }
@@ -408,12 +428,13 @@ impl Tuning {
             || !self.max_lanes.is_power_of_two()
             || self.max_lanes < 8
             || self.rows_tokens > limits.max_compute_workgroups_per_dimension as usize
+            || !(1..=SUBMIT_AFTER).contains(&self.first_submit)
         {
             return Err(format!(
                 "{self:?}: projections take 1 way, or 3 with {THREE_WAY_BINDINGS} storage \
                  bindings a stage; a workgroup a power of two from 8 to 256; a step a lane; \
                  at most a power of two from 8 lanes a row; rows_main at most {} tokens (a \
-                 workgroup row each)",
+                 workgroup row each); a first submit after 1 to {SUBMIT_AFTER} dispatches",
                 limits.max_compute_workgroups_per_dimension
             ));
         }
@@ -435,6 +456,8 @@ impl Tuning {
             rows_tokens: 16,
             subgroups: true,
             by_dtype: true,
+            first_submit: 8,
+            stage: true,
         }
     }
 }
@@ -684,6 +707,7 @@ impl Context {
             bind_groups: HashMap::new(),
             submits: 0,
             pending: 0,
+            submit_at: tuning.first_submit,
             profile: Profile::from_env(&device, &queue),
         };
         Ok(Context {
@@ -751,7 +775,7 @@ impl Context {
                 include_str!("shaders/rows.wgsl"),
                 (
                     size_of::<crate::RowParams>(),
-                    &[Uniform, Read, Read, ReadWrite, ReadWrite],
+                    &[Uniform, Read, Read, ReadWrite, ReadWrite, Read, ReadWrite],
                 ),
                 ["write_main", "gather_main", "place_main"],
                 Default::default(),
@@ -891,6 +915,7 @@ impl Context {
     pub fn flush(&self) {
         let mut r = self.recorder();
         r.submit(&self.device, &self.queue);
+        r.submit_at = self.tuning.first_submit;
     }
 
     /// Writes `bytes` into `buffer` at `offset` after every command recorded so far (a queue
@@ -967,8 +992,9 @@ impl Context {
             r.pending += 1;
             self.dispatches.fetch_add(1, Ordering::Relaxed);
         }
-        if r.pending >= SUBMIT_AFTER {
+        if r.pending >= r.submit_at {
             r.submit(&self.device, &self.queue);
+            r.submit_at = (2 * r.submit_at).min(SUBMIT_AFTER);
         }
     }
 

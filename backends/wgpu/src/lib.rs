@@ -128,7 +128,10 @@ pub(crate) struct RowParams {
     /// What `write_main` writes an invocation: a word of a dense row, a group of a
     /// quantized one; a row is `units` of them.
     units: u32,
-    pad: [u32; 2],
+    /// Tensors `write_main` writes, each into its pool: 1, or 2 (keys and values).
+    pairs: u32,
+    /// 1 when `write_main` writes rows `base..` rather than the cells at `idx0`.
+    run: u32,
 }
 
 #[repr(C)]
@@ -207,6 +210,20 @@ fn runs(cells: &[u32]) -> impl Iterator<Item = (u32, usize)> + '_ {
     })
 }
 
+/// The rows `write_main` writes: the cells given, or consecutive ones from a start.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Cells(&'a [u32]),
+    Run(usize),
+}
+
+/// Whether two pools hold rows of the same shape and encoding, so that one `write_main`
+/// dispatch can write both.
+fn same_layout(a: &WgpuPool, b: &WgpuPool) -> bool {
+    (a.heads, a.head_dim, a.cells, a.row_words, a.dtype, a.group)
+        == (b.heads, b.head_dim, b.cells, b.row_words, b.dtype, b.group)
+}
+
 fn device_err(e: String) -> KitError {
     KitError::Device(e)
 }
@@ -267,7 +284,8 @@ impl WgpuDevice {
                 1 | 2 => pool.head_dim / 2,
                 _ => pool.head_dim / pool.group as usize,
             } as u32,
-            pad: [0; 2],
+            pairs: 1,
+            run: 0,
         }
     }
 
@@ -289,22 +307,65 @@ impl WgpuDevice {
         Ok(self.ctx.storage("pool", bytes))
     }
 
-    /// `src` (`[heads, t, d]`) into rows `cells` of `pool`: `write_main`, one invocation a
-    /// word of a dense row or a group of a quantized one.
-    fn write_rows(&self, pool: &mut WgpuPool, cells: &[u32], src: &WgpuTensor) {
+    /// `src` (`[heads, t, d]`) into rows `rows` of `pool`, and `second`'s tensor into the
+    /// same rows of its pool when given: `write_main`, one dispatch, one invocation a word
+    /// of a dense row or a group of a quantized one. The second pool must be laid out as
+    /// `pool` and its tensor shaped as `src` ([`same_layout`]).
+    fn write_rows(
+        &self,
+        pool: &mut WgpuPool,
+        rows: Rows<'_>,
+        src: &WgpuTensor,
+        second: Option<(&mut WgpuPool, &WgpuTensor)>,
+    ) {
+        let t = src.dims[1];
+        let (cells, base, run) = match rows {
+            Rows::Cells(cells) => (cells, 0, 0),
+            Rows::Run(start) => (&[][..], start, 1),
+        };
+        let pairs = 1 + usize::from(second.is_some());
+        // Writable slots must not alias: a missing second pool takes the scratch.
+        let (src2, pool2) = match &second {
+            Some((p, v)) => (Bind::Buffer(&v.buf), Bind::Buffer(&p.buf)),
+            None => (Bind::Buffer(&src.buf), Bind::Scratch(4)),
+        };
         let units = Self::row_params(pool, 0, 0, 0).units as usize;
         self.ctx.dispatch(
             self.ctx.rows(),
-            |idx0| Self::row_params(pool, cells.len(), 0, idx0),
+            |idx0| RowParams {
+                pairs: pairs as u32,
+                run,
+                ..Self::row_params(pool, t, base, idx0)
+            },
             &[cells],
             &[
                 Bind::Buffer(&src.buf),
                 Bind::Words,
                 Bind::Buffer(&pool.buf),
                 Bind::Unused,
+                src2,
+                pool2,
             ],
-            &[(0, model::flat_groups(pool.heads * src.dims[1] * units))],
+            &[(0, model::flat_groups(pairs * pool.heads * t * units))],
         );
+    }
+
+    /// Keys into `kp` and values into `vp` at `rows`: one dispatch where the pools and
+    /// tensors match, else one each.
+    fn write_kv(
+        &self,
+        kp: &mut WgpuPool,
+        vp: &mut WgpuPool,
+        rows: Rows<'_>,
+        k: &WgpuTensor,
+        v: &WgpuTensor,
+    ) {
+        if same_layout(kp, vp) && k.dims == v.dims {
+            self.write_rows(kp, rows, k, Some((vp, v)));
+        } else {
+            self.write_rows(kp, rows, k, None);
+            self.write_rows(vp, rows, v, None);
+        }
     }
 }
 
@@ -371,8 +432,7 @@ impl Device for WgpuDevice {
         start: usize,
         src: &WgpuTensor,
     ) -> Result<(), KitError> {
-        let cells: Vec<u32> = (start..start + src.dims[1]).map(|c| c as u32).collect();
-        self.write_rows(pool, &cells, src);
+        self.write_rows(pool, Rows::Run(start), src, None);
         Ok(())
     }
 
@@ -382,7 +442,31 @@ impl Device for WgpuDevice {
         cells: &[u32],
         src: &WgpuTensor,
     ) -> Result<(), KitError> {
-        self.write_rows(pool, cells, src);
+        self.write_rows(pool, Rows::Cells(cells), src, None);
+        Ok(())
+    }
+
+    fn write_kv_run(
+        &self,
+        kp: &mut WgpuPool,
+        vp: &mut WgpuPool,
+        start: usize,
+        k: &WgpuTensor,
+        v: &WgpuTensor,
+    ) -> Result<(), KitError> {
+        self.write_kv(kp, vp, Rows::Run(start), k, v);
+        Ok(())
+    }
+
+    fn scatter_kv_rows(
+        &self,
+        kp: &mut WgpuPool,
+        vp: &mut WgpuPool,
+        cells: &[u32],
+        k: &WgpuTensor,
+        v: &WgpuTensor,
+    ) -> Result<(), KitError> {
+        self.write_kv(kp, vp, Rows::Cells(cells), k, v);
         Ok(())
     }
 
@@ -429,10 +513,12 @@ impl Device for WgpuDevice {
             |idx0| Self::row_params(pool, rows.len(), base, idx0),
             &[rows],
             &[
-                Bind::Unused,
+                Bind::Words,
                 Bind::Words,
                 Bind::Buffer(&pool.buf),
                 Bind::Scratch(n * 4),
+                Bind::Words,
+                Bind::Unused,
             ],
             &[(1, [groups, 1, 1]), (2, [groups, 1, 1])],
         );

@@ -104,6 +104,7 @@ const HEADS: u32 = 64;
 const HEADS_OUT: u32 = 128;
 const ROPE: u32 = 256;
 const INTERLEAVED: u32 = 512;
+const STAGED: u32 = 1024;
 
 /// How a linear reads its input (project.wgsl's `xin`).
 #[derive(Clone, Copy)]
@@ -323,6 +324,9 @@ impl WgpuDevice {
         // Each projection starts on a workgroup's first row (project.wgsl's header); the
         // ways a dispatch does not have start past every row.
         let per = group / lanes;
+        if tuning.stage && together && per >= 2 && mode & (NORMED | GATED | HEADS) != 0 {
+            mode |= STAGED;
+        }
         let (mut starts, mut ends) = ([0u32, u32::MAX, u32::MAX], [0u32; 3]);
         let mut fmts = 0;
         let mut at = 0;

@@ -35,7 +35,8 @@ struct Params {
 // output) read as its merge. Projection s adds bias_s when bit BIAS << s is set; ACCUMULATE
 // adds what the output holds (a residual). ROPE rotates projections 0 and 1 (q and k) pair
 // by pair, rotate-half or INTERLEAVED, at the positions at idx0 with the inverse
-// frequencies at idx1 (hd / 2 of them), before HEADS_OUT stores them.
+// frequencies at idx1 (hd / 2 of them), before HEADS_OUT stores them. STAGED: rows_main
+// makes the input once per workgroup, in workgroup memory.
 const BIAS: u32 = 1u;
 const ACCUMULATE: u32 = 8u;
 const NORMED: u32 = 16u;
@@ -44,6 +45,7 @@ const HEADS: u32 = 64u;
 const HEADS_OUT: u32 = 128u;
 const ROPE: u32 = 256u;
 const INTERLEAVED: u32 = 512u;
+const STAGED: u32 = 1024u;
 
 // The projection being computed (which binding `wb`, `out_get`, `out_set`, `bias_at` use).
 var<private> sel: u32;
@@ -133,6 +135,59 @@ var<workgroup> red: array<f32, 256>;
 // Invocations in a workgroup of rows_main (at most 256; the host sets it per adapter).
 override GROUP: u32 = 256u;
 
+// With STAGED (the host sets it where the input is made and a workgroup computes several
+// rows), rows_main stages its token's input in workgroup memory XCHUNK values at a time,
+// each made once per workgroup (normed, gated or merged as p.mode says) rather than by
+// every row's lanes as they read it.
+const XCHUNK: u32 = 2048u;
+var<workgroup> xs: array<vec4<f32>, 512>; // XCHUNK / 4
+
+// Input values c .. c + 4 of token t for xs, those at or past `end` 0.
+fn stage4(t: u32, c: u32, end: u32) -> vec4<f32> {
+    if c + 3u < end { return xin4(t, c); }
+    var v = vec4<f32>(0.0);
+    for (var k = 0u; k < 4u; k++) {
+        if c + k < end { v[k] = xin(t, c + k); }
+    }
+    return v;
+}
+
+// Input value c of token t, from xs when staged (c0 the staged chunk's first value).
+fn x1(t: u32, c: u32, c0: u32) -> f32 {
+    if (p.mode & STAGED) != 0u { return xs[(c - c0) / 4u][(c - c0) % 4u]; }
+    return xin(t, c);
+}
+
+// Input values c .. c + 4 of token t (c a multiple of 4), from xs when staged.
+fn x4(t: u32, c: u32, c0: u32) -> vec4<f32> {
+    if (p.mode & STAGED) != 0u { return xs[(c - c0) / 4u]; }
+    return xin4(t, c);
+}
+
+// Row o's products with input values c0 .. c0 + n of token t, the lane's share: values
+// (dense dtypes) or quads (block formats) lane, lane + lanes, ... of them. Chunks start on
+// a multiple of XCHUNK (of 32 values and of the lanes), so a lane's values are the same
+// however the row is chunked.
+fn row_dot(o: u32, t: u32, c0: u32, n: u32, lane: u32, lanes: u32) -> f32 {
+    var acc = 0.0;
+    if fmt < 3u {
+        for (var i = c0 + lane; i < c0 + n; i += lanes) {
+            acc += x1(t, i, c0) * weight_at(o * p.cols + i);
+        }
+    } else {
+        // Lane-consecutive quads (4 values of a 32-value slice): a step of the lanes
+        // reads consecutive code words and x values, each lane decoding its slice's
+        // scales (the lanes of one slice read the same bytes for them). (A lane a slice,
+        // its scales decoded once, ran at 0.5-0.9x on an H200: a step of the lanes then
+        // reads words a block apart.)
+        let first = o * (p.cols / 32u);
+        for (var q = c0 / 4u + lane; q < (c0 + n) / 4u; q += lanes) {
+            acc += dot(quad(slice(first + q / 8u), q % 8u), x4(t, 4u * q, c0));
+        }
+    }
+    return acc;
+}
+
 // The row of projection `sel` that its slot k computes: slots pair up the rows a rotation
 // mixes ((i, i + hd/2), or (2i, 2i + 1) INTERLEAVED), as 2m and 2m + 1, when ROPE applies
 // to the projection; else slot k is row k.
@@ -171,24 +226,20 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
     select_row((wg.x + wg.y * nw.x) * per);
     let live = r < end(sel);
     var o = 0u;
+    if live { o = slot_row(r - start(sel)); }
     var acc = 0.0;
-    if live {
-        o = slot_row(r - start(sel));
-        if fmt < 3u {
-            for (var i = lane; i < cols; i += lanes) {
-                acc += xin(t, i) * weight_at(o * cols + i);
+    if (p.mode & STAGED) != 0u {
+        for (var c0 = 0u; c0 < cols; c0 += XCHUNK) {
+            let n = min(XCHUNK, cols - c0);
+            for (var i = lid; 4u * i < n; i += GROUP) {
+                xs[i] = stage4(t, c0 + 4u * i, c0 + n);
             }
-        } else {
-            // Lane-consecutive quads (4 values of a 32-value slice): a step of the lanes
-            // reads consecutive code words and x values, each lane decoding its slice's
-            // scales (the lanes of one slice read the same bytes for them). (A lane a slice,
-            // its scales decoded once, ran at 0.5-0.9x on an H200: a step of the lanes then
-            // reads words a block apart.)
-            let first = o * (cols / 32u);
-            for (var q = lane; q < cols / 4u; q += lanes) {
-                acc += dot(quad(slice(first + q / 8u), q % 8u), xin4(t, 4u * q));
-            }
+            workgroupBarrier();
+            if live { acc += row_dot(o, t, c0, n, lane, lanes); }
+            workgroupBarrier();
         }
+    } else if live {
+        acc = row_dot(o, t, 0u, cols, lane, lanes);
     }
     lane_sums(acc, lid, lanes);
     if lane != 0u || !live { return; }

@@ -1,11 +1,13 @@
 // Pool row writes (encoding f32 activations into the pool's dtype) and tree-commit row moves.
 // Pools are u32 words, row-major [heads, cells, row_words]; see attention.wgsl for decoding.
 
-// idx0: where this op's cells start in cellidx (the batch's index words).
+// idx0: where this op's cells start in cellidx (the batch's index words). pairs: 2 when
+// write_main also writes src2 into pool2 (a step's values beside its keys), else 1. run: 1
+// when write_main writes rows base + i rather than cellidx[idx0 + i].
 struct Params {
     heads: u32, t: u32, d: u32, cells: u32,
     row_words: u32, dtype: u32, group: u32, base: u32,
-    idx0: u32, units: u32, pad1: u32, pad2: u32,
+    idx0: u32, units: u32, pairs: u32, run: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -13,6 +15,24 @@ struct Params {
 @group(0) @binding(2) var<storage, read> cellidx: array<u32>;
 @group(0) @binding(3) var<storage, read_write> pool: array<u32>;
 @group(0) @binding(4) var<storage, read_write> tmp: array<u32>;
+@group(0) @binding(5) var<storage, read> src2: array<f32>;
+@group(0) @binding(6) var<storage, read_write> pool2: array<u32>;
+
+// Whether write_main's invocation writes the second pair (src2 into pool2).
+var<private> second: bool;
+
+fn src_at(i: u32) -> f32 {
+    if second { return src2[i]; }
+    return src[i];
+}
+
+fn pool_put(i: u32, w: u32) {
+    if second {
+        pool2[i] = w;
+    } else {
+        pool[i] = w;
+    }
+}
 
 // f32 -> bf16 bits, round to nearest even (as the host's conversion).
 fn bf16(x: f32) -> u32 {
@@ -20,29 +40,34 @@ fn bf16(x: f32) -> u32 {
     return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
 }
 
-// Token i of head h (src [heads, t, d]) into row cellidx[idx0 + i], unit u of it by
-// invocation (h · t + i) · units + u (workgroups [x, y]: 64 invocations each, x first): a
-// unit is a word of an f32 row, a word (two values) of an f16 or bf16 row, a group (its
-// scale word and code words) of a quantized row.
+// Token i of head h (src [heads, t, d]) into row cellidx[idx0 + i] (base + i for a run),
+// unit u of it by invocation (h · t + i) · units + u (workgroups [x, y]: 64 invocations
+// each, x first): a unit is a word of an f32 row, a word (two values) of an f16 or bf16 row,
+// a group (its scale word and code words) of a quantized row. With two pairs, the
+// invocations past the first pair's write src2 into pool2 (laid out as pool) the same way.
 @compute @workgroup_size(64)
 fn write_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
     let units = p.units;
-    let n = g.x + g.y * nw.x * 64u;
-    if n >= p.heads * p.t * units { return; }
+    let per_pair = p.heads * p.t * units;
+    var n = g.x + g.y * nw.x * 64u;
+    if n >= p.pairs * per_pair { return; }
+    second = n >= per_pair;
+    if second { n -= per_pair; }
     let u = n % units;
     let h = n / units / p.t;
     let i = (n / units) % p.t;
     let sb = (h * p.t + i) * p.d;
-    let rb = (h * p.cells + cellidx[p.idx0 + i]) * p.row_words;
+    let cell = select(cellidx[p.idx0 + i], p.base + i, p.run == 1u);
+    let rb = (h * p.cells + cell) * p.row_words;
     switch p.dtype {
         case 0u: {
-            pool[rb + u] = bitcast<u32>(src[sb + u]);
+            pool_put(rb + u, bitcast<u32>(src_at(sb + u)));
         }
         case 1u: {
-            pool[rb + u] = pack2x16float(vec2<f32>(src[sb + 2u * u], src[sb + 2u * u + 1u]));
+            pool_put(rb + u, pack2x16float(vec2<f32>(src_at(sb + 2u * u), src_at(sb + 2u * u + 1u))));
         }
         case 2u: {
-            pool[rb + u] = bf16(src[sb + 2u * u]) | (bf16(src[sb + 2u * u + 1u]) << 16u);
+            pool_put(rb + u, bf16(src_at(sb + 2u * u)) | (bf16(src_at(sb + 2u * u + 1u)) << 16u));
         }
         default: {
             // Affine per group (kvplug_core::quant): lo = min, scale = (max - min) · f32(1 /
@@ -55,11 +80,11 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgrou
             let inv_levels = select(bitcast<f32>(0x3d888889u), bitcast<f32>(0x3b808081u), bits == 8u);
             let code_words = p.d / per_word;
             let g0 = sb + u * p.group;
-            var lo = src[g0];
-            var hi = src[g0];
+            var lo = src_at(g0);
+            var hi = src_at(g0);
             for (var k = 1u; k < p.group; k++) {
-                lo = min(lo, src[g0 + k]);
-                hi = max(hi, src[g0 + k]);
+                lo = min(lo, src_at(g0 + k));
+                hi = max(hi, src_at(g0 + k));
             }
             // The stored f16 values, rounded here rather than read back through
             // unpack2x16float(pack2x16float(..)): a driver may fold that pair into the
@@ -67,14 +92,14 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgrou
             let sl = vec2<f32>(f16_round((hi - lo) * inv_levels), f16_round(lo));
             // A zero lo is stored as +0 (min may have picked -0).
             let packed = pack2x16float(sl);
-            pool[rb + code_words + u] = select(packed, packed & 0xffffu, (packed >> 16u) == 0x8000u);
+            pool_put(rb + code_words + u, select(packed, packed & 0xffffu, (packed >> 16u) == 0x8000u));
             for (var w = 0u; w < p.group / per_word; w++) {
                 var word = 0u;
                 for (var k = 0u; k < per_word; k++) {
-                    let c = code(src[g0 + w * per_word + k] - sl.y, sl.x, levels);
+                    let c = code(src_at(g0 + w * per_word + k) - sl.y, sl.x, levels);
                     word = word | (c << (k * bits));
                 }
-                pool[rb + (u * p.group) / per_word + w] = word;
+                pool_put(rb + (u * p.group) / per_word + w, word);
             }
         }
     }
