@@ -1,7 +1,7 @@
 //! The model graph's operations on wgpu: WGSL kernels over f32 storage buffers, so
 //! activations stay on the device between layers (only logits are read back).
 
-use kvplug_backend_kit::model::blocks::BLOCK_FORMATS;
+use kvplug_backend_kit::model::blocks::{BlockFormat, BLOCK_FORMATS};
 use kvplug_backend_kit::model::config::Activation;
 use kvplug_backend_kit::model::ops::check_hadamard;
 use kvplug_backend_kit::model::{
@@ -63,6 +63,33 @@ fn dtype_flag(d: StoredDtype) -> Result<u32, KitError> {
             )))
         }
     })
+}
+
+/// Where the shaders' layout of a block format differs from the file's: two zero bytes in
+/// each block at this offset, so that its code words (and every field weights.wgsl reads
+/// as a word) start on a word whatever the block's index: after the f16 scale of a Q4_0,
+/// Q5_0 or Q8_0 block (18, 22 and 34 bytes to 20, 24 and 36), at the end of a Q6_K one (210
+/// to 212). The other formats' blocks are whole words already.
+fn block_pad(d: StoredDtype) -> Option<(BlockFormat, usize)> {
+    match d {
+        StoredDtype::Block(f @ (BlockFormat::Q4_0 | BlockFormat::Q5_0 | BlockFormat::Q8_0)) => {
+            Some((f, 2))
+        }
+        StoredDtype::Block(f @ BlockFormat::Q6K) => Some((f, f.block_bytes())),
+        _ => None,
+    }
+}
+
+/// `bytes` (whole blocks of `f`) in the shaders' layout: two zero bytes at `at` in each.
+fn pad_blocks(bytes: &[u8], f: BlockFormat, at: usize) -> Vec<u8> {
+    let block = f.block_bytes();
+    let mut out = Vec::with_capacity(bytes.len() / block * (block + 2));
+    for b in bytes.chunks_exact(block) {
+        out.extend_from_slice(&b[..at]);
+        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&b[at..]);
+    }
+    out
 }
 
 #[repr(C)]
@@ -498,24 +525,35 @@ impl ModelDevice for WgpuDevice {
             )));
         }
         let row_bytes = cols / unit * data.dtype().unit_bytes();
+        let pad = block_pad(data.dtype());
+        // A row's bytes on the device.
+        let gpu_row = row_bytes + pad.map_or(0, |_| 2 * (cols / unit));
         let ctx = self.context();
         let limit = ctx
             .limits
             .max_storage_buffer_binding_size
             .min(ctx.limits.max_buffer_size) as usize;
-        if row_bytes + 4 > limit {
+        if gpu_row + 4 > limit {
             return Err(KitError::Device(format!(
-                "one {cols}-wide row of a weight is {row_bytes} bytes, over this adapter's \
+                "one {cols}-wide row of a weight is {gpu_row} bytes, over this adapter's \
                  storage binding limit of {limit}"
             )));
         }
         // Whole rows per part, their bytes padded to whole 32-bit words.
-        let per = (limit - 4) / row_bytes.max(1);
+        let per = (limit - 4) / gpu_row.max(1);
         let all = data.bytes();
         let mut parts = Vec::with_capacity(rows.div_ceil(per));
         for row0 in (0..rows).step_by(per) {
             let n = per.min(rows - row0);
             let bytes = &all[row0 * row_bytes..(row0 + n) * row_bytes];
+            let laid;
+            let bytes = match pad {
+                Some((f, at)) => {
+                    laid = pad_blocks(bytes, f, at);
+                    &laid[..]
+                }
+                None => bytes,
+            };
             let padded;
             let bytes = if bytes.len() % 4 == 0 {
                 bytes

@@ -48,7 +48,10 @@ fn k4_scale_min(j: u32, o: u32) -> vec2<f32> {
 // Element e of the weight, stored as fmt says: 0 f32, 1 f16, 2 bf16 (two
 // little-endian halves per word, the lower-addressed in the low bits), or a ggml block
 // format dequantized as it is read (the arithmetic of the kit's blocks::dequantize_row):
-// 3 q4_0, 4 q4_1, 5 q5_0, 6 q5_1, 7 q8_0, 8 q4_K, 9 q5_K, 10 q6_K.
+// 3 q4_0, 4 q4_1, 5 q5_0, 6 q5_1, 7 q8_0, 8 q4_K, 9 q5_K, 10 q6_K. Blocks are laid out
+// as the host uploads them (model.rs's block_pad): whole words each, two zero bytes after
+// the f16 scale of q4_0 (20 bytes), q5_0 (24) and q8_0 (36) and at the end of q6_K (212),
+// so that every field read as a word is aligned.
 fn weight_at(e: u32) -> f32 {
     switch fmt {
         case 1u: {
@@ -59,17 +62,17 @@ fn weight_at(e: u32) -> f32 {
             return bitcast<f32>(select(w << 16u, w & 0xffff0000u, e % 2u == 1u));
         }
         case 3u: {
-            let o = (e / 32u) * 18u;
-            return f32(i32(nibble(o + 2u, e % 32u)) - 8) * half_at(o);
+            let o = (e / 32u) * 20u;
+            return f32(i32(nibble(o + 4u, e % 32u)) - 8) * half_at(o);
         }
         case 4u: {
             let o = (e / 32u) * 20u;
             return f32(nibble(o + 4u, e % 32u)) * half_at(o) + half_at(o + 2u);
         }
         case 5u: {
-            let o = (e / 32u) * 22u;
+            let o = (e / 32u) * 24u;
             let j = e % 32u;
-            return f32(i32(nibble(o + 6u, j) | bit5(o + 2u, j)) - 16) * half_at(o);
+            return f32(i32(nibble(o + 8u, j) | bit5(o + 4u, j)) - 16) * half_at(o);
         }
         case 6u: {
             let o = (e / 32u) * 24u;
@@ -77,8 +80,8 @@ fn weight_at(e: u32) -> f32 {
             return f32(nibble(o + 8u, j) | bit5(o + 4u, j)) * half_at(o) + half_at(o + 2u);
         }
         case 7u: {
-            let o = (e / 32u) * 34u;
-            let q = i32(byte_at(o + 2u + e % 32u) << 24u) >> 24u;
+            let o = (e / 32u) * 36u;
+            let q = i32(byte_at(o + 4u + e % 32u) << 24u) >> 24u;
             return f32(q) * half_at(o);
         }
         case 8u, 9u: {
@@ -98,7 +101,7 @@ fn weight_at(e: u32) -> f32 {
             return half_at(o) * sm.x * f32(v) - half_at(o + 2u) * sm.y;
         }
         case 10u: {
-            let o = (e / 256u) * 210u;
+            let o = (e / 256u) * 212u;
             let j = e % 256u;
             let n = j / 128u;
             let quarter = (j % 128u) / 32u;
@@ -112,15 +115,6 @@ fn weight_at(e: u32) -> f32 {
             return bitcast<f32>(wb(e));
         }
     }
-}
-
-// Bytes o..o + 4 of the weight as one little-endian word, at any byte offset (blocks of 18, 22, 34
-// or 210 bytes leave their fields unaligned).
-fn word_at(o: u32) -> u32 {
-    let s = (o & 3u) * 8u;
-    let w = wb(o >> 2u);
-    if s == 0u { return w; }
-    return (w >> s) | (wb((o >> 2u) + 1u) << (32u - s));
 }
 
 // Byte i of word w, as a signed value.
@@ -147,24 +141,24 @@ fn slice(sl: u32) -> Slice {
     var h: Slice;
     switch fmt {
         case 3u, 4u, 5u, 6u: {
-            // q4_0, q4_1, q5_0, q5_1: [d, (m), (qh), 16 code bytes]; byte j holds value j in
-            // its low nibble and value j + 16 in its high one, q5's fifth bits in qh.
-            let o = sl * (18u + 2u * (fmt - 3u));
+            // q4_0, q4_1, q5_0, q5_1: [d, m (or 2 zero bytes), (qh), 16 code bytes]; byte j
+            // holds value j in its low nibble and value j + 16 in its high one, q5's fifth
+            // bits in qh.
             let has_m = fmt == 4u || fmt == 6u;
             let five = fmt >= 5u;
+            let o = sl * select(20u, 24u, five);
             let d = half_at(o);
-            let qh_at = o + select(2u, 4u, has_m);
-            h.codes = qh_at + select(0u, 4u, five);
-            if five { h.qh = word_at(qh_at); }
+            h.codes = o + select(4u, 8u, five);
+            if five { h.qh = wb((o >> 2u) + 1u); }
             var m = -select(8.0, 16.0, five) * d;
             if has_m { m = half_at(o + 2u); }
             h.scale = vec2<f32>(d);
             h.offset = vec2<f32>(m);
         }
         case 7u: {
-            let o = sl * 34u;
+            let o = sl * 36u;
             h.scale = vec2<f32>(half_at(o));
-            h.codes = o + 2u;
+            h.codes = o + 4u;
         }
         case 8u, 9u: {
             // q4_K, q5_K: sub-block `sub` takes the low (even sub) or high nibbles of the
@@ -185,10 +179,11 @@ fn slice(sl: u32) -> Slice {
             // low (quarters 0, 1) or high nibbles of 32 ql bytes, high bits from 2-bit field
             // `quarter` of 32 qh bytes, an i8 scale per 16 values.
             let sub = sl % 8u;
-            let o = (sl / 8u) * 210u;
+            let o = (sl / 8u) * 212u;
             let n = sub / 4u;
             let quarter = sub % 4u;
-            let sc = word_at(o + 192u + n * 8u + 2u * quarter);
+            // The sub-block's two i8 scales: half quarter % 2 of a word.
+            let sc = wb((o + 192u + n * 8u) / 4u + quarter / 2u) >> (16u * (quarter % 2u));
             let d = half_at(o + 208u);
             h.scale = d * vec2<f32>(sbyte(sc, 0u), sbyte(sc, 1u));
             h.offset = -32.0 * h.scale;
@@ -206,12 +201,12 @@ fn quad(h: Slice, k: u32) -> vec4<f32> {
     var c: vec4<f32>;
     switch fmt {
         case 3u, 4u, 5u, 6u: {
-            let lo = (unpack4xU8(word_at(h.codes + 4u * (k % 4u))) >> vec4<u32>(4u * (k / 4u))) & vec4<u32>(15u);
+            let lo = (unpack4xU8(wb((h.codes >> 2u) + k % 4u)) >> vec4<u32>(4u * (k / 4u))) & vec4<u32>(15u);
             let hi = (vec4<u32>(h.qh >> (4u * k)) >> vec4<u32>(0u, 1u, 2u, 3u)) & vec4<u32>(1u);
             c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
         }
         case 7u: {
-            c = vec4<f32>(unpack4xI8(word_at(h.codes + 4u * k)));
+            c = vec4<f32>(unpack4xI8(wb((h.codes >> 2u) + k)));
         }
         case 8u, 9u: {
             let lo = (unpack4xU8(wb((h.codes >> 2u) + k)) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
@@ -220,8 +215,8 @@ fn quad(h: Slice, k: u32) -> vec4<f32> {
             c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
         }
         default: {
-            let lo = (unpack4xU8(word_at(h.codes + 4u * k)) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
-            let hi = (unpack4xU8(word_at(h.high + 4u * k)) >> vec4<u32>(h.qh)) & vec4<u32>(3u);
+            let lo = (unpack4xU8(wb((h.codes >> 2u) + k)) >> vec4<u32>(h.shift)) & vec4<u32>(15u);
+            let hi = (unpack4xU8(wb((h.high >> 2u) + k)) >> vec4<u32>(h.qh)) & vec4<u32>(3u);
             c = vec4<f32>(lo | (hi << vec4<u32>(4u)));
         }
     }
