@@ -118,7 +118,7 @@ def main():
           f" ({rows[0]['device'] if rows else '?'}), bandwidth "
           f"{f'{bandwidth:g} GB/s' if bandwidth else 'unknown'}\n")
     # The backend's counters per token (`kvplug bench --json`'s per_token), where it keeps them.
-    extra = [k for k in ("dispatches", "read_back_bytes") if any(k in t.get("per_token", {}) for t in rows)]
+    extra = [k for k in ("dispatches", "submits", "read_back_bytes") if any(k in t.get("per_token", {}) for t in rows)]
     peer = a.llama_bench is not None
     print("| shape | test | t/s | of bandwidth |" + "".join(f" {k} per token |" for k in extra)
           + (" llama.cpp t/s | ratio |" if peer else ""))

@@ -775,6 +775,7 @@ impl Backend for WgpuDevice {
         vec![
             ("dispatches".into(), c.dispatches),
             ("read_back_bytes".into(), c.read_back_bytes),
+            ("submits".into(), c.submits),
             ("buffers_created".into(), c.buffers),
             ("bind_groups_created".into(), c.bind_groups),
         ]

@@ -166,6 +166,14 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
             PER_LAYER * layers + AROUND + [2, 0, 2][mode as usize],
             "dispatches of a decode step over {layers} layers"
         );
+        // The step's first batch goes to the device after `first_submit` (8) dispatches,
+        // not at its readback: at least one submit before the one the read makes.
+        assert!(
+            after.submits - before.submits >= 2,
+            "a decode step of {} dispatches submitted {} batches",
+            after.dispatches - before.dispatches,
+            after.submits - before.submits
+        );
         let read = after.read_back_bytes - before.read_back_bytes;
         let logits = || {
             dev.download(out.logits, TensorDtype::F32)
