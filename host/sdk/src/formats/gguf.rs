@@ -1239,7 +1239,8 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         .enumerate()
         .map(|(i, t)| (t.clone(), i as u32))
         .collect();
-    let pre = g.string_opt("tokenizer.ggml.pre")?.unwrap_or("gpt2");
+    // A file naming no pre-tokenizer gets llama.cpp's DEFAULT one, as "default" does.
+    let pre = g.string_opt("tokenizer.ggml.pre")?.unwrap_or("default");
     // Llama 3's tokenizer.json (and llama.cpp for its pre-tokenizer) takes a pre-token found
     // whole in the vocabulary as one token, whatever the merges would make of it.
     let llama3 = is_llama3_pre(pre);
@@ -1250,57 +1251,60 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         .map_err(|e| crate::Error::Model(format!("building the BPE tokenizer: {e}")))?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
-    // Qwen2's, Qwen3.5's and Llama 3's tokenizer.json: their split regex (isolated
-    // matches), then byte-level without its own regex. They differ in digit runs (one vs up
-    // to three) and in whether combining marks (`\p{M}`) join letters (Qwen3.5).
-    let split_then_bytes = |digits: &str, marks: bool| -> Result<PreTokenizerWrapper> {
-        let m = if marks { r"\p{M}" } else { "" };
-        let regex = format!(
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}{m}]+|\p{{N}}{digits}| ?[^\s\p{{L}}{m}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-        );
-        let split = Split::new(
-            SplitPattern::Regex(regex),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| crate::Error::Model(format!("the {pre} split regex: {e}")))?;
-        Ok(Sequence::new(vec![
-            split.into(),
-            ByteLevel::new(false, false, false).into(),
-        ])
-        .into())
+    // Split regexes (each splitting the pieces of the one before, matches and the text
+    // between them kept as pieces, as llama.cpp's `unicode_regex_split` does), then
+    // byte-level without its own regex.
+    let splits = |regexes: &[&str]| -> Result<PreTokenizerWrapper> {
+        let mut seq = Vec::with_capacity(regexes.len() + 1);
+        for &regex in regexes {
+            let split = Split::new(
+                SplitPattern::Regex(regex.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| crate::Error::Model(format!("the {pre} split regex {regex:?}: {e}")))?;
+            seq.push(split.into());
+        }
+        seq.push(ByteLevel::new(false, false, false).into());
+        Ok(Sequence::new(seq).into())
     };
-    // GPT-4o's (o200k, GPT-OSS's): the split regex of its tokenizer.json (case classes
-    // instead of Qwen's `(?i:…)` contractions; digit runs up to three), then byte-level.
-    let gpt4o = || -> Result<PreTokenizerWrapper> {
-        let regex = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-        let split = Split::new(
-            SplitPattern::Regex(regex.into()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| crate::Error::Model(format!("the gpt-4o split regex: {e}")))?;
-        Ok(Sequence::new(vec![
-            split.into(),
-            ByteLevel::new(false, false, false).into(),
-        ])
-        .into())
+    // Qwen2's, Qwen3.5's and Llama 3's tokenizer.json: their split regex. They differ in
+    // digit runs (one vs up to three) and in whether combining marks (`\p{M}`) join letters
+    // (Qwen3.5).
+    let qwen_llama = |digits: &str, marks: bool| -> Result<PreTokenizerWrapper> {
+        let m = if marks { r"\p{M}" } else { "" };
+        splits(&[&format!(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}{m}]+|\p{{N}}{digits}| ?[^\s\p{{L}}{m}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )])
     };
     let split: PreTokenizerWrapper = match pre {
         // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
-        "gpt2" | "default" => byte_level.into(),
-        pre if QWEN2_PRES.contains(&pre) => split_then_bytes("", false)?,
-        "qwen35" => split_then_bytes("", true)?,
-        "gpt-4o" | "llama4" => gpt4o()?,
+        // GPT-2's regex ("gpt2" is no llama.cpp name; kept for files that wrote it).
+        "gpt-2" | "gpt2" => byte_level.into(),
+        // llama.cpp's DEFAULT: runs of punctuation, GPT-2's split, digit runs, runs of three
+        // digits.
+        "default" => splits(&[
+            r"[\p{P}\$\+<=>\^~\|]+",
+            r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+            r"\p{N}+",
+            "[0-9][0-9][0-9]",
+        ])?,
+        pre if QWEN2_PRES.contains(&pre) => qwen_llama("", false)?,
+        "qwen35" => qwen_llama("", true)?,
+        // GPT-4o's (o200k, GPT-OSS's): the split regex of its tokenizer.json (case classes
+        // instead of Qwen's `(?i:…)` contractions; digit runs up to three).
+        "gpt-4o" | "llama4" => splits(&[
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ])?,
         // DBRX's (GPT-4's cl100k, as Granite 4.0 writes it) and Smaug's: Llama 3's split,
         // with the merges applied to every pre-token, as llama.cpp applies them.
         pre if is_llama3_pre(pre) || ["dbrx", "smaug-bpe"].contains(&pre) => {
-            split_then_bytes("{1,3}", false)?
+            qwen_llama("{1,3}", false)?
         }
         other => fail!(
             Model,
-            "{}: pre-tokenizer '{other}' is not supported (supported: smollm, gpt2, default, \
+            "{}: pre-tokenizer '{other}' is not supported (supported: default, gpt-2, smollm, \
              {}, qwen35, gpt-4o, llama4, dbrx, smaug-bpe, {})",
             g.path.display(),
             QWEN2_PRES.join(", "),
@@ -1527,8 +1531,9 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// 5: `rope.scaling.*` (linear, YaRN; the older `rope.scale_linear`) is read for Llama, Qwen2
 /// and Qwen3 files, not ignored; a SentencePiece text without `add_space_prefix` starts with
 /// a space (llama.cpp's default); Qwen3.5's prediction blocks are left out; Gemma 3 27B's
-/// attention scale.
-const INDEXER_REVISION: u32 = 5;
+/// attention scale. 6: a byte-level BPE naming no pre-tokenizer, or `default`, takes
+/// llama.cpp's DEFAULT splits, not GPT-2's.
+const INDEXER_REVISION: u32 = 6;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory
 /// that serves `gguf`'s weights in place: `config.json`, the tokenizer files and

@@ -1,8 +1,10 @@
-//! GGUF byte-level BPE tokenizers (`tokenizer.ggml.model = gpt2`) with the `qwen2` and
-//! `llama-bpe` pre-tokenizers (and `dbrx`, Llama 3's split without its `ignore_merges`, as
-//! Granite 4.0's files name it), against a plain reference written from llama.cpp's
+//! GGUF byte-level BPE tokenizers (`tokenizer.ggml.model = gpt2`) with the `qwen2`,
+//! `llama-bpe`, `gpt-2` and `default` pre-tokenizers (and `dbrx`, Llama 3's split without
+//! its `ignore_merges`, as Granite 4.0's files name it; and none, which llama.cpp reads as
+//! `default`), against a plain reference written from llama.cpp's
 //! algorithm: control tokens split out first, NFC (Qwen2's normalizer), the pre-tokenizer's
-//! split regex as llama.cpp's `llama-vocab.cpp` spells it (without inline flags), GPT-2's
+//! split regexes as llama.cpp's `llama-vocab.cpp` spells them (without inline flags; each
+//! splitting the pieces of the one before into matches and the text between), GPT-2's
 //! byte map, then, for `llama-bpe`, a pre-token found whole in the vocabulary taken as one
 //! token (llama.cpp's `ignore_merges`), else repeatedly the adjacent pair of lowest merge
 //! rank (leftmost on ties). Raw prompts start with BOS where llama.cpp's default says so.
@@ -21,6 +23,11 @@ use common::{bpe_tokenizer_meta, byte_chars, gguf_tensors, llama_gguf_meta, writ
 const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3` split (`llama-bpe`): digits in runs of up to 3.
 const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_GPT2` split (`gpt-2`).
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_DEFAULT` splits (`default`, and a file naming none), in
+/// the order they apply.
+const DEFAULT: [&str; 4] = [r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"];
 
 /// Strings that tell pre-tokenizers apart: contractions in both cases, digit runs, letters
 /// of many scripts, decomposed accents, code, runs of spaces, tabs and newlines.
@@ -36,23 +43,24 @@ const SAMPLES: [&str; 9] = [
     "",
 ];
 
-/// What a `tokenizer.ggml.pre` name means in llama.cpp: its split regex, whether text is
-/// NFC-normalized first (Qwen2's normalizer), and whether a pre-token found whole in the
-/// vocabulary is one token (`ignore_merges`, Llama 3's rule).
+/// What a `tokenizer.ggml.pre` name means in llama.cpp: its split regexes (each splitting
+/// the pieces of the one before), whether text is NFC-normalized first (Qwen2's
+/// normalizer), and whether a pre-token found whole in the vocabulary is one token
+/// (`ignore_merges`, Llama 3's rule).
 #[derive(Clone, Copy)]
 struct Pre {
-    split: &'static str,
+    split: &'static [&'static str],
     nfc: bool,
     ignore_merges: bool,
 }
 
 const QWEN2_PRE: Pre = Pre {
-    split: QWEN2,
+    split: &[QWEN2],
     nfc: true,
     ignore_merges: false,
 };
 const LLAMA3_PRE: Pre = Pre {
-    split: LLAMA3,
+    split: &[LLAMA3],
     nfc: false,
     ignore_merges: true,
 };
@@ -61,6 +69,15 @@ const DBRX_PRE: Pre = Pre {
     ignore_merges: false,
     ..LLAMA3_PRE
 };
+const GPT2_PRE: Pre = Pre {
+    split: &[GPT2],
+    nfc: false,
+    ignore_merges: false,
+};
+const DEFAULT_PRE: Pre = Pre {
+    split: &DEFAULT,
+    ..GPT2_PRE
+};
 
 /// The reference tokenizer over one vocabulary.
 struct Reference {
@@ -68,7 +85,7 @@ struct Reference {
     rank: HashMap<(String, String), usize>,
     /// Control tokens, matched whole before anything else.
     control: Vec<String>,
-    split: fancy_regex::Regex,
+    split: Vec<fancy_regex::Regex>,
     nfc: bool,
     /// A pre-token found whole in the vocabulary is one token (llama.cpp's Llama 3 rule).
     ignore_merges: bool,
@@ -99,7 +116,10 @@ impl Reference {
                 .filter(|&i| types[i] == 3)
                 .map(|i| tokens[i].clone())
                 .collect(),
-            split: fancy_regex::Regex::new(split).unwrap(),
+            split: split
+                .iter()
+                .map(|r| fancy_regex::Regex::new(r).unwrap())
+                .collect(),
             nfc,
             ignore_merges,
         }
@@ -136,11 +156,24 @@ impl Reference {
         } else {
             text.to_string()
         };
+        // Each regex splits every piece into its matches and the text between them.
+        let mut pieces = vec![text.as_str()];
+        for regex in &self.split {
+            let mut next = Vec::new();
+            for piece in pieces {
+                let mut at = 0;
+                for m in regex.find_iter(piece) {
+                    let m = m.unwrap();
+                    next.extend([&piece[at..m.start()], m.as_str()]);
+                    at = m.end();
+                }
+                next.push(&piece[at..]);
+            }
+            pieces = next.into_iter().filter(|p| !p.is_empty()).collect();
+        }
         let bytes = byte_chars();
-        for piece in self.split.find_iter(&text) {
+        for piece in pieces {
             let mut syms: Vec<String> = piece
-                .unwrap()
-                .as_str()
                 .bytes()
                 .map(|b| bytes[b as usize].to_string())
                 .collect();
@@ -249,28 +282,38 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     let (preset, tensors) = synthetic_weights(dir.path());
     // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models;
     // "deepseek-r1-qwen" one it gives Qwen2's.
+    // "none": a file naming no pre-tokenizer, which llama.cpp reads as "default".
     let pres = [
         ("llama-bpe", LLAMA3_PRE),
         ("falcon3", LLAMA3_PRE),
         ("dbrx", DBRX_PRE),
         ("qwen2", QWEN2_PRE),
         ("deepseek-r1-qwen", QWEN2_PRE),
+        ("gpt-2", GPT2_PRE),
+        ("default", DEFAULT_PRE),
+        ("none", DEFAULT_PRE),
     ];
     for (pre, reference) in pres {
         let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
         let (tokenizer, _) = bpe_tokenizer_meta(pre, &merges, preset.vocab);
-        meta.extend(tokenizer);
+        meta.extend(
+            tokenizer
+                .into_iter()
+                .filter(|(k, _)| pre != "none" || *k != "tokenizer.ggml.pre"),
+        );
         let gguf = dir.path().join(format!("{pre}.gguf"));
         write_gguf(&gguf, &meta, &tensors);
         check(&gguf, &dir.path().join(pre), reference);
     }
-    // The three differ on these merges, so each check above can fail.
+    // The pre-tokenizers differ on these merges, so each check above can fail.
     let (tokens, merges, types) = vocabulary(&dir.path().join("llama-bpe.gguf"));
     let encode = |pre, s| Reference::new(&tokens, &merges, &types, pre).encode(s);
     for (a, b, sample) in [
         (LLAMA3_PRE, QWEN2_PRE, SAMPLES[0]),
         (DBRX_PRE, QWEN2_PRE, SAMPLES[0]),
         (LLAMA3_PRE, DBRX_PRE, "hello"),
+        (DEFAULT_PRE, GPT2_PRE, SAMPLES[6]),
+        (GPT2_PRE, QWEN2_PRE, SAMPLES[0]),
     ] {
         assert_ne!(encode(a, sample), encode(b, sample), "{sample:?}");
     }
@@ -288,6 +331,8 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     // Nor DBRX's nor DeepSeek-R1-Qwen's.
     assert_eq!(raw("dbrx").unwrap(), raw("qwen2").unwrap());
     assert_eq!(raw("deepseek-r1-qwen").unwrap(), raw("qwen2").unwrap());
+    // Nor a file naming no pre-tokenizer (llama.cpp's DEFAULT).
+    assert_eq!(raw("none").unwrap(), raw("qwen2").unwrap());
 }
 
 /// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`) starts a text with a space
