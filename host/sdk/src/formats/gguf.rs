@@ -1106,13 +1106,32 @@ const NORMAL: u64 = 1;
 const CONTROL: u64 = 3;
 const USER_DEFINED: u64 = 4;
 
+/// Texts llama.cpp takes as ending generation and so as control tokens whatever type the
+/// file gives them (`llama-vocab.cpp` overrides the type with a warning: "control-looking
+/// token ... was not control-type"). Files that need it exist: Mistral fine-tunes with
+/// ChatML's `<|im_end|>` typed normal, Gemma's `<end_of_turn>` typed user-defined.
+const CONTROL_LOOKING: [&str; 12] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
 /// Builds `tokenizer.json` from the GGUF vocabulary (see the module docs for the models),
 /// plus the tokenizer config with the chat template and special tokens.
 fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value)> {
     use tokenizers::AddedToken;
 
     let tokens = g.strings("tokenizer.ggml.tokens")?;
-    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+    let mut types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
         Some(v) => v
             .to_vec()
             .map_err(|e| crate::Error::Model(format!("token_type: {e}")))?
@@ -1129,6 +1148,11 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
             types.len(),
             tokens.len()
         );
+    }
+    for (t, ty) in tokens.iter().zip(types.iter_mut()) {
+        if CONTROL_LOOKING.contains(&t.as_str()) {
+            *ty = CONTROL;
+        }
     }
     let mut tk = match g.string("tokenizer.ggml.model")? {
         "gpt2" => byte_level_bpe(g, &tokens)?,
@@ -1532,7 +1556,8 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// and Qwen3 files, not ignored; a SentencePiece text without `add_space_prefix` starts with
 /// a space (llama.cpp's default); Qwen3.5's prediction blocks are left out; Gemma 3 27B's
 /// attention scale. 6: a byte-level BPE naming no pre-tokenizer, or `default`, takes
-/// llama.cpp's DEFAULT splits, not GPT-2's.
+/// llama.cpp's DEFAULT splits, not GPT-2's; tokens llama.cpp reads as ending generation are
+/// control tokens whatever their type in the file.
 const INDEXER_REVISION: u32 = 6;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory

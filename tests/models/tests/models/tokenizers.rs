@@ -335,6 +335,36 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     assert_eq!(raw("none").unwrap(), raw("qwen2").unwrap());
 }
 
+/// A token whose text llama.cpp reads as ending generation (`<|im_end|>`) is a control token
+/// whatever type the file gives it, as llama.cpp overrides it: matched whole in a prompt,
+/// skipped when decoding.
+#[test]
+fn control_looking_tokens_are_control_whatever_their_type() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let (preset, tensors) = synthetic_weights(dir.path());
+    let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
+    let (mut tokenizer, tokens) = bpe_tokenizer_meta("qwen2", &["h i"], preset.vocab);
+    let end = tokens.iter().position(|t| t == "<|im_end|>").unwrap();
+    for (k, v) in &mut tokenizer {
+        if *k == "tokenizer.ggml.token_type" {
+            let Value::Array(types) = v else { panic!() };
+            // Normal, as some Mistral fine-tunes' files type it.
+            types[end] = Value::I32(1);
+        }
+    }
+    meta.extend(tokenizer);
+    let gguf = dir.path().join("normal-im-end.gguf");
+    write_gguf(&gguf, &meta, &tensors);
+    let out = dir.path().join("indexed");
+    kvplug::formats::gguf::index(&gguf, &out).unwrap();
+    let text = Text::load(&out).unwrap();
+    let hi = tokens.iter().position(|t| t == "hi").unwrap() as i32;
+    let ids = text.encode("hi<|im_end|>hi").unwrap();
+    assert_eq!(ids, [hi, end as i32, hi]);
+    assert_eq!(text.detokenize(&ids).unwrap(), "hihi");
+}
+
 /// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`) starts a text with a space
 /// unless `tokenizer.ggml.add_space_prefix` says false, as llama.cpp does: Llama 2's and
 /// Mistral's files do not state it.
