@@ -75,6 +75,8 @@ pub struct Text {
     /// Whether a raw prompt starts with the BOS token (`add_bos_token`).
     add_bos: bool,
     eos: Option<String>,
+    /// Whether a raw prompt ends with the EOS token (`add_eos_token`).
+    add_eos: bool,
     stop: BTreeSet<i32>,
     /// The template writes OpenAI's harmony (GPT-OSS) and the vocabulary has its markers:
     /// answers keep their special tokens ([`crate::harmony`] parses them).
@@ -167,6 +169,7 @@ impl Text {
             bos: token_text(&tc["bos_token"]),
             add_bos: tc["add_bos_token"].as_bool().unwrap_or(false),
             eos,
+            add_eos: tc["add_eos_token"].as_bool().unwrap_or(false),
             stop,
         })
     }
@@ -281,19 +284,23 @@ impl Text {
 
     /// Token ids of a raw prompt (no chat template): [`Text::encode`], after the BOS token
     /// when the tokenizer config sets `add_bos_token` (as Hugging Face's tokenizer and
-    /// llama.cpp do) and the text does not already start with it.
+    /// llama.cpp do) and the text does not already start with it, and followed by the EOS
+    /// token when it sets `add_eos_token` (as both do).
     pub fn encode_raw(&self, text: &str) -> Result<Vec<i32>> {
         let mut ids = self.encode(text)?;
-        let bos = self
-            .bos
-            .as_deref()
-            .filter(|_| self.add_bos)
-            .and_then(|b| self.tokenizer.token_to_id(b));
-        if let Some(bos) = bos.map(|b| b as i32) {
+        let id = |token: &Option<String>, add: bool| {
+            token
+                .as_deref()
+                .filter(|_| add)
+                .and_then(|t| self.tokenizer.token_to_id(t))
+                .map(|t| t as i32)
+        };
+        if let Some(bos) = id(&self.bos, self.add_bos) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
             }
         }
+        ids.extend(id(&self.eos, self.add_eos));
         Ok(ids)
     }
 
@@ -390,6 +397,7 @@ mod tests {
             bos: None,
             add_bos: false,
             eos: None,
+            add_eos: false,
             stop: BTreeSet::new(),
         }
     }

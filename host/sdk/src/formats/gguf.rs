@@ -1211,6 +1211,16 @@ fn tokenizer_files(g: &Gguf) -> Result<(tokenizers::Tokenizer, serde_json::Value
         ),
     };
     config["add_bos_token"] = add_bos.into();
+    // Unstated, false (llama.cpp's default for every vocabulary kvplug reads).
+    match g.get("tokenizer.ggml.add_eos_token") {
+        Some(Value::Bool(b)) => config["add_eos_token"] = (*b).into(),
+        None => {}
+        Some(v) => fail!(
+            Model,
+            "{}: metadata 'tokenizer.ggml.add_eos_token' is {v:?}, not a bool",
+            g.path.display()
+        ),
+    }
     Ok((tk, config))
 }
 
@@ -1557,7 +1567,7 @@ fn candle_type(id: u32) -> Option<GgmlDType> {
 /// a space (llama.cpp's default); Qwen3.5's prediction blocks are left out; Gemma 3 27B's
 /// attention scale. 6: a byte-level BPE naming no pre-tokenizer, or `default`, takes
 /// llama.cpp's DEFAULT splits, not GPT-2's; tokens llama.cpp reads as ending generation are
-/// control tokens whatever their type in the file.
+/// control tokens whatever their type in the file; `add_eos_token` is read.
 const INDEXER_REVISION: u32 = 6;
 
 /// Writes into `out` (which must not exist; staged and renamed into place) the directory

@@ -365,6 +365,39 @@ fn control_looking_tokens_are_control_whatever_their_type() {
     assert_eq!(text.detokenize(&ids).unwrap(), "hihi");
 }
 
+/// A raw prompt ends with EOS where the file says `tokenizer.ggml.add_eos_token` (llama.cpp
+/// appends it to a prompt tokenized with its special tokens, Hugging Face's tokenizer
+/// likewise), and not where the file does not say so.
+#[test]
+fn a_raw_prompt_ends_with_eos_where_the_file_says_add_eos_token() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let (preset, tensors) = synthetic_weights(dir.path());
+    let (tokenizer, tokens) = bpe_tokenizer_meta("qwen2", &["h i"], preset.vocab);
+    let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as i32;
+    for (name, add_eos) in [
+        ("unstated", None),
+        ("true", Some(true)),
+        ("false", Some(false)),
+    ] {
+        let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
+        meta.extend(tokenizer.clone());
+        if let Some(b) = add_eos {
+            meta.push(("tokenizer.ggml.add_eos_token", Value::Bool(b)));
+        }
+        let gguf = dir.path().join(format!("{name}.gguf"));
+        write_gguf(&gguf, &meta, &tensors);
+        let out = dir.path().join(name);
+        kvplug::formats::gguf::index(&gguf, &out).unwrap();
+        let raw = Text::load(&out).unwrap().encode_raw("hi").unwrap();
+        let want = match add_eos {
+            Some(true) => vec![id("hi"), id("<|im_end|>")],
+            _ => vec![id("hi")],
+        };
+        assert_eq!(raw, want, "add_eos_token {name}");
+    }
+}
+
 /// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`) starts a text with a space
 /// unless `tokenizer.ggml.add_space_prefix` says false, as llama.cpp does: Llama 2's and
 /// Mistral's files do not state it.
