@@ -356,9 +356,9 @@ pub struct Tuning {
     /// ([`Context::project`]): a GPU's compiler then drops the other dtypes' branches; on a
     /// CPU adapter each dtype's build costs about a second of compiling for little gain.
     pub by_dtype: bool,
-    /// Dispatches recorded after a flush (a step's readback) before the batch is first
-    /// submitted (1 to [`SUBMIT_AFTER`]): the device idles until then, so fewer start it
-    /// sooner, and later submits wait for twice as many as the last.
+    /// Dispatches recorded after a flush (a readback or a host write: at least once a step)
+    /// before the batch is first submitted (1 to [`SUBMIT_AFTER`]): the device idles until
+    /// then, so fewer start it sooner, and later submits wait for twice as many as the last.
     pub first_submit: u32,
     /// Whether `rows_main` stages its token's input in workgroup memory, made once per
     /// workgroup, where the op makes it (normed, gated or merged heads) and a workgroup

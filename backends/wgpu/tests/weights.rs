@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use kvplug_backend_kit::model::blocks::{dequantize_row, BLOCK_FORMATS};
+use kvplug_backend_kit::model::blocks::{dequantize_row, BlockFormat, BLOCK_FORMATS};
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::testing::{additive_parts, random_blocks, Rng};
 use kvplug_backend_kit::Device;
@@ -25,9 +25,31 @@ fn row_bytes(dtype: StoredDtype) -> usize {
     COLS / dtype.unit_elems() * dtype.unit_bytes()
 }
 
+/// Bytes of one `COLS`-wide row of `dtype` on the device: Q4_0, Q5_0, Q8_0 and Q6_K blocks
+/// are two bytes longer there (whole words, model.rs's `block_pad`).
+fn device_row_bytes(dtype: StoredDtype) -> usize {
+    let padded = [
+        BlockFormat::Q4_0,
+        BlockFormat::Q5_0,
+        BlockFormat::Q8_0,
+        BlockFormat::Q6K,
+    ];
+    match dtype {
+        StoredDtype::Block(f) if padded.contains(&f) => {
+            row_bytes(dtype) + 2 * (COLS / f.block_elems())
+        }
+        _ => row_bytes(dtype),
+    }
+}
+
+/// Rows of a binding part of a weight of `dtype`.
+fn part_rows(dtype: StoredDtype) -> usize {
+    (CAP - 4) / device_row_bytes(dtype)
+}
+
 /// Rows of a weight of `dtype` spanning two whole binding parts and part of a third.
 fn rows(dtype: StoredDtype) -> usize {
-    let per = (CAP - 4) / row_bytes(dtype);
+    let per = part_rows(dtype);
     2 * per + per / 2 + 1
 }
 
@@ -133,11 +155,13 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
         let inputs = [None, Some(64), Some(2)];
         let got: Vec<[Vec<f32>; 2]> = inputs
             .iter()
-            .map(|&hd| [2, 20].map(|tokens| project(dev, (&w, rows), &x[..tokens * COLS], hd)))
+            .map(|&hd| {
+                [2, 20].map(|tokens| project(dev, (&w, rows, COLS), &x[..tokens * COLS], hd))
+            })
             .collect();
         // The first row of each part and the last row.
         let ids: Vec<i32> = (0..rows)
-            .step_by((CAP - 4) / row_bytes(dtype))
+            .step_by(part_rows(dtype))
             .chain([rows - 1])
             .map(|r| r as i32)
             .collect();
@@ -188,28 +212,28 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
     }
 }
 
-/// `x` (`[T, COLS]`) through `w` (`[rows, COLS]`): `linear`, or with `hd` given, `heads_linear_add` into zeros
-/// from `x` laid out heads-major (`[COLS / hd, T, hd]`).
+/// `x` (`[T, cols]`) through `w` (`[rows, cols]`): `linear`, or with `hd` given, `heads_linear_add` into zeros
+/// from `x` laid out heads-major (`[cols / hd, T, hd]`).
 fn project(
     dev: &WgpuDevice,
-    (w, rows): (&WgpuWeight, usize),
+    (w, rows, cols): (&WgpuWeight, usize, usize),
     x: &[f32],
     hd: Option<usize>,
 ) -> Vec<f32> {
-    let tokens = x.len() / COLS;
+    let tokens = x.len() / cols;
     let mut out = dev.zeros(&[tokens, rows]).unwrap();
     match hd {
         None => {
-            let xt = dev.tensor(x, &[tokens, COLS]).unwrap();
+            let xt = dev.tensor(x, &[tokens, cols]).unwrap();
             dev.linear(&xt, w, None, &mut out).unwrap();
         }
         Some(hd) => {
-            let heads: Vec<f32> = (0..COLS / hd)
+            let heads: Vec<f32> = (0..cols / hd)
                 .flat_map(|h| (0..tokens).flat_map(move |t| (0..hd).map(move |d| (h, t, d))))
-                .map(|(h, t, d)| x[t * COLS + h * hd + d])
+                .map(|(h, t, d)| x[t * cols + h * hd + d])
                 .collect();
-            let xt = dev.tensor(&heads, &[COLS / hd, tokens, hd]).unwrap();
-            let mut merged = dev.zeros(&[tokens, COLS]).unwrap();
+            let xt = dev.tensor(&heads, &[cols / hd, tokens, hd]).unwrap();
+            let mut merged = dev.zeros(&[tokens, cols]).unwrap();
             let mut scratch = dev.zeros(&[tokens, rows]).unwrap();
             dev.heads_linear_add(&xt, w, None, &mut merged, &mut scratch, &mut out)
                 .unwrap();
@@ -219,4 +243,48 @@ fn project(
         .unwrap()
         .to_f32()
         .unwrap()
+}
+
+/// `rows_main` staging a made input in workgroup memory (`Tuning::stage`; here the merge of
+/// attention's heads, a workgroup computing 4 rows) over a row of several staged chunks
+/// (4608 values: 2048, 2048 and 512) gives the bits of reading the input directly: each lane
+/// takes the same values in the same order either way. For a dense and a block format.
+#[test]
+fn a_staged_input_over_several_chunks_gives_the_direct_reads_bits() {
+    const WIDE: usize = 4608;
+    const ROWS: usize = 8;
+    let mut rng = Rng(29);
+    let x: Vec<f32> = (0..2 * WIDE).map(|_| rng.signed()).collect();
+    let f = BlockFormat::Q4K;
+    let weights = [
+        (
+            StoredDtype::F16,
+            (0..ROWS * WIDE)
+                .flat_map(|_| f16::from_f32(rng.signed()).to_le_bytes())
+                .collect::<Vec<u8>>(),
+        ),
+        (
+            StoredDtype::Block(f),
+            random_blocks(f, ROWS * WIDE / f.block_elems(), &mut rng),
+        ),
+    ];
+    for (dtype, bytes) in weights {
+        let run = |stage| {
+            // 16 lanes a row: 4 rows a 64-invocation workgroup, so the input is staged.
+            let tuning = Tuning {
+                stage,
+                max_lanes: 16,
+                ..Tuning::CPU
+            };
+            let dev = WgpuDevice::open_tuned(tuning).expect("a wgpu adapter");
+            let n = bytes.len();
+            let stored = StoredTensor::new(dtype, Arc::new(bytes.clone()), 0..n).unwrap();
+            let w = dev.weight(stored, ROWS, WIDE).unwrap();
+            project(&dev, (&w, ROWS, WIDE), &x, Some(64))
+        };
+        let (staged, direct) = (run(true), run(false));
+        assert!(direct.iter().any(|&v| v != 0.0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&staged), bits(&direct), "{}", dtype.name());
+    }
 }

@@ -164,12 +164,12 @@ fn x4(t: u32, c: u32, c0: u32) -> vec4<f32> {
     return xin4(t, c);
 }
 
-// Row o's products with input values c0 .. c0 + n of token t, the lane's share: values
-// (dense dtypes) or quads (block formats) lane, lane + lanes, ... of them. Chunks start on
-// a multiple of XCHUNK (of 32 values and of the lanes), so a lane's values are the same
-// however the row is chunked.
-fn row_dot(o: u32, t: u32, c0: u32, n: u32, lane: u32, lanes: u32) -> f32 {
-    var acc = 0.0;
+// `acc` plus row o's products with input values c0 .. c0 + n of token t, the lane's
+// share: values (dense dtypes) or quads (block formats) lane, lane + lanes, ... of them,
+// added in turn. Chunks start on a multiple of XCHUNK (of 32 values and of the lanes), so a
+// lane adds the same values in the same order however the row is chunked.
+fn row_dot(o: u32, t: u32, c0: u32, n: u32, lane: u32, lanes: u32, acc0: f32) -> f32 {
+    var acc = acc0;
     if fmt < 3u {
         for (var i = c0 + lane; i < c0 + n; i += lanes) {
             acc += x1(t, i, c0) * weight_at(o * p.cols + i);
@@ -235,11 +235,11 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
                 xs[i] = stage4(t, c0 + 4u * i, c0 + n);
             }
             workgroupBarrier();
-            if live { acc += row_dot(o, t, c0, n, lane, lanes); }
+            if live { acc = row_dot(o, t, c0, n, lane, lanes, acc); }
             workgroupBarrier();
         }
     } else if live {
-        acc = row_dot(o, t, 0u, cols, lane, lanes);
+        acc = row_dot(o, t, 0u, cols, lane, lanes, 0.0);
     }
     lane_sums(acc, lid, lanes);
     if lane != 0u || !live { return; }

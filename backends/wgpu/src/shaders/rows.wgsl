@@ -57,7 +57,9 @@ fn write_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgrou
     let h = n / units / p.t;
     let i = (n / units) % p.t;
     let sb = (h * p.t + i) * p.d;
-    let cell = select(cellidx[p.idx0 + i], p.base + i, p.run == 1u);
+    // A run reads no cell words (it uploads none).
+    var cell = p.base + i;
+    if p.run == 0u { cell = cellidx[p.idx0 + i]; }
     let rb = (h * p.cells + cell) * p.row_words;
     switch p.dtype {
         case 0u: {

@@ -1273,8 +1273,12 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         .enumerate()
         .map(|(i, t)| (t.clone(), i as u32))
         .collect();
-    // A file naming no pre-tokenizer gets llama.cpp's DEFAULT one, as "default" does.
-    let pre = g.string_opt("tokenizer.ggml.pre")?.unwrap_or("default");
+    // A file naming no pre-tokenizer (or an empty name) gets llama.cpp's DEFAULT one, as
+    // "default" does.
+    let pre = g
+        .string_opt("tokenizer.ggml.pre")?
+        .filter(|p| !p.is_empty())
+        .unwrap_or("default");
     // Llama 3's tokenizer.json (and llama.cpp for its pre-tokenizer) takes a pre-token found
     // whole in the vocabulary as one token, whatever the merges would make of it.
     let llama3 = is_llama3_pre(pre);

@@ -282,7 +282,8 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     let (preset, tensors) = synthetic_weights(dir.path());
     // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models;
     // "deepseek-r1-qwen" one it gives Qwen2's.
-    // "none": a file naming no pre-tokenizer, which llama.cpp reads as "default".
+    // "none": a file naming no pre-tokenizer, which llama.cpp reads as "default", as it
+    // reads an empty name ("").
     let pres = [
         ("llama-bpe", LLAMA3_PRE),
         ("falcon3", LLAMA3_PRE),
@@ -292,8 +293,10 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
         ("gpt-2", GPT2_PRE),
         ("default", DEFAULT_PRE),
         ("none", DEFAULT_PRE),
+        ("", DEFAULT_PRE),
     ];
     for (pre, reference) in pres {
+        let name = if pre.is_empty() { "empty" } else { pre };
         let mut meta = llama_gguf_meta(&preset, 1e-5, 10_000.0);
         let (tokenizer, _) = bpe_tokenizer_meta(pre, &merges, preset.vocab);
         meta.extend(
@@ -301,9 +304,9 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
                 .into_iter()
                 .filter(|(k, _)| pre != "none" || *k != "tokenizer.ggml.pre"),
         );
-        let gguf = dir.path().join(format!("{pre}.gguf"));
+        let gguf = dir.path().join(format!("{name}.gguf"));
         write_gguf(&gguf, &meta, &tensors);
-        check(&gguf, &dir.path().join(pre), reference);
+        check(&gguf, &dir.path().join(name), reference);
     }
     // The pre-tokenizers differ on these merges, so each check above can fail.
     let (tokens, merges, types) = vocabulary(&dir.path().join("llama-bpe.gguf"));
