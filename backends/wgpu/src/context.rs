@@ -367,6 +367,9 @@ pub struct Tuning {
     /// than 33.8, its down projection, one row a workgroup, 30.9 rather than 22.6 and the
     /// head, a plain input, 221 rather than 178.)
     pub stage: bool,
+    /// Invocations a decode projection's dispatch should have at least: rows take more
+    /// lanes (fewer steps each, down to one) until it has (0: `lane_steps` alone decides).
+    pub threads: u32,
 }
 
 impl Tuning {
@@ -385,18 +388,20 @@ impl Tuning {
         by_dtype: false,
         first_submit: SUBMIT_AFTER,
         stage: false,
+        threads: 0,
     };
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
     /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
-    /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`, `first_submit=N`, `stage=0|1`).
+    /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`, `first_submit=N`, `stage=0|1`,
+    /// `threads=N`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
         for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let bad = || {
                 format!(
                     "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
                      max_lanes=N, rows_tokens=N, subgroups=0|1, by_dtype=0|1, \
-                     first_submit=N or stage=0|1"
+                     first_submit=N, stage=0|1 or threads=N"
                 )
             };
             let (name, value) = field.split_once('=').ok_or_else(bad)?;
@@ -411,6 +416,7 @@ impl Tuning {
                 "by_dtype" if n <= 1 => self.by_dtype = n == 1,
                 "first_submit" => self.first_submit = n,
                 "stage" if n <= 1 => self.stage = n == 1,
+                "threads" => self.threads = n,
                 _ => return Err(bad()),
             }
         }
@@ -445,10 +451,13 @@ impl Tuning {
     }
 
     /// A GPU's: memory latency is hidden only by many short chains of loads, so 256
-    /// invocations a workgroup and about eight steps a lane, and three projections a dispatch
-    /// where the adapter allows [`THREE_WAY_BINDINGS`] storage bindings a stage. (Eight: on
-    /// an H200, 2026-11-30, 1.11x four's greedy decode on the Qwen2.5-1.5B shape and 0.98x
-    /// on the 0.5B one, within that run's noise; two and sixteen were slower on both.)
+    /// invocations a workgroup, at most eight steps a lane and at least 65,536 invocations
+    /// a dispatch, and three projections a dispatch where the adapter allows
+    /// [`THREE_WAY_BINDINGS`] storage bindings a stage. (On an H200, 2026-12-04, greedy
+    /// tg128 of the Qwen2.5-0.5B, 1.5B and SmolLM2 shapes: 65,536 invocations gave 1.14x,
+    /// 1.13x and 1.26x of none (steps alone), 32,768 1.08x, 1.09x, 1.19x and 131,072 1.12x,
+    /// 1.15x, 1.27x; with four steps a lane rather than eight, 0.99x, 0.85x and 1.01x of
+    /// 65,536 alone.)
     pub fn gpu(limits: &wgpu::Limits) -> Tuning {
         let three = limits.max_storage_buffers_per_shader_stage >= THREE_WAY_BINDINGS;
         Tuning {
@@ -461,12 +470,13 @@ impl Tuning {
             by_dtype: true,
             first_submit: 8,
             stage: true,
+            threads: 1 << 16,
         }
     }
 }
 
-/// `project.wgsl` for `ways` projections a dispatch, after `weights.wgsl`: the weight,
-/// output and bias bindings from 4 on, and the accessors of projection `sel`'s; then its
+/// `project.wgsl` for `ways` projections a dispatch, after `weights.wgsl`: the weight
+/// (16-byte units, as weights are padded to), output and bias bindings from 4 on, and the accessors of projection `sel`'s; then its
 /// sums, with subgroup operations (`reduce_subgroup.wgsl`) or without.
 fn project_source(ways: usize, subgroups: bool) -> String {
     // Naga takes subgroup built-ins from a device with `Features::SUBGROUP` without the
@@ -474,7 +484,7 @@ fn project_source(ways: usize, subgroups: bool) -> String {
     let mut s = String::from(include_str!("shaders/weights.wgsl"));
     let mut decls = String::new();
     for (k, (name, access, ty)) in [
-        ("w", "read", "u32"),
+        ("w", "read", "vec4<u32>"),
         ("out", "read_write", "f32"),
         ("bias", "read", "f32"),
     ]
@@ -501,9 +511,11 @@ fn project_source(ways: usize, subgroups: bool) -> String {
     };
     decls += &format!(
         "fn wb(i: u32) -> u32 {{ {} }}\n\
+         fn wq(i: u32) -> vec4<u32> {{ {} }}\n\
          fn out_get(i: u32) -> f32 {{ {} }}\n\
          fn out_set(i: u32, v: f32) {{ {} }}\n\
          fn bias_at(i: u32) -> f32 {{ {} }}\n",
+        pick(&|w| format!("return w{w}[i >> 2u][i & 3u];")),
         pick(&|w| format!("return w{w}[i];")),
         pick(&|w| format!("return out{w}[i];")),
         pick(&|w| format!("out{w}[i] = v;")),

@@ -187,16 +187,20 @@ const TILE: u32 = 64;
 /// The most workgroups in one dimension of a dispatch (WebGPU's default limit).
 const MAX_GROUPS: u32 = 65535;
 
-/// Lanes per row of `rows_main` for rows of `cols` values in dtype flag `dtype`: about
-/// `tuning.lane_steps` steps of a lane per row (each step a value of a dense dtype, a quad
-/// of a block format), a power of two from 8 to `tuning.max_lanes`, at most half of the
-/// workgroup's invocations when rows are rotated (a pair shares a workgroup).
-fn row_lanes(cols: usize, dtype: u32, rotated: bool, tuning: &Tuning) -> u32 {
+/// Lanes per row of `rows_main` for `rows` rows of `cols` values in dtype flag `dtype`: at
+/// most `tuning.lane_steps` steps of a lane per row (each step a value of a dense dtype, a
+/// span of a block format), and more, up to a lane a step,
+/// while the dispatch has fewer than `tuning.threads` invocations; a power of two from 8 to
+/// `tuning.max_lanes`, at most half of the workgroup's invocations when rows are rotated (a
+/// pair shares a workgroup).
+fn row_lanes(rows: usize, cols: usize, dtype: u32, rotated: bool, tuning: &Tuning) -> u32 {
     let (group, max_lanes) = (tuning.group, tuning.max_lanes.min(tuning.group));
-    let steps = if dtype < 3 { cols } else { cols / 4 };
-    let lanes = (steps as u32 / tuning.lane_steps)
-        .next_power_of_two()
-        .clamp(8, max_lanes);
+    let steps = if dtype < 3 { cols } else { cols / 32 } as u32;
+    let by_steps = (steps / tuning.lane_steps).next_power_of_two();
+    let by_threads = (tuning.threads / rows.max(1) as u32)
+        .checked_ilog2()
+        .map_or(0, |l| (1 << l).min(steps.next_power_of_two()));
+    let lanes = by_steps.max(by_threads).clamp(8, max_lanes);
     if rotated {
         lanes.min(group / 2)
     } else {
@@ -347,7 +351,8 @@ impl WgpuDevice {
         let tuning = self.context().tuning;
         let together = t <= tuning.rows_tokens;
         let group = tuning.group;
-        let lanes = row_lanes(cols, ways[0].dtype, rotated, &tuning);
+        let rows = ways.iter().map(|w| w.rows as usize).sum();
+        let lanes = row_lanes(rows, cols, ways[0].dtype, rotated, &tuning);
         // Each projection starts on a workgroup's first row (project.wgsl's header); the
         // ways a dispatch does not have start past every row.
         let per = group / lanes;
@@ -533,14 +538,15 @@ impl ModelDevice for WgpuDevice {
             .limits
             .max_storage_buffer_binding_size
             .min(ctx.limits.max_buffer_size) as usize;
-        if gpu_row + 4 > limit {
+        if gpu_row + 16 > limit {
             return Err(KitError::Device(format!(
                 "one {cols}-wide row of a weight is {gpu_row} bytes, over this adapter's \
                  storage binding limit of {limit}"
             )));
         }
-        // Whole rows per part, their bytes padded to whole 32-bit words.
-        let per = (limit - 4) / gpu_row.max(1);
+        // Whole rows per part, their bytes padded to whole 16-byte units (the projection
+        // module reads weights as vec4<u32>).
+        let per = (limit - 16) / gpu_row.max(1);
         let all = data.bytes();
         let mut parts = Vec::with_capacity(rows.div_ceil(per));
         for row0 in (0..rows).step_by(per) {
@@ -555,10 +561,10 @@ impl ModelDevice for WgpuDevice {
                 None => bytes,
             };
             let padded;
-            let bytes = if bytes.len() % 4 == 0 {
+            let bytes = if bytes.len() % 16 == 0 {
                 bytes
             } else {
-                padded = [bytes, &[0u8; 3][..4 - bytes.len() % 4]].concat();
+                padded = [bytes, &[0u8; 15][..16 - bytes.len() % 16]].concat();
                 &padded[..]
             };
             parts.push(WeightPart {

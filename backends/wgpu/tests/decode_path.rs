@@ -26,6 +26,7 @@ const GPU: Tuning = Tuning {
     by_dtype: true,
     first_submit: 8,
     stage: true,
+    threads: 1 << 16,
 };
 
 fn gpu_device() -> WgpuDevice {

@@ -44,7 +44,7 @@ fn device_row_bytes(dtype: StoredDtype) -> usize {
 
 /// Rows of a binding part of a weight of `dtype`.
 fn part_rows(dtype: StoredDtype) -> usize {
-    (CAP - 4) / device_row_bytes(dtype)
+    (CAP - 16) / device_row_bytes(dtype)
 }
 
 /// Rows of a weight of `dtype` spanning two whole binding parts and part of a third.

@@ -23,6 +23,10 @@ fn wb(i: u32) -> u32 {
     return b[i];
 }
 
+fn wq(i: u32) -> vec4<u32> {
+    return vec4<u32>(b[4u * i], b[4u * i + 1u], b[4u * i + 2u], b[4u * i + 3u]);
+}
+
 fn flat(g: vec3<u32>, nw: vec3<u32>) -> u32 {
     return g.x + g.y * nw.x * 64u;
 }
