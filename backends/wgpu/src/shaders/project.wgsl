@@ -238,29 +238,50 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
     let lane = lid % lanes;
     let t = wg.z;
     let cols = p.cols;
-    if (p.mode & NORMED) != 0u {
-        var s = 0.0;
+    // A normed input read directly has 1/rms in each value (xin), from a pass of its own;
+    // a staged one is staged unnormed, x·norm, its squares summed in the same pass, and
+    // each lane's sum scaled by 1/rms.
+    let normed = (p.mode & NORMED) != 0u;
+    let staged = (p.mode & STAGED) != 0u;
+    var squares = 0.0;
+    norm_inv = 1.0;
+    if normed && !staged {
         for (var i = lid; i < cols; i += GROUP) {
             let v = a[t * cols + i];
-            s += v * v;
+            squares += v * v;
         }
-        norm_inv = 1.0 / sqrt(group_sum(s, lid) / f32(cols) + p.eps);
+        norm_inv = 1.0 / sqrt(group_sum(squares, lid) / f32(cols) + p.eps);
     }
     select_row((wg.x + wg.y * nw.x) * per);
     let live = r < end(sel);
     var o = 0u;
     if live { o = slot_row(r - start(sel)); }
     var acc = 0.0;
-    if (p.mode & STAGED) != 0u {
+    if staged {
         for (var c0 = 0u; c0 < cols; c0 += XCHUNK) {
             let n = min(XCHUNK, cols - c0);
             for (var i = lid; 4u * i < n; i += GROUP) {
-                xs[i] = stage4(t, c0 + 4u * i, c0 + n);
+                let c = c0 + 4u * i;
+                if normed {
+                    var v = vec4<f32>(0.0);
+                    var g = vec4<f32>(0.0);
+                    for (var k = 0u; k < 4u; k++) {
+                        if c + k < c0 + n {
+                            v[k] = a[t * cols + c + k];
+                            g[k] = aux[c + k];
+                        }
+                    }
+                    squares += dot(v, v);
+                    xs[i] = v * g;
+                } else {
+                    xs[i] = stage4(t, c, c0 + n);
+                }
             }
             workgroupBarrier();
             if live { acc = row_dot(o, t, c0, n, lane, lanes, acc); }
             workgroupBarrier();
         }
+        if normed { acc *= 1.0 / sqrt(group_sum(squares, lid) / f32(cols) + p.eps); }
     } else if live {
         acc = row_dot(o, t, 0u, cols, lane, lanes, 0.0);
     }
