@@ -1053,10 +1053,7 @@ impl Context {
 
     /// Reads a buffer back to the host (blocking).
     pub fn read(&self, buffer: &wgpu::Buffer, size: u64) -> Result<Vec<u8>, String> {
-        self.read_regions(buffer, &[(0, size.max(4))]).map(|mut b| {
-            b.truncate(size as usize);
-            b
-        })
+        self.read_with(buffer, size, <[u8]>::to_vec)
     }
 
     /// Reads `(offset, size)` regions of a buffer back to the host, concatenated (blocking).
@@ -1066,6 +1063,30 @@ impl Context {
         buffer: &wgpu::Buffer,
         regions: &[(u64, u64)],
     ) -> Result<Vec<u8>, String> {
+        self.read_regions_with(buffer, regions, <[u8]>::to_vec)
+    }
+
+    /// The first `size` bytes of a buffer, given to `use_bytes` where they are mapped
+    /// (blocking; no copy of them is made first).
+    pub fn read_with<R>(
+        &self,
+        buffer: &wgpu::Buffer,
+        size: u64,
+        use_bytes: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, String> {
+        self.read_regions_with(buffer, &[(0, size.max(4))], |b| {
+            use_bytes(&b[..size as usize])
+        })
+    }
+
+    /// [`Context::read_regions`], the concatenated bytes given to `use_bytes` where they
+    /// are mapped.
+    fn read_regions_with<R>(
+        &self,
+        buffer: &wgpu::Buffer,
+        regions: &[(u64, u64)],
+        use_bytes: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, String> {
         let size: u64 = regions.iter().map(|r| r.1).sum();
         let mut cached = self.readback.lock().unwrap_or_else(|p| p.into_inner());
         let staging = match cached.take() {
@@ -1121,15 +1142,16 @@ impl Context {
         rx.recv()
             .map_err(|e| format!("readback callback dropped: {e}"))?
             .map_err(|e| format!("mapping the readback buffer: {e}"))?;
-        let bytes = staging
-            .get_mapped_range(..size.max(4))
-            .map_err(|e| format!("reading the mapped range: {e:?}"))?[..size as usize]
-            .to_vec();
+        let got = use_bytes(
+            &staging
+                .get_mapped_range(..size.max(4))
+                .map_err(|e| format!("reading the mapped range: {e:?}"))?[..size as usize],
+        );
         staging.unmap();
         self.read_back.fetch_add(size, Ordering::Relaxed);
         // Kept only after a clean read: a failed one leaves no mapped buffer behind.
         *cached = Some(staging);
-        Ok(bytes)
+        Ok(got)
     }
 }
 

@@ -602,11 +602,37 @@ impl Device for WgpuDevice {
     }
 
     fn download(&self, t: &WgpuTensor, dtype: TensorDtype) -> Result<HostTensor, KitError> {
+        let mut out = HostTensor::empty();
+        self.download_into(t, dtype, &mut out)?;
+        Ok(out)
+    }
+
+    /// Encodes from the mapped staging buffer into `out`'s buffers: a decode step's logits
+    /// are copied once on the host and allocate nothing once warm.
+    fn download_into(
+        &self,
+        t: &WgpuTensor,
+        dtype: TensorDtype,
+        out: &mut HostTensor,
+    ) -> Result<(), KitError> {
         let n = t.dims.iter().product::<usize>();
-        let bytes = self.ctx.read(&t.buf, (n * 4) as u64).map_err(device_err)?;
-        let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-        HostTensor::encode_f32(&t.dims, &data, dtype)
-            .ok_or_else(|| CacheError::bad_shape("cannot download activations as i32").into())
+        let encoded = self
+            .ctx
+            .read_with(&t.buf, (n * 4) as u64, |bytes| {
+                match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+                    Ok(data) => out.encode_f32_into(&t.dims, data, dtype),
+                    // A mapping not aligned for f32 (none seen): copied first.
+                    Err(_) => {
+                        out.encode_f32_into(&t.dims, &bytemuck::pod_collect_to_vec(bytes), dtype)
+                    }
+                }
+            })
+            .map_err(device_err)?;
+        if encoded {
+            Ok(())
+        } else {
+            Err(CacheError::bad_shape("cannot download activations as i32").into())
+        }
     }
 }
 
