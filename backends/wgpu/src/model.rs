@@ -1049,3 +1049,37 @@ impl ModelDevice for WgpuDevice {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::row_lanes;
+    use crate::context::Tuning;
+
+    const Q4K: u32 = 8;
+
+    #[test]
+    fn a_small_projection_takes_lanes_until_its_dispatch_has_the_invocations() {
+        let gpu = Tuning::gpu(&wgpu::Limits::default());
+        let steps_alone = Tuning { threads: 0, ..gpu };
+        // 17,920 rows of 48 spans (the 1.5B shape's gate/up): at most 8 steps a lane
+        // gives 8 lanes, 143,360 invocations, past the target.
+        assert_eq!(row_lanes(17920, 1536, Q4K, false, &gpu), 8);
+        // 2,048 rows of 48 spans (its q/k/v): 6 steps a lane would be 16,384 invocations;
+        // 32 lanes make 65,536.
+        assert_eq!(row_lanes(2048, 1536, Q4K, false, &steps_alone), 8);
+        assert_eq!(row_lanes(2048, 1536, Q4K, false, &gpu), 32);
+        // No more lanes than the row has spans (28, the 0.5B shape's), rounded up.
+        assert_eq!(row_lanes(896, 896, Q4K, false, &gpu), 32);
+        // The steps' lanes where they are more: 280 spans at 8 steps, 64 lanes.
+        assert_eq!(row_lanes(1536, 8960, Q4K, false, &gpu), 64);
+        // At most max_lanes, and half the workgroup when rows pair up for a rotation.
+        let narrow = Tuning {
+            max_lanes: 16,
+            ..gpu
+        };
+        assert_eq!(row_lanes(64, 8960, Q4K, false, &narrow), 16);
+        assert_eq!(row_lanes(64, 16384, Q4K, true, &gpu), 128);
+        // A dense row's steps are values: 896 at 8 steps, 128 lanes.
+        assert_eq!(row_lanes(4096, 896, 1, false, &gpu), 128);
+    }
+}
