@@ -1,7 +1,7 @@
 // Reading a weight in its stored dtype, shared by the modules that read weights (the
 // Rust side puts this file before each). A module defines `fn wb(i: u32) -> u32` (word i
-// of the weight being read) and `fn wq(i: u32) -> vec4<u32>` (words 4i .. 4i + 3) and sets `fmt` (its dtype flag, see weight_at) before calling
-// these.
+// of the weight being read) and `fn wq(i: u32) -> vec4<u32>` (words 4i .. 4i + 3) and sets
+// `fmt` (its dtype flag, see weight_at) before calling these.
 
 var<private> fmt: u32;
 
@@ -243,9 +243,8 @@ struct Span {
     lead: u32,
 }
 
-// Words i .. i + 3 of the weight (wq, i a multiple of 4, where `aligned`).
-fn words4(i: u32, aligned: bool) -> vec4<u32> {
-    if aligned { return wq(i >> 2u); }
+// Words i .. i + 3 of the weight, i not a multiple of 4 (wq reads aligned ones).
+fn words4(i: u32) -> vec4<u32> {
     return vec4<u32>(wb(i), wb(i + 1u), wb(i + 2u), wb(i + 3u));
 }
 
@@ -280,15 +279,15 @@ fn span(sp: u32) -> Span {
             if fmt == 4u || fmt == 6u { m = half_at(o + 2u); }
             h.scale = vec2<f32>(d);
             h.offset = vec2<f32>(m);
-            h.codes = words4((o >> 2u) + select(1u, 2u, five), false);
+            h.codes = words4((o >> 2u) + select(1u, 2u, five));
             if five { h.high.x = wb((o >> 2u) + 1u); }
             h.xb = 16u;
         }
         case 7u: {
             let o = sp * 36u;
             h.scale = vec2<f32>(half_at(o));
-            h.codes = words4((o >> 2u) + 1u, false);
-            h.codes_b = words4((o >> 2u) + 5u, false);
+            h.codes = words4((o >> 2u) + 1u);
+            h.codes_b = words4((o >> 2u) + 5u);
             h.xb = 16u;
         }
         case 8u, 9u: {
@@ -306,8 +305,8 @@ fn span(sp: u32) -> Span {
             let b = k4_scale_min_of(2u * c + 1u, head.yzw);
             h.scale = dm.x * vec2<f32>(a.x, b.x);
             h.offset = -dm.y * vec2<f32>(a.y, b.y);
-            h.codes = words4((o + select(16u, 48u, q5) + 32u * c + l0) >> 2u, true);
-            if q5 { h.high = words4((o + 16u + l0) >> 2u, true); }
+            h.codes = wq((o + select(16u, 48u, q5) + 32u * c + l0) >> 4u);
+            if q5 { h.high = wq((o + 16u + l0) >> 4u); }
             h.shifts = vec2<u32>(2u * c, 2u * c + 1u);
             h.xa = 64u * c + l0;
             h.xb = h.xa + 32u;
@@ -327,8 +326,8 @@ fn span(sp: u32) -> Span {
             let sa = o + 192u + 8u * n + m % 2u + 2u * qa;
             h.scale = half_at(o + 208u) * vec2<f32>(sbyte_at(sa), sbyte_at(sa + 4u));
             h.offset = -32.0 * h.scale;
-            h.codes = words4((o + 64u * n + 16u * m) >> 2u, false);
-            h.high = words4((o + 128u + 32u * n + l0) >> 2u, false);
+            h.codes = words4((o + 64u * n + 16u * m) >> 2u);
+            h.high = words4((o + 128u + 32u * n + l0) >> 2u);
             h.shifts = vec2<u32>(2u * qa, 2u * qa + 4u);
             h.xa = 128u * n + 32u * qa + l0;
             h.xb = h.xa + 64u;
