@@ -361,20 +361,22 @@ pub struct Tuning {
     /// then, so fewer start it sooner, and later submits wait for twice as many as the last.
     pub first_submit: u32,
     /// Whether `rows_main` stages its token's input in workgroup memory, made once per
-    /// workgroup, where the op makes it (normed, gated or merged heads) and a workgroup
+    /// workgroup, where the op makes it (x·norm, gated or merged heads) and a workgroup
     /// computes several rows, rather than each lane making the values it reads. (On an H200,
     /// 2026-12-04: staged everywhere, the Qwen2.5-0.5B shape's gate/up took 30.4 µs rather
     /// than 33.8, its down projection, one row a workgroup, 30.9 rather than 22.6 and the
     /// head, a plain input, 221 rather than 178.)
     pub stage: bool,
-    /// Invocations a decode projection's dispatch should have at least: rows take more
-    /// lanes (fewer steps each, down to one) until it has (0: `lane_steps` alone decides).
+    /// Invocations a decode projection should have at least a token: rows take more lanes
+    /// (fewer steps each, down to one) until it has (0: `lane_steps` alone decides).
     pub threads: u32,
 }
 
 impl Tuning {
     /// A CPU adapter's (lavapipe): it runs a workgroup's invocations in turn, so few
-    /// invocations with long loops, and one projection a dispatch (choosing a projection's
+    /// invocations with long loops (32 steps: 32 spans of a block-format row, which leaves
+    /// most rows 8 lanes; SmolLM2 Q4_1 decoded at 1.61 tok/s so, 1.56 with 32 quads a
+    /// lane), and one projection a dispatch (choosing a projection's
     /// binding at each load costs it about as much as the loads). From 3 tokens on, the
     /// tiled product: there a dispatch of it costs about 2.3 tokens of `rows_main`, whatever
     /// its tokens up to 64 (a 15-token SmolLM2 prefill ran 4.6x faster than with 16).
@@ -476,8 +478,9 @@ impl Tuning {
 }
 
 /// `project.wgsl` for `ways` projections a dispatch, after `weights.wgsl`: the weight
-/// (16-byte units, as weights are padded to), output and bias bindings from 4 on, and the accessors of projection `sel`'s; then its
-/// sums, with subgroup operations (`reduce_subgroup.wgsl`) or without.
+/// (16-byte units, as weights are padded to), output and bias bindings from 4 on, and the
+/// accessors of projection `sel`'s; then its sums, with subgroup operations
+/// (`reduce_subgroup.wgsl`) or without.
 fn project_source(ways: usize, subgroups: bool) -> String {
     // Naga takes subgroup built-ins from a device with `Features::SUBGROUP` without the
     // `enable subgroups;` directive, which it refuses (wgpu 30).

@@ -187,12 +187,12 @@ const TILE: u32 = 64;
 /// The most workgroups in one dimension of a dispatch (WebGPU's default limit).
 const MAX_GROUPS: u32 = 65535;
 
-/// Lanes per row of `rows_main` for `rows` rows of `cols` values in dtype flag `dtype`: at
-/// most `tuning.lane_steps` steps of a lane per row (each step a value of a dense dtype, a
-/// span of a block format), and more, up to a lane a step,
-/// while the dispatch has fewer than `tuning.threads` invocations; a power of two from 8 to
-/// `tuning.max_lanes`, at most half of the workgroup's invocations when rows are rotated (a
-/// pair shares a workgroup).
+/// Lanes per row of `rows_main` for `rows` rows of `cols` values in dtype flag `dtype`:
+/// about `tuning.lane_steps` steps of a lane per row (each step a value of a dense dtype, a
+/// span of a block format; the quotient rounded up to a power of two), and more, up to a
+/// lane a step, while a token's rows have fewer than `tuning.threads` invocations; a power
+/// of two from 8 to `tuning.max_lanes`, at most half of the workgroup's invocations when
+/// rows are rotated (a pair shares a workgroup).
 fn row_lanes(rows: usize, cols: usize, dtype: u32, rotated: bool, tuning: &Tuning) -> u32 {
     let (group, max_lanes) = (tuning.group, tuning.max_lanes.min(tuning.group));
     let steps = if dtype < 3 { cols } else { cols / 32 } as u32;

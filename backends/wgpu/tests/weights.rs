@@ -246,9 +246,11 @@ fn project(
 }
 
 /// `rows_main` staging a made input in workgroup memory (`Tuning::stage`; here the merge of
-/// attention's heads, a workgroup computing 4 rows) over a row of several staged chunks
-/// (4608 values: 2048, 2048 and 512) gives the bits of reading the input directly: each lane
-/// takes the same values in the same order either way. For a dense and a block format.
+/// attention's heads) over a row of several staged chunks (4608 values: 2048, 2048 and 512)
+/// gives the bits of reading the input directly: each lane takes the same values in the same
+/// order either way. For a dense and a block format, with 16 lanes a row (4 rows a
+/// 64-invocation workgroup) and with 128 (2 rows a 256-invocation one: the block row's
+/// second chunk then starts at span 64, not a multiple of the lanes).
 #[test]
 fn a_staged_input_over_several_chunks_gives_the_direct_reads_bits() {
     const WIDE: usize = 4608;
@@ -268,12 +270,20 @@ fn a_staged_input_over_several_chunks_gives_the_direct_reads_bits() {
             random_blocks(f, ROWS * WIDE / f.block_elems(), &mut rng),
         ),
     ];
-    for (dtype, bytes) in weights {
+    let shapes = [(64, 16), (256, 128)];
+    for ((dtype, bytes), (group, max_lanes)) in weights
+        .iter()
+        .flat_map(|w| shapes.iter().map(move |&s| (w, s)))
+    {
+        let dtype = *dtype;
         let run = |stage| {
-            // 16 lanes a row: 4 rows a 64-invocation workgroup, so the input is staged.
+            // Lanes up to max_lanes, one a step: at least 2 rows a workgroup, so the input
+            // is staged.
             let tuning = Tuning {
                 stage,
-                max_lanes: 16,
+                group,
+                max_lanes,
+                lane_steps: 1,
                 ..Tuning::CPU
             };
             let dev = WgpuDevice::open_tuned(tuning).expect("a wgpu adapter");
@@ -285,6 +295,11 @@ fn a_staged_input_over_several_chunks_gives_the_direct_reads_bits() {
         let (staged, direct) = (run(true), run(false));
         assert!(direct.iter().any(|&v| v != 0.0));
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&staged), bits(&direct), "{}", dtype.name());
+        assert_eq!(
+            bits(&staged),
+            bits(&direct),
+            "{} at {max_lanes} lanes",
+            dtype.name()
+        );
     }
 }

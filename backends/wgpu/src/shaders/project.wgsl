@@ -50,7 +50,8 @@ const STAGED: u32 = 1024u;
 // The projection being computed (which binding `wb`, `out_get`, `out_set`, `bias_at` use).
 var<private> sel: u32;
 
-// 1/rms of the token whose values a NORMED linear's invocation reads (set by its entry point).
+// 1/rms of the token whose values a NORMED linear's invocation reads, which xin applies (set
+// by its entry point; 1 where rows_main stages the input and scales its sums instead).
 var<private> norm_inv: f32;
 
 // Where value c of token t is in a heads-major [c / hd, T, hd] array.
@@ -137,8 +138,8 @@ override GROUP: u32 = 256u;
 
 // With STAGED (the host sets it where the input is made and a workgroup computes several
 // rows), rows_main stages its token's input in workgroup memory XCHUNK values at a time,
-// each made once per workgroup (normed, gated or merged as p.mode says) rather than by
-// every row's lanes as they read it.
+// each made once per workgroup (x·norm, gated or merged as p.mode says; a normed input's
+// 1/rms scales the lanes' sums) rather than by every row's lanes as they read it.
 const XCHUNK: u32 = 2048u;
 var<workgroup> xs: array<vec4<f32>, 512>; // XCHUNK / 4
 
@@ -167,7 +168,7 @@ fn x4(t: u32, c: u32, c0: u32) -> vec4<f32> {
 // `acc` plus row o's products with input values c0 .. c0 + n of token t, the lane's
 // share: values (dense dtypes) or spans (block formats) lane, lane + lanes, ... of them,
 // added in turn, the same values in the same order however the row is chunked (chunks
-// start on a multiple of XCHUNK, of the lanes and of 32 values).
+// start on a multiple of XCHUNK: of the lanes for values, of 32 for spans).
 fn row_dot(o: u32, t: u32, c0: u32, n: u32, lane: u32, lanes: u32, acc0: f32) -> f32 {
     var acc = acc0;
     if fmt < 3u {

@@ -6,7 +6,7 @@
 var<private> fmt: u32;
 
 // The dtype flag a pipeline was built for (its weights all have it: a constant the driver's
-// compiler folds into weight_at, slice and quad, leaving no branch on the dtype), else 255:
+// compiler folds into weight_at, slice, quad and span, leaving no branch on the dtype), else 255:
 // the dtype is read at run time.
 override FMT: u32 = 255u;
 
@@ -243,7 +243,8 @@ struct Span {
     lead: u32,
 }
 
-// Words i .. i + 3 of the weight, i not a multiple of 4 (wq reads aligned ones).
+// Words i .. i + 3 of the weight, one by one (for any i; `wq` reads four at i a multiple
+// of 4, where a format guarantees it).
 fn words4(i: u32) -> vec4<u32> {
     return vec4<u32>(wb(i), wb(i + 1u), wb(i + 2u), wb(i + 3u));
 }
