@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 use kvplug_backend_kit::model::blocks::{dequantize_row, BlockFormat, BLOCK_FORMATS};
+use kvplug_backend_kit::model::ops::Projection;
 use kvplug_backend_kit::model::{ModelDevice, StoredDtype, StoredTensor};
 use kvplug_backend_kit::testing::{additive_parts, random_blocks, Rng};
 use kvplug_backend_kit::Device;
@@ -301,5 +302,89 @@ fn a_staged_input_over_several_chunks_gives_the_direct_reads_bits() {
             "{} at {max_lanes} lanes",
             dtype.name()
         );
+    }
+}
+
+/// A normed input staged over several chunks (4608 values, `Tuning::stage`: x·norm staged
+/// while its squares are summed, each lane's sum scaled by 1/rms once) and one read
+/// directly (1/rms in each value) are both within the derived bound of the f64 normed
+/// product. Bound, with u and γ_k as in [`check_weights`], x̂ = x·g (g the norm's weights)
+/// and r = 1/rms: the dot over x̂ as there (`γ_(n+4)` of the parts, `γ_1 + γ⁽⁶⁴⁾_n` of the
+/// magnitudes), times r; x̂'s roundings (at most 2u); r's, a sum of n positive squares
+/// (`γ_n`, halved by the square root) then the mean, the ε, the root and the reciprocal
+/// (4u); the product by r (u): `(γ_(n+4) + γ_n / 2 + 8u) · r · parts`.
+#[test]
+fn a_normed_input_staged_over_several_chunks_is_within_the_bound() {
+    const WIDE: usize = 4608;
+    const ROWS: usize = 8;
+    const TOKENS: usize = 2;
+    let (u, eps) = (2f64.powi(-24), 1e-6f32);
+    let gamma = |k: f64| k * u / (1.0 - k * u);
+    let gamma64 = WIDE as f64 * 2f64.powi(-53);
+    let mut rng = Rng(31);
+    let x: Vec<f32> = (0..TOKENS * WIDE).map(|_| rng.signed()).collect();
+    let g: Vec<f32> = (0..WIDE).map(|_| 1.0 + 0.5 * rng.signed()).collect();
+    let f = BlockFormat::Q4K;
+    let bytes = random_blocks(f, ROWS * WIDE / f.block_elems(), &mut rng);
+    let rb = bytes.len() / ROWS;
+    for stage in [true, false] {
+        // 16 lanes a row, 4 rows a workgroup: staged where `stage` says.
+        let tuning = Tuning {
+            stage,
+            max_lanes: 16,
+            lane_steps: 1,
+            ..Tuning::CPU
+        };
+        let dev = WgpuDevice::open_tuned(tuning).expect("a wgpu adapter");
+        let stored = StoredTensor::new(
+            StoredDtype::Block(f),
+            Arc::new(bytes.clone()),
+            0..bytes.len(),
+        );
+        let w = dev.weight(stored.unwrap(), ROWS, WIDE).unwrap();
+        let xt = dev.tensor(&x, &[TOKENS, WIDE]).unwrap();
+        let gt = dev.tensor(&g, &[WIDE]).unwrap();
+        let mut hn = dev.zeros(&[TOKENS, WIDE]).unwrap();
+        let mut out = dev.zeros(&[TOKENS, ROWS]).unwrap();
+        let projection = Projection {
+            w: &w,
+            bias: None,
+            out: &mut out,
+        };
+        dev.norm_linears(&xt, &gt, eps, &mut hn, &mut [projection])
+            .unwrap();
+        let got = dev
+            .download(&out, TensorDtype::F32)
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        for t in 0..TOKENS {
+            let xr = &x[t * WIDE..(t + 1) * WIDE];
+            let squares: f64 = xr.iter().map(|&v| f64::from(v).powi(2)).sum();
+            let r = 1.0 / (squares / WIDE as f64 + f64::from(eps)).sqrt();
+            for o in 0..ROWS {
+                let row = &bytes[o * rb..(o + 1) * rb];
+                let (mut wv, mut m) = (vec![0f32; WIDE], vec![0f32; WIDE]);
+                dequantize_row(f, row, &mut wv);
+                additive_parts(f, row, &mut m);
+                let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
+                for c in 0..WIDE {
+                    let (w, m) = (f64::from(wv[c]), f64::from(m[c]));
+                    let xh = f64::from(xr[c]) * f64::from(g[c]);
+                    want += w * xh * r;
+                    mag += (w * xh).abs() * r;
+                    parts += ((w - m).abs() + m.abs()) * xh.abs() * (1.0 + u) * r;
+                }
+                let n = WIDE as f64;
+                let bound = (gamma(n + 4.0) + gamma(n) / 2.0 + 8.0 * u) * parts
+                    + (gamma(1.0) + gamma64) * mag;
+                let got = f64::from(got[t * ROWS + o]);
+                assert!(
+                    (got - want).abs() <= bound,
+                    "staged {stage}: token {t} row {o}: got {got}, want {want}, |diff| {:e} > {bound:e}",
+                    (got - want).abs()
+                );
+            }
+        }
     }
 }
