@@ -91,11 +91,12 @@ fn weights(rng: &mut Rng) -> Vec<(StoredDtype, Vec<u8>)> {
     out
 }
 
-/// Row `r`'s values as the kit dequantizes them, and each value's additive part.
-fn row_values(dtype: StoredDtype, bytes: &[u8], r: usize) -> (Vec<f32>, Vec<f32>) {
-    let rb = row_bytes(dtype);
+/// Row `r` of a `cols`-wide weight: its values as the kit dequantizes them, and each
+/// value's additive part.
+fn row_values(dtype: StoredDtype, bytes: &[u8], r: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+    let rb = cols / dtype.unit_elems() * dtype.unit_bytes();
     let row = &bytes[r * rb..(r + 1) * rb];
-    let (mut w, mut m) = (vec![0f32; COLS], vec![0f32; COLS]);
+    let (mut w, mut m) = (vec![0f32; cols], vec![0f32; cols]);
     match dtype {
         StoredDtype::Block(f) => {
             dequantize_row(f, row, &mut w);
@@ -107,6 +108,20 @@ fn row_values(dtype: StoredDtype, bytes: &[u8], r: usize) -> (Vec<f32>, Vec<f32>
         }
     }
     (w, m)
+}
+
+/// Over a row's values `w` (additive parts `m`) and the input `x`, in f64: Σ w·x, Σ |w·x|
+/// and Σ (|w − m| + |m|)·|x|·(1 + u), the terms of the bounds below.
+fn reference_sums(w: &[f32], m: &[f32], x: impl Fn(usize) -> f64) -> (f64, f64, f64) {
+    let u = 2f64.powi(-24);
+    let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
+    for c in 0..w.len() {
+        let (w, m, x) = (f64::from(w[c]), f64::from(m[c]), x(c));
+        want += w * x;
+        mag += (w * x).abs();
+        parts += ((w - m).abs() + m.abs()) * x.abs() * (1.0 + u);
+    }
+    (want, mag, parts)
 }
 
 /// Checks `linear` and `embed` for each stored dtype. Bound, with u = 2⁻²⁴ and γ_k =
@@ -174,20 +189,14 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
             .to_f32()
             .unwrap();
         for r in 0..rows {
-            let (wv, m) = row_values(dtype, &bytes, r);
+            let (wv, m) = row_values(dtype, &bytes, r, COLS);
             let runs = got.iter().zip(inputs).flat_map(|([two, twenty], hd)| {
                 let two = (0..2).map(move |t| (t, two, hd));
                 two.chain((0..20).map(move |t| (t, twenty, hd)))
             });
             for (t, got, hd) in runs {
                 let xr = &x[t * COLS..(t + 1) * COLS];
-                let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
-                for c in 0..COLS {
-                    let (w, m, x) = (f64::from(wv[c]), f64::from(m[c]), f64::from(xr[c]));
-                    want += w * x;
-                    mag += (w * x).abs();
-                    parts += ((w - m).abs() + m.abs()) * x.abs() * (1.0 + u);
-                }
+                let (want, mag, parts) = reference_sums(&wv, &m, |c| f64::from(xr[c]));
                 let bound = gamma(COLS as f64 + 4.0) * parts + (gamma(1.0) + gamma64) * mag;
                 let g = f64::from(got[t * rows + r]);
                 assert!(
@@ -326,7 +335,6 @@ fn a_normed_input_staged_over_several_chunks_is_within_the_bound() {
     let g: Vec<f32> = (0..WIDE).map(|_| 1.0 + 0.5 * rng.signed()).collect();
     let f = BlockFormat::Q4K;
     let bytes = random_blocks(f, ROWS * WIDE / f.block_elems(), &mut rng);
-    let rb = bytes.len() / ROWS;
     for stage in [true, false] {
         // 16 lanes a row, 4 rows a workgroup: staged where `stage` says.
         let tuning = Tuning {
@@ -363,18 +371,9 @@ fn a_normed_input_staged_over_several_chunks_is_within_the_bound() {
             let squares: f64 = xr.iter().map(|&v| f64::from(v).powi(2)).sum();
             let r = 1.0 / (squares / WIDE as f64 + f64::from(eps)).sqrt();
             for o in 0..ROWS {
-                let row = &bytes[o * rb..(o + 1) * rb];
-                let (mut wv, mut m) = (vec![0f32; WIDE], vec![0f32; WIDE]);
-                dequantize_row(f, row, &mut wv);
-                additive_parts(f, row, &mut m);
-                let (mut want, mut mag, mut parts) = (0f64, 0f64, 0f64);
-                for c in 0..WIDE {
-                    let (w, m) = (f64::from(wv[c]), f64::from(m[c]));
-                    let xh = f64::from(xr[c]) * f64::from(g[c]);
-                    want += w * xh * r;
-                    mag += (w * xh).abs() * r;
-                    parts += ((w - m).abs() + m.abs()) * xh.abs() * (1.0 + u) * r;
-                }
+                let (wv, m) = row_values(StoredDtype::Block(f), &bytes, o, WIDE);
+                let xh = |c: usize| f64::from(xr[c]) * f64::from(g[c]) * r;
+                let (want, mag, parts) = reference_sums(&wv, &m, xh);
                 let n = WIDE as f64;
                 let bound = (gamma(n + 4.0) + gamma(n) / 2.0 + 8.0 * u) * parts
                     + (gamma(1.0) + gamma64) * mag;
