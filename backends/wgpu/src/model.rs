@@ -292,17 +292,16 @@ impl WgpuDevice {
         }
     }
 
-    /// Whether `projections` of `x` can run as one dispatch of `rows_main`: few tokens, each
-    /// weight in one binding, as many as the adapter's bindings allow.
-    fn together(&self, x: &WgpuTensor, projections: &[&Projection<'_, Self>]) -> bool {
-        x.dims[0] <= self.context().tuning.rows_tokens
-            && projections.len() <= self.context().tuning.ways
+    /// Whether `projections` can run as one dispatch: each weight in one binding, as many
+    /// as the adapter's bindings allow.
+    fn together(&self, projections: &[&Projection<'_, Self>]) -> bool {
+        projections.len() <= self.context().tuning.ways
             && projections.iter().all(|p| p.w.parts.len() == 1)
     }
 
     /// The projections `ways` of one input (`x` read as `input` says, `cols` wide) in one
-    /// dispatch, stored as `store` says: `rows_main` for few tokens, else (one way, rows
-    /// stored plainly) the tiled product.
+    /// dispatch, stored as `store` says: `rows_main` for few tokens, else (rows stored
+    /// plainly) the tiled product.
     fn project_ways(
         &self,
         x: &WgpuTensor,
@@ -347,16 +346,17 @@ impl WgpuDevice {
                 }
             }
         }
-        // Several ways and heads-major stores are for few tokens only (the callers' checks).
+        // Heads-major stores are for few tokens only (the callers' checks).
         let tuning = self.context().tuning;
-        let together = t <= tuning.rows_tokens;
+        let few = t <= tuning.rows_tokens;
         let group = tuning.group;
         let rows = ways.iter().map(|w| w.rows as usize).sum();
         let lanes = row_lanes(rows, cols, ways[0].dtype, rotated, &tuning);
-        // Each projection starts on a workgroup's first row (project.wgsl's header); the
-        // ways a dispatch does not have start past every row.
-        let per = group / lanes;
-        if tuning.stage && together && per >= 2 && mode & (NORMED | GATED | HEADS) != 0 {
+        // Each projection starts on a workgroup's first row (project.wgsl's header): the
+        // rows of a workgroup of rows_main, a tile of linear_main. The ways a dispatch does
+        // not have start past every row.
+        let per = if few { group / lanes } else { TILE };
+        if tuning.stage && few && per >= 2 && mode & (NORMED | GATED | HEADS) != 0 {
             mode |= STAGED;
         }
         let (mut starts, mut ends) = ([0u32, u32::MAX, u32::MAX], [0u32; 3]);
@@ -371,12 +371,12 @@ impl WgpuDevice {
                 mode |= BIAS << k;
             }
         }
-        let (pipeline, groups) = if together {
+        let (pipeline, groups) = if few {
             let row_groups = at.div_ceil(per);
             let gx = row_groups.min(MAX_GROUPS);
             (0, [gx, row_groups.div_ceil(gx), t as u32])
         } else {
-            (1, [ends[0].div_ceil(TILE), (t as u32).div_ceil(TILE), 1])
+            (1, [at.div_ceil(TILE), (t as u32).div_ceil(TILE), 1])
         };
         let first = words[0].len() as u32;
         let params = |idx0: u32| ProjParams {
@@ -653,10 +653,10 @@ impl ModelDevice for WgpuDevice {
         let input = Input::Normed(norm, eps);
         let store = Store::Rows { row0: 0, n_out: 0 };
         match &projections[..] {
-            [a, b] if self.together(x, &[a, b]) => {
+            [a, b] if self.together(&[a, b]) => {
                 self.project_ways(x, input, x.dims[1], &[way(a), way(b)], store, false)
             }
-            [a, b, c] if self.together(x, &[a, b, c]) => {
+            [a, b, c] if self.together(&[a, b, c]) => {
                 let ways = [way(a), way(b), way(c)];
                 self.project_ways(x, input, x.dims[1], &ways, store, false)
             }
@@ -682,7 +682,8 @@ impl ModelDevice for WgpuDevice {
         let [q, k, v] = &*qkv;
         let hd = 2 * rope.inv_freq.len();
         let whole_heads = q.w.rows == rope.heads_q * hd && k.w.rows == rope.heads_kv * hd;
-        if !(whole_heads && v.w.rows == k.w.rows && self.together(x, &[q, k, v])) {
+        let few = x.dims[0] <= self.context().tuning.rows_tokens;
+        if !(few && whole_heads && v.w.rows == k.w.rows && self.together(&[q, k, v])) {
             return compose_norm_qkv_heads(self, x, norm, eps, hn, qkv, rope, heads);
         }
         let [qh, kh, vh] = heads;

@@ -221,6 +221,35 @@ fn a_decode_step_dispatches_a_bounded_number_of_kernels_per_layer() {
     );
 }
 
+/// The structure of a prefill step of the tiny Llama (20 tokens, past `rows_tokens`: the
+/// tiled product): per layer q, k and v in one tiled dispatch normalizing its input (1), the
+/// rotations of q and k and the head split of v (3), the K and V writes (1), attention (1),
+/// the output projection (1), gate and up in one tiled dispatch (1), the down projection
+/// (1); around the layers the embedding, the final norm, the logit row's gather and the
+/// head (4). Running q, k and v (or gate and up) as dispatches of their own adds two (one) a
+/// layer and fails it.
+#[test]
+fn a_prefill_step_runs_the_projections_of_one_input_as_one_tiled_dispatch() {
+    const PER_LAYER: u64 = 9;
+    const AROUND: u64 = 4;
+    let (dev, pkg, model) = tiny_model("wgpu-prefill-dispatches");
+    let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
+    let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, cfg).unwrap();
+    let mut acts = None;
+    let prompt: Vec<i32> = (0..20).collect();
+    assert!(prompt.len() > GPU.rows_tokens);
+    let before = dev.created();
+    model
+        .forward(&mut c, &prompt, &prompt, Some(&[19]), false, &mut acts)
+        .unwrap();
+    let layers = model.n_layers() as u64;
+    assert_eq!(
+        dev.created().dispatches - before.dispatches,
+        PER_LAYER * layers + AROUND,
+        "dispatches of a 20-token prefill over {layers} layers"
+    );
+}
+
 /// A GPU's shapes (three projections a dispatch, RoPE and the head split in the q/k/v
 /// kernel), with and without subgroup sums, and the adapter's own give the same logits over
 /// a prefill and decode steps, to the 1e-3 the backends are held to against each other

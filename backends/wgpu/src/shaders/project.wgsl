@@ -3,16 +3,18 @@
 //   rows_main  : few tokens (decode, a small verify batch): `lanes` invocations per output
 //                row and token reading the row together, all projections in one dispatch;
 //                their outputs optionally rotated (RoPE) and stored heads-major.
-//   linear_main: many tokens (prefill): a tiled matrix product, one projection.
+//   linear_main: many tokens (prefill): a tiled matrix product, all projections in one
+//                dispatch, stored plainly.
 // The Rust side generates this module's weight, output and bias bindings for WAYS (1, or 3
 // where the adapter allows 12 storage bindings), puts weights.wgsl before it and one of
 // reduce_subgroup.wgsl (where the adapter has subgroup operations) or reduce_workgroup.wgsl
 // after it: `group_sum`, `lane_sums` and the rows_main entry point that calls `rows`.
 //
 // Projection s has rows [start_s, end_s) of the dispatch's rows (start_0 = 0; the host
-// starts each on a workgroup's first row, so a workgroup's rows are one projection's and
-// the projection, chosen from the workgroup id, is uniform across it), its weight in w_s (dtype (fmts >> 8s) & 255, as weight_at's flag), out_s,
-// bias_s. Output o (of n_s) of token t is stored at t·n_s + row0 + o, n_s being n_out when
+// starts each on a workgroup's first row (rows_main) or tile's (linear_main), so a
+// workgroup's rows are one projection's and the projection, chosen from the workgroup id,
+// is uniform across it), its weight in w_s (dtype (fmts >> 8s) & 255, as weight_at's
+// flag), out_s, bias_s. Output o (of n_s) of token t is stored at t·n_s + row0 + o, n_s being n_out when
 // given (a part of a weight split over bindings, row0 its first row) else the projection's
 // rows; or heads-major at ((o / hd)·T + t)·hd + o % hd (HEADS_OUT).
 
@@ -307,24 +309,51 @@ fn rows(wg: vec3<u32>, nw: vec3<u32>, lid: u32) {
     put(t, o2, v2 * c + v * sn);
 }
 
-// linear_main: one projection (0) of many tokens, rows [0, end0) of a weight part. A tiled
-// matrix product: each workgroup computes a TILE x TILE block of outputs (rows o0 = wg.x ·
-// TILE, tokens t0 = wg.y · TILE), each invocation 4 rows x 4 tokens of it in four vec4
-// accumulators (explicit, not an indexed array: an array indexed in a loop may live in
-// memory rather than registers). Per 32-wide step of the inner dimension the workgroup
-// loads the W tile (dequantized as it is loaded, `quad`, each slice's scales once) and the
-// x tile into workgroup memory, then every invocation reads one vec4 of 4 rows and one of
-// 4 tokens per 16 products from there.
+// linear_main: many tokens' projections, rows [start_s, end_s) of the dispatch's rows (each
+// projection starting on a tile's first row, so that a workgroup's rows are one
+// projection's). A tiled matrix product: each workgroup computes a TILE x TILE block of
+// outputs (dispatch rows r0 = wg.x · TILE, tokens t0 = wg.y · TILE), each invocation 4 rows
+// x 4 tokens of it in four vec4 accumulators (explicit, not an indexed array: an array
+// indexed in a loop may live in memory rather than registers). Per KSTEP-wide step of the
+// inner dimension the workgroup stores the W tile (dequantized as it was loaded, `quad`,
+// each slice's scales once) and the x tile in workgroup memory; every invocation then reads
+// one vec4 of 4 rows and one of 4 tokens per 16 products from there, while its loads of
+// the next step's tiles are in flight.
 const TILE: u32 = 64u;
 const KSTEP: u32 = 32u;
 var<workgroup> wtile: array<vec4<f32>, 512>; // [KSTEP][TILE / 4] of W: 4 neighbouring rows
 var<workgroup> xtile: array<vec4<f32>, 512>; // [KSTEP][TILE / 4] of x: 4 neighbouring tokens
+
+// Values 4q .. 4q + 4 of step k0 of row o (of `rows`) of projection `sel` (h: their slice,
+// for block formats); 0 past the rows.
+fn tile_quad(o: u32, rows: u32, k0: u32, q: u32, h: Slice) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if o < rows {
+        if fmt < 3u {
+            for (var i = 0u; i < 4u; i++) {
+                let c = k0 + 4u * q + i;
+                if c < p.cols { v[i] = weight_at(o * p.cols + c); }
+            }
+        } else {
+            v = quad(h, q);
+        }
+    }
+    return v;
+}
+
+// Input values c .. c + 4 of token t, 0 past the tokens or the values.
+fn tile_x4(t: u32, c: u32) -> vec4<f32> {
+    if t < p.total { return stage4(t, c, p.cols); }
+    return vec4<f32>(0.0);
+}
+
 @compute @workgroup_size(256)
 fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    select_row(0u);
-    let rows = p.end0;
+    let r0 = wg.x * TILE;
+    select_row(r0);
+    let rows = end(sel) - start(sel);
+    let o0 = r0 - start(sel);
     let cols = p.cols;
-    let o0 = wg.x * TILE;
     let t0 = wg.y * TILE;
     let ty = lid / 16u; // rows 4·ty..
     let tx = lid % 16u; // tokens 4·tx..
@@ -336,15 +365,17 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     // The W row and the two quads (of 8 per slice) this invocation loads.
     let lr = lid % TILE;
     let lq = (lid / TILE) * 2u;
+    let o = o0 + lr;
     // The x token and the 8 values of a step this invocation loads.
     let xt = lid / 4u;
     let xk = (lid % 4u) * 8u;
+    let t = t0 + xt;
     if (p.mode & NORMED) != 0u {
         // Token xt's sum of squares by its 4 loaders, through wtile.
         var s = 0.0;
-        if t0 + xt < p.total {
+        if t < p.total {
             for (var i = lid % 4u; i < cols; i += 4u) {
-                let v = a[(t0 + xt) * cols + i];
+                let v = a[t * cols + i];
                 s += v * v;
             }
         }
@@ -355,39 +386,44 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         norm_inv = 1.0 / sqrt(sum / f32(cols) + p.eps);
         workgroupBarrier();
     }
+    // Step k0's loads, held in registers until the tiles are free.
+    var h: Slice;
+    if fmt >= 3u && o < rows { h = slice(o * (cols / 32u)); }
+    var w0 = tile_quad(o, rows, 0u, lq, h);
+    var w1 = tile_quad(o, rows, 0u, lq + 1u, h);
+    var x0 = tile_x4(t, xk);
+    var x1 = tile_x4(t, xk + 4u);
     for (var k0 = 0u; k0 < cols; k0 += KSTEP) {
-        let o = o0 + lr;
-        // The slice of a block-format row this invocation's two quads are in.
-        var h: Slice;
-        if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k0 / 32u); }
-        for (var q = lq; q < lq + 2u; q++) {
-            var v = vec4<f32>(0.0);
-            if o < rows {
-                if fmt < 3u {
-                    for (var i = 0u; i < 4u; i++) {
-                        let c = k0 + 4u * q + i;
-                        if c < cols { v[i] = weight_at(o * cols + c); }
-                    }
-                } else {
-                    v = quad(h, q);
-                }
-            }
-            // Values 4q .. 4q + 4 of row lr: component lr % 4 of four k-rows' vec4s.
-            let w = 4u * q * (TILE / 4u) + lr / 4u;
-            let c = lr % 4u;
-            wtile[w][c] = v.x;
-            wtile[w + TILE / 4u][c] = v.y;
-            wtile[w + 2u * (TILE / 4u)][c] = v.z;
-            wtile[w + 3u * (TILE / 4u)][c] = v.w;
-        }
-        let t = t0 + xt;
-        for (var i = 0u; i < 8u; i++) {
-            let c = k0 + xk + i;
-            var x = 0.0;
-            if t < p.total && c < cols { x = xin(t, c); }
-            xtile[(xk + i) * (TILE / 4u) + xt / 4u][xt % 4u] = x;
-        }
+        // Values 4q .. 4q + 4 of row lr: component lr % 4 of four k-rows' vec4s.
+        let w = 4u * lq * (TILE / 4u) + lr / 4u;
+        let c = lr % 4u;
+        wtile[w][c] = w0.x;
+        wtile[w + TILE / 4u][c] = w0.y;
+        wtile[w + 2u * (TILE / 4u)][c] = w0.z;
+        wtile[w + 3u * (TILE / 4u)][c] = w0.w;
+        wtile[w + 4u * (TILE / 4u)][c] = w1.x;
+        wtile[w + 5u * (TILE / 4u)][c] = w1.y;
+        wtile[w + 6u * (TILE / 4u)][c] = w1.z;
+        wtile[w + 7u * (TILE / 4u)][c] = w1.w;
+        let xi = xk * (TILE / 4u) + xt / 4u;
+        let xc = xt % 4u;
+        xtile[xi][xc] = x0.x;
+        xtile[xi + TILE / 4u][xc] = x0.y;
+        xtile[xi + 2u * (TILE / 4u)][xc] = x0.z;
+        xtile[xi + 3u * (TILE / 4u)][xc] = x0.w;
+        xtile[xi + 4u * (TILE / 4u)][xc] = x1.x;
+        xtile[xi + 5u * (TILE / 4u)][xc] = x1.y;
+        xtile[xi + 6u * (TILE / 4u)][xc] = x1.z;
+        xtile[xi + 7u * (TILE / 4u)][xc] = x1.w;
         workgroupBarrier();
+        let k1 = k0 + KSTEP;
+        if k1 < cols {
+            if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k1 / 32u); }
+            w0 = tile_quad(o, rows, k1, lq, h);
+            w1 = tile_quad(o, rows, k1, lq + 1u, h);
+            x0 = tile_x4(t, k1 + xk);
+            x1 = tile_x4(t, k1 + xk + 4u);
+        }
         for (var kk = 0u; kk < KSTEP; kk++) {
             let wv = wtile[kk * (TILE / 4u) + ty];
             let xv = xtile[kk * (TILE / 4u) + tx];
@@ -398,15 +434,15 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
     }
-    put_tile(o0 + 4u * ty, t0 + 4u * tx, acc0);
-    put_tile(o0 + 4u * ty + 1u, t0 + 4u * tx, acc1);
-    put_tile(o0 + 4u * ty + 2u, t0 + 4u * tx, acc2);
-    put_tile(o0 + 4u * ty + 3u, t0 + 4u * tx, acc3);
+    put_tile(o0 + 4u * ty, rows, t0 + 4u * tx, acc0);
+    put_tile(o0 + 4u * ty + 1u, rows, t0 + 4u * tx, acc1);
+    put_tile(o0 + 4u * ty + 2u, rows, t0 + 4u * tx, acc2);
+    put_tile(o0 + 4u * ty + 3u, rows, t0 + 4u * tx, acc3);
 }
 
-// linear_main's outputs of row o for tokens t .. t + 4 (those that exist).
-fn put_tile(o: u32, t: u32, v: vec4<f32>) {
-    if o >= p.end0 { return; }
+// linear_main's outputs of row o (of `rows`) for tokens t .. t + 4 (those that exist).
+fn put_tile(o: u32, rows: u32, t: u32, v: vec4<f32>) {
+    if o >= rows { return; }
     for (var j = 0u; j < 4u; j++) {
         if t + j < p.total { put(t + j, o, biased(o, v[j])); }
     }
