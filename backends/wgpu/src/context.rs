@@ -32,9 +32,9 @@ pub struct Context {
     attention: OnceLock<Kernels<6>>,
     rows: OnceLock<Kernels<3>>,
     model: OnceLock<Kernels<{ MODEL_ENTRIES.len() }>>,
-    project: OnceLock<Kernels<2>>,
+    project: OnceLock<Kernels<3>>,
     /// `project`'s kernels built for one weight dtype, by its flag.
-    project_by_dtype: [OnceLock<Kernels<2>>; WEIGHT_DTYPES],
+    project_by_dtype: [OnceLock<Kernels<3>>; WEIGHT_DTYPES],
     /// Bytes between uniform ring slots (the adapter's dynamic offset alignment).
     slot: usize,
     recorder: Arc<Mutex<Recorder>>,
@@ -110,12 +110,15 @@ pub enum Bind<'a> {
     Words,
     /// The context's scratch buffer, at least this many bytes: contents do not outlive the op.
     Scratch(u64),
+    /// The context's buffer of a split tiled product's sums, at least this many bytes: as
+    /// `Scratch`, a buffer of its own (an op may bind both writable).
+    Partials(u64),
     /// Nothing the op reads (a shared 4-byte buffer).
     Unused,
 }
 
-/// The most storage bindings of any module (project's twelve, with three ways).
-const MAX_STORAGE_SLOTS: usize = 12;
+/// The most storage bindings of any module (project's thirteen, with three ways).
+const MAX_STORAGE_SLOTS: usize = 13;
 
 /// A cached bind group: its layout and the buffers of its storage slots (the uniform slot is
 /// always the ring). Holding the buffers keeps their addresses, the key's identity, unique.
@@ -168,6 +171,7 @@ struct Recorder {
     ring: wgpu::Buffer,
     arena: wgpu::Buffer,
     scratch: wgpu::Buffer,
+    partials: wgpu::Buffer,
     /// Bind groups by the buffers they bind, and the submit that last used each.
     bind_groups: HashMap<BindKey, (wgpu::BindGroup, u64)>,
     submits: u64,
@@ -253,6 +257,7 @@ impl Recorder {
             Bind::Buffer(buf) => buf.clone(),
             Bind::Words => self.arena.clone(),
             Bind::Scratch(_) => self.scratch.clone(),
+            Bind::Partials(_) => self.partials.clone(),
             Bind::Unused => ctx.unused().clone(),
         };
         let mut key = BindKey {
@@ -327,11 +332,11 @@ pub const MODEL_ENTRIES: [&str; 13] = [
 ];
 
 /// Entry points of `project.wgsl`, in the order of [`Context::project`]'s pipelines.
-pub const PROJECT_ENTRIES: [&str; 2] = ["rows_main", "linear_main"];
+pub const PROJECT_ENTRIES: [&str; 3] = ["rows_main", "linear_main", "splits_main"];
 
 /// Storage bindings the three-way projection module needs (input, norm or up, index
-/// words, and a weight, an output and a bias per projection).
-const THREE_WAY_BINDINGS: u32 = 12;
+/// words, a split product's sums, and a weight, an output and a bias per projection).
+const THREE_WAY_BINDINGS: u32 = 13;
 
 /// How the projection kernels (project.wgsl) are shaped for an adapter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -370,6 +375,13 @@ pub struct Tuning {
     /// Invocations a decode projection should have at least a token: rows take more lanes
     /// (fewer steps each, down to one) until it has (0: `lane_steps` alone decides).
     pub threads: u32,
+    /// Workgroups a tiled product (`linear_main`) should have at least: one with fewer
+    /// tiles splits its inner dimension in two, four, ... (each split at least
+    /// `model::SPLIT_STEPS` steps) until it has, a second pass adding the splits' sums (0:
+    /// never split). Off on every adapter until measured on a GPU (`tiles=N` tries it): an
+    /// H200 profile (2026-12-04, Qwen2.5-0.5B shape, pp512) had the 896-row products on 112
+    /// workgroups, under one an SM, the down projection's 152 steps each.
+    pub tiles: u32,
 }
 
 impl Tuning {
@@ -391,19 +403,20 @@ impl Tuning {
         first_submit: SUBMIT_AFTER,
         stage: false,
         threads: 0,
+        tiles: 0,
     };
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
     /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
     /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`, `first_submit=N`, `stage=0|1`,
-    /// `threads=N`).
+    /// `threads=N`, `tiles=N`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
         for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let bad = || {
                 format!(
                     "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
                      max_lanes=N, rows_tokens=N, subgroups=0|1, by_dtype=0|1, \
-                     first_submit=N, stage=0|1 or threads=N"
+                     first_submit=N, stage=0|1, threads=N or tiles=N"
                 )
             };
             let (name, value) = field.split_once('=').ok_or_else(bad)?;
@@ -419,6 +432,7 @@ impl Tuning {
                 "first_submit" => self.first_submit = n,
                 "stage" if n <= 1 => self.stage = n == 1,
                 "threads" => self.threads = n,
+                "tiles" => self.tiles = n,
                 _ => return Err(bad()),
             }
         }
@@ -473,12 +487,13 @@ impl Tuning {
             first_submit: 8,
             stage: true,
             threads: 1 << 16,
+            tiles: 0,
         }
     }
 }
 
 /// `project.wgsl` for `ways` projections a dispatch, after `weights.wgsl`: the weight
-/// (16-byte units, as weights are padded to), output and bias bindings from 4 on, and the
+/// (16-byte units, as weights are padded to), output and bias bindings from 5 on, and the
 /// accessors of projection `sel`'s; then its sums, with subgroup operations
 /// (`reduce_subgroup.wgsl`) or without.
 fn project_source(ways: usize, subgroups: bool) -> String {
@@ -497,7 +512,7 @@ fn project_source(ways: usize, subgroups: bool) -> String {
         for w in 0..ways {
             decls += &format!(
                 "@group(0) @binding({}) var<storage, {access}> {name}{w}: array<{ty}>;\n",
-                4 + k * ways + w
+                5 + k * ways + w
             );
         }
     }
@@ -722,6 +737,7 @@ impl Context {
             ),
             arena: buffer("index words", 1 << 16, wgpu::BufferUsages::STORAGE),
             scratch: buffer("scratch", 1 << 16, wgpu::BufferUsages::STORAGE),
+            partials: buffer("partials", 4, wgpu::BufferUsages::STORAGE),
             bind_groups: HashMap::new(),
             submits: 0,
             pending: 0,
@@ -829,7 +845,7 @@ impl Context {
     /// the weights' dtype flag where every projection of the dispatch has it, for kernels
     /// built for it (weights.wgsl's `FMT`: the driver folds the dtype's branches, 1.05–1.07×
     /// decode on an H200), made on first use and binding as the generic ones (their layout).
-    pub fn project(&self, dtype: Option<u32>) -> &Kernels<2> {
+    pub fn project(&self, dtype: Option<u32>) -> &Kernels<3> {
         match dtype {
             None => self.project.get_or_init(|| self.project_kernels(None)),
             Some(f) => {
@@ -838,12 +854,12 @@ impl Context {
         }
     }
 
-    fn project_kernels(&self, dtype: Option<u32>) -> Kernels<2> {
+    fn project_kernels(&self, dtype: Option<u32>) -> Kernels<3> {
         use Slot::*;
         // A dtype's kernels bind as the generic ones: one cached bind group serves both.
         let layout = dtype.map(|_| &self.project(None).layout);
         let ways = self.tuning.ways;
-        let slots: Vec<Slot> = [Uniform, Read, Read, Read]
+        let slots: Vec<Slot> = [Uniform, Read, Read, Read, ReadWrite]
             .into_iter()
             .chain(
                 [Read, ReadWrite, Read]
@@ -975,12 +991,15 @@ impl Context {
             r.forget(&old);
         }
         for slot in slots {
-            if let Bind::Scratch(bytes) = *slot {
-                if bytes > r.scratch.size() {
-                    let grown = self.raw_storage("scratch", bytes.next_power_of_two());
-                    let old = std::mem::replace(&mut r.scratch, grown);
-                    r.forget(&old);
-                }
+            let (buf, bytes, label) = match *slot {
+                Bind::Scratch(bytes) => (&mut r.scratch, bytes, "scratch"),
+                Bind::Partials(bytes) => (&mut r.partials, bytes, "partials"),
+                _ => continue,
+            };
+            if bytes > buf.size() {
+                let old =
+                    std::mem::replace(buf, self.raw_storage(label, bytes.next_power_of_two()));
+                r.forget(&old);
             }
         }
         let first_word = r.words.len() as u32;
@@ -1169,6 +1188,7 @@ mod tests {
         assert!(!Tuning::CPU.with("subgroups=0").unwrap().subgroups);
         assert!(Tuning::CPU.with("by_dtype=1").unwrap().by_dtype);
         assert_eq!(Tuning::CPU.with("rows_tokens=16").unwrap().rows_tokens, 16);
+        assert_eq!(Tuning::CPU.with("tiles=512").unwrap().tiles, 512);
         assert_eq!(Tuning::CPU.with("").unwrap(), Tuning::CPU);
         for bad in [
             "group",

@@ -181,8 +181,26 @@ enum Store<'a> {
     },
 }
 
-/// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`).
+/// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`),
+/// and the inner dimension's values a step of it (its `KSTEP`).
 const TILE: u32 = 64;
+const KSTEP: u32 = 32;
+
+/// The fewest steps of the inner dimension a split of a tiled product takes.
+const SPLIT_STEPS: u32 = 8;
+
+/// Parts the inner dimension (`cols` values) of a tiled product of `tiles` workgroups is
+/// split into: doubled while the workgroups number fewer than `target` and each part keeps
+/// at least [`SPLIT_STEPS`] steps; then as few as cover the steps with parts of that many
+/// (none empty).
+fn tile_splits(tiles: u32, cols: u32, target: u32) -> u32 {
+    let steps = cols.div_ceil(KSTEP);
+    let mut splits = 1;
+    while tiles * splits < target && steps / (2 * splits) >= SPLIT_STEPS {
+        splits *= 2;
+    }
+    steps.div_ceil(steps.div_ceil(splits))
+}
 
 /// The most workgroups in one dimension of a dispatch (WebGPU's default limit).
 const MAX_GROUPS: u32 = 65535;
@@ -371,13 +389,21 @@ impl WgpuDevice {
                 mode |= BIAS << k;
             }
         }
-        let (pipeline, groups) = if few {
+        // rows_main; or linear_main, over `splits` parts of the inner dimension (workgroup
+        // z) and then splits_main adding their sums, one invocation an output.
+        let (mut passes, mut splits) = (Vec::with_capacity(2), 1);
+        if few {
             let row_groups = at.div_ceil(per);
             let gx = row_groups.min(MAX_GROUPS);
-            (0, [gx, row_groups.div_ceil(gx), t as u32])
+            passes.push((0, [gx, row_groups.div_ceil(gx), t as u32]));
         } else {
-            (1, [at.div_ceil(TILE), (t as u32).div_ceil(TILE), 1])
-        };
+            let tiles = [at.div_ceil(TILE), (t as u32).div_ceil(TILE)];
+            splits = tile_splits(tiles[0] * tiles[1], cols as u32, tuning.tiles);
+            passes.push((1, [tiles[0], tiles[1], splits]));
+            if splits > 1 {
+                passes.push((2, flat_groups(at as usize * t)));
+            }
+        }
         let first = words[0].len() as u32;
         let params = |idx0: u32| ProjParams {
             ends,
@@ -387,7 +413,7 @@ impl WgpuDevice {
             fmts,
             mode,
             total: t as u32,
-            lanes,
+            lanes: if few { lanes } else { splits },
             hd,
             eps,
             idx: [idx0, idx0 + first],
@@ -400,7 +426,7 @@ impl WgpuDevice {
         fn read<'a>(b: Option<&'a wgpu::Buffer>, x: &'a wgpu::Buffer) -> Bind<'a> {
             Bind::Buffer(b.unwrap_or(x))
         }
-        let mut slots = [Bind::Unused; 12];
+        let mut slots = [Bind::Unused; 13];
         slots[0] = Bind::Buffer(&x.buf);
         slots[1] = read(aux, &x.buf);
         slots[2] = if first > 0 {
@@ -408,19 +434,26 @@ impl WgpuDevice {
         } else {
             Bind::Buffer(&x.buf)
         };
+        // The splits' sums: splits x T x the dispatch's rows.
+        let partials = if splits > 1 {
+            splits as u64 * t as u64 * at as u64 * 4
+        } else {
+            4
+        };
+        slots[3] = Bind::Partials(partials);
         // Writable slots must not alias: the second missing output takes the scratch.
         let spare = [Bind::Unused, Bind::Unused, Bind::Scratch(4)];
         for k in 0..n {
             let way = ways.get(k);
-            slots[3 + k] = read(way.map(|w| w.w), &x.buf);
-            slots[3 + n + k] = way.map_or(spare[k], |w| Bind::Buffer(w.out));
-            slots[3 + 2 * n + k] = read(way.and_then(|w| w.bias), &x.buf);
+            slots[4 + k] = read(way.map(|w| w.w), &x.buf);
+            slots[4 + n + k] = way.map_or(spare[k], |w| Bind::Buffer(w.out));
+            slots[4 + 2 * n + k] = read(way.and_then(|w| w.bias), &x.buf);
         }
         let words: &[&[u32]] = if first > 0 { &words } else { &[] };
-        let slots = &slots[..3 + 3 * n];
+        let slots = &slots[..4 + 3 * n];
         let dtype = tuning.by_dtype && ways.iter().all(|w| w.dtype == ways[0].dtype);
         let kernels = ctx.project(dtype.then_some(ways[0].dtype));
-        ctx.dispatch(kernels, params, words, slots, &[(pipeline, groups)]);
+        ctx.dispatch(kernels, params, words, slots, &passes);
     }
 
     fn op(
@@ -1053,7 +1086,7 @@ impl ModelDevice for WgpuDevice {
 
 #[cfg(test)]
 mod tests {
-    use super::row_lanes;
+    use super::{row_lanes, tile_splits};
     use crate::context::Tuning;
 
     const Q4K: u32 = 8;
@@ -1082,5 +1115,23 @@ mod tests {
         assert_eq!(row_lanes(64, 16384, Q4K, true, &gpu), 128);
         // A dense row's steps are values: 896 at 8 steps, 128 lanes.
         assert_eq!(row_lanes(4096, 896, 1, false, &gpu), 128);
+    }
+
+    #[test]
+    fn a_tiled_product_splits_its_steps_while_it_has_few_workgroups() {
+        // 112 tiles of 152 steps (the 0.5B shape's down projection at pp512): doubled to 8
+        // splits (896 workgroups past 512), 19 steps each.
+        assert_eq!(tile_splits(112, 4864, 512), 8);
+        assert_eq!(tile_splits(112, 4864, 0), 1);
+        assert_eq!(tile_splits(1216, 896, 512), 1);
+        // 28 steps: two splits of 14; a third halving would leave 7, under 8 a split.
+        assert_eq!(tile_splits(1, 896, u32::MAX), 2);
+        // 40 steps: 4 of 10 (8 would be 5); 24: 2 of 12 (4 would be 6).
+        assert_eq!(tile_splits(1, 40 * 32, u32::MAX), 4);
+        assert_eq!(tile_splits(1, 24 * 32, u32::MAX), 2);
+        // 129 steps: 16 parts of 9 would leave the last empty; 15 of 9 cover them.
+        assert_eq!(tile_splits(1, 129 * 32, u32::MAX), 15);
+        // A partial last step counts as one.
+        assert_eq!(tile_splits(1, 16 * 32 - 5, u32::MAX), 2);
     }
 }

@@ -27,6 +27,7 @@ const GPU: Tuning = Tuning {
     first_submit: 8,
     stage: true,
     threads: 1 << 16,
+    tiles: 0,
 };
 
 fn gpu_device() -> WgpuDevice {

@@ -126,8 +126,8 @@ fn reference_sums(w: &[f32], m: &[f32], x: impl Fn(usize) -> f64) -> (f64, f64, 
 
 /// Checks `linear` and `embed` for each stored dtype. Bound, with u = 2⁻²⁴ and γ_k =
 /// k·u/(1 − k·u): each output is a sum over `COLS` values of products `w·x`, which a shader
-/// may group (per block: Σ code·x and Σ x, scaled once; per K-quant sub-block likewise) but
-/// in which every term passes through at most one product, `COLS` additions and 3 scalings
+/// may group (per block: Σ code·x and Σ x, scaled once; per K-quant sub-block likewise; the
+/// tiled product's splits, added last) but in which every term passes through at most one product, `COLS` additions and 3 scalings
 /// or subtractions, so the f32 result is within `γ_(COLS+4) · Σ (|w − m| + |m|)·|x|` of the
 /// exact sum over the exact dequantized values (`m` the additive part, the two summed
 /// apart). The kit's `dequantize_row` rounds `code·d + m` once (`|Δw| ≤ u|w|`) and the f64
@@ -141,12 +141,14 @@ fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
     let x: Vec<f32> = (0..20 * COLS)
         .map(|i| rng.signed() * if i / COLS == 1 { 100.0 } else { 1.0 })
         .collect();
-    // The adapter's kernels, and (as a GPU runs them) kernels built for each dtype.
+    // The adapter's kernels, and (as a GPU runs them) kernels built for each dtype with the
+    // tiled product's inner dimension split (in two: `COLS` is 16 steps).
     for by_dtype in [false, true] {
         let dev = WgpuDevice::open_with_binding_limit(
             CAP as u64,
             Some(Tuning {
                 by_dtype,
+                tiles: if by_dtype { u32::MAX } else { 0 },
                 ..Tuning::CPU
             }),
         )

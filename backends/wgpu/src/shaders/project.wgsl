@@ -4,9 +4,11 @@
 //                row and token reading the row together, all projections in one dispatch;
 //                their outputs optionally rotated (RoPE) and stored heads-major.
 //   linear_main: many tokens (prefill): a tiled matrix product, all projections in one
-//                dispatch, stored plainly.
+//                dispatch, stored plainly; where its inner dimension is split (p.lanes
+//                parts), each part's sums go to `parts` and
+//   splits_main: adds them, one invocation an output.
 // The Rust side generates this module's weight, output and bias bindings for WAYS (1, or 3
-// where the adapter allows 12 storage bindings), puts weights.wgsl before it and one of
+// where the adapter allows 13 storage bindings), puts weights.wgsl before it and one of
 // reduce_subgroup.wgsl (where the adapter has subgroup operations) or reduce_workgroup.wgsl
 // after it: `group_sum`, `lane_sums` and the rows_main entry point that calls `rows`.
 //
@@ -21,7 +23,7 @@
 struct Params {
     end0: u32, end1: u32, end2: u32, cols: u32,
     row0: u32, n_out: u32, fmts: u32, mode: u32,
-    total: u32, lanes: u32, hd: u32, eps: f32,
+    total: u32, lanes: u32, hd: u32, eps: f32, // lanes: linear_main's splits
     idx0: u32, idx1: u32, start1: u32, start2: u32,
 }
 
@@ -29,6 +31,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> a: array<f32>;
 @group(0) @binding(2) var<storage, read> aux: array<f32>;
 @group(0) @binding(3) var<storage, read> idx: array<u32>;
+// A split linear_main's sums: [split][token][dispatch row].
+@group(0) @binding(4) var<storage, read_write> parts: array<f32>;
 //@WAYS
 
 // `mode` bits. The input is `a` (T x cols), or rms_norm(a)·aux (a block's normed input, the
@@ -386,14 +390,19 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         norm_inv = 1.0 / sqrt(sum / f32(cols) + p.eps);
         workgroupBarrier();
     }
+    // This workgroup's split of the inner dimension: steps [k_begin, k_end) of KSTEP values
+    // (the host makes none empty).
+    let per = ((cols + KSTEP - 1u) / KSTEP + p.lanes - 1u) / p.lanes;
+    let k_begin = wg.z * per * KSTEP;
+    let k_end = min(k_begin + per * KSTEP, cols);
     // Step k0's loads, held in registers until the tiles are free.
     var h: Slice;
-    if fmt >= 3u && o < rows { h = slice(o * (cols / 32u)); }
-    var w0 = tile_quad(o, rows, 0u, lq, h);
-    var w1 = tile_quad(o, rows, 0u, lq + 1u, h);
-    var x0 = tile_x4(t, xk);
-    var x1 = tile_x4(t, xk + 4u);
-    for (var k0 = 0u; k0 < cols; k0 += KSTEP) {
+    if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k_begin / 32u); }
+    var w0 = tile_quad(o, rows, k_begin, lq, h);
+    var w1 = tile_quad(o, rows, k_begin, lq + 1u, h);
+    var x0 = tile_x4(t, k_begin + xk);
+    var x1 = tile_x4(t, k_begin + xk + 4u);
+    for (var k0 = k_begin; k0 < k_end; k0 += KSTEP) {
         // Values 4q .. 4q + 4 of row lr: component lr % 4 of four k-rows' vec4s.
         let w = 4u * lq * (TILE / 4u) + lr / 4u;
         let c = lr % 4u;
@@ -417,7 +426,7 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         xtile[xi + 7u * (TILE / 4u)][xc] = x1.w;
         workgroupBarrier();
         let k1 = k0 + KSTEP;
-        if k1 < cols {
+        if k1 < k_end {
             if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k1 / 32u); }
             w0 = tile_quad(o, rows, k1, lq, h);
             w1 = tile_quad(o, rows, k1, lq + 1u, h);
@@ -434,10 +443,52 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
     }
-    put_tile(o0 + 4u * ty, rows, t0 + 4u * tx, acc0);
-    put_tile(o0 + 4u * ty + 1u, rows, t0 + 4u * tx, acc1);
-    put_tile(o0 + 4u * ty + 2u, rows, t0 + 4u * tx, acc2);
-    put_tile(o0 + 4u * ty + 3u, rows, t0 + 4u * tx, acc3);
+    let t4 = t0 + 4u * tx;
+    if p.lanes > 1u {
+        part_tile(wg.z, r0 + 4u * ty, o0 + 4u * ty < rows, t4, acc0);
+        part_tile(wg.z, r0 + 4u * ty + 1u, o0 + 4u * ty + 1u < rows, t4, acc1);
+        part_tile(wg.z, r0 + 4u * ty + 2u, o0 + 4u * ty + 2u < rows, t4, acc2);
+        part_tile(wg.z, r0 + 4u * ty + 3u, o0 + 4u * ty + 3u < rows, t4, acc3);
+        return;
+    }
+    put_tile(o0 + 4u * ty, rows, t4, acc0);
+    put_tile(o0 + 4u * ty + 1u, rows, t4, acc1);
+    put_tile(o0 + 4u * ty + 2u, rows, t4, acc2);
+    put_tile(o0 + 4u * ty + 3u, rows, t4, acc3);
+}
+
+// The dispatch's rows (the last projection's end; the ends of absent ones are 0).
+fn dispatch_rows() -> u32 {
+    return max(p.end0, max(p.end1, p.end2));
+}
+
+// Split z's sums of dispatch row r (a row of the projection when `live`) for tokens t .. t
+// + 4 (those that exist) into `parts`.
+fn part_tile(z: u32, r: u32, live: bool, t: u32, v: vec4<f32>) {
+    if !live { return; }
+    let rows = dispatch_rows();
+    for (var j = 0u; j < 4u; j++) {
+        if t + j < p.total { parts[(z * p.total + t + j) * rows + r] = v[j]; }
+    }
+}
+
+// splits_main: output (token t, dispatch row r) of invocation t · rows + r, the splits'
+// sums added in split order, then stored as linear_main stores an unsplit one.
+@compute @workgroup_size(64)
+fn splits_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let rows = dispatch_rows();
+    let n = g.x + g.y * nw.x * 64u;
+    if n >= rows * p.total { return; }
+    let t = n / rows;
+    let r = n % rows;
+    select_row(r);
+    if r >= end(sel) { return; }
+    let o = r - start(sel);
+    var acc = 0.0;
+    for (var z = 0u; z < p.lanes; z++) {
+        acc += parts[(z * p.total + t) * rows + r];
+    }
+    put(t, o, biased(o, acc));
 }
 
 // linear_main's outputs of row o (of `rows`) for tokens t .. t + 4 (those that exist).
