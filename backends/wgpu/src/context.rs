@@ -350,6 +350,11 @@ pub struct Tuning {
     /// The most lanes a row of a decode projection takes (a power of two; the workgroup's
     /// `group` where larger).
     pub max_lanes: u32,
+    /// The fewest lanes a row of a decode projection takes (a power of two, at most
+    /// `max_lanes`). (On an H200, 2026-12-04, a build flooring at 1 rather than 8 gave the
+    /// Qwen2.5-0.5B shape's head 4 lanes and 1.04x greedy tg128, SmolLM2's 2 and 0.98x, in
+    /// one call: 8 stays until measured again.)
+    pub min_lanes: u32,
     /// Whether `rows_main` adds its lanes' sums with subgroup operations where the adapter
     /// has them (`Features::SUBGROUP`), rather than through workgroup memory alone.
     pub subgroups: bool,
@@ -397,6 +402,7 @@ impl Tuning {
         group: 64,
         lane_steps: 32,
         max_lanes: 64,
+        min_lanes: 8,
         rows_tokens: 2,
         subgroups: true,
         by_dtype: false,
@@ -408,6 +414,7 @@ impl Tuning {
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
     /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
+    /// `min_lanes=N`,
     /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`, `first_submit=N`, `stage=0|1`,
     /// `threads=N`, `tiles=N`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
@@ -415,7 +422,7 @@ impl Tuning {
             let bad = || {
                 format!(
                     "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
-                     max_lanes=N, rows_tokens=N, subgroups=0|1, by_dtype=0|1, \
+                     max_lanes=N, min_lanes=N, rows_tokens=N, subgroups=0|1, by_dtype=0|1, \
                      first_submit=N, stage=0|1, threads=N or tiles=N"
                 )
             };
@@ -426,6 +433,7 @@ impl Tuning {
                 "group" => self.group = n,
                 "lane_steps" => self.lane_steps = n,
                 "max_lanes" => self.max_lanes = n,
+                "min_lanes" => self.min_lanes = n,
                 "rows_tokens" => self.rows_tokens = n as usize,
                 "subgroups" if n <= 1 => self.subgroups = n == 1,
                 "by_dtype" if n <= 1 => self.by_dtype = n == 1,
@@ -452,13 +460,16 @@ impl Tuning {
             || self.lane_steps == 0
             || !self.max_lanes.is_power_of_two()
             || self.max_lanes < 8
+            || !self.min_lanes.is_power_of_two()
+            || self.min_lanes > self.max_lanes
             || self.rows_tokens > limits.max_compute_workgroups_per_dimension as usize
             || !(1..=SUBMIT_AFTER).contains(&self.first_submit)
         {
             return Err(format!(
                 "{self:?}: projections take 1 way, or 3 with {THREE_WAY_BINDINGS} storage \
                  bindings a stage; a workgroup a power of two from 8 to 256; a step a lane; \
-                 at most a power of two from 8 lanes a row; rows_main at most {} tokens (a \
+                 from min_lanes to max_lanes lanes a row, powers of two, max_lanes from 8; \
+                 rows_main at most {} tokens (a \
                  workgroup row each); a first submit after 1 to {SUBMIT_AFTER} dispatches",
                 limits.max_compute_workgroups_per_dimension
             ));
@@ -481,6 +492,7 @@ impl Tuning {
             group: 256,
             lane_steps: 8,
             max_lanes: 256,
+            min_lanes: 8,
             rows_tokens: 16,
             subgroups: true,
             by_dtype: true,
@@ -1189,6 +1201,7 @@ mod tests {
         assert!(Tuning::CPU.with("by_dtype=1").unwrap().by_dtype);
         assert_eq!(Tuning::CPU.with("rows_tokens=16").unwrap().rows_tokens, 16);
         assert_eq!(Tuning::CPU.with("tiles=512").unwrap().tiles, 512);
+        assert_eq!(Tuning::CPU.with("min_lanes=2").unwrap().min_lanes, 2);
         assert_eq!(Tuning::CPU.with("").unwrap(), Tuning::CPU);
         for bad in [
             "group",

@@ -209,8 +209,8 @@ const MAX_GROUPS: u32 = 65535;
 /// about `tuning.lane_steps` steps of a lane per row (each step a value of a dense dtype, a
 /// span of a block format; the quotient rounded up to a power of two), and more, up to a
 /// lane a step, while a token's rows have fewer than `tuning.threads` invocations; a power
-/// of two from 8 to `tuning.max_lanes`, at most half of the workgroup's invocations when
-/// rows are rotated (a pair shares a workgroup).
+/// of two from `tuning.min_lanes` to `tuning.max_lanes`, at most half of the workgroup's
+/// invocations when rows are rotated (a pair shares a workgroup).
 fn row_lanes(rows: usize, cols: usize, dtype: u32, rotated: bool, tuning: &Tuning) -> u32 {
     let (group, max_lanes) = (tuning.group, tuning.max_lanes.min(tuning.group));
     let steps = if dtype < 3 { cols } else { cols / 32 } as u32;
@@ -218,7 +218,9 @@ fn row_lanes(rows: usize, cols: usize, dtype: u32, rotated: bool, tuning: &Tunin
     let by_threads = (tuning.threads / rows.max(1) as u32)
         .checked_ilog2()
         .map_or(0, |l| (1 << l).min(steps.next_power_of_two()));
-    let lanes = by_steps.max(by_threads).clamp(8, max_lanes);
+    let lanes = by_steps
+        .max(by_threads)
+        .clamp(tuning.min_lanes.min(max_lanes), max_lanes);
     if rotated {
         lanes.min(group / 2)
     } else {
@@ -1115,6 +1117,12 @@ mod tests {
         assert_eq!(row_lanes(64, 16384, Q4K, true, &gpu), 128);
         // A dense row's steps are values: 896 at 8 steps, 128 lanes.
         assert_eq!(row_lanes(4096, 896, 1, false, &gpu), 128);
+        // At least min_lanes: 151,936 rows of 28 spans (the 0.5B shape's head) take 4 lanes
+        // for 8 steps each where the floor allows, else the floor.
+        let floor = |min_lanes| Tuning { min_lanes, ..gpu };
+        assert_eq!(row_lanes(151936, 896, Q4K, false, &gpu), 8);
+        assert_eq!(row_lanes(151936, 896, Q4K, false, &floor(1)), 4);
+        assert_eq!(row_lanes(151936, 896, Q4K, false, &floor(16)), 16);
     }
 
     #[test]

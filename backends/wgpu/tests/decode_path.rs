@@ -1,7 +1,7 @@
 //! The decode path records a whole forward without creating anything per op once warm: each
 //! op's uniform takes a slot of the uniform ring, its index words a run of the batch's arena,
 //! bind groups of the same buffers are reused, and the step's mask and the logits' readback
-//! reuse their buffers. The device here is shaped as on a GPU (`GPU`), whatever the adapter:
+//! reuse their buffers. The device here is shaped as on a GPU (`gpu_tuning()`), whatever the adapter:
 //! lavapipe's own shapes (one projection a dispatch) are what the other tests run.
 
 use std::sync::Arc;
@@ -14,24 +14,17 @@ use kvplug_plugin_api::TensorDtype;
 use kvplug_wgpu::context::Tuning;
 use kvplug_wgpu::WgpuDevice;
 
-/// A GPU's shapes of the projection kernels (as `Tuning::gpu` gives an adapter with 12
-/// storage bindings a stage).
-const GPU: Tuning = Tuning {
-    ways: 3,
-    group: 256,
-    lane_steps: 8,
-    max_lanes: 256,
-    rows_tokens: 16,
-    subgroups: true,
-    by_dtype: true,
-    first_submit: 8,
-    stage: true,
-    threads: 1 << 16,
-    tiles: 0,
-};
+/// A GPU's shapes of the projection kernels: `Tuning::gpu` for an adapter with the storage
+/// bindings three projections a dispatch take.
+fn gpu_tuning() -> Tuning {
+    Tuning::gpu(&wgpu::Limits {
+        max_storage_buffers_per_shader_stage: 16,
+        ..wgpu::Limits::default()
+    })
+}
 
 fn gpu_device() -> WgpuDevice {
-    WgpuDevice::open_tuned(GPU).unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
+    WgpuDevice::open_tuned(gpu_tuning()).unwrap_or_else(|e| panic!("no wgpu adapter: {e}"))
 }
 
 // The model-device checks (the fused attention inputs among them) with a GPU's shapes.
@@ -238,7 +231,7 @@ fn a_prefill_step_runs_the_projections_of_one_input_as_one_tiled_dispatch() {
     let mut c = KitCache::new(dev.clone(), CacheKind::Contiguous, cfg).unwrap();
     let mut acts = None;
     let prompt: Vec<i32> = (0..20).collect();
-    assert!(prompt.len() > GPU.rows_tokens);
+    assert!(prompt.len() > gpu_tuning().rows_tokens);
     let before = dev.created();
     model
         .forward(&mut c, &prompt, &prompt, Some(&[19]), false, &mut acts)
@@ -260,7 +253,7 @@ fn a_gpus_kernel_shapes_give_the_adapters_logits() {
     let (gpu, pkg, gpu_model) = tiny_model("wgpu-shapes");
     let plain = WgpuDevice::open_tuned(Tuning {
         subgroups: false,
-        ..GPU
+        ..gpu_tuning()
     });
     let plain = Arc::new(plain.expect("a wgpu adapter"));
     let plain_model = DecoderModel::load(plain.clone(), &pkg).unwrap();
@@ -306,22 +299,39 @@ fn a_gpus_kernel_shapes_give_the_adapters_logits() {
 #[test]
 fn a_tuning_the_kernels_cannot_take_is_refused() {
     for bad in [
-        Tuning { ways: 2, ..GPU },
-        Tuning { group: 96, ..GPU },
-        Tuning { group: 512, ..GPU },
+        Tuning {
+            ways: 2,
+            ..gpu_tuning()
+        },
+        Tuning {
+            group: 96,
+            ..gpu_tuning()
+        },
+        Tuning {
+            group: 512,
+            ..gpu_tuning()
+        },
         Tuning {
             lane_steps: 0,
-            ..GPU
+            ..gpu_tuning()
         },
         Tuning {
             max_lanes: 48,
-            ..GPU
+            ..gpu_tuning()
+        },
+        Tuning {
+            min_lanes: 3,
+            ..gpu_tuning()
+        },
+        Tuning {
+            min_lanes: 512,
+            ..gpu_tuning()
         },
         // Past the workgroups a dispatch dimension may count (rows_main's grid has one
         // workgroup row a token).
         Tuning {
             rows_tokens: 1 << 20,
-            ..GPU
+            ..gpu_tuning()
         },
     ] {
         let err = WgpuDevice::open_tuned(bad).err().expect("refused");
