@@ -1243,6 +1243,23 @@ const LLAMA3_PRES: [&str; 9] = [
 /// DeepSeek-R1's distilled Qwen models'.
 const QWEN2_PRES: [&str; 2] = ["qwen2", "deepseek-r1-qwen"];
 
+/// The `tokenizer.ggml.pre` names llama.cpp gives GPT-2's pre-tokenizer
+/// (`LLAMA_VOCAB_PRE_TYPE_GPT2`: GPT-2's split regex, as `ByteLevel`'s own), and "gpt2", no
+/// llama.cpp name, kept for files that wrote it.
+const GPT2_PRES: [&str; 11] = [
+    "gpt-2",
+    "gpt2",
+    "phi-2",
+    "jina-es",
+    "jina-de",
+    "gigachat",
+    "jina-v2-es",
+    "jina-v2-de",
+    "a.x-4.0",
+    "mellum",
+    "modern-bert",
+];
+
 /// Whether `pre` names Llama 3's pre-tokenizer ([`LLAMA3_PRES`]).
 fn is_llama3_pre(pre: &str) -> bool {
     LLAMA3_PRES.contains(&pre)
@@ -1318,8 +1335,8 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
     let split: PreTokenizerWrapper = match pre {
         // SmolLM's tokenizer.json: single digits, then byte-level with the GPT-2 regex.
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
-        // GPT-2's regex ("gpt2" is no llama.cpp name; kept for files that wrote it).
-        "gpt-2" | "gpt2" => byte_level.into(),
+        // GPT-2's regex.
+        pre if GPT2_PRES.contains(&pre) => byte_level.into(),
         // llama.cpp's DEFAULT: runs of punctuation, GPT-2's split, digit runs, runs of three
         // digits.
         "default" => splits(&[
@@ -1342,9 +1359,10 @@ fn byte_level_bpe(g: &Gguf, tokens: &[String]) -> Result<tokenizers::Tokenizer> 
         }
         other => fail!(
             Model,
-            "{}: pre-tokenizer '{other}' is not supported (supported: default, gpt-2, smollm, \
+            "{}: pre-tokenizer '{other}' is not supported (supported: default, {}, smollm, \
              {}, qwen35, gpt-4o, llama4, dbrx, smaug-bpe, {})",
             g.path.display(),
+            GPT2_PRES.join(", "),
             QWEN2_PRES.join(", "),
             LLAMA3_PRES.join(", ")
         ),

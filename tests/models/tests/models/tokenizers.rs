@@ -281,7 +281,7 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let (preset, tensors) = synthetic_weights(dir.path());
     // "falcon3": one of the names llama.cpp gives Llama 3's pre-tokenizer in other models;
-    // "deepseek-r1-qwen" one it gives Qwen2's.
+    // "deepseek-r1-qwen" one it gives Qwen2's, "mellum" one it gives GPT-2's.
     // "none": a file naming no pre-tokenizer, which llama.cpp reads as "default", as it
     // reads an empty name ("").
     let pres = [
@@ -291,6 +291,7 @@ fn llama_bpe_pre_tokenizer_matches_the_reference() {
         ("qwen2", QWEN2_PRE),
         ("deepseek-r1-qwen", QWEN2_PRE),
         ("gpt-2", GPT2_PRE),
+        ("mellum", GPT2_PRE),
         ("default", DEFAULT_PRE),
         ("none", DEFAULT_PRE),
         ("", DEFAULT_PRE),
