@@ -392,20 +392,22 @@ impl WgpuDevice {
             }
         }
         // rows_main; or linear_main, over `splits` parts of the inner dimension (workgroup
-        // z) and then splits_main adding their sums, one invocation an output.
-        let (mut passes, mut splits) = (Vec::with_capacity(2), 1);
-        if few {
+        // z), then (when split) splits_main adding their sums, one invocation an output. An
+        // empty grid is no dispatch.
+        let mut splits = 1;
+        let passes = if few {
             let row_groups = at.div_ceil(per);
             let gx = row_groups.min(MAX_GROUPS);
-            passes.push((0, [gx, row_groups.div_ceil(gx), t as u32]));
+            [(0, [gx, row_groups.div_ceil(gx), t as u32]), (2, [0; 3])]
         } else {
             let tiles = [at.div_ceil(TILE), (t as u32).div_ceil(TILE)];
             splits = tile_splits(tiles[0] * tiles[1], cols as u32, tuning.tiles);
-            passes.push((1, [tiles[0], tiles[1], splits]));
-            if splits > 1 {
-                passes.push((2, flat_groups(at as usize * t)));
-            }
-        }
+            let add = match splits {
+                1 => [0; 3],
+                _ => flat_groups(at as usize * t),
+            };
+            [(1, [tiles[0], tiles[1], splits]), (2, add)]
+        };
         let first = words[0].len() as u32;
         let params = |idx0: u32| ProjParams {
             ends,
