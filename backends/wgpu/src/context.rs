@@ -381,11 +381,12 @@ pub struct Tuning {
     /// (fewer steps each, down to one) until it has (0: `lane_steps` alone decides).
     pub threads: u32,
     /// Workgroups a tiled product (`linear_main`) should have at least: one with fewer
-    /// tiles splits its inner dimension in two, four, ... (each split at least
-    /// `model::SPLIT_STEPS` steps) until it has, a second pass adding the splits' sums (0:
-    /// never split). Off on every adapter until measured on a GPU (`tiles=N` tries it): an
-    /// H200 profile (2026-12-04, Qwen2.5-0.5B shape, pp512) had the 896-row products on 112
-    /// workgroups, under one an SM, the down projection's 152 steps each.
+    /// tiles splits its inner dimension into parts (doubling them while each keeps at least
+    /// `model::SPLIT_STEPS` steps and their sums fit a binding, then as few as cover the
+    /// steps), a second pass adding the parts' sums (0: never split). Off on every adapter
+    /// until measured on a GPU (`tiles=N` tries it): an H200 profile (2026-12-04,
+    /// Qwen2.5-0.5B shape, pp512) had the 896-row products on 112 workgroups, under one an
+    /// SM, the down projection's 152 steps each.
     pub tiles: u32,
 }
 
@@ -1009,8 +1010,10 @@ impl Context {
                 _ => continue,
             };
             if bytes > buf.size() {
-                let old =
-                    std::mem::replace(buf, self.raw_storage(label, bytes.next_power_of_two()));
+                // Doubled, within the binding limit (which callers keep `bytes` within).
+                let limit = self.limits.max_storage_buffer_binding_size.max(bytes);
+                let size = bytes.next_power_of_two().min(limit);
+                let old = std::mem::replace(buf, self.raw_storage(label, size));
                 r.forget(&old);
             }
         }

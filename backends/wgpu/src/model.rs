@@ -190,13 +190,13 @@ const KSTEP: u32 = 32;
 const SPLIT_STEPS: u32 = 8;
 
 /// Parts the inner dimension (`cols` values) of a tiled product of `tiles` workgroups is
-/// split into: doubled while the workgroups number fewer than `target` and each part keeps
-/// at least [`SPLIT_STEPS`] steps; then as few as cover the steps with parts of that many
-/// (none empty).
-fn tile_splits(tiles: u32, cols: u32, target: u32) -> u32 {
+/// split into: doubled while the workgroups number fewer than `target`, each part keeps at
+/// least [`SPLIT_STEPS`] steps and the parts number at most `most`; then as few as cover
+/// the steps with parts of that many (none empty).
+fn tile_splits(tiles: u32, cols: u32, target: u32, most: u32) -> u32 {
     let steps = cols.div_ceil(KSTEP);
     let mut splits = 1;
-    while tiles * splits < target && steps / (2 * splits) >= SPLIT_STEPS {
+    while tiles * splits < target && steps / (2 * splits) >= SPLIT_STEPS && 2 * splits <= most {
         splits *= 2;
     }
     steps.div_ceil(steps.div_ceil(splits))
@@ -369,6 +369,10 @@ impl WgpuDevice {
         // Heads-major stores are for few tokens only (the callers' checks).
         let tuning = self.context().tuning;
         let few = t <= tuning.rows_tokens;
+        debug_assert!(
+            few || mode & HEADS_OUT == 0,
+            "a heads-major store of many tokens"
+        );
         let group = tuning.group;
         let rows = ways.iter().map(|w| w.rows as usize).sum();
         let lanes = row_lanes(rows, cols, ways[0].dtype, rotated, &tuning);
@@ -401,7 +405,10 @@ impl WgpuDevice {
             [(0, [gx, row_groups.div_ceil(gx), t as u32]), (2, [0; 3])]
         } else {
             let tiles = [at.div_ceil(TILE), (t as u32).div_ceil(TILE)];
-            splits = tile_splits(tiles[0] * tiles[1], cols as u32, tuning.tiles);
+            // The splits' sums (splits × T × the dispatch's rows) fit one binding.
+            let limit = self.context().limits.max_storage_buffer_binding_size;
+            let most = (limit / (4 * t as u64 * at as u64).max(1)).min(u32::MAX as u64) as u32;
+            splits = tile_splits(tiles[0] * tiles[1], cols as u32, tuning.tiles, most);
             let add = match splits {
                 1 => [0; 3],
                 _ => flat_groups(at as usize * t),
@@ -1131,17 +1138,20 @@ mod tests {
     fn a_tiled_product_splits_its_steps_while_it_has_few_workgroups() {
         // 112 tiles of 152 steps (the 0.5B shape's down projection at pp512): doubled to 8
         // splits (896 workgroups past 512), 19 steps each.
-        assert_eq!(tile_splits(112, 4864, 512), 8);
-        assert_eq!(tile_splits(112, 4864, 0), 1);
-        assert_eq!(tile_splits(1216, 896, 512), 1);
+        assert_eq!(tile_splits(112, 4864, 512, u32::MAX), 8);
+        assert_eq!(tile_splits(112, 4864, 0, u32::MAX), 1);
+        assert_eq!(tile_splits(1216, 896, 512, u32::MAX), 1);
         // 28 steps: two splits of 14; a third halving would leave 7, under 8 a split.
-        assert_eq!(tile_splits(1, 896, u32::MAX), 2);
+        assert_eq!(tile_splits(1, 896, u32::MAX, u32::MAX), 2);
         // 40 steps: 4 of 10 (8 would be 5); 24: 2 of 12 (4 would be 6).
-        assert_eq!(tile_splits(1, 40 * 32, u32::MAX), 4);
-        assert_eq!(tile_splits(1, 24 * 32, u32::MAX), 2);
+        assert_eq!(tile_splits(1, 40 * 32, u32::MAX, u32::MAX), 4);
+        assert_eq!(tile_splits(1, 24 * 32, u32::MAX, u32::MAX), 2);
         // 129 steps: 16 parts of 9 would leave the last empty; 15 of 9 cover them.
-        assert_eq!(tile_splits(1, 129 * 32, u32::MAX), 15);
+        assert_eq!(tile_splits(1, 129 * 32, u32::MAX, u32::MAX), 15);
+        // At most `most` parts: 4 where 8 would fit the steps.
+        assert_eq!(tile_splits(112, 4864, 512, 7), 4);
+        assert_eq!(tile_splits(112, 4864, 512, 1), 1);
         // A partial last step counts as one.
-        assert_eq!(tile_splits(1, 16 * 32 - 5, u32::MAX), 2);
+        assert_eq!(tile_splits(1, 16 * 32 - 5, u32::MAX, u32::MAX), 2);
     }
 }

@@ -1,8 +1,9 @@
 //! The decode path records a whole forward without creating anything per op once warm: each
-//! op's uniform takes a slot of the uniform ring, its index words a run of the batch's arena,
-//! bind groups of the same buffers are reused, and the step's mask and the logits' readback
-//! reuse their buffers. The device here is shaped as on a GPU (`gpu_tuning()`), whatever the adapter:
-//! lavapipe's own shapes (one projection a dispatch) are what the other tests run.
+//! op's uniform takes a slot of the uniform ring, its index words a run of the batch's
+//! arena, bind groups of the same buffers are reused, and the step's mask and the logits'
+//! readback reuse their buffers. The device here is shaped as on a GPU (`gpu_tuning()`),
+//! whatever the adapter: lavapipe's own shapes (one projection a dispatch) are what the
+//! other tests run.
 
 use std::sync::Arc;
 

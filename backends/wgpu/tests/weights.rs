@@ -127,12 +127,13 @@ fn reference_sums(w: &[f32], m: &[f32], x: impl Fn(usize) -> f64) -> (f64, f64, 
 /// Checks `linear` and `embed` for each stored dtype. Bound, with u = 2⁻²⁴ and γ_k =
 /// k·u/(1 − k·u): each output is a sum over `COLS` values of products `w·x`, which a shader
 /// may group (per block: Σ code·x and Σ x, scaled once; per K-quant sub-block likewise; the
-/// tiled product's splits, added last) but in which every term passes through at most one product, `COLS` additions and 3 scalings
-/// or subtractions, so the f32 result is within `γ_(COLS+4) · Σ (|w − m| + |m|)·|x|` of the
-/// exact sum over the exact dequantized values (`m` the additive part, the two summed
-/// apart). The kit's `dequantize_row` rounds `code·d + m` once (`|Δw| ≤ u|w|`) and the f64
-/// reference sum adds `γ⁽⁶⁴⁾_COLS · Σ|w·x|`. An embedded row is one weight value each,
-/// rounded at most twice on either side (`2u·(|w − m| + |m|)` per value).
+/// tiled product's splits, added last) but in which every term passes through at most
+/// one product, `COLS` additions and 3 scalings or subtractions, so the f32 result is
+/// within `γ_(COLS+4) · Σ (|w − m| + |m|)·|x|` of the exact sum over the exact dequantized
+/// values (`m` the additive part, the two summed apart). The kit's `dequantize_row` rounds
+/// `code·d + m` once (`|Δw| ≤ u|w|`) and the f64 reference sum adds `γ⁽⁶⁴⁾_COLS · Σ|w·x|`.
+/// An embedded row is one weight value each, rounded at most twice on either side
+/// (`2u·(|w − m| + |m|)` per value).
 #[test]
 fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
     let mut rng = Rng(17);

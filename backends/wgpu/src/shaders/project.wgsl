@@ -15,10 +15,10 @@
 // Projection s has rows [start_s, end_s) of the dispatch's rows (start_0 = 0; the host
 // starts each on a workgroup's first row (rows_main) or tile's (linear_main), so a
 // workgroup's rows are one projection's and the projection, chosen from the workgroup id,
-// is uniform across it), its weight in w_s (dtype (fmts >> 8s) & 255, as weight_at's
-// flag), out_s, bias_s. Output o (of n_s) of token t is stored at t·n_s + row0 + o, n_s being n_out when
-// given (a part of a weight split over bindings, row0 its first row) else the projection's
-// rows; or heads-major at ((o / hd)·T + t)·hd + o % hd (HEADS_OUT).
+// is uniform across it), its weight in w_s (dtype (fmts >> 8s) & 255, as weight_at's flag),
+// out_s, bias_s. Output o (of n_s) of token t is stored at t·n_s + row0 + o, n_s being
+// n_out when given (a part of a weight split over bindings, row0 its first row) else the
+// projection's rows; or heads-major at ((o / hd)·T + t)·hd + o % hd (HEADS_OUT).
 
 struct Params {
     end0: u32, end1: u32, end2: u32, cols: u32,
@@ -475,7 +475,8 @@ fn part_tile(z: u32, r: u32, live: bool, t: u32, v: vec4<f32>) {
 // splits_main: output (token t, dispatch row r) of invocation t · rows + r, the splits'
 // sums added in split order, then stored as linear_main stores an unsplit one.
 @compute @workgroup_size(64)
-fn splits_main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+fn splits_main(@builtin(global_invocation_id) g: vec3<u32>,
+               @builtin(num_workgroups) nw: vec3<u32>) {
     let rows = dispatch_rows();
     let n = g.x + g.y * nw.x * 64u;
     if n >= rows * p.total { return; }
