@@ -85,8 +85,9 @@ impl Shared {
     }
 }
 
-/// The routes; bodies above `max_body` bytes are refused with 413, and one whose bytes stop
-/// arriving for `body_timeout` with 408.
+/// The routes; bodies above `max_body` bytes are refused with 413 (at once where the
+/// `Content-Length` header declares one, before `100 Continue` invites it), and one whose
+/// bytes stop arriving for `body_timeout` with 408.
 pub fn router(state: AppState, max_body: usize, body_timeout: Duration) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -107,6 +108,9 @@ pub fn router(state: AppState, max_body: usize, body_timeout: Duration) -> Route
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            declared_size(max_body, req, next)
+        }))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .layer(DefaultBodyLimit::max(max_body))
@@ -126,8 +130,8 @@ fn same_key(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Checks the key on `/v1/*` (a path that is no route included, so that a client without
-/// the key learns nothing of the routes): `Authorization: Bearer KEY` (OpenAI's clients) or
-/// `x-api-key: KEY` (Anthropic's).
+/// the key learns nothing of the routes): `Authorization: Bearer KEY` (OpenAI's clients; the
+/// scheme's case is free, as HTTP's schemes are) or `x-api-key: KEY` (Anthropic's).
 async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
     if let Some(key) = s
@@ -139,13 +143,39 @@ async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| {
+                let (scheme, key) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(key)
+            })
             .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
             return in_dialect(req.uri(), ApiError::unauthorized());
         }
     }
     next.run(req).await
+}
+
+/// Refuses with 413 a request whose `Content-Length` is above `max_body`, before its body is
+/// read: a client is not invited to upload what would be refused (one that sends no length
+/// is cut off by the body limit as its bytes arrive).
+async fn declared_size(max_body: usize, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > max_body as u64 => in_dialect(
+            req.uri(),
+            ApiError::with_status(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the request body is {n} bytes, past the length limit of {max_body} (--max-body)"
+                ),
+            ),
+        ),
+        _ => next.run(req).await,
+    }
 }
 
 /// Counts every answer by status for `/metrics`.

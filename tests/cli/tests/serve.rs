@@ -69,6 +69,16 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
         (401, &json!("invalid_api_key"))
     );
     assert_eq!(s.get_as("/v1/models", Some("wrong")).0, 401);
+    // An authentication scheme's name is case-insensitive (RFC 9110 §11.1).
+    for scheme in ["bearer", "BEARER"] {
+        let header = format!("{scheme} sesame");
+        assert_eq!(
+            s.get_authorized("/v1/models", Some(&header)).0,
+            200,
+            "{header}"
+        );
+    }
+    assert_eq!(s.get_authorized("/v1/models", Some("Basic sesame")).0, 401);
     // A path that is no route tells a client without the key nothing either; with it, 404.
     assert_eq!(s.get_as("/v1/bogus", None).0, 401);
     assert_eq!(s.get_as("/v1/bogus", Some("sesame")).0, 404);
@@ -766,6 +776,29 @@ fn half_sent_requests_time_out_and_busy_answers_add_up() {
     let answer = String::from_utf8_lossy(&answer).to_string();
     assert!(
         answer.starts_with("HTTP/1.1 408") && answer.contains("stopped arriving"),
+        "{answer}"
+    );
+    // A body declared past --max-body (1 MiB) is refused before it is sent: 413 at once, not
+    // `100 Continue` and then 408 for the body that never came.
+    let mut declared = std::net::TcpStream::connect(&addr).unwrap();
+    declared
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: 50000000\r\nConnection: close\r\n\r\n",
+        )
+        .unwrap();
+    declared
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .unwrap();
+    let mut answer = Vec::new();
+    loop {
+        match closed(declared.read(&mut buf)) {
+            0 => break,
+            n => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer).to_string();
+    assert!(
+        answer.starts_with("HTTP/1.1 413") && answer.contains("50000000 bytes"),
         "{answer}"
     );
     s.ok(

@@ -108,9 +108,14 @@ impl Server {
 
     /// GETs `path` with `key` as the bearer key.
     pub fn get_as(&self, path: &str, key: Option<&str>) -> (u16, Value) {
+        self.get_authorized(path, key.map(|k| format!("Bearer {k}")).as_deref())
+    }
+
+    /// GETs `path` with `authorization` as its `Authorization` header, if given.
+    pub fn get_authorized(&self, path: &str, authorization: Option<&str>) -> (u16, Value) {
         let mut req = self.http.get(format!("{}{path}", self.url));
-        if let Some(k) = key {
-            req = req.header("Authorization", format!("Bearer {k}"));
+        if let Some(a) = authorization {
+            req = req.header("Authorization", a);
         }
         let mut r = req.call().unwrap();
         (r.status().as_u16(), r.body_mut().read_json().unwrap())
