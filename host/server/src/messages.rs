@@ -247,7 +247,15 @@ fn turns(f: &Fields) -> Result<Vec<Message>, ApiError> {
             )));
         }
         let (mut text, mut calls) = (String::new(), Vec::new());
+        let last_assistant = role == "assistant" && i + 1 == list.len();
         let blocks = match m.get("content") {
+            // A string is one text block, and a last assistant one a prefill (`prompt` refuses
+            // its trailing whitespace).
+            Some(Value::String(s)) if !s.is_empty() && s.trim().is_empty() && !last_assistant => {
+                return Err(bad(format!(
+                    "messages[{i}].content: text content blocks must contain non-whitespace text"
+                )))
+            }
             Some(Value::String(s)) => {
                 text.clone_from(s);
                 &[][..]
@@ -916,6 +924,17 @@ mod tests {
                 {"role": "user", "content": [{"type": "text", "text": " \n"}]}]}"#,
             "messages",
             "messages[1].content[0]: text content blocks must contain non-whitespace text",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": " \t"}]}"#,
+            "messages",
+            "messages[0].content: text content blocks must contain non-whitespace text",
+        );
+        refused(
+            r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": " "}]}"#,
+            "messages",
+            "final assistant content cannot end with trailing whitespace",
         );
         refused(
             r#"{"max_tokens": 5, "messages": [{"role": "user", "content": "hi"},
