@@ -215,6 +215,15 @@ pub fn refuse_others(f: &Fields, ignored: &[&str], implemented: &[&str]) -> Resu
 /// vLLM's name) is true: an assistant's text the answer goes on with, not a fresh turn.
 fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
     let messages = messages(f)?;
+    if let Some((i, id)) = unanswered_call(&messages) {
+        return Err(ApiError::invalid(
+            Some("messages"),
+            format!(
+                "messages[{i}]: a message with role 'tool' must answer a tool call of a message \
+                 before it (no tool_calls entry has id '{id}')"
+            ),
+        ));
+    }
     if !f.bool("continue_final_message")?.unwrap_or(false) {
         return Ok(Prompt::Chat(messages));
     }
@@ -705,6 +714,21 @@ fn messages(f: &Fields) -> Result<Vec<Message>, ApiError> {
         .collect()
 }
 
+/// The first tool message (its index and `tool_call_id`) that answers no tool call of a
+/// message before it: OpenAI's APIs refuse such a conversation.
+pub fn unanswered_call(turns: &[Message]) -> Option<(usize, &str)> {
+    let mut calls = std::collections::HashSet::new();
+    for (i, m) in turns.iter().enumerate() {
+        calls.extend(m.tool_calls.iter().filter_map(|c| c["id"].as_str()));
+        if let Some(id) = m.tool_call_id.as_deref().filter(|_| m.role == "tool") {
+            if !calls.contains(id) {
+                return Some((i, id));
+            }
+        }
+    }
+    None
+}
+
 /// One of an assistant message's `tool_calls`, as chat templates read it: its arguments
 /// (OpenAI sends JSON text) as the JSON value they hold.
 fn tool_call(c: &Value) -> Result<Value, String> {
@@ -972,6 +996,21 @@ mod tests {
             "messages[0].content must be a string or an array of text parts",
         );
         refused("{}", "messages", "required");
+        // A tool message answers a call made before it, as OpenAI's API requires.
+        refused(
+            r#"{"messages": [{"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "nope", "content": "x"}]}"#,
+            "messages",
+            "messages[1]: a message with role 'tool' must answer a tool call of a message before it (no tool_calls entry has id 'nope')",
+        );
+        refused(
+            r#"{"messages": [{"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                  "function": {"name": "f", "arguments": "{}"}}]}]}"#,
+            "messages",
+            "no tool_calls entry has id 'c1'",
+        );
         refused(r#"{"messages": "hi"}"#, "messages", "array");
         refused(r#"{"messages": []}"#, "messages", "empty");
         refused(

@@ -27,8 +27,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::answer::{chunks, Answer, Choice, Chunk};
 use crate::api::{
-    checked_choice, declare_tool, object, refuse_others, tools_with, top_logprobs, Fields, Format,
-    Params, Prompt, ToolChoice,
+    checked_choice, declare_tool, object, refuse_others, tools_with, top_logprobs, unanswered_call,
+    Fields, Format, Params, Prompt, ToolChoice,
 };
 use crate::engine::Event;
 use crate::error::ApiError;
@@ -348,19 +348,13 @@ fn logprobs(f: &Fields) -> Result<Option<usize>, ApiError> {
 /// Checks that each `function_call_output` answers a `function_call` before it (given in
 /// `input` or in the stored response continued), as OpenAI's API does.
 fn answered_calls(turns: &[Message]) -> Result<(), ApiError> {
-    let mut calls = std::collections::HashSet::new();
-    for m in turns {
-        calls.extend(m.tool_calls.iter().filter_map(|c| c["id"].as_str()));
-        if let Some(id) = m.tool_call_id.as_deref().filter(|_| m.role == "tool") {
-            if !calls.contains(id) {
-                return Err(ApiError::invalid(
-                    Some("input"),
-                    format!("no function call found for function_call_output with call_id '{id}'"),
-                ));
-            }
-        }
+    match unanswered_call(turns) {
+        Some((_, id)) => Err(ApiError::invalid(
+            Some("input"),
+            format!("no function call found for function_call_output with call_id '{id}'"),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// `input`: a string (one user message) or items — messages (`role` with a string or
