@@ -4,8 +4,9 @@
 //! weights as stored (quantized blocks as their bytes, summed here from the file's own tensor
 //! table), and `plugins` lists the weight formats each backend computes.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 mod common;
 use common::target_dir;
@@ -18,14 +19,24 @@ fn qwen() -> PathBuf {
 }
 
 fn kvplug(cache: &Path, args: &[&str]) -> String {
-    let out = Command::new(common::kvplug_bin())
+    kvplug_fed(cache, args, b"")
+}
+
+/// `kvplug ARGS` with `stdin` as its standard input; its standard output.
+fn kvplug_fed(cache: &Path, args: &[&str], stdin: &[u8]) -> String {
+    let mut child = Command::new(common::kvplug_bin())
         .arg("--plugins")
         .arg(target_dir())
         .args(args)
         .env("KVPLUG_CACHE_DIR", cache)
         .env_remove("KVPLUG_PLUGIN_PATH")
-        .output()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
         "{args:?}: {}",
@@ -76,6 +87,20 @@ fn a_quantized_gguf_runs_in_place_and_is_planned_and_listed_as_stored() {
     // The file read into memory instead of mapped (--no-mmap) gives the same answer.
     let loaded = ask(&["--no-mmap"]);
     assert_eq!(loaded["text"], run["text"], "{loaded}");
+    // `--prompt -` reads the prompt from standard input (mlx-lm's convention).
+    let args = [
+        "run",
+        "--model",
+        m,
+        "--prompt",
+        "-",
+        "--max-tokens",
+        "8",
+        "--json",
+    ];
+    let piped: serde_json::Value =
+        serde_json::from_str(&kvplug_fed(cache.path(), &args, b"What is 2 + 2?")).unwrap();
+    assert_eq!(piped["text"], run["text"], "{piped}");
     let derived = bytes_under(cache.path());
     assert!(
         derived < 32 << 20,

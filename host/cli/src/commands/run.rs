@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use kvplug::{run_agents, run_decode, RunReport, RunSpec};
 use kvplug::{Draft, DraftKind, Speculation};
 use kvplug::{Message, Model, Runtime, Text};
@@ -22,7 +22,8 @@ pub struct Args {
     /// place).
     #[arg(long)]
     model: PathBuf,
-    /// Prompt text, sent through the model's chat template as a user turn (unless --raw).
+    /// Prompt text, sent through the model's chat template as a user turn (unless --raw);
+    /// `-` reads it from standard input (up to 64 MiB).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
     /// Send --prompt as is, without the chat template.
@@ -72,13 +73,34 @@ pub struct Args {
 
 /// The prompt ids of a run: `--prompt-ids`, or `--prompt` through the model's chat template
 /// (with `--system`) unless `--raw`; the text layer when the model has one.
+/// Most bytes `--prompt -` reads.
+const MAX_STDIN_PROMPT: u64 = 64 << 20;
+
+/// The prompt `--prompt -` names: standard input, whole, as mlx-lm reads it.
+fn stdin_prompt() -> Result<String> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    std::io::stdin()
+        .take(MAX_STDIN_PROMPT + 1)
+        .read_to_end(&mut buf)
+        .context("reading the prompt from stdin")?;
+    if buf.len() as u64 > MAX_STDIN_PROMPT {
+        bail!("the prompt on stdin is longer than {MAX_STDIN_PROMPT} bytes");
+    }
+    String::from_utf8(buf).context("the prompt on stdin is not UTF-8")
+}
+
 fn prompt_of(a: &Args, model: &Model) -> Result<(Vec<i32>, Option<Arc<Text>>)> {
     let text = match Text::load(model.dir()) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) if a.prompt.is_some() => return Err(e.into()),
         Err(_) => None,
     };
-    let ids = match (&a.prompt, &text) {
+    let prompt = match a.prompt.as_deref() {
+        Some("-") => Some(stdin_prompt()?),
+        p => p.map(String::from),
+    };
+    let ids = match (&prompt, &text) {
         (Some(p), Some(t)) => {
             if a.raw || !t.has_template() {
                 match (a.system.is_some(), a.raw) {
