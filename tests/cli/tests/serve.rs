@@ -60,7 +60,8 @@ fn content(v: &Value) -> String {
 
 #[test]
 fn chat_and_completions_speak_openai_streamed_or_not() {
-    let s = Server::start(&model(), &["--api-key", "sesame"]);
+    // A host name listens where it resolves (localhost: loopback).
+    let s = Server::start(&model(), &["--api-key", "sesame", "--host", "localhost"]);
     // The key guards /v1; /health stays open.
     assert_eq!(s.get_as("/health", None).1["status"], "ok");
     let (status, v) = s.get_as("/v1/models", None);

@@ -1,7 +1,7 @@
 //! `kvplug serve`.
 
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr};
+use std::net::ToSocketAddrs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -24,9 +24,10 @@ pub struct Args {
     /// Backend id.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Address to listen on (loopback by default; anything else exposes the model).
+    /// Address or host name to listen on (loopback by default; anything else exposes the
+    /// model). A name listens on the first address it resolves to (`localhost`: loopback).
     #[arg(long, default_value = "127.0.0.1")]
-    host: IpAddr,
+    host: String,
     /// Port (0: any free port; the address is printed on start).
     #[arg(long, default_value_t = 8080)]
     port: u16,
@@ -107,11 +108,16 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         .context("--model has no file name: give --alias")?,
     };
     let api_key = a.api_key.filter(|k| !k.is_empty());
+    let addr = (a.host.as_str(), a.port)
+        .to_socket_addrs()
+        .with_context(|| format!("--host {}: not an address or a name that resolves", a.host))?
+        .next()
+        .with_context(|| format!("--host {}: the name resolves to no address", a.host))?;
     let config = ServerConfig {
         model: a.model,
         model_id: model_id.clone(),
         backend: a.backend.clone(),
-        addr: SocketAddr::new(a.host, a.port),
+        addr,
         api_key: api_key.clone(),
         capacity: a.capacity,
         kv_dtype: a.kv_dtype,
@@ -125,7 +131,7 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
         session_dir: sessions.dir().to_path_buf(),
         // One user's own clients by default; others must not read each other's prompts.
         prefix_header: a.prefix_header
-            || (!a.no_prefix_header && a.host.is_loopback() && api_key.is_none()),
+            || (!a.no_prefix_header && addr.ip().is_loopback() && api_key.is_none()),
         speculative: a.speculative.0,
         header_timeout: a.header_timeout,
         body_timeout: a.body_timeout,
