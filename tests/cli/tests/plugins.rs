@@ -187,6 +187,21 @@ fn wgpu_without_a_matching_adapter_still_loads_and_says_why() {
         stdout.contains("FAIL backend 'wgpu' cannot build caches: unavailable: no adapter matches"),
         "{stdout}"
     );
+    // A plan for it is refused too: an unopened device says nothing of how it holds weights.
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let args = ["plan", "--model", model.to_str().unwrap(), "--budget", "1G"];
+    let out = kvplug_env(
+        dir.path(),
+        &[&args[..], &["--backend", "wgpu"]].concat(),
+        &[("WGPU_ADAPTER_NAME", "no-such-adapter")],
+    );
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        !out.status.success()
+            && stderr.contains("backend 'wgpu' has no usable device: no adapter matches"),
+        "{stderr}"
+    );
 }
 
 /// `--plugin FILE` loads that file and nothing else (not the binary's own directory, which

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use kvplug::{parse_bytes, plan, Holding, PlanOptions};
 use kvplug::{KvDtype, Runtime};
 
@@ -36,7 +36,14 @@ pub struct Args {
 pub fn run(runtime: &Runtime, a: Args) -> Result<ExitCode> {
     let holding = match &a.backend {
         None => Holding::default(),
-        Some(id) => Holding::of(runtime.plugin(id)?),
+        Some(id) => {
+            // An unavailable device says nothing of how it would hold the weights.
+            let plugin = runtime.plugin(id)?;
+            if let Some(why) = plugin.description().device.strip_prefix("unavailable: ") {
+                bail!("backend '{id}' has no usable device: {why}");
+            }
+            Holding::of(plugin)
+        }
     };
     let p = plan(&PlanOptions {
         model: a.model,
