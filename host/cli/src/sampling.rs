@@ -1,6 +1,6 @@
 //! The sampling flags `run` and `chat` share.
 
-use kvplug::Sampler;
+use kvplug::{check_temperature, check_top_p, Sampler};
 
 /// How tokens are picked: greedy unless a temperature is given.
 #[derive(clap::Args)]
@@ -30,18 +30,12 @@ fn finite(s: &str) -> Result<f32, String> {
 
 fn temperature(s: &str) -> Result<f32, String> {
     let v = finite(s)?;
-    if v < 0.0 {
-        return Err(format!("{v} is negative (0 = greedy)"));
-    }
-    Ok(v)
+    check_temperature(v).map(|_| v)
 }
 
 fn top_p(s: &str) -> Result<f32, String> {
     let v = finite(s)?;
-    if !(v > 0.0 && v <= 1.0) {
-        return Err(format!("{v} is outside (0, 1]"));
-    }
-    Ok(v)
+    check_top_p(v).map(|_| v)
 }
 
 impl SamplingArgs {

@@ -3,6 +3,7 @@
 use kvplug_core::{CacheError, ModelError};
 use kvplug_plugin_api::PluginError;
 
+use crate::discovery::PLUGIN_PATH_ENV;
 use crate::loader::Skipped;
 
 /// What a runtime operation can fail with.
@@ -10,7 +11,8 @@ use crate::loader::Skipped;
 pub enum RuntimeError {
     /// No loaded backend has this id (the files that were not loaded, with their reasons,
     /// may say why).
-    #[error("backend '{wanted}' is not loaded (loaded: {}){}", list(.loaded), skips(.skipped))]
+    #[error("backend '{wanted}' is not loaded (loaded: {}){}{}", list(.loaded), skips(.skipped),
+            nothing_found(.loaded, .skipped))]
     UnknownBackend {
         /// The id asked for.
         wanted: String,
@@ -74,6 +76,19 @@ fn skips(v: &[Skipped]) -> String {
     v.iter()
         .map(|s| format!("; skipped {}: {}", s.file.display(), s.reason))
         .collect()
+}
+
+/// Where no plugin was found at all, where the search looks (a host embedding the SDK has no
+/// plugins beside its own binary).
+fn nothing_found(loaded: &[String], skipped: &[Skipped]) -> String {
+    match loaded.is_empty() && skipped.is_empty() {
+        true => format!(
+            "; no plugin was found: name the directory holding them (such as kvplug's \
+             target/release) in {PLUGIN_PATH_ENV}, or put them beside the program or in its \
+             plugins/ directory"
+        ),
+        false => String::new(),
+    }
 }
 
 fn list(v: &[String]) -> String {

@@ -168,6 +168,20 @@ fn unknown_backends_and_bad_configs_are_clear_errors() {
         }
         other => panic!("{:?}", other.map(|_| ())),
     }
+    // Where nothing was found at all, the error says where plugins are looked for.
+    let empty = tempfile::tempdir().unwrap();
+    let none = Runtime::load(&PluginSearch::only(&[empty.path().to_path_buf()], false));
+    match none.cache("cpu", CacheKind::Contiguous, &cfg()) {
+        Err(e @ RuntimeError::UnknownBackend { .. }) => {
+            let e = e.to_string();
+            assert!(
+                e.starts_with("backend 'cpu' is not loaded (loaded: none); no plugin was found")
+                    && e.contains("KVPLUG_PLUGIN_PATH"),
+                "{e}"
+            )
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
     let bad = kvplug_core::CacheConfig {
         head_dim: 48,
         kv_dtype: KvDtype::Q8_DEFAULT,

@@ -13,9 +13,11 @@ use std::time::{Duration, Instant};
 use kvplug_core::Adjust;
 use kvplug_runtime::{Batch, Context, Logits};
 
-use crate::error::{fail, Result};
+use crate::error::{fail, Error, Result};
 use crate::grammar::Constraint;
-use crate::sampler::{Adjustments, Sampler, TokenLogprobs, REPEAT_WINDOW};
+use crate::sampler::{
+    check_temperature, check_top_p, Adjustments, Sampler, TokenLogprobs, REPEAT_WINDOW,
+};
 use crate::speculative::{SpecStats, Speculation, Speculator};
 use crate::stop::StopMatcher;
 use crate::text::{Streamer, Text};
@@ -76,6 +78,49 @@ impl GenOptions {
             max_tokens: n,
             ..GenOptions::default()
         }
+    }
+
+    /// Refuses what samples nothing meaningful: a temperature that is negative or not
+    /// finite, `top_p` outside (0, 1], `min_p` outside [0, 1], a repetition penalty below 0,
+    /// penalties or biases that are NaN (or a +∞ bias), negative token ids. [`Generator::add`]
+    /// checks every request.
+    pub fn check(&self) -> Result<()> {
+        let s = &self.sampler;
+        check_temperature(s.temperature).map_err(|e| Error::Invalid(format!("temperature {e}")))?;
+        check_top_p(s.top_p).map_err(|e| Error::Invalid(format!("top_p {e}")))?;
+        if !(0.0..=1.0).contains(&s.min_p) {
+            fail!(Invalid, "min_p {} is outside [0, 1]", s.min_p);
+        }
+        let a = &self.adjust;
+        if !(a.repetition_penalty >= 0.0 && a.repetition_penalty.is_finite()) {
+            fail!(
+                Invalid,
+                "repetition_penalty {} is not a finite 0 or more",
+                a.repetition_penalty
+            );
+        }
+        for (name, v) in [
+            ("frequency", a.frequency_penalty),
+            ("presence", a.presence_penalty),
+        ] {
+            if !v.is_finite() {
+                fail!(Invalid, "{name}_penalty {v} is not finite");
+            }
+        }
+        if let Some(&(id, b)) = a
+            .logit_bias
+            .iter()
+            .find(|&&(id, b)| id < 0 || b.is_nan() || b == f32::INFINITY)
+        {
+            fail!(
+                Invalid,
+                "logit_bias of token {id}: {b} (ids from 0; a bias below +∞, -∞ bans)"
+            );
+        }
+        if let Some(id) = self.stop_tokens.iter().find(|&&id| id < 0) {
+            fail!(Invalid, "stop token {id} is negative");
+        }
+        Ok(())
     }
 }
 
@@ -298,6 +343,7 @@ impl Generator {
         if prompt.is_empty() {
             fail!(Invalid, "a request needs at least one prompt token");
         }
+        opts.check()?;
         if (!opts.stop_strings.is_empty() || !opts.triggered.is_empty()) && self.text.is_none() {
             fail!(
                 Invalid,
@@ -857,4 +903,59 @@ pub fn generate(
         text_tail: f.text_tail,
         speculation: f.speculation,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each option outside its domain is refused by name; the defaults and edges pass.
+    #[test]
+    fn options_outside_their_domain_are_refused() {
+        let ok = GenOptions::max_tokens(4);
+        ok.check().unwrap();
+        let with = |f: &dyn Fn(&mut GenOptions)| {
+            let mut o = ok.clone();
+            f(&mut o);
+            o.check()
+        };
+        with(&|o| (o.sampler.top_p, o.sampler.min_p) = (1.0, 1.0)).unwrap();
+        with(&|o| o.adjust.logit_bias = vec![(3, f32::NEG_INFINITY)]).unwrap();
+        let refused = [
+            (
+                with(&|o| o.sampler.temperature = f32::NAN),
+                "temperature NaN",
+            ),
+            (with(&|o| o.sampler.temperature = -0.5), "temperature -0.5"),
+            (with(&|o| o.sampler.top_p = 0.0), "top_p 0"),
+            (with(&|o| o.sampler.top_p = f32::NAN), "top_p NaN"),
+            (with(&|o| o.sampler.min_p = 2.0), "min_p 2"),
+            (
+                with(&|o| o.adjust.repetition_penalty = -1.0),
+                "repetition_penalty -1",
+            ),
+            (
+                with(&|o| o.adjust.frequency_penalty = f32::NAN),
+                "frequency_penalty NaN",
+            ),
+            (
+                with(&|o| o.adjust.logit_bias = vec![(-1, 1.0)]),
+                "logit_bias of token -1",
+            ),
+            (
+                with(&|o| o.adjust.logit_bias = vec![(5, f32::NAN)]),
+                "logit_bias of token 5",
+            ),
+            (
+                with(&|o| o.stop_tokens.insert(-5).then_some(()).unwrap()),
+                "stop token -5",
+            ),
+        ];
+        for (got, says) in refused {
+            match got {
+                Err(Error::Invalid(m)) => assert!(m.starts_with(says), "{m}"),
+                other => panic!("{says}: {other:?}"),
+            }
+        }
+    }
 }

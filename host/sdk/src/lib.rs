@@ -62,11 +62,14 @@ pub use generator::{
     Triggered, DEVICE_TOP_K, PREFILL_UBATCH,
 };
 pub use grammar::{json_rule, Constraint, GrammarSpec, Grammars};
-pub use kvplug_plugin_api::AbiErrorKind;
+/// The errors [`Error`]'s variants carry, so that a host can match on them with this crate
+/// alone.
+pub use kvplug_core::{dtype::ParseDtypeError, files::FileError, CacheError, ModelError};
+pub use kvplug_plugin_api::{AbiErrorKind, PluginError};
 pub use kvplug_runtime::loader;
 pub use kvplug_runtime::{
-    Adjust, Arithmetic, Batch, CacheKind, Context, KeyBasis, KvDtype, Model, PluginSearch, Runtime,
-    RuntimeError,
+    Adjust, Arithmetic, Batch, CacheKind, Context, KeyBasis, KvDtype, Logits, Model, PluginSearch,
+    Runtime, RuntimeError,
 };
 pub use llm::{Answer, Llm, LlmBuilder};
 pub use plan::{
@@ -74,7 +77,7 @@ pub use plan::{
     PlanOptions, Weights,
 };
 pub use run::{run_agents, run_decode, run_fork, CacheReport, ForkReport, RunReport, RunSpec};
-pub use sampler::{argmax, Adjustments, Sampler, TokenLogprobs};
+pub use sampler::{argmax, check_temperature, check_top_p, Adjustments, Sampler, TokenLogprobs};
 pub use session_dir::{Listed, SessionDir, SessionLock};
 pub use speculative::{Draft, DraftKind, SpecStats, Speculation, MAX_DRAFT_DEPTH, MAX_DRAFT_WIDTH};
 pub use text::{Message, Text};

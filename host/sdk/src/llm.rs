@@ -186,6 +186,9 @@ impl Llm {
         opts: GenOptions,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Answer> {
+        if messages.is_empty() {
+            fail!(Invalid, "no messages to answer");
+        }
         let prompt = self.text.encode(&self.text.render(messages)?)?;
         self.answer(&prompt, opts, self.text.harmony(), on_text)
     }

@@ -21,6 +21,22 @@ pub struct Sampler {
     by_id: Vec<(i32, f32)>,
 }
 
+/// Whether a [`Sampler`] takes temperature `t`: finite, 0 (greedy) or more.
+pub fn check_temperature(t: f32) -> std::result::Result<(), String> {
+    match t.is_finite() && t >= 0.0 {
+        true => Ok(()),
+        false => Err(format!("{t} is not a finite 0 (greedy) or more")),
+    }
+}
+
+/// Whether a [`Sampler`] takes nucleus mass `p`: in (0, 1].
+pub fn check_top_p(p: f32) -> std::result::Result<(), String> {
+    match p > 0.0 && p <= 1.0 {
+        true => Ok(()),
+        false => Err(format!("{p} is outside (0, 1]")),
+    }
+}
+
 impl Sampler {
     /// A sampler; greedy when `temperature <= 0`.
     pub fn new(temperature: f32, top_p: f32, seed: u64) -> Self {

@@ -175,7 +175,10 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
         run(&["--capacity", "2147483647"]),
         "capacity 2147483647 is above the limit",
     );
-    refuses(run(&["--temperature", "-1"]), "-1 is negative");
+    refuses(
+        run(&["--temperature", "-1"]),
+        "-1 is not a finite 0 (greedy) or more",
+    );
     refuses(run(&["--top-p", "2"]), "2 is outside (0, 1]");
     refuses(
         ["run", "--model", m, "--prompt-ids", "1,-5"]
