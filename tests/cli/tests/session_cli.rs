@@ -180,9 +180,15 @@ fn save_does_not_write_over_another_conversation() {
         "--max-tokens",
         "4",
     ]);
-    let out = talk(&mut other, "Hello\n/save kept\n/save fresh\nMore\n");
+    let out = talk(
+        &mut other,
+        "Hello\n/load nowhere\n/save kept\n/save fresh\nMore\n",
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{out:?}");
+    // A name with no session is refused, and leaves no lock file behind.
+    assert!(err.contains("no session 'nowhere' to load"), "{err}");
+    assert!(!sessions.path().join(".nowhere.lock").exists());
     assert!(err.contains("session 'kept' exists"), "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), before, "kept is untouched");
     assert!(err.contains("[saved as fresh"), "{err}");

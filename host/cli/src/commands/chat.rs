@@ -232,6 +232,10 @@ impl Repl<'_> {
             }
             "load" => {
                 let path = self.sessions.path(arg)?;
+                // Checked before locking: a lock file is not left for a name with no session.
+                if !path.exists() {
+                    bail!("no session '{arg}' to load (`kvplug session ls` lists them)");
+                }
                 let lock = self.lock_for(arg)?;
                 let r = self.chat.load(path)?;
                 self.hold(lock);
