@@ -749,6 +749,22 @@ pub fn summary(path: &Path) -> Result<Summary, SessionFileError> {
     file.read_exact(&mut header).map_err(io)?;
     let json: serde_json::Value =
         serde_json::from_slice(&header).map_err(|e| malformed(path, e.to_string()))?;
+    // The tensors' bytes end where the header says, or the file was cut short (a header
+    // alone would list it whole).
+    let end = json
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, t)| t["data_offsets"][1].as_u64())
+        .max()
+        .unwrap_or(0);
+    let data_end = (8 + len).saturating_add(end);
+    if data_end > bytes {
+        return Err(malformed(
+            path,
+            format!("truncated: its tensors end at byte {data_end}, the file has {bytes}"),
+        ));
+    }
     let meta = &json["__metadata__"];
     let get = |k: &str| {
         meta[format!("kv_cache.{k}")]

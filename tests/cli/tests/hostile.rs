@@ -639,6 +639,17 @@ fn sessions_and_plans_through_the_cli() {
     );
     let show = cli.succeeds(&["--session-dir", d, "session", "show", "ada"]);
     assert!(show.contains("checksum     ok"), "{show}");
+    // A copy cut short is listed as such, not from its header as a whole session.
+    let whole = std::fs::read(&file).unwrap();
+    let cut = dir.join("cut.kvsession.safetensors");
+    std::fs::write(&cut, &whole[..whole.len() - 1]).unwrap();
+    let ls = cli.succeeds(&["--session-dir", d, "session", "ls"]);
+    assert!(
+        ls.lines()
+            .any(|l| l.starts_with("cut ") && l.contains("unreadable") && l.contains("truncated")),
+        "{ls}"
+    );
+    std::fs::remove_file(&cut).unwrap();
     // A session directory that is a file is named as such.
     let f = file.to_str().unwrap();
     cli.refuses(
