@@ -55,16 +55,23 @@ impl Holding {
     }
 }
 
-/// `4GiB`, `512MB`, `1.5GiB`, `1000` (bytes); a bare `K`/`M`/`G`/`T` is binary, as `docker
-/// --memory 2g` and `ulimit` read it (`2G` = 2 GiB). Case does not matter.
+/// `4GiB`, `512MB`, `1.5GiB`, `1000` or `1e9` (bytes); a bare `K`/`M`/`G`/`T` is binary, as
+/// `docker --memory 2g` and `ulimit` read it (`2G` = 2 GiB). Case does not matter.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    // The unit is the letters at the end (`1e9`'s exponent is part of its number).
+    let split = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
     let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|e| format!("'{s}': {e} (expected e.g. 4GiB)"))?;
+    let v: f64 = match num.trim() {
+        "" => {
+            return Err(format!(
+                "'{s}': no number (expected e.g. 4GiB, 512MB or 1000)"
+            ))
+        }
+        n => n
+            .parse()
+            .map_err(|e| format!("'{s}': {e} (expected e.g. 4GiB)"))?,
+    };
     let scale: f64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "kb" => 1e3,
@@ -519,7 +526,17 @@ mod tests {
             .unwrap_err()
             .contains("unknown unit"));
         assert!(parse_bytes("-1GB").is_err());
-        assert!(parse_bytes("GB").is_err());
+        assert_eq!(parse_bytes("1e9"), Ok(1_000_000_000));
+        assert_eq!(parse_bytes("2.5e3 KB"), Ok(2_500_000));
+        for unnumbered in ["GB", "abc", ""] {
+            assert!(
+                parse_bytes(unnumbered).unwrap_err().contains("no number"),
+                "{unnumbered}"
+            );
+        }
+        for not_a_count in ["inf", "NaN", "1e30"] {
+            assert!(parse_bytes(not_a_count).is_err(), "{not_a_count}");
+        }
     }
 
     #[test]
