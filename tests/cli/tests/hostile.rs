@@ -212,6 +212,12 @@ fn hostile_inputs_end_in_clean_errors_in_bounded_time_and_memory() {
             .to_vec(),
         "max tokens 0 would answer nothing",
     );
+    refuses(
+        ["serve", "--model", m, "--max-body", "0", "--port", "0"]
+            .map(String::from)
+            .to_vec(),
+        "0 would refuse every request with a body",
+    );
     // A refused bench prints no table head.
     let out = cli.run(&["bench", "--model", m, "-r", "0"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");

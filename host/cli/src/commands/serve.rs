@@ -55,8 +55,8 @@ pub struct Args {
     /// The largest max_tokens a request may ask for, and the default.
     #[arg(long, default_value_t = 1024)]
     max_tokens: usize,
-    /// Largest request body in bytes; larger bodies get 413.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Largest request body in bytes (at least 1); larger bodies get 413.
+    #[arg(long, default_value_t = 1 << 20, value_parser = body_limit)]
     max_body: usize,
     /// Disk the parked agents' session files may take, every model's (bytes, or with a unit
     /// as in `plan --budget`; 0: unbounded); past it the least recently parked are removed.
@@ -157,6 +157,14 @@ pub fn run(runtime: &Runtime, sessions: &SessionDir, a: Args) -> Result<ExitCode
     std::io::stdout().flush()?;
     server.run(|| eprintln!("kvplug serve: shutting down (finishing requests in flight)"))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--max-body`: 0 would refuse every request that has a body.
+fn body_limit(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>().map_err(|e| e.to_string())? {
+        0 => Err("0 would refuse every request with a body: give at least 1 byte".into()),
+        n => Ok(n),
+    }
 }
 
 /// `90s`, `30m`, `24h`, `7d`, or plain seconds.
