@@ -468,8 +468,14 @@ impl AgentStore {
         if opts.max_tokens == 0 {
             fail!(Invalid, "a request needs max_tokens >= 1");
         }
+        if opts.prompt_logprobs.is_some() {
+            fail!(
+                Invalid,
+                "a scored prompt (prompt_logprobs) runs through a Generator, not here"
+            );
+        }
         let t0 = Instant::now();
-        let Some(placed) = self.admit(agent, prompt, opts.max_tokens)? else {
+        let Some(placed) = self.admit(agent, prompt, opts.max_tokens, true)? else {
             fail!(
                 Invalid,
                 "the memory budget ({} cells) cannot hold this request",
@@ -519,15 +525,24 @@ impl AgentStore {
     /// hybrid model, [`Placed::anchor_at`] may name where the prompt departs from a recent
     /// request: the caller prefills up to there in a request of its own, publishes
     /// `prompt[..at]` ([`publish`](Self::publish)), then goes on from there, so that later
-    /// requests sharing that beginning resume at it.
+    /// requests sharing that beginning resume at it. Without `reuse` (a scored prompt,
+    /// [`GenOptions::prompt_logprobs`], runs every token) nothing is reused or anchored and
+    /// an agent is refused.
     pub fn admit(
         &mut self,
         agent: Option<&str>,
         prompt: &[i32],
         extra: usize,
+        reuse: bool,
     ) -> Result<Option<Placed>> {
         if prompt.is_empty() {
             fail!(Invalid, "a request needs a prompt token");
+        }
+        if let (false, Some(name)) = (reuse, agent) {
+            fail!(
+                Invalid,
+                "agent '{name}': a prompt run without reusing its history cannot be a session's"
+            );
         }
         if let Some(name) = agent {
             self.file_of(name)?;
@@ -542,10 +557,13 @@ impl AgentStore {
         {
             return Ok(None);
         }
-        let Some(mut placed) = self.place(agent, prompt, extra)? else {
+        let reused = if reuse { prompt.len() - 1 } else { 0 };
+        let Some(mut placed) = self.place(agent, &prompt[..reused], prompt.len(), extra)? else {
             return Ok(None);
         };
-        placed.anchor_at = self.anchor_point(prompt, placed.history)?;
+        if reuse {
+            placed.anchor_at = self.anchor_point(prompt, placed.history)?;
+        }
         if !self.make_room(prompt.len() - placed.history + extra, agent)? {
             self.finish(agent, placed.seq, &prompt[..placed.history])?;
             return Ok(None);
@@ -637,21 +655,22 @@ impl AgentStore {
         self.free_seqs.push(seq);
     }
 
-    /// Gives the request a sequence holding as much of `prompt[..len - 1]` as the agent's
-    /// sequence, the prefix index or the agent's file has (a sequence must be free or the
-    /// agent hot). `None` when the cells to restore from the file cannot be freed now, with
-    /// the rest of the prompt and `extra` more.
+    /// Gives the request a sequence holding as much of `reusable` (the beginning of a
+    /// `len`-token prompt it may reuse) as the agent's sequence, the prefix index or the
+    /// agent's file has (a sequence must be free or the agent hot). `None` when the cells
+    /// to restore from the file cannot be freed now, with the rest of the prompt and `extra`
+    /// more.
     fn place(
         &mut self,
         agent: Option<&str>,
-        prompt: &[i32],
+        reusable: &[i32],
+        len: usize,
         extra: usize,
     ) -> Result<Option<Placed>> {
-        let limit = prompt.len() - 1;
-        let indexed = self.cache.prefix_match(&tokens_u32(&prompt[..limit]))?;
+        let indexed = self.cache.prefix_match(&tokens_u32(reusable))?;
         if let Some(a) = agent.and_then(|n| self.agents.get_mut(n)) {
             if let Some(seq) = a.seq {
-                let keep = common_prefix(&a.tokens, prompt).min(limit);
+                let keep = common_prefix(&a.tokens, reusable);
                 if keep >= indexed {
                     match self.cache.seq_rm(seq, Some(keep as i32), None) {
                         Ok(()) => {
@@ -672,12 +691,12 @@ impl AgentStore {
                 // history cannot be kept).
                 self.cache.seq_rm(seq, None, None)?;
                 a.tokens.clear();
-                let attached = self.attach(seq, &prompt[..limit])?;
+                let attached = self.attach(seq, reusable)?;
                 let a = self
                     .agents
                     .get_mut(agent.expect("a hot agent"))
                     .expect("known");
-                a.tokens = prompt[..attached].to_vec();
+                a.tokens = reusable[..attached].to_vec();
                 return Ok(Some(Placed {
                     seq,
                     history: attached,
@@ -687,7 +706,7 @@ impl AgentStore {
             }
         }
         let seq = self.free_seqs.pop().context("no free sequence")?;
-        let placed = self.fill(seq, agent, prompt, extra);
+        let placed = self.fill(seq, agent, reusable, len, extra);
         if !matches!(placed, Ok(Some(_))) {
             // No room, or a failed restore: the sequence goes back empty.
             self.cache.seq_rm(seq, None, None)?;
@@ -697,18 +716,18 @@ impl AgentStore {
     }
 
     /// Fills the empty `seq` with what the prefix index and the agent's file hold of
-    /// `prompt[..len - 1]` and gives it to the agent; `None` when the cells to restore
-    /// cannot be freed now together with those the rest of the prompt and `extra` need (the
-    /// restore must not take cells promised to requests in flight).
+    /// `reusable` (as [`place`](Self::place)) and gives it to the agent; `None` when the
+    /// cells to restore cannot be freed now together with those the rest of the prompt and
+    /// `extra` need (the restore must not take cells promised to requests in flight).
     fn fill(
         &mut self,
         seq: i32,
         agent: Option<&str>,
-        prompt: &[i32],
+        reusable: &[i32],
+        len: usize,
         extra: usize,
     ) -> Result<Option<Placed>> {
-        let limit = prompt.len() - 1;
-        let attached = self.attach(seq, &prompt[..limit])?;
+        let attached = self.attach(seq, reusable)?;
         let mut history = attached;
         let mut restored = 0;
         if let Some(name) = agent {
@@ -744,10 +763,10 @@ impl AgentStore {
                 None => None,
             };
             if let Some(s) = usable {
-                let have = common_prefix(&s.tokens, prompt).min(limit);
+                let have = common_prefix(&s.tokens, reusable);
                 if have > attached {
                     let need = have - attached;
-                    if !self.make_room(prompt.len() - attached + extra, agent)? {
+                    if !self.make_room(len - attached + extra, agent)? {
                         return Ok(None);
                     }
                     // A hybrid model's file keeps its sliding layers' rows only for the
@@ -765,7 +784,7 @@ impl AgentStore {
                 busy: false,
                 last_use: 0,
             });
-            (a.tokens, a.seq) = (prompt[..history].to_vec(), Some(seq));
+            (a.tokens, a.seq) = (reusable[..history].to_vec(), Some(seq));
         }
         Ok(Some(Placed {
             seq,

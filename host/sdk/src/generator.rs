@@ -26,6 +26,10 @@ use crate::text::{Streamer, Text};
 /// with `ubatch × window`, never with a prompt squared.
 pub const PREFILL_UBATCH: usize = 512;
 
+/// The most prompt tokens a request with [`GenOptions::prompt_logprobs`] feeds a step: each
+/// returns a whole row of logits (64 rows of a 256k vocabulary: 64 MiB).
+pub const SCORED_UBATCH: usize = 64;
+
 /// The most candidates a step asks the device for ([`Context::decode_top_k`]): a sampler
 /// with a larger top-k, or none, reads whole rows of logits.
 pub const DEVICE_TOP_K: usize = 64;
@@ -54,6 +58,13 @@ pub struct GenOptions {
     pub triggered: Vec<Triggered>,
     /// Report each token's log-probability and this many alternatives' (`None`: none).
     pub logprobs: Option<usize>,
+    /// Score the prompt: the log-probability of each prompt token after the first under the
+    /// logits of the one before it, with this many alternatives' (`None`: none) — OpenAI's
+    /// `echo` with `logprobs`, lm-eval-harness's loglikelihood. Every prompt token then
+    /// returns its row of logits, so the prompt goes in [`SCORED_UBATCH`] tokens a step.
+    /// They come with the request's first [`TokenEvent`], or in [`Finished`] when it ends
+    /// before sampling one.
+    pub prompt_logprobs: Option<usize>,
     /// Set (from any thread, or a signal handler) to end the request before its next step:
     /// a long prompt stops being prefilled within one micro-batch, and the request finishes
     /// [`Finish::Cancelled`].
@@ -135,6 +146,7 @@ impl Default for GenOptions {
             constraint: None,
             triggered: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             cancel: None,
             speculate: None,
             device_argmax: false,
@@ -189,6 +201,9 @@ pub struct TokenEvent<'a> {
     pub logits: &'a [f32],
     /// Its log-probability and the best alternatives', when the request asked.
     pub logprobs: Option<TokenLogprobs>,
+    /// With the request's first token, its prompt's scores when it asked
+    /// ([`GenOptions::prompt_logprobs`]): one a prompt token from the second on. Else empty.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
     /// How many of the request's latest tokens, this one included unless it is a stop token
     /// (which adds no text), have none of their text released yet: held back (see `text`),
     /// or in a stop string just reached (then never released). The text of every earlier
@@ -223,6 +238,9 @@ pub struct Finished {
     pub speculation: Option<SpecStats>,
     /// The stop string that ended it, when one did.
     pub stop_string: Option<String>,
+    /// Its prompt's scores ([`GenOptions::prompt_logprobs`]) when no [`TokenEvent`] handed
+    /// them out (it sampled nothing): those of the prompt tokens written, from the second on.
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 impl Finished {
@@ -250,6 +268,8 @@ struct Active {
     spec: Option<Speculator>,
     /// Whether this step's decode went through its speculator.
     drafted: bool,
+    /// Its prompt's scores not handed out yet ([`GenOptions::prompt_logprobs`]).
+    scores: Vec<TokenLogprobs>,
 }
 
 impl Active {
@@ -260,6 +280,7 @@ impl Active {
         let plain = o.device_argmax
             && o.constraint.is_none()
             && o.logprobs.is_none()
+            && o.prompt_logprobs.is_none()
             && self.spec.is_none();
         match plain && o.sampler.needs_at_most(DEVICE_TOP_K) {
             true if o.sampler.is_greedy() => Some(0),
@@ -290,6 +311,7 @@ impl Active {
             error,
             speculation: self.spec.as_ref().map(Speculator::stats),
             stop_string: self.stop.matched().map(String::from),
+            prompt_logprobs: self.scores,
         }
     }
 }
@@ -300,11 +322,13 @@ pub struct Generator {
     text: Option<Arc<Text>>,
     active: Vec<Active>,
     next: RequestId,
-    // The step's batch, the requests owning its logits rows (each request's rows in a run:
-    // its index and row count), and the rows written again after verification (see
-    // `Speculator::settle`); reused across steps.
+    // The step's batch, the requests sampling from its logits rows (each request's rows in
+    // a run: its index, first row and row count), the prompt rows it scores (index, first
+    // row, row count, prompt index of the first token scored), and the rows written again
+    // after verification (see `Speculator::settle`); reused across steps.
     batch: Batch,
-    owners: Vec<(usize, usize)>,
+    owners: Vec<(usize, usize, usize)>,
+    scored: Vec<(usize, usize, usize, usize)>,
     refeed: Batch,
     /// A row of logits being adjusted or masked, reused.
     scratch: Vec<f32>,
@@ -376,6 +400,7 @@ impl Generator {
             fed: 0,
             spec,
             drafted: false,
+            scores: Vec::new(),
         });
         Ok(request)
     }
@@ -461,6 +486,7 @@ impl Generator {
         }
         self.batch.clear();
         self.owners.clear();
+        self.scored.clear();
         // Requests draft only in a step that prefills nothing (see `crate::speculative`).
         let mut undecided = self.active.iter().filter(|a| !a.prefilling()).count();
         let drafting = undecided == self.active.len();
@@ -473,8 +499,8 @@ impl Generator {
             a.drafted = drafting && a.spec.is_some();
             let Some(s) = a.spec.as_mut().filter(|_| drafting) else {
                 let last = a.generated[a.generated.len() - 1];
+                self.owners.push((i, self.batch.logit_rows().len(), 1));
                 self.batch.push(last, pos as i32, a.seq, true);
-                self.owners.push((i, 1));
                 continue;
             };
             // The most draft nodes the cache has room for beside this step's other tokens.
@@ -491,17 +517,22 @@ impl Generator {
                     return Err(e);
                 }
             };
+            self.owners
+                .push((i, self.batch.logit_rows().len(), tree.tokens.len()));
             for (&t, &d) in tree.tokens.iter().zip(&tree.depth) {
                 self.batch.push(t, (pos + d) as i32, a.seq, true);
             }
-            self.owners.push((i, tree.tokens.len()));
         }
         let mut budget = PREFILL_UBATCH.saturating_sub(self.batch.len()).max(1);
         for (i, a) in self.active.iter_mut().enumerate() {
             if !a.prefilling() || budget == 0 {
                 continue;
             }
-            a.fed = (a.prompt.len() - a.written).min(budget);
+            let most = match a.opts.prompt_logprobs {
+                Some(_) => budget.min(SCORED_UBATCH),
+                None => budget,
+            };
+            a.fed = (a.prompt.len() - a.written).min(most);
             if a.prompt.len() - (a.written + a.fed) == 1 {
                 // Not a last chunk of one token: read, it looks like a decode step, and a
                 // recurrent cache would not keep the prompt's end (see `Anchors`). With room
@@ -514,10 +545,24 @@ impl Generator {
             budget -= a.fed;
             let end = a.written + a.fed;
             let wants = end == a.prompt.len() && a.opts.max_tokens > 0;
-            self.batch
-                .push_run(&a.prompt[a.written..end], a.start + a.written, a.seq, wants);
+            // A scored prompt's rows give the next token's log-probability: every fed token
+            // but the prompt's last has one.
+            let scored = match a.opts.prompt_logprobs {
+                Some(_) => end.min(a.prompt.len() - 1) - a.written,
+                None => 0,
+            };
+            if scored > 0 {
+                let first = self.batch.logit_rows().len();
+                self.scored.push((i, first, scored, a.written + 1));
+            }
+            let rows = self.batch.logit_rows().len() + scored;
+            for (k, &t) in a.prompt[a.written..end].iter().enumerate() {
+                let logits = k < scored || (wants && a.written + k + 1 == end);
+                self.batch
+                    .push(t, (a.start + a.written + k) as i32, a.seq, logits);
+            }
             if wants {
-                self.owners.push((i, 1));
+                self.owners.push((i, rows, 1));
             }
         }
         // On the device: every request's argmax, or as many candidates as the most any wants,
@@ -529,15 +574,12 @@ impl Generator {
         self.adjust.clear();
         if device.is_some() {
             let vocab = ctx.vocab() as i32;
-            let mut row = 0;
-            for &(i, rows) in &self.owners {
+            for &(i, row, _) in &self.owners {
                 let a = &self.active[i];
-                row += rows;
                 if a.opts.adjust.is_identity() {
                     continue;
                 }
                 // One row a request: device picks exclude speculation.
-                let row = row - rows;
                 let recent = &a.prompt[a.prompt.len().saturating_sub(REPEAT_WINDOW)..];
                 a.opts
                     .adjust
@@ -554,7 +596,7 @@ impl Generator {
             .active
             .iter_mut()
             .enumerate()
-            .filter(|(i, _)| owners.iter().any(|&(o, _)| o == *i))
+            .filter(|(i, _)| owners.iter().any(|&(o, _, _)| o == *i))
             .filter_map(|(_, a)| a.opts.constraint.as_mut())
             .collect();
         // A mask that fails here fails again when its request samples, ending that request.
@@ -594,12 +636,21 @@ impl Generator {
         for a in &mut self.active {
             a.written += std::mem::take(&mut a.fed);
         }
+        if let Picks::Logits(l) = &picks {
+            for &(i, first, rows, from) in &self.scored {
+                let a = &mut self.active[i];
+                let top = a.opts.prompt_logprobs.unwrap_or(0);
+                let next = &a.prompt[from..from + rows];
+                let scores = next
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &t)| TokenLogprobs::of(l.row(first + k), t, top));
+                a.scores.extend(scores);
+            }
+        }
         let mut ended = Vec::new();
-        let mut row = 0;
-        for &(i, rows) in &self.owners {
+        for &(i, first, _) in &self.owners {
             let a = &mut self.active[i];
-            let first = row;
-            row += rows;
             // A drafting request samples its rows along the drafted child holding each
             // sampled token.
             let mut node = Some(0);
@@ -757,6 +808,7 @@ fn sample_one<'l>(
         text: released,
         logits: l,
         logprobs: a.opts.logprobs.map(|top| TokenLogprobs::of(l, id, top)),
+        prompt_logprobs: std::mem::take(&mut a.scores),
         held: a.stop.held_pieces(),
         stop_token,
     };

@@ -44,6 +44,16 @@ pub struct Answer {
     /// The vocabulary's token bytes, when the model has grammars (else tokens are decoded
     /// one by one, which loses partial UTF-8).
     pub vocab: Option<Grammars>,
+    /// `/v1/completions`' `echo`: what each choice starts with.
+    pub echo: Option<Echo>,
+}
+
+/// An echoed prompt: its text (as the request gave it, ids decoded) and, when the request
+/// asked for log-probabilities, its first token (the others' come in [`Event::Prompt`]),
+/// whose log-probability is null: nothing comes before it.
+pub struct Echo {
+    pub text: String,
+    pub scored: Option<i32>,
 }
 
 /// One completion as it comes in.
@@ -55,6 +65,8 @@ pub struct Choice {
     /// A harmony answer (whose `text` is kept whole): bytes of its parsed reasoning and
     /// content streamed so far.
     sent_parsed: (usize, usize),
+    /// An echoed prompt's first token (see [`Echo`]), listed before `logprobs`.
+    lead: Option<i32>,
     logprobs: Vec<TokenLogprobs>,
     finish: Option<&'static str>,
     tokens: usize,
@@ -192,31 +204,91 @@ impl Answer {
             .collect()
     }
 
-    /// Log-probabilities in the endpoint's shape; completions' `text_offset`s count
-    /// characters from `offset` (the answer's text before these tokens) on.
-    fn logprobs(&self, lps: &[TokenLogprobs], offset: usize) -> Value {
+    /// Log-probabilities in the endpoint's shape, or null when there are none; completions'
+    /// `text_offset`s count the tokens' characters from `offset` (the answer's tokens before
+    /// these) on, and start with `lead`, an echoed prompt's first token, whose
+    /// log-probability and alternatives are null (OpenAI's shape).
+    fn logprobs(&self, lead: Option<i32>, lps: &[TokenLogprobs], offset: usize) -> Value {
+        if lead.is_none() && lps.is_empty() {
+            return Value::Null;
+        }
         match self.endpoint {
             Endpoint::Chat => json!({"content": self.token_logprobs(lps), "refusal": null}),
             Endpoint::Completion => {
                 let mut offset = offset;
-                let mut offsets = Vec::with_capacity(lps.len());
-                let tokens: Vec<String> = lps
-                    .iter()
-                    .map(|l| {
-                        let t = self.piece(l.token).1;
-                        offsets.push(offset);
-                        offset += t.chars().count();
-                        t
-                    })
-                    .collect();
+                let ids = lead.into_iter().chain(lps.iter().map(|l| l.token));
+                let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
+                for id in ids {
+                    let t = self.piece(id).1;
+                    offsets.push(offset);
+                    offset += t.chars().count();
+                    tokens.push(t);
+                }
+                let null = lead.map(|_| Value::Null);
+                let top = |l: &TokenLogprobs| {
+                    let top = l.top.iter().map(|&(t, p)| (self.piece(t).1, json!(p)));
+                    Value::Object(top.collect())
+                };
+                let values = lps.iter().map(|l| json!(l.logprob));
+                let token_logprobs: Vec<Value> = null.iter().cloned().chain(values).collect();
+                let top_logprobs: Vec<Value> =
+                    null.into_iter().chain(lps.iter().map(top)).collect();
                 json!({
                     "tokens": tokens,
-                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": lps.iter().map(|l| l.top.iter().map(|&(t, p)| (self.piece(t).1, json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+                    "token_logprobs": token_logprobs,
+                    "top_logprobs": top_logprobs,
                     "text_offset": offsets,
                 })
             }
         }
+    }
+
+    /// Characters of the log-probabilities' tokens `lead` and `lps` (see
+    /// [`logprobs`](Self::logprobs)).
+    fn token_chars(&self, lead: Option<i32>, lps: &[TokenLogprobs]) -> usize {
+        let ids = lead.into_iter().chain(lps.iter().map(|l| l.token));
+        ids.map(|id| self.piece(id).1.chars().count()).sum()
+    }
+
+    /// Starts `choices` with the echoed prompt's text and first token (its other tokens'
+    /// scores lead their log-probabilities already, see [`choices`]).
+    fn echo_into(&self, choices: &mut [Choice]) {
+        let Some(echo) = &self.echo else { return };
+        for c in choices {
+            c.text.insert_str(0, &echo.text);
+            c.lead = echo.scored;
+        }
+    }
+
+    /// The streamed answer's first chunks when it echoes its prompt: each choice's at once,
+    /// or, when the prompt is scored, once its scores are in ([`Event::Prompt`]).
+    fn echo_chunks(&self, choices: &mut [Choice], scores: Option<&[TokenLogprobs]>) -> Vec<Chunk> {
+        let Some(echo) = self
+            .echo
+            .as_ref()
+            .filter(|e| e.scored.is_some() == scores.is_some())
+        else {
+            return Vec::new();
+        };
+        let scores = scores.unwrap_or_default();
+        let mut out = Vec::new();
+        for (i, c) in choices.iter_mut().enumerate() {
+            let delta = json!({"content": echo.text});
+            out.push(Chunk::Data(self.chunk_led(
+                i,
+                delta,
+                echo.scored,
+                scores,
+                0,
+                None,
+            )));
+            c.sent_chars = match echo.scored {
+                // Offsets count the tokens' characters, as the whole answer's do.
+                Some(_) => self.token_chars(echo.scored, scores),
+                None => echo.text.chars().count(),
+            };
+        }
+        out
     }
 
     /// Completion `c`'s text split into content, reasoning and tool calls (no tools: all
@@ -290,11 +362,7 @@ impl Answer {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let logprobs = if c.logprobs.is_empty() {
-                    Value::Null
-                } else {
-                    self.logprobs(&c.logprobs, 0)
-                };
+                let logprobs = self.logprobs(c.lead, &c.logprobs, 0);
                 match self.endpoint {
                     Endpoint::Chat => {
                         let parsed = self.split(c);
@@ -333,11 +401,21 @@ impl Answer {
         offset: usize,
         finish: Option<&str>,
     ) -> Value {
-        let logprobs = if logprobs.is_empty() {
-            Value::Null
-        } else {
-            self.logprobs(logprobs, offset)
-        };
+        self.chunk_led(i, delta, None, logprobs, offset, finish)
+    }
+
+    /// [`chunk`](Self::chunk) whose log-probabilities start with `lead` (an echoed prompt's
+    /// first token).
+    fn chunk_led(
+        &self,
+        i: usize,
+        delta: Value,
+        lead: Option<i32>,
+        logprobs: &[TokenLogprobs],
+        offset: usize,
+        finish: Option<&str>,
+    ) -> Value {
+        let logprobs = self.logprobs(lead, logprobs, offset);
         let choice = match self.endpoint {
             Endpoint::Chat => {
                 json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -357,10 +435,13 @@ pub async fn collect(
     cached: usize,
     rx: UnboundedReceiver<Event>,
 ) -> Result<Value, ApiError> {
-    Ok(answer.full(&choices(answer.n, rx).await?, cached))
+    let mut choices = choices(answer.n, rx).await?;
+    answer.echo_into(&mut choices);
+    Ok(answer.full(&choices, cached))
 }
 
-/// Reads events to the end of every one of `n` completions.
+/// Reads events to the end of every one of `n` completions; a scored prompt's scores
+/// ([`Event::Prompt`], before any token) lead each one's log-probabilities.
 pub async fn choices(n: usize, mut rx: UnboundedReceiver<Event>) -> Result<Vec<Choice>, ApiError> {
     let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
     let mut open = n;
@@ -388,6 +469,11 @@ pub async fn choices(n: usize, mut rx: UnboundedReceiver<Event>) -> Result<Vec<C
                 c.speculation = speculation;
                 c.stop_string = stop_string;
                 open -= 1;
+            }
+            Some(Event::Prompt { logprobs }) => {
+                for c in &mut choices {
+                    c.logprobs.splice(0..0, logprobs.iter().cloned());
+                }
             }
             Some(Event::Admitted { .. }) => {}
             Some(Event::Failed(e)) => return Err(e),
@@ -471,8 +557,10 @@ pub fn chunks(
         }
     }
     let holding = vec![answer.calls.is_some(); answer.n];
+    let mut choices: Vec<Choice> = (0..answer.n).map(|_| Choice::default()).collect();
+    out.extend(answer.echo_chunks(&mut choices, None));
     let state = State {
-        choices: (0..answer.n).map(|_| Choice::default()).collect(),
+        choices,
         open: answer.n,
         answer,
         cached,
@@ -604,6 +692,10 @@ pub fn chunks(
                         st.ended = true;
                     }
                 }
+                Some(Event::Prompt { logprobs }) => {
+                    let echoed = a.echo_chunks(&mut st.choices, Some(&logprobs));
+                    st.out.extend(echoed);
+                }
                 Some(Event::Admitted { .. }) => {}
                 Some(Event::Failed(e)) => {
                     st.out.push_back(Chunk::Failed(e));
@@ -722,6 +814,7 @@ pub(crate) mod tests {
             calls,
             text,
             vocab: None,
+            echo: None,
         }
     }
 

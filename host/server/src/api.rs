@@ -95,6 +95,9 @@ pub struct Params {
     pub n: usize,
     /// Log-probabilities: `None`, or `Some(k)` with the `k` best alternatives per token.
     pub logprobs: Option<usize>,
+    /// `/v1/completions`' `echo`: each choice's text (and, with `logprobs`, its tokens'
+    /// log-probabilities, the first token's null) starts with the prompt's.
+    pub echo: bool,
     /// Functions the model may call.
     pub tools: Vec<Tool>,
     /// Whether and which tool to call.
@@ -133,8 +136,7 @@ const IGNORED: [&str; 10] = [
 ];
 
 /// Fields that would change the answer in ways this server does not implement.
-const REFUSED: [&str; 9] = [
-    "echo",
+const REFUSED: [&str; 8] = [
     "suffix",
     "audio",
     "modalities",
@@ -146,7 +148,7 @@ const REFUSED: [&str; 9] = [
 ];
 
 /// Fields this server reads.
-const IMPLEMENTED: [&str; 28] = [
+const IMPLEMENTED: [&str; 29] = [
     "messages",
     "continue_final_message",
     "prompt",
@@ -167,6 +169,7 @@ const IMPLEMENTED: [&str; 28] = [
     "n",
     "logprobs",
     "top_logprobs",
+    "echo",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -346,6 +349,21 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
             ));
         }
     }
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if echo && endpoint == Endpoint::Chat {
+        return Err(ApiError::invalid(
+            Some("echo"),
+            "'echo' is for /v1/completions",
+        ));
+    }
+    let logprobs = logprobs(&f, endpoint)?;
+    if echo && logprobs.is_some() && n > 1 {
+        // The completions share one prefill whose last token each runs itself.
+        return Err(ApiError::invalid(
+            Some("n"),
+            "'echo' with 'logprobs' scores the prompt once: 'n' must be 1",
+        ));
+    }
     if !tools.is_empty() && matches!(format, Format::Grammar(_)) && tool_choice != ToolChoice::None
     {
         return Err(ApiError::invalid(
@@ -378,7 +396,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         stop: stop(&f)?,
         seed: f.seed("seed")?,
         n: n as usize,
-        logprobs: logprobs(&f, endpoint)?,
+        logprobs,
+        echo,
         tool_choice,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
         tools,
@@ -398,7 +417,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
         }
         let unset = match (k.as_str(), v) {
             ("best_of", v) => v.as_u64() == Some(1),
-            ("echo", Value::Bool(b)) => !b,
             ("modalities", Value::Array(m)) => m.iter().all(|x| x == "text"),
             (_, Value::String(s)) => s.is_empty(),
             (_, Value::Array(a)) => a.is_empty(),
@@ -1124,7 +1142,19 @@ mod tests {
             "response_format",
             "json_schema' must be an object",
         );
-        refused(&with(r#""echo": true"#), "echo", "not supported");
+        refused(&with(r#""echo": true"#), "echo", "for /v1/completions");
+        assert!(!chat(&with(r#""echo": false"#)).unwrap().echo);
+        let completion = |extra: &str| {
+            let body = format!(r#"{{"prompt": "x", {extra}}}"#);
+            parse(Endpoint::Completion, body.as_bytes())
+        };
+        let p = completion(r#""echo": true, "logprobs": 2"#).unwrap();
+        assert_eq!((p.echo, p.logprobs), (true, Some(2)));
+        assert!(completion(r#""echo": true, "n": 3"#).unwrap().echo);
+        let e = completion(r#""echo": true, "logprobs": 0, "n": 2"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"), "{e:?}");
+        let e = completion(r#""echo": 1"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"), "{e:?}");
         refused(&with(r#""frobnicate": 1"#), "frobnicate", "unknown field");
         // Several prompts, negative or fractional ids, nothing, a number.
         for prompt in [

@@ -64,6 +64,12 @@ pub enum Event {
         /// Log-probabilities of the tokens it releases, in order.
         logprobs: Vec<TokenLogprobs>,
     },
+    /// A scored prompt's log-probabilities ([`kvplug::GenOptions::prompt_logprobs`]): one
+    /// a prompt token from the second on, before any token of the answer.
+    Prompt {
+        /// In prompt order.
+        logprobs: Vec<TokenLogprobs>,
+    },
     /// Completion `choice` ended.
     Done {
         /// Which completion.
@@ -320,7 +326,12 @@ impl Engine {
                 })
                 .sum();
             let extra = r.n * r.opts.max_tokens - 1 + self.generator.outstanding() + forks;
-            match self.store.admit(r.agent.as_deref(), &r.prompt, extra) {
+            // A scored prompt runs every token: it reuses nothing.
+            let reuse = r.opts.prompt_logprobs.is_none();
+            match self
+                .store
+                .admit(r.agent.as_deref(), &r.prompt, extra, reuse)
+            {
                 Ok(Some(placed)) => {
                     // n completions need n - 1 more sequences, taken now.
                     let reserved = match self.store.reserve(r.n - 1, r.agent.as_deref()) {
@@ -561,6 +572,10 @@ impl Engine {
             if !a.started {
                 a.started = true;
                 metrics.first_token(a.req.arrived.elapsed());
+                if a.req.opts.prompt_logprobs.is_some() {
+                    let logprobs = e.prompt_logprobs.clone();
+                    let _ = a.req.events.send(Event::Prompt { logprobs });
+                }
             }
             let r = a
                 .running

@@ -110,6 +110,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
         seed: None,
         n: 1,
         logprobs: None,
+        echo: false,
         tools,
         tool_choice,
         parallel_tool_calls: parallel,

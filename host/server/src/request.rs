@@ -170,6 +170,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
         constraint,
         triggered,
         logprobs: p.logprobs,
+        // `echo` with `logprobs` scores the prompt: every token's row comes back.
+        prompt_logprobs: p.logprobs.filter(|_| p.echo),
         // The engine ends requests itself (a client gone, a deadline).
         cancel: None,
         // The engine sets it, with the sequence's earlier tokens.

@@ -301,6 +301,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
         seed: None,
         n: 1,
         logprobs: logprobs(&f)?,
+        echo: false,
         tools,
         tool_choice,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),

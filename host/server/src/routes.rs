@@ -19,8 +19,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutError};
 
-use crate::answer::{collect, stream, Answer};
-use crate::api::{self, Endpoint, Params};
+use crate::answer::{collect, stream, Answer, Echo};
+use crate::api::{self, Endpoint, Params, Prompt};
 use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
 use crate::messages;
@@ -320,6 +320,13 @@ async fn admit(
             "an agent session (X-Session-Id) continues one completion: n must be 1",
         ));
     }
+    if agent.is_some() && p.echo && p.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            Some("echo"),
+            "'echo' with 'logprobs' scores the whole prompt, which an agent session \
+             (X-Session-Id) reuses: send it without the session",
+        ));
+    }
     let n = s.counter.fetch_add(1, Ordering::Relaxed);
     let seed = {
         let t = SystemTime::now()
@@ -328,8 +335,10 @@ async fn admit(
         t ^ n.rotate_left(32)
     };
     let shared = s.clone();
-    let (prepared, p) = tokio::task::spawn_blocking(move || {
-        prepare(&shared.request_model(), &p, seed).map(|prepared| (prepared, p))
+    let (prepared, echo, p) = tokio::task::spawn_blocking(move || {
+        let prepared = prepare(&shared.request_model(), &p, seed)?;
+        let echo = echo(&shared, &p, &prepared.prompt)?;
+        Ok::<_, ApiError>((prepared, echo, p))
     })
     .await
     .map_err(|e| ApiError::internal(format!("preparing the request: {e}")))??;
@@ -369,6 +378,7 @@ async fn admit(
         calls: prepared.calls,
         text: s.text.clone(),
         vocab: s.grammars.as_ref().ok().cloned(),
+        echo,
     };
     Ok(Admitted {
         answer,
@@ -377,6 +387,21 @@ async fn admit(
         divergence,
         stream: p.stream,
     })
+}
+
+/// What a completion echoing its prompt (`p.echo`) starts with: the prompt's text as it came,
+/// token ids decoded.
+fn echo(s: &Shared, p: &Params, prompt: &[i32]) -> Result<Option<Echo>, ApiError> {
+    let text = match &p.prompt {
+        _ if !p.echo => return Ok(None),
+        Prompt::Text(t) => t.clone(),
+        _ => s
+            .text
+            .detokenize(prompt)
+            .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+    };
+    let scored = p.logprobs.map(|_| prompt[0]);
+    Ok(Some(Echo { text, scored }))
 }
 
 /// `response` with the `x-kvplug-prefix` header saying where the prompt departed from the

@@ -197,6 +197,134 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
     s.stop();
 }
 
+/// `/v1/completions` with `echo`: each choice's text starts with the prompt, and with
+/// `logprobs` the prompt's tokens lead the log-probabilities in OpenAI's shape (the first
+/// one's null, nothing coming before it) — lm-eval-harness's loglikelihood request (token ids
+/// in a batch of one, `max_tokens` 1, `logprobs` 1) — streamed as the whole answer gives it.
+/// The scores themselves are checked against the f64 reference forward in the model tests
+/// (`prompt_scores_match_the_f64_reference`).
+#[test]
+fn completions_echo_and_score_their_prompt() {
+    let s = Server::start(&model(), &[]);
+    let text = kvplug::Text::load(&model()).unwrap();
+    let q = "The capital of France is";
+    let ids = text.encode(q).unwrap();
+    let plain = s.ok(
+        "/v1/completions",
+        &json!({"prompt": q, "temperature": 0, "max_tokens": 1}),
+        &[],
+    );
+    let next = plain["choices"][0]["text"].as_str().unwrap();
+    let scored =
+        json!({"prompt": q, "temperature": 0, "max_tokens": 1, "echo": true, "logprobs": 2});
+    let v = s.ok("/v1/completions", &scored, &[]);
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], format!("{q}{next}"), "{v}");
+    let lp = &c["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tokens.len(),
+        ids.len() + 1,
+        "the prompt's tokens and the answer's: {v}"
+    );
+    assert_eq!(tokens.concat(), format!("{q}{next}"), "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len(), "{v}");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "a scored prompt runs whole: {v}"
+    );
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{v}"
+    );
+    let mut offset = 0;
+    for (k, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][k], offset, "{v}");
+        offset += t.chars().count();
+        if k == 0 {
+            continue;
+        }
+        let own = lp["token_logprobs"][k].as_f64().unwrap();
+        let top = lp["top_logprobs"][k].as_object().unwrap();
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(
+            (1..=2).contains(&top.len()) && own <= best && best <= 0.0,
+            "{k}: {v}"
+        );
+    }
+    // Streamed: the echo comes first, then the answer, with the same tokens. The scores are
+    // the same computation in other cells: f32 sums over at most 6 keys in another order,
+    // far below 1e-3.
+    let mut streamed = scored.clone();
+    streamed["stream"] = json!(true);
+    let chunks = s.chunks("/v1/completions", &streamed);
+    let choices: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]).collect();
+    assert_eq!(choices[0]["text"], q, "{chunks:?}");
+    let joined: String = choices.iter().filter_map(|c| c["text"].as_str()).collect();
+    assert_eq!(joined, c["text"].as_str().unwrap());
+    let field = |name: &str| -> Vec<Value> {
+        let lps = choices.iter().filter(|c| !c["logprobs"].is_null());
+        lps.flat_map(|c| c["logprobs"][name].as_array().unwrap().clone())
+            .collect()
+    };
+    assert_eq!(field("tokens"), *lp["tokens"].as_array().unwrap());
+    assert_eq!(field("text_offset"), *lp["text_offset"].as_array().unwrap());
+    for (a, b) in field("token_logprobs")
+        .iter()
+        .zip(lp["token_logprobs"].as_array().unwrap())
+    {
+        assert!(a.is_null() == b.is_null(), "{a} {b}");
+        assert!(
+            a.is_null() || (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3,
+            "{a} {b}"
+        );
+    }
+    // lm-eval-harness's request: token ids in a batch of one.
+    let harness = json!({"prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true, "seed": 1234});
+    let h = s.ok("/v1/completions", &harness, &[]);
+    let hl = &h["choices"][0]["logprobs"];
+    assert_eq!(hl["tokens"], lp["tokens"], "{h}");
+    assert!(
+        h["choices"][0]["text"].as_str().unwrap().starts_with(q),
+        "{h}"
+    );
+    // Echo alone: every completion starts with the prompt, streamed or not.
+    let sampled = json!({"prompt": q, "max_tokens": 3, "n": 2, "seed": 5, "echo": true});
+    let v = s.ok("/v1/completions", &sampled, &[]);
+    for c in v["choices"].as_array().unwrap() {
+        assert!(
+            c["text"].as_str().unwrap().starts_with(q) && c["logprobs"].is_null(),
+            "{v}"
+        );
+    }
+    let mut sampled_stream = sampled.clone();
+    sampled_stream["stream"] = json!(true);
+    let chunks = s.chunks("/v1/completions", &sampled_stream);
+    for i in 0..2 {
+        let first = chunks
+            .iter()
+            .find(|c| c["choices"][0]["index"] == i)
+            .unwrap();
+        assert_eq!(first["choices"][0]["text"], q, "{chunks:?}");
+    }
+    // One scored prefill cannot serve several completions, nor an agent's reused history.
+    let mut several = scored.clone();
+    several["n"] = json!(2);
+    let (status, e) = s.post("/v1/completions", &several, &[]);
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("n")), "{e}");
+    let (status, e) = s.post("/v1/completions", &scored, &[("X-Session-Id", "a")]);
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("echo")), "{e}");
+    s.stop();
+}
+
 /// A bad request and the error it must get.
 struct Bad {
     body: Vec<u8>,

@@ -222,12 +222,15 @@ fn a_restore_leaves_the_cells_promised_to_requests_in_flight() {
     let free = |s: &AgentStore| CAPACITY - s.cache().stats().unwrap().live_cells as usize;
     // A request in flight is promised its 40 prompt cells and 50 more (evicting y's
     // published history for them).
-    let x = s.admit(Some("x"), &tokens(5, 40), 50).unwrap().unwrap();
+    let x = s
+        .admit(Some("x"), &tokens(5, 40), 50, true)
+        .unwrap()
+        .unwrap();
     assert!(x.history == 0 && free(&s) >= 90);
     // y's next turn would restore its 47 cells from its file: that and the rest of its
     // turn would not fit beside x's 90 (the engine's `extra` counts them).
     let next = [py.as_slice(), &turn1.ids, &[7, 7]].concat();
-    assert!(s.admit(Some("y"), &next, 90 + NEW).unwrap().is_none());
+    assert!(s.admit(Some("y"), &next, 90 + NEW, true).unwrap().is_none());
     assert!(free(&s) >= 90, "x's cells are still free: {}", free(&s));
     assert!(!s.is_hot("y"), "nothing was restored");
 }

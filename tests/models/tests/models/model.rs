@@ -354,6 +354,90 @@ fn device_argmax_picks_the_tokens_the_host_picks() {
     }
 }
 
+/// A scored prompt ([`GenOptions::prompt_logprobs`], OpenAI's `echo` with `logprobs`) gives
+/// each prompt token after the first its log-probability under the logits of the token
+/// before it, and the best alternatives', as the f64 reference forward's log-softmax gives
+/// them: across scored chunks ([`kvplug::SCORED_UBATCH`] tokens a step), beside a decoding
+/// request, with the first sampled token or, sampling nothing, in [`kvplug::Finished`].
+#[test]
+fn prompt_scores_match_the_f64_reference() {
+    let model = tiny();
+    let rt = runtime();
+    let vocab = PRESETS[0].vocab as i32;
+    let prompt: Vec<i32> = (0..150).map(|i| (i * 37 + 11) % vocab).collect();
+    let want: Vec<Vec<f64>> = reference_logits(model.path(), &prompt)
+        .into_iter()
+        .map(|row| {
+            let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
+            row.iter().map(|&x| x - lse).collect()
+        })
+        .collect();
+    // Logits within 1e-3 of the reference (f32 weights and K/V, as in the logits test
+    // above): a log-softmax, the logit less their log-sum-exp, within twice that.
+    let tol = 2e-3;
+    for backend in BACKENDS {
+        let m = common::model(&rt, backend, model.path());
+        let mut ctx = m.context(CacheKind::Seq, 512, KvDtype::F32).unwrap();
+        let mut g = Generator::new();
+        g.add(1, &PROMPT, 0, GenOptions::max_tokens(40)).unwrap();
+        for (seq, max_tokens, top) in [(0, 2, 3), (2, 0, 0)] {
+            let opts = GenOptions {
+                prompt_logprobs: Some(top),
+                ..GenOptions::max_tokens(max_tokens)
+            };
+            g.add(seq, &prompt, 0, opts).unwrap();
+        }
+        let mut handed = Vec::new();
+        let finished = g
+            .run(&mut ctx, &mut |e| {
+                if !e.prompt_logprobs.is_empty() {
+                    handed.push((e.seq, e.prompt_logprobs.clone()));
+                }
+                Ok(())
+            })
+            .unwrap();
+        let ended = |seq| finished.iter().find(|f| f.seq == seq).unwrap();
+        assert!(ended(0).prompt_logprobs.is_empty() && ended(1).prompt_logprobs.is_empty());
+        // The scored request samples from its prompt's last row, as an unscored one does.
+        let mut alone = m.context(CacheKind::Contiguous, 256, KvDtype::F32).unwrap();
+        let plain = generate(
+            &mut alone,
+            None,
+            0,
+            &prompt,
+            0,
+            GenOptions::max_tokens(2),
+            &mut |_| Ok(()),
+        );
+        assert_eq!(ended(0).generated, plain.unwrap().ids, "{backend}");
+        assert_eq!(handed.len(), 1, "{backend}: one event hands the scores out");
+        let (seq, first) = handed.pop().unwrap();
+        assert_eq!(seq, 0, "{backend}");
+        for (scores, top) in [(first, 3), (ended(2).prompt_logprobs.clone(), 0)] {
+            assert_eq!(scores.len(), prompt.len() - 1, "{backend}");
+            for (k, s) in scores.iter().enumerate() {
+                let (t, row) = (prompt[k + 1], &want[k]);
+                let at = format!("{backend}: prompt token {}", k + 1);
+                assert_eq!(s.token, t, "{at}");
+                assert!((s.logprob as f64 - row[t as usize]).abs() < tol, "{at}");
+                assert_eq!(s.top.len(), top, "{at}");
+                let best = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                for (j, &(id, lp)) in s.top.iter().enumerate() {
+                    assert!((lp as f64 - row[id as usize]).abs() < tol, "{at}: top {j}");
+                    // The j-th best: at most j tokens of the reference clearly above it.
+                    let above = row.iter().filter(|&&x| x > lp as f64 + 2.0 * tol).count();
+                    assert!(above <= j, "{at}: top {j} has {above} tokens above it");
+                }
+                assert!(s
+                    .top
+                    .first()
+                    .is_none_or(|&(_, lp)| (lp as f64 - best).abs() < tol));
+            }
+        }
+    }
+}
+
 /// A top-k sampler drawing from the device's top-k candidates (`8·k` bytes read back a
 /// token) draws the tokens it draws on the host from whole rows of logits, seed for seed,
 /// beside a greedy request in the same steps; events carry no logits then. With logit bias
