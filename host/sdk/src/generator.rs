@@ -30,6 +30,10 @@ pub const PREFILL_UBATCH: usize = 512;
 /// returns a whole row of logits (64 rows of a 256k vocabulary: 64 MiB).
 pub const SCORED_UBATCH: usize = 64;
 
+/// The most alternatives [`GenOptions::logprobs`] and [`GenOptions::prompt_logprobs`] list a
+/// token (OpenAI allows 20); a whole row is [`TokenEvent::logits`].
+pub const MAX_LOGPROBS: usize = 64;
+
 /// The most candidates a step asks the device for ([`Context::decode_top_k`]): a sampler
 /// with a larger top-k, or none, reads whole rows of logits.
 pub const DEVICE_TOP_K: usize = 64;
@@ -93,9 +97,20 @@ impl GenOptions {
 
     /// Refuses what samples nothing meaningful: a temperature that is negative or not
     /// finite, `top_p` outside (0, 1], `min_p` outside [0, 1], a repetition penalty below 0,
-    /// penalties or biases that are NaN (or a +∞ bias), negative token ids. [`Generator::add`]
-    /// checks every request.
+    /// penalties or biases that are NaN (or a +∞ bias), negative token ids, and more than
+    /// [`MAX_LOGPROBS`] alternatives a token. [`Generator::add`] checks every request.
     pub fn check(&self) -> Result<()> {
+        for (name, k) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(k) = k.filter(|&k| k > MAX_LOGPROBS) {
+                fail!(
+                    Invalid,
+                    "{name} {k}: at most {MAX_LOGPROBS} alternatives a token"
+                );
+            }
+        }
         let s = &self.sampler;
         check_temperature(s.temperature).map_err(|e| Error::Invalid(format!("temperature {e}")))?;
         check_top_p(s.top_p).map_err(|e| Error::Invalid(format!("top_p {e}")))?;
@@ -1002,7 +1017,13 @@ mod tests {
                 with(&|o| o.stop_tokens.insert(-5).then_some(()).unwrap()),
                 "stop token -5",
             ),
+            (with(&|o| o.logprobs = Some(usize::MAX)), "logprobs 1844"),
+            (
+                with(&|o| o.prompt_logprobs = Some(65)),
+                "prompt_logprobs 65",
+            ),
         ];
+        with(&|o| o.logprobs = Some(MAX_LOGPROBS)).unwrap();
         for (got, says) in refused {
             match got {
                 Err(Error::Invalid(m)) => assert!(m.starts_with(says), "{m}"),

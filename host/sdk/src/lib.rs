@@ -59,7 +59,7 @@ pub use error::{Error, Result};
 pub use fingerprint::model_fingerprint;
 pub use generator::{
     generate, Finish, Finished, GenOptions, Generation, Generator, RequestId, TokenEvent,
-    Triggered, DEVICE_TOP_K, PREFILL_UBATCH, SCORED_UBATCH,
+    Triggered, DEVICE_TOP_K, MAX_LOGPROBS, PREFILL_UBATCH, SCORED_UBATCH,
 };
 pub use grammar::{json_rule, Constraint, GrammarSpec, Grammars};
 /// The errors [`Error`]'s variants carry, so that a host can match on them with this crate

@@ -349,24 +349,28 @@ pub struct TokenLogprobs {
 }
 
 impl TokenLogprobs {
-    /// Of `token` under `logits`, with the `top` best (log-softmax in f64).
+    /// Of `token` under `logits`, with the `top` best (log-softmax in f64); meant for a few
+    /// alternatives (each costs a pass's insertions: see [`crate::MAX_LOGPROBS`]).
     ///
     /// # Panics
     /// If `token` is not an index of `logits` (so also when `logits` is empty).
     pub fn of(logits: &[f32], token: i32, top: usize) -> Self {
         let lse = log_sum_exp(logits);
-        let mut best: Vec<(i32, f32)> = Vec::with_capacity(top + 1);
-        if top > 0 {
-            let mut order: Vec<usize> = (0..logits.len()).collect();
-            let k = top.min(order.len());
-            order.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
-            order.truncate(k);
-            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-            best.extend(
-                order
-                    .into_iter()
-                    .map(|i| (i as i32, (logits[i] as f64 - lse) as f32)),
-            );
+        // One pass keeping the best `top` in order (higher logit first, then lower id): a
+        // row is read once and nothing of its size is allocated (a decode step with logprobs
+        // calls this every token, a scored prompt every prompt token).
+        let mut best: Vec<(i32, f32)> = Vec::with_capacity(top.min(logits.len()) + 1);
+        for (i, &v) in logits.iter().enumerate().filter(|_| top > 0) {
+            let beaten = |b: f32| v.total_cmp(&b) == std::cmp::Ordering::Greater;
+            if best.len() == top && !beaten(best[top - 1].1) {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| !beaten(b));
+            best.insert(at, (i as i32, v));
+            best.truncate(top);
+        }
+        for (_, v) in &mut best {
+            *v = (*v as f64 - lse) as f32;
         }
         TokenLogprobs {
             token,
@@ -381,6 +385,28 @@ mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
+
+    /// The alternatives are the `top` best of the row by the definition (sorted by logit,
+    /// ties by id), their log-probabilities the log-softmax in f64, on rows with ties.
+    #[test]
+    fn token_logprobs_list_the_best_alternatives_in_order() {
+        for n in [1, 2, 7, 300] {
+            // Nine levels in a scrambled order: many ties.
+            let row: Vec<f32> = (0..n).map(|i| ((i * 7919 + n) % 9) as f32 * 0.5).collect();
+            let lse = log_sum_exp(&row);
+            let mut sorted: Vec<usize> = (0..n).collect();
+            sorted.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            for top in [0, 1, 3, 20] {
+                let got = TokenLogprobs::of(&row, (n - 1) as i32, top);
+                let want: Vec<(i32, f32)> = sorted[..top.min(n)]
+                    .iter()
+                    .map(|&i| (i as i32, (row[i] as f64 - lse) as f32))
+                    .collect();
+                assert_eq!(got.top, want, "n {n} top {top}");
+                assert_eq!(got.logprob, (row[n - 1] as f64 - lse) as f32);
+            }
+        }
+    }
 
     #[test]
     fn top_k_and_top_p_limit_the_candidates() {
