@@ -503,26 +503,106 @@ fn may_be_call(text: &str) -> bool {
         .any(|o| t.starts_with(o) || o.starts_with(t))
 }
 
-/// OpenAI's server-sent events (`data: {chunk}` … `data: [DONE]`). Dropping the stream (the
-/// client went away) drops `rx`, which tells the engine to release the request's sequences.
+/// One prompt's answer in the making: its fixed fields, the prompt tokens its admission
+/// reused, and the engine's events for it.
+pub type Part = (Answer, usize, UnboundedReceiver<Event>);
+
+/// Reads several prompts' answers (`/v1/completions`' batch form) into one JSON answer:
+/// prompt `i`'s choice `j` is choice `i·n + j`, the usage their sum, the id the first's.
+pub async fn collect_all(parts: Vec<Part>) -> Result<Value, ApiError> {
+    let mut whole: Option<Value> = None;
+    for (i, (answer, cached, rx)) in parts.into_iter().enumerate() {
+        let n = answer.n;
+        let mut v = collect(answer, cached, rx).await?;
+        let Some(w) = whole.as_mut() else {
+            whole = Some(v);
+            continue;
+        };
+        for c in v["choices"].as_array_mut().into_iter().flatten() {
+            c["index"] = json!(i * n + c["index"].as_u64().unwrap_or(0) as usize);
+            w["choices"].as_array_mut().expect("choices").push(c.take());
+        }
+        add_counts(&mut w["usage"], &v["usage"]);
+    }
+    whole.ok_or_else(|| ApiError::internal("no prompt to answer"))
+}
+
+/// Adds `more`'s counts into `into`'s, field by field (a field only `more` has is copied).
+fn add_counts(into: &mut Value, more: &Value) {
+    match (into, more) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                match a.get_mut(k) {
+                    Some(x) => add_counts(x, v),
+                    None => {
+                        a.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (a @ Value::Number(_), Value::Number(b)) => {
+            *a = json!(a.as_u64().unwrap_or(0) + b.as_u64().unwrap_or(0));
+        }
+        (a @ Value::Null, b) => *a = b.clone(),
+        _ => {}
+    }
+}
+
+/// OpenAI's server-sent events (`data: {chunk}` … `data: [DONE]`) of one prompt's answer or
+/// several's (`/v1/completions`' batch form: their chunks as they come, prompt `i`'s choice
+/// `j` numbered `i·n + j`, all under the first's id, one usage chunk last summing theirs).
+/// Dropping the stream (the client went away) drops the receivers, which tells the engine
+/// to release the requests' sequences.
 pub fn stream(
-    answer: Answer,
-    cached: usize,
-    rx: UnboundedReceiver<Event>,
+    parts: Vec<Part>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     use futures_util::StreamExt;
-    let data = |v: Value| Some(Ok(SseEvent::default().data(v.to_string())));
-    let events = chunks(answer, cached, rx)
-        .filter_map(move |c| async move {
-            match c {
-                Chunk::Data(v) => data(v),
-                Chunk::Failed(e) => data(e.body()),
-                Chunk::Ended { .. } => None,
-            }
+    let data = |v: &Value| Ok(SseEvent::default().data(v.to_string()));
+    let id = parts.first().map(|p| p.0.id.clone()).unwrap_or_default();
+    let usage = Arc::new(std::sync::Mutex::new(None::<Value>));
+    let streams = parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (answer, cached, rx))| {
+            let (n, id, usage) = (answer.n, id.clone(), usage.clone());
+            chunks(answer, cached, rx)
+                .filter_map(move |c| {
+                    let out = match c {
+                        Chunk::Data(mut v) => {
+                            v["id"] = json!(id);
+                            let none = v["choices"].as_array().is_some_and(Vec::is_empty);
+                            if none && !v["usage"].is_null() {
+                                // The usage chunk: one, last, for the whole answer.
+                                let mut sum = usage.lock().expect("usage lock");
+                                match sum.as_mut() {
+                                    Some(s) => add_counts(&mut s["usage"], &v["usage"]),
+                                    None => *sum = Some(v),
+                                }
+                                None
+                            } else {
+                                for c in v["choices"].as_array_mut().into_iter().flatten() {
+                                    let j = c["index"].as_u64().unwrap_or(0) as usize;
+                                    c["index"] = json!(i * n + j);
+                                }
+                                Some(data(&v))
+                            }
+                        }
+                        Chunk::Failed(e) => Some(data(&e.body())),
+                        Chunk::Ended { .. } => None,
+                    };
+                    async move { out }
+                })
+                .boxed()
         })
-        .chain(futures_util::stream::once(async {
-            Ok(SseEvent::default().data("[DONE]"))
-        }));
+        .collect::<Vec<_>>();
+    let last = futures_util::stream::once(async move { usage.lock().expect("usage lock").take() })
+        .filter_map(move |u| async move { u.map(|u| data(&u)) });
+    let events =
+        futures_util::stream::select_all(streams)
+            .chain(last)
+            .chain(futures_util::stream::once(async {
+                Ok(SseEvent::default().data("[DONE]"))
+            }));
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 

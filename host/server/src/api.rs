@@ -63,6 +63,9 @@ pub enum Format {
 pub struct Params {
     /// What to generate from.
     pub prompt: Prompt,
+    /// `/v1/completions`' batch form: the prompts after `prompt`, each answered with its own
+    /// `n` choices (numbered prompt by prompt, as OpenAI numbers them).
+    pub more_prompts: Vec<Prompt>,
     /// The request field it came in (`messages`, `prompt`, `input`): the `param` of a
     /// `context_length_exceeded` error.
     pub prompt_field: &'static str,
@@ -275,9 +278,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     let f = Fields(&map);
     f.string("model")?;
     refuse_unsupported(&f)?;
-    let prompt = match endpoint {
-        Endpoint::Chat => chat_prompt(&f)?,
-        Endpoint::Completion => completion_prompt(&f)?,
+    let (prompt, more_prompts) = match endpoint {
+        Endpoint::Chat => (chat_prompt(&f)?, Vec::new()),
+        Endpoint::Completion => {
+            let mut prompts = completion_prompts(&f)?.into_iter();
+            let first = prompts.next().expect("at least one prompt");
+            (first, prompts.collect())
+        }
     };
     let max_tokens = match f.count("max_completion_tokens")? {
         Some(n) => Some(n),
@@ -373,6 +380,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
     }
     Ok(Params {
         prompt,
+        more_prompts,
         prompt_field: match endpoint {
             Endpoint::Chat => "messages",
             Endpoint::Completion => "prompt",
@@ -768,11 +776,15 @@ fn tool_call(c: &Value) -> Result<Value, String> {
     }))
 }
 
-/// `prompt`: a string, an array of token ids, or an array holding one of either (OpenAI's
-/// batch form, one prompt long). The ids are checked against the vocabulary later.
-fn completion_prompt(f: &Fields) -> Result<Prompt, ApiError> {
-    const ONE: &str =
-        "'prompt' must be a string, an array of token ids, or an array holding one of either";
+/// Most prompts in one `/v1/completions` request (its batch form).
+pub const MAX_PROMPTS: usize = 64;
+
+/// `prompt`: a string, an array of token ids, or OpenAI's batch form, an array of up to
+/// [`MAX_PROMPTS`] of either (all strings or all id arrays). The ids are checked against the
+/// vocabulary later.
+fn completion_prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
+    const SHAPE: &str = "'prompt' must be a string, an array of token ids, or an array of \
+                         strings or of token-id arrays";
     let bad = |m: &str| ApiError::invalid(Some("prompt"), m);
     let ids = |a: &[Value]| -> Result<Prompt, ApiError> {
         a.iter()
@@ -781,18 +793,30 @@ fn completion_prompt(f: &Fields) -> Result<Prompt, ApiError> {
             .map(Prompt::Ids)
             .ok_or_else(|| bad("'prompt' token ids must be integers from 0 up"))
     };
-    match f.get("prompt") {
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(a)) => match a.as_slice() {
-            [Value::String(s)] => Ok(Prompt::Text(s.clone())),
-            [Value::Array(one)] => ids(one),
-            [] => Err(bad(ONE)),
-            _ if a.iter().all(|v| !v.is_string() && !v.is_array()) => ids(a),
-            _ => Err(bad(ONE)),
-        },
-        Some(_) => Err(bad(ONE)),
-        None => Err(bad("'prompt' is required")),
+    let prompts = match f.get("prompt") {
+        Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
+        Some(Value::Array(a)) if a.is_empty() => return Err(bad(SHAPE)),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a
+            .iter()
+            .map(|s| Prompt::Text(s.as_str().unwrap_or_default().to_string()))
+            .collect(),
+        Some(Value::Array(a)) if a.iter().all(Value::is_array) => a
+            .iter()
+            .map(|one| ids(one.as_array().map_or(&[], Vec::as_slice)))
+            .collect::<Result<_, _>>()?,
+        Some(Value::Array(a)) if a.iter().all(|v| !v.is_string() && !v.is_array()) => {
+            vec![ids(a)?]
+        }
+        Some(_) => return Err(bad(SHAPE)),
+        None => return Err(bad("'prompt' is required")),
+    };
+    if prompts.len() > MAX_PROMPTS {
+        return Err(bad(&format!(
+            "'prompt' holds {} prompts: at most {MAX_PROMPTS} a request",
+            prompts.len()
+        )));
     }
+    Ok(prompts)
 }
 
 /// `stop`: a string or an array of up to [`MAX_STOP`] non-empty strings.
@@ -967,7 +991,17 @@ mod tests {
             let body = format!(r#"{{"prompt": {ids}}}"#);
             let c = parse(Endpoint::Completion, body.as_bytes()).unwrap();
             assert_eq!(c.prompt, Prompt::Ids(vec![3, 0, 7]));
+            assert!(c.more_prompts.is_empty());
         }
+        // The batch form: the prompts after the first in order.
+        let c = parse(Endpoint::Completion, br#"{"prompt": ["x", "y", "z"]}"#).unwrap();
+        assert_eq!(c.prompt, Prompt::Text("x".into()));
+        assert_eq!(
+            c.more_prompts,
+            [Prompt::Text("y".into()), Prompt::Text("z".into())]
+        );
+        let c = parse(Endpoint::Completion, br#"{"prompt": [[1], [2, 3]]}"#).unwrap();
+        assert_eq!(c.more_prompts, [Prompt::Ids(vec![2, 3])]);
     }
 
     #[test]
@@ -1156,11 +1190,14 @@ mod tests {
         let e = completion(r#""echo": 1"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("echo"), "{e:?}");
         refused(&with(r#""frobnicate": 1"#), "frobnicate", "unknown field");
-        // Several prompts, negative or fractional ids, nothing, a number.
+        // Mixed batches, negative or fractional ids, nothing, a number, too many prompts.
+        let many = format!("[{}]", vec!["[1]"; MAX_PROMPTS + 1].join(", "));
         for prompt in [
-            r#"["a", "b"]"#,
-            r#"[[1], [2]]"#,
+            r#"["a", [2]]"#,
+            r#"[[1], "b"]"#,
+            r#"[[1], [-2]]"#,
             r#"[1, "a"]"#,
+            many.as_str(),
             r#"[-1]"#,
             r#"[1.5]"#,
             r#"[4294967296]"#,

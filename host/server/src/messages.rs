@@ -94,6 +94,7 @@ pub fn parse(body: &[u8], counting: bool) -> Result<Params, ApiError> {
     check_prefill(&prompt, &format, &tool_choice, "output_config")?;
     Ok(Params {
         prompt,
+        more_prompts: Vec::new(),
         prompt_field: "messages",
         format_field: "output_config",
         max_tokens,

@@ -287,6 +287,7 @@ pub fn parse(body: &[u8], store: &Store) -> Result<Request, ApiError> {
     });
     let params = Params {
         prompt: Prompt::Chat(messages),
+        more_prompts: Vec::new(),
         prompt_field: "input",
         format_field: "text",
         max_tokens,

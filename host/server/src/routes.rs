@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutError};
 
-use crate::answer::{collect, stream, Answer, Echo};
+use crate::answer::{collect_all, stream, Answer, Echo};
 use crate::api::{self, Endpoint, Params, Prompt};
 use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
@@ -432,18 +432,38 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let body = body_of(body)?;
-    let p = api::parse(endpoint, &body)?;
+    let mut p = api::parse(endpoint, &body)?;
     let id_prefix = match endpoint {
         Endpoint::Chat => "chatcmpl-",
         Endpoint::Completion => "cmpl-",
     };
-    let a = admit(&s, endpoint, headers, p, arrived, id_prefix).await?;
-    let response = if a.stream {
-        stream(a.answer, a.cached, a.rx).into_response()
+    let more = std::mem::take(&mut p.more_prompts);
+    if !more.is_empty() && headers.contains_key(SESSION_HEADER) {
+        return Err(ApiError::invalid(
+            Some("prompt"),
+            "an agent session (X-Session-Id) continues one prompt: send one",
+        ));
+    }
+    // The batch form: every prompt admitted as a request of its own (all or none).
+    let params = std::iter::once(p.prompt.clone())
+        .chain(more)
+        .map(|prompt| Params {
+            prompt,
+            ..p.clone()
+        });
+    let admits = params.map(|p| admit(&s, endpoint, headers, p, arrived, id_prefix));
+    let admitted = futures_util::future::try_join_all(admits).await?;
+    let divergence = admitted[0].divergence.clone();
+    let parts: Vec<_> = admitted
+        .into_iter()
+        .map(|a| (a.answer, a.cached, a.rx))
+        .collect();
+    let response = if p.stream {
+        stream(parts).into_response()
     } else {
-        Json(collect(a.answer, a.cached, a.rx).await?).into_response()
+        Json(collect_all(parts).await?).into_response()
     };
-    Ok(with_prefix_header(&s, response, a.divergence))
+    Ok(with_prefix_header(&s, response, divergence))
 }
 
 /// `POST /v1/responses`: OpenAI's Responses API.

@@ -325,6 +325,104 @@ fn completions_echo_and_score_their_prompt() {
     s.stop();
 }
 
+/// `/v1/completions`' batch form (several prompts, as OpenAI and lm-eval-harness's batches
+/// send them): prompt `i`'s completion `j` is choice `i·n + j`, each what its prompt gets
+/// alone, the usage their sum, one id; streamed, the same texts under one id and one usage
+/// chunk last; echoed and scored, each choice leads with its own prompt.
+#[test]
+fn completions_answer_a_batch_of_prompts() {
+    let s = Server::start(&model(), &[]);
+    let prompts = ["1, 2, 3, 4,", "a, b, c, d,", "Monday, Tuesday,"];
+    let ask = |prompt: Value, n: usize| json!({"prompt": prompt, "temperature": 0, "max_tokens": 6, "n": n});
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| s.ok("/v1/completions", &ask(json!(p), 1), &[]))
+        .collect();
+    let text = |v: &Value, i: usize| v["choices"][i]["text"].as_str().unwrap().to_string();
+    let v = s.ok("/v1/completions", &ask(json!(prompts), 2), &[]);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6, "{v}");
+    for (k, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], k, "{v}");
+        assert_eq!(text(&v, k), text(&alone[k / 2], 0), "choice {k}: {v}");
+    }
+    // Each prompt counted once, each completion's tokens (two a prompt here).
+    let sum = |f: &str| -> u64 { alone.iter().map(|a| a["usage"][f].as_u64().unwrap()).sum() };
+    let (prompt, completion) = (sum("prompt_tokens"), 2 * sum("completion_tokens"));
+    let u = &v["usage"];
+    assert_eq!(
+        (
+            &u["prompt_tokens"],
+            &u["completion_tokens"],
+            &u["total_tokens"]
+        ),
+        (
+            &json!(prompt),
+            &json!(completion),
+            &json!(prompt + completion)
+        ),
+        "{v}"
+    );
+    let mut streamed = ask(json!(prompts), 2);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = s.chunks("/v1/completions", &streamed);
+    let id = &chunks[0]["id"];
+    assert!(chunks.iter().all(|c| &c["id"] == id), "one id: {chunks:?}");
+    let usages: Vec<&Value> = chunks.iter().filter(|c| !c["usage"].is_null()).collect();
+    assert_eq!(usages.len(), 1, "{chunks:?}");
+    assert_eq!(
+        usages[0]["usage"], v["usage"],
+        "the usage chunk is the last"
+    );
+    assert_eq!(chunks.last().unwrap()["usage"], v["usage"]);
+    for k in 0..6 {
+        let joined: String = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == k)
+            .filter_map(|c| c["text"].as_str())
+            .collect();
+        assert_eq!(joined, text(&v, k), "streamed choice {k}");
+    }
+    // lm-eval-harness's loglikelihood batch: token ids, echoed and scored.
+    let ids: Vec<Vec<i32>> = prompts
+        .iter()
+        .map(|p| kvplug::Text::load(&model()).unwrap().encode(p).unwrap())
+        .collect();
+    let scored =
+        json!({"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true});
+    let v = s.ok("/v1/completions", &scored, &[]);
+    for (k, p) in prompts.iter().enumerate() {
+        let c = &v["choices"][k];
+        assert!(c["text"].as_str().unwrap().starts_with(p), "{v}");
+        assert_eq!(
+            c["logprobs"]["tokens"].as_array().unwrap().len(),
+            ids[k].len() + 1,
+            "{v}"
+        );
+        assert!(c["logprobs"]["token_logprobs"][0].is_null(), "{v}");
+    }
+    // A batch is answered whole or refused whole; an agent session takes one prompt.
+    let (status, e) = s.post("/v1/completions", &json!({"prompt": ["x", [1]]}), &[]);
+    assert_eq!(
+        (status, &e["error"]["param"]),
+        (400, &json!("prompt")),
+        "{e}"
+    );
+    let (status, e) = s.post(
+        "/v1/completions",
+        &ask(json!(["x", "y"]), 1),
+        &[("X-Session-Id", "a")],
+    );
+    assert_eq!(
+        (status, &e["error"]["param"]),
+        (400, &json!("prompt")),
+        "{e}"
+    );
+    s.stop();
+}
+
 /// A bad request and the error it must get.
 struct Bad {
     body: Vec<u8>,
