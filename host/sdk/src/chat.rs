@@ -46,6 +46,23 @@ pub struct ChatOptions {
     pub speculate: Option<Speculation>,
 }
 
+impl Default for ChatOptions {
+    /// No system message, 4,096 cells (as [`crate::Llm::builder`]), the session's K/V dtype
+    /// else f16, up to 256 tokens an answer (as `kvplug chat`), greedy, no session file.
+    fn default() -> Self {
+        ChatOptions {
+            system: None,
+            capacity: 4096,
+            kv_dtype: None,
+            max_tokens: 256,
+            sampler: Sampler::greedy(),
+            session: None,
+            cancel: None,
+            speculate: None,
+        }
+    }
+}
+
 /// A conversation restored from a session file.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Restored {
@@ -120,6 +137,12 @@ impl Chat {
     /// (refused if it belongs to another model, does not fit the capacity, or conflicts with
     /// `opts.kv_dtype` or `opts.system`), else new.
     pub fn new(model: &Model, opts: ChatOptions) -> Result<Self> {
+        if opts.max_tokens == 0 {
+            fail!(
+                Invalid,
+                "max_tokens is 0: an answer needs at least one token"
+            );
+        }
         let dir = model.dir();
         let text = Arc::new(Text::load(dir)?);
         if !text.has_template() {

@@ -438,6 +438,22 @@ fn prompt_scores_match_the_f64_reference() {
     }
 }
 
+/// A chat whose answers could hold no token is refused when it opens (as `Llm` refuses
+/// `max_tokens` 0), before anything else about the model is read.
+#[test]
+fn a_chat_of_empty_answers_is_refused() {
+    let model = tiny();
+    let rt = runtime();
+    let m = common::model(&rt, "cpu", model.path());
+    let opts = kvplug::ChatOptions {
+        max_tokens: 0,
+        ..kvplug::ChatOptions::default()
+    };
+    let e = kvplug::Chat::new(&m, opts).err().expect("refused");
+    assert!(matches!(e, kvplug::Error::Invalid(_)), "{e}");
+    assert!(e.to_string().contains("max_tokens is 0"), "{e}");
+}
+
 /// A top-k sampler drawing from the device's top-k candidates (`8·k` bytes read back a
 /// token) draws the tokens it draws on the host from whole rows of logits, seed for seed,
 /// beside a greedy request in the same steps; events carry no logits then. With logit bias
