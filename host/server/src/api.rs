@@ -72,7 +72,8 @@ pub struct Params {
     /// The request field a JSON answer format came in (`response_format`, the Responses
     /// API's `text`, the Messages API's `output_config`): the `param` of its errors.
     pub format_field: &'static str,
-    /// `max_completion_tokens` or `max_tokens`; the server's default when absent.
+    /// `max_completion_tokens` or `max_tokens` (0 only with `echo`: the prompt alone); the
+    /// server's default when absent.
     pub max_tokens: Option<usize>,
     /// Whether `max_tokens` is only a bound (Anthropic's `max_tokens`, the Responses API's
     /// `max_output_tokens`: clients send their model's largest), lowered to the server's
@@ -290,7 +291,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         Some(n) => Some(n),
         None => f.count("max_tokens")?,
     };
-    if max_tokens == Some(0) {
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if max_tokens == Some(0) && !(echo && endpoint == Endpoint::Completion) {
         let param = if f.get("max_completion_tokens").is_some() {
             "max_completion_tokens"
         } else {
@@ -298,7 +300,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         };
         return Err(ApiError::invalid(
             Some(param),
-            format!("'{param}' must be at least 1"),
+            format!("'{param}' must be at least 1 (0 only to echo a completion's prompt)"),
         ));
     }
     let temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
@@ -356,7 +358,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
             ));
         }
     }
-    let echo = f.bool("echo")?.unwrap_or(false);
     if echo && endpoint == Endpoint::Chat {
         return Err(ApiError::invalid(
             Some("echo"),
@@ -1187,6 +1188,14 @@ mod tests {
         assert!(completion(r#""echo": true, "n": 3"#).unwrap().echo);
         let e = completion(r#""echo": true, "logprobs": 0, "n": 2"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("n"), "{e:?}");
+        assert_eq!(
+            completion(r#""echo": true, "max_tokens": 0"#)
+                .unwrap()
+                .max_tokens,
+            Some(0)
+        );
+        let e = completion(r#""max_tokens": 0"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"), "{e:?}");
         let e = completion(r#""echo": 1"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("echo"), "{e:?}");
         refused(&with(r#""frobnicate": 1"#), "frobnicate", "unknown field");

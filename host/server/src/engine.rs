@@ -28,7 +28,7 @@ use crate::metrics::Metrics;
 pub struct GenRequest {
     /// Prompt token ids (at least one).
     pub prompt: Vec<i32>,
-    /// How to generate each completion (`max_tokens` at least one).
+    /// How to generate each completion (`max_tokens` 0 only to echo the prompt).
     pub opts: GenOptions,
     /// Completions of the prompt (1..=16; more than one only without an agent): the prompt
     /// is prefilled once and shared by sequence membership.
@@ -325,7 +325,9 @@ impl Engine {
                     a.req.n * a.req.opts.max_tokens + rest
                 })
                 .sum();
-            let extra = r.n * r.opts.max_tokens - 1 + self.generator.outstanding() + forks;
+            // A completion's last token is sampled, not written.
+            let extra =
+                (r.n * r.opts.max_tokens).saturating_sub(1) + self.generator.outstanding() + forks;
             // A scored prompt runs every token: it reuses nothing.
             let reuse = r.opts.prompt_logprobs.is_none();
             match self
@@ -696,8 +698,16 @@ impl Engine {
                 logprobs,
             });
         }
+        if !a.started {
+            // It sampled nothing (`max_tokens` 0): its prompt's scores come now.
+            a.started = true;
+            if a.req.opts.prompt_logprobs.is_some() {
+                let logprobs = f.prompt_logprobs.clone();
+                let _ = a.req.events.send(Event::Prompt { logprobs });
+            }
+        }
         let finish_reason = match f.reason {
-            Finish::Length => "length",
+            Finish::Length | Finish::Prefilled => "length",
             _ => "stop",
         };
         self.metrics.generated(f.generated.len(), f.speculation);

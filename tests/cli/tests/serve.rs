@@ -287,6 +287,56 @@ fn completions_echo_and_score_their_prompt() {
             "{a} {b}"
         );
     }
+    // OpenAI's scoring idiom: `max_tokens` 0 echoes the prompt alone, scored as above.
+    let mut prompt_only = scored.clone();
+    prompt_only["max_tokens"] = json!(0);
+    let p0 = s.ok("/v1/completions", &prompt_only, &[]);
+    let c0 = &p0["choices"][0];
+    assert_eq!(
+        (&c0["text"], &c0["finish_reason"]),
+        (&json!(q), &json!("length")),
+        "{p0}"
+    );
+    assert_eq!(p0["usage"]["completion_tokens"], 0, "{p0}");
+    let l0 = c0["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(l0.len(), ids.len(), "{p0}");
+    for (a, b) in l0
+        .iter()
+        .zip(lp["token_logprobs"].as_array().unwrap())
+        .skip(1)
+    {
+        assert!(
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3,
+            "{a} {b}"
+        );
+    }
+    prompt_only["stream"] = json!(true);
+    let chunks = s.chunks("/v1/completions", &prompt_only);
+    let joined: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(joined, q, "{chunks:?}");
+    let unscored = json!({"prompt": q, "max_tokens": 0, "echo": true, "n": 2});
+    let v = s.ok("/v1/completions", &unscored, &[]);
+    assert!(
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["text"] == q),
+        "{v}"
+    );
+    let (status, e) = s.post(
+        "/v1/completions",
+        &json!({"prompt": q, "max_tokens": 0}),
+        &[],
+    );
+    assert_eq!(
+        (status, &e["error"]["param"]),
+        (400, &json!("max_tokens")),
+        "{e}"
+    );
     // lm-eval-harness's request: token ids in a batch of one.
     let harness = json!({"prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true, "seed": 1234});
     let h = s.ok("/v1/completions", &harness, &[]);
