@@ -171,20 +171,42 @@ impl Answer {
         }
     }
 
-    /// A token's bytes and its text (a partial UTF-8 sequence replaced), special tokens
-    /// written out (log-probabilities).
+    /// [`piece`] of this answer's vocabulary.
     fn piece(&self, id: i32) -> (Vec<u8>, String) {
-        match &self.vocab {
-            Some(v) => {
-                let bytes = v.token_bytes(id);
-                let text = String::from_utf8_lossy(&bytes).into_owned();
-                (bytes, text)
-            }
-            None => {
-                let text = self.text.piece(id).unwrap_or_default();
-                (text.as_bytes().to_vec(), text)
-            }
+        piece(self.vocab.as_ref(), &self.text, id)
+    }
+
+    /// A completion's name for a token: its text, or where its bytes are no UTF-8 (a piece
+    /// of a character) `bytes:` and their escapes, as OpenAI names them (`bytes:\xf0\x9f`),
+    /// so two such tokens do not share a name.
+    fn token_name(&self, id: i32) -> String {
+        let (bytes, text) = self.piece(id);
+        match std::str::from_utf8(&bytes) {
+            Ok(_) => text,
+            Err(_) => bytes.iter().fold("bytes:".to_string(), |mut s, b| {
+                s += &format!("\\x{b:02x}");
+                s
+            }),
         }
+    }
+
+    /// Where each of `ids` starts in the text they spell from character `offset` on (a
+    /// token that completes a character split across tokens starts where that character
+    /// does), and where the text ends.
+    fn offsets(&self, ids: impl Iterator<Item = i32>, offset: usize) -> (Vec<usize>, usize) {
+        let (mut bytes, mut counted, mut chars) = (Vec::new(), 0, offset);
+        let mut starts = Vec::new();
+        for id in ids {
+            starts.push(chars);
+            bytes.extend(self.piece(id).0);
+            let whole = bytes.len() - incomplete_tail(&bytes);
+            chars += String::from_utf8_lossy(&bytes[counted..whole])
+                .chars()
+                .count();
+            counted = whole;
+        }
+        chars += String::from_utf8_lossy(&bytes[counted..]).chars().count();
+        (starts, chars)
     }
 
     /// Chat's per-token log-probability entries (`token`, `logprob`, `bytes`,
@@ -215,19 +237,18 @@ impl Answer {
         match self.endpoint {
             Endpoint::Chat => json!({"content": self.token_logprobs(lps), "refusal": null}),
             Endpoint::Completion => {
-                let mut offset = offset;
-                let ids = lead.into_iter().chain(lps.iter().map(|l| l.token));
-                let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
-                for id in ids {
-                    let t = self.piece(id).1;
-                    offsets.push(offset);
-                    offset += t.chars().count();
-                    tokens.push(t);
-                }
+                let ids = || lead.into_iter().chain(lps.iter().map(|l| l.token));
+                let tokens: Vec<String> = ids().map(|id| self.token_name(id)).collect();
+                let offsets = self.offsets(ids(), offset).0;
                 let null = lead.map(|_| Value::Null);
                 let top = |l: &TokenLogprobs| {
-                    let top = l.top.iter().map(|&(t, p)| (self.piece(t).1, json!(p)));
-                    Value::Object(top.collect())
+                    let mut top = serde_json::Map::new();
+                    for &(t, p) in &l.top {
+                        // Names may still meet (a special token written as text): the more
+                        // likely one, listed first, keeps its value.
+                        top.entry(self.token_name(t)).or_insert(json!(p));
+                    }
+                    Value::Object(top)
                 };
                 let values = lps.iter().map(|l| json!(l.logprob));
                 let token_logprobs: Vec<Value> = null.iter().cloned().chain(values).collect();
@@ -243,11 +264,11 @@ impl Answer {
         }
     }
 
-    /// Characters of the log-probabilities' tokens `lead` and `lps` (see
+    /// Characters of the text the log-probabilities' tokens `lead` and `lps` spell (see
     /// [`logprobs`](Self::logprobs)).
     fn token_chars(&self, lead: Option<i32>, lps: &[TokenLogprobs]) -> usize {
         let ids = lead.into_iter().chain(lps.iter().map(|l| l.token));
-        ids.map(|id| self.piece(id).1.chars().count()).sum()
+        self.offsets(ids, 0).1
     }
 
     /// Starts `choices` with the echoed prompt's text and first token (its other tokens'
@@ -501,6 +522,40 @@ fn may_be_call(text: &str) -> bool {
     ["<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "```"]
         .iter()
         .any(|o| t.starts_with(o) || o.starts_with(t))
+}
+
+/// A token's bytes and its text (a partial UTF-8 sequence replaced), special tokens written
+/// out, from `vocab`'s bytes where the model has grammars, else `text`'s decoding (which
+/// loses partial UTF-8).
+pub fn piece(vocab: Option<&Grammars>, text: &Text, id: i32) -> (Vec<u8>, String) {
+    match vocab {
+        Some(v) => {
+            let bytes = v.token_bytes(id);
+            let text = String::from_utf8_lossy(&bytes).into_owned();
+            (bytes, text)
+        }
+        None => {
+            let text = text.piece(id).unwrap_or_default();
+            (text.as_bytes().to_vec(), text)
+        }
+    }
+}
+
+/// Bytes at the end of `b` that begin a character not complete yet.
+fn incomplete_tail(b: &[u8]) -> usize {
+    for back in 1..=b.len().min(3) {
+        let lead = b[b.len() - back];
+        if lead & 0xc0 != 0x80 {
+            let len = match lead {
+                0xc0..=0xdf => 2,
+                0xe0..=0xef => 3,
+                0xf0..=0xf7 => 4,
+                _ => 1,
+            };
+            return if len > back { back } else { 0 };
+        }
+    }
+    0
 }
 
 /// One prompt's answer in the making: its fixed fields, the prompt tokens its admission

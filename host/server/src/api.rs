@@ -805,9 +805,7 @@ fn completion_prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
             .iter()
             .map(|one| ids(one.as_array().map_or(&[], Vec::as_slice)))
             .collect::<Result<_, _>>()?,
-        Some(Value::Array(a)) if a.iter().all(|v| !v.is_string() && !v.is_array()) => {
-            vec![ids(a)?]
-        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => vec![ids(a)?],
         Some(_) => return Err(bad(SHAPE)),
         None => return Err(bad("'prompt' is required")),
     };
@@ -1206,6 +1204,7 @@ mod tests {
             r#"[[1], "b"]"#,
             r#"[[1], [-2]]"#,
             r#"[1, "a"]"#,
+            r#"[null]"#,
             many.as_str(),
             r#"[-1]"#,
             r#"[1.5]"#,

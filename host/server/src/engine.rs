@@ -286,6 +286,8 @@ impl Engine {
     /// requests (counting those queued but not yet admitted into free slots: requests that
     /// arrive together are all queued before any is admitted).
     fn enqueue(&mut self, r: GenRequest) {
+        // Requests whose client has gone (a refused batch's other prompts) hold nothing.
+        self.queue.retain(|r| !r.events.is_closed());
         let held = self.active.len() + self.queue.len();
         if held >= self.limits.parallel + self.limits.max_queue {
             let _ = r.events.send(Event::Failed(ApiError::busy(

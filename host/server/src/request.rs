@@ -192,7 +192,8 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
 /// of `n` completions), else the largest the server allows.
 fn max_tokens(m: &Model, p: &Params, prompt: usize) -> Result<usize, ApiError> {
     let (asked, n, cap) = (p.max_tokens, p.n, m.capacity);
-    if prompt >= cap {
+    // An echoed prompt alone (`max_tokens` 0) may fill the context.
+    if prompt > cap || (prompt == cap && asked != Some(0)) {
         return Err(ApiError::too_long(
             p.prompt_field,
             // Anthropic's wording (agents such as Claude Code look for it to compact their

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutError};
 
-use crate::answer::{collect_all, stream, Answer, Echo};
+use crate::answer::{collect_all, piece, stream, Answer, Echo};
 use crate::api::{self, Endpoint, Params, Prompt};
 use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
@@ -337,7 +337,7 @@ async fn admit(
     let shared = s.clone();
     let (prepared, echo, p) = tokio::task::spawn_blocking(move || {
         let prepared = prepare(&shared.request_model(), &p, seed)?;
-        let echo = echo(&shared, &p, &prepared.prompt)?;
+        let echo = echo(&shared, &p, &prepared.prompt);
         Ok::<_, ApiError>((prepared, echo, p))
     })
     .await
@@ -390,18 +390,23 @@ async fn admit(
 }
 
 /// What a completion echoing its prompt (`p.echo`) starts with: the prompt's text as it came,
-/// token ids decoded.
-fn echo(s: &Shared, p: &Params, prompt: &[i32]) -> Result<Option<Echo>, ApiError> {
+/// or token ids as their pieces spell them (special tokens written out, as in its
+/// log-probabilities' tokens).
+fn echo(s: &Shared, p: &Params, prompt: &[i32]) -> Option<Echo> {
     let text = match &p.prompt {
-        _ if !p.echo => return Ok(None),
+        _ if !p.echo => return None,
         Prompt::Text(t) => t.clone(),
-        _ => s
-            .text
-            .detokenize(prompt)
-            .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+        _ => {
+            let vocab = s.grammars.as_ref().ok();
+            let bytes: Vec<u8> = prompt
+                .iter()
+                .flat_map(|&id| piece(vocab, &s.text, id).0)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
     };
     let scored = p.logprobs.map(|_| prompt[0]);
-    Ok(Some(Echo { text, scored }))
+    Some(Echo { text, scored })
 }
 
 /// `response` with the `x-kvplug-prefix` header saying where the prompt departed from the
@@ -445,13 +450,25 @@ async fn generate(
         ));
     }
     // The batch form: every prompt admitted as a request of its own (all or none).
-    let params = std::iter::once(p.prompt.clone())
+    let params: Vec<Params> = std::iter::once(p.prompt.clone())
         .chain(more)
         .map(|prompt| Params {
             prompt,
             ..p.clone()
-        });
-    let admits = params.map(|p| admit(&s, endpoint, headers, p, arrived, id_prefix));
+        })
+        .collect();
+    let batch = params.len() > 1;
+    let admits = params.into_iter().enumerate().map(|(i, p)| {
+        let admitted = admit(&s, endpoint, headers, p, arrived, id_prefix);
+        async move {
+            admitted.await.map_err(|mut e| {
+                if batch {
+                    e.message = format!("prompt {i}: {}", e.message);
+                }
+                e
+            })
+        }
+    });
     let admitted = futures_util::future::try_join_all(admits).await?;
     let divergence = admitted[0].divergence.clone();
     let parts: Vec<_> = admitted

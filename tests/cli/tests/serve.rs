@@ -205,7 +205,8 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
 /// (`prompt_scores_match_the_f64_reference`).
 #[test]
 fn completions_echo_and_score_their_prompt() {
-    let s = Server::start(&model(), &[]);
+    const CAPACITY: usize = 256;
+    let s = Server::start(&model(), &["--capacity", &CAPACITY.to_string()]);
     let text = kvplug::Text::load(&model()).unwrap();
     let q = "The capital of France is";
     let ids = text.encode(q).unwrap();
@@ -337,6 +338,69 @@ fn completions_echo_and_score_their_prompt() {
         (400, &json!("max_tokens")),
         "{e}"
     );
+    // Nothing generated: a prompt as long as the context is scored whole.
+    let full =
+        json!({"prompt": [vec![ids[1]; CAPACITY]], "max_tokens": 0, "echo": true, "logprobs": 0});
+    let v = s.ok("/v1/completions", &full, &[]);
+    assert_eq!(
+        v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .len(),
+        CAPACITY
+    );
+    // Pieces of a character (SmolLM2's byte tokens split these emoji): each alternative
+    // under a name of its own (`bytes:\x..` where its bytes are no text), so none hides a
+    // likelier one; a token starts where the character it completes does.
+    let emoji = "😀👍🏽";
+    let e = s.ok(
+        "/v1/completions",
+        &json!({"prompt": emoji, "max_tokens": 3, "temperature": 0, "echo": true, "logprobs": 20}),
+        &[],
+    );
+    let el = &e["choices"][0]["logprobs"];
+    let names = el["tokens"].as_array().unwrap();
+    assert!(
+        names
+            .iter()
+            .any(|t| t.as_str().unwrap().starts_with("bytes:\\x")),
+        "{e}"
+    );
+    for (k, top) in el["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .skip(1)
+    {
+        let values: Vec<f64> = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(
+            values.len(),
+            20,
+            "{k}: no two alternatives share a name: {top}"
+        );
+        let own = el["token_logprobs"][k].as_f64().unwrap();
+        let best = values.iter().copied().fold(f64::MIN, f64::max);
+        assert!(own <= best, "{k}: {top}");
+    }
+    let offsets: Vec<usize> = el["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    let prompt_tokens = e["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(
+        offsets[prompt_tokens],
+        emoji.chars().count(),
+        "the answer starts after the prompt: {e}"
+    );
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{e}");
     // lm-eval-harness's request: token ids in a batch of one.
     let harness = json!({"prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true, "seed": 1234});
     let h = s.ok("/v1/completions", &harness, &[]);
@@ -459,6 +523,12 @@ fn completions_answer_a_batch_of_prompts() {
         (status, &e["error"]["param"]),
         (400, &json!("prompt")),
         "{e}"
+    );
+    let (status, e) = s.post("/v1/completions", &json!({"prompt": ["x", ""]}), &[]);
+    let says = e["error"]["message"].as_str().unwrap();
+    assert!(
+        status == 400 && says.starts_with("prompt 1: "),
+        "which prompt: {e}"
     );
     let (status, e) = s.post(
         "/v1/completions",
