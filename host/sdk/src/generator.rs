@@ -26,8 +26,9 @@ use crate::text::{Streamer, Text};
 /// with `ubatch × window`, never with a prompt squared.
 pub const PREFILL_UBATCH: usize = 512;
 
-/// The most prompt tokens a request with [`GenOptions::prompt_logprobs`] feeds a step: each
-/// returns a whole row of logits (64 rows of a 256k vocabulary: 64 MiB).
+/// The most prompt tokens requests with [`GenOptions::prompt_logprobs`] feed a step, all
+/// of them together: each returns a whole row of logits (64 rows of a 256k vocabulary:
+/// 64 MiB).
 pub const SCORED_UBATCH: usize = 64;
 
 /// The most alternatives [`GenOptions::logprobs`] and [`GenOptions::prompt_logprobs`] list a
@@ -539,14 +540,15 @@ impl Generator {
             }
         }
         let mut budget = PREFILL_UBATCH.saturating_sub(self.batch.len()).max(1);
+        let mut scoring = SCORED_UBATCH;
         for (i, a) in self.active.iter_mut().enumerate() {
-            if !a.prefilling() || budget == 0 {
-                continue;
-            }
             let most = match a.opts.prompt_logprobs {
-                Some(_) => budget.min(SCORED_UBATCH),
+                Some(_) => budget.min(scoring),
                 None => budget,
             };
+            if !a.prefilling() || most == 0 {
+                continue;
+            }
             a.fed = (a.prompt.len() - a.written).min(most);
             if a.prompt.len() - (a.written + a.fed) == 1 {
                 // Not a last chunk of one token: read, it looks like a decode step, and a
@@ -558,6 +560,9 @@ impl Generator {
                 }
             }
             budget -= a.fed;
+            if a.opts.prompt_logprobs.is_some() {
+                scoring -= a.fed;
+            }
             let end = a.written + a.fed;
             let wants = end == a.prompt.len() && a.opts.max_tokens > 0;
             // A scored prompt's rows give the next token's log-probability: every fed token

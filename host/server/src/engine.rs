@@ -324,12 +324,12 @@ impl Engine {
                         (true, Some(at)) => a.req.prompt.len() - at,
                         _ => 0,
                     };
-                    a.req.n * a.req.opts.max_tokens + rest
+                    a.req.n * a.req.opts.max_tokens.max(1) + rest
                 })
                 .sum();
-            // A completion's last token is sampled, not written.
-            let extra =
-                (r.n * r.opts.max_tokens).saturating_sub(1) + self.generator.outstanding() + forks;
+            // Each completion writes its last prompt token and all it generates but the last
+            // (the first completion's prompt token is the prompt's).
+            let extra = r.n * r.opts.max_tokens.max(1) - 1 + self.generator.outstanding() + forks;
             // A scored prompt runs every token: it reuses nothing.
             let reuse = r.opts.prompt_logprobs.is_none();
             match self
