@@ -28,6 +28,7 @@ pub mod config;
 pub mod contiguous;
 pub mod dtype;
 pub mod error;
+pub mod exp;
 pub mod files;
 pub mod gguf_index;
 pub mod key_basis;

@@ -2,6 +2,7 @@
 //! paths chosen at run time and portable fallbacks.
 
 use half::{bf16, f16};
+use kvplug_core::exp::{fast_exp, EXP2_POLY};
 
 /// CPU features the kernels use, detected once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -322,35 +323,6 @@ pub fn bf16_to_f32(src: &[bf16], out: &mut [f32]) {
     assert_eq!(src.len(), out.len(), "bf16_to_f32 operands");
     for (o, x) in out.iter_mut().zip(src) {
         *o = f32::from_bits((x.to_bits() as u32) << 16);
-    }
-}
-
-/// `ln(2)^k / k!` for k = 1..6: `2^f = e^(f ln 2)` for f in [-0.5, 0.5], shared by
-/// [`fast_exp`] and its 8- and 16-lane twins `x86::exp8`, `x86::exp16`.
-const EXP2_POLY: [f32; 6] = [
-    std::f32::consts::LN_2,
-    0.240_226_5,
-    0.055_504_11,
-    0.009_618_129,
-    0.001_333_355_8,
-    0.000_154_035_3,
-];
-
-/// `e^x` to about `|x|·1e-7` relative (1e-6 on [-20, 20]), branch-free so loops over it
-/// vectorize; `0` below -87.
-#[inline(always)]
-pub fn fast_exp(x: f32) -> f32 {
-    const C: [f32; 6] = EXP2_POLY;
-    let xc = x.clamp(-87.0, 88.0);
-    let t = xc * std::f32::consts::LOG2_E;
-    let n = (t + 12_582_912.0) - 12_582_912.0;
-    let f = t - n;
-    let p = 1.0 + f * (C[0] + f * (C[1] + f * (C[2] + f * (C[3] + f * (C[4] + f * C[5])))));
-    let e = f32::from_bits(((n as i32 + 127) << 23) as u32) * p;
-    if x < -87.0 {
-        0.0
-    } else {
-        e
     }
 }
 
@@ -825,19 +797,7 @@ mod tests {
     }
 
     #[test]
-    fn fast_exp_is_accurate_and_softmax_is_stable() {
-        // f32 range reduction limits accuracy to about |x|·1e-7 relative.
-        for i in -800..=880 {
-            let x = i as f32 / 10.0;
-            let (got, want) = (fast_exp(x) as f64, (x as f64).exp());
-            let tol = if x.abs() <= 20.0 { 1e-6 } else { 1e-5 };
-            assert!(
-                ((got - want) / want).abs() < tol,
-                "exp({x}) = {got}, want {want}"
-            );
-        }
-        assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
-        assert_eq!(fast_exp(-100.0), 0.0);
+    fn softmax_is_stable() {
         let mut x = [1000.0, 1000.0, f32::NEG_INFINITY];
         softmax_in_place(&mut x, None);
         assert_eq!(x, [0.5, 0.5, 0.0]);
@@ -853,7 +813,7 @@ mod tests {
     #[test]
     fn gated_activations_match_f64_within_fast_exps_error() {
         // Gates over [-100, 100) (odd lengths reach the vector loops' remainders), up rows
-        // of both signs. fast_exp is within 1e-5 relative on [-80, 88] (the test above);
+        // of both signs. fast_exp is within 1e-5 relative on [-80, 88] (kvplug_core::exp's test);
         // with the few f32 roundings after it, both gates stay within 2e-5 relative (GELU
         // is g / (1 + e^-2y), the same form as SiLU's). Past e^88 the exponential is
         // clamped: the values are then below |g·u|/e^88 in size.

@@ -27,11 +27,12 @@ use std::arch::x86_64::*;
 
 use kvplug_backend_kit::AttendMask;
 use kvplug_core::arithmetic::QUERY_BLOCK;
+use kvplug_core::exp::fast_exp;
 use kvplug_core::Arithmetic;
 
 use crate::pool::{CpuPool, HeadRows};
+use crate::simd::sink_weight;
 use crate::simd::x86::{exp16, exp8, hsum};
-use crate::simd::{fast_exp, sink_weight};
 use crate::tensor::CpuTensor;
 use crate::workers::{DisjointChunks, Workers};
 

@@ -15,9 +15,8 @@ use kvplug_runtime::{Batch, Context, Logits};
 
 use crate::error::{fail, Error, Result};
 use crate::grammar::Constraint;
-use crate::sampler::{
-    check_temperature, check_top_p, Adjustments, Sampler, TokenLogprobs, REPEAT_WINDOW,
-};
+use crate::logprobs::TokenLogprobs;
+use crate::sampler::{check_temperature, check_top_p, Adjustments, Sampler, REPEAT_WINDOW};
 use crate::speculative::{SpecStats, Speculation, Speculator};
 use crate::stop::StopMatcher;
 use crate::text::{Streamer, Text};

@@ -39,6 +39,7 @@ mod generator;
 mod grammar;
 pub mod harmony;
 mod llm;
+mod logprobs;
 mod plan;
 mod run;
 mod sampler;
@@ -72,12 +73,13 @@ pub use kvplug_runtime::{
     Runtime, RuntimeError,
 };
 pub use llm::{Answer, Llm, LlmBuilder};
+pub use logprobs::TokenLogprobs;
 pub use plan::{
     default_capacity, parse_bytes, plan, trained_context, weights, GroupPlan, Holding, Plan,
     PlanOptions, Weights,
 };
 pub use run::{run_agents, run_decode, run_fork, CacheReport, ForkReport, RunReport, RunSpec};
-pub use sampler::{argmax, check_temperature, check_top_p, Adjustments, Sampler, TokenLogprobs};
+pub use sampler::{argmax, check_temperature, check_top_p, Adjustments, Sampler};
 pub use session_dir::{Listed, SessionDir, SessionLock};
 pub use speculative::{Draft, DraftKind, SpecStats, Speculation, MAX_DRAFT_DEPTH, MAX_DRAFT_WIDTH};
 pub use text::{Message, Text};

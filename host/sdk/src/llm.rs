@@ -14,7 +14,7 @@ use kvplug_runtime::{Arithmetic, CacheKind, Context, KvDtype, Model, PluginSearc
 use crate::error::fail;
 use crate::generator::{generate, Finish, GenOptions, TokenEvent};
 use crate::harmony::ContentStream;
-use crate::sampler::TokenLogprobs;
+use crate::logprobs::TokenLogprobs;
 use crate::text::{Message, Text};
 use crate::Result;
 

@@ -12,7 +12,8 @@ use kvplug_runtime::Model;
 
 use crate::error::{fail, Result};
 use crate::generator::{generate, GenOptions, Generator, TokenEvent};
-use crate::sampler::{log_prob, Sampler};
+use crate::logprobs::log_prob;
+use crate::sampler::Sampler;
 use crate::speculative::Speculation;
 use crate::text::Text;
 

@@ -1,6 +1,6 @@
 //! [`Sampler`]: how a token is picked from a row of logits (greedy, or temperature with
-//! top-k, top-p and min-p, seeded), [`Adjustments`] made to the logits first (logit bias,
-//! repetition, frequency and presence penalties), and the log-probabilities of a pick.
+//! top-k, top-p and min-p, seeded), and [`Adjustments`] made to the logits first (logit
+//! bias, repetition, frequency and presence penalties).
 
 /// Greedy (temperature 0) or temperature + top-k/top-p/min-p sampling with a seed.
 #[derive(Clone, Debug)]
@@ -326,87 +326,11 @@ impl Adjustments {
     }
 }
 
-/// The log-probability of token `id` under `logits` (log-softmax, in f64).
-pub fn log_prob(logits: &[f32], id: i32) -> f64 {
-    logits[id as usize] as f64 - log_sum_exp(logits)
-}
-
-fn log_sum_exp(logits: &[f32]) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let z: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
-    max + z.ln()
-}
-
-/// A token's log-probability under the model and the `top` most likely alternatives'.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct TokenLogprobs {
-    /// The token.
-    pub token: i32,
-    /// Its log-probability.
-    pub logprob: f32,
-    /// The most likely tokens and theirs, most likely first.
-    pub top: Vec<(i32, f32)>,
-}
-
-impl TokenLogprobs {
-    /// Of `token` under `logits`, with the `top` best (log-softmax in f64); meant for a few
-    /// alternatives (each costs a pass's insertions: see [`crate::MAX_LOGPROBS`]).
-    ///
-    /// # Panics
-    /// If `token` is not an index of `logits` (so also when `logits` is empty).
-    pub fn of(logits: &[f32], token: i32, top: usize) -> Self {
-        let lse = log_sum_exp(logits);
-        // One pass keeping the best `top` in order (higher logit first, then lower id): a
-        // row is read once and nothing of its size is allocated (a decode step with logprobs
-        // calls this every token, a scored prompt every prompt token).
-        let mut best: Vec<(i32, f32)> = Vec::with_capacity(top.min(logits.len()) + 1);
-        for (i, &v) in logits.iter().enumerate().filter(|_| top > 0) {
-            let beaten = |b: f32| v.total_cmp(&b) == std::cmp::Ordering::Greater;
-            if best.len() == top && !beaten(best[top - 1].1) {
-                continue;
-            }
-            let at = best.partition_point(|&(_, b)| !beaten(b));
-            best.insert(at, (i as i32, v));
-            best.truncate(top);
-        }
-        for (_, v) in &mut best {
-            *v = (*v as f64 - lse) as f32;
-        }
-        TokenLogprobs {
-            token,
-            logprob: (logits[token as usize] as f64 - lse) as f32,
-            top: best,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
-
-    /// The alternatives are the `top` best of the row by the definition (sorted by logit,
-    /// ties by id), their log-probabilities the log-softmax in f64, on rows with ties.
-    #[test]
-    fn token_logprobs_list_the_best_alternatives_in_order() {
-        for n in [1, 2, 7, 300] {
-            // Nine levels in a scrambled order: many ties.
-            let row: Vec<f32> = (0..n).map(|i| ((i * 7919 + n) % 9) as f32 * 0.5).collect();
-            let lse = log_sum_exp(&row);
-            let mut sorted: Vec<usize> = (0..n).collect();
-            sorted.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            for top in [0, 1, 3, 20] {
-                let got = TokenLogprobs::of(&row, (n - 1) as i32, top);
-                let want: Vec<(i32, f32)> = sorted[..top.min(n)]
-                    .iter()
-                    .map(|&i| (i as i32, (row[i] as f64 - lse) as f32))
-                    .collect();
-                assert_eq!(got.top, want, "n {n} top {top}");
-                assert_eq!(got.logprob, (row[n - 1] as f64 - lse) as f32);
-            }
-        }
-    }
 
     #[test]
     fn top_k_and_top_p_limit_the_candidates() {
