@@ -1,7 +1,7 @@
 //! The model graph's operations on the cpu: linears over the weights in their stored dtype,
 //! read in place from the mapped package ([`crate::linear`]; block formats through
 //! [`crate::qlinear`]), and plain loops for the element-wise ops (the activations' `e^x`
-//! through [`simd::fast_exp`], so that they vectorize).
+//! through [`kvplug_core::exp::fast_exp`], so that they vectorize).
 
 use std::cell::RefCell;
 

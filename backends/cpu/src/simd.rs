@@ -573,7 +573,7 @@ pub(crate) mod x86 {
         }
     }
 
-    /// [`super::fast_exp`] on 8 lanes, to the same accuracy (fused multiply-adds).
+    /// [`kvplug_core::exp::fast_exp`] on 8 lanes, to the same accuracy (fused multiply-adds).
     #[inline(always)]
     pub unsafe fn exp8(x: __m256) -> __m256 {
         let c = super::EXP2_POLY;
