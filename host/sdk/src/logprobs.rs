@@ -3,7 +3,7 @@
 
 use kvplug_core::exp::fast_exp;
 
-/// The log-probability of token `id` under `logits` (log-softmax, in f64).
+/// The log-probability of token `id` under `logits` (log-softmax by `log_sum_exp`).
 pub fn log_prob(logits: &[f32], id: i32) -> f64 {
     logits[id as usize] as f64 - log_sum_exp(logits)
 }
@@ -76,7 +76,7 @@ pub struct TokenLogprobs {
 }
 
 impl TokenLogprobs {
-    /// Of `token` under `logits`, with the `top` best (log-softmax in f64); meant for a few
+    /// Of `token` under `logits`, with the `top` best (log-softmax by `log_sum_exp`); meant for a few
     /// alternatives (each costs a pass's insertions: see [`crate::MAX_LOGPROBS`]).
     ///
     /// # Panics
