@@ -55,8 +55,9 @@ build:
 	$(CARGO) build --workspace --lib --bins --tests
 
 # The cpu backend picks its kernels by the CPU's instruction sets at run time; KVPLUG_CPU_ISA
-# caps them, so an AVX-512 machine also checks the paths an AVX2-only or older CPU takes.
-CPU_ISA_LEVELS = avx2 scalar
+# caps them, so an AVX-512 machine also checks the paths an AVX2-only or older CPU takes
+# (avx2vnni: the 256-bit attention kernels with VNNI, as on Intel client cores).
+CPU_ISA_LEVELS = avx2vnni avx2 scalar
 
 conform: build
 	KVPLUG_REQUIRE_BACKENDS=$(REQUIRED_BACKENDS) $(KVPLUG) conform

@@ -277,6 +277,8 @@ impl Backend for CpuDevice {
                 "AVX-512F+VNNI+AVX2+FMA+F16C kernels"
             } else if self.features.avx512f {
                 "AVX-512F+AVX2+FMA+F16C kernels"
+            } else if self.features.dot256 != simd::Dot256::Maddubs {
+                "AVX2+FMA+F16C kernels, 256-bit VNNI attention"
             } else if self.features.avx2_fma_f16c {
                 "AVX2+FMA+F16C kernels"
             } else {
@@ -295,6 +297,11 @@ impl Backend for CpuDevice {
         }
         if self.features.avx512vnni {
             f.push("avx512vnni".into());
+        }
+        match self.features.dot256 {
+            simd::Dot256::Vex => f.push("avxvnni".into()),
+            simd::Dot256::Evex => f.push("vnni-256".into()),
+            simd::Dot256::Maddubs => {}
         }
         f.push("attention-sinks".into());
         #[cfg(all(feature = "xnnpack", target_os = "linux"))]

@@ -13,6 +13,8 @@ pub struct Features {
     pub avx512f: bool,
     /// AVX-512 VNNI + VL + BW (the block-format weight kernels' `dpbusd` path).
     pub avx512vnni: bool,
+    /// How the 256-bit integer attention kernels multiply ([`dot256`]).
+    pub dot256: Dot256,
 }
 
 impl Default for Features {
@@ -27,6 +29,7 @@ pub fn features() -> Features {
         avx2_fma_f16c: vector_path(),
         avx512f: wide_path(),
         avx512vnni: vnni_path(),
+        dot256: dot256(),
     }
 }
 
@@ -37,11 +40,30 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 with 256-bit VNNI ([`Dot256::Vex`] or [`Dot256::Evex`]) in the integer
+    /// attention kernels.
+    Avx2Vnni,
     /// AVX-512 (F, and VNNI + VL + BW for the integer kernels) beside AVX2.
     Avx512,
 }
 
-/// The highest level the kernels may use: `KVPLUG_CPU_ISA` (`scalar`, `avx2` or `avx512`),
+/// How the 256-bit integer attention kernels (`tiled_attention::int8_query`, `i16_values`)
+/// multiply: the same exact integer sums whichever, so the same results bit for bit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dot256 {
+    /// AVX2's `vpmaddubsw`/`vpmaddwd` and an add.
+    #[default]
+    Maddubs,
+    /// AVX-VNNI's `vpdpbusd`/`vpdpwssd` in their VEX form (Intel cores since Alder Lake
+    /// without AVX-512).
+    Vex,
+    /// The same instructions in their EVEX form (AVX-512 VNNI + VL): what an AVX-512 CPU
+    /// capped at `avx2vnni` runs, so that it tests and benchmarks that level.
+    Evex,
+}
+
+/// The highest level the kernels may use: `KVPLUG_CPU_ISA` (`scalar`, `avx2`, `avx2vnni` or
+/// `avx512`),
 /// read once; unset or empty, no cap. It lets a machine test and benchmark the paths a lesser
 /// CPU takes; it never enables what the CPU lacks. An unknown value is an error
 /// [`CpuDevice`](crate::CpuDevice) reports when the plugin opens (kernels then run scalar).
@@ -51,10 +73,11 @@ pub fn isa_cap() -> Result<Isa, String> {
         let v = std::env::var("KVPLUG_CPU_ISA").unwrap_or_default();
         match v.trim().to_ascii_lowercase().as_str() {
             "" | "avx512" => Ok(Isa::Avx512),
+            "avx2vnni" => Ok(Isa::Avx2Vnni),
             "avx2" => Ok(Isa::Avx2),
             "scalar" => Ok(Isa::Scalar),
             _ => Err(format!(
-                "KVPLUG_CPU_ISA={v:?}: expected avx512, avx2 or scalar"
+                "KVPLUG_CPU_ISA={v:?}: expected avx512, avx2vnni, avx2 or scalar"
             )),
         }
     })
@@ -111,6 +134,28 @@ pub(crate) fn vnni_path() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+/// How the 256-bit integer attention kernels multiply here: 256-bit VNNI where the cap
+/// allows [`Isa::Avx2Vnni`] and the CPU has AVX-VNNI (VEX) or AVX-512 VNNI + VL (EVEX), else
+/// `maddubs`.
+pub fn dot256() -> Dot256 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(allowed(Isa::Avx2Vnni) && vector_path()) {
+            Dot256::Maddubs
+        } else if is_x86_feature_detected!("avxvnni") {
+            Dot256::Vex
+        } else if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            Dot256::Evex
+        } else {
+            Dot256::Maddubs
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Dot256::Maddubs
     }
 }
 

@@ -41,7 +41,7 @@ mod int8_query;
 #[cfg(test)]
 mod test_rows;
 
-use i16_values::{values_avx2, ValueTile};
+use i16_values::{values_256, ValueTile};
 use int8_query::{KeyTile, QueryCodes};
 
 /// Rows per tile: 64 f16 rows of 128 values (16 KiB) stay in L1 while the tile is swept.
@@ -700,7 +700,7 @@ lanes!(
     _mm256_fmadd_ps,
     stage_avx2,
     scores_avx2,
-    values_avx2,
+    values_256,
     #[inline(always)]
     unsafe fn sums(acc: [[__m256; 8]; 2], n: usize, scale: f32, out: &mut [f32; 16]) {
         for (i, a) in acc.into_iter().enumerate() {
@@ -914,6 +914,8 @@ unsafe fn accumulate<L: Lanes, K: RowView, V: RowView>(
     out.fill(0.0);
     let (mut query, mut ktile) = (std::mem::take(&mut s.query), std::mem::take(&mut s.keys));
     let mut vtile = std::mem::take(&mut s.values);
+    let dot = crate::simd::dot256();
+    (ktile.dot, vtile.dot) = (dot, dot);
     if let Some(kq) = k.as_quant().filter(|_| int8 && !quantized) {
         query.quantize(q, d, kq.group, kq.bits == 4);
     }

@@ -3,9 +3,10 @@
 //! [`TILE`] keys) has its value codes staged once as pairs of keys ([`ValueTile`]: 32-bit
 //! lane `d` of pair `p` holds `c[2p][d] | c[2p + 1][d] << 16`), shared by every query row
 //! of the tile (or, with AVX-512 VBMI and at most two blocks of rows, formed in registers
-//! from the pool as the sums read them: [`values_vbmi`]); per block row and value group the weights times the scales are coded to
-//! i16 (`u = p·σ`, `e = round(u·(32767 / max u))`, `r = max u / 32767`), and one `vpdpwssd`
-//! (AVX2: `vpmaddwd` and an add) multiplies a broadcast pair of codes with 16 (8) values of
+//! from the pool as the sums read them: [`values_vbmi`]); per block row and value group the
+//! weights times the scales are coded to i16 (`u = p·σ`, `e = round(u·(32767 / max u))`,
+//! `r = max u / 32767`), and one `vpdpwssd` (AVX2 without 256-bit VNNI: `vpmaddwd` and an
+//! add, [`values_256`]) multiplies a broadcast pair of codes with 16 (8) values of
 //! both keys at once, summing exactly in i32. Each block row then adds `r·Σ e·c` and
 //! `Σ p·lo` (f32) to its output. Both widths give the same sums, bit for bit.
 
@@ -14,6 +15,7 @@ use std::arch::x86_64::*;
 use kvplug_core::arithmetic::{TINY_RUN, WEIGHT_CODES};
 
 use super::{Block, QuantRows, TILE};
+use crate::simd::Dot256;
 
 /// Value groups a row may have ([`QuantRows`] holds up to 512 values in groups of 32).
 const MAX_GROUPS: usize = 16;
@@ -34,6 +36,8 @@ pub struct ValueTile {
     n: usize,
     d: usize,
     group: usize,
+    /// How [`values_256`] multiplies (set before the sums; the 512-bit kernels ignore it).
+    pub dot: Dot256,
 }
 
 impl ValueTile {
@@ -291,6 +295,52 @@ values!(
     finish_slice
 );
 
+values!(
+    values_vex,
+    "avx2,fma,avxvnni",
+    __m256i,
+    8,
+    1,
+    staged256,
+    code256,
+    |a, x, w| _mm256_dpwssd_avx_epi32(a, x, _mm256_set1_epi32(w)),
+    _mm256_setzero_si256,
+    finish_slice
+);
+
+values!(
+    values_evex,
+    "avx2,fma,avx512vnni,avx512vl",
+    __m256i,
+    8,
+    1,
+    staged256,
+    code256,
+    |a, x, w| _mm256_dpwssd_epi32(a, x, _mm256_set1_epi32(w)),
+    _mm256_setzero_si256,
+    finish_slice
+);
+
+/// The 256-bit value sum by the instructions `vt.dot` names: [`values_avx2`], [`values_vex`]
+/// or [`values_evex`] (the same sums, bit for bit).
+///
+/// # Safety
+/// As [`values_avx2`], and the VNNI set `vt.dot` names is present.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn values_256<const M: usize>(
+    blk: &Block<'_>,
+    vt: &ValueTile,
+    v: &QuantRows,
+    p: &[f32],
+    out: &mut [f32],
+) {
+    match vt.dot {
+        Dot256::Maddubs => values_avx2::<M>(blk, vt, v, p, out),
+        Dot256::Vex => values_vex::<M>(blk, vt, v, p, out),
+        Dot256::Evex => values_evex::<M>(blk, vt, v, p, out),
+    }
+}
+
 /// The 512-bit sums' lanes, bit for bit (see [`finish_slice`]).
 #[inline(always)]
 unsafe fn finish512(o: *mut f32, a: __m512i, c: &Coded) {
@@ -408,7 +458,7 @@ const fn pair_bytes(bits: usize) -> [[u8; 64]; 2] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_rows::{block, stream, widths, RandomRows};
+    use super::super::test_rows::{block, kernels, stream, Kernel, RandomRows};
     use super::*;
     use crate::tiled_attention::{RowView, Width};
     use kvplug_core::oracle::gamma;
@@ -420,7 +470,7 @@ mod tests {
     /// spanning six decades and groups of different scales, so a lane coded with another
     /// group's scale or key's weight is far outside. Returns the outputs.
     fn check<const M: usize>(
-        width: Width,
+        width: Kernel,
         bits: u32,
         group: usize,
         d: usize,
@@ -469,13 +519,13 @@ mod tests {
     /// The value sum at `width` of `M` rows of weights `p` (`[M, TILE]`) over the `nb` rows
     /// of `rows`, as the kernel runs it (at 512 bits with VBMI, from the pool's codes).
     fn values_at<const M: usize>(
-        width: Width,
+        width: Kernel,
         rows: &RandomRows,
         p: &[f32],
         d: usize,
         nb: usize,
     ) -> Vec<f32> {
-        let vbmi = width == Width::Avx512 && crate::simd::vbmi_path();
+        let vbmi = width.width == Width::Avx512 && crate::simd::vbmi_path();
         values_staged::<M>(width, !vbmi, rows, (0, nb), p, d, nb)
     }
 
@@ -483,7 +533,7 @@ mod tests {
     /// `rows` (`tile`), from codes staged as pairs or (`staged` false, at 512 bits with
     /// VBMI) read from the pool.
     fn values_staged<const M: usize>(
-        width: Width,
+        width: Kernel,
         staged: bool,
         rows: &RandomRows,
         (j0, n): (usize, usize),
@@ -496,7 +546,10 @@ mod tests {
         // SAFETY: the caller checked the width's features; the rows hold j0 + n rows of d.
         unsafe {
             let v = rows.view().for_tile(j0, n, &mut groups);
-            let mut vt = ValueTile::default();
+            let mut vt = ValueTile {
+                dot: width.dot,
+                ..ValueTile::default()
+            };
             match staged {
                 true => vt.stage(&v, j0, n),
                 false => vt.stage_scales(&v, n),
@@ -505,10 +558,10 @@ mod tests {
                 j0,
                 ..block(nb, d, 1.0)
             };
-            match (width, staged) {
+            match (width.width, staged) {
                 (Width::Avx512, true) => values_avx512::<M>(&blk, &vt, &v, p, &mut out),
                 (Width::Avx512, false) => values_vbmi::<M>(&blk, &vt, &v, p, &mut out),
-                (Width::Avx2, _) => values_avx2::<M>(&blk, &vt, &v, p, &mut out),
+                (Width::Avx2, _) => values_256::<M>(&blk, &vt, &v, p, &mut out),
             }
         }
         out
@@ -539,10 +592,14 @@ mod tests {
                 .map(|i| if i % TILE < nb { next() } else { 0.0 })
                 .collect();
             for j0 in [0, TILE] {
+                let wide = Kernel {
+                    width: Width::Avx512,
+                    dot: Dot256::Maddubs,
+                };
                 let bits_of = |staged: bool| -> Vec<u32> {
                     let tile = (j0, n);
-                    let out = values_staged::<8>(Width::Avx512, staged, &rows, tile, &p, d, nb);
-                    let one = values_staged::<1>(Width::Avx512, staged, &rows, tile, &p, d, nb);
+                    let out = values_staged::<8>(wide, staged, &rows, tile, &p, d, nb);
+                    let one = values_staged::<1>(wide, staged, &rows, tile, &p, d, nb);
                     out.iter().chain(&one).map(|x| x.to_bits()).collect()
                 };
                 let what = format!("q{bits} d{d} nb{nb} n{n} j0 {j0}");
@@ -556,8 +613,8 @@ mod tests {
     /// key sits and whether one or two such keys are in the run.
     #[test]
     fn nan_weight_codes_give_the_same_bits_at_both_widths() {
-        let widths = widths();
-        if widths.len() < 2 {
+        let widths = kernels();
+        if !widths.iter().any(|k| k.width == Width::Avx512) {
             eprintln!("skipped: this CPU lacks one of the two widths");
             return;
         }
@@ -572,18 +629,20 @@ mod tests {
                 rows.set_scale(key * (d / group), half::f16::INFINITY);
                 p[key] = 0.0;
             }
-            let bits = |w: Width| -> Vec<u32> {
+            let bits = |w: Kernel| -> Vec<u32> {
                 let out = values_at::<1>(w, &rows, &p, d, nb);
                 out.iter().map(|x| x.to_bits()).collect()
             };
-            assert_eq!(bits(widths[0]), bits(widths[1]), "NaN keys {a} and {b}");
+            for &w in &widths[1..] {
+                assert_eq!(bits(widths[0]), bits(w), "{w:?}: NaN keys {a} and {b}");
+            }
         }
     }
 
     /// At every width, against the definition; where both run, the same bits.
     #[test]
     fn values_are_the_declared_arithmetic_lane_for_lane() {
-        let widths = widths();
+        let widths = kernels();
         if widths.is_empty() {
             eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
             return;

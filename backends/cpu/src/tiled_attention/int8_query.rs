@@ -16,9 +16,12 @@ use std::arch::x86_64::*;
 use kvplug_core::arithmetic::QUERY_BLOCK;
 
 use super::{Block, QuantRows, TILE};
+use crate::simd::Dot256;
 
 /// Codes per 4-byte word.
 const WORD: usize = 4;
+/// Words per query block.
+const PER_BLOCK: usize = QUERY_BLOCK / WORD;
 
 /// A call's query rows in int8, laid out for the scores kernels.
 #[derive(Default)]
@@ -130,8 +133,8 @@ unsafe fn quantize_block(x: &[f32; QUERY_BLOCK]) -> (f32, [i32; QUERY_BLOCK]) {
 pub struct KeyTile {
     /// `[rows / lanes, d / 4]` registers: 4-byte word `i` of register `w` of group `r`
     /// holds the codes of word `w` of key row `lanes·r + i`, in the query codes' order (rows
-    /// past the tile repeat its last): unsigned bytes, but for q8 at 256 bits `code − 128`
-    /// (see [`scores_avx2`]).
+    /// past the tile repeat its last): unsigned bytes, but for q8 at 256 bits with
+    /// [`Dot256::Maddubs`] `code − 128` (see [`scores_avx2`]).
     codes: Vec<Line>,
     /// `[ng, rows]`: each row's group scales, then (`los`) offsets, in f32; `rows` is the
     /// tile's rows rounded up to `lanes`.
@@ -141,6 +144,9 @@ pub struct KeyTile {
     group: usize,
     /// Bits per key code (8 or 4).
     bits: usize,
+    /// How [`KeyTile::stage_avx2`] stages and [`scores_avx2`] multiplies (set before
+    /// staging; the 512-bit kernels ignore it).
+    pub dot: Dot256,
 }
 
 /// 64 bytes aligned as a 512-bit register (and so as two 256-bit ones), zeroed without
@@ -306,7 +312,8 @@ impl KeyTile {
         }
     }
 
-    /// [`KeyTile::stage_avx512`] 8 rows a register, q8 codes stored as `code − 128` (signed).
+    /// [`KeyTile::stage_avx512`] 8 rows a register, q8 codes for [`Dot256::Maddubs`] stored
+    /// as `code − 128` (signed).
     ///
     /// # Safety
     /// AVX2 is present; the rest as [`KeyTile::stage_avx512`].
@@ -324,7 +331,11 @@ impl KeyTile {
         let words = self.start(k, n, LANES);
         // Packed 4-byte words per row: a multiple of 8, as `d` is of 64.
         let packed = k.d * k.bits / 8 / WORD;
-        let (mask, flip) = (_mm256_set1_epi8(0xf), _mm256_set1_epi8(i8::MIN));
+        let mask = _mm256_set1_epi8(0xf);
+        let flip = match self.dot {
+            Dot256::Maddubs => _mm256_set1_epi8(i8::MIN),
+            Dot256::Vex | Dot256::Evex => _mm256_setzero_si256(),
+        };
         let codes = self.codes.as_mut_ptr() as *mut __m256i;
         for r in 0..self.rows / LANES {
             let rows_at = row_group::<LANES>(k, v, j0 + r * LANES, j0..j0 + n, kend, ask);
@@ -398,7 +409,6 @@ pub unsafe fn scores_avx512<const M: usize>(
         b0, nb, d, scale, ..
     } = *blk;
     debug_assert!(qc.d == d && qc.group == kt.group);
-    const PER_BLOCK: usize = QUERY_BLOCK / WORD;
     let (words, blocks, rows) = (d / WORD, d / QUERY_BLOCK, kt.rows);
     let (per_group, ng) = (kt.group / QUERY_BLOCK, d / kt.group);
     // Blocks whose dots run side by side: 2·M chains (at most 16 with 8 accumulated rows,
@@ -452,17 +462,17 @@ pub unsafe fn scores_avx512<const M: usize>(
 
 /// [`scores_avx512`] on AVX2, 8 key rows at a time, for a tile staged by
 /// [`KeyTile::stage_avx2`]; the same integer dots by other instructions, so the same f32
-/// results. `maddubs` (unsigned × signed bytes to i16 pair sums, saturating) then `madd`
-/// with ones to i32: q4 codes (≤ 15) sum a block's 8 words in i16 (at most
-/// 16·15·127 < 2^15) before one `madd`; q8 codes (≤ 255) would saturate a pair, so they are
-/// staged as `c − 128` and multiplied as `|c − 128|` against the query code under their
-/// sign (pairs at most 2·128·127 < 2^15), `128·Σ q` (the block's query codes) added back
-/// in i32.
+/// results. With [`Dot256::Maddubs`], `maddubs` (unsigned × signed bytes to i16 pair sums,
+/// saturating) then `madd` with ones to i32: q4 codes (≤ 15) sum a block's 8 words in i16
+/// (at most 16·15·127 < 2^15) before one `madd`; q8 codes (≤ 255) would saturate a pair, so
+/// they are staged as `c − 128` and multiplied as `|c − 128|` against the query code under
+/// their sign (pairs at most 2·128·127 < 2^15), `128·Σ q` (the block's query codes) added
+/// back in i32. With 256-bit VNNI, one `dpbusd` a word, as at 512 bits.
 ///
 /// The rows go 4 at a time (their accumulators fill the 16 registers).
 ///
 /// # Safety
-/// AVX2 is present; the rest as [`scores_avx512`].
+/// AVX2 is present, and the VNNI set `kt.dot` names; the rest as [`scores_avx512`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scores_avx2<const M: usize>(
     blk: &Block<'_>,
@@ -470,25 +480,152 @@ pub unsafe fn scores_avx2<const M: usize>(
     kt: &KeyTile,
     p: &mut [f32],
 ) {
-    if M <= 4 {
-        return scores_avx2_rows::<M>(blk, qc, kt, p);
+    match kt.dot {
+        Dot256::Maddubs => scores_256::<M, Maddubs>(blk, qc, kt, p),
+        Dot256::Vex => scores_vex::<M>(blk, qc, kt, p),
+        Dot256::Evex => scores_evex::<M>(blk, qc, kt, p),
     }
-    scores_avx2_rows::<4>(blk, qc, kt, p);
+}
+
+/// [`scores_avx2`] with AVX-VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn scores_vex<const M: usize>(
+    blk: &Block<'_>,
+    qc: &QueryCodes,
+    kt: &KeyTile,
+    p: &mut [f32],
+) {
+    scores_256::<M, Vex>(blk, qc, kt, p)
+}
+
+/// [`scores_avx2`] with AVX-512 VNNI at 256 bits.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn scores_evex<const M: usize>(
+    blk: &Block<'_>,
+    qc: &QueryCodes,
+    kt: &KeyTile,
+    p: &mut [f32],
+) {
+    scores_256::<M, Evex>(blk, qc, kt, p)
+}
+
+/// [`scores_avx2`] with `D`'s integer dots, 4 rows at a time.
+#[inline(always)]
+unsafe fn scores_256<const M: usize, D: BlockDots>(
+    blk: &Block<'_>,
+    qc: &QueryCodes,
+    kt: &KeyTile,
+    p: &mut [f32],
+) {
+    if M <= 4 {
+        return scores_avx2_rows::<M, D>(blk, qc, kt, p);
+    }
+    scores_avx2_rows::<4, D>(blk, qc, kt, p);
     let rest = Block {
         b0: blk.b0 + 4,
         ..*blk
     };
     match M - 4 {
-        4 => scores_avx2_rows::<4>(&rest, qc, kt, p),
-        3 => scores_avx2_rows::<3>(&rest, qc, kt, p),
-        2 => scores_avx2_rows::<2>(&rest, qc, kt, p),
-        _ => scores_avx2_rows::<1>(&rest, qc, kt, p),
+        4 => scores_avx2_rows::<4, D>(&rest, qc, kt, p),
+        3 => scores_avx2_rows::<3, D>(&rest, qc, kt, p),
+        2 => scores_avx2_rows::<2, D>(&rest, qc, kt, p),
+        _ => scores_avx2_rows::<1, D>(&rest, qc, kt, p),
     }
 }
 
+/// One query block's integer dots against a register of 8 key rows, by one of
+/// [`Dot256`]'s instruction sets (its type: [`Maddubs`], [`Vex`], [`Evex`]).
+trait BlockDots {
+    /// Per row, the dots of query block `blk`'s words of `codes` (a [`KeyTile`] row group
+    /// of `bits`-bit codes) with the row's, in i32 lanes.
+    ///
+    /// # Safety
+    /// The instruction set is present; `codes` and `q` hold the block.
+    unsafe fn dots<const M: usize>(
+        codes: *const __m256i,
+        q: &QueryRows<M>,
+        bits: usize,
+        blk: usize,
+    ) -> [__m256i; M];
+}
+
+/// AVX2's `maddubs`/`madd` ([`Dot256::Maddubs`]).
+struct Maddubs;
+/// AVX-VNNI ([`Dot256::Vex`]).
+struct Vex;
+/// AVX-512 VNNI + VL at 256 bits ([`Dot256::Evex`]).
+struct Evex;
+
+impl BlockDots for Maddubs {
+    #[inline(always)]
+    unsafe fn dots<const M: usize>(
+        codes: *const __m256i,
+        q: &QueryRows<M>,
+        bits: usize,
+        blk: usize,
+    ) -> [__m256i; M] {
+        let words = blk * PER_BLOCK..(blk + 1) * PER_BLOCK;
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_si256(); M];
+        if bits == 4 {
+            for w in words {
+                let x = *codes.add(w);
+                for (a, qw) in acc.iter_mut().zip(&q.words) {
+                    let pairs = _mm256_maddubs_epi16(x, _mm256_set1_epi32(*qw.add(w)));
+                    *a = _mm256_add_epi16(*a, pairs);
+                }
+            }
+            for a in acc.iter_mut() {
+                *a = _mm256_madd_epi16(*a, ones);
+            }
+        } else {
+            for (a, sums) in acc.iter_mut().zip(&q.sums) {
+                *a = _mm256_set1_epi32(128 * *sums.add(blk));
+            }
+            for w in words {
+                let x = *codes.add(w);
+                let magnitude = _mm256_abs_epi8(x);
+                for (a, qw) in acc.iter_mut().zip(&q.words) {
+                    let signed = _mm256_sign_epi8(_mm256_set1_epi32(*qw.add(w)), x);
+                    let pairs = _mm256_maddubs_epi16(magnitude, signed);
+                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// [`BlockDots`] by `$dpbusd`: one per word and row, whatever the codes' width.
+macro_rules! vnni_dots {
+    ($name:ident, $dpbusd:ident) => {
+        impl BlockDots for $name {
+            #[inline(always)]
+            unsafe fn dots<const M: usize>(
+                codes: *const __m256i,
+                q: &QueryRows<M>,
+                _: usize,
+                blk: usize,
+            ) -> [__m256i; M] {
+                let mut acc = [_mm256_setzero_si256(); M];
+                for w in blk * PER_BLOCK..(blk + 1) * PER_BLOCK {
+                    let x = *codes.add(w);
+                    for (a, qw) in acc.iter_mut().zip(&q.words) {
+                        *a = $dpbusd(*a, x, _mm256_set1_epi32(*qw.add(w)));
+                    }
+                }
+                acc
+            }
+        }
+    };
+}
+
+vnni_dots!(Vex, _mm256_dpbusd_avx_epi32);
+vnni_dots!(Evex, _mm256_dpbusd_epi32);
+
 /// [`scores_avx2`] for `M` rows at once.
 #[inline(always)]
-unsafe fn scores_avx2_rows<const M: usize>(
+unsafe fn scores_avx2_rows<const M: usize, D: BlockDots>(
     blk: &Block<'_>,
     qc: &QueryCodes,
     kt: &KeyTile,
@@ -499,11 +636,10 @@ unsafe fn scores_avx2_rows<const M: usize>(
         b0, nb, d, scale, ..
     } = *blk;
     debug_assert!(qc.d == d && qc.group == kt.group);
-    const PER_BLOCK: usize = QUERY_BLOCK / WORD;
     let (words, blocks, rows) = (d / WORD, d / QUERY_BLOCK, kt.rows);
     let (per_group, ng) = (kt.group / QUERY_BLOCK, d / kt.group);
     let q = QueryRows::<M>::new(qc, b0);
-    let (scale, ones) = (_mm256_set1_ps(scale), _mm256_set1_epi16(1));
+    let scale = _mm256_set1_ps(scale);
     let codes = kt.codes.as_ptr() as *const __m256i;
     for r in 0..nb.div_ceil(LANES) {
         let codes = codes.add(r * words);
@@ -519,33 +655,7 @@ unsafe fn scores_avx2_rows<const M: usize>(
             }
         }
         for blk in 0..blocks {
-            let mut acc = [_mm256_setzero_si256(); M];
-            let words = blk * PER_BLOCK..(blk + 1) * PER_BLOCK;
-            if kt.bits == 4 {
-                for w in words {
-                    let x = *codes.add(w);
-                    for (a, qw) in acc.iter_mut().zip(&q.words) {
-                        let pairs = _mm256_maddubs_epi16(x, _mm256_set1_epi32(*qw.add(w)));
-                        *a = _mm256_add_epi16(*a, pairs);
-                    }
-                }
-                for a in acc.iter_mut() {
-                    *a = _mm256_madd_epi16(*a, ones);
-                }
-            } else {
-                for (a, sums) in acc.iter_mut().zip(&q.sums) {
-                    *a = _mm256_set1_epi32(128 * *sums.add(blk));
-                }
-                for w in words {
-                    let x = *codes.add(w);
-                    let magnitude = _mm256_abs_epi8(x);
-                    for (a, qw) in acc.iter_mut().zip(&q.words) {
-                        let signed = _mm256_sign_epi8(_mm256_set1_epi32(*qw.add(w)), x);
-                        let pairs = _mm256_maddubs_epi16(magnitude, signed);
-                        *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
-                    }
-                }
-            }
+            let acc = D::dots(codes, &q, kt.bits, blk);
             let ks = _mm256_loadu_ps(ks.add(blk / per_group * rows));
             for ((f, a), qs) in f.iter_mut().zip(&acc).zip(&q.scales) {
                 let w = _mm256_mul_ps(ks, _mm256_set1_ps(*qs.add(blk)));
@@ -561,7 +671,7 @@ unsafe fn scores_avx2_rows<const M: usize>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_rows::{block, stream, widths, RandomRows};
+    use super::super::test_rows::{block, kernels, stream, Kernel, RandomRows};
     use super::super::RowView;
     use super::*;
     use crate::tiled_attention::{Width, TILE};
@@ -574,7 +684,7 @@ mod tests {
     /// offsets, so a lane given the wrong block's or group's factor is far outside it.
     /// Returns the scores.
     fn check<const M: usize>(
-        width: Width,
+        width: Kernel,
         bits: u32,
         group: usize,
         d: usize,
@@ -629,7 +739,7 @@ mod tests {
     /// # Safety
     /// The width's int8 features are present; `k` holds `nb` rows `qc` was quantized for.
     unsafe fn scores_at<const M: usize>(
-        width: Width,
+        width: Kernel,
         qc: &QueryCodes,
         k: QuantRows,
         nb: usize,
@@ -640,12 +750,13 @@ mod tests {
         let k = k.for_tile(0, nb, &mut staged);
         let mut kt = KeyTile::default();
         let blk = block(nb, k.d, scale);
-        match width {
+        match width.width {
             Width::Avx512 => {
                 kt.stage_avx512(&k, &k, 0, nb, nb, true);
                 scores_avx512::<M>(&blk, qc, &kt, &mut p);
             }
             Width::Avx2 => {
+                kt.dot = width.dot;
                 kt.stage_avx2(&k, &k, 0, nb, nb, true);
                 scores_avx2::<M>(&blk, qc, &kt, &mut p);
             }
@@ -656,7 +767,7 @@ mod tests {
     /// At every width, against the definition; where both run, the same bits.
     #[test]
     fn scores_are_the_declared_arithmetic_lane_for_lane() {
-        let widths = widths();
+        let widths = kernels();
         if widths.is_empty() {
             eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
             return;
@@ -696,7 +807,7 @@ mod tests {
     /// code (q4's largest i16 block sum, 16·15·127), row 1 all 0.
     #[test]
     fn extreme_codes_do_not_saturate() {
-        let widths = widths();
+        let widths = kernels();
         if widths.is_empty() {
             eprintln!("skipped: this CPU has no AVX2, the kernels' least target");
             return;

@@ -1,10 +1,11 @@
 //! Test inputs of the integer kernels ([`super::int8_query`], [`super::i16_values`]):
-//! random quantized rows, the block that reads them, the widths this CPU runs.
+//! random quantized rows, the block that reads them, the kernels this CPU runs.
 
 use half::f16;
 use kvplug_backend_kit::AttendMask;
 
 use super::{Block, QuantRows, Visibility, Width};
+use crate::simd::Dot256;
 
 /// A deterministic generator of values in `[0, 1)`.
 pub fn stream(seed: u64) -> impl FnMut() -> f32 {
@@ -112,14 +113,35 @@ pub fn block(nb: usize, d: usize, scale: f32) -> Block<'static> {
     }
 }
 
-/// The widths whose integer kernels this CPU runs.
-pub fn widths() -> Vec<Width> {
-    let mut widths = Vec::new();
+/// An integer kernel: a width and, at 256 bits, how it multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernel {
+    pub width: Width,
+    pub dot: Dot256,
+}
+
+/// The integer kernels this CPU runs (within `KVPLUG_CPU_ISA`): 256 bits by `maddubs` and by
+/// each VNNI form it has, then 512 bits.
+pub fn kernels() -> Vec<Kernel> {
+    let mut kernels = Vec::new();
+    let at256 = |dot| Kernel {
+        width: Width::Avx2,
+        dot,
+    };
     if crate::simd::vector_path() {
-        widths.push(Width::Avx2);
+        kernels.push(at256(Dot256::Maddubs));
+    }
+    let evex = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+    match crate::simd::dot256() {
+        Dot256::Maddubs => {}
+        Dot256::Vex if evex => kernels.extend([at256(Dot256::Vex), at256(Dot256::Evex)]),
+        dot => kernels.push(at256(dot)),
     }
     if crate::simd::vnni_path() {
-        widths.push(Width::Avx512);
+        kernels.push(Kernel {
+            width: Width::Avx512,
+            dot: Dot256::Maddubs,
+        });
     }
-    widths
+    kernels
 }
