@@ -270,6 +270,9 @@ struct Active {
     request: RequestId,
     seq: i32,
     prompt: Vec<i32>,
+    /// The token after `prompt` when it is a prefix another request goes on from
+    /// ([`Generator::add_prefix`]): its last row is scored against it.
+    next: Option<i32>,
     /// Position of `prompt[0]`.
     start: usize,
     /// Prompt tokens written so far.
@@ -379,6 +382,40 @@ impl Generator {
         start: usize,
         opts: GenOptions,
     ) -> Result<RequestId> {
+        self.add_scored(seq, prompt, None, start, opts)
+    }
+
+    /// Adds the prefill of `prefix`, a prompt but its last token `next`, which requests
+    /// forked from `seq` each feed themselves (`n` completions sharing one prompt): as
+    /// [`add`](Self::add), generating nothing, and with [`GenOptions::prompt_logprobs`] its
+    /// last row is scored against `next`, so that its scores cover the whole prompt's tokens
+    /// from the second on.
+    pub fn add_prefix(
+        &mut self,
+        seq: i32,
+        prefix: &[i32],
+        next: i32,
+        start: usize,
+        opts: GenOptions,
+    ) -> Result<RequestId> {
+        if opts.max_tokens > 0 {
+            fail!(
+                Invalid,
+                "a shared prefill generates nothing: max_tokens must be 0"
+            );
+        }
+        self.add_scored(seq, prefix, Some(next), start, opts)
+    }
+
+    /// [`add`](Self::add), `next` following `prompt` ([`add_prefix`](Self::add_prefix)).
+    fn add_scored(
+        &mut self,
+        seq: i32,
+        prompt: &[i32],
+        next: Option<i32>,
+        start: usize,
+        opts: GenOptions,
+    ) -> Result<RequestId> {
         if prompt.is_empty() {
             fail!(Invalid, "a request needs at least one prompt token");
         }
@@ -406,6 +443,7 @@ impl Generator {
             request,
             seq,
             prompt: prompt.to_vec(),
+            next,
             start,
             written: 0,
             generated: Vec::new(),
@@ -565,9 +603,9 @@ impl Generator {
             let end = a.written + a.fed;
             let wants = end == a.prompt.len() && a.opts.max_tokens > 0;
             // A scored prompt's rows give the next token's log-probability: every fed token
-            // but the prompt's last has one.
+            // but the prompt's last has one (a prefix's last too, against `next`).
             let scored = match a.opts.prompt_logprobs {
-                Some(_) => end.min(a.prompt.len() - 1) - a.written,
+                Some(_) => end.min(a.prompt.len() - usize::from(a.next.is_none())) - a.written,
                 None => 0,
             };
             if scored > 0 {
@@ -659,9 +697,8 @@ impl Generator {
             for &(i, first, rows, from) in &self.scored {
                 let a = &mut self.active[i];
                 let top = a.opts.prompt_logprobs.unwrap_or(0);
-                let next = &a.prompt[from..from + rows];
+                let next = a.prompt.iter().chain(&a.next).skip(from).take(rows);
                 let scores = next
-                    .iter()
                     .enumerate()
                     .map(|(k, &t)| TokenLogprobs::of(l.row(first + k), t, top));
                 a.scores.extend(scores);

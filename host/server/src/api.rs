@@ -365,13 +365,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Params, ApiError> {
         ));
     }
     let logprobs = logprobs(&f, endpoint)?;
-    if echo && logprobs.is_some() && n > 1 {
-        // The completions share one prefill whose last token each runs itself.
-        return Err(ApiError::invalid(
-            Some("n"),
-            "'echo' with 'logprobs' scores the prompt once: 'n' must be 1",
-        ));
-    }
     if !tools.is_empty() && matches!(format, Format::Grammar(_)) && tool_choice != ToolChoice::None
     {
         return Err(ApiError::invalid(
@@ -1184,8 +1177,8 @@ mod tests {
         let p = completion(r#""echo": true, "logprobs": 2"#).unwrap();
         assert_eq!((p.echo, p.logprobs), (true, Some(2)));
         assert!(completion(r#""echo": true, "n": 3"#).unwrap().echo);
-        let e = completion(r#""echo": true, "logprobs": 0, "n": 2"#).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("n"), "{e:?}");
+        let p = completion(r#""echo": true, "logprobs": 0, "n": 2"#).unwrap();
+        assert_eq!((p.echo, p.logprobs, p.n), (true, Some(0), 2));
         assert_eq!(
             completion(r#""echo": true, "max_tokens": 0"#)
                 .unwrap()

@@ -395,7 +395,7 @@ impl Engine {
                     } else if placed.history < last {
                         self.start(&mut a, None, placed.seq, placed.history)
                     } else {
-                        self.fork(&mut a)
+                        self.fork(&mut a, Vec::new())
                     };
                     self.keep_if_started(a, started)?;
                 }
@@ -430,12 +430,17 @@ impl Engine {
     ) -> kvplug::Result<()> {
         let mut opts = match choice {
             // The shared prefill samples nothing: it never keeps a step off the device argmax.
+            // It scores the prompt where that is asked for (nothing is then reused, so it is
+            // not anchoring).
             None => GenOptions {
                 device_argmax: true,
+                prompt_logprobs: a.req.opts.prompt_logprobs,
                 ..GenOptions::default()
             },
             Some(c) => GenOptions {
                 sampler: a.req.opts.sampler.fork(c as u64),
+                // n > 1: the shared prefill scored the prompt.
+                prompt_logprobs: a.req.opts.prompt_logprobs.filter(|_| a.req.n == 1),
                 ..a.req.opts.clone()
             },
         };
@@ -457,15 +462,27 @@ impl Engine {
             start,
             held_logprobs: Vec::new(),
         };
-        r.request = self.generator.add(seq, a.prompt_of(&r), start, opts)?;
+        let prompt = a.prompt_of(&r);
+        r.request = match (choice, a.anchoring) {
+            // It stops before the prompt's last token, which each completion feeds.
+            (None, false) => {
+                let last = *a.req.prompt.last().expect("a prompt has a token");
+                self.generator.add_prefix(seq, prompt, last, start, opts)?
+            }
+            _ => self.generator.add(seq, prompt, start, opts)?,
+        };
         a.running.push(r);
         Ok(())
     }
 
     /// The `n` completions of a prefilled prompt: each on a sequence sharing its cells but
     /// the last token's, which every completion feeds itself (the others' sequences were
-    /// reserved at admission).
-    fn fork(&mut self, a: &mut Active) -> kvplug::Result<()> {
+    /// reserved at admission). A scored prompt's scores (the shared prefill's, none for a
+    /// prompt of one token) go out first.
+    fn fork(&mut self, a: &mut Active, scores: Vec<TokenLogprobs>) -> kvplug::Result<()> {
+        if a.req.opts.prompt_logprobs.is_some() {
+            let _ = a.req.events.send(Event::Prompt { logprobs: scores });
+        }
         let (main, last) = (a.placed.seq, a.req.prompt.len() - 1);
         for choice in 0..a.req.n {
             let seq = if choice == 0 {
@@ -576,7 +593,8 @@ impl Engine {
             if !a.started {
                 a.started = true;
                 metrics.first_token(a.req.arrived.elapsed());
-                if a.req.opts.prompt_logprobs.is_some() {
+                // n > 1: the shared prefill scored the prompt (see `Engine::fork`).
+                if a.req.opts.prompt_logprobs.is_some() && a.req.n == 1 {
                     let logprobs = e.prompt_logprobs.clone();
                     let _ = a.req.events.send(Event::Prompt { logprobs });
                 }
@@ -665,13 +683,13 @@ impl Engine {
                     .and_then(|()| match a.req.n {
                         1 => self.start(&mut a, Some(0), seq, from),
                         _ if from < last => self.start(&mut a, None, seq, from),
-                        _ => self.fork(&mut a),
+                        _ => self.fork(&mut a, Vec::new()),
                     });
                 return self.keep_if_started(a, go_on);
             }
             // The shared prompt is in: the completions fork from it.
             a.main_held = a.req.prompt.len() - 1;
-            let forked = self.fork(&mut a);
+            let forked = self.fork(&mut a, f.prompt_logprobs);
             return self.keep_if_started(a, forked);
         };
         let agent = a.req.agent.clone().filter(|_| r.seq == a.placed.seq);
@@ -703,7 +721,7 @@ impl Engine {
         if !a.started {
             // It sampled nothing (`max_tokens` 0): its prompt's scores come now.
             a.started = true;
-            if a.req.opts.prompt_logprobs.is_some() {
+            if a.req.opts.prompt_logprobs.is_some() && a.req.n == 1 {
                 let logprobs = f.prompt_logprobs.clone();
                 let _ = a.req.events.send(Event::Prompt { logprobs });
             }

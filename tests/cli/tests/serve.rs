@@ -200,7 +200,8 @@ fn chat_and_completions_speak_openai_streamed_or_not() {
 /// `/v1/completions` with `echo`: each choice's text starts with the prompt, and with
 /// `logprobs` the prompt's tokens lead the log-probabilities in OpenAI's shape (the first
 /// one's null, nothing coming before it) — lm-eval-harness's loglikelihood request (token ids
-/// in a batch of one, `max_tokens` 1, `logprobs` 1) — streamed as the whole answer gives it.
+/// in a batch of one, `max_tokens` 1, `logprobs` 1) — streamed as the whole answer gives it,
+/// and alike for each of `n` completions.
 /// The scores themselves are checked against the f64 reference forward in the model tests
 /// (`prompt_scores_match_the_f64_reference`).
 #[test]
@@ -429,11 +430,69 @@ fn completions_echo_and_score_their_prompt() {
             .unwrap();
         assert_eq!(first["choices"][0]["text"], q, "{chunks:?}");
     }
-    // One scored prefill cannot serve several completions, nor an agent's reused history.
+    // Several completions of a scored prompt share one prefill, which scores the prompt to
+    // its last token (its last row against the token each completion feeds): every choice
+    // leads with the prompt's tokens and the scores one completion gets, streamed or not.
+    // The same cells and rows as above, in a batch one token shorter: at most the f32
+    // reordering allowed there.
     let mut several = scored.clone();
     several["n"] = json!(2);
-    let (status, e) = s.post("/v1/completions", &several, &[]);
-    assert_eq!((status, &e["error"]["param"]), (400, &json!("n")), "{e}");
+    several["temperature"] = json!(1);
+    let prompt_part = |lp: &Value, field: &str| -> Vec<Value> {
+        lp[field].as_array().unwrap()[..ids.len()].to_vec()
+    };
+    let close = |a: &[Value], b: &[Value], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (a, b) in a.iter().zip(b) {
+            assert!(a.is_null() == b.is_null(), "{what}: {a} {b}");
+            assert!(
+                a.is_null() || (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3,
+                "{what}: {a} {b}"
+            );
+        }
+    };
+    let v = s.ok("/v1/completions", &several, &[]);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{v}");
+    for c in choices {
+        let l = &c["logprobs"];
+        assert!(c["text"].as_str().unwrap().starts_with(q), "{v}");
+        assert_eq!(prompt_part(l, "tokens"), prompt_part(lp, "tokens"), "{v}");
+        assert_eq!(
+            prompt_part(l, "text_offset"),
+            prompt_part(lp, "text_offset")
+        );
+        let (got, want) = (
+            prompt_part(l, "token_logprobs"),
+            prompt_part(lp, "token_logprobs"),
+        );
+        close(&got, &want, "n = 2");
+        // The answer's token follows with its own score.
+        assert_eq!(l["tokens"].as_array().unwrap().len(), ids.len() + 1, "{v}");
+    }
+    several["stream"] = json!(true);
+    let chunks = s.chunks("/v1/completions", &several);
+    for i in 0..2 {
+        let first = chunks
+            .iter()
+            .find(|c| c["choices"][0]["index"] == i)
+            .unwrap();
+        let l = &first["choices"][0]["logprobs"];
+        assert_eq!(first["choices"][0]["text"], q, "{chunks:?}");
+        close(
+            &prompt_part(l, "token_logprobs"),
+            &prompt_part(lp, "token_logprobs"),
+            "n = 2, streamed",
+        );
+    }
+    // A prompt of one token has no shared prefill: nothing to score but its lead.
+    let one = json!({"prompt": [[ids[0]]], "max_tokens": 1, "n": 2, "echo": true, "logprobs": 1});
+    let v = s.ok("/v1/completions", &one, &[]);
+    for c in v["choices"].as_array().unwrap() {
+        let l = &c["logprobs"]["token_logprobs"];
+        assert!(l[0].is_null() && l.as_array().unwrap().len() == 2, "{v}");
+    }
+    // An agent's reused history is not scored again.
     let (status, e) = s.post("/v1/completions", &scored, &[("X-Session-Id", "a")]);
     assert_eq!((status, &e["error"]["param"]), (400, &json!("echo")), "{e}");
     s.stop();

@@ -358,7 +358,8 @@ fn device_argmax_picks_the_tokens_the_host_picks() {
 /// each prompt token after the first its log-probability under the logits of the token
 /// before it, and the best alternatives', as the f64 reference forward's log-softmax gives
 /// them: across scored chunks ([`kvplug::SCORED_UBATCH`] tokens a step), beside a decoding
-/// request, with the first sampled token or, sampling nothing, in [`kvplug::Finished`].
+/// request, with the first sampled token or, sampling nothing, in [`kvplug::Finished`]; a
+/// shared prefill ([`Generator::add_prefix`]) scores its last row against the token after it.
 #[test]
 fn prompt_scores_match_the_f64_reference() {
     let model = tiny();
@@ -378,7 +379,7 @@ fn prompt_scores_match_the_f64_reference() {
     let tol = 2e-3;
     for backend in BACKENDS {
         let m = common::model(&rt, backend, model.path());
-        let mut ctx = m.context(CacheKind::Seq, 512, KvDtype::F32).unwrap();
+        let mut ctx = m.context(CacheKind::Seq, 640, KvDtype::F32).unwrap();
         let mut g = Generator::new();
         g.add(1, &PROMPT, 0, GenOptions::max_tokens(40)).unwrap();
         for (seq, max_tokens, top) in [(0, 2, 3), (2, 0, 0)] {
@@ -388,6 +389,14 @@ fn prompt_scores_match_the_f64_reference() {
             };
             g.add(seq, &prompt, 0, opts).unwrap();
         }
+        let (prefix, last) = prompt.split_at(prompt.len() - 1);
+        let shared = GenOptions {
+            prompt_logprobs: Some(1),
+            ..GenOptions::default()
+        };
+        let generating = GenOptions::max_tokens(1);
+        assert!(g.add_prefix(4, prefix, last[0], 0, generating).is_err());
+        g.add_prefix(3, prefix, last[0], 0, shared).unwrap();
         let mut handed = Vec::new();
         let finished = g
             .run(&mut ctx, &mut |e| {
@@ -414,7 +423,12 @@ fn prompt_scores_match_the_f64_reference() {
         assert_eq!(handed.len(), 1, "{backend}: one event hands the scores out");
         let (seq, first) = handed.pop().unwrap();
         assert_eq!(seq, 0, "{backend}");
-        for (scores, top) in [(first, 3), (ended(2).prompt_logprobs.clone(), 0)] {
+        let scored = [
+            (first, 3),
+            (ended(2).prompt_logprobs.clone(), 0),
+            (ended(3).prompt_logprobs.clone(), 1),
+        ];
+        for (scores, top) in scored {
             assert_eq!(scores.len(), prompt.len() - 1, "{backend}");
             for (k, s) in scores.iter().enumerate() {
                 let (t, row) = (prompt[k + 1], &want[k]);
