@@ -144,8 +144,19 @@ fn in_vocabulary(
     }
 }
 
+/// The grammar of a batch's prompts (one `format`, no tools), compiled by the first prompt
+/// that needs it and cloned for the others ([`kvplug::Constraint`]s are cheap to clone
+/// before they are stepped), or the first's refusal.
+pub type BatchGrammar = std::sync::OnceLock<Result<Option<kvplug::Constraint>, ApiError>>;
+
 /// Renders, tokenizes and checks `p`, and builds its options; `seed` when it gives none.
-pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
+/// A prompt of a batch takes its grammar from `batch` where it offers no tools.
+pub fn prepare(
+    m: &Model,
+    p: &Params,
+    seed: u64,
+    batch: Option<&BatchGrammar>,
+) -> Result<Prepared, ApiError> {
     in_vocabulary(
         m,
         "logit_bias",
@@ -153,7 +164,13 @@ pub fn prepare(m: &Model, p: &Params, seed: u64) -> Result<Prepared, ApiError> {
     )?;
     let (prompt, calls) = render(m, p)?;
     let max_tokens = max_tokens(m, p, prompt.len())?;
-    let (constraint, triggered) = constraint(m, p, calls.as_ref())?;
+    let (constraint, triggered) = match (batch, &calls) {
+        (Some(once), None) => {
+            let compiled = once.get_or_init(|| constraint(m, p, None).map(|(c, _)| c));
+            (compiled.clone()?, Vec::new())
+        }
+        _ => constraint(m, p, calls.as_ref())?,
+    };
     let sampler = Sampler::new(p.temperature, p.top_p, p.seed.unwrap_or(seed))
         .with_top_k(p.top_k)
         .with_min_p(p.min_p);

@@ -25,7 +25,7 @@ use crate::engine::{Event, GenRequest, Status};
 use crate::error::ApiError;
 use crate::messages;
 use crate::metrics::Metrics;
-use crate::request::{prepare, render, Model};
+use crate::request::{prepare, render, BatchGrammar, Model};
 use crate::responses;
 use kvplug::ascii_escaped;
 use kvplug::check_agent_name;
@@ -303,8 +303,9 @@ struct Admitted {
     stream: bool,
 }
 
-/// Prepares `p` (the template, tokens and grammars, off the runtime's few workers), hands it
-/// to the engine and waits for its admission; the answer's id starts with `id_prefix`.
+/// Prepares `p` (the template, tokens and grammars, off the runtime's few workers; a batch's
+/// prompts share `batch`'s grammar), hands it to the engine and waits for its admission; the
+/// answer's id starts with `id_prefix`.
 async fn admit(
     s: &AppState,
     endpoint: Endpoint,
@@ -312,6 +313,7 @@ async fn admit(
     p: Params,
     arrived: Instant,
     id_prefix: &str,
+    batch: Option<Arc<BatchGrammar>>,
 ) -> Result<Admitted, ApiError> {
     let agent = agent_of(headers)?;
     if agent.is_some() && p.n > 1 {
@@ -336,7 +338,7 @@ async fn admit(
     };
     let shared = s.clone();
     let (prepared, echo, p) = tokio::task::spawn_blocking(move || {
-        let prepared = prepare(&shared.request_model(), &p, seed)?;
+        let prepared = prepare(&shared.request_model(), &p, seed, batch.as_deref())?;
         let echo = echo(&shared, &p, &prepared.prompt);
         Ok::<_, ApiError>((prepared, echo, p))
     })
@@ -458,8 +460,17 @@ async fn generate(
         })
         .collect();
     let batch = params.len() > 1;
+    let grammar = batch.then(|| Arc::new(BatchGrammar::new()));
     let admits = params.into_iter().enumerate().map(|(i, p)| {
-        let admitted = admit(&s, endpoint, headers, p, arrived, id_prefix);
+        let admitted = admit(
+            &s,
+            endpoint,
+            headers,
+            p,
+            arrived,
+            id_prefix,
+            grammar.clone(),
+        );
         async move {
             admitted.await.map_err(|mut e| {
                 if batch {
@@ -499,6 +510,7 @@ async fn openai_responses(
         r.params.clone(),
         arrived,
         "resp_",
+        None,
     )
     .await?;
     // Stored responses are continued by id alone: not one another client could guess.
@@ -574,7 +586,7 @@ async fn anthropic_messages(
     let answered = async {
         let body = body_of(body)?;
         let p = messages::parse(&body, false)?;
-        let a = admit(&s, Endpoint::Chat, &headers, p, arrived, "msg_").await?;
+        let a = admit(&s, Endpoint::Chat, &headers, p, arrived, "msg_", None).await?;
         let response = if a.stream {
             messages::stream(a.answer, a.cached, a.rx).into_response()
         } else {

@@ -576,6 +576,24 @@ fn completions_answer_a_batch_of_prompts() {
         );
         assert!(c["logprobs"]["token_logprobs"][0].is_null(), "{v}");
     }
+    // One grammar for the batch, compiled once: every prompt's answers follow it, and a
+    // grammar that allows no answer refuses the batch.
+    let mut constrained = ask(json!(prompts), 2);
+    constrained["grammar"] = json!(r#"start: "yes" | "no""#);
+    let v = s.ok("/v1/completions", &constrained, &[]);
+    for k in 0..6 {
+        assert!(
+            ["yes", "no"].contains(&text(&v, k).as_str()),
+            "choice {k}: {v}"
+        );
+    }
+    constrained["grammar"] = json!("start: start");
+    let (status, e) = s.post("/v1/completions", &constrained, &[]);
+    assert_eq!(
+        (status, &e["error"]["param"]),
+        (400, &json!("grammar")),
+        "{e}"
+    );
     // A batch is answered whole or refused whole; an agent session takes one prompt.
     let (status, e) = s.post("/v1/completions", &json!({"prompt": ["x", [1]]}), &[]);
     assert_eq!(
