@@ -51,6 +51,13 @@ fn chat(messages: &Value, max_tokens: usize) -> Value {
     json!({"messages": messages, "temperature": 0, "max_tokens": max_tokens})
 }
 
+/// The first streamed chunk of choice `i`.
+fn first_chunk(chunks: &[Value], i: usize) -> &Value {
+    let mut of_i = chunks.iter().filter(|c| c["choices"][0]["index"] == i);
+    of_i.next()
+        .unwrap_or_else(|| panic!("no chunk of choice {i}: {chunks:?}"))
+}
+
 fn content(v: &Value) -> String {
     v["choices"][0]["message"]["content"]
         .as_str()
@@ -424,10 +431,7 @@ fn completions_echo_and_score_their_prompt() {
     sampled_stream["stream"] = json!(true);
     let chunks = s.chunks("/v1/completions", &sampled_stream);
     for i in 0..2 {
-        let first = chunks
-            .iter()
-            .find(|c| c["choices"][0]["index"] == i)
-            .unwrap();
+        let first = first_chunk(&chunks, i);
         assert_eq!(first["choices"][0]["text"], q, "{chunks:?}");
     }
     // Several completions of a scored prompt share one prefill, which scores the prompt to
@@ -473,10 +477,7 @@ fn completions_echo_and_score_their_prompt() {
     several["stream"] = json!(true);
     let chunks = s.chunks("/v1/completions", &several);
     for i in 0..2 {
-        let first = chunks
-            .iter()
-            .find(|c| c["choices"][0]["index"] == i)
-            .unwrap();
+        let first = first_chunk(&chunks, i);
         let l = &first["choices"][0]["logprobs"];
         assert_eq!(first["choices"][0]["text"], q, "{chunks:?}");
         close(
