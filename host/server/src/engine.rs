@@ -188,6 +188,12 @@ struct Active {
 }
 
 impl Active {
+    /// Whether its completion scores the prompt: a scored prompt of one completion (of
+    /// several, the shared prefill does, see [`Engine::fork`]).
+    fn completion_scores(&self) -> bool {
+        self.req.opts.prompt_logprobs.is_some() && self.req.n == 1
+    }
+
     /// The prompt part request `r` was given.
     fn prompt_of(&self, r: &Running) -> &[i32] {
         let prompt = &self.req.prompt;
@@ -439,8 +445,7 @@ impl Engine {
             },
             Some(c) => GenOptions {
                 sampler: a.req.opts.sampler.fork(c as u64),
-                // n > 1: the shared prefill scored the prompt.
-                prompt_logprobs: a.req.opts.prompt_logprobs.filter(|_| a.req.n == 1),
+                prompt_logprobs: a.req.opts.prompt_logprobs.filter(|_| a.completion_scores()),
                 ..a.req.opts.clone()
             },
         };
@@ -593,8 +598,7 @@ impl Engine {
             if !a.started {
                 a.started = true;
                 metrics.first_token(a.req.arrived.elapsed());
-                // n > 1: the shared prefill scored the prompt (see `Engine::fork`).
-                if a.req.opts.prompt_logprobs.is_some() && a.req.n == 1 {
+                if a.completion_scores() {
                     let logprobs = e.prompt_logprobs.clone();
                     let _ = a.req.events.send(Event::Prompt { logprobs });
                 }
@@ -721,7 +725,7 @@ impl Engine {
         if !a.started {
             // It sampled nothing (`max_tokens` 0): its prompt's scores come now.
             a.started = true;
-            if a.req.opts.prompt_logprobs.is_some() && a.req.n == 1 {
+            if a.completion_scores() {
                 let logprobs = f.prompt_logprobs.clone();
                 let _ = a.req.events.send(Event::Prompt { logprobs });
             }
