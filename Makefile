@@ -56,7 +56,7 @@ build:
 
 # The cpu backend picks its kernels by the CPU's instruction sets at run time; KVPLUG_CPU_ISA
 # caps them, so an AVX-512 machine also checks the paths an AVX2-only or older CPU takes
-# (avx2vnni: the 256-bit attention kernels with VNNI, as on Intel client cores).
+# (avx2vnni: the 256-bit integer kernels with VNNI, as on Intel client cores).
 CPU_ISA_LEVELS = avx2vnni avx2 scalar
 
 conform: build

@@ -278,7 +278,7 @@ impl Backend for CpuDevice {
             } else if self.features.avx512f {
                 "AVX-512F+AVX2+FMA+F16C kernels"
             } else if self.features.dot256 != simd::Dot256::Maddubs {
-                "AVX2+FMA+F16C kernels, 256-bit VNNI attention"
+                "AVX2+FMA+F16C kernels, 256-bit VNNI"
             } else if self.features.avx2_fma_f16c {
                 "AVX2+FMA+F16C kernels"
             } else {

@@ -36,7 +36,11 @@
 //! unsigned `q + 128` with an offset of `128·s_j` (no sign transfer); Q6_K's half scales
 //! applied to i32 half sums rather than to i16 pair sums) — exactly the same sums, since no
 //! `maddubs` pair sum can saturate here (|c| ≤ 128 for Q8_0's magnitudes, ≤ 63 elsewhere,
-//! |q| ≤ 127). The scalar fallback does the same integer arithmetic, summing the floats in
+//! |q| ≤ 127). Where the CPU has 256-bit `dpbusd` only (AVX-VNNI's VEX form on Intel client
+//! cores, or AVX-512 VNNI + VL's EVEX form under `KVPLUG_CPU_ISA=avx2vnni`), the AVX2 path's
+//! layout takes it for `maddubs` + `madd` ([`Path::Avx2Vnni`]: Q8_0's codes and offset and
+//! Q6_K's i32 half sums as above, the products accumulated in place, so panels take 2 a
+//! pass). The scalar fallback does the same integer arithmetic, summing the floats in
 //! another order.
 //! Work is split over the worker pool in runs of rows.
 //!
@@ -66,7 +70,7 @@ use kvplug_backend_kit::model::blocks::{
 #[cfg(target_arch = "x86_64")]
 use crate::linear::PREFETCH_AHEAD;
 use crate::linear::STREAM_CHUNK_BYTES;
-use crate::simd::{vector_path, vnni_path};
+use crate::simd::{dot256, vector_path, vnni_path, Dot256};
 use crate::workers::{DisjointChunks, Workers};
 
 /// The formats the kernels compute on, indexed by their const parameter ([`format_index`]):
@@ -122,6 +126,14 @@ const PANELS_PER_PASS: usize = 3;
 const PANEL_ROWS_AVX2: usize = 4;
 /// See [`PANEL_ROWS_AVX2`].
 const PANELS_PER_PASS_AVX2: usize = 1;
+/// The same with 256-bit `dpbusd` (single panels, 16 registers on AVX-VNNI; the products
+/// accumulate in place): on Qwen2.5-0.5B's down shape, 512 tokens, 2 threads, VEX on an
+/// Emerald Rapids VM, GFLOP/s q4_K / q6_K / q8_0 / q4_0 over two rounds, 4 × 2 at
+/// 275–289 / 240–246 / 304–313 / 267–313, 3 × 3 at 252 / 162–198 / 241–254 / 250–264,
+/// 4 × 1 at 215–242 / 159–215 / 190–256 / 182–251.
+const PANEL_ROWS_VNNI256: usize = 4;
+/// See [`PANEL_ROWS_VNNI256`].
+const PANELS_PER_PASS_VNNI256: usize = 2;
 /// Bytes of activation codes in a chunk of panels that a block of unpacked rows passes over
 /// before the next block is unpacked: a chunk's codes and scales stay in a core's L2 on
 /// recent x86 (2 MiB on Sapphire Rapids; on Zen 2's 512 KiB they come from L3) while each
@@ -138,6 +150,11 @@ const PARALLEL_QUANTIZE: usize = 1 << 16;
 enum Path {
     Scalar,
     Avx2,
+    /// AVX2 with 256-bit `dpbusd`, VEX-encoded (AVX-VNNI) where `vex`, else EVEX (an AVX-512
+    /// CPU capped at `avx2vnni`): the AVX2 path's kernels, the products one instruction.
+    Avx2Vnni {
+        vex: bool,
+    },
     /// AVX2 with AVX-512 VNNI's `dpbusd`: 256-bit registers, whole groups and pairs of panels
     /// on 512-bit ones.
     Vnni,
@@ -146,13 +163,39 @@ enum Path {
 impl Path {
     fn detect() -> Path {
         if vnni_path() {
-            Path::Vnni
-        } else if vector_path() {
-            Path::Avx2
-        } else {
-            Path::Scalar
+            return Path::Vnni;
+        }
+        match dot256() {
+            Dot256::Vex => Path::Avx2Vnni { vex: true },
+            Dot256::Evex => Path::Avx2Vnni { vex: false },
+            Dot256::Maddubs if vector_path() => Path::Avx2,
+            Dot256::Maddubs => Path::Scalar,
         }
     }
+
+    /// The vector path that multiplies as `k` ([`kind`]) says.
+    fn for_kind(k: u8) -> Path {
+        match k {
+            kind::VEX => Path::Avx2Vnni { vex: true },
+            kind::EVEX => Path::Avx2Vnni { vex: false },
+            kind::AVX512 => Path::Vnni,
+            _ => Path::Avx2,
+        }
+    }
+}
+
+/// How a vector kernel multiplies bytes: its const parameter, so that only the chosen way is
+/// compiled.
+mod kind {
+    /// AVX2's `maddubs` and `madd`.
+    pub const MADDUBS: u8 = 0;
+    /// `vpdpbusd` on 256-bit vectors, VEX-encoded (AVX-VNNI).
+    pub const VEX: u8 = 1;
+    /// `vpdpbusd` on 256-bit vectors, EVEX-encoded (AVX-512 VNNI + VL): [`VEX`]'s kernels.
+    pub const EVEX: u8 = 2;
+    /// The AVX-512 path: EVEX `vpdpbusd`, whole groups and pairs of panels on 512-bit
+    /// vectors, AVX-512 BW's byte masks in the unpacking.
+    pub const AVX512: u8 = 3;
 }
 
 /// `out[ti·rows + r] = Σ_c x[ti·cols + c] · w_r[c]` for `ti < t`, `r < rows`, where `w` is a
@@ -771,11 +814,21 @@ impl Task<'_> {
     /// tile (the same arithmetic, bit for bit, per token and row every way).
     fn rows_of<const F: usize>(&self, rows: Range<usize>) {
         if self.acts.panels.count > 0 {
+            let rows = rows.clone();
             UNPACKED.with_borrow_mut(|u| match self.path {
-                Path::Vnni => self.panels::<F, PANEL_ROWS, PANELS_PER_PASS, true>(u, rows.clone()),
-                _ => {
-                    self.panels::<F, PANEL_ROWS_AVX2, PANELS_PER_PASS_AVX2, false>(u, rows.clone())
+                Path::Vnni => {
+                    self.panels::<F, PANEL_ROWS, PANELS_PER_PASS, { kind::AVX512 }>(u, rows)
                 }
+                Path::Avx2Vnni { vex: true } => self
+                    .panels::<F, PANEL_ROWS_VNNI256, PANELS_PER_PASS_VNNI256, { kind::VEX }>(
+                        u, rows,
+                    ),
+                Path::Avx2Vnni { vex: false } => self
+                    .panels::<F, PANEL_ROWS_VNNI256, PANELS_PER_PASS_VNNI256, { kind::EVEX }>(
+                        u, rows,
+                    ),
+                _ => self
+                    .panels::<F, PANEL_ROWS_AVX2, PANELS_PER_PASS_AVX2, { kind::MADDUBS }>(u, rows),
             });
         }
         let mut t0 = self.acts.panels.count * PANEL;
@@ -799,9 +852,9 @@ impl Task<'_> {
 
     /// Every panel against `rows`: in equal chunks of panels whose codes fit
     /// [`PANEL_CHUNK_BYTES`], each chunk met by blocks of `R` rows unpacked once (single rows
-    /// at the end), `P` units a pass. A unit is two panels on the `dpbusd` path's 512-bit
-    /// vectors (`VNNI`), one on the `maddubs` path's 256.
-    fn panels<const F: usize, const R: usize, const P: usize, const VNNI: bool>(
+    /// at the end), `P` units a pass, multiplied as `K` says ([`kind`]). A unit is two panels
+    /// on the AVX-512 path's 512-bit vectors, one on 256-bit ones.
+    fn panels<const F: usize, const R: usize, const P: usize, const K: u8>(
         &self,
         u: &mut UnpackedRows,
         rows: Range<usize>,
@@ -810,7 +863,7 @@ impl Task<'_> {
         let order = LaneMajor::new(self.row_bytes / f.block_bytes() * (f.block_elems() / QK));
         u.hold(R * order.len());
         let count = self.acts.panels.count;
-        let unit = if VNNI { 2 } else { 1 };
+        let unit = if K == kind::AVX512 { 2 } else { 1 };
         let most = (PANEL_CHUNK_BYTES / (PANEL * QK * self.acts.blocks).max(1)).max(unit * P);
         // Whole units, so that a chunk starts a pair.
         let chunk = count.div_ceil(count.div_ceil(most)).next_multiple_of(unit);
@@ -820,11 +873,11 @@ impl Task<'_> {
             while r < rows.end {
                 if r + R <= rows.end {
                     self.unpack_rows::<F, R>(u, r, &order);
-                    self.panels_over::<F, R, P, VNNI>(u, &order, c0..c1, r);
+                    self.panels_over::<F, R, P, K>(u, &order, c0..c1, r);
                     r += R;
                 } else {
                     self.unpack_rows::<F, 1>(u, r, &order);
-                    self.panels_over::<F, 1, 1, VNNI>(u, &order, c0..c1, r);
+                    self.panels_over::<F, 1, 1, K>(u, &order, c0..c1, r);
                     r += 1;
                 }
             }
@@ -833,25 +886,25 @@ impl Task<'_> {
 
     /// Panels `pis` against the `R` rows unpacked in `u` (rows `r..r + R`): `P` units a pass,
     /// then single units, then single panels.
-    fn panels_over<const F: usize, const R: usize, const P: usize, const VNNI: bool>(
+    fn panels_over<const F: usize, const R: usize, const P: usize, const K: u8>(
         &self,
         u: &UnpackedRows,
         order: &LaneMajor,
         pis: Range<usize>,
         r: usize,
     ) {
-        let unit = if VNNI { 2 } else { 1 };
+        let unit = if K == kind::AVX512 { 2 } else { 1 };
         let mut pi = pis.start;
         while pi + unit * P <= pis.end {
-            self.write_panels(pi, unit, r, self.panel::<F, R, P, VNNI, VNNI>(u, order, pi));
+            self.write_panels(pi, unit, r, self.panel::<F, R, P, K, true>(u, order, pi));
             pi += unit * P;
         }
         while pi + unit <= pis.end {
-            self.write_panels(pi, unit, r, self.panel::<F, R, 1, VNNI, VNNI>(u, order, pi));
+            self.write_panels(pi, unit, r, self.panel::<F, R, 1, K, true>(u, order, pi));
             pi += unit;
         }
         for pi in pi..pis.end {
-            self.write_panels(pi, 1, r, self.panel::<F, R, 1, VNNI, false>(u, order, pi));
+            self.write_panels(pi, 1, r, self.panel::<F, R, 1, K, false>(u, order, pi));
         }
     }
 
@@ -872,6 +925,12 @@ impl Task<'_> {
             Path::Avx2 => unsafe { x86::unpack_rows::<F>(&rows, order, u) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
+            Path::Avx2Vnni { vex: true } => unsafe { x86::unpack_rows_vex::<F>(&rows, order, u) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Path::Avx2Vnni { vex: false } => unsafe { x86::unpack_rows_evex::<F>(&rows, order, u) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
             Path::Vnni => unsafe { x86::unpack_rows_vnni::<F>(&rows, order, u) },
             _ => unreachable!("the scalar path has no panels"),
         }
@@ -888,7 +947,17 @@ impl Task<'_> {
             // SAFETY: the Avx2 path is only chosen where its features were detected.
             Path::Avx2 => unsafe { x86::tiles::<F, NT>(w, self.row_bytes, &self.acts, t0, put) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the Vnni path is only chosen where its features were detected.
+            // SAFETY: each path is only chosen where its features were detected.
+            Path::Avx2Vnni { vex: true } => unsafe {
+                x86::tiles_vex::<F, NT>(w, self.row_bytes, &self.acts, t0, put)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Path::Avx2Vnni { vex: false } => unsafe {
+                x86::tiles_evex::<F, NT>(w, self.row_bytes, &self.acts, t0, put)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
             Path::Vnni => unsafe {
                 x86::tiles_vnni::<F, NT>(w, self.row_bytes, &self.acts, t0, put)
             },
@@ -900,33 +969,29 @@ impl Task<'_> {
         }
     }
 
-    /// `P` units from panel `pi` on against the first `R` rows unpacked in `u`: on the
-    /// `dpbusd` path (`VNNI`) pairs of panels (`PAIRS`) or single ones, else single ones on
-    /// `maddubs`. The parameters are constants so that only the kernel chosen is compiled.
+    /// `P` units (`UNIT`; else single panels) from panel `pi` on against the first `R` rows
+    /// unpacked in `u`, multiplied as `K` says: on the AVX-512 path a unit is a pair of
+    /// panels on 512-bit vectors, elsewhere a unit and a panel are one. The parameters are
+    /// constants so that only the kernel chosen is compiled.
     #[inline(always)]
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-    fn panel<
-        const F: usize,
-        const R: usize,
-        const P: usize,
-        const VNNI: bool,
-        const PAIRS: bool,
-    >(
+    fn panel<const F: usize, const R: usize, const P: usize, const K: u8, const UNIT: bool>(
         &self,
         u: &UnpackedRows,
         order: &LaneMajor,
         pi: usize,
     ) -> PanelOut<R, P> {
         let p = &self.acts.panels;
-        debug_assert_eq!(self.path == Path::Vnni, VNNI);
+        debug_assert_eq!(self.path, Path::for_kind(K));
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: panels exist on the vector paths only, each where detected (the `dpbusd`
+        // SAFETY: panels exist on the vector paths only, each where detected (the AVX-512
         // path has AVX-512 F).
         return unsafe {
-            match (VNNI, PAIRS) {
-                (true, true) => x86::panel_pairs::<F, R, P>(u, order, p, pi),
-                (true, false) => x86::panel_vnni::<F, R, P>(u, order, p, pi),
-                (false, _) => x86::panel::<F, R, P>(u, order, p, pi),
+            match K {
+                kind::AVX512 if UNIT => x86::panel_pairs::<F, R, P>(u, order, p, pi),
+                kind::AVX512 | kind::EVEX => x86::panel_evex::<F, R, P>(u, order, p, pi),
+                kind::VEX => x86::panel_vex::<F, R, P>(u, order, p, pi),
+                _ => x86::panel::<F, R, P>(u, order, p, pi),
             }
         };
         #[cfg(not(target_arch = "x86_64"))]
@@ -1228,7 +1293,7 @@ mod x86 {
     use std::ops::Range;
 
     use super::{
-        dot_offset, group_bytes, group_len, has_min, i16_run, mxfp4_codes, wide_order, Acts,
+        dot_offset, group_bytes, group_len, has_min, i16_run, kind, mxfp4_codes, wide_order, Acts,
         LaneMajor, PanelBlock, PanelOut, Panels, UnpackedRows, WideOrder, FORMATS, GROUP, PANEL,
         PANEL_ROW, PREFETCH_AHEAD, QK,
     };
@@ -1359,24 +1424,26 @@ mod x86 {
     /// A group unpacked into registers: [`super::Group`] laid out for the vector path.
     #[derive(Clone, Copy)]
     struct VGroup {
-        /// Unsigned codes of each sub-block (Q8_0: their absolute values).
+        /// Unsigned codes of each sub-block (Q8_0: their absolute values, or `q + 128` on the
+        /// `dpbusd` paths).
         codes: [__m256i; GROUP],
         /// Q8_0: the signed codes, whose signs go onto the activations.
         signed: [__m256i; GROUP],
         /// Q6_K: per sub-block, the i16 multipliers of its 16 pair sums (the first eight
-        /// its first half's scale, the rest its second half's).
+        /// its first half's scale, the rest its second half's); on the 256-bit `dpbusd`
+        /// paths the i32 multipliers of its 8 dword sums (4 a half).
         mul: [__m256i; GROUP],
         /// Q6_K: the sixteen half scales as i16, in order.
         sc16: __m256i,
-        /// Q6_K on the `BW` path: half scales 0..8 as i32 lanes.
+        /// Q6_K on the AVX-512 path: half scales 0..8 as i32 lanes.
         sc_lo: __m256i,
-        /// Q6_K on the `BW` path: half scales 8..16 as i32 lanes.
+        /// Q6_K on the AVX-512 path: half scales 8..16 as i32 lanes.
         sc_hi: __m256i,
         /// `scale_j` in lane j.
         scale: __m256,
         /// `min_j` in lane j.
         min: __m256,
-        /// The `BW` path's whole groups, 64 codes a vector in the format's [`WideOrder`]:
+        /// The AVX-512 path's whole groups, 64 codes a vector in the format's [`WideOrder`]:
         /// sub-blocks 2k and 2k + 1 of `codes` in `wide[k]` (Q6_K, Q8_0, MXFP4); sub-blocks 4h,
         /// 4h + 2 in `wide[2h]` and 4h + 1, 4h + 3 in `wide[2h + 1]` (Q4_K, Q5_K); blocks
         /// 4h..4h + 4's first 16 codes each in `wide[2h]`, their last 16 in `wide[2h + 1]`
@@ -1482,23 +1549,25 @@ mod x86 {
     #[cfg(test)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn mxfp4_scales<const N: usize>(p: *const u8) -> [f32; GROUP] {
-        let g = unpack::<{ super::format_index(BlockFormat::Mxfp4) }, N, false>(p);
+        let g = unpack::<{ super::format_index(BlockFormat::Mxfp4) }, N, { kind::MADDUBS }>(p);
         let mut scale = [0f32; GROUP];
         _mm256_storeu_ps(scale.as_mut_ptr(), g.scale);
         scale
     }
 
     /// Unpacks the `N` sub-blocks of format `F` at `p` (see [`super::unpack`]; a K-quant
-    /// super-block is always eight). With `BW` (the VNNI path, which has AVX-512 BW) the
-    /// fifth bits are set under byte masks, and Q6_K's half scales come as i32 lanes
-    /// (`sc_lo`, `sc_hi`) instead of `mul`.
+    /// super-block is always eight) for kernels that multiply as `K` says ([`kind`]). On the
+    /// `dpbusd` paths Q8_0's codes come as `q + 128`; on the AVX-512 path the fifth bits are
+    /// set under byte masks, and Q6_K's half scales come as i32 lanes (`sc_lo`, `sc_hi`)
+    /// instead of `mul`.
     ///
     /// # Safety
-    /// `p` must be valid for the reads of `N` sub-blocks' whole blocks; AVX-512 BW and VL
-    /// where `BW`.
+    /// `p` must be valid for the reads of `N` sub-blocks' whole blocks; `K`'s instruction
+    /// sets (AVX-512 BW and VL on the AVX-512 path).
     #[inline(always)]
-    unsafe fn unpack<const F: usize, const N: usize, const BW: bool>(p: *const u8) -> VGroup {
+    unsafe fn unpack<const F: usize, const N: usize, const K: u8>(p: *const u8) -> VGroup {
         let f = const { FORMATS[F] };
+        let (bw, dpbusd) = (K == kind::AVX512, K != kind::MADDUBS);
         let bb = f.block_bytes();
         let mut g = VGroup::zeroed();
         let low4 = _mm256_set1_epi8(0x0f);
@@ -1514,7 +1583,7 @@ mod x86 {
                 let q5 = f == BlockFormat::Q5_0 || f == BlockFormat::Q5_1;
                 for (j, c) in g.codes.iter_mut().enumerate().take(N) {
                     let codes = p.add(j * bb + qs);
-                    *c = if q5 && BW {
+                    *c = if q5 && bw {
                         // Byte v of the codes is value v: bit v of qh, as a byte mask, selects
                         // 0x10; one ternary op masks the nibbles and ors it in.
                         let qh = u32_at(j * bb + qs - 4);
@@ -1540,7 +1609,7 @@ mod x86 {
                 for j in 0..N {
                     g.signed[j] = _mm256_loadu_si256(p.add(j * bb + 2).cast());
                     // See `dot_offset`.
-                    g.codes[j] = if BW {
+                    g.codes[j] = if dpbusd {
                         _mm256_xor_si256(g.signed[j], _mm256_set1_epi8(i8::MIN))
                     } else {
                         _mm256_abs_epi8(g.signed[j])
@@ -1566,7 +1635,7 @@ mod x86 {
                     let v = _mm256_loadu_si256(qs.add(32 * i).cast());
                     let lo = _mm256_and_si256(v, low4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                    if q5 && BW {
+                    if q5 && bw {
                         // Codes below 16: adding 16 under the bit's byte mask sets the fifth bit.
                         let fifth = _mm256_set1_epi8(0x10);
                         let k0 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(1 << (2 * i)));
@@ -1632,9 +1701,19 @@ mod x86 {
                 }
                 let sc = _mm_loadu_si128(p.add(192).cast());
                 g.sc16 = _mm256_cvtepi8_epi16(sc);
-                if BW {
+                if bw {
                     g.sc_lo = _mm256_cvtepi8_epi32(sc);
                     g.sc_hi = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc));
+                } else if dpbusd {
+                    // i32 lanes 0..4 of sub-block j's: its first half's scale, 4..8 its
+                    // second's (a `dpbusd` lane sums 4 codes of one half).
+                    let lo = _mm256_cvtepi8_epi32(sc);
+                    let hi = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc));
+                    for (j, m) in g.mul.iter_mut().enumerate() {
+                        let (a, b) = ((2 * j % 8) as i32, (2 * j % 8 + 1) as i32);
+                        let pick = _mm256_setr_epi32(a, a, a, a, b, b, b, b);
+                        *m = _mm256_permutevar8x32_epi32(if j < 4 { lo } else { hi }, pick);
+                    }
                 } else {
                     // Even-numbered half scales in the low 128 bits, odd ones in the high:
                     // i16 lane j of each is sub-block j's (first half's, second half's) scale.
@@ -1652,11 +1731,11 @@ mod x86 {
         g
     }
 
-    /// A whole group of format `F` at `p` unpacked for the `BW` path: `wide` (not `codes`)
+    /// A whole group of format `F` at `p` unpacked for the AVX-512 path: `wide` (not `codes`)
     /// set.
     ///
     /// # Safety
-    /// As [`unpack`] with `BW`.
+    /// As [`unpack`] on that path.
     #[inline(always)]
     unsafe fn unpack_pairs<const F: usize>(p: *const u8) -> VGroup {
         match const { wide_order(FORMATS[F]) } {
@@ -1664,7 +1743,7 @@ mod x86 {
             WideOrder::Pairs => return wide_k_quant::<F>(p),
             WideOrder::Natural => {}
         }
-        let mut g = unpack::<F, GROUP, true>(p);
+        let mut g = unpack::<F, GROUP, { kind::AVX512 }>(p);
         for (k, wide) in g.wide.iter_mut().enumerate() {
             *wide = join(g.codes[2 * k], g.codes[2 * k + 1]);
         }
@@ -2064,30 +2143,31 @@ mod x86 {
     }
 
     /// `acc` plus one token's dot product with the `N` sub-blocks of `g`, in lanes (the
-    /// module docs' arithmetic, lane j for sub-block j; lanes from `N` on add zero), with
-    /// `dpbusd` if `VNNI`.
+    /// module docs' arithmetic, lane j for sub-block j; lanes from `N` on add zero),
+    /// multiplied as `K` says ([`kind`]).
     ///
     /// # Safety
     /// `a` must point at `N` blocks' activations (a K-quant's eight: its half sums).
     #[inline(always)]
-    unsafe fn dot<const F: usize, const N: usize, const VNNI: bool>(
+    unsafe fn dot<const F: usize, const N: usize, const K: u8>(
         g: &VGroup,
         a: ActPtrs,
         acc: __m256,
     ) -> __m256 {
         let f = const { FORMATS[F] };
-        let offset = dot_offset(f, VNNI);
+        let (wide, maddubs) = (K == kind::AVX512, K == kind::MADDUBS);
+        let offset = dot_offset(f, !maddubs);
         let run = const { i16_run(FORMATS[F]) };
         let ones = _mm256_set1_epi16(1);
         let mut s = [_mm256_setzero_si256(); GROUP];
         let order = const { wide_order(FORMATS[F]) };
-        let mut isum = if VNNI && N == GROUP && order == WideOrder::Halves {
+        let mut isum = if wide && N == GROUP && order == WideOrder::Halves {
             block_sums_of_fours(g, a.q_wide)
-        } else if VNNI && N == GROUP && order == WideOrder::Pairs {
+        } else if wide && N == GROUP && order == WideOrder::Pairs {
             sub_block_sums_of_pairs(g, a.q_wide)
-        } else if VNNI && N == GROUP {
+        } else if wide && N == GROUP {
             narrowed_pair_sums(scaled_half_sums::<F>(g, a.q))
-        } else if !VNNI && N == GROUP && (run >= 4 || f == BlockFormat::Q6K) {
+        } else if maddubs && N == GROUP && (run >= 4 || f == BlockFormat::Q6K) {
             let p: [__m256i; GROUP] = std::array::from_fn(|j| {
                 let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
                 _mm256_maddubs_epi16(g.codes[j], x)
@@ -2098,21 +2178,26 @@ mod x86 {
                 _ => reduce8_pair_sums::<4>(&p),
             }
         } else {
-            debug_assert!(!VNNI || f.block_elems() == QK, "K-quant groups are whole");
+            debug_assert!(!wide || f.block_elems() == QK, "K-quant groups are whole");
             for (j, s) in s.iter_mut().enumerate().take(N) {
                 let x = _mm256_loadu_si256(a.q.add(QK * j).cast());
-                let x = if f == BlockFormat::Q8_0 && !VNNI {
+                let x = if f == BlockFormat::Q8_0 && maddubs {
                     _mm256_sign_epi8(x, g.signed[j])
                 } else {
                     x
                 };
-                *s = if f == BlockFormat::Q6K && !VNNI {
+                *s = match (f == BlockFormat::Q6K, maddubs) {
                     // Pair sums meet their half's scale as i16.
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), g.mul[j])
-                } else if VNNI {
-                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), g.codes[j], x)
-                } else {
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), ones)
+                    (true, true) => {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), g.mul[j])
+                    }
+                    (false, true) => _mm256_madd_epi16(_mm256_maddubs_epi16(g.codes[j], x), ones),
+                    // Dword sums meet their half's scale as i32.
+                    (true, false) => _mm256_mullo_epi32(
+                        dpbusd::<K>(_mm256_setzero_si256(), g.codes[j], x),
+                        g.mul[j],
+                    ),
+                    (false, false) => dpbusd::<K>(_mm256_setzero_si256(), g.codes[j], x),
                 };
             }
             reduce8::<N>(&s)
@@ -2143,7 +2228,7 @@ mod x86 {
     /// # Safety
     /// AVX2, FMA and F16C; the sub-blocks lie in `row` and `at` gives valid pointers.
     #[inline(always)]
-    unsafe fn sub_blocks<const F: usize, const N: usize, const NT: usize, const VNNI: bool>(
+    unsafe fn sub_blocks<const F: usize, const N: usize, const NT: usize, const K: u8>(
         row: &[u8],
         b: usize,
         at: &impl Fn(usize, usize) -> ActPtrs,
@@ -2152,20 +2237,20 @@ mod x86 {
         let f = const { FORMATS[F] };
         let start = b / (f.block_elems() / QK) * f.block_bytes();
         assert!(start + f.bytes_for(N * QK) <= row.len());
-        let g = if VNNI && N == GROUP {
+        let g = if K == kind::AVX512 && N == GROUP {
             unpack_pairs::<F>(row.as_ptr().add(start))
         } else {
-            unpack::<F, N, VNNI>(row.as_ptr().add(start))
+            unpack::<F, N, K>(row.as_ptr().add(start))
         };
         // Unrolled by hand so the accumulators stay in registers.
         let mut i = 0;
         while i + 2 <= NT {
-            acc[i] = dot::<F, N, VNNI>(&g, at(i, b), acc[i]);
-            acc[i + 1] = dot::<F, N, VNNI>(&g, at(i + 1, b), acc[i + 1]);
+            acc[i] = dot::<F, N, K>(&g, at(i, b), acc[i]);
+            acc[i + 1] = dot::<F, N, K>(&g, at(i + 1, b), acc[i + 1]);
             i += 2;
         }
         if i < NT {
-            acc[i] = dot::<F, N, VNNI>(&g, at(i, b), acc[i]);
+            acc[i] = dot::<F, N, K>(&g, at(i, b), acc[i]);
         }
     }
 
@@ -2184,11 +2269,45 @@ mod x86 {
         mut put: impl FnMut(usize, [f32; NT]),
     ) {
         for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            put(i, tile_with::<F, NT, false>(row, acts, t0));
+            put(i, tile_with::<F, NT, { kind::MADDUBS }>(row, acts, t0));
         }
     }
 
-    /// [`tiles`] with `dpbusd`.
+    /// [`tiles`] with AVX-VNNI's `dpbusd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-VNNI must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn tiles_vex<const F: usize, const NT: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        acts: &Acts<'_>,
+        t0: usize,
+        mut put: impl FnMut(usize, [f32; NT]),
+    ) {
+        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
+            put(i, tile_with::<F, NT, { kind::VEX }>(row, acts, t0));
+        }
+    }
+
+    /// [`tiles_vex`] in EVEX encoding.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn tiles_evex<const F: usize, const NT: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        acts: &Acts<'_>,
+        t0: usize,
+        mut put: impl FnMut(usize, [f32; NT]),
+    ) {
+        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
+            put(i, tile_with::<F, NT, { kind::EVEX }>(row, acts, t0));
+        }
+    }
+
+    /// [`tiles`] on the AVX-512 path.
     ///
     /// # Safety
     /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
@@ -2201,13 +2320,13 @@ mod x86 {
         mut put: impl FnMut(usize, [f32; NT]),
     ) {
         for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            put(i, tile_with::<F, NT, true>(row, acts, t0));
+            put(i, tile_with::<F, NT, { kind::AVX512 }>(row, acts, t0));
         }
     }
 
     /// [`tile_with`]'s body, inlined into each entry point's features.
     #[inline(always)]
-    unsafe fn tile_with<const F: usize, const NT: usize, const VNNI: bool>(
+    unsafe fn tile_with<const F: usize, const NT: usize, const K: u8>(
         row: &[u8],
         acts: &Acts<'_>,
         t0: usize,
@@ -2222,7 +2341,7 @@ mod x86 {
             t0 + NT,
             groups
         );
-        let wide = if VNNI {
+        let wide = if K == kind::AVX512 {
             acts.wide(const { wide_order(FORMATS[F]) })
         } else {
             acts.q
@@ -2253,20 +2372,20 @@ mod x86 {
                     .wrapping_add(gi * group_bytes(f) + 64 * l + PREFETCH_AHEAD);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
             }
-            sub_blocks::<F, GROUP, NT, VNNI>(row, gi * GROUP, &at, &mut acc);
+            sub_blocks::<F, GROUP, NT, K>(row, gi * GROUP, &at, &mut acc);
         }
         let mut b = full * GROUP;
         let rest = group_len(f, full * group_bytes(f), row.len());
         if rest & 4 != 0 {
-            sub_blocks::<F, 4, NT, VNNI>(row, b, &at, &mut acc);
+            sub_blocks::<F, 4, NT, K>(row, b, &at, &mut acc);
             b += 4;
         }
         if rest & 2 != 0 {
-            sub_blocks::<F, 2, NT, VNNI>(row, b, &at, &mut acc);
+            sub_blocks::<F, 2, NT, K>(row, b, &at, &mut acc);
             b += 2;
         }
         if rest & 1 != 0 {
-            sub_blocks::<F, 1, NT, VNNI>(row, b, &at, &mut acc);
+            sub_blocks::<F, 1, NT, K>(row, b, &at, &mut acc);
         }
         let mut out = [0f32; NT];
         for (o, &a) in out.iter_mut().zip(&acc) {
@@ -2287,10 +2406,36 @@ mod x86 {
         order: &LaneMajor,
         u: &mut UnpackedRows,
     ) {
-        unpack_rows_with::<F, false>(rows, order, u)
+        unpack_rows_with::<F, { kind::MADDUBS }>(rows, order, u)
     }
 
-    /// [`unpack_rows`] for the `dpbusd` path.
+    /// [`unpack_rows`] for AVX-VNNI's `dpbusd`.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-VNNI must be available; as [`unpack_rows`].
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn unpack_rows_vex<const F: usize>(
+        rows: &[&[u8]],
+        order: &LaneMajor,
+        u: &mut UnpackedRows,
+    ) {
+        unpack_rows_with::<F, { kind::VEX }>(rows, order, u)
+    }
+
+    /// [`unpack_rows_vex`] in EVEX encoding.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available; as [`unpack_rows`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn unpack_rows_evex<const F: usize>(
+        rows: &[&[u8]],
+        order: &LaneMajor,
+        u: &mut UnpackedRows,
+    ) {
+        unpack_rows_with::<F, { kind::EVEX }>(rows, order, u)
+    }
+
+    /// [`unpack_rows`] for the AVX-512 path.
     ///
     /// # Safety
     /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available; as [`unpack_rows`].
@@ -2300,12 +2445,12 @@ mod x86 {
         order: &LaneMajor,
         u: &mut UnpackedRows,
     ) {
-        unpack_rows_with::<F, true>(rows, order, u)
+        unpack_rows_with::<F, { kind::AVX512 }>(rows, order, u)
     }
 
     /// [`unpack_rows`]' body, inlined into each entry point's features.
     #[inline(always)]
-    unsafe fn unpack_rows_with<const F: usize, const VNNI: bool>(
+    unsafe fn unpack_rows_with<const F: usize, const K: u8>(
         rows: &[&[u8]],
         order: &LaneMajor,
         u: &mut UnpackedRows,
@@ -2325,23 +2470,23 @@ mod x86 {
             };
             for gi in 0..order.full {
                 let p = at(gi * GROUP);
-                let g = unpack::<F, GROUP, VNNI>(p);
-                store_sub_blocks::<F, GROUP, VNNI>(&g, p, gi * GROUP, (r, rows.len()), order, u);
+                let g = unpack::<F, GROUP, K>(p);
+                store_sub_blocks::<F, GROUP, K>(&g, p, gi * GROUP, (r, rows.len()), order, u);
             }
             let mut b = order.full * GROUP;
             if order.rest & 4 != 0 {
-                let g = unpack::<F, 4, VNNI>(at(b));
-                store_sub_blocks::<F, 4, VNNI>(&g, at(b), b, (r, rows.len()), order, u);
+                let g = unpack::<F, 4, K>(at(b));
+                store_sub_blocks::<F, 4, K>(&g, at(b), b, (r, rows.len()), order, u);
                 b += 4;
             }
             if order.rest & 2 != 0 {
-                let g = unpack::<F, 2, VNNI>(at(b));
-                store_sub_blocks::<F, 2, VNNI>(&g, at(b), b, (r, rows.len()), order, u);
+                let g = unpack::<F, 2, K>(at(b));
+                store_sub_blocks::<F, 2, K>(&g, at(b), b, (r, rows.len()), order, u);
                 b += 2;
             }
             if order.rest & 1 != 0 {
-                let g = unpack::<F, 1, VNNI>(at(b));
-                store_sub_blocks::<F, 1, VNNI>(&g, at(b), b, (r, rows.len()), order, u);
+                let g = unpack::<F, 1, K>(at(b));
+                store_sub_blocks::<F, 1, K>(&g, at(b), b, (r, rows.len()), order, u);
             }
         }
     }
@@ -2349,7 +2494,7 @@ mod x86 {
     /// Stores the `N` sub-blocks of `g` (unpacked from `p`), sub-blocks `sb..sb + N` of row
     /// `r` of `rows`, in `u`.
     #[inline(always)]
-    unsafe fn store_sub_blocks<const F: usize, const N: usize, const VNNI: bool>(
+    unsafe fn store_sub_blocks<const F: usize, const N: usize, const K: u8>(
         g: &VGroup,
         p: *const u8,
         sb: usize,
@@ -2364,7 +2509,7 @@ mod x86 {
         for j in 0..N {
             let at = order.position(sb + j) * rows + r;
             _mm256_storeu_si256(u.codes[at].as_mut_ptr().cast(), g.codes[j]);
-            if f == BlockFormat::Q8_0 && !VNNI {
+            if f == BlockFormat::Q8_0 && K == kind::MADDUBS {
                 _mm256_storeu_si256(u.signed[at].as_mut_ptr().cast(), g.signed[j]);
             }
             u.scale[at] = scale[j];
@@ -2377,8 +2522,8 @@ mod x86 {
     }
 
     /// The vectors a panel kernel runs on, a lane per token: one panel's [`PANEL`] tokens in
-    /// 256 bits ([`Ymm`], with `dpbusd` if `VNNI`), or two consecutive panels' in 512 ([`Zmm`],
-    /// `dpbusd`). The operations are the same lane by lane either way.
+    /// 256 bits ([`Ymm`], multiplying as its [`kind`] says), or two consecutive panels' in 512
+    /// ([`Zmm`], `dpbusd`). The operations are the same lane by lane either way.
     trait Lanes {
         type I: Copy;
         type F: Copy;
@@ -2416,14 +2561,24 @@ mod x86 {
         unsafe fn store_f(p: *mut f32, a: Self::F);
     }
 
-    struct Ymm<const VNNI: bool>;
+    struct Ymm<const K: u8>;
     struct Zmm;
 
-    impl<const VNNI: bool> Lanes for Ymm<VNNI> {
+    /// `s` plus `dpbusd(w, x)` on 256-bit vectors in `K`'s encoding (a `dpbusd` [`kind`]).
+    #[inline(always)]
+    unsafe fn dpbusd<const K: u8>(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        if K == kind::VEX {
+            _mm256_dpbusd_avx_epi32(s, w, x)
+        } else {
+            _mm256_dpbusd_epi32(s, w, x)
+        }
+    }
+
+    impl<const K: u8> Lanes for Ymm<K> {
         type I = __m256i;
         type F = __m256;
         const PANELS: usize = 1;
-        const MADDUBS: bool = !VNNI;
+        const MADDUBS: bool = K == kind::MADDUBS;
         #[inline(always)]
         unsafe fn zero_i() -> __m256i {
             _mm256_setzero_si256()
@@ -2450,11 +2605,11 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn dot(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
-            if VNNI {
-                _mm256_dpbusd_epi32(s, w, x)
-            } else {
+            if Self::MADDUBS {
                 let pairs = _mm256_maddubs_epi16(w, x);
                 _mm256_add_epi32(s, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            } else {
+                dpbusd::<K>(s, w, x)
             }
         }
         #[inline(always)]
@@ -2602,21 +2757,35 @@ mod x86 {
         p: &Panels<'_>,
         pi: usize,
     ) -> PanelOut<R, P> {
-        panel_with::<Ymm<false>, F, R, P>(u, order, p, pi)
+        panel_with::<Ymm<{ kind::MADDUBS }>, F, R, P>(u, order, p, pi)
     }
 
-    /// [`panel`] with `dpbusd`.
+    /// [`panel`] with AVX-VNNI's `dpbusd`.
     ///
     /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
-    pub(super) unsafe fn panel_vnni<const F: usize, const R: usize, const P: usize>(
+    /// AVX2, FMA, F16C and AVX-VNNI must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn panel_vex<const F: usize, const R: usize, const P: usize>(
         u: &UnpackedRows,
         order: &LaneMajor,
         p: &Panels<'_>,
         pi: usize,
     ) -> PanelOut<R, P> {
-        panel_with::<Ymm<true>, F, R, P>(u, order, p, pi)
+        panel_with::<Ymm<{ kind::VEX }>, F, R, P>(u, order, p, pi)
+    }
+
+    /// [`panel_vex`] in EVEX encoding (on the AVX-512 path, its single panels).
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn panel_evex<const F: usize, const R: usize, const P: usize>(
+        u: &UnpackedRows,
+        order: &LaneMajor,
+        p: &Panels<'_>,
+        pi: usize,
+    ) -> PanelOut<R, P> {
+        panel_with::<Ymm<{ kind::EVEX }>, F, R, P>(u, order, p, pi)
     }
 
     /// Panels `pi..pi + 2·P` (`pi` even; a pair of panels a unit, on 512-bit vectors) with
@@ -2817,11 +2986,23 @@ mod tests {
     use crate::tensor::CpuTensor;
     use crate::CpuDevice;
 
-    /// Every path this CPU can run.
+    /// Every path this CPU can run (within `KVPLUG_CPU_ISA`), the 256-bit `dpbusd` one in
+    /// each encoding it has.
     fn paths() -> Vec<Path> {
         let mut p = vec![Path::Scalar];
         if vector_path() {
             p.push(Path::Avx2);
+        }
+        match dot256() {
+            Dot256::Maddubs => {}
+            Dot256::Vex => {
+                p.push(Path::Avx2Vnni { vex: true });
+                #[cfg(target_arch = "x86_64")]
+                if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+                    p.push(Path::Avx2Vnni { vex: false });
+                }
+            }
+            Dot256::Evex => p.push(Path::Avx2Vnni { vex: false }),
         }
         if vnni_path() {
             p.push(Path::Vnni);
@@ -3163,12 +3344,13 @@ mod tests {
     #[test]
     fn the_vector_paths_agree_bit_for_bit() {
         // Their integer sums are exact and their float steps the same (module docs); on a CPU
-        // without AVX-512 VNNI there is one vector path and nothing to compare.
+        // without VNNI there is one vector path and nothing to compare. Tiles alone, then
+        // panels and tiles.
         let vector: Vec<Path> = paths().into_iter().filter(|&p| p != Path::Scalar).collect();
-        let (t, rows, cols) = (5, 11, 768);
+        let (rows, cols) = (11, 768);
         let mut rng = Rng(11);
-        let x = activations(t, cols, &mut rng);
-        for f in FORMATS {
+        for (t, f) in [5, 37].into_iter().flat_map(|t| FORMATS.map(|f| (t, f))) {
+            let x = activations(t, cols, &mut rng);
             let w = random_blocks(f, rows * cols / f.block_elems(), &mut rng);
             let outs: Vec<Vec<u32>> = vector
                 .iter()

@@ -13,7 +13,7 @@ pub struct Features {
     pub avx512f: bool,
     /// AVX-512 VNNI + VL + BW (the block-format weight kernels' `dpbusd` path).
     pub avx512vnni: bool,
-    /// How the 256-bit integer attention kernels multiply ([`dot256`]).
+    /// How the 256-bit integer kernels multiply ([`dot256`]).
     pub dot256: Dot256,
 }
 
@@ -41,14 +41,15 @@ pub enum Isa {
     /// AVX2 + FMA + F16C.
     Avx2,
     /// AVX2 with 256-bit VNNI ([`Dot256::Vex`] or [`Dot256::Evex`]) in the integer
-    /// attention kernels.
+    /// attention and block-format weight kernels.
     Avx2Vnni,
     /// AVX-512 (F, and VNNI + VL + BW for the integer kernels) beside AVX2.
     Avx512,
 }
 
-/// How the 256-bit integer attention kernels (`tiled_attention::int8_query`, `i16_values`)
-/// multiply: the same exact integer sums whichever, so the same results bit for bit.
+/// How the 256-bit integer kernels (`tiled_attention::int8_query`, `i16_values`, and
+/// `qlinear` where the CPU lacks AVX-512 VNNI or the cap excludes it) multiply: the same
+/// exact integer sums whichever, so the same results bit for bit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Dot256 {
     /// AVX2's `vpmaddubsw`/`vpmaddwd` and an add.
@@ -137,7 +138,7 @@ pub(crate) fn vnni_path() -> bool {
     }
 }
 
-/// How the 256-bit integer attention kernels multiply here: 256-bit VNNI where the cap
+/// How the 256-bit integer kernels multiply here: 256-bit VNNI where the cap
 /// allows [`Isa::Avx2Vnni`] and the CPU has AVX-VNNI (VEX) or AVX-512 VNNI + VL (EVEX), else
 /// `maddubs`.
 pub fn dot256() -> Dot256 {
