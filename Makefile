@@ -156,12 +156,15 @@ bench-gpu: deps
 ## make bench-peers: kvplug vs llama.cpp (built from the llama-cpp-python sdist in .peers/)
 ## on the same GGUF (the demo model, weights in place) and threads, as ratios
 ## (scripts/bench-peers.sh says what it runs), at every ISA level the CPU has: its own and,
-## on an AVX-512 CPU, AVX2 (ISA=avx2: llama.cpp built without AVX-512, kvplug capped).
+## on an AVX-512 CPU, AVX2 (ISA=avx2: llama.cpp built without AVX-512, kvplug capped) and,
+## where it has AVX-VNNI too, 256-bit VNNI (ISA=avx2vnni: the Intel client cores' level).
 ## SHAPE=qwen2.5-1.5b-shaped (in the environment) runs a random-weight Q4_K_M file of that
 ## shape (scripts/bench_shapes.py) instead. Not part of make test.
 bench-peers: deps models
 	./scripts/bench-peers.sh
 	if grep -qw avx512f /proc/cpuinfo; then ISA=avx2 ./scripts/bench-peers.sh; fi
+	if grep -qw avx512f /proc/cpuinfo && grep -qw avx_vnni /proc/cpuinfo; then \
+		ISA=avx2vnni ./scripts/bench-peers.sh; fi
 
 ## make bench-hybrid: kvplug vs llama.cpp on the hybrid models (recurrent state) and the
 ## mixtures of experts: random-weight LFM2-350M-, Qwen3.5-0.8B-, Granite-4.0-H-350M- and

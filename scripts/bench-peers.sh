@@ -11,7 +11,8 @@
 # machine's bandwidth drifts over minutes: one side running all its tests first would be
 # measured on a different machine than the other), and a table of their tokens per second
 # (mean ± standard deviation of every sample) and kvplug / llama.cpp follows
-# (also in .peers/peers.md, or peers-avx2.md, which `make bench` puts in backends/cpu/BENCH.md). Last, each side's
+# (also in .peers/peers.md, or peers-avx2.md / peers-avx2vnni.md, which `make bench` puts in
+# backends/cpu/BENCH.md). Last, each side's
 # peak RSS holding RSS_CONTEXT tokens (a prefill of PP tokens, 512 where PP=0, after the rest
 # as context, one run; llama.cpp with the flash-attention setting its default picks; both at the
 # first MMAP setting).
@@ -28,7 +29,8 @@
 # table goes, default .peers/peers.md). ISA (native, the
 # default: every x86 feature this CPU has; avx2: llama.cpp built without AVX-512 and AVX-VNNI,
 # kvplug under KVPLUG_CPU_ISA=avx2, as on an AVX2-only CPU; the table goes to
-# .peers/peers-avx2.md).
+# .peers/peers-avx2.md; avx2vnni: llama.cpp built without AVX-512 but with AVX-VNNI, kvplug
+# under KVPLUG_CPU_ISA=avx2vnni, as on an Intel client core; .peers/peers-avx2vnni.md).
 set -euo pipefail
 PEERS_WHO=bench-peers
 cd "$(dirname "$0")/.."
@@ -49,7 +51,8 @@ ISA=${ISA:-native}
 case "$ISA" in
     native) table="$PEERS_TABLE" ;;
     avx2) table="${PEERS_TABLE%.md}-avx2.md"; export KVPLUG_CPU_ISA=avx2 ;;
-    *) echo "bench-peers: ISA must be native or avx2 (got $ISA)" >&2; exit 2 ;;
+    avx2vnni) table="${PEERS_TABLE%.md}-avx2vnni.md"; export KVPLUG_CPU_ISA=avx2vnni ;;
+    *) echo "bench-peers: ISA must be native, avx2 or avx2vnni (got $ISA)" >&2; exit 2 ;;
 esac
 export PEERS_ISA=$ISA
 
@@ -166,6 +169,10 @@ print(f"llama.cpp: the source llama-cpp-python {version} vendors, built Release 
 if isa == "avx2":
     print("Both sides at the AVX2 level, as on a CPU without AVX-512: llama.cpp built with "
           "the AVX-512 and AVX-VNNI options off (above), kvplug under KVPLUG_CPU_ISA=avx2.\n")
+if isa == "avx2vnni":
+    print("Both sides at the 256-bit VNNI level, as on an Intel client core (AVX-VNNI, no "
+          "AVX-512): llama.cpp built with the AVX-512 options off and AVX-VNNI on (above), "
+          "kvplug under KVPLUG_CPU_ISA=avx2vnni.\n")
 print("| test | llama.cpp t/s | llama.cpp -fa | kvplug t/s | kvplug / llama.cpp |")
 print("| ---: | ---: | :---: | ---: | ---: |")
 for k in sorted(ours, key=lambda k: (k[2], k[1], k[0], not k[3])):

@@ -10,7 +10,9 @@
 # libllama in process through the sdist's ctypes bindings, and `synth_quantized` writes a
 # random-weight file of synth_gguf.py quantized. PEERS_ISA=avx2 builds it without
 # any AVX-512 or AVX-VNNI instruction instead (in $PEERS/build-avx2): the peer of kvplug
-# under KVPLUG_CPU_ISA=avx2, as an AVX2-only CPU (Zen 2/3, Intel client cores) runs both.
+# under KVPLUG_CPU_ISA=avx2, as an AVX2-only CPU (Zen 2/3, Intel client cores) runs both;
+# PEERS_ISA=avx2vnni without AVX-512 but with AVX-VNNI (in $PEERS/build-avx2vnni): the peer
+# of KVPLUG_CPU_ISA=avx2vnni, as an Intel client core since Alder Lake runs both.
 # PEERS_BACKEND=vulkan builds llama-bench alone with the Vulkan backend, statically linked (one
 # file to carry to a GPU machine), in $PEERS/build-vulkan: the peer of `make bench-gpu`.
 # This llama.cpp needs Vulkan headers newer than Debian 12's (1.3.239 lacks VK_EXT_layer_settings):
@@ -56,7 +58,13 @@ case "${PEERS_ISA:-native}" in
         build="$PEERS/build-avx2"
         flags=$(tr ' ' '\n' <<<"$flags" | grep -v -e '^avx512' -e '^avx_vnni$' | tr '\n' ' ')
         ;;
-    *) echo "$PEERS_WHO: PEERS_ISA must be native or avx2 (got $PEERS_ISA)" >&2; exit 2 ;;
+    avx2vnni)
+        [[ " $flags " == *" avx_vnni "* ]] ||
+            { echo "$PEERS_WHO: PEERS_ISA=avx2vnni on a CPU without AVX-VNNI" >&2; exit 2; }
+        build="$PEERS/build-avx2vnni"
+        flags=$(tr ' ' '\n' <<<"$flags" | grep -v -e '^avx512' | tr '\n' ' ')
+        ;;
+    *) echo "$PEERS_WHO: PEERS_ISA must be native, avx2 or avx2vnni (got $PEERS_ISA)" >&2; exit 2 ;;
 esac
 has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
 features=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)"

@@ -499,6 +499,7 @@ fn main() {
     let peers = manifest.join("../../.peers");
     const PEERS: &str = "## Against llama.cpp (`make bench-peers`)";
     const PEERS_AVX2: &str = "### At the AVX2 level";
+    const PEERS_AVX2VNNI: &str = "### At the 256-bit VNNI level";
     writeln!(md, "\n{PEERS}\n").unwrap();
     let old = section(&previous.text, PEERS, true);
     match previous.table(
@@ -512,10 +513,15 @@ fn main() {
         )
         .unwrap(),
     }
-    // The AVX2 level's run, where the CPU has more (`ISA=avx2`).
-    let old_avx2 = old.and_then(|o| section(o, PEERS_AVX2, true));
-    if let Some(table) = previous.table(&peers.join("peers-avx2.md"), old_avx2) {
-        write!(md, "\n{PEERS_AVX2}\n\n{table}").unwrap();
+    // The lower levels' runs, where the CPU has more (`ISA=avx2`, `ISA=avx2vnni`).
+    for (title, file) in [
+        (PEERS_AVX2, "peers-avx2.md"),
+        (PEERS_AVX2VNNI, "peers-avx2vnni.md"),
+    ] {
+        let old_level = old.and_then(|o| section(o, title, true));
+        if let Some(table) = previous.table(&peers.join(file), old_level) {
+            write!(md, "\n{title}\n\n{table}").unwrap();
+        }
     }
     hybrid_tables(&mut md, &peers, &previous);
     std::fs::write(&out, &md).unwrap();
