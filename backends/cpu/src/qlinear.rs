@@ -2254,74 +2254,44 @@ mod x86 {
         }
     }
 
-    /// Tokens `t0..t0+NT` against each row of `w` (whole rows of `row_bytes` bytes of format
-    /// `F`), `put(i, outputs)` for row i: each group is unpacked once and dotted with every
-    /// token.
+    /// Compiles a kernel body once per way of multiplying ([`kind`]), each entry point with
+    /// that way's instruction sets: a `#[target_feature]` function cannot take them as a
+    /// parameter, and the body (`#[inline(always)]`) is compiled into each one's.
     ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tiles<const F: usize, const NT: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        acts: &Acts<'_>,
-        t0: usize,
-        mut put: impl FnMut(usize, [f32; NT]),
-    ) {
-        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            put(i, tile_with::<F, NT, { kind::MADDUBS }>(row, acts, t0));
-        }
+    /// # Safety (of every entry point)
+    /// The instruction sets it names must be available, and the body's own conditions hold.
+    macro_rules! per_kind {
+        (
+            [$($generics:tt)*] $params:tt $(-> $ret:ty)? => |$k:ident| $body:expr;
+            $(#[$doc:meta])* $name:ident: $features:literal, $kind:expr; $($rest:tt)*
+        ) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<$($generics)*> $params $(-> $ret)? {
+                const $k: u8 = $kind;
+                $body
+            }
+            per_kind! { [$($generics)*] $params $(-> $ret)? => |$k| $body; $($rest)* }
+        };
+        ([$($generics:tt)*] $params:tt $(-> $ret:ty)? => |$k:ident| $body:expr;) => {};
     }
 
-    /// [`tiles`] with AVX-VNNI's `dpbusd`.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C and AVX-VNNI must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub(super) unsafe fn tiles_vex<const F: usize, const NT: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        acts: &Acts<'_>,
-        t0: usize,
-        mut put: impl FnMut(usize, [f32; NT]),
-    ) {
-        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            put(i, tile_with::<F, NT, { kind::VEX }>(row, acts, t0));
-        }
-    }
-
-    /// [`tiles_vex`] in EVEX encoding.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub(super) unsafe fn tiles_evex<const F: usize, const NT: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        acts: &Acts<'_>,
-        t0: usize,
-        mut put: impl FnMut(usize, [f32; NT]),
-    ) {
-        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            put(i, tile_with::<F, NT, { kind::EVEX }>(row, acts, t0));
-        }
-    }
-
-    /// [`tiles`] on the AVX-512 path.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
-    pub(super) unsafe fn tiles_vnni<const F: usize, const NT: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        acts: &Acts<'_>,
-        t0: usize,
-        mut put: impl FnMut(usize, [f32; NT]),
-    ) {
-        for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            put(i, tile_with::<F, NT, { kind::AVX512 }>(row, acts, t0));
-        }
+    per_kind! {
+        [const F: usize, const NT: usize]
+        (w: &[u8], row_bytes: usize, acts: &Acts<'_>, t0: usize, mut put: impl FnMut(usize, [f32; NT]))
+        => |K| for (i, row) in w.chunks_exact(row_bytes).enumerate() {
+            put(i, tile_with::<F, NT, K>(row, acts, t0));
+        };
+        /// Tokens `t0..t0+NT` against each row of `w` (whole rows of `row_bytes` bytes of
+        /// format `F`), `put(i, outputs)` for row i: each group is unpacked once and dotted
+        /// with every token. AVX2, FMA and F16C.
+        tiles: "avx2,fma,f16c", kind::MADDUBS;
+        /// [`tiles`] with AVX-VNNI's `dpbusd`.
+        tiles_vex: "avx2,fma,f16c,avxvnni", kind::VEX;
+        /// [`tiles_vex`] in EVEX encoding (AVX-512 VNNI and VL).
+        tiles_evex: "avx2,fma,f16c,avx512vnni,avx512vl", kind::EVEX;
+        /// [`tiles`] on the AVX-512 path (AVX-512 VNNI, VL and BW).
+        tiles_vnni: "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", kind::AVX512;
     }
 
     /// [`tile_with`]'s body, inlined into each entry point's features.
@@ -2394,58 +2364,20 @@ mod x86 {
         out
     }
 
-    /// Unpacks `rows` (whole rows of format `F`, each of `order.len()` sub-blocks) into `u`,
-    /// row r's sub-block `sb` at `order.position(sb)·rows.len() + r`: the pieces of [`tile_with`],
-    /// each unpacked as it does.
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available; `u` holds `rows.len()` rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn unpack_rows<const F: usize>(
-        rows: &[&[u8]],
-        order: &LaneMajor,
-        u: &mut UnpackedRows,
-    ) {
-        unpack_rows_with::<F, { kind::MADDUBS }>(rows, order, u)
-    }
-
-    /// [`unpack_rows`] for AVX-VNNI's `dpbusd`.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C and AVX-VNNI must be available; as [`unpack_rows`].
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub(super) unsafe fn unpack_rows_vex<const F: usize>(
-        rows: &[&[u8]],
-        order: &LaneMajor,
-        u: &mut UnpackedRows,
-    ) {
-        unpack_rows_with::<F, { kind::VEX }>(rows, order, u)
-    }
-
-    /// [`unpack_rows_vex`] in EVEX encoding.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available; as [`unpack_rows`].
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub(super) unsafe fn unpack_rows_evex<const F: usize>(
-        rows: &[&[u8]],
-        order: &LaneMajor,
-        u: &mut UnpackedRows,
-    ) {
-        unpack_rows_with::<F, { kind::EVEX }>(rows, order, u)
-    }
-
-    /// [`unpack_rows`] for the AVX-512 path.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI, VL and BW must be available; as [`unpack_rows`].
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
-    pub(super) unsafe fn unpack_rows_vnni<const F: usize>(
-        rows: &[&[u8]],
-        order: &LaneMajor,
-        u: &mut UnpackedRows,
-    ) {
-        unpack_rows_with::<F, { kind::AVX512 }>(rows, order, u)
+    per_kind! {
+        [const F: usize] (rows: &[&[u8]], order: &LaneMajor, u: &mut UnpackedRows)
+        => |K| unpack_rows_with::<F, K>(rows, order, u);
+        /// Unpacks `rows` (whole rows of format `F`, each of `order.len()` sub-blocks) into
+        /// `u`, row r's sub-block `sb` at `order.position(sb)·rows.len() + r`: the pieces of
+        /// [`tile_with`], each unpacked as it does. AVX2, FMA and F16C; `u` holds
+        /// `rows.len()` rows.
+        unpack_rows: "avx2,fma,f16c", kind::MADDUBS;
+        /// [`unpack_rows`] for AVX-VNNI's `dpbusd`.
+        unpack_rows_vex: "avx2,fma,f16c,avxvnni", kind::VEX;
+        /// [`unpack_rows_vex`] in EVEX encoding (AVX-512 VNNI and VL).
+        unpack_rows_evex: "avx2,fma,f16c,avx512vnni,avx512vl", kind::EVEX;
+        /// [`unpack_rows`] for the AVX-512 path (AVX-512 VNNI, VL and BW).
+        unpack_rows_vnni: "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", kind::AVX512;
     }
 
     /// [`unpack_rows`]' body, inlined into each entry point's features.
@@ -2745,47 +2677,19 @@ mod x86 {
         }
     }
 
-    /// Panels `pi..pi + P` (one panel a unit) against the first `R` rows of `u` (unpacked by
-    /// [`unpack_rows`] in `order`) on 256-bit vectors: see [`panel_with`].
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn panel<const F: usize, const R: usize, const P: usize>(
-        u: &UnpackedRows,
-        order: &LaneMajor,
-        p: &Panels<'_>,
-        pi: usize,
-    ) -> PanelOut<R, P> {
-        panel_with::<Ymm<{ kind::MADDUBS }>, F, R, P>(u, order, p, pi)
-    }
-
-    /// [`panel`] with AVX-VNNI's `dpbusd`.
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C and AVX-VNNI must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub(super) unsafe fn panel_vex<const F: usize, const R: usize, const P: usize>(
-        u: &UnpackedRows,
-        order: &LaneMajor,
-        p: &Panels<'_>,
-        pi: usize,
-    ) -> PanelOut<R, P> {
-        panel_with::<Ymm<{ kind::VEX }>, F, R, P>(u, order, p, pi)
-    }
-
-    /// [`panel_vex`] in EVEX encoding (on the AVX-512 path, its single panels).
-    ///
-    /// # Safety
-    /// AVX2, FMA, F16C, AVX-512 VNNI and VL must be available.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub(super) unsafe fn panel_evex<const F: usize, const R: usize, const P: usize>(
-        u: &UnpackedRows,
-        order: &LaneMajor,
-        p: &Panels<'_>,
-        pi: usize,
-    ) -> PanelOut<R, P> {
-        panel_with::<Ymm<{ kind::EVEX }>, F, R, P>(u, order, p, pi)
+    per_kind! {
+        [const F: usize, const R: usize, const P: usize]
+        (u: &UnpackedRows, order: &LaneMajor, p: &Panels<'_>, pi: usize) -> PanelOut<R, P>
+        => |K| panel_with::<Ymm<K>, F, R, P>(u, order, p, pi);
+        /// Panels `pi..pi + P` (one panel a unit) against the first `R` rows of `u` (unpacked
+        /// by [`unpack_rows`] in `order`) on 256-bit vectors: see [`panel_with`]. AVX2, FMA
+        /// and F16C.
+        panel: "avx2,fma,f16c", kind::MADDUBS;
+        /// [`panel`] with AVX-VNNI's `dpbusd`.
+        panel_vex: "avx2,fma,f16c,avxvnni", kind::VEX;
+        /// [`panel_vex`] in EVEX encoding (AVX-512 VNNI and VL; on the AVX-512 path, its
+        /// single panels).
+        panel_evex: "avx2,fma,f16c,avx512vnni,avx512vl", kind::EVEX;
     }
 
     /// Panels `pi..pi + 2·P` (`pi` even; a pair of panels a unit, on 512-bit vectors) with
