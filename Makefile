@@ -148,7 +148,8 @@ bench-kernels:
 ## Qwen2.5-0.5B and Qwen2.5-1.5B shapes written on the spot (scripts/bench_shapes.py):
 ## tg128, pp512 and tg32 at depth 4096, with the fraction of the device's memory bandwidth
 ## a decode token reaches (scripts/bench_gpu.py). Run where a GPU is; not part of make test.
-## PEER=vulkan adds llama.cpp's Vulkan llama-bench on the same files, interleaved.
+## PEER=vulkan adds llama.cpp's Vulkan llama-bench on the same files, interleaved;
+## `scripts/bench-gpu.sh --tuning '' --tuning wide=1` compares kernel shapes instead.
 bench-gpu: deps
 	$(CARGO) build --release -p kvplug-cli -p kvplug-wgpu
 	./scripts/bench-gpu.sh

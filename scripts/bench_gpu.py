@@ -16,8 +16,14 @@ and the K/V of every position before it; `tokens/s x bytes` over the device's ba
 the fraction. The bandwidth is `--bandwidth GB/s`, else the datasheet figure of the GPU
 `nvidia-smi` names (H100 SXM 3350, H200 4800), else unknown (no fraction printed).
 
+`--tuning SPEC` (repeatable) compares kernel shapes instead (`KVPLUG_WGPU_TUNING`, e.g.
+`--tuning '' --tuning wide=1 --tuning wide=1,tiles=512`; '' is the adapter's own): each test
+runs under each SPEC in turn, `--rounds` rounds in alternating order, and the table gives each
+SPEC's mean t/s and its ratio to the first's (OUT/ab.json).
+
 Usage: bench_gpu.py [--kvplug BIN] [--plugins DIR] [--backend ID] [--out DIR]
        [--bandwidth GB/s] [--shapes NAME,...] [--repetitions N] [--llama-bench BIN]
+       [--tuning SPEC ... [--rounds N]]
 Writes OUT/results.json and prints a markdown table."""
 import argparse
 import datetime
@@ -41,11 +47,12 @@ def gpu_name():
         return None
 
 
-def run_json(cmd, peer=False):
-    """The JSON `cmd` prints. A failure ends the run, or for the peer (`peer`) is printed and
-    gives None: its column stays empty and kvplug's figures are kept."""
-    print("+", " ".join(cmd), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
+def run_json(cmd, peer=False, env=None):
+    """The JSON `cmd` prints (with `env` added to the environment). A failure ends the run,
+    or for the peer (`peer`) is printed and gives None: its column stays empty and kvplug's
+    figures are kept."""
+    print("+", " ".join(f"{k}={v!r}" for k, v in (env or {}).items()), " ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         message = f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-4000:]}"
         if not peer:
@@ -65,8 +72,14 @@ def main():
     ap.add_argument("--shapes", default=",".join(bench_shapes.SHAPES))
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--llama-bench", help="a Vulkan llama-bench to run beside, same file")
+    ap.add_argument("--tuning", action="append", metavar="SPEC",
+                    help="compare these KVPLUG_WGPU_TUNING settings ('' the adapter's own)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of a --tuning comparison")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.tuning:
+        compare(a)
+        return
     name = gpu_name()
     bandwidth = a.bandwidth
     if bandwidth is None and name:
@@ -134,6 +147,42 @@ def main():
                       else " | |")
         print(f"| {t['shape']} | {t['test']} | {t['avg_ts']:.1f} ± {t['stddev_ts']:.1f} "
               f"| {frac} |{cells}{theirs}")
+
+
+def compare(a):
+    """`--tuning`: each test under each SPEC in turn, the order reversed every other round;
+    each SPEC's mean t/s over the rounds and its ratio to the first SPEC's."""
+    host = [a.kvplug, "--plugins", a.plugins]
+    specs = a.tuning
+    runs = {}  # (shape, test) -> spec -> [avg_ts per round]
+    for shape in a.shapes.split(","):
+        path = os.path.join(a.out, shape + ".gguf")
+        if not os.path.exists(path):
+            bench_shapes.write(a.out, shape)
+        for flags in (["-p", "512", "-n", "128"], ["-p", "0", "-n", "32", "-d", "4096"]):
+            for r in range(a.rounds):
+                for spec in (specs if r % 2 == 0 else specs[::-1]):
+                    env = {"KVPLUG_WGPU_TUNING": spec}
+                    for t in run_json(host + ["bench", "--backend", a.backend, "--model", path,
+                                              *flags, "-r", str(a.repetitions), "--json"],
+                                      env=env):
+                        test = (f"pp{t['n_prompt']}" if t["n_prompt"] else f"tg{t['n_gen']}") + (
+                            f" @ d{t['n_depth']}" if t["n_depth"] else "")
+                        runs.setdefault((shape, test), {}).setdefault(spec, []).append(t["avg_ts"])
+    with open(os.path.join(a.out, "ab.json"), "w") as f:
+        json.dump([{"shape": k[0], "test": k[1], "runs": v} for k, v in runs.items()], f, indent=1)
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"\n{when} on {gpu_name() or 'an unnamed device'}, {a.rounds} rounds of "
+          f"{a.repetitions} runs, t/s (mean of the rounds) and ratio to {specs[0] or 'default'}\n")
+    print("| shape | test |" + "".join(f" {s or 'default'} |" for s in specs))
+    print("| --- | ---: |" + " ---: |" * len(specs))
+    for (shape, test), by in runs.items():
+        base = sum(by[specs[0]]) / len(by[specs[0]])
+        cells = []
+        for spec in specs:
+            mean = sum(by[spec]) / len(by[spec])
+            cells.append(f" {mean:.1f}" + ("" if spec == specs[0] else f" ({mean / base:.2f}×)"))
+        print(f"| {shape} | {test} |" + " |".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -331,8 +331,16 @@ pub const MODEL_ENTRIES: [&str; 13] = [
     "adjust_main",
 ];
 
-/// Entry points of `project.wgsl`, in the order of [`Context::project`]'s pipelines.
-pub const PROJECT_ENTRIES: [&str; 3] = ["rows_main", "linear_main", "splits_main"];
+/// Entry points of `project.wgsl`, in the order of [`Context::project`]'s pipelines: the
+/// tiled product's as [`Tuning::wide`] says.
+fn project_entries(wide: bool) -> [&'static str; 3] {
+    let tiled = if wide {
+        "linear_wide_main"
+    } else {
+        "linear_main"
+    };
+    ["rows_main", tiled, "splits_main"]
+}
 
 /// Storage bindings the three-way projection module needs (input, norm or up, index
 /// words, a split product's sums, and a weight, an output and a bias per projection).
@@ -388,6 +396,12 @@ pub struct Tuning {
     /// Qwen2.5-0.5B shape, pp512) had the 896-row products on 112 workgroups, under one an
     /// SM, the down projection's 152 steps each.
     pub tiles: u32,
+    /// Whether the tiled product is `linear_wide_main` (128 × 128 outputs a workgroup, 8 × 8
+    /// an invocation) rather than `linear_main` (64 × 64, 4 × 4): four times the products
+    /// per read of workgroup memory, a quarter of the workgroups. Off on every adapter
+    /// until measured on a GPU (`wide=1` tries it; pair it with `tiles=N` where a
+    /// projection's rows are few).
+    pub wide: bool,
 }
 
 impl Tuning {
@@ -411,20 +425,21 @@ impl Tuning {
         stage: false,
         threads: 0,
         tiles: 0,
+        wide: false,
     };
 
     /// These shapes with the fields `spec` names changed (`KVPLUG_WGPU_TUNING`, for trying
     /// shapes on a GPU: comma-separated `ways=N`, `group=N`, `lane_steps=N`, `max_lanes=N`,
     /// `min_lanes=N`,
     /// `rows_tokens=N`, `subgroups=0|1`, `by_dtype=0|1`, `first_submit=N`, `stage=0|1`,
-    /// `threads=N`, `tiles=N`).
+    /// `threads=N`, `tiles=N`, `wide=0|1`).
     fn with(mut self, spec: &str) -> Result<Tuning, String> {
         for field in spec.split(',').map(str::trim).filter(|f| !f.is_empty()) {
             let bad = || {
                 format!(
                     "KVPLUG_WGPU_TUNING: {field:?} is not ways=N, group=N, lane_steps=N, \
                      max_lanes=N, min_lanes=N, rows_tokens=N, subgroups=0|1, by_dtype=0|1, \
-                     first_submit=N, stage=0|1, threads=N or tiles=N"
+                     first_submit=N, stage=0|1, threads=N, tiles=N or wide=0|1"
                 )
             };
             let (name, value) = field.split_once('=').ok_or_else(bad)?;
@@ -442,6 +457,7 @@ impl Tuning {
                 "stage" if n <= 1 => self.stage = n == 1,
                 "threads" => self.threads = n,
                 "tiles" => self.tiles = n,
+                "wide" if n <= 1 => self.wide = n == 1,
                 _ => return Err(bad()),
             }
         }
@@ -501,6 +517,7 @@ impl Tuning {
             stage: true,
             threads: 1 << 16,
             tiles: 0,
+            wide: false,
         }
     }
 }
@@ -852,7 +869,7 @@ impl Context {
         })
     }
 
-    /// Linear kernels, in [`PROJECT_ENTRIES`] order, for [`Tuning::ways`] projections a
+    /// Linear kernels, in [`project_entries`] order, for [`Tuning::ways`] projections a
     /// dispatch. Bindings: the uniform, the input, the norm weight or up projection, the
     /// index words, then the projections' weights, their outputs, their biases. `dtype`:
     /// the weights' dtype flag where every projection of the dispatch has it, for kernels
@@ -884,7 +901,7 @@ impl Context {
             "project",
             &project_source(ways, self.subgroups),
             (size_of::<crate::model::ProjParams>(), &slots),
-            PROJECT_ENTRIES,
+            project_entries(self.tuning.wide),
             wgpu::PipelineCompilationOptions {
                 constants: &[
                     ("GROUP", self.tuning.group as f64),
@@ -1204,6 +1221,8 @@ mod tests {
         assert!(Tuning::CPU.with("by_dtype=1").unwrap().by_dtype);
         assert_eq!(Tuning::CPU.with("rows_tokens=16").unwrap().rows_tokens, 16);
         assert_eq!(Tuning::CPU.with("tiles=512").unwrap().tiles, 512);
+        assert!(Tuning::CPU.with("wide=1").unwrap().wide);
+        assert!(Tuning::CPU.with("wide=2").is_err());
         assert_eq!(Tuning::CPU.with("min_lanes=2").unwrap().min_lanes, 2);
         assert_eq!(Tuning::CPU.with("").unwrap(), Tuning::CPU);
         for bad in [

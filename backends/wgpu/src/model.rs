@@ -182,9 +182,12 @@ enum Store<'a> {
 }
 
 /// Output rows and tokens per workgroup of `linear_main`, the tiled product (its `TILE`),
-/// and the inner dimension's values a step of it (its `KSTEP`).
+/// and the inner dimension's values a step of it (its `KSTEP`, also the unit in which
+/// `linear_wide_main` splits it).
 const TILE: u32 = 64;
 const KSTEP: u32 = 32;
+/// Output rows and tokens per workgroup of `linear_wide_main` (its `WIDE`).
+const WIDE_TILE: u32 = 128;
 
 /// The fewest steps of the inner dimension a split of a tiled product takes.
 const SPLIT_STEPS: u32 = 8;
@@ -379,7 +382,8 @@ impl WgpuDevice {
         // Each projection starts on a workgroup's first row (project.wgsl's header): the
         // rows of a workgroup of rows_main, a tile of linear_main. The ways a dispatch does
         // not have start past every row.
-        let per = if few { group / lanes } else { TILE };
+        let tile = if tuning.wide { WIDE_TILE } else { TILE };
+        let per = if few { group / lanes } else { tile };
         if tuning.stage && few && per >= 2 && mode & (NORMED | GATED | HEADS) != 0 {
             mode |= STAGED;
         }
@@ -404,7 +408,7 @@ impl WgpuDevice {
             let gx = row_groups.min(MAX_GROUPS);
             [(0, [gx, row_groups.div_ceil(gx), t as u32]), (2, [0; 3])]
         } else {
-            let tiles = [at.div_ceil(TILE), (t as u32).div_ceil(TILE)];
+            let tiles = [at.div_ceil(tile), (t as u32).div_ceil(tile)];
             // The splits' sums (splits × T × the dispatch's rows) fit one binding.
             let limit = self.context().limits.max_storage_buffer_binding_size;
             let most = (limit / (4 * t as u64 * at as u64).max(1)).min(u32::MAX as u64) as u32;

@@ -246,7 +246,8 @@ fn a_prefill_step_runs_the_projections_of_one_input_as_one_tiled_dispatch() {
 }
 
 /// A GPU's shapes (three projections a dispatch, RoPE and the head split in the q/k/v
-/// kernel), with and without subgroup sums, and the adapter's own give the same logits over
+/// kernel), with and without subgroup sums and with the wide tiled product, and the
+/// adapter's own give the same logits over
 /// a prefill and decode steps, to the 1e-3 the backends are held to against each other
 /// (summation orders differ).
 #[test]
@@ -260,6 +261,12 @@ fn a_gpus_kernel_shapes_give_the_adapters_logits() {
     let plain_model = DecoderModel::load(plain.clone(), &pkg).unwrap();
     let own = Arc::new(WgpuDevice::open().expect("a wgpu adapter"));
     let own_model = DecoderModel::load(own.clone(), &pkg).unwrap();
+    let wide = WgpuDevice::open_tuned(Tuning {
+        wide: true,
+        ..gpu_tuning()
+    });
+    let wide = Arc::new(wide.expect("a wgpu adapter"));
+    let wide_model = DecoderModel::load(wide.clone(), &pkg).unwrap();
     assert!(
         gpu.features().contains(&"subgroups".to_string())
             && !plain.features().contains(&"subgroups".to_string()),
@@ -267,28 +274,36 @@ fn a_gpus_kernel_shapes_give_the_adapters_logits() {
          not use them"
     );
     let cfg = make_config(&pkg.cache_params(), 4096, KvDtype::F16);
-    let devices = [(gpu, gpu_model), (plain, plain_model), (own, own_model)];
+    let devices = [
+        (gpu, gpu_model),
+        (plain, plain_model),
+        (own, own_model),
+        (wide, wide_model),
+    ];
     let mut runs = devices.map(|(dev, model)| {
         let cache = KitCache::new(dev.clone(), CacheKind::Contiguous, cfg).unwrap();
         (dev, model, cache, None)
     });
-    let prompt: Vec<i32> = (0..20).map(|i| (i * 7) % 40).collect();
-    let mut steps: Vec<(Vec<i32>, Vec<i32>)> = vec![(prompt, (0..20).collect())];
-    steps.extend((20..24).map(|p| (vec![(p * 11) % 40], vec![p])));
+    // 70 tokens: past the first 64 of a wide tile, which its invocations' second token
+    // halves take.
+    let prompt: Vec<i32> = (0..70).map(|i| (i * 7) % 40).collect();
+    let mut steps: Vec<(Vec<i32>, Vec<i32>)> = vec![(prompt, (0..70).collect())];
+    steps.extend((70..74).map(|p| (vec![(p * 11) % 40], vec![p])));
     for (ids, positions) in &steps {
         let last = Some(&[ids.len() - 1][..]);
-        let [a, b, c] = runs.each_mut().map(|(dev, model, cache, acts)| {
+        let [a, b, c, d] = runs.each_mut().map(|(dev, model, cache, acts)| {
             let out = model
                 .forward(cache, ids, positions, last, false, acts)
                 .unwrap();
             let logits = dev.download(out.logits, TensorDtype::F32).unwrap();
             logits.to_f32().unwrap()
         });
-        let worst = [&b, &c]
+        let worst = [&b, &c, &d]
             .iter()
             .flat_map(|o| a.iter().zip(o.iter()))
             .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max);
+            // A NaN is the worst (f32::max would skip it).
+            .fold(0.0, |m: f32, d| if d > m || d.is_nan() { d } else { m });
         assert!(
             worst < 1e-3,
             "step at {positions:?}: logits differ by {worst}"

@@ -138,27 +138,41 @@ fn reference_sums(w: &[f32], m: &[f32], x: impl Fn(usize) -> f64) -> (f64, f64, 
 fn linear_and_embed_are_within_the_derived_bound_on_split_weights() {
     let mut rng = Rng(17);
     // 2 tokens take the decode kernel, `lanes` invocations a row (up to
-    // `Tuning::CPU.rows_tokens`), 20 the tiled one.
-    let x: Vec<f32> = (0..20 * COLS)
+    // `Tuning::CPU.rows_tokens`), 20 the tiled one, 140 two tiles of the wide one (the
+    // second token half of each invocation's 8 × 8 in the first).
+    let x: Vec<f32> = (0..140 * COLS)
         .map(|i| rng.signed() * if i / COLS == 1 { 100.0 } else { 1.0 })
         .collect();
-    // The adapter's kernels, and (as a GPU runs them) kernels built for each dtype with the
-    // tiled product's inner dimension split (in two: `COLS` is 16 steps).
-    for by_dtype in [false, true] {
-        let dev = WgpuDevice::open_with_binding_limit(
-            CAP as u64,
-            Some(Tuning {
-                by_dtype,
-                tiles: if by_dtype { u32::MAX } else { 0 },
-                ..Tuning::CPU
-            }),
-        )
-        .unwrap_or_else(|e| panic!("no wgpu adapter (install mesa-vulkan-drivers): {e}"));
-        check_weights(&dev, &x, &mut rng);
+    // The adapter's kernels; (as a GPU runs them) kernels built for each dtype with the
+    // tiled product's inner dimension split (in two: `COLS` is 16 steps); the wide tiled
+    // product (`Tuning::wide`), whole and split, on bindings as large as the adapter's (140
+    // tokens' input exceeds the cap), so on weights of one part.
+    let tried: [(bool, u32, bool, &[usize]); 4] = [
+        (false, 0, false, &[2, 20]),
+        (true, u32::MAX, false, &[2, 20]),
+        (false, 0, true, &[20, 140]),
+        (false, u32::MAX, true, &[140]),
+    ];
+    for (by_dtype, tiles, wide, tokens) in tried {
+        let tuning = Tuning {
+            by_dtype,
+            tiles,
+            wide,
+            ..Tuning::CPU
+        };
+        let dev = match wide {
+            false => WgpuDevice::open_with_binding_limit(CAP as u64, Some(tuning)),
+            true => WgpuDevice::open_tuned(tuning),
+        };
+        let dev =
+            dev.unwrap_or_else(|e| panic!("no wgpu adapter (install mesa-vulkan-drivers): {e}"));
+        check_weights(&dev, &x, tokens, if wide { 1 } else { 3 }, &mut rng);
     }
 }
 
-fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
+/// The projections of the first `tokens[i]` tokens of `x` through each dtype's weight (held
+/// in `parts` bindings), and its embedded rows, against the reference.
+fn check_weights(dev: &WgpuDevice, x: &[f32], tokens: &[usize], parts: usize, rng: &mut Rng) {
     let u = 2f64.powi(-24);
     let gamma = |k: f64| k * u / (1.0 - k * u);
     let gamma64 = COLS as f64 * 2f64.powi(-53);
@@ -167,15 +181,16 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
         let n = bytes.len();
         let stored = StoredTensor::new(dtype, Arc::new(bytes.clone()), 0..n).unwrap();
         let w = dev.weight(stored, rows, COLS).unwrap();
-        assert_eq!(w.bindings(), 3, "{}", dtype.name());
+        assert_eq!(w.bindings(), parts, "{}", dtype.name());
         // `linear` on x, then `heads_linear_add` (into zeros) on x laid out heads-major as
         // attention leaves it, heads 64 wide (block formats read them 4 values at a time,
         // `xin4`) and 2 wide (one by one, `xin`): the same sums.
         let inputs = [None, Some(64), Some(2)];
-        let got: Vec<[Vec<f32>; 2]> = inputs
+        let got: Vec<Vec<Vec<f32>>> = inputs
             .iter()
             .map(|&hd| {
-                [2, 20].map(|tokens| project(dev, (&w, rows, COLS), &x[..tokens * COLS], hd))
+                let run = |&n: &usize| project(dev, (&w, rows, COLS), &x[..n * COLS], hd);
+                tokens.iter().map(run).collect()
             })
             .collect();
         // The first row of each part and the last row.
@@ -193,9 +208,9 @@ fn check_weights(dev: &WgpuDevice, x: &[f32], rng: &mut Rng) {
             .unwrap();
         for r in 0..rows {
             let (wv, m) = row_values(dtype, &bytes, r, COLS);
-            let runs = got.iter().zip(inputs).flat_map(|([two, twenty], hd)| {
-                let two = (0..2).map(move |t| (t, two, hd));
-                two.chain((0..20).map(move |t| (t, twenty, hd)))
+            let runs = got.iter().zip(inputs).flat_map(|(outs, hd)| {
+                let outs = outs.iter().zip(tokens);
+                outs.flat_map(move |(got, &n)| (0..n).map(move |t| (t, got, hd)))
             });
             for (t, got, hd) in runs {
                 let xr = &x[t * COLS..(t + 1) * COLS];

@@ -4,8 +4,9 @@
 //                row and token reading the row together, all projections in one dispatch;
 //                their outputs optionally rotated (RoPE) and stored heads-major.
 //   linear_main: many tokens (prefill): a tiled matrix product, all projections in one
-//                dispatch, stored plainly; where its inner dimension is split (p.lanes
-//                parts), each part's sums go to `parts` and
+//                dispatch, stored plainly (linear_wide_main: the same in larger tiles);
+//                where its inner dimension is split (p.lanes parts), each part's sums go
+//                to `parts` and
 //   splits_main: adds them, one invocation an output.
 // The Rust side generates this module's weight, output and bias bindings for WAYS (1, or 3
 // where the adapter allows 13 storage bindings), puts weights.wgsl before it and one of
@@ -351,6 +352,70 @@ fn tile_x4(t: u32, c: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
+// Sets norm_inv to 1/rms of token t (tile token xt, the invocation one of its `loaders`
+// consecutive ones, which share its sum of squares through wtile). In uniform control flow.
+fn tile_norm(lid: u32, t: u32, xt: u32, loaders: u32) {
+    var s = 0.0;
+    if t < p.total {
+        for (var i = lid % loaders; i < p.cols; i += loaders) {
+            let v = a[t * p.cols + i];
+            s += v * v;
+        }
+    }
+    wtile[lid].x = s;
+    workgroupBarrier();
+    var sum = 0.0;
+    for (var j = 0u; j < loaders; j++) {
+        sum += wtile[loaders * xt + j].x;
+    }
+    norm_inv = 1.0 / sqrt(sum / f32(p.cols) + p.eps);
+    workgroupBarrier();
+}
+
+// Stores a step's loads in the tiles, `n` vec4s a k-row (a tile's outputs / 4): values 4q ..
+// 4q + 8 of W row lr (w0, w1), as component lr % 4 of eight k-rows' vec4s, and values xk ..
+// xk + 8 of token xt (x0, x1) likewise.
+fn store_step(n: u32, lr: u32, q: u32, w0: vec4<f32>, w1: vec4<f32>, xt: u32, xk: u32,
+              x0: vec4<f32>, x1: vec4<f32>) {
+    let w = 4u * q * n + lr / 4u;
+    let c = lr % 4u;
+    wtile[w][c] = w0.x;
+    wtile[w + n][c] = w0.y;
+    wtile[w + 2u * n][c] = w0.z;
+    wtile[w + 3u * n][c] = w0.w;
+    wtile[w + 4u * n][c] = w1.x;
+    wtile[w + 5u * n][c] = w1.y;
+    wtile[w + 6u * n][c] = w1.z;
+    wtile[w + 7u * n][c] = w1.w;
+    let xi = xk * n + xt / 4u;
+    let xc = xt % 4u;
+    xtile[xi][xc] = x0.x;
+    xtile[xi + n][xc] = x0.y;
+    xtile[xi + 2u * n][xc] = x0.z;
+    xtile[xi + 3u * n][xc] = x0.w;
+    xtile[xi + 4u * n][xc] = x1.x;
+    xtile[xi + 5u * n][xc] = x1.y;
+    xtile[xi + 6u * n][xc] = x1.z;
+    xtile[xi + 7u * n][xc] = x1.w;
+}
+
+// The outputs of local rows o .. o + 4 (dispatch rows r ..) for tokens t .. t + 4, one vec4
+// a row: stored (put_tile), or to `parts` when the inner dimension is split.
+fn put_quad(z: u32, r: u32, o: u32, rows: u32, t: u32, v0: vec4<f32>, v1: vec4<f32>,
+            v2: vec4<f32>, v3: vec4<f32>) {
+    if p.lanes > 1u {
+        part_tile(z, r, o < rows, t, v0);
+        part_tile(z, r + 1u, o + 1u < rows, t, v1);
+        part_tile(z, r + 2u, o + 2u < rows, t, v2);
+        part_tile(z, r + 3u, o + 3u < rows, t, v3);
+        return;
+    }
+    put_tile(o, rows, t, v0);
+    put_tile(o + 1u, rows, t, v1);
+    put_tile(o + 2u, rows, t, v2);
+    put_tile(o + 3u, rows, t, v3);
+}
+
 @compute @workgroup_size(256)
 fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r0 = wg.x * TILE;
@@ -374,22 +439,7 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     let xt = lid / 4u;
     let xk = (lid % 4u) * 8u;
     let t = t0 + xt;
-    if (p.mode & NORMED) != 0u {
-        // Token xt's sum of squares by its 4 loaders, through wtile.
-        var s = 0.0;
-        if t < p.total {
-            for (var i = lid % 4u; i < cols; i += 4u) {
-                let v = a[t * cols + i];
-                s += v * v;
-            }
-        }
-        wtile[lid].x = s;
-        workgroupBarrier();
-        let g = 4u * xt;
-        let sum = (wtile[g].x + wtile[g + 1u].x) + (wtile[g + 2u].x + wtile[g + 3u].x);
-        norm_inv = 1.0 / sqrt(sum / f32(cols) + p.eps);
-        workgroupBarrier();
-    }
+    if (p.mode & NORMED) != 0u { tile_norm(lid, t, xt, 4u); }
     // This workgroup's split of the inner dimension: steps [k_begin, k_end) of KSTEP values
     // (the host makes none empty).
     let per = ((cols + KSTEP - 1u) / KSTEP + p.lanes - 1u) / p.lanes;
@@ -403,27 +453,7 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     var x0 = tile_x4(t, k_begin + xk);
     var x1 = tile_x4(t, k_begin + xk + 4u);
     for (var k0 = k_begin; k0 < k_end; k0 += KSTEP) {
-        // Values 4q .. 4q + 4 of row lr: component lr % 4 of four k-rows' vec4s.
-        let w = 4u * lq * (TILE / 4u) + lr / 4u;
-        let c = lr % 4u;
-        wtile[w][c] = w0.x;
-        wtile[w + TILE / 4u][c] = w0.y;
-        wtile[w + 2u * (TILE / 4u)][c] = w0.z;
-        wtile[w + 3u * (TILE / 4u)][c] = w0.w;
-        wtile[w + 4u * (TILE / 4u)][c] = w1.x;
-        wtile[w + 5u * (TILE / 4u)][c] = w1.y;
-        wtile[w + 6u * (TILE / 4u)][c] = w1.z;
-        wtile[w + 7u * (TILE / 4u)][c] = w1.w;
-        let xi = xk * (TILE / 4u) + xt / 4u;
-        let xc = xt % 4u;
-        xtile[xi][xc] = x0.x;
-        xtile[xi + TILE / 4u][xc] = x0.y;
-        xtile[xi + 2u * (TILE / 4u)][xc] = x0.z;
-        xtile[xi + 3u * (TILE / 4u)][xc] = x0.w;
-        xtile[xi + 4u * (TILE / 4u)][xc] = x1.x;
-        xtile[xi + 5u * (TILE / 4u)][xc] = x1.y;
-        xtile[xi + 6u * (TILE / 4u)][xc] = x1.z;
-        xtile[xi + 7u * (TILE / 4u)][xc] = x1.w;
+        store_step(TILE / 4u, lr, lq, w0, w1, xt, xk, x0, x1);
         workgroupBarrier();
         let k1 = k0 + KSTEP;
         if k1 < k_end {
@@ -443,18 +473,99 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         }
         workgroupBarrier();
     }
-    let t4 = t0 + 4u * tx;
-    if p.lanes > 1u {
-        part_tile(wg.z, r0 + 4u * ty, o0 + 4u * ty < rows, t4, acc0);
-        part_tile(wg.z, r0 + 4u * ty + 1u, o0 + 4u * ty + 1u < rows, t4, acc1);
-        part_tile(wg.z, r0 + 4u * ty + 2u, o0 + 4u * ty + 2u < rows, t4, acc2);
-        part_tile(wg.z, r0 + 4u * ty + 3u, o0 + 4u * ty + 3u < rows, t4, acc3);
-        return;
+    put_quad(wg.z, r0 + 4u * ty, o0 + 4u * ty, rows, t0 + 4u * tx, acc0, acc1, acc2, acc3);
+}
+
+// linear_wide_main: linear_main in tiles of WIDE x WIDE outputs (dispatch rows r0 = wg.x ·
+// WIDE, tokens t0 = wg.y · WIDE), each invocation 8 rows x 8 tokens of it (rows 4·ty and
+// 64 + 4·ty on, tokens 4·tx and 64 + 4·tx on) in sixteen vec4 accumulators, over steps
+// of WSTEP values: four vec4 reads of workgroup memory per 64 products where linear_main
+// has two per 16, and each weight value loaded (and dequantized) serves twice the tokens.
+// The same tiles of workgroup memory, the same split of the inner dimension (KSTEP units)
+// and the same stores as linear_main; `Tuning::wide` picks it.
+const WIDE: u32 = 128u;
+const WSTEP: u32 = 16u;
+
+// Values 4q .. 4q + 4 of the WSTEP values from k0 of row o (h: the slice holding them).
+fn wide_quad(o: u32, rows: u32, k0: u32, q: u32, h: Slice) -> vec4<f32> {
+    return tile_quad(o, rows, k0 - k0 % 32u, (k0 % 32u) / 4u + q, h);
+}
+
+@compute @workgroup_size(256)
+fn linear_wide_main(@builtin(workgroup_id) wg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let r0 = wg.x * WIDE;
+    select_row(r0);
+    let rows = end(sel) - start(sel);
+    let o0 = r0 - start(sel);
+    let cols = p.cols;
+    let t0 = wg.y * WIDE;
+    let ty = lid / 16u;
+    let tx = lid % 16u;
+    // aij / bij: row 4·ty + i / 64 + 4·ty + i, tokens 4·tx.. (j = 0) or 64 + 4·tx.. (j = 1).
+    var a00 = vec4<f32>(0.0); var a01 = vec4<f32>(0.0);
+    var a10 = vec4<f32>(0.0); var a11 = vec4<f32>(0.0);
+    var a20 = vec4<f32>(0.0); var a21 = vec4<f32>(0.0);
+    var a30 = vec4<f32>(0.0); var a31 = vec4<f32>(0.0);
+    var b00 = vec4<f32>(0.0); var b01 = vec4<f32>(0.0);
+    var b10 = vec4<f32>(0.0); var b11 = vec4<f32>(0.0);
+    var b20 = vec4<f32>(0.0); var b21 = vec4<f32>(0.0);
+    var b30 = vec4<f32>(0.0); var b31 = vec4<f32>(0.0);
+    // The W row and the two quads (of a step's 4) this invocation loads.
+    let lr = lid % WIDE;
+    let lq = (lid / WIDE) * 2u;
+    let o = o0 + lr;
+    // The x token and the 8 values of a step this invocation loads.
+    let xt = lid / 2u;
+    let xk = (lid % 2u) * 8u;
+    let t = t0 + xt;
+    if (p.mode & NORMED) != 0u { tile_norm(lid, t, xt, 2u); }
+    // This workgroup's split of the inner dimension, in linear_main's KSTEP units.
+    let per = ((cols + KSTEP - 1u) / KSTEP + p.lanes - 1u) / p.lanes;
+    let k_begin = wg.z * per * KSTEP;
+    let k_end = min(k_begin + per * KSTEP, cols);
+    // Step k0's loads, held in registers until the tiles are free.
+    var h: Slice;
+    if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k_begin / 32u); }
+    var w0 = wide_quad(o, rows, k_begin, lq, h);
+    var w1 = wide_quad(o, rows, k_begin, lq + 1u, h);
+    var x0 = tile_x4(t, k_begin + xk);
+    var x1 = tile_x4(t, k_begin + xk + 4u);
+    for (var k0 = k_begin; k0 < k_end; k0 += WSTEP) {
+        store_step(WIDE / 4u, lr, lq, w0, w1, xt, xk, x0, x1);
+        workgroupBarrier();
+        let k1 = k0 + WSTEP;
+        if k1 < k_end {
+            if fmt >= 3u && o < rows && k1 % 32u == 0u { h = slice(o * (cols / 32u) + k1 / 32u); }
+            w0 = wide_quad(o, rows, k1, lq, h);
+            w1 = wide_quad(o, rows, k1, lq + 1u, h);
+            x0 = tile_x4(t, k1 + xk);
+            x1 = tile_x4(t, k1 + xk + 4u);
+        }
+        for (var kk = 0u; kk < WSTEP; kk++) {
+            let wa = wtile[kk * (WIDE / 4u) + ty];
+            let wb = wtile[kk * (WIDE / 4u) + 16u + ty];
+            let xa = xtile[kk * (WIDE / 4u) + tx];
+            let xb = xtile[kk * (WIDE / 4u) + 16u + tx];
+            a00 += wa.x * xa; a01 += wa.x * xb;
+            a10 += wa.y * xa; a11 += wa.y * xb;
+            a20 += wa.z * xa; a21 += wa.z * xb;
+            a30 += wa.w * xa; a31 += wa.w * xb;
+            b00 += wb.x * xa; b01 += wb.x * xb;
+            b10 += wb.y * xa; b11 += wb.y * xb;
+            b20 += wb.z * xa; b21 += wb.z * xb;
+            b30 += wb.w * xa; b31 += wb.w * xb;
+        }
+        workgroupBarrier();
     }
-    put_tile(o0 + 4u * ty, rows, t4, acc0);
-    put_tile(o0 + 4u * ty + 1u, rows, t4, acc1);
-    put_tile(o0 + 4u * ty + 2u, rows, t4, acc2);
-    put_tile(o0 + 4u * ty + 3u, rows, t4, acc3);
+    let ra = 4u * ty;
+    let rb = 64u + 4u * ty;
+    let ta = t0 + 4u * tx;
+    let tb = t0 + 64u + 4u * tx;
+    put_quad(wg.z, r0 + ra, o0 + ra, rows, ta, a00, a10, a20, a30);
+    put_quad(wg.z, r0 + ra, o0 + ra, rows, tb, a01, a11, a21, a31);
+    put_quad(wg.z, r0 + rb, o0 + rb, rows, ta, b00, b10, b20, b30);
+    put_quad(wg.z, r0 + rb, o0 + rb, rows, tb, b01, b11, b21, b31);
 }
 
 // The dispatch's rows (the last projection's end; the ends of absent ones are 0).
