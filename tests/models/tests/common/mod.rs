@@ -72,13 +72,23 @@ pub fn forward_seq(
         .collect()
 }
 
-/// The largest |got − want| over every logit of every position.
+/// The largest |got − want| over every logit of every position (NaN where one is NaN).
 pub fn max_logit_error(got: &[Vec<f32>], want: &[Vec<f64>]) -> f64 {
     got.iter()
         .flatten()
         .zip(want.iter().flatten())
         .map(|(a, b)| (f64::from(*a) - b).abs())
-        .fold(0.0, f64::max)
+        .fold(0.0, nan_max)
+}
+
+/// The larger of `m` and `d`, NaN where either is: a fold of errors with it fails any `<`
+/// bound on a NaN output (`f64::max` would skip the NaN).
+pub fn nan_max(m: f64, d: f64) -> f64 {
+    if d > m || d.is_nan() {
+        d
+    } else {
+        m
+    }
 }
 
 /// Plain f64 Llama-family forward (Llama, Qwen2's biases, Qwen3's q/k norms) over the whole

@@ -252,7 +252,7 @@ fn worst(got: &[f32], want: &[f64]) -> f64 {
     got.iter()
         .zip(want)
         .map(|(a, b)| (*a as f64 - b).abs())
-        .fold(0.0, f64::max)
+        .fold(0.0, common::nan_max)
 }
 
 #[test]
