@@ -329,8 +329,8 @@ const KSTEP: u32 = 32u;
 var<workgroup> wtile: array<vec4<f32>, 512>; // [KSTEP][TILE / 4] of W: 4 neighbouring rows
 var<workgroup> xtile: array<vec4<f32>, 512>; // [KSTEP][TILE / 4] of x: 4 neighbouring tokens
 
-// Values 4q .. 4q + 4 of step k0 of row o (of `rows`) of projection `sel` (h: their slice,
-// for block formats); 0 past the rows.
+// Values k0 + 4q .. k0 + 4q + 4 of row o (of `rows`) of projection `sel` (h: the 32-value
+// slice holding them, for block formats); 0 past the rows.
 fn tile_quad(o: u32, rows: u32, k0: u32, q: u32, h: Slice) -> vec4<f32> {
     var v = vec4<f32>(0.0);
     if o < rows {
@@ -340,10 +340,38 @@ fn tile_quad(o: u32, rows: u32, k0: u32, q: u32, h: Slice) -> vec4<f32> {
                 if c < p.cols { v[i] = weight_at(o * p.cols + c); }
             }
         } else {
-            v = quad(h, q);
+            v = quad(h, (k0 % 32u) / 4u + q);
         }
     }
     return v;
+}
+
+// A step's loads from value k on: values 4q .. 4q + 8 of W row o (w0, w1) and xk .. xk + 8
+// of token t (x0, x1), held in registers until the tiles are free.
+struct Step {
+    w0: vec4<f32>,
+    w1: vec4<f32>,
+    x0: vec4<f32>,
+    x1: vec4<f32>,
+}
+
+fn load_step(o: u32, rows: u32, k: u32, q: u32, h: Slice, t: u32, xk: u32) -> Step {
+    return Step(tile_quad(o, rows, k, q, h), tile_quad(o, rows, k, q + 1u, h),
+                tile_x4(t, k + xk), tile_x4(t, k + xk + 4u));
+}
+
+// Row o's slice holding value k where k starts one (block formats), else h.
+fn next_slice(o: u32, rows: u32, k: u32, h: Slice) -> Slice {
+    if fmt >= 3u && o < rows && k % 32u == 0u { return slice(o * (p.cols / 32u) + k / 32u); }
+    return h;
+}
+
+// Workgroup z's split of the inner dimension: values [x, y), whole KSTEP steps of it (the
+// host makes none empty).
+fn split_range(z: u32) -> vec2<u32> {
+    let per = ((p.cols + KSTEP - 1u) / KSTEP + p.lanes - 1u) / p.lanes;
+    let k_begin = z * per * KSTEP;
+    return vec2<u32>(k_begin, min(k_begin + per * KSTEP, p.cols));
 }
 
 // Input values c .. c + 4 of token t, 0 past the tokens or the values.
@@ -372,31 +400,30 @@ fn tile_norm(lid: u32, t: u32, xt: u32, loaders: u32) {
     workgroupBarrier();
 }
 
-// Stores a step's loads in the tiles, `n` vec4s a k-row (a tile's outputs / 4): values 4q ..
-// 4q + 8 of W row lr (w0, w1), as component lr % 4 of eight k-rows' vec4s, and values xk ..
-// xk + 8 of token xt (x0, x1) likewise.
-fn store_step(n: u32, lr: u32, q: u32, w0: vec4<f32>, w1: vec4<f32>, xt: u32, xk: u32,
-              x0: vec4<f32>, x1: vec4<f32>) {
+// Stores step s in the tiles, `n` vec4s a k-row (a tile's outputs / 4): W row lr's values
+// 4q .. 4q + 8 as component lr % 4 of eight k-rows' vec4s, token xt's values xk .. xk + 8
+// likewise.
+fn store_step(n: u32, lr: u32, q: u32, xt: u32, xk: u32, s: Step) {
     let w = 4u * q * n + lr / 4u;
     let c = lr % 4u;
-    wtile[w][c] = w0.x;
-    wtile[w + n][c] = w0.y;
-    wtile[w + 2u * n][c] = w0.z;
-    wtile[w + 3u * n][c] = w0.w;
-    wtile[w + 4u * n][c] = w1.x;
-    wtile[w + 5u * n][c] = w1.y;
-    wtile[w + 6u * n][c] = w1.z;
-    wtile[w + 7u * n][c] = w1.w;
+    wtile[w][c] = s.w0.x;
+    wtile[w + n][c] = s.w0.y;
+    wtile[w + 2u * n][c] = s.w0.z;
+    wtile[w + 3u * n][c] = s.w0.w;
+    wtile[w + 4u * n][c] = s.w1.x;
+    wtile[w + 5u * n][c] = s.w1.y;
+    wtile[w + 6u * n][c] = s.w1.z;
+    wtile[w + 7u * n][c] = s.w1.w;
     let xi = xk * n + xt / 4u;
     let xc = xt % 4u;
-    xtile[xi][xc] = x0.x;
-    xtile[xi + n][xc] = x0.y;
-    xtile[xi + 2u * n][xc] = x0.z;
-    xtile[xi + 3u * n][xc] = x0.w;
-    xtile[xi + 4u * n][xc] = x1.x;
-    xtile[xi + 5u * n][xc] = x1.y;
-    xtile[xi + 6u * n][xc] = x1.z;
-    xtile[xi + 7u * n][xc] = x1.w;
+    xtile[xi][xc] = s.x0.x;
+    xtile[xi + n][xc] = s.x0.y;
+    xtile[xi + 2u * n][xc] = s.x0.z;
+    xtile[xi + 3u * n][xc] = s.x0.w;
+    xtile[xi + 4u * n][xc] = s.x1.x;
+    xtile[xi + 5u * n][xc] = s.x1.y;
+    xtile[xi + 6u * n][xc] = s.x1.z;
+    xtile[xi + 7u * n][xc] = s.x1.w;
 }
 
 // The outputs of local rows o .. o + 4 (dispatch rows r ..) for tokens t .. t + 4, one vec4
@@ -422,7 +449,6 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     select_row(r0);
     let rows = end(sel) - start(sel);
     let o0 = r0 - start(sel);
-    let cols = p.cols;
     let t0 = wg.y * TILE;
     let ty = lid / 16u; // rows 4·ty..
     let tx = lid % 16u; // tokens 4·tx..
@@ -440,28 +466,16 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     let xk = (lid % 4u) * 8u;
     let t = t0 + xt;
     if (p.mode & NORMED) != 0u { tile_norm(lid, t, xt, 4u); }
-    // This workgroup's split of the inner dimension: steps [k_begin, k_end) of KSTEP values
-    // (the host makes none empty).
-    let per = ((cols + KSTEP - 1u) / KSTEP + p.lanes - 1u) / p.lanes;
-    let k_begin = wg.z * per * KSTEP;
-    let k_end = min(k_begin + per * KSTEP, cols);
-    // Step k0's loads, held in registers until the tiles are free.
-    var h: Slice;
-    if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k_begin / 32u); }
-    var w0 = tile_quad(o, rows, k_begin, lq, h);
-    var w1 = tile_quad(o, rows, k_begin, lq + 1u, h);
-    var x0 = tile_x4(t, k_begin + xk);
-    var x1 = tile_x4(t, k_begin + xk + 4u);
-    for (var k0 = k_begin; k0 < k_end; k0 += KSTEP) {
-        store_step(TILE / 4u, lr, lq, w0, w1, xt, xk, x0, x1);
+    let range = split_range(wg.z);
+    var h = next_slice(o, rows, range.x, Slice());
+    var step = load_step(o, rows, range.x, lq, h, t, xk);
+    for (var k0 = range.x; k0 < range.y; k0 += KSTEP) {
+        store_step(TILE / 4u, lr, lq, xt, xk, step);
         workgroupBarrier();
         let k1 = k0 + KSTEP;
-        if k1 < k_end {
-            if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k1 / 32u); }
-            w0 = tile_quad(o, rows, k1, lq, h);
-            w1 = tile_quad(o, rows, k1, lq + 1u, h);
-            x0 = tile_x4(t, k1 + xk);
-            x1 = tile_x4(t, k1 + xk + 4u);
+        if k1 < range.y {
+            h = next_slice(o, rows, k1, h);
+            step = load_step(o, rows, k1, lq, h, t, xk);
         }
         for (var kk = 0u; kk < KSTEP; kk++) {
             let wv = wtile[kk * (TILE / 4u) + ty];
@@ -486,11 +500,6 @@ fn linear_main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
 const WIDE: u32 = 128u;
 const WSTEP: u32 = 16u;
 
-// Values 4q .. 4q + 4 of the WSTEP values from k0 of row o (h: the slice holding them).
-fn wide_quad(o: u32, rows: u32, k0: u32, q: u32, h: Slice) -> vec4<f32> {
-    return tile_quad(o, rows, k0 - k0 % 32u, (k0 % 32u) / 4u + q, h);
-}
-
 @compute @workgroup_size(256)
 fn linear_wide_main(@builtin(workgroup_id) wg: vec3<u32>,
                     @builtin(local_invocation_index) lid: u32) {
@@ -498,7 +507,6 @@ fn linear_wide_main(@builtin(workgroup_id) wg: vec3<u32>,
     select_row(r0);
     let rows = end(sel) - start(sel);
     let o0 = r0 - start(sel);
-    let cols = p.cols;
     let t0 = wg.y * WIDE;
     let ty = lid / 16u;
     let tx = lid % 16u;
@@ -520,27 +528,16 @@ fn linear_wide_main(@builtin(workgroup_id) wg: vec3<u32>,
     let xk = (lid % 2u) * 8u;
     let t = t0 + xt;
     if (p.mode & NORMED) != 0u { tile_norm(lid, t, xt, 2u); }
-    // This workgroup's split of the inner dimension, in linear_main's KSTEP units.
-    let per = ((cols + KSTEP - 1u) / KSTEP + p.lanes - 1u) / p.lanes;
-    let k_begin = wg.z * per * KSTEP;
-    let k_end = min(k_begin + per * KSTEP, cols);
-    // Step k0's loads, held in registers until the tiles are free.
-    var h: Slice;
-    if fmt >= 3u && o < rows { h = slice(o * (cols / 32u) + k_begin / 32u); }
-    var w0 = wide_quad(o, rows, k_begin, lq, h);
-    var w1 = wide_quad(o, rows, k_begin, lq + 1u, h);
-    var x0 = tile_x4(t, k_begin + xk);
-    var x1 = tile_x4(t, k_begin + xk + 4u);
-    for (var k0 = k_begin; k0 < k_end; k0 += WSTEP) {
-        store_step(WIDE / 4u, lr, lq, w0, w1, xt, xk, x0, x1);
+    let range = split_range(wg.z);
+    var h = next_slice(o, rows, range.x, Slice());
+    var step = load_step(o, rows, range.x, lq, h, t, xk);
+    for (var k0 = range.x; k0 < range.y; k0 += WSTEP) {
+        store_step(WIDE / 4u, lr, lq, xt, xk, step);
         workgroupBarrier();
         let k1 = k0 + WSTEP;
-        if k1 < k_end {
-            if fmt >= 3u && o < rows && k1 % 32u == 0u { h = slice(o * (cols / 32u) + k1 / 32u); }
-            w0 = wide_quad(o, rows, k1, lq, h);
-            w1 = wide_quad(o, rows, k1, lq + 1u, h);
-            x0 = tile_x4(t, k1 + xk);
-            x1 = tile_x4(t, k1 + xk + 4u);
+        if k1 < range.y {
+            h = next_slice(o, rows, k1, h);
+            step = load_step(o, rows, k1, lq, h, t, xk);
         }
         for (var kk = 0u; kk < WSTEP; kk++) {
             let wa = wtile[kk * (WIDE / 4u) + ty];
